@@ -1,0 +1,149 @@
+"""Where the ranks come from: a local world of spawned processes, or an existing torchrun world.
+
+The same worker function runs in both. A local world picks a free port, starts
+one process per rank, and watches them: the first rank that fails ends the
+world (the others are terminated, none is left behind) and its error is raised
+in the launcher with the ranks that failed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: How long the launcher waits for the other ranks to report after one failed.
+GRACE_S = 5.0
+
+
+class WorldError(RuntimeError):
+    """Some ranks of a world failed; ``failures`` maps each failed rank to its error text."""
+
+    def __init__(self, failures: dict[int, str], summary: str) -> None:
+        super().__init__(summary)
+        self.failures = failures
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a failed rank sends back: the one-line message, and the traceback for the log."""
+
+    message: str
+    traceback: str
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def in_torchrun() -> bool:
+    """Whether this process was started by torchrun (or anything that sets its environment)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_world(backend: str, timeout_s: float, rank: int | None = None, world_size: int | None = None) -> None:
+    """Join the process group described by the environment (or by ``rank``/``world_size``)."""
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+    if rank is not None:
+        kwargs.update(rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank or 0)))
+    dist.init_process_group(**kwargs)
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        init_world(backend, timeout_s, rank, world_size)
+        try:
+            value = fn(*args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+        results.put((rank, False, RankFailure(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+
+
+def run_local_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks and return each rank's result.
+
+    ``fn`` must be picklable (a module-level function) and runs inside an
+    initialized process group whose collectives time out after ``timeout_s``.
+
+    Raises:
+        WorldError: when a rank raises, dies, or the world outlives ``timeout_s``
+            (then every rank is terminated).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    backend = backend or default_backend()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    first_failure: float | None = None
+    try:
+        while len(outcome) < world_size:
+            now = time.monotonic()
+            if now > deadline or (first_failure is not None and now > first_failure + GRACE_S):
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+                outcome[rank] = (ok, value)
+                if not ok and first_failure is None:
+                    first_failure = time.monotonic()
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
+                for r in dead:
+                    outcome[r] = (False, RankFailure(f"process died with exit code {procs[r].exitcode}", ""))
+                if dead and first_failure is None:
+                    first_failure = time.monotonic()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = {r: v for r, (ok, v) in sorted(outcome.items()) if not ok}
+    missing = [r for r in range(world_size) if r not in outcome]
+    if failures:
+        first = next(iter(failures.values()))
+        raise WorldError(
+            {r: f.message for r, f in failures.items()},
+            f"rank(s) {sorted(failures)} failed: {first.message}" + (f" (ranks {missing} were stopped)" if missing else ""),
+        )
+    if missing:
+        raise WorldError({r: "timed out" for r in missing}, f"rank(s) {missing} did not finish within {timeout_s:.0f} s")
+    return [outcome[r][1] for r in range(world_size)]

@@ -1,0 +1,194 @@
+"""Built-in models, and user models by import path.
+
+A model is built by a *factory*: any callable returning an ``nn.Module``. The
+built-in ones are registered by short name; a user's own model is named as
+``package.module:function`` and receives ``model.kwargs``. A model may define
+``example_input(batch_size, generator)`` so that the generate step can train it
+for a few steps; otherwise ``model.input_shape`` describes a float input.
+
+Every built-in model is deterministic for a given seed and can be built on the
+``meta`` device, which is how layouts are computed without memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+ModelFactory = Callable[..., nn.Module]
+
+
+class Leaf(nn.Module):
+    """A linear layer plus a parameter of its own, so a unit holds both."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+        self.lin = nn.Linear(dim, hidden)
+        self.out = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.tanh(self.lin(x * self.scale)))
+
+
+class Block(nn.Module):
+    """Holds a parameter directly *and* children with parameters, so FSDP units nest."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(dim, dim) / dim)
+        self.leaf1 = Leaf(dim, hidden)
+        self.leaf2 = Leaf(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.leaf2(self.leaf1(x @ self.gate))
+
+
+class NestedModel(nn.Module):
+    """A module tree for nested wrapping.
+
+    ``wrap=[Block]`` gives units ``block1``, ``block2`` and the root;
+    ``wrap=[Leaf]`` is a second, different wrapping; both together nest three
+    levels deep. Several parameters share a shape (``dim x dim`` gates, the
+    ``scale`` vectors), which is what makes order-based rekeying dangerous.
+    """
+
+    def __init__(self, dim: int = 8, hidden: int = 12, blocks: int = 2) -> None:
+        super().__init__()
+        self.dim = dim
+        self.embed = nn.Linear(dim, dim)
+        for i in range(blocks):
+            self.add_module(f"block{i + 1}", Block(dim, hidden))
+        self.head = nn.Linear(dim, 3)
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for i in range(self.blocks):
+            x = getattr(self, f"block{i + 1}")(x)
+        return self.head(x)
+
+    def example_input(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(batch_size, self.dim, generator=generator)
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm transformer block (single-head attention keeps it small)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        attn = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        x = x + self.proj(attn @ v)
+        return x + self.fc2(torch.relu(self.fc1(self.norm2(x))))
+
+
+class TransformerModel(nn.Module):
+    """A small language model whose output head is tied to the embedding."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, hidden: int = 24, layers: int = 2, seq: int = 6) -> None:
+        super().__init__()
+        self.vocab, self.seq = vocab, seq
+        self.tok_embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TransformerBlock(dim, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.tok_embed.weight  # tied: one parameter, two FQNs
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+    def example_input(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (batch_size, self.seq), generator=generator)
+
+
+class MLP(nn.Module):
+    """A plain multilayer perceptron; width and depth set its size, for benchmarks."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.width = width
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+    def example_input(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(batch_size, self.width, generator=generator)
+
+
+BUILTIN_MODELS: dict[str, ModelFactory] = {
+    "nested": NestedModel,
+    "transformer": TransformerModel,
+    "mlp": MLP,
+}
+
+
+def resolve_factory(factory: str) -> ModelFactory:
+    """Return the model factory named by a built-in name or ``package.module:function``.
+
+    Raises:
+        ValueError: if the name is neither a built-in model nor an importable
+            ``module:attribute`` path.
+    """
+    if factory in BUILTIN_MODELS:
+        return BUILTIN_MODELS[factory]
+    if ":" not in factory:
+        raise ValueError(
+            f"model.factory={factory!r} is not a built-in model ({', '.join(BUILTIN_MODELS)}); "
+            "name your own as package.module:function"
+        )
+    module_name, _, attr = factory.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"model.factory={factory!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"model.factory={factory!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def build_model(factory: str, kwargs: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """Build the model deterministically: the same seed gives the same weights.
+
+    On ``device="meta"`` no memory is allocated; only the module tree, shapes and
+    dtypes exist, which is all layout math needs.
+    """
+    make = resolve_factory(factory)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = make(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model.factory={factory!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def example_input(model: nn.Module, batch_size: int, generator: torch.Generator, input_shape: list[int] | None) -> torch.Tensor:
+    """One training batch for ``model``: its own ``example_input`` or a float tensor of ``input_shape``."""
+    make_input = getattr(model, "example_input", None)
+    if callable(make_input):
+        return make_input(batch_size, generator)
+    if not input_shape:
+        raise ValueError(
+            f"{type(model).__name__} has no example_input(batch_size, generator); "
+            "set model.input_shape (the shape of one sample) so that it can be trained"
+        )
+    return torch.randn(batch_size, *input_shape, generator=generator)

@@ -1,0 +1,104 @@
+"""The module tree: what layout math needs to know about a model, and nothing more.
+
+It is read from a model built on the ``meta`` device, so describing a model of
+any size costs no memory and needs no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the unwrapped model.
+
+    Attributes:
+        fqn: the canonical name: the first one ``named_parameters()`` yields.
+        shape: the parameter's shape.
+        dtype: its dtype's name (``"float32"``).
+        owner: FQN of the module that registers the parameter under ``fqn``.
+        aliases: the other names of a tied parameter (``lm_head.weight`` for a
+            weight shared with ``tok_embed.weight``).
+        alias_owners: owner module of each alias, in the same order.
+        requires_grad: whether the parameter trains.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    owner: str
+    aliases: tuple[str, ...] = ()
+    alias_owners: tuple[str, ...] = ()
+    requires_grad: bool = True
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class ModuleTree:
+    """Modules (pre-order, as ``named_modules()``) and parameters (as ``named_parameters()``)."""
+
+    modules: tuple[tuple[str, str], ...]
+    params: tuple[ParamInfo, ...]
+    _by_fqn: dict[str, ParamInfo] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for p in self.params:
+            for name in (p.fqn, *p.aliases):
+                self._by_fqn[name] = p
+
+    def param(self, fqn: str) -> ParamInfo:
+        """The parameter named ``fqn`` (canonical name or alias)."""
+        try:
+            return self._by_fqn[fqn]
+        except KeyError:
+            raise KeyError(f"the model has no parameter {fqn!r}") from None
+
+    def has_param(self, fqn: str) -> bool:
+        return fqn in self._by_fqn
+
+    def canonical(self, fqn: str) -> str:
+        return self.param(fqn).fqn
+
+
+def parent(fqn: str) -> str:
+    """The FQN of the module that holds ``fqn`` (``""`` is the root)."""
+    return fqn.rpartition(".")[0]
+
+
+def describe(model: nn.Module) -> ModuleTree:
+    """Read the module tree of ``model`` (best built on the ``meta`` device)."""
+    modules = tuple((name, type(mod).__name__) for name, mod in model.named_modules())
+    first: dict[int, list[str]] = {}
+    order: list[nn.Parameter] = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names = first.setdefault(id(param), [])
+        if not names:
+            order.append(param)
+        names.append(name)
+    params = []
+    for param in order:
+        fqn, *aliases = first[id(param)]
+        params.append(
+            ParamInfo(
+                fqn=fqn,
+                shape=tuple(param.shape),
+                dtype=str(param.dtype).removeprefix("torch."),
+                owner=parent(fqn),
+                aliases=tuple(aliases),
+                alias_owners=tuple(parent(a) for a in aliases),
+                requires_grad=param.requires_grad,
+            )
+        )
+    return ModuleTree(modules=modules, params=tuple(params))
