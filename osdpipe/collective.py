@@ -1,0 +1,71 @@
+"""Collective helpers that keep every rank in step, and agree on failure.
+
+A stage runs on every rank. If it fails on some, every rank must raise the same
+error naming the stage and the failed ranks, instead of some ranks waiting
+forever in a collective the failed ones never reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class StageError(RuntimeError):
+    """A stage failed on one or more ranks."""
+
+    def __init__(self, stage: str, failures: dict[int, str]) -> None:
+        ranks = sorted(failures)
+        first = failures[ranks[0]]
+        super().__init__(f"stage {stage!r} failed on rank(s) {ranks}: {first}")
+        self.stage, self.failures = stage, failures
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def agree(stage: str, error: str | None) -> None:
+    """Share each rank's error (or ``None``) and raise :class:`StageError` on every rank if any failed."""
+    errors = [error]
+    if _initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failures = {r: e for r, e in enumerate(errors) if e is not None}
+    if failures:
+        raise StageError(stage, failures)
+
+
+def from_rank0(stage: str, compute: Callable[[], T]) -> T:
+    """Compute on rank 0 and broadcast the result; an error on rank 0 is raised on every rank."""
+    if not _initialized():
+        return compute()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, compute())
+        except Exception as exc:  # noqa: BLE001 - it is re-raised on every rank below
+            box[0] = (False, f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise StageError(stage, {0: value})
+    return value
+
+
+def gather_to_all(value: T) -> list[T]:
+    """Every rank's ``value``, on every rank."""
+    if not _initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def barrier() -> None:
+    if _initialized():
+        dist.barrier()

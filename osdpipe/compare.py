@@ -1,0 +1,54 @@
+"""Bitwise comparison of optimizer state dicts, reporting where they differ."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (so ``-0.0 != 0.0`` and equal NaNs are equal)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8), b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+
+
+def describe_tensor(t: torch.Tensor) -> str:
+    return f"tensor{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def diff(a: Any, b: Any, path: str = "", limit: int = 5) -> list[str]:
+    """Where ``a`` and ``b`` differ, as ``path: what`` lines (at most ``limit``); empty when bitwise equal."""
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, where: str) -> None:
+        if len(out) >= limit:
+            return
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            if not (torch.is_tensor(x) and torch.is_tensor(y)):
+                out.append(f"{where}: {type(x).__name__} vs {type(y).__name__}")
+            elif x.dtype != y.dtype or x.shape != y.shape:
+                out.append(f"{where}: {describe_tensor(x)} vs {describe_tensor(y)}")
+            elif not bits_equal(x, y):
+                flat_x, flat_y = x.reshape(-1), y.reshape(-1)
+                bad = (flat_x.view(torch.uint8).reshape(flat_x.numel(), -1) != flat_y.view(torch.uint8).reshape(flat_y.numel(), -1)).any(dim=1)
+                i = int(bad.nonzero()[0]) if bad.any() else 0
+                out.append(f"{where}: {int(bad.sum())} element(s) differ, first at flat index {i}: {flat_x[i].item()} vs {flat_y[i].item()}")
+        elif isinstance(x, dict) and isinstance(y, dict):
+            if list(map(str, x)) != list(map(str, y)) and set(map(str, x)) != set(map(str, y)):
+                out.append(f"{where}: keys {sorted(map(str, x))} vs {sorted(map(str, y))}")
+                return
+            for k in x:
+                walk(x[k], y[k], f"{where}[{k!r}]")
+        elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            if len(x) != len(y) or type(x) is not type(y):
+                out.append(f"{where}: {x!r} vs {y!r}")
+                return
+            for i, (xi, yi) in enumerate(zip(x, y)):
+                walk(xi, yi, f"{where}[{i}]")
+        elif type(x) is not type(y) or x != y:
+            out.append(f"{where}: {x!r} vs {y!r}")
+
+    walk(a, b, path or "state_dict")
+    return out

@@ -1,0 +1,226 @@
+"""The validated run spec: the pydantic schema of a composed Hydra config.
+
+Hydra composes YAML in the launcher process only; what reaches the ranks is a
+frozen, picklable :class:`RunSpec`. Everything that can be checked without a
+process group is checked here, before any process starts, and every error
+names the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from osdpipe.layout import LayoutSpec
+
+STAGE_ORDER = ("load", "broadcast", "flatten", "shard", "rekey", "verify", "save")
+REQUIRED_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
+VERIFY_CHECKS = ("roundtrip", "reference", "load_step")
+OPTIMIZERS = ("Adam", "AdamW", "SGD")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Frozen):
+    """Which model: a built-in name or ``package.module:function``, its kwargs and seed."""
+
+    factory: str = "nested"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+    input_shape: list[int] | None = None
+
+
+class LayoutConfig(_Frozen):
+    """One side of the conversion: how the model is wrapped and how its state is saved."""
+
+    kind: Literal["fsdp1"] = "fsdp1"
+    world_size: int = Field(default=2, ge=1)
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "FULL_SHARD"
+    use_orig_params: bool = False
+    wrap: list[str] = Field(default_factory=list)
+    wrap_root: bool = True
+    state_dict_type: Literal["full", "sharded"] = "full"
+
+    @model_validator(mode="after")
+    def _root_or_units(self) -> LayoutConfig:
+        if not self.wrap_root and not self.wrap:
+            raise ValueError("wrap_root=false with an empty wrap list wraps nothing; list the modules to wrap in wrap")
+        return self
+
+    def spec(self) -> LayoutSpec:
+        return LayoutSpec(
+            kind=self.kind,
+            world_size=self.world_size,
+            sharding_strategy=self.sharding_strategy,
+            use_orig_params=self.use_orig_params,
+            wrap=tuple(self.wrap),
+            wrap_root=self.wrap_root,
+        )
+
+
+class ParamGroupConfig(BaseModel):
+    """A param group: FQN patterns (``fnmatch``) plus this group's own hyperparameters."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+    params: list[str] = Field(min_length=1)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class OptimConfig(_Frozen):
+    """The optimizer every rank builds over the wrapped model's parameters."""
+
+    name: Literal["Adam", "AdamW", "SGD"] = "Adam"
+    lr: float = Field(default=1e-2, gt=0)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    param_groups: list[ParamGroupConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _known_hyperparameters(self) -> OptimConfig:
+        import inspect
+
+        import torch
+
+        accepted = set(inspect.signature(getattr(torch.optim, self.name)).parameters) - {"params"}
+        for where, keys in [("optim.kwargs", self.kwargs), *((f"optim.param_groups[{i}]", g.options) for i, g in enumerate(self.param_groups))]:
+            unknown = set(keys) - accepted
+            if unknown:
+                raise ValueError(f"{where} has {sorted(unknown)}, which torch.optim.{self.name} does not take; it takes {sorted(accepted)}")
+        if self.name == "SGD" and "momentum" not in self.kwargs and not self.param_groups:
+            pass  # plain SGD keeps no tensor state; allowed, the conversion is then metadata only
+        return self
+
+
+class InputConfig(_Frozen):
+    """The source checkpoint. No ``path``: the source world trains the model and saves one."""
+
+    path: str | None = None
+    format: Literal["fsdp_full", "dcp"] = "fsdp_full"
+    key: str = "optim"
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).exists():
+            raise ValueError(f"{path!r} does not exist; point input.path at a checkpoint file or DCP directory")
+        return path
+
+
+class OutputConfig(_Frozen):
+    """Where and how the converted state is written."""
+
+    path: str
+    format: Literal["rank_local", "fsdp_full", "dcp"] = "rank_local"
+    key: str = "optim"
+    overwrite: bool = False
+
+
+class GenerateConfig(_Frozen):
+    """How the source world trains when no input is given."""
+
+    steps: int = Field(default=3, ge=0)
+    batch_size: int = Field(default=4, ge=1)
+    seed: int = 0
+
+
+class PipelineConfig(_Frozen):
+    """Which stages run, in which order, and which verify checks."""
+
+    stages: list[str] = Field(default_factory=lambda: list(STAGE_ORDER))
+    checks: list[Literal["roundtrip", "reference", "load_step"]] = Field(default_factory=lambda: list(VERIFY_CHECKS))
+
+    @field_validator("stages")
+    @classmethod
+    def _known_stages(cls, stages: list[str]) -> list[str]:
+        from osdpipe.stages import STAGES
+
+        unknown = [s for s in stages if s not in STAGES]
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; known stages are {list(STAGES)}")
+        required = [s for s in REQUIRED_STAGES if s not in stages]
+        if required:
+            raise ValueError(f"stages {required} cannot be skipped: they produce the converted state (only verify and save can)")
+        order = [s for s in stages if s in STAGE_ORDER]
+        if order != sorted(order, key=STAGE_ORDER.index):
+            raise ValueError(f"stages {stages} are out of order; built-in stages run as {list(STAGE_ORDER)}")
+        return stages
+
+
+class RuntimeConfig(_Frozen):
+    """How ranks are started and watched."""
+
+    launcher: Literal["auto", "local", "torchrun"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = Field(default=300.0, gt=0)
+    progress: bool = True
+
+
+class RunSpec(_Frozen):
+    """A complete, validated conversion."""
+
+    model: ModelConfig = ModelConfig()
+    source: LayoutConfig = LayoutConfig()
+    target: LayoutConfig = LayoutConfig()
+    optim: OptimConfig = OptimConfig()
+    input: InputConfig = InputConfig()
+    output: OutputConfig
+    generate: GenerateConfig = GenerateConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunSpec:
+        if self.input.path is not None and self.input.format == "dcp" and not Path(self.input.path).is_dir():
+            raise ValueError(f"input.path={self.input.path!r}: a dcp input is a directory; use input.format=fsdp_full for a file")
+        if self.input.path is not None and self.input.format == "fsdp_full" and Path(self.input.path).is_dir():
+            raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format=dcp for a DCP checkpoint")
+        out = Path(self.output.path)
+        if out.exists() and any(out.glob("rank_*.pt")) | (out / "optim.pt").exists() | (out / "dcp").exists() and not self.output.overwrite:
+            raise ValueError(f"output.path={self.output.path!r} already holds a conversion; choose another path or set output.overwrite=true")
+        return self
+
+    @property
+    def source_input_format(self) -> str:
+        """The format the source is read in: given, or what the source world saves."""
+        if self.input.path is not None:
+            return self.input.format
+        return "fsdp_full" if self.source.state_dict_type == "full" else "dcp"
+
+
+def validate(raw: dict[str, Any]) -> RunSpec:
+    """Validate a composed config (a plain dict) into a :class:`RunSpec`.
+
+    Raises:
+        ConfigError: with one line per problem, naming the key, the value and the fix.
+    """
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(exc) from None
+
+
+class ConfigError(ValueError):
+    """An invalid config, said in lines a user can act on."""
+
+    def __init__(self, exc: ValidationError) -> None:
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "config"
+            msg = err["msg"].removeprefix("Value error, ")
+            value = err.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            if err["type"] == "extra_forbidden":
+                msg = "is not a known key; check its spelling against the config reference in README.md"
+            lines.append(f"{key}{shown}: {msg}")
+        super().__init__("\n".join(lines))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))

@@ -1,0 +1,63 @@
+"""What one rank knows while the stages run: the spec, the world, and each stage's product."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from osdpipe.config import RunSpec
+from osdpipe.formats import SourceMeta, SourceReader
+from osdpipe.layout import LocalTensor, dim0_layout, full_layout, rank_layout
+from osdpipe.tree import ModuleTree
+
+
+@dataclass
+class CheckResult:
+    """One verify check: its name, whether it passed, and what it saw."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Context:
+    """Per-rank state of a pipeline run. Each stage reads what earlier stages left here."""
+
+    spec: RunSpec
+    rank: int
+    world_size: int
+    tree: ModuleTree
+    input_path: str
+    input_format: str
+    reader: SourceReader | None = None  # load
+    meta: SourceMeta | None = None  # broadcast
+    flat_state: dict[str, dict[str, Any]] = field(default_factory=dict)  # flatten: key -> name -> TensorRef | value
+    local_state: dict[str, dict[str, Any]] = field(default_factory=dict)  # shard: key -> name -> tensor | value
+    result: dict[str, Any] | None = None  # rekey: the state dict this rank's output holds
+    result_keys: dict[str, Any] = field(default_factory=dict)  # rekey: layout key -> key in result["state"]
+    checks: list[CheckResult] = field(default_factory=list)  # verify
+    files: dict[str, str] = field(default_factory=dict)  # save: relative name -> sha256
+    tensor_digests: dict[str, str] = field(default_factory=dict)  # save: per-tensor sha256
+    bytes_moved: int = 0  # reset per stage
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def target_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:
+        """The local tensors target rank ``rank`` (default: this one) gets in the output format.
+
+        ``rank_local`` is the target optimizer's own layout; ``fsdp_full`` is
+        every parameter whole, held by rank 0; ``dcp`` cuts every parameter
+        along dim 0 across the world, as DCP writers do.
+        """
+        rank = self.rank if rank is None else rank
+        fmt = self.spec.output.format
+        if fmt == "rank_local":
+            return rank_layout(self.tree, self.spec.target.spec(), rank)
+        if fmt == "fsdp_full":
+            return full_layout(self.tree) if rank == 0 else ()
+        return dim0_layout(self.tree, self.world_size, rank)

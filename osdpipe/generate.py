@@ -1,0 +1,61 @@
+"""Generate a source checkpoint: train the model under the source layout and save its optimizer state.
+
+This is what plain ``osdpipe`` converts: with no ``input.path``, the source
+world (``source.world_size`` ranks) trains a few steps with real FSDP and saves
+the optimizer state in the source state-dict type: FULL as an ``fsdp_full``
+file, SHARDED as a DCP directory.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from osdpipe.config import RunSpec
+from osdpipe.reference import live_target, train_step
+from osdpipe.models import build_model
+from osdpipe.tree import describe
+
+
+def source_path(spec: RunSpec) -> str:
+    """Where the generated source checkpoint goes: ``<output.path>/source/``."""
+    name = "optim.pt" if spec.source.state_dict_type == "full" else "dcp"
+    return str(Path(spec.output.path) / "source" / name)
+
+
+def generate_rank(spec: RunSpec) -> str:
+    """Train and save on this rank of the source world; returns the checkpoint path."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    rank = dist.get_rank()
+    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
+    model, optim = live_target(spec, spec.source.spec(), tree, rank)
+    for step in range(spec.generate.steps):
+        train_step(spec, model, optim, step)
+    path = Path(source_path(spec))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if spec.source.state_dict_type == "full":
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=True)):
+                osd = FSDP.optim_state_dict(model, optim)
+            if rank == 0:
+                tmp = path.with_suffix(".tmp")
+                torch.save(osd, tmp)
+                os.replace(tmp, path)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+                osd = FSDP.optim_state_dict(model, optim)
+            dcp.save({spec.input.key: osd}, checkpoint_id=str(path))
+    dist.barrier()
+    return str(path)
+
+
+__all__ = ["generate_rank", "source_path", "build_model"]

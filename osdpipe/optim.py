@@ -1,0 +1,64 @@
+"""Optimizers as the config describes them, and which parameter gets which ID.
+
+An optimizer keys its state by the position of each parameter in its param
+groups, concatenated: *not* by ``named_parameters()`` order. Both building a
+real optimizer and rekeying a converted state go through
+:func:`group_members`, so the IDs osdpipe writes are the IDs the target
+optimizer assigns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from osdpipe.config import OptimConfig
+from osdpipe.layout import LocalTensor, select_params
+
+
+def group_members(cfg: OptimConfig, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
+    """For each param group, the indices into ``layout`` (``model.parameters()`` order) of its parameters.
+
+    Without configured groups there is one group over all parameters, in
+    order. With groups, each takes the parameters its patterns match (a flat
+    parameter matches when one of its original parameters does); parameters
+    no group matches are left out of the optimizer.
+
+    Raises:
+        ValueError: if a parameter falls into two groups or a group matches nothing.
+    """
+    if not cfg.param_groups:
+        return [list(range(len(layout)))]
+    index = {t.key: i for i, t in enumerate(layout)}
+    groups, seen = [], {}
+    for g, group in enumerate(cfg.param_groups):
+        members = [index[t.key] for t in select_params(list(layout), group.params)]
+        if not members:
+            raise ValueError(f"optim.param_groups[{g}].params={group.params} matches no parameter of the wrapped model")
+        for i in members:
+            if i in seen:
+                raise ValueError(
+                    f"{layout[i].key} (holding {', '.join(layout[i].fqns[:3])}{'...' if len(layout[i].fqns) > 3 else ''}) "
+                    f"is in optim.param_groups[{seen[i]}] and [{g}]; a parameter can be in one group only"
+                    + ("; with use_orig_params=false a flat parameter moves as a whole" if len(layout[i].fqns) > 1 else "")
+                )
+            seen[i] = g
+        groups.append(members)
+    return groups
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module, layout: tuple[LocalTensor, ...]) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` describes over the wrapped ``model`` whose parameters ``layout`` describes."""
+    params = list(model.parameters())
+    if len(params) != len(layout) or any(tuple(p.shape) != t.shape for p, t in zip(params, layout)):
+        raise RuntimeError(
+            "the wrapped model's parameters do not match osdpipe's layout: "
+            f"{[tuple(p.shape) for p in params][:6]} vs {[t.shape for t in layout][:6]}; please report this"
+        )
+    param_groups: list[dict[str, Any]] = []
+    for members, group in zip(group_members(cfg, layout), cfg.param_groups or [None]):
+        options = group.options if group is not None else {}
+        param_groups.append({"params": [params[i] for i in members], **options})
+    return getattr(torch.optim, cfg.name)(param_groups, lr=cfg.lr, **cfg.kwargs)

@@ -1,0 +1,56 @@
+"""PyTorch's own answer, for verify and the tests: real FSDP models and optimizers of the target.
+
+Nothing here is used to *produce* a conversion; it is what conversions are
+checked against.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from osdpipe.config import RunSpec
+from osdpipe.layout import LayoutSpec, rank_layout
+from osdpipe.models import build_model, example_input
+from osdpipe.optim import build_optimizer
+from osdpipe.tree import ModuleTree
+from osdpipe.wrapping import wrap
+
+
+def live_target(spec: RunSpec, layout_spec: LayoutSpec, tree: ModuleTree, rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A real, wrapped model and its optimizer, as the job resuming on ``layout_spec`` builds them."""
+    model = wrap(build_model(spec.model.factory, spec.model.kwargs, seed=spec.model.seed), layout_spec)
+    return model, build_optimizer(spec.optim, model, rank_layout(tree, layout_spec, rank))
+
+
+def train_step(spec: RunSpec, model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    """One forward, backward and optimizer step on a deterministic batch (the same on every rank)."""
+    generator = torch.Generator().manual_seed(spec.generate.seed * 1000 + step)
+    batch = example_input(model, spec.generate.batch_size, generator, spec.model.input_shape)
+    optim.zero_grad(set_to_none=True)
+    out = model(batch.to(next(model.parameters()).device))
+    out.float().pow(2).mean().backward()
+    optim.step()
+
+
+def fsdp_to_load(model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
+    """PyTorch's conversion of a full FQN-keyed state into this rank's loadable state."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FSDP.optim_state_dict_to_load(model, optim, full_osd)
+
+
+def fsdp_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """PyTorch's full, FQN-keyed optimizer state of a live FSDP1 model, on every rank."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=False)):
+            return FSDP.optim_state_dict(model, optim)

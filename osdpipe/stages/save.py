@@ -1,0 +1,131 @@
+"""save: write the target format atomically, with a manifest.
+
+Every rank writes into ``<output.path>/.staging``; only when every rank has
+written and read its files back does rank 0 move them into place and write
+``manifest.json``. A failure on any rank leaves the output directory as it
+was: nothing half-written. A run whose verify failed writes no data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from osdpipe import __version__
+from osdpipe.collective import agree, barrier, gather_to_all
+from osdpipe.compare import diff
+from osdpipe.context import Context
+from osdpipe.stages import stage
+
+STAGING = ".staging"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tensor_digests(osd: dict[str, Any]) -> dict[str, str]:
+    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``: for partial checks."""
+    out = {}
+    for key, state in osd.get("state", {}).items():
+        for name, value in (state.items() if isinstance(state, dict) else []):
+            if torch.is_tensor(value):
+                out[f"{key}.{name}"] = hashlib.sha256(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
+
+
+def _write_torch(osd: dict[str, Any], path: Path) -> None:
+    torch.save(osd, path)
+    problems = diff(torch.load(path, map_location="cpu", weights_only=True), osd)
+    if problems:
+        raise OSError(f"{path} does not read back as written: {problems[0]}")
+
+
+def _write_dcp(ctx: Context, staging: Path) -> None:
+    """Write the dim-0 pieces of every rank as one DCP checkpoint (DTensors sharded on dim 0)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    assert ctx.result is not None
+    state: dict[str, Any] = {}
+    if ctx.distributed:
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (ctx.world_size,))
+        for fqn, entries in ctx.result["state"].items():
+            shape = ctx.tree.param(fqn).shape if ctx.tree.has_param(fqn) else None
+            state[fqn] = {
+                n: DTensor.from_local(v.to(mesh.device_type), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+                if torch.is_tensor(v) and v.dim() > 0 and shape is not None
+                else v
+                for n, v in entries.items()
+            } if isinstance(entries, dict) else entries
+    else:
+        state = ctx.result["state"]
+    dcp.save({ctx.spec.output.key: {**ctx.result, "state": state}}, checkpoint_id=str(staging / "dcp"))
+
+
+@stage("save")
+def save(ctx: Context) -> None:
+    failed = [c.name for c in ctx.checks if not c.ok]
+    if failed:
+        raise RuntimeError(f"verify failed ({', '.join(failed)}); nothing was written. See report.json for where the result differs")
+    assert ctx.result is not None
+    out = Path(ctx.spec.output.path)
+    staging = out / STAGING
+    if ctx.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    barrier()
+    fmt = ctx.spec.output.format
+    written: dict[str, str] = {}
+    error = None
+    try:
+        if fmt == "dcp":
+            _write_dcp(ctx, staging)
+        elif fmt == "rank_local" or ctx.rank == 0:
+            name = f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt"
+            _write_torch(ctx.result, staging / name)
+            ctx.tensor_digests = {f"{name}:{k}": v for k, v in tensor_digests(ctx.result).items()}
+            written[name] = sha256_file(staging / name)
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error = f"{type(exc).__name__}: {exc}"
+    try:
+        agree("save", error)
+    except Exception:
+        if ctx.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    per_rank = gather_to_all((written, ctx.tensor_digests))
+    if ctx.rank == 0:
+        files = {k: v for w, _ in per_rank for k, v in w.items()}
+        if fmt == "dcp":
+            files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted((staging / "dcp").rglob("*")) if p.is_file()}
+        for entry in sorted(os.listdir(staging)):
+            target = out / entry
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(staging / entry, target)
+        staging.rmdir()
+        manifest = {
+            "osdpipe_version": __version__,
+            "torch_version": torch.__version__,
+            "config": ctx.spec.model_dump(mode="json"),
+            "format": fmt,
+            "files": files,
+            "tensors": {k: v for _, d in per_rank for k, v in sorted(d.items())},
+        }
+        tmp = out / "manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        os.replace(tmp, out / "manifest.json")
+        ctx.files = files
+    barrier()
