@@ -30,15 +30,18 @@ WORLD_SIZES = (1, 2, 3, 4)
 #: Per world: 2-4 s to spawn, plus the wrapping of every combination on every rank.
 WORLD_TIMEOUT_S = 120.0
 
-MODEL_KWARGS: dict[str, dict[str, Any]] = {
-    "nested": {},
-    "transformer": {},  # tok_embed.weight is tied to lm_head.weight
-    "mlp": {"width": 5, "depth": 3},  # odd numels: 25 + 5 per layer
+#: label -> (built-in factory, kwargs)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "nested": ("nested", {}),
+    "transformer": ("transformer", {}),  # tok_embed.weight is tied to lm_head.weight
+    "mlp": ("mlp", {"width": 5, "depth": 3}),  # odd numels: 25 + 5 per layer
+    "mlp1": ("mlp", {"width": 1, "depth": 2}),  # 2-element units: trailing ranks hold only padding
 }
 WRAPS: dict[str, tuple[tuple[str, ...], ...]] = {
     "nested": ((), ("Block",), ("Leaf",), ("Block", "Leaf"), ("block1", "block2.leaf1"), ("embed", "block2.leaf2.out")),
     "transformer": ((), ("TransformerBlock",), ("layers.1",)),
     "mlp": ((), ("Linear",), ("layers.0", "layers.2")),
+    "mlp1": ((), ("Linear",)),
 }
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
@@ -91,8 +94,8 @@ def _fsdp_metadata(combos: list[tuple], world_size: int) -> list[dict[str, Any]]
     torch.set_num_threads(1)
     out = []
     for combo in combos:
-        model_name = combo[0]
-        model = build_model(model_name, MODEL_KWARGS[model_name], seed=0)
+        factory, kwargs = MODELS[combo[0]]
+        model = build_model(factory, kwargs, seed=0)
         wrapped = wrap(model, _spec(combo, world_size))
         fsdp_modules = {id(m) for m in FSDP.fsdp_modules(wrapped)}
         units = []
@@ -124,14 +127,33 @@ def _fsdp_metadata(combos: list[tuple], world_size: int) -> list[dict[str, Any]]
 
 
 @functools.cache
+def _spawn_world(world_size: int) -> tuple[list[list[dict[str, Any]]] | None, str | None]:
+    try:
+        return run_local_world(_fsdp_metadata, world_size, (COMBOS, world_size), backend="gloo", timeout_s=WORLD_TIMEOUT_S), None
+    except Exception as exc:  # noqa: BLE001 - remembered, so that a broken world is not respawned for every combination
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def _world(world_size: int) -> list[list[dict[str, Any]]]:
-    """Every rank's metadata for every combination (one spawned world per world size)."""
-    return run_local_world(_fsdp_metadata, world_size, (COMBOS, world_size), backend="gloo", timeout_s=WORLD_TIMEOUT_S)
+    """Every rank's metadata for every combination (one spawned world per world size, failures included)."""
+    results, error = _spawn_world(world_size)
+    if error is not None:
+        pytest.fail(f"the FSDP1 world of {world_size} rank(s) failed: {error}", pytrace=False)
+    return results
 
 
 @functools.cache
-def _tree(model_name: str):
-    return describe(build_model(model_name, MODEL_KWARGS[model_name], seed=0, device="meta"))
+def _tree(label: str):
+    factory, kwargs = MODELS[label]
+    return describe(build_model(factory, kwargs, seed=0, device="meta"))
+
+
+def _diff(got: Any, want: Any) -> str:
+    """``got`` vs ``want`` (sequences), from the first difference on."""
+    got, want = list(got), list(want)
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    lead = f"from index {i} of {len(got)} vs {len(want)}: " if i else ""
+    return f"{lead}FSDP {got[i:i + 4]}{' ...' if len(got) > i + 4 else ''}, layout {want[i:i + 4]}{' ...' if len(want) > i + 4 else ''}"
 
 
 # ---------------------------------------------------------------------------
@@ -146,13 +168,13 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
     errors = []
     full = tuple(f"{unit}.{f}" if unit else f for f in got["fqns"])
     if full != flat.fqns:
-        errors.append(f"{where}: FSDP flattens {full}, layout says {flat.fqns}")
+        errors.append(f"{where}: flattened parameters differ, {_diff(full, flat.fqns)}")
     names = iter(full)
     entries = tuple(
         (None if pad else next(names, "?"), n) for n, pad in zip(got["numels_with_padding"], got["is_padding_mask"], strict=True)
     )
     if entries != flat.entries:
-        errors.append(f"{where}: FSDP flat entries {entries}, layout says {flat.entries}")
+        errors.append(f"{where}: flat entries (fqn or None for padding, numel) differ, {_diff(entries, flat.entries)}")
     if got["sharded"] != spec.shards:
         errors.append(f"{where}: FSDP shards={got['sharded']}, layout says shards={spec.shards}")
 
@@ -199,7 +221,7 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
         Segment(fqn, lo, numel, off) for (in_shard, off, numel, lo, _hi), fqn in zip(infos, full) if in_shard
     )
     if t.segments != want_segs:
-        errors.append(f"{where}: FSDP shard infos give segments {want_segs}, layout says {t.segments}")
+        errors.append(f"{where}: segments of {key} differ, {_diff(want_segs, t.segments)}")
     return errors
 
 
@@ -220,7 +242,7 @@ def _check(combo: tuple, world_size: int, rank: int, got: dict[str, Any]) -> lis
 
     want_params = [(t.key, t.shape) for t in tensors]
     if got["params"] != want_params:
-        errors.append(f"wrapped.named_parameters() is {got['params']}, layout's local tensors are {want_params}")
+        errors.append(f"(name, local shape) of wrapped.named_parameters() vs layout's local tensors differ, {_diff(got['params'], want_params)}")
     if len(local) != len(tensors):
         errors.append(f"layout repeats a key: {[t.key for t in tensors]}")
     for t in tensors:
@@ -238,7 +260,8 @@ def test_layout_matches_fsdp1(world_size: int, combo: tuple) -> None:
     errors = []
     for rank, per_rank in enumerate(results):
         errors += [f"rank {rank}/{world_size}: {e}" for e in _check(combo, world_size, rank, per_rank[i])]
-    assert not errors, f"{_combo_id(combo)} (world size {world_size}):\n  " + "\n  ".join(errors)
+    if errors:
+        pytest.fail(f"{_combo_id(combo)} (world size {world_size}):\n  " + "\n  ".join(errors), pytrace=False)
 
 
 def test_every_parameter_element_is_held_exactly_once() -> None:

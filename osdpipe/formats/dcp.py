@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from osdpipe.formats import SourceMeta, TensorRef
 
@@ -34,7 +35,14 @@ class DcpReader:
     def _load(self, flat_keys: set[str]) -> dict[str, Any]:
         if not flat_keys:
             return {}
-        return _load_state_dict_from_keys(keys=flat_keys, checkpoint_id=self.path)
+        # no_dist: each rank reads its own keys when it needs them, with no
+        # collective, so ranks never wait on each other here. The planner
+        # builds the state dict from the checkpoint's own metadata. Both are
+        # private in torch 2.13: they are what _load_state_dict_from_keys uses,
+        # minus its collective when a process group exists.
+        out: dict[str, Any] = {}
+        _load_state_dict(out, storage_reader=FileSystemReader(self.path), planner=_EmptyStateDictLoadPlanner(keys=flat_keys), no_dist=True)
+        return out
 
     def _flat_key(self, *path: Any) -> str:
         return ".".join(str(p) for p in (self.key, *path))

@@ -24,6 +24,7 @@ from osdpipe.collective import from_rank0, gather_to_all
 from osdpipe.compare import bits_equal, diff
 from osdpipe.context import CheckResult, Context
 from osdpipe.formats import TensorRef
+from osdpipe.optim import group_members
 from osdpipe.reference import fsdp_full_state, fsdp_to_load, live_target, train_step
 from osdpipe.stages import stage
 
@@ -81,12 +82,13 @@ def check_roundtrip(ctx: Context) -> CheckResult:
 def _coverage_gaps(ctx: Context) -> list[str]:
     """Source tensor elements that no target rank holds (computed from all target layouts)."""
     assert ctx.meta is not None
-    keys_kept = set(ctx.result_keys) if ctx.spec.output.format == "rank_local" else None
     held: dict[str, list[tuple[int, int]]] = {}
     ranks = ctx.spec.target.world_size if ctx.spec.output.format == "rank_local" else ctx.world_size
     for r in range(ranks):
-        for tensor in ctx.target_layout(r):
-            if keys_kept is not None and tensor.key not in keys_kept:
+        layout = ctx.target_layout(r)
+        in_optimizer = {layout[i].key for g in group_members(ctx.spec.optim, layout) for i in g}
+        for tensor in layout:
+            if ctx.spec.output.format == "rank_local" and tensor.key not in in_optimizer:
                 continue
             for seg in tensor.segments:
                 held.setdefault(seg.fqn, []).append((seg.start, seg.start + seg.length))

@@ -1,0 +1,3 @@
+from osdpipe.cli import main
+
+main()
