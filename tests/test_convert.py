@@ -1,0 +1,184 @@
+"""Conversions on CPU/gloo, checked against PyTorch's own FSDP1 conversion independently of osdpipe's verify."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from osdpipe.compare import diff
+from osdpipe.config import RunSpec, validate
+from osdpipe.launch import run_local_world
+from osdpipe.pipeline import execute, make_context, run_rank
+from osdpipe.reference import fsdp_to_load, live_target, train_step
+from osdpipe.stages import STAGES
+
+TIMEOUT_S = 180
+
+
+def spec_for(tmp: Path, **sections) -> RunSpec:
+    raw = {"output": {"path": str(tmp)}, "runtime": {"timeout_s": TIMEOUT_S, "progress": False}}
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return validate(raw)
+
+
+def pytorch_says(spec: RunSpec, full_path: str) -> list[str]:
+    """On this rank of the target world: diff of osdpipe's rank file against FSDP.optim_state_dict_to_load, then load and step it."""
+    from osdpipe.models import build_model
+    from osdpipe.tree import describe
+
+    rank = dist.get_rank()
+    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
+    model, optim = live_target(spec, spec.target.spec(), tree, rank)
+    full = torch.load(full_path, weights_only=True)
+    expected = fsdp_to_load(model, optim, full)
+    got = torch.load(Path(spec.output.path) / f"rank_{rank}.pt", weights_only=True)
+    problems = diff(got, expected)
+    optim.load_state_dict(got)
+    train_step(spec, model, optim, step=99)
+    return problems
+
+
+def _convert_and_check(specs: list[RunSpec], sources: list[str]) -> list[tuple[bool, list[str], list[str]]]:
+    out = []
+    for spec, source in zip(specs, sources):
+        report = run_rank(spec, source, "fsdp_full")
+        problems = pytorch_says(spec, source)
+        out.append((report.ok, [f"{c.name}: {c.detail}" for c in report.checks if not c.ok], problems))
+    return out
+
+
+def _generate(spec: RunSpec) -> str:
+    from osdpipe.generate import generate_rank
+
+    return generate_rank(spec)
+
+
+# Source layouts for N = 1..4 and target layouts for M = 1..4: each pair is one conversion.
+SOURCES = {
+    1: dict(wrap=["Block"]),
+    2: dict(wrap=["Leaf"], use_orig_params=True),
+    3: dict(wrap=["Block", "Leaf"], sharding_strategy="SHARD_GRAD_OP"),
+    4: dict(wrap=["block1", "block2.leaf2"], wrap_root=True),
+}
+TARGETS = {
+    1: dict(wrap=["Leaf"]),
+    2: dict(wrap=["Block"], use_orig_params=True),
+    3: dict(wrap=["Block", "Leaf"]),
+    4: dict(wrap=[], sharding_strategy="NO_SHARD"),
+}
+
+
+@pytest.fixture(scope="module")
+def nested_sources(tmp_path_factory) -> dict[int, str]:
+    """A trained FSDP1 source checkpoint (fsdp_full) for each source world size."""
+    root = tmp_path_factory.mktemp("sources")
+    paths = {}
+    for n, layout in SOURCES.items():
+        spec = spec_for(root / f"n{n}", source={"world_size": n, **layout})
+        paths[n] = run_local_world(_generate, n, (spec,), timeout_s=TIMEOUT_S)[0]
+    return paths
+
+
+@pytest.mark.parametrize("m", sorted(TARGETS))
+def test_n_to_m_matches_pytorch(m, nested_sources, tmp_path):
+    """Every source world size 1..4 converts to target world size m, equal to PyTorch's conversion bitwise."""
+    specs = [spec_for(tmp_path / f"{n}to{m}", target={"world_size": m, **TARGETS[m]}) for n in sorted(nested_sources)]
+    sources = [nested_sources[n] for n in sorted(nested_sources)]
+    per_rank = run_local_world(_convert_and_check, m, (specs, sources), timeout_s=TIMEOUT_S)
+    for rank, results in enumerate(per_rank):
+        for n, (ok, failed_checks, problems) in zip(sorted(nested_sources), results):
+            assert ok, f"{n}->{m} rank {rank}: verify failed: {failed_checks}"
+            assert not problems, f"{n}->{m} rank {rank}: differs from FSDP.optim_state_dict_to_load: {problems}"
+
+
+def _tamper_and_verify(spec: RunSpec, source: str, tamper: str) -> list[tuple[str, bool, str]]:
+    ctx = make_context(spec, source, "fsdp_full")
+    for name in ("load", "broadcast", "flatten", "shard", "rekey"):
+        STAGES[name](ctx)
+    if dist.get_rank() == 1:
+        state = ctx.result["state"]
+        key = sorted(state)[-1]
+        if tamper == "element":
+            flat = state[key]["exp_avg"].view(-1)
+            flat[flat.numel() // 2] += 1e-3
+        elif tamper == "step":
+            state[key]["step"] = state[key]["step"] + 1
+        elif tamper == "padding":
+            state[key]["exp_avg"].view(-1)[-1] = 1.0
+    STAGES["verify"](ctx)
+    return [(c.name, c.ok, c.detail) for c in ctx.checks]
+
+
+@pytest.mark.parametrize("tamper", ["none", "element", "step", "padding"])
+def test_verify_fails_when_one_element_is_wrong(tamper, nested_sources, tmp_path):
+    # 3 ranks of a unit whose numel 3 does not divide: the last rank's flat shard ends in padding.
+    spec = spec_for(tmp_path, target={"world_size": 2, "wrap": ["Block"]})
+    checks = {name: (ok, detail) for name, ok, detail in run_local_world(_tamper_and_verify, 2, (spec, nested_sources[2], tamper), timeout_s=TIMEOUT_S)[0]}
+    if tamper == "none":
+        assert all(ok for ok, _ in checks.values()), checks
+        return
+    assert not checks["roundtrip"][0], f"roundtrip missed a changed {tamper}: {checks}"
+    assert "rank 1" in checks["roundtrip"][1]
+    if tamper != "padding":
+        assert not checks["reference"][0], f"reference missed a changed {tamper}: {checks}"
+
+
+def _save_user_checkpoint(root: str) -> str:
+    """Plain PyTorch, no osdpipe: FSDP1 on 4 ranks over a user's model, Adam, a few steps, then save FULL and SHARDED."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import usermodel
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = FSDP(usermodel.make(), auto_wrap_policy=ModuleWrapPolicy({usermodel.Tower}), device_id=torch.device("cpu"))
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05)
+        for step in range(3):
+            torch.manual_seed(step)
+            model(torch.randn(4, 7)).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+        full = FSDP.optim_state_dict(model, optim)
+        if dist.get_rank() == 0:
+            torch.save(full, os.path.join(root, "optim.pt"))
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+            sharded = FSDP.optim_state_dict(model, optim)
+        dcp.save({"optimizer": sharded}, checkpoint_id=os.path.join(root, "dcp"))
+    return root
+
+
+def _pytorch_check_worker(spec: RunSpec, full_path: str) -> list[str]:
+    return pytorch_says(spec, full_path)
+
+
+@pytest.mark.parametrize("fmt", ["fsdp_full", "dcp"])
+@pytest.mark.parametrize("m", [2, 3])
+def test_user_checkpoint_4_ranks_to_m(fmt, m, tmp_path_factory):
+    """The issue's acceptance case: a plain-PyTorch checkpoint of a user model, 4 ranks -> m, rewrapped, use_orig_params flipped."""
+    root = tmp_path_factory.getbasetemp() / "user_ckpt"
+    if not (root / "optim.pt").exists():
+        root.mkdir(exist_ok=True)
+        run_local_world(_save_user_checkpoint, 4, (str(root),), timeout_s=TIMEOUT_S)
+    out = tmp_path_factory.mktemp(f"user_{fmt}_{m}")
+    spec = spec_for(
+        out,
+        model={"factory": "usermodel:make", "kwargs": {"dim": 7}, "input_shape": [7]},
+        input={"path": str(root / ("optim.pt" if fmt == "fsdp_full" else "dcp")), "format": fmt, "key": "optimizer"},
+        optim={"name": "AdamW", "lr": 0.01, "kwargs": {"weight_decay": 0.05}},
+        target={"world_size": m, "wrap": ["Expert"], "use_orig_params": True},
+    )
+    report = execute(spec)
+    assert report.ok, report
+    assert sorted(p.name for p in out.glob("rank_*.pt")) == [f"rank_{r}.pt" for r in range(m)]
+    problems = run_local_world(_pytorch_check_worker, m, (spec, str(root / "optim.pt")), timeout_s=TIMEOUT_S)
+    assert problems == [[]] * m, problems
