@@ -6,6 +6,7 @@ Hydra lives only here, in the launcher process; ranks receive the validated
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -15,6 +16,13 @@ from osdpipe.config import ConfigError, validate
 from osdpipe.pipeline import Report, execute
 
 _failed_jobs: list[str] = []
+
+# Under torchrun every rank composes the config; only rank 0 keeps Hydra's record (.hydra/).
+OmegaConf.register_new_resolver("osdpipe_hydra_subdir", lambda: ".hydra" if _rank() == 0 else None, replace=True)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def summarize(report: Report, output: str) -> str:
@@ -41,7 +49,8 @@ def run(cfg: DictConfig) -> bool:
         _failed_jobs.append("config")
         return False
     report = execute(spec)
-    print(summarize(report, spec.output.path), flush=True)
+    if _rank() == 0:
+        print(summarize(report, spec.output.path), flush=True)
     if not report.ok:
         _failed_jobs.append(spec.output.path)
     return report.ok

@@ -72,13 +72,28 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         init_world(backend, timeout_s, rank, world_size)
-        try:
-            value = fn(*args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, value))
+        outcome = (rank, True, fn(*args))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-        results.put((rank, False, RankFailure(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        outcome = (rank, False, RankFailure(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    # Report before tearing the group down: the teardown breaks the other
+    # ranks' collectives, and their echo of it must not arrive first.
+    results.put(outcome)
+    results.close()
+    results.join_thread()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+#: Words in the errors that a rank's failure causes in the *other* ranks' collectives.
+_ECHO_MARKERS = ("Connection closed by peer", "Read error", "Connection reset", "pair.cc", "NCCL communicator was aborted")
+
+
+def root_cause(failures: dict[int, RankFailure]) -> tuple[int, RankFailure]:
+    """The failure that explains the others: the first one that is not a broken collective's echo."""
+    for rank, failure in failures.items():
+        if not any(m in failure.message for m in _ECHO_MARKERS):
+            return rank, failure
+    return next(iter(failures.items()))
 
 
 def run_local_world(
@@ -136,13 +151,15 @@ def run_local_world(
             if p.is_alive():
                 p.kill()
                 p.join()
-    failures = {r: v for r, (ok, v) in sorted(outcome.items()) if not ok}
+    failures = {r: v for r, (ok, v) in outcome.items() if not ok}  # in the order they arrived
     missing = [r for r in range(world_size) if r not in outcome]
     if failures:
-        first = next(iter(failures.values()))
+        cause_rank, cause = root_cause(failures)
         raise WorldError(
             {r: f.message for r, f in failures.items()},
-            f"rank(s) {sorted(failures)} failed: {first.message}" + (f" (ranks {missing} were stopped)" if missing else ""),
+            f"rank {cause_rank} failed: {cause.message}"
+            + (f" (also failed: ranks {sorted(set(failures) - {cause_rank})})" if len(failures) > 1 else "")
+            + (f" (ranks {missing} were stopped)" if missing else ""),
         )
     if missing:
         raise WorldError({r: "timed out" for r in missing}, f"rank(s) {missing} did not finish within {timeout_s:.0f} s")

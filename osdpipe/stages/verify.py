@@ -160,7 +160,7 @@ def check_reference(ctx: Context) -> CheckResult:
         fresh_optim.load_state_dict(fsdp_to_load(fresh_model, fresh_optim, full))
         expected, got, what = fsdp_full_state(fresh_model, fresh_optim), _full_output(ctx), "FSDP.optim_state_dict after loading the source"
     problems = diff(got, expected)
-    return CheckResult("reference", not problems, "; ".join(problems) or f"equals {what} bitwise on rank {ctx.rank}")
+    return CheckResult("reference", not problems, "; ".join(problems) or f"equals {what} bitwise")
 
 
 def check_load_step(ctx: Context) -> CheckResult:

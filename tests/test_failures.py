@@ -1,0 +1,64 @@
+"""Failures end every rank with one error naming the stage and the ranks; nothing hangs, nothing is left behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch.distributed as dist
+
+from osdpipe.collective import StageError
+from osdpipe.config import PipelineConfig, validate
+from osdpipe.launch import WorldError, run_local_world
+from osdpipe.pipeline import make_context, run_stages
+from osdpipe.stages import STAGES
+
+
+def _rank1_raises_rank0_waits() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # rank 1 never arrives
+
+
+def test_world_ends_when_one_rank_fails():
+    start = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        run_local_world(_rank1_raises_rank0_waits, 2, timeout_s=60)
+    assert time.monotonic() - start < 30, "the launcher waited for the collective timeout instead of ending the world"
+    assert 1 in info.value.failures  # rank 0 may also fail, its barrier broken by rank 1's exit
+    assert "boom on rank 1" in str(info.value)
+    assert not multiprocessing.active_children(), "a rank process was left behind"
+
+
+def _explode(ctx) -> None:
+    if ctx.rank == 1:
+        raise RuntimeError("disk full on rank 1")
+
+
+def _run_with_exploding_stage(spec) -> str:
+    STAGES.setdefault("explode", _explode)
+    ctx = make_context(spec, spec.input.path, "fsdp_full")
+    try:
+        run_stages(ctx)
+    except StageError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _make_source(spec) -> str:
+    from osdpipe.generate import generate_rank
+
+    return generate_rank(spec)
+
+
+def test_stage_error_is_raised_on_every_rank(tmp_path):
+    spec = validate({"output": {"path": str(tmp_path)}, "runtime": {"timeout_s": 60}})
+    source = run_local_world(_make_source, 2, (spec,), timeout_s=120)[0]
+    stages = ["load", "broadcast", "explode", "flatten", "shard", "rekey", "save"]
+    spec = validate({"output": {"path": str(tmp_path / "out")}, "input": {"path": source}, "runtime": {"timeout_s": 60}})
+    spec = spec.model_copy(update={"pipeline": PipelineConfig.model_construct(stages=stages, checks=[])})
+    messages = run_local_world(_run_with_exploding_stage, 2, (spec,), timeout_s=120)
+    assert messages[0] == messages[1], messages
+    assert "stage 'explode' failed on rank(s) [1]" in messages[0] and "disk full on rank 1" in messages[0]
+    assert not (tmp_path / "out" / "rank_0.pt").exists(), "a later stage ran after a failed one"
