@@ -96,6 +96,7 @@ def save(ctx: Context) -> None:
             _write_torch(ctx.result, staging / name)
             ctx.tensor_digests = {f"{name}:{k}": v for k, v in tensor_digests(ctx.result).items()}
             written[name] = sha256_file(staging / name)
+            ctx.bytes_moved += (staging / name).stat().st_size
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = f"{type(exc).__name__}: {exc}"
     try:
@@ -108,7 +109,9 @@ def save(ctx: Context) -> None:
     if ctx.rank == 0:
         files = {k: v for w, _ in per_rank for k, v in w.items()}
         if fmt == "dcp":
-            files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted((staging / "dcp").rglob("*")) if p.is_file()}
+            written_files = [p for p in sorted((staging / "dcp").rglob("*")) if p.is_file()]
+            files = {str(p.relative_to(staging)): sha256_file(p) for p in written_files}
+            ctx.bytes_moved += sum(p.stat().st_size for p in written_files)
         for entry in sorted(os.listdir(staging)):
             target = out / entry
             if target.is_dir():
