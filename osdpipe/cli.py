@@ -60,7 +60,7 @@ def main() -> None:
     """Console entry point: exit 0 exactly when every job succeeded (2 for a bad config, 1 for a failed run)."""
     run()
     if _failed_jobs:
-        sys.exit(2 if _failed_jobs == ["config"] else 1)
+        sys.exit(2 if all(job == "config" for job in _failed_jobs) else 1)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ names the key, the value and the fix.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +32,7 @@ class ModelConfig(_Frozen):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
     input_shape: list[int] | None = None
+    units: list[str] = Field(default_factory=list)  # the model's natural FSDP units; conf/ makes them the default wrap
 
 
 class LayoutConfig(_Frozen):
@@ -89,12 +89,12 @@ class OptimConfig(_Frozen):
         import torch
 
         accepted = set(inspect.signature(getattr(torch.optim, self.name)).parameters) - {"params"}
+        if "lr" in self.kwargs:
+            raise ValueError("optim.kwargs.lr: set the learning rate as optim.lr (a param group may set its own lr)")
         for where, keys in [("optim.kwargs", self.kwargs), *((f"optim.param_groups[{i}]", g.options) for i, g in enumerate(self.param_groups))]:
             unknown = set(keys) - accepted
             if unknown:
                 raise ValueError(f"{where} has {sorted(unknown)}, which torch.optim.{self.name} does not take; it takes {sorted(accepted)}")
-        if self.name == "SGD" and "momentum" not in self.kwargs and not self.param_groups:
-            pass  # plain SGD keeps no tensor state; allowed, the conversion is then metadata only
         return self
 
 
@@ -181,10 +181,27 @@ class RunSpec(_Frozen):
             raise ValueError(f"input.path={self.input.path!r}: a dcp input is a directory; use input.format=fsdp_full for a file")
         if self.input.path is not None and self.input.format == "fsdp_full" and Path(self.input.path).is_dir():
             raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format=dcp for a DCP checkpoint")
+        self._check_layouts()
         out = Path(self.output.path)
         if out.exists() and any(out.glob("rank_*.pt")) | (out / "optim.pt").exists() | (out / "dcp").exists() and not self.output.overwrite:
             raise ValueError(f"output.path={self.output.path!r} already holds a conversion; choose another path or set output.overwrite=true")
         return self
+
+    def _check_layouts(self) -> None:
+        """Compute both layouts on the meta model: unknown wrap names, tied parameters across units, mixed dtypes."""
+        from osdpipe.layout import flat_param_layouts
+        from osdpipe.models import build_model
+        from osdpipe.tree import describe
+
+        try:
+            tree = describe(build_model(self.model.factory, self.model.kwargs, device="meta"))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"model: {exc}") from None
+        for side in ("source", "target"):
+            try:
+                flat_param_layouts(tree, getattr(self, side).spec())
+            except ValueError as exc:
+                raise ValueError(f"{side}.wrap={getattr(self, side).wrap}: {exc}") from None
 
     @property
     def source_input_format(self) -> str:
@@ -221,6 +238,3 @@ class ConfigError(ValueError):
             lines.append(f"{key}{shown}: {msg}")
         super().__init__("\n".join(lines))
 
-
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
