@@ -11,7 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from osdpipe.layout import LayoutSpec
 
@@ -183,8 +190,9 @@ class RunSpec(_Frozen):
             raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format=dcp for a DCP checkpoint")
         self._check_layouts()
         out = Path(self.output.path)
-        if out.exists() and any(out.glob("rank_*.pt")) | (out / "optim.pt").exists() | (out / "dcp").exists() and not self.output.overwrite:
-            raise ValueError(f"output.path={self.output.path!r} already holds a conversion; choose another path or set output.overwrite=true")
+        previous = [p.name for p in (*out.glob("rank_*.pt"), out / "optim.pt", out / "dcp") if p.exists()] if out.is_dir() else []
+        if previous and not self.output.overwrite:
+            raise ValueError(f"output.path={self.output.path!r} already holds a conversion ({', '.join(previous[:3])}); choose another path or set output.overwrite=true")
         return self
 
     def _check_layouts(self) -> None:

@@ -39,6 +39,7 @@ class Context:
     result: dict[str, Any] | None = None  # rekey: the state dict this rank's output holds
     result_keys: dict[str, Any] = field(default_factory=dict)  # rekey: layout key -> key in result["state"]
     checks: list[CheckResult] = field(default_factory=list)  # verify
+    live: tuple[Any, Any] | None = None  # verify: the real target model and optimizer, built once
     files: dict[str, str] = field(default_factory=dict)  # save: relative name -> sha256
     tensor_digests: dict[str, str] = field(default_factory=dict)  # save: per-tensor sha256
     bytes_moved: int = 0  # reset per stage

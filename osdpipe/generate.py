@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from osdpipe.config import RunSpec
-from osdpipe.reference import live_target, train_step
 from osdpipe.models import build_model
+from osdpipe.reference import live_target, train_step
 from osdpipe.tree import describe
 
 
@@ -29,7 +29,13 @@ def source_path(spec: RunSpec) -> str:
 
 def generate_rank(spec: RunSpec) -> str:
     """Train and save on this rank of the source world; returns the checkpoint path."""
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     rank = dist.get_rank()
@@ -57,5 +63,3 @@ def generate_rank(spec: RunSpec) -> str:
     dist.barrier()
     return str(path)
 
-
-__all__ = ["generate_rank", "source_path", "build_model"]

@@ -47,7 +47,11 @@ def fsdp_to_load(model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[
 
 def fsdp_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """PyTorch's full, FQN-keyed optimizer state of a live FSDP1 model, on every rank."""
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     with warnings.catch_warnings():

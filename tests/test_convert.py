@@ -132,11 +132,14 @@ def test_verify_fails_when_one_element_is_wrong(tamper, nested_sources, tmp_path
 def _save_user_checkpoint(root: str) -> str:
     """Plain PyTorch, no osdpipe: FSDP1 on 4 ranks over a user's model, Adam, a few steps, then save FULL and SHARDED."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
     import usermodel
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import (
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
     with warnings.catch_warnings():

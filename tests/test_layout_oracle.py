@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from osdpipe import layout
-from osdpipe.layout import FlatParamLayout, LayoutSpec, LocalTensor, Segment
 from osdpipe.launch import run_local_world
+from osdpipe.layout import FlatParamLayout, LayoutSpec, LocalTensor, Segment
 from osdpipe.models import build_model
 from osdpipe.tree import describe
 

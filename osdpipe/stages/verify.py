@@ -136,9 +136,9 @@ def _full_output(ctx: Context) -> dict[str, Any]:
 
 
 def _target(ctx: Context) -> tuple[Any, Any]:
-    if not hasattr(ctx, "_live"):
-        setattr(ctx, "_live", live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank))
-    return getattr(ctx, "_live")
+    if ctx.live is None:
+        ctx.live = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
+    return ctx.live
 
 
 def _loadable(ctx: Context) -> dict[str, Any]:
