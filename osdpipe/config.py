@@ -45,7 +45,7 @@ class ModelConfig(_Frozen):
 class LayoutConfig(_Frozen):
     """One side of the conversion: how the model is wrapped and how its state is saved."""
 
-    kind: Literal["fsdp1"] = "fsdp1"
+    kind: Literal["fsdp1", "none"] = "fsdp1"
     world_size: int = Field(default=2, ge=1)
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "FULL_SHARD"
     use_orig_params: bool = False
@@ -55,7 +55,9 @@ class LayoutConfig(_Frozen):
 
     @model_validator(mode="after")
     def _root_or_units(self) -> LayoutConfig:
-        if not self.wrap_root and not self.wrap:
+        if self.kind == "none" and self.world_size != 1:
+            raise ValueError(f"kind=none is an unwrapped model on one rank, but world_size={self.world_size}; set world_size=1")
+        if self.kind == "fsdp1" and not self.wrap_root and not self.wrap:
             raise ValueError("wrap_root=false with an empty wrap list wraps nothing; list the modules to wrap in wrap")
         return self
 
@@ -106,11 +108,19 @@ class OptimConfig(_Frozen):
 
 
 class InputConfig(_Frozen):
-    """The source checkpoint. No ``path``: the source world trains the model and saves one."""
+    """The source checkpoint. No ``path``: the source world trains the model and saves one.
+
+    ``param_groups`` names, for a param-ID keyed input (``plain``,
+    ``rank_local``), the FQN patterns of each param group of the optimizer
+    that saved it, in the order it received them: the IDs are positions in
+    that order. Unset: ``rank_local`` uses ``optim.param_groups``; ``plain``
+    matches IDs to parameters by shape and refuses an ambiguous match.
+    """
 
     path: str | None = None
-    format: Literal["fsdp_full", "dcp"] = "fsdp_full"
+    format: Literal["fsdp_full", "dcp", "plain", "rank_local"] = "fsdp_full"
     key: str = "optim"
+    param_groups: list[list[str]] | None = None
 
     @field_validator("path")
     @classmethod
@@ -124,7 +134,7 @@ class OutputConfig(_Frozen):
     """Where and how the converted state is written."""
 
     path: str
-    format: Literal["rank_local", "fsdp_full", "dcp"] = "rank_local"
+    format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
     key: str = "optim"
     overwrite: bool = False
 
@@ -184,10 +194,20 @@ class RunSpec(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunSpec:
-        if self.input.path is not None and self.input.format == "dcp" and not Path(self.input.path).is_dir():
-            raise ValueError(f"input.path={self.input.path!r}: a dcp input is a directory; use input.format=fsdp_full for a file")
-        if self.input.path is not None and self.input.format == "fsdp_full" and Path(self.input.path).is_dir():
-            raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format=dcp for a DCP checkpoint")
+        directory_formats = ("dcp", "rank_local")
+        if self.input.path is not None and self.input.format in directory_formats and not Path(self.input.path).is_dir():
+            raise ValueError(f"input.path={self.input.path!r}: a {self.input.format} input is a directory; use input.format=fsdp_full or plain for a file")
+        if self.input.path is not None and self.input.format not in directory_formats and Path(self.input.path).is_dir():
+            raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format=dcp or rank_local")
+        if self.input.path is not None and self.input.format == "plain" and self.source.kind != "none":
+            raise ValueError("input.format=plain is the state of an unwrapped model; set source.kind=none source.world_size=1")
+        if self.input.path is not None and self.input.format == "rank_local" and self.source.kind == "none":
+            raise ValueError("input.format=rank_local needs the source's FSDP layout; set source.kind=fsdp1 and its world_size and wrap")
+        if (self.output.format == "plain") != (self.target.kind == "none"):
+            raise ValueError(
+                "output.format=plain is the state of an unwrapped model and target.kind=none writes only that: "
+                "set both (and target.world_size=1), or neither"
+            )
         self._check_layouts()
         out = Path(self.output.path)
         previous = [p.name for p in (*out.glob("rank_*.pt"), out / "optim.pt", out / "dcp") if p.exists()] if out.is_dir() else []
@@ -216,6 +236,8 @@ class RunSpec(_Frozen):
         """The format the source is read in: given, or what the source world saves."""
         if self.input.path is not None:
             return self.input.format
+        if self.source.kind == "none":
+            return "plain"
         return "fsdp_full" if self.source.state_dict_type == "full" else "dcp"
 
 

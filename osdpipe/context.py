@@ -45,19 +45,25 @@ class Context:
     bytes_moved: int = 0  # reset per stage
 
     @property
+    def id_keyed(self) -> bool:
+        """Whether the output is keyed by the target optimizer's param IDs (else by FQN)."""
+        return self.spec.output.format in ("rank_local", "plain")
+
+    @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
     def target_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:
         """The local tensors target rank ``rank`` (default: this one) gets in the output format.
 
-        ``rank_local`` is the target optimizer's own layout; ``fsdp_full`` is
-        every parameter whole, held by rank 0; ``dcp`` cuts every parameter
-        along dim 0 across the world, as DCP writers do.
+        ``rank_local`` and ``plain`` are the target optimizer's own layout
+        (``plain``: an unwrapped model's, on one rank); ``fsdp_full`` is every
+        parameter whole, held by rank 0; ``dcp`` cuts every parameter along
+        dim 0 across the world, as DCP writers do.
         """
         rank = self.rank if rank is None else rank
         fmt = self.spec.output.format
-        if fmt == "rank_local":
+        if fmt in ("rank_local", "plain"):
             return rank_layout(self.tree, self.spec.target.spec(), rank)
         if fmt == "fsdp_full":
             return full_layout(self.tree) if rank == 0 else ()

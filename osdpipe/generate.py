@@ -3,7 +3,8 @@
 This is what plain ``osdpipe`` converts: with no ``input.path``, the source
 world (``source.world_size`` ranks) trains a few steps with real FSDP and saves
 the optimizer state in the source state-dict type: FULL as an ``fsdp_full``
-file, SHARDED as a DCP directory.
+file, SHARDED as a DCP directory; an unwrapped source (``kind=none``) saves
+its optimizer's own ``state_dict()`` as a ``plain`` file.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from osdpipe.tree import describe
 
 def source_path(spec: RunSpec) -> str:
     """Where the generated source checkpoint goes: ``<output.path>/source/``."""
-    name = "optim.pt" if spec.source.state_dict_type == "full" else "dcp"
+    name = "optim.pt" if spec.source.kind == "none" or spec.source.state_dict_type == "full" else "dcp"
     return str(Path(spec.output.path) / "source" / name)
 
 
@@ -47,7 +48,12 @@ def generate_rank(spec: RunSpec) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if spec.source.state_dict_type == "full":
+        if spec.source.kind == "none":  # an unwrapped model: its optimizer's own, param-ID keyed state
+            if rank == 0:
+                tmp = path.with_suffix(".tmp")
+                torch.save(optim.state_dict(), tmp)
+                os.replace(tmp, path)
+        elif spec.source.state_dict_type == "full":
             with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=True)):
                 osd = FSDP.optim_state_dict(model, optim)
             if rank == 0:

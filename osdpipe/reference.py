@@ -45,6 +45,18 @@ def fsdp_to_load(model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[
         return FSDP.optim_state_dict_to_load(model, optim, full_osd)
 
 
+def pytorch_to_load(kind: str, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
+    """PyTorch's param-ID keyed state for this rank: FSDP1's conversion, or for an unwrapped model its rekeying."""
+    if kind == "fsdp1":
+        return fsdp_to_load(model, optim, full_osd)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FSDP.rekey_optim_state_dict(full_osd, OptimStateKeyType.PARAM_ID, model, optim=optim)
+
+
 def fsdp_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """PyTorch's full, FQN-keyed optimizer state of a live FSDP1 model, on every rank."""
     from torch.distributed.fsdp import (

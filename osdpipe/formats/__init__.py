@@ -12,6 +12,12 @@ from typing import Any, Protocol
 
 import torch
 
+from osdpipe.layout import LayoutSpec
+from osdpipe.tree import ModuleTree
+
+#: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
+IdGroups = list[list[str]] | None
+
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -61,8 +67,18 @@ class SourceReader(Protocol):
         ...
 
 
-def open_source(fmt: str, path: str, key: str) -> SourceReader:
-    """A reader for the checkpoint at ``path`` in format ``fmt``."""
+def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
+    """A reader for the checkpoint at ``path`` in format ``fmt``.
+
+    Args:
+        fmt: the input format.
+        path: the file or directory.
+        key: the top-level key of a DCP checkpoint.
+        tree: the model's module tree (param-ID keyed formats map IDs to it).
+        source: the layout the checkpoint was saved under.
+        id_groups: for param-ID keyed formats, the FQN patterns of each param
+            group of the optimizer that saved it (``None``: not given).
+    """
     if fmt == "fsdp_full":
         from osdpipe.formats.fsdp_full import FullReader
 
@@ -71,4 +87,12 @@ def open_source(fmt: str, path: str, key: str) -> SourceReader:
         from osdpipe.formats.dcp import DcpReader
 
         return DcpReader(path, key)
-    raise ValueError(f"input.format={fmt!r} cannot be read; use fsdp_full or dcp")
+    if fmt == "plain":
+        from osdpipe.formats.plain import PlainReader
+
+        return PlainReader(path, tree, id_groups)
+    if fmt == "rank_local":
+        from osdpipe.formats.rank_local import RankLocalReader
+
+        return RankLocalReader(path, tree, source, id_groups)
+    raise ValueError(f"input.format={fmt!r} cannot be read; use fsdp_full, dcp, plain or rank_local")

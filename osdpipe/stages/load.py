@@ -19,4 +19,8 @@ def load(ctx: Context) -> None:
         raise FileNotFoundError(
             f"rank {ctx.rank} cannot see {ctx.input_path}; every rank reads the input itself, so put it on a filesystem all ranks share"
         )
-    ctx.reader = open_source(ctx.input_format, ctx.input_path, ctx.spec.input.key)
+    spec = ctx.spec
+    id_groups = spec.input.param_groups
+    if id_groups is None and ctx.input_format == "rank_local":
+        id_groups = [g.params for g in spec.optim.param_groups] or None
+    ctx.reader = open_source(ctx.input_format, ctx.input_path, spec.input.key, tree=ctx.tree, source=spec.source.spec(), id_groups=id_groups)

@@ -1,6 +1,6 @@
 """rekey: key the converted state the way the target loads it.
 
-For ``rank_local`` output, state is keyed by parameter ID: the position in the
+For ``rank_local`` and ``plain`` output, state is keyed by parameter ID: the position in the
 target optimizer's param groups (see :func:`osdpipe.optim.group_members`),
 never ``named_parameters()`` order. Param groups keep the source's
 hyperparameters, as PyTorch's ``optim_state_dict_to_load`` does, and each must
@@ -81,4 +81,4 @@ def fqn_keyed(ctx: Context) -> dict[str, Any]:
 
 @stage("rekey")
 def rekey(ctx: Context) -> None:
-    ctx.result = id_keyed(ctx) if ctx.spec.output.format == "rank_local" else fqn_keyed(ctx)
+    ctx.result = id_keyed(ctx) if ctx.id_keyed else fqn_keyed(ctx)

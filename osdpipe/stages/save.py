@@ -91,7 +91,7 @@ def save(ctx: Context) -> None:
     try:
         if fmt == "dcp":
             _write_dcp(ctx, staging)
-        elif fmt == "rank_local" or ctx.rank == 0:
+        elif fmt == "rank_local" or ctx.rank == 0:  # fsdp_full and plain: one file, from rank 0
             name = f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt"
             _write_torch(ctx.result, staging / name)
             ctx.tensor_digests = {f"{name}:{k}": v for k, v in tensor_digests(ctx.result).items()}

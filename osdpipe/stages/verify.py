@@ -8,7 +8,8 @@ Three checks, each reported in ``report.json``:
   source tensor. Together: gathered back, the result *is* the source.
 * ``reference``: on the target world, PyTorch's own conversion gives the same
   bytes, keys and param groups (``FSDP.optim_state_dict_to_load`` from the
-  full source state for ``rank_local``; for FQN-keyed outputs, the full state
+  full source state for ``rank_local``, ``FSDP.rekey_optim_state_dict`` for
+  ``plain``; for FQN-keyed outputs, the full state
   a target FSDP model reports after loading the source).
 * ``load_step``: the target optimizer loads the result and takes a step, and
   its state stays finite.
@@ -26,7 +27,7 @@ from osdpipe.compare import bits_equal, diff
 from osdpipe.context import CheckResult, Context
 from osdpipe.formats import TensorRef
 from osdpipe.optim import group_members
-from osdpipe.reference import fsdp_full_state, fsdp_to_load, live_target, train_step
+from osdpipe.reference import fsdp_full_state, fsdp_to_load, live_target, pytorch_to_load, train_step
 from osdpipe.stages import stage
 
 
@@ -84,12 +85,12 @@ def _coverage_gaps(ctx: Context) -> list[str]:
     """Source tensor elements that no target rank holds (computed from all target layouts)."""
     assert ctx.meta is not None
     held: dict[str, list[tuple[int, int]]] = {}
-    ranks = ctx.spec.target.world_size if ctx.spec.output.format == "rank_local" else ctx.world_size
+    ranks = ctx.spec.target.world_size if ctx.id_keyed else ctx.world_size
     for r in range(ranks):
         layout = ctx.target_layout(r)
         in_optimizer = {layout[i].key for g in group_members(ctx.spec.optim, layout) for i in g}
         for tensor in layout:
-            if ctx.spec.output.format == "rank_local" and tensor.key not in in_optimizer:
+            if ctx.id_keyed and tensor.key not in in_optimizer:
                 continue
             for seg in tensor.segments:
                 held.setdefault(seg.fqn, []).append((seg.start, seg.start + seg.length))
@@ -144,7 +145,7 @@ def _target(ctx: Context) -> tuple[Any, Any]:
 def _loadable(ctx: Context) -> dict[str, Any]:
     """What this rank's target optimizer loads from the output."""
     assert ctx.result is not None
-    if ctx.spec.output.format == "rank_local":
+    if ctx.id_keyed:
         return ctx.result
     model, optim = _target(ctx)
     return fsdp_to_load(model, optim, _full_output(ctx))
@@ -153,8 +154,8 @@ def _loadable(ctx: Context) -> dict[str, Any]:
 def check_reference(ctx: Context) -> CheckResult:
     model, optim = _target(ctx)
     full = _full_source(ctx)
-    if ctx.spec.output.format == "rank_local":
-        expected, got, what = fsdp_to_load(model, optim, full), ctx.result, "FSDP.optim_state_dict_to_load"
+    if ctx.id_keyed:
+        expected, got, what = pytorch_to_load(ctx.spec.target.kind, model, optim, full), ctx.result, "PyTorch's conversion"
     else:
         fresh_model, fresh_optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
         fresh_optim.load_state_dict(fsdp_to_load(fresh_model, fresh_optim, full))
