@@ -10,6 +10,7 @@ import torch.distributed as dist
 from osdpipe.config import RunSpec
 from osdpipe.formats import SourceMeta, SourceReader
 from osdpipe.layout import LocalTensor, dim0_layout, full_layout, rank_layout
+from osdpipe.optim import group_members
 from osdpipe.tree import ModuleTree
 
 
@@ -40,9 +41,21 @@ class Context:
     result_keys: dict[str, Any] = field(default_factory=dict)  # rekey: layout key -> key in result["state"]
     checks: list[CheckResult] = field(default_factory=list)  # verify
     live: tuple[Any, Any] | None = None  # verify: the real target model and optimizer, built once
+    optim_groups: list[list[int]] | None = None  # the live target optimizer's groups (Python API), as layout indices
+    optimizer_keys: list[set[str]] = field(default_factory=list)  # verify: per target rank, the keys its optimizer holds
     files: dict[str, str] = field(default_factory=dict)  # save: relative name -> sha256
     tensor_digests: dict[str, str] = field(default_factory=dict)  # save: per-tensor sha256
     bytes_moved: int = 0  # reset per stage
+
+    def target_groups(self, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
+        """This rank's target optimizer's param groups as indices into ``layout``.
+
+        A live optimizer's own groups (given through the Python API) win;
+        otherwise they follow ``optim.param_groups``.
+        """
+        if self.optim_groups is not None:
+            return self.optim_groups
+        return group_members(self.spec.optim, layout)
 
     @property
     def id_keyed(self) -> bool:

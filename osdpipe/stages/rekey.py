@@ -20,7 +20,6 @@ import torch
 
 from osdpipe.context import Context
 from osdpipe.layout import LocalTensor
-from osdpipe.optim import group_members
 from osdpipe.stages import stage
 
 
@@ -34,7 +33,7 @@ def id_keyed(ctx: Context) -> dict[str, Any]:
     """This rank's state keyed by the target optimizer's parameter IDs."""
     assert ctx.meta is not None
     layout = ctx.target_layout()
-    groups = group_members(ctx.spec.optim, layout)
+    groups = ctx.target_groups(layout)
     ids = {layout[i].key: pid for pid, i in enumerate(i for g in groups for i in g)}
     fqn_to_id = {f: ids[t.key] for t in layout if t.key in ids for f in t.fqns}
     state = {}

@@ -26,7 +26,6 @@ from osdpipe.collective import from_rank0, gather_to_all
 from osdpipe.compare import bits_equal, diff
 from osdpipe.context import CheckResult, Context
 from osdpipe.formats import TensorRef
-from osdpipe.optim import group_members
 from osdpipe.reference import fsdp_full_state, fsdp_to_load, live_target, pytorch_to_load, train_step
 from osdpipe.stages import stage
 
@@ -87,10 +86,8 @@ def _coverage_gaps(ctx: Context) -> list[str]:
     held: dict[str, list[tuple[int, int]]] = {}
     ranks = ctx.spec.target.world_size if ctx.id_keyed else ctx.world_size
     for r in range(ranks):
-        layout = ctx.target_layout(r)
-        in_optimizer = {layout[i].key for g in group_members(ctx.spec.optim, layout) for i in g}
-        for tensor in layout:
-            if ctx.id_keyed and tensor.key not in in_optimizer:
+        for tensor in ctx.target_layout(r):
+            if ctx.id_keyed and tensor.key not in ctx.optimizer_keys[r]:
                 continue
             for seg in tensor.segments:
                 held.setdefault(seg.fqn, []).append((seg.start, seg.start + seg.length))
@@ -183,6 +180,8 @@ CHECKS = {"roundtrip": check_roundtrip, "reference": check_reference, "load_step
 
 @stage("verify")
 def verify(ctx: Context) -> None:
+    layout = ctx.target_layout()
+    ctx.optimizer_keys = gather_to_all({layout[i].key for g in ctx.target_groups(layout) for i in g})
     ctx.checks = []
     for name in ctx.spec.pipeline.checks:
         try:

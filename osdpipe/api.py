@@ -1,0 +1,128 @@
+"""Python API: reshard a checkpoint into a live training job, one call per rank.
+
+Inside an already-initialized process group, every rank of the target job
+calls :func:`load_optimizer_state` with its wrapped model and its optimizer::
+
+    model = FSDP(build_model(), auto_wrap_policy=..., use_orig_params=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    osdpipe.load_optimizer_state(
+        model, optim, "/ckpt/optim.pt",
+        model_config={"factory": "mypkg.models:build", "kwargs": {"depth": 12}},
+        source={"world_size": 8, "wrap": ["Block"]},
+        target={"world_size": 4, "wrap": ["Block"], "use_orig_params": True},
+    )
+
+It runs the same stages as the ``osdpipe`` command (load, broadcast, flatten,
+shard, rekey, verify), but keys the result by *this* optimizer's param groups,
+whatever order its parameters were given in, and loads it. Where
+``FSDP.optim_state_dict_to_load`` needs the full state on every rank and a
+source of the same wrapping, this reads only what the rank needs, from any
+supported layout, and checks the result before loading it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from osdpipe.collective import StageError
+from osdpipe.config import validate
+from osdpipe.layout import rank_layout
+from osdpipe.pipeline import make_context, run_stages
+
+#: Verify checks that leave the caller's model and optimizer untouched (load_step would train them).
+API_CHECKS = ["roundtrip", "reference"]
+
+
+def _live_groups(model: nn.Module, optim: torch.optim.Optimizer, layout: tuple) -> list[list[int]]:
+    """The optimizer's param groups as indices into ``layout`` (``model.parameters()`` order), checked by shape."""
+    params = list(model.parameters())
+    if len(params) != len(layout) or any(tuple(p.shape) != t.shape for p, t in zip(params, layout)):
+        raise ValueError(
+            "the live model does not have the target layout: its parameters have shapes "
+            f"{[tuple(p.shape) for p in params][:6]}..., the target layout {[t.shape for t in layout][:6]}...; "
+            "is `target` (world_size, wrap, use_orig_params, sharding_strategy) how this model was wrapped?"
+        )
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = []
+    for g, group in enumerate(optim.param_groups):
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in index]
+        if missing:
+            raise ValueError(f"optimizer param group {g} holds parameters of shapes {missing} that are not the model's")
+        groups.append([index[id(p)] for p in group["params"]])
+    return groups
+
+
+def reshard_optimizer_state(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    checkpoint: str,
+    *,
+    model_config: dict[str, Any],
+    source: dict[str, Any],
+    target: dict[str, Any],
+    input_format: str = "fsdp_full",
+    input_key: str = "optim",
+    input_param_groups: list[list[str]] | None = None,
+    checks: list[str] | None = None,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """This rank's optimizer state for ``optim``, converted from ``checkpoint``; collective over the world.
+
+    Args:
+        model: this rank's wrapped target model (FSDP1, or unwrapped for ``target.kind=none``).
+        optim: its optimizer; the result is keyed by its param groups.
+        checkpoint: the source file or directory.
+        model_config: ``model.*`` of the config: ``factory``, ``kwargs``, ``seed``, ``input_shape``.
+        source: ``source.*`` of the config: the layout the checkpoint was saved under.
+        target: ``target.*`` of the config: how ``model`` is wrapped (its world size is this world's).
+        input_format: ``fsdp_full``, ``dcp``, ``plain`` or ``rank_local``.
+        input_key: the top-level key of a DCP checkpoint.
+        input_param_groups: for param-ID keyed inputs, the saving optimizer's groups as FQN patterns.
+        checks: verify checks to run (default: ``roundtrip`` and ``reference``).
+        timeout_s: timeout of the collectives.
+
+    Returns:
+        A state dict that ``optim.load_state_dict`` takes.
+
+    Raises:
+        StageError: when a stage fails on any rank, or a verify check fails (on every rank).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("reshard_optimizer_state runs inside an initialized process group; call dist.init_process_group first")
+    spec = validate(
+        {
+            "model": model_config,
+            "source": source,
+            "target": {**target, "world_size": target.get("world_size", dist.get_world_size())},
+            "input": {"path": checkpoint, "format": input_format, "key": input_key, "param_groups": input_param_groups},
+            # Nothing is saved: the output section only selects param-ID keyed results.
+            "output": {"path": os.path.join(tempfile.gettempdir(), "osdpipe-api-unsaved"), "format": "plain" if target.get("kind") == "none" else "rank_local", "overwrite": True},
+            "pipeline": {"stages": ["load", "broadcast", "flatten", "shard", "rekey", "verify"], "checks": API_CHECKS if checks is None else checks},
+            "runtime": {"timeout_s": timeout_s, "progress": False},
+        }
+    )
+    if spec.target.world_size != dist.get_world_size():
+        raise ValueError(f"target.world_size={spec.target.world_size} but this world has {dist.get_world_size()} ranks")
+    ctx = make_context(spec, checkpoint, input_format)
+    layout = rank_layout(ctx.tree, spec.target.spec(), ctx.rank)
+    ctx.optim_groups = _live_groups(model, optim, layout)
+    ctx.live = (model, optim)
+    report = run_stages(ctx)
+    failed = {c.name: c.detail for c in report.checks if not c.ok}
+    if failed:
+        raise StageError("verify", {0: "; ".join(f"{k}: {v}" for k, v in failed.items())})
+    assert ctx.result is not None
+    return ctx.result
+
+
+def load_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, checkpoint: str, **kwargs: Any) -> dict[str, Any]:
+    """:func:`reshard_optimizer_state`, then ``optim.load_state_dict`` with it; returns the state loaded."""
+    state = reshard_optimizer_state(model, optim, checkpoint, **kwargs)
+    optim.load_state_dict(state)
+    return state

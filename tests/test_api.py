@@ -1,0 +1,75 @@
+"""The Python API inside a live job: each rank's own optimizer, even one built in another parameter order."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import osdpipe
+from osdpipe.compare import diff
+from osdpipe.config import validate
+from osdpipe.launch import WorldError, run_local_world
+from osdpipe.models import build_model
+from osdpipe.reference import fsdp_to_load, train_step
+from osdpipe.wrapping import wrap
+
+TIMEOUT_S = 120
+MODEL = {"factory": "nested", "kwargs": {"dim": 8, "hidden": 12, "blocks": 2}}
+SOURCE = {"world_size": 2, "wrap": ["Block"]}
+TARGET = {"world_size": 2, "wrap": ["Leaf"], "use_orig_params": True}
+
+
+def _generate(spec) -> str:
+    from osdpipe.generate import generate_rank
+
+    return generate_rank(spec)
+
+
+@pytest.fixture(scope="module")
+def source_checkpoint(tmp_path_factory) -> str:
+    spec = validate({"model": MODEL, "source": SOURCE, "output": {"path": str(tmp_path_factory.mktemp("api_source"))}})
+    return run_local_world(_generate, 2, (spec,), timeout_s=TIMEOUT_S)[0]
+
+
+def _resume(checkpoint: str, target: dict) -> list[str]:
+    """A training script resuming on another layout: odd ranks build their optimizer from the reversed parameters."""
+    from osdpipe.layout import LayoutSpec
+
+    spec = LayoutSpec(kind="fsdp1", world_size=2, wrap=("Leaf",), use_orig_params=True)
+    model = wrap(build_model("nested", MODEL["kwargs"], seed=0), spec)
+    params = list(model.parameters())
+    if dist.get_rank() % 2:
+        params = params[::-1]
+    optim = torch.optim.Adam(params, lr=0.01)
+    state = osdpipe.load_optimizer_state(model, optim, checkpoint, model_config=MODEL, source=SOURCE, target=target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = fsdp_to_load(model, optim, torch.load(checkpoint, weights_only=True))
+    problems = diff(state, expected)
+    # The state must be keyed so that each ID's tensor sits on the parameter of that position in *this* optimizer.
+    for pid, p in enumerate(optim.param_groups[0]["params"]):
+        if pid in optim.state_dict()["state"] and optim.state_dict()["state"][pid]["exp_avg"].shape != p.shape:
+            problems.append(f"ID {pid}: state of shape {tuple(optim.state_dict()['state'][pid]['exp_avg'].shape)} on a parameter of shape {tuple(p.shape)}")
+    train_step(validate({"model": MODEL, "output": {"path": checkpoint + ".unused"}}), model, optim, step=7)
+    return problems
+
+
+def test_api_loads_into_each_ranks_own_optimizer(source_checkpoint):
+    per_rank = run_local_world(_resume, 2, (source_checkpoint, TARGET), timeout_s=TIMEOUT_S)
+    assert per_rank == [[], []], per_rank
+
+
+def test_api_refuses_a_model_of_another_layout(source_checkpoint):
+    wrong = {**TARGET, "wrap": ["Block"]}  # the live model is wrapped with Leaf units
+    with pytest.raises(WorldError) as info:
+        run_local_world(_resume, 2, (source_checkpoint, wrong), timeout_s=TIMEOUT_S)
+    assert "does not have the target layout" in str(info.value)
+
+
+def test_api_needs_a_process_group(source_checkpoint):
+    model = build_model("nested", MODEL["kwargs"])
+    with pytest.raises(RuntimeError, match="initialized process group"):
+        osdpipe.reshard_optimizer_state(model, torch.optim.Adam(model.parameters()), source_checkpoint, model_config=MODEL, source=SOURCE, target=TARGET)
