@@ -8,18 +8,21 @@ hold exactly the parameters of the target's group, else the target optimizer
 would silently pair state with the wrong parameters. Every tensor is checked
 against the shape of the parameter it is keyed to.
 
-For ``fsdp_full`` and ``dcp`` output, state stays keyed by canonical FQN.
+For ``fsdp_full`` and ``dcp`` output, state stays keyed by canonical FQN and
+each param group lists FQNs in the target optimizer's order, as
+``FSDP.optim_state_dict`` on the target reports them.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from osdpipe.context import Context
-from osdpipe.layout import LocalTensor
+from osdpipe.layout import LocalTensor, rank_layout
 from osdpipe.stages import stage
 
 
@@ -29,42 +32,59 @@ def _check_shapes(tensor: LocalTensor, state: dict[str, Any], key: Any) -> None:
             raise ValueError(f"state {name!r} for {tensor.key} (key {key}) has shape {tuple(value.shape)}, but the target parameter has {tensor.shape}")
 
 
+def _param_groups(ctx: Context, layout: tuple[LocalTensor, ...], groups: list[list[int]], params_of: Callable[[list[int]], list[Any]]) -> list[dict[str, Any]] | None:
+    """The source's param groups, each holding its target group's parameters as ``params_of`` names them.
+
+    Hyperparameters come from the source, as PyTorch keeps them. Group ``g``
+    of the source must hold the same parameters as group ``g`` of the target
+    optimizer (as far as the target optimizer holds them), else loading would
+    pair hyperparameters with the wrong parameters.
+    """
+    assert ctx.meta is not None
+    if ctx.meta.param_groups is None:
+        return None
+    if len(ctx.meta.param_groups) != len(groups):
+        raise ValueError(
+            f"the source has {len(ctx.meta.param_groups)} param group(s) but the target optimizer has {len(groups)}; "
+            "set optim.param_groups to the source's grouping"
+        )
+    held = {f for g in groups for i in g for f in layout[i].fqns}
+    out = []
+    for g, (source_group, members) in enumerate(zip(ctx.meta.param_groups, groups)):
+        target_fqns = {f for i in members for f in layout[i].fqns}
+        source_fqns = set(source_group["params"]) & held
+        if source_fqns != target_fqns:
+            raise ValueError(
+                f"param group {g}: the source's group holds {sorted(source_fqns - target_fqns)[:4]} that the target's does not, "
+                f"and the target's holds {sorted(target_fqns - source_fqns)[:4]} that the source's does not; "
+                "set optim.param_groups so the groups hold the same parameters"
+            )
+        group = copy.deepcopy(source_group)
+        group["params"] = params_of(members)
+        out.append(group)
+    return out
+
+
 def id_keyed(ctx: Context) -> dict[str, Any]:
     """This rank's state keyed by the target optimizer's parameter IDs."""
-    assert ctx.meta is not None
     layout = ctx.target_layout()
     groups = ctx.target_groups(layout)
     ids = {layout[i].key: pid for pid, i in enumerate(i for g in groups for i in g)}
-    fqn_to_id = {f: ids[t.key] for t in layout if t.key in ids for f in t.fqns}
     state = {}
     for tensor in layout:
         if tensor.key in ctx.local_state and tensor.key in ids:
             _check_shapes(tensor, ctx.local_state[tensor.key], ids[tensor.key])
             state[ids[tensor.key]] = ctx.local_state[tensor.key]
             ctx.result_keys[tensor.key] = ids[tensor.key]
-    target_groups = [sorted(ids[layout[i].key] for i in g) for g in groups]
-    if ctx.meta.param_groups is None:
-        return {"state": dict(sorted(state.items()))}
-    if len(ctx.meta.param_groups) != len(target_groups):
-        raise ValueError(
-            f"the source has {len(ctx.meta.param_groups)} param group(s) but the target optimizer has {len(target_groups)}; "
-            "set optim.param_groups to the source's grouping"
-        )
-    param_groups = []
-    for g, (source_group, target_ids) in enumerate(zip(ctx.meta.param_groups, target_groups)):
-        group = copy.deepcopy(source_group)
-        group["params"] = sorted({fqn_to_id[f] for f in source_group["params"] if f in fqn_to_id})
-        if group["params"] != target_ids:
-            raise ValueError(
-                f"param group {g}: the source's parameters map to IDs {group['params']} but the target optimizer's group {g} "
-                f"holds {target_ids}; set optim.param_groups so the groups hold the same parameters"
-            )
-        param_groups.append(group)
-    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+    out: dict[str, Any] = {"state": dict(sorted(state.items()))}
+    param_groups = _param_groups(ctx, layout, groups, lambda members: sorted(ids[layout[i].key] for i in members))
+    if param_groups is not None:
+        out["param_groups"] = param_groups
+    return out
 
 
 def fqn_keyed(ctx: Context) -> dict[str, Any]:
-    """This rank's state keyed by canonical FQN, with the source's param groups."""
+    """This rank's state keyed by canonical FQN; param groups list FQNs in the target optimizer's order."""
     assert ctx.meta is not None
     state = {}
     for tensor in ctx.target_layout():
@@ -73,8 +93,11 @@ def fqn_keyed(ctx: Context) -> dict[str, Any]:
             state[tensor.key] = ctx.local_state[tensor.key]
             ctx.result_keys[tensor.key] = tensor.key
     out: dict[str, Any] = {"state": {**state, **ctx.meta.extra}}
-    if ctx.meta.param_groups is not None:
-        out["param_groups"] = copy.deepcopy(ctx.meta.param_groups)
+    optimizer_layout = rank_layout(ctx.tree, ctx.spec.target.spec(), ctx.rank if ctx.rank < ctx.spec.target.world_size else 0)
+    groups = ctx.target_groups(optimizer_layout)
+    param_groups = _param_groups(ctx, optimizer_layout, groups, lambda members: [f for i in members for f in optimizer_layout[i].fqns])
+    if param_groups is not None:
+        out["param_groups"] = param_groups
     return out
 
 
