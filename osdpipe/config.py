@@ -51,7 +51,7 @@ class LayoutConfig(_Frozen):
     use_orig_params: bool = False
     wrap: list[str] = Field(default_factory=list)
     wrap_root: bool = True
-    state_dict_type: Literal["full", "sharded"] = "full"
+    state_dict_type: Literal["full", "sharded", "local"] = "full"  # local: each rank's own optim.state_dict() (rank_local)
 
     @model_validator(mode="after")
     def _root_or_units(self) -> LayoutConfig:
@@ -238,7 +238,7 @@ class RunSpec(_Frozen):
             return self.input.format
         if self.source.kind == "none":
             return "plain"
-        return "fsdp_full" if self.source.state_dict_type == "full" else "dcp"
+        return {"full": "fsdp_full", "sharded": "dcp", "local": "rank_local"}[self.source.state_dict_type]
 
 
 def validate(raw: dict[str, Any]) -> RunSpec:

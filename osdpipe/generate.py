@@ -3,8 +3,9 @@
 This is what plain ``osdpipe`` converts: with no ``input.path``, the source
 world (``source.world_size`` ranks) trains a few steps with real FSDP and saves
 the optimizer state in the source state-dict type: FULL as an ``fsdp_full``
-file, SHARDED as a DCP directory; an unwrapped source (``kind=none``) saves
-its optimizer's own ``state_dict()`` as a ``plain`` file.
+file, SHARDED as a DCP directory, ``local`` as each rank's own
+``optim.state_dict()`` in a ``rank_local`` directory; an unwrapped source
+(``kind=none``) saves its optimizer's own ``state_dict()`` as a ``plain`` file.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import torch.distributed as dist
 
 from osdpipe.config import RunSpec
 from osdpipe.models import build_model
-from osdpipe.reference import live_target, train_step
+from osdpipe.reference import full_optim_config, live_target, train_step
 from osdpipe.tree import describe
 
 
 def source_path(spec: RunSpec) -> str:
     """Where the generated source checkpoint goes: ``<output.path>/source/``."""
-    name = "optim.pt" if spec.source.kind == "none" or spec.source.state_dict_type == "full" else "dcp"
+    if spec.source.kind == "none" or spec.source.state_dict_type == "full":
+        name = "optim.pt"
+    else:
+        name = "dcp" if spec.source.state_dict_type == "sharded" else "rank_local"
     return str(Path(spec.output.path) / "source" / name)
 
 
@@ -53,8 +57,17 @@ def generate_rank(spec: RunSpec) -> str:
                 tmp = path.with_suffix(".tmp")
                 torch.save(optim.state_dict(), tmp)
                 os.replace(tmp, path)
+        elif spec.source.state_dict_type == "local":  # each rank's own state, param-ID keyed, local shards
+            path.mkdir(exist_ok=True)
+            if rank == 0:  # a previous, larger source world's files would read as a mismatched world size
+                for stale in path.glob("rank_*.pt"):
+                    if stale.stem.removeprefix("rank_").isdigit() and int(stale.stem.removeprefix("rank_")) >= spec.source.world_size:
+                        stale.unlink()
+            tmp = path / f".rank_{rank}.pt.tmp"
+            torch.save(optim.state_dict(), tmp)
+            os.replace(tmp, path / f"rank_{rank}.pt")
         elif spec.source.state_dict_type == "full":
-            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=True)):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), full_optim_config(rank0_only=True)):
                 osd = FSDP.optim_state_dict(model, optim)
             if rank == 0:
                 tmp = path.with_suffix(".tmp")

@@ -3,7 +3,8 @@
 An optimizer keys its state by the position of each parameter in its param
 groups, concatenated: *not* by ``named_parameters()`` order. Both building a
 real optimizer and rekeying a converted state go through
-:func:`group_members`, so the IDs osdpipe writes are the IDs the target
+:func:`group_members` (:func:`pattern_members` for the groups of a
+param-ID keyed input), so the IDs osdpipe writes are the IDs the target
 optimizer assigns.
 """
 
@@ -19,34 +20,47 @@ from osdpipe.layout import LocalTensor, select_params
 
 
 def group_members(cfg: OptimConfig, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
-    """For each param group, the indices into ``layout`` (``model.parameters()`` order) of its parameters.
+    """For each param group of ``cfg``, the indices into ``layout`` (``model.parameters()`` order) of its parameters.
 
-    Without configured groups there is one group over all parameters, in
-    order. With groups, each takes the parameters its patterns match (a flat
-    parameter matches when one of its original parameters does); parameters
-    no group matches are left out of the optimizer.
+    See :func:`pattern_members`; the groups are ``optim.param_groups``.
+    """
+    return pattern_members([g.params for g in cfg.param_groups] or None, layout)
+
+
+def pattern_members(groups: list[list[str]] | None, layout: tuple[LocalTensor, ...], where: str = "optim.param_groups") -> list[list[int]]:
+    """For each group of FQN patterns, the indices into ``layout`` (``model.parameters()`` order) of its parameters.
+
+    Without groups (``None`` or empty) there is one group over all parameters,
+    in order. With groups, each takes the parameters its patterns match (a
+    flat parameter matches when one of its original parameters does);
+    parameters no group matches are left out of the optimizer.
+
+    Args:
+        groups: the ``fnmatch`` patterns of each param group.
+        layout: the local tensors of one rank.
+        where: the config key the groups come from, for error messages.
 
     Raises:
         ValueError: if a parameter falls into two groups or a group matches nothing.
     """
-    if not cfg.param_groups:
+    if not groups:
         return [list(range(len(layout)))]
     index = {t.key: i for i, t in enumerate(layout)}
-    groups, seen = [], {}
-    for g, group in enumerate(cfg.param_groups):
-        members = [index[t.key] for t in select_params(list(layout), group.params)]
+    members_of, seen = [], {}
+    for g, patterns in enumerate(groups):
+        members = [index[t.key] for t in select_params(list(layout), patterns)]
         if not members:
-            raise ValueError(f"optim.param_groups[{g}].params={group.params} matches no parameter of the wrapped model")
+            raise ValueError(f"{where}[{g}].params={patterns} matches no parameter of the wrapped model")
         for i in members:
             if i in seen:
                 raise ValueError(
                     f"{layout[i].key} (holding {', '.join(layout[i].fqns[:3])}{'...' if len(layout[i].fqns) > 3 else ''}) "
-                    f"is in optim.param_groups[{seen[i]}] and [{g}]; a parameter can be in one group only"
+                    f"is in {where}[{seen[i]}] and [{g}]; a parameter can be in one group only"
                     + ("; with use_orig_params=false a flat parameter moves as a whole" if len(layout[i].fqns) > 1 else "")
                 )
             seen[i] = g
-        groups.append(members)
-    return groups
+        members_of.append(members)
+    return members_of
 
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module, layout: tuple[LocalTensor, ...]) -> torch.optim.Optimizer:

@@ -54,7 +54,14 @@ def pytorch_to_load(kind: str, model: nn.Module, optim: torch.optim.Optimizer, f
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return FSDP.rekey_optim_state_dict(full_osd, OptimStateKeyType.PARAM_ID, model, optim=optim)
+        groups = full_osd.get("param_groups") or []
+        if full_osd["state"] or not any(g["params"] for g in groups):
+            return FSDP.rekey_optim_state_dict(full_osd, OptimStateKeyType.PARAM_ID, model, optim=optim)
+        # With no state at all (SGD without momentum, no step taken) PyTorch cannot tell the key type and
+        # returns the state dict unchanged, param groups still FQN-keyed: give it one empty entry to key by.
+        probe = next(f for g in groups for f in g["params"])
+        rekeyed = FSDP.rekey_optim_state_dict({**full_osd, "state": {probe: {}}}, OptimStateKeyType.PARAM_ID, model, optim=optim)
+        return {**rekeyed, "state": {}}
 
 
 def fsdp_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -68,5 +75,19 @@ def fsdp_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str,
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=False)):
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), full_optim_config(rank0_only=False)):
             return FSDP.optim_state_dict(model, optim)
+
+
+def full_optim_config(rank0_only: bool) -> Any:
+    """FSDP1's FULL optimizer state-dict config, safe on CPU.
+
+    With ``use_orig_params=True`` and ``offload_to_cpu=True`` (the default),
+    torch 2.13 on CPU returns every tensor state of a flat parameter as a view
+    of one reused buffer (``.cpu()`` does not copy a CPU tensor), so
+    ``exp_avg`` comes back equal to ``exp_avg_sq``. Offloading is only useful
+    from a GPU anyway.
+    """
+    from torch.distributed.fsdp import FullOptimStateDictConfig
+
+    return FullOptimStateDictConfig(offload_to_cpu=torch.cuda.is_available(), rank0_only=rank0_only)

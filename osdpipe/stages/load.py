@@ -23,4 +23,7 @@ def load(ctx: Context) -> None:
     id_groups = spec.input.param_groups
     if id_groups is None and ctx.input_format == "rank_local":
         id_groups = [g.params for g in spec.optim.param_groups] or None
+    if id_groups is None and ctx.input_format == "plain" and spec.input.path is None:
+        # A source osdpipe generated: its optimizer was built from optim.param_groups (one group over model.parameters() without).
+        id_groups = [g.params for g in spec.optim.param_groups] or [["*"]]
     ctx.reader = open_source(ctx.input_format, ctx.input_path, spec.input.key, tree=ctx.tree, source=spec.source.spec(), id_groups=id_groups)

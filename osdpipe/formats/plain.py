@@ -1,0 +1,83 @@
+"""``plain``: one ``torch.save`` file holding a non-distributed ``optim.state_dict()`` of the unwrapped model.
+
+Its state is keyed by param ID: ``{"state": {id: {...}}, "param_groups": [{..., "params": [ids]}]}``
+with full tensors. The reader maps IDs to canonical FQNs (:mod:`osdpipe.idmap`:
+by the param groups the user gives, checked by shape, or by shape alone where
+that is unambiguous) and then exposes the same FQN-keyed metadata as an
+``fsdp_full`` file, so every later stage works unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from osdpipe.formats import IdGroups, SourceMeta, describe_value
+from osdpipe.formats.fsdp_full import load_full
+from osdpipe.idmap import StateShapes, map_ids
+from osdpipe.tree import ModuleTree
+
+
+def saved_ids(osd: dict[str, Any], path: str) -> tuple[list[list[int]], StateShapes]:
+    """The ``params`` ID list of each param group, and the shapes of each ID's tensor state.
+
+    Raises:
+        ValueError: if ``osd`` is not param-ID keyed like ``optim.state_dict()``.
+    """
+    groups = osd.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise ValueError(f"{path} has no param groups with 'params' lists; a plain checkpoint is torch.save(optim.state_dict()) of an unwrapped model")
+    keys = [k for g in groups for k in g["params"]] + list(osd["state"])
+    named = [k for k in keys if not isinstance(k, int) or isinstance(k, bool)]
+    if named:
+        raise ValueError(
+            f"{path} keys its state by {named[0]!r}, not by param ID; a plain checkpoint is optim.state_dict() of an unwrapped model. "
+            "An FQN-keyed full state (FSDP.optim_state_dict) is input.format=fsdp_full"
+        )
+    shapes = {
+        pid: {n: tuple(v.shape) for n, v in s.items() if torch.is_tensor(v) and v.dim() > 0}
+        for pid, s in osd["state"].items()
+    }
+    return [list(g["params"]) for g in groups], shapes
+
+
+class PlainReader:
+    """Reads a ``plain`` file memory-mapped; every rank maps the IDs itself (metadata only) and reads its ranges."""
+
+    def __init__(self, path: str, tree: ModuleTree, id_groups: IdGroups) -> None:
+        self.path = path
+        self.tree = tree
+        self.id_groups = id_groups
+        self._osd: dict[str, Any] | None = None
+        self._fqn_of: dict[int, str] | None = None
+        self._id_of: dict[str, int] = {}
+
+    @property
+    def osd(self) -> dict[str, Any]:
+        if self._osd is None:
+            self._osd = load_full(self.path, "plain")
+        return self._osd
+
+    def fqn_of(self) -> dict[int, str]:
+        """Param ID -> canonical FQN, every pair checked (see :func:`osdpipe.idmap.map_ids`)."""
+        if self._fqn_of is None:
+            saved_groups, shapes = saved_ids(self.osd, self.path)
+            try:
+                self._fqn_of = map_ids(self.tree, saved_groups, shapes, self.id_groups)
+            except ValueError as exc:
+                raise ValueError(f"{self.path} (input.format=plain): {exc}") from None
+            self._id_of = {f: i for i, f in self._fqn_of.items()}
+        return self._fqn_of
+
+    def meta(self) -> SourceMeta:
+        fqn_of, state = self.fqn_of(), self.osd["state"]
+        order = [pid for g in self.osd["param_groups"] for pid in g["params"] if pid in state]
+        per_param = {fqn_of[pid]: {n: describe_value(v) for n, v in state[pid].items()} for pid in order}
+        groups = [{**g, "params": [fqn_of[pid] for pid in g["params"]]} for g in self.osd["param_groups"]]
+        return SourceMeta(state=per_param, param_groups=groups)
+
+    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        self.fqn_of()  # every rank maps the IDs itself: meta() ran on rank 0 only
+        state = self.osd["state"]
+        return {(fqn, name): state[self._id_of[self.tree.canonical(fqn)]][name] for fqn, name in items}

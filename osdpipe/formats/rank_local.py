@@ -1,0 +1,274 @@
+"""``rank_local`` as an input: each rank's own ``optim.state_dict()``, one file per rank.
+
+A directory holds ``rank_0.pt`` .. ``rank_<N-1>.pt``, N the source world
+size; file ``r`` is what rank ``r``'s optimizer returned from ``state_dict()``
+over the FSDP1-wrapped model. Its state is keyed by param ID (the position in
+the optimizer's param groups over ``model.parameters()`` of the wrapped model)
+and holds local tensors: a flat parameter's chunk, a ``use_orig_params``
+shard, or a whole parameter. Nothing in the files says what those tensors
+are, so the source layout (``source.*``) and the groups the IDs follow
+(``input.param_groups``, else ``optim.param_groups``) must be given; every
+state tensor is checked against the shape that layout gives it.
+
+The reader presents the files as a full FQN-keyed state, as
+``FSDP.optim_state_dict`` with FULL_STATE_DICT would: every original
+parameter gets its state in its own shape, assembled from the segments the
+source ranks hold. Where two ranks hold the same element (NO_SHARD, or a
+parameter FSDP does not manage), the lowest rank's copy is read, as FSDP's
+full state dict reports rank 0's. Ranks whose local tensor is empty (a
+``use_orig_params`` shard with no element of the parameter) have no state and
+are skipped, as FSDP skips them. An element held only by ranks without state
+for it is an error, never zeros: FSDP's own gather refuses such a state too.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from osdpipe.compare import diff
+from osdpipe.formats import IdGroups, SourceMeta, TensorRef
+from osdpipe.layout import LayoutSpec, LocalTensor, rank_layout
+from osdpipe.optim import pattern_members
+from osdpipe.tree import ModuleTree
+
+_RANK_FILE = re.compile(r"rank_(0|[1-9]\d*)\.pt")
+_GROUPS_KEY = "input.param_groups (or optim.param_groups)"
+_HINT = "are source.wrap / world_size / sharding_strategy / use_orig_params / input.param_groups those of the job that saved it?"
+
+
+def rank_files(path: str | Path, world_size: int) -> list[Path]:
+    """The files ``rank_0.pt`` .. ``rank_<world_size-1>.pt`` of directory ``path``.
+
+    Raises:
+        ValueError: when one is missing, or the directory holds rank files beyond the world size.
+    """
+    directory = Path(path)
+    present = {int(m.group(1)): p for p in directory.iterdir() if (m := _RANK_FILE.fullmatch(p.name))} if directory.is_dir() else {}
+    missing = [f"rank_{r}.pt" for r in range(world_size) if r not in present]
+    extra = [present[r].name for r in sorted(present) if r >= world_size]
+    if missing or extra:
+        found = ", ".join(present[r].name for r in sorted(present)) or "none"
+        what = "; ".join([f"missing {', '.join(missing)}"] * bool(missing) + [f"unexpected {', '.join(extra)}"] * bool(extra))
+        raise ValueError(
+            f"rank_local input {directory}: expected rank_0.pt .. rank_{world_size - 1}.pt for source.world_size={world_size}, "
+            f"found {found} ({what}); set source.world_size to the number of ranks that saved it"
+        )
+    return [present[r] for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """``length`` elements of a parameter from ``start``, read from ``rank``'s state of param ``pid`` at ``offset``."""
+
+    rank: int
+    pid: int
+    start: int
+    length: int
+    offset: int
+
+
+def _uncovered(start: int, end: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[start, end)`` outside every interval of ``covered``."""
+    out, cursor = [], start
+    for lo, hi in sorted(covered):
+        if hi <= cursor or lo >= end:
+            continue
+        if lo > cursor:
+            out.append((cursor, lo))
+        cursor = max(cursor, hi)
+    if cursor < end:
+        out.append((cursor, end))
+    return out
+
+
+class RankLocalReader:
+    """Reads a directory of per-rank ``optim.state_dict()`` files saved under the ``source`` layout.
+
+    Args:
+        path: the directory.
+        tree: the model's module tree.
+        source: the layout the files were saved under (its world size is the number of files).
+        id_groups: the FQN patterns of each param group of the optimizer that
+            saved them; ``None``: one group over all of ``model.parameters()``.
+    """
+
+    def __init__(self, path: str, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> None:
+        self.path, self.tree, self.source = path, tree, source
+        self.files = rank_files(path, source.world_size)
+        self.layouts = [rank_layout(tree, source, r) for r in range(source.world_size)]
+        members = pattern_members(id_groups, self.layouts[0], where=_GROUPS_KEY)
+        self.group_ids: list[list[int]] = []
+        self.order: list[int] = []  # param ID -> index into a rank's layout (the same on every rank)
+        for group in members:
+            self.group_ids.append(list(range(len(self.order), len(self.order) + len(group))))
+            self.order.extend(group)
+        self._osds: dict[int, dict[str, Any]] = {}
+        self._index: dict[str, dict[str, Any]] | None = None
+
+    def tensor(self, rank: int, pid: int) -> LocalTensor:
+        """The local tensor that param ID ``pid`` names on rank ``rank``."""
+        return self.layouts[rank][self.order[pid]]
+
+    def _osd(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s state dict, memory-mapped and checked against the source layout (loaded once)."""
+        if rank not in self._osds:
+            path = self.files[rank]
+            try:
+                osd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as exc:  # torch raises several types for a bad file
+                raise ValueError(f"cannot read {path} as rank {rank}'s optim.state_dict() (a torch.save file): {exc}") from exc
+            if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
+                raise ValueError(f"{path} is not an optimizer state dict: it has no 'state' dict")
+            self._check(rank, osd)
+            self._osds[rank] = osd
+        return self._osds[rank]
+
+    def _check(self, rank: int, osd: dict[str, Any]) -> None:
+        """The file's groups hold the IDs the groups give; every ID names a local tensor of the source layout, with state of its shape."""
+        groups = osd.get("param_groups")
+        if groups is not None:
+            ids = [list(g.get("params", [])) if isinstance(g, dict) else [] for g in groups]
+            if sum(map(len, ids)) != len(self.order):
+                raise ValueError(
+                    f"rank {rank}: its optimizer holds {sum(map(len, ids))} parameter(s) in {len(ids)} group(s), but the source layout "
+                    f"gives it {len(self.order)} in {len(self.group_ids)}; {_HINT}"
+                )
+            if ids != self.group_ids:
+                raise ValueError(
+                    f"rank {rank}: the file's param groups hold IDs {_show(ids)} but the groups of input.param_groups, "
+                    f"else optim.param_groups, hold {_show(self.group_ids)}; "
+                    "set input.param_groups to the FQN patterns of the groups of the optimizer that saved it, in its order"
+                )
+        for pid, state in osd["state"].items():
+            if not isinstance(pid, int):
+                continue  # not a parameter's state: passed through as extra state (rank 0's)
+            if not 0 <= pid < len(self.order):
+                raise ValueError(
+                    f"rank {rank}, param ID {pid}: the source layout gives the optimizer {len(self.order)} parameter(s) "
+                    f"(IDs 0..{len(self.order) - 1}); {_HINT}"
+                )
+            tensor = self.tensor(rank, pid)
+            for name, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tensor.shape:
+                    raise ValueError(
+                        f"rank {rank}, param ID {pid}: state {name} has shape {tuple(value.shape)} but the source layout says "
+                        f"{tensor.shape} ({tensor.key}); {_HINT}"
+                    )
+
+    def _holders(self, pid: int) -> list[int]:
+        """The ranks that hold state of param ``pid``: a non-empty local tensor, and state for it.
+
+        An empty ``use_orig_params`` shard gets no gradient, hence no state; FSDP skips such ranks too.
+        """
+        return [r for r in range(self.source.world_size) if self.tensor(r, pid).has_elements and self._osd(r)["state"].get(pid)]
+
+    def _build_index(self) -> dict[str, dict[str, Any]]:
+        """FQN -> its param ID, state names, scalar state, and where each state tensor's elements are read."""
+        index: dict[str, dict[str, Any]] = {}
+        for pid in range(len(self.order)):
+            holders = self._holders(pid)
+            if holders:  # a flat parameter's original parameters all share its state names and scalar state
+                for fqn in self.tensor(0, pid).fqns:
+                    index[fqn] = self._entry(pid, fqn, holders)
+        return index
+
+    def _entry(self, pid: int, fqn: str, holders: list[int]) -> dict[str, Any]:
+        states = {r: self._osd(r)["state"][pid] for r in holders}
+        first = holders[0]
+        names = list(states[first])
+        for r in holders[1:]:
+            if set(states[r]) != set(names):
+                raise ValueError(f"{fqn} (param ID {pid}): rank {first} has state {sorted(names)} but rank {r} has {sorted(states[r])}")
+        values: dict[str, Any] = {}
+        pieces: dict[str, list[_Piece]] = {}
+        for name in names:
+            value = states[first][name]
+            if torch.is_tensor(value) and value.dim() > 0:
+                dtypes = {str(states[r][name].dtype) for r in holders}
+                if len(dtypes) > 1:
+                    raise ValueError(f"{fqn} (param ID {pid}): state {name} has dtypes {sorted(dtypes)} on different ranks")
+                values[name] = TensorRef(self.tree.param(fqn).shape, str(value.dtype).removeprefix("torch."))
+                pieces[name] = self._pieces(pid, fqn, name, holders)
+                continue
+            for r in holders[1:]:
+                if diff(states[r][name], value):
+                    raise ValueError(
+                        f"{fqn} (param ID {pid}): scalar state {name} is {states[r][name]!r} on rank {r} but {value!r} on rank {first}; "
+                        "the ranks of one job agree on it, so these files are not from one checkpoint"
+                    )
+            values[name] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+        return {"pid": pid, "values": values, "pieces": pieces}
+
+    def _pieces(self, pid: int, fqn: str, name: str, holders: list[int]) -> list[_Piece]:
+        """Where each element of ``fqn``'s state ``name`` is read: the lowest rank holding it."""
+        covered: list[tuple[int, int]] = []
+        pieces = []
+        for r in holders:
+            for seg in self.tensor(r, pid).segments:
+                if seg.fqn != fqn:
+                    continue
+                for lo, hi in _uncovered(seg.start, seg.start + seg.length, covered):
+                    pieces.append(_Piece(r, pid, lo, hi - lo, seg.dest + lo - seg.start))
+                    covered.append((lo, hi))
+        numel = self.tree.param(fqn).numel
+        gaps = _uncovered(0, numel, covered)
+        if gaps:
+            lo, hi = gaps[0]
+            owners = [
+                r for r in range(self.source.world_size) for s in self.tensor(r, pid).segments if s.fqn == fqn and s.start < hi and s.start + s.length > lo
+            ]
+            raise ValueError(
+                f"{fqn} state {name}: elements {lo}..{hi} (of {numel}) lie on rank(s) {owners} under the source layout, "
+                f"which have no state for param ID {pid}; FSDP cannot gather this state either. {_HINT}"
+            )
+        return pieces
+
+    @property
+    def index(self) -> dict[str, dict[str, Any]]:
+        if self._index is None:
+            self._index = self._build_index()
+        return self._index
+
+    def meta(self) -> SourceMeta:
+        state = {fqn: dict(e["values"]) for fqn, e in self.index.items()}
+        rank0 = self._osd(0)
+        extra = {k: v for k, v in rank0["state"].items() if not isinstance(k, int)}
+        groups = None
+        if rank0.get("param_groups") is not None:
+            groups = []
+            for group, ids in zip(rank0["param_groups"], self.group_ids):
+                fqns = [f for pid in ids for f in self.tensor(0, pid).fqns]
+                groups.append({**copy.deepcopy({k: v for k, v in group.items() if k != "params"}), "params": fqns})
+        return SourceMeta(state=state, param_groups=groups, extra=extra)
+
+    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        out = {}
+        for fqn, name in items:
+            entry = self.index.get(self.tree.canonical(fqn))
+            ref = entry["values"].get(name) if entry else None
+            if not isinstance(ref, TensorRef):
+                raise KeyError(f"the rank_local input has no tensor state {name!r} for {fqn}")
+            # Every element is written below: the index proved the pieces cover the parameter.
+            flat = torch.empty(ref.shape, dtype=ref.torch_dtype).view(-1)
+            for p in entry["pieces"][name]:
+                local = self._osd(p.rank)["state"][p.pid][name].reshape(-1)
+                flat[p.start : p.start + p.length] = local[p.offset : p.offset + p.length]
+            out[(fqn, name)] = flat.view(ref.shape)
+        return out
+
+
+def _show(ids: list[Any]) -> str:
+    """Param ID groups, short: ``[0..4], [5..9]``."""
+    parts = []
+    for g in ids:
+        if isinstance(g, list) and g and g == list(range(g[0], g[0] + len(g))):
+            parts.append(f"[{g[0]}..{g[-1]}]")
+        else:
+            parts.append(repr(g))
+    return ", ".join(parts) or "none"
