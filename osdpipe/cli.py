@@ -30,6 +30,7 @@ def summarize(report: Report, output: str) -> str:
     lines = [f"osdpipe: {'OK' if report.ok else 'FAILED'}  ->  {output}"]
     if report.error:
         lines.append(f"  error: {report.error}")
+    lines.extend(f"  warning: {w}" for w in report.warnings)
     for s in report.stages:
         lines.append(f"  {s.name:<10} {s.seconds:8.3f} s  {s.bytes:>12,d} B")
     for c in report.checks:

@@ -40,6 +40,7 @@ class Context:
     result: dict[str, Any] | None = None  # rekey: the state dict this rank's output holds
     result_keys: dict[str, Any] = field(default_factory=dict)  # rekey: layout key -> key in result["state"]
     checks: list[CheckResult] = field(default_factory=list)  # verify
+    warnings: list[str] = field(default_factory=list)  # what the user should know though nothing failed
     live: tuple[Any, Any] | None = None  # verify: the real target model and optimizer, built once
     optim_groups: list[list[int]] | None = None  # the live target optimizer's groups (Python API), as layout indices
     optimizer_keys: list[set[str]] = field(default_factory=list)  # verify: per target rank, the keys its optimizer holds

@@ -9,6 +9,7 @@ in the launcher with the ranks that failed.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -75,9 +76,16 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
         outcome = (rank, True, fn(*args))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         outcome = (rank, False, RankFailure(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    # Sent as plain pickle bytes: a result the queue cannot pickle would
+    # otherwise vanish in its feeder thread and leave the launcher waiting,
+    # and tensors would travel through shared-memory handles.
+    try:
+        payload = pickle.dumps(outcome)
+    except Exception as exc:  # noqa: BLE001
+        payload = pickle.dumps((rank, False, RankFailure(f"rank {rank}'s result cannot be pickled: {exc}", "")))
     # Report before tearing the group down: the teardown breaks the other
     # ranks' collectives, and their echo of it must not arrive first.
-    results.put(outcome)
+    results.put(payload)
     results.close()
     results.join_thread()
     if dist.is_initialized():
@@ -132,7 +140,7 @@ def run_local_world(
             if now > deadline or (first_failure is not None and now > first_failure + GRACE_S):
                 break
             try:
-                rank, ok, value = results.get(timeout=0.2)
+                rank, ok, value = pickle.loads(results.get(timeout=0.2))
                 outcome[rank] = (ok, value)
                 if not ok and first_failure is None:
                     first_failure = time.monotonic()

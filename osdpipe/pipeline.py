@@ -40,6 +40,7 @@ class Report:
     checks: list[CheckResult] = field(default_factory=list)
     error: str | None = None
     files: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def write(self, directory: str | Path) -> Path:
         path = Path(directory) / "report.json"
@@ -70,7 +71,7 @@ def run_stages(ctx: Context) -> Report:
         StageReport(name, round(max(r[i][1] for r in per_rank), 6), sum(r[i][2] for r in per_rank)) for i, (name, _, _) in enumerate(timings)
     ]
     ok = all(c.ok for c in ctx.checks)
-    return Report(ok=ok, stages=stages, checks=ctx.checks, files=ctx.files)
+    return Report(ok=ok, stages=stages, checks=ctx.checks, files=ctx.files, warnings=ctx.warnings)
 
 
 def make_context(spec: RunSpec, input_path: str, input_format: str) -> Context:

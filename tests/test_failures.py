@@ -62,3 +62,14 @@ def test_stage_error_is_raised_on_every_rank(tmp_path):
     assert messages[0] == messages[1], messages
     assert "stage 'explode' failed on rank(s) [1]" in messages[0] and "disk full on rank 1" in messages[0]
     assert not (tmp_path / "out" / "rank_0.pt").exists(), "a later stage ran after a failed one"
+
+
+def _unpicklable_result():
+    return {}.keys()
+
+
+def test_unpicklable_result_is_an_error_not_a_hang():
+    start = time.monotonic()
+    with pytest.raises(WorldError, match="cannot be pickled"):
+        run_local_world(_unpicklable_result, 2, timeout_s=60)
+    assert time.monotonic() - start < 30

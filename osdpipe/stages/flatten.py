@@ -10,14 +10,16 @@ tensor (shape, dtype) for the shard stage to fill.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from osdpipe.context import Context
 from osdpipe.formats import SourceMeta, TensorRef
-from osdpipe.layout import LocalTensor
+from osdpipe.layout import LayoutSpec, LocalTensor, unit_of
 from osdpipe.stages import stage
+from osdpipe.tree import ModuleTree
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -62,9 +64,28 @@ def flat_entry(tensor: LocalTensor, meta: SourceMeta) -> dict[str, Any] | None:
     return entry
 
 
+def unmanaged_warning(tree: ModuleTree, spec: LayoutSpec) -> str | None:
+    """A warning naming the parameters no FSDP unit of the target manages (``wrap_root=false``), if any."""
+    if spec.kind != "fsdp1":
+        return None
+    unmanaged = [fqn for fqn, unit in unit_of(tree, spec).items() if unit is None]
+    if not unmanaged:
+        return None
+    shown = ", ".join(unmanaged[:8]) + (f" and {len(unmanaged) - 8} more" if len(unmanaged) > 8 else "")
+    return (
+        f"{len(unmanaged)} parameter(s) are outside every FSDP unit of the target: {shown}. Their state is converted "
+        "whole on every rank; keeping them in step across ranks is left to you, as in the training job"
+    )
+
+
 @stage("flatten")
 def flatten(ctx: Context) -> None:
     assert ctx.meta is not None, "the broadcast stage must run before flatten"
+    message = unmanaged_warning(ctx.tree, ctx.spec.target.spec()) if ctx.id_keyed else None
+    if message is not None:
+        ctx.warnings.append(message)
+        if ctx.rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
     ctx.flat_state = {}
     for tensor in ctx.target_layout():
         entry = flat_entry(tensor, ctx.meta)

@@ -166,7 +166,13 @@ def check_reference(ctx: Context) -> CheckResult:
 def check_load_step(ctx: Context) -> CheckResult:
     model, optim = _target(ctx)
     # load_state_dict keeps tensors that need no cast: a copy stops the step from changing the result.
-    optim.load_state_dict(copy.deepcopy(_loadable(ctx)))
+    loadable = copy.deepcopy(_loadable(ctx))
+    if "param_groups" not in loadable:
+        # A source without param groups converts to state only (as PyTorch's own
+        # conversion does); load_state_dict needs groups, so the target's own are
+        # what a resuming job pairs it with.
+        loadable["param_groups"] = optim.state_dict()["param_groups"]
+    optim.load_state_dict(loadable)
     train_step(ctx.spec, model, optim, step=10_000)
     bad = [
         f"{k}.{n}"
