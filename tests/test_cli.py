@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from helpers import run_osdpipe
 from omegaconf import OmegaConf
 
 from osdpipe.config import STAGE_ORDER, VERIFY_CHECKS
@@ -28,17 +25,7 @@ CONFIG_ERROR = "osdpipe: config error:"
 
 def osdpipe(*args: str, cwd: Path, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """Run ``python -m osdpipe *args`` in ``cwd``; on timeout kill it and its ranks and fail."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["CI"] = "true"  # no progress bars
-    cmd = [sys.executable, "-m", "osdpipe", *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it spawned
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_osdpipe(*args, cwd=cwd, timeout=timeout)
 
 
 def explain(result: subprocess.CompletedProcess[str]) -> str:

@@ -10,16 +10,13 @@ conversions are checked against PyTorch's own path (``FSDP.rekey_optim_state_dic
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_osdpipe
 from torch import nn
 
 from osdpipe.compare import diff
@@ -290,17 +287,8 @@ def test_reference_for_an_unwrapped_target_keys_groups_of_an_empty_state():
 @pytest.mark.parametrize(("recipe", "files"), [("fsdp_to_plain", ["optim.pt"]), ("plain_to_fsdp", ["rank_0.pt", "rank_1.pt"])])
 def test_recipe_runs_through_the_cli(recipe, files, tmp_path):
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["CI"] = "true"
-    cmd = [sys.executable, "-m", "osdpipe", f"recipe={recipe}", f"output.path={out}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it spawned
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"osdpipe recipe={recipe} did not finish within 240 s\n{stdout}\n{stderr}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr}"
+    result = run_osdpipe(f"recipe={recipe}", f"output.path={out}", cwd=tmp_path)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] is True and all(c["ok"] for c in report["checks"]), report
     assert sorted(p.name for p in out.glob("*.pt")) == files

@@ -10,10 +10,6 @@ recipe and one more conversion from its files run end to end.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_osdpipe
 
 from osdpipe.compare import diff
 from osdpipe.config import RunSpec, validate
@@ -175,20 +172,6 @@ def test_rank_without_state_for_its_elements_is_an_error(sources: Path, tmp_path
 
 
 # ---------------------------------------------------------------- end to end
-
-
-def run_osdpipe(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["CI"] = "true"
-    cmd = [sys.executable, "-m", "osdpipe", *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it spawned
-        out, err = proc.communicate()
-        pytest.fail(f"osdpipe {' '.join(args)} did not finish within {timeout} s\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def test_recipe_then_another_conversion_of_its_files(tmp_path: Path) -> None:

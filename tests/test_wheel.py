@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import run_command
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -111,14 +111,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(wheel: Path, tmp_path: Pat
 
     out = tmp_path / "out"
     cmd = [str(script), "recipe=change_wrapping", f"output.path={out}"]
-    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it spawned
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {TIMEOUT_S} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    result = run_command(cmd, cwd=workdir, env=env, timeout=TIMEOUT_S)
     assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] is True and report["error"] is None, report

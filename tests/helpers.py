@@ -1,0 +1,38 @@
+"""Shared by the end-to-end tests: run a command in a subprocess that can never hang the suite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: torchrun's environment: a test run inside one must not make osdpipe join it.
+WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(*drop: str) -> dict[str, str]:
+    """This environment without torchrun's variables (and ``drop``), with ``CI=true`` (no progress bars)."""
+    env = {k: v for k, v in os.environ.items() if k not in (*WORLD_ENV, *drop)}
+    env["CI"] = "true"
+    return env
+
+
+def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; past ``timeout`` kill it with every rank it spawned, and fail."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_osdpipe(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``python -m osdpipe *args`` in ``cwd``."""
+    return run_command([sys.executable, "-m", "osdpipe", *args], cwd=cwd, timeout=timeout)
