@@ -33,6 +33,7 @@ from torch import nn
 from osdpipe.collective import StageError
 from osdpipe.config import validate
 from osdpipe.layout import rank_layout
+from osdpipe.optim import check_matches_layout
 from osdpipe.pipeline import make_context, run_stages
 
 #: Verify checks that leave the caller's model and optimizer untouched (load_step would train them).
@@ -42,12 +43,7 @@ API_CHECKS = ["roundtrip", "reference"]
 def _live_groups(model: nn.Module, optim: torch.optim.Optimizer, layout: tuple) -> list[list[int]]:
     """The optimizer's param groups as indices into ``layout`` (``model.parameters()`` order), checked by shape."""
     params = list(model.parameters())
-    if len(params) != len(layout) or any(tuple(p.shape) != t.shape for p, t in zip(params, layout)):
-        raise ValueError(
-            "the live model does not have the target layout: its parameters have shapes "
-            f"{[tuple(p.shape) for p in params][:6]}..., the target layout {[t.shape for t in layout][:6]}...; "
-            "is `target` (world_size, wrap, use_orig_params, sharding_strategy) how this model was wrapped?"
-        )
+    check_matches_layout(params, layout)
     index = {id(p): i for i, p in enumerate(params)}
     groups = []
     for g, group in enumerate(optim.param_groups):

@@ -63,14 +63,20 @@ def pattern_members(groups: list[list[str]] | None, layout: tuple[LocalTensor, .
     return members_of
 
 
+def check_matches_layout(params: list[nn.Parameter], layout: tuple[LocalTensor, ...]) -> None:
+    """Raise unless ``params`` (a wrapped model's ``parameters()``) are the local tensors ``layout`` describes."""
+    if len(params) != len(layout) or any(tuple(p.shape) != t.shape for p, t in zip(params, layout)):
+        raise ValueError(
+            "the wrapped model does not have the expected layout: its parameters have shapes "
+            f"{[tuple(p.shape) for p in params][:6]}..., the layout {[t.shape for t in layout][:6]}...; "
+            "is the layout (world_size, wrap, use_orig_params, sharding_strategy) how this model was wrapped?"
+        )
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module, layout: tuple[LocalTensor, ...]) -> torch.optim.Optimizer:
     """The optimizer ``cfg`` describes over the wrapped ``model`` whose parameters ``layout`` describes."""
     params = list(model.parameters())
-    if len(params) != len(layout) or any(tuple(p.shape) != t.shape for p, t in zip(params, layout)):
-        raise RuntimeError(
-            "the wrapped model's parameters do not match osdpipe's layout: "
-            f"{[tuple(p.shape) for p in params][:6]} vs {[t.shape for t in layout][:6]}; please report this"
-        )
+    check_matches_layout(params, layout)
     param_groups: list[dict[str, Any]] = []
     for members, group in zip(group_members(cfg, layout), cfg.param_groups or [None]):
         options = group.options if group is not None else {}

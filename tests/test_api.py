@@ -66,7 +66,7 @@ def test_api_refuses_a_model_of_another_layout(source_checkpoint):
     wrong = {**TARGET, "wrap": ["Block"]}  # the live model is wrapped with Leaf units
     with pytest.raises(WorldError) as info:
         run_local_world(_resume, 2, (source_checkpoint, wrong), timeout_s=TIMEOUT_S)
-    assert "does not have the target layout" in str(info.value)
+    assert "does not have the expected layout" in str(info.value)
 
 
 def test_api_needs_a_process_group(source_checkpoint):
