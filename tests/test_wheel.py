@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -88,8 +89,15 @@ def test_wheel_contents(wheel: Path) -> None:
 
 def test_wheel_installs_and_runs_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=tmp_path, timeout=120)
+    run([sys.executable, "-m", "venv", venv], cwd=tmp_path, timeout=120)
     python, script = venv / "bin" / "python", venv / "bin" / "osdpipe"
+    # The dependencies (torch, hydra, ...) come from the environment running the
+    # tests, whether a venv or the system's: a plain path entry adds its
+    # site-packages after the venv's own, without running its .pth hooks, so
+    # the editable checkout installed there stays out of sight.
+    purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path).stdout.strip()
+    outer = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    (Path(purelib) / "_outer_site_packages.pth").write_text("\n".join(outer) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["CI"] = "true"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
