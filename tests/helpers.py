@@ -28,7 +28,10 @@ def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a descendant in a session of its own (torchrun's workers) holds the pipes
+            out, err = "", "(no output: processes outside the command's session kept its pipes open)"
         pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import sys
 from pathlib import Path
 
-from helpers import run_osdpipe
+from helpers import run_command, run_osdpipe
 from omegaconf import OmegaConf
+
+from osdpipe.launch import free_port
 
 from osdpipe.config import STAGE_ORDER, VERIFY_CHECKS
 
@@ -192,3 +195,18 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     assert OmegaConf.to_container(cfg.output)["path"] == "${hydra:runtime.output_dir}"
     assert "hydra" not in cfg
     assert not list(tmp_path.rglob("report.json"))
+
+
+# ---------------------------------------------------------------- torchrun
+
+
+def test_joins_an_existing_torchrun_world(tmp_path: Path) -> None:
+    """The same command under torchrun: the ranks are torchrun's, one report and one .hydra record."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "osdpipe", "source.world_size=2", "target.world_size=2", f"output.path={out}"]
+    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S)
+    assert result.returncode == 0, explain(result)
+    assert result.stdout.count("osdpipe: OK") == 1, explain(result)  # rank 0 alone prints the summary
+    assert_ok(read_json(out / "report.json"))
+    assert sorted(p.name for p in out.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
+    assert len(list(tmp_path.rglob(".hydra"))) == 1, "only rank 0 keeps Hydra's record"
