@@ -35,7 +35,6 @@ def source_path(spec: RunSpec) -> str:
 def generate_rank(spec: RunSpec) -> str:
     """Train and save on this rank of the source world; returns the checkpoint path."""
     from torch.distributed.fsdp import (
-        FullOptimStateDictConfig,
         FullStateDictConfig,
         ShardedOptimStateDictConfig,
         ShardedStateDictConfig,

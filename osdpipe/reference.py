@@ -67,7 +67,6 @@ def pytorch_to_load(kind: str, model: nn.Module, optim: torch.optim.Optimizer, f
 def fsdp_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """PyTorch's full, FQN-keyed optimizer state of a live FSDP1 model, on every rank."""
     from torch.distributed.fsdp import (
-        FullOptimStateDictConfig,
         FullStateDictConfig,
         StateDictType,
     )
