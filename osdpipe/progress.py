@@ -1,4 +1,9 @@
-"""Progress on long work, on rank 0 only, through tqdm (quiet when output is not a terminal or CI is set)."""
+"""Progress on long work, on rank 0 only, through tqdm (quiet when output is not a terminal or CI is set).
+
+tqdm rather than a bar of our own: rate, ETA and terminal-width handling are
+solved there, it has no dependencies of its own, and it stays out of the way
+of log output; rich would bring a rendering stack osdpipe does not otherwise need.
+"""
 
 from __future__ import annotations
 
