@@ -32,7 +32,6 @@ from torch import nn
 
 from osdpipe.collective import StageError
 from osdpipe.config import validate
-from osdpipe.layout import rank_layout
 from osdpipe.optim import check_matches_layout
 from osdpipe.pipeline import make_context, run_stages
 
@@ -106,8 +105,7 @@ def reshard_optimizer_state(
     if spec.target.world_size != dist.get_world_size():
         raise ValueError(f"target.world_size={spec.target.world_size} but this world has {dist.get_world_size()} ranks")
     ctx = make_context(spec, checkpoint, input_format)
-    layout = rank_layout(ctx.tree, spec.target.spec(), ctx.rank)
-    ctx.optim_groups = _live_groups(model, optim, layout)
+    ctx.optim_groups = _live_groups(model, optim, ctx.optimizer_layout())
     ctx.live = (model, optim)
     report = run_stages(ctx)
     failed = {c.name: c.detail for c in report.checks if not c.ok}

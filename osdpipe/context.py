@@ -47,6 +47,8 @@ class Context:
     files: dict[str, str] = field(default_factory=dict)  # save: relative name -> sha256
     tensor_digests: dict[str, str] = field(default_factory=dict)  # save: per-tensor sha256
     bytes_moved: int = 0  # reset per stage
+    _optimizer_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
+    _output_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
 
     def target_groups(self, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
         """This rank's target optimizer's param groups as indices into ``layout``.
@@ -78,7 +80,16 @@ class Context:
         rank = self.rank if rank is None else rank
         fmt = self.spec.output.format
         if fmt in ("rank_local", "plain"):
-            return rank_layout(self.tree, self.spec.target.spec(), rank)
-        if fmt == "fsdp_full":
-            return full_layout(self.tree) if rank == 0 else ()
-        return dim0_layout(self.tree, self.world_size, rank)
+            return self.optimizer_layout(rank)
+        if rank not in self._output_layouts:  # pure and asked for by every stage: computed once
+            self._output_layouts[rank] = full_layout(self.tree) if fmt == "fsdp_full" else dim0_layout(self.tree, self.world_size, rank)
+        if fmt == "fsdp_full" and rank != 0:
+            return ()
+        return self._output_layouts[rank]
+
+    def optimizer_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:
+        """The local tensors of target rank ``rank``'s optimizer, in ``model.parameters()`` order (computed once)."""
+        rank = self.rank if rank is None else rank
+        if rank not in self._optimizer_layouts:
+            self._optimizer_layouts[rank] = rank_layout(self.tree, self.spec.target.spec(), rank)
+        return self._optimizer_layouts[rank]

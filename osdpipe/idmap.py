@@ -39,6 +39,11 @@ class IdMapError(ValueError):
     """Param IDs that cannot be mapped to parameters safely; the message says why and what to do."""
 
 
+def _listing(problems: list[str], limit: int = 3) -> str:
+    """The first ``limit`` problems, and how many more there are."""
+    return "; ".join(problems[:limit]) + (f"; and {len(problems) - limit} more" if len(problems) > limit else "")
+
+
 def _short(items: Sequence[object], limit: int = 8) -> str:
     shown = ", ".join(str(i) for i in items[:limit])
     return f"[{shown}{', ...' if len(items) > limit else ''}]"
@@ -91,10 +96,7 @@ def map_by_groups(tree: ModuleTree, saved_groups: list[list[int]], state_shapes:
                 break
     if wrong:
         raise IdMapError(
-            "input.param_groups does not describe the optimizer that saved the checkpoint: "
-            + "; ".join(wrong[:3])
-            + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
-            + ". List the groups, and the patterns in each, in the order that optimizer received its parameters "
+            f"input.param_groups does not describe the optimizer that saved the checkpoint: {_listing(wrong)}. List the groups, and the patterns in each, in the order that optimizer received its parameters "
             "(unset, IDs are matched to parameters by shape where that is unambiguous)"
         )
     return mapping
@@ -168,10 +170,7 @@ def infer_by_shape(tree: ModuleTree, saved_groups: list[list[int]], state_shapes
             )
     if ambiguous:
         raise IdMapError(
-            "cannot tell which parameter each param ID of the checkpoint is: "
-            + "; ".join(ambiguous[:3])
-            + (f"; and {len(ambiguous) - 3} more" if len(ambiguous) > 3 else "")
-            + ". An optimizer numbers its parameters in the order it received them, not necessarily named_parameters() order, "
+            f"cannot tell which parameter each param ID of the checkpoint is: {_listing(ambiguous)}. An optimizer numbers its parameters in the order it received them, not necessarily named_parameters() order, "
             f"so osdpipe does not guess; {how_to_give_groups(tree)} (the checkpoint has {len(saved_groups)} group(s) of {[len(g) for g in saved_groups]} parameters)"
         )
     return mapping

@@ -254,17 +254,21 @@ def rank_layout(tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTen
         return 0, flat.total, flat.total
 
     if spec.use_orig_params:
+        # Each parameter's part of this rank's chunk, as its own 1-D tensor (dest 0).
+        in_shard = {
+            seg.fqn: Segment(seg.fqn, seg.start, seg.length, 0)
+            for flat in flats.values()
+            for seg in _segments_in(flat, *shard(flat)[:2])
+        }
         out = []
         for p in tree.params:
-            unit = owner[p.fqn]
-            if unit is None or not spec.shards:
+            if owner[p.fqn] is None or not spec.shards:
                 out.append(whole(p))
-                continue
-            start, end, _ = shard(flats[unit])
-            segs = tuple(s for s in _segments_in(flats[unit], start, end) if s.fqn == p.fqn)
-            length = segs[0].length if segs else 0
-            segs = tuple(Segment(s.fqn, s.start, s.length, 0) for s in segs)
-            out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=(length,), segments=segs, flat=True))
+            elif p.fqn in in_shard:
+                seg = in_shard[p.fqn]
+                out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=(seg.length,), segments=(seg,), flat=True))
+            else:
+                out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=(0,), segments=(), flat=True))
         return tuple(out)
 
     out = []

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from osdpipe.context import Context
-from osdpipe.layout import LocalTensor, rank_layout
+from osdpipe.layout import LocalTensor
 from osdpipe.stages import stage
 
 
@@ -93,7 +93,7 @@ def fqn_keyed(ctx: Context) -> dict[str, Any]:
             state[tensor.key] = ctx.local_state[tensor.key]
             ctx.result_keys[tensor.key] = tensor.key
     out: dict[str, Any] = {"state": {**state, **ctx.meta.extra}}
-    optimizer_layout = rank_layout(ctx.tree, ctx.spec.target.spec(), ctx.rank if ctx.rank < ctx.spec.target.world_size else 0)
+    optimizer_layout = ctx.optimizer_layout()
     groups = ctx.target_groups(optimizer_layout)
     param_groups = _param_groups(ctx, optimizer_layout, groups, lambda members: [f for i in members for f in optimizer_layout[i].fqns])
     if param_groups is not None:
