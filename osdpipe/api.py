@@ -73,7 +73,7 @@ def reshard_optimizer_state(
         model: this rank's wrapped target model (FSDP1, or unwrapped for ``target.kind=none``).
         optim: its optimizer; the result is keyed by its param groups.
         checkpoint: the source file or directory.
-        model_config: ``model.*`` of the config: ``factory``, ``kwargs``, ``seed``, ``input_shape``.
+        model_config: ``model.*`` of the config: ``factory``, ``kwargs``, ``seed``, ``units``.
         source: ``source.*`` of the config: the layout the checkpoint was saved under.
         target: ``target.*`` of the config: how ``model`` is wrapped (its world size is this world's).
         input_format: ``fsdp_full``, ``dcp``, ``plain`` or ``rank_local``.

@@ -25,7 +25,6 @@ from osdpipe.layout import LayoutSpec
 STAGE_ORDER = ("load", "broadcast", "flatten", "shard", "rekey", "verify", "save")
 REQUIRED_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
 VERIFY_CHECKS = ("roundtrip", "reference", "load_step")
-OPTIMIZERS = ("Adam", "AdamW", "SGD")
 
 
 class _Frozen(BaseModel):
@@ -33,13 +32,20 @@ class _Frozen(BaseModel):
 
 
 class ModelConfig(_Frozen):
-    """Which model: a built-in name or ``package.module:function``, its kwargs and seed."""
+    """Which model: a built-in name or ``package.module:function``, its kwargs and seed.
+
+    ``kwargs`` are only what the user gives: a factory's own defaults fill the
+    rest, so naming another factory never inherits a built-in model's kwargs.
+    ``units`` are the model's natural FSDP units, the default of
+    ``source.wrap`` and ``target.wrap``; ``None``: the model's own
+    ``fsdp_units`` attribute if it has one (every built-in model does), else
+    the root only.
+    """
 
     factory: str = "nested"
     kwargs: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
-    input_shape: list[int] | None = None
-    units: list[str] = Field(default_factory=list)  # the model's natural FSDP units; conf/ makes them the default wrap
+    units: list[str] | None = None
 
 
 class LayoutConfig(_Frozen):
@@ -49,7 +55,7 @@ class LayoutConfig(_Frozen):
     world_size: int = Field(default=2, ge=1)
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "FULL_SHARD"
     use_orig_params: bool = False
-    wrap: list[str] = Field(default_factory=list)
+    wrap: list[str] = Field(default_factory=list)  # null in the config: the model's units (filled in by RunSpec)
     wrap_root: bool = True
     state_dict_type: Literal["full", "sharded", "local"] = "full"  # local: each rank's own optim.state_dict() (rank_local)
 
@@ -84,26 +90,44 @@ class ParamGroupConfig(BaseModel):
 
 
 class OptimConfig(_Frozen):
-    """The optimizer every rank builds over the wrapped model's parameters."""
+    """The optimizer every rank builds over the wrapped model's parameters.
 
-    name: Literal["Adam", "AdamW", "SGD"] = "Adam"
+    ``name`` is any optimizer class of ``torch.optim`` (``Adam``, ``Adagrad``,
+    ``RMSprop``, ...; not ``LBFGS`` or ``SparseAdam``) or a user's own
+    ``package.module:Class``, resolved by :func:`osdpipe.optim.resolve_optimizer`.
+    ``kwargs`` and each param group's options must be arguments of its
+    ``__init__``.
+    """
+
+    name: str = "Adam"
     lr: float = Field(default=1e-2, gt=0)
     kwargs: dict[str, Any] = Field(default_factory=dict)
     param_groups: list[ParamGroupConfig] = Field(default_factory=list)
 
+    @field_validator("name")
+    @classmethod
+    def _resolvable(cls, name: str) -> str:
+        from osdpipe.optim import resolve_optimizer
+
+        resolve_optimizer(name)
+        return name
+
     @model_validator(mode="after")
     def _known_hyperparameters(self) -> OptimConfig:
-        import inspect
+        from osdpipe.optim import accepted_hyperparameters, optimizer_label, resolve_optimizer
 
-        import torch
-
-        accepted = set(inspect.signature(getattr(torch.optim, self.name)).parameters) - {"params"}
+        accepted = accepted_hyperparameters(resolve_optimizer(self.name))
+        label = optimizer_label(self.name)
         if "lr" in self.kwargs:
             raise ValueError("optim.kwargs.lr: set the learning rate as optim.lr (a param group may set its own lr)")
+        if accepted is None:  # it takes **kwargs: whatever it does not know is its own to refuse
+            return self
+        if "lr" not in accepted:
+            raise ValueError(f"optim.name={self.name!r}: {label} takes no lr, but every optimizer gets optim.lr; give it an lr argument")
         for where, keys in [("optim.kwargs", self.kwargs), *((f"optim.param_groups[{i}]", g.options) for i, g in enumerate(self.param_groups))]:
             unknown = set(keys) - accepted
             if unknown:
-                raise ValueError(f"{where} has {sorted(unknown)}, which torch.optim.{self.name} does not take; it takes {sorted(accepted)}")
+                raise ValueError(f"{where} has {sorted(unknown)}, which {label} does not take; it takes {sorted(accepted)}")
         return self
 
 
@@ -121,6 +145,7 @@ class InputConfig(_Frozen):
     format: Literal["fsdp_full", "dcp", "plain", "rank_local"] = "fsdp_full"
     key: str = "optim"
     param_groups: list[list[str]] | None = None
+    allow_nonfinite: bool = False  # convert NaN/Inf in the source as they are (with a warning) instead of failing
 
     @field_validator("path")
     @classmethod
@@ -143,7 +168,6 @@ class GenerateConfig(_Frozen):
     """How the source world trains when no input is given."""
 
     steps: int = Field(default=3, ge=0)
-    batch_size: int = Field(default=4, ge=1)
     seed: int = 0
 
 
@@ -177,6 +201,7 @@ class RuntimeConfig(_Frozen):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = Field(default=300.0, gt=0)
     progress: bool = True
+    debug: bool = False  # print tracebacks with errors
 
 
 class RunSpec(_Frozen):
@@ -191,6 +216,30 @@ class RunSpec(_Frozen):
     generate: GenerateConfig = GenerateConfig()
     pipeline: PipelineConfig = PipelineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_wrap(cls, raw: Any) -> Any:
+        """``source.wrap`` / ``target.wrap`` unset or null: the model's own units (see :class:`ModelConfig`)."""
+        if not isinstance(raw, dict):
+            return raw
+        sides = {side: raw.get(side) or {} for side in ("source", "target")}
+        if all(isinstance(s, dict) and s.get("wrap") is not None for s in sides.values()):
+            return raw
+        model = raw.get("model") or {}
+        units = model.get("units") if isinstance(model, dict) else None
+        if units is None:
+            from osdpipe.models import model_units
+
+            try:
+                units = model_units(model.get("factory", "nested"), model.get("kwargs") or {})
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"model: {exc}") from None
+        out = dict(raw)
+        for side, value in sides.items():
+            if isinstance(value, dict) and value.get("wrap") is None:
+                out[side] = {**value, "wrap": list(units)}
+        return out
 
     @model_validator(mode="after")
     def _consistent(self) -> RunSpec:

@@ -2,9 +2,9 @@
 
 A model is built by a *factory*: any callable returning an ``nn.Module``. The
 built-in ones are registered by short name; a user's own model is named as
-``package.module:function`` and receives ``model.kwargs``. A model may define
-``example_input(batch_size, generator)`` so that the generate step can train it
-for a few steps; otherwise ``model.input_shape`` describes a float input.
+``package.module:function`` and receives ``model.kwargs``. No model needs an
+input: generate and verify step the optimizer on synthetic gradients
+(:func:`osdpipe.reference.train_step`), so any model trains, whatever it eats.
 
 Every built-in model is deterministic for a given seed and can be built on the
 ``meta`` device, which is how layouts are computed without memory.
@@ -57,6 +57,8 @@ class NestedModel(nn.Module):
     ``scale`` vectors), which is what makes order-based rekeying dangerous.
     """
 
+    fsdp_units = ("Block",)  # the natural units: the default of source.wrap and target.wrap
+
     def __init__(self, dim: int = 8, hidden: int = 12, blocks: int = 2) -> None:
         super().__init__()
         self.dim = dim
@@ -71,9 +73,6 @@ class NestedModel(nn.Module):
         for i in range(self.blocks):
             x = getattr(self, f"block{i + 1}")(x)
         return self.head(x)
-
-    def example_input(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        return torch.randn(batch_size, self.dim, generator=generator)
 
 
 class TransformerBlock(nn.Module):
@@ -98,6 +97,8 @@ class TransformerBlock(nn.Module):
 class TransformerModel(nn.Module):
     """A small language model whose output head is tied to the embedding."""
 
+    fsdp_units = ("TransformerBlock",)
+
     def __init__(self, vocab: int = 32, dim: int = 16, hidden: int = 24, layers: int = 2, seq: int = 6) -> None:
         super().__init__()
         self.vocab, self.seq = vocab, seq
@@ -113,12 +114,11 @@ class TransformerModel(nn.Module):
             x = layer(x)
         return self.lm_head(self.norm(x))
 
-    def example_input(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        return torch.randint(0, self.vocab, (batch_size, self.seq), generator=generator)
-
 
 class MLP(nn.Module):
     """A plain multilayer perceptron; width and depth set its size, for benchmarks."""
+
+    fsdp_units = ("Linear",)
 
     def __init__(self, width: int = 64, depth: int = 4) -> None:
         super().__init__()
@@ -129,9 +129,6 @@ class MLP(nn.Module):
         for layer in self.layers:
             x = torch.relu(layer(x))
         return x
-
-    def example_input(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        return torch.randn(batch_size, self.width, generator=generator)
 
 
 BUILTIN_MODELS: dict[str, ModelFactory] = {
@@ -166,6 +163,11 @@ def resolve_factory(factory: str) -> ModelFactory:
         raise ValueError(f"model.factory={factory!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
+def model_units(factory: str, kwargs: dict[str, Any]) -> list[str]:
+    """The model's natural FSDP units: its ``fsdp_units`` attribute (read on the meta model), else none (the root only)."""
+    return list(getattr(build_model(factory, kwargs, device="meta"), "fsdp_units", ()))
+
+
 def build_model(factory: str, kwargs: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
     """Build the model deterministically: the same seed gives the same weights.
 
@@ -179,16 +181,3 @@ def build_model(factory: str, kwargs: dict[str, Any], seed: int = 0, device: str
     if not isinstance(model, nn.Module):
         raise TypeError(f"model.factory={factory!r} returned {type(model).__name__}, not an nn.Module")
     return model
-
-
-def example_input(model: nn.Module, batch_size: int, generator: torch.Generator, input_shape: list[int] | None) -> torch.Tensor:
-    """One training batch for ``model``: its own ``example_input`` or a float tensor of ``input_shape``."""
-    make_input = getattr(model, "example_input", None)
-    if callable(make_input):
-        return make_input(batch_size, generator)
-    if not input_shape:
-        raise ValueError(
-            f"{type(model).__name__} has no example_input(batch_size, generator); "
-            "set model.input_shape (the shape of one sample) so that it can be trained"
-        )
-    return torch.randn(batch_size, *input_shape, generator=generator)

@@ -1,5 +1,10 @@
 """Optimizers as the config describes them, and which parameter gets which ID.
 
+``optim.name`` is any optimizer class of ``torch.optim`` by name, or a user's
+own ``package.module:Class``; :func:`resolve_optimizer` turns it into the class
+for both the config check and :func:`build_optimizer`. Conversion never looks
+at state names: whatever tensor and scalar state the optimizer keeps travels.
+
 An optimizer keys its state by the position of each parameter in its param
 groups, concatenated: *not* by ``named_parameters()`` order. Both building a
 real optimizer and rekeying a converted state go through
@@ -10,6 +15,8 @@ optimizer assigns.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any
 
 import torch
@@ -17,6 +24,65 @@ from torch import nn
 
 from osdpipe.config import OptimConfig
 from osdpipe.layout import LocalTensor, select_params
+
+
+#: Optimizers of ``torch.optim`` that osdpipe cannot drive, and why.
+REFUSED_OPTIMIZERS = {
+    "LBFGS": "it needs a closure that re-evaluates the loss and keeps one history over all its parameters together, "
+    "which no per-parameter layout can split or reshard",
+    "SparseAdam": "it needs sparse gradients, which FSDP's flat parameters never have",
+}
+
+
+def torch_optimizers() -> list[str]:
+    """The optimizer classes of ``torch.optim`` by name (subclasses of ``Optimizer``), less :data:`REFUSED_OPTIMIZERS`."""
+    names = []
+    for name in dir(torch.optim):
+        value = getattr(torch.optim, name)
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer:
+            names.append(name)
+    return sorted(n for n in names if n not in REFUSED_OPTIMIZERS)
+
+
+def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class ``optim.name`` names: a class of ``torch.optim``, or ``package.module:Class``.
+
+    Raises:
+        ValueError: one line naming the value and the fix: an unknown or
+            refused name, a module that does not import, or a class that is
+            not a ``torch.optim.Optimizer``.
+    """
+    if name in REFUSED_OPTIMIZERS:
+        raise ValueError(f"torch.optim.{name} cannot be converted: {REFUSED_OPTIMIZERS[name]}")
+    if ":" not in name:
+        known = torch_optimizers()
+        if name not in known:
+            raise ValueError(f"{name!r} is not an optimizer of torch.optim ({', '.join(known)}); name your own as package.module:Class")
+        return getattr(torch.optim, name)
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{name!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ValueError(f"{name!r}: module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"{name!r} is {cls!r}, not a subclass of torch.optim.Optimizer")
+    return cls
+
+
+def optimizer_label(name: str) -> str:
+    """How messages name the optimizer: ``torch.optim.Adam``, or ``package.module:Class`` as given."""
+    return name if ":" in name else f"torch.optim.{name}"
+
+
+def accepted_hyperparameters(cls: type[torch.optim.Optimizer]) -> set[str] | None:
+    """The keyword arguments ``cls.__init__`` takes besides its first (the parameters); ``None``: any (it has ``**kwargs``)."""
+    parameters = list(inspect.signature(cls).parameters.values())[1:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
 def group_members(cfg: OptimConfig, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
@@ -81,4 +147,4 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, layout: tuple[LocalTenso
     for members, group in zip(group_members(cfg, layout), cfg.param_groups or [None]):
         options = group.options if group is not None else {}
         param_groups.append({"params": [params[i] for i in members], **options})
-    return getattr(torch.optim, cfg.name)(param_groups, lr=cfg.lr, **cfg.kwargs)
+    return resolve_optimizer(cfg.name)(param_groups, lr=cfg.lr, **cfg.kwargs)

@@ -1,11 +1,12 @@
 """PyTorch's own answer, for verify and the tests: real FSDP models and optimizers of the target.
 
 Nothing here is used to *produce* a conversion; it is what conversions are
-checked against.
+checked against, and how a source is trained (:func:`train_step`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from typing import Any
 
@@ -13,11 +14,14 @@ import torch
 from torch import nn
 
 from osdpipe.config import RunSpec
-from osdpipe.layout import LayoutSpec, rank_layout
-from osdpipe.models import build_model, example_input
-from osdpipe.optim import build_optimizer
+from osdpipe.layout import LayoutSpec, LocalTensor, rank_layout
+from osdpipe.models import build_model
+from osdpipe.optim import build_optimizer, check_matches_layout
 from osdpipe.tree import ModuleTree
 from osdpipe.wrapping import wrap
+
+#: Standard deviation of the synthetic gradients: small, so that a few steps keep every state finite and tame.
+GRAD_SCALE = 1e-2
 
 
 def live_target(spec: RunSpec, layout_spec: LayoutSpec, tree: ModuleTree, rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -26,13 +30,85 @@ def live_target(spec: RunSpec, layout_spec: LayoutSpec, tree: ModuleTree, rank: 
     return model, build_optimizer(spec.optim, model, rank_layout(tree, layout_spec, rank))
 
 
-def train_step(spec: RunSpec, model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
-    """One forward, backward and optimizer step on a deterministic batch (the same on every rank)."""
-    generator = torch.Generator().manual_seed(spec.generate.seed * 1000 + step)
-    batch = example_input(model, spec.generate.batch_size, generator, spec.model.input_shape)
+def grad_seed(seed: int, step: int, fqn: str) -> int:
+    """The generator seed of parameter ``fqn``'s gradient at ``step``: the same in every process.
+
+    A digest, not ``hash()``, which Python salts per process.
+    """
+    digest = hashlib.sha256(f"{seed}\0{step}\0{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes 64 bits; keep it positive
+
+
+def synthetic_grad(seed: int, step: int, fqn: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The whole gradient of parameter ``fqn`` (canonical FQN) at ``step``, on the CPU.
+
+    Element ``i`` of its flattened view depends only on ``(seed, step, fqn, i)``
+    (and the parameter's size, which ``fqn`` fixes): drawn in float32, then cast
+    to ``dtype``, so every layout of the parameter sees the same values.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    generator = torch.Generator().manual_seed(grad_seed(seed, step, fqn))
+    return (torch.randn(numel, generator=generator, dtype=torch.float32) * GRAD_SCALE).to(dtype).view(shape)
+
+
+def local_grad(tensor: LocalTensor, tree: ModuleTree, seed: int, step: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The gradient FSDP gives local tensor ``tensor``: its segments of the synthetic gradients, zero in the padding.
+
+    ``None`` for a tensor with no elements (an empty ``use_orig_params``
+    shard), which FSDP leaves without a gradient.
+    """
+    if not tensor.has_elements:
+        return None
+    flat = torch.zeros(tensor.numel, dtype=dtype)
+    for seg in tensor.segments:
+        whole = synthetic_grad(seed, step, seg.fqn, tree.param(seg.fqn).shape, dtype)
+        flat[seg.dest : seg.dest + seg.length] = whole.reshape(-1)[seg.start : seg.start + seg.length]
+    return flat.view(tensor.shape)
+
+
+def set_synthetic_grads(params: list[nn.Parameter], layout: tuple[LocalTensor, ...], tree: ModuleTree, seed: int, step: int) -> None:
+    """Give each of ``params`` (in ``model.parameters()`` order, described by ``layout``) its synthetic gradient.
+
+    Parameters that do not require a gradient are left alone, as backward
+    leaves them.
+    """
+    check_matches_layout(params, layout)
+    for param, tensor in zip(params, layout):
+        if not param.requires_grad:
+            continue
+        grad = local_grad(tensor, tree, seed, step, param.dtype)
+        param.grad = None if grad is None else grad.to(param.device)
+
+
+def train_step(
+    spec: RunSpec,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    step: int,
+    layout: tuple[LocalTensor, ...],
+    tree: ModuleTree,
+) -> None:
+    """One optimizer step on synthetic gradients: no forward pass, no input, so any model trains.
+
+    Every trainable parameter of ``model`` (so every one ``optim`` holds) gets the slice of :func:`synthetic_grad`
+    (seeded by ``generate.seed``, ``step`` and the canonical FQN) that FSDP
+    would give this rank's local tensor: the segments ``layout`` names, zero in
+    the padding, no gradient at all for an empty shard. The same step on any
+    layout is the same step of the unwrapped model.
+
+    Args:
+        spec: the run; ``generate.seed`` and the model come from it.
+        model: the live (wrapped) model; ``layout`` describes its ``parameters()``.
+        optim: its optimizer.
+        step: the step number, part of the gradient's seed.
+        layout: this rank's local tensors (:func:`~osdpipe.layout.rank_layout` of the layout ``model`` is wrapped with).
+        tree: the module tree of the unwrapped model.
+    """
     optim.zero_grad(set_to_none=True)
-    out = model(batch.to(next(model.parameters()).device))
-    out.float().pow(2).mean().backward()
+    # Every trainable parameter gets its gradient, as backward gives one; the optimizer steps those it holds.
+    set_synthetic_grads(list(model.parameters()), layout, tree, spec.generate.seed, step)
     optim.step()
 
 

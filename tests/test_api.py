@@ -12,8 +12,10 @@ import osdpipe
 from osdpipe.compare import diff
 from osdpipe.config import validate
 from osdpipe.launch import WorldError, run_local_world
+from osdpipe.layout import rank_layout
 from osdpipe.models import build_model
 from osdpipe.reference import fsdp_to_load, train_step
+from osdpipe.tree import describe
 from osdpipe.wrapping import wrap
 
 TIMEOUT_S = 120
@@ -53,7 +55,8 @@ def _resume(checkpoint: str, target: dict) -> list[str]:
     for pid, p in enumerate(optim.param_groups[0]["params"]):
         if pid in optim.state_dict()["state"] and optim.state_dict()["state"][pid]["exp_avg"].shape != p.shape:
             problems.append(f"ID {pid}: state of shape {tuple(optim.state_dict()['state'][pid]['exp_avg'].shape)} on a parameter of shape {tuple(p.shape)}")
-    train_step(validate({"model": MODEL, "output": {"path": checkpoint + ".unused"}}), model, optim, step=7)
+    tree = describe(build_model("nested", MODEL["kwargs"], device="meta"))
+    train_step(validate({"model": MODEL, "output": {"path": checkpoint + ".unused"}}), model, optim, 7, rank_layout(tree, spec, dist.get_rank()), tree)
     return problems
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
+from osdpipe.cli import job_config
 from osdpipe.config import STAGE_ORDER, ConfigError, RunSpec, validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,21 +27,12 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 def compose_raw(overrides: list[str] = (), *, output_dir: str | Path | None = None) -> dict[str, Any]:
     """Compose ``config`` as the CLI does and resolve it to the plain dict the CLI hands to validate.
 
-    ``output.path`` defaults to ``${hydra:runtime.output_dir}``; ``output_dir``
-    plays the run directory Hydra would create, so the interpolation resolves
-    through HydraConfig exactly as in ``osdpipe.cli.run``.
+    ``output_dir`` plays the run directory Hydra would create, the default of
+    ``output.path`` (:func:`osdpipe.cli.job_config`, as in the CLI).
     """
     with initialize_config_module(version_base="1.3", config_module="osdpipe.conf"):
-        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(output_dir) if output_dir is not None else "/nonexistent/osdpipe-test-run-dir"
-    HydraConfig.instance().set_config(cfg)
-    try:
-        with open_dict(cfg):
-            del cfg["hydra"]  # the job config @hydra.main passes to the task has no hydra node
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    finally:
-        HydraConfig.instance().cfg = None
+        cfg = compose("config", overrides=list(overrides))
+    return job_config(cfg, str(output_dir) if output_dir is not None else "/nonexistent/osdpipe-test-run-dir")
 
 
 def compose_spec(overrides: list[str] = (), *, output_dir: str | Path | None = None) -> RunSpec:
@@ -133,7 +124,30 @@ def test_overrides_win_over_the_recipe(tmp_path: Path) -> None:
 def test_model_group_override(tmp_path: Path) -> None:
     spec = compose_spec(["model=transformer"], output_dir=tmp_path)
     assert spec.model.factory == "transformer"
-    assert spec.model.kwargs == {"vocab": 32, "dim": 16, "hidden": 24, "layers": 2, "seq": 6}
+    assert spec.model.kwargs == {}  # the factory's own defaults
+    assert spec.source.wrap == spec.target.wrap == ["TransformerBlock"]  # its fsdp_units
+
+
+# ------------------------------------------------------------ a user's own model
+
+
+def test_user_factory_inherits_no_kwargs_or_units(tmp_path: Path) -> None:
+    """model.factory alone: the built-in model's kwargs and units do not leak into a factory without arguments."""
+    spec = compose_spec(["model.factory=userlm:build"], output_dir=tmp_path)
+    assert spec.model.factory == "userlm:build" and spec.model.kwargs == {}
+    assert spec.source.wrap == spec.target.wrap == []  # the root only
+    spec = compose_spec(["model.factory=userlm:build", "model.units=[MixerBlock]"], output_dir=tmp_path)
+    assert spec.source.wrap == spec.target.wrap == ["MixerBlock"]
+    spec = compose_spec(["model.factory=userlm:build", "source.wrap=[MixerBlock]"], output_dir=tmp_path)
+    assert (spec.source.wrap, spec.target.wrap) == (["MixerBlock"], [])
+
+
+def test_kwargs_take_new_keys_without_a_plus(tmp_path: Path) -> None:
+    from osdpipe.cli import open_dict_overrides
+
+    spec = compose_spec(open_dict_overrides(["model=mlp", "model.kwargs.width=16", "optim=sgd", "optim.kwargs.nesterov=true"]), output_dir=tmp_path)
+    assert spec.model.kwargs == {"width": 16}
+    assert spec.optim.kwargs == {"momentum": 0.9, "nesterov": True}
 
 
 def test_optim_group_override(tmp_path: Path) -> None:

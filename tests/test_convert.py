@@ -13,6 +13,7 @@ import torch.distributed as dist
 from osdpipe.compare import diff
 from osdpipe.config import RunSpec, validate
 from osdpipe.launch import run_local_world
+from osdpipe.layout import rank_layout
 from osdpipe.pipeline import execute, make_context, run_rank
 from osdpipe.reference import fsdp_to_load, live_target, train_step
 from osdpipe.stages import STAGES
@@ -40,7 +41,7 @@ def pytorch_says(spec: RunSpec, full_path: str) -> list[str]:
     got = torch.load(Path(spec.output.path) / f"rank_{rank}.pt", weights_only=True)
     problems = diff(got, expected)
     optim.load_state_dict(got)
-    train_step(spec, model, optim, step=99)
+    train_step(spec, model, optim, 99, rank_layout(tree, spec.target.spec(), rank), tree)
     return problems
 
 
@@ -179,7 +180,7 @@ def test_user_checkpoint_4_ranks_to_m(fmt, m, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"user_{fmt}_{m}")
     spec = spec_for(
         out,
-        model={"factory": "usermodel:make", "kwargs": {"dim": 7}, "input_shape": [7]},
+        model={"factory": "usermodel:make", "kwargs": {"dim": 7}},
         input={"path": str(root / ("optim.pt" if fmt == "fsdp_full" else "dcp")), "format": fmt, "key": "optimizer"},
         optim={"name": "AdamW", "lr": 0.01, "kwargs": {"weight_decay": 0.05}},
         target={"world_size": m, "wrap": ["Expert"], "use_orig_params": True},

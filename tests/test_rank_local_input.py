@@ -24,6 +24,7 @@ from osdpipe.config import RunSpec, validate
 from osdpipe.formats import TensorRef
 from osdpipe.formats.rank_local import RankLocalReader
 from osdpipe.launch import run_local_world
+from osdpipe.layout import rank_layout
 from osdpipe.models import build_model
 from osdpipe.pipeline import execute
 from osdpipe.reference import live_target, train_step
@@ -77,9 +78,10 @@ def _train_and_save(root: str, names: list[str]) -> None:
     rank = dist.get_rank()
     for name in names:
         spec = spec_of(Path(root), name)
-        model, optim = live_target(spec, spec.source.spec(), tree_of(spec), rank)
+        tree = tree_of(spec)
+        model, optim = live_target(spec, spec.source.spec(), tree, rank)
         for step in range(2):
-            train_step(spec, model, optim, step)
+            train_step(spec, model, optim, step, rank_layout(tree, spec.source.spec(), rank), tree)
         directory = Path(root) / name
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(optim.state_dict(), directory / f"rank_{rank}.pt")
