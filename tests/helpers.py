@@ -39,3 +39,24 @@ def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str
 def run_osdpipe(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """``python -m osdpipe *args`` in ``cwd``."""
     return run_command([sys.executable, "-m", "osdpipe", *args], cwd=cwd, timeout=timeout)
+
+
+def run_cli_cases(cases: list[list[str]], *, cwd: Path, per_case_s: int = 30, env: dict[str, str] | None = None) -> list[dict]:
+    """Each argument list through the ``osdpipe`` entry point, all in one subprocess (see ``cli_driver.py``).
+
+    Returns per case its exit ``code`` (``"hung"`` past ``per_case_s``), ``stdout``, ``stderr`` and ``seconds``.
+    """
+    import json
+
+    driver = Path(__file__).with_name("cli_driver.py")
+    proc = subprocess.run(
+        [sys.executable, str(driver), str(per_case_s)],
+        input=json.dumps(cases),
+        cwd=cwd,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=per_case_s * len(cases) + 60,
+    )
+    assert proc.returncode == 0, f"the driver failed\n{proc.stderr}"
+    return json.loads(proc.stdout)

@@ -3,6 +3,12 @@
 A reader exposes a source checkpoint as FQN-keyed, full per-parameter state:
 cheap metadata first (:class:`SourceMeta`), then tensor bytes on demand, so a
 rank reads only the parameters its target shard touches.
+
+Every input is read as data nobody vouches for (:mod:`osdpipe.formats.safe_load`):
+no pickle in it can run code, and a damaged or wrong input is refused with an
+:class:`InputError`, one line that names the file, what is wrong and what to do.
+:func:`inspect_source` runs every check that needs no process group, so the
+launcher can refuse a bad input before any process starts.
 """
 
 from __future__ import annotations
@@ -17,6 +23,14 @@ from osdpipe.tree import ModuleTree
 
 #: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
 IdGroups = list[list[str]] | None
+
+
+class InputError(ValueError):
+    """A damaged or wrong input. Its message is one line: the file, what is wrong, and what to do."""
+
+    def __init__(self, message: str) -> None:
+        # Callers build one line; text quoted from elsewhere (an exception, a name) must not break it.
+        super().__init__(" ".join(line.strip() for line in str(message).splitlines() if line.strip()))
 
 
 @dataclass(frozen=True)
@@ -96,3 +110,35 @@ def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: Layo
 
         return RankLocalReader(path, tree, source, id_groups)
     raise ValueError(f"input.format={fmt!r} cannot be read; use fsdp_full, dcp, plain or rank_local")
+
+
+def inspect_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceMeta:
+    """Open the checkpoint and run every check that needs no process group; its canonical metadata.
+
+    What the launcher calls before it starts any process, so that a damaged or
+    wrong input fails in one line at once rather than in every rank of a
+    world. It reads metadata only: the files' structure (zip indexes, DCP
+    metadata, the size of every file the metadata names), the pickles, and
+    the small state DCP keeps as bytes (param groups, ``step``); tensor bytes
+    stay memory-mapped or unread, as the readers leave them. The arguments are
+    those of :func:`open_source`.
+
+    Raises:
+        InputError: the input is damaged, unsafe, or does not fit the model
+            and the source layout.
+        ValueError: the config cannot describe this input (e.g. ``input.param_groups``
+            that match no parameter); the message says which key to mend.
+    """
+    from osdpipe.formats.safe_load import first_line
+    from osdpipe.stages.broadcast import canonical_meta
+
+    try:
+        reader = open_source(fmt, path, key, tree=tree, source=source, id_groups=id_groups)
+        return canonical_meta(reader.meta(), tree, where=path)
+    except ValueError:
+        raise
+    except Exception as exc:  # a reader tripping over structure it did not expect: still the input's fault
+        raise InputError(
+            f"{path} could not be read as input.format={fmt} ({first_line(exc)}); it may be damaged or in another format: "
+            "re-copy it or point input.path and input.format at the right checkpoint"
+        ) from exc

@@ -2,22 +2,51 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from osdpipe.formats import SourceMeta, describe_value
+from osdpipe.formats import InputError, SourceMeta, describe_value
+from osdpipe.formats.safe_load import load_torch_file
 
 
 def load_full(path: str, fmt: str = "fsdp_full") -> dict[str, Any]:
-    """Load a full optimizer state dict (``fsdp_full`` or ``plain``), memory-mapped so that only touched bytes are read."""
-    try:
-        osd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # torch raises several types for a bad file
-        raise ValueError(f"cannot read {path} as a {fmt} checkpoint (a torch.save file): {exc}") from exc
-    if not isinstance(osd, dict) or "state" not in osd:
-        raise ValueError(f"{path} is not an optimizer state dict: it has no 'state' key (keys: {list(osd)[:5] if isinstance(osd, dict) else type(osd).__name__})")
+    """Load a full optimizer state dict (``fsdp_full`` or ``plain``), memory-mapped so that only touched bytes are read.
+
+    Raises:
+        InputError: the file is missing, damaged, unsafe (see :func:`~osdpipe.formats.safe_load.load_torch_file`),
+            or holds something other than an optimizer state dict.
+    """
+    osd = load_torch_file(path)
+    check_optim_state_dict(osd, path, fmt)
     return osd
+
+
+def check_optim_state_dict(osd: Any, path: str | Path, fmt: str) -> None:
+    """Refuse, in one line, a loaded object that is not an optimizer state dict ``{"state": {...}, "param_groups": [...]}``."""
+    if not isinstance(osd, dict):
+        raise InputError(f"{path} holds a {type(osd).__name__}, not an optimizer state dict; {_WANTED[fmt]}")
+    if not isinstance(osd.get("state"), dict):
+        keys = [str(k) for k in list(osd)[:4]]
+        looks = ": it looks like a model's state_dict()" if osd and all(torch.is_tensor(v) for v in osd.values()) else ""
+        raise InputError(f"{path} is not an optimizer state dict (no 'state' dict; its keys are {keys}){looks}; {_WANTED[fmt]}")
+    groups = osd.get("param_groups")
+    if groups is None and fmt != "plain":
+        return
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise InputError(f"{path} is not an optimizer state dict: its 'param_groups' is not a list of groups with 'params' lists; {_WANTED[fmt]}")
+    if fmt != "fsdp_full":  # param-ID keyed: every ID's state is a dict (an FQN-keyed file may carry other user state)
+        bad = next(((k, v) for k, v in osd["state"].items() if isinstance(k, int) and not isinstance(v, dict)), None)
+        if bad is not None:
+            raise InputError(f"{path} is not an optimizer state dict: the state of param ID {bad[0]} is a {type(bad[1]).__name__}, not a dict; {_WANTED[fmt]}")
+
+
+_WANTED = {
+    "fsdp_full": "an fsdp_full input is torch.save(FSDP.optim_state_dict(model, optim)) with FULL_STATE_DICT: point input.path at it",
+    "plain": "a plain input is torch.save(optim.state_dict()) of an unwrapped model: point input.path at it",
+    "rank_local": "a rank_local file is torch.save(optim.state_dict()) of that rank: point input.path at the directory of them",
+}
 
 
 class FullReader:
@@ -36,7 +65,7 @@ class FullReader:
     def meta(self) -> SourceMeta:
         state = self.osd["state"]
         if any(isinstance(pid, int) for g in self.osd.get("param_groups") or [] for pid in g.get("params", [])):
-            raise ValueError(
+            raise InputError(
                 f"{self.path} keys its state by param ID, as an unwrapped model's optim.state_dict() does, not by FQN; "
                 "read it as input.format=plain source.kind=none source.world_size=1"
             )

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from osdpipe.formats import IdGroups, SourceMeta, describe_value
+from osdpipe.formats import IdGroups, InputError, SourceMeta, describe_value
 from osdpipe.formats.fsdp_full import load_full
 from osdpipe.idmap import StateShapes, map_ids
 from osdpipe.tree import ModuleTree
@@ -23,15 +23,15 @@ def saved_ids(osd: dict[str, Any], path: str) -> tuple[list[list[int]], StateSha
     """The ``params`` ID list of each param group, and the shapes of each ID's tensor state.
 
     Raises:
-        ValueError: if ``osd`` is not param-ID keyed like ``optim.state_dict()``.
+        InputError: if ``osd`` is not param-ID keyed like ``optim.state_dict()``.
     """
     groups = osd.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-        raise ValueError(f"{path} has no param groups with 'params' lists; a plain checkpoint is torch.save(optim.state_dict()) of an unwrapped model")
+        raise InputError(f"{path} has no param groups with 'params' lists; a plain checkpoint is torch.save(optim.state_dict()) of an unwrapped model")
     keys = [k for g in groups for k in g["params"]] + list(osd["state"])
     named = [k for k in keys if not isinstance(k, int) or isinstance(k, bool)]
     if named:
-        raise ValueError(
+        raise InputError(
             f"{path} keys its state by {named[0]!r}, not by param ID; a plain checkpoint is optim.state_dict() of an unwrapped model. "
             "An FQN-keyed full state (FSDP.optim_state_dict) is input.format=fsdp_full"
         )
@@ -66,7 +66,7 @@ class PlainReader:
             try:
                 self._fqn_of = map_ids(self.tree, saved_groups, shapes, self.id_groups)
             except ValueError as exc:
-                raise ValueError(f"{self.path} (input.format=plain): {exc}") from None
+                raise InputError(f"{self.path} (input.format=plain): {exc}") from None
             self._id_of = {f: i for i, f in self._fqn_of.items()}
         return self._fqn_of
 

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from osdpipe.compare import diff
-from osdpipe.formats import IdGroups, SourceMeta, TensorRef
+from osdpipe.formats import IdGroups, InputError, SourceMeta, TensorRef
+from osdpipe.formats.fsdp_full import check_optim_state_dict
+from osdpipe.formats.safe_load import load_torch_file
 from osdpipe.layout import LayoutSpec, LocalTensor, rank_layout
 from osdpipe.optim import pattern_members
 from osdpipe.tree import ModuleTree
@@ -46,20 +48,67 @@ def rank_files(path: str | Path, world_size: int) -> list[Path]:
     """The files ``rank_0.pt`` .. ``rank_<world_size-1>.pt`` of directory ``path``.
 
     Raises:
-        ValueError: when one is missing, or the directory holds rank files beyond the world size.
+        InputError: when one is missing, or the directory holds rank files
+            beyond the world size. Changing ``source.world_size`` is suggested
+            only where the files say what it is: they are exactly
+            ``rank_0.pt`` .. ``rank_<K-1>.pt``, or some lie beyond the world size.
     """
     directory = Path(path)
-    present = {int(m.group(1)): p for p in directory.iterdir() if (m := _RANK_FILE.fullmatch(p.name))} if directory.is_dir() else {}
-    missing = [f"rank_{r}.pt" for r in range(world_size) if r not in present]
-    extra = [present[r].name for r in sorted(present) if r >= world_size]
-    if missing or extra:
-        found = ", ".join(present[r].name for r in sorted(present)) or "none"
-        what = "; ".join([f"missing {', '.join(missing)}"] * bool(missing) + [f"unexpected {', '.join(extra)}"] * bool(extra))
-        raise ValueError(
-            f"rank_local input {directory}: expected rank_0.pt .. rank_{world_size - 1}.pt for source.world_size={world_size}, "
-            f"found {found} ({what}); set source.world_size to the number of ranks that saved it"
+    if not directory.is_dir():
+        raise InputError(f"{directory} is not a directory; a rank_local input is the directory of rank_0.pt .. rank_<N-1>.pt")
+    present = {int(m.group(1)): p for p in directory.iterdir() if (m := _RANK_FILE.fullmatch(p.name))}
+    missing = [r for r in range(world_size) if r not in present]
+    extra = [r for r in sorted(present) if r >= world_size]
+    if not missing and not extra:
+        return [present[r] for r in range(world_size)]
+    expected = f"rank_0.pt .. {_name(world_size - 1)}" if world_size > 1 else "rank_0.pt"
+    if not present:
+        raise InputError(
+            f"{directory} holds no rank_<r>.pt files (expected {expected} for source.world_size={world_size}); "
+            "point input.path at the directory of each rank's torch.save(optim.state_dict())"
         )
-    return [present[r] for r in range(world_size)]
+    found = _ranks(sorted(present))
+    contiguous = sorted(present) == list(range(len(present)))
+    if extra:
+        what = "; ".join([f"missing {_ranks(missing)}"] * bool(missing) + [f"unexpected {_ranks(extra)}"])
+        fix = _world_size_fix(len(present)) if contiguous else (
+            "set source.world_size to the number of ranks that saved it, and copy every rank's file"
+        )
+        raise InputError(f"{directory}: expected {expected} for source.world_size={world_size}, found {found} ({what}); {fix}")
+    if contiguous:  # rank_0.pt .. rank_<K-1>.pt, K < N: most likely a world size of K
+        raise InputError(
+            f"{directory / _name(missing[0])} is missing: source.world_size={world_size} needs {expected} but the directory holds {found} "
+            f"(missing {_ranks(missing)}); {_world_size_fix(len(present))}"
+        )
+    also = f"; also missing {_ranks(missing[1:])}" if len(missing) > 1 else ""
+    raise InputError(
+        f"{directory / _name(missing[0])} is missing (found {found} for source.world_size={world_size}{also}); "
+        "copy every rank's file from the job that saved it"
+    )
+
+
+def _world_size_fix(count: int) -> str:
+    return f"if {count} rank{'s' * (count != 1)} saved it, set source.world_size={count}"
+
+
+def _name(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+def _ranks(ranks: Any) -> str:
+    """Rank files, short: runs of three or more as ``rank_0.pt .. rank_5.pt``."""
+    ranks = list(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{_name(ranks[i])} .. {_name(ranks[j])}")
+        else:
+            parts.extend(_name(r) for r in ranks[i : j + 1])
+        i = j + 1
+    return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -119,12 +168,8 @@ class RankLocalReader:
         """Rank ``rank``'s state dict, memory-mapped and checked against the source layout (loaded once)."""
         if rank not in self._osds:
             path = self.files[rank]
-            try:
-                osd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except Exception as exc:  # torch raises several types for a bad file
-                raise ValueError(f"cannot read {path} as rank {rank}'s optim.state_dict() (a torch.save file): {exc}") from exc
-            if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
-                raise ValueError(f"{path} is not an optimizer state dict: it has no 'state' dict")
+            osd = load_torch_file(path)
+            check_optim_state_dict(osd, path, "rank_local")
             self._check(rank, osd)
             self._osds[rank] = osd
         return self._osds[rank]
@@ -135,13 +180,13 @@ class RankLocalReader:
         if groups is not None:
             ids = [list(g.get("params", [])) if isinstance(g, dict) else [] for g in groups]
             if sum(map(len, ids)) != len(self.order):
-                raise ValueError(
-                    f"rank {rank}: its optimizer holds {sum(map(len, ids))} parameter(s) in {len(ids)} group(s), but the source layout "
+                raise InputError(
+                    f"{self.files[rank]}: rank {rank}: its optimizer holds {sum(map(len, ids))} parameter(s) in {len(ids)} group(s), but the source layout "
                     f"gives it {len(self.order)} in {len(self.group_ids)}; {_HINT}"
                 )
             if ids != self.group_ids:
-                raise ValueError(
-                    f"rank {rank}: the file's param groups hold IDs {_show(ids)} but the groups of input.param_groups, "
+                raise InputError(
+                    f"{self.files[rank]}: rank {rank}: the file's param groups hold IDs {_show(ids)} but the groups of input.param_groups, "
                     f"else optim.param_groups, hold {_show(self.group_ids)}; "
                     "set input.param_groups to the FQN patterns of the groups of the optimizer that saved it, in its order"
                 )
@@ -149,15 +194,15 @@ class RankLocalReader:
             if not isinstance(pid, int):
                 continue  # not a parameter's state: passed through as extra state (rank 0's)
             if not 0 <= pid < len(self.order):
-                raise ValueError(
-                    f"rank {rank}, param ID {pid}: the source layout gives the optimizer {len(self.order)} parameter(s) "
+                raise InputError(
+                    f"{self.files[rank]}: rank {rank}, param ID {pid}: the source layout gives the optimizer {len(self.order)} parameter(s) "
                     f"(IDs 0..{len(self.order) - 1}); {_HINT}"
                 )
             tensor = self.tensor(rank, pid)
             for name, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tensor.shape:
-                    raise ValueError(
-                        f"rank {rank}, param ID {pid}: state {name} has shape {tuple(value.shape)} but the source layout says "
+                    raise InputError(
+                        f"{self.files[rank]}: rank {rank}, param ID {pid}: state {name} has shape {tuple(value.shape)} but the source layout says "
                         f"{tensor.shape} ({tensor.key}); {_HINT}"
                     )
 
@@ -184,22 +229,28 @@ class RankLocalReader:
         names = list(states[first])
         for r in holders[1:]:
             if set(states[r]) != set(names):
-                raise ValueError(f"{fqn} (param ID {pid}): rank {first} has state {sorted(names)} but rank {r} has {sorted(states[r])}")
+                raise InputError(f"{self.path}: {fqn} (param ID {pid}): rank {first} has state {sorted(names)} but rank {r} has {sorted(states[r])}")
         values: dict[str, Any] = {}
         pieces: dict[str, list[_Piece]] = {}
         for name in names:
             value = states[first][name]
             if torch.is_tensor(value) and value.dim() > 0:
+                odd = [r for r in holders if not (torch.is_tensor(states[r][name]) and states[r][name].dim() > 0)]
+                if odd:
+                    raise InputError(
+                        f"{self.files[odd[0]]}: {fqn} (param ID {pid}): state {name} is a tensor on rank {first} but a "
+                        f"{type(states[odd[0]][name]).__name__} on rank {odd[0]}; the ranks of one job agree on it, so these files are not from one checkpoint"
+                    )
                 dtypes = {str(states[r][name].dtype) for r in holders}
                 if len(dtypes) > 1:
-                    raise ValueError(f"{fqn} (param ID {pid}): state {name} has dtypes {sorted(dtypes)} on different ranks")
+                    raise InputError(f"{self.path}: {fqn} (param ID {pid}): state {name} has dtypes {sorted(dtypes)} on different ranks")
                 values[name] = TensorRef(self.tree.param(fqn).shape, str(value.dtype).removeprefix("torch."))
                 pieces[name] = self._pieces(pid, fqn, name, holders)
                 continue
             for r in holders[1:]:
                 if diff(states[r][name], value):
-                    raise ValueError(
-                        f"{fqn} (param ID {pid}): scalar state {name} is {states[r][name]!r} on rank {r} but {value!r} on rank {first}; "
+                    raise InputError(
+                        f"{self.files[r]}: {fqn} (param ID {pid}): scalar state {name} is {states[r][name]!r} on rank {r} but {value!r} on rank {first}; "
                         "the ranks of one job agree on it, so these files are not from one checkpoint"
                     )
             values[name] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
@@ -223,8 +274,8 @@ class RankLocalReader:
             owners = [
                 r for r in range(self.source.world_size) for s in self.tensor(r, pid).segments if s.fqn == fqn and s.start < hi and s.start + s.length > lo
             ]
-            raise ValueError(
-                f"{fqn} state {name}: elements {lo}..{hi} (of {numel}) lie on rank(s) {owners} under the source layout, "
+            raise InputError(
+                f"{self.path}: {fqn} state {name}: elements {lo}..{hi} (of {numel}) lie on rank(s) {owners} under the source layout, "
                 f"which have no state for param ID {pid}; FSDP cannot gather this state either. {_HINT}"
             )
         return pieces

@@ -2,41 +2,71 @@
 
 Only metadata travels (names, shapes, dtypes, scalar state, param groups);
 tensor bytes never do: each rank reads its own ranges in the shard stage.
+NaN or Inf in scalar state (a ``step``) is found here, in tensor state where
+shard reads it (see :meth:`~osdpipe.context.Context.nonfinite_in_source`).
 """
 
 from __future__ import annotations
 
+import math
 import pickle
+
+import torch
 
 from osdpipe.collective import from_rank0
 from osdpipe.context import Context
-from osdpipe.formats import SourceMeta, TensorRef
+from osdpipe.formats import InputError, SourceMeta, TensorRef
 from osdpipe.stages import stage
 from osdpipe.tree import ModuleTree
 
 
-def canonical_meta(meta: SourceMeta, tree: ModuleTree) -> SourceMeta:
-    """Key the source state by canonical parameter FQNs and check every tensor's shape.
+def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None) -> SourceMeta:
+    """Key the source state by canonical parameter FQNs and check it against the model.
+
+    Checked: every FQN with state, and every FQN the source's param groups
+    list, is a parameter of the model; every state tensor has its parameter's
+    shape, and a floating state tensor its parameter's dtype.
+
+    Args:
+        meta: the source's metadata, as its reader gives it.
+        tree: the model's module tree.
+        where: the input's path, to open each message with (``None``: messages name no file).
 
     Raises:
-        ValueError: for state of a parameter the model does not have, or a
-            tensor whose shape differs from its parameter's.
+        InputError: for state of a parameter the model does not have, a
+            tensor whose shape or dtype differs from its parameter's, or param
+            groups that name a parameter the model does not have.
     """
+    hint = "is model.factory / model.kwargs the model that saved it?"
+    at = f"{where}: " if where else ""
     state = {}
     for fqn, entries in meta.state.items():
-        if not tree.has_param(fqn):
-            raise ValueError(
-                f"the source has state for {fqn!r}, which model has no parameter of that name; "
-                "is model.factory / model.kwargs the model that saved it?"
-            )
+        if not isinstance(fqn, str) or not tree.has_param(fqn):
+            raise InputError(f"{at}the source has state for {fqn!r}, which model has no parameter of that name; {hint}")
         param = tree.param(fqn)
         for name, value in entries.items():
-            if isinstance(value, TensorRef) and value.shape != param.shape:
-                raise ValueError(f"source state {fqn}.{name} has shape {value.shape} but the parameter has shape {param.shape}")
+            if not isinstance(value, TensorRef):
+                continue
+            if value.shape != param.shape:
+                raise InputError(f"{at}source state {fqn}.{name} has shape {value.shape} but the parameter has shape {param.shape}; {hint}")
+            dtype = getattr(torch, value.dtype, None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point and value.dtype != param.dtype:
+                raise InputError(
+                    f"{at}source state {fqn}.{name} is {value.dtype} but the parameter is {param.dtype}, and an optimizer keeps "
+                    f"floating state in its parameter's dtype; {hint}"
+                )
         state[param.fqn] = entries
     groups = None
     if meta.param_groups is not None:
-        groups = [{**g, "params": [tree.canonical(f) if tree.has_param(f) else f for f in g["params"]]} for g in meta.param_groups]
+        groups = []
+        for i, group in enumerate(meta.param_groups):
+            params = group.get("params") if isinstance(group, dict) else None
+            if not isinstance(params, list):
+                raise InputError(f"{at}the source's param group {i} has no 'params' list; its param_groups are not an optimizer's")
+            for fqn in params:
+                if not isinstance(fqn, str) or not tree.has_param(fqn):
+                    raise InputError(f"{at}the source's param_groups name {fqn!r}, which model has no parameter of that name; {hint}")
+            groups.append({**group, "params": [tree.canonical(f) for f in params]})
     return SourceMeta(state=state, param_groups=groups, extra=meta.extra)
 
 
@@ -46,3 +76,16 @@ def broadcast(ctx: Context) -> None:
     meta = from_rank0("broadcast", ctx.reader.meta)
     ctx.bytes_moved += len(pickle.dumps(meta)) * (ctx.world_size - 1)
     ctx.meta = canonical_meta(meta, ctx.tree)
+    ctx.nonfinite_in_source(nonfinite_scalars(ctx.meta))
+
+
+def nonfinite_scalars(meta: SourceMeta) -> list[str]:
+    """Scalar state (0-dim tensors, floats) that is NaN or Inf, as ``"<fqn> <name> = nan"``; tensors are checked in shard."""
+    found = []
+    for fqn, entries in meta.state.items():
+        for name, value in entries.items():
+            if torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point():
+                value = value.item()
+            if isinstance(value, float) and not math.isfinite(value):
+                found.append(f"{fqn} {name} = {value}")
+    return found

@@ -8,9 +8,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from osdpipe.config import RunSpec
 from osdpipe.context import Context
-from osdpipe.formats import open_source
+from osdpipe.formats import IdGroups, open_source
 from osdpipe.stages import stage
+
+
+def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
+    """The groups a param-ID keyed input's IDs follow, as FQN patterns per group (``None``: not known)."""
+    groups = spec.input.param_groups
+    if groups is None and input_format == "rank_local":
+        groups = [g.params for g in spec.optim.param_groups] or None
+    if groups is None and input_format == "plain" and spec.input.path is None:
+        # A source osdpipe generated: its optimizer was built from optim.param_groups (one group over model.parameters() without).
+        groups = [g.params for g in spec.optim.param_groups] or [["*"]]
+    return groups
 
 
 @stage("load")
@@ -20,10 +32,5 @@ def load(ctx: Context) -> None:
             f"rank {ctx.rank} cannot see {ctx.input_path}; every rank reads the input itself, so put it on a filesystem all ranks share"
         )
     spec = ctx.spec
-    id_groups = spec.input.param_groups
-    if id_groups is None and ctx.input_format == "rank_local":
-        id_groups = [g.params for g in spec.optim.param_groups] or None
-    if id_groups is None and ctx.input_format == "plain" and spec.input.path is None:
-        # A source osdpipe generated: its optimizer was built from optim.param_groups (one group over model.parameters() without).
-        id_groups = [g.params for g in spec.optim.param_groups] or [["*"]]
-    ctx.reader = open_source(ctx.input_format, ctx.input_path, spec.input.key, tree=ctx.tree, source=spec.source.spec(), id_groups=id_groups)
+    groups = source_id_groups(spec, ctx.input_format)
+    ctx.reader = open_source(ctx.input_format, ctx.input_path, spec.input.key, tree=ctx.tree, source=spec.source.spec(), id_groups=groups)
