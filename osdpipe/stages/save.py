@@ -1,29 +1,27 @@
 """save: write the target format atomically, with a manifest.
 
-Every rank writes into ``<output.path>/.staging``; only when every rank has
-written and read its files back does rank 0 move them into place and write
-``manifest.json``. A failure on any rank leaves the output directory as it
-was: nothing half-written. A run whose verify failed writes no data.
+Every rank writes into ``<output.path>/.staging`` (made by the launcher, see
+:mod:`osdpipe.output`); only when every rank has written and read its files
+back does rank 0 write ``manifest.json`` there and commit the staged
+conversion, replacing a previous one as a whole. A failure on any rank leaves
+the output directory as it was: nothing half-written. A run whose verify
+failed writes no data.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from osdpipe import __version__
-from osdpipe.collective import agree, barrier, gather_to_all
+from osdpipe import __version__, output
+from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.compare import diff
 from osdpipe.context import Context
 from osdpipe.stages import stage
-
-STAGING = ".staging"
 
 
 def sha256_file(path: Path) -> str:
@@ -80,10 +78,9 @@ def save(ctx: Context) -> None:
         return  # a result that failed verify is not written; report.json says where it differs
     assert ctx.result is not None
     out = Path(ctx.spec.output.path)
-    staging = out / STAGING
+    staging = out / output.STAGING
     if ctx.rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        staging.mkdir(parents=True, exist_ok=True)  # the launcher made it; the Python API's caller may not have
     barrier()
     fmt = ctx.spec.output.format
     written: dict[str, str] = {}
@@ -98,36 +95,39 @@ def save(ctx: Context) -> None:
             written[name] = sha256_file(staging / name)
             ctx.bytes_moved += (staging / name).stat().st_size
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
-        error = f"{type(exc).__name__}: {exc}"
+        error = one_line(exc)
     try:
         agree("save", error)
     except Exception:
         if ctx.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            output.abort(out)
         raise
     per_rank = gather_to_all((written, ctx.tensor_digests))
+    error = None
     if ctx.rank == 0:
-        files = {k: v for w, _ in per_rank for k, v in w.items()}
-        if fmt == "dcp":
-            written_files = [p for p in sorted((staging / "dcp").rglob("*")) if p.is_file()]
-            files = {str(p.relative_to(staging)): sha256_file(p) for p in written_files}
-            ctx.bytes_moved += sum(p.stat().st_size for p in written_files)
-        for entry in sorted(os.listdir(staging)):
-            target = out / entry
-            if target.is_dir():
-                shutil.rmtree(target)
-            os.replace(staging / entry, target)
-        staging.rmdir()
-        manifest = {
-            "osdpipe_version": __version__,
-            "torch_version": torch.__version__,
-            "config": ctx.spec.model_dump(mode="json"),
-            "format": fmt,
-            "files": files,
-            "tensors": {k: v for _, d in per_rank for k, v in sorted(d.items())},
-        }
-        tmp = out / "manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        os.replace(tmp, out / "manifest.json")
-        ctx.files = files
-    barrier()
+        try:
+            ctx.files = _commit(ctx, staging, per_rank)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            error = one_line(exc)
+    agree("save", error)
+
+
+def _commit(ctx: Context, staging: Path, per_rank: list[tuple[dict[str, str], dict[str, str]]]) -> dict[str, str]:
+    """On rank 0: write the manifest into the staged conversion and commit it; returns the files and their sha256."""
+    fmt = ctx.spec.output.format
+    files = {k: v for w, _ in per_rank for k, v in w.items()}
+    if fmt == "dcp":
+        written_files = [p for p in sorted((staging / "dcp").rglob("*")) if p.is_file()]
+        files = {str(p.relative_to(staging)): sha256_file(p) for p in written_files}
+        ctx.bytes_moved += sum(p.stat().st_size for p in written_files)
+    manifest = {
+        "osdpipe_version": __version__,
+        "torch_version": torch.__version__,
+        "config": ctx.spec.model_dump(mode="json"),
+        "format": fmt,
+        "files": files,
+        "tensors": {k: v for _, d in per_rank for k, v in sorted(d.items())},
+    }
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    output.commit(staging.parent)
+    return files
