@@ -2,35 +2,56 @@
 
 Hydra lives only here, in the launcher process; ranks receive the validated
 :class:`~osdpipe.config.RunSpec`.
+
+Exit codes: 0 every job succeeded; 1 a conversion or check failed; 2 the
+command line or a config is bad (an unknown key or recipe, a bad value, an
+output path that cannot be written), in a sweep too: a bad config is the first
+thing to mend. Every error is one line on stderr, a traceback only with
+``runtime.debug=true``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
+from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from osdpipe import __version__
 from osdpipe.config import ConfigError, validate
+from osdpipe.output import OutputError
 from osdpipe.pipeline import Report, execute
 
-_failed_jobs: list[str] = []
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
-# Under torchrun every rank composes the config; only rank 0 keeps Hydra's record (.hydra/).
-OmegaConf.register_new_resolver("osdpipe_hydra_subdir", lambda: ".hydra" if _rank() == 0 else None, replace=True)
+#: Config nodes that hold whatever keys the user names (a factory's or an optimizer's keyword arguments):
+#: overriding a key they do not have yet adds it, with no ``+`` needed.
+OPEN_DICTS = ("model.kwargs.", "optim.kwargs.")
+
+#: The exit code of every job of this invocation (one, or one per sweep job).
+_exit_codes: list[int] = []
+
+# hydra.run.dir: output.path when given (nothing lands in the current directory), else outputs/<date>/<time>.
+OmegaConf.register_new_resolver("osdpipe_run_dir", lambda path, default: default if path is None else path, replace=True)
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+def _error(message: str) -> None:
+    print(f"osdpipe: error: {message}", file=sys.stderr, flush=True)
+
+
+def _internal_error(exc: BaseException) -> None:
+    _error(f"internal error: {type(exc).__name__}: {exc} (rerun with runtime.debug=true for the traceback, and please report it)")
 
 
 def summarize(report: Report, output: str) -> str:
-    """A short human summary of a run for the terminal."""
-    lines = [f"osdpipe: {'OK' if report.ok else 'FAILED'}  ->  {output}"]
-    if report.error:
-        lines.append(f"  error: {report.error}")
-    lines.extend(f"  warning: {w}" for w in report.warnings)
+    """A short human summary of a successful run for the terminal."""
+    lines = [f"osdpipe: OK  ->  {output}"]
     for s in report.stages:
         lines.append(f"  {s.name:<10} {s.seconds:8.3f} s  {s.bytes:>12,d} B")
     for c in report.checks:
@@ -38,30 +59,123 @@ def summarize(report: Report, output: str) -> str:
     return "\n".join(lines)
 
 
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 @hydra.main(version_base="1.3", config_path="pkg://osdpipe.conf", config_name="config")
 def run(cfg: DictConfig) -> bool:
     """One Hydra job: one conversion. Returns whether it succeeded (a sweep goes on after a failure)."""
+    try:
+        code = _run_job(cfg)
+    except Exception as exc:  # noqa: BLE001 - a bug in osdpipe: one line, the traceback on request
+        if cfg.runtime.debug:
+            traceback.print_exc()
+        _internal_error(exc)
+        code = EXIT_FAILED
+    _exit_codes.append(code)
+    return code == EXIT_OK
+
+
+def job_config(cfg: DictConfig, job_dir: str) -> dict:
+    """The plain dict a job validates: ``cfg`` resolved, ``output.path`` defaulting to the job's directory."""
     raw = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(raw, dict)
+    if raw.get("output", {}).get("path") is None:
+        raw["output"]["path"] = job_dir
+    return raw
+
+
+def _run_job(cfg: DictConfig) -> int:
+    raw = job_config(cfg, HydraConfig.get().runtime.output_dir)
     try:
         spec = validate(raw)  # type: ignore[arg-type]
     except ConfigError as exc:
         for line in str(exc).splitlines():
-            print(f"osdpipe: config error: {line}", file=sys.stderr)
-        _failed_jobs.append("config")
-        return False
-    report = execute(spec)
-    if _rank() == 0:
+            _error(f"config: {line}")
+        _discard_empty_run_dir()
+        return EXIT_CONFIG
+    try:
+        report = execute(spec)
+    except OutputError as exc:
+        _error(str(exc))
+        return EXIT_CONFIG
+    if not _is_rank0():
+        return EXIT_OK if report.ok else EXIT_FAILED
+    if report.ok:
         print(summarize(report, spec.output.path), flush=True)
-    if not report.ok:
-        _failed_jobs.append(spec.output.path)
-    return report.ok
+        for warning in report.warnings:
+            print(f"osdpipe: warning: {warning}", file=sys.stderr)
+        return EXIT_OK
+    if spec.runtime.debug and report.traceback:
+        print(report.traceback, file=sys.stderr)
+    _error(f"{report.failure} (report: {Path(spec.output.path) / 'report.json'})")
+    return EXIT_FAILED
+
+
+def _discard_empty_run_dir() -> None:
+    """Remove the directory Hydra made for a job that never ran (and its parents it left empty), up to the current directory."""
+    directory, stop = Path(HydraConfig.get().runtime.output_dir).resolve(), Path.cwd().resolve()
+    while directory != stop and stop in directory.parents:
+        try:
+            directory.rmdir()  # only if empty: a user's directory or an earlier run is never touched
+        except OSError:
+            return
+        directory = directory.parent
+
+
+def hydra_message(exc: BaseException) -> str:
+    """Hydra's or OmegaConf's complaint about the command line, in one line that says what to do."""
+    text = str(exc)
+    if isinstance(exc, MissingConfigException):
+        missing = text.split("Could not find '", 1)[-1].split("'", 1)[0]
+        group, _, name = missing.rpartition("/")
+        options = [line.strip() for line in text.split("Available options", 1)[-1].splitlines()[1:] if line.startswith("\t") and line.strip()]
+        if group:
+            options = [o for o in options if "=" not in o and "path" not in o]
+            return f"{group}={name}: no such {group}; choose one of {', '.join(options)}" if options else f"{group}={name}: no such {group}"
+    if "Could not override '" in text or "Key '" in text and "is not in struct" in text:
+        key = text.split("'", 2)[1]
+        return f"{key}: not a known key; check its spelling against the config reference in README.md (osdpipe --help lists the main keys)"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    if isinstance(exc, OverrideParseException):
+        return f"{exc.override} cannot be parsed ({first}); write overrides as key=value, quoting lists: 'target.wrap=[Block]'"
+    return first
+
+
+def open_dict_overrides(args: list[str]) -> list[str]:
+    """Let ``model.kwargs.depth=12`` add a key the composed config does not have (as ``++`` would)."""
+    return [f"++{a}" if a.startswith(OPEN_DICTS) and "=" in a else a for a in args]
 
 
 def main() -> None:
-    """Console entry point: exit 0 exactly when every job succeeded (2 for a bad config, 1 for a failed run)."""
-    run()
-    if _failed_jobs:
-        sys.exit(2 if all(job == "config" for job in _failed_jobs) else 1)
+    """Console entry point (see the module docstring for the exit codes)."""
+    args = sys.argv[1:]
+    if "--version" in args:
+        import torch
+
+        print(f"osdpipe {__version__} (torch {torch.__version__}, hydra {hydra.__version__})")
+        return
+    debug = any(a.lstrip("+") == "runtime.debug=true" for a in args)
+    sys.argv = [sys.argv[0], *open_dict_overrides(args)]
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's errors reach the handler below, which says them in one line
+    _exit_codes.clear()
+    try:
+        run()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if debug:
+            traceback.print_exc()
+        _error(hydra_message(exc))
+        sys.exit(EXIT_CONFIG)
+    except OSError as exc:  # Hydra creates the run directory (output.path, when given) before the job starts
+        _error(f"output.path: cannot create {exc.filename} ({exc.strerror}); choose a directory you can write to")
+        sys.exit(EXIT_CONFIG)
+    except Exception as exc:  # noqa: BLE001 - a bug in osdpipe: one line, the traceback on request
+        if debug:
+            traceback.print_exc()
+        _internal_error(exc)
+        sys.exit(EXIT_FAILED)
+    sys.exit(max(_exit_codes, default=EXIT_OK))  # a bad config (2) outranks a failed conversion (1)
 
 
 if __name__ == "__main__":

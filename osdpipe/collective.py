@@ -16,13 +16,27 @@ T = TypeVar("T")
 
 
 class StageError(RuntimeError):
-    """A stage failed on one or more ranks."""
+    """A stage failed on one or more ranks: one line naming the stage, the ranks and the first rank's error."""
 
     def __init__(self, stage: str, failures: dict[int, str]) -> None:
         ranks = sorted(failures)
-        first = failures[ranks[0]]
-        super().__init__(f"stage {stage!r} failed on rank(s) {ranks}: {first}")
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        super().__init__(f"stage {stage!r} failed on {where}: {failures[ranks[0]]}")
         self.stage, self.failures = stage, failures
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for a person.
+
+    Errors osdpipe raises for bad input or a failed operation (``ValueError``,
+    ``OSError`` and their kinds) already say what happened and what to do, so
+    their type name is noise; any other type is named, since it says more
+    than its message (``KeyError: 'step'``).
+    """
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if isinstance(exc, (ValueError, OSError, StageError)) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _initialized() -> bool:
@@ -49,7 +63,7 @@ def from_rank0(stage: str, compute: Callable[[], T]) -> T:
         try:
             box[0] = (True, compute())
         except Exception as exc:  # noqa: BLE001 - it is re-raised on every rank below
-            box[0] = (False, f"{type(exc).__name__}: {exc}")
+            box[0] = (False, one_line(exc))
     dist.broadcast_object_list(box, src=0)
     ok, value = box[0]
     if not ok:

@@ -50,6 +50,21 @@ class Context:
     _optimizer_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
     _output_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
 
+    def nonfinite_in_source(self, found: list[str], *, here: bool = True) -> None:
+        """Act on NaN or Inf found in the source (``found`` names each parameter and state).
+
+        By default that is an error, raised where it was found (``here``; the
+        other ranks learn of it when the stage's ranks agree). With
+        ``input.allow_nonfinite`` it is a warning, and the state converts as it is.
+        """
+        if not found:
+            return
+        shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+        if self.spec.input.allow_nonfinite:
+            self.warnings.append(f"the source holds NaN or Inf, converted as they are (input.allow_nonfinite=true): {shown}")
+        elif here:
+            raise ValueError(f"the source holds NaN or Inf: {shown}; mend the checkpoint, or set input.allow_nonfinite=true to convert them as they are")
+
     def target_groups(self, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
         """This rank's target optimizer's param groups as indices into ``layout``.
 

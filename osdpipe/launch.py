@@ -14,6 +14,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,24 +24,36 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from osdpipe import progress
+from osdpipe.collective import StageError, one_line
+
 #: How long the launcher waits for the other ranks to report after one failed.
 GRACE_S = 5.0
 
 
 class WorldError(RuntimeError):
-    """Some ranks of a world failed; ``failures`` maps each failed rank to its error text."""
+    """Some ranks of a world failed; ``failures`` maps each failed rank to its error text.
 
-    def __init__(self, failures: dict[int, str], summary: str) -> None:
+    ``traceback`` is the failing rank's traceback (for ``runtime.debug``).
+    """
+
+    def __init__(self, failures: dict[int, str], summary: str, traceback: str = "") -> None:
         super().__init__(summary)
         self.failures = failures
+        self.traceback = traceback
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """What a failed rank sends back: the one-line message, and the traceback for the log."""
+    """What a failed rank sends back: the one-line message, and the traceback for the log.
+
+    ``agreed``: the error is a :class:`~osdpipe.collective.StageError`, which
+    every rank raises with the same text; it already names the failed ranks.
+    """
 
     message: str
     traceback: str
+    agreed: bool = False
 
 
 def free_port() -> int:
@@ -69,13 +82,20 @@ def init_world(backend: str, timeout_s: float, rank: int | None = None, world_si
     dist.init_process_group(**kwargs)
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any, events: Any
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    warnings.simplefilter("ignore")  # what a user must know travels in the report, not as Python warnings on stderr
+    if rank == 0 and events is not None:
+        progress.connect(events.put)
     try:
         init_world(backend, timeout_s, rank, world_size)
         outcome = (rank, True, fn(*args))
+    except StageError as exc:
+        outcome = (rank, False, RankFailure(str(exc), traceback.format_exc(), agreed=True))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-        outcome = (rank, False, RankFailure(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        outcome = (rank, False, RankFailure(one_line(exc), traceback.format_exc()))
     # Sent as plain pickle bytes: a result the queue cannot pickle would
     # otherwise vanish in its feeder thread and leave the launcher waiting,
     # and tensors would travel through shared-memory handles.
@@ -96,12 +116,33 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
 _ECHO_MARKERS = ("Connection closed by peer", "Read error", "Connection reset", "pair.cc", "NCCL communicator was aborted")
 
 
+def _is_echo(failure: RankFailure) -> bool:
+    return any(m in failure.message for m in _ECHO_MARKERS)
+
+
 def root_cause(failures: dict[int, RankFailure]) -> tuple[int, RankFailure]:
     """The failure that explains the others: the first one that is not a broken collective's echo."""
     for rank, failure in failures.items():
-        if not any(m in failure.message for m in _ECHO_MARKERS):
+        if not _is_echo(failure):
             return rank, failure
     return next(iter(failures.items()))
+
+
+def world_error(failures: dict[int, RankFailure]) -> WorldError:
+    """One error for a failed world, saying each thing once.
+
+    A stage error is the same text on every rank that raised it and already
+    names the ranks where the stage failed: it is reported as it is. Otherwise
+    the root cause is reported with its rank; ranks whose error only echoes it
+    (a collective broken by the failed rank's exit) are not failures of their own.
+    """
+    agreed = [f for f in failures.values() if f.agreed]
+    if agreed:
+        return WorldError({r: f.message for r, f in failures.items()}, agreed[0].message, agreed[0].traceback)
+    rank, cause = root_cause(failures)
+    others = sorted(r for r, f in failures.items() if r != rank and not _is_echo(f) and not f.agreed)
+    summary = f"rank {rank} failed: {cause.message}" + (f" (ranks {others} failed too)" if others else "")
+    return WorldError({r: f.message for r, f in failures.items()}, summary, cause.traceback)
 
 
 def run_local_world(
@@ -111,11 +152,13 @@ def run_local_world(
     *,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    display: progress.Display | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks and return each rank's result.
 
     ``fn`` must be picklable (a module-level function) and runs inside an
     initialized process group whose collectives time out after ``timeout_s``.
+    Rank 0's progress events (:mod:`osdpipe.progress`) are drawn on ``display``.
 
     Raises:
         WorldError: when a rank raises, dies, or the world outlives ``timeout_s``
@@ -123,10 +166,11 @@ def run_local_world(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    events = ctx.Queue() if display is not None and display.enabled else None
     port = free_port()
     backend = backend or default_backend()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results, events), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -139,6 +183,7 @@ def run_local_world(
             now = time.monotonic()
             if now > deadline or (first_failure is not None and now > first_failure + GRACE_S):
                 break
+            _drain(events, display)
             try:
                 rank, ok, value = pickle.loads(results.get(timeout=0.2))
                 outcome[rank] = (ok, value)
@@ -159,16 +204,23 @@ def run_local_world(
             if p.is_alive():
                 p.kill()
                 p.join()
+    _drain(events, display)
     failures = {r: v for r, (ok, v) in outcome.items() if not ok}  # in the order they arrived
     missing = [r for r in range(world_size) if r not in outcome]
     if failures:
-        cause_rank, cause = root_cause(failures)
-        raise WorldError(
-            {r: f.message for r, f in failures.items()},
-            f"rank {cause_rank} failed: {cause.message}"
-            + (f" (also failed: ranks {sorted(set(failures) - {cause_rank})})" if len(failures) > 1 else "")
-            + (f" (ranks {missing} were stopped)" if missing else ""),
-        )
+        raise world_error(failures)
     if missing:
         raise WorldError({r: "timed out" for r in missing}, f"rank(s) {missing} did not finish within {timeout_s:.0f} s")
     return [outcome[r][1] for r in range(world_size)]
+
+
+def _drain(events: Any, display: progress.Display | None) -> None:
+    """Draw every progress event rank 0 has sent, then move the clock."""
+    if events is None or display is None:
+        return
+    while True:
+        try:
+            display(events.get_nowait())
+        except queue.Empty:
+            break
+    display.tick()

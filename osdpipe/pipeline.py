@@ -13,10 +13,12 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from traceback import format_exc
 
 import torch.distributed as dist
 
-from osdpipe.collective import StageError, agree, gather_to_all
+from osdpipe import output, progress
+from osdpipe.collective import StageError, agree, from_rank0, gather_to_all, one_line
 from osdpipe.config import RunSpec
 from osdpipe.context import CheckResult, Context
 from osdpipe.models import build_model
@@ -41,6 +43,17 @@ class Report:
     error: str | None = None
     files: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    traceback: str | None = None  # where ``error`` was raised, for runtime.debug and bug reports
+
+    @property
+    def failure(self) -> str | None:
+        """Why the run failed, in one line (``None`` when it did not)."""
+        if self.ok:
+            return None
+        if self.error:
+            return self.error
+        failed = [c for c in self.checks if not c.ok]
+        return "verify failed: " + "; ".join(f"check {c.name}: {c.detail}" for c in failed)
 
     def write(self, directory: str | Path) -> Path:
         path = Path(directory) / "report.json"
@@ -55,6 +68,8 @@ def run_stages(ctx: Context) -> Report:
     """Run the configured stages in order on this rank; every rank gets the same report."""
     timings: list[tuple[str, float, int]] = []
     for name in ctx.spec.pipeline.stages:
+        if ctx.rank == 0:
+            progress.emit("phase", f"stage {name}")
         ctx.bytes_moved = 0
         start = time.perf_counter()
         error = None
@@ -63,7 +78,7 @@ def run_stages(ctx: Context) -> Report:
         except StageError:
             raise  # already agreed on by every rank inside the stage
         except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
-            error = f"{type(exc).__name__}: {exc}"
+            error = one_line(exc)
         agree(name, error)
         timings.append((name, time.perf_counter() - start, ctx.bytes_moved))
     per_rank = gather_to_all(timings)
@@ -91,50 +106,119 @@ def _convert_worker(spec: RunSpec, input_path: str, input_format: str) -> Report
     return report if dist.get_rank() == 0 else None
 
 
+def check_source(spec: RunSpec) -> None:
+    """Read the input's metadata and check it against the model and the source layout, in this process.
+
+    What the load and broadcast stages would find wrong with the input (a
+    damaged file, a missing rank file, another model's checkpoint, state that
+    does not fit the source layout) is found here, before any process starts.
+
+    Raises:
+        InputError: naming the file and what is wrong with it.
+    """
+    from osdpipe.formats import InputError, inspect_source
+    from osdpipe.layout import full_layout
+    from osdpipe.optim import group_members
+    from osdpipe.stages.load import source_id_groups
+
+    assert spec.input.path is not None
+    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
+    groups = source_id_groups(spec, spec.input.format)
+    meta = inspect_source(spec.input.format, spec.input.path, spec.input.key, tree=tree, source=spec.source.spec(), id_groups=groups)
+    if meta.param_groups is not None:  # the source's optimizer held these; the target's must find each of its own there
+        layout = full_layout(tree)
+        held = {f for g in group_members(spec.optim, layout) for i in g for f in layout[i].fqns}
+        missing = sorted(held - {f for g in meta.param_groups for f in g["params"]})
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise InputError(
+                f"{spec.input.path}: the source's optimizer does not hold {shown}, which the model has; "
+                "is model.factory / model.kwargs the model that saved it (or optim.param_groups its grouping)?"
+            )
+
+
 def execute(spec: RunSpec) -> Report:
     """The whole conversion in a local world (spawned ranks) or in the current torchrun world.
 
-    Never raises for a failed run: the error goes into the report, which is
-    also written to ``<output.path>/report.json``.
+    The output directory is prepared first (:func:`osdpipe.output.begin`); a
+    failed run leaves it as it was, but for ``report.json``, which it always
+    writes.
+
+    Raises:
+        OutputError: ``output.path`` cannot be written, so not even a report can be.
     """
-    from osdpipe.generate import generate_rank
-    from osdpipe.launch import WorldError, in_torchrun, run_local_world
+    from osdpipe.launch import WorldError, in_torchrun
 
     backend = None if spec.runtime.backend == "auto" else spec.runtime.backend
-    torchrun = spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun())
-    report: Report
+    if spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun()):
+        return _execute_torchrun(spec, backend)
+    out = Path(spec.output.path)
+    output.begin(out)
+    display = progress.Display(progress.wanted(spec.runtime.progress))
     try:
-        if torchrun:
-            report = _execute_torchrun(spec, backend)
-        else:
-            input_path, input_format = spec.input.path, spec.source_input_format
-            if input_path is None:
-                input_path = run_local_world(generate_rank, spec.source.world_size, (spec,), backend=backend, timeout_s=spec.runtime.timeout_s)[0]
-            results = run_local_world(_convert_worker, spec.target.world_size, (spec, input_path, input_format), backend=backend, timeout_s=spec.runtime.timeout_s)
-            report = results[0]
+        report = _execute_local(spec, backend, display)
     except (WorldError, StageError) as exc:
-        report = Report(ok=False, error=str(exc))
-    if not torchrun or int(os.environ.get("RANK", "0")) == 0:
-        report.write(spec.output.path)
+        report = Report(ok=False, error=str(exc), traceback=getattr(exc, "traceback", None) or None)
+    except ValueError as exc:  # the input (InputError) or what the config says of it, found before any process starts
+        report = Report(ok=False, error=one_line(exc), traceback=format_exc())
+    finally:
+        display.close()
+    output.abort(out)  # whatever a failed (or save-less) run staged
+    report.write(out)
     return report
 
 
+def _execute_local(spec: RunSpec, backend: str | None, display: progress.Display) -> Report:
+    """Check the input, generate a source when none is given, convert on a local world of spawned ranks."""
+    from osdpipe.generate import generate_rank
+    from osdpipe.launch import run_local_world
+
+    input_path, input_format = spec.input.path, spec.source_input_format
+    if input_path is not None:
+        display.phase("checking the input")
+        check_source(spec)
+    else:
+        display.phase(f"generating a source: {spec.generate.steps} steps on {spec.source.world_size} rank(s)")
+        input_path = run_local_world(generate_rank, spec.source.world_size, (spec,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
+    display.phase(f"starting {spec.target.world_size} rank(s)")
+    args = (spec, input_path, input_format)
+    return run_local_world(_convert_worker, spec.target.world_size, args, backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
+
+
 def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
-    """Join the torchrun world; it must be the target world (and, to generate, the source world too)."""
+    """Join the torchrun world; it must be the target world (and, to generate, the source world too).
+
+    Rank 0 prepares the output directory, draws progress and writes the report.
+    """
     from osdpipe.generate import generate_rank
     from osdpipe.launch import default_backend, init_world
 
-    world = int(os.environ["WORLD_SIZE"])
-    if world != spec.target.world_size:
-        raise StageError("launch", {0: f"torchrun started {world} ranks but target.world_size={spec.target.world_size}; start as many ranks as the target has"})
-    if not dist.is_initialized():
-        init_world(backend or default_backend(), spec.runtime.timeout_s)
-    input_path = spec.input.path
-    if input_path is None:
-        if spec.source.world_size != world:
-            raise StageError("generate", {0: f"under torchrun, generating a source needs source.world_size == {world}; give input.path instead"})
-        input_path = generate_rank(spec)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    out = Path(spec.output.path)
+    display = progress.Display(rank == 0 and progress.wanted(spec.runtime.progress))
+    progress.connect(display if rank == 0 else None)
+    report: Report
     try:
-        return run_rank(spec, input_path, spec.source_input_format)
+        if world != spec.target.world_size:
+            raise StageError("launch", {0: f"torchrun started {world} ranks but target.world_size={spec.target.world_size}; start as many ranks as the target has"})
+        if not dist.is_initialized():
+            init_world(backend or default_backend(), spec.runtime.timeout_s)
+        try:
+            from_rank0("launch", lambda: output.begin(out))
+            input_path = spec.input.path
+            if input_path is None:
+                if spec.source.world_size != world:
+                    raise StageError("generate", {0: f"under torchrun, generating a source needs source.world_size == {world}; give input.path instead"})
+                input_path = generate_rank(spec)
+            report = run_rank(spec, input_path, spec.source_input_format)
+        finally:
+            dist.destroy_process_group()
+    except StageError as exc:
+        report = Report(ok=False, error=str(exc), traceback=format_exc())
     finally:
-        dist.destroy_process_group()
+        display.close()
+        progress.connect(None)
+    if rank == 0:
+        output.abort(out)
+        report.write(out)
+    return report

@@ -1,25 +1,109 @@
-"""Progress on long work, on rank 0 only, through tqdm (quiet when output is not a terminal or CI is set).
+"""Progress on long work: one live line on the launcher's terminal, fed by events from rank 0.
 
-tqdm rather than a bar of our own: rate, ETA and terminal-width handling are
-solved there, it has no dependencies of its own, and it stays out of the way
-of log output; rich would bring a rendering stack osdpipe does not otherwise need.
+Ranks never draw: rank 0 *emits* events (a stage begins, n of m items done)
+through :func:`emit` and :func:`track`, and whoever draws receives them. In a
+local world that is the launcher, which gets them through a queue and also
+draws its own phases (starting a world, generating the source); under
+torchrun rank 0 draws them itself. So there is one display per run, never two
+processes writing over each other's line.
+
+The line is drawn with tqdm (rate, elapsed time and terminal width are solved
+there; rich would bring a rendering stack osdpipe does not otherwise need),
+only when stderr is a terminal and ``CI`` is unset.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: An event: ("phase", text) starts a new line of work; ("items", done, total) advances it.
+Event = tuple[Any, ...]
 
-def progress(items: Iterable[T], desc: str, *, enabled: bool = True) -> Iterator[T]:
-    """Iterate ``items`` with a progress bar on stderr when ``enabled`` and stderr is a terminal."""
-    if not enabled or os.environ.get("CI") or not sys.stderr.isatty():
+_sink: Callable[[Event], None] | None = None
+#: Items events are sent at most this often, so a fast loop costs nothing.
+_ITEM_INTERVAL_S = 0.2
+
+
+def wanted(flag: bool) -> bool:
+    """Whether to draw progress: asked for, stderr is a terminal, and not in CI."""
+    return flag and not os.environ.get("CI") and sys.stderr.isatty()
+
+
+def connect(sink: Callable[[Event], None] | None) -> None:
+    """Send this process's events to ``sink`` (``None``: drop them)."""
+    global _sink
+    _sink = sink
+
+
+def emit(*event: Any) -> None:
+    """Send one event to the display, if this process has one."""
+    if _sink is not None:
+        try:
+            _sink(tuple(event))
+        except Exception:  # noqa: BLE001 - progress must never fail a conversion
+            pass
+
+
+def track(items: Iterable[T], total: int | None = None) -> Iterator[T]:
+    """Iterate ``items``, emitting how many are done (throttled)."""
+    if _sink is None:
         yield from items
         return
-    from tqdm import tqdm
+    total = total if total is not None else (len(items) if hasattr(items, "__len__") else None)  # type: ignore[arg-type]
+    last = 0.0
+    done = 0
+    for item in items:
+        yield item
+        done += 1
+        now = time.monotonic()
+        if now - last >= _ITEM_INTERVAL_S:
+            emit("items", done, total)
+            last = now
+    emit("items", done, total)
 
-    yield from tqdm(items, desc=desc, unit="tensor", leave=False)
+
+class Display:
+    """The live line: the current phase, its items, and the time it has taken. A no-op when disabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar: Any = None
+
+    def __call__(self, event: Event) -> None:
+        """Take one event (the sink of :func:`connect`, or what the launcher received)."""
+        if not self.enabled:
+            return
+        kind, *rest = event
+        if kind == "phase":
+            self._open(str(rest[0]))
+        elif kind == "items" and self._bar is not None:
+            done, total = rest
+            if total != self._bar.total:
+                self._bar.total = total
+            self._bar.n = done
+            self._bar.refresh()
+
+    def phase(self, text: str) -> None:
+        self(("phase", text))
+
+    def tick(self) -> None:
+        """Redraw, so the elapsed time moves while nothing else happens."""
+        if self._bar is not None:
+            self._bar.refresh()
+
+    def _open(self, text: str) -> None:
+        from tqdm import tqdm
+
+        self.close()
+        self._bar = tqdm(desc=f"osdpipe: {text}", total=None, leave=False, file=sys.stderr, unit="item", dynamic_ncols=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -60,7 +60,7 @@ def test_stage_error_is_raised_on_every_rank(tmp_path):
     spec = spec.model_copy(update={"pipeline": PipelineConfig.model_construct(stages=stages, checks=[])})
     messages = run_local_world(_run_with_exploding_stage, 2, (spec,), timeout_s=120)
     assert messages[0] == messages[1], messages
-    assert "stage 'explode' failed on rank(s) [1]" in messages[0] and "disk full on rank 1" in messages[0]
+    assert "stage 'explode' failed on rank 1:" in messages[0] and "disk full on rank 1" in messages[0]
     assert not (tmp_path / "out" / "rank_0.pt").exists(), "a later stage ran after a failed one"
 
 
@@ -73,3 +73,38 @@ def test_unpicklable_result_is_an_error_not_a_hang():
     with pytest.raises(WorldError, match="cannot be pickled"):
         run_local_world(_unpicklable_result, 2, timeout_s=60)
     assert time.monotonic() - start < 30
+
+
+def _stage_fails_on_rank0_only(spec) -> None:
+    """Rank 0 fails in a stage; every rank raises the agreed StageError out of the worker."""
+    STAGES.setdefault("explode0", _explode_on_rank0)
+    ctx = make_context(spec, spec.input.path, "fsdp_full")
+    run_stages(ctx)
+
+
+def _explode_on_rank0(ctx) -> None:
+    if ctx.rank == 0:
+        raise ValueError("cannot read /ckpt/optim.pt: it is truncated")
+
+
+def test_a_stage_error_is_reported_once_not_as_every_ranks_failure(tmp_path):
+    """Each rank raises the same agreed error; the world reports it once, not 'rank 2 failed: ... (also failed: ...)'."""
+    (tmp_path / "optim.pt").write_bytes(b"")  # never read: the only stage raises first
+    spec = validate({"output": {"path": str(tmp_path / "out")}, "input": {"path": str(tmp_path / "optim.pt")}, "runtime": {"timeout_s": 60}})
+    spec = spec.model_copy(update={"pipeline": PipelineConfig.model_construct(stages=["explode0"], checks=[])})
+    with pytest.raises(WorldError) as info:
+        run_local_world(_stage_fails_on_rank0_only, 3, (spec,), timeout_s=120)
+    assert str(info.value) == "stage 'explode0' failed on rank 0: cannot read /ckpt/optim.pt: it is truncated"
+
+
+def test_echoes_of_a_failure_are_not_failures_of_their_own():
+    from osdpipe.launch import RankFailure, world_error
+
+    failures = {
+        1: RankFailure("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer", ""),
+        0: RankFailure("disk full on rank 0", "tb0"),
+        2: RankFailure("RuntimeError: Connection reset by peer", ""),
+    }
+    error = world_error(failures)
+    assert str(error) == "rank 0 failed: disk full on rank 0"
+    assert error.traceback == "tb0"

@@ -10,7 +10,6 @@ tensor (shape, dtype) for the shard stage to fill.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -83,9 +82,7 @@ def flatten(ctx: Context) -> None:
     assert ctx.meta is not None, "the broadcast stage must run before flatten"
     message = unmanaged_warning(ctx.tree, ctx.spec.target.spec()) if ctx.id_keyed else None
     if message is not None:
-        ctx.warnings.append(message)
-        if ctx.rank == 0:
-            warnings.warn(message, UserWarning, stacklevel=2)
+        ctx.warnings.append(message)  # the command prints the report's warnings
     ctx.flat_state = {}
     for tensor in ctx.target_layout():
         entry = flat_entry(tensor, ctx.meta)

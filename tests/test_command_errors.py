@@ -1,0 +1,227 @@
+"""What the ``osdpipe`` command says and leaves behind when something is wrong, run as a user runs it.
+
+Every failure is one line on stderr (``osdpipe: error: ...``) naming the key,
+file or parameter, with no traceback; the exit code is 2 for a bad command
+line or config and 1 for a failed conversion; nothing lands outside
+``output.path``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import clean_env, run_osdpipe
+
+TIMEOUT_S = 240
+
+
+def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def explain(result: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    lines = error_lines(result)
+    assert result.returncode == code, explain(result)
+    assert len(lines) == 1 and lines[0].startswith("osdpipe: error: "), explain(result)
+    for word in words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+# ------------------------------------------------------------ bad command lines
+
+
+@pytest.mark.parametrize(
+    "arg,words",
+    [
+        ("target.world_sise=2", ["target.world_sise", "not a known key"]),
+        ("recipe=nope", ["recipe=nope", "halve_world_size"]),
+        ("target.world_size=0", ["target.world_size"]),
+        ("target.wrap=[Block", ["target.wrap=[Block", "cannot be parsed"]),
+        ("model.factory=no_such_package.models:build", ["model", "no_such_package"]),
+        ("optim.name=Adamm", ["optim.name", "Adamm"]),
+    ],
+)
+def test_bad_command_line_is_one_line_and_exit_2(arg: str, words: list[str], tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = run_osdpipe(arg, cwd=tmp_path, timeout=60)
+    assert_one_line_error(result, 2, *words)
+    assert time.monotonic() - start < 30
+    assert list(tmp_path.iterdir()) == [], "a bad command line wrote something"
+
+
+def test_sweep_with_a_bad_job_exits_2_and_runs_the_others(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = run_osdpipe("-m", "source.world_size=1", "target.world_size=1,0", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert "osdpipe: OK" in result.stdout, "the good job ran"
+    assert json.loads((sweep / "0" / "report.json").read_text())["ok"] is True
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_unwritable_output_fails_fast_in_one_line(where: str, tmp_path: Path) -> None:
+    if where == "under_a_file":
+        (tmp_path / "a_file").write_text("not a directory")
+        path = tmp_path / "a_file" / "out"
+    else:
+        path = Path("/proc")  # exists, and no one can create files in it (root included)
+    start = time.monotonic()
+    result = run_osdpipe(f"output.path={path}", cwd=tmp_path, timeout=60)
+    elapsed = time.monotonic() - start
+    assert_one_line_error(result, 2, "output.path")
+    assert elapsed < 10, f"took {elapsed:.1f} s"  # 2 s of it is importing torch; no process was started
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["a_file"] if where == "under_a_file" else [])
+
+
+# ------------------------------------------------------ overwrite, stray files
+
+
+def test_overwrite_replaces_the_previous_conversion_whole(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = run_osdpipe("source.world_size=1", "source.state_dict_type=local", "target.world_size=3", f"output.path={out}", cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    assert (out / "rank_2.pt").exists() and (out / "source" / "rank_local").is_dir()
+
+    refused = run_osdpipe("source.world_size=1", "target.world_size=2", f"output.path={out}", cwd=tmp_path, timeout=60)
+    assert_one_line_error(refused, 2, "output.overwrite=true")
+
+    second = run_osdpipe("source.world_size=1", "target.world_size=2", f"output.path={out}", "output.overwrite=true", cwd=tmp_path)
+    assert second.returncode == 0, explain(second)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(p.name for p in out.glob("rank_*.pt")) == sorted(manifest["files"]) == ["rank_0.pt", "rank_1.pt"]
+    assert sorted(str(p.relative_to(out)) for p in (out / "source").rglob("*")) == ["source/optim.pt"], "the old generated source stayed"
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "rank_0.pt", "rank_1.pt", "report.json", "source"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "nothing is written outside output.path"
+
+
+# ------------------------------------------------------------- non-finite state
+
+
+@pytest.fixture(scope="module")
+def nan_source(tmp_path_factory) -> tuple[Path, str]:
+    """A generated FULL source with one NaN in one parameter's exp_avg."""
+    root = tmp_path_factory.mktemp("nan")
+    result = run_osdpipe("source.world_size=1", "target.world_size=1", "pipeline.stages=[load,broadcast,flatten,shard,rekey,save]", f"output.path={root / 'gen'}", cwd=root)
+    assert result.returncode == 0, explain(result)
+    osd = torch.load(root / "gen" / "source" / "optim.pt", weights_only=True)
+    fqn = "block1.leaf2.lin.weight"
+    osd["state"][fqn]["exp_avg"].view(-1)[5] = float("nan")
+    torch.save(osd, root / "nan.pt")
+    return root / "nan.pt", fqn
+
+
+def test_nan_in_the_source_fails_naming_parameter_and_state(nan_source, tmp_path: Path) -> None:
+    path, fqn = nan_source
+    result = run_osdpipe(f"input.path={path}", f"output.path={tmp_path / 'out'}", cwd=tmp_path)
+    line = assert_one_line_error(result, 1, fqn, "exp_avg", "source", "input.allow_nonfinite=true")
+    assert "stage 'shard'" in line
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.json"]
+
+
+def test_allow_nonfinite_converts_it_and_load_step_passes(nan_source) -> None:
+    """Also: a read-only current directory is no problem when output.path is given (/proc takes no files)."""
+    path, fqn = nan_source
+    out = path.parent / "allowed"
+    result = run_osdpipe(f"input.path={path}", f"output.path={out}", "input.allow_nonfinite=true", cwd=Path("/proc"))
+    assert result.returncode == 0, explain(result)
+    assert "check load_step  pass" in result.stdout, result.stdout
+    warnings = [line for line in error_lines(result) if line.startswith("osdpipe: warning:")]
+    assert len(warnings) == 1 and fqn in warnings[0] and "NaN" in warnings[0], explain(result)
+    got = [torch.load(p, weights_only=True) for p in sorted(out.glob("rank_*.pt"))]
+    assert sum(int(t.isnan().sum()) for osd in got for s in osd["state"].values() for t in s.values() if torch.is_tensor(t) and t.dim()) == 1
+
+
+def test_another_models_checkpoint_missing_a_parameter_fails_before_any_process(nan_source, tmp_path: Path) -> None:
+    path, _ = nan_source
+    osd = torch.load(path.parent / "gen" / "source" / "optim.pt", weights_only=True)
+    del osd["state"]["block2.gate"]
+    for group in osd["param_groups"]:
+        group["params"].remove("block2.gate")
+    torch.save(osd, tmp_path / "other_model.pt")
+    start = time.monotonic()
+    result = run_osdpipe(f"input.path={tmp_path / 'other_model.pt'}", f"output.path={tmp_path / 'out'}", cwd=tmp_path, timeout=60)
+    assert_one_line_error(result, 1, str(tmp_path / "other_model.pt"), "block2.gate", "model.factory")
+    assert time.monotonic() - start < 10, "a world was started"
+
+
+def test_nonfinite_scalar_state_is_named() -> None:
+    from osdpipe.formats import SourceMeta, TensorRef
+    from osdpipe.stages.broadcast import nonfinite_scalars
+
+    meta = SourceMeta(
+        state={"a.weight": {"step": torch.tensor(float("nan")), "exp_avg": TensorRef((2,), "float32")}, "b.bias": {"step": torch.tensor(3.0), "lr": float("inf")}},
+        param_groups=None,
+    )
+    assert nonfinite_scalars(meta) == ["a.weight step = nan", "b.bias lr = inf"]
+
+
+# ------------------------------------------------------- help, version, progress
+
+
+def test_help_is_osdpipes_own_and_version_names_torch(tmp_path: Path) -> None:
+    result = run_osdpipe("--help", cwd=tmp_path, timeout=60)
+    assert result.returncode == 0
+    for text in ("Usage:", "input.path", "target.world_size", "recipe:", "--hydra-help", "Exit codes"):
+        assert text in result.stdout, text
+    hydra_help = run_osdpipe("--hydra-help", cwd=tmp_path, timeout=60)
+    assert hydra_help.returncode == 0 and "Hydra" in hydra_help.stdout
+    version = run_osdpipe("--version", cwd=tmp_path, timeout=60)
+    import osdpipe
+
+    assert version.returncode == 0 and f"osdpipe {osdpipe.__version__}" in version.stdout and f"torch {torch.__version__}" in version.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def _run_with_terminal_stderr(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Run the command with stderr on a pseudo-terminal (as in a user's shell); returns its exit code and what the terminal showed."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a size; a fresh pty has none
+    proc = subprocess.Popen([sys.executable, "-m", "osdpipe", *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=follower, start_new_session=True)
+    os.close(follower)
+    shown = b""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closed: the command ended
+                break
+            if not chunk:
+                break
+            shown += chunk
+        elif proc.poll() is not None:
+            break
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+        pytest.fail(f"did not finish within {TIMEOUT_S} s")
+    os.close(leader)
+    return proc.wait(), shown.decode(errors="replace")
+
+
+def test_progress_shows_on_a_terminal_and_not_in_ci(tmp_path: Path) -> None:
+    args = ["source.world_size=1", "target.world_size=1", f"output.path={tmp_path / 'out'}"]
+    env = clean_env()
+    del env["CI"]  # a user's shell
+    code, shown = _run_with_terminal_stderr(args, tmp_path, env)
+    assert code == 0, shown
+    for phase in ("generating a source", "starting 1 rank", "stage shard", "stage verify"):
+        assert f"osdpipe: {phase}" in shown, f"{phase!r} not shown: {shown!r}"
+    code, shown = _run_with_terminal_stderr([*args, "output.overwrite=true"], tmp_path, {**env, "CI": "true"})
+    assert code == 0 and "osdpipe: stage" not in shown, shown
