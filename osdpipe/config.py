@@ -51,13 +51,21 @@ class ModelConfig(_Frozen):
 class LayoutConfig(_Frozen):
     """One side of the conversion: how the model is wrapped and how its state is saved."""
 
-    kind: Literal["fsdp1", "none"] = "fsdp1"
+    kind: str = "fsdp1"  # a layout kind of osdpipe.kinds
     world_size: int = Field(default=2, ge=1)
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "FULL_SHARD"
     use_orig_params: bool = False
     wrap: list[str] = Field(default_factory=list)  # null in the config: the model's units (filled in by RunSpec)
     wrap_root: bool = True
     state_dict_type: Literal["full", "sharded", "local"] = "full"  # local: each rank's own optim.state_dict() (rank_local)
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        from osdpipe import kinds
+
+        kinds.get(kind)
+        return kind
 
     @model_validator(mode="after")
     def _root_or_units(self) -> LayoutConfig:
@@ -258,15 +266,16 @@ class RunSpec(_Frozen):
                 "set both (and target.world_size=1), or neither"
             )
         self._check_layouts()
-        out = Path(self.output.path)
-        previous = [p.name for p in (*out.glob("rank_*.pt"), out / "optim.pt", out / "dcp") if p.exists()] if out.is_dir() else []
+        from osdpipe.output import conversion_entries
+
+        previous = [p.name for p in conversion_entries(Path(self.output.path))]
         if previous and not self.output.overwrite:
             raise ValueError(f"output.path={self.output.path!r} already holds a conversion ({', '.join(previous[:3])}); choose another path or set output.overwrite=true")
         return self
 
     def _check_layouts(self) -> None:
         """Compute both layouts on the meta model: unknown wrap names, tied parameters across units, mixed dtypes."""
-        from osdpipe.layout import flat_param_layouts
+        from osdpipe import kinds
         from osdpipe.models import build_model
         from osdpipe.tree import describe
 
@@ -276,7 +285,7 @@ class RunSpec(_Frozen):
             raise ValueError(f"model: {exc}") from None
         for side in ("source", "target"):
             try:
-                flat_param_layouts(tree, getattr(self, side).spec())
+                kinds.get(getattr(self, side).kind).check(tree, getattr(self, side).spec())
             except ValueError as exc:
                 raise ValueError(f"{side}.wrap={getattr(self, side).wrap}: {exc}") from None
 

@@ -12,17 +12,16 @@ source (``kind=none``) saves its optimizer's own ``state_dict()`` as a
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from osdpipe import kinds
 from osdpipe.config import RunSpec
 from osdpipe.layout import rank_layout
 from osdpipe.models import build_model
 from osdpipe.output import STAGING
-from osdpipe.reference import full_optim_config, live_target, train_step
+from osdpipe.reference import live_target, train_step
 from osdpipe.tree import describe
 
 
@@ -41,14 +40,6 @@ def source_path(spec: RunSpec) -> str:
 
 def generate_rank(spec: RunSpec) -> str:
     """Train and save on this rank of the source world; returns the checkpoint path."""
-    from torch.distributed.fsdp import (
-        FullStateDictConfig,
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
-        StateDictType,
-    )
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     rank = dist.get_rank()
     tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
     model, optim = live_target(spec, spec.source.spec(), tree, rank)
@@ -58,25 +49,7 @@ def generate_rank(spec: RunSpec) -> str:
     path = Path(source_path(spec))
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written straight into the staged run: a failed run discards it whole (osdpipe.output).
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if spec.source.kind == "none":  # an unwrapped model: its optimizer's own, param-ID keyed state
-            if rank == 0:
-                torch.save(optim.state_dict(), path)
-        elif spec.source.state_dict_type == "local":  # each rank's own state, param-ID keyed, local shards
-            path.mkdir(exist_ok=True)
-            torch.save(optim.state_dict(), path / f"rank_{rank}.pt")
-        elif spec.source.state_dict_type == "full":
-            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), full_optim_config(rank0_only=True)):
-                osd = FSDP.optim_state_dict(model, optim)
-            if rank == 0:
-                torch.save(osd, path)
-        else:
-            import torch.distributed.checkpoint as dcp
-
-            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
-                osd = FSDP.optim_state_dict(model, optim)
-            dcp.save({spec.input.key: osd}, checkpoint_id=str(path))
+    kinds.get(spec.source.kind).save(model, optim, path, spec.source.state_dict_type, spec.input.key)
     dist.barrier()
     return str(path)
 

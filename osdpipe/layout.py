@@ -6,7 +6,8 @@ views it is made of (*segments*), with zero padding everywhere else. Every
 layout in scope (FSDP1 flat parameters with or without ``use_orig_params``,
 NO_SHARD, whole parameters, dim-0 chunks) is a list of such segments, so any
 conversion is one generic copy: for each target segment, read the same range
-from the source.
+from the source. This module holds what every kind shares (segments, chunks,
+which modules are units); each kind's own math is in :mod:`osdpipe.kinds`.
 
 Nothing here touches ``torch.distributed`` or a file: a layout is computed from
 the :class:`~osdpipe.tree.ModuleTree` of a ``meta`` model, the wrapping and the
@@ -22,30 +23,19 @@ from typing import Literal
 
 from osdpipe.tree import ModuleTree, ParamInfo
 
-Kind = Literal["fsdp1", "none"]
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
-
-#: FSDP1 with ``use_orig_params=True`` starts every parameter at an address
-#: aligned to this many bytes (a TorchInductor requirement).
-ALIGNMENT_BYTES = 16
-FLAT_PARAM = "_flat_param"
 
 
 @dataclass(frozen=True)
 class LayoutSpec:
     """How a model is wrapped: everything that decides its layout."""
 
-    kind: Kind = "fsdp1"
+    kind: str = "fsdp1"  # a name in osdpipe.kinds.KINDS
     world_size: int = 1
     sharding_strategy: ShardingStrategy = "FULL_SHARD"
     use_orig_params: bool = False
     wrap: tuple[str, ...] = ()
     wrap_root: bool = True
-
-    @property
-    def shards(self) -> bool:
-        """Whether flat parameters are cut across ranks."""
-        return self.kind == "fsdp1" and self.sharding_strategy != "NO_SHARD" and self.world_size > 1
 
 
 @dataclass(frozen=True)
@@ -90,23 +80,6 @@ class LocalTensor:
     def has_elements(self) -> bool:
         """Whether this rank holds any element (an empty ``use_orig_params`` shard holds none, and no state)."""
         return self.numel > 0
-
-
-@dataclass(frozen=True)
-class FlatParamLayout:
-    """The unsharded flat parameter of one FSDP1 unit.
-
-    ``entries`` are ``(fqn or None for padding, numel)`` in flat order, as
-    FlatParameter's ``_fqns`` interleaved with ``_numels_with_padding``.
-    """
-
-    unit: str
-    fqns: tuple[str, ...]
-    entries: tuple[tuple[str | None, int], ...]
-
-    @property
-    def total(self) -> int:
-        return sum(n for _, n in self.entries)
 
 
 def chunk_bounds(total: int, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -181,106 +154,21 @@ def unit_of(tree: ModuleTree, spec: LayoutSpec) -> dict[str, str | None]:
     return out
 
 
-def flat_param_layouts(tree: ModuleTree, spec: LayoutSpec) -> tuple[FlatParamLayout, ...]:
-    """The unsharded flat parameter of every unit, in pre-order of the units.
-
-    Parameters are flattened in ``named_parameters()`` order of the unit, tied
-    ones once. With ``use_orig_params`` each parameter starts aligned to
-    :data:`ALIGNMENT_BYTES` and the total is padded to a multiple of the world
-    size; without it there is no padding until sharding.
-    """
-    owner = unit_of(tree, spec)
-    out = []
-    for unit in wrapped_modules(tree, spec):
-        params = [p for p in tree.params if owner[p.fqn] == unit]
-        if not params:
-            continue
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(f"FSDP unit {unit or '<root>'!r} mixes dtypes {sorted(dtypes)}; FSDP1 needs one dtype per unit")
-        aligned = ALIGNMENT_BYTES // params[0].itemsize if spec.use_orig_params else 0
-        entries: list[tuple[str | None, int]] = []
-        total = 0
-        for p in params:
-            if aligned and total % aligned:
-                entries.append((None, aligned - total % aligned))
-                total += entries[-1][1]
-            entries.append((p.fqn, p.numel))
-            total += p.numel
-        if aligned and total % spec.world_size:
-            entries.append((None, spec.world_size - total % spec.world_size))
-        out.append(FlatParamLayout(unit=unit, fqns=tuple(p.fqn for p in params), entries=tuple(entries)))
-    return tuple(out)
-
-
-def flat_param_key(unit: str) -> str:
-    return f"{unit}.{FLAT_PARAM}" if unit else FLAT_PARAM
-
-
-def _segments_in(flat: FlatParamLayout, start: int, end: int) -> tuple[Segment, ...]:
-    """Segments of the parameters that fall inside ``[start, end)`` of the flat parameter."""
-    segments, offset = [], 0
-    for fqn, numel in flat.entries:
-        lo, hi = max(offset, start), min(offset + numel, end)
-        if fqn is not None and lo < hi:
-            segments.append(Segment(fqn=fqn, start=lo - offset, length=hi - lo, dest=lo - start))
-        offset += numel
-    return tuple(segments)
-
-
 def whole(p: ParamInfo) -> LocalTensor:
     """A parameter held whole, in its own shape."""
     return LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=p.shape, segments=(Segment(p.fqn, 0, p.numel, 0),), flat=False)
 
 
 def rank_layout(tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
-    """The local tensors of rank ``rank``'s optimizer, in ``model.parameters()`` order of the wrapped model.
+    """The local tensors of rank ``rank``'s optimizer under ``spec``, in ``model.parameters()`` order of the wrapped model.
 
-    Without ``use_orig_params`` the wrapped model registers each unit's flat
-    parameter on the unit module and keeps unmanaged parameters where they
-    were, so the order is a pre-order walk of the modules. With it, the
-    original parameters stay registered in their original order.
+    Each kind computes its own (:mod:`osdpipe.kinds`).
     """
+    from osdpipe import kinds
+
     if not 0 <= rank < spec.world_size:
         raise ValueError(f"rank {rank} is outside a world of {spec.world_size}")
-    if spec.kind == "none":
-        return tuple(whole(p) for p in tree.params)
-    owner = unit_of(tree, spec)
-    flats = {f.unit: f for f in flat_param_layouts(tree, spec)}
-
-    def shard(flat: FlatParamLayout) -> tuple[int, int, int]:
-        if spec.shards:
-            return chunk_bounds(flat.total, spec.world_size, rank)
-        return 0, flat.total, flat.total
-
-    if spec.use_orig_params:
-        # Each parameter's part of this rank's chunk, as its own 1-D tensor (dest 0).
-        in_shard = {
-            seg.fqn: Segment(seg.fqn, seg.start, seg.length, 0)
-            for flat in flats.values()
-            for seg in _segments_in(flat, *shard(flat)[:2])
-        }
-        out = []
-        for p in tree.params:
-            if owner[p.fqn] is None or not spec.shards:
-                out.append(whole(p))
-            elif p.fqn in in_shard:
-                seg = in_shard[p.fqn]
-                out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=(seg.length,), segments=(seg,), flat=True))
-            else:
-                out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=(0,), segments=(), flat=True))
-        return tuple(out)
-
-    out = []
-    for module, _cls in tree.modules:
-        if module in flats:
-            flat = flats[module]
-            start, end, size = shard(flat)
-            out.append(
-                LocalTensor(key=flat_param_key(module), fqns=flat.fqns, shape=(size,), segments=_segments_in(flat, start, end), flat=True)
-            )
-        out.extend(whole(p) for p in tree.params if p.owner == module and owner[p.fqn] is None)
-    return tuple(out)
+    return kinds.get(spec.kind).rank_layout(tree, spec, rank)
 
 
 def full_layout(tree: ModuleTree) -> tuple[LocalTensor, ...]:

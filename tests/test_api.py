@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 
 import osdpipe
+from osdpipe import kinds
 from osdpipe.compare import diff
 from osdpipe.config import validate
 from osdpipe.launch import WorldError, run_local_world
 from osdpipe.layout import rank_layout
 from osdpipe.models import build_model
-from osdpipe.reference import fsdp_to_load, train_step
+from osdpipe.reference import train_step
 from osdpipe.tree import describe
-from osdpipe.wrapping import wrap
 
 TIMEOUT_S = 120
 MODEL = {"factory": "nested", "kwargs": {"dim": 8, "hidden": 12, "blocks": 2}}
@@ -41,7 +41,7 @@ def _resume(checkpoint: str, target: dict) -> list[str]:
     from osdpipe.layout import LayoutSpec
 
     spec = LayoutSpec(kind="fsdp1", world_size=2, wrap=("Leaf",), use_orig_params=True)
-    model = wrap(build_model("nested", MODEL["kwargs"], seed=0), spec)
+    model = kinds.get("fsdp1").wrap(build_model("nested", MODEL["kwargs"], seed=0), spec)
     params = list(model.parameters())
     if dist.get_rank() % 2:
         params = params[::-1]
@@ -49,7 +49,7 @@ def _resume(checkpoint: str, target: dict) -> list[str]:
     state = osdpipe.load_optimizer_state(model, optim, checkpoint, model_config=MODEL, source=SOURCE, target=target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        expected = fsdp_to_load(model, optim, torch.load(checkpoint, weights_only=True))
+        expected = kinds.get("fsdp1").to_load(model, optim, torch.load(checkpoint, weights_only=True))
     problems = diff(state, expected)
     # The state must be keyed so that each ID's tensor sits on the parameter of that position in *this* optimizer.
     for pid, p in enumerate(optim.param_groups[0]["params"]):

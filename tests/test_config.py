@@ -249,3 +249,8 @@ def test_existing_conversion_needs_overwrite(tmp_path: Path) -> None:
     msg = config_error([], tmp_path)
     assert "output.path" in msg and "output.overwrite=true" in msg
     assert compose_spec([f"output.path={out}", "output.overwrite=true"]).output.overwrite
+
+
+def test_unknown_layout_kind_names_the_kinds(tmp_path: Path) -> None:
+    message = config_error(["target.kind=fsdp3"], tmp_path)
+    assert "target.kind" in message and "fsdp3" in message and "fsdp1" in message and "none" in message, message

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from osdpipe import kinds
 from osdpipe.compare import diff
 from osdpipe.config import RunSpec, validate
 from osdpipe.launch import run_local_world
 from osdpipe.layout import rank_layout
 from osdpipe.pipeline import execute, make_context, run_rank
-from osdpipe.reference import fsdp_to_load, live_target, train_step
+from osdpipe.reference import live_target, train_step
 from osdpipe.stages import STAGES
 
 TIMEOUT_S = 180
@@ -37,7 +38,7 @@ def pytorch_says(spec: RunSpec, full_path: str) -> list[str]:
     tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
     model, optim = live_target(spec, spec.target.spec(), tree, rank)
     full = torch.load(full_path, weights_only=True)
-    expected = fsdp_to_load(model, optim, full)
+    expected = kinds.get("fsdp1").to_load(model, optim, full)
     got = torch.load(Path(spec.output.path) / f"rank_{rank}.pt", weights_only=True)
     problems = diff(got, expected)
     optim.load_state_dict(got)

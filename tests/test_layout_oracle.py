@@ -3,7 +3,7 @@
 One local world (CPU, gloo) is spawned per world size; inside it every rank
 wraps every (model, wrapping) combination of :data:`COMBOS` with real
 ``FullyShardedDataParallel`` and sends back plain metadata. Each combination is
-then compared, in this process, with :func:`osdpipe.layout.flat_param_layouts`
+then compared, in this process, with :func:`osdpipe.kinds.fsdp1.flat_param_layouts`
 and :func:`osdpipe.layout.rank_layout` computed on a ``meta`` model.
 
 The pure helpers :func:`~osdpipe.layout.chunk_bounds` and
@@ -22,7 +22,8 @@ import torch
 
 from osdpipe import layout
 from osdpipe.launch import run_local_world
-from osdpipe.layout import FlatParamLayout, LayoutSpec, LocalTensor, Segment
+from osdpipe.kinds.fsdp1 import FlatParamLayout, flat_param_key, flat_param_layouts, shards
+from osdpipe.layout import LayoutSpec, LocalTensor, Segment
 from osdpipe.models import build_model
 from osdpipe.tree import describe
 
@@ -88,7 +89,9 @@ def _fsdp_metadata(combos: list[tuple], world_size: int) -> list[dict[str, Any]]
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from osdpipe.wrapping import wrap
+    from osdpipe import kinds
+
+    wrap = kinds.get("fsdp1").wrap
 
     warnings.simplefilter("ignore")  # FSDP1 deprecation, world-size-1 NO_SHARD switch
     torch.set_num_threads(1)
@@ -175,8 +178,8 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
     )
     if entries != flat.entries:
         errors.append(f"{where}: flat entries (fqn or None for padding, numel) differ, {_diff(entries, flat.entries)}")
-    if got["sharded"] != spec.shards:
-        errors.append(f"{where}: FSDP shards={got['sharded']}, layout says shards={spec.shards}")
+    if got["sharded"] != shards(spec):
+        errors.append(f"{where}: FSDP shards={got['sharded']}, layout says shards={shards(spec)}")
 
     infos = got["shard_param_infos"]
     if len(infos) != len(full):
@@ -187,7 +190,7 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
 
     if spec.use_orig_params:
         # one tensor per parameter; the flat parameter is FSDP's business, but its size is still the shard size
-        size = layout.chunk_bounds(flat.total, spec.world_size, rank)[2] if spec.shards else flat.total
+        size = layout.chunk_bounds(flat.total, spec.world_size, rank)[2] if shards(spec) else flat.total
         if got["local_numel"] != size:
             errors.append(f"{where}: FSDP local flat numel {got['local_numel']}, layout's shard of {flat.total} is {size}")
         for (in_shard, _off, numel, lo, _hi), fqn in zip(infos, full):
@@ -195,21 +198,21 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
             if t is None:
                 errors.append(f"{where}: layout has no local tensor {fqn!r}")
                 continue
-            if not spec.shards:
+            if not shards(spec):
                 want_segs = (Segment(fqn, 0, numel, 0),)
             else:
                 want_segs = (Segment(fqn, lo, numel, 0),) if in_shard else ()
                 if t.shape != ((numel,) if in_shard else (0,)):
                     errors.append(f"{where}: {fqn}: FSDP local numel {numel if in_shard else 0}, layout shape {t.shape}")
-            if not in_shard and not spec.shards:
+            if not in_shard and not shards(spec):
                 errors.append(f"{where}: {fqn}: FSDP NO_SHARD reports it out of the shard")
             if t.segments != want_segs:
                 errors.append(f"{where}: {fqn}: FSDP shard info gives {want_segs}, layout says {t.segments}")
-            if not t.flat == spec.shards:
-                errors.append(f"{where}: {fqn}: layout flat={t.flat}, expected {spec.shards}")
+            if not t.flat == shards(spec):
+                errors.append(f"{where}: {fqn}: layout flat={t.flat}, expected {shards(spec)}")
         return errors
 
-    key = layout.flat_param_key(unit)
+    key = flat_param_key(unit)
     t = local.get(key)
     if t is None:
         return [*errors, f"{where}: layout has no local tensor {key!r}"]
@@ -228,7 +231,7 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
 def _check(combo: tuple, world_size: int, rank: int, got: dict[str, Any]) -> list[str]:
     tree = _tree(combo[0])
     spec = _spec(combo, world_size)
-    flats = layout.flat_param_layouts(tree, spec)
+    flats = flat_param_layouts(tree, spec)
     tensors = layout.rank_layout(tree, spec, rank)
     local = {t.key: t for t in tensors}
     errors = []
@@ -278,7 +281,7 @@ def test_every_parameter_element_is_held_exactly_once() -> None:
                             counts[s.fqn][k] += 1
             unit = layout.unit_of(tree, spec)
             for fqn, c in counts.items():
-                want = 1 if spec.shards and unit[fqn] is not None else world_size
+                want = 1 if shards(spec) and unit[fqn] is not None else world_size
                 assert set(c) == {want}, f"{_combo_id(combo)} ws={world_size}: {fqn} held {sorted(set(c))} times"
 
 
@@ -356,4 +359,4 @@ def test_dim0_chunk_bounds() -> None:
 def test_layout_spec_ws1_never_shards() -> None:
     """FSDP1 switches to NO_SHARD in a world of one; the layout must agree (the oracle checks ws=1 too)."""
     for strategy in STRATEGIES:
-        assert not replace(LayoutSpec(), sharding_strategy=strategy, world_size=1).shards
+        assert not shards(replace(LayoutSpec(), sharding_strategy=strategy, world_size=1))

@@ -272,13 +272,13 @@ def test_fsdp1_to_plain_matches_pytorch_and_steps(tmp_path):
 
 def test_reference_for_an_unwrapped_target_keys_groups_of_an_empty_state():
     """PyTorch's rekey_optim_state_dict returns a state with no entries unchanged (FQN-keyed groups); verify's reference must not."""
-    from osdpipe.reference import pytorch_to_load
+    from osdpipe import kinds
 
     model = build_model("nested", {})
     optim = user_adam(model)  # no step taken: no state
     name = {p: n for n, p in model.named_parameters()}
     groups = [{**g, "params": [name[p] for p in live["params"]]} for g, live in zip(optim.state_dict()["param_groups"], optim.param_groups)]
-    assert pytorch_to_load("none", model, optim, {"state": {}, "param_groups": groups}) == optim.state_dict()
+    assert kinds.get("none").to_load(model, optim, {"state": {}, "param_groups": groups}) == optim.state_dict()
 
 
 # --------------------------------------------------------------------- recipes

@@ -54,7 +54,7 @@ def tree_of(spec: RunSpec) -> ModuleTree:
 def pytorch_full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """PyTorch's full optimizer state dict, without CPU offload.
 
-    With ``offload_to_cpu=True`` (the default, and what ``reference.fsdp_full_state``
+    With ``offload_to_cpu=True`` (the default, and what ``kinds.fsdp1.FSDP1.full_state``
     uses) and ``use_orig_params=True`` on a CPU world, torch 2.13 returns every
     tensor state of a flat parameter as a view of one reused gather buffer
     (``.cpu()`` does not copy a CPU tensor), so ``exp_avg`` comes back equal

@@ -16,7 +16,8 @@ import torch
 
 from osdpipe.context import Context
 from osdpipe.formats import SourceMeta, TensorRef
-from osdpipe.layout import LayoutSpec, LocalTensor, unit_of
+from osdpipe import kinds
+from osdpipe.layout import LayoutSpec, LocalTensor
 from osdpipe.stages import stage
 from osdpipe.tree import ModuleTree
 
@@ -65,9 +66,7 @@ def flat_entry(tensor: LocalTensor, meta: SourceMeta) -> dict[str, Any] | None:
 
 def unmanaged_warning(tree: ModuleTree, spec: LayoutSpec) -> str | None:
     """A warning naming the parameters no FSDP unit of the target manages (``wrap_root=false``), if any."""
-    if spec.kind != "fsdp1":
-        return None
-    unmanaged = [fqn for fqn, unit in unit_of(tree, spec).items() if unit is None]
+    unmanaged = kinds.get(spec.kind).unmanaged(tree, spec)
     if not unmanaged:
         return None
     shown = ", ".join(unmanaged[:8]) + (f" and {len(unmanaged) - 8} more" if len(unmanaged) > 8 else "")

@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
+from osdpipe import kinds
 from osdpipe.collective import from_rank0, gather_to_all
 from osdpipe.compare import bits_equal, diff
 from osdpipe.context import CheckResult, Context
 from osdpipe.formats import TensorRef
 from osdpipe.layout import LocalTensor
-from osdpipe.reference import fsdp_full_state, fsdp_to_load, live_target, pytorch_to_load, train_step
+from osdpipe.reference import live_target, train_step
 from osdpipe.stages import stage
 
 
@@ -149,18 +150,19 @@ def _loadable(ctx: Context) -> dict[str, Any]:
     if ctx.id_keyed:
         return ctx.result
     model, optim = _target(ctx)
-    return fsdp_to_load(model, optim, _full_output(ctx))
+    return kinds.get(ctx.spec.target.kind).to_load(model, optim, _full_output(ctx))
 
 
 def check_reference(ctx: Context) -> CheckResult:
+    kind = kinds.get(ctx.spec.target.kind)
     model, optim = _target(ctx)
     full = _full_source(ctx)
     if ctx.id_keyed:
-        expected, got, what = pytorch_to_load(ctx.spec.target.kind, model, optim, full), ctx.result, "PyTorch's conversion"
+        expected, got, what = kind.to_load(model, optim, full), ctx.result, "PyTorch's conversion"
     else:
         fresh_model, fresh_optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
-        fresh_optim.load_state_dict(fsdp_to_load(fresh_model, fresh_optim, full))
-        expected, got, what = fsdp_full_state(fresh_model, fresh_optim), _full_output(ctx), "FSDP.optim_state_dict after loading the source"
+        fresh_optim.load_state_dict(kind.to_load(fresh_model, fresh_optim, full))
+        expected, got, what = kind.full_state(fresh_model, fresh_optim), _full_output(ctx), "the full state PyTorch reports after loading the source"
     problems = diff(got, expected)
     return CheckResult("reference", not problems, "; ".join(problems) or f"equals {what} bitwise")
 

@@ -1,0 +1,97 @@
+"""Layout kinds: one module per way a job wraps its model, behind one registry.
+
+A kind (``none``, ``fsdp1``, ...) is everything osdpipe knows about one way of
+wrapping a model, and nothing outside its module knows it:
+
+* :meth:`LayoutKind.rank_layout`: pure layout math, the local tensors rank
+  ``r``'s optimizer holds and the segments they are made of;
+* :meth:`LayoutKind.wrap`: how to wrap a real model that way (generate trains
+  a source with it, verify builds the target);
+* PyTorch's own answer for it: :meth:`LayoutKind.to_load` (what a rank's
+  optimizer loads, converted by PyTorch from a full FQN-keyed state),
+  :meth:`LayoutKind.full_state` and :meth:`LayoutKind.save` (how a job of this
+  kind saves its optimizer state).
+
+Stages, formats and verify ask the registry (:func:`get`), so adding a kind is
+its module plus its :func:`register` line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from osdpipe.layout import LayoutSpec, LocalTensor
+from osdpipe.tree import ModuleTree
+
+
+class LayoutKind:
+    """One way of wrapping a model. Subclasses set :attr:`name` and implement the methods."""
+
+    name: ClassVar[str]
+    #: The state-dict types a job of this kind saves (``source.state_dict_type``).
+    state_dict_types: ClassVar[tuple[str, ...]] = ("full",)
+
+    def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
+        """The local tensors of rank ``rank``'s optimizer, in ``model.parameters()`` order of the wrapped model."""
+        raise NotImplementedError
+
+    def unmanaged(self, tree: ModuleTree, spec: LayoutSpec) -> list[str]:
+        """Parameters the wrapping leaves to the user to keep in step across ranks (none by default)."""
+        return []
+
+    def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
+        """Raise ``ValueError`` when ``spec`` cannot wrap this model (checked before any process starts)."""
+
+    def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
+        """``model`` wrapped as ``spec`` says, inside an initialized process group where the kind needs one."""
+        raise NotImplementedError
+
+    def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
+        """PyTorch's conversion of a full FQN-keyed state into what this rank's ``optim.load_state_dict`` takes."""
+        raise NotImplementedError
+
+    def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """PyTorch's full, FQN-keyed optimizer state of a live model, on every rank."""
+        raise NotImplementedError
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
+        """Save the optimizer state as a job of this kind does (collective: every rank calls it)."""
+        raise NotImplementedError
+
+
+KINDS: dict[str, LayoutKind] = {}
+K = TypeVar("K", bound=type[LayoutKind])
+
+
+def register(cls: K) -> K:
+    """Register a kind under its ``name``."""
+    if cls.name in KINDS:
+        raise ValueError(f"layout kind {cls.name!r} is registered twice")
+    KINDS[cls.name] = cls()
+    return cls
+
+
+def get(name: str) -> LayoutKind:
+    """The kind called ``name``.
+
+    Raises:
+        ValueError: naming the kinds there are.
+    """
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown layout kind {name!r}; the kinds are {', '.join(KINDS)}") from None
+
+
+def compute_device() -> torch.device:
+    """The device a wrapped model computes on: this rank's GPU when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():  # GPU path: one device per local rank
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+from osdpipe.kinds import fsdp1, none  # noqa: E402,F401  (registers)

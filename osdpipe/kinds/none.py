@@ -1,0 +1,45 @@
+"""``none``: the unwrapped model on one process, every parameter whole, state keyed by param ID."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from osdpipe.kinds import LayoutKind, register
+from osdpipe.layout import LayoutSpec, LocalTensor, full_layout
+from osdpipe.tree import ModuleTree
+
+
+@register
+class NoWrapper(LayoutKind):
+    name = "none"
+
+    def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
+        return full_layout(tree)
+
+    def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
+        return model
+
+    def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
+        """PyTorch's rekeying of a full FQN-keyed state by this optimizer's param IDs."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import OptimStateKeyType
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            groups = full_osd.get("param_groups") or []
+            if full_osd["state"] or not any(g["params"] for g in groups):
+                return FSDP.rekey_optim_state_dict(full_osd, OptimStateKeyType.PARAM_ID, model, optim=optim)
+            # With no state at all (SGD without momentum, no step taken) PyTorch cannot tell the key type and
+            # returns the state dict unchanged, param groups still FQN-keyed: give it one empty entry to key by.
+            probe = next(f for g in groups for f in g["params"])
+            rekeyed = FSDP.rekey_optim_state_dict({**full_osd, "state": {probe: {}}}, OptimStateKeyType.PARAM_ID, model, optim=optim)
+            return {**rekeyed, "state": {}}
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
+        """Its optimizer's own, param-ID keyed ``state_dict()`` (a ``plain`` file)."""
+        torch.save(optim.state_dict(), path)
