@@ -48,6 +48,16 @@ class ModelConfig(_Frozen):
     units: list[str] | None = None
 
 
+class MixedPrecisionConfig(_Frozen):
+    """Mixed precision of the job (FSDP1's ``MixedPrecision``): its forward/backward parameter dtype.
+
+    It changes the layout: with ``use_orig_params`` FSDP1 aligns every
+    parameter to 16 bytes of ``param_dtype``, not of the stored dtype.
+    """
+
+    param_dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
+
+
 class LayoutConfig(_Frozen):
     """One side of the conversion: how the model is wrapped and how its state is saved."""
 
@@ -58,6 +68,7 @@ class LayoutConfig(_Frozen):
     wrap: list[str] = Field(default_factory=list)  # null in the config: the model's units (filled in by RunSpec)
     wrap_root: bool = True
     state_dict_type: Literal["full", "sharded", "local"] = "full"  # local: each rank's own optim.state_dict() (rank_local)
+    mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
 
     @field_validator("kind")
     @classmethod
@@ -83,6 +94,7 @@ class LayoutConfig(_Frozen):
             use_orig_params=self.use_orig_params,
             wrap=tuple(self.wrap),
             wrap_root=self.wrap_root,
+            param_dtype=self.mixed_precision.param_dtype,
         )
 
 

@@ -36,6 +36,8 @@ class LayoutSpec:
     use_orig_params: bool = False
     wrap: tuple[str, ...] = ()
     wrap_root: bool = True
+    #: Mixed precision's forward/backward parameter dtype (``MixedPrecision.param_dtype``), ``None``: the parameters' own.
+    param_dtype: str | None = None
 
 
 @dataclass(frozen=True)

@@ -191,3 +191,20 @@ def test_user_checkpoint_4_ranks_to_m(fmt, m, tmp_path_factory):
     assert sorted(p.name for p in out.glob("rank_*.pt")) == [f"rank_{r}.pt" for r in range(m)]
     problems = run_local_world(_pytorch_check_worker, m, (spec, str(root / "optim.pt")), timeout_s=TIMEOUT_S)
     assert problems == [[]] * m, problems
+
+
+def test_mixed_precision_target_matches_pytorch(nested_sources, tmp_path):
+    """FSDP1 with MixedPrecision(param_dtype=bfloat16) and use_orig_params as the target, bitwise as optim_state_dict_to_load."""
+    from dataclasses import replace
+
+    from osdpipe.models import build_model
+    from osdpipe.tree import describe
+
+    target = {"world_size": 3, "wrap": ["Block"], "use_orig_params": True, "mixed_precision": {"param_dtype": "bfloat16"}}
+    spec = spec_for(tmp_path, input={"path": nested_sources[2]}, target=target)
+    tree = describe(build_model("nested", {}, device="meta"))
+    assert rank_layout(tree, spec.target.spec(), 0) != rank_layout(tree, replace(spec.target.spec(), param_dtype=None), 0), "bf16 alignment differs"
+    report = execute(spec)
+    assert report.ok, report
+    problems = run_local_world(_pytorch_check_worker, 3, (spec, nested_sources[2]), timeout_s=TIMEOUT_S)
+    assert problems == [[]] * 3, problems

@@ -47,15 +47,22 @@ WRAPS: dict[str, tuple[tuple[str, ...], ...]] = {
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
 
-def _combos() -> list[tuple[str, tuple[str, ...], bool, str, bool]]:
-    """(model, wrap, wrap_root, sharding_strategy, use_orig_params) for every case in one world."""
+def _combos() -> list[tuple[str, tuple[str, ...], bool, str, bool, str | None]]:
+    """(model, wrap, wrap_root, sharding_strategy, use_orig_params, mixed-precision param_dtype) for every case in one world.
+
+    Mixed precision changes the layout only through ``use_orig_params``'
+    alignment (16 bytes of the bf16 forward dtype: 8 fp32 elements, not 4), so
+    it is crossed with ``use_orig_params=True`` and the strategies that align.
+    """
     out = []
     for model, wraps in WRAPS.items():
         for wrap in wraps:
             for wrap_root in (True, False) if wrap else (True,):
                 for strategy in STRATEGIES:
                     for orig in (False, True):
-                        out.append((model, wrap, wrap_root, strategy, orig))
+                        out.append((model, wrap, wrap_root, strategy, orig, None))
+            for strategy in ("FULL_SHARD", "NO_SHARD"):
+                out.append((model, wrap, True, strategy, True, "bfloat16"))
     return out
 
 
@@ -63,15 +70,16 @@ COMBOS = _combos()
 
 
 def _spec(combo: tuple, world_size: int) -> LayoutSpec:
-    _model, wrap, wrap_root, strategy, orig = combo
+    _model, wrap, wrap_root, strategy, orig, param_dtype = combo
     return LayoutSpec(
-        kind="fsdp1", world_size=world_size, sharding_strategy=strategy, use_orig_params=orig, wrap=wrap, wrap_root=wrap_root
+        kind="fsdp1", world_size=world_size, sharding_strategy=strategy, use_orig_params=orig, wrap=wrap, wrap_root=wrap_root, param_dtype=param_dtype
     )
 
 
 def _combo_id(combo: tuple) -> str:
-    model, wrap, wrap_root, strategy, orig = combo
-    return f"{model}-wrap[{','.join(wrap)}]-{'root' if wrap_root else 'noroot'}-{strategy}-{'orig' if orig else 'flat'}"
+    model, wrap, wrap_root, strategy, orig, param_dtype = combo
+    mixed = f"-mp_{param_dtype}" if param_dtype else ""
+    return f"{model}-wrap[{','.join(wrap)}]-{'root' if wrap_root else 'noroot'}-{strategy}-{'orig' if orig else 'flat'}{mixed}"
 
 
 # ---------------------------------------------------------------------------
@@ -360,3 +368,18 @@ def test_layout_spec_ws1_never_shards() -> None:
     """FSDP1 switches to NO_SHARD in a world of one; the layout must agree (the oracle checks ws=1 too)."""
     for strategy in STRATEGIES:
         assert not shards(replace(LayoutSpec(), sharding_strategy=strategy, world_size=1))
+
+
+def test_mixed_precision_changes_the_alignment() -> None:
+    """bf16 forward dtype over fp32 parameters: 16 bytes are 8 elements, not 4 (the oracle cases above hold it against FSDP1)."""
+    tree = _tree("nested")
+    spec = LayoutSpec(kind="fsdp1", world_size=2, use_orig_params=True, wrap=("Block",))
+    fp32 = {f.unit: f.entries for f in flat_param_layouts(tree, spec)}
+    bf16 = {f.unit: f.entries for f in flat_param_layouts(tree, replace(spec, param_dtype="bfloat16"))}
+    assert fp32["block1"] != bf16["block1"]
+    offsets, total = [], 0
+    for fqn, numel in bf16["block1"]:
+        if fqn is not None:
+            offsets.append(total)
+        total += numel
+    assert all(o % 8 == 0 for o in offsets), offsets

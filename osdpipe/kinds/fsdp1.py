@@ -4,7 +4,9 @@ Per FSDP unit, one flat parameter: the unit's parameters flattened and
 concatenated in registration order (tied ones once), cut across ranks as
 ``torch.chunk`` cuts it (FULL_SHARD, SHARD_GRAD_OP) or held whole (NO_SHARD).
 With ``use_orig_params`` every parameter starts aligned to
-:data:`ALIGNMENT_BYTES` and the optimizer sees each parameter's part of the
+:data:`ALIGNMENT_BYTES` of the forward/backward dtype (mixed precision's
+``param_dtype`` when one is set: 8 elements of fp32 parameters under bf16, not
+4) and the optimizer sees each parameter's part of the
 rank's chunk as a 1-D tensor of its own. Parameters outside every unit
 (``wrap_root=false``) stay whole. The layout oracle tests hold this against
 real ``FlatParameter`` metadata.
@@ -69,7 +71,8 @@ def flat_param_layouts(tree: ModuleTree, spec: LayoutSpec) -> tuple[FlatParamLay
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(f"FSDP unit {unit or '<root>'!r} mixes dtypes {sorted(dtypes)}; FSDP1 needs one dtype per unit")
-        aligned = ALIGNMENT_BYTES // params[0].itemsize if spec.use_orig_params else 0
+        compute_itemsize = getattr(torch, spec.param_dtype).itemsize if spec.param_dtype else params[0].itemsize
+        aligned = ALIGNMENT_BYTES // compute_itemsize if spec.use_orig_params else 0
         entries: list[tuple[str | None, int]] = []
         total = 0
         for p in params:
@@ -169,6 +172,7 @@ class FSDP1(LayoutKind):
             return True if recurse else id(module) in unit_ids
 
         kwargs = dict(
+            mixed_precision=mixed_precision(spec),
             auto_wrap_policy=policy,
             sharding_strategy=ShardingStrategy[spec.sharding_strategy],
             use_orig_params=spec.use_orig_params,
@@ -225,6 +229,15 @@ class FSDP1(LayoutKind):
                 with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
                     osd = FSDP.optim_state_dict(model, optim)
                 dcp.save({key: osd}, checkpoint_id=str(path))
+
+
+def mixed_precision(spec: LayoutSpec) -> Any:
+    """FSDP1's ``MixedPrecision`` for ``spec`` (``None`` without one)."""
+    if spec.param_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=getattr(torch, spec.param_dtype))
 
 
 def full_optim_config(rank0_only: bool) -> Any:
