@@ -268,14 +268,27 @@ class RunSpec(_Frozen):
             raise ValueError(f"input.path={self.input.path!r}: a {self.input.format} input is a directory; use input.format=fsdp_full or plain for a file")
         if self.input.path is not None and self.input.format not in directory_formats and Path(self.input.path).is_dir():
             raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format=dcp or rank_local")
-        if self.input.path is not None and self.input.format == "plain" and self.source.kind != "none":
-            raise ValueError("input.format=plain is the state of an unwrapped model; set source.kind=none source.world_size=1")
-        if self.input.path is not None and self.input.format == "rank_local" and self.source.kind == "none":
-            raise ValueError("input.format=rank_local needs the source's FSDP layout; set source.kind=fsdp1 and its world_size and wrap")
-        if (self.output.format == "plain") != (self.target.kind == "none"):
+        from osdpipe import kinds
+
+        source, target = kinds.get(self.source.kind), kinds.get(self.target.kind)
+        if self.input.path is not None and self.input.format == "plain" and not source.replicated:
             raise ValueError(
-                "output.format=plain is the state of an unwrapped model and target.kind=none writes only that: "
-                "set both (and target.world_size=1), or neither"
+                "input.format=plain is the state of an unwrapped model (or a DDP job's, alike on every rank); "
+                "set source.kind=none source.world_size=1, or source.kind=ddp"
+            )
+        if self.input.path is not None and self.input.format == "rank_local" and self.source.kind == "none":
+            raise ValueError("input.format=rank_local needs the source's layout; set source.kind (fsdp1, ddp) and its world_size and wrap")
+        if self.output.format == "plain" and not target.replicated:
+            raise ValueError(
+                f"output.format=plain is the state of a model every rank holds whole; target.kind={self.target.kind} shards it: "
+                "set target.kind=none (and target.world_size=1) or ddp, or another output.format"
+            )
+        if self.target.kind == "none" and self.output.format != "plain":
+            raise ValueError("target.kind=none is an unwrapped model, whose optimizer loads one plain state dict: set output.format=plain")
+        if self.input.path is None and self.source.state_dict_type not in source.state_dict_types:
+            raise ValueError(
+                f"source.state_dict_type={self.source.state_dict_type}: a {self.source.kind} job saves {', '.join(source.state_dict_types)}; "
+                "choose one of those"
             )
         self._check_layouts()
         from osdpipe.output import conversion_entries
@@ -306,9 +319,9 @@ class RunSpec(_Frozen):
         """The format the source is read in: given, or what the source world saves."""
         if self.input.path is not None:
             return self.input.format
-        if self.source.kind == "none":
-            return "plain"
-        return {"full": "fsdp_full", "sharded": "dcp", "local": "rank_local"}[self.source.state_dict_type]
+        from osdpipe import kinds
+
+        return kinds.get(self.source.kind).saved_format(self.source.state_dict_type)
 
 
 def validate(raw: dict[str, Any]) -> RunSpec:
@@ -335,6 +348,6 @@ class ConfigError(ValueError):
             shown = "" if isinstance(value, dict) else f" (got {value!r})"
             if err["type"] == "extra_forbidden":
                 msg = "is not a known key; check its spelling against the config reference in README.md"
-            lines.append(f"{key}{shown}: {msg}")
+            lines.append(f"{key}{shown}: {msg}" if err["loc"] else msg)
         super().__init__("\n".join(lines))
 

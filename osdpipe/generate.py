@@ -31,10 +31,7 @@ def source_path(spec: RunSpec) -> str:
     It is committed with the conversion, as ``<output.path>/source/``, and
     replaced with it.
     """
-    if spec.source.kind == "none" or spec.source.state_dict_type == "full":
-        name = "optim.pt"
-    else:
-        name = "dcp" if spec.source.state_dict_type == "sharded" else "rank_local"
+    name = {"plain": "optim.pt", "fsdp_full": "optim.pt", "dcp": "dcp", "rank_local": "rank_local"}[spec.source_input_format]
     return str(Path(spec.output.path) / STAGING / "source" / name)
 
 

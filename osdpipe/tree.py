@@ -45,6 +45,12 @@ class ParamInfo:
         return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
+#: Module names that wrappers put into FQNs, never a user's: torch.compile's, activation
+#: checkpointing's and FSDP1's. DDP's (and DataParallel's) ``module`` is a prefix, and may also be a user's name.
+WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+WRAPPER_PREFIX = "module"
+
+
 @dataclass(frozen=True)
 class ModuleTree:
     """Modules (pre-order, as ``named_modules()``) and parameters (as ``named_parameters()``)."""
@@ -70,6 +76,22 @@ class ModuleTree:
 
     def canonical(self, fqn: str) -> str:
         return self.param(fqn).fqn
+
+    def resolve(self, name: str) -> ParamInfo | None:
+        """The parameter a checkpoint's ``name`` refers to, or ``None``.
+
+        The name itself (canonical or a tied alias) first; else the name
+        without the module names wrappers insert (:data:`WRAPPER_PARTS`
+        anywhere, DDP's ``module.`` as a prefix, as often as it was wrapped).
+        Nothing else is tried: a name is never guessed from a similar one,
+        and the caller checks the shape.
+        """
+        if name in self._by_fqn:
+            return self._by_fqn[name]
+        parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
+        while parts and ".".join(parts) not in self._by_fqn and parts[0] == WRAPPER_PREFIX:
+            parts = parts[1:]
+        return self._by_fqn.get(".".join(parts))
 
 
 def parent(fqn: str) -> str:

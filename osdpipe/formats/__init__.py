@@ -60,6 +60,8 @@ class SourceMeta:
     state: dict[str, dict[str, Any]]
     param_groups: list[dict[str, Any]] | None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: canonical FQN -> the name the checkpoint uses for it, where they differ (``module.x``, ``_orig_mod.x``, a tied alias).
+    names: dict[str, str] = field(default_factory=dict)
 
 
 def describe_value(value: Any) -> Any:
@@ -79,6 +81,20 @@ class SourceReader(Protocol):
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         """The full tensors of state ``name`` of parameter ``fqn`` for each ``(fqn, name)``."""
         ...
+
+
+class RenamedReader:
+    """A reader asked by canonical FQN for a checkpoint that names some parameters otherwise (see :attr:`SourceMeta.names`)."""
+
+    def __init__(self, reader: SourceReader, names: dict[str, str]) -> None:
+        self.reader, self.names = reader, names
+
+    def meta(self) -> SourceMeta:
+        return self.reader.meta()
+
+    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        got = self.reader.read([(self.names.get(fqn, fqn), name) for fqn, name in items])
+        return {(fqn, name): got[(self.names.get(fqn, fqn), name)] for fqn, name in items}
 
 
 def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:

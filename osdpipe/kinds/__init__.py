@@ -34,6 +34,12 @@ class LayoutKind:
     name: ClassVar[str]
     #: The state-dict types a job of this kind saves (``source.state_dict_type``).
     state_dict_types: ClassVar[tuple[str, ...]] = ("full",)
+    #: Whether every rank holds every parameter whole (its state is a ``plain`` one, the same on every rank).
+    replicated: ClassVar[bool] = False
+
+    def saved_format(self, state_dict_type: str) -> str:
+        """The input format of what :meth:`save` writes for ``state_dict_type``."""
+        return {"full": "fsdp_full", "sharded": "dcp", "local": "rank_local"}[state_dict_type]
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         """The local tensors of rank ``rank``'s optimizer, in ``model.parameters()`` order of the wrapped model."""
@@ -94,4 +100,4 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-from osdpipe.kinds import fsdp1, none  # noqa: E402,F401  (registers)
+from osdpipe.kinds import ddp, fsdp1, none  # noqa: E402,F401  (registers)

@@ -17,6 +17,10 @@ from osdpipe.tree import ModuleTree
 @register
 class NoWrapper(LayoutKind):
     name = "none"
+    replicated = True
+
+    def saved_format(self, state_dict_type: str) -> str:
+        return "plain"
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         return full_layout(tree)

@@ -15,7 +15,7 @@ import torch
 
 from osdpipe.collective import from_rank0
 from osdpipe.context import Context
-from osdpipe.formats import InputError, SourceMeta, TensorRef
+from osdpipe.formats import InputError, RenamedReader, SourceMeta, TensorRef
 from osdpipe.stages import stage
 from osdpipe.tree import ModuleTree
 
@@ -39,11 +39,16 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
     """
     hint = "is model.factory / model.kwargs the model that saved it?"
     at = f"{where}: " if where else ""
-    state = {}
+    state: dict[str, dict] = {}
+    names: dict[str, str] = {}
     for fqn, entries in meta.state.items():
-        if not isinstance(fqn, str) or not tree.has_param(fqn):
+        param = tree.resolve(fqn) if isinstance(fqn, str) else None
+        if param is None:
             raise InputError(f"{at}the source has state for {fqn!r}, which model has no parameter of that name; {hint}")
-        param = tree.param(fqn)
+        if param.fqn in state:
+            raise InputError(f"{at}the source has state for {param.fqn!r} twice, as {names.get(param.fqn, param.fqn)!r} and {fqn!r}; {hint}")
+        if fqn != param.fqn:
+            names[param.fqn] = fqn
         for name, value in entries.items():
             if not isinstance(value, TensorRef):
                 continue
@@ -63,11 +68,12 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
             params = group.get("params") if isinstance(group, dict) else None
             if not isinstance(params, list):
                 raise InputError(f"{at}the source's param group {i} has no 'params' list; its param_groups are not an optimizer's")
-            for fqn in params:
-                if not isinstance(fqn, str) or not tree.has_param(fqn):
-                    raise InputError(f"{at}the source's param_groups name {fqn!r}, which model has no parameter of that name; {hint}")
-            groups.append({**group, "params": [tree.canonical(f) for f in params]})
-    return SourceMeta(state=state, param_groups=groups, extra=meta.extra)
+            resolved = [tree.resolve(f) if isinstance(f, str) else None for f in params]
+            unknown = next((f for f, p in zip(params, resolved) if p is None), None)
+            if unknown is not None:
+                raise InputError(f"{at}the source's param_groups name {unknown!r}, which model has no parameter of that name; {hint}")
+            groups.append({**group, "params": [p.fqn for p in resolved]})
+    return SourceMeta(state=state, param_groups=groups, extra=meta.extra, names={**meta.names, **names})
 
 
 @stage("broadcast")
@@ -76,6 +82,8 @@ def broadcast(ctx: Context) -> None:
     meta = from_rank0("broadcast", ctx.reader.meta)
     ctx.bytes_moved += len(pickle.dumps(meta)) * (ctx.world_size - 1)
     ctx.meta = canonical_meta(meta, ctx.tree)
+    if ctx.meta.names:  # the checkpoint names parameters otherwise (module., _orig_mod., an alias): read by its names
+        ctx.reader = RenamedReader(ctx.reader, ctx.meta.names)
     ctx.nonfinite_in_source(nonfinite_scalars(ctx.meta))
 
 
