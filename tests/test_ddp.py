@@ -76,6 +76,13 @@ def test_fsdp1_to_ddp_every_rank_gets_the_unwrapped_state(tmp_path: Path) -> Non
     result = run_osdpipe(f"input.path={out / 'source' / 'optim.pt'}", "target.kind=ddp", "target.world_size=2", "output.format=plain", f"output.path={plain_out}", cwd=tmp_path)
     assert result.returncode == 0, explain(result)
     assert diff(torch.load(plain_out / "optim.pt", weights_only=True), expected) == []
+    # An FQN-keyed full state for a DDP job: verify's reference is get_optimizer_state_dict(full_state_dict=True).
+    full_out = tmp_path / "full"
+    result = run_osdpipe(f"input.path={out / 'source' / 'optim.pt'}", "target.kind=ddp", "target.world_size=2", "output.format=fsdp_full", f"output.path={full_out}", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    got, source = torch.load(full_out / "optim.pt", weights_only=True), torch.load(out / "source" / "optim.pt", weights_only=True)
+    assert diff(got["state"], source["state"]) == []
+    assert got["param_groups"][0]["params"] == [name for name, _ in model.named_parameters()]  # the DDP optimizer's order
 
 
 def test_wrappers_names_in_a_checkpoint_are_mapped(ddp_to_fsdp1: Path, tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ tensors. A DDP job saves it once (``torch.save(optim.state_dict())`` on rank
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +45,7 @@ class DDP(LayoutKind):
         return NoWrapper().to_load(model.module, optim, full_osd)
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """``optim.state_dict()`` keyed by the module's own FQNs (``FSDP.rekey_optim_state_dict``)."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import OptimStateKeyType
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return FSDP.rekey_optim_state_dict(optim.state_dict(), OptimStateKeyType.PARAM_NAME, model.module)
+        return NoWrapper().full_state(model, optim)
 
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
         """full: rank 0's ``optim.state_dict()`` (a ``plain`` file); local: every rank's."""

@@ -44,6 +44,14 @@ class NoWrapper(LayoutKind):
             rekeyed = FSDP.rekey_optim_state_dict({**full_osd, "state": {probe: {}}}, OptimStateKeyType.PARAM_ID, model, optim=optim)
             return {**rekeyed, "state": {}}
 
+    def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """``get_optimizer_state_dict`` with ``full_state_dict``: keyed by FQN (DDP's ``module.`` dropped), in the optimizer's order."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
         """Its optimizer's own, param-ID keyed ``state_dict()`` (a ``plain`` file)."""
         torch.save(optim.state_dict(), path)
