@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_osdpipe
 
 from osdpipe import kinds
 from osdpipe.compare import diff
@@ -201,10 +202,11 @@ def test_mixed_precision_target_matches_pytorch(nested_sources, tmp_path):
     from osdpipe.tree import describe
 
     target = {"world_size": 3, "wrap": ["Block"], "use_orig_params": True, "mixed_precision": {"param_dtype": "bfloat16"}}
-    spec = spec_for(tmp_path, input={"path": nested_sources[2]}, target=target)
+    spec = spec_for(tmp_path / "out", input={"path": nested_sources[2]}, target=target)
     tree = describe(build_model("nested", {}, device="meta"))
     assert rank_layout(tree, spec.target.spec(), 0) != rank_layout(tree, replace(spec.target.spec(), param_dtype=None), 0), "bf16 alignment differs"
-    report = execute(spec)
-    assert report.ok, report
+    args = [f"input.path={nested_sources[2]}", "target.world_size=3", "target.wrap=[Block]", "target.use_orig_params=true"]
+    result = run_osdpipe(*args, "target.mixed_precision.param_dtype=bfloat16", f"output.path={tmp_path / 'out'}", cwd=tmp_path)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     problems = run_local_world(_pytorch_check_worker, 3, (spec, nested_sources[2]), timeout_s=TIMEOUT_S)
     assert problems == [[]] * 3, problems

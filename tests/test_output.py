@@ -96,16 +96,3 @@ def test_a_failed_run_leaves_the_previous_conversion(tmp_path: Path) -> None:
     out = prepared(tmp_path)
     output.abort(out)
     assert read_tree(out) == OLD
-
-
-@pytest.mark.parametrize("kind", ["under_a_file", "proc"])
-def test_unwritable_output_is_one_line(tmp_path: Path, kind: str) -> None:
-    if kind == "under_a_file":
-        (tmp_path / "file").write_text("x")
-        path = tmp_path / "file" / "out"
-    else:
-        path = Path("/proc/osdpipe-cannot-write-here")
-    with pytest.raises(output.OutputError) as info:
-        output.check_writable(path)
-    message = str(info.value)
-    assert "\n" not in message and "output.path" in message, message

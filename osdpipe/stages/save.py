@@ -96,12 +96,7 @@ def save(ctx: Context) -> None:
             ctx.bytes_moved += (staging / name).stat().st_size
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
-    try:
-        agree("save", error)
-    except Exception:
-        if ctx.rank == 0:
-            output.abort(out)
-        raise
+    agree("save", error)  # on failure the launcher drops the staged run (output.abort)
     per_rank = gather_to_all((written, ctx.tensor_digests))
     error = None
     if ctx.rank == 0:
