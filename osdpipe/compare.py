@@ -18,8 +18,13 @@ def describe_tensor(t: torch.Tensor) -> str:
     return f"tensor{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
-def diff(a: Any, b: Any, path: str = "", limit: int = 5) -> list[str]:
-    """Where ``a`` and ``b`` differ, as ``path: what`` lines (at most ``limit``); empty when bitwise equal."""
+def diff(a: Any, b: Any, path: str = "", limit: int = 5, sequence_types: bool = True) -> list[str]:
+    """Where ``a`` and ``b`` differ, as ``path: what`` lines (at most ``limit``); empty when bitwise equal.
+
+    ``sequence_types=False`` takes a list and a tuple of equal items as equal
+    (PyTorch's ``set_optimizer_state_dict`` turns ``betas=(0.9, 0.999)`` into
+    a list; the optimizer reads either alike). Tensors are always compared bitwise.
+    """
     out: list[str] = []
 
     def walk(x: Any, y: Any, where: str) -> None:
@@ -42,7 +47,7 @@ def diff(a: Any, b: Any, path: str = "", limit: int = 5) -> list[str]:
             for k in x:
                 walk(x[k], y[k], f"{where}[{k!r}]")
         elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-            if len(x) != len(y) or type(x) is not type(y):
+            if len(x) != len(y) or (sequence_types and type(x) is not type(y)):
                 out.append(f"{where}: {x!r} vs {y!r}")
                 return
             for i, (xi, yi) in enumerate(zip(x, y)):

@@ -20,11 +20,11 @@ from pydantic import (
     model_validator,
 )
 
-from osdpipe.layout import LayoutSpec
+from osdpipe.layout import LayoutSpec, ShardingStrategy
 
 STAGE_ORDER = ("load", "broadcast", "flatten", "shard", "rekey", "verify", "save")
 REQUIRED_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
-VERIFY_CHECKS = ("roundtrip", "reference", "load_step")
+VERIFY_CHECKS = ("roundtrip", "reference", "load_step", "replicas")
 
 
 class _Frozen(BaseModel):
@@ -63,7 +63,8 @@ class LayoutConfig(_Frozen):
 
     kind: str = "fsdp1"  # a layout kind of osdpipe.kinds
     world_size: int = Field(default=2, ge=1)
-    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "FULL_SHARD"
+    sharding_strategy: ShardingStrategy = "FULL_SHARD"
+    shard_group_size: int | None = Field(default=None, ge=1)  # HYBRID_SHARD (fsdp1) or HSDP (fsdp2): ranks per replica
     use_orig_params: bool = False
     wrap: list[str] = Field(default_factory=list)  # null in the config: the model's units (filled in by RunSpec)
     wrap_root: bool = True
@@ -79,11 +80,10 @@ class LayoutConfig(_Frozen):
         return kind
 
     @model_validator(mode="after")
-    def _root_or_units(self) -> LayoutConfig:
-        if self.kind == "none" and self.world_size != 1:
-            raise ValueError(f"kind=none is an unwrapped model on one rank, but world_size={self.world_size}; set world_size=1")
-        if self.kind == "fsdp1" and not self.wrap_root and not self.wrap:
-            raise ValueError("wrap_root=false with an empty wrap list wraps nothing; list the modules to wrap in wrap")
+    def _kind_accepts(self) -> LayoutConfig:
+        from osdpipe import kinds
+
+        kinds.get(self.kind).validate(self.spec())
         return self
 
     def spec(self) -> LayoutSpec:
@@ -95,6 +95,7 @@ class LayoutConfig(_Frozen):
             wrap=tuple(self.wrap),
             wrap_root=self.wrap_root,
             param_dtype=self.mixed_precision.param_dtype,
+            shard_group_size=self.shard_group_size,
         )
 
 
@@ -195,7 +196,7 @@ class PipelineConfig(_Frozen):
     """Which stages run, in which order, and which verify checks."""
 
     stages: list[str] = Field(default_factory=lambda: list(STAGE_ORDER))
-    checks: list[Literal["roundtrip", "reference", "load_step"]] = Field(default_factory=lambda: list(VERIFY_CHECKS))
+    checks: list[Literal["roundtrip", "reference", "load_step", "replicas"]] = Field(default_factory=lambda: list(VERIFY_CHECKS))
 
     @field_validator("stages")
     @classmethod

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from osdpipe.tree import ModuleTree, ParamInfo
 
-ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+#: Strategies that shard within a group of ranks and replicate across groups.
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,46 @@ class LayoutSpec:
     wrap_root: bool = True
     #: Mixed precision's forward/backward parameter dtype (``MixedPrecision.param_dtype``), ``None``: the parameters' own.
     param_dtype: str | None = None
+    #: Ranks that shard one replica (FSDP1 HYBRID_SHARD, FSDP2 HSDP); ``None``: one group of every rank.
+    shard_group_size: int | None = None
+
+    @property
+    def replicas(self) -> int:
+        """How many replica groups hold the same shards (1 without hybrid sharding)."""
+        return self.world_size // self.shard_group_size if self.shard_group_size else 1
+
+
+def shard_group(spec: LayoutSpec, rank: int) -> tuple[int, int]:
+    """``(size, index)``: the group of ranks a parameter is sharded over, and ``rank``'s place in it.
+
+    Ranks are laid out as a (replicate, shard) mesh, row-major, as
+    ``init_device_mesh`` lays them out: with hybrid sharding rank ``r`` holds
+    shard ``r % shard_group_size``, the same as every rank of its column.
+    """
+    size = spec.shard_group_size or spec.world_size
+    return size, rank % size
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a parameter that is a DTensor (FSDP2) is laid over its device mesh.
+
+    ``mesh`` is the mesh's shape and ``placements`` one placement per mesh
+    dimension, as ``str(placement)`` writes them (``"S(0)"``, ``"R"``).
+    """
+
+    mesh: tuple[int, ...]
+    placements: tuple[str, ...]
+
+    def describe(self, shape: tuple[int, ...]) -> dict[str, list[Any]]:
+        """The entry of :data:`DTENSOR_TABLE` for a parameter of global ``shape``."""
+        return {"shape": list(shape), "mesh": list(self.mesh), "placements": list(self.placements)}
+
+
+#: The top-level key of a param-ID keyed file that lists, per param ID, how its
+#: DTensor state lies on the mesh (:meth:`Placement.describe`): the file holds
+#: plain local tensors, so it loads with ``torch.load(weights_only=True)``.
+DTENSOR_TABLE = "dtensor"
 
 
 @dataclass(frozen=True)
@@ -63,6 +105,8 @@ class LocalTensor:
         shape: the local tensor's shape (1-D for flat shards).
         segments: where its elements come from; the rest is padding.
         flat: whether its state is flat (1-D) rather than parameter-shaped.
+        placement: for a DTensor parameter (FSDP2), its mesh and placements;
+            ``None`` for a plain tensor.
     """
 
     key: str
@@ -70,6 +114,7 @@ class LocalTensor:
     shape: tuple[int, ...]
     segments: tuple[Segment, ...]
     flat: bool
+    placement: Placement | None = None
 
     @property
     def numel(self) -> int:
@@ -80,8 +125,18 @@ class LocalTensor:
 
     @property
     def has_elements(self) -> bool:
-        """Whether this rank holds any element (an empty ``use_orig_params`` shard holds none, and no state)."""
+        """Whether this rank holds any element of the parameter."""
         return self.numel > 0
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the optimizer gets a gradient, and so state, for this tensor.
+
+        An empty ``use_orig_params`` shard gets neither. A DTensor parameter
+        does even when its local shard is empty: its state is then empty
+        tensors and a ``step``, as FSDP2 keeps them.
+        """
+        return self.has_elements or self.placement is not None
 
 
 def chunk_bounds(total: int, world_size: int, rank: int) -> tuple[int, int, int]:

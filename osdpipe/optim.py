@@ -129,12 +129,18 @@ def pattern_members(groups: list[list[str]] | None, layout: tuple[LocalTensor, .
     return members_of
 
 
+def local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of this rank's piece of ``param``: its local tensor's for a DTensor (FSDP2), else its own."""
+    return tuple(param.to_local().shape if hasattr(param, "to_local") else param.shape)
+
+
 def check_matches_layout(params: list[nn.Parameter], layout: tuple[LocalTensor, ...]) -> None:
     """Raise unless ``params`` (a wrapped model's ``parameters()``) are the local tensors ``layout`` describes."""
-    if len(params) != len(layout) or any(tuple(p.shape) != t.shape for p, t in zip(params, layout)):
+    shapes = [local_shape(p) for p in params]
+    if len(params) != len(layout) or any(shape != t.shape for shape, t in zip(shapes, layout)):
         raise ValueError(
             "the wrapped model does not have the expected layout: its parameters have shapes "
-            f"{[tuple(p.shape) for p in params][:6]}..., the layout {[t.shape for t in layout][:6]}...; "
+            f"{shapes[:6]}..., the layout {[t.shape for t in layout][:6]}...; "
             "is the layout (world_size, wrap, use_orig_params, sharding_strategy) how this model was wrapped?"
         )
 

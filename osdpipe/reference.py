@@ -55,10 +55,10 @@ def synthetic_grad(seed: int, step: int, fqn: str, shape: tuple[int, ...], dtype
 def local_grad(tensor: LocalTensor, tree: ModuleTree, seed: int, step: int, dtype: torch.dtype) -> torch.Tensor | None:
     """The gradient FSDP gives local tensor ``tensor``: its segments of the synthetic gradients, zero in the padding.
 
-    ``None`` for a tensor with no elements (an empty ``use_orig_params``
-    shard), which FSDP leaves without a gradient.
+    ``None`` for a tensor the optimizer does not step (an empty
+    ``use_orig_params`` shard), which FSDP leaves without a gradient.
     """
-    if not tensor.has_elements:
+    if not tensor.stepped:
         return None
     flat = torch.zeros(tensor.numel, dtype=dtype)
     for seg in tensor.segments:
@@ -78,7 +78,16 @@ def set_synthetic_grads(params: list[nn.Parameter], layout: tuple[LocalTensor, .
         if not param.requires_grad:
             continue
         grad = local_grad(tensor, tree, seed, step, param.dtype)
-        param.grad = None if grad is None else grad.to(param.device)
+        param.grad = None if grad is None else as_param(param, grad.to(param.device))
+
+
+def as_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's piece) as a tensor like ``param``: a DTensor of its placement when ``param`` is one (FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
 def train_step(

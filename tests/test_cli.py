@@ -50,7 +50,8 @@ def rank_files(directory: Path) -> dict[str, bytes]:
 def assert_ok(report: dict) -> None:
     assert report["ok"] is True, report
     assert report["error"] is None
-    assert [c["name"] for c in report["checks"]] == list(VERIFY_CHECKS)
+    # every check ran, but replicas, which runs only where a side has replica groups
+    assert [c["name"] for c in report["checks"] if c["name"] != "replicas"] == [c for c in VERIFY_CHECKS if c != "replicas"]
     assert all(c["ok"] for c in report["checks"]), report["checks"]
 
 

@@ -2,10 +2,11 @@
 
 A directory holds ``rank_0.pt`` .. ``rank_<N-1>.pt``, N the source world
 size; file ``r`` is what rank ``r``'s optimizer returned from ``state_dict()``
-over the FSDP1-wrapped model. Its state is keyed by param ID (the position in
+over the wrapped model. Its state is keyed by param ID (the position in
 the optimizer's param groups over ``model.parameters()`` of the wrapped model)
 and holds local tensors: a flat parameter's chunk, a ``use_orig_params``
-shard, or a whole parameter. Nothing in the files says what those tensors
+shard, a whole parameter, or an FSDP2 parameter's dim-0 chunk (a DTensor's
+local tensor; the file's ``dtensor`` table says how each lies on the mesh). Nothing in the files says what those tensors
 are, so the source layout (``source.*``) and the groups the IDs follow
 (``input.param_groups``, else ``optim.param_groups``) must be given; every
 state tensor is checked against the shape that layout gives it.
@@ -35,13 +36,16 @@ from osdpipe.compare import diff
 from osdpipe.formats import IdGroups, InputError, SourceMeta, TensorRef
 from osdpipe.formats.fsdp_full import check_optim_state_dict
 from osdpipe.formats.safe_load import load_torch_file
-from osdpipe.layout import LayoutSpec, LocalTensor, rank_layout
+from osdpipe.layout import DTENSOR_TABLE, LayoutSpec, LocalTensor, rank_layout
 from osdpipe.optim import pattern_members
 from osdpipe.tree import ModuleTree
 
 _RANK_FILE = re.compile(r"rank_(0|[1-9]\d*)\.pt")
 _GROUPS_KEY = "input.param_groups (or optim.param_groups)"
-_HINT = "are source.wrap / world_size / sharding_strategy / use_orig_params / input.param_groups those of the job that saved it?"
+_HINT = (
+    "are source.kind, source.wrap, source.world_size, source.sharding_strategy, source.shard_group_size, source.use_orig_params "
+    "and input.param_groups those of the job that saved it?"
+)
 
 
 def rank_files(path: str | Path, world_size: int) -> list[Path]:
@@ -190,6 +194,7 @@ class RankLocalReader:
                     f"else optim.param_groups, hold {_show(self.group_ids)}; "
                     "set input.param_groups to the FQN patterns of the groups of the optimizer that saved it, in its order"
                 )
+        self._check_placements(rank, osd)
         for pid, state in osd["state"].items():
             if not isinstance(pid, int):
                 continue  # not a parameter's state: passed through as extra state (rank 0's)
@@ -205,6 +210,24 @@ class RankLocalReader:
                         f"{self.files[rank]}: rank {rank}, param ID {pid}: state {name} has shape {tuple(value.shape)} but the source layout says "
                         f"{tensor.shape} ({tensor.key}); {_HINT}"
                     )
+
+    def _check_placements(self, rank: int, osd: dict[str, Any]) -> None:
+        """A file of DTensor state (FSDP2) lists each parameter's placement; it must be the source layout's."""
+        table = osd.get(DTENSOR_TABLE)
+        if table is None:
+            return
+        if not isinstance(table, dict):
+            raise InputError(f"{self.files[rank]}: its {DTENSOR_TABLE!r} entry is a {type(table).__name__}, not a table of placements per param ID")
+        for pid, saved in table.items():
+            tensor = self.tensor(rank, pid) if isinstance(pid, int) and 0 <= pid < len(self.order) else None
+            if tensor is None or tensor.placement is None:
+                raise InputError(
+                    f"{self.files[rank]}: rank {rank} holds DTensor state (param ID {pid}), which source.kind={self.source.kind} does not have; "
+                    "set source.kind=fsdp2 (and source.shard_group_size for HSDP)"
+                )
+            expected = tensor.placement.describe(self.tree.param(tensor.key).shape)
+            if saved != expected:
+                raise InputError(f"{self.files[rank]}: rank {rank}, param ID {pid} ({tensor.key}) lies as {saved}, but the source layout says {expected}; {_HINT}")
 
     def _holders(self, pid: int) -> list[int]:
         """The ranks that hold state of param ``pid``: a non-empty local tensor, and state for it.
@@ -312,6 +335,24 @@ class RankLocalReader:
                 flat[p.start : p.start + p.length] = local[p.offset : p.offset + p.length]
             out[(fqn, name)] = flat.view(ref.shape)
         return out
+
+
+def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -> list[str]:
+    """Where each of ``ranks``' files differs from the file of the same shard in the first replica group.
+
+    A hybrid-sharded job (HYBRID_SHARD, HSDP) holds every shard once per
+    replica group and the conversion reads the first group's; the others must
+    hold the same bytes, else the checkpoint is not one state.
+    """
+    files = rank_files(path, source.world_size)
+    problems = []
+    for r in ranks:
+        first = r % (source.shard_group_size or source.world_size)
+        if first == r:
+            continue
+        found = diff(load_torch_file(files[r]), load_torch_file(files[first]), path=f"rank {r} vs rank {first}", limit=1)
+        problems.extend(f"{files[r].name}: {line}" for line in found)
+    return problems
 
 
 def _show(ids: list[Any]) -> str:

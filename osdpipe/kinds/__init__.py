@@ -49,6 +49,16 @@ class LayoutKind:
         """Parameters the wrapping leaves to the user to keep in step across ranks (none by default)."""
         return []
 
+    def validate(self, spec: LayoutSpec) -> None:
+        """Raise ``ValueError`` naming the key to change when this kind cannot be wrapped as ``spec`` says (no model needed).
+
+        By default: every rank holds every parameter, so there is nothing to shard.
+        """
+        if spec.shard_group_size is not None:
+            raise ValueError(f"shard_group_size={spec.shard_group_size}: kind={self.name} does not shard; leave it unset")
+        if spec.sharding_strategy != "FULL_SHARD":
+            raise ValueError(f"sharding_strategy={spec.sharding_strategy}: kind={self.name} does not shard; leave it at FULL_SHARD")
+
     def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
         """Raise ``ValueError`` when ``spec`` cannot wrap this model (checked before any process starts)."""
 
@@ -59,6 +69,10 @@ class LayoutKind:
     def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
         """PyTorch's conversion of a full FQN-keyed state into what this rank's ``optim.load_state_dict`` takes."""
         raise NotImplementedError
+
+    def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """What ``optim.load_state_dict`` takes from a ``rank_local`` file of this kind (the file itself, unless it holds DTensors)."""
+        return state
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """PyTorch's full, FQN-keyed optimizer state of a live model, on every rank."""
@@ -100,4 +114,25 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-from osdpipe.kinds import ddp, fsdp1, none  # noqa: E402,F401  (registers)
+_MESHES: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = {}  # (device, shape) -> (world, mesh)
+
+
+def device_mesh(shape: tuple[int, ...]) -> Any:
+    """The device mesh of ``shape`` over the current world: ``(world,)``, or ``(replicate, shard)`` for hybrid sharding.
+
+    Made once per world: making a mesh makes process groups, a collective
+    that every rank would otherwise repeat for each model verify builds.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = compute_device().type
+    world, mesh = _MESHES.get((device, shape), (None, None))
+    if world is not dist.group.WORLD:  # the cache holds its world, so a new world is never mistaken for it
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+        _MESHES[(device, shape)] = (dist.group.WORLD, mesh)
+    return mesh
+
+
+from osdpipe.kinds import ddp, fsdp1, fsdp2, none  # noqa: E402,F401  (registers)

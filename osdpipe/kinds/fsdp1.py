@@ -3,6 +3,9 @@
 Per FSDP unit, one flat parameter: the unit's parameters flattened and
 concatenated in registration order (tied ones once), cut across ranks as
 ``torch.chunk`` cuts it (FULL_SHARD, SHARD_GRAD_OP) or held whole (NO_SHARD).
+HYBRID_SHARD and ``_HYBRID_SHARD_ZERO2`` cut it over a shard group of
+``shard_group_size`` ranks (rank ``r`` holds chunk ``r % shard_group_size``)
+and every replica group holds the same chunks.
 With ``use_orig_params`` every parameter starts aligned to
 :data:`ALIGNMENT_BYTES` of the forward/backward dtype (mixed precision's
 ``param_dtype`` when one is set: 8 elements of fp32 parameters under bf16, not
@@ -22,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from osdpipe.kinds import LayoutKind, compute_device, register
-from osdpipe.layout import LayoutSpec, LocalTensor, Segment, chunk_bounds, unit_of, whole, wrapped_modules
+from osdpipe.kinds import LayoutKind, compute_device, device_mesh, register
+from osdpipe.layout import HYBRID_STRATEGIES, LayoutSpec, LocalTensor, Segment, chunk_bounds, shard_group, unit_of, whole, wrapped_modules
 from osdpipe.tree import ModuleTree, describe
 
 #: FSDP1 with ``use_orig_params=True`` starts every parameter at an address
@@ -51,7 +54,7 @@ class FlatParamLayout:
 
 def shards(spec: LayoutSpec) -> bool:
     """Whether flat parameters are cut across ranks."""
-    return spec.sharding_strategy != "NO_SHARD" and spec.world_size > 1
+    return spec.sharding_strategy != "NO_SHARD" and shard_group(spec, 0)[0] > 1
 
 
 def flat_param_layouts(tree: ModuleTree, spec: LayoutSpec) -> tuple[FlatParamLayout, ...]:
@@ -81,8 +84,9 @@ def flat_param_layouts(tree: ModuleTree, spec: LayoutSpec) -> tuple[FlatParamLay
                 total += entries[-1][1]
             entries.append((p.fqn, p.numel))
             total += p.numel
-        if aligned and total % spec.world_size:
-            entries.append((None, spec.world_size - total % spec.world_size))
+        shard_ranks = shard_group(spec, 0)[0]
+        if aligned and total % shard_ranks:
+            entries.append((None, shard_ranks - total % shard_ranks))
         out.append(FlatParamLayout(unit=unit, fqns=tuple(p.fqn for p in params), entries=tuple(entries)))
     return tuple(out)
 
@@ -118,7 +122,7 @@ class FSDP1(LayoutKind):
 
         def shard(flat: FlatParamLayout) -> tuple[int, int, int]:
             if shards(spec):
-                return chunk_bounds(flat.total, spec.world_size, rank)
+                return chunk_bounds(flat.total, *shard_group(spec, rank))
             return 0, flat.total, flat.total
 
         if spec.use_orig_params:
@@ -150,6 +154,12 @@ class FSDP1(LayoutKind):
             out.extend(whole(p) for p in tree.params if p.owner == module and owner[p.fqn] is None)
         return tuple(out)
 
+    def validate(self, spec: LayoutSpec) -> None:
+        """Hybrid strategies need a shard group that divides the world; no other strategy takes one."""
+        if not spec.wrap_root and not spec.wrap:
+            raise ValueError("wrap_root=false with an empty wrap list wraps nothing; list the modules to wrap in wrap")
+        check_shard_group(spec, hybrid=spec.sharding_strategy in HYBRID_STRATEGIES)
+
     def unmanaged(self, tree: ModuleTree, spec: LayoutSpec) -> list[str]:
         return [fqn for fqn, unit in unit_of(tree, spec).items() if unit is None]
 
@@ -178,6 +188,8 @@ class FSDP1(LayoutKind):
             use_orig_params=spec.use_orig_params,
             device_id=compute_device(),
         )
+        if spec.sharding_strategy in HYBRID_STRATEGIES:  # shard within a row of the (replicate, shard) mesh
+            kwargs["device_mesh"] = device_mesh((spec.replicas, spec.shard_group_size))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # FSDP1 is deprecated upstream, and it is what users have
             if spec.wrap_root:
@@ -229,6 +241,24 @@ class FSDP1(LayoutKind):
                 with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
                     osd = FSDP.optim_state_dict(model, optim)
                 dcp.save({key: osd}, checkpoint_id=str(path))
+
+
+def check_shard_group(spec: LayoutSpec, hybrid: bool) -> None:
+    """``shard_group_size`` is set exactly when ``hybrid``, and divides ``world_size``."""
+    size = spec.shard_group_size
+    if not hybrid:
+        if size is not None:
+            raise ValueError(
+                f"shard_group_size={size} applies to hybrid sharding only; set sharding_strategy=HYBRID_SHARD, or leave shard_group_size unset"
+            )
+        return
+    if size is None:
+        raise ValueError(
+            f"sharding_strategy={spec.sharding_strategy} shards within groups of ranks and replicates across them: "
+            "set shard_group_size (PyTorch's default is the ranks of one node)"
+        )
+    if spec.world_size % size:
+        raise ValueError(f"shard_group_size={size} does not divide world_size={spec.world_size}; choose a divisor, so that every replica is whole")
 
 
 def mixed_precision(spec: LayoutSpec) -> Any:

@@ -22,6 +22,11 @@ class NoWrapper(LayoutKind):
     def saved_format(self, state_dict_type: str) -> str:
         return "plain"
 
+    def validate(self, spec: LayoutSpec) -> None:
+        super().validate(spec)
+        if spec.world_size != 1:
+            raise ValueError(f"kind=none is an unwrapped model on one rank, but world_size={spec.world_size}; set world_size=1")
+
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         return full_layout(tree)
 

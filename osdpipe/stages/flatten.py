@@ -36,7 +36,7 @@ def flat_entry(tensor: LocalTensor, meta: SourceMeta) -> dict[str, Any] | None:
             names, tensor dtypes, or scalar state.
     """
     with_state = [f for f in tensor.fqns if meta.state.get(f)]
-    if not with_state or not tensor.has_elements:
+    if not with_state or not tensor.stepped:
         return None
     names = {f: set(meta.state[f]) for f in with_state}
     first = names[with_state[0]]

@@ -1,6 +1,8 @@
 """rekey: key the converted state the way the target loads it.
 
-For ``rank_local`` and ``plain`` output, state is keyed by parameter ID: the position in the
+For ``rank_local`` and ``plain`` output, state is keyed by parameter ID (and
+DTensor parameters' placements are listed, see
+:data:`osdpipe.layout.DTENSOR_TABLE`): the position in the
 target optimizer's param groups (see :func:`osdpipe.optim.group_members`),
 never ``named_parameters()`` order. Param groups keep the source's
 hyperparameters, as PyTorch's ``optim_state_dict_to_load`` does, and each must
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from osdpipe.context import Context
-from osdpipe.layout import LocalTensor
+from osdpipe.layout import DTENSOR_TABLE, LocalTensor
 from osdpipe.stages import stage
 
 
@@ -80,7 +82,20 @@ def id_keyed(ctx: Context) -> dict[str, Any]:
     param_groups = _param_groups(ctx, layout, groups, lambda members: sorted(ids[layout[i].key] for i in members))
     if param_groups is not None:
         out["param_groups"] = param_groups
+    table = dtensor_table(ctx, layout, ids, out["state"])
+    if table:
+        out[DTENSOR_TABLE] = table
     return out
+
+
+def dtensor_table(ctx: Context, layout: tuple[LocalTensor, ...], ids: dict[str, int], state: dict[int, dict[str, Any]]) -> dict[int, Any]:
+    """Per param ID with tensor state, how the target's DTensor parameter lies on its mesh (FSDP2; see :data:`DTENSOR_TABLE`)."""
+    table = {}
+    for tensor in layout:
+        pid = ids.get(tensor.key)
+        if tensor.placement is not None and any(torch.is_tensor(v) and v.dim() > 0 for v in state.get(pid, {}).values()):
+            table[pid] = tensor.placement.describe(ctx.tree.param(tensor.key).shape)
+    return dict(sorted(table.items()))
 
 
 def fqn_keyed(ctx: Context) -> dict[str, Any]:

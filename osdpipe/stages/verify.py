@@ -14,6 +14,8 @@ Three checks, each reported in ``report.json``:
 * ``load_step``: the target optimizer loads the result and takes a step on
   synthetic gradients (no forward pass), and every state element that was
   finite stays finite.
+* ``replicas`` (where a side is hybrid-sharded: HYBRID_SHARD, HSDP): the
+  source's replica groups hold the same state, and so do the output's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from osdpipe import kinds
-from osdpipe.collective import from_rank0, gather_to_all
+from osdpipe.collective import from_rank0, gather_to_all, one_line
 from osdpipe.compare import bits_equal, diff
 from osdpipe.context import CheckResult, Context
 from osdpipe.formats import TensorRef
@@ -161,14 +163,16 @@ def check_reference(ctx: Context) -> CheckResult:
         expected, got, what = kind.to_load(model, optim, full), ctx.result, "PyTorch's conversion"
     else:
         fresh_model, fresh_optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
-        fresh_optim.load_state_dict(kind.to_load(fresh_model, fresh_optim, full))
+        fresh_optim.load_state_dict(kind.loadable(fresh_optim, kind.to_load(fresh_model, fresh_optim, full)))
         expected, got, what = kind.full_state(fresh_model, fresh_optim), _full_output(ctx), "the full state PyTorch reports after loading the source"
-    problems = diff(got, expected)
+    problems = diff(got, expected, sequence_types=False)  # a tuple of hyperparameters PyTorch loads back as a list is the same
     return CheckResult("reference", not problems, "; ".join(problems) or f"equals {what} bitwise")
 
 
 def _nonfinite(value: Any) -> torch.Tensor | None:
-    """Where a floating state tensor is NaN or infinite (``None``: nowhere, or not a floating tensor)."""
+    """Where this rank's piece of a floating state tensor is NaN or infinite (``None``: nowhere, or not a floating tensor)."""
+    if hasattr(value, "to_local"):  # a DTensor (FSDP2): this rank's elements, without a collective
+        value = value.to_local()
     if not (torch.is_tensor(value) and (value.is_floating_point() or value.is_complex())):
         return None
     mask = ~torch.isfinite(value.detach())
@@ -209,7 +213,7 @@ def check_load_step(ctx: Context) -> CheckResult:
     """
     model, optim = _target(ctx)
     # load_state_dict keeps tensors that need no cast: a copy stops the step from changing the result.
-    loadable = copy.deepcopy(_loadable(ctx))
+    loadable = kinds.get(ctx.spec.target.kind).loadable(optim, copy.deepcopy(_loadable(ctx)))
     if "param_groups" not in loadable:
         # A source without param groups converts to state only (as PyTorch's own
         # conversion does); load_state_dict needs groups, so the target's own are
@@ -244,7 +248,44 @@ def check_load_step(ctx: Context) -> CheckResult:
     return CheckResult("load_step", True, detail)
 
 
-CHECKS = {"roundtrip": check_roundtrip, "reference": check_reference, "load_step": check_load_step}
+def has_replicas(ctx: Context) -> tuple[bool, bool]:
+    """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank)."""
+    source = ctx.input_format == "rank_local" and ctx.spec.source.spec().replicas > 1
+    return source, ctx.id_keyed and ctx.spec.target.spec().replicas > 1
+
+
+def check_replicas(ctx: Context) -> CheckResult:
+    """Replica groups agree: the source's (read from one group), and the output's (written for every group).
+
+    Each rank compares a share of the source's rank files with the first
+    replica group's; the output's ranks compare their state's digests with
+    the rank that holds the same shard in the first group.
+    """
+    from osdpipe.formats.rank_local import replica_mismatches
+    from osdpipe.stages.save import tensor_digests
+
+    source, target = has_replicas(ctx)
+    problems: list[str] = []
+    if source:
+        mine = [r for r in range(ctx.spec.source.world_size) if r % ctx.world_size == ctx.rank]
+        try:  # not raised: every rank must reach the gather below
+            problems += [f"source {p}" for p in replica_mismatches(ctx.input_path, ctx.spec.source.spec(), mine)]
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"source replicas unreadable: {one_line(exc)}")
+    if target:
+        assert ctx.result is not None
+        digests = gather_to_all(tensor_digests(ctx.result))
+        first = ctx.rank % (ctx.spec.target.shard_group_size or ctx.world_size)
+        if digests[ctx.rank] != digests[first]:
+            differ = sorted(k for k in digests[ctx.rank].keys() | digests[first].keys() if digests[ctx.rank].get(k) != digests[first].get(k))
+            problems.append(f"output rank {ctx.rank} differs from rank {first}, which holds the same shard: {', '.join(differ[:3])}")
+    sides = " and ".join(s for s, applies in (("the source's", source), ("the output's", target)) if applies)
+    return CheckResult("replicas", not problems, "; ".join(problems[:5]) or f"{sides} replica groups hold the same state bitwise")
+
+
+CHECKS = {"roundtrip": check_roundtrip, "reference": check_reference, "load_step": check_load_step, "replicas": check_replicas}
+#: Checks that run only where they apply; the report lists the checks that ran.
+APPLIES = {"replicas": lambda ctx: any(has_replicas(ctx))}
 
 
 @stage("verify")
@@ -253,6 +294,8 @@ def verify(ctx: Context) -> None:
     ctx.optimizer_keys = gather_to_all({layout[i].key for g in ctx.target_groups(layout) for i in g})
     ctx.checks = []
     for name in ctx.spec.pipeline.checks:
+        if name in APPLIES and not APPLIES[name](ctx):
+            continue
         try:
             result = CHECKS[name](ctx)
         except Exception as exc:  # a check that cannot run has failed, and says why

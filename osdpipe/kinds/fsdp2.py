@@ -1,0 +1,192 @@
+"""``fsdp2``: ``fully_shard``: every parameter a DTensor, sharded on dim 0 over the mesh.
+
+Each parameter is cut along dim 0 as ``torch.chunk`` cuts it: ``ceil(rows /
+shards)`` rows per rank, trailing ranks fewer or none, the local tensor not
+padded. A dim-0 chunk of a contiguous tensor is one contiguous range of its
+flattened view, so every local tensor is one segment. With HSDP
+(``shard_group_size``) the mesh is (replicate, shard): the parameter is cut
+over the shard dimension and every replica group holds the same chunks. The
+optimizer sees the parameters in the model's own order, and keeps
+``exp_avg``-like state as DTensors of the parameter's placement, ``step`` as a
+plain tensor; a rank with an empty chunk still has state (empty tensors).
+
+Which modules are units (``wrap``) changes when FSDP2 gathers, never the
+layout; the root is always a unit, as in torchtitan. A ``rank_local`` file of
+this kind holds the local tensors of each DTensor plus a ``"dtensor"`` table
+of placements (:func:`to_rank_local`), which :func:`from_rank_local` turns
+back into what ``optim.load_state_dict`` takes. Plain tensors keep the file
+loadable with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from osdpipe.kinds import LayoutKind, compute_device, device_mesh, register
+from osdpipe.kinds.fsdp1 import check_shard_group
+from osdpipe.layout import DTENSOR_TABLE, LayoutSpec, LocalTensor, Placement, Segment, dim0_chunk_bounds, shard_group, unit_of, wrapped_modules
+from osdpipe.tree import ModuleTree, describe
+
+def placement(spec: LayoutSpec) -> Placement:
+    """The mesh and placements of every parameter under ``spec``: ``Shard(0)``, or ``(Replicate(), Shard(0))`` with HSDP."""
+    if spec.shard_group_size:
+        return Placement(mesh=(spec.replicas, spec.shard_group_size), placements=("R", "S(0)"))
+    return Placement(mesh=(spec.world_size,), placements=("S(0)",))
+
+
+@register
+class FSDP2(LayoutKind):
+    name = "fsdp2"
+    state_dict_types = ("full", "sharded", "local")
+
+    def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
+        shards, index = shard_group(spec, rank)
+        where = placement(spec)
+        out = []
+        for p in tree.params:
+            start, end, rows = dim0_chunk_bounds(p.shape, shards, index)
+            segments = (Segment(p.fqn, start, end - start, 0),) if end > start else ()
+            out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=(rows, *p.shape[1:]), segments=segments, flat=False, placement=where))
+        return tuple(out)
+
+    def validate(self, spec: LayoutSpec) -> None:
+        """HSDP is ``shard_group_size``; ``fully_shard`` always wraps the root and has no strategies besides when it reshards."""
+        if spec.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            raise ValueError(
+                f"sharding_strategy={spec.sharding_strategy}: kind=fsdp2 shards every parameter (FULL_SHARD or SHARD_GRAD_OP, "
+                "which lay out alike); for HSDP set shard_group_size"
+            )
+        if not spec.wrap_root:
+            raise ValueError("wrap_root=false: fully_shard always wraps the root module; leave wrap_root=true")
+        check_shard_group(spec, hybrid=spec.shard_group_size is not None)
+
+    def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
+        """Unknown wrap names, tied parameters across units, 0-dim parameters (which ``Shard(0)`` cannot cut)."""
+        unit_of(tree, spec)
+        scalars = [p.fqn for p in tree.params if not p.shape]
+        if scalars:
+            raise ValueError(f"FSDP2 shards every parameter on dim 0, but {', '.join(scalars[:3])} are 0-dim; reshape them to (1,)")
+
+    def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
+        """``fully_shard`` on every module of ``wrap``, innermost first, then on the root."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = device_mesh(placement(spec).mesh)
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, spec.param_dtype)) if spec.param_dtype else MixedPrecisionPolicy()
+        model = model.to(compute_device())
+        units = [u for u in wrapped_modules(describe(model), spec) if u]
+        for name in reversed(units):  # reversed pre-order: every unit before its ancestors
+            fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
+    def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
+        """``set_optimizer_state_dict`` from the full state, then ``optim.state_dict()``, as a ``rank_local`` file holds it.
+
+        ``optim`` is left holding the loaded state.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if "param_groups" not in full_osd:  # PyTorch needs groups to load by; a source without them resumes with the target's
+            full_osd = {**full_osd, "param_groups": self.full_state(model, optim)["param_groups"]}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            set_optimizer_state_dict(model, optim, full_osd, options=StateDictOptions(full_state_dict=True))
+        return to_rank_local(optim.state_dict())
+
+    def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        return from_rank_local(optim, state)
+
+    def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """``get_optimizer_state_dict`` with ``full_state_dict``, on every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
+        """full: the full state from rank 0; sharded: ``get_optimizer_state_dict`` to DCP; local: :func:`to_rank_local` per rank."""
+        import torch.distributed as dist
+
+        if state_dict_type == "local":
+            path.mkdir(exist_ok=True)
+            torch.save(to_rank_local(optim.state_dict()), path / f"rank_{dist.get_rank()}.pt")
+        elif state_dict_type == "full":
+            osd = self.full_state(model, optim)
+            if dist.get_rank() == 0:
+                torch.save(osd, path)
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.save({key: get_optimizer_state_dict(model, optim)}, checkpoint_id=str(path))
+
+
+def to_rank_local(osd: dict[str, Any]) -> dict[str, Any]:
+    """An FSDP2 rank's ``optim.state_dict()`` as a ``rank_local`` file holds it.
+
+    Every DTensor becomes its local tensor, and ``osd["dtensor"][param_id]``
+    records the parameter's global shape, mesh shape and placements, so that
+    :func:`from_rank_local` can rebuild it and check it against the model it
+    is loaded into. This is how an FSDP2 job saves ``rank_local`` input::
+
+        torch.save(osdpipe.to_rank_local(optim.state_dict()), f"{dir}/rank_{rank}.pt")
+    """
+    from torch.distributed.tensor import DTensor
+
+    state: dict[Any, Any] = {}
+    table: dict[Any, dict[str, Any]] = {}
+    for pid, entry in osd["state"].items():
+        state[pid] = {}
+        for name, value in entry.items():
+            if isinstance(value, DTensor):
+                table[pid] = _describe(value)
+                value = value.to_local()
+            state[pid][name] = value
+    return {**osd, "state": state, DTENSOR_TABLE: table}
+
+
+def from_rank_local(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    """What ``optim.load_state_dict`` takes from a ``rank_local`` file of an FSDP2 rank (:func:`to_rank_local`).
+
+    Each local tensor becomes a DTensor on its parameter's mesh and
+    placements. The file's placements must be the parameter's, else the state
+    belongs to another layout.
+
+    Raises:
+        ValueError: naming the param ID whose shape or placement differs.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optim.param_groups for p in g["params"]]
+    table = osd.get(DTENSOR_TABLE, {})
+    state: dict[Any, Any] = {}
+    for pid, entry in osd["state"].items():
+        param = params[pid] if isinstance(pid, int) and pid < len(params) else None
+        if not isinstance(param, DTensor):
+            state[pid] = entry
+            continue
+        saved = table.get(pid)
+        here = _describe(param)
+        if saved is not None and saved != here:
+            raise ValueError(f"param ID {pid}: the file's DTensor is {saved}, but the optimizer's parameter is {here}; convert to this layout first")
+        state[pid] = {
+            name: DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+            if torch.is_tensor(value) and value.dim() > 0
+            else value
+            for name, value in entry.items()
+        }
+    return {k: v for k, v in osd.items() if k != DTENSOR_TABLE} | {"state": state}
+
+
+def _describe(dtensor: Any) -> dict[str, list[Any]]:
+    """A live DTensor's entry of the ``dtensor`` table, as :meth:`osdpipe.layout.Placement.describe` writes it."""
+    return Placement(tuple(dtensor.device_mesh.shape), tuple(str(p) for p in dtensor.placements)).describe(tuple(dtensor.shape))
