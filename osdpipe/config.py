@@ -218,6 +218,7 @@ class PipelineConfig(_Frozen):
 class RuntimeConfig(_Frozen):
     """How ranks are started and watched."""
 
+    mode: Literal["online", "offline"] = "online"  # offline: one process, no process group, plays every target rank in turn
     launcher: Literal["auto", "local", "torchrun"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = Field(default=300.0, gt=0)
@@ -284,6 +285,13 @@ class RunSpec(_Frozen):
                 f"output.format=plain is the state of a model every rank holds whole; target.kind={self.target.kind} shards it: "
                 "set target.kind=none (and target.world_size=1) or ddp, or another output.format"
             )
+        if self.runtime.mode == "offline" and self.output.format == "dcp":
+            raise ValueError(
+                "runtime.mode=offline writes rank_local, fsdp_full or plain output; a dcp checkpoint is written by a live target world: "
+                "set runtime.mode=online, or another output.format"
+            )
+        if self.runtime.mode == "offline" and self.runtime.launcher == "torchrun":
+            raise ValueError("runtime.mode=offline runs in one process, with no process group; set runtime.launcher=auto or local")
         if self.target.kind == "none" and self.output.format != "plain":
             raise ValueError("target.kind=none is an unwrapped model, whose optimizer loads one plain state dict: set output.format=plain")
         if self.input.path is None and self.source.state_dict_type not in source.state_dict_types:

@@ -43,10 +43,12 @@ class Context:
     warnings: list[str] = field(default_factory=list)  # what the user should know though nothing failed
     live: tuple[Any, Any] | None = None  # verify: the real target model and optimizer, built once
     optim_groups: list[list[int]] | None = None  # the live target optimizer's groups (Python API), as layout indices
-    optimizer_keys: list[set[str]] = field(default_factory=list)  # verify: per target rank, the keys its optimizer holds
+    optimizer_keys: dict[int, set[str]] = field(default_factory=dict)  # verify: per target rank, the keys its optimizer holds
     files: dict[str, str] = field(default_factory=dict)  # save: relative name -> sha256
     tensor_digests: dict[str, str] = field(default_factory=dict)  # save: per-tensor sha256
     bytes_moved: int = 0  # reset per stage
+    offline: bool = False  # one process plays every target rank in turn (runtime.mode=offline); no process group
+    saved: tuple[dict[str, str], dict[str, str]] | None = None  # save, offline: this rank's files and tensor digests, committed after the last rank
     _optimizer_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
     _output_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
 
@@ -83,6 +85,13 @@ class Context:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    def held_keys(self, rank: int) -> set[str]:
+        """The layout keys target rank ``rank``'s optimizer holds (verify gathers them; offline, computed once per rank asked)."""
+        if rank not in self.optimizer_keys:
+            layout = self.target_layout(rank)
+            self.optimizer_keys[rank] = {layout[i].key for g in self.target_groups(layout) for i in g}
+        return self.optimizer_keys[rank]
 
     def target_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:
         """The local tensors target rank ``rank`` (default: this one) gets in the output format.

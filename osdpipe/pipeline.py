@@ -169,7 +169,7 @@ def execute(spec: RunSpec) -> Report:
 
 
 def _execute_local(spec: RunSpec, backend: str | None, display: progress.Display) -> Report:
-    """Check the input, generate a source when none is given, convert on a local world of spawned ranks."""
+    """Check the input, generate a source when none is given, convert on a local world of spawned ranks (or offline)."""
     from osdpipe.generate import generate_rank
     from osdpipe.launch import run_local_world
 
@@ -180,6 +180,10 @@ def _execute_local(spec: RunSpec, backend: str | None, display: progress.Display
     else:
         display.phase(f"generating a source: {spec.generate.steps} steps on {spec.source.world_size} rank(s)")
         input_path = run_local_world(generate_rank, spec.source.world_size, (spec,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
+    if spec.runtime.mode == "offline":
+        from osdpipe.offline import run_offline
+
+        return run_offline(spec, input_path, input_format, display)
     display.phase(f"starting {spec.target.world_size} rank(s)")
     args = (spec, input_path, input_format)
     return run_local_world(_convert_worker, spec.target.world_size, args, backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]

@@ -3,7 +3,9 @@
 Every rank writes into ``<output.path>/.staging`` (made by the launcher, see
 :mod:`osdpipe.output`); only when every rank has written and read its files
 back does rank 0 write ``manifest.json`` there and commit the staged
-conversion, replacing a previous one as a whole. A failure on any rank leaves
+conversion, replacing a previous one as a whole. Offline, the one process
+writes each rank's files in turn and commits after the last
+(:func:`commit_offline`). A failure on any rank leaves
 the output directory as it was: nothing half-written. A run whose verify
 failed writes no data.
 """
@@ -97,6 +99,9 @@ def save(ctx: Context) -> None:
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
     agree("save", error)  # on failure the launcher drops the staged run (output.abort)
+    if ctx.offline:  # the driver commits once, after the last rank (commit_offline)
+        ctx.saved = (written, ctx.tensor_digests)
+        return
     per_rank = gather_to_all((written, ctx.tensor_digests))
     error = None
     if ctx.rank == 0:
@@ -105,6 +110,11 @@ def save(ctx: Context) -> None:
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             error = one_line(exc)
     agree("save", error)
+
+
+def commit_offline(ctx: Context, per_rank: list[tuple[dict[str, str], dict[str, str]]]) -> dict[str, str]:
+    """Offline: commit the files every rank wrote (``per_rank``, in rank order), as rank 0 does online."""
+    return _commit(ctx, Path(ctx.spec.output.path) / output.STAGING, per_rank)
 
 
 def _commit(ctx: Context, staging: Path, per_rank: list[tuple[dict[str, str], dict[str, str]]]) -> dict[str, str]:

@@ -46,7 +46,7 @@ def check_roundtrip(ctx: Context) -> CheckResult:
     assert ctx.meta is not None and ctx.reader is not None
     problems: list[str] = []
     for tensor in ctx.target_layout():
-        if ctx.id_keyed and tensor.key not in ctx.optimizer_keys[ctx.rank]:
+        if ctx.id_keyed and tensor.key not in ctx.held_keys(ctx.rank):
             continue  # a parameter outside the target optimizer carries no state there
         state = _result_state(ctx, tensor.key)
         entry = ctx.flat_state.get(tensor.key)
@@ -94,7 +94,7 @@ def _coverage_gaps(ctx: Context) -> list[str]:
     ranks = ctx.spec.target.world_size if ctx.id_keyed else ctx.world_size
     for r in range(ranks):
         for tensor in ctx.target_layout(r):
-            if ctx.id_keyed and tensor.key not in ctx.optimizer_keys[r]:
+            if ctx.id_keyed and tensor.key not in ctx.held_keys(r):
                 continue
             for seg in tensor.segments:
                 held.setdefault(seg.fqn, []).append((seg.start, seg.start + seg.length))
@@ -249,9 +249,13 @@ def check_load_step(ctx: Context) -> CheckResult:
 
 
 def has_replicas(ctx: Context) -> tuple[bool, bool]:
-    """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank)."""
+    """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank).
+
+    Offline, the output's replicas are not compared: one process computes
+    them all from the same layout, and holds one rank's output at a time.
+    """
     source = ctx.input_format == "rank_local" and ctx.spec.source.spec().replicas > 1
-    return source, ctx.id_keyed and ctx.spec.target.spec().replicas > 1
+    return source, ctx.id_keyed and ctx.spec.target.spec().replicas > 1 and not ctx.offline
 
 
 def check_replicas(ctx: Context) -> CheckResult:
@@ -285,13 +289,31 @@ def check_replicas(ctx: Context) -> CheckResult:
 
 CHECKS = {"roundtrip": check_roundtrip, "reference": check_reference, "load_step": check_load_step, "replicas": check_replicas}
 #: Checks that run only where they apply; the report lists the checks that ran.
-APPLIES = {"replicas": lambda ctx: any(has_replicas(ctx))}
+#: reference and load_step build the real target job, which needs its world:
+#: offline there is none.
+APPLIES = {
+    "reference": lambda ctx: not ctx.offline,
+    "load_step": lambda ctx: not ctx.offline,
+    "replicas": lambda ctx: any(has_replicas(ctx)),
+}
+
+
+def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:
+    """Every rank's results of the same checks as one result per check, naming the ranks where it failed."""
+    combined = []
+    for i, check in enumerate(per_rank[0]):
+        failed = [(r, checks[i]) for r, checks in enumerate(per_rank) if not checks[i].ok]
+        detail = "; ".join(f"rank {r}: {c.detail}" for r, c in failed[:3]) if failed else check.detail
+        combined.append(CheckResult(check.name, not failed, detail))
+    return combined
+
+
 
 
 @stage("verify")
 def verify(ctx: Context) -> None:
-    layout = ctx.target_layout()
-    ctx.optimizer_keys = gather_to_all({layout[i].key for g in ctx.target_groups(layout) for i in g})
+    if ctx.distributed:  # a live optimizer's groups (Python API) are known on its own rank only: share them
+        ctx.optimizer_keys = dict(enumerate(gather_to_all(ctx.held_keys(ctx.rank))))
     ctx.checks = []
     for name in ctx.spec.pipeline.checks:
         if name in APPLIES and not APPLIES[name](ctx):
@@ -301,10 +323,5 @@ def verify(ctx: Context) -> None:
         except Exception as exc:  # a check that cannot run has failed, and says why
             result = CheckResult(name, False, f"{type(exc).__name__}: {exc}")
         ctx.checks.append(result)
-    per_rank = gather_to_all(ctx.checks)
-    combined = []
-    for i, check in enumerate(ctx.checks):
-        failed = [(r, checks[i]) for r, checks in enumerate(per_rank) if not checks[i].ok]
-        detail = "; ".join(f"rank {r}: {c.detail}" for r, c in failed[:3]) if failed else check.detail
-        combined.append(CheckResult(check.name, not failed, detail))
-    ctx.checks = combined
+    if not ctx.offline:  # offline, the driver combines the ranks' checks after the last one
+        ctx.checks = combine(gather_to_all(ctx.checks))
