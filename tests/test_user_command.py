@@ -3,11 +3,15 @@
 A model osdpipe has never seen (``userlm:build``: token IDs into an
 ``nn.Embedding``, a tied head, parameters that share a shape, a factory
 without arguments, no ``example_input``) is trained and checkpointed by plain
-PyTorch FSDP1 code on 4 ranks, in every input format. Each is converted by
-the command with only ``model.factory``, ``input.*``, ``source.*``,
-``target.*`` and ``output.*`` given, and every rank file is compared bitwise
-with what ``FSDP.optim_state_dict_to_load`` gives a target job of that shape,
-computed here independently of osdpipe.
+PyTorch FSDP1 code on 4 ranks, in every input format, and by plain FSDP2 code
+(``fully_shard``, ``get_optimizer_state_dict`` + ``dcp.save``). Each is
+converted by the command with only ``model.factory``, ``input.*``,
+``source.*``, ``target.*`` and ``output.*`` given, and every rank file is
+compared bitwise with PyTorch's own path for a target job of that shape,
+computed here independently of osdpipe: ``FSDP.optim_state_dict_to_load``
+for FSDP1, ``set_optimizer_state_dict`` from the full state then
+``optim.state_dict()`` for FSDP2. FSDP2 files are then loaded with
+``osdpipe.load_rank_local`` and stepped.
 """
 
 from __future__ import annotations
@@ -66,6 +70,46 @@ def _train_and_save(root: str) -> None:
         dcp.save({"optimizer": sharded}, checkpoint_id=os.path.join(root, "dcp"))
 
 
+def _fully_shard(model: torch.nn.Module, shard_group_size: int | None = None) -> torch.nn.Module:
+    """A user's FSDP2 wrapping: fully_shard on every MixerBlock, then the root; HSDP on a (replicate, shard) mesh."""
+    import userlm
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    shape = (world // shard_group_size, shard_group_size) if shard_group_size else (world,)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    for block in model.modules():
+        if isinstance(block, userlm.MixerBlock):
+            fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train_fsdp2_and_save(root: str) -> None:
+    """A user's FSDP2 job on 4 ranks: 3 Adam steps, then get_optimizer_state_dict + dcp.save, and the full state for reference."""
+    import torch.distributed.checkpoint as dcp
+    import userlm
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = _fully_shard(userlm.build())
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(3):
+        tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
+        model(tokens).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    dcp.save({"optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=os.path.join(root, "fsdp2_dcp"))
+    full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        torch.save(full, os.path.join(root, "fsdp2_full.pt"))
+
+
+def _save_jobs(root: str) -> None:
+    _train_and_save(root)
+    _train_fsdp2_and_save(root)
+
+
 def _save_plain(root: Path) -> None:
     """An unwrapped job's own optim.state_dict(), param-ID keyed (one process, no FSDP)."""
     import userlm
@@ -89,23 +133,64 @@ def _save_plain(root: Path) -> None:
 @pytest.fixture(scope="module")
 def user_checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("user_job")
-    run_local_world(_train_and_save, 4, (str(root),), timeout_s=TIMEOUT_S)
+    run_local_world(_save_jobs, 4, (str(root),), timeout_s=TIMEOUT_S)
     _save_plain(root)
     return root
 
 
-def _pytorch_rank_files_match(out: str, full_path: str, units: list[str], use_orig_params: bool) -> list[str]:
+def _pytorch_rank_files_match(out: str, full_path: str, units: list[str], use_orig_params: bool, hybrid: int | None = None) -> list[str]:
     """On each target rank: osdpipe's rank file against FSDP.optim_state_dict_to_load, bitwise."""
     import userlm
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
 
-    model = _wrap(userlm.build(), {getattr(userlm, u) for u in units}, use_orig_params)
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // hybrid, hybrid), mesh_dim_names=("replicate", "shard"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = FSDP(userlm.build(), device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+    else:
+        model = _wrap(userlm.build(), {getattr(userlm, u) for u in units}, use_orig_params)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = FSDP.optim_state_dict_to_load(model, optim, torch.load(full_path, weights_only=True))
     got = torch.load(os.path.join(out, f"rank_{dist.get_rank()}.pt"), weights_only=True)
     return diff(got, expected)
+
+
+def _pytorch_fsdp2_rank_files_match(out: str, full_path: str, shard_group_size: int | None) -> list[str]:
+    """On each FSDP2 target rank: osdpipe's file against set_optimizer_state_dict(full) + optim.state_dict(); then load it and step."""
+    import userlm
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    import osdpipe
+
+    torch.manual_seed(1)
+    model = _fully_shard(userlm.build(), shard_group_size)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    set_optimizer_state_dict(model, optim, torch.load(full_path, weights_only=True), options=StateDictOptions(full_state_dict=True))
+    expected = optim.state_dict()
+    path = os.path.join(out, f"rank_{dist.get_rank()}.pt")
+    got = torch.load(path, weights_only=True)
+    local = {pid: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in s.items()} for pid, s in expected["state"].items()}
+    problems = diff(got["state"], local, path="state") + diff(got["param_groups"], expected["param_groups"], path="param_groups", sequence_types=False)
+    placements = {pid: [str(p) for p in v["exp_avg"].placements] for pid, v in expected["state"].items()}
+    problems += diff({pid: e["placements"] for pid, e in got["dtensor"].items()}, placements, path="dtensor")
+    fresh = torch.optim.Adam(model.parameters(), lr=1e-3)
+    osdpipe.load_rank_local(fresh, path)  # the README's one call
+    tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(7))
+    model(tokens).float().pow(2).mean().backward()
+    fresh.step()
+    for state in fresh.state.values():
+        for name, value in state.items():
+            local_value = value.to_local() if isinstance(value, DTensor) else value
+            if not bool(torch.isfinite(local_value).all()):
+                problems.append(f"{name} is not finite after a step")
+    return problems
 
 
 # (case, README command arguments after model.factory, target world size, target units, use_orig_params)
@@ -136,12 +221,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,args,world,units,use_orig_params", CASES, ids=[c[0] for c in CASES])
-def test_readme_command_converts_a_user_checkpoint(case, args, world, units, use_orig_params, user_checkpoints, tmp_path):
+def _convert(args: list[str], root: Path, tmp_path: Path, world: int) -> Path:
+    """Run the README command with ``args``; it must pass every check and write ``world`` rank files, nothing else."""
     out = tmp_path / "resharded"
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])  # the user's package is importable
-    cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *(a.format(root=user_checkpoints) for a in args), f"output.path={out}"]
+    cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *(a.format(root=root) for a in args), f"output.path={out}"]
     result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     assert "Traceback" not in result.stderr and "error" not in result.stderr, result.stderr
@@ -149,6 +234,45 @@ def test_readme_command_converts_a_user_checkpoint(case, args, world, units, use
         assert f"check {check:<10} pass" in result.stdout, result.stdout
     assert sorted(p.name for p in out.glob("rank_*.pt")) == [f"rank_{r}.pt" for r in range(world)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resharded"], "nothing is written outside output.path"
+    return out
+
+
+@pytest.mark.parametrize("case,args,world,units,use_orig_params", CASES, ids=[c[0] for c in CASES])
+def test_readme_command_converts_a_user_checkpoint(case, args, world, units, use_orig_params, user_checkpoints, tmp_path):
+    out = _convert(args, user_checkpoints, tmp_path, world)
     reference = user_checkpoints / ("plain_as_full.pt" if case.startswith("plain") else "optim.pt")
     problems = run_local_world(_pytorch_rank_files_match, world, (str(out), str(reference), units, use_orig_params), timeout_s=TIMEOUT_S)
+    assert problems == [[]] * world, problems
+
+
+# FSDP1 -> FSDP2, with and without HSDP: (case, arguments, target world size, shard_group_size)
+TO_FSDP2 = [
+    ("fsdp1_to_fsdp2_2", ["target.world_size=2"], 2, None),
+    ("fsdp1_to_fsdp2_3", ["target.world_size=3"], 3, None),
+    ("fsdp1_to_hsdp_4", ["target.world_size=4", "target.shard_group_size=2"], 4, 2),
+]
+
+
+@pytest.mark.parametrize("case,args,world,shard_group_size", TO_FSDP2, ids=[c[0] for c in TO_FSDP2])
+def test_fsdp1_checkpoint_converts_to_fsdp2(case, args, world, shard_group_size, user_checkpoints, tmp_path):
+    source = ["input.path={root}/optim.pt", "input.format=fsdp_full", "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp2"]
+    out = _convert([*source, *args], user_checkpoints, tmp_path, world)
+    problems = run_local_world(_pytorch_fsdp2_rank_files_match, world, (str(out), str(user_checkpoints / "optim.pt"), shard_group_size), timeout_s=TIMEOUT_S)
+    assert problems == [[]] * world, problems
+
+
+# FSDP2 DCP -> FSDP1: (case, arguments, target world size, use_orig_params, shard_group_size)
+FROM_FSDP2 = [
+    ("fsdp2_dcp_to_orig_params_4", ["target.world_size=4", "target.use_orig_params=true", "target.wrap=[MixerBlock]"], 4, True, None),
+    ("fsdp2_dcp_to_hybrid_4", ["target.world_size=4", "target.wrap=[]", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2"], 4, False, 2),
+]
+
+
+@pytest.mark.parametrize("case,args,world,use_orig_params,hybrid", FROM_FSDP2, ids=[c[0] for c in FROM_FSDP2])
+def test_fsdp2_dcp_checkpoint_converts_to_fsdp1(case, args, world, use_orig_params, hybrid, user_checkpoints, tmp_path):
+    source = ["input.path={root}/fsdp2_dcp", "input.format=dcp", "source.kind=fsdp2", "source.world_size=4", "target.kind=fsdp1"]
+    out = _convert([*source, *args], user_checkpoints, tmp_path, world)
+    units = [] if hybrid else ["MixerBlock"]
+    full = str(user_checkpoints / "fsdp2_full.pt")
+    problems = run_local_world(_pytorch_rank_files_match, world, (str(out), full, units, use_orig_params, hybrid), timeout_s=TIMEOUT_S)
     assert problems == [[]] * world, problems

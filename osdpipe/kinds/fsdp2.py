@@ -154,6 +154,16 @@ def to_rank_local(osd: dict[str, Any]) -> dict[str, Any]:
     return {**osd, "state": state, DTENSOR_TABLE: table}
 
 
+def load_rank_local(optim: torch.optim.Optimizer, path: str | Path) -> None:
+    """Load a ``rank_local`` file osdpipe wrote for this rank into ``optim``, whatever the kind: the one call a resuming job makes.
+
+    The file is read with ``weights_only=True``; DTensor state (FSDP2) is
+    rebuilt on the optimizer's parameters (:func:`from_rank_local`), other
+    state loads as it is.
+    """
+    optim.load_state_dict(from_rank_local(optim, torch.load(path, map_location="cpu", weights_only=True)))
+
+
 def from_rank_local(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
     """What ``optim.load_state_dict`` takes from a ``rank_local`` file of an FSDP2 rank (:func:`to_rank_local`).
 
