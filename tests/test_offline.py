@@ -1,0 +1,145 @@
+"""Offline conversion (``runtime.mode=offline``) through the ``osdpipe`` command, held against real FSDP.
+
+A user's model (``userlm:build``) trains unwrapped and its full, FQN-keyed
+optimizer state is the input. One process writes every rank's file of a
+64- and a 1024-rank target, FSDP1 and FSDP2, with no process group. Then,
+independently of osdpipe:
+
+* gathered back, the files are the source: FSDP2's dim-0 chunks concatenate
+  to each full ``exp_avg``; every FSDP1 rank equals real FSDP's;
+* rank 0, a middle rank and the last equal what real FSDP builds for those
+  ranks on PyTorch's fake process group (``fake_rank_files.py``: the model's
+  parameters set to the source's ``exp_avg``, so FSDP's own cut of them is
+  the expected state);
+* the same conversion to 4 ranks online and offline gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import clean_env, run_command
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def full_source(tmp_path_factory) -> Path:
+    """The user's unwrapped job: 2 Adam steps on token IDs; its state keyed by FQN, as an fsdp_full file."""
+    import userlm
+
+    torch.manual_seed(0)
+    model = userlm.build()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(2):
+        tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
+        model(tokens).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    names = [name for name, _ in model.named_parameters()]
+    state = optim.state_dict()
+    full = {
+        "state": {names[i]: s for i, s in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+    path = tmp_path_factory.mktemp("user_job") / "optim.pt"
+    torch.save(full, path)
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _convert(source: Path, out: Path, *args: str) -> dict:
+    """Run the command on ``source`` with ``args``; it must succeed. Returns report.json."""
+    cmd = [
+        sys.executable, "-m", "osdpipe", "model.factory=userlm:build", f"input.path={source}", "input.format=fsdp_full",
+        "source.world_size=4", "target.wrap=[MixerBlock]", f"output.path={out}", *args,
+    ]  # fmt: skip
+    result = run_command(cmd, cwd=out.parent, timeout=TIMEOUT_S, env=_env())
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    return json.loads((out / "report.json").read_text())
+
+
+def _real_fsdp_problems(kind: str, world: int, source: Path, out: Path, ranks: list[int]) -> list[str]:
+    cmd = [sys.executable, str(TESTS / "fake_rank_files.py"), kind, str(world), str(source), str(out), *map(str, ranks)]
+    result = run_command(cmd, cwd=out.parent, timeout=TIMEOUT_S, env=_env())
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _gathered_fsdp2(out: Path, world: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Every param ID's tensor state, its ranks' dim-0 chunks concatenated in rank order."""
+    files = [torch.load(out / f"rank_{r}.pt", weights_only=True) for r in range(world)]
+    return {
+        pid: {name: torch.cat([f["state"][pid][name] for f in files]) for name, value in state.items() if value.dim() > 0}
+        for pid, state in files[0]["state"].items()
+    }
+
+
+@pytest.mark.parametrize("kind,world", [("fsdp1", 64), ("fsdp2", 64), ("fsdp2", 1024)])
+def test_offline_conversion_equals_real_fsdp(kind: str, world: int, full_source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    report = _convert(full_source, out, "runtime.mode=offline", f"target.kind={kind}", f"target.world_size={world}")
+    assert report["ok"] and [c["name"] for c in report["checks"]] == ["roundtrip"], report["checks"]
+    assert any("reference, load_step need a live target world" in w for w in report["warnings"]), report["warnings"]
+    assert sorted(p.name for p in out.glob("rank_*.pt")) == sorted(f"rank_{r}.pt" for r in range(world))
+    assert not (out / ".staging").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["files"]) == world
+
+    full = torch.load(full_source, weights_only=True)
+    names = list(full["state"])  # the unwrapped optimizer's order, which FSDP2 keeps
+    if kind == "fsdp2":
+        gathered = _gathered_fsdp2(out, world)
+        assert sorted(gathered) == list(range(len(names)))
+        for pid, name in enumerate(names):
+            for state_name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(gathered[pid][state_name], full["state"][name][state_name]), (name, state_name)
+        # A parameter of fewer rows than ranks leaves the last ranks empty chunks, with state all the same.
+        last = torch.load(out / f"rank_{world - 1}.pt", weights_only=True)
+        assert last["state"][0]["exp_avg"].shape[0] == 0 and last["dtensor"][0]["placements"] == ["S(0)"]
+        ranks = [0, world // 2, world - 1]
+    else:
+        ranks = list(range(world))  # every rank equal to real FSDP's is the source, gathered back
+    assert _real_fsdp_problems(kind, world, full_source, out, ranks) == []
+
+
+def test_real_fsdp_oracle_sees_one_wrong_element(full_source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _convert(full_source, out, "runtime.mode=offline", "target.kind=fsdp2", "target.world_size=8")
+    path = out / "rank_0.pt"
+    osd = torch.load(path, weights_only=True)
+    osd["state"][2]["exp_avg"].view(-1)[5] += 1  # blocks.0.wk.weight
+    torch.save(osd, path)
+    assert _real_fsdp_problems("fsdp2", 8, full_source, out, [0, 1]) == ["rank 0, param ID 2: (1, 6) differs from real FSDP's (1, 6) shard"]
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_online_and_offline_write_byte_identical_files(kind: str, full_source: Path, tmp_path: Path) -> None:
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    args = (f"target.kind={kind}", "target.world_size=4", "target.use_orig_params=true" if kind == "fsdp1" else "target.wrap_root=true")
+    _convert(full_source, online, *args)
+    _convert(full_source, offline, "runtime.mode=offline", *args)
+    for r in range(4):
+        assert (online / f"rank_{r}.pt").read_bytes() == (offline / f"rank_{r}.pt").read_bytes(), f"rank_{r}.pt"
+
+
+def test_offline_refuses_dcp_output_before_starting(full_source: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "osdpipe", "runtime.mode=offline", "output.format=dcp", f"output.path={tmp_path / 'out'}"]
+    result = run_command(cmd, cwd=tmp_path, timeout=60, env=_env())
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "osdpipe: error: config: runtime.mode=offline writes rank_local, fsdp_full or plain output; a dcp checkpoint is written "
+        "by a live target world: set runtime.mode=online, or another output.format"
+    ]
