@@ -201,7 +201,7 @@ def _probe_rank(world_size: int, cases: list[dict[str, Any]]) -> list[Any]:
             else:
                 hybrid = case["strategy"] in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
                 wrapped = direct_fsdp1(model, case["wrap"], case["strategy"], case["use_orig_params"], mesh(shape) if hybrid else None)
-                out.append(fsdp1_metadata(wrapped, with_values=False))
+                out.append(fsdp1_metadata(wrapped))
         except Exception as exc:  # noqa: BLE001 - reported per case
             out.append(dict(error=f"{type(exc).__name__}: {exc}"))
     return out

@@ -44,7 +44,7 @@ from pydantic import ValidationError
 from oracle_probe import direct_fully_shard, expected_values, fill_marked, fsdp2_params, marks
 from osdpipe.config import LayoutConfig
 from osdpipe.launch import run_local_world
-from osdpipe.layout import LayoutSpec, LocalTensor, Placement, rank_layout, shard_group
+from osdpipe.layout import LayoutSpec, LocalTensor, Placement, Segment, rank_layout, shard_group
 from osdpipe.models import build_model
 from osdpipe.tree import ModuleTree, ParamInfo, describe
 
@@ -385,7 +385,10 @@ def _random_tree(rng: random.Random, n: int) -> ModuleTree:
 
 
 def _groups(world_size: int) -> list[int | None]:
-    return [None, *sorted({s for s in (1, 2, 3, 4, 8, 16, 64, world_size) if world_size % s == 0})]
+    """No HSDP, then a few shard group sizes that divide ``world_size`` (1 and the whole world included)."""
+    if world_size > 64:  # every rank of a 1024-rank world is checked: a few groups suffice
+        return [None, 8, 64]
+    return [None, *sorted({s for s in (1, 2, 3, 8, 64, world_size) if world_size % s == 0})]
 
 
 @pytest.mark.parametrize("world_size", (1, 2, 3, 5, 8, 64, 1024))
@@ -394,28 +397,50 @@ def test_every_element_is_held_once_per_replica_group(world_size: int) -> None:
     tree = _random_tree(random.Random(world_size), 12)
     for size in _groups(world_size):
         spec = LayoutSpec(kind="fsdp2", world_size=world_size, shard_group_size=size)
-        layouts = [rank_layout(tree, spec, rank) for rank in range(world_size)]
         shards = size or world_size
-        for group in range(spec.replicas):
-            for j, p in enumerate(tree.params):
-                pieces = torch.arange(p.numel).view(p.shape).chunk(shards, dim=0) if p.numel else ()
-                covered = 0
-                for index in range(shards):
-                    rank = group * shards + index
-                    assert shard_group(spec, rank) == (shards, index)
-                    t = layouts[rank][j]
-                    where = f"ws={world_size} s={size} rank={rank} {p.fqn}{p.shape}"
-                    want = pieces[index] if index < len(pieces) else torch.empty((0, *p.shape[1:]), dtype=torch.long)
-                    assert t.shape == tuple(want.shape), f"{where}: shape {t.shape}, torch.chunk gives {tuple(want.shape)}"
-                    held = [i for s in t.segments for i in range(s.start, s.start + s.length)]
-                    assert held == want.flatten().tolist(), f"{where}: segments {t.segments}"
-                    assert sum(s.length for s in t.segments) == t.numel, f"{where}: {t.segments} do not fill {t.shape}"
-                    mesh = Placement((spec.replicas, size), ("R", "S(0)")) if size else Placement((world_size,), ("S(0)",))
-                    assert t.placement == mesh, f"{where}: placement {t.placement}, expected {mesh}"
-                    covered += t.numel
-                assert covered == p.numel, f"ws={world_size} s={size} group {group}: {p.fqn} covered {covered} of {p.numel}"
+        mesh = Placement((spec.replicas, shards), ("R", "S(0)")) if size else Placement((world_size,), ("S(0)",))
+        layouts = [rank_layout(tree, spec, rank) for rank in range(world_size)]
+        for j, p in enumerate(tree.params):
+            # torch.chunk's rows per shard (missing trailing chunks hold none), and where each starts in the flattened view
+            rows = [len(c) for c in torch.arange(p.shape[0]).chunk(shards)] if p.shape[0] else []
+            rows += [0] * (shards - len(rows))
+            row_numel = p.numel // p.shape[0] if p.shape[0] else 0
+            for rank in range(world_size):
+                index = rank % shards
+                t = layouts[rank][j]
+                where = f"ws={world_size} s={size} rank={rank} {p.fqn}{p.shape}"
+                assert shard_group(spec, rank) == (shards, index), where
+                assert t.shape == (rows[index], *p.shape[1:]), f"{where}: shape {t.shape}, torch.chunk gives {rows[index]} rows"
+                start, length = sum(rows[:index]) * row_numel, rows[index] * row_numel
+                want = (Segment(p.fqn, start, length, 0),) if length else ()
+                assert t.segments == want, f"{where}: segments {t.segments}, torch.chunk gives {want}"
+                assert t.placement == mesh, f"{where}: placement {t.placement}, expected {mesh}"
+            # per replica group the chunks tile the parameter: each element once
+            assert sum(rows) == p.shape[0], f"ws={world_size} s={size}: {p.fqn} rows {rows}"
         for rank in range(world_size - shards):
             assert layouts[rank] == layouts[rank + shards], f"ws={world_size} s={size}: ranks {rank} and {rank + shards} differ"
+
+
+def test_every_element_is_held_once_small() -> None:
+    """Element by element, against ``torch.chunk`` itself, for small worlds (the test above counts rows)."""
+    tree = _random_tree(random.Random(0), 6)
+    for world_size in (1, 2, 3, 4, 6):
+        for size in _groups(world_size):
+            spec = LayoutSpec(kind="fsdp2", world_size=world_size, shard_group_size=size)
+            shards = size or world_size
+            for p in tree.params:
+                full = torch.arange(p.numel).view(p.shape)
+                pieces = full.chunk(shards, dim=0) if p.shape[0] else ()
+                for group in range(spec.replicas):
+                    counts = [0] * p.numel
+                    for index in range(shards):
+                        t = next(t for t in rank_layout(tree, spec, group * shards + index) if t.key == p.fqn)
+                        held = [i for s in t.segments for i in range(s.start, s.start + s.length)]
+                        want = pieces[index].flatten().tolist() if index < len(pieces) else []
+                        assert held == want, f"ws={world_size} s={size} shard {index}: {p.fqn}{p.shape} holds {held}, torch.chunk {want}"
+                        for i in held:
+                            counts[i] += 1
+                    assert all(c == 1 for c in counts), f"ws={world_size} s={size}: {p.fqn} held {sorted(set(counts))} times"
 
 
 @pytest.mark.parametrize(
