@@ -276,3 +276,34 @@ def test_fsdp2_dcp_checkpoint_converts_to_fsdp1(case, args, world, use_orig_para
     full = str(user_checkpoints / "fsdp2_full.pt")
     problems = run_local_world(_pytorch_rank_files_match, world, (str(out), full, units, use_orig_params, hybrid), timeout_s=TIMEOUT_S)
     assert problems == [[]] * world, problems
+
+
+def _save_fsdp2_state_dicts(root: str) -> None:
+    """A user's FSDP2 job saving each rank's optim.state_dict() as it is (DTensors), and the full state for reference."""
+    import userlm
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = _fully_shard(userlm.build())
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(0))
+    model(tokens).float().pow(2).mean().backward()
+    optim.step()
+    os.makedirs(os.path.join(root, "fsdp2_rank_local"), exist_ok=True)
+    torch.save(optim.state_dict(), os.path.join(root, "fsdp2_rank_local", f"rank_{dist.get_rank()}.pt"))
+    full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        torch.save(full, os.path.join(root, "fsdp2_rank_local_full.pt"))
+
+
+def test_fsdp2_rank_state_dicts_with_dtensors_convert(tmp_path):
+    """Each FSDP2 rank's plain torch.save(optim.state_dict()) (pickled DTensors) is a rank_local input."""
+    root = tmp_path / "job"
+    root.mkdir()
+    run_local_world(_save_fsdp2_state_dicts, 2, (str(root),), timeout_s=TIMEOUT_S)
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["input.path={root}/fsdp2_rank_local", "input.format=rank_local", "source.kind=fsdp2", "source.world_size=2", "target.world_size=3", "target.use_orig_params=true"]
+    out = _convert(args, root, work, 3)
+    problems = run_local_world(_pytorch_rank_files_match, 3, (str(out), str(root / "fsdp2_rank_local_full.pt"), [], True), timeout_s=TIMEOUT_S)
+    assert problems == [[]] * 3, problems

@@ -174,6 +174,7 @@ class RankLocalReader:
             path = self.files[rank]
             osd = load_torch_file(path)
             check_optim_state_dict(osd, path, "rank_local")
+            osd = _local_tensors(osd)
             self._check(rank, osd)
             self._osds[rank] = osd
         return self._osds[rank]
@@ -337,6 +338,21 @@ class RankLocalReader:
         return out
 
 
+def _local_tensors(osd: dict[str, Any]) -> dict[str, Any]:
+    """An FSDP2 rank's ``torch.save(optim.state_dict())`` holds DTensors: take their local tensors and placements.
+
+    What :func:`osdpipe.to_rank_local` would have saved, so both ways of
+    saving an FSDP2 rank's state read alike.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from osdpipe.kinds.fsdp2 import to_rank_local
+
+    if any(isinstance(v, DTensor) for entry in osd["state"].values() if isinstance(entry, dict) for v in entry.values()):
+        return to_rank_local(osd)
+    return osd
+
+
 def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -> list[str]:
     """Where each of ``ranks``' files differs from the file of the same shard in the first replica group.
 
@@ -350,7 +366,7 @@ def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -
         first = r % (source.shard_group_size or source.world_size)
         if first == r:
             continue
-        found = diff(load_torch_file(files[r]), load_torch_file(files[first]), path=f"rank {r} vs rank {first}", limit=1)
+        found = diff(_local_tensors(load_torch_file(files[r])), _local_tensors(load_torch_file(files[first])), path=f"rank {r} vs rank {first}", limit=1)
         problems.extend(f"{files[r].name}: {line}" for line in found)
     return problems
 

@@ -270,6 +270,8 @@ def load_torch_file(path: str | Path) -> Any:
             check_torch_zip(f, p.stat().st_size, str(p))
     except OSError as exc:
         raise InputError(f"{p} cannot be read ({first_line(exc)}); check that this user can read it") from exc
+    import torch.distributed.tensor  # noqa: F401  (lets weights_only read DTensors, an FSDP2 rank's state, as PyTorch allows)
+
     try:
         return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # torch raises several types for a bad file
