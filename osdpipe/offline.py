@@ -28,7 +28,7 @@ from osdpipe.pipeline import Report, StageReport
 from osdpipe.progress import Display
 from osdpipe.stages import STAGES
 from osdpipe.stages.save import commit_offline
-from osdpipe.stages.verify import APPLIES, combine
+from osdpipe.stages.verify import NEED_TARGET_WORLD, combine
 from osdpipe.tree import describe
 
 #: Stages that open and describe the source: run once, their product shared by every rank.
@@ -73,7 +73,7 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
         display(("items", rank + 1, world))
     assert ctx is not None
     combined = combine(checks) if checks and checks[0] else []
-    skipped = [c for c in spec.pipeline.checks if c in APPLIES and c not in {r.name for r in combined} and c != "replicas"]
+    skipped = [c for c in spec.pipeline.checks if c in NEED_TARGET_WORLD]
     if "verify" in spec.pipeline.stages and skipped:
         warnings.append(f"offline: verify ran {', '.join(c.name for c in combined) or 'no check'}; {', '.join(skipped)} need a live target world (runtime.mode=online)")
     ok = all(c.ok for c in combined)

@@ -25,6 +25,8 @@ import pytest
 import torch
 from helpers import clean_env, run_command
 
+from osdpipe.compare import diff
+
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 240
 
@@ -143,3 +145,25 @@ def test_offline_refuses_dcp_output_before_starting(full_source: Path, tmp_path:
         "osdpipe: error: config: runtime.mode=offline writes rank_local, fsdp_full or plain output; a dcp checkpoint is written "
         "by a live target world: set runtime.mode=online, or another output.format"
     ]
+
+
+def test_hybrid_source_replicas_must_agree(full_source: Path, tmp_path: Path) -> None:
+    """HYBRID_SHARD rank files (written offline), read from one replica group; one element changed in the other fails verify."""
+    hybrid = tmp_path / "hybrid"
+    _convert(full_source, hybrid, "runtime.mode=offline", "target.world_size=4", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2")
+    assert diff(torch.load(hybrid / "rank_1.pt", weights_only=True), torch.load(hybrid / "rank_3.pt", weights_only=True)) == []  # replicas alike
+    source = [
+        f"input.path={hybrid}", "input.format=rank_local", "source.world_size=4", "source.wrap=[MixerBlock]",
+        "source.sharding_strategy=HYBRID_SHARD", "source.shard_group_size=2", "runtime.mode=offline", "target.world_size=2",
+    ]  # fmt: skip
+    env = _env()
+    ok = run_command([sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *source, f"output.path={tmp_path / 'ok'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "check replicas   pass  the source's replica groups hold the same state bitwise" in ok.stdout
+    osd = torch.load(hybrid / "rank_3.pt", weights_only=True)
+    osd["state"][0]["exp_avg"].view(-1)[2] += 1
+    torch.save(osd, hybrid / "rank_3.pt")
+    bad = run_command([sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *source, f"output.path={tmp_path / 'bad'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("osdpipe: error: verify failed: check replicas: rank 1: source rank_3.pt: rank 3 vs rank 1['state'][0]['exp_avg']: 1 element(s) differ"), bad.stderr
+    assert not list((tmp_path / "bad").glob("rank_*.pt"))

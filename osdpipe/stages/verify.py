@@ -1,6 +1,6 @@
 """verify: prove the converted state right, or say exactly where it is wrong.
 
-Three checks, each reported in ``report.json``:
+Four checks, each reported in ``report.json`` when it ran:
 
 * ``roundtrip``: every element of every converted tensor equals the same
   element of the source, bitwise; padding is zero; scalar state equals the
@@ -288,12 +288,11 @@ def check_replicas(ctx: Context) -> CheckResult:
 
 
 CHECKS = {"roundtrip": check_roundtrip, "reference": check_reference, "load_step": check_load_step, "replicas": check_replicas}
+#: Checks that build the real target job, which needs its world: offline there is none.
+NEED_TARGET_WORLD = ("reference", "load_step")
 #: Checks that run only where they apply; the report lists the checks that ran.
-#: reference and load_step build the real target job, which needs its world:
-#: offline there is none.
 APPLIES = {
-    "reference": lambda ctx: not ctx.offline,
-    "load_step": lambda ctx: not ctx.offline,
+    **{name: (lambda ctx: not ctx.offline) for name in NEED_TARGET_WORLD},
     "replicas": lambda ctx: any(has_replicas(ctx)),
 }
 
@@ -306,7 +305,6 @@ def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:
         detail = "; ".join(f"rank {r}: {c.detail}" for r, c in failed[:3]) if failed else check.detail
         combined.append(CheckResult(check.name, not failed, detail))
     return combined
-
 
 
 
