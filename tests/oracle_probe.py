@@ -17,8 +17,10 @@ The request names a world size, the ranks to probe and the cases (FSDP2
 ``fully_shard`` or FSDP1 ``FullyShardedDataParallel``); each rank joins
 PyTorch's fake process group on its own (``FakeStore``), wraps every case,
 and leaves the group before the next rank. Only construction happens there:
-no collective carries data on a fake group. The answer is one JSON object
-on stdout: ``{"ranks": {rank: [per-case result]}}``.
+no collective carries data on a fake group (no state-dict gathering, no
+step). Both FSDPs cut each rank's shard out of the full local tensor while
+constructing, without a collective, so the local values that come back are
+real. The answer is one JSON object on stdout: ``{"ranks": {rank: [per-case result]}}``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,26 @@ def expected_values(numel: int, segments: Any, where: dict[str, int]) -> list[in
     for s in segments:
         out[s.dest : s.dest + s.length] = range(where[s.fqn] + s.start, where[s.fqn] + s.start + s.length)
     return out
+
+
+#: Words of a world that failed to *form* (its rendezvous port taken by another process between
+#: ``free_port`` and the store's bind, on a machine running other tests), not of a wrapped model.
+NETWORK_FLAKES = ("DistNetworkError", "Broken pipe", "Connection reset", "Connection refused", "Address already in use", "EADDRINUSE")
+
+
+def spawn_world(fn: Any, world_size: int, args: tuple, timeout_s: float) -> Any:
+    """``run_local_world(fn, world_size, args)`` on gloo, spawned once more if the world could not form (:data:`NETWORK_FLAKES`).
+
+    Any other failure, a hang (``timeout_s``) included, is raised at once.
+    """
+    from osdpipe.launch import run_local_world
+
+    try:
+        return run_local_world(fn, world_size, args, backend="gloo", timeout_s=timeout_s)
+    except Exception as exc:
+        if not any(word in str(exc) for word in NETWORK_FLAKES):
+            raise
+    return run_local_world(fn, world_size, args, backend="gloo", timeout_s=timeout_s)
 
 
 def clean_fqn(name: str) -> str:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import json
 import random
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +38,26 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import clean_env, run_command
+from oracle_probe import (
+    direct_fully_shard,
+    expected_values,
+    fill_marked,
+    fsdp2_params,
+    marks,
+    spawn_world,
+)
 from pydantic import ValidationError
 
-from oracle_probe import direct_fully_shard, expected_values, fill_marked, fsdp2_params, marks
 from osdpipe.config import LayoutConfig
-from osdpipe.launch import run_local_world
-from osdpipe.layout import LayoutSpec, LocalTensor, Placement, Segment, rank_layout, shard_group
+from osdpipe.layout import (
+    LayoutSpec,
+    LocalTensor,
+    Placement,
+    Segment,
+    rank_layout,
+    shard_group,
+)
 from osdpipe.models import build_model
 from osdpipe.tree import ModuleTree, ParamInfo, describe
 
@@ -195,7 +208,7 @@ def _fsdp2_world(cases: list[Case], world_size: int) -> list[dict[str, Any]]:
 def _spawn_world(world_size: int) -> tuple[list[list[dict[str, Any]]] | None, str | None]:
     cases = [case for ws, case in CASES if ws == world_size]
     try:
-        return run_local_world(_fsdp2_world, world_size, (cases, world_size), backend="gloo", timeout_s=WORLD_TIMEOUT_S), None
+        return spawn_world(_fsdp2_world, world_size, (cases, world_size), WORLD_TIMEOUT_S), None
     except Exception as exc:  # noqa: BLE001 - remembered, so that a broken world is not respawned for every case
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -333,8 +346,6 @@ def _fake_tree(label: str) -> ModuleTree:
 @functools.cache
 def _fake_world(world_size: int) -> dict[int, list[dict[str, Any]]]:
     """Every probed rank's answer for every fake case (one subprocess for the world size, one rank after the other)."""
-    from helpers import clean_env, run_command
-
     cases = [
         dict(kind="fsdp2", factory=FAKE_MODELS[c.model][0], kwargs=FAKE_MODELS[c.model][1], wrap=list(c.wrap), shard_group_size=c.shard_group_size)
         for c in _fake_cases(world_size)
