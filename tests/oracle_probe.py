@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -242,6 +243,19 @@ def probe_fake_world(world_size: int, ranks: list[int], cases: list[dict[str, An
         finally:
             dist.destroy_process_group()
     return results
+
+
+def run_fake_world(world_size: int, ranks: list[int], cases: list[dict[str, Any]], timeout_s: float) -> dict[int, list[Any]]:
+    """In the test process: :func:`probe_fake_world` in a subprocess of its own (the fake group must not live here)."""
+    from helpers import clean_env, run_command
+
+    request = json.dumps(dict(world_size=world_size, ranks=ranks, cases=cases))
+    proc = run_command([sys.executable, __file__, request], cwd=Path(__file__).parent, timeout=timeout_s, env=clean_env())
+    if proc.returncode != 0:
+        import pytest
+
+        pytest.fail(f"the fake-process-group probe of {world_size} ranks failed:\n{proc.stderr[-4000:]}", pytrace=False)
+    return {int(r): v for r, v in json.loads(proc.stdout)["ranks"].items()}
 
 
 def main(argv: list[str]) -> None:

@@ -31,15 +31,12 @@ that math, so it is held here against the real thing, as
 from __future__ import annotations
 
 import functools
-import json
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import clean_env, run_command
 from oracle_probe import (
+    run_fake_world,
     direct_fsdp1,
     expected_values,
     fill_marked,
@@ -68,7 +65,6 @@ WORLD_TIMEOUT_S = 120.0
 #: Per fake-process-group subprocess (import torch, then a few ranks of construction).
 FAKE_TIMEOUT_S = 120.0
 FAKE_WORLD_SIZES = (64, 1024)
-PROBE = Path(__file__).with_name("oracle_probe.py")
 
 #: label -> (built-in factory, kwargs)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -341,11 +337,7 @@ def _fake_world(world_size: int) -> dict[int, list[dict[str, Any]]]:
         )
         for c in _fake_combos(world_size)
     ]
-    request = json.dumps(dict(world_size=world_size, ranks=_fake_ranks(world_size), cases=cases))
-    proc = run_command([sys.executable, str(PROBE), request], cwd=PROBE.parent, timeout=FAKE_TIMEOUT_S, env=clean_env())
-    if proc.returncode != 0:
-        pytest.fail(f"the fake-process-group probe of {world_size} ranks failed:\n{proc.stderr[-4000:]}", pytrace=False)
-    return {int(r): v for r, v in json.loads(proc.stdout)["ranks"].items()}
+    return run_fake_world(world_size, _fake_ranks(world_size), cases, FAKE_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", FAKE_WORLD_SIZES)

@@ -38,18 +38,7 @@ def full_source(tmp_path_factory) -> Path:
 
     torch.manual_seed(0)
     model = userlm.build()
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for step in range(2):
-        tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
-        model(tokens).pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
-    names = [name for name, _ in model.named_parameters()]
-    state = optim.state_dict()
-    full = {
-        "state": {names[i]: s for i, s in state["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
+    full = userlm.fqn_keyed(model, userlm.train(model, steps=2))
     path = tmp_path_factory.mktemp("user_job") / "optim.pt"
     torch.save(full, path)
     return path

@@ -52,12 +52,7 @@ def _train_and_save(root: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = _wrap(userlm.build(), {userlm.MixerBlock}, use_orig_params=False)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for step in range(3):
-        tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
-        model(tokens).float().pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
+    optim = userlm.train(model, steps=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         full = FSDP.optim_state_dict(model, optim)
@@ -93,12 +88,7 @@ def _train_fsdp2_and_save(root: str) -> None:
 
     torch.manual_seed(0)
     model = _fully_shard(userlm.build())
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for step in range(3):
-        tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
-        model(tokens).float().pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
+    optim = userlm.train(model, steps=3)
     dcp.save({"optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=os.path.join(root, "fsdp2_dcp"))
     full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
     if dist.get_rank() == 0:
@@ -116,18 +106,10 @@ def _save_plain(root: Path) -> None:
 
     torch.manual_seed(0)
     model = userlm.build()
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for step in range(2):
-        tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
-        model(tokens).pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
+    optim = userlm.train(model, steps=2)
     torch.save(optim.state_dict(), root / "plain.pt")
     # The same state keyed by FQN, as PyTorch's FSDP conversion takes it (the reference for this input).
-    fqns = [name for name, _ in model.named_parameters()]
-    state = optim.state_dict()
-    full = {"state": {fqns[i]: s for i, s in state["state"].items()}, "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]}
-    torch.save(full, root / "plain_as_full.pt")
+    torch.save(userlm.fqn_keyed(model, optim), root / "plain_as_full.pt")
 
 
 @pytest.fixture(scope="module")
@@ -285,10 +267,7 @@ def _save_fsdp2_state_dicts(root: str) -> None:
 
     torch.manual_seed(0)
     model = _fully_shard(userlm.build())
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, userlm.VOCAB, (4, 5), generator=torch.Generator().manual_seed(0))
-    model(tokens).float().pow(2).mean().backward()
-    optim.step()
+    optim = userlm.train(model, steps=1)
     os.makedirs(os.path.join(root, "fsdp2_rank_local"), exist_ok=True)
     torch.save(optim.state_dict(), os.path.join(root, "fsdp2_rank_local", f"rank_{dist.get_rank()}.pt"))
     full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))

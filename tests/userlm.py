@@ -42,3 +42,24 @@ class TinyLM(nn.Module):
 
 def build() -> TinyLM:
     return TinyLM()
+
+
+def train(model: nn.Module, steps: int) -> torch.optim.Optimizer:
+    """A user's training loop: Adam, ``steps`` steps on 4x5 token batches (batch ``i`` seeded by ``i``), a real backward."""
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        tokens = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
+        model(tokens).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    return optim
+
+
+def fqn_keyed(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """An unwrapped model's ``optim.state_dict()`` keyed by FQN: the full state PyTorch's FSDP conversions take."""
+    names = [name for name, _ in model.named_parameters()]
+    state = optim.state_dict()
+    return {
+        "state": {names[i]: s for i, s in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
