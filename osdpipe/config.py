@@ -285,11 +285,6 @@ class RunSpec(_Frozen):
                 f"output.format=plain is the state of a model every rank holds whole; target.kind={self.target.kind} shards it: "
                 "set target.kind=none (and target.world_size=1) or ddp, or another output.format"
             )
-        if self.runtime.mode == "offline" and self.output.format == "dcp":
-            raise ValueError(
-                "runtime.mode=offline writes rank_local, fsdp_full or plain output; a dcp checkpoint is written by a live target world: "
-                "set runtime.mode=online, or another output.format"
-            )
         if self.runtime.mode == "offline" and self.runtime.launcher == "torchrun":
             raise ValueError("runtime.mode=offline runs in one process, with no process group; set runtime.launcher=auto or local")
         if self.target.kind == "none" and self.output.format != "plain":

@@ -45,10 +45,10 @@ class Context:
     optim_groups: list[list[int]] | None = None  # the live target optimizer's groups (Python API), as layout indices
     optimizer_keys: dict[int, set[str]] = field(default_factory=dict)  # verify: per target rank, the keys its optimizer holds
     files: dict[str, str] = field(default_factory=dict)  # save: relative name -> sha256
-    tensor_digests: dict[str, str] = field(default_factory=dict)  # save: per-tensor sha256
     bytes_moved: int = 0  # reset per stage
     offline: bool = False  # one process plays every target rank in turn (runtime.mode=offline); no process group
-    saved: tuple[dict[str, str], dict[str, str]] | None = None  # save, offline: this rank's files and tensor digests, committed after the last rank
+    saved: Any = None  # save, offline: this rank's RankFiles, committed after the last rank
+    shared: dict[str, Any] = field(default_factory=dict)  # products the same for every target rank this process plays (offline: all of them), made once
     _optimizer_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
     _output_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
 

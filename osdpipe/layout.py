@@ -234,13 +234,18 @@ def full_layout(tree: ModuleTree) -> tuple[LocalTensor, ...]:
 
 
 def dim0_layout(tree: ModuleTree, world_size: int, rank: int) -> tuple[LocalTensor, ...]:
-    """Each parameter cut along dim 0 as ``torch.chunk`` does: how a DCP checkpoint is written across ranks."""
+    """Each parameter cut along dim 0 as ``torch.chunk`` does: how a DCP checkpoint is written across ranks.
+
+    Every rank holds a piece of every parameter, empty or not, as every rank
+    of a ``Shard(0)`` DTensor does; a 0-dim parameter is rank 0's alone.
+    """
     out = []
+    placement = Placement(mesh=(world_size,), placements=("S(0)",))
     for p in tree.params:
         start, end, rows = dim0_chunk_bounds(p.shape, world_size, rank)
         shape = (rows, *p.shape[1:]) if p.shape else (() if rows else (0,))
         segs = (Segment(p.fqn, start, end - start, 0),) if end > start else ()
-        out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=shape, segments=segs, flat=False))
+        out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=shape, segments=segs, flat=False, placement=placement if p.shape else None))
     return tuple(out)
 
 

@@ -11,7 +11,8 @@ the last rank, so a failure anywhere writes nothing.
 
 Verify runs what needs no live target world: ``roundtrip`` streams each
 rank's ranges against the source and checks coverage; ``replicas`` compares a
-hybrid source's replica groups. ``reference`` and ``load_step`` build the real
+hybrid source's replica groups, and each hybrid target rank's state with its
+first group's (by digest). ``reference`` and ``load_step`` build the real
 target job, which needs its world; the report lists the checks that ran, and
 a warning names those that did not.
 """
@@ -47,10 +48,11 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
     moved: dict[str, int] = {name: 0 for name in spec.pipeline.stages}
     checks, saved, warnings = [], [], []
     shared: tuple = ()
+    same_for_every_rank: dict = {}
     display.phase(f"offline: {world} target rank(s)")
     ctx = None
     for rank in range(world):
-        ctx = Context(spec=spec, rank=rank, world_size=world, tree=tree, input_path=input_path, input_format=input_format, offline=True)
+        ctx = Context(spec=spec, rank=rank, world_size=world, tree=tree, input_path=input_path, input_format=input_format, offline=True, shared=same_for_every_rank)
         if shared:
             ctx.reader, ctx.meta = shared
         for name in spec.pipeline.stages:
@@ -80,7 +82,9 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
     files: dict[str, str] = {}
     if ok and "save" in spec.pipeline.stages and all(s is not None for s in saved):
         start = time.perf_counter()
+        ctx.bytes_moved = 0
         files = commit_offline(ctx, saved)
         seconds["save"] += time.perf_counter() - start
+        moved["save"] += ctx.bytes_moved
     stages = [StageReport(name, round(seconds[name], 6), moved[name]) for name in spec.pipeline.stages]
     return Report(ok=ok, stages=stages, checks=combined, files=files, warnings=warnings)

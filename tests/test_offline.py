@@ -11,7 +11,10 @@ independently of osdpipe:
   ranks on PyTorch's fake process group (``fake_rank_files.py``: the model's
   parameters set to the source's ``exp_avg``, so FSDP's own cut of them is
   the expected state);
-* the same conversion to 4 ranks online and offline gives byte-identical files.
+* the same conversion to 4 ranks online and offline gives byte-identical
+  files, ``dcp`` checkpoints included; a 64-rank ``dcp`` checkpoint written
+  offline resumes on a real 2-rank FSDP2 world (``fsdp2_resume.py``), as
+  does an ``fsdp_full`` output.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import os
 import sys
 from pathlib import Path
 
+import fsdp2_resume
 import pytest
 import torch
 from helpers import clean_env, run_command
+from oracle_probe import spawn_world
 
 from osdpipe.compare import diff
 
@@ -126,14 +131,29 @@ def test_online_and_offline_write_byte_identical_files(kind: str, full_source: P
         assert (online / f"rank_{r}.pt").read_bytes() == (offline / f"rank_{r}.pt").read_bytes(), f"rank_{r}.pt"
 
 
-def test_offline_refuses_dcp_output_before_starting(full_source: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "osdpipe", "runtime.mode=offline", "output.format=dcp", f"output.path={tmp_path / 'out'}"]
-    result = run_command(cmd, cwd=tmp_path, timeout=60, env=_env())
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "osdpipe: error: config: runtime.mode=offline writes rank_local, fsdp_full or plain output; a dcp checkpoint is written "
-        "by a live target world: set runtime.mode=online, or another output.format"
-    ]
+def test_offline_dcp_output_is_online_bytes_and_resumes_on_a_real_world(full_source: Path, tmp_path: Path) -> None:
+    """A dcp checkpoint written offline: every file as online writes it, and a 64-rank one resumes on a 2-rank FSDP2 world."""
+    online, offline, wide = tmp_path / "online", tmp_path / "offline", tmp_path / "wide"
+    args = ("target.kind=fsdp2", "target.wrap_root=true", "output.format=dcp")
+    _convert(full_source, online, *args, "target.world_size=3")
+    _convert(full_source, offline, *args, "target.world_size=3", "runtime.mode=offline")
+    files = sorted(str(p.relative_to(online)) for p in (online / "dcp").rglob("*") if p.is_file())
+    assert files == ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/__2_0.distcp"]
+    assert files == sorted(str(p.relative_to(offline)) for p in (offline / "dcp").rglob("*") if p.is_file())
+    for name in files:
+        assert (online / name).read_bytes() == (offline / name).read_bytes(), name
+    assert json.loads((online / "manifest.json").read_text())["tensors"] == json.loads((offline / "manifest.json").read_text())["tensors"]
+
+    _convert(full_source, wide, *args, "target.world_size=64", "runtime.mode=offline")
+    assert len(list((wide / "dcp").glob("*.distcp"))) == 64
+    assert spawn_world(fsdp2_resume.resume, 2, (str(full_source), str(wide / "dcp"), "dcp"), timeout_s=TIMEOUT_S) == [[], []]
+
+
+def test_fsdp_full_output_resumes_an_fsdp2_job(full_source: Path, tmp_path: Path) -> None:
+    """The README's other FSDP2 load: set_optimizer_state_dict(full_state_dict=True) of an fsdp_full output, on a real 2-rank world."""
+    out = tmp_path / "full"
+    _convert(full_source, out, "target.kind=fsdp2", "target.wrap_root=true", "target.world_size=2", "output.format=fsdp_full", "runtime.mode=offline")
+    assert spawn_world(fsdp2_resume.resume, 2, (str(full_source), str(out / "optim.pt"), "fsdp_full"), timeout_s=TIMEOUT_S) == [[], []]
 
 
 def test_hybrid_source_replicas_must_agree(full_source: Path, tmp_path: Path) -> None:
@@ -143,16 +163,60 @@ def test_hybrid_source_replicas_must_agree(full_source: Path, tmp_path: Path) ->
     assert diff(torch.load(hybrid / "rank_1.pt", weights_only=True), torch.load(hybrid / "rank_3.pt", weights_only=True)) == []  # replicas alike
     source = [
         f"input.path={hybrid}", "input.format=rank_local", "source.world_size=4", "source.wrap=[MixerBlock]",
-        "source.sharding_strategy=HYBRID_SHARD", "source.shard_group_size=2", "runtime.mode=offline", "target.world_size=2",
+        "source.sharding_strategy=HYBRID_SHARD", "source.shard_group_size=2", "target.world_size=2",
     ]  # fmt: skip
     env = _env()
-    ok = run_command([sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *source, f"output.path={tmp_path / 'ok'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
+    ok = run_command([sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *source, f"output.path={tmp_path / 'ok'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)  # online, as the README shows it
     assert ok.returncode == 0, ok.stderr
     assert "check replicas   pass  the source's replica groups hold the same state bitwise" in ok.stdout
     osd = torch.load(hybrid / "rank_3.pt", weights_only=True)
     osd["state"][0]["exp_avg"].view(-1)[2] += 1
     torch.save(osd, hybrid / "rank_3.pt")
-    bad = run_command([sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *source, f"output.path={tmp_path / 'bad'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
+    bad = run_command([sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *source, "runtime.mode=offline", f"output.path={tmp_path / 'bad'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
     assert bad.returncode == 1
     assert bad.stderr.startswith("osdpipe: error: verify failed: check replicas: rank 1: source rank_3.pt: rank 3 vs rank 1['state'][0]['exp_avg']: 1 element(s) differ"), bad.stderr
     assert not list((tmp_path / "bad").glob("rank_*.pt"))
+
+
+def test_hybrid_output_replicas_are_compared(full_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline HYBRID_SHARD output: each rank's state is held against the rank of the first group with its shard.
+
+    In one process (the offline driver, called directly) so that rank 3's
+    output can be spoiled after rekey: only the ``replicas`` check runs, and
+    it must name the rank, its counterpart and the tensor, and nothing is committed.
+    """
+    from osdpipe.config import validate
+    from osdpipe.offline import run_offline
+    from osdpipe.progress import Display
+    from osdpipe.stages import STAGES
+
+    def spec(out: Path):
+        return validate(
+            {
+                "model": {"factory": "userlm:build"},
+                "source": {"world_size": 4, "wrap": ["MixerBlock"]},
+                "target": {"world_size": 4, "wrap": ["MixerBlock"], "sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2},
+                "input": {"path": str(full_source), "format": "fsdp_full"},
+                "output": {"path": str(out)},
+                "pipeline": {"checks": ["replicas"]},
+                "runtime": {"mode": "offline", "progress": False},
+            }
+        )
+
+    good = run_offline(spec(tmp_path / "good"), str(full_source), "fsdp_full", Display(False))
+    assert good.ok and [(c.name, c.detail) for c in good.checks] == [("replicas", "the output's replica groups hold the same state bitwise")]
+
+    rekey = STAGES["rekey"]
+
+    def rekey_then_spoil_rank_3(ctx) -> None:
+        rekey(ctx)
+        if ctx.rank == 3:
+            ctx.result["state"][0]["exp_avg"].view(-1)[1] += 1
+
+    monkeypatch.setitem(STAGES, "rekey", rekey_then_spoil_rank_3)
+    bad = run_offline(spec(tmp_path / "bad"), str(full_source), "fsdp_full", Display(False))
+    assert not bad.ok and bad.files == {}
+    assert [(c.name, c.detail) for c in bad.checks] == [
+        ("replicas", "rank 3: output rank 3 differs from rank 1, which holds the same shard: 0.exp_avg")
+    ]
+    assert not list((tmp_path / "bad").glob("rank_*.pt")) and not (tmp_path / "bad" / "manifest.json").exists()  # staged only: the launcher drops it

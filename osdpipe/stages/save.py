@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,18 @@ from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.compare import diff
 from osdpipe.context import Context
 from osdpipe.stages import stage
+
+#: Where a ``dcp`` output's checkpoint directory goes, under ``output.path``.
+DCP_DIR = "dcp"
+
+
+@dataclass
+class RankFiles:
+    """What one target rank wrote: each file's sha256, each tensor's, and for ``dcp`` DCP's record of each item's place."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, str] = field(default_factory=dict)
+    dcp_results: list[Any] = field(default_factory=list)
 
 
 def sha256_file(path: Path) -> str:
@@ -51,27 +64,20 @@ def _write_torch(osd: dict[str, Any], path: Path) -> None:
         raise OSError(f"{path} does not read back as written: {problems[0]}")
 
 
-def _write_dcp(ctx: Context, staging: Path) -> None:
-    """Write the dim-0 pieces of every rank as one DCP checkpoint (DTensors sharded on dim 0)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+def _write_dcp(ctx: Context, staging: Path) -> RankFiles:
+    """Write this rank's dim-0 pieces into the DCP checkpoint under ``staging/dcp`` (see :mod:`osdpipe.formats.dcp_writer`)."""
+    from osdpipe.formats import dcp_writer
 
     assert ctx.result is not None
-    state: dict[str, Any] = {}
-    if ctx.distributed:
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (ctx.world_size,))
-        for fqn, entries in ctx.result["state"].items():
-            shape = ctx.tree.param(fqn).shape if ctx.tree.has_param(fqn) else None
-            state[fqn] = {
-                n: DTensor.from_local(v.to(mesh.device_type), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-                if torch.is_tensor(v) and v.dim() > 0 and shape is not None
-                else v
-                for n, v in entries.items()
-            } if isinstance(entries, dict) else entries
-    else:
-        state = ctx.result["state"]
-    dcp.save({ctx.spec.output.key: {**ctx.result, "state": state}}, checkpoint_id=str(staging / "dcp"))
+    key = ctx.spec.output.key
+    if "dcp_plan" not in ctx.shared:  # the same for every rank: offline, planned once for all of them
+        ctx.shared["dcp_plan"] = dcp_writer.plan(key, ctx.result, ctx.tree, ctx.world_size)
+    state = dcp_writer.rank_state(ctx.result, ctx.tree, ctx.world_size, ctx.rank, local=True)
+    results = dcp_writer.write_rank(staging / DCP_DIR, key, state, ctx.rank, ctx.shared["dcp_plan"])
+    names = sorted({f"{DCP_DIR}/{r.storage_data.relative_path}" for r in results})
+    digests = tensor_digests(ctx.result)
+    tensors = {f"{names[0]}:{k}": v for k, v in digests.items()} if names else {}
+    return RankFiles({n: sha256_file(staging / n) for n in names}, tensors, results)
 
 
 @stage("save")
@@ -85,24 +91,23 @@ def save(ctx: Context) -> None:
         staging.mkdir(parents=True, exist_ok=True)  # the launcher made it; the Python API's caller may not have
     barrier()
     fmt = ctx.spec.output.format
-    written: dict[str, str] = {}
+    mine = RankFiles()
     error = None
     try:
         if fmt == "dcp":
-            _write_dcp(ctx, staging)
+            mine = _write_dcp(ctx, staging)
         elif fmt == "rank_local" or ctx.rank == 0:  # fsdp_full and plain: one file, from rank 0
             name = f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt"
             _write_torch(ctx.result, staging / name)
-            ctx.tensor_digests = {f"{name}:{k}": v for k, v in tensor_digests(ctx.result).items()}
-            written[name] = sha256_file(staging / name)
-            ctx.bytes_moved += (staging / name).stat().st_size
+            mine = RankFiles({name: sha256_file(staging / name)}, {f"{name}:{k}": v for k, v in tensor_digests(ctx.result).items()})
+        ctx.bytes_moved += sum((staging / name).stat().st_size for name in mine.files)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
     agree("save", error)  # on failure the launcher drops the staged run (output.abort)
     if ctx.offline:  # the driver commits once, after the last rank (commit_offline)
-        ctx.saved = (written, ctx.tensor_digests)
+        ctx.saved = mine
         return
-    per_rank = gather_to_all((written, ctx.tensor_digests))
+    per_rank = gather_to_all(mine)
     error = None
     if ctx.rank == 0:
         try:
@@ -112,26 +117,28 @@ def save(ctx: Context) -> None:
     agree("save", error)
 
 
-def commit_offline(ctx: Context, per_rank: list[tuple[dict[str, str], dict[str, str]]]) -> dict[str, str]:
+def commit_offline(ctx: Context, per_rank: list[RankFiles]) -> dict[str, str]:
     """Offline: commit the files every rank wrote (``per_rank``, in rank order), as rank 0 does online."""
     return _commit(ctx, Path(ctx.spec.output.path) / output.STAGING, per_rank)
 
 
-def _commit(ctx: Context, staging: Path, per_rank: list[tuple[dict[str, str], dict[str, str]]]) -> dict[str, str]:
-    """On rank 0: write the manifest into the staged conversion and commit it; returns the files and their sha256."""
+def _commit(ctx: Context, staging: Path, per_rank: list[RankFiles]) -> dict[str, str]:
+    """On rank 0: finish a DCP checkpoint, write the manifest into the staged conversion and commit it; returns the files and their sha256."""
     fmt = ctx.spec.output.format
-    files = {k: v for w, _ in per_rank for k, v in w.items()}
+    files = {k: v for r in per_rank for k, v in r.files.items()}
     if fmt == "dcp":
-        written_files = [p for p in sorted((staging / "dcp").rglob("*")) if p.is_file()]
-        files = {str(p.relative_to(staging)): sha256_file(p) for p in written_files}
-        ctx.bytes_moved += sum(p.stat().st_size for p in written_files)
+        from osdpipe.formats import dcp_writer
+
+        dcp_writer.finish(staging / DCP_DIR, ctx.shared["dcp_plan"], [r.dcp_results for r in per_rank])
+        files[f"{DCP_DIR}/.metadata"] = sha256_file(staging / DCP_DIR / ".metadata")
+        ctx.bytes_moved += (staging / DCP_DIR / ".metadata").stat().st_size
     manifest = {
         "osdpipe_version": __version__,
         "torch_version": torch.__version__,
         "config": ctx.spec.model_dump(mode="json"),
         "format": fmt,
-        "files": files,
-        "tensors": {k: v for _, d in per_rank for k, v in sorted(d.items())},
+        "files": dict(sorted(files.items())),
+        "tensors": {k: v for r in per_rank for k, v in sorted(r.tensors.items())},
     }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     output.commit(staging.parent)

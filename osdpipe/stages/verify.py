@@ -249,13 +249,24 @@ def check_load_step(ctx: Context) -> CheckResult:
 
 
 def has_replicas(ctx: Context) -> tuple[bool, bool]:
-    """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank).
-
-    Offline, the output's replicas are not compared: one process computes
-    them all from the same layout, and holds one rank's output at a time.
-    """
+    """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank)."""
     source = ctx.input_format == "rank_local" and ctx.spec.source.spec().replicas > 1
-    return source, ctx.id_keyed and ctx.spec.target.spec().replicas > 1 and not ctx.offline
+    return source, ctx.id_keyed and ctx.spec.target.spec().replicas > 1
+
+
+def _first_replica_digests(ctx: Context, mine: dict[str, str], first: int) -> dict[str, str]:
+    """The state digests of rank ``first`` (which holds this rank's shard in the first replica group).
+
+    Online the ranks gather them. Offline the ranks run in order and ``first``
+    is never later than this rank, so the first group's digests are kept as
+    they go by (a few per rank, never the tensors).
+    """
+    if not ctx.offline:
+        return gather_to_all(mine)[first]
+    kept = ctx.shared.setdefault("first_replica_digests", {})
+    if ctx.rank == first:
+        kept[first] = mine
+    return kept[first]
 
 
 def check_replicas(ctx: Context) -> CheckResult:
@@ -278,10 +289,11 @@ def check_replicas(ctx: Context) -> CheckResult:
             problems.append(f"source replicas unreadable: {one_line(exc)}")
     if target:
         assert ctx.result is not None
-        digests = gather_to_all(tensor_digests(ctx.result))
+        digests = tensor_digests(ctx.result)
         first = ctx.rank % (ctx.spec.target.shard_group_size or ctx.world_size)
-        if digests[ctx.rank] != digests[first]:
-            differ = sorted(k for k in digests[ctx.rank].keys() | digests[first].keys() if digests[ctx.rank].get(k) != digests[first].get(k))
+        theirs = _first_replica_digests(ctx, digests, first)
+        if digests != theirs:
+            differ = sorted(k for k in digests.keys() | theirs.keys() if digests.get(k) != theirs.get(k))
             problems.append(f"output rank {ctx.rank} differs from rank {first}, which holds the same shard: {', '.join(differ[:3])}")
     sides = " and ".join(s for s, applies in (("the source's", source), ("the output's", target)) if applies)
     return CheckResult("replicas", not problems, "; ".join(problems[:5]) or f"{sides} replica groups hold the same state bitwise")

@@ -1,0 +1,172 @@
+"""Writing ``dcp`` output: every target rank's dim-0 pieces as one DCP checkpoint, with or without a process group.
+
+``dcp.save`` plans collectively: each rank describes what it holds (a local
+plan), a coordinator merges the plans (one rank keeps each replicated item,
+each rank gets a file name, the metadata is made), every rank writes its
+items, and the coordinator writes ``.metadata``. Only the writing needs a
+rank's data; a plan needs shapes and offsets, which the layout gives. So here
+every rank's plan is computed from the layout by whoever writes: online each
+rank computes the same global plan with no collective, offline the one
+process computes it once and writes each rank's file in turn. Same planner,
+same writer, same items in the same order: online and offline files are
+byte-identical.
+
+The pieces are described to DCP as ``Shard(0)`` DTensors describe themselves
+(:class:`RowShard` implements the hooks DCP's planner calls), so the
+checkpoint is what ``get_optimizer_state_dict`` + ``dcp.save`` writes for
+the same state, and ``dcp.load`` reshards it onto any target world. DCP's
+``.metadata`` normally records the save's directory and a random save ID;
+osdpipe records neither, so the file depends on the conversion only.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from osdpipe.layout import chunk_bounds
+from osdpipe.tree import ModuleTree
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """One rank's rows ``[first, first + rows)`` of a tensor of ``shape``: a ``Shard(0)`` DTensor's local piece, as DCP sees it.
+
+    ``local`` is the piece itself on the rank that writes it, ``None`` where
+    only its plan is needed.
+    """
+
+    shape: tuple[int, ...]
+    first: int
+    rows: int
+    dtype: torch.dtype
+    local: torch.Tensor | None = None
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        """The one write item DCP's planner makes for a DTensor's local piece (offsets: its first row)."""
+        offsets = torch.Size((self.first, *(0 for _ in self.shape[1:])))
+        sizes = torch.Size((self.rows, *self.shape[1:]))
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=torch.Size(self.shape),
+                ),
+            )
+        ]
+
+
+class _RowShardPlanner(DefaultSavePlanner):
+    """DCP's default planner, which also hands the writer a :class:`RowShard`'s local piece."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, RowShard):
+            if obj.local is None:
+                raise ValueError(f"{index.fqn}: this rank's piece is not at hand; only its plan is")
+            return obj.local
+        return super().lookup_object(index)
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, minus what varies between runs of the same conversion (the directory, a random save ID)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, single_file_per_rank=True, thread_count=1, overwrite=True)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta()
+
+
+def rank_state(result: dict[str, Any], tree: ModuleTree, world_size: int, rank: int, *, local: bool) -> dict[str, Any]:
+    """Rank ``rank``'s FQN-keyed optimizer state as DCP is to save it: each parameter-shaped tensor as a :class:`RowShard`.
+
+    ``result`` is any target rank's FQN-keyed output (its non-tensor state is
+    the same on every rank); with ``local`` it is rank ``rank``'s own, and the
+    shards carry its pieces.
+    """
+    state: dict[str, Any] = {}
+    for fqn, entries in result["state"].items():
+        if not (isinstance(entries, dict) and tree.has_param(fqn) and tree.param(fqn).shape):
+            state[fqn] = entries
+            continue
+        shape = tuple(tree.param(fqn).shape)
+        first, last, _ = chunk_bounds(shape[0], world_size, rank)
+        state[fqn] = {
+            name: RowShard(shape, first, last - first, value.dtype, value if local else None)
+            if torch.is_tensor(value) and value.dim() > 0
+            else value
+            for name, value in entries.items()
+        }
+    return {**result, "state": state}
+
+
+@dataclass
+class GlobalPlan:
+    """Every rank's final write plan and the checkpoint's metadata (storage entries are added at :func:`finish`)."""
+
+    plans: list[SavePlan]
+    metadata: Metadata
+
+
+def plan(key: str, result: dict[str, Any], tree: ModuleTree, world_size: int) -> GlobalPlan:
+    """The global plan of a checkpoint holding ``result`` under ``key``, cut across ``world_size`` ranks.
+
+    Computed from shapes only, one rank at a time, by DCP's own planner:
+    replicated items (``step``, param groups) are kept by one rank each, as
+    ``dcp.save`` keeps them, and DCP validates that the chunks cover every tensor.
+    """
+    local_plans = []
+    for rank in range(world_size):
+        planner = _RowShardPlanner()
+        planner.set_up_planner({key: rank_state(result, tree, world_size, rank, local=False)}, None, rank == 0)
+        local_plans.append(planner.create_local_plan())
+    plans, metadata = _RowShardPlanner().create_global_plan(local_plans)
+    return GlobalPlan(_Writer(Path(".")).prepare_global_plan(plans), metadata)
+
+
+def write_rank(directory: Path, key: str, state: dict[str, Any], rank: int, global_plan: GlobalPlan) -> list[WriteResult]:
+    """Write rank ``rank``'s items (``state``: :func:`rank_state` with ``local``) into ``directory``; what it wrote where."""
+    directory.mkdir(parents=True, exist_ok=True)
+    planner = _RowShardPlanner()
+    planner.set_up_planner({key: state}, None, rank == 0)
+    writer = _Writer(directory)
+    writer.set_up_storage_writer(rank == 0, rank=rank)
+    future = writer.write_data(planner.finish_plan(global_plan.plans[rank]), planner)
+    future.wait()
+    return future.value()
+
+
+def finish(directory: Path, global_plan: GlobalPlan, results: list[list[WriteResult]]) -> None:
+    """Write ``.metadata`` once every rank has written (``results``: each rank's, in rank order).
+
+    Each rank's results are taken as a process group delivers them, through a
+    pickle round trip. Pickle writes an object shared between two places once
+    and refers back to it; results made in this process share objects with
+    the plan, results that came from other ranks do not. Copied, they never
+    do, so ``.metadata`` is the same bytes online and offline.
+    """
+    _Writer(directory).finish(global_plan.metadata, [pickle.loads(pickle.dumps(r)) for r in results])
