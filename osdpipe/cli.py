@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from osdpipe import __version__
 from osdpipe.config import ConfigError, validate
+from osdpipe.launch import in_torchrun, start_rank_server
 from osdpipe.output import OutputError
 from osdpipe.pipeline import Report, execute
 
@@ -56,6 +57,10 @@ def summarize(report: Report, output: str) -> str:
         lines.append(f"  {s.name:<10} {s.seconds:8.3f} s  {s.bytes:>12,d} B")
     for c in report.checks:
         lines.append(f"  check {c.name:<10} {'pass' if c.ok else 'FAIL'}  {c.detail}")
+    if report.memory:
+        top = max(report.memory, key=lambda m: m.peak_rss)
+        held = "" if top.peak_anonymous is None else f", {(top.peak_anonymous - (top.baseline_anonymous or 0)) / 1e6:,.1f} MB anonymous beyond its baseline"
+        lines.append(f"  memory     peak RSS {top.peak_rss / 1e6:,.0f} MB ({top.process}){held}")
     return "\n".join(lines)
 
 
@@ -88,6 +93,8 @@ def job_config(cfg: DictConfig, job_dir: str) -> dict:
 
 def _run_job(cfg: DictConfig) -> int:
     raw = job_config(cfg, HydraConfig.get().runtime.output_dir)
+    if raw["runtime"].get("mode") == "online" and raw["runtime"].get("launcher") != "torchrun" and not in_torchrun():
+        start_rank_server()  # it imports torch for the ranks while this process validates the config
     try:
         spec = validate(raw)  # type: ignore[arg-type]
     except ConfigError as exc:

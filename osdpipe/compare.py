@@ -18,12 +18,14 @@ def describe_tensor(t: torch.Tensor) -> str:
     return f"tensor{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
-def diff(a: Any, b: Any, path: str = "", limit: int = 5, sequence_types: bool = True) -> list[str]:
+def diff(a: Any, b: Any, path: str = "", limit: int = 5, sequence_types: bool = True, tensor_bytes: bool = True) -> list[str]:
     """Where ``a`` and ``b`` differ, as ``path: what`` lines (at most ``limit``); empty when bitwise equal.
 
     ``sequence_types=False`` takes a list and a tuple of equal items as equal
     (PyTorch's ``set_optimizer_state_dict`` turns ``betas=(0.9, 0.999)`` into
-    a list; the optimizer reads either alike). Tensors are always compared bitwise.
+    a list; the optimizer reads either alike). Tensors are compared bitwise;
+    with ``tensor_bytes=False`` by dtype and shape only (the structure of a
+    file loaded with ``mmap``, without reading its data).
     """
     out: list[str] = []
 
@@ -35,7 +37,7 @@ def diff(a: Any, b: Any, path: str = "", limit: int = 5, sequence_types: bool = 
                 out.append(f"{where}: {type(x).__name__} vs {type(y).__name__}")
             elif x.dtype != y.dtype or x.shape != y.shape:
                 out.append(f"{where}: {describe_tensor(x)} vs {describe_tensor(y)}")
-            elif not bits_equal(x, y):
+            elif tensor_bytes and not bits_equal(x, y):
                 flat_x, flat_y = x.reshape(-1), y.reshape(-1)
                 bad = (flat_x.view(torch.uint8).reshape(flat_x.numel(), -1) != flat_y.view(torch.uint8).reshape(flat_y.numel(), -1)).any(dim=1)
                 i = int(bad.nonzero()[0]) if bad.any() else 0

@@ -24,6 +24,7 @@ import time
 from osdpipe.collective import StageError, one_line
 from osdpipe.config import RunSpec
 from osdpipe.context import Context
+from osdpipe.memory import MemoryWatch
 from osdpipe.models import build_model
 from osdpipe.pipeline import Report, StageReport
 from osdpipe.progress import Display
@@ -43,6 +44,7 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
         StageError: naming the stage and the target rank that failed.
     """
     world = spec.target.world_size
+    watch = MemoryWatch("offline").start()
     tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
     seconds: dict[str, float] = {name: 0.0 for name in spec.pipeline.stages}
     moved: dict[str, int] = {name: 0 for name in spec.pipeline.stages}
@@ -87,4 +89,4 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
         seconds["save"] += time.perf_counter() - start
         moved["save"] += ctx.bytes_moved
     stages = [StageReport(name, round(seconds[name], 6), moved[name]) for name in spec.pipeline.stages]
-    return Report(ok=ok, stages=stages, checks=combined, files=files, warnings=warnings)
+    return Report(ok=ok, stages=stages, checks=combined, files=files, warnings=warnings, memory=[watch.stop()])

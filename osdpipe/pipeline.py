@@ -21,6 +21,7 @@ from osdpipe import output, progress
 from osdpipe.collective import StageError, agree, from_rank0, gather_to_all, one_line
 from osdpipe.config import RunSpec
 from osdpipe.context import CheckResult, Context
+from osdpipe.memory import MemoryPeak, MemoryWatch
 from osdpipe.models import build_model
 from osdpipe.stages import STAGES
 from osdpipe.tree import describe
@@ -43,6 +44,7 @@ class Report:
     error: str | None = None
     files: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    memory: list[MemoryPeak] = field(default_factory=list)  # each rank's (offline: the process's) peak memory, in bytes
     traceback: str | None = None  # where ``error`` was raised, for runtime.debug and bug reports
 
     @property
@@ -66,6 +68,7 @@ class Report:
 
 def run_stages(ctx: Context) -> Report:
     """Run the configured stages in order on this rank; every rank gets the same report."""
+    watch = MemoryWatch(f"rank {ctx.rank}").start()
     timings: list[tuple[str, float, int]] = []
     for name in ctx.spec.pipeline.stages:
         if ctx.rank == 0:
@@ -82,11 +85,12 @@ def run_stages(ctx: Context) -> Report:
         agree(name, error)
         timings.append((name, time.perf_counter() - start, ctx.bytes_moved))
     per_rank = gather_to_all(timings)
+    memory = gather_to_all(watch.stop())
     stages = [
         StageReport(name, round(max(r[i][1] for r in per_rank), 6), sum(r[i][2] for r in per_rank)) for i, (name, _, _) in enumerate(timings)
     ]
     ok = all(c.ok for c in ctx.checks)
-    return Report(ok=ok, stages=stages, checks=ctx.checks, files=ctx.files, warnings=ctx.warnings)
+    return Report(ok=ok, stages=stages, checks=ctx.checks, files=ctx.files, warnings=ctx.warnings, memory=memory)
 
 
 def make_context(spec: RunSpec, input_path: str, input_format: str) -> Context:

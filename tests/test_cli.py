@@ -89,6 +89,12 @@ def test_plain_osdpipe_runs_quickstart(tmp_path: Path) -> None:
     assert report["files"] == manifest["files"]
     assert not (out / ".staging").exists()
 
+    # Memory: every target rank's peaks, the anonymous one sampled above its baseline.
+    assert [m["process"] for m in report["memory"]] == [f"rank {r}" for r in range(world)]
+    for m in report["memory"]:
+        assert m["peak_rss"] > 50e6 and m["peak_anonymous"] >= m["baseline_anonymous"] > 0, m
+    assert "  memory     peak RSS" in result.stdout
+
 
 # ------------------------------------------------------------- determinism
 

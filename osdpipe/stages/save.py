@@ -1,8 +1,9 @@
 """save: write the target format atomically, with a manifest.
 
 Every rank writes into ``<output.path>/.staging`` (made by the launcher, see
-:mod:`osdpipe.output`); only when every rank has written and read its files
-back does rank 0 write ``manifest.json`` there and commit the staged
+:mod:`osdpipe.output`), hashing as it writes (:mod:`osdpipe.digest`); only
+when every rank has written its files and checked their structure does rank
+0 write ``manifest.json`` there and commit the staged
 conversion, replacing a previous one as a whole. Offline, the one process
 writes each rank's files in turn and commits after the last
 (:func:`commit_offline`). A failure on any rank leaves
@@ -12,8 +13,8 @@ failed writes no data.
 
 from __future__ import annotations
 
-import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from osdpipe import __version__, output
 from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.compare import diff
 from osdpipe.context import Context
+from osdpipe.digest import save_hashed, sha256_file, tensor_digests
 from osdpipe.stages import stage
 
 #: Where a ``dcp`` output's checkpoint directory goes, under ``output.path``.
@@ -39,29 +41,19 @@ class RankFiles:
     dcp_results: list[Any] = field(default_factory=list)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def _write_torch(osd: dict[str, Any], path: Path) -> RankFiles:
+    """``torch.save`` the state, with its digests taken as it is written, then check the file's structure.
 
-
-def tensor_digests(osd: dict[str, Any]) -> dict[str, str]:
-    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``: for partial checks."""
-    out = {}
-    for key, state in osd.get("state", {}).items():
-        for name, value in (state.items() if isinstance(state, dict) else []):
-            if torch.is_tensor(value):
-                out[f"{key}.{name}"] = hashlib.sha256(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-    return out
-
-
-def _write_torch(osd: dict[str, Any], path: Path) -> None:
-    torch.save(osd, path)
-    problems = diff(torch.load(path, map_location="cpu", weights_only=True), osd)
+    The bytes were checked by verify while in memory, and hashed on their way
+    to disk; reading them back would be a second full pass. The check reads
+    the file's index only (``mmap``): the zip structure, every key, dtype
+    and shape, and the small values.
+    """
+    digest, per_tensor = save_hashed(osd, path)
+    problems = diff(torch.load(path, map_location="cpu", weights_only=True, mmap=True), osd, tensor_bytes=False)
     if problems:
         raise OSError(f"{path} does not read back as written: {problems[0]}")
+    return RankFiles({path.name: digest}, {f"{path.name}:{k}": v for k, v in per_tensor.items()})
 
 
 def _write_dcp(ctx: Context, staging: Path) -> RankFiles:
@@ -73,10 +65,11 @@ def _write_dcp(ctx: Context, staging: Path) -> RankFiles:
     if "dcp_plan" not in ctx.shared:  # the same for every rank: offline, planned once for all of them
         ctx.shared["dcp_plan"] = dcp_writer.plan(key, ctx.result, ctx.tree, ctx.world_size)
     state = dcp_writer.rank_state(ctx.result, ctx.tree, ctx.world_size, ctx.rank, local=True)
-    results = dcp_writer.write_rank(staging / DCP_DIR, key, state, ctx.rank, ctx.shared["dcp_plan"])
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the tensors' digests from memory while DCP writes them
+        digests = pool.submit(tensor_digests, ctx.result)
+        results = dcp_writer.write_rank(staging / DCP_DIR, key, state, ctx.rank, ctx.shared["dcp_plan"])
     names = sorted({f"{DCP_DIR}/{r.storage_data.relative_path}" for r in results})
-    digests = tensor_digests(ctx.result)
-    tensors = {f"{names[0]}:{k}": v for k, v in digests.items()} if names else {}
+    tensors = {f"{names[0]}:{k}": v for k, v in digests.result().items()} if names else {}
     return RankFiles({n: sha256_file(staging / n) for n in names}, tensors, results)
 
 
@@ -97,9 +90,7 @@ def save(ctx: Context) -> None:
         if fmt == "dcp":
             mine = _write_dcp(ctx, staging)
         elif fmt == "rank_local" or ctx.rank == 0:  # fsdp_full and plain: one file, from rank 0
-            name = f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt"
-            _write_torch(ctx.result, staging / name)
-            mine = RankFiles({name: sha256_file(staging / name)}, {f"{name}:{k}": v for k, v in tensor_digests(ctx.result).items()})
+            mine = _write_torch(ctx.result, staging / (f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt"))
         ctx.bytes_moved += sum((staging / name).stat().st_size for name in mine.files)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)

@@ -277,7 +277,7 @@ def check_replicas(ctx: Context) -> CheckResult:
     the rank that holds the same shard in the first group.
     """
     from osdpipe.formats.rank_local import replica_mismatches
-    from osdpipe.stages.save import tensor_digests
+    from osdpipe.digest import tensor_digests
 
     source, target = has_replicas(ctx)
     problems: list[str] = []

@@ -1,0 +1,68 @@
+"""sha256 of what osdpipe writes: per file (as ``sha256sum`` gives it) and per tensor (for partial checks).
+
+Hashing is the one pass over the output bytes that cannot be avoided, so it is
+done once and alongside the write: a file's digest is taken from the bytes on
+their way to the file (:class:`HashingFile`), and the per-tensor digests are
+taken from memory in a second thread at the same time (``hashlib`` and file
+writes release the GIL, so the two run on two cores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class HashingFile:
+    """A binary file opened for writing that keeps the sha256 of everything written to it."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        written = self.file.write(data)
+        self.sha256.update(data)
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def sha256_file(path: Path) -> str:
+    """The file's sha256, read from disk (for files another library wrote)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tensor_sha256(value: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes in row-major order (no copy for a contiguous CPU tensor)."""
+    flat = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy()).hexdigest()
+
+
+def tensor_digests(osd: dict[str, Any]) -> dict[str, str]:
+    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``: for partial checks."""
+    out = {}
+    for key, state in osd.get("state", {}).items():
+        for name, value in (state.items() if isinstance(state, dict) else []):
+            if torch.is_tensor(value):
+                out[f"{key}.{name}"] = tensor_sha256(value)
+    return out
+
+
+def save_hashed(osd: dict[str, Any], path: Path) -> tuple[str, dict[str, str]]:
+    """``torch.save(osd, path)``, hashing as it writes: the file's sha256, and each tensor's (:func:`tensor_digests`)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        per_tensor = pool.submit(tensor_digests, osd)
+        with open(path, "wb") as f:
+            hashing = HashingFile(f)
+            torch.save(osd, hashing)
+        return hashing.sha256.hexdigest(), per_tensor.result()

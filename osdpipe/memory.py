@@ -1,0 +1,83 @@
+"""How much memory a process held at its peak: resident (RSS) and anonymous (not backed by a file).
+
+Memory-mapped input counts in RSS, but the kernel can drop those pages at any
+time; anonymous memory (tensors osdpipe made, buffers) is what a conversion
+really holds. Linux reports the peak RSS (``VmHWM``) but only the current
+anonymous size (``RssAnon``), so a thread samples that while the stages run.
+Where ``/proc`` does not exist, the anonymous figures are ``None`` and the peak
+RSS comes from ``getrusage``.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+#: How often the anonymous size is sampled: short next to a tensor copy of a few hundred MB.
+SAMPLE_S = 0.005
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """One process's memory while it converted, in bytes.
+
+    ``baseline_anonymous`` is what it held when the watch began (imports,
+    the model's tree): the conversion's own share is the peak minus it.
+    """
+
+    process: str
+    peak_rss: int
+    peak_anonymous: int | None
+    baseline_anonymous: int | None
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        return None
+    return None
+
+
+def _peak_rss() -> int:
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+class MemoryWatch:
+    """Samples this process's anonymous memory from :meth:`start` until :meth:`stop`, which returns the peaks."""
+
+    def __init__(self, process: str) -> None:
+        self.process = process
+        self.baseline = _status_bytes("RssAnon")
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="osdpipe-memory", daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            now = _status_bytes("RssAnon")
+            if now is not None and (self.peak is None or now > self.peak):
+                self.peak = now
+
+    def start(self) -> MemoryWatch:
+        if self.baseline is not None:
+            self._thread.start()
+        return self
+
+    def stop(self) -> MemoryPeak:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+        now = _status_bytes("RssAnon")  # a peak at the very end is not missed
+        peak = None if self.peak is None else max(self.peak, now or 0)
+        return MemoryPeak(self.process, _peak_rss(), peak, self.baseline)
