@@ -37,12 +37,18 @@ def materialize(tensor: LocalTensor, entry: dict[str, Any], source: dict[tuple[s
         if not isinstance(value, TensorRef):
             out[name] = value
             continue
-        flat = torch.zeros(tensor.numel, dtype=value.torch_dtype)
-        for seg in tensor.segments:
+        flat = torch.empty(tensor.numel, dtype=value.torch_dtype)  # every element is written once: copied, or zeroed as padding
+        filled = 0
+        for seg in sorted(tensor.segments, key=lambda seg: seg.dest):
+            flat[filled : seg.dest].zero_()
             src = source.get((seg.fqn, name))
-            if src is not None:
+            if src is None:
+                flat[seg.dest : seg.dest + seg.length].zero_()
+            else:
                 flat[seg.dest : seg.dest + seg.length] = src.reshape(-1)[seg.start : seg.start + seg.length]
                 copied += seg.length * flat.element_size()
+            filled = seg.dest + seg.length
+        flat[filled:].zero_()
         out[name] = flat.view(tensor.shape)
     return out, copied
 
@@ -53,6 +59,8 @@ def nonfinite(tensor: LocalTensor, state: dict[str, Any]) -> list[str]:
     for name, value in state.items():
         if not torch.is_tensor(value) or value.dim() == 0 or not value.is_floating_point():
             continue
+        if bool(torch.isfinite(value.sum())):
+            continue  # a NaN or an Inf anywhere makes the sum NaN or Inf; a finite sum needs no element-wise pass (one that overflows gets it)
         bad = ~torch.isfinite(value.reshape(-1))
         if not bool(bad.any()):
             continue

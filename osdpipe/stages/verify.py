@@ -68,19 +68,16 @@ def check_roundtrip(ctx: Context) -> CheckResult:
                 problems.append(f"{tensor.key}.{name}: expected a tensor of shape {tensor.shape}")
                 continue
             flat = value.reshape(-1)
-            covered = torch.zeros(flat.numel(), dtype=torch.bool)
             wanted = [(s.fqn, name) for s in tensor.segments if isinstance(ctx.meta.state.get(s.fqn, {}).get(name), TensorRef)]
             source = ctx.reader.read(wanted)
             for seg in tensor.segments:
                 got = flat[seg.dest : seg.dest + seg.length]
-                covered[seg.dest : seg.dest + seg.length] = True
                 src = source.get((seg.fqn, name))
                 want = src.reshape(-1)[seg.start : seg.start + seg.length] if src is not None else torch.zeros_like(got)
                 if not bits_equal(got, want):
                     bad = int((got != want).nonzero()[0]) if (got != want).any() else 0
                     problems.append(f"{tensor.key}.{name}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
-            padding = flat[~covered]
-            if padding.numel() and bool((padding != 0).any()):
+            if any(bool(flat[lo:hi].any()) for lo, hi in _gaps([(s.dest, s.dest + s.length) for s in tensor.segments], flat.numel())):
                 problems.append(f"{tensor.key}.{name}: padding is not zero")
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
@@ -103,12 +100,22 @@ def _coverage_gaps(ctx: Context) -> list[str]:
         if not any(isinstance(v, TensorRef) for v in entries.values()):
             continue
         numel = ctx.tree.param(fqn).numel
-        mask = torch.zeros(numel, dtype=torch.bool)
-        for lo, hi in held.get(fqn, []):
-            mask[lo:hi] = True
-        if not bool(mask.all()):
-            gaps.append(f"{fqn}: {int((~mask).sum())} of {numel} elements are held by no target rank")
+        missing = sum(hi - lo for lo, hi in _gaps(held.get(fqn, []), numel))
+        if missing:
+            gaps.append(f"{fqn}: {missing} of {numel} elements are held by no target rank")
     return gaps
+
+
+def _gaps(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The parts of ``[0, size)`` that no ``[lo, hi)`` in ``ranges`` covers (ranges may overlap or repeat)."""
+    out, reached = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > reached:
+            out.append((reached, lo))
+        reached = max(reached, hi)
+    if reached < size:
+        out.append((reached, size))
+    return out
 
 
 def _full_source(ctx: Context) -> dict[str, Any]:

@@ -1,0 +1,35 @@
+"""The element checks the stages run on every output tensor: coverage gaps and non-finite values."""
+
+from __future__ import annotations
+
+import torch
+
+from osdpipe.layout import LocalTensor, Segment
+from osdpipe.stages.shard import nonfinite
+from osdpipe.stages.verify import _gaps
+
+
+def test_gaps_are_what_no_range_covers() -> None:
+    assert _gaps([], 5) == [(0, 5)]
+    assert _gaps([(0, 5)], 5) == []
+    assert _gaps([(3, 5), (0, 2)], 5) == [(2, 3)]
+    assert _gaps([(0, 3), (1, 2), (0, 3), (3, 4)], 6) == [(4, 6)]  # overlapping, repeated, adjacent
+    assert _gaps([(2, 4)], 4) == [(0, 2)]
+
+
+def _tensor(numel: int) -> LocalTensor:
+    return LocalTensor(key="w", fqns=("a", "b"), shape=(numel,), segments=(Segment("a", 10, 4, 0), Segment("b", 0, 4, 4)), flat=True)
+
+
+def test_nonfinite_names_each_parameter_and_the_first_element() -> None:
+    value = torch.zeros(8)
+    value[5], value[6] = float("inf"), float("-inf")  # their sum is NaN: still found
+    assert nonfinite(_tensor(8), {"exp_avg": value}) == ["b exp_avg (2 element(s), first at flat index 1)"]
+    value[1] = float("nan")
+    assert nonfinite(_tensor(8), {"exp_avg": value})[0] == "a exp_avg (1 element(s), first at flat index 11)"
+
+
+def test_a_sum_that_overflows_is_not_taken_for_a_nonfinite_element() -> None:
+    value = torch.full((8,), 60000.0, dtype=torch.float16)  # finite; the sum overflows float16
+    assert not bool(torch.isfinite(value.sum()))
+    assert nonfinite(_tensor(8), {"exp_avg": value}) == []
