@@ -112,6 +112,12 @@ def _worker(
     results.close()
     results.join_thread()
     if dist.is_initialized():
+        if outcome[1]:
+            # Rank 0 hosts the store the group was built on: a rank that
+            # finished must not take it down while another still needs it.
+            # A failed rank skips this; its teardown ends the others' wait.
+            with contextlib.suppress(Exception):
+                dist.barrier()
         dist.destroy_process_group()
 
 
