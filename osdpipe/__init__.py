@@ -1,8 +1,27 @@
-"""osdpipe: reshard PyTorch optimizer state between distributed training layouts, and prove it right."""
+"""osdpipe: reshard PyTorch optimizer state between distributed training layouts, and prove it right.
+
+The Python API is imported on first use, so that ``import osdpipe`` (and the
+command's start, see :mod:`osdpipe.entry`) does not import torch.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
 
-from osdpipe.api import load_optimizer_state, reshard_optimizer_state  # noqa: E402
-from osdpipe.kinds.fsdp2 import from_rank_local, load_rank_local, to_rank_local  # noqa: E402
+_API = {
+    "load_optimizer_state": "osdpipe.api",
+    "reshard_optimizer_state": "osdpipe.api",
+    "from_rank_local": "osdpipe.kinds.fsdp2",
+    "load_rank_local": "osdpipe.kinds.fsdp2",
+    "to_rank_local": "osdpipe.kinds.fsdp2",
+}
 
-__all__ = ["__version__", "from_rank_local", "load_optimizer_state", "load_rank_local", "reshard_optimizer_state", "to_rank_local"]
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'osdpipe' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_API[name]), name)

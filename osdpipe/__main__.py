@@ -1,3 +1,3 @@
-from osdpipe.cli import main
+from osdpipe.entry import main
 
 main()

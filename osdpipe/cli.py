@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from osdpipe import __version__
 from osdpipe.config import ConfigError, validate
-from osdpipe.launch import in_torchrun, start_rank_server
+from osdpipe import rankserver
 from osdpipe.output import OutputError
 from osdpipe.pipeline import Report, execute
 
@@ -93,8 +93,8 @@ def job_config(cfg: DictConfig, job_dir: str) -> dict:
 
 def _run_job(cfg: DictConfig) -> int:
     raw = job_config(cfg, HydraConfig.get().runtime.output_dir)
-    if raw["runtime"].get("mode") == "online" and raw["runtime"].get("launcher") != "torchrun" and not in_torchrun():
-        start_rank_server()  # it imports torch for the ranks while this process validates the config
+    if raw["runtime"].get("mode") == "online" and raw["runtime"].get("launcher") != "torchrun" and not rankserver.in_torchrun():
+        rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
     try:
         spec = validate(raw)  # type: ignore[arg-type]
     except ConfigError as exc:

@@ -1,19 +1,18 @@
-"""Where the ranks come from: a local world of spawned processes, or an existing torchrun world.
+"""Where the ranks come from: a local world of processes started here, or an existing torchrun world.
 
 The same worker function runs in both. A local world picks a free port, starts
-one process per rank, and watches them: the first rank that fails ends the
+one process per rank (forked from the rank server, :mod:`osdpipe.rankserver`,
+or spawned), and watches them: the first rank that fails ends the
 world (the others are terminated, none is left behind) and its error is raised
 in the launcher with the ranks that failed.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import pickle
 import queue
-import signal
 import socket
 import time
 import traceback
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from osdpipe import progress
+from osdpipe import progress, rankserver
 from osdpipe.collective import StageError, one_line
 
 #: How long the launcher waits for the other ranks to report after one failed.
@@ -68,11 +67,6 @@ def free_port() -> int:
 def default_backend() -> str:
     """NCCL when CUDA is present, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def in_torchrun() -> bool:
-    """Whether this process was started by torchrun (or anything that sets its environment)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def init_world(backend: str, timeout_s: float, rank: int | None = None, world_size: int | None = None) -> None:
@@ -154,51 +148,6 @@ def world_error(failures: dict[int, RankFailure]) -> WorldError:
     return WorldError({r: f.message for r, f in failures.items()}, summary, cause.traceback)
 
 
-#: What every rank imports: the fork server imports it once, and each rank starts with it loaded.
-PRELOAD = ["torch._dynamo", "osdpipe.pipeline", "osdpipe.generate", "osdpipe.stages", "osdpipe.kinds.fsdp1", "osdpipe.kinds.fsdp2"]
-
-
-def _start_context() -> Any:
-    """How ranks start: forked from a fork server where the platform has one, else spawned.
-
-    A spawned rank imports torch and osdpipe itself, a second or more of CPU
-    each, which dominates a small conversion. The fork server (a fresh
-    single-threaded process, started once per launcher and kept) imports them
-    once; a rank forked from it starts in milliseconds, and shares nothing
-    with the launcher (no threads, no process group, no CUDA context).
-    """
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def start_rank_server() -> None:
-    """Start the fork server now, so that it imports what ranks need while this process goes on (see :func:`_start_context`).
-
-    Called by the command as soon as it knows it will start ranks; the server
-    is stopped when this process exits, used or not.
-    """
-    if _start_context().get_start_method() != "forkserver":
-        return
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
-    atexit.register(_stop_rank_server)
-
-
-def _stop_rank_server() -> None:
-    # Without this, a server still importing torch when the command ends (a
-    # config error) would finish importing before it noticed.
-    from multiprocessing import forkserver
-
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if pid is not None:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-
-
 def run_local_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -208,7 +157,7 @@ def run_local_world(
     timeout_s: float = 300.0,
     display: progress.Display | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned ranks and return each rank's result.
+    """Run ``fn(*args)`` on ``world_size`` new ranks and return each rank's result.
 
     ``fn`` must be picklable (a module-level function) and runs inside an
     initialized process group whose collectives time out after ``timeout_s``.
@@ -218,7 +167,7 @@ def run_local_world(
         WorldError: when a rank raises, dies, or the world outlives ``timeout_s``
             (then every rank is terminated).
     """
-    ctx = _start_context()
+    ctx = rankserver.context()
     results = ctx.Queue()
     events = ctx.Queue() if display is not None and display.enabled else None
     port = free_port()

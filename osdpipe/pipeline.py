@@ -151,7 +151,8 @@ def execute(spec: RunSpec) -> Report:
     Raises:
         OutputError: ``output.path`` cannot be written, so not even a report can be.
     """
-    from osdpipe.launch import WorldError, in_torchrun
+    from osdpipe.launch import WorldError
+    from osdpipe.rankserver import in_torchrun
 
     backend = None if spec.runtime.backend == "auto" else spec.runtime.backend
     if spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun()):
