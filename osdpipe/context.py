@@ -24,6 +24,14 @@ class CheckResult:
 
 
 @dataclass
+class SkippedCheck:
+    """A verify check that did not run on this conversion, and why (``report.json`` lists them)."""
+
+    name: str
+    why: str
+
+
+@dataclass
 class Context:
     """Per-rank state of a pipeline run. Each stage reads what earlier stages left here."""
 
@@ -40,6 +48,7 @@ class Context:
     result: dict[str, Any] | None = None  # rekey: the state dict this rank's output holds
     result_keys: dict[str, Any] = field(default_factory=dict)  # rekey: layout key -> key in result["state"]
     checks: list[CheckResult] = field(default_factory=list)  # verify
+    skipped_checks: list[SkippedCheck] = field(default_factory=list)  # verify: the configured checks that did not run, and why
     warnings: list[str] = field(default_factory=list)  # what the user should know though nothing failed
     live: tuple[Any, Any] | None = None  # verify: the real target model and optimizer, built once
     optim_groups: list[list[int]] | None = None  # the live target optimizer's groups (Python API), as layout indices

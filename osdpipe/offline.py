@@ -30,7 +30,7 @@ from osdpipe.pipeline import Report, StageReport
 from osdpipe.progress import Display
 from osdpipe.stages import STAGES
 from osdpipe.stages.save import commit_offline
-from osdpipe.stages.verify import NEED_TARGET_WORLD, combine
+from osdpipe.stages.verify import combine
 from osdpipe.tree import describe
 
 #: Stages that open and describe the source: run once, their product shared by every rank.
@@ -77,9 +77,6 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
         display(("items", rank + 1, world))
     assert ctx is not None
     combined = combine(checks) if checks and checks[0] else []
-    skipped = [c for c in spec.pipeline.checks if c in NEED_TARGET_WORLD]
-    if "verify" in spec.pipeline.stages and skipped:
-        warnings.append(f"offline: verify ran {', '.join(c.name for c in combined) or 'no check'}; {', '.join(skipped)} need a live target world (runtime.mode=online)")
     ok = all(c.ok for c in combined)
     files: dict[str, str] = {}
     if ok and "save" in spec.pipeline.stages and all(s is not None for s in saved):
@@ -89,4 +86,4 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
         seconds["save"] += time.perf_counter() - start
         moved["save"] += ctx.bytes_moved
     stages = [StageReport(name, round(seconds[name], 6), moved[name]) for name in spec.pipeline.stages]
-    return Report(ok=ok, stages=stages, checks=combined, files=files, warnings=warnings, memory=[watch.stop()])
+    return Report(ok=ok, stages=stages, checks=combined, skipped_checks=ctx.skipped_checks, files=files, warnings=warnings, memory=[watch.stop()])

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from osdpipe import output, progress
 from osdpipe.collective import StageError, agree, from_rank0, gather_to_all, one_line
 from osdpipe.config import RunSpec
-from osdpipe.context import CheckResult, Context
+from osdpipe.context import CheckResult, Context, SkippedCheck
 from osdpipe.memory import MemoryPeak, MemoryWatch
 from osdpipe.models import build_model
 from osdpipe.stages import STAGES
@@ -41,6 +41,7 @@ class Report:
     ok: bool
     stages: list[StageReport] = field(default_factory=list)
     checks: list[CheckResult] = field(default_factory=list)
+    skipped_checks: list[SkippedCheck] = field(default_factory=list)  # configured checks that did not run, and why
     error: str | None = None
     files: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -90,7 +91,7 @@ def run_stages(ctx: Context) -> Report:
         StageReport(name, round(max(r[i][1] for r in per_rank), 6), sum(r[i][2] for r in per_rank)) for i, (name, _, _) in enumerate(timings)
     ]
     ok = all(c.ok for c in ctx.checks)
-    return Report(ok=ok, stages=stages, checks=ctx.checks, files=ctx.files, warnings=ctx.warnings, memory=memory)
+    return Report(ok=ok, stages=stages, checks=ctx.checks, skipped_checks=ctx.skipped_checks, files=ctx.files, warnings=ctx.warnings, memory=memory)
 
 
 def make_context(spec: RunSpec, input_path: str, input_format: str) -> Context:

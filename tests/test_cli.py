@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -219,3 +220,21 @@ def test_joins_an_existing_torchrun_world(tmp_path: Path) -> None:
     assert_ok(read_json(out / "report.json"))
     assert sorted(p.name for p in out.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "a run with output.path writes nowhere else"
+
+
+def test_checks_that_hold_the_whole_state_are_skipped_above_the_limit_and_said_so(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = osdpipe("pipeline.full_state_checks_max=1KB", f"output.path={out}", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    report = read_json(out / "report.json")
+    assert [c["name"] for c in report["checks"]] == ["roundtrip"]
+    skipped = {c["name"]: c["why"] for c in report["skipped_checks"]}
+    assert sorted(skipped) == ["load_step", "reference", "replicas"]
+    assert re.fullmatch(
+        r"needs the whole state on every rank or a live target model, and the source holds [0-9.]+KB of tensor state, over pipeline.full_state_checks_max=1KB: "
+        r"raise it \(or set it to null\) to run it",
+        skipped["reference"],
+    ), skipped["reference"]
+    assert f"osdpipe: warning: verify did not run reference: it {skipped['reference']}" in result.stderr.splitlines()
+    bad = osdpipe("pipeline.full_state_checks_max=lots", f"output.path={tmp_path / 'bad'}", cwd=tmp_path)
+    assert bad.returncode == 2 and "'lots' is not a size; write bytes or a number with a unit: 512MB, 2GB, 1.5GiB" in bad.stderr, explain(bad)

@@ -21,6 +21,7 @@ Four checks, each reported in ``report.json`` when it ran:
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ import torch
 from osdpipe import kinds
 from osdpipe.collective import from_rank0, gather_to_all, one_line
 from osdpipe.compare import bits_equal, diff
-from osdpipe.context import CheckResult, Context
+from osdpipe.config import show_size
+from osdpipe.context import CheckResult, Context, SkippedCheck
 from osdpipe.formats import TensorRef
 from osdpipe.layout import LocalTensor
 from osdpipe.reference import live_target, train_step
@@ -283,8 +285,8 @@ def check_replicas(ctx: Context) -> CheckResult:
     replica group's; the output's ranks compare their state's digests with
     the rank that holds the same shard in the first group.
     """
-    from osdpipe.formats.rank_local import replica_mismatches
     from osdpipe.digest import tensor_digests
+    from osdpipe.formats.rank_local import replica_mismatches
 
     source, target = has_replicas(ctx)
     problems: list[str] = []
@@ -307,13 +309,30 @@ def check_replicas(ctx: Context) -> CheckResult:
 
 
 CHECKS = {"roundtrip": check_roundtrip, "reference": check_reference, "load_step": check_load_step, "replicas": check_replicas}
-#: Checks that build the real target job, which needs its world: offline there is none.
+#: Checks that build the real target job (on every rank, with the whole source state): they need its world, and memory.
 NEED_TARGET_WORLD = ("reference", "load_step")
-#: Checks that run only where they apply; the report lists the checks that ran.
-APPLIES = {
-    **{name: (lambda ctx: not ctx.offline) for name in NEED_TARGET_WORLD},
-    "replicas": lambda ctx: any(has_replicas(ctx)),
-}
+
+
+def source_tensor_bytes(ctx: Context) -> int:
+    """The bytes of the source's tensor state (what a check holding the whole state holds on every rank)."""
+    assert ctx.meta is not None
+    return sum(math.prod(v.shape) * v.torch_dtype.itemsize for entries in ctx.meta.state.values() for v in entries.values() if isinstance(v, TensorRef))
+
+
+def skip_reason(ctx: Context, name: str) -> str | None:
+    """Why check ``name`` does not run on this conversion, or ``None`` when it does (in words that follow the check's name)."""
+    if name == "replicas" and not any(has_replicas(ctx)):
+        return "applies only where a side has replica groups (HYBRID_SHARD, HSDP)"
+    if name in NEED_TARGET_WORLD:
+        if ctx.offline:
+            return "needs a live target world (runtime.mode=online)"
+        limit, size = ctx.spec.pipeline.full_state_checks_max, source_tensor_bytes(ctx)
+        if limit is not None and size > limit:
+            return (
+                f"needs the whole state on every rank or a live target model, and the source holds {show_size(size)} of tensor state, over "
+                f"pipeline.full_state_checks_max={show_size(limit)}: raise it (or set it to null) to run it"
+            )
+    return None
 
 
 def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:
@@ -331,9 +350,13 @@ def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:
 def verify(ctx: Context) -> None:
     if ctx.distributed:  # a live optimizer's groups (Python API) are known on its own rank only: share them
         ctx.optimizer_keys = dict(enumerate(gather_to_all(ctx.held_keys(ctx.rank))))
-    ctx.checks = []
+    ctx.checks, ctx.skipped_checks = [], []
     for name in ctx.spec.pipeline.checks:
-        if name in APPLIES and not APPLIES[name](ctx):
+        why = skip_reason(ctx, name)
+        if why is not None:
+            ctx.skipped_checks.append(SkippedCheck(name, why))
+            if name != "replicas":  # a check that cannot apply is no news; one left out for size or mode is
+                ctx.warnings.append(f"verify did not run {name}: it {why}")
             continue
         try:
             result = CHECKS[name](ctx)
