@@ -1,0 +1,247 @@
+"""osdpipe against the paths PyTorch users take today, side by side, at checkpoint scale.
+
+Run (the default is the row the targets are set on; the full grid takes long):
+
+    python benchmarks/checkpoint_scale.py --sizes 1.6 --pairs 4:2 --repeats 2
+    python benchmarks/checkpoint_scale.py --sizes 0.4,1.6,6.4 --pairs 4:2,2:4,4:3
+
+For each size of Adam state (GB: exp_avg and exp_avg_sq of osdpipe's ``mlp``,
+width scaled, depth 12, FSDP1 units per Linear) it synthesizes the source
+itself, without training: one ``fsdp_full`` file of random state, and from it
+an N-rank ``dcp`` checkpoint. Then, for each N -> M and alternating the paths
+in every repeat, each path writes every target rank's ``optim.state_dict()``
+(FSDP1, ``use_orig_params``, per Linear) as a file:
+
+* ``osdpipe``: the command, online, ``pipeline.checks=[roundtrip]``;
+* ``osdpipe-offline``: the same with ``runtime.mode=offline``;
+* ``fsdp1``: PyTorch's FSDP1 path on M ranks: rank 0 loads the file,
+  ``FSDP.optim_state_dict_to_load`` with ``rank0_only``, each rank saves;
+* ``dcp``: the DCP path on M ranks: ``get_optimizer_state_dict``,
+  ``dcp.load`` of the N-rank DCP source, ``set_optimizer_state_dict``, save.
+
+Each timing is the whole command (a fresh process, imports and model
+building included), median of the repeats. Memory is each rank's peak RSS
+and peak anonymous memory (``osdpipe.memory``; memory-mapped input is RSS,
+not anonymous), largest rank shown. ``cp`` copies the source file once per
+size for the offline throughput ratio (output bytes per second over cp's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+PATHS = ("osdpipe", "osdpipe-offline", "fsdp1", "dcp")
+DEPTH = 12
+
+
+def width_for(gigabytes: float) -> int:
+    """The mlp width whose Adam state (8 bytes per parameter) is about ``gigabytes``, a multiple of 64."""
+    params = gigabytes * 1e9 / 8 / DEPTH
+    return max(64, round(math.sqrt(params) / 64) * 64)
+
+
+# ---------------------------------------------------------------------------
+# the source
+# ---------------------------------------------------------------------------
+
+
+def synthesize(width: int, directory: Path, source_ranks: int) -> tuple[Path, Path]:
+    """An fsdp_full file of random Adam state for the mlp, and an N-rank dcp checkpoint of it (written by osdpipe offline)."""
+    import torch
+
+    full = directory / "optim.pt"
+    if not full.exists():
+        gen = torch.Generator().manual_seed(0)
+        state, names = {}, []
+        for i in range(DEPTH):
+            for name, shape in ((f"layers.{i}.weight", (width, width)), (f"layers.{i}.bias", (width,))):
+                names.append(name)
+                state[name] = {"step": torch.tensor(10.0), "exp_avg": torch.randn(shape, generator=gen), "exp_avg_sq": torch.rand(shape, generator=gen)}
+        groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
+                   "foreach": None, "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": False, "params": names}]  # fmt: skip
+        torch.save({"state": state, "param_groups": groups}, full)
+        del state
+    dcp = directory / f"dcp_{source_ranks}"
+    if not (dcp / "dcp" / ".metadata").exists():
+        osdpipe_command(width, full, "fsdp_full", source_ranks, source_ranks, dcp, "runtime.mode=offline", "output.format=dcp", "pipeline.checks=[]")
+    return full, dcp / "dcp"
+
+
+# ---------------------------------------------------------------------------
+# the paths
+# ---------------------------------------------------------------------------
+
+
+def osdpipe_command(width: int, source: Path, fmt: str, n: int, m: int, out: Path, *extra: str) -> dict:
+    cmd = [
+        sys.executable, "-m", "osdpipe", "model.factory=mlp", f"model.kwargs.width={width}", f"model.kwargs.depth={DEPTH}",
+        f"input.path={source}", f"input.format={fmt}", f"source.world_size={n}", "source.wrap=[Linear]",
+        f"target.world_size={m}", "target.wrap=[Linear]", "target.use_orig_params=true", "pipeline.checks=[roundtrip]",
+        f"output.path={out}", "output.overwrite=true", "runtime.progress=false", *extra,
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"osdpipe failed: {result.stderr.strip()}")
+    return json.loads((out / "report.json").read_text())
+
+
+def _baseline_rank(rank: int, world: int, port: int, path: str, width: int, source: str, out: str) -> None:
+    """One rank of PyTorch's own path (``fsdp1`` or ``dcp``); writes its file and its memory peaks."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from osdpipe.memory import MemoryWatch
+    from osdpipe.models import MLP
+
+    warnings.simplefilter("ignore")
+    watch = MemoryWatch(f"rank {rank}").start()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FSDP(MLP(width, DEPTH), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True, device_id=torch.device("cpu"))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    start = time.perf_counter()
+    if path == "fsdp1":
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+
+        FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True), FullOptimStateDictConfig(rank0_only=True))
+        full = torch.load(source, map_location="cpu", weights_only=True) if rank == 0 else {}
+        osd = FSDP.optim_state_dict_to_load(model, optim, full)
+        del full
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optim": get_optimizer_state_dict(model, optim)}
+        dcp.load(state, checkpoint_id=source)
+        set_optimizer_state_dict(model, optim, state["optim"])
+        del state
+        osd = optim.state_dict()
+    torch.save(osd, Path(out) / f"rank_{rank}.pt")
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    peak = watch.stop()
+    (Path(out) / f"memory_{rank}.json").write_text(json.dumps({**peak.__dict__, "seconds": seconds}))
+    dist.destroy_process_group()
+
+
+def baseline_command(path: str, width: int, source: Path, m: int, out: Path) -> dict:
+    """Run PyTorch's path as its own command (this script in worker mode); its ranks' memory and seconds."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cmd = [sys.executable, str(HERE), "--worker", path, "--width", str(width), "--source", str(source), "--world", str(m), "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{path} failed: {result.stderr.strip()[-2000:]}")
+    ranks = [json.loads((out / f"memory_{r}.json").read_text()) for r in range(m)]
+    return {"memory": ranks, "conversion_s": max(r["seconds"] for r in ranks)}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    from osdpipe.launch import free_port
+
+    mp.start_processes(_baseline_rank, args=(args.world, free_port(), args.worker, args.width, args.source, args.out), nprocs=args.world, start_method="spawn")
+
+
+# ---------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------
+
+
+def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: Path) -> dict:
+    start = time.perf_counter()
+    if path.startswith("osdpipe"):
+        extra = ("runtime.mode=offline",) if path == "osdpipe-offline" else ()
+        report = osdpipe_command(width, full, "fsdp_full", n, m, out, *extra)
+        result = {"memory": report["memory"], "conversion_s": sum(s["seconds"] for s in report["stages"]), "stages": {s["name"]: s["seconds"] for s in report["stages"]}}
+    else:
+        result = baseline_command(path, width, dcp if path == "dcp" else full, m, out)
+    result["seconds"] = time.perf_counter() - start
+    result["bytes"] = sum(p.stat().st_size for p in out.glob("rank_*.pt"))
+    return result
+
+
+def cp_seconds(source: Path, scratch: Path) -> float:
+    target = scratch / "cp_copy"
+    start = time.perf_counter()
+    subprocess.run(["cp", str(source), str(target)], check=True)
+    seconds = time.perf_counter() - start
+    target.unlink()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1.6", help="GB of Adam state, comma-separated")
+    parser.add_argument("--pairs", default="4:2", help="N:M source:target ranks, comma-separated")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--workdir", default=None, help="where sources and outputs go (default: a temporary directory)")
+    parser.add_argument("--worker", choices=("fsdp1", "dcp"), help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--source", help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    paths = args.paths.split(",")
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="osdpipe-bench-"))
+    rows = []
+    print(f"| state GB | N -> M | path | median s | x fsdp1 | x dcp | conversion s | peak RSS GB | peak anon GB (beyond baseline) | output GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for size in (float(s) for s in args.sizes.split(",")):
+        width = width_for(size)
+        for pair in args.pairs.split(","):
+            n, m = (int(x) for x in pair.split(":"))
+            directory = root / f"{size}GB"
+            directory.mkdir(parents=True, exist_ok=True)
+            full, dcp = synthesize(width, directory, n)
+            runs: dict[str, list[dict]] = {p: [] for p in paths}
+            for _ in range(args.repeats):
+                for path in paths:  # alternating: the machine's drift falls on every path alike
+                    out = directory / f"out_{path}"
+                    runs[path].append(run_path(path, width, full, dcp, n, m, out))
+                    shutil.rmtree(out, ignore_errors=True)
+            medians = {p: statistics.median(r["seconds"] for r in runs[p]) for p in paths}
+            for path in paths:
+                last = runs[path][-1]
+                rss = max(x["peak_rss"] for x in last["memory"]) / 1e9
+                anon = max((x["peak_anonymous"] or 0) - (x["baseline_anonymous"] or 0) for x in last["memory"]) / 1e9
+                ratio = lambda base: f"{medians[base] / medians[path]:.2f}" if base in medians else "-"  # noqa: E731
+                conv = statistics.median(r["conversion_s"] for r in runs[path])
+                row = f"| {size} | {n} -> {m} | {path} | {medians[path]:.1f} | {ratio('fsdp1')} | {ratio('dcp')} | {conv:.1f} | {rss:.2f} | {anon:.2f} | {last['bytes'] / 1e9 / medians[path]:.2f} |"
+                print(row, flush=True)
+                rows.append({"size_gb": size, "n": n, "m": m, "path": path, "runs": runs[path]})
+            if "osdpipe-offline" in runs:
+                cp = cp_seconds(full, directory)
+                offline = runs["osdpipe-offline"]
+                conv = statistics.median(r["conversion_s"] for r in offline)
+                out_bytes = offline[-1]["bytes"]
+                print(f"|  |  | cp of the source ({full.stat().st_size / 1e9:.2f} GB) | {cp:.1f} |  |  |  |  |  | {full.stat().st_size / 1e9 / cp:.2f} |")
+                print(f"|  |  | offline conversion throughput / cp | {out_bytes / conv / (full.stat().st_size / cp):.2f} |  |  |  |  |  |  |")
+    (root / "results.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nraw results: {root / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
