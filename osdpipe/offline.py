@@ -53,28 +53,31 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
     same_for_every_rank: dict = {}
     display.phase(f"offline: {world} target rank(s)")
     ctx = None
-    for rank in range(world):
-        ctx = Context(spec=spec, rank=rank, world_size=world, tree=tree, input_path=input_path, input_format=input_format, offline=True, shared=same_for_every_rank)
-        if shared:
-            ctx.reader, ctx.meta = shared
-        for name in spec.pipeline.stages:
-            if shared and name in SOURCE_STAGES:
-                continue
-            ctx.bytes_moved = 0
-            start = time.perf_counter()
-            try:
-                STAGES[name](ctx)
-            except StageError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - said as the stage's error on this rank
-                raise StageError(name, {rank: one_line(exc)}) from exc
-            seconds[name] += time.perf_counter() - start
-            moved[name] += ctx.bytes_moved
-        shared = (ctx.reader, ctx.meta)
-        checks.append(ctx.checks)
-        saved.append(ctx.saved)
-        warnings += [w for w in ctx.warnings if w not in warnings]
-        display(("items", rank + 1, world))
+    try:
+        for rank in range(world):
+            ctx = Context(spec=spec, rank=rank, world_size=world, tree=tree, input_path=input_path, input_format=input_format, offline=True, shared=same_for_every_rank)
+            if shared:
+                ctx.reader, ctx.meta = shared
+            for name in spec.pipeline.stages:
+                if shared and name in SOURCE_STAGES:
+                    continue
+                ctx.bytes_moved = 0
+                start = time.perf_counter()
+                try:
+                    STAGES[name](ctx)
+                except StageError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - said as the stage's error on this rank
+                    raise StageError(name, {rank: one_line(exc)}) from exc
+                seconds[name] += time.perf_counter() - start
+                moved[name] += ctx.bytes_moved
+            shared = (ctx.reader, ctx.meta)
+            checks.append(ctx.checks)
+            saved.append(ctx.saved)
+            warnings += [w for w in ctx.warnings if w not in warnings]
+            display(("items", rank + 1, world))
+    finally:
+        peak = watch.stop()
     assert ctx is not None
     combined = combine(checks) if checks and checks[0] else []
     ok = all(c.ok for c in combined)
@@ -86,4 +89,4 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
         seconds["save"] += time.perf_counter() - start
         moved["save"] += ctx.bytes_moved
     stages = [StageReport(name, round(seconds[name], 6), moved[name]) for name in spec.pipeline.stages]
-    return Report(ok=ok, stages=stages, checks=combined, skipped_checks=ctx.skipped_checks, files=files, warnings=warnings, memory=[watch.stop()])
+    return Report(ok=ok, stages=stages, checks=combined, skipped_checks=ctx.skipped_checks, files=files, warnings=warnings, memory=[peak])

@@ -71,22 +71,25 @@ def run_stages(ctx: Context) -> Report:
     """Run the configured stages in order on this rank; every rank gets the same report."""
     watch = MemoryWatch(f"rank {ctx.rank}").start()
     timings: list[tuple[str, float, int]] = []
-    for name in ctx.spec.pipeline.stages:
-        if ctx.rank == 0:
-            progress.emit("phase", f"stage {name}")
-        ctx.bytes_moved = 0
-        start = time.perf_counter()
-        error = None
-        try:
-            STAGES[name](ctx)
-        except StageError:
-            raise  # already agreed on by every rank inside the stage
-        except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
-            error = one_line(exc)
-        agree(name, error)
-        timings.append((name, time.perf_counter() - start, ctx.bytes_moved))
+    try:
+        for name in ctx.spec.pipeline.stages:
+            if ctx.rank == 0:
+                progress.emit("phase", f"stage {name}")
+            ctx.bytes_moved = 0
+            start = time.perf_counter()
+            error = None
+            try:
+                STAGES[name](ctx)
+            except StageError:
+                raise  # already agreed on by every rank inside the stage
+            except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
+                error = one_line(exc)
+            agree(name, error)
+            timings.append((name, time.perf_counter() - start, ctx.bytes_moved))
+    finally:
+        peak = watch.stop()  # its sampling thread must not outlive a failed run in a caller's process (the Python API)
     per_rank = gather_to_all(timings)
-    memory = gather_to_all(watch.stop())
+    memory = gather_to_all(peak)
     stages = [
         StageReport(name, round(max(r[i][1] for r in per_rank), 6), sum(r[i][2] for r in per_rank)) for i, (name, _, _) in enumerate(timings)
     ]

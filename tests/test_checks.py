@@ -33,3 +33,19 @@ def test_a_sum_that_overflows_is_not_taken_for_a_nonfinite_element() -> None:
     value = torch.full((8,), 60000.0, dtype=torch.float16)  # finite; the sum overflows float16
     assert not bool(torch.isfinite(value.sum()))
     assert nonfinite(_tensor(8), {"exp_avg": value}) == []
+
+
+def test_memory_watch_sees_a_peak_that_is_gone_and_stops_its_thread() -> None:
+    import threading
+    import time
+
+    from osdpipe.memory import MemoryWatch
+
+    watch = MemoryWatch("this process").start()
+    held = torch.ones(25_000_000)  # 100 MB of anonymous memory, held for a while, then freed
+    time.sleep(0.1)
+    del held
+    peak = watch.stop()
+    assert peak.peak_anonymous - peak.baseline_anonymous > 90e6, peak
+    assert peak.peak_rss >= peak.peak_anonymous
+    assert not any(t.name == "osdpipe-memory" and t.is_alive() for t in threading.enumerate())
