@@ -29,17 +29,8 @@ class HashingFile:
         self.sha256.update(data)
         return written
 
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def sha256_file(path: Path) -> str:
-    """The file's sha256, read from disk (for files another library wrote)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    def __getattr__(self, name: str) -> Any:  # tell, fileno, flush: the file's own
+        return getattr(self.file, name)
 
 
 def tensor_sha256(value: torch.Tensor) -> str:

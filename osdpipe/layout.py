@@ -151,6 +151,20 @@ def chunk_bounds(total: int, world_size: int, rank: int) -> tuple[int, int, int]
     return start, min(start + chunk, total), chunk
 
 
+def uncovered(start: int, end: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[start, end)`` outside every interval of ``covered`` (intervals may overlap, repeat or reach outside it)."""
+    out, cursor = [], start
+    for lo, hi in sorted(covered):
+        if hi <= cursor or lo >= end:
+            continue
+        if lo > cursor:
+            out.append((cursor, lo))
+        cursor = max(cursor, hi)
+    if cursor < end:
+        out.append((cursor, end))
+    return out
+
+
 def dim0_chunk_bounds(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, int, int]:
     """Rank ``rank``'s dim-0 chunk of a tensor, as a range of its flattened view.
 

@@ -25,6 +25,7 @@ real. The answer is one JSON object on stdout: ``{"ranks": {rank: [per-case resu
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import warnings
@@ -93,6 +94,49 @@ def spawn_world(fn: Any, world_size: int, args: tuple, timeout_s: float) -> Any:
         if not any(word in str(exc) for word in NETWORK_FLAKES):
             raise
     return run_local_world(fn, world_size, args, backend="gloo", timeout_s=timeout_s)
+
+
+_WORLDS: dict[tuple[str, int], tuple[Any, str | None]] = {}
+
+
+def world_once(what: str, fn: Any, world_size: int, args: tuple, timeout_s: float) -> Any:
+    """Every rank's result of ``fn(*args)`` on a world of ``world_size``, spawned once per ``what`` and size and shared by every case.
+
+    A world that fails is remembered, not respawned for every case that asks
+    for it: each of them fails with its error.
+    """
+    import pytest
+
+    key = (what, world_size)
+    if key not in _WORLDS:
+        try:
+            _WORLDS[key] = (spawn_world(fn, world_size, args, timeout_s), None)
+        except Exception as exc:  # noqa: BLE001 - said by every case below
+            _WORLDS[key] = (None, f"{type(exc).__name__}: {exc}")
+    results, error = _WORLDS[key]
+    if error is not None:
+        pytest.fail(f"the {what} world of {world_size} rank(s) failed: {error}", pytrace=False)
+    return results
+
+
+@functools.cache
+def meta_tree(factory: str, kwargs: tuple[tuple[str, Any], ...] = ()) -> Any:
+    """The module tree of ``factory(**dict(kwargs))`` built on the meta device (cached: kwargs as sorted items)."""
+    from osdpipe.models import build_model
+    from osdpipe.tree import describe
+
+    return describe(build_model(factory, dict(kwargs), seed=0, device="meta"))
+
+
+def tree_of(models: dict[str, tuple[str, dict[str, Any]]], label: str) -> Any:
+    """:func:`meta_tree` of the model ``models[label]`` names (a test module's MODELS table)."""
+    factory, kwargs = models[label]
+    return meta_tree(factory, tuple(sorted(kwargs.items())))
+
+
+def tree_marks(tree: Any) -> dict[str, int]:
+    """Where each parameter's marks start (:func:`marks`), in the tree's parameter order."""
+    return marks([(p.fqn, p.numel) for p in tree.params])
 
 
 def clean_fqn(name: str) -> str:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from osdpipe.layout import LocalTensor, Segment
+from osdpipe.layout import LocalTensor, Segment, uncovered
 from osdpipe.stages.shard import nonfinite
-from osdpipe.stages.verify import _gaps
 
 
-def test_gaps_are_what_no_range_covers() -> None:
-    assert _gaps([], 5) == [(0, 5)]
-    assert _gaps([(0, 5)], 5) == []
-    assert _gaps([(3, 5), (0, 2)], 5) == [(2, 3)]
-    assert _gaps([(0, 3), (1, 2), (0, 3), (3, 4)], 6) == [(4, 6)]  # overlapping, repeated, adjacent
-    assert _gaps([(2, 4)], 4) == [(0, 2)]
+def test_uncovered_is_what_no_range_covers() -> None:
+    assert uncovered(0, 5, []) == [(0, 5)]
+    assert uncovered(0, 5, [(0, 5)]) == []
+    assert uncovered(0, 5, [(3, 5), (0, 2)]) == [(2, 3)]
+    assert uncovered(0, 6, [(0, 3), (1, 2), (0, 3), (3, 4)]) == [(4, 6)]  # overlapping, repeated, adjacent
+    assert uncovered(0, 4, [(2, 4)]) == [(0, 2)]
+    assert uncovered(2, 8, [(0, 3), (7, 12)]) == [(3, 7)]  # ranges reaching outside
 
 
 def _tensor(numel: int) -> LocalTensor:

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers import run_command, run_osdpipe
+from helpers import clean_env, run_command, run_osdpipe
 from omegaconf import OmegaConf
 
-from osdpipe.launch import free_port
-
 from osdpipe.config import STAGE_ORDER, VERIFY_CHECKS
+from osdpipe.launch import free_port
 
 TIMEOUT_S = 240
 REPO = Path(__file__).resolve().parents[1]
@@ -223,8 +223,12 @@ def test_joins_an_existing_torchrun_world(tmp_path: Path) -> None:
 
 
 def test_checks_that_hold_the_whole_state_are_skipped_above_the_limit_and_said_so(tmp_path: Path) -> None:
+    """On the user's own model (tests/userlm.py: token IDs in, no example_input, a factory without arguments)."""
     out = tmp_path / "out"
-    result = osdpipe("pipeline.full_state_checks_max=1KB", f"output.path={out}", cwd=tmp_path)
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", "pipeline.full_state_checks_max=1KB", f"output.path={out}"]
+    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=env)
     assert result.returncode == 0, explain(result)
     report = read_json(out / "report.json")
     assert [c["name"] for c in report["checks"]] == ["roundtrip"]
@@ -236,5 +240,5 @@ def test_checks_that_hold_the_whole_state_are_skipped_above_the_limit_and_said_s
         skipped["reference"],
     ), skipped["reference"]
     assert f"osdpipe: warning: verify did not run reference: it {skipped['reference']}" in result.stderr.splitlines()
-    bad = osdpipe("pipeline.full_state_checks_max=lots", f"output.path={tmp_path / 'bad'}", cwd=tmp_path)
+    bad = run_command([*cmd[:3], "pipeline.full_state_checks_max=lots", f"output.path={tmp_path / 'bad'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
     assert bad.returncode == 2 and "'lots' is not a size; write bytes or a number with a unit: 512MB, 2GB, 1.5GiB" in bad.stderr, explain(bad)

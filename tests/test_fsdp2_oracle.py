@@ -36,13 +36,15 @@ from typing import Any
 import pytest
 import torch
 from oracle_probe import (
-    run_fake_world,
     direct_fully_shard,
     expected_values,
     fill_marked,
     fsdp2_params,
     marks,
-    spawn_world,
+    run_fake_world,
+    tree_marks,
+    tree_of,
+    world_once,
 )
 from pydantic import ValidationError
 
@@ -56,7 +58,7 @@ from osdpipe.layout import (
     shard_group,
 )
 from osdpipe.models import build_model
-from osdpipe.tree import ModuleTree, ParamInfo, describe
+from osdpipe.tree import ModuleTree, ParamInfo
 
 WORLD_SIZES = (1, 2, 3, 4)
 #: Per world: 2-5 s to spawn, plus wrapping and stepping every case on every rank.
@@ -124,16 +126,8 @@ def _cases(world_size: int) -> list[Case]:
 CASES = [(world_size, case) for world_size in WORLD_SIZES for case in _cases(world_size)]
 
 
-@functools.cache
 def _tree(label: str) -> ModuleTree:
-    factory, kwargs = MODELS[label]
-    return describe(build_model(factory, kwargs, seed=0, device="meta"))
-
-
-@functools.cache
-def _marks(label: str) -> dict[str, int]:
-    """Where each parameter's marks start (:func:`oracle_probe.marks`), from the meta model's parameter order."""
-    return marks([(p.fqn, p.numel) for p in _tree(label).params])
+    return tree_of(MODELS, label)
 
 
 # ---------------------------------------------------------------------------
@@ -195,26 +189,14 @@ def _fsdp2_world(cases: list[Case], world_size: int) -> list[dict[str, Any]]:
             model = direct_fully_shard(model, list(case.wrap), meshes[shape])
         else:
             model = kinds.get("fsdp2").wrap(model, spec)
-        tree = describe(build_model(factory, kwargs, device="meta"))
+        tree = _tree(case.model)
         out.append(dict(params=fsdp2_params(model), step=_adam_state(model, tree, spec, rank)))
     return out
 
 
-@functools.cache
-def _spawn_world(world_size: int) -> tuple[list[list[dict[str, Any]]] | None, str | None]:
-    cases = [case for ws, case in CASES if ws == world_size]
-    try:
-        return spawn_world(_fsdp2_world, world_size, (cases, world_size), WORLD_TIMEOUT_S), None
-    except Exception as exc:  # noqa: BLE001 - remembered, so that a broken world is not respawned for every case
-        return None, f"{type(exc).__name__}: {exc}"
-
-
 def _world(world_size: int) -> list[list[dict[str, Any]]]:
     """Every rank's answer for every case of ``world_size`` (one spawned world per size, failures included)."""
-    results, error = _spawn_world(world_size)
-    if error is not None:
-        pytest.fail(f"the FSDP2 world of {world_size} rank(s) failed: {error}", pytrace=False)
-    return results
+    return world_once("FSDP2", _fsdp2_world, world_size, ([case for ws, case in CASES if ws == world_size], world_size), WORLD_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------
@@ -290,7 +272,7 @@ def test_layout_matches_fully_shard(world_size: int, case: Case) -> None:
     tree, spec = _tree(case.model), case.spec(world_size)
     errors = []
     for rank, per_rank in enumerate(results):
-        errors += [f"rank {rank}/{world_size}: {e}" for e in _check(tree, spec, rank, per_rank[i], _marks(case.model))]
+        errors += [f"rank {rank}/{world_size}: {e}" for e in _check(tree, spec, rank, per_rank[i], tree_marks(tree))]
     if errors:
         pytest.fail(f"{case.label} (world size {world_size}):\n  " + "\n  ".join(errors), pytrace=False)
 
@@ -333,10 +315,8 @@ def _fake_cases(world_size: int) -> list[Case]:
     return out
 
 
-@functools.cache
 def _fake_tree(label: str) -> ModuleTree:
-    factory, kwargs = FAKE_MODELS[label]
-    return describe(build_model(factory, kwargs, device="meta"))
+    return tree_of(FAKE_MODELS, label)
 
 
 @functools.cache

@@ -36,13 +36,14 @@ from typing import Any
 
 import pytest
 from oracle_probe import (
-    run_fake_world,
     direct_fsdp1,
     expected_values,
     fill_marked,
     fsdp1_metadata,
-    marks,
-    spawn_world,
+    run_fake_world,
+    tree_marks,
+    tree_of,
+    world_once,
 )
 from pydantic import ValidationError
 
@@ -57,7 +58,7 @@ from osdpipe.layout import (
     shard_group,
 )
 from osdpipe.models import build_model
-from osdpipe.tree import ModuleTree, describe
+from osdpipe.tree import ModuleTree
 
 WORLD_SIZE = 4
 #: The world: 3-5 s to spawn, plus wrapping every combination on every rank.
@@ -140,15 +141,8 @@ def _combos() -> list[Combo]:
 COMBOS = _combos()
 
 
-@functools.cache
 def _tree(label: str) -> ModuleTree:
-    factory, kwargs = MODELS[label]
-    return describe(build_model(factory, kwargs, seed=0, device="meta"))
-
-
-@functools.cache
-def _marks(label: str) -> dict[str, int]:
-    return marks([(p.fqn, p.numel) for p in _tree(label).params])
+    return tree_of(MODELS, label)
 
 
 # ---------------------------------------------------------------------------
@@ -188,20 +182,9 @@ def _hybrid_world(combos: list[Combo], world_size: int) -> list[dict[str, Any]]:
     return out
 
 
-@functools.cache
-def _spawn_world() -> tuple[list[list[dict[str, Any]]] | None, str | None]:
-    try:
-        return spawn_world(_hybrid_world, WORLD_SIZE, (COMBOS, WORLD_SIZE), WORLD_TIMEOUT_S), None
-    except Exception as exc:  # noqa: BLE001 - remembered, so that a broken world is not respawned for every combination
-        return None, f"{type(exc).__name__}: {exc}"
-
-
 def _world() -> list[list[dict[str, Any]]]:
     """Every rank's answer for every combination (one spawned world, failures included)."""
-    results, error = _spawn_world()
-    if error is not None:
-        pytest.fail(f"the FSDP1 world of {WORLD_SIZE} ranks failed: {error}", pytrace=False)
-    return results
+    return world_once("FSDP1 hybrid", _hybrid_world, WORLD_SIZE, (COMBOS, WORLD_SIZE), WORLD_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------
@@ -284,7 +267,7 @@ def test_layout_matches_hybrid_fsdp1(combo: Combo) -> None:
     tree, spec = _tree(combo.model), combo.spec(WORLD_SIZE)
     errors = []
     for rank, per_rank in enumerate(results):
-        errors += [f"rank {rank}/{WORLD_SIZE}: {e}" for e in check_fsdp1(tree, spec, rank, per_rank[i], _marks(combo.model))]
+        errors += [f"rank {rank}/{WORLD_SIZE}: {e}" for e in check_fsdp1(tree, spec, rank, per_rank[i], tree_marks(tree))]
     if errors:
         pytest.fail(f"{combo.label} (world size {WORLD_SIZE}):\n  " + "\n  ".join(errors), pytrace=False)
 
@@ -347,7 +330,7 @@ def test_large_worlds_match_fsdp1_on_a_fake_group(world_size: int) -> None:
     for i, combo in enumerate(_fake_combos(world_size)):
         tree, spec = _tree(combo.model), combo.spec(world_size)
         for rank in _fake_ranks(world_size):
-            errors += [f"{combo.label} rank {rank}/{world_size}: {e}" for e in check_fsdp1(tree, spec, rank, results[rank][i], _marks(combo.model))]
+            errors += [f"{combo.label} rank {rank}/{world_size}: {e}" for e in check_fsdp1(tree, spec, rank, results[rank][i], tree_marks(tree))]
     assert not errors, "\n".join(errors)
 
 

@@ -12,20 +12,23 @@ The pure helpers :func:`~osdpipe.layout.chunk_bounds` and
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+from oracle_probe import fsdp1_metadata, tree_of, world_once
 
 from osdpipe import layout
-from osdpipe.launch import run_local_world
-from osdpipe.kinds.fsdp1 import FlatParamLayout, flat_param_key, flat_param_layouts, shards
+from osdpipe.kinds.fsdp1 import (
+    FlatParamLayout,
+    flat_param_key,
+    flat_param_layouts,
+    shards,
+)
 from osdpipe.layout import LayoutSpec, LocalTensor, Segment
 from osdpipe.models import build_model
-from osdpipe.tree import describe
 
 WORLD_SIZES = (1, 2, 3, 4)
 #: Per world: 2-4 s to spawn, plus the wrapping of every combination on every rank.
@@ -87,76 +90,30 @@ def _combo_id(combo: tuple) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _clean(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module").rstrip(".")
-
-
 def _fsdp_metadata(combos: list[tuple], world_size: int) -> list[dict[str, Any]]:
-    """Wrap every combination with FSDP1 and return its metadata as plain data."""
+    """Wrap every combination with FSDP1 and return its units' FlatParameter metadata and (name, local shape) per parameter."""
     import warnings
 
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     from osdpipe import kinds
-
-    wrap = kinds.get("fsdp1").wrap
 
     warnings.simplefilter("ignore")  # FSDP1 deprecation, world-size-1 NO_SHARD switch
     torch.set_num_threads(1)
     out = []
     for combo in combos:
         factory, kwargs = MODELS[combo[0]]
-        model = build_model(factory, kwargs, seed=0)
-        wrapped = wrap(model, _spec(combo, world_size))
-        fsdp_modules = {id(m) for m in FSDP.fsdp_modules(wrapped)}
-        units = []
-        for name, module in wrapped.named_modules():
-            if not isinstance(module, FSDP):
-                continue
-            assert id(module) in fsdp_modules
-            handle = module._handle
-            if handle is None:  # a unit whose parameters all belong to nested units
-                continue
-            fp = handle.flat_param
-            units.append(
-                dict(
-                    unit=_clean(name),
-                    fqns=tuple(fp._fqns),
-                    numels_with_padding=tuple(int(n) for n in fp._numels_with_padding),
-                    is_padding_mask=tuple(bool(b) for b in fp._is_padding_mask),
-                    local_numel=fp.numel(),
-                    shard_param_infos=tuple(
-                        (i.in_shard, i.offset_in_shard, i.numel_in_shard, i.intra_param_start_idx, i.intra_param_end_idx)
-                        for i in fp._shard_param_infos
-                    ),
-                    sharded=handle.uses_sharded_strategy,
-                )
-            )
-        params = [(_clean(n), tuple(p.shape)) for n, p in wrapped.named_parameters()]
-        out.append(dict(units=units, params=params))
+        wrapped = kinds.get("fsdp1").wrap(build_model(factory, kwargs, seed=0), _spec(combo, world_size))
+        found = fsdp1_metadata(wrapped, with_values=False)
+        out.append(dict(units=found["units"], params=[(p["fqn"], p["local_shape"]) for p in found["params"]]))
     return out
-
-
-@functools.cache
-def _spawn_world(world_size: int) -> tuple[list[list[dict[str, Any]]] | None, str | None]:
-    try:
-        return run_local_world(_fsdp_metadata, world_size, (COMBOS, world_size), backend="gloo", timeout_s=WORLD_TIMEOUT_S), None
-    except Exception as exc:  # noqa: BLE001 - remembered, so that a broken world is not respawned for every combination
-        return None, f"{type(exc).__name__}: {exc}"
 
 
 def _world(world_size: int) -> list[list[dict[str, Any]]]:
     """Every rank's metadata for every combination (one spawned world per world size, failures included)."""
-    results, error = _spawn_world(world_size)
-    if error is not None:
-        pytest.fail(f"the FSDP1 world of {world_size} rank(s) failed: {error}", pytrace=False)
-    return results
+    return world_once("FSDP1", _fsdp_metadata, world_size, (COMBOS, world_size), WORLD_TIMEOUT_S)
 
 
-@functools.cache
 def _tree(label: str):
-    factory, kwargs = MODELS[label]
-    return describe(build_model(factory, kwargs, seed=0, device="meta"))
+    return tree_of(MODELS, label)
 
 
 def _diff(got: Any, want: Any) -> str:

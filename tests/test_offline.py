@@ -19,6 +19,7 @@ independently of osdpipe:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -147,7 +148,9 @@ def test_offline_dcp_output_is_online_bytes_and_resumes_on_a_real_world(full_sou
     assert files == sorted(str(p.relative_to(offline)) for p in (offline / "dcp").rglob("*") if p.is_file())
     for name in files:
         assert (online / name).read_bytes() == (offline / name).read_bytes(), name
-    assert json.loads((online / "manifest.json").read_text())["tensors"] == json.loads((offline / "manifest.json").read_text())["tensors"]
+    manifest = json.loads((offline / "manifest.json").read_text())
+    assert manifest["tensors"] == json.loads((online / "manifest.json").read_text())["tensors"]
+    assert manifest["files"] == {name: hashlib.sha256((offline / name).read_bytes()).hexdigest() for name in files}  # hashed as written
 
     _convert(full_source, wide, *args, "target.world_size=64", "runtime.mode=offline")
     assert len(list((wide / "dcp").glob("*.distcp"))) == 64

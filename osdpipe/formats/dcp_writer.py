@@ -21,7 +21,10 @@ osdpipe records neither, so the file depends on the conversion only.
 
 from __future__ import annotations
 
+import os
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -44,6 +48,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from osdpipe.digest import HashingFile
 from osdpipe.layout import chunk_bounds
 from osdpipe.tree import ModuleTree
 
@@ -91,11 +96,30 @@ class _RowShardPlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, keeping the sha256 of every file written through it (by name), taken as it is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sha256: dict[str, str] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = HashingFile(stream)
+            yield hashing
+        self.sha256[Path(path).name] = hashing.sha256.hexdigest()
+
+
 class _Writer(FileSystemWriter):
-    """DCP's file writer, minus what varies between runs of the same conversion (the directory, a random save ID)."""
+    """DCP's file writer, minus what varies between runs of the same conversion (the directory, a random save ID), hashing what it writes."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, single_file_per_rank=True, thread_count=1, overwrite=True)
+        self.fs = _HashingFileSystem()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta()
@@ -148,8 +172,11 @@ def plan(key: str, result: dict[str, Any], tree: ModuleTree, world_size: int) ->
     return GlobalPlan(_Writer(Path(".")).prepare_global_plan(plans), metadata)
 
 
-def write_rank(directory: Path, key: str, state: dict[str, Any], rank: int, global_plan: GlobalPlan) -> list[WriteResult]:
-    """Write rank ``rank``'s items (``state``: :func:`rank_state` with ``local``) into ``directory``; what it wrote where."""
+def write_rank(directory: Path, key: str, state: dict[str, Any], rank: int, global_plan: GlobalPlan) -> tuple[list[WriteResult], dict[str, str]]:
+    """Write rank ``rank``'s items (``state``: :func:`rank_state` with ``local``) into ``directory``.
+
+    Returns what it wrote where (for :func:`finish`), and the sha256 of each file it wrote, by name.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     planner = _RowShardPlanner()
     planner.set_up_planner({key: state}, None, rank == 0)
@@ -157,11 +184,11 @@ def write_rank(directory: Path, key: str, state: dict[str, Any], rank: int, glob
     writer.set_up_storage_writer(rank == 0, rank=rank)
     future = writer.write_data(planner.finish_plan(global_plan.plans[rank]), planner)
     future.wait()
-    return future.value()
+    return future.value(), writer.fs.sha256
 
 
-def finish(directory: Path, global_plan: GlobalPlan, results: list[list[WriteResult]]) -> None:
-    """Write ``.metadata`` once every rank has written (``results``: each rank's, in rank order).
+def finish(directory: Path, global_plan: GlobalPlan, results: list[list[WriteResult]]) -> str:
+    """Write ``.metadata`` once every rank has written (``results``: each rank's, in rank order); returns its sha256.
 
     Each rank's results are taken as a process group delivers them, through a
     pickle round trip. Pickle writes an object shared between two places once
@@ -169,4 +196,6 @@ def finish(directory: Path, global_plan: GlobalPlan, results: list[list[WriteRes
     the plan, results that came from other ranks do not. Copied, they never
     do, so ``.metadata`` is the same bytes online and offline.
     """
-    _Writer(directory).finish(global_plan.metadata, [pickle.loads(pickle.dumps(r)) for r in results])
+    writer = _Writer(directory)
+    writer.finish(global_plan.metadata, [pickle.loads(pickle.dumps(r)) for r in results])
+    return next(iter(writer.fs.sha256.values()))  # the one file it wrote: .metadata (under a temporary name)

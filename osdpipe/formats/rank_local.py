@@ -36,7 +36,13 @@ from osdpipe.compare import diff
 from osdpipe.formats import IdGroups, InputError, SourceMeta, TensorRef
 from osdpipe.formats.fsdp_full import check_optim_state_dict
 from osdpipe.formats.safe_load import load_torch_file
-from osdpipe.layout import DTENSOR_TABLE, LayoutSpec, LocalTensor, rank_layout
+from osdpipe.layout import (
+    DTENSOR_TABLE,
+    LayoutSpec,
+    LocalTensor,
+    rank_layout,
+    uncovered,
+)
 from osdpipe.optim import pattern_members
 from osdpipe.tree import ModuleTree
 
@@ -124,20 +130,6 @@ class _Piece:
     start: int
     length: int
     offset: int
-
-
-def _uncovered(start: int, end: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``[start, end)`` outside every interval of ``covered``."""
-    out, cursor = [], start
-    for lo, hi in sorted(covered):
-        if hi <= cursor or lo >= end:
-            continue
-        if lo > cursor:
-            out.append((cursor, lo))
-        cursor = max(cursor, hi)
-    if cursor < end:
-        out.append((cursor, end))
-    return out
 
 
 class RankLocalReader:
@@ -288,11 +280,11 @@ class RankLocalReader:
             for seg in self.tensor(r, pid).segments:
                 if seg.fqn != fqn:
                     continue
-                for lo, hi in _uncovered(seg.start, seg.start + seg.length, covered):
+                for lo, hi in uncovered(seg.start, seg.start + seg.length, covered):
                     pieces.append(_Piece(r, pid, lo, hi - lo, seg.dest + lo - seg.start))
                     covered.append((lo, hi))
         numel = self.tree.param(fqn).numel
-        gaps = _uncovered(0, numel, covered)
+        gaps = uncovered(0, numel, covered)
         if gaps:
             lo, hi = gaps[0]
             owners = [

@@ -25,7 +25,7 @@ from osdpipe import __version__, output
 from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.compare import diff
 from osdpipe.context import Context
-from osdpipe.digest import save_hashed, sha256_file, tensor_digests
+from osdpipe.digest import save_hashed, tensor_digests
 from osdpipe.stages import stage
 
 #: Where a ``dcp`` output's checkpoint directory goes, under ``output.path``.
@@ -67,10 +67,10 @@ def _write_dcp(ctx: Context, staging: Path) -> RankFiles:
     state = dcp_writer.rank_state(ctx.result, ctx.tree, ctx.world_size, ctx.rank, local=True)
     with ThreadPoolExecutor(max_workers=1) as pool:  # the tensors' digests from memory while DCP writes them
         digests = pool.submit(tensor_digests, ctx.result)
-        results = dcp_writer.write_rank(staging / DCP_DIR, key, state, ctx.rank, ctx.shared["dcp_plan"])
-    names = sorted({f"{DCP_DIR}/{r.storage_data.relative_path}" for r in results})
-    tensors = {f"{names[0]}:{k}": v for k, v in digests.result().items()} if names else {}
-    return RankFiles({n: sha256_file(staging / n) for n in names}, tensors, results)
+        results, file_digests = dcp_writer.write_rank(staging / DCP_DIR, key, state, ctx.rank, ctx.shared["dcp_plan"])
+    files = {f"{DCP_DIR}/{name}": digest for name, digest in sorted(file_digests.items())}
+    tensors = {f"{next(iter(files))}:{k}": v for k, v in digests.result().items()} if files else {}
+    return RankFiles(files, tensors, results)
 
 
 @stage("save")
@@ -120,8 +120,7 @@ def _commit(ctx: Context, staging: Path, per_rank: list[RankFiles]) -> dict[str,
     if fmt == "dcp":
         from osdpipe.formats import dcp_writer
 
-        dcp_writer.finish(staging / DCP_DIR, ctx.shared["dcp_plan"], [r.dcp_results for r in per_rank])
-        files[f"{DCP_DIR}/.metadata"] = sha256_file(staging / DCP_DIR / ".metadata")
+        files[f"{DCP_DIR}/.metadata"] = dcp_writer.finish(staging / DCP_DIR, ctx.shared["dcp_plan"], [r.dcp_results for r in per_rank])
         ctx.bytes_moved += (staging / DCP_DIR / ".metadata").stat().st_size
     manifest = {
         "osdpipe_version": __version__,

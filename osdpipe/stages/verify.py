@@ -32,7 +32,7 @@ from osdpipe.compare import bits_equal, diff
 from osdpipe.config import show_size
 from osdpipe.context import CheckResult, Context, SkippedCheck
 from osdpipe.formats import TensorRef
-from osdpipe.layout import LocalTensor
+from osdpipe.layout import LocalTensor, uncovered
 from osdpipe.reference import live_target, train_step
 from osdpipe.stages import stage
 
@@ -79,7 +79,7 @@ def check_roundtrip(ctx: Context) -> CheckResult:
                 if not bits_equal(got, want):
                     bad = int((got != want).nonzero()[0]) if (got != want).any() else 0
                     problems.append(f"{tensor.key}.{name}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
-            if any(bool(flat[lo:hi].any()) for lo, hi in _gaps([(s.dest, s.dest + s.length) for s in tensor.segments], flat.numel())):
+            if any(bool(flat[lo:hi].any()) for lo, hi in uncovered(0, flat.numel(), [(s.dest, s.dest + s.length) for s in tensor.segments])):
                 problems.append(f"{tensor.key}.{name}: padding is not zero")
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
@@ -102,22 +102,10 @@ def _coverage_gaps(ctx: Context) -> list[str]:
         if not any(isinstance(v, TensorRef) for v in entries.values()):
             continue
         numel = ctx.tree.param(fqn).numel
-        missing = sum(hi - lo for lo, hi in _gaps(held.get(fqn, []), numel))
+        missing = sum(hi - lo for lo, hi in uncovered(0, numel, held.get(fqn, [])))
         if missing:
             gaps.append(f"{fqn}: {missing} of {numel} elements are held by no target rank")
     return gaps
-
-
-def _gaps(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
-    """The parts of ``[0, size)`` that no ``[lo, hi)`` in ``ranges`` covers (ranges may overlap or repeat)."""
-    out, reached = [], 0
-    for lo, hi in sorted(ranges):
-        if lo > reached:
-            out.append((reached, lo))
-        reached = max(reached, hi)
-    if reached < size:
-        out.append((reached, size))
-    return out
 
 
 def _full_source(ctx: Context) -> dict[str, Any]:
