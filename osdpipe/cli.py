@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from osdpipe import __version__
+from osdpipe import __version__, rankserver
 from osdpipe.config import ConfigError, validate
-from osdpipe import rankserver
 from osdpipe.output import OutputError
 from osdpipe.pipeline import Report, execute
+from osdpipe.sweep import JobRecord, summarize_sweep
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -37,12 +39,17 @@ OPEN_DICTS = ("model.kwargs.", "optim.kwargs.")
 
 #: The exit code of every job of this invocation (one, or one per sweep job).
 _exit_codes: list[int] = []
+#: Every sweep job as it ended, for the sweep's summary: Hydra's basic launcher runs them in this process.
+_sweep_jobs: list[JobRecord] = []
+#: The errors the current job printed (the first is its outcome in a sweep's summary).
+_job_errors: list[str] = []
 
 # hydra.run.dir: output.path when given (nothing lands in the current directory), else outputs/<date>/<time>.
 OmegaConf.register_new_resolver("osdpipe_run_dir", lambda path, default: default if path is None else path, replace=True)
 
 
 def _error(message: str) -> None:
+    _job_errors.append(message)
     print(f"osdpipe: error: {message}", file=sys.stderr, flush=True)
 
 
@@ -71,6 +78,8 @@ def _is_rank0() -> bool:
 @hydra.main(version_base="1.3", config_path="pkg://osdpipe.conf", config_name="config")
 def run(cfg: DictConfig) -> bool:
     """One Hydra job: one conversion. Returns whether it succeeded (a sweep goes on after a failure)."""
+    _job_errors.clear()
+    start = time.perf_counter()
     try:
         code = _run_job(cfg)
     except Exception as exc:  # noqa: BLE001 - a bug in osdpipe: one line, the traceback on request
@@ -79,7 +88,19 @@ def run(cfg: DictConfig) -> bool:
         _internal_error(exc)
         code = EXIT_FAILED
     _exit_codes.append(code)
+    _record_sweep_job(cfg, code, time.perf_counter() - start)
     return code == EXIT_OK
+
+
+def _record_sweep_job(cfg: DictConfig, code: int, seconds: float) -> None:
+    """In a sweep, keep what the summary needs of this job, above all what no report.json says (a bad config writes none)."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return
+    output_dir = cfg.output.path if cfg.output.path is not None else hydra_cfg.runtime.output_dir
+    error = _job_errors[0] if _job_errors else None
+    record = JobRecord(hydra_cfg.job.num, tuple(hydra_cfg.overrides.task), code, error, seconds, str(output_dir), str(hydra_cfg.sweep.dir))
+    _sweep_jobs.append(record)
 
 
 def job_config(cfg: DictConfig, job_dir: str) -> dict:
@@ -167,6 +188,7 @@ def main() -> None:
     sys.argv = [sys.argv[0], *open_dict_overrides(args)]
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's errors reach the handler below, which says them in one line
     _exit_codes.clear()
+    _sweep_jobs.clear()
     try:
         run()
     except (HydraException, OmegaConfBaseException) as exc:
@@ -182,7 +204,23 @@ def main() -> None:
             traceback.print_exc()
         _internal_error(exc)
         sys.exit(EXIT_FAILED)
-    sys.exit(max(_exit_codes, default=EXIT_OK))  # a bad config (2) outranks a failed conversion (1)
+    code = max(_exit_codes, default=EXIT_OK)  # a bad config (2) outranks a failed conversion (1)
+    if _sweep_jobs and _is_rank0():
+        code = _summarize_sweep(code)
+    sys.exit(code)
+
+
+def _summarize_sweep(code: int) -> int:
+    """The sweep's table, sweep.json and sweep.png; a summary that cannot be written is an error (exit code at least 1)."""
+    try:
+        problem = summarize_sweep(_sweep_jobs, code)
+    except Exception as exc:  # noqa: BLE001 - a bug in the summary: one line; the jobs' reports are in place
+        _internal_error(exc)
+        return max(code, EXIT_FAILED)
+    if problem is None:
+        return code
+    _error(problem)
+    return max(code, EXIT_FAILED)
 
 
 if __name__ == "__main__":
