@@ -10,11 +10,14 @@ RSS comes from ``getrusage``.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import resource
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _STATUS = Path("/proc/self/status")
 #: How often the anonymous size is sampled: short next to a tensor copy of a few hundred MB.
@@ -81,3 +84,30 @@ class MemoryWatch:
         now = _status_bytes("RssAnon")  # a peak at the very end is not missed
         peak = None if self.peak is None else max(self.peak, now or 0)
         return MemoryPeak(self.process, _peak_rss(), peak, self.baseline)
+
+
+_PAGE = mmap.PAGESIZE
+_libc: ctypes.CDLL | None = None
+
+
+def drop_mapped_pages(view: Any) -> None:
+    """Let go of the whole pages under ``view``, a tensor read from a memory-mapped file that nothing wrote to.
+
+    Pages of a file mapped with ``mmap`` stay in the process's RSS once
+    touched, so converting a large file would end with all of it resident.
+    ``MADV_DONTNEED`` drops them from this process (the page cache keeps
+    them, and a later touch maps them again). Only for file-backed pages that
+    were never written: anonymous memory would read back as zeros. Partial
+    pages at the ends stay; where the call is not available, nothing happens.
+    """
+    global _libc
+    if sys.platform != "linux" or view.numel() == 0:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = view.data_ptr()
+    end = start + view.numel() * view.element_size()
+    first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    if last > first:
+        _libc.madvise(first, last - first, mmap.MADV_DONTNEED)

@@ -82,6 +82,18 @@ class SourceReader(Protocol):
         """The full tensors of state ``name`` of parameter ``fqn`` for each ``(fqn, name)``."""
         ...
 
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened state ``name`` of parameter ``fqn``, as a 1-D tensor not to be written to.
+
+        A memory-mapped reader gives a view of the file; the others read no
+        more than the stored pieces that hold the range.
+        """
+        ...
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        """Done with that range: a memory-mapped reader lets its pages go (see :func:`~osdpipe.memory.drop_mapped_pages`)."""
+        ...
+
 
 class RenamedReader:
     """A reader asked by canonical FQN for a checkpoint that names some parameters otherwise (see :attr:`SourceMeta.names`)."""
@@ -95,6 +107,27 @@ class RenamedReader:
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         got = self.reader.read([(self.names.get(fqn, fqn), name) for fqn, name in items])
         return {(fqn, name): got[(self.names.get(fqn, fqn), name)] for fqn, name in items}
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.reader.read_range(self.names.get(fqn, fqn), name, start, stop)
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        self.reader.release(self.names.get(fqn, fqn), name, start, stop)
+
+
+def mapped_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a tensor's flattened view: a view when it is contiguous, else a copy of just that range."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)[start:stop]
+    return tensor.reshape(-1)[start:stop].clone()  # reshape copies the whole tensor: rare (a file of strided views)
+
+
+def release_mapped(tensor: torch.Tensor, start: int, stop: int) -> None:
+    """Drop the file pages under ``[start, stop)`` of a memory-mapped tensor (nothing for a strided one, which was copied)."""
+    if tensor.is_contiguous():
+        from osdpipe.memory import drop_mapped_pages
+
+        drop_mapped_pages(tensor.view(-1)[start:stop])
 
 
 def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:

@@ -263,6 +263,8 @@ class DcpReader:
         self.metadata: Metadata = read_dcp_metadata(directory / ".metadata")
         check_structure(self.metadata, directory, key)
         self.paths: dict[str, tuple[Any, ...]] = dict(self.metadata.planner_data)
+        self._kept: tuple[MetadataIndex, torch.Tensor] | None = None  # read_range: the last chunk read
+        self._whole_kept: tuple[tuple[str, str], torch.Tensor] | None = None  # read_range: the last tensor read whole
         if not any(p[:1] == (key,) for p in self.paths.values()):
             tops = sorted({str(p[0]) for p in self.paths.values() if p})
             raise InputError(f"DCP checkpoint {path} has no top-level key {key!r} (it has {tops}); set input.key")
@@ -327,3 +329,56 @@ class DcpReader:
         wanted = {self._flat_key("state", fqn, name): (fqn, name) for fqn, name in items}
         loaded = self._load(set(wanted)).get(self.key, {}).get("state", {})
         return {(fqn, name): loaded[fqn][name] for fqn, name in wanted.values()}
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        """The range, read from the stored chunks that hold it (one chunk is kept for the next range).
+
+        A chunk is read whole: DCP stores each as a ``torch.save`` archive of
+        its own. Where a chunk does not span whole rows (not a dim-0 piece) or
+        its bytes are transformed (compressed), the whole tensor is read once
+        and kept until another tensor is asked for.
+        """
+        flat = self._flat_key("state", fqn, name)
+        md = self.metadata.state_dict_metadata[flat]
+        size = tuple(md.size)
+        row = math.prod(size[1:])
+        chunks = sorted(md.chunks, key=lambda c: tuple(c.offsets))
+        rows_only = all(tuple(c.offsets[1:]) == (0,) * (len(size) - 1) and tuple(c.sizes[1:]) == size[1:] for c in chunks)
+        if not rows_only or any(self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors for c in chunks):
+            return self._whole(fqn, name).view(-1)[start:stop]
+        out = torch.empty(stop - start, dtype=md.properties.dtype)
+        for c in chunks:
+            lo, hi = max(start, c.offsets[0] * row), min(stop, (c.offsets[0] + c.sizes[0]) * row)
+            if lo < hi:
+                base = c.offsets[0] * row
+                out[lo - start : hi - start] = self._chunk(flat, c).view(-1)[lo - base : hi - base]
+        return out
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        """Nothing is mapped: what was read is dropped when the next range needs another chunk."""
+
+    def _chunk(self, flat: str, chunk: Any) -> torch.Tensor:
+        """One stored chunk of ``flat``, read from its item (the last one read is kept)."""
+        index = MetadataIndex(flat, torch.Size(chunk.offsets))
+        if self._kept is not None and self._kept[0] == index:
+            return self._kept[1]
+        self._kept = None  # freed before the next is read: one chunk in memory at a time
+        info = self.metadata.storage_data[index]
+        where = f"the item at bytes {info.offset}..{info.offset + info.length} of {Path(self.path) / info.relative_path}"
+        try:
+            with open(Path(self.path) / info.relative_path, "rb") as f:
+                tensor = torch.load(Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch.load raises several types for a damaged item
+            raise torch_load_error(where, exc, RECOPY_DIR) from exc
+        if not torch.is_tensor(tensor) or tuple(tensor.shape) != tuple(chunk.sizes) or tensor.dtype != self.metadata.state_dict_metadata[flat].properties.dtype:
+            raise damaged(where, f"it does not hold the {tuple(chunk.sizes)} chunk of {flat} the metadata describes", RECOPY_DIR)
+        self._kept = (index, tensor.contiguous())
+        return self._kept[1]
+
+    def _whole(self, fqn: str, name: str) -> torch.Tensor:
+        """The whole tensor, read once and kept until another is asked for."""
+        key = (fqn, name)
+        if self._whole_kept is None or self._whole_kept[0] != key:
+            self._whole_kept = None
+            self._whole_kept = (key, self.read([key])[key].contiguous())
+        return self._whole_kept[1]

@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from osdpipe.formats import InputError, SourceMeta, describe_value
+from osdpipe.formats import (
+    InputError,
+    SourceMeta,
+    describe_value,
+    mapped_range,
+    release_mapped,
+)
 from osdpipe.formats.safe_load import load_torch_file
 
 
@@ -76,6 +82,12 @@ class FullReader:
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         state = self.osd["state"]
         return {(fqn, name): state[fqn][name] for fqn, name in items}
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        return mapped_range(self.osd["state"][fqn][name], start, stop)
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        release_mapped(self.osd["state"][fqn][name], start, stop)
 
 
 def save_full(osd: dict[str, Any], path: str) -> None:

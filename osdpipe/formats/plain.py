@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from osdpipe.formats import IdGroups, InputError, SourceMeta, describe_value
+from osdpipe.formats import (
+    IdGroups,
+    InputError,
+    SourceMeta,
+    describe_value,
+    mapped_range,
+    release_mapped,
+)
 from osdpipe.formats.fsdp_full import load_full
 from osdpipe.idmap import StateShapes, map_ids
 from osdpipe.tree import ModuleTree
@@ -81,3 +88,13 @@ class PlainReader:
         self.fqn_of()  # every rank maps the IDs itself: meta() ran on rank 0 only
         state = self.osd["state"]
         return {(fqn, name): state[self._id_of[self.tree.canonical(fqn)]][name] for fqn, name in items}
+
+    def _tensor(self, fqn: str, name: str) -> torch.Tensor:
+        self.fqn_of()
+        return self.osd["state"][self._id_of[self.tree.canonical(fqn)]][name]
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        return mapped_range(self._tensor(fqn, name), start, stop)
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        release_mapped(self._tensor(fqn, name), start, stop)

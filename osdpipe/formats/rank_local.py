@@ -25,6 +25,7 @@ for it is an error, never zeros: FSDP's own gather refuses such a state too.
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,14 @@ from typing import Any
 import torch
 
 from osdpipe.compare import diff
-from osdpipe.formats import IdGroups, InputError, SourceMeta, TensorRef
+from osdpipe.formats import (
+    IdGroups,
+    InputError,
+    SourceMeta,
+    TensorRef,
+    mapped_range,
+    release_mapped,
+)
 from osdpipe.formats.fsdp_full import check_optim_state_dict
 from osdpipe.formats.safe_load import load_torch_file
 from osdpipe.layout import (
@@ -317,17 +325,38 @@ class RankLocalReader:
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         out = {}
         for fqn, name in items:
-            entry = self.index.get(self.tree.canonical(fqn))
-            ref = entry["values"].get(name) if entry else None
-            if not isinstance(ref, TensorRef):
-                raise KeyError(f"the rank_local input has no tensor state {name!r} for {fqn}")
-            # Every element is written below: the index proved the pieces cover the parameter.
-            flat = torch.empty(ref.shape, dtype=ref.torch_dtype).view(-1)
-            for p in entry["pieces"][name]:
-                local = self._osd(p.rank)["state"][p.pid][name].reshape(-1)
-                flat[p.start : p.start + p.length] = local[p.offset : p.offset + p.length]
-            out[(fqn, name)] = flat.view(ref.shape)
+            ref = self._ref(fqn, name)
+            out[(fqn, name)] = self.read_range(fqn, name, 0, math.prod(ref.shape)).view(ref.shape)
         return out
+
+    def _ref(self, fqn: str, name: str) -> TensorRef:
+        entry = self.index.get(self.tree.canonical(fqn))
+        ref = entry["values"].get(name) if entry else None
+        if not isinstance(ref, TensorRef):
+            raise KeyError(f"the rank_local input has no tensor state {name!r} for {fqn}")
+        return ref
+
+    def _overlaps(self, fqn: str, name: str, start: int, stop: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        """``(local tensor, offset, lo, hi)`` for each stored piece that holds elements ``[lo, hi)`` of ``[start, stop)``."""
+        self._ref(fqn, name)
+        out = []
+        for p in self.index[self.tree.canonical(fqn)]["pieces"][name]:
+            lo, hi = max(start, p.start), min(stop, p.start + p.length)
+            if lo < hi:
+                out.append((self._osd(p.rank)["state"][p.pid][name], p.offset + lo - p.start, lo, hi))
+        return out
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        ref = self._ref(fqn, name)
+        # Every element is written below: the index proved the pieces cover the parameter.
+        flat = torch.empty(stop - start, dtype=ref.torch_dtype)
+        for local, offset, lo, hi in self._overlaps(fqn, name, start, stop):
+            flat[lo - start : hi - start] = mapped_range(local, offset, offset + hi - lo)
+        return flat
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        for local, offset, lo, hi in self._overlaps(fqn, name, start, stop):
+            release_mapped(local, offset, offset + hi - lo)
 
 
 def _local_tensors(osd: dict[str, Any]) -> dict[str, Any]:

@@ -307,9 +307,12 @@ class Window(io.RawIOBase):
         return data
 
     def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
+        view = memoryview(buffer).cast("B")
+        size = min(len(view), max(0, self.length - self.pos))
+        self.base.seek(self.offset + self.pos)
+        got = self.base.readinto(view[:size])  # straight into the caller's buffer: a large tensor is not held twice
+        self.pos += got
+        return got
 
 
 # ---------------------------------------------------------------- DCP metadata
