@@ -61,7 +61,8 @@ def summarize(report: Report, output: str) -> str:
     """A short human summary of a successful run for the terminal."""
     lines = [f"osdpipe: OK  ->  {output}"]
     for s in report.stages:
-        lines.append(f"  {s.name:<10} {s.seconds:8.3f} s  {s.bytes:>12,d} B")
+        sent = f"  {s.sent:>12,d} B sent to other ranks" if s.sent else ""
+        lines.append(f"  {s.name:<10} {s.seconds:8.3f} s  {s.bytes:>12,d} B{sent}")
     for c in report.checks:
         lines.append(f"  check {c.name:<10} {'pass' if c.ok else 'FAIL'}  {c.detail}")
     if report.memory:

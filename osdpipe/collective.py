@@ -54,20 +54,20 @@ def agree(stage: str, error: str | None) -> None:
         raise StageError(stage, failures)
 
 
-def from_rank0(stage: str, compute: Callable[[], T]) -> T:
-    """Compute on rank 0 and broadcast the result; an error on rank 0 is raised on every rank."""
+def from_rank0(stage: str, compute: Callable[[], T], src: int = 0) -> T:
+    """Compute on rank ``src`` (default 0) and broadcast the result; an error there is raised on every rank."""
     if not _initialized():
         return compute()
     box: list[Any] = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank() == src:
         try:
             box[0] = (True, compute())
         except Exception as exc:  # noqa: BLE001 - it is re-raised on every rank below
             box[0] = (False, one_line(exc))
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=src)
     ok, value = box[0]
     if not ok:
-        raise StageError(stage, {0: value})
+        raise StageError(stage, {src: value})
     return value
 
 

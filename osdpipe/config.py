@@ -135,7 +135,11 @@ class OptimConfig(_Frozen):
 
     @model_validator(mode="after")
     def _known_hyperparameters(self) -> OptimConfig:
-        from osdpipe.optim import accepted_hyperparameters, optimizer_label, resolve_optimizer
+        from osdpipe.optim import (
+            accepted_hyperparameters,
+            optimizer_label,
+            resolve_optimizer,
+        )
 
         accepted = accepted_hyperparameters(resolve_optimizer(self.name))
         label = optimizer_label(self.name)
@@ -222,6 +226,10 @@ def show_size(n: int) -> str:
     return f"{n}B"
 
 
+#: The least ``runtime.memory_budget`` can be: two batches of 62 eight-byte elements.
+MIN_MEMORY_BUDGET = 1000
+
+
 class PipelineConfig(_Frozen):
     """Which stages run, in which order, and which verify checks."""
 
@@ -262,6 +270,25 @@ class RuntimeConfig(_Frozen):
     timeout_s: float = Field(default=300.0, gt=0)
     progress: bool = True
     debug: bool = False  # print tracebacks with errors
+    #: ``shared``: every rank reads the input itself. ``scatter``: one rank per host reads it and sends
+    #: each other rank exactly its ranges through the process group (the input on one node's local disk).
+    transfer: Literal["shared", "scatter"] = "shared"
+    #: Bytes a rank may hold in flight beyond its own output (reads, messages); ``None``: no bound.
+    #: Conversion then copies, sends and checks in pieces of at most half of it.
+    memory_budget: int | None = None
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> int | None:
+        size = parse_size(value)
+        if size is not None and size < MIN_MEMORY_BUDGET:
+            raise ValueError(f"a memory budget of {show_size(size)} leaves no room to copy; give at least {show_size(MIN_MEMORY_BUDGET)}")
+        return size
+
+    @property
+    def piece_bytes(self) -> int | None:
+        """The most bytes one read, message or comparison holds at once (``None``: a whole local tensor)."""
+        return None if self.memory_budget is None else self.memory_budget // 2
 
 
 class RunSpec(_Frozen):
@@ -323,6 +350,8 @@ class RunSpec(_Frozen):
                 f"output.format=plain is the state of a model every rank holds whole; target.kind={self.target.kind} shards it: "
                 "set target.kind=none (and target.world_size=1) or ddp, or another output.format"
             )
+        if self.runtime.mode == "offline" and self.runtime.transfer == "scatter":
+            raise ValueError("runtime.transfer=scatter sends bytes between the ranks of a world; runtime.mode=offline has one process: set runtime.transfer=shared")
         if self.runtime.mode == "offline" and self.runtime.launcher == "torchrun":
             raise ValueError("runtime.mode=offline runs in one process, with no process group; set runtime.launcher=auto or local")
         if self.target.kind == "none" and self.output.format != "plain":

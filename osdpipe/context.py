@@ -11,6 +11,7 @@ from osdpipe.config import RunSpec
 from osdpipe.formats import SourceMeta, SourceReader
 from osdpipe.layout import LocalTensor, dim0_layout, full_layout, rank_layout
 from osdpipe.optim import group_members
+from osdpipe.transfer import Source
 from osdpipe.tree import ModuleTree
 
 
@@ -55,6 +56,9 @@ class Context:
     optimizer_keys: dict[int, set[str]] = field(default_factory=dict)  # verify: per target rank, the keys its optimizer holds
     files: dict[str, str] = field(default_factory=dict)  # save: relative name -> sha256
     bytes_moved: int = 0  # reset per stage
+    bytes_sent: int = 0  # reset per stage: bytes this rank sent to others through the process group
+    reading_ranks: list[int] | None = None  # load: per rank, the rank that reads its ranges of the input (None: each reads its own)
+    sent_digests: dict[int, dict[tuple[str, str, int], str]] = field(default_factory=dict)  # shard, scatter: per receiver, each batch's sha256
     offline: bool = False  # one process plays every target rank in turn (runtime.mode=offline); no process group
     saved: Any = None  # save, offline: this rank's RankFiles, committed after the last rank
     shared: dict[str, Any] = field(default_factory=dict)  # products the same for every target rank this process plays (offline: all of them), made once
@@ -75,6 +79,27 @@ class Context:
             self.warnings.append(f"the source holds NaN or Inf, converted as they are (input.allow_nonfinite=true): {shown}")
         elif here:
             raise ValueError(f"the source holds NaN or Inf: {shown}; mend the checkpoint, or set input.allow_nonfinite=true to convert them as they are")
+
+    @property
+    def reads_itself(self) -> bool:
+        """Whether this rank reads its ranges of the input (else a reading rank sends them: ``runtime.transfer=scatter``)."""
+        return self.reading_ranks is None or self.reading_ranks[self.rank] == self.rank
+
+    @property
+    def first_reader(self) -> int:
+        """The lowest rank that reads the input: it describes the source to the others."""
+        return 0 if self.reading_ranks is None else min(self.reading_ranks)
+
+    def receivers(self) -> list[int]:
+        """The ranks this rank reads for, besides itself, in rank order."""
+        if self.reading_ranks is None:
+            return []
+        return [r for r, reader in enumerate(self.reading_ranks) if reader == self.rank and r != self.rank]
+
+    def source(self) -> Source:
+        """This rank's reader, with the piece size ``runtime.memory_budget`` allows."""
+        assert self.reader is not None, "the load stage opens the reader"
+        return Source(self.reader, self.spec.runtime.piece_bytes)
 
     def target_groups(self, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
         """This rank's target optimizer's param groups as indices into ``layout``.

@@ -33,10 +33,22 @@ class HashingFile:
         return getattr(self.file, name)
 
 
+def tensor_bytes(value: torch.Tensor) -> Any:
+    """A tensor's bytes in row-major order, as a buffer ``hashlib`` takes (no copy for a contiguous CPU tensor)."""
+    return value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 def tensor_sha256(value: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes in row-major order (no copy for a contiguous CPU tensor)."""
-    flat = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy()).hexdigest()
+    """sha256 of a tensor's bytes in row-major order."""
+    return hashlib.sha256(tensor_bytes(value)).hexdigest()
+
+
+def pieces_sha256(pieces: list[torch.Tensor]) -> str:
+    """sha256 of tensors' bytes one after the other: the digest of what they hold together, without joining them."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(tensor_bytes(piece))
+    return h.hexdigest()
 
 
 def tensor_digests(osd: dict[str, Any]) -> dict[str, str]:

@@ -18,6 +18,7 @@ of real FSDP.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -162,6 +163,35 @@ def uncovered(start: int, end: int, covered: list[tuple[int, int]]) -> list[tupl
         cursor = max(cursor, hi)
     if cursor < end:
         out.append((cursor, end))
+    return out
+
+
+def batches(segments: Iterable[Segment], limit: int | None) -> list[tuple[Segment, ...]]:
+    """The segments in ``dest`` order, cut into parts of at most ``limit`` elements and packed, in order, into batches of at most ``limit``.
+
+    A batch is what one read, one message or one comparison holds at once, so
+    ``limit`` is how ``runtime.memory_budget`` bounds the bytes in flight.
+    ``limit=None``: one batch of every segment, uncut. Empty segments are dropped.
+    """
+    ordered = [s for s in sorted(segments, key=lambda s: s.dest) if s.length > 0]
+    if limit is None:
+        return [tuple(ordered)] if ordered else []
+    if limit < 1:
+        raise ValueError(f"a batch holds at least one element, not {limit}")
+    out: list[tuple[Segment, ...]] = []
+    current: list[Segment] = []
+    size = 0
+    for seg in ordered:
+        done = 0
+        while done < seg.length:
+            take = min(seg.length - done, limit - size)
+            current.append(Segment(seg.fqn, seg.start + done, take, seg.dest + done))
+            size, done = size + take, done + take
+            if size == limit:
+                out.append(tuple(current))
+                current, size = [], 0
+    if current:
+        out.append(tuple(current))
     return out
 
 

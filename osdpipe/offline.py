@@ -26,7 +26,7 @@ from osdpipe.config import RunSpec
 from osdpipe.context import Context
 from osdpipe.memory import MemoryWatch
 from osdpipe.models import build_model
-from osdpipe.pipeline import Report, StageReport
+from osdpipe.pipeline import Report, StageReport, state_bytes
 from osdpipe.progress import Display
 from osdpipe.stages import STAGES
 from osdpipe.stages.save import commit_offline
@@ -48,7 +48,7 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
     tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
     seconds: dict[str, float] = {name: 0.0 for name in spec.pipeline.stages}
     moved: dict[str, int] = {name: 0 for name in spec.pipeline.stages}
-    checks, saved, warnings = [], [], []
+    checks, saved, warnings, output_bytes = [], [], [], []
     shared: tuple = ()
     same_for_every_rank: dict = {}
     display.phase(f"offline: {world} target rank(s)")
@@ -74,6 +74,7 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
             shared = (ctx.reader, ctx.meta)
             checks.append(ctx.checks)
             saved.append(ctx.saved)
+            output_bytes.append(state_bytes(ctx.local_state))
             warnings += [w for w in ctx.warnings if w not in warnings]
             display(("items", rank + 1, world))
     finally:
@@ -89,4 +90,7 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
         seconds["save"] += time.perf_counter() - start
         moved["save"] += ctx.bytes_moved
     stages = [StageReport(name, round(seconds[name], 6), moved[name]) for name in spec.pipeline.stages]
-    return Report(ok=ok, stages=stages, checks=combined, skipped_checks=ctx.skipped_checks, files=files, warnings=warnings, memory=[peak])
+    return Report(
+        ok=ok, stages=stages, checks=combined, skipped_checks=ctx.skipped_checks, files=files, warnings=warnings, memory=[peak],
+        memory_budget=spec.runtime.memory_budget, output_bytes=output_bytes,
+    )

@@ -29,9 +29,12 @@ from osdpipe.tree import describe
 
 @dataclass
 class StageReport:
+    """One stage: its seconds (the slowest rank's), the bytes its ranks read or wrote, and those they sent each other."""
+
     name: str
     seconds: float
     bytes: int
+    sent: int = 0  # through the process group: metadata in broadcast, tensor bytes in shard with runtime.transfer=scatter
 
 
 @dataclass
@@ -46,6 +49,8 @@ class Report:
     files: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     memory: list[MemoryPeak] = field(default_factory=list)  # each rank's (offline: the process's) peak memory, in bytes
+    memory_budget: int | None = None  # runtime.memory_budget: bytes a rank may hold in flight beyond its output
+    output_bytes: list[int] = field(default_factory=list)  # each rank's (offline: each target rank's) converted tensor bytes
     traceback: str | None = None  # where ``error`` was raised, for runtime.debug and bug reports
 
     @property
@@ -75,7 +80,7 @@ def run_stages(ctx: Context) -> Report:
         for name in ctx.spec.pipeline.stages:
             if ctx.rank == 0:
                 progress.emit("phase", f"stage {name}")
-            ctx.bytes_moved = 0
+            ctx.bytes_moved = ctx.bytes_sent = 0
             start = time.perf_counter()
             error = None
             try:
@@ -85,16 +90,26 @@ def run_stages(ctx: Context) -> Report:
             except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
                 error = one_line(exc)
             agree(name, error)
-            timings.append((name, time.perf_counter() - start, ctx.bytes_moved))
+            timings.append((name, time.perf_counter() - start, ctx.bytes_moved, ctx.bytes_sent))
     finally:
         peak = watch.stop()  # its sampling thread must not outlive a failed run in a caller's process (the Python API)
     per_rank = gather_to_all(timings)
     memory = gather_to_all(peak)
+    output_bytes = gather_to_all(state_bytes(ctx.local_state))
     stages = [
-        StageReport(name, round(max(r[i][1] for r in per_rank), 6), sum(r[i][2] for r in per_rank)) for i, (name, _, _) in enumerate(timings)
+        StageReport(name, round(max(r[i][1] for r in per_rank), 6), sum(r[i][2] for r in per_rank), sum(r[i][3] for r in per_rank))
+        for i, name in enumerate(t[0] for t in timings)
     ]
     ok = all(c.ok for c in ctx.checks)
-    return Report(ok=ok, stages=stages, checks=ctx.checks, skipped_checks=ctx.skipped_checks, files=ctx.files, warnings=ctx.warnings, memory=memory)
+    return Report(
+        ok=ok, stages=stages, checks=ctx.checks, skipped_checks=ctx.skipped_checks, files=ctx.files, warnings=ctx.warnings, memory=memory,
+        memory_budget=ctx.spec.runtime.memory_budget, output_bytes=output_bytes,
+    )
+
+
+def state_bytes(local_state: dict[str, dict]) -> int:
+    """The bytes of the tensors a rank converted: its own output, which a memory budget does not count."""
+    return sum(v.numel() * v.element_size() for state in local_state.values() for v in state.values() if hasattr(v, "numel") and v.dim() > 0)
 
 
 def make_context(spec: RunSpec, input_path: str, input_format: str) -> Context:

@@ -121,9 +121,11 @@ def _tamper_and_verify(spec: RunSpec, source: str, tamper: str) -> list[tuple[st
     return [(c.name, c.ok, c.detail) for c in ctx.checks]
 
 
+@pytest.mark.parametrize("transfer", ["shared", "scatter"])
 @pytest.mark.parametrize("tamper", ["none", "element", "step", "padding"])
-def test_verify_fails_when_one_element_is_wrong(tamper, nested_sources, tmp_path):
-    spec = spec_for(tmp_path, target={"world_size": 2, "wrap": ["Block"]})
+def test_verify_fails_when_one_element_is_wrong(tamper, transfer, nested_sources, tmp_path):
+    """With ``scatter``, rank 1's bytes came from rank 0: its roundtrip compares them with rank 0's digests of the source."""
+    spec = spec_for(tmp_path, target={"world_size": 2, "wrap": ["Block"]}, runtime={"transfer": transfer, "memory_budget": "1KB" if transfer == "scatter" else None})
     checks = {name: (ok, detail) for name, ok, detail in run_local_world(_tamper_and_verify, 2, (spec, nested_sources[2], tamper), timeout_s=TIMEOUT_S)[0]}
     if tamper == "none":
         assert all(ok for ok, _ in checks.values()), checks
@@ -132,6 +134,11 @@ def test_verify_fails_when_one_element_is_wrong(tamper, nested_sources, tmp_path
     assert "rank 1" in checks["roundtrip"][1]
     if tamper == "padding":
         assert "padding is not zero" in checks["roundtrip"][1], checks
+    if tamper == "element" and transfer == "scatter":
+        assert "differ from what rank 0 read from the source" in checks["roundtrip"][1], checks
+    if transfer == "scatter":
+        assert "reference" not in checks  # it needs the whole source on every rank
+        return
     # PyTorch pads with zeros too, so its reference differs from every tampered result.
     assert not checks["reference"][0], f"reference missed a changed {tamper}: {checks}"
 

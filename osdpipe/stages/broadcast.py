@@ -1,7 +1,7 @@
-"""broadcast: rank 0 reads the source's metadata and shares it; every rank checks it against the model.
+"""broadcast: the first reading rank reads the source's metadata and shares it; every rank checks it against the model.
 
 Only metadata travels (names, shapes, dtypes, scalar state, param groups);
-tensor bytes never do: each rank reads its own ranges in the shard stage.
+tensor bytes travel in the shard stage, and only with ``runtime.transfer=scatter``.
 NaN or Inf in scalar state (a ``step``) is found here, in tensor state where
 shard reads it (see :meth:`~osdpipe.context.Context.nonfinite_in_source`).
 """
@@ -78,11 +78,12 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
 
 @stage("broadcast")
 def broadcast(ctx: Context) -> None:
-    assert ctx.reader is not None, "the load stage must run before broadcast"
-    meta = from_rank0("broadcast", ctx.reader.meta)
-    ctx.bytes_moved += len(pickle.dumps(meta)) * (ctx.world_size - 1)
+    assert ctx.reader is not None or not ctx.reads_itself, "the load stage must run before broadcast"
+    meta = from_rank0("broadcast", lambda: ctx.reader.meta(), src=ctx.first_reader)
+    if ctx.rank == ctx.first_reader:
+        ctx.bytes_sent += len(pickle.dumps(meta)) * (ctx.world_size - 1)
     ctx.meta = canonical_meta(meta, ctx.tree)
-    if ctx.meta.names:  # the checkpoint names parameters otherwise (module., _orig_mod., an alias): read by its names
+    if ctx.meta.names and ctx.reader is not None:  # the checkpoint names parameters otherwise (module., _orig_mod., an alias): read by its names
         ctx.reader = RenamedReader(ctx.reader, ctx.meta.names)
     ctx.nonfinite_in_source(nonfinite_scalars(ctx.meta))
 

@@ -1,17 +1,22 @@
 """load: open the source checkpoint on every rank, lazily.
 
-Readers memory-map (``fsdp_full``) or read keys on demand (``dcp``), so opening
-costs no tensor bytes; the shard stage reads only the ranges a rank needs.
+Readers memory-map (``fsdp_full``, ``plain``, ``rank_local``) or read stored
+chunks on demand (``dcp``), so opening costs no tensor bytes; the shard stage
+reads only the ranges a rank needs. With ``runtime.transfer=scatter`` only one
+rank per host opens it (see :mod:`osdpipe.transfer`).
 """
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
+from osdpipe.collective import gather_to_all
 from osdpipe.config import RunSpec
 from osdpipe.context import Context
 from osdpipe.formats import IdGroups, open_source
 from osdpipe.stages import stage
+from osdpipe.transfer import reading_ranks
 
 
 def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
@@ -27,10 +32,12 @@ def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
 
 @stage("load")
 def load(ctx: Context) -> None:
-    if not Path(ctx.input_path).exists():
-        raise FileNotFoundError(
-            f"rank {ctx.rank} cannot see {ctx.input_path}; every rank reads the input itself, so put it on a filesystem all ranks share"
-        )
+    """Decide which ranks read the input (``runtime.transfer``), and open it on those."""
+    if not ctx.offline:  # offline, the one process reads for every rank it plays
+        seen = gather_to_all((socket.gethostname(), Path(ctx.input_path).exists()))
+        ctx.reading_ranks = reading_ranks([h for h, _ in seen], [v for _, v in seen], ctx.spec.runtime.transfer, ctx.input_path)
+    if not ctx.reads_itself:
+        return
     spec = ctx.spec
     groups = source_id_groups(spec, ctx.input_format)
     ctx.reader = open_source(ctx.input_format, ctx.input_path, spec.input.key, tree=ctx.tree, source=spec.source.spec(), id_groups=groups)

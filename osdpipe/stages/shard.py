@@ -1,9 +1,11 @@
 """shard: cut this rank's piece of every target tensor out of the source, and pad it.
 
-Each local tensor starts as zeros (the padding), then every segment of the
-layout is copied from the same range of the source parameter's flattened
-view. The source is read per parameter, and only the parameters this rank's
-segments touch.
+Every segment of the layout is copied from the same range of the source
+parameter's flattened view, and only those ranges are read; the rest
+(padding, parameters without state) is zero. A rank that reads for others
+(``runtime.transfer=scatter``) first sends each of them its ranges
+(:mod:`osdpipe.transfer`); under ``runtime.memory_budget`` every copy, read
+and message is a batch of at most half the budget.
 
 This is where the source's tensor bytes are first read, so this is where NaN
 and Inf in the source are found: each rank checks what it copied (together,
@@ -20,37 +22,11 @@ import torch
 
 from osdpipe.collective import gather_to_all
 from osdpipe.context import Context
-from osdpipe.formats import TensorRef
 from osdpipe.layout import LocalTensor
 from osdpipe.progress import track
 from osdpipe.stages import stage
-
-
-def materialize(tensor: LocalTensor, entry: dict[str, Any], source: dict[tuple[str, str], torch.Tensor]) -> tuple[dict[str, Any], int]:
-    """Fill the state of one local tensor from full source tensors (zeros where a parameter has none).
-
-    Returns the state and the number of bytes copied from the source.
-    """
-    out: dict[str, Any] = {}
-    copied = 0
-    for name, value in entry.items():
-        if not isinstance(value, TensorRef):
-            out[name] = value
-            continue
-        flat = torch.empty(tensor.numel, dtype=value.torch_dtype)  # every element is written once: copied, or zeroed as padding
-        filled = 0
-        for seg in sorted(tensor.segments, key=lambda seg: seg.dest):
-            flat[filled : seg.dest].zero_()
-            src = source.get((seg.fqn, name))
-            if src is None:
-                flat[seg.dest : seg.dest + seg.length].zero_()
-            else:
-                flat[seg.dest : seg.dest + seg.length] = src.reshape(-1)[seg.start : seg.start + seg.length]
-                copied += seg.length * flat.element_size()
-            filled = seg.dest + seg.length
-        flat[filled:].zero_()
-        out[name] = flat.view(tensor.shape)
-    return out, copied
+from osdpipe.stages.flatten import flat_entry
+from osdpipe.transfer import Server, allocate, fill, plan, receive
 
 
 def nonfinite(tensor: LocalTensor, state: dict[str, Any]) -> list[str]:
@@ -73,21 +49,48 @@ def nonfinite(tensor: LocalTensor, state: dict[str, Any]) -> list[str]:
 
 @stage("shard")
 def shard(ctx: Context) -> None:
-    if ctx.reader is None or ctx.meta is None:
+    if ctx.meta is None or (ctx.reader is None and ctx.reads_itself):
         raise RuntimeError("the shard stage needs the load and broadcast stages before it")
-    ctx.local_state = {}
     found: list[str] = []
-    layout = [t for t in ctx.target_layout() if t.key in ctx.flat_state]
-    for tensor in track(layout):
-        entry = ctx.flat_state[tensor.key]
-        wanted = [
-            (seg.fqn, name)
-            for seg in tensor.segments
-            for name, value in entry.items()
-            if isinstance(value, TensorRef) and isinstance(ctx.meta.state.get(seg.fqn, {}).get(name), TensorRef)
-        ]
-        ctx.local_state[tensor.key], copied = materialize(tensor, entry, ctx.reader.read(wanted))
-        ctx.bytes_moved += copied
-        found.extend(nonfinite(tensor, ctx.local_state[tensor.key]))
+    failure: Exception | None = None
+    try:
+        _serve(ctx)
+        _convert(ctx, found)
+    except Exception as exc:  # noqa: BLE001 - raised below: first every rank must reach the collective
+        failure = exc
     everywhere = sorted({f for rank_found in gather_to_all(found) for f in rank_found})
+    if failure is not None:
+        raise failure
     ctx.nonfinite_in_source(everywhere, here=bool(found))
+
+
+def _serve(ctx: Context) -> None:
+    """Send each rank this one reads for its batches (``runtime.transfer=scatter``); they wait for them, so first."""
+    assert ctx.meta is not None
+    if not (ctx.reads_itself and ctx.receivers()):
+        return
+    server = Server(ctx.source(), digest="verify" in ctx.spec.pipeline.stages and "roundtrip" in ctx.spec.pipeline.checks)
+    for receiver in ctx.receivers():
+        ctx.sent_digests[receiver] = {}
+        for tensor in ctx.target_layout(receiver):
+            entry = flat_entry(tensor, ctx.meta)
+            if entry is None:
+                continue
+            work = plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)
+            sent, digests = server.send(work, receiver)
+            ctx.bytes_sent += sent
+            ctx.sent_digests[receiver].update({(tensor.key, b.name, i): d for i, (b, d) in enumerate(zip(work, digests))})
+    server.finish()
+
+
+def _convert(ctx: Context, found: list[str]) -> None:
+    """Fill this rank's own tensors, read here or received; ``found`` collects the non-finite elements they hold."""
+    assert ctx.meta is not None
+    ctx.local_state = {}
+    for tensor in track([t for t in ctx.target_layout() if t.key in ctx.flat_state]):
+        entry = ctx.flat_state[tensor.key]
+        state = allocate(tensor, entry, ctx.meta)
+        work = plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)
+        ctx.bytes_moved += fill(state, work, ctx.source()) if ctx.reads_itself else receive(state, work, ctx.reading_ranks[ctx.rank])
+        ctx.local_state[tensor.key] = state
+        found.extend(nonfinite(tensor, state))

@@ -35,6 +35,7 @@ from osdpipe.formats import TensorRef
 from osdpipe.layout import LocalTensor, uncovered
 from osdpipe.reference import live_target, train_step
 from osdpipe.stages import stage
+from osdpipe.transfer import Batch, batch_sha256, plan, stateful
 
 
 def _result_state(ctx: Context, key: str) -> dict[str, Any] | None:
@@ -44,8 +45,15 @@ def _result_state(ctx: Context, key: str) -> dict[str, Any] | None:
 
 
 def check_roundtrip(ctx: Context) -> CheckResult:
-    """Compare this rank's converted tensors with the source, range by range, and check coverage."""
-    assert ctx.meta is not None and ctx.reader is not None
+    """Compare this rank's converted tensors with the source, batch by batch, and check coverage.
+
+    A rank that reads the source compares the bytes themselves (and names the
+    first differing element); a rank whose bytes were sent to it
+    (``runtime.transfer=scatter``) compares each batch's sha256 with the
+    digest its reading rank took of the source while sending it.
+    """
+    assert ctx.meta is not None
+    sent = _sent_digests(ctx)
     problems: list[str] = []
     for tensor in ctx.target_layout():
         if ctx.id_keyed and tensor.key not in ctx.held_keys(ctx.rank):
@@ -69,21 +77,59 @@ def check_roundtrip(ctx: Context) -> CheckResult:
             if not torch.is_tensor(value) or tuple(value.shape) != tensor.shape:
                 problems.append(f"{tensor.key}.{name}: expected a tensor of shape {tensor.shape}")
                 continue
-            flat = value.reshape(-1)
-            wanted = [(s.fqn, name) for s in tensor.segments if isinstance(ctx.meta.state.get(s.fqn, {}).get(name), TensorRef)]
-            source = ctx.reader.read(wanted)
-            for seg in tensor.segments:
-                got = flat[seg.dest : seg.dest + seg.length]
-                src = source.get((seg.fqn, name))
-                want = src.reshape(-1)[seg.start : seg.start + seg.length] if src is not None else torch.zeros_like(got)
-                if not bits_equal(got, want):
-                    bad = int((got != want).nonzero()[0]) if (got != want).any() else 0
-                    problems.append(f"{tensor.key}.{name}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
-            if any(bool(flat[lo:hi].any()) for lo, hi in uncovered(0, flat.numel(), [(s.dest, s.dest + s.length) for s in tensor.segments])):
-                problems.append(f"{tensor.key}.{name}: padding is not zero")
+            problems += _zero_where_no_state(tensor, name, value.reshape(-1), ctx)
+        work = plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)
+        problems += _compare_read(tensor, state, work, ctx) if sent is None else _compare_sent(tensor, state, work, sent, ctx)
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
     return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or "every element equals the source bitwise; every source element is covered")
+
+
+def _sent_digests(ctx: Context) -> dict[tuple[str, str, int], str] | None:
+    """The digests this rank's reading rank took of the batches it sent here (``None``: this rank reads the source itself)."""
+    if ctx.reading_ranks is None or not any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
+        return None
+    every = gather_to_all(ctx.sent_digests)  # a collective: every rank takes part, also those that read for themselves
+    return None if ctx.reads_itself else every[ctx.reading_ranks[ctx.rank]].get(ctx.rank, {})
+
+
+def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx: Context) -> list[str]:
+    """Padding, and the ranges of parameters without state ``name`` in the source, hold zeros."""
+    assert ctx.meta is not None
+    problems = []
+    if any(bool(flat[lo:hi].any()) for lo, hi in uncovered(0, flat.numel(), [(s.dest, s.dest + s.length) for s in tensor.segments])):
+        problems.append(f"{tensor.key}.{name}: padding is not zero")
+    have = set(stateful(tensor, name, ctx.meta))
+    for seg in tensor.segments:
+        if seg not in have and bool(flat[seg.dest : seg.dest + seg.length].any()):
+            problems.append(f"{tensor.key}.{name}: {seg.fqn} has no {name} in the source, but its range is not zero")
+    return problems
+
+
+def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[Batch], ctx: Context) -> list[str]:
+    """Each batch of the result against the same ranges read from the source, bitwise."""
+    source, problems = ctx.source(), []
+    for batch in work:
+        flat = state[batch.name].reshape(-1)
+        for seg, want in zip(batch.segments, source.pieces(batch), strict=True):
+            got = flat[seg.dest : seg.dest + seg.length]
+            if not bits_equal(got, want):
+                bad = int((got != want).nonzero()[0]) if (got != want).any() else 0
+                problems.append(f"{tensor.key}.{batch.name}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
+        source.done(batch)
+    return problems
+
+
+def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[Batch], sent: dict[tuple[str, str, int], str], ctx: Context) -> list[str]:
+    """Each batch of the result against the digest its reading rank took of the source."""
+    assert ctx.reading_ranks is not None
+    problems = []
+    for i, batch in enumerate(work):
+        if batch_sha256(state, batch) != sent.get((tensor.key, batch.name, i)):
+            first, last = batch.segments[0], batch.segments[-1]
+            where = f"{first.fqn}[{first.start}..{first.start + first.length}]" + (f" .. {last.fqn}" if len(batch.segments) > 1 else "")
+            problems.append(f"{tensor.key}.{batch.name}: elements {where} (flat) differ from what rank {ctx.reading_ranks[ctx.rank]} read from the source")
+    return problems
 
 
 def _coverage_gaps(ctx: Context) -> list[str]:
@@ -279,7 +325,9 @@ def check_replicas(ctx: Context) -> CheckResult:
     source, target = has_replicas(ctx)
     problems: list[str] = []
     if source:
-        mine = [r for r in range(ctx.spec.source.world_size) if r % ctx.world_size == ctx.rank]
+        readers = sorted(set(ctx.reading_ranks)) if ctx.reading_ranks is not None else list(range(ctx.world_size))
+        share = readers.index(ctx.rank) if ctx.rank in readers else None  # the ranks that read the input share the files out
+        mine = [r for r in range(ctx.spec.source.world_size) if share is not None and r % len(readers) == share]
         try:  # not raised: every rank must reach the gather below
             problems += [f"source {p}" for p in replica_mismatches(ctx.input_path, ctx.spec.source.spec(), mine)]
         except Exception as exc:  # noqa: BLE001
@@ -314,6 +362,8 @@ def skip_reason(ctx: Context, name: str) -> str | None:
     if name in NEED_TARGET_WORLD:
         if ctx.offline:
             return "needs a live target world (runtime.mode=online)"
+        if ctx.spec.runtime.transfer == "scatter":
+            return "needs the whole source on every rank, which runtime.transfer=scatter does not read everywhere"
         limit, size = ctx.spec.pipeline.full_state_checks_max, source_tensor_bytes(ctx)
         if limit is not None and size > limit:
             return (
