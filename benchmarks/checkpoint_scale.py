@@ -14,6 +14,9 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
 
 * ``osdpipe``: the command, online, ``pipeline.checks=[roundtrip]``;
 * ``osdpipe-offline``: the same with ``runtime.mode=offline``;
+* ``osdpipe-scatter``: online, rank 0 reads and sends every other rank its
+  ranges (``runtime.transfer=scatter``);
+* ``osdpipe-offline-budget``: offline under ``runtime.memory_budget`` (``--budget``);
 * ``fsdp1``: PyTorch's FSDP1 path on M ranks: rank 0 loads the file,
   ``FSDP.optim_state_dict_to_load`` with ``rank0_only``, each rank saves;
 * ``dcp``: the DCP path on M ranks: ``get_optimizer_state_dict``,
@@ -41,7 +44,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-PATHS = ("osdpipe", "osdpipe-offline", "fsdp1", "dcp")
+#: osdpipe's paths: the command with these overrides (``{budget}``: the --budget option).
+OSDPIPE_PATHS = {
+    "osdpipe": (),
+    "osdpipe-offline": ("runtime.mode=offline",),
+    "osdpipe-scatter": ("runtime.transfer=scatter",),
+    "osdpipe-offline-budget": ("runtime.mode=offline", "runtime.memory_budget={budget}"),
+}
+PATHS = (*OSDPIPE_PATHS, "fsdp1", "dcp")
 DEPTH = 12
 
 
@@ -166,17 +176,29 @@ def worker_main(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------
 
 
-def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: Path) -> dict:
+def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: Path, budget: str) -> dict:
     start = time.perf_counter()
-    if path.startswith("osdpipe"):
-        extra = ("runtime.mode=offline",) if path == "osdpipe-offline" else ()
+    if path in OSDPIPE_PATHS:
+        extra = [arg.format(budget=budget) for arg in OSDPIPE_PATHS[path]]
         report = osdpipe_command(width, full, "fsdp_full", n, m, out, *extra)
-        result = {"memory": report["memory"], "conversion_s": sum(s["seconds"] for s in report["stages"]), "stages": {s["name"]: s["seconds"] for s in report["stages"]}}
+        result = {
+            "memory": report["memory"], "conversion_s": sum(s["seconds"] for s in report["stages"]), "stages": {s["name"]: s["seconds"] for s in report["stages"]},
+            "sent": sum(s["sent"] for s in report["stages"] if s["name"] == "shard"), "output_bytes": report["output_bytes"],
+        }  # fmt: skip
     else:
         result = baseline_command(path, width, dcp if path == "dcp" else full, m, out)
     result["seconds"] = time.perf_counter() - start
     result["bytes"] = sum(p.stat().st_size for p in out.glob("rank_*.pt"))
     return result
+
+
+def in_flight(run: dict) -> str:
+    """The most anonymous memory a process held beyond its baseline and the output it holds (offline: one target rank's at a time)."""
+    if "output_bytes" not in run:
+        return "-"
+    memory, outputs = run["memory"], run["output_bytes"]
+    held = [max(outputs)] if len(memory) == 1 else outputs
+    return f"{max((m['peak_anonymous'] or 0) - (m['baseline_anonymous'] or 0) - out for m, out in zip(memory, held)) / 1e9:.2f}"
 
 
 def cp_seconds(source: Path, scratch: Path) -> float:
@@ -195,6 +217,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--workdir", default=None, help="where sources and outputs go (default: a temporary directory)")
+    parser.add_argument("--budget", default="1GB", help="runtime.memory_budget of the osdpipe-offline-budget path")
     parser.add_argument("--worker", choices=("fsdp1", "dcp"), help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
@@ -207,8 +230,8 @@ def main() -> None:
     paths = args.paths.split(",")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="osdpipe-bench-"))
     rows = []
-    print(f"| state GB | N -> M | path | median s | x fsdp1 | x dcp | conversion s | peak RSS GB | peak anon GB (beyond baseline) | output GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| state GB | N -> M | path | median s | x fsdp1 | x dcp | conversion s | peak RSS GB | peak anon GB (beyond baseline) | in flight GB (anon beyond baseline and output) | sent GB / receivers' GB | output GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for size in (float(s) for s in args.sizes.split(",")):
         width = width_for(size)
         for pair in args.pairs.split(","):
@@ -220,7 +243,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for path in paths:  # alternating: the machine's drift falls on every path alike
                     out = directory / f"out_{path}"
-                    runs[path].append(run_path(path, width, full, dcp, n, m, out))
+                    runs[path].append(run_path(path, width, full, dcp, n, m, out, args.budget))
                     shutil.rmtree(out, ignore_errors=True)
             medians = {p: statistics.median(r["seconds"] for r in runs[p]) for p in paths}
             for path in paths:
@@ -229,7 +252,13 @@ def main() -> None:
                 anon = max((x["peak_anonymous"] or 0) - (x["baseline_anonymous"] or 0) for x in last["memory"]) / 1e9
                 ratio = lambda base: f"{medians[base] / medians[path]:.2f}" if base in medians else "-"  # noqa: E731
                 conv = statistics.median(r["conversion_s"] for r in runs[path])
-                row = f"| {size} | {n} -> {m} | {path} | {medians[path]:.1f} | {ratio('fsdp1')} | {ratio('dcp')} | {conv:.1f} | {rss:.2f} | {anon:.2f} | {last['bytes'] / 1e9 / medians[path]:.2f} |"
+                flight, sent = in_flight(last), "-"
+                if last.get("sent"):
+                    sent = f"{last['sent'] / 1e9:.2f} / {sum(last['output_bytes'][1:]) / 1e9:.2f}"  # rank 0 reads for the others
+                row = (
+                    f"| {size} | {n} -> {m} | {path} | {medians[path]:.1f} | {ratio('fsdp1')} | {ratio('dcp')} | {conv:.1f} | {rss:.2f} | {anon:.2f} "
+                    f"| {flight} | {sent} | {last['bytes'] / 1e9 / medians[path]:.2f} |"
+                )
                 print(row, flush=True)
                 rows.append({"size_gb": size, "n": n, "m": m, "path": path, "runs": runs[path]})
             if "osdpipe-offline" in runs:
