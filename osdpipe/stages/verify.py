@@ -67,6 +67,7 @@ def check_roundtrip(ctx: Context) -> CheckResult:
         if state is None:
             problems.append(f"{tensor.key}: state missing")
             continue
+        comparable = set()  # the state names whose tensors have the layout's shape: their bytes are compared below
         for name, expected in entry.items():
             value = state.get(name)
             if not isinstance(expected, TensorRef):
@@ -78,7 +79,8 @@ def check_roundtrip(ctx: Context) -> CheckResult:
                 problems.append(f"{tensor.key}.{name}: expected a tensor of shape {tensor.shape}")
                 continue
             problems += _zero_where_no_state(tensor, name, value.reshape(-1), ctx)
-        work = plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)
+            comparable.add(name)
+        work = [(i, b) for i, b in enumerate(plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)) if b.name in comparable]
         problems += _compare_read(tensor, state, work, ctx) if sent is None else _compare_sent(tensor, state, work, sent, ctx)
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
@@ -106,10 +108,10 @@ def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx
     return problems
 
 
-def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[Batch], ctx: Context) -> list[str]:
+def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], ctx: Context) -> list[str]:
     """Each batch of the result against the same ranges read from the source, bitwise."""
     source, problems = ctx.source(), []
-    for batch in work:
+    for _, batch in work:
         flat = state[batch.name].reshape(-1)
         for seg, want in zip(batch.segments, source.pieces(batch), strict=True):
             got = flat[seg.dest : seg.dest + seg.length]
@@ -120,11 +122,11 @@ def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[Batch],
     return problems
 
 
-def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[Batch], sent: dict[tuple[str, str, int], str], ctx: Context) -> list[str]:
-    """Each batch of the result against the digest its reading rank took of the source."""
+def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], sent: dict[tuple[str, str, int], str], ctx: Context) -> list[str]:
+    """Each batch of the result (``i``: its place in the plan) against the digest its reading rank took of the source."""
     assert ctx.reading_ranks is not None
     problems = []
-    for i, batch in enumerate(work):
+    for i, batch in work:
         if batch_sha256(state, batch) != sent.get((tensor.key, batch.name, i)):
             first, last = batch.segments[0], batch.segments[-1]
             where = f"{first.fqn}[{first.start}..{first.start + first.length}]" + (f" .. {last.fqn}" if len(batch.segments) > 1 else "")
