@@ -108,6 +108,27 @@ def save(ctx: Context) -> None:
     agree("save", error)
 
 
+#: Config sections that say how a conversion ran, not what it produced: left out of the manifest's hashed content.
+RUN_SECTIONS = ("runtime", "pipeline")
+#: Keys of the input and output sections that name places, not content.
+PLACE_KEYS = ("path", "overwrite")
+
+
+def conversion_of(config: dict[str, Any]) -> dict[str, Any]:
+    """What defines the converted bytes: the config without paths and without how it ran (mode, transfer, budget, checks)."""
+    out = {k: v for k, v in config.items() if k not in RUN_SECTIONS}
+    for side in ("input", "output"):
+        out[side] = {k: v for k, v in config[side].items() if k not in PLACE_KEYS}
+    return out
+
+
+def content_sha256(content: dict[str, Any]) -> str:
+    """sha256 of the manifest's content (versions, conversion, files, tensor digests): equal for two runs that wrote the same bytes."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def commit_offline(ctx: Context, per_rank: list[RankFiles]) -> dict[str, str]:
     """Offline: commit the files every rank wrote (``per_rank``, in rank order), as rank 0 does online."""
     return _commit(ctx, Path(ctx.spec.output.path) / output.STAGING, per_rank)
@@ -122,14 +143,16 @@ def _commit(ctx: Context, staging: Path, per_rank: list[RankFiles]) -> dict[str,
 
         files[f"{DCP_DIR}/.metadata"] = dcp_writer.finish(staging / DCP_DIR, ctx.shared["dcp_plan"], [r.dcp_results for r in per_rank])
         ctx.bytes_moved += (staging / DCP_DIR / ".metadata").stat().st_size
-    manifest = {
+    config = ctx.spec.model_dump(mode="json")
+    content = {
         "osdpipe_version": __version__,
         "torch_version": torch.__version__,
-        "config": ctx.spec.model_dump(mode="json"),
+        "conversion": conversion_of(config),
         "format": fmt,
         "files": dict(sorted(files.items())),
         "tensors": {k: v for r in per_rank for k, v in sorted(r.tensors.items())},
     }
+    manifest = {**content, "content_sha256": content_sha256(content), "config": config}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     output.commit(staging.parent)
     return files
