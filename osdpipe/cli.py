@@ -180,6 +180,10 @@ def open_dict_overrides(args: list[str]) -> list[str]:
 def main() -> None:
     """Console entry point (see the module docstring for the exit codes)."""
     args = sys.argv[1:]
+    if args[:1] == ["check"]:  # osdpipe check OUTPUT_DIR [key=value ...]: no Hydra, no ranks
+        from osdpipe.check import run_check
+
+        sys.exit(run_check(args[1:]))
     if "--version" in args:
         import torch
 

@@ -1,0 +1,228 @@
+"""``osdpipe check OUTPUT_DIR [key=value ...]``: prove a converted checkpoint right later, without converting it again to disk.
+
+Two checks, each said in one line:
+
+* ``files``: every file ``manifest.json`` lists is there with its sha256;
+  where a file differs, its tensors' digests name the tensor that does.
+* ``roundtrip`` (when the source can be read): every target rank's state is
+  derived again from the source, in memory and offline (the stages ``load``
+  to ``rekey``; nothing is written), and compared with what the files hold,
+  bitwise: the first differing key, tensor and element are named. The
+  source is the manifest's ``input.path``, the ``source/`` a generated
+  conversion keeps, or ``input.path=...`` given on the command line (a
+  checkpoint that moved).
+
+The conversion's config comes from the manifest; ``key=value`` arguments
+override it (``input.path``, ``model.factory`` where a module moved).
+
+Exit codes: 0 every check passed; 1 a check failed; 2 the command line or the
+directory cannot be checked (no manifest, an unknown key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+USAGE = "usage: osdpipe check OUTPUT_DIR [key=value ...]  (e.g. input.path=/ckpt/optim.pt to name a source that moved)"
+
+
+class CheckUsageError(ValueError):
+    """The directory or the command line cannot be checked (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's result: its name, whether it passed, and what it saw."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / "manifest.json"
+    if not path.is_file():
+        raise CheckUsageError(f"{path} does not exist; point osdpipe check at the output.path of a finished conversion")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckUsageError(f"{path} cannot be read as JSON ({exc}); it is not a manifest osdpipe wrote") from None
+    if not isinstance(manifest, dict) or not all(isinstance(manifest.get(k), dict) for k in ("config", "files", "tensors")):
+        raise CheckUsageError(f"{path} has no config, files and tensors tables; it is not a manifest osdpipe wrote")
+    return manifest
+
+
+def check_files(directory: Path, manifest: dict[str, Any]) -> Finding:
+    """Every file the manifest lists, with its sha256; for a torch file that differs, the tensor that does."""
+    problems = []
+    for name, digest in sorted(manifest["files"].items()):
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif file_sha256(path) != digest:
+            problems.append(f"{path} differs from its sha256 in the manifest" + _tensor_named(path, name, manifest["tensors"]))
+    count = len(manifest["files"])
+    return Finding("files", not problems, "; ".join(problems[:5]) or f"{count} file(s) match the manifest's sha256")
+
+
+def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:
+    """``": tensor 3.exp_avg differs"``, from the file's tensor digests against the manifest's (empty when it cannot tell)."""
+    if path.suffix != ".pt":
+        return ""
+    import torch
+
+    from osdpipe.digest import tensor_digests
+
+    try:
+        got = tensor_digests(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception as exc:  # noqa: BLE001 - a file too damaged to load says so
+        return f" and does not load ({type(exc).__name__})"
+    prefix = f"{name}:"
+    expected = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+    differ = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
+    return f": tensor(s) {', '.join(differ[:3])} differ" if differ else ": every tensor matches, so the rest of the file differs"
+
+
+def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """The manifest's config with the command line's overrides, its source found, and its output being this directory (never written)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise CheckUsageError(f"{bad[0]} is not key=value; {USAGE}")
+    base = OmegaConf.create(manifest["config"])
+    OmegaConf.set_struct(base, True)
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as exc:
+        key = next((o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in str(exc)), "an override")
+        raise CheckUsageError(f"{key}: not a key of the conversion's config; check its spelling against the config reference in README.md") from None
+    raw = OmegaConf.to_container(merged, resolve=True)
+    assert isinstance(raw, dict)
+    raw["output"] = {**raw["output"], "path": str(directory), "overwrite": True}
+    if raw["input"].get("path") is None:  # a generated source is kept in the conversion's source/
+        generated = sorted((directory / "source").glob("*")) if (directory / "source").is_dir() else []
+        if generated:
+            raw["input"] = {**raw["input"], "path": str(generated[0])}
+    raw["runtime"] = {**raw["runtime"], "mode": "offline", "transfer": "shared", "progress": False}
+    return raw
+
+
+def check_roundtrip(directory: Path, raw: dict[str, Any]) -> Finding:
+    """Derive every target rank's state from the source again (offline, in memory) and compare it with the files."""
+    from osdpipe.config import ConfigError, validate
+
+    try:
+        spec = validate(raw)
+    except ConfigError as exc:
+        raise CheckUsageError(f"the conversion's config does not validate: {str(exc).splitlines()[0]}") from None
+    if spec.input.path is None:
+        return Finding("roundtrip", True, "skipped: no source to compare with (give input.path=...)")
+    problems = []
+    for ctx in expected_results(spec):
+        problems += compare_rank(directory, ctx)
+        if len(problems) >= 5:
+            break
+    fmt = spec.output.format
+    return Finding("roundtrip", not problems, "; ".join(problems[:5]) or f"every {fmt} tensor equals the source's, element by element ({spec.input.path})")
+
+
+def expected_results(spec: Any) -> Any:
+    """Each target rank's context once the conversion's own stages derived its state (``ctx.result``) from the source, offline."""
+    from osdpipe.context import Context
+    from osdpipe.models import build_model
+    from osdpipe.stages import STAGES
+    from osdpipe.tree import describe
+
+    assert spec.input.path is not None
+    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
+    shared: tuple = ()
+    world = spec.target.world_size
+    for rank in range(world):
+        ctx = Context(spec=spec, rank=rank, world_size=world, tree=tree, input_path=spec.input.path, input_format=spec.input.format, offline=True)
+        if shared:
+            ctx.reader, ctx.meta = shared
+        for name in ("load", "broadcast", "flatten", "shard", "rekey"):
+            if not (shared and name in ("load", "broadcast")):
+                STAGES[name](ctx)
+        shared = (ctx.reader, ctx.meta)
+        yield ctx
+
+
+def compare_rank(directory: Path, ctx: Any) -> list[str]:
+    """Where target rank ``ctx.rank``'s files differ from ``ctx.result`` (its state, as the conversion derives it)."""
+    import torch
+
+    from osdpipe.compare import diff
+
+    fmt = ctx.spec.output.format
+    if fmt == "dcp":
+        return _compare_dcp_rank(directory, ctx)
+    if fmt != "rank_local" and ctx.rank != 0:
+        return []
+    path = directory / (f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt")
+    if not path.is_file():
+        return [f"{path} is missing"]
+    got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, ctx.result, limit=3)]
+
+
+def _compare_dcp_rank(directory: Path, ctx: Any) -> list[str]:
+    """Rank ``ctx.rank``'s dim-0 pieces against the same rows of the DCP checkpoint's tensors."""
+    from osdpipe.compare import bits_equal
+    from osdpipe.formats.dcp import DcpReader
+    from osdpipe.layout import dim0_chunk_bounds
+
+    reader = DcpReader(str(directory / "dcp"), ctx.spec.output.key)
+    problems = []
+    for fqn, state in ctx.result["state"].items():
+        for name, want in state.items() if isinstance(state, dict) else []:
+            if not (hasattr(want, "dim") and want.dim() > 0 and want.numel()):
+                continue
+            want = want.reshape(-1)
+            start = dim0_chunk_bounds(ctx.tree.param(fqn).shape, ctx.world_size, ctx.rank)[0]
+            got = reader.read_range(fqn, name, start, start + want.numel())
+            if not bits_equal(got, want):
+                i = int((got != want).nonzero()[0]) if (got != want).any() else 0
+                problems.append(f"{directory / 'dcp'}: {fqn}.{name} differs at flat index {start + i}: {got[i].item()} vs {want[i].item()} from the source")
+    return problems
+
+
+def run_check(args: list[str]) -> int:
+    """The command: check, print one line per check, return the exit code."""
+    if not args or args[0].startswith("-"):
+        print(USAGE, file=sys.stderr if args[:1] != ["--help"] else sys.stdout)
+        return EXIT_OK if args[:1] == ["--help"] else EXIT_USAGE
+    directory = Path(args[0])
+    findings: list[Finding] = []
+    try:
+        manifest = read_manifest(directory)
+        findings.append(check_files(directory, manifest))
+        findings.append(check_roundtrip(directory, conversion_config(directory, manifest, args[1:])))
+    except CheckUsageError as exc:
+        print(f"osdpipe check: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - the source or a file cannot be read, or does not fit: a failed check, in one line
+        from osdpipe.collective import one_line
+
+        findings.append(Finding("roundtrip", False, one_line(exc)))
+    for f in findings:
+        print(f"  check {f.name:<10} {'pass' if f.ok else 'FAIL'}  {f.detail}")
+    ok = all(f.ok for f in findings)
+    print(f"osdpipe check: {'OK' if ok else 'FAILED'}  {directory}", file=sys.stdout if ok else sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILED

@@ -1,0 +1,145 @@
+"""Determinism and ``osdpipe check``, through the command, on a user's model.
+
+The same conversion run again (another output directory), offline, under a
+memory budget and with ``runtime.transfer=scatter`` writes the same bytes, for
+``rank_local``, ``fsdp_full`` and ``dcp`` outputs, and the same manifest
+content (``content_sha256``: no paths, no timestamps, nothing of how it ran).
+``osdpipe check`` passes on every one of them, from the manifest alone. With
+one element of one tensor changed (the file rewritten), it fails with exit
+code 1 and names the file, the tensor and the element; with a missing file,
+the file; with no manifest, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import clean_env, run_cli_cases
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT_S = 120
+OUTPUTS = {
+    "rank_local": ["target.world_size=3", "target.wrap=[MixerBlock]", "target.use_orig_params=true"],
+    "fsdp_full": ["target.world_size=2", "target.wrap=[MixerBlock]", "output.format=fsdp_full"],
+    "dcp": ["target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]", "output.format=dcp"],
+}
+RUNS = {
+    "first": [],
+    "again": [],
+    "offline": ["runtime.mode=offline"],
+    "budget_scatter": ["runtime.memory_budget=1KB", "runtime.transfer=scatter"],
+}
+
+
+def _env() -> dict[str, str]:
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every output format, each converted four ways from the user's job (its FQN-keyed full state, 2 Adam steps)."""
+    import userlm
+
+    root = tmp_path_factory.mktemp("determinism")
+    torch.manual_seed(0)
+    model = userlm.build()
+    torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
+    source = ["model.factory=userlm:build", f"input.path={root / 'optim.pt'}", "input.format=fsdp_full", "source.world_size=1"]
+    cases = [[*source, *args, *extra, f"output.path={root / fmt / run}"] for fmt, args in OUTPUTS.items() for run, extra in RUNS.items()]
+    for result in run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=_env()):
+        assert result["code"] == 0, result["stderr"]
+    return root
+
+
+def _data_files(directory: Path) -> dict[str, bytes]:
+    names = [p for p in directory.rglob("*") if p.is_file() and p.name not in ("report.json", "manifest.json", "osdpipe.log")]
+    return {str(p.relative_to(directory)): p.read_bytes() for p in names}
+
+
+@pytest.mark.parametrize("fmt", sorted(OUTPUTS))
+def test_the_same_conversion_writes_the_same_bytes_and_manifest_content(runs: Path, fmt: str) -> None:
+    first = _data_files(runs / fmt / "first")
+    assert first, "no data files"
+    content = json.loads((runs / fmt / "first" / "manifest.json").read_text())
+    for run in RUNS:
+        assert _data_files(runs / fmt / run) == first, f"{fmt}: {run} wrote other bytes"
+        manifest = json.loads((runs / fmt / run / "manifest.json").read_text())
+        assert manifest["content_sha256"] == content["content_sha256"], f"{fmt}: {run}'s manifest content differs"
+        assert manifest["config"]["output"]["path"] == str(runs / fmt / run)  # where it ran is kept, outside the content
+    assert "path" not in content["conversion"]["input"] and "runtime" not in content["conversion"]
+
+
+def _check(*args: str, cwd: Path) -> list[dict]:
+    return run_cli_cases([["check", *a] for a in args], cwd=cwd, per_case_s=TIMEOUT_S, env=_env())  # type: ignore[list-item]
+
+
+def test_check_passes_on_every_run(runs: Path) -> None:
+    results = _check(*[[str(runs / fmt / run)] for fmt in OUTPUTS for run in RUNS], cwd=runs)
+    for result in results:
+        assert result["code"] == 0, result["stderr"] + result["stdout"]
+        assert "check files" in result["stdout"] and "check roundtrip  pass  every" in result["stdout"], result["stdout"]
+
+
+def test_check_names_the_file_tensor_and_element_after_one_element_changes(runs: Path, tmp_path: Path) -> None:
+    import shutil
+
+    spoiled = {}
+    for fmt in ("rank_local", "fsdp_full"):
+        out = tmp_path / fmt
+        shutil.copytree(runs / fmt / "first", out)
+        name = "rank_1.pt" if fmt == "rank_local" else "optim.pt"
+        osd = torch.load(out / name, weights_only=True)
+        key = sorted(k for k, s in osd["state"].items() if isinstance(s, dict) and "exp_avg" in s and s["exp_avg"].numel() > 3)[0]
+        osd["state"][key]["exp_avg"].view(-1)[3] += 1.0
+        torch.save(osd, out / name)
+        spoiled[fmt] = (out, name, key)
+    missing = tmp_path / "missing"
+    shutil.copytree(runs / "dcp" / "first", missing)
+    (missing / "dcp" / "__1_0.distcp").unlink()
+    results = _check(*[[str(out)] for out, _, _ in spoiled.values()], [str(missing)], [str(tmp_path / "nothing")], cwd=tmp_path)
+    for (fmt, (out, name, key)), result in zip(spoiled.items(), results, strict=False):
+        assert result["code"] == 1, (fmt, result)
+        text = result["stdout"] + result["stderr"]
+        assert f"{out / name} differs from its sha256 in the manifest: tensor(s) {key}.exp_avg differ" in text, text
+        assert f"['state'][{key!r}]['exp_avg']: 1 element(s) differ, first at flat index 3" in text, text
+    assert results[2]["code"] == 1 and f"{missing / 'dcp' / '__1_0.distcp'} is missing" in results[2]["stdout"], results[2]
+    assert results[3]["code"] == 2 and "manifest.json does not exist" in results[3]["stderr"], results[3]
+
+
+def test_the_log_file_says_what_ran_at_its_level(runs: Path, tmp_path: Path) -> None:
+    """osdpipe.log holds each stage, check and warning of report.json (info); debug adds digests and memory; a failure its error."""
+    info = (runs / "rank_local" / "budget_scatter" / "osdpipe.log").read_text()
+    report = json.loads((runs / "rank_local" / "budget_scatter" / "report.json").read_text())
+    for s in report["stages"]:
+        assert f"INFO    stage {s['name']}: {s['seconds']:.3f} s, {s['bytes']:,d} B read or written, {s['sent']:,d} B sent to other ranks" in info, info
+    for c in report["checks"]:
+        assert f"check {c['name']}: pass: {c['detail']}" in info
+    for c in report["skipped_checks"]:
+        assert f"check {c['name']} did not run: it {c['why']}" in info
+    for w in report["warnings"]:
+        assert f"WARNING {w}" in info
+    assert "transfer scatter, memory budget 1KB" in info and "DEBUG" not in info and info.rstrip().endswith("ok: every stage ran and every check passed")
+
+    osd = torch.load(runs / "optim.pt", weights_only=True)
+    next(iter(osd["state"].values()))["exp_avg"].view(-1)[0] = float("nan")
+    torch.save(osd, tmp_path / "nan.pt")
+    common = ["model.factory=userlm:build", "input.format=fsdp_full", "source.world_size=1", *OUTPUTS["rank_local"]]
+    results = run_cli_cases(
+        [[*common, f"input.path={runs / 'optim.pt'}", f"output.path={tmp_path / 'debug'}", "runtime.log_level=debug", "runtime.mode=offline"],
+         [*common, f"input.path={tmp_path / 'nan.pt'}", f"output.path={tmp_path / 'failed'}", "runtime.log_level=warning", "runtime.mode=offline"]],
+        cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env(),
+    )  # fmt: skip
+    assert [r["code"] for r in results] == [0, 1], results
+    debug = (tmp_path / "debug" / "osdpipe.log").read_text()
+    manifest = json.loads((tmp_path / "debug" / "manifest.json").read_text())
+    for name, digest in manifest["files"].items():
+        assert f"DEBUG   file {name} sha256 {digest}" in debug
+    assert "DEBUG   memory of offline: peak RSS" in debug
+    failed = (tmp_path / "failed" / "osdpipe.log").read_text()
+    assert "INFO" not in failed and "ERROR   failed: stage 'shard' failed" in failed and "the source holds NaN or Inf" in failed, failed
