@@ -270,6 +270,7 @@ class RuntimeConfig(_Frozen):
     timeout_s: float = Field(default=300.0, gt=0)
     progress: bool = True
     debug: bool = False  # print tracebacks with errors
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # what osdpipe.log in the output directory holds
     #: ``shared``: every rank reads the input itself. ``scatter``: one rank per host reads it and sends
     #: each other rank exactly its ranges through the process group (the input on one node's local disk).
     transfer: Literal["shared", "scatter"] = "shared"

@@ -21,6 +21,7 @@ from osdpipe import output, progress
 from osdpipe.collective import StageError, agree, from_rank0, gather_to_all, one_line
 from osdpipe.config import RunSpec
 from osdpipe.context import CheckResult, Context, SkippedCheck
+from osdpipe.logfile import write_log
 from osdpipe.memory import MemoryPeak, MemoryWatch
 from osdpipe.models import build_model
 from osdpipe.stages import STAGES
@@ -189,6 +190,7 @@ def execute(spec: RunSpec) -> Report:
         display.close()
     output.abort(out)  # whatever a failed (or save-less) run staged
     report.write(out)
+    write_log(out, report, spec)
     return report
 
 
@@ -249,4 +251,5 @@ def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
     if rank == 0:
         output.abort(out)
         report.write(out)
+        write_log(out, report, spec)
     return report

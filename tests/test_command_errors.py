@@ -106,7 +106,7 @@ def test_overwrite_replaces_the_previous_conversion_whole(tmp_path: Path) -> Non
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(p.name for p in out.glob("rank_*.pt")) == sorted(manifest["files"]) == ["rank_0.pt", "rank_1.pt"]
     assert sorted(str(p.relative_to(out)) for p in (out / "source").rglob("*")) == ["source/optim.pt"], "the old generated source stayed"
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "rank_0.pt", "rank_1.pt", "report.json", "source"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "osdpipe.log", "rank_0.pt", "rank_1.pt", "report.json", "source"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "nothing is written outside output.path"
 
 
@@ -131,7 +131,7 @@ def test_nan_in_the_source_fails_naming_parameter_and_state(nan_source, tmp_path
     result = run_osdpipe(f"input.path={path}", f"output.path={tmp_path / 'out'}", cwd=tmp_path)
     line = assert_one_line_error(result, 1, fqn, "exp_avg", "source", "input.allow_nonfinite=true")
     assert "stage 'shard'" in line
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.json"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["osdpipe.log", "report.json"]
 
 
 def test_allow_nonfinite_converts_it_and_load_step_passes(nan_source) -> None:
