@@ -21,7 +21,6 @@ directory cannot be checked (no manifest, an unknown key).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -45,14 +44,6 @@ class Finding:
     detail: str
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / "manifest.json"
     if not path.is_file():
@@ -68,6 +59,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 def check_files(directory: Path, manifest: dict[str, Any]) -> Finding:
     """Every file the manifest lists, with its sha256; for a torch file that differs, the tensor that does."""
+    from osdpipe.digest import file_sha256
+
     problems = []
     for name, digest in sorted(manifest["files"].items()):
         path = directory / name
@@ -115,10 +108,14 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
     raw = OmegaConf.to_container(merged, resolve=True)
     assert isinstance(raw, dict)
     raw["output"] = {**raw["output"], "path": str(directory), "overwrite": True}
-    if raw["input"].get("path") is None:  # a generated source is kept in the conversion's source/
-        generated = sorted((directory / "source").glob("*")) if (directory / "source").is_dir() else []
-        if generated:
-            raw["input"] = {**raw["input"], "path": str(generated[0])}
+    if raw["input"].get("path") is None:  # a generated source is kept in the conversion's source/, in the format its world saved
+        from osdpipe import kinds
+        from osdpipe.generate import GENERATED_NAMES
+
+        fmt = kinds.get(raw["source"]["kind"]).saved_format(raw["source"]["state_dict_type"])
+        generated = directory / "source" / GENERATED_NAMES[fmt]
+        if generated.exists():
+            raw["input"] = {**raw["input"], "path": str(generated), "format": fmt}
     raw["runtime"] = {**raw["runtime"], "mode": "offline", "transfer": "shared", "progress": False}
     return raw
 
@@ -133,9 +130,14 @@ def check_roundtrip(directory: Path, raw: dict[str, Any]) -> Finding:
         raise CheckUsageError(f"the conversion's config does not validate: {str(exc).splitlines()[0]}") from None
     if spec.input.path is None:
         return Finding("roundtrip", True, "skipped: no source to compare with (give input.path=...)")
+    dcp = None
+    if spec.output.format == "dcp":
+        from osdpipe.formats.dcp import DcpReader
+
+        dcp = DcpReader(str(directory / "dcp"), spec.output.key)  # opened (metadata read, structure checked) once for every rank
     problems = []
     for ctx in expected_results(spec):
-        problems += compare_rank(directory, ctx)
+        problems += _compare_dcp_rank(dcp, ctx) if dcp is not None else compare_rank(directory, ctx)
         if len(problems) >= 5:
             break
     fmt = spec.output.format
@@ -144,23 +146,20 @@ def check_roundtrip(directory: Path, raw: dict[str, Any]) -> Finding:
 
 def expected_results(spec: Any) -> Any:
     """Each target rank's context once the conversion's own stages derived its state (``ctx.result``) from the source, offline."""
-    from osdpipe.context import Context
     from osdpipe.models import build_model
+    from osdpipe.offline import rank_context, stages_for
     from osdpipe.stages import STAGES
     from osdpipe.tree import describe
 
     assert spec.input.path is not None
     tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
-    shared: tuple = ()
-    world = spec.target.world_size
-    for rank in range(world):
-        ctx = Context(spec=spec, rank=rank, world_size=world, tree=tree, input_path=spec.input.path, input_format=spec.input.format, offline=True)
-        if shared:
-            ctx.reader, ctx.meta = shared
-        for name in ("load", "broadcast", "flatten", "shard", "rekey"):
-            if not (shared and name in ("load", "broadcast")):
-                STAGES[name](ctx)
-        shared = (ctx.reader, ctx.meta)
+    source: tuple = ()
+    shared: dict = {}
+    for rank in range(spec.target.world_size):
+        ctx = rank_context(spec, tree, rank, spec.input.path, spec.input.format, source, shared)
+        for name in stages_for(("load", "broadcast", "flatten", "shard", "rekey"), source):
+            STAGES[name](ctx)
+        source = (ctx.reader, ctx.meta)
         yield ctx
 
 
@@ -171,8 +170,6 @@ def compare_rank(directory: Path, ctx: Any) -> list[str]:
     from osdpipe.compare import diff
 
     fmt = ctx.spec.output.format
-    if fmt == "dcp":
-        return _compare_dcp_rank(directory, ctx)
     if fmt != "rank_local" and ctx.rank != 0:
         return []
     path = directory / (f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt")
@@ -182,13 +179,11 @@ def compare_rank(directory: Path, ctx: Any) -> list[str]:
     return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, ctx.result, limit=3)]
 
 
-def _compare_dcp_rank(directory: Path, ctx: Any) -> list[str]:
-    """Rank ``ctx.rank``'s dim-0 pieces against the same rows of the DCP checkpoint's tensors."""
+def _compare_dcp_rank(reader: Any, ctx: Any) -> list[str]:
+    """Rank ``ctx.rank``'s dim-0 pieces against the same rows of the DCP checkpoint's tensors (``reader``: the output's)."""
     from osdpipe.compare import bits_equal
-    from osdpipe.formats.dcp import DcpReader
     from osdpipe.layout import dim0_chunk_bounds
 
-    reader = DcpReader(str(directory / "dcp"), ctx.spec.output.key)
     problems = []
     for fqn, state in ctx.result["state"].items():
         for name, want in state.items() if isinstance(state, dict) else []:
@@ -199,7 +194,7 @@ def _compare_dcp_rank(directory: Path, ctx: Any) -> list[str]:
             got = reader.read_range(fqn, name, start, start + want.numel())
             if not bits_equal(got, want):
                 i = int((got != want).nonzero()[0]) if (got != want).any() else 0
-                problems.append(f"{directory / 'dcp'}: {fqn}.{name} differs at flat index {start + i}: {got[i].item()} vs {want[i].item()} from the source")
+                problems.append(f"{reader.path}: {fqn}.{name} differs at flat index {start + i}: {got[i].item()} vs {want[i].item()} from the source")
     return problems
 
 

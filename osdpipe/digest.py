@@ -33,6 +33,15 @@ class HashingFile:
         return getattr(self.file, name)
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, as ``sha256sum`` gives it, read in pieces (for checking a file osdpipe wrote earlier)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def tensor_bytes(value: torch.Tensor) -> Any:
     """A tensor's bytes in row-major order, as a buffer ``hashlib`` takes (no copy for a contiguous CPU tensor)."""
     return value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()

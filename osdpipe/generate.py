@@ -25,14 +25,17 @@ from osdpipe.reference import live_target, train_step
 from osdpipe.tree import describe
 
 
+#: The name of a generated source under ``source/``, per the format its source world saves.
+GENERATED_NAMES = {"plain": "optim.pt", "fsdp_full": "optim.pt", "dcp": "dcp", "rank_local": "rank_local"}
+
+
 def source_path(spec: RunSpec) -> str:
     """Where the generated source checkpoint goes: ``source/`` of the staged run (:mod:`osdpipe.output`).
 
     It is committed with the conversion, as ``<output.path>/source/``, and
     replaced with it.
     """
-    name = {"plain": "optim.pt", "fsdp_full": "optim.pt", "dcp": "dcp", "rank_local": "rank_local"}[spec.source_input_format]
-    return str(Path(spec.output.path) / STAGING / "source" / name)
+    return str(Path(spec.output.path) / STAGING / "source" / GENERATED_NAMES[spec.source_input_format])
 
 
 def generate_rank(spec: RunSpec) -> str:

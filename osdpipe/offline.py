@@ -31,10 +31,25 @@ from osdpipe.progress import Display
 from osdpipe.stages import STAGES
 from osdpipe.stages.save import commit_offline
 from osdpipe.stages.verify import combine
-from osdpipe.tree import describe
+from osdpipe.tree import ModuleTree, describe
 
 #: Stages that open and describe the source: run once, their product shared by every rank.
 SOURCE_STAGES = ("load", "broadcast")
+
+
+def rank_context(spec: RunSpec, tree: ModuleTree, rank: int, input_path: str, input_format: str, source: tuple, shared: dict) -> Context:
+    """Target rank ``rank``'s context, played offline; ``source`` is the ``(reader, meta)`` an earlier rank opened (empty for the first)."""
+    ctx = Context(
+        spec=spec, rank=rank, world_size=spec.target.world_size, tree=tree, input_path=input_path, input_format=input_format, offline=True, shared=shared
+    )
+    if source:
+        ctx.reader, ctx.meta = source
+    return ctx
+
+
+def stages_for(stages: list[str] | tuple[str, ...], source: tuple) -> list[str]:
+    """The stages a rank runs offline: those that open and describe the source only where no earlier rank did."""
+    return [name for name in stages if not (source and name in SOURCE_STAGES)]
 
 
 def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Display) -> Report:
@@ -55,12 +70,8 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: Disp
     ctx = None
     try:
         for rank in range(world):
-            ctx = Context(spec=spec, rank=rank, world_size=world, tree=tree, input_path=input_path, input_format=input_format, offline=True, shared=same_for_every_rank)
-            if shared:
-                ctx.reader, ctx.meta = shared
-            for name in spec.pipeline.stages:
-                if shared and name in SOURCE_STAGES:
-                    continue
+            ctx = rank_context(spec, tree, rank, input_path, input_format, shared, same_for_every_rank)
+            for name in stages_for(spec.pipeline.stages, shared):
                 ctx.bytes_moved = 0
                 start = time.perf_counter()
                 try:

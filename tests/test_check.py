@@ -143,3 +143,33 @@ def test_the_log_file_says_what_ran_at_its_level(runs: Path, tmp_path: Path) -> 
     assert "DEBUG   memory of offline: peak RSS" in debug
     failed = (tmp_path / "failed" / "osdpipe.log").read_text()
     assert "INFO" not in failed and "ERROR   failed: stage 'shard' failed" in failed and "the source holds NaN or Inf" in failed, failed
+
+
+def test_the_readme_ci_job_and_check_of_a_generated_or_moved_source(runs: Path, tmp_path: Path) -> None:
+    """The README's CI steps (a recipe, offline, then check); check on a generated FSDP2 source (its dcp/); a source that moved."""
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(runs / "rank_local" / "first", moved)
+    shutil.copy(runs / "optim.pt", tmp_path / "archived.pt")
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["config"]["input"]["path"] = str(tmp_path / "gone.pt")  # where it was: config is not hashed content
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    user = "model.factory=userlm:build"
+    results = run_cli_cases(
+        [[user, "recipe=halve_world_size", f"input.path={runs / 'optim.pt'}", f"output.path={tmp_path / 'ci'}", "runtime.mode=offline"],
+         ["check", str(tmp_path / "ci")],
+         [user, "source.kind=fsdp2", "source.state_dict_type=sharded", "source.world_size=2", "target.wrap=[MixerBlock]", f"output.path={tmp_path / 'generated'}", "runtime.mode=offline"],
+         ["check", str(tmp_path / "generated")],
+         ["check", str(moved)],
+         ["check", str(moved), f"input.path={tmp_path / 'archived.pt'}"],
+         ["check", str(moved), "input.nosuchkey=1"]],
+        cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env(),
+    )  # fmt: skip
+    codes = [r["code"] for r in results]
+    assert codes == [0, 0, 0, 0, 2, 0, 2], [(r["code"], r["stderr"]) for r in results]
+    assert "roundtrip  pass" in results[1]["stdout"], results[1]
+    assert f"({tmp_path / 'generated' / 'source' / 'dcp'})" in results[3]["stdout"], results[3]["stdout"]  # read as the dcp its world saved
+    assert f"{tmp_path / 'gone.pt'}" in results[4]["stderr"] and "does not exist" in results[4]["stderr"], results[4]
+    assert f"({tmp_path / 'archived.pt'})" in results[5]["stdout"], results[5]
+    assert "input.nosuchkey: not a key of the conversion's config" in results[6]["stderr"], results[6]

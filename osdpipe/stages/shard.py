@@ -87,10 +87,11 @@ def _convert(ctx: Context, found: list[str]) -> None:
     """Fill this rank's own tensors, read here or received; ``found`` collects the non-finite elements they hold."""
     assert ctx.meta is not None
     ctx.local_state = {}
+    source = ctx.source() if ctx.reads_itself else None
     for tensor in track([t for t in ctx.target_layout() if t.key in ctx.flat_state]):
         entry = ctx.flat_state[tensor.key]
         state = allocate(tensor, entry, ctx.meta)
         work = plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)
-        ctx.bytes_moved += fill(state, work, ctx.source()) if ctx.reads_itself else receive(state, work, ctx.reading_ranks[ctx.rank])
+        ctx.bytes_moved += fill(state, work, source) if source is not None else receive(state, work, ctx.reading_ranks[ctx.rank])
         ctx.local_state[tensor.key] = state
         found.extend(nonfinite(tensor, state))
