@@ -178,23 +178,52 @@ class Server:
             raise self.failure
 
 
-def receive(state: dict[str, Any], batches_: list[Batch], src: int) -> int:
-    """Receive every batch from rank ``src`` into ``state``; the bytes received."""
-    device, got = _device(), 0
-    for batch in batches_:
-        flat = state[batch.name].view(-1)
-        first = batch.segments[0]
-        if len(batch.segments) == 1 and device.type == "cpu":
-            dist.recv(flat[first.dest : first.dest + first.length], src)  # straight into the output
-        else:
-            message = torch.empty(batch.numel, dtype=batch.dtype, device=device)
-            dist.recv(message, src)
-            message, at = message.cpu(), 0
-            for seg in batch.segments:
-                flat[seg.dest : seg.dest + seg.length] = message[at : at + seg.length]
-                at += seg.length
-        got += batch.numel * batch.dtype.itemsize
-    return got
+class Receiver:
+    """Receives this rank's batches from the rank that reads for it (``runtime.transfer=scatter``).
+
+    The sender's :class:`Server` sends every batch of the plan, and a send
+    waits for its receive. So a receiving rank that fails part way (no memory
+    for the next tensor, say) must still take what is owed to it: :meth:`drain`
+    receives the rest and drops it, and the sender reaches the stage's
+    collective, where the failure is agreed on.
+    """
+
+    def __init__(self, src: int) -> None:
+        self.src = src
+        self.received = 0  # batches taken so far, in plan order
+
+    def receive(self, state: dict[str, Any], batches_: list[Batch]) -> int:
+        """Receive every batch of ``batches_`` into ``state``; the bytes received."""
+        device, got = _device(), 0
+        for batch in batches_:
+            flat = state[batch.name].view(-1)
+            first = batch.segments[0]
+            if len(batch.segments) == 1 and device.type == "cpu":
+                dist.recv(flat[first.dest : first.dest + first.length], self.src)  # straight into the output
+            else:
+                message = torch.empty(batch.numel, dtype=batch.dtype, device=device)
+                dist.recv(message, self.src)
+                message, at = message.cpu(), 0
+                for seg in batch.segments:
+                    flat[seg.dest : seg.dest + seg.length] = message[at : at + seg.length]
+                    at += seg.length
+            self.received += 1
+            got += batch.numel * batch.dtype.itemsize
+        return got
+
+    def drain(self, owed: list[Batch]) -> None:
+        """Receive and drop every batch of ``owed`` (the whole plan, in order) not yet received.
+
+        Stops at the first receive that fails: the connection is gone, and
+        with it the sender's wait.
+        """
+        device = _device()
+        for batch in owed[self.received :]:
+            try:
+                dist.recv(torch.empty(batch.numel, dtype=batch.dtype, device=device), self.src)
+            except Exception:  # noqa: BLE001 - the failure that made us drain is the one to report
+                return
+            self.received += 1
 
 
 def batch_sha256(state: dict[str, Any], batch: Batch) -> str:

@@ -26,7 +26,7 @@ from osdpipe.layout import LocalTensor
 from osdpipe.progress import track
 from osdpipe.stages import stage
 from osdpipe.stages.flatten import flat_entry
-from osdpipe.transfer import Server, allocate, fill, plan, receive
+from osdpipe.transfer import Receiver, Server, allocate, fill, plan
 
 
 def nonfinite(tensor: LocalTensor, state: dict[str, Any]) -> list[str]:
@@ -88,10 +88,16 @@ def _convert(ctx: Context, found: list[str]) -> None:
     assert ctx.meta is not None
     ctx.local_state = {}
     source = ctx.source() if ctx.reads_itself else None
-    for tensor in track([t for t in ctx.target_layout() if t.key in ctx.flat_state]):
-        entry = ctx.flat_state[tensor.key]
-        state = allocate(tensor, entry, ctx.meta)
-        work = plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)
-        ctx.bytes_moved += fill(state, work, source) if source is not None else receive(state, work, ctx.reading_ranks[ctx.rank])
-        ctx.local_state[tensor.key] = state
-        found.extend(nonfinite(tensor, state))
+    receiver = None if source is not None else Receiver(ctx.reading_ranks[ctx.rank])
+    tensors = [t for t in ctx.target_layout() if t.key in ctx.flat_state]
+    plans = [plan(t, ctx.flat_state[t.key], ctx.meta, ctx.spec.runtime.piece_bytes) for t in tensors]
+    try:
+        for tensor, work in zip(track(tensors), plans):
+            state = allocate(tensor, ctx.flat_state[tensor.key], ctx.meta)
+            ctx.bytes_moved += fill(state, work, source) if receiver is None else receiver.receive(state, work)
+            ctx.local_state[tensor.key] = state
+            found.extend(nonfinite(tensor, state))
+    except Exception:
+        if receiver is not None:
+            receiver.drain([batch for work in plans for batch in work])  # the sender is still sending: take it all
+        raise
