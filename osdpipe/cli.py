@@ -13,6 +13,7 @@ thing to mend. Every error is one line on stderr, a traceback only with
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -129,8 +130,10 @@ def _run_job(cfg: DictConfig) -> int:
     except OutputError as exc:
         _error(str(exc))
         return EXIT_CONFIG
-    if not _is_rank0():
-        return EXIT_OK if report.ok else EXIT_FAILED
+    if rankserver.in_torchrun():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: torchrun stopping the ranks must not cut this rank's last words and exit code
+    if not _is_rank0() and (report.ok or report.agreed):
+        return EXIT_OK if report.ok else EXIT_FAILED  # rank 0 speaks for every rank: it raised the same error
     if report.ok:
         print(summarize(report, spec.output.path), flush=True)
         for warning in report.warnings:
@@ -138,7 +141,8 @@ def _run_job(cfg: DictConfig) -> int:
         return EXIT_OK
     if spec.runtime.debug and report.traceback:
         print(report.traceback, file=sys.stderr)
-    _error(f"{report.failure} (report: {Path(spec.output.path) / 'report.json'})")
+    written = f" (report: {Path(spec.output.path) / 'report.json'})" if _is_rank0() else ""  # rank 0 writes it
+    _error(f"{report.failure}{written}")
     return EXIT_FAILED
 
 

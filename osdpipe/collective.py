@@ -39,6 +39,15 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+#: Words in the error a collective raises when another rank of the group has died or left.
+_LOST_PEER_MARKERS = ("Connection closed by peer", "Read error", "Connection reset", "pair.cc", "NCCL communicator was aborted")
+
+
+def lost_a_peer(message: str) -> bool:
+    """Whether ``message`` is a collective's error for a peer that died or left: the echo of another rank's failure."""
+    return any(m in message for m in _LOST_PEER_MARKERS)
+
+
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

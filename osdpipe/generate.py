@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from osdpipe import kinds
+from osdpipe import kinds, whereabouts
 from osdpipe.config import RunSpec
 from osdpipe.layout import rank_layout
 from osdpipe.models import build_model
 from osdpipe.output import STAGING
 from osdpipe.reference import live_target, train_step
 from osdpipe.tree import describe
-
 
 #: The name of a generated source under ``source/``, per the format its source world saves.
 GENERATED_NAMES = {"plain": "optim.pt", "fsdp_full": "optim.pt", "dcp": "dcp", "rank_local": "rank_local"}
@@ -40,6 +39,7 @@ def source_path(spec: RunSpec) -> str:
 
 def generate_rank(spec: RunSpec) -> str:
     """Train and save on this rank of the source world; returns the checkpoint path."""
+    whereabouts.enter("generate")
     rank = dist.get_rank()
     tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
     model, optim = live_target(spec, spec.source.spec(), tree, rank)

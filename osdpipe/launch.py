@@ -13,6 +13,7 @@ import contextlib
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -24,10 +25,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from osdpipe import progress, rankserver
-from osdpipe.collective import StageError, one_line
+from osdpipe import progress, rankserver, whereabouts
+from osdpipe.collective import StageError, lost_a_peer, one_line
 
 #: How long the launcher waits for the other ranks to report after one failed.
 GRACE_S = 5.0
@@ -80,8 +80,9 @@ def init_world(backend: str, timeout_s: float, rank: int | None = None, world_si
 
 
 def _worker(
-    rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any, events: Any
+    rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any, events: Any, board: Any
 ) -> None:
+    whereabouts.attach(board, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     warnings.simplefilter("ignore")  # what a user must know travels in the report, not as Python warnings on stderr
     if rank == 0 and events is not None:
@@ -115,12 +116,23 @@ def _worker(
         dist.destroy_process_group()
 
 
-#: Words in the errors that a rank's failure causes in the *other* ranks' collectives.
-_ECHO_MARKERS = ("Connection closed by peer", "Read error", "Connection reset", "pair.cc", "NCCL communicator was aborted")
+def death(exitcode: int, stage: str | None) -> str:
+    """Why a rank process ended without a word, and where: "process killed by SIGKILL in stage 'save'"."""
+    if exitcode < 0:
+        try:
+            how = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+    else:
+        how = f"exited with code {exitcode}"
+    where = f"in stage {stage!r}" if stage else "before its first stage"
+    hint = "; the kernel's out-of-memory killer sends SIGKILL: see runtime.memory_budget" if exitcode == -signal.SIGKILL else ""
+    return f"process {how} {where} without reporting an error{hint}"
 
 
 def _is_echo(failure: RankFailure) -> bool:
-    return any(m in failure.message for m in _ECHO_MARKERS)
+    """The error a rank's failure causes in the *other* ranks' collectives."""
+    return lost_a_peer(failure.message)
 
 
 def root_cause(failures: dict[int, RankFailure]) -> tuple[int, RankFailure]:
@@ -170,10 +182,11 @@ def run_local_world(
     ctx = rankserver.context()
     results = ctx.Queue()
     events = ctx.Queue() if display is not None and display.enabled else None
+    board = whereabouts.Board(ctx, world_size)
     port = free_port()
     backend = backend or default_backend()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results, events), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -195,7 +208,7 @@ def run_local_world(
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
                 for r in dead:
-                    outcome[r] = (False, RankFailure(f"process died with exit code {procs[r].exitcode}", ""))
+                    outcome[r] = (False, RankFailure(death(procs[r].exitcode, board.stage_of(r)), ""))
                 if dead and first_failure is None:
                     first_failure = time.monotonic()
     finally:

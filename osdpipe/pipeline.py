@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,8 +20,8 @@ from traceback import format_exc
 
 import torch.distributed as dist
 
-from osdpipe import output, progress
-from osdpipe.collective import StageError, agree, from_rank0, gather_to_all, one_line
+from osdpipe import output, progress, whereabouts
+from osdpipe.collective import StageError, agree, from_rank0, gather_to_all, lost_a_peer, one_line
 from osdpipe.config import RunSpec
 from osdpipe.context import CheckResult, Context, SkippedCheck
 from osdpipe.logfile import write_log
@@ -54,6 +56,7 @@ class Report:
     memory_budget: int | None = None  # runtime.memory_budget: bytes a rank may hold in flight beyond its output
     output_bytes: list[int] = field(default_factory=list)  # each rank's (offline: each target rank's) converted tensor bytes
     traceback: str | None = None  # where ``error`` was raised, for runtime.debug and bug reports
+    agreed: bool = True  # false: ``error`` is this rank's own (under torchrun: it lost another rank, or was stopped), not one every rank raised
 
     @property
     def failure(self) -> str | None:
@@ -64,6 +67,11 @@ class Report:
             return self.error
         failed = [c for c in self.checks if not c.ok]
         return "verify failed: " + "; ".join(f"check {c.name}: {c.detail}" for c in failed)
+
+    @classmethod
+    def unfinished(cls) -> Report:
+        """What ``report.json`` says while a run is under way, and after one that died without a word."""
+        return cls(ok=False, error="the run did not finish: the launcher (under torchrun, rank 0) ended before writing its report; see the command's output")
 
     def write(self, directory: str | Path) -> Path:
         path = Path(directory) / "report.json"
@@ -80,6 +88,7 @@ def run_stages(ctx: Context) -> Report:
     timings: list[tuple[str, float, int]] = []
     try:
         for name in ctx.spec.pipeline.stages:
+            whereabouts.enter(name)
             if ctx.rank == 0:
                 progress.emit("phase", f"stage {name}")
             ctx.bytes_moved = ctx.bytes_sent = 0
@@ -179,7 +188,7 @@ def execute(spec: RunSpec) -> Report:
     if spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun()):
         return _execute_torchrun(spec, backend)
     out = Path(spec.output.path)
-    output.begin(out)
+    _begin(out)
     display = progress.Display(progress.wanted(spec.runtime.progress))
     try:
         report = _execute_local(spec, backend, display)
@@ -229,13 +238,16 @@ def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
     display = progress.Display(rank == 0 and progress.wanted(spec.runtime.progress))
     progress.connect(display if rank == 0 else None)
     report: Report
+    stop_on_sigterm = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped) if stop_on_sigterm else None
+    whereabouts.enter("launch")
     try:
         if world != spec.target.world_size:
             raise StageError("launch", {0: f"torchrun started {world} ranks but target.world_size={spec.target.world_size}; start as many ranks as the target has"})
         if not dist.is_initialized():
             init_world(backend or default_backend(), spec.runtime.timeout_s)
         try:
-            from_rank0("launch", lambda: output.begin(out))
+            from_rank0("launch", lambda: _begin(out))
             input_path = spec.input.path
             if input_path is None:
                 if spec.source.world_size != world:
@@ -251,11 +263,49 @@ def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
             gc.collect()
     except StageError as exc:
         report = Report(ok=False, error=str(exc), traceback=format_exc())
+    except Exception as exc:  # noqa: BLE001 - this rank's own view: a collective another rank's death broke, or torchrun's stop
+        failure = StageError(whereabouts.current() or "launch", {rank: _own_failure(exc)})
+        report = Report(ok=False, error=str(failure), traceback=format_exc(), agreed=False)
     finally:
+        if stop_on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: what it found is written, whoever stops it
         display.close()
         progress.connect(None)
-    if rank == 0:
-        output.abort(out)
-        report.write(out)
-        write_log(out, report, spec)
+    try:
+        if rank == 0 or not report.agreed:
+            output.abort(out)  # rank 0 does; a rank that lost the others does too, rank 0 may be the one lost
+        if rank == 0:
+            report.write(out)
+            write_log(out, report, spec)
+    finally:
+        if stop_on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
     return report
+
+
+def _begin(out: Path) -> None:
+    """Prepare the output directory (:func:`osdpipe.output.begin`), its report saying the run is under way.
+
+    So a run that dies without a word (its launcher, or rank 0 under
+    torchrun, killed) does not leave the previous run's report, which may say
+    ``ok``, as if it were this one's.
+    """
+    output.begin(out)
+    Report.unfinished().write(out)
+
+
+class Stopped(Exception):
+    """This rank was sent SIGTERM: under torchrun, because another rank failed (torchrun then stops them all)."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Stopped("stopped by SIGTERM: torchrun stops every rank once one fails, and its summary names that rank")
+
+
+def _own_failure(exc: BaseException) -> str:
+    """A failure only this rank saw, in words: above all a collective that another rank's death broke."""
+    text = str(exc) if isinstance(exc, Stopped) else one_line(exc)
+    if lost_a_peer(text):
+        return f"lost another rank in a collective: it died or failed (torchrun's summary names it); {text}"
+    return text

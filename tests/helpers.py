@@ -33,7 +33,9 @@ def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str
         except subprocess.TimeoutExpired:  # a descendant in a session of its own (torchrun's workers) holds the pipes
             out, err = "", "(no output: processes outside the command's session kept its pipes open)"
         pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    done.session = proc.pid  # type: ignore[attr-defined]  # the session its processes ran in, to find any left behind
+    return done
 
 
 def run_osdpipe(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:

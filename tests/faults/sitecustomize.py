@@ -1,0 +1,70 @@
+"""A rank that dies on cue: fault injection for the dead-rank tests (``tests/test_dead_rank.py``).
+
+On ``PYTHONPATH``, Python imports this module at start-up in every process of
+the command: the launcher, the fork server and so every rank forked from it.
+``OSDPIPE_TEST_FAULT=<point>:<rank>:<how>`` makes rank ``<rank>`` die at
+``<point>`` (see :data:`POINTS`): ``kill`` sends itself SIGKILL (nothing runs
+after it, not even a ``finally``), ``raise`` raises an exception in the stage.
+Without the variable this module does nothing, not even import torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+FAULT = os.environ.get("OSDPIPE_TEST_FAULT")
+
+
+def _die(how: str, where: str) -> None:
+    import signal
+
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault {where}")
+
+
+def _install(point: str, rank: int, how: str) -> None:
+    import torch.distributed as dist
+
+    def here() -> bool:
+        return dist.is_initialized() and dist.get_rank() == rank
+
+    def on_call(n: int, fn, *, after: bool = False):
+        """``fn``, but on the faulty rank its ``n``-th call dies: before it runs, or ``after`` it did its work."""
+        calls = 0
+
+        def wrapped(*args, **kwargs):
+            nonlocal calls
+            calls += here()
+            if calls == n and not after:
+                _die(how, f"{point} on rank {rank}")
+            result = fn(*args, **kwargs)
+            if calls == n and after:
+                _die(how, f"{point} on rank {rank}")
+            return result
+
+        return wrapped
+
+    if point == "load":  # as this rank opens the source (after the stage's first collective)
+        from osdpipe.stages import load
+
+        load.open_source = on_call(1, load.open_source)
+    elif point == "send":  # the reading rank, between two batches it sends (runtime.transfer=scatter)
+        from osdpipe import transfer
+
+        transfer.Server.send = on_call(2, transfer.Server.send)
+    elif point == "receive":  # a receiving rank, between two tensors it receives (runtime.transfer=scatter)
+        from osdpipe import transfer
+
+        transfer.Receiver.receive = on_call(2, transfer.Receiver.receive)
+    elif point == "save":  # after this rank's file is written to .staging, before the commit
+        from osdpipe.stages import save
+
+        save.save_hashed = on_call(1, save.save_hashed, after=True)
+    else:
+        raise ValueError(f"OSDPIPE_TEST_FAULT: unknown point {point!r}")
+
+
+if FAULT:
+    _point, _rank, _how = FAULT.split(":")
+    _install(_point, int(_rank), _how)
