@@ -1,6 +1,6 @@
 """``osdpipe check OUTPUT_DIR [key=value ...]``: prove a converted checkpoint right later, without converting it again to disk.
 
-Two checks, each said in one line:
+Two checks, and a third when asked, each said in one line:
 
 * ``files``: every file ``manifest.json`` lists is there with its sha256;
   where a file differs, its tensors' digests name the tensor that does.
@@ -11,6 +11,12 @@ Two checks, each said in one line:
   source is the manifest's ``input.path``, the ``source/`` a generated
   conversion keeps, or ``input.path=...`` given on the command line (a
   checkpoint that moved).
+* ``load`` (with ``--load``): on a local world of ``target.world_size``
+  ranks, each rank's target optimizer, on a live model wrapped as the target
+  says, loads what the files hold, as a resuming job would (a param-ID keyed
+  file as it is; an FQN-keyed one through its kind's PyTorch loading API),
+  and takes one step on synthetic gradients: every state element that was
+  finite must stay finite (the ``load_step`` check of ``verify``).
 
 The conversion's config comes from the manifest; ``key=value`` arguments
 override it (``input.path``, ``model.factory`` where a module moved).
@@ -28,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-USAGE = "usage: osdpipe check OUTPUT_DIR [key=value ...]  (e.g. input.path=/ckpt/optim.pt to name a source that moved)"
+USAGE = "usage: osdpipe check OUTPUT_DIR [--load] [key=value ...]  (--load: load it on a target world and step; input.path=... names a source that moved)"
 
 
 class CheckUsageError(ValueError):
@@ -198,24 +204,77 @@ def _compare_dcp_rank(reader: Any, ctx: Any) -> list[str]:
     return problems
 
 
+def check_load(directory: Path, raw: dict[str, Any]) -> Finding:
+    """Load the files on a local world of the target's ranks, as the target job would, and take a step (see the module docstring)."""
+    from osdpipe import rankserver
+    from osdpipe.config import validate
+    from osdpipe.launch import WorldError, run_local_world
+
+    spec = validate(raw)
+    rankserver.start()
+    try:
+        results = run_local_world(load_rank, spec.target.world_size, (spec, str(directory)), timeout_s=spec.runtime.timeout_s)
+    except WorldError as exc:
+        return Finding("load", False, str(exc))
+    failed = [f"rank {r}: {c.detail}" for r, c in enumerate(results) if not c.ok]
+    where = f"on {spec.target.world_size} {spec.target.kind} rank(s)"
+    return Finding("load", not failed, "; ".join(failed[:3]) or f"{where}: {results[0].detail}")
+
+
+def load_rank(spec: Any, directory: str) -> Any:
+    """On one rank of the target world: its optimizer loads what the files hold for it, and steps (a ``CheckResult``)."""
+    import torch
+
+    from osdpipe import kinds
+    from osdpipe.pipeline import make_context
+    from osdpipe.stages.verify import live_target_of, load_and_step
+
+    out = Path(directory)
+    ctx = make_context(spec, spec.input.path or directory, spec.input.format)
+    fmt = spec.output.format
+    if ctx.id_keyed:  # the file is what this rank's optimizer loads
+        saved = torch.load(out / (f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt"), map_location="cpu", weights_only=True)
+        return load_and_step(ctx, saved)
+    if fmt == "dcp":
+        from osdpipe.formats import full_state
+        from osdpipe.formats.dcp import DcpReader
+
+        reader = DcpReader(str(out / "dcp"), spec.output.key)
+        full = full_state(reader, reader.meta())
+    else:
+        full = torch.load(out / "optim.pt", map_location="cpu", weights_only=True)
+    model, optim = live_target_of(ctx)
+    return load_and_step(ctx, kinds.get(spec.target.kind).to_load(model, optim, full))
+
+
 def run_check(args: list[str]) -> int:
     """The command: check, print one line per check, return the exit code."""
     if not args or args[0].startswith("-"):
         print(USAGE, file=sys.stderr if args[:1] != ["--help"] else sys.stdout)
         return EXIT_OK if args[:1] == ["--help"] else EXIT_USAGE
-    directory = Path(args[0])
+    directory, load = Path(args[0]), "--load" in args[1:]
+    overrides = [a for a in args[1:] if a != "--load"]
+    unknown = [a for a in overrides if a.startswith("-")]
+    if unknown:
+        print(f"osdpipe check: error: {unknown[0]} is not an option; {USAGE}", file=sys.stderr)
+        return EXIT_USAGE
     findings: list[Finding] = []
+    check = "roundtrip"
     try:
         manifest = read_manifest(directory)
         findings.append(check_files(directory, manifest))
-        findings.append(check_roundtrip(directory, conversion_config(directory, manifest, args[1:])))
+        raw = conversion_config(directory, manifest, overrides)
+        findings.append(check_roundtrip(directory, raw))
+        if load:
+            check = "load"
+            findings.append(check_load(directory, raw))
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the source or a file cannot be read, or does not fit: a failed check, in one line
         from osdpipe.collective import one_line
 
-        findings.append(Finding("roundtrip", False, one_line(exc)))
+        findings.append(Finding(check, False, one_line(exc)))
     for f in findings:
         print(f"  check {f.name:<10} {'pass' if f.ok else 'FAIL'}  {f.detail}")
     ok = all(f.ok for f in findings)

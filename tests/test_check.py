@@ -7,7 +7,8 @@ content (``content_sha256``: no paths, no timestamps, nothing of how it ran).
 ``osdpipe check`` passes on every one of them, from the manifest alone. With
 one element of one tensor changed (the file rewritten), it fails with exit
 code 1 and names the file, the tensor and the element; with a missing file,
-the file; with no manifest, exit code 2.
+the file; with no manifest, exit code 2. ``--load`` loads every format on its
+target world and steps; a NaN in one rank's file fails it, naming that rank.
 """
 
 from __future__ import annotations
@@ -110,6 +111,35 @@ def test_check_names_the_file_tensor_and_element_after_one_element_changes(runs:
         assert f"['state'][{key!r}]['exp_avg']: 1 element(s) differ, first at flat index 3" in text, text
     assert results[2]["code"] == 1 and f"{missing / 'dcp' / '__1_0.distcp'} is missing" in results[2]["stdout"], results[2]
     assert results[3]["code"] == 2 and "manifest.json does not exist" in results[3]["stderr"], results[3]
+
+
+#: What ``--load`` runs each output on: the target world the conversion was for.
+TARGET_WORLDS = {"rank_local": "3 fsdp1", "fsdp_full": "2 fsdp1", "dcp": "3 fsdp2"}
+
+
+def test_check_load_loads_every_format_on_its_target_world_and_steps(runs: Path) -> None:
+    results = _check(*[[str(runs / fmt / "first"), "--load"] for fmt in OUTPUTS], ["--lode", str(runs / "dcp" / "first")], [str(runs / "dcp" / "first"), "--lode"], cwd=runs)
+    for fmt, result in zip(OUTPUTS, results, strict=False):
+        assert result["code"] == 0, result["stderr"] + result["stdout"]
+        assert f"check load       pass  on {TARGET_WORLDS[fmt]} rank(s): loaded; one step left all state finite" in result["stdout"], result["stdout"]
+    assert results[3]["code"] == 2, results[3]
+    assert results[4]["code"] == 2 and "--lode is not an option" in results[4]["stderr"], results[4]
+
+
+def test_check_load_names_the_rank_and_the_state_that_does_not_load_right(runs: Path, tmp_path: Path) -> None:
+    import shutil
+
+    out = tmp_path / "rank_local"
+    shutil.copytree(runs / "rank_local" / "first", out)
+    osd = torch.load(out / "rank_1.pt", weights_only=True)
+    key = sorted(k for k, s in osd["state"].items() if isinstance(s, dict) and s["exp_avg_sq"].numel() > 3)[0]
+    osd["state"][key]["exp_avg_sq"].view(-1)[2] = float("nan")
+    torch.save(osd, out / "rank_1.pt")
+    [result] = _check([str(out), "--load"], cwd=tmp_path)
+    assert result["code"] == 1, result
+    line = next(line for line in result["stdout"].splitlines() if "check load" in line)
+    assert "FAIL  rank 1: non-finite in the loaded state" in line and "exp_avg_sq (1 element)" in line, line
+    assert "rank 0" not in line and "rank 2" not in line, line
 
 
 def test_the_log_file_says_what_ran_at_its_level(runs: Path, tmp_path: Path) -> None:

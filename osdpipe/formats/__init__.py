@@ -191,3 +191,14 @@ def inspect_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: L
             f"{path} could not be read as input.format={fmt} ({first_line(exc)}); it may be damaged or in another format: "
             "re-copy it or point input.path and input.format at the right checkpoint"
         ) from exc
+
+
+def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
+    """The whole checkpoint ``reader`` reads (described by ``meta``) as a full FQN-keyed optimizer state dict, every tensor read."""
+    items = [(f, n) for f, entries in meta.state.items() for n, v in entries.items() if isinstance(v, TensorRef)]
+    tensors = reader.read(items)
+    state = {f: {n: tensors.get((f, n), v) for n, v in entries.items()} for f, entries in meta.state.items()}
+    out: dict[str, Any] = {"state": {**state, **meta.extra}}
+    if meta.param_groups is not None:
+        out["param_groups"] = meta.param_groups
+    return out

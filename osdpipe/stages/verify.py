@@ -31,7 +31,7 @@ from osdpipe.collective import from_rank0, gather_to_all, one_line
 from osdpipe.compare import bits_equal, diff
 from osdpipe.config import show_size
 from osdpipe.context import CheckResult, Context, SkippedCheck
-from osdpipe.formats import TensorRef
+from osdpipe.formats import TensorRef, full_state
 from osdpipe.layout import LocalTensor, uncovered
 from osdpipe.reference import live_target, train_step
 from osdpipe.stages import stage
@@ -159,13 +159,7 @@ def _coverage_gaps(ctx: Context) -> list[str]:
 def _full_source(ctx: Context) -> dict[str, Any]:
     """The whole source as a full FQN-keyed state dict (for PyTorch's reference conversion)."""
     assert ctx.meta is not None and ctx.reader is not None
-    items = [(f, n) for f, entries in ctx.meta.state.items() for n, v in entries.items() if isinstance(v, TensorRef)]
-    tensors = ctx.reader.read(items)
-    state = {f: {n: tensors.get((f, n), v) for n, v in entries.items()} for f, entries in ctx.meta.state.items()}
-    out: dict[str, Any] = {"state": {**state, **ctx.meta.extra}}
-    if ctx.meta.param_groups is not None:
-        out["param_groups"] = ctx.meta.param_groups
-    return out
+    return full_state(ctx.reader, ctx.meta)
 
 
 def _full_output(ctx: Context) -> dict[str, Any]:
@@ -185,7 +179,8 @@ def _full_output(ctx: Context) -> dict[str, Any]:
     return {**ctx.result, "state": state}
 
 
-def _target(ctx: Context) -> tuple[Any, Any]:
+def live_target_of(ctx: Context) -> tuple[Any, Any]:
+    """This rank's live target model and optimizer, built once per context."""
     if ctx.live is None:
         ctx.live = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
     return ctx.live
@@ -196,13 +191,13 @@ def _loadable(ctx: Context) -> dict[str, Any]:
     assert ctx.result is not None
     if ctx.id_keyed:
         return ctx.result
-    model, optim = _target(ctx)
+    model, optim = live_target_of(ctx)
     return kinds.get(ctx.spec.target.kind).to_load(model, optim, _full_output(ctx))
 
 
 def check_reference(ctx: Context) -> CheckResult:
     kind = kinds.get(ctx.spec.target.kind)
-    model, optim = _target(ctx)
+    model, optim = live_target_of(ctx)
     full = _full_source(ctx)
     if ctx.id_keyed:
         expected, got, what = kind.to_load(model, optim, full), ctx.result, "PyTorch's conversion"
@@ -247,7 +242,15 @@ def _named(tensor: LocalTensor, name: str, mask: torch.Tensor) -> list[str]:
 
 
 def check_load_step(ctx: Context) -> CheckResult:
-    """The target optimizer loads the result and takes one step on synthetic gradients; its state must stay finite.
+    """The target optimizer loads the result and takes one step on synthetic gradients (:func:`load_and_step`)."""
+    return load_and_step(ctx, _loadable(ctx))
+
+
+def load_and_step(ctx: Context, loadable: dict[str, Any]) -> CheckResult:
+    """This rank's target optimizer loads ``loadable`` and takes one step on synthetic gradients; its state must stay finite.
+
+    ``loadable`` is what the optimizer's kind loads on this rank: the
+    param-ID keyed state, or what the kind's ``to_load`` made of a full one.
 
     The rule, element by element: a state element fails when it is NaN or
     infinite after the step but was finite in the loaded state (an element the
@@ -256,9 +259,9 @@ def check_load_step(ctx: Context) -> CheckResult:
     are carried and reported, not failed; without it they fail too. Failures
     name parameters by FQN (through this rank's layout), never by param ID.
     """
-    model, optim = _target(ctx)
+    model, optim = live_target_of(ctx)
     # load_state_dict keeps tensors that need no cast: a copy stops the step from changing the result.
-    loadable = kinds.get(ctx.spec.target.kind).loadable(optim, copy.deepcopy(_loadable(ctx)))
+    loadable = kinds.get(ctx.spec.target.kind).loadable(optim, copy.deepcopy(loadable))
     if "param_groups" not in loadable:
         # A source without param groups converts to state only (as PyTorch's own
         # conversion does); load_state_dict needs groups, so the target's own are
