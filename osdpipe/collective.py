@@ -89,6 +89,16 @@ def gather_to_all(value: T) -> list[T]:
     return out
 
 
+def scatter_from(src: int, per_rank: list[Any] | None) -> Any:
+    """Rank ``src`` gives each rank its own item of ``per_rank`` (one per rank; ``None`` elsewhere); each rank gets only its own."""
+    if not _initialized():
+        assert per_rank is not None
+        return per_rank[0]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, per_rank if dist.get_rank() == src else None, src=src)
+    return box[0]
+
+
 def barrier() -> None:
     if _initialized():
         dist.barrier()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from osdpipe import kinds
-from osdpipe.collective import from_rank0, gather_to_all, one_line
+from osdpipe.collective import from_rank0, gather_to_all, one_line, scatter_from
 from osdpipe.compare import bits_equal, diff
 from osdpipe.config import show_size
 from osdpipe.context import CheckResult, Context, SkippedCheck
@@ -91,8 +91,13 @@ def _sent_digests(ctx: Context) -> dict[tuple[str, str, int], str] | None:
     """The digests this rank's reading rank took of the batches it sent here (``None``: this rank reads the source itself)."""
     if ctx.reading_ranks is None or not any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
         return None
-    every = gather_to_all(ctx.sent_digests)  # a collective: every rank takes part, also those that read for themselves
-    return None if ctx.reads_itself else every[ctx.reading_ranks[ctx.rank]].get(ctx.rank, {})
+    mine: dict[tuple[str, str, int], str] = {}
+    for reader in sorted(set(ctx.reading_ranks)):  # collectives: every rank takes part, also those that read for themselves
+        per_rank = [ctx.sent_digests.get(r, {}) for r in range(ctx.world_size)] if ctx.rank == reader else None
+        got = scatter_from(reader, per_rank)  # each rank gets its own digests only, not every receiver's
+        if reader == ctx.reading_ranks[ctx.rank]:
+            mine = got
+    return None if ctx.reads_itself else mine
 
 
 def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx: Context) -> list[str]:
