@@ -108,3 +108,31 @@ def test_echoes_of_a_failure_are_not_failures_of_their_own():
     error = world_error(failures)
     assert str(error) == "rank 0 failed: disk full on rank 0"
     assert error.traceback == "tb0"
+
+
+def test_a_rank_that_dies_without_a_word_is_described_by_its_exit_and_stage():
+    from osdpipe.launch import death
+
+    assert death(-9, "save").startswith("process killed by SIGKILL in stage 'save' without reporting an error; the kernel's out-of-memory killer")
+    assert death(-11, "shard") == "process killed by SIGSEGV in stage 'shard' without reporting an error"
+    assert death(3, None) == "process exited with code 3 before its first stage without reporting an error"
+    assert death(-200, "load") == "process killed by signal 200 in stage 'load' without reporting an error"
+
+
+def _post_and_die(stage: str) -> None:
+    import os
+
+    from osdpipe import whereabouts
+
+    whereabouts.enter("load")
+    whereabouts.enter(stage)
+    if dist.get_rank() == 1:
+        os._exit(3)  # no exception, no report: only the exit code and the board tell
+    dist.barrier()
+
+
+def test_the_launcher_names_the_stage_a_silent_death_happened_in():
+    with pytest.raises(WorldError) as info:
+        run_local_world(_post_and_die, 2, ("a-stage-name-longer-than-the-board-cell-holds",), timeout_s=60)
+    assert "rank 1 failed: process exited with code 3 in stage 'a-stage-name-longer-than-the-boa' without reporting an error" == str(info.value)
+    assert not multiprocessing.active_children()

@@ -3,7 +3,7 @@
 On ``PYTHONPATH``, Python imports this module at start-up in every process of
 the command: the launcher, the fork server and so every rank forked from it.
 ``OSDPIPE_TEST_FAULT=<point>:<rank>:<how>`` makes rank ``<rank>`` die at
-``<point>`` (see :data:`POINTS`): ``kill`` sends itself SIGKILL (nothing runs
+``<point>`` (``load``, ``send``, ``receive``, ``save``: see :func:`_install`): ``kill`` sends itself SIGKILL (nothing runs
 after it, not even a ``finally``), ``raise`` raises an exception in the stage.
 Without the variable this module does nothing, not even import torch.
 """
@@ -49,7 +49,7 @@ def _install(point: str, rank: int, how: str) -> None:
         from osdpipe.stages import load
 
         load.open_source = on_call(1, load.open_source)
-    elif point == "send":  # the reading rank, between two batches it sends (runtime.transfer=scatter)
+    elif point == "send":  # the reading rank, between two tensors it sends (runtime.transfer=scatter)
         from osdpipe import transfer
 
         transfer.Server.send = on_call(2, transfer.Server.send)
