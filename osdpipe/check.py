@@ -126,27 +126,32 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
     return raw
 
 
-def check_roundtrip(directory: Path, raw: dict[str, Any]) -> Finding:
-    """Derive every target rank's state from the source again (offline, in memory) and compare it with the files."""
+def conversion_spec(raw: dict[str, Any]) -> Any:
+    """The validated ``RunSpec`` of the conversion's config (a config that does not validate cannot be checked: exit 2)."""
     from osdpipe.config import ConfigError, validate
 
     try:
-        spec = validate(raw)
+        return validate(raw)
     except ConfigError as exc:
         raise CheckUsageError(f"the conversion's config does not validate: {str(exc).splitlines()[0]}") from None
+
+
+def check_roundtrip(directory: Path, spec: Any) -> Finding:
+    """Derive every target rank's state from the source again (offline, in memory) and compare it with the files."""
     if spec.input.path is None:
         return Finding("roundtrip", True, "skipped: no source to compare with (give input.path=...)")
+    fmt = spec.output.format
     dcp = None
-    if spec.output.format == "dcp":
+    if fmt == "dcp":
         from osdpipe.formats.dcp import DcpReader
 
         dcp = DcpReader(str(directory / "dcp"), spec.output.key)  # opened (metadata read, structure checked) once for every rank
+        saved_meta = dcp.meta()
     problems = []
     for ctx in expected_results(spec):
-        problems += _compare_dcp_rank(dcp, ctx) if dcp is not None else compare_rank(directory, ctx)
-        if len(problems) >= 5:
+        problems += _compare_dcp_rank(dcp, saved_meta, ctx) if dcp is not None else compare_rank(directory, ctx)
+        if len(problems) >= 5 or fmt in ("fsdp_full", "plain"):  # one file, rank 0's: the other ranks write none
             break
-    fmt = spec.output.format
     return Finding("roundtrip", not problems, "; ".join(problems[:5]) or f"every {fmt} tensor equals the source's, element by element ({spec.input.path})")
 
 
@@ -185,32 +190,37 @@ def compare_rank(directory: Path, ctx: Any) -> list[str]:
     return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, ctx.result, limit=3)]
 
 
-def _compare_dcp_rank(reader: Any, ctx: Any) -> list[str]:
-    """Rank ``ctx.rank``'s dim-0 pieces against the same rows of the DCP checkpoint's tensors (``reader``: the output's)."""
-    from osdpipe.compare import bits_equal
+def _compare_dcp_rank(reader: Any, saved: Any, ctx: Any) -> list[str]:
+    """Rank ``ctx.rank``'s result against the DCP checkpoint (``reader``, its metadata ``saved``), bitwise.
+
+    Tensor state by this rank's dim-0 rows of the saved tensors; scalar state
+    and, once, the param groups as the checkpoint holds them.
+    """
+    from osdpipe.compare import diff
     from osdpipe.layout import dim0_chunk_bounds
 
     problems = []
     for fqn, state in ctx.result["state"].items():
         for name, want in state.items() if isinstance(state, dict) else []:
-            if not (hasattr(want, "dim") and want.dim() > 0 and want.numel()):
+            if not (hasattr(want, "dim") and want.dim() > 0):
+                problems += [f"{reader.path}: {p}" for p in diff(saved.state.get(fqn, {}).get(name), want, path=f"{fqn}.{name}", limit=1)]
                 continue
-            want = want.reshape(-1)
+            if not want.numel():
+                continue
             start = dim0_chunk_bounds(ctx.tree.param(fqn).shape, ctx.world_size, ctx.rank)[0]
             got = reader.read_range(fqn, name, start, start + want.numel())
-            if not bits_equal(got, want):
-                i = int((got != want).nonzero()[0]) if (got != want).any() else 0
-                problems.append(f"{reader.path}: {fqn}.{name} differs at flat index {start + i}: {got[i].item()} vs {want[i].item()} from the source")
+            # diff's flat index is within this rank's rows, which begin at flat index ``start`` of the saved tensor
+            problems += [f"{reader.path}: {p}" for p in diff(got, want.reshape(-1), path=f"{fqn}.{name} (rows from flat index {start})", limit=1)]
+    if ctx.rank == 0 and "param_groups" in ctx.result:
+        problems += [f"{reader.path}: {p}" for p in diff(saved.param_groups, ctx.result["param_groups"], path="param_groups", limit=1, sequence_types=False)]
     return problems
 
 
-def check_load(directory: Path, raw: dict[str, Any]) -> Finding:
+def check_load(directory: Path, spec: Any) -> Finding:
     """Load the files on a local world of the target's ranks, as the target job would, and take a step (see the module docstring)."""
     from osdpipe import rankserver
-    from osdpipe.config import validate
     from osdpipe.launch import WorldError, run_local_world
 
-    spec = validate(raw)
     rankserver.start()
     try:
         results = run_local_world(load_rank, spec.target.world_size, (spec, str(directory)), timeout_s=spec.runtime.timeout_s)
@@ -258,25 +268,33 @@ def run_check(args: list[str]) -> int:
     if unknown:
         print(f"osdpipe check: error: {unknown[0]} is not an option; {USAGE}", file=sys.stderr)
         return EXIT_USAGE
-    findings: list[Finding] = []
-    check = "roundtrip"
     try:
         manifest = read_manifest(directory)
-        findings.append(check_files(directory, manifest))
-        raw = conversion_config(directory, manifest, overrides)
-        findings.append(check_roundtrip(directory, raw))
-        if load:
-            check = "load"
-            findings.append(check_load(directory, raw))
+        spec = conversion_spec(conversion_config(directory, manifest, overrides))
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as exc:  # noqa: BLE001 - the source or a file cannot be read, or does not fit: a failed check, in one line
+    except Exception as exc:  # noqa: BLE001 - the manifest's config cannot be composed (an interpolation, an unknown kind)
         from osdpipe.collective import one_line
 
-        findings.append(Finding(check, False, one_line(exc)))
+        print(f"osdpipe check: error: {directory / 'manifest.json'}: its config cannot be used: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    checks = [("files", lambda: check_files(directory, manifest)), ("roundtrip", lambda: check_roundtrip(directory, spec))]
+    if load:
+        checks.append(("load", lambda: check_load(directory, spec)))
+    findings = [_run_one(name, run) for name, run in checks]
     for f in findings:
         print(f"  check {f.name:<10} {'pass' if f.ok else 'FAIL'}  {f.detail}")
     ok = all(f.ok for f in findings)
     print(f"osdpipe check: {'OK' if ok else 'FAILED'}  {directory}", file=sys.stdout if ok else sys.stderr)
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def _run_one(name: str, run: Any) -> Finding:
+    """One check's finding; a file or source that cannot be read, or does not fit, fails that check in one line."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - said as the check's failure, not as a traceback
+        from osdpipe.collective import one_line
+
+        return Finding(name, False, one_line(exc))

@@ -21,7 +21,14 @@ from traceback import format_exc
 import torch.distributed as dist
 
 from osdpipe import output, progress, whereabouts
-from osdpipe.collective import StageError, agree, from_rank0, gather_to_all, lost_a_peer, one_line
+from osdpipe.collective import (
+    StageError,
+    agree,
+    from_rank0,
+    gather_to_all,
+    lost_a_peer,
+    one_line,
+)
 from osdpipe.config import RunSpec
 from osdpipe.context import CheckResult, Context, SkippedCheck
 from osdpipe.logfile import write_log
@@ -188,7 +195,7 @@ def execute(spec: RunSpec) -> Report:
     if spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun()):
         return _execute_torchrun(spec, backend)
     out = Path(spec.output.path)
-    _begin(out)
+    _begin(out, spec)
     display = progress.Display(progress.wanted(spec.runtime.progress))
     try:
         report = _execute_local(spec, backend, display)
@@ -199,8 +206,7 @@ def execute(spec: RunSpec) -> Report:
     finally:
         display.close()
     output.abort(out)  # whatever a failed (or save-less) run staged
-    report.write(out)
-    write_log(out, report, spec)
+    _record(out, report, spec)
     return report
 
 
@@ -247,7 +253,7 @@ def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
         if not dist.is_initialized():
             init_world(backend or default_backend(), spec.runtime.timeout_s)
         try:
-            from_rank0("launch", lambda: _begin(out))
+            from_rank0("launch", lambda: _begin(out, spec))
             input_path = spec.input.path
             if input_path is None:
                 if spec.source.world_size != world:
@@ -275,23 +281,28 @@ def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
         if rank == 0 or not report.agreed:
             output.abort(out)  # rank 0 does; a rank that lost the others does too, rank 0 may be the one lost
         if rank == 0:
-            report.write(out)
-            write_log(out, report, spec)
+            _record(out, report, spec)
     finally:
         if stop_on_sigterm:
             signal.signal(signal.SIGTERM, previous)
     return report
 
 
-def _begin(out: Path) -> None:
-    """Prepare the output directory (:func:`osdpipe.output.begin`), its report saying the run is under way.
+def _begin(out: Path, spec: RunSpec) -> None:
+    """Prepare the output directory (:func:`osdpipe.output.begin`), its report and log saying the run is under way.
 
     So a run that dies without a word (its launcher, or rank 0 under
-    torchrun, killed) does not leave the previous run's report, which may say
-    ``ok``, as if it were this one's.
+    torchrun, killed) does not leave the previous run's report and log,
+    which may say ``ok``, as if they were this one's.
     """
     output.begin(out)
-    Report.unfinished().write(out)
+    _record(out, Report.unfinished(), spec)
+
+
+def _record(out: Path, report: Report, spec: RunSpec) -> None:
+    """What the run says of itself in the output directory: ``report.json`` and ``osdpipe.log``."""
+    report.write(out)
+    write_log(out, report, spec)
 
 
 class Stopped(Exception):

@@ -33,9 +33,7 @@ def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str
         except subprocess.TimeoutExpired:  # a descendant in a session of its own (torchrun's workers) holds the pipes
             out, err = "", "(no output: processes outside the command's session kept its pipes open)"
         pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    done.session = proc.pid  # type: ignore[attr-defined]  # the session its processes ran in, to find any left behind
-    return done
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_osdpipe(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -62,3 +60,20 @@ def run_cli_cases(cases: list[list[str]], *, cwd: Path, per_case_s: int = 30, en
     )
     assert proc.returncode == 0, f"the driver failed\n{proc.stderr}"
     return json.loads(proc.stdout)
+
+
+def processes_marked(mark: str) -> list[int]:
+    """PIDs of live processes whose environment holds ``OSDPIPE_TEST_MARK=mark``: a command's and every descendant's,
+    whatever session they run in (torchrun starts each rank in a session of its own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"OSDPIPE_TEST_MARK={mark}".encode() in environ.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found

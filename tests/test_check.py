@@ -146,6 +146,7 @@ def test_the_log_file_says_what_ran_at_its_level(runs: Path, tmp_path: Path) -> 
     """osdpipe.log holds each stage, check and warning of report.json (info); debug adds digests and memory; a failure its error."""
     info = (runs / "rank_local" / "budget_scatter" / "osdpipe.log").read_text()
     report = json.loads((runs / "rank_local" / "budget_scatter" / "report.json").read_text())
+    assert report["stages"] and report["checks"] and report["skipped_checks"] and report["warnings"], report  # scatter skips reference and load_step, and warns
     for s in report["stages"]:
         assert f"INFO    stage {s['name']}: {s['seconds']:.3f} s, {s['bytes']:,d} B read or written, {s['sent']:,d} B sent to other ranks" in info, info
     for c in report["checks"]:

@@ -20,11 +20,12 @@ import re
 import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env, run_command
+from helpers import clean_env, processes_marked, run_command
 
 from osdpipe.launch import free_port
 
@@ -38,8 +39,10 @@ JOB = ["model.factory=userlm:build", "input.format=fsdp_full", "source.world_siz
 SCATTER = ["runtime.transfer=scatter"]
 
 
-def _env(fault: str | None = None) -> dict[str, str]:
+def _env(fault: str | None = None, mark: str | None = None) -> dict[str, str]:
     env = clean_env()
+    if mark:
+        env["OSDPIPE_TEST_MARK"] = mark
     paths = [str(TESTS), *([str(TESTS / "faults")] if fault else []), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if fault:
@@ -56,23 +59,10 @@ def _conversion(directory: Path) -> dict[str, str]:
     }
 
 
-def _left_in_session(session: int) -> list[str]:
-    """The processes still running in ``session`` (the command's own: it was started as a session leader)."""
-    left = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue  # gone meanwhile
-        fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces: state ppid pgrp session
-        if int(fields[3]) == session and fields[0] != "Z":
-            left.append(text.split(")", 1)[0] + ")")
-    return left
-
-
-def _no_process_left(session: int) -> None:
+def _no_process_left(mark: str) -> None:
+    """No process of the run (marked through its environment, torchrun's ranks in their own sessions included) is still alive."""
     deadline = time.monotonic() + 10
-    while (left := _left_in_session(session)) and time.monotonic() < deadline:
+    while (left := processes_marked(mark)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"processes left behind: {left}"
 
@@ -110,16 +100,16 @@ LOCAL_CASES = {
 def test_a_rank_that_dies_ends_the_run_at_once_and_leaves_the_output_as_it_was(previous, tmp_path: Path, case: str) -> None:
     fault, extra, expected = LOCAL_CASES[case]
     source, before = previous
-    out = tmp_path / "out"
+    out, mark = tmp_path / "out", uuid.uuid4().hex
     shutil.copytree(before, out)
     start = time.monotonic()
-    result = run_command([sys.executable, "-m", "osdpipe", *JOB, *extra, f"input.path={source}", f"output.path={out}"], cwd=tmp_path, timeout=TIMEOUT_S + 30, env=_env(fault))
+    result = run_command([sys.executable, "-m", "osdpipe", *JOB, *extra, f"input.path={source}", f"output.path={out}"], cwd=tmp_path, timeout=TIMEOUT_S + 30, env=_env(fault, mark))
     seconds = time.monotonic() - start
     assert result.returncode == 1, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("osdpipe: error: " + expected), result.stderr
     assert seconds < TIMEOUT_S / 2, f"the run took {seconds:.0f} s: it waited on the dead rank"
-    _no_process_left(result.session)
+    _no_process_left(mark)
     assert _conversion(out) == _conversion(before), "the failed run changed the previous conversion"
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "the failed run left its staging behind"
     report = json.loads((out / "report.json").read_text())
@@ -138,12 +128,12 @@ TORCHRUN_CASES = {
 def test_under_torchrun_every_survivor_exits_1_naming_the_stage_and_itself(previous, tmp_path: Path, case: str) -> None:
     fault, extra, dead, stage = TORCHRUN_CASES[case]
     source, before = previous
-    out = tmp_path / "out"
+    out, mark = tmp_path / "out", uuid.uuid4().hex
     shutil.copytree(before, out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), "--tee", "3", "--log-dir", str(tmp_path / "logs"),
            "-m", "osdpipe", *JOB, *extra, f"input.path={source}", f"output.path={out}"]  # fmt: skip
     start = time.monotonic()
-    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S + 30, env=_env(fault))
+    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S + 30, env=_env(fault, mark))
     seconds = time.monotonic() - start
     assert result.returncode != 0, result.stdout
     assert seconds < TIMEOUT_S / 2, f"the run took {seconds:.0f} s: it waited on the dead rank"
@@ -152,7 +142,7 @@ def test_under_torchrun_every_survivor_exits_1_naming_the_stage_and_itself(previ
     for rank in set(range(WORLD)) - {dead}:
         lines = [line for line in result.stderr.splitlines() if line.startswith(f"[default{rank}]:osdpipe: error:")]
         assert len(lines) == 1 and f"stage '{stage}' failed on rank {rank}:" in lines[0], f"rank {rank}:\n{result.stderr}"
-    _no_process_left(result.session)
+    _no_process_left(mark)
     assert _conversion(out) == _conversion(before), "the failed run changed the previous conversion"
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "the failed run left its staging behind"
     assert not json.loads((out / "report.json").read_text())["ok"]

@@ -8,23 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
-from helpers import clean_env, run_command
-
-
-def _processes_marked(mark: str) -> list[int]:
-    """PIDs of live processes whose environment holds ``OSDPIPE_TEST_MARK=mark`` (the command's and its descendants')."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().split()[2]
-        except OSError:
-            continue
-        if f"OSDPIPE_TEST_MARK={mark}".encode() in environ.split(b"\0") and state != "Z":
-            found.append(int(entry.name))
-    return found
+from helpers import clean_env, processes_marked, run_command
 
 
 def _run(args: list[str], tmp_path: Path) -> tuple[int, str, list[int]]:
@@ -32,9 +16,9 @@ def _run(args: list[str], tmp_path: Path) -> tuple[int, str, list[int]]:
     env = {**clean_env(), "OSDPIPE_TEST_MARK": mark}
     result = run_command([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, timeout=120, env=env)
     deadline = time.monotonic() + 10
-    while _processes_marked(mark) and time.monotonic() < deadline:
+    while processes_marked(mark) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return result.returncode, result.stderr, _processes_marked(mark)
+    return result.returncode, result.stderr, processes_marked(mark)
 
 
 def test_no_process_outlives_a_run_or_a_config_error(tmp_path: Path) -> None:

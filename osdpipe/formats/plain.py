@@ -85,12 +85,10 @@ class PlainReader:
         return SourceMeta(state=per_param, param_groups=groups)
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
-        self.fqn_of()  # every rank maps the IDs itself: meta() ran on rank 0 only
-        state = self.osd["state"]
-        return {(fqn, name): state[self._id_of[self.tree.canonical(fqn)]][name] for fqn, name in items}
+        return {item: self._tensor(*item) for item in items}
 
     def _tensor(self, fqn: str, name: str) -> torch.Tensor:
-        self.fqn_of()
+        self.fqn_of()  # every rank maps the IDs itself: meta() ran on rank 0 only
         return self.osd["state"][self._id_of[self.tree.canonical(fqn)]][name]
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
