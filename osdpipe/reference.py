@@ -7,19 +7,19 @@ own conversions for each layout kind are in :mod:`osdpipe.kinds`.
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from osdpipe import kinds
+from osdpipe import kinds, synthetic
 from osdpipe.config import RunSpec
 from osdpipe.layout import LayoutSpec, LocalTensor, rank_layout
 from osdpipe.models import build_model
 from osdpipe.optim import build_optimizer, check_matches_layout
 from osdpipe.tree import ModuleTree
 
-#: Standard deviation of the synthetic gradients: small, so that a few steps keep every state finite and tame.
+#: The largest magnitude of a synthetic gradient element: small, so that a few steps keep every state finite and tame.
 GRAD_SCALE = 1e-2
 
 
@@ -29,30 +29,30 @@ def live_target(spec: RunSpec, layout_spec: LayoutSpec, tree: ModuleTree, rank: 
     return model, build_optimizer(spec.optim, model, rank_layout(tree, layout_spec, rank))
 
 
-def grad_seed(seed: int, step: int, fqn: str) -> int:
-    """The generator seed of parameter ``fqn``'s gradient at ``step``: the same in every process.
+def synthetic_grad(seed: int, step: int, fqn: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flattened gradient of parameter ``fqn`` (canonical FQN) at ``step``, on the CPU.
 
-    A digest, not ``hash()``, which Python salts per process.
+    Element ``i`` depends only on ``(seed, step, fqn, i)`` (:mod:`osdpipe.synthetic`),
+    so every layout of the parameter sees the same values and a rank computes
+    only the elements it holds.
     """
-    digest = hashlib.sha256(f"{seed}\0{step}\0{fqn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes 64 bits; keep it positive
+    return synthetic.values(synthetic.grad_key(seed, step, fqn), start, stop, GRAD_SCALE, dtype)
 
 
-def synthetic_grad(seed: int, step: int, fqn: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The whole gradient of parameter ``fqn`` (canonical FQN) at ``step``, on the CPU.
-
-    Element ``i`` of its flattened view depends only on ``(seed, step, fqn, i)``
-    (and the parameter's size, which ``fqn`` fixes): drawn in float32, then cast
-    to ``dtype``, so every layout of the parameter sees the same values.
-    """
-    numel = 1
-    for d in shape:
-        numel *= d
-    generator = torch.Generator().manual_seed(grad_seed(seed, step, fqn))
-    return (torch.randn(numel, generator=generator, dtype=torch.float32) * GRAD_SCALE).to(dtype).view(shape)
+def synthetic_param(seed: int, fqn: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements ``[start, stop)`` of parameter ``fqn``'s synthetic starting value, in ``[-1, 1)`` (the resume check's jobs start there)."""
+    return synthetic.values(synthetic.param_key(seed, fqn), start, stop, 1.0, dtype)
 
 
-def local_grad(tensor: LocalTensor, tree: ModuleTree, seed: int, step: int, dtype: torch.dtype) -> torch.Tensor | None:
+def local_values(tensor: LocalTensor, piece: Callable[[str, int, int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Local tensor ``tensor`` filled segment by segment with ``piece(fqn, start, stop)``, zero in the padding."""
+    flat = torch.zeros(tensor.numel, dtype=dtype)
+    for seg in tensor.segments:
+        flat[seg.dest : seg.dest + seg.length] = piece(seg.fqn, seg.start, seg.start + seg.length)
+    return flat.view(tensor.shape)
+
+
+def local_grad(tensor: LocalTensor, seed: int, step: int, dtype: torch.dtype) -> torch.Tensor | None:
     """The gradient FSDP gives local tensor ``tensor``: its segments of the synthetic gradients, zero in the padding.
 
     ``None`` for a tensor the optimizer does not step (an empty
@@ -60,14 +60,10 @@ def local_grad(tensor: LocalTensor, tree: ModuleTree, seed: int, step: int, dtyp
     """
     if not tensor.stepped:
         return None
-    flat = torch.zeros(tensor.numel, dtype=dtype)
-    for seg in tensor.segments:
-        whole = synthetic_grad(seed, step, seg.fqn, tree.param(seg.fqn).shape, dtype)
-        flat[seg.dest : seg.dest + seg.length] = whole.reshape(-1)[seg.start : seg.start + seg.length]
-    return flat.view(tensor.shape)
+    return local_values(tensor, lambda fqn, start, stop: synthetic_grad(seed, step, fqn, start, stop, dtype), dtype)
 
 
-def set_synthetic_grads(params: list[nn.Parameter], layout: tuple[LocalTensor, ...], tree: ModuleTree, seed: int, step: int) -> None:
+def set_synthetic_grads(params: list[nn.Parameter], layout: tuple[LocalTensor, ...], seed: int, step: int) -> None:
     """Give each of ``params`` (in ``model.parameters()`` order, described by ``layout``) its synthetic gradient.
 
     Parameters that do not require a gradient are left alone, as backward
@@ -77,7 +73,7 @@ def set_synthetic_grads(params: list[nn.Parameter], layout: tuple[LocalTensor, .
     for param, tensor in zip(params, layout):
         if not param.requires_grad:
             continue
-        grad = local_grad(tensor, tree, seed, step, param.dtype)
+        grad = local_grad(tensor, seed, step, param.dtype)
         param.grad = None if grad is None else as_param(param, grad.to(param.device))
 
 
@@ -116,5 +112,5 @@ def train_step(
     """
     optim.zero_grad(set_to_none=True)
     # Every trainable parameter gets its gradient, as backward gives one; the optimizer steps those it holds.
-    set_synthetic_grads(list(model.parameters()), layout, tree, spec.generate.seed, step)
+    set_synthetic_grads(list(model.parameters()), layout, spec.generate.seed, step)
     optim.step()

@@ -143,7 +143,7 @@ def _adam_state(model: torch.nn.Module, tree: ModuleTree, spec: LayoutSpec, rank
 
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     try:
-        set_synthetic_grads(list(model.parameters()), rank_layout(tree, spec, rank), tree, seed=0, step=1)
+        set_synthetic_grads(list(model.parameters()), rank_layout(tree, spec, rank), seed=0, step=1)
         optim.step()
     except Exception as exc:  # noqa: BLE001 - reported per case
         return dict(error=f"{type(exc).__name__}: {exc}")

@@ -165,12 +165,12 @@ def test_synthetic_gradient_is_the_unwrapped_models(use_orig_params: bool, facto
     """Flat: padded to a multiple of 3 ranks; use_orig_params: alignment padding between parameters, empty shards."""
     layout_spec = LayoutSpec(kind="fsdp1", world_size=3, wrap=wrap, use_orig_params=use_orig_params)
     tree = describe(build_model(factory, {}, device="meta"))
-    unwrapped = {t.key: local_grad(t, tree, 5, 2, torch.float32) for t in rank_layout(tree, LayoutSpec(kind="none"), 0)}
+    unwrapped = {t.key: local_grad(t, 5, 2, torch.float32) for t in rank_layout(tree, LayoutSpec(kind="none"), 0)}
     gathered = {p.fqn: torch.full((p.numel,), float("nan")) for p in tree.params}
     padding = empty = 0
     for rank in range(layout_spec.world_size):
         for tensor in rank_layout(tree, layout_spec, rank):
-            grad = local_grad(tensor, tree, 5, 2, torch.float32)
+            grad = local_grad(tensor, 5, 2, torch.float32)
             if not tensor.has_elements:
                 assert grad is None, f"{tensor.key} on rank {rank}: an empty shard gets no gradient"
                 empty += 1
@@ -194,11 +194,11 @@ def test_synthetic_gradient_is_the_unwrapped_models(use_orig_params: bool, facto
 def test_synthetic_gradient_depends_on_seed_step_and_name() -> None:
     tree = describe(build_model("nested", {}, device="meta"))
     gate1, gate2 = (next(t for t in rank_layout(tree, LayoutSpec(kind="none"), 0) if t.key == k) for k in ("block1.gate", "block2.gate"))
-    base = local_grad(gate1, tree, 0, 0, torch.float32)
-    assert torch.equal(base, local_grad(gate1, tree, 0, 0, torch.float32))
-    for other in (local_grad(gate2, tree, 0, 0, torch.float32), local_grad(gate1, tree, 1, 0, torch.float32), local_grad(gate1, tree, 0, 1, torch.float32)):
+    base = local_grad(gate1, 0, 0, torch.float32)
+    assert torch.equal(base, local_grad(gate1, 0, 0, torch.float32))
+    for other in (local_grad(gate2, 0, 0, torch.float32), local_grad(gate1, 1, 0, torch.float32), local_grad(gate1, 0, 1, torch.float32)):
         assert not torch.equal(base, other)
-    assert local_grad(gate1, tree, 0, 0, torch.bfloat16).dtype == torch.bfloat16
+    assert local_grad(gate1, 0, 0, torch.bfloat16).dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------------------
