@@ -65,6 +65,11 @@ class Report:
     traceback: str | None = None  # where ``error`` was raised, for runtime.debug and bug reports
     agreed: bool = True  # false: ``error`` is this rank's own (under torchrun: it lost another rank, or was stopped), not one every rank raised
 
+    def __post_init__(self) -> None:
+        # A failed check fails the run as surely as a stage does: report.json names it in ``error`` too, in the line the command prints.
+        if not self.ok and self.error is None:
+            self.error = self.failure
+
     @property
     def failure(self) -> str | None:
         """Why the run failed, in one line (``None`` when it did not)."""

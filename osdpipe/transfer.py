@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from osdpipe.digest import pieces_sha256
-from osdpipe.formats import SourceMeta, SourceReader, TensorRef
+from osdpipe.formats import SourceMeta, SourceReader, TensorRef, own_copy
 from osdpipe.layout import LocalTensor, Segment, batches, uncovered
 
 
@@ -94,11 +94,17 @@ def plan(tensor: LocalTensor, entry: dict[str, Any], meta: SourceMeta, piece_byt
 
 
 def allocate(tensor: LocalTensor, entry: dict[str, Any], meta: SourceMeta) -> dict[str, Any]:
-    """The state of ``tensor`` before its batches arrive: scalar values as they are, tensors zero where no batch writes."""
+    """The state of ``tensor`` before its batches arrive: its own copy of each scalar value, tensors zero where no batch writes.
+
+    A source may hold one scalar for many parameters (FSDP1's FULL state
+    shares one ``step`` tensor across a unit's parameters). Every output
+    tensor gets a copy of its own: a shared ``step`` loaded into a
+    per-parameter optimizer is advanced once per parameter that shares it.
+    """
     out: dict[str, Any] = {}
     for name, value in entry.items():
         if not isinstance(value, TensorRef):
-            out[name] = value
+            out[name] = own_copy(value)
             continue
         flat = torch.empty(tensor.numel, dtype=value.torch_dtype)  # every element is written once: by a batch, or zeroed here
         for lo, hi in uncovered(0, tensor.numel, [(s.dest, s.dest + s.length) for s in stateful(tensor, name, meta)]):

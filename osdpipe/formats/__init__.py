@@ -13,6 +13,7 @@ launcher can refuse a bad input before any process starts.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,6 +70,15 @@ def describe_value(value: Any) -> Any:
     if torch.is_tensor(value) and value.dim() > 0:
         return TensorRef(tuple(value.shape), str(value.dtype).removeprefix("torch."))
     return value
+
+
+def own_copy(value: Any) -> Any:
+    """``value`` with no storage in common with it: a tensor cloned, anything else deep-copied.
+
+    How a parameter gets state of its own from a source that shares one
+    object across parameters (FSDP1's FULL state: one ``step`` per unit).
+    """
+    return value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
 
 
 class SourceReader(Protocol):
@@ -197,7 +207,8 @@ def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
     """The whole checkpoint ``reader`` reads (described by ``meta``) as a full FQN-keyed optimizer state dict, every tensor read."""
     items = [(f, n) for f, entries in meta.state.items() for n, v in entries.items() if isinstance(v, TensorRef)]
     tensors = reader.read(items)
-    state = {f: {n: tensors.get((f, n), v) for n, v in entries.items()} for f, entries in meta.state.items()}
+    # Scalars the source shares across parameters (FSDP1's one step per unit) are each parameter's own here.
+    state = {f: {n: tensors[(f, n)] if (f, n) in tensors else own_copy(v) for n, v in entries.items()} for f, entries in meta.state.items()}
     out: dict[str, Any] = {"state": {**state, **meta.extra}}
     if meta.param_groups is not None:
         out["param_groups"] = meta.param_groups

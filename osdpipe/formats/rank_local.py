@@ -40,6 +40,7 @@ from osdpipe.formats import (
     SourceMeta,
     TensorRef,
     mapped_range,
+    own_copy,
     release_mapped,
 )
 from osdpipe.formats.fsdp_full import check_optim_state_dict
@@ -277,7 +278,7 @@ class RankLocalReader:
                         f"{self.files[r]}: {fqn} (param ID {pid}): scalar state {name} is {states[r][name]!r} on rank {r} but {value!r} on rank {first}; "
                         "the ranks of one job agree on it, so these files are not from one checkpoint"
                     )
-            values[name] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+            values[name] = own_copy(value)
         return {"pid": pid, "values": values, "pieces": pieces}
 
     def _pieces(self, pid: int, fqn: str, name: str, holders: list[int]) -> list[_Piece]:
