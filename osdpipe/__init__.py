@@ -12,7 +12,7 @@ _API = {
     "load_optimizer_state": "osdpipe.api",
     "reshard_optimizer_state": "osdpipe.api",
     "from_rank_local": "osdpipe.kinds.fsdp2",
-    "load_rank_local": "osdpipe.kinds.fsdp2",
+    "load_rank_local": "osdpipe.loading",
     "to_rank_local": "osdpipe.kinds.fsdp2",
 }
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -32,11 +33,18 @@ from torch import nn
 
 from osdpipe.collective import StageError
 from osdpipe.config import validate
+from osdpipe.loading import check_fits
+from osdpipe.reconcile import Given, reconcile
 from osdpipe.optim import check_matches_layout
 from osdpipe.pipeline import make_context, run_stages
 
 #: Verify checks that leave the caller's model and optimizer untouched (load_step would train them).
 API_CHECKS = ["roundtrip", "reference"]
+
+
+def optimizer_name(cls: type) -> str:
+    """How ``optim.name`` names a live optimizer's class: ``Adam`` for ``torch.optim``'s, ``package.module:Class`` for a user's."""
+    return cls.__name__ if getattr(torch.optim, cls.__name__, None) is cls else f"{cls.__module__}:{cls.__qualname__}"
 
 
 def _live_groups(model: nn.Module, optim: torch.optim.Optimizer, layout: tuple) -> list[list[int]]:
@@ -61,8 +69,8 @@ def reshard_optimizer_state(
     model_config: dict[str, Any],
     source: dict[str, Any],
     target: dict[str, Any],
-    input_format: str = "fsdp_full",
-    input_key: str = "optim",
+    input_format: str | None = None,
+    input_key: str | None = None,
     input_param_groups: list[list[str]] | None = None,
     checks: list[str] | None = None,
     timeout_s: float = 300.0,
@@ -76,8 +84,8 @@ def reshard_optimizer_state(
         model_config: ``model.*`` of the config: ``factory``, ``kwargs``, ``seed``, ``units``.
         source: ``source.*`` of the config: the layout the checkpoint was saved under.
         target: ``target.*`` of the config: how ``model`` is wrapped (its world size is this world's).
-        input_format: ``fsdp_full``, ``dcp``, ``plain`` or ``rank_local``.
-        input_key: the top-level key of a DCP checkpoint.
+        input_format: ``fsdp_full``, ``dcp``, ``plain`` or ``rank_local`` (``None``: what the files are).
+        input_key: the top-level key of a DCP checkpoint (``None``: the one that holds optimizer state).
         input_param_groups: for param-ID keyed inputs, the saving optimizer's groups as FQN patterns.
         checks: verify checks to run (default: ``roundtrip`` and ``reference``).
         timeout_s: timeout of the collectives.
@@ -90,21 +98,27 @@ def reshard_optimizer_state(
     """
     if not dist.is_initialized():
         raise RuntimeError("reshard_optimizer_state runs inside an initialized process group; call dist.init_process_group first")
-    spec = validate(
-        {
-            "model": model_config,
-            "source": source,
-            "target": {**target, "world_size": target.get("world_size", dist.get_world_size())},
-            "input": {"path": checkpoint, "format": input_format, "key": input_key, "param_groups": input_param_groups},
-            # Nothing is saved: the output section only selects param-ID keyed results.
-            "output": {"path": os.path.join(tempfile.gettempdir(), "osdpipe-api-unsaved"), "format": "plain" if target.get("kind") == "none" else "rank_local", "overwrite": True},
-            "pipeline": {"stages": ["load", "broadcast", "flatten", "shard", "rekey", "verify"], "checks": API_CHECKS if checks is None else checks},
-            "runtime": {"timeout_s": timeout_s, "progress": False},
-        }
-    )
+    given_input = {"format": input_format, "key": input_key, "param_groups": input_param_groups}
+    raw = {
+        "model": model_config,
+        "source": source,
+        "target": {**target, "world_size": target.get("world_size", dist.get_world_size())},
+        "input": {"path": checkpoint, **{k: v for k, v in given_input.items() if v is not None}},
+        "optim": {"name": optimizer_name(type(optim)), "lr": optim.param_groups[0]["lr"]},
+        # Nothing is saved: the output section only selects param-ID keyed results.
+        "output": {"path": os.path.join(tempfile.gettempdir(), "osdpipe-api-unsaved"), "format": "plain" if target.get("kind") == "none" else "rank_local", "overwrite": True},
+        "pipeline": {"stages": ["load", "broadcast", "flatten", "shard", "rekey", "verify"], "checks": API_CHECKS if checks is None else checks},
+        "runtime": {"timeout_s": timeout_s, "progress": False},
+    }
+    # What the caller said of the checkpoint is checked against its files; what they left out is read from them.
+    given = Given([f"source.{k}" for k in source] + [f"input.{k}" for k, v in given_input.items() if v is not None] + ["optim.name"])
+    raw, notes = reconcile(raw, given)
+    for note in notes:
+        warnings.warn(f"osdpipe: {note}", stacklevel=2)
+    spec = validate(raw)
     if spec.target.world_size != dist.get_world_size():
         raise ValueError(f"target.world_size={spec.target.world_size} but this world has {dist.get_world_size()} ranks")
-    ctx = make_context(spec, checkpoint, input_format)
+    ctx = make_context(spec, checkpoint, spec.input.format)
     ctx.optim_groups = _live_groups(model, optim, ctx.optimizer_layout())
     ctx.live = (model, optim)
     report = run_stages(ctx)
@@ -116,7 +130,13 @@ def reshard_optimizer_state(
 
 
 def load_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, checkpoint: str, **kwargs: Any) -> dict[str, Any]:
-    """:func:`reshard_optimizer_state`, then ``optim.load_state_dict`` with it; returns the state loaded."""
+    """:func:`reshard_optimizer_state`, then ``optim.load_state_dict`` with it; returns the state loaded.
+
+    Before anything is loaded, every state tensor is held against the
+    parameter it goes to (:func:`osdpipe.loading.check_fits`): its shape, and
+    the parameters an FSDP1 flat parameter is made of.
+    """
     state = reshard_optimizer_state(model, optim, checkpoint, **kwargs)
+    check_fits(optim, state, model=model, where=checkpoint)
     optim.load_state_dict(state)
     return state

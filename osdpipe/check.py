@@ -216,8 +216,8 @@ def _compare_dcp_rank(reader: Any, saved: Any, ctx: Any) -> list[str]:
     return problems
 
 
-def check_load(directory: Path, spec: Any) -> Finding:
-    """Load the files on a local world of the target's ranks, as the target job would, and take a step (see the module docstring)."""
+def check_load(directory: Path, spec: Any) -> list[Finding]:
+    """Load the files on a local world of the target's ranks, as the target job would: ``load`` (one step) and ``resume`` (see the module docstring)."""
     from osdpipe import rankserver
     from osdpipe.launch import WorldError, run_local_world
 
@@ -225,36 +225,70 @@ def check_load(directory: Path, spec: Any) -> Finding:
     try:
         results = run_local_world(load_rank, spec.target.world_size, (spec, str(directory)), timeout_s=spec.runtime.timeout_s)
     except WorldError as exc:
-        return Finding("load", False, str(exc))
-    failed = [f"rank {r}: {c.detail}" for r, c in enumerate(results) if not c.ok]
+        return [Finding("load", False, str(exc))]
     where = f"on {spec.target.world_size} {spec.target.kind} rank(s)"
-    return Finding("load", not failed, "; ".join(failed[:3]) or f"{where}: {results[0].detail}")
+    findings = []
+    for i, name in enumerate(LOAD_CHECKS):
+        failed = [f"rank {r}: {checks[i].detail}" for r, checks in enumerate(results) if not checks[i].ok]
+        findings.append(Finding(name, not failed, "; ".join(failed[:3]) or f"{where}: {results[0][i].detail}"))
+    return findings
 
 
-def load_rank(spec: Any, directory: str) -> Any:
-    """On one rank of the target world: its optimizer loads what the files hold for it, and steps (a ``CheckResult``)."""
+#: What ``--load`` checks on every rank of the target world.
+LOAD_CHECKS = ("load", "resume")
+
+
+def output_file(directory: Path, spec: Any, rank: int) -> Path:
+    """The file target rank ``rank`` loads: its ``rank_<r>.pt``, else the one ``optim.pt`` (``dcp``: the checkpoint directory)."""
+    fmt = spec.output.format
+    if fmt == "dcp":
+        from osdpipe.stages.save import DCP_DIR
+
+        return directory / DCP_DIR
+    return directory / (f"rank_{rank}.pt" if fmt == "rank_local" else "optim.pt")
+
+
+def load_rank(spec: Any, directory: str) -> list[Any]:
+    """On one rank of the target world: its optimizer loads what the files hold for it and steps (``load``), and resumes (``resume``).
+
+    Returns one ``CheckResult`` per name of :data:`LOAD_CHECKS`.
+    """
     import torch
 
     from osdpipe import kinds
+    from osdpipe.formats import full_state
+    from osdpipe.formats.dcp import DcpReader
+    from osdpipe.loading import load_rank_local
     from osdpipe.pipeline import make_context
-    from osdpipe.stages.verify import live_target_of, load_and_step
+    from osdpipe.stages import STAGES
+    from osdpipe.stages.verify import live_target_of, load_and_step, resume_result
 
-    out = Path(directory)
     ctx = make_context(spec, spec.input.path or directory, spec.input.format)
-    fmt = spec.output.format
-    if ctx.id_keyed:  # the file is what this rank's optimizer loads
-        saved = torch.load(out / (f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt"), map_location="cpu", weights_only=True)
-        return load_and_step(ctx, saved)
-    if fmt == "dcp":
-        from osdpipe.formats import full_state
-        from osdpipe.formats.dcp import DcpReader
-
-        reader = DcpReader(str(out / "dcp"), spec.output.key)
-        full = full_state(reader, reader.meta())
+    kind = kinds.get(spec.target.kind)
+    path = output_file(Path(directory), spec, ctx.rank)
+    if spec.output.format == "dcp":
+        reader = DcpReader(str(path), spec.output.key)
+        written = full_state(reader, reader.meta())
     else:
-        full = torch.load(out / "optim.pt", map_location="cpu", weights_only=True)
+        written = torch.load(path, map_location="cpu", weights_only=True)
+
+    def load_as_a_user_does(model: Any, optim: Any) -> None:
+        if spec.output.format == "rank_local":
+            load_rank_local(optim, path, model=model)
+        elif ctx.id_keyed:
+            optim.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        else:
+            kind.load_full(model, optim, written)
+
     model, optim = live_target_of(ctx)
-    return load_and_step(ctx, kinds.get(spec.target.kind).to_load(model, optim, full))
+    loaded = load_and_step(ctx, written if ctx.id_keyed else kind.to_load(model, optim, written))
+    if spec.input.path is not None:  # the source, which resume steps a reference from; every rank takes part
+        try:
+            for name in ("load", "broadcast"):
+                STAGES[name](ctx)
+        except Exception:  # noqa: BLE001 - a source that cannot be read leaves resume its storage part, and it says why
+            ctx.reader = ctx.meta = None
+    return [loaded, resume_result(ctx, written["state"], load_as_a_user_does)]
 
 
 def run_check(args: list[str]) -> int:
@@ -280,14 +314,24 @@ def run_check(args: list[str]) -> int:
         print(f"osdpipe check: error: {directory / 'manifest.json'}: its config cannot be used: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     checks = [("files", lambda: check_files(directory, manifest)), ("roundtrip", lambda: check_roundtrip(directory, spec))]
-    if load:
-        checks.append(("load", lambda: check_load(directory, spec)))
     findings = [_run_one(name, run) for name, run in checks]
+    if load:
+        findings += _run_many("load", lambda: check_load(directory, spec))
     for f in findings:
         print(f"  check {f.name:<10} {'pass' if f.ok else 'FAIL'}  {f.detail}")
     ok = all(f.ok for f in findings)
     print(f"osdpipe check: {'OK' if ok else 'FAILED'}  {directory}", file=sys.stdout if ok else sys.stderr)
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def _run_many(name: str, run: Any) -> list[Finding]:
+    """The findings of ``run``; if it cannot run at all, one failed finding called ``name``."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - said as the check's failure, not as a traceback
+        from osdpipe.collective import one_line
+
+        return [Finding(name, False, one_line(exc))]
 
 
 def _run_one(name: str, run: Any) -> Finding:

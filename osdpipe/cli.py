@@ -30,6 +30,7 @@ from osdpipe import __version__, rankserver
 from osdpipe.config import ConfigError, validate
 from osdpipe.output import OutputError
 from osdpipe.pipeline import Report, execute
+from osdpipe.reconcile import Contradiction, Given, reconcile
 from osdpipe.sweep import JobRecord, summarize_sweep
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -119,14 +120,16 @@ def _run_job(cfg: DictConfig) -> int:
     if raw["runtime"].get("mode") == "online" and raw["runtime"].get("launcher") != "torchrun" and not rankserver.in_torchrun():
         rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
     try:
+        # What the input's files show settles what the user did not say, and refuses what they said wrongly.
+        raw, notes = reconcile(raw, Given.from_overrides(HydraConfig.get().overrides.task))
         spec = validate(raw)  # type: ignore[arg-type]
-    except ConfigError as exc:
+    except (ConfigError, Contradiction) as exc:
         for line in str(exc).splitlines():
             _error(f"config: {line}")
         _discard_empty_run_dir()
         return EXIT_CONFIG
     try:
-        report = execute(spec)
+        report = execute(spec, warnings=notes)
     except OutputError as exc:
         _error(str(exc))
         return EXIT_CONFIG
@@ -183,11 +186,7 @@ def open_dict_overrides(args: list[str]) -> list[str]:
 
 def main() -> None:
     """Console entry point (see the module docstring for the exit codes)."""
-    args = sys.argv[1:]
-    if args[:1] == ["check"]:  # osdpipe check OUTPUT_DIR [key=value ...]: no Hydra, no ranks
-        from osdpipe.check import run_check
-
-        sys.exit(run_check(args[1:]))
+    args = sys.argv[1:]  # osdpipe check and osdpipe inspect are dispatched before this module is imported (osdpipe.entry)
     if "--version" in args:
         import torch
 

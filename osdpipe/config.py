@@ -21,10 +21,11 @@ from pydantic import (
 )
 
 from osdpipe.layout import LayoutSpec, ShardingStrategy
+from osdpipe.sizes import parse_size, show_size
 
 STAGE_ORDER = ("load", "broadcast", "flatten", "shard", "rekey", "verify", "save")
 REQUIRED_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
-VERIFY_CHECKS = ("roundtrip", "reference", "load_step", "replicas")
+VERIFY_CHECKS = ("roundtrip", "reference", "load_step", "resume", "replicas")
 
 
 class _Frozen(BaseModel):
@@ -110,18 +111,24 @@ class ParamGroupConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+#: ``optim.name`` that means: the checkpoint's own optimizer (Adam for a source osdpipe generates).
+AUTO = "auto"
+
+
 class OptimConfig(_Frozen):
     """The optimizer every rank builds over the wrapped model's parameters.
 
     ``name`` is any optimizer class of ``torch.optim`` (``Adam``, ``Adagrad``,
-    ``RMSprop``, ...; not ``LBFGS`` or ``SparseAdam``) or a user's own
-    ``package.module:Class``, resolved by :func:`osdpipe.optim.resolve_optimizer`.
-    ``kwargs`` and each param group's options must be arguments of its
-    ``__init__``.
+    ``RMSprop``, ...; not ``LBFGS`` or ``SparseAdam``), a user's own
+    ``package.module:Class`` (resolved by :func:`osdpipe.optim.resolve_optimizer`),
+    or ``auto``: the one the checkpoint's state and param groups show
+    (:mod:`osdpipe.reconcile` settles it before the config is validated).
+    ``lr`` unset: the checkpoint's. ``kwargs`` and each param group's options
+    must be arguments of its ``__init__``.
     """
 
-    name: str = "Adam"
-    lr: float = Field(default=1e-2, gt=0)
+    name: str = AUTO
+    lr: float | None = Field(default=None, gt=0)
     kwargs: dict[str, Any] = Field(default_factory=dict)
     param_groups: list[ParamGroupConfig] = Field(default_factory=list)
 
@@ -130,8 +137,16 @@ class OptimConfig(_Frozen):
     def _resolvable(cls, name: str) -> str:
         from osdpipe.optim import resolve_optimizer
 
-        resolve_optimizer(name)
+        if name != AUTO:  # auto is the input's optimizer, read from its files, not a class name
+            resolve_optimizer(name)
         return name
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the default for an optimizer osdpipe builds when no checkpoint says."""
+        from osdpipe.reconcile import DEFAULT_LR
+
+        return DEFAULT_LR if self.lr is None else self.lr
 
     @model_validator(mode="after")
     def _known_hyperparameters(self) -> OptimConfig:
@@ -141,6 +156,8 @@ class OptimConfig(_Frozen):
             resolve_optimizer,
         )
 
+        if self.name == AUTO:
+            return self
         accepted = accepted_hyperparameters(resolve_optimizer(self.name))
         label = optimizer_label(self.name)
         if "lr" in self.kwargs:
@@ -196,36 +213,6 @@ class GenerateConfig(_Frozen):
     seed: int = 0
 
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(value: Any) -> int | None:
-    """A size as bytes: an int, or a string such as ``512MB``, ``2GB``, ``1.5GiB`` (``None`` stays ``None``).
-
-    Raises:
-        ValueError: naming the value and the forms it may take.
-    """
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return value
-    text = str(value).strip().upper().replace(" ", "")
-    number = text.rstrip("KMGTIB")
-    unit = text[len(number) :] or "B"
-    try:
-        if unit in _UNITS and float(number) >= 0:
-            return int(float(number) * _UNITS[unit])
-    except ValueError:
-        pass
-    raise ValueError(f"{value!r} is not a size; write bytes or a number with a unit: 512MB, 2GB, 1.5GiB")
-
-
-def show_size(n: int) -> str:
-    """Bytes as a person reads them, in the units :func:`parse_size` takes: ``1.61GB``, ``512MB``, ``1KB``."""
-    for unit in ("TB", "GB", "MB", "KB"):
-        if n >= _UNITS[unit]:
-            return f"{n / _UNITS[unit]:.3g}{unit}"
-    return f"{n}B"
-
-
 #: The least ``runtime.memory_budget`` can be: two batches of 62 eight-byte elements.
 MIN_MEMORY_BUDGET = 1000
 
@@ -234,7 +221,9 @@ class PipelineConfig(_Frozen):
     """Which stages run, in which order, and which verify checks."""
 
     stages: list[str] = Field(default_factory=lambda: list(STAGE_ORDER))
-    checks: list[Literal["roundtrip", "reference", "load_step", "replicas"]] = Field(default_factory=lambda: list(VERIFY_CHECKS))
+    checks: list[Literal["roundtrip", "reference", "load_step", "resume", "replicas"]] = Field(default_factory=lambda: list(VERIFY_CHECKS))
+    #: ``resume``: the optimizer steps the target job and its reference take after loading.
+    resume_steps: int = Field(default=2, ge=1)
     #: ``reference`` and ``load_step`` hold the whole state on every rank, or a live target model: they run
     #: only when the source's tensor state is at most this many bytes (``None``: always).
     full_state_checks_max: int | None = 10**9
@@ -304,6 +293,16 @@ class RunSpec(_Frozen):
     generate: GenerateConfig = GenerateConfig()
     pipeline: PipelineConfig = PipelineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_of_input(cls, raw: Any) -> Any:
+        """``optim.name=auto`` where the launcher did not settle it (a config built in code): the input's own (:func:`osdpipe.reconcile.settle_optimizer`)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("optim", {}), dict):
+            return raw
+        from osdpipe.reconcile import settle_optimizer
+
+        return settle_optimizer(raw)
 
     @model_validator(mode="before")
     @classmethod

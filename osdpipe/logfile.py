@@ -23,7 +23,7 @@ LOG_NAME = "osdpipe.log"
 def log_lines(report: Any, spec: Any) -> Iterator[tuple[str, str]]:
     """``(level, line)`` for everything the run's report says, in the order it happened."""
     from osdpipe import __version__
-    from osdpipe.config import show_size
+    from osdpipe.sizes import show_size
 
     rt = spec.runtime
     budget = "none" if rt.memory_budget is None else show_size(rt.memory_budget)

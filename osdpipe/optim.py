@@ -15,15 +15,18 @@ optimizer assigns.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from osdpipe.config import OptimConfig
 from osdpipe.layout import LocalTensor, select_params
+
+if TYPE_CHECKING:  # annotations only: the config's validators import this module
+    from osdpipe.config import OptimConfig
 
 
 #: Optimizers of ``torch.optim`` that osdpipe cannot drive, and why.
@@ -52,6 +55,8 @@ def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
             refused name, a module that does not import, or a class that is
             not a ``torch.optim.Optimizer``.
     """
+    if name == "auto":
+        raise ValueError("optim.name=auto: the input's optimizer could not be read from its files; set optim.name (Adam, AdamW, SGD, ...)")
     if name in REFUSED_OPTIMIZERS:
         raise ValueError(f"torch.optim.{name} cannot be converted: {REFUSED_OPTIMIZERS[name]}")
     if ":" not in name:
@@ -153,4 +158,22 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, layout: tuple[LocalTenso
     for members, group in zip(group_members(cfg, layout), cfg.param_groups or [None]):
         options = group.options if group is not None else {}
         param_groups.append({"params": [params[i] for i in members], **options})
-    return resolve_optimizer(cfg.name)(param_groups, lr=cfg.lr, **cfg.kwargs)
+    return resolve_optimizer(cfg.name)(param_groups, lr=cfg.learning_rate, **cfg.kwargs)
+
+
+def options_for(cfg: OptimConfig, fqn: str) -> dict[str, Any]:
+    """The configured options (``optim.param_groups[i]``'s hyperparameters) of the group parameter ``fqn`` falls in ({} for none)."""
+    for group in cfg.param_groups:
+        if any(fnmatch.fnmatchcase(fqn, pattern) for pattern in group.params):
+            return group.options
+    return {}
+
+
+def bare_optimizer(cfg: OptimConfig, groups: list[tuple[str, list[torch.Tensor]]]) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` describes over bare tensors: one param group per ``(fqn, tensors)``, with the options of ``fqn``'s configured group.
+
+    What stands in for the target's optimizer where no wrapped model exists
+    (the ``resume`` check's reference, and its bare targets); loading a
+    state dict then sets the hyperparameters it carries.
+    """
+    return resolve_optimizer(cfg.name)([{"params": tensors, **options_for(cfg, fqn)} for fqn, tensors in groups], lr=cfg.learning_rate, **cfg.kwargs)

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from traceback import format_exc
@@ -183,12 +184,13 @@ def check_source(spec: RunSpec) -> None:
             )
 
 
-def execute(spec: RunSpec) -> Report:
+def execute(spec: RunSpec, warnings: Sequence[str] = ()) -> Report:
     """The whole conversion in a local world (spawned ranks) or in the current torchrun world.
 
     The output directory is prepared first (:func:`osdpipe.output.begin`); a
     failed run leaves it as it was, but for ``report.json``, which it always
-    writes.
+    writes. ``warnings`` (what settling the config found, see
+    :mod:`osdpipe.reconcile`) open the report's warnings.
 
     Raises:
         OutputError: ``output.path`` cannot be written, so not even a report can be.
@@ -198,7 +200,7 @@ def execute(spec: RunSpec) -> Report:
 
     backend = None if spec.runtime.backend == "auto" else spec.runtime.backend
     if spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun()):
-        return _execute_torchrun(spec, backend)
+        return _execute_torchrun(spec, backend, warnings)
     out = Path(spec.output.path)
     _begin(out, spec)
     display = progress.Display(progress.wanted(spec.runtime.progress))
@@ -210,6 +212,7 @@ def execute(spec: RunSpec) -> Report:
         report = Report(ok=False, error=one_line(exc), traceback=format_exc())
     finally:
         display.close()
+    report.warnings[:0] = warnings
     output.abort(out)  # whatever a failed (or save-less) run staged
     _record(out, report, spec)
     return report
@@ -236,7 +239,7 @@ def _execute_local(spec: RunSpec, backend: str | None, display: progress.Display
     return run_local_world(_convert_worker, spec.target.world_size, args, backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
 
 
-def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
+def _execute_torchrun(spec: RunSpec, backend: str | None, warnings: Sequence[str]) -> Report:
     """Join the torchrun world; it must be the target world (and, to generate, the source world too).
 
     Rank 0 prepares the output directory, draws progress and writes the report.
@@ -282,6 +285,7 @@ def _execute_torchrun(spec: RunSpec, backend: str | None) -> Report:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: what it found is written, whoever stops it
         display.close()
         progress.connect(None)
+    report.warnings[:0] = warnings
     try:
         if rank == 0 or not report.agreed:
             output.abort(out)  # rank 0 does; a rank that lost the others does too, rank 0 may be the one lost

@@ -59,7 +59,7 @@ def start() -> None:
 
 def start_early(args: list[str]) -> None:
     """:func:`start`, unless the command line or the environment says no local ranks will start."""
-    if not in_torchrun() and args[:1] != ["check"] and not any(a.lstrip("+") in NO_RANKS for a in args):
+    if not in_torchrun() and not any(a.lstrip("+") in NO_RANKS for a in args):
         start()
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import osdpipe
+from osdpipe.loading import without_records
 from osdpipe import kinds
 from osdpipe.compare import diff
 from osdpipe.config import validate
@@ -50,7 +51,7 @@ def _resume(checkpoint: str, target: dict) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = kinds.get("fsdp1").to_load(model, optim, torch.load(checkpoint, weights_only=True))
-    problems = diff(state, expected)
+    problems = diff(without_records(state), expected)
     # The state must be keyed so that each ID's tensor sits on the parameter of that position in *this* optimizer.
     for pid, p in enumerate(optim.param_groups[0]["params"]):
         if pid in optim.state_dict()["state"] and optim.state_dict()["state"][pid]["exp_avg"].shape != p.shape:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,8 @@ def test_check_load_loads_every_format_on_its_target_world_and_steps(runs: Path)
     for fmt, result in zip(OUTPUTS, results, strict=False):
         assert result["code"] == 0, result["stderr"] + result["stdout"]
         assert f"check load       pass  on {TARGET_WORLDS[fmt]} rank(s): loaded; one step left all state finite" in result["stdout"], result["stdout"]
+        resume = f"check resume     pass  on {TARGET_WORLDS[fmt]} rank(s): storage: no two state tensors share memory; steps: the {TARGET_WORLDS[fmt].split()[1]} target job"
+        assert resume in result["stdout"], result["stdout"]
     assert results[3]["code"] == 2, results[3]
     assert results[4]["code"] == 2 and "--lode is not an option" in results[4]["stderr"], results[4]
 
@@ -140,6 +143,24 @@ def test_check_load_names_the_rank_and_the_state_that_does_not_load_right(runs: 
     line = next(line for line in result["stdout"].splitlines() if "check load" in line)
     assert "FAIL  rank 1: non-finite in the loaded state" in line and "exp_avg_sq (1 element)" in line, line
     assert "rank 0" not in line and "rank 2" not in line, line
+
+
+def test_check_load_resume_names_a_step_two_parameters_of_a_file_share(runs: Path, tmp_path: Path) -> None:
+    """A rank file edited to share one step tensor between two parameters (torch.save keeps it shared): resume fails, naming both values."""
+    import shutil
+
+    out = tmp_path / "rank_local"
+    shutil.copytree(runs / "rank_local" / "first", out)
+    osd = torch.load(out / "rank_1.pt", weights_only=True)
+    first, second = sorted(k for k, s in osd["state"].items() if isinstance(s, dict))[:2]
+    osd["state"][second]["step"] = osd["state"][first]["step"]
+    torch.save(osd, out / "rank_1.pt")
+    [result] = _check([str(out), "--load"], cwd=tmp_path)
+    assert result["code"] == 1, result
+    line = next(line for line in result["stdout"].splitlines() if "check resume" in line)
+    assert "FAIL  rank 1: " in line, line
+    assert re.search(r"step is (\d+)\.0 after 2 step\(s\) from the source's 2\.0; a job resuming from the source has 4\.0", line), line
+    assert "share memory" in line and "rank 0" not in line and "rank 2" not in line, line
 
 
 def test_the_log_file_says_what_ran_at_its_level(runs: Path, tmp_path: Path) -> None:

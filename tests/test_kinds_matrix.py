@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from osdpipe.loading import without_records
 from osdpipe.compare import diff
 from osdpipe.config import RunSpec, validate
 from osdpipe.launch import run_local_world
@@ -428,8 +429,8 @@ def _dtensor_table(optim: torch.optim.Optimizer, expected: dict[str, Any]) -> di
 def _compare(target: Target, got: dict[str, Any], expected: dict[str, Any], optim: torch.optim.Optimizer) -> list[str]:
     """Where the converted file ``got`` and PyTorch's ``expected`` differ (empty: equal)."""
     if target.kind != "fsdp2":
-        return diff(got, expected, path="output")
-    rest = {k: v for k, v in got.items() if k != "dtensor"}
+        return diff(without_records(got), expected, path="output")
+    rest = without_records(got)
     problems = diff(rest, _local(expected), path="output", sequence_types=False)
     problems += diff(got.get("dtensor"), _dtensor_table(optim, expected), path="output['dtensor']")
     return problems

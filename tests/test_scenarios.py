@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from osdpipe.loading import without_records
 from osdpipe.compare import diff
 from osdpipe.config import validate
 from osdpipe.launch import run_local_world
@@ -467,7 +468,7 @@ def _check_case(case: Case, root: Path) -> list[str]:
         return ["PyTorch converts this input, but osdpipe is expected to refuse it"]
 
     problems = []
-    got = torch.load(root / "out" / case.name / f"rank_{rank}.pt", weights_only=True)
+    got = without_records(torch.load(root / "out" / case.name / f"rank_{rank}.pt", weights_only=True))
     for api in case.apis:
         expected = _pytorch(api, model, optim, full, root / case.source / "dcp" if case.input == "dcp" else None)
         problems += [f"vs FSDP.{api}: {p}" for p in diff(got, expected, path="rank_file")]
@@ -504,7 +505,7 @@ def _sensitivity(root: Path) -> list[str]:
     model, _ = _fsdp(src.model, case.target)
     optim = _optimizer(model, src.optim)
     expected = _pytorch("optim_state_dict_to_load", model, optim, torch.load(case.reference_path(root), weights_only=True), None)
-    got = torch.load(root / "out" / case.name / f"rank_{dist.get_rank()}.pt", weights_only=True)
+    got = without_records(torch.load(root / "out" / case.name / f"rank_{dist.get_rank()}.pt", weights_only=True))
     key = max(got["state"])
     tampered: dict[str, dict[str, Any]] = {name: copy.deepcopy(got) for name in ("element", "step", "key", "state_name", "group_field", "group_params")}
     flat = tampered["element"]["state"][key]["exp_avg"].view(-1)

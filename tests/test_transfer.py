@@ -144,7 +144,9 @@ def test_every_transfer_and_budget_writes_the_same_bytes_and_scatter_sends_only_
             assert report["memory_budget"] == (1000 if "budget" in variant else None)
             assert report["output_bytes"] == [_tensor_bytes(out / name) for name in files]
             if "scatter" in variant:
-                assert {c["name"] for c in report["checks"]} == {"roundtrip"}, report["checks"]
+                assert {c["name"] for c in report["checks"]} == {"roundtrip", "resume"}, report["checks"]
+                resume = next(c for c in report["checks"] if c["name"] == "resume")
+                assert "steps not run: they need the source on every rank, which runtime.transfer=scatter" in resume["detail"], resume
                 assert {c["name"] for c in report["skipped_checks"]} >= {"reference", "load_step"}
 
 

@@ -63,3 +63,28 @@ def fqn_keyed(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         "state": {names[i]: s for i, s in state["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
     }
+
+
+def batches(first: int, count: int) -> list[torch.Tensor]:
+    """``count`` 4x5 token batches, batch ``i`` seeded by ``first + i``."""
+    return [torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(first + i)) for i in range(count)]
+
+
+def steps(model: nn.Module, optim: torch.optim.Optimizer, tokens: list[torch.Tensor]) -> None:
+    """A user's training loop with their own optimizer: a real forward and backward per batch, then a step."""
+    for batch in tokens:
+        model(batch).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def fully_shard_blocks(model: TinyLM) -> nn.Module:
+    """A user's FSDP2 wrapping on the current world: ``fully_shard`` on every block, then on the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)

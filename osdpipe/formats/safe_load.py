@@ -20,6 +20,7 @@ traceback or, worse, in code running:
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
 import re
@@ -270,10 +271,16 @@ def load_torch_file(path: str | Path) -> Any:
             check_torch_zip(f, p.stat().st_size, str(p))
     except OSError as exc:
         raise InputError(f"{p} cannot be read ({first_line(exc)}); check that this user can read it") from exc
-    import torch.distributed.tensor  # noqa: F401  (lets weights_only read DTensors, an FSDP2 rank's state, as PyTorch allows)
-
     try:
-        return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            if "torch.distributed.tensor" not in str(exc):
+                raise
+            # An FSDP2 rank's state holds DTensors, which weights_only reads once their module is imported (as PyTorch
+            # allows); imported only then, as it costs most of a second that other files do not need.
+            importlib.import_module("torch.distributed.tensor")
+            return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # torch raises several types for a bad file
         raise torch_load_error(str(p), exc) from exc
 

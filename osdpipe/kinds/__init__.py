@@ -70,6 +70,10 @@ class LayoutKind:
         """PyTorch's conversion of a full FQN-keyed state into what this rank's ``optim.load_state_dict`` takes."""
         raise NotImplementedError
 
+    def load_full(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> None:
+        """Load a full FQN-keyed state into this rank's optimizer the way a job of this kind does (what an ``fsdp_full`` or ``dcp`` output is for)."""
+        optim.load_state_dict(self.loadable(optim, self.to_load(model, optim, full_osd)))
+
     def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """What ``optim.load_state_dict`` takes from a ``rank_local`` file of this kind (the file itself, unless it holds DTensors)."""
         return state

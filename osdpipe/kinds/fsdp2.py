@@ -86,10 +86,15 @@ class FSDP2(LayoutKind):
         return model
 
     def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
-        """``set_optimizer_state_dict`` from the full state, then ``optim.state_dict()``, as a ``rank_local`` file holds it.
+        """``set_optimizer_state_dict`` from the full state (:meth:`load_full`), then ``optim.state_dict()``, as a ``rank_local`` file holds it.
 
         ``optim`` is left holding the loaded state.
         """
+        self.load_full(model, optim, full_osd)
+        return to_rank_local(optim.state_dict())
+
+    def load_full(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> None:
+        """``set_optimizer_state_dict(..., full_state_dict=True)``: what an FSDP2 job calls with a full state."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if "param_groups" not in full_osd:  # PyTorch needs groups to load by; a source without them resumes with the target's
@@ -97,7 +102,6 @@ class FSDP2(LayoutKind):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             set_optimizer_state_dict(model, optim, full_osd, options=StateDictOptions(full_state_dict=True))
-        return to_rank_local(optim.state_dict())
 
     def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         return from_rank_local(optim, state)
@@ -152,16 +156,6 @@ def to_rank_local(osd: dict[str, Any]) -> dict[str, Any]:
                 value = value.to_local()
             state[pid][name] = value
     return {**osd, "state": state, DTENSOR_TABLE: table}
-
-
-def load_rank_local(optim: torch.optim.Optimizer, path: str | Path) -> None:
-    """Load a ``rank_local`` file osdpipe wrote for this rank into ``optim``, whatever the kind: the one call a resuming job makes.
-
-    The file is read with ``weights_only=True``; DTensor state (FSDP2) is
-    rebuilt on the optimizer's parameters (:func:`from_rank_local`), other
-    state loads as it is.
-    """
-    optim.load_state_dict(from_rank_local(optim, torch.load(path, map_location="cpu", weights_only=True)))
 
 
 def from_rank_local(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:

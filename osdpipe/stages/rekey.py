@@ -25,6 +25,7 @@ import torch
 
 from osdpipe.context import Context
 from osdpipe.layout import DTENSOR_TABLE, LocalTensor
+from osdpipe.loading import PARAM_LAYOUT, describe_layout
 from osdpipe.stages import stage
 
 
@@ -67,11 +68,17 @@ def _param_groups(ctx: Context, layout: tuple[LocalTensor, ...], groups: list[li
     return out
 
 
+def param_ids(ctx: Context) -> dict[str, int]:
+    """Layout key -> the target optimizer's param ID, for every tensor of this rank's layout the optimizer holds."""
+    layout = ctx.target_layout()
+    return {layout[i].key: pid for pid, i in enumerate(i for g in ctx.target_groups(layout) for i in g)}
+
+
 def id_keyed(ctx: Context) -> dict[str, Any]:
     """This rank's state keyed by the target optimizer's parameter IDs."""
     layout = ctx.target_layout()
     groups = ctx.target_groups(layout)
-    ids = {layout[i].key: pid for pid, i in enumerate(i for g in groups for i in g)}
+    ids = param_ids(ctx)
     state = {}
     for tensor in layout:
         if tensor.key in ctx.local_state and tensor.key in ids:
@@ -85,6 +92,8 @@ def id_keyed(ctx: Context) -> dict[str, Any]:
     table = dtensor_table(ctx, layout, ids, out["state"])
     if table:
         out[DTENSOR_TABLE] = table
+    # What each ID holds, so that loading can check the file against the optimizer before anything is loaded (osdpipe.loading).
+    out[PARAM_LAYOUT] = {pid: describe_layout(layout[i], ctx.tree) for pid, i in enumerate(i for g in groups for i in g) if pid in out["state"]}
     return out
 
 

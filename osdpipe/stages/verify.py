@@ -1,6 +1,6 @@
 """verify: prove the converted state right, or say exactly where it is wrong.
 
-Four checks, each reported in ``report.json`` when it ran:
+Five checks, each reported in ``report.json`` when it ran:
 
 * ``roundtrip``: every element of every converted tensor equals the same
   element of the source, bitwise; padding is zero; scalar state equals the
@@ -14,6 +14,10 @@ Four checks, each reported in ``report.json`` when it ran:
 * ``load_step``: the target optimizer loads the result and takes a step on
   synthetic gradients (no forward pass), and every state element that was
   finite stays finite.
+* ``resume``: training resumes from the output as it would have from the
+  source: no two state tensors share memory, and a target job that loads it
+  and takes ``pipeline.resume_steps`` steps holds what a job resuming from
+  the source holds, step counters exactly (:mod:`osdpipe.resume`).
 * ``replicas`` (where a side is hybrid-sharded: HYBRID_SHARD, HSDP): the
   source's replica groups hold the same state, and so do the output's.
 """
@@ -29,12 +33,16 @@ import torch
 from osdpipe import kinds
 from osdpipe.collective import from_rank0, gather_to_all, one_line, scatter_from
 from osdpipe.compare import bits_equal, diff
-from osdpipe.config import show_size
+from osdpipe.sizes import show_size
 from osdpipe.context import CheckResult, Context, SkippedCheck
 from osdpipe.formats import TensorRef, full_state
 from osdpipe.layout import LocalTensor, uncovered
+from osdpipe.loading import PARAM_LAYOUT
+from osdpipe.optim import resolve_optimizer
 from osdpipe.reference import live_target, train_step
+from osdpipe.resume import SHOWN, bare_steps, compare_batch, is_elementwise, live_steps, reference_for, shared_memory
 from osdpipe.stages import stage
+from osdpipe.stages.rekey import param_ids
 from osdpipe.transfer import Batch, batch_sha256, plan, stateful
 
 
@@ -205,7 +213,7 @@ def check_reference(ctx: Context) -> CheckResult:
     model, optim = live_target_of(ctx)
     full = _full_source(ctx)
     if ctx.id_keyed:
-        expected, got, what = kind.to_load(model, optim, full), ctx.result, "PyTorch's conversion"
+        expected, got, what = kind.to_load(model, optim, full), {k: v for k, v in ctx.result.items() if k != PARAM_LAYOUT}, "PyTorch's conversion"
     else:
         fresh_model, fresh_optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
         fresh_optim.load_state_dict(kind.loadable(fresh_optim, kind.to_load(fresh_model, fresh_optim, full)))
@@ -267,12 +275,7 @@ def load_and_step(ctx: Context, loadable: dict[str, Any]) -> CheckResult:
     model, optim = live_target_of(ctx)
     # load_state_dict keeps tensors that need no cast: a copy stops the step from changing the result.
     loadable = kinds.get(ctx.spec.target.kind).loadable(optim, copy.deepcopy(loadable))
-    if "param_groups" not in loadable:
-        # A source without param groups converts to state only (as PyTorch's own
-        # conversion does); load_state_dict needs groups, so the target's own are
-        # what a resuming job pairs it with.
-        loadable["param_groups"] = optim.state_dict()["param_groups"]
-    optim.load_state_dict(loadable)
+    optim.load_state_dict(_with_groups(loadable, optim))
     layout = ctx.optimizer_layout()
     tensor_of = {id(p): t for p, t in zip(model.parameters(), layout)}  # the live model is built on this layout
     loaded = {id(p): {n: _nonfinite(v) for n, v in state.items()} for p, state in optim.state.items()}
@@ -299,6 +302,123 @@ def load_and_step(ctx: Context, loadable: dict[str, Any]) -> CheckResult:
     if carried:
         detail = f"loaded; one step left finite every element that was finite (non-finite in the source, carried: {', '.join(carried[:3])})"
     return CheckResult("load_step", True, detail)
+
+
+def check_resume(ctx: Context) -> CheckResult:
+    """The output resumes as the source would (:mod:`osdpipe.resume`): loaded into a live target where one can be built, else into bare optimizers."""
+    assert ctx.result is not None
+    live = not ctx.offline and (ctx.id_keyed or _within_full_state_limit(ctx))
+    return resume_result(ctx, ctx.result["state"], (lambda model, optim: _load_result(ctx, model, optim)) if live else None)
+
+
+def _load_result(ctx: Context, model: Any, optim: Any) -> None:
+    """This rank's result into a live target optimizer, the way a user loads the output format (from memory: the bytes save writes)."""
+    assert ctx.result is not None
+    if ctx.id_keyed:  # what osdpipe.load_rank_local (rank_local) or optim.load_state_dict (plain) does with the file
+        loadable = kinds.get(ctx.spec.target.kind).loadable(optim, copy.deepcopy(ctx.result))  # one deepcopy: what the result shares stays shared
+        optim.load_state_dict(_with_groups(loadable, optim))
+    else:
+        kinds.get(ctx.spec.target.kind).load_full(model, optim, copy.deepcopy(_full_output(ctx)))
+
+
+def _with_groups(loadable: dict[str, Any], optim: Any) -> dict[str, Any]:
+    """A source without param groups converts to state only (as PyTorch's own conversion does); load_state_dict needs
+    groups, so the target's own are what a resuming job pairs it with."""
+    if "param_groups" not in loadable:
+        loadable["param_groups"] = optim.state_dict()["param_groups"]
+    return loadable
+
+
+def resume_result(ctx: Context, written: dict[Any, Any], load: Any) -> CheckResult:
+    """The ``resume`` check on this rank: ``written`` is the output's ``state`` as it is written (or was read back).
+
+    ``load(model, optim)`` loads the output into a fresh live target job;
+    ``None``: no live target can be built, and a bare optimizer per local
+    tensor of the output loads it (:func:`osdpipe.resume.bare_steps`).
+    """
+    steps = ctx.spec.pipeline.resume_steps
+    shared = shared_memory(written, _param_names(ctx) if ctx.id_keyed else None)
+    problems: list[str] = []
+    parts = [] if shared else ["storage: no two state tensors share memory"]
+    why_not = _resume_steps_skip(ctx)
+    if why_not is not None:
+        ctx.warnings.append(f"verify's resume check ran its storage part only: its steps {why_not}")
+        parts.append(f"steps not run: they {why_not}")
+    else:
+        assert ctx.meta is not None
+        reference = reference_for(ctx.spec, ctx.meta, ctx.source().reader, ctx.tree)
+        if load is not None:
+            model, optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
+            load(model, optim)
+            batches: Any = [live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree)]
+            target = f"the {ctx.spec.target.kind} target job"
+        else:
+            batches = bare_steps(ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes)
+            target = "bare optimizers over the output's tensors (no live target job: " + (
+                "runtime.mode=offline)" if ctx.offline else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
+            )
+        count = 0
+        for batch in batches:
+            count += len(batch)
+            problems += compare_batch(batch, reference, ctx.meta, steps)
+            if len(problems) >= SHOWN:
+                break
+        parts.append(
+            f"steps: {target} loaded it and took {steps} step(s) on synthetic gradients ({count} tensor(s)): every 0-dim state "
+            "(step counters) equals a job resuming from the source, every state and parameter element bitwise"
+        )
+    if shared:  # after the steps' findings, which say what the sharing does
+        problems = problems[:SHOWN] + [f"{len(shared)} pair(s) of state tensors share memory, so a step of one changes the other: {'; '.join(shared[:3])}"]
+    return CheckResult("resume", not problems, "; ".join(problems) or "; ".join(parts))
+
+
+def _param_names(ctx: Context) -> dict[int, str]:
+    """Param ID -> the parameter(s) its local tensor holds, for messages about a param-ID keyed output."""
+    layout = {t.key: t for t in ctx.target_layout()}
+    return {pid: ", ".join(layout[key].fqns[:2]) + (" ..." if len(layout[key].fqns) > 2 else "") for key, pid in param_ids(ctx).items()}
+
+
+def _resume_steps_skip(ctx: Context) -> str | None:
+    """Why the resume check's steps cannot run here (its storage part always does), or ``None``."""
+    if ctx.reading_ranks is not None and any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
+        return "need the source on every rank, which runtime.transfer=scatter does not read everywhere"  # said on every rank alike: the steps are collective
+    if ctx.meta is None or ctx.reader is None:
+        return "need the source, to step a reference from it, and none was read (give input.path)"
+    cls = resolve_optimizer(ctx.spec.optim.name)
+    if not is_elementwise(cls) and not _within_full_state_limit(ctx):
+        limit = ctx.spec.pipeline.full_state_checks_max
+        return (
+            f"need a reference over the whole model for {cls.__name__}, which osdpipe does not know to be elementwise "
+            f"(osdpipe.resume.ELEMENTWISE), and the source holds {show_size(source_tensor_bytes(ctx))} of tensor state, over "
+            f"pipeline.full_state_checks_max={show_size(limit or 0)}"
+        )
+    return None
+
+
+def _within_full_state_limit(ctx: Context) -> bool:
+    limit = ctx.spec.pipeline.full_state_checks_max
+    return limit is None or source_tensor_bytes(ctx) <= limit
+
+
+def _output_state_of(ctx: Context) -> Any:
+    """For a bare target: each local tensor's state and param group as the output holds them (``None``: its optimizer does not hold it)."""
+    assert ctx.result is not None
+    groups = ctx.result.get("param_groups") or []
+    if ctx.id_keyed:
+        ids = param_ids(ctx)
+        key_of = ids.get
+    else:
+        held = {f for g in groups for f in g["params"]} if groups else None
+        key_of = lambda key: key if held is None or key in held else None  # noqa: E731
+    group_of = {k: g for g in groups for k in g["params"]}
+
+    def state_of(tensor: LocalTensor) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        key = key_of(tensor.key)
+        if key is None:
+            return None
+        return ctx.result["state"].get(key, {}), group_of.get(key, {})
+
+    return state_of
 
 
 def has_replicas(ctx: Context) -> tuple[bool, bool]:
@@ -354,7 +474,7 @@ def check_replicas(ctx: Context) -> CheckResult:
     return CheckResult("replicas", not problems, "; ".join(problems[:5]) or f"{sides} replica groups hold the same state bitwise")
 
 
-CHECKS = {"roundtrip": check_roundtrip, "reference": check_reference, "load_step": check_load_step, "replicas": check_replicas}
+CHECKS = {"roundtrip": check_roundtrip, "reference": check_reference, "load_step": check_load_step, "resume": check_resume, "replicas": check_replicas}
 #: Checks that build the real target job (on every rank, with the whole source state): they need its world, and memory.
 NEED_TARGET_WORLD = ("reference", "load_step")
 

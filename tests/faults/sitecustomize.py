@@ -5,7 +5,9 @@ the command: the launcher, the fork server and so every rank forked from it.
 ``OSDPIPE_TEST_FAULT=<point>:<rank>:<how>`` makes rank ``<rank>`` die at
 ``<point>`` (``load``, ``send``, ``receive``, ``save``: see :func:`_install`): ``kill`` sends itself SIGKILL (nothing runs
 after it, not even a ``finally``), ``raise`` raises an exception in the stage.
-Without the variable this module does nothing, not even import torch.
+``OSDPIPE_TEST_SHARE_SCALARS=1`` undoes the copy that gives every output
+tensor scalar state of its own (``tests/test_resume.py``).
+Without either variable this module does nothing, not even import torch.
 """
 
 from __future__ import annotations
@@ -68,3 +70,10 @@ def _install(point: str, rank: int, how: str) -> None:
 if FAULT:
     _point, _rank, _how = FAULT.split(":")
     _install(_point, int(_rank), _how)
+
+if os.environ.get("OSDPIPE_TEST_SHARE_SCALARS"):
+    # Put back what osdpipe fixes: every output tensor holds the source's scalar state object itself, so a
+    # source that shares one step across parameters (FSDP1's FULL state) shares it in the output too.
+    from osdpipe import transfer
+
+    transfer.own_copy = lambda value: value

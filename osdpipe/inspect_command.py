@@ -1,0 +1,108 @@
+"""``osdpipe inspect PATH [--json]``: what a checkpoint is, read from its files (:mod:`osdpipe.facts`).
+
+Prints the format, what the files show of the layout that saved it, the
+optimizer and its hyperparameters per param group, the step range, the
+parameters with state, dtypes and bytes, and the overrides that describe it
+to ``osdpipe``. ``--json`` prints one object instead. Metadata and headers
+only: no tensor's bytes are read (see :mod:`osdpipe.facts` for the one
+exception, a damaged file's moments).
+
+Exit codes: 0 it was read; 1 it cannot be read as a checkpoint; 2 a bad command line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+USAGE = "usage: osdpipe inspect PATH [--json] [--key KEY]  (PATH: a checkpoint file, a DCP directory, a directory of rank_<r>.pt, or an osdpipe output)"
+
+def run_inspect(args: list[str]) -> int:
+    """The command: read the facts, print them, return the exit code."""
+    from pathlib import Path
+
+    as_json = "--json" in args
+    rest = [a for a in args if a != "--json"]
+    key = None
+    if "--key" in rest:
+        at = rest.index("--key")
+        if at + 1 >= len(rest):
+            print(f"osdpipe inspect: error: --key needs a value; {USAGE}", file=sys.stderr)
+            return EXIT_USAGE
+        key = rest[at + 1]
+        del rest[at : at + 2]
+    if rest[:1] == ["--help"]:
+        print(USAGE)
+        return EXIT_OK
+    if len(rest) != 1 or rest[0].startswith("-"):
+        print(f"osdpipe inspect: error: {'one PATH' if not rest or not rest[0].startswith('-') else repr(rest[0]) + ' is not an option'}; {USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    from osdpipe.collective import one_line
+    from osdpipe.facts import MOMENTS_ALIKE, read_facts
+
+    path = Path(rest[0])
+    try:
+        facts = read_facts(_checkpoint_in(path), None, key)
+    except Exception as exc:  # noqa: BLE001 - a file that cannot be read says so in one line
+        print(f"osdpipe inspect: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    if facts.moments_alike:
+        facts.notes.append(f"warning: {MOMENTS_ALIKE}")
+    if as_json:
+        print(json.dumps(facts.to_json(), indent=2, sort_keys=True))
+    else:
+        print(describe(facts))
+    return EXIT_OK
+
+
+def _checkpoint_in(path: object) -> object:
+    """``path``, or for an osdpipe output directory of one file (``fsdp_full``, ``plain``) or a ``dcp/``, that checkpoint."""
+    from pathlib import Path
+
+    p = Path(str(path))
+    if p.is_dir() and (p / "manifest.json").is_file():
+        for inner in ("dcp", "optim.pt"):
+            if (p / inner).exists():
+                return p / inner
+    return p
+
+
+def describe(facts: object) -> str:
+    """The facts as a person reads them."""
+    from osdpipe.sizes import show_size
+
+    f = facts
+    kind = {
+        "sharded": "sharded (dim-0 chunks: FSDP1 SHARDED_STATE_DICT or FSDP2, alike)",
+        None: "cannot tell from the files",
+    }.get(f.kind, f.kind)
+    lines = [f"{f.path}", f"  format       {f.format}" + (f" (key {f.key!r})" if f.key else "")]
+    lines.append(f"  kind         {kind}" + (" (use_orig_params)" if f.use_orig_params else ""))
+    lines.append(f"  world size   {f.world_size if f.world_size is not None else 'not recorded'}" + (
+        f", replica groups of {f.shard_group_size} rank(s)" if f.shard_group_size else ""
+    ))
+    for i, unit in enumerate(f.units[:8]):
+        named = ", ".join(unit.fqns[:3]) + (f" and {len(unit.fqns) - 3} more" if len(unit.fqns) > 3 else "")
+        lines.append(f"  unit {i:<7} {unit.numel:,} elements flat" + (f": {named}" if named else ""))
+    if len(f.units) > 8:
+        lines.append(f"  ... and {len(f.units) - 8} more unit(s)")
+    for placement in f.placements[:4]:
+        lines.append(f"  placement    {placement}")
+    optimizer = f.optimizer or (" or ".join(f.optimizer_candidates) if f.optimizer_candidates else "none of torch.optim's")
+    lines.append(f"  optimizer    {optimizer}  (state {', '.join(f.state_names) or 'none'})")
+    for i, group in enumerate(f.param_groups):
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(group.items()) if k != "params")
+        lines.append(f"  group {i:<6} {group['params']} param(s): {shown}")
+    if f.steps is not None:
+        lines.append(f"  steps        {_number(f.steps[0])}" + (f" .. {_number(f.steps[1])}" if f.steps[1] != f.steps[0] else ""))
+    lines.append(f"  parameters   {f.params} with state")
+    dtypes = ", ".join(f"{d} {show_size(n)}" for d, n in sorted(f.dtypes.items()))
+    lines.append(f"  state        {show_size(f.state_bytes)} of tensors" + (f" ({dtypes})" if dtypes else ""))
+    lines += [f"  note         {n}" for n in f.notes]
+    lines.append("  convert with osdpipe " + " ".join([*f.overrides(), "target.world_size=<M>", "output.path=<dir>"]))
+    return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)

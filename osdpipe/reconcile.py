@@ -1,0 +1,255 @@
+"""Believe the files, not the flags: a user's description of a checkpoint, held against what its files show.
+
+Before the config is validated, in the launcher, the input's metadata is read
+(:func:`osdpipe.facts.read_facts`) and every fact the files show settles a
+key of the config:
+
+* a key the user did not give (a default, or a recipe's value for the source
+  it would generate) takes the files' value: ``input.format``, ``input.key``,
+  ``source.world_size``, ``source.kind`` and its FSDP2 mesh, ``optim.name``
+  (``auto``: the checkpoint's optimizer), ``optim.lr`` (unset: the checkpoint's);
+* a key the user gave that contradicts the files is a :class:`Contradiction`:
+  one line that says what the files show and how to mend it (exit code 2,
+  nothing written);
+* a hyperparameter the user gave that differs from the checkpoint's is one
+  warning each: the output keeps the checkpoint's, as PyTorch's own
+  conversions do, and a resuming optimizer's ``load_state_dict`` sets it.
+
+A file that cannot be read is left to the pre-flight check that follows
+(:func:`osdpipe.pipeline.check_source`), which says what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+from osdpipe.formats import InputError
+
+#: The learning rate of a generated source's optimizer when ``optim.lr`` is unset.
+DEFAULT_LR = 1e-2
+
+
+class Contradiction(ValueError):
+    """A key the user gave says one thing, the input's files another (exit code 2)."""
+
+
+class Given:
+    """The config keys a user set themselves: on the command line (Hydra's task overrides) or as an API argument.
+
+    A group override (``optim=adamw``) gives every key under it.
+    """
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = {k.lstrip("+~").split("=", 1)[0].strip() for k in keys}
+
+    def __contains__(self, key: str) -> bool:
+        return any(key == k or key.startswith(f"{k}.") for k in self.keys)
+
+    @classmethod
+    def from_overrides(cls, overrides: Iterable[str]) -> Given:
+        return cls(o for o in overrides if "=" in o)
+
+
+def _get(raw: dict[str, Any], key: str) -> Any:
+    node: Any = raw
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _set(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[str]]:
+    """``raw`` (a composed config, as a plain dict) settled against the input's files; and the warnings to report.
+
+    Raises:
+        Contradiction: a key the user gave contradicts the files.
+    """
+    raw = copy.deepcopy(raw)
+    path = _get(raw, "input.path")
+    if path is None:  # osdpipe generates the source: its optimizer is the config's, Adam for auto
+        if _get(raw, "optim.name") in (None, "auto"):
+            _set(raw, "optim.name", "Adam")
+        if _get(raw, "optim.lr") is None:
+            _set(raw, "optim.lr", DEFAULT_LR)
+        return raw, []
+    from osdpipe.facts import detect_format, read_facts
+
+    try:
+        fmt = detect_format(path)
+    except InputError:
+        return raw, []  # the pre-flight check says what is wrong with it
+    what = {"dcp": "a DCP checkpoint (.metadata)", "rank_local": "a directory of rank_<r>.pt", "fsdp_full": "a torch.save file keyed by FQN", "plain": "a torch.save file keyed by param ID"}
+    _settle(raw, given, "input.format", fmt, f"{path} is {what[fmt]}")
+    try:
+        facts = read_facts(path, fmt, _get(raw, "input.key") if "input.key" in given else None)
+    except InputError:
+        return raw, []
+    if facts.key is not None:
+        _settle(raw, given, "input.key", facts.key, f"{path} holds its optimizer state under {facts.key!r}")
+    _settle_layout(raw, given, facts)
+    warnings = _settle_optimizer(raw, given, facts)
+    if facts.moments_alike:
+        from osdpipe.facts import MOMENTS_ALIKE
+
+        warnings.append(f"{path}: {MOMENTS_ALIKE}; it converts as it is")
+    return raw, warnings
+
+
+def settle_optimizer(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``optim.name=auto`` and an unset ``optim.lr`` settled from the input, where no launcher reconciled it.
+
+    What validating a config built in code (the Python API, tests) needs:
+    the optimizer is the only key a run cannot go without that ``auto``
+    leaves open. An input that cannot be read leaves it open for the
+    pre-flight check to explain.
+    """
+    optim = _get(raw, "optim") or {}
+    if optim.get("name", "auto") != "auto" and optim.get("lr") is not None:
+        return raw
+    raw = copy.deepcopy(raw)
+    if _get(raw, "input.path") is None:
+        return reconcile(raw, Given(()))[0]
+    from osdpipe.facts import read_facts
+
+    try:
+        facts = read_facts(_get(raw, "input.path"), _get(raw, "input.format") or "fsdp_full", _get(raw, "input.key"))
+    except (InputError, KeyError):
+        return raw
+    _settle_optimizer(raw, Given(["optim.name"] if optim.get("name", "auto") != "auto" else []), facts)
+    return raw
+
+
+def _settle(raw: dict[str, Any], given: Given, key: str, value: Any, shows: str) -> None:
+    """``key`` takes the files' ``value`` unless the user gave it; given and different, it is a :class:`Contradiction`."""
+    current = _get(raw, key)
+    if current == value:
+        return
+    if key in given:
+        raise Contradiction(f"{key}={current}, but {shows}: set {key}={value}, or leave {key} out and osdpipe reads it from the input")
+    _set(raw, key, value)
+
+
+def _settle_layout(raw: dict[str, Any], given: Given, facts: Any) -> None:
+    """What the files show of the layout that saved them: the world size (DCP, rank files), FSDP2 and its mesh, a plain file's one process."""
+    path = facts.path
+    if facts.format == "plain":
+        kind = _get(raw, "source.kind")
+        if "source.kind" in given and kind not in ("none", "ddp"):
+            raise Contradiction(
+                f"source.kind={kind}, but {path} is one param-ID keyed state of whole tensors, as an unwrapped model (or every DDP rank) holds it: "
+                "set source.kind=none (or ddp)"
+            )
+        if "source.kind" not in given:
+            _set(raw, "source.kind", "none")
+        if _get(raw, "source.kind") == "none":
+            _settle(raw, given, "source.world_size", 1, f"{path} is an unwrapped model's state, one process")
+            for key, default in (("source.shard_group_size", None), ("source.sharding_strategy", "FULL_SHARD")):
+                if key not in given:
+                    _set(raw, key, default)
+        return
+    if facts.world_size is not None and facts.format in ("dcp", "rank_local"):
+        saved = f"{path} was saved by {facts.world_size} rank(s)" + (
+            f" (its files __0_0.distcp .. __{facts.world_size - 1}_0.distcp)" if facts.format == "dcp" else f" (rank_0.pt .. rank_{facts.world_size - 1}.pt)"
+        )
+        _settle(raw, given, "source.world_size", facts.world_size, saved)
+    if facts.format == "rank_local" and facts.kind == "fsdp2":
+        _settle(raw, given, "source.kind", "fsdp2", f"{path} holds DTensor state ({'; '.join(facts.placements[:2])}): an FSDP2 job's")
+        _settle(raw, given, "source.shard_group_size", facts.shard_group_size, f"{path}'s DTensors lie on a mesh of {facts.placements[:1]}")
+
+
+def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str]:
+    """``optim.name`` from the checkpoint unless given; a given one must keep the state the checkpoint has. Returns the warnings."""
+    from osdpipe.optim import optimizer_label, resolve_optimizer
+
+    name = _get(raw, "optim.name")
+    warnings: list[str] = []
+    if "optim.name" not in given or name in (None, "auto"):
+        if facts.optimizer is None:
+            raise Contradiction(
+                f"optim.name=auto, but the optimizer of {facts.path} cannot be told from its state ({facts.optimizer_why}); "
+                + (f"set optim.name to one of {', '.join(facts.optimizer_candidates)}" if facts.optimizer_candidates else "set optim.name=package.module:Class")
+            )
+        _set(raw, "optim.name", facts.optimizer)
+    else:
+        try:
+            cls = resolve_optimizer(name)
+        except ValueError:
+            return warnings  # validation names what is wrong with the name itself
+        mismatch = _does_not_fit(cls, name, raw, facts)
+        if mismatch:
+            held = f"{facts.optimizer}'s: " if facts.optimizer else ""
+            raise Contradiction(
+                f"optim.name={name} {mismatch}; {facts.path} holds {held}state {facts.state_names}: "
+                + (f"set optim.name={facts.optimizer}, or leave it out (auto: the checkpoint's)" if facts.optimizer else "set optim.name to the optimizer that saved it")
+            )
+        if facts.optimizer is not None and facts.optimizer != name:
+            warnings.append(
+                f"optim.name={name}, but {facts.path} was saved by {optimizer_label(facts.optimizer)}, as its param groups' hyperparameter "
+                f"names and its state names show; converting for {optimizer_label(name)} as asked, with the checkpoint's hyperparameters"
+            )
+    if _get(raw, "optim.lr") is None:
+        lr = next((g.get("lr") for g in facts.param_groups if isinstance(g.get("lr"), (int, float))), DEFAULT_LR)
+        _set(raw, "optim.lr", lr)
+    return warnings + _differing_hyperparameters(raw, given, facts)
+
+
+def _does_not_fit(cls: type, name: str, raw: dict[str, Any], facts: Any) -> str | None:
+    """How the optimizer ``name`` cannot take the checkpoint's state, in words (``None``: it can).
+
+    It cannot when it reads hyperparameters the checkpoint's param groups lack
+    (they replace its own on loading); when, built as configured, it keeps
+    state the checkpoint lacks; or when the checkpoint holds state it never
+    keeps. The hyperparameters are compared first: the state names need a
+    step of the optimizer.
+    """
+    from osdpipe.optim_infer import fingerprint, hyperparameter_names, kept_state, state_names_of
+
+    known = fingerprint(cls, name)
+    keys = hyperparameter_names(facts.param_groups)
+    if known is not None and keys and known.hyperparameters - keys:
+        return f"reads hyperparameters {sorted(known.hyperparameters - keys)}, which the checkpoint's param groups (loaded in place of its own) do not have"
+    held = set(facts.state_names)
+    if not held:
+        return None
+    options = {**(_get(raw, "optim.kwargs") or {}), **({"lr": _get(raw, "optim.lr")} if _get(raw, "optim.lr") is not None else {})}
+    kept, ever = kept_state(cls, options), state_names_of(cls)
+    if kept is not None and kept - held:
+        return f"keeps state {sorted(kept - held)}, which the checkpoint does not hold"
+    if ever is not None and held - ever:
+        return f"never keeps state {sorted(held - ever)}, which the checkpoint holds"
+    return None
+
+
+def _differing_hyperparameters(raw: dict[str, Any], given: Given, facts: Any) -> list[str]:
+    """One warning per hyperparameter the user gave (``optim.lr``, ``optim.kwargs.*``, ``optim.param_groups[i].*``) that differs from the checkpoint's."""
+    out = []
+    groups = facts.param_groups
+    configured = [(f"optim.{k}" if k == "lr" else f"optim.kwargs.{k}", k, v, range(len(groups))) for k, v in [("lr", _get(raw, "optim.lr")), *(_get(raw, "optim.kwargs") or {}).items()]]
+    for i, group in enumerate(_get(raw, "optim.param_groups") or []):
+        configured += [(f"optim.param_groups[{i}].{k}", k, v, [i]) for k, v in group.items() if k != "params"]
+    for key, name, value, indices in configured:
+        if key.split("[")[0] not in given and key not in given:
+            continue
+        for i in indices:
+            if i < len(groups) and name in groups[i] and not _same(groups[i][name], value):
+                out.append(
+                    f"{key}={value} differs from the checkpoint's {name}={groups[i][name]} in param group {i}; the output keeps the checkpoint's "
+                    f"{groups[i][name]}, which a resuming optimizer's load_state_dict sets (change it after loading to train with another)"
+                )
+                break
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
