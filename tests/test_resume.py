@@ -55,7 +55,10 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "adam-fsdp2-full-2": ("Adam", ["target.kind=fsdp2", "target.world_size=2", "output.format=fsdp_full"], "fsdp2"),
     "adam-fsdp2-dcp-2": ("Adam", ["target.kind=fsdp2", "target.world_size=2", "output.format=dcp"], "fsdp2"),
     "adamw-fsdp2-2": ("AdamW", ["target.kind=fsdp2", "target.world_size=2"], "fsdp2"),
+    "adamw-fsdp2-3": ("AdamW", ["target.kind=fsdp2", "target.world_size=3"], "fsdp2"),
+    "adamw-orig_params-2": ("AdamW", ["target.world_size=2", "target.use_orig_params=true"], "fsdp1_orig"),
     "adamw-none": ("AdamW", ["target.kind=none", "target.world_size=1", "output.format=plain"], "none"),
+    "adamw-ddp-2": ("AdamW", ["target.kind=ddp", "target.world_size=2"], "ddp"),
 }
 
 
