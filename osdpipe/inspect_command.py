@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: this module is imported before torch, which facts needs
+    from osdpipe.facts import Facts
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE = "usage: osdpipe inspect PATH [--json] [--key KEY]  (PATH: a checkpoint file, a DCP directory, a directory of rank_<r>.pt, or an osdpipe output)"
 
 def run_inspect(args: list[str]) -> int:
     """The command: read the facts, print them, return the exit code."""
-    from pathlib import Path
-
     as_json = "--json" in args
     rest = [a for a in args if a != "--json"]
     key = None
@@ -56,23 +59,19 @@ def run_inspect(args: list[str]) -> int:
     return EXIT_OK
 
 
-def _checkpoint_in(path: object) -> object:
+def _checkpoint_in(path: Path) -> Path:
     """``path``, or for an osdpipe output directory of one file (``fsdp_full``, ``plain``) or a ``dcp/``, that checkpoint."""
-    from pathlib import Path
-
-    p = Path(str(path))
-    if p.is_dir() and (p / "manifest.json").is_file():
+    if path.is_dir() and (path / "manifest.json").is_file():
         for inner in ("dcp", "optim.pt"):
-            if (p / inner).exists():
-                return p / inner
-    return p
+            if (path / inner).exists():
+                return path / inner
+    return path
 
 
-def describe(facts: object) -> str:
+def describe(f: Facts) -> str:
     """The facts as a person reads them."""
     from osdpipe.sizes import show_size
 
-    f = facts
     kind = {
         "sharded": "sharded (dim-0 chunks: FSDP1 SHARDED_STATE_DICT or FSDP2, alike)",
         None: "cannot tell from the files",
