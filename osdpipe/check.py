@@ -180,10 +180,9 @@ def compare_rank(directory: Path, ctx: Any) -> list[str]:
 
     from osdpipe.compare import diff
 
-    fmt = ctx.spec.output.format
-    if fmt != "rank_local" and ctx.rank != 0:
+    if ctx.spec.output.format != "rank_local" and ctx.rank != 0:
         return []
-    path = directory / (f"rank_{ctx.rank}.pt" if fmt == "rank_local" else "optim.pt")
+    path = output_file(directory, ctx.spec, ctx.rank)
     if not path.is_file():
         return [f"{path} is missing"]
     got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

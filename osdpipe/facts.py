@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from osdpipe.formats import InputError
+from osdpipe.formats import InputError, local_part
 from osdpipe.loading import PARAM_LAYOUT
 from osdpipe.optim_infer import NOT_HYPERPARAMETERS, Inferred, infer
 
@@ -162,7 +162,7 @@ def _describe_state(facts: Facts, state: dict[Any, dict[str, Any]], param_groups
             continue
         names.update(map(str, entry))
         step = entry.get("step")
-        step = step.to_local() if hasattr(step, "to_local") else step
+        step = local_part(step)
         if (torch.is_tensor(step) and step.numel() == 1) or isinstance(step, (int, float)):
             steps.append(float(step))
     facts.state_names = sorted(names)
@@ -175,7 +175,7 @@ def _tally(facts: Facts, state: dict[Any, Any]) -> None:
     """Add the dtypes and bytes of a loaded state's tensors (memory-mapped: their sizes, not their bytes, are read)."""
     for entry in state.values():
         for value in entry.values() if isinstance(entry, dict) else []:
-            local = value.to_local() if hasattr(value, "to_local") else value
+            local = local_part(value)
             if torch.is_tensor(local) and local.dim() > 0:
                 dtype = str(local.dtype).removeprefix("torch.")
                 facts.dtypes[dtype] = facts.dtypes.get(dtype, 0) + local.numel() * local.element_size()
@@ -211,7 +211,7 @@ def moments_alike(state: dict[Any, dict[str, Any]]) -> bool:
     pairs = []
     for entry in state.values():
         a, b = (entry.get("exp_avg"), entry.get("exp_avg_sq")) if isinstance(entry, dict) else (None, None)
-        a, b = (v.to_local() if hasattr(v, "to_local") else v for v in (a, b))
+        a, b = local_part(a), local_part(b)
         if torch.is_tensor(a) and torch.is_tensor(b) and a.dim() > 0 and a.numel():
             pairs.append((a, b))
     if not pairs:
@@ -266,7 +266,7 @@ def _shared_step_units(state: dict[str, dict[str, Any]]) -> list[Unit]:
 def _rank_local(facts: Facts, path: Path, key: str | None) -> None:
     """A directory of ``rank_<r>.pt``: each rank's own ``optim.state_dict()``."""
     from osdpipe.formats.fsdp_full import check_optim_state_dict
-    from osdpipe.formats.rank_local import rank_files
+    from osdpipe.formats.rank_local import local_tensors, rank_files
     from osdpipe.formats.safe_load import load_torch_file
     from osdpipe.layout import DTENSOR_TABLE
 
@@ -285,7 +285,7 @@ def _rank_local(facts: Facts, path: Path, key: str | None) -> None:
         _tally(facts, osd["state"])
     facts.moments_alike = all(moments_alike({k: v for k, v in o["state"].items() if isinstance(v, dict)}) for o in osds)
     records = first.get(PARAM_LAYOUT) or {}
-    tables = [o.get(DTENSOR_TABLE) or _dtensor_entries(o) for o in osds]
+    tables = [local_tensors(o).get(DTENSOR_TABLE) for o in osds]  # a file of DTensors, as to_rank_local would have saved it
     if any(tables):
         facts.kind = "fsdp2"
         meshes = {tuple(e["mesh"]) for t in tables for e in t.values()}
@@ -310,16 +310,6 @@ def _rank_local(facts: Facts, path: Path, key: str | None) -> None:
         if facts.kind == "fsdp1":
             facts.notes.append(f"{len(state)} flat parameter(s) per rank; the files do not name the parameters they flatten")
     _manifest(facts, path)
-
-
-def _dtensor_entries(osd: dict[str, Any]) -> dict[Any, dict[str, Any]]:
-    """An FSDP2 rank's plain ``torch.save(optim.state_dict())``: DTensors, described as the ``dtensor`` table would."""
-    out = {}
-    for pid, entry in osd["state"].items():
-        for value in entry.values() if isinstance(entry, dict) else []:
-            if hasattr(value, "device_mesh"):
-                out[pid] = {"mesh": list(value.device_mesh.shape), "placements": [str(p) for p in value.placements]}
-    return out
 
 
 def _kind_from_shapes(osds: list[dict[str, Any]]) -> str | None:

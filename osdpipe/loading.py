@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from osdpipe.formats import local_part
 from osdpipe.layout import DTENSOR_TABLE, LocalTensor
+from osdpipe.optim import local_shape
 from osdpipe.tree import ModuleTree, WRAPPER_PARTS, WRAPPER_PREFIX
 
 #: The top-level key of a param-ID keyed file osdpipe writes that records, per
@@ -47,10 +49,6 @@ def describe_layout(tensor: LocalTensor, tree: ModuleTree) -> dict[str, Any]:
 def without_records(osd: dict[str, Any]) -> dict[str, Any]:
     """``osd`` without the tables osdpipe adds to a param-ID keyed file: what ``optim.state_dict()`` itself holds."""
     return {k: v for k, v in osd.items() if k not in (PARAM_LAYOUT, DTENSOR_TABLE)}
-
-
-def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
-    return tuple(param.to_local().shape if hasattr(param, "to_local") else param.shape)
 
 
 def _clean(name: str) -> str:
@@ -82,9 +80,9 @@ def check_fits(optim: torch.optim.Optimizer, osd: dict[str, Any], *, model: nn.M
             raise LayoutMismatch(f"{where}: param ID {pid} has state, but the optimizer holds {len(params)} parameter(s); {fix}")
         param, record = params[pid], records.get(pid)
         holds = f" ({record['key']}: {_show_fqns(record['fqns'])})" if record else ""
-        here = _local_shape(param)
+        here = local_shape(param)
         for name, value in state.items():
-            local = value.to_local() if hasattr(value, "to_local") else value
+            local = local_part(value)
             if torch.is_tensor(local) and local.dim() > 0 and tuple(local.shape) != here:
                 raise LayoutMismatch(
                     f"{where}: param ID {pid}{holds}: state {name!r} has shape {tuple(local.shape)}, but the optimizer's parameter {pid} "

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from osdpipe.compare import bits_equal
-from osdpipe.formats import SourceMeta, SourceReader, TensorRef, full_state, own_copy
+from osdpipe.formats import SourceMeta, SourceReader, TensorRef, full_state, local_part, own_copy
 from osdpipe.layout import LocalTensor, Segment
 from osdpipe.optim import bare_optimizer, resolve_optimizer
 from osdpipe.reference import local_grad, local_values, synthetic_grad, synthetic_param, train_step
@@ -66,11 +66,6 @@ def is_elementwise(cls: type[torch.optim.Optimizer]) -> bool:
     return cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE
 
 
-def _local(value: Any) -> Any:
-    """This rank's piece of a DTensor (FSDP2), else the value itself."""
-    return value.to_local() if hasattr(value, "to_local") else value
-
-
 # ---------------------------------------------------------------------------
 # storage
 # ---------------------------------------------------------------------------
@@ -89,7 +84,7 @@ def shared_memory(state: dict[Any, Any], names: dict[Any, str] | None = None) ->
         if not isinstance(entry, dict):
             continue
         for name, value in entry.items():
-            tensor = _local(value)
+            tensor = local_part(value)
             size = tensor.numel() * tensor.element_size() if torch.is_tensor(tensor) else 0
             if size:
                 who = f"{key} ({names[key]})" if key in names else str(key)
@@ -235,7 +230,7 @@ def set_synthetic_params(params: list[nn.Parameter], layout: tuple[LocalTensor, 
     """Give each of a live model's ``params`` (described by ``layout``) its synthetic starting value: its segments, zero in the padding."""
     with torch.no_grad():
         for param, tensor in zip(params, layout):
-            local = _local(param)
+            local = local_part(param)
             values = local_values(tensor, lambda fqn, start, stop: synthetic_param(seed, fqn, start, stop, local.dtype), local.dtype)
             local.copy_(values.to(local.device))
 
@@ -248,7 +243,7 @@ def live_steps(spec: Any, model: nn.Module, optim: torch.optim.Optimizer, layout
         train_step(spec, model, optim, FIRST_STEP + k, layout, tree)
     held = {id(p) for g in optim.param_groups for p in g["params"]}
     return [
-        Stepped(tensor, _local(param).detach(), {n: _local(v) for n, v in optim.state.get(param, {}).items()})
+        Stepped(tensor, local_part(param).detach(), {n: local_part(v) for n, v in optim.state.get(param, {}).items()})
         for param, tensor in zip(params, layout)
         if id(param) in held
     ]

@@ -175,14 +175,17 @@ def test_a_description_the_files_contradict_is_refused_in_one_line(case: str, re
     assert result["seconds"] < 60, f"refused after {result['seconds']:.0f} s: before any rank starts, not after a timeout"
 
 
-def test_without_source_world_size_a_dcp_checkpoint_converts_from_what_its_files_say(checkpoints: Path, tmp_path: Path) -> None:
-    [result] = run_cli_cases(
-        [["model.factory=userlm:build", f"input.path={checkpoints / 'fsdp1_dcp'}", "target.world_size=2", f"output.path={tmp_path / 'out'}"]],
-        cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env(),
-    )
+def test_the_files_settle_what_was_not_given_over_a_recipes_values(checkpoints: Path, tmp_path: Path) -> None:
+    """The README's DCP command with no input.format, input.key or source.world_size, on a recipe that says 2 source ranks
+    (the 4-rank files win); and a learning rate that differs from the checkpoint's is a warning naming the value used."""
+    args = ["recipe=fsdp2_to_fsdp1", "model.factory=userlm:build", f"input.path={checkpoints / 'fsdp1_dcp'}", "target.world_size=2", "optim.lr=0.5"]
+    [result] = run_cli_cases([[*args, f"output.path={tmp_path / 'out'}"]], cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
     assert result["code"] == 0, result["stderr"]
     config = json.loads((tmp_path / "out" / "manifest.json").read_text())["config"]
     assert (config["input"]["format"], config["input"]["key"], config["source"]["world_size"], config["optim"]["name"]) == ("dcp", "optimizer", 4, "Adam")
+    assert "osdpipe: warning: optim.lr=0.5 differs from the checkpoint's lr=0.001 in param group 0; the output keeps the checkpoint's 0.001" in result["stderr"]
+    groups = torch.load(tmp_path / "out" / "rank_0.pt", weights_only=True)["param_groups"]
+    assert groups[0]["lr"] == 1e-3, groups
 
 
 # ---------------------------------------------------------------------------

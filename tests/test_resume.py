@@ -296,11 +296,17 @@ def test_resume_fails_naming_the_parameter_and_both_step_values_when_the_output_
 
 
 def test_an_optimizer_not_known_to_be_elementwise_is_stepped_whole_or_said_skipped(tmp_path: Path) -> None:
-    """A user's own optimizer (tests/useroptim.py): its reference steps the whole model, so it runs under full_state_checks_max only."""
-    base = ["optim.name=useroptim:SignMomentum", "optim.kwargs.beta=0.8", "target.world_size=3"]
-    cases = [[*base, f"output.path={tmp_path / 'whole'}"], [*base, "pipeline.full_state_checks_max=1KB", f"output.path={tmp_path / 'over'}"]]
-    whole, over = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
-    assert whole["code"] == 0 and "check resume     pass  storage: no two state tensors share memory; steps: the fsdp1 target job" in whole["stdout"], whole
+    """A user's own optimizer (tests/useroptim.py): its reference steps the whole model, so it runs under full_state_checks_max
+    only, unless its class says it is elementwise; pipeline.resume_steps sets how many steps."""
+    base = ["optim.kwargs.beta=0.8", "target.world_size=3"]
+    cases = [
+        [*base, "optim.name=useroptim:SignMomentum", "pipeline.resume_steps=3", f"output.path={tmp_path / 'whole'}"],
+        [*base, "optim.name=useroptim:SignMomentum", "pipeline.full_state_checks_max=1KB", f"output.path={tmp_path / 'over'}"],
+        [*base, "optim.name=useroptim:ElementwiseSignMomentum", "pipeline.full_state_checks_max=1KB", f"output.path={tmp_path / 'says'}"],
+    ]
+    whole, over, says = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    assert whole["code"] == 0 and "check resume     pass  storage: no two state tensors share memory; steps: the fsdp1 target job loaded it and took 3 step(s)" in whole["stdout"], whole
+    assert says["code"] == 0 and "took 2 step(s)" in says["stdout"] and "storage part only" not in says["stderr"], says  # osdpipe_elementwise = True
     assert over["code"] == 0, over["stderr"]
     said = "its steps need a reference over the whole model for SignMomentum, which osdpipe does not know to be elementwise"
     assert f"osdpipe: warning: verify's resume check ran its storage part only: {said}" in over["stderr"], over["stderr"]

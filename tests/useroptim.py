@@ -36,5 +36,11 @@ class SignMomentum(torch.optim.Optimizer):
         return loss
 
 
+class ElementwiseSignMomentum(SignMomentum):
+    """The same, saying so: osdpipe's resume check then steps each rank's own ranges, at any size."""
+
+    osdpipe_elementwise = True
+
+
 class NotAnOptimizer:
     """Named by a test as ``useroptim:NotAnOptimizer``, which the config must refuse."""

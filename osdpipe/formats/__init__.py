@@ -72,6 +72,11 @@ def describe_value(value: Any) -> Any:
     return value
 
 
+def local_part(value: Any) -> Any:
+    """This rank's piece of a DTensor (FSDP2's state and parameters), else the value itself."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
 def own_copy(value: Any) -> Any:
     """``value`` with no storage in common with it: a tensor cloned, anything else deep-copied.
 

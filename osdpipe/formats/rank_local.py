@@ -175,7 +175,7 @@ class RankLocalReader:
             path = self.files[rank]
             osd = load_torch_file(path)
             check_optim_state_dict(osd, path, "rank_local")
-            osd = _local_tensors(osd)
+            osd = local_tensors(osd)
             self._check(rank, osd)
             self._osds[rank] = osd
         return self._osds[rank]
@@ -360,7 +360,7 @@ class RankLocalReader:
             release_mapped(local, offset, offset + hi - lo)
 
 
-def _local_tensors(osd: dict[str, Any]) -> dict[str, Any]:
+def local_tensors(osd: dict[str, Any]) -> dict[str, Any]:
     """An FSDP2 rank's ``torch.save(optim.state_dict())`` holds DTensors: take their local tensors and placements.
 
     What :func:`osdpipe.to_rank_local` would have saved, so both ways of
@@ -388,7 +388,7 @@ def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -
         first = r % (source.shard_group_size or source.world_size)
         if first == r:
             continue
-        found = diff(_local_tensors(load_torch_file(files[r])), _local_tensors(load_torch_file(files[first])), path=f"rank {r} vs rank {first}", limit=1)
+        found = diff(local_tensors(load_torch_file(files[r])), local_tensors(load_torch_file(files[first])), path=f"rank {r} vs rank {first}", limit=1)
         problems.extend(f"{files[r].name}: {line}" for line in found)
     return problems
 

@@ -93,7 +93,7 @@ def id_keyed(ctx: Context) -> dict[str, Any]:
     if table:
         out[DTENSOR_TABLE] = table
     # What each ID holds, so that loading can check the file against the optimizer before anything is loaded (osdpipe.loading).
-    out[PARAM_LAYOUT] = {pid: describe_layout(layout[i], ctx.tree) for pid, i in enumerate(i for g in groups for i in g) if pid in out["state"]}
+    out[PARAM_LAYOUT] = {ids[t.key]: describe_layout(t, ctx.tree) for t in layout if ids.get(t.key) in out["state"]}
     return out
 
 
