@@ -1,0 +1,83 @@
+"""The redesign changed how osdpipe is built, not what it writes: fixed configs give the bytes recorded before it.
+
+Each case runs through the ``osdpipe`` command (one driver process, see
+``cli_driver.py``) and is compared with ``golden/outputs.json``: the sha256
+of every file the conversion wrote (the generated source included), and the
+manifest's ``content_sha256`` (what defines the converted bytes: versions,
+conversion config, files, tensor digests). The digests were recorded with
+``python tests/test_golden.py --record`` on the tree before issue 17's
+redesign, under the torch the README pins; they depend on torch's
+serialization, so the test first checks that torch is that version.
+
+To re-record after an intended change of output bytes, run the same command
+and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import run_cli_cases  # noqa: E402
+
+RECORD = Path(__file__).parent / "golden" / "outputs.json"
+
+#: Fixed conversions over every output format, both FSDP versions, DDP, offline and a user's model.
+CASES: dict[str, list[str]] = {
+    "default": [],
+    "fsdp2_rank_local_3": ["target.kind=fsdp2", "target.world_size=3"],
+    "fsdp_full": ["output.format=fsdp_full", "source.use_orig_params=true"],
+    "dcp_3": ["output.format=dcp", "target.world_size=3", "source.sharding_strategy=SHARD_GRAD_OP"],
+    "plain": ["target.kind=none", "target.world_size=1", "output.format=plain"],
+    "ddp_from_sharded": ["source.state_dict_type=sharded", "target.kind=ddp", "target.world_size=2"],
+    "offline_fsdp1_4": ["runtime.mode=offline", "target.world_size=4", "target.use_orig_params=true", "model.factory=usermodel:make"],
+    "offline_dcp_hybrid": ["runtime.mode=offline", "target.world_size=4", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2", "optim.name=AdamW"],
+}
+
+#: Files that say how a run went (times, paths), not what it wrote.
+RUN_RECORDS = ("report.json", "osdpipe.log", "manifest.json")
+
+
+def digests(out: Path) -> dict[str, object]:
+    files = {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name not in RUN_RECORDS
+    }
+    manifest = json.loads((out / "manifest.json").read_text())
+    return {"files": files, "content_sha256": manifest["content_sha256"]}
+
+
+def run_cases(tmp: Path) -> dict[str, dict[str, object]]:
+    cases = [[*args, f"output.path={tmp / name}", "runtime.progress=false"] for name, args in CASES.items()]
+    results = run_cli_cases(cases, cwd=tmp, per_case_s=240)
+    for name, result in zip(CASES, results):
+        assert result["code"] == 0, f"{name}: {result['stderr']}"
+    return {name: digests(tmp / name) for name in CASES}
+
+
+def test_fixed_configs_write_the_bytes_recorded_before_the_redesign(tmp_path: Path) -> None:
+    import torch
+
+    recorded = json.loads(RECORD.read_text())
+    assert torch.__version__ == recorded["torch"], f"the digests were recorded under torch {recorded['torch']}; this is {torch.__version__}"
+    got = run_cases(tmp_path)
+    for name in CASES:
+        want = recorded["cases"][name]
+        assert got[name]["files"] == want["files"], f"{name}: files differ from the recording"
+        assert got[name]["content_sha256"] == want["content_sha256"], f"{name}: the manifest's content differs from the recording"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        RECORD.write_text(json.dumps({"torch": torch.__version__, "cases": run_cases(Path(tmp))}, indent=1, sort_keys=True) + "\n")
+    print(f"recorded {len(CASES)} cases in {RECORD}")
