@@ -41,13 +41,15 @@ CASES: dict[str, list[str]] = {
 
 #: Files that say how a run went (times, paths), not what it wrote.
 RUN_RECORDS = ("report.json", "osdpipe.log", "manifest.json")
+#: A generated DCP source is written by PyTorch's own ``dcp.save``, whose ``.metadata`` differs run to run; its data files do not.
+PYTORCHS_OWN = "source/dcp/.metadata"
 
 
 def digests(out: Path) -> dict[str, object]:
     files = {
         str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(out.rglob("*"))
-        if p.is_file() and p.name not in RUN_RECORDS
+        if p.is_file() and p.name not in RUN_RECORDS and str(p.relative_to(out)) != PYTORCHS_OWN
     }
     manifest = json.loads((out / "manifest.json").read_text())
     return {"files": files, "content_sha256": manifest["content_sha256"]}
