@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from osdpipe.config import RunSpec
 from osdpipe.formats import SourceMeta, SourceReader
-from osdpipe.layout import LocalTensor, dim0_layout, full_layout, rank_layout
+from osdpipe.kinds import rank_layout
+from osdpipe.layout import LocalTensor, dim0_layout, full_layout
 from osdpipe.optim import group_members
 from osdpipe.transfer import Source
 from osdpipe.tree import ModuleTree

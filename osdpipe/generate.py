@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from osdpipe import kinds, whereabouts
 from osdpipe.config import RunSpec
-from osdpipe.layout import rank_layout
+from osdpipe.kinds import rank_layout
 from osdpipe.models import build_model
 from osdpipe.output import STAGING
 from osdpipe.reference import live_target, train_step

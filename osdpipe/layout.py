@@ -260,18 +260,6 @@ def whole(p: ParamInfo) -> LocalTensor:
     return LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=p.shape, segments=(Segment(p.fqn, 0, p.numel, 0),), flat=False)
 
 
-def rank_layout(tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
-    """The local tensors of rank ``rank``'s optimizer under ``spec``, in ``model.parameters()`` order of the wrapped model.
-
-    Each kind computes its own (:mod:`osdpipe.kinds`).
-    """
-    from osdpipe import kinds
-
-    if not 0 <= rank < spec.world_size:
-        raise ValueError(f"rank {rank} is outside a world of {spec.world_size}")
-    return kinds.get(spec.kind).rank_layout(tree, spec, rank)
-
-
 def full_layout(tree: ModuleTree) -> tuple[LocalTensor, ...]:
     """Every parameter whole: the layout of a full (FQN-keyed) optimizer state dict."""
     return tuple(whole(p) for p in tree.params)

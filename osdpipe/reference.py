@@ -14,7 +14,8 @@ from torch import nn
 
 from osdpipe import kinds, synthetic
 from osdpipe.config import RunSpec
-from osdpipe.layout import LayoutSpec, LocalTensor, rank_layout
+from osdpipe.kinds import rank_layout
+from osdpipe.layout import LayoutSpec, LocalTensor
 from osdpipe.models import build_model
 from osdpipe.optim import build_optimizer, check_matches_layout
 from osdpipe.tree import ModuleTree
@@ -107,7 +108,7 @@ def train_step(
         model: the live (wrapped) model; ``layout`` describes its ``parameters()``.
         optim: its optimizer.
         step: the step number, part of the gradient's seed.
-        layout: this rank's local tensors (:func:`~osdpipe.layout.rank_layout` of the layout ``model`` is wrapped with).
+        layout: this rank's local tensors (:func:`~osdpipe.kinds.rank_layout` of the layout ``model`` is wrapped with).
         tree: the module tree of the unwrapped model.
     """
     optim.zero_grad(set_to_none=True)

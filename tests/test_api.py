@@ -14,7 +14,7 @@ from osdpipe import kinds
 from osdpipe.compare import diff
 from osdpipe.config import validate
 from osdpipe.launch import WorldError, run_local_world
-from osdpipe.layout import rank_layout
+from osdpipe.kinds import rank_layout
 from osdpipe.models import build_model
 from osdpipe.reference import train_step
 from osdpipe.tree import describe

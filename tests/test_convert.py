@@ -16,7 +16,7 @@ from osdpipe import kinds
 from osdpipe.compare import diff
 from osdpipe.config import RunSpec, validate
 from osdpipe.launch import run_local_world
-from osdpipe.layout import rank_layout
+from osdpipe.kinds import rank_layout
 from osdpipe.pipeline import execute, make_context, run_rank
 from osdpipe.reference import live_target, train_step
 from osdpipe.stages import STAGES

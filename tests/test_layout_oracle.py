@@ -4,7 +4,7 @@ One local world (CPU, gloo) is spawned per world size; inside it every rank
 wraps every (model, wrapping) combination of :data:`COMBOS` with real
 ``FullyShardedDataParallel`` and sends back plain metadata. Each combination is
 then compared, in this process, with :func:`osdpipe.kinds.fsdp1.flat_param_layouts`
-and :func:`osdpipe.layout.rank_layout` computed on a ``meta`` model.
+and :func:`osdpipe.kinds.rank_layout` computed on a ``meta`` model.
 
 The pure helpers :func:`~osdpipe.layout.chunk_bounds` and
 :func:`~osdpipe.layout.dim0_chunk_bounds` are held against ``torch.chunk``.
@@ -20,7 +20,7 @@ import pytest
 import torch
 from oracle_probe import fsdp1_metadata, tree_of, world_once
 
-from osdpipe import layout
+from osdpipe import kinds, layout
 from osdpipe.kinds.fsdp1 import (
     FlatParamLayout,
     flat_param_key,
@@ -197,7 +197,7 @@ def _check(combo: tuple, world_size: int, rank: int, got: dict[str, Any]) -> lis
     tree = _tree(combo[0])
     spec = _spec(combo, world_size)
     flats = flat_param_layouts(tree, spec)
-    tensors = layout.rank_layout(tree, spec, rank)
+    tensors = kinds.rank_layout(tree, spec, rank)
     local = {t.key: t for t in tensors}
     errors = []
 
@@ -240,7 +240,7 @@ def test_every_parameter_element_is_held_exactly_once() -> None:
             spec = _spec(combo, world_size)
             counts = {p.fqn: [0] * p.numel for p in tree.params}
             for rank in range(world_size):
-                for t in layout.rank_layout(tree, spec, rank):
+                for t in kinds.rank_layout(tree, spec, rank):
                     for s in t.segments:
                         for k in range(s.start, s.start + s.length):
                             counts[s.fqn][k] += 1

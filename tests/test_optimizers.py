@@ -21,7 +21,8 @@ from test_convert import _convert_and_check, spec_for
 
 from osdpipe.config import ConfigError, RunSpec, validate
 from osdpipe.launch import run_local_world
-from osdpipe.layout import LayoutSpec, rank_layout
+from osdpipe.kinds import rank_layout
+from osdpipe.layout import LayoutSpec
 from osdpipe.models import build_model
 from osdpipe.optim import resolve_optimizer, torch_optimizers
 from osdpipe.reference import local_grad

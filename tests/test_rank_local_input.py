@@ -24,7 +24,7 @@ from osdpipe.config import RunSpec, validate
 from osdpipe.formats import TensorRef
 from osdpipe.formats.rank_local import RankLocalReader
 from osdpipe.launch import run_local_world
-from osdpipe.layout import rank_layout
+from osdpipe.kinds import rank_layout
 from osdpipe.models import build_model
 from osdpipe.pipeline import execute
 from osdpipe.reference import live_target, train_step

@@ -13,136 +13,28 @@ launcher can refuse a bad input before any process starts.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
-
+from osdpipe.formats.base import (
+    IdGroups,
+    InputError,
+    RenamedReader,
+    SourceMeta,
+    SourceReader,
+    TensorRef,
+    describe_value,
+    full_state,
+    local_part,
+    mapped_range,
+    own_copy,
+    release_mapped,
+)
+from osdpipe.formats.meta import canonical_meta
 from osdpipe.layout import LayoutSpec
 from osdpipe.tree import ModuleTree
 
-#: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
-IdGroups = list[list[str]] | None
-
-
-class InputError(ValueError):
-    """A damaged or wrong input. Its message is one line: the file, what is wrong, and what to do."""
-
-    def __init__(self, message: str) -> None:
-        # Callers build one line; text quoted from elsewhere (an exception, a name) must not break it.
-        super().__init__(" ".join(line.strip() for line in str(message).splitlines() if line.strip()))
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A positive-dimension state tensor, described without its bytes."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-
-@dataclass
-class SourceMeta:
-    """What every rank needs to know about the source: small, broadcast from rank 0.
-
-    Attributes:
-        state: FQN -> state name -> :class:`TensorRef` for positive-dimension
-            tensors, or the value itself (0-dim tensors such as Adam's ``step``,
-            floats, ``None``).
-        param_groups: the FQN-keyed param groups, or ``None`` when absent.
-        extra: top-level ``state`` entries that name no parameter (user state).
-    """
-
-    state: dict[str, dict[str, Any]]
-    param_groups: list[dict[str, Any]] | None
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: canonical FQN -> the name the checkpoint uses for it, where they differ (``module.x``, ``_orig_mod.x``, a tied alias).
-    names: dict[str, str] = field(default_factory=dict)
-
-
-def describe_value(value: Any) -> Any:
-    """A state value as metadata: positive-dim tensors become :class:`TensorRef`, the rest stays."""
-    if torch.is_tensor(value) and value.dim() > 0:
-        return TensorRef(tuple(value.shape), str(value.dtype).removeprefix("torch."))
-    return value
-
-
-def local_part(value: Any) -> Any:
-    """This rank's piece of a DTensor (FSDP2's state and parameters), else the value itself."""
-    return value.to_local() if hasattr(value, "to_local") else value
-
-
-def own_copy(value: Any) -> Any:
-    """``value`` with no storage in common with it: a tensor cloned, anything else deep-copied.
-
-    How a parameter gets state of its own from a source that shares one
-    object across parameters (FSDP1's FULL state: one ``step`` per unit).
-    """
-    return value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
-
-
-class SourceReader(Protocol):
-    """A source checkpoint, read lazily."""
-
-    def meta(self) -> SourceMeta:
-        """The checkpoint's metadata (called on one rank, then broadcast)."""
-        ...
-
-    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
-        """The full tensors of state ``name`` of parameter ``fqn`` for each ``(fqn, name)``."""
-        ...
-
-    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened state ``name`` of parameter ``fqn``, as a 1-D tensor not to be written to.
-
-        A memory-mapped reader gives a view of the file; the others read no
-        more than the stored pieces that hold the range.
-        """
-        ...
-
-    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
-        """Done with that range: a memory-mapped reader lets its pages go (see :func:`~osdpipe.memory.drop_mapped_pages`)."""
-        ...
-
-
-class RenamedReader:
-    """A reader asked by canonical FQN for a checkpoint that names some parameters otherwise (see :attr:`SourceMeta.names`)."""
-
-    def __init__(self, reader: SourceReader, names: dict[str, str]) -> None:
-        self.reader, self.names = reader, names
-
-    def meta(self) -> SourceMeta:
-        return self.reader.meta()
-
-    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
-        got = self.reader.read([(self.names.get(fqn, fqn), name) for fqn, name in items])
-        return {(fqn, name): got[(self.names.get(fqn, fqn), name)] for fqn, name in items}
-
-    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.reader.read_range(self.names.get(fqn, fqn), name, start, stop)
-
-    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
-        self.reader.release(self.names.get(fqn, fqn), name, start, stop)
-
-
-def mapped_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Elements ``[start, stop)`` of a tensor's flattened view: a view when it is contiguous, else a copy of just that range."""
-    if tensor.is_contiguous():
-        return tensor.view(-1)[start:stop]
-    return tensor.reshape(-1)[start:stop].clone()  # reshape copies the whole tensor: rare (a file of strided views)
-
-
-def release_mapped(tensor: torch.Tensor, start: int, stop: int) -> None:
-    """Drop the file pages under ``[start, stop)`` of a memory-mapped tensor (nothing for a strided one, which was copied)."""
-    if tensor.is_contiguous():
-        from osdpipe.memory import drop_mapped_pages
-
-        drop_mapped_pages(tensor.view(-1)[start:stop])
+__all__ = [
+    "IdGroups", "InputError", "RenamedReader", "SourceMeta", "SourceReader", "TensorRef", "canonical_meta", "describe_value",
+    "full_state", "inspect_source", "local_part", "mapped_range", "open_source", "own_copy", "release_mapped",
+]
 
 
 def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
@@ -194,7 +86,6 @@ def inspect_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: L
             that match no parameter); the message says which key to mend.
     """
     from osdpipe.formats.safe_load import first_line
-    from osdpipe.stages.broadcast import canonical_meta
 
     try:
         reader = open_source(fmt, path, key, tree=tree, source=source, id_groups=id_groups)
@@ -206,15 +97,3 @@ def inspect_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: L
             f"{path} could not be read as input.format={fmt} ({first_line(exc)}); it may be damaged or in another format: "
             "re-copy it or point input.path and input.format at the right checkpoint"
         ) from exc
-
-
-def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
-    """The whole checkpoint ``reader`` reads (described by ``meta``) as a full FQN-keyed optimizer state dict, every tensor read."""
-    items = [(f, n) for f, entries in meta.state.items() for n, v in entries.items() if isinstance(v, TensorRef)]
-    tensors = reader.read(items)
-    # Scalars the source shares across parameters (FSDP1's one step per unit) are each parameter's own here.
-    state = {f: {n: tensors[(f, n)] if (f, n) in tensors else own_copy(v) for n, v in entries.items()} for f, entries in meta.state.items()}
-    out: dict[str, Any] = {"state": {**state, **meta.extra}}
-    if meta.param_groups is not None:
-        out["param_groups"] = meta.param_groups
-    return out

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from osdpipe.formats import InputError, SourceMeta, TensorRef
+from osdpipe.formats.base import InputError, SourceMeta, TensorRef
 from osdpipe.formats.safe_load import (
     Window,
     check_torch_zip,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from osdpipe.formats import (
+from osdpipe.formats.base import (
     InputError,
     SourceMeta,
     describe_value,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from osdpipe.formats import (
+from osdpipe.formats.base import (
     IdGroups,
     InputError,
     SourceMeta,

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from osdpipe.compare import diff
-from osdpipe.formats import (
+from osdpipe.formats.base import (
     IdGroups,
     InputError,
     SourceMeta,
@@ -49,9 +49,9 @@ from osdpipe.layout import (
     DTENSOR_TABLE,
     LayoutSpec,
     LocalTensor,
-    rank_layout,
     uncovered,
 )
+from osdpipe.kinds import rank_layout
 from osdpipe.optim import pattern_members
 from osdpipe.tree import ModuleTree
 

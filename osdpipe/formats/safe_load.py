@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import torch
 
-from osdpipe.formats import InputError
+from osdpipe.formats.base import InputError
 
 #: What to do about a damaged file.
 RECOPY = "re-copy it or point input.path at the right file"

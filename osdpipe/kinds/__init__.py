@@ -18,125 +18,19 @@ its module plus its :func:`register` line.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, ClassVar, TypeVar
-
-import torch
-from torch import nn
-
+from osdpipe.kinds import ddp, fsdp1, fsdp2, none  # noqa: F401  (each registers its kind)
+from osdpipe.kinds.base import KINDS, LayoutKind, compute_device, device_mesh, get, register
 from osdpipe.layout import LayoutSpec, LocalTensor
 from osdpipe.tree import ModuleTree
 
-
-class LayoutKind:
-    """One way of wrapping a model. Subclasses set :attr:`name` and implement the methods."""
-
-    name: ClassVar[str]
-    #: The state-dict types a job of this kind saves (``source.state_dict_type``).
-    state_dict_types: ClassVar[tuple[str, ...]] = ("full",)
-    #: Whether every rank holds every parameter whole (its state is a ``plain`` one, the same on every rank).
-    replicated: ClassVar[bool] = False
-
-    def saved_format(self, state_dict_type: str) -> str:
-        """The input format of what :meth:`save` writes for ``state_dict_type``."""
-        return {"full": "fsdp_full", "sharded": "dcp", "local": "rank_local"}[state_dict_type]
-
-    def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
-        """The local tensors of rank ``rank``'s optimizer, in ``model.parameters()`` order of the wrapped model."""
-        raise NotImplementedError
-
-    def unmanaged(self, tree: ModuleTree, spec: LayoutSpec) -> list[str]:
-        """Parameters the wrapping leaves to the user to keep in step across ranks (none by default)."""
-        return []
-
-    def validate(self, spec: LayoutSpec) -> None:
-        """Raise ``ValueError`` naming the key to change when this kind cannot be wrapped as ``spec`` says (no model needed).
-
-        By default: every rank holds every parameter, so there is nothing to shard.
-        """
-        if spec.shard_group_size is not None:
-            raise ValueError(f"shard_group_size={spec.shard_group_size}: kind={self.name} does not shard; leave it unset")
-        if spec.sharding_strategy != "FULL_SHARD":
-            raise ValueError(f"sharding_strategy={spec.sharding_strategy}: kind={self.name} does not shard; leave it at FULL_SHARD")
-
-    def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
-        """Raise ``ValueError`` when ``spec`` cannot wrap this model (checked before any process starts)."""
-
-    def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
-        """``model`` wrapped as ``spec`` says, inside an initialized process group where the kind needs one."""
-        raise NotImplementedError
-
-    def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
-        """PyTorch's conversion of a full FQN-keyed state into what this rank's ``optim.load_state_dict`` takes."""
-        raise NotImplementedError
-
-    def load_full(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> None:
-        """Load a full FQN-keyed state into this rank's optimizer the way a job of this kind does (what an ``fsdp_full`` or ``dcp`` output is for)."""
-        optim.load_state_dict(self.loadable(optim, self.to_load(model, optim, full_osd)))
-
-    def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        """What ``optim.load_state_dict`` takes from a ``rank_local`` file of this kind (the file itself, unless it holds DTensors)."""
-        return state
-
-    def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """PyTorch's full, FQN-keyed optimizer state of a live model, on every rank."""
-        raise NotImplementedError
-
-    def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
-        """Save the optimizer state as a job of this kind does (collective: every rank calls it)."""
-        raise NotImplementedError
+__all__ = ["KINDS", "LayoutKind", "compute_device", "device_mesh", "get", "rank_layout", "register"]
 
 
-KINDS: dict[str, LayoutKind] = {}
-K = TypeVar("K", bound=type[LayoutKind])
+def rank_layout(tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
+    """The local tensors of rank ``rank``'s optimizer under ``spec``, in ``model.parameters()`` order of the wrapped model.
 
-
-def register(cls: K) -> K:
-    """Register a kind under its ``name``."""
-    if cls.name in KINDS:
-        raise ValueError(f"layout kind {cls.name!r} is registered twice")
-    KINDS[cls.name] = cls()
-    return cls
-
-
-def get(name: str) -> LayoutKind:
-    """The kind called ``name``.
-
-    Raises:
-        ValueError: naming the kinds there are.
+    Each kind computes its own (:meth:`LayoutKind.rank_layout`).
     """
-    try:
-        return KINDS[name]
-    except KeyError:
-        raise ValueError(f"unknown layout kind {name!r}; the kinds are {', '.join(KINDS)}") from None
-
-
-def compute_device() -> torch.device:
-    """The device a wrapped model computes on: this rank's GPU when CUDA is present, else the CPU."""
-    if torch.cuda.is_available():  # GPU path: one device per local rank
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-_MESHES: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = {}  # (device, shape) -> (world, mesh)
-
-
-def device_mesh(shape: tuple[int, ...]) -> Any:
-    """The device mesh of ``shape`` over the current world: ``(world,)``, or ``(replicate, shard)`` for hybrid sharding.
-
-    Made once per world: making a mesh makes process groups, a collective
-    that every rank would otherwise repeat for each model verify builds.
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = compute_device().type
-    world, mesh = _MESHES.get((device, shape), (None, None))
-    if world is not dist.group.WORLD:  # the cache holds its world, so a new world is never mistaken for it
-        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-        mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-        _MESHES[(device, shape)] = (dist.group.WORLD, mesh)
-    return mesh
-
-
-from osdpipe.kinds import ddp, fsdp1, fsdp2, none  # noqa: E402,F401  (registers)
+    if not 0 <= rank < spec.world_size:
+        raise ValueError(f"rank {rank} is outside a world of {spec.world_size}")
+    return get(spec.kind).rank_layout(tree, spec, rank)

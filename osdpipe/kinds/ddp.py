@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from osdpipe.kinds import LayoutKind, compute_device, register
+from osdpipe.kinds.base import LayoutKind, compute_device, register
 from osdpipe.kinds.none import NoWrapper
 from osdpipe.layout import LayoutSpec, LocalTensor, full_layout
 from osdpipe.tree import ModuleTree

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from osdpipe.kinds import LayoutKind, compute_device, device_mesh, register
+from osdpipe.kinds.base import LayoutKind, compute_device, device_mesh, register
 from osdpipe.layout import HYBRID_STRATEGIES, LayoutSpec, LocalTensor, Segment, chunk_bounds, shard_group, unit_of, whole, wrapped_modules
 from osdpipe.tree import ModuleTree, describe
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from osdpipe.kinds import LayoutKind, compute_device, device_mesh, register
+from osdpipe.kinds.base import LayoutKind, compute_device, device_mesh, register
 from osdpipe.kinds.fsdp1 import check_shard_group
 from osdpipe.layout import DTENSOR_TABLE, LayoutSpec, LocalTensor, Placement, Segment, dim0_chunk_bounds, shard_group, unit_of, wrapped_modules
 from osdpipe.tree import ModuleTree, describe

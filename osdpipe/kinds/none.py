@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from osdpipe.kinds import LayoutKind, register
+from osdpipe.kinds.base import LayoutKind, register
 from osdpipe.layout import LayoutSpec, LocalTensor, full_layout
 from osdpipe.tree import ModuleTree
 

@@ -1,8 +1,9 @@
-"""The stage registry. A stage is a function ``(ctx) -> None`` that every rank calls.
+"""The stage registry: each stage's name and the function that runs it on a rank, in the order they run.
 
-Stages register themselves by name with :func:`stage`; ``pipeline.stages`` in
-the config picks which run and in which order. Importing this package imports
-every stage module, so the registry is complete once ``osdpipe.stages`` is.
+A stage is a function ``(ctx) -> None`` that every rank calls; ``pipeline.stages``
+in the config picks which run (the names are the spec's,
+:data:`osdpipe.config.STAGE_ORDER`). Adding a stage is its module and its line
+here; the stage modules never import this package.
 """
 
 from __future__ import annotations
@@ -10,21 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from osdpipe.context import Context
+from osdpipe.stages import broadcast, flatten, load, rekey, save, shard, verify
 
 StageFn = Callable[[Context], None]
-STAGES: dict[str, StageFn] = {}
 
-
-def stage(name: str) -> Callable[[StageFn], StageFn]:
-    """Register ``fn`` as the stage called ``name``."""
-
-    def register(fn: StageFn) -> StageFn:
-        if name in STAGES:
-            raise ValueError(f"stage {name!r} is registered twice")
-        STAGES[name] = fn
-        return fn
-
-    return register
-
-
-from osdpipe.stages import broadcast, flatten, load, rekey, save, shard, verify  # noqa: E402,F401  (registers)
+STAGES: dict[str, StageFn] = {
+    "load": load.load,
+    "broadcast": broadcast.broadcast,
+    "flatten": flatten.flatten,
+    "shard": shard.shard,
+    "rekey": rekey.rekey,
+    "verify": verify.verify,
+    "save": save.save,
+}

@@ -18,7 +18,6 @@ from osdpipe.context import Context
 from osdpipe.formats import SourceMeta, TensorRef
 from osdpipe import kinds
 from osdpipe.layout import LayoutSpec, LocalTensor
-from osdpipe.stages import stage
 from osdpipe.tree import ModuleTree
 
 
@@ -76,7 +75,6 @@ def unmanaged_warning(tree: ModuleTree, spec: LayoutSpec) -> str | None:
     )
 
 
-@stage("flatten")
 def flatten(ctx: Context) -> None:
     assert ctx.meta is not None, "the broadcast stage must run before flatten"
     message = unmanaged_warning(ctx.tree, ctx.spec.target.spec()) if ctx.id_keyed else None

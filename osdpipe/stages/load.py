@@ -15,7 +15,6 @@ from osdpipe.collective import gather_to_all
 from osdpipe.config import RunSpec
 from osdpipe.context import Context
 from osdpipe.formats import IdGroups, open_source
-from osdpipe.stages import stage
 from osdpipe.transfer import reading_ranks
 
 
@@ -30,7 +29,6 @@ def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
     return groups
 
 
-@stage("load")
 def load(ctx: Context) -> None:
     """Decide which ranks read the input (``runtime.transfer``), and open it on those."""
     if not ctx.offline:  # offline, the one process reads for every rank it plays

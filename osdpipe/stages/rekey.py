@@ -26,7 +26,6 @@ import torch
 from osdpipe.context import Context
 from osdpipe.layout import DTENSOR_TABLE, LocalTensor
 from osdpipe.loading import PARAM_LAYOUT, describe_layout
-from osdpipe.stages import stage
 
 
 def _check_shapes(tensor: LocalTensor, state: dict[str, Any], key: Any) -> None:
@@ -125,6 +124,5 @@ def fqn_keyed(ctx: Context) -> dict[str, Any]:
     return out
 
 
-@stage("rekey")
 def rekey(ctx: Context) -> None:
     ctx.result = id_keyed(ctx) if ctx.id_keyed else fqn_keyed(ctx)

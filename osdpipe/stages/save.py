@@ -26,7 +26,6 @@ from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.compare import diff
 from osdpipe.context import Context
 from osdpipe.digest import save_hashed, tensor_digests
-from osdpipe.stages import stage
 
 #: Where a ``dcp`` output's checkpoint directory goes, under ``output.path``.
 DCP_DIR = "dcp"
@@ -73,7 +72,6 @@ def _write_dcp(ctx: Context, staging: Path) -> RankFiles:
     return RankFiles(files, tensors, results)
 
 
-@stage("save")
 def save(ctx: Context) -> None:
     if not all(c.ok for c in ctx.checks):
         return  # a result that failed verify is not written; report.json says where it differs

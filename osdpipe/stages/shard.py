@@ -24,7 +24,6 @@ from osdpipe.collective import gather_to_all
 from osdpipe.context import Context
 from osdpipe.layout import LocalTensor
 from osdpipe.progress import track
-from osdpipe.stages import stage
 from osdpipe.stages.flatten import flat_entry
 from osdpipe.transfer import Receiver, Server, allocate, fill, plan
 
@@ -47,7 +46,6 @@ def nonfinite(tensor: LocalTensor, state: dict[str, Any]) -> list[str]:
     return found
 
 
-@stage("shard")
 def shard(ctx: Context) -> None:
     if ctx.meta is None or (ctx.reader is None and ctx.reads_itself):
         raise RuntimeError("the shard stage needs the load and broadcast stages before it")

@@ -41,7 +41,6 @@ from osdpipe.loading import PARAM_LAYOUT
 from osdpipe.optim import resolve_optimizer
 from osdpipe.reference import live_target, train_step
 from osdpipe.resume import SHOWN, bare_steps, compare_batch, is_elementwise, live_steps, reference_for, shared_memory
-from osdpipe.stages import stage
 from osdpipe.stages.rekey import param_ids
 from osdpipe.transfer import Batch, batch_sha256, plan, stateful
 
@@ -514,7 +513,6 @@ def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:
 
 
 
-@stage("verify")
 def verify(ctx: Context) -> None:
     if ctx.distributed:  # a live optimizer's groups (Python API) are known on its own rank only: share them
         ctx.optimizer_keys = dict(enumerate(gather_to_all(ctx.held_keys(ctx.rank))))
