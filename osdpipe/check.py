@@ -157,21 +157,13 @@ def check_roundtrip(directory: Path, spec: Any) -> Finding:
 
 def expected_results(spec: Any) -> Any:
     """Each target rank's context once the conversion's own stages derived its state (``ctx.result``) from the source, offline."""
-    from osdpipe.models import build_model
-    from osdpipe.offline import rank_context, stages_for
-    from osdpipe.stages import STAGES
-    from osdpipe.tree import describe
+    from osdpipe.loop import play
+    from osdpipe.pipeline import rank_contexts
+    from osdpipe.world import SoloWorld
 
     assert spec.input.path is not None
-    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
-    source: tuple = ()
-    shared: dict = {}
-    for rank in range(spec.target.world_size):
-        ctx = rank_context(spec, tree, rank, spec.input.path, spec.input.format, source, shared)
-        for name in stages_for(("load", "broadcast", "flatten", "shard", "rekey"), source):
-            STAGES[name](ctx)
-        source = (ctx.reader, ctx.meta)
-        yield ctx
+    world = SoloWorld(spec.target.world_size)
+    yield from play(world, ("load", "broadcast", "flatten", "shard", "rekey"), rank_contexts(spec, world, spec.input.path, spec.input.format))
 
 
 def compare_rank(directory: Path, ctx: Any) -> list[str]:
@@ -258,8 +250,8 @@ def load_rank(spec: Any, directory: str) -> list[Any]:
     from osdpipe.formats import full_state
     from osdpipe.formats.dcp import DcpReader
     from osdpipe.loading import load_rank_local
+    from osdpipe.loop import play
     from osdpipe.pipeline import make_context
-    from osdpipe.stages import STAGES
     from osdpipe.stages.verify import live_target_of, load_and_step, resume_result
 
     ctx = make_context(spec, spec.input.path or directory, spec.input.format)
@@ -283,8 +275,8 @@ def load_rank(spec: Any, directory: str) -> list[Any]:
     loaded = load_and_step(ctx, written if ctx.id_keyed else kind.to_load(model, optim, written))
     if spec.input.path is not None:  # the source, which resume steps a reference from; every rank takes part
         try:
-            for name in ("load", "broadcast"):
-                STAGES[name](ctx)
+            for _ in play(ctx.world, ("load", "broadcast"), lambda rank, shared: ctx):
+                pass
         except Exception:  # noqa: BLE001 - a source that cannot be read leaves resume its storage part, and it says why
             ctx.reader = ctx.meta = None
     return [loaded, resume_result(ctx, written["state"], load_as_a_user_does)]

@@ -52,13 +52,18 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def agree(stage: str, error: str | None) -> None:
-    """Share each rank's error (or ``None``) and raise :class:`StageError` on every rank if any failed."""
-    errors = [error]
+def agree(stage: str, error: str | None, rank: int = 0) -> None:
+    """Share each rank's error (or ``None``) and raise :class:`StageError` on every rank if any failed.
+
+    Without a process group the error is ``rank``'s: the rank this process
+    plays (see :class:`osdpipe.world.SoloWorld`).
+    """
+    errors = {rank: error}
     if _initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failures = {r: e for r, e in enumerate(errors) if e is not None}
+        gathered: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, error)
+        errors = dict(enumerate(gathered))
+    failures = {r: e for r, e in errors.items() if e is not None}
     if failures:
         raise StageError(stage, failures)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from osdpipe.config import RunSpec
 from osdpipe.formats import SourceMeta, SourceReader
 from osdpipe.kinds import rank_layout
@@ -14,6 +12,7 @@ from osdpipe.layout import LocalTensor, dim0_layout, full_layout
 from osdpipe.optim import group_members
 from osdpipe.transfer import Source
 from osdpipe.tree import ModuleTree
+from osdpipe.world import World
 
 
 @dataclass
@@ -39,7 +38,7 @@ class Context:
 
     spec: RunSpec
     rank: int
-    world_size: int
+    world: World
     tree: ModuleTree
     input_path: str
     input_format: str
@@ -60,8 +59,7 @@ class Context:
     bytes_sent: int = 0  # reset per stage: bytes this rank sent to others through the process group
     reading_ranks: list[int] | None = None  # load: per rank, the rank that reads its ranges of the input (None: each reads its own)
     sent_digests: dict[int, dict[tuple[str, str, int], str]] = field(default_factory=dict)  # shard, scatter: per receiver, each batch's sha256
-    offline: bool = False  # one process plays every target rank in turn (runtime.mode=offline); no process group
-    saved: Any = None  # save, offline: this rank's RankFiles, committed after the last rank
+    saved: Any = None  # save: this rank's RankFiles, committed after the last rank (osdpipe.loop)
     shared: dict[str, Any] = field(default_factory=dict)  # products the same for every target rank this process plays (offline: all of them), made once
     _optimizer_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
     _output_layouts: dict[int, tuple[LocalTensor, ...]] = field(default_factory=dict, repr=False)
@@ -118,8 +116,8 @@ class Context:
         return self.spec.output.format in ("rank_local", "plain")
 
     @property
-    def distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
+    def world_size(self) -> int:
+        return self.world.size
 
     def held_keys(self, rank: int) -> set[str]:
         """The layout keys target rank ``rank``'s optimizer holds (verify gathers them; offline, computed once per rank asked)."""

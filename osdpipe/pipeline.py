@@ -3,144 +3,70 @@
 :func:`execute` is the whole conversion as the CLI runs it: generate a source
 when none is given, run the pipeline on the target world, write
 ``report.json``. :func:`run_rank` is the per-rank part, shared by the local
-world, torchrun and the Python API.
+world, torchrun and the Python API; :func:`run_offline` plays every rank in
+one process. Both run the one stage loop of :mod:`osdpipe.loop`.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from traceback import format_exc
 
 import torch.distributed as dist
 
-from osdpipe import output, progress, whereabouts
-from osdpipe.collective import (
-    StageError,
-    agree,
-    from_rank0,
-    gather_to_all,
-    lost_a_peer,
-    one_line,
-)
+from osdpipe import loop, output, progress, whereabouts
+from osdpipe.collective import StageError, from_rank0, lost_a_peer, one_line
 from osdpipe.config import RunSpec
-from osdpipe.context import CheckResult, Context, SkippedCheck
+from osdpipe.context import Context
 from osdpipe.logfile import write_log
-from osdpipe.memory import MemoryPeak, MemoryWatch
 from osdpipe.models import build_model
-from osdpipe.stages import STAGES
+from osdpipe.report import Report
 from osdpipe.tree import describe
-
-
-@dataclass
-class StageReport:
-    """One stage: its seconds (the slowest rank's), the bytes its ranks read or wrote, and those they sent each other."""
-
-    name: str
-    seconds: float
-    bytes: int
-    sent: int = 0  # through the process group: metadata in broadcast, tensor bytes in shard with runtime.transfer=scatter
-
-
-@dataclass
-class Report:
-    """What ``report.json`` holds. ``ok`` is true exactly when every stage ran and every check passed."""
-
-    ok: bool
-    stages: list[StageReport] = field(default_factory=list)
-    checks: list[CheckResult] = field(default_factory=list)
-    skipped_checks: list[SkippedCheck] = field(default_factory=list)  # configured checks that did not run, and why
-    error: str | None = None
-    files: dict[str, str] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    memory: list[MemoryPeak] = field(default_factory=list)  # each rank's (offline: the process's) peak memory, in bytes
-    memory_budget: int | None = None  # runtime.memory_budget: bytes a rank may hold in flight beyond its output
-    output_bytes: list[int] = field(default_factory=list)  # each rank's (offline: each target rank's) converted tensor bytes
-    traceback: str | None = None  # where ``error`` was raised, for runtime.debug and bug reports
-    agreed: bool = True  # false: ``error`` is this rank's own (under torchrun: it lost another rank, or was stopped), not one every rank raised
-
-    def __post_init__(self) -> None:
-        # A failed check fails the run as surely as a stage does: report.json names it in ``error`` too, in the line the command prints.
-        if not self.ok and self.error is None:
-            self.error = self.failure
-
-    @property
-    def failure(self) -> str | None:
-        """Why the run failed, in one line (``None`` when it did not)."""
-        if self.ok:
-            return None
-        if self.error:
-            return self.error
-        failed = [c for c in self.checks if not c.ok]
-        return "verify failed: " + "; ".join(f"check {c.name}: {c.detail}" for c in failed)
-
-    @classmethod
-    def unfinished(cls) -> Report:
-        """What ``report.json`` says while a run is under way, and after one that died without a word."""
-        return cls(ok=False, error="the run did not finish: the launcher (under torchrun, rank 0) ended before writing its report; see the command's output")
-
-    def write(self, directory: str | Path) -> Path:
-        path = Path(directory) / "report.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
-        return path
-
-
-def run_stages(ctx: Context) -> Report:
-    """Run the configured stages in order on this rank; every rank gets the same report."""
-    watch = MemoryWatch(f"rank {ctx.rank}").start()
-    timings: list[tuple[str, float, int]] = []
-    try:
-        for name in ctx.spec.pipeline.stages:
-            whereabouts.enter(name)
-            if ctx.rank == 0:
-                progress.emit("phase", f"stage {name}")
-            ctx.bytes_moved = ctx.bytes_sent = 0
-            start = time.perf_counter()
-            error = None
-            try:
-                STAGES[name](ctx)
-            except StageError:
-                raise  # already agreed on by every rank inside the stage
-            except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
-                error = one_line(exc)
-            agree(name, error)
-            timings.append((name, time.perf_counter() - start, ctx.bytes_moved, ctx.bytes_sent))
-    finally:
-        peak = watch.stop()  # its sampling thread must not outlive a failed run in a caller's process (the Python API)
-    per_rank = gather_to_all(timings)
-    memory = gather_to_all(peak)
-    output_bytes = gather_to_all(state_bytes(ctx.local_state))
-    stages = [
-        StageReport(name, round(max(r[i][1] for r in per_rank), 6), sum(r[i][2] for r in per_rank), sum(r[i][3] for r in per_rank))
-        for i, name in enumerate(t[0] for t in timings)
-    ]
-    ok = all(c.ok for c in ctx.checks)
-    return Report(
-        ok=ok, stages=stages, checks=ctx.checks, skipped_checks=ctx.skipped_checks, files=ctx.files, warnings=ctx.warnings, memory=memory,
-        memory_budget=ctx.spec.runtime.memory_budget, output_bytes=output_bytes,
-    )
-
-
-def state_bytes(local_state: dict[str, dict]) -> int:
-    """The bytes of the tensors a rank converted: its own output, which a memory budget does not count."""
-    return sum(v.numel() * v.element_size() for state in local_state.values() for v in state.values() if hasattr(v, "numel") and v.dim() > 0)
+from osdpipe.world import GroupWorld, SoloWorld, World
 
 
 def make_context(spec: RunSpec, input_path: str, input_format: str) -> Context:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    """The context of this process's rank in the current process group (or of the one rank, without one)."""
+    world = GroupWorld()
     tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
-    return Context(spec=spec, rank=rank, world_size=world, tree=tree, input_path=input_path, input_format=input_format)
+    return Context(spec=spec, rank=world.rank, world=world, tree=tree, input_path=input_path, input_format=input_format)
+
+
+def run_stages(ctx: Context) -> Report:
+    """The configured stages on ``ctx``'s rank of its process group; every rank gets the same report."""
+    return loop.run_stages(ctx.world, ctx.spec.pipeline.stages, lambda rank, shared: ctx)[0]
+
+
+def run_offline(spec: RunSpec, input_path: str, input_format: str, display: progress.Display | None = None) -> Report:
+    """Every target rank in turn in this process, with no process group (``runtime.mode=offline``).
+
+    A layout needs only the module tree of a ``meta`` model, the wrapping and
+    the world size, so one process can play each of the target's ranks (see
+    :class:`~osdpipe.world.SoloWorld`); memory holds one target rank's output
+    at a time, and the files are committed once, after the last rank.
+    """
+    world = SoloWorld(spec.target.world_size)
+    if display is not None:
+        display.phase(f"offline: {world.size} target rank(s)")
+    return loop.run_stages(
+        world, spec.pipeline.stages, rank_contexts(spec, world, input_path, input_format),
+        on_rank=None if display is None else (lambda rank: display(("items", rank + 1, world.size))),
+    )[0]
+
+
+def rank_contexts(spec: RunSpec, world: World, input_path: str, input_format: str) -> loop.NewContext:
+    """Makes each rank's context over one module tree, built once for every rank ``world`` plays."""
+    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
+
+    def new_context(rank: int, shared: dict) -> Context:
+        return Context(spec=spec, rank=rank, world=world, tree=tree, input_path=input_path, input_format=input_format, shared=shared)
+
+    return new_context
 
 
 def run_rank(spec: RunSpec, input_path: str, input_format: str) -> Report:
@@ -231,8 +157,6 @@ def _execute_local(spec: RunSpec, backend: str | None, display: progress.Display
         display.phase(f"generating a source: {spec.generate.steps} steps on {spec.source.world_size} rank(s)")
         input_path = run_local_world(generate_rank, spec.source.world_size, (spec,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
     if spec.runtime.mode == "offline":
-        from osdpipe.offline import run_offline
-
         return run_offline(spec, input_path, input_format, display)
     display.phase(f"starting {spec.target.world_size} rank(s)")
     args = (spec, input_path, input_format)

@@ -196,7 +196,7 @@ def test_hybrid_output_replicas_are_compared(full_source: Path, tmp_path: Path, 
     it must name the rank, its counterpart and the tensor, and nothing is committed.
     """
     from osdpipe.config import validate
-    from osdpipe.offline import run_offline
+    from osdpipe.pipeline import run_offline
     from osdpipe.progress import Display
     from osdpipe.stages import STAGES
 

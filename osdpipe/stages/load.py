@@ -11,7 +11,6 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from osdpipe.collective import gather_to_all
 from osdpipe.config import RunSpec
 from osdpipe.context import Context
 from osdpipe.formats import IdGroups, open_source
@@ -31,9 +30,8 @@ def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
 
 def load(ctx: Context) -> None:
     """Decide which ranks read the input (``runtime.transfer``), and open it on those."""
-    if not ctx.offline:  # offline, the one process reads for every rank it plays
-        seen = gather_to_all((socket.gethostname(), Path(ctx.input_path).exists()))
-        ctx.reading_ranks = reading_ranks([h for h, _ in seen], [v for _, v in seen], ctx.spec.runtime.transfer, ctx.input_path)
+    seen = ctx.world.process_facts((socket.gethostname(), Path(ctx.input_path).exists()))
+    ctx.reading_ranks = reading_ranks([h for h, _ in seen], [v for _, v in seen], ctx.spec.runtime.transfer, ctx.input_path)
     if not ctx.reads_itself:
         return
     spec = ctx.spec

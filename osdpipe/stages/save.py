@@ -2,11 +2,10 @@
 
 Every rank writes into ``<output.path>/.staging`` (made by the launcher, see
 :mod:`osdpipe.output`), hashing as it writes (:mod:`osdpipe.digest`); only
-when every rank has written its files and checked their structure does rank
-0 write ``manifest.json`` there and commit the staged
-conversion, replacing a previous one as a whole. Offline, the one process
-writes each rank's files in turn and commits after the last
-(:func:`commit_offline`). A failure on any rank leaves
+when every rank has written its files and checked their structure does the
+process that plays rank 0 write ``manifest.json`` there and commit the staged
+conversion (:func:`commit`, called by :mod:`osdpipe.loop` after the last
+rank), replacing a previous one as a whole. A failure on any rank leaves
 the output directory as it was: nothing half-written. A run whose verify
 failed writes no data.
 """
@@ -73,8 +72,9 @@ def _write_dcp(ctx: Context, staging: Path) -> RankFiles:
 
 
 def save(ctx: Context) -> None:
-    if not all(c.ok for c in ctx.checks):
-        return  # a result that failed verify is not written; report.json says where it differs
+    """Stage this rank's files; :func:`commit` commits every rank's once the last has written (see :mod:`osdpipe.loop`)."""
+    if not all(gather_to_all(all(c.ok for c in ctx.checks))):
+        return  # a result that failed verify is not written; report.json says where it differs (every rank returns: the collectives below stay in step)
     assert ctx.result is not None
     out = Path(ctx.spec.output.path)
     staging = out / output.STAGING
@@ -92,18 +92,8 @@ def save(ctx: Context) -> None:
         ctx.bytes_moved += sum((staging / name).stat().st_size for name in mine.files)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
-    agree("save", error)  # on failure the launcher drops the staged run (output.abort)
-    if ctx.offline:  # the driver commits once, after the last rank (commit_offline)
-        ctx.saved = mine
-        return
-    per_rank = gather_to_all(mine)
-    error = None
-    if ctx.rank == 0:
-        try:
-            ctx.files = _commit(ctx, staging, per_rank)
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
-            error = one_line(exc)
-    agree("save", error)
+    agree("save", error, rank=ctx.rank)  # on failure the launcher drops the staged run (output.abort)
+    ctx.saved = mine
 
 
 #: Config sections that say how a conversion ran, not what it produced: left out of the manifest's hashed content.
@@ -127,13 +117,13 @@ def content_sha256(content: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def commit_offline(ctx: Context, per_rank: list[RankFiles]) -> dict[str, str]:
-    """Offline: commit the files every rank wrote (``per_rank``, in rank order), as rank 0 does online."""
-    return _commit(ctx, Path(ctx.spec.output.path) / output.STAGING, per_rank)
+def commit(ctx: Context, per_rank: list[RankFiles]) -> dict[str, str]:
+    """Finish a DCP checkpoint, write the manifest into the staged conversion and commit it; returns the files and their sha256.
 
-
-def _commit(ctx: Context, staging: Path, per_rank: list[RankFiles]) -> dict[str, str]:
-    """On rank 0: finish a DCP checkpoint, write the manifest into the staged conversion and commit it; returns the files and their sha256."""
+    Called once, by the process that plays rank 0, with what every rank
+    staged (``per_rank``, in rank order).
+    """
+    staging = Path(ctx.spec.output.path) / output.STAGING
     fmt = ctx.spec.output.format
     files = {k: v for r in per_rank for k, v in r.files.items()}
     if fmt == "dcp":

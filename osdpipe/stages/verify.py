@@ -306,7 +306,7 @@ def load_and_step(ctx: Context, loadable: dict[str, Any]) -> CheckResult:
 def check_resume(ctx: Context) -> CheckResult:
     """The output resumes as the source would (:mod:`osdpipe.resume`): loaded into a live target where one can be built, else into bare optimizers."""
     assert ctx.result is not None
-    live = not ctx.offline and (ctx.id_keyed or _within_full_state_limit(ctx))
+    live = ctx.world.builds_target and (ctx.id_keyed or _within_full_state_limit(ctx))
     return resume_result(ctx, ctx.result["state"], (lambda model, optim: _load_result(ctx, model, optim)) if live else None)
 
 
@@ -354,7 +354,7 @@ def resume_result(ctx: Context, written: dict[Any, Any], load: Any) -> CheckResu
         else:
             batches = bare_steps(ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes)
             target = "bare optimizers over the output's tensors (no live target job: " + (
-                "runtime.mode=offline)" if ctx.offline else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
+                "runtime.mode=offline)" if not ctx.world.builds_target else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
             )
         count = 0
         for batch in batches:
@@ -429,16 +429,11 @@ def has_replicas(ctx: Context) -> tuple[bool, bool]:
 def _first_replica_digests(ctx: Context, mine: dict[str, str], first: int) -> dict[str, str]:
     """The state digests of rank ``first`` (which holds this rank's shard in the first replica group).
 
-    Online the ranks gather them. Offline the ranks run in order and ``first``
-    is never later than this rank, so the first group's digests are kept as
-    they go by (a few per rank, never the tensors).
+    ``first`` is never later than this rank, so every world has it
+    (:meth:`~osdpipe.world.World.published`): a process group gathers
+    them, and a process playing ranks in turn has seen it go by.
     """
-    if not ctx.offline:
-        return gather_to_all(mine)[first]
-    kept = ctx.shared.setdefault("first_replica_digests", {})
-    if ctx.rank == first:
-        kept[first] = mine
-    return kept[first]
+    return ctx.world.published("replica digests", ctx.rank, mine)[first]
 
 
 def check_replicas(ctx: Context) -> CheckResult:
@@ -489,7 +484,7 @@ def skip_reason(ctx: Context, name: str) -> str | None:
     if name == "replicas" and not any(has_replicas(ctx)):
         return "applies only where a side has replica groups (HYBRID_SHARD, HSDP)"
     if name in NEED_TARGET_WORLD:
-        if ctx.offline:
+        if not ctx.world.builds_target:
             return "needs a live target world (runtime.mode=online)"
         if ctx.spec.runtime.transfer == "scatter":
             return "needs the whole source on every rank, which runtime.transfer=scatter does not read everywhere"
@@ -502,20 +497,10 @@ def skip_reason(ctx: Context, name: str) -> str | None:
     return None
 
 
-def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:
-    """Every rank's results of the same checks as one result per check, naming the ranks where it failed."""
-    combined = []
-    for i, check in enumerate(per_rank[0]):
-        failed = [(r, checks[i]) for r, checks in enumerate(per_rank) if not checks[i].ok]
-        detail = "; ".join(f"rank {r}: {c.detail}" for r, c in failed[:3]) if failed else check.detail
-        combined.append(CheckResult(check.name, not failed, detail))
-    return combined
-
-
 
 def verify(ctx: Context) -> None:
-    if ctx.distributed:  # a live optimizer's groups (Python API) are known on its own rank only: share them
-        ctx.optimizer_keys = dict(enumerate(gather_to_all(ctx.held_keys(ctx.rank))))
+    # A live optimizer's groups (Python API) are known on its own rank only: shared (a rank not yet published computes its own, ctx.held_keys).
+    ctx.optimizer_keys.update(ctx.world.published("held keys", ctx.rank, ctx.held_keys(ctx.rank)))
     ctx.checks, ctx.skipped_checks = [], []
     for name in ctx.spec.pipeline.checks:
         why = skip_reason(ctx, name)
@@ -529,5 +514,4 @@ def verify(ctx: Context) -> None:
         except Exception as exc:  # a check that cannot run has failed, and says why
             result = CheckResult(name, False, f"{type(exc).__name__}: {exc}")
         ctx.checks.append(result)
-    if not ctx.offline:  # offline, the driver combines the ranks' checks after the last one
-        ctx.checks = combine(gather_to_all(ctx.checks))
+    # Each rank's own results: osdpipe.loop combines every rank's after the last.

@@ -1,0 +1,101 @@
+"""Which target ranks this process plays, and how they hear of each other.
+
+Every conversion runs the same stages over a :class:`World`:
+
+* :class:`GroupWorld`: one rank per process, in a ``torch.distributed``
+  process group (a local world of spawned ranks, torchrun, the Python API's
+  own world), or one rank alone without one;
+* :class:`SoloWorld`: one process plays every target rank in turn, with no
+  process group (``runtime.mode=offline``, and ``osdpipe check`` deriving a
+  conversion again).
+
+Stages never ask which world they run in. The collective helpers of
+:mod:`osdpipe.collective` are trivial without a process group; what a stage
+needs beyond them is asked of the world here, in terms that hold for both:
+facts about the process (:meth:`World.process_facts`) and what the ranks
+played so far have published (:meth:`World.published`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from osdpipe.collective import gather_to_all
+
+
+class World:
+    """The target world as seen from this process."""
+
+    #: The number of target ranks.
+    size: int
+    #: What the memory watch calls this process in the report.
+    label: str
+    #: Whether the real target job can be built here: a model wrapped on a process group of the target's size
+    #: (the checks that load into one, and PyTorch's own conversion, need it).
+    builds_target: bool
+
+    def ranks(self) -> Sequence[int]:
+        """The target ranks this process plays, in the order it plays them."""
+        raise NotImplementedError
+
+    def process_facts(self, value: Any) -> list[Any]:
+        """Per target rank, ``value`` as the process playing it sees it (a host name, whether a path exists there)."""
+        raise NotImplementedError
+
+    def published(self, key: str, rank: int, value: Any) -> dict[int, Any]:
+        """Rank ``rank`` publishes ``value`` under ``key``; returns what each rank published that this process can know.
+
+        In a process group that is every rank (a collective: every rank calls
+        it); played in turn, it is each rank played so far, this one included,
+        so a rank may ask for a lower rank's value and no other.
+        """
+        raise NotImplementedError
+
+    def gather_processes(self, value: Any) -> list[Any]:
+        """Every process's ``value``, on every process (a collective)."""
+        return gather_to_all(value)
+
+
+class GroupWorld(World):
+    """This process is one rank of an initialized process group (or the one rank of a world of one, without a group)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        grouped = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if grouped else 0
+        self.size = dist.get_world_size() if grouped else 1
+        self.label = f"rank {self.rank}"
+        self.builds_target = True
+
+    def ranks(self) -> Sequence[int]:
+        return (self.rank,)
+
+    def process_facts(self, value: Any) -> list[Any]:
+        return gather_to_all(value)
+
+    def published(self, key: str, rank: int, value: Any) -> dict[int, Any]:
+        return dict(enumerate(gather_to_all(value)))
+
+
+class SoloWorld(World):
+    """One process, no process group: it plays every one of ``size`` target ranks in turn."""
+
+    label = "offline"
+    builds_target = False
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._published: dict[str, dict[int, Any]] = {}
+
+    def ranks(self) -> Sequence[int]:
+        return range(self.size)
+
+    def process_facts(self, value: Any) -> list[Any]:
+        return [value] * self.size  # one process plays them all: it sees the same host and files for each
+
+    def published(self, key: str, rank: int, value: Any) -> dict[int, Any]:
+        kept = self._published.setdefault(key, {})
+        kept[rank] = value
+        return kept
