@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from osdpipe import kinds
 from osdpipe.collective import StageError
-from osdpipe.config import validate
+from osdpipe.config import LayoutConfig, validate
 from osdpipe.loading import check_fits
 from osdpipe.reconcile import Given, reconcile
 from osdpipe.optim import check_matches_layout
@@ -98,6 +99,7 @@ def reshard_optimizer_state(
     """
     if not dist.is_initialized():
         raise RuntimeError("reshard_optimizer_state runs inside an initialized process group; call dist.init_process_group first")
+    target_kind = target.get("kind", LayoutConfig.model_fields["kind"].default)
     given_input = {"format": input_format, "key": input_key, "param_groups": input_param_groups}
     raw = {
         "model": model_config,
@@ -105,8 +107,8 @@ def reshard_optimizer_state(
         "target": {**target, "world_size": target.get("world_size", dist.get_world_size())},
         "input": {"path": checkpoint, **{k: v for k, v in given_input.items() if v is not None}},
         "optim": {"name": optimizer_name(type(optim)), "lr": optim.param_groups[0]["lr"]},
-        # Nothing is saved: the output section only selects param-ID keyed results.
-        "output": {"path": os.path.join(tempfile.gettempdir(), "osdpipe-api-unsaved"), "format": "plain" if target.get("kind") == "none" else "rank_local", "overwrite": True},
+        # Nothing is saved: the output section only selects param-ID keyed results, as the target's own optimizer holds them.
+        "output": {"path": os.path.join(tempfile.gettempdir(), "osdpipe-api-unsaved"), "format": kinds.get(target_kind).saved_format("local"), "overwrite": True},
         "pipeline": {"stages": ["load", "broadcast", "flatten", "shard", "rekey", "verify"], "checks": API_CHECKS if checks is None else checks},
         "runtime": {"timeout_s": timeout_s, "progress": False},
     }

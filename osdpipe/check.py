@@ -116,10 +116,10 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
     raw["output"] = {**raw["output"], "path": str(directory), "overwrite": True}
     if raw["input"].get("path") is None:  # a generated source is kept in the conversion's source/, in the format its world saved
         from osdpipe import kinds
-        from osdpipe.generate import GENERATED_NAMES
+        from osdpipe import formats
 
         fmt = kinds.get(raw["source"]["kind"]).saved_format(raw["source"]["state_dict_type"])
-        generated = directory / "source" / GENERATED_NAMES[fmt]
+        generated = directory / "source" / formats.get(fmt).generated_name
         if generated.exists():
             raw["input"] = {**raw["input"], "path": str(generated), "format": fmt}
     raw["runtime"] = {**raw["runtime"], "mode": "offline", "transfer": "shared", "progress": False}
@@ -140,19 +140,16 @@ def check_roundtrip(directory: Path, spec: Any) -> Finding:
     """Derive every target rank's state from the source again (offline, in memory) and compare it with the files."""
     if spec.input.path is None:
         return Finding("roundtrip", True, "skipped: no source to compare with (give input.path=...)")
-    fmt = spec.output.format
-    dcp = None
-    if fmt == "dcp":
-        from osdpipe.formats.dcp import DcpReader
+    from osdpipe import formats
 
-        dcp = DcpReader(str(directory / "dcp"), spec.output.key)  # opened (metadata read, structure checked) once for every rank
-        saved_meta = dcp.meta()
-    problems = []
+    fmt = formats.get(spec.output.format)
+    problems: list[str] = []
+    opened: dict[str, Any] = {}
     for ctx in expected_results(spec):
-        problems += _compare_dcp_rank(dcp, saved_meta, ctx) if dcp is not None else compare_rank(directory, ctx)
-        if len(problems) >= 5 or fmt in ("fsdp_full", "plain"):  # one file, rank 0's: the other ranks write none
+        problems += fmt.differences(directory, spec.output.key, ctx.rank, ctx.result, tree=ctx.tree, world_size=ctx.world_size, opened=opened)
+        if len(problems) >= 5 or fmt.one_writer:  # one file, rank 0's: the other ranks write none
             break
-    return Finding("roundtrip", not problems, "; ".join(problems[:5]) or f"every {fmt} tensor equals the source's, element by element ({spec.input.path})")
+    return Finding("roundtrip", not problems, "; ".join(problems[:5]) or f"every {fmt.name} tensor equals the source's, element by element ({spec.input.path})")
 
 
 def expected_results(spec: Any) -> Any:
@@ -164,47 +161,6 @@ def expected_results(spec: Any) -> Any:
     assert spec.input.path is not None
     world = SoloWorld(spec.target.world_size)
     yield from play(world, ("load", "broadcast", "flatten", "shard", "rekey"), rank_contexts(spec, world, spec.input.path, spec.input.format))
-
-
-def compare_rank(directory: Path, ctx: Any) -> list[str]:
-    """Where target rank ``ctx.rank``'s files differ from ``ctx.result`` (its state, as the conversion derives it)."""
-    import torch
-
-    from osdpipe.compare import diff
-
-    if ctx.spec.output.format != "rank_local" and ctx.rank != 0:
-        return []
-    path = output_file(directory, ctx.spec, ctx.rank)
-    if not path.is_file():
-        return [f"{path} is missing"]
-    got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, ctx.result, limit=3)]
-
-
-def _compare_dcp_rank(reader: Any, saved: Any, ctx: Any) -> list[str]:
-    """Rank ``ctx.rank``'s result against the DCP checkpoint (``reader``, its metadata ``saved``), bitwise.
-
-    Tensor state by this rank's dim-0 rows of the saved tensors; scalar state
-    and, once, the param groups as the checkpoint holds them.
-    """
-    from osdpipe.compare import diff
-    from osdpipe.layout import dim0_chunk_bounds
-
-    problems = []
-    for fqn, state in ctx.result["state"].items():
-        for name, want in state.items() if isinstance(state, dict) else []:
-            if not (hasattr(want, "dim") and want.dim() > 0):
-                problems += [f"{reader.path}: {p}" for p in diff(saved.state.get(fqn, {}).get(name), want, path=f"{fqn}.{name}", limit=1)]
-                continue
-            if not want.numel():
-                continue
-            start = dim0_chunk_bounds(ctx.tree.param(fqn).shape, ctx.world_size, ctx.rank)[0]
-            got = reader.read_range(fqn, name, start, start + want.numel())
-            # diff's flat index is within this rank's rows, which begin at flat index ``start`` of the saved tensor
-            problems += [f"{reader.path}: {p}" for p in diff(got, want.reshape(-1), path=f"{fqn}.{name} (rows from flat index {start})", limit=1)]
-    if ctx.rank == 0 and "param_groups" in ctx.result:
-        problems += [f"{reader.path}: {p}" for p in diff(saved.param_groups, ctx.result["param_groups"], path="param_groups", limit=1, sequence_types=False)]
-    return problems
 
 
 def check_load(directory: Path, spec: Any) -> list[Finding]:
@@ -231,12 +187,9 @@ LOAD_CHECKS = ("load", "resume")
 
 def output_file(directory: Path, spec: Any, rank: int) -> Path:
     """The file target rank ``rank`` loads: its ``rank_<r>.pt``, else the one ``optim.pt`` (``dcp``: the checkpoint directory)."""
-    fmt = spec.output.format
-    if fmt == "dcp":
-        from osdpipe.stages.save import DCP_DIR
+    from osdpipe import formats
 
-        return directory / DCP_DIR
-    return directory / (f"rank_{rank}.pt" if fmt == "rank_local" else "optim.pt")
+    return formats.get(spec.output.format).output_path(directory, rank)
 
 
 def load_rank(spec: Any, directory: str) -> list[Any]:
@@ -244,12 +197,7 @@ def load_rank(spec: Any, directory: str) -> list[Any]:
 
     Returns one ``CheckResult`` per name of :data:`LOAD_CHECKS`.
     """
-    import torch
-
     from osdpipe import kinds
-    from osdpipe.formats import full_state
-    from osdpipe.formats.dcp import DcpReader
-    from osdpipe.loading import load_rank_local
     from osdpipe.loop import play
     from osdpipe.pipeline import make_context
     from osdpipe.stages.verify import live_target_of, load_and_step, resume_result
@@ -257,19 +205,11 @@ def load_rank(spec: Any, directory: str) -> list[Any]:
     ctx = make_context(spec, spec.input.path or directory, spec.input.format)
     kind = kinds.get(spec.target.kind)
     path = output_file(Path(directory), spec, ctx.rank)
-    if spec.output.format == "dcp":
-        reader = DcpReader(str(path), spec.output.key)
-        written = full_state(reader, reader.meta())
-    else:
-        written = torch.load(path, map_location="cpu", weights_only=True)
+    fmt = ctx.output_format
+    written = fmt.read_written(path, spec.output.key)
 
     def load_as_a_user_does(model: Any, optim: Any) -> None:
-        if spec.output.format == "rank_local":
-            load_rank_local(optim, path, model=model)
-        elif ctx.id_keyed:
-            optim.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        else:
-            kind.load_full(model, optim, written)
+        fmt.load_as_a_user_does(model, optim, path, written, kind)
 
     model, optim = live_target_of(ctx)
     loaded = load_and_step(ctx, written if ctx.id_keyed else kind.to_load(model, optim, written))

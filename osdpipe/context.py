@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from osdpipe.config import RunSpec
-from osdpipe.formats import SourceMeta, SourceReader
+from osdpipe import formats
+from osdpipe.formats import Format, SourceMeta, SourceReader
 from osdpipe.kinds import rank_layout
-from osdpipe.layout import LocalTensor, dim0_layout, full_layout
+from osdpipe.layout import LocalTensor
 from osdpipe.optim import group_members
 from osdpipe.transfer import Source
 from osdpipe.tree import ModuleTree
@@ -111,9 +112,13 @@ class Context:
         return group_members(self.spec.optim, layout)
 
     @property
+    def output_format(self) -> Format:
+        return formats.get(self.spec.output.format)
+
+    @property
     def id_keyed(self) -> bool:
         """Whether the output is keyed by the target optimizer's param IDs (else by FQN)."""
-        return self.spec.output.format in ("rank_local", "plain")
+        return self.output_format.keyed_by_id
 
     @property
     def world_size(self) -> int:
@@ -127,21 +132,10 @@ class Context:
         return self.optimizer_keys[rank]
 
     def target_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:
-        """The local tensors target rank ``rank`` (default: this one) gets in the output format.
-
-        ``rank_local`` and ``plain`` are the target optimizer's own layout
-        (``plain``: an unwrapped model's, on one rank); ``fsdp_full`` is every
-        parameter whole, held by rank 0; ``dcp`` cuts every parameter along
-        dim 0 across the world, as DCP writers do.
-        """
+        """The local tensors target rank ``rank`` (default: this one) gets in the output format (:meth:`Format.output_layout`; computed once)."""
         rank = self.rank if rank is None else rank
-        fmt = self.spec.output.format
-        if fmt in ("rank_local", "plain"):
-            return self.optimizer_layout(rank)
-        if rank not in self._output_layouts:  # pure and asked for by every stage: computed once
-            self._output_layouts[rank] = full_layout(self.tree) if fmt == "fsdp_full" else dim0_layout(self.tree, self.world_size, rank)
-        if fmt == "fsdp_full" and rank != 0:
-            return ()
+        if rank not in self._output_layouts:  # pure and asked for by every stage
+            self._output_layouts[rank] = self.output_format.output_layout(self.tree, self.world_size, rank, lambda: self.optimizer_layout(rank))
         return self._output_layouts[rank]
 
     def optimizer_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:

@@ -347,7 +347,7 @@ def _dcp(facts: Facts, path: Path, key: str | None) -> None:
     """A DCP directory: its ``.metadata`` and its files' names; param groups and ``step`` (small items) are read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from osdpipe.formats.dcp import DcpReader
+    from osdpipe.formats.dcp_reader import DcpReader
     from osdpipe.formats.safe_load import read_dcp_metadata
 
     metadata = read_dcp_metadata(path / ".metadata")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from osdpipe import kinds, whereabouts
+from osdpipe import formats, kinds, whereabouts
 from osdpipe.config import RunSpec
 from osdpipe.kinds import rank_layout
 from osdpipe.models import build_model
@@ -24,17 +24,13 @@ from osdpipe.output import STAGING
 from osdpipe.reference import live_target, train_step
 from osdpipe.tree import describe
 
-#: The name of a generated source under ``source/``, per the format its source world saves.
-GENERATED_NAMES = {"plain": "optim.pt", "fsdp_full": "optim.pt", "dcp": "dcp", "rank_local": "rank_local"}
-
-
 def source_path(spec: RunSpec) -> str:
     """Where the generated source checkpoint goes: ``source/`` of the staged run (:mod:`osdpipe.output`).
 
     It is committed with the conversion, as ``<output.path>/source/``, and
     replaced with it.
     """
-    return str(Path(spec.output.path) / STAGING / "source" / GENERATED_NAMES[spec.source_input_format])
+    return str(Path(spec.output.path) / STAGING / "source" / formats.get(spec.source_input_format).generated_name)
 
 
 def generate_rank(spec: RunSpec) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from osdpipe.formats import local_part
+from osdpipe.formats.base import local_part
 from osdpipe.layout import DTENSOR_TABLE, LocalTensor
 from osdpipe.optim import local_shape
 from osdpipe.tree import ModuleTree, WRAPPER_PARTS, WRAPPER_PREFIX

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from osdpipe import digest
-from osdpipe.stages.save import _write_torch
+from osdpipe.formats.base import write_torch_file
 
 
 def _state() -> dict:
@@ -47,4 +47,4 @@ def test_a_file_whose_structure_differs_from_the_state_is_refused(tmp_path: Path
 
     monkeypatch.setattr(digest.torch, "save", lossy_save)
     with pytest.raises(OSError, match=r"rank_0\.pt does not read back as written: .*\[1\]\['exp_avg'\]: tensor\(6,\) bfloat16 vs tensor\(7,\) bfloat16"):
-        _write_torch(_state(), tmp_path / "rank_0.pt")
+        write_torch_file(_state(), tmp_path / "rank_0.pt")

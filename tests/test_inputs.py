@@ -456,7 +456,7 @@ def test_the_hostile_inputs_run_code_through_torch_alone(inputs: dict[str, Path]
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from osdpipe.formats.dcp import DcpReader
+    from osdpipe.formats.dcp_reader import DcpReader
 
     marker = tmp_path / "ran"
     # .metadata: FileSystemReader.read_metadata unpickles it with plain pickle.
@@ -484,7 +484,7 @@ def test_the_hostile_inputs_run_code_through_torch_alone(inputs: dict[str, Path]
 
 def test_damage_inside_a_tensor_item_is_found_when_it_is_read(inputs: dict[str, Path], tmp_path: Path) -> None:
     """Opening a DCP checkpoint checks each item's bounds; a tensor item's inside is checked when a rank reads it."""
-    from osdpipe.formats.dcp import DcpReader
+    from osdpipe.formats.dcp_reader import DcpReader
 
     metadata = read_dcp_metadata(inputs["dcp"] / ".metadata")
     index, item = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == "optim.state.proj.weight.exp_avg")
@@ -535,7 +535,7 @@ def test_metadata_unpickler_allows_dcp_and_nothing_else(inputs: dict[str, Path])
 
 def test_dcp_reads_param_groups_without_unsafe_pickle(inputs: dict[str, Path]) -> None:
     """The bytes items (param groups) come back through the weights_only planner, equal to what was saved."""
-    from osdpipe.formats.dcp import DcpReader
+    from osdpipe.formats.dcp_reader import DcpReader
 
     full = torch.load(inputs["fsdp_full"], weights_only=True)
     meta = DcpReader(str(inputs["dcp"]), "optim").meta()

@@ -1,4 +1,9 @@
-"""Checkpoint formats: one reader and one writer per format (design.md section 4).
+"""Checkpoint formats: the registry, one module per format (design.md section 4).
+
+Each format module declares a :class:`~osdpipe.formats.base.Format`: its
+reader, its writer, the file each target rank loads, how it keys state.
+:data:`FORMATS` lists them; everything else asks it (:func:`get`) and never
+compares a format's name.
 
 A reader exposes a source checkpoint as FQN-keyed, full per-parameter state:
 cheap metadata first (:class:`SourceMeta`), then tensor bytes on demand, so a
@@ -14,6 +19,7 @@ launcher can refuse a bad input before any process starts.
 from __future__ import annotations
 
 from osdpipe.formats.base import (
+    Format,
     IdGroups,
     InputError,
     RenamedReader,
@@ -27,14 +33,34 @@ from osdpipe.formats.base import (
     own_copy,
     release_mapped,
 )
+from osdpipe.formats.dcp import Dcp
+from osdpipe.formats.fsdp_full import FsdpFull
 from osdpipe.formats.meta import canonical_meta
+from osdpipe.formats.plain import Plain
+from osdpipe.formats.rank_local import RankLocal
 from osdpipe.layout import LayoutSpec
 from osdpipe.tree import ModuleTree
 
 __all__ = [
-    "IdGroups", "InputError", "RenamedReader", "SourceMeta", "SourceReader", "TensorRef", "canonical_meta", "describe_value",
+    "FORMATS", "Format", "get", "IdGroups", "InputError", "RenamedReader", "SourceMeta", "SourceReader", "TensorRef", "canonical_meta", "describe_value",
     "full_state", "inspect_source", "local_part", "mapped_range", "open_source", "own_copy", "release_mapped",
 ]
+
+
+#: Every format, by name: the only place that lists them.
+FORMATS: dict[str, Format] = {f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal())}
+
+
+def get(name: str) -> Format:
+    """The format called ``name``.
+
+    Raises:
+        ValueError: naming the formats there are.
+    """
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; the formats are {', '.join(FORMATS)}") from None
 
 
 def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
@@ -49,23 +75,9 @@ def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: Layo
         id_groups: for param-ID keyed formats, the FQN patterns of each param
             group of the optimizer that saved it (``None``: not given).
     """
-    if fmt == "fsdp_full":
-        from osdpipe.formats.fsdp_full import FullReader
-
-        return FullReader(path)
-    if fmt == "dcp":
-        from osdpipe.formats.dcp import DcpReader
-
-        return DcpReader(path, key)
-    if fmt == "plain":
-        from osdpipe.formats.plain import PlainReader
-
-        return PlainReader(path, tree, id_groups)
-    if fmt == "rank_local":
-        from osdpipe.formats.rank_local import RankLocalReader
-
-        return RankLocalReader(path, tree, source, id_groups)
-    raise ValueError(f"input.format={fmt!r} cannot be read; use fsdp_full, dcp, plain or rank_local")
+    if fmt not in FORMATS:
+        raise ValueError(f"input.format={fmt!r} cannot be read; use {', '.join(FORMATS)}")
+    return FORMATS[fmt].open(path, key, tree=tree, source=source, id_groups=id_groups)
 
 
 def inspect_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceMeta:

@@ -8,10 +8,17 @@ import cycle.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 import torch
+
+from osdpipe.compare import diff
+from osdpipe.digest import save_hashed
+from osdpipe.layout import LayoutSpec, LocalTensor
+from osdpipe.tree import ModuleTree
 
 #: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
 IdGroups = list[list[str]] | None
@@ -146,3 +153,97 @@ def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
     if meta.param_groups is not None:
         out["param_groups"] = meta.param_groups
     return out
+
+
+@dataclass
+class RankFiles:
+    """What one target rank wrote: each file's sha256, each tensor's, and what its format needs to finish (DCP's write results)."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, str] = field(default_factory=dict)
+    results: list[Any] = field(default_factory=list)
+
+
+class Format:
+    """One checkpoint format: how it is named on disk, keyed, read and written. Subclasses set the class attributes.
+
+    Everything osdpipe does differently per format is asked of its ``Format``
+    (see the registry, :mod:`osdpipe.formats`); nothing else names a format.
+    """
+
+    name: ClassVar[str]
+    #: State keyed by the target optimizer's param IDs (``rank_local``, ``plain``), else by canonical FQN.
+    keyed_by_id: ClassVar[bool]
+    #: The checkpoint is a directory (``input.path`` must be one), else one file.
+    directory: ClassVar[bool]
+    #: What a generated source of this format is called under ``source/``.
+    generated_name: ClassVar[str]
+
+    def output_path(self, directory: Path, rank: int) -> Path:
+        """What target rank ``rank`` loads, under an output directory."""
+        raise NotImplementedError
+
+    #: A hybrid-sharded job's checkpoint holds each replica group's copy of the state (``rank_local``: a file per rank).
+    holds_replicas: ClassVar[bool] = False
+
+    def writes(self, rank: int) -> bool:
+        """Whether target rank ``rank`` writes files of its own (else its state is in another rank's)."""
+        return True
+
+    @property
+    def one_writer(self) -> bool:
+        """Rank 0 alone writes the whole checkpoint (one file)."""
+        return not self.writes(1)
+
+    def output_layout(self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]) -> tuple[LocalTensor, ...]:
+        """The local tensors target rank ``rank`` holds in this format (``optimizer_layout``: the target optimizer's own)."""
+        return optimizer_layout()
+
+    def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
+        """A reader of the checkpoint at ``path`` (see :func:`osdpipe.formats.open_source`)."""
+        raise NotImplementedError
+
+    def id_groups(self, given: IdGroups, configured: IdGroups, generated: bool) -> IdGroups:
+        """The param groups a param-ID keyed input's IDs follow (``given``: ``input.param_groups``; ``configured``: ``optim.param_groups``)."""
+        return given
+
+    def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
+        """Write target rank ``rank``'s state into the staged conversion (``shared``: what every rank of this process shares)."""
+        raise NotImplementedError
+
+    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles]) -> dict[str, str]:
+        """After every rank wrote: the files that complete the checkpoint, and their sha256 (none by default)."""
+        return {}
+
+    def read_written(self, path: Path, key: str) -> dict[str, Any]:
+        """The state dict a target rank's file (:meth:`output_path`) holds, read whole (a job loads and steps it)."""
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    def differences(self, directory: Path, key: str, rank: int, expected: dict[str, Any], *, tree: ModuleTree, world_size: int, opened: dict[str, Any]) -> list[str]:
+        """Where what target rank ``rank`` finds under ``directory`` differs from ``expected``, bitwise (``opened``: kept across ranks)."""
+        if not self.writes(rank):
+            return []
+        path = self.output_path(directory, rank)
+        if not path.is_file():
+            return [f"{path} is missing"]
+        got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, expected, limit=3)]
+
+    def load_as_a_user_does(self, model: Any, optim: Any, path: Path, written: dict[str, Any], kind: Any) -> None:
+        """Load target rank's file into a live target job the way the README tells a resuming job to (FQN-keyed: the kind's full load)."""
+        kind.load_full(model, optim, written)
+
+
+def write_torch_file(osd: dict[str, Any], path: Path) -> RankFiles:
+    """``torch.save`` the state, with its digests taken as it is written, then check the file's structure.
+
+    The bytes were checked by verify while in memory, and hashed on their way
+    to disk; reading them back would be a second full pass. The check reads
+    the file's index only (``mmap``): the zip structure, every key, dtype
+    and shape, and the small values.
+    """
+    digest, per_tensor = save_hashed(osd, path)
+    problems = diff(torch.load(path, map_location="cpu", weights_only=True, mmap=True), osd, tensor_bytes=False)
+    if problems:
+        raise OSError(f"{path} does not read back as written: {problems[0]}")
+    return RankFiles({path.name: digest}, {f"{path.name}:{k}": v for k, v in per_tensor.items()})

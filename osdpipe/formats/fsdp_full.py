@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from osdpipe.formats.base import (
+    Format,
+    IdGroups,
     InputError,
+    RankFiles,
     SourceMeta,
+    SourceReader,
     describe_value,
     mapped_range,
     release_mapped,
+    write_torch_file,
 )
 from osdpipe.formats.safe_load import load_torch_file
+from osdpipe.layout import LayoutSpec, LocalTensor, full_layout
+from osdpipe.tree import ModuleTree
 
 
 def load_full(path: str, fmt: str = "fsdp_full") -> dict[str, Any]:
@@ -90,5 +98,29 @@ class FullReader:
         release_mapped(self.osd["state"][fqn][name], start, stop)
 
 
-def save_full(osd: dict[str, Any], path: str) -> None:
-    torch.save(osd, path)
+#: The one file of a ``fsdp_full`` or ``plain`` checkpoint.
+ONE_FILE = "optim.pt"
+
+
+class FsdpFull(Format):
+    """The full FQN-keyed state, every parameter whole, in one file that rank 0 writes (``FSDP.optim_state_dict``, FULL)."""
+
+    name = "fsdp_full"
+    keyed_by_id = False
+    directory = False
+    generated_name = ONE_FILE
+
+    def output_path(self, directory: Path, rank: int) -> Path:
+        return directory / ONE_FILE
+
+    def writes(self, rank: int) -> bool:
+        return rank == 0
+
+    def output_layout(self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]) -> tuple[LocalTensor, ...]:
+        return full_layout(tree) if rank == 0 else ()
+
+    def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
+        return FullReader(path)
+
+    def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
+        return write_torch_file(result, staging / ONE_FILE)

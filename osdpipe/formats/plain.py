@@ -9,19 +9,25 @@ that is unambiguous) and then exposes the same FQN-keyed metadata as an
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from osdpipe.formats.base import (
+    Format,
     IdGroups,
     InputError,
+    RankFiles,
     SourceMeta,
+    SourceReader,
     describe_value,
     mapped_range,
     release_mapped,
+    write_torch_file,
 )
-from osdpipe.formats.fsdp_full import load_full
+from osdpipe.formats.fsdp_full import ONE_FILE, load_full
+from osdpipe.layout import LayoutSpec
 from osdpipe.idmap import StateShapes, map_ids
 from osdpipe.tree import ModuleTree
 
@@ -96,3 +102,32 @@ class PlainReader:
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         release_mapped(self._tensor(fqn, name), start, stop)
+
+
+class Plain(Format):
+    """An unwrapped model's ``optim.state_dict()``, keyed by param ID, in one file that rank 0 writes (every rank holds it whole)."""
+
+    name = "plain"
+    keyed_by_id = True
+    directory = False
+    generated_name = ONE_FILE
+
+    def output_path(self, directory: Path, rank: int) -> Path:
+        return directory / ONE_FILE
+
+    def writes(self, rank: int) -> bool:
+        return rank == 0
+
+    def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
+        return PlainReader(path, tree, id_groups)
+
+    def id_groups(self, given: IdGroups, configured: IdGroups, generated: bool) -> IdGroups:
+        if given is None and generated:  # osdpipe built the source's optimizer from optim.param_groups (one group over model.parameters() without)
+            return configured or [["*"]]
+        return given
+
+    def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
+        return write_torch_file(result, staging / ONE_FILE)
+
+    def load_as_a_user_does(self, model: Any, optim: Any, path: Path, written: dict[str, Any], kind: Any) -> None:
+        optim.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

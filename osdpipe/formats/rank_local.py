@@ -35,13 +35,17 @@ import torch
 
 from osdpipe.compare import diff
 from osdpipe.formats.base import (
+    Format,
     IdGroups,
     InputError,
+    RankFiles,
     SourceMeta,
+    SourceReader,
     TensorRef,
     mapped_range,
     own_copy,
     release_mapped,
+    write_torch_file,
 )
 from osdpipe.formats.fsdp_full import check_optim_state_dict
 from osdpipe.formats.safe_load import load_torch_file
@@ -80,7 +84,7 @@ def rank_files(path: str | Path, world_size: int) -> list[Path]:
     extra = [r for r in sorted(present) if r >= world_size]
     if not missing and not extra:
         return [present[r] for r in range(world_size)]
-    expected = f"rank_0.pt .. {_name(world_size - 1)}" if world_size > 1 else "rank_0.pt"
+    expected = f"rank_0.pt .. {rank_file_name(world_size - 1)}" if world_size > 1 else "rank_0.pt"
     if not present:
         raise InputError(
             f"{directory} holds no rank_<r>.pt files (expected {expected} for source.world_size={world_size}); "
@@ -96,12 +100,12 @@ def rank_files(path: str | Path, world_size: int) -> list[Path]:
         raise InputError(f"{directory}: expected {expected} for source.world_size={world_size}, found {found} ({what}); {fix}")
     if contiguous:  # rank_0.pt .. rank_<K-1>.pt, K < N: most likely a world size of K
         raise InputError(
-            f"{directory / _name(missing[0])} is missing: source.world_size={world_size} needs {expected} but the directory holds {found} "
+            f"{directory / rank_file_name(missing[0])} is missing: source.world_size={world_size} needs {expected} but the directory holds {found} "
             f"(missing {_ranks(missing)}); {_world_size_fix(len(present))}"
         )
     also = f"; also missing {_ranks(missing[1:])}" if len(missing) > 1 else ""
     raise InputError(
-        f"{directory / _name(missing[0])} is missing (found {found} for source.world_size={world_size}{also}); "
+        f"{directory / rank_file_name(missing[0])} is missing (found {found} for source.world_size={world_size}{also}); "
         "copy every rank's file from the job that saved it"
     )
 
@@ -110,7 +114,8 @@ def _world_size_fix(count: int) -> str:
     return f"if {count} rank{'s' * (count != 1)} saved it, set source.world_size={count}"
 
 
-def _name(rank: int) -> str:
+def rank_file_name(rank: int) -> str:
+    """Rank ``rank``'s file of a ``rank_local`` checkpoint."""
     return f"rank_{rank}.pt"
 
 
@@ -123,9 +128,9 @@ def _ranks(ranks: Any) -> str:
         while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
             j += 1
         if j - i >= 2:
-            parts.append(f"{_name(ranks[i])} .. {_name(ranks[j])}")
+            parts.append(f"{rank_file_name(ranks[i])} .. {rank_file_name(ranks[j])}")
         else:
-            parts.extend(_name(r) for r in ranks[i : j + 1])
+            parts.extend(rank_file_name(r) for r in ranks[i : j + 1])
         i = j + 1
     return ", ".join(parts)
 
@@ -402,3 +407,30 @@ def _show(ids: list[Any]) -> str:
         else:
             parts.append(repr(g))
     return ", ".join(parts) or "none"
+
+
+class RankLocal(Format):
+    """Each rank's own ``optim.state_dict()``, keyed by param ID, one ``rank_<r>.pt`` per rank (FSDP2's and ``load_rank_local``'s)."""
+
+    name = "rank_local"
+    keyed_by_id = True
+    directory = True
+    holds_replicas = True
+    generated_name = "rank_local"
+
+    def output_path(self, directory: Path, rank: int) -> Path:
+        return directory / rank_file_name(rank)
+
+    def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
+        return RankLocalReader(path, tree, source, id_groups)
+
+    def id_groups(self, given: IdGroups, configured: IdGroups, generated: bool) -> IdGroups:
+        return given if given is not None else configured or None
+
+    def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
+        return write_torch_file(result, staging / rank_file_name(rank))
+
+    def load_as_a_user_does(self, model: Any, optim: Any, path: Path, written: dict[str, Any], kind: Any) -> None:
+        from osdpipe.loading import load_rank_local  # the kinds it rebuilds DTensors with: only when a live job loads
+
+        load_rank_local(optim, path, model=model)

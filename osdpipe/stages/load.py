@@ -13,19 +13,15 @@ from pathlib import Path
 
 from osdpipe.config import RunSpec
 from osdpipe.context import Context
+from osdpipe import formats
 from osdpipe.formats import IdGroups, open_source
 from osdpipe.transfer import reading_ranks
 
 
 def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
-    """The groups a param-ID keyed input's IDs follow, as FQN patterns per group (``None``: not known)."""
-    groups = spec.input.param_groups
-    if groups is None and input_format == "rank_local":
-        groups = [g.params for g in spec.optim.param_groups] or None
-    if groups is None and input_format == "plain" and spec.input.path is None:
-        # A source osdpipe generated: its optimizer was built from optim.param_groups (one group over model.parameters() without).
-        groups = [g.params for g in spec.optim.param_groups] or [["*"]]
-    return groups
+    """The groups a param-ID keyed input's IDs follow, as FQN patterns per group (``None``: not known; see :meth:`Format.id_groups`)."""
+    configured = [g.params for g in spec.optim.param_groups] or None
+    return formats.get(input_format).id_groups(spec.input.param_groups, configured, generated=spec.input.path is None)
 
 
 def load(ctx: Context) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from osdpipe import kinds
+from osdpipe import formats, kinds
 from osdpipe.collective import from_rank0, gather_to_all, one_line, scatter_from
 from osdpipe.compare import bits_equal, diff
 from osdpipe.sizes import show_size
@@ -177,7 +177,7 @@ def _full_source(ctx: Context) -> dict[str, Any]:
 def _full_output(ctx: Context) -> dict[str, Any]:
     """The FQN-keyed output gathered to full tensors on every rank (``fsdp_full`` or ``dcp``)."""
     assert ctx.result is not None
-    if ctx.spec.output.format == "fsdp_full":
+    if ctx.output_format.one_writer:  # rank 0 holds it all
         return from_rank0("verify", lambda: ctx.result)
     pieces = gather_to_all(ctx.result["state"])
     state: dict[str, dict[str, Any]] = {}
@@ -422,7 +422,7 @@ def _output_state_of(ctx: Context) -> Any:
 
 def has_replicas(ctx: Context) -> tuple[bool, bool]:
     """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank)."""
-    source = ctx.input_format == "rank_local" and ctx.spec.source.spec().replicas > 1
+    source = formats.get(ctx.input_format).holds_replicas and ctx.spec.source.spec().replicas > 1
     return source, ctx.id_keyed and ctx.spec.target.spec().replicas > 1
 
 
