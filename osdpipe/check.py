@@ -200,7 +200,9 @@ def load_rank(spec: Any, directory: str) -> list[Any]:
     from osdpipe import kinds
     from osdpipe.loop import play
     from osdpipe.pipeline import make_context
-    from osdpipe.stages.verify import live_target_of, load_and_step, resume_result
+    from osdpipe.checks.common import live_target_of
+    from osdpipe.checks.load_step import load_and_step
+    from osdpipe.checks.resume import resume_result
 
     ctx = make_context(spec, spec.input.path or directory, spec.input.format)
     kind = kinds.get(spec.target.kind)

@@ -87,7 +87,7 @@ def _tamper_load_step(spec: RunSpec, source: str, tamper: str) -> tuple[bool, st
     """
     from osdpipe.pipeline import make_context
     from osdpipe.stages import STAGES
-    from osdpipe.stages.verify import check_load_step
+    from osdpipe.checks.load_step import run as check_load_step
 
     ctx = make_context(spec, source, "fsdp_full")
     for name in ("load", "broadcast", "flatten", "shard", "rekey"):

@@ -1,0 +1,147 @@
+"""``roundtrip``: every converted element equals the same element of the source, bitwise, and the ranks cover every source element.
+
+Padding is zero; scalar state equals the source's; a rank sent its ranges
+(``runtime.transfer=scatter``) compares them with the digests its reading
+rank took. Together: gathered back, the result *is* the source.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from osdpipe.collective import scatter_from
+from osdpipe.compare import bits_equal, diff
+from osdpipe.context import CheckResult, Context
+from osdpipe.formats import TensorRef
+from osdpipe.layout import LocalTensor, uncovered
+from osdpipe.transfer import Batch, batch_sha256, plan, stateful
+
+
+def _result_state(ctx: Context, key: str) -> dict[str, Any] | None:
+    assert ctx.result is not None
+    rkey = ctx.result_keys.get(key)
+    return None if rkey is None else ctx.result["state"].get(rkey)
+
+
+def run(ctx: Context) -> CheckResult:
+    """Compare this rank's converted tensors with the source, batch by batch, and check coverage.
+
+    A rank that reads the source compares the bytes themselves (and names the
+    first differing element); a rank whose bytes were sent to it
+    (``runtime.transfer=scatter``) compares each batch's sha256 with the
+    digest its reading rank took of the source while sending it.
+    """
+    assert ctx.meta is not None
+    sent = _sent_digests(ctx)
+    problems: list[str] = []
+    for tensor in ctx.target_layout():
+        if ctx.id_keyed and tensor.key not in ctx.held_keys(ctx.rank):
+            continue  # a parameter outside the target optimizer carries no state there
+        state = _result_state(ctx, tensor.key)
+        entry = ctx.flat_state.get(tensor.key)
+        if entry is None:
+            if state:
+                problems.append(f"{tensor.key}: has state where the source has none")
+            continue
+        if state is None:
+            problems.append(f"{tensor.key}: state missing")
+            continue
+        comparable = set()  # the state names whose tensors have the layout's shape: their bytes are compared below
+        for name, expected in entry.items():
+            value = state.get(name)
+            if not isinstance(expected, TensorRef):
+                sources = [ctx.meta.state[f][name] for f in tensor.fqns if name in ctx.meta.state.get(f, {})]
+                if any(diff(value, s) for s in sources):
+                    problems.append(f"{tensor.key}.{name}: {value!r} differs from the source's {sources[0]!r}")
+                continue
+            if not torch.is_tensor(value) or tuple(value.shape) != tensor.shape:
+                problems.append(f"{tensor.key}.{name}: expected a tensor of shape {tensor.shape}")
+                continue
+            problems += _zero_where_no_state(tensor, name, value.reshape(-1), ctx)
+            comparable.add(name)
+        work = [(i, b) for i, b in enumerate(plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)) if b.name in comparable]
+        problems += _compare_read(tensor, state, work, ctx) if sent is None else _compare_sent(tensor, state, work, sent, ctx)
+    if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
+        problems.extend(_coverage_gaps(ctx))
+    return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or "every element equals the source bitwise; every source element is covered")
+
+
+def _sent_digests(ctx: Context) -> dict[tuple[str, str, int], str] | None:
+    """The digests this rank's reading rank took of the batches it sent here (``None``: this rank reads the source itself)."""
+    if ctx.reading_ranks is None or not any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
+        return None
+    mine: dict[tuple[str, str, int], str] = {}
+    for reader in sorted(set(ctx.reading_ranks)):  # collectives: every rank takes part, also those that read for themselves
+        per_rank = [ctx.sent_digests.get(r, {}) for r in range(ctx.world_size)] if ctx.rank == reader else None
+        got = scatter_from(reader, per_rank)  # each rank gets its own digests only, not every receiver's
+        if reader == ctx.reading_ranks[ctx.rank]:
+            mine = got
+    return None if ctx.reads_itself else mine
+
+
+def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx: Context) -> list[str]:
+    """Padding, and the ranges of parameters without state ``name`` in the source, hold zeros."""
+    assert ctx.meta is not None
+    problems = []
+    if any(bool(flat[lo:hi].any()) for lo, hi in uncovered(0, flat.numel(), [(s.dest, s.dest + s.length) for s in tensor.segments])):
+        problems.append(f"{tensor.key}.{name}: padding is not zero")
+    have = set(stateful(tensor, name, ctx.meta))
+    for seg in tensor.segments:
+        if seg not in have and bool(flat[seg.dest : seg.dest + seg.length].any()):
+            problems.append(f"{tensor.key}.{name}: {seg.fqn} has no {name} in the source, but its range is not zero")
+    return problems
+
+
+def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], ctx: Context) -> list[str]:
+    """Each batch of the result against the same ranges read from the source, bitwise."""
+    source, problems = ctx.source(), []
+    for _, batch in work:
+        flat = state[batch.name].reshape(-1)
+        for seg, want in zip(batch.segments, source.pieces(batch), strict=True):
+            got = flat[seg.dest : seg.dest + seg.length]
+            if not bits_equal(got, want):
+                bad = int((got != want).nonzero()[0]) if (got != want).any() else 0
+                problems.append(f"{tensor.key}.{batch.name}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
+        source.done(batch)
+    return problems
+
+
+def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], sent: dict[tuple[str, str, int], str], ctx: Context) -> list[str]:
+    """Each batch of the result (``i``: its place in the plan) against the digest its reading rank took of the source."""
+    assert ctx.reading_ranks is not None
+    problems = []
+    for i, batch in work:
+        if batch_sha256(state, batch) != sent.get((tensor.key, batch.name, i)):
+            first, last = batch.segments[0], batch.segments[-1]
+            where = f"{first.fqn}[{first.start}..{first.start + first.length}]" + (f" .. {last.fqn}" if len(batch.segments) > 1 else "")
+            problems.append(f"{tensor.key}.{batch.name}: elements {where} (flat) differ from what rank {ctx.reading_ranks[ctx.rank]} read from the source")
+    return problems
+
+
+def _coverage_gaps(ctx: Context) -> list[str]:
+    """Source tensor elements that no target rank holds (computed from all target layouts)."""
+    assert ctx.meta is not None
+    held: dict[str, list[tuple[int, int]]] = {}
+    ranks = ctx.spec.target.world_size if ctx.id_keyed else ctx.world_size
+    for r in range(ranks):
+        for tensor in ctx.target_layout(r):
+            if ctx.id_keyed and tensor.key not in ctx.held_keys(r):
+                continue
+            for seg in tensor.segments:
+                held.setdefault(seg.fqn, []).append((seg.start, seg.start + seg.length))
+    gaps = []
+    for fqn, entries in ctx.meta.state.items():
+        if not any(isinstance(v, TensorRef) for v in entries.values()):
+            continue
+        numel = ctx.tree.param(fqn).numel
+        missing = sum(hi - lo for lo, hi in uncovered(0, numel, held.get(fqn, [])))
+        if missing:
+            gaps.append(f"{fqn}: {missing} of {numel} elements are held by no target rank")
+    return gaps
+
+
+def skip_reason(ctx: Context) -> str | None:
+    return None  # it runs on every conversion
+
