@@ -3,6 +3,11 @@
 Hydra lives only here, in the launcher process; ranks receive the validated
 :class:`~osdpipe.config.RunSpec`.
 
+This module imports no torch, so that Hydra's answers (``--cfg``, a help
+with overrides, an unknown key) and a config whose schema is wrong print
+without it. Torch comes in with the job (:func:`_run_job`), once the schema
+is checked (:func:`osdpipe.config.check_schema`).
+
 Exit codes: 0 every job succeeded; 1 a conversion or check failed; 2 the
 command line or a config is bad (an unknown key or recipe, a bad value, an
 output path that cannot be written), in a sweep too: a bad config is the first
@@ -18,6 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -26,12 +32,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from osdpipe import __version__, rankserver
-from osdpipe.config import ConfigError, validate
+from osdpipe import rankserver
+from osdpipe.config import ConfigError, check_schema, unknown_key, validate
 from osdpipe.output import OutputError
-from osdpipe.pipeline import Report, execute
-from osdpipe.reconcile import Contradiction, Given, reconcile
 from osdpipe.sweep import JobRecord, summarize_sweep
+
+if TYPE_CHECKING:
+    from osdpipe.report import Report
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -115,19 +122,32 @@ def job_config(cfg: DictConfig, job_dir: str) -> dict:
     return raw
 
 
+def _config_error(exc: Exception) -> int:
+    """Say a bad config, one line per problem, and remove the run directory Hydra made for it."""
+    for line in str(exc).splitlines():
+        _error(f"config: {line}")
+    _discard_empty_run_dir()
+    return EXIT_CONFIG
+
+
 def _run_job(cfg: DictConfig) -> int:
     raw = job_config(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        check_schema(raw)
+    except ConfigError as exc:
+        return _config_error(exc)
     if raw["runtime"].get("mode") == "online" and raw["runtime"].get("launcher") != "torchrun" and not rankserver.in_torchrun():
         rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
+    # Imported here, past the schema check, to keep torch out of --help and config errors.
+    from osdpipe.pipeline import execute
+    from osdpipe.reconcile import Contradiction, Given, reconcile
+
     try:
         # What the input's files show settles what the user did not say, and refuses what they said wrongly.
         raw, notes = reconcile(raw, Given.from_overrides(HydraConfig.get().overrides.task))
-        spec = validate(raw)  # type: ignore[arg-type]
+        spec = validate(raw)
     except (ConfigError, Contradiction) as exc:
-        for line in str(exc).splitlines():
-            _error(f"config: {line}")
-        _discard_empty_run_dir()
-        return EXIT_CONFIG
+        return _config_error(exc)
     try:
         report = execute(spec, warnings=notes)
     except OutputError as exc:
@@ -171,8 +191,7 @@ def hydra_message(exc: BaseException) -> str:
             options = [o for o in options if "=" not in o and "path" not in o]
             return f"{group}={name}: no such {group}; choose one of {', '.join(options)}" if options else f"{group}={name}: no such {group}"
     if "Could not override '" in text or "Key '" in text and "is not in struct" in text:
-        key = text.split("'", 2)[1]
-        return f"{key}: not a known key; check its spelling against the config reference in README.md (osdpipe --help lists the main keys)"
+        return unknown_key(text.split("'", 2)[1])
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
     if isinstance(exc, OverrideParseException):
         return f"{exc.override} cannot be parsed ({first}); write overrides as key=value, quoting lists: 'target.wrap=[Block]'"
@@ -186,12 +205,7 @@ def open_dict_overrides(args: list[str]) -> list[str]:
 
 def main() -> None:
     """Console entry point (see the module docstring for the exit codes)."""
-    args = sys.argv[1:]  # osdpipe check and osdpipe inspect are dispatched before this module is imported (osdpipe.entry)
-    if "--version" in args:
-        import torch
-
-        print(f"osdpipe {__version__} (torch {torch.__version__}, hydra {hydra.__version__})")
-        return
+    args = sys.argv[1:]  # check, inspect and --version are answered before this module is imported (osdpipe.entry)
     debug = any(a.lstrip("+") == "runtime.debug=true" for a in args)
     sys.argv = [sys.argv[0], *open_dict_overrides(args)]
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's errors reach the handler below, which says them in one line

@@ -4,28 +4,58 @@ Hydra composes YAML in the launcher process only; what reaches the ranks is a
 frozen, picklable :class:`RunSpec`. Everything that can be checked without a
 process group is checked here, before any process starts, and every error
 names the key, the value and the fix.
+
+:func:`validate` checks in two passes, so that a mistyped value is said
+before torch is imported (about two seconds): first the schema
+(:func:`check_schema`: types, ranges, choices, unknown keys, and the rules
+that need neither the model nor the input's files), then the rest: the
+layout kinds, the optimizer class, the model's units and both layouts on
+the meta model, which need torch, and ``input.format`` against the path.
+This module imports none of that at module level; the validators of the
+second pass import it when they run, and they skip themselves in the first
+(:func:`_complete`). Nothing here reads the input's files: an
+``optim.name=auto`` with an input is settled from them before validation
+(:mod:`osdpipe.reconcile`). :func:`check_overrides`
+checks the command line's values alone, before Hydra composes them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from osdpipe.layout import LayoutSpec, ShardingStrategy
+from osdpipe import checks as check_registry  # the checks' names and order; it imports no torch
 from osdpipe.sizes import parse_size, show_size
 
+if TYPE_CHECKING:
+    from osdpipe.layout import LayoutSpec
+
+#: The built-in stages, in the order they run (the stage registry, :mod:`osdpipe.stages`, holds these names).
 STAGE_ORDER = ("load", "broadcast", "flatten", "shard", "rekey", "verify", "save")
 REQUIRED_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
-VERIFY_CHECKS = ("roundtrip", "reference", "load_step", "resume", "replicas")
+#: The verify checks, in the order they run: the check registry's (it imports no torch; a check's module is imported when it runs).
+VERIFY_CHECKS = check_registry.names()
+
+#: FSDP1's sharding strategies by ``torch.distributed.fsdp.ShardingStrategy`` member name (FSDP2 takes FULL_SHARD and NO_SHARD).
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+
+#: The validation context of :func:`check_schema`'s pass: the validators that need torch, or the input's settled facts, skip themselves.
+SCHEMA_ONLY = {"osdpipe.schema_only": True}
+
+
+def _complete(info: ValidationInfo) -> bool:
+    """Whether this validation runs every check: those that import torch too (every validation but :func:`check_schema`'s)."""
+    return not (isinstance(info.context, dict) and info.context.get("osdpipe.schema_only"))
 
 
 class _Frozen(BaseModel):
@@ -74,20 +104,25 @@ class LayoutConfig(_Frozen):
 
     @field_validator("kind")
     @classmethod
-    def _known_kind(cls, kind: str) -> str:
-        from osdpipe import kinds
+    def _known_kind(cls, kind: str, info: ValidationInfo) -> str:
+        if _complete(info):
+            from osdpipe import kinds  # the kind registry imports torch: not before the schema is checked
 
-        kinds.get(kind)
+            kinds.get(kind)
         return kind
 
     @model_validator(mode="after")
-    def _kind_accepts(self) -> LayoutConfig:
-        from osdpipe import kinds
+    def _kind_accepts(self, info: ValidationInfo) -> LayoutConfig:
+        if _complete(info):
+            from osdpipe import kinds  # the kind registry imports torch: not before the schema is checked
 
-        kinds.get(self.kind).validate(self.spec())
+            kinds.get(self.kind).validate(self.spec())
         return self
 
     def spec(self) -> LayoutSpec:
+        """This side's layout, as the layout math and the kinds take it."""
+        from osdpipe.layout import LayoutSpec  # the layout math imports torch (through osdpipe.tree): not at start-up
+
         return LayoutSpec(
             kind=self.kind,
             world_size=self.world_size,
@@ -111,8 +146,12 @@ class ParamGroupConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
-#: ``optim.name`` that means: the checkpoint's own optimizer (Adam for a source osdpipe generates).
+#: ``optim.name`` that means: the checkpoint's own optimizer (:data:`GENERATED_OPTIMIZER` for a source osdpipe generates).
 AUTO = "auto"
+#: The optimizer that trains a source osdpipe generates (no ``input.path``) when ``optim.name=auto``.
+GENERATED_OPTIMIZER = "Adam"
+#: The learning rate of an optimizer osdpipe builds when neither ``optim.lr`` nor a checkpoint says one.
+DEFAULT_LR = 1e-2
 
 
 class OptimConfig(_Frozen):
@@ -122,7 +161,8 @@ class OptimConfig(_Frozen):
     ``RMSprop``, ...; not ``LBFGS`` or ``SparseAdam``), a user's own
     ``package.module:Class`` (resolved by :func:`osdpipe.optim.resolve_optimizer`),
     or ``auto``: the one the checkpoint's state and param groups show
-    (:mod:`osdpipe.reconcile` settles it before the config is validated).
+    (:mod:`osdpipe.reconcile` settles it before the config is validated;
+    with no input, :data:`GENERATED_OPTIMIZER`).
     ``lr`` unset: the checkpoint's. ``kwargs`` and each param group's options
     must be arguments of its ``__init__``.
     """
@@ -134,30 +174,28 @@ class OptimConfig(_Frozen):
 
     @field_validator("name")
     @classmethod
-    def _resolvable(cls, name: str) -> str:
-        from osdpipe.optim import resolve_optimizer
+    def _resolvable(cls, name: str, info: ValidationInfo) -> str:
+        if name != AUTO and _complete(info):  # auto is the input's optimizer, read from its files, not a class name
+            from osdpipe.optim import resolve_optimizer  # imports torch.optim: not before the schema is checked
 
-        if name != AUTO:  # auto is the input's optimizer, read from its files, not a class name
             resolve_optimizer(name)
         return name
 
     @property
     def learning_rate(self) -> float:
         """``lr``, or the default for an optimizer osdpipe builds when no checkpoint says."""
-        from osdpipe.reconcile import DEFAULT_LR
-
         return DEFAULT_LR if self.lr is None else self.lr
 
     @model_validator(mode="after")
-    def _known_hyperparameters(self) -> OptimConfig:
-        from osdpipe.optim import (
+    def _known_hyperparameters(self, info: ValidationInfo) -> OptimConfig:
+        if self.name == AUTO or not _complete(info):
+            return self
+        from osdpipe.optim import (  # imports torch.optim: not before the schema is checked
             accepted_hyperparameters,
             optimizer_label,
             resolve_optimizer,
         )
 
-        if self.name == AUTO:
-            return self
         accepted = accepted_hyperparameters(resolve_optimizer(self.name))
         label = optimizer_label(self.name)
         if "lr" in self.kwargs:
@@ -221,7 +259,7 @@ class PipelineConfig(_Frozen):
     """Which stages run, in which order, and which verify checks."""
 
     stages: list[str] = Field(default_factory=lambda: list(STAGE_ORDER))
-    checks: list[Literal["roundtrip", "reference", "load_step", "resume", "replicas"]] = Field(default_factory=lambda: list(VERIFY_CHECKS))
+    checks: list[str] = Field(default_factory=lambda: list(check_registry.names()))
     #: ``resume``: the optimizer steps the target job and its reference take after loading.
     resume_steps: int = Field(default=2, ge=1)
     #: ``reference`` and ``load_step`` hold the whole state on every rank, or a live target model: they run
@@ -233,19 +271,24 @@ class PipelineConfig(_Frozen):
     def _size(cls, value: Any) -> int | None:
         return parse_size(value)
 
+    @field_validator("checks")
+    @classmethod
+    def _known_checks(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in check_registry.names()]
+        if unknown:
+            raise ValueError(f"unknown check(s) {unknown}; the checks are {list(check_registry.names())}")
+        return names
+
     @field_validator("stages")
     @classmethod
     def _known_stages(cls, stages: list[str]) -> list[str]:
-        from osdpipe.stages import STAGES
-
-        unknown = [s for s in stages if s not in STAGES]
+        unknown = [s for s in stages if s not in STAGE_ORDER]
         if unknown:
-            raise ValueError(f"unknown stage(s) {unknown}; known stages are {list(STAGES)}")
+            raise ValueError(f"unknown stage(s) {unknown}; known stages are {list(STAGE_ORDER)}")
         required = [s for s in REQUIRED_STAGES if s not in stages]
         if required:
             raise ValueError(f"stages {required} cannot be skipped: they produce the converted state (only verify and save can)")
-        order = [s for s in stages if s in STAGE_ORDER]
-        if order != sorted(order, key=STAGE_ORDER.index):
+        if stages != sorted(stages, key=STAGE_ORDER.index):
             raise ValueError(f"stages {stages} are out of order; built-in stages run as {list(STAGE_ORDER)}")
         return stages
 
@@ -285,8 +328,9 @@ class RunSpec(_Frozen):
     """A complete, validated conversion."""
 
     model: ModelConfig = ModelConfig()
-    source: LayoutConfig = LayoutConfig()
-    target: LayoutConfig = LayoutConfig()
+    #: Unset: the class's defaults, built without the kind checks, which import torch (the full pass checks both layouts).
+    source: LayoutConfig = Field(default_factory=LayoutConfig.model_construct)
+    target: LayoutConfig = Field(default_factory=LayoutConfig.model_construct)
     optim: OptimConfig = OptimConfig()
     input: InputConfig = InputConfig()
     output: OutputConfig
@@ -296,18 +340,27 @@ class RunSpec(_Frozen):
 
     @model_validator(mode="before")
     @classmethod
-    def _optimizer_of_input(cls, raw: Any) -> Any:
-        """``optim.name=auto`` where the launcher did not settle it (a config built in code): the input's own (:func:`osdpipe.reconcile.settle_optimizer`)."""
-        if not isinstance(raw, dict) or not isinstance(raw.get("optim", {}), dict):
-            return raw
-        from osdpipe.reconcile import settle_optimizer
+    def _generated_source_optimizer(cls, raw: Any) -> Any:
+        """No input and ``optim.name=auto`` (or ``lr`` unset): the source osdpipe trains uses :data:`GENERATED_OPTIMIZER` at :data:`DEFAULT_LR`.
 
-        return settle_optimizer(raw)
+        With an input, ``auto`` is the input's optimizer, which only its files
+        tell (:func:`osdpipe.reconcile.settle_optimizer`, before validation).
+        """
+        if not isinstance(raw, dict) or not isinstance(raw.get("optim", {}), dict) or not isinstance(raw.get("input", {}), dict):
+            return raw
+        optim = raw.get("optim") or {}
+        if (raw.get("input") or {}).get("path") is not None or (optim.get("name", AUTO) != AUTO and optim.get("lr") is not None):
+            return raw
+        name = GENERATED_OPTIMIZER if optim.get("name", AUTO) == AUTO else optim["name"]
+        return {**raw, "optim": {**optim, "name": name, "lr": DEFAULT_LR if optim.get("lr") is None else optim["lr"]}}
 
     @model_validator(mode="before")
     @classmethod
-    def _default_wrap(cls, raw: Any) -> Any:
-        """``source.wrap`` / ``target.wrap`` unset or null: the model's own units (see :class:`ModelConfig`)."""
+    def _default_wrap(cls, raw: Any, info: ValidationInfo) -> Any:
+        """``source.wrap`` / ``target.wrap`` unset or null: the model's own units (see :class:`ModelConfig`).
+
+        The schema pass does not build the model: it checks the rest with no units.
+        """
         if not isinstance(raw, dict):
             return raw
         sides = {side: raw.get(side) or {} for side in ("source", "target")}
@@ -315,8 +368,10 @@ class RunSpec(_Frozen):
             return raw
         model = raw.get("model") or {}
         units = model.get("units") if isinstance(model, dict) else None
-        if units is None:
-            from osdpipe.models import model_units
+        if units is None and not _complete(info):
+            units = []
+        elif units is None:
+            from osdpipe.models import model_units  # builds the model on the meta device (torch): not before the schema is checked
 
             try:
                 units = model_units(model.get("factory", "nested"), model.get("kwargs") or {})
@@ -325,17 +380,23 @@ class RunSpec(_Frozen):
         out = dict(raw)
         for side, value in sides.items():
             if isinstance(value, dict) and value.get("wrap") is None:
-                out[side] = {**value, "wrap": list(units)}
+                out[side] = {**value, "wrap": list(units) if isinstance(units, (list, tuple)) else units}
         return out
 
     @model_validator(mode="after")
-    def _consistent(self) -> RunSpec:
+    def _consistent(self, info: ValidationInfo) -> RunSpec:
+        if self.runtime.mode == "offline" and self.runtime.transfer == "scatter":
+            raise ValueError("runtime.transfer=scatter sends bytes between the ranks of a world; runtime.mode=offline has one process: set runtime.transfer=shared")
+        if self.runtime.mode == "offline" and self.runtime.launcher == "torchrun":
+            raise ValueError("runtime.mode=offline runs in one process, with no process group; set runtime.launcher=auto or local")
+        if not _complete(info):
+            return self  # the rest needs torch, or what the input's files settle (input.format, source.*)
         directory_formats = ("dcp", "rank_local")
         if self.input.path is not None and self.input.format in directory_formats and not Path(self.input.path).is_dir():
             raise ValueError(f"input.path={self.input.path!r}: a {self.input.format} input is a directory; use input.format=fsdp_full or plain for a file")
         if self.input.path is not None and self.input.format not in directory_formats and Path(self.input.path).is_dir():
             raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format=dcp or rank_local")
-        from osdpipe import kinds
+        from osdpipe import kinds  # the kind registry imports torch: not before the schema is checked
 
         source, target = kinds.get(self.source.kind), kinds.get(self.target.kind)
         if self.input.path is not None and self.input.format == "plain" and not source.replicated:
@@ -350,10 +411,6 @@ class RunSpec(_Frozen):
                 f"output.format=plain is the state of a model every rank holds whole; target.kind={self.target.kind} shards it: "
                 "set target.kind=none (and target.world_size=1) or ddp, or another output.format"
             )
-        if self.runtime.mode == "offline" and self.runtime.transfer == "scatter":
-            raise ValueError("runtime.transfer=scatter sends bytes between the ranks of a world; runtime.mode=offline has one process: set runtime.transfer=shared")
-        if self.runtime.mode == "offline" and self.runtime.launcher == "torchrun":
-            raise ValueError("runtime.mode=offline runs in one process, with no process group; set runtime.launcher=auto or local")
         if self.target.kind == "none" and self.output.format != "plain":
             raise ValueError("target.kind=none is an unwrapped model, whose optimizer loads one plain state dict: set output.format=plain")
         if self.input.path is None and self.source.state_dict_type not in source.state_dict_types:
@@ -371,7 +428,7 @@ class RunSpec(_Frozen):
 
     def _check_layouts(self) -> None:
         """Compute both layouts on the meta model: unknown wrap names, tied parameters across units, mixed dtypes."""
-        from osdpipe import kinds
+        from osdpipe import kinds  # these import torch; _consistent runs this after the schema is checked
         from osdpipe.models import build_model
         from osdpipe.tree import describe
 
@@ -390,35 +447,136 @@ class RunSpec(_Frozen):
         """The format the source is read in: given, or what the source world saves."""
         if self.input.path is not None:
             return self.input.format
-        from osdpipe import kinds
+        from osdpipe import kinds  # the kind registry imports torch: a running job's question, not start-up's
 
         return kinds.get(self.source.kind).saved_format(self.source.state_dict_type)
 
 
-def validate(raw: dict[str, Any]) -> RunSpec:
-    """Validate a composed config (a plain dict) into a :class:`RunSpec`.
+def check_schema(raw: dict[str, Any]) -> None:
+    """Check what needs neither torch nor the input's files: types, ranges, choices, unknown keys, stages, sizes, paths, runtime's rules.
+
+    It imports nothing heavy, so that a mistyped value is said at once: the
+    launcher runs it before anything that imports torch, and before the
+    input's files settle what the user left out (:mod:`osdpipe.reconcile`):
+    what depends on that (``input.format`` against the path) waits for
+    :func:`validate`.
 
     Raises:
         ConfigError: with one line per problem, naming the key, the value and the fix.
     """
+    try:
+        RunSpec.model_validate(raw, context=SCHEMA_ONLY)
+    except ValidationError as exc:
+        raise ConfigError(exc) from None
+
+
+def validate(raw: dict[str, Any]) -> RunSpec:
+    """Validate a composed config (a plain dict) into a :class:`RunSpec`: :func:`check_schema`, then what needs torch.
+
+    The second pass checks the layout kinds, the optimizer class and its
+    hyperparameters, fills ``wrap`` with the model's units and computes both
+    layouts on the meta model. ``optim.name=auto`` with an ``input.path``
+    stays ``auto``: a config built in code settles it from the input's files
+    with :func:`osdpipe.reconcile.settle_and_validate`, the command with
+    :func:`osdpipe.reconcile.reconcile`.
+
+    Raises:
+        ConfigError: with one line per problem, naming the key, the value and the fix.
+    """
+    check_schema(raw)
     try:
         return RunSpec.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(exc) from None
 
 
+def check_overrides(values: dict[str, Any]) -> None:
+    """Check keys and values one by one against the schema, before Hydra composes a config from them.
+
+    ``values`` are a command line's overrides (``{"target.world_size":
+    "zero"}``), typed as Hydra types them. The command line wins over every
+    YAML file, so a key the schema does not have, or a value its field
+    refuses, is wrong whatever the rest of the config turns out to be; this
+    says so in the lines the composed config would, without Hydra's second
+    or so. Keys it cannot judge alone pass: those outside the schema's
+    sections (``hydra.*``, ``recipe``), under an open dict (``model.kwargs.*``),
+    naming a config group (``model=mlp``), and ``null`` (``wrap``'s "the
+    model's units"). :func:`check_schema` checks them all once composed.
+
+    Raises:
+        UnknownKey: a key the schema does not have (the first such).
+        ConfigError: one line per value its field refuses.
+    """
+    lines: list[str] = []
+    for key, value in values.items():
+        field = _schema_field(key)
+        if field is None or value is None:
+            continue
+        model, name = field
+        try:
+            model.model_validate({name: value}, context=SCHEMA_ONLY)
+        except ValidationError as exc:
+            lines += _lines([e for e in exc.errors() if e["loc"][:1] == (name,)], tuple(key.split(".")[:-1]))
+    if lines:
+        raise ConfigError(lines)
+
+
+def _schema_field(key: str) -> tuple[type[BaseModel], str] | None:
+    """The section and the name of the plain field a dotted key names; ``None`` when the schema alone cannot judge the key.
+
+    Raises:
+        UnknownKey: the key is not in a section that takes only its own keys.
+    """
+    *parents, name = key.split(".")
+    model: type[BaseModel] = RunSpec
+    for part in parents:
+        if part not in model.model_fields:
+            if model is RunSpec:
+                return None  # hydra.*, ...: Hydra's own
+            raise UnknownKey(key)
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)) or annotation.model_config.get("extra") != "forbid":
+            return None  # an open dict (model.kwargs), a list or a plain value on the way
+        model = annotation
+    if model is RunSpec:
+        return None  # a config group (model=mlp) or Hydra's (recipe=...)
+    if name not in model.model_fields:
+        raise UnknownKey(key)
+    annotation = model.model_fields[name].annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return None  # a section given whole
+    return model, name
+
+
+def _lines(errors: list[Any], where: tuple[str, ...] = ()) -> list[str]:
+    """Pydantic's errors as one line each: the key (under ``where``), the value given, and what is wrong or what to do."""
+    lines = []
+    for err in errors:
+        loc = (*where, *err["loc"])
+        key = ".".join(str(p) for p in loc)
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        if err["type"] == "extra_forbidden":
+            msg = "is not a known key; check its spelling against the config reference in README.md"
+        lines.append(f"{key}{shown}: {msg}" if loc else msg)
+    return lines
+
+
 class ConfigError(ValueError):
     """An invalid config, said in lines a user can act on."""
 
-    def __init__(self, exc: ValidationError) -> None:
-        lines = []
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "config"
-            msg = err["msg"].removeprefix("Value error, ")
-            value = err.get("input")
-            shown = "" if isinstance(value, dict) else f" (got {value!r})"
-            if err["type"] == "extra_forbidden":
-                msg = "is not a known key; check its spelling against the config reference in README.md"
-            lines.append(f"{key}{shown}: {msg}" if err["loc"] else msg)
-        super().__init__("\n".join(lines))
+    def __init__(self, problems: ValidationError | list[str]) -> None:
+        super().__init__("\n".join(_lines(problems.errors()) if isinstance(problems, ValidationError) else problems))
 
+
+class UnknownKey(ConfigError):
+    """A key that is not in the config, in the words Hydra's complaint about it is said in (:func:`osdpipe.cli.hydra_message`)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__([unknown_key(key)])
+
+
+def unknown_key(key: str) -> str:
+    """The line for a key the config does not have."""
+    return f"{key}: not a known key; check its spelling against the config reference in README.md (osdpipe --help lists the main keys)"

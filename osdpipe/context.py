@@ -55,7 +55,6 @@ class Context:
     live: tuple[Any, Any] | None = None  # verify: the real target model and optimizer, built once
     optim_groups: list[list[int]] | None = None  # the live target optimizer's groups (Python API), as layout indices
     optimizer_keys: dict[int, set[str]] = field(default_factory=dict)  # verify: per target rank, the keys its optimizer holds
-    files: dict[str, str] = field(default_factory=dict)  # save: relative name -> sha256
     bytes_moved: int = 0  # reset per stage
     bytes_sent: int = 0  # reset per stage: bytes this rank sent to others through the process group
     reading_ranks: list[int] | None = None  # load: per rank, the rank that reads its ranges of the input (None: each reads its own)

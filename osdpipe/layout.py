@@ -20,11 +20,13 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from osdpipe.tree import ModuleTree, ParamInfo
 
-ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+if TYPE_CHECKING:  # an annotation only: the spec's names of the strategies
+    from osdpipe.config import ShardingStrategy
+
 #: Strategies that shard within a group of ranks and replicate across groups.
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 

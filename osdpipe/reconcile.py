@@ -25,10 +25,8 @@ import copy
 from collections.abc import Iterable
 from typing import Any
 
+from osdpipe.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
 from osdpipe.formats import InputError
-
-#: The learning rate of a generated source's optimizer when ``optim.lr`` is unset.
-DEFAULT_LR = 1e-2
 
 
 class Contradiction(ValueError):
@@ -76,8 +74,8 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     raw = copy.deepcopy(raw)
     path = _get(raw, "input.path")
     if path is None:  # osdpipe generates the source: its optimizer is the config's, Adam for auto
-        if _get(raw, "optim.name") in (None, "auto"):
-            _set(raw, "optim.name", "Adam")
+        if _get(raw, "optim.name") in (None, AUTO):
+            _set(raw, "optim.name", GENERATED_OPTIMIZER)
         if _get(raw, "optim.lr") is None:
             _set(raw, "optim.lr", DEFAULT_LR)
         return raw, []
@@ -113,7 +111,7 @@ def settle_optimizer(raw: dict[str, Any]) -> dict[str, Any]:
     pre-flight check to explain.
     """
     optim = _get(raw, "optim") or {}
-    if optim.get("name", "auto") != "auto" and optim.get("lr") is not None:
+    if optim.get("name", AUTO) != AUTO and optim.get("lr") is not None:
         return raw
     raw = copy.deepcopy(raw)
     if _get(raw, "input.path") is None:
@@ -124,8 +122,27 @@ def settle_optimizer(raw: dict[str, Any]) -> dict[str, Any]:
         facts = read_facts(_get(raw, "input.path"), _get(raw, "input.format") or "fsdp_full", _get(raw, "input.key"))
     except (InputError, KeyError):
         return raw
-    _settle_optimizer(raw, Given(["optim.name"] if optim.get("name", "auto") != "auto" else []), facts)
+    _settle_optimizer(raw, Given(["optim.name"] if optim.get("name", AUTO) != AUTO else []), facts)
     return raw
+
+
+def settle_and_validate(raw: dict[str, Any]) -> RunSpec:
+    """A config built in code (the Python API, tests, benchmarks), validated as the command validates its own.
+
+    :func:`osdpipe.config.check_schema` first, then :func:`settle_optimizer`
+    (which reads the input's files), then :func:`osdpipe.config.validate`.
+    :func:`osdpipe.config.validate` alone leaves ``optim.name=auto`` with an
+    input as it is: the config module reads no files.
+
+    Raises:
+        ConfigError: one line per problem; an optimizer the input's files cannot tell is one too.
+    """
+    check_schema(raw)
+    try:
+        raw = settle_optimizer(raw)
+    except Contradiction as exc:
+        raise ConfigError([str(exc)]) from None
+    return validate(raw)
 
 
 def _settle(raw: dict[str, Any], given: Given, key: str, value: Any, shows: str) -> None:
@@ -172,7 +189,7 @@ def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str
 
     name = _get(raw, "optim.name")
     warnings: list[str] = []
-    if "optim.name" not in given or name in (None, "auto"):
+    if "optim.name" not in given or name in (None, AUTO):
         if facts.optimizer is None:
             raise Contradiction(
                 f"optim.name=auto, but the optimizer of {facts.path} cannot be told from its state ({facts.optimizer_why}); "

@@ -12,7 +12,7 @@ import osdpipe
 from osdpipe.loading import without_records
 from osdpipe import kinds
 from osdpipe.compare import diff
-from osdpipe.config import validate
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import WorldError, run_local_world
 from osdpipe.kinds import rank_layout
 from osdpipe.models import build_model
@@ -33,7 +33,7 @@ def _generate(spec) -> str:
 
 @pytest.fixture(scope="module")
 def source_checkpoint(tmp_path_factory) -> str:
-    spec = validate({"model": MODEL, "source": SOURCE, "output": {"path": str(tmp_path_factory.mktemp("api_source"))}})
+    spec = settle_and_validate({"model": MODEL, "source": SOURCE, "output": {"path": str(tmp_path_factory.mktemp("api_source"))}})
     return run_local_world(_generate, 2, (spec,), timeout_s=TIMEOUT_S)[0]
 
 
@@ -57,7 +57,7 @@ def _resume(checkpoint: str, target: dict) -> list[str]:
         if pid in optim.state_dict()["state"] and optim.state_dict()["state"][pid]["exp_avg"].shape != p.shape:
             problems.append(f"ID {pid}: state of shape {tuple(optim.state_dict()['state'][pid]['exp_avg'].shape)} on a parameter of shape {tuple(p.shape)}")
     tree = describe(build_model("nested", MODEL["kwargs"], device="meta"))
-    train_step(validate({"model": MODEL, "output": {"path": checkpoint + ".unused"}}), model, optim, 7, rank_layout(tree, spec, dist.get_rank()), tree)
+    train_step(settle_and_validate({"model": MODEL, "output": {"path": checkpoint + ".unused"}}), model, optim, 7, rank_layout(tree, spec, dist.get_rank()), tree)
     return problems
 
 

@@ -14,7 +14,8 @@ from helpers import run_osdpipe
 from osdpipe.loading import without_records
 from osdpipe import kinds
 from osdpipe.compare import diff
-from osdpipe.config import RunSpec, validate
+from osdpipe.config import RunSpec
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import run_local_world
 from osdpipe.kinds import rank_layout
 from osdpipe.pipeline import execute, make_context, run_rank
@@ -28,7 +29,7 @@ def spec_for(tmp: Path, **sections) -> RunSpec:
     raw = {"output": {"path": str(tmp)}, "runtime": {"timeout_s": TIMEOUT_S, "progress": False}}
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value}
-    return validate(raw)
+    return settle_and_validate(raw)
 
 
 def pytorch_says(spec: RunSpec, full_path: str) -> list[str]:

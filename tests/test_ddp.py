@@ -18,7 +18,7 @@ from test_convert import pytorch_says
 
 from osdpipe.loading import without_records
 from osdpipe.compare import diff
-from osdpipe.config import validate
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import run_local_world
 from osdpipe.models import build_model
 
@@ -52,7 +52,7 @@ def test_ddp_source_to_fsdp1_matches_pytorch(ddp_to_fsdp1: Path) -> None:
     out = ddp_to_fsdp1
     full = full_from_plain(torch.load(out / "source" / "optim.pt", weights_only=True))
     torch.save(full, out.parent / "full.pt")
-    spec = validate({"output": {"path": str(out), "overwrite": True}, "target": {"world_size": 3, "use_orig_params": True}})
+    spec = settle_and_validate({"output": {"path": str(out), "overwrite": True}, "target": {"world_size": 3, "use_orig_params": True}})
     problems = run_local_world(pytorch_says, 3, (spec, str(out.parent / "full.pt")), timeout_s=TIMEOUT_S)
     assert problems == [[]] * 3, problems
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from osdpipe.config import validate
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.facts import detect_format, moments_alike, read_facts
 from osdpipe.loading import PARAM_LAYOUT, LayoutMismatch, check_fits
 from osdpipe.optim import torch_optimizers
@@ -187,7 +187,7 @@ def make_linear() -> torch.nn.Module:
 
 
 def test_a_config_built_in_code_gets_the_inputs_optimizer(adamw_file) -> None:
-    spec = validate({"model": {"factory": "test_facts:make_linear"}, "input": {"path": str(adamw_file / "optim.pt")}, "output": {"path": str(adamw_file / "out")}})
+    spec = settle_and_validate({"model": {"factory": "test_facts:make_linear"}, "input": {"path": str(adamw_file / "optim.pt")}, "output": {"path": str(adamw_file / "out")}})
     assert (spec.optim.name, spec.optim.lr) == ("AdamW", 3e-4)
-    generated = validate({"output": {"path": str(adamw_file / "gen")}})
+    generated = settle_and_validate({"output": {"path": str(adamw_file / "gen")}})
     assert (generated.optim.name, generated.optim.lr) == ("Adam", 1e-2)

@@ -9,7 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from osdpipe.collective import StageError
-from osdpipe.config import PipelineConfig, validate
+from osdpipe.config import PipelineConfig
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import WorldError, run_local_world
 from osdpipe.pipeline import make_context, run_stages
 from osdpipe.stages import STAGES
@@ -53,10 +54,10 @@ def _make_source(spec) -> str:
 
 
 def test_stage_error_is_raised_on_every_rank(tmp_path):
-    spec = validate({"output": {"path": str(tmp_path)}, "runtime": {"timeout_s": 60}})
+    spec = settle_and_validate({"output": {"path": str(tmp_path)}, "runtime": {"timeout_s": 60}})
     source = run_local_world(_make_source, 2, (spec,), timeout_s=120)[0]
     stages = ["load", "broadcast", "explode", "flatten", "shard", "rekey", "save"]
-    spec = validate({"output": {"path": str(tmp_path / "out")}, "input": {"path": source}, "runtime": {"timeout_s": 60}})
+    spec = settle_and_validate({"output": {"path": str(tmp_path / "out")}, "input": {"path": source}, "runtime": {"timeout_s": 60}})
     spec = spec.model_copy(update={"pipeline": PipelineConfig.model_construct(stages=stages, checks=[])})
     messages = run_local_world(_run_with_exploding_stage, 2, (spec,), timeout_s=120)
     assert messages[0] == messages[1], messages
@@ -90,7 +91,7 @@ def _explode_on_rank0(ctx) -> None:
 def test_a_stage_error_is_reported_once_not_as_every_ranks_failure(tmp_path):
     """Each rank raises the same agreed error; the world reports it once, not 'rank 2 failed: ... (also failed: ...)'."""
     (tmp_path / "optim.pt").write_bytes(b"")  # never read: the only stage raises first
-    spec = validate({"output": {"path": str(tmp_path / "out")}, "input": {"path": str(tmp_path / "optim.pt")}, "runtime": {"timeout_s": 60}})
+    spec = settle_and_validate({"output": {"path": str(tmp_path / "out")}, "input": {"path": str(tmp_path / "optim.pt")}, "runtime": {"timeout_s": 60}})
     spec = spec.model_copy(update={"pipeline": PipelineConfig.model_construct(stages=["explode0"], checks=[])})
     with pytest.raises(WorldError) as info:
         run_local_world(_stage_fails_on_rank0_only, 3, (spec,), timeout_s=120)

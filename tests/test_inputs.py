@@ -32,7 +32,8 @@ from torch import nn
 
 from helpers import clean_env, run_cli_cases
 
-from osdpipe.config import LayoutConfig, validate
+from osdpipe.config import LayoutConfig
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.formats import InputError, inspect_source
 from osdpipe.formats.safe_load import DcpMetadataUnpickler, read_dcp_metadata
 from osdpipe.launch import run_local_world
@@ -98,7 +99,7 @@ def _save_plain(path: Path) -> None:
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("inputs")
     specs = [
-        validate(
+        settle_and_validate(
             {
                 "model": {"factory": MODEL},
                 "source": {"world_size": 2, "wrap": ["Linear"], "state_dict_type": kind},

@@ -66,7 +66,8 @@ from torch import nn
 
 from osdpipe.loading import without_records
 from osdpipe.compare import diff
-from osdpipe.config import RunSpec, validate
+from osdpipe.config import RunSpec
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import run_local_world
 
 #: A spawned world (spawn, every case, every check) must end within this, else it fails.
@@ -346,7 +347,7 @@ assert len({c.name for c in CASES}) == len(CASES)
 
 def _spec(case: Case, root: Path) -> RunSpec:
     inp, target = INPUTS[case.input], TARGETS[case.target]
-    return validate(
+    return settle_and_validate(
         {
             "model": {"factory": FACTORY},
             "source": inp.layout,

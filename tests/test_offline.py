@@ -195,13 +195,13 @@ def test_hybrid_output_replicas_are_compared(full_source: Path, tmp_path: Path, 
     output can be spoiled after rekey: only the ``replicas`` check runs, and
     it must name the rank, its counterpart and the tensor, and nothing is committed.
     """
-    from osdpipe.config import validate
+    from osdpipe.reconcile import settle_and_validate
     from osdpipe.pipeline import run_offline
     from osdpipe.progress import Display
     from osdpipe.stages import STAGES
 
     def spec(out: Path):
-        return validate(
+        return settle_and_validate(
             {
                 "model": {"factory": "userlm:build"},
                 "source": {"world_size": 4, "wrap": ["MixerBlock"]},

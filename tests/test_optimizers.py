@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from test_convert import _convert_and_check, spec_for
 
-from osdpipe.config import ConfigError, RunSpec, validate
+from osdpipe.config import ConfigError, RunSpec
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import run_local_world
 from osdpipe.kinds import rank_layout
 from osdpipe.layout import LayoutSpec
@@ -209,7 +210,7 @@ def test_synthetic_gradient_depends_on_seed_step_and_name() -> None:
 
 def _config_error(optim: dict[str, Any], tmp_path: Path) -> str:
     with pytest.raises(ConfigError) as info:
-        validate({"optim": optim, "output": {"path": str(tmp_path)}})
+        settle_and_validate({"optim": optim, "output": {"path": str(tmp_path)}})
     return str(info.value)
 
 
@@ -233,7 +234,7 @@ def test_refused_optimizers_say_why(name: str, why: str, tmp_path: Path) -> None
 
 
 def test_user_optimizer_by_import_path(tmp_path: Path) -> None:
-    spec = validate({"optim": {"name": "useroptim:SignMomentum", "kwargs": {"beta": 0.5}}, "output": {"path": str(tmp_path)}})
+    spec = settle_and_validate({"optim": {"name": "useroptim:SignMomentum", "kwargs": {"beta": 0.5}}, "output": {"path": str(tmp_path)}})
     assert resolve_optimizer(spec.optim.name).__name__ == "SignMomentum"
     msg = _config_error({"name": "useroptim:SignMomentum", "kwargs": {"betas": [0.9, 0.99]}}, tmp_path)
     assert "optim.kwargs has ['betas'], which useroptim:SignMomentum does not take" in msg and "'beta'" in msg, msg

@@ -21,7 +21,8 @@ from torch import nn
 
 from osdpipe.loading import without_records
 from osdpipe.compare import diff
-from osdpipe.config import RunSpec, validate
+from osdpipe.config import RunSpec
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.idmap import IdMapError, map_ids
 from osdpipe.launch import run_local_world
 from osdpipe.models import Block, build_model
@@ -58,7 +59,7 @@ def spec_for(out: Path, **sections) -> RunSpec:
     raw = {"output": {"path": str(out)}, "runtime": {"timeout_s": TIMEOUT_S, "progress": False}}
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value}
-    return validate(raw)
+    return settle_and_validate(raw)
 
 
 # ------------------------------------------------------------ the ID mapping, pure

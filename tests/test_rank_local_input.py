@@ -20,7 +20,8 @@ import torch.distributed as dist
 from helpers import run_osdpipe
 
 from osdpipe.compare import diff
-from osdpipe.config import RunSpec, validate
+from osdpipe.config import RunSpec
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.formats import TensorRef
 from osdpipe.formats.rank_local import RankLocalReader
 from osdpipe.launch import run_local_world
@@ -44,7 +45,7 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
 
 
 def spec_of(root: Path, name: str) -> RunSpec:
-    return validate({"output": {"path": str(root / name / "out")}, **CASES[name][1]})
+    return settle_and_validate({"output": {"path": str(root / name / "out")}, **CASES[name][1]})
 
 
 def tree_of(spec: RunSpec) -> ModuleTree:
@@ -186,7 +187,7 @@ def test_recipe_then_another_conversion_of_its_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
 
     # The recipe's 4 source files (Block units, flat state), to 2 ranks of per-parameter shards in Leaf units.
-    spec = validate(
+    spec = settle_and_validate(
         {
             "input": {"path": str(out / "source" / "rank_local"), "format": "rank_local"},
             "source": {"world_size": 4, "wrap": ["Block"]},

@@ -42,7 +42,7 @@ from torch import nn
 
 from osdpipe.loading import without_records
 from osdpipe.compare import diff
-from osdpipe.config import validate
+from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import run_local_world
 from osdpipe.models import NestedModel, TransformerModel
 from osdpipe.pipeline import execute
@@ -399,7 +399,7 @@ assert len({c.name for c in CASES}) == len(CASES)
 
 def _spec(case: Case, root: Path):
     src = SOURCES[case.source]
-    return validate(
+    return settle_and_validate(
         {
             "model": {"factory": src.model},
             "source": src.layout.config(),

@@ -347,7 +347,7 @@ def test_recipe_sweeps_at_least_16_valid_configurations(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_module
 
     from osdpipe.cli import job_config
-    from osdpipe.config import validate
+    from osdpipe.reconcile import settle_and_validate
 
     with initialize_config_module(version_base="1.3", config_module="osdpipe.conf"):
         params = compose("config", overrides=["recipe=sweep_world_sizes"], return_hydra_config=True).hydra.sweeper.params
@@ -357,4 +357,4 @@ def test_recipe_sweeps_at_least_16_valid_configurations(tmp_path: Path) -> None:
         assert len(combinations) >= 16
         for overrides in combinations:
             cfg = compose("config", overrides=["recipe=sweep_world_sizes", *overrides])
-            validate(job_config(cfg, str(tmp_path)))
+            settle_and_validate(job_config(cfg, str(tmp_path)))

@@ -191,10 +191,10 @@ def _reader_fails_while_serving(spec, source: str) -> tuple[str, float]:
 
 
 def test_a_reading_rank_that_fails_mid_send_ends_the_run_on_every_rank(inputs, tmp_path: Path) -> None:
-    from osdpipe.config import validate
+    from osdpipe.reconcile import settle_and_validate
 
     source = inputs["fsdp_full"][1].split("=", 1)[1]
-    spec = validate({
+    spec = settle_and_validate({
         "model": {"factory": "userlm:build"}, "source": {"world_size": 1}, "target": {"world_size": 3, "wrap": ["MixerBlock"]},
         "output": {"path": str(tmp_path / "out")}, "runtime": {"transfer": "scatter", "timeout_s": 60, "progress": False},
     })  # fmt: skip
