@@ -34,11 +34,13 @@ class Check:
     cost: Cost
     #: A skipped check is said in the report's warnings, unless it merely does not apply (``replicas`` without replicas).
     warn_when_skipped: bool = True
+    #: The module with its ``run`` and ``skip_reason`` (default: ``osdpipe.checks.<name>``).
+    where: str | None = None
 
     @property
     def module(self) -> ModuleType:
         # Imported on first use: the checks import torch, which config validation and --help must not.
-        return importlib.import_module(f"{__name__}.{self.name}")
+        return importlib.import_module(self.where or f"{__name__}.{self.name}")
 
     def skip_reason(self, ctx: Context) -> str | None:
         return self.module.skip_reason(ctx)
@@ -55,8 +57,11 @@ CHECKS: tuple[Check, ...] = (
     Check("replicas", "hybrid sharding: every replica group holds the same state, in the source and in the output", "digests", warn_when_skipped=False),
 )
 
-#: The check names, in the order verify runs them (the config's ``pipeline.checks`` choices and default).
-NAMES: tuple[str, ...] = tuple(c.name for c in CHECKS)
+
+
+def names() -> tuple[str, ...]:
+    """The check names, in the order verify runs them (the config's ``pipeline.checks`` choices and default)."""
+    return tuple(c.name for c in CHECKS)
 
 
 def get(name: str) -> Check:
@@ -68,4 +73,4 @@ def get(name: str) -> Check:
     for check in CHECKS:
         if check.name == name:
             return check
-    raise ValueError(f"unknown check {name!r}; the checks are {', '.join(NAMES)}")
+    raise ValueError(f"unknown check {name!r}; the checks are {', '.join(names())}")

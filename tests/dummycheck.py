@@ -1,0 +1,16 @@
+"""A check of a test's own, registered only by its line in ``osdpipe.checks.CHECKS`` (see ``test_registries.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from osdpipe.context import CheckResult, Context
+
+
+def run(ctx: Context) -> CheckResult:
+    tensors = sum(1 for state in ctx.local_state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    return CheckResult("counted", tensors > 0, f"rank {ctx.rank} holds {tensors} state tensor(s)")
+
+
+def skip_reason(ctx: Context) -> str | None:
+    return None
