@@ -391,28 +391,18 @@ class RunSpec(_Frozen):
             raise ValueError("runtime.mode=offline runs in one process, with no process group; set runtime.launcher=auto or local")
         if not _complete(info):
             return self  # the rest needs torch, or what the input's files settle (input.format, source.*)
-        directory_formats = ("dcp", "rank_local")
-        if self.input.path is not None and self.input.format in directory_formats and not Path(self.input.path).is_dir():
-            raise ValueError(f"input.path={self.input.path!r}: a {self.input.format} input is a directory; use input.format=fsdp_full or plain for a file")
-        if self.input.path is not None and self.input.format not in directory_formats and Path(self.input.path).is_dir():
-            raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format=dcp or rank_local")
-        from osdpipe import kinds  # the kind registry imports torch: not before the schema is checked
+        from osdpipe import formats, kinds  # the registries import torch: not before the schema is checked
 
         source, target = kinds.get(self.source.kind), kinds.get(self.target.kind)
-        if self.input.path is not None and self.input.format == "plain" and not source.replicated:
-            raise ValueError(
-                "input.format=plain is the state of an unwrapped model (or a DDP job's, alike on every rank); "
-                "set source.kind=none source.world_size=1, or source.kind=ddp"
-            )
-        if self.input.path is not None and self.input.format == "rank_local" and self.source.kind == "none":
-            raise ValueError("input.format=rank_local needs the source's layout; set source.kind (fsdp1, ddp) and its world_size and wrap")
-        if self.output.format == "plain" and not target.replicated:
-            raise ValueError(
-                f"output.format=plain is the state of a model every rank holds whole; target.kind={self.target.kind} shards it: "
-                "set target.kind=none (and target.world_size=1) or ddp, or another output.format"
-            )
-        if self.target.kind == "none" and self.output.format != "plain":
-            raise ValueError("target.kind=none is an unwrapped model, whose optimizer loads one plain state dict: set output.format=plain")
+        given, written = formats.get(self.input.format), formats.get(self.output.format)
+        if self.input.path is not None and given.directory != Path(self.input.path).is_dir():
+            files, directories = (" or ".join(f.name for f in formats.FORMATS.values() if f.directory == d) for d in (False, True))
+            if given.directory:
+                raise ValueError(f"input.path={self.input.path!r}: a {given.name} input is a directory; use input.format={files} for a file")
+            raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format={directories}")
+        why = (given.refuses_source(source) if self.input.path is not None else None) or written.refuses_target(target) or target.refuses_output(written)
+        if why is not None:
+            raise ValueError(why)
         if self.input.path is None and self.source.state_dict_type not in source.state_dict_types:
             raise ValueError(
                 f"source.state_dict_type={self.source.state_dict_type}: a {self.source.kind} job saves {', '.join(source.state_dict_types)}; "

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from osdpipe.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
+from osdpipe import formats
 from osdpipe.formats import InputError
 
 
@@ -85,8 +86,7 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         fmt = detect_format(path)
     except InputError:
         return raw, []  # the pre-flight check says what is wrong with it
-    what = {"dcp": "a DCP checkpoint (.metadata)", "rank_local": "a directory of rank_<r>.pt", "fsdp_full": "a torch.save file keyed by FQN", "plain": "a torch.save file keyed by param ID"}
-    _settle(raw, given, "input.format", fmt, f"{path} is {what[fmt]}")
+    _settle(raw, given, "input.format", fmt, f"{path} is {formats.get(fmt).looks_like}")
     try:
         facts = read_facts(path, fmt, _get(raw, "input.key") if "input.key" in given else None)
     except InputError:

@@ -54,9 +54,9 @@ from osdpipe.layout import (
     LocalTensor,
     Placement,
     Segment,
-    rank_layout,
     shard_group,
 )
+from osdpipe.kinds import rank_layout
 from osdpipe.models import build_model
 from osdpipe.tree import ModuleTree, ParamInfo
 

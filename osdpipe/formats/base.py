@@ -178,6 +178,8 @@ class Format:
     directory: ClassVar[bool]
     #: What a generated source of this format is called under ``source/``.
     generated_name: ClassVar[str]
+    #: What a checkpoint of this format is, in a few words (``<path> is ...``).
+    looks_like: ClassVar[str]
 
     def output_path(self, directory: Path, rank: int) -> Path:
         """What target rank ``rank`` loads, under an output directory."""
@@ -185,6 +187,14 @@ class Format:
 
     #: A hybrid-sharded job's checkpoint holds each replica group's copy of the state (``rank_local``: a file per rank).
     holds_replicas: ClassVar[bool] = False
+
+    def refuses_source(self, kind: Any) -> str | None:
+        """Why a checkpoint in this format cannot come from a job of layout ``kind`` (``None``: it can); the message names the keys to set."""
+        return None
+
+    def refuses_target(self, kind: Any) -> str | None:
+        """Why a job of layout ``kind`` cannot load this format (``None``: it can); the message names the keys to set."""
+        return None
 
     def writes(self, rank: int) -> bool:
         """Whether target rank ``rank`` writes files of its own (else its state is in another rank's)."""

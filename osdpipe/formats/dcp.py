@@ -32,6 +32,7 @@ class Dcp(Format):
     keyed_by_id = False
     directory = True
     generated_name = DCP_DIR
+    looks_like = "a DCP checkpoint (.metadata)"
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / DCP_DIR

@@ -109,6 +109,7 @@ class FsdpFull(Format):
     keyed_by_id = False
     directory = False
     generated_name = ONE_FILE
+    looks_like = "a torch.save file keyed by FQN"
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / ONE_FILE

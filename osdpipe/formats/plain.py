@@ -111,9 +111,26 @@ class Plain(Format):
     keyed_by_id = True
     directory = False
     generated_name = ONE_FILE
+    looks_like = "a torch.save file keyed by param ID"
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / ONE_FILE
+
+    def refuses_source(self, kind: Any) -> str | None:
+        if kind.replicated:
+            return None
+        return (
+            "input.format=plain is the state of an unwrapped model (or a DDP job's, alike on every rank); "
+            "set source.kind=none source.world_size=1, or source.kind=ddp"
+        )
+
+    def refuses_target(self, kind: Any) -> str | None:
+        if kind.replicated:
+            return None
+        return (
+            f"output.format=plain is the state of a model every rank holds whole; target.kind={kind.name} shards it: "
+            "set target.kind=none (and target.world_size=1) or ddp, or another output.format"
+        )
 
     def writes(self, rank: int) -> bool:
         return rank == 0

@@ -417,9 +417,15 @@ class RankLocal(Format):
     directory = True
     holds_replicas = True
     generated_name = "rank_local"
+    looks_like = "a directory of rank_<r>.pt"
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / rank_file_name(rank)
+
+    def refuses_source(self, kind: Any) -> str | None:
+        if "local" in kind.state_dict_types:  # a job whose ranks save their own optimizer's state
+            return None
+        return "input.format=rank_local needs the source's layout; set source.kind (fsdp1, ddp) and its world_size and wrap"
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
         return RankLocalReader(path, tree, source, id_groups)

@@ -30,6 +30,10 @@ class LayoutKind:
         """The input format of what :meth:`save` writes for ``state_dict_type``."""
         return {"full": "fsdp_full", "sharded": "dcp", "local": "rank_local"}[state_dict_type]
 
+    def refuses_output(self, fmt: Any) -> str | None:
+        """Why this kind's optimizer cannot load format ``fmt`` (``None``: it can); the message names the keys to set."""
+        return None
+
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         """The local tensors of rank ``rank``'s optimizer, in ``model.parameters()`` order of the wrapped model."""
         raise NotImplementedError

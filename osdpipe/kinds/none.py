@@ -22,6 +22,11 @@ class NoWrapper(LayoutKind):
     def saved_format(self, state_dict_type: str) -> str:
         return "plain"
 
+    def refuses_output(self, fmt: Any) -> str | None:
+        if fmt.name == self.saved_format("full"):
+            return None
+        return "target.kind=none is an unwrapped model, whose optimizer loads one plain state dict: set output.format=plain"
+
     def validate(self, spec: LayoutSpec) -> None:
         super().validate(spec)
         if spec.world_size != 1:
