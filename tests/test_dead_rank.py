@@ -29,6 +29,9 @@ from helpers import clean_env, processes_marked, run_command
 
 from osdpipe.launch import free_port
 
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+pytestmark = pytest.mark.slow
+
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 60  # runtime.timeout_s: every run must end well inside it
 WORLD = 3  # two survivors of each death

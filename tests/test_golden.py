@@ -25,6 +25,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import run_cli_cases  # noqa: E402
 
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+pytestmark = pytest.mark.slow
+
 RECORD = Path(__file__).parent / "golden" / "outputs.json"
 
 #: Fixed conversions over every output format, both FSDP versions, DDP, offline and a user's model.

@@ -70,6 +70,9 @@ from osdpipe.config import RunSpec
 from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import run_local_world
 
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+pytestmark = pytest.mark.slow
+
 #: A spawned world (spawn, every case, every check) must end within this, else it fails.
 WORLD_TIMEOUT_S = 240
 #: osdpipe's collectives inside a world.

@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from helpers import run_cli_cases
+
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 #: The recipes that convert once (sweep_world_sizes is a sweep: tests/test_sweep.py runs it).

@@ -40,6 +40,9 @@ from helpers import clean_env, run_cli_cases
 
 from osdpipe.launch import run_local_world
 
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 240
 TESTS = Path(__file__).resolve().parent
 SOURCE_STEPS, RESUME_STEPS = 3, 2

@@ -47,6 +47,9 @@ from osdpipe.launch import run_local_world
 from osdpipe.models import NestedModel, TransformerModel
 from osdpipe.pipeline import execute
 
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 240
 
 # ---------------------------------------------------------------------------

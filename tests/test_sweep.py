@@ -28,6 +28,9 @@ from helpers import clean_env, run_command
 
 from osdpipe import sweep
 
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+pytestmark = pytest.mark.slow
+
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 180
 

@@ -30,6 +30,9 @@ from osdpipe.loading import without_records
 from osdpipe.compare import diff
 from osdpipe.launch import run_local_world
 
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 240
 TESTS = Path(__file__).resolve().parent
 
