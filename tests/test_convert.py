@@ -16,7 +16,9 @@ from osdpipe import kinds
 from osdpipe.compare import diff
 from osdpipe.config import RunSpec
 from osdpipe.reconcile import settle_and_validate
+from osdpipe.collective import gather_to_all
 from osdpipe.launch import run_local_world
+from osdpipe.loop import combine
 from osdpipe.kinds import rank_layout
 from osdpipe.pipeline import execute, make_context, run_rank
 from osdpipe.reference import live_target, train_step
@@ -120,7 +122,7 @@ def _tamper_and_verify(spec: RunSpec, source: str, tamper: str) -> list[tuple[st
             assert ctx.target_layout()[0].segments[-1].dest + ctx.target_layout()[0].segments[-1].length == 49
             state[0]["exp_avg"].view(-1)[-1] = 1.0
     STAGES["verify"](ctx)
-    return [(c.name, c.ok, c.detail) for c in ctx.checks]
+    return [(c.name, c.ok, c.detail) for c in combine(gather_to_all(ctx.checks))]  # every rank's results, as the stage loop combines them
 
 
 @pytest.mark.parametrize("transfer", ["shared", "scatter"])

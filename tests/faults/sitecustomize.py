@@ -60,9 +60,9 @@ def _install(point: str, rank: int, how: str) -> None:
 
         transfer.Receiver.receive = on_call(2, transfer.Receiver.receive)
     elif point == "save":  # after this rank's file is written to .staging, before the commit
-        from osdpipe.stages import save
+        from osdpipe.formats import base  # the torch-file writer of every format but dcp
 
-        save.save_hashed = on_call(1, save.save_hashed, after=True)
+        base.save_hashed = on_call(1, base.save_hashed, after=True)
     else:
         raise ValueError(f"OSDPIPE_TEST_FAULT: unknown point {point!r}")
 
