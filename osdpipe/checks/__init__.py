@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal
 
+from osdpipe.registry import member
+
 if TYPE_CHECKING:
     from osdpipe.context import CheckResult, Context
 
@@ -70,7 +72,4 @@ def get(name: str) -> Check:
     Raises:
         ValueError: naming the checks there are.
     """
-    for check in CHECKS:
-        if check.name == name:
-            return check
-    raise ValueError(f"unknown check {name!r}; the checks are {', '.join(names())}")
+    return member({c.name: c for c in CHECKS}, name, "check")

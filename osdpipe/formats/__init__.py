@@ -39,6 +39,7 @@ from osdpipe.formats.meta import canonical_meta
 from osdpipe.formats.plain import Plain
 from osdpipe.formats.rank_local import RankLocal
 from osdpipe.layout import LayoutSpec
+from osdpipe.registry import member
 from osdpipe.tree import ModuleTree
 
 __all__ = [
@@ -57,10 +58,7 @@ def get(name: str) -> Format:
     Raises:
         ValueError: naming the formats there are.
     """
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown format {name!r}; the formats are {', '.join(FORMATS)}") from None
+    return member(FORMATS, name, "format")
 
 
 def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from osdpipe.layout import LayoutSpec, LocalTensor
+from osdpipe.registry import member
 from osdpipe.tree import ModuleTree
 
 
@@ -98,10 +99,7 @@ def get(name: str) -> LayoutKind:
     Raises:
         ValueError: naming the kinds there are.
     """
-    try:
-        return KINDS[name]
-    except KeyError:
-        raise ValueError(f"unknown layout kind {name!r}; the kinds are {', '.join(KINDS)}") from None
+    return member(KINDS, name, "layout kind")
 
 
 def compute_device() -> torch.device:
