@@ -13,6 +13,7 @@ import time
 
 from osdpipe.config import validate
 from osdpipe.pipeline import execute
+from osdpipe.plan import plan_run
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
             }
         )
         start = time.perf_counter()
-        report = execute(spec)
+        report = execute(plan_run(spec))
         total = time.perf_counter() - start
     params = args.depth * (args.width * args.width + args.width)
     print(f"mlp width={args.width} depth={args.depth}: {params:,} parameters, {args.source_ranks} -> {args.target_ranks} ranks, ok={report.ok}")

@@ -31,13 +31,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdpipe import kinds
+from osdpipe import kinds, loop
+from osdpipe.checks.common import LIVE_TARGET
 from osdpipe.collective import StageError
 from osdpipe.config import LayoutConfig, validate
 from osdpipe.loading import check_fits
-from osdpipe.reconcile import Given, reconcile
 from osdpipe.optim import check_matches_layout
-from osdpipe.pipeline import make_context, run_stages
+from osdpipe.plan import plan_run
+from osdpipe.products import Keyed
+from osdpipe.reconcile import Given, reconcile
+from osdpipe.world import GroupWorld
 
 #: Verify checks that leave the caller's model and optimizer untouched (load_step would train them).
 API_CHECKS = ["roundtrip", "reference"]
@@ -120,15 +123,17 @@ def reshard_optimizer_state(
     spec = validate(raw)
     if spec.target.world_size != dist.get_world_size():
         raise ValueError(f"target.world_size={spec.target.world_size} but this world has {dist.get_world_size()} ranks")
-    ctx = make_context(spec, checkpoint, spec.input.format)
-    ctx.optim_groups = _live_groups(model, optim, ctx.optimizer_layout())
-    ctx.live = (model, optim)
-    report = run_stages(ctx)
+    world = GroupWorld()
+    plan = plan_run(spec)
+    plan = plan.with_optimizer_groups(_live_groups(model, optim, plan.optimizer_layout(world.rank)))
+    world.kept[(LIVE_TARGET, world.rank)] = (model, optim)  # the checks load into the caller's own job, not a new one
+    report, played = loop.run_stages(plan, world)
     failed = {c.name: c.detail for c in report.checks if not c.ok}
     if failed:
         raise StageError("verify", {0: "; ".join(f"{k}: {v}" for k, v in failed.items())})
-    assert ctx.result is not None
-    return ctx.result
+    keyed = played.find(Keyed)
+    assert keyed is not None
+    return keyed.state_dict
 
 
 def load_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, checkpoint: str, **kwargs: Any) -> dict[str, Any]:

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from osdpipe.products import CheckResult  # the same result as verify's checks give; it imports no torch
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE = "usage: osdpipe check OUTPUT_DIR [--load] [key=value ...]  (--load: load it on a target world and step; input.path=... names a source that moved)"
@@ -39,15 +40,6 @@ USAGE = "usage: osdpipe check OUTPUT_DIR [--load] [key=value ...]  (--load: load
 
 class CheckUsageError(ValueError):
     """The directory or the command line cannot be checked (exit code 2)."""
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One check's result: its name, whether it passed, and what it saw."""
-
-    name: str
-    ok: bool
-    detail: str
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -63,7 +55,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def check_files(directory: Path, manifest: dict[str, Any]) -> Finding:
+def check_files(directory: Path, manifest: dict[str, Any]) -> CheckResult:
     """Every file the manifest lists, with its sha256; for a torch file that differs, the tensor that does."""
     from osdpipe.digest import file_sha256
 
@@ -75,7 +67,7 @@ def check_files(directory: Path, manifest: dict[str, Any]) -> Finding:
         elif file_sha256(path) != digest:
             problems.append(f"{path} differs from its sha256 in the manifest" + _tensor_named(path, name, manifest["tensors"]))
     count = len(manifest["files"])
-    return Finding("files", not problems, "; ".join(problems[:5]) or f"{count} file(s) match the manifest's sha256")
+    return CheckResult("files", not problems, "; ".join(problems[:5]) or f"{count} file(s) match the manifest's sha256")
 
 
 def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:
@@ -126,58 +118,59 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
     return raw
 
 
-def conversion_spec(raw: dict[str, Any]) -> Any:
-    """The validated ``RunSpec`` of the conversion's config (a config that does not validate cannot be checked: exit 2)."""
+def conversion_plan(raw: dict[str, Any]) -> Any:
+    """The plan of the conversion's config (a config that does not validate, or a model it does not fit, cannot be checked: exit 2)."""
     from osdpipe.config import ConfigError, validate
+    from osdpipe.plan import plan_run
 
     try:
-        return validate(raw)
+        return plan_run(validate(raw))
     except ConfigError as exc:
         raise CheckUsageError(f"the conversion's config does not validate: {str(exc).splitlines()[0]}") from None
 
 
-def check_roundtrip(directory: Path, spec: Any) -> Finding:
+def check_roundtrip(directory: Path, plan: Any) -> CheckResult:
     """Derive every target rank's state from the source again (offline, in memory) and compare it with the files."""
+    spec = plan.spec
     if spec.input.path is None:
-        return Finding("roundtrip", True, "skipped: no source to compare with (give input.path=...)")
-    from osdpipe import formats
+        return CheckResult("roundtrip", True, "skipped: no source to compare with (give input.path=...)")
+    from osdpipe.products import Keyed
 
-    fmt = formats.get(spec.output.format)
+    fmt = plan.output_format
     problems: list[str] = []
     opened: dict[str, Any] = {}
-    for ctx in expected_results(spec):
-        problems += fmt.differences(directory, spec.output.key, ctx.rank, ctx.result, tree=ctx.tree, world_size=ctx.world_size, opened=opened)
+    for played in expected_results(plan):
+        keyed = played.find(Keyed)
+        problems += fmt.differences(directory, spec.output.key, played.ctx.rank, keyed.state_dict, tree=plan.tree, world_size=plan.world_size, opened=opened)
         if len(problems) >= 5 or fmt.one_writer:  # one file, rank 0's: the other ranks write none
             break
-    return Finding("roundtrip", not problems, "; ".join(problems[:5]) or f"every {fmt.name} tensor equals the source's, element by element ({spec.input.path})")
+    return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or f"every {fmt.name} tensor equals the source's, element by element ({spec.input.path})")
 
 
-def expected_results(spec: Any) -> Any:
-    """Each target rank's context once the conversion's own stages derived its state (``ctx.result``) from the source, offline."""
+def expected_results(plan: Any) -> Any:
+    """Each target rank once the conversion's own stages derived its state from the source, offline (:class:`~osdpipe.loop.Played`)."""
     from osdpipe.loop import play
-    from osdpipe.pipeline import rank_contexts
     from osdpipe.world import SoloWorld
 
-    assert spec.input.path is not None
-    world = SoloWorld(spec.target.world_size)
-    yield from play(world, ("load", "broadcast", "flatten", "shard", "rekey"), rank_contexts(spec, world, spec.input.path, spec.input.format))
+    yield from play(plan, SoloWorld(plan.world_size), ("load", "broadcast", "flatten", "shard", "rekey"))
 
 
-def check_load(directory: Path, spec: Any) -> list[Finding]:
+def check_load(directory: Path, plan: Any) -> list[CheckResult]:
     """Load the files on a local world of the target's ranks, as the target job would: ``load`` (one step) and ``resume`` (see the module docstring)."""
     from osdpipe import rankserver
     from osdpipe.launch import WorldError, run_local_world
 
+    spec = plan.spec
     rankserver.start()
     try:
-        results = run_local_world(load_rank, spec.target.world_size, (spec, str(directory)), timeout_s=spec.runtime.timeout_s)
+        results = run_local_world(load_rank, spec.target.world_size, (plan, str(directory)), timeout_s=spec.runtime.timeout_s)
     except WorldError as exc:
-        return [Finding("load", False, str(exc))]
+        return [CheckResult("load", False, str(exc))]
     where = f"on {spec.target.world_size} {spec.target.kind} rank(s)"
     findings = []
     for i, name in enumerate(LOAD_CHECKS):
         failed = [f"rank {r}: {checks[i].detail}" for r, checks in enumerate(results) if not checks[i].ok]
-        findings.append(Finding(name, not failed, "; ".join(failed[:3]) or f"{where}: {results[0][i].detail}"))
+        findings.append(CheckResult(name, not failed, "; ".join(failed[:3]) or f"{where}: {results[0][i].detail}"))
     return findings
 
 
@@ -185,43 +178,38 @@ def check_load(directory: Path, spec: Any) -> list[Finding]:
 LOAD_CHECKS = ("load", "resume")
 
 
-def output_file(directory: Path, spec: Any, rank: int) -> Path:
-    """The file target rank ``rank`` loads: its ``rank_<r>.pt``, else the one ``optim.pt`` (``dcp``: the checkpoint directory)."""
-    from osdpipe import formats
-
-    return formats.get(spec.output.format).output_path(directory, rank)
-
-
-def load_rank(spec: Any, directory: str) -> list[Any]:
+def load_rank(plan: Any, directory: str) -> list[Any]:
     """On one rank of the target world: its optimizer loads what the files hold for it and steps (``load``), and resumes (``resume``).
 
     Returns one ``CheckResult`` per name of :data:`LOAD_CHECKS`.
     """
     from osdpipe import kinds
-    from osdpipe.loop import play
-    from osdpipe.pipeline import make_context
-    from osdpipe.checks.common import live_target_of
+    from osdpipe.checks.common import Subject
     from osdpipe.checks.load_step import load_and_step
     from osdpipe.checks.resume import resume_result
+    from osdpipe.context import Context
+    from osdpipe.loop import SOURCE_STAGES, play
+    from osdpipe.products import Tally
+    from osdpipe.world import GroupWorld
 
-    ctx = make_context(spec, spec.input.path or directory, spec.input.format)
+    spec, world = plan.spec, GroupWorld()
     kind = kinds.get(spec.target.kind)
-    path = output_file(Path(directory), spec, ctx.rank)
-    fmt = ctx.output_format
+    fmt = plan.output_format
+    path = fmt.output_path(Path(directory), world.rank)
     written = fmt.read_written(path, spec.output.key)
 
     def load_as_a_user_does(model: Any, optim: Any) -> None:
         fmt.load_as_a_user_does(model, optim, path, written, kind)
 
-    model, optim = live_target_of(ctx)
-    loaded = load_and_step(ctx, written if ctx.id_keyed else kind.to_load(model, optim, written))
+    subject = Subject(Context(plan, world, world.rank), None, None, Tally())
+    model, optim = subject.live
+    loaded = load_and_step(subject, written if plan.id_keyed else kind.to_load(model, optim, written))
     if spec.input.path is not None:  # the source, which resume steps a reference from; every rank takes part
         try:
-            for _ in play(ctx.world, ("load", "broadcast"), lambda rank, shared: ctx):
-                pass
+            subject.source = next(play(plan, world, SOURCE_STAGES)).product
         except Exception:  # noqa: BLE001 - a source that cannot be read leaves resume its storage part, and it says why
-            ctx.reader = ctx.meta = None
-    return [loaded, resume_result(ctx, written["state"], load_as_a_user_does)]
+            subject.source = None
+    return [loaded, resume_result(subject, written["state"], load_as_a_user_does)]
 
 
 def run_check(args: list[str]) -> int:
@@ -237,7 +225,7 @@ def run_check(args: list[str]) -> int:
         return EXIT_USAGE
     try:
         manifest = read_manifest(directory)
-        spec = conversion_spec(conversion_config(directory, manifest, overrides))
+        plan = conversion_plan(conversion_config(directory, manifest, overrides))
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -246,10 +234,10 @@ def run_check(args: list[str]) -> int:
 
         print(f"osdpipe check: error: {directory / 'manifest.json'}: its config cannot be used: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    checks = [("files", lambda: check_files(directory, manifest)), ("roundtrip", lambda: check_roundtrip(directory, spec))]
+    checks = [("files", lambda: check_files(directory, manifest)), ("roundtrip", lambda: check_roundtrip(directory, plan))]
     findings = [_run_one(name, run) for name, run in checks]
     if load:
-        findings += _run_many("load", lambda: check_load(directory, spec))
+        findings += _run_many("load", lambda: check_load(directory, plan))
     for f in findings:
         print(f"  check {f.name:<10} {'pass' if f.ok else 'FAIL'}  {f.detail}")
     ok = all(f.ok for f in findings)
@@ -257,21 +245,21 @@ def run_check(args: list[str]) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def _run_many(name: str, run: Any) -> list[Finding]:
+def _run_many(name: str, run: Any) -> list[CheckResult]:
     """The findings of ``run``; if it cannot run at all, one failed finding called ``name``."""
     try:
         return run()
     except Exception as exc:  # noqa: BLE001 - said as the check's failure, not as a traceback
         from osdpipe.collective import one_line
 
-        return [Finding(name, False, one_line(exc))]
+        return [CheckResult(name, False, one_line(exc))]
 
 
-def _run_one(name: str, run: Any) -> Finding:
+def _run_one(name: str, run: Any) -> CheckResult:
     """One check's finding; a file or source that cannot be read, or does not fit, fails that check in one line."""
     try:
         return run()
     except Exception as exc:  # noqa: BLE001 - said as the check's failure, not as a traceback
         from osdpipe.collective import one_line
 
-        return Finding(name, False, one_line(exc))
+        return CheckResult(name, False, one_line(exc))

@@ -140,16 +140,18 @@ def _run_job(cfg: DictConfig) -> int:
         rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
     # Imported here, past the schema check, to keep torch out of --help and config errors.
     from osdpipe.pipeline import execute
+    from osdpipe.plan import plan_run
     from osdpipe.reconcile import Contradiction, Given, reconcile
 
     try:
         # What the input's files show settles what the user did not say, and refuses what they said wrongly.
         raw, notes = reconcile(raw, Given.from_overrides(HydraConfig.get().overrides.task))
         spec = validate(raw)
+        plan = plan_run(spec)  # the model's answers: its tree, and whether both wrappings fit it
     except (ConfigError, Contradiction) as exc:
         return _config_error(exc)
     try:
-        report = execute(spec, warnings=notes)
+        report = execute(plan, warnings=notes)
     except OutputError as exc:
         _error(str(exc))
         return EXIT_CONFIG

@@ -9,8 +9,9 @@ names the key, the value and the fix.
 before torch is imported (about two seconds): first the schema
 (:func:`check_schema`: types, ranges, choices, unknown keys, and the rules
 that need neither the model nor the input's files), then the rest: the
-layout kinds, the optimizer class, the model's units and both layouts on
-the meta model, which need torch, and ``input.format`` against the path.
+layout kinds, the optimizer class and the model's default units, which
+need torch, and ``input.format`` against the path. Whether both wrappings
+fit the model is the plan's question (:func:`osdpipe.plan.plan_run`).
 This module imports none of that at module level; the validators of the
 second pass import it when they run, and they skip themselves in the first
 (:func:`_complete`). Nothing here reads the input's files: an
@@ -408,29 +409,12 @@ class RunSpec(_Frozen):
                 f"source.state_dict_type={self.source.state_dict_type}: a {self.source.kind} job saves {', '.join(source.state_dict_types)}; "
                 "choose one of those"
             )
-        self._check_layouts()
         from osdpipe.output import conversion_entries
 
         previous = [p.name for p in conversion_entries(Path(self.output.path))]
         if previous and not self.output.overwrite:
             raise ValueError(f"output.path={self.output.path!r} already holds a conversion ({', '.join(previous[:3])}); choose another path or set output.overwrite=true")
         return self
-
-    def _check_layouts(self) -> None:
-        """Compute both layouts on the meta model: unknown wrap names, tied parameters across units, mixed dtypes."""
-        from osdpipe import kinds  # these import torch; _consistent runs this after the schema is checked
-        from osdpipe.models import build_model
-        from osdpipe.tree import describe
-
-        try:
-            tree = describe(build_model(self.model.factory, self.model.kwargs, device="meta"))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"model: {exc}") from None
-        for side in ("source", "target"):
-            try:
-                kinds.get(getattr(self, side).kind).check(tree, getattr(self, side).spec())
-            except ValueError as exc:
-                raise ValueError(f"{side}.wrap={getattr(self, side).wrap}: {exc}") from None
 
     @property
     def source_input_format(self) -> str:

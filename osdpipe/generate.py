@@ -16,36 +16,27 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from osdpipe import formats, kinds, whereabouts
-from osdpipe.config import RunSpec
+from osdpipe import kinds, whereabouts
 from osdpipe.kinds import rank_layout
-from osdpipe.models import build_model
-from osdpipe.output import STAGING
+from osdpipe.plan import Plan
 from osdpipe.reference import live_target, train_step
-from osdpipe.tree import describe
 
-def source_path(spec: RunSpec) -> str:
-    """Where the generated source checkpoint goes: ``source/`` of the staged run (:mod:`osdpipe.output`).
 
-    It is committed with the conversion, as ``<output.path>/source/``, and
-    replaced with it.
+def generate_rank(plan: Plan) -> str:
+    """Train and save on this rank of the source world; returns the checkpoint path (the plan's input path).
+
+    It is written straight into the staged run (:func:`osdpipe.plan.generated_source_path`):
+    a failed run discards it whole (:mod:`osdpipe.output`).
     """
-    return str(Path(spec.output.path) / STAGING / "source" / formats.get(spec.source_input_format).generated_name)
-
-
-def generate_rank(spec: RunSpec) -> str:
-    """Train and save on this rank of the source world; returns the checkpoint path."""
     whereabouts.enter("generate")
+    spec, tree = plan.spec, plan.tree
     rank = dist.get_rank()
-    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
     model, optim = live_target(spec, spec.source.spec(), tree, rank)
     layout = rank_layout(tree, spec.source.spec(), rank)
     for step in range(spec.generate.steps):  # synthetic gradients: no forward pass, so any model trains
         train_step(spec, model, optim, step, layout, tree)
-    path = Path(source_path(spec))
+    path = Path(plan.input_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Written straight into the staged run: a failed run discards it whole (osdpipe.output).
     kinds.get(spec.source.kind).save(model, optim, path, spec.source.state_dict_type, spec.input.key)
     dist.barrier()
     return str(path)
-

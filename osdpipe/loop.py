@@ -20,8 +20,10 @@ from typing import Any
 
 from osdpipe import progress, whereabouts
 from osdpipe.collective import StageError, agree, one_line
-from osdpipe.context import CheckResult, Context
+from osdpipe.context import Context
 from osdpipe.memory import MemoryWatch
+from osdpipe.plan import Plan
+from osdpipe.products import P, CheckResult, Described, Sharded, SkippedCheck, Staged, Tally, Verified, find
 from osdpipe.report import Report, StageReport
 from osdpipe.stages import STAGES
 from osdpipe.stages.save import commit
@@ -29,9 +31,6 @@ from osdpipe.world import World
 
 #: Stages that open and describe the source: run once per process, their product shared by every rank it plays.
 SOURCE_STAGES = ("load", "broadcast")
-
-#: Makes the context of a target rank: ``(rank, shared)`` -> its context (``shared``: what every rank of this process shares).
-NewContext = Callable[[int, dict[str, Any]], Context]
 
 
 @dataclass
@@ -48,40 +47,56 @@ class Timings:
         self.sent[name] = self.sent.get(name, 0) + sent
 
 
-def play(world: World, stages: Sequence[str], new_context: NewContext, timings: Timings | None = None, on_rank: Callable[[int], None] | None = None) -> Iterator[Context]:
-    """Run ``stages`` for every rank ``world`` plays here; yield each rank's context once its stages have run.
+@dataclass(frozen=True)
+class Played:
+    """One target rank once its stages have run: where it ran, the last stage's product, and the warnings its stages gave."""
 
-    A rank's products are dropped once the caller moves on to the next
-    rank, so memory holds one target rank's state at a time.
+    ctx: Context
+    product: Any
+    warnings: tuple[str, ...]
+
+    def find(self, kind: type[P]) -> P | None:
+        """The product of type ``kind`` this rank made (``None``: that stage did not run)."""
+        return find(self.product, kind)
+
+
+def play(plan: Plan, world: World, stages: Sequence[str], timings: Timings | None = None, on_rank: Callable[[int], None] | None = None) -> Iterator[Played]:
+    """Run ``stages`` for every rank ``world`` plays here; yield each rank once its stages have run.
+
+    Each stage gets the previous stage's product and makes its own
+    (:mod:`osdpipe.products`). A rank's products are dropped once the caller
+    moves on to the next rank, so memory holds one target rank's state at a
+    time; the source's (:data:`SOURCE_STAGES`) are made once and shared.
     """
     timings = timings if timings is not None else Timings()
-    shared: dict[str, Any] = {}
-    source: tuple[Any, ...] = ()
+    source: Described | None = None
     for rank in world.ranks():
-        ctx = new_context(rank, shared)
-        if source:
-            ctx.reader, ctx.meta, ctx.reading_ranks = source
+        ctx = Context(plan, world, rank)
+        product: Any = source
+        warnings: list[str] = []
         for name in stages:
-            if source and name in SOURCE_STAGES:
+            if source is not None and name in SOURCE_STAGES:
                 continue
             whereabouts.enter(name)
             if rank == 0:
                 progress.emit("phase", f"stage {name}")
-            ctx.bytes_moved = ctx.bytes_sent = 0
+            tally = Tally()
             start = time.perf_counter()
             error = None
             try:
-                STAGES[name](ctx)
+                product = STAGES[name](ctx, product, tally)
             except StageError:
                 raise  # already agreed on by every rank inside the stage
             except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
                 error = one_line(exc)
             agree(name, error, rank=rank)
-            timings.add(name, time.perf_counter() - start, ctx.bytes_moved, ctx.bytes_sent)
-        source = (ctx.reader, ctx.meta, ctx.reading_ranks)
+            timings.add(name, time.perf_counter() - start, tally.moved, tally.sent)
+            warnings += tally.warnings
+            if name == SOURCE_STAGES[-1]:
+                source = product
         if on_rank is not None:
             on_rank(rank)
-        yield ctx
+        yield Played(ctx, product, tuple(warnings))
 
 
 @dataclass
@@ -89,45 +104,57 @@ class RankOutcome:
     """What the report needs of one target rank once its stages have run."""
 
     rank: int
-    checks: list[CheckResult]
+    checks: tuple[CheckResult, ...]
+    skipped: tuple[SkippedCheck, ...]
     output_bytes: int
     saved: Any
 
 
-def run_stages(world: World, stages: Sequence[str], new_context: NewContext, on_rank: Callable[[int], None] | None = None) -> tuple[Report, Context | None]:
+def outcome_of(played: Played) -> RankOutcome:
+    verified, sharded, staged = played.find(Verified), played.find(Sharded), played.find(Staged)
+    return RankOutcome(
+        played.ctx.rank,
+        () if verified is None else verified.checks,
+        () if verified is None else verified.skipped,
+        0 if sharded is None else sharded.state_bytes(),
+        None if staged is None else staged.files,
+    )
+
+
+def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None = None) -> tuple[Report, Played]:
     """The conversion over ``world``: every rank's stages, then the checks combined and the staged files committed.
 
-    Returns the report, the same on every process, and the context of the
-    last rank this process played (the Python API returns its result).
+    Returns the report, the same on every process, and the last rank this
+    process played (the Python API returns its state dict).
     """
-    spec_stages = list(stages)
+    stages = list(plan.stages)
     timings = Timings()
     outcomes: list[RankOutcome] = []
     warnings: list[str] = []
     watch = MemoryWatch(world.label).start()
-    ctx: Context | None = None
+    last: Played | None = None
     try:
-        for ctx in play(world, spec_stages, new_context, timings, on_rank):
-            outcomes.append(RankOutcome(ctx.rank, ctx.checks, state_bytes(ctx.local_state), ctx.saved))
-            warnings += [w for w in ctx.warnings if w not in warnings]
+        for last in play(plan, world, stages, timings, on_rank):
+            outcomes.append(outcome_of(last))
+            warnings += [w for w in last.warnings if w not in warnings]
     finally:
         peak = watch.stop()  # its sampling thread must not outlive a failed run in a caller's process (the Python API)
-    assert ctx is not None, "a world plays at least one rank"
+    assert last is not None, "a world plays at least one rank"
     every = sorted((o for process in world.gather_processes(outcomes) for o in process), key=lambda o: o.rank)
-    checks = combine([o.checks for o in every]) if every and every[0].checks else []
+    checks = combine([list(o.checks) for o in every]) if every and every[0].checks else []
     ok = all(c.ok for c in checks)
     files: dict[str, str] = {}
-    if ok and "save" in spec_stages and all(o.saved is not None for o in every):
+    if ok and "save" in stages and all(o.saved is not None for o in every):
         start = time.perf_counter()
-        ctx.bytes_moved = 0
+        tally = Tally()
         error = None
         if 0 in world.ranks():  # one process commits: the one that plays rank 0
             try:
-                files = commit(ctx, [o.saved for o in every])
+                files = commit(last.ctx, [o.saved for o in every], tally)
             except Exception as exc:  # noqa: BLE001 - shared with every process below
                 error = one_line(exc)
         agree("save", error)
-        timings.add("save", time.perf_counter() - start, ctx.bytes_moved, 0)
+        timings.add("save", time.perf_counter() - start, tally.moved, 0)
     per_process = world.gather_processes((timings, peak))
     report = Report(
         ok=ok,
@@ -138,17 +165,17 @@ def run_stages(world: World, stages: Sequence[str], new_context: NewContext, on_
                 sum(t.moved.get(name, 0) for t, _ in per_process),
                 sum(t.sent.get(name, 0) for t, _ in per_process),
             )
-            for name in spec_stages
+            for name in stages
         ],
         checks=checks,
-        skipped_checks=ctx.skipped_checks,
+        skipped_checks=list(outcome_of(last).skipped),
         files=files,
         warnings=warnings,
         memory=[p for _, p in per_process],
-        memory_budget=ctx.spec.runtime.memory_budget,
+        memory_budget=plan.spec.runtime.memory_budget,
         output_bytes=[o.output_bytes for o in every],
     )
-    return report, ctx
+    return report, last
 
 
 def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:
@@ -159,8 +186,3 @@ def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:
         detail = "; ".join(f"rank {r}: {c.detail}" for r, c in failed[:3]) if failed else check.detail
         combined.append(CheckResult(check.name, not failed, detail))
     return combined
-
-
-def state_bytes(local_state: dict[str, dict]) -> int:
-    """The bytes of the tensors a rank converted: its own output, which a memory budget does not count."""
-    return sum(v.numel() * v.element_size() for state in local_state.values() for v in state.values() if hasattr(v, "numel") and v.dim() > 0)

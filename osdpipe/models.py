@@ -13,6 +13,7 @@ Every built-in model is deterministic for a given seed and can be built on the
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -166,7 +167,20 @@ def resolve_factory(factory: str) -> ModelFactory:
 
 def model_units(factory: str, kwargs: dict[str, Any]) -> list[str]:
     """The model's natural FSDP units: its ``fsdp_units`` attribute (read on the meta model), else none (the root only)."""
-    return list(getattr(build_model(factory, kwargs, device="meta"), "fsdp_units", ()))
+    return list(getattr(meta_model(factory, kwargs), "fsdp_units", ()))
+
+
+#: The last meta model built, by factory and kwargs: the config's default units and the plan's tree read the same one.
+_last_meta: tuple[str, nn.Module] | None = None
+
+
+def meta_model(factory: str, kwargs: dict[str, Any]) -> nn.Module:
+    """The model built on the ``meta`` device (no memory), built once for a run however many ask (read it, never change it)."""
+    global _last_meta
+    key = json.dumps([factory, kwargs], sort_keys=True, default=repr)
+    if _last_meta is None or _last_meta[0] != key:
+        _last_meta = (key, build_model(factory, kwargs, device="meta"))
+    return _last_meta[1]
 
 
 def build_model(factory: str, kwargs: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:

@@ -1,10 +1,11 @@
 """Run the stages on every rank, time them, and report.
 
-:func:`execute` is the whole conversion as the CLI runs it: generate a source
-when none is given, run the pipeline on the target world, write
-``report.json``. :func:`run_rank` is the per-rank part, shared by the local
-world, torchrun and the Python API; :func:`run_offline` plays every rank in
-one process. Both run the one stage loop of :mod:`osdpipe.loop`.
+:func:`execute` is the whole conversion as the CLI runs it, from the plan the
+launcher built once (:mod:`osdpipe.plan`): generate a source when none is
+given, run the pipeline on the target world, write ``report.json``.
+:func:`run_rank` is the per-rank part, shared by the local world, torchrun
+and the Python API; :func:`run_offline` plays every rank in one process.
+Both run the one stage loop of :mod:`osdpipe.loop`.
 """
 
 from __future__ import annotations
@@ -22,27 +23,18 @@ import torch.distributed as dist
 from osdpipe import loop, output, progress, whereabouts
 from osdpipe.collective import StageError, from_rank0, lost_a_peer, one_line
 from osdpipe.config import RunSpec
-from osdpipe.context import Context
 from osdpipe.logfile import write_log
-from osdpipe.models import build_model
+from osdpipe.plan import Plan
 from osdpipe.report import Report
-from osdpipe.tree import describe
-from osdpipe.world import GroupWorld, SoloWorld, World
+from osdpipe.world import GroupWorld, SoloWorld
 
 
-def make_context(spec: RunSpec, input_path: str, input_format: str) -> Context:
-    """The context of this process's rank in the current process group (or of the one rank, without one)."""
-    world = GroupWorld()
-    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
-    return Context(spec=spec, rank=world.rank, world=world, tree=tree, input_path=input_path, input_format=input_format)
+def run_rank(plan: Plan) -> Report:
+    """The pipeline on this rank of an initialized target world (or alone, without one); every rank gets the same report."""
+    return loop.run_stages(plan, GroupWorld())[0]
 
 
-def run_stages(ctx: Context) -> Report:
-    """The configured stages on ``ctx``'s rank of its process group; every rank gets the same report."""
-    return loop.run_stages(ctx.world, ctx.spec.pipeline.stages, lambda rank, shared: ctx)[0]
-
-
-def run_offline(spec: RunSpec, input_path: str, input_format: str, display: progress.Display | None = None) -> Report:
+def run_offline(plan: Plan, display: progress.Display | None = None) -> Report:
     """Every target rank in turn in this process, with no process group (``runtime.mode=offline``).
 
     A layout needs only the module tree of a ``meta`` model, the wrapping and
@@ -50,36 +42,18 @@ def run_offline(spec: RunSpec, input_path: str, input_format: str, display: prog
     :class:`~osdpipe.world.SoloWorld`); memory holds one target rank's output
     at a time, and the files are committed once, after the last rank.
     """
-    world = SoloWorld(spec.target.world_size)
+    world = SoloWorld(plan.world_size)
     if display is not None:
         display.phase(f"offline: {world.size} target rank(s)")
-    return loop.run_stages(
-        world, spec.pipeline.stages, rank_contexts(spec, world, input_path, input_format),
-        on_rank=None if display is None else (lambda rank: display(("items", rank + 1, world.size))),
-    )[0]
+    return loop.run_stages(plan, world, on_rank=None if display is None else (lambda rank: display(("items", rank + 1, world.size))))[0]
 
 
-def rank_contexts(spec: RunSpec, world: World, input_path: str, input_format: str) -> loop.NewContext:
-    """Makes each rank's context over one module tree, built once for every rank ``world`` plays."""
-    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
-
-    def new_context(rank: int, shared: dict) -> Context:
-        return Context(spec=spec, rank=rank, world=world, tree=tree, input_path=input_path, input_format=input_format, shared=shared)
-
-    return new_context
-
-
-def run_rank(spec: RunSpec, input_path: str, input_format: str) -> Report:
-    """The pipeline on this rank of an initialized target world (or alone, without one)."""
-    return run_stages(make_context(spec, input_path, input_format))
-
-
-def _convert_worker(spec: RunSpec, input_path: str, input_format: str) -> Report | None:
-    report = run_rank(spec, input_path, input_format)
+def _convert_worker(plan: Plan) -> Report | None:
+    report = run_rank(plan)
     return report if dist.get_rank() == 0 else None
 
 
-def check_source(spec: RunSpec) -> None:
+def check_source(plan: Plan) -> None:
     """Read the input's metadata and check it against the model and the source layout, in this process.
 
     What the load and broadcast stages would find wrong with the input (a
@@ -94,23 +68,22 @@ def check_source(spec: RunSpec) -> None:
     from osdpipe.optim import group_members
     from osdpipe.stages.load import source_id_groups
 
-    assert spec.input.path is not None
-    tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
-    groups = source_id_groups(spec, spec.input.format)
-    meta = inspect_source(spec.input.format, spec.input.path, spec.input.key, tree=tree, source=spec.source.spec(), id_groups=groups)
+    spec = plan.spec
+    groups = source_id_groups(spec, plan.input_format)
+    meta = inspect_source(plan.input_format, plan.input_path, spec.input.key, tree=plan.tree, source=spec.source.spec(), id_groups=groups)
     if meta.param_groups is not None:  # the source's optimizer held these; the target's must find each of its own there
-        layout = full_layout(tree)
+        layout = full_layout(plan.tree)
         held = {f for g in group_members(spec.optim, layout) for i in g for f in layout[i].fqns}
         missing = sorted(held - {f for g in meta.param_groups for f in g["params"]})
         if missing:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             raise InputError(
-                f"{spec.input.path}: the source's optimizer does not hold {shown}, which the model has; "
+                f"{plan.input_path}: the source's optimizer does not hold {shown}, which the model has; "
                 "is model.factory / model.kwargs the model that saved it (or optim.param_groups its grouping)?"
             )
 
 
-def execute(spec: RunSpec, warnings: Sequence[str] = ()) -> Report:
+def execute(plan: Plan, warnings: Sequence[str] = ()) -> Report:
     """The whole conversion in a local world (spawned ranks) or in the current torchrun world.
 
     The output directory is prepared first (:func:`osdpipe.output.begin`); a
@@ -124,14 +97,15 @@ def execute(spec: RunSpec, warnings: Sequence[str] = ()) -> Report:
     from osdpipe.launch import WorldError
     from osdpipe.rankserver import in_torchrun
 
+    spec = plan.spec
     backend = None if spec.runtime.backend == "auto" else spec.runtime.backend
     if spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun()):
-        return _execute_torchrun(spec, backend, warnings)
+        return _execute_torchrun(plan, backend, warnings)
     out = Path(spec.output.path)
     _begin(out, spec)
     display = progress.Display(progress.wanted(spec.runtime.progress))
     try:
-        report = _execute_local(spec, backend, display)
+        report = _execute_local(plan, backend, display)
     except (WorldError, StageError) as exc:
         report = Report(ok=False, error=str(exc), traceback=getattr(exc, "traceback", None) or None)
     except ValueError as exc:  # the input (InputError) or what the config says of it, found before any process starts
@@ -144,26 +118,25 @@ def execute(spec: RunSpec, warnings: Sequence[str] = ()) -> Report:
     return report
 
 
-def _execute_local(spec: RunSpec, backend: str | None, display: progress.Display) -> Report:
+def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -> Report:
     """Check the input, generate a source when none is given, convert on a local world of spawned ranks (or offline)."""
     from osdpipe.generate import generate_rank
     from osdpipe.launch import run_local_world
 
-    input_path, input_format = spec.input.path, spec.source_input_format
-    if input_path is not None:
+    spec = plan.spec
+    if spec.input.path is not None:
         display.phase("checking the input")
-        check_source(spec)
+        check_source(plan)
     else:
         display.phase(f"generating a source: {spec.generate.steps} steps on {spec.source.world_size} rank(s)")
-        input_path = run_local_world(generate_rank, spec.source.world_size, (spec,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
+        run_local_world(generate_rank, spec.source.world_size, (plan,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)
     if spec.runtime.mode == "offline":
-        return run_offline(spec, input_path, input_format, display)
+        return run_offline(plan, display)
     display.phase(f"starting {spec.target.world_size} rank(s)")
-    args = (spec, input_path, input_format)
-    return run_local_world(_convert_worker, spec.target.world_size, args, backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
+    return run_local_world(_convert_worker, spec.target.world_size, (plan,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
 
 
-def _execute_torchrun(spec: RunSpec, backend: str | None, warnings: Sequence[str]) -> Report:
+def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) -> Report:
     """Join the torchrun world; it must be the target world (and, to generate, the source world too).
 
     Rank 0 prepares the output directory, draws progress and writes the report.
@@ -171,6 +144,7 @@ def _execute_torchrun(spec: RunSpec, backend: str | None, warnings: Sequence[str
     from osdpipe.generate import generate_rank
     from osdpipe.launch import default_backend, init_world
 
+    spec = plan.spec
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
     out = Path(spec.output.path)
     display = progress.Display(rank == 0 and progress.wanted(spec.runtime.progress))
@@ -186,12 +160,11 @@ def _execute_torchrun(spec: RunSpec, backend: str | None, warnings: Sequence[str
             init_world(backend or default_backend(), spec.runtime.timeout_s)
         try:
             from_rank0("launch", lambda: _begin(out, spec))
-            input_path = spec.input.path
-            if input_path is None:
+            if spec.input.path is None:
                 if spec.source.world_size != world:
                     raise StageError("generate", {0: f"under torchrun, generating a source needs source.world_size == {world}; give input.path instead"})
-                input_path = generate_rank(spec)
-            report = run_rank(spec, input_path, spec.source_input_format)
+                generate_rank(plan)
+            report = run_rank(plan)
         finally:
             dist.destroy_process_group()
             # What of gloo's a reference cycle still holds is otherwise freed

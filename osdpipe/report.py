@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from osdpipe.context import CheckResult, SkippedCheck
+from osdpipe.products import CheckResult, SkippedCheck
 from osdpipe.memory import MemoryPeak
 
 

@@ -34,6 +34,9 @@ class World:
     #: Whether the real target job can be built here: a model wrapped on a process group of the target's size
     #: (the checks that load into one, and PyTorch's own conversion, need it).
     builds_target: bool
+    #: What this process makes once for every rank it plays (DCP's write plan), or was handed for its rank
+    #: (the Python API's live model and optimizer): kept across the ranks it plays, never sent to another process.
+    kept: dict[Any, Any]
 
     def ranks(self) -> Sequence[int]:
         """The target ranks this process plays, in the order it plays them."""
@@ -68,6 +71,7 @@ class GroupWorld(World):
         self.size = dist.get_world_size() if grouped else 1
         self.label = f"rank {self.rank}"
         self.builds_target = True
+        self.kept = {}
 
     def ranks(self) -> Sequence[int]:
         return (self.rank,)
@@ -87,6 +91,7 @@ class SoloWorld(World):
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.kept = {}
         self._published: dict[str, dict[int, Any]] = {}
 
     def ranks(self) -> Sequence[int]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from osdpipe.context import CheckResult, Context
+from osdpipe.checks.common import Subject
+from osdpipe.products import CheckResult
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Subject) -> CheckResult:
     tensors = sum(1 for state in ctx.local_state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
     return CheckResult("counted", tensors > 0, f"rank {ctx.rank} holds {tensors} state tensor(s)")
 
 
-def skip_reason(ctx: Context) -> str | None:
+def skip_reason(ctx: Subject) -> str | None:
     return None

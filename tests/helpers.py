@@ -77,3 +77,30 @@ def processes_marked(mark: str) -> list[int]:
         if f"OSDPIPE_TEST_MARK={mark}".encode() in environ.split(b"\0") and state != "Z":
             found.append(int(entry.name))
     return found
+
+
+def planned(spec, input_path=None, input_format=None):
+    """The plan of ``spec`` as the launcher builds it; reading a test's own source at ``input_path`` when given."""
+    import dataclasses
+
+    from osdpipe.plan import plan_run
+
+    plan = plan_run(spec)
+    if input_path is None:
+        return plan
+    return dataclasses.replace(plan, input_path=str(input_path), input_format=input_format or plan.input_format)
+
+
+def run_stages_by_hand(spec, input_path, input_format, names):
+    """This rank's products of ``names``, each stage called with the one before's (no loop): ``{name: product}``."""
+    from osdpipe.context import Context
+    from osdpipe.products import Tally
+    from osdpipe.stages import STAGES
+    from osdpipe.world import GroupWorld
+
+    world = GroupWorld()
+    ctx = Context(planned(spec, input_path, input_format), world, world.rank)
+    products, product = {}, None
+    for name in names:
+        product = products[name] = STAGES[name](ctx, product, Tally())
+    return ctx, products

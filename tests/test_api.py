@@ -27,8 +27,9 @@ TARGET = {"world_size": 2, "wrap": ["Leaf"], "use_orig_params": True}
 
 def _generate(spec) -> str:
     from osdpipe.generate import generate_rank
+    from osdpipe.plan import plan_run
 
-    return generate_rank(spec)
+    return generate_rank(plan_run(spec))
 
 
 @pytest.fixture(scope="module")

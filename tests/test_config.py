@@ -40,9 +40,11 @@ def compose_spec(overrides: list[str] = (), *, output_dir: str | Path | None = N
 
 
 def config_error(overrides: list[str], tmp_path: Path) -> str:
-    """The ConfigError message the overrides provoke (with output.path a fresh directory)."""
+    """The ConfigError message the overrides provoke (with output.path a fresh directory), from the spec or, for what the model answers, the plan."""
+    from osdpipe.plan import plan_run
+
     with pytest.raises(ConfigError) as info:
-        compose_spec([f"output.path={tmp_path / 'out'}", *overrides])
+        plan_run(compose_spec([f"output.path={tmp_path / 'out'}", *overrides]))
     return str(info.value)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_osdpipe
+from helpers import planned, run_osdpipe, run_stages_by_hand
 
 from osdpipe.loading import without_records
 from osdpipe import kinds
@@ -20,8 +20,9 @@ from osdpipe.collective import gather_to_all
 from osdpipe.launch import run_local_world
 from osdpipe.loop import combine
 from osdpipe.kinds import rank_layout
-from osdpipe.pipeline import execute, make_context, run_rank
+from osdpipe.pipeline import execute, run_rank
 from osdpipe.reference import live_target, train_step
+from osdpipe.products import Tally
 from osdpipe.stages import STAGES
 
 TIMEOUT_S = 180
@@ -54,7 +55,7 @@ def pytorch_says(spec: RunSpec, full_path: str) -> list[str]:
 def _convert_and_check(specs: list[RunSpec], sources: list[str]) -> list[tuple[bool, list[str], list[str]]]:
     out = []
     for spec, source in zip(specs, sources):
-        report = run_rank(spec, source, "fsdp_full")
+        report = run_rank(planned(spec, source, "fsdp_full"))
         problems = pytorch_says(spec, source)
         out.append((report.ok, [f"{c.name}: {c.detail}" for c in report.checks if not c.ok], problems))
     return out
@@ -63,7 +64,7 @@ def _convert_and_check(specs: list[RunSpec], sources: list[str]) -> list[tuple[b
 def _generate(spec: RunSpec) -> str:
     from osdpipe.generate import generate_rank
 
-    return generate_rank(spec)
+    return generate_rank(planned(spec))
 
 
 # Source layouts for N = 1..4 and target layouts for M = 1..4: each pair is one conversion.
@@ -105,11 +106,10 @@ def test_n_to_m_matches_pytorch(m, nested_sources, tmp_path):
 
 
 def _tamper_and_verify(spec: RunSpec, source: str, tamper: str) -> list[tuple[str, bool, str]]:
-    ctx = make_context(spec, source, "fsdp_full")
-    for name in ("load", "broadcast", "flatten", "shard", "rekey"):
-        STAGES[name](ctx)
+    ctx, products = run_stages_by_hand(spec, source, "fsdp_full", ("load", "broadcast", "flatten", "shard", "rekey"))
+    keyed = products["rekey"]
     if dist.get_rank() == 1:
-        state = ctx.result["state"]
+        state = keyed.state_dict["state"]
         key = sorted(state)[-1]  # block2's flat parameter: 488 elements, 244 per rank, no padding
         if tamper == "element":
             flat = state[key]["exp_avg"].view(-1)
@@ -121,8 +121,8 @@ def _tamper_and_verify(spec: RunSpec, source: str, tamper: str) -> list[tuple[st
             # so rank 1's shard ends in one element of padding.
             assert ctx.target_layout()[0].segments[-1].dest + ctx.target_layout()[0].segments[-1].length == 49
             state[0]["exp_avg"].view(-1)[-1] = 1.0
-    STAGES["verify"](ctx)
-    return [(c.name, c.ok, c.detail) for c in combine(gather_to_all(ctx.checks))]  # every rank's results, as the stage loop combines them
+    verified = STAGES["verify"](ctx, keyed, Tally())
+    return [(c.name, c.ok, c.detail) for c in combine(gather_to_all(list(verified.checks)))]  # every rank's results, as the stage loop combines them
 
 
 @pytest.mark.parametrize("transfer", ["shared", "scatter"])
@@ -198,7 +198,7 @@ def test_user_checkpoint_4_ranks_to_m(fmt, m, tmp_path_factory):
         optim={"name": "AdamW", "lr": 0.01, "kwargs": {"weight_decay": 0.05}},
         target={"world_size": m, "wrap": ["Expert"], "use_orig_params": True},
     )
-    report = execute(spec)
+    report = execute(planned(spec))
     assert report.ok, report
     assert sorted(p.name for p in out.glob("rank_*.pt")) == [f"rank_{r}.pt" for r in range(m)]
     problems = run_local_world(_pytorch_check_worker, m, (spec, str(root / "optim.pt")), timeout_s=TIMEOUT_S)

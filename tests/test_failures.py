@@ -12,7 +12,9 @@ from osdpipe.collective import StageError
 from osdpipe.config import PipelineConfig
 from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import WorldError, run_local_world
-from osdpipe.pipeline import make_context, run_stages
+from helpers import planned
+from osdpipe.loop import run_stages
+from osdpipe.world import GroupWorld
 from osdpipe.stages import STAGES
 
 
@@ -32,16 +34,16 @@ def test_world_ends_when_one_rank_fails():
     assert not multiprocessing.active_children(), "a rank process was left behind"
 
 
-def _explode(ctx) -> None:
+def _explode(ctx, product, tally):
     if ctx.rank == 1:
         raise RuntimeError("disk full on rank 1")
+    return product  # passed on to the next stage
 
 
 def _run_with_exploding_stage(spec) -> str:
     STAGES.setdefault("explode", _explode)
-    ctx = make_context(spec, spec.input.path, "fsdp_full")
     try:
-        run_stages(ctx)
+        run_stages(planned(spec), GroupWorld())
     except StageError as exc:
         return str(exc)
     return "no error"
@@ -50,7 +52,7 @@ def _run_with_exploding_stage(spec) -> str:
 def _make_source(spec) -> str:
     from osdpipe.generate import generate_rank
 
-    return generate_rank(spec)
+    return generate_rank(planned(spec))
 
 
 def test_stage_error_is_raised_on_every_rank(tmp_path):
@@ -79,11 +81,10 @@ def test_unpicklable_result_is_an_error_not_a_hang():
 def _stage_fails_on_rank0_only(spec) -> None:
     """Rank 0 fails in a stage; every rank raises the agreed StageError out of the worker."""
     STAGES.setdefault("explode0", _explode_on_rank0)
-    ctx = make_context(spec, spec.input.path, "fsdp_full")
-    run_stages(ctx)
+    run_stages(planned(spec), GroupWorld())
 
 
-def _explode_on_rank0(ctx) -> None:
+def _explode_on_rank0(ctx, product, tally) -> None:
     if ctx.rank == 0:
         raise ValueError("cannot read /ckpt/optim.pt: it is truncated")
 

@@ -80,8 +80,9 @@ class Hostile:
 def _generate(specs: list[Any]) -> list[str]:
     """On each rank of the world: save every spec's source checkpoint (osdpipe's generate: real FSDP1, two steps)."""
     from osdpipe.generate import generate_rank
+    from osdpipe.plan import plan_run
 
-    return [generate_rank(spec) for spec in specs]
+    return [generate_rank(plan_run(spec)) for spec in specs]
 
 
 def _save_plain(path: Path) -> None:

@@ -543,11 +543,12 @@ def _convert_and_check(cases: list[tuple[Case, RunSpec]], root: str, sensitivity
     """On every rank of one target world: convert every case with osdpipe, then check every case against PyTorch."""
     from osdpipe.collective import StageError
     from osdpipe.pipeline import run_rank
+    from osdpipe.plan import plan_run
 
     results: dict[str, Outcome] = {}
     for case, spec in cases:
         try:
-            report = run_rank(spec, spec.input.path, spec.input.format)
+            report = run_rank(plan_run(spec))
             results[case.name] = Outcome(ok=report.ok, failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok])
         except StageError as exc:  # raised alike on every rank: the world stays in step
             results[case.name] = Outcome(error=str(exc))

@@ -196,6 +196,7 @@ def test_hybrid_output_replicas_are_compared(full_source: Path, tmp_path: Path, 
     it must name the rank, its counterpart and the tensor, and nothing is committed.
     """
     from osdpipe.reconcile import settle_and_validate
+    from helpers import planned
     from osdpipe.pipeline import run_offline
     from osdpipe.progress import Display
     from osdpipe.stages import STAGES
@@ -213,18 +214,19 @@ def test_hybrid_output_replicas_are_compared(full_source: Path, tmp_path: Path, 
             }
         )
 
-    good = run_offline(spec(tmp_path / "good"), str(full_source), "fsdp_full", Display(False))
+    good = run_offline(planned(spec(tmp_path / "good")), Display(False))
     assert good.ok and [(c.name, c.detail) for c in good.checks] == [("replicas", "the output's replica groups hold the same state bitwise")]
 
     rekey = STAGES["rekey"]
 
-    def rekey_then_spoil_rank_3(ctx) -> None:
-        rekey(ctx)
+    def rekey_then_spoil_rank_3(ctx, sharded, tally):
+        keyed = rekey(ctx, sharded, tally)
         if ctx.rank == 3:
-            ctx.result["state"][0]["exp_avg"].view(-1)[1] += 1
+            keyed.state_dict["state"][0]["exp_avg"].view(-1)[1] += 1
+        return keyed
 
     monkeypatch.setitem(STAGES, "rekey", rekey_then_spoil_rank_3)
-    bad = run_offline(spec(tmp_path / "bad"), str(full_source), "fsdp_full", Display(False))
+    bad = run_offline(planned(spec(tmp_path / "bad")), Display(False))
     assert not bad.ok and bad.files == {}
     assert [(c.name, c.detail) for c in bad.checks] == [
         ("replicas", "rank 3: output rank 3 differs from rank 1, which holds the same shard: 0.exp_avg")

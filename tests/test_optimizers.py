@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import planned, run_stages_by_hand
 import torch
 import torch.distributed as dist
 from test_convert import _convert_and_check, spec_for
@@ -75,7 +76,7 @@ def _spec(root: Path, case: str, side: str, **extra: Any) -> RunSpec:
 def _generate_all(specs: list[RunSpec]) -> list[str]:
     from osdpipe.generate import generate_rank
 
-    return [generate_rank(spec) for spec in specs]
+    return [generate_rank(planned(spec)) for spec in specs]
 
 
 def _tamper_load_step(spec: RunSpec, source: str, tamper: str) -> tuple[bool, str, str]:
@@ -86,23 +87,21 @@ def _tamper_load_step(spec: RunSpec, source: str, tamper: str) -> tuple[bool, st
     element is infinite already (the source's own). Returns the check's
     outcome and the FQN it must name.
     """
-    from osdpipe.pipeline import make_context
-    from osdpipe.stages import STAGES
+    from osdpipe.checks.common import Subject
     from osdpipe.checks.load_step import run as check_load_step
+    from osdpipe.products import Tally
 
-    ctx = make_context(spec, source, "fsdp_full")
-    for name in ("load", "broadcast", "flatten", "shard", "rekey"):
-        STAGES[name](ctx)
-    assert ctx.result is not None
-    tensor, seg = next((t, s) for t in ctx.optimizer_layout() if t.key in ctx.result_keys for s in t.segments if s.length >= 3)
-    trace = ctx.result["state"][ctx.result_keys[tensor.key]]["trace"].view(-1)
+    ctx, products = run_stages_by_hand(spec, source, "fsdp_full", ("load", "broadcast", "flatten", "shard", "rekey"))
+    keyed = products["rekey"]
+    tensor, seg = next((t, s) for t in ctx.optimizer_layout() if t.key in keyed.keys for s in t.segments if s.length >= 3)
+    trace = keyed.state_dict["state"][keyed.keys[tensor.key]]["trace"].view(-1)
     if tamper == "overflow":
         trace[seg.dest : seg.dest + 3] = 3e38
-        for group in ctx.result["param_groups"]:
+        for group in keyed.state_dict["param_groups"]:
             group["beta"] = 2.0
     else:
         trace[seg.dest] = float("inf")
-    result = check_load_step(ctx)
+    result = check_load_step(Subject(ctx, keyed, keyed.source, Tally()))
     dist.barrier()
     return result.ok, result.detail, seg.fqn
 

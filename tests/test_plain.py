@@ -27,6 +27,7 @@ from osdpipe.idmap import IdMapError, map_ids
 from osdpipe.launch import run_local_world
 from osdpipe.models import Block, build_model
 from osdpipe.pipeline import execute
+from osdpipe.plan import plan_run
 from osdpipe.tree import describe
 
 TIMEOUT_S = 120
@@ -181,7 +182,7 @@ def test_user_plain_checkpoint_with_shuffled_groups_to_fsdp1_matches_pytorch(use
         target={"world_size": 2, "wrap": ["Block"]},
         optim={"param_groups": OPTIM_GROUPS},
     )
-    report = execute(spec)
+    report = execute(plan_run(spec))
     assert report.ok, report
     results = run_local_world(_pytorch_plain_to_fsdp, 2, (path, str(out)), timeout_s=TIMEOUT_S)
     for rank, (problems, finite) in enumerate(results):
@@ -207,7 +208,7 @@ def test_user_plain_checkpoint_without_groups_says_how_to_fix_it(user_plain, tmp
         target={"world_size": 2, "wrap": ["Block"]},
         optim={"param_groups": OPTIM_GROUPS},
     )
-    report = execute(spec)
+    report = execute(plan_run(spec))
     assert not report.ok
     error = json.loads((out / "report.json").read_text())["error"]
     assert path in error and "input.param_groups=[[" in error  # found before any process started
@@ -255,7 +256,7 @@ def test_fsdp1_to_plain_matches_pytorch_and_steps(tmp_path):
         output={"format": "plain"},
         optim={"param_groups": OPTIM_GROUPS},
     )
-    report = execute(spec)
+    report = execute(plan_run(spec))
     assert report.ok, report
     full = torch.load(out / "source" / "optim.pt", weights_only=True)
     got = torch.load(out / "optim.pt", weights_only=True)

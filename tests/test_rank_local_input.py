@@ -28,6 +28,7 @@ from osdpipe.launch import run_local_world
 from osdpipe.kinds import rank_layout
 from osdpipe.models import build_model
 from osdpipe.pipeline import execute
+from osdpipe.plan import plan_run
 from osdpipe.reference import live_target, train_step
 from osdpipe.tree import ModuleTree, describe
 
@@ -196,7 +197,7 @@ def test_recipe_then_another_conversion_of_its_files(tmp_path: Path) -> None:
             "runtime": {"backend": "gloo", "timeout_s": 120, "progress": False},
         }
     )
-    report = execute(spec)
+    report = execute(plan_run(spec))
     assert report.ok, report
     checks = {c.name: c for c in report.checks}
     assert checks["reference"].ok and checks["roundtrip"].ok and checks["load_step"].ok, report.checks

@@ -16,6 +16,7 @@ from osdpipe import checks, formats  # noqa: E402
 from osdpipe.config import InputConfig, OutputConfig  # noqa: E402
 from osdpipe.formats.fsdp_full import FsdpFull  # noqa: E402
 from osdpipe.pipeline import execute  # noqa: E402
+from osdpipe.plan import plan_run  # noqa: E402
 from osdpipe.reconcile import settle_and_validate  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def offline(out: Path, **pipeline: object) -> dict:
 def test_a_check_is_its_module_and_its_registry_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checks, "CHECKS", (*checks.CHECKS, checks.Check("counted", "every rank holds state", "digests", where="dummycheck")))
     spec = settle_and_validate(offline(tmp_path / "out", checks=["roundtrip", "counted"]))
-    report = execute(spec)
+    report = execute(plan_run(spec))
     assert report.ok, report.error
     assert [(c.name, c.ok) for c in report.checks] == [("roundtrip", True), ("counted", True)]
     assert report.checks[1].detail.startswith("rank 0 holds ")  # every rank ran it; the first rank's words stand for all
@@ -53,7 +54,7 @@ class WholeFile(FsdpFull):
 def test_where_a_format_writes_is_its_own_business(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(formats.FORMATS, "fsdp_full", WholeFile())
     out = tmp_path / "out"
-    report = execute(settle_and_validate({**offline(out), "output": {"path": str(out), "format": "fsdp_full"}}))
+    report = execute(plan_run(settle_and_validate({**offline(out), "output": {"path": str(out), "format": "fsdp_full"}})))
     assert report.ok, report.error
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".pt") == ["whole.pt"]
     assert "whole.pt" in json.loads((out / "manifest.json").read_text())["files"]

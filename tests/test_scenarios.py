@@ -46,6 +46,7 @@ from osdpipe.reconcile import settle_and_validate
 from osdpipe.launch import run_local_world
 from osdpipe.models import NestedModel, TransformerModel
 from osdpipe.pipeline import execute
+from osdpipe.plan import plan_run
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow
@@ -540,7 +541,7 @@ def _convert(spec) -> Outcome:
     from osdpipe.pipeline import run_rank
 
     try:
-        report = run_rank(spec, spec.input.path, spec.input.format)
+        report = run_rank(plan_run(spec))
     except StageError as exc:  # raised alike on every rank: the world stays in step
         return Outcome(error=str(exc))
     return Outcome(ok=report.ok, failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok], warnings=report.warnings)
@@ -601,7 +602,7 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     _merge(results, run_local_world(_save_sources_then_convert, 4, (sources[4], jobs(4), str(root)), timeout_s=TIMEOUT_S))
     for case in CASES:
         if case.name in VIA_EXECUTE:
-            report = execute(_spec(case, root))
+            report = execute(plan_run(_spec(case, root)))
             results[case.name] = Outcome(ok=report.ok, error=report.error, failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok])
     for world in sorted({c.target.world_size for c in CASES} - {4}):
         _merge(results, run_local_world(_convert_and_check_world, world, (jobs(world), str(root), world == 2), timeout_s=TIMEOUT_S))

@@ -138,3 +138,23 @@ def test_the_stage_registry_runs_the_spec_s_stages_in_order() -> None:
     from osdpipe.stages import STAGES
 
     assert tuple(STAGES) == STAGE_ORDER
+
+
+def test_stages_are_functions_of_frozen_products() -> None:
+    """Context is the frozen (plan, world, rank); each stage takes (ctx, the previous product, a tally) and returns a frozen product."""
+    import dataclasses
+    import inspect
+
+    from osdpipe import products
+    from osdpipe.context import Context
+    from osdpipe.stages import STAGES
+
+    assert [f.name for f in dataclasses.fields(Context)] == ["plan", "world", "rank"]
+    assert Context.__dataclass_params__.frozen
+    made = {"load": "Opened", "broadcast": "Described", "flatten": "Flattened", "shard": "Sharded", "rekey": "Keyed", "verify": "Verified", "save": "Staged"}
+    for name, stage in STAGES.items():
+        params = list(inspect.signature(stage).parameters)
+        assert len(params) == 3 and params[0] == "ctx" and params[2] == "tally", f"stage {name} takes {params}"
+        returned = inspect.signature(stage).return_annotation
+        assert returned == made[name], f"stage {name} returns {returned}"
+        assert getattr(products, made[name]).__dataclass_params__.frozen

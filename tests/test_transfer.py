@@ -169,7 +169,9 @@ def _reader_fails_while_serving(spec, source: str) -> tuple[str, float]:
 
     from osdpipe.collective import StageError
     from osdpipe.formats.fsdp_full import FullReader
-    from osdpipe.pipeline import make_context, run_stages
+    from helpers import planned
+    from osdpipe.loop import run_stages
+    from osdpipe.world import GroupWorld
 
     if dist.get_rank() == 0:
         calls = {"n": 0}
@@ -184,7 +186,7 @@ def _reader_fails_while_serving(spec, source: str) -> tuple[str, float]:
         FullReader.read_range = failing
     start = time.monotonic()
     try:
-        run_stages(make_context(spec, source, "fsdp_full"))
+        run_stages(planned(spec, source, "fsdp_full"), GroupWorld())
     except StageError as exc:
         return str(exc), time.monotonic() - start
     return "no error", time.monotonic() - start

@@ -2,7 +2,8 @@
 
 Each check is a module of this package with ``run(ctx) -> CheckResult`` and
 ``skip_reason(ctx) -> str | None`` (why it does not run on this conversion,
-in words that follow its name). The registry itself imports no torch: the
+in words that follow its name); ``ctx`` is what the check looks at, the
+rank's :class:`~osdpipe.checks.common.Subject`. The registry itself imports no torch: the
 config's choices (``pipeline.checks``), ``--help`` and ``report.json`` read
 the names and descriptions here, and a check's module is imported only when
 verify runs it.
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Literal
 from osdpipe.registry import member
 
 if TYPE_CHECKING:
-    from osdpipe.context import CheckResult, Context
+    from osdpipe.checks.common import Subject
+    from osdpipe.products import CheckResult
 
 #: What running a check holds and does, for a user choosing which to run on a large conversion.
 Cost = Literal["streams", "whole state", "steps", "digests"]
@@ -44,10 +46,10 @@ class Check:
         # Imported on first use: the checks import torch, which config validation and --help must not.
         return importlib.import_module(self.where or f"{__name__}.{self.name}")
 
-    def skip_reason(self, ctx: Context) -> str | None:
+    def skip_reason(self, ctx: Subject) -> str | None:
         return self.module.skip_reason(ctx)
 
-    def run(self, ctx: Context) -> CheckResult:
+    def run(self, ctx: Subject) -> CheckResult:
         return self.module.run(ctx)
 
 

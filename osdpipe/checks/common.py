@@ -1,38 +1,170 @@
-"""What several checks share: the whole source or output on every rank, the live target job, the size limit."""
+"""What several checks share: what they look at (:class:`Subject`), the whole source or output on every rank, the live target job, the size limit."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from osdpipe import kinds
 from osdpipe.collective import from_rank0, gather_to_all
+from osdpipe.config import RunSpec
 from osdpipe.context import Context
-from osdpipe.formats import full_state, TensorRef
+from osdpipe.formats import Format, SourceReader, full_state, TensorRef
+from osdpipe.formats.base import SourceMeta
+from osdpipe.layout import LocalTensor
+from osdpipe.products import Described, Keyed, Tally
 from osdpipe.reference import live_target
 from osdpipe.sizes import show_size
+from osdpipe.transfer import Source
+from osdpipe.tree import ModuleTree
+from osdpipe.world import World
+
+#: Where the Python API leaves a rank's live target model and optimizer in :attr:`World.kept`, keyed with the rank.
+LIVE_TARGET = "live target"
 
 
-def source_tensor_bytes(ctx: Context) -> int:
+@dataclass
+class Subject:
+    """What a check looks at on one rank: where it runs, the state it checks, and the source it came from.
+
+    ``keyed`` is the rank's converted state (``None`` where ``osdpipe check
+    --load`` checks written files instead), ``source`` the described source
+    (``None`` where it could not be read). The real target job is built on
+    first use and kept for the rank's other checks (or is the Python API's).
+    """
+
+    ctx: Context
+    keyed: Keyed | None
+    source: Described | None
+    tally: Tally
+    #: Per target rank, the layout keys its optimizer holds, as the ranks published them (a live optimizer's own groups).
+    held: dict[int, set[str]] = field(default_factory=dict)
+    _live: tuple[Any, Any] | None = field(default=None, repr=False)
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.ctx.spec
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def tree(self) -> ModuleTree:
+        return self.ctx.tree
+
+    @property
+    def world(self) -> World:
+        return self.ctx.world
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def id_keyed(self) -> bool:
+        return self.ctx.id_keyed
+
+    @property
+    def output_format(self) -> Format:
+        return self.ctx.output_format
+
+    @property
+    def input_path(self) -> str:
+        return self.ctx.plan.input_path
+
+    @property
+    def input_format(self) -> str:
+        return self.ctx.plan.input_format
+
+    def target_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:
+        return self.ctx.target_layout(rank)
+
+    def optimizer_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:
+        return self.ctx.optimizer_layout(rank)
+
+    def held_keys(self, rank: int) -> set[str]:
+        """The layout keys target rank ``rank``'s optimizer holds (published by the ranks, else the plan's)."""
+        if rank not in self.held:
+            self.held[rank] = self.ctx.plan.held_keys(rank)
+        return self.held[rank]
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        """The state dict this rank's output holds."""
+        return None if self.keyed is None else self.keyed.state_dict
+
+    @property
+    def result_keys(self) -> dict[str, Any]:
+        return {} if self.keyed is None else self.keyed.keys
+
+    @property
+    def local_state(self) -> dict[str, dict[str, Any]]:
+        """This rank's converted tensors by layout key, before rekey keyed them."""
+        return {} if self.keyed is None else self.keyed.sharded.state
+
+    @property
+    def flat_state(self) -> dict[str, dict[str, Any]]:
+        return {} if self.keyed is None else self.keyed.sharded.flat.entries
+
+    @property
+    def sent_digests(self) -> dict[int, dict[tuple[str, str, int], str]]:
+        return {} if self.keyed is None else self.keyed.sharded.sent_digests
+
+    @property
+    def meta(self) -> SourceMeta | None:
+        return None if self.source is None else self.source.meta
+
+    @property
+    def reader(self) -> SourceReader | None:
+        return None if self.source is None else self.source.reader
+
+    @property
+    def reading_ranks(self) -> tuple[int, ...] | None:
+        return None if self.source is None else self.source.reading_ranks
+
+    @property
+    def reads_itself(self) -> bool:
+        return self.source is None or self.source.reads_itself(self.rank)
+
+    def read_source(self) -> Source:
+        """This rank's reader of the source, in pieces of the size ``runtime.memory_budget`` allows."""
+        assert self.reader is not None, "the load stage opens the reader"
+        return Source(self.reader, self.spec.runtime.piece_bytes)
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.tally.warnings
+
+    @property
+    def live(self) -> tuple[Any, Any]:
+        """This rank's real target model and optimizer: the Python API's own, else built once, on first use."""
+        if self._live is None:
+            self._live = self.world.kept.get((LIVE_TARGET, self.rank)) or live_target(self.spec, self.spec.target.spec(), self.tree, self.rank)
+        return self._live
+
+
+def source_tensor_bytes(ctx: Subject) -> int:
     """The bytes of the source's tensor state (what a check holding the whole state holds on every rank)."""
     assert ctx.meta is not None
     return sum(math.prod(v.shape) * v.torch_dtype.itemsize for entries in ctx.meta.state.values() for v in entries.values() if isinstance(v, TensorRef))
 
 
-def within_full_state_limit(ctx: Context) -> bool:
+def within_full_state_limit(ctx: Subject) -> bool:
     limit = ctx.spec.pipeline.full_state_checks_max
     return limit is None or source_tensor_bytes(ctx) <= limit
 
 
-def full_source(ctx: Context) -> dict[str, Any]:
+def full_source(ctx: Subject) -> dict[str, Any]:
     """The whole source as a full FQN-keyed state dict (for PyTorch's reference conversion)."""
     assert ctx.meta is not None and ctx.reader is not None
     return full_state(ctx.reader, ctx.meta)
 
 
-def full_output(ctx: Context) -> dict[str, Any]:
+def full_output(ctx: Subject) -> dict[str, Any]:
     """The FQN-keyed output gathered to full tensors on every rank (``fsdp_full`` or ``dcp``)."""
     assert ctx.result is not None
     if ctx.output_format.one_writer:  # rank 0 holds it all
@@ -49,14 +181,12 @@ def full_output(ctx: Context) -> dict[str, Any]:
     return {**ctx.result, "state": state}
 
 
-def live_target_of(ctx: Context) -> tuple[Any, Any]:
-    """This rank's live target model and optimizer, built once per context."""
-    if ctx.live is None:
-        ctx.live = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
+def live_target_of(ctx: Subject) -> tuple[Any, Any]:
+    """This rank's live target model and optimizer, built once per rank."""
     return ctx.live
 
 
-def loadable(ctx: Context) -> dict[str, Any]:
+def loadable(ctx: Subject) -> dict[str, Any]:
     """What this rank's target optimizer loads from the output."""
     assert ctx.result is not None
     if ctx.id_keyed:
@@ -73,7 +203,7 @@ def with_groups(loadable: dict[str, Any], optim: Any) -> dict[str, Any]:
     return loadable
 
 
-def needs_target_world(ctx: Context) -> str | None:
+def needs_target_world(ctx: Subject) -> str | None:
     """Why a check that loads into a live target job with the whole source (``reference``, ``load_step``) cannot run here, or ``None``."""
     if not ctx.world.builds_target:
         return "needs a live target world (runtime.mode=online)"

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from osdpipe import kinds
-from osdpipe.checks.common import live_target_of, loadable, needs_target_world, with_groups
-from osdpipe.context import CheckResult, Context
+from osdpipe.checks.common import Subject, live_target_of, loadable, needs_target_world, with_groups
+from osdpipe.products import CheckResult
 from osdpipe.layout import LocalTensor
 from osdpipe.reference import train_step
 
@@ -46,12 +46,12 @@ def _named(tensor: LocalTensor, name: str, mask: torch.Tensor) -> list[str]:
     return out
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Subject) -> CheckResult:
     """The target optimizer loads the result and takes one step on synthetic gradients (:func:`load_and_step`)."""
     return load_and_step(ctx, loadable(ctx))
 
 
-def load_and_step(ctx: Context, loadable: dict[str, Any]) -> CheckResult:
+def load_and_step(ctx: Subject, loadable: dict[str, Any]) -> CheckResult:
     """This rank's target optimizer loads ``loadable`` and takes one step on synthetic gradients; its state must stay finite.
 
     ``loadable`` is what the optimizer's kind loads on this rank: the
@@ -96,6 +96,6 @@ def load_and_step(ctx: Context, loadable: dict[str, Any]) -> CheckResult:
     return CheckResult("load_step", True, detail)
 
 
-def skip_reason(ctx: Context) -> str | None:
+def skip_reason(ctx: Subject) -> str | None:
     return needs_target_world(ctx)
 

@@ -8,14 +8,14 @@ a target model reports after loading the source.
 from __future__ import annotations
 
 from osdpipe import kinds
-from osdpipe.checks.common import full_output, full_source, live_target_of, needs_target_world
+from osdpipe.checks.common import Subject, full_output, full_source, live_target_of, needs_target_world
 from osdpipe.compare import diff
-from osdpipe.context import CheckResult, Context
+from osdpipe.products import CheckResult
 from osdpipe.loading import PARAM_LAYOUT
 from osdpipe.reference import live_target
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Subject) -> CheckResult:
     kind = kinds.get(ctx.spec.target.kind)
     model, optim = live_target_of(ctx)
     full = full_source(ctx)
@@ -29,6 +29,6 @@ def run(ctx: Context) -> CheckResult:
     return CheckResult("reference", not problems, "; ".join(problems) or f"equals {what} bitwise")
 
 
-def skip_reason(ctx: Context) -> str | None:
+def skip_reason(ctx: Subject) -> str | None:
     return needs_target_world(ctx)
 

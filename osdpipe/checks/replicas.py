@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from osdpipe import formats
+from osdpipe.checks.common import Subject
 from osdpipe.collective import one_line
-from osdpipe.context import CheckResult, Context
+from osdpipe.products import CheckResult
 
 
-def has_replicas(ctx: Context) -> tuple[bool, bool]:
+def has_replicas(ctx: Subject) -> tuple[bool, bool]:
     """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank)."""
     source = formats.get(ctx.input_format).holds_replicas and ctx.spec.source.spec().replicas > 1
     return source, ctx.id_keyed and ctx.spec.target.spec().replicas > 1
 
 
-def _first_replica_digests(ctx: Context, mine: dict[str, str], first: int) -> dict[str, str]:
+def _first_replica_digests(ctx: Subject, mine: dict[str, str], first: int) -> dict[str, str]:
     """The state digests of rank ``first`` (which holds this rank's shard in the first replica group).
 
     ``first`` is never later than this rank, so every world has it
@@ -23,7 +24,7 @@ def _first_replica_digests(ctx: Context, mine: dict[str, str], first: int) -> di
     return ctx.world.published("replica digests", ctx.rank, mine)[first]
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Subject) -> CheckResult:
     """Replica groups agree: the source's (read from one group), and the output's (written for every group).
 
     Each rank compares a share of the source's rank files with the first
@@ -55,7 +56,7 @@ def run(ctx: Context) -> CheckResult:
     return CheckResult("replicas", not problems, "; ".join(problems[:5]) or f"{sides} replica groups hold the same state bitwise")
 
 
-def skip_reason(ctx: Context) -> str | None:
+def skip_reason(ctx: Subject) -> str | None:
     if not any(has_replicas(ctx)):
         return "applies only where a side has replica groups (HYBRID_SHARD, HSDP)"
     return None

@@ -11,8 +11,8 @@ import copy
 from typing import Any
 
 from osdpipe import kinds
-from osdpipe.checks.common import full_output, source_tensor_bytes, with_groups, within_full_state_limit
-from osdpipe.context import CheckResult, Context
+from osdpipe.checks.common import Subject, full_output, source_tensor_bytes, with_groups, within_full_state_limit
+from osdpipe.products import CheckResult
 from osdpipe.layout import LocalTensor
 from osdpipe.optim import resolve_optimizer
 from osdpipe.reference import live_target
@@ -21,14 +21,14 @@ from osdpipe.sizes import show_size
 from osdpipe.stages.rekey import param_ids
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Subject) -> CheckResult:
     """The output resumes as the source would (:mod:`osdpipe.resume`): loaded into a live target where one can be built, else into bare optimizers."""
     assert ctx.result is not None
     live = ctx.world.builds_target and (ctx.id_keyed or within_full_state_limit(ctx))
     return resume_result(ctx, ctx.result["state"], (lambda model, optim: _load_result(ctx, model, optim)) if live else None)
 
 
-def _load_result(ctx: Context, model: Any, optim: Any) -> None:
+def _load_result(ctx: Subject, model: Any, optim: Any) -> None:
     """This rank's result into a live target optimizer, the way a user loads the output format (from memory: the bytes save writes)."""
     assert ctx.result is not None
     if ctx.id_keyed:  # what osdpipe.load_rank_local (rank_local) or optim.load_state_dict (plain) does with the file
@@ -38,7 +38,7 @@ def _load_result(ctx: Context, model: Any, optim: Any) -> None:
         kinds.get(ctx.spec.target.kind).load_full(model, optim, copy.deepcopy(full_output(ctx)))
 
 
-def resume_result(ctx: Context, written: dict[Any, Any], load: Any) -> CheckResult:
+def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResult:
     """The ``resume`` check on this rank: ``written`` is the output's ``state`` as it is written (or was read back).
 
     ``load(model, optim)`` loads the output into a fresh live target job;
@@ -55,7 +55,7 @@ def resume_result(ctx: Context, written: dict[Any, Any], load: Any) -> CheckResu
         parts.append(f"steps not run: they {why_not}")
     else:
         assert ctx.meta is not None
-        reference = reference_for(ctx.spec, ctx.meta, ctx.source().reader, ctx.tree)
+        reference = reference_for(ctx.spec, ctx.meta, ctx.read_source().reader, ctx.tree)
         if load is not None:
             model, optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
             load(model, optim)
@@ -81,13 +81,13 @@ def resume_result(ctx: Context, written: dict[Any, Any], load: Any) -> CheckResu
     return CheckResult("resume", not problems, "; ".join(problems) or "; ".join(parts))
 
 
-def _param_names(ctx: Context) -> dict[int, str]:
+def _param_names(ctx: Subject) -> dict[int, str]:
     """Param ID -> the parameter(s) its local tensor holds, for messages about a param-ID keyed output."""
     layout = {t.key: t for t in ctx.target_layout()}
-    return {pid: ", ".join(layout[key].fqns[:2]) + (" ..." if len(layout[key].fqns) > 2 else "") for key, pid in param_ids(ctx).items()}
+    return {pid: ", ".join(layout[key].fqns[:2]) + (" ..." if len(layout[key].fqns) > 2 else "") for key, pid in param_ids(ctx.ctx).items()}
 
 
-def _resume_steps_skip(ctx: Context) -> str | None:
+def _resume_steps_skip(ctx: Subject) -> str | None:
     """Why the resume check's steps cannot run here (its storage part always does), or ``None``."""
     if ctx.reading_ranks is not None and any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
         return "need the source on every rank, which runtime.transfer=scatter does not read everywhere"  # said on every rank alike: the steps are collective
@@ -104,12 +104,12 @@ def _resume_steps_skip(ctx: Context) -> str | None:
     return None
 
 
-def _output_state_of(ctx: Context) -> Any:
+def _output_state_of(ctx: Subject) -> Any:
     """For a bare target: each local tensor's state and param group as the output holds them (``None``: its optimizer does not hold it)."""
     assert ctx.result is not None
     groups = ctx.result.get("param_groups") or []
     if ctx.id_keyed:
-        ids = param_ids(ctx)
+        ids = param_ids(ctx.ctx)
         key_of = ids.get
     else:
         held = {f for g in groups for f in g["params"]} if groups else None
@@ -125,6 +125,6 @@ def _output_state_of(ctx: Context) -> Any:
     return state_of
 
 
-def skip_reason(ctx: Context) -> str | None:
+def skip_reason(ctx: Subject) -> str | None:
     return None  # it runs on every conversion (resume may run its storage part only, and says why)
 

@@ -11,21 +11,22 @@ from typing import Any
 
 import torch
 
+from osdpipe.checks.common import Subject
 from osdpipe.collective import scatter_from
 from osdpipe.compare import bits_equal, diff
-from osdpipe.context import CheckResult, Context
+from osdpipe.products import CheckResult
 from osdpipe.formats import TensorRef
 from osdpipe.layout import LocalTensor, uncovered
 from osdpipe.transfer import Batch, batch_sha256, plan, stateful
 
 
-def _result_state(ctx: Context, key: str) -> dict[str, Any] | None:
+def _result_state(ctx: Subject, key: str) -> dict[str, Any] | None:
     assert ctx.result is not None
     rkey = ctx.result_keys.get(key)
     return None if rkey is None else ctx.result["state"].get(rkey)
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Subject) -> CheckResult:
     """Compare this rank's converted tensors with the source, batch by batch, and check coverage.
 
     A rank that reads the source compares the bytes themselves (and names the
@@ -68,7 +69,7 @@ def run(ctx: Context) -> CheckResult:
     return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or "every element equals the source bitwise; every source element is covered")
 
 
-def _sent_digests(ctx: Context) -> dict[tuple[str, str, int], str] | None:
+def _sent_digests(ctx: Subject) -> dict[tuple[str, str, int], str] | None:
     """The digests this rank's reading rank took of the batches it sent here (``None``: this rank reads the source itself)."""
     if ctx.reading_ranks is None or not any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
         return None
@@ -81,7 +82,7 @@ def _sent_digests(ctx: Context) -> dict[tuple[str, str, int], str] | None:
     return None if ctx.reads_itself else mine
 
 
-def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx: Context) -> list[str]:
+def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx: Subject) -> list[str]:
     """Padding, and the ranges of parameters without state ``name`` in the source, hold zeros."""
     assert ctx.meta is not None
     problems = []
@@ -94,9 +95,9 @@ def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx
     return problems
 
 
-def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], ctx: Context) -> list[str]:
+def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], ctx: Subject) -> list[str]:
     """Each batch of the result against the same ranges read from the source, bitwise."""
-    source, problems = ctx.source(), []
+    source, problems = ctx.read_source(), []
     for _, batch in work:
         flat = state[batch.name].reshape(-1)
         for seg, want in zip(batch.segments, source.pieces(batch), strict=True):
@@ -108,7 +109,7 @@ def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[i
     return problems
 
 
-def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], sent: dict[tuple[str, str, int], str], ctx: Context) -> list[str]:
+def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], sent: dict[tuple[str, str, int], str], ctx: Subject) -> list[str]:
     """Each batch of the result (``i``: its place in the plan) against the digest its reading rank took of the source."""
     assert ctx.reading_ranks is not None
     problems = []
@@ -120,7 +121,7 @@ def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[i
     return problems
 
 
-def _coverage_gaps(ctx: Context) -> list[str]:
+def _coverage_gaps(ctx: Subject) -> list[str]:
     """Source tensor elements that no target rank holds (computed from all target layouts)."""
     assert ctx.meta is not None
     held: dict[str, list[tuple[int, int]]] = {}
@@ -142,6 +143,6 @@ def _coverage_gaps(ctx: Context) -> list[str]:
     return gaps
 
 
-def skip_reason(ctx: Context) -> str | None:
+def skip_reason(ctx: Subject) -> str | None:
     return None  # it runs on every conversion
 

@@ -1,19 +1,22 @@
 """The stage registry: each stage's name and the function that runs it on a rank, in the order they run.
 
-A stage is a function ``(ctx) -> None`` that every rank calls; ``pipeline.stages``
-in the config picks which run (the names are the spec's,
-:data:`osdpipe.config.STAGE_ORDER`). Adding a stage is its module and its line
-here; the stage modules never import this package.
+A stage is a function ``(ctx, previous product, tally) -> product`` that
+every rank calls (:mod:`osdpipe.products` lists what each makes);
+``pipeline.stages`` in the config picks which run (the names are the spec's,
+:data:`osdpipe.config.STAGE_ORDER`). Adding a stage is its module and its
+line here; the stage modules never import this package.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from osdpipe.context import Context
+from osdpipe.products import Tally
 from osdpipe.stages import broadcast, flatten, load, rekey, save, shard, verify
 
-StageFn = Callable[[Context], None]
+StageFn = Callable[[Context, Any, Tally], Any]
 
 STAGES: dict[str, StageFn] = {
     "load": load.load,

@@ -3,7 +3,7 @@
 Only metadata travels (names, shapes, dtypes, scalar state, param groups);
 tensor bytes travel in the shard stage, and only with ``runtime.transfer=scatter``.
 NaN or Inf in scalar state (a ``step``) is found here, in tensor state where
-shard reads it (see :meth:`~osdpipe.context.Context.nonfinite_in_source`).
+shard reads it (see :func:`act_on_nonfinite`).
 """
 
 from __future__ import annotations
@@ -16,17 +16,20 @@ import torch
 from osdpipe.collective import from_rank0
 from osdpipe.context import Context
 from osdpipe.formats import RenamedReader, SourceMeta, canonical_meta
+from osdpipe.products import Described, Opened, Tally
 
 
-def broadcast(ctx: Context) -> None:
-    assert ctx.reader is not None or not ctx.reads_itself, "the load stage must run before broadcast"
-    meta = from_rank0("broadcast", lambda: ctx.reader.meta(), src=ctx.first_reader)
-    if ctx.rank == ctx.first_reader:
-        ctx.bytes_sent += len(pickle.dumps(meta)) * (ctx.world_size - 1)
-    ctx.meta = canonical_meta(meta, ctx.tree)
-    if ctx.meta.names and ctx.reader is not None:  # the checkpoint names parameters otherwise (module., _orig_mod., an alias): read by its names
-        ctx.reader = RenamedReader(ctx.reader, ctx.meta.names)
-    ctx.nonfinite_in_source(nonfinite_scalars(ctx.meta))
+def broadcast(ctx: Context, opened: Opened, tally: Tally) -> Described:
+    assert opened.reader is not None or not opened.reads_itself(ctx.rank), "the load stage must run before broadcast"
+    meta = from_rank0("broadcast", lambda: opened.reader.meta(), src=opened.first_reader)
+    if ctx.rank == opened.first_reader:
+        tally.sent += len(pickle.dumps(meta)) * (ctx.world_size - 1)
+    meta = canonical_meta(meta, ctx.tree)
+    reader = opened.reader
+    if meta.names and reader is not None:  # the checkpoint names parameters otherwise (module., _orig_mod., an alias): read by its names
+        reader = RenamedReader(reader, meta.names)
+    act_on_nonfinite(ctx, tally, nonfinite_scalars(meta))
+    return Described(reader, opened.reading_ranks, meta)
 
 
 def nonfinite_scalars(meta: SourceMeta) -> list[str]:
@@ -39,3 +42,19 @@ def nonfinite_scalars(meta: SourceMeta) -> list[str]:
             if isinstance(value, float) and not math.isfinite(value):
                 found.append(f"{fqn} {name} = {value}")
     return found
+
+
+def act_on_nonfinite(ctx: Context, tally: Tally, found: list[str], *, here: bool = True) -> None:
+    """Act on NaN or Inf found in the source (``found`` names each parameter and state).
+
+    By default that is an error, raised where it was found (``here``; the
+    other ranks learn of it when the stage's ranks agree). With
+    ``input.allow_nonfinite`` it is a warning, and the state converts as it is.
+    """
+    if not found:
+        return
+    shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+    if ctx.spec.input.allow_nonfinite:
+        tally.warnings.append(f"the source holds NaN or Inf, converted as they are (input.allow_nonfinite=true): {shown}")
+    elif here:
+        raise ValueError(f"the source holds NaN or Inf: {shown}; mend the checkpoint, or set input.allow_nonfinite=true to convert them as they are")

@@ -18,6 +18,7 @@ from osdpipe.context import Context
 from osdpipe.formats import SourceMeta, TensorRef
 from osdpipe import kinds
 from osdpipe.layout import LayoutSpec, LocalTensor
+from osdpipe.products import Described, Flattened, Tally
 from osdpipe.tree import ModuleTree
 
 
@@ -75,13 +76,13 @@ def unmanaged_warning(tree: ModuleTree, spec: LayoutSpec) -> str | None:
     )
 
 
-def flatten(ctx: Context) -> None:
-    assert ctx.meta is not None, "the broadcast stage must run before flatten"
+def flatten(ctx: Context, source: Described, tally: Tally) -> Flattened:
     message = unmanaged_warning(ctx.tree, ctx.spec.target.spec()) if ctx.id_keyed else None
     if message is not None:
-        ctx.warnings.append(message)  # the command prints the report's warnings
-    ctx.flat_state = {}
+        tally.warnings.append(message)  # the command prints the report's warnings
+    entries = {}
     for tensor in ctx.target_layout():
-        entry = flat_entry(tensor, ctx.meta)
+        entry = flat_entry(tensor, source.meta)
         if entry is not None:
-            ctx.flat_state[tensor.key] = entry
+            entries[tensor.key] = entry
+    return Flattened(source, entries)

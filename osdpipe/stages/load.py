@@ -1,4 +1,4 @@
-"""load: open the source checkpoint on every rank, lazily.
+"""load: open the source checkpoint on every rank that reads it, lazily.
 
 Readers memory-map (``fsdp_full``, ``plain``, ``rank_local``) or read stored
 chunks on demand (``dcp``), so opening costs no tensor bytes; the shard stage
@@ -11,10 +11,11 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from osdpipe import formats
 from osdpipe.config import RunSpec
 from osdpipe.context import Context
-from osdpipe import formats
 from osdpipe.formats import IdGroups, open_source
+from osdpipe.products import Opened, Tally
 from osdpipe.transfer import reading_ranks
 
 
@@ -24,12 +25,14 @@ def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
     return formats.get(input_format).id_groups(spec.input.param_groups, configured, generated=spec.input.path is None)
 
 
-def load(ctx: Context) -> None:
+def load(ctx: Context, previous: None, tally: Tally) -> Opened:
     """Decide which ranks read the input (``runtime.transfer``), and open it on those."""
-    seen = ctx.world.process_facts((socket.gethostname(), Path(ctx.input_path).exists()))
-    ctx.reading_ranks = reading_ranks([h for h, _ in seen], [v for _, v in seen], ctx.spec.runtime.transfer, ctx.input_path)
-    if not ctx.reads_itself:
-        return
-    spec = ctx.spec
-    groups = source_id_groups(spec, ctx.input_format)
-    ctx.reader = open_source(ctx.input_format, ctx.input_path, spec.input.key, tree=ctx.tree, source=spec.source.spec(), id_groups=groups)
+    plan = ctx.plan
+    seen = ctx.world.process_facts((socket.gethostname(), Path(plan.input_path).exists()))
+    readers = reading_ranks([h for h, _ in seen], [v for _, v in seen], ctx.spec.runtime.transfer, plan.input_path)
+    opened = Opened(None, tuple(readers))
+    if not opened.reads_itself(ctx.rank):
+        return opened
+    groups = source_id_groups(ctx.spec, plan.input_format)
+    reader = open_source(plan.input_format, plan.input_path, ctx.spec.input.key, tree=ctx.tree, source=ctx.spec.source.spec(), id_groups=groups)
+    return Opened(reader, opened.reading_ranks)

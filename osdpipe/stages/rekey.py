@@ -26,6 +26,8 @@ import torch
 from osdpipe.context import Context
 from osdpipe.layout import DTENSOR_TABLE, LocalTensor
 from osdpipe.loading import PARAM_LAYOUT, describe_layout
+from osdpipe.formats import SourceMeta
+from osdpipe.products import Keyed, Sharded, Tally
 
 
 def _check_shapes(tensor: LocalTensor, state: dict[str, Any], key: Any) -> None:
@@ -34,7 +36,7 @@ def _check_shapes(tensor: LocalTensor, state: dict[str, Any], key: Any) -> None:
             raise ValueError(f"state {name!r} for {tensor.key} (key {key}) has shape {tuple(value.shape)}, but the target parameter has {tensor.shape}")
 
 
-def _param_groups(ctx: Context, layout: tuple[LocalTensor, ...], groups: list[list[int]], params_of: Callable[[list[int]], list[Any]]) -> list[dict[str, Any]] | None:
+def _param_groups(meta: SourceMeta, layout: tuple[LocalTensor, ...], groups: list[list[int]], params_of: Callable[[list[int]], list[Any]]) -> list[dict[str, Any]] | None:
     """The source's param groups, each holding its target group's parameters as ``params_of`` names them.
 
     Hyperparameters come from the source, as PyTorch keeps them. Group ``g``
@@ -42,17 +44,16 @@ def _param_groups(ctx: Context, layout: tuple[LocalTensor, ...], groups: list[li
     optimizer (as far as the target optimizer holds them), else loading would
     pair hyperparameters with the wrong parameters.
     """
-    assert ctx.meta is not None
-    if ctx.meta.param_groups is None:
+    if meta.param_groups is None:
         return None
-    if len(ctx.meta.param_groups) != len(groups):
+    if len(meta.param_groups) != len(groups):
         raise ValueError(
-            f"the source has {len(ctx.meta.param_groups)} param group(s) but the target optimizer has {len(groups)}; "
+            f"the source has {len(meta.param_groups)} param group(s) but the target optimizer has {len(groups)}; "
             "set optim.param_groups to the source's grouping"
         )
     held = {f for g in groups for i in g for f in layout[i].fqns}
     out = []
-    for g, (source_group, members) in enumerate(zip(ctx.meta.param_groups, groups)):
+    for g, (source_group, members) in enumerate(zip(meta.param_groups, groups)):
         target_fqns = {f for i in members for f in layout[i].fqns}
         source_fqns = set(source_group["params"]) & held
         if source_fqns != target_fqns:
@@ -70,22 +71,22 @@ def _param_groups(ctx: Context, layout: tuple[LocalTensor, ...], groups: list[li
 def param_ids(ctx: Context) -> dict[str, int]:
     """Layout key -> the target optimizer's param ID, for every tensor of this rank's layout the optimizer holds."""
     layout = ctx.target_layout()
-    return {layout[i].key: pid for pid, i in enumerate(i for g in ctx.target_groups(layout) for i in g)}
+    return {layout[i].key: pid for pid, i in enumerate(i for g in ctx.plan.target_groups(layout) for i in g)}
 
 
-def id_keyed(ctx: Context) -> dict[str, Any]:
+def id_keyed(ctx: Context, sharded: Sharded) -> Keyed:
     """This rank's state keyed by the target optimizer's parameter IDs."""
     layout = ctx.target_layout()
-    groups = ctx.target_groups(layout)
+    groups = ctx.plan.target_groups(layout)
     ids = param_ids(ctx)
-    state = {}
+    state, keys = {}, {}
     for tensor in layout:
-        if tensor.key in ctx.local_state and tensor.key in ids:
-            _check_shapes(tensor, ctx.local_state[tensor.key], ids[tensor.key])
-            state[ids[tensor.key]] = ctx.local_state[tensor.key]
-            ctx.result_keys[tensor.key] = ids[tensor.key]
+        if tensor.key in sharded.state and tensor.key in ids:
+            _check_shapes(tensor, sharded.state[tensor.key], ids[tensor.key])
+            state[ids[tensor.key]] = sharded.state[tensor.key]
+            keys[tensor.key] = ids[tensor.key]
     out: dict[str, Any] = {"state": dict(sorted(state.items()))}
-    param_groups = _param_groups(ctx, layout, groups, lambda members: sorted(ids[layout[i].key] for i in members))
+    param_groups = _param_groups(sharded.source.meta, layout, groups, lambda members: sorted(ids[layout[i].key] for i in members))
     if param_groups is not None:
         out["param_groups"] = param_groups
     table = dtensor_table(ctx, layout, ids, out["state"])
@@ -93,7 +94,7 @@ def id_keyed(ctx: Context) -> dict[str, Any]:
         out[DTENSOR_TABLE] = table
     # What each ID holds, so that loading can check the file against the optimizer before anything is loaded (osdpipe.loading).
     out[PARAM_LAYOUT] = {ids[t.key]: describe_layout(t, ctx.tree) for t in layout if ids.get(t.key) in out["state"]}
-    return out
+    return Keyed(sharded, out, keys)
 
 
 def dtensor_table(ctx: Context, layout: tuple[LocalTensor, ...], ids: dict[str, int], state: dict[int, dict[str, Any]]) -> dict[int, Any]:
@@ -106,23 +107,23 @@ def dtensor_table(ctx: Context, layout: tuple[LocalTensor, ...], ids: dict[str, 
     return dict(sorted(table.items()))
 
 
-def fqn_keyed(ctx: Context) -> dict[str, Any]:
+def fqn_keyed(ctx: Context, sharded: Sharded) -> Keyed:
     """This rank's state keyed by canonical FQN; param groups list FQNs in the target optimizer's order."""
-    assert ctx.meta is not None
-    state = {}
+    meta = sharded.source.meta
+    state, keys = {}, {}
     for tensor in ctx.target_layout():
-        if tensor.key in ctx.local_state:
-            _check_shapes(tensor, ctx.local_state[tensor.key], tensor.key)
-            state[tensor.key] = ctx.local_state[tensor.key]
-            ctx.result_keys[tensor.key] = tensor.key
-    out: dict[str, Any] = {"state": {**state, **ctx.meta.extra}}
+        if tensor.key in sharded.state:
+            _check_shapes(tensor, sharded.state[tensor.key], tensor.key)
+            state[tensor.key] = sharded.state[tensor.key]
+            keys[tensor.key] = tensor.key
+    out: dict[str, Any] = {"state": {**state, **meta.extra}}
     optimizer_layout = ctx.optimizer_layout()
-    groups = ctx.target_groups(optimizer_layout)
-    param_groups = _param_groups(ctx, optimizer_layout, groups, lambda members: [f for i in members for f in optimizer_layout[i].fqns])
+    groups = ctx.plan.target_groups(optimizer_layout)
+    param_groups = _param_groups(meta, optimizer_layout, groups, lambda members: [f for i in members for f in optimizer_layout[i].fqns])
     if param_groups is not None:
         out["param_groups"] = param_groups
-    return out
+    return Keyed(sharded, out, keys)
 
 
-def rekey(ctx: Context) -> None:
-    ctx.result = id_keyed(ctx) if ctx.id_keyed else fqn_keyed(ctx)
+def rekey(ctx: Context, sharded: Sharded, tally: Tally) -> Keyed:
+    return id_keyed(ctx, sharded) if ctx.id_keyed else fqn_keyed(ctx, sharded)

@@ -22,14 +22,16 @@ from osdpipe import __version__, output
 from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.context import Context
 from osdpipe.formats.base import RankFiles
+from osdpipe.products import Keyed, Staged, Tally, Verified, find
 
-def save(ctx: Context) -> None:
+def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
     """Stage this rank's files; :func:`commit` commits every rank's once the last has written (see :mod:`osdpipe.loop`)."""
-    if not all(gather_to_all(all(c.ok for c in ctx.checks))):
-        return  # a result that failed verify is not written; report.json says where it differs (every rank returns: the collectives below stay in step)
-    assert ctx.result is not None
-    out = Path(ctx.spec.output.path)
-    staging = out / output.STAGING
+    passed = not isinstance(before, Verified) or before.ok
+    if not all(gather_to_all(passed)):
+        return Staged(before, None)  # a result that failed verify is not written; report.json says where it differs (every rank returns: the collectives below stay in step)
+    keyed = find(before, Keyed)
+    assert keyed is not None
+    staging = Path(ctx.spec.output.path) / output.STAGING
     if ctx.rank == 0:
         staging.mkdir(parents=True, exist_ok=True)  # the launcher made it; the Python API's caller may not have
     barrier()
@@ -38,12 +40,12 @@ def save(ctx: Context) -> None:
     error = None
     try:
         if fmt.writes(ctx.rank):
-            mine = fmt.write(ctx.result, staging, ctx.rank, key=ctx.spec.output.key, tree=ctx.tree, world_size=ctx.world_size, shared=ctx.shared)
-        ctx.bytes_moved += sum((staging / name).stat().st_size for name in mine.files)
+            mine = fmt.write(keyed.state_dict, staging, ctx.rank, key=ctx.spec.output.key, tree=ctx.tree, world_size=ctx.world_size, shared=ctx.world.kept)
+        tally.moved += sum((staging / name).stat().st_size for name in mine.files)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
     agree("save", error, rank=ctx.rank)  # on failure the launcher drops the staged run (output.abort)
-    ctx.saved = mine
+    return Staged(before, mine)
 
 
 #: Config sections that say how a conversion ran, not what it produced: left out of the manifest's hashed content.
@@ -67,7 +69,7 @@ def content_sha256(content: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def commit(ctx: Context, per_rank: list[RankFiles]) -> dict[str, str]:
+def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally) -> dict[str, str]:
     """Finish a DCP checkpoint, write the manifest into the staged conversion and commit it; returns the files and their sha256.
 
     Called once, by the process that plays rank 0, with what every rank
@@ -75,9 +77,9 @@ def commit(ctx: Context, per_rank: list[RankFiles]) -> dict[str, str]:
     """
     staging = Path(ctx.spec.output.path) / output.STAGING
     files = {k: v for r in per_rank for k, v in r.files.items()}
-    finished = ctx.output_format.finish(staging, ctx.shared, per_rank)
+    finished = ctx.output_format.finish(staging, ctx.world.kept, per_rank)
     files.update(finished)
-    ctx.bytes_moved += sum((staging / name).stat().st_size for name in finished)
+    tally.moved += sum((staging / name).stat().st_size for name in finished)
     config = ctx.spec.model_dump(mode="json")
     content = {
         "osdpipe_version": __version__,

@@ -23,9 +23,11 @@ import torch
 from osdpipe.collective import gather_to_all
 from osdpipe.context import Context
 from osdpipe.layout import LocalTensor
+from osdpipe.products import Described, Flattened, Sharded, Tally
 from osdpipe.progress import track
+from osdpipe.stages.broadcast import act_on_nonfinite
 from osdpipe.stages.flatten import flat_entry
-from osdpipe.transfer import Receiver, Server, allocate, fill, plan
+from osdpipe.transfer import Receiver, Server, Source, allocate, fill, plan
 
 
 def nonfinite(tensor: LocalTensor, state: dict[str, Any]) -> list[str]:
@@ -46,56 +48,72 @@ def nonfinite(tensor: LocalTensor, state: dict[str, Any]) -> list[str]:
     return found
 
 
-def shard(ctx: Context) -> None:
-    if ctx.meta is None or (ctx.reader is None and ctx.reads_itself):
+def shard(ctx: Context, flat: Flattened, tally: Tally) -> Sharded:
+    source = flat.source
+    if source.reader is None and source.reads_itself(ctx.rank):
         raise RuntimeError("the shard stage needs the load and broadcast stages before it")
     found: list[str] = []
     failure: Exception | None = None
+    state: dict[str, dict[str, Any]] = {}
+    sent_digests: dict[int, dict[tuple[str, str, int], str]] = {}
     try:
-        _serve(ctx)
-        _convert(ctx, found)
+        sent_digests = _serve(ctx, source, tally)
+        state = _convert(ctx, flat, tally, found)
     except Exception as exc:  # noqa: BLE001 - raised below: first every rank must reach the collective
         failure = exc
     everywhere = sorted({f for rank_found in gather_to_all(found) for f in rank_found})
     if failure is not None:
         raise failure
-    ctx.nonfinite_in_source(everywhere, here=bool(found))
+    act_on_nonfinite(ctx, tally, everywhere, here=bool(found))
+    return Sharded(flat, state, sent_digests)
 
 
-def _serve(ctx: Context) -> None:
-    """Send each rank this one reads for its batches (``runtime.transfer=scatter``); they wait for them, so first."""
-    assert ctx.meta is not None
-    if not (ctx.reads_itself and ctx.receivers()):
-        return
-    server = Server(ctx.source(), digest="verify" in ctx.spec.pipeline.stages and "roundtrip" in ctx.spec.pipeline.checks)
-    for receiver in ctx.receivers():
-        ctx.sent_digests[receiver] = {}
+def read_source(ctx: Context, source: Described) -> Source:
+    """This rank's reader of the source, in pieces of the size ``runtime.memory_budget`` allows."""
+    assert source.reader is not None, "the load stage opens the reader"
+    return Source(source.reader, ctx.spec.runtime.piece_bytes)
+
+
+def _serve(ctx: Context, source: Described, tally: Tally) -> dict[int, dict[tuple[str, str, int], str]]:
+    """Send each rank this one reads for its batches (``runtime.transfer=scatter``); they wait for them, so first.
+
+    Returns, per rank served, each batch's sha256 (when roundtrip will check them).
+    """
+    receivers = source.receivers(ctx.rank)
+    if not (source.reads_itself(ctx.rank) and receivers):
+        return {}
+    server = Server(read_source(ctx, source), digest="verify" in ctx.spec.pipeline.stages and "roundtrip" in ctx.spec.pipeline.checks)
+    sent_digests: dict[int, dict[tuple[str, str, int], str]] = {}
+    for receiver in receivers:
+        sent_digests[receiver] = {}
         for tensor in ctx.target_layout(receiver):
-            entry = flat_entry(tensor, ctx.meta)
+            entry = flat_entry(tensor, source.meta)
             if entry is None:
                 continue
-            work = plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)
+            work = plan(tensor, entry, source.meta, ctx.spec.runtime.piece_bytes)
             sent, digests = server.send(work, receiver)
-            ctx.bytes_sent += sent
-            ctx.sent_digests[receiver].update({(tensor.key, b.name, i): d for i, (b, d) in enumerate(zip(work, digests))})
+            tally.sent += sent
+            sent_digests[receiver].update({(tensor.key, b.name, i): d for i, (b, d) in enumerate(zip(work, digests))})
     server.finish()
+    return sent_digests
 
 
-def _convert(ctx: Context, found: list[str]) -> None:
+def _convert(ctx: Context, flat: Flattened, tally: Tally, found: list[str]) -> dict[str, dict[str, Any]]:
     """Fill this rank's own tensors, read here or received; ``found`` collects the non-finite elements they hold."""
-    assert ctx.meta is not None
-    ctx.local_state = {}
-    source = ctx.source() if ctx.reads_itself else None
-    receiver = None if source is not None else Receiver(ctx.reading_ranks[ctx.rank])
-    tensors = [t for t in ctx.target_layout() if t.key in ctx.flat_state]
-    plans = [plan(t, ctx.flat_state[t.key], ctx.meta, ctx.spec.runtime.piece_bytes) for t in tensors]
+    source = flat.source
+    reads = read_source(ctx, source) if source.reads_itself(ctx.rank) else None
+    receiver = None if reads is not None else Receiver(source.reading_ranks[ctx.rank])
+    tensors = [t for t in ctx.target_layout() if t.key in flat.entries]
+    plans = [plan(t, flat.entries[t.key], source.meta, ctx.spec.runtime.piece_bytes) for t in tensors]
+    out: dict[str, dict[str, Any]] = {}
     try:
         for tensor, work in zip(track(tensors), plans):
-            state = allocate(tensor, ctx.flat_state[tensor.key], ctx.meta)
-            ctx.bytes_moved += fill(state, work, source) if receiver is None else receiver.receive(state, work)
-            ctx.local_state[tensor.key] = state
+            state = allocate(tensor, flat.entries[tensor.key], source.meta)
+            tally.moved += fill(state, work, reads) if receiver is None else receiver.receive(state, work)
+            out[tensor.key] = state
             found.extend(nonfinite(tensor, state))
     except Exception:
         if receiver is not None:
             receiver.drain([batch for work in plans for batch in work])  # the sender is still sending: take it all
         raise
+    return out

@@ -9,24 +9,29 @@ the report which did not run and why.
 from __future__ import annotations
 
 from osdpipe import checks
-from osdpipe.context import CheckResult, Context, SkippedCheck
+from osdpipe.checks.common import Subject
+from osdpipe.context import Context
+from osdpipe.products import CheckResult, Keyed, SkippedCheck, Tally, Verified
 
 
-def verify(ctx: Context) -> None:
+def verify(ctx: Context, keyed: Keyed, tally: Tally) -> Verified:
     """Run the configured checks on this rank (each rank's own results: :mod:`osdpipe.loop` combines them after the last rank)."""
-    # A live optimizer's groups (Python API) are known on its own rank only: shared (a rank not yet published computes its own, ctx.held_keys).
-    ctx.optimizer_keys.update(ctx.world.published("held keys", ctx.rank, ctx.held_keys(ctx.rank)))
-    ctx.checks, ctx.skipped_checks = [], []
+    # A live optimizer's groups (Python API) are known on its own rank only: each rank publishes the keys its optimizer holds.
+    held = ctx.world.published("held keys", ctx.rank, ctx.plan.held_keys(ctx.rank))
+    subject = Subject(ctx, keyed, keyed.source, tally, dict(held))
+    results: list[CheckResult] = []
+    skipped: list[SkippedCheck] = []
     for name in ctx.spec.pipeline.checks:
         check = checks.get(name)
-        why = check.skip_reason(ctx)
+        why = check.skip_reason(subject)
         if why is not None:
-            ctx.skipped_checks.append(SkippedCheck(name, why))
+            skipped.append(SkippedCheck(name, why))
             if check.warn_when_skipped:  # a check that cannot apply is no news; one left out for size or mode is
-                ctx.warnings.append(f"verify did not run {name}: it {why}")
+                tally.warnings.append(f"verify did not run {name}: it {why}")
             continue
         try:
-            result = check.run(ctx)
+            result = check.run(subject)
         except Exception as exc:  # a check that cannot run has failed, and says why
             result = CheckResult(name, False, f"{type(exc).__name__}: {exc}")
-        ctx.checks.append(result)
+        results.append(result)
+    return Verified(keyed, tuple(results), tuple(skipped))
