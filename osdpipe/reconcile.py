@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from osdpipe.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
-from osdpipe import formats
+from osdpipe import formats, kinds
 from osdpipe.formats import InputError
 
 
@@ -156,31 +156,21 @@ def _settle(raw: dict[str, Any], given: Given, key: str, value: Any, shows: str)
 
 
 def _settle_layout(raw: dict[str, Any], given: Given, facts: Any) -> None:
-    """What the files show of the layout that saved them: the world size (DCP, rank files), FSDP2 and its mesh, a plain file's one process."""
-    path = facts.path
-    if facts.format == "plain":
+    """What the files show of the layout that saved them: the kind a format's files come from (a plain file's: one process), and the keys its
+    format says they settle (:meth:`~osdpipe.formats.base.Format.shows`: the world size of DCP's and rank files, FSDP2 and its mesh)."""
+    fmt = formats.get(facts.format)
+    if "source.kind" in given:
         kind = _get(raw, "source.kind")
-        if "source.kind" in given and kind not in ("none", "ddp"):
-            raise Contradiction(
-                f"source.kind={kind}, but {path} is one param-ID keyed state of whole tensors, as an unwrapped model (or every DDP rank) holds it: "
-                "set source.kind=none (or ddp)"
-            )
-        if "source.kind" not in given:
-            _set(raw, "source.kind", "none")
-        if _get(raw, "source.kind") == "none":
-            _settle(raw, given, "source.world_size", 1, f"{path} is an unwrapped model's state, one process")
-            for key, default in (("source.shard_group_size", None), ("source.sharding_strategy", "FULL_SHARD")):
-                if key not in given:
-                    _set(raw, key, default)
-        return
-    if facts.world_size is not None and facts.format in ("dcp", "rank_local"):
-        saved = f"{path} was saved by {facts.world_size} rank(s)" + (
-            f" (its files __0_0.distcp .. __{facts.world_size - 1}_0.distcp)" if facts.format == "dcp" else f" (rank_0.pt .. rank_{facts.world_size - 1}.pt)"
-        )
-        _settle(raw, given, "source.world_size", facts.world_size, saved)
-    if facts.format == "rank_local" and facts.kind == "fsdp2":
-        _settle(raw, given, "source.kind", "fsdp2", f"{path} holds DTensor state ({'; '.join(facts.placements[:2])}): an FSDP2 job's")
-        _settle(raw, given, "source.shard_group_size", facts.shard_group_size, f"{path}'s DTensors lie on a mesh of {facts.placements[:1]}")
+        refusal = fmt.refuses_saved_by(kinds.find(kind), facts.path)
+        if refusal is not None:
+            raise Contradiction(f"source.kind={kind}, but {refusal}")
+    elif fmt.source_kind is not None:
+        _set(raw, "source.kind", fmt.source_kind)
+    for shown in fmt.shows(facts, kinds.find(_get(raw, "source.kind"))):
+        if shown.shows is not None:
+            _settle(raw, given, shown.key, shown.value, shown.shows)
+        elif shown.key not in given:
+            _set(raw, shown.key, shown.value)
 
 
 def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str]:

@@ -1,7 +1,9 @@
 """Checkpoint formats: the registry, one module per format (design.md section 4).
 
 Each format module declares a :class:`~osdpipe.formats.base.Format`: its
-reader, its writer, the file each target rank loads, how it keys state.
+reader, its writer, the file each target rank loads, how it keys state, and
+what its files show of themselves (:mod:`osdpipe.facts`) and settle of a
+user's description of them (:mod:`osdpipe.reconcile`).
 :data:`FORMATS` lists them; everything else asks it (:func:`get`) and never
 compares a format's name.
 

@@ -11,7 +11,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -19,6 +19,9 @@ from osdpipe.compare import diff
 from osdpipe.digest import save_hashed
 from osdpipe.layout import LayoutSpec, LocalTensor
 from osdpipe.tree import ModuleTree
+
+if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
+    from osdpipe.facts import Facts
 
 #: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
 IdGroups = list[list[str]] | None
@@ -155,6 +158,20 @@ def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class Shown:
+    """A config key the input's files settle (:mod:`osdpipe.reconcile`): it takes ``value`` unless the user gave it.
+
+    Given and different, it contradicts the files, which ``shows`` says in
+    words (``<path> is ...``). Without ``shows`` the value is only what the
+    files imply of a key the user left out, and a given one stands.
+    """
+
+    key: str
+    value: Any
+    shows: str | None = None
+
+
 @dataclass
 class RankFiles:
     """What one target rank wrote: each file's sha256, each tensor's, and what its format needs to finish (DCP's write results)."""
@@ -195,6 +212,52 @@ class Format:
     def refuses_target(self, kind: Any) -> str | None:
         """Why a job of layout ``kind`` cannot load this format (``None``: it can); the message names the keys to set."""
         return None
+
+    # What a checkpoint's files show of themselves (osdpipe.facts) and settle of a user's description of it (osdpipe.reconcile).
+
+    #: Its files hold each rank's own optimizer's local tensors, which only the source's exact layout places (down to ``source.use_orig_params``).
+    local_state: ClassVar[bool] = False
+    #: The kind of job that saved a checkpoint of this format unless the user says otherwise (``None``: the files do not tell).
+    source_kind: ClassVar[str | None] = None
+
+    @property
+    def found_by(self) -> str:
+        """What :meth:`found_in` looks for, in a few words (``<dir> holds neither ... nor ...``): by default what a checkpoint of it looks like."""
+        return self.looks_like
+
+    def found_in(self, directory: Path) -> bool:
+        """Whether ``directory`` holds a checkpoint of this format (never, for a format of one file)."""
+        return False
+
+    def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
+        """Fill in what the checkpoint at ``path`` shows of itself, from metadata and headers (``key``: a top-level key to read under).
+
+        By default nothing beyond its format: a format whose files say more reads it here.
+
+        Raises:
+            InputError: the files cannot be read as this format.
+        """
+
+    def refuses_saved_by(self, kind: Any, path: str) -> str | None:
+        """Why the files at ``path`` show that a job of ``kind`` did not save them (``kind`` ``None``: a name no kind has), as ``<path> is ...: set ...``.
+
+        ``None``: as far as the files show, it may have.
+        """
+        return None
+
+    def files_per_rank(self, world_size: int) -> str | None:
+        """The files a checkpoint of this format saved by ``world_size`` ranks has, one per rank, in a few words (``None``: no file per rank)."""
+        return None
+
+    def shows(self, facts: Facts, kind: Any) -> list[Shown]:
+        """The ``source.*`` keys the files' ``facts`` settle, ``kind`` being the source's (``None``: a name no kind has).
+
+        By default the world size, where the files are one per rank.
+        """
+        files = self.files_per_rank(facts.world_size) if facts.world_size is not None else None
+        if files is None:
+            return []
+        return [Shown("source.world_size", facts.world_size, f"{facts.path} was saved by {facts.world_size} rank(s) ({files})")]
 
     def writes(self, rank: int) -> bool:
         """Whether target rank ``rank`` writes files of its own (else its state is in another rank's)."""

@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from osdpipe.compare import diff
 from osdpipe.digest import tensor_digests
 from osdpipe.formats.base import Format, IdGroups, RankFiles, SourceReader, full_state
 from osdpipe.layout import LayoutSpec, LocalTensor, dim0_chunk_bounds, dim0_layout
 from osdpipe.tree import ModuleTree
+
+if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
+    from osdpipe.facts import Facts
 
 #: Where a ``dcp`` output's checkpoint directory goes, under ``output.path``.
 DCP_DIR = "dcp"
@@ -44,6 +47,17 @@ class Dcp(Format):
         from osdpipe.formats.dcp_reader import DcpReader  # torch.distributed.checkpoint: only where a DCP checkpoint is read
 
         return DcpReader(path, key)
+
+    def found_in(self, directory: Path) -> bool:
+        return (directory / ".metadata").is_file()
+
+    def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
+        from osdpipe.formats.dcp_facts import read_dcp_facts  # torch.distributed.checkpoint: only where a DCP checkpoint is read
+
+        read_dcp_facts(facts, path, key)
+
+    def files_per_rank(self, world_size: int) -> str | None:
+        return f"its files __0_0.distcp .. __{world_size - 1}_0.distcp"
 
     def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
         """Write this rank's dim-0 pieces into the checkpoint under ``staging/dcp`` (see :mod:`osdpipe.formats.dcp_writer`)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,8 +21,13 @@ from osdpipe.formats.base import (
     write_torch_file,
 )
 from osdpipe.formats.safe_load import load_torch_file
+from osdpipe.kinds.fsdp1 import FSDP1
 from osdpipe.layout import LayoutSpec, LocalTensor, full_layout
 from osdpipe.tree import ModuleTree
+
+if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
+    from osdpipe.facts import Facts
+    from osdpipe.formats.state_facts import Unit
 
 
 def load_full(path: str, fmt: str = "fsdp_full") -> dict[str, Any]:
@@ -102,6 +107,35 @@ class FullReader:
 ONE_FILE = "optim.pt"
 
 
+def read_one_file_facts(facts: Facts, path: Path) -> dict[Any, dict[str, Any]]:
+    """What an ``fsdp_full`` or ``plain`` file (one ``torch.save`` of a whole optimizer state dict) shows of its state; the state, each parameter's."""
+    from osdpipe.formats.state_facts import describe_state, moments_alike, tally  # what inspect and reconcile ask: only where they do
+
+    osd = load_full(str(path), facts.format)
+    state = {k: v for k, v in osd["state"].items() if isinstance(v, dict)}
+    describe_state(facts, state, osd.get("param_groups"))
+    tally(facts, state)
+    facts.params = len(state)
+    facts.moments_alike = moments_alike(state)
+    return state
+
+
+def _shared_step_units(state: dict[str, dict[str, Any]]) -> list[Unit]:
+    """FSDP1 units, from the ``step`` tensor a FULL state shares across each unit's parameters (``torch.save`` keeps the sharing)."""
+    from osdpipe.formats.state_facts import Unit
+
+    units: dict[int, Unit] = {}
+    for fqn, entry in state.items():
+        step = entry.get("step")
+        if not torch.is_tensor(step):
+            continue
+        numel = max((v.numel() for v in entry.values() if torch.is_tensor(v) and v.dim() > 0), default=0)
+        unit = units.setdefault(step.untyped_storage().data_ptr(), Unit([], 0))
+        unit.fqns.append(fqn)
+        unit.numel += numel
+    return list(units.values())
+
+
 class FsdpFull(Format):
     """The full FQN-keyed state, every parameter whole, in one file that rank 0 writes (``FSDP.optim_state_dict``, FULL)."""
 
@@ -122,6 +156,21 @@ class FsdpFull(Format):
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
         return FullReader(path)
+
+    def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
+        """FQN-keyed and whole, as any kind of job saves it; FSDP1's FULL state also shares one ``step`` tensor across each unit's parameters."""
+        state = read_one_file_facts(facts, path)
+        facts.fqns = sorted(map(str, state))
+        facts.units = _shared_step_units(state)
+        if any(len(u.fqns) > 1 for u in facts.units):
+            facts.kind = FSDP1.name
+            facts.notes.append(
+                f"FSDP1's FULL state: {len(facts.units)} unit(s), each sharing one step tensor across its parameters; "
+                "the world size that saved it is not recorded in a full state dict"
+            )
+        else:
+            facts.units = []
+            facts.notes.append("a full, FQN-keyed state: any kind of job can save one; it does not record the world size or the wrapping")
 
     def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
         return write_torch_file(result, staging / ONE_FILE)

@@ -10,7 +10,7 @@ that is unambiguous) and then exposes the same FQN-keyed metadata as an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,7 @@ from osdpipe.formats.base import (
     IdGroups,
     InputError,
     RankFiles,
+    Shown,
     SourceMeta,
     SourceReader,
     describe_value,
@@ -26,10 +27,14 @@ from osdpipe.formats.base import (
     release_mapped,
     write_torch_file,
 )
-from osdpipe.formats.fsdp_full import ONE_FILE, load_full
+from osdpipe.formats.fsdp_full import ONE_FILE, load_full, read_one_file_facts
+from osdpipe.kinds.none import NoWrapper
 from osdpipe.layout import LayoutSpec
 from osdpipe.idmap import StateShapes, map_ids
 from osdpipe.tree import ModuleTree
+
+if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
+    from osdpipe.facts import Facts
 
 
 def saved_ids(osd: dict[str, Any], path: str) -> tuple[list[list[int]], StateShapes]:
@@ -112,6 +117,7 @@ class Plain(Format):
     directory = False
     generated_name = ONE_FILE
     looks_like = "a torch.save file keyed by param ID"
+    source_kind = NoWrapper.name
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / ONE_FILE
@@ -123,6 +129,30 @@ class Plain(Format):
             "input.format=plain is the state of an unwrapped model (or a DDP job's, alike on every rank); "
             "set source.kind=none source.world_size=1, or source.kind=ddp"
         )
+
+    def refuses_saved_by(self, kind: Any, path: str) -> str | None:
+        """Whole, param-ID keyed state: the files of a job whose every rank holds every parameter whole."""
+        if kind is not None and self.refuses_source(kind) is None:
+            return None
+        return (
+            f"{path} is one param-ID keyed state of whole tensors, as an unwrapped model (or every DDP rank) holds it: "
+            "set source.kind=none (or ddp)"
+        )
+
+    def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
+        read_one_file_facts(facts, path)
+        facts.kind, facts.world_size = NoWrapper.name, 1
+        facts.notes.append("param-ID keyed, every tensor whole: an unwrapped model's optim.state_dict(), or a DDP job's (the same on every rank)")
+
+    def shows(self, facts: Facts, kind: Any) -> list[Shown]:
+        """A job of one process (an unwrapped model's) saved it: its world size is 1, and the sharding keys a recipe may have set for another source go back to their defaults."""
+        if kind is None or kind.one_process is None:
+            return []
+        return [
+            Shown("source.world_size", 1, f"{facts.path} is {kind.one_process}"),
+            Shown("source.shard_group_size", None),
+            Shown("source.sharding_strategy", "FULL_SHARD"),
+        ]
 
     def refuses_target(self, kind: Any) -> str | None:
         if kind.replicated:

@@ -29,7 +29,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,7 @@ from osdpipe.formats.base import (
     IdGroups,
     InputError,
     RankFiles,
+    Shown,
     SourceMeta,
     SourceReader,
     TensorRef,
@@ -55,9 +56,12 @@ from osdpipe.layout import (
     LocalTensor,
     uncovered,
 )
-from osdpipe.kinds import rank_layout
+from osdpipe.kinds import find, rank_layout
 from osdpipe.optim import pattern_members
 from osdpipe.tree import ModuleTree
+
+if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
+    from osdpipe.facts import Facts
 
 _RANK_FILE = re.compile(r"rank_(0|[1-9]\d*)\.pt")
 _GROUPS_KEY = "input.param_groups (or optim.param_groups)"
@@ -416,8 +420,10 @@ class RankLocal(Format):
     keyed_by_id = True
     directory = True
     holds_replicas = True
+    local_state = True
     generated_name = "rank_local"
     looks_like = "a directory of rank_<r>.pt"
+    found_by = "rank_<r>.pt files"
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / rank_file_name(rank)
@@ -429,6 +435,36 @@ class RankLocal(Format):
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
         return RankLocalReader(path, tree, source, id_groups)
+
+    def found_in(self, directory: Path) -> bool:
+        return any(_RANK_FILE.fullmatch(f.name) for f in directory.iterdir())
+
+    def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
+        """Every rank's file, loaded memory-mapped; what they show is told by :func:`~osdpipe.formats.rank_local_facts.describe_ranks`."""
+        from osdpipe.formats.rank_local_facts import describe_ranks  # what inspect and reconcile ask: only where they do
+
+        count = sum(1 for p in path.iterdir() if _RANK_FILE.fullmatch(p.name)) if path.is_dir() else 0
+        files = rank_files(path, max(count, 1))  # refuses gaps and an empty directory, naming the missing file
+        osds = []
+        for f in files:
+            osd = load_torch_file(f)
+            check_optim_state_dict(osd, f, self.name)
+            osds.append(osd)
+        describe_ranks(facts, path, osds, [local_tensors(o).get(DTENSOR_TABLE) for o in osds])
+
+    def files_per_rank(self, world_size: int) -> str | None:
+        return f"{rank_file_name(0)} .. {rank_file_name(world_size - 1)}"
+
+    def shows(self, facts: Facts, kind: Any) -> list[Shown]:
+        """The world size, and for DTensor state the kind that keeps it and its mesh."""
+        shown = super().shows(facts, kind)
+        saved_by = find(facts.kind)
+        if saved_by is not None and saved_by.dtensor_state:
+            shown += [
+                Shown("source.kind", facts.kind, f"{facts.path} holds DTensor state ({'; '.join(facts.placements[:2])}): an FSDP2 job's"),
+                Shown("source.shard_group_size", facts.shard_group_size, f"{facts.path}'s DTensors lie on a mesh of {facts.placements[:1]}"),
+            ]
+        return shown
 
     def id_groups(self, given: IdGroups, configured: IdGroups, generated: bool) -> IdGroups:
         return given if given is not None else configured or None

@@ -19,11 +19,11 @@ its module plus its :func:`register` line.
 from __future__ import annotations
 
 from osdpipe.kinds import ddp, fsdp1, fsdp2, none  # noqa: F401  (each registers its kind)
-from osdpipe.kinds.base import KINDS, LayoutKind, compute_device, device_mesh, get, register
+from osdpipe.kinds.base import KINDS, LayoutKind, compute_device, device_mesh, find, get, register
 from osdpipe.layout import LayoutSpec, LocalTensor
 from osdpipe.tree import ModuleTree
 
-__all__ = ["KINDS", "LayoutKind", "compute_device", "device_mesh", "get", "rank_layout", "register"]
+__all__ = ["KINDS", "LayoutKind", "compute_device", "device_mesh", "find", "get", "rank_layout", "register"]
 
 
 def rank_layout(tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:

@@ -26,6 +26,18 @@ class LayoutKind:
     state_dict_types: ClassVar[tuple[str, ...]] = ("full",)
     #: Whether every rank holds every parameter whole (its state is a ``plain`` one, the same on every rank).
     replicated: ClassVar[bool] = False
+    #: What a checkpoint of this kind's job is, where that job is one process, in a few words (``<path> is ...``); ``None``: it may be several.
+    one_process: ClassVar[str | None] = None
+    #: Whether a job of this kind can cut its parameters over shard groups of ``shard_group_size`` ranks, replicated across the groups (HSDP).
+    hybrid: ClassVar[bool] = False
+    #: Whether the layout depends on ``use_orig_params`` (a job's optimizer sees flat parameters or each parameter's piece).
+    has_use_orig_params: ClassVar[bool] = False
+    #: Whether its optimizer keeps state as DTensors, which a ``rank_local`` file keeps with a ``dtensor`` table of their placements.
+    dtensor_state: ClassVar[bool] = False
+
+    def hybrid_keys(self, shard_group_size: int) -> dict[str, Any]:
+        """The layout keys (``source.*``, ``target.*``) of a hybrid-sharded job of this kind with shard groups of ``shard_group_size`` ranks; none where it has none."""
+        return {"shard_group_size": shard_group_size} if self.hybrid else {}
 
     def saved_format(self, state_dict_type: str) -> str:
         """The input format of what :meth:`save` writes for ``state_dict_type``."""
@@ -100,6 +112,11 @@ def get(name: str) -> LayoutKind:
         ValueError: naming the kinds there are.
     """
     return member(KINDS, name, "layout kind")
+
+
+def find(name: Any) -> LayoutKind | None:
+    """The kind called ``name``, or ``None`` where no kind is (what a checkpoint's files show may be none: ``sharded``, nothing, a damaged manifest's value)."""
+    return KINDS.get(name) if isinstance(name, str) else None
 
 
 def compute_device() -> torch.device:

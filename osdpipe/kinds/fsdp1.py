@@ -110,6 +110,12 @@ def _segments_in(flat: FlatParamLayout, start: int, end: int) -> tuple[Segment, 
 class FSDP1(LayoutKind):
     name = "fsdp1"
     state_dict_types = ("full", "sharded", "local")
+    hybrid = True
+    has_use_orig_params = True
+
+    def hybrid_keys(self, shard_group_size: int) -> dict[str, Any]:
+        """FSDP1 cuts over shard groups only under a hybrid strategy; both lay the state out alike, and ``HYBRID_SHARD`` is the public one."""
+        return {**super().hybrid_keys(shard_group_size), "sharding_strategy": "HYBRID_SHARD"}
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         """Without ``use_orig_params`` the wrapped model registers each unit's flat

@@ -43,6 +43,8 @@ def placement(spec: LayoutSpec) -> Placement:
 class FSDP2(LayoutKind):
     name = "fsdp2"
     state_dict_types = ("full", "sharded", "local")
+    hybrid = True
+    dtensor_state = True
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         shards, index = shard_group(spec, rank)

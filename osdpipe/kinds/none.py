@@ -18,6 +18,7 @@ from osdpipe.tree import ModuleTree
 class NoWrapper(LayoutKind):
     name = "none"
     replicated = True
+    one_process = "an unwrapped model's state, one process"
 
     def saved_format(self, state_dict_type: str) -> str:
         return "plain"
