@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from osdpipe.products import CheckResult  # the same result as verify's checks give; it imports no torch
+from osdpipe.products import CheckResult, Keyed, Tally  # the stages' products (CheckResult: what verify's checks give); it imports no torch
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE = "usage: osdpipe check OUTPUT_DIR [--load] [key=value ...]  (--load: load it on a target world and step; input.path=... names a source that moved)"
@@ -57,7 +57,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 def check_files(directory: Path, manifest: dict[str, Any]) -> CheckResult:
     """Every file the manifest lists, with its sha256; for a torch file that differs, the tensor that does."""
-    from osdpipe.digest import file_sha256
+    from osdpipe.digest import file_sha256  # imports torch: not on check --help's path (tests/test_startup.py)
 
     problems = []
     for name, digest in sorted(manifest["files"].items()):
@@ -74,6 +74,7 @@ def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:
     """``": tensor 3.exp_avg differs"``, from the file's tensor digests against the manifest's (empty when it cannot tell)."""
     if path.suffix != ".pt":
         return ""
+    # torch: not on check --help's path (tests/test_startup.py)
     import torch
 
     from osdpipe.digest import tensor_digests
@@ -90,6 +91,7 @@ def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:
 
 def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """The manifest's config with the command line's overrides, its source found, and its output being this directory (never written)."""
+    # omegaconf: not on check --help's path, nor in the ranks --load starts (they import this module)
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -107,8 +109,8 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
     assert isinstance(raw, dict)
     raw["output"] = {**raw["output"], "path": str(directory), "overwrite": True}
     if raw["input"].get("path") is None:  # a generated source is kept in the conversion's source/, in the format its world saved
-        from osdpipe import kinds
-        from osdpipe import formats
+        # the registries import torch: not on check --help's path
+        from osdpipe import formats, kinds
 
         fmt = kinds.get(raw["source"]["kind"]).saved_format(raw["source"]["state_dict_type"])
         generated = directory / "source" / formats.get(fmt).generated_name
@@ -120,6 +122,7 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
 
 def conversion_plan(raw: dict[str, Any]) -> Any:
     """The plan of the conversion's config (a config that does not validate, or a model it does not fit, cannot be checked: exit 2)."""
+    # pydantic (config) and torch (plan): not on check --help's path
     from osdpipe.config import ConfigError, validate
     from osdpipe.plan import plan_run
 
@@ -134,8 +137,6 @@ def check_roundtrip(directory: Path, plan: Any) -> CheckResult:
     spec = plan.spec
     if spec.input.path is None:
         return CheckResult("roundtrip", True, "skipped: no source to compare with (give input.path=...)")
-    from osdpipe.products import Keyed
-
     fmt = plan.output_format
     problems: list[str] = []
     opened: dict[str, Any] = {}
@@ -149,6 +150,7 @@ def check_roundtrip(directory: Path, plan: Any) -> CheckResult:
 
 def expected_results(plan: Any) -> Any:
     """Each target rank once the conversion's own stages derived its state from the source, offline (:class:`~osdpipe.loop.Played`)."""
+    # torch: not on check --help's path
     from osdpipe.loop import play
     from osdpipe.world import SoloWorld
 
@@ -157,6 +159,7 @@ def expected_results(plan: Any) -> Any:
 
 def check_load(directory: Path, plan: Any) -> list[CheckResult]:
     """Load the files on a local world of the target's ranks, as the target job would: ``load`` (one step) and ``resume`` (see the module docstring)."""
+    # multiprocessing (rankserver) and torch (launch): only --load starts ranks
     from osdpipe import rankserver
     from osdpipe.launch import WorldError, run_local_world
 
@@ -183,13 +186,13 @@ def load_rank(plan: Any, directory: str) -> list[Any]:
 
     Returns one ``CheckResult`` per name of :data:`LOAD_CHECKS`.
     """
+    # torch: a rank's work, not on check --help's path
     from osdpipe import kinds
     from osdpipe.checks.common import Subject
     from osdpipe.checks.load_step import load_and_step
     from osdpipe.checks.resume import resume_result
     from osdpipe.context import Context
     from osdpipe.loop import SOURCE_STAGES, play
-    from osdpipe.products import Tally
     from osdpipe.world import GroupWorld
 
     spec, world = plan.spec, GroupWorld()
@@ -230,7 +233,7 @@ def run_check(args: list[str]) -> int:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - the manifest's config cannot be composed (an interpolation, an unknown kind)
-        from osdpipe.collective import one_line
+        from osdpipe.collective import one_line  # imports torch: only on an error, not on check --help's path
 
         print(f"osdpipe check: error: {directory / 'manifest.json'}: its config cannot be used: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
@@ -250,7 +253,7 @@ def _run_many(name: str, run: Any) -> list[CheckResult]:
     try:
         return run()
     except Exception as exc:  # noqa: BLE001 - said as the check's failure, not as a traceback
-        from osdpipe.collective import one_line
+        from osdpipe.collective import one_line  # imports torch: only on an error, not on check --help's path
 
         return [CheckResult(name, False, one_line(exc))]
 
@@ -260,6 +263,6 @@ def _run_one(name: str, run: Any) -> CheckResult:
     try:
         return run()
     except Exception as exc:  # noqa: BLE001 - said as the check's failure, not as a traceback
-        from osdpipe.collective import one_line
+        from osdpipe.collective import one_line  # imports torch: only on an error, not on check --help's path
 
         return CheckResult(name, False, one_line(exc))

@@ -36,6 +36,7 @@ from pydantic import (
 )
 
 from osdpipe import checks as check_registry  # the checks' names and order; it imports no torch
+from osdpipe.output import conversion_entries
 from osdpipe.sizes import parse_size, show_size
 
 if TYPE_CHECKING:
@@ -409,8 +410,6 @@ class RunSpec(_Frozen):
                 f"source.state_dict_type={self.source.state_dict_type}: a {self.source.kind} job saves {', '.join(source.state_dict_types)}; "
                 "choose one of those"
             )
-        from osdpipe.output import conversion_entries
-
         previous = [p.name for p in conversion_entries(Path(self.output.path))]
         if previous and not self.output.overwrite:
             raise ValueError(f"output.path={self.output.path!r} already holds a conversion ({', '.join(previous[:3])}); choose another path or set output.overwrite=true")

@@ -35,6 +35,7 @@ from typing import Any
 
 from osdpipe import formats, kinds
 from osdpipe.formats import InputError
+from osdpipe.formats.safe_load import load_torch_file
 from osdpipe.formats.state_facts import MOMENTS_ALIKE, Unit, moments_alike
 
 __all__ = ["MOMENTS_ALIKE", "Facts", "Unit", "detect_format", "moments_alike", "read_facts"]
@@ -115,8 +116,6 @@ def detect_format(path: str | Path) -> str:
         return found.name
     if not p.exists():
         raise InputError(f"{p} does not exist; point input.path at a checkpoint file or directory")
-    from osdpipe.formats.safe_load import load_torch_file
-
     osd = load_torch_file(p)
     state = osd.get("state") if isinstance(osd, dict) else None
     if not isinstance(state, dict):

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from osdpipe.sizes import show_size  # it imports no torch
+
 if TYPE_CHECKING:  # annotations only: this module is imported before torch, which facts needs
     from osdpipe.facts import Facts
 
@@ -41,6 +43,7 @@ def run_inspect(args: list[str]) -> int:
     if len(rest) != 1 or rest[0].startswith("-"):
         print(f"osdpipe inspect: error: {'one PATH' if not rest or not rest[0].startswith('-') else repr(rest[0]) + ' is not an option'}; {USAGE}", file=sys.stderr)
         return EXIT_USAGE
+    # torch: not on inspect --help's path (tests/test_startup.py)
     from osdpipe.collective import one_line
     from osdpipe.facts import MOMENTS_ALIKE, read_facts
 
@@ -70,8 +73,6 @@ def _checkpoint_in(path: Path) -> Path:
 
 def describe(f: Facts) -> str:
     """The facts as a person reads them."""
-    from osdpipe.sizes import show_size
-
     kind = {
         "sharded": "sharded (dim-0 chunks: FSDP1 SHARDED_STATE_DICT or FSDP2, alike)",
         None: "cannot tell from the files",

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from osdpipe.formats.base import local_part
+from osdpipe.kinds.fsdp2 import from_rank_local
 from osdpipe.layout import DTENSOR_TABLE, LocalTensor
 from osdpipe.optim import local_shape
 from osdpipe.tree import ModuleTree, WRAPPER_PARTS, WRAPPER_PREFIX
@@ -135,8 +136,6 @@ def load_rank_local(optim: torch.optim.Optimizer, path: str | Path, model: nn.Mo
     Raises:
         LayoutMismatch: the file was converted for another layout (one line naming the param ID, both shapes or compositions).
     """
-    from osdpipe.kinds.fsdp2 import from_rank_local
-
     osd = torch.load(path, map_location="cpu", weights_only=True)
     check_fits(optim, osd, model=model, where=str(path))
     optim.load_state_dict(from_rank_local(optim, {k: v for k, v in osd.items() if k != PARAM_LAYOUT}))

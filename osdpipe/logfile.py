@@ -15,6 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from osdpipe import __version__
+from osdpipe.sizes import show_size
+
 #: Level names as ``runtime.log_level`` takes them, lowest first.
 LEVELS = ("debug", "info", "warning", "error")
 LOG_NAME = "osdpipe.log"
@@ -22,9 +25,6 @@ LOG_NAME = "osdpipe.log"
 
 def log_lines(report: Any, spec: Any) -> Iterator[tuple[str, str]]:
     """``(level, line)`` for everything the run's report says, in the order it happened."""
-    from osdpipe import __version__
-    from osdpipe.sizes import show_size
-
     rt = spec.runtime
     budget = "none" if rt.memory_budget is None else show_size(rt.memory_budget)
     yield "info", f"osdpipe {__version__}: {spec.source.kind} on {spec.source.world_size} rank(s) -> {spec.target.kind} on {spec.target.world_size}, output {spec.output.format} at {spec.output.path}"

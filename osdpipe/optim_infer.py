@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from osdpipe.optim import torch_optimizers
+
 #: Param-group keys that say nothing of the optimizer: LR schedulers add ``initial_lr``, named parameters ``param_names``.
 NOT_HYPERPARAMETERS = frozenset({"params", "param_names", "initial_lr"})
 #: Boolean options that change how an optimizer computes, never which state it keeps.
@@ -92,8 +94,6 @@ def fingerprint(cls: type[torch.optim.Optimizer], name: str) -> Fingerprint | No
 @functools.cache
 def fingerprints() -> tuple[Fingerprint, ...]:
     """Every optimizer of ``torch.optim`` that osdpipe converts, fingerprinted once per process."""
-    from osdpipe.optim import torch_optimizers
-
     found = (fingerprint(getattr(torch.optim, name), name) for name in torch_optimizers())
     return tuple(f for f in found if f is not None)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from osdpipe import formats, kinds
@@ -25,6 +26,7 @@ from osdpipe.kinds import rank_layout
 from osdpipe.layout import LocalTensor
 from osdpipe.models import meta_model
 from osdpipe.optim import group_members
+from osdpipe.output import STAGING
 from osdpipe.tree import ModuleTree, describe
 
 
@@ -128,8 +130,4 @@ def generated_source_path(spec: RunSpec) -> str:
     It is committed with the conversion, as ``<output.path>/source/``, and
     replaced with it.
     """
-    from pathlib import Path
-
-    from osdpipe.output import STAGING
-
     return str(Path(spec.output.path) / STAGING / "source" / formats.get(spec.source_input_format).generated_name)

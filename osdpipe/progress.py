@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from tqdm import tqdm
+
 T = TypeVar("T")
 
 #: An event: ("phase", text) starts a new line of work; ("items", done, total) advances it.
@@ -98,8 +100,6 @@ class Display:
             self._bar.refresh()
 
     def _open(self, text: str) -> None:
-        from tqdm import tqdm
-
         self.close()
         self._bar = tqdm(desc=f"osdpipe: {text}", total=None, leave=False, file=sys.stderr, unit="item", dynamic_ncols=True)
 

@@ -27,7 +27,10 @@ from typing import Any
 
 from osdpipe.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
 from osdpipe import formats, kinds
+from osdpipe.facts import MOMENTS_ALIKE, detect_format, read_facts
 from osdpipe.formats import InputError
+from osdpipe.optim import optimizer_label, resolve_optimizer
+from osdpipe.optim_infer import fingerprint, hyperparameter_names, kept_state, state_names_of
 
 
 class Contradiction(ValueError):
@@ -80,8 +83,6 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         if _get(raw, "optim.lr") is None:
             _set(raw, "optim.lr", DEFAULT_LR)
         return raw, []
-    from osdpipe.facts import detect_format, read_facts
-
     try:
         fmt = detect_format(path)
     except InputError:
@@ -96,8 +97,6 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     _settle_layout(raw, given, facts)
     warnings = _settle_optimizer(raw, given, facts)
     if facts.moments_alike:
-        from osdpipe.facts import MOMENTS_ALIKE
-
         warnings.append(f"{path}: {MOMENTS_ALIKE}; it converts as it is")
     return raw, warnings
 
@@ -116,8 +115,6 @@ def settle_optimizer(raw: dict[str, Any]) -> dict[str, Any]:
     raw = copy.deepcopy(raw)
     if _get(raw, "input.path") is None:
         return reconcile(raw, Given(()))[0]
-    from osdpipe.facts import read_facts
-
     try:
         facts = read_facts(_get(raw, "input.path"), _get(raw, "input.format") or "fsdp_full", _get(raw, "input.key"))
     except (InputError, KeyError):
@@ -175,8 +172,6 @@ def _settle_layout(raw: dict[str, Any], given: Given, facts: Any) -> None:
 
 def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str]:
     """``optim.name`` from the checkpoint unless given; a given one must keep the state the checkpoint has. Returns the warnings."""
-    from osdpipe.optim import optimizer_label, resolve_optimizer
-
     name = _get(raw, "optim.name")
     warnings: list[str] = []
     if "optim.name" not in given or name in (None, AUTO):
@@ -218,8 +213,6 @@ def _does_not_fit(cls: type, name: str, raw: dict[str, Any], facts: Any) -> str 
     keeps. The hyperparameters are compared first: the state names need a
     step of the optimizer.
     """
-    from osdpipe.optim_infer import fingerprint, hyperparameter_names, kept_state, state_names_of
-
     known = fingerprint(cls, name)
     keys = hyperparameter_names(facts.param_groups)
     if known is not None and keys and known.hyperparameters - keys:

@@ -80,7 +80,7 @@ def set_synthetic_grads(params: list[nn.Parameter], layout: tuple[LocalTensor, .
 
 def as_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (this rank's piece) as a tensor like ``param``: a DTensor of its placement when ``param`` is one (FSDP2)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy: only FSDP2's parameters are DTensors
 
     if not isinstance(param, DTensor):
         return local

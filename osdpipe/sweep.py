@@ -348,6 +348,7 @@ def draw_matrix(matrix: Matrix, path: Path, title: str) -> None:
     command's process). The cells, as JSON, also go into the PNG's
     ``Description``, so that the picture carries the data it shows.
     """
+    # matplotlib is heavy: only a sweep's summary draws (cli imports this module on every command)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -379,7 +380,7 @@ def figure_inches(matrix: Matrix) -> tuple[float, float]:
 
 def _draw_cells(ax: Any, matrix: Matrix) -> None:
     """Color each job's cell by its outcome (white where no job is) and write its text in it."""
-    from matplotlib.colors import ListedColormap
+    from matplotlib.colors import ListedColormap  # matplotlib: only a sweep's summary draws
 
     grid = [[0] * len(matrix.columns) for _ in matrix.rows]
     for cell in matrix.cells:
@@ -407,7 +408,7 @@ def _label_axes(ax: Any, matrix: Matrix) -> None:
 
 def _add_legend(fig: Any, matrix: Matrix) -> None:
     """One swatch per outcome the sweep had, below the matrix."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # matplotlib: only a sweep's summary draws
 
     present = [k for k in OUTCOME_KINDS if any(c["kind"] == k for c in matrix.cells)]
     handles = [Patch(facecolor=KIND_COLORS[k], label=KIND_LABELS[k]) for k in present]

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from osdpipe.collective import gather_to_all
 
 
@@ -64,8 +66,6 @@ class GroupWorld(World):
     """This process is one rank of an initialized process group (or the one rank of a world of one, without a group)."""
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
         grouped = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if grouped else 0
         self.size = dist.get_world_size() if grouped else 1

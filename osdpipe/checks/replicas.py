@@ -5,6 +5,8 @@ from __future__ import annotations
 from osdpipe import formats
 from osdpipe.checks.common import Subject
 from osdpipe.collective import one_line
+from osdpipe.digest import tensor_digests
+from osdpipe.formats.rank_local import replica_mismatches
 from osdpipe.products import CheckResult
 
 
@@ -31,9 +33,6 @@ def run(ctx: Subject) -> CheckResult:
     replica group's; the output's ranks compare their state's digests with
     the rank that holds the same shard in the first group.
     """
-    from osdpipe.digest import tensor_digests
-    from osdpipe.formats.rank_local import replica_mismatches
-
     source, target = has_replicas(ctx)
     problems: list[str] = []
     if source:

@@ -40,6 +40,7 @@ from osdpipe.formats.fsdp_full import FsdpFull
 from osdpipe.formats.meta import canonical_meta
 from osdpipe.formats.plain import Plain
 from osdpipe.formats.rank_local import RankLocal
+from osdpipe.formats.safe_load import first_line
 from osdpipe.layout import LayoutSpec
 from osdpipe.registry import member
 from osdpipe.tree import ModuleTree
@@ -97,8 +98,6 @@ def inspect_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: L
         ValueError: the config cannot describe this input (e.g. ``input.param_groups``
             that match no parameter); the message says which key to mend.
     """
-    from osdpipe.formats.safe_load import first_line
-
     try:
         reader = open_source(fmt, path, key, tree=tree, source=source, id_groups=id_groups)
         return canonical_meta(reader.meta(), tree, where=path)

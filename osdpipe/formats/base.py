@@ -18,6 +18,7 @@ import torch
 from osdpipe.compare import diff
 from osdpipe.digest import save_hashed
 from osdpipe.layout import LayoutSpec, LocalTensor
+from osdpipe.memory import drop_mapped_pages
 from osdpipe.tree import ModuleTree
 
 if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
@@ -141,8 +142,6 @@ def mapped_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 def release_mapped(tensor: torch.Tensor, start: int, stop: int) -> None:
     """Drop the file pages under ``[start, stop)`` of a memory-mapped tensor (nothing for a strided one, which was copied)."""
     if tensor.is_contiguous():
-        from osdpipe.memory import drop_mapped_pages
-
         drop_mapped_pages(tensor.view(-1)[start:stop])
 
 

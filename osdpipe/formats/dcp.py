@@ -74,14 +74,14 @@ class Dcp(Format):
         return RankFiles(files, tensors, results)
 
     def read_written(self, path: Path, key: str) -> dict[str, Any]:
-        from osdpipe.formats.dcp_reader import DcpReader
+        from osdpipe.formats.dcp_reader import DcpReader  # torch.distributed.checkpoint: only where a DCP checkpoint is read
 
         reader = DcpReader(str(path), key)
         return full_state(reader, reader.meta())
 
     def differences(self, directory: Path, key: str, rank: int, expected: dict[str, Any], *, tree: ModuleTree, world_size: int, opened: dict[str, Any]) -> list[str]:
         """Rank ``rank``'s rows of the checkpoint against ``expected``, bitwise; scalar state and, once, the param groups as it holds them."""
-        from osdpipe.formats.dcp_reader import DcpReader
+        from osdpipe.formats.dcp_reader import DcpReader  # torch.distributed.checkpoint: only where a DCP checkpoint is read
 
         if "reader" not in opened:  # opened (metadata read, structure checked) once for every rank
             opened["reader"] = reader = DcpReader(str(self.output_path(directory, rank)), key)
@@ -104,6 +104,6 @@ class Dcp(Format):
         return problems
 
     def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles]) -> dict[str, str]:
-        from osdpipe.formats import dcp_writer
+        from osdpipe.formats import dcp_writer  # torch.distributed.checkpoint: only where a DCP checkpoint is written
 
         return {f"{DCP_DIR}/.metadata": dcp_writer.finish(staging / DCP_DIR, shared[_PLAN], [r.results for r in per_rank])}

@@ -21,13 +21,13 @@ from osdpipe.formats.base import (
     write_torch_file,
 )
 from osdpipe.formats.safe_load import load_torch_file
+from osdpipe.formats.state_facts import Unit, describe_state, moments_alike, tally
 from osdpipe.kinds.fsdp1 import FSDP1
 from osdpipe.layout import LayoutSpec, LocalTensor, full_layout
 from osdpipe.tree import ModuleTree
 
 if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
     from osdpipe.facts import Facts
-    from osdpipe.formats.state_facts import Unit
 
 
 def load_full(path: str, fmt: str = "fsdp_full") -> dict[str, Any]:
@@ -109,8 +109,6 @@ ONE_FILE = "optim.pt"
 
 def read_one_file_facts(facts: Facts, path: Path) -> dict[Any, dict[str, Any]]:
     """What an ``fsdp_full`` or ``plain`` file (one ``torch.save`` of a whole optimizer state dict) shows of its state; the state, each parameter's."""
-    from osdpipe.formats.state_facts import describe_state, moments_alike, tally  # what inspect and reconcile ask: only where they do
-
     osd = load_full(str(path), facts.format)
     state = {k: v for k, v in osd["state"].items() if isinstance(v, dict)}
     describe_state(facts, state, osd.get("param_groups"))
@@ -122,8 +120,6 @@ def read_one_file_facts(facts: Facts, path: Path) -> dict[Any, dict[str, Any]]:
 
 def _shared_step_units(state: dict[str, dict[str, Any]]) -> list[Unit]:
     """FSDP1 units, from the ``step`` tensor a FULL state shares across each unit's parameters (``torch.save`` keeps the sharing)."""
-    from osdpipe.formats.state_facts import Unit
-
     units: dict[int, Unit] = {}
     for fqn, entry in state.items():
         step = entry.get("step")

@@ -57,6 +57,7 @@ from osdpipe.layout import (
     uncovered,
 )
 from osdpipe.kinds import find, rank_layout
+from osdpipe.kinds.fsdp2 import to_rank_local
 from osdpipe.optim import pattern_members
 from osdpipe.tree import ModuleTree
 
@@ -375,9 +376,7 @@ def local_tensors(osd: dict[str, Any]) -> dict[str, Any]:
     What :func:`osdpipe.to_rank_local` would have saved, so both ways of
     saving an FSDP2 rank's state read alike.
     """
-    from torch.distributed.tensor import DTensor
-
-    from osdpipe.kinds.fsdp2 import to_rank_local
+    from torch.distributed.tensor import DTensor  # torch.distributed.tensor is heavy: only where a rank_local file is read
 
     if any(isinstance(v, DTensor) for entry in osd["state"].values() if isinstance(entry, dict) for v in entry.values()):
         return to_rank_local(osd)
@@ -441,7 +440,8 @@ class RankLocal(Format):
 
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
         """Every rank's file, loaded memory-mapped; what they show is told by :func:`~osdpipe.formats.rank_local_facts.describe_ranks`."""
-        from osdpipe.formats.rank_local_facts import describe_ranks  # what inspect and reconcile ask: only where they do
+        # imported here: it imports osdpipe.loading, which imports the formats package, which imports this module
+        from osdpipe.formats.rank_local_facts import describe_ranks
 
         count = sum(1 for p in path.iterdir() if _RANK_FILE.fullmatch(p.name)) if path.is_dir() else 0
         files = rank_files(path, max(count, 1))  # refuses gaps and an empty directory, naming the missing file
@@ -473,6 +473,6 @@ class RankLocal(Format):
         return write_torch_file(result, staging / rank_file_name(rank))
 
     def load_as_a_user_does(self, model: Any, optim: Any, path: Path, written: dict[str, Any], kind: Any) -> None:
-        from osdpipe.loading import load_rank_local  # the kinds it rebuilds DTensors with: only when a live job loads
+        from osdpipe.loading import load_rank_local  # imported here: loading imports the formats package, which imports this module
 
         load_rank_local(optim, path, model=model)

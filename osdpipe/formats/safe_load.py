@@ -348,7 +348,7 @@ def _layout(name: str) -> torch.layout:
 
 def _dcp_classes() -> dict[tuple[str, str], Any]:
     """The globals DCP metadata is made of (``pickletools.dis`` of ``.metadata`` files dcp.save writes)."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata  # DCP is heavy: only a dcp input needs it
 
     allowed: dict[tuple[str, str], Any] = {
         ("torch", "Size"): torch.Size,
@@ -429,7 +429,7 @@ def read_dcp_metadata(path: Path) -> Any:
         ) from None
     except Exception as exc:  # pickle raises many types for mangled bytes (EOFError, UnpicklingError, ValueError, ...)
         raise damaged(str(path), first_line(exc), fix, what="DCP metadata") from exc
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import Metadata  # DCP is heavy: only a dcp input needs it
 
     if not isinstance(loaded, Metadata):
         raise damaged(str(path), f"it holds a {type(loaded).__name__}, not DCP Metadata", fix, what="DCP metadata")

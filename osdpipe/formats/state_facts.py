@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from osdpipe.compare import bits_equal
 from osdpipe.formats.base import local_part
 from osdpipe.optim_infer import NOT_HYPERPARAMETERS, Inferred, infer
 
@@ -90,8 +91,6 @@ def moments_alike(state: dict[Any, dict[str, Any]]) -> bool:
     path that overwrote one with the other (PyTorch 2.13's FSDP1
     ``use_orig_params`` FULL state on CPU), and has lost the first moments.
     """
-    from osdpipe.compare import bits_equal
-
     pairs = []
     for entry in state.values():
         a, b = (entry.get("exp_avg"), entry.get("exp_avg_sq")) if isinstance(entry, dict) else (None, None)

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from osdpipe.layout import LayoutSpec, LocalTensor
 from osdpipe.registry import member
@@ -135,9 +137,6 @@ def device_mesh(shape: tuple[int, ...]) -> Any:
     Made once per world: making a mesh makes process groups, a collective
     that every rank would otherwise repeat for each model verify builds.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     device = compute_device().type
     world, mesh = _MESHES.get((device, shape), (None, None))
     if world is not dist.group.WORLD:  # the cache holds its world, so a new world is never mistaken for it

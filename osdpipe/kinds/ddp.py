@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from osdpipe.kinds.base import LayoutKind, compute_device, register
 from osdpipe.kinds.none import NoWrapper
@@ -35,8 +37,6 @@ class DDP(LayoutKind):
         return "plain" if state_dict_type == "full" else "rank_local"
 
     def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
         device = compute_device()
         return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -49,8 +49,6 @@ class DDP(LayoutKind):
 
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
         """full: rank 0's ``optim.state_dict()`` (a ``plain`` file); local: every rank's."""
-        import torch.distributed as dist
-
         if state_dict_type == "local":
             path.mkdir(exist_ok=True)
             torch.save(optim.state_dict(), path / f"rank_{dist.get_rank()}.pt")

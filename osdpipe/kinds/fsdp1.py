@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from osdpipe.kinds.base import LayoutKind, compute_device, device_mesh, register
@@ -178,6 +179,7 @@ class FSDP1(LayoutKind):
         FSDP1's auto-wrapping nests them; with ``wrap_root=False`` the top-most
         units are wrapped where they stand and the root stays a plain module.
         """
+        # torch.distributed.fsdp is heavy: only a live model needs it, not the launcher's config check
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
 
@@ -209,7 +211,7 @@ class FSDP1(LayoutKind):
 
     def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
         """``FSDP.optim_state_dict_to_load``."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # heavy: only a live model needs it
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -217,6 +219,7 @@ class FSDP1(LayoutKind):
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """``FSDP.optim_state_dict`` with FULL_STATE_DICT, on every rank."""
+        # torch.distributed.fsdp is heavy: only a live model needs it, not the launcher's config check
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -227,7 +230,7 @@ class FSDP1(LayoutKind):
 
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
         """FULL: ``FSDP.optim_state_dict`` to one file from rank 0; SHARDED: to DCP; local: each rank's ``optim.state_dict()``."""
-        import torch.distributed as dist
+        # torch.distributed.fsdp is heavy: only a live model needs it, not the launcher's config check
         from torch.distributed.fsdp import FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -242,7 +245,7 @@ class FSDP1(LayoutKind):
                 if dist.get_rank() == 0:
                     torch.save(osd, path)
             else:
-                import torch.distributed.checkpoint as dcp
+                import torch.distributed.checkpoint as dcp  # DCP is heavy: only a SHARDED save needs it
 
                 with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
                     osd = FSDP.optim_state_dict(model, optim)
@@ -271,7 +274,7 @@ def mixed_precision(spec: LayoutSpec) -> Any:
     """FSDP1's ``MixedPrecision`` for ``spec`` (``None`` without one)."""
     if spec.param_dtype is None:
         return None
-    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp import MixedPrecision  # heavy: only a live model needs it
 
     return MixedPrecision(param_dtype=getattr(torch, spec.param_dtype))
 
@@ -285,6 +288,6 @@ def full_optim_config(rank0_only: bool) -> Any:
     ``exp_avg`` comes back equal to ``exp_avg_sq``. Offloading is only useful
     from a GPU anyway.
     """
-    from torch.distributed.fsdp import FullOptimStateDictConfig
+    from torch.distributed.fsdp import FullOptimStateDictConfig  # heavy: only a live model needs it
 
     return FullOptimStateDictConfig(offload_to_cpu=torch.cuda.is_available(), rank0_only=rank0_only)

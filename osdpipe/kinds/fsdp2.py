@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from osdpipe.kinds.base import LayoutKind, compute_device, device_mesh, register
@@ -76,7 +77,7 @@ class FSDP2(LayoutKind):
 
     def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
         """``fully_shard`` on every module of ``wrap``, innermost first, then on the root."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy: only a live model needs it, not the launcher's config check
 
         mesh = device_mesh(placement(spec).mesh)
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, spec.param_dtype)) if spec.param_dtype else MixedPrecisionPolicy()
@@ -97,7 +98,7 @@ class FSDP2(LayoutKind):
 
     def load_full(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> None:
         """``set_optimizer_state_dict(..., full_state_dict=True)``: what an FSDP2 job calls with a full state."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # DCP is heavy: only a live model needs it
 
         if "param_groups" not in full_osd:  # PyTorch needs groups to load by; a source without them resumes with the target's
             full_osd = {**full_osd, "param_groups": self.full_state(model, optim)["param_groups"]}
@@ -110,7 +111,7 @@ class FSDP2(LayoutKind):
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """``get_optimizer_state_dict`` with ``full_state_dict``, on every rank."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # DCP is heavy: only a live model needs it
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -118,8 +119,6 @@ class FSDP2(LayoutKind):
 
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
         """full: the full state from rank 0; sharded: ``get_optimizer_state_dict`` to DCP; local: :func:`to_rank_local` per rank."""
-        import torch.distributed as dist
-
         if state_dict_type == "local":
             path.mkdir(exist_ok=True)
             torch.save(to_rank_local(optim.state_dict()), path / f"rank_{dist.get_rank()}.pt")
@@ -128,6 +127,7 @@ class FSDP2(LayoutKind):
             if dist.get_rank() == 0:
                 torch.save(osd, path)
         else:
+            # DCP is heavy: only a sharded save needs it
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -146,7 +146,7 @@ def to_rank_local(osd: dict[str, Any]) -> dict[str, Any]:
 
         torch.save(osdpipe.to_rank_local(optim.state_dict()), f"{dir}/rank_{rank}.pt")
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy: only where FSDP2 state is read or saved
 
     state: dict[Any, Any] = {}
     table: dict[Any, dict[str, Any]] = {}
@@ -170,7 +170,7 @@ def from_rank_local(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[s
     Raises:
         ValueError: naming the param ID whose shape or placement differs.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy: only where FSDP2 state is loaded
 
     params = [p for g in optim.param_groups for p in g["params"]]
     table = osd.get(DTENSOR_TABLE, {})

@@ -41,6 +41,7 @@ class NoWrapper(LayoutKind):
 
     def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
         """PyTorch's rekeying of a full FQN-keyed state by this optimizer's param IDs."""
+        # torch.distributed.fsdp is heavy: only a live model needs it, not the launcher's config check
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import OptimStateKeyType
 
@@ -57,7 +58,7 @@ class NoWrapper(LayoutKind):
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """``get_optimizer_state_dict`` with ``full_state_dict``: keyed by FQN (DDP's ``module.`` dropped), in the optimizer's order."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # DCP is heavy: only a live model needs it
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

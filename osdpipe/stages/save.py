@@ -12,6 +12,7 @@ failed writes no data.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,6 @@ def conversion_of(config: dict[str, Any]) -> dict[str, Any]:
 
 def content_sha256(content: dict[str, Any]) -> str:
     """sha256 of the manifest's content (versions, conversion, files, tensor digests): equal for two runs that wrote the same bytes."""
-    import hashlib
-
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
