@@ -23,9 +23,16 @@ import torch.distributed as dist
 from osdpipe import loop, output, progress, whereabouts
 from osdpipe.collective import StageError, from_rank0, lost_a_peer, one_line
 from osdpipe.config import RunSpec
+from osdpipe.formats import InputError, inspect_source
+from osdpipe.generate import generate_rank
+from osdpipe.launch import WorldError, default_backend, init_world, run_local_world
+from osdpipe.layout import full_layout
 from osdpipe.logfile import write_log
+from osdpipe.optim import group_members
 from osdpipe.plan import Plan
+from osdpipe.rankserver import in_torchrun
 from osdpipe.report import Report
+from osdpipe.stages.load import source_id_groups
 from osdpipe.world import GroupWorld, SoloWorld
 
 
@@ -63,11 +70,6 @@ def check_source(plan: Plan) -> None:
     Raises:
         InputError: naming the file and what is wrong with it.
     """
-    from osdpipe.formats import InputError, inspect_source
-    from osdpipe.layout import full_layout
-    from osdpipe.optim import group_members
-    from osdpipe.stages.load import source_id_groups
-
     spec = plan.spec
     groups = source_id_groups(spec, plan.input_format)
     meta = inspect_source(plan.input_format, plan.input_path, spec.input.key, tree=plan.tree, source=spec.source.spec(), id_groups=groups)
@@ -94,9 +96,6 @@ def execute(plan: Plan, warnings: Sequence[str] = ()) -> Report:
     Raises:
         OutputError: ``output.path`` cannot be written, so not even a report can be.
     """
-    from osdpipe.launch import WorldError
-    from osdpipe.rankserver import in_torchrun
-
     spec = plan.spec
     backend = None if spec.runtime.backend == "auto" else spec.runtime.backend
     if spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun()):
@@ -120,9 +119,6 @@ def execute(plan: Plan, warnings: Sequence[str] = ()) -> Report:
 
 def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -> Report:
     """Check the input, generate a source when none is given, convert on a local world of spawned ranks (or offline)."""
-    from osdpipe.generate import generate_rank
-    from osdpipe.launch import run_local_world
-
     spec = plan.spec
     if spec.input.path is not None:
         display.phase("checking the input")
@@ -141,9 +137,6 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
 
     Rank 0 prepares the output directory, draws progress and writes the report.
     """
-    from osdpipe.generate import generate_rank
-    from osdpipe.launch import default_backend, init_world
-
     spec = plan.spec
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
     out = Path(spec.output.path)
