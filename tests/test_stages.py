@@ -211,3 +211,19 @@ def test_a_plan_travels_without_what_it_computed(tmp_path: Path) -> None:
     layout = plan.target_layout(1)
     again = pickle.loads(pickle.dumps(plan))
     assert again == plan and not again._kept and again.target_layout(1) == layout
+
+
+def test_a_run_builds_its_meta_model_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation (the model's default units), the plan, and every rank of an offline run share one meta model."""
+    from osdpipe import models
+    from osdpipe.pipeline import execute
+
+    built = []
+    real = models.build_model
+    monkeypatch.setattr(models, "_last_meta", None)
+    monkeypatch.setattr(models, "build_model", lambda *a, **k: built.append(k.get("device")) or real(*a, **k))
+    spec = settle_and_validate({"output": {"path": str(tmp_path / "out")}, "target": {"world_size": 3}, "runtime": {"mode": "offline", "progress": False}})
+    plan = plan_run(spec)
+    report = execute(plan)
+    assert report.ok, report.error
+    assert built.count("meta") == 1, built
