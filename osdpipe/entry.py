@@ -22,10 +22,16 @@ compositions of the config take most of a second, torch two more. So:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
+import os
 import re
 import sys
+from string import Template
 from typing import Any
+
+from osdpipe import __version__
 
 #: ``osdpipe <name> ...``: the function that runs it, given the remaining arguments, and returns the exit code.
 SUBCOMMANDS = {"check": "osdpipe.check:run_check", "inspect": "osdpipe.inspect_command:run_inspect"}
@@ -38,9 +44,7 @@ EXIT_CONFIG = 2
 
 def version_line() -> str:
     """``osdpipe X (torch Y, hydra Z)``, from the installed packages' metadata: importing torch and Hydra would take seconds."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from osdpipe import __version__
+    from importlib.metadata import PackageNotFoundError, version  # about 20 ms: only --version reads package metadata
 
     def installed(package: str) -> str:
         try:
@@ -61,8 +65,7 @@ def help_text() -> str | None:
     ``$CONFIG``, ``$FLAGS_HELP``, an interpolation): then Hydra answers.
     ``tests/test_startup.py`` holds this text against Hydra's.
     """
-    from importlib.resources import files
-    from string import Template
+    from importlib.resources import files  # only --help reads the packaged config
 
     import yaml  # PyYAML: what OmegaConf reads YAML with, a fraction of Hydra's import
 
@@ -134,7 +137,7 @@ def plain_overrides(args: list[str]) -> dict[str, Any] | None:
 
 def _check_overrides(overrides: dict[str, Any]) -> None:
     """Refuse a command line whose overrides the schema refuses on their own (:func:`osdpipe.config.check_overrides`), as the command would, before Hydra is imported."""
-    from osdpipe.config import ConfigError, UnknownKey, check_overrides
+    from osdpipe.config import ConfigError, UnknownKey, check_overrides  # pydantic: not on --help's and --version's path
 
     try:
         check_overrides(overrides)
@@ -172,10 +175,10 @@ def _dispatch(args: list[str]) -> None:
     overrides = plain_overrides(args)
     if overrides:
         _check_overrides(overrides)
-    from osdpipe.rankserver import start_early
+    from osdpipe.rankserver import start_early  # multiprocessing: only a command that may start ranks
 
     start_early(args)
-    from osdpipe.cli import main as command
+    from osdpipe.cli import main as command  # Hydra: most of a second, past every early answer
 
     command()
 
@@ -193,10 +196,6 @@ def _end(code: Any) -> None:
     unloading every module: about a second with torch loaded, on a
     conversion that itself takes a few.
     """
-    import atexit
-    import contextlib
-    import os
-
     if code is None:
         status = 0
     elif isinstance(code, int):

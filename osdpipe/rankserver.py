@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing as mp
+from multiprocessing import forkserver
 import os
 import signal
 from typing import Any
@@ -50,8 +51,6 @@ def start() -> None:
     global _started
     if _started or context().get_start_method() != "forkserver":
         return
-    from multiprocessing import forkserver
-
     forkserver.ensure_running()
     atexit.register(_stop)
     _started = True
@@ -66,8 +65,6 @@ def start_early(args: list[str]) -> None:
 def _stop() -> None:
     # A server still importing when the command ends (a config error) would
     # otherwise finish importing before it noticed.
-    from multiprocessing import forkserver
-
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
     if pid is not None:
         with contextlib.suppress(OSError):
