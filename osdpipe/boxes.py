@@ -1,0 +1,124 @@
+"""Boxes: a rank's piece of a tensor as a ``[start, stop)`` range per dimension, and where pieces meet.
+
+Every sharding seen so far leaves each rank a box of the whole tensor: FSDP2
+keeps a ``torch.chunk`` of dimension 0; tensor parallelism keeps a chunk of
+one dimension (rows for a colwise weight, columns for a rowwise one); DCP's
+chunk metadata are boxes too. On a 2-D mesh the cuts nest: TP cuts the whole
+tensor first, then FSDP2 cuts dimension 0 of TP's piece, so a rank's box is
+the dp-th chunk of the tp-th chunk, not the ``dp * tp_size + tp``-th chunk of
+the tensor (PyTorch prints the outer one ``_StridedShard``). Uneven sizes
+follow ``torch.chunk`` at each level: 33 rows over tp=2 are 17 + 16, and
+each part is then chunked over dp. FSDP1 keeps ranges of the flattened
+tensor instead; :func:`flat_runs` and :func:`flat_overlap` meet a box with
+those.
+
+Pure functions of shapes and indices: no torch, no process group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import product
+
+#: One ``[start, stop)`` range per dimension of a tensor.
+Box = tuple[tuple[int, int], ...]
+
+
+def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """The range ``torch.chunk`` gives piece ``index`` of ``parts`` over ``size`` elements (empty past the last piece it makes).
+
+    ``torch.chunk`` cuts pieces of ``ceil(size / parts)``, so 10 over 4 is
+    3, 3, 3, 1 and 5 over 4 is 2, 2, 1 and an empty fourth.
+    """
+    step = -(-size // parts)
+    start = min(index * step, size)
+    return start, min(start + step, size)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One level of sharding: dimension ``dim`` split into ``parts`` as ``torch.chunk`` splits it; the rank keeps piece ``index``."""
+
+    dim: int
+    parts: int
+    index: int
+
+
+def whole(shape: Sequence[int]) -> Box:
+    """The box of the whole tensor."""
+    return tuple((0, n) for n in shape)
+
+
+def local_box(shape: Sequence[int], cuts: Sequence[Cut]) -> Box:
+    """The box a rank keeps of a tensor of ``shape`` after ``cuts``, each applied to the piece the ones before it left."""
+    box = list(whole(shape))
+    for cut in cuts:
+        lo, hi = box[cut.dim]
+        start, stop = chunk(hi - lo, cut.parts, cut.index)
+        box[cut.dim] = (lo + start, lo + stop)
+    return tuple(box)
+
+
+def fsdp_tp_cuts(tp_dim: int | None, tp_size: int, tp_index: int, dp_size: int, dp_index: int) -> tuple[Cut, ...]:
+    """The cuts of FSDP2 over tensor parallelism: TP's chunk of ``tp_dim`` (``None``: TP replicates it or leaves it alone), then FSDP2's dim-0 chunk."""
+    tp = () if tp_dim is None or tp_size == 1 else (Cut(tp_dim, tp_size, tp_index),)
+    return (*tp, Cut(0, dp_size, dp_index))
+
+
+def mesh_coordinates(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Rank ``rank``'s index along each mesh dimension: meshes number their ranks row-major, the last dimension fastest."""
+    coords = []
+    for size in reversed(mesh_shape):
+        rank, index = divmod(rank, size)
+        coords.append(index)
+    return tuple(reversed(coords))
+
+
+def volume(box: Box) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box both ``a`` and ``b`` hold, or ``None`` when they share no element."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return out if all(start < stop for start, stop in out) else None
+
+
+def flat_runs(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
+    """The elements of ``box`` as ranges of the row-major flattened tensor, in order, each as long as it can be.
+
+    The trailing dimensions the box spans whole are one run per index of the
+    dimensions before them; runs that touch are merged.
+    """
+    if not shape:
+        return [(0, 1)]
+    if volume(box) == 0:
+        return []
+    inner = len(shape)  # the dimensions from `inner` on are spanned whole: their elements are contiguous
+    while inner > 0 and box[inner - 1] == (0, shape[inner - 1]):
+        inner -= 1
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    if inner == 0:
+        return [(0, math.prod(shape))]
+    last = inner - 1  # the innermost dimension the box cuts: each of its ranges is a run (with the whole dimensions after it)
+    length = (box[last][1] - box[last][0]) * strides[last]
+    runs: list[tuple[int, int]] = []
+    for outer in product(*(range(start, stop) for start, stop in box[:last])):
+        begin = sum(i * s for i, s in zip(outer, strides)) + box[last][0] * strides[last]
+        if runs and runs[-1][1] == begin:
+            runs[-1] = (runs[-1][0], begin + length)
+        else:
+            runs.append((begin, begin + length))
+    return runs
+
+
+def flat_overlap(shape: Sequence[int], box: Box, start: int, stop: int) -> list[tuple[int, int]]:
+    """The elements of ``box`` that the flat range ``[start, stop)`` of the tensor also holds, as flat ranges (an FSDP1 segment against a box)."""
+    out = []
+    for run_start, run_stop in flat_runs(shape, box):
+        lo, hi = max(run_start, start), min(run_stop, stop)
+        if lo < hi:
+            out.append((lo, hi))
+    return out
