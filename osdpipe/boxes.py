@@ -18,6 +18,7 @@ Pure functions of shapes and indices: no torch, no process group.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
@@ -59,12 +60,6 @@ def local_box(shape: Sequence[int], cuts: Sequence[Cut]) -> Box:
         start, stop = chunk(hi - lo, cut.parts, cut.index)
         box[cut.dim] = (lo + start, lo + stop)
     return tuple(box)
-
-
-def fsdp_tp_cuts(tp_dim: int | None, tp_size: int, tp_index: int, dp_size: int, dp_index: int) -> tuple[Cut, ...]:
-    """The cuts of FSDP2 over tensor parallelism: TP's chunk of ``tp_dim`` (``None``: TP replicates it or leaves it alone), then FSDP2's dim-0 chunk."""
-    tp = () if tp_dim is None or tp_size == 1 else (Cut(tp_dim, tp_size, tp_index),)
-    return (*tp, Cut(0, dp_size, dp_index))
 
 
 def mesh_coordinates(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -122,3 +117,41 @@ def flat_overlap(shape: Sequence[int], box: Box, start: int, stop: int) -> list[
         if lo < hi:
             out.append((lo, hi))
     return out
+
+
+_SHARD = re.compile(r"S\((\d+)\)")
+_STRIDED = re.compile(r"_S\((\d+), (\d+)\)")
+
+
+def placement_cuts(placements: Sequence[str], mesh_shape: Sequence[int], coords: Sequence[int]) -> tuple[Cut, ...]:
+    """The cuts a DTensor's placements make, for the rank at mesh ``coords``, in the order they apply.
+
+    ``placements`` are written as ``str()`` writes PyTorch's (``"S(0)"``,
+    ``"R"``, ``"_S(0, 2)"``), one per mesh dimension, outermost first. A
+    plain shard cuts in mesh order: the outer mesh dimension's chunk first,
+    then the inner one's chunk of it. A strided shard (``_S(dim, factor)``)
+    is the outer shard of a tensor an inner mesh dimension cut first (FSDP2
+    over TP): it applies after the inner cuts of the same tensor dimension,
+    whose sizes multiply to ``factor``.
+
+    Raises:
+        ValueError: for a placement that holds no box of the tensor (``P(sum)``, a partial sum), one not recognized, or a
+            strided shard whose factor the inner cuts do not make.
+    """
+    now: list[Cut] = []
+    later: list[Cut] = []
+    for mesh_dim, (text, size, index) in enumerate(zip(placements, mesh_shape, coords, strict=True)):
+        if text == "R":
+            continue
+        if shard := _SHARD.fullmatch(text):
+            now.append(Cut(int(shard[1]), size, index))
+            continue
+        if strided := _STRIDED.fullmatch(text):
+            dim, factor = int(strided[1]), int(strided[2])
+            inner = math.prod(s for p, s in zip(placements[mesh_dim + 1 :], mesh_shape[mesh_dim + 1 :]) if p == f"S({dim})")
+            if inner != factor:
+                raise ValueError(f"placement {text} on mesh dimension {mesh_dim}: the inner mesh dimensions cut dim {dim} into {inner} piece(s), not {factor}")
+            later.append(Cut(dim, size, index))
+            continue
+        raise ValueError(f"placement {text!r} on mesh dimension {mesh_dim} holds no box of the tensor; only S(d), _S(d, f) and R do")
+    return (*now, *later)

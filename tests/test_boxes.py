@@ -12,7 +12,9 @@ import random
 
 import torch
 
-from osdpipe.boxes import Cut, chunk, flat_overlap, flat_runs, fsdp_tp_cuts, intersect, local_box, mesh_coordinates, volume, whole
+import pytest
+
+from osdpipe.boxes import Cut, chunk, flat_overlap, flat_runs, intersect, local_box, mesh_coordinates, placement_cuts, volume, whole
 from osdpipe.launch import run_local_world
 
 CASES = 300
@@ -42,6 +44,13 @@ def test_chunk_is_torch_chunk() -> None:
                 assert torch.equal(got, expected), (size, parts, index)
 
 
+def fsdp_over_tp(tp_dim: int | None, tp: int) -> tuple[str, str]:
+    """The placements FSDP2 over TP gives a parameter TP shards on ``tp_dim`` (``None``: TP leaves it whole), as PyTorch prints them."""
+    if tp_dim is None:
+        return ("S(0)", "R")
+    return (f"_S(0, {tp})" if tp_dim == 0 else "S(0)", f"S({tp_dim})")
+
+
 def test_nested_cuts_cover_every_element_exactly_once() -> None:
     """FSDP2 x TP on any mesh: over all dp x tp ranks, each element is held once (TP's chunk of a dim, then dp's of dim 0)."""
     rng = random.Random(0)
@@ -51,16 +60,25 @@ def test_nested_cuts_cover_every_element_exactly_once() -> None:
         tp_dim = rng.choice([None, *range(len(shape))])
         count = torch.zeros(torch.Size(shape).numel(), dtype=torch.int64)
         for rank in range(dp * tp):
-            d, t = mesh_coordinates(rank, (dp, tp))
-            count[held(shape, local_box(shape, fsdp_tp_cuts(tp_dim, tp, t, dp, d)))] += 1
+            cuts = placement_cuts(fsdp_over_tp(tp_dim, tp), (dp, tp), mesh_coordinates(rank, (dp, tp)))
+            count[held(shape, local_box(shape, cuts))] += 1
         replicas = tp if tp_dim is None else 1  # a tensor TP leaves whole is held by every tp rank
         assert bool((count == replicas).all()), (shape, dp, tp, tp_dim, count)
 
 
 def test_a_colwise_weight_is_the_dp_chunk_of_the_tp_chunk() -> None:
     """33 rows over tp=2 are 17 + 16, each chunked over dp=2: not the (dp*tp+tp)-th quarter of the rows."""
-    boxes = [local_box((33, 5), fsdp_tp_cuts(0, 2, t, 2, d)) for d, t in (mesh_coordinates(r, (2, 2)) for r in range(4))]
+    boxes = [local_box((33, 5), placement_cuts(("_S(0, 2)", "S(0)"), (2, 2), mesh_coordinates(r, (2, 2)))) for r in range(4)]
     assert [b[0] for b in boxes] == [(0, 9), (17, 25), (9, 17), (25, 33)]
+    hsdp = [local_box((33,), placement_cuts(("R", "_S(0, 2)", "S(0)"), (2, 1, 2), mesh_coordinates(r, (2, 1, 2)))) for r in range(4)]
+    assert hsdp == [((0, 17),), ((17, 33),)] * 2, "HSDP x TP: each replica holds the same TP pieces"
+
+
+def test_placements_that_hold_no_box_are_refused() -> None:
+    with pytest.raises(ValueError, match="holds no box"):
+        placement_cuts(("S(0)", "P(sum)"), (2, 2), (0, 0))
+    with pytest.raises(ValueError, match="cut dim 0 into 1 piece"):
+        placement_cuts(("_S(0, 2)", "S(1)"), (2, 2), (0, 0))
 
 
 def test_flat_runs_are_the_boxes_elements_in_order() -> None:
@@ -96,12 +114,11 @@ def test_local_box_of_no_cut_is_the_whole_tensor() -> None:
 
 
 def _fsdp_tp_job() -> list[tuple[str, list[int], tuple[int, ...], tuple[tuple[int, int], ...]]]:
-    """One rank of dp 2 x tp 2: numbered parameters, TP then FSDP2; per parameter, the global indices its local tensor holds and the box osdpipe computes."""
+    """One rank of dp 2 x tp 2: numbered parameters, TP then FSDP2; per parameter, the global indices its local tensor holds and the box osdpipe reads from its placements."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -119,12 +136,11 @@ def _fsdp_tp_job() -> list[tuple[str, list[int], tuple[int, ...], tuple[tuple[in
             p.copy_(numbered(tuple(p.shape)).float())
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    d, t = mesh_coordinates(dist.get_rank(), (2, 2))
     out = []
     for name, p in model.named_parameters():
-        tp_placement = p.placements[1] if len(p.placements) == 2 else None
-        tp_dim = tp_placement.dim if isinstance(tp_placement, Shard) else None
-        box = local_box(tuple(p.shape), fsdp_tp_cuts(tp_dim, 2, t, 2, d))
+        mesh = tuple(p.device_mesh.shape)  # (2, 2) for what TP shards, (2,) for what it leaves alone
+        coords = mesh_coordinates(dist.get_rank(), (2, 2))[: len(mesh)]
+        box = local_box(tuple(p.shape), placement_cuts([str(x) for x in p.placements], mesh, coords))
         out.append((name, p.to_local().reshape(-1).long().tolist(), tuple(p.shape), box))
     return out
 
