@@ -36,9 +36,9 @@ from typing import Any
 from osdpipe import formats, kinds
 from osdpipe.formats import InputError
 from osdpipe.formats.safe_load import load_torch_file
-from osdpipe.formats.state_facts import MOMENTS_ALIKE, Unit, moments_alike
+from osdpipe.formats.state_facts import Unit
 
-__all__ = ["MOMENTS_ALIKE", "Facts", "Unit", "detect_format", "moments_alike", "read_facts"]
+__all__ = ["Facts", "Unit", "detect_format", "read_facts"]
 
 
 @dataclass

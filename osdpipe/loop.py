@@ -168,7 +168,7 @@ def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None =
             for name in stages
         ],
         checks=checks,
-        skipped_checks=list(outcome_of(last).skipped),
+        skipped_checks=list(outcomes[-1].skipped),
         files=files,
         warnings=warnings,
         memory=[p for _, p in per_process],

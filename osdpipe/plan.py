@@ -8,8 +8,8 @@ layout of every target rank. It is immutable and picklable: the launcher
 sends it to every rank, which never sees Hydra objects and never builds the
 model's tree again.
 
-Layouts are pure functions of the plan, computed on first use and kept; what
-is kept is not pickled (a rank computes its own).
+Layouts are pure functions of the plan, computed on first use and the last
+few kept; what is kept is not pickled (a rank computes its own).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from osdpipe.models import meta_model
 from osdpipe.optim import group_members
 from osdpipe.output import STAGING
 from osdpipe.tree import ModuleTree, describe
+
+
+#: How many layouts a plan keeps: a rank's output and optimizer layouts, and a few of the ranks a stage asks about besides.
+KEPT_LAYOUTS = 8
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,14 @@ class Plan:
         return dataclasses.replace(self, optim_groups=tuple(tuple(g) for g in groups), _kept={})
 
     def _keep(self, key: Any, make: Any) -> Any:
-        if key not in self._kept:  # pure, and asked for by every stage
+        """``make()``, kept while it is among the last :data:`KEPT_LAYOUTS` asked for: every stage asks for its rank's
+        layouts, and a solo world playing 1024 ranks must not hold every rank's at once."""
+        if key in self._kept:
+            self._kept[key] = self._kept.pop(key)  # the most recently asked for goes last
+        else:
             self._kept[key] = make()
+            while len(self._kept) > KEPT_LAYOUTS:
+                del self._kept[next(iter(self._kept))]
         return self._kept[key]
 
 

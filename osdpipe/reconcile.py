@@ -27,7 +27,8 @@ from typing import Any
 
 from osdpipe.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
 from osdpipe import formats, kinds
-from osdpipe.facts import MOMENTS_ALIKE, detect_format, read_facts
+from osdpipe.facts import detect_format, read_facts
+from osdpipe.formats.state_facts import MOMENTS_ALIKE
 from osdpipe.formats import InputError
 from osdpipe.optim import optimizer_label, resolve_optimizer
 from osdpipe.optim_infer import fingerprint, hyperparameter_names, kept_state, state_names_of

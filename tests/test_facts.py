@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from osdpipe.reconcile import settle_and_validate
-from osdpipe.facts import detect_format, moments_alike, read_facts
+from osdpipe.facts import detect_format, read_facts
+from osdpipe.formats.state_facts import moments_alike
 from osdpipe.loading import PARAM_LAYOUT, LayoutMismatch, check_fits
 from osdpipe.optim import torch_optimizers
 from osdpipe.optim_infer import infer

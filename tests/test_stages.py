@@ -227,3 +227,15 @@ def test_a_run_builds_its_meta_model_once(tmp_path: Path, monkeypatch: pytest.Mo
     report = execute(plan)
     assert report.ok, report.error
     assert built.count("meta") == 1, built
+
+
+def test_a_plan_keeps_only_the_last_layouts_it_was_asked_for(tmp_path: Path) -> None:
+    """A solo world asks about every rank: the plan must not hold 1024 ranks' layouts at once, and what it recomputes is the same."""
+    from osdpipe.plan import KEPT_LAYOUTS
+
+    plan = make_plan(tmp_path, target={"world_size": 16})
+    first = plan.target_layout(0)
+    for rank in range(16):
+        plan.target_layout(rank)
+    assert len(plan._kept) <= KEPT_LAYOUTS
+    assert plan.target_layout(0) == first

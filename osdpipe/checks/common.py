@@ -18,6 +18,7 @@ from osdpipe.layout import LocalTensor
 from osdpipe.products import Described, Keyed, Tally
 from osdpipe.reference import live_target
 from osdpipe.sizes import show_size
+from osdpipe.stages.shard import read_source
 from osdpipe.transfer import Source
 from osdpipe.tree import ModuleTree
 from osdpipe.world import World
@@ -132,8 +133,8 @@ class Subject:
 
     def read_source(self) -> Source:
         """This rank's reader of the source, in pieces of the size ``runtime.memory_budget`` allows."""
-        assert self.reader is not None, "the load stage opens the reader"
-        return Source(self.reader, self.spec.runtime.piece_bytes)
+        assert self.source is not None, "the broadcast stage describes the source"
+        return read_source(self.ctx, self.source)
 
     @property
     def warnings(self) -> list[str]:

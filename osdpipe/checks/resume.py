@@ -55,7 +55,7 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
         parts.append(f"steps not run: they {why_not}")
     else:
         assert ctx.meta is not None
-        reference = reference_for(ctx.spec, ctx.meta, ctx.read_source().reader, ctx.tree)
+        reference = reference_for(ctx.spec, ctx.meta, ctx.reader, ctx.tree)
         if load is not None:
             model, optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
             load(model, optim)
