@@ -45,7 +45,8 @@ def run_inspect(args: list[str]) -> int:
         return EXIT_USAGE
     # torch: not on inspect --help's path (tests/test_startup.py)
     from osdpipe.collective import one_line
-    from osdpipe.facts import MOMENTS_ALIKE, read_facts
+    from osdpipe.facts import read_facts
+    from osdpipe.formats.state_facts import MOMENTS_ALIKE
 
     path = Path(rest[0])
     try:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from osdpipe.formats import RankFiles, SourceMeta, SourceReader
+    from osdpipe.formats.base import RankFiles, SourceMeta, SourceReader
 
 P = TypeVar("P")
 
