@@ -44,7 +44,8 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 #: Config nodes that hold whatever keys the user names (a factory's or an optimizer's keyword arguments):
 #: overriding a key they do not have yet adds it, with no ``+`` needed.
-OPEN_DICTS = ("model.kwargs.", "optim.kwargs.")
+#: Config keys whose value is a dict of the user's own keys: an override may add keys (``model.kwargs.depth=12``) or give it whole (``target.tp_plan={up:colwise}``).
+OPEN_DICTS = ("model.kwargs", "optim.kwargs", "source.tp_plan", "target.tp_plan")
 
 #: The exit code of every job of this invocation (one, or one per sweep job).
 _exit_codes: list[int] = []
@@ -201,8 +202,12 @@ def hydra_message(exc: BaseException) -> str:
 
 
 def open_dict_overrides(args: list[str]) -> list[str]:
-    """Let ``model.kwargs.depth=12`` add a key the composed config does not have (as ``++`` would)."""
-    return [f"++{a}" if a.startswith(OPEN_DICTS) and "=" in a else a for a in args]
+    """Let ``model.kwargs.depth=12`` add a key the composed config does not have (as ``++`` would); a dict given whole is merged into the recipe's."""
+    return [f"++{a}" if "=" in a and _in_open_dict(a.split("=", 1)[0]) else a for a in args]
+
+
+def _in_open_dict(key: str) -> bool:
+    return any(key == d or key.startswith(f"{d}.") for d in OPEN_DICTS)
 
 
 def main() -> None:

@@ -103,6 +103,27 @@ class LayoutConfig(_Frozen):
     wrap_root: bool = True
     state_dict_type: Literal["full", "sharded", "local"] = "full"  # local: each rank's own optim.state_dict() (rank_local)
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+    tp_size: int = Field(default=1, ge=1)  # tensor-parallel ranks, the innermost mesh dimension (fsdp2)
+    tp_plan: dict[str, str] = Field(default_factory=dict)  # module FQN pattern -> colwise | rowwise | sequence | package.module:callable
+
+    @field_validator("tp_plan")
+    @classmethod
+    def _known_styles(cls, plan: dict[str, str]) -> dict[str, str]:
+        from osdpipe.tp import style_problem  # imports no torch at module level
+
+        for pattern, style in plan.items():
+            why = style_problem(style)
+            if why is not None:
+                raise ValueError(f"{pattern}: {why}")
+        return plan
+
+    def mesh_problem(self) -> str | None:
+        """Why ``world_size``, ``tp_size`` and ``tp_plan`` make no mesh (``None``: they do); nothing here needs the model or torch."""
+        if self.world_size % self.tp_size:
+            return f"tp_size={self.tp_size} does not divide world_size={self.world_size}; the world is replicas x shard group x tp_size"
+        if self.tp_plan and self.tp_size == 1:
+            return "tp_plan applies with tensor parallelism: set tp_size (the tensor-parallel ranks), or leave tp_plan empty"
+        return None
 
     @field_validator("kind")
     @classmethod
@@ -118,7 +139,10 @@ class LayoutConfig(_Frozen):
         if _complete(info):
             from osdpipe import kinds  # the kind registry imports torch: not before the schema is checked
 
-            kinds.get(self.kind).validate(self.spec())
+            kind = kinds.get(self.kind)
+            if self.tp_size > 1 and not kind.tensor_parallel:
+                raise ValueError(f"tp_size={self.tp_size}: kind={self.kind} has no tensor parallelism; set kind=fsdp2, or tp_size=1")
+            kind.validate(self.spec())
         return self
 
     def spec(self) -> LayoutSpec:
@@ -134,6 +158,8 @@ class LayoutConfig(_Frozen):
             wrap_root=self.wrap_root,
             param_dtype=self.mixed_precision.param_dtype,
             shard_group_size=self.shard_group_size,
+            tp_size=self.tp_size,
+            tp_plan=tuple(self.tp_plan.items()),
         )
 
 
@@ -387,6 +413,10 @@ class RunSpec(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> RunSpec:
+        for side in ("source", "target"):
+            why = getattr(self, side).mesh_problem()
+            if why is not None:
+                raise ValueError(f"{side}.{why}")
         if self.runtime.mode == "offline" and self.runtime.transfer == "scatter":
             raise ValueError("runtime.transfer=scatter sends bytes between the ranks of a world; runtime.mode=offline has one process: set runtime.transfer=shared")
         if self.runtime.mode == "offline" and self.runtime.launcher == "torchrun":

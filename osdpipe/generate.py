@@ -31,8 +31,8 @@ def generate_rank(plan: Plan) -> str:
     whereabouts.enter("generate")
     spec, tree = plan.spec, plan.tree
     rank = dist.get_rank()
-    model, optim = live_target(spec, spec.source.spec(), tree, rank)
-    layout = rank_layout(tree, spec.source.spec(), rank)
+    model, optim = live_target(spec, plan.source_spec, tree, rank)
+    layout = rank_layout(tree, plan.source_spec, rank)
     for step in range(spec.generate.steps):  # synthetic gradients: no forward pass, so any model trains
         train_step(spec, model, optim, step, layout, tree)
     path = Path(plan.input_path)

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from osdpipe.boxes import Box, flat_runs
 from osdpipe.tree import ModuleTree, ParamInfo
 
 if TYPE_CHECKING:  # an annotation only: the spec's names of the strategies
@@ -43,13 +44,34 @@ class LayoutSpec:
     wrap_root: bool = True
     #: Mixed precision's forward/backward parameter dtype (``MixedPrecision.param_dtype``), ``None``: the parameters' own.
     param_dtype: str | None = None
-    #: Ranks that shard one replica (FSDP1 HYBRID_SHARD, FSDP2 HSDP); ``None``: one group of every rank.
+    #: Ranks that shard one replica (FSDP1 HYBRID_SHARD, FSDP2 HSDP); ``None``: one group of every data-parallel rank.
     shard_group_size: int | None = None
+    #: Tensor-parallel ranks: the innermost mesh dimension (FSDP2); the world is replicas x shard group x ``tp_size``.
+    tp_size: int = 1
+    #: Module FQN pattern (fnmatch) -> tensor-parallel style, in the order given (see :mod:`osdpipe.tp`).
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    #: Each parameter's mesh and placements under ``tp_plan``, as PyTorch lays them (:func:`osdpipe.tp.read_placements`);
+    #: filled in by the plan, since only the model and PyTorch can say them.
+    tp_placements: tuple[tuple[str, Placement], ...] | None = None
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks that hold different data: every rank but the tensor-parallel ones of each group."""
+        return self.world_size // self.tp_size
+
+    @property
+    def replica_span(self) -> int:
+        """How many consecutive ranks make one replica: a shard group times the tensor-parallel ranks."""
+        return (self.shard_group_size or self.data_parallel) * self.tp_size
 
     @property
     def replicas(self) -> int:
         """How many replica groups hold the same shards (1 without hybrid sharding)."""
-        return self.world_size // self.shard_group_size if self.shard_group_size else 1
+        return self.world_size // self.replica_span
+
+    def first_replica(self, rank: int) -> int:
+        """The rank of the first replica group that holds what ``rank`` holds (itself without hybrid sharding)."""
+        return rank % self.replica_span
 
 
 def shard_group(spec: LayoutSpec, rank: int) -> tuple[int, int]:
@@ -68,15 +90,32 @@ class Placement:
     """How a parameter that is a DTensor (FSDP2) is laid over its device mesh.
 
     ``mesh`` is the mesh's shape and ``placements`` one placement per mesh
-    dimension, as ``str(placement)`` writes them (``"S(0)"``, ``"R"``).
+    dimension, as ``str(placement)`` writes them (``"S(0)"``, ``"R"``,
+    ``"_S(0, 2)"``). ``names`` are the mesh dimensions' names, which say
+    where a sub-mesh lies in the job's whole mesh (a parameter tensor
+    parallelism leaves alone lies on the ``dp`` dimension only); ``None``
+    where no job's mesh is meant (how a DCP checkpoint's chunks are cut).
     """
 
     mesh: tuple[int, ...]
     placements: tuple[str, ...]
+    names: tuple[str, ...] | None = None
 
     def describe(self, shape: tuple[int, ...]) -> dict[str, list[Any]]:
         """The entry of :data:`DTENSOR_TABLE` for a parameter of global ``shape``."""
-        return {"shape": list(shape), "mesh": list(self.mesh), "placements": list(self.placements)}
+        out = {"shape": list(shape), "mesh": list(self.mesh), "placements": list(self.placements)}
+        return out if self.names is None else {**out, "mesh_dim_names": list(self.names)}
+
+
+def same_placement(saved: Any, expected: dict[str, Any]) -> bool:
+    """Whether two entries of :data:`DTENSOR_TABLE` describe the same layout: the same shape, mesh and placements.
+
+    The mesh's names are recorded for people and tools, not compared: a job
+    names its mesh as it likes, and the shape and placements already say
+    where each piece lies (every FSDP2 parameter lies on the data-parallel
+    dimensions, tensor parallelism adds the innermost one).
+    """
+    return isinstance(saved, dict) and all(saved.get(k) == expected.get(k) for k in ("shape", "mesh", "placements"))
 
 
 #: The top-level key of a param-ID keyed file that lists, per param ID, how its
@@ -140,6 +179,20 @@ class LocalTensor:
         tensors and a ``step``, as FSDP2 keeps them.
         """
         return self.has_elements or self.placement is not None
+
+
+def box_segments(fqn: str, shape: tuple[int, ...], box: Box) -> tuple[Segment, ...]:
+    """A rank's box of parameter ``fqn`` as segments: each run of its row-major elements (:func:`osdpipe.boxes.flat_runs`), packed in order.
+
+    A box is what a rank of a mesh holds; a segment is what the copy plan
+    moves. Dim-0 boxes are one segment; a box that cuts a later dimension
+    (a rowwise tensor-parallel weight) is one segment per row it spans.
+    """
+    out, dest = [], 0
+    for start, stop in flat_runs(shape, box):
+        out.append(Segment(fqn, start, stop - start, dest))
+        dest += stop - start
+    return tuple(out)
 
 
 def chunk_bounds(total: int, world_size: int, rank: int) -> tuple[int, int, int]:

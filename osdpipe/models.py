@@ -133,10 +133,72 @@ class MLP(nn.Module):
         return x
 
 
+class Attention(nn.Module):
+    """Llama's attention projections (no rotary embedding, one head: only the parameters' names and shapes matter here)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.softmax(self.wq(x) @ self.wk(x).transpose(-1, -2) / x.shape[-1] ** 0.5, dim=-1)
+        return self.wo(scores @ self.wv(x))
+
+
+class FeedForward(nn.Module):
+    """Llama's SwiGLU feed-forward."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """A small model named as torchtitan's Llama is (``tok_embeddings``, ``layers.<i>.attention.wq``, ``feed_forward.w1``, ...), for its TP plan.
+
+    The hidden size (44 by default) is not a multiple of the usual
+    tensor-parallel sizes, so its pieces are uneven, as a real 8B's are not.
+    """
+
+    fsdp_units = ("LlamaBlock",)
+
+    def __init__(self, vocab: int = 64, dim: int = 16, hidden: int = 44, layers: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
 BUILTIN_MODELS: dict[str, ModelFactory] = {
     "nested": NestedModel,
     "transformer": TransformerModel,
     "mlp": MLP,
+    "llama": Llama,
 }
 
 

@@ -72,7 +72,7 @@ def check_source(plan: Plan) -> None:
     """
     spec = plan.spec
     groups = source_id_groups(spec, plan.input_format)
-    meta = inspect_source(plan.input_format, plan.input_path, spec.input.key, tree=plan.tree, source=spec.source.spec(), id_groups=groups)
+    meta = inspect_source(plan.input_format, plan.input_path, spec.input.key, tree=plan.tree, source=plan.source_spec, id_groups=groups)
     if meta.param_groups is not None:  # the source's optimizer held these; the target's must find each of its own there
         layout = full_layout(plan.tree)
         held = {f for g in group_members(spec.optim, layout) for i in g for f in layout[i].fqns}

@@ -23,7 +23,7 @@ from osdpipe import formats, kinds
 from osdpipe.config import ConfigError, RunSpec
 from osdpipe.formats import Format
 from osdpipe.kinds import rank_layout
-from osdpipe.layout import LocalTensor
+from osdpipe.layout import LayoutSpec, LocalTensor
 from osdpipe.models import meta_model
 from osdpipe.optim import group_members
 from osdpipe.output import STAGING
@@ -44,6 +44,9 @@ class Plan:
     input_path: str
     #: The format it is read in (given, or what the source world saves).
     input_format: str
+    #: How the source job and the target job are wrapped, with what only the model and PyTorch could add (:meth:`LayoutKind.settle`).
+    source_spec: LayoutSpec
+    target_spec: LayoutSpec
     #: The live target optimizer's param groups as indices into its layout, when the Python API is handed one;
     #: otherwise they follow ``optim.param_groups``.
     optim_groups: tuple[tuple[int, ...], ...] | None = None
@@ -72,7 +75,7 @@ class Plan:
 
     def optimizer_layout(self, rank: int) -> tuple[LocalTensor, ...]:
         """The local tensors of target rank ``rank``'s optimizer, in ``model.parameters()`` order."""
-        return self._keep(("optimizer", rank), lambda: rank_layout(self.tree, self.spec.target.spec(), rank))
+        return self._keep(("optimizer", rank), lambda: rank_layout(self.tree, self.target_spec, rank))
 
     def target_layout(self, rank: int) -> tuple[LocalTensor, ...]:
         """The local tensors target rank ``rank`` gets in the output format (:meth:`Format.output_layout`)."""
@@ -106,20 +109,33 @@ class Plan:
 
 
 def plan_run(spec: RunSpec, tree: ModuleTree | None = None) -> Plan:
-    """The plan of ``spec``: its model's tree built on ``meta`` (unless given), both wrappings checked against it.
+    """The plan of ``spec``: its model's tree built on ``meta`` (unless given), both wrappings settled and checked against it.
+
+    Settling asks PyTorch what only it can say: with tensor parallelism, each
+    parameter's placements (a probe process, about as long as importing torch).
 
     Raises:
         ConfigError: naming the key whose value the model does not fit (``model``, ``source.wrap``, ``target.wrap``).
     """
     if tree is None:
         tree = model_tree(spec)
+    settled = {}
     for side in ("source", "target"):
         layout = getattr(spec, side)
+        kind = kinds.get(layout.kind)
         try:
-            kinds.get(layout.kind).check(tree, layout.spec())
+            settled[side] = kind.settle(layout.spec(), spec.model.factory, spec.model.kwargs)
+        except ValueError as exc:
+            raise ConfigError([f"{side}.tp_plan={layout.tp_plan}: {exc}"]) from None
+        try:
+            kind.check(tree, settled[side])
         except ValueError as exc:
             raise ConfigError([f"{side}.wrap={layout.wrap}: {exc}"]) from None
-    return Plan(spec, tree, spec.input.path or generated_source_path(spec), spec.source_input_format)
+    if formats.get(spec.output.format).loaded_by_dcp:
+        why = kinds.get(spec.target.kind).dcp_load_problem(tree, settled["target"])
+        if why is not None:
+            raise ConfigError([f"output.format={spec.output.format}: {why}"])
+    return Plan(spec, tree, spec.input.path or generated_source_path(spec), spec.source_input_format, settled["source"], settled["target"])
 
 
 def model_tree(spec: RunSpec) -> ModuleTree:

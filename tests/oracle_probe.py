@@ -161,6 +161,7 @@ def fsdp2_params(model: nn.Module, with_values: bool = True) -> list[dict[str, A
                 local_shape=tuple(local.shape),
                 placements=tuple(str(x) for x in p.placements),
                 mesh=tuple(p.device_mesh.shape),
+                mesh_dim_names=tuple(p.device_mesh.mesh_dim_names or ()),
                 values=local_values(local) if with_values else None,
             )
         )
@@ -180,6 +181,25 @@ def direct_fully_shard(model: nn.Module, units: list[str], mesh: Any) -> nn.Modu
         fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def direct_fsdp2_tp(model: nn.Module, units: list[str], world_size: int, tp_size: int, plan: dict[str, str]) -> nn.Module:
+    """FSDP2 over tensor parallelism as torchtitan writes it: a (dp, tp) mesh, torch's styles on the modules ``plan``'s patterns match, then ``fully_shard`` over dp."""
+    import fnmatch
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    mesh = init_device_mesh("cpu", (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    chosen = {}
+    for name, _ in model.named_modules():
+        for pattern, style in plan.items():
+            if name and fnmatch.fnmatchcase(name, pattern):
+                chosen.setdefault(name, styles[style]())
+    # src_data_rank=None: each rank cuts its piece from its own full tensor; the default scatters rank 0's, which a fake group does not carry
+    parallelize_module(model, mesh["tp"], chosen, src_data_rank=None)
+    return direct_fully_shard(model, units, mesh["dp"])
 
 
 # ---------------------------------------------------------------------------
@@ -262,7 +282,9 @@ def _probe_rank(world_size: int, cases: list[dict[str, Any]]) -> list[Any]:
             fill_marked(model)
             group = case.get("shard_group_size")
             shape = (world_size // group, group) if group else (world_size,)
-            if case["kind"] == "fsdp2":
+            if case["kind"] == "fsdp2_tp":
+                out.append(dict(params=fsdp2_params(direct_fsdp2_tp(model, case["wrap"], world_size, case["tp_size"], case["tp_plan"]))))
+            elif case["kind"] == "fsdp2":
                 direct_fully_shard(model, case["wrap"], mesh(shape))
                 out.append(dict(params=fsdp2_params(model)))
             else:

@@ -15,6 +15,7 @@ from osdpipe.context import Context
 from osdpipe.formats import Format, SourceReader, full_state, TensorRef
 from osdpipe.formats.base import SourceMeta
 from osdpipe.layout import LocalTensor
+from osdpipe.plan import Plan
 from osdpipe.products import Described, Keyed, Tally
 from osdpipe.reference import live_target
 from osdpipe.sizes import show_size
@@ -44,6 +45,10 @@ class Subject:
     #: Per target rank, the layout keys its optimizer holds, as the ranks published them (a live optimizer's own groups).
     held: dict[int, set[str]] = field(default_factory=dict)
     _live: tuple[Any, Any] | None = field(default=None, repr=False)
+
+    @property
+    def plan(self) -> Plan:
+        return self.ctx.plan
 
     @property
     def spec(self) -> RunSpec:
@@ -144,7 +149,7 @@ class Subject:
     def live(self) -> tuple[Any, Any]:
         """This rank's real target model and optimizer: the Python API's own, else built once, on first use."""
         if self._live is None:
-            self._live = self.world.kept.get((LIVE_TARGET, self.rank)) or live_target(self.spec, self.spec.target.spec(), self.tree, self.rank)
+            self._live = self.world.kept.get((LIVE_TARGET, self.rank)) or live_target(self.spec, self.ctx.plan.target_spec, self.tree, self.rank)
         return self._live
 
 

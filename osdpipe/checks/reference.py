@@ -22,7 +22,7 @@ def run(ctx: Subject) -> CheckResult:
     if ctx.id_keyed:
         expected, got, what = kind.to_load(model, optim, full), {k: v for k, v in ctx.result.items() if k != PARAM_LAYOUT}, "PyTorch's conversion"
     else:
-        fresh_model, fresh_optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
+        fresh_model, fresh_optim = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
         fresh_optim.load_state_dict(kind.loadable(fresh_optim, kind.to_load(fresh_model, fresh_optim, full)))
         expected, got, what = kind.full_state(fresh_model, fresh_optim), full_output(ctx), "the full state PyTorch reports after loading the source"
     problems = diff(got, expected, sequence_types=False)  # a tuple of hyperparameters PyTorch loads back as a list is the same

@@ -12,8 +12,8 @@ from osdpipe.products import CheckResult
 
 def has_replicas(ctx: Subject) -> tuple[bool, bool]:
     """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank)."""
-    source = formats.get(ctx.input_format).holds_replicas and ctx.spec.source.spec().replicas > 1
-    return source, ctx.id_keyed and ctx.spec.target.spec().replicas > 1
+    source = formats.get(ctx.input_format).holds_replicas and ctx.plan.source_spec.replicas > 1
+    return source, ctx.id_keyed and ctx.plan.target_spec.replicas > 1
 
 
 def _first_replica_digests(ctx: Subject, mine: dict[str, str], first: int) -> dict[str, str]:
@@ -40,13 +40,13 @@ def run(ctx: Subject) -> CheckResult:
         share = readers.index(ctx.rank) if ctx.rank in readers else None  # the ranks that read the input share the files out
         mine = [r for r in range(ctx.spec.source.world_size) if share is not None and r % len(readers) == share]
         try:  # not raised: every rank must reach the gather below
-            problems += [f"source {p}" for p in replica_mismatches(ctx.input_path, ctx.spec.source.spec(), mine)]
+            problems += [f"source {p}" for p in replica_mismatches(ctx.input_path, ctx.plan.source_spec, mine)]
         except Exception as exc:  # noqa: BLE001
             problems.append(f"source replicas unreadable: {one_line(exc)}")
     if target:
         assert ctx.result is not None
         digests = tensor_digests(ctx.result)
-        first = ctx.rank % (ctx.spec.target.shard_group_size or ctx.world_size)
+        first = ctx.plan.target_spec.first_replica(ctx.rank)
         theirs = _first_replica_digests(ctx, digests, first)
         if digests != theirs:
             differ = sorted(k for k in digests.keys() | theirs.keys() if digests.get(k) != theirs.get(k))

@@ -57,7 +57,7 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
         assert ctx.meta is not None
         reference = reference_for(ctx.spec, ctx.meta, ctx.reader, ctx.tree)
         if load is not None:
-            model, optim = live_target(ctx.spec, ctx.spec.target.spec(), ctx.tree, ctx.rank)
+            model, optim = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
             load(model, optim)
             batches: Any = [live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree)]
             target = f"the {ctx.spec.target.kind} target job"

@@ -203,6 +203,9 @@ class Format:
 
     #: A hybrid-sharded job's checkpoint holds each replica group's copy of the state (``rank_local``: a file per rank).
     holds_replicas: ClassVar[bool] = False
+    #: The target job reads it with ``dcp.load``, which places each rank's piece by PyTorch's own offset helper
+    #: (see :meth:`osdpipe.kinds.base.LayoutKind.dcp_load_problem`).
+    loaded_by_dcp: ClassVar[bool] = False
 
     def refuses_source(self, kind: Any) -> str | None:
         """Why a checkpoint in this format cannot come from a job of layout ``kind`` (``None``: it can); the message names the keys to set."""

@@ -36,6 +36,7 @@ class Dcp(Format):
     directory = True
     generated_name = DCP_DIR
     looks_like = "a DCP checkpoint (.metadata)"
+    loaded_by_dcp = True
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / DCP_DIR

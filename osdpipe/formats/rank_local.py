@@ -54,6 +54,7 @@ from osdpipe.layout import (
     DTENSOR_TABLE,
     LayoutSpec,
     LocalTensor,
+    same_placement,
     uncovered,
 )
 from osdpipe.kinds import find, rank_layout
@@ -238,7 +239,7 @@ class RankLocalReader:
                     "set source.kind=fsdp2 (and source.shard_group_size for HSDP)"
                 )
             expected = tensor.placement.describe(self.tree.param(tensor.key).shape)
-            if saved != expected:
+            if not same_placement(saved, expected):
                 raise InputError(f"{self.files[rank]}: rank {rank}, param ID {pid} ({tensor.key}) lies as {saved}, but the source layout says {expected}; {_HINT}")
 
     def _holders(self, pid: int) -> list[int]:
@@ -393,7 +394,7 @@ def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -
     files = rank_files(path, source.world_size)
     problems = []
     for r in ranks:
-        first = r % (source.shard_group_size or source.world_size)
+        first = source.first_replica(r)
         if first == r:
             continue
         found = diff(local_tensors(load_torch_file(files[r])), local_tensors(load_torch_file(files[first])), path=f"rank {r} vs rank {first}", limit=1)

@@ -36,6 +36,8 @@ class LayoutKind:
     has_use_orig_params: ClassVar[bool] = False
     #: Whether its optimizer keeps state as DTensors, which a ``rank_local`` file keeps with a ``dtensor`` table of their placements.
     dtensor_state: ClassVar[bool] = False
+    #: Whether a job of this kind can add tensor parallelism (``tp_size``, ``tp_plan``) inside its data parallelism.
+    tensor_parallel: ClassVar[bool] = False
 
     def hybrid_keys(self, shard_group_size: int) -> dict[str, Any]:
         """The layout keys (``source.*``, ``target.*``) of a hybrid-sharded job of this kind with shard groups of ``shard_group_size`` ranks; none where it has none."""
@@ -66,6 +68,14 @@ class LayoutKind:
             raise ValueError(f"shard_group_size={spec.shard_group_size}: kind={self.name} does not shard; leave it unset")
         if spec.sharding_strategy != "FULL_SHARD":
             raise ValueError(f"sharding_strategy={spec.sharding_strategy}: kind={self.name} does not shard; leave it at FULL_SHARD")
+
+    def settle(self, spec: LayoutSpec, factory: str, kwargs: dict[str, Any]) -> LayoutSpec:
+        """``spec`` with what only the model (``factory(**kwargs)``) and PyTorch can add, asked once by the plan; by default nothing."""
+        return spec
+
+    def dcp_load_problem(self, tree: ModuleTree, spec: LayoutSpec) -> str | None:
+        """Why ``dcp.load`` on a job wrapped as ``spec`` would put pieces in the wrong place (``None``: it would not); by default it would not."""
+        return None
 
     def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
         """Raise ``ValueError`` when ``spec`` cannot wrap this model (checked before any process starts)."""
@@ -128,19 +138,22 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-_MESHES: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = {}  # (device, shape) -> (world, mesh)
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[Any, Any]] = {}  # (device, shape, names) -> (world, mesh)
 
 
-def device_mesh(shape: tuple[int, ...]) -> Any:
-    """The device mesh of ``shape`` over the current world: ``(world,)``, or ``(replicate, shard)`` for hybrid sharding.
+def device_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
+    """The device mesh of ``shape`` over the current world, its dimensions called ``names``.
+
+    By default ``(world,)`` is ``("shard",)`` and a 2-D mesh, for hybrid
+    sharding, ``("replicate", "shard")``.
 
     Made once per world: making a mesh makes process groups, a collective
     that every rank would otherwise repeat for each model verify builds.
     """
     device = compute_device().type
-    world, mesh = _MESHES.get((device, shape), (None, None))
+    names = names or (("replicate", "shard") if len(shape) == 2 else ("shard",))
+    world, mesh = _MESHES.get((device, shape, names), (None, None))
     if world is not dist.group.WORLD:  # the cache holds its world, so a new world is never mistaken for it
-        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
         mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-        _MESHES[(device, shape)] = (dist.group.WORLD, mesh)
+        _MESHES[(device, shape, names)] = (dist.group.WORLD, mesh)
     return mesh

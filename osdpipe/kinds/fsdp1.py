@@ -253,7 +253,7 @@ class FSDP1(LayoutKind):
 
 
 def check_shard_group(spec: LayoutSpec, hybrid: bool) -> None:
-    """``shard_group_size`` is set exactly when ``hybrid``, and divides ``world_size``."""
+    """``shard_group_size`` is set exactly when ``hybrid``, and divides the data-parallel ranks (``world_size`` without TP)."""
     size = spec.shard_group_size
     if not hybrid:
         if size is not None:
@@ -266,8 +266,9 @@ def check_shard_group(spec: LayoutSpec, hybrid: bool) -> None:
             f"sharding_strategy={spec.sharding_strategy} shards within groups of ranks and replicates across them: "
             "set shard_group_size (PyTorch's default is the ranks of one node)"
         )
-    if spec.world_size % size:
-        raise ValueError(f"shard_group_size={size} does not divide world_size={spec.world_size}; choose a divisor, so that every replica is whole")
+    if spec.data_parallel % size:
+        ranks = f"world_size={spec.world_size}" if spec.tp_size == 1 else f"the {spec.data_parallel} data-parallel ranks (world_size={spec.world_size} / tp_size={spec.tp_size})"
+        raise ValueError(f"shard_group_size={size} does not divide {ranks}; choose a divisor, so that every replica is whole")
 
 
 def mixed_precision(spec: LayoutSpec) -> Any:

@@ -20,6 +20,8 @@ loadable with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,14 +32,70 @@ from torch import nn
 
 from osdpipe.kinds.base import LayoutKind, compute_device, device_mesh, register
 from osdpipe.kinds.fsdp1 import check_shard_group
-from osdpipe.layout import DTENSOR_TABLE, LayoutSpec, LocalTensor, Placement, Segment, dim0_chunk_bounds, shard_group, unit_of, wrapped_modules
+from osdpipe.boxes import Box, local_box, mesh_coordinates, placement_cuts
+from osdpipe.layout import DTENSOR_TABLE, LayoutSpec, LocalTensor, Placement, box_segments, same_placement, unit_of, wrapped_modules
+from osdpipe.tp import mesh_shape, parallelize, read_placements
 from osdpipe.tree import ModuleTree, describe
 
 def placement(spec: LayoutSpec) -> Placement:
-    """The mesh and placements of every parameter under ``spec``: ``Shard(0)``, or ``(Replicate(), Shard(0))`` with HSDP."""
+    """The mesh and placements of every parameter of a job without tensor parallelism: ``Shard(0)``, or ``(Replicate(), Shard(0))`` with HSDP."""
     if spec.shard_group_size:
-        return Placement(mesh=(spec.replicas, spec.shard_group_size), placements=("R", "S(0)"))
-    return Placement(mesh=(spec.world_size,), placements=("S(0)",))
+        return Placement(mesh=(spec.replicas, spec.shard_group_size), placements=("R", "S(0)"), names=("replicate", "shard"))
+    return Placement(mesh=(spec.world_size,), placements=("S(0)",), names=("shard",))
+
+
+def job_mesh(spec: LayoutSpec) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The job's whole device mesh and its dimension names: ``(world,)`` or ``(replicate, shard)``; with TP, torchtitan's (:func:`osdpipe.tp.mesh_shape`)."""
+    if spec.tp_size > 1:
+        return mesh_shape(spec)
+    where = placement(spec)
+    return where.mesh, where.names
+
+
+def placements(tree: ModuleTree, spec: LayoutSpec) -> dict[str, Placement]:
+    """Each parameter's mesh and placements: :func:`placement` for all, or with TP as PyTorch lays them (``spec.tp_placements``)."""
+    if spec.tp_size == 1:
+        where = placement(spec)
+        return {p.fqn: where for p in tree.params}
+    if spec.tp_placements is None:
+        raise ValueError(f"tp_size={spec.tp_size}: the parameters' placements are read from PyTorch by the plan (osdpipe.tp.read_placements) before a layout is computed")
+    return dict(spec.tp_placements)
+
+
+def rank_coordinates(spec: LayoutSpec, rank: int) -> dict[str, int]:
+    """Rank ``rank``'s index along each named dimension of the job's mesh."""
+    shape, names = job_mesh(spec)
+    return dict(zip(names, mesh_coordinates(rank, shape), strict=True))
+
+
+def held_box(shape: tuple[int, ...], tensor: LocalTensor) -> Box | None:
+    """The box ``tensor`` holds of a parameter of ``shape`` (its first element's index, and its local shape); ``None`` when it holds nothing."""
+    if not tensor.segments:
+        return None
+    first, index = tensor.segments[0].start, []
+    for size in reversed(shape):
+        first, i = divmod(first, size)
+        index.append(i)
+    return tuple((start, start + n) for start, n in zip(reversed(index), tensor.shape, strict=True))
+
+
+def pytorch_box(where: Placement, shape: tuple[int, ...], coords: dict[str, int]) -> Box:
+    """The box PyTorch's offset helper (what DCP saves and loads by) says the rank at ``coords`` holds."""
+    # private, as of torch 2.13: the helper behind compute_local_shape_and_global_offset, taking plain coordinates instead of a live mesh
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    objects = []
+    for text in where.placements:
+        if text == "R":
+            objects.append(Replicate())
+        elif text.startswith("_S("):
+            dim, factor = (int(x) for x in text[3:-1].split(","))
+            objects.append(_StridedShard(dim, split_factor=factor))
+        else:
+            objects.append(Shard(int(text[2:-1])))
+    local, offset = _compute_local_shape_and_global_offset(shape, where.mesh, [coords[n] for n in where.names], objects)
+    return tuple((o, o + n) for o, n in zip(offset, local, strict=True))
 
 
 @register
@@ -46,16 +104,50 @@ class FSDP2(LayoutKind):
     state_dict_types = ("full", "sharded", "local")
     hybrid = True
     dtensor_state = True
+    tensor_parallel = True
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
-        shards, index = shard_group(spec, rank)
-        where = placement(spec)
+        """Each parameter's box on this rank (:mod:`osdpipe.boxes`): the nested ``torch.chunk`` cuts its placements make, at this rank's mesh coordinates."""
+        coords = rank_coordinates(spec, rank)
+        table = placements(tree, spec)
         out = []
         for p in tree.params:
-            start, end, rows = dim0_chunk_bounds(p.shape, shards, index)
-            segments = (Segment(p.fqn, start, end - start, 0),) if end > start else ()
-            out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=(rows, *p.shape[1:]), segments=segments, flat=False, placement=where))
+            where = table[p.fqn]
+            box = local_box(p.shape, placement_cuts(where.placements, where.mesh, [coords[n] for n in where.names]))
+            local_shape = tuple(stop - start for start, stop in box)
+            out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=local_shape, segments=box_segments(p.fqn, p.shape, box), flat=False, placement=where))
         return tuple(out)
+
+    def settle(self, spec: LayoutSpec, factory: str, kwargs: dict[str, Any]) -> LayoutSpec:
+        """With tensor parallelism, the placements PyTorch gives each parameter (:func:`osdpipe.tp.read_placements`)."""
+        if spec.tp_size == 1 or spec.tp_placements is not None:
+            return spec
+        return dataclasses.replace(spec, tp_placements=read_placements(factory, kwargs, spec))
+
+    def dcp_load_problem(self, tree: ModuleTree, spec: LayoutSpec) -> str | None:
+        """Where PyTorch's offset helper, which ``dcp.load`` places pieces by, disagrees with what a rank really holds.
+
+        PyTorch 2.13's ``compute_local_shape_and_global_offset`` misplaces
+        ``_StridedShard`` pieces on some meshes (dp 4 x tp 2, for one): a
+        DCP output, however right, would load into the wrong rows there.
+        The real pieces are the nested ``torch.chunk`` boxes of
+        :meth:`rank_layout`, tested against real jobs.
+        """
+        if spec.tp_size == 1:
+            return None  # no strided shard: the helper is right
+        for rank in range(spec.world_size):
+            coords = rank_coordinates(spec, rank)
+            for tensor in self.rank_layout(tree, spec, rank):
+                shape = tree.param(tensor.key).shape
+                box = held_box(shape, tensor)
+                theirs = pytorch_box(tensor.placement, shape, coords) if box is not None else None
+                if theirs != box:
+                    return (
+                        f"dcp.load would put rank {rank}'s piece of {tensor.key} at {theirs}, but the rank holds {box} "
+                        f"(PyTorch {torch.__version__}'s offsets for {', '.join(tensor.placement.placements)} on mesh {list(tensor.placement.mesh)} are wrong); "
+                        "write output.format=rank_local, or choose a mesh where they are right"
+                    )
+        return None
 
     def validate(self, spec: LayoutSpec) -> None:
         """HSDP is ``shard_group_size``; ``fully_shard`` always wraps the root and has no strategies besides when it reshards."""
@@ -67,6 +159,8 @@ class FSDP2(LayoutKind):
         if not spec.wrap_root:
             raise ValueError("wrap_root=false: fully_shard always wraps the root module; leave wrap_root=true")
         check_shard_group(spec, hybrid=spec.shard_group_size is not None)
+        if spec.tp_size > 1 and not spec.tp_plan:
+            raise ValueError(f"tp_size={spec.tp_size} needs tp_plan: module FQN patterns mapped to colwise, rowwise, sequence or package.module:callable")
 
     def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
         """Unknown wrap names, tied parameters across units, 0-dim parameters (which ``Shard(0)`` cannot cut)."""
@@ -76,12 +170,14 @@ class FSDP2(LayoutKind):
             raise ValueError(f"FSDP2 shards every parameter on dim 0, but {', '.join(scalars[:3])} are 0-dim; reshape them to (1,)")
 
     def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
-        """``fully_shard`` on every module of ``wrap``, innermost first, then on the root."""
+        """``tp_plan`` applied over the ``tp`` mesh dimension (with TP), then ``fully_shard`` on every module of ``wrap``, innermost first, and on the root."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy: only a live model needs it, not the launcher's config check
 
-        mesh = device_mesh(placement(spec).mesh)
+        mesh = device_mesh(*job_mesh(spec))
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, spec.param_dtype)) if spec.param_dtype else MixedPrecisionPolicy()
         model = model.to(compute_device())
+        if spec.tp_size > 1:  # tensor parallelism first, over the mesh's tp dimension; FSDP2 then shards over the rest
+            mesh = parallelize(model, mesh, spec)
         units = [u for u in wrapped_modules(describe(model), spec) if u]
         for name in reversed(units):  # reversed pre-order: every unit before its ancestors
             fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy)
@@ -97,22 +193,34 @@ class FSDP2(LayoutKind):
         return to_rank_local(optim.state_dict())
 
     def load_full(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> None:
-        """``set_optimizer_state_dict(..., full_state_dict=True)``: what an FSDP2 job calls with a full state."""
+        """``set_optimizer_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``: what an FSDP2 job calls with a full state.
+
+        ``broadcast_from_rank0``: rank 0's full state is sent to every rank,
+        which keeps its piece. Without it PyTorch 2.13 cuts each rank's piece
+        with ``distribute_tensor``, which fails for an uneven ``_StridedShard``
+        (FSDP2 over tensor parallelism, a size that ``tp_size`` does not divide).
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # DCP is heavy: only a live model needs it
 
         if "param_groups" not in full_osd:  # PyTorch needs groups to load by; a source without them resumes with the target's
             full_osd = {**full_osd, "param_groups": self.full_state(model, optim)["param_groups"]}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            set_optimizer_state_dict(model, optim, full_osd, options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(model, optim, full_osd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         return from_rank_local(optim, state)
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """``get_optimizer_state_dict`` with ``full_state_dict``, on every rank."""
+        """``get_optimizer_state_dict`` with ``full_state_dict``, on every rank.
+
+        PyTorch logs a warning per rank when it gathers a ``_StridedShard``
+        in two steps (FSDP2 over TP); that is how it is done, not a problem
+        of the checkpoint, so it is not shown.
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # DCP is heavy: only a live model needs it
 
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
@@ -182,7 +290,7 @@ def from_rank_local(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[s
             continue
         saved = table.get(pid)
         here = _describe(param)
-        if saved is not None and saved != here:
+        if saved is not None and not same_placement(saved, here):
             raise ValueError(f"param ID {pid}: the file's DTensor is {saved}, but the optimizer's parameter is {here}; convert to this layout first")
         state[pid] = {
             name: DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
@@ -194,5 +302,6 @@ def from_rank_local(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[s
 
 
 def _describe(dtensor: Any) -> dict[str, list[Any]]:
-    """A live DTensor's entry of the ``dtensor`` table, as :meth:`osdpipe.layout.Placement.describe` writes it."""
-    return Placement(tuple(dtensor.device_mesh.shape), tuple(str(p) for p in dtensor.placements)).describe(tuple(dtensor.shape))
+    """A live DTensor's entry of the ``dtensor`` table, as :meth:`osdpipe.layout.Placement.describe` writes it, its mesh's names included."""
+    mesh = dtensor.device_mesh
+    return Placement(tuple(mesh.shape), tuple(str(p) for p in dtensor.placements), tuple(mesh.mesh_dim_names or ())).describe(tuple(dtensor.shape))

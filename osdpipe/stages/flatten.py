@@ -77,7 +77,7 @@ def unmanaged_warning(tree: ModuleTree, spec: LayoutSpec) -> str | None:
 
 
 def flatten(ctx: Context, source: Described, tally: Tally) -> Flattened:
-    message = unmanaged_warning(ctx.tree, ctx.spec.target.spec()) if ctx.id_keyed else None
+    message = unmanaged_warning(ctx.tree, ctx.plan.target_spec) if ctx.id_keyed else None
     if message is not None:
         tally.warnings.append(message)  # the command prints the report's warnings
     entries = {}

@@ -34,5 +34,5 @@ def load(ctx: Context, previous: None, tally: Tally) -> Opened:
     if not opened.reads_itself(ctx.rank):
         return opened
     groups = source_id_groups(ctx.spec, plan.input_format)
-    reader = open_source(plan.input_format, plan.input_path, ctx.spec.input.key, tree=ctx.tree, source=ctx.spec.source.spec(), id_groups=groups)
+    reader = open_source(plan.input_format, plan.input_path, ctx.spec.input.key, tree=ctx.tree, source=plan.source_spec, id_groups=groups)
     return Opened(reader, opened.reading_ranks)
