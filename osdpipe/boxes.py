@@ -123,6 +123,21 @@ _SHARD = re.compile(r"S\((\d+)\)")
 _STRIDED = re.compile(r"_S\((\d+), (\d+)\)")
 
 
+def parse_placement(text: str) -> tuple[int | None, int | None]:
+    """``(dim, split_factor)`` of a placement as ``str()`` writes PyTorch's: ``"R"`` is ``(None, None)``, ``"S(1)"`` is ``(1, None)``, ``"_S(0, 2)"`` is ``(0, 2)``.
+
+    Raises:
+        ValueError: for a placement that holds no box of the tensor (``P(sum)``, a partial sum) or one not recognized.
+    """
+    if text == "R":
+        return None, None
+    if shard := _SHARD.fullmatch(text):
+        return int(shard[1]), None
+    if strided := _STRIDED.fullmatch(text):
+        return int(strided[1]), int(strided[2])
+    raise ValueError(f"placement {text!r} holds no box of the tensor; only S(d), _S(d, f) and R do")
+
+
 def placement_cuts(placements: Sequence[str], mesh_shape: Sequence[int], coords: Sequence[int]) -> tuple[Cut, ...]:
     """The cuts a DTensor's placements make, for the rank at mesh ``coords``, in the order they apply.
 
@@ -141,17 +156,17 @@ def placement_cuts(placements: Sequence[str], mesh_shape: Sequence[int], coords:
     now: list[Cut] = []
     later: list[Cut] = []
     for mesh_dim, (text, size, index) in enumerate(zip(placements, mesh_shape, coords, strict=True)):
-        if text == "R":
+        try:
+            dim, factor = parse_placement(text)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (mesh dimension {mesh_dim})") from None
+        if dim is None:
             continue
-        if shard := _SHARD.fullmatch(text):
-            now.append(Cut(int(shard[1]), size, index))
+        if factor is None:
+            now.append(Cut(dim, size, index))
             continue
-        if strided := _STRIDED.fullmatch(text):
-            dim, factor = int(strided[1]), int(strided[2])
-            inner = math.prod(s for p, s in zip(placements[mesh_dim + 1 :], mesh_shape[mesh_dim + 1 :]) if p == f"S({dim})")
-            if inner != factor:
-                raise ValueError(f"placement {text} on mesh dimension {mesh_dim}: the inner mesh dimensions cut dim {dim} into {inner} piece(s), not {factor}")
-            later.append(Cut(dim, size, index))
-            continue
-        raise ValueError(f"placement {text!r} on mesh dimension {mesh_dim} holds no box of the tensor; only S(d), _S(d, f) and R do")
+        inner = math.prod(s for p, s in zip(placements[mesh_dim + 1 :], mesh_shape[mesh_dim + 1 :]) if p == f"S({dim})")
+        if inner != factor:
+            raise ValueError(f"placement {text} on mesh dimension {mesh_dim}: the inner mesh dimensions cut dim {dim} into {inner} piece(s), not {factor}")
+        later.append(Cut(dim, size, index))
     return (*now, *later)

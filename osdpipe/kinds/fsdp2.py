@@ -5,7 +5,14 @@ shards)`` rows per rank, trailing ranks fewer or none, the local tensor not
 padded. A dim-0 chunk of a contiguous tensor is one contiguous range of its
 flattened view, so every local tensor is one segment. With HSDP
 (``shard_group_size``) the mesh is (replicate, shard): the parameter is cut
-over the shard dimension and every replica group holds the same chunks. The
+over the shard dimension and every replica group holds the same chunks.
+
+With tensor parallelism (``tp_size``, ``tp_plan``) the job's mesh is
+torchtitan's ``(dp, tp)`` or ``(dp_replicate, dp_shard, tp)``: the plan cuts
+a parameter's dim 0 or 1 over ``tp`` first, then FSDP2 cuts dim 0 of that
+piece over the data-parallel ranks. Each rank's piece is then a box (a range
+per dimension, :mod:`osdpipe.boxes`), whose rows become segments; the
+placements come from PyTorch itself (:meth:`FSDP2.settle`). The
 optimizer sees the parameters in the model's own order, and keeps
 ``exp_avg``-like state as DTensors of the parameter's placement, ``step`` as a
 plain tensor; a rank with an empty chunk still has state (empty tensors).
@@ -32,7 +39,7 @@ from torch import nn
 
 from osdpipe.kinds.base import LayoutKind, compute_device, device_mesh, register
 from osdpipe.kinds.fsdp1 import check_shard_group
-from osdpipe.boxes import Box, local_box, mesh_coordinates, placement_cuts
+from osdpipe.boxes import Box, local_box, mesh_coordinates, parse_placement, placement_cuts
 from osdpipe.layout import DTENSOR_TABLE, LayoutSpec, LocalTensor, Placement, box_segments, same_placement, unit_of, wrapped_modules
 from osdpipe.tp import mesh_shape, parallelize, read_placements
 from osdpipe.tree import ModuleTree, describe
@@ -87,13 +94,8 @@ def pytorch_box(where: Placement, shape: tuple[int, ...], coords: dict[str, int]
 
     objects = []
     for text in where.placements:
-        if text == "R":
-            objects.append(Replicate())
-        elif text.startswith("_S("):
-            dim, factor = (int(x) for x in text[3:-1].split(","))
-            objects.append(_StridedShard(dim, split_factor=factor))
-        else:
-            objects.append(Shard(int(text[2:-1])))
+        dim, factor = parse_placement(text)
+        objects.append(Replicate() if dim is None else Shard(dim) if factor is None else _StridedShard(dim, split_factor=factor))
     local, offset = _compute_local_shape_and_global_offset(shape, where.mesh, [coords[n] for n in where.names], objects)
     return tuple((o, o + n) for o, n in zip(offset, local, strict=True))
 
