@@ -68,8 +68,8 @@ if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
 _RANK_FILE = re.compile(r"rank_(0|[1-9]\d*)\.pt")
 _GROUPS_KEY = "input.param_groups (or optim.param_groups)"
 _HINT = (
-    "are source.kind, source.wrap, source.world_size, source.sharding_strategy, source.shard_group_size, source.use_orig_params "
-    "and input.param_groups those of the job that saved it?"
+    "are source.kind, source.wrap, source.world_size, source.sharding_strategy, source.shard_group_size, source.use_orig_params, "
+    "source.tp_size, source.tp_plan and input.param_groups those of the job that saved it?"
 )
 
 

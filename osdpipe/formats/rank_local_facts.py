@@ -40,7 +40,10 @@ def describe_ranks(facts: Facts, path: Path, osds: list[dict[str, Any]], tables:
         facts.kind = FSDP2.name
         meshes = {tuple(e["mesh"]) for t in tables for e in t.values()}
         facts.placements = sorted({f"mesh {list(e['mesh'])}: {', '.join(e['placements'])}" for t in tables for e in t.values()})
-        if len(meshes) == 1 and len(mesh := next(iter(meshes))) == 2:
+        tp = {e["mesh"][-1] for t in tables for e in t.values() if (e.get("mesh_dim_names") or [None])[-1] == "tp"}
+        if tp:  # a tensor-parallel job's: the plan is the job's own, which the files do not tell
+            facts.notes.append(f"tensor parallel over tp_size={tp.pop()} (its mesh's last dimension is named tp): set source.tp_size and source.tp_plan as the job's")
+        elif len(meshes) == 1 and len(mesh := next(iter(meshes))) == 2:
             facts.shard_group_size = mesh[1]
     if records:  # osdpipe's own file: it says what each param ID holds
         fqns = sorted({f for osd in osds for r in (osd.get(PARAM_LAYOUT) or {}).values() for f in r["fqns"]})
