@@ -149,3 +149,57 @@ def test_nested_cuts_are_what_real_fsdp2_over_tp_holds() -> None:
     for rank, params in enumerate(run_local_world(_fsdp_tp_job, 4, timeout_s=120)):
         for name, got, shape, box in params:
             assert got == held(shape, box).tolist(), f"rank {rank} {name}: PyTorch holds {got[:6]}..., the box {box} says otherwise"
+
+
+def _random_tp_job(rng: random.Random):
+    """A random model (2-D and 1-D parameters, uneven sizes) on a random (dp, tp) or (replicate, shard, tp) mesh, each parameter given a style's placements."""
+    from torch import nn
+
+    from osdpipe.layout import LayoutSpec, Placement
+    from osdpipe.tree import describe
+
+    tp, shard, replicas = rng.randint(2, 4), rng.randint(1, 5), rng.choice([None, 2])
+    dp = shard * (replicas or 1)
+    model = nn.Module()
+    for i in range(6):
+        shape = (rng.randint(0, 23), rng.randint(1, 9)) if rng.random() < 0.7 else (rng.randint(1, 23),)
+        model.register_parameter(f"p{i}", nn.Parameter(torch.empty(shape, device="meta")))
+    tree = describe(model)
+    outer, outer_names = ((replicas, shard), ("dp_replicate", "dp_shard")) if replicas else ((dp,), ("dp",))
+    prefix = ("R",) if replicas else ()
+    table = []
+    for p in tree.params:
+        style = rng.choice(["colwise", "replicated", "untouched"] + ["rowwise"] * (len(p.shape) == 2))
+        if style == "untouched":
+            table.append((p.fqn, Placement(outer, (*prefix, "S(0)"), outer_names)))
+            continue
+        inner = {"colwise": (f"_S(0, {tp})", "S(0)"), "rowwise": ("S(0)", "S(1)"), "replicated": ("S(0)", "R")}[style]
+        table.append((p.fqn, Placement((*outer, tp), (*prefix, *inner), (*outer_names, "tp"))))
+    spec = LayoutSpec(kind="fsdp2", world_size=dp * tp, shard_group_size=shard if replicas else None, tp_size=tp,
+                      tp_plan=(("*", "colwise"),), tp_placements=tuple(table))
+    return tree, spec, dict(table)
+
+
+def test_fsdp2_over_tp_layouts_hold_every_element_once_per_copy() -> None:
+    """On random 2-D and 3-D meshes, every element of every parameter lies on exactly as many ranks as its placements replicate it (R dims, and tp for what TP leaves alone), and each local tensor is its segments packed in order."""
+    from osdpipe.kinds import rank_layout
+
+    rng = random.Random(18)
+    for _ in range(60):
+        tree, spec, table = _random_tp_job(rng)
+        counts = {p.fqn: torch.zeros(p.numel, dtype=torch.long) for p in tree.params}
+        for rank in range(spec.world_size):
+            for tensor in rank_layout(tree, spec, rank):
+                dest = 0
+                for seg in tensor.segments:
+                    assert seg.dest == dest and seg.fqn == tensor.key
+                    counts[seg.fqn][seg.start : seg.start + seg.length] += 1
+                    dest += seg.length
+                assert dest == tensor.numel, (spec, tensor)
+        for fqn, seen in counts.items():
+            where = table[fqn]
+            copies = 1
+            for text, size in zip(where.placements, where.mesh):
+                copies *= size if text == "R" else 1
+            copies *= spec.world_size // torch.Size(where.mesh).numel()  # the mesh dimensions the parameter does not lie on (tp, for what TP leaves alone)
+            assert bool((seen == copies).all()), (fqn, where, spec.world_size, seen.tolist())

@@ -148,19 +148,24 @@ def test_the_plain_output_is_the_jobs_own_full_state(converted: dict[str, dict],
     assert all(float(optim.state[p]["step"]) == 4.0 for p in model.parameters())
 
 
-def test_an_fsdp1_checkpoint_converts_to_dp2_x_tp2_and_to_hsdp_x_tp(tmp_path: Path) -> None:
-    """osdpipe's own FSDP1 source (generated) to a 2-D target: rank_local and dcp, and replicate 2 x shard 1 x tp 2."""
+def test_generated_sources_to_and_from_2d_meshes(tmp_path: Path) -> None:
+    """osdpipe's own FSDP1 source to dp 2 x tp 2 (rank_local and dcp) and to replicate 2 x shard 1 x tp 2; an HSDP x TP source to FSDP2 on 3."""
     target = ["target.kind=fsdp2", "target.world_size=4", "target.tp_size=2", f"target.tp_plan={PLAN}"]
+    fsdp1 = [MODEL, "source.world_size=2"]
+    hsdp_tp = [MODEL, "source.kind=fsdp2", "source.world_size=4", "source.shard_group_size=1", "source.tp_size=2", f"source.tp_plan={PLAN}",
+               "source.state_dict_type=local"]
     cases = {
-        "rank_local": [*target],
-        "dcp": [*target, "output.format=dcp"],
-        "hsdp": [*target, "target.shard_group_size=1", "pipeline.checks=[roundtrip,reference,resume,replicas]"],
+        "rank_local": [*fsdp1, CHECKS, *target],
+        "dcp": [*fsdp1, CHECKS, *target, "output.format=dcp"],
+        "hsdp": [*fsdp1, *target, "target.shard_group_size=1", "pipeline.checks=[roundtrip,reference,resume,replicas]"],
+        "from_hsdp": [*hsdp_tp, "target.kind=fsdp2", "target.world_size=3", "pipeline.checks=[roundtrip,reference,resume,replicas]"],
     }
-    argv = [[MODEL, "source.world_size=2", CHECKS, *args, f"output.path={tmp_path / name}", "runtime.progress=false"] for name, args in cases.items()]
+    argv = [[*args, f"output.path={tmp_path / name}", "runtime.progress=false"] for name, args in cases.items()]
     for name, result in zip(cases, run_cli_cases(argv, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())):
         assert result["code"] == 0, f"{name}: {result['stderr']}"
         checks = {c["name"]: c["ok"] for c in json.loads((tmp_path / name / "report.json").read_text())["checks"]}
         assert checks and all(checks.values()), f"{name}: {checks}"
+        assert ("replicas" in checks) == (name in ("hsdp", "from_hsdp")), f"{name}: {checks}"
     files = sorted(p.name for p in (tmp_path / "rank_local").iterdir() if p.name.startswith("rank_"))
     assert files == [f"rank_{r}.pt" for r in range(4)]
     table = torch.load(tmp_path / "rank_local" / "rank_3.pt", weights_only=True)["dtensor"]
