@@ -92,12 +92,13 @@ def saved(tmp_path_factory) -> Path:
     return root
 
 
-#: The issue's targets: FSDP2 1-D on 3 ranks, FSDP1 on 2, dp 4 x tp 1, one process, and HSDP x TP.
+#: The issue's targets: FSDP2 1-D on 3 ranks, FSDP1 on 2, dp 4 x tp 1, one process, one full file, and HSDP x TP.
 TARGETS = {
     "fsdp2_3": ["target.kind=fsdp2", "target.world_size=3"],
     "fsdp1_2": ["target.kind=fsdp1", "target.world_size=2"],
     "dp4_tp1": ["target.kind=fsdp2", "target.world_size=4", "target.tp_size=1"],
     "plain": ["target.kind=none", "target.world_size=1", "output.format=plain"],
+    "fsdp_full": ["target.kind=fsdp2", "target.world_size=2", "output.format=fsdp_full"],
     "hsdp_tp": ["target.kind=fsdp2", "target.world_size=4", "target.shard_group_size=1", "target.tp_size=2", f"target.tp_plan={PLAN}",
                 "pipeline.checks=[roundtrip,reference,load_step,resume,replicas]"],
 }
@@ -149,7 +150,7 @@ def test_the_plain_output_is_the_jobs_own_full_state(converted: dict[str, dict],
 
 
 def test_generated_sources_to_and_from_2d_meshes(tmp_path: Path) -> None:
-    """osdpipe's own FSDP1 source to dp 2 x tp 2 (rank_local and dcp) and to replicate 2 x shard 1 x tp 2; an HSDP x TP source to FSDP2 on 3."""
+    """osdpipe's own FSDP1 source to dp 2 x tp 2 (rank_local, dcp, fsdp_full) and to replicate 2 x shard 1 x tp 2; an HSDP x TP source to FSDP2 on 3."""
     target = ["target.kind=fsdp2", "target.world_size=4", "target.tp_size=2", f"target.tp_plan={PLAN}"]
     fsdp1 = [MODEL, "source.world_size=2"]
     hsdp_tp = [MODEL, "source.kind=fsdp2", "source.world_size=4", "source.shard_group_size=1", "source.tp_size=2", f"source.tp_plan={PLAN}",
@@ -157,6 +158,7 @@ def test_generated_sources_to_and_from_2d_meshes(tmp_path: Path) -> None:
     cases = {
         "rank_local": [*fsdp1, CHECKS, *target],
         "dcp": [*fsdp1, CHECKS, *target, "output.format=dcp"],
+        "fsdp_full": [*fsdp1, CHECKS, *target, "output.format=fsdp_full"],
         "hsdp": [*fsdp1, *target, "target.shard_group_size=1", "pipeline.checks=[roundtrip,reference,resume,replicas]"],
         "from_hsdp": [*hsdp_tp, "target.kind=fsdp2", "target.world_size=3", "pipeline.checks=[roundtrip,reference,resume,replicas]"],
     }
