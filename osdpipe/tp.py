@@ -34,6 +34,8 @@ STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel", "sequence"
 #: Mesh dimension names, as torchtitan names them: (dp, tp), or (dp_replicate, dp_shard, tp) with HSDP.
 TP_MESH_NAMES = ("dp", "tp")
 HSDP_TP_MESH_NAMES = ("dp_replicate", "dp_shard", "tp")
+#: How long the placement probe may take: a model on ``meta`` is parallelized in seconds, so past this it hangs.
+PROBE_TIMEOUT_S = 300
 
 
 def style_problem(style: Any) -> str | None:
@@ -111,7 +113,10 @@ def read_placements(factory: str, kwargs: dict[str, Any], spec: LayoutSpec) -> t
 
     request = json.dumps({"factory": factory, "kwargs": kwargs, "spec": _spec_fields(spec)})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.run([sys.executable, "-m", "osdpipe.tp"], input=request, capture_output=True, text=True, env=env, check=False)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "osdpipe.tp"], input=request, capture_output=True, text=True, env=env, check=False, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"PyTorch took over {PROBE_TIMEOUT_S} s to parallelize the model on the meta device; does its factory or a style wait on something?") from None
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
         raise ValueError(lines[-1] if lines else f"the placement probe exited with {proc.returncode}")
