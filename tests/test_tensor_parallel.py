@@ -272,3 +272,56 @@ def test_a_mesh_that_cannot_be_is_one_line_naming_the_key(tmp_path: Path) -> Non
         lines = [line for line in result["stderr"].splitlines() if line.strip()]
         assert result["code"] == 2 and len(lines) == 1, f"{name}: {result['stderr']}"
         assert all(w in lines[0] for w in words), f"{name}: {lines[0]}"
+
+
+def _numbered_job(out: str) -> tuple[dict[str, list[int]], dict[str, int], str]:
+    """One rank of the user's dp 4 x tp 2 job with numbered parameters: what each local tensor holds, and how PyTorch's own dcp.save of it ends."""
+    import fnmatch
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    import usertp
+    from oracle_probe import fill_marked, local_values
+
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    model = usertp.build()
+    where = fill_marked(model)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    plan = {n: styles[s]() for n, _ in model.named_modules() for p, s in usertp.PLAN.items() if n and fnmatch.fnmatchcase(n, p)}
+    parallelize_module(model, mesh["tp"], plan)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    held = {n: local_values(p.to_local()) for n, p in model.named_parameters()}
+    try:
+        dcp.save({"model": model.state_dict()}, checkpoint_id=out)
+        saved = "saved"
+    except BaseException as exc:  # noqa: BLE001 - DCP raises a CheckpointException (a BaseException) naming each rank's failure
+        saved = "overlapping chunks" if "overlapping" in str(exc).lower() else f"{type(exc).__name__}: {str(exc)[:200]}"
+    return held, where, saved
+
+
+def test_eight_real_processes_hold_what_the_layout_says_and_dcp_cannot_save_them(tmp_path: Path) -> None:
+    """dp 4 x tp 2 on 8 gloo processes: every rank's local tensors are osdpipe's boxes; PyTorch's own dcp.save of the job fails
+    ("overlapping chunks", its offset helper misplaces _StridedShard here), which is why osdpipe refuses a dcp output on this mesh."""
+    import dataclasses
+
+    import usertp
+    from oracle_probe import expected_values, meta_tree
+
+    from osdpipe import kinds
+    from osdpipe.layout import LayoutSpec
+    from osdpipe.tp import read_placements
+
+    results = spawn_world(_numbered_job, 8, (str(tmp_path / "dcp"),), timeout_s=TIMEOUT_S)
+    spec = LayoutSpec(kind="fsdp2", world_size=8, tp_size=2, tp_plan=tuple(usertp.PLAN.items()), wrap=("Block",))
+    spec = dataclasses.replace(spec, tp_placements=read_placements("usertp:build", {}, spec))
+    tree = meta_tree("usertp:build")
+    for rank, (held, where, _) in enumerate(results):
+        for tensor in kinds.rank_layout(tree, spec, rank):
+            assert held[tensor.key] == expected_values(tensor.numel, tensor.segments, where), f"rank {rank} {tensor.key}"
+    assert {saved for _, _, saved in results} == {"overlapping chunks"}
+    assert kinds.get("fsdp2").dcp_load_problem(tree, spec) is not None
