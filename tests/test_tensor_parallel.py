@@ -185,9 +185,7 @@ def test_a_dcp_output_that_pytorch_would_misplace_is_refused(tmp_path: Path) -> 
     assert result.returncode == 2, result.stderr
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1 and "output.format=dcp" in line and "rank_local" in line and "blocks.0.up.weight" in line, line
-    assert not any(out.glob("**/*.pt"))
-    ok = run_command_env([MODEL, "source.world_size=2", *target, f"output.path={tmp_path / 'ok'}", "runtime.progress=false"], tmp_path)
-    assert ok.returncode == 0, ok.stderr
+    assert not any(out.glob("**/*.pt"))  # refused before the source was generated: rank_local on such a mesh is test_the_offline_recipe_...
 
 
 def run_command_env(args: list[str], cwd: Path):
