@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from osdpipe.sizes import show_size  # it imports no torch
 
 if TYPE_CHECKING:  # annotations only: this module is imported before torch, which facts needs
+    from osdpipe.checkpoints import WholeCheckpoint
     from osdpipe.facts import Facts
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -44,22 +45,31 @@ def run_inspect(args: list[str]) -> int:
         print(f"osdpipe inspect: error: {'one PATH' if not rest or not rest[0].startswith('-') else repr(rest[0]) + ' is not an option'}; {USAGE}", file=sys.stderr)
         return EXIT_USAGE
     # torch: not on inspect --help's path (tests/test_startup.py)
+    from osdpipe.checkpoints import recognize
     from osdpipe.collective import one_line
     from osdpipe.facts import read_facts
     from osdpipe.formats.state_facts import MOMENTS_ALIKE
 
     path = Path(rest[0])
+    facts = None
     try:
-        facts = read_facts(_checkpoint_in(path), None, key)
+        whole = recognize(path)
+        if whole is None:
+            facts = read_facts(_checkpoint_in(path), None, key)
+        elif whole.optimizer_path is not None and whole.optimizer_keys == "nested":  # the optimizer part reads as any optimizer checkpoint
+            facts = read_facts(Path(whole.optimizer_path), None, key or whole.optimizer_key)
     except Exception as exc:  # noqa: BLE001 - a file that cannot be read says so in one line
         print(f"osdpipe inspect: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
-    if facts.moments_alike:
+    if facts is not None and facts.moments_alike:
         facts.notes.append(f"warning: {MOMENTS_ALIKE}")
     if as_json:
-        print(json.dumps(facts.to_json(), indent=2, sort_keys=True))
-    else:
+        shown = facts.to_json() if whole is None and facts is not None else {"checkpoint": whole.to_json(), "optimizer": facts.to_json() if facts else None}
+        print(json.dumps(shown, indent=2, sort_keys=True))
+    elif whole is None:
         print(describe(facts))
+    else:
+        print("\n".join(filter(None, [describe_whole(whole), facts and OPTIMIZER_ONLY + describe(facts)])))
     return EXIT_OK
 
 
@@ -102,6 +112,27 @@ def describe(f: Facts) -> str:
     lines.append(f"  state        {show_size(f.state_bytes)} of tensors" + (f" ({dtypes})" if dtypes else ""))
     lines += [f"  note         {n}" for n in f.notes]
     lines.append("  convert with osdpipe " + " ".join([*f.overrides(), "target.world_size=<M>", "output.path=<dir>"]))
+    return "\n".join(lines)
+
+
+#: What the command below a whole checkpoint's optimizer part converts, said before it.
+OPTIMIZER_ONLY = "optimizer part (the command below converts it alone; the model and the other entries are not carried over yet):\n"
+
+
+def describe_whole(w: WholeCheckpoint) -> str:
+    """A whole training checkpoint as a person reads it: the layout, the model and optimizer parts, and every other entry with its size."""
+    lines = [w.path, f"  layout       {w.layout} (a whole training checkpoint)"]
+    model = w.part("model")
+    if model:
+        tensors = sum(e.tensors for e in model)
+        lines.append(f"  model        {len(model)} entr{'y' if len(model) == 1 else 'ies'}, {tensors} tensor(s), {show_size(sum(e.size for e in model))}: "
+                     + ", ".join(sorted({e.where for e in model})))
+    for e in w.part("optimizer"):
+        lines.append(f"  optimizer    {e.name}: {e.tensors} tensor(s), {show_size(e.size)} in {e.where}")
+    for e in w.part("other"):
+        whose = f"  (source rank {e.source_rank}'s: it describes the world that saved it)" if e.source_rank is not None else ""
+        lines.append(f"  entry        {e.name}: {show_size(e.size)} in {e.where}{whose}")
+    lines += [f"  note         {n}" for n in w.notes]
     return "\n".join(lines)
 
 

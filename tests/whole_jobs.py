@@ -1,0 +1,103 @@
+"""Whole training checkpoints as torchtitan and accelerate lay them out, written by plain PyTorch code (issue 19's sources).
+
+Each function is one rank of a 4-rank gloo job over the user's own model
+(``userlm``: a tied embedding, parameters that share a shape), trained two
+Adam steps with a ``LambdaLR`` scheduler on gradients made from the
+parameters, then saved the way the framework saves, with the framework's
+names written out here (no torchtitan or accelerate import):
+
+* torchtitan (v0.2 and later): one ``dcp.save`` of the model's state dict
+  at the top level (``nested=True``: under ``model``, as v0.1 and earlier
+  did), ``optimizer`` as ``get_optimizer_state_dict(...,
+  flatten_optimizer_state_dict=True)``, ``lr_scheduler``, ``dataloader``
+  (``{"dp_rank_<r>": bytes, "world_size": N}``), ``train_state`` and a user
+  entry, into ``<out>/step-2``;
+* accelerate (``save_state`` with FSDP1 SHARDED_STATE_DICT):
+  ``pytorch_model_fsdp_0/`` (DCP of ``{"model": model.state_dict()}``),
+  ``optimizer_0/`` (DCP of ``{"optimizer": FSDP.optim_state_dict(...)}``),
+  ``scheduler.bin``, ``random_states_<r>.pkl`` per rank and
+  ``custom_checkpoint_0.pkl``, into ``<out>/checkpoint_0``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import torch
+
+#: The entries every torchtitan fixture holds besides the model and the optimizer.
+TITAN_OTHER = ("lr_scheduler", "dataloader", "train_state", "user_notes")
+#: The files an accelerate fixture holds besides its two DCP directories, for 4 ranks.
+ACCELERATE_FILES = ("scheduler.bin", "custom_checkpoint_0.pkl", *(f"random_states_{r}.pkl" for r in range(4)))
+
+
+def _train(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
+    for step in range(2):
+        for p in model.parameters():  # elementwise on each rank's piece: no forward pass needed
+            p.grad = p.detach() * 0.5 + 0.1 * (step + 1)
+        optim.step()
+        scheduler.step()
+    return optim, scheduler
+
+
+def save_torchtitan(out: str, nested: bool = False) -> None:
+    """One rank of an FSDP2 job on 4 ranks saving a torchtitan checkpoint at step 2."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import userlm
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    model = userlm.build()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim, scheduler = _train(model)
+    model_sd = get_model_state_dict(model)
+    state = {"model": model_sd} if nested else dict(model_sd)
+    state["optimizer"] = get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    state["lr_scheduler"] = scheduler.state_dict()
+    state["dataloader"] = {f"dp_rank_{rank}": pickle.dumps({"sample_index": 100 + rank}), "world_size": dist.get_world_size()}
+    state["train_state"] = {"step": 2, "ntokens_seen": 4096}
+    state["user_notes"] = {"run": "tiny", "seed": 0}
+    dcp.save(state, checkpoint_id=str(Path(out) / "step-2"))
+    dist.barrier()
+
+
+def save_accelerate(out: str) -> None:
+    """One rank of an FSDP1 job on 4 ranks saving accelerate's ``save_state`` with SHARDED_STATE_DICT."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import userlm
+
+    warnings.simplefilter("ignore")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = userlm.build()
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), use_orig_params=False, device_id=torch.device("cpu"))
+    optim, scheduler = _train(model)
+    root = Path(out) / "checkpoint_0"
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(root / "pytorch_model_fsdp_0"))
+        dcp.save({"optimizer": FSDP.optim_state_dict(model, optim)}, checkpoint_id=str(root / "optimizer_0"))
+    random.seed(rank)
+    torch.save({"step": 2, "random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}, root / f"random_states_{rank}.pkl")
+    if rank == 0:
+        torch.save(scheduler.state_dict(), root / "scheduler.bin")
+        torch.save({"best_loss": 1.25}, root / "custom_checkpoint_0.pkl")
+    dist.barrier()
