@@ -56,7 +56,7 @@ def run_inspect(args: list[str]) -> int:
         whole = recognize(path)
         if whole is None:
             facts = read_facts(_checkpoint_in(path), None, key)
-        elif whole.optimizer_path is not None and whole.optimizer_keys == "nested":  # the optimizer part reads as any optimizer checkpoint
+        elif whole.optimizer_path is not None:  # the optimizer part reads as any optimizer checkpoint
             facts = read_facts(Path(whole.optimizer_path), None, key or whole.optimizer_key)
     except Exception as exc:  # noqa: BLE001 - a file that cannot be read says so in one line
         print(f"osdpipe inspect: error: {one_line(exc)}", file=sys.stderr)

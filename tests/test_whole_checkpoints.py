@@ -85,3 +85,27 @@ def test_an_accelerate_folder_lists_every_file_and_reads_its_optimizer(saved: Pa
     assert (optimizer["format"], optimizer["key"], optimizer["world_size"], optimizer["optimizer"], optimizer["params"]) == ("dcp", "optimizer", 4, "Adam", 13)
     text = _inspect(folder)["text"]
     assert "layout       accelerate" in text and "not carried over yet" in text and "random_states_3.pkl" in text
+
+
+@pytest.mark.parametrize("folder", ["titan", "titan_v01"])
+def test_a_torchtitan_optimizer_converts_and_equals_the_jobs_own_full_state(saved: Path, folder: str) -> None:
+    """The flattened optimizer entry (``state.<fqn>.<name>``) reads as any DCP optimizer state: to one process, it is what the job reported."""
+    import torch
+
+    import userlm
+
+    out = saved / f"{folder}_plain"
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    args = ["model.factory=userlm:build", f"input.path={saved / folder / 'step-2'}", "source.kind=fsdp2", "target.kind=none", "target.world_size=1",
+            "output.format=plain", "pipeline.checks=[roundtrip,reference,resume]", f"output.path={out}", "runtime.progress=false"]
+    result = run_command([sys.executable, "-m", "osdpipe", *args], cwd=saved, timeout=TIMEOUT_S, env=env)
+    assert result.returncode == 0, result.stderr
+    full = torch.load(saved / folder / "full_optim.pt", weights_only=True)
+    model = userlm.build()
+    optim = torch.optim.Adam(model.parameters(), lr=1.0)
+    optim.load_state_dict(torch.load(out / "optim.pt", weights_only=True))
+    assert optim.param_groups[0]["lr"] == full["param_groups"][0]["lr"] != 1.0  # the scheduler's lr, kept from the source
+    for name, param in model.named_parameters():
+        for key, value in full["state"][name].items():
+            assert torch.equal(optim.state[param][key], value), f"{name} {key}"

@@ -11,7 +11,8 @@ names written out here (no torchtitan or accelerate import):
   did), ``optimizer`` as ``get_optimizer_state_dict(...,
   flatten_optimizer_state_dict=True)``, ``lr_scheduler``, ``dataloader``
   (``{"dp_rank_<r>": bytes, "world_size": N}``), ``train_state`` and a user
-  entry, into ``<out>/step-2``;
+  entry, into ``<out>/step-2`` (and, beside it, the job's full optimizer
+  state as PyTorch reports it: ``<out>/full_optim.pt``);
 * accelerate (``save_state`` with FSDP1 SHARDED_STATE_DICT):
   ``pytorch_model_fsdp_0/`` (DCP of ``{"model": model.state_dict()}``),
   ``optimizer_0/`` (DCP of ``{"optimizer": FSDP.optim_state_dict(...)}``),
@@ -70,6 +71,9 @@ def save_torchtitan(out: str, nested: bool = False) -> None:
     state["train_state"] = {"step": 2, "ntokens_seen": 4096}
     state["user_notes"] = {"run": "tiny", "seed": 0}
     dcp.save(state, checkpoint_id=str(Path(out) / "step-2"))
+    full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))  # beside the checkpoint, for the tests to compare with
+    if rank == 0:
+        torch.save(full, Path(out) / "full_optim.pt")
     dist.barrier()
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from osdpipe.formats.base import InputError
-from osdpipe.formats.dcp_reader import DcpReader
+from osdpipe.formats.dcp_reader import DcpReader, nested_paths
 from osdpipe.formats.safe_load import read_dcp_metadata
 from osdpipe.formats.state_facts import describe_state
 
@@ -27,7 +27,7 @@ _DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 def dcp_optimizer_keys(metadata: Any) -> list[str]:
     """The top-level keys of a DCP checkpoint that hold an optimizer state dict (``state`` and ``param_groups`` under them)."""
-    return sorted({str(p[0]) for p in metadata.planner_data.values() if len(p) > 1 and p[1] == "param_groups"})
+    return sorted({str(p[0]) for p in nested_paths(metadata.planner_data).values() if len(p) > 1 and p[1] == "param_groups"})
 
 
 def read_dcp_facts(facts: Facts, path: Path, key: str | None) -> None:

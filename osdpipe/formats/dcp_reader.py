@@ -245,6 +245,57 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def _flattened_part(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith(("state.", "param_groups."))
+
+
+def nested_paths(planner_data: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+    """Each stored item's path in the saved state dict, a flattened optimizer's as the nested one's.
+
+    ``flatten_optimizer_state_dict=True`` (torchtitan) stores
+    ``<key>.state.<fqn>.<name>`` as the path ``(key, "state.<fqn>.<name>")``;
+    here it is ``(key, "state", fqn, name)``, as an optimizer state dict saved
+    nested has it (the flat key, the dotted path, is the same string). State
+    and hyperparameter names hold no dot, so the last part is the name and
+    the rest the FQN, dots and all.
+    """
+    out = {}
+    for flat, path in planner_data.items():
+        if len(path) == 2 and _flattened_part(path[1]):
+            section, _, rest = path[1].partition(".")
+            fqn, _, name = rest.rpartition(".")
+            path = (path[0], section, fqn, name)
+        out[flat] = tuple(path)
+    return out
+
+
+def unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer state dict (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``) as the nested one.
+
+    Flattening keeps each parameter's hyperparameters, not its group. Groups
+    are rebuilt from consecutive parameters (in the order they were saved)
+    with the same hyperparameters: where two groups next to each other had
+    the same ones, they come back as one (``optim.param_groups`` then says
+    how the target groups them).
+    """
+    state: dict[str, dict[str, Any]] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        if section == "state":
+            state.setdefault(fqn, {})[name] = value
+        elif section == "param_groups":
+            per_param.setdefault(fqn, {})[name] = value
+    groups: list[dict[str, Any]] = []
+    for fqn, hyper in per_param.items():
+        if groups and {k: v for k, v in groups[-1].items() if k != "params"} == hyper:
+            groups[-1]["params"].append(fqn)
+        else:
+            groups.append({**hyper, "params": [fqn]})
+    return {"state": state, "param_groups": groups} if groups else {"state": state}
+
+
 class DcpReader:
     """Reads a DCP checkpoint without a process group, one batch of keys at a time.
 
@@ -262,7 +313,9 @@ class DcpReader:
             raise InputError(f"{path} is not a directory; a dcp input is the directory dcp.save wrote (it holds .metadata)")
         self.metadata: Metadata = read_dcp_metadata(directory / ".metadata")
         check_structure(self.metadata, directory, key)
-        self.paths: dict[str, tuple[Any, ...]] = dict(self.metadata.planner_data)
+        self.paths: dict[str, tuple[Any, ...]] = nested_paths(self.metadata.planner_data)
+        #: The optimizer state was saved flattened (``flatten_optimizer_state_dict=True``, as torchtitan saves it).
+        self.flattened = any(len(p) == 2 and _flattened_part(p[1]) for p in self.metadata.planner_data.values() if p[:1] == (key,))
         self._kept: tuple[MetadataIndex, torch.Tensor] | None = None  # read_range: the last chunk read
         self._whole_kept: tuple[tuple[str, str], torch.Tensor] | None = None  # read_range: the last tensor read whole
         if not any(p[:1] == (key,) for p in self.paths.values()):
@@ -289,6 +342,11 @@ class DcpReader:
             ) from exc
         return out
 
+    def _under_key(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        """What ``_load`` read under the key, as the nested optimizer state dict (``state``, ``param_groups``) however it was saved."""
+        under = loaded.get(self.key, {})
+        return unflatten_optimizer(under) if self.flattened else under
+
     def _flat_key(self, *path: Any) -> str:
         return ".".join(str(p) for p in (self.key, *path))
 
@@ -304,7 +362,7 @@ class DcpReader:
                 "a dcp input is an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) saved under input.key"
             )
         small = {k for k, p in self.paths.items() if p[:1] == (self.key,) and not self._is_tensor(k)}
-        loaded = self._load(small).get(self.key, {})
+        loaded = self._under_key(self._load(small))
         state: dict[str, dict[str, Any]] = {}
         for flat, path in self.paths.items():
             if path[:2] != (self.key, "state") or len(path) != 4:
@@ -327,7 +385,7 @@ class DcpReader:
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         wanted = {self._flat_key("state", fqn, name): (fqn, name) for fqn, name in items}
-        loaded = self._load(set(wanted)).get(self.key, {}).get("state", {})
+        loaded = self._under_key(self._load(set(wanted))).get("state", {})
         return {(fqn, name): loaded[fqn][name] for fqn, name in wanted.values()}
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
