@@ -149,7 +149,7 @@ class Subject:
     def live(self) -> tuple[Any, Any]:
         """This rank's real target model and optimizer: the Python API's own, else built once, on first use."""
         if self._live is None:
-            self._live = self.world.kept.get((LIVE_TARGET, self.rank)) or live_target(self.spec, self.ctx.plan.target_spec, self.tree, self.rank)
+            self._live = self.world.kept.get((LIVE_TARGET, self.rank)) or live_target(self.spec, self.plan.target_spec, self.tree, self.rank)
         return self._live
 
 
