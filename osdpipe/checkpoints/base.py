@@ -7,8 +7,8 @@ DCP directory per step; accelerate: a folder of DCP directories and files).
 A :class:`CheckpointLayout` reads such a folder's *metadata* (never a
 tensor's bytes) into a :class:`WholeCheckpoint`: where the model and the
 optimizer are, and every other entry with its size, so that nothing in it
-goes unnamed. ``osdpipe inspect`` shows it; converting the whole of it is
-issue 19's next step.
+goes unnamed. ``osdpipe inspect`` shows it. A conversion reads the optimizer
+part today; the model and the other entries are not carried over yet.
 """
 
 from __future__ import annotations
