@@ -21,6 +21,7 @@ import multiprocessing as mp
 from multiprocessing import forkserver
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 #: What every rank imports: the fork server imports it once, and each rank starts with it loaded.
@@ -56,10 +57,61 @@ def start() -> None:
     _started = True
 
 
+def ranks_may_start(args: list[str]) -> bool:
+    """Whether a command with these arguments may start local ranks: not under torchrun, nor where :data:`NO_RANKS` says none will."""
+    return not in_torchrun() and not any(a.lstrip("+") in NO_RANKS for a in args)
+
+
 def start_early(args: list[str]) -> None:
     """:func:`start`, unless the command line or the environment says no local ranks will start."""
-    if not in_torchrun() and not any(a.lstrip("+") in NO_RANKS for a in args):
+    if ranks_may_start(args):
         start()
+
+
+def call_apart(fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
+    """``fn(*args)`` in a process of its own, forked from the server (torch imported once), and what it returns.
+
+    For work that needs a process to itself but no world: PyTorch's fake
+    process group, say, which is one per process and must not meet the
+    caller's own. The server is started if it is not running; where the
+    platform has none, the process is spawned.
+
+    Raises:
+        ValueError: what ``fn`` raised, in one line (its own words for a ``ValueError``).
+        TimeoutError: ``fn`` took longer than ``timeout_s``; its process is killed.
+    """
+    start()
+    ctx = context()
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_answer, args=(sender, fn, args), daemon=True)
+    proc.start()
+    sender.close()
+    try:
+        if not receiver.poll(timeout_s):
+            raise TimeoutError(f"{getattr(fn, '__qualname__', fn)} took over {timeout_s:g} s")
+        ok, value = receiver.recv()
+    except EOFError:
+        proc.join(timeout=10)
+        raise ValueError(f"the process running {getattr(fn, '__qualname__', fn)} died (exit code {proc.exitcode})") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        receiver.close()
+    if not ok:
+        raise ValueError(value)
+    return value
+
+
+def _answer(sender: Any, fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        reply = (True, fn(*args))
+    except ValueError as exc:
+        reply = (False, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    except Exception as exc:  # noqa: BLE001 - the caller's error says it in one line
+        reply = (False, f"{type(exc).__name__}: {exc}".splitlines()[0])
+    sender.send(reply)
+    sender.close()
 
 
 def _stop() -> None:

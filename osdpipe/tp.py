@@ -10,21 +10,20 @@ asks PyTorch (:func:`read_placements`): a ``meta`` model is tensor-parallelized
 and ``fully_shard``-ed on the mesh as torchtitan builds it, on PyTorch's fake
 process group, and each parameter's mesh and placements are read off. That
 needs a process of its own (a process group is one per process, and the
-caller may already be in one), so it runs as ``python -m osdpipe.tp`` once
-per run, in the launcher, for each side with ``tp_size > 1``. Where each rank's
-piece lies is then pure math (:mod:`osdpipe.boxes`).
+caller may already be in one): a fork of the ranks' server, which has torch
+imported (:func:`osdpipe.rankserver.call_apart`), once per run, in the
+launcher, for each side with ``tp_size > 1``. Where each rank's piece lies
+is then pure math (:mod:`osdpipe.boxes`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import importlib
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+
+from osdpipe import rankserver
 
 if TYPE_CHECKING:  # annotations only: the config's schema pass checks the styles here, before torch is imported
     from osdpipe.layout import LayoutSpec, Placement
@@ -111,16 +110,11 @@ def read_placements(factory: str, kwargs: dict[str, Any], spec: LayoutSpec) -> t
     """
     from osdpipe.layout import Placement  # the layout math imports torch: not for the config's schema pass
 
-    request = json.dumps({"factory": factory, "kwargs": kwargs, "spec": _spec_fields(spec)})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
-        proc = subprocess.run([sys.executable, "-m", "osdpipe.tp"], input=request, capture_output=True, text=True, env=env, check=False, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+        placed = rankserver.call_apart(_probe, ({"factory": factory, "kwargs": kwargs, "spec": _spec_fields(spec)},), PROBE_TIMEOUT_S)
+    except TimeoutError:
         raise ValueError(f"PyTorch took over {PROBE_TIMEOUT_S} s to parallelize the model on the meta device; does its factory or a style wait on something?") from None
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        raise ValueError(lines[-1] if lines else f"the placement probe exited with {proc.returncode}")
-    return tuple((fqn, Placement(tuple(mesh), tuple(placements), tuple(names))) for fqn, mesh, placements, names in json.loads(proc.stdout))
+    return tuple((fqn, Placement(tuple(mesh), tuple(placements), tuple(names))) for fqn, mesh, placements, names in placed)
 
 
 def _spec_fields(spec: LayoutSpec) -> dict[str, Any]:
@@ -128,7 +122,14 @@ def _spec_fields(spec: LayoutSpec) -> dict[str, Any]:
 
 
 def _probe(request: dict[str, Any]) -> list[Any]:
-    """In the probe's own process: rank 0 of a fake world builds the job on ``meta`` and reports every parameter's placements."""
+    """In the probe's own process: rank 0 of a fake world builds the job on ``meta`` and reports every parameter's placements.
+
+    A ``ValueError`` is the plan's own words (a pattern that matches nothing, a
+    style that cannot be made); anything else is PyTorch refusing the plan.
+    """
+    import warnings
+
+    warnings.simplefilter("ignore")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -156,21 +157,3 @@ def _probe(request: dict[str, Any]) -> list[Any]:
         ]
     finally:
         dist.destroy_process_group()
-
-
-def main() -> None:
-    import warnings
-
-    warnings.simplefilter("ignore")
-    try:
-        json.dump(_probe(json.loads(sys.stdin.read())), sys.stdout)
-    except ValueError as exc:  # the plan's own words (a pattern that matches nothing, a style that cannot be made)
-        print(str(exc).splitlines()[0], file=sys.stderr)
-        sys.exit(1)
-    except Exception as exc:  # noqa: BLE001 - PyTorch refusing the plan: one line for the launcher's error
-        print(f"{type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

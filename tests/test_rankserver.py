@@ -8,6 +8,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from helpers import clean_env, processes_marked, run_command
 
 
@@ -29,9 +31,56 @@ def test_no_process_outlives_a_run_or_a_config_error(tmp_path: Path) -> None:
     assert code == 2 and left == [], (code, err, left)
 
 
-def test_the_server_starts_only_where_ranks_will() -> None:
+def test_the_server_starts_only_where_ranks_will(monkeypatch) -> None:
     from osdpipe import rankserver
 
-    rankserver.start_early(["--help"])
-    rankserver.start_early(["runtime.mode=offline", "target.world_size=64"])
-    assert not rankserver._started
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert rankserver.ranks_may_start(["output.path=/tmp/x"])
+    assert not rankserver.ranks_may_start(["--help"])
+    assert not rankserver.ranks_may_start(["runtime.mode=offline", "target.world_size=64"])
+    assert not rankserver.ranks_may_start(["+runtime.launcher=torchrun"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert not rankserver.ranks_may_start(["output.path=/tmp/x"]), "under torchrun the command is a rank itself"
+
+
+def _pid_and(value: int) -> tuple[int, bool]:
+    import sys
+
+    return os.getpid(), "torch" in sys.modules and value == 7
+
+
+def _refuses(text: str) -> None:
+    raise ValueError(f"{text}\nand a second line")
+
+
+def _breaks() -> None:
+    raise KeyError("nope")
+
+
+def _dies() -> None:
+    os._exit(3)
+
+
+def _sleeps() -> None:
+    time.sleep(60)
+
+
+def test_call_apart_answers_from_a_process_of_its_own_with_torch_imported() -> None:
+    from osdpipe.rankserver import call_apart
+
+    pid, ready = call_apart(_pid_and, (7,), timeout_s=120)
+    assert pid != os.getpid() and ready
+    with pytest.raises(ValueError, match=r"^the plan's own words$"):
+        call_apart(_refuses, ("the plan's own words",), timeout_s=60)
+    with pytest.raises(ValueError, match=r"^KeyError: 'nope'$"):
+        call_apart(_breaks, (), timeout_s=60)
+    with pytest.raises(ValueError, match=r"died \(exit code 3\)"):
+        call_apart(_dies, (), timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="took over 1 s"):
+        call_apart(_sleeps, (), timeout_s=1)
+    assert time.monotonic() - start < 30, "the process past its time is killed, not waited for"
