@@ -28,7 +28,7 @@ from pathlib import Path
 import fsdp2_resume
 import pytest
 import torch
-from helpers import clean_env, run_command
+from helpers import clean_env, run_cli_cases, run_command
 from oracle_probe import spawn_world
 
 from osdpipe.compare import diff
@@ -56,15 +56,45 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _convert(source: Path, out: Path, *args: str) -> dict:
-    """Run the command on ``source`` with ``args``; it must succeed. Returns report.json."""
-    cmd = [
-        sys.executable, "-m", "osdpipe", "model.factory=userlm:build", f"input.path={source}", "input.format=fsdp_full",
-        "source.world_size=4", "target.wrap=[MixerBlock]", f"output.path={out}", *args,
+#: Every conversion this module checks, run up front in one driver process (one rank server, one torch import):
+#: name -> the overrides besides the model, the input and the output path.
+CONVERSIONS = {
+    "fsdp1-64": ("runtime.mode=offline", "target.kind=fsdp1", "target.world_size=64"),
+    "fsdp2-64": ("runtime.mode=offline", "target.kind=fsdp2", "target.world_size=64"),
+    "fsdp2-1024": ("runtime.mode=offline", "target.kind=fsdp2", "target.world_size=1024"),
+    "fsdp2-8": ("runtime.mode=offline", "target.kind=fsdp2", "target.world_size=8"),
+    **{
+        f"{kind}-4-{mode}": (f"target.kind={kind}", "target.world_size=4", "target.use_orig_params=true" if kind == "fsdp1" else "target.wrap_root=true",
+                             *(["runtime.mode=offline"] if mode == "offline" else []))
+        for kind in ("fsdp1", "fsdp2") for mode in ("online", "offline")
+    },
+    **{
+        f"dcp-{name}": ("target.kind=fsdp2", "target.wrap_root=true", "output.format=dcp", *args)
+        for name, args in {"3-online": ["target.world_size=3"], "3-offline": ["target.world_size=3", "runtime.mode=offline"],
+                           "64-offline": ["target.world_size=64", "runtime.mode=offline"]}.items()
+    },
+    "fsdp_full-2": ("target.kind=fsdp2", "target.wrap_root=true", "target.world_size=2", "output.format=fsdp_full", "runtime.mode=offline"),
+    "hybrid-4": ("runtime.mode=offline", "target.world_size=4", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(full_source: Path, tmp_path_factory) -> dict[str, Path]:
+    """Each of :data:`CONVERSIONS` through the ``osdpipe`` entry point: name -> its output directory."""
+    root = tmp_path_factory.mktemp("offline")
+    outs = {name: root / name for name in CONVERSIONS}
+    argv = [
+        ["model.factory=userlm:build", f"input.path={full_source}", "input.format=fsdp_full", "source.world_size=4", "target.wrap=[MixerBlock]",
+         f"output.path={outs[name]}", *args]
+        for name, args in CONVERSIONS.items()
     ]  # fmt: skip
-    result = run_command(cmd, cwd=out.parent, timeout=TIMEOUT_S, env=_env())
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    assert "Traceback" not in result.stderr, result.stderr
+    for name, result in zip(CONVERSIONS, run_cli_cases(argv, cwd=root, per_case_s=TIMEOUT_S, env=_env())):
+        assert result["code"] == 0, f"{name}: exit {result['code']}\n{result['stdout']}\n{result['stderr']}"
+        assert "Traceback" not in result["stderr"], result["stderr"]
+    return outs
+
+
+def _report(out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
@@ -85,9 +115,9 @@ def _gathered_fsdp2(out: Path, world: int) -> dict[int, dict[str, torch.Tensor]]
 
 
 @pytest.mark.parametrize("kind,world", [("fsdp1", 64), ("fsdp2", 64), ("fsdp2", 1024)])
-def test_offline_conversion_equals_real_fsdp(kind: str, world: int, full_source: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    report = _convert(full_source, out, "runtime.mode=offline", f"target.kind={kind}", f"target.world_size={world}")
+def test_offline_conversion_equals_real_fsdp(kind: str, world: int, full_source: Path, converted: dict[str, Path]) -> None:
+    out = converted[f"{kind}-{world}"]
+    report = _report(out)
     assert report["ok"] and [c["name"] for c in report["checks"]] == ["roundtrip", "resume"], report["checks"]
     # No live target world offline: resume's storage part and its steps on bare optimizers still run, and say so.
     assert report["checks"][1]["detail"].startswith("storage: no two state tensors share memory; steps: bare optimizers over the output's tensors"), report["checks"][1]
@@ -119,9 +149,11 @@ def test_offline_conversion_equals_real_fsdp(kind: str, world: int, full_source:
     assert _real_fsdp_problems(kind, world, full_source, out, ranks) == []
 
 
-def test_real_fsdp_oracle_sees_one_wrong_element(full_source: Path, tmp_path: Path) -> None:
+def test_real_fsdp_oracle_sees_one_wrong_element(full_source: Path, converted: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
     out = tmp_path / "out"
-    _convert(full_source, out, "runtime.mode=offline", "target.kind=fsdp2", "target.world_size=8")
+    shutil.copytree(converted["fsdp2-8"], out)
     path = out / "rank_0.pt"
     osd = torch.load(path, weights_only=True)
     osd["state"][2]["exp_avg"].view(-1)[5] += 1  # blocks.0.wk.weight
@@ -130,21 +162,15 @@ def test_real_fsdp_oracle_sees_one_wrong_element(full_source: Path, tmp_path: Pa
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
-def test_online_and_offline_write_byte_identical_files(kind: str, full_source: Path, tmp_path: Path) -> None:
-    online, offline = tmp_path / "online", tmp_path / "offline"
-    args = (f"target.kind={kind}", "target.world_size=4", "target.use_orig_params=true" if kind == "fsdp1" else "target.wrap_root=true")
-    _convert(full_source, online, *args)
-    _convert(full_source, offline, "runtime.mode=offline", *args)
+def test_online_and_offline_write_byte_identical_files(kind: str, converted: dict[str, Path]) -> None:
+    online, offline = converted[f"{kind}-4-online"], converted[f"{kind}-4-offline"]
     for r in range(4):
         assert (online / f"rank_{r}.pt").read_bytes() == (offline / f"rank_{r}.pt").read_bytes(), f"rank_{r}.pt"
 
 
-def test_offline_dcp_output_is_online_bytes_and_resumes_on_a_real_world(full_source: Path, tmp_path: Path) -> None:
+def test_offline_dcp_output_is_online_bytes_and_resumes_on_a_real_world(full_source: Path, converted: dict[str, Path]) -> None:
     """A dcp checkpoint written offline: every file as online writes it, and a 64-rank one resumes on a 2-rank FSDP2 world."""
-    online, offline, wide = tmp_path / "online", tmp_path / "offline", tmp_path / "wide"
-    args = ("target.kind=fsdp2", "target.wrap_root=true", "output.format=dcp")
-    _convert(full_source, online, *args, "target.world_size=3")
-    _convert(full_source, offline, *args, "target.world_size=3", "runtime.mode=offline")
+    online, offline, wide = converted["dcp-3-online"], converted["dcp-3-offline"], converted["dcp-64-offline"]
     files = sorted(str(p.relative_to(online)) for p in (online / "dcp").rglob("*") if p.is_file())
     assert files == ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/__2_0.distcp"]
     assert files == sorted(str(p.relative_to(offline)) for p in (offline / "dcp").rglob("*") if p.is_file())
@@ -154,22 +180,22 @@ def test_offline_dcp_output_is_online_bytes_and_resumes_on_a_real_world(full_sou
     assert manifest["tensors"] == json.loads((online / "manifest.json").read_text())["tensors"]
     assert manifest["files"] == {name: hashlib.sha256((offline / name).read_bytes()).hexdigest() for name in files}  # hashed as written
 
-    _convert(full_source, wide, *args, "target.world_size=64", "runtime.mode=offline")
     assert len(list((wide / "dcp").glob("*.distcp"))) == 64
     assert spawn_world(fsdp2_resume.resume, 2, (str(full_source), str(wide / "dcp"), "dcp"), timeout_s=TIMEOUT_S) == [[], []]
 
 
-def test_fsdp_full_output_resumes_an_fsdp2_job(full_source: Path, tmp_path: Path) -> None:
+def test_fsdp_full_output_resumes_an_fsdp2_job(full_source: Path, converted: dict[str, Path]) -> None:
     """The README's other FSDP2 load: set_optimizer_state_dict(full_state_dict=True) of an fsdp_full output, on a real 2-rank world."""
-    out = tmp_path / "full"
-    _convert(full_source, out, "target.kind=fsdp2", "target.wrap_root=true", "target.world_size=2", "output.format=fsdp_full", "runtime.mode=offline")
+    out = converted["fsdp_full-2"]
     assert spawn_world(fsdp2_resume.resume, 2, (str(full_source), str(out / "optim.pt"), "fsdp_full"), timeout_s=TIMEOUT_S) == [[], []]
 
 
-def test_hybrid_source_replicas_must_agree(full_source: Path, tmp_path: Path) -> None:
+def test_hybrid_source_replicas_must_agree(converted: dict[str, Path], tmp_path: Path) -> None:
     """HYBRID_SHARD rank files (written offline), read from one replica group; one element changed in the other fails verify."""
+    import shutil
+
     hybrid = tmp_path / "hybrid"
-    _convert(full_source, hybrid, "runtime.mode=offline", "target.world_size=4", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2")
+    shutil.copytree(converted["hybrid-4"], hybrid)
     assert diff(torch.load(hybrid / "rank_1.pt", weights_only=True), torch.load(hybrid / "rank_3.pt", weights_only=True)) == []  # replicas alike
     source = [
         f"input.path={hybrid}", "input.format=rank_local", "source.world_size=4", "source.wrap=[MixerBlock]",
