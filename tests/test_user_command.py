@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import clean_env, run_command
+from helpers import clean_env, run_cli_cases, run_command
 
 from osdpipe.loading import without_records
 from osdpipe.compare import diff
@@ -207,25 +207,34 @@ CASES = [
 ]
 
 
-def _convert(args: list[str], root: Path, tmp_path: Path, world: int) -> Path:
-    """Run the README command with ``args``; it must pass every check and write ``world`` rank files, nothing else."""
-    out = tmp_path / "resharded"
+def _env() -> dict[str, str]:
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])  # the user's package is importable
-    cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *(a.format(root=root) for a in args), f"output.path={out}"]
-    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=env)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    assert "Traceback" not in result.stderr and "error" not in result.stderr, result.stderr
+    return env
+
+
+def _check_converted(name: str, result: dict, out: Path, world: int) -> None:
+    """The README command passed every check and wrote ``world`` rank files."""
+    assert result["code"] == 0, f"{name}: exit {result['code']}\n{result['stdout']}\n{result['stderr']}"
+    assert "Traceback" not in result["stderr"] and "error" not in result["stderr"], result["stderr"]
     for check in ("roundtrip", "reference", "load_step"):
-        assert f"check {check:<10} pass" in result.stdout, result.stdout
+        assert f"check {check:<10} pass" in result["stdout"], result["stdout"]
     assert sorted(p.name for p in out.glob("rank_*.pt")) == [f"rank_{r}.pt" for r in range(world)]
+
+
+def _convert(args: list[str], root: Path, tmp_path: Path, world: int) -> Path:
+    """Run the README command with ``args`` in a process of its own; it must pass every check and write ``world`` rank files, nothing else."""
+    out = tmp_path / "resharded"
+    cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *(a.format(root=root) for a in args), f"output.path={out}"]
+    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=_env())
+    _check_converted("command", {"code": result.returncode, "stdout": result.stdout, "stderr": result.stderr}, out, world)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resharded"], "nothing is written outside output.path"
     return out
 
 
 @pytest.mark.parametrize("case,args,world,units,use_orig_params", CASES, ids=[c[0] for c in CASES])
-def test_readme_command_converts_a_user_checkpoint(case, args, world, units, use_orig_params, user_checkpoints, tmp_path):
-    out = _convert(args, user_checkpoints, tmp_path, world)
+def test_readme_command_converts_a_user_checkpoint(case, args, world, units, use_orig_params, user_checkpoints, converted):
+    out = converted[case]
     reference = user_checkpoints / ("plain_as_full.pt" if case.startswith("plain") else "optim.pt")
     problems = run_local_world(_pytorch_rank_files_match, world, (str(out), str(reference), units, use_orig_params), timeout_s=TIMEOUT_S)
     assert problems == [[]] * world, problems
@@ -240,9 +249,8 @@ TO_FSDP2 = [
 
 
 @pytest.mark.parametrize("case,args,world,shard_group_size", TO_FSDP2, ids=[c[0] for c in TO_FSDP2])
-def test_fsdp1_checkpoint_converts_to_fsdp2(case, args, world, shard_group_size, user_checkpoints, tmp_path):
-    source = ["input.path={root}/optim.pt", "input.format=fsdp_full", "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp2"]
-    out = _convert([*source, *args], user_checkpoints, tmp_path, world)
+def test_fsdp1_checkpoint_converts_to_fsdp2(case, args, world, shard_group_size, user_checkpoints, converted):
+    out = converted[case]
     problems = run_local_world(_pytorch_fsdp2_rank_files_match, world, (str(out), str(user_checkpoints / "optim.pt"), shard_group_size), timeout_s=TIMEOUT_S)
     assert problems == [[]] * world, problems
 
@@ -254,10 +262,31 @@ FROM_FSDP2 = [
 ]
 
 
+TO_FSDP2_SOURCE = ["input.path={root}/optim.pt", "input.format=fsdp_full", "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp2"]
+FROM_FSDP2_SOURCE = ["input.path={root}/fsdp2_dcp", "input.format=dcp", "source.kind=fsdp2", "source.world_size=4", "target.kind=fsdp1"]
+
+
+@pytest.fixture(scope="module")
+def converted(user_checkpoints: Path, tmp_path_factory) -> dict[str, Path]:
+    """Every case's README command, through the ``osdpipe`` entry point in one driver process: case -> its output directory.
+
+    Each must pass every check and write its rank files; nothing is written outside the output directories.
+    """
+    work = tmp_path_factory.mktemp("commands")
+    cases = {name: (args, world) for name, args, world, *_ in CASES}
+    cases |= {name: ([*TO_FSDP2_SOURCE, *args], world) for name, args, world, _ in TO_FSDP2}
+    cases |= {name: ([*FROM_FSDP2_SOURCE, *args], world) for name, args, world, *_ in FROM_FSDP2}
+    outs = {name: work / name for name in cases}
+    argv = [["model.factory=userlm:build", *(a.format(root=user_checkpoints) for a in args), f"output.path={outs[name]}"] for name, (args, _) in cases.items()]
+    for (name, (_, world)), result in zip(cases.items(), run_cli_cases(argv, cwd=work, per_case_s=TIMEOUT_S, env=_env())):
+        _check_converted(name, result, outs[name], world)
+    assert sorted(p.name for p in work.iterdir()) == sorted(cases), "nothing is written outside output.path"
+    return outs
+
+
 @pytest.mark.parametrize("case,args,world,use_orig_params,hybrid", FROM_FSDP2, ids=[c[0] for c in FROM_FSDP2])
-def test_fsdp2_dcp_checkpoint_converts_to_fsdp1(case, args, world, use_orig_params, hybrid, user_checkpoints, tmp_path):
-    source = ["input.path={root}/fsdp2_dcp", "input.format=dcp", "source.kind=fsdp2", "source.world_size=4", "target.kind=fsdp1"]
-    out = _convert([*source, *args], user_checkpoints, tmp_path, world)
+def test_fsdp2_dcp_checkpoint_converts_to_fsdp1(case, args, world, use_orig_params, hybrid, user_checkpoints, converted):
+    out = converted[case]
     units = [] if hybrid else ["MixerBlock"]
     full = str(user_checkpoints / "fsdp2_full.pt")
     problems = run_local_world(_pytorch_rank_files_match, world, (str(out), full, units, use_orig_params, hybrid), timeout_s=TIMEOUT_S)
