@@ -264,12 +264,41 @@ class InputConfig(_Frozen):
 
 
 class OutputConfig(_Frozen):
-    """Where and how the converted state is written."""
+    """Where and how the converted state is written.
+
+    ``model_format=safetensors`` also exports a whole checkpoint's model
+    weights, full and FQN-keyed, as Hugging Face's ``save_pretrained``
+    writes them (:mod:`osdpipe.safetensors_out`), in files of at most
+    ``max_shard_size`` bytes (``None``: one file).
+    """
 
     path: str
     format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
     key: str = "optim"
     overwrite: bool = False
+    model_format: Literal["safetensors"] | None = None
+    max_shard_size: int | None = None
+
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _shard_size(cls, value: Any) -> int | None:
+        size = parse_size(value)
+        if size == 0:
+            raise ValueError("a shard holds at least one byte; give a size such as 5GB, or null for one file")
+        return size
+
+
+class CheckpointConfig(_Frozen):
+    """What the input is (:mod:`osdpipe.checkpoints`): the optimizer's state alone, or a whole training checkpoint as a framework lays it out.
+
+    ``optimizer``: ``input.path`` is an optimizer checkpoint (``input.format``,
+    ``input.key``). ``torchtitan``, ``accelerate``: ``input.path`` is the
+    framework's checkpoint folder; its model weights convert with the
+    optimizer, everything else in it is carried over unchanged, and the
+    output is laid out as the framework lays it out.
+    """
+
+    layout: Literal["optimizer", "torchtitan", "accelerate"] = "optimizer"
 
 
 class GenerateConfig(_Frozen):
@@ -362,6 +391,7 @@ class RunSpec(_Frozen):
     optim: OptimConfig = OptimConfig()
     input: InputConfig = InputConfig()
     output: OutputConfig
+    checkpoint: CheckpointConfig = CheckpointConfig()
     generate: GenerateConfig = GenerateConfig()
     pipeline: PipelineConfig = PipelineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
@@ -435,6 +465,17 @@ class RunSpec(_Frozen):
         why = (given.refuses_source(source) if self.input.path is not None else None) or written.refuses_target(target) or target.refuses_output(written)
         if why is not None:
             raise ValueError(why)
+        from osdpipe import checkpoints  # the layouts' registry: imported with the others, past the schema check
+
+        layout = checkpoints.get(self.checkpoint.layout)
+        why = layout.refuses(given, written, target, generated=self.input.path is None)
+        if why is not None:
+            raise ValueError(why)
+        if self.output.model_format is not None and not layout.whole:
+            raise ValueError(
+                f"output.model_format={self.output.model_format} exports a whole checkpoint's model; this input is an optimizer's alone "
+                "(checkpoint=optimizer): set checkpoint=torchtitan or accelerate for a checkpoint that holds the model"
+            )
         if self.input.path is None and self.source.state_dict_type not in source.state_dict_types:
             raise ValueError(
                 f"source.state_dict_type={self.source.state_dict_type}: a {self.source.kind} job saves {', '.join(source.state_dict_types)}; "

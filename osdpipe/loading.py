@@ -52,7 +52,7 @@ def without_records(osd: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in osd.items() if k not in (PARAM_LAYOUT, DTENSOR_TABLE)}
 
 
-def _clean(name: str) -> str:
+def unwrapped_name(name: str) -> str:
     """A wrapped model's parameter name without the module names wrappers insert (FSDP1's, DDP's ``module.``, torch.compile's)."""
     parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
     while parts[:1] == [WRAPPER_PREFIX] and len(parts) > 1:
@@ -71,7 +71,7 @@ def check_fits(optim: torch.optim.Optimizer, osd: dict[str, Any], *, model: nn.M
     name is the recorded one.
     """
     params = [p for g in optim.param_groups for p in g["params"]]
-    names = {id(p): _clean(n) for n, p in model.named_parameters()} if model is not None else {}
+    names = {id(p): unwrapped_name(n) for n, p in model.named_parameters()} if model is not None else {}
     records = osd.get(PARAM_LAYOUT) or {}
     fix = "it was converted for another layout: convert the checkpoint to this job's layout (target.* as this job wraps its model)"
     for pid, state in osd.get("state", {}).items():
@@ -133,9 +133,68 @@ def load_rank_local(optim: torch.optim.Optimizer, path: str | Path, model: nn.Mo
     to have each parameter's name checked too). DTensor state (FSDP2) is
     rebuilt on the optimizer's parameters; other state loads as it is.
 
+    A whole checkpoint's file (``{"model": ..., "optim": ..., ...}``) loads its
+    optimizer part so, and, given ``model``, its model part too: each
+    parameter's and buffer's local piece, checked by name and shape first
+    (:func:`load_model_local`). The other entries are the caller's to take
+    from the file (``torch.load(path, weights_only=True)``).
+
     Raises:
         LayoutMismatch: the file was converted for another layout (one line naming the param ID, both shapes or compositions).
     """
-    osd = torch.load(path, map_location="cpu", weights_only=True)
+    whole = torch.load(path, map_location="cpu", weights_only=True)
+    osd = whole[OPTIMIZER_PART] if is_whole(whole) else whole
     check_fits(optim, osd, model=model, where=str(path))
+    if is_whole(whole) and model is not None:
+        check_model_fits(model, whole[MODEL_PART], str(path))
     optim.load_state_dict(from_rank_local(optim, {k: v for k, v in osd.items() if k != PARAM_LAYOUT}))
+    if is_whole(whole) and model is not None:
+        load_model_local(model, whole[MODEL_PART], str(path))
+
+
+#: The keys of a whole checkpoint's rank file that hold the model's and the optimizer's state (:mod:`osdpipe.checkpoints.output`).
+MODEL_PART, OPTIMIZER_PART = "model", "optim"
+
+
+def is_whole(loaded: Any) -> bool:
+    """Whether a loaded rank file is a whole checkpoint's (model, optimizer and the rest) rather than an optimizer's."""
+    return isinstance(loaded, dict) and isinstance(loaded.get(MODEL_PART), dict) and isinstance(loaded.get(OPTIMIZER_PART), dict)
+
+
+def _local_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The live model's state by its unwrapped names, each as this rank's local tensor (a DTensor's local piece)."""
+    return {unwrapped_name(name): local_part(value) for name, value in model.state_dict(keep_vars=True).items()}
+
+
+def check_model_fits(model: nn.Module, pieces: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a model part whose names or local shapes are not this rank's model's (converted for another model or layout).
+
+    Raises:
+        LayoutMismatch: naming the first name or shape that differs, and what to do.
+    """
+    own = _local_model(model)
+    missing, unexpected = sorted(set(own) - set(pieces)), sorted(set(pieces) - set(own))
+    if missing or unexpected:
+        raise LayoutMismatch(
+            f"{where}: the model part holds {_show_fqns(unexpected) or 'nothing else'} where the model has {_show_fqns(missing) or 'nothing else'}; "
+            "it was converted for another model"
+        )
+    for name, piece in pieces.items():
+        if tuple(piece.shape) != tuple(own[name].shape) or piece.dtype != own[name].dtype:
+            raise LayoutMismatch(
+                f"{where}: the model part's {name} is {piece.dtype} {list(piece.shape)} but this rank's parameter is "
+                f"{own[name].dtype} {list(own[name].shape)}; the file was converted for another layout: convert again with this job's target.*"
+            )
+
+
+def load_model_local(model: nn.Module, pieces: dict[str, torch.Tensor], where: str) -> None:
+    """Copy each local piece of a whole checkpoint's model part into this rank's live model, in place (no collective: each rank its own).
+
+    Raises:
+        LayoutMismatch: as :func:`check_model_fits`.
+    """
+    check_model_fits(model, pieces, where)
+    own = _local_model(model)
+    with torch.no_grad():
+        for name, piece in pieces.items():
+            own[name].copy_(piece.to(own[name].device))

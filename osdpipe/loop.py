@@ -150,7 +150,8 @@ def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None =
         error = None
         if 0 in world.ranks():  # one process commits: the one that plays rank 0
             try:
-                files = commit(last.ctx, [o.saved for o in every], tally)
+                source = last.find(Described)
+                files = commit(last.ctx, [o.saved for o in every], tally, None if source is None else source.meta.carried)
             except Exception as exc:  # noqa: BLE001 - shared with every process below
                 error = one_line(exc)
         agree("save", error)

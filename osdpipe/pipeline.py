@@ -23,7 +23,7 @@ import torch.distributed as dist
 from osdpipe import loop, output, progress, whereabouts
 from osdpipe.collective import StageError, from_rank0, lost_a_peer, one_line
 from osdpipe.config import RunSpec
-from osdpipe.formats import InputError, inspect_source
+from osdpipe.formats import InputError
 from osdpipe.generate import generate_rank
 from osdpipe.launch import WorldError, default_backend, init_world, run_local_world
 from osdpipe.layout import full_layout
@@ -32,7 +32,7 @@ from osdpipe.optim import group_members
 from osdpipe.plan import Plan
 from osdpipe.rankserver import in_torchrun
 from osdpipe.report import Report
-from osdpipe.stages.load import source_id_groups
+from osdpipe.stages.load import inspect_input
 from osdpipe.world import GroupWorld, SoloWorld
 
 
@@ -71,8 +71,7 @@ def check_source(plan: Plan) -> None:
         InputError: naming the file and what is wrong with it.
     """
     spec = plan.spec
-    groups = source_id_groups(spec, plan.input_format)
-    meta = inspect_source(plan.input_format, plan.input_path, spec.input.key, tree=plan.tree, source=plan.source_spec, id_groups=groups)
+    meta = inspect_input(plan)
     if meta.param_groups is not None:  # the source's optimizer held these; the target's must find each of its own there
         layout = full_layout(plan.tree)
         held = {f for g in group_members(spec.optim, layout) for i in g for f in layout[i].fqns}

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from osdpipe import formats, kinds
+from osdpipe import checkpoints, formats, kinds
+from osdpipe.checkpoints import CheckpointLayout
 from osdpipe.config import ConfigError, RunSpec
 from osdpipe.formats import Format
 from osdpipe.kinds import rank_layout
@@ -67,6 +68,11 @@ class Plan:
     @property
     def output_format(self) -> Format:
         return formats.get(self.spec.output.format)
+
+    @property
+    def checkpoint(self) -> CheckpointLayout:
+        """How the input is laid out: the optimizer alone, or a whole training checkpoint (``checkpoint=``)."""
+        return checkpoints.get(self.spec.checkpoint.layout)
 
     @property
     def id_keyed(self) -> bool:

@@ -115,6 +115,8 @@ class Keyed:
     state_dict: dict[str, Any]
     #: Layout key -> its key in ``state_dict["state"]`` (a param ID, or the FQN).
     keys: dict[str, Any]
+    #: A whole checkpoint's model weights on this rank, by layout key (the canonical FQN); ``None``: the input is an optimizer's alone.
+    weights: dict[str, Any] | None = None
 
     @property
     def source(self) -> Described:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from osdpipe.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
-from osdpipe import formats, kinds
+from osdpipe import checkpoints, formats, kinds
 from osdpipe.facts import detect_format, read_facts
 from osdpipe.formats.state_facts import MOMENTS_ALIKE
 from osdpipe.formats import InputError
@@ -84,6 +84,17 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         if _get(raw, "optim.lr") is None:
             _set(raw, "optim.lr", DEFAULT_LR)
         return raw, []
+    layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
+    if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
+        fmt = _get(raw, "input.format") if "input.format" in given else layout.input_formats[0]
+        _set(raw, "input.format", fmt)
+        part = layout.optimizer_part(path, fmt)
+        try:
+            facts = read_facts(part.path, part.format, part.key)
+        except InputError:
+            return raw, []  # the pre-flight check says what is wrong with it
+        _settle_layout(raw, given, facts)
+        return raw, _settle_optimizer(raw, given, facts)
     try:
         fmt = detect_format(path)
     except InputError:

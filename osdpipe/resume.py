@@ -44,6 +44,7 @@ from torch import nn
 
 from osdpipe.compare import bits_equal
 from osdpipe.formats import SourceMeta, SourceReader, TensorRef, full_state, local_part, own_copy
+from osdpipe.formats.base import WEIGHTS
 from osdpipe.layout import LocalTensor, Segment
 from osdpipe.optim import bare_optimizer, resolve_optimizer
 from osdpipe.reference import local_grad, local_values, synthetic_grad, synthetic_param, train_step
@@ -164,7 +165,7 @@ class Reference:
         if not self.elementwise:
             whole = self._stepped_whole()
             return [(whole[f][0].reshape(-1)[lo:hi], {n: v.reshape(-1)[lo:hi] if _is_tensor_state(v) else v for n, v in whole[f][1].items()}) for f, lo, hi in ranges]
-        params = [synthetic_param(self.seed, f, lo, hi, self._dtype(f)) for f, lo, hi in ranges]
+        params = [self._start(f, lo, hi) for f, lo, hi in ranges]
         by_group = _grouped(list(range(len(ranges))), lambda i: self._group_of.get(ranges[i][0]))
         order = [i for g in by_group for i in g]  # an optimizer numbers its tensors group by group
         groups = [(ranges[g[0]][0], [params[i] for i in g], self._saved_group(ranges[g[0]][0])) for g in by_group]
@@ -175,6 +176,12 @@ class Reference:
     def _dtype(self, fqn: str) -> torch.dtype:
         return getattr(torch, self.tree.param(fqn).dtype)
 
+    def _start(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of parameter ``fqn`` as the job starts: the source's weights in a whole checkpoint, else synthetic."""
+        if WEIGHTS in self.meta.state.get(fqn, {}):
+            return self.reader.read_range(fqn, WEIGHTS, start, stop).clone()
+        return synthetic_param(self.seed, fqn, start, stop, self._dtype(fqn))
+
     def _saved_group(self, fqn: str) -> dict[str, Any] | None:
         index = self._group_of.get(fqn)
         return None if index is None or self.meta.param_groups is None else self.meta.param_groups[index]
@@ -184,6 +191,7 @@ class Reference:
         return {
             name: self.reader.read_range(fqn, name, start, stop).clone() if isinstance(value, TensorRef) else own_copy(value)
             for name, value in self.meta.state.get(fqn, {}).items()
+            if name != WEIGHTS
         }
 
     def _step(self, optim: torch.optim.Optimizer, items: list[tuple[Range, torch.Tensor]]) -> None:
@@ -200,7 +208,7 @@ class Reference:
             full = full_state(self.reader, self.meta)["state"]
             groups = [g["params"] for g in self.meta.param_groups] if self.meta.param_groups else [[p.fqn for p in self.tree.params]]
             fqns = [f for g in groups for f in g]
-            params = {f: synthetic_param(self.seed, f, 0, self.tree.param(f).numel, self._dtype(f)).view(self.tree.param(f).shape) for f in fqns}
+            params = {f: self._start(f, 0, self.tree.param(f).numel).view(self.tree.param(f).shape) for f in fqns}
             saved = self.meta.param_groups or [None]
             optim = loaded_optimizer(self.config, [(g[0], [params[f] for f in g], hyper) for g, hyper in zip(groups, saved)], [full.get(f, {}) for f in fqns])
             self._step(optim, [((f, 0, self.tree.param(f).numel), params[f]) for f in fqns])
@@ -235,10 +243,17 @@ def set_synthetic_params(params: list[nn.Parameter], layout: tuple[LocalTensor, 
             local.copy_(values.to(local.device))
 
 
-def live_steps(spec: Any, model: nn.Module, optim: torch.optim.Optimizer, layout: tuple[LocalTensor, ...], tree: ModuleTree) -> list[Stepped]:
-    """The live target, already loaded, from synthetic parameters through the resume steps; each parameter its optimizer holds."""
+def live_steps(
+    spec: Any, model: nn.Module, optim: torch.optim.Optimizer, layout: tuple[LocalTensor, ...], tree: ModuleTree, *, weights_loaded: bool = False
+) -> list[Stepped]:
+    """The live target, already loaded, through the resume steps; each parameter its optimizer holds.
+
+    It starts from synthetic parameters, unless the output held the model's
+    weights and they were loaded (``weights_loaded``: a whole checkpoint).
+    """
     params = list(model.parameters())
-    set_synthetic_params(params, layout, spec.generate.seed)
+    if not weights_loaded:
+        set_synthetic_params(params, layout, spec.generate.seed)
     for k in range(spec.pipeline.resume_steps):
         train_step(spec, model, optim, FIRST_STEP + k, layout, tree)
     held = {id(p) for g in optim.param_groups for p in g["params"]}
@@ -254,12 +269,19 @@ Held = tuple[dict[str, Any], dict[str, Any]]
 
 
 def bare_steps(
-    spec: Any, layout: tuple[LocalTensor, ...], state_of: Callable[[LocalTensor], Held | None], tree: ModuleTree, batch_bytes: int | None
+    spec: Any,
+    layout: tuple[LocalTensor, ...],
+    state_of: Callable[[LocalTensor], Held | None],
+    tree: ModuleTree,
+    batch_bytes: int | None,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[list[Stepped]]:
     """The output's local tensors in bare optimizers, loaded with their state as written, through the resume steps; a batch at a time.
 
     ``state_of(tensor)`` gives what the output holds for the tensor (``None``:
-    the target optimizer does not hold it). A batch is at most ``batch_bytes``
+    the target optimizer does not hold it); each starts from the output's
+    ``weights`` for it (a whole checkpoint's, by layout key), else from
+    synthetic parameters. A batch is at most ``batch_bytes``
     of state (``None``: every tensor of the rank), in one optimizer with a
     param group per group of the output, as the target's optimizer holds them.
     0-dim state is copied once per object, so state the output shares between
@@ -270,7 +292,10 @@ def bare_steps(
     for batch in _batches(held, batch_bytes):
         dtypes = [getattr(torch, tree.param(t.fqns[0]).dtype) for t, _ in batch]
         params = [
-            local_values(t, lambda fqn, lo, hi, dtype=dtype: synthetic_param(spec.generate.seed, fqn, lo, hi, dtype), dtype) for (t, _), dtype in zip(batch, dtypes)
+            weights[t.key].clone().reshape(t.shape)
+            if weights is not None and t.key in weights
+            else local_values(t, lambda fqn, lo, hi, dtype=dtype: synthetic_param(spec.generate.seed, fqn, lo, hi, dtype), dtype)
+            for (t, _), dtype in zip(batch, dtypes)
         ]
         states = [{n: (v.clone() if _is_tensor_state(v) else scalars.setdefault(id(v), own_copy(v))) for n, v in state.items()} for _, (state, _) in batch]
         by_group = _grouped(list(range(len(batch))), lambda i: id(batch[i][1][1]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +46,18 @@ class ParamInfo:
         return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
+@dataclass(frozen=True)
+class BufferInfo:
+    """One persistent buffer of the unwrapped model: what ``model.state_dict()`` holds besides parameters.
+
+    No layout cuts a buffer: every rank of every kind holds it whole.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
 #: Module names that wrappers put into FQNs, never a user's: torch.compile's, activation
 #: checkpointing's and FSDP1's. DDP's (and DataParallel's) ``module`` is a prefix, and may also be a user's name.
 WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -57,12 +70,19 @@ class ModuleTree:
 
     modules: tuple[tuple[str, str], ...]
     params: tuple[ParamInfo, ...]
+    #: The persistent buffers, as ``model.state_dict()`` holds them.
+    buffers: tuple[BufferInfo, ...] = ()
+    #: Every name ``model.state_dict()`` holds, in its order: parameters (a tied one under each name) and buffers.
+    state_names: tuple[str, ...] = ()
     _by_fqn: dict[str, ParamInfo] = field(default_factory=dict, compare=False, repr=False)
+    _buffers: dict[str, BufferInfo] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for p in self.params:
             for name in (p.fqn, *p.aliases):
                 self._by_fqn[name] = p
+        for b in self.buffers:
+            self._buffers[b.fqn] = b
 
     def param(self, fqn: str) -> ParamInfo:
         """The parameter named ``fqn`` (canonical name or alias)."""
@@ -86,12 +106,21 @@ class ModuleTree:
         Nothing else is tried: a name is never guessed from a similar one,
         and the caller checks the shape.
         """
-        if name in self._by_fqn:
-            return self._by_fqn[name]
-        parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
-        while parts and ".".join(parts) not in self._by_fqn and parts[0] == WRAPPER_PREFIX:
-            parts = parts[1:]
-        return self._by_fqn.get(".".join(parts))
+        return _unwrapped(name, self._by_fqn)
+
+    def resolve_buffer(self, name: str) -> BufferInfo | None:
+        """The persistent buffer a checkpoint's ``name`` refers to, or ``None`` (the wrappers' names dropped, as :meth:`resolve` drops them)."""
+        return _unwrapped(name, self._buffers)
+
+
+def _unwrapped(name: str, known: dict[str, Any]) -> Any:
+    """``known[name]``, else ``known`` of ``name`` without the module names wrappers insert; ``None`` where neither is known."""
+    if name in known:
+        return known[name]
+    parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
+    while parts and ".".join(parts) not in known and parts[0] == WRAPPER_PREFIX:
+        parts = parts[1:]
+    return known.get(".".join(parts))
 
 
 def parent(fqn: str) -> str:
@@ -123,4 +152,7 @@ def describe(model: nn.Module) -> ModuleTree:
                 requires_grad=param.requires_grad,
             )
         )
-    return ModuleTree(modules=modules, params=tuple(params))
+    held = model.state_dict(keep_vars=True)  # on meta, no memory: every persistent buffer, and each name of a tied parameter
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = tuple(BufferInfo(n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in held.items() if n not in names and torch.is_tensor(b))
+    return ModuleTree(modules=modules, params=tuple(params), buffers=buffers, state_names=tuple(held))

@@ -10,9 +10,11 @@ redesign, under the torch the README pins; they depend on torch's
 serialization, so the test first checks that torch is that version.
 
 To re-record after an intended change of output bytes, run the same command
-and say why in the commit. Re-recorded once since, for issue 18: every
+and say why in the commit. Re-recorded twice since: for issue 18, every
 manifest's config gained ``tp_size`` and ``tp_plan``, and an FSDP2 rank's
-``dtensor`` table its mesh's dimension names; no other file changed.
+``dtensor`` table its mesh's dimension names; for issue 19, every
+manifest's config gained ``checkpoint`` and ``output.model_format`` /
+``max_shard_size`` (each ``content_sha256``; no data file changed).
 """
 
 from __future__ import annotations

@@ -1,13 +1,23 @@
-"""The registry of whole-checkpoint layouts (:mod:`osdpipe.checkpoints.base`): torchtitan's and accelerate's."""
+"""The registry of checkpoint layouts (:mod:`osdpipe.checkpoints.base`): the optimizer alone (the default), torchtitan's and accelerate's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from osdpipe.checkpoints import accelerate, torchtitan  # noqa: F401 - each registers its layout
+from osdpipe.checkpoints import accelerate, optimizer, torchtitan  # noqa: F401 - each registers its layout
 from osdpipe.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
+from osdpipe.registry import member
 
-__all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "recognize"]
+__all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize"]
+
+
+def get(name: str) -> CheckpointLayout:
+    """The layout called ``name`` (``checkpoint=``).
+
+    Raises:
+        ValueError: naming the layouts there are.
+    """
+    return member(LAYOUTS, name, "checkpoint layout")
 
 
 def recognize(path: str | Path) -> WholeCheckpoint | None:

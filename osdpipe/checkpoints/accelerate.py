@@ -7,15 +7,27 @@ SHARDED_STATE_DICT gives ``pytorch_model_fsdp_<i>/`` (DCP of
 ``scheduler.bin``, ``random_states_<r>.pkl`` per process,
 ``custom_checkpoint_<i>.pkl``, and when used ``sampler.bin``,
 ``dl_state_dict.bin``, ``scaler.pt``. Every other file is listed too.
+
+A conversion reads the model and the optimizer through the same stages as
+any checkpoint and copies every other file byte for byte. The ``dcp``
+output is the folder as ``save_state`` writes it (``pytorch_model_fsdp_0/``
+and ``optimizer_0/`` cut for the target world, every other file beside
+them), which ``load_state`` reads on the target world; ``rank_local`` writes
+each rank's file with the other files beside them.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from osdpipe.checkpoints.base import CheckpointLayout, Entry, WholeCheckpoint, register
+from osdpipe.checkpoints.base import Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
 from osdpipe.checkpoints.dcp_entries import dcp_items, is_dcp
+
+if TYPE_CHECKING:  # annotations only: reading and writing import torch
+    from osdpipe.formats.base import Format, RankFiles
+    from osdpipe.tree import ModuleTree
 
 _MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)")
 _OPTIMIZER_DIR = re.compile(r"optimizer_(\d+)")
@@ -54,3 +66,61 @@ class Accelerate(CheckpointLayout):
             else:
                 entries.append(Entry(child.name, "other", f"{child.name}/", sum(f.stat().st_size for f in child.rglob("*") if f.is_file())))
         return WholeCheckpoint(self.name, str(path), tuple(entries), optimizer[0] if optimizer else None, optimizer[1] or None if optimizer else None)
+
+    # ------------------------------------------------------------------ conversion
+
+    input_formats = ("dcp",)
+
+    def optimizer_part(self, path: str, input_format: str) -> Part:
+        return Part(str(Path(path) / OPTIMIZER_DIR), "dcp", "optimizer")
+
+    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
+        from osdpipe.checkpoints.dcp_weights import DcpWeights  # torch.distributed.checkpoint: only where a DCP checkpoint is read
+        from osdpipe.formats.dcp_reader import DcpCheckpoint
+
+        return DcpWeights(DcpCheckpoint(str(Path(path) / MODEL_DIR), None), "model", tree)
+
+    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+        """Every file of the folder but the model's and the optimizer's DCP directories, copied as it is."""
+        root = Path(path)
+        files = tuple(sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in (MODEL_DIR, OPTIMIZER_DIR)))
+        return Carrying(path, files=files, entries=self.read(root).entries)
+
+    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
+        """A rank file (``rank_local``), or this rank's pieces of the folder's two DCP directories (``dcp``)."""
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+        from osdpipe.formats.base import RankFiles
+
+        if fmt.keyed_by_id:  # each rank's own file
+            return output.write_rank_file(parts, staging, rank)
+        root = staging / DCP_DIR
+
+        def model_of(r: int, local: bool) -> dict[str, Any]:
+            return {"model": output.model_pieces(parts.model if local and r == rank else None, tree, world_size, r)}
+
+        def optimizer_of(r: int, local: bool) -> dict[str, Any]:
+            return {"optimizer": output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=local and r == rank)}
+
+        model_results, model_files = output.write_dcp(root, MODEL_DIR, model_of, rank, world_size, shared)
+        optimizer_results, optimizer_files = output.write_dcp(root, OPTIMIZER_DIR, optimizer_of, rank, world_size, shared)
+        files = {f"{DCP_DIR}/{name}": digest for name, digest in {**model_files, **optimizer_files}.items()}
+        tensors = {**output.optimizer_digests(parts.optimizer, f"{DCP_DIR}/{OPTIMIZER_DIR}"), **output.model_digests(parts.model, f"{DCP_DIR}/{MODEL_DIR}")}
+        return RankFiles(files, tensors, [model_results, optimizer_results])
+
+    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
+        """The two ``.metadata`` files (``dcp``) and every carried file, beside them or beside the rank files."""
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+
+        if fmt.keyed_by_id:  # each rank's own file
+            return output.copy_files(carrying, staging)
+        root = staging / DCP_DIR
+        done = {}
+        for index, name in enumerate((MODEL_DIR, OPTIMIZER_DIR)):
+            done.update({f"{DCP_DIR}/{k}": v for k, v in output.finish_dcp(root, name, shared, [r.results[index] for r in per_rank]).items()})
+        return {**done, **output.copy_files(carrying, staging, DCP_DIR)}
+
+
+#: The folder's DCP directories, as ``save_state`` names them for the first model and optimizer.
+MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+#: Where a ``dcp`` output's folder goes, under ``output.path``: the folder ``load_state`` reads.
+DCP_DIR = "dcp"

@@ -4,18 +4,31 @@ A training job saves more than its optimizer: the model's weights, a
 learning-rate scheduler, its step counter, data-loader positions, RNG states,
 entries of its own. Frameworks lay these out in fixed ways (torchtitan: one
 DCP directory per step; accelerate: a folder of DCP directories and files).
-A :class:`CheckpointLayout` reads such a folder's *metadata* (never a
-tensor's bytes) into a :class:`WholeCheckpoint`: where the model and the
-optimizer are, and every other entry with its size, so that nothing in it
-goes unnamed. ``osdpipe inspect`` shows it. A conversion reads the optimizer
-part today; the model and the other entries are not carried over yet.
+A :class:`CheckpointLayout` says where a checkpoint of its framework keeps
+each part, for ``osdpipe inspect`` and for a conversion:
+
+* its *metadata* (never a tensor's bytes) as a :class:`WholeCheckpoint`:
+  where the model and the optimizer are, and every other entry with its size,
+  so that nothing in it goes unnamed (:meth:`~CheckpointLayout.read`);
+* where the optimizer is, in a form today's readers take (:meth:`~CheckpointLayout.optimizer_part`);
+* a reader of the model's weights (:meth:`~CheckpointLayout.open_model`), which
+  travel through the stages as one more state of each parameter (:mod:`osdpipe.weights`);
+* what is carried over unchanged (:meth:`~CheckpointLayout.carried`), and how
+  a target rank's output is laid out (:meth:`~CheckpointLayout.write`).
+
+The ``optimizer`` layout is the default: an input that is the optimizer's
+state alone, converted as it always was.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # annotations only: the layouts import torch where they read or write
+    from osdpipe.formats.base import Format, RankFiles
+    from osdpipe.tree import ModuleTree
 
 #: What an entry is to a conversion: model weights and optimizer state are converted; anything else is carried over.
 PARTS = ("model", "optimizer", "other")
@@ -64,12 +77,100 @@ class WholeCheckpoint:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Part:
+    """Where a whole checkpoint keeps its optimizer, as ``input.path``, ``input.format`` and ``input.key`` would name it."""
+
+    path: str
+    format: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Carrying:
+    """What a conversion carries over from a whole checkpoint unchanged, and what every entry of it becomes.
+
+    Attributes:
+        source: the checkpoint's folder.
+        items: DCP items of the checkpoint that are neither the model nor the
+            optimizer, by flat key: each is written again as it is stored
+            (``dcp`` output) or as its value (``rank_local``).
+        item_paths: each item's path in the saved state dict.
+        item_tensors: the items that are tensors (re-stored from their values, not their bytes).
+        files: files beside the checkpoint's DCP directories, relative to
+            ``source``, copied byte for byte next to the output.
+        entries: every entry of the checkpoint, for the report.
+    """
+
+    source: str
+    items: tuple[str, ...] = ()
+    item_paths: tuple[tuple[Any, ...], ...] = ()
+    item_tensors: frozenset[str] = frozenset()
+    files: tuple[str, ...] = ()
+    entries: tuple[Entry, ...] = ()
+
+
+@dataclass
+class CarriedData:
+    """The carried items of a whole checkpoint, read on the first reading rank: each non-tensor item's stored bytes, each tensor item's value."""
+
+    raw: dict[str, bytes] = field(default_factory=dict)
+    tensors: dict[str, Any] = field(default_factory=dict)
+    #: Items whose stored bytes are transformed (compressed): carried as their values, loaded with ``weights_only=True``.
+    values: dict[str, Any] = field(default_factory=dict)
+
+
 class CheckpointLayout:
-    """One framework's way of laying out a whole checkpoint. Subclasses set :attr:`name` and implement both methods."""
+    """One framework's way of laying out a whole checkpoint. Subclasses set :attr:`name` and implement the methods."""
 
     name: ClassVar[str]
     #: What a checkpoint of this layout is, in a few words.
     looks_like: ClassVar[str]
+    #: Whether the checkpoint holds more than the optimizer's state: model weights that convert with it, entries carried over.
+    whole: ClassVar[bool] = True
+    #: ``input.format`` of each variant this layout comes in (a sharded one is ``dcp``).
+    input_formats: ClassVar[tuple[str, ...]] = ("dcp",)
+    #: ``output.format`` this layout can be written in: its own (``dcp``) or each rank's files (``rank_local``).
+    output_formats: ClassVar[tuple[str, ...]] = ("dcp", "rank_local")
+
+    def refuses(self, given: Format, written: Format, target_kind: Any, generated: bool) -> str | None:
+        """Why a conversion of this layout cannot read ``given`` or write ``written`` for ``target_kind`` (``None``: it can); one line naming the keys to set."""
+        if not self.whole:
+            return None
+        if not generated and given.name not in self.input_formats:
+            return f"checkpoint={self.name}: its input is input.format={' or '.join(self.input_formats)} (the checkpoint's folder), not {given.name}"
+        if written.name not in self.output_formats:
+            return f"checkpoint={self.name}: a whole checkpoint is written as output.format={' or '.join(self.output_formats)}, not {written.name}"
+        if written.keyed_by_id and target_kind.has_use_orig_params:  # each rank's own file, of a job whose optimizer may see flat parameters
+            return (
+                f"checkpoint={self.name} with output.format={written.name} and target.kind={target_kind.name}: an FSDP1 rank's model weights are a "
+                "shard of its flat parameters, which no model.state_dict() a job loads holds; set output.format=dcp (FSDP1's SHARDED_STATE_DICT)"
+            )
+        return None
+
+    def optimizer_part(self, path: str, input_format: str) -> Part:
+        """Where the optimizer is in the checkpoint at ``path``, as today's readers take it."""
+        raise NotImplementedError
+
+    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
+        """A reader of the model's weights in the checkpoint at ``path`` (:class:`osdpipe.weights.WeightsReader`)."""
+        raise NotImplementedError
+
+    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+        """What is neither the model nor the optimizer in the checkpoint at ``path``: what the conversion carries over."""
+        raise NotImplementedError
+
+    def read_carried(self, carrying: Carrying) -> CarriedData:
+        """The carried items' bytes and values, read on the first reading rank; by default there are none (files are copied at the end)."""
+        return CarriedData()
+
+    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
+        """Write target rank ``rank``'s part of the output into ``staging`` (``parts``: :class:`osdpipe.checkpoints.output.RankParts`)."""
+        raise NotImplementedError
+
+    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
+        """After every rank wrote: the files that complete the output (carried files among them), and their sha256."""
+        return {}
 
     def recognizes(self, path: Path) -> bool:
         """Whether ``path`` is a checkpoint of this layout, from names and metadata alone."""

@@ -7,6 +7,12 @@ buffer FQN (v0.1 and earlier nested it under ``model``); ``optimizer`` is
 ``lr_scheduler``, ``dataloader`` (``dp_rank_<r>`` per data-parallel rank,
 and ``world_size``) and ``train_state`` are torchtitan's own; any other
 top-level entry is the user's.
+
+A conversion reads the model and the optimizer through the same stages as
+any checkpoint, and carries every other item over as it is stored: the
+``dcp`` output is one DCP directory laid out as torchtitan saves it (the
+model where the input had it, ``optimizer`` flattened), which torchtitan's
+``dcp.load`` of the same structure reads on the target world.
 """
 
 from __future__ import annotations
@@ -14,9 +20,14 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from osdpipe.checkpoints.base import CheckpointLayout, Entry, WholeCheckpoint, register
+from osdpipe.checkpoints.base import CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
 from osdpipe.checkpoints.dcp_entries import dcp_items, is_dcp
+
+if TYPE_CHECKING:  # annotations only: reading and writing import torch
+    from osdpipe.formats.base import Format, RankFiles
+    from osdpipe.tree import ModuleTree
 
 #: The top-level keys torchtitan itself saves besides the model.
 OPTIMIZER, OWN = "optimizer", ("lr_scheduler", "dataloader", "train_state")
@@ -74,3 +85,82 @@ class Torchtitan(CheckpointLayout):
             notes.append(_flat_optimizer(items))
         return WholeCheckpoint(self.name, str(path), tuple(entries), str(path) if OPTIMIZER in groups else None, OPTIMIZER if OPTIMIZER in groups else None,
                                "flat" if flat else "nested", tuple(notes))
+
+    # ------------------------------------------------------------------ conversion
+
+    def optimizer_part(self, path: str, input_format: str) -> Part:
+        return Part(path, "dcp", OPTIMIZER)
+
+    def _model(self, path: str, tree: ModuleTree) -> Any:
+        from osdpipe.checkpoints.dcp_weights import DcpWeights  # torch.distributed.checkpoint: only where a DCP checkpoint is read
+        from osdpipe.formats.dcp_reader import DcpCheckpoint
+
+        checkpoint = DcpCheckpoint(path, None)
+        nested = any(p[0] == "model" and len(p) > 1 for p in checkpoint.paths.values())
+        return DcpWeights(checkpoint, "model" if nested else None, tree)
+
+    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
+        return self._model(path, tree)
+
+    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+        """Every item that is neither the model's nor the optimizer's: torchtitan's own entries and the user's."""
+        model = self._model(path, tree)
+        checkpoint = model.checkpoint
+        theirs = set(model.items.values())
+        items = [(flat, p) for flat, p in checkpoint.paths.items() if flat not in theirs and p[0] != OPTIMIZER]
+        tensors = frozenset(flat for flat, _ in items if _is_tensor_item(checkpoint, flat))
+        planned = tuple(checkpoint.metadata.planner_data[flat] for flat, _ in items)  # the paths they were saved under
+        return Carrying(path, tuple(f for f, _ in items), planned, tensors, (), self.read(Path(path)).entries)
+
+    def read_carried(self, carrying: Carrying) -> CarriedData:
+        """Each carried item's stored bytes (a tensor item's value), read from the step folder."""
+        from osdpipe.checkpoints.output import read_carried  # torch.distributed.checkpoint: only where a whole checkpoint is read
+        from osdpipe.formats.dcp_reader import DcpCheckpoint
+
+        return read_carried(DcpCheckpoint(carrying.source, None), carrying)
+
+    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
+        """A rank file (``rank_local``), or this rank's pieces of one DCP directory laid out as torchtitan saves it (``dcp``)."""
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+        from osdpipe.formats.base import RankFiles
+
+        if fmt.keyed_by_id:  # each rank's own file
+            return output.write_rank_file(parts, staging, rank)
+        nested = shared.setdefault("torchtitan nested", _nested(parts.carrying.source))
+
+        def state_of(r: int, local: bool) -> dict[str, Any]:
+            mine = local and r == rank
+            model = output.model_pieces(parts.model if mine else None, tree, world_size, r)
+            state: dict[str, Any] = {"model": model} if nested else dict(model)
+            optimizer = output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=mine)
+            state[OPTIMIZER] = output.flattened(optimizer)
+            if r == 0:  # carried items are kept by one rank, as dcp.save keeps a replicated item once
+                state.update(output.carried_state(parts.carrying, parts.carried if mine else None))
+            return state
+
+        results, files = output.write_dcp(staging, DCP_DIR, state_of, rank, world_size, shared)
+        where = next(iter(files), DCP_DIR)
+        tensors = {**output.optimizer_digests(parts.optimizer, where), **output.model_digests(parts.model, where)}
+        return RankFiles(files, tensors, results)
+
+    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
+        if fmt.keyed_by_id:  # each rank's own file
+            return {}
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+
+        return output.finish_dcp(staging, DCP_DIR, shared, [r.results for r in per_rank])
+
+
+#: Where a ``dcp`` output's checkpoint directory goes, under ``output.path``: the step folder torchtitan loads.
+DCP_DIR = "dcp"
+
+
+def _nested(path: str) -> bool:
+    """Whether the checkpoint at ``path`` keeps the model under ``model`` (torchtitan v0.1 and earlier)."""
+    return any(i.path[0] == "model" and len(i.path) > 1 for i in dcp_items(Path(path)))
+
+
+def _is_tensor_item(checkpoint: Any, flat: str) -> bool:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP: only where a DCP checkpoint is read
+
+    return isinstance(checkpoint.metadata.state_dict_metadata[flat], TensorStorageMetadata)

@@ -13,7 +13,7 @@ from osdpipe.collective import from_rank0, gather_to_all
 from osdpipe.config import RunSpec
 from osdpipe.context import Context
 from osdpipe.formats import Format, SourceReader, full_state, TensorRef
-from osdpipe.formats.base import SourceMeta
+from osdpipe.formats.base import WEIGHTS, SourceMeta
 from osdpipe.layout import LocalTensor
 from osdpipe.plan import Plan
 from osdpipe.products import Described, Keyed, Tally
@@ -22,6 +22,7 @@ from osdpipe.sizes import show_size
 from osdpipe.stages.shard import read_source
 from osdpipe.transfer import Source
 from osdpipe.tree import ModuleTree
+from osdpipe.weights import model_state_dict
 from osdpipe.world import World
 
 #: Where the Python API leaves a rank's live target model and optimizer in :attr:`World.kept`, keyed with the rank.
@@ -185,6 +186,33 @@ def full_output(ctx: Subject) -> dict[str, Any]:
             else:
                 state[fqn][name] = value
     return {**ctx.result, "state": state}
+
+
+def whole(ctx: Subject) -> bool:
+    """Whether the output is a whole checkpoint's: the model's weights converted with the optimizer's state."""
+    return ctx.keyed is not None and ctx.keyed.weights is not None
+
+
+def local_model_output(ctx: Subject) -> dict[str, Any]:
+    """This rank's output ``model.state_dict()`` as local tensors: every name of a tied weight, buffers whole."""
+    assert ctx.keyed is not None and ctx.keyed.weights is not None and ctx.meta is not None
+    return model_state_dict(ctx.keyed.weights, ctx.meta.buffers, ctx.tree)
+
+
+def full_model_output(ctx: Subject) -> dict[str, Any]:
+    """The output's model weights gathered to full tensors on every rank (a ``dcp`` output: each rank holds its dim-0 rows)."""
+    assert ctx.keyed is not None and ctx.keyed.weights is not None and ctx.meta is not None
+    pieces = gather_to_all(ctx.keyed.weights)
+    full = {fqn: torch.cat([p[fqn] for p in pieces if fqn in p and p[fqn].numel()], dim=0).reshape(ctx.tree.param(fqn).shape) for fqn in pieces[0]}
+    return model_state_dict(full, ctx.meta.buffers, ctx.tree)
+
+
+def full_model_source(ctx: Subject) -> dict[str, Any]:
+    """The source's model weights read whole: what PyTorch's own conversion of the model starts from."""
+    assert ctx.meta is not None and ctx.reader is not None
+    fqns = [f for f, entries in ctx.meta.state.items() if WEIGHTS in entries]
+    read = ctx.reader.read([(f, WEIGHTS) for f in fqns])
+    return model_state_dict({f: read[(f, WEIGHTS)] for f in fqns}, ctx.meta.buffers, ctx.tree)
 
 
 def live_target_of(ctx: Subject) -> tuple[Any, Any]:

@@ -2,16 +2,20 @@
 
 ``FSDP.optim_state_dict_to_load`` (or the kind's equivalent) from the full
 source state for param-ID keyed outputs; for FQN-keyed ones, the full state
-a target model reports after loading the source.
+a target model reports after loading the source. A whole checkpoint's model
+weights likewise: ``set_model_state_dict`` of the source's full weights.
 """
 
 from __future__ import annotations
 
 from osdpipe import kinds
-from osdpipe.checks.common import Subject, full_output, full_source, live_target_of, needs_target_world
+from typing import Any
+
+from osdpipe.checks.common import Subject, full_model_output, full_model_source, full_output, full_source, live_target_of, local_model_output, needs_target_world, whole
 from osdpipe.compare import diff
+from osdpipe.formats import local_part
 from osdpipe.products import CheckResult
-from osdpipe.loading import PARAM_LAYOUT
+from osdpipe.loading import PARAM_LAYOUT, unwrapped_name
 from osdpipe.reference import live_target
 
 
@@ -26,7 +30,26 @@ def run(ctx: Subject) -> CheckResult:
         fresh_optim.load_state_dict(kind.loadable(fresh_optim, kind.to_load(fresh_model, fresh_optim, full)))
         expected, got, what = kind.full_state(fresh_model, fresh_optim), full_output(ctx), "the full state PyTorch reports after loading the source"
     problems = diff(got, expected, sequence_types=False)  # a tuple of hyperparameters PyTorch loads back as a list is the same
-    return CheckResult("reference", not problems, "; ".join(problems) or f"equals {what} bitwise")
+    said = f"equals {what} bitwise"
+    if whole(ctx):
+        problems += [f"model: {p}" for p in _model_problems(ctx, kind)]
+        said += "; so do the model's weights, against the target's after set_model_state_dict of the source's"
+    return CheckResult("reference", not problems, "; ".join(problems) or said)
+
+
+def _model_problems(ctx: Subject, kind: Any) -> list[str]:
+    """A whole checkpoint's model part against PyTorch's own load of the source's full weights into a fresh target job.
+
+    Param-ID keyed outputs are each rank's local pieces, compared with the
+    live model's own; FQN-keyed ones are gathered whole and compared with
+    the full state dict PyTorch reports (``get_model_state_dict``).
+    """
+    fresh, _ = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
+    kind.load_model_full(fresh, full_model_source(ctx))
+    if ctx.id_keyed:
+        expected = {unwrapped_name(name): local_part(value).detach() for name, value in fresh.state_dict(keep_vars=True).items()}
+        return diff(local_model_output(ctx), expected, limit=3)
+    return diff(full_model_output(ctx), kind.full_model_state(fresh), limit=3)
 
 
 def skip_reason(ctx: Subject) -> str | None:

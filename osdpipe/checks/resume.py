@@ -11,7 +11,8 @@ import copy
 from typing import Any
 
 from osdpipe import kinds
-from osdpipe.checks.common import Subject, full_output, source_tensor_bytes, with_groups, within_full_state_limit
+from osdpipe.checks.common import Subject, full_model_output, full_output, local_model_output, source_tensor_bytes, whole, with_groups, within_full_state_limit
+from osdpipe.loading import load_model_local
 from osdpipe.products import CheckResult
 from osdpipe.layout import LocalTensor
 from osdpipe.optim import resolve_optimizer
@@ -29,13 +30,23 @@ def run(ctx: Subject) -> CheckResult:
 
 
 def _load_result(ctx: Subject, model: Any, optim: Any) -> None:
-    """This rank's result into a live target optimizer, the way a user loads the output format (from memory: the bytes save writes)."""
+    """This rank's result into a live target job, the way a user loads the output format (from memory: the bytes save writes).
+
+    A whole checkpoint's model weights load with it: each rank's local pieces
+    as ``osdpipe.load_rank_local`` loads them, or PyTorch's own full load of
+    the model (what a ``dcp`` output loads by).
+    """
     assert ctx.result is not None
+    kind = kinds.get(ctx.spec.target.kind)
     if ctx.id_keyed:  # what osdpipe.load_rank_local (rank_local) or optim.load_state_dict (plain) does with the file
-        loadable = kinds.get(ctx.spec.target.kind).loadable(optim, copy.deepcopy(ctx.result))  # one deepcopy: what the result shares stays shared
+        loadable = kind.loadable(optim, copy.deepcopy(ctx.result))  # one deepcopy: what the result shares stays shared
         optim.load_state_dict(with_groups(loadable, optim))
+        if whole(ctx):
+            load_model_local(model, copy.deepcopy(local_model_output(ctx)), "the output")
     else:
-        kinds.get(ctx.spec.target.kind).load_full(model, optim, copy.deepcopy(full_output(ctx)))
+        kind.load_full(model, optim, copy.deepcopy(full_output(ctx)))
+        if whole(ctx):
+            kind.load_model_full(model, full_model_output(ctx))
 
 
 def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResult:
@@ -59,10 +70,11 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
         if load is not None:
             model, optim = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
             load(model, optim)
-            batches: Any = [live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree)]
+            batches: Any = [live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree, weights_loaded=whole(ctx))]
             target = f"the {ctx.spec.target.kind} target job"
         else:
-            batches = bare_steps(ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes)
+            weights = ctx.keyed.weights if ctx.keyed is not None else None
+            batches = bare_steps(ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes, weights)
             target = "bare optimizers over the output's tensors (no live target job: " + (
                 "runtime.mode=offline)" if not ctx.world.builds_target else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
             )
@@ -72,8 +84,9 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
             problems += compare_batch(batch, reference, ctx.meta, steps)
             if len(problems) >= SHOWN:
                 break
+        start = "from the checkpoint's own weights, " if whole(ctx) else ""
         parts.append(
-            f"steps: {target} loaded it and took {steps} step(s) on synthetic gradients ({count} tensor(s)): every 0-dim state "
+            f"steps: {target} loaded it and took {steps} step(s) {start}on synthetic gradients ({count} tensor(s)): every 0-dim state "
             "(step counters) equals a job resuming from the source, every state and parameter element bitwise"
         )
     if shared:  # after the steps' findings, which say what the sharing does

@@ -16,14 +16,20 @@ from osdpipe.collective import scatter_from
 from osdpipe.compare import bits_equal, diff
 from osdpipe.products import CheckResult
 from osdpipe.formats import TensorRef
+from osdpipe.formats.base import WEIGHTS
 from osdpipe.layout import LocalTensor, uncovered
 from osdpipe.transfer import Batch, batch_sha256, plan, stateful
 
 
 def _result_state(ctx: Subject, key: str) -> dict[str, Any] | None:
+    """What the output holds for layout key ``key``: its optimizer state, and a whole checkpoint's weights beside it."""
     assert ctx.result is not None
     rkey = ctx.result_keys.get(key)
-    return None if rkey is None else ctx.result["state"].get(rkey)
+    state = None if rkey is None else ctx.result["state"].get(rkey)
+    weights = ctx.keyed.weights if ctx.keyed is not None else None
+    if weights is not None and key in weights:
+        return {**(state or {}), WEIGHTS: weights[key]}
+    return state
 
 
 def run(ctx: Subject) -> CheckResult:
@@ -38,10 +44,13 @@ def run(ctx: Subject) -> CheckResult:
     sent = _sent_digests(ctx)
     problems: list[str] = []
     for tensor in ctx.target_layout():
-        if ctx.id_keyed and tensor.key not in ctx.held_keys(ctx.rank):
-            continue  # a parameter outside the target optimizer carries no state there
-        state = _result_state(ctx, tensor.key)
         entry = ctx.flat_state.get(tensor.key)
+        if ctx.id_keyed and tensor.key not in ctx.held_keys(ctx.rank):
+            # A parameter outside the target optimizer carries no optimizer state there; a whole checkpoint's weights it does.
+            entry = {WEIGHTS: entry[WEIGHTS]} if entry is not None and WEIGHTS in entry else None
+            if entry is None:
+                continue
+        state = _result_state(ctx, tensor.key)
         if entry is None:
             if state:
                 problems.append(f"{tensor.key}: has state where the source has none")

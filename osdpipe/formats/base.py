@@ -24,6 +24,9 @@ from osdpipe.tree import ModuleTree
 if TYPE_CHECKING:  # annotations only: osdpipe.facts imports the formats
     from osdpipe.facts import Facts
 
+#: The state name a whole checkpoint's model weights travel under, beside the optimizer's own (see :mod:`osdpipe.weights`).
+WEIGHTS = "weights"
+
 #: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
 IdGroups = list[list[str]] | None
 
@@ -58,6 +61,8 @@ class SourceMeta:
             floats, ``None``).
         param_groups: the FQN-keyed param groups, or ``None`` when absent.
         extra: top-level ``state`` entries that name no parameter (user state).
+        buffers: a whole checkpoint's model buffers by canonical name, read whole (no layout cuts them);
+            the model's weights are state of each parameter (:data:`osdpipe.weights.WEIGHTS`).
     """
 
     state: dict[str, dict[str, Any]]
@@ -65,6 +70,9 @@ class SourceMeta:
     extra: dict[str, Any] = field(default_factory=dict)
     #: canonical FQN -> the name the checkpoint uses for it, where they differ (``module.x``, ``_orig_mod.x``, a tied alias).
     names: dict[str, str] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: A whole checkpoint's entries besides the model and the optimizer, as read (:class:`osdpipe.weights.WholeSource`); ``None``: an optimizer checkpoint.
+    carried: Any = None
 
 
 def describe_value(value: Any) -> Any:
@@ -146,11 +154,16 @@ def release_mapped(tensor: torch.Tensor, start: int, stop: int) -> None:
 
 
 def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
-    """The whole checkpoint ``reader`` reads (described by ``meta``) as a full FQN-keyed optimizer state dict, every tensor read."""
-    items = [(f, n) for f, entries in meta.state.items() for n, v in entries.items() if isinstance(v, TensorRef)]
+    """The whole checkpoint ``reader`` reads (described by ``meta``) as a full FQN-keyed optimizer state dict, every tensor read.
+
+    The optimizer's alone: a whole checkpoint's model weights (:data:`WEIGHTS`) are not optimizer state.
+    """
+    optimizer = {f: {n: v for n, v in entries.items() if n != WEIGHTS} for f, entries in meta.state.items()}
+    optimizer = {f: entries for f, entries in optimizer.items() if entries}
+    items = [(f, n) for f, entries in optimizer.items() for n, v in entries.items() if isinstance(v, TensorRef)]
     tensors = reader.read(items)
     # Scalars the source shares across parameters (FSDP1's one step per unit) are each parameter's own here.
-    state = {f: {n: tensors[(f, n)] if (f, n) in tensors else own_copy(v) for n, v in entries.items()} for f, entries in meta.state.items()}
+    state = {f: {n: tensors[(f, n)] if (f, n) in tensors else own_copy(v) for n, v in entries.items()} for f, entries in optimizer.items()}
     out: dict[str, Any] = {"state": {**state, **meta.extra}}
     if meta.param_groups is not None:
         out["param_groups"] = meta.param_groups

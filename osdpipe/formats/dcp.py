@@ -65,11 +65,11 @@ class Dcp(Format):
         from osdpipe.formats import dcp_writer  # torch.distributed.checkpoint: only where a DCP checkpoint is written
 
         if _PLAN not in shared:  # the same for every rank: offline, planned once for all of them
-            shared[_PLAN] = dcp_writer.plan(key, result, tree, world_size)
-        state = dcp_writer.rank_state(result, tree, world_size, rank, local=True)
+            shared[_PLAN] = dcp_writer.optimizer_plan(key, result, tree, world_size)
+        state = {key: dcp_writer.rank_state(result, tree, world_size, rank, local=True)}
         with ThreadPoolExecutor(max_workers=1) as pool:  # the tensors' digests from memory while DCP writes them
             digests = pool.submit(tensor_digests, result)
-            results, file_digests = dcp_writer.write_rank(staging / DCP_DIR, key, state, rank, shared[_PLAN])
+            results, file_digests = dcp_writer.write_rank(staging / DCP_DIR, state, rank, shared[_PLAN])
         files = {f"{DCP_DIR}/{name}": digest for name, digest in sorted(file_digests.items())}
         tensors = {f"{next(iter(files))}:{k}": v for k, v in digests.result().items()} if files else {}
         return RankFiles(files, tensors, results)

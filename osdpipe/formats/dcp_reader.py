@@ -129,14 +129,14 @@ class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def check_structure(metadata: Metadata, directory: Path, key: str) -> None:
+def check_structure(metadata: Metadata, directory: Path, key: str | None) -> None:
     """Check that the directory holds everything ``metadata`` names, without reading a tensor.
 
     Checked: the metadata's own shape (types, paths that stay inside the
     directory, tensor chunks in bounds and covering each tensor, a storage
     entry for every chunk and every non-tensor item); every file the storage
     entries name exists and is long enough for them; each item under ``key``
-    begins and ends as a torch.save archive does.
+    (``None``: every item) begins and ends as a torch.save archive does.
 
     Raises:
         InputError: naming the ``.metadata`` or the ``.distcp`` file that is wrong.
@@ -210,8 +210,8 @@ def _check_tensor(flat: str, md: TensorStorageMetadata, storage: dict[Any, Any],
         raise bad(f"the chunks of {flat} hold {covered} of its {math.prod(size)} elements")
 
 
-def _check_item_bounds(metadata: Metadata, directory: Path, key: str) -> None:
-    """Each item under ``key`` begins with a zip header and ends with a zip index end, as a torch.save archive does.
+def _check_item_bounds(metadata: Metadata, directory: Path, key: str | None) -> None:
+    """Each item under ``key`` (``None``: every item) begins with a zip header and ends with a zip index end, as a torch.save archive does.
 
     Two small reads per item: they catch offsets that point astray and item
     boundaries that were overwritten, before any rank loads a tensor.
@@ -219,7 +219,7 @@ def _check_item_bounds(metadata: Metadata, directory: Path, key: str) -> None:
     prefix = f"{key}."
     by_file: dict[str, list[_StorageInfo]] = defaultdict(list)
     for index, info in metadata.storage_data.items():
-        if (index.fqn == key or index.fqn.startswith(prefix)) and not info.transform_descriptors:
+        if (key is None or index.fqn == key or index.fqn.startswith(prefix)) and not info.transform_descriptors:
             by_file[info.relative_path].append(info)
     for rel, infos in by_file.items():
         path = directory / rel
@@ -296,33 +296,36 @@ def unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups} if groups else {"state": state}
 
 
-class DcpReader:
-    """Reads a DCP checkpoint without a process group, one batch of keys at a time.
+class DcpCheckpoint:
+    """A DCP checkpoint directory, opened once: its metadata read and checked, any stored item read by its flat key, without a process group.
 
     Opening it reads and checks the metadata and the directory's structure
-    (:func:`check_structure`): no tensor is read until :meth:`read`.
+    (:func:`check_structure`): no tensor is read until asked for. Views of
+    its parts read through it: the optimizer's state (:class:`DcpReader`) and
+    a whole checkpoint's model weights (:class:`DcpWeights`).
 
     Raises:
-        InputError: from the constructor, for a directory that is not an intact DCP checkpoint with ``key``.
+        InputError: from the constructor, for a directory that is not an intact DCP checkpoint.
     """
 
-    def __init__(self, path: str, key: str) -> None:
-        self.path, self.key = path, key
+    def __init__(self, path: str, check: str | None) -> None:
+        self.path = path
         directory = Path(path)
         if not directory.is_dir():
             raise InputError(f"{path} is not a directory; a dcp input is the directory dcp.save wrote (it holds .metadata)")
         self.metadata: Metadata = read_dcp_metadata(directory / ".metadata")
-        check_structure(self.metadata, directory, key)
+        check_structure(self.metadata, directory, check)
+        #: Each stored item's path in the saved state dict, a flattened optimizer's as the nested one's (:func:`nested_paths`).
         self.paths: dict[str, tuple[Any, ...]] = nested_paths(self.metadata.planner_data)
-        #: The optimizer state was saved flattened (``flatten_optimizer_state_dict=True``, as torchtitan saves it).
-        self.flattened = any(len(p) == 2 and _flattened_part(p[1]) for p in self.metadata.planner_data.values() if p[:1] == (key,))
         self._kept: tuple[MetadataIndex, torch.Tensor] | None = None  # read_range: the last chunk read
-        self._whole_kept: tuple[tuple[str, str], torch.Tensor] | None = None  # read_range: the last tensor read whole
-        if not any(p[:1] == (key,) for p in self.paths.values()):
-            tops = sorted({str(p[0]) for p in self.paths.values() if p})
-            raise InputError(f"DCP checkpoint {path} has no top-level key {key!r} (it has {tops}); set input.key")
+        self._whole_kept: tuple[str, torch.Tensor] | None = None  # read_range: the last tensor read whole
 
-    def _load(self, flat_keys: set[str]) -> dict[str, Any]:
+    def tops(self) -> list[str]:
+        """The top-level keys of the saved state dict."""
+        return sorted({str(p[0]) for p in self.paths.values() if p})
+
+    def load(self, flat_keys: set[str]) -> dict[str, Any]:
+        """The items of ``flat_keys``, read as the nested state dict they were saved in."""
         if not flat_keys:
             return {}
         # no_dist: each rank reads its own keys when it needs them, with no
@@ -342,68 +345,31 @@ class DcpReader:
             ) from exc
         return out
 
-    def _under_key(self, loaded: dict[str, Any]) -> dict[str, Any]:
-        """What ``_load`` read under the key, as the nested optimizer state dict (``state``, ``param_groups``) however it was saved."""
-        under = loaded.get(self.key, {})
-        return unflatten_optimizer(under) if self.flattened else under
-
-    def _flat_key(self, *path: Any) -> str:
-        return ".".join(str(p) for p in (self.key, *path))
-
-    def _is_tensor(self, flat: str) -> bool:
+    def is_tensor(self, flat: str) -> bool:
+        """Whether item ``flat`` is a tensor of at least one dimension (else a 0-dim tensor or bytes: small state)."""
         md = self.metadata.state_dict_metadata[flat]
         return isinstance(md, TensorStorageMetadata) and len(md.size) > 0
 
-    def meta(self) -> SourceMeta:
-        if not any(p[:2] == (self.key, "param_groups") for p in self.paths.values()):
-            held = sorted({".".join(map(str, p[1:3])) for p in self.paths.values() if p[:1] == (self.key,)})[:4]
-            raise InputError(
-                f"DCP checkpoint {self.path} holds no optimizer state under {self.key!r} (no param_groups; it holds {held}); "
-                "a dcp input is an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) saved under input.key"
-            )
-        small = {k for k, p in self.paths.items() if p[:1] == (self.key,) and not self._is_tensor(k)}
-        loaded = self._under_key(self._load(small))
-        state: dict[str, dict[str, Any]] = {}
-        for flat, path in self.paths.items():
-            if path[:2] != (self.key, "state") or len(path) != 4:
-                continue
-            fqn, name = path[2], path[3]
-            md = self.metadata.state_dict_metadata[flat]
-            if self._is_tensor(flat):
-                state.setdefault(fqn, {})[name] = TensorRef(tuple(md.size), str(md.properties.dtype).removeprefix("torch."))
-            else:
-                state.setdefault(fqn, {})[name] = loaded["state"][fqn][name]
-        groups = loaded.get("param_groups")
-        if isinstance(groups, dict):  # flattened lists come back keyed by index
-            groups = [groups[i] for i in sorted(groups)]
-        if groups is not None and not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
-            raise InputError(
-                f"{self.path}: {self.key}.param_groups is not a list of groups with 'params' lists; "
-                "a dcp input holds an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) under input.key"
-            )
-        return SourceMeta(state=state, param_groups=groups)
+    def ref(self, flat: str) -> TensorRef:
+        """Item ``flat``, a tensor, described without its bytes."""
+        md = self.metadata.state_dict_metadata[flat]
+        return TensorRef(tuple(md.size), str(md.properties.dtype).removeprefix("torch."))
 
-    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
-        wanted = {self._flat_key("state", fqn, name): (fqn, name) for fqn, name in items}
-        loaded = self._under_key(self._load(set(wanted))).get("state", {})
-        return {(fqn, name): loaded[fqn][name] for fqn, name in wanted.values()}
-
-    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
-        """The range, read from the stored chunks that hold it (one chunk is kept for the next range).
+    def read_range(self, flat: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor item ``flat``'s flattened view, read from the stored chunks that hold it (one chunk is kept for the next range).
 
         A chunk is read whole: DCP stores each as a ``torch.save`` archive of
         its own. Where a chunk does not span whole rows (not a dim-0 piece) or
         its bytes are transformed (compressed), the whole tensor is read once
         and kept until another tensor is asked for.
         """
-        flat = self._flat_key("state", fqn, name)
         md = self.metadata.state_dict_metadata[flat]
         size = tuple(md.size)
         row = math.prod(size[1:])
         chunks = sorted(md.chunks, key=lambda c: tuple(c.offsets))
         rows_only = all(tuple(c.offsets[1:]) == (0,) * (len(size) - 1) and tuple(c.sizes[1:]) == size[1:] for c in chunks)
         if not rows_only or any(self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors for c in chunks):
-            return self._whole(fqn, name).view(-1)[start:stop]
+            return self._whole(flat).view(-1)[start:stop]
         out = torch.empty(stop - start, dtype=md.properties.dtype)
         for c in chunks:
             lo, hi = max(start, c.offsets[0] * row), min(stop, (c.offsets[0] + c.sizes[0]) * row)
@@ -412,8 +378,25 @@ class DcpReader:
                 out[lo - start : hi - start] = self._chunk(flat, c).view(-1)[lo - base : hi - base]
         return out
 
-    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
-        """Nothing is mapped: what was read is dropped when the next range needs another chunk."""
+    def stored(self, flat: str) -> bytes | None:
+        """The bytes non-tensor item ``flat`` is stored as (a ``torch.save`` archive of its value), unread; ``None`` where
+        they are transformed (compressed) and mean nothing without DCP's transform."""
+        info = self.metadata.storage_data[MetadataIndex(flat)]
+        if info.transform_descriptors:
+            return None
+        with open(Path(self.path) / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        if len(raw) != info.length:
+            raise InputError(f"{Path(self.path) / info.relative_path} is truncated: the item {flat} needs bytes up to {info.offset + info.length}; {RECOPY_DIR}")
+        return raw
+
+    def read_whole(self, flat: str) -> torch.Tensor:
+        """Tensor item ``flat``, read whole."""
+        loaded: Any = self.load({flat})
+        for part in self.metadata.planner_data[flat]:  # the path it was saved under (a flattened optimizer's, as saved)
+            loaded = loaded[part]
+        return loaded
 
     def _chunk(self, flat: str, chunk: Any) -> torch.Tensor:
         """One stored chunk of ``flat``, read from its item (the last one read is kept)."""
@@ -433,10 +416,75 @@ class DcpReader:
         self._kept = (index, tensor.contiguous())
         return self._kept[1]
 
-    def _whole(self, fqn: str, name: str) -> torch.Tensor:
+    def _whole(self, flat: str) -> torch.Tensor:
         """The whole tensor, read once and kept until another is asked for."""
-        key = (fqn, name)
-        if self._whole_kept is None or self._whole_kept[0] != key:
+        if self._whole_kept is None or self._whole_kept[0] != flat:
             self._whole_kept = None
-            self._whole_kept = (key, self.read([key])[key].contiguous())
+            self._whole_kept = (flat, self.read_whole(flat).contiguous())
         return self._whole_kept[1]
+
+
+class DcpReader:
+    """The optimizer state under ``key`` of a DCP checkpoint (:class:`DcpCheckpoint`), as a :class:`~osdpipe.formats.base.SourceReader`.
+
+    Raises:
+        InputError: from the constructor, for a directory that is not an intact DCP checkpoint with ``key``.
+    """
+
+    def __init__(self, path: str, key: str, checkpoint: DcpCheckpoint | None = None) -> None:
+        self.path, self.key = path, key
+        self.checkpoint = checkpoint or DcpCheckpoint(path, key)
+        self.metadata: Metadata = self.checkpoint.metadata
+        self.paths = self.checkpoint.paths
+        #: The optimizer state was saved flattened (``flatten_optimizer_state_dict=True``, as torchtitan saves it).
+        self.flattened = any(len(p) == 2 and _flattened_part(p[1]) for p in self.metadata.planner_data.values() if p[:1] == (key,))
+        if not any(p[:1] == (key,) for p in self.paths.values()):
+            raise InputError(f"DCP checkpoint {path} has no top-level key {key!r} (it has {self.checkpoint.tops()}); set input.key")
+
+    def _under_key(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        """What ``load`` read under the key, as the nested optimizer state dict (``state``, ``param_groups``) however it was saved."""
+        under = loaded.get(self.key, {})
+        return unflatten_optimizer(under) if self.flattened else under
+
+    def _flat_key(self, *path: Any) -> str:
+        return ".".join(str(p) for p in (self.key, *path))
+
+    def meta(self) -> SourceMeta:
+        if not any(p[:2] == (self.key, "param_groups") for p in self.paths.values()):
+            held = sorted({".".join(map(str, p[1:3])) for p in self.paths.values() if p[:1] == (self.key,)})[:4]
+            raise InputError(
+                f"DCP checkpoint {self.path} holds no optimizer state under {self.key!r} (no param_groups; it holds {held}); "
+                "a dcp input is an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) saved under input.key"
+            )
+        small = {k for k, p in self.paths.items() if p[:1] == (self.key,) and not self.checkpoint.is_tensor(k)}
+        loaded = self._under_key(self.checkpoint.load(small))
+        state: dict[str, dict[str, Any]] = {}
+        for flat, path in self.paths.items():
+            if path[:2] != (self.key, "state") or len(path) != 4:
+                continue
+            fqn, name = path[2], path[3]
+            if self.checkpoint.is_tensor(flat):
+                state.setdefault(fqn, {})[name] = self.checkpoint.ref(flat)
+            else:
+                state.setdefault(fqn, {})[name] = loaded["state"][fqn][name]
+        groups = loaded.get("param_groups")
+        if isinstance(groups, dict):  # flattened lists come back keyed by index
+            groups = [groups[i] for i in sorted(groups)]
+        if groups is not None and not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+            raise InputError(
+                f"{self.path}: {self.key}.param_groups is not a list of groups with 'params' lists; "
+                "a dcp input holds an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) under input.key"
+            )
+        return SourceMeta(state=state, param_groups=groups)
+
+    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        wanted = {self._flat_key("state", fqn, name): (fqn, name) for fqn, name in items}
+        loaded = self._under_key(self.checkpoint.load(set(wanted))).get("state", {})
+        return {(fqn, name): loaded[fqn][name] for fqn, name in wanted.values()}
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        """The range, read from the stored chunks that hold it (see :meth:`DcpCheckpoint.read_range`)."""
+        return self.checkpoint.read_range(self._flat_key("state", fqn, name), start, stop)
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        """Nothing is mapped: what was read is dropped when the next range needs another chunk."""

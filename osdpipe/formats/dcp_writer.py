@@ -21,9 +21,10 @@ osdpipe records neither, so the file depends on the conversion only.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +85,21 @@ class RowShard:
         ]
 
 
+@dataclass(frozen=True)
+class Stored:
+    """An item carried over from another DCP checkpoint as it is stored there: its bytes written as they are, never unpickled.
+
+    DCP stores a non-tensor value as a ``torch.save`` archive of it and loads
+    it back with ``torch.load``; copying the archive's bytes gives a target
+    that loads exactly what the source held, whatever it holds, without
+    osdpipe running any of it. ``raw`` is ``None`` where only the plan is needed.
+    """
+
+    raw: bytes | None = None
+
+
 class _RowShardPlanner(DefaultSavePlanner):
-    """DCP's default planner, which also hands the writer a :class:`RowShard`'s local piece."""
+    """DCP's default planner, which also hands the writer a :class:`RowShard`'s local piece and a :class:`Stored` item's bytes."""
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
@@ -93,7 +107,14 @@ class _RowShardPlanner(DefaultSavePlanner):
             if obj.local is None:
                 raise ValueError(f"{index.fqn}: this rank's piece is not at hand; only its plan is")
             return obj.local
+        if isinstance(obj, Stored) and obj.raw is None:
+            raise ValueError(f"{index.fqn}: the stored bytes are not at hand; only its plan is")
         return super().lookup_object(index)
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        if isinstance(object, Stored):
+            return io.BytesIO(object.raw)  # as stored: torch.save of it again would store the archive inside another
+        return super().transform_object(write_item, object)
 
 
 class _HashingFileSystem(FileSystem):
@@ -125,6 +146,12 @@ class _Writer(FileSystemWriter):
         return StorageMeta()
 
 
+def row_shard(shape: tuple[int, ...], dtype: torch.dtype, world_size: int, rank: int, local: torch.Tensor | None) -> RowShard:
+    """Rank ``rank``'s dim-0 rows of a tensor of ``shape``, as ``torch.chunk`` cuts dim 0 for ``world_size`` ranks."""
+    first, last, _ = chunk_bounds(shape[0], world_size, rank)
+    return RowShard(shape, first, last - first, dtype, local)
+
+
 def rank_state(result: dict[str, Any], tree: ModuleTree, world_size: int, rank: int, *, local: bool) -> dict[str, Any]:
     """Rank ``rank``'s FQN-keyed optimizer state as DCP is to save it: each parameter-shaped tensor as a :class:`RowShard`.
 
@@ -138,11 +165,8 @@ def rank_state(result: dict[str, Any], tree: ModuleTree, world_size: int, rank: 
             state[fqn] = entries
             continue
         shape = tuple(tree.param(fqn).shape)
-        first, last, _ = chunk_bounds(shape[0], world_size, rank)
         state[fqn] = {
-            name: RowShard(shape, first, last - first, value.dtype, value if local else None)
-            if torch.is_tensor(value) and value.dim() > 0
-            else value
+            name: row_shard(shape, value.dtype, world_size, rank, value if local else None) if torch.is_tensor(value) and value.dim() > 0 else value
             for name, value in entries.items()
         }
     return {**result, "state": state}
@@ -156,8 +180,8 @@ class GlobalPlan:
     metadata: Metadata
 
 
-def plan(key: str, result: dict[str, Any], tree: ModuleTree, world_size: int) -> GlobalPlan:
-    """The global plan of a checkpoint holding ``result`` under ``key``, cut across ``world_size`` ranks.
+def plan(state_of: Callable[[int], dict[str, Any]], world_size: int) -> GlobalPlan:
+    """The global plan of a checkpoint whose rank ``r`` saves ``state_of(r)`` (its :class:`RowShard` pieces needing no bytes), across ``world_size`` ranks.
 
     Computed from shapes only, one rank at a time, by DCP's own planner:
     replicated items (``step``, param groups) are kept by one rank each, as
@@ -166,20 +190,25 @@ def plan(key: str, result: dict[str, Any], tree: ModuleTree, world_size: int) ->
     local_plans = []
     for rank in range(world_size):
         planner = _RowShardPlanner()
-        planner.set_up_planner({key: rank_state(result, tree, world_size, rank, local=False)}, None, rank == 0)
+        planner.set_up_planner(state_of(rank), None, rank == 0)
         local_plans.append(planner.create_local_plan())
     plans, metadata = _RowShardPlanner().create_global_plan(local_plans)
     return GlobalPlan(_Writer(Path(".")).prepare_global_plan(plans), metadata)
 
 
-def write_rank(directory: Path, key: str, state: dict[str, Any], rank: int, global_plan: GlobalPlan) -> tuple[list[WriteResult], dict[str, str]]:
-    """Write rank ``rank``'s items (``state``: :func:`rank_state` with ``local``) into ``directory``.
+def optimizer_plan(key: str, result: dict[str, Any], tree: ModuleTree, world_size: int) -> GlobalPlan:
+    """The global plan of a checkpoint holding the FQN-keyed optimizer state ``result`` under ``key``."""
+    return plan(lambda rank: {key: rank_state(result, tree, world_size, rank, local=False)}, world_size)
+
+
+def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: GlobalPlan) -> tuple[list[WriteResult], dict[str, str]]:
+    """Write rank ``rank``'s items (``state``: what it saves, its pieces and stored bytes at hand) into ``directory``.
 
     Returns what it wrote where (for :func:`finish`), and the sha256 of each file it wrote, by name.
     """
     directory.mkdir(parents=True, exist_ok=True)
     planner = _RowShardPlanner()
-    planner.set_up_planner({key: state}, None, rank == 0)
+    planner.set_up_planner(state, None, rank == 0)
     writer = _Writer(directory)
     writer.set_up_storage_writer(rank == 0, rank=rank)
     future = writer.write_data(planner.finish_plan(global_plan.plans[rank]), planner)

@@ -67,4 +67,4 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
             if unknown is not None:
                 raise InputError(f"{at}the source's param_groups name {unknown!r}, which model has no parameter of that name; {hint}")
             groups.append({**group, "params": [p.fqn for p in resolved]})
-    return SourceMeta(state=state, param_groups=groups, extra=meta.extra, names={**meta.names, **names})
+    return SourceMeta(state=state, param_groups=groups, extra=meta.extra, names={**meta.names, **names}, buffers=meta.buffers, carried=meta.carried)

@@ -7,6 +7,7 @@ no import cycle.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -99,6 +100,22 @@ class LayoutKind:
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """PyTorch's full, FQN-keyed optimizer state of a live model, on every rank."""
         raise NotImplementedError
+
+    def load_model_full(self, model: nn.Module, full_sd: dict[str, Any]) -> None:
+        """PyTorch's own load of a full, FQN-keyed model state dict into this rank's live model (``set_model_state_dict``, full)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # DCP is heavy: only a live model needs it
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True))
+
+    def full_model_state(self, model: nn.Module) -> dict[str, Any]:
+        """PyTorch's own full, FQN-keyed model state dict of a live model (``get_model_state_dict``, full), on every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # DCP is heavy: only a live model needs it
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
         """Save the optimizer state as a job of this kind does (collective: every rank calls it)."""

@@ -14,15 +14,37 @@ from pathlib import Path
 from osdpipe import formats
 from osdpipe.config import RunSpec
 from osdpipe.context import Context
-from osdpipe.formats import IdGroups, open_source
+from osdpipe.formats import IdGroups, SourceMeta, SourceReader, canonical_meta, inspect_source, open_source
+from osdpipe.plan import Plan
 from osdpipe.products import Opened, Tally
 from osdpipe.transfer import reading_ranks
+from osdpipe.weights import open_whole
 
 
 def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
     """The groups a param-ID keyed input's IDs follow, as FQN patterns per group (``None``: not known; see :meth:`Format.id_groups`)."""
     configured = [g.params for g in spec.optim.param_groups] or None
     return formats.get(input_format).id_groups(spec.input.param_groups, configured, generated=spec.input.path is None)
+
+
+def open_input(plan: Plan) -> SourceReader:
+    """The source's reader: the optimizer checkpoint, or a whole checkpoint, whose model weights and carried entries come with it (:mod:`osdpipe.weights`)."""
+    if plan.checkpoint.whole:
+        return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec)
+    groups = source_id_groups(plan.spec, plan.input_format)
+    return open_source(plan.input_format, plan.input_path, plan.spec.input.key, tree=plan.tree, source=plan.source_spec, id_groups=groups)
+
+
+def inspect_input(plan: Plan) -> SourceMeta:
+    """Open the input and run every check that needs no process group (:func:`osdpipe.formats.inspect_source`); its canonical metadata.
+
+    Raises:
+        InputError: the input is damaged, unsafe, or does not fit the model and the source layout.
+    """
+    if not plan.checkpoint.whole:
+        groups = source_id_groups(plan.spec, plan.input_format)
+        return inspect_source(plan.input_format, plan.input_path, plan.spec.input.key, tree=plan.tree, source=plan.source_spec, id_groups=groups)
+    return canonical_meta(open_input(plan).meta(), plan.tree, where=plan.input_path)
 
 
 def load(ctx: Context, previous: None, tally: Tally) -> Opened:
@@ -33,6 +55,4 @@ def load(ctx: Context, previous: None, tally: Tally) -> Opened:
     opened = Opened(None, tuple(readers))
     if not opened.reads_itself(ctx.rank):
         return opened
-    groups = source_id_groups(ctx.spec, plan.input_format)
-    reader = open_source(plan.input_format, plan.input_path, ctx.spec.input.key, tree=ctx.tree, source=plan.source_spec, id_groups=groups)
-    return Opened(reader, opened.reading_ranks)
+    return Opened(open_input(plan), opened.reading_ranks)

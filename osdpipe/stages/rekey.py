@@ -18,6 +18,7 @@ each param group lists FQNs in the target optimizer's order, as
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from osdpipe.context import Context
 from osdpipe.layout import DTENSOR_TABLE, LocalTensor
 from osdpipe.loading import PARAM_LAYOUT, describe_layout
 from osdpipe.formats import SourceMeta
+from osdpipe.formats.base import WEIGHTS
+from osdpipe.weights import split_weights
 from osdpipe.products import Keyed, Sharded, Tally
 
 
@@ -74,16 +77,16 @@ def param_ids(ctx: Context) -> dict[str, int]:
     return {layout[i].key: pid for pid, i in enumerate(i for g in ctx.plan.target_groups(layout) for i in g)}
 
 
-def id_keyed(ctx: Context, sharded: Sharded) -> Keyed:
-    """This rank's state keyed by the target optimizer's parameter IDs."""
+def id_keyed(ctx: Context, sharded: Sharded, converted: dict[str, dict[str, Any]]) -> Keyed:
+    """This rank's optimizer state (``converted``: by layout key) keyed by the target optimizer's parameter IDs."""
     layout = ctx.target_layout()
     groups = ctx.plan.target_groups(layout)
     ids = param_ids(ctx)
     state, keys = {}, {}
     for tensor in layout:
-        if tensor.key in sharded.state and tensor.key in ids:
-            _check_shapes(tensor, sharded.state[tensor.key], ids[tensor.key])
-            state[ids[tensor.key]] = sharded.state[tensor.key]
+        if tensor.key in converted and tensor.key in ids:
+            _check_shapes(tensor, converted[tensor.key], ids[tensor.key])
+            state[ids[tensor.key]] = converted[tensor.key]
             keys[tensor.key] = ids[tensor.key]
     out: dict[str, Any] = {"state": dict(sorted(state.items()))}
     param_groups = _param_groups(sharded.source.meta, layout, groups, lambda members: sorted(ids[layout[i].key] for i in members))
@@ -107,14 +110,14 @@ def dtensor_table(ctx: Context, layout: tuple[LocalTensor, ...], ids: dict[str, 
     return dict(sorted(table.items()))
 
 
-def fqn_keyed(ctx: Context, sharded: Sharded) -> Keyed:
-    """This rank's state keyed by canonical FQN; param groups list FQNs in the target optimizer's order."""
+def fqn_keyed(ctx: Context, sharded: Sharded, converted: dict[str, dict[str, Any]]) -> Keyed:
+    """This rank's optimizer state (``converted``: by layout key) keyed by canonical FQN; param groups list FQNs in the target optimizer's order."""
     meta = sharded.source.meta
     state, keys = {}, {}
     for tensor in ctx.target_layout():
-        if tensor.key in sharded.state:
-            _check_shapes(tensor, sharded.state[tensor.key], tensor.key)
-            state[tensor.key] = sharded.state[tensor.key]
+        if tensor.key in converted:
+            _check_shapes(tensor, converted[tensor.key], tensor.key)
+            state[tensor.key] = converted[tensor.key]
             keys[tensor.key] = tensor.key
     out: dict[str, Any] = {"state": {**state, **meta.extra}}
     optimizer_layout = ctx.optimizer_layout()
@@ -126,4 +129,12 @@ def fqn_keyed(ctx: Context, sharded: Sharded) -> Keyed:
 
 
 def rekey(ctx: Context, sharded: Sharded, tally: Tally) -> Keyed:
-    return id_keyed(ctx, sharded) if ctx.id_keyed else fqn_keyed(ctx, sharded)
+    """Key the optimizer's state as the target loads it; a whole checkpoint's model weights come out of it, by layout key (:mod:`osdpipe.weights`)."""
+    if sharded.source.meta.carried is None:
+        return id_keyed(ctx, sharded, sharded.state) if ctx.id_keyed else fqn_keyed(ctx, sharded, sharded.state)
+    optimizer, weights = split_weights(sharded.state)
+    for tensor in ctx.target_layout():
+        if tensor.key in weights:
+            _check_shapes(tensor, {WEIGHTS: weights[tensor.key]}, tensor.key)
+    keyed = id_keyed(ctx, sharded, optimizer) if ctx.id_keyed else fqn_keyed(ctx, sharded, optimizer)
+    return dataclasses.replace(keyed, weights=weights)

@@ -24,6 +24,7 @@ from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.context import Context
 from osdpipe.formats.base import RankFiles
 from osdpipe.products import Keyed, Staged, Tally, Verified, find
+from osdpipe.weights import WholeSource, model_state_dict
 
 def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
     """Stage this rank's files; :func:`commit` commits every rank's once the last has written (see :mod:`osdpipe.loop`)."""
@@ -40,13 +41,29 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
     mine = RankFiles()
     error = None
     try:
-        if fmt.writes(ctx.rank):
+        if keyed.weights is not None:
+            mine = _write_whole(ctx, keyed, staging)
+        elif fmt.writes(ctx.rank):
             mine = fmt.write(keyed.state_dict, staging, ctx.rank, key=ctx.spec.output.key, tree=ctx.tree, world_size=ctx.world_size, shared=ctx.world.kept)
         tally.moved += sum((staging / name).stat().st_size for name in mine.files)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
     agree("save", error, rank=ctx.rank)  # on failure the launcher drops the staged run (output.abort)
     return Staged(before, mine)
+
+
+def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
+    """This rank's part of a whole checkpoint, laid out by its layout; with ``output.model_format=safetensors``, rank 0 also exports the model."""
+    from osdpipe.checkpoints.output import RankParts, export_safetensors  # torch.distributed.checkpoint: only where a whole checkpoint is written
+
+    meta = keyed.source.meta
+    parts = RankParts(keyed.state_dict, model_state_dict(keyed.weights or {}, meta.buffers, ctx.tree), meta.carried.carrying, meta.carried.carried)
+    mine = ctx.plan.checkpoint.write(parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format)
+    if ctx.spec.output.model_format == "safetensors" and ctx.rank == 0:
+        if keyed.source.reader is None:
+            raise RuntimeError("output.model_format=safetensors: rank 0 exports the model from the source, and it does not read the source here; set runtime.transfer=shared")
+        mine.files.update(export_safetensors(keyed.source.reader, meta, ctx.tree, staging, ctx.spec.output.max_shard_size))
+    return mine
 
 
 #: Config sections that say how a conversion ran, not what it produced: left out of the manifest's hashed content.
@@ -68,15 +85,19 @@ def content_sha256(content: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally) -> dict[str, str]:
+def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: WholeSource | None = None) -> dict[str, str]:
     """Finish a DCP checkpoint, write the manifest into the staged conversion and commit it; returns the files and their sha256.
 
     Called once, by the process that plays rank 0, with what every rank
-    staged (``per_rank``, in rank order).
+    staged (``per_rank``, in rank order); ``carried``: what a whole
+    checkpoint carries over (its layout finishes the output).
     """
     staging = Path(ctx.spec.output.path) / output.STAGING
     files = {k: v for r in per_rank for k, v in r.files.items()}
-    finished = ctx.output_format.finish(staging, ctx.world.kept, per_rank)
+    if carried is not None:
+        finished = ctx.plan.checkpoint.finish(staging, ctx.world.kept, per_rank, ctx.output_format, carried.carrying)
+    else:
+        finished = ctx.output_format.finish(staging, ctx.world.kept, per_rank)
     files.update(finished)
     tally.moved += sum((staging / name).stat().st_size for name in finished)
     config = ctx.spec.model_dump(mode="json")

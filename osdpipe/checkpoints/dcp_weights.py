@@ -1,0 +1,48 @@
+"""A whole checkpoint's model weights in a DCP checkpoint (torchtitan's step folder, accelerate's ``pytorch_model_fsdp_0/``)."""
+
+from __future__ import annotations
+
+import torch
+
+from osdpipe.formats.base import InputError
+from osdpipe.formats.dcp_reader import DcpCheckpoint
+from osdpipe.tree import ModuleTree
+from osdpipe.weights import ModelMeta, model_meta_of, stored_names
+
+
+class DcpWeights:
+    """A whole checkpoint's model weights in a DCP checkpoint: one tensor item per parameter and buffer, at the top level or under ``key``.
+
+    torchtitan (v0.2 and later) saves ``get_model_state_dict`` at the top
+    level, beside its own entries; v0.1 and accelerate save it under
+    ``model``. Read as :class:`osdpipe.weights.WholeReader` asks: the
+    weights described, the buffers read whole (no layout cuts them).
+    """
+
+    def __init__(self, checkpoint: DcpCheckpoint, key: str | None, tree: ModuleTree) -> None:
+        self.checkpoint, self.key, self.tree = checkpoint, key, tree
+        self._names: dict[str, str] | None = None
+        #: Stored name -> flat key of every item of the model part. At the top level, the items the model has as a parameter or a
+        #: buffer (a user's own top-level entry is not the model's); under a key, every item there.
+        self.items: dict[str, str] = {}
+        for flat, path in checkpoint.paths.items():
+            if key is None and len(path) == 1 and (tree.resolve(str(path[0])) is not None or tree.resolve_buffer(str(path[0])) is not None):
+                self.items[str(path[0])] = flat
+            elif key is not None and len(path) == 2 and path[0] == key:
+                self.items[str(path[1])] = flat
+        if not self.items:
+            where = "at the top level" if key is None else f"under {key!r}"
+            raise InputError(f"DCP checkpoint {checkpoint.path} holds no model weights {where} (it has {checkpoint.tops()}); is it a whole training checkpoint?")
+
+    def model_meta(self) -> ModelMeta:
+        stored = {name: self.checkpoint.ref(flat) for name, flat in self.items.items() if self.tree.resolve(name) is not None}
+        buffers = {name: self.checkpoint.read_whole(flat) for name, flat in self.items.items() if self.tree.resolve(name) is None}
+        return model_meta_of(stored, buffers, self.tree, self.checkpoint.path)
+
+    def stored_name(self, fqn: str) -> str:
+        if self._names is None:
+            self._names = stored_names(self.items, self.tree)
+        return self._names[fqn]
+
+    def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.checkpoint.read_range(self.items[name], start, stop)

@@ -1,0 +1,257 @@
+"""Writing a whole checkpoint: each target rank's model, optimizer and the entries carried over, as its layout lays them out.
+
+A layout (:mod:`osdpipe.checkpoints.torchtitan`, :mod:`osdpipe.checkpoints.accelerate`)
+says *where* each part goes; this module does the writing they share:
+
+* ``rank_local``: one file per target rank, ``{"model": model.state_dict()
+  as local tensors, "optim": the optimizer state as today, ...every other
+  entry}``, loadable with ``torch.load(weights_only=True)``
+  (:func:`write_rank_file`; :func:`osdpipe.load_rank_local` loads both parts);
+* ``dcp``: DCP checkpoints as the framework saves them, every model and
+  optimizer tensor cut in the dim-0 pieces the target world writes
+  (:func:`write_dcp`): the model's weights as ``RowShard`` pieces under every
+  name ``model.state_dict()`` gives them, its buffers whole, the optimizer
+  nested or flattened (``flatten_optimizer_state_dict``, torchtitan's), and
+  each carried item as it is stored in the source, its bytes copied;
+* files beside the checkpoint's DCP directories, copied byte for byte (:func:`copy_files`).
+
+What a conversion carries over is read once, on the first reading rank, and
+travels with the source's metadata (:class:`CarriedData`), so every rank can
+write it without the input at hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+
+from osdpipe.checkpoints.base import CarriedData, Carrying
+from osdpipe.digest import tensor_digests, tensor_sha256
+from osdpipe.formats import dcp_writer
+from osdpipe.formats.base import InputError, RankFiles, write_torch_file
+from osdpipe.formats.rank_local import rank_file_name
+from osdpipe.tree import ModuleTree
+
+#: The keys of a whole checkpoint's ``rank_local`` file that hold the model and the optimizer; every other key is a carried entry.
+MODEL_KEY, OPTIMIZER_KEY = "model", "optim"
+
+
+def read_carried(checkpoint: Any, carrying: Carrying) -> CarriedData:
+    """Read what ``carrying`` names from the DCP checkpoint ``checkpoint`` (:class:`~osdpipe.formats.dcp_reader.DcpCheckpoint`), unpickling nothing it can copy."""
+    data = CarriedData()
+    for flat in carrying.items:
+        if flat in carrying.item_tensors:
+            data.tensors[flat] = checkpoint.read_whole(flat)
+            continue
+        raw = checkpoint.stored(flat)
+        if raw is not None:
+            data.raw[flat] = raw
+        else:
+            loaded: Any = checkpoint.load({flat})
+            for part in checkpoint.metadata.planner_data[flat]:
+                loaded = loaded[part]
+            data.values[flat] = loaded
+    return data
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What one target rank writes of a whole checkpoint.
+
+    Attributes:
+        optimizer: the optimizer's state dict as rekey keyed it (param IDs for ``rank_local``, FQNs for ``dcp``).
+        model: this rank's ``model.state_dict()`` as local tensors: every name of a tied weight, buffers whole.
+        carrying: what the source holds besides, and where.
+        carried: its bytes and values.
+    """
+
+    optimizer: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    carrying: Carrying
+    carried: CarriedData
+
+
+# ---------------------------------------------------------------------------- rank_local
+
+
+def carried_values(carrying: Carrying, data: CarriedData) -> dict[str, Any]:
+    """Every carried item as its value, nested as the checkpoint saved it: what a ``rank_local`` file holds besides the model and the optimizer.
+
+    Raises:
+        InputError: an item holds objects ``torch.load(weights_only=True)`` refuses (a rank file must load so); its
+            bytes can only be carried as they are, which a ``dcp`` output does.
+    """
+    out: dict[str, Any] = {}
+    for flat, path in zip(carrying.items, carrying.item_paths):
+        if flat in data.tensors:
+            value = data.tensors[flat]
+        elif flat in data.values:
+            value = data.values[flat]
+        else:
+            try:
+                value = torch.load(io.BytesIO(data.raw[flat]), map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - said in one line below
+                raise InputError(
+                    f"{carrying.source}: the entry {flat} holds objects torch.load(weights_only=True) refuses "
+                    f"({str(exc).strip().splitlines()[0][:120]}); a rank file must load so: set output.format=dcp, which carries it as stored"
+                ) from None
+        set_element(out, path, value)
+    return out
+
+
+def write_rank_file(parts: RankParts, staging: Path, rank: int) -> RankFiles:
+    """Target rank ``rank``'s ``rank_<r>.pt`` of a whole checkpoint: model, optimizer and every carried entry."""
+    whole = {MODEL_KEY: parts.model, OPTIMIZER_KEY: parts.optimizer}
+    for name, value in carried_values(parts.carrying, parts.carried).items():
+        if name in whole:
+            raise InputError(f"{parts.carrying.source}: an entry of its own is called {name!r}, which a rank file keeps the {name} in; rename it")
+        whole[name] = value
+    written = write_torch_file(whole, staging / rank_file_name(rank))
+    written.tensors.update(model_digests(parts.model, rank_file_name(rank)))
+    return written
+
+
+def model_digests(model: dict[str, torch.Tensor], where: str) -> dict[str, str]:
+    """sha256 of every model tensor's bytes, keyed ``<file>:model.<name>``: for partial checks, beside the optimizer's."""
+    return {f"{where}:model.{name}": tensor_sha256(value) for name, value in model.items()}
+
+
+# ---------------------------------------------------------------------------- dcp
+
+
+def model_pieces(model: dict[str, torch.Tensor] | None, tree: ModuleTree, world_size: int, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s ``model.state_dict()`` as DCP is to save it: each parameter's weights as its dim-0 rows (every name of a
+    tied weight), each buffer whole. ``model`` is this rank's own (``None``: only the plan is needed)."""
+    out: dict[str, Any] = {}
+    for name in tree.state_names:
+        param = tree.resolve(name)
+        if param is not None:
+            local = None if model is None else model[name]
+            if param.shape:
+                out[name] = dcp_writer.row_shard(param.shape, getattr(torch, param.dtype), world_size, rank, local)
+            else:  # a 0-dim parameter: whole on every rank, kept by one
+                out[name] = local if local is not None else torch.empty((), dtype=getattr(torch, param.dtype), device="meta")
+        else:
+            buffer = tree.resolve_buffer(name)
+            assert buffer is not None, f"{name} is neither a parameter nor a buffer of the model's tree"
+            out[name] = model[name] if model is not None else torch.empty(buffer.shape, dtype=getattr(torch, buffer.dtype), device="meta")
+    return out
+
+
+def flattened(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """An FQN-keyed optimizer state dict as ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` gives it.
+
+    ``state.<fqn>.<name>`` for each state, ``param_groups.<fqn>.<hyperparameter>``
+    for each parameter of each group (the ``params`` list itself is not kept).
+    """
+    out: dict[str, Any] = {}
+    for fqn, entries in optimizer["state"].items():
+        for name, value in entries.items():
+            out[f"state.{fqn}.{name}"] = value
+    for group in optimizer.get("param_groups", []):
+        for fqn in group["params"]:
+            for name, value in group.items():
+                if name != "params":
+                    out[f"param_groups.{fqn}.{name}"] = value
+    return out
+
+
+def carried_state(carrying: Carrying, data: CarriedData | None) -> dict[str, Any]:
+    """The carried items nested as the source saved them, each as it is stored there (``data`` ``None``: only the plan is needed)."""
+    out: dict[str, Any] = {}
+    for flat, path in zip(carrying.items, carrying.item_paths):
+        if flat in carrying.item_tensors:
+            value = data.tensors[flat] if data is not None else None
+            if value is None:
+                raise ValueError(f"{flat}: the carried tensor is not at hand")
+        elif data is not None and flat in data.values:
+            value = data.values[flat]
+        else:
+            value = dcp_writer.Stored(None if data is None else data.raw[flat])
+        set_element(out, path, value)
+    return out
+
+
+def write_dcp(
+    directory: Path, name: str, state_of: Callable[[int, bool], dict[str, Any]], rank: int, world_size: int, shared: dict[str, Any]
+) -> tuple[list[Any], dict[str, str]]:
+    """Write rank ``rank``'s items of the DCP checkpoint ``directory / name``, whose rank ``r`` saves ``state_of(r, local)``.
+
+    The global plan is made once per process (``shared``), from every rank's
+    plan (``local=False``: shapes, no bytes). Returns this rank's write
+    results (for :func:`finish_dcp`) and the sha256 of each file it wrote,
+    by its path under ``directory``.
+    """
+    key = ("dcp plan", name)
+    if key not in shared:
+        shared[key] = dcp_writer.plan(lambda r: state_of(r, False), world_size)
+    results, digests = dcp_writer.write_rank(directory / name, state_of(rank, True), rank, shared[key])
+    return results, {f"{name}/{file}": digest for file, digest in sorted(digests.items())}
+
+
+def finish_dcp(directory: Path, name: str, shared: dict[str, Any], results: list[list[Any]]) -> dict[str, str]:
+    """Write ``directory / name``'s ``.metadata`` once every rank has written (``results``: each rank's, in rank order)."""
+    return {f"{name}/.metadata": dcp_writer.finish(directory / name, shared[("dcp plan", name)], results)}
+
+
+def optimizer_digests(optimizer: dict[str, Any], where: str) -> dict[str, str]:
+    return {f"{where}:{k}": v for k, v in tensor_digests(optimizer).items()}
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def copy_files(carrying: Carrying, staging: Path, under: str = "") -> dict[str, str]:
+    """Copy every carried file into ``staging / under`` byte for byte; their sha256 by path under ``staging``, taken as they are copied."""
+    out = {}
+    for rel in carrying.files:
+        target = staging / under / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        with open(Path(carrying.source) / rel, "rb") as src, open(target, "xb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+        out[str(Path(under) / rel) if under else rel] = digest.hexdigest()
+    return out
+
+
+# ---------------------------------------------------------------------------- safetensors
+
+
+def export_safetensors(reader: Any, meta: Any, tree: ModuleTree, directory: Path, max_shard_size: int | None) -> dict[str, str]:
+    """The model's full, FQN-keyed weights as ``save_pretrained`` writes them (:mod:`osdpipe.safetensors_out`), into ``directory``.
+
+    Each parameter once, under its first name (a tied weight's other names
+    are left out, as ``save_pretrained`` leaves them), then each buffer, in
+    the order of ``model.state_dict()``. Each tensor is read whole from the
+    source when the writer asks for it and dropped once written: one tensor
+    in memory at a time.
+
+    Returns:
+        Every file written, with its sha256.
+    """
+    from osdpipe.formats.base import WEIGHTS
+    from osdpipe.safetensors_out import TensorSpec, write_safetensors
+
+    specs: list[TensorSpec] = []
+    read: dict[str, Callable[[], torch.Tensor]] = {}
+    for name in tree.state_names:
+        param = tree.resolve(name)
+        if param is not None:
+            if name != param.fqn:
+                continue  # a tied weight is stored once, under its first name
+            specs.append(TensorSpec(name, param.shape, getattr(torch, param.dtype)))
+            read[name] = lambda p=param: reader.read_range(p.fqn, WEIGHTS, 0, p.numel).reshape(p.shape)
+        elif name in meta.buffers:
+            buffer = meta.buffers[name]
+            specs.append(TensorSpec(name, tuple(buffer.shape), buffer.dtype))
+            read[name] = lambda b=buffer: b
+    return write_safetensors(directory, specs, lambda spec: read[spec.name](), max_shard_size=max_shard_size)

@@ -1,0 +1,231 @@
+"""A model's weights as state: how a whole checkpoint's model travels through the same stages as its optimizer.
+
+Every per-parameter layout osdpipe writes places a parameter's weights where
+it places that parameter's optimizer state: FSDP2's dim-0 pieces and
+tensor-parallel boxes, DCP's dim-0 chunks, whole on DDP and on one process.
+So the model needs no stages of its own. Reading a whole checkpoint, each
+parameter's state gains one more tensor, :data:`WEIGHTS`, read from the
+checkpoint's model part (:class:`WholeReader`); flatten, shard, the transfers
+and ``roundtrip`` carry it like ``exp_avg``; rekey takes it back out into the
+model's own state dict (:func:`split_weights`), under every name the model
+gives the parameter (a tied weight's too), next to the buffers, which no
+layout cuts and every rank holds whole.
+
+FSDP1's flat layouts are the exception: a flat parameter's shard is not
+``model.state_dict()`` in any state-dict type a job loads without FSDP's own
+machinery, so a whole checkpoint for an FSDP1 target is written as DCP (its
+SHARDED_STATE_DICT: dim-0 chunks), never as rank files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from osdpipe.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader, TensorRef
+from osdpipe.tree import ModuleTree
+
+
+@dataclass
+class ModelMeta:
+    """What a checkpoint's model part holds, keyed as stored: each parameter's weights (described) and each buffer (read whole).
+
+    Attributes:
+        weights: stored name -> :class:`TensorRef`, one name per parameter (a tied weight's first).
+        buffers: canonical buffer name -> the buffer, read whole: no layout cuts buffers.
+        names: canonical parameter FQN -> the name the checkpoint stores it under.
+    """
+
+    weights: dict[str, TensorRef] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
+
+
+class WeightsReader(Protocol):
+    """A checkpoint's model part, read lazily: what :class:`WholeReader` asks of each layout's model reader."""
+
+    def model_meta(self) -> ModelMeta:
+        """The model part's metadata (its buffers read whole)."""
+        ...
+
+    def stored_name(self, fqn: str) -> str:
+        """The name the model part stores canonical parameter ``fqn`` under (known without reading any data)."""
+        ...
+
+    def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened weights stored under ``name``, as a 1-D tensor not to be written to."""
+        ...
+
+
+def model_meta_of(stored: dict[str, TensorRef], buffers: dict[str, torch.Tensor], tree: ModuleTree, where: str) -> ModelMeta:
+    """A model part's stored names sorted into parameters (one name each, checked against the model) and buffers.
+
+    ``buffers`` maps each stored name that is no parameter to its value.
+    A tied weight is stored under each of its names (``model.state_dict()``
+    and ``get_model_state_dict`` keep both): the first is read, and the
+    rest must describe the same tensor.
+
+    Raises:
+        InputError: for a name the model has as neither a parameter nor a
+            persistent buffer, or a shape or dtype that differs from the model's.
+    """
+    hint = "is model.factory / model.kwargs the model that saved it?"
+    meta = ModelMeta(names=stored_names(stored, tree))
+    for name, ref in stored.items():
+        param = tree.resolve(name)
+        if param is None:
+            continue
+        if tuple(ref.shape) != param.shape or ref.dtype != param.dtype:
+            raise InputError(f"{where}: the model's {name} is {ref.dtype} {list(ref.shape)}, but the model's parameter is {param.dtype} {list(param.shape)}; {hint}")
+        if meta.names[param.fqn] == name:
+            meta.weights[name] = ref
+    for name, value in buffers.items():
+        buffer = tree.resolve_buffer(name)
+        if buffer is None:
+            raise InputError(f"{where}: the model part holds {name!r}, which the model has as neither a parameter nor a buffer; {hint}")
+        if tuple(value.shape) != buffer.shape or str(value.dtype).removeprefix("torch.") != buffer.dtype:
+            raise InputError(f"{where}: the model's buffer {name} is {value.dtype} {list(value.shape)}, but the model's is {buffer.dtype} {list(buffer.shape)}; {hint}")
+        meta.buffers[buffer.fqn] = value
+    missing = [p.fqn for p in tree.params if p.fqn not in meta.names]
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise InputError(f"{where}: the model part holds no weights for {shown}, which the model has; {hint}")
+    return meta
+
+
+@dataclass(frozen=True)
+class WholeSource:
+    """A whole checkpoint's entries besides the model and the optimizer: where each is (``carrying``) and its bytes (``carried``).
+
+    Read once, by the first reading rank, and shared with every rank in the
+    source's metadata (:attr:`SourceMeta.carried`), so each can write them.
+    """
+
+    layout: str
+    carrying: Any  # osdpipe.checkpoints.base.Carrying
+    carried: Any  # osdpipe.checkpoints.output.CarriedData
+
+
+def stored_names(stored: Iterable[str], tree: ModuleTree) -> dict[str, str]:
+    """Canonical parameter FQN -> the first of ``stored`` names that is that parameter (a tied weight is stored under each of its names)."""
+    names: dict[str, str] = {}
+    for name in stored:
+        param = tree.resolve(name)
+        if param is not None:
+            names.setdefault(param.fqn, name)
+    return names
+
+
+class WholeReader:
+    """The optimizer's state and the model's weights as one source: every parameter's state gains :data:`WEIGHTS`.
+
+    Its metadata is keyed by canonical FQN, with the names the optimizer part
+    stores them under (:attr:`SourceMeta.names`), so the broadcast stage
+    wraps it in a :class:`~osdpipe.formats.base.RenamedReader` as any input,
+    and every rank asks it by those names; the model part may name a
+    parameter otherwise (``module.x``, a tied alias), which the model reader
+    resolves itself. The metadata also holds what the checkpoint carries
+    besides (:class:`WholeSource`).
+    """
+
+    def __init__(self, optimizer: SourceReader, model: WeightsReader, tree: ModuleTree, where: str, layout: Any = None, carrying: Any = None) -> None:
+        self.optimizer, self.model, self.tree, self.where = optimizer, model, tree, where
+        self.layout, self.carrying = layout, carrying
+
+    def meta(self) -> SourceMeta:
+        optimizer = self.optimizer.meta()
+        model = self.model.model_meta()
+        state: dict[str, dict[str, Any]] = {}
+        names: dict[str, str] = {}
+        for name, entries in optimizer.state.items():
+            param = self.tree.resolve(name) if isinstance(name, str) else None
+            if param is None:  # canonical_meta names the unknown parameter, with the model's hint
+                state[name] = entries
+                continue
+            if WEIGHTS in entries:
+                raise InputError(
+                    f"{self.where}: the optimizer state of {name} holds a state named {WEIGHTS!r}, the name osdpipe carries the model's "
+                    "weights under in a whole checkpoint; convert the optimizer alone (checkpoint=optimizer)"
+                )
+            state[param.fqn] = dict(entries)
+            stored = optimizer.names.get(name, name)
+            if stored != param.fqn:
+                names[param.fqn] = stored
+        for fqn, stored in model.names.items():
+            state.setdefault(fqn, {})[WEIGHTS] = model.weights[stored]
+        carried = None if self.layout is None else WholeSource(self.layout.name, self.carrying, self.layout.read_carried(self.carrying))
+        return SourceMeta(state=state, param_groups=optimizer.param_groups, extra=optimizer.extra, names=names, buffers=model.buffers, carried=carried)
+
+    def _weights_name(self, name: str) -> str:
+        """The model part's name for a parameter asked for by the optimizer part's name (or the canonical one)."""
+        return self.model.stored_name(self.tree.param(name).fqn if self.tree.has_param(name) else self.tree.resolve(name).fqn)
+
+    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        theirs = [(f, n) for f, n in items if n != WEIGHTS]
+        out = self.optimizer.read(theirs) if theirs else {}
+        for fqn, name in items:
+            if name == WEIGHTS:
+                param = self.tree.resolve(fqn)
+                out[(fqn, name)] = self.model.read_weights(self._weights_name(fqn), 0, param.numel).reshape(param.shape)
+        return out
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        if name == WEIGHTS:
+            return self.model.read_weights(self._weights_name(fqn), start, stop)
+        return self.optimizer.read_range(fqn, name, start, stop)
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        if name != WEIGHTS:
+            self.optimizer.release(fqn, name, start, stop)
+
+
+def split_weights(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, torch.Tensor]]:
+    """A rank's converted state (layout key -> state name -> value) as the optimizer's state and the weights by layout key.
+
+    A key whose only state was its weights (a parameter the optimizer holds
+    no state for: frozen, or never stepped) leaves the optimizer's state.
+    """
+    optimizer: dict[str, dict[str, Any]] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for key, entries in state.items():
+        if WEIGHTS in entries:
+            weights[key] = entries[WEIGHTS]
+        rest = {n: v for n, v in entries.items() if n != WEIGHTS}
+        if rest:
+            optimizer[key] = rest
+    return optimizer, weights
+
+
+def model_state_dict(weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], tree: ModuleTree) -> dict[str, torch.Tensor]:
+    """This rank's ``model.state_dict()`` as local tensors, in the model's own order of names.
+
+    ``weights`` are keyed by canonical FQN; a tied weight appears under each
+    of its names (one tensor, as ``model.state_dict()`` gives it), each
+    buffer whole. Names without a value here (a parameter this rank's layout
+    leaves out) are left out.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name in tree.state_names:
+        param = tree.resolve(name)
+        if param is not None:
+            if param.fqn in weights:
+                out[name] = weights[param.fqn]
+        elif name in buffers:
+            out[name] = buffers[name]
+    return out
+
+
+def open_whole(layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any) -> WholeReader:
+    """A reader of the whole checkpoint at ``path`` laid out as ``layout`` (:class:`osdpipe.checkpoints.base.CheckpointLayout`) says.
+
+    Raises:
+        InputError: naming the part of the checkpoint that is missing or damaged.
+    """
+    from osdpipe.formats import open_source  # the formats package imports this module's base: imported where used
+
+    part = layout.optimizer_part(path, input_format)
+    optimizer = open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None)
+    return WholeReader(optimizer, layout.open_model(path, input_format, tree), tree, path, layout, layout.carried(path, input_format, tree))
