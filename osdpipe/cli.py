@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections import Counter
 import sys
 import time
 import traceback
@@ -75,6 +76,14 @@ def summarize(report: Report, output: str) -> str:
         lines.append(f"  {s.name:<10} {s.seconds:8.3f} s  {s.bytes:>12,d} B{sent}")
     for c in report.checks:
         lines.append(f"  check {c.name:<10} {'pass' if c.ok else 'FAIL'}  {c.detail}")
+    if report.entries:
+        counts = Counter(e["part"] for e in report.entries)
+        per_rank = sum(1 for e in report.entries if "source_rank" in e)
+        ranks = f" ({per_rank} describe one rank of the world that saved it)" if per_rank else ""
+        lines.append(
+            f"  entries    {counts['model']} of the model and {counts['optimizer']} of the optimizer converted, "
+            f"{counts['other']} other(s) carried over unchanged{ranks}; report.json lists each"
+        )
     if report.memory:
         top = max(report.memory, key=lambda m: m.peak_rss)
         held = "" if top.peak_anonymous is None else f", {(top.peak_anonymous - (top.baseline_anonymous or 0)) / 1e6:,.1f} MB anonymous beyond its baseline"

@@ -468,7 +468,7 @@ class RunSpec(_Frozen):
         from osdpipe import checkpoints  # the layouts' registry: imported with the others, past the schema check
 
         layout = checkpoints.get(self.checkpoint.layout)
-        why = layout.refuses(given, written, target, generated=self.input.path is None)
+        why = layout.refuses(given, written, source, target, generated=self.input.path is None)
         if why is not None:
             raise ValueError(why)
         if self.output.model_format is not None and not layout.whole:
@@ -491,8 +491,11 @@ class RunSpec(_Frozen):
         """The format the source is read in: given, or what the source world saves."""
         if self.input.path is not None:
             return self.input.format
-        from osdpipe import kinds  # the kind registry imports torch: a running job's question, not start-up's
+        from osdpipe import checkpoints, kinds  # the registries import torch: a running job's question, not start-up's
 
+        layout = checkpoints.get(self.checkpoint.layout)
+        if layout.whole:  # the framework's own layout: its sharded variant
+            return layout.input_formats[0]
         return kinds.get(self.source.kind).saved_format(self.source.state_dict_type)
 
 

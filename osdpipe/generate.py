@@ -7,13 +7,16 @@ no example input) and saves the optimizer state in the source state-dict type:
 FULL as an ``fsdp_full`` file, SHARDED as a DCP directory, ``local`` as each
 rank's own ``optim.state_dict()`` in a ``rank_local`` directory; an unwrapped
 source (``kind=none``) saves its optimizer's own ``state_dict()`` as a
-``plain`` file.
+``plain`` file. With ``checkpoint=torchtitan`` or ``accelerate`` a learning-rate
+scheduler steps along, and the whole job is saved as that framework saves it
+(:meth:`osdpipe.checkpoints.base.CheckpointLayout.save`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from osdpipe import kinds, whereabouts
@@ -33,10 +36,22 @@ def generate_rank(plan: Plan) -> str:
     rank = dist.get_rank()
     model, optim = live_target(spec, plan.source_spec, tree, rank)
     layout = rank_layout(tree, plan.source_spec, rank)
+    whole = plan.checkpoint.whole
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, _decay) if whole else None  # a whole training job's: it steps with the optimizer
     for step in range(spec.generate.steps):  # synthetic gradients: no forward pass, so any model trains
         train_step(spec, model, optim, step, layout, tree)
+        if scheduler is not None:
+            scheduler.step()
     path = Path(plan.input_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    kinds.get(spec.source.kind).save(model, optim, path, spec.source.state_dict_type, spec.input.key)
+    if whole:
+        plan.checkpoint.save(model, optim, scheduler, path, spec.generate.steps)
+    else:
+        kinds.get(spec.source.kind).save(model, optim, path, spec.source.state_dict_type, spec.input.key)
     dist.barrier()
     return str(path)
+
+
+def _decay(step: int) -> float:
+    """The generated job's learning-rate factor at ``step``: a schedule with state of its own to carry over."""
+    return 1.0 / (1 + step)

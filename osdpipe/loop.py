@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from osdpipe import progress, whereabouts
+from osdpipe.checkpoints.base import fates
 from osdpipe.collective import StageError, agree, one_line
 from osdpipe.context import Context
 from osdpipe.memory import MemoryWatch
@@ -175,8 +176,16 @@ def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None =
         memory=[p for _, p in per_process],
         memory_budget=plan.spec.runtime.memory_budget,
         output_bytes=[o.output_bytes for o in every],
+        entries=_entries(last),
     )
     return report, last
+
+
+def _entries(played: Played) -> list[dict[str, Any]]:
+    """A whole checkpoint's every entry and what became of it (none for an optimizer's alone)."""
+    source = played.find(Described)
+    carried = None if source is None else source.meta.carried
+    return [] if carried is None else fates(carried.carrying)
 
 
 def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:

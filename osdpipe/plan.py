@@ -162,4 +162,6 @@ def generated_source_path(spec: RunSpec) -> str:
     It is committed with the conversion, as ``<output.path>/source/``, and
     replaced with it.
     """
-    return str(Path(spec.output.path) / STAGING / "source" / formats.get(spec.source_input_format).generated_name)
+    layout = checkpoints.get(spec.checkpoint.layout)
+    name = layout.generated_name(spec.generate.steps) if layout.whole else formats.get(spec.source_input_format).generated_name
+    return str(Path(spec.output.path) / STAGING / "source" / name)

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from osdpipe.products import CheckResult, SkippedCheck
 from osdpipe.memory import MemoryPeak
@@ -35,6 +36,7 @@ class Report:
     memory: list[MemoryPeak] = field(default_factory=list)  # each rank's (offline: the process's) peak memory, in bytes
     memory_budget: int | None = None  # runtime.memory_budget: bytes a rank may hold in flight beyond its output
     output_bytes: list[int] = field(default_factory=list)  # each rank's (offline: each target rank's) converted tensor bytes
+    entries: list[dict[str, Any]] = field(default_factory=list)  # a whole checkpoint's every entry and what became of it (osdpipe.checkpoints.base.fates)
     traceback: str | None = None  # where ``error`` was raised, for runtime.debug and bug reports
     agreed: bool = True  # false: ``error`` is this rank's own (under torchrun: it lost another rank, or was stopped), not one every rank raised
 

@@ -70,6 +70,34 @@ class Accelerate(CheckpointLayout):
     # ------------------------------------------------------------------ conversion
 
     input_formats = ("dcp",)
+    def generated_name(self, steps: int) -> str:
+        return "checkpoint_0"  # save_state's first automatic name
+
+    def refuses_source_kind(self, kind: Any) -> str | None:
+        if kind.has_use_orig_params:
+            return None
+        return "checkpoint=accelerate: osdpipe trains the source as accelerate's FSDP plugin does, with FSDP1; set source.kind=fsdp1 (or give input.path)"
+
+    def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
+        """``save_state`` with FSDP1 SHARDED_STATE_DICT: the model's and the optimizer's DCP directories, the scheduler, each rank's RNG state."""
+        import random
+        import warnings
+
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp  # DCP and FSDP: only where a checkpoint is saved
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+        rank = dist.get_rank()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+                dcp.save({"model": model.state_dict()}, checkpoint_id=str(path / MODEL_DIR))
+                dcp.save({"optimizer": FSDP.optim_state_dict(model, optim)}, checkpoint_id=str(path / OPTIMIZER_DIR))
+        torch.save({"step": steps, "random_state": random.Random(rank).getstate(), "torch_manual_seed": torch.get_rng_state()}, path / f"random_states_{rank}.pkl")
+        if rank == 0:
+            torch.save(scheduler.state_dict(), path / "scheduler.bin")
 
     def optimizer_part(self, path: str, input_format: str) -> Part:
         return Part(str(Path(path) / OPTIMIZER_DIR), "dcp", "optimizer")

@@ -133,10 +133,13 @@ class CheckpointLayout:
     #: ``output.format`` this layout can be written in: its own (``dcp``) or each rank's files (``rank_local``).
     output_formats: ClassVar[tuple[str, ...]] = ("dcp", "rank_local")
 
-    def refuses(self, given: Format, written: Format, target_kind: Any, generated: bool) -> str | None:
-        """Why a conversion of this layout cannot read ``given`` or write ``written`` for ``target_kind`` (``None``: it can); one line naming the keys to set."""
+    def refuses(self, given: Format, written: Format, source_kind: Any, target_kind: Any, generated: bool) -> str | None:
+        """Why a conversion of this layout cannot read ``given`` (or generate a source of ``source_kind``) or write ``written`` for ``target_kind``
+        (``None``: it can); one line naming the keys to set."""
         if not self.whole:
             return None
+        if generated and self.refuses_source_kind(source_kind) is not None:
+            return self.refuses_source_kind(source_kind)
         if not generated and given.name not in self.input_formats:
             return f"checkpoint={self.name}: its input is input.format={' or '.join(self.input_formats)} (the checkpoint's folder), not {given.name}"
         if written.name not in self.output_formats:
@@ -147,6 +150,18 @@ class CheckpointLayout:
                 "shard of its flat parameters, which no model.state_dict() a job loads holds; set output.format=dcp (FSDP1's SHARDED_STATE_DICT)"
             )
         return None
+
+    def generated_name(self, steps: int) -> str:
+        """What a generated source of this layout, trained ``steps`` steps, is called under ``source/``: the framework's own name for the folder."""
+        return "checkpoint"
+
+    def refuses_source_kind(self, kind: Any) -> str | None:
+        """Why this framework's job cannot be of ``kind``, where osdpipe trains and saves the source itself (``None``: it can)."""
+        return None
+
+    def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
+        """Save the whole job as the framework does, on every rank of the source world (collective): what osdpipe converts with no ``input.path``."""
+        raise NotImplementedError
 
     def optimizer_part(self, path: str, input_format: str) -> Part:
         """Where the optimizer is in the checkpoint at ``path``, as today's readers take it."""
@@ -183,6 +198,24 @@ class CheckpointLayout:
             InputError: naming the file that is missing or damaged.
         """
         raise NotImplementedError
+
+
+def fates(carrying: Carrying) -> list[dict[str, Any]]:
+    """What a conversion did with each entry of a whole checkpoint, as ``report.json`` lists them: nothing in it goes unnamed.
+
+    Each is ``{"name", "part", "where", "size", "fate"}``; an entry that
+    describes one rank of the world that saved it also has ``source_rank``.
+    """
+    said = {"model": "converted: the model's weights, laid out for the target", "optimizer": "converted: the optimizer's state, laid out for the target"}
+    out = []
+    for entry in carrying.entries:
+        fate = said.get(entry.part, "carried over unchanged")
+        row: dict[str, Any] = {"name": entry.name, "part": entry.part, "where": entry.where, "size": entry.size, "fate": fate}
+        if entry.source_rank is not None:
+            row["source_rank"] = entry.source_rank
+            row["fate"] = f"{fate}; it describes rank {entry.source_rank} of the world that saved the checkpoint, not the target's"
+        out.append(row)
+    return out
 
 
 LAYOUTS: dict[str, CheckpointLayout] = {}

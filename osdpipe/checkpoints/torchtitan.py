@@ -88,6 +88,35 @@ class Torchtitan(CheckpointLayout):
 
     # ------------------------------------------------------------------ conversion
 
+    def generated_name(self, steps: int) -> str:
+        return f"step-{steps}"
+
+    def refuses_source_kind(self, kind: Any) -> str | None:
+        if kind.dtensor_state:
+            return None
+        return "checkpoint=torchtitan: osdpipe trains the source as torchtitan does, with FSDP2; set source.kind=fsdp2 (or give input.path)"
+
+    def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
+        """One ``dcp.save`` of the model's state dict at the top level, the optimizer flattened, and torchtitan's own entries.
+
+        ``dataloader`` holds each data-parallel rank's position (bytes, as
+        torchtitan pickles its data loader's state; here a small JSON) and
+        the world size, ``train_state`` the step and tokens seen.
+        """
+        import json
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp  # DCP: only where a checkpoint is saved
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        state: dict[str, Any] = dict(get_model_state_dict(model))
+        state[OPTIMIZER] = get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        state["lr_scheduler"] = scheduler.state_dict()
+        state["dataloader"] = {f"dp_rank_{rank}": json.dumps({"sample_index": steps * 8 + rank}).encode(), "world_size": world}
+        state["train_state"] = {"step": steps, "ntokens_seen": steps * 4096}
+        dcp.save(state, checkpoint_id=str(path))
+
     def optimizer_part(self, path: str, input_format: str) -> Part:
         return Part(path, "dcp", OPTIMIZER)
 
