@@ -110,10 +110,15 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
     raw["output"] = {**raw["output"], "path": str(directory), "overwrite": True}
     if raw["input"].get("path") is None:  # a generated source is kept in the conversion's source/, in the format its world saved
         # the registries import torch: not on check --help's path
-        from osdpipe import formats, kinds
+        from osdpipe import checkpoints, formats, kinds
 
-        fmt = kinds.get(raw["source"]["kind"]).saved_format(raw["source"]["state_dict_type"])
-        generated = directory / "source" / formats.get(fmt).generated_name
+        layout = checkpoints.get((raw.get("checkpoint") or {}).get("layout", "optimizer"))
+        if layout.whole:  # the framework's own folder, named as the framework names it
+            fmt, name = layout.input_formats[0], layout.generated_name(raw["generate"]["steps"])
+        else:
+            fmt = kinds.get(raw["source"]["kind"]).saved_format(raw["source"]["state_dict_type"])
+            name = formats.get(fmt).generated_name
+        generated = directory / "source" / name
         if generated.exists():
             raw["input"] = {**raw["input"], "path": str(generated), "format": fmt}
     raw["runtime"] = {**raw["runtime"], "mode": "offline", "transfer": "shared", "progress": False}
@@ -142,8 +147,14 @@ def check_roundtrip(directory: Path, plan: Any) -> CheckResult:
     opened: dict[str, Any] = {}
     for played in expected_results(plan):
         keyed = played.find(Keyed)
-        problems += fmt.differences(directory, spec.output.key, played.ctx.rank, keyed.state_dict, tree=plan.tree, world_size=plan.world_size, opened=opened)
-        if len(problems) >= 5 or fmt.one_writer:  # one file, rank 0's: the other ranks write none
+        if keyed.weights is not None:  # a whole checkpoint, laid out by its layout
+            from osdpipe.checkpoints.output import rank_parts  # torch.distributed.checkpoint: only for a whole checkpoint
+
+            parts = rank_parts(keyed, plan.tree)
+            problems += plan.checkpoint.differences(directory, parts, played.ctx.rank, world_size=plan.world_size, tree=plan.tree, fmt=fmt, opened=opened)
+        else:
+            problems += fmt.differences(directory, spec.output.key, played.ctx.rank, keyed.state_dict, tree=plan.tree, world_size=plan.world_size, opened=opened)
+        if len(problems) >= 5 or (fmt.one_writer and keyed.weights is None):  # one file, rank 0's: the other ranks write none
             break
     return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or f"every {fmt.name} tensor equals the source's, element by element ({spec.input.path})")
 
@@ -198,20 +209,29 @@ def load_rank(plan: Any, directory: str) -> list[Any]:
     spec, world = plan.spec, GroupWorld()
     kind = kinds.get(spec.target.kind)
     fmt = plan.output_format
+    subject = Subject(Context(plan, world, world.rank), None, None, Tally())
+    if spec.input.path is not None:  # the source, which resume steps a reference from; every rank takes part
+        try:
+            subject.source = next(play(plan, world, SOURCE_STAGES)).product
+        except Exception:  # noqa: BLE001 - a source that cannot be read leaves resume its storage part, and it says why
+            subject.source = None
+    model, optim = subject.live
+    if plan.checkpoint.whole:  # model and optimizer, loaded as the framework loads them
+        from osdpipe.checks.load_step import step_loaded
+
+        def load_as_a_user_does(model: Any, optim: Any) -> None:
+            plan.checkpoint.load_output(model, optim, Path(directory), world.rank, fmt)
+
+        load_as_a_user_does(model, optim)
+        written = optim.state_dict()["state"]  # what the loaded job holds: where two states would share memory, they do here
+        return [step_loaded(subject, model, optim), resume_result(subject, written, load_as_a_user_does)]
     path = fmt.output_path(Path(directory), world.rank)
     written = fmt.read_written(path, spec.output.key)
 
     def load_as_a_user_does(model: Any, optim: Any) -> None:
         fmt.load_as_a_user_does(model, optim, path, written, kind)
 
-    subject = Subject(Context(plan, world, world.rank), None, None, Tally())
-    model, optim = subject.live
     loaded = load_and_step(subject, written if plan.id_keyed else kind.to_load(model, optim, written))
-    if spec.input.path is not None:  # the source, which resume steps a reference from; every rank takes part
-        try:
-            subject.source = next(play(plan, world, SOURCE_STAGES)).product
-        except Exception:  # noqa: BLE001 - a source that cannot be read leaves resume its storage part, and it says why
-            subject.source = None
     return [loaded, resume_result(subject, written["state"], load_as_a_user_does)]
 
 

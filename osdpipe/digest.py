@@ -61,7 +61,15 @@ def pieces_sha256(pieces: list[torch.Tensor]) -> str:
 
 
 def tensor_digests(osd: dict[str, Any]) -> dict[str, str]:
-    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``: for partial checks."""
+    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``: for partial checks.
+
+    A whole checkpoint's rank file (its model and optimizer parts, see
+    :mod:`osdpipe.checkpoints.output`) is keyed ``model.<name>`` and
+    ``optim.<param key>.<state name>``.
+    """
+    if isinstance(osd.get("model"), dict) and isinstance(osd.get("optim"), dict):
+        model = {f"model.{name}": tensor_sha256(value) for name, value in osd["model"].items() if torch.is_tensor(value)}
+        return {**model, **{f"optim.{k}": v for k, v in tensor_digests(osd["optim"]).items()}}
     out = {}
     for key, state in osd.get("state", {}).items():
         for name, value in (state.items() if isinstance(state, dict) else []):

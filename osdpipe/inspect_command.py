@@ -64,12 +64,16 @@ def run_inspect(args: list[str]) -> int:
     if facts is not None and facts.moments_alike:
         facts.notes.append(f"warning: {MOMENTS_ALIKE}")
     if as_json:
-        shown = facts.to_json() if whole is None and facts is not None else {"checkpoint": whole.to_json(), "optimizer": facts.to_json() if facts else None}
+        if whole is None:
+            shown = facts.to_json() if facts is not None else None
+        else:
+            command = None if facts is None else "osdpipe " + " ".join([*whole_overrides(whole, facts), "target.world_size=<M>", "output.path=<dir>"])
+            shown = {"checkpoint": {**whole.to_json(), "command": command}, "optimizer": facts.to_json() if facts else None}
         print(json.dumps(shown, indent=2, sort_keys=True))
     elif whole is None:
         print(describe(facts))
     else:
-        print("\n".join(filter(None, [describe_whole(whole), facts and OPTIMIZER_ONLY + describe(facts)])))
+        print("\n".join(filter(None, [describe_whole(whole), facts and WHOLE_COMMAND + describe(facts, whole_overrides(whole, facts))])))
     return EXIT_OK
 
 
@@ -82,7 +86,7 @@ def _checkpoint_in(path: Path) -> Path:
     return path
 
 
-def describe(f: Facts) -> str:
+def describe(f: Facts, command: list[str] | None = None) -> str:
     """The facts as a person reads them."""
     kind = {
         "sharded": "sharded (dim-0 chunks: FSDP1 SHARDED_STATE_DICT or FSDP2, alike)",
@@ -111,12 +115,21 @@ def describe(f: Facts) -> str:
     dtypes = ", ".join(f"{d} {show_size(n)}" for d, n in sorted(f.dtypes.items()))
     lines.append(f"  state        {show_size(f.state_bytes)} of tensors" + (f" ({dtypes})" if dtypes else ""))
     lines += [f"  note         {n}" for n in f.notes]
-    lines.append("  convert with osdpipe " + " ".join([*f.overrides(), "target.world_size=<M>", "output.path=<dir>"]))
+    lines.append("  convert with osdpipe " + " ".join([*(command or f.overrides()), "target.world_size=<M>", "output.path=<dir>"]))
     return "\n".join(lines)
 
 
 #: What the command below a whole checkpoint's optimizer part converts, said before it.
-OPTIMIZER_ONLY = "optimizer part (the command below converts it alone; the model and the other entries are not carried over yet):\n"
+WHOLE_COMMAND = "optimizer part (the command below converts the whole checkpoint: the model and the optimizer, every other entry carried over):\n"
+
+
+def whole_overrides(whole: WholeCheckpoint, facts: Facts) -> list[str]:
+    """The ``key=value`` arguments that convert a whole checkpoint: its layout and folder, and what its optimizer part shows of the job."""
+    from osdpipe.checkpoints import get  # torch: not on inspect --help's path
+
+    layout = get(whole.layout)
+    theirs = [o for o in facts.overrides() if not o.startswith(("input.path=", "input.format=", "input.key="))]
+    return [f"checkpoint={whole.layout}", f"input.path={whole.path}", f"input.format={layout.input_formats[0]}", *theirs]
 
 
 def describe_whole(w: WholeCheckpoint) -> str:

@@ -1,11 +1,23 @@
-"""Whole training checkpoints (issue 19, first part): ``osdpipe inspect`` names every entry of a torchtitan and an accelerate checkpoint.
+"""Whole training checkpoints: torchtitan's and accelerate's, inspected and converted whole through the ``osdpipe`` command.
 
 The checkpoints are written by plain PyTorch code as the frameworks lay them
-out (``whole_jobs.py``: FSDP2 and FSDP1 on 4 gloo ranks, the user's tied
-model, Adam with a ``LambdaLR``). The command must say which layout it is,
-where the model and the optimizer are, and list every other entry with its
-size, marking those that belong to one source rank; nothing in the folder
-may go unnamed.
+out (``whole_jobs.py``: FSDP2 and FSDP1 on 4 gloo ranks, the user's model
+with a tied embedding and a persistent buffer, Adam with a ``LambdaLR``,
+``train_state``, ``dataloader`` and one entry of the user's).
+
+``osdpipe inspect`` must say which layout it is, where the model and the
+optimizer are, and list every other entry with its size, marking those that
+belong to one source rank; nothing in the folder may go unnamed.
+
+A conversion (``checkpoint=torchtitan|accelerate``) must pass every verify
+check, list every entry in its report, and give what the framework itself
+resumes: loaded as torchtitan loads a step folder (one ``dcp.load`` of the
+same structure) or as accelerate's ``load_state`` loads a folder, or with
+``osdpipe.load_rank_local``, the model and the optimizer equal PyTorch's own
+reshard of the source bitwise (DCP's load of the source on the target
+world), the scheduler, ``train_state``, ``dataloader`` and the user's entry
+are unchanged, every other accelerate file is byte-identical, and two more
+real training steps leave both jobs equal bitwise.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_command
+from helpers import clean_env, run_cli_cases, run_command
 from oracle_probe import spawn_world
 import whole_jobs
 
@@ -84,7 +96,8 @@ def test_an_accelerate_folder_lists_every_file_and_reads_its_optimizer(saved: Pa
     optimizer = shown["optimizer"]
     assert (optimizer["format"], optimizer["key"], optimizer["world_size"], optimizer["optimizer"], optimizer["params"]) == ("dcp", "optimizer", 4, "Adam", 13)
     text = _inspect(folder)["text"]
-    assert "layout       accelerate" in text and "not carried over yet" in text and "random_states_3.pkl" in text
+    assert "layout       accelerate" in text and "converts the whole checkpoint" in text and "random_states_3.pkl" in text
+    assert f"convert with osdpipe checkpoint=accelerate input.path={folder} input.format=dcp source.world_size=4" in text
 
 
 @pytest.mark.parametrize("folder", ["titan", "titan_v01"])
@@ -109,3 +122,222 @@ def test_a_torchtitan_optimizer_converts_and_equals_the_jobs_own_full_state(save
     for name, param in model.named_parameters():
         for key, value in full["state"][name].items():
             assert torch.equal(optim.state[param][key], value), f"{name} {key}"
+
+
+# ---------------------------------------------------------------------------- conversions
+
+
+def _env() -> dict[str, str]:
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    return env
+
+
+#: 300 bytes a file: the user's model (1.3 KB) exports in several safetensors shards.
+SHARD_BYTES = 300
+CHECKS = "pipeline.checks=[roundtrip,reference,load_step,resume]"
+TITAN = ["checkpoint=torchtitan", "model.factory=userlm:build", "source.kind=fsdp2", "source.world_size=4", "target.kind=fsdp2"]
+CONVERSIONS = {
+    "titan_dcp_2": (["input.path={saved}/titan/step-2", *TITAN, "target.world_size=2", "output.format=dcp", "output.model_format=safetensors",
+                     f"output.max_shard_size={SHARD_BYTES}"]),
+    "titan_rank_local_3": ["input.path={saved}/titan/step-2", *TITAN, "target.world_size=3", "output.format=rank_local"],
+    "titan_v01_dcp_2": ["input.path={saved}/titan_v01/step-2", *TITAN, "target.world_size=2", "output.format=dcp"],
+    "accelerate_dcp_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate/checkpoint_0", "source.kind=fsdp1",
+                         "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
+                         "output.format=dcp"],
+}
+
+
+@pytest.fixture(scope="module")
+def converted(saved: Path) -> dict[str, Path]:
+    """Each of :data:`CONVERSIONS` through the entry point, in one driver process; name -> its output directory. Each must pass every check."""
+    outs = {name: saved / "out" / name for name in CONVERSIONS}
+    argv = [[*(a.format(saved=saved) for a in args), CHECKS, f"output.path={outs[name]}", "runtime.progress=false"] for name, args in CONVERSIONS.items()]
+    for name, result in zip(CONVERSIONS, run_cli_cases(argv, cwd=saved, per_case_s=TIMEOUT_S, env=_env())):
+        assert result["code"] == 0, f"{name}: {result['stderr']}"
+        report = json.loads((outs[name] / "report.json").read_text())
+        assert {c["name"]: c["ok"] for c in report["checks"]} == dict.fromkeys(["roundtrip", "reference", "load_step", "resume"], True), name
+        assert "from the checkpoint's own weights" in next(c["detail"] for c in report["checks"] if c["name"] == "resume"), name
+    return outs
+
+
+@pytest.mark.parametrize("name,source", [("titan_dcp_2", "titan/step-2"), ("titan_v01_dcp_2", "titan_v01/step-2"), ("accelerate_dcp_2", "accelerate/checkpoint_0")])
+def test_the_report_lists_every_entry_and_what_became_of_it(converted: dict[str, Path], saved: Path, name: str, source: str) -> None:
+    report = json.loads((converted[name] / "report.json").read_text())
+    listed = {e["name"]: e for e in report["entries"]}
+    shown = {e["name"] for e in _inspect(saved / source, "--json")["checkpoint"]["entries"]}
+    assert set(listed) == shown, "nothing in the input goes unnamed"
+    for entry in listed.values():
+        assert entry["fate"].startswith("converted" if entry["part"] in ("model", "optimizer") else "carried over unchanged"), entry
+        assert ("source_rank" in entry) == ("describes rank" in entry["fate"]), entry
+    assert sum("source_rank" in e for e in listed.values()) == 4
+
+
+def _same(got, want, where: str) -> None:
+    from osdpipe.compare import diff
+
+    problems = diff(got, want, limit=5)
+    assert not problems, f"{where}: {problems}"
+
+
+def test_torchtitan_to_2_ranks_resumes_as_pytorchs_own_reshard_loaded_as_torchtitan_loads_it(converted: dict[str, Path], saved: Path) -> None:
+    """The dcp output, loaded as torchtitan loads a step folder on 2 ranks, is what DCP's own load of the source gives there, bitwise, before and after two more steps."""
+    source = str(saved / "titan" / "step-2")
+    outputs = [str(converted["titan_dcp_2"] / "dcp"), str(converted["titan_v01_dcp_2"] / "dcp")]
+    for rank, (theirs, mine, v01) in enumerate(spawn_world(whole_jobs.resume_torchtitan, 2, ([source, *outputs],), timeout_s=TIMEOUT_S)):
+        for label, got in (("v0.2", mine), ("v0.1 nested", v01)):
+            _same(got["loaded"], theirs["loaded"], f"rank {rank} {label} loaded")
+            _same(got["resumed"], theirs["resumed"], f"rank {rank} {label} after two steps")
+        assert mine["loaded"]["train_state"] == {"step": 2, "ntokens_seen": 4096} and mine["loaded"]["user_notes"] == {"run": "tiny", "seed": 0}
+    import torch.distributed.checkpoint as dcp
+
+    model_keys = {p[0] for p in dcp.FileSystemReader(outputs[1]).read_metadata().planner_data.values()}
+    assert "model" in model_keys and "embed.weight" not in model_keys, "a v0.1 checkpoint's model stays under 'model'"
+
+
+def test_torchtitan_dataloader_entries_are_carried_over_as_stored(converted: dict[str, Path], saved: Path) -> None:
+    """Each data-parallel rank's position and the saving world's size: the same stored bytes in the output, loaded the same."""
+    from osdpipe.formats.dcp_reader import DcpCheckpoint
+
+    source, output = DcpCheckpoint(str(saved / "titan" / "step-2"), None), DcpCheckpoint(str(converted["titan_dcp_2"] / "dcp"), None)
+    carried = [f for f, p in source.paths.items() if p[0] in whole_jobs.TITAN_OTHER]
+    assert len(carried) >= 7
+    for flat in carried:
+        if source.stored(flat) is not None and not source.is_tensor(flat):
+            assert output.stored(flat) == source.stored(flat), flat
+        else:
+            _same(output.read_whole(flat), source.read_whole(flat), flat)
+
+
+def test_torchtitan_to_3_rank_files_loads_with_load_rank_local_and_resumes_as_pytorchs_own_reshard(converted: dict[str, Path], saved: Path) -> None:
+    """Each rank's file, loaded with osdpipe.load_rank_local (the model given): PyTorch's own reshard on 3 ranks, bitwise, before and after two steps;
+    every other entry in the file as the source saved it."""
+    source = str(saved / "titan" / "step-2")
+    for rank, (mine, theirs) in enumerate(spawn_world(whole_jobs.resume_rank_local, 3, (str(converted["titan_rank_local_3"]), source), timeout_s=TIMEOUT_S)):
+        _same(mine["loaded"]["model"], theirs["loaded"]["model"], f"rank {rank} model")
+        _same(mine["loaded"]["optim"], theirs["loaded"]["optim"], f"rank {rank} optimizer")
+        _same(mine["loaded"]["scheduler"], theirs["loaded"]["scheduler"], f"rank {rank} scheduler")
+        _same(mine["resumed"], theirs["resumed"], f"rank {rank} after two steps")
+        entries = mine["entries"]
+        assert entries["train_state"] == {"step": 2, "ntokens_seen": 4096} and entries["user_notes"] == {"run": "tiny", "seed": 0}
+        assert sorted(entries["dataloader"]) == sorted([*(f"dp_rank_{r}" for r in range(4)), "world_size"]) and entries["dataloader"]["world_size"] == 4
+
+
+def test_accelerate_to_2_ranks_resumes_as_load_state_does_and_every_other_file_is_byte_identical(converted: dict[str, Path], saved: Path) -> None:
+    source, output = saved / "accelerate" / "checkpoint_0", converted["accelerate_dcp_2"] / "dcp"
+    for rank, (theirs, mine) in enumerate(spawn_world(whole_jobs.resume_accelerate, 2, ([str(source), str(output)],), timeout_s=TIMEOUT_S)):
+        _same(mine["loaded"], theirs["loaded"], f"rank {rank} loaded")
+        _same(mine["resumed"], theirs["resumed"], f"rank {rank} after two steps")
+    for name in whole_jobs.ACCELERATE_FILES:
+        assert (output / name).read_bytes() == (source / name).read_bytes(), name
+    assert sorted(p.name for p in output.iterdir()) == sorted([*whole_jobs.ACCELERATE_FILES, "optimizer_0", "pytorch_model_fsdp_0"])
+
+
+def test_the_safetensors_export_is_the_full_model_sharded_by_max_shard_size(converted: dict[str, Path], saved: Path) -> None:
+    """safetensors.torch.load_file reads every file; together they are the job's full model state dict, bitwise, the tied weight stored
+    once (under its first name, as save_pretrained stores it); the index is exact; each shard within the limit (a larger tensor alone)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = converted["titan_dcp_2"]
+    full = torch.load(saved / "titan" / "full_model.pt", weights_only=True)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    exported = {}
+    for name in files:
+        tensors = load_file(out / name)
+        assert {k for k, f in index["weight_map"].items() if f == name} == set(tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= SHARD_BYTES or len(tensors) == 1, f"{name}: {size} bytes"
+        exported.update(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in exported.values())
+    assert "head.weight" not in exported and "feature_scale" in exported, "the tied head is the embedding, stored once; the buffer is there"
+    _same(exported, {k: v for k, v in full.items() if k != "head.weight"}, "export")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(files) | {"model.safetensors.index.json"} <= set(manifest["files"])
+
+
+REFUSED = {
+    "full output": (["checkpoint=torchtitan", "source.kind=fsdp2", "output.format=fsdp_full"], ["checkpoint=torchtitan", "output.format=dcp or rank_local"]),
+    "fsdp1 rank files": (["checkpoint=accelerate", "source.kind=fsdp1", "target.kind=fsdp1"], ["output.format=rank_local", "set output.format=dcp"]),
+    "export of an optimizer": (["output.model_format=safetensors"], ["output.model_format=safetensors", "checkpoint=torchtitan or accelerate"]),
+    "torchtitan trains FSDP2": (["checkpoint=torchtitan", "source.kind=fsdp1", "output.format=dcp"], ["checkpoint=torchtitan", "source.kind=fsdp2"]),
+}
+
+
+def test_what_a_whole_checkpoint_cannot_be_asked_is_one_line(tmp_path: Path) -> None:
+    argv = [[*args, f"output.path={tmp_path / str(i)}"] for i, (args, _) in enumerate(REFUSED.values())]
+    for (name, (_, words)), result in zip(REFUSED.items(), run_cli_cases(argv, cwd=tmp_path, per_case_s=60, env=_env())):
+        lines = [line for line in result["stderr"].splitlines() if line.strip()]
+        assert result["code"] == 2 and len(lines) == 1, f"{name}: {result['stderr']}"
+        assert all(w in lines[0] for w in words), f"{name}: {lines[0]}"
+
+
+def test_another_models_checkpoint_is_refused_before_any_process_naming_the_weights(saved: Path, tmp_path: Path) -> None:
+    result = run_command([sys.executable, "-m", "osdpipe", "checkpoint=torchtitan", "model.factory=usertp:build", f"input.path={saved / 'titan' / 'step-2'}",
+                          "source.kind=fsdp2", "source.world_size=4", "target.kind=fsdp2", "output.format=dcp", f"output.path={tmp_path / 'out'}"],
+                         cwd=tmp_path, timeout=TIMEOUT_S, env=_env())
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1 and str(saved / "titan" / "step-2") in lines[0], result.stderr
+    assert "model.factory" in lines[0], lines[0]
+
+
+def test_one_wrong_weight_fails_roundtrip_and_resume_and_nothing_is_written(saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, in this process: rank 1's converted weights are spoiled in one element after rekey; both checks name it, nothing is committed."""
+    from helpers import planned
+
+    from osdpipe.pipeline import run_offline
+    from osdpipe.progress import Display
+    from osdpipe.reconcile import settle_and_validate
+    from osdpipe.stages import STAGES
+
+    sys.path.insert(0, str(TESTS))
+    spec = settle_and_validate({
+        "model": {"factory": "userlm:build"}, "checkpoint": {"layout": "torchtitan"},
+        "input": {"path": str(saved / "titan" / "step-2"), "format": "dcp"},
+        "source": {"kind": "fsdp2", "world_size": 4}, "target": {"kind": "fsdp2", "world_size": 2},
+        "output": {"path": str(tmp_path / "out"), "format": "dcp"}, "runtime": {"mode": "offline", "progress": False},
+        "pipeline": {"checks": ["roundtrip", "resume"]},
+    })
+    assert run_offline(planned(spec), Display(False)).ok
+    rekey = STAGES["rekey"]
+
+    def rekey_then_spoil(ctx, sharded, tally):
+        keyed = rekey(ctx, sharded, tally)
+        if ctx.rank == 1:
+            keyed.weights["blocks.1.wk.weight"].view(-1)[4] += 1
+        return keyed
+
+    monkeypatch.setitem(STAGES, "rekey", rekey_then_spoil)
+    bad = run_offline(planned(spec.model_copy(update={"output": spec.output.model_copy(update={"path": str(tmp_path / "bad")})})), Display(False))
+    details = {c.name: c.detail for c in bad.checks}
+    assert not bad.ok and bad.files == {}
+    assert "rank 1: blocks.1.wk.weight.weights: differs from blocks.1.wk.weight[" in details["roundtrip"], details["roundtrip"]
+    assert "rank 1: " in details["resume"] and "blocks.1.wk.weight (the parameter)" in details["resume"], details["resume"]
+    assert not (tmp_path / "bad" / "dcp").exists()
+
+
+def test_osdpipe_check_proves_a_whole_conversion_later_and_names_one_wrong_weight(converted: dict[str, Path], tmp_path: Path) -> None:
+    """``osdpipe check`` (the files against the manifest, every rank's parts derived again from the source) passes on each output, and
+    ``--load`` loads one as its framework would and resumes; a rank file with one weight changed fails, naming the file and the weight."""
+    import shutil
+
+    import torch
+
+    spoiled = tmp_path / "spoiled"
+    shutil.copytree(converted["titan_rank_local_3"], spoiled)
+    file = spoiled / "rank_1.pt"
+    whole = torch.load(file, weights_only=True)
+    whole["model"]["blocks.2.wq.weight"].view(-1)[3] += 1
+    torch.save(whole, file)
+    cases = [["check", str(converted[name])] for name in ("titan_dcp_2", "titan_v01_dcp_2", "accelerate_dcp_2")]
+    cases += [["check", str(converted["titan_rank_local_3"]), "--load"], ["check", str(spoiled)]]
+    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    for case, result in zip(cases[:-1], results[:-1]):
+        assert result["code"] == 0, f"{case}: {result['stdout']}{result['stderr']}"
+    assert "check resume     pass" in results[3]["stdout"] and "from the checkpoint's own weights" in results[3]["stdout"]
+    bad = results[-1]
+    assert bad["code"] == 1, bad
+    assert f"{file}: ['model']['blocks.2.wq.weight']: 1 element(s) differ, first at flat index 3" in bad["stdout"], bad["stdout"]
+    assert f"{file} differs from its sha256 in the manifest: tensor(s) model.blocks.2.wq.weight differ" in bad["stdout"], bad["stdout"]

@@ -1,9 +1,9 @@
 """A user's own language model, importable as ``userlm:build``: osdpipe has never seen it.
 
 Fed token IDs (an ``nn.Embedding`` first), no ``example_input``, a factory
-without arguments, a head tied to the embedding, and parameters that share a
-shape (``wq`` and ``wk`` of every block), which is what makes order-based
-rekeying dangerous.
+without arguments, a head tied to the embedding, a persistent buffer, and
+parameters that share a shape (``wq`` and ``wk`` of every block), which is
+what makes order-based rekeying dangerous.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(MixerBlock() for _ in range(3))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied: one parameter, two names
+        self.register_buffer("feature_scale", torch.linspace(0.5, 1.5, DIM))  # a persistent buffer: in model.state_dict(), cut by no layout
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+        x = self.embed(tokens) * self.feature_scale
         for block in self.blocks:
             x = block(x)
         return self.head(x)

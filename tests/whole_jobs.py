@@ -72,8 +72,10 @@ def save_torchtitan(out: str, nested: bool = False) -> None:
     state["user_notes"] = {"run": "tiny", "seed": 0}
     dcp.save(state, checkpoint_id=str(Path(out) / "step-2"))
     full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))  # beside the checkpoint, for the tests to compare with
+    full_model = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
         torch.save(full, Path(out) / "full_optim.pt")
+        torch.save(full_model, Path(out) / "full_model.pt")
     dist.barrier()
 
 
@@ -105,3 +107,131 @@ def save_accelerate(out: str) -> None:
         torch.save(scheduler.state_dict(), root / "scheduler.bin")
         torch.save({"best_loss": 1.25}, root / "custom_checkpoint_0.pkl")
     dist.barrier()
+
+
+# ---------------------------------------------------------------------------- resuming, as the frameworks resume
+
+
+def _local(sd: dict) -> dict:
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in sd.items()}
+
+
+def _optimizer_state(optim: torch.optim.Optimizer) -> dict:
+    osd = optim.state_dict()
+    return {"state": {k: _local(v) for k, v in osd["state"].items()}, "param_groups": osd["param_groups"]}
+
+
+def _fsdp2_job(seed: int) -> tuple:
+    """A fresh job of the user's model on the current world, as torchtitan builds one: FSDP2 on every block and the root, Adam, the scheduler."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import userlm
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(seed)
+    model = userlm.build()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
+
+
+def _train_on(model: torch.nn.Module, optim: torch.optim.Optimizer, scheduler) -> None:
+    """Two more steps of the job, a real forward and backward on token batches: how a resumed job goes on."""
+    import userlm
+
+    for tokens in userlm.batches(500, 2):
+        model(tokens).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        scheduler.step()
+
+
+def resume_torchtitan(paths: list[str]) -> list[dict]:
+    """On each rank of the target world: each step folder loaded as torchtitan loads one, then two more steps; what the job holds after each.
+
+    torchtitan's load: one ``dcp.load`` of the structure it saves (the
+    model's state dict at the top level, or under ``model`` as v0.1 saved
+    it, the optimizer flattened, its own entries), then each part set into
+    the job. ``dataloader`` is left out, as torchtitan leaves it out when
+    the data-parallel degree changes.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    out = []
+    for path in paths:
+        model, optim, scheduler = _fsdp2_job(seed=7)
+        nested = any(len(p) > 1 and p[0] == "model" for p in dcp.FileSystemReader(path).read_metadata().planner_data.values())
+        model_sd = dict(get_model_state_dict(model))
+        state: dict = {"model": model_sd} if nested else dict(model_sd)
+        state["optimizer"] = get_optimizer_state_dict(model, optim, options=flat)
+        state["lr_scheduler"] = scheduler.state_dict()
+        state["train_state"] = {"step": 0, "ntokens_seen": 0}
+        state["user_notes"] = {"run": "", "seed": -1}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"] if nested else {k: v for k, v in state.items() if k in model_sd})
+        set_optimizer_state_dict(model, optim, state["optimizer"], options=flat)
+        scheduler.load_state_dict(state["lr_scheduler"])
+        loaded = {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim), "scheduler": scheduler.state_dict(),
+                  "train_state": state["train_state"], "user_notes": state["user_notes"]}
+        _train_on(model, optim, scheduler)
+        out.append({"loaded": loaded, "resumed": {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim)}})
+    return out
+
+
+def resume_rank_local(path: str, source: str) -> list[dict]:
+    """On each rank: the rank file loaded with ``osdpipe.load_rank_local`` (model given), and PyTorch's own reshard of the source
+    (torchtitan's load of the step folder on this world); then two more steps each; what each job holds."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    import osdpipe
+
+    model, optim, scheduler = _fsdp2_job(seed=9)
+    file = Path(path) / f"rank_{dist.get_rank()}.pt"
+    osdpipe.load_rank_local(optim, file, model=model)
+    whole = torch.load(file, weights_only=True)
+    scheduler.load_state_dict(whole["lr_scheduler"])
+    mine = {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim), "scheduler": scheduler.state_dict()}
+    _train_on(model, optim, scheduler)
+    resumed = {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim)}
+    theirs = resume_torchtitan([source])[0]
+    return [{"loaded": mine, "resumed": resumed, "entries": {k: v for k, v in whole.items() if k not in ("model", "optim")}}, theirs]
+
+
+def resume_accelerate(roots: list[str]) -> list[dict]:
+    """On each rank: each folder loaded as accelerate's ``load_state`` loads an FSDP1 SHARDED_STATE_DICT checkpoint, then two more steps."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import userlm
+
+    warnings.simplefilter("ignore")
+    out = []
+    for root in roots:
+        torch.manual_seed(11)
+        model = FSDP(userlm.build(), auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), use_orig_params=False, device_id=torch.device("cpu"))
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+            sd = {"model": model.state_dict()}
+            dcp.load(sd, checkpoint_id=str(Path(root) / "pytorch_model_fsdp_0"))
+            model.load_state_dict(sd["model"])
+            osd = load_sharded_optimizer_state_dict(model_state_dict=model.state_dict(), optimizer_key="optimizer",
+                                                    storage_reader=dcp.FileSystemReader(str(Path(root) / "optimizer_0")))
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd["optimizer"]))
+        scheduler.load_state_dict(torch.load(Path(root) / "scheduler.bin", weights_only=True))
+        loaded = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "optim": optim.state_dict(), "scheduler": scheduler.state_dict()}
+        _train_on(model, optim, scheduler)
+        out.append({"loaded": loaded, "resumed": {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "optim": optim.state_dict()}})
+    return out

@@ -148,6 +148,45 @@ class Accelerate(CheckpointLayout):
         return {**done, **output.copy_files(carrying, staging, DCP_DIR)}
 
 
+    def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
+        """As ``load_state`` loads the folder's two DCP directories: the model's state dict under ``model``, the optimizer's under ``optimizer``.
+
+        Through PyTorch's own state-dict API (``get``/``set_model_state_dict``
+        and ``_optimizer_state_dict``), which loads an FSDP1 job the way
+        accelerate's SHARDED_STATE_DICT path does and an FSDP2 job as well.
+        """
+        if fmt.keyed_by_id:  # each rank's own file
+            return super().load_output(model, optim, directory, rank, fmt)
+        import torch.distributed.checkpoint as dcp  # DCP: only a live job loads
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+        root = directory / DCP_DIR
+        state = {"model": dict(get_model_state_dict(model))}
+        dcp.load(state, checkpoint_id=str(root / MODEL_DIR))
+        set_model_state_dict(model, state["model"])
+        osd = {"optimizer": get_optimizer_state_dict(model, optim)}
+        dcp.load(osd, checkpoint_id=str(root / OPTIMIZER_DIR))
+        set_optimizer_state_dict(model, optim, osd["optimizer"])
+
+    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
+        """A rank file as it should be (``rank_local``); else this rank's rows of the two DCP directories; on rank 0 every carried file byte for byte."""
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
+        from osdpipe.formats.dcp import optimizer_differences
+        from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
+
+        if fmt.keyed_by_id:  # each rank's own file, the carried files beside
+            problems = output.rank_file_differences(directory, parts, rank)
+            return problems + (output.file_differences(directory, parts.carrying) if rank == 0 else [])
+        root = directory / DCP_DIR
+        if "model" not in opened:  # opened (metadata read, structure checked) once for every rank
+            opened["model"] = DcpCheckpoint(str(root / MODEL_DIR), None)
+            opened["optimizer"] = reader = DcpReader(str(root / OPTIMIZER_DIR), "optimizer")
+            opened["optimizer meta"] = reader.meta()
+        problems = output.model_differences(opened["model"], "model", parts.model, tree, world_size, rank)
+        problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
+        return problems + (output.file_differences(root, parts.carrying) if rank == 0 else [])
+
+
 #: The folder's DCP directories, as ``save_state`` names them for the first model and optimizer.
 MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
 #: Where a ``dcp`` output's folder goes, under ``output.path``: the folder ``load_state`` reads.

@@ -187,6 +187,26 @@ class CheckpointLayout:
         """After every rank wrote: the files that complete the output (carried files among them), and their sha256."""
         return {}
 
+    def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
+        """Load target rank ``rank``'s part of the output under ``directory`` into a live job, model and optimizer, as the framework loads it.
+
+        Rank files load with :func:`osdpipe.load_rank_local`, the model given
+        (what ``osdpipe check --load`` does with them).
+        """
+        from osdpipe.formats.rank_local import rank_file_name  # torch: only a live job loads
+        from osdpipe.loading import load_rank_local
+
+        if not fmt.keyed_by_id:
+            raise NotImplementedError(f"checkpoint={self.name}: loading its {fmt.name} output")
+        load_rank_local(optim, directory / rank_file_name(rank), model=model)
+
+    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
+        """Where what target rank ``rank`` finds under ``directory`` differs from ``parts`` (what it should hold), bitwise (``opened``: kept across ranks).
+
+        What ``osdpipe check`` compares a finished conversion's files with.
+        """
+        raise NotImplementedError
+
     def recognizes(self, path: Path) -> bool:
         """Whether ``path`` is a checkpoint of this layout, from names and metadata alone."""
         raise NotImplementedError

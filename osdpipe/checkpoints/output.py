@@ -37,7 +37,10 @@ from osdpipe.digest import tensor_digests, tensor_sha256
 from osdpipe.formats import dcp_writer
 from osdpipe.formats.base import InputError, RankFiles, write_torch_file
 from osdpipe.formats.rank_local import rank_file_name
+from osdpipe.compare import diff
+from osdpipe.layout import dim0_chunk_bounds
 from osdpipe.tree import ModuleTree
+from osdpipe.weights import model_state_dict
 
 #: The keys of a whole checkpoint's ``rank_local`` file that hold the model and the optimizer; every other key is a carried entry.
 MODEL_KEY, OPTIMIZER_KEY = "model", "optim"
@@ -106,16 +109,34 @@ def carried_values(carrying: Carrying, data: CarriedData) -> dict[str, Any]:
     return out
 
 
-def write_rank_file(parts: RankParts, staging: Path, rank: int) -> RankFiles:
-    """Target rank ``rank``'s ``rank_<r>.pt`` of a whole checkpoint: model, optimizer and every carried entry."""
+def rank_parts(keyed: Any, tree: ModuleTree) -> RankParts:
+    """What one target rank writes of a whole checkpoint, from its keyed product (:class:`osdpipe.products.Keyed`)."""
+    meta = keyed.source.meta
+    return RankParts(keyed.state_dict, model_state_dict(keyed.weights or {}, meta.buffers, tree), meta.carried.carrying, meta.carried.carried)
+
+
+def rank_file_content(parts: RankParts) -> dict[str, Any]:
+    """What a whole checkpoint's ``rank_<r>.pt`` holds: model, optimizer and every carried entry."""
     whole = {MODEL_KEY: parts.model, OPTIMIZER_KEY: parts.optimizer}
     for name, value in carried_values(parts.carrying, parts.carried).items():
         if name in whole:
             raise InputError(f"{parts.carrying.source}: an entry of its own is called {name!r}, which a rank file keeps the {name} in; rename it")
         whole[name] = value
-    written = write_torch_file(whole, staging / rank_file_name(rank))
-    written.tensors.update(model_digests(parts.model, rank_file_name(rank)))
-    return written
+    return whole
+
+
+def write_rank_file(parts: RankParts, staging: Path, rank: int) -> RankFiles:
+    """Target rank ``rank``'s ``rank_<r>.pt`` of a whole checkpoint (:func:`rank_file_content`)."""
+    return write_torch_file(rank_file_content(parts), staging / rank_file_name(rank))  # its digests: osdpipe.digest.tensor_digests
+
+
+def rank_file_differences(directory: Path, parts: RankParts, rank: int) -> list[str]:
+    """Where rank ``rank``'s file under ``directory`` differs from what it should hold, bitwise."""
+    path = directory / rank_file_name(rank)
+    if not path.is_file():
+        return [f"{path} is missing"]
+    got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, rank_file_content(parts), limit=3)]
 
 
 def model_digests(model: dict[str, torch.Tensor], where: str) -> dict[str, str]:
@@ -199,6 +220,59 @@ def write_dcp(
 def finish_dcp(directory: Path, name: str, shared: dict[str, Any], results: list[list[Any]]) -> dict[str, str]:
     """Write ``directory / name``'s ``.metadata`` once every rank has written (``results``: each rank's, in rank order)."""
     return {f"{name}/.metadata": dcp_writer.finish(directory / name, shared[("dcp plan", name)], results)}
+
+
+def model_differences(checkpoint: Any, key: str | None, model: dict[str, torch.Tensor], tree: ModuleTree, world_size: int, rank: int) -> list[str]:
+    """Where rank ``rank``'s rows of the model items of a DCP checkpoint (at the top level, or under ``key``) differ from its ``model`` pieces, bitwise.
+
+    Parameters by the dim-0 rows the rank wrote; buffers (and 0-dim parameters), which one rank keeps, on rank 0.
+    """
+    problems = []
+    for name, want in model.items():
+        flat = name if key is None else f"{key}.{name}"
+        if flat not in checkpoint.metadata.state_dict_metadata:
+            problems.append(f"{checkpoint.path}: {flat} is missing")
+            continue
+        param = tree.resolve(name)
+        if param is not None and param.shape:
+            if not want.numel():
+                continue
+            start = dim0_chunk_bounds(param.shape, world_size, rank)[0]
+            got, where = checkpoint.read_range(flat, start, start + want.numel()), f"{flat} (rows from flat index {start})"
+            want = want.reshape(-1)
+        elif rank == 0:
+            got, where = checkpoint.read_whole(flat), flat
+        else:
+            continue
+        problems += [f"{checkpoint.path}: {p}" for p in diff(got, want, path=where, limit=1)]
+    return problems
+
+
+def carried_differences(checkpoint: Any, carrying: Carrying, data: CarriedData) -> list[str]:
+    """Where a DCP checkpoint's carried items differ from the source's: the same stored bytes, or the same value (tensors)."""
+    problems = []
+    for flat in carrying.items:
+        if flat not in checkpoint.metadata.state_dict_metadata:
+            problems.append(f"{checkpoint.path}: the carried entry {flat} is missing")
+        elif flat in data.raw:
+            if checkpoint.stored(flat) != data.raw[flat]:
+                problems.append(f"{checkpoint.path}: the carried entry {flat} is not stored as the source stores it")
+        else:
+            want = data.tensors.get(flat, data.values.get(flat))
+            problems += [f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_whole(flat), want, path=flat, limit=1)]
+    return problems
+
+
+def file_differences(directory: Path, carrying: Carrying) -> list[str]:
+    """The carried files under ``directory`` that are missing or not byte for byte the source's."""
+    problems = []
+    for rel in carrying.files:
+        got = directory / rel
+        if not got.is_file():
+            problems.append(f"{got} is missing")
+        elif got.read_bytes() != (Path(carrying.source) / rel).read_bytes():
+            problems.append(f"{got} is not byte for byte {Path(carrying.source) / rel}")
+    return problems
 
 
 def optimizer_digests(optimizer: dict[str, Any], where: str) -> dict[str, str]:

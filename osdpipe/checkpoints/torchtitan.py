@@ -180,6 +180,44 @@ class Torchtitan(CheckpointLayout):
         return output.finish_dcp(staging, DCP_DIR, shared, [r.results for r in per_rank])
 
 
+    def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
+        """As torchtitan loads a step folder: one ``dcp.load`` of the model's state dict (where the folder has it) and the flattened optimizer, then each set into the job."""
+        if fmt.keyed_by_id:  # each rank's own file
+            return super().load_output(model, optim, directory, rank, fmt)
+        import torch.distributed.checkpoint as dcp  # DCP: only a live job loads
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+        path = str(directory / DCP_DIR)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        model_sd = dict(get_model_state_dict(model))
+        nested = _nested(path)
+        state: dict[str, Any] = {"model": model_sd} if nested else dict(model_sd)
+        state[OPTIMIZER] = get_optimizer_state_dict(model, optim, options=flat)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"] if nested else {k: state[k] for k in model_sd})
+        set_optimizer_state_dict(model, optim, state[OPTIMIZER], options=flat)
+
+    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
+        """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer in the step folder, and on rank 0 every carried item as stored."""
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
+        from osdpipe.formats.dcp import optimizer_differences
+        from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
+
+        if fmt.keyed_by_id:  # each rank's own file
+            return output.rank_file_differences(directory, parts, rank)
+        if "checkpoint" not in opened:  # opened (metadata read, structure checked) once for every rank
+            opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / DCP_DIR), None)
+            opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIMIZER, checkpoint)
+            opened["optimizer meta"] = reader.meta()
+        checkpoint = opened["checkpoint"]
+        nested = _nested(parts.carrying.source)
+        problems = output.model_differences(checkpoint, "model" if nested else None, parts.model, tree, world_size, rank)
+        problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
+        if rank == 0:
+            problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
+        return problems
+
+
 #: Where a ``dcp`` output's checkpoint directory goes, under ``output.path``: the step folder torchtitan loads.
 DCP_DIR = "dcp"
 

@@ -189,8 +189,8 @@ def full_output(ctx: Subject) -> dict[str, Any]:
 
 
 def whole(ctx: Subject) -> bool:
-    """Whether the output is a whole checkpoint's: the model's weights converted with the optimizer's state."""
-    return ctx.keyed is not None and ctx.keyed.weights is not None
+    """Whether the source is a whole checkpoint, so the output holds the model's weights beside the optimizer's state."""
+    return ctx.meta is not None and ctx.meta.carried is not None
 
 
 def local_model_output(ctx: Subject) -> dict[str, Any]:

@@ -68,6 +68,11 @@ def load_and_step(ctx: Subject, loadable: dict[str, Any]) -> CheckResult:
     # load_state_dict keeps tensors that need no cast: a copy stops the step from changing the result.
     loadable = kinds.get(ctx.spec.target.kind).loadable(optim, copy.deepcopy(loadable))
     optim.load_state_dict(with_groups(loadable, optim))
+    return step_loaded(ctx, model, optim)
+
+
+def step_loaded(ctx: Subject, model: Any, optim: Any) -> CheckResult:
+    """The rule of :func:`load_and_step` on a target job that has loaded the output already (a whole checkpoint, loaded as its framework does)."""
     layout = ctx.optimizer_layout()
     tensor_of = {id(p): t for p, t in zip(model.parameters(), layout)}  # the live model is built on this layout
     loaded = {id(p): {n: _nonfinite(v) for n, v in state.items()} for p, state in optim.state.items()}

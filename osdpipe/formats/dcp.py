@@ -87,24 +87,31 @@ class Dcp(Format):
         if "reader" not in opened:  # opened (metadata read, structure checked) once for every rank
             opened["reader"] = reader = DcpReader(str(self.output_path(directory, rank)), key)
             opened["meta"] = reader.meta()
-        reader, saved = opened["reader"], opened["meta"]
-        problems = []
-        for fqn, state in expected["state"].items():
-            for name, want in state.items() if isinstance(state, dict) else []:
-                if not (hasattr(want, "dim") and want.dim() > 0):
-                    problems += [f"{reader.path}: {p}" for p in diff(saved.state.get(fqn, {}).get(name), want, path=f"{fqn}.{name}", limit=1)]
-                    continue
-                if not want.numel():
-                    continue
-                start = dim0_chunk_bounds(tree.param(fqn).shape, world_size, rank)[0]
-                got = reader.read_range(fqn, name, start, start + want.numel())
-                # diff's flat index is within this rank's rows, which begin at flat index ``start`` of the saved tensor
-                problems += [f"{reader.path}: {p}" for p in diff(got, want.reshape(-1), path=f"{fqn}.{name} (rows from flat index {start})", limit=1)]
-        if rank == 0 and "param_groups" in expected:
-            problems += [f"{reader.path}: {p}" for p in diff(saved.param_groups, expected["param_groups"], path="param_groups", limit=1, sequence_types=False)]
-        return problems
+        return optimizer_differences(opened["reader"], opened["meta"], expected, tree=tree, world_size=world_size, rank=rank)
 
     def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles]) -> dict[str, str]:
         from osdpipe.formats import dcp_writer  # torch.distributed.checkpoint: only where a DCP checkpoint is written
 
         return {f"{DCP_DIR}/.metadata": dcp_writer.finish(staging / DCP_DIR, shared[_PLAN], [r.results for r in per_rank])}
+
+
+def optimizer_differences(reader: Any, saved: Any, expected: dict[str, Any], *, tree: ModuleTree, world_size: int, rank: int) -> list[str]:
+    """Where rank ``rank``'s dim-0 rows of the optimizer state a DCP ``reader`` reads (``saved``: its metadata) differ from ``expected``, bitwise.
+
+    Tensors by the rows the rank wrote; scalar state as saved; on rank 0 the param groups.
+    """
+    problems = []
+    for fqn, state in expected["state"].items():
+        for name, want in state.items() if isinstance(state, dict) else []:
+            if not (hasattr(want, "dim") and want.dim() > 0):
+                problems += [f"{reader.path}: {p}" for p in diff(saved.state.get(fqn, {}).get(name), want, path=f"{fqn}.{name}", limit=1)]
+                continue
+            if not want.numel():
+                continue
+            start = dim0_chunk_bounds(tree.param(fqn).shape, world_size, rank)[0]
+            got = reader.read_range(fqn, name, start, start + want.numel())
+            # diff's flat index is within this rank's rows, which begin at flat index ``start`` of the saved tensor
+            problems += [f"{reader.path}: {p}" for p in diff(got, want.reshape(-1), path=f"{fqn}.{name} (rows from flat index {start})", limit=1)]
+    if rank == 0 and "param_groups" in expected:
+        problems += [f"{reader.path}: {p}" for p in diff(saved.param_groups, expected["param_groups"], path="param_groups", limit=1, sequence_types=False)]
+    return problems

@@ -24,7 +24,7 @@ from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.context import Context
 from osdpipe.formats.base import RankFiles
 from osdpipe.products import Keyed, Staged, Tally, Verified, find
-from osdpipe.weights import WholeSource, model_state_dict
+from osdpipe.weights import WholeSource
 
 def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
     """Stage this rank's files; :func:`commit` commits every rank's once the last has written (see :mod:`osdpipe.loop`)."""
@@ -54,10 +54,10 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
 
 def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
     """This rank's part of a whole checkpoint, laid out by its layout; with ``output.model_format=safetensors``, rank 0 also exports the model."""
-    from osdpipe.checkpoints.output import RankParts, export_safetensors  # torch.distributed.checkpoint: only where a whole checkpoint is written
+    from osdpipe.checkpoints.output import export_safetensors, rank_parts  # torch.distributed.checkpoint: only where a whole checkpoint is written
 
     meta = keyed.source.meta
-    parts = RankParts(keyed.state_dict, model_state_dict(keyed.weights or {}, meta.buffers, ctx.tree), meta.carried.carrying, meta.carried.carried)
+    parts = rank_parts(keyed, ctx.tree)
     mine = ctx.plan.checkpoint.write(parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format)
     if ctx.spec.output.model_format == "safetensors" and ctx.rank == 0:
         if keyed.source.reader is None:
