@@ -65,3 +65,15 @@ def test_where_a_format_writes_is_its_own_business(tmp_path: Path, monkeypatch: 
 def test_the_config_offers_exactly_the_registered_formats() -> None:
     assert set(get_args(InputConfig.model_fields["format"].annotation)) == set(formats.FORMATS)
     assert set(get_args(OutputConfig.model_fields["format"].annotation)) == set(formats.FORMATS)
+
+
+def test_the_config_offers_exactly_the_registered_checkpoint_layouts() -> None:
+    """The schema's choices (torch-free, so a bad value is said at once), the conf group's options and the registry name the same layouts."""
+    from pathlib import Path
+
+    from osdpipe import checkpoints
+    from osdpipe.config import CheckpointConfig
+
+    assert set(get_args(CheckpointConfig.model_fields["layout"].annotation)) == set(checkpoints.LAYOUTS)
+    group = Path(__file__).parents[1] / "conf" / "checkpoint"
+    assert {p.stem for p in group.glob("*.yaml")} == set(checkpoints.LAYOUTS)
