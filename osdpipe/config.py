@@ -276,6 +276,8 @@ class OutputConfig(_Frozen):
     format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
     key: str = "optim"
     overwrite: bool = False
+    #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.output`); ``false``: for scratch output only.
+    fsync: bool = True
     model_format: Literal["safetensors"] | None = None
     max_shard_size: int | None = None
 

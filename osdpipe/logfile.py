@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from osdpipe import __version__
+from osdpipe.output import write_durably
 from osdpipe.sizes import show_size
 
 #: Level names as ``runtime.log_level`` takes them, lowest first.
@@ -56,7 +57,5 @@ def write_log(directory: str | Path, report: Any, spec: Any) -> Path:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     lines = [f"{stamp} {level.upper():<7} {line}" for level, line in log_lines(report, spec) if LEVELS.index(level) >= floor]
     path = Path(directory) / LOG_NAME
-    tmp = path.with_suffix(".log.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
+    write_durably(path, "\n".join(lines) + "\n", spec.output.fsync)
     return path

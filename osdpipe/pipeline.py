@@ -193,13 +193,13 @@ def _begin(out: Path, spec: RunSpec) -> None:
     torchrun, killed) does not leave the previous run's report and log,
     which may say ``ok``, as if they were this one's.
     """
-    output.begin(out)
+    output.begin(out, spec.output.fsync)
     _record(out, Report.unfinished(), spec)
 
 
 def _record(out: Path, report: Report, spec: RunSpec) -> None:
-    """What the run says of itself in the output directory: ``report.json`` and ``osdpipe.log``."""
-    report.write(out)
+    """What the run says of itself in the output directory: ``report.json`` and ``osdpipe.log``, each written whole (and synced)."""
+    report.write(out, spec.output.fsync)
     write_log(out, report, spec)
 
 

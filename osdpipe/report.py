@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from osdpipe.output import write_durably
 from osdpipe.products import CheckResult, SkippedCheck
 from osdpipe.memory import MemoryPeak
 
@@ -60,10 +60,9 @@ class Report:
         """What ``report.json`` says while a run is under way, and after one that died without a word."""
         return cls(ok=False, error="the run did not finish: the launcher (under torchrun, rank 0) ended before writing its report; see the command's output")
 
-    def write(self, directory: str | Path) -> Path:
+    def write(self, directory: str | Path, durable: bool = True) -> Path:
+        """Write ``report.json`` whole into ``directory`` (:func:`osdpipe.output.write_durably`): the old report or this one, never a part."""
         path = Path(directory) / "report.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
+        write_durably(path, json.dumps(asdict(self), indent=2), durable)
         return path

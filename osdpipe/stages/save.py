@@ -68,8 +68,8 @@ def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
 
 #: Config sections that say how a conversion ran, not what it produced: left out of the manifest's hashed content.
 RUN_SECTIONS = ("runtime", "pipeline")
-#: Keys of the input and output sections that name places, not content.
-PLACE_KEYS = ("path", "overwrite")
+#: Keys of the input and output sections that name places or how files are written, not content.
+PLACE_KEYS = ("path", "overwrite", "fsync")
 
 
 def conversion_of(config: dict[str, Any]) -> dict[str, Any]:
@@ -111,5 +111,5 @@ def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: Whole
     }
     manifest = {**content, "content_sha256": content_sha256(content), "config": config}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    output.commit(staging.parent)
+    output.commit(staging.parent, ctx.spec.output.fsync)
     return files

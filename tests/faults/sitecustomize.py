@@ -5,6 +5,8 @@ the command: the launcher, the fork server and so every rank forked from it.
 ``OSDPIPE_TEST_FAULT=<point>:<rank>:<how>`` makes rank ``<rank>`` die at
 ``<point>`` (``load``, ``send``, ``receive``, ``save``: see :func:`_install`): ``kill`` sends itself SIGKILL (nothing runs
 after it, not even a ``finally``), ``raise`` raises an exception in the stage.
+``OSDPIPE_TEST_FAULT=commit:<n>`` makes the process that commits the
+conversion die in the middle of it (:func:`_kill_in_commit`).
 ``OSDPIPE_TEST_SHARE_SCALARS=1`` undoes the copy that gives every output
 tensor scalar state of its own (``tests/test_resume.py``).
 Without either variable this module does nothing, not even import torch.
@@ -67,7 +69,40 @@ def _install(point: str, rank: int, how: str) -> None:
         raise ValueError(f"OSDPIPE_TEST_FAULT: unknown point {point!r}")
 
 
-if FAULT:
+def _kill_in_commit(after: int) -> None:
+    """SIGKILL this process in the middle of committing a conversion: right after the ``after``-th rename of the commit
+    (the first is ``.staging`` -> ``.incoming``), or, for ``0``, once everything staged is synced but before any rename."""
+    import signal
+
+    from osdpipe import output
+
+    real_replace, real_commit = os.replace, output.commit
+    renames = -1  # counting from the commit's first rename
+
+    def replace(src, dst, *args, **kwargs):
+        nonlocal renames
+        if renames < 0 and os.path.basename(os.fspath(src)) == output.STAGING:
+            renames = 0
+        real_replace(src, dst, *args, **kwargs)
+        if renames >= 0:
+            renames += 1
+            if renames == after:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def commit(directory, durable=True):
+        if after == 0:
+            if durable:
+                output.sync_tree(directory / output.STAGING)
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_commit(directory, durable)
+
+    os.replace = replace
+    output.commit = commit
+
+
+if FAULT and FAULT.startswith("commit:"):  # the process that commits (offline: the command itself) dies in the commit
+    _kill_in_commit(int(FAULT.split(":")[1]))
+elif FAULT:
     _point, _rank, _how = FAULT.split(":")
     _install(_point, int(_rank), _how)
 

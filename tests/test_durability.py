@@ -1,0 +1,158 @@
+"""A committed conversion is on disk, and a crash anywhere in the commit leaves the previous conversion or the new one, whole.
+
+Syncs are seen in-process: ``os.fsync`` and ``os.replace`` are recorded (the
+file behind each descriptor read from ``/proc``) while the launcher converts
+offline, so the order of syncs and renames can be held against the commit's
+rules (:mod:`osdpipe.output`). Crashes are real: the ``osdpipe`` command is
+killed with SIGKILL right after each rename of its commit (``tests/faults``),
+over a directory that holds a previous conversion; then what the next run
+does first (:func:`osdpipe.output.recover`) must leave exactly one of the
+two conversions, every file as its manifest says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import clean_env, run_cli_cases, run_command
+
+#: End to end: each kill point runs the command once.
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT_S = 120
+
+
+def _env(fault: str | None = None) -> dict[str, str]:
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([str(TESTS / "faults")] if fault else []), env.get("PYTHONPATH", "")])
+    if fault:
+        env["OSDPIPE_TEST_FAULT"] = fault
+    return env
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    import userlm
+
+    torch.manual_seed(0)
+    model = userlm.build()
+    path = tmp_path_factory.mktemp("durable") / "optim.pt"
+    torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=1)), path)
+    return path
+
+
+def _job(source: Path, world: int, out: Path, *extra: str) -> list[str]:
+    return ["model.factory=userlm:build", f"input.path={source}", "input.format=fsdp_full", "source.world_size=4", "target.wrap=[MixerBlock]",
+            f"target.world_size={world}", "runtime.mode=offline", "output.overwrite=true", f"output.path={out}", *extra]
+
+
+def _conversion(directory: Path) -> dict[str, str]:
+    """What a conversion in ``directory`` is, wherever it lies: each data file's sha256 and the manifest's ``content_sha256``."""
+    out = {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*"))
+           if p.is_file() and p.name not in ("report.json", "osdpipe.log", "manifest.json") and not p.relative_to(directory).parts[0].startswith(".")}
+    manifest = directory / "manifest.json"
+    out["manifest"] = json.loads(manifest.read_text())["content_sha256"] if manifest.is_file() else "none"
+    return out
+
+
+# ---------------------------------------------------------------------------- syncs
+
+
+def _recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    events: list[tuple] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs) -> None:  # noqa: ANN001
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def _convert_here(source: Path, out: Path, *extra: str) -> None:
+    """The launcher's conversion in this process (offline: no ranks), as the command runs it."""
+    sys.path.insert(0, str(TESTS))
+    from osdpipe.pipeline import execute
+    from osdpipe.plan import plan_run
+    from osdpipe.reconcile import settle_and_validate
+
+    raw = {"model": {"factory": "userlm:build"}, "input": {"path": str(source), "format": "fsdp_full"}, "source": {"world_size": 4, "wrap": ["MixerBlock"]},
+           "target": {"world_size": 3, "wrap": ["MixerBlock"]}, "output": {"path": str(out)}, "runtime": {"mode": "offline", "progress": False}}
+    for item in extra:
+        key, _, value = item.partition("=")
+        section, name = key.split(".")
+        raw.setdefault(section, {})[name] = value
+    assert execute(plan_run(settle_and_validate(raw))).ok
+
+
+@pytest.mark.parametrize("fmt", ["rank_local", "dcp"])
+def test_every_committed_file_and_the_directory_are_synced_around_the_renames(source: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file the manifest lists, and the manifest, synced while staged, before ``.staging`` is renamed; the output directory synced
+    after that rename and after the conversion's entries moved in; then report.json synced before it replaces the old one."""
+    out = tmp_path / "out"
+    events = _recorded(monkeypatch)
+    _convert_here(source, out, f"output.format={fmt}")
+    synced = [(i, e[1]) for i, e in enumerate(events) if e[0] == "fsync"]
+    staged_rename = next(i for i, e in enumerate(events) if e[0] == "replace" and e[1] == str(out / ".staging"))
+    committed = [*json.loads((out / "manifest.json").read_text())["files"], "manifest.json"]
+    assert len(committed) > 3
+    for name in committed:
+        assert any(i < staged_rename and path == str(out / ".staging" / name) for i, path in synced), f"{name} was not synced before the commit"
+    moved_in = [i for i, e in enumerate(events) if e[0] == "replace" and e[1].startswith(str(out / ".incoming") + "/")]
+    assert moved_in and events[moved_in[-1]][1].endswith("manifest.json"), "the manifest moves in last"
+    assert any(staged_rename < i < moved_in[0] and path == str(out) for i, path in synced), "the rename of .staging is synced"
+    assert any(i > moved_in[-1] and path == str(out) for i, path in synced), "the entries moved in are synced"
+    report_in = max(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(out / "report.json"))
+    assert any(i < report_in and path == str(out / "report.json.tmp") for i, path in synced) and any(i > report_in and path == str(out) for i, path in synced)
+
+
+def test_output_fsync_false_syncs_nothing(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = _recorded(monkeypatch)
+    _convert_here(source, tmp_path / "out", "output.fsync=false")
+    assert [e for e in events if e[0] == "fsync"] == []
+    assert (tmp_path / "out" / "rank_2.pt").is_file()
+
+
+# ---------------------------------------------------------------------------- crashes
+
+
+def test_a_kill_anywhere_in_the_commit_leaves_one_whole_conversion_old_or_new(source: Path, tmp_path: Path) -> None:
+    """A 3-rank conversion is replaced by a 2-rank one; the command is killed after each rename of its commit in turn (and once before
+    the first): once the next run's recovery has run, the directory holds the old conversion or the new one, never a mixture."""
+    from osdpipe.output import recover
+
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    results = run_cli_cases([_job(source, 3, old_dir), _job(source, 2, new_dir)], cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    assert [r["code"] for r in results] == [0, 0], results
+    old, new = _conversion(old_dir), _conversion(new_dir)
+    assert old != new
+    seen = []
+    for after in range(12):
+        work = tmp_path / f"kill_{after}"
+        shutil.copytree(old_dir, work)
+        result = run_command([sys.executable, "-m", "osdpipe", *_job(source, 2, work)], cwd=tmp_path, timeout=TIMEOUT_S, env=_env(f"commit:{after}"))
+        if result.returncode == 0:  # past the last rename: the commit finished
+            break
+        assert result.returncode == -9, f"commit:{after}: exit {result.returncode}\n{result.stderr}"
+        recover(work)
+        now = _conversion(work)
+        assert now in (old, new), f"killed after rename {after}: a mixture\n{sorted(set(now.items()) ^ set(old.items()))[:6]}"
+        assert not [p.name for p in work.iterdir() if p.name.startswith(".")], f"killed after rename {after}: left {list(work.iterdir())}"
+        seen.append("new" if now == new else "old")
+    assert seen[0] == "old" and seen[-1] == "new" and len(seen) >= 8, f"the kill points did not span the commit: {seen}"
+    assert seen == sorted(seen, key=lambda s: s == "new"), f"once the new conversion is committed it stays: {seen}"
