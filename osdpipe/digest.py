@@ -1,20 +1,22 @@
 """sha256 of what osdpipe writes: per file (as ``sha256sum`` gives it) and per tensor (for partial checks).
 
-Hashing is the one pass over the output bytes that cannot be avoided, so it is
-done once and alongside the write: a file's digest is taken from the bytes on
-their way to the file (:class:`HashingFile`), and the per-tensor digests are
-taken from memory in a second thread at the same time (``hashlib`` and file
-writes release the GIL, so the two run on two cores).
+Hashing is the pass over the output bytes that cannot be avoided, so it is
+done alongside the write: a file's digest is taken from the bytes on their
+way to the file (:class:`HashingFile`, or :mod:`osdpipe.torchfile`'s
+writer), and the per-tensor digests from each storage's memory in a thread
+of their own at the same time (``hashlib`` and file writes release the GIL,
+so they run on other cores).
 """
 
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from osdpipe.torchfile import save as save_torch_file
 
 
 class HashingFile:
@@ -47,8 +49,17 @@ def tensor_bytes(value: torch.Tensor) -> Any:
     return value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def tensor_sha256(value: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes in row-major order."""
+def tensor_sha256(value: torch.Tensor, known: dict[int, str] | None = None) -> str:
+    """sha256 of a tensor's bytes in row-major order.
+
+    ``known``: digests of whole storages, by ``UntypedStorage._cdata``, taken
+    as they were written (:func:`osdpipe.torchfile.save`); a contiguous CPU
+    tensor that covers its storage exactly has its storage's digest.
+    """
+    if known and value.device.type == "cpu" and value.is_contiguous() and value.storage_offset() == 0:
+        storage = value.untyped_storage()
+        if storage.nbytes() == value.numel() * value.element_size() and storage._cdata in known:
+            return known[storage._cdata]
     return hashlib.sha256(tensor_bytes(value)).hexdigest()
 
 
@@ -60,29 +71,29 @@ def pieces_sha256(pieces: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def tensor_digests(osd: dict[str, Any]) -> dict[str, str]:
-    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``: for partial checks.
+def tensor_digests(osd: dict[str, Any], known: dict[int, str] | None = None) -> dict[str, str]:
+    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``: for partial checks (``known``: see :func:`tensor_sha256`).
 
     A whole checkpoint's rank file (its model and optimizer parts, see
     :mod:`osdpipe.checkpoints.output`) is keyed ``model.<name>`` and
     ``optim.<param key>.<state name>``.
     """
     if isinstance(osd.get("model"), dict) and isinstance(osd.get("optim"), dict):
-        model = {f"model.{name}": tensor_sha256(value) for name, value in osd["model"].items() if torch.is_tensor(value)}
-        return {**model, **{f"optim.{k}": v for k, v in tensor_digests(osd["optim"]).items()}}
+        model = {f"model.{name}": tensor_sha256(value, known) for name, value in osd["model"].items() if torch.is_tensor(value)}
+        return {**model, **{f"optim.{k}": v for k, v in tensor_digests(osd["optim"], known).items()}}
     out = {}
     for key, state in osd.get("state", {}).items():
         for name, value in (state.items() if isinstance(state, dict) else []):
             if torch.is_tensor(value):
-                out[f"{key}.{name}"] = tensor_sha256(value)
+                out[f"{key}.{name}"] = tensor_sha256(value, known)
     return out
 
 
 def save_hashed(osd: dict[str, Any], path: Path) -> tuple[str, dict[str, str]]:
-    """``torch.save(osd, path)``, hashing as it writes: the file's sha256, and each tensor's (:func:`tensor_digests`)."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        per_tensor = pool.submit(tensor_digests, osd)
-        with open(path, "wb") as f:
-            hashing = HashingFile(f)
-            torch.save(osd, hashing)
-        return hashing.sha256.hexdigest(), per_tensor.result()
+    """Save ``osd`` as a ``torch.save`` file at ``path`` (:func:`osdpipe.torchfile.save`), hashing as it writes: the file's sha256, and each tensor's (:func:`tensor_digests`).
+
+    The tensors' digests are their storages', taken on the way to the file;
+    only a tensor that does not cover its storage is hashed again.
+    """
+    digest, storages = save_torch_file(osd, path, sync=False)  # the commit syncs the conversion as a whole (osdpipe.output)
+    return digest, tensor_digests(osd, storages)

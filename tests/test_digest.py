@@ -40,11 +40,11 @@ def test_save_hashed_digests_are_those_of_the_file_and_the_tensors(tmp_path: Pat
 
 def test_a_file_whose_structure_differs_from_the_state_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the structure check is for: a writer that drops or reshapes something must not pass."""
-    real_save = torch.save
+    real_save = digest.save_torch_file
 
-    def lossy_save(obj, f) -> None:
-        real_save({**obj, "state": {**obj["state"], 1: {**obj["state"][1], "exp_avg": torch.zeros(6, dtype=torch.bfloat16)}}}, f)
+    def lossy_save(obj, path, **kwargs):
+        return real_save({**obj, "state": {**obj["state"], 1: {**obj["state"][1], "exp_avg": torch.zeros(6, dtype=torch.bfloat16)}}}, path, **kwargs)
 
-    monkeypatch.setattr(digest.torch, "save", lossy_save)
+    monkeypatch.setattr(digest, "save_torch_file", lossy_save)
     with pytest.raises(OSError, match=r"rank_0\.pt does not read back as written: .*\[1\]\['exp_avg'\]: tensor\(6,\) bfloat16 vs tensor\(7,\) bfloat16"):
         write_torch_file(_state(), tmp_path / "rank_0.pt")

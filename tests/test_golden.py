@@ -10,11 +10,15 @@ redesign, under the torch the README pins; they depend on torch's
 serialization, so the test first checks that torch is that version.
 
 To re-record after an intended change of output bytes, run the same command
-and say why in the commit. Re-recorded twice since: for issue 18, every
-manifest's config gained ``tp_size`` and ``tp_plan``, and an FSDP2 rank's
-``dtensor`` table its mesh's dimension names; for issue 19, every
+and say why in the commit. Re-recorded three times since: for issue 18,
+every manifest's config gained ``tp_size`` and ``tp_plan``, and an FSDP2
+rank's ``dtensor`` table its mesh's dimension names; for issue 19, every
 manifest's config gained ``checkpoint`` and ``output.model_format`` /
-``max_shard_size`` (each ``content_sha256``; no data file changed).
+``max_shard_size`` (each ``content_sha256``; no data file changed); for
+issue 20, osdpipe writes its torch files with its own archive writer
+(:mod:`osdpipe.torchfile`: the same records and tensors, another zip
+layout), so every ``rank_<r>.pt`` and ``optim.pt`` it writes changed, while
+the generated sources (``torch.save``'s) and every DCP file did not.
 """
 
 from __future__ import annotations
