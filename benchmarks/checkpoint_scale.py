@@ -20,7 +20,13 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
 * ``fsdp1``: PyTorch's FSDP1 path on M ranks: rank 0 loads the file,
   ``FSDP.optim_state_dict_to_load`` with ``rank0_only``, each rank saves;
 * ``dcp``: the DCP path on M ranks: ``get_optimizer_state_dict``,
-  ``dcp.load`` of the N-rank DCP source, ``set_optimizer_state_dict``, save.
+  ``dcp.load`` of the N-rank DCP source, ``set_optimizer_state_dict``, save;
+* ``limit``: what no conversion can beat on this machine: ``import
+  torch.distributed``, then one ``dd ... conv=fdatasync`` per target rank,
+  in parallel, each writing that rank's share of the output's bytes. Every
+  path's ``x limit`` is its median over this one's. Its ``dd`` seconds alone
+  give the disk's synced write throughput, which the osdpipe paths' own
+  (output bytes over their ``save`` stage) is set against.
 
 Each timing is the whole command (a fresh process, imports and model
 building included), median of the repeats. Memory is each rank's peak RSS
@@ -51,7 +57,7 @@ OSDPIPE_PATHS = {
     "osdpipe-scatter": ("runtime.transfer=scatter",),
     "osdpipe-offline-budget": ("runtime.mode=offline", "runtime.memory_budget={budget}"),
 }
-PATHS = (*OSDPIPE_PATHS, "fsdp1", "dcp")
+PATHS = (*OSDPIPE_PATHS, "limit", "fsdp1", "dcp")
 DEPTH = 12
 
 
@@ -66,8 +72,8 @@ def width_for(gigabytes: float) -> int:
 # ---------------------------------------------------------------------------
 
 
-def synthesize(width: int, directory: Path, source_ranks: int) -> tuple[Path, Path]:
-    """An fsdp_full file of random Adam state for the mlp, and an N-rank dcp checkpoint of it (written by osdpipe offline)."""
+def synthesize(width: int, directory: Path, source_ranks: int, with_dcp: bool) -> tuple[Path, Path]:
+    """An fsdp_full file of random Adam state for the mlp, and (``with_dcp``) an N-rank dcp checkpoint of it (written by osdpipe offline)."""
     import torch
 
     full = directory / "optim.pt"
@@ -83,7 +89,7 @@ def synthesize(width: int, directory: Path, source_ranks: int) -> tuple[Path, Pa
         torch.save({"state": state, "param_groups": groups}, full)
         del state
     dcp = directory / f"dcp_{source_ranks}"
-    if not (dcp / "dcp" / ".metadata").exists():
+    if with_dcp and not (dcp / "dcp" / ".metadata").exists():
         osdpipe_command(width, full, "fsdp_full", source_ranks, source_ranks, dcp, "runtime.mode=offline", "output.format=dcp", "pipeline.checks=[]")
     return full, dcp / "dcp"
 
@@ -178,6 +184,11 @@ def worker_main(args: argparse.Namespace) -> None:
 
 def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: Path, budget: str) -> dict:
     start = time.perf_counter()
+    if path == "limit":
+        result = limit_command(full.stat().st_size, m, out)
+        result["seconds"] = time.perf_counter() - start
+        result["bytes"] = sum(p.stat().st_size for p in out.glob("rank_*"))
+        return result
     if path in OSDPIPE_PATHS:
         extra = [arg.format(budget=budget) for arg in OSDPIPE_PATHS[path]]
         report = osdpipe_command(width, full, "fsdp_full", n, m, out, *extra)
@@ -192,6 +203,22 @@ def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: 
     return result
 
 
+def limit_command(total: int, m: int, out: Path) -> dict:
+    """``import torch.distributed``, then ``m`` synced ``dd`` writes of ``total / m`` bytes each, in parallel; ``dd_s``: the writes alone."""
+    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True)
+    out.mkdir(parents=True, exist_ok=True)
+    share = -(-total // m)
+    start = time.perf_counter()
+    writers = [
+        subprocess.Popen(["dd", "if=/dev/zero", f"of={out / f'rank_{r}.bin'}", "bs=16M", f"count={share}", "iflag=count_bytes", "conv=fdatasync"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for r in range(m)
+    ]
+    if any(w.wait() for w in writers):
+        raise RuntimeError("dd failed")
+    return {"dd_s": time.perf_counter() - start, "memory": [], "conversion_s": 0.0}
+
+
 def in_flight(run: dict) -> str:
     """The most anonymous memory a process held beyond its baseline and the output it holds (offline: one target rank's at a time)."""
     if "output_bytes" not in run:
@@ -201,13 +228,17 @@ def in_flight(run: dict) -> str:
     return f"{max((m['peak_anonymous'] or 0) - (m['baseline_anonymous'] or 0) - out for m, out in zip(memory, held)) / 1e9:.2f}"
 
 
-def cp_seconds(source: Path, scratch: Path) -> float:
-    target = scratch / "cp_copy"
-    start = time.perf_counter()
-    subprocess.run(["cp", str(source), str(target)], check=True)
-    seconds = time.perf_counter() - start
-    target.unlink()
-    return seconds
+def write_throughput(runs: list[dict]) -> str:
+    """Output bytes over the save stage's seconds (median): how fast a path writes (``limit``: dd's own)."""
+    seconds = [r["stages"]["save"] for r in runs if r.get("stages")] or [r["dd_s"] for r in runs if "dd_s" in r]
+    return f"{runs[-1]['bytes'] / 1e9 / statistics.median(seconds):.2f}" if seconds else "-"
+
+
+def write_ratio(runs: list[dict], limit: list[dict]) -> str:
+    """A path's write throughput over dd's, for the same bytes."""
+    ours = runs[-1]["bytes"] / statistics.median(r["stages"]["save"] for r in runs)
+    theirs = limit[-1]["bytes"] / statistics.median(r["dd_s"] for r in limit)
+    return f"{ours / theirs:.2f}"
 
 
 def main() -> None:
@@ -230,44 +261,54 @@ def main() -> None:
     paths = args.paths.split(",")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="osdpipe-bench-"))
     rows = []
-    print("| state GB | N -> M | path | median s | x fsdp1 | x dcp | conversion s | peak RSS GB | peak anon GB (beyond baseline) | in flight GB (anon beyond baseline and output) | sent GB / receivers' GB | output GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| state GB | N -> M | path | median s | x fsdp1 | x dcp | x limit | conversion s | write GB/s (save) | peak RSS GB | peak anon GB (beyond baseline) "
+          "| in flight GB (anon beyond baseline and output) | sent GB / receivers' GB | output GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for size in (float(s) for s in args.sizes.split(",")):
         width = width_for(size)
         for pair in args.pairs.split(","):
             n, m = (int(x) for x in pair.split(":"))
             directory = root / f"{size}GB"
             directory.mkdir(parents=True, exist_ok=True)
-            full, dcp = synthesize(width, directory, n)
+            full, dcp = synthesize(width, directory, n, with_dcp="dcp" in paths)
             runs: dict[str, list[dict]] = {p: [] for p in paths}
+            failed: dict[str, str] = {}
             for _ in range(args.repeats):
                 for path in paths:  # alternating: the machine's drift falls on every path alike
+                    if path in failed:
+                        continue
                     out = directory / f"out_{path}"
-                    runs[path].append(run_path(path, width, full, dcp, n, m, out, args.budget))
+                    try:
+                        runs[path].append(run_path(path, width, full, dcp, n, m, out, args.budget))
+                    except RuntimeError as exc:  # a path that cannot run here (PyTorch's own, out of memory) is a finding, not the end
+                        failed[path] = "killed (out of memory?)" if "SIGKILL" in str(exc) else str(exc).strip().splitlines()[-1][:100]
                     shutil.rmtree(out, ignore_errors=True)
-            medians = {p: statistics.median(r["seconds"] for r in runs[p]) for p in paths}
-            for path in paths:
+            for path, why in failed.items():
+                print(f"| {size} | {n} -> {m} | {path} | failed: {why} |  |  |  |  |  |  |  |  |  |  |", flush=True)
+                rows.append({"size_gb": size, "n": n, "m": m, "path": path, "failed": why})
+            paths_run = [p for p in paths if p not in failed]
+            medians = {p: statistics.median(r["seconds"] for r in runs[p]) for p in paths_run}
+            for path in paths_run:
                 last = runs[path][-1]
-                rss = max(x["peak_rss"] for x in last["memory"]) / 1e9
-                anon = max((x["peak_anonymous"] or 0) - (x["baseline_anonymous"] or 0) for x in last["memory"]) / 1e9
+                rss = max((x["peak_rss"] for x in last["memory"]), default=0) / 1e9
+                anon = max(((x["peak_anonymous"] or 0) - (x["baseline_anonymous"] or 0) for x in last["memory"]), default=0) / 1e9
                 ratio = lambda base: f"{medians[base] / medians[path]:.2f}" if base in medians else "-"  # noqa: E731
+                times = f"{medians[path] / medians['limit']:.2f}" if "limit" in medians else "-"
                 conv = statistics.median(r["conversion_s"] for r in runs[path])
                 flight, sent = in_flight(last), "-"
                 if last.get("sent"):
                     sent = f"{last['sent'] / 1e9:.2f} / {sum(last['output_bytes'][1:]) / 1e9:.2f}"  # rank 0 reads for the others
+                write = write_throughput(runs[path])
                 row = (
-                    f"| {size} | {n} -> {m} | {path} | {medians[path]:.1f} | {ratio('fsdp1')} | {ratio('dcp')} | {conv:.1f} | {rss:.2f} | {anon:.2f} "
-                    f"| {flight} | {sent} | {last['bytes'] / 1e9 / medians[path]:.2f} |"
+                    f"| {size} | {n} -> {m} | {path} | {medians[path]:.1f} | {ratio('fsdp1')} | {ratio('dcp')} | {times} | {conv:.1f} | {write} | {rss:.2f} "
+                    f"| {anon:.2f} | {flight} | {sent} | {last['bytes'] / 1e9 / medians[path]:.2f} |"
                 )
                 print(row, flush=True)
                 rows.append({"size_gb": size, "n": n, "m": m, "path": path, "runs": runs[path]})
-            if "osdpipe-offline" in runs:
-                cp = cp_seconds(full, directory)
-                offline = runs["osdpipe-offline"]
-                conv = statistics.median(r["conversion_s"] for r in offline)
-                out_bytes = offline[-1]["bytes"]
-                print(f"|  |  | cp of the source ({full.stat().st_size / 1e9:.2f} GB) | {cp:.1f} |  |  |  |  |  | {full.stat().st_size / 1e9 / cp:.2f} |")
-                print(f"|  |  | offline conversion throughput / cp | {out_bytes / conv / (full.stat().st_size / cp):.2f} |  |  |  |  |  |  |")
+            if "limit" in medians:
+                for path in (p for p in paths_run if p in OSDPIPE_PATHS):
+                    ratio = write_ratio(runs[path], runs["limit"])
+                    print(f"|  |  | {path}: write throughput / dd's (fdatasync, same bytes) | {ratio} |  |  |  |  |  |  |  |  |  |  |  |")
     (root / "results.json").write_text(json.dumps(rows, indent=1))
     print(f"\nraw results: {root / 'results.json'}")
 

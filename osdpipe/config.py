@@ -457,9 +457,14 @@ class RunSpec(_Frozen):
             return self  # the rest needs torch, or what the input's files settle (input.format, source.*)
         from osdpipe import formats, kinds  # the registries import torch: not before the schema is checked
 
+        from osdpipe import checkpoints  # the layouts' registry: imported with the others, past the schema check
+
         source, target = kinds.get(self.source.kind), kinds.get(self.target.kind)
         given, written = formats.get(self.input.format), formats.get(self.output.format)
-        if self.input.path is not None and given.directory != Path(self.input.path).is_dir():
+        layout = checkpoints.get(self.checkpoint.layout)
+        if self.input.path is not None and layout.whole and not Path(self.input.path).is_dir():
+            raise ValueError(f"input.path={self.input.path!r}: checkpoint={layout.name} reads the framework's checkpoint folder ({layout.looks_like}); point it there")
+        if self.input.path is not None and not layout.whole and given.directory != Path(self.input.path).is_dir():
             files, directories = (" or ".join(f.name for f in formats.FORMATS.values() if f.directory == d) for d in (False, True))
             if given.directory:
                 raise ValueError(f"input.path={self.input.path!r}: a {given.name} input is a directory; use input.format={files} for a file")
@@ -467,9 +472,6 @@ class RunSpec(_Frozen):
         why = (given.refuses_source(source) if self.input.path is not None else None) or written.refuses_target(target) or target.refuses_output(written)
         if why is not None:
             raise ValueError(why)
-        from osdpipe import checkpoints  # the layouts' registry: imported with the others, past the schema check
-
-        layout = checkpoints.get(self.checkpoint.layout)
         why = layout.refuses(given, written, source, target, generated=self.input.path is None)
         if why is not None:
             raise ValueError(why)

@@ -129,7 +129,7 @@ def whole_overrides(whole: WholeCheckpoint, facts: Facts) -> list[str]:
 
     layout = get(whole.layout)
     theirs = [o for o in facts.overrides() if not o.startswith(("input.path=", "input.format=", "input.key="))]
-    return [f"checkpoint={whole.layout}", f"input.path={whole.path}", f"input.format={layout.input_formats[0]}", *theirs]
+    return [f"checkpoint={whole.layout}", f"input.path={whole.path}", f"input.format={layout.input_format_of(whole.path)}", *theirs]
 
 
 def describe_whole(w: WholeCheckpoint) -> str:

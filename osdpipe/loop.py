@@ -134,8 +134,13 @@ def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None =
     warnings: list[str] = []
     watch = MemoryWatch(world.label).start()
     last: Played | None = None
+    ranks = play(plan, world, stages, timings, on_rank)
     try:
-        for last in play(plan, world, stages, timings, on_rank):
+        for _ in world.ranks():
+            # The rank played before goes before the next is made (what the report needs of it is in ``outcomes``):
+            # a ``for`` over ``play`` would keep its tensors through the next rank's stages, two target ranks' at once.
+            last = None
+            last = next(ranks)
             outcomes.append(outcome_of(last))
             warnings += [w for w in last.warnings if w not in warnings]
     finally:

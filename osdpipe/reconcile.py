@@ -86,7 +86,7 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         return raw, []
     layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
-        fmt = _get(raw, "input.format") if "input.format" in given else layout.input_formats[0]
+        fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
         _set(raw, "input.format", fmt)
         part = layout.optimizer_part(path, fmt)
         try:

@@ -54,6 +54,7 @@ def saved(tmp_path_factory) -> Path:
     spawn_world(whole_jobs.save_torchtitan, 4, (str(root / "titan"),), timeout_s=TIMEOUT_S)
     spawn_world(whole_jobs.save_torchtitan, 4, (str(root / "titan_v01"), True), timeout_s=TIMEOUT_S)
     spawn_world(whole_jobs.save_accelerate, 4, (str(root / "accelerate"),), timeout_s=TIMEOUT_S)
+    spawn_world(whole_jobs.save_accelerate_full, 4, (str(root / "accelerate_full"),), timeout_s=TIMEOUT_S)
     return root
 
 
@@ -145,6 +146,9 @@ CONVERSIONS = {
     "accelerate_dcp_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate/checkpoint_0", "source.kind=fsdp1",
                          "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
                          "output.format=dcp"],
+    "accelerate_full_dcp_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate_full/checkpoint_0", "source.kind=fsdp1",
+                              "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
+                              "output.format=dcp"],
 }
 
 
@@ -231,6 +235,20 @@ def test_accelerate_to_2_ranks_resumes_as_load_state_does_and_every_other_file_i
     for name in whole_jobs.ACCELERATE_FILES:
         assert (output / name).read_bytes() == (source / name).read_bytes(), name
     assert sorted(p.name for p in output.iterdir()) == sorted([*whole_jobs.ACCELERATE_FILES, "optimizer_0", "pytorch_model_fsdp_0"])
+
+
+def test_accelerates_full_variant_converts_to_the_sharded_folder_and_resumes_as_the_full_one_does(converted: dict[str, Path], saved: Path) -> None:
+    """FULL_STATE_DICT (pytorch_model_fsdp.bin, optimizer.bin) of 4 ranks -> the SHARDED folder for 2 ranks: loaded as load_state loads
+    each, the same model and optimizer bitwise, before and after two steps; every other file byte-identical."""
+    source, output = saved / "accelerate_full" / "checkpoint_0", converted["accelerate_full_dcp_2"] / "dcp"
+    for rank, (theirs, mine) in enumerate(spawn_world(whole_jobs.resume_accelerate, 2, ([str(source), str(output)],), timeout_s=TIMEOUT_S)):
+        _same(mine["loaded"], theirs["loaded"], f"rank {rank} loaded")
+        _same(mine["resumed"], theirs["resumed"], f"rank {rank} after two steps")
+    carried = sorted(p.name for p in source.iterdir() if p.name not in ("pytorch_model_fsdp.bin", "optimizer.bin"))
+    assert carried == sorted(["scheduler.bin", *(f"random_states_{r}.pkl" for r in range(4))])
+    for name in carried:
+        assert (output / name).read_bytes() == (source / name).read_bytes(), name
+    assert sorted(p.name for p in output.iterdir()) == sorted([*carried, "optimizer_0", "pytorch_model_fsdp_0"])
 
 
 def test_the_safetensors_export_is_the_full_model_sharded_by_max_shard_size(converted: dict[str, Path], saved: Path) -> None:

@@ -109,6 +109,35 @@ def save_accelerate(out: str) -> None:
     dist.barrier()
 
 
+def save_accelerate_full(out: str) -> None:
+    """One rank of an FSDP1 job on 4 ranks saving accelerate's ``save_state`` with FULL_STATE_DICT: ``pytorch_model_fsdp.bin``, ``optimizer.bin``."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import userlm
+
+    warnings.simplefilter("ignore")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = FSDP(userlm.build(), auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), use_orig_params=False, device_id=torch.device("cpu"))
+    optim, scheduler = _train(model)
+    root = Path(out) / "checkpoint_0"
+    root.mkdir(parents=True, exist_ok=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True), FullOptimStateDictConfig(rank0_only=True)):
+        model_sd, optim_sd = model.state_dict(), FSDP.optim_state_dict(model, optim)
+    random.seed(rank)
+    torch.save({"step": 2, "random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}, root / f"random_states_{rank}.pkl")
+    if rank == 0:
+        torch.save(model_sd, root / "pytorch_model_fsdp.bin")
+        torch.save(optim_sd, root / "optimizer.bin")
+        torch.save(scheduler.state_dict(), root / "scheduler.bin")
+    dist.barrier()
+
+
 # ---------------------------------------------------------------------------- resuming, as the frameworks resume
 
 
@@ -205,7 +234,12 @@ def resume_rank_local(path: str, source: str) -> list[dict]:
 
 
 def resume_accelerate(roots: list[str]) -> list[dict]:
-    """On each rank: each folder loaded as accelerate's ``load_state`` loads an FSDP1 SHARDED_STATE_DICT checkpoint, then two more steps."""
+    """On each rank: each folder loaded as accelerate's ``load_state`` loads an FSDP1 checkpoint, then two more steps.
+
+    SHARDED_STATE_DICT (``pytorch_model_fsdp_0/``, ``optimizer_0/``) through
+    DCP; FULL_STATE_DICT (``pytorch_model_fsdp.bin``, ``optimizer.bin``) as
+    full state dicts on every rank.
+    """
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -223,13 +257,20 @@ def resume_accelerate(roots: list[str]) -> list[dict]:
         model = FSDP(userlm.build(), auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), use_orig_params=False, device_id=torch.device("cpu"))
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
-        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
-            sd = {"model": model.state_dict()}
-            dcp.load(sd, checkpoint_id=str(Path(root) / "pytorch_model_fsdp_0"))
-            model.load_state_dict(sd["model"])
-            osd = load_sharded_optimizer_state_dict(model_state_dict=model.state_dict(), optimizer_key="optimizer",
-                                                    storage_reader=dcp.FileSystemReader(str(Path(root) / "optimizer_0")))
-            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd["optimizer"]))
+        if (Path(root) / "optimizer.bin").is_file():
+            from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False), FullOptimStateDictConfig(rank0_only=False)):
+                model.load_state_dict(torch.load(Path(root) / "pytorch_model_fsdp.bin", weights_only=True))
+                optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, torch.load(Path(root) / "optimizer.bin", weights_only=True)))
+        else:
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+                sd = {"model": model.state_dict()}
+                dcp.load(sd, checkpoint_id=str(Path(root) / "pytorch_model_fsdp_0"))
+                model.load_state_dict(sd["model"])
+                osd = load_sharded_optimizer_state_dict(model_state_dict=model.state_dict(), optimizer_key="optimizer",
+                                                        storage_reader=dcp.FileSystemReader(str(Path(root) / "optimizer_0")))
+                optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd["optimizer"]))
         scheduler.load_state_dict(torch.load(Path(root) / "scheduler.bin", weights_only=True))
         loaded = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "optim": optim.state_dict(), "scheduler": scheduler.state_dict()}
         _train_on(model, optim, scheduler)

@@ -3,7 +3,8 @@
 SHARDED_STATE_DICT gives ``pytorch_model_fsdp_<i>/`` (DCP of
 ``{"model": model.state_dict()}``) and ``optimizer_<i>/`` (DCP of
 ``{"optimizer": FSDP.optim_state_dict(...)}``); FULL_STATE_DICT gives
-``pytorch_model_fsdp.bin`` and ``optimizer.bin``. Beside them:
+``pytorch_model_fsdp.bin`` and ``optimizer.bin`` (``input.format=fsdp_full``:
+read as the full model and optimizer state, written out sharded). Beside them:
 ``scheduler.bin``, ``random_states_<r>.pkl`` per process,
 ``custom_checkpoint_<i>.pkl``, and when used ``sampler.bin``,
 ``dl_state_dict.bin``, ``scaler.pt``. Every other file is listed too.
@@ -31,7 +32,9 @@ if TYPE_CHECKING:  # annotations only: reading and writing import torch
 
 _MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)")
 _OPTIMIZER_DIR = re.compile(r"optimizer_(\d+)")
-_FULL_FILES = {"pytorch_model_fsdp.bin": "model", "optimizer.bin": "optimizer"}
+#: The FULL_STATE_DICT variant's two files.
+FULL_MODEL, FULL_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
+_FULL_FILES = {FULL_MODEL: "model", FULL_OPTIMIZER: "optimizer"}
 _PER_RANK = re.compile(r"random_states_(\d+)\.pkl")
 
 
@@ -69,7 +72,8 @@ class Accelerate(CheckpointLayout):
 
     # ------------------------------------------------------------------ conversion
 
-    input_formats = ("dcp",)
+    #: SHARDED_STATE_DICT (its two DCP directories), or FULL_STATE_DICT (``pytorch_model_fsdp.bin`` and ``optimizer.bin``).
+    input_formats = ("dcp", "fsdp_full")
     def generated_name(self, steps: int) -> str:
         return "checkpoint_0"  # save_state's first automatic name
 
@@ -99,19 +103,29 @@ class Accelerate(CheckpointLayout):
         if rank == 0:
             torch.save(scheduler.state_dict(), path / "scheduler.bin")
 
+    def input_format_of(self, path: str) -> str:
+        return "fsdp_full" if _full(path) else "dcp"
+
     def optimizer_part(self, path: str, input_format: str) -> Part:
+        if _full(path):  # FULL_STATE_DICT: FSDP.optim_state_dict's full state in one file
+            return Part(str(Path(path) / FULL_OPTIMIZER), "fsdp_full", "optim")
         return Part(str(Path(path) / OPTIMIZER_DIR), "dcp", "optimizer")
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
+        if _full(path):
+            from osdpipe.checkpoints.file_weights import FileWeights  # torch: only where a checkpoint is read
+
+            return FileWeights(Path(path) / FULL_MODEL, tree)
         from osdpipe.checkpoints.dcp_weights import DcpWeights  # torch.distributed.checkpoint: only where a DCP checkpoint is read
         from osdpipe.formats.dcp_reader import DcpCheckpoint
 
         return DcpWeights(DcpCheckpoint(str(Path(path) / MODEL_DIR), None), "model", tree)
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
-        """Every file of the folder but the model's and the optimizer's DCP directories, copied as it is."""
+        """Every file of the folder but the model's and the optimizer's parts, copied as it is."""
         root = Path(path)
-        files = tuple(sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in (MODEL_DIR, OPTIMIZER_DIR)))
+        parts = (FULL_MODEL, FULL_OPTIMIZER) if _full(path) else (MODEL_DIR, OPTIMIZER_DIR)
+        files = tuple(sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in parts))
         return Carrying(path, files=files, entries=self.read(root).entries)
 
     def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
@@ -189,5 +203,10 @@ class Accelerate(CheckpointLayout):
 
 #: The folder's DCP directories, as ``save_state`` names them for the first model and optimizer.
 MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+
+
+def _full(path: str) -> bool:
+    """Whether the folder is the FULL_STATE_DICT variant (one file each for the model and the optimizer)."""
+    return (Path(path) / FULL_OPTIMIZER).is_file() and not (Path(path) / OPTIMIZER_DIR).is_dir()
 #: Where a ``dcp`` output's folder goes, under ``output.path``: the folder ``load_state`` reads.
 DCP_DIR = "dcp"

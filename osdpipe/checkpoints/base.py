@@ -163,6 +163,10 @@ class CheckpointLayout:
         """Save the whole job as the framework does, on every rank of the source world (collective): what osdpipe converts with no ``input.path``."""
         raise NotImplementedError
 
+    def input_format_of(self, path: str) -> str:
+        """The ``input.format`` the checkpoint at ``path`` is, as its folder shows it (by default the layout's first)."""
+        return self.input_formats[0]
+
     def optimizer_part(self, path: str, input_format: str) -> Part:
         """Where the optimizer is in the checkpoint at ``path``, as today's readers take it."""
         raise NotImplementedError
