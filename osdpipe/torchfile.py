@@ -141,16 +141,16 @@ class DirectFile:
             if sync:
                 os.fsync(self.fd)
         finally:
-            self._writer.shutdown(wait=True)
-            os.close(self.fd)
-            for buffer in self._buffers:
-                buffer.close()
+            self.release()
         return self.sha256.hexdigest()
 
-    def abort(self) -> None:
-        """Stop, after a failure: the buffers' writes waited for, the file closed as it is (the caller drops it)."""
+    def release(self) -> None:
+        """Let go of the file and the buffers, the writes in flight waited for (after :meth:`close`, or after a failure: the caller drops the file)."""
+        if self.fd < 0:
+            return
         self._writer.shutdown(wait=True)
         os.close(self.fd)
+        self.fd = -1
         for buffer in self._buffers:
             buffer.close()
 
@@ -167,6 +167,10 @@ class Archive:
         self.entries: list[tuple[str, int, int, int]] = []  # name, crc, size, header offset
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-hash")
         self._digests: list[tuple[int, Future[str], memoryview]] = []  # the storage, its digest to come, its bytes (kept until hashed)
+
+    def close(self) -> None:
+        """Stop the hashing thread, once every storage's digest is taken."""
+        self._hasher.shutdown(wait=True)
 
     @property
     def storage_digests(self) -> dict[int, str]:
@@ -256,11 +260,10 @@ def save(obj: Any, path: Path, *, sync: bool = True, direct: bool = True) -> tup
     try:
         torch.serialization._save(obj, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)  # torch.save's own pickling of the records
         archive.finish()
-        digests = archive.storage_digests
+        return out.close(sync), archive.storage_digests
     except BaseException:
-        out.abort()
+        out.release()
         path.unlink(missing_ok=True)
         raise
     finally:
-        archive._hasher.shutdown(wait=True)
-    return out.close(sync), digests
+        archive.close()

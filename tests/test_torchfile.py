@@ -111,3 +111,17 @@ def test_large_records_cross_buffer_boundaries(tmp_path: Path, monkeypatch: pyte
     digest, _ = torchfile.save(osd, path)
     assert diff(torch.load(path, weights_only=True), osd) == [] and digest == hashlib.sha256(path.read_bytes()).hexdigest()
     assert torch.load(io.BytesIO(path.read_bytes()), weights_only=True)["c"].shape == (3, 4097)
+
+
+def test_a_failure_while_finishing_the_file_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last write, the cut to length or the sync can fail too (a full disk): the file goes, as for a failure while writing."""
+    import os
+
+    def full_disk(fd: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "ftruncate", full_disk)
+    path = tmp_path / "rank_0.pt"
+    with pytest.raises(OSError, match="No space left"):
+        torchfile.save({"a": torch.randn(100)}, path)
+    assert not path.exists()
