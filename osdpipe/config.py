@@ -455,9 +455,7 @@ class RunSpec(_Frozen):
             raise ValueError("runtime.mode=offline runs in one process, with no process group; set runtime.launcher=auto or local")
         if not _complete(info):
             return self  # the rest needs torch, or what the input's files settle (input.format, source.*)
-        from osdpipe import formats, kinds  # the registries import torch: not before the schema is checked
-
-        from osdpipe import checkpoints  # the layouts' registry: imported with the others, past the schema check
+        from osdpipe import checkpoints, formats, kinds  # the registries import torch: not before the schema is checked
 
         source, target = kinds.get(self.source.kind), kinds.get(self.target.kind)
         given, written = formats.get(self.input.format), formats.get(self.output.format)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from osdpipe.torchfile import save as save_torch_file
+from osdpipe.whole_file import MODEL_PART, OPTIMIZER_PART, is_whole
 
 
 class HashingFile:
@@ -78,9 +79,9 @@ def tensor_digests(osd: dict[str, Any], known: dict[int, str] | None = None) -> 
     :mod:`osdpipe.checkpoints.output`) is keyed ``model.<name>`` and
     ``optim.<param key>.<state name>``.
     """
-    if isinstance(osd.get("model"), dict) and isinstance(osd.get("optim"), dict):
-        model = {f"model.{name}": tensor_sha256(value, known) for name, value in osd["model"].items() if torch.is_tensor(value)}
-        return {**model, **{f"optim.{k}": v for k, v in tensor_digests(osd["optim"], known).items()}}
+    if is_whole(osd):
+        model = {f"{MODEL_PART}.{name}": tensor_sha256(value, known) for name, value in osd[MODEL_PART].items() if torch.is_tensor(value)}
+        return {**model, **{f"{OPTIMIZER_PART}.{k}": v for k, v in tensor_digests(osd[OPTIMIZER_PART], known).items()}}
     out = {}
     for key, state in osd.get("state", {}).items():
         for name, value in (state.items() if isinstance(state, dict) else []):

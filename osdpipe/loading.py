@@ -25,6 +25,7 @@ from osdpipe.kinds.fsdp2 import from_rank_local
 from osdpipe.layout import DTENSOR_TABLE, LocalTensor
 from osdpipe.optim import local_shape
 from osdpipe.tree import ModuleTree, WRAPPER_PARTS, WRAPPER_PREFIX
+from osdpipe.whole_file import MODEL_PART, OPTIMIZER_PART, is_whole
 
 #: The top-level key of a param-ID keyed file osdpipe writes that records, per
 #: param ID, what the local tensor holds: ``{"key": its name (a parameter FQN,
@@ -136,29 +137,19 @@ def load_rank_local(optim: torch.optim.Optimizer, path: str | Path, model: nn.Mo
     A whole checkpoint's file (``{"model": ..., "optim": ..., ...}``) loads its
     optimizer part so, and, given ``model``, its model part too: each
     parameter's and buffer's local piece, checked by name and shape first
-    (:func:`load_model_local`). The other entries are the caller's to take
+    (:func:`fitting_model`). The other entries are the caller's to take
     from the file (``torch.load(path, weights_only=True)``).
 
     Raises:
         LayoutMismatch: the file was converted for another layout (one line naming the param ID, both shapes or compositions).
     """
-    whole = torch.load(path, map_location="cpu", weights_only=True)
-    osd = whole[OPTIMIZER_PART] if is_whole(whole) else whole
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    osd, pieces = (loaded[OPTIMIZER_PART], loaded[MODEL_PART]) if is_whole(loaded) else (loaded, None)
     check_fits(optim, osd, model=model, where=str(path))
-    if is_whole(whole) and model is not None:
-        check_model_fits(model, whole[MODEL_PART], str(path))
+    targets = fitting_model(model, pieces, str(path)) if pieces is not None and model is not None else None  # both parts checked before either loads
     optim.load_state_dict(from_rank_local(optim, {k: v for k, v in osd.items() if k != PARAM_LAYOUT}))
-    if is_whole(whole) and model is not None:
-        load_model_local(model, whole[MODEL_PART], str(path))
-
-
-#: The keys of a whole checkpoint's rank file that hold the model's and the optimizer's state (:mod:`osdpipe.checkpoints.output`).
-MODEL_PART, OPTIMIZER_PART = "model", "optim"
-
-
-def is_whole(loaded: Any) -> bool:
-    """Whether a loaded rank file is a whole checkpoint's (model, optimizer and the rest) rather than an optimizer's."""
-    return isinstance(loaded, dict) and isinstance(loaded.get(MODEL_PART), dict) and isinstance(loaded.get(OPTIMIZER_PART), dict)
+    if targets is not None:
+        _copy_into(targets, pieces)
 
 
 def _local_model(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -166,11 +157,12 @@ def _local_model(model: nn.Module) -> dict[str, torch.Tensor]:
     return {unwrapped_name(name): local_part(value) for name, value in model.state_dict(keep_vars=True).items()}
 
 
-def check_model_fits(model: nn.Module, pieces: dict[str, torch.Tensor], where: str) -> None:
-    """Refuse a model part whose names or local shapes are not this rank's model's (converted for another model or layout).
+def fitting_model(model: nn.Module, pieces: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """This rank's live tensor for each of a whole checkpoint's model pieces, by name, once the pieces are found to fit.
 
     Raises:
-        LayoutMismatch: naming the first name or shape that differs, and what to do.
+        LayoutMismatch: the part's names or local shapes are not this rank's model's (converted for another model or
+            layout), naming the first that differs and what to do.
     """
     own = _local_model(model)
     missing, unexpected = sorted(set(own) - set(pieces)), sorted(set(pieces) - set(own))
@@ -185,16 +177,19 @@ def check_model_fits(model: nn.Module, pieces: dict[str, torch.Tensor], where: s
                 f"{where}: the model part's {name} is {piece.dtype} {list(piece.shape)} but this rank's parameter is "
                 f"{own[name].dtype} {list(own[name].shape)}; the file was converted for another layout: convert again with this job's target.*"
             )
+    return own
 
 
 def load_model_local(model: nn.Module, pieces: dict[str, torch.Tensor], where: str) -> None:
     """Copy each local piece of a whole checkpoint's model part into this rank's live model, in place (no collective: each rank its own).
 
     Raises:
-        LayoutMismatch: as :func:`check_model_fits`.
+        LayoutMismatch: as :func:`fitting_model`.
     """
-    check_model_fits(model, pieces, where)
-    own = _local_model(model)
+    _copy_into(fitting_model(model, pieces, where), pieces)
+
+
+def _copy_into(targets: dict[str, torch.Tensor], pieces: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, piece in pieces.items():
-            own[name].copy_(piece.to(own[name].device))
+            targets[name].copy_(piece.to(targets[name].device))

@@ -28,6 +28,7 @@ from osdpipe.products import P, CheckResult, Described, Sharded, SkippedCheck, S
 from osdpipe.report import Report, StageReport
 from osdpipe.stages import STAGES
 from osdpipe.stages.save import commit
+from osdpipe.weights import WholeSource
 from osdpipe.world import World
 
 #: Stages that open and describe the source: run once per process, their product shared by every rank it plays.
@@ -156,8 +157,7 @@ def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None =
         error = None
         if 0 in world.ranks():  # one process commits: the one that plays rank 0
             try:
-                source = last.find(Described)
-                files = commit(last.ctx, [o.saved for o in every], tally, None if source is None else source.meta.carried)
+                files = commit(last.ctx, [o.saved for o in every], tally, _carried(last))
             except Exception as exc:  # noqa: BLE001 - shared with every process below
                 error = one_line(exc)
         agree("save", error)
@@ -186,10 +186,15 @@ def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None =
     return report, last
 
 
+def _carried(played: Played) -> WholeSource | None:
+    """What a whole checkpoint carries over besides the model and the optimizer (``None``: the input is an optimizer's alone)."""
+    source = played.find(Described)
+    return None if source is None else source.meta.carried
+
+
 def _entries(played: Played) -> list[dict[str, Any]]:
     """A whole checkpoint's every entry and what became of it (none for an optimizer's alone)."""
-    source = played.find(Described)
-    carried = None if source is None else source.meta.carried
+    carried = _carried(played)
     return [] if carried is None else fates(carried.carrying)
 
 

@@ -147,7 +147,10 @@ def _roll_back(directory: Path) -> None:
     previous = directory / PREVIOUS
     if previous.is_dir():
         for entry in conversion_entries(directory):
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
         _move_all([p for p in previous.iterdir() if p.name != _COMPLETE], directory)
     shutil.rmtree(directory / INCOMING, ignore_errors=True)
 

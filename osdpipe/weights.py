@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from osdpipe.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader, TensorRef
-from osdpipe.tree import ModuleTree
+from osdpipe.tree import ModuleTree, ParamInfo
 
 
 @dataclass
@@ -106,7 +106,7 @@ class WholeSource:
 
     layout: str
     carrying: Any  # osdpipe.checkpoints.base.Carrying
-    carried: Any  # osdpipe.checkpoints.output.CarriedData
+    carried: Any  # osdpipe.checkpoints.base.CarriedData
 
 
 def stored_names(stored: Iterable[str], tree: ModuleTree) -> dict[str, str]:
@@ -159,22 +159,23 @@ class WholeReader:
         carried = None if self.layout is None else WholeSource(self.layout.name, self.carrying, self.layout.read_carried(self.carrying))
         return SourceMeta(state=state, param_groups=optimizer.param_groups, extra=optimizer.extra, names=names, buffers=model.buffers, carried=carried)
 
-    def _weights_name(self, name: str) -> str:
-        """The model part's name for a parameter asked for by the optimizer part's name (or the canonical one)."""
-        return self.model.stored_name(self.tree.param(name).fqn if self.tree.has_param(name) else self.tree.resolve(name).fqn)
+    def _param(self, name: str) -> tuple[ParamInfo, str]:
+        """The parameter asked for by the optimizer part's name for it (or the canonical one), and the model part's name for it."""
+        param = self.tree.resolve(name)
+        return param, self.model.stored_name(param.fqn)
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         theirs = [(f, n) for f, n in items if n != WEIGHTS]
         out = self.optimizer.read(theirs) if theirs else {}
         for fqn, name in items:
             if name == WEIGHTS:
-                param = self.tree.resolve(fqn)
-                out[(fqn, name)] = self.model.read_weights(self._weights_name(fqn), 0, param.numel).reshape(param.shape)
+                param, stored = self._param(fqn)
+                out[(fqn, name)] = self.model.read_weights(stored, 0, param.numel).reshape(param.shape)
         return out
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
         if name == WEIGHTS:
-            return self.model.read_weights(self._weights_name(fqn), start, stop)
+            return self.model.read_weights(self._param(fqn)[1], start, stop)
         return self.optimizer.read_range(fqn, name, start, stop)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:

@@ -146,6 +146,8 @@ CONVERSIONS = {
     "accelerate_dcp_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate/checkpoint_0", "source.kind=fsdp1",
                          "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
                          "output.format=dcp"],
+    "accelerate_rank_local_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate/checkpoint_0", "source.kind=fsdp1",
+                                "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp2", "target.world_size=2", "output.format=rank_local"],
     "accelerate_full_dcp_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate_full/checkpoint_0", "source.kind=fsdp1",
                               "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
                               "output.format=dcp"],
@@ -192,7 +194,8 @@ def test_torchtitan_to_2_ranks_resumes_as_pytorchs_own_reshard_loaded_as_torchti
         for label, got in (("v0.2", mine), ("v0.1 nested", v01)):
             _same(got["loaded"], theirs["loaded"], f"rank {rank} {label} loaded")
             _same(got["resumed"], theirs["resumed"], f"rank {rank} {label} after two steps")
-        assert mine["loaded"]["train_state"] == {"step": 2, "ntokens_seen": 4096} and mine["loaded"]["user_notes"] == {"run": "tiny", "seed": 0}
+        assert mine["loaded"]["train_state"] == {"step": 2, "ntokens_seen": 4096}
+        _same(mine["loaded"]["user_notes"], whole_jobs.user_notes(), f"rank {rank} the user's entry")
     import torch.distributed.checkpoint as dcp
 
     model_keys = {p[0] for p in dcp.FileSystemReader(outputs[1]).read_metadata().planner_data.values()}
@@ -207,10 +210,10 @@ def test_torchtitan_dataloader_entries_are_carried_over_as_stored(converted: dic
     carried = [f for f, p in source.paths.items() if p[0] in whole_jobs.TITAN_OTHER]
     assert len(carried) >= 7
     for flat in carried:
-        if source.stored(flat) is not None and not source.is_tensor(flat):
+        if not source.is_tensor(flat) and source.stored(flat) is not None:
             assert output.stored(flat) == source.stored(flat), flat
         else:
-            _same(output.read_whole(flat), source.read_whole(flat), flat)
+            _same(output.read_item(flat), source.read_item(flat), flat)
 
 
 def test_torchtitan_to_3_rank_files_loads_with_load_rank_local_and_resumes_as_pytorchs_own_reshard(converted: dict[str, Path], saved: Path) -> None:
@@ -223,7 +226,8 @@ def test_torchtitan_to_3_rank_files_loads_with_load_rank_local_and_resumes_as_py
         _same(mine["loaded"]["scheduler"], theirs["loaded"]["scheduler"], f"rank {rank} scheduler")
         _same(mine["resumed"], theirs["resumed"], f"rank {rank} after two steps")
         entries = mine["entries"]
-        assert entries["train_state"] == {"step": 2, "ntokens_seen": 4096} and entries["user_notes"] == {"run": "tiny", "seed": 0}
+        assert entries["train_state"] == {"step": 2, "ntokens_seen": 4096}
+        _same(entries["user_notes"], whole_jobs.user_notes(), f"rank {rank} the user's entry")
         assert sorted(entries["dataloader"]) == sorted([*(f"dp_rank_{r}" for r in range(4)), "world_size"]) and entries["dataloader"]["world_size"] == 4
 
 
@@ -235,6 +239,30 @@ def test_accelerate_to_2_ranks_resumes_as_load_state_does_and_every_other_file_i
     for name in whole_jobs.ACCELERATE_FILES:
         assert (output / name).read_bytes() == (source / name).read_bytes(), name
     assert sorted(p.name for p in output.iterdir()) == sorted([*whole_jobs.ACCELERATE_FILES, "optimizer_0", "pytorch_model_fsdp_0"])
+
+
+def test_accelerate_to_fsdp2_rank_files_keeps_every_other_file_beside_them(converted: dict[str, Path], saved: Path) -> None:
+    """FSDP1 on 4 ranks -> FSDP2 rank files for 2 (README: "accelerate's other files go beside them"): each rank file loads with
+    osdpipe.load_rank_local into an FSDP2 job, model given, and holds what accelerate's own load of the source gives that job (the
+    checks in the fixture compare with PyTorch); every other file of the folder lies beside the rank files, byte for byte."""
+    source, output = saved / "accelerate" / "checkpoint_0", converted["accelerate_rank_local_2"]
+    for name in whole_jobs.ACCELERATE_FILES:
+        assert (output / name).read_bytes() == (source / name).read_bytes(), name
+    assert sorted(p.name for p in output.iterdir() if p.suffix in (".pt", ".pkl", ".bin")) == sorted([*whole_jobs.ACCELERATE_FILES, "rank_0.pt", "rank_1.pt"])
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert set(whole_jobs.ACCELERATE_FILES) <= set(manifest["files"]), "the carried files are part of the conversion (an overwrite replaces them)"
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved_model = str(source / "pytorch_model_fsdp_0")  # the source's model, read by DCP itself in this process
+    metadata = dcp.FileSystemReader(saved_model).read_metadata().state_dict_metadata
+    want = {"model": {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)}}
+    dcp.load(want, checkpoint_id=saved_model)
+    for rank, loaded in enumerate(spawn_world(whole_jobs.load_rank_files, 2, (str(output),), timeout_s=TIMEOUT_S)):
+        assert set(want["model"]) <= set(loaded["model"]) and set(loaded["model"]) == _model_keys(), f"rank {rank}: {sorted(loaded['model'])}"
+        _same({k: loaded["model"][k] for k in want["model"]}, want["model"], f"rank {rank} model")
+        assert loaded["finite"] and loaded["lr"] != 1e-2, f"rank {rank}: the scheduler's lr, and two more finite steps"
 
 
 def test_accelerates_full_variant_converts_to_the_sharded_folder_and_resumes_as_the_full_one_does(converted: dict[str, Path], saved: Path) -> None:
@@ -282,6 +310,32 @@ REFUSED = {
     "export of an optimizer": (["output.model_format=safetensors"], ["output.model_format=safetensors", "checkpoint=torchtitan or accelerate"]),
     "torchtitan trains FSDP2": (["checkpoint=torchtitan", "source.kind=fsdp1", "output.format=dcp"], ["checkpoint=torchtitan", "source.kind=fsdp2"]),
 }
+
+
+def test_a_users_own_top_level_tensor_is_carried_and_reported_as_carried(tmp_path: Path) -> None:
+    """A torchtitan step whose user put a tensor of their own at the top level, beside the model's: what a conversion carries
+    (its shape and dtype, enough to plan the output's DCP items on a rank that does not hold it) and what the report calls it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import userlm
+    from osdpipe.checkpoints import get
+    from osdpipe.checkpoints.base import fates
+    from osdpipe.checkpoints.output import carried_state
+    from osdpipe.formats import dcp_writer
+    from osdpipe.tree import describe
+
+    model = userlm.build()
+    step = tmp_path / "step-1"
+    dcp.save({**model.state_dict(), "ema_scale": torch.full((4,), 0.5), "train_state": {"step": 1, "ntokens_seen": 64}}, checkpoint_id=str(step))
+    carrying = get("torchtitan").carried(str(step), "dcp", describe(model))
+    assert carrying.model_key is None and carrying.item_tensors == {"ema_scale": ((4,), "float32")}
+    fate = {row["name"]: (row["part"], row["fate"]) for row in fates(carrying)}
+    assert fate["ema_scale"] == ("other", "carried over unchanged"), fate
+    assert {n.removeprefix("model.") for n, (part, _) in fate.items() if part == "model"} == _model_keys()
+    planned = carried_state(carrying, None)  # what a rank that does not hold the items plans with
+    assert planned["ema_scale"].device.type == "meta" and planned["ema_scale"].shape == (4,)
+    dcp_writer.plan(lambda r: planned if r == 0 else {}, 2)  # DCP's planner takes it
 
 
 def test_what_a_whole_checkpoint_cannot_be_asked_is_one_line(tmp_path: Path) -> None:
@@ -349,12 +403,12 @@ def test_osdpipe_check_proves_a_whole_conversion_later_and_names_one_wrong_weigh
     whole = torch.load(file, weights_only=True)
     whole["model"]["blocks.2.wq.weight"].view(-1)[3] += 1
     torch.save(whole, file)
-    cases = [["check", str(converted[name])] for name in ("titan_dcp_2", "titan_v01_dcp_2", "accelerate_dcp_2")]
+    cases = [["check", str(converted[name])] for name in ("titan_dcp_2", "titan_v01_dcp_2", "accelerate_dcp_2", "accelerate_rank_local_2")]
     cases += [["check", str(converted["titan_rank_local_3"]), "--load"], ["check", str(spoiled)]]
     results = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
     for case, result in zip(cases[:-1], results[:-1]):
         assert result["code"] == 0, f"{case}: {result['stdout']}{result['stderr']}"
-    assert "check resume     pass" in results[3]["stdout"] and "from the checkpoint's own weights" in results[3]["stdout"]
+    assert "check resume     pass" in results[4]["stdout"] and "from the checkpoint's own weights" in results[4]["stdout"]
     bad = results[-1]
     assert bad["code"] == 1, bad
     assert f"{file}: ['model']['blocks.2.wq.weight']: 1 element(s) differ, first at flat index 3" in bad["stdout"], bad["stdout"]

@@ -30,6 +30,13 @@ import torch
 
 #: The entries every torchtitan fixture holds besides the model and the optimizer.
 TITAN_OTHER = ("lr_scheduler", "dataloader", "train_state", "user_notes")
+
+
+def user_notes() -> dict:
+    """The user's own entry of every torchtitan fixture: plain values and a tensor (carried as a tensor item, not as stored bytes)."""
+    return {"run": "tiny", "seed": 0, "ema": torch.full((3,), 0.25)}
+
+
 #: The files an accelerate fixture holds besides its two DCP directories, for 4 ranks.
 ACCELERATE_FILES = ("scheduler.bin", "custom_checkpoint_0.pkl", *(f"random_states_{r}.pkl" for r in range(4)))
 
@@ -69,7 +76,7 @@ def save_torchtitan(out: str, nested: bool = False) -> None:
     state["lr_scheduler"] = scheduler.state_dict()
     state["dataloader"] = {f"dp_rank_{rank}": pickle.dumps({"sample_index": 100 + rank}), "world_size": dist.get_world_size()}
     state["train_state"] = {"step": 2, "ntokens_seen": 4096}
-    state["user_notes"] = {"run": "tiny", "seed": 0}
+    state["user_notes"] = user_notes()
     dcp.save(state, checkpoint_id=str(Path(out) / "step-2"))
     full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))  # beside the checkpoint, for the tests to compare with
     full_model = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -201,7 +208,7 @@ def resume_torchtitan(paths: list[str]) -> list[dict]:
         state["optimizer"] = get_optimizer_state_dict(model, optim, options=flat)
         state["lr_scheduler"] = scheduler.state_dict()
         state["train_state"] = {"step": 0, "ntokens_seen": 0}
-        state["user_notes"] = {"run": "", "seed": -1}
+        state["user_notes"] = {"run": "", "seed": -1, "ema": torch.zeros(3)}
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state["model"] if nested else {k: v for k, v in state.items() if k in model_sd})
         set_optimizer_state_dict(model, optim, state["optimizer"], options=flat)
@@ -231,6 +238,23 @@ def resume_rank_local(path: str, source: str) -> list[dict]:
     resumed = {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim)}
     theirs = resume_torchtitan([source])[0]
     return [{"loaded": mine, "resumed": resumed, "entries": {k: v for k, v in whole.items() if k not in ("model", "optim")}}, theirs]
+
+
+def load_rank_files(path: str) -> dict:
+    """On each rank of an FSDP2 job: its whole rank file loaded with ``osdpipe.load_rank_local`` (model given) and the scheduler
+    from ``scheduler.bin`` beside it; the full model the job then holds, and whether two more steps stay finite."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import osdpipe
+
+    model, optim, scheduler = _fsdp2_job(seed=13)
+    osdpipe.load_rank_local(optim, Path(path) / f"rank_{dist.get_rank()}.pt", model=model)
+    scheduler.load_state_dict(torch.load(Path(path) / "scheduler.bin", weights_only=True))
+    full = {k: v.detach().clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+    _train_on(model, optim, scheduler)
+    finite = all(torch.isfinite(p.full_tensor()).all() for p in model.parameters())
+    return {"model": full, "finite": bool(finite), "lr": optim.param_groups[0]["lr"]}
 
 
 def resume_accelerate(roots: list[str]) -> list[dict]:

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from osdpipe.checkpoints.base import Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
+from osdpipe.checkpoints.base import DCP_DIR, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
 from osdpipe.checkpoints.dcp_entries import dcp_items, is_dcp
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
@@ -35,6 +35,8 @@ _OPTIMIZER_DIR = re.compile(r"optimizer_(\d+)")
 #: The FULL_STATE_DICT variant's two files.
 FULL_MODEL, FULL_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
 _FULL_FILES = {FULL_MODEL: "model", FULL_OPTIMIZER: "optimizer"}
+#: The SHARDED_STATE_DICT variant's DCP directories, as ``save_state`` names them for the first model and optimizer.
+MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
 _PER_RANK = re.compile(r"random_states_(\d+)\.pkl")
 
 
@@ -74,6 +76,7 @@ class Accelerate(CheckpointLayout):
 
     #: SHARDED_STATE_DICT (its two DCP directories), or FULL_STATE_DICT (``pytorch_model_fsdp.bin`` and ``optimizer.bin``).
     input_formats = ("dcp", "fsdp_full")
+
     def generated_name(self, steps: int) -> str:
         return "checkpoint_0"  # save_state's first automatic name
 
@@ -161,13 +164,12 @@ class Accelerate(CheckpointLayout):
             done.update({f"{DCP_DIR}/{k}": v for k, v in output.finish_dcp(root, name, shared, [r.results[index] for r in per_rank]).items()})
         return {**done, **output.copy_files(carrying, staging, DCP_DIR)}
 
-
     def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
         """As ``load_state`` loads the folder's two DCP directories: the model's state dict under ``model``, the optimizer's under ``optimizer``.
 
-        Through PyTorch's own state-dict API (``get``/``set_model_state_dict``
-        and ``_optimizer_state_dict``), which loads an FSDP1 job the way
-        accelerate's SHARDED_STATE_DICT path does and an FSDP2 job as well.
+        Through PyTorch's own state-dict API (``get_``/``set_model_state_dict``,
+        ``get_``/``set_optimizer_state_dict``), which loads an FSDP1 job the way
+        accelerate's SHARDED_STATE_DICT path does, and an FSDP2 job as well.
         """
         if fmt.keyed_by_id:  # each rank's own file
             return super().load_output(model, optim, directory, rank, fmt)
@@ -201,12 +203,6 @@ class Accelerate(CheckpointLayout):
         return problems + (output.file_differences(root, parts.carrying) if rank == 0 else [])
 
 
-#: The folder's DCP directories, as ``save_state`` names them for the first model and optimizer.
-MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
-
-
 def _full(path: str) -> bool:
     """Whether the folder is the FULL_STATE_DICT variant (one file each for the model and the optimizer)."""
     return (Path(path) / FULL_OPTIMIZER).is_file() and not (Path(path) / OPTIMIZER_DIR).is_dir()
-#: Where a ``dcp`` output's folder goes, under ``output.path``: the folder ``load_state`` reads.
-DCP_DIR = "dcp"

@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # annotations only: the layouts import torch where they read 
     from osdpipe.formats.base import Format, RankFiles
     from osdpipe.tree import ModuleTree
 
+#: Where a whole checkpoint's ``dcp`` output goes under ``output.path``: the folder the framework loads (a step folder, a ``save_state`` folder).
+DCP_DIR = "dcp"
+
 #: What an entry is to a conversion: model weights and optimizer state are converted; anything else is carried over.
 PARTS = ("model", "optimizer", "other")
 
@@ -96,18 +99,23 @@ class Carrying:
             optimizer, by flat key: each is written again as it is stored
             (``dcp`` output) or as its value (``rank_local``).
         item_paths: each item's path in the saved state dict.
-        item_tensors: the items that are tensors (re-stored from their values, not their bytes).
+        item_tensors: the items that are tensors, each with its shape and
+            dtype name (re-stored from their values, not their bytes; a rank
+            that only plans the output needs no more of them).
         files: files beside the checkpoint's DCP directories, relative to
             ``source``, copied byte for byte next to the output.
         entries: every entry of the checkpoint, for the report.
+        model_key: where the model's state dict sits in the checkpoint's
+            saved state dict (``None``: at the top level), kept so in the output.
     """
 
     source: str
     items: tuple[str, ...] = ()
     item_paths: tuple[tuple[Any, ...], ...] = ()
-    item_tensors: frozenset[str] = frozenset()
+    item_tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     files: tuple[str, ...] = ()
     entries: tuple[Entry, ...] = ()
+    model_key: str | None = None
 
 
 @dataclass
@@ -138,8 +146,8 @@ class CheckpointLayout:
         (``None``: it can); one line naming the keys to set."""
         if not self.whole:
             return None
-        if generated and self.refuses_source_kind(source_kind) is not None:
-            return self.refuses_source_kind(source_kind)
+        if generated and (why := self.refuses_source_kind(source_kind)) is not None:
+            return why
         if not generated and given.name not in self.input_formats:
             return f"checkpoint={self.name}: its input is input.format={' or '.join(self.input_formats)} (the checkpoint's folder), not {given.name}"
         if written.name not in self.output_formats:

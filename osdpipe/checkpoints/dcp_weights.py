@@ -36,7 +36,7 @@ class DcpWeights:
 
     def model_meta(self) -> ModelMeta:
         stored = {name: self.checkpoint.ref(flat) for name, flat in self.items.items() if self.tree.resolve(name) is not None}
-        buffers = {name: self.checkpoint.read_whole(flat) for name, flat in self.items.items() if self.tree.resolve(name) is None}
+        buffers = {name: self.checkpoint.read_item(flat) for name, flat in self.items.items() if self.tree.resolve(name) is None}
         return model_meta_of(stored, buffers, self.tree, self.checkpoint.path)
 
     def stored_name(self, fqn: str) -> str:

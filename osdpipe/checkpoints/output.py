@@ -35,15 +35,14 @@ from torch.distributed.checkpoint._traverse import set_element
 from osdpipe.checkpoints.base import CarriedData, Carrying
 from osdpipe.digest import tensor_digests, tensor_sha256
 from osdpipe.formats import dcp_writer
-from osdpipe.formats.base import InputError, RankFiles, write_torch_file
-from osdpipe.formats.rank_local import rank_file_name
 from osdpipe.compare import diff
+from osdpipe.formats.base import WEIGHTS, InputError, RankFiles, write_torch_file
+from osdpipe.formats.rank_local import rank_file_name
 from osdpipe.layout import dim0_chunk_bounds
+from osdpipe.safetensors_out import TensorSpec, write_safetensors
 from osdpipe.tree import ModuleTree
 from osdpipe.weights import model_state_dict
-
-#: The keys of a whole checkpoint's ``rank_local`` file that hold the model and the optimizer; every other key is a carried entry.
-MODEL_KEY, OPTIMIZER_KEY = "model", "optim"
+from osdpipe.whole_file import MODEL_PART, OPTIMIZER_PART
 
 
 def read_carried(checkpoint: Any, carrying: Carrying) -> CarriedData:
@@ -51,16 +50,11 @@ def read_carried(checkpoint: Any, carrying: Carrying) -> CarriedData:
     data = CarriedData()
     for flat in carrying.items:
         if flat in carrying.item_tensors:
-            data.tensors[flat] = checkpoint.read_whole(flat)
-            continue
-        raw = checkpoint.stored(flat)
-        if raw is not None:
+            data.tensors[flat] = checkpoint.read_item(flat)
+        elif (raw := checkpoint.stored(flat)) is not None:
             data.raw[flat] = raw
-        else:
-            loaded: Any = checkpoint.load({flat})
-            for part in checkpoint.metadata.planner_data[flat]:
-                loaded = loaded[part]
-            data.values[flat] = loaded
+        else:  # stored transformed (compressed): its bytes mean nothing without DCP's transform
+            data.values[flat] = checkpoint.read_item(flat)
     return data
 
 
@@ -117,7 +111,7 @@ def rank_parts(keyed: Any, tree: ModuleTree) -> RankParts:
 
 def rank_file_content(parts: RankParts) -> dict[str, Any]:
     """What a whole checkpoint's ``rank_<r>.pt`` holds: model, optimizer and every carried entry."""
-    whole = {MODEL_KEY: parts.model, OPTIMIZER_KEY: parts.optimizer}
+    whole = {MODEL_PART: parts.model, OPTIMIZER_PART: parts.optimizer}
     for name, value in carried_values(parts.carrying, parts.carried).items():
         if name in whole:
             raise InputError(f"{parts.carrying.source}: an entry of its own is called {name!r}, which a rank file keeps the {name} in; rename it")
@@ -189,9 +183,8 @@ def carried_state(carrying: Carrying, data: CarriedData | None) -> dict[str, Any
     out: dict[str, Any] = {}
     for flat, path in zip(carrying.items, carrying.item_paths):
         if flat in carrying.item_tensors:
-            value = data.tensors[flat] if data is not None else None
-            if value is None:
-                raise ValueError(f"{flat}: the carried tensor is not at hand")
+            shape, dtype = carrying.item_tensors[flat]
+            value = data.tensors[flat] if data is not None else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
         elif data is not None and flat in data.values:
             value = data.values[flat]
         else:
@@ -241,7 +234,7 @@ def model_differences(checkpoint: Any, key: str | None, model: dict[str, torch.T
             got, where = checkpoint.read_range(flat, start, start + want.numel()), f"{flat} (rows from flat index {start})"
             want = want.reshape(-1)
         elif rank == 0:
-            got, where = checkpoint.read_whole(flat), flat
+            got, where = checkpoint.read_item(flat), flat
         else:
             continue
         problems += [f"{checkpoint.path}: {p}" for p in diff(got, want, path=where, limit=1)]
@@ -259,7 +252,7 @@ def carried_differences(checkpoint: Any, carrying: Carrying, data: CarriedData) 
                 problems.append(f"{checkpoint.path}: the carried entry {flat} is not stored as the source stores it")
         else:
             want = data.tensors.get(flat, data.values.get(flat))
-            problems += [f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_whole(flat), want, path=flat, limit=1)]
+            problems += [f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_item(flat), want, path=flat, limit=1)]
     return problems
 
 
@@ -276,6 +269,7 @@ def file_differences(directory: Path, carrying: Carrying) -> list[str]:
 
 
 def optimizer_digests(optimizer: dict[str, Any], where: str) -> dict[str, str]:
+    """sha256 of every optimizer state tensor's bytes, keyed ``<file>:<param key>.<state name>``: for partial checks, beside the model's."""
     return {f"{where}:{k}": v for k, v in tensor_digests(optimizer).items()}
 
 
@@ -312,9 +306,6 @@ def export_safetensors(reader: Any, meta: Any, tree: ModuleTree, directory: Path
     Returns:
         Every file written, with its sha256.
     """
-    from osdpipe.formats.base import WEIGHTS
-    from osdpipe.safetensors_out import TensorSpec, write_safetensors
-
     specs: list[TensorSpec] = []
     read: dict[str, Callable[[], torch.Tensor]] = {}
     for name in tree.state_names:

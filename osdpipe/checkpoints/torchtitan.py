@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from osdpipe.checkpoints.base import CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
+from osdpipe.checkpoints.base import DCP_DIR, CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
 from osdpipe.checkpoints.dcp_entries import dcp_items, is_dcp
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
@@ -63,14 +65,14 @@ class Torchtitan(CheckpointLayout):
     def read(self, path: Path) -> WholeCheckpoint:
         items = dcp_items(path)
         where = f"{path.name}/ (DCP)"
-        nested = any(i.path[0] == "model" and len(i.path) > 1 for i in items)
+        nested = model_key(i.path for i in items) is not None
         groups: dict[str, list] = defaultdict(list)
         for item in items:
             top = str(item.path[0])
             if top == "dataloader" and len(item.path) > 1:  # each data-parallel rank's position, and the world that saved them
                 groups[f"dataloader.{item.path[1]}"].append(item)
-            elif (nested and top == "model") or (not nested and item.tensor and len(item.path) == 1 and top not in (OPTIMIZER, *OWN)):
-                groups[f"model.{item.path[-1]}" if nested else f"model.{top}"].append(item)
+            elif (nested and top == NESTED_MODEL) or (not nested and item.tensor and len(item.path) == 1 and top not in (OPTIMIZER, *OWN)):
+                groups[f"{_MODEL_ENTRY}{item.path[-1]}" if nested else f"{_MODEL_ENTRY}{top}"].append(item)
             else:
                 groups[top].append(item)
         entries = []
@@ -125,21 +127,23 @@ class Torchtitan(CheckpointLayout):
         from osdpipe.formats.dcp_reader import DcpCheckpoint
 
         checkpoint = DcpCheckpoint(path, None)
-        nested = any(p[0] == "model" and len(p) > 1 for p in checkpoint.paths.values())
-        return DcpWeights(checkpoint, "model" if nested else None, tree)
+        return DcpWeights(checkpoint, model_key(checkpoint.paths.values()), tree)
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
         return self._model(path, tree)
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
         """Every item that is neither the model's nor the optimizer's: torchtitan's own entries and the user's."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP: only where a DCP checkpoint is read
+
         model = self._model(path, tree)
         checkpoint = model.checkpoint
         theirs = set(model.items.values())
-        items = [(flat, p) for flat, p in checkpoint.paths.items() if flat not in theirs and p[0] != OPTIMIZER]
-        tensors = frozenset(flat for flat, _ in items if _is_tensor_item(checkpoint, flat))
-        planned = tuple(checkpoint.metadata.planner_data[flat] for flat, _ in items)  # the paths they were saved under
-        return Carrying(path, tuple(f for f, _ in items), planned, tensors, (), self.read(Path(path)).entries)
+        items = [flat for flat, p in checkpoint.paths.items() if flat not in theirs and p[0] != OPTIMIZER]
+        described = {flat: checkpoint.metadata.state_dict_metadata[flat] for flat in items}
+        tensors = {flat: (tuple(md.size), str(md.properties.dtype).removeprefix("torch.")) for flat, md in described.items() if isinstance(md, TensorStorageMetadata)}
+        planned = tuple(checkpoint.metadata.planner_data[flat] for flat in items)  # the paths they were saved under
+        return Carrying(path, tuple(items), planned, tensors, (), _with_the_models_names(self.read(Path(path)).entries, model.items), model.key)
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
         """Each carried item's stored bytes (a tensor item's value), read from the step folder."""
@@ -155,12 +159,12 @@ class Torchtitan(CheckpointLayout):
 
         if fmt.keyed_by_id:  # each rank's own file
             return output.write_rank_file(parts, staging, rank)
-        nested = shared.setdefault("torchtitan nested", _nested(parts.carrying.source))
+        key = parts.carrying.model_key
 
         def state_of(r: int, local: bool) -> dict[str, Any]:
             mine = local and r == rank
             model = output.model_pieces(parts.model if mine else None, tree, world_size, r)
-            state: dict[str, Any] = {"model": model} if nested else dict(model)
+            state: dict[str, Any] = {key: model} if key is not None else dict(model)
             optimizer = output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=mine)
             state[OPTIMIZER] = output.flattened(optimizer)
             if r == 0:  # carried items are kept by one rank, as dcp.save keeps a replicated item once
@@ -179,7 +183,6 @@ class Torchtitan(CheckpointLayout):
 
         return output.finish_dcp(staging, DCP_DIR, shared, [r.results for r in per_rank])
 
-
     def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
         """As torchtitan loads a step folder: one ``dcp.load`` of the model's state dict (where the folder has it) and the flattened optimizer, then each set into the job."""
         if fmt.keyed_by_id:  # each rank's own file
@@ -190,11 +193,11 @@ class Torchtitan(CheckpointLayout):
         path = str(directory / DCP_DIR)
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         model_sd = dict(get_model_state_dict(model))
-        nested = _nested(path)
-        state: dict[str, Any] = {"model": model_sd} if nested else dict(model_sd)
+        key = model_key(i.path for i in dcp_items(Path(path)))
+        state: dict[str, Any] = {key: model_sd} if key is not None else dict(model_sd)
         state[OPTIMIZER] = get_optimizer_state_dict(model, optim, options=flat)
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"] if nested else {k: state[k] for k in model_sd})
+        set_model_state_dict(model, state[key] if key is not None else {k: state[k] for k in model_sd})
         set_optimizer_state_dict(model, optim, state[OPTIMIZER], options=flat)
 
     def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
@@ -210,24 +213,32 @@ class Torchtitan(CheckpointLayout):
             opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIMIZER, checkpoint)
             opened["optimizer meta"] = reader.meta()
         checkpoint = opened["checkpoint"]
-        nested = _nested(parts.carrying.source)
-        problems = output.model_differences(checkpoint, "model" if nested else None, parts.model, tree, world_size, rank)
+        problems = output.model_differences(checkpoint, parts.carrying.model_key, parts.model, tree, world_size, rank)
         problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
         if rank == 0:
             problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
         return problems
 
 
-#: Where a ``dcp`` output's checkpoint directory goes, under ``output.path``: the step folder torchtitan loads.
-DCP_DIR = "dcp"
+#: Where torchtitan v0.1 and earlier nested the model's state dict; v0.2 and later save it at the top level.
+NESTED_MODEL = "model"
+#: How :meth:`Torchtitan.read` names each entry of the model, nested or not: ``model.<its name in the model>``.
+_MODEL_ENTRY = "model."
 
 
-def _nested(path: str) -> bool:
-    """Whether the checkpoint at ``path`` keeps the model under ``model`` (torchtitan v0.1 and earlier)."""
-    return any(i.path[0] == "model" and len(i.path) > 1 for i in dcp_items(Path(path)))
+def model_key(paths: Iterable[tuple[Any, ...]]) -> str | None:
+    """Where the model's state dict sits among a step folder's saved item paths: under :data:`NESTED_MODEL`, or at the top level (``None``)."""
+    return NESTED_MODEL if any(len(p) > 1 and p[0] == NESTED_MODEL for p in paths) else None
 
 
-def _is_tensor_item(checkpoint: Any, flat: str) -> bool:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP: only where a DCP checkpoint is read
+def _with_the_models_names(entries: tuple[Entry, ...], model_items: dict[str, str]) -> tuple[Entry, ...]:
+    """The entries :meth:`Torchtitan.read` found, each top-level tensor that is not the model's (a user's own) called what it is.
 
-    return isinstance(checkpoint.metadata.state_dict_metadata[flat], TensorStorageMetadata)
+    Without the model, :meth:`~Torchtitan.read` takes every top-level tensor for
+    the model's (a buffer is one too); a conversion knows the model's names
+    (``model_items``), so its report says which of them are carried over.
+    """
+    return tuple(
+        replace(e, name=e.name.removeprefix(_MODEL_ENTRY), part="other") if e.part == "model" and e.name.removeprefix(_MODEL_ENTRY) not in model_items else e
+        for e in entries
+    )

@@ -8,9 +8,9 @@ weights likewise: ``set_model_state_dict`` of the source's full weights.
 
 from __future__ import annotations
 
-from osdpipe import kinds
 from typing import Any
 
+from osdpipe import kinds
 from osdpipe.checks.common import Subject, full_model_output, full_model_source, full_output, full_source, live_target_of, local_model_output, needs_target_world, whole
 from osdpipe.compare import diff
 from osdpipe.formats import local_part

@@ -391,8 +391,8 @@ class DcpCheckpoint:
             raise InputError(f"{Path(self.path) / info.relative_path} is truncated: the item {flat} needs bytes up to {info.offset + info.length}; {RECOPY_DIR}")
         return raw
 
-    def read_whole(self, flat: str) -> torch.Tensor:
-        """Tensor item ``flat``, read whole."""
+    def read_item(self, flat: str) -> Any:
+        """Item ``flat``'s value, read whole: a tensor, or the object a non-tensor item was saved as (unpickled by DCP's reader)."""
         loaded: Any = self.load({flat})
         for part in self.metadata.planner_data[flat]:  # the path it was saved under (a flattened optimizer's, as saved)
             loaded = loaded[part]
@@ -420,7 +420,7 @@ class DcpCheckpoint:
         """The whole tensor, read once and kept until another is asked for."""
         if self._whole_kept is None or self._whole_kept[0] != flat:
             self._whole_kept = None
-            self._whole_kept = (flat, self.read_whole(flat).contiguous())
+            self._whole_kept = (flat, self.read_item(flat).contiguous())
         return self._whole_kept[1]
 
 

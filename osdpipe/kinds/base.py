@@ -39,6 +39,9 @@ class LayoutKind:
     dtensor_state: ClassVar[bool] = False
     #: Whether a job of this kind can add tensor parallelism (``tp_size``, ``tp_plan``) inside its data parallelism.
     tensor_parallel: ClassVar[bool] = False
+    #: Whether PyTorch's full model load (:meth:`load_model_full`) must send rank 0's tensors to the others (``broadcast_from_rank0``),
+    #: as for FSDP2's optimizer state (:meth:`osdpipe.kinds.fsdp2.FSDP2.load_full` says why).
+    broadcasts_full_model: ClassVar[bool] = False
 
     def hybrid_keys(self, shard_group_size: int) -> dict[str, Any]:
         """The layout keys (``source.*``, ``target.*``) of a hybrid-sharded job of this kind with shard groups of ``shard_group_size`` ranks; none where it has none."""
@@ -102,12 +105,13 @@ class LayoutKind:
         raise NotImplementedError
 
     def load_model_full(self, model: nn.Module, full_sd: dict[str, Any]) -> None:
-        """PyTorch's own load of a full, FQN-keyed model state dict into this rank's live model (``set_model_state_dict``, full)."""
+        """PyTorch's own load of a full, FQN-keyed model state dict into this rank's live model (``set_model_state_dict``, full;
+        ``broadcast_from_rank0`` where :attr:`broadcasts_full_model` says so)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # DCP is heavy: only a live model needs it
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True))
+            set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.broadcasts_full_model))
 
     def full_model_state(self, model: nn.Module) -> dict[str, Any]:
         """PyTorch's own full, FQN-keyed model state dict of a live model (``get_model_state_dict``, full), on every rank."""

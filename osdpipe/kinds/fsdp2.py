@@ -107,6 +107,7 @@ class FSDP2(LayoutKind):
     hybrid = True
     dtensor_state = True
     tensor_parallel = True
+    broadcasts_full_model = True
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         """Each parameter's box on this rank (:mod:`osdpipe.boxes`): the nested ``torch.chunk`` cuts its placements make, at this rank's mesh coordinates."""
@@ -212,14 +213,6 @@ class FSDP2(LayoutKind):
 
     def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         return from_rank_local(optim, state)
-
-    def load_model_full(self, model: nn.Module, full_sd: dict[str, Any]) -> None:
-        """``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``, for the reason :meth:`load_full` gives."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # DCP is heavy: only a live model needs it
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """``get_optimizer_state_dict`` with ``full_state_dict``, on every rank.

@@ -53,16 +53,15 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
 
 
 def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
-    """This rank's part of a whole checkpoint, laid out by its layout; with ``output.model_format=safetensors``, rank 0 also exports the model."""
+    """This rank's part of a whole checkpoint, laid out by its layout; with ``output.model_format=safetensors``, the first
+    rank that reads the source also exports the model from it."""
     from osdpipe.checkpoints.output import export_safetensors, rank_parts  # torch.distributed.checkpoint: only where a whole checkpoint is written
 
-    meta = keyed.source.meta
+    source = keyed.source
     parts = rank_parts(keyed, ctx.tree)
     mine = ctx.plan.checkpoint.write(parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format)
-    if ctx.spec.output.model_format == "safetensors" and ctx.rank == 0:
-        if keyed.source.reader is None:
-            raise RuntimeError("output.model_format=safetensors: rank 0 exports the model from the source, and it does not read the source here; set runtime.transfer=shared")
-        mine.files.update(export_safetensors(keyed.source.reader, meta, ctx.tree, staging, ctx.spec.output.max_shard_size))
+    if ctx.spec.output.model_format == "safetensors" and ctx.rank == source.first_reader:
+        mine.files.update(export_safetensors(source.reader, source.meta, ctx.tree, staging, ctx.spec.output.max_shard_size))
     return mine
 
 
