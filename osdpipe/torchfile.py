@@ -34,7 +34,9 @@ import pickle
 import struct
 import sys
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,7 @@ class DirectFile:
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o644)
         self.sha256 = hashlib.sha256()
+        self.digest = ""  # the file's sha256, once closed
         self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(2)]  # anonymous maps are page-aligned, as O_DIRECT needs
         self._current, self._fill, self._flushed = 0, 0, 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-write")
@@ -142,7 +145,8 @@ class DirectFile:
                 os.fsync(self.fd)
         finally:
             self.release()
-        return self.sha256.hexdigest()
+        self.digest = self.sha256.hexdigest()
+        return self.digest
 
     def release(self) -> None:
         """Let go of the file and the buffers, the writes in flight waited for (after :meth:`close`, or after a failure: the caller drops the file)."""
@@ -162,15 +166,17 @@ class Archive:
     memory while the record is copied out: a third core's work, not a pass more.
     """
 
-    def __init__(self, out: DirectFile) -> None:
+    def __init__(self, out: DirectFile, *, hash_storages: bool = True) -> None:
         self.out = out
+        self.start = out.tell()  # where the archive begins in the file: its offsets and alignment count from here
         self.entries: list[tuple[str, int, int, int]] = []  # name, crc, size, header offset
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-hash")
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-hash") if hash_storages else None
         self._digests: list[tuple[int, Future[str], memoryview]] = []  # the storage, its digest to come, its bytes (kept until hashed)
 
     def close(self) -> None:
         """Stop the hashing thread, once every storage's digest is taken."""
-        self._hasher.shutdown(wait=True)
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
 
     @property
     def storage_digests(self) -> dict[int, str]:
@@ -189,7 +195,7 @@ class Archive:
             payload = memoryview(bytes(data))[:nbytes]
             crc = zlib.crc32(payload)
         self._header(name, crc, nbytes)
-        if storage is not None:
+        if storage is not None and self._hasher is not None:
             self._digests.append((storage._cdata, self._hasher.submit(lambda view=payload: hashlib.sha256(view).hexdigest()), payload))
         self.out.write(payload)
 
@@ -199,7 +205,7 @@ class Archive:
     def _header(self, name: str, crc: int, size: int) -> None:
         """A local file header in front of a record of ``size`` bytes, padded so that its data starts at a multiple of :data:`ALIGNMENT`."""
         full = f"{ARCHIVE}/{name}".encode()
-        offset = self.out.tell()
+        offset = self.out.tell() - self.start
         zip64 = size >= ZIP64_FROM
         extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         start = offset + _LOCAL.size + len(full) + len(extra) + 4  # the padding field's own 4 bytes
@@ -217,7 +223,7 @@ class Archive:
         self.write_record("version", "3\n", 2)
         content = hashlib.sha256(repr((self.entries, sorted(self.storage_digests.values()))).encode()).hexdigest()
         self.write_record(".data/serialization_id", str(int(content[:32], 16)).zfill(40)[:40], 40)  # what torch keeps here: an id of the content
-        start = self.out.tell()
+        start = self.out.tell() - self.start
         for name, crc, size, offset in self.entries:
             full = name.encode()
             values = ([size, size] if size >= ZIP64_FROM else []) + ([offset] if offset >= ZIP64_FROM else [])
@@ -228,7 +234,7 @@ class Archive:
             self.out.write(_CENTRAL.pack(0x02014B50, version, version, _UTF8, 0, 0, 0x21, crc, stored, stored, len(full), len(extra), 0, 0, 0, 0, at))
             self.out.write(full)
             self.out.write(extra)
-        end = self.out.tell()
+        end = self.out.tell() - self.start
         count, length = len(self.entries), end - start
         zip64 = count >= 0xFFFF or length >= ZIP64_FROM or start >= ZIP64_FROM
         if zip64:
@@ -247,23 +253,48 @@ def _storage_bytes(storage: torch.UntypedStorage, nbytes: int) -> memoryview:
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).numpy()).cast("B")
 
 
+def write_archive(obj: Any, out: DirectFile, *, hash_storages: bool = True) -> dict[int, str]:
+    """Write ``obj`` as ``torch.save`` would, as one archive from ``out``'s current position on: what a ``torch.save`` file holds.
+
+    Its offsets and alignment count from where it begins, so the bytes from
+    there to the end load with ``torch.load`` wherever they sit (DCP keeps a
+    rank's items one after another in one file). Returns each storage's
+    sha256 (by ``UntypedStorage._cdata``; empty without ``hash_storages``).
+    """
+    if sys.byteorder != "little":
+        raise NotImplementedError("osdpipe writes torch files on little-endian machines")
+    archive = Archive(out, hash_storages=hash_storages)
+    try:
+        torch.serialization._save(obj, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)  # torch.save's own pickling of the records
+        archive.finish()
+        return archive.storage_digests
+    finally:
+        archive.close()
+
+
 def save(obj: Any, path: Path, *, sync: bool = True, direct: bool = True) -> tuple[str, dict[int, str]]:
     """``torch.save(obj, path)`` as :mod:`osdpipe.torchfile` writes it: the file's sha256, and each storage's (by ``UntypedStorage._cdata``).
 
     ``path`` must not exist. On failure nothing is left claiming to be
     whole: the partial file is removed.
     """
-    if sys.byteorder != "little":
-        raise NotImplementedError("osdpipe writes torch files on little-endian machines")
+    with written(path, sync=sync, direct=direct) as out:
+        storages = write_archive(obj, out)
+    return out.digest, storages
+
+
+@contextmanager
+def written(path: Path, *, sync: bool, direct: bool = True) -> Iterator[DirectFile]:
+    """A new file at ``path`` to write through a :class:`DirectFile`; closed (and synced if ``sync``) on leaving, its sha256 then in ``digest``.
+
+    On failure, while writing or while finishing the file, it is removed:
+    nothing is left claiming to be whole.
+    """
     out = DirectFile(path, direct)
-    archive = Archive(out)
     try:
-        torch.serialization._save(obj, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)  # torch.save's own pickling of the records
-        archive.finish()
-        return out.close(sync), archive.storage_digests
+        yield out
+        out.close(sync)
     except BaseException:
         out.release()
         path.unlink(missing_ok=True)
         raise
-    finally:
-        archive.close()

@@ -121,11 +121,12 @@ def test_every_committed_file_and_the_directory_are_synced_around_the_renames(so
     assert any(i < report_in and path == str(out / "report.json.tmp") for i, path in synced) and any(i > report_in and path == str(out) for i, path in synced)
 
 
-def test_output_fsync_false_syncs_nothing(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("fmt", "written"), [("rank_local", "rank_2.pt"), ("dcp", "dcp/__2_0.distcp")])
+def test_output_fsync_false_syncs_nothing(source: Path, tmp_path: Path, fmt: str, written: str, monkeypatch: pytest.MonkeyPatch) -> None:
     events = _recorded(monkeypatch)
-    _convert_here(source, tmp_path / "out", "output.fsync=false")
+    _convert_here(source, tmp_path / "out", "output.fsync=false", f"output.format={fmt}")
     assert [e for e in events if e[0] == "fsync"] == []
-    assert (tmp_path / "out" / "rank_2.pt").is_file()
+    assert (tmp_path / "out" / written).is_file()
 
 
 # ---------------------------------------------------------------------------- crashes

@@ -18,7 +18,11 @@ manifest's config gained ``checkpoint`` and ``output.model_format`` /
 issue 20, osdpipe writes its torch files with its own archive writer
 (:mod:`osdpipe.torchfile`: the same records and tensors, another zip
 layout), so every ``rank_<r>.pt`` and ``optim.pt`` it writes changed, while
-the generated sources (``torch.save``'s) and every DCP file did not.
+the generated sources (``torch.save``'s) and every DCP file did not; and
+later for issue 20, osdpipe writes a ``dcp`` output's rank files itself
+(the same items at the offsets ``.metadata`` records, each tensor archive
+written by :mod:`osdpipe.torchfile`), so ``dcp_3``'s ``.distcp`` files and
+``.metadata`` changed, and nothing else.
 """
 
 from __future__ import annotations

@@ -146,10 +146,13 @@ class Accelerate(CheckpointLayout):
         def optimizer_of(r: int, local: bool) -> dict[str, Any]:
             return {"optimizer": output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=local and r == rank)}
 
-        model_results, model_files = output.write_dcp(root, MODEL_DIR, model_of, rank, world_size, shared)
-        optimizer_results, optimizer_files = output.write_dcp(root, OPTIMIZER_DIR, optimizer_of, rank, world_size, shared)
+        model_results, model_files, model_storages = output.write_dcp(root, MODEL_DIR, model_of, rank, world_size, shared)
+        optimizer_results, optimizer_files, optimizer_storages = output.write_dcp(root, OPTIMIZER_DIR, optimizer_of, rank, world_size, shared)
         files = {f"{DCP_DIR}/{name}": digest for name, digest in {**model_files, **optimizer_files}.items()}
-        tensors = {**output.optimizer_digests(parts.optimizer, f"{DCP_DIR}/{OPTIMIZER_DIR}"), **output.model_digests(parts.model, f"{DCP_DIR}/{MODEL_DIR}")}
+        tensors = {
+            **output.optimizer_digests(parts.optimizer, f"{DCP_DIR}/{OPTIMIZER_DIR}", optimizer_storages),
+            **output.model_digests(parts.model, f"{DCP_DIR}/{MODEL_DIR}", model_storages),
+        }  # taken as they were written
         return RankFiles(files, tensors, [model_results, optimizer_results])
 
     def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:

@@ -133,9 +133,9 @@ def rank_file_differences(directory: Path, parts: RankParts, rank: int) -> list[
     return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, rank_file_content(parts), limit=3)]
 
 
-def model_digests(model: dict[str, torch.Tensor], where: str) -> dict[str, str]:
-    """sha256 of every model tensor's bytes, keyed ``<file>:model.<name>``: for partial checks, beside the optimizer's."""
-    return {f"{where}:model.{name}": tensor_sha256(value) for name, value in model.items()}
+def model_digests(model: dict[str, torch.Tensor], where: str, known: dict[int, str] | None = None) -> dict[str, str]:
+    """sha256 of every model tensor's bytes, keyed ``<file>:model.<name>``: for partial checks, beside the optimizer's (``known``: see :func:`osdpipe.digest.tensor_sha256`)."""
+    return {f"{where}:model.{name}": tensor_sha256(value, known) for name, value in model.items()}
 
 
 # ---------------------------------------------------------------------------- dcp
@@ -195,19 +195,20 @@ def carried_state(carrying: Carrying, data: CarriedData | None) -> dict[str, Any
 
 def write_dcp(
     directory: Path, name: str, state_of: Callable[[int, bool], dict[str, Any]], rank: int, world_size: int, shared: dict[str, Any]
-) -> tuple[list[Any], dict[str, str]]:
+) -> tuple[list[Any], dict[str, str], dict[int, str]]:
     """Write rank ``rank``'s items of the DCP checkpoint ``directory / name``, whose rank ``r`` saves ``state_of(r, local)``.
 
     The global plan is made once per process (``shared``), from every rank's
     plan (``local=False``: shapes, no bytes). Returns this rank's write
-    results (for :func:`finish_dcp`) and the sha256 of each file it wrote,
-    by its path under ``directory``.
+    results (for :func:`finish_dcp`), the sha256 of each file it wrote, by
+    its path under ``directory``, and of each tensor storage it wrote (by
+    ``UntypedStorage._cdata``: the tensors' digests, taken on the way).
     """
     key = ("dcp plan", name)
     if key not in shared:
         shared[key] = dcp_writer.plan(lambda r: state_of(r, False), world_size)
-    results, digests = dcp_writer.write_rank(directory / name, state_of(rank, True), rank, shared[key])
-    return results, {f"{name}/{file}": digest for file, digest in sorted(digests.items())}
+    results, digests, storages = dcp_writer.write_rank(directory / name, state_of(rank, True), rank, shared[key])
+    return results, {f"{name}/{file}": digest for file, digest in sorted(digests.items())}, storages
 
 
 def finish_dcp(directory: Path, name: str, shared: dict[str, Any], results: list[list[Any]]) -> dict[str, str]:
@@ -268,9 +269,9 @@ def file_differences(directory: Path, carrying: Carrying) -> list[str]:
     return problems
 
 
-def optimizer_digests(optimizer: dict[str, Any], where: str) -> dict[str, str]:
+def optimizer_digests(optimizer: dict[str, Any], where: str, known: dict[int, str] | None = None) -> dict[str, str]:
     """sha256 of every optimizer state tensor's bytes, keyed ``<file>:<param key>.<state name>``: for partial checks, beside the model's."""
-    return {f"{where}:{k}": v for k, v in tensor_digests(optimizer).items()}
+    return {f"{where}:{k}": v for k, v in tensor_digests(optimizer, known).items()}
 
 
 # ---------------------------------------------------------------------------- files

@@ -171,9 +171,9 @@ class Torchtitan(CheckpointLayout):
                 state.update(output.carried_state(parts.carrying, parts.carried if mine else None))
             return state
 
-        results, files = output.write_dcp(staging, DCP_DIR, state_of, rank, world_size, shared)
+        results, files, storages = output.write_dcp(staging, DCP_DIR, state_of, rank, world_size, shared)
         where = next(iter(files), DCP_DIR)
-        tensors = {**output.optimizer_digests(parts.optimizer, where), **output.model_digests(parts.model, where)}
+        tensors = {**output.optimizer_digests(parts.optimizer, where, storages), **output.model_digests(parts.model, where, storages)}  # taken as they were written
         return RankFiles(files, tensors, results)
 
     def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:

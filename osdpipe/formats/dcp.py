@@ -9,7 +9,6 @@ never touch a DCP checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,11 +66,9 @@ class Dcp(Format):
         if _PLAN not in shared:  # the same for every rank: offline, planned once for all of them
             shared[_PLAN] = dcp_writer.optimizer_plan(key, result, tree, world_size)
         state = {key: dcp_writer.rank_state(result, tree, world_size, rank, local=True)}
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the tensors' digests from memory while DCP writes them
-            digests = pool.submit(tensor_digests, result)
-            results, file_digests = dcp_writer.write_rank(staging / DCP_DIR, state, rank, shared[_PLAN])
+        results, file_digests, storages = dcp_writer.write_rank(staging / DCP_DIR, state, rank, shared[_PLAN])
         files = {f"{DCP_DIR}/{name}": digest for name, digest in sorted(file_digests.items())}
-        tensors = {f"{next(iter(files))}:{k}": v for k, v in digests.result().items()} if files else {}
+        tensors = {f"{next(iter(files))}:{k}": v for k, v in tensor_digests(result, storages).items()} if files else {}  # taken as they were written
         return RankFiles(files, tensors, results)
 
     def read_written(self, path: Path, key: str) -> dict[str, Any]:

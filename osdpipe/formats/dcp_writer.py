@@ -13,8 +13,12 @@ byte-identical.
 
 The pieces are described to DCP as ``Shard(0)`` DTensors describe themselves
 (:class:`RowShard` implements the hooks DCP's planner calls), so the
-checkpoint is what ``get_optimizer_state_dict`` + ``dcp.save`` writes for
-the same state, and ``dcp.load`` reshards it onto any target world. DCP's
+checkpoint holds what ``get_optimizer_state_dict`` + ``dcp.save`` writes for
+the same state, item for item, and ``dcp.load`` reshards it onto any target
+world. The rank files are laid out as DCP's file writer lays them out, but
+written by osdpipe (:func:`write_rank`, at the disk's speed); their bytes
+differ from ``dcp.save``'s only where ``torch.save``'s do from
+:mod:`osdpipe.torchfile`'s (a storage's CRC-32, the serialization id). DCP's
 ``.metadata`` normally records the save's directory and a random save ID;
 osdpipe records neither, so the file depends on the conversion only.
 """
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -49,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from osdpipe import torchfile
 from osdpipe.digest import HashingFile
 from osdpipe.layout import chunk_bounds
 from osdpipe.tree import ModuleTree
@@ -136,10 +141,14 @@ class _HashingFileSystem(FileSystem):
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer, minus what varies between runs of the same conversion (the directory, a random save ID), hashing what it writes."""
+    """DCP's file writer, for its plan and ``.metadata``: minus what varies between runs of the same conversion (the directory, a random save ID), hashing what it writes.
+
+    It syncs nothing: the commit syncs the conversion as a whole, or, under
+    ``output.fsync=false``, nothing is synced at all.
+    """
 
     def __init__(self, path: Path) -> None:
-        super().__init__(path, single_file_per_rank=True, thread_count=1, overwrite=True)
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
         self.fs = _HashingFileSystem()
 
     def storage_meta(self) -> StorageMeta | None:
@@ -201,19 +210,44 @@ def optimizer_plan(key: str, result: dict[str, Any], tree: ModuleTree, world_siz
     return plan(lambda rank: {key: rank_state(result, tree, world_size, rank, local=False)}, world_size)
 
 
-def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: GlobalPlan) -> tuple[list[WriteResult], dict[str, str]]:
-    """Write rank ``rank``'s items (``state``: what it saves, its pieces and stored bytes at hand) into ``directory``.
+def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: GlobalPlan) -> tuple[list[WriteResult], dict[str, str], dict[int, str]]:
+    """Write rank ``rank``'s items (``state``: what it saves, its pieces and stored bytes at hand) into ``directory``, as DCP's file writer lays them out.
 
-    Returns what it wrote where (for :func:`finish`), and the sha256 of each file it wrote, by name.
+    One file per rank, named as DCP names it: the byte items first, then each
+    tensor as a ``torch.save`` archive of its own, in plan order, each
+    recorded by offset and length. The bytes are osdpipe's
+    (:mod:`osdpipe.torchfile`: around the page cache, hashed on the way), so
+    a conversion's ``dcp`` output is written at the disk's speed, as its
+    rank files are; DCP's reader loads any archive it finds at an item's
+    offset. Not synced here: the commit syncs the conversion as a whole.
+
+    Returns what it wrote where (for :func:`finish`), the sha256 of each file
+    it wrote (by name), and each tensor storage's (by ``UntypedStorage._cdata``).
     """
     directory.mkdir(parents=True, exist_ok=True)
     planner = _RowShardPlanner()
     planner.set_up_planner(state, None, rank == 0)
-    writer = _Writer(directory)
-    writer.set_up_storage_writer(rank == 0, rank=rank)
-    future = writer.write_data(planner.finish_plan(global_plan.plans[rank]), planner)
-    future.wait()
-    return future.value(), writer.fs.sha256
+    final = planner.finish_plan(global_plan.plans[rank])
+    name = f"{final.storage_data.prefix}0{DEFAULT_SUFFIX}"  # what DCP calls a rank's one file
+    ordered = [i for i in final.items if i.type == WriteItemType.BYTE_IO] + [i for i in final.items if i.type != WriteItemType.BYTE_IO]
+    results, storages = [], {}
+    with torchfile.written(directory / name, sync=False) as out:
+        for item in ordered:
+            offset = out.tell()
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                out.write(data.getbuffer())
+            else:
+                storages.update(torchfile.write_archive(_own_storage(data), out))
+            length = out.tell() - offset
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+    return results, {name: out.digest}, storages
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it where it shares a larger storage: an archive holds a tensor's whole storage, an item only its own bytes."""
+    tensor = tensor.detach().cpu()
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
 
 
 def finish(directory: Path, global_plan: GlobalPlan, results: list[list[WriteResult]]) -> str:
