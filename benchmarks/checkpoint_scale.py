@@ -4,6 +4,10 @@ Run (the default is the row the targets are set on; the full grid takes long):
 
     python benchmarks/checkpoint_scale.py --sizes 1.6 --pairs 4:2 --repeats 2
     python benchmarks/checkpoint_scale.py --sizes 0.4,1.6,6.4 --pairs 4:2,2:4,4:3
+    python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2,2:4 --paths osdpipe-offline-budget,limit --budget 1GB
+
+(the last: a source larger than this machine's memory, which only an
+offline conversion under a budget converts here; it needs about 60 GB of disk)
 
 For each size of Adam state (GB: exp_avg and exp_avg_sq of osdpipe's ``mlp``,
 width scaled, depth 12, FSDP1 units per Linear) it synthesizes the source
@@ -17,6 +21,7 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
 * ``osdpipe-scatter``: online, rank 0 reads and sends every other rank its
   ranges (``runtime.transfer=scatter``);
 * ``osdpipe-offline-budget``: offline under ``runtime.memory_budget`` (``--budget``);
+* ``osdpipe-dcp``: online, the output one DCP checkpoint (``output.format=dcp``);
 * ``fsdp1``: PyTorch's FSDP1 path on M ranks: rank 0 loads the file,
   ``FSDP.optim_state_dict_to_load`` with ``rank0_only``, each rank saves;
 * ``dcp``: the DCP path on M ranks: ``get_optimizer_state_dict``,
@@ -41,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import shutil
 import statistics
 import subprocess
@@ -56,6 +62,7 @@ OSDPIPE_PATHS = {
     "osdpipe-offline": ("runtime.mode=offline",),
     "osdpipe-scatter": ("runtime.transfer=scatter",),
     "osdpipe-offline-budget": ("runtime.mode=offline", "runtime.memory_budget={budget}"),
+    "osdpipe-dcp": ("output.format=dcp",),
 }
 PATHS = (*OSDPIPE_PATHS, "limit", "fsdp1", "dcp")
 DEPTH = 12
@@ -73,25 +80,64 @@ def width_for(gigabytes: float) -> int:
 
 
 def synthesize(width: int, directory: Path, source_ranks: int, with_dcp: bool) -> tuple[Path, Path]:
-    """An fsdp_full file of random Adam state for the mlp, and (``with_dcp``) an N-rank dcp checkpoint of it (written by osdpipe offline)."""
-    import torch
+    """An fsdp_full file of random Adam state for the mlp, and (``with_dcp``) an N-rank dcp checkpoint of it (written by osdpipe offline).
 
+    The file is streamed (:func:`write_random_state`), so a source larger than
+    this machine's memory (the 25 GB case) can be made on it.
+    """
     full = directory / "optim.pt"
     if not full.exists():
-        gen = torch.Generator().manual_seed(0)
-        state, names = {}, []
-        for i in range(DEPTH):
-            for name, shape in ((f"layers.{i}.weight", (width, width)), (f"layers.{i}.bias", (width,))):
-                names.append(name)
-                state[name] = {"step": torch.tensor(10.0), "exp_avg": torch.randn(shape, generator=gen), "exp_avg_sq": torch.rand(shape, generator=gen)}
-        groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
-                   "foreach": None, "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": False, "params": names}]  # fmt: skip
-        torch.save({"state": state, "param_groups": groups}, full)
-        del state
+        write_random_state(width, full)
     dcp = directory / f"dcp_{source_ranks}"
     if with_dcp and not (dcp / "dcp" / ".metadata").exists():
         osdpipe_command(width, full, "fsdp_full", source_ranks, source_ranks, dcp, "runtime.mode=offline", "output.format=dcp", "pipeline.checks=[]")
     return full, dcp / "dcp"
+
+
+def write_random_state(width: int, path: Path) -> None:
+    """``torch.save`` of a full Adam state dict of random values, written without ever holding it.
+
+    The state's tensors are ``torch.empty`` placeholders, never touched (so
+    never given memory); the file is written by osdpipe's torch-file writer
+    (:mod:`osdpipe.torchfile`), whose archive here fills each storage record
+    with fresh random values a piece at a time instead of reading the
+    placeholder: ``exp_avg`` normal, ``exp_avg_sq`` uniform in [0, 1).
+    Seeded: the same width gives the same file.
+    """
+    import torch
+
+    from osdpipe import torchfile
+
+    gen = torch.Generator().manual_seed(0)
+    normal: set[int] = set()
+    state, names = {}, []
+    for i in range(DEPTH):
+        for name, shape in ((f"layers.{i}.weight", (width, width)), (f"layers.{i}.bias", (width,))):
+            names.append(name)
+            state[name] = {"step": torch.tensor(10.0), "exp_avg": torch.empty(shape), "exp_avg_sq": torch.empty(shape)}
+            normal.add(state[name]["exp_avg"].untyped_storage()._cdata)
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
+               "foreach": None, "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": False, "params": names}]  # fmt: skip
+    placeholders = {cdata for entries in state.values() for key in ("exp_avg", "exp_avg_sq") for cdata in [entries[key].untyped_storage()._cdata]}
+
+    class RandomArchive(torchfile.Archive):
+        def write_record(self, name: str, data: object, nbytes: int) -> None:
+            if not (isinstance(data, torch.UntypedStorage) and data._cdata in placeholders):
+                super().write_record(name, data, nbytes)
+                return
+            self._header(name, 0, nbytes)
+            draw = torch.randn if data._cdata in normal else torch.rand
+            for start in range(0, nbytes // 4, 1 << 24):
+                piece = draw(min(1 << 24, nbytes // 4 - start), generator=gen)
+                self.out.write(piece.numpy())
+
+    with torchfile.written(path, sync=True) as out:
+        archive = RandomArchive(out, hash_storages=False)
+        try:
+            torch.serialization._save({"state": state, "param_groups": groups}, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+            archive.finish()
+        finally:
+            archive.close()
 
 
 # ---------------------------------------------------------------------------
@@ -187,7 +233,7 @@ def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: 
     if path == "limit":
         result = limit_command(full.stat().st_size, m, out)
         result["seconds"] = time.perf_counter() - start
-        result["bytes"] = sum(p.stat().st_size for p in out.glob("rank_*"))
+        result["bytes"] = output_bytes(out)
         return result
     if path in OSDPIPE_PATHS:
         extra = [arg.format(budget=budget) for arg in OSDPIPE_PATHS[path]]
@@ -199,8 +245,13 @@ def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: 
     else:
         result = baseline_command(path, width, dcp if path == "dcp" else full, m, out)
     result["seconds"] = time.perf_counter() - start
-    result["bytes"] = sum(p.stat().st_size for p in out.glob("rank_*.pt"))
+    result["bytes"] = output_bytes(out)
     return result
+
+
+def output_bytes(out: Path) -> int:
+    """The bytes of a path's output data files: its rank files (``limit``: dd's), or a DCP checkpoint's."""
+    return sum(p.stat().st_size for pattern in ("rank_*", "dcp/*.distcp") for p in out.glob(pattern))
 
 
 def limit_command(total: int, m: int, out: Path) -> dict:
