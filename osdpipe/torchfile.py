@@ -46,8 +46,10 @@ import torch
 ALIGNMENT = 64
 #: The block ``O_DIRECT`` writes in: offsets, lengths and the buffer's address are multiples of it.
 BLOCK = 4096
-#: How many bytes each of the two buffers holds: large writes, few calls.
+#: How many bytes each buffer holds: large writes, few calls.
 BUFFER_BYTES = 16 << 20
+#: How many buffers: one filling, one being hashed while an earlier one is written, one to spare for the slower of the two.
+BUFFERS = 3
 #: The name torch gives an archive written to a file object, and every record's directory in it.
 ARCHIVE = "archive"
 
@@ -67,8 +69,9 @@ _PAD_ID = 0x4246  # "FB": the extra field torch pads a header with
 class DirectFile:
     """A new file written front to back, around the page cache where the filesystem allows (``O_DIRECT``), its sha256 taken on the way.
 
-    Writes are copied into one of two page-aligned buffers; a full buffer is
-    written by a second thread while the other fills. The last block is
+    Writes are copied into page-aligned buffers in turn; a full buffer is
+    hashed by one thread and written by another while the next fills, so
+    the file's sha256 costs no time on the way to the disk. The last block is
     padded to a whole block for ``O_DIRECT`` and the file cut back to its
     length. Where ``O_DIRECT`` is refused (``tmpfs``, some network
     filesystems), the same buffers are written through the page cache.
@@ -88,10 +91,12 @@ class DirectFile:
             self.fd = os.open(path, flags, 0o644)
         self.sha256 = hashlib.sha256()
         self.digest = ""  # the file's sha256, once closed
-        self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(2)]  # anonymous maps are page-aligned, as O_DIRECT needs
+        self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]  # anonymous maps are page-aligned, as O_DIRECT needs
         self._current, self._fill, self._flushed = 0, 0, 0
+        # Hashing and writing each take a core's worth of time per byte; in one thread they would add up, in two they overlap.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-file-hash")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-write")
-        self._pending: list[Future[None] | None] = [None, None]
+        self._pending: list[tuple[Future[None], Future[None]] | None] = [None] * BUFFERS
 
     def tell(self) -> int:
         return self._flushed + self._fill
@@ -110,22 +115,28 @@ class DirectFile:
                 self._hand_over(BUFFER_BYTES)
 
     def _hand_over(self, length: int) -> None:
-        """Hash and write the current buffer (``length`` bytes of it: its fill, padded) in the second thread, at its offset; go on in the other."""
+        """Hash the current buffer's fill and write ``length`` bytes of it (its fill, padded) at its offset, each in its thread; go on in the next buffer."""
         index, offset = self._current, self._flushed
-        self._pending[index] = self._writer.submit(self._pwrite, index, self._fill, length, offset)
+        view = memoryview(self._buffers[index])
+        self._pending[index] = (
+            self._hasher.submit(self.sha256.update, view[: self._fill]),  # in order: one thread hashes, buffer after buffer
+            self._writer.submit(self._pwrite, view[:length], offset),
+        )
         self._flushed += self._fill
         self._fill = 0
-        self._current = 1 - index
-        waiting = self._pending[self._current]
-        if waiting is not None:  # the other buffer's write must be done before it is filled again
-            waiting.result()
-            self._pending[self._current] = None
+        self._current = (index + 1) % BUFFERS
+        self._wait(self._current)  # the next buffer is filled again only once it is hashed and written
 
-    def _pwrite(self, index: int, filled: int, length: int, offset: int) -> None:
-        view = memoryview(self._buffers[index])[:length]
-        self.sha256.update(view[:filled])  # in order: one thread writes, buffer after buffer
+    def _wait(self, index: int) -> None:
+        pending = self._pending[index]
+        if pending is not None:
+            for future in pending:
+                future.result()
+            self._pending[index] = None
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
         done = 0
-        while done < length:
+        while done < len(view):
             done += os.pwrite(self.fd, view[done:], offset + done)
 
     def close(self, sync: bool) -> str:
@@ -137,9 +148,8 @@ class DirectFile:
                 padded = -(-tail // BLOCK) * BLOCK if self.direct else tail
                 self._buffers[self._current][tail:padded] = bytes(padded - tail)
                 self._hand_over(padded)
-            for pending in self._pending:
-                if pending is not None:
-                    pending.result()
+            for index in range(BUFFERS):
+                self._wait(index)
             os.ftruncate(self.fd, length)
             if sync:
                 os.fsync(self.fd)
@@ -152,7 +162,9 @@ class DirectFile:
         """Let go of the file and the buffers, the writes in flight waited for (after :meth:`close`, or after a failure: the caller drops the file)."""
         if self.fd < 0:
             return
+        self._hasher.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        self._pending = [None] * BUFFERS
         os.close(self.fd)
         self.fd = -1
         for buffer in self._buffers:
