@@ -84,3 +84,27 @@ def test_call_apart_answers_from_a_process_of_its_own_with_torch_imported() -> N
     with pytest.raises(TimeoutError, match="took over 1 s"):
         call_apart(_sleeps, (), timeout_s=1)
     assert time.monotonic() - start < 30, "the process past its time is killed, not waited for"
+
+
+def _threads() -> tuple[int, str | None]:
+    import torch
+
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_each_local_rank_gets_its_share_of_the_cores() -> None:
+    """Two ranks on this machine each run torch's intra-op work on half the cores (at least one), not on all of them each;
+    where the environment says ``OMP_NUM_THREADS``, that rules, as torch reads it."""
+    from osdpipe.launch import run_local_world
+
+    cores = len(os.sched_getaffinity(0))
+    for threads, said in run_local_world(_threads, 2, backend="gloo", timeout_s=60):
+        assert threads == (int(said) if said else max(1, cores // 2)), (threads, said, cores)
+
+
+def test_a_users_omp_num_threads_is_left_to_rule(tmp_path: Path) -> None:
+    code = "import torch; from osdpipe.launch import share_cores; share_cores(8); print(torch.get_num_threads())"
+    result = run_command([sys.executable, "-c", code], cwd=tmp_path, timeout=60, env={**clean_env(), "OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0 and result.stdout.strip() == "2", result
+    result = run_command([sys.executable, "-c", code], cwd=tmp_path, timeout=60, env={k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"})
+    assert result.returncode == 0 and result.stdout.strip() == "1", result  # 8 ranks on this machine: one thread each
