@@ -99,11 +99,23 @@ def read_once(path: Path) -> None:
     """Read the source through once, so that every path finds it in the page cache alike (as far as it fits).
 
     The source is written around the page cache, so without this the first
-    path timed would alone read it from the disk.
+    path timed would alone read it from the disk; and a path that held much
+    memory (offline: the mapped source and one rank's output), or ``dd``
+    writing through the page cache, pushes part of it out for the next.
     """
     with open(path, "rb", buffering=0) as f:
         while f.read(1 << 26):
             pass
+
+
+def fits_in_memory(path: Path) -> bool:
+    """Whether the file takes at most half of the memory available now: then it can be read into the page cache before each path."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():  # MemAvailable counts the page cache that can be reclaimed, the source's own pages among them
+        available = next(int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:"))
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return path.stat().st_size <= available // 2
 
 
 def write_random_state(width: int, path: Path) -> None:
@@ -342,6 +354,8 @@ def main() -> None:
                         continue
                     out = directory / f"out_{path}"
                     try:
+                        if fits_in_memory(full):
+                            read_once(full)  # the paths before this one may have pushed some of it out
                         runs[path].append(run_path(path, width, full, dcp, n, m, out, args.budget))
                     except RuntimeError as exc:  # a path that cannot run here (PyTorch's own, out of memory) is a finding, not the end
                         failed[path] = "killed (out of memory?)" if "SIGKILL" in str(exc) else str(exc).strip().splitlines()[-1][:100]
