@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import pickle
 import shutil
 import statistics
 import subprocess
@@ -133,35 +132,29 @@ def write_random_state(width: int, path: Path) -> None:
     from osdpipe import torchfile
 
     gen = torch.Generator().manual_seed(0)
-    normal: set[int] = set()
+    draws: dict[int, object] = {}  # each placeholder's storage: how its values are drawn
     state, names = {}, []
     for i in range(DEPTH):
         for name, shape in ((f"layers.{i}.weight", (width, width)), (f"layers.{i}.bias", (width,))):
             names.append(name)
             state[name] = {"step": torch.tensor(10.0), "exp_avg": torch.empty(shape), "exp_avg_sq": torch.empty(shape)}
-            normal.add(state[name]["exp_avg"].untyped_storage()._cdata)
+            draws[state[name]["exp_avg"].untyped_storage()._cdata] = torch.randn
+            draws[state[name]["exp_avg_sq"].untyped_storage()._cdata] = torch.rand
     groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
                "foreach": None, "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": False, "params": names}]  # fmt: skip
-    placeholders = {cdata for entries in state.values() for key in ("exp_avg", "exp_avg_sq") for cdata in [entries[key].untyped_storage()._cdata]}
 
     class RandomArchive(torchfile.Archive):
         def write_record(self, name: str, data: object, nbytes: int) -> None:
-            if not (isinstance(data, torch.UntypedStorage) and data._cdata in placeholders):
+            draw = draws.get(data._cdata) if isinstance(data, torch.UntypedStorage) else None
+            if draw is None:
                 super().write_record(name, data, nbytes)
                 return
             self._header(name, 0, nbytes)
-            draw = torch.randn if data._cdata in normal else torch.rand
             for start in range(0, nbytes // 4, 1 << 24):
-                piece = draw(min(1 << 24, nbytes // 4 - start), generator=gen)
-                self.out.write(piece.numpy())
+                self.out.write(draw(min(1 << 24, nbytes // 4 - start), generator=gen).numpy())
 
     with torchfile.written(path, sync=True) as out:
-        archive = RandomArchive(out, hash_storages=False)
-        try:
-            torch.serialization._save({"state": state, "param_groups": groups}, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-            archive.finish()
-        finally:
-            archive.close()
+        torchfile.write_archive({"state": state, "param_groups": groups}, out, hash_storages=False, kind=RandomArchive)
 
 
 # ---------------------------------------------------------------------------
