@@ -31,11 +31,11 @@ TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 120
 
 
-def _env(fault: str | None = None) -> dict[str, str]:
+def _env(**variables: str) -> dict[str, str]:
+    """The command's environment; with ``variables`` (``OSDPIPE_TEST_*``), ``tests/faults`` on the path to act on them."""
     env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([str(TESTS / "faults")] if fault else []), env.get("PYTHONPATH", "")])
-    if fault:
-        env["OSDPIPE_TEST_FAULT"] = fault
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([str(TESTS / "faults")] if variables else []), env.get("PYTHONPATH", "")])
+    env.update(variables)
     return env
 
 
@@ -67,46 +67,21 @@ def _conversion(directory: Path) -> dict[str, str]:
 # ---------------------------------------------------------------------------- syncs
 
 
-def _recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
-    events: list[tuple] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd: int) -> None:
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst, *args, **kwargs) -> None:  # noqa: ANN001
-        events.append(("replace", os.fspath(src), os.fspath(dst)))
-        real_replace(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    return events
-
-
-def _convert_here(source: Path, out: Path, *extra: str) -> None:
-    """The launcher's conversion in this process (offline: no ranks), as the command runs it."""
-    sys.path.insert(0, str(TESTS))
-    from osdpipe.pipeline import execute
-    from osdpipe.plan import plan_run
-    from osdpipe.reconcile import settle_and_validate
-
-    raw = {"model": {"factory": "userlm:build"}, "input": {"path": str(source), "format": "fsdp_full"}, "source": {"world_size": 4, "wrap": ["MixerBlock"]},
-           "target": {"world_size": 3, "wrap": ["MixerBlock"]}, "output": {"path": str(out)}, "runtime": {"mode": "offline", "progress": False}}
-    for item in extra:
-        key, _, value = item.partition("=")
-        section, name = key.split(".")
-        raw.setdefault(section, {})[name] = value
-    assert execute(plan_run(settle_and_validate(raw))).ok
+def _convert_recording(source: Path, out: Path, tmp_path: Path, *extra: str) -> list[tuple]:
+    """The ``osdpipe`` command (offline: the launcher writes and commits) with every ``fsync`` and ``os.replace`` it makes recorded, in order."""
+    log = tmp_path / f"syncs_{out.name}.tsv"
+    env = _env(OSDPIPE_TEST_RECORD_SYNCS=str(log))
+    result = run_command([sys.executable, "-m", "osdpipe", *_job(source, 3, out, *extra)], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
+    assert result.returncode == 0, result.stderr
+    return [tuple(line.split("\t")) for line in log.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("fmt", ["rank_local", "dcp"])
-def test_every_committed_file_and_the_directory_are_synced_around_the_renames(source: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_committed_file_and_the_directory_are_synced_around_the_renames(source: Path, tmp_path: Path, fmt: str) -> None:
     """Every file the manifest lists, and the manifest, synced while staged, before ``.staging`` is renamed; the output directory synced
     after that rename and after the conversion's entries moved in; then report.json synced before it replaces the old one."""
     out = tmp_path / "out"
-    events = _recorded(monkeypatch)
-    _convert_here(source, out, f"output.format={fmt}")
+    events = _convert_recording(source, out, tmp_path, f"output.format={fmt}")
     synced = [(i, e[1]) for i, e in enumerate(events) if e[0] == "fsync"]
     staged_rename = next(i for i, e in enumerate(events) if e[0] == "replace" and e[1] == str(out / ".staging"))
     committed = [*json.loads((out / "manifest.json").read_text())["files"], "manifest.json"]
@@ -122,10 +97,9 @@ def test_every_committed_file_and_the_directory_are_synced_around_the_renames(so
 
 
 @pytest.mark.parametrize(("fmt", "written"), [("rank_local", "rank_2.pt"), ("dcp", "dcp/__2_0.distcp")])
-def test_output_fsync_false_syncs_nothing(source: Path, tmp_path: Path, fmt: str, written: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    events = _recorded(monkeypatch)
-    _convert_here(source, tmp_path / "out", "output.fsync=false", f"output.format={fmt}")
-    assert [e for e in events if e[0] == "fsync"] == []
+def test_output_fsync_false_syncs_nothing(source: Path, tmp_path: Path, fmt: str, written: str) -> None:
+    events = _convert_recording(source, tmp_path / "out", tmp_path, "output.fsync=false", f"output.format={fmt}")
+    assert [e for e in events if e[0] == "fsync"] == [] and any(e[0] == "replace" for e in events), "the recording saw the commit's renames"
     assert (tmp_path / "out" / written).is_file()
 
 
@@ -146,7 +120,7 @@ def test_a_kill_anywhere_in_the_commit_leaves_one_whole_conversion_old_or_new(so
     for after in range(12):
         work = tmp_path / f"kill_{after}"
         shutil.copytree(old_dir, work)
-        result = run_command([sys.executable, "-m", "osdpipe", *_job(source, 2, work)], cwd=tmp_path, timeout=TIMEOUT_S, env=_env(f"commit:{after}"))
+        result = run_command([sys.executable, "-m", "osdpipe", *_job(source, 2, work)], cwd=tmp_path, timeout=TIMEOUT_S, env=_env(OSDPIPE_TEST_FAULT=f"commit:{after}"))
         if result.returncode == 0:  # past the last rename: the commit finished
             break
         assert result.returncode == -9, f"commit:{after}: exit {result.returncode}\n{result.stderr}"

@@ -9,7 +9,10 @@ after it, not even a ``finally``), ``raise`` raises an exception in the stage.
 conversion die in the middle of it (:func:`_kill_in_commit`).
 ``OSDPIPE_TEST_SHARE_SCALARS=1`` undoes the copy that gives every output
 tensor scalar state of its own (``tests/test_resume.py``).
-Without either variable this module does nothing, not even import torch.
+``OSDPIPE_TEST_RECORD_SYNCS=<file>`` appends every ``os.fsync`` (the path
+behind the descriptor) and ``os.replace`` of the process to ``<file>``, a
+line each, in order (``tests/test_durability.py``).
+Without any of these variables this module does nothing, not even import torch.
 """
 
 from __future__ import annotations
@@ -112,3 +115,27 @@ if os.environ.get("OSDPIPE_TEST_SHARE_SCALARS"):
     from osdpipe import transfer
 
     transfer.own_copy = lambda value: value
+
+
+def _record_syncs(log: str) -> None:
+    """Append each ``fsync`` and ``replace`` of this process to ``log`` as it happens: ``fsync<TAB>path`` or ``replace<TAB>src<TAB>dst``."""
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def record(*fields: str) -> None:
+        with open(log, "a") as f:
+            f.write("\t".join(fields) + "\n")
+
+    def fsync(fd):
+        record("fsync", os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs):
+        record("replace", os.fspath(src), os.fspath(dst))
+        real_replace(src, dst, *args, **kwargs)
+
+    os.fsync = fsync
+    os.replace = replace
+
+
+if os.environ.get("OSDPIPE_TEST_RECORD_SYNCS"):
+    _record_syncs(os.environ["OSDPIPE_TEST_RECORD_SYNCS"])
