@@ -162,6 +162,8 @@ class Reference:
 
     def pieces(self, ranges: list[Range]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """Each range of its parameter, and of its state, after the steps (0-dim state whole), in the order asked."""
+        if not ranges:
+            return []  # a batch of tensors with no element on this rank (an optimizer of no tensors cannot be built)
         if not self.elementwise:
             whole = self._stepped_whole()
             return [(whole[f][0].reshape(-1)[lo:hi], {n: v.reshape(-1)[lo:hi] if _is_tensor_state(v) else v for n, v in whole[f][1].items()}) for f, lo, hi in ranges]

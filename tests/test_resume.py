@@ -315,3 +315,24 @@ def test_an_optimizer_not_known_to_be_elementwise_is_stepped_whole_or_said_skipp
     assert f"osdpipe: warning: verify's resume check ran its storage part only: {said}" in over["stderr"], over["stderr"]
     resume = next(c for c in json.loads((tmp_path / "over" / "report.json").read_text())["checks"] if c["name"] == "resume")
     assert resume["ok"] and "steps not run: they need a reference over the whole model for SignMomentum" in resume["detail"], resume
+
+
+def test_resume_steps_a_batch_whose_tensors_hold_no_element_on_the_rank(tmp_path: Path) -> None:
+    """Under runtime.memory_budget the steps run a batch at a time; a batch of tensors that are all empty on this rank (usermodel's
+    small parameters, use_orig_params on 2 ranks) compares nothing, where it used to build an optimizer of no tensors and fail."""
+    import usermodel
+
+    torch.manual_seed(0)
+    model = usermodel.make(dim=30)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 30)).square().mean().backward()
+    optim.step()
+    names = {p: n for n, p in model.named_parameters()}
+    source = tmp_path / "optim.pt"
+    torch.save({"state": {names[p]: s for p, s in optim.state.items()}, "param_groups": [{**optim.param_groups[0], "params": list(names.values())}]}, source)
+    args = ["model.factory=usermodel:make", "model.kwargs.dim=30", f"input.path={source}", "input.format=fsdp_full", "source.world_size=1",
+            "target.world_size=2", "target.use_orig_params=true", "runtime.mode=offline", "pipeline.checks=[resume]"]  # fmt: skip
+    budget, whole = run_cli_cases([[*args, "runtime.memory_budget=4KB", f"output.path={tmp_path / 'budget'}"], [*args, f"output.path={tmp_path / 'whole'}"]],
+                                  cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())  # fmt: skip
+    for result in (budget, whole):
+        assert result["code"] == 0 and "check resume     pass" in result["stdout"], result["stderr"]
