@@ -1,17 +1,61 @@
-"""Bitwise comparison of optimizer state dicts, reporting where they differ."""
+"""Bitwise comparison of optimizer state dicts, reporting where they differ; and where a converted range holds NaN or Inf."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from osdpipe.layout import Segment
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (so ``-0.0 != 0.0`` and equal NaNs are equal)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8), b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    x, y = (t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+    word = _widest_word(x, y)
+    return torch.equal(x.view(word), y.view(word))
+
+
+def _widest_word(*flats: torch.Tensor) -> torch.dtype:
+    """The widest integer type every byte tensor of ``flats`` can be viewed as: ``torch.equal`` compares int64 words about 5x faster than bytes."""
+    for word in (torch.int64, torch.int32, torch.int16):
+        if all(f.numel() % word.itemsize == 0 and f.storage_offset() % word.itemsize == 0 for f in flats):
+            return word
+    return torch.uint8
+
+
+def differing_segments(label: str, flat: torch.Tensor, segments: Sequence[Segment], pieces: Sequence[torch.Tensor]) -> list[str]:
+    """Each segment of the flat result ``flat`` whose elements differ, bitwise, from its ``pieces`` read from the source, naming the first.
+
+    ``label`` names the result (``<layout key>.<state name>``); a line reads
+    ``<label>: differs from <fqn>[<flat index>] (flat) : <got> vs <want>``.
+    """
+    problems = []
+    for seg, want in zip(segments, pieces, strict=True):
+        got = flat[seg.dest : seg.dest + seg.length]
+        if not bits_equal(got, want):
+            bad = int((got != want).nonzero()[0]) if (got != want).any() else 0
+            problems.append(f"{label}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
+    return problems
+
+
+def nonfinite_segments(name: str, flat: torch.Tensor, segments: Sequence[Segment]) -> list[str]:
+    """Each segment of the flat state ``flat`` (state ``name``) that holds NaN or Inf: ``"block1.gate exp_avg (2 element(s), first at flat index 5)"``."""
+    if not flat.is_floating_point():
+        return []
+    found = []
+    for seg in segments:
+        part = flat[seg.dest : seg.dest + seg.length]
+        if bool(torch.isfinite(part.sum())):
+            continue  # a NaN or an Inf anywhere makes the sum NaN or Inf; a finite sum needs no element-wise pass (one that overflows gets it)
+        hits = (~torch.isfinite(part)).nonzero()
+        if hits.numel():
+            found.append(f"{seg.fqn} {name} ({hits.numel()} element(s), first at flat index {seg.start + int(hits[0])})")
+    return found
 
 
 def describe_tensor(t: torch.Tensor) -> str:
