@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from osdpipe.formats.base import RankFiles, SourceMeta, SourceReader
+    from osdpipe.streamed import StreamedOutput
 
 P = TypeVar("P")
 
@@ -91,12 +92,15 @@ class Flattened:
 
 @dataclass(frozen=True)
 class Sharded:
-    """shard: this rank's state tensors, filled from the source: ``{layout key: {state name: tensor | value}}``."""
+    """shard: this rank's state tensors, filled from the source (or to be, see ``streamed``): ``{layout key: {state name: tensor | value}}``."""
 
     flat: Flattened
     state: dict[str, dict[str, Any]]
     #: Per rank this one read for (``runtime.transfer=scatter``), each batch's sha256: ``(key, state name, batch) -> digest``.
     sent_digests: dict[int, dict[tuple[str, str, int], str]] = field(default_factory=dict)
+    #: Under ``runtime.memory_budget``, where the state's tensors are placeholders that save fills as it writes them
+    #: (:mod:`osdpipe.streamed`); ``None``: they are filled here.
+    streamed: StreamedOutput | None = None
 
     @property
     def source(self) -> Described:

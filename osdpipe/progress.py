@@ -58,16 +58,28 @@ def track(items: Iterable[T], total: int | None = None) -> Iterator[T]:
         yield from items
         return
     total = total if total is not None else (len(items) if hasattr(items, "__len__") else None)  # type: ignore[arg-type]
-    last = 0.0
-    done = 0
+    counter = Counter(total)
     for item in items:
         yield item
-        done += 1
+        counter.advance()
+    counter.finish()
+
+
+class Counter:
+    """Items done out of ``total``, emitted as they are done (throttled): for work whose loop another module drives."""
+
+    def __init__(self, total: int | None) -> None:
+        self.total, self.done, self._last = total, 0, 0.0
+
+    def advance(self) -> None:
+        self.done += 1
         now = time.monotonic()
-        if now - last >= _ITEM_INTERVAL_S:
-            emit("items", done, total)
-            last = now
-    emit("items", done, total)
+        if now - self._last >= _ITEM_INTERVAL_S:
+            emit("items", self.done, self.total)
+            self._last = now
+
+    def finish(self) -> None:
+        emit("items", self.done, self.total)
 
 
 class Display:

@@ -37,8 +37,9 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -171,6 +172,37 @@ class DirectFile:
             buffer.close()
 
 
+class Filler(Protocol):
+    """Makes a storage's bytes as its record is written, rather than before (see :func:`filled_as_written`)."""
+
+    def fills(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is one of this filler's: written from :meth:`windows`, not from its memory as it is."""
+        ...
+
+    def windows(self, storage: torch.UntypedStorage) -> Iterator[memoryview]:
+        """The storage's bytes, front to back, a window at a time; a window is written (and hashed) before the next is asked for."""
+        ...
+
+
+_FILLER: ContextVar[Filler | None] = ContextVar("osdpipe_torchfile_filler", default=None)
+
+
+@contextmanager
+def filled_as_written(filler: Filler) -> Iterator[None]:
+    """Every archive written inside takes the bytes of ``filler``'s storages from ``filler``, window by window, as it writes their records.
+
+    So a storage that would be too large to hold filled (a rank's output
+    under ``runtime.memory_budget``, see :mod:`osdpipe.streamed`) is made and
+    written a window at a time, whoever calls ``torchfile`` (a rank file, a
+    DCP item): the records, offsets and bytes are those of the filled storage.
+    """
+    token = _FILLER.set(filler)
+    try:
+        yield
+    finally:
+        _FILLER.reset(token)
+
+
 class Archive:
     """The zip writer ``torch.serialization._save`` writes records into, writing them to a :class:`DirectFile` as they come.
 
@@ -200,6 +232,11 @@ class Archive:
         if isinstance(data, str):
             data = data.encode()
         storage = data if isinstance(data, torch.UntypedStorage) else None
+        filler = _FILLER.get()
+        if storage is not None and filler is not None and filler.fills(storage):
+            self._header(name, 0, nbytes)
+            self._write_filled(storage, filler.windows(storage), nbytes)
+            return
         if storage is not None:
             payload = _storage_bytes(storage, nbytes)
             crc = 0  # never checked by torch.load; the manifest's sha256 guards the bytes
@@ -210,6 +247,22 @@ class Archive:
         if storage is not None and self._hasher is not None:
             self._digests.append((storage._cdata, self._hasher.submit(lambda view=payload: hashlib.sha256(view).hexdigest()), payload))
         self.out.write(payload)
+
+    def _write_filled(self, storage: torch.UntypedStorage, windows: Iterator[memoryview], nbytes: int) -> None:
+        """A storage's record from its filler's windows: each hashed and copied out before the next is made (its memory may then be let go)."""
+        sha256, written = hashlib.sha256(), 0
+        for window in windows:
+            hashed = self._hasher.submit(sha256.update, window) if self._hasher is not None else None
+            self.out.write(window)
+            written += len(window)
+            if hashed is not None:
+                hashed.result()
+        if written != nbytes:
+            raise ValueError(f"a storage of {nbytes} bytes was filled with {written}")
+        if self._hasher is not None:
+            digest: Future[str] = Future()
+            digest.set_result(sha256.hexdigest())
+            self._digests.append((storage._cdata, digest, memoryview(b"")))
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:  # noqa: ARG002 - torch's skip_data mode, which osdpipe never uses
         raise NotImplementedError("osdpipe's archives hold every record's bytes")

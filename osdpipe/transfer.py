@@ -140,12 +140,16 @@ def fill(state: dict[str, Any], batches_: list[Batch], source: Source) -> int:
     """Copy every batch from this rank's reader into ``state``; the bytes copied."""
     copied = 0
     for batch in batches_:
-        flat = state[batch.name].view(-1)
-        for seg, piece in zip(batch.segments, source.pieces(batch), strict=True):
-            flat[seg.dest : seg.dest + seg.length] = piece
+        place(state[batch.name].view(-1), batch, source.pieces(batch))
         source.done(batch)
         copied += batch.numel * batch.dtype.itemsize
     return copied
+
+
+def place(flat: torch.Tensor, batch: Batch, pieces: list[torch.Tensor]) -> None:
+    """Copy ``batch``'s pieces, as read from the source, to where its segments go in the flat state ``flat``."""
+    for seg, piece in zip(batch.segments, pieces, strict=True):
+        flat[seg.dest : seg.dest + seg.length] = piece
 
 
 class Server:

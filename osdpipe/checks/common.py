@@ -20,6 +20,7 @@ from osdpipe.products import Described, Keyed, Tally
 from osdpipe.reference import live_target
 from osdpipe.sizes import show_size
 from osdpipe.stages.shard import read_source
+from osdpipe.streamed import StreamedOutput
 from osdpipe.transfer import Source
 from osdpipe.tree import ModuleTree
 from osdpipe.weights import model_state_dict
@@ -116,6 +117,11 @@ class Subject:
     @property
     def flat_state(self) -> dict[str, dict[str, Any]]:
         return {} if self.keyed is None else self.keyed.sharded.flat.entries
+
+    @property
+    def streamed(self) -> StreamedOutput | None:
+        """Where this rank's output is made as save writes it, its placeholders and their filler (see :mod:`osdpipe.streamed`)."""
+        return None if self.keyed is None else self.keyed.sharded.streamed
 
     @property
     def sent_digests(self) -> dict[int, dict[tuple[str, str, int], str]]:

@@ -2,7 +2,9 @@
 
 Padding is zero; scalar state equals the source's; a rank sent its ranges
 (``runtime.transfer=scatter``) compares them with the digests its reading
-rank took. Together: gathered back, the result *is* the source.
+rank took. Together: gathered back, the result *is* the source. An output
+made as it is written (:mod:`osdpipe.streamed`) has its elements and its
+padding compared by the same function as save writes them, batch by batch.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from osdpipe.checks.common import Subject
 from osdpipe.collective import scatter_from
-from osdpipe.compare import bits_equal, diff
+from osdpipe.compare import diff, differing_segments
 from osdpipe.products import CheckResult
 from osdpipe.formats import TensorRef
 from osdpipe.formats.base import WEIGHTS
@@ -69,13 +71,21 @@ def run(ctx: Subject) -> CheckResult:
             if not torch.is_tensor(value) or tuple(value.shape) != tensor.shape:
                 problems.append(f"{tensor.key}.{name}: expected a tensor of shape {tensor.shape}")
                 continue
+            if ctx.streamed is not None and ctx.streamed.holds(state, name):
+                continue  # made as save writes it: each batch is compared then (osdpipe.streamed)
             problems += _zero_where_no_state(tensor, name, value.reshape(-1), ctx)
             comparable.add(name)
         work = [(i, b) for i, b in enumerate(plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)) if b.name in comparable]
         problems += _compare_read(tensor, state, work, ctx) if sent is None else _compare_sent(tensor, state, work, sent, ctx)
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
-    return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or "every element equals the source bitwise; every source element is covered")
+    passed = "every element equals the source bitwise; every source element is covered"
+    if ctx.streamed is not None:
+        passed = (
+            "shapes and scalar state match the source; every source element is covered; the elements are compared bitwise "
+            "batch by batch as save writes them (runtime.memory_budget), and a difference fails the save"
+        )
+    return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or passed)
 
 
 def _sent_digests(ctx: Subject) -> dict[tuple[str, str, int], str] | None:
@@ -108,12 +118,7 @@ def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[i
     """Each batch of the result against the same ranges read from the source, bitwise."""
     source, problems = ctx.read_source(), []
     for _, batch in work:
-        flat = state[batch.name].reshape(-1)
-        for seg, want in zip(batch.segments, source.pieces(batch), strict=True):
-            got = flat[seg.dest : seg.dest + seg.length]
-            if not bits_equal(got, want):
-                bad = int((got != want).nonzero()[0]) if (got != want).any() else 0
-                problems.append(f"{tensor.key}.{batch.name}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
+        problems += differing_segments(f"{tensor.key}.{batch.name}", state[batch.name].reshape(-1), batch.segments, source.pieces(batch))
         source.done(batch)
     return problems
 

@@ -220,6 +220,10 @@ class Format:
     #: (see :meth:`osdpipe.kinds.base.LayoutKind.dcp_load_problem`).
     loaded_by_dcp: ClassVar[bool] = False
 
+    #: Its files are written through :mod:`osdpipe.torchfile`, storage by storage, so a rank's output can be made as it
+    #: is written (:mod:`osdpipe.streamed`), under ``runtime.memory_budget``.
+    made_as_written: ClassVar[bool] = False
+
     def refuses_source(self, kind: Any) -> str | None:
         """Why a checkpoint in this format cannot come from a job of layout ``kind`` (``None``: it can); the message names the keys to set."""
         return None

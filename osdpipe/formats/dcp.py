@@ -35,6 +35,7 @@ class Dcp(Format):
     directory = True
     generated_name = DCP_DIR
     looks_like = "a DCP checkpoint (.metadata)"
+    made_as_written = True
     loaded_by_dcp = True
 
     def output_path(self, directory: Path, rank: int) -> Path:

@@ -140,6 +140,7 @@ class FsdpFull(Format):
     directory = False
     generated_name = ONE_FILE
     looks_like = "a torch.save file keyed by FQN"
+    made_as_written = True
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / ONE_FILE

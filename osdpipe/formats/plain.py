@@ -117,6 +117,7 @@ class Plain(Format):
     directory = False
     generated_name = ONE_FILE
     looks_like = "a torch.save file keyed by param ID"
+    made_as_written = True
     source_kind = NoWrapper.name
 
     def output_path(self, directory: Path, rank: int) -> Path:

@@ -423,6 +423,7 @@ class RankLocal(Format):
     local_state = True
     generated_name = "rank_local"
     looks_like = "a directory of rank_<r>.pt"
+    made_as_written = True
     found_by = "rank_<r>.pt files"
 
     def output_path(self, directory: Path, rank: int) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from osdpipe.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.context import Context
 from osdpipe.formats.base import RankFiles
 from osdpipe.products import Keyed, Staged, Tally, Verified, find
+from osdpipe.stages.broadcast import act_on_nonfinite
+from osdpipe.streamed import StreamedOutput
+from osdpipe.torchfile import filled_as_written
 from osdpipe.weights import WholeSource
 
 def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
@@ -41,15 +45,34 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
     mine = RankFiles()
     error = None
     try:
-        if keyed.weights is not None:
-            mine = _write_whole(ctx, keyed, staging)
-        elif fmt.writes(ctx.rank):
-            mine = fmt.write(keyed.state_dict, staging, ctx.rank, key=ctx.spec.output.key, tree=ctx.tree, world_size=ctx.world_size, shared=ctx.world.kept)
+        streamed = keyed.sharded.streamed
+        with filled_as_written(streamed) if streamed is not None else nullcontext():
+            if keyed.weights is not None:
+                mine = _write_whole(ctx, keyed, staging)
+            elif fmt.writes(ctx.rank):
+                mine = fmt.write(keyed.state_dict, staging, ctx.rank, key=ctx.spec.output.key, tree=ctx.tree, world_size=ctx.world_size, shared=ctx.world.kept)
+        if streamed is not None:
+            _made_as_written(ctx, streamed, tally)
         tally.moved += sum((staging / name).stat().st_size for name in mine.files)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
     agree("save", error, rank=ctx.rank)  # on failure the launcher drops the staged run (output.abort)
     return Staged(before, mine)
+
+
+def _made_as_written(ctx: Context, streamed: StreamedOutput, tally: Tally) -> None:
+    """Act on what filling the output as it was written found: what shard and roundtrip act on when it is filled in memory.
+
+    Raises:
+        ValueError: a placeholder was never written (its file would hold zeros), an element differs
+            from the source, or the source holds NaN or Inf (without ``input.allow_nonfinite``).
+    """
+    if streamed.unwritten:
+        raise ValueError(f"{ctx.output_format.name} output of rank {ctx.rank} was not written from its placeholders ({', '.join(streamed.unwritten[:3])}): a bug in osdpipe, please report it; without runtime.memory_budget the output is filled in memory")
+    if streamed.differences:
+        raise ValueError(f"roundtrip, comparing rank {ctx.rank}'s output with the source as it was written: {'; '.join(streamed.differences[:5])}")
+    act_on_nonfinite(ctx, tally, streamed.nonfinite)
+    tally.moved += streamed.filled
 
 
 def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:

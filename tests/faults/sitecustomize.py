@@ -12,6 +12,9 @@ tensor scalar state of its own (``tests/test_resume.py``).
 ``OSDPIPE_TEST_RECORD_SYNCS=<file>`` appends every ``os.fsync`` (the path
 behind the descriptor) and ``os.replace`` of the process to ``<file>``, a
 line each, in order (``tests/test_durability.py``).
+``OSDPIPE_TEST_MISFILL=<fqn>:<state>`` copies one element wrong into an output
+made as it is written: the first of each batch of parameter ``<fqn>``'s
+state ``<state>`` is one more than the source's (``tests/test_streamed.py``).
 Without any of these variables this module does nothing, not even import torch.
 """
 
@@ -139,3 +142,22 @@ def _record_syncs(log: str) -> None:
 
 if os.environ.get("OSDPIPE_TEST_RECORD_SYNCS"):
     _record_syncs(os.environ["OSDPIPE_TEST_RECORD_SYNCS"])
+
+
+def _misfill(fqn: str, name: str) -> None:
+    """Every batch :mod:`osdpipe.streamed` fills of ``fqn``'s state ``name`` gets its first element wrong, after the copy."""
+    from osdpipe import streamed
+
+    real_place = streamed.place
+
+    def place(flat, batch, pieces):
+        real_place(flat, batch, pieces)
+        first = batch.segments[0]
+        if first.fqn == fqn and batch.name == name:
+            flat[first.dest] += 1
+
+    streamed.place = place
+
+
+if os.environ.get("OSDPIPE_TEST_MISFILL"):
+    _misfill(*os.environ["OSDPIPE_TEST_MISFILL"].split(":"))
