@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import clean_env, run_cli_cases, run_command
 
@@ -43,11 +42,7 @@ def _env(**variables: str) -> dict[str, str]:
 def source(tmp_path_factory) -> Path:
     import userlm
 
-    torch.manual_seed(0)
-    model = userlm.build()
-    path = tmp_path_factory.mktemp("durable") / "optim.pt"
-    torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=1)), path)
-    return path
+    return userlm.save_trained(tmp_path_factory.mktemp("durable") / "optim.pt", steps=1)
 
 
 def _job(source: Path, world: int, out: Path, *extra: str) -> list[str]:

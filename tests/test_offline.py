@@ -42,12 +42,7 @@ def full_source(tmp_path_factory) -> Path:
     """The user's unwrapped job: 2 Adam steps on token IDs; its state keyed by FQN, as an fsdp_full file."""
     import userlm
 
-    torch.manual_seed(0)
-    model = userlm.build()
-    full = userlm.fqn_keyed(model, userlm.train(model, steps=2))
-    path = tmp_path_factory.mktemp("user_job") / "optim.pt"
-    torch.save(full, path)
-    return path
+    return userlm.save_trained(tmp_path_factory.mktemp("user_job") / "optim.pt", steps=2)
 
 
 def _env() -> dict[str, str]:

@@ -322,14 +322,7 @@ def test_resume_steps_a_batch_whose_tensors_hold_no_element_on_the_rank(tmp_path
     small parameters, use_orig_params on 2 ranks) compares nothing, where it used to build an optimizer of no tensors and fail."""
     import usermodel
 
-    torch.manual_seed(0)
-    model = usermodel.make(dim=30)
-    optim = torch.optim.Adam(model.parameters())
-    model(torch.randn(4, 30)).square().mean().backward()
-    optim.step()
-    names = {p: n for n, p in model.named_parameters()}
-    source = tmp_path / "optim.pt"
-    torch.save({"state": {names[p]: s for p, s in optim.state.items()}, "param_groups": [{**optim.param_groups[0], "params": list(names.values())}]}, source)
+    source = usermodel.save_stepped(tmp_path / "optim.pt", dim=30)
     args = ["model.factory=usermodel:make", "model.kwargs.dim=30", f"input.path={source}", "input.format=fsdp_full", "source.world_size=1",
             "target.world_size=2", "target.use_orig_params=true", "runtime.mode=offline", "pipeline.checks=[resume]"]  # fmt: skip
     budget, whole = run_cli_cases([[*args, "runtime.memory_budget=4KB", f"output.path={tmp_path / 'budget'}"], [*args, f"output.path={tmp_path / 'whole'}"]],

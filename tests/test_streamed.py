@@ -47,11 +47,7 @@ def full_source(tmp_path_factory) -> Path:
     """The user's unwrapped language model after 2 Adam steps on token IDs: its FQN-keyed state as an fsdp_full file."""
     import userlm
 
-    torch.manual_seed(0)
-    model = userlm.build()
-    path = tmp_path_factory.mktemp("lm_job") / "optim.pt"
-    torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), path)
-    return path
+    return userlm.save_trained(tmp_path_factory.mktemp("lm_job") / "optim.pt", steps=2)
 
 
 def _lm(source: Path, out: Path, *extra: str) -> list[str]:
@@ -122,16 +118,7 @@ def wide_source(tmp_path_factory) -> Path:
     """The user's model (``usermodel:make``, widened) after one Adam step: its FQN-keyed state as an fsdp_full file."""
     import usermodel
 
-    torch.manual_seed(0)
-    model = usermodel.make(dim=WIDE)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(4, WIDE)).square().mean().backward()
-    optim.step()
-    names = {p: n for n, p in model.named_parameters()}
-    state = {"state": {names[p]: s for p, s in optim.state.items()}, "param_groups": [{**optim.param_groups[0], "params": list(names.values())}]}
-    path = tmp_path_factory.mktemp("wide_job") / "optim.pt"
-    torch.save(state, path)
-    return path
+    return usermodel.save_stepped(tmp_path_factory.mktemp("wide_job") / "optim.pt", WIDE)
 
 
 def test_a_rank_made_as_it_is_written_holds_the_budget_not_its_output(wide_source: Path, tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ what makes order-based rekeying dangerous.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -64,6 +66,14 @@ def fqn_keyed(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         "state": {names[i]: s for i, s in state["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
     }
+
+
+def save_trained(path: Path, steps: int) -> Path:
+    """The user's unwrapped job, seeded: ``steps`` Adam steps, its FQN-keyed state saved at ``path`` (an ``fsdp_full`` input)."""
+    torch.manual_seed(0)
+    model = build()
+    torch.save(fqn_keyed(model, train(model, steps)), path)
+    return path
 
 
 def batches(first: int, count: int) -> list[torch.Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -46,3 +48,15 @@ class UserModel(nn.Module):
 
 def make(dim: int = 7, experts: int = 2, towers: int = 2) -> UserModel:
     return UserModel(dim, experts, towers)
+
+
+def save_stepped(path: Path, dim: int) -> Path:
+    """``make(dim)`` after one seeded Adam step: its FQN-keyed state saved at ``path`` (an ``fsdp_full`` input)."""
+    torch.manual_seed(0)
+    model = make(dim=dim)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, dim)).square().mean().backward()
+    optim.step()
+    names = {p: n for n, p in model.named_parameters()}
+    torch.save({"state": {names[p]: s for p, s in optim.state.items()}, "param_groups": [{**optim.param_groups[0], "params": list(names.values())}]}, path)
+    return path
