@@ -34,7 +34,7 @@ class Report:
     files: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     memory: list[MemoryPeak] = field(default_factory=list)  # each rank's (offline: the process's) peak memory, in bytes
-    memory_budget: int | None = None  # runtime.memory_budget: bytes a rank may hold in flight beyond its output
+    memory_budget: int | None = None  # runtime.memory_budget: bytes a rank may hold in flight (beyond its output where it must hold that)
     output_bytes: list[int] = field(default_factory=list)  # each rank's (offline: each target rank's) converted tensor bytes
     entries: list[dict[str, Any]] = field(default_factory=list)  # a whole checkpoint's every entry and what became of it (osdpipe.checkpoints.base.fates)
     traceback: str | None = None  # where ``error`` was raised, for runtime.debug and bug reports
