@@ -20,7 +20,9 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
 * ``osdpipe-offline``: the same with ``runtime.mode=offline``;
 * ``osdpipe-scatter``: online, rank 0 reads and sends every other rank its
   ranges (``runtime.transfer=scatter``);
-* ``osdpipe-offline-budget``: offline under ``runtime.memory_budget`` (``--budget``);
+* ``osdpipe-offline-budget``: offline under ``runtime.memory_budget`` (``--budget``),
+  so each rank's output is made as it is written: its ``save`` stage is the
+  whole conversion (read, compare, write), and its "in flight" is ``-``;
 * ``osdpipe-dcp``: online, the output one DCP checkpoint (``output.format=dcp``);
 * ``fsdp1``: PyTorch's FSDP1 path on M ranks: rank 0 loads the file,
   ``FSDP.optim_state_dict_to_load`` with ``rank0_only``, each rank saves;
@@ -288,12 +290,16 @@ def limit_command(total: int, m: int, out: Path) -> dict:
 
 
 def in_flight(run: dict) -> str:
-    """The most anonymous memory a process held beyond its baseline and the output it holds (offline: one target rank's at a time)."""
+    """The most anonymous memory a process held beyond its baseline and the output it holds (offline: one target rank's at a time).
+
+    ``-`` where a process held less than its output: its output was made as it was written (``osdpipe.streamed``), never held whole.
+    """
     if "output_bytes" not in run:
         return "-"
     memory, outputs = run["memory"], run["output_bytes"]
     held = [max(outputs)] if len(memory) == 1 else outputs
-    return f"{max((m['peak_anonymous'] or 0) - (m['baseline_anonymous'] or 0) - out for m, out in zip(memory, held)) / 1e9:.2f}"
+    beyond = [(m["peak_anonymous"] or 0) - (m["baseline_anonymous"] or 0) - out for m, out in zip(memory, held)]
+    return "-" if min(beyond) < 0 else f"{max(beyond) / 1e9:.2f}"
 
 
 def write_throughput(runs: list[dict]) -> str:

@@ -140,8 +140,8 @@ class DirectFile:
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], offset + done)
 
-    def close(self, sync: bool) -> str:
-        """Write what is left, cut the file to its length, sync it if ``sync``; returns its sha256 (taken as the buffers were written)."""
+    def close(self, sync: bool) -> None:
+        """Write what is left, cut the file to its length, sync it if ``sync``; its sha256 (taken as the buffers were written) is then in ``digest``."""
         try:
             length = self.tell()
             tail = self._fill
@@ -157,7 +157,6 @@ class DirectFile:
         finally:
             self.release()
         self.digest = self.sha256.hexdigest()
-        return self.digest
 
     def release(self) -> None:
         """Let go of the file and the buffers, the writes in flight waited for (after :meth:`close`, or after a failure: the caller drops the file)."""
