@@ -365,8 +365,9 @@ class RuntimeConfig(_Frozen):
     #: ``shared``: every rank reads the input itself. ``scatter``: one rank per host reads it and sends
     #: each other rank exactly its ranges through the process group (the input on one node's local disk).
     transfer: Literal["shared", "scatter"] = "shared"
-    #: Bytes a rank may hold in flight beyond its own output (reads, messages); ``None``: no bound.
-    #: Conversion then copies, sends and checks in pieces of at most half of it.
+    #: Bytes a rank may hold in flight (reads, messages); ``None``: no bound. Conversion then copies, sends and
+    #: checks in pieces of at most half of it, and, where nothing needs the rank's output whole (``pipeline.checks``
+    #: of ``roundtrip`` alone), makes the output as it writes it, so the budget bounds the output too (osdpipe.streamed).
     memory_budget: int | None = None
 
     @field_validator("memory_budget", mode="before")
