@@ -124,9 +124,10 @@ def write_random_state(width: int, path: Path) -> None:
 
     The state's tensors are ``torch.empty`` placeholders, never touched (so
     never given memory); the file is written by osdpipe's torch-file writer
-    (:mod:`osdpipe.torchfile`), whose archive here fills each storage record
-    with fresh random values a piece at a time instead of reading the
-    placeholder: ``exp_avg`` normal, ``exp_avg_sq`` uniform in [0, 1).
+    (:mod:`osdpipe.torchfile`), which here takes each placeholder's bytes
+    from a filler (``filled_as_written``, as osdpipe's own output made as it is
+    written does): fresh random values a piece at a time, ``exp_avg`` normal,
+    ``exp_avg_sq`` uniform in [0, 1).
     Seeded: the same width gives the same file.
     """
     import torch
@@ -145,18 +146,17 @@ def write_random_state(width: int, path: Path) -> None:
     groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
                "foreach": None, "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": False, "params": names}]  # fmt: skip
 
-    class RandomArchive(torchfile.Archive):
-        def write_record(self, name: str, data: object, nbytes: int) -> None:
-            draw = draws.get(data._cdata) if isinstance(data, torch.UntypedStorage) else None
-            if draw is None:
-                super().write_record(name, data, nbytes)
-                return
-            self._header(name, 0, nbytes)
-            for start in range(0, nbytes // 4, 1 << 24):
-                self.out.write(draw(min(1 << 24, nbytes // 4 - start), generator=gen).numpy())
+    class RandomFiller:  # a torchfile.Filler: each placeholder's values, drawn 64 MB at a time as its record is written
+        def fills(self, storage: torch.UntypedStorage) -> bool:
+            return storage._cdata in draws
 
-    with torchfile.written(path, sync=True) as out:
-        torchfile.write_archive({"state": state, "param_groups": groups}, out, hash_storages=False, kind=RandomArchive)
+        def windows(self, storage: torch.UntypedStorage):
+            draw, numel = draws[storage._cdata], storage.nbytes() // 4
+            for start in range(0, numel, 1 << 24):
+                yield memoryview(draw(min(1 << 24, numel - start), generator=gen).numpy())
+
+    with torchfile.written(path, sync=True) as out, torchfile.filled_as_written(RandomFiller()):
+        torchfile.write_archive({"state": state, "param_groups": groups}, out, hash_storages=False)
 
 
 # ---------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def differing_segments(label: str, flat: torch.Tensor, segments: Sequence[Segmen
     for seg, want in zip(segments, pieces, strict=True):
         got = flat[seg.dest : seg.dest + seg.length]
         if not bits_equal(got, want):
-            bad = int((got != want).nonzero()[0]) if (got != want).any() else 0
+            unequal = (got != want).nonzero()
+            bad = int(unequal[0]) if unequal.numel() else 0  # bytes differ where values compare equal: -0.0 against 0.0
             problems.append(f"{label}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
     return problems
 

@@ -129,7 +129,7 @@ class StreamedOutput:
     def holds(self, state: dict[str, Any], name: str) -> bool:
         """Whether ``state[name]`` is a placeholder not yet written (its bytes are not in memory to check)."""
         value = state.get(name)
-        return torch.is_tensor(value) and value.untyped_storage()._cdata in self._pending
+        return torch.is_tensor(value) and self.fills(value.untyped_storage())
 
     @property
     def unwritten(self) -> list[str]:

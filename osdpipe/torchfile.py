@@ -253,7 +253,7 @@ class Archive:
         for window in windows:
             hashed = self._hasher.submit(sha256.update, window) if self._hasher is not None else None
             self.out.write(window)
-            written += len(window)
+            written += memoryview(window).nbytes
             if hashed is not None:
                 hashed.result()
         if written != nbytes:
@@ -317,18 +317,19 @@ def _storage_bytes(storage: torch.UntypedStorage, nbytes: int) -> memoryview:
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).numpy()).cast("B")
 
 
-def write_archive(obj: Any, out: DirectFile, *, hash_storages: bool = True, kind: type[Archive] = Archive) -> dict[int, str]:
+def write_archive(obj: Any, out: DirectFile, *, hash_storages: bool = True) -> dict[int, str]:
     """Write ``obj`` as ``torch.save`` would, as one archive from ``out``'s current position on: what a ``torch.save`` file holds.
 
     Its offsets and alignment count from where it begins, so the bytes from
     there to the end load with ``torch.load`` wherever they sit (DCP keeps a
     rank's items one after another in one file). Returns each storage's
     sha256 (by ``UntypedStorage._cdata``; empty without ``hash_storages``).
-    ``kind``: the archive class, for one that writes a record its own way.
+    A storage whose bytes are made as it is written comes from the active
+    filler (:func:`filled_as_written`).
     """
     if sys.byteorder != "little":
         raise NotImplementedError("osdpipe writes torch files on little-endian machines")
-    archive = kind(out, hash_storages=hash_storages)
+    archive = Archive(out, hash_storages=hash_storages)
     try:
         torch.serialization._save(obj, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)  # torch.save's own pickling of the records
         archive.finish()

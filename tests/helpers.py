@@ -21,6 +21,21 @@ def clean_env(*drop: str) -> dict[str, str]:
     return env
 
 
+#: This folder: the user's own modules (``userlm``, ``usermodel``, ...) import from here; ``faults`` under it injects failures.
+TESTS = Path(__file__).resolve().parent
+
+
+def user_env(**variables: str) -> dict[str, str]:
+    """A command's environment as a user's: :func:`clean_env`, with the user's own modules importable (this folder on ``PYTHONPATH``).
+
+    ``variables`` (``OSDPIPE_TEST_*``) are set, and ``tests/faults`` is put on the path to act on them.
+    """
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([str(TESTS / "faults")] if variables else []), env.get("PYTHONPATH", "")])
+    env.update(variables)
+    return env
+
+
 def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own session; past ``timeout`` kill it with every rank it spawned, and fail."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -14,15 +14,13 @@ target world and steps; a NaN in one rank's file fails it, naming that rank.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env, run_cli_cases
+from helpers import run_cli_cases, user_env
 
-TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 120
 OUTPUTS = {
     "rank_local": ["target.world_size=3", "target.wrap=[MixerBlock]", "target.use_orig_params=true"],
@@ -37,12 +35,6 @@ RUNS = {
 }
 
 
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """Every output format, each converted four ways from the user's job (its FQN-keyed full state, 2 Adam steps)."""
@@ -54,7 +46,7 @@ def runs(tmp_path_factory) -> Path:
     torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
     source = ["model.factory=userlm:build", f"input.path={root / 'optim.pt'}", "input.format=fsdp_full", "source.world_size=1"]
     cases = [[*source, *args, *extra, f"output.path={root / fmt / run}"] for fmt, args in OUTPUTS.items() for run, extra in RUNS.items()]
-    for result in run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=_env()):
+    for result in run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env()):
         assert result["code"] == 0, result["stderr"]
     return root
 
@@ -78,7 +70,7 @@ def test_the_same_conversion_writes_the_same_bytes_and_manifest_content(runs: Pa
 
 
 def _check(*args: str, cwd: Path) -> list[dict]:
-    return run_cli_cases([["check", *a] for a in args], cwd=cwd, per_case_s=TIMEOUT_S, env=_env())  # type: ignore[list-item]
+    return run_cli_cases([["check", *a] for a in args], cwd=cwd, per_case_s=TIMEOUT_S, env=user_env())  # type: ignore[list-item]
 
 
 def test_check_passes_on_every_run(runs: Path) -> None:
@@ -185,7 +177,7 @@ def test_the_log_file_says_what_ran_at_its_level(runs: Path, tmp_path: Path) -> 
     results = run_cli_cases(
         [[*common, f"input.path={runs / 'optim.pt'}", f"output.path={tmp_path / 'debug'}", "runtime.log_level=debug", "runtime.mode=offline"],
          [*common, f"input.path={tmp_path / 'nan.pt'}", f"output.path={tmp_path / 'failed'}", "runtime.log_level=warning", "runtime.mode=offline"]],
-        cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env(),
+        cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env(),
     )  # fmt: skip
     assert [r["code"] for r in results] == [0, 1], results
     debug = (tmp_path / "debug" / "osdpipe.log").read_text()
@@ -216,7 +208,7 @@ def test_the_readme_ci_job_and_check_of_a_generated_or_moved_source(runs: Path, 
          ["check", str(moved)],
          ["check", str(moved), f"input.path={tmp_path / 'archived.pt'}"],
          ["check", str(moved), "input.nosuchkey=1"]],
-        cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env(),
+        cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env(),
     )  # fmt: skip
     codes = [r["code"] for r in results]
     assert codes == [0, 0, 0, 0, 2, 0, 2], [(r["code"], r["stderr"]) for r in results]

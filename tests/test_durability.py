@@ -14,28 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_cli_cases, run_command
+from helpers import run_cli_cases, run_command, user_env
 
 #: End to end: each kill point runs the command once.
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 120
-
-
-def _env(**variables: str) -> dict[str, str]:
-    """The command's environment; with ``variables`` (``OSDPIPE_TEST_*``), ``tests/faults`` on the path to act on them."""
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([str(TESTS / "faults")] if variables else []), env.get("PYTHONPATH", "")])
-    env.update(variables)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +55,7 @@ def _conversion(directory: Path) -> dict[str, str]:
 def _convert_recording(source: Path, out: Path, tmp_path: Path, *extra: str) -> list[tuple]:
     """The ``osdpipe`` command (offline: the launcher writes and commits) with every ``fsync`` and ``os.replace`` it makes recorded, in order."""
     log = tmp_path / f"syncs_{out.name}.tsv"
-    env = _env(OSDPIPE_TEST_RECORD_SYNCS=str(log))
+    env = user_env(OSDPIPE_TEST_RECORD_SYNCS=str(log))
     result = run_command([sys.executable, "-m", "osdpipe", *_job(source, 3, out, *extra)], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
     assert result.returncode == 0, result.stderr
     return [tuple(line.split("\t")) for line in log.read_text().splitlines()]
@@ -107,7 +97,7 @@ def test_a_kill_anywhere_in_the_commit_leaves_one_whole_conversion_old_or_new(so
     from osdpipe.output import recover
 
     old_dir, new_dir = tmp_path / "old", tmp_path / "new"
-    results = run_cli_cases([_job(source, 3, old_dir), _job(source, 2, new_dir)], cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    results = run_cli_cases([_job(source, 3, old_dir), _job(source, 2, new_dir)], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     assert [r["code"] for r in results] == [0, 0], results
     old, new = _conversion(old_dir), _conversion(new_dir)
     assert old != new
@@ -115,7 +105,7 @@ def test_a_kill_anywhere_in_the_commit_leaves_one_whole_conversion_old_or_new(so
     for after in range(12):
         work = tmp_path / f"kill_{after}"
         shutil.copytree(old_dir, work)
-        result = run_command([sys.executable, "-m", "osdpipe", *_job(source, 2, work)], cwd=tmp_path, timeout=TIMEOUT_S, env=_env(OSDPIPE_TEST_FAULT=f"commit:{after}"))
+        result = run_command([sys.executable, "-m", "osdpipe", *_job(source, 2, work)], cwd=tmp_path, timeout=TIMEOUT_S, env=user_env(OSDPIPE_TEST_FAULT=f"commit:{after}"))
         if result.returncode == 0:  # past the last rename: the commit finished
             break
         assert result.returncode == -9, f"commit:{after}: exit {result.returncode}\n{result.stderr}"

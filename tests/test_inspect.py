@@ -23,19 +23,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import userlm
-from helpers import clean_env, run_cli_cases, run_command
+from helpers import run_cli_cases, run_command, user_env
 
 from osdpipe.launch import run_local_world
 
 TIMEOUT_S = 240
-TESTS = Path(__file__).resolve().parent
 PARAMS = 13  # userlm's parameters, the tied head counted once
-
-
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _save_jobs(root: str) -> None:
@@ -73,13 +66,13 @@ def checkpoints(tmp_path_factory) -> Path:
     run_local_world(_save_jobs, 4, (str(root),), timeout_s=TIMEOUT_S)
     # osdpipe's own rank_local output: the AdamW file, converted with no optim.name and no source.* at all.
     cases = [["model.factory=userlm:build", f"input.path={root / 'adamw.pt'}", "target.world_size=3", "target.wrap=[MixerBlock]", f"output.path={root / 'out'}"]]
-    [result] = run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=_env())
+    [result] = run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env())
     assert result["code"] == 0, result["stderr"]
     return root
 
 
 def _inspect(*args: str, cwd: Path) -> tuple[int, str, str]:
-    result = run_command([sys.executable, "-m", "osdpipe", "inspect", *args], cwd=cwd, timeout=120, env=_env())
+    result = run_command([sys.executable, "-m", "osdpipe", "inspect", *args], cwd=cwd, timeout=120, env=user_env())
     return result.returncode, result.stdout, result.stderr
 
 
@@ -96,7 +89,7 @@ EXPECTED = {
 def inspected(checkpoints: Path) -> dict[str, tuple[dict, dict]]:
     """``osdpipe inspect PATH --json`` and ``osdpipe inspect PATH`` of each checkpoint, through the entry point (one process runs them all)."""
     cases = [["inspect", str(checkpoints / name), *extra] for name in EXPECTED for extra in (["--json"], [])]
-    results = run_cli_cases(cases, cwd=checkpoints, per_case_s=120, env=_env())
+    results = run_cli_cases(cases, cwd=checkpoints, per_case_s=120, env=user_env())
     return {name: (results[2 * i], results[2 * i + 1]) for i, name in enumerate(EXPECTED)}
 
 
@@ -160,7 +153,7 @@ def refused(checkpoints: Path, tmp_path_factory) -> dict[str, tuple[dict, Path]]
     """Each refused description through the entry point (one process runs them all), and the output path it named."""
     root = tmp_path_factory.mktemp("refused")
     cases = [["model.factory=userlm:build", *(a.format(root=checkpoints) for a in args), f"output.path={root / case}"] for case, (args, _) in REFUSED.items()]
-    results = run_cli_cases(cases, cwd=root, per_case_s=120, env=_env())
+    results = run_cli_cases(cases, cwd=root, per_case_s=120, env=user_env())
     return {case: (result, root / case) for case, result in zip(REFUSED, results)}
 
 
@@ -179,7 +172,7 @@ def test_the_files_settle_what_was_not_given_over_a_recipes_values(checkpoints: 
     """The README's DCP command with no input.format, input.key or source.world_size, on a recipe that says 2 source ranks
     (the 4-rank files win); and a learning rate that differs from the checkpoint's is a warning naming the value used."""
     args = ["recipe=fsdp2_to_fsdp1", "model.factory=userlm:build", f"input.path={checkpoints / 'fsdp1_dcp'}", "target.world_size=2", "optim.lr=0.5"]
-    [result] = run_cli_cases([[*args, f"output.path={tmp_path / 'out'}"]], cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    [result] = run_cli_cases([[*args, f"output.path={tmp_path / 'out'}"]], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     assert result["code"] == 0, result["stderr"]
     config = json.loads((tmp_path / "out" / "manifest.json").read_text())["config"]
     assert (config["input"]["format"], config["input"]["key"], config["source"]["world_size"], config["optim"]["name"]) == ("dcp", "optimizer", 4, "Adam")

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
 import fsdp2_resume
 import pytest
 import torch
-from helpers import clean_env, run_cli_cases, run_command
+from helpers import run_cli_cases, run_command, user_env
 from oracle_probe import spawn_world
 
 from osdpipe.compare import diff
@@ -43,12 +42,6 @@ def full_source(tmp_path_factory) -> Path:
     import userlm
 
     return userlm.save_trained(tmp_path_factory.mktemp("user_job") / "optim.pt", steps=2)
-
-
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
 
 
 #: Every conversion this module checks, run up front in one driver process (one rank server, one torch import):
@@ -83,7 +76,7 @@ def converted(full_source: Path, tmp_path_factory) -> dict[str, Path]:
          f"output.path={outs[name]}", *args]
         for name, args in CONVERSIONS.items()
     ]  # fmt: skip
-    for name, result in zip(CONVERSIONS, run_cli_cases(argv, cwd=root, per_case_s=TIMEOUT_S, env=_env())):
+    for name, result in zip(CONVERSIONS, run_cli_cases(argv, cwd=root, per_case_s=TIMEOUT_S, env=user_env())):
         assert result["code"] == 0, f"{name}: exit {result['code']}\n{result['stdout']}\n{result['stderr']}"
         assert "Traceback" not in result["stderr"], result["stderr"]
     return outs
@@ -95,7 +88,7 @@ def _report(out: Path) -> dict:
 
 def _real_fsdp_problems(kind: str, world: int, source: Path, out: Path, ranks: list[int]) -> list[str]:
     cmd = [sys.executable, str(TESTS / "fake_rank_files.py"), kind, str(world), str(source), str(out), *map(str, ranks)]
-    result = run_command(cmd, cwd=out.parent, timeout=TIMEOUT_S, env=_env())
+    result = run_command(cmd, cwd=out.parent, timeout=TIMEOUT_S, env=user_env())
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -196,7 +189,7 @@ def test_hybrid_source_replicas_must_agree(converted: dict[str, Path], tmp_path:
         f"input.path={hybrid}", "input.format=rank_local", "source.world_size=4", "source.wrap=[MixerBlock]",
         "source.sharding_strategy=HYBRID_SHARD", "source.shard_group_size=2", "target.world_size=2",
     ]  # fmt: skip
-    env = _env()
+    env = user_env()
     ok = run_command([sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *source, f"output.path={tmp_path / 'ok'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)  # online, as the README shows it
     assert ok.returncode == 0, ok.stderr
     assert "check replicas   pass  the source's replica groups hold the same state bitwise" in ok.stdout
@@ -272,7 +265,7 @@ def test_one_process_holds_one_target_ranks_output_at_a_time(tmp_path: Path) -> 
     cmd = [sys.executable, "-m", "osdpipe", "model.factory=mlp", "model.kwargs.width=2048", "model.kwargs.depth=4", f"input.path={source}",
            "source.world_size=1", "source.wrap=[Linear]", "target.world_size=4", "target.wrap=[Linear]", "runtime.mode=offline",
            "pipeline.checks=[roundtrip]", f"output.path={out}"]  # fmt: skip
-    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=_env())
+    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=user_env())
     assert result.returncode == 0, result.stderr
     report = _report(out)
     (memory,) = report["memory"]

@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import userlm
-from helpers import clean_env, run_cli_cases
+from helpers import run_cli_cases, user_env
 
 from osdpipe.launch import run_local_world
 
@@ -65,12 +65,6 @@ CASES: dict[str, tuple[str, list[str], str]] = {
 }
 
 
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
-
-
 def _save_sources(root: str) -> None:
     """A user's FSDP1 job on 2 ranks, once per optimizer: 3 steps, then FSDP.optim_state_dict (FULL) saved on rank 0."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -97,7 +91,7 @@ def converted(tmp_path_factory) -> Path:
         ["model.factory=userlm:build", f"input.path={root / f'{optimizer}.pt'}", *target, f"output.path={root / case}"]
         for case, (optimizer, target, _) in CASES.items()
     ]
-    for case, result in zip(CASES, run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=_env())):
+    for case, result in zip(CASES, run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env())):
         assert result["code"] == 0, f"{case}: {result['stderr']}"
         assert "check resume     pass" in result["stdout"], f"{case}: {result['stdout']}"
     return root
@@ -280,7 +274,7 @@ def test_the_resuming_job_trains_as_it_would_have_from_the_source(converted: Pat
 @pytest.mark.parametrize("mode", ["online", "offline"])
 def test_resume_fails_naming_the_parameter_and_both_step_values_when_the_output_shares_a_step(mode: str, converted: Path, tmp_path: Path) -> None:
     """With the copy undone (tests/faults/sitecustomize.py), the output shares the source's step tensors; resume must say so."""
-    env = _env()
+    env = user_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS / "faults"), env["PYTHONPATH"]])
     env["OSDPIPE_TEST_SHARE_SCALARS"] = "1"
     args = ["model.factory=userlm:build", f"input.path={converted / 'Adam.pt'}", "target.kind=fsdp2", "target.world_size=2", f"runtime.mode={mode}"]
@@ -307,7 +301,7 @@ def test_an_optimizer_not_known_to_be_elementwise_is_stepped_whole_or_said_skipp
         [*base, "optim.name=useroptim:SignMomentum", "pipeline.full_state_checks_max=1KB", f"output.path={tmp_path / 'over'}"],
         [*base, "optim.name=useroptim:ElementwiseSignMomentum", "pipeline.full_state_checks_max=1KB", f"output.path={tmp_path / 'says'}"],
     ]
-    whole, over, says = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    whole, over, says = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     assert whole["code"] == 0 and "check resume     pass  storage: no two state tensors share memory; steps: the fsdp1 target job loaded it and took 3 step(s)" in whole["stdout"], whole
     assert says["code"] == 0 and "took 2 step(s)" in says["stdout"] and "storage part only" not in says["stderr"], says  # osdpipe_elementwise = True
     assert over["code"] == 0, over["stderr"]
@@ -326,6 +320,6 @@ def test_resume_steps_a_batch_whose_tensors_hold_no_element_on_the_rank(tmp_path
     args = ["model.factory=usermodel:make", "model.kwargs.dim=30", f"input.path={source}", "input.format=fsdp_full", "source.world_size=1",
             "target.world_size=2", "target.use_orig_params=true", "runtime.mode=offline", "pipeline.checks=[resume]"]  # fmt: skip
     budget, whole = run_cli_cases([[*args, "runtime.memory_budget=4KB", f"output.path={tmp_path / 'budget'}"], [*args, f"output.path={tmp_path / 'whole'}"]],
-                                  cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())  # fmt: skip
+                                  cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())  # fmt: skip
     for result in (budget, whole):
         assert result["code"] == 0 and "check resume     pass" in result["stdout"], result["stderr"]

@@ -20,26 +20,18 @@ IDs, a tied head; ``usermodel``: sizes the world sizes do not divide):
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import fsdp2_resume
 import pytest
 import torch
-from helpers import clean_env, run_cli_cases
+from helpers import run_cli_cases, user_env
 from oracle_probe import spawn_world
 
-TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 240
 STREAMED = ("runtime.memory_budget=1KB", "pipeline.checks=[roundtrip]")
 #: What roundtrip says when the elements are compared as save writes them (osdpipe.checks.roundtrip).
 COMPARED_AS_WRITTEN = "compared bitwise batch by batch as save writes them"
-
-
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +64,7 @@ def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path
     root = tmp_path_factory.mktemp("streamed")
     where = {(fmt, variant): root / fmt / variant for fmt in TARGETS for variant in VARIANTS}
     cases = [_lm(full_source, out, *TARGETS[fmt], *VARIANTS[variant], "runtime.timeout_s=60") for (fmt, variant), out in where.items()]
-    for (fmt, variant), result in zip(where, run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=_env()), strict=True):
+    for (fmt, variant), result in zip(where, run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env()), strict=True):
         assert result["code"] == 0, f"{fmt} {variant}: {result['stderr']}"
     return where
 
@@ -130,7 +122,7 @@ def test_a_rank_made_as_it_is_written_holds_the_budget_not_its_output(wide_sourc
         "streamed": [*common, "pipeline.checks=[roundtrip]"],
         "in_memory": [*common, "pipeline.checks=[roundtrip,resume]"],  # resume steps an optimizer over the output: it must be in memory
     }
-    results = run_cli_cases([[*args, f"output.path={tmp_path / name}"] for name, args in cases.items()], cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    results = run_cli_cases([[*args, f"output.path={tmp_path / name}"] for name, args in cases.items()], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     reports = {}
     for name, result in zip(cases, results, strict=True):
         assert result["code"] == 0, f"{name}: {result['stderr']}"
@@ -174,7 +166,7 @@ def test_nan_in_the_source_fails_a_save_made_as_written_and_commits_nothing(nan_
     allowed, in_memory = run_cli_cases(
         [_lm(path, out, *target, *STREAMED, "runtime.mode=offline", "input.allow_nonfinite=true"),
          _lm(path, tmp_path / "allowed_in_memory", *target, "pipeline.checks=[roundtrip]", "runtime.mode=offline", "input.allow_nonfinite=true")],
-        cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env(),
+        cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env(),
     )  # fmt: skip
     assert allowed["code"] == 0 and in_memory["code"] == 0, (allowed["stderr"], in_memory["stderr"])
     report = json.loads((out / "report.json").read_text())
@@ -182,7 +174,7 @@ def test_nan_in_the_source_fails_a_save_made_as_written_and_commits_nothing(nan_
     committed = _files(out)
     assert committed == _files(tmp_path / "allowed_in_memory"), "allowed NaN converts as the in-memory path converts it"
 
-    (refused,) = run_cli_cases([_lm(path, out, *target, *STREAMED, "runtime.mode=offline", "output.overwrite=true")], cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    (refused,) = run_cli_cases([_lm(path, out, *target, *STREAMED, "runtime.mode=offline", "output.overwrite=true")], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     errors = [line for line in refused["stderr"].splitlines() if line.startswith("osdpipe: error:")]
     assert refused["code"] == 1 and len(errors) == 1, refused["stderr"]
     for word in ("stage 'save'", fqn, "exp_avg", "first at flat index 7", "input.allow_nonfinite=true"):
@@ -192,9 +184,7 @@ def test_nan_in_the_source_fails_a_save_made_as_written_and_commits_nothing(nan_
 
 def test_a_filled_batch_that_differs_from_the_source_fails_the_save(full_source: Path, tmp_path: Path) -> None:
     """roundtrip's comparison runs on every batch as it is filled: one element copied wrong (``tests/faults``) is named, and nothing is committed."""
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS / "faults"), env["PYTHONPATH"]])
-    env["OSDPIPE_TEST_MISFILL"] = "blocks.2.wk.weight:exp_avg_sq"
+    env = user_env(OSDPIPE_TEST_MISFILL="blocks.2.wk.weight:exp_avg_sq")
     out = tmp_path / "out"
     (result,) = run_cli_cases([_lm(full_source, out, *TARGETS["rank_local"], *STREAMED, "runtime.mode=offline")], cwd=tmp_path, per_case_s=TIMEOUT_S, env=env)
     errors = [line for line in result["stderr"].splitlines() if line.startswith("osdpipe: error:")]
@@ -209,7 +199,7 @@ def test_a_rank_that_must_hold_its_output_says_why_once(wide_source: Path, tmp_p
     out = tmp_path / "out"
     args = ["model.factory=usermodel:make", f"model.kwargs.dim={WIDE}", f"input.path={wide_source}", "input.format=fsdp_full", "source.world_size=1",
             "target.world_size=2", "target.use_orig_params=true", "runtime.mode=offline", "runtime.memory_budget=4MB", f"output.path={out}"]  # fmt: skip
-    (result,) = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    (result,) = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     assert result["code"] == 0, result["stderr"]
     report = json.loads((out / "report.json").read_text())
     held = [w for w in report["warnings"] if w.startswith("a rank held its whole output in memory")]

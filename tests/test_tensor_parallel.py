@@ -20,14 +20,13 @@ into a fresh Adam and compared with the job's own full state.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import clean_env, run_cli_cases, run_command
+from helpers import run_cli_cases, run_command, user_env
 from oracle_probe import spawn_world
 
 #: End to end: worlds of 2 to 4 ranks, a few minutes in all.
@@ -39,12 +38,6 @@ MODEL = "model.factory=usertp:build"
 SOURCE = [MODEL, "source.kind=fsdp2", "source.world_size=4", "source.tp_size=2", f"source.tp_plan={PLAN}"]
 CHECKS = "pipeline.checks=[roundtrip,reference,load_step,resume]"
 TIMEOUT_S = 180
-
-
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _save_job(out: str) -> None:
@@ -111,7 +104,7 @@ def converted(saved: Path) -> dict[str, dict]:
     cases = {f"rank_local-{name}": [*inputs["rank_local"], *args] for name, args in TARGETS.items()}
     cases |= {f"dcp-{name}": [*inputs["dcp"], *TARGETS[name]] for name in ("fsdp1_2", "plain")}
     argv = [[*SOURCE, CHECKS, *args, f"output.path={saved / 'out' / name}", "runtime.progress=false"] for name, args in cases.items()]
-    results = run_cli_cases(argv, cwd=saved, per_case_s=TIMEOUT_S, env=_env())
+    results = run_cli_cases(argv, cwd=saved, per_case_s=TIMEOUT_S, env=user_env())
     return dict(zip(cases, results))
 
 
@@ -163,7 +156,7 @@ def test_generated_sources_to_and_from_2d_meshes(tmp_path: Path) -> None:
         "from_hsdp": [*hsdp_tp, "target.kind=fsdp2", "target.world_size=3", "pipeline.checks=[roundtrip,reference,resume,replicas]"],
     }
     argv = [[*args, f"output.path={tmp_path / name}", "runtime.progress=false"] for name, args in cases.items()]
-    for name, result in zip(cases, run_cli_cases(argv, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())):
+    for name, result in zip(cases, run_cli_cases(argv, cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())):
         assert result["code"] == 0, f"{name}: {result['stderr']}"
         checks = {c["name"]: c["ok"] for c in json.loads((tmp_path / name / "report.json").read_text())["checks"]}
         assert checks and all(checks.values()), f"{name}: {checks}"
@@ -181,16 +174,16 @@ def test_a_dcp_output_that_pytorch_would_misplace_is_refused(tmp_path: Path) -> 
     """dp 4 x tp 2 with 33 rows: PyTorch 2.13's offsets put rank 6's piece of a colwise weight one row off; nothing is written."""
     target = ["target.kind=fsdp2", "target.world_size=8", "target.tp_size=2", f"target.tp_plan={PLAN}", "runtime.mode=offline"]
     out = tmp_path / "out"
-    result = run_command_env([MODEL, "source.world_size=2", *target, "output.format=dcp", f"output.path={out}"], tmp_path)
+    result = run_commanduser_env([MODEL, "source.world_size=2", *target, "output.format=dcp", f"output.path={out}"], tmp_path)
     assert result.returncode == 2, result.stderr
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1 and "output.format=dcp" in line and "rank_local" in line and "blocks.0.up.weight" in line, line
     assert not any(out.glob("**/*.pt"))  # refused before the source was generated: rank_local on such a mesh is test_the_offline_recipe_...
 
 
-def run_command_env(args: list[str], cwd: Path):
+def run_commanduser_env(args: list[str], cwd: Path):
     """``osdpipe *args`` with the test's own modules importable."""
-    return run_command([sys.executable, "-m", "osdpipe", *args], cwd=cwd, timeout=TIMEOUT_S, env=_env())
+    return run_command([sys.executable, "-m", "osdpipe", *args], cwd=cwd, timeout=TIMEOUT_S, env=user_env())
 
 
 def _llama_plan() -> dict[str, str]:
@@ -229,7 +222,7 @@ def test_the_offline_recipe_writes_each_ranks_piece_of_the_source(tmp_path: Path
     from oracle_probe import meta_tree, run_fake_world, tree_marks
 
     out = tmp_path / "out"
-    result = run_command_env(["recipe=llama_tp_offline", f"output.path={out}", "runtime.progress=false"], tmp_path)
+    result = run_commanduser_env(["recipe=llama_tp_offline", f"output.path={out}", "runtime.progress=false"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert len(list(out.glob("rank_*.pt"))) == 64
     source = torch.load(out / "source" / "optim.pt", weights_only=True)["state"]
@@ -266,7 +259,7 @@ MESH_ERRORS = {
 
 def test_a_mesh_that_cannot_be_is_one_line_naming_the_key(tmp_path: Path) -> None:
     argv = [[MODEL, *args, f"output.path={tmp_path / name.replace(' ', '_')}"] for name, (args, _) in MESH_ERRORS.items()]
-    for (name, (_, words)), result in zip(MESH_ERRORS.items(), run_cli_cases(argv, cwd=tmp_path, per_case_s=60, env=_env())):
+    for (name, (_, words)), result in zip(MESH_ERRORS.items(), run_cli_cases(argv, cwd=tmp_path, per_case_s=60, env=user_env())):
         lines = [line for line in result["stderr"].splitlines() if line.strip()]
         assert result["code"] == 2 and len(lines) == 1, f"{name}: {result['stderr']}"
         assert all(w in lines[0] for w in words), f"{name}: {lines[0]}"

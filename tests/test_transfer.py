@@ -14,19 +14,17 @@ once, and ``verify`` catches one wrong element that a receiver holds.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env, run_cli_cases
+from helpers import run_cli_cases, user_env
 from oracle_probe import spawn_world
 
 from osdpipe.layout import Segment, batches
 from osdpipe.transfer import reading_ranks
 
-TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 120
 
 # ---------------------------------------------------------------- pure parts
@@ -78,7 +76,7 @@ def inputs(tmp_path_factory) -> dict[str, list[str]]:
         "rank_local": ["target.world_size=4", "target.wrap=[MixerBlock]", "target.use_orig_params=true"],
     }
     results = run_cli_cases(
-        [[*full, *args, f"output.path={root / name}", "runtime.mode=offline"] for name, args in made.items()], cwd=root, per_case_s=TIMEOUT_S, env=_env()
+        [[*full, *args, f"output.path={root / name}", "runtime.mode=offline"] for name, args in made.items()], cwd=root, per_case_s=TIMEOUT_S, env=user_env()
     )
     for result in results:
         assert result["code"] == 0, result["stderr"]
@@ -90,12 +88,6 @@ def inputs(tmp_path_factory) -> dict[str, list[str]]:
             "source.world_size=4", "source.wrap=[MixerBlock]", "source.use_orig_params=true",
         ],
     }  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
 
 
 #: The target of each input: FSDP2 and use_orig_params shards hold no padding, so a rank's file holds exactly the bytes it needs.
@@ -125,7 +117,7 @@ def test_every_transfer_and_budget_writes_the_same_bytes_and_scatter_sends_only_
             out = tmp_path / source / variant
             cases.append([*args, *TARGETS[source], f"output.path={out}", "runtime.timeout_s=60", *extra])
             where.append((source, variant, out))
-    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     for (source, variant, _), result in zip(where, results, strict=True):
         assert result["code"] == 0, f"{source} {variant}: {result['stderr']}"
     for source in inputs:
@@ -154,7 +146,7 @@ def test_scatter_needs_a_world(inputs, tmp_path: Path) -> None:
     result = run_cli_cases(
         [[*inputs["fsdp_full"], *TARGETS["fsdp_full"], f"output.path={tmp_path / 'out'}", "runtime.mode=offline", "runtime.transfer=scatter"],
          [*inputs["fsdp_full"], *TARGETS["fsdp_full"], f"output.path={tmp_path / 'out2'}", "runtime.memory_budget=12"]],
-        cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env(),
+        cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env(),
     )  # fmt: skip
     assert result[0]["code"] == 2 and "runtime.transfer=scatter sends bytes between the ranks of a world" in result[0]["stderr"], result[0]
     assert result[1]["code"] == 2 and "runtime.memory_budget (got 12): a memory budget of 12B leaves no room to copy" in result[1]["stderr"], result[1]

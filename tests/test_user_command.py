@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import clean_env, run_cli_cases, run_command
+from helpers import run_cli_cases, run_command, user_env
 
 from osdpipe.loading import without_records
 from osdpipe.compare import diff
@@ -34,7 +34,6 @@ from osdpipe.launch import run_local_world
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 240
-TESTS = Path(__file__).resolve().parent
 
 
 def _wrap(model: torch.nn.Module, units: set[type], use_orig_params: bool) -> torch.nn.Module:
@@ -207,12 +206,6 @@ CASES = [
 ]
 
 
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])  # the user's package is importable
-    return env
-
-
 def _check_converted(name: str, result: dict, out: Path, world: int) -> None:
     """The README command passed every check and wrote ``world`` rank files."""
     assert result["code"] == 0, f"{name}: exit {result['code']}\n{result['stdout']}\n{result['stderr']}"
@@ -226,7 +219,7 @@ def _convert(args: list[str], root: Path, tmp_path: Path, world: int) -> Path:
     """Run the README command with ``args`` in a process of its own; it must pass every check and write ``world`` rank files, nothing else."""
     out = tmp_path / "resharded"
     cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *(a.format(root=root) for a in args), f"output.path={out}"]
-    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=_env())
+    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=user_env())
     _check_converted("command", {"code": result.returncode, "stdout": result.stdout, "stderr": result.stderr}, out, world)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resharded"], "nothing is written outside output.path"
     return out
@@ -278,7 +271,7 @@ def converted(user_checkpoints: Path, tmp_path_factory) -> dict[str, Path]:
     cases |= {name: ([*FROM_FSDP2_SOURCE, *args], world) for name, args, world, *_ in FROM_FSDP2}
     outs = {name: work / name for name in cases}
     argv = [["model.factory=userlm:build", *(a.format(root=user_checkpoints) for a in args), f"output.path={outs[name]}"] for name, (args, _) in cases.items()]
-    for (name, (_, world)), result in zip(cases.items(), run_cli_cases(argv, cwd=work, per_case_s=TIMEOUT_S, env=_env())):
+    for (name, (_, world)), result in zip(cases.items(), run_cli_cases(argv, cwd=work, per_case_s=TIMEOUT_S, env=user_env())):
         _check_converted(name, result, outs[name], world)
     assert sorted(p.name for p in work.iterdir()) == sorted(cases), "nothing is written outside output.path"
     return outs

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_cli_cases, run_command
+from helpers import clean_env, run_cli_cases, run_command, user_env
 from oracle_probe import spawn_world
 import whole_jobs
 
@@ -128,12 +128,6 @@ def test_a_torchtitan_optimizer_converts_and_equals_the_jobs_own_full_state(save
 # ---------------------------------------------------------------------------- conversions
 
 
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    return env
-
-
 #: 300 bytes a file: the user's model (1.3 KB) exports in several safetensors shards.
 SHARD_BYTES = 300
 CHECKS = "pipeline.checks=[roundtrip,reference,load_step,resume]"
@@ -159,7 +153,7 @@ def converted(saved: Path) -> dict[str, Path]:
     """Each of :data:`CONVERSIONS` through the entry point, in one driver process; name -> its output directory. Each must pass every check."""
     outs = {name: saved / "out" / name for name in CONVERSIONS}
     argv = [[*(a.format(saved=saved) for a in args), CHECKS, f"output.path={outs[name]}", "runtime.progress=false"] for name, args in CONVERSIONS.items()]
-    for name, result in zip(CONVERSIONS, run_cli_cases(argv, cwd=saved, per_case_s=TIMEOUT_S, env=_env())):
+    for name, result in zip(CONVERSIONS, run_cli_cases(argv, cwd=saved, per_case_s=TIMEOUT_S, env=user_env())):
         assert result["code"] == 0, f"{name}: {result['stderr']}"
         report = json.loads((outs[name] / "report.json").read_text())
         assert {c["name"]: c["ok"] for c in report["checks"]} == dict.fromkeys(["roundtrip", "reference", "load_step", "resume"], True), name
@@ -340,7 +334,7 @@ def test_a_users_own_top_level_tensor_is_carried_and_reported_as_carried(tmp_pat
 
 def test_what_a_whole_checkpoint_cannot_be_asked_is_one_line(tmp_path: Path) -> None:
     argv = [[*args, f"output.path={tmp_path / str(i)}"] for i, (args, _) in enumerate(REFUSED.values())]
-    for (name, (_, words)), result in zip(REFUSED.items(), run_cli_cases(argv, cwd=tmp_path, per_case_s=60, env=_env())):
+    for (name, (_, words)), result in zip(REFUSED.items(), run_cli_cases(argv, cwd=tmp_path, per_case_s=60, env=user_env())):
         lines = [line for line in result["stderr"].splitlines() if line.strip()]
         assert result["code"] == 2 and len(lines) == 1, f"{name}: {result['stderr']}"
         assert all(w in lines[0] for w in words), f"{name}: {lines[0]}"
@@ -349,7 +343,7 @@ def test_what_a_whole_checkpoint_cannot_be_asked_is_one_line(tmp_path: Path) -> 
 def test_another_models_checkpoint_is_refused_before_any_process_naming_the_weights(saved: Path, tmp_path: Path) -> None:
     result = run_command([sys.executable, "-m", "osdpipe", "checkpoint=torchtitan", "model.factory=usertp:build", f"input.path={saved / 'titan' / 'step-2'}",
                           "source.kind=fsdp2", "source.world_size=4", "target.kind=fsdp2", "output.format=dcp", f"output.path={tmp_path / 'out'}"],
-                         cwd=tmp_path, timeout=TIMEOUT_S, env=_env())
+                         cwd=tmp_path, timeout=TIMEOUT_S, env=user_env())
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1 and str(saved / "titan" / "step-2") in lines[0], result.stderr
     assert "model.factory" in lines[0], lines[0]
@@ -405,7 +399,7 @@ def test_osdpipe_check_proves_a_whole_conversion_later_and_names_one_wrong_weigh
     torch.save(whole, file)
     cases = [["check", str(converted[name])] for name in ("titan_dcp_2", "titan_v01_dcp_2", "accelerate_dcp_2", "accelerate_rank_local_2")]
     cases += [["check", str(converted["titan_rank_local_3"]), "--load"], ["check", str(spoiled)]]
-    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=_env())
+    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     for case, result in zip(cases[:-1], results[:-1]):
         assert result["code"] == 0, f"{case}: {result['stdout']}{result['stderr']}"
     assert "check resume     pass" in results[4]["stdout"] and "from the checkpoint's own weights" in results[4]["stdout"]
