@@ -6,7 +6,7 @@ them. What must hold, each checked on the user's own models (``userlm``: token
 IDs, a tied head; ``usermodel``: sizes the world sizes do not divide):
 
 * every file is byte for byte what the in-memory path writes, online and
-  offline, for rank files, one full file and DCP; the manifest's digests too;
+  offline, for rank files, one full file (``fsdp_full``, ``plain``) and DCP; the manifest's digests too;
   and the output resumes a real 2-rank FSDP2 job (``fsdp2_resume.py``);
 * a rank holds the budget, not its output: its peak anonymous memory stays
   far below its output's size, where the same conversion filled in memory
@@ -51,6 +51,7 @@ TARGETS = {
     "rank_local": ("target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]"),
     "dcp": ("target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]", "target.wrap_root=true", "output.format=dcp"),
     "fsdp_full": ("target.kind=fsdp2", "target.world_size=2", "target.wrap_root=true", "output.format=fsdp_full"),
+    "plain": ("target.kind=none", "target.world_size=1", "output.format=plain"),
 }
 VARIANTS = {
     "in_memory": ("pipeline.checks=[roundtrip]",),
