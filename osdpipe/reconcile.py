@@ -7,7 +7,8 @@ key of the config:
 * a key the user did not give (a default, or a recipe's value for the source
   it would generate) takes the files' value: ``input.format``, ``input.key``,
   ``source.world_size``, ``source.kind`` and its FSDP2 mesh, ``optim.name``
-  (``auto``: the checkpoint's optimizer), ``optim.lr`` (unset: the checkpoint's);
+  (``auto``: the checkpoint's optimizer); ``optim.lr`` is left unset: the checkpoint's param groups keep
+  their own (values read from files are facts, never validated as settings: ``lr=0.0`` at the end of a schedule);
 * a key the user gave that contradicts the files is a :class:`Contradiction`:
   one line that says what the files show and how to mend it (exit code 2,
   nothing written);
@@ -114,7 +115,7 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
 
 
 def settle_optimizer(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with ``optim.name=auto`` and an unset ``optim.lr`` settled from the input, where no launcher reconciled it.
+    """``raw`` with ``optim.name=auto`` settled from the input, where no launcher reconciled it.
 
     What validating a config built in code (the Python API, tests) needs:
     the optimizer is the only key a run cannot go without that ``auto``
@@ -122,7 +123,7 @@ def settle_optimizer(raw: dict[str, Any]) -> dict[str, Any]:
     pre-flight check to explain.
     """
     optim = _get(raw, "optim") or {}
-    if optim.get("name", AUTO) != AUTO and optim.get("lr") is not None:
+    if optim.get("name", AUTO) != AUTO and (optim.get("lr") is not None or _get(raw, "input.path") is not None):
         return raw
     raw = copy.deepcopy(raw)
     if _get(raw, "input.path") is None:
@@ -210,9 +211,8 @@ def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str
                 f"optim.name={name}, but {facts.path} was saved by {optimizer_label(facts.optimizer)}, as its param groups' hyperparameter "
                 f"names and its state names show; converting for {optimizer_label(name)} as asked, with the checkpoint's hyperparameters"
             )
-    if _get(raw, "optim.lr") is None:
-        lr = next((g.get("lr") for g in facts.param_groups if isinstance(g.get("lr"), (int, float))), DEFAULT_LR)
-        _set(raw, "optim.lr", lr)
+    # optim.lr stays unset: the checkpoint's groups hold their lr, which load_state_dict sets. It is a fact of the files,
+    # never validated as a setting (a schedule that decayed to 0 ends with lr=0.0, which optim.lr refuses).
     return warnings + _differing_hyperparameters(raw, given, facts)
 
 

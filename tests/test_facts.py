@@ -170,7 +170,7 @@ def _raw(path, **overrides):
 
 def test_reconcile_fills_what_was_not_given_and_refuses_what_contradicts(adamw_file) -> None:
     raw, warnings = reconcile(_raw(adamw_file / "plain.pt"), Given([]))
-    assert (raw["input"]["format"], raw["source"]["kind"], raw["source"]["world_size"], raw["optim"]["name"], raw["optim"]["lr"]) == ("plain", "none", 1, "AdamW", 3e-4)
+    assert (raw["input"]["format"], raw["source"]["kind"], raw["source"]["world_size"], raw["optim"]["name"], raw["optim"]["lr"]) == ("plain", "none", 1, "AdamW", None)
     assert warnings == []
     with pytest.raises(Contradiction, match=r"input.format=fsdp_full, but .*plain.pt is a torch.save file keyed by param ID: set input.format=plain"):
         reconcile(_raw(adamw_file / "plain.pt"), Given(["input.format=fsdp_full"]))
@@ -189,6 +189,33 @@ def make_linear() -> torch.nn.Module:
 
 def test_a_config_built_in_code_gets_the_inputs_optimizer(adamw_file) -> None:
     spec = settle_and_validate({"model": {"factory": "test_facts:make_linear"}, "input": {"path": str(adamw_file / "optim.pt")}, "output": {"path": str(adamw_file / "out")}})
-    assert (spec.optim.name, spec.optim.lr) == ("AdamW", 3e-4)
+    assert (spec.optim.name, spec.optim.lr) == ("AdamW", None)  # the checkpoint's groups keep their lr: a fact, not a setting
     generated = settle_and_validate({"output": {"path": str(adamw_file / "gen")}})
     assert (generated.optim.name, generated.optim.lr) == ("Adam", 1e-2)
+
+
+def test_a_checkpoint_at_the_end_of_its_schedule_converts_with_its_own_hyperparameters(tmp_path) -> None:
+    """A linear decay to 0 leaves lr=0.0 in the param groups (torchtitan's last step, the Trainer's final checkpoint):
+    a fact of the file, not a setting, so it converts, and the output keeps it with weight_decay=0 and the betas as saved."""
+    import sys
+
+    from helpers import run_command, user_env
+
+    model = make_linear()
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.8, 0.95), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LinearLR(optim, start_factor=1.0, end_factor=0.0, total_iters=2)
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+        optim.step()
+        schedule.step()
+    assert optim.param_groups[0]["lr"] == 0.0
+    torch.save(optim.state_dict(), tmp_path / "plain.pt")
+    out = tmp_path / "out"
+    done = run_command(
+        [sys.executable, "-m", "osdpipe", f"input.path={tmp_path / 'plain.pt'}", "model.factory=test_facts:make_linear",
+         "target.kind=fsdp2", "target.world_size=2", "runtime.mode=offline", f"output.path={out}"],
+        cwd=tmp_path, timeout=120, env=user_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    group = torch.load(out / "rank_1.pt", weights_only=True)["param_groups"][0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (0.0, (0.8, 0.95), 0.0)
