@@ -150,7 +150,7 @@ def check_roundtrip(directory: Path, plan: Any) -> CheckResult:
         if keyed.weights is not None:  # a whole checkpoint, laid out by its layout
             from osdpipe.checkpoints.output import rank_parts  # torch.distributed.checkpoint: only for a whole checkpoint
 
-            parts = rank_parts(keyed, plan.tree)
+            parts = rank_parts(keyed)
             problems += plan.checkpoint.differences(directory, parts, played.ctx.rank, world_size=plan.world_size, tree=plan.tree, fmt=fmt, opened=opened)
         else:
             problems += fmt.differences(directory, spec.output.key, played.ctx.rank, keyed.state_dict, tree=plan.tree, world_size=plan.world_size, opened=opened)

@@ -194,11 +194,38 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
+def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Module:
+    """A model from torchtitan's own registry, as its trainer builds it: ``torchtitan.models.<name>.model_registry(flavor)``.
+
+    What a torchtitan job's checkpoint was saved from, named as torchtitan
+    names it (``--module llama3``, flavour ``debugmodel``), so its state-dict
+    hooks (llama3's fused ``wqkv`` saved as ``wq``, ``wk``, ``wv``) are the
+    job's own. Its FSDP units are its transformer blocks, as torchtitan's
+    ``parallelize`` wraps them. Needs torchtitan installed (``pip install torchtitan``).
+    """
+    try:
+        registry = importlib.import_module(f"torchtitan.models.{name}").model_registry
+    except ImportError as exc:
+        raise ValueError(f"model.factory=torchtitan with name={name!r}: cannot import torchtitan.models.{name} ({exc}); is torchtitan installed?") from None
+    except AttributeError:
+        raise ValueError(f"model.factory=torchtitan: torchtitan.models.{name} has no model_registry; name one of torchtitan's models") from None
+    try:
+        spec = registry(flavor)
+    except KeyError:
+        raise ValueError(f"model.factory=torchtitan: torchtitan's {name} has no flavor {flavor!r}") from None
+    model = spec.model.build()
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
+    model.fsdp_units = (type(blocks[0]).__name__,) if blocks else ()
+    return model
+
+
 BUILTIN_MODELS: dict[str, ModelFactory] = {
     "nested": NestedModel,
     "transformer": TransformerModel,
     "mlp": MLP,
     "llama": Llama,
+    "torchtitan": torchtitan_model,
 }
 
 

@@ -137,6 +137,11 @@ def plan_run(spec: RunSpec, tree: ModuleTree | None = None) -> Plan:
             kind.check(tree, settled[side])
         except ValueError as exc:
             raise ConfigError([f"{side}.wrap={layout.wrap}: {exc}"]) from None
+    if tree.key_maps and checkpoints.get(spec.checkpoint.layout).whole and formats.get(spec.output.format).keyed_by_id:
+        raise ConfigError([
+            f"output.format={spec.output.format}: the model's state dict holds keys its hooks make of parameters' rows ({tree.key_maps[0].name}, ...), "
+            "which a rank's own file cannot hold as its live model's state_dict() makes them; set output.format=dcp"
+        ])
     if formats.get(spec.output.format).loaded_by_dcp:
         why = kinds.get(spec.target.kind).dcp_load_problem(tree, settled["target"])
         if why is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from osdpipe.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
@@ -86,6 +87,11 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
             _set(raw, "optim.lr", DEFAULT_LR)
         return raw, []
     layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
+    notes: list[str] = []
+    if layout.whole and Path(path).is_dir() and (newest := layout.newest_in(path)) is not None:  # the framework's folder of checkpoints
+        _set(raw, "input.path", newest)
+        notes.append(f"input.path={path} is {layout.name}'s folder of checkpoints; converting the newest, {newest}")
+        path = newest
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
         _set(raw, "input.format", fmt)
@@ -93,9 +99,9 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         try:
             facts = read_facts(part.path, part.format, part.key)
         except InputError:
-            return raw, []  # the pre-flight check says what is wrong with it
+            return raw, notes  # the pre-flight check says what is wrong with it
         _settle_layout(raw, given, facts)
-        return raw, _settle_optimizer(raw, given, facts)
+        return raw, notes + _settle_optimizer(raw, given, facts)
     try:
         fmt = detect_format(path)
     except InputError:

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from osdpipe.model_keys import KeyMap, probe
+
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -72,10 +74,14 @@ class ModuleTree:
     params: tuple[ParamInfo, ...]
     #: The persistent buffers, as ``model.state_dict()`` holds them.
     buffers: tuple[BufferInfo, ...] = ()
-    #: Every name ``model.state_dict()`` holds, in its order: parameters (a tied one under each name) and buffers.
+    #: Every name ``model.state_dict()`` holds, in its order: parameters (a tied one under each name), keys its hooks make
+    #: of parameters' rows (:attr:`key_maps`), and buffers.
     state_names: tuple[str, ...] = ()
+    #: The keys of ``model.state_dict()`` that its hooks make of parameters' rows (torchtitan's ``wq``/``wk``/``wv`` of a fused ``wqkv``).
+    key_maps: tuple[KeyMap, ...] = ()
     _by_fqn: dict[str, ParamInfo] = field(default_factory=dict, compare=False, repr=False)
     _buffers: dict[str, BufferInfo] = field(default_factory=dict, compare=False, repr=False)
+    _keys: dict[str, KeyMap] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for p in self.params:
@@ -83,6 +89,20 @@ class ModuleTree:
                 self._by_fqn[name] = p
         for b in self.buffers:
             self._buffers[b.fqn] = b
+        for k in self.key_maps:
+            self._keys[k.name] = k
+
+    def key_map(self, name: str) -> KeyMap | None:
+        """The rows of parameters that the state dict's key ``name`` is made of, where a hook makes it (the wrappers' names dropped, as :meth:`resolve` drops them)."""
+        return _unwrapped(name, self._keys)
+
+    def holds_weights(self, name: str) -> bool:
+        """Whether a state-dict name holds weights: a parameter's own name, or a key the model's hooks make of parameters' rows."""
+        return self.resolve(name) is not None or self.key_map(name) is not None
+
+    def keys_of(self, fqn: str) -> tuple[KeyMap, ...]:
+        """The hook-made keys that hold rows of parameter ``fqn`` (canonical); none where the state dict holds it under its own names."""
+        return tuple(k for k in self.key_maps if any(r.param == fqn for r in k.runs))
 
     def param(self, fqn: str) -> ParamInfo:
         """The parameter named ``fqn`` (canonical name or alias)."""
@@ -154,5 +174,12 @@ def describe(model: nn.Module) -> ModuleTree:
         )
     held = model.state_dict(keep_vars=True)  # on meta, no memory: every persistent buffer, and each name of a tied parameter
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = tuple(BufferInfo(n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in held.items() if n not in names and torch.is_tensor(b))
-    return ModuleTree(modules=modules, params=tuple(params), buffers=buffers, state_names=tuple(held))
+    made = {n for n, v in held.items() if torch.is_tensor(v) and not isinstance(v, nn.Parameter)}  # buffers, and keys hooks make
+    key_maps: tuple[KeyMap, ...] = ()
+    if made - {n for n, _ in model.named_buffers()} or names - set(held):  # hooks rename or reshape: learn their keys from the model
+        key_maps = probe(model, [p.fqn for p in params], order)
+    mapped = {k.name for k in key_maps}
+    buffers = tuple(
+        BufferInfo(n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in held.items() if n not in names and n not in mapped and torch.is_tensor(b)
+    )
+    return ModuleTree(modules=modules, params=tuple(params), buffers=buffers, state_names=tuple(held), key_maps=key_maps)

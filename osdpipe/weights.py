@@ -26,22 +26,22 @@ from typing import Any, Protocol
 import torch
 
 from osdpipe.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader, TensorRef
+from osdpipe.model_keys import gather, key_ranges
 from osdpipe.tree import ModuleTree, ParamInfo
 
 
 @dataclass
 class ModelMeta:
-    """What a checkpoint's model part holds, keyed as stored: each parameter's weights (described) and each buffer (read whole).
+    """What a checkpoint's model part holds: each parameter's weights (described) and each buffer (read whole).
 
     Attributes:
-        weights: stored name -> :class:`TensorRef`, one name per parameter (a tied weight's first).
+        weights: canonical parameter FQN -> its weights, described: stored under a name of its own, or
+            as rows of the keys the model's state-dict hooks make (:attr:`osdpipe.tree.ModuleTree.key_maps`).
         buffers: canonical buffer name -> the buffer, read whole: no layout cuts buffers.
-        names: canonical parameter FQN -> the name the checkpoint stores it under.
     """
 
     weights: dict[str, TensorRef] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    names: dict[str, str] = field(default_factory=dict)
 
 
 class WeightsReader(Protocol):
@@ -51,37 +51,48 @@ class WeightsReader(Protocol):
         """The model part's metadata (its buffers read whole)."""
         ...
 
-    def stored_name(self, fqn: str) -> str:
-        """The name the model part stores canonical parameter ``fqn`` under (known without reading any data)."""
+    def stored_name(self, name: str) -> str | None:
+        """The name the model part stores canonical parameter FQN or hook-made key ``name`` under (``None``: it stores none such), known without reading any data."""
         ...
 
     def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened weights stored under ``name``, as a 1-D tensor not to be written to."""
+        """Elements ``[start, stop)`` of the flattened tensor stored under ``name``, as a 1-D tensor not to be written to."""
         ...
 
 
 def model_meta_of(stored: dict[str, TensorRef], buffers: dict[str, torch.Tensor], tree: ModuleTree, where: str) -> ModelMeta:
-    """A model part's stored names sorted into parameters (one name each, checked against the model) and buffers.
+    """A model part's stored names sorted into parameters' weights (checked against the model) and buffers.
 
-    ``buffers`` maps each stored name that is no parameter to its value.
-    A tied weight is stored under each of its names (``model.state_dict()``
-    and ``get_model_state_dict`` keep both): the first is read, and the
-    rest must describe the same tensor.
+    ``stored`` holds each name the model has as a parameter or as a key its
+    state-dict hooks make (:meth:`~osdpipe.tree.ModuleTree.holds_weights`);
+    ``buffers`` maps every other stored name to its value. A tied weight is
+    stored under each of its names (``model.state_dict()`` and
+    ``get_model_state_dict`` keep both): the first is read, and the rest must
+    describe the same tensor. A parameter a hook splits (torchtitan's
+    ``wqkv`` saved as ``wq``, ``wk``, ``wv``) is read from the rows of its keys.
 
     Raises:
         InputError: for a name the model has as neither a parameter nor a
             persistent buffer, or a shape or dtype that differs from the model's.
     """
     hint = "is model.factory / model.kwargs the model that saved it?"
-    meta = ModelMeta(names=stored_names(stored, tree))
+    meta = ModelMeta()
+    keyed: dict[str, TensorRef] = {}
     for name, ref in stored.items():
-        param = tree.resolve(name)
-        if param is None:
-            continue
-        if tuple(ref.shape) != param.shape or ref.dtype != param.dtype:
-            raise InputError(f"{where}: the model's {name} is {ref.dtype} {list(ref.shape)}, but the model's parameter is {param.dtype} {list(param.shape)}; {hint}")
-        if meta.names[param.fqn] == name:
-            meta.weights[name] = ref
+        param, key = tree.resolve(name), tree.key_map(name)
+        want = (param.shape, param.dtype, "parameter") if param is not None else (key.shape, key.dtype, "state-dict key") if key is not None else None
+        if want is None:
+            raise InputError(f"{where}: the model part holds {name!r}, which the model has as neither a parameter nor a buffer; {hint}")
+        if tuple(ref.shape) != want[0] or ref.dtype != want[1]:
+            raise InputError(f"{where}: the model's {name} is {ref.dtype} {list(ref.shape)}, but the model's {want[2]} is {want[1]} {list(want[0])}; {hint}")
+        if param is not None:
+            meta.weights.setdefault(param.fqn, ref)
+        else:
+            keyed[key.name] = ref
+    for param in tree.params:
+        keys = tree.keys_of(param.fqn)
+        if param.fqn not in meta.weights and keys and all(k.name in keyed for k in keys):
+            meta.weights[param.fqn] = TensorRef(param.shape, keyed[keys[0].name].dtype)
     for name, value in buffers.items():
         buffer = tree.resolve_buffer(name)
         if buffer is None:
@@ -89,7 +100,7 @@ def model_meta_of(stored: dict[str, TensorRef], buffers: dict[str, torch.Tensor]
         if tuple(value.shape) != buffer.shape or str(value.dtype).removeprefix("torch.") != buffer.dtype:
             raise InputError(f"{where}: the model's buffer {name} is {value.dtype} {list(value.shape)}, but the model's is {buffer.dtype} {list(buffer.shape)}; {hint}")
         meta.buffers[buffer.fqn] = value
-    missing = [p.fqn for p in tree.params if p.fqn not in meta.names]
+    missing = [p.fqn for p in tree.params if p.fqn not in meta.weights]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise InputError(f"{where}: the model part holds no weights for {shown}, which the model has; {hint}")
@@ -110,12 +121,13 @@ class WholeSource:
 
 
 def stored_names(stored: Iterable[str], tree: ModuleTree) -> dict[str, str]:
-    """Canonical parameter FQN -> the first of ``stored`` names that is that parameter (a tied weight is stored under each of its names)."""
+    """Canonical parameter FQN, or hook-made key, -> the first of ``stored`` names that is it (a tied weight is stored under each of its names)."""
     names: dict[str, str] = {}
     for name in stored:
         param = tree.resolve(name)
-        if param is not None:
-            names.setdefault(param.fqn, name)
+        key = tree.key_map(name) if param is None else None
+        if param is not None or key is not None:
+            names.setdefault(param.fqn if param is not None else key.name, name)
     return names
 
 
@@ -154,28 +166,34 @@ class WholeReader:
             stored = optimizer.names.get(name, name)
             if stored != param.fqn:
                 names[param.fqn] = stored
-        for fqn, stored in model.names.items():
-            state.setdefault(fqn, {})[WEIGHTS] = model.weights[stored]
+        for fqn, ref in model.weights.items():
+            state.setdefault(fqn, {})[WEIGHTS] = ref
         carried = None if self.layout is None else WholeSource(self.layout.name, self.carrying, self.layout.read_carried(self.carrying))
         return SourceMeta(state=state, param_groups=optimizer.param_groups, extra=optimizer.extra, names=names, buffers=model.buffers, carried=carried)
 
-    def _param(self, name: str) -> tuple[ParamInfo, str]:
-        """The parameter asked for by the optimizer part's name for it (or the canonical one), and the model part's name for it."""
-        param = self.tree.resolve(name)
-        return param, self.model.stored_name(param.fqn)
+    def _weights(self, param: ParamInfo, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of ``param``'s flattened weights: a range of its own stored tensor, or pieces of the keys a hook makes of its rows."""
+        own = self.model.stored_name(param.fqn)
+        if own is not None:
+            return self.model.read_weights(own, start, stop)
+        pieces = sorted((at, k0, k1, key.name) for key in self.tree.keys_of(param.fqn) for k0, k1, at in key_ranges(key, param.fqn, start, stop))
+        read = [self.model.read_weights(self.model.stored_name(name), k0, k1) for _, k0, k1, name in pieces]
+        if not read:
+            return torch.empty(0, dtype=getattr(torch, param.dtype))
+        return torch.cat(read) if len(read) != 1 else read[0]
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         theirs = [(f, n) for f, n in items if n != WEIGHTS]
         out = self.optimizer.read(theirs) if theirs else {}
         for fqn, name in items:
             if name == WEIGHTS:
-                param, stored = self._param(fqn)
-                out[(fqn, name)] = self.model.read_weights(stored, 0, param.numel).reshape(param.shape)
+                param = self.tree.resolve(fqn)
+                out[(fqn, name)] = self._weights(param, 0, param.numel).reshape(param.shape)
         return out
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
         if name == WEIGHTS:
-            return self.model.read_weights(self._param(fqn)[1], start, stop)
+            return self._weights(self.tree.resolve(fqn), start, stop)
         return self.optimizer.read_range(fqn, name, start, stop)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
@@ -204,16 +222,22 @@ def model_state_dict(weights: dict[str, torch.Tensor], buffers: dict[str, torch.
     """This rank's ``model.state_dict()`` as local tensors, in the model's own order of names.
 
     ``weights`` are keyed by canonical FQN; a tied weight appears under each
-    of its names (one tensor, as ``model.state_dict()`` gives it), each
-    buffer whole. Names without a value here (a parameter this rank's layout
-    leaves out) are left out.
+    of its names (one tensor, as ``model.state_dict()`` gives it), a key the
+    model's state-dict hooks make is made of its parameters' rows (which must
+    be whole here), each buffer whole. Names without a value here (a
+    parameter this rank's layout leaves out) are left out.
     """
     out: dict[str, torch.Tensor] = {}
     for name in tree.state_names:
-        param = tree.resolve(name)
+        param, key = tree.resolve(name), tree.key_map(name)
         if param is not None:
             if param.fqn in weights:
                 out[name] = weights[param.fqn]
+        elif key is not None:
+            made_of = {r.param for r in key.runs}
+            if made_of <= set(weights):
+                assert all(tuple(weights[f].shape) == tree.param(f).shape for f in made_of), f"{name} is made of parameters this rank holds only pieces of"
+                out[name] = gather(key, weights)
         elif name in buffers:
             out[name] = buffers[name]
     return out

@@ -52,8 +52,9 @@ def _rank_state(full: dict, rank: int, local: bool) -> dict:
                 state[fqn][name] = value
                 continue
             piece = dcp_writer.row_shard(tuple(value.shape), value.dtype, WORLD, rank, None)
-            rows = value[piece.first : piece.first + piece.rows] if local else None  # a view: its storage is the whole tensor's
-            state[fqn][name] = dcp_writer.RowShard(piece.shape, piece.first, piece.rows, piece.dtype, rows)
+            ((first, count),) = piece.blocks
+            rows = (value[first : first + count],) if local else None  # a view: its storage is the whole tensor's
+            state[fqn][name] = dcp_writer.RowShard(piece.shape, piece.blocks, piece.dtype, rows)
     return {"optim": {"state": state, "param_groups": full["param_groups"]}}
 
 

@@ -137,11 +137,11 @@ class Accelerate(CheckpointLayout):
         from osdpipe.formats.base import RankFiles
 
         if fmt.keyed_by_id:  # each rank's own file
-            return output.write_rank_file(parts, staging, rank)
+            return output.write_rank_file(parts, staging, rank, tree)
         root = staging / DCP_DIR
 
         def model_of(r: int, local: bool) -> dict[str, Any]:
-            return {"model": output.model_pieces(parts.model if local and r == rank else None, tree, world_size, r)}
+            return {"model": output.model_pieces(parts if local and r == rank else None, tree, world_size, r)}
 
         def optimizer_of(r: int, local: bool) -> dict[str, Any]:
             return {"optimizer": output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=local and r == rank)}
@@ -151,7 +151,7 @@ class Accelerate(CheckpointLayout):
         files = {f"{DCP_DIR}/{name}": digest for name, digest in {**model_files, **optimizer_files}.items()}
         tensors = {
             **output.optimizer_digests(parts.optimizer, f"{DCP_DIR}/{OPTIMIZER_DIR}", optimizer_storages),
-            **output.model_digests(parts.model, f"{DCP_DIR}/{MODEL_DIR}", model_storages),
+            **output.model_digests(output.model_pieces(parts, tree, world_size, rank), f"{DCP_DIR}/{MODEL_DIR}", model_storages),
         }  # taken as they were written
         return RankFiles(files, tensors, [model_results, optimizer_results])
 
@@ -194,14 +194,14 @@ class Accelerate(CheckpointLayout):
         from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
 
         if fmt.keyed_by_id:  # each rank's own file, the carried files beside
-            problems = output.rank_file_differences(directory, parts, rank)
+            problems = output.rank_file_differences(directory, parts, rank, tree)
             return problems + (output.file_differences(directory, parts.carrying) if rank == 0 else [])
         root = directory / DCP_DIR
         if "model" not in opened:  # opened (metadata read, structure checked) once for every rank
             opened["model"] = DcpCheckpoint(str(root / MODEL_DIR), None)
             opened["optimizer"] = reader = DcpReader(str(root / OPTIMIZER_DIR), "optimizer")
             opened["optimizer meta"] = reader.meta()
-        problems = output.model_differences(opened["model"], "model", parts.model, tree, world_size, rank)
+        problems = output.model_differences(opened["model"], "model", parts, tree, world_size, rank)
         problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
         return problems + (output.file_differences(root, parts.carrying) if rank == 0 else [])
 

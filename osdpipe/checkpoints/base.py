@@ -107,6 +107,8 @@ class Carrying:
         entries: every entry of the checkpoint, for the report.
         model_key: where the model's state dict sits in the checkpoint's
             saved state dict (``None``: at the top level), kept so in the output.
+        folder: the folder under ``output.path`` that the output's DCP checkpoint goes in: where the framework
+            looks for it (torchtitan's ``step-<N>``; ``dcp`` where the framework is pointed at the folder itself).
     """
 
     source: str
@@ -116,6 +118,7 @@ class Carrying:
     files: tuple[str, ...] = ()
     entries: tuple[Entry, ...] = ()
     model_key: str | None = None
+    folder: str = DCP_DIR
 
 
 @dataclass
@@ -170,6 +173,10 @@ class CheckpointLayout:
     def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
         """Save the whole job as the framework does, on every rank of the source world (collective): what osdpipe converts with no ``input.path``."""
         raise NotImplementedError
+
+    def newest_in(self, path: str) -> str | None:
+        """Where ``path`` is the folder a framework keeps its checkpoints in, the newest of them (``None``: ``path`` is one checkpoint)."""
+        return None
 
     def input_format_of(self, path: str) -> str:
         """The ``input.format`` the checkpoint at ``path`` is, as its folder shows it (by default the layout's first)."""

@@ -26,7 +26,7 @@ class DcpWeights:
         #: buffer (a user's own top-level entry is not the model's); under a key, every item there.
         self.items: dict[str, str] = {}
         for flat, path in checkpoint.paths.items():
-            if key is None and len(path) == 1 and (tree.resolve(str(path[0])) is not None or tree.resolve_buffer(str(path[0])) is not None):
+            if key is None and len(path) == 1 and (tree.holds_weights(str(path[0])) or tree.resolve_buffer(str(path[0])) is not None):
                 self.items[str(path[0])] = flat
             elif key is not None and len(path) == 2 and path[0] == key:
                 self.items[str(path[1])] = flat
@@ -35,14 +35,14 @@ class DcpWeights:
             raise InputError(f"DCP checkpoint {checkpoint.path} holds no model weights {where} (it has {checkpoint.tops()}); is it a whole training checkpoint?")
 
     def model_meta(self) -> ModelMeta:
-        stored = {name: self.checkpoint.ref(flat) for name, flat in self.items.items() if self.tree.resolve(name) is not None}
-        buffers = {name: self.checkpoint.read_item(flat) for name, flat in self.items.items() if self.tree.resolve(name) is None}
+        stored = {name: self.checkpoint.ref(flat) for name, flat in self.items.items() if self.tree.holds_weights(name)}
+        buffers = {name: self.checkpoint.read_item(flat) for name, flat in self.items.items() if not self.tree.holds_weights(name)}
         return model_meta_of(stored, buffers, self.tree, self.checkpoint.path)
 
-    def stored_name(self, fqn: str) -> str:
+    def stored_name(self, name: str) -> str | None:
         if self._names is None:
             self._names = stored_names(self.items, self.tree)
-        return self._names[fqn]
+        return self._names.get(name)
 
     def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self.checkpoint.read_range(self.items[name], start, stop)

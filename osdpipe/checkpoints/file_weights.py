@@ -28,14 +28,14 @@ class FileWeights:
         self._names: dict[str, str] | None = None
 
     def model_meta(self) -> ModelMeta:
-        stored = {name: describe_value(value) for name, value in self.state.items() if self.tree.resolve(name) is not None}
-        buffers = {name: value.clone() for name, value in self.state.items() if self.tree.resolve(name) is None}
+        stored = {name: describe_value(value) for name, value in self.state.items() if self.tree.holds_weights(name)}
+        buffers = {name: value.clone() for name, value in self.state.items() if not self.tree.holds_weights(name)}
         return model_meta_of(stored, buffers, self.tree, str(self.path))
 
-    def stored_name(self, fqn: str) -> str:
+    def stored_name(self, name: str) -> str | None:
         if self._names is None:
             self._names = stored_names(self.state, self.tree)
-        return self._names[fqn]
+        return self._names.get(name)
 
     def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
         return mapped_range(self.state[name], start, stop)

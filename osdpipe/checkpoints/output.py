@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from math import prod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,8 @@ from osdpipe.formats import dcp_writer
 from osdpipe.compare import diff
 from osdpipe.formats.base import WEIGHTS, InputError, RankFiles, write_torch_file
 from osdpipe.formats.rank_local import rank_file_name
-from osdpipe.layout import dim0_chunk_bounds
+from osdpipe.layout import chunk_bounds
+from osdpipe.model_keys import KeyMap, gather, key_rows_within, rows_of
 from osdpipe.safetensors_out import TensorSpec, write_safetensors
 from osdpipe.tree import ModuleTree
 from osdpipe.weights import model_state_dict
@@ -64,13 +66,15 @@ class RankParts:
 
     Attributes:
         optimizer: the optimizer's state dict as rekey keyed it (param IDs for ``rank_local``, FQNs for ``dcp``).
-        model: this rank's ``model.state_dict()`` as local tensors: every name of a tied weight, buffers whole.
+        weights: this rank's pieces of each parameter's weights, by canonical FQN (dim-0 rows for ``dcp``).
+        buffers: the model's buffers, whole.
         carrying: what the source holds besides, and where.
         carried: its bytes and values.
     """
 
     optimizer: dict[str, Any]
-    model: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
     carrying: Carrying
     carried: CarriedData
 
@@ -103,15 +107,15 @@ def carried_values(carrying: Carrying, data: CarriedData) -> dict[str, Any]:
     return out
 
 
-def rank_parts(keyed: Any, tree: ModuleTree) -> RankParts:
+def rank_parts(keyed: Any) -> RankParts:
     """What one target rank writes of a whole checkpoint, from its keyed product (:class:`osdpipe.products.Keyed`)."""
     meta = keyed.source.meta
-    return RankParts(keyed.state_dict, model_state_dict(keyed.weights or {}, meta.buffers, tree), meta.carried.carrying, meta.carried.carried)
+    return RankParts(keyed.state_dict, keyed.weights or {}, meta.buffers, meta.carried.carrying, meta.carried.carried)
 
 
-def rank_file_content(parts: RankParts) -> dict[str, Any]:
-    """What a whole checkpoint's ``rank_<r>.pt`` holds: model, optimizer and every carried entry."""
-    whole = {MODEL_PART: parts.model, OPTIMIZER_PART: parts.optimizer}
+def rank_file_content(parts: RankParts, tree: ModuleTree) -> dict[str, Any]:
+    """What a whole checkpoint's ``rank_<r>.pt`` holds: model (``model.state_dict()`` as local tensors), optimizer and every carried entry."""
+    whole = {MODEL_PART: model_state_dict(parts.weights, parts.buffers, tree), OPTIMIZER_PART: parts.optimizer}
     for name, value in carried_values(parts.carrying, parts.carried).items():
         if name in whole:
             raise InputError(f"{parts.carrying.source}: an entry of its own is called {name!r}, which a rank file keeps the {name} in; rename it")
@@ -119,45 +123,69 @@ def rank_file_content(parts: RankParts) -> dict[str, Any]:
     return whole
 
 
-def write_rank_file(parts: RankParts, staging: Path, rank: int) -> RankFiles:
+def write_rank_file(parts: RankParts, staging: Path, rank: int, tree: ModuleTree) -> RankFiles:
     """Target rank ``rank``'s ``rank_<r>.pt`` of a whole checkpoint (:func:`rank_file_content`)."""
-    return write_torch_file(rank_file_content(parts), staging / rank_file_name(rank))  # its digests: osdpipe.digest.tensor_digests
+    return write_torch_file(rank_file_content(parts, tree), staging / rank_file_name(rank))  # its digests: osdpipe.digest.tensor_digests
 
 
-def rank_file_differences(directory: Path, parts: RankParts, rank: int) -> list[str]:
+def rank_file_differences(directory: Path, parts: RankParts, rank: int, tree: ModuleTree) -> list[str]:
     """Where rank ``rank``'s file under ``directory`` differs from what it should hold, bitwise."""
     path = directory / rank_file_name(rank)
     if not path.is_file():
         return [f"{path} is missing"]
     got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, rank_file_content(parts), limit=3)]
+    return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, rank_file_content(parts, tree), limit=3)]
 
 
-def model_digests(model: dict[str, torch.Tensor], where: str, known: dict[int, str] | None = None) -> dict[str, str]:
-    """sha256 of every model tensor's bytes, keyed ``<file>:model.<name>``: for partial checks, beside the optimizer's (``known``: see :func:`osdpipe.digest.tensor_sha256`)."""
-    return {f"{where}:model.{name}": tensor_sha256(value, known) for name, value in model.items()}
+def model_digests(pieces: dict[str, Any], where: str, known: dict[int, str] | None = None) -> dict[str, str]:
+    """sha256 of every model tensor this rank wrote (:func:`model_pieces`), keyed ``<file>:model.<name>``: for partial checks, beside
+    the optimizer's (``known``: see :func:`osdpipe.digest.tensor_sha256`). A key written as several blocks of rows has one per block, ``<name>@<first row>``."""
+    out = {}
+    for name, value in pieces.items():
+        if isinstance(value, dcp_writer.RowShard):
+            assert value.local is not None
+            for (first, _), block in zip(value.blocks, value.local):
+                out[f"{where}:model.{name}" if len(value.blocks) == 1 else f"{where}:model.{name}@{first}"] = tensor_sha256(block, known)
+        else:
+            out[f"{where}:model.{name}"] = tensor_sha256(value, known)
+    return out
 
 
 # ---------------------------------------------------------------------------- dcp
 
 
-def model_pieces(model: dict[str, torch.Tensor] | None, tree: ModuleTree, world_size: int, rank: int) -> dict[str, Any]:
+def model_pieces(parts: RankParts | None, tree: ModuleTree, world_size: int, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s ``model.state_dict()`` as DCP is to save it: each parameter's weights as its dim-0 rows (every name of a
-    tied weight), each buffer whole. ``model`` is this rank's own (``None``: only the plan is needed)."""
+    tied weight), each key a state-dict hook makes of parameters' rows as the blocks of it that are this rank's rows, each
+    buffer whole. ``parts`` are this rank's own (``None``: only the plan is needed)."""
     out: dict[str, Any] = {}
     for name in tree.state_names:
-        param = tree.resolve(name)
+        param, key = tree.resolve(name), tree.key_map(name)
         if param is not None:
-            local = None if model is None else model[name]
+            local = None if parts is None else parts.weights[param.fqn]
             if param.shape:
                 out[name] = dcp_writer.row_shard(param.shape, getattr(torch, param.dtype), world_size, rank, local)
             else:  # a 0-dim parameter: whole on every rank, kept by one
                 out[name] = local if local is not None else torch.empty((), dtype=getattr(torch, param.dtype), device="meta")
+        elif key is not None:
+            out[name] = _key_blocks(key, None if parts is None else parts.weights, tree, world_size, rank)
         else:
             buffer = tree.resolve_buffer(name)
             assert buffer is not None, f"{name} is neither a parameter nor a buffer of the model's tree"
-            out[name] = model[name] if model is not None else torch.empty(buffer.shape, dtype=getattr(torch, buffer.dtype), device="meta")
+            out[name] = parts.buffers[buffer.fqn] if parts is not None else torch.empty(buffer.shape, dtype=getattr(torch, buffer.dtype), device="meta")
     return out
+
+
+def _key_blocks(key: KeyMap, weights: dict[str, torch.Tensor] | None, tree: ModuleTree, world_size: int, rank: int) -> dcp_writer.RowShard:
+    """The blocks of ``key``'s rows that are rank ``rank``'s dim-0 rows of the parameters it is made of (``weights``: the rank's, ``None`` for the plan)."""
+    blocks: list[tuple[int, int, torch.Tensor | None]] = []
+    for fqn in dict.fromkeys(run.param for run in key.runs):
+        first, last, _ = chunk_bounds(rows_of(tree.param(fqn).shape), world_size, rank)
+        for key_row, rows, offset in key_rows_within(key, fqn, first, last):
+            blocks.append((key_row, rows, None if weights is None else weights[fqn][offset : offset + rows].clone()))
+    blocks.sort(key=lambda b: b[0])
+    local = None if weights is None else tuple(b[2] for b in blocks)
+    return dcp_writer.RowShard(key.shape, tuple((b[0], b[1]) for b in blocks), getattr(torch, key.dtype), local)
 
 
 def flattened(optimizer: dict[str, Any]) -> dict[str, Any]:
@@ -216,29 +244,26 @@ def finish_dcp(directory: Path, name: str, shared: dict[str, Any], results: list
     return {f"{name}/.metadata": dcp_writer.finish(directory / name, shared[("dcp plan", name)], results)}
 
 
-def model_differences(checkpoint: Any, key: str | None, model: dict[str, torch.Tensor], tree: ModuleTree, world_size: int, rank: int) -> list[str]:
-    """Where rank ``rank``'s rows of the model items of a DCP checkpoint (at the top level, or under ``key``) differ from its ``model`` pieces, bitwise.
+def model_differences(checkpoint: Any, key: str | None, parts: RankParts, tree: ModuleTree, world_size: int, rank: int) -> list[str]:
+    """Where rank ``rank``'s rows of the model items of a DCP checkpoint (at the top level, or under ``key``) differ from its pieces, bitwise.
 
-    Parameters by the dim-0 rows the rank wrote; buffers (and 0-dim parameters), which one rank keeps, on rank 0.
+    Parameters and hook-made keys by the blocks of rows the rank wrote; buffers (and 0-dim parameters), which one rank keeps, on rank 0.
     """
     problems = []
-    for name, want in model.items():
+    for name, want in model_pieces(parts, tree, world_size, rank).items():
         flat = name if key is None else f"{key}.{name}"
         if flat not in checkpoint.metadata.state_dict_metadata:
             problems.append(f"{checkpoint.path}: {flat} is missing")
             continue
-        param = tree.resolve(name)
-        if param is not None and param.shape:
-            if not want.numel():
-                continue
-            start = dim0_chunk_bounds(param.shape, world_size, rank)[0]
-            got, where = checkpoint.read_range(flat, start, start + want.numel()), f"{flat} (rows from flat index {start})"
-            want = want.reshape(-1)
+        if isinstance(want, dcp_writer.RowShard):
+            assert want.local is not None
+            width = prod(want.shape[1:])
+            for (first, rows), block in zip(want.blocks, want.local):
+                if rows:
+                    got = checkpoint.read_range(flat, first * width, (first + rows) * width)
+                    problems += [f"{checkpoint.path}: {p}" for p in diff(got, block.reshape(-1), path=f"{flat} (rows from {first})", limit=1)]
         elif rank == 0:
-            got, where = checkpoint.read_item(flat), flat
-        else:
-            continue
-        problems += [f"{checkpoint.path}: {p}" for p in diff(got, want, path=where, limit=1)]
+            problems += [f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_item(flat), want, path=flat, limit=1)]
     return problems
 
 
@@ -310,12 +335,15 @@ def export_safetensors(reader: Any, meta: Any, tree: ModuleTree, directory: Path
     specs: list[TensorSpec] = []
     read: dict[str, Callable[[], torch.Tensor]] = {}
     for name in tree.state_names:
-        param = tree.resolve(name)
+        param, key = tree.resolve(name), tree.key_map(name)
         if param is not None:
             if name != param.fqn:
                 continue  # a tied weight is stored once, under its first name
             specs.append(TensorSpec(name, param.shape, getattr(torch, param.dtype)))
             read[name] = lambda p=param: reader.read_range(p.fqn, WEIGHTS, 0, p.numel).reshape(p.shape)
+        elif key is not None:  # rows of parameters, as the model's own state_dict() makes the key
+            specs.append(TensorSpec(name, key.shape, getattr(torch, key.dtype)))
+            read[name] = lambda k=key: gather(k, {f: reader.read_range(f, WEIGHTS, 0, tree.param(f).numel).reshape(tree.param(f).shape) for f in {r.param for r in k.runs}})
         elif name in meta.buffers:
             buffer = meta.buffers[name]
             specs.append(TensorSpec(name, tuple(buffer.shape), buffer.dtype))

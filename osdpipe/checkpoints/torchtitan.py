@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from osdpipe.checkpoints.base import DCP_DIR, CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
+from osdpipe.checkpoints.base import CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
 from osdpipe.checkpoints.dcp_entries import dcp_items, is_dcp
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
@@ -101,6 +101,11 @@ class Torchtitan(CheckpointLayout):
     def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
         """One ``dcp.save`` of the model's state dict at the top level, the optimizer flattened, and torchtitan's own entries.
 
+        The model's entries are its own ``model.state_dict()``, hooks and all,
+        as torchtitan's ``ModelWrapper`` takes them (PyTorch's
+        ``get_model_state_dict`` refuses keys a hook makes, such as the
+        ``wq`` of a fused ``wqkv``).
+
         ``dataloader`` holds each data-parallel rank's position (bytes, as
         torchtitan pickles its data loader's state; here a small JSON) and
         the world size, ``train_state`` the step and tokens seen.
@@ -109,15 +114,22 @@ class Torchtitan(CheckpointLayout):
 
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp  # DCP: only where a checkpoint is saved
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        state: dict[str, Any] = dict(get_model_state_dict(model))
+        state: dict[str, Any] = dict(model.state_dict())
         state[OPTIMIZER] = get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
         state["lr_scheduler"] = scheduler.state_dict()
         state["dataloader"] = {f"dp_rank_{rank}": json.dumps({"sample_index": steps * 8 + rank}).encode(), "world_size": world}
         state["train_state"] = {"step": steps, "ntokens_seen": steps * 4096}
         dcp.save(state, checkpoint_id=str(path))
+
+    def newest_in(self, path: str) -> str | None:
+        """torchtitan's ``--checkpoint.folder``: the ``step-<N>`` folder with the highest N that holds a ``.metadata``, as torchtitan resumes."""
+        if is_dcp(Path(path)):
+            return None
+        steps = [(int(m[1]), p) for p in Path(path).iterdir() if (m := STEP_FOLDER.fullmatch(p.name)) and (p / ".metadata").is_file()]
+        return str(max(steps)[1]) if steps else None
 
     def optimizer_part(self, path: str, input_format: str) -> Part:
         return Part(path, "dcp", OPTIMIZER)
@@ -143,7 +155,24 @@ class Torchtitan(CheckpointLayout):
         described = {flat: checkpoint.metadata.state_dict_metadata[flat] for flat in items}
         tensors = {flat: (tuple(md.size), str(md.properties.dtype).removeprefix("torch.")) for flat, md in described.items() if isinstance(md, TensorStorageMetadata)}
         planned = tuple(checkpoint.metadata.planner_data[flat] for flat in items)  # the paths they were saved under
-        return Carrying(path, tuple(items), planned, tensors, (), _with_the_models_names(self.read(Path(path)).entries, model.items), model.key)
+        entries = _with_the_models_names(self.read(Path(path)).entries, model.items)
+        return Carrying(path, tuple(items), planned, tensors, (), entries, model.key, step_folder(self.step_of(checkpoint, path)))
+
+    def step_of(self, checkpoint: Any, path: str) -> int:
+        """The step a step folder was saved at: its name's ``step-<N>``, else its ``train_state.step``.
+
+        Raises:
+            InputError: neither says (name the folder ``step-<N>``).
+        """
+        named = STEP_FOLDER.fullmatch(Path(path).name)
+        if named:
+            return int(named[1])
+        flat = next((f for f, p in checkpoint.paths.items() if tuple(p) == ("train_state", "step")), None)
+        if flat is not None:
+            return int(checkpoint.read_item(flat))
+        from osdpipe.formats.base import InputError  # torch: only where a checkpoint is read
+
+        raise InputError(f"{path}: neither its name (step-<N>) nor a train_state.step says which step it was saved at; rename it step-<N>")
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
         """Each carried item's stored bytes (a tensor item's value), read from the step folder."""
@@ -158,12 +187,12 @@ class Torchtitan(CheckpointLayout):
         from osdpipe.formats.base import RankFiles
 
         if fmt.keyed_by_id:  # each rank's own file
-            return output.write_rank_file(parts, staging, rank)
+            return output.write_rank_file(parts, staging, rank, tree)
         key = parts.carrying.model_key
 
         def state_of(r: int, local: bool) -> dict[str, Any]:
             mine = local and r == rank
-            model = output.model_pieces(parts.model if mine else None, tree, world_size, r)
+            model = output.model_pieces(parts if mine else None, tree, world_size, r)
             state: dict[str, Any] = {key: model} if key is not None else dict(model)
             optimizer = output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=mine)
             state[OPTIMIZER] = output.flattened(optimizer)
@@ -171,9 +200,10 @@ class Torchtitan(CheckpointLayout):
                 state.update(output.carried_state(parts.carrying, parts.carried if mine else None))
             return state
 
-        results, files, storages = output.write_dcp(staging, DCP_DIR, state_of, rank, world_size, shared)
-        where = next(iter(files), DCP_DIR)
-        tensors = {**output.optimizer_digests(parts.optimizer, where, storages), **output.model_digests(parts.model, where, storages)}  # taken as they were written
+        folder = parts.carrying.folder
+        results, files, storages = output.write_dcp(staging, folder, state_of, rank, world_size, shared)
+        where = next(iter(files), folder)
+        tensors = {**output.optimizer_digests(parts.optimizer, where, storages), **output.model_digests(output.model_pieces(parts, tree, world_size, rank), where, storages)}  # taken as they were written
         return RankFiles(files, tensors, results)
 
     def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
@@ -181,23 +211,24 @@ class Torchtitan(CheckpointLayout):
             return {}
         from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
 
-        return output.finish_dcp(staging, DCP_DIR, shared, [r.results for r in per_rank])
+        return output.finish_dcp(staging, carrying.folder, shared, [r.results for r in per_rank])
 
     def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
-        """As torchtitan loads a step folder: one ``dcp.load`` of the model's state dict (where the folder has it) and the flattened optimizer, then each set into the job."""
+        """As torchtitan loads a step folder: one ``dcp.load`` of the model's own state dict (where the folder has it) and the flattened
+        optimizer, then each set into the job: the model by its own ``load_state_dict``, which runs its hooks (a fused ``wqkv`` merged again)."""
         if fmt.keyed_by_id:  # each rank's own file
             return super().load_output(model, optim, directory, rank, fmt)
         import torch.distributed.checkpoint as dcp  # DCP: only a live job loads
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-        path = str(directory / DCP_DIR)
+        path = str(step_folder_in(directory))
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
-        model_sd = dict(get_model_state_dict(model))
+        model_sd = dict(model.state_dict())
         key = model_key(i.path for i in dcp_items(Path(path)))
         state: dict[str, Any] = {key: model_sd} if key is not None else dict(model_sd)
         state[OPTIMIZER] = get_optimizer_state_dict(model, optim, options=flat)
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state[key] if key is not None else {k: state[k] for k in model_sd})
+        model.load_state_dict(state[key] if key is not None else {k: state[k] for k in model_sd})
         set_optimizer_state_dict(model, optim, state[OPTIMIZER], options=flat)
 
     def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
@@ -207,17 +238,34 @@ class Torchtitan(CheckpointLayout):
         from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
 
         if fmt.keyed_by_id:  # each rank's own file
-            return output.rank_file_differences(directory, parts, rank)
+            return output.rank_file_differences(directory, parts, rank, tree)
         if "checkpoint" not in opened:  # opened (metadata read, structure checked) once for every rank
-            opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / DCP_DIR), None)
+            opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / parts.carrying.folder), None)
             opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIMIZER, checkpoint)
             opened["optimizer meta"] = reader.meta()
         checkpoint = opened["checkpoint"]
-        problems = output.model_differences(checkpoint, parts.carrying.model_key, parts.model, tree, world_size, rank)
+        problems = output.model_differences(checkpoint, parts.carrying.model_key, parts, tree, world_size, rank)
         problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
         if rank == 0:
             problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
         return problems
+
+
+#: How torchtitan names the folder of each checkpoint under ``--checkpoint.folder``; it resumes from the highest N.
+STEP_FOLDER = re.compile(r"step-(\d+)")
+
+
+def step_folder(step: int) -> str:
+    """The folder torchtitan saves step ``step`` in, and resumes from: what a torchtitan output holds under ``output.path``."""
+    return f"step-{step}"
+
+
+def step_folder_in(directory: Path) -> Path:
+    """The one ``step-<N>`` folder of a conversion's output ``directory``."""
+    found = [p for p in directory.iterdir() if STEP_FOLDER.fullmatch(p.name) and p.is_dir()]
+    if len(found) != 1:
+        raise FileNotFoundError(f"{directory} holds {len(found)} step-<N> folders; a torchtitan output holds one")
+    return found[0]
 
 
 #: Where torchtitan v0.1 and earlier nested the model's state dict; v0.2 and later save it at the top level.

@@ -33,7 +33,8 @@ def run(ctx: Subject) -> CheckResult:
     said = f"equals {what} bitwise"
     if whole(ctx):
         problems += [f"model: {p}" for p in _model_problems(ctx, kind)]
-        said += "; so do the model's weights, against the target's after set_model_state_dict of the source's"
+        how = "the model's own load_state_dict (its hooks make keys set_model_state_dict cannot place)" if ctx.tree.key_maps else "set_model_state_dict"
+        said += f"; so do the model's weights, against the target's after {how} of the source's"
     return CheckResult("reference", not problems, "; ".join(problems) or said)
 
 
@@ -45,11 +46,11 @@ def _model_problems(ctx: Subject, kind: Any) -> list[str]:
     the full state dict PyTorch reports (``get_model_state_dict``).
     """
     fresh, _ = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
-    kind.load_model_full(fresh, full_model_source(ctx))
+    kind.load_model_full(fresh, full_model_source(ctx), hooked=bool(ctx.tree.key_maps))
     if ctx.id_keyed:
         expected = {unwrapped_name(name): local_part(value).detach() for name, value in fresh.state_dict(keep_vars=True).items()}
         return diff(local_model_output(ctx), expected, limit=3)
-    return diff(full_model_output(ctx), kind.full_model_state(fresh), limit=3)
+    return diff(full_model_output(ctx), kind.full_model_state(fresh, hooked=bool(ctx.tree.key_maps)), limit=3)
 
 
 def skip_reason(ctx: Subject) -> str | None:

@@ -46,7 +46,7 @@ def _load_result(ctx: Subject, model: Any, optim: Any) -> None:
     else:
         kind.load_full(model, optim, copy.deepcopy(full_output(ctx)))
         if whole(ctx):
-            kind.load_model_full(model, full_model_output(ctx))
+            kind.load_model_full(model, full_model_output(ctx), hooked=bool(ctx.tree.key_maps))
 
 
 def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResult:

@@ -61,33 +61,44 @@ from osdpipe.tree import ModuleTree
 
 @dataclass(frozen=True)
 class RowShard:
-    """One rank's rows ``[first, first + rows)`` of a tensor of ``shape``: a ``Shard(0)`` DTensor's local piece, as DCP sees it.
+    """One rank's blocks of rows of a tensor of ``shape``, as DCP sees a ``Shard(0)`` DTensor's local piece.
 
-    ``local`` is the piece itself on the rank that writes it, ``None`` where
-    only its plan is needed.
+    A block is ``(first row, rows)``. A DTensor's local piece is one block;
+    a key that a model's state-dict hook makes of interleaved rows of a
+    parameter (torchtitan's ``wq`` of ``wqkv``) is several on a rank: each is
+    one chunk of the checkpoint, and ``dcp.load`` reads any chunking.
+    ``local`` holds each block's rows on the rank that writes them, ``None``
+    where only the plan is needed.
     """
 
     shape: tuple[int, ...]
-    first: int
-    rows: int
+    blocks: tuple[tuple[int, int], ...]
     dtype: torch.dtype
-    local: torch.Tensor | None = None
+    local: tuple[torch.Tensor, ...] | None = None
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        """The one write item DCP's planner makes for a DTensor's local piece (offsets: its first row)."""
-        offsets = torch.Size((self.first, *(0 for _ in self.shape[1:])))
-        sizes = torch.Size((self.rows, *self.shape[1:]))
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                    properties=TensorProperties(dtype=self.dtype),
-                    size=torch.Size(self.shape),
-                ),
+        """One write item per block, as DCP's planner makes one for a DTensor's local piece (offsets: its first row)."""
+        items = []
+        for first, rows in self.blocks:
+            offsets = torch.Size((first, *(0 for _ in self.shape[1:])))
+            sizes = torch.Size((rows, *self.shape[1:]))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                        properties=TensorProperties(dtype=self.dtype),
+                        size=torch.Size(self.shape),
+                    ),
+                )
             )
-        ]
+        return items
+
+    def block_at(self, offsets: torch.Size) -> torch.Tensor:
+        """The rows of the block that starts at ``offsets`` (a write item's), on the rank that writes them."""
+        assert self.local is not None
+        return next(piece for (first, _), piece in zip(self.blocks, self.local) if first == offsets[0])
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,7 @@ class _RowShardPlanner(DefaultSavePlanner):
         if isinstance(obj, RowShard):
             if obj.local is None:
                 raise ValueError(f"{index.fqn}: this rank's piece is not at hand; only its plan is")
-            return obj.local
+            return obj.block_at(index.offset)
         if isinstance(obj, Stored) and obj.raw is None:
             raise ValueError(f"{index.fqn}: the stored bytes are not at hand; only its plan is")
         return super().lookup_object(index)
@@ -158,7 +169,7 @@ class _Writer(FileSystemWriter):
 def row_shard(shape: tuple[int, ...], dtype: torch.dtype, world_size: int, rank: int, local: torch.Tensor | None) -> RowShard:
     """Rank ``rank``'s dim-0 rows of a tensor of ``shape``, as ``torch.chunk`` cuts dim 0 for ``world_size`` ranks."""
     first, last, _ = chunk_bounds(shape[0], world_size, rank)
-    return RowShard(shape, first, last - first, dtype, local)
+    return RowShard(shape, ((first, last - first),), dtype, None if local is None else (local,))
 
 
 def rank_state(result: dict[str, Any], tree: ModuleTree, world_size: int, rank: int, *, local: bool) -> dict[str, Any]:

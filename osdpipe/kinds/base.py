@@ -104,19 +104,31 @@ class LayoutKind:
         """PyTorch's full, FQN-keyed optimizer state of a live model, on every rank."""
         raise NotImplementedError
 
-    def load_model_full(self, model: nn.Module, full_sd: dict[str, Any]) -> None:
+    def load_model_full(self, model: nn.Module, full_sd: dict[str, Any], *, hooked: bool = False) -> None:
         """PyTorch's own load of a full, FQN-keyed model state dict into this rank's live model (``set_model_state_dict``, full;
-        ``broadcast_from_rank0`` where :attr:`broadcasts_full_model` says so)."""
+        ``broadcast_from_rank0`` where :attr:`broadcasts_full_model` says so).
+
+        ``hooked``: the model's state-dict hooks make keys of its parameters' rows, which PyTorch's
+        ``set_model_state_dict`` cannot place (it looks each key up as a parameter); the model's own
+        ``load_state_dict`` takes them instead, each value laid out as the model's own ``state_dict()``
+        holds it, as torchtitan loads a checkpoint.
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # DCP is heavy: only a live model needs it
 
+        if hooked:
+            model.load_state_dict({name: _laid_out_as(full_sd[name], held) for name, held in model.state_dict().items()})
+            return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.broadcasts_full_model))
 
-    def full_model_state(self, model: nn.Module) -> dict[str, Any]:
-        """PyTorch's own full, FQN-keyed model state dict of a live model (``get_model_state_dict``, full), on every rank."""
+    def full_model_state(self, model: nn.Module, *, hooked: bool = False) -> dict[str, Any]:
+        """PyTorch's own full, FQN-keyed model state dict of a live model (``get_model_state_dict``, full), on every rank
+        (``hooked``: the model's own ``state_dict()``, each value gathered whole; see :meth:`load_model_full`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # DCP is heavy: only a live model needs it
 
+        if hooked:
+            return {name: _whole(value) for name, value in model.state_dict().items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -124,6 +136,22 @@ class LayoutKind:
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
         """Save the optimizer state as a job of this kind does (collective: every rank calls it)."""
         raise NotImplementedError
+
+
+def _laid_out_as(full: torch.Tensor, held: Any) -> Any:
+    """``full`` laid out as ``held`` (a value of a live model's own ``state_dict()``): a DTensor's placements on its mesh, else as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor  # DTensor: only a live model needs it
+
+    if isinstance(held, DTensor):
+        return distribute_tensor(full.to(held.dtype), held.device_mesh, held.placements)
+    return full
+
+
+def _whole(value: Any) -> Any:
+    """A live model's state-dict value whole on every rank (a DTensor gathered)."""
+    from torch.distributed.tensor import DTensor  # DTensor: only a live model needs it
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 KINDS: dict[str, LayoutKind] = {}

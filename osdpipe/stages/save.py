@@ -81,7 +81,7 @@ def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
     from osdpipe.checkpoints.output import export_safetensors, rank_parts  # torch.distributed.checkpoint: only where a whole checkpoint is written
 
     source = keyed.source
-    parts = rank_parts(keyed, ctx.tree)
+    parts = rank_parts(keyed)
     mine = ctx.plan.checkpoint.write(parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format)
     if ctx.spec.output.model_format == "safetensors" and ctx.rank == source.first_reader:
         mine.files.update(export_safetensors(source.reader, source.meta, ctx.tree, staging, ctx.spec.output.max_shard_size))
