@@ -267,9 +267,13 @@ class OutputConfig(_Frozen):
     """Where and how the converted state is written.
 
     ``model_format=safetensors`` also exports a whole checkpoint's model
-    weights, full and FQN-keyed, as Hugging Face's ``save_pretrained``
-    writes them (:mod:`osdpipe.safetensors_out`), in files of at most
-    ``max_shard_size`` bytes (``None``: one file).
+    weights, full, in Hugging Face's safetensors files (:mod:`osdpipe.safetensors_out`),
+    in files of at most ``max_shard_size`` bytes (``None``: one file), keyed
+    by ``model_keys``: ``fqn``, the model's own ``state_dict()`` names;
+    ``hf``, Hugging Face's names and layout through the model's own
+    state-dict adapter (torchtitan's ``to_hf``: what its HF export writes
+    and ``transformers`` loads); ``auto``, ``hf`` where the model has such
+    an adapter (``model=torchtitan``), else ``fqn``.
     """
 
     path: str
@@ -280,6 +284,7 @@ class OutputConfig(_Frozen):
     fsync: bool = True
     model_format: Literal["safetensors"] | None = None
     max_shard_size: int | None = None
+    model_keys: Literal["auto", "fqn", "hf"] = "auto"
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
@@ -474,6 +479,14 @@ class RunSpec(_Frozen):
         why = layout.refuses(given, written, source, target, generated=self.input.path is None)
         if why is not None:
             raise ValueError(why)
+        if self.output.model_keys == "hf":
+            from osdpipe.models import hf_adapter  # imports the model's framework: not before the schema is checked
+
+            if hf_adapter(self.model.factory, self.model.kwargs) is None:
+                raise ValueError(
+                    f"output.model_keys=hf: model.factory={self.model.factory} has no Hugging Face state-dict adapter "
+                    "(model=torchtitan has torchtitan's); set output.model_keys=fqn"
+                )
         if self.output.model_format is not None and not layout.whole:
             raise ValueError(
                 f"output.model_format={self.output.model_format} exports a whole checkpoint's model; this input is an optimizer's alone "

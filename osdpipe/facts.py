@@ -63,6 +63,8 @@ class Facts:
     optimizer_candidates: list[str] = field(default_factory=list)
     optimizer_why: str = ""
     param_groups: list[dict[str, Any]] = field(default_factory=list)
+    #: Each param group's parameters by FQN, where the file names them (an FQN-keyed state); ``None`` for param IDs.
+    group_fqns: list[list[str]] | None = None
     params: int = 0
     fqns: list[str] | None = None
     steps: list[float] | None = None

@@ -67,13 +67,12 @@ def run_inspect(args: list[str]) -> int:
         if whole is None:
             shown = facts.to_json() if facts is not None else None
         else:
-            command = None if facts is None else "osdpipe " + " ".join([*whole_overrides(whole, facts), "target.world_size=<M>", "output.path=<dir>"])
-            shown = {"checkpoint": {**whole.to_json(), "command": command}, "optimizer": facts.to_json() if facts else None}
+            shown = {"checkpoint": {**whole.to_json(), "command": whole_command(whole)}, "optimizer": facts.to_json() if facts else None}
         print(json.dumps(shown, indent=2, sort_keys=True))
     elif whole is None:
         print(describe(facts))
     else:
-        print("\n".join(filter(None, [describe_whole(whole), facts and WHOLE_COMMAND + describe(facts, whole_overrides(whole, facts))])))
+        print("\n".join(filter(None, [describe_whole(whole), facts and WHOLE_OPTIMIZER + describe(facts, command=False), "  convert with " + whole_command(whole)])))
     return EXIT_OK
 
 
@@ -86,8 +85,8 @@ def _checkpoint_in(path: Path) -> Path:
     return path
 
 
-def describe(f: Facts, command: list[str] | None = None) -> str:
-    """The facts as a person reads them."""
+def describe(f: Facts, command: bool = True) -> str:
+    """The facts as a person reads them (``command``: with the overrides that convert it)."""
     kind = {
         "sharded": "sharded (dim-0 chunks: FSDP1 SHARDED_STATE_DICT or FSDP2, alike)",
         None: "cannot tell from the files",
@@ -115,21 +114,24 @@ def describe(f: Facts, command: list[str] | None = None) -> str:
     dtypes = ", ".join(f"{d} {show_size(n)}" for d, n in sorted(f.dtypes.items()))
     lines.append(f"  state        {show_size(f.state_bytes)} of tensors" + (f" ({dtypes})" if dtypes else ""))
     lines += [f"  note         {n}" for n in f.notes]
-    lines.append("  convert with osdpipe " + " ".join([*(command or f.overrides()), "target.world_size=<M>", "output.path=<dir>"]))
+    if command:
+        lines.append("  convert with osdpipe " + " ".join([*f.overrides(), *TARGET_AND_OUTPUT]))
     return "\n".join(lines)
 
 
-#: What the command below a whole checkpoint's optimizer part converts, said before it.
-WHOLE_COMMAND = "optimizer part (the command below converts the whole checkpoint: the model and the optimizer, every other entry carried over):\n"
+#: What a printed command leaves to the user: the target's world and the output's place.
+TARGET_AND_OUTPUT = ("target.world_size=<M>", "output.path=<dir>")
+#: Said before a whole checkpoint's optimizer part.
+WHOLE_OPTIMIZER = "optimizer part (the command below converts the whole checkpoint: the model and the optimizer, every other entry carried over):\n"
 
 
-def whole_overrides(whole: WholeCheckpoint, facts: Facts) -> list[str]:
-    """The ``key=value`` arguments that convert a whole checkpoint: its layout and folder, and what its optimizer part shows of the job."""
+def whole_command(whole: WholeCheckpoint) -> str:
+    """The command that converts a whole checkpoint, once the target and the output are filled in: its layout, the model that saved it
+    (named where the files and the framework can tell), and its folder. The conversion reads the rest from the files."""
     from osdpipe.checkpoints import get  # torch: not on inspect --help's path
 
     layout = get(whole.layout)
-    theirs = [o for o in facts.overrides() if not o.startswith(("input.path=", "input.format=", "input.key="))]
-    return [f"checkpoint={whole.layout}", f"input.path={whole.path}", f"input.format={layout.input_format_of(whole.path)}", *theirs]
+    return "osdpipe " + " ".join([f"checkpoint={whole.layout}", *layout.model_overrides(Path(whole.path)), f"input.path={whole.path}", *TARGET_AND_OUTPUT])
 
 
 def describe_whole(w: WholeCheckpoint) -> str:

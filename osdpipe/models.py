@@ -220,6 +220,64 @@ def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Mod
     return model
 
 
+def hf_adapter(factory: str, kwargs: dict[str, Any]) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+    """The model's own conversion of its state dict to Hugging Face's names and layout, where it has one (``None``: it has none).
+
+    torchtitan's models have one (their train spec's ``state_dict_adapter``:
+    ``to_hf`` renames, permutes q/k for HF's RoPE and leaves out a tied
+    head), which is what torchtitan's own HF export writes. It takes any
+    part of the state dict, a key at a time.
+    """
+    if factory != "torchtitan":
+        return None
+    name, flavor = kwargs.get("name", "llama3"), kwargs.get("flavor", "debugmodel")
+    spec = importlib.import_module(f"torchtitan.models.{name}").model_registry(flavor)
+    if spec.state_dict_adapter is None:
+        return None
+    return spec.state_dict_adapter(spec.model, None).to_hf
+
+
+def torchtitan_model_of(shapes: dict[str, tuple[int, ...]]) -> tuple[str, str] | None:
+    """The torchtitan model (name, flavor) whose own ``state_dict()`` holds exactly these names and shapes; ``None`` for none, or without torchtitan.
+
+    How ``osdpipe inspect`` names the model of a torchtitan checkpoint so that
+    its command runs as printed. A flavor is built (on ``meta``) only where its
+    config's ``vocab_size`` and ``dim`` fit the checkpoint's embedding.
+    """
+    import pkgutil
+
+    try:
+        import torchtitan.models as package
+    except ImportError:
+        return None
+    embedding = next((shape for name, shape in shapes.items() if name.endswith("embeddings.weight") and len(shape) == 2), None)
+    names = sorted((m.name for m in pkgutil.iter_modules(package.__path__)), key=lambda n: (n not in COMMON_TORCHTITAN_MODELS, n))
+    for name in names:  # the language models users train most first: each other module's import costs seconds (flux's many)
+        try:
+            module = importlib.import_module(f"torchtitan.models.{name}")
+        except Exception:  # noqa: BLE001 - a model whose imports this machine lacks is not the one
+            continue
+        configs = next((v for k, v in vars(module).items() if k.endswith("_configs") and isinstance(v, dict)), None)
+        if configs is None or not hasattr(module, "model_registry"):
+            continue
+        for flavor in configs:
+            try:
+                config = module.model_registry(flavor).model
+                if embedding is not None and (getattr(config, "vocab_size", None), getattr(config, "dim", None)) not in ((embedding[0], embedding[1]), (None, None)):
+                    continue
+                with torch.device("meta"):
+                    held = module.model_registry(flavor).model.build().state_dict()
+            except Exception:  # noqa: BLE001 - a flavor that cannot be built here is not the one
+                continue
+            if {n: tuple(t.shape) for n, t in held.items()} == shapes:
+                return name, flavor
+    return None
+
+
+#: The torchtitan models :func:`torchtitan_model_of` tries first.
+COMMON_TORCHTITAN_MODELS = ("llama3", "qwen3", "deepseek_v3", "gpt_oss")
+
+
 BUILTIN_MODELS: dict[str, ModelFactory] = {
     "nested": NestedModel,
     "transformer": TransformerModel,

@@ -23,6 +23,7 @@ A file that cannot be read is left to the pre-flight check that follows
 from __future__ import annotations
 
 import copy
+import glob
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,15 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
         _set(raw, "input.format", fmt)
+        try:
+            notes += layout.advice(path, (_get(raw, "target.world_size") or 1) // (_get(raw, "target.tp_size") or 1))
+        except (InputError, OSError):
+            pass  # the pre-flight check says what is wrong with it
         part = layout.optimizer_part(path, fmt)
+        if part is None:  # a model-only checkpoint: no optimizer to settle; the checks resume with the one osdpipe trains
+            if _get(raw, "optim.name") in (None, AUTO):
+                _set(raw, "optim.name", GENERATED_OPTIMIZER)
+            return raw, notes + [f"{path} holds the model alone (no optimizer state): the output holds the model alone too"]
         try:
             facts = read_facts(part.path, part.format, part.key)
         except InputError:
@@ -217,6 +226,9 @@ def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str
                 f"optim.name={name}, but {facts.path} was saved by {optimizer_label(facts.optimizer)}, as its param groups' hyperparameter "
                 f"names and its state names show; converting for {optimizer_label(name)} as asked, with the checkpoint's hyperparameters"
             )
+    if "optim.param_groups" not in given and not _get(raw, "optim.param_groups") and facts.group_fqns and len(facts.group_fqns) > 1:
+        # The target's optimizer takes the checkpoint's grouping (the Trainer's decay / no-decay groups), each FQN matched as itself.
+        _set(raw, "optim.param_groups", [{"params": [glob.escape(f) for f in group]} for group in facts.group_fqns])
     # optim.lr stays unset: the checkpoint's groups hold their lr, which load_state_dict sets. It is a fact of the files,
     # never validated as a setting (a schedule that decayed to 0 ends with lr=0.0, which optim.lr refuses).
     return warnings + _differing_hyperparameters(raw, given, facts)

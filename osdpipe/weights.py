@@ -201,6 +201,27 @@ class WholeReader:
             self.optimizer.release(fqn, name, start, stop)
 
 
+class NoOptimizer:
+    """The optimizer part of a model-only checkpoint (torchtitan's last save by default, its seed checkpoint): no state, no param groups.
+
+    The model's weights are then the only state each parameter has, and the
+    output holds no optimizer either.
+    """
+
+    def meta(self) -> SourceMeta:
+        return SourceMeta(state={}, param_groups=None)
+
+    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        assert not items, f"a model-only checkpoint holds no optimizer state, yet {items[:2]} were asked for"
+        return {}
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        raise KeyError(f"a model-only checkpoint holds no optimizer state: {fqn} {name}")
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        pass
+
+
 def split_weights(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, torch.Tensor]]:
     """A rank's converted state (layout key -> state name -> value) as the optimizer's state and the weights by layout key.
 
@@ -252,5 +273,5 @@ def open_whole(layout: Any, path: str, input_format: str, *, tree: ModuleTree, s
     from osdpipe.formats import open_source  # the formats package imports this module's base: imported where used
 
     part = layout.optimizer_part(path, input_format)
-    optimizer = open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None)
+    optimizer = NoOptimizer() if part is None else open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None)
     return WholeReader(optimizer, layout.open_model(path, input_format, tree), tree, path, layout, layout.carried(path, input_format, tree))

@@ -183,7 +183,7 @@ def _same(got, want, where: str) -> None:
 def test_torchtitan_to_2_ranks_resumes_as_pytorchs_own_reshard_loaded_as_torchtitan_loads_it(converted: dict[str, Path], saved: Path) -> None:
     """The dcp output, loaded as torchtitan loads a step folder on 2 ranks, is what DCP's own load of the source gives there, bitwise, before and after two more steps."""
     source = str(saved / "titan" / "step-2")
-    outputs = [str(converted["titan_dcp_2"] / "dcp"), str(converted["titan_v01_dcp_2"] / "dcp")]
+    outputs = [str(converted["titan_dcp_2"] / "step-2"), str(converted["titan_v01_dcp_2"] / "step-2")]  # torchtitan's step folder
     for rank, (theirs, mine, v01) in enumerate(spawn_world(whole_jobs.resume_torchtitan, 2, ([source, *outputs],), timeout_s=TIMEOUT_S)):
         for label, got in (("v0.2", mine), ("v0.1 nested", v01)):
             _same(got["loaded"], theirs["loaded"], f"rank {rank} {label} loaded")
@@ -200,7 +200,7 @@ def test_torchtitan_dataloader_entries_are_carried_over_as_stored(converted: dic
     """Each data-parallel rank's position and the saving world's size: the same stored bytes in the output, loaded the same."""
     from osdpipe.formats.dcp_reader import DcpCheckpoint
 
-    source, output = DcpCheckpoint(str(saved / "titan" / "step-2"), None), DcpCheckpoint(str(converted["titan_dcp_2"] / "dcp"), None)
+    source, output = DcpCheckpoint(str(saved / "titan" / "step-2"), None), DcpCheckpoint(str(converted["titan_dcp_2"] / "step-2"), None)
     carried = [f for f, p in source.paths.items() if p[0] in whole_jobs.TITAN_OTHER]
     assert len(carried) >= 7
     for flat in carried:
@@ -381,7 +381,7 @@ def test_one_wrong_weight_fails_roundtrip_and_resume_and_nothing_is_written(save
     assert not bad.ok and bad.files == {}
     assert "rank 1: blocks.1.wk.weight.weights: differs from blocks.1.wk.weight[" in details["roundtrip"], details["roundtrip"]
     assert "rank 1: " in details["resume"] and "blocks.1.wk.weight (the parameter)" in details["resume"], details["resume"]
-    assert not (tmp_path / "bad" / "dcp").exists()
+    assert not (tmp_path / "bad" / "step-2").exists() and not (tmp_path / "bad" / "manifest.json").exists()
 
 
 def test_osdpipe_check_proves_a_whole_conversion_later_and_names_one_wrong_weight(converted: dict[str, Path], tmp_path: Path) -> None:

@@ -21,9 +21,15 @@ def get(name: str) -> CheckpointLayout:
 
 
 def recognize(path: str | Path) -> WholeCheckpoint | None:
-    """The whole checkpoint at ``path`` as the first layout that recognizes it reads it; ``None``: no layout does (an optimizer checkpoint)."""
+    """The whole checkpoint at ``path`` as the first layout that recognizes it reads it; ``None``: no layout does (an optimizer checkpoint).
+
+    A framework's folder of checkpoints (torchtitan's ``--checkpoint.folder``) is read as its newest checkpoint, as the framework resumes.
+    """
     where = Path(path)
     for layout in LAYOUTS.values():
+        newest = layout.newest_in(str(where)) if layout.whole and where.is_dir() else None
+        if newest is not None and layout.recognizes(Path(newest)):
+            return layout.read(Path(newest))
         if layout.recognizes(where):
             return layout.read(where)
     return None

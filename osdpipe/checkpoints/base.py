@@ -33,6 +33,9 @@ if TYPE_CHECKING:  # annotations only: the layouts import torch where they read 
 #: Where a whole checkpoint's ``dcp`` output goes under ``output.path``: the folder the framework loads (a step folder, a ``save_state`` folder).
 DCP_DIR = "dcp"
 
+#: What ``osdpipe inspect`` prints where only the user can name the model that saved a checkpoint.
+USER_FACTORY = "<package.module:function>"
+
 #: What an entry is to a conversion: model weights and optimizer state are converted; anything else is carried over.
 PARTS = ("model", "optimizer", "other")
 
@@ -119,6 +122,8 @@ class Carrying:
     entries: tuple[Entry, ...] = ()
     model_key: str | None = None
     folder: str = DCP_DIR
+    #: Whether the checkpoint holds the optimizer's state; a model-only one (torchtitan's last save, its seed checkpoint) converts to a model-only one.
+    optimizer: bool = True
 
 
 @dataclass
@@ -174,6 +179,18 @@ class CheckpointLayout:
         """Save the whole job as the framework does, on every rank of the source world (collective): what osdpipe converts with no ``input.path``."""
         raise NotImplementedError
 
+    def advice(self, path: str, target_dp: int) -> list[str]:
+        """What the framework will do, on a target of ``target_dp`` data-parallel ranks, with entries of the checkpoint at ``path`` that
+        describe the world that saved it, and what to pass it: said in the run's output and in ``report.json``'s warnings."""
+        return []
+
+    def model_overrides(self, path: Path) -> list[str]:
+        """The overrides that name the model which saved the checkpoint at ``path``, for ``osdpipe inspect``'s command.
+
+        By default the files cannot tell: the user's own factory goes there.
+        """
+        return [f"model.factory={USER_FACTORY}"]
+
     def newest_in(self, path: str) -> str | None:
         """Where ``path`` is the folder a framework keeps its checkpoints in, the newest of them (``None``: ``path`` is one checkpoint)."""
         return None
@@ -182,8 +199,8 @@ class CheckpointLayout:
         """The ``input.format`` the checkpoint at ``path`` is, as its folder shows it (by default the layout's first)."""
         return self.input_formats[0]
 
-    def optimizer_part(self, path: str, input_format: str) -> Part:
-        """Where the optimizer is in the checkpoint at ``path``, as today's readers take it."""
+    def optimizer_part(self, path: str, input_format: str) -> Part | None:
+        """Where the optimizer is in the checkpoint at ``path``, as today's readers take it (``None``: a model-only checkpoint)."""
         raise NotImplementedError
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:

@@ -12,11 +12,12 @@ from osdpipe.formats.safe_load import read_dcp_metadata
 
 @dataclass(frozen=True)
 class Item:
-    """One stored item: its path in the saved state dict, whether it is a tensor, and its stored bytes."""
+    """One stored item: its path in the saved state dict, whether it is a tensor, and its stored bytes (and a tensor's shape)."""
 
     path: tuple[Any, ...]
     tensor: bool
     size: int
+    shape: tuple[int, ...] | None = None
 
 
 def dcp_items(directory: Path) -> list[Item]:
@@ -33,7 +34,7 @@ def dcp_items(directory: Path) -> list[Item]:
         sizes[index.fqn] += int(getattr(info, "length", 0) or 0)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     return [
-        Item(tuple(paths.get(flat, (flat,))), isinstance(md, TensorStorageMetadata), sizes[flat])
+        Item(tuple(paths.get(flat, (flat,))), isinstance(md, TensorStorageMetadata), sizes[flat], tuple(md.size) if isinstance(md, TensorStorageMetadata) else None)
         for flat, md in metadata.state_dict_metadata.items()
     ]
 

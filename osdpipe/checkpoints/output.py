@@ -320,32 +320,47 @@ def copy_files(carrying: Carrying, staging: Path, under: str = "") -> dict[str, 
 # ---------------------------------------------------------------------------- safetensors
 
 
-def export_safetensors(reader: Any, meta: Any, tree: ModuleTree, directory: Path, max_shard_size: int | None) -> dict[str, str]:
-    """The model's full, FQN-keyed weights as ``save_pretrained`` writes them (:mod:`osdpipe.safetensors_out`), into ``directory``.
+def export_safetensors(
+    reader: Any, meta: Any, tree: ModuleTree, directory: Path, max_shard_size: int | None, to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+) -> dict[str, str]:
+    """The model's full weights as safetensors files (:mod:`osdpipe.safetensors_out`), into ``directory``.
 
-    Each parameter once, under its first name (a tied weight's other names
-    are left out, as ``save_pretrained`` leaves them), then each buffer, in
-    the order of ``model.state_dict()``. Each tensor is read whole from the
-    source when the writer asks for it and dropped once written: one tensor
-    in memory at a time.
+    Keyed as the model's own ``state_dict()`` keys them: each parameter once,
+    under its first name (a tied weight's other names are left out, as
+    ``save_pretrained`` leaves them), each key a state-dict hook makes of
+    parameters' rows, then each buffer, in the order of ``model.state_dict()``.
+    ``to_hf``: the model's own conversion to Hugging Face's names and layout
+    (:func:`osdpipe.models.hf_adapter`), applied a key at a time; its names
+    and shapes are learned on the ``meta`` device first. Each tensor is read
+    whole from the source when the writer asks for it and dropped once
+    written: one tensor in memory at a time.
 
     Returns:
         Every file written, with its sha256.
     """
     specs: list[TensorSpec] = []
     read: dict[str, Callable[[], torch.Tensor]] = {}
+
+    def add(name: str, shape: tuple[int, ...], dtype: torch.dtype, value: Callable[[], torch.Tensor]) -> None:
+        if to_hf is None:
+            specs.append(TensorSpec(name, shape, dtype))
+            read[name] = value
+            return
+        for hf_name, hf_value in to_hf({name: torch.empty(shape, dtype=dtype, device="meta")}).items():
+            specs.append(TensorSpec(hf_name, tuple(hf_value.shape), hf_value.dtype))
+            read[hf_name] = lambda n=name, h=hf_name, v=value: to_hf({n: v()})[h].contiguous()
+
     for name in tree.state_names:
         param, key = tree.resolve(name), tree.key_map(name)
         if param is not None:
             if name != param.fqn:
                 continue  # a tied weight is stored once, under its first name
-            specs.append(TensorSpec(name, param.shape, getattr(torch, param.dtype)))
-            read[name] = lambda p=param: reader.read_range(p.fqn, WEIGHTS, 0, p.numel).reshape(p.shape)
+            add(name, param.shape, getattr(torch, param.dtype), lambda p=param: reader.read_range(p.fqn, WEIGHTS, 0, p.numel).reshape(p.shape))
         elif key is not None:  # rows of parameters, as the model's own state_dict() makes the key
-            specs.append(TensorSpec(name, key.shape, getattr(torch, key.dtype)))
-            read[name] = lambda k=key: gather(k, {f: reader.read_range(f, WEIGHTS, 0, tree.param(f).numel).reshape(tree.param(f).shape) for f in {r.param for r in k.runs}})
+            made_of = {r.param for r in key.runs}
+            add(name, key.shape, getattr(torch, key.dtype),
+                lambda k=key, m=made_of: gather(k, {f: reader.read_range(f, WEIGHTS, 0, tree.param(f).numel).reshape(tree.param(f).shape) for f in m}))
         elif name in meta.buffers:
             buffer = meta.buffers[name]
-            specs.append(TensorSpec(name, tuple(buffer.shape), buffer.dtype))
-            read[name] = lambda b=buffer: b
+            add(name, tuple(buffer.shape), buffer.dtype, lambda b=buffer: b)
     return write_safetensors(directory, specs, lambda spec: read[spec.name](), max_shard_size=max_shard_size)

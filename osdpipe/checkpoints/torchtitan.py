@@ -54,13 +54,41 @@ class Torchtitan(CheckpointLayout):
     looks_like = "a torchtitan step directory (one DCP checkpoint: the model's entries, optimizer, lr_scheduler, dataloader, train_state)"
 
     def recognizes(self, path: Path) -> bool:
-        """A DCP directory with a flattened ``optimizer`` or one of torchtitan's own top-level keys."""
+        """A DCP directory with a flattened ``optimizer`` or one of torchtitan's own top-level keys; or a ``step-<N>`` one of
+        top-level tensors alone: a model-only save (``--checkpoint.last-save-model-only``, the seed checkpoint)."""
         if not is_dcp(path):
             return False
         items = dcp_items(path)
         tops = {i.path[0] for i in items}
         flat_optimizer = any(i.path[0] == OPTIMIZER and len(i.path) == 2 and str(i.path[1]).startswith("state.") for i in items)
-        return flat_optimizer or bool(tops & set(OWN))
+        model_only = STEP_FOLDER.fullmatch(path.name) is not None and all(i.tensor and len(i.path) == 1 for i in items)
+        return flat_optimizer or bool(tops & set(OWN)) or model_only
+
+    def advice(self, path: str, target_dp: int) -> list[str]:
+        """torchtitan keeps its data loader's position per data-parallel rank and loads it only on the same dp degree (torchtitan 0.3:
+        a larger degree misses a key, a smaller one fails its assertion); on another, ``--checkpoint.exclude-from-loading dataloader`` loads the rest."""
+        source_dp = sum(1 for e in self.read(Path(path)).entries if e.name.startswith("dataloader.dp_rank_"))
+        if source_dp in (0, target_dp):
+            return []
+        fails = (f'"Missing key in checkpoint state_dict: dataloader.dp_rank_{source_dp}"' if target_dp > source_dp
+                 else '"dp_degree is inconsistent before and after checkpoint"')
+        return [
+            f"{path} holds torchtitan's data-loader positions for {source_dp} data-parallel rank(s), the target has {target_dp}: they are carried "
+            f"as they are, and torchtitan refuses to load them on another dp degree ({fails}); start it with "
+            "--checkpoint.exclude-from-loading dataloader (its data loader then starts afresh)"
+        ]
+
+    def model_overrides(self, path: Path) -> list[str]:
+        """torchtitan's own model whose ``state_dict()`` has the step folder's model names and shapes (where torchtitan is installed)."""
+        from osdpipe.models import torchtitan_model_of  # imports torchtitan: only where a command is suggested
+
+        items = dcp_items(path)
+        nested = model_key(i.path for i in items) is not None
+        shapes = {str(i.path[-1]): i.shape for i in items if i.tensor and (len(i.path) == 2 and i.path[0] == NESTED_MODEL if nested else len(i.path) == 1)}
+        found = torchtitan_model_of(shapes)
+        if found is None:
+            return super().model_overrides(path)
+        return ["model=torchtitan", f"model.kwargs.name={found[0]}", f"model.kwargs.flavor={found[1]}"]
 
     def read(self, path: Path) -> WholeCheckpoint:
         items = dcp_items(path)
@@ -83,6 +111,8 @@ class Torchtitan(CheckpointLayout):
                                  int(rank[1]) if name.startswith("dataloader.") and rank else None))
         flat = any(i.path[0] == OPTIMIZER and len(i.path) == 2 for i in items)
         notes = ["the model's entries are nested under 'model' (torchtitan v0.1 and earlier)"] if nested else []
+        if OPTIMIZER not in groups:
+            notes.append("model only: no optimizer state (torchtitan's last save by default, or its seed checkpoint); it converts to a model-only step")
         if flat:
             notes.append(_flat_optimizer(items))
         return WholeCheckpoint(self.name, str(path), tuple(entries), str(path) if OPTIMIZER in groups else None, OPTIMIZER if OPTIMIZER in groups else None,
@@ -131,8 +161,9 @@ class Torchtitan(CheckpointLayout):
         steps = [(int(m[1]), p) for p in Path(path).iterdir() if (m := STEP_FOLDER.fullmatch(p.name)) and (p / ".metadata").is_file()]
         return str(max(steps)[1]) if steps else None
 
-    def optimizer_part(self, path: str, input_format: str) -> Part:
-        return Part(path, "dcp", OPTIMIZER)
+    def optimizer_part(self, path: str, input_format: str) -> Part | None:
+        """The flattened ``optimizer`` entry; none in a model-only save (``--checkpoint.last-save-model-only``, the seed checkpoint)."""
+        return Part(path, "dcp", OPTIMIZER) if any(i.path[0] == OPTIMIZER for i in dcp_items(Path(path))) else None
 
     def _model(self, path: str, tree: ModuleTree) -> Any:
         from osdpipe.checkpoints.dcp_weights import DcpWeights  # torch.distributed.checkpoint: only where a DCP checkpoint is read
@@ -156,7 +187,8 @@ class Torchtitan(CheckpointLayout):
         tensors = {flat: (tuple(md.size), str(md.properties.dtype).removeprefix("torch.")) for flat, md in described.items() if isinstance(md, TensorStorageMetadata)}
         planned = tuple(checkpoint.metadata.planner_data[flat] for flat in items)  # the paths they were saved under
         entries = _with_the_models_names(self.read(Path(path)).entries, model.items)
-        return Carrying(path, tuple(items), planned, tensors, (), entries, model.key, step_folder(self.step_of(checkpoint, path)))
+        has_optimizer = any(p[0] == OPTIMIZER for p in checkpoint.paths.values())
+        return Carrying(path, tuple(items), planned, tensors, (), entries, model.key, step_folder(self.step_of(checkpoint, path)), has_optimizer)
 
     def step_of(self, checkpoint: Any, path: str) -> int:
         """The step a step folder was saved at: its name's ``step-<N>``, else its ``train_state.step``.
@@ -194,8 +226,8 @@ class Torchtitan(CheckpointLayout):
             mine = local and r == rank
             model = output.model_pieces(parts if mine else None, tree, world_size, r)
             state: dict[str, Any] = {key: model} if key is not None else dict(model)
-            optimizer = output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=mine)
-            state[OPTIMIZER] = output.flattened(optimizer)
+            if parts.carrying.optimizer:  # a model-only checkpoint stays one
+                state[OPTIMIZER] = output.flattened(output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=mine))
             if r == 0:  # carried items are kept by one rank, as dcp.save keeps a replicated item once
                 state.update(output.carried_state(parts.carrying, parts.carried if mine else None))
             return state
@@ -224,12 +256,16 @@ class Torchtitan(CheckpointLayout):
         path = str(step_folder_in(directory))
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         model_sd = dict(model.state_dict())
-        key = model_key(i.path for i in dcp_items(Path(path)))
+        items = dcp_items(Path(path))
+        key = model_key(i.path for i in items)
         state: dict[str, Any] = {key: model_sd} if key is not None else dict(model_sd)
-        state[OPTIMIZER] = get_optimizer_state_dict(model, optim, options=flat)
+        with_optimizer = any(i.path[0] == OPTIMIZER for i in items)  # a model-only save loads the model alone, as torchtitan's initial load does
+        if with_optimizer:
+            state[OPTIMIZER] = get_optimizer_state_dict(model, optim, options=flat)
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state[key] if key is not None else {k: state[k] for k in model_sd})
-        set_optimizer_state_dict(model, optim, state[OPTIMIZER], options=flat)
+        if with_optimizer:
+            set_optimizer_state_dict(model, optim, state[OPTIMIZER], options=flat)
 
     def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
         """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer in the step folder, and on rank 0 every carried item as stored."""
@@ -241,11 +277,15 @@ class Torchtitan(CheckpointLayout):
             return output.rank_file_differences(directory, parts, rank, tree)
         if "checkpoint" not in opened:  # opened (metadata read, structure checked) once for every rank
             opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / parts.carrying.folder), None)
-            opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIMIZER, checkpoint)
-            opened["optimizer meta"] = reader.meta()
+            if parts.carrying.optimizer:
+                opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIMIZER, checkpoint)
+                opened["optimizer meta"] = reader.meta()
         checkpoint = opened["checkpoint"]
         problems = output.model_differences(checkpoint, parts.carrying.model_key, parts, tree, world_size, rank)
-        problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
+        if parts.carrying.optimizer:
+            problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
+        elif any(p[0] == OPTIMIZER for p in checkpoint.paths.values()):
+            problems.append(f"{checkpoint.path}: holds optimizer state, but the model-only source has none")
         if rank == 0:
             problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
         return problems

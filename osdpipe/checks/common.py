@@ -199,6 +199,11 @@ def whole(ctx: Subject) -> bool:
     return ctx.meta is not None and ctx.meta.carried is not None
 
 
+def model_only(ctx: Subject) -> bool:
+    """Whether the source is a model-only checkpoint (torchtitan's last save, its seed checkpoint): its output holds no optimizer to load or compare."""
+    return whole(ctx) and not ctx.meta.carried.carrying.optimizer
+
+
 def local_model_output(ctx: Subject) -> dict[str, Any]:
     """This rank's output ``model.state_dict()`` as local tensors: every name of a tied weight, buffers whole."""
     assert ctx.keyed is not None and ctx.keyed.weights is not None and ctx.meta is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from osdpipe import kinds
-from osdpipe.checks.common import Subject, full_model_output, full_model_source, full_output, full_source, live_target_of, local_model_output, needs_target_world, whole
+from osdpipe.checks.common import Subject, full_model_output, full_model_source, full_output, full_source, live_target_of, local_model_output, model_only, needs_target_world, whole
 from osdpipe.compare import diff
 from osdpipe.formats import local_part
 from osdpipe.products import CheckResult
@@ -21,6 +21,9 @@ from osdpipe.reference import live_target
 
 def run(ctx: Subject) -> CheckResult:
     kind = kinds.get(ctx.spec.target.kind)
+    if model_only(ctx):  # no optimizer in the source or the output: the model's weights are all there is to compare
+        problems = [f"model: {p}" for p in _model_problems(ctx, kind)]
+        return CheckResult("reference", not problems, "; ".join(problems) or f"the model's weights equal the target's after {_how_loaded(ctx)} of the source's (a model-only checkpoint)")
     model, optim = live_target_of(ctx)
     full = full_source(ctx)
     if ctx.id_keyed:
@@ -33,9 +36,12 @@ def run(ctx: Subject) -> CheckResult:
     said = f"equals {what} bitwise"
     if whole(ctx):
         problems += [f"model: {p}" for p in _model_problems(ctx, kind)]
-        how = "the model's own load_state_dict (its hooks make keys set_model_state_dict cannot place)" if ctx.tree.key_maps else "set_model_state_dict"
-        said += f"; so do the model's weights, against the target's after {how} of the source's"
+        said += f"; so do the model's weights, against the target's after {_how_loaded(ctx)} of the source's"
     return CheckResult("reference", not problems, "; ".join(problems) or said)
+
+
+def _how_loaded(ctx: Subject) -> str:
+    return "the model's own load_state_dict (its hooks make keys set_model_state_dict cannot place)" if ctx.tree.key_maps else "set_model_state_dict"
 
 
 def _model_problems(ctx: Subject, kind: Any) -> list[str]:

@@ -11,7 +11,7 @@ import copy
 from typing import Any
 
 from osdpipe import kinds
-from osdpipe.checks.common import Subject, full_model_output, full_output, local_model_output, source_tensor_bytes, whole, with_groups, within_full_state_limit
+from osdpipe.checks.common import Subject, full_model_output, full_output, local_model_output, model_only, source_tensor_bytes, whole, with_groups, within_full_state_limit
 from osdpipe.loading import load_model_local
 from osdpipe.products import CheckResult
 from osdpipe.layout import LocalTensor
@@ -38,6 +38,9 @@ def _load_result(ctx: Subject, model: Any, optim: Any) -> None:
     """
     assert ctx.result is not None
     kind = kinds.get(ctx.spec.target.kind)
+    if model_only(ctx):  # nothing to load into the optimizer: it starts fresh, as the reference from the source does
+        kind.load_model_full(model, full_model_output(ctx), hooked=bool(ctx.tree.key_maps))
+        return
     if ctx.id_keyed:  # what osdpipe.load_rank_local (rank_local) or optim.load_state_dict (plain) does with the file
         loadable = kind.loadable(optim, copy.deepcopy(ctx.result))  # one deepcopy: what the result shares stays shared
         optim.load_state_dict(with_groups(loadable, optim))

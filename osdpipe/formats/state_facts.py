@@ -73,6 +73,9 @@ def _describe_optimizer(facts: Facts, param_groups: list[dict[str, Any]] | None,
     facts.param_groups = [
         {**{k: _plain(v) for k, v in g.items() if k not in NOT_HYPERPARAMETERS}, "params": len(g.get("params", []))} for g in param_groups or []
     ]
+    named = [list(g.get("params", [])) for g in param_groups or []]
+    if named and all(isinstance(p, str) for g in named for p in g):
+        facts.group_fqns = named
 
 
 def _plain(value: Any) -> Any:

@@ -84,8 +84,17 @@ def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
     parts = rank_parts(keyed)
     mine = ctx.plan.checkpoint.write(parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format)
     if ctx.spec.output.model_format == "safetensors" and ctx.rank == source.first_reader:
-        mine.files.update(export_safetensors(source.reader, source.meta, ctx.tree, staging, ctx.spec.output.max_shard_size))
+        mine.files.update(export_safetensors(source.reader, source.meta, ctx.tree, staging, ctx.spec.output.max_shard_size, _to_hf(ctx.spec)))
     return mine
+
+
+def _to_hf(spec: Any) -> Any:
+    """The model's own conversion to Hugging Face's names for the export, as ``output.model_keys`` asks (``None``: its own names)."""
+    from osdpipe.models import hf_adapter  # imports the model's framework: only where it exports
+
+    if spec.output.model_keys == "fqn":
+        return None
+    return hf_adapter(spec.model.factory, spec.model.kwargs)
 
 
 #: Config sections that say how a conversion ran, not what it produced: left out of the manifest's hashed content.

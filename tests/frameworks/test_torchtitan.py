@@ -47,9 +47,21 @@ def _convert(work: Path, name: str, *overrides: str) -> Path:
     return out
 
 
+def _convert_as_inspect_says(work: Path, name: str, folder: Path, world_size: int) -> Path:
+    """The command ``osdpipe inspect`` prints for ``folder``, run verbatim with only the target's world and the output filled in."""
+    shown = run_command([sys.executable, "-m", "osdpipe", "inspect", str(folder)], cwd=work, timeout=120, env=user_env())
+    assert shown.returncode == 0, shown.stderr
+    (line,) = [line for line in shown.stdout.splitlines() if line.strip().startswith("convert with osdpipe ")]
+    out = work / name
+    args = line.strip().removeprefix("convert with osdpipe ").replace("<M>", str(world_size)).replace("<dir>", str(out)).split()
+    done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=work, timeout=400, env=user_env())
+    assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
+    return out
+
+
 def test_default_llama3_converts_2_to_4_and_back_to_2_and_torchtitan_resumes_each_at_its_step(source) -> None:
     work, assets, folder, want = source
-    four = _convert(work, "four", f"input.path={folder}", "target.world_size=4")
+    four = _convert_as_inspect_says(work, "four", folder, 4)
     assert sorted(p.name for p in four.iterdir() if p.is_dir()) == ["step-2"]  # where torchtitan's --checkpoint.folder resumes
     got = titan.resume_and_dump(work, 4, four, assets=assets, extra=NEW_DP_DEGREE, name="four")
     assert got["step"] == 2 and titan.compare_dumps(want, got) == []
@@ -66,3 +78,34 @@ def test_offline_to_8_ranks_resumes_on_2(source) -> None:
     assert len(list((eight / "step-2").glob("*.distcp"))) == 8
     got = titan.resume_and_dump(work, 2, eight, assets=assets, extra=NEW_DP_DEGREE, name="eight")
     assert titan.compare_dumps(want, got) == []
+
+
+def test_a_model_only_last_save_converts_to_a_model_only_step_that_torchtitan_initially_loads(source) -> None:
+    """torchtitan's base config saves its last step model-only (``--checkpoint.last-save-model-only``): no optimizer,
+    no train state. It converts to the same, which torchtitan's ``--checkpoint.initial-load-path`` loads (model only, at step 0)."""
+    work, assets, _, _ = source
+    saved = work / "model-only"
+    titan.train(work, 2, 2, folder=saved, assets=assets, extra=["--checkpoint.last-save-model-only"])
+    model_only = ["--checkpoint.initial-load-model-only"]
+    want = titan.resume_and_dump(work, 2, saved / "step-2", assets=assets, extra=model_only, name="model-only-source")
+    three = _convert_as_inspect_says(work, "model-only-3", saved, 3)
+    assert not any(key.startswith("optimizer") for key in titan.checkpoint_keys(three / "step-2"))
+    got = titan.resume_and_dump(work, 3, three / "step-2", assets=assets, extra=model_only, name="model-only-3")
+    assert got["step"] == 0 and got["optim"] == {} and titan.compare_dumps(want, got, parts=("model",)) == []
+
+
+def test_the_safetensors_export_is_what_torchtitans_own_hf_export_writes(source) -> None:
+    """torchtitan's HF export of the same training (``--checkpoint.last-save-in-hf``: Hugging Face's names, q/k permuted for its
+    RoPE, the tied head left out) and osdpipe's export of the step folder hold the same tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    work, _, folder, _ = source
+    hf = work / "hf"
+    titan.train(work, 2, 2, folder=hf, assets=work / "assets", extra=["--checkpoint.last-save-model-only", "--checkpoint.last-save-in-hf"])
+    theirs: dict = {}
+    for file in (hf / "step-2").glob("*.safetensors"):
+        theirs.update(load_file(file))
+    out = _convert(work, "export", f"input.path={folder}", "target.world_size=2", "output.model_format=safetensors")
+    mine = load_file(out / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.weight" in mine and set(mine) == set(theirs)
+    assert [name for name in theirs if not titan.same_bits(mine[name], theirs[name])] == []

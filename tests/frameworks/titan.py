@@ -350,6 +350,13 @@ def checkpoint_step(path: Path) -> int:
         return int(match.group(1))
 
 
+def checkpoint_keys(path: Path) -> list[str]:
+    """Every item a DCP checkpoint holds, by its flattened key (``optimizer.state.<fqn>.exp_avg``), from its ``.metadata`` alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sorted(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
 def latest_step(folder: Path) -> int:
     """Highest ``step-N`` in ``folder`` that has a ``.metadata`` (torchtitan's rule); -1 if none."""
     steps = [
@@ -429,6 +436,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point() or t.is_complex():
         return t.view(torch.uint8)
     return t
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
 def _diff_value(where: str, a: Any, b: Any, out: list[str]) -> None:
