@@ -120,7 +120,7 @@ def pattern_members(groups: list[list[str]] | None, layout: tuple[LocalTensor, .
     members_of, seen = [], {}
     for g, patterns in enumerate(groups):
         members = [index[t.key] for t in select_params(list(layout), patterns)]
-        if not members:
+        if not members and layout:  # a rank that holds nothing (a full output's other ranks) has empty groups
             raise ValueError(f"{where}[{g}].params={patterns} matches no parameter of the wrapped model")
         for i in members:
             if i in seen:

@@ -96,8 +96,10 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
         _set(raw, "input.format", fmt)
+        if "output.format" not in given and (keep := layout.output_format_of(fmt)) is not None:
+            _set(raw, "output.format", keep)  # the source's state-dict type, which the job that resumes is set to
         try:
-            notes += layout.advice(path, (_get(raw, "target.world_size") or 1) // (_get(raw, "target.tp_size") or 1))
+            notes += layout.advice(path, _get(raw, "target") or {}, _get(raw, "output.format"))
         except (InputError, OSError):
             pass  # the pre-flight check says what is wrong with it
         part = layout.optimizer_part(path, fmt)

@@ -56,7 +56,7 @@ def test_a_model_only_step_is_torchtitans_and_says_so(folder) -> None:
 
 @pytest.mark.parametrize(("target_dp", "said"), [(2, None), (4, "Missing key in checkpoint state_dict: dataloader.dp_rank_2"), (1, "dp_degree is inconsistent")])
 def test_another_data_parallel_degree_is_told_what_torchtitan_does_with_its_data_loader(folder, target_dp, said) -> None:
-    advice = TITAN.advice(str(folder / "step-10"), target_dp)
+    advice = TITAN.advice(str(folder / "step-10"), {"world_size": target_dp * 2, "tp_size": 2}, "dcp")
     if said is None:
         assert advice == []
     else:

@@ -98,7 +98,8 @@ def test_an_accelerate_folder_lists_every_file_and_reads_its_optimizer(saved: Pa
     assert (optimizer["format"], optimizer["key"], optimizer["world_size"], optimizer["optimizer"], optimizer["params"]) == ("dcp", "optimizer", 4, "Adam", 13)
     text = _inspect(folder)["text"]
     assert "layout       accelerate" in text and "converts the whole checkpoint" in text and "random_states_3.pkl" in text
-    assert f"convert with osdpipe checkpoint=accelerate input.path={folder} input.format=dcp source.world_size=4" in text
+    # the files tell the rest (the format, the world, the optimizer); only the user can name their model
+    assert f"convert with osdpipe checkpoint=accelerate model.factory=<package.module:function> input.path={folder} target.world_size=<M> output.path=<dir>" in text
 
 
 @pytest.mark.parametrize("folder", ["titan", "titan_v01"])

@@ -37,7 +37,8 @@ FULL_MODEL, FULL_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"
 _FULL_FILES = {FULL_MODEL: "model", FULL_OPTIMIZER: "optimizer"}
 #: The SHARDED_STATE_DICT variant's DCP directories, as ``save_state`` names them for the first model and optimizer.
 MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
-_PER_RANK = re.compile(r"random_states_(\d+)\.pkl")
+#: Files that describe one process of the saving world: accelerate's RNG states, and the HF Trainer's (its ``checkpoint-<N>`` is this layout too).
+_PER_RANK = re.compile(r"(?:random_states_(\d+)\.pkl|rng_state_(\d+)\.pth)")
 
 
 @register
@@ -65,7 +66,7 @@ class Accelerate(CheckpointLayout):
             elif child.is_file():
                 part = _FULL_FILES.get(child.name, "other")
                 rank = _PER_RANK.fullmatch(child.name)
-                entries.append(Entry(child.name, part, child.name, child.stat().st_size, 0, int(rank[1]) if rank else None))
+                entries.append(Entry(child.name, part, child.name, child.stat().st_size, 0, int(rank[1] or rank[2]) if rank else None))
                 if part == "optimizer" and optimizer is None:
                     optimizer = (str(child), "")
             else:
@@ -76,6 +77,42 @@ class Accelerate(CheckpointLayout):
 
     #: SHARDED_STATE_DICT (its two DCP directories), or FULL_STATE_DICT (``pytorch_model_fsdp.bin`` and ``optimizer.bin``).
     input_formats = ("dcp", "fsdp_full")
+    #: The same two, and each rank's own file.
+    output_formats = ("dcp", "fsdp_full", "rank_local")
+
+    def advice(self, path: str, target: dict[str, Any], output_format: str) -> list[str]:
+        """What accelerate 1.x's ``load_state`` does with the output on the target world (read from its own code, held by the tests):
+
+        * FSDP1 SHARDED_STATE_DICT into an optimizer that has not stepped loads
+          no optimizer state: its DCP load template is ``FSDP.optim_state_dict``
+          of that optimizer, empty before the first step;
+        * process r restores its RNG from ``random_states_<r>.pkl``, and one with
+          no such file keeps its own (it logs "Could not load random states");
+        * a prepared scheduler steps once per process per optimizer step, so
+          ``scheduler.bin`` counts the saving world's processes per step.
+        """
+        said = []
+        world = target.get("world_size") or 1
+        if output_format == "dcp" and target.get("kind") == "fsdp1":
+            said.append(
+                "accelerate's load_state of an FSDP1 SHARDED_STATE_DICT folder into an optimizer that has not stepped loads no optimizer "
+                "state (its load template is FSDP.optim_state_dict of the empty optimizer): the model and the scheduler load, the moments "
+                "do not; write output.format=fsdp_full (FULL_STATE_DICT, set the job to it) or take one optimizer step before load_state"
+            )
+        saved = sorted(int(m[1] or m[2]) for p in Path(path).iterdir() if (m := _PER_RANK.fullmatch(p.name)))
+        if saved and len(saved) != world:
+            kept = (f"processes {len(saved)}..{world - 1} find no file of their own and keep their own RNG state"
+                    if world > len(saved) else f"the files of processes {world}..{len(saved) - 1} are not read")
+            said.append(
+                f"{path} holds the RNG states of {len(saved)} processes, the target has {world}: load_state (and the HF Trainer) restores "
+                f"process r's from its own file (random_states_<r>.pkl, rng_state_<r>.pth), so {kept}; and the scheduler counted {len(saved)} "
+                f"scheduler steps per optimizer step (accelerate steps a prepared scheduler once per process), which becomes {world} per step on the target"
+            )
+        return said
+
+    def output_format_of(self, input_format: str) -> str:
+        """The source's state-dict type: a job set to FULL_STATE_DICT looks for ``pytorch_model_fsdp.bin``, one set to SHARDED for ``pytorch_model_fsdp_0/``."""
+        return input_format
 
     def generated_name(self, steps: int) -> str:
         return "checkpoint_0"  # save_state's first automatic name
@@ -132,13 +169,21 @@ class Accelerate(CheckpointLayout):
         return Carrying(path, files=files, entries=self.read(root).entries)
 
     def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
-        """A rank file (``rank_local``), or this rank's pieces of the folder's two DCP directories (``dcp``)."""
+        """A rank file (``rank_local``); the two full files, on rank 0 (``fsdp_full``: FULL_STATE_DICT); or this rank's pieces of the
+        folder's two DCP directories (``dcp``: SHARDED_STATE_DICT)."""
         from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
-        from osdpipe.formats.base import RankFiles
+        from osdpipe.formats.base import RankFiles, write_torch_file
+        from osdpipe.weights import model_state_dict
 
         if fmt.keyed_by_id:  # each rank's own file
             return output.write_rank_file(parts, staging, rank, tree)
         root = staging / DCP_DIR
+        if fmt.one_writer:  # as save_state writes FULL_STATE_DICT on rank 0: the unwrapped model's state dict, FSDP's full optimizer state
+            if not fmt.writes(rank):
+                return RankFiles()
+            root.mkdir(parents=True, exist_ok=True)
+            written = [write_torch_file(model_state_dict(parts.weights, parts.buffers, tree), root / FULL_MODEL), write_torch_file(parts.optimizer, root / FULL_OPTIMIZER)]
+            return RankFiles({f"{DCP_DIR}/{k}": v for w in written for k, v in w.files.items()}, {f"{DCP_DIR}/{k}": v for w in written for k, v in w.tensors.items()})
 
         def model_of(r: int, local: bool) -> dict[str, Any]:
             return {"model": output.model_pieces(parts if local and r == rank else None, tree, world_size, r)}
@@ -162,6 +207,8 @@ class Accelerate(CheckpointLayout):
         if fmt.keyed_by_id:  # each rank's own file
             return output.copy_files(carrying, staging)
         root = staging / DCP_DIR
+        if fmt.one_writer:  # the two full files are written; the carried ones go beside them
+            return output.copy_files(carrying, staging, DCP_DIR)
         done = {}
         for index, name in enumerate((MODEL_DIR, OPTIMIZER_DIR)):
             done.update({f"{DCP_DIR}/{k}": v for k, v in output.finish_dcp(root, name, shared, [r.results[index] for r in per_rank]).items()})
@@ -176,10 +223,22 @@ class Accelerate(CheckpointLayout):
         """
         if fmt.keyed_by_id:  # each rank's own file
             return super().load_output(model, optim, directory, rank, fmt)
+        import torch
         import torch.distributed.checkpoint as dcp  # DCP: only a live job loads
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         root = directory / DCP_DIR
+        if fmt.one_writer:  # FULL_STATE_DICT: every rank reads the two files whole, as PyTorch's full load takes them
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, torch.load(root / FULL_MODEL, weights_only=True), options=full)
+            set_optimizer_state_dict(model, optim, torch.load(root / FULL_OPTIMIZER, weights_only=True), options=full)
+            return
         state = {"model": dict(get_model_state_dict(model))}
         dcp.load(state, checkpoint_id=str(root / MODEL_DIR))
         set_model_state_dict(model, state["model"])
@@ -197,6 +256,8 @@ class Accelerate(CheckpointLayout):
             problems = output.rank_file_differences(directory, parts, rank, tree)
             return problems + (output.file_differences(directory, parts.carrying) if rank == 0 else [])
         root = directory / DCP_DIR
+        if fmt.one_writer:  # the two full files, on rank 0 (the only rank that holds anything)
+            return output.full_file_differences(root, {FULL_MODEL: model_state_dict(parts.weights, parts.buffers, tree), FULL_OPTIMIZER: parts.optimizer}) + output.file_differences(root, parts.carrying)
         if "model" not in opened:  # opened (metadata read, structure checked) once for every rank
             opened["model"] = DcpCheckpoint(str(root / MODEL_DIR), None)
             opened["optimizer"] = reader = DcpReader(str(root / OPTIMIZER_DIR), "optimizer")

@@ -167,6 +167,10 @@ class CheckpointLayout:
             )
         return None
 
+    def output_format_of(self, input_format: str) -> str | None:
+        """The ``output.format`` a conversion of an input in ``input_format`` writes unless told (``None``: the config's)."""
+        return None
+
     def generated_name(self, steps: int) -> str:
         """What a generated source of this layout, trained ``steps`` steps, is called under ``source/``: the framework's own name for the folder."""
         return "checkpoint"
@@ -179,9 +183,10 @@ class CheckpointLayout:
         """Save the whole job as the framework does, on every rank of the source world (collective): what osdpipe converts with no ``input.path``."""
         raise NotImplementedError
 
-    def advice(self, path: str, target_dp: int) -> list[str]:
-        """What the framework will do, on a target of ``target_dp`` data-parallel ranks, with entries of the checkpoint at ``path`` that
-        describe the world that saved it, and what to pass it: said in the run's output and in ``report.json``'s warnings."""
+    def advice(self, path: str, target: dict[str, Any], output_format: str) -> list[str]:
+        """What the framework will do on the target (``target``: the config's ``target`` section) with the output of the checkpoint at
+        ``path`` in ``output_format``, where it differs from what a user expects, and what to do: said in the run's output and in
+        ``report.json``'s warnings (entries that describe the world that saved it, state its own load path drops)."""
         return []
 
     def model_overrides(self, path: Path) -> list[str]:

@@ -130,11 +130,20 @@ def write_rank_file(parts: RankParts, staging: Path, rank: int, tree: ModuleTree
 
 def rank_file_differences(directory: Path, parts: RankParts, rank: int, tree: ModuleTree) -> list[str]:
     """Where rank ``rank``'s file under ``directory`` differs from what it should hold, bitwise."""
-    path = directory / rank_file_name(rank)
-    if not path.is_file():
-        return [f"{path} is missing"]
-    got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, rank_file_content(parts, tree), limit=3)]
+    return full_file_differences(directory, {rank_file_name(rank): rank_file_content(parts, tree)})
+
+
+def full_file_differences(directory: Path, wanted: dict[str, Any]) -> list[str]:
+    """Where each file under ``directory`` differs from what it should hold (``wanted``: file name -> content), bitwise."""
+    problems = []
+    for name, content in wanted.items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+            continue
+        got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        problems += [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, content, limit=3)]
+    return problems
 
 
 def model_digests(pieces: dict[str, Any], where: str, known: dict[int, str] | None = None) -> dict[str, str]:

@@ -64,9 +64,10 @@ class Torchtitan(CheckpointLayout):
         model_only = STEP_FOLDER.fullmatch(path.name) is not None and all(i.tensor and len(i.path) == 1 for i in items)
         return flat_optimizer or bool(tops & set(OWN)) or model_only
 
-    def advice(self, path: str, target_dp: int) -> list[str]:
+    def advice(self, path: str, target: dict[str, Any], output_format: str) -> list[str]:
         """torchtitan keeps its data loader's position per data-parallel rank and loads it only on the same dp degree (torchtitan 0.3:
         a larger degree misses a key, a smaller one fails its assertion); on another, ``--checkpoint.exclude-from-loading dataloader`` loads the rest."""
+        target_dp = (target.get("world_size") or 1) // (target.get("tp_size") or 1)
         source_dp = sum(1 for e in self.read(Path(path)).entries if e.name.startswith("dataloader.dp_rank_"))
         if source_dp in (0, target_dp):
             return []
