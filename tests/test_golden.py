@@ -22,7 +22,9 @@ the generated sources (``torch.save``'s) and every DCP file did not; and
 later for issue 20, osdpipe writes a ``dcp`` output's rank files itself
 (the same items at the offsets ``.metadata`` records, each tensor archive
 written by :mod:`osdpipe.torchfile`), so ``dcp_3``'s ``.distcp`` files and
-``.metadata`` changed, and nothing else.
+``.metadata`` changed, and nothing else; for issue 30, every manifest's
+config gained ``output.model_keys``, and a checkpoint's ``lr`` is no longer
+copied into ``optim.lr`` (each ``content_sha256``; no data file changed).
 """
 
 from __future__ import annotations
