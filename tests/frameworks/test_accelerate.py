@@ -77,17 +77,26 @@ def test_fsdp1_sharded_is_told_of_load_states_trap_and_its_full_output_loads(tmp
     assert accel.compare(want, _resumed(tmp_path, full, 1, "FULL_STATE_DICT", True)) == []
 
 
-def test_the_trainers_final_checkpoint_resumes_at_its_step_on_another_world(tmp_path) -> None:
-    """The HF Trainer (FSDP2, its default FULL_STATE_DICT) saves checkpoint-3 at the end of its linear schedule (lr 0.0, a fact
-    osdpipe takes as it is) on 2 ranks; converted to 4, ``resume_from_checkpoint`` resumes there at step 3 with the optimizer's
-    state loaded, and trains on. What the resumed job holds right after its load, gathered, is what the saving job held."""
-    spec = {"version": 2, "state_dict_type": None, "resume": None, "tied": True}
+#: The Trainer's FSDP versions: its default state-dict type for FSDP2 (FULL), and FSDP1 set to FULL (SHARDED falls in load_state's trap above).
+TRAINER_SETUPS = {
+    "fsdp2": ({"version": 2, "state_dict_type": None}, ["target.kind=fsdp2"]),
+    "fsdp1-full": ({"version": 1, "state_dict_type": "FULL_STATE_DICT"}, ["target.kind=fsdp1", "target.use_orig_params=true"]),
+}
+
+
+@pytest.mark.parametrize("setup", list(TRAINER_SETUPS))
+def test_the_trainers_final_checkpoint_resumes_at_its_step_on_another_world(tmp_path, setup) -> None:
+    """The HF Trainer saves checkpoint-3 at the end of its linear schedule (lr 0.0, a fact osdpipe takes as it is) on 2 ranks;
+    converted to 4, ``resume_from_checkpoint`` resumes there at step 3 with the optimizer's state loaded, and trains on. What
+    the resumed job holds right after its load, gathered, is what the saving job held."""
+    fsdp, target = TRAINER_SETUPS[setup]
+    spec = {**fsdp, "resume": None, "tied": True}
     accel.trainer(tmp_path, 2, {**spec, "out": str(tmp_path / "run"), "max_steps": 3, "dump": str(tmp_path / "saved.pt")}, label="train")
     checkpoint = tmp_path / "run" / "checkpoint-3"
     assert [g["lr"] for g in torch.load(checkpoint / "optimizer.bin", weights_only=True)["param_groups"]] == [0.0, 0.0]
     done = run_command(
         [sys.executable, "-m", "osdpipe", "checkpoint=accelerate", "model.factory=frameworks.accel_trainer_job:build_llama", "+model.kwargs.tied=true",
-         f"input.path={checkpoint}", "target.kind=fsdp2", "target.world_size=4", f"output.path={tmp_path / 'out'}"],
+         f"input.path={checkpoint}", *target, "target.world_size=4", f"output.path={tmp_path / 'out'}"],
         cwd=tmp_path, timeout=400, env=user_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -31,12 +31,12 @@ NEW_DP_DEGREE = ["--checkpoint.exclude-from-loading", "dataloader"]
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """torchtitan on 2 ranks, 2 steps, a full checkpoint in folder A; and the state torchtitan loads from it on 2 ranks."""
+    """torchtitan on 4 ranks, 2 steps, a full checkpoint in folder A; and the state torchtitan loads from it on 4 ranks."""
     work = tmp_path_factory.mktemp("titan")
     assets = titan.make_assets(work / "assets")
     folder = work / "A"
-    titan.train(work, 2, 2, folder=folder, assets=assets)
-    loaded = titan.resume_and_dump(work, 2, folder, assets=assets, name="source")
+    titan.train(work, 4, 2, folder=folder, assets=assets)
+    loaded = titan.resume_and_dump(work, 4, folder, assets=assets, name="source")
     return work, assets, folder, loaded
 
 
@@ -59,20 +59,21 @@ def _convert_as_inspect_says(work: Path, name: str, folder: Path, world_size: in
     return out
 
 
-def test_default_llama3_converts_2_to_4_and_back_to_2_and_torchtitan_resumes_each_at_its_step(source) -> None:
+def test_default_llama3_converts_4_to_2_and_back_to_4_and_torchtitan_resumes_each_at_its_step(source) -> None:
     work, assets, folder, want = source
-    four = _convert_as_inspect_says(work, "four", folder, 4)
-    assert sorted(p.name for p in four.iterdir() if p.is_dir()) == ["step-2"]  # where torchtitan's --checkpoint.folder resumes
-    got = titan.resume_and_dump(work, 4, four, assets=assets, extra=NEW_DP_DEGREE, name="four")
+    two = _convert_as_inspect_says(work, "two", folder, 2)
+    assert sorted(p.name for p in two.iterdir() if p.is_dir()) == ["step-2"]  # where torchtitan's --checkpoint.folder resumes
+    got = titan.resume_and_dump(work, 2, two, assets=assets, extra=NEW_DP_DEGREE, name="two")
     assert got["step"] == 2 and titan.compare_dumps(want, got) == []
     assert math.isfinite(got["loss_after"])
 
-    two = _convert(work, "two", f"input.path={four / 'step-2'}", "target.world_size=2")
-    got = titan.resume_and_dump(work, 2, two, assets=assets, name="two")  # the source's dp degree: its data loader loads too
+    four = _convert(work, "four", f"input.path={two / 'step-2'}", "target.world_size=4")
+    got = titan.resume_and_dump(work, 4, four, assets=assets, name="four")  # the source's dp degree: its data loader loads too
     assert titan.compare_dumps(want, got, parts=("step", "model", "optim", "lr_scheduler", "loss_after")) == []
 
 
 def test_offline_to_8_ranks_resumes_on_2(source) -> None:
+    """One process writes all 8 ranks' files; torchtitan on 2 ranks (another dp degree) loads them."""
     work, assets, folder, want = source
     eight = _convert(work, "eight", f"input.path={folder}", "target.world_size=8", "runtime.mode=offline")
     assert len(list((eight / "step-2").glob("*.distcp"))) == 8
