@@ -42,8 +42,10 @@ def test_memory_watch_sees_a_peak_that_is_gone_and_stops_its_thread() -> None:
     from osdpipe.memory import MemoryWatch
 
     watch = MemoryWatch("this process").start()
-    held = torch.ones(25_000_000)  # 100 MB of anonymous memory, held for a while, then freed
-    time.sleep(0.1)
+    held = torch.ones(25_000_000)  # 100 MB of anonymous memory, held until the watch has sampled it (a loaded machine may be slow to), then freed
+    deadline = time.monotonic() + 10
+    while (watch.peak or 0) - (watch.baseline or 0) < 90e6 and time.monotonic() < deadline:
+        time.sleep(0.05)
     del held
     peak = watch.stop()
     assert peak.peak_anonymous - peak.baseline_anonymous > 90e6, peak
