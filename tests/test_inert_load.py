@@ -1,0 +1,101 @@
+"""A framework's pickled objects come out inert; a pickle that would run code is refused and runs nothing (issue 31)."""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from osdpipe.formats import InputError
+from osdpipe.formats.inert_load import Record, load_inert
+
+
+def _fake_framework(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A framework's module (a top-level one: pickle imports it to save), with classes pickled as DeepSpeed pickles its own: an enum, a plain
+    object, a namedtuple-like one."""
+    module = types.ModuleType("fakespeed")
+
+    class Stage(enum.IntEnum):
+        gradients = 2
+
+    class LossScaler:
+        def __init__(self) -> None:
+            self.cur_scale, self.dynamic = 1.0, False
+
+    class Address:
+        def __init__(self, numel: int, start: int) -> None:
+            self.numel, self.start = numel, start
+
+        def __reduce__(self):  # how a namedtuple-like object pickles: its class called with its fields
+            return (type(self), (self.numel, self.start))
+
+    for cls in (Stage, LossScaler, Address):
+        cls.__module__, cls.__qualname__ = module.__name__, cls.__name__
+        setattr(module, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def test_a_frameworks_objects_come_out_as_records_and_its_tensors_as_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = _fake_framework(monkeypatch)
+    flat = torch.arange(10, dtype=torch.float32)
+    tagged = torch.nn.Parameter(torch.ones(3))
+    tagged.ds_id = 7  # ZeRO-3 pickles its partitions with attributes of their own
+    partition = torch.full((4,), 2.0)
+    partition.ds_id = 8  # a plain tensor with an attribute pickles through torch._tensor._rebuild_from_type_v2
+    path = tmp_path / "optim_states.pt"
+    torch.save({"zero_stage": ds.Stage.gradients, "loss_scaler": ds.LossScaler(), "address": ds.Address(5, 2), "flat": [flat], "tagged": tagged, "partition": partition,
+                "shapes": {"w": torch.Size([2, 5])}, "step": torch.tensor(3.0)}, path)
+    monkeypatch.delitem(sys.modules, ds.__name__)  # as where DeepSpeed is not installed
+
+    got = load_inert(path, ("fakespeed",), what="a DeepSpeed optimizer file")
+    assert isinstance(got["zero_stage"], Record) and (got["zero_stage"].module, got["zero_stage"].name, got["zero_stage"].value) == ("fakespeed", "Stage", 2)
+    assert isinstance(got["loss_scaler"], Record) and got["loss_scaler"].state == {"cur_scale": 1.0, "dynamic": False}
+    assert got["address"].args == (5, 2)
+    assert torch.equal(got["flat"][0], flat) and got["shapes"]["w"] == torch.Size([2, 5]) and got["step"].item() == 3.0
+    assert torch.equal(got["tagged"], tagged.detach()) and got["tagged"].ds_id == 7
+    assert type(got["partition"]) is torch.Tensor and torch.equal(got["partition"], partition) and got["partition"].ds_id == 8
+    assert ds.__name__ not in sys.modules, "reading a record never imports its module"
+
+
+class _RunsCode:
+    """What a hostile pickle holds: an object whose unpickling calls a function of the file's choosing."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.target}",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    planted = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    ran = tmp_path / "it-ran"
+    torch.save({"optimizer_state_dict": {"loss_scaler": _RunsCode(ran)}, "flat": torch.ones(4)}, planted)
+    with pytest.raises(InputError) as refused:
+        load_inert(planted, ("deepspeed",), what="a DeepSpeed optimizer file")
+    message = str(refused.value)
+    assert str(planted) in message and "posix.system" in message and "refusing to load it" in message and "\n" not in message
+    assert not ran.exists(), "the planted command ran"
+
+
+def test_a_class_of_a_package_not_described_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = _fake_framework(monkeypatch)
+    path = tmp_path / "f.pt"
+    torch.save({"scaler": ds.LossScaler()}, path)
+    with pytest.raises(InputError, match="fakespeed.LossScaler, which a torchtitan file never holds"):
+        load_inert(path, ("torchtitan",), what="a torchtitan file")
+
+
+def test_a_damaged_file_is_named_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "cut.pt"
+    torch.save({"flat": torch.ones(1000)}, path)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(InputError) as refused:
+        load_inert(path, ("deepspeed",), what="a DeepSpeed optimizer file")
+    assert str(path) in str(refused.value) and "damaged" in str(refused.value)
