@@ -250,7 +250,7 @@ class InputConfig(_Frozen):
     """
 
     path: str | None = None
-    format: Literal["fsdp_full", "dcp", "plain", "rank_local"] = "fsdp_full"
+    format: Literal["fsdp_full", "dcp", "plain", "rank_local", "deepspeed"] = "fsdp_full"
     key: str = "optim"
     param_groups: list[list[str]] | None = None
     allow_nonfinite: bool = False  # convert NaN/Inf in the source as they are (with a warning) instead of failing

@@ -36,6 +36,7 @@ from osdpipe.formats.base import (
     release_mapped,
 )
 from osdpipe.formats.dcp import Dcp
+from osdpipe.formats.deepspeed import DeepSpeed
 from osdpipe.formats.fsdp_full import FsdpFull
 from osdpipe.formats.meta import canonical_meta
 from osdpipe.formats.plain import Plain
@@ -52,7 +53,7 @@ __all__ = [
 
 
 #: Every format, by name: the only place that lists them.
-FORMATS: dict[str, Format] = {f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal())}
+FORMATS: dict[str, Format] = {f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal(), DeepSpeed())}
 
 
 def get(name: str) -> Format:

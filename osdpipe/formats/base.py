@@ -214,6 +214,8 @@ class Format:
         """What target rank ``rank`` loads, under an output directory."""
         raise NotImplementedError
 
+    #: Whether osdpipe writes this format (``False``: an input only, DeepSpeed's, whose jobs continue as another layout).
+    written: ClassVar[bool] = True
     #: A hybrid-sharded job's checkpoint holds each replica group's copy of the state (``rank_local``: a file per rank).
     holds_replicas: ClassVar[bool] = False
     #: The target job reads it with ``dcp.load``, which places each rank's piece by PyTorch's own offset helper
