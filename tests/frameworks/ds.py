@@ -23,6 +23,7 @@ A dump is ``{"fp32": {fqn: full fp32 master weight}, "lp": {fqn: full weight
 the model computes with}, "state": {fqn: {"exp_avg", "exp_avg_sq", "step"}},
 "param_groups": [{hyperparameters..., "params": [fqn, ...]}], "module":
 engine.module_state_dict(), "lr_scheduler": its state_dict, "global_steps": N,
+"initial": {fqn: fp32 weight before deepspeed.initialize},
 "sources": {what: where it came from}, "missing_moments": [...], "info": {...}}``
 with FQNs as ``model.named_parameters()`` of the unwrapped model names them.
 """
@@ -153,8 +154,10 @@ def universal(folder: Path, *, workdir: Path | None = None, timeout: float = 300
 
     Writes ``<folder>.universal/<tag>`` (and ``<folder>.universal/latest_universal``)
     with one worker for extraction and one for merging; returns
-    ``<folder>.universal/<tag>``, whose ``zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt``
-    each hold ``{"param": tensor, ...}``.
+    ``<folder>.universal/<tag>``.  Its ``zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt``
+    hold, for stage 1/2, ``{"cat_dim": 0, "param": tensor shaped like the parameter}``
+    (and a ``step.pt`` with a 0-dim tensor); for stage 3, a bare flat tensor of the
+    parameter's numel (and no ``step.pt``).
     """
     folder = Path(folder).resolve()
     tag = latest_tag(folder)
@@ -206,7 +209,7 @@ def fill_moments_from_universal(truth: dict[str, Any], universal_folder: Path) -
     for fqn, fp32 in truth["fp32"].items():
         for key in keys:
             saved = torch.load(zero / fqn / f"{key}.pt", weights_only=False)
-            tensor = saved["param"] if isinstance(saved, dict) else saved
+            tensor = saved["param"] if isinstance(saved, dict) else saved  # stage 1/2: dict; stage 3: bare tensor
             if tensor.numel() != fp32.numel():
                 raise RuntimeError(f"universal {key} of {fqn} has {tensor.numel()} elements, the parameter {fp32.numel()}")
             truth["state"][fqn][key] = tensor.reshape(fp32.shape).clone()

@@ -115,9 +115,11 @@ def ds_config(spec: dict[str, Any]) -> dict[str, Any]:
             "type": "AdamW",
             "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": DECAY, "torch_adam": True},
         },
+        # WarmupLR sets warmup_min_lr at construction and after the first step (iteration 0),
+        # so the first two steps run at warmup_min_lr: with 0 there the weights would not move.
         "scheduler": {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 5, "warmup_type": "linear"},
+            "params": {"warmup_min_lr": LR / 5, "warmup_max_lr": LR, "warmup_num_steps": 5, "warmup_type": "linear"},
         },
         "zero_optimization": {"stage": int(spec["stage"])},
         "bf16": {"enabled": dtype == "bf16"},
@@ -174,9 +176,10 @@ def truth(engine: Any, names: list[list[str]], stage: int, rank: int) -> dict[st
     holds linked fragments (see :func:`_moments_linked`), else left out and
     named in ``missing_moments`` for ``ds.fill_moments_from_universal``;
     ``moments_relinked_api`` (a cross-check, stage 1/2 only) from the same API
-    after DeepSpeed's linking is redone; ``step`` from the base torch optimizer's own state (the API returns only
-    tensors shaped like the flat partition); ``module`` is what
-    ``engine.module_state_dict()`` returns, which ``save_checkpoint`` stores.
+    after DeepSpeed's linking is redone; ``step`` from the base torch
+    optimizer's own state (the API returns only tensors shaped like the flat
+    partition); ``module`` is what ``engine.module_state_dict()`` returns,
+    which ``save_checkpoint`` stores.
     """
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -256,6 +259,7 @@ def main() -> None:
     torch.manual_seed(SEED)  # the same initial weights on every rank
     model = DsLM(bool(spec["tied"]), spec.get("vocab", VOCAB), spec.get("dim", DIM), spec.get("hidden", HIDDEN))
     groups, names = param_groups(model)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(spec))
 
     losses = []
@@ -272,6 +276,7 @@ def main() -> None:
     engine.save_checkpoint(spec["out"])
     dump = truth(engine, names, int(spec["stage"]), rank)
     if rank == 0:
+        dump["initial"] = initial  # fp32 weights before deepspeed.initialize, to show that training moved them
         dump["info"] = {
             "world": world,
             "spec": spec,

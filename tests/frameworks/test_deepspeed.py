@@ -9,8 +9,9 @@ found by itself) and writes it for an FSDP2 job on 3 ranks; its own checks load
 the output into that job with PyTorch's ``set_optimizer_state_dict`` and step
 it. The output, gathered whole, holds DeepSpeed's moments and step bit for bit,
 each under the parameter's name, in DeepSpeed's param groups (the truth is
-DeepSpeed's API, or its ``ds_to_universal`` where the API misses the last
-rank's moments of stage 1/2: see :mod:`frameworks.ds`).
+DeepSpeed's API, or its ``ds_to_universal`` where the API has no moments:
+in stage 1/2 DeepSpeed links them after the first group's first step, so the
+second group's are never linked; see :mod:`frameworks.ds_job`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def test_a_zero_save_converts_for_an_fsdp2_job_with_deepspeeds_state_bit_for_bit
     groups = [(sorted(g["params"]), g["weight_decay"], g["lr"]) for g in got["param_groups"]]
     assert groups == [(sorted(g["params"]), g["weight_decay"], g["lr"]) for g in truth["param_groups"]]
 
-    # the fp32 master weights, read from the same files, are DeepSpeed's own (the model a conversion will carry)
+    # the fp32 master weights, read from the same files, are DeepSpeed's own (the model a conversion will carry); training moved
+    # every one, so in bf16 they are not the bf16 weights the model-states file holds
+    assert all(not torch.equal(truth["fp32"][fqn], truth["initial"][fqn].float()) for fqn in truth["fp32"])
     reader = ZeroReader(str(folder))
     masters = reader.read([(fqn, "fp32") for fqn in truth["fp32"]])
     assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(masters[(fqn, "fp32")]), _bits(want))] == []

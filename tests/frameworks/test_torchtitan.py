@@ -96,13 +96,13 @@ def test_a_model_only_last_save_converts_to_a_model_only_step_that_torchtitan_in
 
 
 def test_the_safetensors_export_is_what_torchtitans_own_hf_export_writes(source) -> None:
-    """torchtitan's HF export of the same training (``--checkpoint.last-save-in-hf``: Hugging Face's names, q/k permuted for its
+    """torchtitan's HF export of the same training (4 ranks, as the source; ``--checkpoint.last-save-in-hf``: Hugging Face's names, q/k permuted for its
     RoPE, the tied head left out) and osdpipe's export of the step folder hold the same tensors, bit for bit."""
     from safetensors.torch import load_file
 
     work, _, folder, _ = source
     hf = work / "hf"
-    titan.train(work, 2, 2, folder=hf, assets=work / "assets", extra=["--checkpoint.last-save-model-only", "--checkpoint.last-save-in-hf"])
+    titan.train(work, 4, 2, folder=hf, assets=work / "assets", extra=["--checkpoint.last-save-model-only", "--checkpoint.last-save-in-hf"])
     theirs: dict = {}
     for file in (hf / "step-2").glob("*.safetensors"):
         theirs.update(load_file(file))
