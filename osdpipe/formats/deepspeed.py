@@ -21,8 +21,9 @@ memory-mapped flat partitions, so a target rank reads only what it holds.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +47,6 @@ _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_
 #: The packages whose pickled objects come out as records (:class:`~osdpipe.formats.inert_load.Record`).
 DESCRIBED = ("deepspeed",)
 WHAT = "a DeepSpeed ZeRO checkpoint file"
-#: How ``ZeroStageEnum`` numbers the stages.
-_STAGES = {1: 1, 2: 2, 3: 3}
 #: State DeepSpeed's wrappers keep beside the optimizer's own, per group: not any parameter's.
 _FP32 = "fp32"
 
@@ -104,7 +103,7 @@ class ZeroSave:
         paddings: stage 1/2 with ``parameter_alignment``: the padding after each parameter of each flat group (else empty).
         shapes: each optimized parameter's shape.
         groups: each param group's hyperparameters (its ``params``: the flat groups it holds).
-        step: the global step the save names, if any.
+        files: each rank's optimizer file, by rank.
     """
 
     folder: Path
@@ -114,8 +113,7 @@ class ZeroSave:
     paddings: list[list[int]]
     shapes: dict[str, tuple[int, ...]]
     groups: list[dict[str, Any]]
-    step: int | None = None
-    files: list[Path] = field(default_factory=list)
+    files: list[Path]
 
     def group_fqns(self) -> list[list[str]]:
         """Each param group's parameters, by name, in flat order."""
@@ -135,7 +133,7 @@ def base_state(osd: dict[str, Any], where: Path) -> tuple[dict[str, Any], list[t
             f"{where} keeps its optimizer state per group as a list (ZeRO's elastic_checkpoint), which records no parameter's place; "
             "save with zero_optimization.elastic_checkpoint=false, or convert it with DeepSpeed's ds_to_universal first"
         )
-    stage = _STAGES.get(_value(inner.get("zero_stage")), 1)  # DeepSpeed's bf16 optimizer (stage 1) records none
+    stage = int(_value(inner.get("zero_stage")) or 1)  # ZeroStageEnum's value is the stage; DeepSpeed's bf16 optimizer (stage 1) records none
     return base, list(inner["single_partition_of_fp32_groups"]), stage
 
 
@@ -161,8 +159,7 @@ def read_save(path: str | Path) -> ZeroSave:
     if stage < 3:
         paddings = [list(p) for p in first["optimizer_state_dict"].get("param_alignment_paddings") or []]
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])} for g in base["param_groups"]]
-    step = model.get("global_steps")
-    return ZeroSave(folder, stage, len(files), flat_groups, paddings, shapes, groups, int(step) if isinstance(step, int) else None, files)
+    return ZeroSave(folder, stage, len(files), flat_groups, paddings, shapes, groups, files)
 
 
 class ZeroReader:
@@ -203,7 +200,7 @@ class ZeroReader:
         return SourceMeta(state=state, param_groups=groups)
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
-        return {(fqn, name): self.read_range(fqn, name, 0, _numel(self.save.shapes[fqn])).clone().view(self.save.shapes[fqn]) for fqn, name in items}
+        return {(fqn, name): self.read_range(fqn, name, 0, math.prod(self.save.shapes[fqn])).clone().view(self.save.shapes[fqn]) for fqn, name in items}
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
         parts = [self._flat(p.rank, p.group, name)[p.offset : p.offset + p.length] for p in pieces_in(self.pieces[fqn], start, stop)]
@@ -212,10 +209,6 @@ class ZeroReader:
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         for p in pieces_in(self.pieces[fqn], start, stop):
             drop_mapped_pages(self._flat(p.rank, p.group, name)[p.offset : p.offset + p.length])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return int(torch.Size(shape).numel())
 
 
 class DeepSpeed(Format):

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from osdpipe.formats.base import InputError
-from osdpipe.formats.safe_load import RECOPY, RefusedGlobal, check_torch_zip, first_line, torch_load_error
+from osdpipe.formats.safe_load import RECOPY, RefusedGlobal, checked_torch_file, torch_load_error
 
 
 class Record:
@@ -149,14 +149,7 @@ def load_inert(path: str | Path, described: tuple[str, ...], *, what: str) -> An
     Raises:
         InputError: one line naming the file: missing, damaged, or naming a global outside what is allowed.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{p} is missing; point input.path at the checkpoint")
-    try:
-        with open(p, "rb") as f:
-            check_torch_zip(f, p.stat().st_size, str(p))
-    except OSError as exc:
-        raise InputError(f"{p} cannot be read ({first_line(exc)}); check that this user can read it") from exc
+    p = checked_torch_file(path)
     try:
         return torch.load(p, map_location="cpu", mmap=True, weights_only=False, pickle_module=_pickle_module(described))
     except RefusedGlobal as exc:

@@ -254,12 +254,11 @@ def _alignment(archive: zipfile.ZipFile, name: str, where: str, fix: str) -> int
     return int(data) if data.isdigit() and int(data) > 0 else None
 
 
-def load_torch_file(path: str | Path) -> Any:
-    """``torch.load`` a file that nobody vouches for: structure checked first, memory-mapped, ``weights_only``.
+def checked_torch_file(path: str | Path) -> Path:
+    """``path``, once it is a readable file whose zip structure is a ``torch.save`` archive's (:func:`check_torch_zip`).
 
     Raises:
-        InputError: one line naming the file: missing, unreadable, damaged,
-            not a torch.save file, or holding objects that are not plain data.
+        InputError: one line naming the file: missing, not a file, unreadable or damaged.
     """
     p = Path(path)
     if not p.exists():
@@ -271,6 +270,17 @@ def load_torch_file(path: str | Path) -> Any:
             check_torch_zip(f, p.stat().st_size, str(p))
     except OSError as exc:
         raise InputError(f"{p} cannot be read ({first_line(exc)}); check that this user can read it") from exc
+    return p
+
+
+def load_torch_file(path: str | Path) -> Any:
+    """``torch.load`` a file that nobody vouches for: structure checked first, memory-mapped, ``weights_only``.
+
+    Raises:
+        InputError: one line naming the file: missing, unreadable, damaged,
+            not a torch.save file, or holding objects that are not plain data.
+    """
+    p = checked_torch_file(path)
     try:
         try:
             return torch.load(p, map_location="cpu", mmap=True, weights_only=True)

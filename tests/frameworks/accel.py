@@ -32,16 +32,13 @@ zero-gradient step).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from frameworks.launch import run_logged, torchrun, worker_env
 
 HERE = Path(__file__).resolve().parent
 ENTRY = HERE / "accel_job.py"
@@ -60,23 +57,9 @@ def dump_path(folder: Path) -> Path:
 
 
 def _env() -> dict[str, str]:
-    """One thread per rank (CI has 2 cores), quiet warnings, tracebacks on crashes."""
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONFAULTHANDLER="1",
-        TOKENIZERS_PARALLELISM="false",
-        ACCELERATE_LOG_LEVEL="warning",
-    )
-    # accelerate reads its plugin from these when set; the worker passes its own.
-    for key in list(env):
-        if key.startswith(("ACCELERATE_USE_", "FSDP_")):
-            del env[key]
-    tests = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH", "")) if p)
-    return env
+    """:func:`frameworks.launch.worker_env`, without the variables accelerate would read its plugin from (the worker passes its own)."""
+    env = worker_env(TOKENIZERS_PARALLELISM="false", ACCELERATE_LOG_LEVEL="warning")
+    return {k: v for k, v in env.items() if not k.startswith(("ACCELERATE_USE_", "FSDP_"))}
 
 
 def trainer(workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, timeout: float = 240) -> dict[str, Any]:
@@ -88,38 +71,9 @@ def trainer(workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, time
 
 
 def _torchrun(workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, timeout: float, entry: Path = ENTRY) -> None:
-    """Launch one job and wait; raise with the log's tail if it fails or hangs.
-
-    The job runs in its own session so a hang can be killed as a process
-    group (torchrun and every rank), never by name.
-    """
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / f"{label}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(entry),
-        json.dumps(spec),
-    ]
-    start = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    elapsed = time.monotonic() - start
+    """Launch one job and wait; raise with the log's tail if it fails or hangs (:func:`frameworks.launch.run_logged`)."""
+    elapsed = run_logged(torchrun(nproc, entry, spec), workdir, label=label, timeout=timeout, what=f"accelerate job ({nproc} ranks)", env=_env())
     TIMINGS.append((label, elapsed))
-    if rc != 0:
-        tail = log.read_text(errors="replace")[-6000:]
-        why = f"timed out after {timeout}s" if rc is None else f"exit code {rc}"
-        raise RuntimeError(f"accelerate job {label} ({nproc} ranks) failed: {why}; log {log}:\n{tail}")
 
 
 def _spec(

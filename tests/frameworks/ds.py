@@ -30,16 +30,14 @@ with FQNs as ``model.named_parameters()`` of the unwrapped model names them.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from frameworks.launch import run_logged, torchrun, worker_env
 
 HERE = Path(__file__).resolve().parent
 ENTRY = HERE / "ds_job.py"
@@ -67,57 +65,13 @@ def latest_tag(folder: Path) -> str:
     return (Path(folder) / "latest").read_text().strip()
 
 
-def _env() -> dict[str, str]:
-    """DeepSpeed's CPU accelerator, one thread per rank (CI has 2 cores), quiet warnings, tracebacks on crashes."""
-    env = dict(os.environ)
-    env.update(
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONFAULTHANDLER="1",
-    )
-    tests = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def _run(cmd: list[str], workdir: Path, *, label: str, timeout: float, what: str) -> None:
-    """Run one command with its output in ``workdir/<label>.log``; raise with the log's tail if it fails or hangs.
-
-    The command runs in its own session so a hang can be killed as a process
-    group (torchrun and every rank), never by name.
-    """
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / f"{label}.log"
-    start = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    TIMINGS.append((label, time.monotonic() - start))
-    if rc != 0:
-        tail = log.read_text(errors="replace")[-6000:]
-        why = f"timed out after {timeout}s" if rc is None else f"exit code {rc}"
-        raise RuntimeError(f"{what} {label} failed: {why}; log {log}:\n{tail}")
+    """Run one command with DeepSpeed's CPU accelerator (:func:`frameworks.launch.run_logged`); raise with the log's tail if it fails."""
+    TIMINGS.append((label, run_logged(cmd, workdir, label=label, timeout=timeout, what=what, env=worker_env(DS_ACCELERATOR="cpu"))))
 
 
 def _torchrun(workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, timeout: float) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(ENTRY),
-        json.dumps(spec),
-    ]
-    _run(cmd, workdir, label=label, timeout=timeout, what=f"DeepSpeed job ({nproc} ranks)")
+    _run(torchrun(nproc, ENTRY, spec), workdir, label=label, timeout=timeout, what=f"DeepSpeed job ({nproc} ranks)")
 
 
 def save(workdir: Path, nproc: int, spec: dict[str, Any], *, timeout: float = 300) -> Path:
