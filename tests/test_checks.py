@@ -36,17 +36,22 @@ def test_a_sum_that_overflows_is_not_taken_for_a_nonfinite_element() -> None:
 
 
 def test_memory_watch_sees_a_peak_that_is_gone_and_stops_its_thread() -> None:
+    import mmap
     import threading
     import time
 
     from osdpipe.memory import MemoryWatch
 
     watch = MemoryWatch("this process").start()
-    held = torch.ones(25_000_000)  # 100 MB of anonymous memory, held until the watch has sampled it (a loaded machine may be slow to), then freed
-    deadline = time.monotonic() + 10
+    # 100 MB of fresh anonymous pages, each touched: a tensor could reuse memory
+    # the allocator already holds (it did, late in a full run) and never raise RssAnon.
+    held = mmap.mmap(-1, 100_000_000, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for offset in range(0, len(held), mmap.PAGESIZE):
+        held[offset] = 1
+    deadline = time.monotonic() + 10  # held until the watch has sampled it (a loaded machine may be slow to)
     while (watch.peak or 0) - (watch.baseline or 0) < 90e6 and time.monotonic() < deadline:
         time.sleep(0.05)
-    del held
+    held.close()
     peak = watch.stop()
     assert peak.peak_anonymous - peak.baseline_anonymous > 90e6, peak
     assert peak.peak_rss >= peak.peak_anonymous
