@@ -299,13 +299,16 @@ class CheckpointConfig(_Frozen):
     """What the input is (:mod:`osdpipe.checkpoints`): the optimizer's state alone, or a whole training checkpoint as a framework lays it out.
 
     ``optimizer``: ``input.path`` is an optimizer checkpoint (``input.format``,
-    ``input.key``). ``torchtitan``, ``accelerate``: ``input.path`` is the
-    framework's checkpoint folder; its model weights convert with the
-    optimizer, everything else in it is carried over unchanged, and the
-    output is laid out as the framework lays it out.
+    ``input.key``). ``torchtitan``, ``accelerate``, ``pytorch`` (a DCP
+    directory of ``{"model", "optim"}``, PyTorch's own state dicts):
+    ``input.path`` is the framework's checkpoint folder; its model weights
+    convert with the optimizer, everything else in it is carried over
+    unchanged, and the output is laid out as the framework lays it out.
+    ``deepspeed``: a ZeRO save folder, whose fp32 master weights are the
+    model's; it is written in PyTorch's layout (osdpipe does not write DeepSpeed's).
     """
 
-    layout: Literal["optimizer", "torchtitan", "accelerate"] = "optimizer"
+    layout: Literal["optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed"] = "optimizer"
 
 
 class GenerateConfig(_Frozen):
@@ -490,7 +493,7 @@ class RunSpec(_Frozen):
         if self.output.model_format is not None and not layout.whole:
             raise ValueError(
                 f"output.model_format={self.output.model_format} exports a whole checkpoint's model; this input is an optimizer's alone "
-                "(checkpoint=optimizer): set checkpoint=torchtitan or accelerate for a checkpoint that holds the model"
+                "(checkpoint=optimizer): set checkpoint=torchtitan, accelerate, pytorch or deepspeed for a checkpoint that holds the model"
             )
         if self.input.path is None and self.source.state_dict_type not in source.state_dict_types:
             raise ValueError(

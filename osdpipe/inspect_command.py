@@ -147,6 +147,9 @@ def describe_whole(w: WholeCheckpoint) -> str:
     for e in w.part("other"):
         whose = f"  (source rank {e.source_rank}'s: it describes the world that saved it)" if e.source_rank is not None else ""
         lines.append(f"  entry        {e.name}: {show_size(e.size)} in {e.where}{whose}")
+    left_out = [e.name for e in w.part("framework")]
+    if left_out:
+        lines.append(f"  left out     {', '.join(left_out)}: they describe how the framework laid out its own files")
     lines += [f"  note         {n}" for n in w.notes]
     return "\n".join(lines)
 

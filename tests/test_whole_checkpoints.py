@@ -302,7 +302,7 @@ def test_the_safetensors_export_is_the_full_model_sharded_by_max_shard_size(conv
 REFUSED = {
     "full output": (["checkpoint=torchtitan", "source.kind=fsdp2", "output.format=fsdp_full"], ["checkpoint=torchtitan", "output.format=dcp or rank_local"]),
     "fsdp1 rank files": (["checkpoint=accelerate", "source.kind=fsdp1", "target.kind=fsdp1"], ["output.format=rank_local", "set output.format=dcp"]),
-    "export of an optimizer": (["output.model_format=safetensors"], ["output.model_format=safetensors", "checkpoint=torchtitan or accelerate"]),
+    "export of an optimizer": (["output.model_format=safetensors"], ["output.model_format=safetensors", "checkpoint=torchtitan, accelerate, pytorch or deepspeed"]),
     "torchtitan trains FSDP2": (["checkpoint=torchtitan", "source.kind=fsdp1", "output.format=dcp"], ["checkpoint=torchtitan", "source.kind=fsdp2"]),
 }
 

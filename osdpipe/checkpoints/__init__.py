@@ -1,10 +1,11 @@
-"""The registry of checkpoint layouts (:mod:`osdpipe.checkpoints.base`): the optimizer alone (the default), torchtitan's and accelerate's."""
+"""The registry of checkpoint layouts (:mod:`osdpipe.checkpoints.base`): the optimizer alone (the default), torchtitan's, accelerate's,
+PyTorch's own, and DeepSpeed's (read, written as PyTorch's)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from osdpipe.checkpoints import accelerate, optimizer, torchtitan  # noqa: F401 - each registers its layout
+from osdpipe.checkpoints import accelerate, deepspeed, optimizer, pytorch, torchtitan  # noqa: F401 - each registers its layout
 from osdpipe.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
 from osdpipe.registry import member
 

@@ -36,8 +36,9 @@ DCP_DIR = "dcp"
 #: What ``osdpipe inspect`` prints where only the user can name the model that saved a checkpoint.
 USER_FACTORY = "<package.module:function>"
 
-#: What an entry is to a conversion: model weights and optimizer state are converted; anything else is carried over.
-PARTS = ("model", "optimizer", "other")
+#: What an entry is to a conversion: model weights and optimizer state are converted; what describes how the saving framework
+#: laid out its own files (DeepSpeed's ``param_shapes``) is left out, as the output has another layout; anything else is carried over.
+PARTS = ("model", "optimizer", "framework", "other")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Entry:
 
     Attributes:
         name: as the framework names it (``lr_scheduler``, ``dataloader.dp_rank_3``, ``scheduler.bin``).
-        part: ``model``, ``optimizer`` or ``other``.
+        part: one of :data:`PARTS`.
         where: where it is stored, relative to the checkpoint: ``step-2/ (DCP)``, ``scheduler.bin``.
         size: its stored bytes.
         tensors: how many tensors it holds (0 for bytes and files).
@@ -267,7 +268,11 @@ def fates(carrying: Carrying) -> list[dict[str, Any]]:
     Each is ``{"name", "part", "where", "size", "fate"}``; an entry that
     describes one rank of the world that saved it also has ``source_rank``.
     """
-    said = {"model": "converted: the model's weights, laid out for the target", "optimizer": "converted: the optimizer's state, laid out for the target"}
+    said = {
+        "model": "converted: the model's weights, laid out for the target",
+        "optimizer": "converted: the optimizer's state, laid out for the target",
+        "framework": "left out: it describes how the saving framework laid out its own files, which the output does not have",
+    }
     out = []
     for entry in carrying.entries:
         fate = said.get(entry.part, "carried over unchanged")

@@ -1,4 +1,4 @@
-"""A DCP directory's top-level entries, with their sizes, read from its ``.metadata`` alone (what both layouts need)."""
+"""A DCP directory's entries, with their sizes, read from its ``.metadata`` alone, and which of them a layout carries over (what the DCP layouts share)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,14 @@ def dcp_items(directory: Path) -> list[Item]:
 
 def is_dcp(directory: Path) -> bool:
     return directory.is_dir() and (directory / ".metadata").is_file()
+
+
+def carried_items(checkpoint: Any, taken: set[str], skipped_tops: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[Any, ...], dict[str, Any]]:
+    """A DCP checkpoint's items that are none of ``taken`` (the model's flat keys) and under none of ``skipped_tops`` (the optimizer's):
+    their flat keys, the paths they were saved under, and each tensor item's shape and dtype name. What a layout carries over as stored."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP: only where a DCP checkpoint is read
+
+    items = tuple(flat for flat, p in checkpoint.paths.items() if flat not in taken and p[0] not in skipped_tops)
+    described = {flat: checkpoint.metadata.state_dict_metadata[flat] for flat in items}
+    tensors = {flat: (tuple(md.size), str(md.properties.dtype).removeprefix("torch.")) for flat, md in described.items() if isinstance(md, TensorStorageMetadata)}
+    return items, tuple(checkpoint.metadata.planner_data[flat] for flat in items), tensors

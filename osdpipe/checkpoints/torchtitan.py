@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from osdpipe.checkpoints.base import CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
-from osdpipe.checkpoints.dcp_entries import dcp_items, is_dcp
+from osdpipe.checkpoints.dcp_entries import carried_items, dcp_items, is_dcp
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
     from osdpipe.formats.base import Format, RankFiles
@@ -178,18 +178,12 @@ class Torchtitan(CheckpointLayout):
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
         """Every item that is neither the model's nor the optimizer's: torchtitan's own entries and the user's."""
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP: only where a DCP checkpoint is read
-
         model = self._model(path, tree)
         checkpoint = model.checkpoint
-        theirs = set(model.items.values())
-        items = [flat for flat, p in checkpoint.paths.items() if flat not in theirs and p[0] != OPTIMIZER]
-        described = {flat: checkpoint.metadata.state_dict_metadata[flat] for flat in items}
-        tensors = {flat: (tuple(md.size), str(md.properties.dtype).removeprefix("torch.")) for flat, md in described.items() if isinstance(md, TensorStorageMetadata)}
-        planned = tuple(checkpoint.metadata.planner_data[flat] for flat in items)  # the paths they were saved under
+        items, planned, tensors = carried_items(checkpoint, set(model.items.values()), (OPTIMIZER,))
         entries = _with_the_models_names(self.read(Path(path)).entries, model.items)
         has_optimizer = any(p[0] == OPTIMIZER for p in checkpoint.paths.values())
-        return Carrying(path, tuple(items), planned, tensors, (), entries, model.key, step_folder(self.step_of(checkpoint, path)), has_optimizer)
+        return Carrying(path, items, planned, tensors, (), entries, model.key, step_folder(self.step_of(checkpoint, path)), has_optimizer)
 
     def step_of(self, checkpoint: Any, path: str) -> int:
         """The step a step folder was saved at: its name's ``step-<N>``, else its ``train_state.step``.

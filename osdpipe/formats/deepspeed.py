@@ -47,8 +47,8 @@ _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_
 #: The packages whose pickled objects come out as records (:class:`~osdpipe.formats.inert_load.Record`).
 DESCRIBED = ("deepspeed",)
 WHAT = "a DeepSpeed ZeRO checkpoint file"
-#: State DeepSpeed's wrappers keep beside the optimizer's own, per group: not any parameter's.
-_FP32 = "fp32"
+#: The state name :class:`ZeroReader` serves the fp32 master weights under, beside the optimizer's own (the model's weights of a whole conversion).
+MASTER_WEIGHTS = "fp32"
 
 
 def tag_folder(path: str | Path) -> Path:
@@ -71,8 +71,22 @@ def tag_folder(path: str | Path) -> Path:
     raise InputError(f"{p} holds no zero_pp_rank_<r>_mp_rank_00_optim_states.pt and no {LATEST} file; point input.path at a DeepSpeed ZeRO save folder")
 
 
+#: Files only a model- (tensor-) or pipeline-parallel DeepSpeed job writes.
+_PARALLEL_FILE = re.compile(r"(?:.*mp_rank_0*[1-9]\d*_.*|layer_\d+-model_\d+-model_states)\.pt")
+
+
 def optimizer_files(folder: Path) -> list[Path]:
-    """Each rank's optimizer file, by rank; every rank of the saving world must be there."""
+    """Each rank's optimizer file, by rank; every rank of the saving world must be there.
+
+    Raises:
+        InputError: a rank's file is missing, or the save is of a model- or pipeline-parallel job.
+    """
+    parallel = sorted(c.name for c in folder.iterdir() if _PARALLEL_FILE.fullmatch(c.name))
+    if parallel:
+        raise InputError(
+            f"{folder / parallel[0]}: a DeepSpeed job with tensor (mp_rank_01 and up) or pipeline (layer_<i>) parallelism saved this folder; "
+            "osdpipe reads data-parallel ZeRO saves only, not yet these: convert it with DeepSpeed's ds_to_universal, or save from a data-parallel job"
+        )
     found = {int(m[1]): c for c in folder.iterdir() if (m := _OPTIMIZER_FILE.fullmatch(c.name))}
     missing = sorted(set(range(max(found, default=-1) + 1)) - set(found))
     if not found or missing:
@@ -80,7 +94,8 @@ def optimizer_files(folder: Path) -> list[Path]:
     return [found[r] for r in range(len(found))]
 
 
-def _model_states(folder: Path) -> dict[str, Any]:
+def model_states(folder: Path) -> dict[str, Any]:
+    """The folder's model-states file (rank 0's, in stage 3): the module's state dict, ``param_shapes`` and DeepSpeed's own entries."""
     for name in _MODEL_STATES:
         if (folder / name).is_file():
             return load_inert(folder / name, DESCRIBED, what=WHAT)
@@ -137,6 +152,13 @@ def base_state(osd: dict[str, Any], where: Path) -> tuple[dict[str, Any], list[t
     return base, list(inner["single_partition_of_fp32_groups"]), stage
 
 
+def saved_world_size(osd: dict[str, Any]) -> int | None:
+    """The data-parallel world that saved an optimizer file, as the file records it (``partition_count``: per group in stage 1/2, one in stage 3)."""
+    count = osd["optimizer_state_dict"].get("partition_count")
+    counts = {int(c) for c in count} if isinstance(count, (list, tuple)) else {int(count)} if count is not None else set()
+    return counts.pop() if len(counts) == 1 else None
+
+
 def read_save(path: str | Path) -> ZeroSave:
     """The layout of the ZeRO save at ``path`` (a save folder or a ``global_step<N>`` folder), from rank 0's files.
 
@@ -145,12 +167,18 @@ def read_save(path: str | Path) -> ZeroSave:
     """
     folder = tag_folder(path)
     files = optimizer_files(folder)
-    model = _model_states(folder)
+    model = model_states(folder)
     shapes_per_flat = model.get("param_shapes")
     if not isinstance(shapes_per_flat, list):
         raise InputError(f"{folder}: its model states file holds no param_shapes list; it is not a ZeRO save osdpipe can place")
     first = load_inert(files[0], DESCRIBED, what=WHAT)
     base, fp32, stage = base_state(first, files[0])
+    world = saved_world_size(first)
+    if world is not None and world != len(files):
+        raise InputError(
+            f"{folder}: {files[0].name} records a world of {world} rank(s), but the folder holds {len(files)} optimizer file(s) "
+            f"(zero_pp_rank_<r>_mp_rank_00_optim_states.pt, r = 0..{world - 1}); re-copy the whole folder"
+        )
     if len(shapes_per_flat) != len(fp32):
         raise InputError(f"{folder}: param_shapes lists {len(shapes_per_flat)} groups, {files[0].name} {len(fp32)} flat partitions; re-copy the whole folder")
     flat_groups = [[(name, int(torch.Size(shape).numel())) for name, shape in group.items()] for group in shapes_per_flat]
@@ -174,13 +202,20 @@ class ZeroReader:
     def _rank(self, rank: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
         if rank not in self._opened:
             path = self.save.files[rank]
-            base, fp32, _ = base_state(load_inert(path, DESCRIBED, what=WHAT), path)
-            self._opened[rank] = (base, fp32)
+            osd = load_inert(path, DESCRIBED, what=WHAT)
+            base, fp32, stage = base_state(osd, path)
+            world = saved_world_size(osd)
+            if stage != self.save.stage or world not in (None, self.save.world_size):
+                raise InputError(
+                    f"{path}: rank {rank}'s file records ZeRO stage {stage} on {world} rank(s), rank 0's stage {self.save.stage} on "
+                    f"{self.save.world_size}: the folder mixes files of different saves; re-copy it from one save"
+                )
+            self._opened[rank] = (base, [t.detach() for t in fp32])  # saved as the parameters of DeepSpeed's inner optimizer: requires_grad
         return self._opened[rank]
 
     def _flat(self, rank: int, flat: int, name: str) -> torch.Tensor:
         base, fp32 = self._rank(rank)
-        return fp32[flat] if name == _FP32 else base["state"][flat][name]
+        return fp32[flat] if name == MASTER_WEIGHTS else base["state"][flat][name]
 
     def _flat_of(self, fqn: str) -> int:
         return self.pieces[fqn][0].group

@@ -1,22 +1,29 @@
 """Real DeepSpeed saves ZeRO checkpoints, the ``osdpipe`` command converts them for PyTorch jobs (issue 31).
 
 DeepSpeed 0.19.8 trains the tests' own model (:mod:`frameworks.ds_job`: odd
-sizes so ZeRO's padding shows, two param groups, tied embeddings or not) on
-2 CPU ranks and calls ``engine.save_checkpoint``; the same job gathers what it
-held at that moment through DeepSpeed's own API (:mod:`frameworks.ds`). osdpipe
-reads the save folder without DeepSpeed's code (``input.format=deepspeed``,
-found by itself) and writes it for an FSDP2 job on 3 ranks; its own checks load
-the output into that job with PyTorch's ``set_optimizer_state_dict`` and step
-it. The output, gathered whole, holds DeepSpeed's moments and step bit for bit,
-each under the parameter's name, in DeepSpeed's param groups (the truth is
-DeepSpeed's API, or its ``ds_to_universal`` where the API has no moments:
-in stage 1/2 DeepSpeed links them after the first group's first step, so the
-second group's are never linked; see :mod:`frameworks.ds_job`).
+sizes so ZeRO's padding shows, two param groups, a persistent buffer, tied
+embeddings or not) on 2 CPU ranks and calls ``engine.save_checkpoint``; the
+same job gathers what it held at that moment through DeepSpeed's own API
+(:mod:`frameworks.ds`). osdpipe reads the save folder without DeepSpeed's code
+and writes it for an FSDP2 job on 3 ranks, in PyTorch's layout
+(``checkpoint=deepspeed``: model and optimizer) or the optimizer alone
+(``input.format=deepspeed``); its own checks load the output into that job
+(``set_model_state_dict``, ``set_optimizer_state_dict``) and step it.
+
+The output, gathered whole, holds bit for bit, under each parameter's name:
+DeepSpeed's fp32 master weights as the model's weights (not the bf16 copy),
+the module's buffer, the moments and the step, DeepSpeed's param groups, and
+its ``lr_scheduler`` and ``global_steps`` carried under their own names. The
+truth is DeepSpeed's API and its own ``ds_to_universal`` output (where the API
+has no moments: in stage 1/2 DeepSpeed links them after the first group's
+first step, so the second group's never are; see :mod:`frameworks.ds_job`).
+Each bad input gets one line and leaves no output.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +32,7 @@ import torch
 
 from frameworks import ds
 from osdpipe.formats.deepspeed import ZeroReader
+from osdpipe.output import conversion_entries
 from helpers import run_command, user_env
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
@@ -41,30 +49,40 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _gathered_output(dcp_dir: Path, work: Path) -> dict:
+def _gathered(dcp_dir: Path, work: Path) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     whole = work / "gathered.pt"
     dcp_to_torch_save(str(dcp_dir), str(whole))
-    return torch.load(whole, weights_only=True)["optim"]
+    return torch.load(whole, weights_only=True)
 
 
-@pytest.mark.parametrize("name", list(SAVES))
-def test_a_zero_save_converts_for_an_fsdp2_job_with_deepspeeds_state_bit_for_bit(tmp_path: Path, name: str) -> None:
-    spec = SAVES[name]
-    folder = ds.save(tmp_path, 2, {**spec, "out": str(tmp_path / "ckpt"), "steps": 2})
-    truth = torch.load(ds.dump_path(folder), weights_only=False)
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory) -> dict[str, Path]:
+    """Each of :data:`SAVES`, trained and saved once for the module, with DeepSpeed's own universal checkpoint beside it."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    made = {}
+    for name, spec in SAVES.items():
+        made[name] = folder = ds.save(root, 2, {**spec, "out": str(root / name), "steps": 2})
+        if not ds.universal_path(folder).is_dir():  # ds.save made it where DeepSpeed's API lacked moments
+            ds.universal(folder, workdir=root)
+    return made
+
+
+def _convert(folder: Path, out: Path, *extra: str) -> dict:
+    tied = str(SAVES[folder.name]["tied"]).lower()
     done = run_command(
-        [sys.executable, "-m", "osdpipe", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", f"+model.kwargs.tied={str(spec['tied']).lower()}",
-         "target.kind=fsdp2", "target.world_size=3", "output.format=dcp", f"output.path={out}"],
-        cwd=tmp_path, timeout=400, env=user_env(),
+        [sys.executable, "-m", "osdpipe", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", f"+model.kwargs.tied={tied}",
+         "target.kind=fsdp2", "target.world_size=3", "output.format=dcp", f"output.path={out}", *extra],
+        cwd=out.parent, timeout=400, env=user_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {c["name"]: c["ok"] for c in report["checks"]} == {"roundtrip": True, "reference": True, "load_step": True, "resume": True}
+    return report
 
-    got = _gathered_output(out / "dcp", tmp_path)
+
+def _assert_the_optimizer_is_deepspeeds(got: dict, truth: dict, universal: Path) -> None:
     assert set(got["state"]) == set(truth["state"]), "every optimized parameter, tied ones once"
     wrong = [
         f"{fqn}.{key}" for fqn, want in truth["state"].items() for key in ("exp_avg", "exp_avg_sq")
@@ -74,10 +92,100 @@ def test_a_zero_save_converts_for_an_fsdp2_job_with_deepspeeds_state_bit_for_bit
     assert all(float(got["state"][fqn]["step"]) == float(want["step"]) for fqn, want in truth["state"].items())
     groups = [(sorted(g["params"]), g["weight_decay"], g["lr"]) for g in got["param_groups"]]
     assert groups == [(sorted(g["params"]), g["weight_decay"], g["lr"]) for g in truth["param_groups"]]
+    for fqn, state in got["state"].items():  # and DeepSpeed's own ds_to_universal, which stores each state per parameter
+        for key in ("exp_avg", "exp_avg_sq"):
+            stored = torch.load(universal / "zero" / fqn / f"{key}.pt", weights_only=False)
+            want = stored["param"] if isinstance(stored, dict) else stored  # stage 3 writes it flat
+            assert torch.equal(_bits(state[key]), _bits(want.reshape(state[key].shape))), f"{fqn}.{key} differs from ds_to_universal's"
 
-    # the fp32 master weights, read from the same files, are DeepSpeed's own (the model a conversion will carry); training moved
-    # every one, so in bf16 they are not the bf16 weights the model-states file holds
+
+@pytest.mark.parametrize("name", list(SAVES))
+def test_a_zero_save_converts_whole_for_an_fsdp2_job_with_deepspeeds_state_bit_for_bit(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
+    folder = saves[name]
+    truth = torch.load(ds.dump_path(folder), weights_only=False)
+    universal = ds.universal_path(folder) / ds.latest_tag(folder)
+    out = tmp_path / "out"
+    report = _convert(folder, out, "checkpoint=deepspeed", *(["output.model_format=safetensors"] if name.startswith("stage3") else []))
+    got = _gathered(out / "dcp", tmp_path)
+    _assert_the_optimizer_is_deepspeeds(got["optim"], truth, universal)
+
+    # the model's weights are DeepSpeed's fp32 masters (training moved every one: in bf16 they are not the module's copy), under every name
     assert all(not torch.equal(truth["fp32"][fqn], truth["initial"][fqn].float()) for fqn in truth["fp32"])
+    model = got["model"]
+    assert set(model) == set(truth["module"]), "the model's state dict: a tied weight under both names, the buffer"
+    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(model[fqn]), _bits(want))] == []
+    for fqn in truth["fp32"]:
+        fp32 = torch.load(universal / "zero" / fqn / "fp32.pt", weights_only=False)
+        fp32 = fp32["param"] if isinstance(fp32, dict) else fp32
+        assert torch.equal(_bits(model[fqn]), _bits(fp32.reshape(model[fqn].shape))), f"{fqn} differs from ds_to_universal's fp32"
+    if SAVES[name]["tied"]:
+        assert torch.equal(model["head.weight"], model["tok.weight"])
+    assert torch.equal(_bits(model["pos"]), _bits(truth["module"]["pos"]))
+
+    # DeepSpeed's own entries a PyTorch job has no place for are carried under their names; those of its own layout are named as left out
+    assert got["lr_scheduler"] == truth["lr_scheduler"] and got["global_steps"] == truth["global_steps"] == 2
+    fates = {e["name"]: e["fate"] for e in report["entries"]}
+    assert fates["param_shapes"].startswith("left out") and fates["module"].startswith("left out") and fates["lr_scheduler"].startswith("carried")
+    if name.startswith("stage3"):
+        from safetensors.torch import load_file
+
+        exported = load_file(out / "model.safetensors")
+        assert [fqn for fqn, want in truth["fp32"].items() if fqn in exported and not torch.equal(exported[fqn], want)] == []
+        assert set(exported) == set(truth["module"]) - {"head.weight"}, "a tied weight once, as save_pretrained stores it"
+
+
+def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(tmp_path: Path, saves: dict[str, Path]) -> None:
+    folder = saves["stage1-fp32"]
+    truth = torch.load(ds.dump_path(folder), weights_only=False)
+    out = tmp_path / "out"
+    _convert(folder, out)  # input.format=deepspeed, found by itself; checkpoint=optimizer
+    _assert_the_optimizer_is_deepspeeds(_gathered(out / "dcp", tmp_path)["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
     reader = ZeroReader(str(folder))
     masters = reader.read([(fqn, "fp32") for fqn in truth["fp32"]])
     assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(masters[(fqn, "fp32")]), _bits(want))] == []
+
+
+def _damaged(kind: str, folder: Path, other: Path) -> None:
+    """Damage the copy ``folder`` of a stage 1 save as ``kind`` says (``other``: a stage 2 save to take a file from)."""
+    tag = folder / ds.latest_tag(folder)
+    rank1 = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if kind == "missing rank file":
+        rank1.unlink()
+    elif kind == "truncated rank file":
+        rank1.write_bytes(rank1.read_bytes()[: rank1.stat().st_size // 2])
+    elif kind == "latest names no folder":
+        (folder / "latest").write_text("global_step9")
+    elif kind == "ranks of two saves":
+        other_tag = other / ds.latest_tag(other)
+        shutil.copy(next(other_tag.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")), rank1)
+    elif kind == "tensor parallel":
+        shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+
+
+#: Each bad input, and what its one line must say.
+DAMAGE = {
+    "missing rank file": "records a world of 2 rank(s), but the folder holds 1",
+    "truncated rank file": "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "latest names no folder": "names 'global_step9', which is not a folder",
+    "ranks of two saves": "mixes files of different saves",
+    "tensor parallel": "not yet",
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_a_bad_save_gets_one_line_and_leaves_no_output(tmp_path: Path, saves: dict[str, Path], kind: str) -> None:
+    folder = tmp_path / "stage1-fp32"
+    shutil.copytree(saves["stage1-fp32"], folder)
+    _damaged(kind, folder, saves["stage2-bf16-tied"])
+    out = tmp_path / "out"
+    done = run_command(
+        [sys.executable, "-m", "osdpipe", "checkpoint=deepspeed", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", "+model.kwargs.tied=false",
+         "target.kind=fsdp2", "target.world_size=2", f"output.path={out}"],
+        cwd=tmp_path, timeout=300, env=user_env(),
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and lines, done.stdout[-2000:]
+    errors = [line for line in lines if "error" in line]
+    assert len(errors) == 1 and DAMAGE[kind] in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert not out.exists() or conversion_entries(out) == [], "nothing is committed"

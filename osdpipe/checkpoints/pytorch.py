@@ -1,0 +1,166 @@
+"""pytorch: PyTorch's own distributed state-dict layout, one DCP directory of ``{"model": ..., "optim": ...}``.
+
+What a job that uses nothing but PyTorch saves and loads:
+``dcp.save({"model": get_model_state_dict(model), "optim":
+get_optimizer_state_dict(model, optim)})`` and ``dcp.load`` of the same
+structure, then ``set_model_state_dict`` and ``set_optimizer_state_dict``.
+The model's state dict is nested under ``model`` (FQN keys, buffers
+included), the optimizer's under ``optim`` (FQN keyed, not flattened). Any
+other top-level entry is the user's, carried over as it is stored.
+
+It is also the layout a framework osdpipe reads but cannot write converts to
+(:mod:`osdpipe.checkpoints.deepspeed`): every target job PyTorch runs loads it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from osdpipe.checkpoints.base import DCP_DIR, CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
+from osdpipe.checkpoints.dcp_entries import carried_items, dcp_items, is_dcp
+
+if TYPE_CHECKING:  # annotations only: reading and writing import torch
+    from osdpipe.formats.base import Format, RankFiles
+    from osdpipe.tree import ModuleTree
+
+#: Where PyTorch's layout keeps the model's and the optimizer's state dicts.
+MODEL, OPTIM = "model", "optim"
+
+
+class WritesPytorch(CheckpointLayout):
+    """Writes a conversion in PyTorch's layout: each rank's own file (``rank_local``), or one DCP directory under ``model`` and ``optim``.
+
+    The writing half of :class:`Pytorch`, shared with the layouts that read
+    another framework's files and write PyTorch's (DeepSpeed's).
+    """
+
+    output_formats = ("dcp", "rank_local")
+
+    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+        from osdpipe.formats.base import RankFiles
+
+        if fmt.keyed_by_id:  # each rank's own file
+            return output.write_rank_file(parts, staging, rank, tree)
+
+        def state_of(r: int, local: bool) -> dict[str, Any]:
+            mine = local and r == rank
+            state: dict[str, Any] = {MODEL: output.model_pieces(parts if mine else None, tree, world_size, r)}
+            if parts.carrying.optimizer:  # a model-only checkpoint stays one
+                state[OPTIM] = output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=mine)
+            if r == 0:  # carried items are kept by one rank, as dcp.save keeps a replicated item once
+                state.update(output.carried_state(parts.carrying, parts.carried if mine else None))
+            return state
+
+        results, files, storages = output.write_dcp(staging, DCP_DIR, state_of, rank, world_size, shared)
+        where = next(iter(files), DCP_DIR)
+        tensors = {**output.optimizer_digests(parts.optimizer, where, storages), **output.model_digests(output.model_pieces(parts, tree, world_size, rank), where, storages)}
+        return RankFiles(files, tensors, results)
+
+    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
+        if fmt.keyed_by_id:  # each rank's own file
+            return {}
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+
+        return output.finish_dcp(staging, DCP_DIR, shared, [r.results for r in per_rank])
+
+    def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
+        """As a PyTorch job loads it: ``dcp.load`` of ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}``, then each set into the job."""
+        if fmt.keyed_by_id:  # each rank's own file
+            return super().load_output(model, optim, directory, rank, fmt)
+        import torch.distributed.checkpoint as dcp  # DCP: only a live job loads
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+        path = directory / DCP_DIR
+        with_optimizer = any(i.path[0] == OPTIM for i in dcp_items(path))  # a model-only checkpoint loads the model alone
+        state: dict[str, Any] = {MODEL: dict(get_model_state_dict(model))}
+        if with_optimizer:
+            state[OPTIM] = get_optimizer_state_dict(model, optim)
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state[MODEL])
+        if with_optimizer:
+            set_optimizer_state_dict(model, optim, state[OPTIM])
+
+    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
+        """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer, and on rank 0 every carried item as stored."""
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
+        from osdpipe.formats.dcp import optimizer_differences
+        from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
+
+        if fmt.keyed_by_id:  # each rank's own file
+            return output.rank_file_differences(directory, parts, rank, tree)
+        if "checkpoint" not in opened:  # opened (metadata read, structure checked) once for every rank
+            opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / DCP_DIR), None)
+            if parts.carrying.optimizer:
+                opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIM, checkpoint)
+                opened["optimizer meta"] = reader.meta()
+        checkpoint = opened["checkpoint"]
+        problems = output.model_differences(checkpoint, MODEL, parts, tree, world_size, rank)
+        if parts.carrying.optimizer:
+            problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
+        elif any(p[0] == OPTIM for p in checkpoint.paths.values()):
+            problems.append(f"{checkpoint.path}: holds optimizer state, but the model-only source has none")
+        if rank == 0:
+            problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
+        return problems
+
+
+@register
+class Pytorch(WritesPytorch):
+    name = "pytorch"
+    looks_like = "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
+
+    def recognizes(self, path: Path) -> bool:
+        """A DCP directory with tensors nested under ``model`` and nothing of torchtitan's (its v0.1 nests the model there too)."""
+        if not is_dcp(path):
+            return False
+        tops = {i.path[0] for i in dcp_items(path) if len(i.path) > 1}
+        return MODEL in tops and not tops & {"optimizer", "lr_scheduler", "dataloader", "train_state"}
+
+    def read(self, path: Path) -> WholeCheckpoint:
+        items = dcp_items(path)
+        where = f"{path.name}/ (DCP)"
+        groups: dict[str, list] = defaultdict(list)
+        for item in items:
+            groups[f"{MODEL}.{item.path[1]}" if item.path[0] == MODEL and len(item.path) > 1 else str(item.path[0])].append(item)
+        part = {OPTIM: "optimizer"}
+        entries = tuple(
+            Entry(name, "model" if name.startswith(f"{MODEL}.") else part.get(name, "other"), where, sum(i.size for i in members), sum(i.tensor for i in members))
+            for name, members in groups.items()
+        )
+        notes = () if OPTIM in groups else ("model only: no optimizer state; it converts to a model-only checkpoint",)
+        return WholeCheckpoint(self.name, str(path), entries, str(path) if OPTIM in groups else None, OPTIM if OPTIM in groups else None, "nested", notes)
+
+    def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
+        """``dcp.save`` of the model's and the optimizer's distributed state dicts, as a PyTorch job saves them (no scheduler: the layout has none)."""
+        import torch.distributed.checkpoint as dcp  # DCP: only where a checkpoint is saved
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        dcp.save({MODEL: get_model_state_dict(model), OPTIM: get_optimizer_state_dict(model, optim)}, checkpoint_id=str(path))
+
+    def optimizer_part(self, path: str, input_format: str) -> Part | None:
+        return Part(path, "dcp", OPTIM) if any(i.path[0] == OPTIM for i in dcp_items(Path(path))) else None
+
+    def _model(self, path: str, tree: ModuleTree) -> Any:
+        from osdpipe.checkpoints.dcp_weights import DcpWeights  # torch.distributed.checkpoint: only where a DCP checkpoint is read
+        from osdpipe.formats.dcp_reader import DcpCheckpoint
+
+        return DcpWeights(DcpCheckpoint(path, None), MODEL, tree)
+
+    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
+        return self._model(path, tree)
+
+    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+        """Every top-level entry besides ``model`` and ``optim``: the user's own, carried over as stored."""
+        model = self._model(path, tree)
+        items, planned, tensors = carried_items(model.checkpoint, set(model.items.values()), (OPTIM,))
+        has_optimizer = any(p[0] == OPTIM for p in model.checkpoint.paths.values())
+        return Carrying(path, items, planned, tensors, (), self.read(Path(path)).entries, MODEL, DCP_DIR, has_optimizer)
+
+    def read_carried(self, carrying: Carrying) -> CarriedData:
+        from osdpipe.checkpoints.output import read_carried  # torch.distributed.checkpoint: only where a whole checkpoint is read
+        from osdpipe.formats.dcp_reader import DcpCheckpoint
+
+        return read_carried(DcpCheckpoint(carrying.source, None), carrying)
