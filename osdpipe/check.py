@@ -150,8 +150,8 @@ def check_roundtrip(directory: Path, plan: Any) -> CheckResult:
         if keyed.weights is not None:  # a whole checkpoint, laid out by its layout
             from osdpipe.checkpoints.output import rank_parts  # torch.distributed.checkpoint: only for a whole checkpoint
 
-            parts = rank_parts(keyed)
-            problems += plan.checkpoint.differences(directory, parts, played.ctx.rank, world_size=plan.world_size, tree=plan.tree, fmt=fmt, opened=opened)
+            parts = rank_parts(keyed, plan.output_checkpoint)
+            problems += plan.output_checkpoint.differences(directory, parts, played.ctx.rank, world_size=plan.world_size, tree=plan.tree, fmt=fmt, opened=opened)
         else:
             problems += fmt.differences(directory, spec.output.key, played.ctx.rank, keyed.state_dict, tree=plan.tree, world_size=plan.world_size, opened=opened)
         if len(problems) >= 5 or fmt.one_writer:  # one file, rank 0's: the other ranks write none (never a whole checkpoint's format)
@@ -220,7 +220,7 @@ def load_rank(plan: Any, directory: str) -> list[Any]:
         from osdpipe.checks.load_step import step_loaded
 
         def load_as_a_user_does(model: Any, optim: Any) -> None:
-            plan.checkpoint.load_output(model, optim, Path(directory), world.rank, fmt)
+            plan.output_checkpoint.load_output(model, optim, Path(directory), world.rank, fmt)
 
         load_as_a_user_does(model, optim)
         written = optim.state_dict()["state"]  # what the loaded job holds: where two states would share memory, they do here

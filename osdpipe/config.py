@@ -274,10 +274,16 @@ class OutputConfig(_Frozen):
     state-dict adapter (torchtitan's ``to_hf``: what its HF export writes
     and ``transformers`` loads); ``auto``, ``hf`` where the model has such
     an adapter (``model=torchtitan``), else ``fqn``.
+
+    ``checkpoint`` names the layout a whole checkpoint is written in (see
+    :class:`CheckpointConfig`); unset, the input's own, and for a DeepSpeed
+    save, which osdpipe does not write, ``pytorch``. ``pytorch`` is written
+    from a checkpoint of any layout.
     """
 
     path: str
     format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
+    checkpoint: Literal["torchtitan", "accelerate", "pytorch"] | None = None
     key: str = "optim"
     overwrite: bool = False
     #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.output`); ``false``: for scratch output only.
@@ -479,7 +485,13 @@ class RunSpec(_Frozen):
         why = (given.refuses_source(source) if self.input.path is not None else None) or written.refuses_target(target) or target.refuses_output(written)
         if why is not None:
             raise ValueError(why)
-        why = layout.refuses(given, written, source, target, generated=self.input.path is None)
+        if self.output.checkpoint is not None and not layout.whole:
+            raise ValueError(
+                f"output.checkpoint={self.output.checkpoint} writes a whole training checkpoint, model and optimizer; the input is an optimizer's alone "
+                "(checkpoint=optimizer): set checkpoint= to the input's layout (torchtitan, accelerate, pytorch, deepspeed), or leave output.checkpoint out"
+            )
+        writer = checkpoints.written(self.checkpoint.layout, self.output.checkpoint)
+        why = layout.refuses(given, source, generated=self.input.path is None) or writer.refuses_output(layout, written, target)
         if why is not None:
             raise ValueError(why)
         if self.output.model_keys == "hf":

@@ -75,6 +75,11 @@ class Plan:
         return checkpoints.get(self.spec.checkpoint.layout)
 
     @property
+    def output_checkpoint(self) -> CheckpointLayout:
+        """How the output is laid out: ``output.checkpoint``, else as the input (see :func:`osdpipe.checkpoints.written`)."""
+        return checkpoints.written(self.spec.checkpoint.layout, self.spec.output.checkpoint)
+
+    @property
     def id_keyed(self) -> bool:
         """Whether the output is keyed by the target optimizer's param IDs (else by FQN)."""
         return self.output_format.keyed_by_id

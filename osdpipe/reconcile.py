@@ -95,11 +95,17 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         path = newest
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
+        if "model.factory" not in given and (named := _model_from_files(layout, path)) is not None:
+            _set(raw, "model.factory", named[0])
+            _set(raw, "model.kwargs", named[1])
+            notes.append(f"no model.factory given: the model is built from {path}'s files (every parameter's name and shape); give model.factory=... for your own")
         _set(raw, "input.format", fmt)
-        if "output.format" not in given and (keep := layout.output_format_of(fmt)) is not None:
+        writer = checkpoints.written(layout.name, _get(raw, "output.checkpoint"))
+        keep = layout.output_format_of(fmt) if writer is layout else writer.output_formats[0]  # another framework's: its own format
+        if "output.format" not in given and keep is not None:
             _set(raw, "output.format", keep)  # the source's state-dict type, which the job that resumes is set to
         try:
-            notes += layout.advice(path, _get(raw, "target") or {}, _get(raw, "output.format"))
+            notes += writer.advice(path, _get(raw, "target") or {}, _get(raw, "output.format")) if writer is layout else []
         except (InputError, OSError):
             pass  # the pre-flight check says what is wrong with it
         part = layout.optimizer_part(path, fmt)
@@ -129,6 +135,13 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     if facts.moments_alike:
         warnings.append(f"{path}: {MOMENTS_ALIKE}; it converts as it is")
     return raw, warnings
+
+
+def _model_from_files(layout: Any, path: str) -> tuple[str, dict[str, Any]] | None:
+    try:
+        return layout.model_from_files(path)
+    except (InputError, OSError):
+        return None  # the pre-flight check says what is wrong with it
 
 
 def settle_optimizer(raw: dict[str, Any]) -> dict[str, Any]:

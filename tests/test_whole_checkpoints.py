@@ -146,6 +146,9 @@ CONVERSIONS = {
     "accelerate_full_dcp_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate_full/checkpoint_0", "source.kind=fsdp1",
                               "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
                               "output.format=dcp"],
+    "titan_pytorch_2": ["input.path={saved}/titan/step-2", *TITAN, "target.world_size=2", "output.checkpoint=pytorch"],
+    "accelerate_pytorch_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate/checkpoint_0", "source.kind=fsdp1",
+                             "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp2", "target.world_size=2", "output.checkpoint=pytorch"],
 }
 
 
@@ -304,6 +307,10 @@ REFUSED = {
     "fsdp1 rank files": (["checkpoint=accelerate", "source.kind=fsdp1", "target.kind=fsdp1"], ["output.format=rank_local", "set output.format=dcp"]),
     "export of an optimizer": (["output.model_format=safetensors"], ["output.model_format=safetensors", "checkpoint=torchtitan, accelerate, pytorch or deepspeed"]),
     "torchtitan trains FSDP2": (["checkpoint=torchtitan", "source.kind=fsdp1", "output.format=dcp"], ["checkpoint=torchtitan", "source.kind=fsdp2"]),
+    "a whole layout out of an optimizer": (["output.checkpoint=pytorch"], ["output.checkpoint=pytorch", "optimizer's alone", "checkpoint="]),
+    "torchtitan out of accelerate": (["checkpoint=accelerate", "source.kind=fsdp1", "output.checkpoint=torchtitan", "output.format=dcp"],
+                                     ["output.checkpoint=torchtitan", "not yet from checkpoint=accelerate", "set output.checkpoint=pytorch"]),
+    "deepspeed is read, not trained": (["checkpoint=deepspeed"], ["checkpoint=deepspeed", "input.path"]),
 }
 
 
@@ -408,3 +415,35 @@ def test_osdpipe_check_proves_a_whole_conversion_later_and_names_one_wrong_weigh
     assert bad["code"] == 1, bad
     assert f"{file}: ['model']['blocks.2.wq.weight']: 1 element(s) differ, first at flat index 3" in bad["stdout"], bad["stdout"]
     assert f"{file} differs from its sha256 in the manifest: tensor(s) model.blocks.2.wq.weight differ" in bad["stdout"], bad["stdout"]
+
+
+def _gathered(dcp_dir: Path, work: Path) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = work / f"gathered-{dcp_dir.parent.name}-{dcp_dir.name}.pt"
+    dcp_to_torch_save(str(dcp_dir), str(whole))
+    return torch.load(whole, weights_only=False)
+
+
+def test_torchtitan_and_accelerate_checkpoints_convert_to_pytorchs_own_layout(converted: dict[str, Path], saved: Path, tmp_path: Path) -> None:
+    """``output.checkpoint=pytorch``: one DCP directory of ``model`` and ``optim`` (the fixture's checks load it as a PyTorch job does and step
+    it); gathered whole, the source's model and optimizer state bit for bit, torchtitan's own entries and the user's at the top level as
+    stored, accelerate's other files beside ``dcp/`` byte for byte."""
+    titan_source = _gathered(saved / "titan" / "step-2", tmp_path)
+    titan = _gathered(converted["titan_pytorch_2"] / "dcp", tmp_path)
+    assert set(titan) == {"model", "optim", *whole_jobs.TITAN_OTHER}
+    _same(titan["model"], {k: v for k, v in titan_source.items() if k in titan["model"]}, "torchtitan -> pytorch: model")
+    assert set(titan["model"]) == _model_keys()
+    flat = {k.removeprefix("state."): v for k, v in titan_source["optimizer"].items() if k.startswith("state.")}
+    _same({f"{fqn}.{name}": v for fqn, state in titan["optim"]["state"].items() for name, v in state.items()}, flat, "torchtitan -> pytorch: optimizer")
+    for name in whole_jobs.TITAN_OTHER:
+        _same(titan[name], titan_source[name], f"torchtitan -> pytorch: {name}")
+
+    source = saved / "accelerate" / "checkpoint_0"
+    accelerate = _gathered(converted["accelerate_pytorch_2"] / "dcp", tmp_path)
+    assert set(accelerate) == {"model", "optim"}
+    _same(accelerate["model"], _gathered(source / "pytorch_model_fsdp_0", tmp_path)["model"], "accelerate -> pytorch: model")
+    _same(accelerate["optim"]["state"], _gathered(source / "optimizer_0", tmp_path)["optimizer"]["state"], "accelerate -> pytorch: optimizer")
+    for name in whole_jobs.ACCELERATE_FILES:
+        assert (converted["accelerate_pytorch_2"] / name).read_bytes() == (source / name).read_bytes(), name

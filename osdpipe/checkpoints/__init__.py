@@ -9,7 +9,7 @@ from osdpipe.checkpoints import accelerate, deepspeed, optimizer, pytorch, torch
 from osdpipe.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
 from osdpipe.registry import member
 
-__all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize"]
+__all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize", "written"]
 
 
 def get(name: str) -> CheckpointLayout:
@@ -19,6 +19,12 @@ def get(name: str) -> CheckpointLayout:
         ValueError: naming the layouts there are.
     """
     return member(LAYOUTS, name, "checkpoint layout")
+
+
+def written(layout: str, output_checkpoint: str | None) -> CheckpointLayout:
+    """The layout a conversion of a ``layout`` checkpoint writes: ``output.checkpoint``, else the input's own (a layout osdpipe only reads: the one it is written as)."""
+    reads = get(layout)
+    return get(output_checkpoint or reads.written_as or reads.name)
 
 
 def recognize(path: str | Path) -> WholeCheckpoint | None:

@@ -149,24 +149,45 @@ class CheckpointLayout:
     input_formats: ClassVar[tuple[str, ...]] = ("dcp",)
     #: ``output.format`` this layout can be written in: its own (``dcp``) or each rank's files (``rank_local``).
     output_formats: ClassVar[tuple[str, ...]] = ("dcp", "rank_local")
+    #: The layout a conversion of this one writes unless ``output.checkpoint`` says (``None``: this one; DeepSpeed's, which osdpipe only reads: PyTorch's).
+    written_as: ClassVar[str | None] = None
 
-    def refuses(self, given: Format, written: Format, source_kind: Any, target_kind: Any, generated: bool) -> str | None:
-        """Why a conversion of this layout cannot read ``given`` (or generate a source of ``source_kind``) or write ``written`` for ``target_kind``
-        (``None``: it can); one line naming the keys to set."""
+    def refuses(self, given: Format, source_kind: Any, generated: bool) -> str | None:
+        """Why a conversion of this layout cannot read ``given`` (or generate a source of ``source_kind``) (``None``: it can); one line naming the keys to set."""
         if not self.whole:
             return None
         if generated and (why := self.refuses_source_kind(source_kind)) is not None:
             return why
         if not generated and given.name not in self.input_formats:
             return f"checkpoint={self.name}: its input is input.format={' or '.join(self.input_formats)} (the checkpoint's folder), not {given.name}"
+        return None
+
+    def refuses_output(self, source: CheckpointLayout, written: Format, target_kind: Any) -> str | None:
+        """Why this layout cannot be written from a checkpoint of layout ``source`` in ``written`` for ``target_kind`` (``None``: it can); one line."""
+        if not self.whole:
+            return None
+        if source.name != self.name and not self.takes_any_source:
+            return (
+                f"output.checkpoint={self.name}: osdpipe writes {self.name}'s layout from a {self.name} checkpoint only, not yet from checkpoint={source.name}; "
+                "set output.checkpoint=pytorch (PyTorch's own layout, which any PyTorch job loads)"
+            )
+        said = f"checkpoint={self.name}" if source.name == self.name else f"output.checkpoint={self.name}"
         if written.name not in self.output_formats:
-            return f"checkpoint={self.name}: a whole checkpoint is written as output.format={' or '.join(self.output_formats)}, not {written.name}"
+            return f"{said}: a whole checkpoint is written as output.format={' or '.join(self.output_formats)}, not {written.name}"
         if written.keyed_by_id and target_kind.has_use_orig_params:  # each rank's own file, of a job whose optimizer may see flat parameters
             return (
-                f"checkpoint={self.name} with output.format={written.name} and target.kind={target_kind.name}: an FSDP1 rank's model weights are a "
+                f"{said} with output.format={written.name} and target.kind={target_kind.name}: an FSDP1 rank's model weights are a "
                 "shard of its flat parameters, which no model.state_dict() a job loads holds; set output.format=dcp (FSDP1's SHARDED_STATE_DICT)"
             )
         return None
+
+    #: Whether this layout is written from a checkpoint of any layout (PyTorch's, which every framework's model and optimizer fit), or from its own alone.
+    takes_any_source: ClassVar[bool] = False
+
+    def adopt(self, carrying: Carrying) -> Carrying:
+        """What a conversion that writes this layout carries, from what the input's layout found (``carrying``): where this
+        layout puts the model and its DCP directory. The input's own layout keeps it as it is."""
+        return carrying
 
     def output_format_of(self, input_format: str) -> str | None:
         """The ``output.format`` a conversion of an input in ``input_format`` writes unless told (``None``: the config's)."""
@@ -196,6 +217,11 @@ class CheckpointLayout:
         By default the files cannot tell: the user's own factory goes there.
         """
         return [f"model.factory={USER_FACTORY}"]
+
+    def model_from_files(self, path: str) -> tuple[str, dict[str, Any]] | None:
+        """A ``model.factory`` and its ``model.kwargs`` that build the model the checkpoint at ``path`` names, where its files name every
+        parameter and shape (``None``: they do not; the user's factory is needed). What a conversion uses when the user names no model."""
+        return None
 
     def newest_in(self, path: str) -> str | None:
         """Where ``path`` is the folder a framework keeps its checkpoints in, the newest of them (``None``: ``path`` is one checkpoint)."""

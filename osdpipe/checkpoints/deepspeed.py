@@ -1,4 +1,4 @@
-"""deepspeed: a DeepSpeed ZeRO save as a whole training checkpoint, written in PyTorch's layout (:mod:`osdpipe.checkpoints.pytorch`).
+"""deepspeed: a DeepSpeed ZeRO save as a whole training checkpoint, read only: written in PyTorch's layout (:mod:`osdpipe.checkpoints.pytorch`).
 
 osdpipe reads DeepSpeed's files (:mod:`osdpipe.formats.deepspeed`, no
 DeepSpeed code run) and writes what a PyTorch job loads; it never writes
@@ -24,8 +24,7 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from osdpipe.checkpoints.base import DCP_DIR, CarriedData, Carrying, Entry, Part, WholeCheckpoint, register
-from osdpipe.checkpoints.pytorch import MODEL, WritesPytorch
+from osdpipe.checkpoints.base import CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
@@ -70,6 +69,58 @@ class ZeroWeights:
         return self.reader.read_range(name, MASTER_WEIGHTS, start, stop)
 
 
+def saved_model(path: str) -> Any:
+    """The model a ZeRO save names, built from its files alone: ``model.factory`` where the user gives none.
+
+    Every optimized parameter under its name and shape (``param_shapes``),
+    in the order of the module's own state dict, fp32 as the master weights
+    are; each tied name the same parameter (``shared_params``); each
+    persistent buffer under its name, shape and dtype (the module's state
+    dict). It has no ``forward``: osdpipe's checks step a model on synthetic
+    gradients, and the output's names are those of the job that saved it,
+    so the job that resumes loads them into its own model.
+
+    Raises:
+        ValueError: the save has frozen parameters, which its files hold in the training dtype only.
+    """
+    import torch
+    from torch import nn
+
+    from osdpipe.formats.deepspeed import model_states, read_save
+
+    save = read_save(path)
+    states = model_states(save.folder)
+    if states.get("frozen_param_shapes"):
+        raise ValueError(f"{save.folder} holds frozen parameters, which osdpipe does not read yet; give model.factory=<your model>")
+    tied = {alias: source for alias, source in (states.get("shared_params") or {}).items() if alias not in save.shapes}
+    module_keys = list(states.get("module") or {})
+    names = [k for k in module_keys if k in save.shapes or k in tied] + [k for k in save.shapes if k not in module_keys]
+    buffers = [k for k in module_keys if k not in save.shapes and k not in tied]
+    root = nn.Module()
+
+    def owner(name: str) -> tuple[nn.Module, str]:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        return module, leaf
+
+    made: dict[str, nn.Parameter] = {}
+    for name in names:
+        module, leaf = owner(name)
+        source = tied.get(name, name)
+        if source not in made:
+            made[source] = nn.Parameter(torch.empty(save.shapes[source]))
+        module.register_parameter(leaf, made[source])
+    for name in buffers:
+        value = states["module"][name]
+        module, leaf = owner(name)
+        module.register_buffer(leaf, torch.empty(value.shape, dtype=value.dtype))
+    return root
+
+
 def _carried_values(states: dict[str, Any]) -> dict[str, Any]:
     """The model-states file's entries a conversion carries: every one that does not describe DeepSpeed's own layout."""
     return {k: v for k, v in states.items() if k not in FRAMEWORKS_OWN}
@@ -84,10 +135,12 @@ def _stored_size(value: Any) -> int:
 
 
 @register
-class DeepSpeedZero(WritesPytorch):
+class DeepSpeedZero(CheckpointLayout):
     name = "deepspeed"
     looks_like = "a DeepSpeed ZeRO save folder (latest, global_step<N>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt), written in PyTorch's layout"
     input_formats = ("deepspeed",)
+    output_formats = ()
+    written_as = "pytorch"
 
     def recognizes(self, path: Path) -> bool:
         from osdpipe.formats.deepspeed import DeepSpeed  # torch: only where a folder is looked at
@@ -96,6 +149,16 @@ class DeepSpeedZero(WritesPytorch):
 
     def refuses_source_kind(self, kind: Any) -> str | None:
         return "checkpoint=deepspeed: osdpipe reads DeepSpeed's saves but does not train a DeepSpeed job itself; give input.path=<the save folder>"
+
+    def model_from_files(self, path: str) -> tuple[str, dict[str, Any]]:
+        """:func:`saved_model`: the files name every parameter, its shape and every buffer."""
+        from osdpipe.formats.deepspeed import tag_folder
+
+        return f"{__name__}:saved_model", {"path": str(tag_folder(path))}
+
+    def model_overrides(self, path: Path) -> list[str]:
+        """None: the model is built from the files themselves (:meth:`model_from_files`); your own ``model.factory`` may still be given."""
+        return []
 
     def newest_in(self, path: str) -> str | None:
         """A save folder: the ``global_step<N>`` folder its ``latest`` file names, as DeepSpeed's ``load_checkpoint`` takes it."""
@@ -147,7 +210,7 @@ class DeepSpeedZero(WritesPytorch):
         folder = tag_folder(path)
         flat, paths = flatten_state_dict(_carried_values(model_states(folder)))
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items() if torch.is_tensor(v)}
-        return Carrying(str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), self.read(folder).entries, MODEL, DCP_DIR, True)
+        return Carrying(str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), self.read(folder).entries)
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
         """The carried leaves' values (the model-states file loads with ``weights_only=True``: plain data)."""

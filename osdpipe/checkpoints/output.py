@@ -107,10 +107,11 @@ def carried_values(carrying: Carrying, data: CarriedData) -> dict[str, Any]:
     return out
 
 
-def rank_parts(keyed: Any) -> RankParts:
-    """What one target rank writes of a whole checkpoint, from its keyed product (:class:`osdpipe.products.Keyed`)."""
+def rank_parts(keyed: Any, writer: Any) -> RankParts:
+    """What one target rank writes of a whole checkpoint laid out as ``writer`` (:class:`~osdpipe.checkpoints.base.CheckpointLayout`)
+    lays it out, from its keyed product (:class:`osdpipe.products.Keyed`)."""
     meta = keyed.source.meta
-    return RankParts(keyed.state_dict, keyed.weights or {}, meta.buffers, meta.carried.carrying, meta.carried.carried)
+    return RankParts(keyed.state_dict, keyed.weights or {}, meta.buffers, writer.adopt(meta.carried.carrying), meta.carried.carried)
 
 
 def rank_file_content(parts: RankParts, tree: ModuleTree) -> dict[str, Any]:

@@ -8,13 +8,16 @@ The model's state dict is nested under ``model`` (FQN keys, buffers
 included), the optimizer's under ``optim`` (FQN keyed, not flattened). Any
 other top-level entry is the user's, carried over as it is stored.
 
-It is also the layout a framework osdpipe reads but cannot write converts to
-(:mod:`osdpipe.checkpoints.deepspeed`): every target job PyTorch runs loads it.
+It is also what any other whole checkpoint converts to with
+``output.checkpoint=pytorch``, and what a DeepSpeed save, which osdpipe reads
+but does not write, converts to (:mod:`osdpipe.checkpoints.deepspeed`): every
+job PyTorch runs loads it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,88 +32,19 @@ if TYPE_CHECKING:  # annotations only: reading and writing import torch
 MODEL, OPTIM = "model", "optim"
 
 
-class WritesPytorch(CheckpointLayout):
-    """Writes a conversion in PyTorch's layout: each rank's own file (``rank_local``), or one DCP directory under ``model`` and ``optim``.
+@register
+class Pytorch(CheckpointLayout):
+    """PyTorch's own layout, read and written; written from a checkpoint of any layout too (``output.checkpoint=pytorch``).
 
-    The writing half of :class:`Pytorch`, shared with the layouts that read
-    another framework's files and write PyTorch's (DeepSpeed's).
+    Written: each rank's own file (``rank_local``), or one DCP directory of
+    ``model`` and ``optim``, every carried item beside them at the top level
+    and every carried file (accelerate's ``scheduler.bin``...) beside ``dcp/``.
     """
 
-    output_formats = ("dcp", "rank_local")
-
-    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
-        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
-        from osdpipe.formats.base import RankFiles
-
-        if fmt.keyed_by_id:  # each rank's own file
-            return output.write_rank_file(parts, staging, rank, tree)
-
-        def state_of(r: int, local: bool) -> dict[str, Any]:
-            mine = local and r == rank
-            state: dict[str, Any] = {MODEL: output.model_pieces(parts if mine else None, tree, world_size, r)}
-            if parts.carrying.optimizer:  # a model-only checkpoint stays one
-                state[OPTIM] = output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=mine)
-            if r == 0:  # carried items are kept by one rank, as dcp.save keeps a replicated item once
-                state.update(output.carried_state(parts.carrying, parts.carried if mine else None))
-            return state
-
-        results, files, storages = output.write_dcp(staging, DCP_DIR, state_of, rank, world_size, shared)
-        where = next(iter(files), DCP_DIR)
-        tensors = {**output.optimizer_digests(parts.optimizer, where, storages), **output.model_digests(output.model_pieces(parts, tree, world_size, rank), where, storages)}
-        return RankFiles(files, tensors, results)
-
-    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
-        if fmt.keyed_by_id:  # each rank's own file
-            return {}
-        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
-
-        return output.finish_dcp(staging, DCP_DIR, shared, [r.results for r in per_rank])
-
-    def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
-        """As a PyTorch job loads it: ``dcp.load`` of ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}``, then each set into the job."""
-        if fmt.keyed_by_id:  # each rank's own file
-            return super().load_output(model, optim, directory, rank, fmt)
-        import torch.distributed.checkpoint as dcp  # DCP: only a live job loads
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
-
-        path = directory / DCP_DIR
-        with_optimizer = any(i.path[0] == OPTIM for i in dcp_items(path))  # a model-only checkpoint loads the model alone
-        state: dict[str, Any] = {MODEL: dict(get_model_state_dict(model))}
-        if with_optimizer:
-            state[OPTIM] = get_optimizer_state_dict(model, optim)
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(model, state[MODEL])
-        if with_optimizer:
-            set_optimizer_state_dict(model, optim, state[OPTIM])
-
-    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
-        """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer, and on rank 0 every carried item as stored."""
-        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
-        from osdpipe.formats.dcp import optimizer_differences
-        from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
-
-        if fmt.keyed_by_id:  # each rank's own file
-            return output.rank_file_differences(directory, parts, rank, tree)
-        if "checkpoint" not in opened:  # opened (metadata read, structure checked) once for every rank
-            opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / DCP_DIR), None)
-            if parts.carrying.optimizer:
-                opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIM, checkpoint)
-                opened["optimizer meta"] = reader.meta()
-        checkpoint = opened["checkpoint"]
-        problems = output.model_differences(checkpoint, MODEL, parts, tree, world_size, rank)
-        if parts.carrying.optimizer:
-            problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
-        elif any(p[0] == OPTIM for p in checkpoint.paths.values()):
-            problems.append(f"{checkpoint.path}: holds optimizer state, but the model-only source has none")
-        if rank == 0:
-            problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
-        return problems
-
-
-@register
-class Pytorch(WritesPytorch):
     name = "pytorch"
     looks_like = "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
+    output_formats = ("dcp", "rank_local")
+    takes_any_source = True
 
     def recognizes(self, path: Path) -> bool:
         """A DCP directory with tensors nested under ``model`` and nothing of torchtitan's (its v0.1 nests the model there too)."""
@@ -164,3 +98,88 @@ class Pytorch(WritesPytorch):
         from osdpipe.formats.dcp_reader import DcpCheckpoint
 
         return read_carried(DcpCheckpoint(carrying.source, None), carrying)
+
+    # ------------------------------------------------------------------ writing
+
+    def adopt(self, carrying: Carrying) -> Carrying:
+        """The model under ``model`` of one DCP directory, ``dcp/``, whatever layout the input had; its carried items keep their names.
+
+        Raises:
+            InputError: a carried item is named ``model`` or ``optim``, which this layout holds.
+        """
+        clash = next((flat for flat, path in zip(carrying.items, carrying.item_paths) if path[0] in (MODEL, OPTIM)), None)
+        if clash is not None:
+            from osdpipe.formats.base import InputError  # torch: only where a conversion is written
+
+            raise InputError(f"{carrying.source}: its entry {clash} would take the place of PyTorch's {MODEL} or {OPTIM}; write the input's own layout (leave output.checkpoint out)")
+        return replace(carrying, model_key=MODEL, folder=DCP_DIR)
+
+    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+        from osdpipe.formats.base import RankFiles
+
+        if fmt.keyed_by_id:  # each rank's own file
+            return output.write_rank_file(parts, staging, rank, tree)
+
+        def state_of(r: int, local: bool) -> dict[str, Any]:
+            mine = local and r == rank
+            state: dict[str, Any] = {MODEL: output.model_pieces(parts if mine else None, tree, world_size, r)}
+            if parts.carrying.optimizer:  # a model-only checkpoint stays one
+                state[OPTIM] = output.dcp_writer.rank_state(parts.optimizer, tree, world_size, r, local=mine)
+            if r == 0:  # carried items are kept by one rank, as dcp.save keeps a replicated item once
+                state.update(output.carried_state(parts.carrying, parts.carried if mine else None))
+            return state
+
+        results, files, storages = output.write_dcp(staging, DCP_DIR, state_of, rank, world_size, shared)
+        where = next(iter(files), DCP_DIR)
+        tensors = {**output.optimizer_digests(parts.optimizer, where, storages), **output.model_digests(output.model_pieces(parts, tree, world_size, rank), where, storages)}
+        return RankFiles(files, tensors, results)
+
+    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
+        """The ``.metadata`` (``dcp``), and every carried file (accelerate's) beside the output's DCP directory or rank files."""
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+
+        done = {} if fmt.keyed_by_id else output.finish_dcp(staging, DCP_DIR, shared, [r.results for r in per_rank])
+        return {**done, **output.copy_files(carrying, staging)}
+
+    def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
+        """As a PyTorch job loads it: ``dcp.load`` of ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}``, then each set into the job."""
+        if fmt.keyed_by_id:  # each rank's own file
+            return super().load_output(model, optim, directory, rank, fmt)
+        import torch.distributed.checkpoint as dcp  # DCP: only a live job loads
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+        path = directory / DCP_DIR
+        with_optimizer = any(i.path[0] == OPTIM for i in dcp_items(path))  # a model-only checkpoint loads the model alone
+        state: dict[str, Any] = {MODEL: dict(get_model_state_dict(model))}
+        if with_optimizer:
+            state[OPTIM] = get_optimizer_state_dict(model, optim)
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state[MODEL])
+        if with_optimizer:
+            set_optimizer_state_dict(model, optim, state[OPTIM])
+
+    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
+        """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer, and on rank 0 every carried item as stored;
+        on rank 0 every carried file, byte for byte."""
+        from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
+        from osdpipe.formats.dcp import optimizer_differences
+        from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
+
+        files = output.file_differences(directory, parts.carrying) if rank == 0 else []
+        if fmt.keyed_by_id:  # each rank's own file
+            return output.rank_file_differences(directory, parts, rank, tree) + files
+        if "checkpoint" not in opened:  # opened (metadata read, structure checked) once for every rank
+            opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / DCP_DIR), None)
+            if parts.carrying.optimizer:
+                opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIM, checkpoint)
+                opened["optimizer meta"] = reader.meta()
+        checkpoint = opened["checkpoint"]
+        problems = output.model_differences(checkpoint, MODEL, parts, tree, world_size, rank)
+        if parts.carrying.optimizer:
+            problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
+        elif any(p[0] == OPTIM for p in checkpoint.paths.values()):
+            problems.append(f"{checkpoint.path}: holds optimizer state, but the model-only source has none")
+        if rank == 0:
+            problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
+        return problems + files

@@ -81,8 +81,8 @@ def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
     from osdpipe.checkpoints.output import export_safetensors, rank_parts  # torch.distributed.checkpoint: only where a whole checkpoint is written
 
     source = keyed.source
-    parts = rank_parts(keyed)
-    mine = ctx.plan.checkpoint.write(parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format)
+    parts = rank_parts(keyed, ctx.plan.output_checkpoint)
+    mine = ctx.plan.output_checkpoint.write(parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format)
     if ctx.spec.output.model_format == "safetensors" and ctx.rank == source.first_reader:
         mine.files.update(export_safetensors(source.reader, source.meta, ctx.tree, staging, ctx.spec.output.max_shard_size, _to_hf(ctx.spec)))
     return mine
@@ -126,7 +126,8 @@ def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: Whole
     staging = Path(ctx.spec.output.path) / output.STAGING
     files = {k: v for r in per_rank for k, v in r.files.items()}
     if carried is not None:
-        finished = ctx.plan.checkpoint.finish(staging, ctx.world.kept, per_rank, ctx.output_format, carried.carrying)
+        writer = ctx.plan.output_checkpoint
+        finished = writer.finish(staging, ctx.world.kept, per_rank, ctx.output_format, writer.adopt(carried.carrying))
     else:
         finished = ctx.output_format.finish(staging, ctx.world.kept, per_rank)
     files.update(finished)

@@ -189,3 +189,29 @@ def test_a_bad_save_gets_one_line_and_leaves_no_output(tmp_path: Path, saves: di
     assert len(errors) == 1 and DAMAGE[kind] in errors[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert not out.exists() or conversion_entries(out) == [], "nothing is committed"
+
+
+def test_inspects_command_runs_as_printed_with_the_model_built_from_the_files(tmp_path: Path, saves: dict[str, Path]) -> None:
+    """No model.factory: the files name every parameter, shape and buffer. The command ``inspect`` prints runs with only the target's world
+    and the output filled in; the output is DeepSpeed's state bit for bit and loads, strictly, into the job's own model."""
+    from frameworks.ds_job import DsLM
+
+    folder = saves["stage2-bf16-tied"]
+    shown = run_command([sys.executable, "-m", "osdpipe", "inspect", str(folder), "--json"], cwd=tmp_path, timeout=300, env=user_env())
+    assert shown.returncode == 0, shown.stderr
+    command = json.loads(shown.stdout)["checkpoint"]["command"]
+    assert "model.factory" not in command and command.startswith("osdpipe checkpoint=deepspeed "), command
+    out = tmp_path / "out"
+    done = run_command([sys.executable, "-m", "osdpipe", *command.replace("<M>", "3").replace("<dir>", str(out)).split()[1:]],
+                       cwd=tmp_path, timeout=400, env=user_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert {c["name"]: c["ok"] for c in report["checks"]} == {"roundtrip": True, "reference": True, "load_step": True, "resume": True}
+    conversion = json.loads((out / "manifest.json").read_text())["conversion"]
+    assert conversion["target"]["kind"] == "fsdp2" and conversion["model"]["factory"] == "osdpipe.checkpoints.deepspeed:saved_model"
+    truth = torch.load(ds.dump_path(folder), weights_only=False)
+    got = _gathered(out / "dcp", tmp_path)
+    _assert_the_optimizer_is_deepspeeds(got["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
+    model = DsLM(tied=True)
+    model.load_state_dict(got["model"], strict=True)  # the job's own model takes every name, shape and dtype
+    assert [fqn for fqn, p in model.named_parameters() if not torch.equal(_bits(p), _bits(truth["fp32"][fqn]))] == []
