@@ -104,7 +104,7 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as exc:
         key = next((o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in str(exc)), "an override")
-        raise CheckUsageError(f"{key}: not a key of the conversion's config; check its spelling against the config reference in README.md") from None
+        raise CheckUsageError(f"{key}: not a key of the conversion's config; check its spelling against the config reference in docs/config.md") from None
     raw = OmegaConf.to_container(merged, resolve=True)
     assert isinstance(raw, dict)
     raw["output"] = {**raw["output"], "path": str(directory), "overwrite": True}

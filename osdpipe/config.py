@@ -636,7 +636,7 @@ def _lines(errors: list[Any], where: tuple[str, ...] = ()) -> list[str]:
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
         if err["type"] == "extra_forbidden":
-            msg = "is not a known key; check its spelling against the config reference in README.md"
+            msg = "is not a known key; check its spelling against the config reference in docs/config.md"
         lines.append(f"{key}{shown}: {msg}" if loc else msg)
     return lines
 
@@ -657,4 +657,4 @@ class UnknownKey(ConfigError):
 
 def unknown_key(key: str) -> str:
     """The line for a key the config does not have."""
-    return f"{key}: not a known key; check its spelling against the config reference in README.md (osdpipe --help lists the main keys)"
+    return f"{key}: not a known key; check its spelling against the config reference in docs/config.md (osdpipe --help lists the main keys)"
