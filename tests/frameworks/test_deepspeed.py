@@ -2,10 +2,11 @@
 
 DeepSpeed 0.19.8 trains the tests' own model (:mod:`frameworks.ds_job`: odd
 sizes so ZeRO's padding shows, two param groups, a persistent buffer, tied
-embeddings or not) on 2 CPU ranks and calls ``engine.save_checkpoint``; the
-same job gathers what it held at that moment through DeepSpeed's own API
-(:mod:`frameworks.ds`). osdpipe reads the save folder without DeepSpeed's code
-and writes it for an FSDP2 job on 3 ranks, in PyTorch's layout
+embeddings or not) on 2 or 4 CPU ranks, for each ZeRO stage in fp32 and bf16
+(:data:`SAVES`), and calls ``engine.save_checkpoint``; the same job gathers
+what it held at that moment through DeepSpeed's own API (:mod:`frameworks.ds`).
+osdpipe reads the save folder without DeepSpeed's code and writes it for
+FSDP2 on 2 or 3 ranks or DDP (:data:`TARGETS`), in PyTorch's layout
 (``checkpoint=deepspeed``: model and optimizer) or the optimizer alone
 (``input.format=deepspeed``); its own checks load the output into that job
 (``set_model_state_dict``, ``set_optimizer_state_dict``) and step it.
@@ -37,11 +38,22 @@ from helpers import run_command, user_env
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
 
-#: Each ZeRO stage once, in both precisions and with tied embeddings on and off between them.
+#: The saves issue 31 names: each ZeRO stage, fp32 and bf16, on 2 and 4 ranks, with tied embeddings on and off between them.
 SAVES = {
-    "stage1-fp32": {"stage": 1, "dtype": "fp32", "tied": False},
-    "stage2-bf16-tied": {"stage": 2, "dtype": "bf16", "tied": True},
-    "stage3-bf16-tied": {"stage": 3, "dtype": "bf16", "tied": True},
+    "zero1-bf16-4": {"stage": 1, "dtype": "bf16", "tied": False, "ranks": 4},
+    "zero2-fp32-4": {"stage": 2, "dtype": "fp32", "tied": True, "ranks": 4},
+    "zero2-bf16-2": {"stage": 2, "dtype": "bf16", "tied": True, "ranks": 2},
+    "zero3-fp32-2": {"stage": 3, "dtype": "fp32", "tied": False, "ranks": 2},
+    "zero3-bf16-4": {"stage": 3, "dtype": "bf16", "tied": True, "ranks": 4},
+}
+#: What each save converts to, so that every save and every target is met: FSDP2 on 2 and 3 ranks in PyTorch's layout (DCP), DDP's rank files
+#: (each the whole model and optimizer, as a plain job saves them) with the model as safetensors beside them.
+TARGETS = {
+    "zero1-bf16-4": ["target.kind=fsdp2", "target.world_size=3"],
+    "zero2-fp32-4": ["target.kind=ddp", "target.world_size=2", "output.format=rank_local", "output.model_format=safetensors"],
+    "zero2-bf16-2": ["target.kind=fsdp2", "target.world_size=2"],
+    "zero3-fp32-2": ["target.kind=fsdp2", "target.world_size=3"],
+    "zero3-bf16-4": ["target.kind=fsdp2", "target.world_size=2", "output.model_format=safetensors"],
 }
 
 
@@ -63,13 +75,14 @@ def saves(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepspeed")
     made = {}
     for name, spec in SAVES.items():
-        made[name] = folder = ds.save(root, 2, {**spec, "out": str(root / name), "steps": 2})
+        made[name] = folder = ds.save(root, spec["ranks"], {**{k: v for k, v in spec.items() if k != "ranks"}, "out": str(root / name), "steps": 2})
         if not ds.universal_path(folder).is_dir():  # ds.save made it where DeepSpeed's API lacked moments
             ds.universal(folder, workdir=root)
     return made
 
 
 def _convert(folder: Path, out: Path, *extra: str) -> dict:
+    """The ``osdpipe`` command on the save ``folder``, with the job's own model (FSDP2 on 3 ranks, DCP, unless ``extra`` says); every check must pass."""
     tied = str(SAVES[folder.name]["tied"]).lower()
     done = run_command(
         [sys.executable, "-m", "osdpipe", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", f"+model.kwargs.tied={tied}",
@@ -99,14 +112,27 @@ def _assert_the_optimizer_is_deepspeeds(got: dict, truth: dict, universal: Path)
             assert torch.equal(_bits(state[key]), _bits(want.reshape(state[key].shape))), f"{fqn}.{key} differs from ds_to_universal's"
 
 
+def _by_name(rank_file: dict, groups: list[dict]) -> dict:
+    """A DDP job's rank file, its optimizer keyed by parameter name: as ``optim.state_dict()`` numbers them, each group's IDs are its
+    parameters in the order the job gave them (``groups``: the job's param groups, by name)."""
+    osd = rank_file["optim"]
+    names = {i: name for mine, theirs in zip(osd["param_groups"], groups, strict=True) for i, name in zip(mine["params"], theirs["params"], strict=True)}
+    return {**rank_file, "optim": {"state": {names[i]: s for i, s in osd["state"].items()},
+                                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}}
+
+
 @pytest.mark.parametrize("name", list(SAVES))
-def test_a_zero_save_converts_whole_for_an_fsdp2_job_with_deepspeeds_state_bit_for_bit(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
+def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     universal = ds.universal_path(folder) / ds.latest_tag(folder)
     out = tmp_path / "out"
-    report = _convert(folder, out, "checkpoint=deepspeed", *(["output.model_format=safetensors"] if name.startswith("stage3") else []))
-    got = _gathered(out / "dcp", tmp_path)
+    report = _convert(folder, out, "checkpoint=deepspeed", *TARGETS[name])
+    if (out / "dcp").is_dir():
+        got = _gathered(out / "dcp", tmp_path)
+    else:  # DDP's rank files: every rank the whole state
+        assert sorted(p.name for p in out.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
+        got = _by_name(torch.load(out / "rank_1.pt", weights_only=True), truth["param_groups"])
     _assert_the_optimizer_is_deepspeeds(got["optim"], truth, universal)
 
     # the model's weights are DeepSpeed's fp32 masters (training moved every one: in bf16 they are not the module's copy), under every name
@@ -126,7 +152,7 @@ def test_a_zero_save_converts_whole_for_an_fsdp2_job_with_deepspeeds_state_bit_f
     assert got["lr_scheduler"] == truth["lr_scheduler"] and got["global_steps"] == truth["global_steps"] == 2
     fates = {e["name"]: e["fate"] for e in report["entries"]}
     assert fates["param_shapes"].startswith("left out") and fates["module"].startswith("left out") and fates["lr_scheduler"].startswith("carried")
-    if name.startswith("stage3"):
+    if "output.model_format=safetensors" in TARGETS[name]:
         from safetensors.torch import load_file
 
         exported = load_file(out / "model.safetensors")
@@ -135,7 +161,7 @@ def test_a_zero_save_converts_whole_for_an_fsdp2_job_with_deepspeeds_state_bit_f
 
 
 def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(tmp_path: Path, saves: dict[str, Path]) -> None:
-    folder = saves["stage1-fp32"]
+    folder = saves["zero3-fp32-2"]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     out = tmp_path / "out"
     _convert(folder, out)  # input.format=deepspeed, found by itself; checkpoint=optimizer
@@ -146,7 +172,7 @@ def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(tmp_pa
 
 
 def _damaged(kind: str, folder: Path, other: Path) -> None:
-    """Damage the copy ``folder`` of a stage 1 save as ``kind`` says (``other``: a stage 2 save to take a file from)."""
+    """Damage the copy ``folder`` of a 2-rank fp32 save as ``kind`` says (``other``: a save of another stage to take a file from)."""
     tag = folder / ds.latest_tag(folder)
     rank1 = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     if kind == "missing rank file":
@@ -159,7 +185,8 @@ def _damaged(kind: str, folder: Path, other: Path) -> None:
         other_tag = other / ds.latest_tag(other)
         shutil.copy(next(other_tag.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")), rank1)
     elif kind == "tensor parallel":
-        shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+        states = next(tag.glob("*mp_rank_00_model_states.pt"))  # stage 3: zero_pp_rank_0_mp_rank_00_model_states.pt
+        shutil.copy(states, tag / states.name.replace("mp_rank_00", "mp_rank_01"))
 
 
 #: Each bad input, and what its one line must say.
@@ -174,9 +201,9 @@ DAMAGE = {
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
 def test_a_bad_save_gets_one_line_and_leaves_no_output(tmp_path: Path, saves: dict[str, Path], kind: str) -> None:
-    folder = tmp_path / "stage1-fp32"
-    shutil.copytree(saves["stage1-fp32"], folder)
-    _damaged(kind, folder, saves["stage2-bf16-tied"])
+    folder = tmp_path / "zero3-fp32-2"
+    shutil.copytree(saves["zero3-fp32-2"], folder)
+    _damaged(kind, folder, saves["zero2-fp32-4"])
     out = tmp_path / "out"
     done = run_command(
         [sys.executable, "-m", "osdpipe", "checkpoint=deepspeed", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", "+model.kwargs.tied=false",
@@ -196,7 +223,7 @@ def test_inspects_command_runs_as_printed_with_the_model_built_from_the_files(tm
     and the output filled in; the output is DeepSpeed's state bit for bit and loads, strictly, into the job's own model."""
     from frameworks.ds_job import DsLM
 
-    folder = saves["stage2-bf16-tied"]
+    folder = saves["zero2-bf16-2"]
     shown = run_command([sys.executable, "-m", "osdpipe", "inspect", str(folder), "--json"], cwd=tmp_path, timeout=300, env=user_env())
     assert shown.returncode == 0, shown.stderr
     command = json.loads(shown.stdout)["checkpoint"]["command"]
