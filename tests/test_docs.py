@@ -122,3 +122,35 @@ def test_a_planted_bad_command_is_found(planted: str, tmp_path: Path) -> None:
     page = f"Some text.\n\n```bash\n# a comment\n{planted} \\\n        runtime.progress=false\n```\n"
     assert [c.split() for c in shown_commands(page)] == [[*planted.split(), "runtime.progress=false"]]
     assert command_problems(shown_commands(page)[0], tmp_path) != []
+
+
+def _schema_keys(model: type, prefix: str = "") -> list[str]:
+    """Every key of the schema (:class:`osdpipe.config.RunSpec`), as a command line names it: the sections' fields, recursively."""
+    import typing
+
+    from pydantic import BaseModel
+
+    keys = []
+    for name, field in model.model_fields.items():
+        sections = [a for a in (typing.get_args(field.annotation) or (field.annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if sections and typing.get_origin(field.annotation) is not list:
+            keys += _schema_keys(sections[0], f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def test_every_key_of_the_schema_is_one_the_command_line_takes_and_docs_config_lists() -> None:
+    """A key the schema has but ``conf/config.yaml`` lacks is refused by the command line as unknown (``output.model_keys`` was)."""
+    from osdpipe.config import RunSpec
+
+    keys = _schema_keys(RunSpec)
+    assert len(keys) > 50 and "output.checkpoint" in keys and "source.mixed_precision.param_dtype" in keys
+    default = _composed([])
+    assert [k for k in keys if OmegaConf.select(default, k, default=KeyError) is KeyError] == [], "keys conf/config.yaml does not have"
+    reference = (REPO / "docs" / "config.md").read_text()
+    first_cells = re.findall(r"^\| ([^|]+) \|", reference, flags=re.M)
+    named = {key for cell in first_cells for key in re.findall(r"`([^`]+)`", cell)}
+    # a layout's keys are listed once for source and target (`.kind`); a dict's as `key.*`
+    listed = [k for k in keys if k in named or f"{k}.*" in named or "." + k.split(".", 1)[1] in named]
+    assert sorted(set(keys) - set(listed)) == [], "keys docs/config.md does not list"
