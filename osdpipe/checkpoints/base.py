@@ -151,6 +151,8 @@ class CheckpointLayout:
     output_formats: ClassVar[tuple[str, ...]] = ("dcp", "rank_local")
     #: The layout a conversion of this one writes unless ``output.checkpoint`` says (``None``: this one; DeepSpeed's, which osdpipe only reads: PyTorch's).
     written_as: ClassVar[str | None] = None
+    #: Whether this layout is written from a checkpoint of any layout (PyTorch's, which every framework's model and optimizer fit), or from its own alone.
+    takes_any_source: ClassVar[bool] = False
 
     def refuses(self, given: Format, source_kind: Any, generated: bool) -> str | None:
         """Why a conversion of this layout cannot read ``given`` (or generate a source of ``source_kind``) (``None``: it can); one line naming the keys to set."""
@@ -180,9 +182,6 @@ class CheckpointLayout:
                 "shard of its flat parameters, which no model.state_dict() a job loads holds; set output.format=dcp (FSDP1's SHARDED_STATE_DICT)"
             )
         return None
-
-    #: Whether this layout is written from a checkpoint of any layout (PyTorch's, which every framework's model and optimizer fit), or from its own alone.
-    takes_any_source: ClassVar[bool] = False
 
     def adopt(self, carrying: Carrying) -> Carrying:
         """What a conversion that writes this layout carries, from what the input's layout found (``carrying``): where this

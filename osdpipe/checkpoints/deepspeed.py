@@ -176,7 +176,7 @@ class DeepSpeedZero(CheckpointLayout):
 
         save = read_save(path)
         states = model_states(save.folder)
-        states_file = next(p.name for p in save.folder.iterdir() if p.name.endswith("model_states.pt"))
+        states_file = min(p.name for p in save.folder.iterdir() if p.name.endswith("model_states.pt"))  # rank 0's, which model_states reads
         optimizer_files = f"{save.files[0].name.replace('_0_', '_<r>_', 1)} x {save.world_size}"
         numel = sum(n for flat in save.flat_groups for _, n in flat)
         entries = [
