@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from osdpipe.formats.zero_layout import partition_size, pieces_by_parameter, pieces_in, rank_segments
+from osdpipe.formats.zero_layout import partition_size, pieces_by_parameter, pieces_in, rank_segments, saved_lengths
 
 GROUPS = [[("emb", 37 * 12), ("w1", 20 * 12), ("b1", 20)], [("norm", 12), ("b2", 7)]]
 
@@ -55,3 +55,14 @@ def test_stage_1_and_2_parameter_alignment_pads_after_each_parameter_but_the_las
     assert partition_size([5, 6], 2, 2, paddings) == 8
     assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 2, 0, paddings)] == [("a", 0, 5, 0)]
     assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 2, 1, paddings)] == [("b", 0, 6, 0)]
+
+
+def test_a_ranks_file_holds_its_moments_padded_and_its_stage_1_2_masters_without_the_groups_end_padding() -> None:
+    # DeepSpeed 0.19.8, 2 ranks, stage 1: a group of 1650 elements is padded to 1652; rank 1's fp32 partition was saved with 824
+    numels = [407, 209, 19, 209, 209, 209, 388]
+    assert sum(numels) == 1650
+    assert saved_lengths(numels, 2, 1, 0) == (826, 826)
+    assert saved_lengths(numels, 2, 1, 1) == (826, 824)
+    assert saved_lengths([5, 6], 4, 2, 3) == (4, 0)  # 11 padded to 16, 4 a rank: the last holds padding alone
+    assert saved_lengths([5, 6], 2, 3, 1) == (6, 6)  # stage 3: each parameter's piece, padding included, on every rank
+

@@ -32,7 +32,7 @@ import torch
 from osdpipe.formats.base import Format, IdGroups, InputError, SourceMeta, SourceReader, TensorRef, describe_value
 from osdpipe.formats.inert_load import Record, load_inert
 from osdpipe.formats.state_facts import describe_state, tally
-from osdpipe.formats.zero_layout import Piece, pieces_by_parameter, pieces_in
+from osdpipe.formats.zero_layout import Piece, pieces_by_parameter, pieces_in, saved_lengths
 from osdpipe.layout import LayoutSpec
 from osdpipe.memory import drop_mapped_pages
 from osdpipe.tree import ModuleTree
@@ -198,20 +198,50 @@ class ZeroReader:
         self.save = read_save(path)
         self.pieces: dict[str, list[Piece]] = pieces_by_parameter(self.save.flat_groups, self.save.world_size, self.save.stage, self.save.paddings)
         self._opened: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+        self._checked = False
+
+    def _open(self, rank: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """Rank ``rank``'s optimizer state and fp32 partitions, read (memory-mapped) and checked against rank 0's layout.
+
+        Raises:
+            InputError: the file is damaged, or of another save: another stage, world size, or partitions of other sizes.
+        """
+        path = self.save.files[rank]
+        osd = load_inert(path, DESCRIBED, what=WHAT)
+        base, fp32, stage = base_state(osd, path)
+        world = saved_world_size(osd)
+        if stage != self.save.stage or world not in (None, self.save.world_size):
+            raise InputError(
+                f"{path}: rank {rank}'s file records ZeRO stage {stage} on {world} rank(s), rank 0's stage {self.save.stage} on "
+                f"{self.save.world_size}: the folder mixes files of different saves; re-copy it from one save"
+            )
+        for flat, master in enumerate(fp32):
+            numels = [n for _, n in self.save.flat_groups[flat]]
+            padded, unpadded = saved_lengths(numels, self.save.world_size, self.save.stage, rank, self.save.paddings[flat] if self.save.paddings else ())
+            held = {MASTER_WEIGHTS: (master, {padded, unpadded})}
+            held.update({n: (v, {padded}) for n, v in base["state"].get(flat, {}).items() if torch.is_tensor(v) and v.dim() > 0})
+            wrong = [(n, v.numel(), want) for n, (v, want) in held.items() if v.numel() not in want]
+            if wrong:
+                name, numel, want = wrong[0]
+                raise InputError(
+                    f"{path}: its {name} partition of group {flat} holds {numel} elements, where the parameters rank 0's files name take "
+                    f"{' or '.join(map(str, sorted(want)))}: the file is not of this save; re-copy the whole folder from one save"
+                )
+        return base, [t.detach() for t in fp32]  # saved as the parameters of DeepSpeed's inner optimizer: requires_grad
 
     def _rank(self, rank: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
         if rank not in self._opened:
-            path = self.save.files[rank]
-            osd = load_inert(path, DESCRIBED, what=WHAT)
-            base, fp32, stage = base_state(osd, path)
-            world = saved_world_size(osd)
-            if stage != self.save.stage or world not in (None, self.save.world_size):
-                raise InputError(
-                    f"{path}: rank {rank}'s file records ZeRO stage {stage} on {world} rank(s), rank 0's stage {self.save.stage} on "
-                    f"{self.save.world_size}: the folder mixes files of different saves; re-copy it from one save"
-                )
-            self._opened[rank] = (base, [t.detach() for t in fp32])  # saved as the parameters of DeepSpeed's inner optimizer: requires_grad
+            self._opened[rank] = self._open(rank)
         return self._opened[rank]
+
+    def check_files(self) -> None:
+        """Open every rank's file once and check it (:meth:`_open`), keeping none open but rank 0's: a damaged or foreign
+        file is said before the conversion starts, not by the rank that reads it later."""
+        if not self._checked:
+            for rank in range(1, self.save.world_size):
+                if rank not in self._opened:
+                    self._open(rank)
+            self._checked = True
 
     def _flat(self, rank: int, flat: int, name: str) -> torch.Tensor:
         base, fp32 = self._rank(rank)
@@ -221,7 +251,9 @@ class ZeroReader:
         return self.pieces[fqn][0].group
 
     def meta(self) -> SourceMeta:
+        """The state and param groups, from rank 0's file; every other rank's file is checked first (:meth:`check_files`)."""
         base, _ = self._rank(0)
+        self.check_files()
         state: dict[str, dict[str, Any]] = {}
         for fqn, shape in self.save.shapes.items():
             if fqn not in self.pieces:  # a parameter of no element (numel 0)

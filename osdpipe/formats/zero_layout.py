@@ -53,6 +53,16 @@ def partition_size(numels: Sequence[int], world_size: int, stage: int, paddings:
     return -(-(sum(numels) + sum(paddings)) // align) * align // world_size
 
 
+def saved_lengths(numels: Sequence[int], world_size: int, stage: int, rank: int, paddings: Sequence[int] = ()) -> tuple[int, int]:
+    """How many elements rank ``rank``'s file holds of a group's partition: the moments (padding included), and the fp32 master
+    weights, which stage 1/2 save without the group's padding at the end (stage 3, and DeepSpeed's bf16 optimizer, with it)."""
+    size = partition_size(numels, world_size, stage, paddings)
+    if stage == 3:
+        return size, size
+    data = sum(numels) + sum(paddings)
+    return size, min(size, max(0, data - rank * size))
+
+
 def rank_segments(numels: Sequence[tuple[str, int]], world_size: int, stage: int, rank: int, paddings: Sequence[int] = ()) -> tuple[Segment, ...]:
     """Rank ``rank``'s partition of one group (``numels``: each parameter's name and numel, in ``param_shapes`` order;
     ``paddings``: stage 1/2's after each parameter), as segments."""

@@ -171,8 +171,15 @@ def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(tmp_pa
     assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(masters[(fqn, "fp32")]), _bits(want))] == []
 
 
-def _damaged(kind: str, folder: Path, other: Path) -> None:
-    """Damage the copy ``folder`` of a 2-rank fp32 save as ``kind`` says (``other``: a save of another stage to take a file from)."""
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> Path:
+    """A ZeRO-3 fp32 save on 2 ranks, as ``zero3-fp32-2`` but of a model of other sizes: same stage, same world, partitions of other lengths."""
+    root = tmp_path_factory.mktemp("deepspeed-other")
+    return ds.save(root, 2, {"stage": 3, "dtype": "fp32", "tied": False, "dim": 12, "hidden": 20, "out": str(root / "other"), "steps": 1})
+
+
+def _damaged(kind: str, folder: Path, other: Path, other_model: Path) -> None:
+    """Damage the copy ``folder`` of a 2-rank fp32 ZeRO-3 save as ``kind`` says (``other``: a save of another stage; ``other_model``: of another model)."""
     tag = folder / ds.latest_tag(folder)
     rank1 = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     if kind == "missing rank file":
@@ -184,6 +191,8 @@ def _damaged(kind: str, folder: Path, other: Path) -> None:
     elif kind == "ranks of two saves":
         other_tag = other / ds.latest_tag(other)
         shutil.copy(next(other_tag.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")), rank1)
+    elif kind == "rank file of another model":
+        shutil.copy(other_model / ds.latest_tag(other_model) / rank1.name, rank1)
     elif kind == "tensor parallel":
         states = next(tag.glob("*mp_rank_00_model_states.pt"))  # stage 3: zero_pp_rank_0_mp_rank_00_model_states.pt
         shutil.copy(states, tag / states.name.replace("mp_rank_00", "mp_rank_01"))
@@ -195,15 +204,16 @@ DAMAGE = {
     "truncated rank file": "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     "latest names no folder": "names 'global_step9', which is not a folder",
     "ranks of two saves": "mixes files of different saves",
+    "rank file of another model": "the file is not of this save",
     "tensor parallel": "not yet",
 }
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
-def test_a_bad_save_gets_one_line_and_leaves_no_output(tmp_path: Path, saves: dict[str, Path], kind: str) -> None:
+def test_a_bad_save_gets_one_line_and_leaves_no_output(tmp_path: Path, saves: dict[str, Path], other_model: Path, kind: str) -> None:
     folder = tmp_path / "zero3-fp32-2"
     shutil.copytree(saves["zero3-fp32-2"], folder)
-    _damaged(kind, folder, saves["zero2-fp32-4"])
+    _damaged(kind, folder, saves["zero2-fp32-4"], other_model)
     out = tmp_path / "out"
     done = run_command(
         [sys.executable, "-m", "osdpipe", "checkpoint=deepspeed", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", "+model.kwargs.tied=false",
