@@ -274,4 +274,4 @@ def open_whole(layout: Any, path: str, input_format: str, *, tree: ModuleTree, s
 
     part = layout.optimizer_part(path, input_format)
     optimizer = NoOptimizer() if part is None else open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None)
-    return WholeReader(optimizer, layout.open_model(path, input_format, tree), tree, path, layout, layout.carried(path, input_format, tree))
+    return WholeReader(optimizer, layout.open_model(path, input_format, tree, optimizer), tree, path, layout, layout.carried(path, input_format, tree))

@@ -447,3 +447,41 @@ def test_torchtitan_and_accelerate_checkpoints_convert_to_pytorchs_own_layout(co
     _same(accelerate["optim"]["state"], _gathered(source / "optimizer_0", tmp_path)["optimizer"]["state"], "accelerate -> pytorch: optimizer")
     for name in whole_jobs.ACCELERATE_FILES:
         assert (converted["accelerate_pytorch_2"] / name).read_bytes() == (source / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("name,folder", [("titan_dcp_2", "step-2"), ("titan_pytorch_2", "dcp")])
+def test_osdpipe_check_proves_a_whole_dcp_output_and_finds_one_changed_element(converted: dict[str, Path], tmp_path: Path, name: str, folder: str) -> None:
+    """``osdpipe check`` compares the step folder (torchtitan) or dcp/ (PyTorch's layout) with its source, model, optimizer and carried
+    items; a copy with one element of the model changed (its bytes, and the manifest's digests, rewritten to hide it) fails."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def check(directory: Path) -> tuple[int, str]:
+        done = run_command([sys.executable, "-m", "osdpipe", "check", str(directory)], cwd=tmp_path, timeout=TIMEOUT_S, env=user_env())
+        return done.returncode, done.stdout + done.stderr
+
+    code, said = check(converted[name])
+    assert code == 0 and "check roundtrip  pass" in said, said
+    changed = tmp_path / name
+    shutil.copytree(converted[name], changed)
+    target = changed / folder
+    reader = dcp.FileSystemReader(str(target))
+    key = next(k for k in reader.read_metadata().state_dict_metadata if k.endswith("embed.weight"))
+    state = {key: torch.empty(reader.read_metadata().state_dict_metadata[key].size)}
+    dcp.load(state, storage_reader=reader)
+    manifest = json.loads((changed / "manifest.json").read_text())
+    for item in sorted(target.glob("*.distcp")):  # find the element's bytes in the data files and change them in place
+        data = bytearray(item.read_bytes())
+        at = data.find(state[key].reshape(-1)[:4].numpy().tobytes())
+        if at >= 0:
+            data[at] ^= 0x40
+            item.write_bytes(bytes(data))
+            manifest["files"].pop(f"{folder}/{item.name}", None)  # the files check is not what this test is about
+            break
+    else:
+        raise AssertionError(f"no data file holds {key}'s first elements")
+    (changed / "manifest.json").write_text(json.dumps(manifest))
+    code, said = check(changed)
+    assert code == 1 and "check roundtrip  FAIL" in said and "embed.weight" in said, said

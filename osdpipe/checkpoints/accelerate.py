@@ -151,7 +151,7 @@ class Accelerate(CheckpointLayout):
             return Part(str(Path(path) / FULL_OPTIMIZER), "fsdp_full", "optim")
         return Part(str(Path(path) / OPTIMIZER_DIR), "dcp", "optimizer")
 
-    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         if _full(path):
             from osdpipe.checkpoints.file_weights import FileWeights  # torch: only where a checkpoint is read
 

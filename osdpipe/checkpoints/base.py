@@ -234,8 +234,9 @@ class CheckpointLayout:
         """Where the optimizer is in the checkpoint at ``path``, as today's readers take it (``None``: a model-only checkpoint)."""
         raise NotImplementedError
 
-    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
-        """A reader of the model's weights in the checkpoint at ``path`` (:class:`osdpipe.weights.WeightsReader`)."""
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
+        """A reader of the model's weights in the checkpoint at ``path`` (:class:`osdpipe.weights.WeightsReader`); ``optimizer``: the
+        optimizer part's reader, opened already, for a layout that keeps the weights in the same files (DeepSpeed's masters)."""
         raise NotImplementedError
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:

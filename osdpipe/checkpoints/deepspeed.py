@@ -194,10 +194,11 @@ class DeepSpeedZero(CheckpointLayout):
 
         return Part(str(tag_folder(path)), "deepspeed", "optim")
 
-    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> ZeroWeights:
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> ZeroWeights:
+        """The masters from the optimizer part's own reader: its files are opened, and checked, once."""
         from osdpipe.formats.deepspeed import ZeroReader, model_states
 
-        reader = ZeroReader(path)
+        reader = optimizer if isinstance(optimizer, ZeroReader) else ZeroReader(path)
         return ZeroWeights(reader, dict(model_states(reader.save.folder).get("module") or {}), tree)
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:

@@ -277,6 +277,32 @@ def model_differences(checkpoint: Any, key: str | None, parts: RankParts, tree: 
     return problems
 
 
+def one_dcp_differences(directory: Path, parts: RankParts, rank: int, world_size: int, tree: ModuleTree, opened: dict[str, Any], optimizer_key: str) -> list[str]:
+    """Where target rank ``rank``'s part of a whole checkpoint laid out as one DCP directory (``parts.carrying.folder``: the model under
+    ``parts.carrying.model_key``, the optimizer under ``optimizer_key``, the carried items beside) differs from ``parts``, bitwise.
+
+    torchtitan's step folder and PyTorch's ``{"model", "optim"}`` are both such a directory. ``opened`` keeps the
+    checkpoint (metadata read, structure checked) across ranks.
+    """
+    from osdpipe.formats.dcp import optimizer_differences
+    from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
+
+    if "checkpoint" not in opened:
+        opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / parts.carrying.folder), None)
+        if parts.carrying.optimizer:
+            opened["optimizer"] = reader = DcpReader(checkpoint.path, optimizer_key, checkpoint)
+            opened["optimizer meta"] = reader.meta()
+    checkpoint = opened["checkpoint"]
+    problems = model_differences(checkpoint, parts.carrying.model_key, parts, tree, world_size, rank)
+    if parts.carrying.optimizer:
+        problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
+    elif any(p[0] == optimizer_key for p in checkpoint.paths.values()):
+        problems.append(f"{checkpoint.path}: holds optimizer state, but the model-only source has none")
+    if rank == 0:
+        problems += carried_differences(checkpoint, parts.carrying, parts.carried)
+    return problems
+
+
 def carried_differences(checkpoint: Any, carrying: Carrying, data: CarriedData) -> list[str]:
     """Where a DCP checkpoint's carried items differ from the source's: the same stored bytes, or the same value (tensors)."""
     problems = []

@@ -83,7 +83,7 @@ class Pytorch(CheckpointLayout):
 
         return DcpWeights(DcpCheckpoint(path, None), MODEL, tree)
 
-    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         return self._model(path, tree)
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
@@ -163,23 +163,8 @@ class Pytorch(CheckpointLayout):
         """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer, and on rank 0 every carried item as stored;
         on rank 0 every carried file, byte for byte."""
         from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
-        from osdpipe.formats.dcp import optimizer_differences
-        from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
 
         files = output.file_differences(directory, parts.carrying) if rank == 0 else []
         if fmt.keyed_by_id:  # each rank's own file
             return output.rank_file_differences(directory, parts, rank, tree) + files
-        if "checkpoint" not in opened:  # opened (metadata read, structure checked) once for every rank
-            opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / DCP_DIR), None)
-            if parts.carrying.optimizer:
-                opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIM, checkpoint)
-                opened["optimizer meta"] = reader.meta()
-        checkpoint = opened["checkpoint"]
-        problems = output.model_differences(checkpoint, MODEL, parts, tree, world_size, rank)
-        if parts.carrying.optimizer:
-            problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
-        elif any(p[0] == OPTIM for p in checkpoint.paths.values()):
-            problems.append(f"{checkpoint.path}: holds optimizer state, but the model-only source has none")
-        if rank == 0:
-            problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
-        return problems + files
+        return output.one_dcp_differences(directory, parts, rank, world_size, tree, opened, OPTIM) + files

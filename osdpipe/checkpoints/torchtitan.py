@@ -173,7 +173,7 @@ class Torchtitan(CheckpointLayout):
         checkpoint = DcpCheckpoint(path, None)
         return DcpWeights(checkpoint, model_key(checkpoint.paths.values()), tree)
 
-    def open_model(self, path: str, input_format: str, tree: ModuleTree) -> Any:
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         return self._model(path, tree)
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
@@ -265,25 +265,10 @@ class Torchtitan(CheckpointLayout):
     def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
         """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer in the step folder, and on rank 0 every carried item as stored."""
         from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
-        from osdpipe.formats.dcp import optimizer_differences
-        from osdpipe.formats.dcp_reader import DcpCheckpoint, DcpReader
 
         if fmt.keyed_by_id:  # each rank's own file
             return output.rank_file_differences(directory, parts, rank, tree)
-        if "checkpoint" not in opened:  # opened (metadata read, structure checked) once for every rank
-            opened["checkpoint"] = checkpoint = DcpCheckpoint(str(directory / parts.carrying.folder), None)
-            if parts.carrying.optimizer:
-                opened["optimizer"] = reader = DcpReader(checkpoint.path, OPTIMIZER, checkpoint)
-                opened["optimizer meta"] = reader.meta()
-        checkpoint = opened["checkpoint"]
-        problems = output.model_differences(checkpoint, parts.carrying.model_key, parts, tree, world_size, rank)
-        if parts.carrying.optimizer:
-            problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
-        elif any(p[0] == OPTIMIZER for p in checkpoint.paths.values()):
-            problems.append(f"{checkpoint.path}: holds optimizer state, but the model-only source has none")
-        if rank == 0:
-            problems += output.carried_differences(checkpoint, parts.carrying, parts.carried)
-        return problems
+        return output.one_dcp_differences(directory, parts, rank, world_size, tree, opened, OPTIMIZER)
 
 
 #: How torchtitan names the folder of each checkpoint under ``--checkpoint.folder``; it resumes from the highest N.
