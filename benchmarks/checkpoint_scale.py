@@ -5,6 +5,7 @@ Run (the default is the row the targets are set on; the full grid takes long):
     python benchmarks/checkpoint_scale.py --sizes 1.6 --pairs 4:2 --repeats 2
     python benchmarks/checkpoint_scale.py --sizes 0.4,1.6,6.4 --pairs 4:2,2:4,4:3
     python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2,2:4 --paths osdpipe-offline-budget,limit --budget 1GB
+    python benchmarks/checkpoint_scale.py --sizes 6.4 --pairs 4:8 --repeats 3 --paths osdpipe-offline,osdpipe-offline-2,osdpipe-torchrun-2x1,limit
 
 (the last: a source larger than this machine's memory, which only an
 offline conversion under a budget converts here; it needs about 60 GB of disk)
@@ -20,6 +21,9 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
 * ``osdpipe-offline``: the same with ``runtime.mode=offline``;
 * ``osdpipe-scatter``: online, rank 0 reads and sends every other rank its
   ranges (``runtime.transfer=scatter``);
+* ``osdpipe-offline-2``: offline, played by 2 local workers (``runtime.workers=2``);
+* ``osdpipe-torchrun-2x1``: offline, played by a 2-node torchrun world on this
+  machine (two agents, one process each, a c10d rendezvous on 127.0.0.1);
 * ``osdpipe-offline-budget``: offline under ``runtime.memory_budget`` (``--budget``),
   so each rank's output is made as it is written: its ``save`` stage is the
   whole conversion (read, compare, write), and its "in flight" is ``-``;
@@ -62,9 +66,13 @@ OSDPIPE_PATHS = {
     "osdpipe": (),
     "osdpipe-offline": ("runtime.mode=offline",),
     "osdpipe-scatter": ("runtime.transfer=scatter",),
+    "osdpipe-offline-2": ("runtime.mode=offline", "runtime.workers=2"),
+    "osdpipe-torchrun-2x1": ("runtime.mode=offline",),
     "osdpipe-offline-budget": ("runtime.mode=offline", "runtime.memory_budget={budget}"),
     "osdpipe-dcp": ("output.format=dcp",),
 }
+#: Paths whose command runs under torchrun agents, one per node (each node one process): the path -> how many nodes.
+TORCHRUN_NODES = {"osdpipe-torchrun-2x1": 2}
 PATHS = (*OSDPIPE_PATHS, "limit", "fsdp1", "dcp")
 DEPTH = 12
 
@@ -164,16 +172,27 @@ def write_random_state(width: int, path: Path) -> None:
 # ---------------------------------------------------------------------------
 
 
-def osdpipe_command(width: int, source: Path, fmt: str, n: int, m: int, out: Path, *extra: str) -> dict:
+def osdpipe_command(width: int, source: Path, fmt: str, n: int, m: int, out: Path, *extra: str, nodes: int = 0) -> dict:
+    """The ``osdpipe`` command, or with ``nodes``, that many torchrun agents (one process each) running it as one world."""
+    launcher = [sys.executable, "-m", "osdpipe"]
+    if nodes:
+        from osdpipe.launch import free_port
+
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench{time.monotonic_ns()}", "-m", "osdpipe"]  # fmt: skip
     cmd = [
-        sys.executable, "-m", "osdpipe", "model.factory=mlp", f"model.kwargs.width={width}", f"model.kwargs.depth={DEPTH}",
+        *launcher, "model.factory=mlp", f"model.kwargs.width={width}", f"model.kwargs.depth={DEPTH}",
         f"input.path={source}", f"input.format={fmt}", f"source.world_size={n}", "source.wrap=[Linear]",
         f"target.world_size={m}", "target.wrap=[Linear]", "target.use_orig_params=true", "pipeline.checks=[roundtrip]",
         f"output.path={out}", "output.overwrite=true", "runtime.progress=false", *extra,
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"osdpipe failed: {result.stderr.strip()}")
+    logs = [tempfile.TemporaryFile("w+") for _ in range(max(1, nodes))]  # files, not pipes: an agent never blocks on a full pipe the other waits behind
+    agents = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True) for log in logs]
+    codes = [a.wait() for a in agents]
+    for code, log in zip(codes, logs):
+        if code != 0:
+            log.seek(0)
+            raise RuntimeError(f"osdpipe failed: {log.read().strip()}")
     return json.loads((out / "report.json").read_text())
 
 
@@ -256,7 +275,7 @@ def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: 
         return result
     if path in OSDPIPE_PATHS:
         extra = [arg.format(budget=budget) for arg in OSDPIPE_PATHS[path]]
-        report = osdpipe_command(width, full, "fsdp_full", n, m, out, *extra)
+        report = osdpipe_command(width, full, "fsdp_full", n, m, out, *extra, nodes=TORCHRUN_NODES.get(path, 0))
         result = {
             "memory": report["memory"], "conversion_s": sum(s["seconds"] for s in report["stages"]), "stages": {s["name"]: s["seconds"] for s in report["stages"]},
             "sent": sum(s["sent"] for s in report["stages"] if s["name"] == "shard"), "output_bytes": report["output_bytes"],
@@ -297,7 +316,7 @@ def in_flight(run: dict) -> str:
     if "output_bytes" not in run:
         return "-"
     memory, outputs = run["memory"], run["output_bytes"]
-    held = [max(outputs)] if len(memory) == 1 else outputs
+    held = outputs if len(memory) == len(outputs) else [max(outputs)] * len(memory)  # online: its own; offline workers: one rank's at a time
     beyond = [(m["peak_anonymous"] or 0) - (m["baseline_anonymous"] or 0) - out for m, out in zip(memory, held)]
     return "-" if min(beyond) < 0 else f"{max(beyond) / 1e9:.2f}"
 

@@ -3,11 +3,19 @@
 A stage runs on every rank. If it fails on some, every rank must raise the same
 error naming the stage and the failed ranks, instead of some ranks waiting
 forever in a collective the failed ones never reach.
+
+These helpers span the *target's ranks*: the process group where each
+process plays one target rank, and no one else where a process plays several
+in turn (offline, or a share of them: :class:`osdpipe.world.ShareWorld`,
+whose processes meet only between the ranks they play, through
+:func:`gather_processes`). :func:`ranks_apart` says so for a run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -16,11 +24,16 @@ T = TypeVar("T")
 
 
 class StageError(RuntimeError):
-    """A stage failed on one or more ranks: one line naming the stage, the ranks and the first rank's error."""
+    """A stage failed on one or more ranks: one line naming the stage, the ranks and the first rank's error.
 
-    def __init__(self, stage: str, failures: dict[int, str]) -> None:
+    ``by``: the process that played the rank, where that is not the rank's
+    own (``"worker 1 of 2 on node-a"``, see :class:`osdpipe.world.ShareWorld`).
+    """
+
+    def __init__(self, stage: str, failures: dict[int, str], by: str | None = None) -> None:
         ranks = sorted(failures)
         where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        where += f" (played by {by})" if by else ""
         super().__init__(f"stage {stage!r} failed on {where}: {failures[ranks[0]]}")
         self.stage, self.failures = stage, failures
 
@@ -48,15 +61,55 @@ def lost_a_peer(message: str) -> bool:
     return any(m in message for m in _LOST_PEER_MARKERS)
 
 
-def _initialized() -> bool:
+#: Whether the process group's members are the target's ranks, one each (see :func:`ranks_apart`).
+_RANKS_MEET: ContextVar[bool] = ContextVar("osdpipe_ranks_meet", default=True)
+#: Who plays the ranks apart, as a stage's error names it (see :func:`ranks_apart`).
+_PLAYER: ContextVar[str | None] = ContextVar("osdpipe_player", default=None)
+
+
+@contextmanager
+def ranks_apart(player: str | None = None) -> Iterator[None]:
+    """Inside, the helpers act as without a process group: each process plays its target ranks in turn, apart.
+
+    A process group may still be there (the workers of a
+    :class:`~osdpipe.world.ShareWorld`), but its members play different
+    numbers of target ranks, so they would not meet in a per-rank collective;
+    they meet in :func:`gather_processes` alone. ``player``: who plays them,
+    named in a failed stage's error (``"worker 1 of 2 on node-a"``).
+    """
+    tokens = _RANKS_MEET.set(False), _PLAYER.set(player)
+    try:
+        yield
+    finally:
+        _RANKS_MEET.reset(tokens[0])
+        _PLAYER.reset(tokens[1])
+
+
+def _grouped() -> bool:
+    """Whether a process group is there at all."""
     return dist.is_available() and dist.is_initialized()
+
+
+def _initialized() -> bool:
+    """Whether the target's ranks meet in a process group (one process each)."""
+    return _grouped() and _RANKS_MEET.get()
+
+
+def gather_processes(value: T) -> list[T]:
+    """Every process's ``value``, on every process of the group (a collective of processes, whatever ranks each plays)."""
+    if not _grouped():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def agree(stage: str, error: str | None, rank: int = 0) -> None:
     """Share each rank's error (or ``None``) and raise :class:`StageError` on every rank if any failed.
 
     Without a process group the error is ``rank``'s: the rank this process
-    plays (see :class:`osdpipe.world.SoloWorld`).
+    plays (see :class:`osdpipe.world.SoloWorld`), named with the worker that
+    plays it where :func:`ranks_apart` says who.
     """
     errors = {rank: error}
     if _initialized():
@@ -65,7 +118,7 @@ def agree(stage: str, error: str | None, rank: int = 0) -> None:
         errors = dict(enumerate(gathered))
     failures = {r: e for r, e in errors.items() if e is not None}
     if failures:
-        raise StageError(stage, failures)
+        raise StageError(stage, failures, None if _initialized() else _PLAYER.get())
 
 
 def from_rank0(stage: str, compute: Callable[[], T], src: int = 0) -> T:

@@ -369,7 +369,10 @@ class PipelineConfig(_Frozen):
 class RuntimeConfig(_Frozen):
     """How ranks are started and watched."""
 
-    mode: Literal["online", "offline"] = "online"  # offline: one process, no process group, plays every target rank in turn
+    mode: Literal["online", "offline"] = "online"  # offline: processes with no target job play the target's ranks in turn
+    #: offline: how many local processes play the target's ranks (a share each, see osdpipe.world.ShareWorld);
+    #: under torchrun, the torchrun world's size.
+    workers: int = Field(default=1, ge=1)
     launcher: Literal["auto", "local", "torchrun"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = Field(default=300.0, gt=0)
@@ -465,9 +468,11 @@ class RunSpec(_Frozen):
             if why is not None:
                 raise ValueError(f"{side}.{why}")
         if self.runtime.mode == "offline" and self.runtime.transfer == "scatter":
-            raise ValueError("runtime.transfer=scatter sends bytes between the ranks of a world; runtime.mode=offline has one process: set runtime.transfer=shared")
-        if self.runtime.mode == "offline" and self.runtime.launcher == "torchrun":
-            raise ValueError("runtime.mode=offline runs in one process, with no process group; set runtime.launcher=auto or local")
+            raise ValueError("runtime.transfer=scatter sends bytes between the ranks of a world; runtime.mode=offline plays ranks apart: set runtime.transfer=shared")
+        if self.runtime.workers > 1 and self.runtime.mode != "offline":
+            raise ValueError(f"runtime.workers={self.runtime.workers} plays the target's ranks offline; set runtime.mode=offline (online, the world has target.world_size ranks)")
+        if self.runtime.workers > getattr(self.target, "world_size", self.runtime.workers):
+            raise ValueError(f"runtime.workers={self.runtime.workers} is more than target.world_size={self.target.world_size}; each worker plays at least one target rank")
         if not _complete(info):
             return self  # the rest needs torch, or what the input's files settle (input.format, source.*)
         from osdpipe import checkpoints, formats, kinds  # the registries import torch: not before the schema is checked

@@ -96,13 +96,25 @@ def share_cores(local_ranks: int) -> None:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any, events: Any, board: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+    events: Any,
+    board: Any,
+    shared_progress: tuple[str, ...],
 ) -> None:
     whereabouts.attach(board, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     share_cores(world_size)
     warnings.simplefilter("ignore")  # what a user must know travels in the report, not as Python warnings on stderr
-    if rank == 0 and events is not None:
+    if events is not None and shared_progress:
+        progress.connect(progress.only(shared_progress, events.put))
+    elif rank == 0 and events is not None:
         progress.connect(events.put)
     try:
         init_world(backend, timeout_s, rank, world_size)
@@ -160,7 +172,11 @@ def root_cause(failures: dict[int, RankFailure]) -> tuple[int, RankFailure]:
     return next(iter(failures.items()))
 
 
-def world_error(failures: dict[int, RankFailure]) -> WorldError:
+def rank_named(rank: int) -> str:
+    return f"rank {rank}"
+
+
+def world_error(failures: dict[int, RankFailure], who: Callable[[int], str] = rank_named) -> WorldError:
     """One error for a failed world, saying each thing once.
 
     A stage error is the same text on every rank that raised it and already
@@ -173,7 +189,7 @@ def world_error(failures: dict[int, RankFailure]) -> WorldError:
         return WorldError({r: f.message for r, f in failures.items()}, agreed[0].message, agreed[0].traceback)
     rank, cause = root_cause(failures)
     others = sorted(r for r, f in failures.items() if r != rank and not _is_echo(f) and not f.agreed)
-    summary = f"rank {rank} failed: {cause.message}" + (f" (ranks {others} failed too)" if others else "")
+    summary = f"{who(rank)} failed: {cause.message}" + (f" ({', '.join(map(who, others))} failed too)" if others else "")
     return WorldError({r: f.message for r, f in failures.items()}, summary, cause.traceback)
 
 
@@ -185,12 +201,17 @@ def run_local_world(
     backend: str | None = None,
     timeout_s: float = 300.0,
     display: progress.Display | None = None,
+    who: Callable[[int], str] = rank_named,
+    shared_progress: tuple[str, ...] = (),
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` new ranks and return each rank's result.
 
     ``fn`` must be picklable (a module-level function) and runs inside an
     initialized process group whose collectives time out after ``timeout_s``.
-    Rank 0's progress events (:mod:`osdpipe.progress`) are drawn on ``display``.
+    Rank 0's progress events (:mod:`osdpipe.progress`) are drawn on ``display``;
+    with ``shared_progress``, every rank's events of those kinds, and no others.
+    ``who``: what an error calls a process (``"worker 1 on node-a"``, where
+    the processes play shares of a target world, not its ranks).
 
     Raises:
         WorldError: when a rank raises, dies, or the world outlives ``timeout_s``
@@ -203,7 +224,7 @@ def run_local_world(
     port = free_port()
     backend = backend or default_backend()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells, shared_progress), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -241,9 +262,9 @@ def run_local_world(
     failures = {r: v for r, (ok, v) in outcome.items() if not ok}  # in the order they arrived
     missing = [r for r in range(world_size) if r not in outcome]
     if failures:
-        raise world_error(failures)
+        raise world_error(failures, who)
     if missing:
-        raise WorldError({r: "timed out" for r in missing}, f"rank(s) {missing} did not finish within {timeout_s:.0f} s")
+        raise WorldError({r: "timed out" for r in missing}, f"{', '.join(map(who, missing))} did not finish within {timeout_s:.0f} s")
     return [outcome[r][1] for r in range(world_size)]
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from osdpipe import progress, whereabouts
 from osdpipe.checkpoints.base import fates
-from osdpipe.collective import StageError, agree, one_line
+from osdpipe.collective import StageError, agree, one_line, ranks_apart
 from osdpipe.context import Context
 from osdpipe.memory import MemoryWatch
 from osdpipe.plan import Plan
@@ -62,7 +63,7 @@ class Played:
         return find(self.product, kind)
 
 
-def play(plan: Plan, world: World, stages: Sequence[str], timings: Timings | None = None, on_rank: Callable[[int], None] | None = None) -> Iterator[Played]:
+def play(plan: Plan, world: World, stages: Sequence[str], timings: Timings | None = None, on_rank: Callable[[Played], None] | None = None) -> Iterator[Played]:
     """Run ``stages`` for every rank ``world`` plays here; yield each rank once its stages have run.
 
     Each stage gets the previous stage's product and makes its own
@@ -96,9 +97,11 @@ def play(plan: Plan, world: World, stages: Sequence[str], timings: Timings | Non
             warnings += tally.warnings
             if name == SOURCE_STAGES[-1]:
                 source = product
+        played = Played(ctx, product, tuple(warnings))
         if on_rank is not None:
-            on_rank(rank)
-        yield Played(ctx, product, tuple(warnings))
+            on_rank(played)
+        yield played
+        del played, product  # not held through the next rank's stages: one target rank's state at a time
 
 
 @dataclass
@@ -123,12 +126,19 @@ def outcome_of(played: Played) -> RankOutcome:
     )
 
 
-def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None = None) -> tuple[Report, Played]:
+def run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | None = None) -> tuple[Report, Played]:
     """The conversion over ``world``: every rank's stages, then the checks combined and the staged files committed.
 
     Returns the report, the same on every process, and the last rank this
-    process played (the Python API returns its state dict).
+    process played (the Python API returns its state dict). Where the
+    processes are not the target's ranks (:attr:`~osdpipe.world.World.ranks_meet`),
+    each plays its ranks apart and they meet here, after the last.
     """
+    with nullcontext() if world.ranks_meet else ranks_apart(world.player):
+        return _run_stages(plan, world, on_rank)
+
+
+def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | None) -> tuple[Report, Played]:
     stages = list(plan.stages)
     timings = Timings()
     outcomes: list[RankOutcome] = []
@@ -160,17 +170,21 @@ def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None =
                 files = commit(last.ctx, [o.saved for o in every], tally, _carried(last))
             except Exception as exc:  # noqa: BLE001 - shared with every process below
                 error = one_line(exc)
-        agree("save", error)
+        error, files = world.gather_processes((error, files))[0]  # the committing process's: rank 0 is the first process's first
+        if error is not None:
+            raise StageError("save", {0: error})
         timings.add("save", time.perf_counter() - start, tally.moved, 0)
-    per_process = world.gather_processes((timings, peak))
+    per_process = world.gather_processes((timings, peak, warnings))
+    warnings = [w for _, _, said in per_process for w in said]
+    warnings = [w for i, w in enumerate(warnings) if w not in warnings[:i]]  # each once, in the order the processes said them
     report = Report(
         ok=ok,
         stages=[
             StageReport(
                 name,
-                round(max(t.seconds.get(name, 0.0) for t, _ in per_process), 6),
-                sum(t.moved.get(name, 0) for t, _ in per_process),
-                sum(t.sent.get(name, 0) for t, _ in per_process),
+                round(max(t.seconds.get(name, 0.0) for t, _, _ in per_process), 6),
+                sum(t.moved.get(name, 0) for t, _, _ in per_process),
+                sum(t.sent.get(name, 0) for t, _, _ in per_process),
             )
             for name in stages
         ],
@@ -178,7 +192,7 @@ def run_stages(plan: Plan, world: World, on_rank: Callable[[int], None] | None =
         skipped_checks=list(outcomes[-1].skipped),
         files=files,
         warnings=warnings,
-        memory=[p for _, p in per_process],
+        memory=[p for _, p, _ in per_process],
         memory_budget=plan.spec.runtime.memory_budget,
         output_bytes=[o.output_bytes for o in every],
         entries=_entries(last),

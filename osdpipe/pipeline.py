@@ -4,8 +4,9 @@
 launcher built once (:mod:`osdpipe.plan`): generate a source when none is
 given, run the pipeline on the target world, write ``report.json``.
 :func:`run_rank` is the per-rank part, shared by the local world, torchrun
-and the Python API; :func:`run_offline` plays every rank in one process.
-Both run the one stage loop of :mod:`osdpipe.loop`.
+and the Python API; :func:`run_offline` plays every rank in one process,
+:func:`run_share` a worker's share of them beside other workers. All run the
+one stage loop of :mod:`osdpipe.loop`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from traceback import format_exc
 
@@ -33,7 +35,8 @@ from osdpipe.plan import Plan
 from osdpipe.rankserver import in_torchrun
 from osdpipe.report import Report
 from osdpipe.stages.load import inspect_input
-from osdpipe.world import GroupWorld, SoloWorld
+from osdpipe.products import Sharded
+from osdpipe.world import GroupWorld, ShareWorld, SoloWorld
 
 
 def run_rank(plan: Plan) -> Report:
@@ -51,13 +54,62 @@ def run_offline(plan: Plan, display: progress.Display | None = None) -> Report:
     """
     world = SoloWorld(plan.world_size)
     if display is not None:
-        display.phase(f"offline: {world.size} target rank(s)")
-    return loop.run_stages(plan, world, on_rank=None if display is None else (lambda rank: display(("items", rank + 1, world.size))))[0]
+        display.phase(f"offline: {world.size} target rank(s)", unit="B")
+    weights = rank_weights(plan)
+    return loop.run_stages(plan, world, on_rank=_share_done(0, weights, world.ranks(), display))[0]
+
+
+def run_share(plan: Plan) -> Report:
+    """This worker's share of the target's ranks, beside the other workers of the process group (``runtime.workers``, torchrun offline).
+
+    Each worker reads what its ranks need and stages their files; the one
+    playing rank 0 commits once every worker has staged (see
+    :class:`~osdpipe.world.ShareWorld`). Its progress is its share's bytes.
+    """
+    weights = rank_weights(plan)
+    world = ShareWorld(plan.world_size, weights)
+    return loop.run_stages(plan, world, on_rank=_share_done(world.worker, weights, world.ranks()))[0]
+
+
+def rank_weights(plan: Plan) -> list[int]:
+    """What each target rank holds, in elements of its optimizer's state: the measure a worker's share is balanced by."""
+    return [sum(t.numel for t in plan.target_layout(rank)) for rank in range(plan.world_size)]
+
+
+def _share_done(worker: int, weights: list[int], ranks: Sequence[int], display: progress.Display | None = None) -> Callable[[loop.Played], None]:
+    """After each rank a worker plays: its share's bytes written so far, and their total (extrapolated from the bytes per element so far).
+
+    Sent as a ``share`` progress event, which the display sums over workers
+    (drawn on ``display`` where the worker draws its own).
+    """
+    share = sum(weights[r] for r in ranks)
+    done = {"bytes": 0, "elements": 0}
+
+    def after(played: loop.Played) -> None:
+        sharded = played.find(Sharded)
+        done["bytes"] += 0 if sharded is None else sharded.state_bytes()
+        done["elements"] += weights[played.ctx.rank]
+        total = done["bytes"] * share // done["elements"] if done["elements"] else None
+        if display is not None:
+            display(("share", worker, done["bytes"], total))
+        else:
+            progress.emit("share", worker, done["bytes"], total)
+
+    return after
 
 
 def _convert_worker(plan: Plan) -> Report | None:
     report = run_rank(plan)
     return report if dist.get_rank() == 0 else None
+
+
+def _share_worker(plan: Plan) -> Report | None:
+    report = run_share(plan)
+    return report if dist.get_rank() == 0 else None
+
+
+def _worker_named(worker: int) -> str:
+    return f"worker {worker} on {socket.gethostname()}"
 
 
 def check_source(plan: Plan) -> None:
@@ -125,14 +177,26 @@ def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -
     else:
         display.phase(f"generating a source: {spec.generate.steps} steps on {spec.source.world_size} rank(s)")
         run_local_world(generate_rank, spec.source.world_size, (plan,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)
-    if spec.runtime.mode == "offline":
+    if spec.runtime.mode == "offline" and spec.runtime.workers == 1:
         return run_offline(plan, display)
+    if spec.runtime.mode == "offline":
+        display.phase(f"offline: {spec.target.world_size} target rank(s) on {spec.runtime.workers} workers", unit="B")
+        return run_local_world(
+            _share_worker,
+            spec.runtime.workers,
+            (plan,),
+            backend=backend,
+            timeout_s=spec.runtime.timeout_s,
+            display=display,
+            who=_worker_named,
+            shared_progress=("share",),
+        )[0]
     display.phase(f"starting {spec.target.world_size} rank(s)")
     return run_local_world(_convert_worker, spec.target.world_size, (plan,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
 
 
 def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) -> Report:
-    """Join the torchrun world; it must be the target world (and, to generate, the source world too).
+    """Join the torchrun world: the target world (and, to generate, the source world too), or offline, workers playing its ranks.
 
     Rank 0 prepares the output directory, draws progress and writes the report.
     """
@@ -146,8 +210,16 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
     previous = signal.signal(signal.SIGTERM, _raise_stopped) if stop_on_sigterm else None
     whereabouts.enter("launch")
     try:
-        if world != spec.target.world_size:
-            raise StageError("launch", {0: f"torchrun started {world} ranks but target.world_size={spec.target.world_size}; start as many ranks as the target has"})
+        offline = spec.runtime.mode == "offline"
+        if offline and not 1 <= world <= spec.target.world_size:
+            raise StageError("launch", {0: f"torchrun started {world} workers for target.world_size={spec.target.world_size}; each worker plays at least one target rank: start at most {spec.target.world_size}"})
+        if not offline and world != spec.target.world_size:
+            raise StageError(
+                "launch",
+                {0: f"torchrun started {world} ranks but target.world_size={spec.target.world_size}; start as many ranks as the target has, or set runtime.mode=offline to play its ranks on these {world}"},
+            )
+        if spec.runtime.workers not in (1, world):
+            raise StageError("launch", {0: f"runtime.workers={spec.runtime.workers} but torchrun started {world}; under torchrun the workers are its world: leave runtime.workers out"})
         if not dist.is_initialized():
             init_world(backend or default_backend(), spec.runtime.timeout_s)
         try:
@@ -156,7 +228,7 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
                 if spec.source.world_size != world:
                     raise StageError("generate", {0: f"under torchrun, generating a source needs source.world_size == {world}; give input.path instead"})
                 generate_rank(plan)
-            report = run_rank(plan)
+            report = run_share(plan) if offline else run_rank(plan)
         finally:
             dist.destroy_process_group()
             # What of gloo's a reference cycle still holds is otherwise freed

@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 T = TypeVar("T")
 
-#: An event: ("phase", text) starts a new line of work; ("items", done, total) advances it.
+#: An event: ("phase", text[, unit]) starts a new line of work; ("items", done, total) advances it;
+#: ("share", worker, done, total) advances one worker's part of it (workers playing shares of the target, summed).
 Event = tuple[Any, ...]
 
 _sink: Callable[[Event], None] | None = None
@@ -50,6 +51,11 @@ def emit(*event: Any) -> None:
             _sink(tuple(event))
         except Exception:  # noqa: BLE001 - progress must never fail a conversion
             pass
+
+
+def only(kinds: tuple[str, ...], sink: Callable[[Event], None]) -> Callable[[Event], None]:
+    """A sink that passes on events of ``kinds`` alone (a worker of several sends its share's progress, not its stages')."""
+    return lambda event: sink(event) if event[0] in kinds else None
 
 
 def track(items: Iterable[T], total: int | None = None) -> Iterator[T]:
@@ -88,6 +94,7 @@ class Display:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._bar: Any = None
+        self._shares: dict[int, tuple[int, int]] = {}
 
     def __call__(self, event: Event) -> None:
         """Take one event (the sink of :func:`connect`, or what the launcher received)."""
@@ -95,25 +102,32 @@ class Display:
             return
         kind, *rest = event
         if kind == "phase":
-            self._open(str(rest[0]))
+            self._open(str(rest[0]), *rest[1:])
         elif kind == "items" and self._bar is not None:
-            done, total = rest
-            if total != self._bar.total:
-                self._bar.total = total
-            self._bar.n = done
-            self._bar.refresh()
+            self._show(*rest)
+        elif kind == "share" and self._bar is not None:
+            worker, done, total = rest
+            self._shares[worker] = (done, total)
+            self._show(sum(d for d, _ in self._shares.values()), sum(t for _, t in self._shares.values()))
 
-    def phase(self, text: str) -> None:
-        self(("phase", text))
+    def _show(self, done: int, total: int | None) -> None:
+        if total != self._bar.total:
+            self._bar.total = total
+        self._bar.n = done
+        self._bar.refresh()
+
+    def phase(self, text: str, unit: str = "item") -> None:
+        self(("phase", text, unit))
 
     def tick(self) -> None:
         """Redraw, so the elapsed time moves while nothing else happens."""
         if self._bar is not None:
             self._bar.refresh()
 
-    def _open(self, text: str) -> None:
+    def _open(self, text: str, unit: str = "item") -> None:
         self.close()
-        self._bar = tqdm(desc=f"osdpipe: {text}", total=None, leave=False, file=sys.stderr, unit="item", dynamic_ncols=True)
+        self._shares = {}
+        self._bar = tqdm(desc=f"osdpipe: {text}", total=None, leave=False, file=sys.stderr, unit=unit, unit_scale=unit == "B", dynamic_ncols=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -58,8 +58,13 @@ def start() -> None:
 
 
 def ranks_may_start(args: list[str]) -> bool:
-    """Whether a command with these arguments may start local ranks: not under torchrun, nor where :data:`NO_RANKS` says none will."""
-    return not in_torchrun() and not any(a.lstrip("+") in NO_RANKS for a in args)
+    """Whether a command with these arguments may start local ranks: not under torchrun, nor where :data:`NO_RANKS` says none will.
+
+    An offline run with ``runtime.workers`` starts its workers as ranks.
+    """
+    words = [a.lstrip("+") for a in args]
+    workers = any(w.startswith("runtime.workers=") and w != "runtime.workers=1" for w in words)
+    return not in_torchrun() and not any(w in NO_RANKS and not (workers and w == "runtime.mode=offline") for w in words)
 
 
 def start_early(args: list[str]) -> None:

@@ -39,6 +39,8 @@ def test_the_server_starts_only_where_ranks_will(monkeypatch) -> None:
     assert rankserver.ranks_may_start(["output.path=/tmp/x"])
     assert not rankserver.ranks_may_start(["--help"])
     assert not rankserver.ranks_may_start(["runtime.mode=offline", "target.world_size=64"])
+    assert rankserver.ranks_may_start(["runtime.mode=offline", "runtime.workers=3"]), "offline workers start as ranks"
+    assert not rankserver.ranks_may_start(["runtime.mode=offline", "runtime.workers=1"])
     assert not rankserver.ranks_may_start(["+runtime.launcher=torchrun"])
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

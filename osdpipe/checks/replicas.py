@@ -11,9 +11,18 @@ from osdpipe.products import CheckResult
 
 
 def has_replicas(ctx: Subject) -> tuple[bool, bool]:
-    """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank)."""
+    """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank).
+
+    The output's are compared where each rank hears the rank holding the
+    same shard in the first group (workers playing shares of the ranks do
+    not: :attr:`~osdpipe.world.World.hears_lower_ranks`).
+    """
     source = formats.get(ctx.input_format).holds_replicas and ctx.plan.source_spec.replicas > 1
-    return source, ctx.id_keyed and ctx.plan.target_spec.replicas > 1
+    return source, _output_replicas(ctx) and ctx.world.hears_lower_ranks
+
+
+def _output_replicas(ctx: Subject) -> bool:
+    return ctx.id_keyed and ctx.plan.target_spec.replicas > 1
 
 
 def _first_replica_digests(ctx: Subject, mine: dict[str, str], first: int) -> dict[str, str]:
@@ -57,6 +66,8 @@ def run(ctx: Subject) -> CheckResult:
 
 def skip_reason(ctx: Subject) -> str | None:
     if not any(has_replicas(ctx)):
+        if _output_replicas(ctx):
+            return "compares each output rank with its first replica group's, which workers playing shares of the ranks do not all hear (leave runtime.workers at 1 to compare)"
         return "applies only where a side has replica groups (HYBRID_SHARD, HSDP)"
     return None
 
