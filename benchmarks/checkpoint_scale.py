@@ -164,7 +164,7 @@ def write_random_state(width: int, path: Path) -> None:
                 yield memoryview(draw(min(1 << 24, numel - start), generator=gen).numpy())
 
     with torchfile.written(path, sync=True) as out, torchfile.filled_as_written(RandomFiller()):
-        torchfile.write_archive({"state": state, "param_groups": groups}, out, hash_storages=False)
+        torchfile.write_archive({"state": state, "param_groups": groups}, out)
 
 
 # ---------------------------------------------------------------------------

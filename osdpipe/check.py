@@ -56,18 +56,30 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 
 def check_files(directory: Path, manifest: dict[str, Any]) -> CheckResult:
-    """Every file the manifest lists, with its sha256; for a torch file that differs, the tensor that does."""
+    """Every file the manifest lists, with its digest; for a torch file that differs, the tensor that does.
+
+    A file the manifest lists under ``pieces`` has the digest of its pieces
+    (:func:`osdpipe.torchfile.pieces_digest`); any other, and every file of a
+    manifest written before pieces, its sha256.
+    """
     from osdpipe.digest import file_sha256  # imports torch: not on check --help's path (tests/test_startup.py)
+    from osdpipe.torchfile import pieces_digest
 
     problems = []
+    pieces = manifest.get("pieces", {})
     for name, digest in sorted(manifest["files"].items()):
         path = directory / name
         if not path.is_file():
             problems.append(f"{path} is missing")
-        elif file_sha256(path) != digest:
-            problems.append(f"{path} differs from its sha256 in the manifest" + _tensor_named(path, name, manifest["tensors"]))
+            continue
+        try:
+            got = pieces_digest(path, pieces[name]) if name in pieces else file_sha256(path)
+        except ValueError as exc:  # longer or shorter than its pieces
+            got = str(exc)
+        if got != digest:
+            problems.append(f"{path} differs from its digest in the manifest" + _tensor_named(path, name, manifest["tensors"]))
     count = len(manifest["files"])
-    return CheckResult("files", not problems, "; ".join(problems[:5]) or f"{count} file(s) match the manifest's sha256")
+    return CheckResult("files", not problems, "; ".join(problems[:5]) or f"{count} file(s) match the manifest's digests")
 
 
 def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:

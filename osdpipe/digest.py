@@ -1,11 +1,12 @@
-"""sha256 of what osdpipe writes: per file (as ``sha256sum`` gives it) and per tensor (for partial checks).
+"""Digests of what osdpipe writes: per file, and per tensor (for partial checks), every byte hashed once.
 
 Hashing is the pass over the output bytes that cannot be avoided, so it is
-done alongside the write: a file's digest is taken from the bytes on their
-way to the file (:class:`HashingFile`, or :mod:`osdpipe.torchfile`'s
-writer), and the per-tensor digests from each storage's memory in a thread
-of their own at the same time (``hashlib`` and file writes release the GIL,
-so they run on other cores).
+done alongside the write, once: a torch file's bytes are hashed in pieces on
+their way to the file (:mod:`osdpipe.torchfile`), each storage record a piece,
+so a tensor's sha256 is its storage's piece's and the file's digest is made of
+the pieces' (:class:`osdpipe.torchfile.PieceDigest`). Any other file (a
+safetensors export, DCP's ``.metadata``, a carried file) has the sha256 that
+``sha256sum`` gives, taken as it is written (:class:`HashingFile`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class HashingFile:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, as ``sha256sum`` gives it, read in pieces (for checking a file osdpipe wrote earlier)."""
+    """sha256 of a file's bytes, as ``sha256sum`` gives it, read in chunks (for checking a file osdpipe wrote earlier)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -53,7 +54,7 @@ def tensor_bytes(value: torch.Tensor) -> Any:
 def tensor_sha256(value: torch.Tensor, known: dict[int, str] | None = None) -> str:
     """sha256 of a tensor's bytes in row-major order.
 
-    ``known``: digests of whole storages, by ``UntypedStorage._cdata``, taken
+    ``known``: sha256 of whole storages, by ``UntypedStorage._cdata``, taken
     as they were written (:func:`osdpipe.torchfile.save`); a contiguous CPU
     tensor that covers its storage exactly has its storage's digest.
     """
@@ -91,9 +92,9 @@ def tensor_digests(osd: dict[str, Any], known: dict[int, str] | None = None) -> 
 
 
 def save_hashed(osd: dict[str, Any], path: Path) -> tuple[str, dict[str, str]]:
-    """Save ``osd`` as a ``torch.save`` file at ``path`` (:func:`osdpipe.torchfile.save`), hashing as it writes: the file's sha256, and each tensor's (:func:`tensor_digests`).
+    """Save ``osd`` as a ``torch.save`` file at ``path`` (:func:`osdpipe.torchfile.save`), hashing as it writes: the file's digest, and each tensor's (:func:`tensor_digests`).
 
-    The tensors' digests are their storages', taken on the way to the file;
+    The tensors' digests are their storages', taken in the file's one pass;
     only a tensor that does not cover its storage is hashed again.
     """
     digest, storages = save_torch_file(osd, path, sync=False)  # the commit syncs the conversion as a whole (osdpipe.output)

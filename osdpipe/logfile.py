@@ -42,7 +42,7 @@ def log_lines(report: Any, spec: Any) -> Iterator[tuple[str, str]]:
         anon = "unknown" if m.peak_anonymous is None else f"{m.peak_anonymous:,d} B (baseline {m.baseline_anonymous or 0:,d} B)"
         yield "debug", f"memory of {m.process}: peak RSS {m.peak_rss:,d} B, peak anonymous {anon}"
     for name, digest in sorted(report.files.items()):
-        yield "debug", f"file {name} sha256 {digest}"
+        yield "debug", f"file {name} digest {digest}"
     if report.ok:
         yield "info", "ok: every stage ran and every check passed"
     else:

@@ -20,7 +20,14 @@ about 2 GB/s to the disk). So osdpipe writes the archive itself:
 * the file is written through :class:`DirectFile`: bytes go from the
   tensor's memory through a page-aligned buffer straight to the disk
   (``O_DIRECT``), the buffer written by a second thread while the next is
-  filled, and the file's sha256 and each storage's are taken as they pass.
+  filled, and hashed by a third as it passes, once.
+
+Every byte is hashed once, and that one pass gives both digests the manifest
+records: the file is cut into pieces, each storage record's data a piece of
+its own and the bytes between them the others, and each piece's sha256 is
+taken. A storage's digest is its piece's; the file's is a
+:class:`PieceDigest`, the sha256 of its pieces' digests, one hex line each
+(:func:`pieces_digest` says it in full, and checks a file by it).
 
 Same object, same bytes: the file depends on its content only.
 """
@@ -67,15 +74,65 @@ ZIP64_FROM = 0xFFFFFFFF
 _PAD_ID = 0x4246  # "FB": the extra field torch pads a header with
 
 
+class PieceDigest(str):
+    """A file's digest made of its pieces' (the hex string itself), with the pieces' lengths in ``pieces``.
+
+    A ``str``, so it travels wherever a file's sha256 does; the commit
+    writes its ``pieces`` into the manifest, where a reader needs them to
+    check the file (:func:`pieces_digest`).
+    """
+
+    pieces: tuple[int, ...]
+
+    def __new__(cls, hexdigest: str, pieces: tuple[int, ...]) -> PieceDigest:
+        made = super().__new__(cls, hexdigest)
+        made.pieces = pieces
+        return made
+
+    def __reduce__(self) -> tuple[Any, ...]:  # gathered from other ranks: keep the pieces
+        return (PieceDigest, (str(self), self.pieces))
+
+
+def digest_of_pieces(piece_digests: list[str]) -> str:
+    """The file's digest from its pieces' sha256 (hex, in file order): the sha256 of one ``<hex>\n`` line per piece."""
+    return hashlib.sha256("".join(f"{d}\n" for d in piece_digests).encode()).hexdigest()
+
+
+def pieces_digest(path: Path, pieces: list[int]) -> str:
+    """A file's digest as :class:`DirectFile` takes it, read back: the sha256 of each of its ``pieces`` (lengths, in order), then :func:`digest_of_pieces`.
+
+    What a person checking a file by hand does (``manifest.json``'s
+    ``pieces``): cut the file at those lengths, ``sha256sum`` each piece, and
+    ``sha256sum`` the hex digests, one per line.
+    """
+    digests = []
+    with open(path, "rb") as f:
+        for length in pieces:
+            h, left = hashlib.sha256(), length
+            while left:
+                chunk = f.read(min(left, 1 << 24))
+                if not chunk:
+                    raise ValueError(f"{path} is shorter than its pieces say")
+                h.update(chunk)
+                left -= len(chunk)
+            digests.append(h.hexdigest())
+        if f.read(1):
+            raise ValueError(f"{path} is longer than its pieces say")
+    return digest_of_pieces(digests)
+
+
 class DirectFile:
-    """A new file written front to back, around the page cache where the filesystem allows (``O_DIRECT``), its sha256 taken on the way.
+    """A new file written front to back, around the page cache where the filesystem allows (``O_DIRECT``), hashed once on the way.
 
     Writes are copied into page-aligned buffers in turn; a full buffer is
     hashed by one thread and written by another while the next fills, so
-    the file's sha256 costs no time on the way to the disk. The last block is
-    padded to a whole block for ``O_DIRECT`` and the file cut back to its
-    length. Where ``O_DIRECT`` is refused (``tmpfs``, some network
-    filesystems), the same buffers are written through the page cache.
+    hashing costs no time on the way to the disk. The file is hashed in
+    pieces: :meth:`cut` starts a new one at the current position (a storage
+    record's data is a piece of its own), and the file's digest is made of
+    the pieces' (:class:`PieceDigest`). The last block is padded to a whole
+    block for ``O_DIRECT`` and the file cut back to its length. Where
+    ``O_DIRECT`` is refused (``tmpfs``, some network filesystems), the same
+    buffers are written through the page cache.
     """
 
     def __init__(self, path: Path, direct: bool = True) -> None:
@@ -90,8 +147,11 @@ class DirectFile:
                 self.fd = -1
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o644)
-        self.sha256 = hashlib.sha256()
-        self.digest = ""  # the file's sha256, once closed
+        self.digest = PieceDigest("", ())  # the file's, once closed
+        self._cuts = [0]  # where each piece starts; appended here, read by the hashing thread behind the writes
+        self._piece = hashlib.sha256()  # the hashing thread's piece in progress, the ``_hashing``-th
+        self._hashing = 0
+        self._piece_digests: list[str] = []  # the pieces the hashing thread finished, in order
         self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]  # anonymous maps are page-aligned, as O_DIRECT needs
         self._current, self._fill, self._flushed = 0, 0, 0
         # Hashing and writing each take a core's worth of time per byte; in one thread they would add up, in two they overlap.
@@ -101,6 +161,32 @@ class DirectFile:
 
     def tell(self) -> int:
         return self._flushed + self._fill
+
+    def cut(self) -> int:
+        """Start a new piece here (none where one starts already); returns the index of the piece that starts here."""
+        here = self.tell()
+        if here > self._cuts[-1]:
+            self._cuts.append(here)
+        return len(self._cuts) - 1
+
+    def piece_digest(self, index: int) -> str:
+        """The sha256 of piece ``index`` (after :meth:`close`)."""
+        return self._piece_digests[index]
+
+    def _hash(self, view: memoryview, start: int) -> None:
+        """Hash the bytes at ``start`` on (in the hashing thread, buffer after buffer), finishing a piece at every cut they pass.
+
+        A cut is made before the bytes after it are written, so the cuts
+        this buffer passes are known when it is hashed; one at its very end
+        is finished with the next buffer, or at :meth:`close`.
+        """
+        at, end = 0, len(view)
+        while self._hashing + 1 < len(self._cuts) and self._cuts[self._hashing + 1] - start < end:
+            boundary = self._cuts[self._hashing + 1] - start
+            self._piece.update(view[at:boundary])
+            self._piece_digests.append(self._piece.hexdigest())
+            self._piece, self._hashing, at = hashlib.sha256(), self._hashing + 1, boundary
+        self._piece.update(view[at:])
 
     def write(self, data: Any) -> None:
         """Append ``data`` (any object with the buffer protocol, copied once into a buffer)."""
@@ -120,7 +206,7 @@ class DirectFile:
         index, offset = self._current, self._flushed
         view = memoryview(self._buffers[index])
         self._pending[index] = (
-            self._hasher.submit(self.sha256.update, view[: self._fill]),  # in order: one thread hashes, buffer after buffer
+            self._hasher.submit(self._hash, view[: self._fill], offset),  # in order: one thread hashes, buffer after buffer
             self._writer.submit(self._pwrite, view[:length], offset),
         )
         self._flushed += self._fill
@@ -141,7 +227,7 @@ class DirectFile:
             done += os.pwrite(self.fd, view[done:], offset + done)
 
     def close(self, sync: bool) -> None:
-        """Write what is left, cut the file to its length, sync it if ``sync``; its sha256 (taken as the buffers were written) is then in ``digest``."""
+        """Write what is left, cut the file to its length, sync it if ``sync``; its digest (taken as the buffers were written) is then in ``digest``."""
         try:
             length = self.tell()
             tail = self._fill
@@ -156,7 +242,11 @@ class DirectFile:
                 os.fsync(self.fd)
         finally:
             self.release()
-        self.digest = self.sha256.hexdigest()
+        if len(self._cuts) > 1 and self._cuts[-1] == length:  # a cut at the very end starts no piece
+            self._cuts.pop()
+        self._piece_digests.append(self._piece.hexdigest())  # the last piece, which no cut finished
+        pieces = [b - a for a, b in zip(self._cuts, [*self._cuts[1:], length])]
+        self.digest = PieceDigest(digest_of_pieces(self._piece_digests), tuple(pieces))
 
     def release(self) -> None:
         """Let go of the file and the buffers, the writes in flight waited for (after :meth:`close`, or after a failure: the caller drops the file)."""
@@ -205,26 +295,15 @@ def filled_as_written(filler: Filler) -> Iterator[None]:
 class Archive:
     """The zip writer ``torch.serialization._save`` writes records into, writing them to a :class:`DirectFile` as they come.
 
-    Each storage's sha256 is taken by a thread of its own from the storage's
-    memory while the record is copied out: a third core's work, not a pass more.
+    Each storage record's data is a piece of the file's (:meth:`DirectFile.cut`),
+    so its sha256 is taken by the file's one pass over its bytes.
     """
 
-    def __init__(self, out: DirectFile, *, hash_storages: bool = True) -> None:
+    def __init__(self, out: DirectFile) -> None:
         self.out = out
         self.start = out.tell()  # where the archive begins in the file: its offsets and alignment count from here
         self.entries: list[tuple[str, int, int, int]] = []  # name, crc, size, header offset
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-hash") if hash_storages else None
-        self._digests: list[tuple[int, Future[str], memoryview]] = []  # the storage, its digest to come, its bytes (kept until hashed)
-
-    def close(self) -> None:
-        """Stop the hashing thread, once every storage's digest is taken."""
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True)
-
-    @property
-    def storage_digests(self) -> dict[int, str]:
-        """sha256 of each storage record's bytes, by the storage (``UntypedStorage._cdata``)."""
-        return {cdata: digest.result() for cdata, digest, _ in self._digests}
+        self.storage_pieces: dict[int, int | None] = {}  # each storage (``UntypedStorage._cdata``) -> its piece of the file (``None``: no bytes)
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         """One record: its bytes (``str``, ``bytes`` or a CPU storage), ``nbytes`` of them."""
@@ -234,34 +313,32 @@ class Archive:
         filler = _FILLER.get()
         if storage is not None and filler is not None and filler.fills(storage):
             self._header(name, 0, nbytes)
-            self._write_filled(storage, filler.windows(storage), nbytes)
+            self.storage_pieces[storage._cdata] = self.out.cut() if nbytes else None
+            self._write_filled(filler.windows(storage), nbytes)
+            self.out.cut()
             return
         if storage is not None:
             payload = _storage_bytes(storage, nbytes)
-            crc = 0  # never checked by torch.load; the manifest's sha256 guards the bytes
+            crc = 0  # never checked by torch.load; the manifest's digests guard the bytes
         else:
             payload = memoryview(bytes(data))[:nbytes]
             crc = zlib.crc32(payload)
         self._header(name, crc, nbytes)
-        if storage is not None and self._hasher is not None:
-            self._digests.append((storage._cdata, self._hasher.submit(lambda view=payload: hashlib.sha256(view).hexdigest()), payload))
+        if storage is None:
+            self.out.write(payload)
+            return
+        self.storage_pieces[storage._cdata] = self.out.cut() if nbytes else None
         self.out.write(payload)
+        self.out.cut()
 
-    def _write_filled(self, storage: torch.UntypedStorage, windows: Iterator[memoryview], nbytes: int) -> None:
-        """A storage's record from its filler's windows: each hashed and copied out before the next is made (its memory may then be let go)."""
-        sha256, written = hashlib.sha256(), 0
+    def _write_filled(self, windows: Iterator[memoryview], nbytes: int) -> None:
+        """A storage's record from its filler's windows: each copied out before the next is made (its memory may then be let go)."""
+        written = 0
         for window in windows:
-            hashed = self._hasher.submit(sha256.update, window) if self._hasher is not None else None
             self.out.write(window)
             written += memoryview(window).nbytes
-            if hashed is not None:
-                hashed.result()
         if written != nbytes:
             raise ValueError(f"a storage of {nbytes} bytes was filled with {written}")
-        if self._hasher is not None:
-            digest: Future[str] = Future()
-            digest.set_result(sha256.hexdigest())
-            self._digests.append((storage._cdata, digest, memoryview(b"")))
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:  # noqa: ARG002 - torch's skip_data mode, which osdpipe never uses
         raise NotImplementedError("osdpipe's archives hold every record's bytes")
@@ -285,8 +362,8 @@ class Archive:
     def finish(self) -> None:
         """The records torch's writer adds at the end (the format's version, a serialization id), then the central directory."""
         self.write_record("version", "3\n", 2)
-        content = hashlib.sha256(repr((self.entries, sorted(self.storage_digests.values()))).encode()).hexdigest()
-        self.write_record(".data/serialization_id", str(int(content[:32], 16)).zfill(40)[:40], 40)  # what torch keeps here: an id of the content
+        records = hashlib.blake2b(repr(self.entries).encode(), digest_size=16).hexdigest()  # not the digests' hash: the records' names, sizes and places
+        self.write_record(".data/serialization_id", str(int(records, 16)).zfill(40)[:40], 40)  # what torch keeps here: an id of the records
         start = self.out.tell() - self.start
         for name, crc, size, offset in self.entries:
             full = name.encode()
@@ -317,41 +394,48 @@ def _storage_bytes(storage: torch.UntypedStorage, nbytes: int) -> memoryview:
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).numpy()).cast("B")
 
 
-def write_archive(obj: Any, out: DirectFile, *, hash_storages: bool = True) -> dict[int, str]:
+def write_archive(obj: Any, out: DirectFile) -> dict[int, int | None]:
     """Write ``obj`` as ``torch.save`` would, as one archive from ``out``'s current position on: what a ``torch.save`` file holds.
 
     Its offsets and alignment count from where it begins, so the bytes from
     there to the end load with ``torch.load`` wherever they sit (DCP keeps a
     rank's items one after another in one file). Returns each storage's
-    sha256 (by ``UntypedStorage._cdata``; empty without ``hash_storages``).
+    piece of the file (by ``UntypedStorage._cdata``; ``None`` for one of no
+    bytes), whose digests :func:`storage_digests` gives once ``out`` is closed.
     A storage whose bytes are made as it is written comes from the active
     filler (:func:`filled_as_written`).
     """
     if sys.byteorder != "little":
         raise NotImplementedError("osdpipe writes torch files on little-endian machines")
-    archive = Archive(out, hash_storages=hash_storages)
-    try:
-        torch.serialization._save(obj, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)  # torch.save's own pickling of the records
-        archive.finish()
-        return archive.storage_digests
-    finally:
-        archive.close()
+    archive = Archive(out)
+    torch.serialization._save(obj, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)  # torch.save's own pickling of the records
+    archive.finish()
+    return archive.storage_pieces
 
 
-def save(obj: Any, path: Path, *, sync: bool = True, direct: bool = True) -> tuple[str, dict[int, str]]:
-    """``torch.save(obj, path)`` as :mod:`osdpipe.torchfile` writes it: the file's sha256, and each storage's (by ``UntypedStorage._cdata``).
+#: The sha256 of no bytes: a storage of none is no piece of the file.
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def storage_digests(out: DirectFile, pieces: dict[int, int | None]) -> dict[int, str]:
+    """Each storage's sha256 (by ``UntypedStorage._cdata``), its piece's digest: from the one pass over the closed file ``out``'s bytes."""
+    return {cdata: EMPTY_SHA256 if index is None else out.piece_digest(index) for cdata, index in pieces.items()}
+
+
+def save(obj: Any, path: Path, *, sync: bool = True, direct: bool = True) -> tuple[PieceDigest, dict[int, str]]:
+    """``torch.save(obj, path)`` as :mod:`osdpipe.torchfile` writes it: the file's digest, and each storage's sha256 (by ``UntypedStorage._cdata``).
 
     ``path`` must not exist. On failure nothing is left claiming to be
     whole: the partial file is removed.
     """
     with written(path, sync=sync, direct=direct) as out:
-        storages = write_archive(obj, out)
-    return out.digest, storages
+        pieces = write_archive(obj, out)
+    return out.digest, storage_digests(out, pieces)
 
 
 @contextmanager
 def written(path: Path, *, sync: bool, direct: bool = True) -> Iterator[DirectFile]:
-    """A new file at ``path`` to write through a :class:`DirectFile`; closed (and synced if ``sync``) on leaving, its sha256 then in ``digest``.
+    """A new file at ``path`` to write through a :class:`DirectFile`; closed (and synced if ``sync``) on leaving, its digest then in ``digest``.
 
     On failure, while writing or while finishing the file, it is removed:
     nothing is left claiming to be whole.

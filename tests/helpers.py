@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -119,3 +120,25 @@ def run_stages_by_hand(spec, input_path, input_format, names):
     for name in names:
         product = products[name] = STAGES[name](ctx, product, Tally())
     return ctx, products
+
+
+def digest_by_hand(path: Path, pieces: list[int] | None = None) -> str:
+    """A file's digest as the manifest's ``digests`` tells a person to take it, written here independently of osdpipe.
+
+    With ``pieces``: cut the file at those lengths, sha256 each piece, and
+    sha256 the lowercase hex digests, a newline after each. Without: the
+    file's sha256 (what ``sha256sum`` prints).
+    """
+    data = path.read_bytes()
+    if pieces is None:
+        return hashlib.sha256(data).hexdigest()
+    assert sum(pieces) == len(data), f"{path}: pieces of {sum(pieces)} bytes in a file of {len(data)}"
+    starts = [sum(pieces[:i]) for i in range(len(pieces))]
+    lines = "".join(hashlib.sha256(data[a : a + n]).hexdigest() + "\n" for a, n in zip(starts, pieces))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def manifest_digests_hold(directory: Path, manifest: dict) -> dict[str, bool]:
+    """Per file the manifest lists, whether its digest is the one taken by hand (:func:`digest_by_hand`)."""
+    pieces = manifest.get("pieces", {})
+    return {name: digest_by_hand(directory / name, pieces.get(name)) == digest for name, digest in manifest["files"].items()}

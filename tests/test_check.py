@@ -100,10 +100,68 @@ def test_check_names_the_file_tensor_and_element_after_one_element_changes(runs:
     for (fmt, (out, name, key)), result in zip(spoiled.items(), results, strict=False):
         assert result["code"] == 1, (fmt, result)
         text = result["stdout"] + result["stderr"]
-        assert f"{out / name} differs from its sha256 in the manifest: tensor(s) {key}.exp_avg differ" in text, text
+        assert f"{out / name} differs from its digest in the manifest: tensor(s) {key}.exp_avg differ" in text, text
         assert f"['state'][{key!r}]['exp_avg']: 1 element(s) differ, first at flat index 3" in text, text
     assert results[2]["code"] == 1 and f"{missing / 'dcp' / '__1_0.distcp'} is missing" in results[2]["stdout"], results[2]
     assert results[3]["code"] == 2 and "manifest.json does not exist" in results[3]["stderr"], results[3]
+
+
+def _by_hand_snippet() -> str:
+    """The Python the docs give for checking a file by hand (docs/formats.md, "Checking a file by hand"), as printed there."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "formats.md").read_text()
+    section = page[page.index("### Checking a file by hand") :]
+    return section[section.index("```python\n") + len("```python\n") : section.index("```", section.index("```python\n") + 3)]
+
+
+def test_the_docs_way_to_check_a_file_by_hand_finds_every_file_right_and_one_changed_byte(runs: Path, tmp_path: Path) -> None:
+    import hashlib
+    import shutil
+    import subprocess
+    import sys
+
+    snippet = _by_hand_snippet()
+    for fmt in OUTPUTS:
+        out = runs / fmt / "first"
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["pieces"] and "sha256sum" in manifest["digests"], "the manifest says how its digests are taken"
+        printed = subprocess.run([sys.executable, "-c", snippet], cwd=out, capture_output=True, text=True, check=True).stdout.splitlines()
+        assert sorted(printed) == sorted(f"ok   {name}" for name in manifest["files"]), printed
+        # the tensors' digests are pieces of the files: each tensor's sha256 is the digest of a piece
+        name = next(iter(manifest["pieces"]))
+        data, at, pieces = (out / name).read_bytes(), 0, set()
+        for n in manifest["pieces"][name]:
+            pieces.add(hashlib.sha256(data[at : at + n]).hexdigest())
+            at += n
+        mine = {k: v for k, v in manifest["tensors"].items() if k.startswith(f"{name}:") and not k.endswith(".step")}
+        assert mine and set(mine.values()) <= pieces, fmt
+    spoiled = tmp_path / "spoiled"
+    shutil.copytree(runs / "rank_local" / "first", spoiled)
+    data = bytearray((spoiled / "rank_2.pt").read_bytes())
+    data[len(data) // 2] ^= 1
+    (spoiled / "rank_2.pt").write_bytes(bytes(data))
+    printed = subprocess.run([sys.executable, "-c", snippet], cwd=spoiled, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert sorted(printed) == ["BAD  rank_2.pt", "ok   rank_0.pt", "ok   rank_1.pt"], printed
+
+
+def test_check_verifies_a_manifest_written_before_pieces_by_each_files_sha256(runs: Path, tmp_path: Path) -> None:
+    """A manifest of an earlier osdpipe has no pieces: its files' digests are their sha256, and check holds them to it."""
+    import hashlib
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(runs / "dcp" / "first", old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["files"] = {name: hashlib.sha256((old / name).read_bytes()).hexdigest() for name in manifest["files"]}
+    del manifest["pieces"], manifest["digests"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    bad = tmp_path / "bad"
+    shutil.copytree(old, bad)
+    data = bytearray((bad / "dcp" / "__0_0.distcp").read_bytes())
+    data[-100] ^= 1
+    (bad / "dcp" / "__0_0.distcp").write_bytes(bytes(data))
+    good, spoiled = _check([str(old)], [str(bad)], cwd=tmp_path)
+    assert good["code"] == 0 and "file(s) match the manifest's digests" in good["stdout"], good
+    assert spoiled["code"] == 1 and f"{bad / 'dcp' / '__0_0.distcp'} differs from its digest in the manifest" in spoiled["stdout"], spoiled
 
 
 #: What ``--load`` runs each output on: the target world the conversion was for.
@@ -183,7 +241,7 @@ def test_the_log_file_says_what_ran_at_its_level(runs: Path, tmp_path: Path) -> 
     debug = (tmp_path / "debug" / "osdpipe.log").read_text()
     manifest = json.loads((tmp_path / "debug" / "manifest.json").read_text())
     for name, digest in manifest["files"].items():
-        assert f"DEBUG   file {name} sha256 {digest}" in debug
+        assert f"DEBUG   file {name} digest {digest}" in debug
     assert "DEBUG   memory of offline: peak RSS" in debug
     failed = (tmp_path / "failed" / "osdpipe.log").read_text()
     assert "INFO" not in failed and "ERROR   failed: stage 'shard' failed" in failed and "the source holds NaN or Inf" in failed, failed

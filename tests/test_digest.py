@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import digest_by_hand
 
 from osdpipe import digest
 from osdpipe.formats.base import write_torch_file
@@ -27,7 +28,7 @@ def _state() -> dict:
 def test_save_hashed_digests_are_those_of_the_file_and_the_tensors(tmp_path: Path) -> None:
     osd, path = _state(), tmp_path / "rank_0.pt"
     file_digest, per_tensor = digest.save_hashed(osd, path)
-    assert file_digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert file_digest == digest_by_hand(path, list(file_digest.pieces))
     expected = {
         f"{pid}.{name}": hashlib.sha256(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
         for pid, entries in osd["state"].items()
@@ -48,3 +49,37 @@ def test_a_file_whose_structure_differs_from_the_state_is_refused(tmp_path: Path
     monkeypatch.setattr(digest, "save_torch_file", lossy_save)
     with pytest.raises(OSError, match=r"rank_0\.pt does not read back as written: .*\[1\]\['exp_avg'\]: tensor\(6,\) bfloat16 vs tensor\(7,\) bfloat16"):
         write_torch_file(_state(), tmp_path / "rank_0.pt")
+
+
+class _CountingSha256:
+    """hashlib.sha256, counting every byte it is given (in ``hashed``, shared by every hasher made)."""
+
+    hashed = 0
+    _real = hashlib.sha256
+
+    def __init__(self, data: bytes = b"") -> None:
+        self._h = _CountingSha256._real()
+        self.update(data)
+
+    def update(self, data) -> None:
+        _CountingSha256.hashed += memoryview(data).nbytes
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def test_every_written_byte_is_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_hashed's file digest and tensor digests come from one pass: the bytes hashed are the file's, plus one 65-byte line per piece."""
+    from osdpipe import torchfile
+
+    monkeypatch.setattr(torchfile, "BUFFER_BYTES", 2 * torchfile.BLOCK)  # many buffers, pieces cut across them
+    monkeypatch.setattr(hashlib, "sha256", _CountingSha256)  # every sha256 osdpipe takes, wherever
+    torch.manual_seed(0)
+    osd = {"state": {i: {"step": torch.tensor(2.0), "exp_avg": torch.randn(1000 + i), "exp_avg_sq": torch.rand(1000 + i)} for i in range(5)},
+           "param_groups": [{"lr": 0.1, "params": list(range(5))}]}  # fmt: skip
+    _CountingSha256.hashed = 0
+    file_digest, per_tensor = digest.save_hashed(osd, tmp_path / "rank_0.pt")
+    size = (tmp_path / "rank_0.pt").stat().st_size
+    assert _CountingSha256.hashed == size + 65 * len(file_digest.pieces), "a byte was hashed twice, or not at all"
+    assert len(per_tensor) == 15 and file_digest == digest_by_hand(tmp_path / "rank_0.pt", list(file_digest.pieces))

@@ -24,7 +24,14 @@ later for issue 20, osdpipe writes a ``dcp`` output's rank files itself
 written by :mod:`osdpipe.torchfile`), so ``dcp_3``'s ``.distcp`` files and
 ``.metadata`` changed, and nothing else; for issue 30, every manifest's
 config gained ``output.model_keys``, and a checkpoint's ``lr`` is no longer
-copied into ``optim.lr`` (each ``content_sha256``; no data file changed).
+copied into ``optim.lr`` (each ``content_sha256``; no data file changed); for
+issue 32, every byte is hashed once: a torch file's digest is made of its
+pieces' (each manifest gains ``digests`` and ``pieces``, and its ``files``
+digests changed), and a torch file osdpipe writes keys its
+``serialization_id`` on its records, no longer on its storages' sha256, so
+each such file (``rank_<r>.pt``, ``optim.pt``, ``.distcp``) changed in that
+record alone, each archive's (its 40 bytes and their CRC-32, compared byte by
+byte); the generated sources, ``.metadata`` and every tensor did not.
 """
 
 from __future__ import annotations

@@ -414,7 +414,7 @@ def test_osdpipe_check_proves_a_whole_conversion_later_and_names_one_wrong_weigh
     bad = results[-1]
     assert bad["code"] == 1, bad
     assert f"{file}: ['model']['blocks.2.wq.weight']: 1 element(s) differ, first at flat index 3" in bad["stdout"], bad["stdout"]
-    assert f"{file} differs from its sha256 in the manifest: tensor(s) model.blocks.2.wq.weight differ" in bad["stdout"], bad["stdout"]
+    assert f"{file} differs from its digest in the manifest: tensor(s) model.blocks.2.wq.weight differ" in bad["stdout"], bad["stdout"]
 
 
 def _gathered(dcp_dir: Path, work: Path) -> dict:

@@ -186,7 +186,7 @@ class Shown:
 
 @dataclass
 class RankFiles:
-    """What one target rank wrote: each file's sha256, each tensor's, and what its format needs to finish (DCP's write results)."""
+    """What one target rank wrote: each file's digest, each tensor's sha256, and what its format needs to finish (DCP's write results)."""
 
     files: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, str] = field(default_factory=dict)

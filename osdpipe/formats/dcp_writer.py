@@ -232,8 +232,9 @@ def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: G
     rank files are; DCP's reader loads any archive it finds at an item's
     offset. Not synced here: the commit syncs the conversion as a whole.
 
-    Returns what it wrote where (for :func:`finish`), the sha256 of each file
-    it wrote (by name), and each tensor storage's (by ``UntypedStorage._cdata``).
+    Returns what it wrote where (for :func:`finish`), the digest of each file
+    it wrote (by name, :class:`osdpipe.torchfile.PieceDigest`), and each tensor
+    storage's sha256 (by ``UntypedStorage._cdata``), all from one pass over the bytes.
     """
     directory.mkdir(parents=True, exist_ok=True)
     planner = _RowShardPlanner()
@@ -241,7 +242,7 @@ def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: G
     final = planner.finish_plan(global_plan.plans[rank])
     name = f"{final.storage_data.prefix}0{DEFAULT_SUFFIX}"  # what DCP calls a rank's one file
     ordered = [i for i in final.items if i.type == WriteItemType.BYTE_IO] + [i for i in final.items if i.type != WriteItemType.BYTE_IO]
-    results, storages = [], {}
+    results, pieces = [], {}
     with torchfile.written(directory / name, sync=False) as out:
         for item in ordered:
             offset = out.tell()
@@ -249,10 +250,10 @@ def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: G
             if item.type == WriteItemType.BYTE_IO:
                 out.write(data.getbuffer())
             else:
-                storages.update(torchfile.write_archive(_own_storage(data), out))
+                pieces.update(torchfile.write_archive(_own_storage(data), out))
             length = out.tell() - offset
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
-    return results, {name: out.digest}, storages
+    return results, {name: out.digest}, torchfile.storage_digests(out, pieces)
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:

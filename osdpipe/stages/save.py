@@ -27,7 +27,7 @@ from osdpipe.formats.base import RankFiles
 from osdpipe.products import Keyed, Staged, Tally, Verified, find
 from osdpipe.stages.broadcast import act_on_nonfinite
 from osdpipe.streamed import StreamedOutput
-from osdpipe.torchfile import filled_as_written
+from osdpipe.torchfile import PieceDigest, filled_as_written
 from osdpipe.weights import WholeSource
 
 def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
@@ -111,13 +111,22 @@ def conversion_of(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: What the manifest's digests are, in its own words: how to check a file by hand.
+DIGESTS = (
+    "files: a file listed under pieces has the sha256 of its pieces' sha256, one lowercase hex digest and a newline each: "
+    "cut the file at the lengths given, in order, sha256sum each piece, and sha256sum the digests' lines. "
+    "Any other file has its sha256 (sha256sum). tensors: the sha256 of each tensor's bytes in row-major order, "
+    "which for a torch file's tensor is the digest of its piece."
+)
+
+
 def content_sha256(content: dict[str, Any]) -> str:
     """sha256 of the manifest's content (versions, conversion, files, tensor digests): equal for two runs that wrote the same bytes."""
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: WholeSource | None = None) -> dict[str, str]:
-    """Finish a DCP checkpoint, write the manifest into the staged conversion and commit it; returns the files and their sha256.
+    """Finish a DCP checkpoint, write the manifest into the staged conversion and commit it; returns the files and their digests.
 
     Called once, by the process that plays rank 0, with what every rank
     staged (``per_rank``, in rank order); ``carried``: what a whole
@@ -138,7 +147,9 @@ def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: Whole
         "torch_version": torch.__version__,
         "conversion": conversion_of(config),
         "format": ctx.spec.output.format,
-        "files": dict(sorted(files.items())),
+        "digests": DIGESTS,
+        "files": {name: str(digest) for name, digest in sorted(files.items())},
+        "pieces": {name: list(digest.pieces) for name, digest in sorted(files.items()) if isinstance(digest, PieceDigest)},
         "tensors": {k: v for r in per_rank for k, v in sorted(r.tensors.items())},
     }
     manifest = {**content, "content_sha256": content_sha256(content), "config": config}
