@@ -5,6 +5,7 @@ Run (the default is the row the targets are set on; the full grid takes long):
     python benchmarks/checkpoint_scale.py --sizes 1.6 --pairs 4:2 --repeats 2
     python benchmarks/checkpoint_scale.py --sizes 0.4,1.6,6.4 --pairs 4:2,2:4,4:3
     python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2,2:4 --paths osdpipe-offline-budget,limit --budget 1GB
+    python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2 --repeats 3 --paths osdpipe-offline-budget,osdpipe-offline-budget-dcp,limit
     python benchmarks/checkpoint_scale.py --sizes 6.4 --pairs 4:8 --repeats 3 --paths osdpipe-offline,osdpipe-offline-2,osdpipe-torchrun-2x1,limit
 
 (the last: a source larger than this machine's memory, which only an
@@ -27,6 +28,7 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
 * ``osdpipe-offline-budget``: offline under ``runtime.memory_budget`` (``--budget``),
   so each rank's output is made as it is written: its ``save`` stage is the
   whole conversion (read, compare, write), and its "in flight" is ``-``;
+* ``osdpipe-offline-budget-dcp``: the same, the output one DCP checkpoint;
 * ``osdpipe-dcp``: online, the output one DCP checkpoint (``output.format=dcp``);
 * ``fsdp1``: PyTorch's FSDP1 path on M ranks: rank 0 loads the file,
   ``FSDP.optim_state_dict_to_load`` with ``rank0_only``, each rank saves;
@@ -37,7 +39,11 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
   in parallel, each writing that rank's share of the output's bytes. Every
   path's ``x limit`` is its median over this one's. Its ``dd`` seconds alone
   give the disk's synced write throughput, which the osdpipe paths' own
-  (output bytes over their ``save`` stage) is set against.
+  (output bytes over their ``save`` stage) is set against;
+* ``copy``: the physical limit of a conversion that must read its source:
+  one ``dd ... conv=fdatasync`` per target rank, in parallel, each copying
+  that rank's share of the source file's bytes from its disk to the
+  output's. Every path's ``x copy`` is its median over this one's.
 
 Each timing is the whole command (a fresh process, imports and model
 building included), median of the repeats. Memory is each rank's peak RSS
@@ -69,11 +75,12 @@ OSDPIPE_PATHS = {
     "osdpipe-offline-2": ("runtime.mode=offline", "runtime.workers=2"),
     "osdpipe-torchrun-2x1": ("runtime.mode=offline",),
     "osdpipe-offline-budget": ("runtime.mode=offline", "runtime.memory_budget={budget}"),
+    "osdpipe-offline-budget-dcp": ("runtime.mode=offline", "runtime.memory_budget={budget}", "output.format=dcp"),
     "osdpipe-dcp": ("output.format=dcp",),
 }
 #: Paths whose command runs under torchrun agents, one per node (each node one process): the path -> how many nodes.
 TORCHRUN_NODES = {"osdpipe-torchrun-2x1": 2}
-PATHS = (*OSDPIPE_PATHS, "limit", "fsdp1", "dcp")
+PATHS = (*OSDPIPE_PATHS, "limit", "copy", "fsdp1", "dcp")
 DEPTH = 12
 
 
@@ -268,8 +275,8 @@ def worker_main(args: argparse.Namespace) -> None:
 
 def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: Path, budget: str) -> dict:
     start = time.perf_counter()
-    if path == "limit":
-        result = limit_command(full.stat().st_size, m, out)
+    if path in ("limit", "copy"):
+        result = limit_command(full.stat().st_size, m, out, full if path == "copy" else None)
         result["seconds"] = time.perf_counter() - start
         result["bytes"] = output_bytes(out)
         return result
@@ -292,17 +299,20 @@ def output_bytes(out: Path) -> int:
     return sum(p.stat().st_size for pattern in ("rank_*", "dcp/*.distcp") for p in out.glob(pattern))
 
 
-def limit_command(total: int, m: int, out: Path) -> dict:
-    """``import torch.distributed``, then ``m`` synced ``dd`` writes of ``total / m`` bytes each, in parallel; ``dd_s``: the writes alone."""
+def limit_command(total: int, m: int, out: Path, source: Path | None = None) -> dict:
+    """``import torch.distributed``, then ``m`` synced ``dd`` writes of ``total / m`` bytes each, in parallel; ``dd_s``: the writes alone.
+
+    From ``/dev/zero``, or with ``source``, each its share of the source's bytes (a copy: read and written).
+    """
     subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True)
     out.mkdir(parents=True, exist_ok=True)
     share = -(-total // m)
     start = time.perf_counter()
     writers = [
-        subprocess.Popen(["dd", "if=/dev/zero", f"of={out / f'rank_{r}.bin'}", "bs=16M", f"count={share}", "iflag=count_bytes", "conv=fdatasync"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(["dd", f"if={source or '/dev/zero'}", f"of={out / f'rank_{r}.bin'}", "bs=16M", f"count={share}", f"skip={r * share if source else 0}",
+                          "iflag=count_bytes,skip_bytes", "conv=fdatasync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for r in range(m)
-    ]
+    ]  # fmt: skip
     if any(w.wait() for w in writers):
         raise RuntimeError("dd failed")
     return {"dd_s": time.perf_counter() - start, "memory": [], "conversion_s": 0.0}
@@ -404,6 +414,9 @@ def main() -> None:
                 for path in (p for p in paths_run if p in OSDPIPE_PATHS):
                     ratio = write_ratio(runs[path], runs["limit"])
                     print(f"|  |  | {path}: write throughput / dd's (fdatasync, same bytes) | {ratio} |  |  |  |  |  |  |  |  |  |  |  |")
+            if "copy" in medians:
+                for path in (p for p in paths_run if p in OSDPIPE_PATHS):
+                    print(f"|  |  | {path}: median / copy's (dd from the source's disk to the output's, fdatasync) | {medians[path] / medians['copy']:.2f} |  |  |  |  |  |  |  |  |  |  |  |")
     (root / "results.json").write_text(json.dumps(rows, indent=1))
     print(f"\nraw results: {root / 'results.json'}")
 

@@ -139,12 +139,8 @@ def from_rank0(stage: str, compute: Callable[[], T], src: int = 0) -> T:
 
 
 def gather_to_all(value: T) -> list[T]:
-    """Every rank's ``value``, on every rank."""
-    if not _initialized():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+    """Every rank's ``value``, on every rank (where the ranks meet; else this process's alone)."""
+    return gather_processes(value) if _initialized() else [value]
 
 
 def scatter_from(src: int, per_rank: list[Any] | None) -> Any:

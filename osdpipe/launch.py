@@ -210,7 +210,7 @@ def run_local_world(
     initialized process group whose collectives time out after ``timeout_s``.
     Rank 0's progress events (:mod:`osdpipe.progress`) are drawn on ``display``;
     with ``shared_progress``, every rank's events of those kinds, and no others.
-    ``who``: what an error calls a process (``"worker 1 on node-a"``, where
+    ``who``: what an error calls a process (``"worker 1 of 2 on node-a"``, where
     the processes play shares of a target world, not its ranks).
 
     Raises:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from osdpipe.rankserver import in_torchrun
 from osdpipe.report import Report
 from osdpipe.stages.load import inspect_input
 from osdpipe.products import Sharded
-from osdpipe.world import GroupWorld, ShareWorld, SoloWorld
+from osdpipe.world import GroupWorld, ShareWorld, SoloWorld, worker_named
 
 
 def run_rank(plan: Plan) -> Report:
@@ -89,7 +88,7 @@ def _share_done(worker: int, weights: list[int], ranks: Sequence[int], display: 
         sharded = played.find(Sharded)
         done["bytes"] += 0 if sharded is None else sharded.state_bytes()
         done["elements"] += weights[played.ctx.rank]
-        total = done["bytes"] * share // done["elements"] if done["elements"] else None
+        total = done["bytes"] * share // done["elements"] if done["elements"] else (None if share else 0)
         if display is not None:
             display(("share", worker, done["bytes"], total))
         else:
@@ -106,10 +105,6 @@ def _convert_worker(plan: Plan) -> Report | None:
 def _share_worker(plan: Plan) -> Report | None:
     report = run_share(plan)
     return report if dist.get_rank() == 0 else None
-
-
-def _worker_named(worker: int) -> str:
-    return f"worker {worker} on {socket.gethostname()}"
 
 
 def check_source(plan: Plan) -> None:
@@ -188,7 +183,7 @@ def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -
             backend=backend,
             timeout_s=spec.runtime.timeout_s,
             display=display,
-            who=_worker_named,
+            who=lambda worker: worker_named(worker, spec.runtime.workers),
             shared_progress=("share",),
         )[0]
     display.phase(f"starting {spec.target.world_size} rank(s)")

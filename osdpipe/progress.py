@@ -94,7 +94,7 @@ class Display:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._bar: Any = None
-        self._shares: dict[int, tuple[int, int]] = {}
+        self._shares: dict[int, tuple[int, int | None]] = {}
 
     def __call__(self, event: Event) -> None:
         """Take one event (the sink of :func:`connect`, or what the launcher received)."""
@@ -108,7 +108,8 @@ class Display:
         elif kind == "share" and self._bar is not None:
             worker, done, total = rest
             self._shares[worker] = (done, total)
-            self._show(sum(d for d, _ in self._shares.values()), sum(t for _, t in self._shares.values()))
+            totals = [t for _, t in self._shares.values()]
+            self._show(sum(d for d, _ in self._shares.values()), None if None in totals else sum(totals))  # a worker's total unknown yet: the whole's too
 
     def _show(self, done: int, total: int | None) -> None:
         if total != self._bar.total:

@@ -143,6 +143,11 @@ def balanced_shares(weights: Sequence[int], parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def worker_named(worker: int, workers: int) -> str:
+    """How errors name a worker of a :class:`ShareWorld`: ``"worker 1 of 2 on node-a"`` (its node: where to look)."""
+    return f"worker {worker} of {workers} on {socket.gethostname()}"
+
+
 class ShareWorld(SoloWorld):
     """One of W processes in a process group, playing its share of the target's ``size`` ranks in turn.
 
@@ -162,7 +167,7 @@ class ShareWorld(SoloWorld):
         self.shares = balanced_shares(weights, self.workers)
         self.label = f"worker {self.worker}"
         self.hears_lower_ranks = self.workers == 1
-        self.player = f"worker {self.worker} of {self.workers} on {socket.gethostname()}"
+        self.player = worker_named(self.worker, self.workers)
 
     def ranks(self) -> Sequence[int]:
         return self.shares[self.worker]

@@ -51,6 +51,8 @@ def test_the_progress_line_sums_every_workers_share() -> None:
     display(("share", 0, 50, 300))
     display(("share", 1, 400, 400))
     assert (display._bar.n, display._bar.total) == (450, 700)
+    display(("share", 2, 0, None))  # a worker whose ranks wrote nothing yet: the total is not known
+    assert (display._bar.n, display._bar.total) == (450, None)
     display.phase("next")
     display(("share", 0, 1, 2))
     assert (display._bar.n, display._bar.total) == (1, 2), "a new phase forgets the last one's shares"
@@ -152,7 +154,7 @@ def test_a_changed_element_is_found_in_a_workers_output(full_source: Path, conve
 
 #: The one line each failure must give: (fault, the line's start). Worker 1 plays target ranks 2 and 3 of 4.
 FAILURES = {
-    "kill": ("save:1:kill", "worker 1 on {host} failed: process killed by SIGKILL in stage 'save'"),
+    "kill": ("save:1:kill", "worker 1 of 2 on {host} failed: process killed by SIGKILL in stage 'save'"),
     "raise": ("save:1:raise", "stage 'save' failed on rank 2 (played by worker 1 of 2 on {host}): RuntimeError: injected fault save on rank 1"),
 }
 
