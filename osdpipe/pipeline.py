@@ -174,7 +174,7 @@ def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -
         run_local_world(generate_rank, spec.source.world_size, (plan,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)
     if spec.runtime.mode == "offline" and spec.runtime.workers == 1:
         return run_offline(plan, display)
-    if spec.runtime.mode == "offline":
+    if spec.runtime.mode == "offline" and spec.runtime.workers < spec.target.world_size:
         display.phase(f"offline: {spec.target.world_size} target rank(s) on {spec.runtime.workers} workers", unit="B")
         return run_local_world(
             _share_worker,
@@ -186,6 +186,7 @@ def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -
             who=lambda worker: worker_named(worker, spec.runtime.workers),
             shared_progress=("share",),
         )[0]
+    # online, or as many workers as target ranks: the target world itself, where the checks that need its job run
     display.phase(f"starting {spec.target.world_size} rank(s)")
     return run_local_world(_convert_worker, spec.target.world_size, (plan,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
 
@@ -223,7 +224,7 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
                 if spec.source.world_size != world:
                     raise StageError("generate", {0: f"under torchrun, generating a source needs source.world_size == {world}; give input.path instead"})
                 generate_rank(plan)
-            report = run_share(plan) if offline else run_rank(plan)
+            report = run_share(plan) if offline and world < spec.target.world_size else run_rank(plan)  # as many as the target's ranks: its world
         finally:
             dist.destroy_process_group()
             # What of gloo's a reference cycle still holds is otherwise freed

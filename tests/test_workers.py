@@ -197,3 +197,15 @@ def test_workers_that_cannot_play_the_target_are_refused_in_one_line(tmp_path: P
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_as_many_workers_as_target_ranks_is_the_target_world_where_every_check_runs(full_source: Path, converted, tmp_path: Path) -> None:
+    """W = M is the online run: the checks that need the live target job (reference, load_step) run, and the bytes are the others'."""
+    out = tmp_path / "w4"
+    args = [*JOB, *TARGETS["rank_local-4"], "runtime.workers=4", f"input.path={full_source}", f"output.path={out}"]
+    result = run_command([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, timeout=TIMEOUT_S, env=user_env())
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in report["checks"]] == ["roundtrip", "reference", "load_step", "resume"] and report["ok"], report["checks"]
+    assert [m["process"] for m in report["memory"]] == [f"rank {r}" for r in range(4)]
+    assert _files(out) == _files(converted[("rank_local-4", "local-1")])
