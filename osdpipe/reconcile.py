@@ -105,7 +105,8 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         if "output.format" not in given and keep is not None:
             _set(raw, "output.format", keep)  # the source's state-dict type, which the job that resumes is set to
         try:
-            notes += writer.advice(path, _get(raw, "target") or {}, _get(raw, "output.format")) if writer is layout else []
+            notes += (writer.advice(path, _get(raw, "target") or {}, _get(raw, "output.format")) if writer is layout
+                      else writer.foreign_advice(layout.name, _get(raw, "target") or {}))
         except (InputError, OSError):
             pass  # the pre-flight check says what is wrong with it
         part = layout.optimizer_part(path, fmt)

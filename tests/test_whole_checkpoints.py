@@ -309,7 +309,9 @@ REFUSED = {
     "torchtitan trains FSDP2": (["checkpoint=torchtitan", "source.kind=fsdp1", "output.format=dcp"], ["checkpoint=torchtitan", "source.kind=fsdp2"]),
     "a whole layout out of an optimizer": (["output.checkpoint=pytorch"], ["output.checkpoint=pytorch", "optimizer's alone", "checkpoint="]),
     "torchtitan out of accelerate": (["checkpoint=accelerate", "source.kind=fsdp1", "output.checkpoint=torchtitan", "output.format=dcp"],
-                                     ["output.checkpoint=torchtitan", "not yet from checkpoint=accelerate", "set output.checkpoint=pytorch"]),
+                                     ["output.checkpoint=torchtitan", "the files of checkpoint=accelerate do not say", "set output.checkpoint=pytorch"]),
+    "accelerate out of torchtitan": (["checkpoint=torchtitan", "source.kind=fsdp2", "output.checkpoint=accelerate", "output.format=dcp"],
+                                     ["output.checkpoint=accelerate", "not yet from checkpoint=torchtitan", "set output.checkpoint=pytorch"]),
     "deepspeed is read, not trained": (["checkpoint=deepspeed"], ["checkpoint=deepspeed", "input.path"]),
 }
 
@@ -338,6 +340,34 @@ def test_a_users_own_top_level_tensor_is_carried_and_reported_as_carried(tmp_pat
     planned = carried_state(carrying, None)  # what a rank that does not hold the items plans with
     assert planned["ema_scale"].device.type == "meta" and planned["ema_scale"].shape == (4,)
     dcp_writer.plan(lambda r: planned if r == 0 else {}, 2)  # DCP's planner takes it
+
+
+def test_another_frameworks_entries_go_under_its_name_in_a_torchtitan_step_folder_of_its_step() -> None:
+    """``output.checkpoint=torchtitan`` from a DeepSpeed save: ``step-<N>`` of the step its files say, the model at the top level, and
+    DeepSpeed's ``lr_scheduler`` under ``deepspeed`` (torchtitan would load an ``lr_scheduler`` into its own scheduler); the report says
+    where each went, and the checks look for each there. A source that does not say its step is refused."""
+    from dataclasses import replace
+
+    import pytest
+
+    from osdpipe.checkpoints import get
+    from osdpipe.checkpoints.base import CarriedData, Carrying, Entry, fates
+    from osdpipe.checkpoints.output import carried_state
+    from osdpipe.formats.base import InputError
+
+    source = Carrying("/ckpt/ds/global_step7", ("lr_scheduler.last_epoch", "global_steps"), (("lr_scheduler", "last_epoch"), ("global_steps",)),
+                      entries=(Entry("lr_scheduler", "other", "mp_rank_00_model_states.pt", 10),), model_key="model", layout="deepspeed", step=7)
+    titan = get("torchtitan")
+    adopted = titan.adopt(source)
+    assert (adopted.folder, adopted.model_key, adopted.under) == ("step-7", None, "deepspeed")
+    assert [adopted.written_flat(f) for f in adopted.items] == ["deepspeed.lr_scheduler.last_epoch", "deepspeed.global_steps"]
+    assert fates(adopted)[0]["fate"].startswith("carried over unchanged, under 'deepspeed'")
+    written = carried_state(adopted, CarriedData(values={"lr_scheduler.last_epoch": 6, "global_steps": 7}))
+    assert written == {"deepspeed": {"lr_scheduler": {"last_epoch": 6}, "global_steps": 7}}
+    assert titan.adopt(replace(source, layout="torchtitan")) == replace(source, layout="torchtitan"), "its own checkpoint stays as it is"
+    assert get("pytorch").adopt(source).under is None, "PyTorch's layout has no entries of its own: they stay where they were"
+    with pytest.raises(InputError, match="do not say at which step"):
+        titan.adopt(replace(source, step=None))
 
 
 def test_what_a_whole_checkpoint_cannot_be_asked_is_one_line(tmp_path: Path) -> None:

@@ -166,7 +166,7 @@ class Accelerate(CheckpointLayout):
         root = Path(path)
         parts = (FULL_MODEL, FULL_OPTIMIZER) if _full(path) else (MODEL_DIR, OPTIMIZER_DIR)
         files = tuple(sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in parts))
-        return Carrying(path, files=files, entries=self.read(root).entries)
+        return Carrying(path, files=files, entries=self.read(root).entries, layout=self.name)
 
     def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
         """A rank file (``rank_local``); the two full files, on rank 0 (``fsdp_full``: FULL_STATE_DICT); or this rank's pieces of the

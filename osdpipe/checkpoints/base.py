@@ -113,6 +113,12 @@ class Carrying:
             saved state dict (``None``: at the top level), kept so in the output.
         folder: the folder under ``output.path`` that the output's DCP checkpoint goes in: where the framework
             looks for it (torchtitan's ``step-<N>``; ``dcp`` where the framework is pointed at the folder itself).
+        layout: the layout that read the checkpoint (``checkpoint=``).
+        step: the training step the checkpoint was saved at, where its files say (torchtitan's ``step-<N>``,
+            DeepSpeed's ``global_steps``): what names a torchtitan output's ``step-<N>`` folder.
+        under: the top-level entry every carried item is nested under in the output (``None``: where the source had it).
+            Another framework's entries written into torchtitan's layout go under their framework's name, where
+            their own names (``lr_scheduler``) would be taken for torchtitan's and loaded into its job.
     """
 
     source: str
@@ -125,6 +131,17 @@ class Carrying:
     folder: str = DCP_DIR
     #: Whether the checkpoint holds the optimizer's state; a model-only one (torchtitan's last save, its seed checkpoint) converts to a model-only one.
     optimizer: bool = True
+    layout: str = ""
+    step: int | None = None
+    under: str | None = None
+
+    def written_path(self, path: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Where a carried item saved at ``path`` in the source goes in the output's state dict."""
+        return path if self.under is None else (self.under, *path)
+
+    def written_flat(self, flat: str) -> str:
+        """A carried item's flat key in the output (as ``dcp.save`` flattens :meth:`written_path`), from its flat key in the source."""
+        return flat if self.under is None else f"{self.under}.{flat}"
 
 
 @dataclass
@@ -153,6 +170,10 @@ class CheckpointLayout:
     written_as: ClassVar[str | None] = None
     #: Whether this layout is written from a checkpoint of any layout (PyTorch's, which every framework's model and optimizer fit), or from its own alone.
     takes_any_source: ClassVar[bool] = False
+    #: Whether this layout's files say at which training step the checkpoint was saved (:attr:`Carrying.step`).
+    saves_step: ClassVar[bool] = False
+    #: Whether this layout, written, is named after the step it was saved at (torchtitan's ``step-<N>``): only a source that says it converts to it.
+    needs_step: ClassVar[bool] = False
 
     def refuses(self, given: Format, source_kind: Any, generated: bool) -> str | None:
         """Why a conversion of this layout cannot read ``given`` (or generate a source of ``source_kind``) (``None``: it can); one line naming the keys to set."""
@@ -172,6 +193,11 @@ class CheckpointLayout:
             return (
                 f"output.checkpoint={self.name}: osdpipe writes {self.name}'s layout from a {self.name} checkpoint only, not yet from checkpoint={source.name}; "
                 "set output.checkpoint=pytorch (PyTorch's own layout, which any PyTorch job loads)"
+            )
+        if source.name != self.name and self.needs_step and not source.saves_step:
+            return (
+                f"output.checkpoint={self.name}: its folder is named after the step the checkpoint was saved at, which the files of "
+                f"checkpoint={source.name} do not say; set output.checkpoint=pytorch (PyTorch's own layout, which any PyTorch job loads)"
             )
         said = f"checkpoint={self.name}" if source.name == self.name else f"output.checkpoint={self.name}"
         if written.name not in self.output_formats:
@@ -208,6 +234,11 @@ class CheckpointLayout:
         """What the framework will do on the target (``target``: the config's ``target`` section) with the output of the checkpoint at
         ``path`` in ``output_format``, where it differs from what a user expects, and what to do: said in the run's output and in
         ``report.json``'s warnings (entries that describe the world that saved it, state its own load path drops)."""
+        return []
+
+    def foreign_advice(self, source: str, target: dict[str, Any]) -> list[str]:
+        """What a job of this framework on the target (``target``: the config's ``target`` section) will make of a checkpoint written
+        in its layout from a ``source`` checkpoint, which lacks this framework's own entries; said as :meth:`advice` is."""
         return []
 
     def model_overrides(self, path: Path) -> list[str]:
@@ -289,7 +320,8 @@ class CheckpointLayout:
 
 
 def fates(carrying: Carrying) -> list[dict[str, Any]]:
-    """What a conversion did with each entry of a whole checkpoint, as ``report.json`` lists them: nothing in it goes unnamed.
+    """What a conversion did with each entry of a whole checkpoint, as ``report.json`` lists them: nothing in it goes unnamed
+    (``carrying``: as the layout written adopted it).
 
     Each is ``{"name", "part", "where", "size", "fate"}``; an entry that
     describes one rank of the world that saved it also has ``source_rank``.
@@ -299,6 +331,8 @@ def fates(carrying: Carrying) -> list[dict[str, Any]]:
         "optimizer": "converted: the optimizer's state, laid out for the target",
         "framework": "left out: it describes how the saving framework laid out its own files, which the output does not have",
     }
+    if carrying.under is not None:
+        said["other"] = f"carried over unchanged, under {carrying.under!r}: the target framework's own entries of that name are another thing"
     out = []
     for entry in carrying.entries:
         fate = said.get(entry.part, "carried over unchanged")

@@ -1,4 +1,5 @@
-"""deepspeed: a DeepSpeed ZeRO save as a whole training checkpoint, read only: written in PyTorch's layout (:mod:`osdpipe.checkpoints.pytorch`).
+"""deepspeed: a DeepSpeed ZeRO save as a whole training checkpoint, read only: written in PyTorch's layout (:mod:`osdpipe.checkpoints.pytorch`),
+or torchtitan's (``output.checkpoint=torchtitan``, a ``step-<N>`` folder of its ``global_steps``).
 
 osdpipe reads DeepSpeed's files (:mod:`osdpipe.formats.deepspeed`, no
 DeepSpeed code run) and writes what a PyTorch job loads; it never writes
@@ -141,6 +142,7 @@ class DeepSpeedZero(CheckpointLayout):
     input_formats = ("deepspeed",)
     output_formats = ()
     written_as = "pytorch"
+    saves_step = True  # global_steps, in the model-states file
 
     def recognizes(self, path: Path) -> bool:
         from osdpipe.formats.deepspeed import DeepSpeed  # torch: only where a folder is looked at
@@ -209,9 +211,12 @@ class DeepSpeedZero(CheckpointLayout):
         from osdpipe.formats.deepspeed import model_states, tag_folder
 
         folder = tag_folder(path)
-        flat, paths = flatten_state_dict(_carried_values(model_states(folder)))
+        states = model_states(folder)
+        flat, paths = flatten_state_dict(_carried_values(states))
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items() if torch.is_tensor(v)}
-        return Carrying(str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), self.read(folder).entries)
+        step = states.get("global_steps")
+        return Carrying(str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), self.read(folder).entries, layout=self.name,
+                        step=int(step) if isinstance(step, (int, float)) or torch.is_tensor(step) else None)
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
         """The carried leaves' values (the model-states file loads with ``weights_only=True``: plain data)."""

@@ -103,7 +103,7 @@ def carried_values(carrying: Carrying, data: CarriedData) -> dict[str, Any]:
                     f"{carrying.source}: the entry {flat} holds objects torch.load(weights_only=True) refuses "
                     f"({str(exc).strip().splitlines()[0][:120]}); a rank file must load so: set output.format=dcp, which carries it as stored"
                 ) from None
-        set_element(out, path, value)
+        set_element(out, carrying.written_path(path), value)
     return out
 
 
@@ -227,7 +227,7 @@ def carried_state(carrying: Carrying, data: CarriedData | None) -> dict[str, Any
             value = data.values[flat]
         else:
             value = dcp_writer.Stored(None if data is None else data.raw[flat])
-        set_element(out, path, value)
+        set_element(out, carrying.written_path(path), value)
     return out
 
 
@@ -307,14 +307,15 @@ def carried_differences(checkpoint: Any, carrying: Carrying, data: CarriedData) 
     """Where a DCP checkpoint's carried items differ from the source's: the same stored bytes, or the same value (tensors)."""
     problems = []
     for flat in carrying.items:
-        if flat not in checkpoint.metadata.state_dict_metadata:
-            problems.append(f"{checkpoint.path}: the carried entry {flat} is missing")
+        written = carrying.written_flat(flat)
+        if written not in checkpoint.metadata.state_dict_metadata:
+            problems.append(f"{checkpoint.path}: the carried entry {written} is missing")
         elif flat in data.raw:
-            if checkpoint.stored(flat) != data.raw[flat]:
-                problems.append(f"{checkpoint.path}: the carried entry {flat} is not stored as the source stores it")
+            if checkpoint.stored(written) != data.raw[flat]:
+                problems.append(f"{checkpoint.path}: the carried entry {written} is not stored as the source stores it")
         else:
             want = data.tensors.get(flat, data.values.get(flat))
-            problems += [f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_item(flat), want, path=flat, limit=1)]
+            problems += [f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_item(written), want, path=written, limit=1)]
     return problems
 
 

@@ -91,7 +91,7 @@ class Pytorch(CheckpointLayout):
         model = self._model(path, tree)
         items, planned, tensors = carried_items(model.checkpoint, set(model.items.values()), (OPTIM,))
         has_optimizer = any(p[0] == OPTIM for p in model.checkpoint.paths.values())
-        return Carrying(path, items, planned, tensors, (), self.read(Path(path)).entries, MODEL, DCP_DIR, has_optimizer)
+        return Carrying(path, items, planned, tensors, (), self.read(Path(path)).entries, MODEL, DCP_DIR, has_optimizer, layout=self.name)
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
         from osdpipe.checkpoints.output import read_carried  # torch.distributed.checkpoint: only where a whole checkpoint is read

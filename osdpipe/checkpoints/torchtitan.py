@@ -50,8 +50,14 @@ def _flat_optimizer(items: list) -> str:
 
 @register
 class Torchtitan(CheckpointLayout):
+    """torchtitan's layout, read and written; written from another framework's checkpoint too (``output.checkpoint=torchtitan``)
+    where its files say the step it was saved at (DeepSpeed's), as torchtitan names its step folders after it."""
+
     name = "torchtitan"
     looks_like = "a torchtitan step directory (one DCP checkpoint: the model's entries, optimizer, lr_scheduler, dataloader, train_state)"
+    takes_any_source = True
+    saves_step = True
+    needs_step = True
 
     def recognizes(self, path: Path) -> bool:
         """A DCP directory with a flattened ``optimizer`` or one of torchtitan's own top-level keys; or a ``step-<N>`` one of
@@ -77,6 +83,15 @@ class Torchtitan(CheckpointLayout):
             f"{path} holds torchtitan's data-loader positions for {source_dp} data-parallel rank(s), the target has {target_dp}: they are carried "
             f"as they are, and torchtitan refuses to load them on another dp degree ({fails}); start it with "
             "--checkpoint.exclude-from-loading dataloader (its data loader then starts afresh)"
+        ]
+
+    def foreign_advice(self, source: str, target: dict[str, Any]) -> list[str]:
+        """A step folder written from another framework's checkpoint holds the model and the optimizer, none of torchtitan's own
+        entries: torchtitan 0.3 loads it only with those left out of loading, and then counts its steps from 0."""
+        return [
+            f"the {source} checkpoint has none of torchtitan's own dataloader, lr_scheduler and train_state (its own entries are carried under "
+            f"'{source}', which torchtitan does not read): start torchtitan with --checkpoint.exclude-from-loading dataloader,lr_scheduler,train_state; "
+            "it then loads the model and the optimizer, and its step counter and learning-rate schedule start from 0"
         ]
 
     def model_overrides(self, path: Path) -> list[str]:
@@ -183,7 +198,8 @@ class Torchtitan(CheckpointLayout):
         items, planned, tensors = carried_items(checkpoint, set(model.items.values()), (OPTIMIZER,))
         entries = _with_the_models_names(self.read(Path(path)).entries, model.items)
         has_optimizer = any(p[0] == OPTIMIZER for p in checkpoint.paths.values())
-        return Carrying(path, items, planned, tensors, (), entries, model.key, step_folder(self.step_of(checkpoint, path)), has_optimizer)
+        step = self.step_of(checkpoint, path)
+        return Carrying(path, items, planned, tensors, (), entries, model.key, step_folder(step), has_optimizer, layout=self.name, step=step)
 
     def step_of(self, checkpoint: Any, path: str) -> int:
         """The step a step folder was saved at: its name's ``step-<N>``, else its ``train_state.step``.
@@ -207,6 +223,21 @@ class Torchtitan(CheckpointLayout):
         from osdpipe.formats.dcp_reader import DcpCheckpoint
 
         return read_carried(DcpCheckpoint(carrying.source, None), carrying)
+
+    def adopt(self, carrying: Carrying) -> Carrying:
+        """Another framework's checkpoint as a torchtitan step folder: the model at the top level, in ``step-<N>`` of the step the source
+        was saved at, the source's own entries under its framework's name (:attr:`Carrying.under`). A torchtitan checkpoint stays as it is.
+
+        Raises:
+            InputError: the source's files do not say at which step it was saved.
+        """
+        if carrying.layout == self.name:
+            return carrying
+        if carrying.step is None:
+            from osdpipe.formats.base import InputError  # torch: only where a conversion is written
+
+            raise InputError(f"{carrying.source}: its files do not say at which step it was saved, which names torchtitan's step-<N>; set output.checkpoint=pytorch")
+        return replace(carrying, model_key=None, folder=step_folder(carrying.step), under=carrying.layout)
 
     def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
         """A rank file (``rank_local``), or this rank's pieces of one DCP directory laid out as torchtitan saves it (``dcp``)."""
@@ -234,11 +265,11 @@ class Torchtitan(CheckpointLayout):
         return RankFiles(files, tensors, results)
 
     def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
-        if fmt.keyed_by_id:  # each rank's own file
-            return {}
+        """The step folder's ``.metadata`` (``dcp``), and the files another framework's checkpoint carries (accelerate's) beside it."""
         from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
 
-        return output.finish_dcp(staging, carrying.folder, shared, [r.results for r in per_rank])
+        done = {} if fmt.keyed_by_id else output.finish_dcp(staging, carrying.folder, shared, [r.results for r in per_rank])
+        return {**done, **output.copy_files(carrying, staging)}
 
     def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
         """As torchtitan loads a step folder: one ``dcp.load`` of the model's own state dict (where the folder has it) and the flattened
@@ -263,12 +294,14 @@ class Torchtitan(CheckpointLayout):
             set_optimizer_state_dict(model, optim, state[OPTIMIZER], options=flat)
 
     def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
-        """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer in the step folder, and on rank 0 every carried item as stored."""
+        """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer in the step folder, and on rank 0 every carried item as stored;
+        on rank 0 every carried file, byte for byte."""
         from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
 
+        files = output.file_differences(directory, parts.carrying) if rank == 0 else []
         if fmt.keyed_by_id:  # each rank's own file
-            return output.rank_file_differences(directory, parts, rank, tree)
-        return output.one_dcp_differences(directory, parts, rank, world_size, tree, opened, OPTIMIZER)
+            return output.rank_file_differences(directory, parts, rank, tree) + files
+        return output.one_dcp_differences(directory, parts, rank, world_size, tree, opened, OPTIMIZER) + files
 
 
 #: How torchtitan names the folder of each checkpoint under ``--checkpoint.folder``; it resumes from the highest N.

@@ -24,6 +24,8 @@ Each bad input gets one line and leaves no output.
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -31,7 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from frameworks import ds
+from frameworks import ds, titan_load
+from frameworks.launch import run_logged, torchrun, worker_env
 from osdpipe.formats.deepspeed import ZeroReader
 from osdpipe.output import conversion_entries
 from helpers import run_command, user_env
@@ -158,6 +161,57 @@ def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: 
         exported = load_file(out / "model.safetensors")
         assert [fqn for fqn, want in truth["fp32"].items() if fqn in exported and not torch.equal(exported[fqn], want)] == []
         assert set(exported) == set(truth["module"]) - {"head.weight"}, "a tied weight once, as save_pretrained stores it"
+
+
+def _unflattened(optimizer: dict, groups: list[dict]) -> dict:
+    """torchtitan's flattened optimizer entry (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``) as a state dict keyed
+    by FQN, its param groups those of ``groups`` (DeepSpeed's) with the hyperparameters the entry gives their first parameter."""
+    state: dict = {}
+    for key, value in optimizer.items():
+        if key.startswith("state."):
+            fqn, _, name = key.removeprefix("state.").rpartition(".")
+            state.setdefault(fqn, {})[name] = value
+    hyper = ("lr", "weight_decay")
+    return {"state": state, "param_groups": [{**{h: optimizer[f"param_groups.{g['params'][0]}.{h}"] for h in hyper}, "params": g["params"]} for g in groups]}
+
+
+@pytest.mark.parametrize("name", ["zero1-bf16-4", "zero3-bf16-4"])
+def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
+    """``output.checkpoint=torchtitan``: one ``step-<N>`` folder of DeepSpeed's ``global_steps``, the model at the top level, the optimizer
+    flattened, DeepSpeed's own entries under ``deepspeed``, where torchtitan's ``lr_scheduler`` would take them for its own; and the
+    run says what torchtitan needs to load a step folder without its dataloader, lr_scheduler and train_state."""
+    folder = saves[name]
+    truth = torch.load(ds.dump_path(folder), weights_only=False)
+    out = tmp_path / "out"
+    report = _convert(folder, out, "checkpoint=deepspeed", "output.checkpoint=torchtitan", "target.world_size=2")
+    step = out / f"step-{truth['global_steps']}"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [step.name]
+    got = _gathered(step, tmp_path)
+    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(got[fqn]), _bits(want))] == [], "the fp32 masters, at the top level"
+    assert torch.equal(_bits(got["pos"]), _bits(truth["module"]["pos"]))
+    _assert_the_optimizer_is_deepspeeds(_unflattened(got["optimizer"], truth["param_groups"]), truth, ds.universal_path(folder) / ds.latest_tag(folder))
+    assert got["deepspeed"]["lr_scheduler"] == truth["lr_scheduler"] and got["deepspeed"]["global_steps"] == truth["global_steps"]
+    assert not {"lr_scheduler", "dataloader", "train_state"} & set(got), "torchtitan's own entries are not made up"
+    fates = {e["name"]: e["fate"] for e in report["entries"]}
+    assert fates["lr_scheduler"].startswith("carried over unchanged, under 'deepspeed'")
+    assert any("--checkpoint.exclude-from-loading dataloader,lr_scheduler,train_state" in w for w in report["warnings"]), report["warnings"]
+
+    # torchtitan's own CheckpointManager, so told, loads it into an FSDP2 job of the same model on 2 ranks, which takes a step
+    loaded = _torchtitan_loads(out, truth, name, tmp_path)
+    assert loaded["found"] and loaded["step"] == 0 and math.isfinite(loaded["loss"])
+    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(loaded["model"][fqn]), _bits(want))] == []
+    _assert_the_optimizer_is_deepspeeds(loaded["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
+
+
+def _torchtitan_loads(folder: Path, truth: dict, name: str, work: Path) -> dict:
+    """What torchtitan's ``CheckpointManager`` (``--checkpoint.folder`` ``folder``, without dataloader, lr_scheduler and train_state)
+    loads into a 2-rank FSDP2 job of the DeepSpeed job's model and param groups (:mod:`frameworks.titan_load`)."""
+    groups = [["^(" + "|".join(re.escape(fqn) for fqn in g["params"]) + ")$", {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}]
+              for g in truth["param_groups"]]
+    spec = {"folder": str(folder), "model": "frameworks.ds_job:DsLM", "kwargs": {"tied": SAVES[name]["tied"]}, "groups": groups,
+            "exclude": ["dataloader", "lr_scheduler", "train_state"], "dump": str(work / "titan_loaded.pt")}
+    run_logged(torchrun(2, Path(titan_load.__file__), spec), work, label="titan-load", timeout=300, what="torchtitan's load of", env=worker_env())
+    return torch.load(spec["dump"], weights_only=False)
 
 
 def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(tmp_path: Path, saves: dict[str, Path]) -> None:
