@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from frameworks import titan
 from helpers import run_command, user_env
@@ -93,6 +94,28 @@ def test_a_model_only_last_save_converts_to_a_model_only_step_that_torchtitan_in
     assert not any(key.startswith("optimizer") for key in titan.checkpoint_keys(three / "step-2"))
     got = titan.resume_and_dump(work, 3, three / "step-2", assets=assets, extra=model_only, name="model-only-3")
     assert got["step"] == 0 and got["optim"] == {} and titan.compare_dumps(want, got, parts=("model",)) == []
+
+
+def test_a_seed_checkpoint_converts_to_a_model_only_step_0_that_torchtitan_starts_from(source) -> None:
+    """torchtitan's seed checkpoint (``--checkpoint.create-seed-checkpoint``, one process, the model unsharded, saved as ``step-0``;
+    model-only as torchtitan's base config saves a last step, which llama3_debugmodel's config turns off) converts as ``inspect``
+    says to 2 ranks: a model-only ``step-0``, which torchtitan's ``--checkpoint.folder`` takes as a seed (step 0: model only) and
+    loads, the model bit for bit the seed's own tensors, and trains on."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    work, assets, _, _ = source
+    seed = work / "seed"
+    titan.train(work, 1, 1, folder=seed, assets=assets, extra=["--checkpoint.create-seed-checkpoint", "--checkpoint.last-save-model-only"])
+    assert titan.latest_step(seed) == 0
+    two = _convert_as_inspect_says(work, "seed-2", seed, 2)
+    assert sorted(p.name for p in two.iterdir() if p.is_dir()) == ["step-0"]
+    assert not any(key.startswith("optimizer") for key in titan.checkpoint_keys(two / "step-0"))
+    got = titan.resume_and_dump(work, 2, two, assets=assets, name="seed-2")
+    dcp_to_torch_save(str(seed / "step-0"), str(work / "seed.pt"))
+    want = torch.load(work / "seed.pt", weights_only=True)
+    assert got["step"] == 0 and set(got["model"]) == set(want), "the model's own state-dict keys (wq, wk, wv of the fused wqkv)"
+    assert [key for key, value in want.items() if not titan.same_bits(got["model"][key], value)] == []
+    assert math.isfinite(got["loss_after"])
 
 
 def test_the_safetensors_export_is_what_torchtitans_own_hf_export_writes(source) -> None:
