@@ -277,8 +277,8 @@ class OutputConfig(_Frozen):
 
     ``checkpoint`` names the layout a whole checkpoint is written in (see
     :class:`CheckpointConfig`); unset, the input's own, and for a DeepSpeed
-    save, which osdpipe does not write, ``pytorch``. ``pytorch`` is written
-    from a checkpoint of any layout; ``torchtitan`` from one whose files say
+    save, which osdpipe does not write, ``pytorch``. ``pytorch`` and
+    ``accelerate`` are written from a checkpoint of any layout; ``torchtitan`` from one whose files say
     the step it was saved at (a DeepSpeed save's ``global_steps``), which
     names its ``step-<N>`` folder.
     """

@@ -147,6 +147,7 @@ CONVERSIONS = {
                               "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
                               "output.format=dcp"],
     "titan_pytorch_2": ["input.path={saved}/titan/step-2", *TITAN, "target.world_size=2", "output.checkpoint=pytorch"],
+    "titan_accelerate_2": ["input.path={saved}/titan/step-2", *TITAN, "target.world_size=2", "output.checkpoint=accelerate"],
     "accelerate_pytorch_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate/checkpoint_0", "source.kind=fsdp1",
                              "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp2", "target.world_size=2", "output.checkpoint=pytorch"],
 }
@@ -310,8 +311,8 @@ REFUSED = {
     "a whole layout out of an optimizer": (["output.checkpoint=pytorch"], ["output.checkpoint=pytorch", "optimizer's alone", "checkpoint="]),
     "torchtitan out of accelerate": (["checkpoint=accelerate", "source.kind=fsdp1", "output.checkpoint=torchtitan", "output.format=dcp"],
                                      ["output.checkpoint=torchtitan", "the files of checkpoint=accelerate do not say", "set output.checkpoint=pytorch"]),
-    "accelerate out of torchtitan": (["checkpoint=torchtitan", "source.kind=fsdp2", "output.checkpoint=accelerate", "output.format=dcp"],
-                                     ["output.checkpoint=accelerate", "not yet from checkpoint=torchtitan", "set output.checkpoint=pytorch"]),
+    "torchtitan out of pytorch": (["checkpoint=pytorch", "source.kind=fsdp2", "output.checkpoint=torchtitan", "output.format=dcp"],
+                                  ["output.checkpoint=torchtitan", "the files of checkpoint=pytorch do not say", "set output.checkpoint=pytorch"]),
     "deepspeed is read, not trained": (["checkpoint=deepspeed"], ["checkpoint=deepspeed", "input.path"]),
 }
 
@@ -477,6 +478,27 @@ def test_torchtitan_and_accelerate_checkpoints_convert_to_pytorchs_own_layout(co
     _same(accelerate["optim"]["state"], _gathered(source / "optimizer_0", tmp_path)["optimizer"]["state"], "accelerate -> pytorch: optimizer")
     for name in whole_jobs.ACCELERATE_FILES:
         assert (converted["accelerate_pytorch_2"] / name).read_bytes() == (source / name).read_bytes(), name
+
+
+def test_a_torchtitan_checkpoint_converts_to_accelerates_layout_its_own_entries_in_a_file_beside(converted: dict[str, Path], saved: Path, tmp_path: Path) -> None:
+    """``output.checkpoint=accelerate`` from torchtitan: ``save_state``'s two DCP directories (the fixture's checks load them as
+    ``load_state`` does and step), the source's model and optimizer bit for bit; torchtitan's own entries and the user's, which
+    accelerate has no place for, as their values in ``torchtitan.pt`` beside them."""
+    import torch
+
+    titan_source = _gathered(saved / "titan" / "step-2", tmp_path)
+    out = converted["titan_accelerate_2"] / "dcp"
+    assert sorted(p.name for p in out.iterdir()) == ["optimizer_0", "pytorch_model_fsdp_0", "torchtitan.pt"]
+    model = _gathered(out / "pytorch_model_fsdp_0", tmp_path)["model"]
+    assert set(model) == _model_keys()
+    _same(model, {k: v for k, v in titan_source.items() if k in model}, "torchtitan -> accelerate: model")
+    optimizer = _gathered(out / "optimizer_0", tmp_path)["optimizer"]
+    flat = {k.removeprefix("state."): v for k, v in titan_source["optimizer"].items() if k.startswith("state.")}
+    _same({f"{fqn}.{name}": v for fqn, state in optimizer["state"].items() for name, v in state.items()}, flat, "torchtitan -> accelerate: optimizer")
+    carried = torch.load(out / "torchtitan.pt", weights_only=True)
+    assert set(carried) == set(whole_jobs.TITAN_OTHER)
+    for name in whole_jobs.TITAN_OTHER:
+        _same(carried[name], titan_source[name], f"torchtitan -> accelerate: {name}")
 
 
 @pytest.mark.parametrize("name,folder", [("titan_dcp_2", "step-2"), ("titan_pytorch_2", "dcp")])

@@ -43,8 +43,12 @@ _PER_RANK = re.compile(r"(?:random_states_(\d+)\.pkl|rng_state_(\d+)\.pth)")
 
 @register
 class Accelerate(CheckpointLayout):
+    """accelerate's layout, read and written; written from another framework's checkpoint too (``output.checkpoint=accelerate``):
+    its model and optimizer in accelerate's files, its own entries in ``<framework>.pt`` beside them, which accelerate does not read."""
+
     name = "accelerate"
     looks_like = "an accelerate save_state folder (pytorch_model_fsdp_0/, optimizer_0/, scheduler.bin, random_states_<r>.pkl, ...)"
+    takes_any_source = True
 
     def recognizes(self, path: Path) -> bool:
         if not path.is_dir():
@@ -109,6 +113,24 @@ class Accelerate(CheckpointLayout):
                 f"scheduler steps per optimizer step (accelerate steps a prepared scheduler once per process), which becomes {world} per step on the target"
             )
         return said
+
+    def foreign_advice(self, source: str, target: dict[str, Any]) -> list[str]:
+        """``load_state`` loads ``scheduler.bin`` for every scheduler the job prepared, and fails where there is none; another
+        framework's checkpoint has none (its scheduler's state is its own, in ``<framework>.pt``), nor any process's RNG state."""
+        return [
+            f"the {source} checkpoint has no accelerate scheduler.bin or random_states_<r>.pkl ({source}'s own entries, its scheduler's "
+            f"among them, go in {source}.pt beside the model and optimizer, which accelerate does not read): call load_state before "
+            "preparing a scheduler (load_state fails on a prepared scheduler with no scheduler.bin); each process keeps its own RNG state"
+        ]
+
+    def adopt(self, carrying: Carrying) -> Carrying:
+        """Another framework's checkpoint as a ``save_state`` folder: its own entries go in ``<framework>.pt`` (:func:`osdpipe.checkpoints.output.carried_file_name`);
+        an accelerate checkpoint stays as it is."""
+        if carrying.layout == self.name:
+            return carrying
+        from dataclasses import replace
+
+        return replace(carrying, under=carrying.layout)
 
     def output_format_of(self, input_format: str) -> str:
         """The source's state-dict type: a job set to FULL_STATE_DICT looks for ``pytorch_model_fsdp.bin``, one set to SHARDED for ``pytorch_model_fsdp_0/``."""
@@ -178,11 +200,14 @@ class Accelerate(CheckpointLayout):
         if fmt.keyed_by_id:  # each rank's own file
             return output.write_rank_file(parts, staging, rank, tree)
         root = staging / DCP_DIR
+        foreign = output.carried_file_name(parts.carrying)
         if fmt.one_writer:  # as save_state writes FULL_STATE_DICT on rank 0: the unwrapped model's state dict, FSDP's full optimizer state
             if not fmt.writes(rank):
                 return RankFiles()
             root.mkdir(parents=True, exist_ok=True)
             written = [write_torch_file(model_state_dict(parts.weights, parts.buffers, tree), root / FULL_MODEL), write_torch_file(parts.optimizer, root / FULL_OPTIMIZER)]
+            if foreign is not None:  # another framework's own entries, beside
+                written.append(write_torch_file(output.carried_file_content(parts), root / foreign))
             return RankFiles({f"{DCP_DIR}/{k}": v for w in written for k, v in w.files.items()}, {f"{DCP_DIR}/{k}": v for w in written for k, v in w.tensors.items()})
 
         def model_of(r: int, local: bool) -> dict[str, Any]:
@@ -194,6 +219,8 @@ class Accelerate(CheckpointLayout):
         model_results, model_files, model_storages = output.write_dcp(root, MODEL_DIR, model_of, rank, world_size, shared)
         optimizer_results, optimizer_files, optimizer_storages = output.write_dcp(root, OPTIMIZER_DIR, optimizer_of, rank, world_size, shared)
         files = {f"{DCP_DIR}/{name}": digest for name, digest in {**model_files, **optimizer_files}.items()}
+        if foreign is not None and rank == 0:  # another framework's own entries, beside, once
+            files.update({f"{DCP_DIR}/{k}": v for k, v in write_torch_file(output.carried_file_content(parts), root / foreign).files.items()})
         tensors = {
             **output.optimizer_digests(parts.optimizer, f"{DCP_DIR}/{OPTIMIZER_DIR}", optimizer_storages),
             **output.model_digests(output.model_pieces(parts, tree, world_size, rank), f"{DCP_DIR}/{MODEL_DIR}", model_storages),
@@ -256,15 +283,17 @@ class Accelerate(CheckpointLayout):
             problems = output.rank_file_differences(directory, parts, rank, tree)
             return problems + (output.file_differences(directory, parts.carrying) if rank == 0 else [])
         root = directory / DCP_DIR
+        foreign = output.carried_file_name(parts.carrying)
+        beside = output.full_file_differences(root, {foreign: output.carried_file_content(parts)}) if foreign is not None and rank == 0 else []
         if fmt.one_writer:  # the two full files, on rank 0 (the only rank that holds anything)
-            return output.full_file_differences(root, {FULL_MODEL: model_state_dict(parts.weights, parts.buffers, tree), FULL_OPTIMIZER: parts.optimizer}) + output.file_differences(root, parts.carrying)
+            return output.full_file_differences(root, {FULL_MODEL: model_state_dict(parts.weights, parts.buffers, tree), FULL_OPTIMIZER: parts.optimizer}) + output.file_differences(root, parts.carrying) + beside
         if "model" not in opened:  # opened (metadata read, structure checked) once for every rank
             opened["model"] = DcpCheckpoint(str(root / MODEL_DIR), None)
             opened["optimizer"] = reader = DcpReader(str(root / OPTIMIZER_DIR), "optimizer")
             opened["optimizer meta"] = reader.meta()
         problems = output.model_differences(opened["model"], "model", parts, tree, world_size, rank)
         problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
-        return problems + (output.file_differences(root, parts.carrying) if rank == 0 else [])
+        return problems + (output.file_differences(root, parts.carrying) if rank == 0 else []) + beside
 
 
 def _full(path: str) -> bool:

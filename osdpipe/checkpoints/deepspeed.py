@@ -1,5 +1,5 @@
 """deepspeed: a DeepSpeed ZeRO save as a whole training checkpoint, read only: written in PyTorch's layout (:mod:`osdpipe.checkpoints.pytorch`),
-or torchtitan's (``output.checkpoint=torchtitan``, a ``step-<N>`` folder of its ``global_steps``).
+torchtitan's (``output.checkpoint=torchtitan``, a ``step-<N>`` folder of its ``global_steps``) or accelerate's (``output.checkpoint=accelerate``).
 
 osdpipe reads DeepSpeed's files (:mod:`osdpipe.formats.deepspeed`, no
 DeepSpeed code run) and writes what a PyTorch job loads; it never writes

@@ -124,6 +124,19 @@ def rank_file_content(parts: RankParts, tree: ModuleTree) -> dict[str, Any]:
     return whole
 
 
+def carried_file_name(carrying: Carrying) -> str | None:
+    """The file a layout with no place for another framework's entries keeps them in (``<framework>.pt``, beside the output's
+    own files), where the carried items are another framework's (:attr:`Carrying.under`); ``None``: they are not."""
+    return None if carrying.under is None or not carrying.items else f"{carrying.under}.pt"
+
+
+def carried_file_content(parts: RankParts) -> dict[str, Any]:
+    """What :func:`carried_file_name` holds: every carried item as its value, nested as the source saved it."""
+    from dataclasses import replace
+
+    return carried_values(replace(parts.carrying, under=None), parts.carried)
+
+
 def write_rank_file(parts: RankParts, staging: Path, rank: int, tree: ModuleTree) -> RankFiles:
     """Target rank ``rank``'s ``rank_<r>.pt`` of a whole checkpoint (:func:`rank_file_content`)."""
     return write_torch_file(rank_file_content(parts, tree), staging / rank_file_name(rank))  # its digests: osdpipe.digest.tensor_digests

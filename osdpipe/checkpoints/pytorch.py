@@ -10,8 +10,8 @@ other top-level entry is the user's, carried over as it is stored.
 
 It is also what any other whole checkpoint converts to with
 ``output.checkpoint=pytorch``, and what a DeepSpeed save, which osdpipe reads
-but does not write, converts to (:mod:`osdpipe.checkpoints.deepspeed`): every
-job PyTorch runs loads it.
+but does not write, converts to unless told (:mod:`osdpipe.checkpoints.deepspeed`):
+every job PyTorch runs loads it.
 """
 
 from __future__ import annotations

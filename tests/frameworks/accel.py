@@ -140,6 +140,7 @@ def load(
     use_orig_params: bool = True,
     steps: int | None = None,
     prime: bool = False,
+    job: dict[str, Any] | None = None,
     timeout: float = 240,
 ) -> dict[str, Any]:
     """``Accelerator.load_state(folder)`` in a fresh job on ``nproc`` ranks; return its dump.
@@ -152,6 +153,9 @@ def load(
     batch after that step's update (it depends on the loaded optimizer state,
     which ``loss_after`` does not).  ``steps`` only labels the dump and picks the next
     batch; it defaults to the saving job's step count when its dump exists.
+
+    ``job`` names another job's model, its block class and its param groups
+    (see ``accel_job.main``), prepared with no scheduler.
 
     ``prime`` gives the fresh optimizer a state before ``load_state`` (a
     zero-gradient step at lr 0, as ``get_optimizer_state_dict`` does): FSDP1
@@ -170,6 +174,8 @@ def load(
     dump.unlink(missing_ok=True)
     spec = _spec("load", folder, dump, steps, fsdp_version, state_dict_type, tied, use_orig_params)
     spec["prime"] = prime
+    if job is not None:  # another job's model (accel_job.main): no scheduler
+        spec["job"] = job
     _torchrun(workdir, nproc, spec, label=label, timeout=timeout)
     return torch.load(dump, weights_only=False)
 

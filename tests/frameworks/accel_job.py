@@ -96,10 +96,10 @@ class AccelLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic tokens for (step, rank): the same on every run and world."""
     gen = torch.Generator().manual_seed(SEED * 1000 + step * 97 + rank)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    ids = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=gen)
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -162,11 +162,12 @@ def build(spec: dict[str, Any]) -> tuple[Any, nn.Module, Any, Any]:
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
+    job = spec.get("job") or {}  # another job's model than this module's own: see main()
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=spec["fsdp_version"],
         state_dict_type=spec["state_dict_type"],
         auto_wrap_policy="TRANSFORMER_BASED_WRAP",
-        transformer_cls_names_to_wrap=["AccelBlock"],
+        transformer_cls_names_to_wrap=[job.get("wrap", "AccelBlock")],
         use_orig_params=spec["use_orig_params"] if spec["fsdp_version"] == 1 else None,
         sync_module_states=False if spec["fsdp_version"] == 1 else None,
         cpu_ram_efficient_loading=False,
@@ -185,6 +186,15 @@ def build(spec: dict[str, Any]) -> tuple[Any, nn.Module, Any, Any]:
         assert accelerator.distributed_type == DistributedType.FSDP and accelerator.device == device
 
     torch.manual_seed(SEED)
+    if job:  # its own model and param groups (by parameter name), and no scheduler
+        import importlib
+
+        module, _, name = job["model"].partition(":")
+        model = getattr(importlib.import_module(module), name)(**job["kwargs"])
+        named = dict(model.named_parameters())
+        optimizer = torch.optim.AdamW([{"params": [named[n] for n in names], **kwargs} for names, kwargs in job["groups"]])
+        model, optimizer = accelerator.prepare(model, optimizer)
+        return accelerator, model, optimizer, None
     model = AccelLM(spec["tied"])
     if spec["fsdp_version"] == 1 and not spec["use_orig_params"]:
         model = accelerator.prepare(model)  # flat parameters exist only after wrapping
@@ -202,12 +212,14 @@ def build(spec: dict[str, Any]) -> tuple[Any, nn.Module, Any, Any]:
 
 def train_step(accelerator: Any, model: nn.Module, optimizer: Any, scheduler: Any, step: int) -> float:
     """One real forward/backward/step; returns the loss averaged over ranks."""
-    ids, target = batch(step, accelerator.process_index)
+    vocab = getattr(accelerator.unwrap_model(model), "vocab", VOCAB)
+    ids, target = batch(step, accelerator.process_index, vocab)
     logits = model(ids)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1))
     accelerator.backward(loss)
     optimizer.step()
-    scheduler.step()
+    if scheduler is not None:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     value = loss.detach().clone()
     dist.all_reduce(value)
@@ -252,7 +264,7 @@ def gathered(model: nn.Module, optimizer: Any, scheduler: Any, step: int) -> dic
         "model": detached(model_sd),
         "optim": detached(optim_sd),
         "param_groups": detached(groups),
-        "scheduler": detached(scheduler.state_dict()),
+        "scheduler": detached(scheduler.state_dict()) if scheduler is not None else None,
         "step": step,
     }
 
@@ -262,7 +274,11 @@ def main() -> None:
     state_dict_type, tied, use_orig_params, cpu_patch (default True: see
     :func:`patch_fsdp1_to_cpu`), prime (load only: initialize the optimizer
     state before ``load_state``); tweak (default True) and device (default
-    "cpu") exist only to demonstrate why the FSDP state is set by hand."""
+    "cpu") exist only to demonstrate why the FSDP state is set by hand.
+    job (optional): another job's model, ``{"model": "module:Class", "kwargs",
+    "wrap": its block class's name, "groups": [[parameter names], AdamW kwargs]}``,
+    loaded with no scheduler (what another framework's checkpoint, converted
+    for accelerate, is resumed with)."""
     spec = json.loads(sys.argv[1])
     t0 = time.time()
     if spec.get("cpu_patch", True):
@@ -310,8 +326,9 @@ def main() -> None:
         # The step's own loss is computed before its update, so it cannot show
         # a lost optimizer state; the loss on the next batch after it can.
         with torch.no_grad():
-            ids, target = batch(spec["steps"] + 1, rank)
-            nxt = torch.nn.functional.cross_entropy(model(ids).reshape(-1, VOCAB), target.reshape(-1)).detach()
+            vocab = getattr(accelerator.unwrap_model(model), "vocab", VOCAB)
+            ids, target = batch(spec["steps"] + 1, rank, vocab)
+            nxt = torch.nn.functional.cross_entropy(model(ids).float().reshape(-1, vocab), target.reshape(-1)).detach()
         dist.all_reduce(nxt)
         dump["loss_next"] = float(nxt) / world
         if not math.isfinite(loss_after):

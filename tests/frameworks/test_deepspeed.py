@@ -203,6 +203,30 @@ def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(tmp_path: Path
     _assert_the_optimizer_is_deepspeeds(loaded["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
 
 
+def test_a_zero_save_becomes_an_accelerate_folder_that_load_state_reads(tmp_path: Path, saves: dict[str, Path]) -> None:
+    """``output.checkpoint=accelerate``: ``save_state``'s SHARDED folder for FSDP2 on 2 ranks, DeepSpeed's own entries in
+    ``deepspeed.pt`` beside it; accelerate 1.15's own ``load_state``, in a fresh FSDP2 job of the same model and param groups (no
+    scheduler, as the run says), loads DeepSpeed's masters and optimizer state bit for bit and takes a step."""
+    from frameworks import accel
+
+    name = "zero2-bf16-2"
+    folder = saves[name]
+    truth = torch.load(ds.dump_path(folder), weights_only=False)
+    out = tmp_path / "out"
+    report = _convert(folder, out, "checkpoint=deepspeed", "output.checkpoint=accelerate", "target.world_size=2")
+    assert sorted(p.name for p in (out / "dcp").iterdir()) == ["deepspeed.pt", "optimizer_0", "pytorch_model_fsdp_0"]
+    carried = torch.load(out / "dcp" / "deepspeed.pt", weights_only=True)
+    assert carried["lr_scheduler"] == truth["lr_scheduler"] and carried["global_steps"] == truth["global_steps"]
+    assert any("call load_state before preparing a scheduler" in w for w in report["warnings"]), report["warnings"]
+
+    job = {"model": "frameworks.ds_job:DsLM", "kwargs": {"tied": SAVES[name]["tied"]}, "wrap": "DsBlock",
+           "groups": [[g["params"], {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}] for g in truth["param_groups"]]}
+    loaded = accel.load(tmp_path, 2, out / "dcp", fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", tied=SAVES[name]["tied"], job=job)
+    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(loaded["model"][fqn]), _bits(want))] == []
+    assert torch.equal(_bits(loaded["model"]["pos"]), _bits(truth["module"]["pos"]))
+    _assert_the_optimizer_is_deepspeeds(loaded["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
+
+
 def _torchtitan_loads(folder: Path, truth: dict, name: str, work: Path) -> dict:
     """What torchtitan's ``CheckpointManager`` (``--checkpoint.folder`` ``folder``, without dataloader, lr_scheduler and train_state)
     loads into a 2-rank FSDP2 job of the DeepSpeed job's model and param groups (:mod:`frameworks.titan_load`)."""
