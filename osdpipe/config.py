@@ -334,7 +334,7 @@ class PipelineConfig(_Frozen):
     """Which stages run, in which order, and which verify checks."""
 
     stages: list[str] = Field(default_factory=lambda: list(STAGE_ORDER))
-    checks: list[str] = Field(default_factory=lambda: list(check_registry.names()))
+    checks: list[str] = Field(default_factory=lambda: list(check_registry.default_names()))
     #: ``resume``: the optimizer steps the target job and its reference take after loading.
     resume_steps: int = Field(default=2, ge=1)
     #: ``reference`` and ``load_step`` hold the whole state on every rank, or a live target model: they run

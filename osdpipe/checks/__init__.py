@@ -40,6 +40,8 @@ class Check:
     warn_when_skipped: bool = True
     #: The module with its ``run`` and ``skip_reason`` (default: ``osdpipe.checks.<name>``).
     where: str | None = None
+    #: Whether it runs unless ``pipeline.checks`` says otherwise; one that runs a framework's own code on the input is asked for.
+    by_default: bool = True
 
     @property
     def module(self) -> ModuleType:
@@ -59,13 +61,20 @@ CHECKS: tuple[Check, ...] = (
     Check("load_step", "the target optimizer loads the result and one step keeps finite what was finite", "whole state"),
     Check("resume", "no two state tensors share memory; a job resuming from the output steps as one resuming from the source", "steps"),
     Check("replicas", "hybrid sharding: every replica group holds the same state, in the source and in the output", "digests", warn_when_skipped=False),
+    Check("universal", "a DeepSpeed source: DeepSpeed's own ds_to_universal holds the weights, moments and steps read, bitwise "
+          "(asked for: it runs DeepSpeed's loading, which unpickles the save with its code)", "whole state", by_default=False),
 )
 
 
 
 def names() -> tuple[str, ...]:
-    """The check names, in the order verify runs them (the config's ``pipeline.checks`` choices and default)."""
+    """The check names, in the order verify runs them (the config's ``pipeline.checks`` choices)."""
     return tuple(c.name for c in CHECKS)
+
+
+def default_names() -> tuple[str, ...]:
+    """The checks that run unless ``pipeline.checks`` says otherwise (the config's default)."""
+    return tuple(c.name for c in CHECKS if c.by_default)
 
 
 def get(name: str) -> Check:

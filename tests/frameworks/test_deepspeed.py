@@ -84,8 +84,9 @@ def saves(tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def _convert(folder: Path, out: Path, *extra: str) -> dict:
-    """The ``osdpipe`` command on the save ``folder``, with the job's own model (FSDP2 on 3 ranks, DCP, unless ``extra`` says); every check must pass."""
+def _convert(folder: Path, out: Path, *extra: str, checks: tuple[str, ...] = ("roundtrip", "reference", "load_step", "resume")) -> dict:
+    """The ``osdpipe`` command on the save ``folder``, with the job's own model (FSDP2 on 3 ranks, DCP, unless ``extra`` says); every check
+    (``checks``: those that run) must pass."""
     tied = str(SAVES[folder.name]["tied"]).lower()
     done = run_command(
         [sys.executable, "-m", "osdpipe", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", f"+model.kwargs.tied={tied}",
@@ -94,7 +95,7 @@ def _convert(folder: Path, out: Path, *extra: str) -> dict:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert {c["name"]: c["ok"] for c in report["checks"]} == {"roundtrip": True, "reference": True, "load_step": True, "resume": True}
+    assert {c["name"]: c["ok"] for c in report["checks"]} == dict.fromkeys(checks, True), report["checks"]
     return report
 
 
@@ -213,11 +214,14 @@ def test_a_zero_save_becomes_an_accelerate_folder_that_load_state_reads(tmp_path
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     out = tmp_path / "out"
-    report = _convert(folder, out, "checkpoint=deepspeed", "output.checkpoint=accelerate", "target.world_size=2")
+    asked = ("roundtrip", "reference", "load_step", "resume", "universal")  # and DeepSpeed's own ds_to_universal, run by the check
+    report = _convert(folder, out, "checkpoint=deepspeed", "output.checkpoint=accelerate", "target.world_size=2", f"pipeline.checks=[{','.join(asked)}]", checks=asked)
     assert sorted(p.name for p in (out / "dcp").iterdir()) == ["deepspeed.pt", "optimizer_0", "pytorch_model_fsdp_0"]
     carried = torch.load(out / "dcp" / "deepspeed.pt", weights_only=True)
     assert carried["lr_scheduler"] == truth["lr_scheduler"] and carried["global_steps"] == truth["global_steps"]
     assert any("call load_state before preparing a scheduler" in w for w in report["warnings"]), report["warnings"]
+    said = next(c["detail"] for c in report["checks"] if c["name"] == "universal")
+    assert "writes head.weight, a tied name, from the module's bfloat16 copy" in said, said  # where DeepSpeed's own output is wrong
 
     job = {"model": "frameworks.ds_job:DsLM", "kwargs": {"tied": SAVES[name]["tied"]}, "wrap": "DsBlock",
            "groups": [[g["params"], {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}] for g in truth["param_groups"]]}
@@ -225,6 +229,28 @@ def test_a_zero_save_becomes_an_accelerate_folder_that_load_state_reads(tmp_path
     assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(loaded["model"][fqn]), _bits(want))] == []
     assert torch.equal(_bits(loaded["model"]["pos"]), _bits(truth["module"]["pos"]))
     _assert_the_optimizer_is_deepspeeds(loaded["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
+
+
+def test_the_universal_check_finds_one_element_that_is_not_deepspeeds(saves: dict[str, Path]) -> None:
+    """The ``universal`` check's comparison: the state DeepSpeed's job held equals its ``ds_to_universal`` output (stage 3 stores it flat,
+    stage 2 shaped); one element changed, one parameter missing or one too many are each found."""
+    from osdpipe.formats.ds_universal import universal_differences
+
+    for name in ("zero2-fp32-4", "zero3-fp32-2"):
+        folder = saves[name]
+        truth = torch.load(ds.dump_path(folder), weights_only=False)
+        universal = ds.universal_path(folder) / ds.latest_tag(folder)
+        weights = {**truth["module"], **truth["fp32"]}  # every name (a tied head, the buffer), the masters where there are
+        assert universal_differences(universal, weights, truth["state"]) == ([], []), name
+        fqn = next(iter(truth["state"]))
+        moved = {**truth["state"], fqn: {**truth["state"][fqn], "exp_avg_sq": truth["state"][fqn]["exp_avg_sq"].clone()}}
+        moved[fqn]["exp_avg_sq"].view(-1)[3] += 1e-3
+        found, _ = universal_differences(universal, weights, moved)
+        assert len(found) == 1 and f"{fqn}.exp_avg_sq" in found[0], found
+        assert any(f"has {fqn}'s exp_avg, which osdpipe did not read" in p
+                   for p in universal_differences(universal, weights, {k: v for k, v in truth["state"].items() if k != fqn})[0])
+        assert any("extra.weight's optimizer state, which ds_to_universal has not" in p
+                   for p in universal_differences(universal, weights, {**truth["state"], "extra.weight": {}})[0])
 
 
 def _torchtitan_loads(folder: Path, truth: dict, name: str, work: Path) -> dict:
