@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 from collections import Counter
+from collections.abc import Sequence
 import sys
 import time
 import traceback
@@ -34,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from osdpipe import rankserver
-from osdpipe.config import ConfigError, check_schema, unknown_key, validate
+from osdpipe.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
 from osdpipe.output import OutputError
 from osdpipe.sweep import JobRecord, summarize_sweep
 
@@ -123,13 +124,15 @@ def _record_sweep_job(cfg: DictConfig, code: int, seconds: float) -> None:
     _sweep_jobs.append(record)
 
 
-def job_config(cfg: DictConfig, job_dir: str) -> dict:
-    """The plain dict a job validates: ``cfg`` resolved, ``output.path`` defaulting to the job's directory."""
+def job_config(cfg: DictConfig, job_dir: str, overrides: Sequence[str] = ()) -> dict:
+    """The plain dict a job validates: ``cfg`` resolved, ``output.path`` defaulting to the job's directory, and the model named by
+    torchtitan's names where ``overrides`` (the user's) name no model otherwise (:func:`osdpipe.config.name_torchtitans_model`)."""
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
     if raw.get("output", {}).get("path") is None:
         raw["output"]["path"] = job_dir
-    return raw
+    named = {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides if "=" in o}
+    return name_torchtitans_model(raw, model_given=bool(named & {"model", "model.factory"}))
 
 
 def _config_error(exc: Exception) -> int:
@@ -141,7 +144,7 @@ def _config_error(exc: Exception) -> int:
 
 
 def _run_job(cfg: DictConfig) -> int:
-    raw = job_config(cfg, HydraConfig.get().runtime.output_dir)
+    raw = job_config(cfg, HydraConfig.get().runtime.output_dir, HydraConfig.get().overrides.task)
     try:
         check_schema(raw)
     except ConfigError as exc:

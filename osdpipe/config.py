@@ -314,9 +314,27 @@ class CheckpointConfig(_Frozen):
     unchanged, and the output is laid out as the framework lays it out.
     ``deepspeed``: a ZeRO save folder, whose fp32 master weights are the
     model's; it is written in PyTorch's layout (osdpipe does not write DeepSpeed's).
+
+    ``model`` and ``flavor`` name a torchtitan checkpoint's model as
+    torchtitan does (``--module llama3``, flavor ``8B``): torchtitan's own
+    model from its registry, the same as ``model=torchtitan
+    model.kwargs.name=<model> model.kwargs.flavor=<flavor>``
+    (:func:`osdpipe.reconcile.reconcile` sets those).
     """
 
     layout: Literal["optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed"] = "optimizer"
+    model: str | None = None
+    flavor: str | None = None
+
+    @model_validator(mode="after")
+    def _torchtitans_names(self) -> CheckpointConfig:
+        if self.model is None and self.flavor is None:
+            return self
+        if self.layout != "torchtitan":
+            raise ValueError(f"checkpoint.model and checkpoint.flavor name a torchtitan checkpoint's model; set checkpoint=torchtitan, or model.factory for checkpoint={self.layout}")
+        if self.model is None or self.flavor is None:
+            raise ValueError("checkpoint.model and checkpoint.flavor go together, as torchtitan names a model: checkpoint.model=llama3 checkpoint.flavor=8B")
+        return self
 
 
 class GenerateConfig(_Frozen):
@@ -469,6 +487,12 @@ class RunSpec(_Frozen):
             why = getattr(self, side).mesh_problem()
             if why is not None:
                 raise ValueError(f"{side}.{why}")
+        named = self.checkpoint.model
+        if named is not None and (self.model.factory, self.model.kwargs.get("name"), self.model.kwargs.get("flavor")) != ("torchtitan", named, self.checkpoint.flavor):
+            raise ValueError(
+                f"checkpoint.model={named} checkpoint.flavor={self.checkpoint.flavor} names torchtitan's own model, model.factory={self.model.factory} "
+                "another (or other kwargs); give one of them"
+            )
         if self.runtime.mode == "offline" and self.runtime.transfer == "scatter":
             raise ValueError("runtime.transfer=scatter sends bytes between the ranks of a world; runtime.mode=offline plays ranks apart: set runtime.transfer=shared")
         if self.runtime.workers > 1 and self.runtime.mode != "offline":
@@ -535,6 +559,16 @@ class RunSpec(_Frozen):
         if layout.whole:  # the framework's own layout: its sharded variant
             return layout.input_formats[0]
         return kinds.get(self.source.kind).saved_format(self.source.state_dict_type)
+
+
+def name_torchtitans_model(raw: dict[str, Any], model_given: bool) -> dict[str, Any]:
+    """``raw`` with ``checkpoint.model`` and ``checkpoint.flavor`` (torchtitan's names: ``llama3``, ``8B``) as the model they name,
+    torchtitan's own from its registry (``model.factory=torchtitan``), where the user named no model otherwise (``model_given``);
+    where they did, the schema refuses the two if they disagree."""
+    named = raw.get("checkpoint") or {}
+    if model_given or named.get("model") is None or named.get("flavor") is None:
+        return raw
+    return {**raw, "model": {**(raw.get("model") or {}), "factory": "torchtitan", "kwargs": {"name": named["model"], "flavor": named["flavor"]}}}
 
 
 def check_schema(raw: dict[str, Any]) -> None:

@@ -91,7 +91,7 @@ def command_problems(command: str, here: Path) -> list[str]:
     if any(a.startswith("-") for a in args):
         return [f"{command}: options other than -m are not conversions ({[a for a in args if a.startswith('-')]})"]
     try:
-        check_schema(job_config(_composed(args), str(here / "run")))
+        check_schema(job_config(_composed(args), str(here / "run"), args))
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:
         return [f"{command}: {' '.join(str(exc).split())[:300]}"]
     return []

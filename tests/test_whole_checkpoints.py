@@ -314,6 +314,10 @@ REFUSED = {
     "torchtitan out of pytorch": (["checkpoint=pytorch", "source.kind=fsdp2", "output.checkpoint=torchtitan", "output.format=dcp"],
                                   ["output.checkpoint=torchtitan", "the files of checkpoint=pytorch do not say", "set output.checkpoint=pytorch"]),
     "deepspeed is read, not trained": (["checkpoint=deepspeed"], ["checkpoint=deepspeed", "input.path"]),
+    "torchtitan's model without its flavor": (["checkpoint=torchtitan", "checkpoint.model=llama3"], ["checkpoint.model and checkpoint.flavor go together"]),
+    "torchtitan's names for another layout": (["checkpoint=accelerate", "checkpoint.model=llama3", "checkpoint.flavor=8B"], ["set checkpoint=torchtitan"]),
+    "torchtitan's model and another": (["checkpoint=torchtitan", "checkpoint.model=llama3", "checkpoint.flavor=debugmodel", "model.factory=userlm:build"],
+                                       ["checkpoint.model=llama3 checkpoint.flavor=debugmodel names torchtitan's own model", "model.factory=userlm:build"]),
 }
 
 

@@ -104,7 +104,7 @@ class Torchtitan(CheckpointLayout):
         found = torchtitan_model_of(shapes)
         if found is None:
             return super().model_overrides(path)
-        return ["model=torchtitan", f"model.kwargs.name={found[0]}", f"model.kwargs.flavor={found[1]}"]
+        return [f"checkpoint.model={found[0]}", f"checkpoint.flavor={found[1]}"]
 
     def read(self, path: Path) -> WholeCheckpoint:
         items = dcp_items(path)

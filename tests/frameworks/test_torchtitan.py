@@ -49,10 +49,13 @@ def _convert(work: Path, name: str, *overrides: str) -> Path:
 
 
 def _convert_as_inspect_says(work: Path, name: str, folder: Path, world_size: int) -> Path:
-    """The command ``osdpipe inspect`` prints for ``folder``, run verbatim with only the target's world and the output filled in."""
+    """The command ``osdpipe inspect`` prints for ``folder``, run verbatim with only the target's world and the output filled in;
+    it names the model as torchtitan does (``checkpoint.model``, ``checkpoint.flavor``), where the module's own tests name it by
+    ``model=torchtitan`` (:data:`CONVERT`)."""
     shown = run_command([sys.executable, "-m", "osdpipe", "inspect", str(folder)], cwd=work, timeout=120, env=user_env())
     assert shown.returncode == 0, shown.stderr
     (line,) = [line for line in shown.stdout.splitlines() if line.strip().startswith("convert with osdpipe ")]
+    assert "checkpoint.model=llama3 checkpoint.flavor=debugmodel" in line, line  # the model, named as torchtitan names it
     out = work / name
     args = line.strip().removeprefix("convert with osdpipe ").replace("<M>", str(world_size)).replace("<dir>", str(out)).split()
     done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=work, timeout=400, env=user_env())
