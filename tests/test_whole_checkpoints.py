@@ -276,6 +276,10 @@ def test_accelerates_full_variant_converts_to_the_sharded_folder_and_resumes_as_
     for name in carried:
         assert (output / name).read_bytes() == (source / name).read_bytes(), name
     assert sorted(p.name for p in output.iterdir()) == sorted([*carried, "optimizer_0", "pytorch_model_fsdp_0"])
+    manifest = json.loads((output.parent / "manifest.json").read_text())
+    assert manifest["source_rank_files"] == {f"dcp/random_states_{r}.pkl": r for r in range(4)}, "each file of one rank of the saving world, marked"
+    titan = json.loads((converted["titan_dcp_2"] / "manifest.json").read_text())
+    assert "source_rank_files" not in titan, "torchtitan's per-rank data-loader entries are items of the step folder, not files"
 
 
 def test_the_safetensors_export_is_the_full_model_sharded_by_max_shard_size(converted: dict[str, Path], saved: Path) -> None:

@@ -16,7 +16,7 @@ import hashlib
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from osdpipe.stages.broadcast import act_on_nonfinite
 from osdpipe.streamed import StreamedOutput
 from osdpipe.torchfile import PieceDigest, filled_as_written
 from osdpipe.weights import WholeSource
+
+if TYPE_CHECKING:
+    from osdpipe.checkpoints.base import Carrying
 
 def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
     """Stage this rank's files; :func:`commit` commits every rank's once the last has written (see :mod:`osdpipe.loop`)."""
@@ -104,10 +107,12 @@ PLACE_KEYS = ("path", "overwrite", "fsync")
 
 
 def conversion_of(config: dict[str, Any]) -> dict[str, Any]:
-    """What defines the converted bytes: the config without paths and without how it ran (mode, transfer, budget, checks)."""
+    """What defines the converted bytes: the config without paths and without how it ran (mode, transfer, budget, checks), and
+    without torchtitan's names for the model (``checkpoint.model``, ``checkpoint.flavor``), which the ``model`` section holds."""
     out = {k: v for k, v in config.items() if k not in RUN_SECTIONS}
     for side in ("input", "output"):
         out[side] = {k: v for k, v in config[side].items() if k not in PLACE_KEYS}
+    out["checkpoint"] = {k: v for k, v in config["checkpoint"].items() if k not in ("model", "flavor")}
     return out
 
 
@@ -123,6 +128,14 @@ DIGESTS = (
 def content_sha256(content: dict[str, Any]) -> str:
     """sha256 of the manifest's content (versions, conversion, files, tensor digests): equal for two runs that wrote the same bytes."""
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def source_rank_files(carrying: Carrying, files: dict[str, Any]) -> dict[str, int]:
+    """The output's carried files that describe one rank of the world that saved the checkpoint (accelerate's
+    ``random_states_<r>.pkl``, the Trainer's ``rng_state_<r>.pth``), each with that rank: the manifest's ``source_rank_files``."""
+    ranks = {entry.where: entry.source_rank for entry in carrying.entries if entry.source_rank is not None}
+    carried = {Path(f).name for f in carrying.files}
+    return {name: ranks[Path(name).name] for name in sorted(files) if Path(name).name in ranks and Path(name).name in carried}
 
 
 def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: WholeSource | None = None) -> dict[str, str]:
@@ -152,6 +165,8 @@ def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: Whole
         "pieces": {name: list(digest.pieces) for name, digest in sorted(files.items()) if isinstance(digest, PieceDigest)},
         "tensors": {k: v for r in per_rank for k, v in sorted(r.tensors.items())},
     }
+    if carried is not None and (ranks := source_rank_files(carried.carrying, files)):
+        content["source_rank_files"] = ranks
     manifest = {**content, "content_sha256": content_sha256(content), "config": config}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     output.commit(staging.parent, ctx.spec.output.fsync)
