@@ -345,10 +345,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # The work is done and written. A background thread of gloo, or of DeepSpeed (which accelerate imports where it is
-    # installed), can abort the interpreter's teardown ("terminate called without an active exception"), failing a
-    # finished job: leave without that teardown, as ds_job does.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from frameworks.launch import run_then_leave
+
+    run_then_leave(main)

@@ -16,7 +16,6 @@ state: at the end of a fresh run, right after the load in a resumed one).  Rank 
 from __future__ import annotations
 
 import json
-import os
 import math
 import sys
 from pathlib import Path
@@ -138,10 +137,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # The work is done and written. A background thread of gloo, or of DeepSpeed (which accelerate imports where it is
-    # installed), can abort the interpreter's teardown ("terminate called without an active exception"), failing a
-    # finished job: leave without that teardown, as ds_job does.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from frameworks.launch import run_then_leave
+
+    run_then_leave(main)

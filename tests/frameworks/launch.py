@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,20 @@ def worker_env(**variables: str) -> dict[str, str]:
 def torchrun(nproc: int, entry: Path, spec: dict[str, Any]) -> list[str]:
     """The command that runs ``entry`` on ``nproc`` local ranks with ``spec`` as its one argument (JSON)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(entry), json.dumps(spec)]
+
+
+def run_then_leave(main: Callable[[], None]) -> None:
+    """A launched job's ``main``, then its exit without the interpreter's teardown.
+
+    Why: once the work is done and written, a background thread of gloo, or
+    of DeepSpeed (which accelerate imports where it is installed), can abort
+    that teardown ("terminate called without an active exception"), failing
+    a finished job. An error in ``main`` still raises as usual.
+    """
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_logged(cmd: list[str], workdir: Path, *, label: str, timeout: float, what: str, env: dict[str, str]) -> float:
