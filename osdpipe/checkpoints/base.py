@@ -116,9 +116,10 @@ class Carrying:
         layout: the layout that read the checkpoint (``checkpoint=``).
         step: the training step the checkpoint was saved at, where its files say (torchtitan's ``step-<N>``,
             DeepSpeed's ``global_steps``): what names a torchtitan output's ``step-<N>`` folder.
-        under: the top-level entry every carried item is nested under in the output (``None``: where the source had it).
-            Another framework's entries written into torchtitan's layout go under their framework's name, where
-            their own names (``lr_scheduler``) would be taken for torchtitan's and loaded into its job.
+        under: the framework name another framework's carried items are kept under in the output (``None``: they are
+            the output framework's own, kept where the source had them): torchtitan's layout nests them under it, where
+            their own names (``lr_scheduler``) would be taken for torchtitan's and loaded into its job; accelerate's,
+            which has no place for entries, keeps them in the file ``<under>.pt``.
     """
 
     source: str

@@ -265,7 +265,7 @@ class Torchtitan(CheckpointLayout):
         return RankFiles(files, tensors, results)
 
     def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
-        """The step folder's ``.metadata`` (``dcp``), and the files another framework's checkpoint carries (accelerate's) beside it."""
+        """The step folder's ``.metadata`` (``dcp``), and the files the source carries, where it has any, beside it."""
         from osdpipe.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
 
         done = {} if fmt.keyed_by_id else output.finish_dcp(staging, carrying.folder, shared, [r.results for r in per_rank])
