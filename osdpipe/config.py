@@ -319,7 +319,7 @@ class CheckpointConfig(_Frozen):
     torchtitan does (``--module llama3``, flavor ``8B``): torchtitan's own
     model from its registry, the same as ``model=torchtitan
     model.kwargs.name=<model> model.kwargs.flavor=<flavor>``
-    (:func:`osdpipe.reconcile.reconcile` sets those).
+    (:func:`name_torchtitans_model` sets those as the config is composed).
     """
 
     layout: Literal["optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed"] = "optimizer"

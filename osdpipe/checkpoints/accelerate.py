@@ -20,6 +20,7 @@ each rank's file with the other files beside them.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,8 +129,6 @@ class Accelerate(CheckpointLayout):
         an accelerate checkpoint stays as it is."""
         if carrying.layout == self.name:
             return carrying
-        from dataclasses import replace
-
         return replace(carrying, under=carrying.layout)
 
     def output_format_of(self, input_format: str) -> str:

@@ -26,7 +26,7 @@ import hashlib
 import io
 from math import prod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +132,6 @@ def carried_file_name(carrying: Carrying) -> str | None:
 
 def carried_file_content(parts: RankParts) -> dict[str, Any]:
     """What :func:`carried_file_name` holds: every carried item as its value, nested as the source saved it."""
-    from dataclasses import replace
-
     return carried_values(replace(parts.carrying, under=None), parts.carried)
 
 
