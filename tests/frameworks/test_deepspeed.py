@@ -176,7 +176,11 @@ def _unflattened(optimizer: dict, groups: list[dict]) -> dict:
     return {"state": state, "param_groups": [{**{h: optimizer[f"param_groups.{g['params'][0]}.{h}"] for h in hyper}, "params": g["params"]} for g in groups]}
 
 
-@pytest.mark.parametrize("name", ["zero1-bf16-4", "zero3-bf16-4"])
+#: The FSDP2 world each save's torchtitan step folder is written for (torchtitan's own load, on 2 ranks, reshards either).
+TITAN_WORLDS = {"zero1-bf16-4": 2, "zero2-fp32-4": 3, "zero2-bf16-2": 3, "zero3-fp32-2": 2, "zero3-bf16-4": 2}
+
+
+@pytest.mark.parametrize("name", list(TITAN_WORLDS))
 def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
     """``output.checkpoint=torchtitan``: one ``step-<N>`` folder of DeepSpeed's ``global_steps``, the model at the top level, the optimizer
     flattened, DeepSpeed's own entries under ``deepspeed``, where torchtitan's ``lr_scheduler`` would take them for its own; and the
@@ -184,7 +188,7 @@ def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(tmp_path: Path
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     out = tmp_path / "out"
-    report = _convert(folder, out, "checkpoint=deepspeed", "output.checkpoint=torchtitan", "target.world_size=2")
+    report = _convert(folder, out, "checkpoint=deepspeed", "output.checkpoint=torchtitan", f"target.world_size={TITAN_WORLDS[name]}")
     step = out / f"step-{truth['global_steps']}"
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [step.name]
     got = _gathered(step, tmp_path)
