@@ -36,14 +36,14 @@ MODEL, OPTIM = "model", "optim"
 class Pytorch(CheckpointLayout):
     """PyTorch's own layout, read and written; written from a checkpoint of any layout too (``output.checkpoint=pytorch``).
 
-    Written: each rank's own file (``rank_local``), or one DCP directory of
+    Written: each rank's own file (``rank_local``; ``plain``: the one process's ``rank_0.pt``, what a plain job ``torch.save``s), or one DCP directory of
     ``model`` and ``optim``, every carried item beside them at the top level
     and every carried file (accelerate's ``scheduler.bin``...) beside ``dcp/``.
     """
 
     name = "pytorch"
     looks_like = "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
-    output_formats = ("dcp", "rank_local")
+    output_formats = ("dcp", "rank_local", "plain")
     takes_any_source = True
 
     def recognizes(self, path: Path) -> bool:

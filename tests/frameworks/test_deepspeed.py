@@ -268,6 +268,35 @@ def _torchtitan_loads(folder: Path, truth: dict, name: str, work: Path) -> dict:
     return torch.load(spec["dump"], weights_only=False)
 
 
+@pytest.mark.parametrize("name", ["zero2-bf16-2", "zero3-fp32-2"])
+def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
+    """One process, no wrapper (``target.kind=none output.format=plain``): ``rank_0.pt`` is what a plain job ``torch.save``s,
+    ``{"model": model.state_dict(), "optim": optim.state_dict(), ...}``, with the model as safetensors beside it. The job's own model
+    takes the weights strictly and its own AdamW the optimizer state, DeepSpeed's bit for bit."""
+    from safetensors.torch import load_file
+
+    from frameworks.ds_job import DsLM, param_groups
+
+    folder = saves[name]
+    truth = torch.load(ds.dump_path(folder), weights_only=False)
+    out = tmp_path / "out"
+    _convert(folder, out, "checkpoint=deepspeed", "target.kind=none", "target.world_size=1", "output.format=plain", "output.model_format=safetensors")
+    saved = torch.load(out / "rank_0.pt", weights_only=True)
+    model = DsLM(tied=SAVES[name]["tied"])
+    model.load_state_dict(saved["model"], strict=True)
+    groups, _ = param_groups(model)
+    optim = torch.optim.AdamW(groups)
+    optim.load_state_dict(saved["optim"])
+    assert [fqn for fqn, p in model.named_parameters() if not torch.equal(_bits(p), _bits(truth["fp32"][fqn]))] == []
+    by_name = {fqn: optim.state[p] for fqn, p in model.named_parameters()}
+    assert [fqn for fqn, want in truth["state"].items() for key in ("exp_avg", "exp_avg_sq", "step")
+            if not torch.equal(_bits(by_name[fqn][key]), _bits(want[key].to(by_name[fqn][key].dtype)))] == []
+    assert [g["weight_decay"] for g in optim.param_groups] == [g["weight_decay"] for g in truth["param_groups"]]
+    assert saved["lr_scheduler"] == truth["lr_scheduler"] and saved["global_steps"] == truth["global_steps"]
+    exported = load_file(out / "model.safetensors")
+    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(exported[fqn], want)] == []
+
+
 def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(tmp_path: Path, saves: dict[str, Path]) -> None:
     folder = saves["zero3-fp32-2"]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
