@@ -9,7 +9,12 @@ osdpipe reads the save folder without DeepSpeed's code and writes it for
 FSDP2 on 2 or 3 ranks or DDP (:data:`TARGETS`), in PyTorch's layout
 (``checkpoint=deepspeed``: model and optimizer) or the optimizer alone
 (``input.format=deepspeed``); its own checks load the output into that job
-(``set_model_state_dict``, ``set_optimizer_state_dict``) and step it.
+(``set_model_state_dict``, ``set_optimizer_state_dict``) and step it. The
+other frameworks load what osdpipe writes for them: every save as a torchtitan
+step folder, which torchtitan's own ``CheckpointManager`` loads
+(:mod:`frameworks.titan_load`); an accelerate folder, which accelerate's own
+``load_state`` loads; one plain file, which plain torch loads. The asked-for
+``universal`` check runs DeepSpeed's own ``ds_to_universal``.
 
 The output, gathered whole, holds bit for bit, under each parameter's name:
 DeepSpeed's fp32 master weights as the model's weights (not the bf16 copy),
