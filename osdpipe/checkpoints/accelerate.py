@@ -49,7 +49,6 @@ class Accelerate(CheckpointLayout):
 
     name = "accelerate"
     looks_like = "an accelerate save_state folder (pytorch_model_fsdp_0/, optimizer_0/, scheduler.bin, random_states_<r>.pkl, ...)"
-    takes_any_source = True
 
     def recognizes(self, path: Path) -> bool:
         if not path.is_dir():

@@ -169,8 +169,6 @@ class CheckpointLayout:
     output_formats: ClassVar[tuple[str, ...]] = ("dcp", "rank_local")
     #: The layout a conversion of this one writes unless ``output.checkpoint`` says (``None``: this one; DeepSpeed's, which osdpipe only reads: PyTorch's).
     written_as: ClassVar[str | None] = None
-    #: Whether this layout is written from a checkpoint of any layout (PyTorch's, which every framework's model and optimizer fit), or from its own alone.
-    takes_any_source: ClassVar[bool] = False
     #: Whether this layout's files say at which training step the checkpoint was saved (:attr:`Carrying.step`).
     saves_step: ClassVar[bool] = False
     #: Whether this layout, written, is named after the step it was saved at (torchtitan's ``step-<N>``): only a source that says it converts to it.
@@ -190,11 +188,6 @@ class CheckpointLayout:
         """Why this layout cannot be written from a checkpoint of layout ``source`` in ``written`` for ``target_kind`` (``None``: it can); one line."""
         if not self.whole:
             return None
-        if source.name != self.name and not self.takes_any_source:
-            return (
-                f"output.checkpoint={self.name}: osdpipe writes {self.name}'s layout from a {self.name} checkpoint only, not yet from checkpoint={source.name}; "
-                "set output.checkpoint=pytorch (PyTorch's own layout, which any PyTorch job loads)"
-            )
         if source.name != self.name and self.needs_step and not source.saves_step:
             return (
                 f"output.checkpoint={self.name}: its folder is named after the step the checkpoint was saved at, which the files of "

@@ -44,7 +44,6 @@ class Pytorch(CheckpointLayout):
     name = "pytorch"
     looks_like = "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
     output_formats = ("dcp", "rank_local", "plain")
-    takes_any_source = True
 
     def recognizes(self, path: Path) -> bool:
         """A DCP directory with tensors nested under ``model`` and nothing of torchtitan's (its v0.1 nests the model there too)."""

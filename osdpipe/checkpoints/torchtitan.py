@@ -55,7 +55,6 @@ class Torchtitan(CheckpointLayout):
 
     name = "torchtitan"
     looks_like = "a torchtitan step directory (one DCP checkpoint: the model's entries, optimizer, lr_scheduler, dataloader, train_state)"
-    takes_any_source = True
     saves_step = True
     needs_step = True
 
