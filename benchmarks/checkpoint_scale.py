@@ -47,7 +47,7 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
 
 Each timing is the whole command (a fresh process, imports and model
 building included), median of the repeats. Memory is each rank's peak RSS
-and peak anonymous memory (``osdpipe.memory``; memory-mapped input is RSS,
+and peak anonymous memory (``osdpipe.core.memory``; memory-mapped input is RSS,
 not anonymous), largest rank shown. ``cp`` copies the source file once per
 size for the offline throughput ratio (output bytes per second over cp's).
 """
@@ -139,7 +139,7 @@ def write_random_state(width: int, path: Path) -> None:
 
     The state's tensors are ``torch.empty`` placeholders, never touched (so
     never given memory); the file is written by osdpipe's torch-file writer
-    (:mod:`osdpipe.torchfile`), which here takes each placeholder's bytes
+    (:mod:`osdpipe.io.torchfile`), which here takes each placeholder's bytes
     from a filler (``filled_as_written``, as osdpipe's own output made as it is
     written does): fresh random values a piece at a time, ``exp_avg`` normal,
     ``exp_avg_sq`` uniform in [0, 1).
@@ -147,7 +147,7 @@ def write_random_state(width: int, path: Path) -> None:
     """
     import torch
 
-    from osdpipe import torchfile
+    from osdpipe.io import torchfile
 
     gen = torch.Generator().manual_seed(0)
     draws: dict[int, object] = {}  # each placeholder's storage: how its values are drawn
@@ -183,7 +183,7 @@ def osdpipe_command(width: int, source: Path, fmt: str, n: int, m: int, out: Pat
     """The ``osdpipe`` command, or with ``nodes``, that many torchrun agents (one process each) running it as one world."""
     launcher = [sys.executable, "-m", "osdpipe"]
     if nodes:
-        from osdpipe.launch import free_port
+        from osdpipe.run.launch import free_port
 
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench{time.monotonic_ns()}", "-m", "osdpipe"]  # fmt: skip
@@ -211,8 +211,8 @@ def _baseline_rank(rank: int, world: int, port: int, path: str, width: int, sour
     import torch.distributed as dist
     from torch import nn
 
-    from osdpipe.memory import MemoryWatch
-    from osdpipe.models import MLP
+    from osdpipe.core.memory import MemoryWatch
+    from osdpipe.layout.models import MLP
 
     warnings.simplefilter("ignore")
     watch = MemoryWatch(f"rank {rank}").start()
@@ -263,7 +263,7 @@ def baseline_command(path: str, width: int, source: Path, m: int, out: Path) -> 
 def worker_main(args: argparse.Namespace) -> None:
     import torch.multiprocessing as mp
 
-    from osdpipe.launch import free_port
+    from osdpipe.run.launch import free_port
 
     mp.start_processes(_baseline_rank, args=(args.world, free_port(), args.worker, args.width, args.source, args.out), nprocs=args.world, start_method="spawn")
 
@@ -321,7 +321,7 @@ def limit_command(total: int, m: int, out: Path, source: Path | None = None) -> 
 def in_flight(run: dict) -> str:
     """The most anonymous memory a process held beyond its baseline and the output it holds (offline: one target rank's at a time).
 
-    ``-`` where a process held less than its output: its output was made as it was written (``osdpipe.streamed``), never held whole.
+    ``-`` where a process held less than its output: its output was made as it was written (``osdpipe.run.streamed_output``), never held whole.
     """
     if "output_bytes" not in run:
         return "-"

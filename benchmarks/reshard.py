@@ -11,9 +11,9 @@ import resource
 import tempfile
 import time
 
-from osdpipe.config import validate
-from osdpipe.pipeline import execute
-from osdpipe.plan import plan_run
+from osdpipe.spec.config import validate
+from osdpipe.pipeline.execute import execute
+from osdpipe.spec.plan import plan_run
 
 
 def main() -> None:

@@ -1,19 +1,19 @@
 """osdpipe: reshard PyTorch optimizer state between distributed training layouts, and prove it right.
 
 The Python API is imported on first use, so that ``import osdpipe`` (and the
-command's start, see :mod:`osdpipe.entry`) does not import torch.
+command's start, see :mod:`osdpipe.cli.entry`) does not import torch.
 """
 
 from typing import Any
 
-__version__ = "0.1.0"
+from osdpipe.core.version import __version__
 
 _API = {
     "load_optimizer_state": "osdpipe.api",
     "reshard_optimizer_state": "osdpipe.api",
-    "from_rank_local": "osdpipe.kinds.fsdp2",
-    "load_rank_local": "osdpipe.loading",
-    "to_rank_local": "osdpipe.kinds.fsdp2",
+    "from_rank_local": "osdpipe.layout.kinds.fsdp2",
+    "load_rank_local": "osdpipe.io.loading",
+    "to_rank_local": "osdpipe.layout.kinds.fsdp2",
 }
 
 __all__ = ["__version__", *_API]

@@ -1,3 +1,3 @@
-from osdpipe.entry import main
+from osdpipe.cli.entry import main
 
 main()

@@ -31,16 +31,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdpipe import kinds, loop
-from osdpipe.checks.common import LIVE_TARGET
-from osdpipe.collective import StageError
-from osdpipe.config import LayoutConfig, validate
-from osdpipe.loading import check_fits
-from osdpipe.optim import check_matches_layout
-from osdpipe.plan import plan_run
-from osdpipe.products import Keyed
-from osdpipe.reconcile import Given, reconcile
-from osdpipe.world import GroupWorld
+from osdpipe.layout import kinds
+from osdpipe.pipeline import loop
+from osdpipe.verify.checks.common import LIVE_TARGET
+from osdpipe.run.collective import StageError
+from osdpipe.spec.config import LayoutConfig, validate
+from osdpipe.io.loading import check_fits
+from osdpipe.layout.optim import check_matches_layout
+from osdpipe.spec.plan import plan_run
+from osdpipe.run.products import Keyed
+from osdpipe.spec.reconcile import Given, reconcile
+from osdpipe.run.world import GroupWorld
 
 #: Verify checks that leave the caller's model and optimizer untouched (load_step would train them).
 API_CHECKS = ["roundtrip", "reference"]
@@ -140,7 +141,7 @@ def load_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, checkpo
     """:func:`reshard_optimizer_state`, then ``optim.load_state_dict`` with it; returns the state loaded.
 
     Before anything is loaded, every state tensor is held against the
-    parameter it goes to (:func:`osdpipe.loading.check_fits`): its shape, and
+    parameter it goes to (:func:`osdpipe.io.loading.check_fits`): its shape, and
     the parameters an FSDP1 flat parameter is made of.
     """
     state = reshard_optimizer_state(model, optim, checkpoint, **kwargs)

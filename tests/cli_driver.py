@@ -1,7 +1,7 @@
 """Run the ``osdpipe`` command's entry point once per case, in one process, for tests with many cases.
 
 Starting Python and importing torch takes 2 s, so a test with hundreds of
-command lines runs them here: each case is ``osdpipe.entry.main()`` with its own
+command lines runs them here: each case is ``osdpipe.cli.entry.main()`` with its own
 ``sys.argv``, exactly what the ``osdpipe`` script calls, with stdout and
 stderr captured and an alarm that turns a hang into a failed case. Reads a
 JSON list of argument lists on stdin; writes one JSON object per case
@@ -29,7 +29,7 @@ def _alarm(signum, frame):  # noqa: ANN001
 
 
 def main() -> None:
-    from osdpipe import entry
+    from osdpipe.cli import entry
 
     limit = int(sys.argv[1])
     cases = json.load(sys.stdin)

@@ -1,11 +1,11 @@
-"""A check of a test's own, registered only by its line in ``osdpipe.checks.CHECKS`` (see ``test_registries.py``)."""
+"""A check of a test's own, registered only by its line in the catalog (``osdpipe.spec.checks.CHECKS``) and in ``osdpipe.verify.checks.RUNS`` (see ``test_registries.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from osdpipe.checks.common import Subject
-from osdpipe.products import CheckResult
+from osdpipe.verify.checks.common import Subject
+from osdpipe.run.products import CheckResult
 
 
 def run(ctx: Subject) -> CheckResult:

@@ -18,7 +18,7 @@ import warnings
 import torch
 import userlm
 
-from osdpipe.compare import diff
+from osdpipe.core.compare import diff
 
 
 def resume(source: str, path: str, fmt: str) -> list[str]:

@@ -99,7 +99,7 @@ def planned(spec, input_path=None, input_format=None):
     """The plan of ``spec`` as the launcher builds it; reading a test's own source at ``input_path`` when given."""
     import dataclasses
 
-    from osdpipe.plan import plan_run
+    from osdpipe.spec.plan import plan_run
 
     plan = plan_run(spec)
     if input_path is None:
@@ -109,10 +109,10 @@ def planned(spec, input_path=None, input_format=None):
 
 def run_stages_by_hand(spec, input_path, input_format, names):
     """This rank's products of ``names``, each stage called with the one before's (no loop): ``{name: product}``."""
-    from osdpipe.context import Context
-    from osdpipe.products import Tally
-    from osdpipe.stages import STAGES
-    from osdpipe.world import GroupWorld
+    from osdpipe.run.context import Context
+    from osdpipe.run.products import Tally
+    from osdpipe.pipeline.stages import STAGES
+    from osdpipe.run.world import GroupWorld
 
     world = GroupWorld()
     ctx = Context(planned(spec, input_path, input_format), world, world.rank)

@@ -86,7 +86,7 @@ def spawn_world(fn: Any, world_size: int, args: tuple, timeout_s: float) -> Any:
 
     Any other failure, a hang (``timeout_s``) included, is raised at once.
     """
-    from osdpipe.launch import run_local_world
+    from osdpipe.run.launch import run_local_world
 
     try:
         return run_local_world(fn, world_size, args, backend="gloo", timeout_s=timeout_s)
@@ -122,8 +122,8 @@ def world_once(what: str, fn: Any, world_size: int, args: tuple, timeout_s: floa
 @functools.cache
 def meta_tree(factory: str, kwargs: tuple[tuple[str, Any], ...] = ()) -> Any:
     """The module tree of ``factory(**dict(kwargs))`` built on the meta device (cached: kwargs as sorted items)."""
-    from osdpipe.models import build_model
-    from osdpipe.tree import describe
+    from osdpipe.layout.models import build_model
+    from osdpipe.layout.tree import describe
 
     return describe(build_model(factory, dict(kwargs), seed=0, device="meta"))
 
@@ -265,7 +265,7 @@ def _probe_rank(world_size: int, cases: list[dict[str, Any]]) -> list[Any]:
     """Wrap every case on the current (fake) rank; a case's failure is its result, not the probe's."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from osdpipe.models import build_model
+    from osdpipe.layout.models import build_model
 
     meshes: dict[tuple[int, ...], Any] = {}
 

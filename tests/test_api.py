@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 
 import osdpipe
-from osdpipe.loading import without_records
-from osdpipe import kinds
-from osdpipe.compare import diff
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.launch import WorldError, run_local_world
-from osdpipe.kinds import rank_layout
-from osdpipe.models import build_model
-from osdpipe.reference import train_step
-from osdpipe.tree import describe
+from osdpipe.io.loading import without_records
+from osdpipe.layout import kinds
+from osdpipe.core.compare import diff
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.run.launch import WorldError, run_local_world
+from osdpipe.layout.kinds import rank_layout
+from osdpipe.layout.models import build_model
+from osdpipe.run.live_jobs import train_step
+from osdpipe.layout.tree import describe
 
 TIMEOUT_S = 120
 MODEL = {"factory": "nested", "kwargs": {"dim": 8, "hidden": 12, "blocks": 2}}
@@ -26,8 +26,8 @@ TARGET = {"world_size": 2, "wrap": ["Leaf"], "use_orig_params": True}
 
 
 def _generate(spec) -> str:
-    from osdpipe.generate import generate_rank
-    from osdpipe.plan import plan_run
+    from osdpipe.run.generate import generate_rank
+    from osdpipe.spec.plan import plan_run
 
     return generate_rank(plan_run(spec))
 
@@ -40,7 +40,7 @@ def source_checkpoint(tmp_path_factory) -> str:
 
 def _resume(checkpoint: str, target: dict) -> list[str]:
     """A training script resuming on another layout: odd ranks build their optimizer from the reversed parameters."""
-    from osdpipe.layout import LayoutSpec
+    from osdpipe.layout.ranges import LayoutSpec
 
     spec = LayoutSpec(kind="fsdp1", world_size=2, wrap=("Leaf",), use_orig_params=True)
     model = kinds.get("fsdp1").wrap(build_model("nested", MODEL["kwargs"], seed=0), spec)

@@ -1,4 +1,4 @@
-"""Boxes (osdpipe.boxes): torch.chunk at each level, nested cuts that tile a tensor exactly once, boxes met with flat ranges.
+"""Boxes (osdpipe.layout.boxes): torch.chunk at each level, nested cuts that tile a tensor exactly once, boxes met with flat ranges.
 
 The properties run on random shapes, meshes and uneven sizes (seeded); the
 last test holds the nested cuts against a real FSDP2 x TP job (dp 2 x tp 2,
@@ -14,8 +14,8 @@ import torch
 
 import pytest
 
-from osdpipe.boxes import Cut, chunk, flat_overlap, flat_runs, intersect, local_box, mesh_coordinates, placement_cuts, volume, whole
-from osdpipe.launch import run_local_world
+from osdpipe.layout.boxes import Cut, chunk, flat_overlap, flat_runs, intersect, local_box, mesh_coordinates, placement_cuts, volume, whole
+from osdpipe.run.launch import run_local_world
 
 CASES = 300
 
@@ -155,8 +155,8 @@ def _random_tp_job(rng: random.Random):
     """A random model (2-D and 1-D parameters, uneven sizes) on a random (dp, tp) or (replicate, shard, tp) mesh, each parameter given a style's placements."""
     from torch import nn
 
-    from osdpipe.layout import LayoutSpec, Placement
-    from osdpipe.tree import describe
+    from osdpipe.layout.ranges import LayoutSpec, Placement
+    from osdpipe.layout.tree import describe
 
     tp, shard, replicas = rng.randint(2, 4), rng.randint(1, 5), rng.choice([None, 2])
     dp = shard * (replicas or 1)
@@ -182,7 +182,7 @@ def _random_tp_job(rng: random.Random):
 
 def test_fsdp2_over_tp_layouts_hold_every_element_once_per_copy() -> None:
     """On random 2-D and 3-D meshes, every element of every parameter lies on exactly as many ranks as its placements replicate it (R dims, and tp for what TP leaves alone), and each local tensor is its segments packed in order."""
-    from osdpipe.kinds import rank_layout
+    from osdpipe.layout.kinds import rank_layout
 
     rng = random.Random(18)
     for _ in range(60):

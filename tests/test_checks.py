@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from osdpipe.layout import LocalTensor, Segment, uncovered
-from osdpipe.stages.shard import nonfinite
+from osdpipe.layout.ranges import LocalTensor, Segment, uncovered
+from osdpipe.run.stages.shard import nonfinite
 
 
 def test_uncovered_is_what_no_range_covers() -> None:
@@ -40,7 +40,7 @@ def test_memory_watch_sees_a_peak_that_is_gone_and_stops_its_thread() -> None:
     import threading
     import time
 
-    from osdpipe.memory import MemoryWatch
+    from osdpipe.core.memory import MemoryWatch
 
     watch = MemoryWatch("this process").start()
     # 100 MB of fresh anonymous pages, each touched: a tensor could reuse memory

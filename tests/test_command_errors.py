@@ -161,8 +161,8 @@ def test_another_models_checkpoint_missing_a_parameter_fails_before_any_process(
 
 
 def test_nonfinite_scalar_state_is_named() -> None:
-    from osdpipe.formats import SourceMeta, TensorRef
-    from osdpipe.stages.broadcast import nonfinite_scalars
+    from osdpipe.io.formats import SourceMeta, TensorRef
+    from osdpipe.run.stages.broadcast import nonfinite_scalars
 
     meta = SourceMeta(
         state={"a.weight": {"step": torch.tensor(float("nan")), "exp_avg": TensorRef((2,), "float32")}, "b.bias": {"step": torch.tensor(3.0), "lr": float("inf")}},

@@ -1,4 +1,4 @@
-"""Config composition: Hydra's compose API plus osdpipe.config.validate, with no subprocess and no process group.
+"""Config composition: Hydra's compose API plus osdpipe.spec.config.validate, with no subprocess and no process group.
 
 The CLI composes ``pkg://osdpipe.conf`` with ``@hydra.main`` and validates the
 resolved job config; these tests compose the same package the same way, so a
@@ -17,8 +17,8 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from osdpipe.cli import job_config
-from osdpipe.config import STAGE_ORDER, ConfigError, RunSpec, validate
+from osdpipe.cli.compose import job_config
+from osdpipe.spec.config import STAGE_ORDER, ConfigError, RunSpec, validate
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -28,7 +28,7 @@ def compose_raw(overrides: list[str] = (), *, output_dir: str | Path | None = No
     """Compose ``config`` as the CLI does and resolve it to the plain dict the CLI hands to validate.
 
     ``output_dir`` plays the run directory Hydra would create, the default of
-    ``output.path`` (:func:`osdpipe.cli.job_config`, as in the CLI).
+    ``output.path`` (:func:`osdpipe.cli.compose.job_config`, as in the CLI).
     """
     with initialize_config_module(version_base="1.3", config_module="osdpipe.conf"):
         cfg = compose("config", overrides=list(overrides))
@@ -41,7 +41,7 @@ def compose_spec(overrides: list[str] = (), *, output_dir: str | Path | None = N
 
 def config_error(overrides: list[str], tmp_path: Path) -> str:
     """The ConfigError message the overrides provoke (with output.path a fresh directory), from the spec or, for what the model answers, the plan."""
-    from osdpipe.plan import plan_run
+    from osdpipe.spec.plan import plan_run
 
     with pytest.raises(ConfigError) as info:
         plan_run(compose_spec([f"output.path={tmp_path / 'out'}", *overrides]))
@@ -147,7 +147,7 @@ def test_user_factory_inherits_no_kwargs_or_units(tmp_path: Path) -> None:
 
 
 def test_kwargs_take_new_keys_without_a_plus(tmp_path: Path) -> None:
-    from osdpipe.cli import open_dict_overrides
+    from osdpipe.cli.compose import open_dict_overrides
 
     spec = compose_spec(open_dict_overrides(["model=mlp", "model.kwargs.width=16", "optim=sgd", "optim.kwargs.nesterov=true"]), output_dir=tmp_path)
     assert spec.model.kwargs == {"width": 16}

@@ -11,19 +11,19 @@ import torch
 import torch.distributed as dist
 from helpers import planned, run_osdpipe, run_stages_by_hand
 
-from osdpipe.loading import without_records
-from osdpipe import kinds
-from osdpipe.compare import diff
-from osdpipe.config import RunSpec
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.collective import gather_to_all
-from osdpipe.launch import run_local_world
-from osdpipe.loop import combine
-from osdpipe.kinds import rank_layout
-from osdpipe.pipeline import execute, run_rank
-from osdpipe.reference import live_target, train_step
-from osdpipe.products import Tally
-from osdpipe.stages import STAGES
+from osdpipe.io.loading import without_records
+from osdpipe.layout import kinds
+from osdpipe.core.compare import diff
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.run.collective import gather_to_all
+from osdpipe.run.launch import run_local_world
+from osdpipe.pipeline.loop import combine
+from osdpipe.layout.kinds import rank_layout
+from osdpipe.pipeline.execute import execute, run_rank
+from osdpipe.run.live_jobs import live_target, train_step
+from osdpipe.run.products import Tally
+from osdpipe.pipeline.stages import STAGES
 
 TIMEOUT_S = 180
 
@@ -37,8 +37,8 @@ def spec_for(tmp: Path, **sections) -> RunSpec:
 
 def pytorch_says(spec: RunSpec, full_path: str) -> list[str]:
     """On this rank of the target world: diff of osdpipe's rank file against FSDP.optim_state_dict_to_load, then load and step it."""
-    from osdpipe.models import build_model
-    from osdpipe.tree import describe
+    from osdpipe.layout.models import build_model
+    from osdpipe.layout.tree import describe
 
     rank = dist.get_rank()
     tree = describe(build_model(spec.model.factory, spec.model.kwargs, device="meta"))
@@ -62,7 +62,7 @@ def _convert_and_check(specs: list[RunSpec], sources: list[str]) -> list[tuple[b
 
 
 def _generate(spec: RunSpec) -> str:
-    from osdpipe.generate import generate_rank
+    from osdpipe.run.generate import generate_rank
 
     return generate_rank(planned(spec))
 
@@ -209,8 +209,8 @@ def test_mixed_precision_target_matches_pytorch(nested_sources, tmp_path):
     """FSDP1 with MixedPrecision(param_dtype=bfloat16) and use_orig_params as the target, bitwise as optim_state_dict_to_load."""
     from dataclasses import replace
 
-    from osdpipe.models import build_model
-    from osdpipe.tree import describe
+    from osdpipe.layout.models import build_model
+    from osdpipe.layout.tree import describe
 
     target = {"world_size": 3, "wrap": ["Block"], "use_orig_params": True, "mixed_precision": {"param_dtype": "bfloat16"}}
     spec = spec_for(tmp_path / "out", input={"path": nested_sources[2]}, target=target)

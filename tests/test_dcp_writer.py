@@ -1,4 +1,4 @@
-"""osdpipe's own writer of DCP rank files (:func:`osdpipe.formats.dcp_writer.write_rank`): DCP's layout, osdpipe's bytes.
+"""osdpipe's own writer of DCP rank files (:func:`osdpipe.io.formats.dcp_writer.write_rank`): DCP's layout, osdpipe's bytes.
 
 In this process, no world: a small optimizer state cut along dim 0 for 3
 ranks is written the way a conversion writes it (the global plan from
@@ -26,9 +26,9 @@ from helpers import digest_by_hand
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from osdpipe import torchfile
-from osdpipe.compare import diff
-from osdpipe.formats import dcp_writer
+from osdpipe.io import torchfile
+from osdpipe.core.compare import diff
+from osdpipe.io.formats import dcp_writer
 
 WORLD = 3
 SHAPES = {"embed.weight": (7, 5), "blocks.0.weight": (4, 4), "blocks.0.bias": (2,)}  # 2 rows on 3 ranks: one rank holds none

@@ -16,11 +16,11 @@ import torch
 from helpers import run_osdpipe
 from test_convert import pytorch_says
 
-from osdpipe.loading import without_records
-from osdpipe.compare import diff
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.launch import run_local_world
-from osdpipe.models import build_model
+from osdpipe.io.loading import without_records
+from osdpipe.core.compare import diff
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.run.launch import run_local_world
+from osdpipe.layout.models import build_model
 
 TIMEOUT_S = 240
 

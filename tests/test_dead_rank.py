@@ -27,7 +27,7 @@ import pytest
 import torch
 from helpers import clean_env, processes_marked, run_command
 
-from osdpipe.launch import free_port
+from osdpipe.run.launch import free_port
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow

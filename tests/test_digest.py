@@ -1,4 +1,4 @@
-"""Digests taken while writing (``osdpipe.digest``) equal those of the bytes on disk, and save's structure check can fail."""
+"""Digests taken while writing (``osdpipe.io.digest``) equal those of the bytes on disk, and save's structure check can fail."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import digest_by_hand
 
-from osdpipe import digest
-from osdpipe.formats.base import write_torch_file
+from osdpipe.io import digest
+from osdpipe.io.formats.base import write_torch_file
 
 
 def _state() -> dict:
@@ -71,7 +71,7 @@ class _CountingSha256:
 
 def test_every_written_byte_is_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """save_hashed's file digest and tensor digests come from one pass: the bytes hashed are the file's, plus one 65-byte line per piece."""
-    from osdpipe import torchfile
+    from osdpipe.io import torchfile
 
     monkeypatch.setattr(torchfile, "BUFFER_BYTES", 2 * torchfile.BLOCK)  # many buffers, pieces cut across them
     monkeypatch.setattr(hashlib, "sha256", _CountingSha256)  # every sha256 osdpipe takes, wherever

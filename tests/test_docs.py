@@ -2,7 +2,7 @@
 
 Each command in a fenced code block is composed and validated as the
 command does it (Hydra's composition of ``osdpipe.conf``, then
-:func:`osdpipe.config.check_schema`: unknown keys, bad values, groups,
+:func:`osdpipe.spec.config.check_schema`: unknown keys, bad values, groups,
 rules between keys), without running a conversion. What a command leaves to
 the reader is filled in first: ``<M>`` and ``<dir>``, and each path it names,
 which stands for the reader's own files, by one that exists here. A sweep
@@ -23,12 +23,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from omegaconf import OmegaConf
 
-from osdpipe.cli import job_config, open_dict_overrides
-from osdpipe.config import ConfigError, check_schema
+from osdpipe.cli.compose import job_config, open_dict_overrides
+from osdpipe.spec.config import ConfigError, check_schema
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-#: The subcommands and the options they take, as ``osdpipe/entry.py`` dispatches them.
+#: The subcommands and the options they take, as ``osdpipe/cli/entry.py`` dispatches them.
 SUBCOMMANDS = {"inspect": {"--json", "--key", "--help"}, "check": {"--load", "--help"}}
 #: Keys whose value is a path the reader supplies.
 PATH_KEYS = ("input.path", "output.path")
@@ -125,7 +125,7 @@ def test_a_planted_bad_command_is_found(planted: str, tmp_path: Path) -> None:
 
 
 def _schema_keys(model: type, prefix: str = "") -> list[str]:
-    """Every key of the schema (:class:`osdpipe.config.RunSpec`), as a command line names it: the sections' fields, recursively."""
+    """Every key of the schema (:class:`osdpipe.spec.config.RunSpec`), as a command line names it: the sections' fields, recursively."""
     import typing
 
     from pydantic import BaseModel
@@ -142,7 +142,7 @@ def _schema_keys(model: type, prefix: str = "") -> list[str]:
 
 def test_every_key_of_the_schema_is_one_the_command_line_takes_and_docs_config_lists() -> None:
     """A key the schema has but ``conf/config.yaml`` lacks is refused by the command line as unknown (``output.model_keys`` was)."""
-    from osdpipe.config import RunSpec
+    from osdpipe.spec.config import RunSpec
 
     keys = _schema_keys(RunSpec)
     assert len(keys) > 50 and "output.checkpoint" in keys and "source.mixed_precision.param_dtype" in keys

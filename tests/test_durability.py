@@ -3,10 +3,10 @@
 Syncs are seen in-process: ``os.fsync`` and ``os.replace`` are recorded (the
 file behind each descriptor read from ``/proc``) while the launcher converts
 offline, so the order of syncs and renames can be held against the commit's
-rules (:mod:`osdpipe.output`). Crashes are real: the ``osdpipe`` command is
+rules (:mod:`osdpipe.io.output`). Crashes are real: the ``osdpipe`` command is
 killed with SIGKILL right after each rename of its commit (``tests/faults``),
 over a directory that holds a previous conversion; then what the next run
-does first (:func:`osdpipe.output.recover`) must leave exactly one of the
+does first (:func:`osdpipe.io.output.recover`) must leave exactly one of the
 two conversions, every file as its manifest says.
 """
 
@@ -94,7 +94,7 @@ def test_output_fsync_false_syncs_nothing(source: Path, tmp_path: Path, fmt: str
 def test_a_kill_anywhere_in_the_commit_leaves_one_whole_conversion_old_or_new(source: Path, tmp_path: Path) -> None:
     """A 3-rank conversion is replaced by a 2-rank one; the command is killed after each rename of its commit in turn (and once before
     the first): once the next run's recovery has run, the directory holds the old conversion or the new one, never a mixture."""
-    from osdpipe.output import recover
+    from osdpipe.io.output import recover
 
     old_dir, new_dir = tmp_path / "old", tmp_path / "new"
     results = run_cli_cases([_job(source, 3, old_dir), _job(source, 2, new_dir)], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())

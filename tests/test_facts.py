@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.facts import detect_format, read_facts
-from osdpipe.formats.state_facts import moments_alike
-from osdpipe.loading import PARAM_LAYOUT, LayoutMismatch, check_fits
-from osdpipe.optim import torch_optimizers
-from osdpipe.optim_infer import infer
-from osdpipe.reconcile import Contradiction, Given, reconcile
-from osdpipe.resume import shared_memory
-from osdpipe.synthetic import grad_key, param_key, values
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.io.file_facts import detect_format, read_facts
+from osdpipe.io.formats.state_facts import moments_alike
+from osdpipe.io.loading import PARAM_LAYOUT, LayoutMismatch, check_fits
+from osdpipe.layout.optim import torch_optimizers
+from osdpipe.layout.optim_infer import infer
+from osdpipe.spec.reconcile import Contradiction, Given, reconcile
+from osdpipe.verify.resume_training import shared_memory
+from osdpipe.layout.synthetic import grad_key, param_key, values
 
 # ---------------------------------------------------------------------------
 # synthetic values: any range alone, the same bits as the whole

@@ -8,14 +8,14 @@ import time
 import pytest
 import torch.distributed as dist
 
-from osdpipe.collective import StageError
-from osdpipe.config import PipelineConfig
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.launch import WorldError, run_local_world
+from osdpipe.run.collective import StageError
+from osdpipe.spec.config import PipelineConfig
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.run.launch import WorldError, run_local_world
 from helpers import planned
-from osdpipe.loop import run_stages
-from osdpipe.world import GroupWorld
-from osdpipe.stages import STAGES
+from osdpipe.pipeline.loop import run_stages
+from osdpipe.run.world import GroupWorld
+from osdpipe.pipeline.stages import STAGES
 
 
 def _rank1_raises_rank0_waits() -> None:
@@ -50,7 +50,7 @@ def _run_with_exploding_stage(spec) -> str:
 
 
 def _make_source(spec) -> str:
-    from osdpipe.generate import generate_rank
+    from osdpipe.run.generate import generate_rank
 
     return generate_rank(planned(spec))
 
@@ -100,7 +100,7 @@ def test_a_stage_error_is_reported_once_not_as_every_ranks_failure(tmp_path):
 
 
 def test_echoes_of_a_failure_are_not_failures_of_their_own():
-    from osdpipe.launch import RankFailure, world_error
+    from osdpipe.run.launch import RankFailure, world_error
 
     failures = {
         1: RankFailure("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer", ""),
@@ -113,7 +113,7 @@ def test_echoes_of_a_failure_are_not_failures_of_their_own():
 
 
 def test_a_rank_that_dies_without_a_word_is_described_by_its_exit_and_stage():
-    from osdpipe.launch import death
+    from osdpipe.run.launch import death
 
     assert death(-9, "save").startswith("process killed by SIGKILL in stage 'save' without reporting an error; the kernel's out-of-memory killer")
     assert death(-11, "shard") == "process killed by SIGSEGV in stage 'shard' without reporting an error"
@@ -124,7 +124,7 @@ def test_a_rank_that_dies_without_a_word_is_described_by_its_exit_and_stage():
 def _post_and_die(stage: str) -> None:
     import os
 
-    from osdpipe import whereabouts
+    from osdpipe.run import whereabouts
 
     whereabouts.enter("load")
     whereabouts.enter(stage)

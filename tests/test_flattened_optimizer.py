@@ -1,8 +1,8 @@
-"""A flattened optimizer state dict (``flatten_optimizer_state_dict=True``, torchtitan's) reads as the nested one (osdpipe.formats.dcp_reader)."""
+"""A flattened optimizer state dict (``flatten_optimizer_state_dict=True``, torchtitan's) reads as the nested one (osdpipe.io.formats.dcp_reader)."""
 
 from __future__ import annotations
 
-from osdpipe.formats.dcp_reader import nested_paths, unflatten_optimizer
+from osdpipe.io.formats.dcp_reader import nested_paths, unflatten_optimizer
 
 
 def test_flattened_paths_become_nested_ones_fqn_dots_and_all() -> None:

@@ -1,7 +1,7 @@
 """Hold osdpipe's FSDP2 layout (``kind="fsdp2"``) against real ``fully_shard`` DTensors.
 
 osdpipe never asks PyTorch where an FSDP2 parameter's elements live: it
-computes it (:meth:`osdpipe.kinds.fsdp2.FSDP2.rank_layout`: one local tensor
+computes it (:meth:`osdpipe.layout.kinds.fsdp2.FSDP2.rank_layout`: one local tensor
 per parameter, in ``model.parameters()`` order, the dim-0 chunk ``torch.chunk``
 cuts, one segment, ``Shard(0)`` or HSDP's ``(Replicate(), Shard(0))``). Every
 conversion into or out of an FSDP2 job copies by that math, so it is held here
@@ -9,7 +9,7 @@ against the real thing:
 
 * **Real worlds** (gloo, CPU, 1-4 ranks): one spawned world per world size
   wraps every case of :func:`_cases` with real ``fully_shard`` (through
-  ``osdpipe.kinds.get("fsdp2").wrap`` and, for some cases, with hand-written
+  ``osdpipe.layout.kinds.get("fsdp2").wrap`` and, for some cases, with hand-written
   ``fully_shard`` calls, so that osdpipe is not only checked against itself)
   on a model whose every element holds a value naming it
   (:func:`oracle_probe.fill_marked`). Each rank sends back, per parameter, its
@@ -48,17 +48,11 @@ from oracle_probe import (
 )
 from pydantic import ValidationError
 
-from osdpipe.config import LayoutConfig
-from osdpipe.layout import (
-    LayoutSpec,
-    LocalTensor,
-    Placement,
-    Segment,
-    shard_group,
-)
-from osdpipe.kinds import rank_layout
-from osdpipe.models import build_model
-from osdpipe.tree import ModuleTree, ParamInfo
+from osdpipe.spec.config import LayoutConfig
+from osdpipe.layout.ranges import LayoutSpec, LocalTensor, Placement, Segment, shard_group
+from osdpipe.layout.kinds import rank_layout
+from osdpipe.layout.models import build_model
+from osdpipe.layout.tree import ModuleTree, ParamInfo
 
 WORLD_SIZES = (1, 2, 3, 4)
 #: Per world: 2-5 s to spawn, plus wrapping and stepping every case on every rank.
@@ -139,7 +133,7 @@ def _adam_state(model: torch.nn.Module, tree: ModuleTree, spec: LayoutSpec, rank
     """One Adam step on osdpipe's synthetic DTensor gradients; per parameter, what its optimizer state holds."""
     from torch.distributed.tensor import DTensor
 
-    from osdpipe.reference import set_synthetic_grads
+    from osdpipe.run.live_jobs import set_synthetic_grads
 
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     try:
@@ -171,7 +165,7 @@ def _fsdp2_world(cases: list[Case], world_size: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from osdpipe import kinds
+    from osdpipe.layout import kinds
 
     torch.set_num_threads(1)
     rank = dist.get_rank()

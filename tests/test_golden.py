@@ -16,12 +16,12 @@ rank's ``dtensor`` table its mesh's dimension names; for issue 19, every
 manifest's config gained ``checkpoint`` and ``output.model_format`` /
 ``max_shard_size`` (each ``content_sha256``; no data file changed); for
 issue 20, osdpipe writes its torch files with its own archive writer
-(:mod:`osdpipe.torchfile`: the same records and tensors, another zip
+(:mod:`osdpipe.io.torchfile`: the same records and tensors, another zip
 layout), so every ``rank_<r>.pt`` and ``optim.pt`` it writes changed, while
 the generated sources (``torch.save``'s) and every DCP file did not; and
 later for issue 20, osdpipe writes a ``dcp`` output's rank files itself
 (the same items at the offsets ``.metadata`` records, each tensor archive
-written by :mod:`osdpipe.torchfile`), so ``dcp_3``'s ``.distcp`` files and
+written by :mod:`osdpipe.io.torchfile`), so ``dcp_3``'s ``.distcp`` files and
 ``.metadata`` changed, and nothing else; for issue 30, every manifest's
 config gained ``output.model_keys``, and a checkpoint's ``lr`` is no longer
 copied into ``optim.lr`` (each ``content_sha256``; no data file changed); for

@@ -2,28 +2,28 @@
 
 osdpipe says that FSDP1 with ``HYBRID_SHARD`` or ``_HYBRID_SHARD_ZERO2`` and
 ``shard_group_size=s`` lays out exactly as ``FULL_SHARD`` in a world of ``s``
-ranks, rank ``r`` holding shard ``r % s`` (:func:`osdpipe.layout.shard_group`),
+ranks, rank ``r`` holding shard ``r % s`` (:func:`osdpipe.layout.ranges.shard_group`),
 every replica group alike. Conversions into and out of a hybrid job copy by
 that math, so it is held here against the real thing, as
 ``test_layout_oracle.py`` holds FULL_SHARD, SHARD_GRAD_OP and NO_SHARD:
 
 * **A real world** (gloo, CPU, 4 ranks, spawned once): every combination of
   :data:`COMBOS` (shard groups of 1, 2 and 4 ranks, ``use_orig_params`` off
-  and on, several wrappings) is wrapped by ``osdpipe.kinds.get("fsdp1").wrap``,
+  and on, several wrappings) is wrapped by ``osdpipe.layout.kinds.get("fsdp1").wrap``,
   and some by hand-written ``FullyShardedDataParallel`` calls on a hand-made
   mesh, on a model whose every element holds a value naming it
   (:func:`oracle_probe.fill_marked`). Each rank sends back its
   FlatParameter metadata (``_fqns``, ``_numels_with_padding``,
   ``_shard_param_infos``, the local numel, the shard process group) and its
   local values; the test process compares them with
-  :func:`~osdpipe.kinds.fsdp1.flat_param_layouts` and ``rank_layout`` of the
+  :func:`~osdpipe.layout.kinds.fsdp1.flat_param_layouts` and ``rank_layout`` of the
   ``meta`` model, and checks that ranks ``r`` and ``r + s`` hold the same
   shards, in the layout and for real.
 * **Large worlds** (64 and 1024 ranks) on PyTorch's fake process group, a few
   ranks each, one rank at a time, in one subprocess per world size
   (``tests/oracle_probe.py``): FULL_SHARD and hybrid construction only, no
   collective.
-* **Pure math**: :func:`~osdpipe.layout.shard_group`, hybrid as FULL_SHARD
+* **Pure math**: :func:`~osdpipe.layout.ranges.shard_group`, hybrid as FULL_SHARD
   of one shard group, and the config's refusals of shard groups that make
   no sense.
 """
@@ -47,18 +47,12 @@ from oracle_probe import (
 )
 from pydantic import ValidationError
 
-from osdpipe.config import LayoutConfig
-from osdpipe.kinds.fsdp1 import flat_param_key, flat_param_layouts, shards
-from osdpipe.layout import (
-    HYBRID_STRATEGIES,
-    LayoutSpec,
-    Segment,
-    chunk_bounds,
-    shard_group,
-)
-from osdpipe.kinds import rank_layout
-from osdpipe.models import build_model
-from osdpipe.tree import ModuleTree
+from osdpipe.spec.config import LayoutConfig
+from osdpipe.layout.kinds.fsdp1 import flat_param_key, flat_param_layouts, shards
+from osdpipe.layout.ranges import HYBRID_STRATEGIES, LayoutSpec, Segment, chunk_bounds, shard_group
+from osdpipe.layout.kinds import rank_layout
+from osdpipe.layout.models import build_model
+from osdpipe.layout.tree import ModuleTree
 
 WORLD_SIZE = 4
 #: The world: 3-5 s to spawn, plus wrapping every combination on every rank.
@@ -156,7 +150,7 @@ def _hybrid_world(combos: list[Combo], world_size: int) -> list[dict[str, Any]]:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from osdpipe import kinds
+    from osdpipe.layout import kinds
 
     warnings.simplefilter("ignore")  # FSDP1's deprecation, the shard-group-of-1 NO_SHARD switch
     import torch
@@ -195,7 +189,7 @@ def _world() -> list[list[dict[str, Any]]]:
 def check_fsdp1(tree: ModuleTree, spec: LayoutSpec, rank: int, got: dict[str, Any], where: dict[str, int] | None = None) -> list[str]:
     """Differences between one rank's real FSDP1 metadata (and local values) and osdpipe's layout of ``spec``.
 
-    The shard group and index come from :func:`~osdpipe.layout.shard_group`
+    The shard group and index come from :func:`~osdpipe.layout.ranges.shard_group`
     (the whole world, or ``shard_group_size`` ranks for hybrid sharding), so
     this holds any FSDP1 strategy.
     """

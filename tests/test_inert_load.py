@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from osdpipe.formats import InputError
-from osdpipe.formats.inert_load import Record, load_inert
+from osdpipe.io.formats import InputError
+from osdpipe.io.formats.inert_load import Record, load_inert
 
 
 def _fake_framework(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:

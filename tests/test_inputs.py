@@ -7,8 +7,8 @@ copies of them in a few hundred ways (truncated at random offsets, zip headers,
 index and end record overwritten, DCP metadata and data files overwritten,
 truncated or removed, hostile pickles that would ``touch`` a marker file,
 files of the wrong kind, state that does not fit the model), and each must be
-refused by :func:`osdpipe.formats.inspect_source` with an
-:class:`~osdpipe.formats.InputError`: one line, naming the file, quickly, and
+refused by :func:`osdpipe.io.formats.inspect_source` with an
+:class:`~osdpipe.io.formats.InputError`: one line, naming the file, quickly, and
 without running the hostile code.
 """
 
@@ -33,13 +33,13 @@ from torch import nn
 
 from helpers import clean_env, run_cli_cases
 
-from osdpipe.config import LayoutConfig
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.formats import InputError, inspect_source
-from osdpipe.formats.safe_load import DcpMetadataUnpickler, read_dcp_metadata
-from osdpipe.launch import run_local_world
-from osdpipe.models import build_model
-from osdpipe.tree import describe
+from osdpipe.spec.config import LayoutConfig
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.io.formats import InputError, inspect_source
+from osdpipe.io.formats.safe_load import DcpMetadataUnpickler, read_dcp_metadata
+from osdpipe.run.launch import run_local_world
+from osdpipe.layout.models import build_model
+from osdpipe.layout.tree import describe
 
 MODEL = "test_inputs:make_model"
 SOURCE = LayoutConfig(world_size=2, wrap=["Linear"]).spec()
@@ -80,8 +80,8 @@ class Hostile:
 
 def _generate(specs: list[Any]) -> list[str]:
     """On each rank of the world: save every spec's source checkpoint (osdpipe's generate: real FSDP1, two steps)."""
-    from osdpipe.generate import generate_rank
-    from osdpipe.plan import plan_run
+    from osdpipe.run.generate import generate_rank
+    from osdpipe.spec.plan import plan_run
 
     return [generate_rank(plan_run(spec)) for spec in specs]
 
@@ -459,7 +459,7 @@ def test_the_hostile_inputs_run_code_through_torch_alone(inputs: dict[str, Path]
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from osdpipe.formats.dcp_reader import DcpReader
+    from osdpipe.io.formats.dcp_reader import DcpReader
 
     marker = tmp_path / "ran"
     # .metadata: FileSystemReader.read_metadata unpickles it with plain pickle.
@@ -487,7 +487,7 @@ def test_the_hostile_inputs_run_code_through_torch_alone(inputs: dict[str, Path]
 
 def test_damage_inside_a_tensor_item_is_found_when_it_is_read(inputs: dict[str, Path], tmp_path: Path) -> None:
     """Opening a DCP checkpoint checks each item's bounds; a tensor item's inside is checked when a rank reads it."""
-    from osdpipe.formats.dcp_reader import DcpReader
+    from osdpipe.io.formats.dcp_reader import DcpReader
 
     metadata = read_dcp_metadata(inputs["dcp"] / ".metadata")
     index, item = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == "optim.state.proj.weight.exp_avg")
@@ -502,7 +502,7 @@ def test_damage_inside_a_tensor_item_is_found_when_it_is_read(inputs: dict[str, 
 
 
 def test_missing_rank_file_messages(inputs: dict[str, Path], tmp_path: Path) -> None:
-    from osdpipe.formats.rank_local import rank_files
+    from osdpipe.io.formats.rank_local import rank_files
 
     d = tmp_path / "ranks"
     d.mkdir()
@@ -538,7 +538,7 @@ def test_metadata_unpickler_allows_dcp_and_nothing_else(inputs: dict[str, Path])
 
 def test_dcp_reads_param_groups_without_unsafe_pickle(inputs: dict[str, Path]) -> None:
     """The bytes items (param groups) come back through the weights_only planner, equal to what was saved."""
-    from osdpipe.formats.dcp_reader import DcpReader
+    from osdpipe.io.formats.dcp_reader import DcpReader
 
     full = torch.load(inputs["fsdp_full"], weights_only=True)
     meta = DcpReader(str(inputs["dcp"]), "optim").meta()

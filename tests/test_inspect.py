@@ -25,7 +25,7 @@ import torch.distributed as dist
 import userlm
 from helpers import run_cli_cases, run_command, user_env
 
-from osdpipe.launch import run_local_world
+from osdpipe.run.launch import run_local_world
 
 TIMEOUT_S = 240
 PARAMS = 13  # userlm's parameters, the tied head counted once
@@ -189,7 +189,7 @@ def test_the_files_settle_what_was_not_given_over_a_recipes_values(checkpoints: 
 def _load_into(out: str, units: list[str]) -> str:
     """A job wrapped with FSDP1 units ``units`` loads this rank's file; the error it raises, or "" when it loaded."""
     import osdpipe
-    from osdpipe.models import NestedModel
+    from osdpipe.layout.models import NestedModel
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

@@ -24,7 +24,7 @@ Each source also saves its full FQN-keyed state as PyTorch reports it (the
 ground truth): ``get_optimizer_state_dict(..., full_state_dict=True)`` for
 ``none``, ``ddp`` and FSDP2, ``FSDP.optim_state_dict`` FULL for FSDP1.
 
-Every source converts (:func:`osdpipe.pipeline.run_rank`, osdpipe's own
+Every source converts (:func:`osdpipe.pipeline.execute.run_rank`, osdpipe's own
 verify on) to every target: ``none`` (1 rank, ``plain``), ``ddp`` (2 ranks),
 ``fsdp1`` (2 ranks, ``use_orig_params``), ``fsdp1`` HYBRID_SHARD (4 ranks,
 shard groups of 2), ``fsdp2`` (2 ranks), ``fsdp2`` HSDP (4 ranks, shard groups
@@ -64,11 +64,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdpipe.loading import without_records
-from osdpipe.compare import diff
-from osdpipe.config import RunSpec
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.launch import run_local_world
+from osdpipe.io.loading import without_records
+from osdpipe.core.compare import diff
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.run.launch import run_local_world
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow
@@ -436,7 +436,7 @@ def _compare(target: Target, got: dict[str, Any], expected: dict[str, Any], opti
         return diff(without_records(got), expected, path="output")
     rest = without_records(got)
     problems = diff(rest, _local(expected), path="output", sequence_types=False)
-    # The mesh's names are recorded for people, not compared (osdpipe.layout.same_placement): this job's 1-D mesh has none.
+    # The mesh's names are recorded for people, not compared (osdpipe.layout.ranges.same_placement): this job's 1-D mesh has none.
     table = {pid: {k: v for k, v in entry.items() if k != "mesh_dim_names"} for pid, entry in (got.get("dtensor") or {}).items()}
     problems += diff(table, _dtensor_table(optim, expected), path="output['dtensor']")
     return problems
@@ -543,9 +543,9 @@ class Outcome:
 
 def _convert_and_check(cases: list[tuple[Case, RunSpec]], root: str, sensitivity: list[Case]) -> dict[str, Outcome]:
     """On every rank of one target world: convert every case with osdpipe, then check every case against PyTorch."""
-    from osdpipe.collective import StageError
-    from osdpipe.pipeline import run_rank
-    from osdpipe.plan import plan_run
+    from osdpipe.run.collective import StageError
+    from osdpipe.pipeline.execute import run_rank
+    from osdpipe.spec.plan import plan_run
 
     results: dict[str, Outcome] = {}
     for case, spec in cases:

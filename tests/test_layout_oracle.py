@@ -3,11 +3,11 @@
 One local world (CPU, gloo) is spawned per world size; inside it every rank
 wraps every (model, wrapping) combination of :data:`COMBOS` with real
 ``FullyShardedDataParallel`` and sends back plain metadata. Each combination is
-then compared, in this process, with :func:`osdpipe.kinds.fsdp1.flat_param_layouts`
-and :func:`osdpipe.kinds.rank_layout` computed on a ``meta`` model.
+then compared, in this process, with :func:`osdpipe.layout.kinds.fsdp1.flat_param_layouts`
+and :func:`osdpipe.layout.kinds.rank_layout` computed on a ``meta`` model.
 
-The pure helpers :func:`~osdpipe.layout.chunk_bounds` and
-:func:`~osdpipe.layout.dim0_chunk_bounds` are held against ``torch.chunk``.
+The pure helpers :func:`~osdpipe.layout.ranges.chunk_bounds` and
+:func:`~osdpipe.layout.ranges.dim0_chunk_bounds` are held against ``torch.chunk``.
 """
 
 from __future__ import annotations
@@ -20,15 +20,10 @@ import pytest
 import torch
 from oracle_probe import fsdp1_metadata, tree_of, world_once
 
-from osdpipe import kinds, layout
-from osdpipe.kinds.fsdp1 import (
-    FlatParamLayout,
-    flat_param_key,
-    flat_param_layouts,
-    shards,
-)
-from osdpipe.layout import LayoutSpec, LocalTensor, Segment
-from osdpipe.models import build_model
+from osdpipe.layout import kinds, ranges as layout
+from osdpipe.layout.kinds.fsdp1 import FlatParamLayout, flat_param_key, flat_param_layouts, shards
+from osdpipe.layout.ranges import LayoutSpec, LocalTensor, Segment
+from osdpipe.layout.models import build_model
 
 WORLD_SIZES = (1, 2, 3, 4)
 #: Per world: 2-4 s to spawn, plus the wrapping of every combination on every rank.
@@ -94,7 +89,7 @@ def _fsdp_metadata(combos: list[tuple], world_size: int) -> list[dict[str, Any]]
     """Wrap every combination with FSDP1 and return its units' FlatParameter metadata and (name, local shape) per parameter."""
     import warnings
 
-    from osdpipe import kinds
+    from osdpipe.layout import kinds
 
     warnings.simplefilter("ignore")  # FSDP1 deprecation, world-size-1 NO_SHARD switch
     torch.set_num_threads(1)

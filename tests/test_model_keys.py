@@ -4,7 +4,7 @@ torchtitan's llama3 fuses ``wq``/``wk``/``wv`` into one ``wqkv`` parameter and
 its hooks save it as the three; the optimizer stays keyed by ``wqkv``. The
 tests' own :mod:`fusedlm` does the same with an interleaved ``up_gate`` and a
 renamed, tied embedding. osdpipe learns each key from ``state_dict()`` on
-probes (:mod:`osdpipe.model_keys`), and converts each side by its own map.
+probes (:mod:`osdpipe.layout.model_keys`), and converts each side by its own map.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fusedlm import build
 from helpers import run_command, user_env
-from osdpipe.model_keys import KeyMapError, gather
-from osdpipe.tree import describe
+from osdpipe.layout.model_keys import KeyMapError, gather
+from osdpipe.layout.tree import describe
 
 
 def _meta(make):

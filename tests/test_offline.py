@@ -29,7 +29,7 @@ import torch
 from helpers import manifest_digests_hold, run_cli_cases, run_command, user_env
 from oracle_probe import spawn_world
 
-from osdpipe.compare import diff
+from osdpipe.core.compare import diff
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 240
@@ -209,11 +209,11 @@ def test_hybrid_output_replicas_are_compared(full_source: Path, tmp_path: Path, 
     output can be spoiled after rekey: only the ``replicas`` check runs, and
     it must name the rank, its counterpart and the tensor, and nothing is committed.
     """
-    from osdpipe.reconcile import settle_and_validate
+    from osdpipe.spec.reconcile import settle_and_validate
     from helpers import planned
-    from osdpipe.pipeline import run_offline
-    from osdpipe.progress import Display
-    from osdpipe.stages import STAGES
+    from osdpipe.pipeline.execute import run_offline
+    from osdpipe.run.progress import Display
+    from osdpipe.pipeline.stages import STAGES
 
     def spec(out: Path):
         return settle_and_validate(

@@ -20,15 +20,15 @@ import torch
 import torch.distributed as dist
 from test_convert import _convert_and_check, spec_for
 
-from osdpipe.config import ConfigError, RunSpec
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.launch import run_local_world
-from osdpipe.kinds import rank_layout
-from osdpipe.layout import LayoutSpec
-from osdpipe.models import build_model
-from osdpipe.optim import resolve_optimizer, torch_optimizers
-from osdpipe.reference import local_grad
-from osdpipe.tree import describe
+from osdpipe.spec.config import ConfigError, RunSpec
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.run.launch import run_local_world
+from osdpipe.layout.kinds import rank_layout
+from osdpipe.layout.ranges import LayoutSpec
+from osdpipe.layout.models import build_model
+from osdpipe.layout.optim import resolve_optimizer, torch_optimizers
+from osdpipe.run.live_jobs import local_grad
+from osdpipe.layout.tree import describe
 
 TIMEOUT_S = 180
 
@@ -74,7 +74,7 @@ def _spec(root: Path, case: str, side: str, **extra: Any) -> RunSpec:
 
 
 def _generate_all(specs: list[RunSpec]) -> list[str]:
-    from osdpipe.generate import generate_rank
+    from osdpipe.run.generate import generate_rank
 
     return [generate_rank(planned(spec)) for spec in specs]
 
@@ -87,9 +87,9 @@ def _tamper_load_step(spec: RunSpec, source: str, tamper: str) -> tuple[bool, st
     element is infinite already (the source's own). Returns the check's
     outcome and the FQN it must name.
     """
-    from osdpipe.checks.common import Subject
-    from osdpipe.checks.load_step import run as check_load_step
-    from osdpipe.products import Tally
+    from osdpipe.verify.checks.common import Subject
+    from osdpipe.verify.checks.load_step import run as check_load_step
+    from osdpipe.run.products import Tally
 
     ctx, products = run_stages_by_hand(spec, source, "fsdp_full", ("load", "broadcast", "flatten", "shard", "rekey"))
     keyed = products["rekey"]

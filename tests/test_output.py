@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from osdpipe import output
+from osdpipe.io import output
 
 OLD = {"rank_0.pt": "old0", "rank_1.pt": "old1", "rank_2.pt": "old2", "manifest.json": "old", "source/rank_local/rank_0.pt": "oldsrc"}
 NEW = {"rank_0.pt": "new0", "rank_1.pt": "new1", "manifest.json": "new", "source/optim.pt": "newsrc"}

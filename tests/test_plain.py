@@ -19,16 +19,16 @@ import torch.distributed as dist
 from helpers import run_osdpipe
 from torch import nn
 
-from osdpipe.loading import without_records
-from osdpipe.compare import diff
-from osdpipe.config import RunSpec
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.idmap import IdMapError, map_ids
-from osdpipe.launch import run_local_world
-from osdpipe.models import Block, build_model
-from osdpipe.pipeline import execute
-from osdpipe.plan import plan_run
-from osdpipe.tree import describe
+from osdpipe.io.loading import without_records
+from osdpipe.core.compare import diff
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.layout.idmap import IdMapError, map_ids
+from osdpipe.run.launch import run_local_world
+from osdpipe.layout.models import Block, build_model
+from osdpipe.pipeline.execute import execute
+from osdpipe.spec.plan import plan_run
+from osdpipe.layout.tree import describe
 
 TIMEOUT_S = 120
 
@@ -217,8 +217,8 @@ def test_user_plain_checkpoint_without_groups_says_how_to_fix_it(user_plain, tmp
 
 
 def test_a_checkpoint_read_in_the_other_format_says_so(user_plain, tmp_path):
-    from osdpipe.formats.fsdp_full import FullReader
-    from osdpipe.formats.plain import PlainReader
+    from osdpipe.io.formats.fsdp_full import FullReader
+    from osdpipe.io.formats.plain import PlainReader
 
     with pytest.raises(ValueError, match="input.format=plain source.kind=none"):
         FullReader(user_plain[0]).meta()
@@ -230,7 +230,7 @@ def test_a_checkpoint_read_in_the_other_format_says_so(user_plain, tmp_path):
 
 def test_plain_reader_meta_is_fqn_keyed(user_plain):
     """What every later stage sees: FQN-keyed state and groups in the optimizer's own order."""
-    from osdpipe.formats.plain import PlainReader
+    from osdpipe.io.formats.plain import PlainReader
 
     path, exp_avg = user_plain
     tree = describe(build_model("nested", {}, device="meta"))
@@ -275,7 +275,7 @@ def test_fsdp1_to_plain_matches_pytorch_and_steps(tmp_path):
 
 def test_reference_for_an_unwrapped_target_keys_groups_of_an_empty_state():
     """PyTorch's rekey_optim_state_dict returns a state with no entries unchanged (FQN-keyed groups); verify's reference must not."""
-    from osdpipe import kinds
+    from osdpipe.layout import kinds
 
     model = build_model("nested", {})
     optim = user_adam(model)  # no step taken: no state

@@ -32,7 +32,7 @@ def test_no_process_outlives_a_run_or_a_config_error(tmp_path: Path) -> None:
 
 
 def test_the_server_starts_only_where_ranks_will(monkeypatch) -> None:
-    from osdpipe import rankserver
+    from osdpipe.core import rankserver
 
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -72,7 +72,7 @@ def _sleeps() -> None:
 
 
 def test_call_apart_answers_from_a_process_of_its_own_with_torch_imported() -> None:
-    from osdpipe.rankserver import call_apart
+    from osdpipe.core.rankserver import call_apart
 
     pid, ready = call_apart(_pid_and, (7,), timeout_s=120)
     assert pid != os.getpid() and ready
@@ -97,7 +97,7 @@ def _threads() -> tuple[int, str | None]:
 def test_each_local_rank_gets_its_share_of_the_cores() -> None:
     """Two ranks on this machine each run torch's intra-op work on half the cores (at least one), not on all of them each;
     where the environment says ``OMP_NUM_THREADS``, that rules, as torch reads it."""
-    from osdpipe.launch import run_local_world
+    from osdpipe.run.launch import run_local_world
 
     cores = len(os.sched_getaffinity(0))
     for threads, said in run_local_world(_threads, 2, backend="gloo", timeout_s=60):
@@ -105,7 +105,7 @@ def test_each_local_rank_gets_its_share_of_the_cores() -> None:
 
 
 def test_a_users_omp_num_threads_is_left_to_rule(tmp_path: Path) -> None:
-    code = "import torch; from osdpipe.launch import share_cores; share_cores(8); print(torch.get_num_threads())"
+    code = "import torch; from osdpipe.run.launch import share_cores; share_cores(8); print(torch.get_num_threads())"
     result = run_command([sys.executable, "-c", code], cwd=tmp_path, timeout=60, env={**clean_env(), "OMP_NUM_THREADS": "2"})
     assert result.returncode == 0 and result.stdout.strip() == "2", result
     result = run_command([sys.executable, "-c", code], cwd=tmp_path, timeout=60, env={k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"})

@@ -12,20 +12,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from osdpipe import checks, formats  # noqa: E402
-from osdpipe.config import InputConfig, OutputConfig  # noqa: E402
-from osdpipe.formats.fsdp_full import FsdpFull  # noqa: E402
-from osdpipe.pipeline import execute  # noqa: E402
-from osdpipe.plan import plan_run  # noqa: E402
-from osdpipe.reconcile import settle_and_validate  # noqa: E402
+from osdpipe.spec import checks  # noqa: E402
+from osdpipe.io import formats  # noqa: E402
+from osdpipe.verify import checks as check_runs  # noqa: E402
+from osdpipe.spec.config import InputConfig, OutputConfig  # noqa: E402
+from osdpipe.io.formats.fsdp_full import FsdpFull  # noqa: E402
+from osdpipe.pipeline.execute import execute  # noqa: E402
+from osdpipe.spec.plan import plan_run  # noqa: E402
+from osdpipe.spec.reconcile import settle_and_validate  # noqa: E402
 
 
 def offline(out: Path, **pipeline: object) -> dict:
     return {"output": {"path": str(out)}, "target": {"world_size": 3}, "pipeline": pipeline, "runtime": {"mode": "offline", "progress": False, "timeout_s": 120}}
 
 
-def test_a_check_is_its_module_and_its_registry_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checks, "CHECKS", (*checks.CHECKS, checks.Check("counted", "every rank holds state", "digests", where="dummycheck")))
+def test_a_check_is_its_catalog_line_and_its_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dummycheck
+
+    monkeypatch.setattr(checks, "CHECKS", (*checks.CHECKS, checks.Check("counted", "every rank holds state", "digests")))
+    monkeypatch.setitem(check_runs.RUNS, "counted", dummycheck)
     spec = settle_and_validate(offline(tmp_path / "out", checks=["roundtrip", "counted"]))
     report = execute(plan_run(spec))
     assert report.ok, report.error
@@ -46,7 +51,7 @@ class WholeFile(FsdpFull):
         return directory / "whole.pt"
 
     def write(self, result, staging, rank, **where):  # noqa: ANN001, ANN003, ANN201
-        from osdpipe.formats.base import write_torch_file
+        from osdpipe.io.formats.base import write_torch_file
 
         return write_torch_file(result, staging / "whole.pt")
 
@@ -71,8 +76,8 @@ def test_the_config_offers_exactly_the_registered_checkpoint_layouts() -> None:
     """The schema's choices (torch-free, so a bad value is said at once), the conf group's options and the registry name the same layouts."""
     from pathlib import Path
 
-    from osdpipe import checkpoints
-    from osdpipe.config import CheckpointConfig
+    from osdpipe.io import checkpoints
+    from osdpipe.spec.config import CheckpointConfig
 
     assert set(get_args(CheckpointConfig.model_fields["layout"].annotation)) == set(checkpoints.LAYOUTS)
     group = Path(__file__).parents[1] / "conf" / "checkpoint"

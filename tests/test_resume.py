@@ -38,7 +38,7 @@ import torch.distributed as dist
 import userlm
 from helpers import run_cli_cases, user_env
 
-from osdpipe.launch import run_local_world
+from osdpipe.run.launch import run_local_world
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""osdpipe.safetensors_out: streamed safetensors export, checked against the format's reference reader."""
+"""osdpipe.io.safetensors_out: streamed safetensors export, checked against the format's reference reader."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import safetensors
 import torch
 from safetensors.torch import load_file
 
-from osdpipe.safetensors_out import INDEX_FILE, TensorSpec, file_order, shard_names, shard_plan, write_safetensors
+from osdpipe.io.safetensors_out import INDEX_FILE, TensorSpec, file_order, shard_names, shard_plan, write_safetensors
 
 
 def _sample_tensors() -> dict[str, torch.Tensor]:

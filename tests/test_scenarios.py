@@ -3,7 +3,7 @@
 Each case builds its source checkpoint with plain PyTorch FSDP1 code (no
 osdpipe: ``FullyShardedDataParallel``, ``ModuleWrapPolicy``, a few training
 steps, ``FSDP.optim_state_dict`` saved with ``torch.save`` or DCP), converts it
-with :func:`osdpipe.pipeline.execute`, and then holds every target rank file,
+with :func:`osdpipe.pipeline.execute.execute`, and then holds every target rank file,
 independently of osdpipe's own verify, against PyTorch on the target layout
 (again plain FSDP1 code):
 
@@ -11,7 +11,7 @@ independently of osdpipe's own verify, against PyTorch on the target layout
   against PyTorch's older API for the same path where it has one:
   ``FSDP.shard_full_optim_state_dict`` and ``FSDP.scatter_full_optim_state_dict``
   (full input), ``FSDP.flatten_sharded_optim_state_dict`` (DCP input);
-  :func:`osdpipe.compare.diff` reports one differing element, key or
+  :func:`osdpipe.core.compare.diff` reports one differing element, key or
   param-group field;
 * the target optimizer loads it, holds exactly it, and takes steps with
   finite state.
@@ -20,8 +20,8 @@ Error cases check osdpipe's message, and that PyTorch refuses the same input.
 
 To stay fast, worlds are shared: one world per source world size builds every
 source, and one world per target world size converts and checks every case
-with that target. Inside it, a conversion is :func:`osdpipe.pipeline.run_rank`,
-which is what :func:`~osdpipe.pipeline.execute` runs on each rank it spawns;
+with that target. Inside it, a conversion is :func:`osdpipe.pipeline.execute.run_rank`,
+which is what :func:`~osdpipe.pipeline.execute.execute` runs on each rank it spawns;
 the cases in :data:`VIA_EXECUTE` go through ``execute`` itself (a world each).
 """
 
@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdpipe.loading import without_records
-from osdpipe.compare import diff
-from osdpipe.reconcile import settle_and_validate
-from osdpipe.launch import run_local_world
-from osdpipe.models import NestedModel, TransformerModel
-from osdpipe.pipeline import execute
-from osdpipe.plan import plan_run
+from osdpipe.io.loading import without_records
+from osdpipe.core.compare import diff
+from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.run.launch import run_local_world
+from osdpipe.layout.models import NestedModel, TransformerModel
+from osdpipe.pipeline.execute import execute
+from osdpipe.spec.plan import plan_run
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow
@@ -536,9 +536,9 @@ class Outcome:
 
 
 def _convert(spec) -> Outcome:
-    """osdpipe's conversion on this rank: what :func:`osdpipe.pipeline.execute` runs on each spawned rank."""
-    from osdpipe.collective import StageError
-    from osdpipe.pipeline import run_rank
+    """osdpipe's conversion on this rank: what :func:`osdpipe.pipeline.execute.execute` runs on each spawned rank."""
+    from osdpipe.run.collective import StageError
+    from osdpipe.pipeline.execute import run_rank
 
     try:
         report = run_rank(plan_run(spec))
@@ -571,7 +571,7 @@ def _save_sources_then_convert(names: list[str], jobs: list[tuple[Case, Any]], r
 # The run: sources once, conversions, one check world per target world size
 # ---------------------------------------------------------------------------
 
-#: Converted through :func:`osdpipe.pipeline.execute` (a world of its own each, as
+#: Converted through :func:`osdpipe.pipeline.execute.execute` (a world of its own each, as
 #: the CLI does); the others run the same per-rank pipeline inside a shared world.
 VIA_EXECUTE = ("sharded_dcp", "error_param_without_state")
 

@@ -17,18 +17,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from osdpipe import output  # noqa: E402
-from osdpipe.context import Context  # noqa: E402
-from osdpipe.formats import SourceMeta, TensorRef  # noqa: E402
-from osdpipe.plan import Plan, plan_run  # noqa: E402
-from osdpipe.products import CheckResult, Described, Flattened, Keyed, Opened, Sharded, Staged, Tally, Verified, find  # noqa: E402
-from osdpipe.reconcile import settle_and_validate  # noqa: E402
-from osdpipe.stages.broadcast import broadcast  # noqa: E402
-from osdpipe.stages.flatten import flatten  # noqa: E402
-from osdpipe.stages.rekey import rekey  # noqa: E402
-from osdpipe.stages.save import save  # noqa: E402
-from osdpipe.stages.shard import shard  # noqa: E402
-from osdpipe.world import SoloWorld  # noqa: E402
+from osdpipe.io import output  # noqa: E402
+from osdpipe.run.context import Context  # noqa: E402
+from osdpipe.io.formats import SourceMeta, TensorRef  # noqa: E402
+from osdpipe.spec.plan import Plan, plan_run  # noqa: E402
+from osdpipe.run.products import CheckResult, Described, Flattened, Keyed, Opened, Sharded, Staged, Tally, Verified, find  # noqa: E402
+from osdpipe.spec.reconcile import settle_and_validate  # noqa: E402
+from osdpipe.run.stages.broadcast import broadcast  # noqa: E402
+from osdpipe.run.stages.flatten import flatten  # noqa: E402
+from osdpipe.run.stages.rekey import rekey  # noqa: E402
+from osdpipe.run.stages.save import save  # noqa: E402
+from osdpipe.run.stages.shard import shard  # noqa: E402
+from osdpipe.run.world import SoloWorld  # noqa: E402
 
 WORLD = 2
 
@@ -215,8 +215,8 @@ def test_a_plan_travels_without_what_it_computed(tmp_path: Path) -> None:
 
 def test_a_run_builds_its_meta_model_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Validation (the model's default units), the plan, and every rank of an offline run share one meta model."""
-    from osdpipe import models
-    from osdpipe.pipeline import execute
+    from osdpipe.layout import models
+    from osdpipe.pipeline.execute import execute
 
     built = []
     real = models.build_model
@@ -231,7 +231,7 @@ def test_a_run_builds_its_meta_model_once(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_a_plan_keeps_only_the_last_layouts_it_was_asked_for(tmp_path: Path) -> None:
     """A solo world asks about every rank: the plan must not hold 1024 ranks' layouts at once, and what it recomputes is the same."""
-    from osdpipe.plan import KEPT_LAYOUTS
+    from osdpipe.spec.plan import KEPT_LAYOUTS
 
     plan = make_plan(tmp_path, target={"world_size": 16})
     first = plan.target_layout(0)

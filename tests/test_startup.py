@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import clean_env, run_command
 
-from osdpipe.entry import plain_overrides
+from osdpipe.cli.entry import plain_overrides
 
 #: Command lines answered before Hydra: nothing imports torch (no fork server starts either), with the exit code and words of the one line said.
 EARLY = {
@@ -77,7 +77,7 @@ def test_answered_without_torch(case: str, tmp_path: Path) -> None:
     args, code, words = EARLY[case]
     result = osdpipe(*args, cwd=tmp_path)
     modules = imported(result.stderr)
-    assert "osdpipe.entry" in modules, "-X importtime reported nothing"
+    assert "osdpipe.cli.entry" in modules, "-X importtime reported nothing"
     torch = [m for m in modules if m == "torch" or m.startswith("torch.")]
     assert not torch, f"osdpipe {' '.join(args)} imported {torch[:5]}"
     assert "hydra" not in modules, "answered before Hydra"
@@ -170,8 +170,8 @@ def test_an_override_refused_alone_is_said_as_the_composed_config_says_it(overri
     from hydra.errors import HydraException
     from test_config import compose_raw
 
-    from osdpipe.cli import hydra_message
-    from osdpipe.config import ConfigError, check_overrides, check_schema
+    from osdpipe.cli.compose import hydra_message
+    from osdpipe.spec.config import ConfigError, check_overrides, check_schema
 
     values = plain_overrides([override])
     assert values and len(values) == 1
@@ -189,7 +189,7 @@ def test_an_override_refused_alone_is_said_as_the_composed_config_says_it(overri
 
 
 def test_what_cannot_be_judged_alone_passes() -> None:
-    from osdpipe.config import check_overrides
+    from osdpipe.spec.config import check_overrides
 
     check_overrides(
         {

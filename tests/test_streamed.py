@@ -1,4 +1,4 @@
-"""An output made as it is written (``osdpipe.streamed``), through the ``osdpipe`` command, held against the output filled in memory.
+"""An output made as it is written (``osdpipe.run.streamed_output``), through the ``osdpipe`` command, held against the output filled in memory.
 
 Under ``runtime.memory_budget`` with ``pipeline.checks=[roundtrip]``, a rank's
 state tensors are placeholders that save fills batch by batch as it writes
@@ -30,7 +30,7 @@ from oracle_probe import spawn_world
 
 TIMEOUT_S = 240
 STREAMED = ("runtime.memory_budget=1KB", "pipeline.checks=[roundtrip]")
-#: What roundtrip says when the elements are compared as save writes them (osdpipe.checks.roundtrip).
+#: What roundtrip says when the elements are compared as save writes them (osdpipe.verify.checks.roundtrip).
 COMPARED_AS_WRITTEN = "compared bitwise batch by batch as save writes them"
 
 
@@ -141,7 +141,7 @@ def test_a_rank_made_as_it_is_written_holds_the_budget_not_its_output(wide_sourc
 
 
 def _size(n: int) -> str:
-    from osdpipe.sizes import show_size
+    from osdpipe.core.sizes import show_size
 
     return show_size(n)
 

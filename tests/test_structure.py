@@ -1,4 +1,4 @@
-"""The package's shape holds: no import cycle, stages that do not know their world, one registry of stages.
+"""The package's shape holds: layers whose imports point down, no import cycle, stages that do not know their world, one registry of stages.
 
 The import graph counts every import of the package, those inside functions
 too; only ``TYPE_CHECKING`` blocks (types, never run) are left out, and the
@@ -97,14 +97,63 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+#: The layers, lowest first: a module imports only from its own layer and those before it (docs/architecture.md).
+LAYERS = ("core", "layout", "io", "spec", "run", "verify", "pipeline", "cli")
+#: What sits above every layer, at the package's top: the lazy public names, ``python -m osdpipe`` and the Python API.
+TOP = {"osdpipe", "osdpipe.__main__", "osdpipe.api"}
+
+
+def layer_of(module: str) -> int:
+    """The layer's place in :data:`LAYERS` (the top modules: above them all)."""
+    if module in TOP:
+        return len(LAYERS)
+    return LAYERS.index(module.split(".")[1])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer above its own, as ``importer -> imported``."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
+
+
+def test_the_package_holds_its_layers_and_nothing_loose() -> None:
+    found = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert found == {"__init__.py", "__main__.py", "api.py", *LAYERS}
+    for layer in LAYERS:
+        assert (PACKAGE / layer / "__init__.py").is_file(), f"osdpipe/{layer}/ is a package with a docstring that says what the layer is"
+    assert {m for m in modules() if m.count(".") == 0 or m.split(".")[1] not in LAYERS} == TOP
+
+
+def test_every_import_points_down_the_layers() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_an_upward_import_is_found(tmp_path: Path) -> None:
+    """Planted in a module's text, inside a function: the check reads the source, as it reads the package's."""
+    known = modules()
+    planted = tmp_path / "ranges.py"
+    planted.write_text(known["osdpipe.layout.ranges"].read_text() + "\n\ndef planted():\n    from osdpipe.io.output import commit\n")
+    graph = import_graph()
+    graph["osdpipe.layout.ranges"] = imported("osdpipe.layout.ranges", planted, known)
+    assert upward_imports(graph) == ["osdpipe.layout.ranges -> osdpipe.io.output"]
+
+
+def test_the_check_catalog_and_the_checks_that_run_are_one_list() -> None:
+    from osdpipe.spec import checks
+    from osdpipe.verify.checks import RUNS
+
+    assert tuple(RUNS) == checks.names()
+    for name, module in RUNS.items():
+        assert module.__name__ == f"osdpipe.verify.checks.{name}" and callable(module.run) and callable(module.skip_reason)
+
+
 def test_the_package_has_no_import_cycle() -> None:
     assert cycles(import_graph()) == []
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = import_graph()
-    graph["osdpipe.layout"] = graph["osdpipe.layout"] | {"osdpipe.kinds"}  # what layout.rank_layout once did
-    assert any({"osdpipe.layout", "osdpipe.kinds"} <= set(c) for c in cycles(graph))
+    graph["osdpipe.layout.ranges"] = graph["osdpipe.layout.ranges"] | {"osdpipe.layout.kinds"}  # what layout.rank_layout once did
+    assert any({"osdpipe.layout.ranges", "osdpipe.layout.kinds"} <= set(c) for c in cycles(graph))
 
 
 def test_the_cycle_finder_counts_imports_inside_functions(tmp_path: Path) -> None:
@@ -127,15 +176,21 @@ def world_questions(source: str) -> list[str]:
 
 
 def test_no_stage_asks_which_world_it_runs_in() -> None:
-    for path in (PACKAGE / "stages").glob("*.py"):
+    import inspect
+
+    from osdpipe.pipeline.stages import STAGES
+
+    paths = {Path(inspect.getsourcefile(stage)) for stage in STAGES.values()}
+    assert len(paths) == len(STAGES)
+    for path in paths:
         asked = world_questions(path.read_text())
         assert not asked, f"{path.name} asks {asked}: ask the world what it can do (ctx.world), not which world it is"
     assert world_questions("if ctx.offline:\n    pass\nx = spec.runtime.mode\n") == ["ctx.offline", "spec.runtime.mode"]
 
 
 def test_the_stage_registry_runs_the_spec_s_stages_in_order() -> None:
-    from osdpipe.config import STAGE_ORDER
-    from osdpipe.stages import STAGES
+    from osdpipe.spec.config import STAGE_ORDER
+    from osdpipe.pipeline.stages import STAGES
 
     assert tuple(STAGES) == STAGE_ORDER
 
@@ -145,9 +200,9 @@ def test_stages_are_functions_of_frozen_products() -> None:
     import dataclasses
     import inspect
 
-    from osdpipe import products
-    from osdpipe.context import Context
-    from osdpipe.stages import STAGES
+    from osdpipe.run import products
+    from osdpipe.run.context import Context
+    from osdpipe.pipeline.stages import STAGES
 
     assert [f.name for f in dataclasses.fields(Context)] == ["plan", "world", "rank"]
     assert Context.__dataclass_params__.frozen

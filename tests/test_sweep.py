@@ -26,7 +26,7 @@ import pytest
 import torch
 from helpers import clean_env, run_command
 
-from osdpipe import sweep
+from osdpipe.cli import sweep
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow
@@ -337,7 +337,7 @@ def test_summary_into_an_unwritable_place_is_one_line(tmp_path: Path) -> None:
 
 
 def test_plain_runs_do_not_import_matplotlib() -> None:
-    code = "import sys, osdpipe.cli; print('matplotlib' in sys.modules)"
+    code = "import sys, osdpipe.cli.compose; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
     assert result.stdout.strip() == "False", result.stderr
 
@@ -349,8 +349,8 @@ def test_recipe_sweeps_at_least_16_valid_configurations(tmp_path: Path) -> None:
     """``osdpipe -m recipe=sweep_world_sizes``: its sweeper params make >= 16 jobs, and every job's config validates."""
     from hydra import compose, initialize_config_module
 
-    from osdpipe.cli import job_config
-    from osdpipe.reconcile import settle_and_validate
+    from osdpipe.cli.compose import job_config
+    from osdpipe.spec.reconcile import settle_and_validate
 
     with initialize_config_module(version_base="1.3", config_module="osdpipe.conf"):
         params = compose("config", overrides=["recipe=sweep_world_sizes"], return_hydra_config=True).hydra.sweeper.params

@@ -197,8 +197,8 @@ def test_large_meshes_are_what_real_fsdp2_over_tp_builds_on_the_fake_process_gro
     """dp 32 x tp 2 (the ``llama_tp_offline`` recipe's mesh) and dp 128 x tp 8: each probed rank's real local tensors hold the elements osdpipe's layout says."""
     from oracle_probe import expected_values, meta_tree, run_fake_world, tree_marks
 
-    from osdpipe.config import validate
-    from osdpipe.plan import plan_run
+    from osdpipe.spec.config import validate
+    from osdpipe.spec.plan import plan_run
 
     plan = plan_run(validate({
         "model": {"factory": "llama"}, "output": {"path": "/nonexistent/tp_oracle"}, "runtime": {"mode": "offline"},
@@ -303,9 +303,9 @@ def test_eight_real_processes_hold_what_the_layout_says_and_dcp_cannot_save_them
     import usertp
     from oracle_probe import expected_values, meta_tree
 
-    from osdpipe import kinds
-    from osdpipe.layout import LayoutSpec
-    from osdpipe.tp import read_placements
+    from osdpipe.layout import kinds
+    from osdpipe.layout.ranges import LayoutSpec
+    from osdpipe.layout.tp import read_placements
 
     results = spawn_world(_numbered_job, 8, (str(tmp_path / "dcp"),), timeout_s=TIMEOUT_S)
     spec = LayoutSpec(kind="fsdp2", world_size=8, tp_size=2, tp_plan=tuple(usertp.PLAN.items()), wrap=("Block",))

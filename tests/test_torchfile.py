@@ -1,4 +1,4 @@
-"""osdpipe's own writer of ``torch.save`` files (:mod:`osdpipe.torchfile`): torch, osdpipe's safe reader and ``zipfile`` read what it writes.
+"""osdpipe's own writer of ``torch.save`` files (:mod:`osdpipe.io.torchfile`): torch, osdpipe's safe reader and ``zipfile`` read what it writes.
 
 Fast: small objects, no processes. ZIP64's structures are exercised on small
 files by lowering the size from which the writer uses them; the digests are
@@ -18,9 +18,9 @@ import pytest
 import torch
 from helpers import digest_by_hand
 
-from osdpipe import torchfile
-from osdpipe.compare import diff
-from osdpipe.formats.safe_load import check_torch_zip
+from osdpipe.io import torchfile
+from osdpipe.core.compare import diff
+from osdpipe.io.formats.safe_load import check_torch_zip
 
 
 def _state() -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from osdpipe.checkpoints import get, recognize
+from osdpipe.io.checkpoints import get, recognize
 
 TITAN = get("torchtitan")
 
@@ -65,7 +65,7 @@ def test_another_data_parallel_degree_is_told_what_torchtitan_does_with_its_data
 
 
 def test_the_output_step_is_the_folders_name_else_its_train_state(folder) -> None:
-    from osdpipe.formats.dcp_reader import DcpCheckpoint
+    from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
     assert TITAN.step_of(DcpCheckpoint(str(folder / "step-2"), None), str(folder / "step-2")) == 2
     renamed = folder.parent / "renamed"

@@ -22,8 +22,8 @@ import torch
 from helpers import run_cli_cases, user_env
 from oracle_probe import spawn_world
 
-from osdpipe.layout import Segment, batches
-from osdpipe.transfer import reading_ranks
+from osdpipe.layout.ranges import Segment, batches
+from osdpipe.run.transfer import reading_ranks
 
 TIMEOUT_S = 120
 
@@ -159,11 +159,11 @@ def _reader_fails_while_serving(spec, source: str) -> tuple[str, float]:
     """On rank 0, reading fails on the 3rd range; every rank must raise the same error at once (none waits for bytes)."""
     import torch.distributed as dist
 
-    from osdpipe.collective import StageError
-    from osdpipe.formats.fsdp_full import FullReader
+    from osdpipe.run.collective import StageError
+    from osdpipe.io.formats.fsdp_full import FullReader
     from helpers import planned
-    from osdpipe.loop import run_stages
-    from osdpipe.world import GroupWorld
+    from osdpipe.pipeline.loop import run_stages
+    from osdpipe.run.world import GroupWorld
 
     if dist.get_rank() == 0:
         calls = {"n": 0}
@@ -185,7 +185,7 @@ def _reader_fails_while_serving(spec, source: str) -> tuple[str, float]:
 
 
 def test_a_reading_rank_that_fails_mid_send_ends_the_run_on_every_rank(inputs, tmp_path: Path) -> None:
-    from osdpipe.reconcile import settle_and_validate
+    from osdpipe.spec.reconcile import settle_and_validate
 
     source = inputs["fsdp_full"][1].split("=", 1)[1]
     spec = settle_and_validate({

@@ -84,7 +84,7 @@ def test_wheel_contents(wheel: Path) -> None:
         assert f"osdpipe/conf/{rel}" in names, rel
     for module in sorted(REPO.glob("osdpipe/**/*.py")):
         assert module.relative_to(REPO).as_posix() in names
-    assert "osdpipe = osdpipe.entry:main" in entry_points
+    assert "osdpipe = osdpipe.cli.entry:main" in entry_points
 
 
 def test_wheel_installs_and_runs_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:

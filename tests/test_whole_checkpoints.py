@@ -179,7 +179,7 @@ def test_the_report_lists_every_entry_and_what_became_of_it(converted: dict[str,
 
 
 def _same(got, want, where: str) -> None:
-    from osdpipe.compare import diff
+    from osdpipe.core.compare import diff
 
     problems = diff(got, want, limit=5)
     assert not problems, f"{where}: {problems}"
@@ -203,7 +203,7 @@ def test_torchtitan_to_2_ranks_resumes_as_pytorchs_own_reshard_loaded_as_torchti
 
 def test_torchtitan_dataloader_entries_are_carried_over_as_stored(converted: dict[str, Path], saved: Path) -> None:
     """Each data-parallel rank's position and the saving world's size: the same stored bytes in the output, loaded the same."""
-    from osdpipe.formats.dcp_reader import DcpCheckpoint
+    from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
     source, output = DcpCheckpoint(str(saved / "titan" / "step-2"), None), DcpCheckpoint(str(converted["titan_dcp_2"] / "step-2"), None)
     carried = [f for f, p in source.paths.items() if p[0] in whole_jobs.TITAN_OTHER]
@@ -332,11 +332,11 @@ def test_a_users_own_top_level_tensor_is_carried_and_reported_as_carried(tmp_pat
     import torch.distributed.checkpoint as dcp
 
     import userlm
-    from osdpipe.checkpoints import get
-    from osdpipe.checkpoints.base import fates
-    from osdpipe.checkpoints.output import carried_state
-    from osdpipe.formats import dcp_writer
-    from osdpipe.tree import describe
+    from osdpipe.io.checkpoints import get
+    from osdpipe.io.checkpoints.base import fates
+    from osdpipe.io.checkpoints.output import carried_state
+    from osdpipe.io.formats import dcp_writer
+    from osdpipe.layout.tree import describe
 
     model = userlm.build()
     step = tmp_path / "step-1"
@@ -359,10 +359,10 @@ def test_another_frameworks_entries_go_under_its_name_in_a_torchtitan_step_folde
 
     import pytest
 
-    from osdpipe.checkpoints import get
-    from osdpipe.checkpoints.base import CarriedData, Carrying, Entry, fates
-    from osdpipe.checkpoints.output import carried_state
-    from osdpipe.formats.base import InputError
+    from osdpipe.io.checkpoints import get
+    from osdpipe.io.checkpoints.base import CarriedData, Carrying, Entry, fates
+    from osdpipe.io.checkpoints.output import carried_state
+    from osdpipe.io.formats.base import InputError
 
     source = Carrying("/ckpt/ds/global_step7", ("lr_scheduler.last_epoch", "global_steps"), (("lr_scheduler", "last_epoch"), ("global_steps",)),
                       entries=(Entry("lr_scheduler", "other", "mp_rank_00_model_states.pt", 10),), model_key="model", layout="deepspeed", step=7)
@@ -400,10 +400,10 @@ def test_one_wrong_weight_fails_roundtrip_and_resume_and_nothing_is_written(save
     """Offline, in this process: rank 1's converted weights are spoiled in one element after rekey; both checks name it, nothing is committed."""
     from helpers import planned
 
-    from osdpipe.pipeline import run_offline
-    from osdpipe.progress import Display
-    from osdpipe.reconcile import settle_and_validate
-    from osdpipe.stages import STAGES
+    from osdpipe.pipeline.execute import run_offline
+    from osdpipe.run.progress import Display
+    from osdpipe.spec.reconcile import settle_and_validate
+    from osdpipe.pipeline.stages import STAGES
 
     sys.path.insert(0, str(TESTS))
     spec = settle_and_validate({

@@ -27,8 +27,8 @@ import pytest
 from helpers import clean_env, processes_marked, run_cli_cases, run_command, user_env
 from oracle_probe import spawn_world
 
-from osdpipe.launch import free_port
-from osdpipe.world import balanced_shares
+from osdpipe.run.launch import free_port
+from osdpipe.run.world import balanced_shares
 
 #: End to end: local worlds and torchrun agents (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ LOCAL_WORKERS = (1, 2, 3)
 
 
 def test_the_progress_line_sums_every_workers_share() -> None:
-    from osdpipe.progress import Display
+    from osdpipe.run.progress import Display
 
     display = Display(True)
     display.phase("offline: 7 target rank(s) on 2 workers", unit="B")

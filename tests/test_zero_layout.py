@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from osdpipe.formats.zero_layout import partition_size, pieces_by_parameter, pieces_in, rank_segments, saved_lengths
+from osdpipe.layout.zero import partition_size, pieces_by_parameter, pieces_in, rank_segments, saved_lengths
 
 GROUPS = [[("emb", 37 * 12), ("w1", 20 * 12), ("b1", 20)], [("norm", 12), ("b2", 7)]]
 

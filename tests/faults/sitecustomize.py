@@ -56,19 +56,19 @@ def _install(point: str, rank: int, how: str) -> None:
         return wrapped
 
     if point == "load":  # as this rank opens the source (after the stage's first collective)
-        from osdpipe.stages import load
+        from osdpipe.run.stages import load
 
         load.open_source = on_call(1, load.open_source)
     elif point == "send":  # the reading rank, between two tensors it sends (runtime.transfer=scatter)
-        from osdpipe import transfer
+        from osdpipe.run import transfer
 
         transfer.Server.send = on_call(2, transfer.Server.send)
     elif point == "receive":  # a receiving rank, between two tensors it receives (runtime.transfer=scatter)
-        from osdpipe import transfer
+        from osdpipe.run import transfer
 
         transfer.Receiver.receive = on_call(2, transfer.Receiver.receive)
     elif point == "save":  # after this rank's file is written to .staging, before the commit
-        from osdpipe.formats import base  # the torch-file writer of every format but dcp
+        from osdpipe.io.formats import base  # the torch-file writer of every format but dcp
 
         base.save_hashed = on_call(1, base.save_hashed, after=True)
     else:
@@ -80,7 +80,7 @@ def _kill_in_commit(after: int) -> None:
     (the first is ``.staging`` -> ``.incoming``), or, for ``0``, once everything staged is synced but before any rename."""
     import signal
 
-    from osdpipe import output
+    from osdpipe.io import output
 
     real_replace, real_commit = os.replace, output.commit
     renames = -1  # counting from the commit's first rename
@@ -115,7 +115,7 @@ elif FAULT:
 if os.environ.get("OSDPIPE_TEST_SHARE_SCALARS"):
     # Put back what osdpipe fixes: every output tensor holds the source's scalar state object itself, so a
     # source that shares one step across parameters (FSDP1's FULL state) shares it in the output too.
-    from osdpipe import transfer
+    from osdpipe.run import transfer
 
     transfer.own_copy = lambda value: value
 
@@ -145,8 +145,8 @@ if os.environ.get("OSDPIPE_TEST_RECORD_SYNCS"):
 
 
 def _misfill(fqn: str, name: str) -> None:
-    """Every batch :mod:`osdpipe.streamed` fills of ``fqn``'s state ``name`` gets its first element wrong, after the copy."""
-    from osdpipe import streamed
+    """Every batch :mod:`osdpipe.run.streamed_output` fills of ``fqn``'s state ``name`` gets its first element wrong, after the copy."""
+    from osdpipe.run import streamed_output as streamed
 
     real_place = streamed.place
 

@@ -40,8 +40,8 @@ import torch
 
 from frameworks import ds, titan_load
 from frameworks.launch import run_logged, torchrun, worker_env
-from osdpipe.formats.deepspeed import ZeroReader
-from osdpipe.output import conversion_entries
+from osdpipe.io.formats.deepspeed import ZeroReader
+from osdpipe.io.output import conversion_entries
 from helpers import run_command, user_env
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
@@ -243,7 +243,7 @@ def test_a_zero_save_becomes_an_accelerate_folder_that_load_state_reads(tmp_path
 def test_the_universal_check_finds_one_element_that_is_not_deepspeeds(saves: dict[str, Path]) -> None:
     """The ``universal`` check's comparison: the state DeepSpeed's job held equals its ``ds_to_universal`` output (stage 3 stores it flat,
     stage 2 shaped); one element changed, one parameter missing or one too many are each found."""
-    from osdpipe.formats.ds_universal import universal_differences
+    from osdpipe.io.formats.ds_universal import universal_differences
 
     for name in ("zero2-fp32-4", "zero3-fp32-2"):
         folder = saves[name]
@@ -387,7 +387,7 @@ def test_inspects_command_runs_as_printed_with_the_model_built_from_the_files(tm
     report = json.loads((out / "report.json").read_text())
     assert {c["name"]: c["ok"] for c in report["checks"]} == {"roundtrip": True, "reference": True, "load_step": True, "resume": True}
     conversion = json.loads((out / "manifest.json").read_text())["conversion"]
-    assert conversion["target"]["kind"] == "fsdp2" and conversion["model"]["factory"] == "osdpipe.checkpoints.deepspeed:saved_model"
+    assert conversion["target"]["kind"] == "fsdp2" and conversion["model"]["factory"] == "osdpipe.io.checkpoints.deepspeed:saved_model"
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     got = _gathered(out / "dcp", tmp_path)
     _assert_the_optimizer_is_deepspeeds(got["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))

@@ -1,0 +1,1 @@
+"""The top layer: the ``osdpipe`` command, Hydra composition, ``inspect``, ``check``, sweeps."""

@@ -1,0 +1,268 @@
+"""The ``osdpipe`` command: compose the config with Hydra, validate it, launch. Nothing else.
+
+Hydra lives only here, in the launcher process; ranks receive the validated
+:class:`~osdpipe.spec.config.RunSpec`.
+
+This module imports no torch, so that Hydra's answers (``--cfg``, a help
+with overrides, an unknown key) and a config whose schema is wrong print
+without it. Torch comes in with the job (:func:`_run_job`), once the schema
+is checked (:func:`osdpipe.spec.config.check_schema`).
+
+Exit codes: 0 every job succeeded; 1 a conversion or check failed; 2 the
+command line or a config is bad (an unknown key or recipe, a bad value, an
+output path that cannot be written), in a sweep too: a bad config is the first
+thing to mend. Every error is one line on stderr, a traceback only with
+``runtime.debug=true``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from collections.abc import Sequence
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from osdpipe.core import rankserver
+from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
+from osdpipe.io.output import OutputError
+from osdpipe.cli.sweep import JobRecord, summarize_sweep
+
+if TYPE_CHECKING:
+    from osdpipe.run.report import Report
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+#: Config nodes that hold whatever keys the user names (a factory's or an optimizer's keyword arguments):
+#: overriding a key they do not have yet adds it, with no ``+`` needed.
+#: Config keys whose value is a dict of the user's own keys: an override may add keys (``model.kwargs.depth=12``) or give it whole (``target.tp_plan={up:colwise}``).
+OPEN_DICTS = ("model.kwargs", "optim.kwargs", "source.tp_plan", "target.tp_plan")
+
+#: The exit code of every job of this invocation (one, or one per sweep job).
+_exit_codes: list[int] = []
+#: Every sweep job as it ended, for the sweep's summary: Hydra's basic launcher runs them in this process.
+_sweep_jobs: list[JobRecord] = []
+#: The errors the current job printed (the first is its outcome in a sweep's summary).
+_job_errors: list[str] = []
+
+# hydra.run.dir: output.path when given (nothing lands in the current directory), else outputs/<date>/<time>.
+OmegaConf.register_new_resolver("osdpipe_run_dir", lambda path, default: default if path is None else path, replace=True)
+
+
+def _error(message: str) -> None:
+    _job_errors.append(message)
+    print(f"osdpipe: error: {message}", file=sys.stderr, flush=True)
+
+
+def _internal_error(exc: BaseException) -> None:
+    _error(f"internal error: {type(exc).__name__}: {exc} (rerun with runtime.debug=true for the traceback, and please report it)")
+
+
+def summarize(report: Report, output: str) -> str:
+    """A short human summary of a successful run for the terminal."""
+    lines = [f"osdpipe: OK  ->  {output}"]
+    for s in report.stages:
+        sent = f"  {s.sent:>12,d} B sent to other ranks" if s.sent else ""
+        lines.append(f"  {s.name:<10} {s.seconds:8.3f} s  {s.bytes:>12,d} B{sent}")
+    for c in report.checks:
+        lines.append(f"  check {c.name:<10} {'pass' if c.ok else 'FAIL'}  {c.detail}")
+    if report.entries:
+        counts = Counter(e["part"] for e in report.entries)
+        per_rank = sum(1 for e in report.entries if "source_rank" in e)
+        ranks = f" ({per_rank} describe one rank of the world that saved it)" if per_rank else ""
+        lines.append(
+            f"  entries    {counts['model']} of the model and {counts['optimizer']} of the optimizer converted, "
+            f"{counts['other']} other(s) carried over unchanged{ranks}; report.json lists each"
+        )
+    if report.memory:
+        top = max(report.memory, key=lambda m: m.peak_rss)
+        held = "" if top.peak_anonymous is None else f", {(top.peak_anonymous - (top.baseline_anonymous or 0)) / 1e6:,.1f} MB anonymous beyond its baseline"
+        lines.append(f"  memory     peak RSS {top.peak_rss / 1e6:,.0f} MB ({top.process}){held}")
+    return "\n".join(lines)
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@hydra.main(version_base="1.3", config_path="pkg://osdpipe.conf", config_name="config")
+def run(cfg: DictConfig) -> bool:
+    """One Hydra job: one conversion. Returns whether it succeeded (a sweep goes on after a failure)."""
+    _job_errors.clear()
+    start = time.perf_counter()
+    try:
+        code = _run_job(cfg)
+    except Exception as exc:  # noqa: BLE001 - a bug in osdpipe: one line, the traceback on request
+        if cfg.runtime.debug:
+            traceback.print_exc()
+        _internal_error(exc)
+        code = EXIT_FAILED
+    _exit_codes.append(code)
+    _record_sweep_job(cfg, code, time.perf_counter() - start)
+    return code == EXIT_OK
+
+
+def _record_sweep_job(cfg: DictConfig, code: int, seconds: float) -> None:
+    """In a sweep, keep what the summary needs of this job, above all what no report.json says (a bad config writes none)."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return
+    output_dir = cfg.output.path if cfg.output.path is not None else hydra_cfg.runtime.output_dir
+    error = _job_errors[0] if _job_errors else None
+    record = JobRecord(hydra_cfg.job.num, tuple(hydra_cfg.overrides.task), code, error, seconds, str(output_dir), str(hydra_cfg.sweep.dir))
+    _sweep_jobs.append(record)
+
+
+def job_config(cfg: DictConfig, job_dir: str, overrides: Sequence[str] = ()) -> dict:
+    """The plain dict a job validates: ``cfg`` resolved, ``output.path`` defaulting to the job's directory, and the model named by
+    torchtitan's names where ``overrides`` (the user's) name no model otherwise (:func:`osdpipe.spec.config.name_torchtitans_model`)."""
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(raw, dict)
+    if raw.get("output", {}).get("path") is None:
+        raw["output"]["path"] = job_dir
+    named = {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides if "=" in o}
+    return name_torchtitans_model(raw, model_given=bool(named & {"model", "model.factory"}))
+
+
+def _config_error(exc: Exception) -> int:
+    """Say a bad config, one line per problem, and remove the run directory Hydra made for it."""
+    for line in str(exc).splitlines():
+        _error(f"config: {line}")
+    _discard_empty_run_dir()
+    return EXIT_CONFIG
+
+
+def _run_job(cfg: DictConfig) -> int:
+    raw = job_config(cfg, HydraConfig.get().runtime.output_dir, HydraConfig.get().overrides.task)
+    try:
+        check_schema(raw)
+    except ConfigError as exc:
+        return _config_error(exc)
+    if raw["runtime"].get("mode") == "online" and raw["runtime"].get("launcher") != "torchrun" and not rankserver.in_torchrun():
+        rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
+    # Imported here, past the schema check, to keep torch out of --help and config errors.
+    from osdpipe.pipeline.execute import execute
+    from osdpipe.spec.plan import plan_run
+    from osdpipe.spec.reconcile import Contradiction, Given, reconcile
+
+    try:
+        # What the input's files show settles what the user did not say, and refuses what they said wrongly.
+        raw, notes = reconcile(raw, Given.from_overrides(HydraConfig.get().overrides.task))
+        spec = validate(raw)
+        plan = plan_run(spec)  # the model's answers: its tree, and whether both wrappings fit it
+    except (ConfigError, Contradiction) as exc:
+        return _config_error(exc)
+    try:
+        report = execute(plan, warnings=notes)
+    except OutputError as exc:
+        _error(str(exc))
+        return EXIT_CONFIG
+    if rankserver.in_torchrun():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: torchrun stopping the ranks must not cut this rank's last words and exit code
+    if not _is_rank0() and (report.ok or report.agreed):
+        return EXIT_OK if report.ok else EXIT_FAILED  # rank 0 speaks for every rank: it raised the same error
+    if report.ok:
+        print(summarize(report, spec.output.path), flush=True)
+        for warning in report.warnings:
+            print(f"osdpipe: warning: {warning}", file=sys.stderr)
+        return EXIT_OK
+    if spec.runtime.debug and report.traceback:
+        print(report.traceback, file=sys.stderr)
+    written = f" (report: {Path(spec.output.path) / 'report.json'})" if _is_rank0() else ""  # rank 0 writes it
+    _error(f"{report.failure}{written}")
+    return EXIT_FAILED
+
+
+def _discard_empty_run_dir() -> None:
+    """Remove the directory Hydra made for a job that never ran (and its parents it left empty), up to the current directory."""
+    directory, stop = Path(HydraConfig.get().runtime.output_dir).resolve(), Path.cwd().resolve()
+    while directory != stop and stop in directory.parents:
+        try:
+            directory.rmdir()  # only if empty: a user's directory or an earlier run is never touched
+        except OSError:
+            return
+        directory = directory.parent
+
+
+def hydra_message(exc: BaseException) -> str:
+    """Hydra's or OmegaConf's complaint about the command line, in one line that says what to do."""
+    text = str(exc)
+    if isinstance(exc, MissingConfigException):
+        missing = text.split("Could not find '", 1)[-1].split("'", 1)[0]
+        group, _, name = missing.rpartition("/")
+        options = [line.strip() for line in text.split("Available options", 1)[-1].splitlines()[1:] if line.startswith("\t") and line.strip()]
+        if group:
+            options = [o for o in options if "=" not in o and "path" not in o]
+            return f"{group}={name}: no such {group}; choose one of {', '.join(options)}" if options else f"{group}={name}: no such {group}"
+    if "Could not override '" in text or "Key '" in text and "is not in struct" in text:
+        return unknown_key(text.split("'", 2)[1])
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    if isinstance(exc, OverrideParseException):
+        return f"{exc.override} cannot be parsed ({first}); write overrides as key=value, quoting lists: 'target.wrap=[Block]'"
+    return first
+
+
+def open_dict_overrides(args: list[str]) -> list[str]:
+    """Let ``model.kwargs.depth=12`` add a key the composed config does not have (as ``++`` would); a dict given whole is merged into the recipe's."""
+    return [f"++{a}" if "=" in a and _in_open_dict(a.split("=", 1)[0]) else a for a in args]
+
+
+def _in_open_dict(key: str) -> bool:
+    return any(key == d or key.startswith(f"{d}.") for d in OPEN_DICTS)
+
+
+def main() -> None:
+    """Console entry point (see the module docstring for the exit codes)."""
+    args = sys.argv[1:]  # check, inspect and --version are answered before this module is imported (osdpipe.cli.entry)
+    debug = any(a.lstrip("+") == "runtime.debug=true" for a in args)
+    sys.argv = [sys.argv[0], *open_dict_overrides(args)]
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's errors reach the handler below, which says them in one line
+    _exit_codes.clear()
+    _sweep_jobs.clear()
+    try:
+        run()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if debug:
+            traceback.print_exc()
+        _error(hydra_message(exc))
+        sys.exit(EXIT_CONFIG)
+    except OSError as exc:  # Hydra creates the run directory (output.path, when given) before the job starts
+        _error(f"output.path: cannot create {exc.filename} ({exc.strerror}); choose a directory you can write to")
+        sys.exit(EXIT_CONFIG)
+    except Exception as exc:  # noqa: BLE001 - a bug in osdpipe: one line, the traceback on request
+        if debug:
+            traceback.print_exc()
+        _internal_error(exc)
+        sys.exit(EXIT_FAILED)
+    code = max(_exit_codes, default=EXIT_OK)  # a bad config (2) outranks a failed conversion (1)
+    if _sweep_jobs and _is_rank0():
+        code = _summarize_sweep(code)
+    sys.exit(code)
+
+
+def _summarize_sweep(code: int) -> int:
+    """The sweep's table, sweep.json and sweep.png; a summary that cannot be written is an error (exit code at least 1)."""
+    try:
+        problem = summarize_sweep(_sweep_jobs, code)
+    except Exception as exc:  # noqa: BLE001 - a bug in the summary: one line; the jobs' reports are in place
+        _internal_error(exc)
+        return max(code, EXIT_FAILED)
+    if problem is None:
+        return code
+    _error(problem)
+    return max(code, EXIT_FAILED)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""``osdpipe inspect PATH [--json]``: what a checkpoint is, read from its files (:mod:`osdpipe.io.file_facts`).
+
+Prints the format, what the files show of the layout that saved it, the
+optimizer and its hyperparameters per param group, the step range, the
+parameters with state, dtypes and bytes, and the overrides that describe it
+to ``osdpipe``. ``--json`` prints one object instead. Metadata and headers
+only: no tensor's bytes are read (see :mod:`osdpipe.io.file_facts` for the one
+exception, a damaged file's moments).
+
+Exit codes: 0 it was read; 1 it cannot be read as a checkpoint; 2 a bad command line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from osdpipe.core.sizes import show_size  # it imports no torch
+
+if TYPE_CHECKING:  # annotations only: this module is imported before torch, which facts needs
+    from osdpipe.io.checkpoints import WholeCheckpoint
+    from osdpipe.io.file_facts import Facts
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+USAGE = "usage: osdpipe inspect PATH [--json] [--key KEY]  (PATH: a checkpoint file, a DCP directory, a directory of rank_<r>.pt, or an osdpipe output)"
+
+def run_inspect(args: list[str]) -> int:
+    """The command: read the facts, print them, return the exit code."""
+    as_json = "--json" in args
+    rest = [a for a in args if a != "--json"]
+    key = None
+    if "--key" in rest:
+        at = rest.index("--key")
+        if at + 1 >= len(rest):
+            print(f"osdpipe inspect: error: --key needs a value; {USAGE}", file=sys.stderr)
+            return EXIT_USAGE
+        key = rest[at + 1]
+        del rest[at : at + 2]
+    if rest[:1] == ["--help"]:
+        print(USAGE)
+        return EXIT_OK
+    if len(rest) != 1 or rest[0].startswith("-"):
+        print(f"osdpipe inspect: error: {'one PATH' if not rest or not rest[0].startswith('-') else repr(rest[0]) + ' is not an option'}; {USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    # torch: not on inspect --help's path (tests/test_startup.py)
+    from osdpipe.io.checkpoints import recognize
+    from osdpipe.run.collective import one_line
+    from osdpipe.io.file_facts import read_facts
+    from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
+
+    path = Path(rest[0])
+    facts = None
+    try:
+        whole = recognize(path)
+        if whole is None:
+            facts = read_facts(_checkpoint_in(path), None, key)
+        elif whole.optimizer_path is not None:  # the optimizer part reads as any optimizer checkpoint
+            facts = read_facts(Path(whole.optimizer_path), None, key or whole.optimizer_key)
+    except Exception as exc:  # noqa: BLE001 - a file that cannot be read says so in one line
+        print(f"osdpipe inspect: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    if facts is not None and facts.moments_alike:
+        facts.notes.append(f"warning: {MOMENTS_ALIKE}")
+    if as_json:
+        if whole is None:
+            shown = facts.to_json() if facts is not None else None
+        else:
+            shown = {"checkpoint": {**whole.to_json(), "command": whole_command(whole)}, "optimizer": facts.to_json() if facts else None}
+        print(json.dumps(shown, indent=2, sort_keys=True))
+    elif whole is None:
+        print(describe(facts))
+    else:
+        print("\n".join(filter(None, [describe_whole(whole), facts and WHOLE_OPTIMIZER + describe(facts, command=False), "  convert with " + whole_command(whole)])))
+    return EXIT_OK
+
+
+def _checkpoint_in(path: Path) -> Path:
+    """``path``, or for an osdpipe output directory that holds one checkpoint for every rank (``fsdp_full``, ``plain``, ``dcp``), that checkpoint.
+
+    The formats say where they write (``output_path``); a format whose every rank loads the same path wrote one checkpoint.
+    """
+    if path.is_dir() and (path / "manifest.json").is_file():
+        from osdpipe.io import formats  # torch: not on inspect --help's path
+
+        for fmt in formats.FORMATS.values():
+            if fmt.written and fmt.output_path(path, 0) == fmt.output_path(path, 1) and fmt.output_path(path, 0).exists():
+                return fmt.output_path(path, 0)
+    return path
+
+
+def describe(f: Facts, command: bool = True) -> str:
+    """The facts as a person reads them (``command``: with the overrides that convert it)."""
+    kind = {
+        "sharded": "sharded (dim-0 chunks: FSDP1 SHARDED_STATE_DICT or FSDP2, alike)",
+        None: "cannot tell from the files",
+    }.get(f.kind, f.kind)
+    lines = [f"{f.path}", f"  format       {f.format}" + (f" (key {f.key!r})" if f.key else "")]
+    lines.append(f"  kind         {kind}" + (" (use_orig_params)" if f.use_orig_params else ""))
+    lines.append(f"  world size   {f.world_size if f.world_size is not None else 'not recorded'}" + (
+        f", replica groups of {f.shard_group_size} rank(s)" if f.shard_group_size else ""
+    ))
+    for i, unit in enumerate(f.units[:8]):
+        named = ", ".join(unit.fqns[:3]) + (f" and {len(unit.fqns) - 3} more" if len(unit.fqns) > 3 else "")
+        lines.append(f"  unit {i:<7} {unit.numel:,} elements flat" + (f": {named}" if named else ""))
+    if len(f.units) > 8:
+        lines.append(f"  ... and {len(f.units) - 8} more unit(s)")
+    for placement in f.placements[:4]:
+        lines.append(f"  placement    {placement}")
+    optimizer = f.optimizer or (" or ".join(f.optimizer_candidates) if f.optimizer_candidates else "none of torch.optim's")
+    lines.append(f"  optimizer    {optimizer}  (state {', '.join(f.state_names) or 'none'})")
+    for i, group in enumerate(f.param_groups):
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(group.items()) if k != "params")
+        lines.append(f"  group {i:<6} {group['params']} param(s): {shown}")
+    if f.steps is not None:
+        lines.append(f"  steps        {_number(f.steps[0])}" + (f" .. {_number(f.steps[1])}" if f.steps[1] != f.steps[0] else ""))
+    lines.append(f"  parameters   {f.params} with state")
+    dtypes = ", ".join(f"{d} {show_size(n)}" for d, n in sorted(f.dtypes.items()))
+    lines.append(f"  state        {show_size(f.state_bytes)} of tensors" + (f" ({dtypes})" if dtypes else ""))
+    lines += [f"  note         {n}" for n in f.notes]
+    if command:
+        lines.append("  convert with osdpipe " + " ".join([*f.overrides(), *TARGET_AND_OUTPUT]))
+    return "\n".join(lines)
+
+
+#: What a printed command leaves to the user: the target's world and the output's place.
+TARGET_AND_OUTPUT = ("target.world_size=<M>", "output.path=<dir>")
+#: Said before a whole checkpoint's optimizer part.
+WHOLE_OPTIMIZER = "optimizer part (the command below converts the whole checkpoint: the model and the optimizer, every other entry carried over):\n"
+
+
+def whole_command(whole: WholeCheckpoint) -> str:
+    """The command that converts a whole checkpoint, once the target and the output are filled in: its layout, the model that saved it
+    (named where the files and the framework can tell), and its folder. The conversion reads the rest from the files."""
+    from osdpipe.io.checkpoints import get  # torch: not on inspect --help's path
+
+    layout = get(whole.layout)
+    return "osdpipe " + " ".join([f"checkpoint={whole.layout}", *layout.model_overrides(Path(whole.path)), f"input.path={whole.path}", *TARGET_AND_OUTPUT])
+
+
+def describe_whole(w: WholeCheckpoint) -> str:
+    """A whole training checkpoint as a person reads it: the layout, the model and optimizer parts, and every other entry with its size."""
+    lines = [w.path, f"  layout       {w.layout} (a whole training checkpoint)"]
+    model = w.part("model")
+    if model:
+        tensors = sum(e.tensors for e in model)
+        lines.append(f"  model        {len(model)} entr{'y' if len(model) == 1 else 'ies'}, {tensors} tensor(s), {show_size(sum(e.size for e in model))}: "
+                     + ", ".join(sorted({e.where for e in model})))
+    for e in w.part("optimizer"):
+        lines.append(f"  optimizer    {e.name}: {e.tensors} tensor(s), {show_size(e.size)} in {e.where}")
+    for e in w.part("other"):
+        whose = f"  (source rank {e.source_rank}'s: it describes the world that saved it)" if e.source_rank is not None else ""
+        lines.append(f"  entry        {e.name}: {show_size(e.size)} in {e.where}{whose}")
+    left_out = [e.name for e in w.part("framework")]
+    if left_out:
+        lines.append(f"  left out     {', '.join(left_out)}: they describe how the framework laid out its own files")
+    lines += [f"  note         {n}" for n in w.notes]
+    return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)

@@ -1,0 +1,128 @@
+"""The fork server that local ranks start from: torch imported once, not once per rank.
+
+A spawned rank imports torch, torch._dynamo (which the first meta-device op
+pulls in) and osdpipe itself: about three seconds of CPU each, which is most
+of a small conversion. Ranks instead fork from multiprocessing's fork server,
+a fresh single-threaded process that imports them once (:data:`PRELOAD`), so
+no thread, process group or CUDA context of the launcher reaches a rank.
+
+The command starts the server first thing (:func:`start_early`, before it
+imports torch itself), so the server's imports run alongside the launcher's
+own; it is stopped when the command exits, used or not. This module imports
+nothing heavy for that reason. Where the platform has no fork server, ranks
+are spawned.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing as mp
+from multiprocessing import forkserver
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+#: What every rank imports: the fork server imports it once, and each rank starts with it loaded.
+PRELOAD = ["torch._dynamo", "osdpipe.pipeline.execute", "osdpipe.run.generate", "osdpipe.pipeline.stages", "osdpipe.layout.kinds.fsdp1", "osdpipe.layout.kinds.fsdp2"]
+
+#: Command-line words after which the command starts no local ranks (help, config printing, offline, torchrun).
+NO_RANKS = ("--help", "-h", "--version", "--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc", "runtime.mode=offline", "runtime.launcher=torchrun")
+
+_started = False
+
+
+def in_torchrun() -> bool:
+    """Whether this process was started by torchrun (or anything that sets its environment)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def context() -> Any:
+    """The multiprocessing context ranks start from: the fork server where the platform has one, else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start() -> None:
+    """Start the fork server now (it preloads in the background); it is stopped when this process exits."""
+    global _started
+    if _started or context().get_start_method() != "forkserver":
+        return
+    forkserver.ensure_running()
+    atexit.register(_stop)
+    _started = True
+
+
+def ranks_may_start(args: list[str]) -> bool:
+    """Whether a command with these arguments may start local ranks: not under torchrun, nor where :data:`NO_RANKS` says none will.
+
+    An offline run with ``runtime.workers`` starts its workers as ranks.
+    """
+    words = [a.lstrip("+") for a in args]
+    workers = any(w.startswith("runtime.workers=") and w != "runtime.workers=1" for w in words)
+    return not in_torchrun() and not any(w in NO_RANKS and not (workers and w == "runtime.mode=offline") for w in words)
+
+
+def start_early(args: list[str]) -> None:
+    """:func:`start`, unless the command line or the environment says no local ranks will start."""
+    if ranks_may_start(args):
+        start()
+
+
+def call_apart(fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
+    """``fn(*args)`` in a process of its own, forked from the server (torch imported once), and what it returns.
+
+    For work that needs a process to itself but no world: PyTorch's fake
+    process group, say, which is one per process and must not meet the
+    caller's own. The server is started if it is not running; where the
+    platform has none, the process is spawned.
+
+    Raises:
+        ValueError: what ``fn`` raised, in one line (its own words for a ``ValueError``).
+        TimeoutError: ``fn`` took longer than ``timeout_s``; its process is killed.
+    """
+    start()
+    ctx = context()
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_answer, args=(sender, fn, args), daemon=True)
+    proc.start()
+    sender.close()
+    try:
+        if not receiver.poll(timeout_s):
+            raise TimeoutError(f"{getattr(fn, '__qualname__', fn)} took over {timeout_s:g} s")
+        ok, value = receiver.recv()
+    except EOFError:
+        proc.join(timeout=10)
+        raise ValueError(f"the process running {getattr(fn, '__qualname__', fn)} died (exit code {proc.exitcode})") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        receiver.close()
+    if not ok:
+        raise ValueError(value)
+    return value
+
+
+def _answer(sender: Any, fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        reply = (True, fn(*args))
+    except ValueError as exc:
+        reply = (False, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    except Exception as exc:  # noqa: BLE001 - the caller's error says it in one line
+        reply = (False, f"{type(exc).__name__}: {exc}".splitlines()[0])
+    sender.send(reply)
+    sender.close()
+
+
+def _stop() -> None:
+    # A server still importing when the command ends (a config error) would
+    # otherwise finish importing before it noticed.
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)

@@ -1,0 +1,42 @@
+"""The registry of checkpoint layouts (:mod:`osdpipe.io.checkpoints.base`): the optimizer alone (the default), torchtitan's, accelerate's,
+PyTorch's own, and DeepSpeed's (read, written as PyTorch's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from osdpipe.io.checkpoints import accelerate, deepspeed, optimizer, pytorch, torchtitan  # noqa: F401 - each registers its layout
+from osdpipe.io.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
+from osdpipe.core.registry import member
+
+__all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize", "written"]
+
+
+def get(name: str) -> CheckpointLayout:
+    """The layout called ``name`` (``checkpoint=``).
+
+    Raises:
+        ValueError: naming the layouts there are.
+    """
+    return member(LAYOUTS, name, "checkpoint layout")
+
+
+def written(layout: str, output_checkpoint: str | None) -> CheckpointLayout:
+    """The layout a conversion of a ``layout`` checkpoint writes: ``output.checkpoint``, else the input's own (a layout osdpipe only reads: the one it is written as)."""
+    reads = get(layout)
+    return get(output_checkpoint or reads.written_as or reads.name)
+
+
+def recognize(path: str | Path) -> WholeCheckpoint | None:
+    """The whole checkpoint at ``path`` as the first layout that recognizes it reads it; ``None``: no layout does (an optimizer checkpoint).
+
+    A framework's folder of checkpoints (torchtitan's ``--checkpoint.folder``) is read as its newest checkpoint, as the framework resumes.
+    """
+    where = Path(path)
+    for layout in LAYOUTS.values():
+        newest = layout.newest_in(str(where)) if layout.whole and where.is_dir() else None
+        if newest is not None and layout.recognizes(Path(newest)):
+            return layout.read(Path(newest))
+        if layout.recognizes(where):
+            return layout.read(where)
+    return None

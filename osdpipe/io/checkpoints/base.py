@@ -1,0 +1,348 @@
+"""What a whole training checkpoint is made of, and the registry of the layouts frameworks save them in.
+
+A training job saves more than its optimizer: the model's weights, a
+learning-rate scheduler, its step counter, data-loader positions, RNG states,
+entries of its own. Frameworks lay these out in fixed ways (torchtitan: one
+DCP directory per step; accelerate: a folder of DCP directories and files).
+A :class:`CheckpointLayout` says where a checkpoint of its framework keeps
+each part, for ``osdpipe inspect`` and for a conversion:
+
+* its *metadata* (never a tensor's bytes) as a :class:`WholeCheckpoint`:
+  where the model and the optimizer are, and every other entry with its size,
+  so that nothing in it goes unnamed (:meth:`~CheckpointLayout.read`);
+* where the optimizer is, in a form today's readers take (:meth:`~CheckpointLayout.optimizer_part`);
+* a reader of the model's weights (:meth:`~CheckpointLayout.open_model`), which
+  travel through the stages as one more state of each parameter (:mod:`osdpipe.io.weights`);
+* what is carried over unchanged (:meth:`~CheckpointLayout.carried`), and how
+  a target rank's output is laid out (:meth:`~CheckpointLayout.write`).
+
+The ``optimizer`` layout is the default: an input that is the optimizer's
+state alone, converted as it always was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # annotations only: the layouts import torch where they read or write
+    from osdpipe.io.formats.base import Format, RankFiles
+    from osdpipe.layout.tree import ModuleTree
+
+#: Where a whole checkpoint's ``dcp`` output goes under ``output.path``: the folder the framework loads (a step folder, a ``save_state`` folder).
+DCP_DIR = "dcp"
+
+#: What ``osdpipe inspect`` prints where only the user can name the model that saved a checkpoint.
+USER_FACTORY = "<package.module:function>"
+
+#: What an entry is to a conversion: model weights and optimizer state are converted; what describes how the saving framework
+#: laid out its own files (DeepSpeed's ``param_shapes``) is left out, as the output has another layout; anything else is carried over.
+PARTS = ("model", "optimizer", "framework", "other")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One named thing in a checkpoint.
+
+    Attributes:
+        name: as the framework names it (``lr_scheduler``, ``dataloader.dp_rank_3``, ``scheduler.bin``).
+        part: one of :data:`PARTS`.
+        where: where it is stored, relative to the checkpoint: ``step-2/ (DCP)``, ``scheduler.bin``.
+        size: its stored bytes.
+        tensors: how many tensors it holds (0 for bytes and files).
+        source_rank: the rank of the saving world it describes (a data loader's position, an RNG state), else ``None``;
+            such an entry is kept as it is and says nothing of the target world.
+    """
+
+    name: str
+    part: str
+    where: str
+    size: int
+    tensors: int = 0
+    source_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class WholeCheckpoint:
+    """A whole training checkpoint, as its layout reads it: every entry, and where the model and the optimizer are."""
+
+    layout: str
+    path: str
+    entries: tuple[Entry, ...]
+    #: Where the optimizer state is, as ``input.path`` / ``input.key`` would name it; ``None``: the checkpoint holds none.
+    optimizer_path: str | None = None
+    optimizer_key: str | None = None
+    #: How the optimizer state is keyed: ``nested`` (``state.<fqn>.<name>`` as a tree) or ``flat`` (``flatten_optimizer_state_dict``).
+    optimizer_keys: str = "nested"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def part(self, name: str) -> tuple[Entry, ...]:
+        return tuple(e for e in self.entries if e.part == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where a whole checkpoint keeps its optimizer, as ``input.path``, ``input.format`` and ``input.key`` would name it."""
+
+    path: str
+    format: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Carrying:
+    """What a conversion carries over from a whole checkpoint unchanged, and what every entry of it becomes.
+
+    Attributes:
+        source: the checkpoint's folder.
+        items: DCP items of the checkpoint that are neither the model nor the
+            optimizer, by flat key: each is written again as it is stored
+            (``dcp`` output) or as its value (``rank_local``).
+        item_paths: each item's path in the saved state dict.
+        item_tensors: the items that are tensors, each with its shape and
+            dtype name (re-stored from their values, not their bytes; a rank
+            that only plans the output needs no more of them).
+        files: files beside the checkpoint's DCP directories, relative to
+            ``source``, copied byte for byte next to the output.
+        entries: every entry of the checkpoint, for the report.
+        model_key: where the model's state dict sits in the checkpoint's
+            saved state dict (``None``: at the top level), kept so in the output.
+        folder: the folder under ``output.path`` that the output's DCP checkpoint goes in: where the framework
+            looks for it (torchtitan's ``step-<N>``; ``dcp`` where the framework is pointed at the folder itself).
+        layout: the layout that read the checkpoint (``checkpoint=``).
+        step: the training step the checkpoint was saved at, where its files say (torchtitan's ``step-<N>``,
+            DeepSpeed's ``global_steps``): what names a torchtitan output's ``step-<N>`` folder.
+        under: the framework name another framework's carried items are kept under in the output (``None``: they are
+            the output framework's own, kept where the source had them): torchtitan's layout nests them under it, where
+            their own names (``lr_scheduler``) would be taken for torchtitan's and loaded into its job; accelerate's,
+            which has no place for entries, keeps them in the file ``<under>.pt``.
+    """
+
+    source: str
+    items: tuple[str, ...] = ()
+    item_paths: tuple[tuple[Any, ...], ...] = ()
+    item_tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+    entries: tuple[Entry, ...] = ()
+    model_key: str | None = None
+    folder: str = DCP_DIR
+    #: Whether the checkpoint holds the optimizer's state; a model-only one (torchtitan's last save, its seed checkpoint) converts to a model-only one.
+    optimizer: bool = True
+    layout: str = ""
+    step: int | None = None
+    under: str | None = None
+
+    def written_path(self, path: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Where a carried item saved at ``path`` in the source goes in the output's state dict."""
+        return path if self.under is None else (self.under, *path)
+
+    def written_flat(self, flat: str) -> str:
+        """A carried item's flat key in the output (as ``dcp.save`` flattens :meth:`written_path`), from its flat key in the source."""
+        return flat if self.under is None else f"{self.under}.{flat}"
+
+
+@dataclass
+class CarriedData:
+    """The carried items of a whole checkpoint, read on the first reading rank: each non-tensor item's stored bytes, each tensor item's value."""
+
+    raw: dict[str, bytes] = field(default_factory=dict)
+    tensors: dict[str, Any] = field(default_factory=dict)
+    #: Items whose stored bytes are transformed (compressed): carried as their values, loaded with ``weights_only=True``.
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointLayout:
+    """One framework's way of laying out a whole checkpoint. Subclasses set :attr:`name` and implement the methods."""
+
+    name: ClassVar[str]
+    #: What a checkpoint of this layout is, in a few words.
+    looks_like: ClassVar[str]
+    #: Whether the checkpoint holds more than the optimizer's state: model weights that convert with it, entries carried over.
+    whole: ClassVar[bool] = True
+    #: ``input.format`` of each variant this layout comes in (a sharded one is ``dcp``).
+    input_formats: ClassVar[tuple[str, ...]] = ("dcp",)
+    #: ``output.format`` this layout can be written in: its own (``dcp``) or each rank's files (``rank_local``).
+    output_formats: ClassVar[tuple[str, ...]] = ("dcp", "rank_local")
+    #: The layout a conversion of this one writes unless ``output.checkpoint`` says (``None``: this one; DeepSpeed's, which osdpipe only reads: PyTorch's).
+    written_as: ClassVar[str | None] = None
+    #: Whether this layout's files say at which training step the checkpoint was saved (:attr:`Carrying.step`).
+    saves_step: ClassVar[bool] = False
+    #: Whether this layout, written, is named after the step it was saved at (torchtitan's ``step-<N>``): only a source that says it converts to it.
+    needs_step: ClassVar[bool] = False
+
+    def refuses(self, given: Format, source_kind: Any, generated: bool) -> str | None:
+        """Why a conversion of this layout cannot read ``given`` (or generate a source of ``source_kind``) (``None``: it can); one line naming the keys to set."""
+        if not self.whole:
+            return None
+        if generated and (why := self.refuses_source_kind(source_kind)) is not None:
+            return why
+        if not generated and given.name not in self.input_formats:
+            return f"checkpoint={self.name}: its input is input.format={' or '.join(self.input_formats)} (the checkpoint's folder), not {given.name}"
+        return None
+
+    def refuses_output(self, source: CheckpointLayout, written: Format, target_kind: Any) -> str | None:
+        """Why this layout cannot be written from a checkpoint of layout ``source`` in ``written`` for ``target_kind`` (``None``: it can); one line."""
+        if not self.whole:
+            return None
+        if source.name != self.name and self.needs_step and not source.saves_step:
+            return (
+                f"output.checkpoint={self.name}: its folder is named after the step the checkpoint was saved at, which the files of "
+                f"checkpoint={source.name} do not say; set output.checkpoint=pytorch (PyTorch's own layout, which any PyTorch job loads)"
+            )
+        said = f"checkpoint={self.name}" if source.name == self.name else f"output.checkpoint={self.name}"
+        if written.name not in self.output_formats:
+            return f"{said}: a whole checkpoint is written as output.format={' or '.join(self.output_formats)}, not {written.name}"
+        if written.keyed_by_id and target_kind.has_use_orig_params:  # each rank's own file, of a job whose optimizer may see flat parameters
+            return (
+                f"{said} with output.format={written.name} and target.kind={target_kind.name}: an FSDP1 rank's model weights are a "
+                "shard of its flat parameters, which no model.state_dict() a job loads holds; set output.format=dcp (FSDP1's SHARDED_STATE_DICT)"
+            )
+        return None
+
+    def adopt(self, carrying: Carrying) -> Carrying:
+        """What a conversion that writes this layout carries, from what the input's layout found (``carrying``): where this
+        layout puts the model and its DCP directory. The input's own layout keeps it as it is."""
+        return carrying
+
+    def output_format_of(self, input_format: str) -> str | None:
+        """The ``output.format`` a conversion of an input in ``input_format`` writes unless told (``None``: the config's)."""
+        return None
+
+    def generated_name(self, steps: int) -> str:
+        """What a generated source of this layout, trained ``steps`` steps, is called under ``source/``: the framework's own name for the folder."""
+        return "checkpoint"
+
+    def refuses_source_kind(self, kind: Any) -> str | None:
+        """Why this framework's job cannot be of ``kind``, where osdpipe trains and saves the source itself (``None``: it can)."""
+        return None
+
+    def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
+        """Save the whole job as the framework does, on every rank of the source world (collective): what osdpipe converts with no ``input.path``."""
+        raise NotImplementedError
+
+    def advice(self, path: str, target: dict[str, Any], output_format: str) -> list[str]:
+        """What the framework will do on the target (``target``: the config's ``target`` section) with the output of the checkpoint at
+        ``path`` in ``output_format``, where it differs from what a user expects, and what to do: said in the run's output and in
+        ``report.json``'s warnings (entries that describe the world that saved it, state its own load path drops)."""
+        return []
+
+    def foreign_advice(self, source: str, target: dict[str, Any]) -> list[str]:
+        """What a job of this framework on the target (``target``: the config's ``target`` section) will make of a checkpoint written
+        in its layout from a ``source`` checkpoint, which lacks this framework's own entries; said as :meth:`advice` is."""
+        return []
+
+    def model_overrides(self, path: Path) -> list[str]:
+        """The overrides that name the model which saved the checkpoint at ``path``, for ``osdpipe inspect``'s command.
+
+        By default the files cannot tell: the user's own factory goes there.
+        """
+        return [f"model.factory={USER_FACTORY}"]
+
+    def model_from_files(self, path: str) -> tuple[str, dict[str, Any]] | None:
+        """A ``model.factory`` and its ``model.kwargs`` that build the model the checkpoint at ``path`` names, where its files name every
+        parameter and shape (``None``: they do not; the user's factory is needed). What a conversion uses when the user names no model."""
+        return None
+
+    def newest_in(self, path: str) -> str | None:
+        """Where ``path`` is the folder a framework keeps its checkpoints in, the newest of them (``None``: ``path`` is one checkpoint)."""
+        return None
+
+    def input_format_of(self, path: str) -> str:
+        """The ``input.format`` the checkpoint at ``path`` is, as its folder shows it (by default the layout's first)."""
+        return self.input_formats[0]
+
+    def optimizer_part(self, path: str, input_format: str) -> Part | None:
+        """Where the optimizer is in the checkpoint at ``path``, as today's readers take it (``None``: a model-only checkpoint)."""
+        raise NotImplementedError
+
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
+        """A reader of the model's weights in the checkpoint at ``path`` (:class:`osdpipe.io.weights.WeightsReader`); ``optimizer``: the
+        optimizer part's reader, opened already, for a layout that keeps the weights in the same files (DeepSpeed's masters)."""
+        raise NotImplementedError
+
+    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+        """What is neither the model nor the optimizer in the checkpoint at ``path``: what the conversion carries over."""
+        raise NotImplementedError
+
+    def read_carried(self, carrying: Carrying) -> CarriedData:
+        """The carried items' bytes and values, read on the first reading rank; by default there are none (files are copied at the end)."""
+        return CarriedData()
+
+    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
+        """Write target rank ``rank``'s part of the output into ``staging`` (``parts``: :class:`osdpipe.io.checkpoints.output.RankParts`)."""
+        raise NotImplementedError
+
+    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
+        """After every rank wrote: the files that complete the output (carried files among them), and their sha256."""
+        return {}
+
+    def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
+        """Load target rank ``rank``'s part of the output under ``directory`` into a live job, model and optimizer, as the framework loads it.
+
+        Rank files load with :func:`osdpipe.load_rank_local`, the model given
+        (what ``osdpipe check --load`` does with them).
+        """
+        from osdpipe.io.formats.rank_local import rank_file_name  # torch: only a live job loads
+        from osdpipe.io.loading import load_rank_local
+
+        if not fmt.keyed_by_id:
+            raise NotImplementedError(f"checkpoint={self.name}: loading its {fmt.name} output")
+        load_rank_local(optim, directory / rank_file_name(rank), model=model)
+
+    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
+        """Where what target rank ``rank`` finds under ``directory`` differs from ``parts`` (what it should hold), bitwise (``opened``: kept across ranks).
+
+        What ``osdpipe check`` compares a finished conversion's files with.
+        """
+        raise NotImplementedError
+
+    def recognizes(self, path: Path) -> bool:
+        """Whether ``path`` is a checkpoint of this layout, from names and metadata alone."""
+        raise NotImplementedError
+
+    def read(self, path: Path) -> WholeCheckpoint:
+        """Every entry of the checkpoint at ``path`` (metadata only).
+
+        Raises:
+            InputError: naming the file that is missing or damaged.
+        """
+        raise NotImplementedError
+
+
+def fates(carrying: Carrying) -> list[dict[str, Any]]:
+    """What a conversion did with each entry of a whole checkpoint, as ``report.json`` lists them: nothing in it goes unnamed
+    (``carrying``: as the layout written adopted it).
+
+    Each is ``{"name", "part", "where", "size", "fate"}``; an entry that
+    describes one rank of the world that saved it also has ``source_rank``.
+    """
+    said = {
+        "model": "converted: the model's weights, laid out for the target",
+        "optimizer": "converted: the optimizer's state, laid out for the target",
+        "framework": "left out: it describes how the saving framework laid out its own files, which the output does not have",
+    }
+    if carrying.under is not None:
+        said["other"] = f"carried over unchanged, under {carrying.under!r}: the target framework's own entries of that name are another thing"
+    out = []
+    for entry in carrying.entries:
+        fate = said.get(entry.part, "carried over unchanged")
+        row: dict[str, Any] = {"name": entry.name, "part": entry.part, "where": entry.where, "size": entry.size, "fate": fate}
+        if entry.source_rank is not None:
+            row["source_rank"] = entry.source_rank
+            row["fate"] = f"{fate}; it describes rank {entry.source_rank} of the world that saved the checkpoint, not the target's"
+        out.append(row)
+    return out
+
+
+LAYOUTS: dict[str, CheckpointLayout] = {}
+
+
+def register(cls: type[CheckpointLayout]) -> type[CheckpointLayout]:
+    if cls.name in LAYOUTS:
+        raise ValueError(f"checkpoint layout {cls.name!r} is registered twice")
+    LAYOUTS[cls.name] = cls()
+    return cls

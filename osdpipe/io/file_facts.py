@@ -1,0 +1,144 @@
+"""What a checkpoint's files show of themselves, read from metadata and headers, never from tensor data.
+
+A user describes their checkpoint with ``input.*``, ``source.*`` and
+``optim.*``; the files often say the same things themselves:
+
+* the **format**: a DCP directory has ``.metadata``, a ``rank_local`` one
+  ``rank_<r>.pt`` files, a ``torch.save`` file keys its state by FQN
+  (``fsdp_full``) or by param ID (``plain``);
+* the **layout**: how many ranks saved it (DCP writes ``__<rank>_<n>.distcp``
+  per rank; ``rank_local`` has a file per rank), how DCP's chunks cut each
+  tensor, FSDP1's units (its FULL state shares one ``step`` tensor across a
+  unit's parameters, which ``torch.save`` keeps), FSDP2's placements (a
+  ``dtensor`` table, or DTensors), what osdpipe's own files record
+  (``param_layout``, ``manifest.json``);
+* the **optimizer** (:mod:`osdpipe.layout.optim_infer`), its hyperparameters per
+  param group, the step range, the parameters with state, dtypes and bytes.
+
+:func:`read_facts` gathers them for ``osdpipe inspect`` and for checking a
+user's description against the files (:mod:`osdpipe.spec.reconcile`). Files are
+memory-mapped, so a tensor's bytes are never read, with one exception: the
+check that ``exp_avg`` equals ``exp_avg_sq`` for every parameter (PyTorch
+2.13's FSDP1 ``use_orig_params`` FULL path on CPU saves them so) compares a
+few elements first, and reads the rest only when every parameter's first
+elements agree.
+
+Each format reads what its own files show (:meth:`osdpipe.io.formats.base.Format.read_facts`,
+with what every format shares of a loaded state in :mod:`osdpipe.io.formats.state_facts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from osdpipe.io import formats
+from osdpipe.layout import kinds
+from osdpipe.io.formats import InputError
+from osdpipe.io.formats.safe_load import load_torch_file
+from osdpipe.io.formats.state_facts import Unit
+
+__all__ = ["Facts", "Unit", "detect_format", "read_facts"]
+
+
+@dataclass
+class Facts:
+    """What the files at ``path`` show (``None``: they do not say).
+
+    ``kind`` is ``fsdp1``, ``fsdp2``, ``ddp``, ``none``, or ``sharded`` for a
+    DCP checkpoint of dim-0 chunks, which FSDP1's SHARDED_STATE_DICT and
+    FSDP2 write byte for byte alike (and which converts the same either way).
+    """
+
+    path: str
+    format: str
+    key: str | None = None
+    kind: str | None = None
+    world_size: int | None = None
+    shard_group_size: int | None = None
+    use_orig_params: bool | None = None
+    units: list[Unit] = field(default_factory=list)
+    placements: list[str] = field(default_factory=list)
+    optimizer: str | None = None
+    optimizer_candidates: list[str] = field(default_factory=list)
+    optimizer_why: str = ""
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    #: Each param group's parameters by FQN, where the file names them (an FQN-keyed state); ``None`` for param IDs.
+    group_fqns: list[list[str]] | None = None
+    params: int = 0
+    fqns: list[str] | None = None
+    steps: list[float] | None = None
+    dtypes: dict[str, int] = field(default_factory=dict)
+    state_bytes: int = 0
+    state_names: list[str] = field(default_factory=list)
+    moments_alike: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def overrides(self) -> list[str]:
+        """The ``key=value`` arguments that describe this checkpoint to ``osdpipe`` (what the files cannot say is left out)."""
+        out = [f"input.path={self.path}", f"input.format={self.format}"]
+        if self.key is not None and self.key != "optim":
+            out.append(f"input.key={self.key}")
+        kind = kinds.find(self.kind)
+        if kind is not None:
+            out.append(f"source.kind={self.kind}")
+        if self.world_size is not None:
+            out.append(f"source.world_size={self.world_size}")
+        if self.shard_group_size is not None and kind is not None:
+            out += [f"source.{k}={v}" for k, v in kind.hybrid_keys(self.shard_group_size).items()]
+        if self.use_orig_params and kind is not None and kind.has_use_orig_params and formats.get(self.format).local_state:
+            out.append("source.use_orig_params=true")
+        if self.optimizer is not None:
+            out.append(f"optim.name={self.optimizer}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["command"] = "osdpipe " + " ".join([*self.overrides(), "target.world_size=<M>", "output.path=<dir>"])
+        return out
+
+
+def detect_format(path: str | Path) -> str:
+    """The input format of ``path``, from what is there: ``dcp``, ``rank_local``, ``fsdp_full`` or ``plain``.
+
+    A directory is the first directory format's, in the registry's order,
+    that finds itself in it (:meth:`~osdpipe.io.formats.base.Format.found_in`:
+    DCP's ``.metadata`` before ``rank_<r>.pt`` files); a file is the format
+    of one file keyed as its state is, by param ID or by FQN.
+
+    Raises:
+        InputError: the path is missing or holds none of them.
+    """
+    p = Path(path)
+    if p.is_dir():
+        held = [f for f in formats.FORMATS.values() if f.directory]
+        found = next((f for f in held if f.found_in(p)), None)
+        if found is None:
+            raise InputError(f"{p} holds neither {' nor '.join(f.found_by for f in held)}; point input.path at a checkpoint")
+        return found.name
+    if not p.exists():
+        raise InputError(f"{p} does not exist; point input.path at a checkpoint file or directory")
+    osd = load_torch_file(p)
+    state = osd.get("state") if isinstance(osd, dict) else None
+    if not isinstance(state, dict):
+        raise InputError(f"{p} is not an optimizer state dict (no 'state' dict); point input.path at one")
+    keys = [k for g in osd.get("param_groups") or [] if isinstance(g, dict) for k in g.get("params", [])] + list(state)
+    by_id = bool(keys) and all(isinstance(k, int) and not isinstance(k, bool) for k in keys)
+    return next(f.name for f in formats.FORMATS.values() if not f.directory and f.keyed_by_id == by_id)
+
+
+def read_facts(path: str | Path, fmt: str | None = None, key: str | None = None) -> Facts:
+    """What the checkpoint at ``path`` shows (in format ``fmt``, detected when ``None``; ``key``: a DCP checkpoint's top-level key).
+
+    Each format reads its own (:meth:`~osdpipe.io.formats.base.Format.read_facts`).
+
+    Raises:
+        InputError: the files cannot be read as that format.
+        KeyError: ``fmt`` is no format.
+    """
+    fmt = fmt or detect_format(path)
+    reader = formats.FORMATS[fmt]
+    facts = Facts(path=str(path), format=fmt)
+    reader.read_facts(facts, Path(path), key)
+    return facts

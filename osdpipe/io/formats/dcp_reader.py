@@ -1,0 +1,483 @@
+"""``dcp``: a ``torch.distributed.checkpoint`` directory with the optimizer state under one key.
+
+FSDP1's SHARDED_STATE_DICT optimizer state saved with DCP lands here as
+``<key>.state.<fqn>.<name>`` entries; the metadata's planner data maps each
+flat key back to its path, so FQNs with dots are never guessed from strings.
+
+Nothing here runs code from the checkpoint. torch 2.13's ``FileSystemReader``
+unpickles ``.metadata`` with plain :mod:`pickle`, and its default planner
+loads non-tensor items (param groups) with ``torch.load(weights_only=False)``;
+both would run whatever a crafted file names. :class:`SafeFileSystemReader`
+reads the metadata with an allow-list unpickler
+(:class:`~osdpipe.io.formats.safe_load.DcpMetadataUnpickler`) and checks every
+item's bytes before torch loads them; :class:`SafeLoadPlanner` loads
+non-tensor items with ``weights_only=True``. The directory's structure is
+checked when the reader opens (:func:`check_structure`), so a damaged
+checkpoint fails before any process reads a tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections import defaultdict
+from concurrent.futures import Future
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from osdpipe.io.formats.base import InputError, SourceMeta, TensorRef
+from osdpipe.io.formats.safe_load import Window, check_torch_zip, damaged, first_line, read_dcp_metadata, torch_load_error
+
+#: What to do about a damaged DCP directory.
+RECOPY_DIR = "re-copy the checkpoint directory or point input.path at the directory dcp.save wrote"
+_ZIP_START, _ZIP_END, _ZIP_END_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A ``FileSystemReader`` that runs no code from the checkpoint and names the file it finds damaged.
+
+    Args:
+        path: the checkpoint directory.
+        metadata: its metadata, already read and checked (:func:`read_dcp_metadata`
+            and :func:`check_structure`); ``None``: read it when asked.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        self._item: _StorageInfo | None = None
+        #: The :class:`InputError` this reader raised last: DCP wraps it on its way out.
+        self.error: InputError | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The metadata, unpickled by the allow-list unpickler; as torch's, with a ``storage_meta`` carrying this load's ID."""
+        rank = kwargs.get("rank")
+        try:
+            if rank is None and self._metadata is not None:
+                metadata = self._metadata
+            else:
+                metadata = read_dcp_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        except InputError as exc:
+            self.error = exc
+            raise
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> Any:
+        # Every item is a torch.save archive of its own (unless a storage transform, e.g. compression, wrapped it).
+        self._item = sinfo
+        if not sinfo.transform_descriptors:
+            check_torch_zip(Window(file, sinfo.offset, sinfo.length), sinfo.length, self._where(sinfo), RECOPY_DIR)
+        return super()._slice_file(file, sinfo)
+
+    def _where(self, sinfo: _StorageInfo) -> str:
+        return f"the item at bytes {sinfo.offset}..{sinfo.offset + sinfo.length} of {Path(self.path) / sinfo.relative_path}"
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._item = None
+        try:
+            return super().read_data(plan, planner)
+        except InputError as exc:
+            self.error = exc
+            raise
+        except Exception as exc:  # torch.load of an item, or the planner refusing one
+            where = self._where(self._item) if self._item is not None else str(self.path)
+            self.error = torch_load_error(where, exc, RECOPY_DIR)
+            raise self.error from exc
+
+
+class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
+    """Builds the state dict from the checkpoint's metadata, as its base does, but loads non-tensor items with ``weights_only=True``.
+
+    torch 2.13's ``DefaultLoadPlanner.load_bytes`` unpickles them with
+    ``weights_only=False``, so a crafted param group value would run code.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, map_location="cpu", weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:  # the planner keeps the nested dict the caller gets and each flat key's path in it
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def check_structure(metadata: Metadata, directory: Path, key: str | None) -> None:
+    """Check that the directory holds everything ``metadata`` names, without reading a tensor.
+
+    Checked: the metadata's own shape (types, paths that stay inside the
+    directory, tensor chunks in bounds and covering each tensor, a storage
+    entry for every chunk and every non-tensor item); every file the storage
+    entries name exists and is long enough for them; each item under ``key``
+    (``None``: every item) begins and ends as a torch.save archive does.
+
+    Raises:
+        InputError: naming the ``.metadata`` or the ``.distcp`` file that is wrong.
+    """
+    where = directory / ".metadata"
+
+    def bad(reason: str) -> InputError:
+        return damaged(str(where), reason, RECOPY_DIR, what="DCP metadata")
+
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+        raise bad("it has no state_dict_metadata or storage_data tables")
+    if not isinstance(metadata.planner_data, dict):
+        raise bad("it has no planner data; osdpipe reads DCP checkpoints dcp.save wrote with its default planner")
+    for flat, path in metadata.planner_data.items():
+        if not isinstance(flat, str) or not isinstance(path, (tuple, list)) or flat not in metadata.state_dict_metadata:
+            raise bad(f"its planner data names {flat!r}, which its state_dict_metadata does not hold")
+    needed: dict[str, int] = defaultdict(int)
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad(f"its storage table holds a {type(info).__name__} where DCP keeps storage entries")
+        rel = info.relative_path
+        if not isinstance(rel, str) or not _inside(rel):
+            raise bad(f"it names the storage file {rel!r}, which is not a file inside the checkpoint directory")
+        if not all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length)):
+            raise bad(f"the storage entry of {index.fqn} has offset {info.offset!r} and length {info.length!r}")
+        needed[rel] = max(needed[rel], info.offset + info.length)
+    for flat, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            if MetadataIndex(flat) not in metadata.storage_data:
+                raise bad(f"it has no storage entry for {flat}")
+        elif isinstance(md, TensorStorageMetadata):
+            _check_tensor(flat, md, metadata.storage_data, bad)
+        else:
+            raise bad(f"the entry of {flat} is a {type(md).__name__}, not a DCP storage description")
+    for rel, size in sorted(needed.items()):
+        path = directory / rel
+        if not path.is_file():
+            users = sum(1 for i in metadata.storage_data.values() if i.relative_path == rel)
+            raise InputError(f"{path} is missing (the metadata keeps {users} item(s) in it); {RECOPY_DIR}")
+        have = path.stat().st_size
+        if have < size:
+            raise InputError(f"{path} is truncated: {have} bytes, the metadata needs {size}; {RECOPY_DIR}")
+    _check_item_bounds(metadata, directory, key)
+
+
+def _inside(rel: str) -> bool:
+    """Whether ``rel`` is a relative path that stays inside the directory (no ``..``, not absolute)."""
+    pure = PurePosixPath(rel)
+    return bool(rel) and not pure.is_absolute() and ".." not in pure.parts and "\\" not in rel and ":" not in rel
+
+
+def _check_tensor(flat: str, md: TensorStorageMetadata, storage: dict[Any, Any], bad: Any) -> None:
+    """A tensor's description: a dtype, a size, chunks inside it that cover it, each with a storage entry."""
+    if not isinstance(md.properties, TensorProperties) or not isinstance(md.properties.dtype, torch.dtype):
+        raise bad(f"the entry of {flat} has no tensor dtype")
+    size = tuple(md.size) if isinstance(md.size, (tuple, list)) else None
+    if size is None or not all(isinstance(d, int) and d >= 0 for d in size) or not isinstance(md.chunks, list):
+        raise bad(f"the entry of {flat} has no valid size or chunk list")
+    covered = 0
+    for chunk in md.chunks:
+        offsets, sizes = tuple(getattr(chunk, "offsets", ())), tuple(getattr(chunk, "sizes", ()))
+        fits = len(offsets) == len(sizes) == len(size) and all(
+            isinstance(o, int) and isinstance(s, int) and 0 <= o and 0 <= s and o + s <= d for o, s, d in zip(offsets, sizes, size, strict=False)
+        )
+        if not fits:
+            raise bad(f"a chunk of {flat} (offsets {offsets}, sizes {sizes}) lies outside its size {size}")
+        if MetadataIndex(flat, torch.Size(offsets)) not in storage:
+            raise bad(f"it has no storage entry for the chunk of {flat} at {offsets}")
+        covered += math.prod(sizes)
+    if covered != math.prod(size):
+        raise bad(f"the chunks of {flat} hold {covered} of its {math.prod(size)} elements")
+
+
+def _check_item_bounds(metadata: Metadata, directory: Path, key: str | None) -> None:
+    """Each item under ``key`` (``None``: every item) begins with a zip header and ends with a zip index end, as a torch.save archive does.
+
+    Two small reads per item: they catch offsets that point astray and item
+    boundaries that were overwritten, before any rank loads a tensor.
+    """
+    prefix = f"{key}."
+    by_file: dict[str, list[_StorageInfo]] = defaultdict(list)
+    for index, info in metadata.storage_data.items():
+        if (key is None or index.fqn == key or index.fqn.startswith(prefix)) and not info.transform_descriptors:
+            by_file[info.relative_path].append(info)
+    for rel, infos in by_file.items():
+        path = directory / rel
+        with open(path, "rb") as f:
+            for info in sorted(infos, key=lambda i: i.offset):
+                f.seek(info.offset)
+                start = f.read(4)
+                f.seek(info.offset + info.length - _ZIP_END_SIZE)
+                end = f.read(4) if info.length >= _ZIP_END_SIZE else b""
+                if start != _ZIP_START or end != _ZIP_END:
+                    raise damaged(
+                        f"the item at bytes {info.offset}..{info.offset + info.length} of {path}",
+                        "it does not begin and end as a torch.save archive: the file is overwritten or the metadata's offsets are wrong",
+                        RECOPY_DIR,
+                    )
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's ``CheckpointException``, else ``exc``."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))
+        return inner[0] if isinstance(inner, tuple) else inner
+    return exc
+
+
+def _flattened_part(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith(("state.", "param_groups."))
+
+
+def nested_paths(planner_data: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+    """Each stored item's path in the saved state dict, a flattened optimizer's as the nested one's.
+
+    ``flatten_optimizer_state_dict=True`` (torchtitan) stores
+    ``<key>.state.<fqn>.<name>`` as the path ``(key, "state.<fqn>.<name>")``;
+    here it is ``(key, "state", fqn, name)``, as an optimizer state dict saved
+    nested has it (the flat key, the dotted path, is the same string). State
+    and hyperparameter names hold no dot, so the last part is the name and
+    the rest the FQN, dots and all.
+    """
+    out = {}
+    for flat, path in planner_data.items():
+        if len(path) == 2 and _flattened_part(path[1]):
+            section, _, rest = path[1].partition(".")
+            fqn, _, name = rest.rpartition(".")
+            path = (path[0], section, fqn, name)
+        out[flat] = tuple(path)
+    return out
+
+
+def unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer state dict (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``) as the nested one.
+
+    Flattening keeps each parameter's hyperparameters, not its group. Groups
+    are rebuilt from consecutive parameters (in the order they were saved)
+    with the same hyperparameters: where two groups next to each other had
+    the same ones, they come back as one (``optim.param_groups`` then says
+    how the target groups them).
+    """
+    state: dict[str, dict[str, Any]] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        if section == "state":
+            state.setdefault(fqn, {})[name] = value
+        elif section == "param_groups":
+            per_param.setdefault(fqn, {})[name] = value
+    groups: list[dict[str, Any]] = []
+    for fqn, hyper in per_param.items():
+        if groups and {k: v for k, v in groups[-1].items() if k != "params"} == hyper:
+            groups[-1]["params"].append(fqn)
+        else:
+            groups.append({**hyper, "params": [fqn]})
+    return {"state": state, "param_groups": groups} if groups else {"state": state}
+
+
+class DcpCheckpoint:
+    """A DCP checkpoint directory, opened once: its metadata read and checked, any stored item read by its flat key, without a process group.
+
+    Opening it reads and checks the metadata and the directory's structure
+    (:func:`check_structure`): no tensor is read until asked for. Views of
+    its parts read through it: the optimizer's state (:class:`DcpReader`) and
+    a whole checkpoint's model weights (:class:`DcpWeights`).
+
+    Raises:
+        InputError: from the constructor, for a directory that is not an intact DCP checkpoint.
+    """
+
+    def __init__(self, path: str, check: str | None) -> None:
+        self.path = path
+        directory = Path(path)
+        if not directory.is_dir():
+            raise InputError(f"{path} is not a directory; a dcp input is the directory dcp.save wrote (it holds .metadata)")
+        self.metadata: Metadata = read_dcp_metadata(directory / ".metadata")
+        check_structure(self.metadata, directory, check)
+        #: Each stored item's path in the saved state dict, a flattened optimizer's as the nested one's (:func:`nested_paths`).
+        self.paths: dict[str, tuple[Any, ...]] = nested_paths(self.metadata.planner_data)
+        self._kept: tuple[MetadataIndex, torch.Tensor] | None = None  # read_range: the last chunk read
+        self._whole_kept: tuple[str, torch.Tensor] | None = None  # read_range: the last tensor read whole
+
+    def tops(self) -> list[str]:
+        """The top-level keys of the saved state dict."""
+        return sorted({str(p[0]) for p in self.paths.values() if p})
+
+    def load(self, flat_keys: set[str]) -> dict[str, Any]:
+        """The items of ``flat_keys``, read as the nested state dict they were saved in."""
+        if not flat_keys:
+            return {}
+        # no_dist: each rank reads its own keys when it needs them, with no
+        # collective, so ranks never wait on each other here. The planner
+        # builds the state dict from the checkpoint's own metadata. Both are
+        # private in torch 2.13: they are what _load_state_dict_from_keys uses,
+        # minus its collective when a process group exists.
+        out: dict[str, Any] = {}
+        reader = SafeFileSystemReader(self.path, self.metadata)
+        try:
+            _load_state_dict(out, storage_reader=reader, planner=SafeLoadPlanner(keys=flat_keys), no_dist=True)
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            if reader.error is not None:
+                raise reader.error from None
+            raise InputError(
+                f"{self.path}: reading {len(flat_keys)} key(s) of the DCP checkpoint failed ({first_line(_cause(exc))}); {RECOPY_DIR}"
+            ) from exc
+        return out
+
+    def is_tensor(self, flat: str) -> bool:
+        """Whether item ``flat`` is a tensor of at least one dimension (else a 0-dim tensor or bytes: small state)."""
+        md = self.metadata.state_dict_metadata[flat]
+        return isinstance(md, TensorStorageMetadata) and len(md.size) > 0
+
+    def ref(self, flat: str) -> TensorRef:
+        """Item ``flat``, a tensor, described without its bytes."""
+        md = self.metadata.state_dict_metadata[flat]
+        return TensorRef(tuple(md.size), str(md.properties.dtype).removeprefix("torch."))
+
+    def read_range(self, flat: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor item ``flat``'s flattened view, read from the stored chunks that hold it (one chunk is kept for the next range).
+
+        A chunk is read whole: DCP stores each as a ``torch.save`` archive of
+        its own. Where a chunk does not span whole rows (not a dim-0 piece) or
+        its bytes are transformed (compressed), the whole tensor is read once
+        and kept until another tensor is asked for.
+        """
+        md = self.metadata.state_dict_metadata[flat]
+        size = tuple(md.size)
+        row = math.prod(size[1:])
+        chunks = sorted(md.chunks, key=lambda c: tuple(c.offsets))
+        rows_only = all(tuple(c.offsets[1:]) == (0,) * (len(size) - 1) and tuple(c.sizes[1:]) == size[1:] for c in chunks)
+        if not rows_only or any(self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors for c in chunks):
+            return self._whole(flat).view(-1)[start:stop]
+        out = torch.empty(stop - start, dtype=md.properties.dtype)
+        for c in chunks:
+            lo, hi = max(start, c.offsets[0] * row), min(stop, (c.offsets[0] + c.sizes[0]) * row)
+            if lo < hi:
+                base = c.offsets[0] * row
+                out[lo - start : hi - start] = self._chunk(flat, c).view(-1)[lo - base : hi - base]
+        return out
+
+    def stored(self, flat: str) -> bytes | None:
+        """The bytes non-tensor item ``flat`` is stored as (a ``torch.save`` archive of its value), unread; ``None`` where
+        they are transformed (compressed) and mean nothing without DCP's transform."""
+        info = self.metadata.storage_data[MetadataIndex(flat)]
+        if info.transform_descriptors:
+            return None
+        with open(Path(self.path) / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        if len(raw) != info.length:
+            raise InputError(f"{Path(self.path) / info.relative_path} is truncated: the item {flat} needs bytes up to {info.offset + info.length}; {RECOPY_DIR}")
+        return raw
+
+    def read_item(self, flat: str) -> Any:
+        """Item ``flat``'s value, read whole: a tensor, or the object a non-tensor item was saved as (unpickled by DCP's reader)."""
+        loaded: Any = self.load({flat})
+        for part in self.metadata.planner_data[flat]:  # the path it was saved under (a flattened optimizer's, as saved)
+            loaded = loaded[part]
+        return loaded
+
+    def _chunk(self, flat: str, chunk: Any) -> torch.Tensor:
+        """One stored chunk of ``flat``, read from its item (the last one read is kept)."""
+        index = MetadataIndex(flat, torch.Size(chunk.offsets))
+        if self._kept is not None and self._kept[0] == index:
+            return self._kept[1]
+        self._kept = None  # freed before the next is read: one chunk in memory at a time
+        info = self.metadata.storage_data[index]
+        where = f"the item at bytes {info.offset}..{info.offset + info.length} of {Path(self.path) / info.relative_path}"
+        try:
+            with open(Path(self.path) / info.relative_path, "rb") as f:
+                tensor = torch.load(Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch.load raises several types for a damaged item
+            raise torch_load_error(where, exc, RECOPY_DIR) from exc
+        if not torch.is_tensor(tensor) or tuple(tensor.shape) != tuple(chunk.sizes) or tensor.dtype != self.metadata.state_dict_metadata[flat].properties.dtype:
+            raise damaged(where, f"it does not hold the {tuple(chunk.sizes)} chunk of {flat} the metadata describes", RECOPY_DIR)
+        self._kept = (index, tensor.contiguous())
+        return self._kept[1]
+
+    def _whole(self, flat: str) -> torch.Tensor:
+        """The whole tensor, read once and kept until another is asked for."""
+        if self._whole_kept is None or self._whole_kept[0] != flat:
+            self._whole_kept = None
+            self._whole_kept = (flat, self.read_item(flat).contiguous())
+        return self._whole_kept[1]
+
+
+class DcpReader:
+    """The optimizer state under ``key`` of a DCP checkpoint (:class:`DcpCheckpoint`), as a :class:`~osdpipe.io.formats.base.SourceReader`.
+
+    Raises:
+        InputError: from the constructor, for a directory that is not an intact DCP checkpoint with ``key``.
+    """
+
+    def __init__(self, path: str, key: str, checkpoint: DcpCheckpoint | None = None) -> None:
+        self.path, self.key = path, key
+        self.checkpoint = checkpoint or DcpCheckpoint(path, key)
+        self.metadata: Metadata = self.checkpoint.metadata
+        self.paths = self.checkpoint.paths
+        #: The optimizer state was saved flattened (``flatten_optimizer_state_dict=True``, as torchtitan saves it).
+        self.flattened = any(len(p) == 2 and _flattened_part(p[1]) for p in self.metadata.planner_data.values() if p[:1] == (key,))
+        if not any(p[:1] == (key,) for p in self.paths.values()):
+            raise InputError(f"DCP checkpoint {path} has no top-level key {key!r} (it has {self.checkpoint.tops()}); set input.key")
+
+    def _under_key(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        """What ``load`` read under the key, as the nested optimizer state dict (``state``, ``param_groups``) however it was saved."""
+        under = loaded.get(self.key, {})
+        return unflatten_optimizer(under) if self.flattened else under
+
+    def _flat_key(self, *path: Any) -> str:
+        return ".".join(str(p) for p in (self.key, *path))
+
+    def meta(self) -> SourceMeta:
+        if not any(p[:2] == (self.key, "param_groups") for p in self.paths.values()):
+            held = sorted({".".join(map(str, p[1:3])) for p in self.paths.values() if p[:1] == (self.key,)})[:4]
+            raise InputError(
+                f"DCP checkpoint {self.path} holds no optimizer state under {self.key!r} (no param_groups; it holds {held}); "
+                "a dcp input is an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) saved under input.key"
+            )
+        small = {k for k, p in self.paths.items() if p[:1] == (self.key,) and not self.checkpoint.is_tensor(k)}
+        loaded = self._under_key(self.checkpoint.load(small))
+        state: dict[str, dict[str, Any]] = {}
+        for flat, path in self.paths.items():
+            if path[:2] != (self.key, "state") or len(path) != 4:
+                continue
+            fqn, name = path[2], path[3]
+            if self.checkpoint.is_tensor(flat):
+                state.setdefault(fqn, {})[name] = self.checkpoint.ref(flat)
+            else:
+                state.setdefault(fqn, {})[name] = loaded["state"][fqn][name]
+        groups = loaded.get("param_groups")
+        if isinstance(groups, dict):  # flattened lists come back keyed by index
+            groups = [groups[i] for i in sorted(groups)]
+        if groups is not None and not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+            raise InputError(
+                f"{self.path}: {self.key}.param_groups is not a list of groups with 'params' lists; "
+                "a dcp input holds an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) under input.key"
+            )
+        return SourceMeta(state=state, param_groups=groups)
+
+    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        wanted = {self._flat_key("state", fqn, name): (fqn, name) for fqn, name in items}
+        loaded = self._under_key(self.checkpoint.load(set(wanted))).get("state", {})
+        return {(fqn, name): loaded[fqn][name] for fqn, name in wanted.values()}
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        """The range, read from the stored chunks that hold it (see :meth:`DcpCheckpoint.read_range`)."""
+        return self.checkpoint.read_range(self._flat_key("state", fqn, name), start, stop)
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        """Nothing is mapped: what was read is dropped when the next range needs another chunk."""

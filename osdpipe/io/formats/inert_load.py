@@ -1,0 +1,160 @@
+"""Read a ``torch.save`` file that pickles a framework's own objects, without importing the framework or running its code.
+
+DeepSpeed's optimizer files pickle its own classes beside the tensors
+(``LossScaler``, ``ZeroStageEnum``, ``fragment_address``), so
+``torch.load(weights_only=True)`` refuses them, and a plain ``torch.load``
+imports DeepSpeed and calls whatever the pickle names: any function of any
+installed module, with arguments of the file's choosing.
+
+:func:`load_inert` reads such a file through torch's own loader (its zip
+records, storages and memory map) with an unpickler of ours that resolves
+three kinds of names and refuses every other one:
+
+* torch's tensor rebuilders, ``torch.Size``, dtypes and a few builtin
+  containers: tensors and plain data come out as such;
+* any name under one of the packages the caller trusts to *describe* (for
+  DeepSpeed, ``deepspeed``): it comes out as a :class:`Record`, an inert
+  object that keeps the class's name, the arguments it was built with and
+  its state, and never imports the module;
+* nothing else: a pickle that names ``os.system``, ``builtins.eval`` or a
+  module of no known framework is refused in one line, and nothing of it runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from osdpipe.io.formats.base import InputError
+from osdpipe.io.formats.safe_load import RECOPY, RefusedGlobal, checked_torch_file, torch_load_error
+
+
+class Record:
+    """An object of a class that was not imported: ``module.name``, built from ``args``, with ``state``, inert.
+
+    Each pickled class becomes one subclass of it (:func:`record_class`), so
+    that pickle's ways of building an object (calling the class, its
+    ``__new__``, then setting its state) all land here.
+    """
+
+    module: str = ""
+    name: str = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Record:
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # everything is kept by __new__, whichever way pickle builds the object
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"Record({self.module}.{self.name}, args={self.args!r}, state={self.state!r})"
+
+    @property
+    def value(self) -> Any:
+        """What a one-value object stands for (an enum member's value), else its state."""
+        return self.args[0] if len(self.args) == 1 and self.state is None else self.state
+
+
+_RECORD_CLASSES: dict[tuple[str, str], type[Record]] = {}
+
+
+def record_class(module: str, name: str) -> type[Record]:
+    """The :class:`Record` subclass that stands for ``module.name`` (one per name, so that records of one class share it)."""
+    key = (module, name)
+    if key not in _RECORD_CLASSES:
+        _RECORD_CLASSES[key] = types.new_class(name, (Record,), {}, lambda ns: ns.update(module=module, name=name, __qualname__=name))
+    return _RECORD_CLASSES[key]
+
+
+def _reconstruct(cls: Any, base: Any, state: Any) -> Any:
+    """``copyreg._reconstructor``, for records alone (how protocol 0-1 pickles build an object of a plain class)."""
+    if not (isinstance(cls, type) and issubclass(cls, Record)):
+        raise RefusedGlobal(getattr(cls, "__module__", "?"), getattr(cls, "__name__", "?"))
+    return cls.__new__(cls)
+
+
+def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """``torch._tensor._rebuild_from_type_v2`` for plain tensors and parameters: a tensor pickled with attributes of its own
+    (DeepSpeed's ``ds_id`` on a ZeRO-3 partition) comes back with them as plain values."""
+    if func not in _TENSOR_BUILDERS or new_type not in (torch.Tensor, torch.nn.Parameter):
+        raise RefusedGlobal("torch._tensor", "_rebuild_from_type_v2")
+    tensor = func(*args)
+    if isinstance(state, dict):
+        for key, value in state.items():
+            setattr(tensor, key, value)
+    return tensor
+
+
+_TENSOR_BUILDERS = {torch._utils._rebuild_tensor_v2, torch._utils._rebuild_parameter, torch._utils._rebuild_parameter_with_state}
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
+    # a parameter with attributes of its own: they are set from its pickled state, which this unpickler built
+    ("torch._utils", "_rebuild_parameter_with_state"): torch._utils._rebuild_parameter_with_state,
+    ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
+    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+    ("torch", "Tensor"): torch.Tensor,
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): torch.device,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("copyreg", "_reconstructor"): _reconstruct,
+    ("builtins", "object"): object,
+}
+
+
+class _InertUnpickler(pickle.Unpickler):
+    """Resolves torch's tensor builders and plain data as themselves, names under :attr:`described` as :class:`Record`, and refuses the rest."""
+
+    described: tuple[str, ...] = ()
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if any(module == p or module.startswith(p + ".") for p in self.described):
+            return record_class(module, name)
+        raise RefusedGlobal(module, name)
+
+
+def _pickle_module(described: tuple[str, ...]) -> types.ModuleType:
+    """A stand-in for the ``pickle`` module that ``torch.load(pickle_module=...)`` takes: its ``Unpickler`` is ours."""
+    module = types.ModuleType("osdpipe_inert_pickle")
+    module.Unpickler = type("Unpickler", (_InertUnpickler,), {"described": described})  # type: ignore[attr-defined]
+    module.load = pickle.load  # type: ignore[attr-defined]  # torch asks for it on legacy files, which check_torch_zip refuses first
+    return module
+
+
+def load_inert(path: str | Path, described: tuple[str, ...], *, what: str) -> Any:
+    """``torch.load`` the file at ``path``, memory-mapped, with objects of the ``described`` packages as :class:`Record`.
+
+    Args:
+        path: a ``torch.save`` file (zip format).
+        described: top-level packages whose objects are kept as records (``("deepspeed",)``).
+        what: what the file is, for messages (``a DeepSpeed optimizer file``).
+
+    Raises:
+        InputError: one line naming the file: missing, damaged, or naming a global outside what is allowed.
+    """
+    p = checked_torch_file(path)
+    try:
+        return torch.load(p, map_location="cpu", mmap=True, weights_only=False, pickle_module=_pickle_module(described))
+    except RefusedGlobal as exc:
+        if not exc.plausible:
+            raise InputError(f"{p} is damaged or not {what} (it names no class such a file holds); {RECOPY}") from None
+        raise InputError(f"{p} refers to {exc}, which {what} never holds; refusing to load it (nothing in it was run)") from None
+    except Exception as exc:  # torch raises several types for a bad file
+        raise torch_load_error(str(p), exc) from exc

@@ -1,0 +1,58 @@
+"""load: open the source checkpoint on every rank that reads it, lazily.
+
+Readers memory-map (``fsdp_full``, ``plain``, ``rank_local``) or read stored
+chunks on demand (``dcp``), so opening costs no tensor bytes; the shard stage
+reads only the ranges a rank needs. With ``runtime.transfer=scatter`` only one
+rank per host opens it (see :mod:`osdpipe.run.transfer`).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from osdpipe.io import formats
+from osdpipe.spec.config import RunSpec
+from osdpipe.run.context import Context
+from osdpipe.io.formats import IdGroups, SourceMeta, SourceReader, canonical_meta, inspect_source, open_source
+from osdpipe.spec.plan import Plan
+from osdpipe.run.products import Opened, Tally
+from osdpipe.run.transfer import reading_ranks
+from osdpipe.io.weights import open_whole
+
+
+def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
+    """The groups a param-ID keyed input's IDs follow, as FQN patterns per group (``None``: not known; see :meth:`Format.id_groups`)."""
+    configured = [g.params for g in spec.optim.param_groups] or None
+    return formats.get(input_format).id_groups(spec.input.param_groups, configured, generated=spec.input.path is None)
+
+
+def open_input(plan: Plan) -> SourceReader:
+    """The source's reader: the optimizer checkpoint, or a whole checkpoint, whose model weights and carried entries come with it (:mod:`osdpipe.io.weights`)."""
+    if plan.checkpoint.whole:
+        return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec)
+    groups = source_id_groups(plan.spec, plan.input_format)
+    return open_source(plan.input_format, plan.input_path, plan.spec.input.key, tree=plan.tree, source=plan.source_spec, id_groups=groups)
+
+
+def inspect_input(plan: Plan) -> SourceMeta:
+    """Open the input and run every check that needs no process group (:func:`osdpipe.io.formats.inspect_source`); its canonical metadata.
+
+    Raises:
+        InputError: the input is damaged, unsafe, or does not fit the model and the source layout.
+    """
+    if not plan.checkpoint.whole:
+        groups = source_id_groups(plan.spec, plan.input_format)
+        return inspect_source(plan.input_format, plan.input_path, plan.spec.input.key, tree=plan.tree, source=plan.source_spec, id_groups=groups)
+    return canonical_meta(open_input(plan).meta(), plan.tree, where=plan.input_path)
+
+
+def load(ctx: Context, previous: None, tally: Tally) -> Opened:
+    """Decide which ranks read the input (``runtime.transfer``), and open it on those."""
+    plan = ctx.plan
+    seen = ctx.world.process_facts((socket.gethostname(), Path(plan.input_path).exists()))
+    readers = reading_ranks([h for h, _ in seen], [v for _, v in seen], ctx.spec.runtime.transfer, plan.input_path)
+    opened = Opened(None, tuple(readers))
+    if not opened.reads_itself(ctx.rank):
+        return opened
+    return Opened(open_input(plan), opened.reading_ranks)

@@ -1,0 +1,146 @@
+"""``resume``: training resumes from the output as it would have from the source (see :mod:`osdpipe.verify.resume_training`).
+
+No two state tensors share memory, and a target job that loads the output
+and takes ``pipeline.resume_steps`` steps holds what a job resuming from the
+source holds, step counters exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from osdpipe.layout import kinds
+from osdpipe.verify.checks.common import Subject, full_model_output, full_output, local_model_output, model_only, source_tensor_bytes, whole, with_groups, within_full_state_limit
+from osdpipe.io.loading import load_model_local
+from osdpipe.run.products import CheckResult
+from osdpipe.layout.ranges import LocalTensor
+from osdpipe.layout.optim import resolve_optimizer
+from osdpipe.run.live_jobs import live_target
+from osdpipe.verify.resume_training import bare_steps, compare_batch, is_elementwise, live_steps, reference_for, shared_memory, SHOWN
+from osdpipe.core.sizes import show_size
+from osdpipe.run.stages.rekey import param_ids
+
+
+def run(ctx: Subject) -> CheckResult:
+    """The output resumes as the source would (:mod:`osdpipe.verify.resume_training`): loaded into a live target where one can be built, else into bare optimizers."""
+    assert ctx.result is not None
+    live = ctx.world.builds_target and (ctx.id_keyed or within_full_state_limit(ctx))
+    return resume_result(ctx, ctx.result["state"], (lambda model, optim: _load_result(ctx, model, optim)) if live else None)
+
+
+def _load_result(ctx: Subject, model: Any, optim: Any) -> None:
+    """This rank's result into a live target job, the way a user loads the output format (from memory: the bytes save writes).
+
+    A whole checkpoint's model weights load with it: each rank's local pieces
+    as ``osdpipe.load_rank_local`` loads them, or PyTorch's own full load of
+    the model (what a ``dcp`` output loads by).
+    """
+    assert ctx.result is not None
+    kind = kinds.get(ctx.spec.target.kind)
+    if model_only(ctx):  # nothing to load into the optimizer: it starts fresh, as the reference from the source does
+        kind.load_model_full(model, full_model_output(ctx), hooked=bool(ctx.tree.key_maps))
+        return
+    if ctx.id_keyed:  # what osdpipe.load_rank_local (rank_local) or optim.load_state_dict (plain) does with the file
+        loadable = kind.loadable(optim, copy.deepcopy(ctx.result))  # one deepcopy: what the result shares stays shared
+        optim.load_state_dict(with_groups(loadable, optim))
+        if whole(ctx):
+            load_model_local(model, copy.deepcopy(local_model_output(ctx)), "the output")
+    else:
+        kind.load_full(model, optim, copy.deepcopy(full_output(ctx)))
+        if whole(ctx):
+            kind.load_model_full(model, full_model_output(ctx), hooked=bool(ctx.tree.key_maps))
+
+
+def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResult:
+    """The ``resume`` check on this rank: ``written`` is the output's ``state`` as it is written (or was read back).
+
+    ``load(model, optim)`` loads the output into a fresh live target job;
+    ``None``: no live target can be built, and a bare optimizer per local
+    tensor of the output loads it (:func:`osdpipe.verify.resume_training.bare_steps`).
+    """
+    steps = ctx.spec.pipeline.resume_steps
+    shared = shared_memory(written, _param_names(ctx) if ctx.id_keyed else None)
+    problems: list[str] = []
+    parts = [] if shared else ["storage: no two state tensors share memory"]
+    why_not = _resume_steps_skip(ctx)
+    if why_not is not None:
+        ctx.warnings.append(f"verify's resume check ran its storage part only: its steps {why_not}")
+        parts.append(f"steps not run: they {why_not}")
+    else:
+        assert ctx.meta is not None
+        reference = reference_for(ctx.spec, ctx.meta, ctx.reader, ctx.tree)
+        if load is not None:
+            model, optim = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
+            load(model, optim)
+            batches: Any = [live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree, weights_loaded=whole(ctx))]
+            target = f"the {ctx.spec.target.kind} target job"
+        else:
+            weights = ctx.keyed.weights if ctx.keyed is not None else None
+            batches = bare_steps(ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes, weights)
+            target = "bare optimizers over the output's tensors (no live target job: " + (
+                "runtime.mode=offline)" if not ctx.world.builds_target else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
+            )
+        count = 0
+        for batch in batches:
+            count += len(batch)
+            problems += compare_batch(batch, reference, ctx.meta, steps)
+            if len(problems) >= SHOWN:
+                break
+        start = "from the checkpoint's own weights, " if whole(ctx) else ""
+        parts.append(
+            f"steps: {target} loaded it and took {steps} step(s) {start}on synthetic gradients ({count} tensor(s)): every 0-dim state "
+            "(step counters) equals a job resuming from the source, every state and parameter element bitwise"
+        )
+    if shared:  # after the steps' findings, which say what the sharing does
+        problems = problems[:SHOWN] + [f"{len(shared)} pair(s) of state tensors share memory, so a step of one changes the other: {'; '.join(shared[:3])}"]
+    return CheckResult("resume", not problems, "; ".join(problems) or "; ".join(parts))
+
+
+def _param_names(ctx: Subject) -> dict[int, str]:
+    """Param ID -> the parameter(s) its local tensor holds, for messages about a param-ID keyed output."""
+    layout = {t.key: t for t in ctx.target_layout()}
+    return {pid: ", ".join(layout[key].fqns[:2]) + (" ..." if len(layout[key].fqns) > 2 else "") for key, pid in param_ids(ctx.ctx).items()}
+
+
+def _resume_steps_skip(ctx: Subject) -> str | None:
+    """Why the resume check's steps cannot run here (its storage part always does), or ``None``."""
+    if ctx.reading_ranks is not None and any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
+        return "need the source on every rank, which runtime.transfer=scatter does not read everywhere"  # said on every rank alike: the steps are collective
+    if ctx.meta is None or ctx.reader is None:
+        return "need the source, to step a reference from it, and none was read (give input.path)"
+    cls = resolve_optimizer(ctx.spec.optim.name)
+    if not is_elementwise(cls) and not within_full_state_limit(ctx):
+        limit = ctx.spec.pipeline.full_state_checks_max
+        return (
+            f"need a reference over the whole model for {cls.__name__}, which osdpipe does not know to be elementwise "
+            f"(osdpipe.verify.resume_training.ELEMENTWISE), and the source holds {show_size(source_tensor_bytes(ctx))} of tensor state, over "
+            f"pipeline.full_state_checks_max={show_size(limit or 0)}"
+        )
+    return None
+
+
+def _output_state_of(ctx: Subject) -> Any:
+    """For a bare target: each local tensor's state and param group as the output holds them (``None``: its optimizer does not hold it)."""
+    assert ctx.result is not None
+    groups = ctx.result.get("param_groups") or []
+    if ctx.id_keyed:
+        ids = param_ids(ctx.ctx)
+        key_of = ids.get
+    else:
+        held = {f for g in groups for f in g["params"]} if groups else None
+        key_of = lambda key: key if held is None or key in held else None  # noqa: E731
+    group_of = {k: g for g in groups for k in g["params"]}
+
+    def state_of(tensor: LocalTensor) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        key = key_of(tensor.key)
+        if key is None:
+            return None
+        return ctx.result["state"].get(key, {}), group_of.get(key, {})
+
+    return state_of
+
+
+def skip_reason(ctx: Subject) -> str | None:
+    return None  # it runs on every conversion (resume may run its storage part only, and says why)
+

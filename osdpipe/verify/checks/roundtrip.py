@@ -1,0 +1,162 @@
+"""``roundtrip``: every converted element equals the same element of the source, bitwise, and the ranks cover every source element.
+
+Padding is zero; scalar state equals the source's; a rank sent its ranges
+(``runtime.transfer=scatter``) compares them with the digests its reading
+rank took. Together: gathered back, the result *is* the source. An output
+made as it is written (:mod:`osdpipe.run.streamed_output`) has its elements and its
+padding compared by the same function as save writes them, batch by batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from osdpipe.verify.checks.common import Subject
+from osdpipe.run.collective import scatter_from
+from osdpipe.core.compare import diff, differing_segments
+from osdpipe.run.products import CheckResult
+from osdpipe.io.formats import TensorRef
+from osdpipe.io.formats.base import WEIGHTS
+from osdpipe.layout.ranges import LocalTensor, uncovered
+from osdpipe.run.transfer import Batch, batch_sha256, plan, stateful
+
+
+def _result_state(ctx: Subject, key: str) -> dict[str, Any] | None:
+    """What the output holds for layout key ``key``: its optimizer state, and a whole checkpoint's weights beside it."""
+    assert ctx.result is not None
+    rkey = ctx.result_keys.get(key)
+    state = None if rkey is None else ctx.result["state"].get(rkey)
+    weights = ctx.keyed.weights if ctx.keyed is not None else None
+    if weights is not None and key in weights:
+        return {**(state or {}), WEIGHTS: weights[key]}
+    return state
+
+
+def run(ctx: Subject) -> CheckResult:
+    """Compare this rank's converted tensors with the source, batch by batch, and check coverage.
+
+    A rank that reads the source compares the bytes themselves (and names the
+    first differing element); a rank whose bytes were sent to it
+    (``runtime.transfer=scatter``) compares each batch's sha256 with the
+    digest its reading rank took of the source while sending it.
+    """
+    assert ctx.meta is not None
+    sent = _sent_digests(ctx)
+    problems: list[str] = []
+    for tensor in ctx.target_layout():
+        entry = ctx.flat_state.get(tensor.key)
+        if ctx.id_keyed and tensor.key not in ctx.held_keys(ctx.rank):
+            # A parameter outside the target optimizer carries no optimizer state there; a whole checkpoint's weights it does.
+            entry = {WEIGHTS: entry[WEIGHTS]} if entry is not None and WEIGHTS in entry else None
+            if entry is None:
+                continue
+        state = _result_state(ctx, tensor.key)
+        if entry is None:
+            if state:
+                problems.append(f"{tensor.key}: has state where the source has none")
+            continue
+        if state is None:
+            problems.append(f"{tensor.key}: state missing")
+            continue
+        comparable = set()  # the state names whose tensors have the layout's shape: their bytes are compared below
+        for name, expected in entry.items():
+            value = state.get(name)
+            if not isinstance(expected, TensorRef):
+                sources = [ctx.meta.state[f][name] for f in tensor.fqns if name in ctx.meta.state.get(f, {})]
+                if any(diff(value, s) for s in sources):
+                    problems.append(f"{tensor.key}.{name}: {value!r} differs from the source's {sources[0]!r}")
+                continue
+            if not torch.is_tensor(value) or tuple(value.shape) != tensor.shape:
+                problems.append(f"{tensor.key}.{name}: expected a tensor of shape {tensor.shape}")
+                continue
+            if ctx.streamed is not None and ctx.streamed.holds(state, name):
+                continue  # made as save writes it: each batch is compared then (osdpipe.run.streamed_output)
+            problems += _zero_where_no_state(tensor, name, value.reshape(-1), ctx)
+            comparable.add(name)
+        work = [(i, b) for i, b in enumerate(plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)) if b.name in comparable]
+        problems += _compare_read(tensor, state, work, ctx) if sent is None else _compare_sent(tensor, state, work, sent, ctx)
+    if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
+        problems.extend(_coverage_gaps(ctx))
+    passed = "every element equals the source bitwise; every source element is covered"
+    if ctx.streamed is not None:
+        passed = (
+            "shapes and scalar state match the source; every source element is covered; the elements are compared bitwise "
+            "batch by batch as save writes them (runtime.memory_budget), and a difference fails the save"
+        )
+    return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or passed)
+
+
+def _sent_digests(ctx: Subject) -> dict[tuple[str, str, int], str] | None:
+    """The digests this rank's reading rank took of the batches it sent here (``None``: this rank reads the source itself)."""
+    if ctx.reading_ranks is None or not any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
+        return None
+    mine: dict[tuple[str, str, int], str] = {}
+    for reader in sorted(set(ctx.reading_ranks)):  # collectives: every rank takes part, also those that read for themselves
+        per_rank = [ctx.sent_digests.get(r, {}) for r in range(ctx.world_size)] if ctx.rank == reader else None
+        got = scatter_from(reader, per_rank)  # each rank gets its own digests only, not every receiver's
+        if reader == ctx.reading_ranks[ctx.rank]:
+            mine = got
+    return None if ctx.reads_itself else mine
+
+
+def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx: Subject) -> list[str]:
+    """Padding, and the ranges of parameters without state ``name`` in the source, hold zeros."""
+    assert ctx.meta is not None
+    problems = []
+    if any(bool(flat[lo:hi].any()) for lo, hi in uncovered(0, flat.numel(), [(s.dest, s.dest + s.length) for s in tensor.segments])):
+        problems.append(f"{tensor.key}.{name}: padding is not zero")
+    have = set(stateful(tensor, name, ctx.meta))
+    for seg in tensor.segments:
+        if seg not in have and bool(flat[seg.dest : seg.dest + seg.length].any()):
+            problems.append(f"{tensor.key}.{name}: {seg.fqn} has no {name} in the source, but its range is not zero")
+    return problems
+
+
+def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], ctx: Subject) -> list[str]:
+    """Each batch of the result against the same ranges read from the source, bitwise."""
+    source, problems = ctx.read_source(), []
+    for _, batch in work:
+        problems += differing_segments(f"{tensor.key}.{batch.name}", state[batch.name].reshape(-1), batch.segments, source.pieces(batch))
+        source.done(batch)
+    return problems
+
+
+def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], sent: dict[tuple[str, str, int], str], ctx: Subject) -> list[str]:
+    """Each batch of the result (``i``: its place in the plan) against the digest its reading rank took of the source."""
+    assert ctx.reading_ranks is not None
+    problems = []
+    for i, batch in work:
+        if batch_sha256(state, batch) != sent.get((tensor.key, batch.name, i)):
+            first, last = batch.segments[0], batch.segments[-1]
+            where = f"{first.fqn}[{first.start}..{first.start + first.length}]" + (f" .. {last.fqn}" if len(batch.segments) > 1 else "")
+            problems.append(f"{tensor.key}.{batch.name}: elements {where} (flat) differ from what rank {ctx.reading_ranks[ctx.rank]} read from the source")
+    return problems
+
+
+def _coverage_gaps(ctx: Subject) -> list[str]:
+    """Source tensor elements that no target rank holds (computed from all target layouts)."""
+    assert ctx.meta is not None
+    held: dict[str, list[tuple[int, int]]] = {}
+    ranks = ctx.spec.target.world_size if ctx.id_keyed else ctx.world_size
+    for r in range(ranks):
+        for tensor in ctx.target_layout(r):
+            if ctx.id_keyed and tensor.key not in ctx.held_keys(r):
+                continue
+            for seg in tensor.segments:
+                held.setdefault(seg.fqn, []).append((seg.start, seg.start + seg.length))
+    gaps = []
+    for fqn, entries in ctx.meta.state.items():
+        if not any(isinstance(v, TensorRef) for v in entries.values()):
+            continue
+        numel = ctx.tree.param(fqn).numel
+        missing = sum(hi - lo for lo, hi in uncovered(0, numel, held.get(fqn, [])))
+        if missing:
+            gaps.append(f"{fqn}: {missing} of {numel} elements are held by no target rank")
+    return gaps
+
+
+def skip_reason(ctx: Subject) -> str | None:
+    return None  # it runs on every conversion
+
