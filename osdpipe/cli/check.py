@@ -62,7 +62,7 @@ def check_files(directory: Path, manifest: dict[str, Any]) -> CheckResult:
     (:func:`osdpipe.io.torchfile.pieces_digest`); any other, and every file of a
     manifest written before pieces, its sha256.
     """
-    from osdpipe.io.digest import file_sha256  # imports torch: not on check --help's path (tests/test_startup.py)
+    from osdpipe.io.digest import file_sha256  # imports torch: not on check --help's path (tests/cli/test_startup.py)
     from osdpipe.io.torchfile import pieces_digest
 
     problems = []
@@ -86,7 +86,7 @@ def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:
     """``": tensor 3.exp_avg differs"``, from the file's tensor digests against the manifest's (empty when it cannot tell)."""
     if path.suffix != ".pt":
         return ""
-    # torch: not on check --help's path (tests/test_startup.py)
+    # torch: not on check --help's path (tests/cli/test_startup.py)
     import torch
 
     from osdpipe.io.digest import tensor_digests

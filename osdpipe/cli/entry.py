@@ -63,7 +63,7 @@ def help_text() -> str | None:
     config package and their options its YAML files, which is all this reads.
     ``None`` when the template asks for more than the groups (Hydra's
     ``$CONFIG``, ``$FLAGS_HELP``, an interpolation): then Hydra answers.
-    ``tests/test_startup.py`` holds this text against Hydra's.
+    ``tests/cli/test_startup.py`` holds this text against Hydra's.
     """
     from importlib.resources import files  # only --help reads the packaged config
 
@@ -115,7 +115,7 @@ def plain_overrides(args: list[str]) -> dict[str, Any] | None:
     characters; anything else (a list, a sweep ``a,b``, ``null``, ``inf``,
     an interpolation, quotes, ``1_000``) is left to Hydra, as are ``+key``,
     ``~key`` and every flag (``-m`` runs each job apart, ``--cfg`` validates
-    nothing). ``tests/test_startup.py`` holds the typing against Hydra's parser.
+    nothing). ``tests/cli/test_startup.py`` holds the typing against Hydra's parser.
     """
     if any(a.startswith("-") for a in args):
         return None

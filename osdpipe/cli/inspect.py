@@ -44,7 +44,7 @@ def run_inspect(args: list[str]) -> int:
     if len(rest) != 1 or rest[0].startswith("-"):
         print(f"osdpipe inspect: error: {'one PATH' if not rest or not rest[0].startswith('-') else repr(rest[0]) + ' is not an option'}; {USAGE}", file=sys.stderr)
         return EXIT_USAGE
-    # torch: not on inspect --help's path (tests/test_startup.py)
+    # torch: not on inspect --help's path (tests/cli/test_startup.py)
     from osdpipe.io.checkpoints import recognize
     from osdpipe.run.collective import one_line
     from osdpipe.io.file_facts import read_facts

@@ -25,7 +25,7 @@ def worker_env(**variables: str) -> dict[str, str]:
     crashes, the tests importable; ``variables`` set on top."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1", **variables)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(TESTS / "support"), env.get("PYTHONPATH", "")) if p)
     return env
 
 

@@ -1,0 +1,241 @@
+"""The ``osdpipe`` command end to end, in a subprocess, as a user runs it.
+
+Each full run starts a source world and a target world (10-20 s on 2 cores),
+so the runs here are few and small. Every subprocess runs in its own session
+and is killed with its spawned ranks if it outlives ``TIMEOUT_S``: a hang
+fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import clean_env, manifest_digests_hold, run_command, run_osdpipe
+from omegaconf import OmegaConf
+
+from osdpipe.spec.config import STAGE_ORDER, VERIFY_CHECKS
+from osdpipe.run.launch import free_port
+
+TIMEOUT_S = 240
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_ERROR = "osdpipe: error: config:"
+
+
+def osdpipe(*args: str, cwd: Path, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m osdpipe *args`` in ``cwd``; on timeout kill it and its ranks and fail."""
+    return run_osdpipe(*args, cwd=cwd, timeout=timeout)
+
+
+def explain(result: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def rank_files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("rank_*.pt"))}
+
+
+def assert_ok(report: dict) -> None:
+    assert report["ok"] is True, report
+    assert report["error"] is None
+    # every check ran, but replicas, which runs only where a side has replica groups
+    assert [c["name"] for c in report["checks"] if c["name"] != "replicas"] == [c for c in VERIFY_CHECKS if c not in ("replicas", "universal")]
+    assert all(c["ok"] for c in report["checks"]), report["checks"]
+
+
+# ------------------------------------------------------------------ plain run
+
+
+def test_plain_osdpipe_runs_quickstart(tmp_path: Path) -> None:
+    result = osdpipe(cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert "osdpipe: OK" in result.stdout
+
+    reports = list(tmp_path.glob("outputs/*/*/report.json"))
+    assert len(reports) == 1, reports
+    out = reports[0].parent
+    report = read_json(reports[0])
+    assert_ok(report)
+
+    # Stages: load..save in order, each timed and with the bytes it moved.
+    assert [s["name"] for s in report["stages"]] == list(STAGE_ORDER)
+    for s in report["stages"]:
+        assert isinstance(s["seconds"], float) and s["seconds"] >= 0, s
+        assert isinstance(s["bytes"], int) and s["bytes"] >= 0, s
+    assert any(s["bytes"] > 0 for s in report["stages"])
+
+    # Manifest: one rank_<r>.pt per target rank, each with its real digest, taken by hand as the manifest says.
+    manifest = read_json(out / "manifest.json")
+    world = manifest["config"]["target"]["world_size"]
+    assert world == 3  # quickstart: 2 -> 3 ranks
+    assert manifest["format"] == "rank_local"
+    assert manifest["config"]["output"]["path"] == str(out)
+    assert sorted(manifest["files"]) == sorted(f"rank_{r}.pt" for r in range(world))
+    assert sorted(p.name for p in out.glob("rank_*.pt")) == sorted(manifest["files"])
+    assert manifest_digests_hold(out, manifest) == dict.fromkeys(manifest["files"], True)
+    assert sorted(manifest["pieces"]) == sorted(manifest["files"]), "every rank file is hashed in pieces"
+    assert report["files"] == manifest["files"]
+    assert not (out / ".staging").exists()
+
+    # Memory: every target rank's peaks, the anonymous one sampled above its baseline.
+    assert [m["process"] for m in report["memory"]] == [f"rank {r}" for r in range(world)]
+    for m in report["memory"]:
+        assert m["peak_rss"] > 50e6 and m["peak_anonymous"] >= m["baseline_anonymous"] > 0, m
+    assert "  memory     peak RSS" in result.stdout
+
+
+# ------------------------------------------------------------- determinism
+
+
+def test_same_config_gives_byte_identical_output(tmp_path: Path) -> None:
+    # Small but sharded: a 1-rank source, regrouped into Leaf units on 2 target ranks.
+    args = ["recipe=change_wrapping", "source.world_size=1"]
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        result = osdpipe(*args, f"output.path={out}", cwd=tmp_path)
+        assert result.returncode == 0, explain(result)
+        assert_ok(read_json(out / "report.json"))
+    a, b = (rank_files(out) for out in outs)
+    assert sorted(a) == ["rank_0.pt", "rank_1.pt"]
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name] == b[name], f"{name} differs between two runs of the same config"
+    ma, mb = (read_json(out / "manifest.json") for out in outs)
+    assert ma["files"] == mb["files"] and ma["tensors"] == mb["tensors"]
+
+
+# ------------------------------------------------------------------ bad config
+
+
+def test_bad_config_exits_2_and_starts_nothing(tmp_path: Path) -> None:
+    result = osdpipe("target.world_size=0", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith(CONFIG_ERROR)]
+    assert len(errors) == 1, explain(result)
+    assert "target.world_size" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert "osdpipe: OK" not in result.stdout
+    assert not list(tmp_path.rglob("report.json"))
+    assert not list(tmp_path.rglob("*.pt"))
+    assert not list(tmp_path.rglob("manifest.json"))
+
+
+def test_sweep_of_bad_configs_exits_2(tmp_path: Path) -> None:
+    result = osdpipe("-m", "target.world_size=0,-1", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert len([line for line in result.stderr.splitlines() if line.startswith(CONFIG_ERROR)]) == 2, explain(result)
+    assert result.returncode == 2, explain(result)
+
+
+# -------------------------------------------------------------------- multirun
+
+
+def test_multirun_one_directory_per_job(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = osdpipe("-m", "target.world_size=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["0", "1"]
+    for job, world in (("0", 1), ("1", 2)):
+        out = sweep / job
+        assert_ok(read_json(out / "report.json"))
+        manifest = read_json(out / "manifest.json")
+        assert manifest["config"]["target"]["world_size"] == world
+        assert manifest["config"]["output"]["path"] == str(out)
+        assert sorted(p.name for p in out.glob("rank_*.pt")) == [f"rank_{r}.pt" for r in range(world)]
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("report.json"))
+
+
+def test_multirun_goes_on_after_a_failed_job(tmp_path: Path) -> None:
+    # Job 1's input exists (so the config is valid) but is no checkpoint: it
+    # fails when the input is checked, before its target world starts.
+    sweep = tmp_path / "sweep"
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a torch.save file")
+    result = osdpipe("-m", f"input.path=null,{corrupt}", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 1, explain(result)
+    assert "osdpipe: OK" in result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("osdpipe: error:")]
+    assert len(errors) == 1 and "corrupt.pt" in errors[0], explain(result)
+
+    good = read_json(sweep / "0" / "report.json")
+    assert_ok(good)
+    assert (sweep / "0" / "manifest.json").exists()
+
+    bad = read_json(sweep / "1" / "report.json")
+    assert bad["ok"] is False
+    assert bad["error"] and str(corrupt) in bad["error"] and "not a torch.save file" in bad["error"], bad
+    # A failed run writes no converted data and no manifest.
+    assert not list((sweep / "1").glob("rank_*.pt"))
+    assert not (sweep / "1" / "manifest.json").exists()
+    assert not (sweep / "1" / ".staging").exists()
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def test_help_lists_groups_and_every_recipe(tmp_path: Path) -> None:
+    result = osdpipe("--help", cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, explain(result)
+    recipe_line = next(line for line in result.stdout.splitlines() if line.startswith("recipe:"))
+    assert sorted(r.strip() for r in recipe_line.removeprefix("recipe:").split(",")) == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    for group in ("model:", "optim:", "source:", "target:", "pipeline:", "runtime:"):
+        assert any(line.startswith(group) for line in result.stdout.splitlines()), group
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
+    result = osdpipe("--cfg", "job", "target.world_size=5", cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, explain(result)
+    cfg = OmegaConf.create(result.stdout)
+    assert cfg.target.world_size == 5
+    assert cfg.target.wrap is None  # the model's own units
+    assert cfg.source.world_size == 2  # from quickstart
+    assert cfg.output.path is None  # Hydra's job directory
+    assert "hydra" not in cfg
+    assert not list(tmp_path.rglob("report.json"))
+
+
+# ---------------------------------------------------------------- torchrun
+
+
+def test_joins_an_existing_torchrun_world(tmp_path: Path) -> None:
+    """The same command under torchrun: the ranks are torchrun's, one report, nothing outside output.path."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "osdpipe", "source.world_size=2", "target.world_size=2", f"output.path={out}"]
+    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S)
+    assert result.returncode == 0, explain(result)
+    assert result.stdout.count("osdpipe: OK") == 1, explain(result)  # rank 0 alone prints the summary
+    assert_ok(read_json(out / "report.json"))
+    assert sorted(p.name for p in out.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "a run with output.path writes nowhere else"
+
+
+def test_checks_that_hold_the_whole_state_are_skipped_above_the_limit_and_said_so(tmp_path: Path) -> None:
+    """On the user's own model (tests/support/userlm.py: token IDs in, no example_input, a factory without arguments)."""
+    out = tmp_path / "out"
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "support"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", "pipeline.full_state_checks_max=1KB", f"output.path={out}"]
+    result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=env)
+    assert result.returncode == 0, explain(result)
+    report = read_json(out / "report.json")
+    assert [c["name"] for c in report["checks"]] == ["roundtrip", "resume"]
+    # resume needs no whole state for a param-ID keyed output: each rank's live target loads its own file and steps
+    assert "steps: the fsdp1 target job loaded it" in report["checks"][1]["detail"], report["checks"][1]
+    skipped = {c["name"]: c["why"] for c in report["skipped_checks"]}
+    assert sorted(skipped) == ["load_step", "reference", "replicas"]
+    assert re.fullmatch(
+        r"needs the whole state on every rank or a live target model, and the source holds [0-9.]+KB of tensor state, over pipeline.full_state_checks_max=1KB: "
+        r"raise it \(or set it to null\) to run it",
+        skipped["reference"],
+    ), skipped["reference"]
+    assert f"osdpipe: warning: verify did not run reference: it {skipped['reference']}" in result.stderr.splitlines()
+    bad = run_command([*cmd[:3], "pipeline.full_state_checks_max=lots", f"output.path={tmp_path / 'bad'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
+    assert bad.returncode == 2 and "'lots' is not a size; write bytes or a number with a unit: 512MB, 2GB, 1.5GiB" in bad.stderr, explain(bad)

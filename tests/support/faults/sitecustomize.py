@@ -1,0 +1,163 @@
+"""A rank that dies on cue: fault injection for the dead-rank tests (``tests/run/test_dead_rank.py``).
+
+On ``PYTHONPATH``, Python imports this module at start-up in every process of
+the command: the launcher, the fork server and so every rank forked from it.
+``OSDPIPE_TEST_FAULT=<point>:<rank>:<how>`` makes rank ``<rank>`` die at
+``<point>`` (``load``, ``send``, ``receive``, ``save``: see :func:`_install`): ``kill`` sends itself SIGKILL (nothing runs
+after it, not even a ``finally``), ``raise`` raises an exception in the stage.
+``OSDPIPE_TEST_FAULT=commit:<n>`` makes the process that commits the
+conversion die in the middle of it (:func:`_kill_in_commit`).
+``OSDPIPE_TEST_SHARE_SCALARS=1`` undoes the copy that gives every output
+tensor scalar state of its own (``tests/verify/test_resume.py``).
+``OSDPIPE_TEST_RECORD_SYNCS=<file>`` appends every ``os.fsync`` (the path
+behind the descriptor) and ``os.replace`` of the process to ``<file>``, a
+line each, in order (``tests/io/test_durability.py``).
+``OSDPIPE_TEST_MISFILL=<fqn>:<state>`` copies one element wrong into an output
+made as it is written: the first of each batch of parameter ``<fqn>``'s
+state ``<state>`` is one more than the source's (``tests/run/test_streamed.py``).
+Without any of these variables this module does nothing, not even import torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+FAULT = os.environ.get("OSDPIPE_TEST_FAULT")
+
+
+def _die(how: str, where: str) -> None:
+    import signal
+
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault {where}")
+
+
+def _install(point: str, rank: int, how: str) -> None:
+    import torch.distributed as dist
+
+    def here() -> bool:
+        return dist.is_initialized() and dist.get_rank() == rank
+
+    def on_call(n: int, fn, *, after: bool = False):
+        """``fn``, but on the faulty rank its ``n``-th call dies: before it runs, or ``after`` it did its work."""
+        calls = 0
+
+        def wrapped(*args, **kwargs):
+            nonlocal calls
+            calls += here()
+            if calls == n and not after:
+                _die(how, f"{point} on rank {rank}")
+            result = fn(*args, **kwargs)
+            if calls == n and after:
+                _die(how, f"{point} on rank {rank}")
+            return result
+
+        return wrapped
+
+    if point == "load":  # as this rank opens the source (after the stage's first collective)
+        from osdpipe.run.stages import load
+
+        load.open_source = on_call(1, load.open_source)
+    elif point == "send":  # the reading rank, between two tensors it sends (runtime.transfer=scatter)
+        from osdpipe.run import transfer
+
+        transfer.Server.send = on_call(2, transfer.Server.send)
+    elif point == "receive":  # a receiving rank, between two tensors it receives (runtime.transfer=scatter)
+        from osdpipe.run import transfer
+
+        transfer.Receiver.receive = on_call(2, transfer.Receiver.receive)
+    elif point == "save":  # after this rank's file is written to .staging, before the commit
+        from osdpipe.io.formats import base  # the torch-file writer of every format but dcp
+
+        base.save_hashed = on_call(1, base.save_hashed, after=True)
+    else:
+        raise ValueError(f"OSDPIPE_TEST_FAULT: unknown point {point!r}")
+
+
+def _kill_in_commit(after: int) -> None:
+    """SIGKILL this process in the middle of committing a conversion: right after the ``after``-th rename of the commit
+    (the first is ``.staging`` -> ``.incoming``), or, for ``0``, once everything staged is synced but before any rename."""
+    import signal
+
+    from osdpipe.io import output
+
+    real_replace, real_commit = os.replace, output.commit
+    renames = -1  # counting from the commit's first rename
+
+    def replace(src, dst, *args, **kwargs):
+        nonlocal renames
+        if renames < 0 and os.path.basename(os.fspath(src)) == output.STAGING:
+            renames = 0
+        real_replace(src, dst, *args, **kwargs)
+        if renames >= 0:
+            renames += 1
+            if renames == after:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def commit(directory, durable=True):
+        if after == 0:
+            if durable:
+                output.sync_tree(directory / output.STAGING)
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_commit(directory, durable)
+
+    os.replace = replace
+    output.commit = commit
+
+
+if FAULT and FAULT.startswith("commit:"):  # the process that commits (offline: the command itself) dies in the commit
+    _kill_in_commit(int(FAULT.split(":")[1]))
+elif FAULT:
+    _point, _rank, _how = FAULT.split(":")
+    _install(_point, int(_rank), _how)
+
+if os.environ.get("OSDPIPE_TEST_SHARE_SCALARS"):
+    # Put back what osdpipe fixes: every output tensor holds the source's scalar state object itself, so a
+    # source that shares one step across parameters (FSDP1's FULL state) shares it in the output too.
+    from osdpipe.run import transfer
+
+    transfer.own_copy = lambda value: value
+
+
+def _record_syncs(log: str) -> None:
+    """Append each ``fsync`` and ``replace`` of this process to ``log`` as it happens: ``fsync<TAB>path`` or ``replace<TAB>src<TAB>dst``."""
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def record(*fields: str) -> None:
+        with open(log, "a") as f:
+            f.write("\t".join(fields) + "\n")
+
+    def fsync(fd):
+        record("fsync", os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs):
+        record("replace", os.fspath(src), os.fspath(dst))
+        real_replace(src, dst, *args, **kwargs)
+
+    os.fsync = fsync
+    os.replace = replace
+
+
+if os.environ.get("OSDPIPE_TEST_RECORD_SYNCS"):
+    _record_syncs(os.environ["OSDPIPE_TEST_RECORD_SYNCS"])
+
+
+def _misfill(fqn: str, name: str) -> None:
+    """Every batch :mod:`osdpipe.run.streamed_output` fills of ``fqn``'s state ``name`` gets its first element wrong, after the copy."""
+    from osdpipe.run import streamed_output as streamed
+
+    real_place = streamed.place
+
+    def place(flat, batch, pieces):
+        real_place(flat, batch, pieces)
+        first = batch.segments[0]
+        if first.fqn == fqn and batch.name == name:
+            flat[first.dest] += 1
+
+    streamed.place = place
+
+
+if os.environ.get("OSDPIPE_TEST_MISFILL"):
+    _misfill(*os.environ["OSDPIPE_TEST_MISFILL"].split(":"))
