@@ -146,6 +146,9 @@ CONVERSIONS = {
     "accelerate_full_dcp_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate_full/checkpoint_0", "source.kind=fsdp1",
                               "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
                               "output.format=dcp"],
+    "accelerate_full_full_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate_full/checkpoint_0", "source.kind=fsdp1",
+                               "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]",
+                               "target.use_orig_params=true", "output.format=fsdp_full"],
     "titan_pytorch_2": ["input.path={saved}/titan/step-2", *TITAN, "target.world_size=2", "output.checkpoint=pytorch"],
     "titan_accelerate_2": ["input.path={saved}/titan/step-2", *TITAN, "target.world_size=2", "output.checkpoint=accelerate"],
     "accelerate_pytorch_2": ["checkpoint=accelerate", "model.factory=userlm:build", "input.path={saved}/accelerate/checkpoint_0", "source.kind=fsdp1",
@@ -444,12 +447,14 @@ def test_osdpipe_check_proves_a_whole_conversion_later_and_names_one_wrong_weigh
     whole = torch.load(file, weights_only=True)
     whole["model"]["blocks.2.wq.weight"].view(-1)[3] += 1
     torch.save(whole, file)
-    cases = [["check", str(converted[name])] for name in ("titan_dcp_2", "titan_v01_dcp_2", "accelerate_dcp_2", "accelerate_rank_local_2")]
+    shown = ("titan_dcp_2", "titan_v01_dcp_2", "accelerate_dcp_2", "accelerate_rank_local_2", "accelerate_full_full_2")
+    cases = [["check", str(converted[name])] for name in shown]
     cases += [["check", str(converted["titan_rank_local_3"]), "--load"], ["check", str(spoiled)]]
     results = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     for case, result in zip(cases[:-1], results[:-1]):
         assert result["code"] == 0, f"{case}: {result['stdout']}{result['stderr']}"
-    assert "check resume     pass" in results[4]["stdout"] and "from the checkpoint's own weights" in results[4]["stdout"]
+    loaded = results[len(shown)]["stdout"]
+    assert "check resume     pass" in loaded and "from the checkpoint's own weights" in loaded
     bad = results[-1]
     assert bad["code"] == 1, bad
     assert f"{file}: ['model']['blocks.2.wq.weight']: 1 element(s) differ, first at flat index 3" in bad["stdout"], bad["stdout"]

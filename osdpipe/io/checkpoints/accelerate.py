@@ -284,6 +284,8 @@ class Accelerate(CheckpointLayout):
         foreign = output.carried_file_name(parts.carrying)
         beside = output.full_file_differences(root, {foreign: output.carried_file_content(parts)}) if foreign is not None and rank == 0 else []
         if fmt.one_writer:  # the two full files, on rank 0 (the only rank that holds anything)
+            from osdpipe.io.weights import model_state_dict
+
             return output.full_file_differences(root, {FULL_MODEL: model_state_dict(parts.weights, parts.buffers, tree), FULL_OPTIMIZER: parts.optimizer}) + output.file_differences(root, parts.carrying) + beside
         if "model" not in opened:  # opened (metadata read, structure checked) once for every rank
             opened["model"] = DcpCheckpoint(str(root / MODEL_DIR), None)
