@@ -11,8 +11,8 @@ import resource
 import tempfile
 import time
 
-from osdpipe.spec.config import validate
 from osdpipe.pipeline.execute import execute
+from osdpipe.spec.config import validate
 from osdpipe.spec.plan import plan_run
 
 

@@ -31,17 +31,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdpipe.layout import kinds
-from osdpipe.pipeline import loop
-from osdpipe.verify.checks.common import LIVE_TARGET
-from osdpipe.run.collective import StageError
-from osdpipe.spec.config import LayoutConfig, validate
 from osdpipe.io.loading import check_fits
+from osdpipe.layout import kinds
 from osdpipe.layout.optim import check_matches_layout
-from osdpipe.spec.plan import plan_run
+from osdpipe.pipeline import loop
+from osdpipe.run.collective import StageError
 from osdpipe.run.products import Keyed
-from osdpipe.spec.reconcile import Given, reconcile
 from osdpipe.run.world import GroupWorld
+from osdpipe.spec.config import LayoutConfig, validate
+from osdpipe.spec.plan import plan_run
+from osdpipe.spec.reconcile import Given, reconcile
+from osdpipe.verify.checks.common import LIVE_TARGET
 
 #: Verify checks that leave the caller's model and optimizer untouched (load_step would train them).
 API_CHECKS = ["roundtrip", "reference"]

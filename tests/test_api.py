@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 
 import osdpipe
+from osdpipe.core.compare import diff
 from osdpipe.io.loading import without_records
 from osdpipe.layout import kinds
-from osdpipe.core.compare import diff
-from osdpipe.spec.reconcile import settle_and_validate
-from osdpipe.run.launch import WorldError, run_local_world
 from osdpipe.layout.kinds import rank_layout
 from osdpipe.layout.models import build_model
-from osdpipe.run.live_jobs import train_step
 from osdpipe.layout.tree import describe
+from osdpipe.run.launch import WorldError, run_local_world
+from osdpipe.run.live_jobs import train_step
+from osdpipe.spec.reconcile import settle_and_validate
 
 TIMEOUT_S = 120
 MODEL = {"factory": "nested", "kwargs": {"dim": 8, "hidden": 12, "blocks": 2}}

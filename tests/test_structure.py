@@ -189,8 +189,8 @@ def test_no_stage_asks_which_world_it_runs_in() -> None:
 
 
 def test_the_stage_registry_runs_the_spec_s_stages_in_order() -> None:
-    from osdpipe.spec.config import STAGE_ORDER
     from osdpipe.pipeline.stages import STAGES
+    from osdpipe.spec.config import STAGE_ORDER
 
     assert tuple(STAGES) == STAGE_ORDER
 
@@ -200,9 +200,9 @@ def test_stages_are_functions_of_frozen_products() -> None:
     import dataclasses
     import inspect
 
+    from osdpipe.pipeline.stages import STAGES
     from osdpipe.run import products
     from osdpipe.run.context import Context
-    from osdpipe.pipeline.stages import STAGES
 
     assert [f.name for f in dataclasses.fields(Context)] == ["plan", "world", "rank"]
     assert Context.__dataclass_params__.frozen

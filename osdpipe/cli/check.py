@@ -212,12 +212,12 @@ def load_rank(plan: Any, directory: str) -> list[Any]:
     """
     # torch: a rank's work, not on check --help's path
     from osdpipe.layout import kinds
+    from osdpipe.pipeline.loop import SOURCE_STAGES, play
+    from osdpipe.run.context import Context
+    from osdpipe.run.world import GroupWorld
     from osdpipe.verify.checks.common import Subject
     from osdpipe.verify.checks.load_step import load_and_step
     from osdpipe.verify.checks.resume import resume_result
-    from osdpipe.run.context import Context
-    from osdpipe.pipeline.loop import SOURCE_STAGES, play
-    from osdpipe.run.world import GroupWorld
 
     spec, world = plan.spec, GroupWorld()
     kind = kinds.get(spec.target.kind)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import os
 import signal
-from collections import Counter
-from collections.abc import Sequence
 import sys
 import time
 import traceback
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,10 +34,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from osdpipe.core import rankserver
-from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
-from osdpipe.io.output import OutputError
 from osdpipe.cli.sweep import JobRecord, summarize_sweep
+from osdpipe.core import rankserver
+from osdpipe.io.output import OutputError
+from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
 
 if TYPE_CHECKING:
     from osdpipe.run.report import Report

@@ -46,9 +46,9 @@ def run_inspect(args: list[str]) -> int:
         return EXIT_USAGE
     # torch: not on inspect --help's path (tests/cli/test_startup.py)
     from osdpipe.io.checkpoints import recognize
-    from osdpipe.run.collective import one_line
     from osdpipe.io.file_facts import read_facts
     from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
+    from osdpipe.run.collective import one_line
 
     path = Path(rest[0])
     facts = None

@@ -18,10 +18,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing as mp
-from multiprocessing import forkserver
 import os
 import signal
 from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any
 
 #: What every rank imports: the fork server imports it once, and each rank starts with it loaded.

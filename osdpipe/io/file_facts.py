@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from osdpipe.io import formats
-from osdpipe.layout import kinds
 from osdpipe.io.formats import InputError
 from osdpipe.io.formats.safe_load import load_torch_file
 from osdpipe.io.formats.state_facts import Unit
+from osdpipe.layout import kinds
 
 __all__ = ["Facts", "Unit", "detect_format", "read_facts"]
 

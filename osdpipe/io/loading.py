@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from osdpipe.io.formats.base import local_part
-from osdpipe.layout.kinds.fsdp2 import from_rank_local
-from osdpipe.layout.ranges import DTENSOR_TABLE, LocalTensor
-from osdpipe.layout.optim import local_shape
-from osdpipe.layout.tree import ModuleTree, WRAPPER_PARTS, WRAPPER_PREFIX
 from osdpipe.io.whole_rank_file import MODEL_PART, OPTIMIZER_PART, is_whole
+from osdpipe.layout.kinds.fsdp2 import from_rank_local
+from osdpipe.layout.optim import local_shape
+from osdpipe.layout.ranges import DTENSOR_TABLE, LocalTensor
+from osdpipe.layout.tree import WRAPPER_PARTS, WRAPPER_PREFIX, ModuleTree
 
 #: The top-level key of a param-ID keyed file osdpipe writes that records, per
 #: param ID, what the local tensor holds: ``{"key": its name (a parameter FQN,

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from osdpipe.layout.ranges import full_layout
 from osdpipe.layout.optim import pattern_members
+from osdpipe.layout.ranges import full_layout
 from osdpipe.layout.tree import ModuleTree
 
 #: Param ID -> state name -> shape of each positive-dimension tensor (0-dim and non-tensor state left out).

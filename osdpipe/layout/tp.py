@@ -135,8 +135,8 @@ def _probe(request: dict[str, Any]) -> list[Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from osdpipe.layout.ranges import LayoutSpec, wrapped_modules
     from osdpipe.layout.models import build_model
+    from osdpipe.layout.ranges import LayoutSpec, wrapped_modules
     from osdpipe.layout.tree import describe
 
     fields = request["spec"]

@@ -21,23 +21,23 @@ from traceback import format_exc
 
 import torch.distributed as dist
 
-from osdpipe.pipeline import loop
+from osdpipe.core.rankserver import in_torchrun
 from osdpipe.io import output
+from osdpipe.io.formats import InputError
+from osdpipe.layout.optim import group_members
+from osdpipe.layout.ranges import full_layout
+from osdpipe.pipeline import loop
 from osdpipe.run import progress, whereabouts
 from osdpipe.run.collective import StageError, from_rank0, lost_a_peer, one_line
-from osdpipe.spec.config import RunSpec
-from osdpipe.io.formats import InputError
 from osdpipe.run.generate import generate_rank
 from osdpipe.run.launch import WorldError, default_backend, init_world, run_local_world
-from osdpipe.layout.ranges import full_layout
 from osdpipe.run.logfile import write_log
-from osdpipe.layout.optim import group_members
-from osdpipe.spec.plan import Plan
-from osdpipe.core.rankserver import in_torchrun
+from osdpipe.run.products import Sharded
 from osdpipe.run.report import Report
 from osdpipe.run.stages.load import inspect_input
-from osdpipe.run.products import Sharded
 from osdpipe.run.world import GroupWorld, ShareWorld, SoloWorld, worker_named
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.plan import Plan
 
 
 def run_rank(plan: Plan) -> Report:

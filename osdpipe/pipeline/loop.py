@@ -19,18 +19,18 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from osdpipe.run import progress, whereabouts
+from osdpipe.core.memory import MemoryWatch
 from osdpipe.io.checkpoints.base import fates
+from osdpipe.io.weights import WholeSource
+from osdpipe.pipeline.stages import STAGES
+from osdpipe.run import progress, whereabouts
 from osdpipe.run.collective import StageError, agree, one_line, ranks_apart
 from osdpipe.run.context import Context
-from osdpipe.core.memory import MemoryWatch
-from osdpipe.spec.plan import Plan
-from osdpipe.run.products import P, CheckResult, Described, Sharded, SkippedCheck, Staged, Tally, Verified, find
+from osdpipe.run.products import CheckResult, Described, P, Sharded, SkippedCheck, Staged, Tally, Verified, find
 from osdpipe.run.report import Report, StageReport
-from osdpipe.pipeline.stages import STAGES
 from osdpipe.run.stages.save import commit
-from osdpipe.io.weights import WholeSource
 from osdpipe.run.world import World
+from osdpipe.spec.plan import Plan
 
 #: Stages that open and describe the source: run once per process, their product shared by every rank it plays.
 SOURCE_STAGES = ("load", "broadcast")

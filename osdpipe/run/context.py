@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from osdpipe.spec.config import RunSpec
 from osdpipe.io.formats import Format
 from osdpipe.layout.ranges import LocalTensor
-from osdpipe.spec.plan import Plan
 from osdpipe.layout.tree import ModuleTree
 from osdpipe.run.world import World
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.plan import Plan
 
 
 @dataclass(frozen=True)

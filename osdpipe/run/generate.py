@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from osdpipe.layout import kinds
-from osdpipe.run import whereabouts
 from osdpipe.layout.kinds import rank_layout
-from osdpipe.spec.plan import Plan
+from osdpipe.run import whereabouts
 from osdpipe.run.live_jobs import live_target, train_step
+from osdpipe.spec.plan import Plan
 
 
 def generate_rank(plan: Plan) -> str:

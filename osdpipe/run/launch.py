@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from osdpipe.run import progress, whereabouts
 from osdpipe.core import rankserver
+from osdpipe.run import progress, whereabouts
 from osdpipe.run.collective import StageError, lost_a_peer, one_line
 
 #: How long the launcher waits for the other ranks to report after one failed.

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from osdpipe.layout import kinds, synthetic
-from osdpipe.spec.config import RunSpec
 from osdpipe.layout.kinds import rank_layout
-from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.models import build_model
 from osdpipe.layout.optim import build_optimizer, check_matches_layout
+from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree
+from osdpipe.spec.config import RunSpec
 
 #: The largest magnitude of a synthetic gradient element: small, so that a few steps keep every state finite and tame.
 GRAD_SCALE = 1e-2

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from osdpipe.core.sizes import show_size
 from osdpipe.core.version import __version__
 from osdpipe.io.output import write_durably
-from osdpipe.core.sizes import show_size
 
 #: Level names as ``runtime.log_level`` takes them, lowest first.
 LEVELS = ("debug", "info", "warning", "error")

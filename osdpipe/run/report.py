@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from osdpipe.core.memory import MemoryPeak
 from osdpipe.io.output import write_durably
 from osdpipe.run.products import CheckResult, SkippedCheck
-from osdpipe.core.memory import MemoryPeak
 
 
 @dataclass

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from osdpipe.run import progress
 from osdpipe.core.compare import differing_segments, nonfinite_segments
+from osdpipe.core.sizes import show_size
 from osdpipe.io.formats import SourceMeta, TensorRef, own_copy
 from osdpipe.layout.ranges import LocalTensor
-from osdpipe.core.sizes import show_size
+from osdpipe.run import progress
 from osdpipe.run.transfer import Batch, Source, place
 
 if TYPE_CHECKING:

@@ -35,9 +35,9 @@ from pydantic import (
     model_validator,
 )
 
-from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
-from osdpipe.io.output import conversion_entries
 from osdpipe.core.sizes import parse_size, show_size
+from osdpipe.io.output import conversion_entries
+from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
 
 if TYPE_CHECKING:
     from osdpipe.layout.ranges import LayoutSpec

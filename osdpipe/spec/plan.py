@@ -20,17 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from osdpipe.io import checkpoints, formats
-from osdpipe.layout import kinds
 from osdpipe.io.checkpoints import CheckpointLayout
-from osdpipe.spec.config import ConfigError, RunSpec
 from osdpipe.io.formats import Format
+from osdpipe.io.output import STAGING
+from osdpipe.layout import kinds
 from osdpipe.layout.kinds import rank_layout
-from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.models import meta_model
 from osdpipe.layout.optim import group_members
-from osdpipe.io.output import STAGING
+from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree, describe
-
+from osdpipe.spec.config import ConfigError, RunSpec
 
 #: How many layouts a plan keeps: a rank's output and optimizer layouts, and a few of the ranks a stage asks about besides.
 KEPT_LAYOUTS = 8

@@ -28,14 +28,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from osdpipe.spec.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
 from osdpipe.io import checkpoints, formats
-from osdpipe.layout import kinds
 from osdpipe.io.file_facts import detect_format, read_facts
-from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
 from osdpipe.io.formats import InputError
+from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
+from osdpipe.layout import kinds
 from osdpipe.layout.optim import optimizer_label, resolve_optimizer
 from osdpipe.layout.optim_infer import fingerprint, hyperparameter_names, kept_state, state_names_of
+from osdpipe.spec.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
 
 
 class Contradiction(ValueError):

@@ -45,10 +45,10 @@ from torch import nn
 from osdpipe.core.compare import bits_equal
 from osdpipe.io.formats import SourceMeta, SourceReader, TensorRef, full_state, local_part, own_copy
 from osdpipe.io.formats.base import WEIGHTS
-from osdpipe.layout.ranges import LocalTensor, Segment
 from osdpipe.layout.optim import bare_optimizer, resolve_optimizer
-from osdpipe.run.live_jobs import local_grad, local_values, synthetic_grad, synthetic_param, train_step
+from osdpipe.layout.ranges import LocalTensor, Segment
 from osdpipe.layout.tree import ModuleTree
+from osdpipe.run.live_jobs import local_grad, local_values, synthetic_grad, synthetic_param, train_step
 
 #: The ``torch.optim`` optimizers whose update of an element reads only that
 #: element (its gradient, parameter and state) and 0-dim state. A user's own

@@ -18,8 +18,8 @@ from pathlib import Path
 from helpers import clean_env, manifest_digests_hold, run_command, run_osdpipe
 from omegaconf import OmegaConf
 
-from osdpipe.spec.config import STAGE_ORDER, VERIFY_CHECKS
 from osdpipe.run.launch import free_port
+from osdpipe.spec.config import STAGE_ORDER, VERIFY_CHECKS
 
 TIMEOUT_S = 240
 REPO = Path(__file__).resolve().parents[2]

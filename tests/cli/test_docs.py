@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from osdpipe.cli.compose import job_config, open_dict_overrides
 from osdpipe.spec.config import ConfigError, check_schema

@@ -188,10 +188,10 @@ def test_the_files_settle_what_was_not_given_over_a_recipes_values(checkpoints: 
 
 def _load_into(out: str, units: list[str]) -> str:
     """A job wrapped with FSDP1 units ``units`` loads this rank's file; the error it raises, or "" when it loaded."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     import osdpipe
     from osdpipe.layout.models import NestedModel
-
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     torch.manual_seed(0)
     model = NestedModel()

@@ -167,8 +167,8 @@ def test_plain_overrides_are_typed_as_hydra_types_them() -> None:
 )
 def test_an_override_refused_alone_is_said_as_the_composed_config_says_it(override: str, tmp_path: Path) -> None:
     """The early check (before Hydra) and the composed config's check say the same line for the same override."""
-    from hydra.errors import HydraException
     from composing import compose_raw
+    from hydra.errors import HydraException
 
     from osdpipe.cli.compose import hydra_message
     from osdpipe.spec.config import ConfigError, check_overrides, check_schema

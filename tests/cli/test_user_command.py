@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from helpers import run_cli_cases, run_command, user_env
 
-from osdpipe.io.loading import without_records
 from osdpipe.core.compare import diff
+from osdpipe.io.loading import without_records
 from osdpipe.run.launch import run_local_world
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).

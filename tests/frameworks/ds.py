@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from frameworks.launch import run_logged, torchrun, worker_env
 
 HERE = Path(__file__).resolve().parent

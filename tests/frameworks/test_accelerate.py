@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from frameworks import accel
 from helpers import run_command, user_env
 

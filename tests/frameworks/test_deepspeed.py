@@ -37,12 +37,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from frameworks import ds, titan_load
 from frameworks.launch import run_logged, torchrun, worker_env
+from helpers import run_command, user_env
+
 from osdpipe.io.formats.deepspeed import ZeroReader
 from osdpipe.io.output import conversion_entries
-from helpers import run_command, user_env
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
 
@@ -278,9 +278,8 @@ def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(tmp_
     """One process, no wrapper (``target.kind=none output.format=plain``): ``rank_0.pt`` is what a plain job ``torch.save``s,
     ``{"model": model.state_dict(), "optim": optim.state_dict(), ...}``, with the model as safetensors beside it. The job's own model
     takes the weights strictly and its own AdamW the optimizer state, DeepSpeed's bit for bit."""
-    from safetensors.torch import load_file
-
     from frameworks.ds_job import DsLM, param_groups
+    from safetensors.torch import load_file
 
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)

@@ -333,9 +333,9 @@ def checkpoint_step(path: Path) -> int:
     Reads ``train_state.step`` from the DCP checkpoint; falls back to the
     folder name when the checkpoint has no train state (model-only).
     """
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
     import warnings
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     path = Path(path)
     try:

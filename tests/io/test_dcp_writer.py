@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import digest_by_hand
 import torch.distributed.checkpoint as dcp
+from helpers import digest_by_hand
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from osdpipe.io import torchfile
 from osdpipe.core.compare import diff
+from osdpipe.io import torchfile
 from osdpipe.io.formats import dcp_writer
 
 WORLD = 3

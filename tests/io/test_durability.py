@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli_cases, run_command, user_env
 
 #: End to end: each kill point runs the command once.

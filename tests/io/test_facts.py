@@ -7,18 +7,17 @@ when the piece it holds stops doing its one job.
 from __future__ import annotations
 
 import pytest
-from testmodels import make_linear
 import torch
+from testmodels import make_linear
 
-from osdpipe.spec.reconcile import settle_and_validate
 from osdpipe.io.file_facts import detect_format, read_facts
 from osdpipe.io.formats.state_facts import moments_alike
 from osdpipe.io.loading import PARAM_LAYOUT, LayoutMismatch, check_fits
 from osdpipe.layout.optim import torch_optimizers
 from osdpipe.layout.optim_infer import infer
-from osdpipe.spec.reconcile import Contradiction, Given, reconcile
-from osdpipe.verify.resume_training import shared_memory
 from osdpipe.layout.synthetic import grad_key, param_key, values
+from osdpipe.spec.reconcile import Contradiction, Given, reconcile, settle_and_validate
+from osdpipe.verify.resume_training import shared_memory
 
 # ---------------------------------------------------------------------------
 # synthetic values: any range alone, the same bits as the whole

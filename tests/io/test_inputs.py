@@ -28,18 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testmodels import make_model
 import torch
-
 from helpers import clean_env, run_cli_cases
+from testmodels import make_model
 
-from osdpipe.spec.config import LayoutConfig
-from osdpipe.spec.reconcile import settle_and_validate
 from osdpipe.io.formats import InputError, inspect_source
 from osdpipe.io.formats.safe_load import DcpMetadataUnpickler, read_dcp_metadata
-from osdpipe.run.launch import run_local_world
 from osdpipe.layout.models import build_model
 from osdpipe.layout.tree import describe
+from osdpipe.run.launch import run_local_world
+from osdpipe.spec.config import LayoutConfig
+from osdpipe.spec.reconcile import settle_and_validate
 
 MODEL = "testmodels:make_model"
 SOURCE = LayoutConfig(world_size=2, wrap=["Linear"]).spec()

@@ -19,16 +19,16 @@ import torch.distributed as dist
 from helpers import run_osdpipe
 from torch import nn
 
-from osdpipe.io.loading import without_records
 from osdpipe.core.compare import diff
-from osdpipe.spec.config import RunSpec
-from osdpipe.spec.reconcile import settle_and_validate
+from osdpipe.io.loading import without_records
 from osdpipe.layout.idmap import IdMapError, map_ids
-from osdpipe.run.launch import run_local_world
 from osdpipe.layout.models import Block, build_model
-from osdpipe.pipeline.execute import execute
-from osdpipe.spec.plan import plan_run
 from osdpipe.layout.tree import describe
+from osdpipe.pipeline.execute import execute
+from osdpipe.run.launch import run_local_world
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.plan import plan_run
+from osdpipe.spec.reconcile import settle_and_validate
 
 TIMEOUT_S = 120
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import run_command, user_env
 
 pytestmark = pytest.mark.slow

@@ -20,17 +20,17 @@ import torch.distributed as dist
 from helpers import run_osdpipe
 
 from osdpipe.core.compare import diff
-from osdpipe.spec.config import RunSpec
-from osdpipe.spec.reconcile import settle_and_validate
 from osdpipe.io.formats import TensorRef
 from osdpipe.io.formats.rank_local import RankLocalReader
-from osdpipe.run.launch import run_local_world
 from osdpipe.layout.kinds import rank_layout
 from osdpipe.layout.models import build_model
-from osdpipe.pipeline.execute import execute
-from osdpipe.spec.plan import plan_run
-from osdpipe.run.live_jobs import live_target, train_step
 from osdpipe.layout.tree import ModuleTree, describe
+from osdpipe.pipeline.execute import execute
+from osdpipe.run.launch import run_local_world
+from osdpipe.run.live_jobs import live_target, train_step
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.plan import plan_run
+from osdpipe.spec.reconcile import settle_and_validate
 
 TRANSFORMER = {"factory": "transformer", "kwargs": {"vocab": 32, "dim": 16, "hidden": 24, "layers": 2, "seq": 6}}
 GROUPS = [{"params": ["*gate", "*scale"], "weight_decay": 0.1}, {"params": ["embed.*", "head.*", "*lin*", "*out*"]}]

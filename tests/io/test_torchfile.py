@@ -18,8 +18,8 @@ import pytest
 import torch
 from helpers import digest_by_hand
 
-from osdpipe.io import torchfile
 from osdpipe.core.compare import diff
+from osdpipe.io import torchfile
 from osdpipe.io.formats.safe_load import check_torch_zip
 
 

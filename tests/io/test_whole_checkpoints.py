@@ -28,10 +28,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
+import whole_jobs
 from helpers import clean_env, run_cli_cases, run_command, user_env
 from oracle_probe import spawn_world
-import whole_jobs
 
 #: End to end: three 4-rank worlds save the checkpoints.
 pytestmark = pytest.mark.slow
@@ -106,7 +105,6 @@ def test_an_accelerate_folder_lists_every_file_and_reads_its_optimizer(saved: Pa
 def test_a_torchtitan_optimizer_converts_and_equals_the_jobs_own_full_state(saved: Path, folder: str) -> None:
     """The flattened optimizer entry (``state.<fqn>.<name>``) reads as any DCP optimizer state: to one process, it is what the job reported."""
     import torch
-
     import userlm
 
     out = saved / f"{folder}_plain"
@@ -333,8 +331,8 @@ def test_a_users_own_top_level_tensor_is_carried_and_reported_as_carried(tmp_pat
     (its shape and dtype, enough to plan the output's DCP items on a rank that does not hold it) and what the report calls it."""
     import torch
     import torch.distributed.checkpoint as dcp
-
     import userlm
+
     from osdpipe.io.checkpoints import get
     from osdpipe.io.checkpoints.base import fates
     from osdpipe.io.checkpoints.output import carried_state
@@ -404,9 +402,9 @@ def test_one_wrong_weight_fails_roundtrip_and_resume_and_nothing_is_written(save
     from helpers import planned
 
     from osdpipe.pipeline.execute import run_offline
+    from osdpipe.pipeline.stages import STAGES
     from osdpipe.run.progress import Display
     from osdpipe.spec.reconcile import settle_and_validate
-    from osdpipe.pipeline.stages import STAGES
 
     sys.path.insert(0, str(TESTS))
     spec = settle_and_validate({

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 import pytest
+import torch
 
 from osdpipe.layout.boxes import Cut, chunk, flat_overlap, flat_runs, intersect, local_box, mesh_coordinates, placement_cuts, volume, whole
 from osdpipe.run.launch import run_local_world

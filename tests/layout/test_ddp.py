@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_osdpipe
 from conversions import pytorch_says
+from helpers import run_osdpipe
 
-from osdpipe.io.loading import without_records
 from osdpipe.core.compare import diff
-from osdpipe.spec.reconcile import settle_and_validate
-from osdpipe.run.launch import run_local_world
+from osdpipe.io.loading import without_records
 from osdpipe.layout.models import build_model
+from osdpipe.run.launch import run_local_world
+from osdpipe.spec.reconcile import settle_and_validate
 
 TIMEOUT_S = 240
 

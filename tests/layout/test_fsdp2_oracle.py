@@ -48,11 +48,11 @@ from oracle_probe import (
 )
 from pydantic import ValidationError
 
-from osdpipe.spec.config import LayoutConfig
-from osdpipe.layout.ranges import LayoutSpec, LocalTensor, Placement, Segment, shard_group
 from osdpipe.layout.kinds import rank_layout
 from osdpipe.layout.models import build_model
+from osdpipe.layout.ranges import LayoutSpec, LocalTensor, Placement, Segment, shard_group
 from osdpipe.layout.tree import ModuleTree, ParamInfo
+from osdpipe.spec.config import LayoutConfig
 
 WORLD_SIZES = (1, 2, 3, 4)
 #: Per world: 2-5 s to spawn, plus wrapping and stepping every case on every rank.

@@ -47,12 +47,12 @@ from oracle_probe import (
 )
 from pydantic import ValidationError
 
-from osdpipe.spec.config import LayoutConfig
-from osdpipe.layout.kinds.fsdp1 import flat_param_key, flat_param_layouts, shards
-from osdpipe.layout.ranges import HYBRID_STRATEGIES, LayoutSpec, Segment, chunk_bounds, shard_group
 from osdpipe.layout.kinds import rank_layout
+from osdpipe.layout.kinds.fsdp1 import flat_param_key, flat_param_layouts, shards
 from osdpipe.layout.models import build_model
+from osdpipe.layout.ranges import HYBRID_STRATEGIES, LayoutSpec, Segment, chunk_bounds, shard_group
 from osdpipe.layout.tree import ModuleTree
+from osdpipe.spec.config import LayoutConfig
 
 WORLD_SIZE = 4
 #: The world: 3-5 s to spawn, plus wrapping every combination on every rank.

@@ -64,11 +64,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdpipe.io.loading import without_records
 from osdpipe.core.compare import diff
+from osdpipe.io.loading import without_records
+from osdpipe.run.launch import run_local_world
 from osdpipe.spec.config import RunSpec
 from osdpipe.spec.reconcile import settle_and_validate
-from osdpipe.run.launch import run_local_world
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow
@@ -543,8 +543,8 @@ class Outcome:
 
 def _convert_and_check(cases: list[tuple[Case, RunSpec]], root: str, sensitivity: list[Case]) -> dict[str, Outcome]:
     """On every rank of one target world: convert every case with osdpipe, then check every case against PyTorch."""
-    from osdpipe.run.collective import StageError
     from osdpipe.pipeline.execute import run_rank
+    from osdpipe.run.collective import StageError
     from osdpipe.spec.plan import plan_run
 
     results: dict[str, Outcome] = {}

@@ -20,10 +20,11 @@ import pytest
 import torch
 from oracle_probe import fsdp1_metadata, tree_of, world_once
 
-from osdpipe.layout import kinds, ranges as layout
+from osdpipe.layout import kinds
+from osdpipe.layout import ranges as layout
 from osdpipe.layout.kinds.fsdp1 import FlatParamLayout, flat_param_key, flat_param_layouts, shards
-from osdpipe.layout.ranges import LayoutSpec, LocalTensor, Segment
 from osdpipe.layout.models import build_model
+from osdpipe.layout.ranges import LayoutSpec, LocalTensor, Segment
 
 WORLD_SIZES = (1, 2, 3, 4)
 #: Per world: 2-4 s to spawn, plus the wrapping of every combination on every rank.

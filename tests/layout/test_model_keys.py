@@ -13,11 +13,11 @@ import sys
 
 import pytest
 import torch
+from fusedlm import build
+from helpers import run_command, user_env
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fusedlm import build
-from helpers import run_command, user_env
 from osdpipe.layout.model_keys import KeyMapError, gather
 from osdpipe.layout.tree import describe
 

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import run_cli_cases, run_command, user_env
 from oracle_probe import spawn_world
 
@@ -44,13 +43,13 @@ def _save_job(out: str) -> None:
     """One rank of the user's dp 2 x tp 2 job: TP, then FSDP2, three Adam steps, then its three ways of saving."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    import usertp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     import osdpipe
-    import usertp
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -270,12 +269,11 @@ def _numbered_job(out: str) -> tuple[dict[str, list[int]], dict[str, int], str]:
     import fnmatch
 
     import torch.distributed.checkpoint as dcp
+    import usertp
+    from oracle_probe import fill_marked, local_values
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-
-    import usertp
-    from oracle_probe import fill_marked, local_values
 
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
     model = usertp.build()

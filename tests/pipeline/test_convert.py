@@ -11,14 +11,14 @@ import torch.distributed as dist
 from conversions import TIMEOUT_S, convert_and_check, pytorch_says, spec_for
 from helpers import planned, run_osdpipe, run_stages_by_hand
 
-from osdpipe.spec.config import RunSpec
-from osdpipe.run.collective import gather_to_all
-from osdpipe.run.launch import run_local_world
-from osdpipe.pipeline.loop import combine
 from osdpipe.layout.kinds import rank_layout
 from osdpipe.pipeline.execute import execute
-from osdpipe.run.products import Tally
+from osdpipe.pipeline.loop import combine
 from osdpipe.pipeline.stages import STAGES
+from osdpipe.run.collective import gather_to_all
+from osdpipe.run.launch import run_local_world
+from osdpipe.run.products import Tally
+from osdpipe.spec.config import RunSpec
 
 
 def _generate(spec: RunSpec) -> str:

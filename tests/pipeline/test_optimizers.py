@@ -15,20 +15,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import planned, run_stages_by_hand
 import torch
 import torch.distributed as dist
 from conversions import convert_and_check, spec_for
+from helpers import planned, run_stages_by_hand
 
-from osdpipe.spec.config import ConfigError, RunSpec
-from osdpipe.spec.reconcile import settle_and_validate
-from osdpipe.run.launch import run_local_world
 from osdpipe.layout.kinds import rank_layout
-from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.models import build_model
 from osdpipe.layout.optim import resolve_optimizer, torch_optimizers
-from osdpipe.run.live_jobs import local_grad
+from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.tree import describe
+from osdpipe.run.launch import run_local_world
+from osdpipe.run.live_jobs import local_grad
+from osdpipe.spec.config import ConfigError, RunSpec
+from osdpipe.spec.reconcile import settle_and_validate
 
 TIMEOUT_S = 180
 
@@ -87,9 +87,9 @@ def _tamper_load_step(spec: RunSpec, source: str, tamper: str) -> tuple[bool, st
     element is infinite already (the source's own). Returns the check's
     outcome and the FQN it must name.
     """
+    from osdpipe.run.products import Tally
     from osdpipe.verify.checks.common import Subject
     from osdpipe.verify.checks.load_step import run as check_load_step
-    from osdpipe.run.products import Tally
 
     ctx, products = run_stages_by_hand(spec, source, "fsdp_full", ("load", "broadcast", "flatten", "shard", "rekey"))
     keyed = products["rekey"]

@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdpipe.io.loading import without_records
 from osdpipe.core.compare import diff
-from osdpipe.spec.reconcile import settle_and_validate
-from osdpipe.run.launch import run_local_world
+from osdpipe.io.loading import without_records
 from osdpipe.layout.models import NestedModel, TransformerModel
 from osdpipe.pipeline.execute import execute
+from osdpipe.run.launch import run_local_world
 from osdpipe.spec.plan import plan_run
+from osdpipe.spec.reconcile import settle_and_validate
 
 #: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
 pytestmark = pytest.mark.slow
@@ -509,8 +509,8 @@ class Outcome:
 
 def _convert(spec) -> Outcome:
     """osdpipe's conversion on this rank: what :func:`osdpipe.pipeline.execute.execute` runs on each spawned rank."""
-    from osdpipe.run.collective import StageError
     from osdpipe.pipeline.execute import run_rank
+    from osdpipe.run.collective import StageError
 
     try:
         report = run_rank(plan_run(spec))

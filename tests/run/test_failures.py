@@ -7,15 +7,15 @@ import time
 
 import pytest
 import torch.distributed as dist
+from helpers import planned
 
+from osdpipe.pipeline.loop import run_stages
+from osdpipe.pipeline.stages import STAGES
 from osdpipe.run.collective import StageError
+from osdpipe.run.launch import WorldError, run_local_world
+from osdpipe.run.world import GroupWorld
 from osdpipe.spec.config import PipelineConfig
 from osdpipe.spec.reconcile import settle_and_validate
-from osdpipe.run.launch import WorldError, run_local_world
-from helpers import planned
-from osdpipe.pipeline.loop import run_stages
-from osdpipe.run.world import GroupWorld
-from osdpipe.pipeline.stages import STAGES
 
 
 def _rank1_raises_rank0_waits() -> None:

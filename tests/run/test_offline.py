@@ -209,11 +209,12 @@ def test_hybrid_output_replicas_are_compared(full_source: Path, tmp_path: Path, 
     output can be spoiled after rekey: only the ``replicas`` check runs, and
     it must name the rank, its counterpart and the tensor, and nothing is committed.
     """
-    from osdpipe.spec.reconcile import settle_and_validate
     from helpers import planned
+
     from osdpipe.pipeline.execute import run_offline
-    from osdpipe.run.progress import Display
     from osdpipe.pipeline.stages import STAGES
+    from osdpipe.run.progress import Display
+    from osdpipe.spec.reconcile import settle_and_validate
 
     def spec(out: Path):
         return settle_and_validate(

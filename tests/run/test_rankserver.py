@@ -9,7 +9,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from helpers import clean_env, processes_marked, run_command
 
 

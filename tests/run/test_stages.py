@@ -18,17 +18,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 from osdpipe.io import output  # noqa: E402
-from osdpipe.run.context import Context  # noqa: E402
 from osdpipe.io.formats import SourceMeta, TensorRef  # noqa: E402
-from osdpipe.spec.plan import Plan, plan_run  # noqa: E402
+from osdpipe.run.context import Context  # noqa: E402
 from osdpipe.run.products import CheckResult, Described, Flattened, Keyed, Opened, Sharded, Staged, Tally, Verified, find  # noqa: E402
-from osdpipe.spec.reconcile import settle_and_validate  # noqa: E402
 from osdpipe.run.stages.broadcast import broadcast  # noqa: E402
 from osdpipe.run.stages.flatten import flatten  # noqa: E402
 from osdpipe.run.stages.rekey import rekey  # noqa: E402
 from osdpipe.run.stages.save import save  # noqa: E402
 from osdpipe.run.stages.shard import shard  # noqa: E402
 from osdpipe.run.world import SoloWorld  # noqa: E402
+from osdpipe.spec.plan import Plan, plan_run  # noqa: E402
+from osdpipe.spec.reconcile import settle_and_validate  # noqa: E402
 
 WORLD = 2
 

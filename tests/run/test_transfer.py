@@ -158,11 +158,11 @@ def test_scatter_needs_a_world(inputs, tmp_path: Path) -> None:
 def _reader_fails_while_serving(spec, source: str) -> tuple[str, float]:
     """On rank 0, reading fails on the 3rd range; every rank must raise the same error at once (none waits for bytes)."""
     import torch.distributed as dist
-
-    from osdpipe.run.collective import StageError
-    from osdpipe.io.formats.fsdp_full import FullReader
     from helpers import planned
+
+    from osdpipe.io.formats.fsdp_full import FullReader
     from osdpipe.pipeline.loop import run_stages
+    from osdpipe.run.collective import StageError
     from osdpipe.run.world import GroupWorld
 
     if dist.get_rank() == 0:

@@ -12,14 +12,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
-from osdpipe.spec import checks  # noqa: E402
 from osdpipe.io import formats  # noqa: E402
-from osdpipe.verify import checks as check_runs  # noqa: E402
-from osdpipe.spec.config import InputConfig, OutputConfig  # noqa: E402
 from osdpipe.io.formats.fsdp_full import FsdpFull  # noqa: E402
 from osdpipe.pipeline.execute import execute  # noqa: E402
+from osdpipe.spec import checks  # noqa: E402
+from osdpipe.spec.config import InputConfig, OutputConfig  # noqa: E402
 from osdpipe.spec.plan import plan_run  # noqa: E402
 from osdpipe.spec.reconcile import settle_and_validate  # noqa: E402
+from osdpipe.verify import checks as check_runs  # noqa: E402
 
 
 def offline(out: Path, **pipeline: object) -> dict:

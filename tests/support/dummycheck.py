@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from osdpipe.verify.checks.common import Subject
 from osdpipe.run.products import CheckResult
+from osdpipe.verify.checks.common import Subject
 
 
 def run(ctx: Subject) -> CheckResult:

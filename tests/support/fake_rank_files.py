@@ -19,9 +19,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
 import userlm
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
 def _model(full: dict) -> torch.nn.Module:

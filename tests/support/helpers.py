@@ -109,9 +109,9 @@ def planned(spec, input_path=None, input_format=None):
 
 def run_stages_by_hand(spec, input_path, input_format, names):
     """This rank's products of ``names``, each stage called with the one before's (no loop): ``{name: product}``."""
+    from osdpipe.pipeline.stages import STAGES
     from osdpipe.run.context import Context
     from osdpipe.run.products import Tally
-    from osdpipe.pipeline.stages import STAGES
     from osdpipe.run.world import GroupWorld
 
     world = GroupWorld()

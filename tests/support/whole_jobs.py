@@ -56,11 +56,10 @@ def save_torchtitan(out: str, nested: bool = False) -> None:
     """One rank of an FSDP2 job on 4 ranks saving a torchtitan checkpoint at step 2."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    import userlm
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    import userlm
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
@@ -92,11 +91,10 @@ def save_accelerate(out: str) -> None:
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    import userlm
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    import userlm
 
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
@@ -121,11 +119,10 @@ def save_accelerate_full(out: str) -> None:
     import warnings
 
     import torch.distributed as dist
+    import userlm
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    import userlm
 
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
@@ -160,10 +157,9 @@ def _optimizer_state(optim: torch.optim.Optimizer) -> dict:
 def _fsdp2_job(seed: int) -> tuple:
     """A fresh job of the user's model on the current world, as torchtitan builds one: FSDP2 on every block and the root, Adam, the scheduler."""
     import torch.distributed as dist
+    import userlm
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    import userlm
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
     torch.manual_seed(seed)
@@ -267,12 +263,11 @@ def resume_accelerate(roots: list[str]) -> list[dict]:
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    import userlm
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    import userlm
 
     warnings.simplefilter("ignore")
     out = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from osdpipe.core.registry import member
 from osdpipe.io.checkpoints import accelerate, deepspeed, optimizer, pytorch, torchtitan  # noqa: F401 - each registers its layout
 from osdpipe.io.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
-from osdpipe.core.registry import member
 
 __all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize", "written"]
 

@@ -6,8 +6,8 @@ import torch
 
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
-from osdpipe.layout.tree import ModuleTree
 from osdpipe.io.weights import ModelMeta, model_meta_of, stored_names
+from osdpipe.layout.tree import ModuleTree
 
 
 class DcpWeights:

@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
 
     from osdpipe.io.formats.deepspeed import ZeroReader
-    from osdpipe.layout.tree import ModuleTree
     from osdpipe.io.weights import ModelMeta
+    from osdpipe.layout.tree import ModuleTree
 
 #: Entries of the model-states file that describe DeepSpeed's own partitioning and saving, which the output does not have.
 FRAMEWORKS_OWN = (

@@ -8,8 +8,8 @@ import torch
 
 from osdpipe.io.formats.base import InputError, describe_value, mapped_range
 from osdpipe.io.formats.safe_load import load_torch_file
-from osdpipe.layout.tree import ModuleTree
 from osdpipe.io.weights import ModelMeta, model_meta_of, stored_names
+from osdpipe.layout.tree import ModuleTree
 
 
 class FileWeights:

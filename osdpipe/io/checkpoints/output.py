@@ -24,27 +24,27 @@ from __future__ import annotations
 
 import hashlib
 import io
-from math import prod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from math import prod
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 
+from osdpipe.core.compare import diff
 from osdpipe.io.checkpoints.base import CarriedData, Carrying
 from osdpipe.io.digest import tensor_digests, tensor_sha256
 from osdpipe.io.formats import dcp_writer
-from osdpipe.core.compare import diff
 from osdpipe.io.formats.base import WEIGHTS, InputError, RankFiles, write_torch_file
 from osdpipe.io.formats.rank_local import rank_file_name
-from osdpipe.layout.ranges import chunk_bounds
-from osdpipe.layout.model_keys import KeyMap, gather, key_rows_within, rows_of
 from osdpipe.io.safetensors_out import TensorSpec, write_safetensors
-from osdpipe.layout.tree import ModuleTree
 from osdpipe.io.weights import model_state_dict
 from osdpipe.io.whole_rank_file import MODEL_PART, OPTIMIZER_PART
+from osdpipe.layout.model_keys import KeyMap, gather, key_rows_within, rows_of
+from osdpipe.layout.ranges import chunk_bounds
+from osdpipe.layout.tree import ModuleTree
 
 
 def read_carried(checkpoint: Any, carrying: Carrying) -> CarriedData:

@@ -20,6 +20,7 @@ launcher can refuse a bad input before any process starts.
 
 from __future__ import annotations
 
+from osdpipe.core.registry import member
 from osdpipe.io.formats.base import Format, IdGroups, InputError, RenamedReader, SourceMeta, SourceReader, TensorRef, describe_value, full_state, local_part, mapped_range, own_copy, release_mapped
 from osdpipe.io.formats.dcp import Dcp
 from osdpipe.io.formats.deepspeed import DeepSpeed
@@ -29,7 +30,6 @@ from osdpipe.io.formats.plain import Plain
 from osdpipe.io.formats.rank_local import RankLocal
 from osdpipe.io.formats.safe_load import first_line
 from osdpipe.layout.ranges import LayoutSpec
-from osdpipe.core.registry import member
 from osdpipe.layout.tree import ModuleTree
 
 __all__ = [

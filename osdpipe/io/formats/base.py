@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from osdpipe.core.compare import diff
+from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.io.digest import save_hashed
 from osdpipe.layout.ranges import LayoutSpec, LocalTensor
-from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.layout.tree import ModuleTree
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats

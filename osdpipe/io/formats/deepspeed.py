@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.io.formats.base import Format, IdGroups, InputError, SourceMeta, SourceReader, TensorRef, describe_value
 from osdpipe.io.formats.inert_load import Record, load_inert
 from osdpipe.io.formats.state_facts import describe_state, tally
-from osdpipe.layout.zero import Piece, pieces_by_parameter, pieces_in, saved_lengths
 from osdpipe.layout.ranges import LayoutSpec
-from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.layout.tree import ModuleTree
+from osdpipe.layout.zero import Piece, pieces_by_parameter, pieces_in, saved_lengths
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
     from osdpipe.io.file_facts import Facts

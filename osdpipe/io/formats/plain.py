@@ -16,9 +16,9 @@ import torch
 
 from osdpipe.io.formats.base import Format, IdGroups, InputError, RankFiles, Shown, SourceMeta, SourceReader, describe_value, mapped_range, release_mapped, write_torch_file
 from osdpipe.io.formats.fsdp_full import ONE_FILE, load_full, read_one_file_facts
+from osdpipe.layout.idmap import StateShapes, map_ids
 from osdpipe.layout.kinds.none import NoWrapper
 from osdpipe.layout.ranges import LayoutSpec
-from osdpipe.layout.idmap import StateShapes, map_ids
 from osdpipe.layout.tree import ModuleTree
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats

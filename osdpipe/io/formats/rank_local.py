@@ -37,10 +37,10 @@ from osdpipe.core.compare import diff
 from osdpipe.io.formats.base import Format, IdGroups, InputError, RankFiles, Shown, SourceMeta, SourceReader, TensorRef, mapped_range, own_copy, release_mapped, write_torch_file
 from osdpipe.io.formats.fsdp_full import check_optim_state_dict
 from osdpipe.io.formats.safe_load import load_torch_file
-from osdpipe.layout.ranges import DTENSOR_TABLE, LayoutSpec, LocalTensor, same_placement, uncovered
 from osdpipe.layout.kinds import find, rank_layout
 from osdpipe.layout.kinds.fsdp2 import to_rank_local
 from osdpipe.layout.optim import pattern_members
+from osdpipe.layout.ranges import DTENSOR_TABLE, LayoutSpec, LocalTensor, same_placement, uncovered
 from osdpipe.layout.tree import ModuleTree
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats

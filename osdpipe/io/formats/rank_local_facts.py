@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from osdpipe.io.formats.state_facts import Unit, describe_state, moments_alike, tally
+from osdpipe.io.loading import PARAM_LAYOUT
 from osdpipe.layout.kinds import find
 from osdpipe.layout.kinds.ddp import DDP
 from osdpipe.layout.kinds.fsdp1 import FSDP1
 from osdpipe.layout.kinds.fsdp2 import FSDP2
-from osdpipe.io.loading import PARAM_LAYOUT
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
     from osdpipe.io.file_facts import Facts

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.core.registry import member
+from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree
 
 

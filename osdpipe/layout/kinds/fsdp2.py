@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from osdpipe.layout.boxes import Box, local_box, mesh_coordinates, parse_placement, placement_cuts
 from osdpipe.layout.kinds.base import LayoutKind, compute_device, device_mesh, register
 from osdpipe.layout.kinds.fsdp1 import check_shard_group
-from osdpipe.layout.boxes import Box, local_box, mesh_coordinates, parse_placement, placement_cuts
 from osdpipe.layout.ranges import DTENSOR_TABLE, LayoutSpec, LocalTensor, Placement, box_segments, same_placement, unit_of, wrapped_modules
 from osdpipe.layout.tp import mesh_shape, parallelize, read_placements
 from osdpipe.layout.tree import ModuleTree, describe
+
 
 def placement(spec: LayoutSpec) -> Placement:
     """The mesh and placements of every parameter of a job without tensor parallelism: ``Shard(0)``, or ``(Replicate(), Shard(0))`` with HSDP."""

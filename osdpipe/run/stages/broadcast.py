@@ -13,9 +13,9 @@ import pickle
 
 import torch
 
+from osdpipe.io.formats import RenamedReader, SourceMeta, canonical_meta
 from osdpipe.run.collective import from_rank0
 from osdpipe.run.context import Context
-from osdpipe.io.formats import RenamedReader, SourceMeta, canonical_meta
 from osdpipe.run.products import Described, Opened, Tally
 
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from osdpipe.run.context import Context
 from osdpipe.io.formats import SourceMeta, TensorRef
 from osdpipe.layout import kinds
 from osdpipe.layout.ranges import LayoutSpec, LocalTensor
-from osdpipe.run.products import Described, Flattened, Tally
 from osdpipe.layout.tree import ModuleTree
+from osdpipe.run.context import Context
+from osdpipe.run.products import Described, Flattened, Tally
 
 
 def _same(a: Any, b: Any) -> bool:

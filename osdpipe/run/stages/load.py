@@ -12,13 +12,13 @@ import socket
 from pathlib import Path
 
 from osdpipe.io import formats
-from osdpipe.spec.config import RunSpec
-from osdpipe.run.context import Context
 from osdpipe.io.formats import IdGroups, SourceMeta, SourceReader, canonical_meta, inspect_source, open_source
-from osdpipe.spec.plan import Plan
+from osdpipe.io.weights import open_whole
+from osdpipe.run.context import Context
 from osdpipe.run.products import Opened, Tally
 from osdpipe.run.transfer import reading_ranks
-from osdpipe.io.weights import open_whole
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.plan import Plan
 
 
 def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from osdpipe.run.context import Context
-from osdpipe.layout.ranges import DTENSOR_TABLE, LocalTensor
-from osdpipe.io.loading import PARAM_LAYOUT, describe_layout
 from osdpipe.io.formats import SourceMeta
 from osdpipe.io.formats.base import WEIGHTS
+from osdpipe.io.loading import PARAM_LAYOUT, describe_layout
 from osdpipe.io.weights import split_weights
+from osdpipe.layout.ranges import DTENSOR_TABLE, LocalTensor
+from osdpipe.run.context import Context
 from osdpipe.run.products import Keyed, Sharded, Tally
 
 

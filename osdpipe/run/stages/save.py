@@ -22,14 +22,14 @@ import torch
 
 from osdpipe.core.version import __version__
 from osdpipe.io import output
+from osdpipe.io.formats.base import RankFiles
+from osdpipe.io.torchfile import PieceDigest, filled_as_written
+from osdpipe.io.weights import WholeSource
 from osdpipe.run.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.run.context import Context
-from osdpipe.io.formats.base import RankFiles
 from osdpipe.run.products import Keyed, Staged, Tally, Verified, find
 from osdpipe.run.stages.broadcast import act_on_nonfinite
 from osdpipe.run.streamed_output import StreamedOutput
-from osdpipe.io.torchfile import PieceDigest, filled_as_written
-from osdpipe.io.weights import WholeSource
 
 if TYPE_CHECKING:
     from osdpipe.io.checkpoints.base import Carrying

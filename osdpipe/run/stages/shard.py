@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from osdpipe.run.collective import gather_to_all
 from osdpipe.core.compare import nonfinite_segments
-from osdpipe.run.context import Context
 from osdpipe.io.formats import TensorRef
 from osdpipe.layout.ranges import LocalTensor
+from osdpipe.run.collective import gather_to_all
+from osdpipe.run.context import Context
 from osdpipe.run.products import Described, Flattened, Sharded, Tally
 from osdpipe.run.progress import track
 from osdpipe.run.stages.broadcast import act_on_nonfinite

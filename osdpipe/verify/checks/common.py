@@ -8,23 +8,23 @@ from typing import Any
 
 import torch
 
-from osdpipe.layout import kinds
-from osdpipe.run.collective import from_rank0, gather_to_all
-from osdpipe.spec.config import RunSpec
-from osdpipe.run.context import Context
-from osdpipe.io.formats import Format, SourceReader, full_state, TensorRef
-from osdpipe.io.formats.base import WEIGHTS, SourceMeta
-from osdpipe.layout.ranges import LocalTensor
-from osdpipe.spec.plan import Plan
-from osdpipe.run.products import Described, Keyed, Tally
-from osdpipe.run.live_jobs import live_target
 from osdpipe.core.sizes import show_size
+from osdpipe.io.formats import Format, SourceReader, TensorRef, full_state
+from osdpipe.io.formats.base import WEIGHTS, SourceMeta
+from osdpipe.io.weights import model_state_dict
+from osdpipe.layout import kinds
+from osdpipe.layout.ranges import LocalTensor
+from osdpipe.layout.tree import ModuleTree
+from osdpipe.run.collective import from_rank0, gather_to_all
+from osdpipe.run.context import Context
+from osdpipe.run.live_jobs import live_target
+from osdpipe.run.products import Described, Keyed, Tally
 from osdpipe.run.stages.shard import read_source
 from osdpipe.run.streamed_output import StreamedOutput
 from osdpipe.run.transfer import Source
-from osdpipe.layout.tree import ModuleTree
-from osdpipe.io.weights import model_state_dict
 from osdpipe.run.world import World
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.plan import Plan
 
 #: Where the Python API leaves a rank's live target model and optimizer in :attr:`World.kept`, keyed with the rank.
 LIVE_TARGET = "live target"

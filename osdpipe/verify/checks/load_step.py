@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from osdpipe.layout import kinds
-from osdpipe.verify.checks.common import Subject, live_target_of, loadable, needs_target_world, with_groups
-from osdpipe.run.products import CheckResult
 from osdpipe.layout.ranges import LocalTensor
 from osdpipe.run.live_jobs import train_step
+from osdpipe.run.products import CheckResult
+from osdpipe.verify.checks.common import Subject, live_target_of, loadable, needs_target_world, with_groups
 
 
 def _nonfinite(value: Any) -> torch.Tensor | None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from osdpipe.layout import kinds
-from osdpipe.verify.checks.common import Subject, full_model_output, full_model_source, full_output, full_source, live_target_of, local_model_output, model_only, needs_target_world, whole
 from osdpipe.core.compare import diff
 from osdpipe.io.formats import local_part
-from osdpipe.run.products import CheckResult
 from osdpipe.io.loading import PARAM_LAYOUT, unwrapped_name
+from osdpipe.layout import kinds
 from osdpipe.run.live_jobs import live_target
+from osdpipe.run.products import CheckResult
+from osdpipe.verify.checks.common import Subject, full_model_output, full_model_source, full_output, full_source, live_target_of, local_model_output, model_only, needs_target_world, whole
 
 
 def run(ctx: Subject) -> CheckResult:

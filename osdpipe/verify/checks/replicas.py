@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from osdpipe.io import formats
-from osdpipe.verify.checks.common import Subject
-from osdpipe.run.collective import one_line
 from osdpipe.io.digest import tensor_digests
 from osdpipe.io.formats.rank_local import replica_mismatches
+from osdpipe.run.collective import one_line
 from osdpipe.run.products import CheckResult
+from osdpipe.verify.checks.common import Subject
 
 
 def has_replicas(ctx: Subject) -> tuple[bool, bool]:

@@ -10,16 +10,16 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from osdpipe.layout import kinds
-from osdpipe.verify.checks.common import Subject, full_model_output, full_output, local_model_output, model_only, source_tensor_bytes, whole, with_groups, within_full_state_limit
-from osdpipe.io.loading import load_model_local
-from osdpipe.run.products import CheckResult
-from osdpipe.layout.ranges import LocalTensor
-from osdpipe.layout.optim import resolve_optimizer
-from osdpipe.run.live_jobs import live_target
-from osdpipe.verify.resume_training import bare_steps, compare_batch, is_elementwise, live_steps, reference_for, shared_memory, SHOWN
 from osdpipe.core.sizes import show_size
+from osdpipe.io.loading import load_model_local
+from osdpipe.layout import kinds
+from osdpipe.layout.optim import resolve_optimizer
+from osdpipe.layout.ranges import LocalTensor
+from osdpipe.run.live_jobs import live_target
+from osdpipe.run.products import CheckResult
 from osdpipe.run.stages.rekey import param_ids
+from osdpipe.verify.checks.common import Subject, full_model_output, full_output, local_model_output, model_only, source_tensor_bytes, whole, with_groups, within_full_state_limit
+from osdpipe.verify.resume_training import SHOWN, bare_steps, compare_batch, is_elementwise, live_steps, reference_for, shared_memory
 
 
 def run(ctx: Subject) -> CheckResult:

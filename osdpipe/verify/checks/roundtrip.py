@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from osdpipe.verify.checks.common import Subject
-from osdpipe.run.collective import scatter_from
 from osdpipe.core.compare import diff, differing_segments
-from osdpipe.run.products import CheckResult
 from osdpipe.io.formats import TensorRef
 from osdpipe.io.formats.base import WEIGHTS
 from osdpipe.layout.ranges import LocalTensor, uncovered
+from osdpipe.run.collective import scatter_from
+from osdpipe.run.products import CheckResult
 from osdpipe.run.transfer import Batch, batch_sha256, plan, stateful
+from osdpipe.verify.checks.common import Subject
 
 
 def _result_state(ctx: Subject, key: str) -> dict[str, Any] | None:

@@ -22,10 +22,10 @@ import importlib.util
 import tempfile
 from pathlib import Path
 
-from osdpipe.verify.checks.common import Subject, full_model_source, full_source
-from osdpipe.run.collective import from_rank0
 from osdpipe.io.formats.ds_universal import ds_to_universal, universal_differences
+from osdpipe.run.collective import from_rank0
 from osdpipe.run.products import CheckResult
+from osdpipe.verify.checks.common import Subject, full_model_source, full_source
 
 
 def skip_reason(ctx: Subject) -> str | None:
