@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 #: The built-in stages, in the order they run (the stage registry, :mod:`osdpipe.pipeline.stages`, holds these names).
 STAGE_ORDER = ("load", "broadcast", "flatten", "shard", "rekey", "verify", "save")
 REQUIRED_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
-#: The verify checks, in the order they run: the check registry's (it imports no torch; a check's module is imported when it runs).
+#: The verify checks, in the order they run: the check catalog's (it imports no torch; the checks themselves are in osdpipe.verify.checks).
 VERIFY_CHECKS = check_registry.names()
 
 #: FSDP1's sharding strategies by ``torch.distributed.fsdp.ShardingStrategy`` member name (FSDP2 takes FULL_SHARD and NO_SHARD).

@@ -1,4 +1,4 @@
-"""A new check or format is its module and its registry line: nothing else in osdpipe names it."""
+"""A new check is its catalog line and its module, a new format its module and its registry line: nothing else in osdpipe names them."""
 
 from __future__ import annotations
 
