@@ -24,15 +24,17 @@ def clean_env(*drop: str) -> dict[str, str]:
 
 #: This folder: the user's own modules (``userlm``, ``usermodel``, ...) import from here; ``faults`` under it injects failures.
 TESTS = Path(__file__).resolve().parent
+#: The tests' folder: the real frameworks' jobs name their models from it (``frameworks.ds_job:DsLM``).
+ALL_TESTS = TESTS.parent
 
 
 def user_env(**variables: str) -> dict[str, str]:
-    """A command's environment as a user's: :func:`clean_env`, with the user's own modules importable (this folder on ``PYTHONPATH``).
+    """A command's environment as a user's: :func:`clean_env`, with the user's own modules importable (this folder and the tests' on ``PYTHONPATH``).
 
     ``variables`` (``OSDPIPE_TEST_*``) are set, and ``tests/support/faults`` is put on the path to act on them.
     """
     env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([str(TESTS / "faults")] if variables else []), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ALL_TESTS), *([str(TESTS / "faults")] if variables else []), env.get("PYTHONPATH", "")])
     env.update(variables)
     return env
 
