@@ -5,15 +5,15 @@ sizes so ZeRO's padding shows, two param groups, a persistent buffer, tied
 embeddings or not) on 2 or 4 CPU ranks, for each ZeRO stage in fp32 and bf16
 (:data:`SAVES`), and calls ``engine.save_checkpoint``; the same job gathers
 what it held at that moment through DeepSpeed's own API (:mod:`frameworks.ds`).
-osdpipe reads the save folder without DeepSpeed's code and writes it for
-FSDP2 on 2 or 3 ranks or DDP (:data:`TARGETS`), in PyTorch's layout
+osdpipe reads the save folder without DeepSpeed's code and writes each save
+for FSDP2 on 2 and on 3 ranks, one also for DDP (:data:`TARGETS`), in PyTorch's layout
 (``checkpoint=deepspeed``: model and optimizer) or the optimizer alone
 (``input.format=deepspeed``); its own checks load the output into that job
 (``set_model_state_dict``, ``set_optimizer_state_dict``) and step it. The
 other frameworks load what osdpipe writes for them: every save as a torchtitan
 step folder, which torchtitan's own ``CheckpointManager`` loads
 (:mod:`frameworks.titan_load`); an accelerate folder, which accelerate's own
-``load_state`` loads; one plain file, which plain torch loads. The asked-for
+``load_state`` loads; every save as one plain file, which plain torch loads. The asked-for
 ``universal`` check runs DeepSpeed's own ``ds_to_universal``.
 
 The output, gathered whole, holds bit for bit, under each parameter's name:
@@ -54,15 +54,13 @@ SAVES = {
     "zero3-fp32-2": {"stage": 3, "dtype": "fp32", "tied": False, "ranks": 2},
     "zero3-bf16-4": {"stage": 3, "dtype": "bf16", "tied": True, "ranks": 4},
 }
-#: What each save converts to, so that every save and every target is met: FSDP2 on 2 and 3 ranks in PyTorch's layout (DCP), DDP's rank files
-#: (each the whole model and optimizer, as a plain job saves them) with the model as safetensors beside them.
+#: What each save converts to: FSDP2 on 2 and on 3 ranks in PyTorch's layout (DCP), one with the model as safetensors beside it, and
+#: DDP's rank files (each the whole model and optimizer, as a plain job saves them) with the model as safetensors.
 TARGETS = {
-    "zero1-bf16-4": ["target.kind=fsdp2", "target.world_size=3"],
-    "zero2-fp32-4": ["target.kind=ddp", "target.world_size=2", "output.format=rank_local", "output.model_format=safetensors"],
-    "zero2-bf16-2": ["target.kind=fsdp2", "target.world_size=2"],
-    "zero3-fp32-2": ["target.kind=fsdp2", "target.world_size=3"],
-    "zero3-bf16-4": ["target.kind=fsdp2", "target.world_size=2", "output.model_format=safetensors"],
+    **{f"{name}-fsdp2-{world}": (name, ["target.kind=fsdp2", f"target.world_size={world}", "output.checkpoint=pytorch"]) for name in SAVES for world in (2, 3)},
+    "zero2-fp32-4-ddp-2": ("zero2-fp32-4", ["target.kind=ddp", "target.world_size=2", "output.format=rank_local", "output.model_format=safetensors"]),
 }
+TARGETS["zero3-bf16-4-fsdp2-2"][1].append("output.model_format=safetensors")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -130,13 +128,23 @@ def _by_name(rank_file: dict, groups: list[dict]) -> dict:
                                    "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}}
 
 
-@pytest.mark.parametrize("name", list(SAVES))
-def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
+def _assert_the_model_is_deepspeeds(model: dict, truth: dict, universal: Path) -> None:
+    """``model`` (a state dict by name) holds DeepSpeed's fp32 masters, bit for bit, as its dump and its own ``ds_to_universal`` hold them."""
+    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(model[fqn]), _bits(want))] == []
+    for fqn in truth["fp32"]:
+        fp32 = torch.load(universal / "zero" / fqn / "fp32.pt", weights_only=False)
+        fp32 = fp32["param"] if isinstance(fp32, dict) else fp32
+        assert torch.equal(_bits(model[fqn]), _bits(fp32.reshape(model[fqn].shape))), f"{fqn} differs from ds_to_universal's fp32"
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: Path, saves: dict[str, Path], target: str) -> None:
+    name, overrides = TARGETS[target]
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     universal = ds.universal_path(folder) / ds.latest_tag(folder)
     out = tmp_path / "out"
-    report = _convert(folder, out, "checkpoint=deepspeed", *TARGETS[name])
+    report = _convert(folder, out, "checkpoint=deepspeed", *overrides)
     if (out / "dcp").is_dir():
         got = _gathered(out / "dcp", tmp_path)
     else:  # DDP's rank files: every rank the whole state
@@ -148,11 +156,7 @@ def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: 
     assert all(not torch.equal(truth["fp32"][fqn], truth["initial"][fqn].float()) for fqn in truth["fp32"])
     model = got["model"]
     assert set(model) == set(truth["module"]), "the model's state dict: a tied weight under both names, the buffer"
-    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(model[fqn]), _bits(want))] == []
-    for fqn in truth["fp32"]:
-        fp32 = torch.load(universal / "zero" / fqn / "fp32.pt", weights_only=False)
-        fp32 = fp32["param"] if isinstance(fp32, dict) else fp32
-        assert torch.equal(_bits(model[fqn]), _bits(fp32.reshape(model[fqn].shape))), f"{fqn} differs from ds_to_universal's fp32"
+    _assert_the_model_is_deepspeeds(model, truth, universal)
     if SAVES[name]["tied"]:
         assert torch.equal(model["head.weight"], model["tok.weight"])
     assert torch.equal(_bits(model["pos"]), _bits(truth["module"]["pos"]))
@@ -161,7 +165,7 @@ def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: 
     assert got["lr_scheduler"] == truth["lr_scheduler"] and got["global_steps"] == truth["global_steps"] == 2
     fates = {e["name"]: e["fate"] for e in report["entries"]}
     assert fates["param_shapes"].startswith("left out") and fates["module"].startswith("left out") and fates["lr_scheduler"].startswith("carried")
-    if "output.model_format=safetensors" in TARGETS[name]:
+    if "output.model_format=safetensors" in overrides:
         from safetensors.torch import load_file
 
         exported = load_file(out / "model.safetensors")
@@ -273,7 +277,7 @@ def _torchtitan_loads(folder: Path, truth: dict, name: str, work: Path) -> dict:
     return torch.load(spec["dump"], weights_only=False)
 
 
-@pytest.mark.parametrize("name", ["zero2-bf16-2", "zero3-fp32-2"])
+@pytest.mark.parametrize("name", list(SAVES))
 def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
     """One process, no wrapper (``target.kind=none output.format=plain``): ``rank_0.pt`` is what a plain job ``torch.save``s,
     ``{"model": model.state_dict(), "optim": optim.state_dict(), ...}``, with the model as safetensors beside it. The job's own model
@@ -299,6 +303,9 @@ def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(tmp_
     assert saved["lr_scheduler"] == truth["lr_scheduler"] and saved["global_steps"] == truth["global_steps"]
     exported = load_file(out / "model.safetensors")
     assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(exported[fqn], want)] == []
+    universal = ds.universal_path(folder) / ds.latest_tag(folder)  # and DeepSpeed's own ds_to_universal, tensor by tensor
+    _assert_the_optimizer_is_deepspeeds(_by_name(saved, truth["param_groups"])["optim"], truth, universal)
+    _assert_the_model_is_deepspeeds(saved["model"], truth, universal)
 
 
 def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(tmp_path: Path, saves: dict[str, Path]) -> None:
