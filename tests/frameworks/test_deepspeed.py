@@ -39,7 +39,7 @@ import pytest
 import torch
 from frameworks import ds, titan_load
 from frameworks.launch import run_logged, torchrun, worker_env
-from helpers import run_command, user_env
+from helpers import run_cli_cases, run_command, user_env
 
 from osdpipe.io.formats.deepspeed import ZeroReader
 from osdpipe.io.output import conversion_entries
@@ -61,6 +61,8 @@ TARGETS = {
     "zero2-fp32-4-ddp-2": ("zero2-fp32-4", ["target.kind=ddp", "target.world_size=2", "output.format=rank_local", "output.model_format=safetensors"]),
 }
 TARGETS["zero3-bf16-4-fsdp2-2"][1].append("output.model_format=safetensors")
+#: The FSDP2 world each save's torchtitan step folder is written for (torchtitan's own load, on 2 ranks, reshards either).
+TITAN_WORLDS = {"zero1-bf16-4": 2, "zero2-fp32-4": 3, "zero2-bf16-2": 3, "zero3-fp32-2": 2, "zero3-bf16-4": 2}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -87,19 +89,48 @@ def saves(tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def _convert(folder: Path, out: Path, *extra: str, checks: tuple[str, ...] = ("roundtrip", "reference", "load_step", "resume")) -> dict:
-    """The ``osdpipe`` command on the save ``folder``, with the job's own model (FSDP2 on 3 ranks, DCP, unless ``extra`` says); every check
-    (``checks``: those that run) must pass."""
+ALL_CHECKS = ("roundtrip", "reference", "load_step", "resume")
+
+
+def _argv(folder: Path, out: Path, *extra: str) -> list[str]:
+    """The ``osdpipe`` command's overrides for the save ``folder``, with the job's own model (FSDP2 on 3 ranks, DCP, unless ``extra`` says)."""
     tied = str(SAVES[folder.name]["tied"]).lower()
-    done = run_command(
-        [sys.executable, "-m", "osdpipe", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", f"+model.kwargs.tied={tied}",
-         "target.kind=fsdp2", "target.world_size=3", "output.format=dcp", f"output.path={out}", *extra],
-        cwd=out.parent, timeout=400, env=user_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    return [f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", f"+model.kwargs.tied={tied}",
+            "target.kind=fsdp2", "target.world_size=3", "output.format=dcp", f"output.path={out}", *extra]
+
+
+def _passed(out: Path, code: int | str, said: str, checks: tuple[str, ...] = ALL_CHECKS) -> dict:
+    """The report of a conversion into ``out`` that exited ``code`` (``said``: its stderr), which every check (``checks``: those that run) passed."""
+    assert code == 0, said[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {c["name"]: c["ok"] for c in report["checks"]} == dict.fromkeys(checks, True), report["checks"]
     return report
+
+
+def _convert(folder: Path, out: Path, *extra: str, checks: tuple[str, ...] = ALL_CHECKS) -> dict:
+    """The ``osdpipe`` command on the save ``folder`` (:func:`_argv`), in a process of its own; every check must pass."""
+    done = run_command([sys.executable, "-m", "osdpipe", *_argv(folder, out, *extra)], cwd=out.parent, timeout=400, env=user_env())
+    return _passed(out, done.returncode, done.stderr, checks)
+
+
+#: The conversions of every save to PyTorch's layout, to one plain file and to a torchtitan step folder: ``(save, overrides)`` by case.
+CONVERSIONS = {
+    **{f"whole/{target}": (name, ["checkpoint=deepspeed", *overrides]) for target, (name, overrides) in TARGETS.items()},
+    **{f"plain/{name}": (name, ["checkpoint=deepspeed", "target.kind=none", "target.world_size=1", "output.format=plain", "output.model_format=safetensors"])
+       for name in SAVES},
+    **{f"titan/{name}": (name, ["checkpoint=deepspeed", "output.checkpoint=torchtitan", f"target.world_size={world}"]) for name, world in TITAN_WORLDS.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def converted(saves: dict[str, Path], tmp_path_factory) -> dict[str, tuple[Path, int | str, str]]:
+    """Each of :data:`CONVERSIONS` through the ``osdpipe`` entry point, all in one driver process (torch imported once): case -> its
+    output directory, exit code and stderr."""
+    root = tmp_path_factory.mktemp("converted")
+    outs = {case: root / case.replace("/", "-") for case in CONVERSIONS}
+    argv = [_argv(saves[name], outs[case], *overrides) for case, (name, overrides) in CONVERSIONS.items()]
+    results = run_cli_cases(argv, cwd=root, per_case_s=400, env=user_env())
+    return {case: (outs[case], r["code"], r["stderr"]) for case, r in zip(CONVERSIONS, results)}
 
 
 def _assert_the_optimizer_is_deepspeeds(got: dict, truth: dict, universal: Path) -> None:
@@ -138,13 +169,13 @@ def _assert_the_model_is_deepspeeds(model: dict, truth: dict, universal: Path) -
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: Path, saves: dict[str, Path], target: str) -> None:
+def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: Path, saves: dict[str, Path], converted: dict, target: str) -> None:
     name, overrides = TARGETS[target]
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     universal = ds.universal_path(folder) / ds.latest_tag(folder)
-    out = tmp_path / "out"
-    report = _convert(folder, out, "checkpoint=deepspeed", *overrides)
+    out, code, said = converted[f"whole/{target}"]
+    report = _passed(out, code, said)
     if (out / "dcp").is_dir():
         got = _gathered(out / "dcp", tmp_path)
     else:  # DDP's rank files: every rank the whole state
@@ -185,19 +216,17 @@ def _unflattened(optimizer: dict, groups: list[dict]) -> dict:
     return {"state": state, "param_groups": [{**{h: optimizer[f"param_groups.{g['params'][0]}.{h}"] for h in hyper}, "params": g["params"]} for g in groups]}
 
 
-#: The FSDP2 world each save's torchtitan step folder is written for (torchtitan's own load, on 2 ranks, reshards either).
-TITAN_WORLDS = {"zero1-bf16-4": 2, "zero2-fp32-4": 3, "zero2-bf16-2": 3, "zero3-fp32-2": 2, "zero3-bf16-4": 2}
 
 
 @pytest.mark.parametrize("name", list(TITAN_WORLDS))
-def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
+def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(tmp_path: Path, saves: dict[str, Path], converted: dict, name: str) -> None:
     """``output.checkpoint=torchtitan``: one ``step-<N>`` folder of DeepSpeed's ``global_steps``, the model at the top level, the optimizer
     flattened, DeepSpeed's own entries under ``deepspeed``, where torchtitan's ``lr_scheduler`` would take them for its own; and the
     run says what torchtitan needs to load a step folder without its dataloader, lr_scheduler and train_state."""
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
-    out = tmp_path / "out"
-    report = _convert(folder, out, "checkpoint=deepspeed", "output.checkpoint=torchtitan", f"target.world_size={TITAN_WORLDS[name]}")
+    out, code, said = converted[f"titan/{name}"]
+    report = _passed(out, code, said)
     step = out / f"step-{truth['global_steps']}"
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [step.name]
     got = _gathered(step, tmp_path)
@@ -278,7 +307,7 @@ def _torchtitan_loads(folder: Path, truth: dict, name: str, work: Path) -> dict:
 
 
 @pytest.mark.parametrize("name", list(SAVES))
-def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(tmp_path: Path, saves: dict[str, Path], name: str) -> None:
+def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(saves: dict[str, Path], converted: dict, name: str) -> None:
     """One process, no wrapper (``target.kind=none output.format=plain``): ``rank_0.pt`` is what a plain job ``torch.save``s,
     ``{"model": model.state_dict(), "optim": optim.state_dict(), ...}``, with the model as safetensors beside it. The job's own model
     takes the weights strictly and its own AdamW the optimizer state, DeepSpeed's bit for bit."""
@@ -287,8 +316,8 @@ def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(tmp_
 
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
-    out = tmp_path / "out"
-    _convert(folder, out, "checkpoint=deepspeed", "target.kind=none", "target.world_size=1", "output.format=plain", "output.model_format=safetensors")
+    out, code, said = converted[f"plain/{name}"]
+    _passed(out, code, said)
     saved = torch.load(out / "rank_0.pt", weights_only=True)
     model = DsLM(tied=SAVES[name]["tied"])
     model.load_state_dict(saved["model"], strict=True)

@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+import testmodels
 import torch.distributed as dist
 from torch import nn
 
@@ -99,7 +100,7 @@ def _new_model(factory: str) -> nn.Module:
         return NestedModel()
     if factory == "transformer":
         return TransformerModel()
-    return globals()[factory.partition(":")[2]]()
+    return getattr(testmodels, factory.partition(":")[2])()
 
 
 def _fsdp(factory: str, layout: Layout) -> tuple[nn.Module, nn.Module]:
