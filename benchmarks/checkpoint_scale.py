@@ -7,6 +7,8 @@ Run (the default is the row the targets are set on; the full grid takes long):
     python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2,2:4 --paths osdpipe-offline-budget,limit --budget 1GB
     python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2 --repeats 3 --paths osdpipe-offline-budget,osdpipe-offline-budget-dcp,limit
     python benchmarks/checkpoint_scale.py --sizes 6.4 --pairs 4:8 --repeats 3 --paths osdpipe-offline,osdpipe-offline-2,osdpipe-torchrun-2x1,limit
+    python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2 --repeats 3 --cold \
+        --paths osdpipe-offline-budget,osdpipe-offline-budget-dcp,osdpipe-offline-budget-2,osdpipe-offline-budget-dcp-2,copy
 
 (the last: a source larger than this machine's memory, which only an
 offline conversion under a budget converts here; it needs about 60 GB of disk)
@@ -29,6 +31,9 @@ in every repeat, each path writes every target rank's ``optim.state_dict()``
   so each rank's output is made as it is written: its ``save`` stage is the
   whole conversion (read, compare, write), and its "in flight" is ``-``;
 * ``osdpipe-offline-budget-dcp``: the same, the output one DCP checkpoint;
+* ``osdpipe-offline-budget-2``, ``osdpipe-offline-budget-dcp-2``: the two above
+  played by 2 local workers (``runtime.workers=2``), each under the budget:
+  two writers, as ``copy`` has;
 * ``osdpipe-dcp``: online, the output one DCP checkpoint (``output.format=dcp``);
 * ``fsdp1``: PyTorch's FSDP1 path on M ranks: rank 0 loads the file,
   ``FSDP.optim_state_dict_to_load`` with ``rank0_only``, each rank saves;
@@ -76,6 +81,8 @@ OSDPIPE_PATHS = {
     "osdpipe-torchrun-2x1": ("runtime.mode=offline",),
     "osdpipe-offline-budget": ("runtime.mode=offline", "runtime.memory_budget={budget}"),
     "osdpipe-offline-budget-dcp": ("runtime.mode=offline", "runtime.memory_budget={budget}", "output.format=dcp"),
+    "osdpipe-offline-budget-2": ("runtime.mode=offline", "runtime.memory_budget={budget}", "runtime.workers=2"),
+    "osdpipe-offline-budget-dcp-2": ("runtime.mode=offline", "runtime.memory_budget={budget}", "runtime.workers=2", "output.format=dcp"),
     "osdpipe-dcp": ("output.format=dcp",),
 }
 #: Paths whose command runs under torchrun agents, one per node (each node one process): the path -> how many nodes.
@@ -122,6 +129,19 @@ def read_once(path: Path) -> None:
     with open(path, "rb", buffering=0) as f:
         while f.read(1 << 26):
             pass
+
+
+def drop_page_cache() -> None:
+    """Write every dirty page out and drop the clean ones, so that the next run reads its source from the disk.
+
+    Raises:
+        SystemExit: the machine does not allow it (not root, or a container without the file): run without ``--cold``.
+    """
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        raise SystemExit(f"--cold: cannot drop the page cache here ({exc}); run without --cold, and say the cache was warm") from None
 
 
 def fits_in_memory(path: Path) -> bool:
@@ -352,6 +372,7 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--workdir", default=None, help="where sources and outputs go (default: a temporary directory)")
     parser.add_argument("--budget", default="1GB", help="runtime.memory_budget of the osdpipe-offline-budget path")
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before every run (needs root: /proc/sys/vm/drop_caches); else the source is read into it first where it fits")
     parser.add_argument("--worker", choices=("fsdp1", "dcp"), help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
@@ -382,7 +403,9 @@ def main() -> None:
                         continue
                     out = directory / f"out_{path}"
                     try:
-                        if fits_in_memory(full):
+                        if args.cold:
+                            drop_page_cache()  # every path reads its source from the disk, as a first conversion after a job would
+                        elif fits_in_memory(full):
                             read_once(full)  # the paths before this one may have pushed some of it out
                         runs[path].append(run_path(path, width, full, dcp, n, m, out, args.budget))
                     except RuntimeError as exc:  # a path that cannot run here (PyTorch's own, out of memory) is a finding, not the end
