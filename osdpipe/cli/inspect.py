@@ -85,8 +85,8 @@ def _checkpoint_in(path: Path) -> Path:
         from osdpipe.io import formats  # torch: not on inspect --help's path
 
         for fmt in formats.FORMATS.values():
-            if fmt.written and fmt.output_path(path, 0) == fmt.output_path(path, 1) and fmt.output_path(path, 0).exists():
-                return fmt.output_path(path, 0)
+            if fmt.written and (inner := fmt.output_path(path, 0)) == fmt.output_path(path, 1) and inner.exists():
+                return inner
     return path
 
 
