@@ -34,6 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from osdpipe.cli import new_dirs
 from osdpipe.cli.sweep import JobRecord, summarize_sweep
 from osdpipe.core import rankserver
 from osdpipe.io.output import OutputError
@@ -56,8 +57,16 @@ _sweep_jobs: list[JobRecord] = []
 #: The errors the current job printed (the first is its outcome in a sweep's summary).
 _job_errors: list[str] = []
 
-# hydra.run.dir: output.path when given (nothing lands in the current directory), else outputs/<date>/<time>.
-OmegaConf.register_new_resolver("osdpipe_run_dir", lambda path, default: default if path is None else path, replace=True)
+# hydra.run.dir: output.path when given (nothing lands in the current directory), else outputs/<date>/<time>;
+# a sweep job's: <sweep dir>/<N>. Each name is noted before Hydra makes the directory, so that a job that never
+# ran removes what it made and nothing else (new_dirs.discard).
+OmegaConf.register_new_resolver(
+    "osdpipe_run_dir", lambda path, default: new_dirs.note(default if path is None else path), replace=True
+)
+OmegaConf.register_new_resolver(
+    "osdpipe_sweep_job", lambda sweep_dir, num: Path(new_dirs.note(os.path.join(sweep_dir, str(num)))).name,
+    replace=True,
+)
 
 
 def _error(message: str) -> None:
@@ -136,10 +145,10 @@ def job_config(cfg: DictConfig, job_dir: str, overrides: Sequence[str] = ()) -> 
 
 
 def _config_error(exc: Exception) -> int:
-    """Say a bad config, one line per problem, and remove the run directory Hydra made for it."""
+    """Say a bad config, one line per problem, and remove the directories Hydra made for the job."""
     for line in str(exc).splitlines():
         _error(f"config: {line}")
-    _discard_empty_run_dir()
+    new_dirs.discard(HydraConfig.get().runtime.output_dir)
     return EXIT_CONFIG
 
 
@@ -167,6 +176,7 @@ def _run_job(cfg: DictConfig) -> int:
         report = execute(plan, warnings=notes)
     except OutputError as exc:
         _error(str(exc))
+        new_dirs.discard(HydraConfig.get().runtime.output_dir)
         return EXIT_CONFIG
     if rankserver.in_torchrun():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: torchrun stopping the ranks must not cut this rank's last words and exit code
@@ -182,17 +192,6 @@ def _run_job(cfg: DictConfig) -> int:
     written = f" (report: {Path(spec.output.path) / 'report.json'})" if _is_rank0() else ""  # rank 0 writes it
     _error(f"{report.failure}{written}")
     return EXIT_FAILED
-
-
-def _discard_empty_run_dir() -> None:
-    """Remove the directory Hydra made for a job that never ran (and its parents it left empty), up to the current directory."""
-    directory, stop = Path(HydraConfig.get().runtime.output_dir).resolve(), Path.cwd().resolve()
-    while directory != stop and stop in directory.parents:
-        try:
-            directory.rmdir()  # only if empty: a user's directory or an earlier run is never touched
-        except OSError:
-            return
-        directory = directory.parent
 
 
 def hydra_message(exc: BaseException) -> str:

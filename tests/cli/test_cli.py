@@ -128,6 +128,35 @@ def test_bad_config_exits_2_and_starts_nothing(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("manifest.json"))
 
 
+def test_a_config_error_keeps_the_users_own_output_directory(tmp_path: Path) -> None:
+    """The user made the directory: it is theirs, empty or not, and a job that never ran leaves it."""
+    cwd, mine = tmp_path / "cwd", tmp_path / "cwd" / "myout"
+    mine.mkdir(parents=True)
+    result = osdpipe("model.factory=nosuch:build", "output.path=myout", cwd=cwd)
+    assert result.returncode == 2, explain(result)
+    assert mine.is_dir(), "a config error removed the directory the user made"
+    assert list(cwd.iterdir()) == [mine]
+
+
+def test_a_config_error_removes_what_it_made_outside_the_working_directory(tmp_path: Path) -> None:
+    """Hydra made output.path and its missing parents for the job; the job never ran, so they go, and only they."""
+    cwd, elsewhere = tmp_path / "cwd", tmp_path / "elsewhere"
+    cwd.mkdir()
+    elsewhere.mkdir()
+    result = osdpipe("model.factory=nosuch:build", f"output.path={elsewhere / 'new' / 'out'}", cwd=cwd)
+    assert result.returncode == 2, explain(result)
+    assert elsewhere.is_dir() and list(elsewhere.iterdir()) == [], "left behind what osdpipe made"
+    assert list(cwd.iterdir()) == []
+
+
+def test_a_sweep_job_with_a_config_error_leaves_the_sweep_directory_the_user_named(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)  # the user's (an earlier sweep's job 0, emptied): never removed
+    result = osdpipe("-m", "target.world_size=0,-1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 2, explain(result)
+    assert (sweep / "0").is_dir() and not (sweep / "1").exists()
+
+
 def test_sweep_of_bad_configs_exits_2(tmp_path: Path) -> None:
     result = osdpipe("-m", "target.world_size=0,-1", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert len([line for line in result.stderr.splitlines() if line.startswith(CONFIG_ERROR)]) == 2, explain(result)
