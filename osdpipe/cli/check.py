@@ -120,6 +120,8 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
     raw = OmegaConf.to_container(merged, resolve=True)
     assert isinstance(raw, dict)
     raw["output"] = {**raw["output"], "path": str(directory), "overwrite": True}
+    if not any(o.split("=", 1)[0] == "input.path" for o in overrides):
+        raw["input"] = {**raw["input"], "path": _input_where_it_was(directory, manifest, raw["input"].get("path"))}
     if raw["input"].get("path") is None:  # a generated source is kept in the conversion's source/, in the format its world saved
         # the registries import torch: not on check --help's path
         from osdpipe.io import checkpoints, formats
@@ -136,6 +138,22 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
             raw["input"] = {**raw["input"], "path": str(generated), "format": fmt}
     raw["runtime"] = {**raw["runtime"], "mode": "offline", "transfer": "shared", "progress": False}
     return raw
+
+
+def _input_where_it_was(directory: Path, manifest: dict[str, Any], typed: str | None) -> str | None:
+    """The conversion's input as it was found when it ran: the absolute path the manifest recorded beside what the user
+    typed, so that a relative ``input.path`` is found from any working directory; refused in one line where it moved."""
+    from osdpipe.io.output import INPUT_ABSOLUTE  # the output directory's names; torch: not on check --help's path
+
+    absolute = manifest.get(INPUT_ABSOLUTE)
+    if typed is None or absolute is None:  # a generated source, or a manifest written before the path was recorded
+        return typed
+    if not Path(absolute).exists():
+        raise CheckUsageError(
+            f"the conversion's input {typed!r} (at {absolute} when it ran) is not there any more; "
+            f"pass input.path=WHERE_IT_IS_NOW to check {directory} against it"
+        )
+    return absolute
 
 
 def conversion_plan(raw: dict[str, Any]) -> Any:

@@ -41,6 +41,9 @@ from pathlib import Path
 
 #: The manifest: written last into a staged conversion and moved last into place; a conversion without it is not committed.
 MANIFEST = "manifest.json"
+#: The manifest's key for the input's absolute path when the conversion ran: its config keeps ``input.path`` as the user
+#: typed it, which `osdpipe check` run from another directory could not find.
+INPUT_ABSOLUTE = "input_path_absolute"
 STAGING = ".staging"
 INCOMING = ".incoming"
 PREVIOUS = ".previous"

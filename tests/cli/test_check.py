@@ -256,6 +256,7 @@ def test_the_readme_ci_job_and_check_of_a_generated_or_moved_source(runs: Path, 
     shutil.copy(runs / "optim.pt", tmp_path / "archived.pt")
     manifest = json.loads((moved / "manifest.json").read_text())
     manifest["config"]["input"]["path"] = str(tmp_path / "gone.pt")  # where it was: config is not hashed content
+    manifest["input_path_absolute"] = str(tmp_path / "gone.pt")
     (moved / "manifest.json").write_text(json.dumps(manifest))
     user = "model.factory=userlm:build"
     results = run_cli_cases(
@@ -272,6 +273,25 @@ def test_the_readme_ci_job_and_check_of_a_generated_or_moved_source(runs: Path, 
     assert codes == [0, 0, 0, 0, 2, 0, 2], [(r["code"], r["stderr"]) for r in results]
     assert "roundtrip  pass" in results[1]["stdout"], results[1]
     assert f"({tmp_path / 'generated' / 'source' / 'dcp'})" in results[3]["stdout"], results[3]["stdout"]  # read as the dcp its world saved
-    assert f"{tmp_path / 'gone.pt'}" in results[4]["stderr"] and "does not exist" in results[4]["stderr"], results[4]
+    assert f"{tmp_path / 'gone.pt'}" in results[4]["stderr"] and "not there any more" in results[4]["stderr"], results[4]
+    assert "pass input.path=" in results[4]["stderr"], results[4]
     assert f"({tmp_path / 'archived.pt'})" in results[5]["stdout"], results[5]
     assert "input.nosuchkey: not a key of the conversion's config" in results[6]["stderr"], results[6]
+
+
+def test_check_runs_from_another_directory_on_a_conversion_given_a_relative_input_path(runs: Path, tmp_path: Path) -> None:
+    """The manifest keeps input.path as typed (relative to where the conversion ran) and its absolute path beside it."""
+    ran_in, elsewhere = tmp_path / "ran_in", tmp_path / "elsewhere"
+    (ran_in / "src").mkdir(parents=True)
+    elsewhere.mkdir()
+    (ran_in / "src" / "optim.pt").write_bytes((runs / "optim.pt").read_bytes())
+    convert = ["model.factory=userlm:build", "input.path=src/optim.pt", "input.format=fsdp_full", "source.world_size=1",
+               "target.world_size=2", "runtime.mode=offline", "output.path=out"]
+    [converted] = run_cli_cases([convert], cwd=ran_in, per_case_s=TIMEOUT_S, env=user_env())
+    assert converted["code"] == 0, converted["stderr"]
+    manifest = json.loads((ran_in / "out" / "manifest.json").read_text())
+    assert manifest["config"]["input"]["path"] == "src/optim.pt"
+    assert manifest["input_path_absolute"] == str(ran_in / "src" / "optim.pt")
+    [checked] = run_cli_cases([["check", str(ran_in / "out")]], cwd=elsewhere, per_case_s=TIMEOUT_S, env=user_env())
+    assert checked["code"] == 0, checked["stderr"]
+    assert "roundtrip  pass" in checked["stdout"] and str(ran_in / "src" / "optim.pt") in checked["stdout"], checked

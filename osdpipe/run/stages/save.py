@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -169,6 +170,8 @@ def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: Whole
     if carried is not None and (ranks := source_rank_files(carried.carrying, files)):
         content["source_rank_files"] = ranks
     manifest = {**content, "content_sha256": content_sha256(content), "config": config}
+    if ctx.spec.input.path is not None:  # what the user typed stays in config; `osdpipe check` from elsewhere needs this
+        manifest[output.INPUT_ABSOLUTE] = os.path.abspath(ctx.spec.input.path)
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     output.commit(staging.parent, ctx.spec.output.fsync)
     return files
