@@ -21,6 +21,7 @@ from osdpipe.core.sizes import show_size  # it imports no torch
 
 if TYPE_CHECKING:  # annotations only: this module is imported before torch, which facts needs
     from osdpipe.io.checkpoints import WholeCheckpoint
+    from osdpipe.io.checkpoints.base import ModelNaming
     from osdpipe.io.file_facts import Facts
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -63,16 +64,24 @@ def run_inspect(args: list[str]) -> int:
         return EXIT_FAILED
     if facts is not None and facts.moments_alike:
         facts.notes.append(f"warning: {MOMENTS_ALIKE}")
+    if whole is not None:
+        from osdpipe.io.checkpoints import get  # torch: not on inspect --help's path
+
+        naming = get(whole.layout).model_naming(Path(whole.path))
+        notes = [*whole.notes, naming.why] if naming.why else list(whole.notes)
     if as_json:
         if whole is None:
             shown = facts.to_json() if facts is not None else None
         else:
-            shown = {"checkpoint": {**whole.to_json(), "command": whole_command(whole)}, "optimizer": facts.to_json() if facts else None}
+            checkpoint = {**whole.to_json(), "notes": notes, "command": whole_command(whole, naming)}
+            shown = {"checkpoint": checkpoint, "optimizer": facts.to_json() if facts else None}
         print(json.dumps(shown, indent=2, sort_keys=True))
     elif whole is None:
         print(describe(facts))
     else:
-        print("\n".join(filter(None, [describe_whole(whole), facts and WHOLE_OPTIMIZER + describe(facts, command=False), "  convert with " + whole_command(whole)])))
+        optimizer = facts and WHOLE_OPTIMIZER + describe(facts, command=False)
+        described = describe_whole(whole) + "".join(f"\n  note         {n}" for n in notes[len(whole.notes):])
+        print("\n".join(filter(None, [described, optimizer, "  convert with " + whole_command(whole, naming)])))
     return EXIT_OK
 
 
@@ -120,23 +129,22 @@ def describe(f: Facts, command: bool = True) -> str:
     lines.append(f"  state        {show_size(f.state_bytes)} of tensors" + (f" ({dtypes})" if dtypes else ""))
     lines += [f"  note         {n}" for n in f.notes]
     if command:
-        lines.append("  convert with osdpipe " + " ".join([*f.overrides(), *TARGET_AND_OUTPUT]))
+        from osdpipe.io.file_facts import command as osdpipe_command  # torch: not on inspect --help's path
+
+        lines.append("  convert with " + osdpipe_command(f.overrides()))
     return "\n".join(lines)
 
-
-#: What a printed command leaves to the user: the target's world and the output's place.
-TARGET_AND_OUTPUT = ("target.world_size=<M>", "output.path=<dir>")
 #: Said before a whole checkpoint's optimizer part.
 WHOLE_OPTIMIZER = "optimizer part (the command below converts the whole checkpoint: the model and the optimizer, every other entry carried over):\n"
 
 
-def whole_command(whole: WholeCheckpoint) -> str:
-    """The command that converts a whole checkpoint, once the target and the output are filled in: its layout, the model that saved it
-    (named where the files and the framework can tell), and its folder. The conversion reads the rest from the files."""
-    from osdpipe.io.checkpoints import get  # torch: not on inspect --help's path
+def whole_command(whole: WholeCheckpoint, naming: ModelNaming) -> str:
+    """The command that converts a whole checkpoint, once the target and the output are filled in: its layout, the model
+    that saved it (``naming``: named where the files and the framework can tell), and its folder. The conversion reads
+    the rest from the files."""
+    from osdpipe.io.file_facts import command  # torch: not on inspect --help's path
 
-    layout = get(whole.layout)
-    return "osdpipe " + " ".join([f"checkpoint={whole.layout}", *layout.model_overrides(Path(whole.path)), f"input.path={whole.path}", *TARGET_AND_OUTPUT])
+    return command([f"checkpoint={whole.layout}", *naming.overrides, f"input.path={whole.path}"])
 
 
 def describe_whole(w: WholeCheckpoint) -> str:

@@ -29,6 +29,8 @@ with what every format shares of a loaded state in :mod:`osdpipe.io.formats.stat
 
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,21 @@ from osdpipe.io.formats.safe_load import load_torch_file
 from osdpipe.io.formats.state_facts import Unit
 from osdpipe.layout import kinds
 
-__all__ = ["Facts", "Unit", "detect_format", "read_facts"]
+__all__ = ["Facts", "Unit", "command", "detect_format", "read_facts"]
+
+#: What a printed command leaves to the user, as words a shell passes unchanged: the target's world and the output's
+#: place, and the function that builds the model where the files do not name it.
+TARGET_AND_OUTPUT = ("target.world_size=M", "output.path=OUT_DIR")
+USER_FACTORY = "PACKAGE.MODULE:FUNCTION"
+#: The target keys of an osdpipe output's manifest that describe its layout beyond kind and world, each with the value
+#: a command leaves unsaid (conf/source/fsdp1.yaml's), in the order a command names them.
+_LAYOUT_DEFAULTS = {"wrap": None, "wrap_root": True, "sharding_strategy": "FULL_SHARD", "tp_size": 1, "tp_plan": {}}
+
+
+def command(overrides: list[str]) -> str:
+    """The ``osdpipe`` command of ``overrides`` and the target's placeholders, quoted for a POSIX shell where needed
+    (``source.wrap=[Block]`` is a glob pattern to bash)."""
+    return "osdpipe " + " ".join(shlex.quote(o) for o in [*overrides, *TARGET_AND_OUTPUT])
 
 
 @dataclass
@@ -74,6 +90,11 @@ class Facts:
     state_names: list[str] = field(default_factory=list)
     moments_alike: bool = False
     notes: list[str] = field(default_factory=list)
+    #: The overrides that build the model, where the files name it (an osdpipe output's manifest); ``None``: the
+    #: files cannot tell, and the command asks for the user's ``model.factory``.
+    model: list[str] | None = None
+    #: Layout keys beyond kind and world that the files name (an osdpipe output's manifest: ``source.wrap=[...]``).
+    layout: list[str] = field(default_factory=list)
 
     def overrides(self) -> list[str]:
         """The ``key=value`` arguments that describe this checkpoint to ``osdpipe`` (what the files cannot say is left out)."""
@@ -89,13 +110,14 @@ class Facts:
             out += [f"source.{k}={v}" for k, v in kind.hybrid_keys(self.shard_group_size).items()]
         if self.use_orig_params and kind is not None and kind.has_use_orig_params and formats.get(self.format).local_state:
             out.append("source.use_orig_params=true")
+        out += self.layout
         if self.optimizer is not None:
             out.append(f"optim.name={self.optimizer}")
-        return out
+        return [*out, *(self.model if self.model is not None else [f"model.factory={USER_FACTORY}"])]
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["command"] = "osdpipe " + " ".join([*self.overrides(), "target.world_size=<M>", "output.path=<dir>"])
+        out["command"] = command(self.overrides())
         return out
 
 
@@ -141,4 +163,43 @@ def read_facts(path: str | Path, fmt: str | None = None, key: str | None = None)
     reader = formats.FORMATS[fmt]
     facts = Facts(path=str(path), format=fmt)
     reader.read_facts(facts, Path(path), key)
+    _from_manifest(facts, Path(path))
     return facts
+
+
+def _from_manifest(facts: Facts, path: Path) -> None:
+    """An osdpipe output's ``manifest.json`` (beside its rank files, or above its ``optim.pt`` or ``dcp/``) says exactly
+    which layout and model its files are for: what the files alone cannot (a full file's world, FSDP1's units)."""
+    for manifest in (path / "manifest.json", path.parent / "manifest.json"):
+        if manifest.is_file():
+            break
+    else:
+        return
+    try:
+        recorded = json.loads(manifest.read_text())
+        config, target = recorded["config"], recorded["config"]["target"]
+        if recorded.get("format") != facts.format:
+            return  # the manifest of another checkpoint in the same folder (a kept source/, say)
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    facts.kind, facts.world_size = target.get("kind", facts.kind), target.get("world_size", facts.world_size)
+    facts.shard_group_size = target.get("shard_group_size")
+    kind = kinds.find(facts.kind)
+    facts.use_orig_params = target.get("use_orig_params") if kind is not None and kind.has_use_orig_params else None
+    facts.layout = [f"source.{k}={_value(target[k])}" for k, v in _LAYOUT_DEFAULTS.items() if target.get(k, v) != v]
+    if (target.get("mixed_precision") or {}).get("param_dtype"):
+        facts.layout.append(f"source.mixed_precision.param_dtype={target['mixed_precision']['param_dtype']}")
+    model = config.get("model") or {}
+    if model.get("factory"):
+        kwargs = [f"model.kwargs.{k}={_value(v)}" for k, v in sorted((model.get("kwargs") or {}).items())]
+        facts.model = [f"model.factory={model['factory']}", *kwargs]
+    facts.notes.append(f"osdpipe's output ({manifest}): converted for target {json.dumps(target, sort_keys=True)}")
+
+
+def _value(value: Any) -> str:
+    """A config value as an override writes it: lists and dicts in Hydra's brackets, the rest as JSON."""
+    if isinstance(value, list):
+        return "[" + ",".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
+    return value if isinstance(value, str) else json.dumps(value)

@@ -41,7 +41,8 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        # In place: the same bits, and on the meta device (validation) it does not import torch._dynamo as the operator does (~1 s).
+        # In place: the same bits, and on the meta device (validation)
+        # it does not import torch._dynamo as the operator does (~1 s).
         self.gate = nn.Parameter(torch.randn(dim, dim).div_(dim))
         self.leaf1 = Leaf(dim, hidden)
         self.leaf2 = Leaf(dim, hidden)
@@ -134,7 +135,8 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Llama's attention projections (no rotary embedding, one head: only the parameters' names and shapes matter here)."""
+    """Llama's attention projections
+    (no rotary embedding, one head: only the parameters' names and shapes matter here)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -172,7 +174,8 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """A small model named as torchtitan's Llama is (``tok_embeddings``, ``layers.<i>.attention.wq``, ``feed_forward.w1``, ...), for its TP plan.
+    """A small model named as torchtitan's Llama is
+    (``tok_embeddings``, ``layers.<i>.attention.wq``, ``feed_forward.w1``, ...), for its TP plan.
 
     The hidden size (44 by default) is not a multiple of the usual
     tensor-parallel sizes, so its pieces are uneven, as a real 8B's are not.
@@ -195,7 +198,8 @@ class Llama(nn.Module):
 
 
 def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Module:
-    """A model from torchtitan's own registry, as its trainer builds it: ``torchtitan.models.<name>.model_registry(flavor)``.
+    """A model from torchtitan's own registry, as its trainer builds it:
+    ``torchtitan.models.<name>.model_registry(flavor)``.
 
     What a torchtitan job's checkpoint was saved from, named as torchtitan
     names it (``--module llama3``, flavour ``debugmodel``), so its state-dict
@@ -206,9 +210,15 @@ def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Mod
     try:
         registry = importlib.import_module(f"torchtitan.models.{name}").model_registry
     except ImportError as exc:
-        raise ValueError(f"model.factory=torchtitan with name={name!r}: cannot import torchtitan.models.{name} ({exc}); is torchtitan installed?") from None
+        raise ValueError(
+            f"model.factory=torchtitan with name={name!r}: cannot import torchtitan.models.{name} ({exc}); "
+            "is torchtitan installed?"
+        ) from None
     except AttributeError:
-        raise ValueError(f"model.factory=torchtitan: torchtitan.models.{name} has no model_registry; name one of torchtitan's models") from None
+        raise ValueError(
+            f"model.factory=torchtitan: torchtitan.models.{name} has no model_registry; "
+            "name one of torchtitan's models"
+        ) from None
     try:
         spec = registry(flavor)
     except KeyError:
@@ -220,8 +230,11 @@ def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Mod
     return model
 
 
-def hf_adapter(factory: str, kwargs: dict[str, Any]) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
-    """The model's own conversion of its state dict to Hugging Face's names and layout, where it has one (``None``: it has none).
+def hf_adapter(
+    factory: str, kwargs: dict[str, Any]
+) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+    """The model's own conversion of its state dict to Hugging Face's names and layout,
+    where it has one (``None``: it has none).
 
     torchtitan's models have one (their train spec's ``state_dict_adapter``:
     ``to_hf`` renames, permutes q/k for HF's RoPE and leaves out a tied
@@ -237,8 +250,9 @@ def hf_adapter(factory: str, kwargs: dict[str, Any]) -> Callable[[dict[str, torc
     return spec.state_dict_adapter(spec.model, None).to_hf
 
 
-def torchtitan_model_of(shapes: dict[str, tuple[int, ...]]) -> tuple[str, str] | None:
-    """The torchtitan model (name, flavor) whose own ``state_dict()`` holds exactly these names and shapes; ``None`` for none, or without torchtitan.
+def torchtitan_model_of(shapes: dict[str, tuple[int, ...]]) -> tuple[str, str, frozenset[str]] | None:
+    """The torchtitan model (name, flavor, its parameters' names) whose own ``state_dict()`` holds exactly these names
+    and shapes; ``None`` for none, or without torchtitan.
 
     How ``osdpipe inspect`` names the model of a torchtitan checkpoint so that
     its command runs as printed. A flavor is built (on ``meta``) only where its
@@ -250,9 +264,14 @@ def torchtitan_model_of(shapes: dict[str, tuple[int, ...]]) -> tuple[str, str] |
         import torchtitan.models as package
     except ImportError:
         return None
-    embedding = next((shape for name, shape in shapes.items() if name.endswith("embeddings.weight") and len(shape) == 2), None)
-    names = sorted((m.name for m in pkgutil.iter_modules(package.__path__)), key=lambda n: (n not in COMMON_TORCHTITAN_MODELS, n))
-    for name in names:  # the language models users train most first: each other module's import costs seconds (flux's many)
+    embedding = next(
+        (shape for name, shape in shapes.items() if name.endswith("embeddings.weight") and len(shape) == 2), None
+    )
+    names = sorted(
+        (m.name for m in pkgutil.iter_modules(package.__path__)), key=lambda n: (n not in COMMON_TORCHTITAN_MODELS, n)
+    )
+    # the language models users train most first: each other module's import costs seconds (flux's many)
+    for name in names:
         try:
             module = importlib.import_module(f"torchtitan.models.{name}")
         except Exception:  # noqa: BLE001 - a model whose imports this machine lacks is not the one
@@ -263,14 +282,16 @@ def torchtitan_model_of(shapes: dict[str, tuple[int, ...]]) -> tuple[str, str] |
         for flavor in configs:
             try:
                 config = module.model_registry(flavor).model
-                if embedding is not None and (getattr(config, "vocab_size", None), getattr(config, "dim", None)) not in ((embedding[0], embedding[1]), (None, None)):
+                size = (getattr(config, "vocab_size", None), getattr(config, "dim", None))
+                if embedding is not None and size not in ((embedding[0], embedding[1]), (None, None)):
                     continue
                 with torch.device("meta"):
-                    held = module.model_registry(flavor).model.build().state_dict()
+                    model = module.model_registry(flavor).model.build()
+                held = model.state_dict()
             except Exception:  # noqa: BLE001 - a flavor that cannot be built here is not the one
                 continue
             if {n: tuple(t.shape) for n, t in held.items()} == shapes:
-                return name, flavor
+                return name, flavor, frozenset(n for n, _ in model.named_parameters())
     return None
 
 
@@ -305,7 +326,9 @@ def resolve_factory(factory: str) -> ModelFactory:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"model.factory={factory!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
+        raise ValueError(
+            f"model.factory={factory!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?"
+        ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -313,7 +336,8 @@ def resolve_factory(factory: str) -> ModelFactory:
 
 
 def model_units(factory: str, kwargs: dict[str, Any]) -> list[str]:
-    """The model's natural FSDP units: its ``fsdp_units`` attribute (read on the meta model), else none (the root only)."""
+    """The model's natural FSDP units:
+    its ``fsdp_units`` attribute (read on the meta model), else none (the root only)."""
     return list(getattr(meta_model(factory, kwargs), "fsdp_units", ()))
 
 
@@ -322,7 +346,8 @@ _last_meta: tuple[str, nn.Module] | None = None
 
 
 def meta_model(factory: str, kwargs: dict[str, Any]) -> nn.Module:
-    """The model built on the ``meta`` device (no memory), built once for a run however many ask (read it, never change it)."""
+    """The model built on the ``meta`` device (no memory),
+    built once for a run however many ask (read it, never change it)."""
     global _last_meta
     key = json.dumps([factory, kwargs], sort_keys=True, default=repr)
     if _last_meta is None or _last_meta[0] != key:

@@ -4,7 +4,8 @@ Each command in a fenced code block is composed and validated as the
 command does it (Hydra's composition of ``osdpipe.conf``, then
 :func:`osdpipe.spec.config.check_schema`: unknown keys, bad values, groups,
 rules between keys), without running a conversion. What a command leaves to
-the reader is filled in first: ``<M>`` and ``<dir>``, and each path it names,
+the reader is filled in first: ``inspect``'s placeholders (``target.world_size=M``, ``OUT_DIR``,
+``PACKAGE.MODULE:FUNCTION``), and each path it names,
 which stands for the reader's own files, by one that exists here. A sweep
 (``-m``, ``a,b``) is checked with its first value. ``inspect`` and
 ``check`` must be subcommands, and ``check``'s overrides keys of the config.
@@ -65,7 +66,8 @@ def _filled(args: list[str], here: Path) -> list[str]:
         key, equals, value = arg.partition("=")
         if equals and key.lstrip("+") in PATH_KEYS:
             value = str(here / "path")
-        value = value.replace("<M>", "2").replace("<dir>", str(here / "out"))
+        value = "2" if (key, value) == ("target.world_size", "M") else value.replace("OUT_DIR", str(here / "out"))
+        value = value.replace("PACKAGE.MODULE:FUNCTION", "userlm:build")
         if equals and "," in value and not value.startswith(("[", "{", "'", '"')):
             value = value.split(",", 1)[0]  # a sweep's first value
         out.append(f"{key}{equals}{value}" if equals else arg)

@@ -242,3 +242,83 @@ def test_moments_that_are_one_another_are_said_a_generated_use_orig_params_sourc
     [result] = run_cli_cases([[f"input.path={damaged}", "target.world_size=2", f"output.path={tmp_path / 'again'}"]], cwd=tmp_path, per_case_s=TIMEOUT_S)
     assert result["code"] == 0, result["stderr"]
     assert f"osdpipe: warning: {damaged}: exp_avg equals exp_avg_sq for every parameter" in result["stderr"], result["stderr"]
+
+
+# ------------------------------------------------------------- the printed command runs
+
+
+def _printed_command(text: str) -> list[str]:
+    """The words of the ``convert with osdpipe ...`` line, as a POSIX shell splits them."""
+    import shlex
+
+    (line,) = [line for line in text.splitlines() if line.strip().startswith("convert with osdpipe ")]
+    words = shlex.split(line.strip().removeprefix("convert with osdpipe "))
+    assert "target.world_size=M" in words and "output.path=OUT_DIR" in words, line  # placeholders a shell passes as they are
+    return words
+
+
+def _filled(words: list[str], **fill: str) -> list[str]:
+    """The command with only its placeholders filled in."""
+    placeholders = {"target.world_size=M": "target.world_size", "output.path=OUT_DIR": "output.path",
+                    "model.factory=PACKAGE.MODULE:FUNCTION": "model.factory"}
+    return [f"{placeholders[w]}={fill[placeholders[w]]}" if w in placeholders else w for w in words]
+
+
+def test_the_command_inspect_prints_for_a_users_full_file_runs_once_its_placeholders_are_filled(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    """An FSDP1 FULL_STATE_DICT file of the user's own model names no model: the command asks for model.factory."""
+    code, text, err = _inspect(str(checkpoints / "adamw.pt"), cwd=tmp_path)
+    assert code == 0, err
+    words = _printed_command(text)
+    assert "model.factory=PACKAGE.MODULE:FUNCTION" in words, text
+    filled = _filled(words, **{"model.factory": "userlm:build", "target.world_size": "2", "output.path": str(tmp_path / "o")})
+    [done] = run_cli_cases([filled], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
+    assert done["code"] == 0, f"{filled}\n{done['stderr']}"
+    assert json.loads((tmp_path / "o" / "report.json").read_text())["ok"] is True
+
+
+def test_the_command_inspect_prints_for_an_osdpipe_output_names_its_layout_and_model_from_the_manifest(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    """osdpipe's rank_local output (FSDP1 units of MixerBlock, use_orig_params, 3 ranks): the manifest says what the
+    rank files cannot, so the command runs with only the target and the output filled in."""
+    code, text, err = _inspect(str(checkpoints / "out"), cwd=tmp_path)
+    assert code == 0, err
+    words = _printed_command(text)
+    assert {"source.kind=fsdp1", "source.world_size=3", "source.wrap=[MixerBlock]", "model.factory=userlm:build"} <= set(
+        words
+    ), text
+    filled = _filled(words, **{"target.world_size": "2", "output.path": str(tmp_path / "o")})
+    [done] = run_cli_cases([filled], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
+    assert done["code"] == 0, f"{filled}\n{done['stderr']}"
+
+
+@pytest.mark.frameworks
+def test_a_torchtitan_folder_of_a_model_not_in_its_registry_asks_for_the_factory_and_then_converts(tmp_path: Path) -> None:
+    """llama3 debugmodel with fuse_qkv=False has the registry model's state dict, not its parameters: inspect must not
+    name the registry's model (its command would fail on the optimizer's names), and says which names do not fit."""
+    pytest.importorskip("torchtitan")
+    import titan_unfused
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = titan_unfused.build()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optim.step()
+    flat = get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    folder = tmp_path / "checkpoints" / "step-1"
+    dcp.save({**model.state_dict(), "optimizer": flat, "train_state": {"step": 1}}, checkpoint_id=str(folder))
+
+    code, text, err = _inspect(str(tmp_path / "checkpoints"), cwd=tmp_path)
+    assert code == 0, err
+    words = _printed_command(text)
+    assert "model.factory=PACKAGE.MODULE:FUNCTION" in words and not any(w.startswith("checkpoint.model") for w in words)
+    assert "qkv_linear.wq.weight" in text and "give model.factory" in text, text
+    filled = _filled(words, **{"model.factory": "titan_unfused:build", "target.world_size": "2",
+                               "output.path": str(tmp_path / "o")})
+    [done] = run_cli_cases([[*filled, "runtime.mode=offline"]], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
+    assert done["code"] == 0, f"{filled}\n{done['stderr'][-3000:]}"

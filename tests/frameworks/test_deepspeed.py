@@ -46,7 +46,8 @@ from osdpipe.io.output import conversion_entries
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
 
-#: The saves issue 31 names: each ZeRO stage, fp32 and bf16, on 2 and 4 ranks, with tied embeddings on and off between them.
+#: The saves issue 31 names: each ZeRO stage, fp32 and bf16, on 2 and 4 ranks,
+#: with tied embeddings on and off between them.
 SAVES = {
     "zero1-bf16-4": {"stage": 1, "dtype": "bf16", "tied": False, "ranks": 4},
     "zero2-fp32-4": {"stage": 2, "dtype": "fp32", "tied": True, "ranks": 4},
@@ -54,14 +55,25 @@ SAVES = {
     "zero3-fp32-2": {"stage": 3, "dtype": "fp32", "tied": False, "ranks": 2},
     "zero3-bf16-4": {"stage": 3, "dtype": "bf16", "tied": True, "ranks": 4},
 }
-#: What each save converts to: FSDP2 on 2 and on 3 ranks in PyTorch's layout (DCP), one with the model as safetensors beside it, and
-#: DDP's rank files (each the whole model and optimizer, as a plain job saves them) with the model as safetensors.
+#: What each save converts to: FSDP2 on 2 and on 3 ranks in PyTorch's layout (DCP), one with the model as safetensors
+#: beside it, and DDP's rank files (each the whole model and optimizer, as a plain job saves them) with the model as
+#: safetensors.
 TARGETS = {
-    **{f"{name}-fsdp2-{world}": (name, ["target.kind=fsdp2", f"target.world_size={world}", "output.checkpoint=pytorch"]) for name in SAVES for world in (2, 3)},
-    "zero2-fp32-4-ddp-2": ("zero2-fp32-4", ["target.kind=ddp", "target.world_size=2", "output.format=rank_local", "output.model_format=safetensors"]),
+    **{
+        f"{name}-fsdp2-{world}": (
+            name, ["target.kind=fsdp2", f"target.world_size={world}", "output.checkpoint=pytorch"]
+        )
+        for name in SAVES
+        for world in (2, 3)
+    },
+    "zero2-fp32-4-ddp-2": (
+        "zero2-fp32-4",
+        ["target.kind=ddp", "target.world_size=2", "output.format=rank_local", "output.model_format=safetensors"],
+    ),
 }
 TARGETS["zero3-bf16-4-fsdp2-2"][1].append("output.model_format=safetensors")
-#: The FSDP2 world each save's torchtitan step folder is written for (torchtitan's own load, on 2 ranks, reshards either).
+#: The FSDP2 world each save's torchtitan step folder is written for (torchtitan's own load, on 2 ranks, reshards
+#: either).
 TITAN_WORLDS = {"zero1-bf16-4": 2, "zero2-fp32-4": 3, "zero2-bf16-2": 3, "zero3-fp32-2": 2, "zero3-bf16-4": 2}
 
 
@@ -79,11 +91,16 @@ def _gathered(dcp_dir: Path, work: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory) -> dict[str, Path]:
-    """Each of :data:`SAVES`, trained and saved once for the module, with DeepSpeed's own universal checkpoint beside it."""
+    """Each of :data:`SAVES`, trained and saved once for the module, with DeepSpeed's own universal checkpoint beside
+    it."""
     root = tmp_path_factory.mktemp("deepspeed")
     made = {}
     for name, spec in SAVES.items():
-        made[name] = folder = ds.save(root, spec["ranks"], {**{k: v for k, v in spec.items() if k != "ranks"}, "out": str(root / name), "steps": 2})
+        made[name] = folder = ds.save(
+            root,
+            spec["ranks"],
+            {**{k: v for k, v in spec.items() if k != "ranks"}, "out": str(root / name), "steps": 2},
+        )
         if not ds.universal_path(folder).is_dir():  # ds.save made it where DeepSpeed's API lacked moments
             ds.universal(folder, workdir=root)
     return made
@@ -93,14 +110,16 @@ ALL_CHECKS = ("roundtrip", "reference", "load_step", "resume")
 
 
 def _argv(folder: Path, out: Path, *extra: str) -> list[str]:
-    """The ``osdpipe`` command's overrides for the save ``folder``, with the job's own model (FSDP2 on 3 ranks, DCP, unless ``extra`` says)."""
+    """The ``osdpipe`` command's overrides for the save ``folder``, with the job's own model
+    (FSDP2 on 3 ranks, DCP, unless ``extra`` says)."""
     tied = str(SAVES[folder.name]["tied"]).lower()
     return [f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", f"+model.kwargs.tied={tied}",
             "target.kind=fsdp2", "target.world_size=3", "output.format=dcp", f"output.path={out}", *extra]
 
 
 def _passed(out: Path, code: int | str, said: str, checks: tuple[str, ...] = ALL_CHECKS) -> dict:
-    """The report of a conversion into ``out`` that exited ``code`` (``said``: its stderr), which every check (``checks``: those that run) passed."""
+    """The report of a conversion into ``out`` that exited ``code`` (``said``: its stderr), which every check
+    (``checks``: those that run) passed."""
     assert code == 0, said[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {c["name"]: c["ok"] for c in report["checks"]} == dict.fromkeys(checks, True), report["checks"]
@@ -108,24 +127,42 @@ def _passed(out: Path, code: int | str, said: str, checks: tuple[str, ...] = ALL
 
 
 def _convert(folder: Path, out: Path, *extra: str, checks: tuple[str, ...] = ALL_CHECKS) -> dict:
-    """The ``osdpipe`` command on the save ``folder`` (:func:`_argv`), in a process of its own; every check must pass."""
-    done = run_command([sys.executable, "-m", "osdpipe", *_argv(folder, out, *extra)], cwd=out.parent, timeout=400, env=user_env())
+    """The ``osdpipe`` command on the save ``folder`` (:func:`_argv`), in a process of its own;
+    every check must pass."""
+    done = run_command(
+        [sys.executable, "-m", "osdpipe", *_argv(folder, out, *extra)], cwd=out.parent, timeout=400, env=user_env()
+    )
     return _passed(out, done.returncode, done.stderr, checks)
 
 
-#: The conversions of every save to PyTorch's layout, to one plain file and to a torchtitan step folder: ``(save, overrides)`` by case.
+#: The conversions of every save to PyTorch's layout, to one plain file and to a torchtitan step folder:
+#: ``(save, overrides)`` by case.
 CONVERSIONS = {
-    **{f"whole/{target}": (name, ["checkpoint=deepspeed", *overrides]) for target, (name, overrides) in TARGETS.items()},
-    **{f"plain/{name}": (name, ["checkpoint=deepspeed", "target.kind=none", "target.world_size=1", "output.format=plain", "output.model_format=safetensors"])
-       for name in SAVES},
-    **{f"titan/{name}": (name, ["checkpoint=deepspeed", "output.checkpoint=torchtitan", f"target.world_size={world}"]) for name, world in TITAN_WORLDS.items()},
+    **{
+        f"whole/{target}": (name, ["checkpoint=deepspeed", *overrides])
+        for target, (name, overrides) in TARGETS.items()
+    },
+    **{
+        f"plain/{name}": (
+            name,
+            [
+                "checkpoint=deepspeed", "target.kind=none", "target.world_size=1",
+                "output.format=plain", "output.model_format=safetensors",
+            ],
+        )
+        for name in SAVES
+    },
+    **{
+        f"titan/{name}": (name, ["checkpoint=deepspeed", "output.checkpoint=torchtitan", f"target.world_size={world}"])
+        for name, world in TITAN_WORLDS.items()
+    },
 }
 
 
 @pytest.fixture(scope="module")
 def converted(saves: dict[str, Path], tmp_path_factory) -> dict[str, tuple[Path, int | str, str]]:
-    """Each of :data:`CONVERSIONS` through the ``osdpipe`` entry point, all in one driver process (torch imported once): case -> its
-    output directory, exit code and stderr."""
+    """Each of :data:`CONVERSIONS` through the ``osdpipe`` entry point, all in one driver process (torch imported once):
+    case -> its output directory, exit code and stderr."""
     root = tmp_path_factory.mktemp("converted")
     outs = {case: root / case.replace("/", "-") for case in CONVERSIONS}
     argv = [_argv(saves[name], outs[case], *overrides) for case, (name, overrides) in CONVERSIONS.items()]
@@ -136,40 +173,60 @@ def converted(saves: dict[str, Path], tmp_path_factory) -> dict[str, tuple[Path,
 def _assert_the_optimizer_is_deepspeeds(got: dict, truth: dict, universal: Path) -> None:
     assert set(got["state"]) == set(truth["state"]), "every optimized parameter, tied ones once"
     wrong = [
-        f"{fqn}.{key}" for fqn, want in truth["state"].items() for key in ("exp_avg", "exp_avg_sq")
-        if got["state"][fqn][key].shape != want[key].shape or not torch.equal(_bits(got["state"][fqn][key]), _bits(want[key]))
+        f"{fqn}.{key}"
+        for fqn, want in truth["state"].items()
+        for key in ("exp_avg", "exp_avg_sq")
+        if got["state"][fqn][key].shape != want[key].shape
+        or not torch.equal(_bits(got["state"][fqn][key]), _bits(want[key]))
     ]
     assert wrong == []
     assert all(float(got["state"][fqn]["step"]) == float(want["step"]) for fqn, want in truth["state"].items())
     groups = [(sorted(g["params"]), g["weight_decay"], g["lr"]) for g in got["param_groups"]]
     assert groups == [(sorted(g["params"]), g["weight_decay"], g["lr"]) for g in truth["param_groups"]]
-    for fqn, state in got["state"].items():  # and DeepSpeed's own ds_to_universal, which stores each state per parameter
+    # and DeepSpeed's own ds_to_universal, which stores each state per parameter
+    for fqn, state in got["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             stored = torch.load(universal / "zero" / fqn / f"{key}.pt", weights_only=False)
             want = stored["param"] if isinstance(stored, dict) else stored  # stage 3 writes it flat
-            assert torch.equal(_bits(state[key]), _bits(want.reshape(state[key].shape))), f"{fqn}.{key} differs from ds_to_universal's"
+            assert torch.equal(_bits(state[key]), _bits(want.reshape(state[key].shape))), (
+                f"{fqn}.{key} differs from ds_to_universal's"
+            )
 
 
 def _by_name(rank_file: dict, groups: list[dict]) -> dict:
-    """A DDP job's rank file, its optimizer keyed by parameter name: as ``optim.state_dict()`` numbers them, each group's IDs are its
-    parameters in the order the job gave them (``groups``: the job's param groups, by name)."""
+    """A DDP job's rank file, its optimizer keyed by parameter name: as ``optim.state_dict()`` numbers them, each
+    group's IDs are its parameters in the order the job gave them (``groups``: the job's param groups, by name)."""
     osd = rank_file["optim"]
-    names = {i: name for mine, theirs in zip(osd["param_groups"], groups, strict=True) for i, name in zip(mine["params"], theirs["params"], strict=True)}
-    return {**rank_file, "optim": {"state": {names[i]: s for i, s in osd["state"].items()},
-                                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}}
+    names = {
+        i: name
+        for mine, theirs in zip(osd["param_groups"], groups, strict=True)
+        for i, name in zip(mine["params"], theirs["params"], strict=True)
+    }
+    return {
+        **rank_file,
+        "optim": {
+            "state": {names[i]: s for i, s in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]],
+        },
+    }
 
 
 def _assert_the_model_is_deepspeeds(model: dict, truth: dict, universal: Path) -> None:
-    """``model`` (a state dict by name) holds DeepSpeed's fp32 masters, bit for bit, as its dump and its own ``ds_to_universal`` hold them."""
+    """``model`` (a state dict by name) holds DeepSpeed's fp32 masters, bit for bit, as its dump and its own
+    ``ds_to_universal`` hold them."""
     assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(model[fqn]), _bits(want))] == []
     for fqn in truth["fp32"]:
         fp32 = torch.load(universal / "zero" / fqn / "fp32.pt", weights_only=False)
         fp32 = fp32["param"] if isinstance(fp32, dict) else fp32
-        assert torch.equal(_bits(model[fqn]), _bits(fp32.reshape(model[fqn].shape))), f"{fqn} differs from ds_to_universal's fp32"
+        assert torch.equal(_bits(model[fqn]), _bits(fp32.reshape(model[fqn].shape))), (
+            f"{fqn} differs from ds_to_universal's fp32"
+        )
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: Path, saves: dict[str, Path], converted: dict, target: str) -> None:
+def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(
+    tmp_path: Path, saves: dict[str, Path], converted: dict, target: str
+) -> None:
     name, overrides = TARGETS[target]
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
@@ -183,7 +240,8 @@ def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: 
         got = _by_name(torch.load(out / "rank_1.pt", weights_only=True), truth["param_groups"])
     _assert_the_optimizer_is_deepspeeds(got["optim"], truth, universal)
 
-    # the model's weights are DeepSpeed's fp32 masters (training moved every one: in bf16 they are not the module's copy), under every name
+    # the model's weights are DeepSpeed's fp32 masters (training moved every one: in bf16 they are not the module's
+    # copy), under every name
     assert all(not torch.equal(truth["fp32"][fqn], truth["initial"][fqn].float()) for fqn in truth["fp32"])
     model = got["model"]
     assert set(model) == set(truth["module"]), "the model's state dict: a tied weight under both names, the buffer"
@@ -192,37 +250,56 @@ def test_a_zero_save_converts_whole_with_deepspeeds_state_bit_for_bit(tmp_path: 
         assert torch.equal(model["head.weight"], model["tok.weight"])
     assert torch.equal(_bits(model["pos"]), _bits(truth["module"]["pos"]))
 
-    # DeepSpeed's own entries a PyTorch job has no place for are carried under their names; those of its own layout are named as left out
+    # DeepSpeed's own entries a PyTorch job has no place for are carried under their names;
+    # those of its own layout are named as left out
     assert got["lr_scheduler"] == truth["lr_scheduler"] and got["global_steps"] == truth["global_steps"] == 2
     fates = {e["name"]: e["fate"] for e in report["entries"]}
-    assert fates["param_shapes"].startswith("left out") and fates["module"].startswith("left out") and fates["lr_scheduler"].startswith("carried")
+    assert (
+        fates["param_shapes"].startswith("left out")
+        and fates["module"].startswith("left out")
+        and fates["lr_scheduler"].startswith("carried")
+    )
     if "output.model_format=safetensors" in overrides:
         from safetensors.torch import load_file
 
         exported = load_file(out / "model.safetensors")
-        assert [fqn for fqn, want in truth["fp32"].items() if fqn in exported and not torch.equal(exported[fqn], want)] == []
-        assert set(exported) == set(truth["module"]) - {"head.weight"}, "a tied weight once, as save_pretrained stores it"
+        assert [
+            fqn for fqn, want in truth["fp32"].items() if fqn in exported and not torch.equal(exported[fqn], want)
+        ] == []
+        assert set(exported) == set(truth["module"]) - {"head.weight"}, (
+            "a tied weight once, as save_pretrained stores it"
+        )
 
 
 def _unflattened(optimizer: dict, groups: list[dict]) -> dict:
-    """torchtitan's flattened optimizer entry (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``) as a state dict keyed
-    by FQN, its param groups those of ``groups`` (DeepSpeed's) with the hyperparameters the entry gives their first parameter."""
+    """torchtitan's flattened optimizer entry (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``) as a
+    state dict keyed by FQN, its param groups those of ``groups`` (DeepSpeed's) with the hyperparameters the entry gives
+    their first parameter."""
     state: dict = {}
     for key, value in optimizer.items():
         if key.startswith("state."):
             fqn, _, name = key.removeprefix("state.").rpartition(".")
             state.setdefault(fqn, {})[name] = value
     hyper = ("lr", "weight_decay")
-    return {"state": state, "param_groups": [{**{h: optimizer[f"param_groups.{g['params'][0]}.{h}"] for h in hyper}, "params": g["params"]} for g in groups]}
+    return {
+        "state": state,
+        "param_groups": [
+            {**{h: optimizer[f"param_groups.{g['params'][0]}.{h}"] for h in hyper}, "params": g["params"]}
+            for g in groups
+        ],
+    }
 
 
 
 
 @pytest.mark.parametrize("name", list(TITAN_WORLDS))
-def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(tmp_path: Path, saves: dict[str, Path], converted: dict, name: str) -> None:
-    """``output.checkpoint=torchtitan``: one ``step-<N>`` folder of DeepSpeed's ``global_steps``, the model at the top level, the optimizer
-    flattened, DeepSpeed's own entries under ``deepspeed``, where torchtitan's ``lr_scheduler`` would take them for its own; and the
-    run says what torchtitan needs to load a step folder without its dataloader, lr_scheduler and train_state."""
+def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(
+    tmp_path: Path, saves: dict[str, Path], converted: dict, name: str
+) -> None:
+    """``output.checkpoint=torchtitan``: one ``step-<N>`` folder of DeepSpeed's ``global_steps``, the model at the top
+    level, the optimizer flattened, DeepSpeed's own entries under ``deepspeed``, where torchtitan's ``lr_scheduler``
+    would take them for its own; and the run says what torchtitan needs to load a step folder without its dataloader,
+    lr_scheduler and train_state."""
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     out, code, said = converted[f"titan/{name}"]
@@ -230,87 +307,153 @@ def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(tmp_path: Path
     step = out / f"step-{truth['global_steps']}"
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [step.name]
     got = _gathered(step, tmp_path)
-    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(got[fqn]), _bits(want))] == [], "the fp32 masters, at the top level"
+    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(got[fqn]), _bits(want))] == [], (
+        "the fp32 masters, at the top level"
+    )
     assert torch.equal(_bits(got["pos"]), _bits(truth["module"]["pos"]))
-    _assert_the_optimizer_is_deepspeeds(_unflattened(got["optimizer"], truth["param_groups"]), truth, ds.universal_path(folder) / ds.latest_tag(folder))
-    assert got["deepspeed"]["lr_scheduler"] == truth["lr_scheduler"] and got["deepspeed"]["global_steps"] == truth["global_steps"]
+    _assert_the_optimizer_is_deepspeeds(
+        _unflattened(got["optimizer"], truth["param_groups"]), truth, ds.universal_path(folder) / ds.latest_tag(folder)
+    )
+    assert (
+        got["deepspeed"]["lr_scheduler"] == truth["lr_scheduler"]
+        and got["deepspeed"]["global_steps"] == truth["global_steps"]
+    )
     assert not {"lr_scheduler", "dataloader", "train_state"} & set(got), "torchtitan's own entries are not made up"
     fates = {e["name"]: e["fate"] for e in report["entries"]}
     assert fates["lr_scheduler"].startswith("carried over unchanged, under 'deepspeed'")
-    assert any("--checkpoint.exclude-from-loading dataloader,lr_scheduler,train_state" in w for w in report["warnings"]), report["warnings"]
+    assert any(
+        "--checkpoint.exclude-from-loading dataloader,lr_scheduler,train_state" in w for w in report["warnings"]
+    ), report["warnings"]
 
-    # torchtitan's own CheckpointManager, so told, loads it into an FSDP2 job of the same model on 2 ranks, which takes a step
+    # torchtitan's own CheckpointManager, so told, loads it into an FSDP2 job of the same model on 2 ranks, which takes
+    # a step
     loaded = _torchtitan_loads(out, truth, name, tmp_path)
     assert loaded["found"] and loaded["step"] == 0 and math.isfinite(loaded["loss"])
-    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(loaded["model"][fqn]), _bits(want))] == []
+    assert [
+        fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(loaded["model"][fqn]), _bits(want))
+    ] == []
     _assert_the_optimizer_is_deepspeeds(loaded["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
 
 
 def test_a_zero_save_becomes_an_accelerate_folder_that_load_state_reads(tmp_path: Path, saves: dict[str, Path]) -> None:
-    """``output.checkpoint=accelerate``: ``save_state``'s SHARDED folder for FSDP2 on 2 ranks, DeepSpeed's own entries in
-    ``deepspeed.pt`` beside it; accelerate 1.15's own ``load_state``, in a fresh FSDP2 job of the same model and param groups (no
-    scheduler, as the run says), loads DeepSpeed's masters and optimizer state bit for bit and takes a step."""
+    """``output.checkpoint=accelerate``: ``save_state``'s SHARDED folder for FSDP2 on 2 ranks, DeepSpeed's own entries
+    in ``deepspeed.pt`` beside it; accelerate 1.15's own ``load_state``, in a fresh FSDP2 job of the same model and
+    param groups (no scheduler, as the run says), loads DeepSpeed's masters and optimizer state bit for bit and takes a
+    step."""
     from frameworks import accel
 
     name = "zero2-bf16-2"
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     out = tmp_path / "out"
-    asked = ("roundtrip", "reference", "load_step", "resume", "universal")  # and DeepSpeed's own ds_to_universal, run by the check
-    report = _convert(folder, out, "checkpoint=deepspeed", "output.checkpoint=accelerate", "target.world_size=2", f"pipeline.checks=[{','.join(asked)}]", checks=asked)
+    # and DeepSpeed's own ds_to_universal, run by the check
+    asked = ("roundtrip", "reference", "load_step", "resume", "universal")
+    report = _convert(
+        folder,
+        out,
+        "checkpoint=deepspeed",
+        "output.checkpoint=accelerate",
+        "target.world_size=2",
+        f"pipeline.checks=[{','.join(asked)}]",
+        checks=asked,
+    )
     assert sorted(p.name for p in (out / "dcp").iterdir()) == ["deepspeed.pt", "optimizer_0", "pytorch_model_fsdp_0"]
     carried = torch.load(out / "dcp" / "deepspeed.pt", weights_only=True)
     assert carried["lr_scheduler"] == truth["lr_scheduler"] and carried["global_steps"] == truth["global_steps"]
     assert any("call load_state before preparing a scheduler" in w for w in report["warnings"]), report["warnings"]
     said = next(c["detail"] for c in report["checks"] if c["name"] == "universal")
-    assert "writes head.weight, a tied name, from the module's bfloat16 copy" in said, said  # where DeepSpeed's own output is wrong
+    # where DeepSpeed's own output is wrong
+    assert "writes head.weight, a tied name, from the module's bfloat16 copy" in said, said
 
-    job = {"model": "frameworks.ds_job:DsLM", "kwargs": {"tied": SAVES[name]["tied"]}, "wrap": "DsBlock",
-           "groups": [[g["params"], {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}] for g in truth["param_groups"]]}
-    loaded = accel.load(tmp_path, 2, out / "dcp", fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", tied=SAVES[name]["tied"], job=job)
-    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(loaded["model"][fqn]), _bits(want))] == []
+    job = {
+        "model": "frameworks.ds_job:DsLM",
+        "kwargs": {"tied": SAVES[name]["tied"]},
+        "wrap": "DsBlock",
+        "groups": [
+            [g["params"], {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}] for g in truth["param_groups"]
+        ],
+    }
+    loaded = accel.load(
+        tmp_path,
+        2,
+        out / "dcp",
+        fsdp_version=2,
+        state_dict_type="SHARDED_STATE_DICT",
+        tied=SAVES[name]["tied"],
+        job=job,
+    )
+    assert [
+        fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(loaded["model"][fqn]), _bits(want))
+    ] == []
     assert torch.equal(_bits(loaded["model"]["pos"]), _bits(truth["module"]["pos"]))
     _assert_the_optimizer_is_deepspeeds(loaded["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
 
 
 def test_the_universal_check_finds_one_element_that_is_not_deepspeeds(saves: dict[str, Path]) -> None:
-    """The ``universal`` check's comparison: the state DeepSpeed's job held equals its ``ds_to_universal`` output (stage 3 stores it flat,
-    stage 2 shaped); one element changed, one parameter missing or one too many are each found."""
+    """The ``universal`` check's comparison: the state DeepSpeed's job held equals its ``ds_to_universal`` output (stage
+    3 stores it flat, stage 2 shaped); one element changed, one parameter missing or one too many are each found."""
     from osdpipe.io.formats.ds_universal import universal_differences
 
     for name in ("zero2-fp32-4", "zero3-fp32-2"):
         folder = saves[name]
         truth = torch.load(ds.dump_path(folder), weights_only=False)
         universal = ds.universal_path(folder) / ds.latest_tag(folder)
-        weights = {**truth["module"], **truth["fp32"]}  # every name (a tied head, the buffer), the masters where there are
+        # every name (a tied head, the buffer), the masters where there are
+        weights = {**truth["module"], **truth["fp32"]}
         assert universal_differences(universal, weights, truth["state"]) == ([], []), name
         fqn = next(iter(truth["state"]))
-        moved = {**truth["state"], fqn: {**truth["state"][fqn], "exp_avg_sq": truth["state"][fqn]["exp_avg_sq"].clone()}}
+        moved = {
+            **truth["state"], fqn: {**truth["state"][fqn], "exp_avg_sq": truth["state"][fqn]["exp_avg_sq"].clone()}
+        }
         moved[fqn]["exp_avg_sq"].view(-1)[3] += 1e-3
         found, _ = universal_differences(universal, weights, moved)
         assert len(found) == 1 and f"{fqn}.exp_avg_sq" in found[0], found
-        assert any(f"has {fqn}'s exp_avg, which osdpipe did not read" in p
-                   for p in universal_differences(universal, weights, {k: v for k, v in truth["state"].items() if k != fqn})[0])
+        assert any(
+            f"has {fqn}'s exp_avg, which osdpipe did not read" in p
+            for p in universal_differences(universal, weights, {k: v for k, v in truth["state"].items() if k != fqn})[0]
+        )
         assert any("extra.weight's optimizer state, which ds_to_universal has not" in p
                    for p in universal_differences(universal, weights, {**truth["state"], "extra.weight": {}})[0])
 
 
 def _torchtitan_loads(folder: Path, truth: dict, name: str, work: Path) -> dict:
-    """What torchtitan's ``CheckpointManager`` (``--checkpoint.folder`` ``folder``, without dataloader, lr_scheduler and train_state)
-    loads into a 2-rank FSDP2 job of the DeepSpeed job's model and param groups (:mod:`frameworks.titan_load`)."""
-    groups = [["^(" + "|".join(re.escape(fqn) for fqn in g["params"]) + ")$", {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}]
-              for g in truth["param_groups"]]
-    spec = {"folder": str(folder), "model": "frameworks.ds_job:DsLM", "kwargs": {"tied": SAVES[name]["tied"]}, "groups": groups,
-            "exclude": ["dataloader", "lr_scheduler", "train_state"], "dump": str(work / "titan_loaded.pt")}
-    run_logged(torchrun(2, Path(titan_load.__file__), spec), work, label="titan-load", timeout=300, what="torchtitan's load of", env=worker_env())
+    """What torchtitan's ``CheckpointManager`` (``--checkpoint.folder`` ``folder``, without dataloader, lr_scheduler and
+    train_state) loads into a 2-rank FSDP2 job of the DeepSpeed job's model and param groups
+    (:mod:`frameworks.titan_load`)."""
+    groups = [
+        [
+            "^(" + "|".join(re.escape(fqn) for fqn in g["params"]) + ")$",
+            {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")},
+        ]
+        for g in truth["param_groups"]
+    ]
+    spec = {
+        "folder": str(folder),
+        "model": "frameworks.ds_job:DsLM",
+        "kwargs": {"tied": SAVES[name]["tied"]},
+        "groups": groups,
+        "exclude": ["dataloader", "lr_scheduler", "train_state"],
+        "dump": str(work / "titan_loaded.pt"),
+    }
+    run_logged(
+        torchrun(2, Path(titan_load.__file__), spec),
+        work,
+        label="titan-load",
+        timeout=300,
+        what="torchtitan's load of",
+        env=worker_env(),
+    )
     return torch.load(spec["dump"], weights_only=False)
 
 
 @pytest.mark.parametrize("name", list(SAVES))
-def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(saves: dict[str, Path], converted: dict, name: str) -> None:
-    """One process, no wrapper (``target.kind=none output.format=plain``): ``rank_0.pt`` is what a plain job ``torch.save``s,
-    ``{"model": model.state_dict(), "optim": optim.state_dict(), ...}``, with the model as safetensors beside it. The job's own model
-    takes the weights strictly and its own AdamW the optimizer state, DeepSpeed's bit for bit."""
+def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(
+    saves: dict[str, Path], converted: dict, name: str
+) -> None:
+    """One process, no wrapper (``target.kind=none output.format=plain``): ``rank_0.pt`` is what a plain job
+    ``torch.save``s, ``{"model": model.state_dict(), "optim": optim.state_dict(), ...}``, with the model as safetensors
+    beside it. The job's own model takes the weights strictly and its own AdamW the optimizer state, DeepSpeed's bit for
+    bit."""
     from frameworks.ds_job import DsLM, param_groups
     from safetensors.torch import load_file
 
@@ -332,31 +475,44 @@ def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(save
     assert saved["lr_scheduler"] == truth["lr_scheduler"] and saved["global_steps"] == truth["global_steps"]
     exported = load_file(out / "model.safetensors")
     assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(exported[fqn], want)] == []
-    universal = ds.universal_path(folder) / ds.latest_tag(folder)  # and DeepSpeed's own ds_to_universal, tensor by tensor
+    # and DeepSpeed's own ds_to_universal, tensor by tensor
+    universal = ds.universal_path(folder) / ds.latest_tag(folder)
     _assert_the_optimizer_is_deepspeeds(_by_name(saved, truth["param_groups"])["optim"], truth, universal)
     _assert_the_model_is_deepspeeds(saved["model"], truth, universal)
 
 
-def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(tmp_path: Path, saves: dict[str, Path]) -> None:
+def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(
+    tmp_path: Path, saves: dict[str, Path]
+) -> None:
     folder = saves["zero3-fp32-2"]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     out = tmp_path / "out"
     _convert(folder, out)  # input.format=deepspeed, found by itself; checkpoint=optimizer
-    _assert_the_optimizer_is_deepspeeds(_gathered(out / "dcp", tmp_path)["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
+    _assert_the_optimizer_is_deepspeeds(
+        _gathered(out / "dcp", tmp_path)["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder)
+    )
     reader = ZeroReader(str(folder))
     masters = reader.read([(fqn, "fp32") for fqn in truth["fp32"]])
-    assert [fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(masters[(fqn, "fp32")]), _bits(want))] == []
+    assert [
+        fqn for fqn, want in truth["fp32"].items() if not torch.equal(_bits(masters[(fqn, "fp32")]), _bits(want))
+    ] == []
 
 
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory) -> Path:
-    """A ZeRO-3 fp32 save on 2 ranks, as ``zero3-fp32-2`` but of a model of other sizes: same stage, same world, partitions of other lengths."""
+    """A ZeRO-3 fp32 save on 2 ranks, as ``zero3-fp32-2`` but of a model of other sizes: same stage, same world,
+    partitions of other lengths."""
     root = tmp_path_factory.mktemp("deepspeed-other")
-    return ds.save(root, 2, {"stage": 3, "dtype": "fp32", "tied": False, "dim": 12, "hidden": 20, "out": str(root / "other"), "steps": 1})
+    return ds.save(
+        root,
+        2,
+        {"stage": 3, "dtype": "fp32", "tied": False, "dim": 12, "hidden": 20, "out": str(root / "other"), "steps": 1},
+    )
 
 
 def _damaged(kind: str, folder: Path, other: Path, other_model: Path) -> None:
-    """Damage the copy ``folder`` of a 2-rank fp32 ZeRO-3 save as ``kind`` says (``other``: a save of another stage; ``other_model``: of another model)."""
+    """Damage the copy ``folder`` of a 2-rank fp32 ZeRO-3 save as ``kind`` says (``other``: a save of another stage;
+    ``other_model``: of another model)."""
     tag = folder / ds.latest_tag(folder)
     rank1 = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     if kind == "missing rank file":
@@ -387,14 +543,19 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
-def test_a_bad_save_gets_one_line_and_leaves_no_output(tmp_path: Path, saves: dict[str, Path], other_model: Path, kind: str) -> None:
+def test_a_bad_save_gets_one_line_and_leaves_no_output(
+    tmp_path: Path, saves: dict[str, Path], other_model: Path, kind: str
+) -> None:
     folder = tmp_path / "zero3-fp32-2"
     shutil.copytree(saves["zero3-fp32-2"], folder)
     _damaged(kind, folder, saves["zero2-fp32-4"], other_model)
     out = tmp_path / "out"
     done = run_command(
-        [sys.executable, "-m", "osdpipe", "checkpoint=deepspeed", f"input.path={folder}", "model.factory=frameworks.ds_job:DsLM", "+model.kwargs.tied=false",
-         "target.kind=fsdp2", "target.world_size=2", f"output.path={out}"],
+        [
+            sys.executable, "-m", "osdpipe", "checkpoint=deepspeed", f"input.path={folder}",
+            "model.factory=frameworks.ds_job:DsLM", "+model.kwargs.tied=false",
+            "target.kind=fsdp2", "target.world_size=2", f"output.path={out}",
+        ],
         cwd=tmp_path, timeout=300, env=user_env(),
     )
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -405,24 +566,34 @@ def test_a_bad_save_gets_one_line_and_leaves_no_output(tmp_path: Path, saves: di
     assert not out.exists() or conversion_entries(out) == [], "nothing is committed"
 
 
-def test_inspects_command_runs_as_printed_with_the_model_built_from_the_files(tmp_path: Path, saves: dict[str, Path]) -> None:
-    """No model.factory: the files name every parameter, shape and buffer. The command ``inspect`` prints runs with only the target's world
-    and the output filled in; the output is DeepSpeed's state bit for bit and loads, strictly, into the job's own model."""
+def test_inspects_command_runs_as_printed_with_the_model_built_from_the_files(
+    tmp_path: Path, saves: dict[str, Path]
+) -> None:
+    """No model.factory: the files name every parameter, shape and buffer. The command ``inspect`` prints runs with only
+    the target's world and the output filled in; the output is DeepSpeed's state bit for bit and loads, strictly, into
+    the job's own model."""
     from frameworks.ds_job import DsLM
 
     folder = saves["zero2-bf16-2"]
-    shown = run_command([sys.executable, "-m", "osdpipe", "inspect", str(folder), "--json"], cwd=tmp_path, timeout=300, env=user_env())
+    shown = run_command(
+        [sys.executable, "-m", "osdpipe", "inspect", str(folder), "--json"], cwd=tmp_path, timeout=300, env=user_env()
+    )
     assert shown.returncode == 0, shown.stderr
     command = json.loads(shown.stdout)["checkpoint"]["command"]
     assert "model.factory" not in command and command.startswith("osdpipe checkpoint=deepspeed "), command
     out = tmp_path / "out"
-    done = run_command([sys.executable, "-m", "osdpipe", *command.replace("<M>", "3").replace("<dir>", str(out)).split()[1:]],
-                       cwd=tmp_path, timeout=400, env=user_env())
+    args = command.replace("target.world_size=M", "target.world_size=3").replace("OUT_DIR", str(out)).split()[1:]
+    done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, timeout=400, env=user_env())
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert {c["name"]: c["ok"] for c in report["checks"]} == {"roundtrip": True, "reference": True, "load_step": True, "resume": True}
+    assert {c["name"]: c["ok"] for c in report["checks"]} == {
+        "roundtrip": True, "reference": True, "load_step": True, "resume": True
+    }
     conversion = json.loads((out / "manifest.json").read_text())["conversion"]
-    assert conversion["target"]["kind"] == "fsdp2" and conversion["model"]["factory"] == "osdpipe.io.checkpoints.deepspeed:saved_model"
+    assert (
+        conversion["target"]["kind"] == "fsdp2"
+        and conversion["model"]["factory"] == "osdpipe.io.checkpoints.deepspeed:saved_model"
+    )
     truth = torch.load(ds.dump_path(folder), weights_only=False)
     got = _gathered(out / "dcp", tmp_path)
     _assert_the_optimizer_is_deepspeeds(got["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))

@@ -31,7 +31,8 @@ NEW_DP_DEGREE = ["--checkpoint.exclude-from-loading", "dataloader"]
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """torchtitan on 4 ranks, 2 steps, a full checkpoint in folder A; and the state torchtitan loads from it on 4 ranks."""
+    """torchtitan on 4 ranks, 2 steps, a full checkpoint in folder A;
+    and the state torchtitan loads from it on 4 ranks."""
     work = tmp_path_factory.mktemp("titan")
     assets = titan.make_assets(work / "assets")
     folder = work / "A"
@@ -42,21 +43,35 @@ def source(tmp_path_factory):
 
 def _convert(work: Path, name: str, *overrides: str) -> Path:
     out = work / name
-    done = run_command([sys.executable, "-m", "osdpipe", *CONVERT, *overrides, f"output.path={out}"], cwd=work, timeout=400, env=user_env())
+    done = run_command(
+        [sys.executable, "-m", "osdpipe", *CONVERT, *overrides, f"output.path={out}"],
+        cwd=work,
+        timeout=400,
+        env=user_env(),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
 def _convert_as_inspect_says(work: Path, name: str, folder: Path, world_size: int) -> Path:
-    """The command ``osdpipe inspect`` prints for ``folder``, run verbatim with only the target's world and the output filled in;
-    it names the model as torchtitan does (``checkpoint.model``, ``checkpoint.flavor``), where the module's own tests name it by
-    ``model=torchtitan`` (:data:`CONVERT`)."""
-    shown = run_command([sys.executable, "-m", "osdpipe", "inspect", str(folder)], cwd=work, timeout=120, env=user_env())
+    """The command ``osdpipe inspect`` prints for ``folder``, run verbatim with only the target's world and the output
+    filled in; it names the model as torchtitan does (``checkpoint.model``, ``checkpoint.flavor``), where the module's
+    own tests name it by ``model=torchtitan`` (:data:`CONVERT`)."""
+    shown = run_command(
+        [sys.executable, "-m", "osdpipe", "inspect", str(folder)], cwd=work, timeout=120, env=user_env()
+    )
     assert shown.returncode == 0, shown.stderr
     (line,) = [line for line in shown.stdout.splitlines() if line.strip().startswith("convert with osdpipe ")]
-    assert "checkpoint.model=llama3 checkpoint.flavor=debugmodel" in line, line  # the model, named as torchtitan names it
+    # the model, named as torchtitan names it
+    assert "checkpoint.model=llama3 checkpoint.flavor=debugmodel" in line, line
     out = work / name
-    args = line.strip().removeprefix("convert with osdpipe ").replace("<M>", str(world_size)).replace("<dir>", str(out)).split()
+    args = (
+        line.strip()
+        .removeprefix("convert with osdpipe ")
+        .replace("target.world_size=M", f"target.world_size={world_size}")
+        .replace("OUT_DIR", str(out))
+        .split()
+    )
     done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=work, timeout=400, env=user_env())
     assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
     return out
@@ -65,13 +80,15 @@ def _convert_as_inspect_says(work: Path, name: str, folder: Path, world_size: in
 def test_default_llama3_converts_4_to_2_and_back_to_4_and_torchtitan_resumes_each_at_its_step(source) -> None:
     work, assets, folder, want = source
     two = _convert_as_inspect_says(work, "two", folder, 2)
-    assert sorted(p.name for p in two.iterdir() if p.is_dir()) == ["step-2"]  # where torchtitan's --checkpoint.folder resumes
+    # where torchtitan's --checkpoint.folder resumes
+    assert sorted(p.name for p in two.iterdir() if p.is_dir()) == ["step-2"]
     got = titan.resume_and_dump(work, 2, two, assets=assets, extra=NEW_DP_DEGREE, name="two")
     assert got["step"] == 2 and titan.compare_dumps(want, got) == []
     assert math.isfinite(got["loss_after"])
 
     four = _convert(work, "four", f"input.path={two / 'step-2'}", "target.world_size=4")
-    got = titan.resume_and_dump(work, 4, four, assets=assets, name="four")  # the source's dp degree: its data loader loads too
+    # the source's dp degree: its data loader loads too
+    got = titan.resume_and_dump(work, 4, four, assets=assets, name="four")
     assert titan.compare_dumps(want, got, parts=("step", "model", "optim", "lr_scheduler", "loss_after")) == []
 
 
@@ -86,7 +103,8 @@ def test_offline_to_8_ranks_resumes_on_2(source) -> None:
 
 def test_a_model_only_last_save_converts_to_a_model_only_step_that_torchtitan_initially_loads(source) -> None:
     """torchtitan's base config saves its last step model-only (``--checkpoint.last-save-model-only``): no optimizer,
-    no train state. It converts to the same, which torchtitan's ``--checkpoint.initial-load-path`` loads (model only, at step 0)."""
+    no train state. It converts to the same, which torchtitan's ``--checkpoint.initial-load-path`` loads (model only, at
+    step 0)."""
     work, assets, _, _ = source
     saved = work / "model-only"
     titan.train(work, 2, 2, folder=saved, assets=assets, extra=["--checkpoint.last-save-model-only"])
@@ -99,15 +117,22 @@ def test_a_model_only_last_save_converts_to_a_model_only_step_that_torchtitan_in
 
 
 def test_a_seed_checkpoint_converts_to_a_model_only_step_0_that_torchtitan_starts_from(source) -> None:
-    """torchtitan's seed checkpoint (``--checkpoint.create-seed-checkpoint``, one process, the model unsharded, saved as ``step-0``;
-    model-only as torchtitan's base config saves a last step, which llama3_debugmodel's config turns off) converts as ``inspect``
-    says to 2 ranks: a model-only ``step-0``, which torchtitan's ``--checkpoint.folder`` takes as a seed (step 0: model only) and
-    loads, the model bit for bit the seed's own tensors, and trains on."""
+    """torchtitan's seed checkpoint (``--checkpoint.create-seed-checkpoint``, one process, the model unsharded, saved as
+    ``step-0``; model-only as torchtitan's base config saves a last step, which llama3_debugmodel's config turns off)
+    converts as ``inspect`` says to 2 ranks: a model-only ``step-0``, which torchtitan's ``--checkpoint.folder`` takes
+    as a seed (step 0: model only) and loads, the model bit for bit the seed's own tensors, and trains on."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     work, assets, _, _ = source
     seed = work / "seed"
-    titan.train(work, 1, 1, folder=seed, assets=assets, extra=["--checkpoint.create-seed-checkpoint", "--checkpoint.last-save-model-only"])
+    titan.train(
+        work,
+        1,
+        1,
+        folder=seed,
+        assets=assets,
+        extra=["--checkpoint.create-seed-checkpoint", "--checkpoint.last-save-model-only"],
+    )
     assert titan.latest_step(seed) == 0
     two = _convert_as_inspect_says(work, "seed-2", seed, 2)
     assert sorted(p.name for p in two.iterdir() if p.is_dir()) == ["step-0"]
@@ -115,19 +140,29 @@ def test_a_seed_checkpoint_converts_to_a_model_only_step_0_that_torchtitan_start
     got = titan.resume_and_dump(work, 2, two, assets=assets, name="seed-2")
     dcp_to_torch_save(str(seed / "step-0"), str(work / "seed.pt"))
     want = torch.load(work / "seed.pt", weights_only=True)
-    assert got["step"] == 0 and set(got["model"]) == set(want), "the model's own state-dict keys (wq, wk, wv of the fused wqkv)"
+    assert got["step"] == 0 and set(got["model"]) == set(want), (
+        "the model's own state-dict keys (wq, wk, wv of the fused wqkv)"
+    )
     assert [key for key, value in want.items() if not titan.same_bits(got["model"][key], value)] == []
     assert math.isfinite(got["loss_after"])
 
 
 def test_the_safetensors_export_is_what_torchtitans_own_hf_export_writes(source) -> None:
-    """torchtitan's HF export of the same training (4 ranks, as the source; ``--checkpoint.last-save-in-hf``: Hugging Face's names, q/k permuted for its
-    RoPE, the tied head left out) and osdpipe's export of the step folder hold the same tensors, bit for bit."""
+    """torchtitan's HF export of the same training (4 ranks, as the source; ``--checkpoint.last-save-in-hf``: Hugging
+    Face's names, q/k permuted for its RoPE, the tied head left out) and osdpipe's export of the step folder hold the
+    same tensors, bit for bit."""
     from safetensors.torch import load_file
 
     work, _, folder, _ = source
     hf = work / "hf"
-    titan.train(work, 4, 2, folder=hf, assets=work / "assets", extra=["--checkpoint.last-save-model-only", "--checkpoint.last-save-in-hf"])
+    titan.train(
+        work,
+        4,
+        2,
+        folder=hf,
+        assets=work / "assets",
+        extra=["--checkpoint.last-save-model-only", "--checkpoint.last-save-in-hf"],
+    )
     theirs: dict = {}
     for file in (hf / "step-2").glob("*.safetensors"):
         theirs.update(load_file(file))

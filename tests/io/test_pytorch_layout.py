@@ -1,4 +1,5 @@
-"""``checkpoint=pytorch``: PyTorch's own layout, ``dcp.save({"model": get_model_state_dict, "optim": get_optimizer_state_dict})``, in and out.
+"""``checkpoint=pytorch``: PyTorch's own layout,
+``dcp.save({"model": get_model_state_dict, "optim": get_optimizer_state_dict})``, in and out.
 
 The source is what PyTorch itself saves: with no ``input.path`` the source
 world (FSDP2, 2 gloo ranks, the user's model with a tied embedding and a
@@ -34,7 +35,11 @@ def _gathered(dcp_dir: Path, work: Path) -> dict:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _osdpipe(args: list[str], cwd: Path) -> None:
@@ -47,25 +52,41 @@ def test_pytorchs_own_layout_converts_for_another_world_and_holds_the_source_bit
     _osdpipe(["checkpoint=pytorch", "model.factory=userlm:build", "source.kind=fsdp2", "source.world_size=2",
               "target.kind=fsdp2", "target.world_size=3", f"output.path={out}"], tmp_path)
     report = json.loads((out / "report.json").read_text())
-    assert {c["name"]: c["ok"] for c in report["checks"]} == {"roundtrip": True, "reference": True, "load_step": True, "resume": True}
+    assert {c["name"]: c["ok"] for c in report["checks"]} == {
+        "roundtrip": True, "reference": True, "load_step": True, "resume": True
+    }
 
     source, converted = _gathered(out / "source" / "checkpoint", tmp_path), _gathered(out / "dcp", tmp_path)
     assert set(converted) == set(source) == {"model", "optim"}
     import userlm
 
-    assert set(converted["model"]) == set(userlm.build().state_dict()), "every name of the model's state dict, the tied weight's both, the buffer"
+    assert set(converted["model"]) == set(userlm.build().state_dict()), (
+        "every name of the model's state dict, the tied weight's both, the buffer"
+    )
     assert [k for k, v in source["model"].items() if not _bits_equal(converted["model"][k], v)] == []
     wrong = [f"{fqn}.{name}" for fqn, state in source["optim"]["state"].items() for name, v in state.items()
              if not _bits_equal(converted["optim"]["state"][fqn][name], v)]
     assert wrong == [] and set(converted["optim"]["state"]) == set(source["optim"]["state"])
     assert converted["optim"]["param_groups"] == source["optim"]["param_groups"]
 
-    shown = run_command([sys.executable, "-m", "osdpipe", "inspect", str(out / "source" / "checkpoint"), "--json"], cwd=tmp_path, timeout=TIMEOUT_S, env=user_env())
+    shown = run_command(
+        [sys.executable, "-m", "osdpipe", "inspect", str(out / "source" / "checkpoint"), "--json"],
+        cwd=tmp_path,
+        timeout=TIMEOUT_S,
+        env=user_env(),
+    )
     assert shown.returncode == 0, shown.stderr
     whole = json.loads(shown.stdout)["checkpoint"]
     assert whole["layout"] == "pytorch" and (whole["optimizer_key"], whole["optimizer_keys"]) == ("optim", "nested")
     assert {e["name"].removeprefix("model.") for e in whole["entries"] if e["part"] == "model"} == set(source["model"])
-    command = whole["command"].replace("<package.module:function>", "userlm:build").replace("<M>", "2").replace("<dir>", str(tmp_path / "again"))
+    command = (
+        whole["command"]
+        .replace("PACKAGE.MODULE:FUNCTION", "userlm:build")
+        .replace("target.world_size=M", "target.world_size=2")
+        .replace("OUT_DIR", str(tmp_path / "again"))
+    )
     _osdpipe([*command.split()[1:], "target.kind=ddp", "runtime.mode=offline", "output.format=rank_local"], tmp_path)
     again = torch.load(tmp_path / "again" / "rank_1.pt", weights_only=True)
-    assert [k for k, v in source["model"].items() if not _bits_equal(again["model"][k], v)] == [], "DDP: every rank holds the whole model"
+    assert [k for k, v in source["model"].items() if not _bits_equal(again["model"][k], v)] == [], (
+        "DDP: every rank holds the whole model"
+    )

@@ -30,15 +30,30 @@ if TYPE_CHECKING:  # annotations only: the layouts import torch where they read 
     from osdpipe.io.formats.base import Format, RankFiles
     from osdpipe.layout.tree import ModuleTree
 
-#: Where a whole checkpoint's ``dcp`` output goes under ``output.path``: the folder the framework loads (a step folder, a ``save_state`` folder).
+#: Where a whole checkpoint's ``dcp`` output goes under ``output.path``:
+#: the folder the framework loads (a step folder, a ``save_state`` folder).
 DCP_DIR = "dcp"
 
-#: What ``osdpipe inspect`` prints where only the user can name the model that saved a checkpoint.
-USER_FACTORY = "<package.module:function>"
-
-#: What an entry is to a conversion: model weights and optimizer state are converted; what describes how the saving framework
-#: laid out its own files (DeepSpeed's ``param_shapes``) is left out, as the output has another layout; anything else is carried over.
+#: What an entry is to a conversion: model weights and optimizer state are converted; what describes how the saving
+#: framework laid out its own files (DeepSpeed's ``param_shapes``) is left out, as the output has another layout;
+#: anything else is carried over.
 PARTS = ("model", "optimizer", "framework", "other")
+
+
+@dataclass(frozen=True)
+class ModelNaming:
+    """How ``osdpipe inspect``'s command names the model of a whole checkpoint: ``overrides``, and ``why`` where a model
+    that the files seemed to name was refused (its parameters are not the optimizer's)."""
+
+    overrides: tuple[str, ...]
+    why: str | None = None
+
+    @classmethod
+    def users_own(cls, why: str | None = None) -> ModelNaming:
+        """The user's own ``model.factory``, a placeholder to fill in."""
+        from osdpipe.io.file_facts import USER_FACTORY  # the placeholders inspect prints; torch: not at --help
+
+        return cls((f"model.factory={USER_FACTORY}",), why)
 
 
 @dataclass(frozen=True)
@@ -70,10 +85,12 @@ class WholeCheckpoint:
     layout: str
     path: str
     entries: tuple[Entry, ...]
-    #: Where the optimizer state is, as ``input.path`` / ``input.key`` would name it; ``None``: the checkpoint holds none.
+    #: Where the optimizer state is, as ``input.path`` / ``input.key`` would name it;
+    #: ``None``: the checkpoint holds none.
     optimizer_path: str | None = None
     optimizer_key: str | None = None
-    #: How the optimizer state is keyed: ``nested`` (``state.<fqn>.<name>`` as a tree) or ``flat`` (``flatten_optimizer_state_dict``).
+    #: How the optimizer state is keyed:
+    #: ``nested`` (``state.<fqn>.<name>`` as a tree) or ``flat`` (``flatten_optimizer_state_dict``).
     optimizer_keys: str = "nested"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -86,7 +103,8 @@ class WholeCheckpoint:
 
 @dataclass(frozen=True)
 class Part:
-    """Where a whole checkpoint keeps its optimizer, as ``input.path``, ``input.format`` and ``input.key`` would name it."""
+    """Where a whole checkpoint keeps its optimizer, as ``input.path``,
+    ``input.format`` and ``input.key`` would name it."""
 
     path: str
     format: str
@@ -130,7 +148,8 @@ class Carrying:
     entries: tuple[Entry, ...] = ()
     model_key: str | None = None
     folder: str = DCP_DIR
-    #: Whether the checkpoint holds the optimizer's state; a model-only one (torchtitan's last save, its seed checkpoint) converts to a model-only one.
+    #: Whether the checkpoint holds the optimizer's state;
+    #: a model-only one (torchtitan's last save, its seed checkpoint) converts to a model-only one.
     optimizer: bool = True
     layout: str = ""
     step: int | None = None
@@ -141,17 +160,20 @@ class Carrying:
         return path if self.under is None else (self.under, *path)
 
     def written_flat(self, flat: str) -> str:
-        """A carried item's flat key in the output (as ``dcp.save`` flattens :meth:`written_path`), from its flat key in the source."""
+        """A carried item's flat key in the output (as ``dcp.save`` flattens :meth:`written_path`),
+        from its flat key in the source."""
         return flat if self.under is None else f"{self.under}.{flat}"
 
 
 @dataclass
 class CarriedData:
-    """The carried items of a whole checkpoint, read on the first reading rank: each non-tensor item's stored bytes, each tensor item's value."""
+    """The carried items of a whole checkpoint, read on the first reading rank:
+    each non-tensor item's stored bytes, each tensor item's value."""
 
     raw: dict[str, bytes] = field(default_factory=dict)
     tensors: dict[str, Any] = field(default_factory=dict)
-    #: Items whose stored bytes are transformed (compressed): carried as their values, loaded with ``weights_only=True``.
+    #: Items whose stored bytes are transformed (compressed):
+    #: carried as their values, loaded with ``weights_only=True``.
     values: dict[str, Any] = field(default_factory=dict)
 
 
@@ -161,127 +183,168 @@ class CheckpointLayout:
     name: ClassVar[str]
     #: What a checkpoint of this layout is, in a few words.
     looks_like: ClassVar[str]
-    #: Whether the checkpoint holds more than the optimizer's state: model weights that convert with it, entries carried over.
+    #: Whether the checkpoint holds more than the optimizer's state:
+    #: model weights that convert with it, entries carried over.
     whole: ClassVar[bool] = True
     #: ``input.format`` of each variant this layout comes in (a sharded one is ``dcp``).
     input_formats: ClassVar[tuple[str, ...]] = ("dcp",)
     #: ``output.format`` this layout can be written in: its own (``dcp``) or each rank's files (``rank_local``).
     output_formats: ClassVar[tuple[str, ...]] = ("dcp", "rank_local")
-    #: The layout a conversion of this one writes unless ``output.checkpoint`` says (``None``: this one; DeepSpeed's, which osdpipe only reads: PyTorch's).
+    #: The layout a conversion of this one writes unless ``output.checkpoint`` says
+    #: (``None``: this one; DeepSpeed's, which osdpipe only reads: PyTorch's).
     written_as: ClassVar[str | None] = None
     #: Whether this layout's files say at which training step the checkpoint was saved (:attr:`Carrying.step`).
     saves_step: ClassVar[bool] = False
-    #: Whether this layout, written, is named after the step it was saved at (torchtitan's ``step-<N>``): only a source that says it converts to it.
+    #: Whether this layout, written, is named after the step it was saved at (torchtitan's ``step-<N>``):
+    #: only a source that says it converts to it.
     needs_step: ClassVar[bool] = False
 
     def refuses(self, given: Format, source_kind: Any, generated: bool) -> str | None:
-        """Why a conversion of this layout cannot read ``given`` (or generate a source of ``source_kind``) (``None``: it can); one line naming the keys to set."""
+        """Why a conversion of this layout cannot read ``given``
+        (or generate a source of ``source_kind``) (``None``: it can); one line naming the keys to set."""
         if not self.whole:
             return None
         if generated and (why := self.refuses_source_kind(source_kind)) is not None:
             return why
         if not generated and given.name not in self.input_formats:
-            return f"checkpoint={self.name}: its input is input.format={' or '.join(self.input_formats)} (the checkpoint's folder), not {given.name}"
+            return (
+                f"checkpoint={self.name}: its input is input.format={' or '.join(self.input_formats)} "
+                f"(the checkpoint's folder), not {given.name}"
+            )
         return None
 
     def refuses_output(self, source: CheckpointLayout, written: Format, target_kind: Any) -> str | None:
-        """Why this layout cannot be written from a checkpoint of layout ``source`` in ``written`` for ``target_kind`` (``None``: it can); one line."""
+        """Why this layout cannot be written from a checkpoint of layout ``source`` in ``written`` for ``target_kind``
+        (``None``: it can); one line."""
         if not self.whole:
             return None
         if source.name != self.name and self.needs_step and not source.saves_step:
             return (
-                f"output.checkpoint={self.name}: its folder is named after the step the checkpoint was saved at, which the files of "
-                f"checkpoint={source.name} do not say; set output.checkpoint=pytorch (PyTorch's own layout, which any PyTorch job loads)"
+                f"output.checkpoint={self.name}: its folder is named after the step the checkpoint was saved at, "
+                f"which the files of checkpoint={source.name} do not say; "
+                "set output.checkpoint=pytorch (PyTorch's own layout, which any PyTorch job loads)"
             )
         said = f"checkpoint={self.name}" if source.name == self.name else f"output.checkpoint={self.name}"
         if written.name not in self.output_formats:
-            return f"{said}: a whole checkpoint is written as output.format={' or '.join(self.output_formats)}, not {written.name}"
-        if written.keyed_by_id and target_kind.has_use_orig_params:  # each rank's own file, of a job whose optimizer may see flat parameters
             return (
-                f"{said} with output.format={written.name} and target.kind={target_kind.name}: an FSDP1 rank's model weights are a "
-                "shard of its flat parameters, which no model.state_dict() a job loads holds; set output.format=dcp (FSDP1's SHARDED_STATE_DICT)"
+                f"{said}: a whole checkpoint is written as output.format={' or '.join(self.output_formats)}, "
+                f"not {written.name}"
+            )
+        # each rank's own file, of a job whose optimizer may see flat parameters
+        if written.keyed_by_id and target_kind.has_use_orig_params:
+            return (
+                f"{said} with output.format={written.name} and target.kind={target_kind.name}: "
+                "an FSDP1 rank's model weights are a shard of its flat parameters, "
+                "which no model.state_dict() a job loads holds; set output.format=dcp (FSDP1's SHARDED_STATE_DICT)"
             )
         return None
 
     def adopt(self, carrying: Carrying) -> Carrying:
-        """What a conversion that writes this layout carries, from what the input's layout found (``carrying``): where this
-        layout puts the model and its DCP directory. The input's own layout keeps it as it is."""
+        """What a conversion that writes this layout carries, from what the input's layout found (``carrying``):
+        where this layout puts the model and its DCP directory. The input's own layout keeps it as it is."""
         return carrying
 
     def output_format_of(self, input_format: str) -> str | None:
-        """The ``output.format`` a conversion of an input in ``input_format`` writes unless told (``None``: the config's)."""
+        """The ``output.format`` a conversion of an input in
+        ``input_format`` writes unless told (``None``: the config's)."""
         return None
 
     def generated_name(self, steps: int) -> str:
-        """What a generated source of this layout, trained ``steps`` steps, is called under ``source/``: the framework's own name for the folder."""
+        """What a generated source of this layout, trained ``steps`` steps, is called under ``source/``:
+        the framework's own name for the folder."""
         return "checkpoint"
 
     def refuses_source_kind(self, kind: Any) -> str | None:
-        """Why this framework's job cannot be of ``kind``, where osdpipe trains and saves the source itself (``None``: it can)."""
+        """Why this framework's job cannot be of ``kind``,
+        where osdpipe trains and saves the source itself (``None``: it can)."""
         return None
 
     def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
-        """Save the whole job as the framework does, on every rank of the source world (collective): what osdpipe converts with no ``input.path``."""
+        """Save the whole job as the framework does, on every rank of the source world (collective):
+        what osdpipe converts with no ``input.path``."""
         raise NotImplementedError
 
     def advice(self, path: str, target: dict[str, Any], output_format: str) -> list[str]:
-        """What the framework will do on the target (``target``: the config's ``target`` section) with the output of the checkpoint at
-        ``path`` in ``output_format``, where it differs from what a user expects, and what to do: said in the run's output and in
-        ``report.json``'s warnings (entries that describe the world that saved it, state its own load path drops)."""
+        """What the framework will do on the target (``target``: the config's ``target`` section)
+        with the output of the checkpoint at ``path`` in ``output_format``, where it differs from
+        what a user expects, and what to do: said in the run's output and in ``report.json``'s
+        warnings (entries that describe the world that saved it, state its own load path drops)."""
         return []
 
     def foreign_advice(self, source: str, target: dict[str, Any]) -> list[str]:
-        """What a job of this framework on the target (``target``: the config's ``target`` section) will make of a checkpoint written
-        in its layout from a ``source`` checkpoint, which lacks this framework's own entries; said as :meth:`advice` is."""
+        """What a job of this framework on the target (``target``: the config's ``target``
+        section) will make of a checkpoint written in its layout from a ``source``
+        checkpoint, which lacks this framework's own entries; said as :meth:`advice` is."""
         return []
 
-    def model_overrides(self, path: Path) -> list[str]:
+    def model_naming(self, path: Path) -> ModelNaming:
         """The overrides that name the model which saved the checkpoint at ``path``, for ``osdpipe inspect``'s command.
 
         By default the files cannot tell: the user's own factory goes there.
         """
-        return [f"model.factory={USER_FACTORY}"]
+        return ModelNaming.users_own()
 
     def model_from_files(self, path: str) -> tuple[str, dict[str, Any]] | None:
-        """A ``model.factory`` and its ``model.kwargs`` that build the model the checkpoint at ``path`` names, where its files name every
-        parameter and shape (``None``: they do not; the user's factory is needed). What a conversion uses when the user names no model."""
+        """A ``model.factory`` and its ``model.kwargs`` that build the model the checkpoint at ``path`` names, where its
+        files name every parameter and shape (``None``: they do not; the user's factory is needed). What a conversion
+        uses when the user names no model."""
         return None
 
     def newest_in(self, path: str) -> str | None:
-        """Where ``path`` is the folder a framework keeps its checkpoints in, the newest of them (``None``: ``path`` is one checkpoint)."""
+        """Where ``path`` is the folder a framework keeps its checkpoints in,
+        the newest of them (``None``: ``path`` is one checkpoint)."""
         return None
 
     def input_format_of(self, path: str) -> str:
-        """The ``input.format`` the checkpoint at ``path`` is, as its folder shows it (by default the layout's first)."""
+        """The ``input.format`` the checkpoint at ``path`` is,
+        as its folder shows it (by default the layout's first)."""
         return self.input_formats[0]
 
     def optimizer_part(self, path: str, input_format: str) -> Part | None:
-        """Where the optimizer is in the checkpoint at ``path``, as today's readers take it (``None``: a model-only checkpoint)."""
+        """Where the optimizer is in the checkpoint at ``path``,
+        as today's readers take it (``None``: a model-only checkpoint)."""
         raise NotImplementedError
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
-        """A reader of the model's weights in the checkpoint at ``path`` (:class:`osdpipe.io.weights.WeightsReader`); ``optimizer``: the
-        optimizer part's reader, opened already, for a layout that keeps the weights in the same files (DeepSpeed's masters)."""
+        """A reader of the model's weights in the checkpoint at ``path`` (:class:`osdpipe.io.weights.WeightsReader`);
+        ``optimizer``: the optimizer part's reader, opened already, for a layout that keeps the weights in the same
+        files (DeepSpeed's masters)."""
         raise NotImplementedError
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
-        """What is neither the model nor the optimizer in the checkpoint at ``path``: what the conversion carries over."""
+        """What is neither the model nor the optimizer in the checkpoint at ``path``:
+        what the conversion carries over."""
         raise NotImplementedError
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
-        """The carried items' bytes and values, read on the first reading rank; by default there are none (files are copied at the end)."""
+        """The carried items' bytes and values, read on the first reading rank;
+        by default there are none (files are copied at the end)."""
         return CarriedData()
 
-    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
-        """Write target rank ``rank``'s part of the output into ``staging`` (``parts``: :class:`osdpipe.io.checkpoints.output.RankParts`)."""
+    def write(
+        self,
+        parts: Any,
+        staging: Path,
+        rank: int,
+        *,
+        world_size: int,
+        tree: ModuleTree,
+        shared: dict[str, Any],
+        fmt: Format,
+    ) -> RankFiles:
+        """Write target rank ``rank``'s part of the output into ``staging``
+        (``parts``: :class:`osdpipe.io.checkpoints.output.RankParts`)."""
         raise NotImplementedError
 
-    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
+    def finish(
+        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying
+    ) -> dict[str, str]:
         """After every rank wrote: the files that complete the output (carried files among them), and their sha256."""
         return {}
 
     def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
-        """Load target rank ``rank``'s part of the output under ``directory`` into a live job, model and optimizer, as the framework loads it.
+        """Load target rank ``rank``'s part of the output under ``directory`` into a live job,
+        model and optimizer, as the framework loads it.
 
         Rank files load with :func:`osdpipe.load_rank_local`, the model given
         (what ``osdpipe check --load`` does with them).
@@ -293,8 +356,19 @@ class CheckpointLayout:
             raise NotImplementedError(f"checkpoint={self.name}: loading its {fmt.name} output")
         load_rank_local(optim, directory / rank_file_name(rank), model=model)
 
-    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
-        """Where what target rank ``rank`` finds under ``directory`` differs from ``parts`` (what it should hold), bitwise (``opened``: kept across ranks).
+    def differences(
+        self,
+        directory: Path,
+        parts: Any,
+        rank: int,
+        *,
+        world_size: int,
+        tree: ModuleTree,
+        fmt: Format,
+        opened: dict[str, Any],
+    ) -> list[str]:
+        """Where what target rank ``rank`` finds under ``directory`` differs from ``parts`` (what it should hold),
+        bitwise (``opened``: kept across ranks).
 
         What ``osdpipe check`` compares a finished conversion's files with.
         """
@@ -314,8 +388,8 @@ class CheckpointLayout:
 
 
 def fates(carrying: Carrying) -> list[dict[str, Any]]:
-    """What a conversion did with each entry of a whole checkpoint, as ``report.json`` lists them: nothing in it goes unnamed
-    (``carrying``: as the layout written adopted it).
+    """What a conversion did with each entry of a whole checkpoint, as ``report.json`` lists them:
+    nothing in it goes unnamed (``carrying``: as the layout written adopted it).
 
     Each is ``{"name", "part", "where", "size", "fate"}``; an entry that
     describes one rank of the world that saved it also has ``source_rank``.
@@ -323,17 +397,27 @@ def fates(carrying: Carrying) -> list[dict[str, Any]]:
     said = {
         "model": "converted: the model's weights, laid out for the target",
         "optimizer": "converted: the optimizer's state, laid out for the target",
-        "framework": "left out: it describes how the saving framework laid out its own files, which the output does not have",
+        "framework": (
+            "left out: it describes how the saving framework laid out its own files, which the output does not have"
+        ),
     }
     if carrying.under is not None:
-        said["other"] = f"carried over unchanged, under {carrying.under!r}: the target framework's own entries of that name are another thing"
+        said["other"] = (
+            f"carried over unchanged, under {carrying.under!r}: "
+            "the target framework's own entries of that name are another thing"
+        )
     out = []
     for entry in carrying.entries:
         fate = said.get(entry.part, "carried over unchanged")
-        row: dict[str, Any] = {"name": entry.name, "part": entry.part, "where": entry.where, "size": entry.size, "fate": fate}
+        row: dict[str, Any] = {
+            "name": entry.name, "part": entry.part, "where": entry.where, "size": entry.size, "fate": fate
+        }
         if entry.source_rank is not None:
             row["source_rank"] = entry.source_rank
-            row["fate"] = f"{fate}; it describes rank {entry.source_rank} of the world that saved the checkpoint, not the target's"
+            row["fate"] = (
+                f"{fate}; it describes rank {entry.source_rank} of the world that saved the checkpoint, "
+                "not the target's"
+            )
         out.append(row)
     return out
 

@@ -1,5 +1,6 @@
-"""deepspeed: a DeepSpeed ZeRO save as a whole training checkpoint, read only: written in PyTorch's layout (:mod:`osdpipe.io.checkpoints.pytorch`),
-torchtitan's (``output.checkpoint=torchtitan``, a ``step-<N>`` folder of its ``global_steps``) or accelerate's (``output.checkpoint=accelerate``).
+"""deepspeed: a DeepSpeed ZeRO save as a whole training checkpoint, read only: written in PyTorch's layout
+(:mod:`osdpipe.io.checkpoints.pytorch`), torchtitan's (``output.checkpoint=torchtitan``, a ``step-<N>`` folder of its
+``global_steps``) or accelerate's (``output.checkpoint=accelerate``).
 
 osdpipe reads DeepSpeed's files (:mod:`osdpipe.io.formats.deepspeed`, no
 DeepSpeed code run) and writes what a PyTorch job loads; it never writes
@@ -25,7 +26,16 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from osdpipe.io.checkpoints.base import CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
+from osdpipe.io.checkpoints.base import (
+    CarriedData,
+    Carrying,
+    CheckpointLayout,
+    Entry,
+    ModelNaming,
+    Part,
+    WholeCheckpoint,
+    register,
+)
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
@@ -34,15 +44,18 @@ if TYPE_CHECKING:  # annotations only: reading imports torch
     from osdpipe.io.weights import ModelMeta
     from osdpipe.layout.tree import ModuleTree
 
-#: Entries of the model-states file that describe DeepSpeed's own partitioning and saving, which the output does not have.
+#: Entries of the model-states file that describe DeepSpeed's own partitioning and saving,
+#: which the output does not have.
 FRAMEWORKS_OWN = (
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
-    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "sparse_tensor_module_names",
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
+    "sparse_tensor_module_names",
 )
 
 
 class ZeroWeights:
-    """The model's weights of a ZeRO save: each parameter's fp32 master weights, cut from every rank's flat partitions, and the module's buffers.
+    """The model's weights of a ZeRO save:
+    each parameter's fp32 master weights, cut from every rank's flat partitions, and the module's buffers.
 
     The :class:`~osdpipe.io.weights.WeightsReader` of a DeepSpeed save.
     """
@@ -58,7 +71,11 @@ class ZeroWeights:
         from osdpipe.io.weights import model_meta_of
 
         stored = {name: TensorRef(shape, "float32") for name, shape in self.reader.save.shapes.items()}
-        buffers = {name: value for name, value in self.module.items() if self.tree.resolve(name) is None and self.tree.key_map(name) is None}
+        buffers = {
+            name: value
+            for name, value in self.module.items()
+            if self.tree.resolve(name) is None and self.tree.key_map(name) is None
+        }
         return model_meta_of(stored, buffers, self.tree, str(self.reader.save.folder))
 
     def stored_name(self, name: str) -> str | None:
@@ -92,7 +109,9 @@ def saved_model(path: str) -> Any:
     save = read_save(path)
     states = model_states(save.folder)
     if states.get("frozen_param_shapes"):
-        raise ValueError(f"{save.folder} holds frozen parameters, which osdpipe does not read yet; give model.factory=<your model>")
+        raise ValueError(
+            f"{save.folder} holds frozen parameters, which osdpipe does not read yet; give model.factory=<your model>"
+        )
     tied = {alias: source for alias, source in (states.get("shared_params") or {}).items() if alias not in save.shapes}
     module_keys = list(states.get("module") or {})
     names = [k for k in module_keys if k in save.shapes or k in tied] + [k for k in save.shapes if k not in module_keys]
@@ -138,7 +157,10 @@ def _stored_size(value: Any) -> int:
 @register
 class DeepSpeedZero(CheckpointLayout):
     name = "deepspeed"
-    looks_like = "a DeepSpeed ZeRO save folder (latest, global_step<N>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt), written in PyTorch's layout"
+    looks_like = (
+        "a DeepSpeed ZeRO save folder (latest, global_step<N>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt), "
+        "written in PyTorch's layout"
+    )
     input_formats = ("deepspeed",)
     output_formats = ()
     written_as = "pytorch"
@@ -150,7 +172,10 @@ class DeepSpeedZero(CheckpointLayout):
         return path.is_dir() and DeepSpeed().found_in(path)
 
     def refuses_source_kind(self, kind: Any) -> str | None:
-        return "checkpoint=deepspeed: osdpipe reads DeepSpeed's saves but does not train a DeepSpeed job itself; give input.path=<the save folder>"
+        return (
+            "checkpoint=deepspeed: osdpipe reads DeepSpeed's saves but does not train a DeepSpeed job itself; "
+            "give input.path=<the save folder>"
+        )
 
     def model_from_files(self, path: str) -> tuple[str, dict[str, Any]]:
         """:func:`saved_model`: the files name every parameter, its shape and every buffer."""
@@ -158,12 +183,14 @@ class DeepSpeedZero(CheckpointLayout):
 
         return f"{__name__}:saved_model", {"path": str(tag_folder(path))}
 
-    def model_overrides(self, path: Path) -> list[str]:
-        """None: the model is built from the files themselves (:meth:`model_from_files`); your own ``model.factory`` may still be given."""
-        return []
+    def model_naming(self, path: Path) -> ModelNaming:
+        """None: the model is built from the files themselves (:meth:`model_from_files`); your own ``model.factory`` may
+        still be given."""
+        return ModelNaming(())
 
     def newest_in(self, path: str) -> str | None:
-        """A save folder: the ``global_step<N>`` folder its ``latest`` file names, as DeepSpeed's ``load_checkpoint`` takes it."""
+        """A save folder: the ``global_step<N>`` folder its ``latest`` file names,
+        as DeepSpeed's ``load_checkpoint`` takes it."""
         from osdpipe.io.formats.base import InputError
         from osdpipe.io.formats.deepspeed import LATEST, tag_folder
 
@@ -178,18 +205,49 @@ class DeepSpeedZero(CheckpointLayout):
 
         save = read_save(path)
         states = model_states(save.folder)
-        states_file = min(p.name for p in save.folder.iterdir() if p.name.endswith("model_states.pt"))  # rank 0's, which model_states reads
+        # rank 0's, which model_states reads
+        states_file = min(p.name for p in save.folder.iterdir() if p.name.endswith("model_states.pt"))
         optimizer_files = f"{save.files[0].name.replace('_0_', '_<r>_', 1)} x {save.world_size}"
         numel = sum(n for flat in save.flat_groups for _, n in flat)
         entries = [
-            Entry("model", "model", f"{optimizer_files} (fp32 master weights); buffers from {states_file}", 4 * numel, len(save.shapes)),
-            Entry("optim_states", "optimizer", optimizer_files, sum(f.stat().st_size for f in save.files), len(save.flat_groups) * save.world_size),
+            Entry(
+                "model",
+                "model",
+                f"{optimizer_files} (fp32 master weights); buffers from {states_file}",
+                4 * numel,
+                len(save.shapes),
+            ),
+            Entry(
+                "optim_states",
+                "optimizer",
+                optimizer_files,
+                sum(f.stat().st_size for f in save.files),
+                len(save.flat_groups) * save.world_size,
+            ),
         ]
-        entries += [Entry(k, "framework" if k in FRAMEWORKS_OWN else "other", states_file, _stored_size(v)) for k, v in states.items()]
-        module_dtypes = sorted({str(v.dtype).removeprefix("torch.") for k, v in states.get("module", {}).items() if k in save.shapes and v.numel()})
-        notes = [f"DeepSpeed ZeRO stage {save.stage} on {save.world_size} rank(s), {save.folder.name}; the model's weights are the fp32 master weights"
-                 + (f", not the module's {'/'.join(module_dtypes)} copy" if module_dtypes and module_dtypes != ["float32"] else "")]
-        return WholeCheckpoint(self.name, str(save.folder), tuple(entries), str(save.folder), "optim", "nested", tuple(notes))
+        entries += [
+            Entry(k, "framework" if k in FRAMEWORKS_OWN else "other", states_file, _stored_size(v))
+            for k, v in states.items()
+        ]
+        module_dtypes = sorted(
+            {
+                str(v.dtype).removeprefix("torch.")
+                for k, v in states.get("module", {}).items()
+                if k in save.shapes and v.numel()
+            }
+        )
+        notes = [
+            f"DeepSpeed ZeRO stage {save.stage} on {save.world_size} rank(s), {save.folder.name}; "
+            "the model's weights are the fp32 master weights"
+            + (
+                f", not the module's {'/'.join(module_dtypes)} copy"
+                if module_dtypes and module_dtypes != ["float32"]
+                else ""
+            )
+        ]
+        return WholeCheckpoint(
+            self.name, str(save.folder), tuple(entries), str(save.folder), "optim", "nested", tuple(notes)
+        )
 
     def optimizer_part(self, path: str, input_format: str) -> Part:
         from osdpipe.io.formats.deepspeed import tag_folder
@@ -204,7 +262,8 @@ class DeepSpeedZero(CheckpointLayout):
         return ZeroWeights(reader, dict(model_states(reader.save.folder).get("module") or {}), tree)
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
-        """DeepSpeed's entries a PyTorch job has no place for, each leaf under its own name (as ``dcp.save`` flattens them)."""
+        """DeepSpeed's entries a PyTorch job has no place for,
+        each leaf under its own name (as ``dcp.save`` flattens them)."""
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
 
@@ -213,10 +272,20 @@ class DeepSpeedZero(CheckpointLayout):
         folder = tag_folder(path)
         states = model_states(folder)
         flat, paths = flatten_state_dict(_carried_values(states))
-        tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items() if torch.is_tensor(v)}
+        tensors = {
+            k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items() if torch.is_tensor(v)
+        }
         step = states.get("global_steps")
-        return Carrying(str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), self.read(folder).entries, layout=self.name,
-                        step=int(step) if isinstance(step, (int, float)) or torch.is_tensor(step) else None)
+        return Carrying(
+            str(folder),
+            tuple(flat),
+            tuple(paths[k] for k in flat),
+            tensors,
+            (),
+            self.read(folder).entries,
+            layout=self.name,
+            step=int(step) if isinstance(step, (int, float)) or torch.is_tensor(step) else None,
+        )
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
         """The carried leaves' values (the model-states file loads with ``weights_only=True``: plain data)."""
@@ -225,4 +294,7 @@ class DeepSpeedZero(CheckpointLayout):
         from osdpipe.io.formats.deepspeed import model_states
 
         flat, _ = flatten_state_dict(_carried_values(model_states(Path(carrying.source))))
-        return CarriedData(tensors={k: flat[k] for k in carrying.item_tensors}, values={k: flat[k] for k in carrying.items if k not in carrying.item_tensors})
+        return CarriedData(
+            tensors={k: flat[k] for k in carrying.item_tensors},
+            values={k: flat[k] for k in carrying.items if k not in carrying.item_tensors},
+        )
