@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,8 +91,18 @@ def optimizer_files(folder: Path) -> list[Path]:
     found = {int(m[1]): c for c in folder.iterdir() if (m := _OPTIMIZER_FILE.fullmatch(c.name))}
     missing = sorted(set(range(max(found, default=-1) + 1)) - set(found))
     if not found or missing:
-        raise InputError(f"{folder} lacks the optimizer file of rank(s) {missing or [0]} (zero_pp_rank_<r>_mp_rank_00_optim_states.pt); re-copy the whole folder")
+        raise InputError(
+            f"{folder} lacks the optimizer file of rank(s) {missing or [0]} ({optimizer_file_pattern(found.values())}); "
+            "re-copy the whole folder"
+        )
     return [found[r] for r in range(len(found))]
+
+
+def optimizer_file_pattern(files: Iterable[Path]) -> str:
+    """The optimizer files' name as this save names them, rank left open: a bf16 save's carry ``bf16_`` first
+    (DeepSpeed's BF16_Optimizer), so that an error names the files the user will look for."""
+    bf16 = any(f.name.startswith("bf16_") for f in files)
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_<r>_mp_rank_00_optim_states.pt"
 
 
 def model_states(folder: Path) -> dict[str, Any]:
@@ -177,7 +188,7 @@ def read_save(path: str | Path) -> ZeroSave:
     if world is not None and world != len(files):
         raise InputError(
             f"{folder}: {files[0].name} records a world of {world} rank(s), but the folder holds {len(files)} optimizer file(s) "
-            f"(zero_pp_rank_<r>_mp_rank_00_optim_states.pt, r = 0..{world - 1}); re-copy the whole folder"
+            f"({optimizer_file_pattern(files)}, r = 0..{world - 1}); re-copy the whole folder"
         )
     if len(shapes_per_flat) != len(fp32):
         raise InputError(f"{folder}: param_shapes lists {len(shapes_per_flat)} groups, {files[0].name} {len(fp32)} flat partitions; re-copy the whole folder")
@@ -287,6 +298,7 @@ class DeepSpeed(Format):
     generated_name = "global_step0"
     looks_like = "a DeepSpeed ZeRO save (zero_pp_rank_<r>_mp_rank_00_optim_states.pt files)"
     written = False
+    universal_converter = "deepspeed.checkpoint.ds_to_universal"
 
     def output_path(self, directory: Path, rank: int) -> Path:
         raise NotImplementedError("osdpipe reads DeepSpeed checkpoints; it does not write them")
