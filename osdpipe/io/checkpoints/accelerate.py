@@ -97,7 +97,11 @@ class Accelerate(CheckpointLayout):
         """
         said = []
         world = target.get("world_size") or 1
-        if output_format == "dcp" and target.get("kind") == "fsdp1":
+        from osdpipe.io import formats  # the registries: torch, only where a conversion is planned
+        from osdpipe.layout import kinds
+
+        kind = kinds.find(target.get("kind"))
+        if formats.get(output_format).loaded_by_dcp and kind is not None and kind.sharded_load_needs_a_stepped_optimizer:
             said.append(
                 "accelerate's load_state of an FSDP1 SHARDED_STATE_DICT folder into an optimizer that has not stepped loads no optimizer "
                 "state (its load template is FSDP.optim_state_dict of the empty optimizer): the model and the scheduler load, the moments "

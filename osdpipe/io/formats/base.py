@@ -24,7 +24,8 @@ from osdpipe.layout.tree import ModuleTree
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
     from osdpipe.io.file_facts import Facts
 
-#: The state name a whole checkpoint's model weights travel under, beside the optimizer's own (see :mod:`osdpipe.io.weights`).
+#: The state name a whole checkpoint's model weights travel under,
+#: beside the optimizer's own (see :mod:`osdpipe.io.weights`).
 WEIGHTS = "weights"
 
 #: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
@@ -68,10 +69,12 @@ class SourceMeta:
     state: dict[str, dict[str, Any]]
     param_groups: list[dict[str, Any]] | None
     extra: dict[str, Any] = field(default_factory=dict)
-    #: canonical FQN -> the name the checkpoint uses for it, where they differ (``module.x``, ``_orig_mod.x``, a tied alias).
+    #: canonical FQN -> the name the checkpoint uses for it,
+    #: where they differ (``module.x``, ``_orig_mod.x``, a tied alias).
     names: dict[str, str] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: A whole checkpoint's entries besides the model and the optimizer, as read (:class:`osdpipe.io.weights.WholeSource`); ``None``: an optimizer checkpoint.
+    #: A whole checkpoint's entries besides the model and the optimizer,
+    #: as read (:class:`osdpipe.io.weights.WholeSource`); ``None``: an optimizer checkpoint.
     carried: Any = None
 
 
@@ -108,7 +111,8 @@ class SourceReader(Protocol):
         ...
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened state ``name`` of parameter ``fqn``, as a 1-D tensor not to be written to.
+        """Elements ``[start, stop)`` of the flattened state ``name`` of parameter ``fqn``,
+        as a 1-D tensor not to be written to.
 
         A memory-mapped reader gives a view of the file; the others read no
         more than the stored pieces that hold the range.
@@ -116,12 +120,14 @@ class SourceReader(Protocol):
         ...
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
-        """Done with that range: a memory-mapped reader lets its pages go (see :func:`~osdpipe.core.memory.drop_mapped_pages`)."""
+        """Done with that range: a memory-mapped reader lets its pages go
+        (see :func:`~osdpipe.core.memory.drop_mapped_pages`)."""
         ...
 
 
 class RenamedReader:
-    """A reader asked by canonical FQN for a checkpoint that names some parameters otherwise (see :attr:`SourceMeta.names`)."""
+    """A reader asked by canonical FQN for a checkpoint that names some parameters otherwise
+    (see :attr:`SourceMeta.names`)."""
 
     def __init__(self, reader: SourceReader, names: dict[str, str]) -> None:
         self.reader, self.names = reader, names
@@ -141,20 +147,23 @@ class RenamedReader:
 
 
 def mapped_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Elements ``[start, stop)`` of a tensor's flattened view: a view when it is contiguous, else a copy of just that range."""
+    """Elements ``[start, stop)`` of a tensor's flattened view:
+    a view when it is contiguous, else a copy of just that range."""
     if tensor.is_contiguous():
         return tensor.view(-1)[start:stop]
     return tensor.reshape(-1)[start:stop].clone()  # reshape copies the whole tensor: rare (a file of strided views)
 
 
 def release_mapped(tensor: torch.Tensor, start: int, stop: int) -> None:
-    """Drop the file pages under ``[start, stop)`` of a memory-mapped tensor (nothing for a strided one, which was copied)."""
+    """Drop the file pages under ``[start, stop)`` of a memory-mapped tensor
+    (nothing for a strided one, which was copied)."""
     if tensor.is_contiguous():
         drop_mapped_pages(tensor.view(-1)[start:stop])
 
 
 def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
-    """The whole checkpoint ``reader`` reads (described by ``meta``) as a full FQN-keyed optimizer state dict, every tensor read.
+    """The whole checkpoint ``reader`` reads (described by ``meta``)
+    as a full FQN-keyed optimizer state dict, every tensor read.
 
     The optimizer's alone: a whole checkpoint's model weights (:data:`WEIGHTS`) are not optimizer state.
     """
@@ -163,7 +172,10 @@ def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
     items = [(f, n) for f, entries in optimizer.items() for n, v in entries.items() if isinstance(v, TensorRef)]
     tensors = reader.read(items)
     # Scalars the source shares across parameters (FSDP1's one step per unit) are each parameter's own here.
-    state = {f: {n: tensors[(f, n)] if (f, n) in tensors else own_copy(v) for n, v in entries.items()} for f, entries in optimizer.items()}
+    state = {
+        f: {n: tensors[(f, n)] if (f, n) in tensors else own_copy(v) for n, v in entries.items()}
+        for f, entries in optimizer.items()
+    }
     out: dict[str, Any] = {"state": {**state, **meta.extra}}
     if meta.param_groups is not None:
         out["param_groups"] = meta.param_groups
@@ -172,7 +184,8 @@ def full_state(reader: SourceReader, meta: SourceMeta) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Shown:
-    """A config key the input's files settle (:mod:`osdpipe.spec.reconcile`): it takes ``value`` unless the user gave it.
+    """A config key the input's files settle (:mod:`osdpipe.spec.reconcile`):
+    it takes ``value`` unless the user gave it.
 
     Given and different, it contradicts the files, which ``shows`` says in
     words (``<path> is ...``). Without ``shows`` the value is only what the
@@ -186,7 +199,8 @@ class Shown:
 
 @dataclass
 class RankFiles:
-    """What one target rank wrote: each file's digest, each tensor's sha256, and what its format needs to finish (DCP's write results)."""
+    """What one target rank wrote: each file's digest, each tensor's sha256,
+    and what its format needs to finish (DCP's write results)."""
 
     files: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, str] = field(default_factory=dict)
@@ -214,7 +228,8 @@ class Format:
         """What target rank ``rank`` loads, under an output directory."""
         raise NotImplementedError
 
-    #: Whether osdpipe writes this format (``False``: an input only, DeepSpeed's, whose jobs continue as another layout).
+    #: Whether osdpipe writes this format
+    #: (``False``: an input only, DeepSpeed's, whose jobs continue as another layout).
     written: ClassVar[bool] = True
     #: A hybrid-sharded job's checkpoint holds each replica group's copy of the state (``rank_local``: a file per rank).
     holds_replicas: ClassVar[bool] = False
@@ -222,28 +237,38 @@ class Format:
     #: (see :meth:`osdpipe.layout.kinds.base.LayoutKind.dcp_load_problem`).
     loaded_by_dcp: ClassVar[bool] = False
 
-    #: Its files are written through :mod:`osdpipe.io.torchfile`, storage by storage, so a rank's output can be made as it
-    #: is written (:mod:`osdpipe.run.streamed_output`), under ``runtime.memory_budget``.
+    #: The saving framework's own converter of this format to a universal checkpoint, as ``python -m`` runs it: the
+    #: ``universal`` check holds what osdpipe read against it (``None``: there is none).
+    universal_converter: ClassVar[str | None] = None
+
+    #: Its files are written through :mod:`osdpipe.io.torchfile`, storage by storage, so a rank's output can be made as
+    #: it is written (:mod:`osdpipe.run.streamed_output`), under ``runtime.memory_budget``.
     made_as_written: ClassVar[bool] = False
 
     def refuses_source(self, kind: Any) -> str | None:
-        """Why a checkpoint in this format cannot come from a job of layout ``kind`` (``None``: it can); the message names the keys to set."""
+        """Why a checkpoint in this format cannot come from a job of layout ``kind`` (``None``: it can);
+        the message names the keys to set."""
         return None
 
     def refuses_target(self, kind: Any) -> str | None:
-        """Why a job of layout ``kind`` cannot load this format (``None``: it can); the message names the keys to set."""
+        """Why a job of layout ``kind`` cannot load this format (``None``: it can);
+        the message names the keys to set."""
         return None
 
-    # What a checkpoint's files show of themselves (osdpipe.io.file_facts) and settle of a user's description of it (osdpipe.spec.reconcile).
+    # What a checkpoint's files show of themselves (osdpipe.io.file_facts)
+    # and settle of a user's description of it (osdpipe.spec.reconcile).
 
-    #: Its files hold each rank's own optimizer's local tensors, which only the source's exact layout places (down to ``source.use_orig_params``).
+    #: Its files hold each rank's own optimizer's local tensors,
+    #: which only the source's exact layout places (down to ``source.use_orig_params``).
     local_state: ClassVar[bool] = False
-    #: The kind of job that saved a checkpoint of this format unless the user says otherwise (``None``: the files do not tell).
+    #: The kind of job that saved a checkpoint of this format unless the user says otherwise
+    #: (``None``: the files do not tell).
     source_kind: ClassVar[str | None] = None
 
     @property
     def found_by(self) -> str:
-        """What :meth:`found_in` looks for, in a few words (``<dir> holds neither ... nor ...``): by default what a checkpoint of it looks like."""
+        """What :meth:`found_in` looks for, in a few words (``<dir> holds neither ... nor ...``):
+        by default what a checkpoint of it looks like."""
         return self.looks_like
 
     def found_in(self, directory: Path) -> bool:
@@ -251,7 +276,8 @@ class Format:
         return False
 
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
-        """Fill in what the checkpoint at ``path`` shows of itself, from metadata and headers (``key``: a top-level key to read under).
+        """Fill in what the checkpoint at ``path`` shows of itself,
+        from metadata and headers (``key``: a top-level key to read under).
 
         By default nothing beyond its format: a format whose files say more reads it here.
 
@@ -260,25 +286,32 @@ class Format:
         """
 
     def refuses_saved_by(self, kind: Any, path: str) -> str | None:
-        """Why the files at ``path`` show that a job of ``kind`` did not save them (``kind`` ``None``: a name no kind has), as ``<path> is ...: set ...``.
+        """Why the files at ``path`` show that a job of ``kind`` did not save them
+        (``kind`` ``None``: a name no kind has), as ``<path> is ...: set ...``.
 
         ``None``: as far as the files show, it may have.
         """
         return None
 
     def files_per_rank(self, world_size: int) -> str | None:
-        """The files a checkpoint of this format saved by ``world_size`` ranks has, one per rank, in a few words (``None``: no file per rank)."""
+        """The files a checkpoint of this format saved by ``world_size`` ranks has,
+        one per rank, in a few words (``None``: no file per rank)."""
         return None
 
     def shows(self, facts: Facts, kind: Any) -> list[Shown]:
-        """The ``source.*`` keys the files' ``facts`` settle, ``kind`` being the source's (``None``: a name no kind has).
+        """The ``source.*`` keys the files' ``facts`` settle,
+        ``kind`` being the source's (``None``: a name no kind has).
 
         By default the world size, where the files are one per rank.
         """
         files = self.files_per_rank(facts.world_size) if facts.world_size is not None else None
         if files is None:
             return []
-        return [Shown("source.world_size", facts.world_size, f"{facts.path} was saved by {facts.world_size} rank(s) ({files})")]
+        return [
+            Shown(
+                "source.world_size", facts.world_size, f"{facts.path} was saved by {facts.world_size} rank(s) ({files})"
+            )
+        ]
 
     def writes(self, rank: int) -> bool:
         """Whether target rank ``rank`` writes files of its own (else its state is in another rank's)."""
@@ -289,8 +322,11 @@ class Format:
         """Rank 0 alone writes the whole checkpoint (one file)."""
         return not self.writes(1)
 
-    def output_layout(self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]) -> tuple[LocalTensor, ...]:
-        """The local tensors target rank ``rank`` holds in this format (``optimizer_layout``: the target optimizer's own)."""
+    def output_layout(
+        self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
+    ) -> tuple[LocalTensor, ...]:
+        """The local tensors target rank ``rank`` holds in this format
+        (``optimizer_layout``: the target optimizer's own)."""
         return optimizer_layout()
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
@@ -298,11 +334,23 @@ class Format:
         raise NotImplementedError
 
     def id_groups(self, given: IdGroups, configured: IdGroups, generated: bool) -> IdGroups:
-        """The param groups a param-ID keyed input's IDs follow (``given``: ``input.param_groups``; ``configured``: ``optim.param_groups``)."""
+        """The param groups a param-ID keyed input's IDs follow
+        (``given``: ``input.param_groups``; ``configured``: ``optim.param_groups``)."""
         return given
 
-    def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
-        """Write target rank ``rank``'s state into the staged conversion (``shared``: what every rank of this process shares)."""
+    def write(
+        self,
+        result: dict[str, Any],
+        staging: Path,
+        rank: int,
+        *,
+        key: str,
+        tree: ModuleTree,
+        world_size: int,
+        shared: dict[str, Any],
+    ) -> RankFiles:
+        """Write target rank ``rank``'s state into the staged conversion
+        (``shared``: what every rank of this process shares)."""
         raise NotImplementedError
 
     def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles]) -> dict[str, str]:
@@ -313,8 +361,19 @@ class Format:
         """The state dict a target rank's file (:meth:`output_path`) holds, read whole (a job loads and steps it)."""
         return torch.load(path, map_location="cpu", weights_only=True)
 
-    def differences(self, directory: Path, key: str, rank: int, expected: dict[str, Any], *, tree: ModuleTree, world_size: int, opened: dict[str, Any]) -> list[str]:
-        """Where what target rank ``rank`` finds under ``directory`` differs from ``expected``, bitwise (``opened``: kept across ranks)."""
+    def differences(
+        self,
+        directory: Path,
+        key: str,
+        rank: int,
+        expected: dict[str, Any],
+        *,
+        tree: ModuleTree,
+        world_size: int,
+        opened: dict[str, Any],
+    ) -> list[str]:
+        """Where what target rank ``rank`` finds under ``directory`` differs from ``expected``,
+        bitwise (``opened``: kept across ranks)."""
         if not self.writes(rank):
             return []
         path = self.output_path(directory, rank)
@@ -324,7 +383,8 @@ class Format:
         return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, expected, limit=3)]
 
     def load_as_a_user_does(self, model: Any, optim: Any, path: Path, written: dict[str, Any], kind: Any) -> None:
-        """Load target rank's file into a live target job the way the README tells a resuming job to (FQN-keyed: the kind's full load)."""
+        """Load target rank's file into a live target job the way the README tells a resuming job to
+        (FQN-keyed: the kind's full load)."""
         kind.load_full(model, optim, written)
 
 

@@ -29,22 +29,32 @@ class LayoutKind:
     state_dict_types: ClassVar[tuple[str, ...]] = ("full",)
     #: Whether every rank holds every parameter whole (its state is a ``plain`` one, the same on every rank).
     replicated: ClassVar[bool] = False
-    #: What a checkpoint of this kind's job is, where that job is one process, in a few words (``<path> is ...``); ``None``: it may be several.
+    #: What a checkpoint of this kind's job is, where that job is one process,
+    #: in a few words (``<path> is ...``); ``None``: it may be several.
     one_process: ClassVar[str | None] = None
-    #: Whether a job of this kind can cut its parameters over shard groups of ``shard_group_size`` ranks, replicated across the groups (HSDP).
+    #: Whether a job of this kind can cut its parameters over shard groups of ``shard_group_size`` ranks,
+    #: replicated across the groups (HSDP).
     hybrid: ClassVar[bool] = False
-    #: Whether the layout depends on ``use_orig_params`` (a job's optimizer sees flat parameters or each parameter's piece).
+    #: Whether the layout depends on ``use_orig_params``
+    #: (a job's optimizer sees flat parameters or each parameter's piece).
     has_use_orig_params: ClassVar[bool] = False
-    #: Whether its optimizer keeps state as DTensors, which a ``rank_local`` file keeps with a ``dtensor`` table of their placements.
+    #: Whether its optimizer keeps state as DTensors,
+    #: which a ``rank_local`` file keeps with a ``dtensor`` table of their placements.
     dtensor_state: ClassVar[bool] = False
     #: Whether a job of this kind can add tensor parallelism (``tp_size``, ``tp_plan``) inside its data parallelism.
     tensor_parallel: ClassVar[bool] = False
-    #: Whether PyTorch's full model load (:meth:`load_model_full`) must send rank 0's tensors to the others (``broadcast_from_rank0``),
-    #: as for FSDP2's optimizer state (:meth:`osdpipe.layout.kinds.fsdp2.FSDP2.load_full` says why).
+    #: Whether PyTorch's full model load (:meth:`load_model_full`) must send rank 0's
+    #: tensors to the others (``broadcast_from_rank0``), as for FSDP2's optimizer
+    #: state (:meth:`osdpipe.layout.kinds.fsdp2.FSDP2.load_full` says why).
     broadcasts_full_model: ClassVar[bool] = False
+    #: Whether a sharded optimizer load is templated by the live optimizer's own state dict (FSDP1's
+    #: ``FSDP.optim_state_dict``), which is empty before its first step: a ``dcp.load`` into a fresh optimizer then
+    #: loads nothing, and a framework that loads so (accelerate's ``load_state``) says nothing.
+    sharded_load_needs_a_stepped_optimizer: ClassVar[bool] = False
 
     def hybrid_keys(self, shard_group_size: int) -> dict[str, Any]:
-        """The layout keys (``source.*``, ``target.*``) of a hybrid-sharded job of this kind with shard groups of ``shard_group_size`` ranks; none where it has none."""
+        """The layout keys (``source.*``, ``target.*``) of a hybrid-sharded job of this kind with shard groups of
+        ``shard_group_size`` ranks; none where it has none."""
         return {"shard_group_size": shard_group_size} if self.hybrid else {}
 
     def saved_format(self, state_dict_type: str) -> str:
@@ -52,7 +62,8 @@ class LayoutKind:
         return {"full": "fsdp_full", "sharded": "dcp", "local": "rank_local"}[state_dict_type]
 
     def refuses_output(self, fmt: Any) -> str | None:
-        """Why this kind's optimizer cannot load format ``fmt`` (``None``: it can); the message names the keys to set."""
+        """Why this kind's optimizer cannot load format ``fmt`` (``None``: it can);
+        the message names the keys to set."""
         return None
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
@@ -64,21 +75,28 @@ class LayoutKind:
         return []
 
     def validate(self, spec: LayoutSpec) -> None:
-        """Raise ``ValueError`` naming the key to change when this kind cannot be wrapped as ``spec`` says (no model needed).
+        """Raise ``ValueError`` naming the key to change
+        when this kind cannot be wrapped as ``spec`` says (no model needed).
 
         By default: every rank holds every parameter, so there is nothing to shard.
         """
         if spec.shard_group_size is not None:
-            raise ValueError(f"shard_group_size={spec.shard_group_size}: kind={self.name} does not shard; leave it unset")
+            raise ValueError(
+                f"shard_group_size={spec.shard_group_size}: kind={self.name} does not shard; leave it unset"
+            )
         if spec.sharding_strategy != "FULL_SHARD":
-            raise ValueError(f"sharding_strategy={spec.sharding_strategy}: kind={self.name} does not shard; leave it at FULL_SHARD")
+            raise ValueError(
+                f"sharding_strategy={spec.sharding_strategy}: kind={self.name} does not shard; leave it at FULL_SHARD"
+            )
 
     def settle(self, spec: LayoutSpec, factory: str, kwargs: dict[str, Any]) -> LayoutSpec:
-        """``spec`` with what only the model (``factory(**kwargs)``) and PyTorch can add, asked once by the plan; by default nothing."""
+        """``spec`` with what only the model (``factory(**kwargs)``) and PyTorch can add,
+        asked once by the plan; by default nothing."""
         return spec
 
     def dcp_load_problem(self, tree: ModuleTree, spec: LayoutSpec) -> str | None:
-        """Why ``dcp.load`` on a job wrapped as ``spec`` would put pieces in the wrong place (``None``: it would not); by default it would not."""
+        """Why ``dcp.load`` on a job wrapped as ``spec`` would put pieces in the wrong place
+        (``None``: it would not); by default it would not."""
         return None
 
     def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
@@ -93,11 +111,13 @@ class LayoutKind:
         raise NotImplementedError
 
     def load_full(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> None:
-        """Load a full FQN-keyed state into this rank's optimizer the way a job of this kind does (what an ``fsdp_full`` or ``dcp`` output is for)."""
+        """Load a full FQN-keyed state into this rank's optimizer the way a job of this kind does
+        (what an ``fsdp_full`` or ``dcp`` output is for)."""
         optim.load_state_dict(self.loadable(optim, self.to_load(model, optim, full_osd)))
 
     def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        """What ``optim.load_state_dict`` takes from a ``rank_local`` file of this kind (the file itself, unless it holds DTensors)."""
+        """What ``optim.load_state_dict`` takes from a ``rank_local`` file of this kind
+        (the file itself, unless it holds DTensors)."""
         return state
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -105,27 +125,32 @@ class LayoutKind:
         raise NotImplementedError
 
     def load_model_full(self, model: nn.Module, full_sd: dict[str, Any], *, hooked: bool = False) -> None:
-        """PyTorch's own load of a full, FQN-keyed model state dict into this rank's live model (``set_model_state_dict``, full;
-        ``broadcast_from_rank0`` where :attr:`broadcasts_full_model` says so).
+        """PyTorch's own load of a full, FQN-keyed model state dict into this rank's live model
+        (``set_model_state_dict``, full; ``broadcast_from_rank0`` where :attr:`broadcasts_full_model` says so).
 
         ``hooked``: the model's state-dict hooks make keys of its parameters' rows, which PyTorch's
         ``set_model_state_dict`` cannot place (it looks each key up as a parameter); the model's own
         ``load_state_dict`` takes them instead, each value laid out as the model's own ``state_dict()``
         holds it, as torchtitan loads a checkpoint.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # DCP is heavy: only a live model needs it
+        # DCP is heavy: only a live model needs it
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         if hooked:
-            model.load_state_dict({name: _laid_out_as(full_sd[name], held) for name, held in model.state_dict().items()})
+            model.load_state_dict(
+                {name: _laid_out_as(full_sd[name], held) for name, held in model.state_dict().items()}
+            )
             return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.broadcasts_full_model))
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.broadcasts_full_model)
+            set_model_state_dict(model, full_sd, options=options)
 
     def full_model_state(self, model: nn.Module, *, hooked: bool = False) -> dict[str, Any]:
-        """PyTorch's own full, FQN-keyed model state dict of a live model (``get_model_state_dict``, full), on every rank
-        (``hooked``: the model's own ``state_dict()``, each value gathered whole; see :meth:`load_model_full`)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # DCP is heavy: only a live model needs it
+        """PyTorch's own full, FQN-keyed model state dict of a live model (``get_model_state_dict``, full), on every
+        rank (``hooked``: the model's own ``state_dict()``, each value gathered whole; see :meth:`load_model_full`)."""
+        # DCP is heavy: only a live model needs it
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if hooked:
             return {name: _whole(value) for name, value in model.state_dict().items()}
@@ -139,7 +164,8 @@ class LayoutKind:
 
 
 def _laid_out_as(full: torch.Tensor, held: Any) -> Any:
-    """``full`` laid out as ``held`` (a value of a live model's own ``state_dict()``): a DTensor's placements on its mesh, else as it is."""
+    """``full`` laid out as ``held`` (a value of a live model's own ``state_dict()``):
+    a DTensor's placements on its mesh, else as it is."""
     from torch.distributed.tensor import DTensor, distribute_tensor  # DTensor: only a live model needs it
 
     if isinstance(held, DTensor):
@@ -176,7 +202,8 @@ def get(name: str) -> LayoutKind:
 
 
 def find(name: Any) -> LayoutKind | None:
-    """The kind called ``name``, or ``None`` where no kind is (what a checkpoint's files show may be none: ``sharded``, nothing, a damaged manifest's value)."""
+    """The kind called ``name``, or ``None`` where no kind is
+    (what a checkpoint's files show may be none: ``sharded``, nothing, a damaged manifest's value)."""
     return KINDS.get(name) if isinstance(name, str) else None
 
 
@@ -187,7 +214,8 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[Any, Any]] = {}  # (device, shape, names) -> (world, mesh)
+# (device, shape, names) -> (world, mesh)
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[Any, Any]] = {}
 
 
 def device_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:

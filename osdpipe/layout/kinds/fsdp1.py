@@ -27,7 +27,17 @@ import torch.distributed as dist
 from torch import nn
 
 from osdpipe.layout.kinds.base import LayoutKind, compute_device, device_mesh, register
-from osdpipe.layout.ranges import HYBRID_STRATEGIES, LayoutSpec, LocalTensor, Segment, chunk_bounds, shard_group, unit_of, whole, wrapped_modules
+from osdpipe.layout.ranges import (
+    HYBRID_STRATEGIES,
+    LayoutSpec,
+    LocalTensor,
+    Segment,
+    chunk_bounds,
+    shard_group,
+    unit_of,
+    whole,
+    wrapped_modules,
+)
 from osdpipe.layout.tree import ModuleTree, describe
 
 #: FSDP1 with ``use_orig_params=True`` starts every parameter at an address
@@ -74,7 +84,9 @@ def flat_param_layouts(tree: ModuleTree, spec: LayoutSpec) -> tuple[FlatParamLay
             continue
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
-            raise ValueError(f"FSDP unit {unit or '<root>'!r} mixes dtypes {sorted(dtypes)}; FSDP1 needs one dtype per unit")
+            raise ValueError(
+                f"FSDP unit {unit or '<root>'!r} mixes dtypes {sorted(dtypes)}; FSDP1 needs one dtype per unit"
+            )
         compute_itemsize = getattr(torch, spec.param_dtype).itemsize if spec.param_dtype else params[0].itemsize
         aligned = ALIGNMENT_BYTES // compute_itemsize if spec.use_orig_params else 0
         entries: list[tuple[str | None, int]] = []
@@ -113,9 +125,11 @@ class FSDP1(LayoutKind):
     state_dict_types = ("full", "sharded", "local")
     hybrid = True
     has_use_orig_params = True
+    sharded_load_needs_a_stepped_optimizer = True
 
     def hybrid_keys(self, shard_group_size: int) -> dict[str, Any]:
-        """FSDP1 cuts over shard groups only under a hybrid strategy; both lay the state out alike, and ``HYBRID_SHARD`` is the public one."""
+        """FSDP1 cuts over shard groups only under a hybrid strategy;
+        both lay the state out alike, and ``HYBRID_SHARD`` is the public one."""
         return {**super().hybrid_keys(shard_group_size), "sharding_strategy": "HYBRID_SHARD"}
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
@@ -155,8 +169,9 @@ class FSDP1(LayoutKind):
             if module in flats:
                 flat = flats[module]
                 start, end, size = shard(flat)
+                segments = _segments_in(flat, start, end)
                 out.append(
-                    LocalTensor(key=flat_param_key(module), fqns=flat.fqns, shape=(size,), segments=_segments_in(flat, start, end), flat=True)
+                    LocalTensor(key=flat_param_key(module), fqns=flat.fqns, shape=(size,), segments=segments, flat=True)
                 )
             out.extend(whole(p) for p in tree.params if p.owner == module and owner[p.fqn] is None)
         return tuple(out)
@@ -225,13 +240,21 @@ class FSDP1(LayoutKind):
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), full_optim_config(rank0_only=False)):
+            with FSDP.state_dict_type(
+                model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), full_optim_config(rank0_only=False)
+            ):
                 return FSDP.optim_state_dict(model, optim)
 
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
-        """FULL: ``FSDP.optim_state_dict`` to one file from rank 0; SHARDED: to DCP; local: each rank's ``optim.state_dict()``."""
+        """FULL: ``FSDP.optim_state_dict`` to one file from rank 0;
+        SHARDED: to DCP; local: each rank's ``optim.state_dict()``."""
         # torch.distributed.fsdp is heavy: only a live model needs it, not the launcher's config check
-        from torch.distributed.fsdp import FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+        from torch.distributed.fsdp import (
+            FullStateDictConfig,
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
+            StateDictType,
+        )
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with warnings.catch_warnings():
@@ -240,25 +263,31 @@ class FSDP1(LayoutKind):
                 path.mkdir(exist_ok=True)
                 torch.save(optim.state_dict(), path / f"rank_{dist.get_rank()}.pt")
             elif state_dict_type == "full":
-                with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), full_optim_config(rank0_only=True)):
+                with FSDP.state_dict_type(
+                    model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), full_optim_config(rank0_only=True)
+                ):
                     osd = FSDP.optim_state_dict(model, optim)
                 if dist.get_rank() == 0:
                     torch.save(osd, path)
             else:
                 import torch.distributed.checkpoint as dcp  # DCP is heavy: only a SHARDED save needs it
 
-                with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+                with FSDP.state_dict_type(
+                    model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+                ):
                     osd = FSDP.optim_state_dict(model, optim)
                 dcp.save({key: osd}, checkpoint_id=str(path))
 
 
 def check_shard_group(spec: LayoutSpec, hybrid: bool) -> None:
-    """``shard_group_size`` is set exactly when ``hybrid``, and divides the data-parallel ranks (``world_size`` without TP)."""
+    """``shard_group_size`` is set exactly when ``hybrid``,
+    and divides the data-parallel ranks (``world_size`` without TP)."""
     size = spec.shard_group_size
     if not hybrid:
         if size is not None:
             raise ValueError(
-                f"shard_group_size={size} applies to hybrid sharding only; set sharding_strategy=HYBRID_SHARD, or leave shard_group_size unset"
+                f"shard_group_size={size} applies to hybrid sharding only; "
+                "set sharding_strategy=HYBRID_SHARD, or leave shard_group_size unset"
             )
         return
     if size is None:
@@ -267,8 +296,14 @@ def check_shard_group(spec: LayoutSpec, hybrid: bool) -> None:
             "set shard_group_size (PyTorch's default is the ranks of one node)"
         )
     if spec.data_parallel % size:
-        ranks = f"world_size={spec.world_size}" if spec.tp_size == 1 else f"the {spec.data_parallel} data-parallel ranks (world_size={spec.world_size} / tp_size={spec.tp_size})"
-        raise ValueError(f"shard_group_size={size} does not divide {ranks}; choose a divisor, so that every replica is whole")
+        ranks = (
+            f"world_size={spec.world_size}"
+            if spec.tp_size == 1
+            else f"the {spec.data_parallel} data-parallel ranks (world_size={spec.world_size} / tp_size={spec.tp_size})"
+        )
+        raise ValueError(
+            f"shard_group_size={size} does not divide {ranks}; choose a divisor, so that every replica is whole"
+        )
 
 
 def mixed_precision(spec: LayoutSpec) -> Any:

@@ -22,6 +22,7 @@ import importlib.util
 import tempfile
 from pathlib import Path
 
+from osdpipe.io import formats
 from osdpipe.io.formats.ds_universal import ds_to_universal, universal_differences
 from osdpipe.run.collective import from_rank0
 from osdpipe.run.products import CheckResult
@@ -29,10 +30,11 @@ from osdpipe.verify.checks.common import Subject, full_model_source, full_source
 
 
 def skip_reason(ctx: Subject) -> str | None:
-    if ctx.spec.input.format != "deepspeed":
-        return "applies to a DeepSpeed source only"
-    if importlib.util.find_spec("deepspeed") is None:
-        return "needs DeepSpeed installed (its own ds_to_universal is the reference)"
+    converter = formats.get(ctx.spec.input.format).universal_converter
+    if converter is None:
+        return "applies to a source whose framework converts it to a universal checkpoint itself (DeepSpeed's)"
+    if importlib.util.find_spec(converter.split(".")[0]) is None:
+        return f"needs {converter.split('.')[0]} installed (its own {converter} is the reference)"
     return None
 
 
