@@ -1,0 +1,900 @@
+"""Real Megatron-Core (0.16.1) checkpoints on CPU: the helpers of ``mcore_job.py`` and the tests' launchers.
+
+osdpipe reads and writes Megatron-LM's ``torch_dist`` folders
+(``SAVE/latest_checkpointed_iteration.txt``, ``SAVE/iter_0000003/``).  Its
+tests need the real megatron-core to write such folders and to load what
+osdpipe writes, on a CPU-only machine with gloo.  Megatron-LM's own
+``save_checkpoint`` / ``load_checkpoint`` (``megatron/training``) are not in
+the wheel, so this module builds the same state dict with megatron-core's API
+(see :func:`generate_state_dict`) and follows ``load_checkpoint``'s steps
+(:func:`load_checkpoint`).
+
+Two halves:
+
+* the launcher side (:func:`save`, :func:`load`, :func:`job_command`), imported by
+  the tests: it must not import megatron (nor patch anything) in the pytest process;
+* the worker side (everything taking ``ctx``), used only inside the ranks that
+  ``mcore_job.py`` runs, after :func:`apply_cpu_patches`.
+
+The dump (the gathered truth) is ``{"model": {key: full tensor}, "optim": {key:
+{"param", "exp_avg", "exp_avg_sq", "step"}}, "param_groups": [...], "iteration",
+"scheduler", "args"}`` with ``key`` the model's ``sharded_state_dict()`` key:
+layers stacked along a leading axis, full over TP and PP, vocabulary padded.
+Every local piece is put in place by its ShardedTensor's own metadata
+(``global_shape``/``global_offset``; factories such as SwiGLU's ``linear_fc1``
+are built with the tensor in question), never by a hand-written TP rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ENTRY = HERE / "mcore_job.py"
+
+SEED = 1234
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, SEQ = 1000, 64, 128, 4, 4, 2, 16
+MICRO_BATCH, GLOBAL_BATCH = 2, 8
+LR, MIN_LR, WEIGHT_DECAY, BETAS, EPS, CLIP = 1e-3, 1e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
+WARMUP_ITERS, TRAIN_ITERS = 2, 10
+DIVISIBLE_BY = 128
+#: Size of the synthetic gradients (:func:`synthetic_grad`): small enough that the global grad norm stays far below
+#: CLIP, so clipping (whose norm is summed in a layout-dependent order) never acts and a resume is elementwise.
+SYNTH_SCALE = 1e-4
+
+#: Seconds each launched command took, appended as (label, seconds): for reports.
+TIMINGS: list[tuple[str, float]] = []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launcher side (pytest process): no megatron import here.
+
+
+def truth_path(folder: Path) -> Path:
+    """Where ``save`` puts the gathered state at save time: beside the folder (which holds only Megatron's files)."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + ".truth.pt")
+
+
+def job_command(nproc: int, *argv: str) -> list[str]:
+    """``torchrun --standalone`` running ``mcore_job.py`` with ``argv`` on ``nproc`` CPU ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(ENTRY),
+            *argv]
+
+
+def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: float = 600) -> float:
+    """Run one job (logged to ``workdir/label.log``, killed as a process group on timeout); its seconds."""
+    from frameworks.launch import run_logged, worker_env
+
+    seconds = run_logged(job_command(nproc, *argv), Path(workdir), label=label, timeout=timeout,
+                         what=f"megatron-core job ({nproc} ranks)", env=worker_env())
+    TIMINGS.append((label, seconds))
+    return seconds
+
+
+def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, bf16: bool = False, steps: int = 3,
+         resume_truth: int = 0, dump_after: Path | None = None, timeout: float = 600) -> Path:
+    """Train ``steps`` steps at TP x PP x DP and save ``out`` as Megatron-LM would; return ``out``.
+
+    ``truth_path(out)`` receives the gathered state at save time; with ``resume_truth``, the same job then takes
+    that many synthetic steps (:func:`synthetic_grad`) and dumps to ``dump_after``.
+    """
+    argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out)]
+    if bf16:
+        argv.append("--bf16")
+    if resume_truth:
+        argv += ["--resume-truth", str(resume_truth), "--dump-after", str(dump_after)]
+    run_job(workdir, tp * pp * dp, argv, label=f"save-{Path(out).name}", timeout=timeout)
+    if not (Path(out) / "latest_checkpointed_iteration.txt").is_file() or not truth_path(out).is_file():
+        raise RuntimeError(f"megatron-core job left no {out}/latest_checkpointed_iteration.txt or no {truth_path(out)}")
+    return Path(out)
+
+
+def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, bf16: bool = False,
+         sharding: str | None = None, resume: int = 0, dump_after: Path | None = None, label: str | None = None,
+         timeout: float = 600) -> Path:
+    """Load ``folder`` with megatron-core at TP x PP x DP as Megatron-LM's ``load_checkpoint`` does; dump it."""
+    argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump)]
+    if bf16:
+        argv.append("--bf16")
+    if sharding:
+        argv += ["--sharding", sharding]
+    if resume:
+        argv += ["--resume", str(resume), "--dump-after", str(dump_after)]
+    run_job(workdir, tp * pp * dp, argv, label=label or f"load-{Path(dump).stem}", timeout=timeout)
+    return Path(dump)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def dump_differences(expected: dict, actual: dict, *, what: tuple[str, ...] = ("model", "optim", "param_groups",
+                                                                               "iteration", "scheduler")) -> list[str]:
+    """Where two dumps differ, one line each (empty: bitwise equal): weights, masters, moments, steps, groups, ...
+
+    Bitwise, dtype and shape included: padding rows of the vocabulary count too, so a reader that loses them shows.
+    """
+    out: list[str] = []
+
+    def tensor(name: str, x: Any, y: Any) -> None:
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if x != y:
+                out.append(f"{name}: {x!r} != {y!r}")
+        elif x.dtype != y.dtype or x.shape != y.shape:
+            out.append(f"{name}: {x.dtype}{tuple(x.shape)} != {y.dtype}{tuple(y.shape)}")
+        elif not torch.equal(_bits(x), _bits(y)):
+            diff = (x.double() - y.double()).abs()
+            out.append(f"{name}: {int((diff != 0).sum())} elements differ, max {float(diff.max()):.3g}")
+
+    for part in ("model", "optim"):
+        if part not in what:
+            continue
+        e, a = expected[part], actual[part]
+        if e.keys() != a.keys():
+            out.append(f"{part} keys: missing {sorted(e.keys() - a.keys())}, extra {sorted(a.keys() - e.keys())}")
+        for key in sorted(e.keys() & a.keys()):
+            if part == "model":
+                tensor(f"model {key}", e[key], a[key])
+            else:
+                for state in ("param", "exp_avg", "exp_avg_sq", "step"):
+                    tensor(f"optim {key} {state}", e[key].get(state), a[key].get(state))
+    for part in ("param_groups", "iteration", "scheduler"):
+        if part in what and expected[part] != actual[part]:
+            out.append(f"{part}: {expected[part]!r} != {actual[part]!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker side: the CPU patches.
+
+_PATCHED = False
+
+
+def _cpu_device(device: Any) -> Any:
+    """``device`` with CUDA (a "cuda" string, a CUDA torch.device, a bare index) turned into "cpu"."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cpu"
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+def apply_cpu_patches() -> None:
+    """Make megatron-core 0.16.1 build, train, save and load on CPU with gloo (frameworks-on-cpu.md lists why).
+
+    Only ever called inside a worker rank, before megatron builds anything: it changes torch process-wide.
+    """
+    global _PATCHED
+    if _PATCHED:
+        return
+    _PATCHED = True
+    cuda = torch.cuda
+    # 1-2: buffers are allocated on torch.cuda.current_device(); synchronize/empty_cache have nothing to wait for.
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+    # 3: tensor factories given device="cuda" (scale tensors of the mixed-precision optimizer, etc.).
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+                 "zeros_like", "ones_like", "empty_like", "full_like"):
+        orig = getattr(torch, name)
+
+        def factory(*args, __orig=orig, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return __orig(*args, **kwargs)
+
+        setattr(torch, name, factory)
+    # 4: the distributed optimizer accepts only torch.cuda.*Tensor types.
+    orig_type = torch.Tensor.type
+
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = orig_type(self)
+            if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        return orig_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = tensor_type
+    # 5: .cuda() is a no-op.
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    # Tensor.to("cuda") and friends.
+    orig_to = torch.Tensor.to
+
+    def tensor_to(self, *args, **kwargs):
+        args = tuple(_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return orig_to(self, *args, **kwargs)
+
+    torch.Tensor.to = tensor_to
+    _patch_cuda_rng()
+    _patch_distrib_optimizer()
+
+
+class _FakeCudaRng:
+    """A CPU generator standing in for the CUDA default generator.
+
+    Why: Megatron-LM's ``_set_random_seed`` seeds the CUDA RNG tracker
+    (``model_parallel_cuda_manual_seed``) and its checkpoints hold
+    ``cuda_rng_state`` and the tracker's states; on a CPU-only torch every
+    ``torch.cuda`` RNG call raises.  With this stand-in the tracker, ``fork``
+    and the saved ``rng_state`` have the structure they have on a GPU; the
+    state tensors are CPU generator states (5056 bytes, not CUDA's 16).
+    """
+
+    gen = torch.Generator()
+
+
+def _patch_cuda_rng() -> None:
+    gen = _FakeCudaRng.gen
+    torch.cuda.manual_seed = lambda seed: gen.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: gen.manual_seed(int(seed))
+    torch.cuda.get_rng_state = lambda device="cuda": gen.get_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": gen.set_state(state)
+    import megatron.core.tensor_parallel.random as mrandom
+
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: gen.get_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: gen.set_state(new_state)
+
+
+def _patch_distrib_optimizer() -> None:
+    """Work around megatron-core 0.16.1's ``_set_main_param_and_optimizer_states`` with torch's own AdamW.
+
+    Why: it copies every key of the optimizer state, ``step`` included, from the loaded tensors: a
+    ``fully_reshardable`` load has no ``step`` there (KeyError: 'step'), and the copy into an fp32 main
+    param (a view of the model's parameter) is not under ``no_grad`` ("a view of a leaf Variable that
+    requires grad is being used in an in-place operation").  This version copies under ``no_grad`` and
+    skips keys the loaded state lacks; ``step`` is restored from the param groups afterwards
+    (:func:`restore_steps`).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return orig(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():
+            for key, tensor in dst.items():
+                if key in tensors and key != "step":
+                    tensor.copy_(tensors[key])
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker side: building the job.
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = DIVISIBLE_BY) -> int:
+    """Megatron-LM's ``_vocab_size_with_padding``: a multiple of ``make_vocab_size_divisible_by * TP``."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iteration: int = 0) -> argparse.Namespace:
+    """The ``args`` Megatron-LM keeps in ``common.pt``: its ``arguments.py`` names, this test model's values.
+
+    Why a Namespace with these fields: Megatron-LM's ``load_checkpoint`` and
+    ``load_args_from_checkpoint`` read them (TP/PP/world sizes for the reshard
+    checks, the model shape for ``check_checkpoint_args``), and so will
+    osdpipe's reader.
+    """
+    dp = world // (tp * pp)
+    args = argparse.Namespace(
+        # parallelism
+        rank=0, world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        data_parallel_size=dp, context_parallel_size=1, expert_model_parallel_size=1,
+        expert_tensor_parallel_size=tp, virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None, sequence_parallel=False, use_distributed_optimizer=True,
+        data_parallel_random_init=False, overlap_grad_reduce=False, overlap_param_gather=False,
+        # model
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, group_query_attention=True, kv_channels=HIDDEN // HEADS, seq_length=SEQ,
+        max_position_embeddings=SEQ, encoder_seq_length=SEQ, decoder_seq_length=None, normalization="RMSNorm",
+        norm_epsilon=1e-5, swiglu=True, squared_relu=False, position_embedding_type="rope",
+        use_rotary_position_embeddings=True, add_position_embedding=False, rotary_base=10000, rotary_percent=1.0,
+        rotary_interleaved=False, untie_embeddings_and_output_weights=True, add_bias_linear=False,
+        add_qkv_bias=False, apply_query_key_layer_scaling=False, qk_layernorm=False, num_experts=None,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, transformer_impl="local", spec=None,
+        is_hybrid_model=False, heterogeneous_layers_config_path=None, heterogeneous_layers_config_encoded_json=None,
+        vocab_size=VOCAB, padded_vocab_size=padded_vocab(VOCAB, tp), make_vocab_size_divisible_by=DIVISIBLE_BY,
+        tokenizer_type="NullTokenizer", vocab_file=None, tokenizer_model=None,
+        # precision
+        bf16=bf16, fp16=False, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        accumulate_allreduce_grads_in_fp32=bf16, main_grads_dtype=torch.float32, main_params_dtype=torch.float32,
+        # optimizer and schedule
+        optimizer="adam", lr=LR, min_lr=MIN_LR, lr_decay_style="cosine", lr_warmup_iters=WARMUP_ITERS,
+        lr_warmup_fraction=None, lr_warmup_init=0.0, lr_decay_iters=TRAIN_ITERS, lr_wsd_decay_iters=None,
+        weight_decay=WEIGHT_DECAY, start_weight_decay=WEIGHT_DECAY, end_weight_decay=WEIGHT_DECAY,
+        weight_decay_incr_style="constant", adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+        clip_grad=CLIP, loss_scale=None, use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+        # training
+        micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, train_iters=TRAIN_ITERS, seed=SEED,
+        iteration=iteration, consumed_train_samples=iteration * GLOBAL_BATCH, skipped_train_samples=0,
+        consumed_valid_samples=0,
+        # checkpointing
+        ckpt_format="torch_dist", use_dist_ckpt=True, auto_detect_ckpt_format=False,
+        dist_ckpt_optim_fully_reshardable=sharding == "fully_reshardable",
+        distrib_optim_fully_reshardable_mem_efficient=False, ckpt_fully_parallel_save=True,
+        ckpt_fully_parallel_load=False, ckpt_assume_constant_structure=False,
+        dist_ckpt_strictness="assume_ok_unexpected",
+        async_save=False, no_save_optim=None, no_save_rng=None, no_load_optim=None, no_load_rng=None,
+        finetune=False, save=None, load=None, save_interval=None, non_persistent_save_interval=None,
+    )
+    return args
+
+
+@dataclass
+class Job:
+    """What one rank holds: Megatron's objects and the parallel layout."""
+
+    args: argparse.Namespace
+    model: Any  # the DistributedDataParallel-wrapped chunk
+    gpt: Any  # the unwrapped GPTModel
+    optimizer: Any
+    scheduler: Any
+    config: Any
+    tp: int
+    pp: int
+    dp: int
+    extras: dict = field(default_factory=dict)
+
+
+def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
+    """Start gloo, Megatron's parallel state and the RNG, then build the GPT, DDP, optimizer and scheduler.
+
+    Follows Megatron-LM's ``initialize_megatron`` + ``setup_model_and_optimizer`` (``get_model``, ``Float16Module``
+    for bf16, ``DistributedDataParallel`` with bucket_size None since overlap_grad_reduce is off,
+    ``get_megatron_optimizer``, ``get_optimizer_param_scheduler``).
+    """
+    apply_cpu_patches()
+    import torch.nn.functional as F
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    world = torch.distributed.get_world_size()
+    if world % (tp * pp):
+        raise SystemExit(f"world {world} is not a multiple of TP {tp} x PP {pp}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # Megatron-LM's _set_random_seed: a seed per PP stage, then the model-parallel CUDA RNG tracker.
+    seed = SEED + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    import numpy as np
+
+    np.random.seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    args = make_args(tp=tp, pp=pp, world=world, bf16=bf16, sharding=sharding)
+    args.rank = torch.distributed.get_rank()
+    dtype = args.params_dtype
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        use_cpu_initialization=True, perform_initialization=True, bf16=bf16, params_dtype=dtype,
+        pipeline_dtype=dtype, autocast_dtype=dtype if bf16 else None,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                   max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
+                   share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    module = Float16Module(config, gpt) if bf16 else gpt
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=False,
+                                               overlap_param_gather=False, use_distributed_optimizer=True,
+                                               check_for_nan_in_grad=False, bucket_size=None)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    opt_config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WEIGHT_DECAY,
+                                 adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=CLIP,
+                                 bf16=bf16, params_dtype=dtype, use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP_ITERS * GLOBAL_BATCH,
+        lr_decay_steps=TRAIN_ITERS * GLOBAL_BATCH, lr_decay_style="cosine", start_wd=WEIGHT_DECAY,
+        end_wd=WEIGHT_DECAY, wd_incr_steps=TRAIN_ITERS * GLOBAL_BATCH, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+    # Megatron-LM's train(): DP gradient sync and the loss scale hook.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return Job(args=args, model=model, gpt=gpt, optimizer=optimizer, scheduler=scheduler, config=config,
+               tp=tp, pp=pp, dp=world // (tp * pp))
+
+
+def _batch(iteration: int, microbatch: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    """The synthetic token batch of one microbatch: fixed by (iteration, microbatch, global sample index)."""
+    gen = torch.Generator().manual_seed(SEED * 7919 + iteration * 131 + microbatch * 17 + dp_rank)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ).contiguous()}
+
+
+def train(job: Job, steps: int, start: int = 0) -> list[float]:
+    """``steps`` iterations of Megatron-LM's ``train_step``: real forward/backward through Megatron's schedule."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    num_micro = GLOBAL_BATCH // (MICRO_BATCH * job.dp)
+    losses = []
+
+    def loss_func(loss_mask, output_tensor):
+        per_token = output_tensor.float().view(-1)
+        loss = (per_token * loss_mask.view(-1)).sum() / loss_mask.sum()
+        # clone: the schedule divides the returned loss in place by the number of microbatches.
+        return loss, {"lm loss": loss.detach().clone()}
+
+    for it in range(start, start + steps):
+        batches = iter([_batch(it, m, dp_rank) for m in range(num_micro)])
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            return out, lambda t: loss_func(torch.ones(MICRO_BATCH, SEQ), t)
+
+        job.model.zero_grad_buffer()
+        job.optimizer.zero_grad()
+        reduced = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches,
+                                              model=[job.model], num_microbatches=num_micro, seq_length=SEQ,
+                                              micro_batch_size=MICRO_BATCH, decoder_seq_length=SEQ,
+                                              forward_only=False)
+        ok, _, _ = job.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"optimizer step {it + 1} was skipped")
+        job.scheduler.step(increment=GLOBAL_BATCH)
+        if reduced:
+            losses.append(float(sum(r["lm loss"] for r in reduced) / len(reduced)))
+    job.args.iteration = start + steps
+    job.args.consumed_train_samples = (start + steps) * GLOBAL_BATCH
+    return losses
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker side: the state dict Megatron-LM's save_checkpoint writes.
+
+
+def sharded_metadata(job: Job, sharding: str) -> dict:
+    """Megatron-LM's ``_build_sharded_state_dict_metadata`` for ``--ckpt-format torch_dist``."""
+    from megatron.core import parallel_state
+
+    md: dict[str, Any] = {"distrib_optim_sharding_type": sharding}
+    if sharding == "fully_reshardable":
+        md["distrib_optim_fully_reshardable_mem_efficient"] = job.args.distrib_optim_fully_reshardable_mem_efficient
+    md["singleton_local_shards"] = False
+    md["chained_optim_avoid_prefix"] = True
+    md["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return md
+
+
+def rng_state() -> Any:
+    """Megatron-LM's ``get_rng_state`` for torch_dist: one ShardedObject per (PP, TP) rank, replicated over DP."""
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    return ShardedObject("rng_state", [state],
+                         (parallel_state.get_pipeline_model_parallel_world_size(),
+                          parallel_state.get_tensor_model_parallel_world_size()),
+                         (pp_rank, tp_rank),
+                         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+
+
+def flops_so_far(iteration: int) -> float:
+    """A floating-point-operation count for ``num_floating_point_operations_so_far`` (6 x params x tokens)."""
+    params = (2 * padded_vocab(VOCAB, 1) * HIDDEN + LAYERS * (HIDDEN * (HEADS + 2 * GROUPS) * (HIDDEN // HEADS)
+              + HIDDEN * HIDDEN + 3 * HIDDEN * FFN))
+    return float(6 * params * iteration * GLOBAL_BATCH * SEQ)
+
+
+def generate_state_dict(job: Job, md: dict, *, rng: Any, is_loading: bool = False, iteration: int | None = None,
+                        with_optimizer: bool = True) -> dict:
+    """Megatron-LM's ``generate_state_dict`` for torch_dist (one model chunk, so the key is ``model``)."""
+    sd: dict[str, Any] = {"args": job.args, "checkpoint_version": 3.0}
+    if iteration is not None:
+        sd["iteration"] = iteration
+    sd["model"] = job.gpt.sharded_state_dict(metadata=md)
+    if with_optimizer:
+        kwargs = {"metadata": md, "is_loading": True} if is_loading else {"metadata": md}
+        sd["optimizer"] = job.optimizer.sharded_state_dict(sd, **kwargs)
+        sd["opt_param_scheduler"] = job.scheduler.state_dict()
+    if rng is not None:
+        sd["rng_state"] = rng
+    return sd
+
+
+def save_checkpoint(job: Job, save_dir: Path, iteration: int, sharding: str) -> None:
+    """Megatron-LM's ``save_checkpoint`` for ``--ckpt-format torch_dist`` (synchronous, persistent, no rerun state).
+
+    Writes ``save_dir/iter_<7 digits>/`` through ``dist_checkpointing.save`` with the default torch_dist strategy
+    (``--ckpt-fully-parallel-save`` is on by default in Megatron-LM: the fully parallel wrapper over DP), then the
+    tracker file on rank 0.
+    """
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    ckpt_dir = Path(save_dir) / f"iter_{iteration:07d}"
+    md = sharded_metadata(job, sharding)
+    job.args.save = str(save_dir)
+    job.args.iteration = iteration
+    sd = generate_state_dict(job, md, rng=rng_state(), iteration=iteration)
+    sd["num_floating_point_operations_so_far"] = flops_so_far(iteration)
+    if torch.distributed.get_rank() == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if job.args.ckpt_fully_parallel_save:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True), False)
+    dist_checkpointing.save(sd, str(ckpt_dir), strategy, validate_access_integrity=True,
+                            content_metadata=_clean_metadata_for_serialization(md))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        (Path(save_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
+def load_checkpoint(job: Job, load_dir: Path) -> dict:
+    """Megatron-LM's ``load_checkpoint`` for torch_dist, with the CPU/torch-AdamW workarounds; returns what it read.
+
+    Steps as Megatron-LM: the tracker file; the common state dict on every rank; RNG only at the same TP/PP; the
+    content metadata; the dp_reshardable (TP, PP) refusal; ``generate_state_dict(is_loading=True)``;
+    ``dist_checkpointing.load`` with the default strategy; ``model.load_state_dict``; ``optimizer.load_state_dict``;
+    the scheduler; the RNG.  Workarounds: one dummy optimizer step before the template (torch AdamW has no state
+    before its first step and ``state_dict()`` asserts) and :func:`restore_steps` after the optimizer's load.
+    """
+    import numpy as np
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+    load_dir = Path(load_dir)
+    iteration = int((load_dir / "latest_checkpointed_iteration.txt").read_text().strip())
+    ckpt_dir = load_dir / f"iter_{iteration:07d}"
+    common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+    ckpt_args = common.get("args") or argparse.Namespace()
+    ckpt_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
+                  getattr(ckpt_args, "pipeline_model_parallel_size", 1))
+    run_tp_pp = (job.tp, job.pp)
+    md = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    if md is None:
+        md = {"distrib_optim_sharding_type": "dp_zero_gather_scatter"}
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if ckpt_tp_pp != run_tp_pp and md["distrib_optim_sharding_type"] not in \
+            DistributedOptimizer.checkpoint_fully_reshardable_formats:
+        raise RuntimeError(f"(TP, PP) mismatch after resume ({run_tp_pp} vs {ckpt_tp_pp} from checkpoint): not "
+                           f"supported for DistributedOptimizer with sharding type {md['distrib_optim_sharding_type']}")
+    md["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    job.args.dist_ckpt_optim_fully_reshardable = md["distrib_optim_sharding_type"] == "fully_reshardable"
+    load_rng = ckpt_tp_pp == run_tp_pp
+    for opt in dist_optimizers(job):
+        opt._init_optimizer_states_with_dummy_values()
+    sd = generate_state_dict(job, md, rng=rng_state() if load_rng else None, is_loading=True)
+    strategy = get_default_load_sharded_strategy(str(ckpt_dir))
+    state = dist_checkpointing.load(sd, str(ckpt_dir), strategy, strict=job.args.dist_ckpt_strictness)
+    job.model.load_state_dict(state["model"], strict=True)
+    job.optimizer.load_state_dict(state["optimizer"])
+    restore_steps(job, state["optimizer"])
+    job.scheduler.load_state_dict(state["opt_param_scheduler"])
+    if load_rng and "rng_state" in state:
+        rs = state["rng_state"][0]
+        random.setstate(rs["random_rng_state"])
+        np.random.set_state(rs["np_rng_state"])
+        torch.set_rng_state(rs["torch_rng_state"])
+        torch.cuda.set_rng_state(rs["cuda_rng_state"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rs["rng_tracker_states"])
+    job.args.iteration = state["iteration"]
+    job.args.consumed_train_samples = getattr(state["args"], "consumed_train_samples", 0)
+    torch.distributed.barrier()
+    return {"iteration": state["iteration"], "content_metadata": {k: v for k, v in md.items() if k != "dp_cp_group"},
+            "ckpt_tp_pp": ckpt_tp_pp, "rng_loaded": load_rng}
+
+
+def dist_optimizers(job: Job) -> list[Any]:
+    """The DistributedOptimizers inside ``get_megatron_optimizer``'s ChainedOptimizer (one here: no experts)."""
+    return list(getattr(job.optimizer, "chained_optimizers", [job.optimizer]))
+
+
+def restore_steps(job: Job, optimizer_sd: dict) -> None:
+    """Give every parameter its own ``step`` tensor, set to the step the checkpoint's param groups hold.
+
+    Why: megatron-core 0.16.1 without TE/Apex gives all parameters ONE shared ``step`` tensor on load (torch
+    AdamW's in-place ``step += 1`` then advances it once per parameter), and a ``dp_reshardable`` load then
+    copies back the pre-load local ``step`` (the dummy step's 1) from its LocalNonpersistentObject.
+    """
+    if len(dist_optimizers(job)) != 1:
+        raise NotImplementedError("one DistributedOptimizer expected (no experts)")
+    groups = optimizer_sd["optimizer"]["param_groups"]
+    steps = {g["step"] for g in groups if "step" in g}
+    if len(steps) != 1:
+        raise RuntimeError(f"checkpoint param groups hold steps {steps}")
+    step = float(steps.pop())
+    inner = dist_optimizers(job)[0].optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if p in inner.state:
+                inner.state[p]["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker side: placing local pieces by their ShardedTensor metadata, and gathering.
+
+
+def param_metadata(job: Job) -> dict[int, Any]:
+    """id(model parameter) -> its ShardedTensor or ShardedTensorFactory in the model's ``sharded_state_dict()``."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if "param_metadata" in job.extras:
+        return job.extras["param_metadata"]
+    params = {id(p): p for p in job.gpt.parameters()}
+    found = {}
+    for sh in nested_values(job.gpt.sharded_state_dict()):
+        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and id(sh.data) in params:
+            found[id(sh.data)] = sh
+    missing = [n for n, p in job.gpt.named_parameters() if id(p) not in found]
+    if missing:
+        raise RuntimeError(f"parameters without sharded metadata: {missing}")
+    job.extras["param_metadata"] = found
+    return found
+
+
+def pieces(meta: Any, tensor: torch.Tensor) -> list[Any]:
+    """The ShardedTensors that ``meta`` (a parameter's ShardedTensor or factory) makes of ``tensor``.
+
+    ``tensor`` has the parameter's local shape (a state, a gradient); the pieces' ``data`` are views of it.
+    """
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(meta, ShardedTensorFactory):
+        built = meta.build_fn(meta.key, tensor, meta.replica_id, meta.flattened_range)
+        out = [s for s in nested_values(built) if isinstance(s, ShardedTensor)]
+    else:
+        out = [replace(meta, data=tensor, dtype=tensor.dtype)]
+    for s in out:
+        if s.flattened_range is not None:
+            raise RuntimeError(f"flattened model tensor {s.key} not supported")
+    return out
+
+
+def _is_main(replica_id: Any) -> bool:
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    return is_main_replica(replica_id)
+
+
+def _local_records(job: Job) -> dict:
+    """This rank's main-replica pieces of weights and optimizer states, and per-key steps and groups (to gather)."""
+    (opt,) = dist_optimizers(job)
+    metas = param_metadata(job)
+    # fp32 masters and moments per model parameter, whole over DP (the optimizer's own DP gather).
+    world = opt.get_parameter_state_dp_zero(use_gloo_comm=True, empty_data=False, return_on_all_ranks=True)
+    model_pieces, optim_pieces, steps, groups = [], [], {}, {}
+    for gbuf_idx, buffer in enumerate(opt.buffers):
+        (dtype, tensors), = world[gbuf_idx].items()
+        for param, (start, end, _bucket) in buffer.param_index_map.items():
+            meta = metas[id(param)]
+            key = meta.key
+            for st in pieces(meta, param.detach().clone()):
+                if _is_main(st.replica_id):
+                    model_pieces.append((st.key, tuple(st.global_shape), st.global_slice(), st.data.clone()))
+            for state in ("param", "exp_avg", "exp_avg_sq"):
+                local = tensors[state][start:end].reshape(param.shape).clone()
+                for st in pieces(meta, local):
+                    if _is_main(st.replica_id):
+                        optim_pieces.append((state, st.key, tuple(st.global_shape), st.global_slice(), st.data.clone()))
+            if param in opt.model_param_group_index_map:
+                g, order = opt.model_param_group_index_map[param]
+                main = opt.optimizer.param_groups[g]["params"][order]
+                st_state = opt.optimizer.state.get(main, {})
+                if "step" in st_state:
+                    steps.setdefault(key, set()).add(float(st_state["step"]))
+                groups.setdefault(g, set()).add(key)
+    return {"model": model_pieces, "optim": optim_pieces, "steps": steps, "groups": groups,
+            "buckets": _bucket_layout(job, opt) if opt.data_parallel_group.rank() == 0 else None}
+
+
+def _bucket_layout(job: Job, opt: Any) -> dict:
+    """How this (PP, TP) rank's DistributedOptimizer lays its parameters out in the grad buffers' buckets.
+
+    Why: a ``dp_reshardable`` checkpoint holds the optimizer state as these buckets, one flat tensor per
+    ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_<dtypes>.bucket_idx_<b>.<state>``; a reader needs
+    the map from bucket ranges to model keys, which this records from the live objects (for the dumps and NOTES).
+    """
+    from megatron.core import parallel_state
+
+    names = {id(p): n for n, p in job.gpt.named_parameters()}
+    metas = param_metadata(job)
+    out = {"dp_group_idx": opt.data_parallel_group_idx, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+           "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "dp_size": opt.data_parallel_group.size(),
+           "gbufs": []}
+    for gbuf_idx, buffer in enumerate(opt.buffers):
+        dtypes = (buffer.param_dtype, buffer.grad_dtype)
+        buckets = []
+        for b, bucket in enumerate(buffer.buckets):
+            params = []
+            for param, (start, end, bucket_id) in buffer.param_index_map.items():
+                if bucket_id != b:
+                    continue
+                sts = pieces(metas[id(param)], param.detach())
+                params.append({"name": names[id(param)], "key": metas[id(param)].key, "shape": tuple(param.shape),
+                               "start": start - bucket.offset, "end": end - bucket.offset,
+                               "global": [_slice_repr(st.global_slice()) for st in sts],
+                               "global_shape": tuple(sts[0].global_shape)})
+            params.sort(key=lambda e: e["start"])
+            buckets.append({"bucket_idx": b, "numel": bucket.grad_data.numel(), "numel_unpadded": bucket.numel_unpadded,
+                            "offset_in_buffer": bucket.offset, "params": params})
+        out["gbufs"].append({"gbuf_idx": gbuf_idx, "dtype_key": f"dtype_{dtypes}", "numel": buffer.numel,
+                             "numel_unpadded": buffer.numel_unpadded, "buckets": buckets})
+    return out
+
+
+def _slice_repr(where: tuple) -> list:
+    """A global_slice as plain data: ints stay, slices become [start, stop]."""
+    return [[s.start, s.stop] if isinstance(s, slice) else s for s in where]
+
+
+def _assemble(records: list[tuple]) -> dict[str, torch.Tensor]:
+    """Full tensors from ``(key, global_shape, global_slice, data)`` pieces; every element must be covered once."""
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for key, shape, where, data in records:
+        if key not in full:
+            full[key] = torch.zeros(shape, dtype=data.dtype)
+            covered[key] = torch.zeros(shape, dtype=torch.int32)
+        full[key][where] = data
+        covered[key][where] += 1
+    for key, count in covered.items():
+        if not bool((count == 1).all()):
+            raise RuntimeError(f"{key}: pieces cover {int((count == 0).sum())} elements 0 times and "
+                               f"{int((count > 1).sum())} more than once")
+    return full
+
+
+def gather(job: Job) -> dict | None:
+    """The dump (module docstring) on rank 0, None elsewhere; a collective: every rank calls it."""
+    local = _local_records(job)
+    everything = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(local, everything, dst=0)
+    if torch.distributed.get_rank() != 0:
+        return None
+    model = _assemble([r for rank in everything for r in rank["model"]])
+    optim: dict[str, dict[str, Any]] = {}
+    for state in ("param", "exp_avg", "exp_avg_sq"):
+        full = _assemble([r[1:] for rank in everything for r in rank["optim"] if r[0] == state])
+        for key, t in full.items():
+            optim.setdefault(key, {})[state] = t
+    steps: dict[str, set] = {}
+    group_keys: dict[int, set] = {}
+    for rank in everything:
+        for key, vals in rank["steps"].items():
+            steps.setdefault(key, set()).update(vals)
+        for g, keys in rank["groups"].items():
+            group_keys.setdefault(g, set()).update(keys)
+    for key in optim:
+        vals = steps.get(key, set())
+        # One value if the ranks agree (as they must); all of them otherwise, so that a comparison shows it.
+        optim[key]["step"] = torch.tensor(vals.pop()) if len(vals) == 1 else sorted(vals)
+    param_groups = []
+    for g, group in enumerate(dist_optimizers(job)[0].optimizer.param_groups):
+        # "step": a load leaves the checkpoint's group step in torch's param groups, unused and stale (AdamW
+        # counts per parameter, in "optim"), so it is left out for the dumps of a save and a load to compare.
+        hyper = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in group.items()
+                 if k not in ("params", "step")}
+        hyper["params"] = sorted(group_keys.get(g, ()))
+        param_groups.append(hyper)
+    buckets = sorted((r["buckets"] for r in everything if r["buckets"] is not None), key=lambda b: b["dp_group_idx"])
+    return {"model": model, "optim": optim, "param_groups": param_groups, "iteration": job.args.iteration,
+            "buckets": buckets,
+            "scheduler": job.scheduler.state_dict(), "args": dict(vars(job.args)),
+            "layout": {"tp": job.tp, "pp": job.pp, "dp": job.dp}}
+
+
+def write_dump(job: Job, path: Path, extra: dict | None = None) -> None:
+    """:func:`gather` and ``torch.save`` on rank 0 (atomically); a collective."""
+    dump = gather(job)
+    if dump is not None:
+        dump.update(extra or {})
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(dump, tmp)
+        os.replace(tmp, path)
+    torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker side: synthetic steps (comparable across layouts).
+
+
+def synthetic_grad(key: str, shape: tuple[int, ...], step: int) -> torch.Tensor:
+    """The full global gradient of ``key`` at resume ``step``: a fixed function of (key, global index, step).
+
+    fp32 values computed in float64; so small (``SYNTH_SCALE``) that gradient clipping never acts.
+    """
+    salt = zlib.crc32(key.encode()) % 10007
+    n = math.prod(shape)
+    idx = torch.arange(n, dtype=torch.float64)
+    g = torch.sin(idx * 0.6180339887 + salt * 0.001 + step * 1.7) + 0.5 * torch.cos(idx * 0.0137 * (step + 1) + salt)
+    return (SYNTH_SCALE * g).to(torch.float32).reshape(shape)
+
+
+def synthetic_steps(job: Job, steps: int) -> None:
+    """``steps`` optimizer steps on synthetic gradients written into each parameter's ``main_grad`` (this rank's
+    slice of the global gradient, by the parameter's ShardedTensor metadata), then the scheduler's step."""
+    metas = param_metadata(job)
+    for k in range(steps):
+        job.model.zero_grad_buffer()
+        job.optimizer.zero_grad()
+        cache: dict[str, torch.Tensor] = {}
+        for param in job.gpt.parameters():
+            grad = param.main_grad
+            for st in pieces(metas[id(param)], grad):
+                if st.key not in cache:
+                    cache[st.key] = synthetic_grad(st.key, tuple(st.global_shape), job.args.iteration + k)
+                if st.data.data_ptr() < grad.data_ptr() or \
+                        st.data.data_ptr() >= grad.data_ptr() + grad.numel() * grad.element_size():
+                    raise RuntimeError(f"{st.key}: a sharded piece is not a view of main_grad")
+                st.data.copy_(cache[st.key][st.global_slice()].to(grad.dtype))
+        ok, norm, _ = job.optimizer.step()
+        if not ok:
+            raise RuntimeError("synthetic optimizer step was skipped")
+        if norm is not None and norm >= CLIP:
+            raise RuntimeError(f"synthetic grad norm {norm} would be clipped")
+        job.scheduler.step(increment=GLOBAL_BATCH)
+    job.args.iteration += steps
+    job.args.consumed_train_samples = job.args.iteration * GLOBAL_BATCH
+
+
+@contextlib.contextmanager
+def quiet_warnings():
+    """Megatron warns once per import that TE/Apex are missing: nothing to act on here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -1,0 +1,92 @@
+"""One rank of a real megatron-core 0.16.1 job on CPU (launched by ``mcore.py`` under ``torchrun --standalone``).
+
+Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
+
+* ``save --tp T --pp P --steps 3 --sharding dp_reshardable|fully_reshardable [--bf16] --out SAVE_DIR
+  [--resume-truth K --dump-after OUT2.pt]``: train ``steps`` steps (real forward/backward through
+  Megatron's pipeline schedule), write exactly what Megatron-LM's ``save_checkpoint`` writes for
+  ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; with
+  ``--resume-truth`` the same live job then takes K synthetic steps and dumps again.
+* ``load --tp T --pp P --from SAVE_DIR [--bf16] [--sharding S] --dump OUT.pt [--resume K --dump-after OUT2.pt]``:
+  build the job at that layout, load as Megatron-LM's ``load_checkpoint`` does, dump; optionally K synthetic
+  steps and a second dump.
+
+The CPU patches are applied here, in the rank, never in the process that launches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from frameworks import mcore  # noqa: E402
+from frameworks.launch import run_then_leave  # noqa: E402
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mcore_job.py")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("save", "load"):
+        s = sub.add_parser(name)
+        s.add_argument("--tp", type=int, default=1)
+        s.add_argument("--pp", type=int, default=1)
+        s.add_argument("--bf16", action="store_true")
+        s.add_argument("--sharding", choices=("dp_reshardable", "fully_reshardable"), default=None)
+        s.add_argument("--dump-after", type=Path, default=None)
+    save = sub.choices["save"]
+    save.add_argument("--steps", type=int, default=3)
+    save.add_argument("--out", type=Path, required=True)
+    save.add_argument("--resume-truth", type=int, default=0)
+    load = sub.choices["load"]
+    load.add_argument("--from", dest="src", type=Path, required=True)
+    load.add_argument("--dump", type=Path, required=True)
+    load.add_argument("--resume", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    import torch
+
+    if torch.distributed.get_rank() == 0:
+        print(f"[mcore_job] {msg}", flush=True)
+
+
+def main() -> None:
+    opts = parse(sys.argv[1:])
+    if (opts.resume_truth if opts.cmd == "save" else opts.resume) and opts.dump_after is None:
+        raise SystemExit("--resume/--resume-truth needs --dump-after")
+    start = time.monotonic()
+    with mcore.quiet_warnings():
+        job = mcore.setup(tp=opts.tp, pp=opts.pp, bf16=opts.bf16, sharding=opts.sharding or "dp_reshardable")
+    log(f"built TP{job.tp} PP{job.pp} DP{job.dp} bf16={opts.bf16} in {time.monotonic() - start:.1f}s")
+    if opts.cmd == "save":
+        sharding = opts.sharding or "dp_reshardable"
+        losses = mcore.train(job, opts.steps)
+        log(f"trained {opts.steps} steps, losses {losses}")
+        out = opts.out.resolve()
+        mcore.save_checkpoint(job, out, opts.steps, sharding)
+        log(f"saved {out}")
+        mcore.write_dump(job, mcore.truth_path(out), {"sharding": sharding, "losses": losses})
+        if opts.resume_truth:
+            mcore.synthetic_steps(job, opts.resume_truth)
+            mcore.write_dump(job, opts.dump_after.resolve(), {"sharding": sharding, "resumed": opts.resume_truth})
+    else:
+        info = mcore.load_checkpoint(job, opts.src.resolve())
+        log(f"loaded {opts.src} {json.dumps(info, default=str)}")
+        mcore.write_dump(job, opts.dump.resolve(), {"loaded": info})
+        if opts.resume:
+            mcore.synthetic_steps(job, opts.resume)
+            mcore.write_dump(job, opts.dump_after.resolve(), {"loaded": info, "resumed": opts.resume})
+    log(f"done in {time.monotonic() - start:.1f}s")
+    import torch
+
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    run_then_leave(main)
