@@ -44,7 +44,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from osdpipe.io.formats.base import InputError, SourceMeta, TensorRef
-from osdpipe.io.formats.safe_load import Window, check_torch_zip, damaged, first_line, read_dcp_metadata, torch_load_error
+from osdpipe.io.formats.safe_load import (
+    Window,
+    check_torch_zip,
+    damaged,
+    first_line,
+    read_dcp_metadata,
+    torch_load_error,
+)
 
 #: What to do about a damaged DCP directory.
 RECOPY_DIR = "re-copy the checkpoint directory or point input.path at the directory dcp.save wrote"
@@ -68,7 +75,8 @@ class SafeFileSystemReader(FileSystemReader):
         self.error: InputError | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The metadata, unpickled by the allow-list unpickler; as torch's, with a ``storage_meta`` carrying this load's ID."""
+        """The metadata, unpickled by the allow-list unpickler;
+        as torch's, with a ``storage_meta`` carrying this load's ID."""
         rank = kwargs.get("rank")
         try:
             if rank is None and self._metadata is not None:
@@ -91,7 +99,10 @@ class SafeFileSystemReader(FileSystemReader):
         return super()._slice_file(file, sinfo)
 
     def _where(self, sinfo: _StorageInfo) -> str:
-        return f"the item at bytes {sinfo.offset}..{sinfo.offset + sinfo.length} of {Path(self.path) / sinfo.relative_path}"
+        return (
+            f"the item at bytes {sinfo.offset}..{sinfo.offset + sinfo.length} "
+            f"of {Path(self.path) / sinfo.relative_path}"
+        )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._item = None
@@ -107,7 +118,8 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
-    """Builds the state dict from the checkpoint's metadata, as its base does, but loads non-tensor items with ``weights_only=True``.
+    """Builds the state dict from the checkpoint's metadata,
+    as its base does, but loads non-tensor items with ``weights_only=True``.
 
     torch 2.13's ``DefaultLoadPlanner.load_bytes`` unpickles them with
     ``weights_only=False``, so a crafted param group value would run code.
@@ -192,7 +204,8 @@ def _check_tensor(flat: str, md: TensorStorageMetadata, storage: dict[Any, Any],
     for chunk in md.chunks:
         offsets, sizes = tuple(getattr(chunk, "offsets", ())), tuple(getattr(chunk, "sizes", ()))
         fits = len(offsets) == len(sizes) == len(size) and all(
-            isinstance(o, int) and isinstance(s, int) and 0 <= o and 0 <= s and o + s <= d for o, s, d in zip(offsets, sizes, size, strict=False)
+            isinstance(o, int) and isinstance(s, int) and 0 <= o and 0 <= s and o + s <= d
+            for o, s, d in zip(offsets, sizes, size, strict=False)
         )
         if not fits:
             raise bad(f"a chunk of {flat} (offsets {offsets}, sizes {sizes}) lies outside its size {size}")
@@ -204,7 +217,8 @@ def _check_tensor(flat: str, md: TensorStorageMetadata, storage: dict[Any, Any],
 
 
 def _check_item_bounds(metadata: Metadata, directory: Path, key: str | None) -> None:
-    """Each item under ``key`` (``None``: every item) begins with a zip header and ends with a zip index end, as a torch.save archive does.
+    """Each item under ``key`` (``None``: every item) begins with a zip
+    header and ends with a zip index end, as a torch.save archive does.
 
     Two small reads per item: they catch offsets that point astray and item
     boundaries that were overwritten, before any rank loads a tensor.
@@ -225,7 +239,8 @@ def _check_item_bounds(metadata: Metadata, directory: Path, key: str | None) -> 
                 if start != _ZIP_START or end != _ZIP_END:
                     raise damaged(
                         f"the item at bytes {info.offset}..{info.offset + info.length} of {path}",
-                        "it does not begin and end as a torch.save archive: the file is overwritten or the metadata's offsets are wrong",
+                        "it does not begin and end as a torch.save archive: "
+                        "the file is overwritten or the metadata's offsets are wrong",
                         RECOPY_DIR,
                     )
 
@@ -263,7 +278,8 @@ def nested_paths(planner_data: dict[str, tuple[Any, ...]]) -> dict[str, tuple[An
 
 
 def unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
-    """A flattened optimizer state dict (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``) as the nested one.
+    """A flattened optimizer state dict
+    (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``) as the nested one.
 
     Flattening keeps each parameter's hyperparameters, not its group. Groups
     are rebuilt from consecutive parameters (in the order they were saved)
@@ -290,7 +306,8 @@ def unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 class DcpCheckpoint:
-    """A DCP checkpoint directory, opened once: its metadata read and checked, any stored item read by its flat key, without a process group.
+    """A DCP checkpoint directory, opened once:
+    its metadata read and checked, any stored item read by its flat key, without a process group.
 
     Opening it reads and checks the metadata and the directory's structure
     (:func:`check_structure`): no tensor is read until asked for. Views of
@@ -305,10 +322,17 @@ class DcpCheckpoint:
         self.path = path
         directory = Path(path)
         if not directory.is_dir():
-            raise InputError(f"{path} is not a directory; a dcp input is the directory dcp.save wrote (it holds .metadata)")
+            raise InputError(
+                f"{path} is not a directory; a dcp input is the directory dcp.save wrote (it holds .metadata)"
+            )
         self.metadata: Metadata = read_dcp_metadata(directory / ".metadata")
+        if self.metadata.planner_data is None and isinstance(self.metadata.state_dict_metadata, dict):
+            # Megatron's dist_checkpointing saves through a planner of its own that records no planner data:
+            # each item is a top-level key, named by its flat key.
+            self.metadata.planner_data = {flat: (flat,) for flat in self.metadata.state_dict_metadata}
         check_structure(self.metadata, directory, check)
-        #: Each stored item's path in the saved state dict, a flattened optimizer's as the nested one's (:func:`nested_paths`).
+        #: Each stored item's path in the saved state dict,
+        #: a flattened optimizer's as the nested one's (:func:`nested_paths`).
         self.paths: dict[str, tuple[Any, ...]] = nested_paths(self.metadata.planner_data)
         self._kept: tuple[MetadataIndex, torch.Tensor] | None = None  # read_range: the last chunk read
         self._whole_kept: tuple[str, torch.Tensor] | None = None  # read_range: the last tensor read whole
@@ -334,7 +358,8 @@ class DcpCheckpoint:
             if reader.error is not None:
                 raise reader.error from None
             raise InputError(
-                f"{self.path}: reading {len(flat_keys)} key(s) of the DCP checkpoint failed ({first_line(_cause(exc))}); {RECOPY_DIR}"
+                f"{self.path}: reading {len(flat_keys)} key(s) of the DCP checkpoint failed "
+                f"({first_line(_cause(exc))}); {RECOPY_DIR}"
             ) from exc
         return out
 
@@ -349,7 +374,8 @@ class DcpCheckpoint:
         return TensorRef(tuple(md.size), str(md.properties.dtype).removeprefix("torch."))
 
     def read_range(self, flat: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of tensor item ``flat``'s flattened view, read from the stored chunks that hold it (one chunk is kept for the next range).
+        """Elements ``[start, stop)`` of tensor item ``flat``'s flattened view,
+        read from the stored chunks that hold it (one chunk is kept for the next range).
 
         A chunk is read whole: DCP stores each as a ``torch.save`` archive of
         its own. Where a chunk does not span whole rows (not a dim-0 piece) or
@@ -360,8 +386,12 @@ class DcpCheckpoint:
         size = tuple(md.size)
         row = math.prod(size[1:])
         chunks = sorted(md.chunks, key=lambda c: tuple(c.offsets))
-        rows_only = all(tuple(c.offsets[1:]) == (0,) * (len(size) - 1) and tuple(c.sizes[1:]) == size[1:] for c in chunks)
-        if not rows_only or any(self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors for c in chunks):
+        rows_only = all(
+            tuple(c.offsets[1:]) == (0,) * (len(size) - 1) and tuple(c.sizes[1:]) == size[1:] for c in chunks
+        )
+        if not rows_only or any(
+            self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors for c in chunks
+        ):
             return self._whole(flat).view(-1)[start:stop]
         out = torch.empty(stop - start, dtype=md.properties.dtype)
         for c in chunks:
@@ -372,8 +402,8 @@ class DcpCheckpoint:
         return out
 
     def stored(self, flat: str) -> bytes | None:
-        """The bytes non-tensor item ``flat`` is stored as (a ``torch.save`` archive of its value), unread; ``None`` where
-        they are transformed (compressed) and mean nothing without DCP's transform."""
+        """The bytes non-tensor item ``flat`` is stored as (a ``torch.save`` archive of its value), unread;
+        ``None`` where they are transformed (compressed) and mean nothing without DCP's transform."""
         info = self.metadata.storage_data[MetadataIndex(flat)]
         if info.transform_descriptors:
             return None
@@ -381,11 +411,15 @@ class DcpCheckpoint:
             f.seek(info.offset)
             raw = f.read(info.length)
         if len(raw) != info.length:
-            raise InputError(f"{Path(self.path) / info.relative_path} is truncated: the item {flat} needs bytes up to {info.offset + info.length}; {RECOPY_DIR}")
+            raise InputError(
+                f"{Path(self.path) / info.relative_path} is truncated: "
+                f"the item {flat} needs bytes up to {info.offset + info.length}; {RECOPY_DIR}"
+            )
         return raw
 
     def read_item(self, flat: str) -> Any:
-        """Item ``flat``'s value, read whole: a tensor, or the object a non-tensor item was saved as (unpickled by DCP's reader)."""
+        """Item ``flat``'s value, read whole:
+        a tensor, or the object a non-tensor item was saved as (unpickled by DCP's reader)."""
         loaded: Any = self.load({flat})
         for part in self.metadata.planner_data[flat]:  # the path it was saved under (a flattened optimizer's, as saved)
             loaded = loaded[part]
@@ -398,14 +432,22 @@ class DcpCheckpoint:
             return self._kept[1]
         self._kept = None  # freed before the next is read: one chunk in memory at a time
         info = self.metadata.storage_data[index]
-        where = f"the item at bytes {info.offset}..{info.offset + info.length} of {Path(self.path) / info.relative_path}"
+        where = (
+            f"the item at bytes {info.offset}..{info.offset + info.length} of {Path(self.path) / info.relative_path}"
+        )
         try:
             with open(Path(self.path) / info.relative_path, "rb") as f:
                 tensor = torch.load(Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
         except Exception as exc:  # torch.load raises several types for a damaged item
             raise torch_load_error(where, exc, RECOPY_DIR) from exc
-        if not torch.is_tensor(tensor) or tuple(tensor.shape) != tuple(chunk.sizes) or tensor.dtype != self.metadata.state_dict_metadata[flat].properties.dtype:
-            raise damaged(where, f"it does not hold the {tuple(chunk.sizes)} chunk of {flat} the metadata describes", RECOPY_DIR)
+        if (
+            not torch.is_tensor(tensor)
+            or tuple(tensor.shape) != tuple(chunk.sizes)
+            or tensor.dtype != self.metadata.state_dict_metadata[flat].properties.dtype
+        ):
+            raise damaged(
+                where, f"it does not hold the {tuple(chunk.sizes)} chunk of {flat} the metadata describes", RECOPY_DIR
+            )
         self._kept = (index, tensor.contiguous())
         return self._kept[1]
 
@@ -418,7 +460,8 @@ class DcpCheckpoint:
 
 
 class DcpReader:
-    """The optimizer state under ``key`` of a DCP checkpoint (:class:`DcpCheckpoint`), as a :class:`~osdpipe.io.formats.base.SourceReader`.
+    """The optimizer state under ``key`` of a DCP checkpoint (:class:`DcpCheckpoint`),
+    as a :class:`~osdpipe.io.formats.base.SourceReader`.
 
     Raises:
         InputError: from the constructor, for a directory that is not an intact DCP checkpoint with ``key``.
@@ -430,12 +473,17 @@ class DcpReader:
         self.metadata: Metadata = self.checkpoint.metadata
         self.paths = self.checkpoint.paths
         #: The optimizer state was saved flattened (``flatten_optimizer_state_dict=True``, as torchtitan saves it).
-        self.flattened = any(len(p) == 2 and _flattened_part(p[1]) for p in self.metadata.planner_data.values() if p[:1] == (key,))
+        self.flattened = any(
+            len(p) == 2 and _flattened_part(p[1]) for p in self.metadata.planner_data.values() if p[:1] == (key,)
+        )
         if not any(p[:1] == (key,) for p in self.paths.values()):
-            raise InputError(f"DCP checkpoint {path} has no top-level key {key!r} (it has {self.checkpoint.tops()}); set input.key")
+            raise InputError(
+                f"DCP checkpoint {path} has no top-level key {key!r} (it has {self.checkpoint.tops()}); set input.key"
+            )
 
     def _under_key(self, loaded: dict[str, Any]) -> dict[str, Any]:
-        """What ``load`` read under the key, as the nested optimizer state dict (``state``, ``param_groups``) however it was saved."""
+        """What ``load`` read under the key,
+        as the nested optimizer state dict (``state``, ``param_groups``) however it was saved."""
         under = loaded.get(self.key, {})
         return unflatten_optimizer(under) if self.flattened else under
 
@@ -446,8 +494,10 @@ class DcpReader:
         if not any(p[:2] == (self.key, "param_groups") for p in self.paths.values()):
             held = sorted({".".join(map(str, p[1:3])) for p in self.paths.values() if p[:1] == (self.key,)})[:4]
             raise InputError(
-                f"DCP checkpoint {self.path} holds no optimizer state under {self.key!r} (no param_groups; it holds {held}); "
-                "a dcp input is an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) saved under input.key"
+                f"DCP checkpoint {self.path} holds no optimizer state under {self.key!r} "
+                f"(no param_groups; it holds {held}); "
+                "a dcp input is an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) "
+                "saved under input.key"
             )
         small = {k for k, p in self.paths.items() if p[:1] == (self.key,) and not self.checkpoint.is_tensor(k)}
         loaded = self._under_key(self.checkpoint.load(small))
@@ -463,10 +513,13 @@ class DcpReader:
         groups = loaded.get("param_groups")
         if isinstance(groups, dict):  # flattened lists come back keyed by index
             groups = [groups[i] for i in sorted(groups)]
-        if groups is not None and not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        if groups is not None and not (
+            isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        ):
             raise InputError(
                 f"{self.path}: {self.key}.param_groups is not a list of groups with 'params' lists; "
-                "a dcp input holds an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) under input.key"
+                "a dcp input holds an optimizer state dict (FSDP.optim_state_dict or get_optimizer_state_dict) "
+                "under input.key"
             )
         return SourceMeta(state=state, param_groups=groups)
 

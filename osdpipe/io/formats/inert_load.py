@@ -1,4 +1,5 @@
-"""Read a ``torch.save`` file that pickles a framework's own objects, without importing the framework or running its code.
+"""Read a ``torch.save`` file that pickles a framework's own objects,
+without importing the framework or running its code.
 
 DeepSpeed's optimizer files pickle its own classes beside the tensors
 (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``), so
@@ -23,6 +24,7 @@ three kinds of names and refuses every other one:
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import types
 from pathlib import Path
@@ -69,10 +71,13 @@ _RECORD_CLASSES: dict[tuple[str, str], type[Record]] = {}
 
 
 def record_class(module: str, name: str) -> type[Record]:
-    """The :class:`Record` subclass that stands for ``module.name`` (one per name, so that records of one class share it)."""
+    """The :class:`Record` subclass that stands for ``module.name``
+    (one per name, so that records of one class share it)."""
     key = (module, name)
     if key not in _RECORD_CLASSES:
-        _RECORD_CLASSES[key] = types.new_class(name, (Record,), {}, lambda ns: ns.update(module=module, name=name, __qualname__=name))
+        _RECORD_CLASSES[key] = types.new_class(
+            name, (Record,), {}, lambda ns: ns.update(module=module, name=name, __qualname__=name)
+        )
     return _RECORD_CLASSES[key]
 
 
@@ -84,8 +89,8 @@ def _reconstruct(cls: Any, base: Any, state: Any) -> Any:
 
 
 def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    """``torch._tensor._rebuild_from_type_v2`` for plain tensors and parameters: a tensor pickled with attributes of its own
-    (DeepSpeed's ``ds_id`` on a ZeRO-3 partition) comes back with them as plain values."""
+    """``torch._tensor._rebuild_from_type_v2`` for plain tensors and parameters: a tensor pickled with attributes of its
+    own (DeepSpeed's ``ds_id`` on a ZeRO-3 partition) comes back with them as plain values."""
     if func not in _TENSOR_BUILDERS or new_type not in (torch.Tensor, torch.nn.Parameter):
         raise RefusedGlobal("torch._tensor", "_rebuild_from_type_v2")
     tensor = func(*args)
@@ -95,7 +100,9 @@ def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     return tensor
 
 
-_TENSOR_BUILDERS = {torch._utils._rebuild_tensor_v2, torch._utils._rebuild_parameter, torch._utils._rebuild_parameter_with_state}
+_TENSOR_BUILDERS = {
+    torch._utils._rebuild_tensor_v2, torch._utils._rebuild_parameter, torch._utils._rebuild_parameter_with_state
+}
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
     ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
@@ -116,14 +123,17 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 
 
 class _InertUnpickler(pickle.Unpickler):
-    """Resolves torch's tensor builders and plain data as themselves, names under :attr:`described` as :class:`Record`, and refuses the rest."""
+    """Resolves torch's tensor builders and plain data as themselves,
+    names under :attr:`described` as :class:`Record`, and refuses the rest."""
 
     described: tuple[str, ...] = ()
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         if any(module == p or module.startswith(p + ".") for p in self.described):
             return record_class(module, name)
@@ -134,12 +144,14 @@ def _pickle_module(described: tuple[str, ...]) -> types.ModuleType:
     """A stand-in for the ``pickle`` module that ``torch.load(pickle_module=...)`` takes: its ``Unpickler`` is ours."""
     module = types.ModuleType("osdpipe_inert_pickle")
     module.Unpickler = type("Unpickler", (_InertUnpickler,), {"described": described})  # type: ignore[attr-defined]
-    module.load = pickle.load  # type: ignore[attr-defined]  # torch asks for it on legacy files, which check_torch_zip refuses first
+    # torch asks for it on legacy files, which check_torch_zip refuses first
+    module.load = pickle.load  # type: ignore[attr-defined]
     return module
 
 
 def load_inert(path: str | Path, described: tuple[str, ...], *, what: str) -> Any:
-    """``torch.load`` the file at ``path``, memory-mapped, with objects of the ``described`` packages as :class:`Record`.
+    """``torch.load`` the file at ``path``, memory-mapped,
+    with objects of the ``described`` packages as :class:`Record`.
 
     Args:
         path: a ``torch.save`` file (zip format).
@@ -155,6 +167,22 @@ def load_inert(path: str | Path, described: tuple[str, ...], *, what: str) -> An
     except RefusedGlobal as exc:
         if not exc.plausible:
             raise InputError(f"{p} is damaged or not {what} (it names no class such a file holds); {RECOPY}") from None
-        raise InputError(f"{p} refers to {exc}, which {what} never holds; refusing to load it (nothing in it was run)") from None
+        raise InputError(
+            f"{p} refers to {exc}, which {what} never holds; refusing to load it (nothing in it was run)"
+        ) from None
     except Exception as exc:  # torch raises several types for a bad file
         raise torch_load_error(str(p), exc) from exc
+
+
+def load_inert_bytes(raw: bytes, described: tuple[str, ...], *, what: str) -> Any:
+    """:func:`load_inert` of a ``torch.save`` archive held in memory (a DCP byte item: Megatron's ``ShardedObject``).
+
+    Raises:
+        InputError: one line naming ``what``: damaged, or naming a global outside what is allowed.
+    """
+    try:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False, pickle_module=_pickle_module(described))
+    except RefusedGlobal as exc:
+        raise InputError(f"{what} refers to {exc}, which it never holds; refusing to load it (nothing in it was run)") from None
+    except Exception as exc:  # torch raises several types for a damaged archive
+        raise torch_load_error(what, exc) from exc

@@ -45,8 +45,10 @@ _ZIP_END = b"PK\x05\x06"
 _END_RECORD = struct.Struct("<4s4H2LH")  # signature, disk numbers, record counts, index size and offset, comment length
 _ZIP64_LOCATOR, _ZIP64_END = b"PK\x06\x07", b"PK\x06\x06"
 _LOCATOR = struct.Struct("<4sLQL")  # signature, disk, offset of the zip64 end record, number of disks
-_END64 = struct.Struct("<4sQ2H2L4Q")  # signature, record size, versions, disk numbers, record counts, index size and offset
-_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature, version, flags, method, time, date, crc, sizes, name and extra lengths
+# signature, record size, versions, disk numbers, record counts, index size and offset
+_END64 = struct.Struct("<4sQ2H2L4Q")
+# signature, version, flags, method, time, date, crc, sizes, name and extra lengths
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 _DATA_DESCRIPTOR_FLAG = 0x08
 _ZIP64_LIMIT = 0xFFFFFFFF
 #: Records of a torch.save archive other than tensor bytes are small; their CRC is checked.
@@ -91,7 +93,10 @@ def torch_load_error(where: str, exc: BaseException, fix: str = RECOPY) -> Input
     """``torch.load``'s failure on ``where`` as one line: a refused global (hostile or foreign objects), or damage."""
     name = refused_global(exc)
     if name is not None:
-        return InputError(f"{where} holds objects torch.load refuses to load safely (GLOBAL {name}); refusing to run code from a checkpoint")
+        return InputError(
+            f"{where} holds objects torch.load refuses to load safely (GLOBAL {name}); "
+            "refusing to run code from a checkpoint"
+        )
     return damaged(where, first_line(exc), fix)
 
 
@@ -115,13 +120,17 @@ def _entry_end(f: IO[bytes], info: zipfile.ZipInfo, where: str, fix: str) -> tup
     name = info.filename
     raw = _read_at(f, info.header_offset, _LOCAL_HEADER.size)
     if len(raw) < _LOCAL_HEADER.size:
-        raise damaged(where, f"the header of record {name} lies past its end: it is truncated or its zip index overwritten", fix)
+        raise damaged(
+            where, f"the header of record {name} lies past its end: it is truncated or its zip index overwritten", fix
+        )
     sig, version, flags, method, dos_time, dos_date, crc, csize, usize, nlen, elen = _LOCAL_HEADER.unpack(raw)
     if sig != _ZIP_LOCAL:
         raise damaged(where, f"the header of record {name} is overwritten", fix)
     encoded = name.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
     expected = (info.extract_version, info.flag_bits, info.compress_type, *_dos_time(info.date_time), len(encoded))
-    if (version, flags, method, dos_time, dos_date, nlen) != expected or _read_at(f, info.header_offset + _LOCAL_HEADER.size, nlen) != encoded:
+    if (version, flags, method, dos_time, dos_date, nlen) != expected or (
+        _read_at(f, info.header_offset + _LOCAL_HEADER.size, nlen) != encoded
+    ):
         raise damaged(where, f"the header of record {name} disagrees with the zip index", fix)
     if method != zipfile.ZIP_STORED:
         raise damaged(where, f"record {name} is compressed, which torch.save never does", fix)
@@ -134,7 +143,9 @@ def _entry_end(f: IO[bytes], info: zipfile.ZipInfo, where: str, fix: str) -> tup
     if flags & _DATA_DESCRIPTOR_FLAG:  # crc and sizes follow the data
         tail = _read_at(f, end, 28)
         body = tail[4:] if tail[:4] == _ZIP_DESCRIPTOR else tail
-        short = struct.pack("<3L", info.CRC, info.compress_size, info.file_size) if info.file_size <= _ZIP64_LIMIT else None
+        short = (
+            struct.pack("<3L", info.CRC, info.compress_size, info.file_size) if info.file_size <= _ZIP64_LIMIT else None
+        )
         long = struct.pack("<L2Q", info.CRC, info.compress_size, info.file_size)
         if short is not None and body[:12] == short:
             end += len(tail) - len(body) + 12
@@ -171,7 +182,10 @@ def _check_end_record(f: IO[bytes], size: int, count: int, where: str, fix: str)
         if (here64, total64) != (count, count):
             raise damaged(where, "the zip64 end record of its index is overwritten", fix)
         sentinels = (0xFFFF, 0xFFFF, _ZIP64_LIMIT, _ZIP64_LIMIT)
-        if any(v != e and v != s for v, e, s in zip((here, total, index_size, index_offset), expected, sentinels, strict=True)):
+        if any(
+            v != e and v != s
+            for v, e, s in zip((here, total, index_size, index_offset), expected, sentinels, strict=True)
+        ):
             raise damaged(where, "the end record of its zip index disagrees with its zip64 end record", fix)
     elif (here, total) != (count, count) or index_offset + index_size != size - _END_RECORD.size:
         raise damaged(where, "the end record of its zip index is overwritten", fix)
@@ -195,8 +209,9 @@ def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> N
     head = _read_at(f, 0, len(_LEGACY_MAGIC))
     if head == _LEGACY_MAGIC:
         raise InputError(
-            f"{where} is a torch.save file in the legacy format (before torch 1.6, or _use_new_zipfile_serialization=False), "
-            "which cannot be memory-mapped; re-save it with a current torch: torch.save(torch.load(f, weights_only=True), f)"
+            f"{where} is a torch.save file in the legacy format "
+            "(before torch 1.6, or _use_new_zipfile_serialization=False), which cannot be memory-mapped; "
+            "re-save it with a current torch: torch.save(torch.load(f, weights_only=True), f)"
         )
     if head[:4] != _ZIP_LOCAL:
         if size < _LOCAL_HEADER.size and _ZIP_LOCAL.startswith(head[:4]):
@@ -207,7 +222,9 @@ def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> N
         archive = zipfile.ZipFile(f)
     except zipfile.BadZipFile as exc:
         if "not a zip file" in str(exc):
-            raise damaged(where, "the zip index at its end is missing: the file is truncated or its end overwritten", fix) from exc
+            raise damaged(
+                where, "the zip index at its end is missing: the file is truncated or its end overwritten", fix
+            ) from exc
         raise damaged(where, f"its zip index is unreadable: {first_line(exc)}", fix) from exc
     except Exception as exc:  # zipfile raises several types for a mangled index
         raise damaged(where, f"its zip index is unreadable: {first_line(exc)}", fix) from exc
@@ -226,11 +243,20 @@ def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> N
                 raise damaged(where, f"record {info.filename} overlaps the one before it", fix)
             start, end = _entry_end(f, info, where, fix)
             if end > index_start or end > size:
-                raise damaged(where, f"record {info.filename} runs past the end of its data: the file is truncated or its index overwritten", fix)
+                raise damaged(
+                    where,
+                    f"record {info.filename} runs past the end of its data: "
+                    "the file is truncated or its index overwritten",
+                    fix,
+                )
             previous_end = end
             if info.filename.startswith(f"{prefix}/data/"):  # tensor bytes: not read
                 if align and start % align:
-                    raise damaged(where, f"record {info.filename} is not aligned as torch.save aligns it: its header is overwritten", fix)
+                    raise damaged(
+                        where,
+                        f"record {info.filename} is not aligned as torch.save aligns it: its header is overwritten",
+                        fix,
+                    )
             elif info.file_size <= _SMALL_RECORD or info.filename == f"{prefix}/data.pkl":
                 _read_record(archive, info, where, fix)
 
@@ -349,7 +375,8 @@ class RefusedGlobal(pickle.UnpicklingError):
 
 
 def _layout(name: str) -> torch.layout:
-    """A ``torch.layout`` from the name it is pickled as (``torch.strided``): what torch's own reducer does, restricted to layouts."""
+    """A ``torch.layout`` from the name it is pickled as (``torch.strided``):
+    what torch's own reducer does, restricted to layouts."""
     value = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(value, torch.layout):
         raise pickle.UnpicklingError(f"{name!r} is not a torch layout")
@@ -386,6 +413,12 @@ def _dcp_classes() -> dict[tuple[str, str], Any]:
         if hasattr(metadata, name):
             allowed[(metadata.__name__, name)] = getattr(metadata, name)
     allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    # Megatron's dist_checkpointing keeps its ranks' save plans in the metadata (``mcore_data``): dataclasses and an
+    # enum of DCP's planner, built by their constructors alone.
+    from torch.distributed.checkpoint import planner
+
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+        allowed[(planner.__name__, name)] = getattr(planner, name)
     return allowed
 
 
@@ -406,7 +439,9 @@ class DcpMetadataUnpickler(pickle.Unpickler):
             DcpMetadataUnpickler._allowed = _dcp_classes()
         if (module, name) in self._allowed:
             return self._allowed[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise RefusedGlobal(module, name)
 
@@ -435,7 +470,8 @@ def read_dcp_metadata(path: Path) -> Any:
         if not exc.plausible:
             raise damaged(str(path), "it names no class DCP writes", fix, what="DCP metadata") from None
         raise InputError(
-            f"{path} refers to {exc}, which a DCP checkpoint never holds; refusing to load it (not a checkpoint osdpipe can trust)"
+            f"{path} refers to {exc}, which a DCP checkpoint never holds; "
+            "refusing to load it (not a checkpoint osdpipe can trust)"
         ) from None
     except Exception as exc:  # pickle raises many types for mangled bytes (EOFError, UnpicklingError, ValueError, ...)
         raise damaged(str(path), first_line(exc), fix, what="DCP metadata") from exc

@@ -1,0 +1,314 @@
+"""Read a Megatron-LM ``torch_dist`` checkpoint without Megatron: the model, the distributed optimizer, the rest.
+
+A Megatron-LM save folder holds ``latest_checkpointed_iteration.txt`` and ``iter_<7 digits>/``; the iteration
+folder is one DCP checkpoint (``.metadata``, ``__<rank>_<k>.distcp``) beside ``common.pt`` (a ``torch.save`` of
+``args``, an ``argparse.Namespace``, the iteration, the scheduler's state and, for a ``fully_reshardable``
+optimizer, its param groups) and ``metadata.json`` (``sharded_backend: torch_dist``). What is in the DCP items:
+
+* the model, one tensor per sharded key, global over TP and PP (:mod:`osdpipe.layout.megatron`);
+* the distributed optimizer in the sharding type ``common.pt``'s ``content_metadata`` names:
+
+  - ``dp_reshardable`` (Megatron-LM's default): per model-parallel domain ``i``, gradient buffer, dtype and bucket,
+    one 1-D tensor per state, ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_(<param>, <grad>)
+    .bucket_idx_<b>.<param|exp_avg|exp_avg_sq>``: the bucket as :func:`osdpipe.layout.megatron.bucket_layout`
+    lays it out, cut at its unpadded size; the param groups (with ``step``) in the byte item
+    ``optimizer.distributed.dp_group_idx_<i>.optimizer``;
+  - ``fully_reshardable``: ``optimizer.state.<param|exp_avg|exp_avg_sq>.<sharded key>``, global like the model;
+    the param groups (with ``step``) in ``common.pt``;
+
+* byte items (``rng_state``, a linear's ``_extra_state``, the bucket sizes): each a ``torch.save`` of a one-element
+  list.
+
+Every pickle (``common.pt``, the byte items) is read by :func:`osdpipe.io.formats.inert_load.load_inert`: names of
+``argparse`` and ``megatron`` become inert records, nothing runs, and Megatron need not be installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from osdpipe.io.formats.base import InputError
+from osdpipe.io.formats.dcp_reader import DcpCheckpoint
+from osdpipe.io.formats.inert_load import load_inert, load_inert_bytes
+from osdpipe.layout import megatron as layout
+
+LATEST = "latest_checkpointed_iteration.txt"
+COMMON = "common.pt"
+#: The packages whose objects a Megatron pickle may name: kept as inert records, never imported.
+DESCRIBED = ("argparse", "megatron")
+WHAT = "a Megatron-LM checkpoint's common.pt"
+#: The optimizer's per-parameter states, as Megatron's sharded keys name them (``param``: the fp32 master weight).
+STATES = ("param", "exp_avg", "exp_avg_sq")
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
+_BUCKET = re.compile(
+    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)"
+)
+_ITERATION = re.compile(r"iter_(\d{7})")
+
+
+@dataclass
+class MegatronSave:
+    """What a Megatron-LM save holds, read whole: every tensor global (over TP, PP and DP), as Megatron keys it."""
+
+    folder: Path
+    iteration: int
+    args: dict[str, Any]
+    sharding: str
+    #: sharded key -> the model's weight (its ``params_dtype``; the vocabulary padded as Megatron holds it)
+    model: dict[str, torch.Tensor]
+    #: sharded key -> ``{"param": fp32 master, "exp_avg": ..., "exp_avg_sq": ...}``
+    optim: dict[str, dict[str, torch.Tensor]]
+    #: Each param group's hyperparameters (``step`` among them) and its parameters' sharded keys.
+    param_groups: list[dict[str, Any]]
+    scheduler: dict[str, Any] | None
+    common: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def tp(self) -> int:
+        return int(self.args["tensor_model_parallel_size"])
+
+    @property
+    def pp(self) -> int:
+        return int(self.args["pipeline_model_parallel_size"])
+
+    @property
+    def dp(self) -> int:
+        return int(self.args["data_parallel_size"])
+
+
+def iteration_folder(path: str | Path) -> Path:
+    """The ``iter_<N>`` folder of a save: ``path`` itself, or the one its ``latest_checkpointed_iteration.txt`` names.
+
+    Raises:
+        InputError: neither, or a ``latest`` file that names a missing folder.
+    """
+    p = Path(path)
+    if _ITERATION.fullmatch(p.name) and p.is_dir():
+        return p
+    latest = p / LATEST
+    if not latest.is_file():
+        raise InputError(
+            f"{p} holds no {LATEST} and is no iter_<7 digits> folder; point input.path at a Megatron-LM save"
+        )
+    said = latest.read_text().strip()
+    if said == "release":
+        folder = p / "release"
+    elif said.isdigit():
+        folder = p / f"iter_{int(said):07d}"
+    else:
+        raise InputError(f"{latest} says {said!r}, not an iteration; re-copy the save folder")
+    if not folder.is_dir():
+        raise InputError(f"{latest} names iteration {said}, but {folder} is not there; re-copy the save folder")
+    return folder
+
+
+def read_common(folder: Path) -> dict[str, Any]:
+    """``common.pt``, read inertly, with ``args`` as a plain dict."""
+    if not (folder / COMMON).is_file():
+        raise InputError(f"{folder} holds no {COMMON}; a Megatron-LM torch_dist save has one beside .metadata")
+    common = load_inert(folder / COMMON, DESCRIBED, what=WHAT)
+    if not isinstance(common, dict) or "args" not in common:
+        raise InputError(f"{folder / COMMON} holds no args; it is not a Megatron-LM checkpoint's common.pt")
+    args = common["args"]
+    common["args"] = dict(args.state) if hasattr(args, "state") and isinstance(args.state, dict) else vars(args)
+    return common
+
+
+def refused_model(args: dict[str, Any], where: Path) -> str | None:
+    """Why osdpipe cannot lay out the model ``args`` describe yet (``None``: it can), naming the feature."""
+    checks = [
+        ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
+        ((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism (expert_model_parallel_size)"),
+        (args.get("virtual_pipeline_model_parallel_size") not in (None, 1), "virtual pipeline stages"),
+        ((args.get("context_parallel_size") or 1) > 1, "context parallelism"),
+        (bool(args.get("add_bias_linear")) or bool(args.get("add_qkv_bias")), "linear biases (add_bias_linear)"),
+        (not args.get("untie_embeddings_and_output_weights", False), "tied embedding and output weights"),
+        (args.get("transformer_impl", "local") != "local", f"the {args.get('transformer_impl')} layer spec"),
+        (bool(args.get("use_megatron_fsdp")) or args.get("ckpt_format") == "fsdp_dtensor", "Megatron-FSDP"),
+        (bool(args.get("qk_layernorm")), "qk_layernorm"),
+    ]
+    refused = [what for bad, what in checks if bad]
+    if refused:
+        return f"{where}: a Megatron GPT with {', '.join(refused)}: not supported yet"
+    return None
+
+
+def gpt_of(args: dict[str, Any]) -> layout.Gpt:
+    """The layout's dimensions of the GPT Megatron-LM's ``args`` describe."""
+    heads = int(args["num_attention_heads"])
+    return layout.Gpt(
+        num_layers=int(args["num_layers"]),
+        hidden_size=int(args["hidden_size"]),
+        ffn_hidden_size=int(args["ffn_hidden_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(args.get("num_query_groups") or heads),
+        kv_channels=int(args.get("kv_channels") or int(args["hidden_size"]) // heads),
+        padded_vocab_size=int(args["padded_vocab_size"]),
+        swiglu=bool(args.get("swiglu")),
+    )
+
+
+def read_save(path: str | Path) -> MegatronSave:
+    """Read the Megatron-LM save at ``path`` (a save folder or one ``iter_<N>`` folder) whole.
+
+    Raises:
+        InputError: one line naming the file and what to do: a missing or damaged file, a model or sharding
+            osdpipe does not read yet.
+    """
+    folder = iteration_folder(path)
+    _check_backend(folder)
+    common = read_common(folder)
+    args = common["args"]
+    if (why := refused_model(args, folder)) is not None:
+        raise InputError(why)
+    sharding = _sharding_type(common, folder)
+    checkpoint = DcpCheckpoint(str(folder), None)
+    gpt = gpt_of(args)
+    model = {key: _whole(checkpoint, key, shape) for key, shape in layout.global_shapes(gpt).items()}
+    if sharding == "fully_reshardable":
+        optim = {
+            key: {s: _whole(checkpoint, f"optimizer.state.{s}.{key}", model[key].shape) for s in STATES}
+            for key in model
+        }
+        groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
+    else:
+        optim, groups = _from_buckets(checkpoint, gpt, args, folder)
+    return MegatronSave(
+        folder=folder,
+        iteration=int(common.get("iteration", args.get("iteration", 0))),
+        args=args,
+        sharding=sharding,
+        model=model,
+        optim=optim,
+        param_groups=_groups_with_keys(groups, model, folder),
+        scheduler=common.get("opt_param_scheduler"),
+        common=common,
+    )
+
+
+def _check_backend(folder: Path) -> None:
+    meta = folder / "metadata.json"
+    if not meta.is_file():
+        raise InputError(f"{folder} holds no metadata.json; it is not a Megatron dist_checkpointing save")
+    try:
+        backend = json.loads(meta.read_text()).get("sharded_backend")
+    except ValueError:
+        raise InputError(f"{meta} is damaged (not JSON); re-copy the save folder") from None
+    if backend != "torch_dist":
+        raise InputError(f"{meta}: sharded_backend {backend!r}; osdpipe reads torch_dist saves, not yet this one")
+
+
+def _sharding_type(common: dict[str, Any], folder: Path) -> str:
+    said = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    said = said or (common.get("optimizer") or {}).get("param_state_sharding_type")
+    if said is None:
+        raise InputError(f"{folder}: no distributed optimizer state (a non-distributed optimizer): not supported yet")
+    if said not in SHARDING_TYPES:
+        raise InputError(f"{folder}: the optimizer is saved {said!r}: not supported yet (osdpipe reads "
+                         f"{' and '.join(SHARDING_TYPES)})")
+    return said
+
+
+def _whole(checkpoint: DcpCheckpoint, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Tensor item ``key`` read whole, in the global ``shape`` the model's args give it."""
+    if key not in checkpoint.metadata.state_dict_metadata:
+        raise InputError(f"{checkpoint.path} has no item {key}; it is not the GPT its common.pt's args describe")
+    ref = checkpoint.ref(key)
+    if tuple(ref.shape) != tuple(shape):
+        raise InputError(f"{checkpoint.path}: {key} is {tuple(ref.shape)}, its args make it {tuple(shape)}")
+    return checkpoint.read_range(key, 0, math.prod(ref.shape)).reshape(shape).clone()
+
+
+def _byte_item(checkpoint: DcpCheckpoint, name: str) -> Any:
+    """The object Megatron saved as ShardedObject ``name`` (stored as ``<name>/shard_<offset>_<shape>``), or
+    ``None``."""
+    flat = next((f for f in checkpoint.metadata.state_dict_metadata if f.startswith(f"{name}/shard_")), None)
+    if flat is None:
+        return None
+    raw = checkpoint.stored(flat)
+    if raw is None:
+        raise InputError(f"{checkpoint.path}: {flat} is stored transformed (compressed): not supported yet")
+    value = load_inert_bytes(raw, DESCRIBED, what=f"{checkpoint.path}'s item {flat}")
+    return value[0] if isinstance(value, list) and len(value) == 1 else value  # a ShardedObject's one-element list
+
+
+def _from_buckets(
+    checkpoint: DcpCheckpoint, gpt: layout.Gpt, args: dict[str, Any], folder: Path
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]] | None]:
+    """A ``dp_reshardable`` optimizer's state, each bucket's parameters placed into global tensors."""
+    tp, pp, dp = (int(args[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                         "data_parallel_size"))
+    shapes = layout.global_shapes(gpt)
+    optim = {key: {s: torch.empty(shape, dtype=torch.float32) for s in STATES} for key, shape in shapes.items()}
+    filled = {key: torch.zeros(shape, dtype=torch.bool) for key, shape in shapes.items()}
+    buckets: dict[tuple[int, int, int], dict[str, str]] = {}
+    for flat in checkpoint.metadata.state_dict_metadata:
+        if (m := _BUCKET.fullmatch(flat)) is not None:
+            buckets.setdefault((int(m[1]), int(m[2]), int(m[4])), {})[m[5]] = flat
+    if any(gbuf or bucket for _, gbuf, bucket in buckets):
+        raise InputError(f"{folder}: the optimizer has several gradient buffers or buckets: not supported yet")
+    groups = None
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            index = layout.dp_group_index(tp, tp_rank, pp_rank)
+            states = buckets.get((index, 0, 0))
+            if states is None or set(states) != set(STATES):
+                raise InputError(f"{folder}: the optimizer state of model-parallel domain {index} is missing; "
+                                 "re-copy the save folder")
+            params = layout.local_parameters(gpt, tp, pp, tp_rank, pp_rank)
+            bucket = layout.bucket_layout([(p.name, p.numel) for p in reversed(params)], dp)
+            by_name = {p.name: p for p in params}
+            for state, flat in states.items():
+                held = math.prod(checkpoint.ref(flat).shape)
+                if held != bucket.numel_unpadded:
+                    raise InputError(f"{folder}: {flat} holds {held} elements, the bucket of its parameters "
+                                     f"{bucket.numel_unpadded}; it is not the GPT its args describe")
+                data = checkpoint.read_range(flat, 0, bucket.numel_unpadded)
+                for name, start, stop in bucket.entries:
+                    local = by_name[name]
+                    _place(data[start:stop].view(local.shape), local, optim, state, filled)
+            if groups is None:
+                groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer")
+                          or {}).get("param_groups")
+    missing = [key for key, done in filled.items() if not bool(done.all())]
+    if missing:
+        raise InputError(f"{folder}: no optimizer state for parts of {', '.join(missing[:3])}; re-copy the save")
+    return optim, groups
+
+
+def _place(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str, filled: dict) -> None:
+    """A local parameter's state into the global tensors, piece by piece."""
+    for piece in param.pieces:
+        box = tuple(slice(a, b) for a, b in piece.box)
+        block = local[piece.local_start : piece.local_stop]
+        optim[piece.key][state][box] = block.reshape(optim[piece.key][state][box].shape)
+        filled[piece.key][box] = True
+
+
+def _groups_with_keys(
+    groups: list[dict[str, Any]] | None, model: dict[str, torch.Tensor], folder: Path
+) -> list[dict[str, Any]]:
+    """The param groups with the sharded keys each holds: Megatron's default rule puts 1-D parameters (norms,
+    biases) in the group without weight decay (``wd_mult`` 0) and the rest in the other; the saved groups do not list
+    their parameters."""
+    if not groups:
+        raise InputError(f"{folder}: the optimizer's param groups are missing; re-copy the save folder")
+    decays = [g for g in groups if float(g.get("wd_mult", 1.0)) != 0.0]
+    no_decay = [g for g in groups if float(g.get("wd_mult", 1.0)) == 0.0]
+    if len(decays) != 1 or len(no_decay) > 1:
+        raise InputError(f"{folder}: {len(groups)} param groups beyond Megatron's default two (weight decay and "
+                         "none): not supported yet")
+    out = []
+    for group in groups:
+        one_dim = float(group.get("wd_mult", 1.0)) == 0.0
+        keys = sorted(k for k, v in model.items() if (v.dim() - (1 if k.startswith(layout.LAYERS) else 0) == 1)
+                      == one_dim)
+        out.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
+    return out

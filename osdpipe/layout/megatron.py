@@ -1,0 +1,193 @@
+"""Pure layout math of Megatron-Core's GPT: where each element of each parameter sits on each (PP, TP, DP) rank.
+
+Megatron saves its model by *sharded keys*: one global tensor per kind of weight, the decoder's layers stacked on a
+leading layer axis (``decoder.layers.self_attention.linear_qkv.weight`` of shape ``(layers, rows, hidden)``). A
+rank of the grid holds:
+
+* **PP** stage ``p``: the layers ``[p L/P, (p+1) L/P)``; the embedding on the first stage, the final norm and the
+  output layer on the last;
+* **TP** rank ``t``: of a column-parallel weight (``linear_qkv``, ``linear_fc1``, the embedding and the output
+  layer, whose vocabulary is padded to a multiple of ``make_vocab_size_divisible_by x TP``) the ``t``-th block of
+  rows; of a row-parallel one (``linear_proj``, ``linear_fc2``) the ``t``-th block of columns; norms whole. SwiGLU's
+  ``linear_fc1`` is ``[gate; up]`` globally and ``[gate_t; up_t]`` locally: two blocks of rows;
+* **DP** (the distributed optimizer, ``dp_reshardable``): per gradient buffer, the stage's local parameters in
+  *reverse* ``named_parameters()`` order, each start padded to a multiple of 64 elements and the end of the bucket
+  to ``lcm(DP, 128)`` (megatron-core 0.16 ``distributed/param_and_grad_buffer.py``,
+  ``_pad_start_of_param_if_needed`` and ``_pad_end_of_bucket_if_needed``); DP rank ``d`` owns the ``d``-th of
+  ``DP`` equal parts. The saved tensor is the bucket cut at its unpadded size.
+
+Everything here is a pure function of the model's dimensions (Megatron-LM's ``args``) and the parallelism; the
+files are read in :mod:`osdpipe.io.formats.megatron`. What is laid out is Megatron's GPT with the local layer spec
+(``--transformer-impl local``), dense, without biases; other models are refused where they are read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Parameters start on a multiple of this many elements in a bucket (128 bytes of a 16-bit dtype).
+PARAM_ALIGNMENT = 64
+#: A bucket's end is padded to a multiple of lcm(DP, this) (256 bytes of a 16-bit dtype).
+BUCKET_ALIGNMENT = 128
+#: The prefix of the stacked decoder layers' sharded keys.
+LAYERS = "decoder.layers."
+
+
+@dataclass(frozen=True)
+class Gpt:
+    """The dimensions of a Megatron GPT that its layout depends on (Megatron-LM's argument names)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    padded_vocab_size: int
+    swiglu: bool
+
+    @property
+    def qkv_rows(self) -> int:
+        """``linear_qkv``'s rows: per query group its query heads, then a key and a value head."""
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    @property
+    def fc1_rows(self) -> int:
+        return self.ffn_hidden_size * (2 if self.swiglu else 1)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of a local parameter: its rows ``[local_start, local_stop)`` (axis 0 of the local tensor) are the global
+    tensor ``key``'s box ``box`` (a ``(start, stop)`` per axis; the layer axis, for a decoder weight, is one layer)."""
+
+    key: str
+    box: tuple[tuple[int, int], ...]
+    local_start: int
+    local_stop: int
+
+
+@dataclass(frozen=True)
+class LocalParameter:
+    """One parameter of one (PP, TP) rank, as ``named_parameters()`` of its model chunk names it."""
+
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """The vocabulary Megatron-LM builds the embedding and output layer for: ``vocab_size`` rounded up to a multiple
+    of ``divisible_by x tp`` (Megatron-LM ``training/tokenizer``'s ``_vocab_size_with_padding``)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The global layers pipeline stage ``stage`` of ``pp`` holds (an even split, Megatron's default)."""
+    if num_layers % pp:
+        raise ValueError(f"{num_layers} layers do not split evenly over {pp} pipeline stages")
+    per = num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
+    """Every sharded key of the model and its global shape (the decoder's layers stacked on axis 0)."""
+    h, layers = gpt.hidden_size, gpt.num_layers
+    return {
+        "embedding.word_embeddings.weight": (gpt.padded_vocab_size, h),
+        f"{LAYERS}self_attention.linear_qkv.layer_norm_weight": (layers, h),
+        f"{LAYERS}self_attention.linear_proj.weight": (layers, h, gpt.num_attention_heads * gpt.kv_channels),
+        f"{LAYERS}self_attention.linear_qkv.weight": (layers, gpt.qkv_rows, h),
+        f"{LAYERS}mlp.linear_fc1.layer_norm_weight": (layers, h),
+        f"{LAYERS}mlp.linear_fc1.weight": (layers, gpt.fc1_rows, h),
+        f"{LAYERS}mlp.linear_fc2.weight": (layers, h, gpt.ffn_hidden_size),
+        "decoder.final_layernorm.weight": (h,),
+        "output_layer.weight": (gpt.padded_vocab_size, h),
+    }
+
+
+def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
+    if size % tp:
+        raise ValueError(f"{what}: {size} does not split over {tp} tensor-parallel ranks")
+    part = size // tp
+    return rank * part, (rank + 1) * part
+
+
+def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> list[LocalParameter]:
+    """The parameters of rank (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order of Megatron's GPT with the
+    local layer spec (embedding; per layer the input norm, ``linear_proj``, ``linear_qkv``, the pre-MLP norm,
+    ``linear_fc1``, ``linear_fc2``; the final norm; the output layer), each with the global boxes it holds."""
+    h, shapes = gpt.hidden_size, global_shapes(gpt)
+    out: list[LocalParameter] = []
+
+    def whole_rows(name: str, key: str, layer: int | None, rows: tuple[int, int], cols: int) -> LocalParameter:
+        box = ((layer, layer + 1),) if layer is not None else ()
+        n = rows[1] - rows[0]
+        return LocalParameter(name, (n, cols), (Piece(key, (*box, rows, (0, cols)), 0, n),))
+
+    vocab = _split(gpt.padded_vocab_size, tp, tp_rank, "the padded vocabulary")
+    if pp_rank == 0:
+        out.append(whole_rows("embedding.word_embeddings.weight", "embedding.word_embeddings.weight", None, vocab, h))
+    for local, layer in enumerate(stage_layers(gpt.num_layers, pp, pp_rank)):
+        prefix, at = f"decoder.layers.{local}.", ((layer, layer + 1),)
+        attention = gpt.num_attention_heads * gpt.kv_channels
+        cols = _split(attention, tp, tp_rank, "linear_proj's columns")
+        rows = _split(gpt.qkv_rows, tp, tp_rank, "linear_qkv's rows")
+        ffn = _split(gpt.ffn_hidden_size, tp, tp_rank, "linear_fc2's columns")
+        norm_qkv = f"{LAYERS}self_attention.linear_qkv.layer_norm_weight"
+        norm_fc1 = f"{LAYERS}mlp.linear_fc1.layer_norm_weight"
+        out.append(LocalParameter(f"{prefix}input_layernorm.weight", (h,), (Piece(norm_qkv, (*at, (0, h)), 0, h),)))
+        proj = f"{LAYERS}self_attention.linear_proj.weight"
+        out.append(LocalParameter(f"{prefix}self_attention.linear_proj.weight", (h, cols[1] - cols[0]),
+                                  (Piece(proj, (*at, (0, h), cols), 0, h),)))
+        out.append(whole_rows(f"{prefix}self_attention.linear_qkv.weight", f"{LAYERS}self_attention.linear_qkv.weight",
+                              layer, rows, h))
+        out.append(LocalParameter(f"{prefix}pre_mlp_layernorm.weight", (h,), (Piece(norm_fc1, (*at, (0, h)), 0, h),)))
+        fc1 = f"{LAYERS}mlp.linear_fc1.weight"
+        n = ffn[1] - ffn[0]
+        blocks = [ffn] + ([(gpt.ffn_hidden_size + ffn[0], gpt.ffn_hidden_size + ffn[1])] if gpt.swiglu else [])
+        pieces = tuple(Piece(fc1, (*at, block, (0, h)), i * n, (i + 1) * n) for i, block in enumerate(blocks))
+        out.append(LocalParameter(f"{prefix}mlp.linear_fc1.weight", (n * len(blocks), h), pieces))
+        fc2 = f"{LAYERS}mlp.linear_fc2.weight"
+        out.append(LocalParameter(f"{prefix}mlp.linear_fc2.weight", (h, n), (Piece(fc2, (*at, (0, h), ffn), 0, h),)))
+    if pp_rank == pp - 1:
+        final = "decoder.final_layernorm.weight"
+        out.append(LocalParameter(final, (h,), (Piece(final, ((0, h),), 0, h),)))
+        out.append(whole_rows("output_layer.weight", "output_layer.weight", None, vocab, h))
+    assert all(p.key in shapes for lp in out for p in lp.pieces)
+    return out
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """A gradient bucket of the distributed optimizer: each parameter's ``(name, start, stop)`` in it, the end of
+    the last parameter (``numel_unpadded``: what a ``dp_reshardable`` save holds) and the padded size."""
+
+    entries: tuple[tuple[str, int, int], ...]
+    numel_unpadded: int
+    numel: int
+
+
+def bucket_layout(params: Sequence[tuple[str, int]], dp: int) -> BucketLayout:
+    """One bucket holding ``params`` (name and numel, in the bucket's order: reverse ``named_parameters()``), laid
+    out as megatron-core pads it for ``dp`` data-parallel ranks."""
+    entries, at = [], 0
+    for name, numel in params:
+        start = -(-at // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
+        entries.append((name, start, start + numel))
+        at = start + numel
+    divisor = math.lcm(dp, BUCKET_ALIGNMENT)
+    return BucketLayout(tuple(entries), at, -(-at // divisor) * divisor)
+
+
+def dp_group_index(tp: int, tp_rank: int, pp_rank: int) -> int:
+    """The index Megatron gives the (PP, TP) rank's model-parallel domain in a ``dp_reshardable`` save's keys
+    (``optimizer.distributed.dp_group_idx_<i>``): ``pp_rank x TP + tp_rank``."""
+    return pp_rank * tp + tp_rank
