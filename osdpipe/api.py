@@ -48,7 +48,8 @@ API_CHECKS = ["roundtrip", "reference"]
 
 
 def optimizer_name(cls: type) -> str:
-    """How ``optim.name`` names a live optimizer's class: ``Adam`` for ``torch.optim``'s, ``package.module:Class`` for a user's."""
+    """How ``optim.name`` names a live optimizer's class:
+    ``Adam`` for ``torch.optim``'s, ``package.module:Class`` for a user's."""
     return cls.__name__ if getattr(torch.optim, cls.__name__, None) is cls else f"{cls.__module__}:{cls.__qualname__}"
 
 
@@ -102,7 +103,9 @@ def reshard_optimizer_state(
         StageError: when a stage fails on any rank, or a verify check fails (on every rank).
     """
     if not dist.is_initialized():
-        raise RuntimeError("reshard_optimizer_state runs inside an initialized process group; call dist.init_process_group first")
+        raise RuntimeError(
+            "reshard_optimizer_state runs inside an initialized process group; call dist.init_process_group first"
+        )
     target_kind = target.get("kind", LayoutConfig.model_fields["kind"].default)
     given_input = {"format": input_format, "key": input_key, "param_groups": input_param_groups}
     raw = {
@@ -111,13 +114,25 @@ def reshard_optimizer_state(
         "target": {**target, "world_size": target.get("world_size", dist.get_world_size())},
         "input": {"path": checkpoint, **{k: v for k, v in given_input.items() if v is not None}},
         "optim": {"name": optimizer_name(type(optim)), "lr": optim.param_groups[0]["lr"]},
-        # Nothing is saved: the output section only selects param-ID keyed results, as the target's own optimizer holds them.
-        "output": {"path": os.path.join(tempfile.gettempdir(), "osdpipe-api-unsaved"), "format": kinds.get(target_kind).saved_format("local"), "overwrite": True},
-        "pipeline": {"stages": ["load", "broadcast", "flatten", "shard", "rekey", "verify"], "checks": API_CHECKS if checks is None else checks},
+        # Nothing is saved: the output section only selects param-ID keyed results,
+        # as the target's own optimizer holds them.
+        "output": {
+            "path": os.path.join(tempfile.gettempdir(), "osdpipe-api-unsaved"),
+            "format": kinds.get(target_kind).saved_format("local"),
+            "overwrite": True,
+        },
+        "pipeline": {
+            "stages": ["load", "broadcast", "flatten", "shard", "rekey", "verify"],
+            "checks": API_CHECKS if checks is None else checks,
+        },
         "runtime": {"timeout_s": timeout_s, "progress": False},
     }
     # What the caller said of the checkpoint is checked against its files; what they left out is read from them.
-    given = Given([f"source.{k}" for k in source] + [f"input.{k}" for k, v in given_input.items() if v is not None] + ["optim.name"])
+    given = Given(
+        [f"source.{k}" for k in source]
+        + [f"input.{k}" for k, v in given_input.items() if v is not None]
+        + ["optim.name"]
+    )
     raw, notes = reconcile(raw, given)
     for note in notes:
         warnings.warn(f"osdpipe: {note}", stacklevel=2)
@@ -137,7 +152,9 @@ def reshard_optimizer_state(
     return keyed.state_dict
 
 
-def load_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, checkpoint: str, **kwargs: Any) -> dict[str, Any]:
+def load_optimizer_state(
+    model: nn.Module, optim: torch.optim.Optimizer, checkpoint: str, **kwargs: Any
+) -> dict[str, Any]:
     """:func:`reshard_optimizer_state`, then ``optim.load_state_dict`` with it; returns the state loaded.
 
     Before anything is loaded, every state tensor is held against the

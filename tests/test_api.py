@@ -34,7 +34,9 @@ def _generate(spec) -> str:
 
 @pytest.fixture(scope="module")
 def source_checkpoint(tmp_path_factory) -> str:
-    spec = settle_and_validate({"model": MODEL, "source": SOURCE, "output": {"path": str(tmp_path_factory.mktemp("api_source"))}})
+    spec = settle_and_validate(
+        {"model": MODEL, "source": SOURCE, "output": {"path": str(tmp_path_factory.mktemp("api_source"))}}
+    )
     return run_local_world(_generate, 2, (spec,), timeout_s=TIMEOUT_S)[0]
 
 
@@ -56,9 +58,19 @@ def _resume(checkpoint: str, target: dict) -> list[str]:
     # The state must be keyed so that each ID's tensor sits on the parameter of that position in *this* optimizer.
     for pid, p in enumerate(optim.param_groups[0]["params"]):
         if pid in optim.state_dict()["state"] and optim.state_dict()["state"][pid]["exp_avg"].shape != p.shape:
-            problems.append(f"ID {pid}: state of shape {tuple(optim.state_dict()['state'][pid]['exp_avg'].shape)} on a parameter of shape {tuple(p.shape)}")
+            problems.append(
+                f"ID {pid}: state of shape {tuple(optim.state_dict()['state'][pid]['exp_avg'].shape)}"
+                f" on a parameter of shape {tuple(p.shape)}"
+            )
     tree = describe(build_model("nested", MODEL["kwargs"], device="meta"))
-    train_step(settle_and_validate({"model": MODEL, "output": {"path": checkpoint + ".unused"}}), model, optim, 7, rank_layout(tree, spec, dist.get_rank()), tree)
+    train_step(
+        settle_and_validate({"model": MODEL, "output": {"path": checkpoint + ".unused"}}),
+        model,
+        optim,
+        7,
+        rank_layout(tree, spec, dist.get_rank()),
+        tree,
+    )
     return problems
 
 
@@ -77,4 +89,11 @@ def test_api_refuses_a_model_of_another_layout(source_checkpoint):
 def test_api_needs_a_process_group(source_checkpoint):
     model = build_model("nested", MODEL["kwargs"])
     with pytest.raises(RuntimeError, match="initialized process group"):
-        osdpipe.reshard_optimizer_state(model, torch.optim.Adam(model.parameters()), source_checkpoint, model_config=MODEL, source=SOURCE, target=TARGET)
+        osdpipe.reshard_optimizer_state(
+            model,
+            torch.optim.Adam(model.parameters()),
+            source_checkpoint,
+            model_config=MODEL,
+            source=SOURCE,
+            target=TARGET,
+        )

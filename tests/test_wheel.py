@@ -27,21 +27,34 @@ TIMEOUT_S = 240
 pytestmark = pytest.mark.slow
 
 
-def run(cmd: list[str | Path], cwd: Path, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str | Path], cwd: Path, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{' '.join(map(str, cmd))}: exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, cmd))}: exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    )
     return result
 
 
 def source_tree(dest: Path) -> Path:
-    """Copy the checkout as git sees it (tracked plus untracked, not ignored; without git: the tree minus build products) to ``dest``, symlinks as symlinks."""
+    """Copy the checkout as git sees it (tracked plus untracked, not ignored; without git: the tree minus build
+    products) to ``dest``, symlinks as symlinks."""
     try:
-        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True, timeout=60).stdout
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        ).stdout
         files = [f for f in listed.decode().split("\0") if f]
     except (OSError, subprocess.CalledProcessError):
         files = []
     if not files:
-        ignore = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "outputs", "multirun", ".venv", ".pytest_cache")
+        ignore = shutil.ignore_patterns(
+            ".git", "build", "dist", "*.egg-info", "__pycache__", "outputs", "multirun", ".venv", ".pytest_cache"
+        )
         shutil.copytree(REPO, dest, symlinks=True, ignore=ignore)
         return dest
     for rel in files:
@@ -62,7 +75,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = source_tree(root / "src")
     assert (src / "conf" / "recipe").is_symlink(), "conf/recipe should be a symlink to ../recipes"
     dist = root / "dist"
-    run([sys.executable, "-m", "pip", "wheel", src, "--no-deps", "--no-build-isolation", "--no-index", "-w", dist], cwd=root)
+    run(
+        [sys.executable, "-m", "pip", "wheel", src, "--no-deps", "--no-build-isolation", "--no-index", "-w", dist],
+        cwd=root,
+    )
     wheels = list(dist.glob("osdpipe-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
@@ -77,7 +93,9 @@ def test_wheel_contents(wheel: Path) -> None:
     # Recipes reach the wheel through the symlink conf/recipe -> ../recipes.
     assert "osdpipe/conf/recipe/quickstart.yaml" in names
     recipes = sorted(p.name for p in (REPO / "recipes").glob("*.yaml"))
-    assert sorted(n.removeprefix("osdpipe/conf/recipe/") for n in names if n.startswith("osdpipe/conf/recipe/")) == recipes
+    assert sorted(
+        n.removeprefix("osdpipe/conf/recipe/") for n in names if n.startswith("osdpipe/conf/recipe/")
+    ) == recipes
     # Every config group file ships.
     for path in sorted((REPO / "conf").glob("*/*.yaml")):
         rel = path.relative_to(REPO / "conf").as_posix()
@@ -95,20 +113,36 @@ def test_wheel_installs_and_runs_outside_the_checkout(wheel: Path, tmp_path: Pat
     # tests, whether a venv or the system's: a plain path entry adds its
     # site-packages after the venv's own, without running its .pth hooks, so
     # the editable checkout installed there stays out of sight.
-    purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path).stdout.strip()
+    purelib = run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path
+    ).stdout.strip()
     outer = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     (Path(purelib) / "_outer_site_packages.pth").write_text("\n".join(outer) + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["CI"] = "true"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    run([python, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", wheel], cwd=tmp_path, env=env, timeout=120)
+    run(
+        [python, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", wheel],
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert script.exists()
 
     # The venv imports osdpipe (and its conf package) from its own site-packages, not the editable checkout.
     workdir = tmp_path / "work"
     workdir.mkdir()
     probe = run(
-        [python, "-c", "import sysconfig, osdpipe, osdpipe.conf; print(sysconfig.get_paths()['purelib']); print(osdpipe.__file__); print(osdpipe.conf.__file__)"],
+        [
+            python,
+            "-c",
+            "import sysconfig, osdpipe, osdpipe.conf; print(sysconfig.get_paths()['purelib']);"
+            " print(osdpipe.__file__); print(osdpipe.conf.__file__)",
+        ],
         cwd=workdir,
         env=env,
     )

@@ -34,7 +34,8 @@ def note(path: str) -> str:
 
 
 def discard(path: str) -> None:
-    """Remove ``path`` and the parents this invocation made for it, each only while empty, and nothing it did not make."""
+    """Remove ``path`` and the parents this invocation made for it,
+    each only while empty, and nothing it did not make."""
     directory = Path(os.path.abspath(path))
     top = _first_missing.get(directory)
     if top is None:

@@ -28,7 +28,13 @@ from typing import Any
 
 #: How a job ended, from best to worst; the colors of the matrix.
 OUTCOME_KINDS = ("ok", "check", "stage", "failed", "config")
-KIND_LABELS = {"ok": "ok", "check": "check failed", "stage": "stage failed", "failed": "failed before the stages", "config": "config error"}
+KIND_LABELS = {
+    "ok": "ok",
+    "check": "check failed",
+    "stage": "stage failed",
+    "failed": "failed before the stages",
+    "config": "config error",
+}
 KIND_COLORS = {"ok": "#a6d96a", "check": "#fdae61", "stage": "#d7191c", "failed": "#9e0142", "config": "#bababa"}
 
 #: Override keys that say what is converted: the matrix's rows. Every other key that varies makes its columns.
@@ -78,7 +84,8 @@ def shown_override(override: str) -> str:
 
 
 def shorten(text: str, width: int = OUTCOME_WIDTH) -> str:
-    """``text`` up to its first ``;`` or `` (`` (what follows is advice or detail), cut at a word to at most ``width`` characters."""
+    """``text`` up to its first ``;`` or `` (`` (what follows is advice or detail),
+    cut at a word to at most ``width`` characters."""
     text = text.split("; ", 1)[0].split(" (", 1)[0].strip()
     if len(text) <= width:
         return text
@@ -109,7 +116,8 @@ def outcome_of(exit_code: int, error: str | None, report: dict | None) -> tuple[
 
 
 def _error_outcome(error: str) -> tuple[str, str]:
-    """``stage 'shard' failed on rank 0: the source holds NaN ...`` -> ``("stage", "stage shard: the source holds NaN ...")``."""
+    """``stage 'shard' failed on rank 0: the source holds NaN ...`` ->
+    ``("stage", "stage shard: the source holds NaN ...")``."""
     if error.startswith("stage '"):
         stage, _, rest = error.removeprefix("stage '").partition("'")
         detail = rest.split(": ", 1)[1] if ": " in rest else rest.strip()
@@ -200,15 +208,17 @@ def table_text(rows: list[dict], exit_code: int) -> str:
     values = shown_values(rows, common)
     header = ["job", *keys, "outcome", "stage s", "wall s", "bytes", "peak RSS MB"]
     lines = [
-        [str(r["job"]), *(v.get(k, "-") for k in keys), r["outcome"], _cell(r["stage_seconds"], 3), _cell(r["wall_seconds"], 2),
-         _cell(r["bytes"]), _cell(r["peak_rss"], 1, 1e6)]
+        [str(r["job"]), *(v.get(k, "-") for k in keys), r["outcome"],
+         _cell(r["stage_seconds"], 3), _cell(r["wall_seconds"], 2), _cell(r["bytes"]), _cell(r["peak_rss"], 1, 1e6)]
         for r, v in zip(rows, values)
     ]  # fmt: skip
     widths = [max(len(x) for x in column) for column in zip(header, *lines)]
     numeric = {0, *range(len(header) - 4, len(header))}
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return "\n".join(
         [
@@ -272,7 +282,8 @@ def cell_text(row: dict) -> str:
 
 
 def seconds_text(seconds: float) -> str:
-    """Seconds as a cell shows them: milliseconds of a small conversion stay visible, a long one needs no more than tenths."""
+    """Seconds as a cell shows them: milliseconds of a small conversion stay visible,
+    a long one needs no more than tenths."""
     return f"{seconds:.3f}" if seconds < 10 else f"{seconds:.1f}"
 
 
@@ -292,11 +303,25 @@ def matrix_cells(rows: list[dict]) -> Matrix:
         placed.append((r, c, row))
     row_list, column_list = list(row_labels), list(column_labels)
     cells = [
-        {"row": row_list.index(r), "column": column_list.index(c), "job": row["job"], "kind": row["kind"], "text": cell_text(row), "seconds": row["stage_seconds"]}
+        {
+            "row": row_list.index(r),
+            "column": column_list.index(c),
+            "job": row["job"],
+            "kind": row["kind"],
+            "text": cell_text(row),
+            "seconds": row["stage_seconds"],
+        }
         for r, c, row in placed
     ]
     subtitle = " ".join(map(shown_override, common))
-    return Matrix(rows=row_list, columns=column_list, row_keys=source_keys, column_keys=target_keys, cells=cells, subtitle=subtitle)
+    return Matrix(
+        rows=row_list,
+        columns=column_list,
+        row_keys=source_keys,
+        column_keys=target_keys,
+        cells=cells,
+        subtitle=subtitle,
+    )
 
 
 def axis_title(side: str, keys: list[str]) -> str:
@@ -359,16 +384,19 @@ def draw_matrix(matrix: Matrix, path: Path, title: str) -> None:
     _draw_cells(ax, matrix)
     _label_axes(ax, matrix)
     _add_legend(fig, matrix)
-    subtitle = textwrap.fill(f"every job: {matrix.subtitle}", width=int(width * 14)) + "\n" if matrix.subtitle else ""  # ~14 characters an inch at 10 pt
+    # ~14 characters an inch at 10 pt
+    subtitle = textwrap.fill(f"every job: {matrix.subtitle}", width=int(width * 14)) + "\n" if matrix.subtitle else ""
     fig.suptitle(f"{title}\n{subtitle}cells: outcome, and seconds in the stages (report.json)", fontsize=10)
     fig.savefig(path, metadata={"Description": json.dumps(matrix_dict(matrix)), "Software": "osdpipe"})
 
 
-MAX_PIXELS = 8000  # the widest sweep.png: a sweep of hundreds of columns gets smaller type, not a picture no viewer opens
+# the widest sweep.png: a sweep of hundreds of columns gets smaller type, not a picture no viewer opens
+MAX_PIXELS = 8000
 
 
 def figure_inches(matrix: Matrix) -> tuple[float, float]:
-    """A figure that grows with the matrix: every column as wide as its longest label line at 9 pt, so labels never overlap."""
+    """A figure that grows with the matrix:
+    every column as wide as its longest label line at 9 pt, so labels never overlap."""
     col_lines = max(label.count("\n") + 1 for label in matrix.columns)
     row_label_chars = max(len(line) for label in matrix.rows for line in label.split("\n"))
     col_label_chars = max(len(line) for label in matrix.columns for line in label.split("\n"))
@@ -389,7 +417,15 @@ def _draw_cells(ax: Any, matrix: Matrix) -> None:
     ax.imshow(grid, cmap=colors, vmin=0, vmax=len(OUTCOME_KINDS), aspect="auto")
     for cell in matrix.cells:
         dark = cell["kind"] in ("stage", "failed")
-        ax.text(cell["column"], cell["row"], cell["text"], ha="center", va="center", fontsize=9, color="white" if dark else "black")
+        ax.text(
+            cell["column"],
+            cell["row"],
+            cell["text"],
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="white" if dark else "black",
+        )
     ax.set_xticks([x - 0.5 for x in range(1, len(matrix.columns))], minor=True)
     ax.set_yticks([y - 0.5 for y in range(1, len(matrix.rows))], minor=True)
     ax.grid(which="minor", color="white", linewidth=2)
@@ -417,7 +453,10 @@ def _add_legend(fig: Any, matrix: Matrix) -> None:
 
 def gather_rows(records: list[JobRecord]) -> list[dict[str, Any]]:
     """Every job's row, in job order, each from its record and (unless its config was bad) its ``report.json``."""
-    return [job_row(r, read_report(r.output_dir) if r.exit_code != 2 else None) for r in sorted(records, key=lambda r: r.num)]
+    return [
+        job_row(r, read_report(r.output_dir) if r.exit_code != 2 else None)
+        for r in sorted(records, key=lambda r: r.num)
+    ]
 
 
 def write_files(rows: list[dict], directory: Path, exit_code: int) -> None:
@@ -439,8 +478,14 @@ def summarize_sweep(records: list[JobRecord], exit_code: int) -> str | None:
     try:
         write_files(rows, directory, exit_code)
     except ImportError as exc:
-        return f"sweep summary: cannot draw sweep.png without matplotlib ({exc}); pip install matplotlib (sweep.json is written)"
+        return (
+            f"sweep summary: cannot draw sweep.png without matplotlib ({exc}); "
+            "pip install matplotlib (sweep.json is written)"
+        )
     except OSError as exc:
-        return f"sweep summary: cannot write {exc.filename or directory} ({exc.strerror or exc}); the jobs' report.json files are in place"
+        return (
+            f"sweep summary: cannot write {exc.filename or directory} ({exc.strerror or exc}); "
+            "the jobs' report.json files are in place"
+        )
     print(f"  summary: {directory / 'sweep.json'}, {directory / 'sweep.png'}", flush=True)
     return None

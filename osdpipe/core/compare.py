@@ -1,4 +1,5 @@
-"""Bitwise comparison of optimizer state dicts, reporting where they differ; and where a converted range holds NaN or Inf."""
+"""Bitwise comparison of optimizer state dicts, reporting where they differ;
+and where a converted range holds NaN or Inf."""
 
 from __future__ import annotations
 
@@ -21,15 +22,19 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _widest_word(*flats: torch.Tensor) -> torch.dtype:
-    """The widest integer type every byte tensor of ``flats`` can be viewed as: ``torch.equal`` compares int64 words about 5x faster than bytes."""
+    """The widest integer type every byte tensor of ``flats`` can be viewed as:
+    ``torch.equal`` compares int64 words about 5x faster than bytes."""
     for word in (torch.int64, torch.int32, torch.int16):
         if all(f.numel() % word.itemsize == 0 and f.storage_offset() % word.itemsize == 0 for f in flats):
             return word
     return torch.uint8
 
 
-def differing_segments(label: str, flat: torch.Tensor, segments: Sequence[Segment], pieces: Sequence[torch.Tensor]) -> list[str]:
-    """Each segment of the flat result ``flat`` whose elements differ, bitwise, from its ``pieces`` read from the source, naming the first.
+def differing_segments(
+    label: str, flat: torch.Tensor, segments: Sequence[Segment], pieces: Sequence[torch.Tensor]
+) -> list[str]:
+    """Each segment of the flat result ``flat`` whose elements differ,
+    bitwise, from its ``pieces`` read from the source, naming the first.
 
     ``label`` names the result (``<layout key>.<state name>``); a line reads
     ``<label>: differs from <fqn>[<flat index>] (flat) : <got> vs <want>``.
@@ -40,22 +45,29 @@ def differing_segments(label: str, flat: torch.Tensor, segments: Sequence[Segmen
         if not bits_equal(got, want):
             unequal = (got != want).nonzero()
             bad = int(unequal[0]) if unequal.numel() else 0  # bytes differ where values compare equal: -0.0 against 0.0
-            problems.append(f"{label}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}")
+            problems.append(
+                f"{label}: differs from {seg.fqn}[{seg.start + bad}] (flat) : {got[bad].item()} vs {want[bad].item()}"
+            )
     return problems
 
 
 def nonfinite_segments(name: str, flat: torch.Tensor, segments: Sequence[Segment]) -> list[str]:
-    """Each segment of the flat state ``flat`` (state ``name``) that holds NaN or Inf: ``"block1.gate exp_avg (2 element(s), first at flat index 5)"``."""
+    """Each segment of the flat state ``flat`` (state ``name``) that holds NaN or Inf:
+    ``"block1.gate exp_avg (2 element(s), first at flat index 5)"``."""
     if not flat.is_floating_point():
         return []
     found = []
     for seg in segments:
         part = flat[seg.dest : seg.dest + seg.length]
         if bool(torch.isfinite(part.sum())):
-            continue  # a NaN or an Inf anywhere makes the sum NaN or Inf; a finite sum needs no element-wise pass (one that overflows gets it)
+            # a NaN or an Inf anywhere makes the sum NaN or Inf;
+            # a finite sum needs no element-wise pass (one that overflows gets it)
+            continue
         hits = (~torch.isfinite(part)).nonzero()
         if hits.numel():
-            found.append(f"{seg.fqn} {name} ({hits.numel()} element(s), first at flat index {seg.start + int(hits[0])})")
+            found.append(
+                f"{seg.fqn} {name} ({hits.numel()} element(s), first at flat index {seg.start + int(hits[0])})"
+            )
     return found
 
 
@@ -63,7 +75,9 @@ def describe_tensor(t: torch.Tensor) -> str:
     return f"tensor{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
-def diff(a: Any, b: Any, path: str = "", limit: int = 5, sequence_types: bool = True, tensor_bytes: bool = True) -> list[str]:
+def diff(
+    a: Any, b: Any, path: str = "", limit: int = 5, sequence_types: bool = True, tensor_bytes: bool = True
+) -> list[str]:
     """Where ``a`` and ``b`` differ, as ``path: what`` lines (at most ``limit``); empty when bitwise equal.
 
     ``sequence_types=False`` takes a list and a tuple of equal items as equal
@@ -84,9 +98,14 @@ def diff(a: Any, b: Any, path: str = "", limit: int = 5, sequence_types: bool = 
                 out.append(f"{where}: {describe_tensor(x)} vs {describe_tensor(y)}")
             elif tensor_bytes and not bits_equal(x, y):
                 flat_x, flat_y = x.reshape(-1), y.reshape(-1)
-                bad = (flat_x.view(torch.uint8).reshape(flat_x.numel(), -1) != flat_y.view(torch.uint8).reshape(flat_y.numel(), -1)).any(dim=1)
+                bytes_x = flat_x.view(torch.uint8).reshape(flat_x.numel(), -1)
+                bytes_y = flat_y.view(torch.uint8).reshape(flat_y.numel(), -1)
+                bad = (bytes_x != bytes_y).any(dim=1)
                 i = int(bad.nonzero()[0]) if bad.any() else 0
-                out.append(f"{where}: {int(bad.sum())} element(s) differ, first at flat index {i}: {flat_x[i].item()} vs {flat_y[i].item()}")
+                out.append(
+                    f"{where}: {int(bad.sum())} element(s) differ, first at flat index {i}: "
+                    f"{flat_x[i].item()} vs {flat_y[i].item()}"
+                )
         elif isinstance(x, dict) and isinstance(y, dict):
             if list(map(str, x)) != list(map(str, y)) and set(map(str, x)) != set(map(str, y)):
                 out.append(f"{where}: keys {sorted(map(str, x))} vs {sorted(map(str, y))}")

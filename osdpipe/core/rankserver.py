@@ -25,10 +25,20 @@ from multiprocessing import forkserver
 from typing import Any
 
 #: What every rank imports: the fork server imports it once, and each rank starts with it loaded.
-PRELOAD = ["torch._dynamo", "osdpipe.pipeline.execute", "osdpipe.run.generate", "osdpipe.pipeline.stages", "osdpipe.layout.kinds.fsdp1", "osdpipe.layout.kinds.fsdp2"]
+PRELOAD = [
+    "torch._dynamo",
+    "osdpipe.pipeline.execute",
+    "osdpipe.run.generate",
+    "osdpipe.pipeline.stages",
+    "osdpipe.layout.kinds.fsdp1",
+    "osdpipe.layout.kinds.fsdp2",
+]
 
 #: Command-line words after which the command starts no local ranks (help, config printing, offline, torchrun).
-NO_RANKS = ("--help", "-h", "--version", "--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc", "runtime.mode=offline", "runtime.launcher=torchrun")
+NO_RANKS = (
+    "--help", "-h", "--version", "--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc",
+    "runtime.mode=offline", "runtime.launcher=torchrun",
+)
 
 _started = False
 
@@ -58,7 +68,8 @@ def start() -> None:
 
 
 def ranks_may_start(args: list[str]) -> bool:
-    """Whether a command with these arguments may start local ranks: not under torchrun, nor where :data:`NO_RANKS` says none will.
+    """Whether a command with these arguments may start local ranks:
+    not under torchrun, nor where :data:`NO_RANKS` says none will.
 
     An offline run with ``runtime.workers`` starts its workers as ranks.
     """
@@ -97,7 +108,9 @@ def call_apart(fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
         ok, value = receiver.recv()
     except EOFError:
         proc.join(timeout=10)
-        raise ValueError(f"the process running {getattr(fn, '__qualname__', fn)} died (exit code {proc.exitcode})") from None
+        raise ValueError(
+            f"the process running {getattr(fn, '__qualname__', fn)} died (exit code {proc.exitcode})"
+        ) from None
     finally:
         if proc.is_alive():
             proc.kill()

@@ -1,4 +1,5 @@
-"""The one lookup every registry (kinds, formats, checks) answers with: a member by name, or an error naming them all."""
+"""The one lookup every registry (kinds, formats, checks) answers with:
+a member by name, or an error naming them all."""
 
 from __future__ import annotations
 

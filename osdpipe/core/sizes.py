@@ -1,10 +1,14 @@
-"""Sizes in bytes as people write them (``512MB``, ``2GB``, ``1.5GiB``) and read them: pure, so any command can use them cheaply."""
+"""Sizes in bytes as people write them (``512MB``, ``2GB``, ``1.5GiB``) and read them:
+pure, so any command can use them cheaply."""
 
 from __future__ import annotations
 
 from typing import Any
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
 
 
 def parse_size(value: Any) -> int | None:

@@ -38,7 +38,8 @@ class HashingFile:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, as ``sha256sum`` gives it, read in chunks (for checking a file osdpipe wrote earlier)."""
+    """sha256 of a file's bytes, as ``sha256sum`` gives it,
+    read in chunks (for checking a file osdpipe wrote earlier)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -74,14 +75,19 @@ def pieces_sha256(pieces: list[torch.Tensor]) -> str:
 
 
 def tensor_digests(osd: dict[str, Any], known: dict[int, str] | None = None) -> dict[str, str]:
-    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``: for partial checks (``known``: see :func:`tensor_sha256`).
+    """sha256 of every state tensor's bytes, keyed ``<param key>.<state name>``:
+    for partial checks (``known``: see :func:`tensor_sha256`).
 
     A whole checkpoint's rank file (its model and optimizer parts, see
     :mod:`osdpipe.io.checkpoints.output`) is keyed ``model.<name>`` and
     ``optim.<param key>.<state name>``.
     """
     if is_whole(osd):
-        model = {f"{MODEL_PART}.{name}": tensor_sha256(value, known) for name, value in osd[MODEL_PART].items() if torch.is_tensor(value)}
+        model = {
+            f"{MODEL_PART}.{name}": tensor_sha256(value, known)
+            for name, value in osd[MODEL_PART].items()
+            if torch.is_tensor(value)
+        }
         return {**model, **{f"{OPTIMIZER_PART}.{k}": v for k, v in tensor_digests(osd[OPTIMIZER_PART], known).items()}}
     out = {}
     for key, state in osd.get("state", {}).items():
@@ -92,10 +98,12 @@ def tensor_digests(osd: dict[str, Any], known: dict[int, str] | None = None) -> 
 
 
 def save_hashed(osd: dict[str, Any], path: Path) -> tuple[str, dict[str, str]]:
-    """Save ``osd`` as a ``torch.save`` file at ``path`` (:func:`osdpipe.io.torchfile.save`), hashing as it writes: the file's digest, and each tensor's (:func:`tensor_digests`).
+    """Save ``osd`` as a ``torch.save`` file at ``path`` (:func:`osdpipe.io.torchfile.save`), hashing as it writes:
+    the file's digest, and each tensor's (:func:`tensor_digests`).
 
     The tensors' digests are their storages', taken in the file's one pass;
     only a tensor that does not cover its storage is hashed again.
     """
-    digest, storages = save_torch_file(osd, path, sync=False)  # the commit syncs the conversion as a whole (osdpipe.io.output)
+    # the commit syncs the conversion as a whole (osdpipe.io.output)
+    digest, storages = save_torch_file(osd, path, sync=False)
     return digest, tensor_digests(osd, storages)

@@ -54,14 +54,17 @@ def without_records(osd: dict[str, Any]) -> dict[str, Any]:
 
 
 def unwrapped_name(name: str) -> str:
-    """A wrapped model's parameter name without the module names wrappers insert (FSDP1's, DDP's ``module.``, torch.compile's)."""
+    """A wrapped model's parameter name without the module names wrappers insert
+    (FSDP1's, DDP's ``module.``, torch.compile's)."""
     parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
     while parts[:1] == [WRAPPER_PREFIX] and len(parts) > 1:
         parts = parts[1:]
     return ".".join(parts)
 
 
-def check_fits(optim: torch.optim.Optimizer, osd: dict[str, Any], *, model: nn.Module | None = None, where: str = "the file") -> None:
+def check_fits(
+    optim: torch.optim.Optimizer, osd: dict[str, Any], *, model: nn.Module | None = None, where: str = "the file"
+) -> None:
     """Raise :class:`LayoutMismatch` unless every state of ``osd`` fits the parameter of ``optim`` its param ID names.
 
     Checked for every param ID with state: the parameter exists; every state
@@ -74,12 +77,17 @@ def check_fits(optim: torch.optim.Optimizer, osd: dict[str, Any], *, model: nn.M
     params = [p for g in optim.param_groups for p in g["params"]]
     names = {id(p): unwrapped_name(n) for n, p in model.named_parameters()} if model is not None else {}
     records = osd.get(PARAM_LAYOUT) or {}
-    fix = "it was converted for another layout: convert the checkpoint to this job's layout (target.* as this job wraps its model)"
+    fix = (
+        "it was converted for another layout: "
+        "convert the checkpoint to this job's layout (target.* as this job wraps its model)"
+    )
     for pid, state in osd.get("state", {}).items():
         if not isinstance(pid, int):
             continue
         if pid >= len(params):
-            raise LayoutMismatch(f"{where}: param ID {pid} has state, but the optimizer holds {len(params)} parameter(s); {fix}")
+            raise LayoutMismatch(
+                f"{where}: param ID {pid} has state, but the optimizer holds {len(params)} parameter(s); {fix}"
+            )
         param, record = params[pid], records.get(pid)
         holds = f" ({record['key']}: {_show_fqns(record['fqns'])})" if record else ""
         here = local_shape(param)
@@ -87,30 +95,43 @@ def check_fits(optim: torch.optim.Optimizer, osd: dict[str, Any], *, model: nn.M
             local = local_part(value)
             if torch.is_tensor(local) and local.dim() > 0 and tuple(local.shape) != here:
                 raise LayoutMismatch(
-                    f"{where}: param ID {pid}{holds}: state {name!r} has shape {tuple(local.shape)}, but the optimizer's parameter {pid} "
-                    f"{_named(names, param)}has local shape {here}; {fix}"
+                    f"{where}: param ID {pid}{holds}: state {name!r} has shape {tuple(local.shape)}, "
+                    f"but the optimizer's parameter {pid} {_named(names, param)}has local shape {here}; {fix}"
                 )
         if record:
             _check_record(pid, record, param, here, names, where, fix)
 
 
-def _check_record(pid: int, record: dict[str, Any], param: torch.Tensor, here: tuple[int, ...], names: dict[int, str], where: str, fix: str) -> None:
+def _check_record(
+    pid: int,
+    record: dict[str, Any],
+    param: torch.Tensor,
+    here: tuple[int, ...],
+    names: dict[int, str],
+    where: str,
+    fix: str,
+) -> None:
     """The parameter against what the file says param ID ``pid`` holds."""
     said = f"{where}: param ID {pid} holds {record['key']} ({_show_fqns(record['fqns'])})"
     if tuple(record["local_shape"]) != here:
-        raise LayoutMismatch(f"{said} as a local tensor of shape {tuple(record['local_shape'])}, but the optimizer's parameter {pid} has {here}; {fix}")
-    flat_fqns = getattr(param, "_fqns", None)  # FSDP1's FlatParameter: the parameters it flattens, named within its unit
+        raise LayoutMismatch(
+            f"{said} as a local tensor of shape {tuple(record['local_shape'])}, "
+            f"but the optimizer's parameter {pid} has {here}; {fix}"
+        )
+    # FSDP1's FlatParameter: the parameters it flattens, named within its unit
+    flat_fqns = getattr(param, "_fqns", None)
     if flat_fqns is not None:
         shapes = [tuple(s) for s in getattr(param, "_shapes", [])]
         recorded = list(zip(record["fqns"], (tuple(s) for s in record["shapes"])))
         theirs = list(zip(flat_fqns, shapes))
         fits = len(recorded) == len(theirs) and all(
-            (fqn == rel or fqn.endswith(f".{rel}")) and shape == their_shape for (fqn, shape), (rel, their_shape) in zip(recorded, theirs)
+            (fqn == rel or fqn.endswith(f".{rel}")) and shape == their_shape
+            for (fqn, shape), (rel, their_shape) in zip(recorded, theirs)
         )
         if not fits:
             raise LayoutMismatch(
-                f"{said}, but the optimizer's parameter {pid} is an FSDP unit's flat parameter of {_show_fqns(list(flat_fqns))} "
-                f"with shapes {shapes[:4]}{' ...' if len(shapes) > 4 else ''}; {fix}"
+                f"{said}, but the optimizer's parameter {pid} is an FSDP unit's flat parameter "
+                f"of {_show_fqns(list(flat_fqns))} with shapes {shapes[:4]}{' ...' if len(shapes) > 4 else ''}; {fix}"
             )
     name = names.get(id(param))
     if name is not None and name != record["key"]:
@@ -127,7 +148,8 @@ def _show_fqns(fqns: list[str]) -> str:
 
 
 def load_rank_local(optim: torch.optim.Optimizer, path: str | Path, model: nn.Module | None = None) -> None:
-    """Load a ``rank_local`` file osdpipe wrote for this rank into ``optim``, whatever the kind: the one call a resuming job makes.
+    """Load a ``rank_local`` file osdpipe wrote for this rank into ``optim``, whatever the kind:
+    the one call a resuming job makes.
 
     The file is read with ``weights_only=True`` and checked against the
     optimizer before anything is loaded (:func:`check_fits`; pass ``model``
@@ -141,12 +163,14 @@ def load_rank_local(optim: torch.optim.Optimizer, path: str | Path, model: nn.Mo
     from the file (``torch.load(path, weights_only=True)``).
 
     Raises:
-        LayoutMismatch: the file was converted for another layout (one line naming the param ID, both shapes or compositions).
+        LayoutMismatch: the file was converted for another layout (one line naming the param ID, both shapes or
+            compositions).
     """
     loaded = torch.load(path, map_location="cpu", weights_only=True)
     osd, pieces = (loaded[OPTIMIZER_PART], loaded[MODEL_PART]) if is_whole(loaded) else (loaded, None)
     check_fits(optim, osd, model=model, where=str(path))
-    targets = fitting_model(model, pieces, str(path)) if pieces is not None and model is not None else None  # both parts checked before either loads
+    # both parts checked before either loads
+    targets = fitting_model(model, pieces, str(path)) if pieces is not None and model is not None else None
     optim.load_state_dict(from_rank_local(optim, {k: v for k, v in osd.items() if k != PARAM_LAYOUT}))
     if targets is not None:
         _copy_into(targets, pieces)
@@ -168,20 +192,23 @@ def fitting_model(model: nn.Module, pieces: dict[str, torch.Tensor], where: str)
     missing, unexpected = sorted(set(own) - set(pieces)), sorted(set(pieces) - set(own))
     if missing or unexpected:
         raise LayoutMismatch(
-            f"{where}: the model part holds {_show_fqns(unexpected) or 'nothing else'} where the model has {_show_fqns(missing) or 'nothing else'}; "
+            f"{where}: the model part holds {_show_fqns(unexpected) or 'nothing else'} "
+            f"where the model has {_show_fqns(missing) or 'nothing else'}; "
             "it was converted for another model"
         )
     for name, piece in pieces.items():
         if tuple(piece.shape) != tuple(own[name].shape) or piece.dtype != own[name].dtype:
             raise LayoutMismatch(
                 f"{where}: the model part's {name} is {piece.dtype} {list(piece.shape)} but this rank's parameter is "
-                f"{own[name].dtype} {list(own[name].shape)}; the file was converted for another layout: convert again with this job's target.*"
+                f"{own[name].dtype} {list(own[name].shape)}; "
+                "the file was converted for another layout: convert again with this job's target.*"
             )
     return own
 
 
 def load_model_local(model: nn.Module, pieces: dict[str, torch.Tensor], where: str) -> None:
-    """Copy each local piece of a whole checkpoint's model part into this rank's live model, in place (no collective: each rank its own).
+    """Copy each local piece of a whole checkpoint's model part into this rank's live model,
+    in place (no collective: each rank its own).
 
     Raises:
         LayoutMismatch: as :func:`fitting_model`.

@@ -139,7 +139,9 @@ class TensorSpec:
         object.__setattr__(self, "shape", shape)
         if self.dtype not in DTYPE_CODES:
             supported = ", ".join(str(d) for d in DTYPE_CODES)
-            raise ValueError(f"tensor {self.name!r}: dtype {self.dtype} has no safetensors code (supported: {supported})")
+            raise ValueError(
+                f"tensor {self.name!r}: dtype {self.dtype} has no safetensors code (supported: {supported})"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -224,7 +226,8 @@ def shard_names(count: int) -> list[str]:
 
 
 def file_order(shard: Sequence[TensorSpec]) -> list[TensorSpec]:
-    """A file's tensors in the order their bytes follow the header: element size descending, the given order among equals.
+    """A file's tensors in the order their bytes follow the header:
+    element size descending, the given order among equals.
 
     The data section starts 8-byte aligned and element sizes are powers of two
     up to 8, so in this order every tensor starts at a multiple of its own
@@ -303,14 +306,19 @@ def _write_tensor(out: HashingFile, spec: TensorSpec, file_name: str, value: Any
     keep the produced tensor in a variable of its own.
     """
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"tensor {spec.name!r} (file {file_name}): produce() returned {type(value).__name__}, not a tensor")
+        raise TypeError(
+            f"tensor {spec.name!r} (file {file_name}): produce() returned {type(value).__name__}, not a tensor"
+        )
     if tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
         raise ValueError(
             f"tensor {spec.name!r} (file {file_name}): produced shape {tuple(value.shape)} dtype {value.dtype},"
             f" but the header written for it says shape {spec.shape} dtype {spec.dtype}"
         )
     if value.layout != torch.strided:
-        raise ValueError(f"tensor {spec.name!r} (file {file_name}): layout {value.layout} is not dense; safetensors stores dense tensors")
+        raise ValueError(
+            f"tensor {spec.name!r} (file {file_name}): layout {value.layout} is not dense; "
+            "safetensors stores dense tensors"
+        )
     # contiguous() alone would keep a lazy conjugate or negative view's bit and
     # write the un-negated bytes; resolve them first (both are no-ops otherwise).
     value = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
@@ -348,7 +356,8 @@ def write_safetensors(
     max_shard_size: int | None = None,
     metadata: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """Write every tensor, produced one at a time by ``produce(spec)`` (file by file, in :func:`file_order`), into ``directory``.
+    """Write every tensor, produced one at a time by ``produce(spec)``
+    (file by file, in :func:`file_order`), into ``directory``.
 
     The export is what ``save_pretrained(safe_serialization=True)`` writes for
     the same ordered state dict: ``model.safetensors``, or shards named by
@@ -407,7 +416,9 @@ def write_safetensors(
             and no byte swapping is done).
     """
     if sys.byteorder != "little":
-        raise NotImplementedError("safetensors data is little-endian; writing it from a big-endian host is not supported")
+        raise NotImplementedError(
+            "safetensors data is little-endian; writing it from a big-endian host is not supported"
+        )
     directory = Path(directory)
     specs = list(specs)
     _check_specs(specs)
@@ -419,7 +430,8 @@ def write_safetensors(
     digests: dict[str, str] = {}
     for name, shard in zip(names, shards):
         header = header_bytes(shard, file_metadata)
-        with ExitStack() as stack:  # on any error the file is closed (short, which readers reject) and the error propagates
+        # on any error the file is closed (short, which readers reject) and the error propagates
+        with ExitStack() as stack:
             shard_file = _ShardFile(stack, directory / name, header, len(header) + sum(spec.nbytes for spec in shard))
             for spec in shard:
                 # produce() goes straight into _write_tensor, so no variable here keeps the tensor alive.

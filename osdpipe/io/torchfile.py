@@ -1,4 +1,5 @@
-"""Writing a ``torch.save`` file at the disk's speed: torch's own records, in an archive written front to back around the page cache.
+"""Writing a ``torch.save`` file at the disk's speed:
+torch's own records, in an archive written front to back around the page cache.
 
 ``torch.save`` copies every byte into the page cache, and on a fresh file
 the kernel must first find pages for them: on the machines this runs on
@@ -56,12 +57,14 @@ ALIGNMENT = 64
 BLOCK = 4096
 #: How many bytes each buffer holds: large writes, few calls.
 BUFFER_BYTES = 16 << 20
-#: How many buffers: one filling, one being hashed while an earlier one is written, one to spare for the slower of the two.
+#: How many buffers: one filling, one being hashed while an earlier one is written,
+#: one to spare for the slower of the two.
 BUFFERS = 3
 #: The name torch gives an archive written to a file object, and every record's directory in it.
 ARCHIVE = "archive"
 
-_LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature, version, flags, method, time, date, crc, sizes, name and extra lengths
+# signature, version, flags, method, time, date, crc, sizes, name and extra lengths
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _END = struct.Struct("<IHHHHIIH")
 _END64 = struct.Struct("<IQHHIIQQQQ")
@@ -99,7 +102,8 @@ def digest_of_pieces(piece_digests: list[str]) -> str:
 
 
 def pieces_digest(path: Path, pieces: list[int]) -> str:
-    """A file's digest as :class:`DirectFile` takes it, read back: the sha256 of each of its ``pieces`` (lengths, in order), then :func:`digest_of_pieces`.
+    """A file's digest as :class:`DirectFile` takes it, read back:
+    the sha256 of each of its ``pieces`` (lengths, in order), then :func:`digest_of_pieces`.
 
     What a person checking a file by hand does (``manifest.json``'s
     ``pieces``): cut the file at those lengths, ``sha256sum`` each piece, and
@@ -122,7 +126,8 @@ def pieces_digest(path: Path, pieces: list[int]) -> str:
 
 
 class DirectFile:
-    """A new file written front to back, around the page cache where the filesystem allows (``O_DIRECT``), hashed once on the way.
+    """A new file written front to back,
+    around the page cache where the filesystem allows (``O_DIRECT``), hashed once on the way.
 
     Writes are copied into page-aligned buffers in turn; a full buffer is
     hashed by one thread and written by another while the next fills, so
@@ -152,9 +157,11 @@ class DirectFile:
         self._piece = hashlib.sha256()  # the hashing thread's piece in progress, the ``_hashing``-th
         self._hashing = 0
         self._piece_digests: list[str] = []  # the pieces the hashing thread finished, in order
-        self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]  # anonymous maps are page-aligned, as O_DIRECT needs
+        # anonymous maps are page-aligned, as O_DIRECT needs
+        self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self._current, self._fill, self._flushed = 0, 0, 0
-        # Hashing and writing each take a core's worth of time per byte; in one thread they would add up, in two they overlap.
+        # Hashing and writing each take a core's worth of time per byte;
+        # in one thread they would add up, in two they overlap.
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-file-hash")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-write")
         self._pending: list[tuple[Future[None], Future[None]] | None] = [None] * BUFFERS
@@ -174,7 +181,8 @@ class DirectFile:
         return self._piece_digests[index]
 
     def _hash(self, view: memoryview, start: int) -> None:
-        """Hash the bytes at ``start`` on (in the hashing thread, buffer after buffer), finishing a piece at every cut they pass.
+        """Hash the bytes at ``start`` on (in the hashing thread, buffer after buffer),
+        finishing a piece at every cut they pass.
 
         A cut is made before the bytes after it are written, so the cuts
         this buffer passes are known when it is hashed; one at its very end
@@ -202,11 +210,13 @@ class DirectFile:
                 self._hand_over(BUFFER_BYTES)
 
     def _hand_over(self, length: int) -> None:
-        """Hash the current buffer's fill and write ``length`` bytes of it (its fill, padded) at its offset, each in its thread; go on in the next buffer."""
+        """Hash the current buffer's fill and write ``length`` bytes of it (its fill, padded) at its offset,
+        each in its thread; go on in the next buffer."""
         index, offset = self._current, self._flushed
         view = memoryview(self._buffers[index])
         self._pending[index] = (
-            self._hasher.submit(self._hash, view[: self._fill], offset),  # in order: one thread hashes, buffer after buffer
+            # in order: one thread hashes, buffer after buffer
+            self._hasher.submit(self._hash, view[: self._fill], offset),
             self._writer.submit(self._pwrite, view[:length], offset),
         )
         self._flushed += self._fill
@@ -227,7 +237,8 @@ class DirectFile:
             done += os.pwrite(self.fd, view[done:], offset + done)
 
     def close(self, sync: bool) -> None:
-        """Write what is left, cut the file to its length, sync it if ``sync``; its digest (taken as the buffers were written) is then in ``digest``."""
+        """Write what is left, cut the file to its length, sync it if ``sync``;
+        its digest (taken as the buffers were written) is then in ``digest``."""
         try:
             length = self.tell()
             tail = self._fill
@@ -249,7 +260,8 @@ class DirectFile:
         self.digest = PieceDigest(digest_of_pieces(self._piece_digests), tuple(pieces))
 
     def release(self) -> None:
-        """Let go of the file and the buffers, the writes in flight waited for (after :meth:`close`, or after a failure: the caller drops the file)."""
+        """Let go of the file and the buffers,
+        the writes in flight waited for (after :meth:`close`, or after a failure: the caller drops the file)."""
         if self.fd < 0:
             return
         self._hasher.shutdown(wait=True)
@@ -269,7 +281,8 @@ class Filler(Protocol):
         ...
 
     def windows(self, storage: torch.UntypedStorage) -> Iterator[memoryview]:
-        """The storage's bytes, front to back, a window at a time; a window is written (and hashed) before the next is asked for."""
+        """The storage's bytes, front to back, a window at a time;
+        a window is written (and hashed) before the next is asked for."""
         ...
 
 
@@ -278,7 +291,8 @@ _FILLER: ContextVar[Filler | None] = ContextVar("osdpipe_torchfile_filler", defa
 
 @contextmanager
 def filled_as_written(filler: Filler) -> Iterator[None]:
-    """Every archive written inside takes the bytes of ``filler``'s storages from ``filler``, window by window, as it writes their records.
+    """Every archive written inside takes the bytes of ``filler``'s storages from ``filler``,
+    window by window, as it writes their records.
 
     So a storage that would be too large to hold filled (a rank's output
     under ``runtime.memory_budget``, see :mod:`osdpipe.run.streamed_output`) is made and
@@ -293,7 +307,8 @@ def filled_as_written(filler: Filler) -> Iterator[None]:
 
 
 class Archive:
-    """The zip writer ``torch.serialization._save`` writes records into, writing them to a :class:`DirectFile` as they come.
+    """The zip writer ``torch.serialization._save`` writes records into,
+    writing them to a :class:`DirectFile` as they come.
 
     Each storage record's data is a piece of the file's (:meth:`DirectFile.cut`),
     so its sha256 is taken by the file's one pass over its bytes.
@@ -303,7 +318,8 @@ class Archive:
         self.out = out
         self.start = out.tell()  # where the archive begins in the file: its offsets and alignment count from here
         self.entries: list[tuple[str, int, int, int]] = []  # name, crc, size, header offset
-        self.storage_pieces: dict[int, int | None] = {}  # each storage (``UntypedStorage._cdata``) -> its piece of the file (``None``: no bytes)
+        # each storage (``UntypedStorage._cdata``) -> its piece of the file (``None``: no bytes)
+        self.storage_pieces: dict[int, int | None] = {}
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         """One record: its bytes (``str``, ``bytes`` or a CPU storage), ``nbytes`` of them."""
@@ -332,7 +348,8 @@ class Archive:
         self.out.cut()
 
     def _write_filled(self, windows: Iterator[memoryview], nbytes: int) -> None:
-        """A storage's record from its filler's windows: each copied out before the next is made (its memory may then be let go)."""
+        """A storage's record from its filler's windows:
+        each copied out before the next is made (its memory may then be let go)."""
         written = 0
         for window in windows:
             self.out.write(window)
@@ -340,11 +357,13 @@ class Archive:
         if written != nbytes:
             raise ValueError(f"a storage of {nbytes} bytes was filled with {written}")
 
-    def write_record_metadata(self, name: str, nbytes: int) -> None:  # noqa: ARG002 - torch's skip_data mode, which osdpipe never uses
+    # torch's skip_data mode, which osdpipe never uses
+    def write_record_metadata(self, name: str, nbytes: int) -> None:  # noqa: ARG002
         raise NotImplementedError("osdpipe's archives hold every record's bytes")
 
     def _header(self, name: str, crc: int, size: int) -> None:
-        """A local file header in front of a record of ``size`` bytes, padded so that its data starts at a multiple of :data:`ALIGNMENT`."""
+        """A local file header in front of a record of ``size`` bytes,
+        padded so that its data starts at a multiple of :data:`ALIGNMENT`."""
         full = f"{ARCHIVE}/{name}".encode()
         offset = self.out.tell() - self.start
         zip64 = size >= ZIP64_FROM
@@ -353,17 +372,21 @@ class Archive:
         pad = -start % ALIGNMENT
         extra += struct.pack("<HH", _PAD_ID, pad) + bytes(pad)
         stored = _ZIP64_MARK if zip64 else size
-        version = 45 if zip64 or offset >= ZIP64_FROM else 20  # as its central entry says it: ZIP64 for its size or its offset
+        # as its central entry says it: ZIP64 for its size or its offset
+        version = 45 if zip64 or offset >= ZIP64_FROM else 20
         self.out.write(_LOCAL.pack(0x04034B50, version, _UTF8, 0, 0, 0x21, crc, stored, stored, len(full), len(extra)))
         self.out.write(full)
         self.out.write(extra)
         self.entries.append((f"{ARCHIVE}/{name}", crc, size, offset))
 
     def finish(self) -> None:
-        """The records torch's writer adds at the end (the format's version, a serialization id), then the central directory."""
+        """The records torch's writer adds at the end (the format's version, a serialization id),
+        then the central directory."""
         self.write_record("version", "3\n", 2)
-        records = hashlib.blake2b(repr(self.entries).encode(), digest_size=16).hexdigest()  # not the digests' hash: the records' names, sizes and places
-        self.write_record(".data/serialization_id", str(int(records, 16)).zfill(40)[:40], 40)  # what torch keeps here: an id of the records
+        # not the digests' hash: the records' names, sizes and places
+        records = hashlib.blake2b(repr(self.entries).encode(), digest_size=16).hexdigest()
+        # what torch keeps here: an id of the records
+        self.write_record(".data/serialization_id", str(int(records, 16)).zfill(40)[:40], 40)
         start = self.out.tell() - self.start
         for name, crc, size, offset in self.entries:
             full = name.encode()
@@ -372,7 +395,12 @@ class Archive:
             version = 45 if values else 20
             stored = _ZIP64_MARK if size >= ZIP64_FROM else size
             at = _ZIP64_MARK if offset >= ZIP64_FROM else offset
-            self.out.write(_CENTRAL.pack(0x02014B50, version, version, _UTF8, 0, 0, 0x21, crc, stored, stored, len(full), len(extra), 0, 0, 0, 0, at))
+            self.out.write(
+                _CENTRAL.pack(
+                    0x02014B50, version, version, _UTF8, 0, 0, 0x21, crc, stored, stored,
+                    len(full), len(extra), 0, 0, 0, 0, at,
+                )
+            )
             self.out.write(full)
             self.out.write(extra)
         end = self.out.tell() - self.start
@@ -382,7 +410,11 @@ class Archive:
             self.out.write(_END64.pack(0x06064B50, _END64.size - 12, 45, 45, 0, 0, count, count, length, start))
             self.out.write(_LOCATOR64.pack(0x07064B50, 0, end, 1))
         entries = 0xFFFF if zip64 and count >= 0xFFFF else count
-        self.out.write(_END.pack(0x06054B50, 0, 0, entries, entries, _ZIP64_MARK if zip64 else length, _ZIP64_MARK if zip64 else start, 0))
+        self.out.write(
+            _END.pack(
+                0x06054B50, 0, 0, entries, entries, _ZIP64_MARK if zip64 else length, _ZIP64_MARK if zip64 else start, 0
+            )
+        )
 
 
 def _storage_bytes(storage: torch.UntypedStorage, nbytes: int) -> memoryview:
@@ -395,7 +427,8 @@ def _storage_bytes(storage: torch.UntypedStorage, nbytes: int) -> memoryview:
 
 
 def write_archive(obj: Any, out: DirectFile) -> dict[int, int | None]:
-    """Write ``obj`` as ``torch.save`` would, as one archive from ``out``'s current position on: what a ``torch.save`` file holds.
+    """Write ``obj`` as ``torch.save`` would, as one archive from ``out``'s current position on:
+    what a ``torch.save`` file holds.
 
     Its offsets and alignment count from where it begins, so the bytes from
     there to the end load with ``torch.load`` wherever they sit (DCP keeps a
@@ -408,7 +441,8 @@ def write_archive(obj: Any, out: DirectFile) -> dict[int, int | None]:
     if sys.byteorder != "little":
         raise NotImplementedError("osdpipe writes torch files on little-endian machines")
     archive = Archive(out)
-    torch.serialization._save(obj, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)  # torch.save's own pickling of the records
+    # torch.save's own pickling of the records
+    torch.serialization._save(obj, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     archive.finish()
     return archive.storage_pieces
 
@@ -418,12 +452,14 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def storage_digests(out: DirectFile, pieces: dict[int, int | None]) -> dict[int, str]:
-    """Each storage's sha256 (by ``UntypedStorage._cdata``), its piece's digest: from the one pass over the closed file ``out``'s bytes."""
+    """Each storage's sha256 (by ``UntypedStorage._cdata``), its piece's digest:
+    from the one pass over the closed file ``out``'s bytes."""
     return {cdata: EMPTY_SHA256 if index is None else out.piece_digest(index) for cdata, index in pieces.items()}
 
 
 def save(obj: Any, path: Path, *, sync: bool = True, direct: bool = True) -> tuple[PieceDigest, dict[int, str]]:
-    """``torch.save(obj, path)`` as :mod:`osdpipe.io.torchfile` writes it: the file's digest, and each storage's sha256 (by ``UntypedStorage._cdata``).
+    """``torch.save(obj, path)`` as :mod:`osdpipe.io.torchfile` writes it:
+    the file's digest, and each storage's sha256 (by ``UntypedStorage._cdata``).
 
     ``path`` must not exist. On failure nothing is left claiming to be
     whole: the partial file is removed.
@@ -435,7 +471,8 @@ def save(obj: Any, path: Path, *, sync: bool = True, direct: bool = True) -> tup
 
 @contextmanager
 def written(path: Path, *, sync: bool, direct: bool = True) -> Iterator[DirectFile]:
-    """A new file at ``path`` to write through a :class:`DirectFile`; closed (and synced if ``sync``) on leaving, its digest then in ``digest``.
+    """A new file at ``path`` to write through a :class:`DirectFile`;
+    closed (and synced if ``sync``) on leaving, its digest then in ``digest``.
 
     On failure, while writing or while finishing the file, it is removed:
     nothing is left claiming to be whole.

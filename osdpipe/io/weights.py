@@ -52,15 +52,19 @@ class WeightsReader(Protocol):
         ...
 
     def stored_name(self, name: str) -> str | None:
-        """The name the model part stores canonical parameter FQN or hook-made key ``name`` under (``None``: it stores none such), known without reading any data."""
+        """The name the model part stores canonical parameter FQN or hook-made key ``name`` under
+        (``None``: it stores none such), known without reading any data."""
         ...
 
     def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened tensor stored under ``name``, as a 1-D tensor not to be written to."""
+        """Elements ``[start, stop)`` of the flattened tensor stored under ``name``,
+        as a 1-D tensor not to be written to."""
         ...
 
 
-def model_meta_of(stored: dict[str, TensorRef], buffers: dict[str, torch.Tensor], tree: ModuleTree, where: str) -> ModelMeta:
+def model_meta_of(
+    stored: dict[str, TensorRef], buffers: dict[str, torch.Tensor], tree: ModuleTree, where: str
+) -> ModelMeta:
     """A model part's stored names sorted into parameters' weights (checked against the model) and buffers.
 
     ``stored`` holds each name the model has as a parameter or as a key its
@@ -80,11 +84,23 @@ def model_meta_of(stored: dict[str, TensorRef], buffers: dict[str, torch.Tensor]
     keyed: dict[str, TensorRef] = {}
     for name, ref in stored.items():
         param, key = tree.resolve(name), tree.key_map(name)
-        want = (param.shape, param.dtype, "parameter") if param is not None else (key.shape, key.dtype, "state-dict key") if key is not None else None
+        want = (
+            (param.shape, param.dtype, "parameter")
+            if param is not None
+            else (key.shape, key.dtype, "state-dict key")
+            if key is not None
+            else None
+        )
         if want is None:
-            raise InputError(f"{where}: the model part holds {name!r}, which the model has as neither a parameter nor a buffer; {hint}")
+            raise InputError(
+                f"{where}: the model part holds {name!r}, "
+                f"which the model has as neither a parameter nor a buffer; {hint}"
+            )
         if tuple(ref.shape) != want[0] or ref.dtype != want[1]:
-            raise InputError(f"{where}: the model's {name} is {ref.dtype} {list(ref.shape)}, but the model's {want[2]} is {want[1]} {list(want[0])}; {hint}")
+            raise InputError(
+                f"{where}: the model's {name} is {ref.dtype} {list(ref.shape)}, "
+                f"but the model's {want[2]} is {want[1]} {list(want[0])}; {hint}"
+            )
         if param is not None:
             meta.weights.setdefault(param.fqn, ref)
         else:
@@ -96,9 +112,15 @@ def model_meta_of(stored: dict[str, TensorRef], buffers: dict[str, torch.Tensor]
     for name, value in buffers.items():
         buffer = tree.resolve_buffer(name)
         if buffer is None:
-            raise InputError(f"{where}: the model part holds {name!r}, which the model has as neither a parameter nor a buffer; {hint}")
+            raise InputError(
+                f"{where}: the model part holds {name!r}, "
+                f"which the model has as neither a parameter nor a buffer; {hint}"
+            )
         if tuple(value.shape) != buffer.shape or str(value.dtype).removeprefix("torch.") != buffer.dtype:
-            raise InputError(f"{where}: the model's buffer {name} is {value.dtype} {list(value.shape)}, but the model's is {buffer.dtype} {list(buffer.shape)}; {hint}")
+            raise InputError(
+                f"{where}: the model's buffer {name} is {value.dtype} {list(value.shape)}, "
+                f"but the model's is {buffer.dtype} {list(buffer.shape)}; {hint}"
+            )
         meta.buffers[buffer.fqn] = value
     missing = [p.fqn for p in tree.params if p.fqn not in meta.weights]
     if missing:
@@ -109,7 +131,8 @@ def model_meta_of(stored: dict[str, TensorRef], buffers: dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class WholeSource:
-    """A whole checkpoint's entries besides the model and the optimizer: where each is (``carrying``) and its bytes (``carried``).
+    """A whole checkpoint's entries besides the model and the optimizer:
+    where each is (``carrying``) and its bytes (``carried``).
 
     Read once, by the first reading rank, and shared with every rank in the
     source's metadata (:attr:`SourceMeta.carried`), so each can write them.
@@ -121,7 +144,8 @@ class WholeSource:
 
 
 def stored_names(stored: Iterable[str], tree: ModuleTree) -> dict[str, str]:
-    """Canonical parameter FQN, or hook-made key, -> the first of ``stored`` names that is it (a tied weight is stored under each of its names)."""
+    """Canonical parameter FQN, or hook-made key,
+    -> the first of ``stored`` names that is it (a tied weight is stored under each of its names)."""
     names: dict[str, str] = {}
     for name in stored:
         param = tree.resolve(name)
@@ -143,7 +167,15 @@ class WholeReader:
     besides (:class:`WholeSource`).
     """
 
-    def __init__(self, optimizer: SourceReader, model: WeightsReader, tree: ModuleTree, where: str, layout: Any = None, carrying: Any = None) -> None:
+    def __init__(
+        self,
+        optimizer: SourceReader,
+        model: WeightsReader,
+        tree: ModuleTree,
+        where: str,
+        layout: Any = None,
+        carrying: Any = None,
+    ) -> None:
         self.optimizer, self.model, self.tree, self.where = optimizer, model, tree, where
         self.layout, self.carrying = layout, carrying
 
@@ -159,8 +191,9 @@ class WholeReader:
                 continue
             if WEIGHTS in entries:
                 raise InputError(
-                    f"{self.where}: the optimizer state of {name} holds a state named {WEIGHTS!r}, the name osdpipe carries the model's "
-                    "weights under in a whole checkpoint; convert the optimizer alone (checkpoint=optimizer)"
+                    f"{self.where}: the optimizer state of {name} holds a state named {WEIGHTS!r}, "
+                    "the name osdpipe carries the model's weights under in a whole checkpoint; "
+                    "convert the optimizer alone (checkpoint=optimizer)"
                 )
             state[param.fqn] = dict(entries)
             stored = optimizer.names.get(name, name)
@@ -168,15 +201,31 @@ class WholeReader:
                 names[param.fqn] = stored
         for fqn, ref in model.weights.items():
             state.setdefault(fqn, {})[WEIGHTS] = ref
-        carried = None if self.layout is None else WholeSource(self.layout.name, self.carrying, self.layout.read_carried(self.carrying))
-        return SourceMeta(state=state, param_groups=optimizer.param_groups, extra=optimizer.extra, names=names, buffers=model.buffers, carried=carried)
+        carried = (
+            None
+            if self.layout is None
+            else WholeSource(self.layout.name, self.carrying, self.layout.read_carried(self.carrying))
+        )
+        return SourceMeta(
+            state=state,
+            param_groups=optimizer.param_groups,
+            extra=optimizer.extra,
+            names=names,
+            buffers=model.buffers,
+            carried=carried,
+        )
 
     def _weights(self, param: ParamInfo, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of ``param``'s flattened weights: a range of its own stored tensor, or pieces of the keys a hook makes of its rows."""
+        """Elements ``[start, stop)`` of ``param``'s flattened weights:
+        a range of its own stored tensor, or pieces of the keys a hook makes of its rows."""
         own = self.model.stored_name(param.fqn)
         if own is not None:
             return self.model.read_weights(own, start, stop)
-        pieces = sorted((at, k0, k1, key.name) for key in self.tree.keys_of(param.fqn) for k0, k1, at in key_ranges(key, param.fqn, start, stop))
+        pieces = sorted(
+            (at, k0, k1, key.name)
+            for key in self.tree.keys_of(param.fqn)
+            for k0, k1, at in key_ranges(key, param.fqn, start, stop)
+        )
         read = [self.model.read_weights(self.model.stored_name(name), k0, k1) for _, k0, k1, name in pieces]
         if not read:
             return torch.empty(0, dtype=getattr(torch, param.dtype))
@@ -202,7 +251,8 @@ class WholeReader:
 
 
 class NoOptimizer:
-    """The optimizer part of a model-only checkpoint (torchtitan's last save by default, its seed checkpoint): no state, no param groups.
+    """The optimizer part of a model-only checkpoint
+    (torchtitan's last save by default, its seed checkpoint): no state, no param groups.
 
     The model's weights are then the only state each parameter has, and the
     output holds no optimizer either.
@@ -223,7 +273,8 @@ class NoOptimizer:
 
 
 def split_weights(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, torch.Tensor]]:
-    """A rank's converted state (layout key -> state name -> value) as the optimizer's state and the weights by layout key.
+    """A rank's converted state (layout key -> state name -> value)
+    as the optimizer's state and the weights by layout key.
 
     A key whose only state was its weights (a parameter the optimizer holds
     no state for: frozen, or never stepped) leaves the optimizer's state.
@@ -239,7 +290,9 @@ def split_weights(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str,
     return optimizer, weights
 
 
-def model_state_dict(weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], tree: ModuleTree) -> dict[str, torch.Tensor]:
+def model_state_dict(
+    weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], tree: ModuleTree
+) -> dict[str, torch.Tensor]:
     """This rank's ``model.state_dict()`` as local tensors, in the model's own order of names.
 
     ``weights`` are keyed by canonical FQN; a tied weight appears under each
@@ -257,7 +310,9 @@ def model_state_dict(weights: dict[str, torch.Tensor], buffers: dict[str, torch.
         elif key is not None:
             made_of = {r.param for r in key.runs}
             if made_of <= set(weights):
-                assert all(tuple(weights[f].shape) == tree.param(f).shape for f in made_of), f"{name} is made of parameters this rank holds only pieces of"
+                assert all(
+                    tuple(weights[f].shape) == tree.param(f).shape for f in made_of
+                ), f"{name} is made of parameters this rank holds only pieces of"
                 out[name] = gather(key, weights)
         elif name in buffers:
             out[name] = buffers[name]
@@ -265,7 +320,8 @@ def model_state_dict(weights: dict[str, torch.Tensor], buffers: dict[str, torch.
 
 
 def open_whole(layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any) -> WholeReader:
-    """A reader of the whole checkpoint at ``path`` laid out as ``layout`` (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says.
+    """A reader of the whole checkpoint at ``path`` laid out as ``layout``
+    (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says.
 
     Raises:
         InputError: naming the part of the checkpoint that is missing or damaged.
@@ -273,5 +329,10 @@ def open_whole(layout: Any, path: str, input_format: str, *, tree: ModuleTree, s
     from osdpipe.io.formats import open_source  # the formats package imports this module's base: imported where used
 
     part = layout.optimizer_part(path, input_format)
-    optimizer = NoOptimizer() if part is None else open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None)
-    return WholeReader(optimizer, layout.open_model(path, input_format, tree, optimizer), tree, path, layout, layout.carried(path, input_format, tree))
+    optimizer = (
+        NoOptimizer()
+        if part is None
+        else open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None)
+    )
+    model = layout.open_model(path, input_format, tree, optimizer)
+    return WholeReader(optimizer, model, tree, path, layout, layout.carried(path, input_format, tree))

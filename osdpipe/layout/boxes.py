@@ -28,7 +28,8 @@ Box = tuple[tuple[int, int], ...]
 
 
 def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
-    """The range ``torch.chunk`` gives piece ``index`` of ``parts`` over ``size`` elements (empty past the last piece it makes).
+    """The range ``torch.chunk`` gives piece ``index`` of ``parts`` over ``size`` elements
+    (empty past the last piece it makes).
 
     ``torch.chunk`` cuts pieces of ``ceil(size / parts)``, so 10 over 4 is
     3, 3, 3, 1 and 5 over 4 is 2, 2, 1 and an empty fourth.
@@ -40,7 +41,8 @@ def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Cut:
-    """One level of sharding: dimension ``dim`` split into ``parts`` as ``torch.chunk`` splits it; the rank keeps piece ``index``."""
+    """One level of sharding: dimension ``dim`` split into ``parts`` as ``torch.chunk`` splits it;
+    the rank keeps piece ``index``."""
 
     dim: int
     parts: int
@@ -53,7 +55,8 @@ def whole(shape: Sequence[int]) -> Box:
 
 
 def local_box(shape: Sequence[int], cuts: Sequence[Cut]) -> Box:
-    """The box a rank keeps of a tensor of ``shape`` after ``cuts``, each applied to the piece the ones before it left."""
+    """The box a rank keeps of a tensor of ``shape`` after ``cuts``,
+    each applied to the piece the ones before it left."""
     box = list(whole(shape))
     for cut in cuts:
         lo, hi = box[cut.dim]
@@ -63,7 +66,8 @@ def local_box(shape: Sequence[int], cuts: Sequence[Cut]) -> Box:
 
 
 def mesh_coordinates(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """Rank ``rank``'s index along each mesh dimension: meshes number their ranks row-major, the last dimension fastest."""
+    """Rank ``rank``'s index along each mesh dimension:
+    meshes number their ranks row-major, the last dimension fastest."""
     coords = []
     for size in reversed(mesh_shape):
         rank, index = divmod(rank, size)
@@ -97,7 +101,8 @@ def flat_runs(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     if inner == 0:
         return [(0, math.prod(shape))]
-    last = inner - 1  # the innermost dimension the box cuts: each of its ranges is a run (with the whole dimensions after it)
+    # the innermost dimension the box cuts: each of its ranges is a run (with the whole dimensions after it)
+    last = inner - 1
     length = (box[last][1] - box[last][0]) * strides[last]
     runs: list[tuple[int, int]] = []
     for outer in product(*(range(start, stop) for start, stop in box[:last])):
@@ -110,7 +115,8 @@ def flat_runs(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
 
 
 def flat_overlap(shape: Sequence[int], box: Box, start: int, stop: int) -> list[tuple[int, int]]:
-    """The elements of ``box`` that the flat range ``[start, stop)`` of the tensor also holds, as flat ranges (an FSDP1 segment against a box)."""
+    """The elements of ``box`` that the flat range ``[start, stop)`` of the tensor also holds,
+    as flat ranges (an FSDP1 segment against a box)."""
     out = []
     for run_start, run_stop in flat_runs(shape, box):
         lo, hi = max(run_start, start), min(run_stop, stop)
@@ -124,7 +130,8 @@ _STRIDED = re.compile(r"_S\((\d+), (\d+)\)")
 
 
 def parse_placement(text: str) -> tuple[int | None, int | None]:
-    """``(dim, split_factor)`` of a placement as ``str()`` writes PyTorch's: ``"R"`` is ``(None, None)``, ``"S(1)"`` is ``(1, None)``, ``"_S(0, 2)"`` is ``(0, 2)``.
+    """``(dim, split_factor)`` of a placement as ``str()`` writes PyTorch's:
+    ``"R"`` is ``(None, None)``, ``"S(1)"`` is ``(1, None)``, ``"_S(0, 2)"`` is ``(0, 2)``.
 
     Raises:
         ValueError: for a placement that holds no box of the tensor (``P(sum)``, a partial sum) or one not recognized.
@@ -150,8 +157,8 @@ def placement_cuts(placements: Sequence[str], mesh_shape: Sequence[int], coords:
     whose sizes multiply to ``factor``.
 
     Raises:
-        ValueError: for a placement that holds no box of the tensor (``P(sum)``, a partial sum), one not recognized, or a
-            strided shard whose factor the inner cuts do not make.
+        ValueError: for a placement that holds no box of the tensor (``P(sum)``, a partial sum), one not recognized,
+            or a strided shard whose factor the inner cuts do not make.
     """
     now: list[Cut] = []
     later: list[Cut] = []
@@ -167,6 +174,9 @@ def placement_cuts(placements: Sequence[str], mesh_shape: Sequence[int], coords:
             continue
         inner = math.prod(s for p, s in zip(placements[mesh_dim + 1 :], mesh_shape[mesh_dim + 1 :]) if p == f"S({dim})")
         if inner != factor:
-            raise ValueError(f"placement {text} on mesh dimension {mesh_dim}: the inner mesh dimensions cut dim {dim} into {inner} piece(s), not {factor}")
+            raise ValueError(
+                f"placement {text} on mesh dimension {mesh_dim}: "
+                f"the inner mesh dimensions cut dim {dim} into {inner} piece(s), not {factor}"
+            )
         later.append(Cut(dim, size, index))
     return (*now, *later)

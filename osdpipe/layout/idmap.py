@@ -29,8 +29,10 @@ def how_to_give_groups(tree: ModuleTree) -> str:
     tops = list(dict.fromkeys(p.fqn if "." not in p.fqn else p.fqn.split(".")[0] + ".*" for p in tree.params))
     example = f"[[{tops[-1]}],[{','.join(tops[:-1])}]]" if len(tops) > 1 else "[[*]]"
     return (
-        "give the param groups of the optimizer that saved it, as FQN patterns (fnmatch) per group in the order it received "
-        f"its parameters: input.param_groups=[[<group 0 patterns>],[<group 1 patterns>],...], e.g. input.param_groups={example}; "
+        "give the param groups of the optimizer that saved it, as FQN patterns (fnmatch) per group "
+        "in the order it received its parameters: "
+        "input.param_groups=[[<group 0 patterns>],[<group 1 patterns>],...], "
+        f"e.g. input.param_groups={example}; "
         "an optimizer built over model.parameters() is input.param_groups=[[*]]"
     )
 
@@ -63,7 +65,9 @@ def expand_groups(tree: ModuleTree, id_groups: Sequence[Sequence[str]]) -> list[
     return [[layout[i].key for i in group] for group in members]
 
 
-def map_by_groups(tree: ModuleTree, saved_groups: list[list[int]], state_shapes: StateShapes, id_groups: Sequence[Sequence[str]]) -> dict[int, str]:
+def map_by_groups(
+    tree: ModuleTree, saved_groups: list[list[int]], state_shapes: StateShapes, id_groups: Sequence[Sequence[str]]
+) -> dict[int, str]:
     """Map IDs to FQNs by the optimizer's param groups, then check every pair by shape.
 
     The k-th ID of saved group g is the k-th parameter ``id_groups[g]`` names,
@@ -77,14 +81,16 @@ def map_by_groups(tree: ModuleTree, saved_groups: list[list[int]], state_shapes:
     if len(saved_groups) != len(expanded):
         raise IdMapError(
             f"the checkpoint has {len(saved_groups)} param group(s) (of {[len(g) for g in saved_groups]} parameters) "
-            f"but input.param_groups gives {len(expanded)}; give one pattern list per param group of the optimizer that saved it"
+            f"but input.param_groups gives {len(expanded)}; "
+            "give one pattern list per param group of the optimizer that saved it"
         )
     mapping: dict[int, str] = {}
     for g, (ids, fqns) in enumerate(zip(saved_groups, expanded)):
         if len(ids) != len(fqns):
             raise IdMapError(
-                f"param group {g} of the checkpoint holds {len(ids)} parameter(s) (IDs {_short(ids)}) but input.param_groups[{g}]={list(id_groups[g])} "
-                f"matches {len(fqns)}: {_short(fqns)}; make the patterns match exactly the parameters of that group"
+                f"param group {g} of the checkpoint holds {len(ids)} parameter(s) (IDs {_short(ids)}) "
+                f"but input.param_groups[{g}]={list(id_groups[g])} matches {len(fqns)}: {_short(fqns)}; "
+                "make the patterns match exactly the parameters of that group"
             )
         mapping.update(zip(ids, fqns))
     wrong = []
@@ -92,11 +98,16 @@ def map_by_groups(tree: ModuleTree, saved_groups: list[list[int]], state_shapes:
         param = tree.param(mapping[pid])
         for name, shape in shapes.items():
             if shape != param.shape:
-                wrong.append(f"param ID {pid} maps to {param.fqn} of shape {param.shape} ({param.numel} elements), but its {name!r} has shape {shape} ({_numel(shape)} elements)")
+                wrong.append(
+                    f"param ID {pid} maps to {param.fqn} of shape {param.shape} ({param.numel} elements), "
+                    f"but its {name!r} has shape {shape} ({_numel(shape)} elements)"
+                )
                 break
     if wrong:
         raise IdMapError(
-            f"input.param_groups does not describe the optimizer that saved the checkpoint: {_listing(wrong)}. List the groups, and the patterns in each, in the order that optimizer received its parameters "
+            "input.param_groups does not describe the optimizer that saved the checkpoint: "
+            f"{_listing(wrong)}. "
+            "List the groups, and the patterns in each, in the order that optimizer received its parameters "
             "(unset, IDs are matched to parameters by shape where that is unambiguous)"
         )
     return mapping
@@ -128,7 +139,9 @@ def infer_by_shape(tree: ModuleTree, saved_groups: list[list[int]], state_shapes
     for pid, shapes in sorted(state_shapes.items()):
         distinct = sorted(set(shapes.values()))
         if len(distinct) > 1:
-            raise IdMapError(f"param ID {pid} has state tensors of different shapes {shapes}; a parameter's state has its shape")
+            raise IdMapError(
+                f"param ID {pid} has state tensors of different shapes {shapes}; a parameter's state has its shape"
+            )
         if distinct:
             shape_of[pid] = distinct[0]
     params_of: dict[tuple[int, ...], list[str]] = {}
@@ -145,13 +158,19 @@ def infer_by_shape(tree: ModuleTree, saved_groups: list[list[int]], state_shapes
         if len(pids) > len(candidates):
             raise IdMapError(
                 f"param ID(s) {_short(pids)} have state of shape {shape}, but the model has "
-                + (f"only {len(candidates)} parameter(s) of that shape: {_short(candidates)}" if candidates else "no parameter of that shape")
+                + (
+                    f"only {len(candidates)} parameter(s) of that shape: {_short(candidates)}"
+                    if candidates
+                    else "no parameter of that shape"
+                )
                 + "; is model.factory / model.kwargs the model whose optimizer saved the checkpoint?"
             )
         if len(candidates) == 1:
             mapping[pids[0]] = candidates[0]
         else:
-            ambiguous.append(f"param ID(s) {_short(pids)} have state of shape {shape}, as do parameters {_short(candidates)}")
+            ambiguous.append(
+                f"param ID(s) {_short(pids)} have state of shape {shape}, as do parameters {_short(candidates)}"
+            )
 
     group_of = {pid: g for g, ids in enumerate(saved_groups) for pid in ids}
     stateless = [pid for ids in saved_groups for pid in ids if pid not in shape_of]
@@ -160,7 +179,9 @@ def infer_by_shape(tree: ModuleTree, saved_groups: list[list[int]], state_shapes
         left = [p.fqn for p in tree.params if p.fqn not in taken]
         # Any pairing is the same when it is one group taking exactly the remaining parameters and nothing
         # (no scalar state either) moves with the IDs, or when there is only one way to pair.
-        harmless = len({group_of[pid] for pid in stateless}) == 1 and (len(stateless) == 1 or not any(pid in state_shapes for pid in stateless))
+        harmless = len({group_of[pid] for pid in stateless}) == 1 and (
+            len(stateless) == 1 or not any(pid in state_shapes for pid in stateless)
+        )
         if not ambiguous and len(left) == len(stateless) and harmless:
             mapping.update(zip(stateless, left))
         else:
@@ -170,13 +191,20 @@ def infer_by_shape(tree: ModuleTree, saved_groups: list[list[int]], state_shapes
             )
     if ambiguous:
         raise IdMapError(
-            f"cannot tell which parameter each param ID of the checkpoint is: {_listing(ambiguous)}. An optimizer numbers its parameters in the order it received them, not necessarily named_parameters() order, "
-            f"so osdpipe does not guess; {how_to_give_groups(tree)} (the checkpoint has {len(saved_groups)} group(s) of {[len(g) for g in saved_groups]} parameters)"
+            f"cannot tell which parameter each param ID of the checkpoint is: {_listing(ambiguous)}. "
+            "An optimizer numbers its parameters in the order it received them, "
+            f"not necessarily named_parameters() order, so osdpipe does not guess; {how_to_give_groups(tree)} "
+            f"(the checkpoint has {len(saved_groups)} group(s) of {[len(g) for g in saved_groups]} parameters)"
         )
     return mapping
 
 
-def map_ids(tree: ModuleTree, saved_groups: list[list[int]], state_shapes: StateShapes, id_groups: Sequence[Sequence[str]] | None) -> dict[int, str]:
+def map_ids(
+    tree: ModuleTree,
+    saved_groups: list[list[int]],
+    state_shapes: StateShapes,
+    id_groups: Sequence[Sequence[str]] | None,
+) -> dict[int, str]:
     """Param ID -> canonical FQN for every ID in the checkpoint's param groups.
 
     Args:
@@ -192,10 +220,16 @@ def map_ids(tree: ModuleTree, saved_groups: list[list[int]], state_shapes: State
     counts = Counter(pid for ids in saved_groups for pid in ids)
     repeated = sorted(pid for pid, n in counts.items() if n > 1)
     if repeated:
-        raise IdMapError(f"param ID(s) {_short(repeated)} appear in more than one place in the checkpoint's param groups; it is not an optimizer's state_dict()")
+        raise IdMapError(
+            f"param ID(s) {_short(repeated)} appear in more than one place in the checkpoint's param groups; "
+            "it is not an optimizer's state_dict()"
+        )
     orphans = sorted(set(state_shapes) - set(counts))
     if orphans:
-        raise IdMapError(f"the checkpoint has state for param ID(s) {_short(orphans)}, which none of its param groups holds; it is not an optimizer's state_dict()")
+        raise IdMapError(
+            f"the checkpoint has state for param ID(s) {_short(orphans)}, which none of its param groups holds; "
+            "it is not an optimizer's state_dict()"
+        )
     if id_groups is not None:
         return map_by_groups(tree, saved_groups, state_shapes, id_groups)
     return infer_by_shape(tree, saved_groups, state_shapes)

@@ -41,7 +41,8 @@ class KeyMapError(ValueError):
 
 @dataclass(frozen=True)
 class Rows:
-    """Rows ``[key_row, key_row + count)`` of a key hold rows ``[param_row, param_row + count)`` of parameter ``param`` (its canonical FQN)."""
+    """Rows ``[key_row, key_row + count)`` of a key hold rows
+    ``[param_row, param_row + count)`` of parameter ``param`` (its canonical FQN)."""
 
     param: str
     param_row: int
@@ -51,7 +52,8 @@ class Rows:
 
 @dataclass(frozen=True)
 class KeyMap:
-    """A key of ``model.state_dict()`` that is not a parameter's own name: its shape, dtype, and its rows as runs of parameters' rows.
+    """A key of ``model.state_dict()`` that is not a parameter's own name:
+    its shape, dtype, and its rows as runs of parameters' rows.
 
     A 0-dim key has one row. Every run's parameter has the key's row shape
     (the trailing dimensions), so a row range of the key is one contiguous
@@ -77,7 +79,8 @@ def rows_of(shape: tuple[int, ...]) -> int:
 
 
 def key_ranges(key: KeyMap, param: str, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
-    """Where elements ``[start, stop)`` of ``param``'s flattened view are in ``key``: ``(key start, key stop, param start)`` per run it crosses."""
+    """Where elements ``[start, stop)`` of ``param``'s flattened view are in ``key``:
+    ``(key start, key stop, param start)`` per run it crosses."""
     width = key.row_numel
     for run in key.runs_of(param):
         lo, hi = max(start, run.param_row * width), min(stop, (run.param_row + run.count) * width)
@@ -97,7 +100,8 @@ def gather(key: KeyMap, params: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def key_rows_within(key: KeyMap, param: str, first: int, last: int) -> Iterator[tuple[int, int, int]]:
-    """The key's rows that are rows ``[first, last)`` of ``param``: ``(key row, rows, offset in [first, last))`` per run."""
+    """The key's rows that are rows ``[first, last)`` of ``param``:
+    ``(key row, rows, offset in [first, last))`` per run."""
     for run in key.runs_of(param):
         lo, hi = max(first, run.param_row), min(last, run.param_row + run.count)
         if lo < hi:
@@ -105,7 +109,8 @@ def key_rows_within(key: KeyMap, param: str, first: int, last: int) -> Iterator[
 
 
 def probe(model: nn.Module, names: list[str], params: list[nn.Parameter]) -> tuple[KeyMap, ...]:
-    """Each key of ``model.state_dict()`` that its hooks make, as rows of ``params`` (canonical names ``names``, in that order).
+    """Each key of ``model.state_dict()`` that its hooks make,
+    as rows of ``params`` (canonical names ``names``, in that order).
 
     ``model`` may live on the ``meta`` device: only the hooked modules see
     probes, and only for the call.
@@ -121,17 +126,27 @@ def probe(model: nn.Module, names: list[str], params: list[nn.Parameter]) -> tup
             try:
                 state = module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True)
             except Exception as exc:  # noqa: BLE001 - said in one line below
-                raise KeyMapError(f"the state-dict hook of {prefix or 'the model'} ({type(module).__name__}) fails on probe values: {exc}") from None
+                raise KeyMapError(
+                    f"the state-dict hook of {prefix or 'the model'} ({type(module).__name__}) "
+                    f"fails on probe values: {exc}"
+                ) from None
             buffers = {id(b) for b in module.buffers()}
             for key, value in state.items():
-                if not torch.is_tensor(value) or id(value) in buffers or (key in own and any(value is p for p in probes)):
-                    continue  # a buffer (under any name: buffers are carried whole), or a parameter under its own name (a renamed one is mapped)
+                if (
+                    not torch.is_tensor(value)
+                    or id(value) in buffers
+                    or (key in own and any(value is p for p in probes))
+                ):
+                    # a buffer (under any name: buffers are carried whole),
+                    # or a parameter under its own name (a renamed one is mapped)
+                    continue
                 maps.append(_decode(key, value, names, params))
     return tuple(maps)
 
 
 def _outermost_hooked(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules that hold state-dict hooks (``register_state_dict_post_hook`` and the older ``_register_state_dict_hook``), none inside another."""
+    """The modules that hold state-dict hooks
+    (``register_state_dict_post_hook`` and the older ``_register_state_dict_hook``), none inside another."""
     hooked: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if not (module._state_dict_hooks or module._state_dict_pre_hooks):
@@ -173,7 +188,9 @@ def _decode(key: str, value: torch.Tensor, names: list[str], params: list[nn.Par
     """``value``, a hook's key made of probes, as runs of parameters' rows."""
 
     def refuse(why: str) -> KeyMapError:
-        return KeyMapError(f"the model's state-dict key {key} {why}; osdpipe converts a key only as whole rows of parameters")
+        return KeyMapError(
+            f"the model's state-dict key {key} {why}; osdpipe converts a key only as whole rows of parameters"
+        )
 
     if value.dtype != torch.float64:
         raise refuse(f"comes out as {value.dtype} from probes of float64")

@@ -38,7 +38,8 @@ REFUSED_OPTIMIZERS = {
 
 
 def torch_optimizers() -> list[str]:
-    """The optimizer classes of ``torch.optim`` by name (subclasses of ``Optimizer``), less :data:`REFUSED_OPTIMIZERS`."""
+    """The optimizer classes of ``torch.optim`` by name (subclasses of ``Optimizer``),
+    less :data:`REFUSED_OPTIMIZERS`."""
     names = []
     for name in dir(torch.optim):
         value = getattr(torch.optim, name)
@@ -56,13 +57,19 @@ def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
             not a ``torch.optim.Optimizer``.
     """
     if name == "auto":
-        raise ValueError("optim.name=auto: the input's optimizer could not be read from its files; set optim.name (Adam, AdamW, SGD, ...)")
+        raise ValueError(
+            "optim.name=auto: the input's optimizer could not be read from its files; "
+            "set optim.name (Adam, AdamW, SGD, ...)"
+        )
     if name in REFUSED_OPTIMIZERS:
         raise ValueError(f"torch.optim.{name} cannot be converted: {REFUSED_OPTIMIZERS[name]}")
     if ":" not in name:
         known = torch_optimizers()
         if name not in known:
-            raise ValueError(f"{name!r} is not an optimizer of torch.optim ({', '.join(known)}); name your own as package.module:Class")
+            raise ValueError(
+                f"{name!r} is not an optimizer of torch.optim ({', '.join(known)}); "
+                "name your own as package.module:Class"
+            )
         return getattr(torch.optim, name)
     module_name, _, attr = name.partition(":")
     try:
@@ -83,11 +90,16 @@ def optimizer_label(name: str) -> str:
 
 
 def accepted_hyperparameters(cls: type[torch.optim.Optimizer]) -> set[str] | None:
-    """The keyword arguments ``cls.__init__`` takes besides its first (the parameters); ``None``: any (it has ``**kwargs``)."""
+    """The keyword arguments ``cls.__init__`` takes besides its first (the parameters);
+    ``None``: any (it has ``**kwargs``)."""
     parameters = list(inspect.signature(cls).parameters.values())[1:]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
-    return {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
 
 
 def group_members(cfg: OptimConfig, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
@@ -98,7 +110,9 @@ def group_members(cfg: OptimConfig, layout: tuple[LocalTensor, ...]) -> list[lis
     return pattern_members([g.params for g in cfg.param_groups] or None, layout)
 
 
-def pattern_members(groups: list[list[str]] | None, layout: tuple[LocalTensor, ...], where: str = "optim.param_groups") -> list[list[int]]:
+def pattern_members(
+    groups: list[list[str]] | None, layout: tuple[LocalTensor, ...], where: str = "optim.param_groups"
+) -> list[list[int]]:
     """For each group of FQN patterns, the indices into ``layout`` (``model.parameters()`` order) of its parameters.
 
     Without groups (``None`` or empty) there is one group over all parameters,
@@ -125,9 +139,14 @@ def pattern_members(groups: list[list[str]] | None, layout: tuple[LocalTensor, .
         for i in members:
             if i in seen:
                 raise ValueError(
-                    f"{layout[i].key} (holding {', '.join(layout[i].fqns[:3])}{'...' if len(layout[i].fqns) > 3 else ''}) "
+                    f"{layout[i].key} (holding {', '.join(layout[i].fqns[:3])}"
+                    f"{'...' if len(layout[i].fqns) > 3 else ''}) "
                     f"is in {where}[{seen[i]}] and [{g}]; a parameter can be in one group only"
-                    + ("; with use_orig_params=false a flat parameter moves as a whole" if len(layout[i].fqns) > 1 else "")
+                    + (
+                        "; with use_orig_params=false a flat parameter moves as a whole"
+                        if len(layout[i].fqns) > 1
+                        else ""
+                    )
                 )
             seen[i] = g
         members_of.append(members)
@@ -162,7 +181,8 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, layout: tuple[LocalTenso
 
 
 def options_for(cfg: OptimConfig, fqn: str) -> dict[str, Any]:
-    """The configured options (``optim.param_groups[i]``'s hyperparameters) of the group parameter ``fqn`` falls in ({} for none)."""
+    """The configured options (``optim.param_groups[i]``'s hyperparameters)
+    of the group parameter ``fqn`` falls in ({} for none)."""
     for group in cfg.param_groups:
         if any(fnmatch.fnmatchcase(fqn, pattern) for pattern in group.params):
             return group.options
@@ -170,10 +190,12 @@ def options_for(cfg: OptimConfig, fqn: str) -> dict[str, Any]:
 
 
 def bare_optimizer(cfg: OptimConfig, groups: list[tuple[str, list[torch.Tensor]]]) -> torch.optim.Optimizer:
-    """The optimizer ``cfg`` describes over bare tensors: one param group per ``(fqn, tensors)``, with the options of ``fqn``'s configured group.
+    """The optimizer ``cfg`` describes over bare tensors:
+    one param group per ``(fqn, tensors)``, with the options of ``fqn``'s configured group.
 
     What stands in for the target's optimizer where no wrapped model exists
     (the ``resume`` check's reference, and its bare targets); loading a
     state dict then sets the hyperparameters it carries.
     """
-    return resolve_optimizer(cfg.name)([{"params": tensors, **options_for(cfg, fqn)} for fqn, tensors in groups], lr=cfg.learning_rate, **cfg.kwargs)
+    param_groups = [{"params": tensors, **options_for(cfg, fqn)} for fqn, tensors in groups]
+    return resolve_optimizer(cfg.name)(param_groups, lr=cfg.learning_rate, **cfg.kwargs)

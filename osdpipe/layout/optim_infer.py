@@ -30,7 +30,8 @@ import torch
 
 from osdpipe.layout.optim import torch_optimizers
 
-#: Param-group keys that say nothing of the optimizer: LR schedulers add ``initial_lr``, named parameters ``param_names``.
+#: Param-group keys that say nothing of the optimizer:
+#: LR schedulers add ``initial_lr``, named parameters ``param_names``.
 NOT_HYPERPARAMETERS = frozenset({"params", "param_names", "initial_lr"})
 #: Boolean options that change how an optimizer computes, never which state it keeps.
 _HOW_NOT_WHAT = frozenset({"foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay"})
@@ -47,7 +48,8 @@ def _options(cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> dict[
 
 
 def defaults_of(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | None:
-    """The defaults ``cls`` hands to ``Optimizer.__init__`` (its param groups' hyperparameters), or ``None`` when it cannot be built plainly.
+    """The defaults ``cls`` hands to ``Optimizer.__init__`` (its param groups' hyperparameters),
+    or ``None`` when it cannot be built plainly.
 
     ``Optimizer.__init__`` is stood in for while ``cls`` is built, so no
     parameter group is made (making one imports ``torch._dynamo``: a second
@@ -99,7 +101,8 @@ def fingerprints() -> tuple[Fingerprint, ...]:
 
 
 def _variants(cls: type[torch.optim.Optimizer]) -> list[dict[str, Any]]:
-    """Constructor options to probe: the defaults, each boolean option that may add state turned on, momentum turned on."""
+    """Constructor options to probe:
+    the defaults, each boolean option that may add state turned on, momentum turned on."""
     params = inspect.signature(cls).parameters
     variants: list[dict[str, Any]] = [{}]
     for name, p in params.items():
@@ -113,7 +116,8 @@ def _variants(cls: type[torch.optim.Optimizer]) -> list[dict[str, Any]]:
 
 
 def kept_state(cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> set[str] | None:
-    """The state names ``cls`` built with ``options`` keeps after one step on a 2x3 parameter (``None``: it refuses them)."""
+    """The state names ``cls`` built with ``options`` keeps after one step on a 2x3 parameter
+    (``None``: it refuses them)."""
     param = torch.zeros(2, 3, requires_grad=True)
     try:
         with warnings.catch_warnings():
@@ -128,7 +132,8 @@ def kept_state(cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> set
 
 @functools.cache
 def state_names_of(cls: type[torch.optim.Optimizer]) -> frozenset[str] | None:
-    """Every state name ``cls`` keeps under some option (``max_exp_avg_sq`` with ``amsgrad``, ``momentum_buffer`` with ``momentum``)."""
+    """Every state name ``cls`` keeps under some option
+    (``max_exp_avg_sq`` with ``amsgrad``, ``momentum_buffer`` with ``momentum``)."""
     probed = [names for names in (kept_state(cls, options) for options in _variants(cls)) if names is not None]
     return frozenset().union(*probed) if probed else None
 
@@ -167,7 +172,9 @@ def infer(param_groups: list[dict[str, Any]] | None, state_names: set[str]) -> I
         fits = [f for f in fingerprints() if f.hyperparameters == keys]
         what = f"hyperparameters {sorted(keys)}"
     else:
-        fits = [f for f in fingerprints() if set(state_names) <= (state_names_of(getattr(torch.optim, f.name)) or set())]
+        fits = [
+            f for f in fingerprints() if set(state_names) <= (state_names_of(getattr(torch.optim, f.name)) or set())
+        ]
         what = f"no param groups, state {sorted(state_names)}"
     if len(fits) > 1 and param_groups:
         told = [f for f in fits if all(param_groups[0].get(k, v) == v for k, v in _telling(fits, f))]

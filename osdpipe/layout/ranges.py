@@ -42,7 +42,8 @@ class LayoutSpec:
     use_orig_params: bool = False
     wrap: tuple[str, ...] = ()
     wrap_root: bool = True
-    #: Mixed precision's forward/backward parameter dtype (``MixedPrecision.param_dtype``), ``None``: the parameters' own.
+    #: Mixed precision's forward/backward parameter dtype (``MixedPrecision.param_dtype``),
+    #: ``None``: the parameters' own.
     param_dtype: str | None = None
     #: Ranks that shard one replica (FSDP1 HYBRID_SHARD, FSDP2 HSDP); ``None``: one group of every data-parallel rank.
     shard_group_size: int | None = None
@@ -50,8 +51,9 @@ class LayoutSpec:
     tp_size: int = 1
     #: Module FQN pattern (fnmatch) -> tensor-parallel style, in the order given (see :mod:`osdpipe.layout.tp`).
     tp_plan: tuple[tuple[str, str], ...] = ()
-    #: Each parameter's mesh and placements under ``tp_plan``, as PyTorch lays them (:func:`osdpipe.layout.tp.read_placements`);
-    #: filled in by the plan, since only the model and PyTorch can say them.
+    #: Each parameter's mesh and placements under ``tp_plan``, as PyTorch
+    #: lays them (:func:`osdpipe.layout.tp.read_placements`); filled in
+    #: by the plan, since only the model and PyTorch can say them.
     tp_placements: tuple[tuple[str, Placement], ...] | None = None
 
     @property
@@ -182,7 +184,8 @@ class LocalTensor:
 
 
 def box_segments(fqn: str, shape: tuple[int, ...], box: Box) -> tuple[Segment, ...]:
-    """A rank's box of parameter ``fqn`` as segments: each run of its row-major elements (:func:`osdpipe.layout.boxes.flat_runs`), packed in order.
+    """A rank's box of parameter ``fqn`` as segments:
+    each run of its row-major elements (:func:`osdpipe.layout.boxes.flat_runs`), packed in order.
 
     A box is what a rank of a mesh holds; a segment is what the copy plan
     moves. Dim-0 boxes are one segment; a box that cuts a later dimension
@@ -208,7 +211,8 @@ def chunk_bounds(total: int, world_size: int, rank: int) -> tuple[int, int, int]
 
 
 def uncovered(start: int, end: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``[start, end)`` outside every interval of ``covered`` (intervals may overlap, repeat or reach outside it)."""
+    """The parts of ``[start, end)`` outside every interval of ``covered``
+    (intervals may overlap, repeat or reach outside it)."""
     out, cursor = [], start
     for lo, hi in sorted(covered):
         if hi <= cursor or lo >= end:
@@ -222,7 +226,8 @@ def uncovered(start: int, end: int, covered: list[tuple[int, int]]) -> list[tupl
 
 
 def batches(segments: Iterable[Segment], limit: int | None) -> list[tuple[Segment, ...]]:
-    """The segments in ``dest`` order, cut into parts of at most ``limit`` elements and packed, in order, into batches of at most ``limit``.
+    """The segments in ``dest`` order, cut into parts of at most ``limit`` elements and packed,
+    in order, into batches of at most ``limit``.
 
     A batch is what one read, one message or one comparison holds at once, so
     ``limit`` is how ``runtime.memory_budget`` bounds the bytes in flight.
@@ -332,7 +337,8 @@ def dim0_layout(tree: ModuleTree, world_size: int, rank: int) -> tuple[LocalTens
         start, end, rows = dim0_chunk_bounds(p.shape, world_size, rank)
         shape = (rows, *p.shape[1:]) if p.shape else (() if rows else (0,))
         segs = (Segment(p.fqn, start, end - start, 0),) if end > start else ()
-        out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=shape, segments=segs, flat=False, placement=placement if p.shape else None))
+        placed = placement if p.shape else None
+        out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=shape, segments=segs, flat=False, placement=placed))
     return tuple(out)
 
 

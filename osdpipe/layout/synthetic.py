@@ -27,9 +27,11 @@ _PRIME = 2**31 - 1
 _ROUNDS = 3
 
 
-@functools.lru_cache(maxsize=4096)  # a rank asks for many ranges of one key; a process playing 1024 ranks, for the same keys
+# a rank asks for many ranges of one key; a process playing 1024 ranks, for the same keys
+@functools.lru_cache(maxsize=4096)
 def _constants(key: str) -> tuple[int, ...]:
-    """The key's offset and per-round multipliers and addends, each in ``[1, prime)``: a digest, the same in every process."""
+    """The key's offset and per-round multipliers and addends, each in ``[1, prime)``:
+    a digest, the same in every process."""
     digest = hashlib.sha256(key.encode()).digest()
     return tuple(int.from_bytes(digest[4 * i : 4 * i + 4], "little") % (_PRIME - 1) + 1 for i in range(1 + 2 * _ROUNDS))
 

@@ -65,7 +65,10 @@ def make_style(style: str) -> Any:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"tp_plan style {style!r}: {exc}; is {module_name} on PYTHONPATH?") from None
     if not isinstance(made, parallel.ParallelStyle):
-        raise ValueError(f"tp_plan style {style!r} returned a {type(made).__name__}, not a torch.distributed.tensor.parallel.ParallelStyle")
+        raise ValueError(
+            f"tp_plan style {style!r} returned a {type(made).__name__}, "
+            "not a torch.distributed.tensor.parallel.ParallelStyle"
+        )
     return made
 
 
@@ -80,7 +83,10 @@ def styled_modules(modules: Iterable[str], plan: tuple[tuple[str, str], ...]) ->
     for pattern, style in plan:
         matched = [m for m in names if fnmatch.fnmatchcase(m, pattern)]
         if not matched:
-            raise ValueError(f"tp_plan pattern {pattern!r} matches no module of the model (it has {', '.join(names[:6])}{', ...' * (len(names) > 6)})")
+            raise ValueError(
+                f"tp_plan pattern {pattern!r} matches no module of the model "
+                f"(it has {', '.join(names[:6])}{', ...' * (len(names) > 6)})"
+            )
         for m in matched:
             out.setdefault(m, style)
     return out
@@ -94,8 +100,10 @@ def mesh_shape(spec: LayoutSpec) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 def parallelize(model: Any, mesh: Any, spec: LayoutSpec) -> Any:
-    """Apply ``spec.tp_plan`` to ``model`` over the mesh's ``tp`` dimension, as a job does before ``fully_shard``; the data-parallel sub-mesh."""
-    from torch.distributed.tensor.parallel import parallelize_module  # heavy (DTensor): only where a job is parallelized
+    """Apply ``spec.tp_plan`` to ``model`` over the mesh's ``tp`` dimension,
+    as a job does before ``fully_shard``; the data-parallel sub-mesh."""
+    # heavy (DTensor): only where a job is parallelized
+    from torch.distributed.tensor.parallel import parallelize_module
 
     styles = styled_modules((name for name, _ in model.named_modules()), spec.tp_plan)
     parallelize_module(model, mesh["tp"], {fqn: make_style(style) for fqn, style in styles.items()})
@@ -103,7 +111,8 @@ def parallelize(model: Any, mesh: Any, spec: LayoutSpec) -> Any:
 
 
 def read_placements(factory: str, kwargs: dict[str, Any], spec: LayoutSpec) -> tuple[tuple[str, Placement], ...]:
-    """Each parameter's mesh and placements in a job wrapped as ``spec`` says, as PyTorch lays them (see the module's doc).
+    """Each parameter's mesh and placements in a job wrapped as ``spec`` says,
+    as PyTorch lays them (see the module's doc).
 
     Raises:
         ValueError: with PyTorch's or the plan's own one-line reason when the model cannot be parallelized so.
@@ -111,18 +120,31 @@ def read_placements(factory: str, kwargs: dict[str, Any], spec: LayoutSpec) -> t
     from osdpipe.layout.ranges import Placement  # the layout math imports torch: not for the config's schema pass
 
     try:
-        placed = rankserver.call_apart(_probe, ({"factory": factory, "kwargs": kwargs, "spec": _spec_fields(spec)},), PROBE_TIMEOUT_S)
+        request = {"factory": factory, "kwargs": kwargs, "spec": _spec_fields(spec)}
+        placed = rankserver.call_apart(_probe, (request,), PROBE_TIMEOUT_S)
     except TimeoutError:
-        raise ValueError(f"PyTorch took over {PROBE_TIMEOUT_S} s to parallelize the model on the meta device; does its factory or a style wait on something?") from None
-    return tuple((fqn, Placement(tuple(mesh), tuple(placements), tuple(names))) for fqn, mesh, placements, names in placed)
+        raise ValueError(
+            f"PyTorch took over {PROBE_TIMEOUT_S} s to parallelize the model on the meta device; "
+            "does its factory or a style wait on something?"
+        ) from None
+    return tuple(
+        (fqn, Placement(tuple(mesh), tuple(placements), tuple(names))) for fqn, mesh, placements, names in placed
+    )
 
 
 def _spec_fields(spec: LayoutSpec) -> dict[str, Any]:
-    return {"world_size": spec.world_size, "shard_group_size": spec.shard_group_size, "tp_size": spec.tp_size, "tp_plan": spec.tp_plan, "wrap": spec.wrap}
+    return {
+        "world_size": spec.world_size,
+        "shard_group_size": spec.shard_group_size,
+        "tp_size": spec.tp_size,
+        "tp_plan": spec.tp_plan,
+        "wrap": spec.wrap,
+    }
 
 
 def _probe(request: dict[str, Any]) -> list[Any]:
-    """In the probe's own process: rank 0 of a fake world builds the job on ``meta`` and reports every parameter's placements.
+    """In the probe's own process: rank 0 of a fake world builds
+    the job on ``meta`` and reports every parameter's placements.
 
     A ``ValueError`` is the plan's own words (a pattern that matches nothing, a
     style that cannot be made); anything else is PyTorch refusing the plan.
@@ -140,8 +162,14 @@ def _probe(request: dict[str, Any]) -> list[Any]:
     from osdpipe.layout.tree import describe
 
     fields = request["spec"]
-    spec = LayoutSpec(kind="fsdp2", world_size=fields["world_size"], shard_group_size=fields["shard_group_size"], tp_size=fields["tp_size"],
-                      tp_plan=tuple(tuple(p) for p in fields["tp_plan"]), wrap=tuple(fields["wrap"]))
+    spec = LayoutSpec(
+        kind="fsdp2",
+        world_size=fields["world_size"],
+        shard_group_size=fields["shard_group_size"],
+        tp_size=fields["tp_size"],
+        tp_plan=tuple(tuple(p) for p in fields["tp_plan"]),
+        wrap=tuple(fields["wrap"]),
+    )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec.world_size)
     try:
         model = build_model(request["factory"], request["kwargs"], device="meta")
@@ -152,7 +180,12 @@ def _probe(request: dict[str, Any]) -> list[Any]:
             fully_shard(model.get_submodule(unit), mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
         return [
-            (tree.canonical(name), list(p.device_mesh.shape), [str(x) for x in p.placements], list(p.device_mesh.mesh_dim_names))
+            (
+                tree.canonical(name),
+                list(p.device_mesh.shape),
+                [str(x) for x in p.placements],
+                list(p.device_mesh.mesh_dim_names),
+            )
             for name, p in model.named_parameters()
         ]
     finally:

@@ -74,10 +74,11 @@ class ModuleTree:
     params: tuple[ParamInfo, ...]
     #: The persistent buffers, as ``model.state_dict()`` holds them.
     buffers: tuple[BufferInfo, ...] = ()
-    #: Every name ``model.state_dict()`` holds, in its order: parameters (a tied one under each name), keys its hooks make
-    #: of parameters' rows (:attr:`key_maps`), and buffers.
+    #: Every name ``model.state_dict()`` holds, in its order:
+    #: parameters (a tied one under each name), keys its hooks make of parameters' rows (:attr:`key_maps`), and buffers.
     state_names: tuple[str, ...] = ()
-    #: The keys of ``model.state_dict()`` that its hooks make of parameters' rows (torchtitan's ``wq``/``wk``/``wv`` of a fused ``wqkv``).
+    #: The keys of ``model.state_dict()`` that its hooks make of parameters' rows
+    #: (torchtitan's ``wq``/``wk``/``wv`` of a fused ``wqkv``).
     key_maps: tuple[KeyMap, ...] = ()
     _by_fqn: dict[str, ParamInfo] = field(default_factory=dict, compare=False, repr=False)
     _buffers: dict[str, BufferInfo] = field(default_factory=dict, compare=False, repr=False)
@@ -93,15 +94,18 @@ class ModuleTree:
             self._keys[k.name] = k
 
     def key_map(self, name: str) -> KeyMap | None:
-        """The rows of parameters that the state dict's key ``name`` is made of, where a hook makes it (the wrappers' names dropped, as :meth:`resolve` drops them)."""
+        """The rows of parameters that the state dict's key ``name`` is made of,
+        where a hook makes it (the wrappers' names dropped, as :meth:`resolve` drops them)."""
         return _unwrapped(name, self._keys)
 
     def holds_weights(self, name: str) -> bool:
-        """Whether a state-dict name holds weights: a parameter's own name, or a key the model's hooks make of parameters' rows."""
+        """Whether a state-dict name holds weights:
+        a parameter's own name, or a key the model's hooks make of parameters' rows."""
         return self.resolve(name) is not None or self.key_map(name) is not None
 
     def keys_of(self, fqn: str) -> tuple[KeyMap, ...]:
-        """The hook-made keys that hold rows of parameter ``fqn`` (canonical); none where the state dict holds it under its own names."""
+        """The hook-made keys that hold rows of parameter ``fqn`` (canonical);
+        none where the state dict holds it under its own names."""
         return tuple(k for k in self.key_maps if any(r.param == fqn for r in k.runs))
 
     def param(self, fqn: str) -> ParamInfo:
@@ -129,12 +133,14 @@ class ModuleTree:
         return _unwrapped(name, self._by_fqn)
 
     def resolve_buffer(self, name: str) -> BufferInfo | None:
-        """The persistent buffer a checkpoint's ``name`` refers to, or ``None`` (the wrappers' names dropped, as :meth:`resolve` drops them)."""
+        """The persistent buffer a checkpoint's ``name`` refers to,
+        or ``None`` (the wrappers' names dropped, as :meth:`resolve` drops them)."""
         return _unwrapped(name, self._buffers)
 
 
 def _unwrapped(name: str, known: dict[str, Any]) -> Any:
-    """``known[name]``, else ``known`` of ``name`` without the module names wrappers insert; ``None`` where neither is known."""
+    """``known[name]``, else ``known`` of ``name`` without the module names wrappers insert;
+    ``None`` where neither is known."""
     if name in known:
         return known[name]
     parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
@@ -172,14 +178,21 @@ def describe(model: nn.Module) -> ModuleTree:
                 requires_grad=param.requires_grad,
             )
         )
-    held = model.state_dict(keep_vars=True)  # on meta, no memory: every persistent buffer, and each name of a tied parameter
+    # on meta, no memory: every persistent buffer, and each name of a tied parameter
+    held = model.state_dict(keep_vars=True)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    made = {n for n, v in held.items() if torch.is_tensor(v) and not isinstance(v, nn.Parameter)}  # buffers, and keys hooks make
+    # buffers, and keys hooks make
+    made = {n for n, v in held.items() if torch.is_tensor(v) and not isinstance(v, nn.Parameter)}
     key_maps: tuple[KeyMap, ...] = ()
-    if made - {n for n, _ in model.named_buffers()} or names - set(held):  # hooks rename or reshape: learn their keys from the model
+    # hooks rename or reshape: learn their keys from the model
+    if made - {n for n, _ in model.named_buffers()} or names - set(held):
         key_maps = probe(model, [p.fqn for p in params], order)
     mapped = {k.name for k in key_maps}
     buffers = tuple(
-        BufferInfo(n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in held.items() if n not in names and n not in mapped and torch.is_tensor(b)
+        BufferInfo(n, tuple(b.shape), str(b.dtype).removeprefix("torch."))
+        for n, b in held.items()
+        if n not in names and n not in mapped and torch.is_tensor(b)
     )
-    return ModuleTree(modules=modules, params=tuple(params), buffers=buffers, state_names=tuple(held), key_maps=key_maps)
+    return ModuleTree(
+        modules=modules, params=tuple(params), buffers=buffers, state_names=tuple(held), key_maps=key_maps
+    )

@@ -35,7 +35,8 @@ STAGE12_ALIGNMENT = 2
 
 @dataclass(frozen=True)
 class Piece:
-    """``length`` elements of a parameter's flattened view from ``start``, at ``offset`` in rank ``rank``'s partition of group ``group``."""
+    """``length`` elements of a parameter's flattened view from ``start``,
+    at ``offset`` in rank ``rank``'s partition of group ``group``."""
 
     rank: int
     group: int
@@ -53,9 +54,12 @@ def partition_size(numels: Sequence[int], world_size: int, stage: int, paddings:
     return -(-(sum(numels) + sum(paddings)) // align) * align // world_size
 
 
-def saved_lengths(numels: Sequence[int], world_size: int, stage: int, rank: int, paddings: Sequence[int] = ()) -> tuple[int, int]:
-    """How many elements rank ``rank``'s file holds of a group's partition: the moments (padding included), and the fp32 master
-    weights, which stage 1/2 save without the group's padding at the end (stage 3, and DeepSpeed's bf16 optimizer, with it)."""
+def saved_lengths(
+    numels: Sequence[int], world_size: int, stage: int, rank: int, paddings: Sequence[int] = ()
+) -> tuple[int, int]:
+    """How many elements rank ``rank``'s file holds of a group's partition: the moments
+    (padding included), and the fp32 master weights, which stage 1/2 save without the
+    group's padding at the end (stage 3, and DeepSpeed's bf16 optimizer, with it)."""
     size = partition_size(numels, world_size, stage, paddings)
     if stage == 3:
         return size, size
@@ -63,7 +67,9 @@ def saved_lengths(numels: Sequence[int], world_size: int, stage: int, rank: int,
     return size, min(size, max(0, data - rank * size))
 
 
-def rank_segments(numels: Sequence[tuple[str, int]], world_size: int, stage: int, rank: int, paddings: Sequence[int] = ()) -> tuple[Segment, ...]:
+def rank_segments(
+    numels: Sequence[tuple[str, int]], world_size: int, stage: int, rank: int, paddings: Sequence[int] = ()
+) -> tuple[Segment, ...]:
     """Rank ``rank``'s partition of one group (``numels``: each parameter's name and numel, in ``param_shapes`` order;
     ``paddings``: stage 1/2's after each parameter), as segments."""
     out = []
@@ -89,8 +95,8 @@ def rank_segments(numels: Sequence[tuple[str, int]], world_size: int, stage: int
 def pieces_by_parameter(
     groups: Sequence[Sequence[tuple[str, int]]], world_size: int, stage: int, paddings: Sequence[Sequence[int]] = ()
 ) -> dict[str, list[Piece]]:
-    """Where every parameter's elements are: name -> its pieces across ranks and groups, in the order of its flattened view
-    (``paddings``: per group, stage 1/2's after each parameter, where the save lists them)."""
+    """Where every parameter's elements are: name -> its pieces across ranks and groups, in the order of its flattened
+    view (``paddings``: per group, stage 1/2's after each parameter, where the save lists them)."""
     out: dict[str, list[Piece]] = {}
     for g, numels in enumerate(groups):
         for rank in range(world_size):

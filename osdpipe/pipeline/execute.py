@@ -41,7 +41,8 @@ from osdpipe.spec.plan import Plan
 
 
 def run_rank(plan: Plan) -> Report:
-    """The pipeline on this rank of an initialized target world (or alone, without one); every rank gets the same report."""
+    """The pipeline on this rank of an initialized target world (or alone, without one);
+    every rank gets the same report."""
     return loop.run_stages(plan, GroupWorld())[0]
 
 
@@ -61,7 +62,8 @@ def run_offline(plan: Plan, display: progress.Display | None = None) -> Report:
 
 
 def run_share(plan: Plan) -> Report:
-    """This worker's share of the target's ranks, beside the other workers of the process group (``runtime.workers``, torchrun offline).
+    """This worker's share of the target's ranks,
+    beside the other workers of the process group (``runtime.workers``, torchrun offline).
 
     Each worker reads what its ranks need and stages their files; the one
     playing rank 0 commits once every worker has staged (see
@@ -73,12 +75,16 @@ def run_share(plan: Plan) -> Report:
 
 
 def rank_weights(plan: Plan) -> list[int]:
-    """What each target rank holds, in elements of its optimizer's state: the measure a worker's share is balanced by."""
+    """What each target rank holds, in elements of its optimizer's state:
+    the measure a worker's share is balanced by."""
     return [sum(t.numel for t in plan.target_layout(rank)) for rank in range(plan.world_size)]
 
 
-def _share_done(worker: int, weights: list[int], ranks: Sequence[int], display: progress.Display | None = None) -> Callable[[loop.Played], None]:
-    """After each rank a worker plays: its share's bytes written so far, and their total (extrapolated from the bytes per element so far).
+def _share_done(
+    worker: int, weights: list[int], ranks: Sequence[int], display: progress.Display | None = None
+) -> Callable[[loop.Played], None]:
+    """After each rank a worker plays: its share's bytes written so far,
+    and their total (extrapolated from the bytes per element so far).
 
     Sent as a ``share`` progress event, which the display sums over workers
     (drawn on ``display`` where the worker draws its own).
@@ -173,7 +179,14 @@ def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -
         check_source(plan)
     else:
         display.phase(f"generating a source: {spec.generate.steps} steps on {spec.source.world_size} rank(s)")
-        run_local_world(generate_rank, spec.source.world_size, (plan,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)
+        run_local_world(
+            generate_rank,
+            spec.source.world_size,
+            (plan,),
+            backend=backend,
+            timeout_s=spec.runtime.timeout_s,
+            display=display,
+        )
     if spec.runtime.mode == "offline" and spec.runtime.workers == 1:
         return run_offline(plan, display)
     if spec.runtime.mode == "offline" and spec.runtime.workers < spec.target.world_size:
@@ -190,11 +203,19 @@ def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -
         )[0]
     # online, or as many workers as target ranks: the target world itself, where the checks that need its job run
     display.phase(f"starting {spec.target.world_size} rank(s)")
-    return run_local_world(_convert_worker, spec.target.world_size, (plan,), backend=backend, timeout_s=spec.runtime.timeout_s, display=display)[0]
+    return run_local_world(
+        _convert_worker,
+        spec.target.world_size,
+        (plan,),
+        backend=backend,
+        timeout_s=spec.runtime.timeout_s,
+        display=display,
+    )[0]
 
 
 def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) -> Report:
-    """Join the torchrun world: the target world (and, to generate, the source world too), or offline, workers playing its ranks.
+    """Join the torchrun world: the target world (and, to generate, the source world too),
+    or offline, workers playing its ranks.
 
     Rank 0 prepares the output directory, draws progress and writes the report.
     """
@@ -210,23 +231,46 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
     try:
         offline = spec.runtime.mode == "offline"
         if offline and not 1 <= world <= spec.target.world_size:
-            raise StageError("launch", {0: f"torchrun started {world} workers for target.world_size={spec.target.world_size}; each worker plays at least one target rank: start at most {spec.target.world_size}"})
+            raise StageError(
+                "launch",
+                {
+                    0: f"torchrun started {world} workers for target.world_size={spec.target.world_size}; "
+                    f"each worker plays at least one target rank: start at most {spec.target.world_size}"
+                },
+            )
         if not offline and world != spec.target.world_size:
             raise StageError(
                 "launch",
-                {0: f"torchrun started {world} ranks but target.world_size={spec.target.world_size}; start as many ranks as the target has, or set runtime.mode=offline to play its ranks on these {world}"},
+                {
+                    0: f"torchrun started {world} ranks but target.world_size={spec.target.world_size}; "
+                    "start as many ranks as the target has, "
+                    f"or set runtime.mode=offline to play its ranks on these {world}"
+                },
             )
         if spec.runtime.workers not in (1, world):
-            raise StageError("launch", {0: f"runtime.workers={spec.runtime.workers} but torchrun started {world}; under torchrun the workers are its world: leave runtime.workers out"})
+            raise StageError(
+                "launch",
+                {
+                    0: f"runtime.workers={spec.runtime.workers} but torchrun started {world}; "
+                    "under torchrun the workers are its world: leave runtime.workers out"
+                },
+            )
         if not dist.is_initialized():
             init_world(backend or default_backend(), spec.runtime.timeout_s)
         try:
             from_rank0("launch", lambda: _begin(out, spec))
             if spec.input.path is None:
                 if spec.source.world_size != world:
-                    raise StageError("generate", {0: f"under torchrun, generating a source needs source.world_size == {world}; give input.path instead"})
+                    raise StageError(
+                        "generate",
+                        {
+                            0: f"under torchrun, generating a source needs source.world_size == {world}; "
+                            "give input.path instead"
+                        },
+                    )
                 generate_rank(plan)
-            report = run_share(plan) if offline and world < spec.target.world_size else run_rank(plan)  # as many as the target's ranks: its world
+            # as many as the target's ranks: its world
+            report = run_share(plan) if offline and world < spec.target.world_size else run_rank(plan)
         finally:
             dist.destroy_process_group()
             # What of gloo's a reference cycle still holds is otherwise freed
@@ -236,7 +280,8 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
             gc.collect()
     except StageError as exc:
         report = Report(ok=False, error=str(exc), traceback=format_exc())
-    except Exception as exc:  # noqa: BLE001 - this rank's own view: a collective another rank's death broke, or torchrun's stop
+    except Exception as exc:  # noqa: BLE001
+        # this rank's own view: a collective another rank's death broke, or torchrun's stop
         failure = StageError(whereabouts.current() or "launch", {rank: _own_failure(exc)})
         report = Report(ok=False, error=str(failure), traceback=format_exc(), agreed=False)
     finally:
@@ -268,7 +313,8 @@ def _begin(out: Path, spec: RunSpec) -> None:
 
 
 def _record(out: Path, report: Report, spec: RunSpec) -> None:
-    """What the run says of itself in the output directory: ``report.json`` and ``osdpipe.log``, each written whole (and synced)."""
+    """What the run says of itself in the output directory:
+    ``report.json`` and ``osdpipe.log``, each written whole (and synced)."""
     report.write(out, spec.output.fsync)
     write_log(out, report, spec)
 

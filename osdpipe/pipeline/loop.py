@@ -52,7 +52,8 @@ class Timings:
 
 @dataclass(frozen=True)
 class Played:
-    """One target rank once its stages have run: where it ran, the last stage's product, and the warnings its stages gave."""
+    """One target rank once its stages have run:
+    where it ran, the last stage's product, and the warnings its stages gave."""
 
     ctx: Context
     product: Any
@@ -63,7 +64,13 @@ class Played:
         return find(self.product, kind)
 
 
-def play(plan: Plan, world: World, stages: Sequence[str], timings: Timings | None = None, on_rank: Callable[[Played], None] | None = None) -> Iterator[Played]:
+def play(
+    plan: Plan,
+    world: World,
+    stages: Sequence[str],
+    timings: Timings | None = None,
+    on_rank: Callable[[Played], None] | None = None,
+) -> Iterator[Played]:
     """Run ``stages`` for every rank ``world`` plays here; yield each rank once its stages have run.
 
     Each stage gets the previous stage's product and makes its own
@@ -170,13 +177,15 @@ def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | No
                 files = commit(last.ctx, [o.saved for o in every], tally, _carried(last))
             except Exception as exc:  # noqa: BLE001 - shared with every process below
                 error = one_line(exc)
-        error, files = world.gather_processes((error, files))[0]  # the committing process's: rank 0 is the first process's first
+        # the committing process's: rank 0 is the first process's first
+        error, files = world.gather_processes((error, files))[0]
         if error is not None:
             raise StageError("save", {0: error})
         timings.add("save", time.perf_counter() - start, tally.moved, 0)
     per_process = world.gather_processes((timings, peak, warnings))
     warnings = [w for _, _, said in per_process for w in said]
-    warnings = [w for i, w in enumerate(warnings) if w not in warnings[:i]]  # each once, in the order the processes said them
+    # each once, in the order the processes said them
+    warnings = [w for i, w in enumerate(warnings) if w not in warnings[:i]]
     report = Report(
         ok=ok,
         stages=[
@@ -201,7 +210,8 @@ def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | No
 
 
 def _carried(played: Played) -> WholeSource | None:
-    """What a whole checkpoint carries over besides the model and the optimizer (``None``: the input is an optimizer's alone)."""
+    """What a whole checkpoint carries over besides the model and the optimizer
+    (``None``: the input is an optimizer's alone)."""
     source = played.find(Described)
     return None if source is None else source.meta.carried
 

@@ -53,7 +53,9 @@ def one_line(exc: BaseException) -> str:
 
 
 #: Words in the error a collective raises when another rank of the group has died or left.
-_LOST_PEER_MARKERS = ("Connection closed by peer", "Read error", "Connection reset", "pair.cc", "NCCL communicator was aborted")
+_LOST_PEER_MARKERS = (
+    "Connection closed by peer", "Read error", "Connection reset", "pair.cc", "NCCL communicator was aborted"
+)
 
 
 def lost_a_peer(message: str) -> bool:
@@ -96,7 +98,8 @@ def _initialized() -> bool:
 
 
 def gather_processes(value: T) -> list[T]:
-    """Every process's ``value``, on every process of the group (a collective of processes, whatever ranks each plays)."""
+    """Every process's ``value``, on every process of the group
+    (a collective of processes, whatever ranks each plays)."""
     if not _grouped():
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
@@ -144,7 +147,8 @@ def gather_to_all(value: T) -> list[T]:
 
 
 def scatter_from(src: int, per_rank: list[Any] | None) -> Any:
-    """Rank ``src`` gives each rank its own item of ``per_rank`` (one per rank; ``None`` elsewhere); each rank gets only its own."""
+    """Rank ``src`` gives each rank its own item of ``per_rank``
+    (one per rank; ``None`` elsewhere); each rank gets only its own."""
     if not _initialized():
         assert per_rank is not None
         return per_rank[0]

@@ -51,5 +51,6 @@ class Context:
         return self.plan.target_layout(self.rank if rank is None else rank)
 
     def optimizer_layout(self, rank: int | None = None) -> tuple[LocalTensor, ...]:
-        """The local tensors of target rank ``rank``'s (default: this one's) optimizer, in ``model.parameters()`` order."""
+        """The local tensors of target rank ``rank``'s (default: this one's) optimizer,
+        in ``model.parameters()`` order."""
         return self.plan.optimizer_layout(self.rank if rank is None else rank)

@@ -38,7 +38,8 @@ def generate_rank(plan: Plan) -> str:
     model, optim = live_target(spec, plan.source_spec, tree, rank)
     layout = rank_layout(tree, plan.source_spec, rank)
     whole = plan.checkpoint.whole
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, _decay) if whole else None  # a whole training job's: it steps with the optimizer
+    # a whole training job's: it steps with the optimizer
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, _decay) if whole else None
     for step in range(spec.generate.steps):  # synthetic gradients: no forward pass, so any model trains
         train_step(spec, model, optim, step, layout, tree)
         if scheduler is not None:

@@ -110,7 +110,13 @@ def _worker(
     shared_progress: tuple[str, ...],
 ) -> None:
     whereabouts.attach(board, rank)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     share_cores(world_size)
     warnings.simplefilter("ignore")  # what a user must know travels in the report, not as Python warnings on stderr
     if events is not None and shared_progress:
@@ -156,7 +162,11 @@ def death(exitcode: int, stage: str | None) -> str:
     else:
         how = f"exited with code {exitcode}"
     where = f"in stage {stage!r}" if stage else "before its first stage"
-    hint = "; the kernel's out-of-memory killer sends SIGKILL: see runtime.memory_budget" if exitcode == -signal.SIGKILL else ""
+    hint = (
+        "; the kernel's out-of-memory killer sends SIGKILL: see runtime.memory_budget"
+        if exitcode == -signal.SIGKILL
+        else ""
+    )
     return f"process {how} {where} without reporting an error{hint}"
 
 
@@ -190,7 +200,9 @@ def world_error(failures: dict[int, RankFailure], who: Callable[[int], str] = ra
         return WorldError({r: f.message for r, f in failures.items()}, agreed[0].message, agreed[0].traceback)
     rank, cause = root_cause(failures)
     others = sorted(r for r, f in failures.items() if r != rank and not _is_echo(f) and not f.agreed)
-    summary = f"{who(rank)} failed: {cause.message}" + (f" ({', '.join(map(who, others))} failed too)" if others else "")
+    summary = f"{who(rank)} failed: {cause.message}" + (
+        f" ({', '.join(map(who, others))} failed too)" if others else ""
+    )
     return WorldError({r: f.message for r, f in failures.items()}, summary, cause.traceback)
 
 
@@ -225,7 +237,11 @@ def run_local_world(
     port = free_port()
     backend = backend or default_backend()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells, shared_progress), daemon=False)
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells, shared_progress),
+            daemon=False,
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -265,7 +281,9 @@ def run_local_world(
     if failures:
         raise world_error(failures, who)
     if missing:
-        raise WorldError({r: "timed out" for r in missing}, f"{', '.join(map(who, missing))} did not finish within {timeout_s:.0f} s")
+        raise WorldError(
+            {r: "timed out" for r in missing}, f"{', '.join(map(who, missing))} did not finish within {timeout_s:.0f} s"
+        )
     return [outcome[r][1] for r in range(world_size)]
 
 

@@ -24,14 +24,19 @@ from osdpipe.spec.config import RunSpec
 GRAD_SCALE = 1e-2
 
 
-def live_target(spec: RunSpec, layout_spec: LayoutSpec, tree: ModuleTree, rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def live_target(
+    spec: RunSpec, layout_spec: LayoutSpec, tree: ModuleTree, rank: int
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A real, wrapped model and its optimizer, as the job resuming on ``layout_spec`` builds them."""
-    model = kinds.get(layout_spec.kind).wrap(build_model(spec.model.factory, spec.model.kwargs, seed=spec.model.seed), layout_spec)
+    model = kinds.get(layout_spec.kind).wrap(
+        build_model(spec.model.factory, spec.model.kwargs, seed=spec.model.seed), layout_spec
+    )
     return model, build_optimizer(spec.optim, model, rank_layout(tree, layout_spec, rank))
 
 
 def synthetic_grad(seed: int, step: int, fqn: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    """Elements ``[start, stop)`` of the flattened gradient of parameter ``fqn`` (canonical FQN) at ``step``, on the CPU.
+    """Elements ``[start, stop)`` of the flattened gradient of parameter ``fqn``
+    (canonical FQN) at ``step``, on the CPU.
 
     Element ``i`` depends only on ``(seed, step, fqn, i)`` (:mod:`osdpipe.layout.synthetic`),
     so every layout of the parameter sees the same values and a rank computes
@@ -41,11 +46,14 @@ def synthetic_grad(seed: int, step: int, fqn: str, start: int, stop: int, dtype:
 
 
 def synthetic_param(seed: int, fqn: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    """Elements ``[start, stop)`` of parameter ``fqn``'s synthetic starting value, in ``[-1, 1)`` (the resume check's jobs start there)."""
+    """Elements ``[start, stop)`` of parameter ``fqn``'s synthetic starting value,
+    in ``[-1, 1)`` (the resume check's jobs start there)."""
     return synthetic.values(synthetic.param_key(seed, fqn), start, stop, 1.0, dtype)
 
 
-def local_values(tensor: LocalTensor, piece: Callable[[str, int, int], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def local_values(
+    tensor: LocalTensor, piece: Callable[[str, int, int], torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     """Local tensor ``tensor`` filled segment by segment with ``piece(fqn, start, stop)``, zero in the padding."""
     flat = torch.zeros(tensor.numel, dtype=dtype)
     for seg in tensor.segments:
@@ -79,12 +87,15 @@ def set_synthetic_grads(params: list[nn.Parameter], layout: tuple[LocalTensor, .
 
 
 def as_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's piece) as a tensor like ``param``: a DTensor of its placement when ``param`` is one (FSDP2)."""
+    """``local`` (this rank's piece) as a tensor like ``param``:
+    a DTensor of its placement when ``param`` is one (FSDP2)."""
     from torch.distributed.tensor import DTensor  # heavy: only FSDP2's parameters are DTensors
 
     if not isinstance(param, DTensor):
         return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def train_step(
@@ -108,7 +119,8 @@ def train_step(
         model: the live (wrapped) model; ``layout`` describes its ``parameters()``.
         optim: its optimizer.
         step: the step number, part of the gradient's seed.
-        layout: this rank's local tensors (:func:`~osdpipe.layout.kinds.rank_layout` of the layout ``model`` is wrapped with).
+        layout: this rank's local tensors (:func:`~osdpipe.layout.kinds.rank_layout` of the layout ``model`` is
+            wrapped with).
         tree: the module tree of the unwrapped model.
     """
     optim.zero_grad(set_to_none=True)

@@ -57,7 +57,8 @@ class Opened:
     reading_ranks: tuple[int, ...] | None
 
     def reads_itself(self, rank: int) -> bool:
-        """Whether ``rank`` reads its ranges of the input (else a reading rank sends them: ``runtime.transfer=scatter``)."""
+        """Whether ``rank`` reads its ranges of the input
+        (else a reading rank sends them: ``runtime.transfer=scatter``)."""
         return self.reading_ranks is None or self.reading_ranks[rank] == rank
 
     @property
@@ -84,7 +85,8 @@ class Described(Opened):
 
 @dataclass(frozen=True)
 class Flattened:
-    """flatten: per local tensor of this rank's target layout, ``{state name: TensorRef | value}`` (no bytes read yet)."""
+    """flatten: per local tensor of this rank's target layout,
+    ``{state name: TensorRef | value}`` (no bytes read yet)."""
 
     source: Described
     entries: dict[str, dict[str, Any]]
@@ -92,11 +94,13 @@ class Flattened:
 
 @dataclass(frozen=True)
 class Sharded:
-    """shard: this rank's state tensors, filled from the source (or to be, see ``streamed``): ``{layout key: {state name: tensor | value}}``."""
+    """shard: this rank's state tensors, filled from the source (or to be, see ``streamed``):
+    ``{layout key: {state name: tensor | value}}``."""
 
     flat: Flattened
     state: dict[str, dict[str, Any]]
-    #: Per rank this one read for (``runtime.transfer=scatter``), each batch's sha256: ``(key, state name, batch) -> digest``.
+    #: Per rank this one read for (``runtime.transfer=scatter``), each batch's sha256:
+    #: ``(key, state name, batch) -> digest``.
     sent_digests: dict[int, dict[tuple[str, str, int], str]] = field(default_factory=dict)
     #: Under ``runtime.memory_budget``, where the state's tensors are placeholders that save fills as it writes them
     #: (:mod:`osdpipe.run.streamed_output`); ``None``: they are filled here.
@@ -108,7 +112,12 @@ class Sharded:
 
     def state_bytes(self) -> int:
         """The bytes of the tensors this rank converted: its own output, which a memory budget does not count."""
-        return sum(v.numel() * v.element_size() for state in self.state.values() for v in state.values() if hasattr(v, "numel") and v.dim() > 0)
+        return sum(
+            v.numel() * v.element_size()
+            for state in self.state.values()
+            for v in state.values()
+            if hasattr(v, "numel") and v.dim() > 0
+        )
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,8 @@ class Keyed:
     state_dict: dict[str, Any]
     #: Layout key -> its key in ``state_dict["state"]`` (a param ID, or the FQN).
     keys: dict[str, Any]
-    #: A whole checkpoint's model weights on this rank, by layout key (the canonical FQN); ``None``: the input is an optimizer's alone.
+    #: A whole checkpoint's model weights on this rank, by layout key (the canonical FQN);
+    #: ``None``: the input is an optimizer's alone.
     weights: dict[str, Any] | None = None
 
     @property

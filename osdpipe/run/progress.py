@@ -54,7 +54,8 @@ def emit(*event: Any) -> None:
 
 
 def only(kinds: tuple[str, ...], sink: Callable[[Event], None]) -> Callable[[Event], None]:
-    """A sink that passes on events of ``kinds`` alone (a worker of several sends its share's progress, not its stages')."""
+    """A sink that passes on events of ``kinds`` alone
+    (a worker of several sends its share's progress, not its stages')."""
     return lambda event: sink(event) if event[0] in kinds else None
 
 
@@ -63,7 +64,9 @@ def track(items: Iterable[T], total: int | None = None) -> Iterator[T]:
     if _sink is None:
         yield from items
         return
-    total = total if total is not None else (len(items) if hasattr(items, "__len__") else None)  # type: ignore[arg-type]
+    total = (
+        total if total is not None else (len(items) if hasattr(items, "__len__") else None)  # type: ignore[arg-type]
+    )
     counter = Counter(total)
     for item in items:
         yield item
@@ -109,7 +112,8 @@ class Display:
             worker, done, total = rest
             self._shares[worker] = (done, total)
             totals = [t for _, t in self._shares.values()]
-            self._show(sum(d for d, _ in self._shares.values()), None if None in totals else sum(totals))  # a worker's total unknown yet: the whole's too
+            # a worker's total unknown yet: the whole's too
+            self._show(sum(d for d, _ in self._shares.values()), None if None in totals else sum(totals))
 
     def _show(self, done: int, total: int | None) -> None:
         if total != self._bar.total:
@@ -128,7 +132,15 @@ class Display:
     def _open(self, text: str, unit: str = "item") -> None:
         self.close()
         self._shares = {}
-        self._bar = tqdm(desc=f"osdpipe: {text}", total=None, leave=False, file=sys.stderr, unit=unit, unit_scale=unit == "B", dynamic_ncols=True)
+        self._bar = tqdm(
+            desc=f"osdpipe: {text}",
+            total=None,
+            leave=False,
+            file=sys.stderr,
+            unit=unit,
+            unit_scale=unit == "B",
+            dynamic_ncols=True,
+        )
 
     def close(self) -> None:
         if self._bar is not None:

@@ -48,7 +48,8 @@ STREAMING_CHECKS = ("roundtrip",)
 
 
 def why_held(ctx: Context, source: Described) -> str | None:
-    """Why this rank must hold its whole output in memory from shard to save (``None``: it can be made as it is written).
+    """Why this rank must hold its whole output in memory from shard to save
+    (``None``: it can be made as it is written).
 
     Asked only under ``runtime.memory_budget``. Each reason names what to
     change, for the warning a large output gets (:func:`held_warning`).
@@ -57,28 +58,41 @@ def why_held(ctx: Context, source: Described) -> str | None:
     if "save" not in stages:
         return "no save stage writes it: the state itself is the result"
     if not source.reads_itself(ctx.rank):
-        return "its ranges are sent to it (runtime.transfer=scatter), in the order its reading rank sends them; runtime.transfer=shared reads them as they are written"
+        return (
+            "its ranges are sent to it (runtime.transfer=scatter), in the order its reading rank sends them; "
+            "runtime.transfer=shared reads them as they are written"
+        )
     if ctx.plan.checkpoint.whole:
-        return f"a whole checkpoint ({ctx.plan.checkpoint.name}) is written with its model weights beside the optimizer's state"
+        return (
+            f"a whole checkpoint ({ctx.plan.checkpoint.name}) is written "
+            "with its model weights beside the optimizer's state"
+        )
     if not ctx.output_format.writes(ctx.rank):
-        return f"output.format={ctx.output_format.name} is written by rank 0 alone, and this rank's copy is checked in memory"
+        return (
+            f"output.format={ctx.output_format.name} is written by rank 0 alone, "
+            "and this rank's copy is checked in memory"
+        )
     if not ctx.output_format.made_as_written:
         return f"output.format={ctx.output_format.name} is written from memory"
     needing = [name for name in ctx.spec.pipeline.checks if name not in STREAMING_CHECKS] if "verify" in stages else []
     if needing:
-        return f"check(s) {', '.join(needing)} need it in memory; pipeline.checks=[{', '.join(STREAMING_CHECKS)}] writes it as it is made"
+        return (
+            f"check(s) {', '.join(needing)} need it in memory; "
+            f"pipeline.checks=[{', '.join(STREAMING_CHECKS)}] writes it as it is made"
+        )
     return None
 
 
 def held_warning(why: str, budget: int) -> str:
-    """The warning for a rank that holds an output larger than the budget, and why: one line, the same for every rank (``report.json``'s
-    ``output_bytes`` says how much each held)."""
+    """The warning for a rank that holds an output larger than the budget, and why:
+    one line, the same for every rank (``report.json``'s ``output_bytes`` says how much each held)."""
     return f"a rank held its whole output in memory, more than runtime.memory_budget={show_size(budget)}: {why}"
 
 
 @dataclass
 class _Placeholder:
-    """One state tensor of the output, not yet filled: its layout tensor, state name, flat memory and the batches that fill it."""
+    """One state tensor of the output, not yet filled:
+    its layout tensor, state name, flat memory and the batches that fill it."""
 
     tensor: LocalTensor
     name: str
@@ -91,9 +105,11 @@ def placeholder(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap
     """A flat tensor in anonymous memory that is mapped but untouched (zeros, no pages held), and the mapping."""
     if numel == 0:
         return torch.empty(0, dtype=dtype), None
-    region = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: let-go pages are freed, not kept as shared memory
+    # private: let-go pages are freed, not kept as shared memory
+    region = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)  # 2 MB pages where the kernel allows: filling 4 KB pages first-touched one by one took 3x as long
+        # 2 MB pages where the kernel allows: filling 4 KB pages first-touched one by one took 3x as long
+        region.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(region, dtype=dtype), region  # the tensor keeps the mapping alive
 
 
@@ -114,15 +130,20 @@ class StreamedOutput:
         self.nonfinite: list[str] = []
         self.filled = 0  # bytes copied from the source
 
-    def allocate(self, tensor: LocalTensor, entry: dict[str, Any], meta: SourceMeta, work: list[Batch]) -> dict[str, Any]:
-        """The state of ``tensor`` as shard hands it on: scalars copied, each tensor a placeholder that :meth:`windows` fills."""
+    def allocate(
+        self, tensor: LocalTensor, entry: dict[str, Any], meta: SourceMeta, work: list[Batch]
+    ) -> dict[str, Any]:
+        """The state of ``tensor`` as shard hands it on:
+        scalars copied, each tensor a placeholder that :meth:`windows` fills."""
         out: dict[str, Any] = {}
         for name, value in entry.items():
             if not isinstance(value, TensorRef):
                 out[name] = own_copy(value)
                 continue
             flat, region = placeholder(tensor.numel, value.torch_dtype)
-            self._pending[flat.untyped_storage()._cdata] = _Placeholder(tensor, name, flat, region, [b for b in work if b.name == name])
+            self._pending[flat.untyped_storage()._cdata] = _Placeholder(
+                tensor, name, flat, region, [b for b in work if b.name == name]
+            )
             out[name] = flat.view(tensor.shape)
         return out
 
@@ -140,7 +161,8 @@ class StreamedOutput:
         return storage._cdata in self._pending
 
     def windows(self, storage: torch.UntypedStorage) -> Iterator[memoryview]:
-        """The placeholder's bytes, front to back: up to the end of each batch once it is filled and checked, then the zeros after the last.
+        """The placeholder's bytes, front to back:
+        up to the end of each batch once it is filled and checked, then the zeros after the last.
 
         Its pages are let go once each window has been written (the caller
         asks for the next only then).
@@ -155,7 +177,9 @@ class StreamedOutput:
         for batch in p.work:
             first, last = batch.segments[0], batch.segments[-1]
             if bool(p.flat[written : first.dest].any()):
-                self.differences.append(f"{label}: holds non-zero elements where no source state goes (before flat {first.dest})")
+                self.differences.append(
+                    f"{label}: holds non-zero elements where no source state goes (before flat {first.dest})"
+                )
             pieces = self.source.pieces(batch)
             place(p.flat, batch, pieces)
             if self.compare:
@@ -168,7 +192,9 @@ class StreamedOutput:
             _let_go(p.region, written * size, end * size)  # everything before ``end`` is written
             written = end
         if bool(p.flat[written:].any()):
-            self.differences.append(f"{label}: holds non-zero elements where no source state goes (after flat {written})")
+            self.differences.append(
+                f"{label}: holds non-zero elements where no source state goes (after flat {written})"
+            )
         yield data[written * size :]
         _let_go(p.region, written * size, len(data))
         self._written.advance()
@@ -177,7 +203,8 @@ class StreamedOutput:
 
 
 def _let_go(region: mmap.mmap | None, start: int, end: int) -> None:
-    """Give the pages of ``region[start:end]`` back to the kernel, the one ``start`` falls in too (what lies before it is written); they read as zeros again."""
+    """Give the pages of ``region[start:end]`` back to the kernel,
+    the one ``start`` falls in too (what lies before it is written); they read as zeros again."""
     if region is None:
         return
     lo = start // mmap.PAGESIZE * mmap.PAGESIZE

@@ -94,7 +94,8 @@ def plan(tensor: LocalTensor, entry: dict[str, Any], meta: SourceMeta, piece_byt
 
 
 def allocate(tensor: LocalTensor, entry: dict[str, Any], meta: SourceMeta) -> dict[str, Any]:
-    """The state of ``tensor`` before its batches arrive: its own copy of each scalar value, tensors zero where no batch writes.
+    """The state of ``tensor`` before its batches arrive:
+    its own copy of each scalar value, tensors zero where no batch writes.
 
     A source may hold one scalar for many parameters (FSDP1's FULL state
     shares one ``step`` tensor across a unit's parameters). Every output
@@ -106,7 +107,8 @@ def allocate(tensor: LocalTensor, entry: dict[str, Any], meta: SourceMeta) -> di
         if not isinstance(value, TensorRef):
             out[name] = own_copy(value)
             continue
-        flat = torch.empty(tensor.numel, dtype=value.torch_dtype)  # every element is written once: by a batch, or zeroed here
+        # every element is written once: by a batch, or zeroed here
+        flat = torch.empty(tensor.numel, dtype=value.torch_dtype)
         for lo, hi in uncovered(0, tensor.numel, [(s.dest, s.dest + s.length) for s in stateful(tensor, name, meta)]):
             flat[lo:hi].zero_()
         out[name] = flat.view(tensor.shape)
@@ -130,7 +132,8 @@ class Source:
         return [self.reader.read_range(s.fqn, batch.name, s.start, s.start + s.length) for s in batch.segments]
 
     def done(self, batch: Batch) -> None:
-        """Under a memory budget, memory-mapped pages are let go once copied; without one the kernel keeps them cached."""
+        """Under a memory budget, memory-mapped pages are let go once copied;
+        without one the kernel keeps them cached."""
         if self.piece_bytes is not None:
             for s in batch.segments:
                 self.reader.release(s.fqn, batch.name, s.start, s.start + s.length)
@@ -165,7 +168,8 @@ class Server:
         self.failure: Exception | None = None
 
     def send(self, batches_: list[Batch], dst: int) -> tuple[int, list[str]]:
-        """Send rank ``dst`` every batch, read here; the bytes sent and, with ``digest``, each batch's sha256 (for verify)."""
+        """Send rank ``dst`` every batch, read here;
+        the bytes sent and, with ``digest``, each batch's sha256 (for verify)."""
         device, sent, digests = _device(), 0, []
         for batch in batches_:
             message: torch.Tensor | None = None
@@ -237,6 +241,7 @@ class Receiver:
 
 
 def batch_sha256(state: dict[str, Any], batch: Batch) -> str:
-    """sha256 of what ``state`` holds where ``batch`` wrote: equal to the sender's digest exactly when every byte arrived and stayed."""
+    """sha256 of what ``state`` holds where ``batch`` wrote:
+    equal to the sender's digest exactly when every byte arrived and stayed."""
     flat = state[batch.name].reshape(-1)
     return pieces_sha256([flat[s.dest : s.dest + s.length] for s in batch.segments])

@@ -120,7 +120,8 @@ class SoloWorld(World):
 
 
 def balanced_shares(weights: Sequence[int], parts: int) -> list[range]:
-    """Split ranks ``0 .. len(weights) - 1`` into ``parts`` runs of consecutive ranks, each run's weight near an equal share.
+    """Split ranks ``0 .. len(weights) - 1`` into ``parts`` runs of consecutive ranks,
+    each run's weight near an equal share.
 
     Run ``k`` ends where the ranks before it weigh nearest to ``k`` shares of
     the total, moved so that every run keeps at least one rank (so ``parts`` must

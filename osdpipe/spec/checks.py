@@ -28,20 +28,48 @@ class Check:
     #: rank and a live target job (``pipeline.full_state_checks_max``); ``steps``: optimizer steps over this rank's
     #: state; ``digests``: compares hashes, a few per tensor.
     cost: Cost
-    #: A skipped check is said in the report's warnings, unless it merely does not apply (``replicas`` without replicas).
+    #: A skipped check is said in the report's warnings,
+    #: unless it merely does not apply (``replicas`` without replicas).
     warn_when_skipped: bool = True
-    #: Whether it runs unless ``pipeline.checks`` says otherwise; one that runs a framework's own code on the input is asked for.
+    #: Whether it runs unless ``pipeline.checks`` says otherwise;
+    #: one that runs a framework's own code on the input is asked for.
     by_default: bool = True
 
 
 CHECKS: tuple[Check, ...] = (
-    Check("roundtrip", "every converted element equals the source's, bitwise; padding is zero; the ranks cover every source element", "streams"),
-    Check("reference", "PyTorch's own conversion on the target world gives the same bytes, keys and param groups", "whole state"),
-    Check("load_step", "the target optimizer loads the result and one step keeps finite what was finite", "whole state"),
-    Check("resume", "no two state tensors share memory; a job resuming from the output steps as one resuming from the source", "steps"),
-    Check("replicas", "hybrid sharding: every replica group holds the same state, in the source and in the output", "digests", warn_when_skipped=False),
-    Check("universal", "a DeepSpeed source: DeepSpeed's own ds_to_universal holds the weights, moments and steps read, bitwise "
-          "(asked for: it runs DeepSpeed's loading, which unpickles the save with its code)", "whole state", by_default=False),
+    Check(
+        "roundtrip",
+        "every converted element equals the source's, bitwise; padding is zero; the ranks cover every source element",
+        "streams",
+    ),
+    Check(
+        "reference",
+        "PyTorch's own conversion on the target world gives the same bytes, keys and param groups",
+        "whole state",
+    ),
+    Check(
+        "load_step",
+        "the target optimizer loads the result and one step keeps finite what was finite",
+        "whole state",
+    ),
+    Check(
+        "resume",
+        "no two state tensors share memory; a job resuming from the output steps as one resuming from the source",
+        "steps",
+    ),
+    Check(
+        "replicas",
+        "hybrid sharding: every replica group holds the same state, in the source and in the output",
+        "digests",
+        warn_when_skipped=False,
+    ),
+    Check(
+        "universal",
+        "a DeepSpeed source: DeepSpeed's own ds_to_universal holds the weights, moments and steps read, bitwise "
+        "(asked for: it runs DeepSpeed's loading, which unpickles the save with its code)",
+        "whole state",
+        by_default=False,
+    ),
 )
 
 

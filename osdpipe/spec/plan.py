@@ -31,7 +31,8 @@ from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree, describe
 from osdpipe.spec.config import ConfigError, RunSpec
 
-#: How many layouts a plan keeps: a rank's output and optimizer layouts, and a few of the ranks a stage asks about besides.
+#: How many layouts a plan keeps:
+#: a rank's output and optimizer layouts, and a few of the ranks a stage asks about besides.
 KEPT_LAYOUTS = 8
 
 
@@ -45,7 +46,8 @@ class Plan:
     input_path: str
     #: The format it is read in (given, or what the source world saves).
     input_format: str
-    #: How the source job and the target job are wrapped, with what only the model and PyTorch could add (:meth:`LayoutKind.settle`).
+    #: How the source job and the target job are wrapped,
+    #: with what only the model and PyTorch could add (:meth:`LayoutKind.settle`).
     source_spec: LayoutSpec
     target_spec: LayoutSpec
     #: The live target optimizer's param groups as indices into its layout, when the Python API is handed one;
@@ -54,7 +56,8 @@ class Plan:
     _kept: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_kept": {}}  # layouts are recomputed where they are needed: 1024 of them would travel to every rank
+        # layouts are recomputed where they are needed: 1024 of them would travel to every rank
+        return {**self.__dict__, "_kept": {}}
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -76,7 +79,8 @@ class Plan:
 
     @property
     def output_checkpoint(self) -> CheckpointLayout:
-        """How the output is laid out: ``output.checkpoint``, else as the input (see :func:`osdpipe.io.checkpoints.written`)."""
+        """How the output is laid out: ``output.checkpoint``,
+        else as the input (see :func:`osdpipe.io.checkpoints.written`)."""
         return checkpoints.written(self.spec.checkpoint.layout, self.spec.output.checkpoint)
 
     @property
@@ -90,10 +94,16 @@ class Plan:
 
     def target_layout(self, rank: int) -> tuple[LocalTensor, ...]:
         """The local tensors target rank ``rank`` gets in the output format (:meth:`Format.output_layout`)."""
-        return self._keep(("output", rank), lambda: self.output_format.output_layout(self.tree, self.world_size, rank, lambda: self.optimizer_layout(rank)))
+        return self._keep(
+            ("output", rank),
+            lambda: self.output_format.output_layout(
+                self.tree, self.world_size, rank, lambda: self.optimizer_layout(rank)
+            ),
+        )
 
     def target_groups(self, layout: tuple[LocalTensor, ...]) -> list[list[int]]:
-        """A target rank's optimizer's param groups as indices into ``layout``: the live optimizer's, else ``optim.param_groups``."""
+        """A target rank's optimizer's param groups as indices into ``layout``:
+        the live optimizer's, else ``optim.param_groups``."""
         if self.optim_groups is not None:
             return [list(g) for g in self.optim_groups]
         return group_members(self.spec.optim, layout)
@@ -120,7 +130,8 @@ class Plan:
 
 
 def plan_run(spec: RunSpec, tree: ModuleTree | None = None) -> Plan:
-    """The plan of ``spec``: its model's tree built on ``meta`` (unless given), both wrappings settled and checked against it.
+    """The plan of ``spec``: its model's tree built on ``meta`` (unless given),
+    both wrappings settled and checked against it.
 
     Settling asks PyTorch what only it can say: with tensor parallelism, each
     parameter's placements (a probe process, about as long as importing torch).
@@ -144,14 +155,22 @@ def plan_run(spec: RunSpec, tree: ModuleTree | None = None) -> Plan:
             raise ConfigError([f"{side}.wrap={layout.wrap}: {exc}"]) from None
     if tree.key_maps and checkpoints.get(spec.checkpoint.layout).whole and formats.get(spec.output.format).keyed_by_id:
         raise ConfigError([
-            f"output.format={spec.output.format}: the model's state dict holds keys its hooks make of parameters' rows ({tree.key_maps[0].name}, ...), "
+            f"output.format={spec.output.format}: the model's state dict holds keys its hooks make of parameters' rows "
+            f"({tree.key_maps[0].name}, ...), "
             "which a rank's own file cannot hold as its live model's state_dict() makes them; set output.format=dcp"
         ])
     if formats.get(spec.output.format).loaded_by_dcp:
         why = kinds.get(spec.target.kind).dcp_load_problem(tree, settled["target"])
         if why is not None:
             raise ConfigError([f"output.format={spec.output.format}: {why}"])
-    return Plan(spec, tree, spec.input.path or generated_source_path(spec), spec.source_input_format, settled["source"], settled["target"])
+    return Plan(
+        spec,
+        tree,
+        spec.input.path or generated_source_path(spec),
+        spec.source_input_format,
+        settled["source"],
+        settled["target"],
+    )
 
 
 def model_tree(spec: RunSpec) -> ModuleTree:
@@ -167,11 +186,16 @@ def model_tree(spec: RunSpec) -> ModuleTree:
 
 
 def generated_source_path(spec: RunSpec) -> str:
-    """Where the source world saves the checkpoint it generates: ``source/`` of the staged run (:mod:`osdpipe.io.output`).
+    """Where the source world saves the checkpoint it generates:
+    ``source/`` of the staged run (:mod:`osdpipe.io.output`).
 
     It is committed with the conversion, as ``<output.path>/source/``, and
     replaced with it.
     """
     layout = checkpoints.get(spec.checkpoint.layout)
-    name = layout.generated_name(spec.generate.steps) if layout.whole else formats.get(spec.source_input_format).generated_name
+    name = (
+        layout.generated_name(spec.generate.steps)
+        if layout.whole
+        else formats.get(spec.source_input_format).generated_name
+    )
     return str(Path(spec.output.path) / STAGING / "source" / name)

@@ -53,7 +53,9 @@ from osdpipe.run.live_jobs import local_grad, local_values, synthetic_grad, synt
 #: The ``torch.optim`` optimizers whose update of an element reads only that
 #: element (its gradient, parameter and state) and 0-dim state. A user's own
 #: class says so with a class attribute ``osdpipe_elementwise = True``.
-ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax", "Adadelta", "ASGD", "Rprop"})
+ELEMENTWISE = frozenset(
+    {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax", "Adadelta", "ASGD", "Rprop"}
+)
 #: The step numbers of the resume steps' gradients: apart from generate's (0, 1, ...) and load_step's.
 FIRST_STEP = 20_000
 #: Problems a failed check names at most, per rank.
@@ -73,7 +75,8 @@ def is_elementwise(cls: type[torch.optim.Optimizer]) -> bool:
 
 
 def shared_memory(state: dict[Any, Any], names: dict[Any, str] | None = None) -> list[str]:
-    """Pairs of state tensors (of an optimizer state dict's ``state``) whose memory overlaps, as ``"step of 0 (embed.weight) and of 3 (head.bias)"``.
+    """Pairs of state tensors (of an optimizer state dict's ``state``) whose memory overlaps,
+    as ``"step of 0 (embed.weight) and of 3 (head.bias)"``.
 
     Overlap, not only one storage object: two views of one buffer that share
     bytes are the same hazard, as an in-place update of one changes the other.
@@ -107,15 +110,21 @@ def shared_memory(state: dict[Any, Any], names: dict[Any, str] | None = None) ->
 Range = tuple[str, int, int]
 
 
-def loaded_optimizer(config: Any, groups: list[tuple[str, list[torch.Tensor], dict[str, Any] | None]], states: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """One optimizer over bare tensors holding ``states`` (one per tensor, in group order), as a loaded checkpoint leaves it.
+def loaded_optimizer(
+    config: Any, groups: list[tuple[str, list[torch.Tensor], dict[str, Any] | None]], states: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """One optimizer over bare tensors holding ``states`` (one per tensor, in group order),
+    as a loaded checkpoint leaves it.
 
     ``groups`` are ``(an fqn of the group, its tensors, the hyperparameters
     saved for it)``; ``None``: the configured ones (:func:`osdpipe.layout.optim.options_for`).
     """
     optim = bare_optimizer(config, [(fqn, tensors) for fqn, tensors, _ in groups])
     own = optim.state_dict()["param_groups"]  # the IDs the tensors got, and the configured hyperparameters
-    saved = [{**_hyperparameters(mine if hyper is None else hyper), "params": mine["params"]} for (_, _, hyper), mine in zip(groups, own)]
+    saved = [
+        {**_hyperparameters(mine if hyper is None else hyper), "params": mine["params"]}
+        for (_, _, hyper), mine in zip(groups, own)
+    ]
     optim.load_state_dict({"state": {i: state for i, state in enumerate(states) if state}, "param_groups": saved})
     return optim
 
@@ -134,7 +143,8 @@ def _grouped(items: list[Any], key: Callable[[Any], Any]) -> list[list[Any]]:
 
 
 class Reference:
-    """What a job that loaded the source, every tensor its own, holds after the resume steps, for any ranges of any parameters.
+    """What a job that loaded the source, every tensor its own,
+    holds after the resume steps, for any ranges of any parameters.
 
     Elementwise optimizers step just the ranges asked for (:meth:`pieces`
     reads only those ranges of the source), all of them in one optimizer with
@@ -153,7 +163,14 @@ class Reference:
     """
 
     def __init__(
-        self, optim_config: Any, meta: SourceMeta, reader: SourceReader, tree: ModuleTree, seed: int, steps: int, elementwise: bool
+        self,
+        optim_config: Any,
+        meta: SourceMeta,
+        reader: SourceReader,
+        tree: ModuleTree,
+        seed: int,
+        steps: int,
+        elementwise: bool,
     ) -> None:
         self.config, self.meta, self.reader, self.tree = optim_config, meta, reader, tree
         self.seed, self.steps, self.elementwise = seed, steps, elementwise
@@ -166,7 +183,13 @@ class Reference:
             return []  # a batch of tensors with no element on this rank (an optimizer of no tensors cannot be built)
         if not self.elementwise:
             whole = self._stepped_whole()
-            return [(whole[f][0].reshape(-1)[lo:hi], {n: v.reshape(-1)[lo:hi] if _is_tensor_state(v) else v for n, v in whole[f][1].items()}) for f, lo, hi in ranges]
+            return [
+                (
+                    whole[f][0].reshape(-1)[lo:hi],
+                    {n: v.reshape(-1)[lo:hi] if _is_tensor_state(v) else v for n, v in whole[f][1].items()},
+                )
+                for f, lo, hi in ranges
+            ]
         params = [self._start(f, lo, hi) for f, lo, hi in ranges]
         by_group = _grouped(list(range(len(ranges))), lambda i: self._group_of.get(ranges[i][0]))
         order = [i for g in by_group for i in g]  # an optimizer numbers its tensors group by group
@@ -179,7 +202,8 @@ class Reference:
         return getattr(torch, self.tree.param(fqn).dtype)
 
     def _start(self, fqn: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of parameter ``fqn`` as the job starts: the source's weights in a whole checkpoint, else synthetic."""
+        """Elements ``[start, stop)`` of parameter ``fqn`` as the job starts:
+        the source's weights in a whole checkpoint, else synthetic."""
         if WEIGHTS in self.meta.state.get(fqn, {}):
             return self.reader.read_range(fqn, WEIGHTS, start, stop).clone()
         return synthetic_param(self.seed, fqn, start, stop, self._dtype(fqn))
@@ -189,15 +213,19 @@ class Reference:
         return None if index is None or self.meta.param_groups is None else self.meta.param_groups[index]
 
     def _source_state(self, fqn: str, start: int, stop: int) -> dict[str, Any]:
-        """The source's state of ``fqn`` for elements ``[start, stop)``: its own copy of every tensor range and scalar."""
+        """The source's state of ``fqn`` for elements ``[start, stop)``:
+        its own copy of every tensor range and scalar."""
         return {
-            name: self.reader.read_range(fqn, name, start, stop).clone() if isinstance(value, TensorRef) else own_copy(value)
+            name: self.reader.read_range(fqn, name, start, stop).clone()
+            if isinstance(value, TensorRef)
+            else own_copy(value)
             for name, value in self.meta.state.get(fqn, {}).items()
             if name != WEIGHTS
         }
 
     def _step(self, optim: torch.optim.Optimizer, items: list[tuple[Range, torch.Tensor]]) -> None:
-        """The resume steps on ``items`` (each range and its tensor): synthetic gradients for the trainable, then one optimizer step."""
+        """The resume steps on ``items`` (each range and its tensor):
+        synthetic gradients for the trainable, then one optimizer step."""
         trainable = [((f, lo, hi), p) for (f, lo, hi), p in items if self.tree.param(f).requires_grad]
         for k in range(self.steps):
             for (fqn, lo, hi), param in trainable:
@@ -205,14 +233,23 @@ class Reference:
             optim.step()
 
     def _stepped_whole(self) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
-        """Every parameter whole, stepped from the whole source state in one optimizer with the source's param groups (computed once)."""
+        """Every parameter whole, stepped from the whole source state
+        in one optimizer with the source's param groups (computed once)."""
         if self._whole is None:
             full = full_state(self.reader, self.meta)["state"]
-            groups = [g["params"] for g in self.meta.param_groups] if self.meta.param_groups else [[p.fqn for p in self.tree.params]]
+            groups = (
+                [g["params"] for g in self.meta.param_groups]
+                if self.meta.param_groups
+                else [[p.fqn for p in self.tree.params]]
+            )
             fqns = [f for g in groups for f in g]
             params = {f: self._start(f, 0, self.tree.param(f).numel).view(self.tree.param(f).shape) for f in fqns}
             saved = self.meta.param_groups or [None]
-            optim = loaded_optimizer(self.config, [(g[0], [params[f] for f in g], hyper) for g, hyper in zip(groups, saved)], [full.get(f, {}) for f in fqns])
+            optim = loaded_optimizer(
+                self.config,
+                [(g[0], [params[f] for f in g], hyper) for g, hyper in zip(groups, saved)],
+                [full.get(f, {}) for f in fqns],
+            )
             self._step(optim, [((f, 0, self.tree.param(f).numel), params[f]) for f in fqns])
             self._whole = {f: (params[f], optim.state[params[f]]) for f in fqns}
         return self._whole
@@ -229,7 +266,8 @@ def _is_tensor_state(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Stepped:
-    """One local tensor of the target after the steps: its parameter and the optimizer's state for it (local tensors)."""
+    """One local tensor of the target after the steps:
+    its parameter and the optimizer's state for it (local tensors)."""
 
     tensor: LocalTensor
     param: torch.Tensor
@@ -237,16 +275,25 @@ class Stepped:
 
 
 def set_synthetic_params(params: list[nn.Parameter], layout: tuple[LocalTensor, ...], seed: int) -> None:
-    """Give each of a live model's ``params`` (described by ``layout``) its synthetic starting value: its segments, zero in the padding."""
+    """Give each of a live model's ``params`` (described by ``layout``) its synthetic starting value:
+    its segments, zero in the padding."""
     with torch.no_grad():
         for param, tensor in zip(params, layout):
             local = local_part(param)
-            values = local_values(tensor, lambda fqn, start, stop: synthetic_param(seed, fqn, start, stop, local.dtype), local.dtype)
+            values = local_values(
+                tensor, lambda fqn, start, stop: synthetic_param(seed, fqn, start, stop, local.dtype), local.dtype
+            )
             local.copy_(values.to(local.device))
 
 
 def live_steps(
-    spec: Any, model: nn.Module, optim: torch.optim.Optimizer, layout: tuple[LocalTensor, ...], tree: ModuleTree, *, weights_loaded: bool = False
+    spec: Any,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    layout: tuple[LocalTensor, ...],
+    tree: ModuleTree,
+    *,
+    weights_loaded: bool = False,
 ) -> list[Stepped]:
     """The live target, already loaded, through the resume steps; each parameter its optimizer holds.
 
@@ -278,7 +325,8 @@ def bare_steps(
     batch_bytes: int | None,
     weights: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[list[Stepped]]:
-    """The output's local tensors in bare optimizers, loaded with their state as written, through the resume steps; a batch at a time.
+    """The output's local tensors in bare optimizers,
+    loaded with their state as written, through the resume steps; a batch at a time.
 
     ``state_of(tensor)`` gives what the output holds for the tensor (``None``:
     the target optimizer does not hold it); each starts from the output's
@@ -296,15 +344,25 @@ def bare_steps(
         params = [
             weights[t.key].clone().reshape(t.shape)
             if weights is not None and t.key in weights
-            else local_values(t, lambda fqn, lo, hi, dtype=dtype: synthetic_param(spec.generate.seed, fqn, lo, hi, dtype), dtype)
+            else local_values(
+                t, lambda fqn, lo, hi, dtype=dtype: synthetic_param(spec.generate.seed, fqn, lo, hi, dtype), dtype
+            )
             for (t, _), dtype in zip(batch, dtypes)
         ]
-        states = [{n: (v.clone() if _is_tensor_state(v) else scalars.setdefault(id(v), own_copy(v))) for n, v in state.items()} for _, (state, _) in batch]
+        states = [
+            {
+                n: (v.clone() if _is_tensor_state(v) else scalars.setdefault(id(v), own_copy(v)))
+                for n, v in state.items()
+            }
+            for _, (state, _) in batch
+        ]
         by_group = _grouped(list(range(len(batch))), lambda i: id(batch[i][1][1]))
         order = [i for g in by_group for i in g]
         groups = [(batch[g[0]][0].fqns[0], [params[i] for i in g], batch[g[0]][1][1] or None) for g in by_group]
         optim = loaded_optimizer(spec.optim, groups, [states[i] for i in order])
-        trainable = [i for i, (t, _) in enumerate(batch) if t.stepped and all(tree.param(f).requires_grad for f in t.fqns)]
+        trainable = [
+            i for i, (t, _) in enumerate(batch) if t.stepped and all(tree.param(f).requires_grad for f in t.fqns)
+        ]
         for k in range(spec.pipeline.resume_steps):
             for i in trainable:
                 params[i].grad = local_grad(batch[i][0], spec.generate.seed, FIRST_STEP + k, dtypes[i])
@@ -333,7 +391,8 @@ def _batches(held: list[tuple[LocalTensor, Held]], limit: int | None) -> Iterato
 
 
 def pieces_of(tensor: LocalTensor) -> tuple[Segment, ...]:
-    """The ranges to compare: the segments, or, for a stepped tensor that holds no element (an empty FSDP2 chunk), its 0-dim state alone."""
+    """The ranges to compare: the segments, or,
+    for a stepped tensor that holds no element (an empty FSDP2 chunk), its 0-dim state alone."""
     if tensor.segments or not tensor.stepped:
         return tensor.segments
     return (Segment(tensor.fqns[0], 0, 0, 0),)
@@ -349,8 +408,11 @@ def compare_batch(batch: list[Stepped], reference: Reference, meta: SourceMeta, 
     return problems
 
 
-def compare(stepped: Stepped, seg: Segment, ref_param: torch.Tensor, ref_state: dict[str, Any], meta: SourceMeta, steps: int) -> list[str]:
-    """Where one range of a stepped local tensor differs from the reference's: 0-dim state exactly, tensors and the parameter bitwise."""
+def compare(
+    stepped: Stepped, seg: Segment, ref_param: torch.Tensor, ref_state: dict[str, Any], meta: SourceMeta, steps: int
+) -> list[str]:
+    """Where one range of a stepped local tensor differs from the reference's:
+    0-dim state exactly, tensors and the parameter bitwise."""
     problems: list[str] = []
     scalars: list[str] = []
     found: list[str] = []
@@ -361,12 +423,23 @@ def compare(stepped: Stepped, seg: Segment, ref_param: torch.Tensor, ref_state: 
             continue
         got, want = stepped.state[name], ref_state[name]
         if _is_tensor_state(got):
-            found += _differ(f"{seg.fqn} {name}", got.reshape(-1)[seg.dest : seg.dest + seg.length], want, seg.start, steps)
+            found += _differ(
+                f"{seg.fqn} {name}", got.reshape(-1)[seg.dest : seg.dest + seg.length], want, seg.start, steps
+            )
         elif not _same_scalar(got, want):
             source = meta.state.get(seg.fqn, {}).get(name)
             was = "" if source is None else f" from the source's {_show(source)}"
-            scalars.append(f"{seg.fqn}: {name} is {_show(got)} after {steps} step(s){was}; a job resuming from the source has {_show(want)}")
-    found += _differ(f"{seg.fqn} (the parameter)", stepped.param.reshape(-1)[seg.dest : seg.dest + seg.length], ref_param, seg.start, steps)
+            scalars.append(
+                f"{seg.fqn}: {name} is {_show(got)} after {steps} step(s){was}; "
+                f"a job resuming from the source has {_show(want)}"
+            )
+    found += _differ(
+        f"{seg.fqn} (the parameter)",
+        stepped.param.reshape(-1)[seg.dest : seg.dest + seg.length],
+        ref_param,
+        seg.start,
+        steps,
+    )
     # A 0-dim state that is off (a step counter) is the cause; the tensors it then steps differently are its echo.
     return problems + (scalars or found[:1])
 
@@ -387,11 +460,13 @@ def _differ(what: str, got: torch.Tensor, want: torch.Tensor, start: int, steps:
         return []
     if got.shape != want.shape or got.dtype != want.dtype:
         return [f"{what}: {tuple(got.shape)} {got.dtype} where the reference has {tuple(want.shape)} {want.dtype}"]
-    bad = (got.view(torch.uint8).reshape(got.numel(), -1) != want.view(torch.uint8).reshape(want.numel(), -1)).any(dim=1)
+    bad = (
+        got.view(torch.uint8).reshape(got.numel(), -1) != want.view(torch.uint8).reshape(want.numel(), -1)
+    ).any(dim=1)
     i = int(bad.nonzero()[0])
     return [
-        f"{what}: {int(bad.sum())} of {got.numel()} element(s) differ from a job resuming from the source after {steps} step(s), "
-        f"first at flat index {start + i}: {got[i].item()!r} vs {want[i].item()!r}"
+        f"{what}: {int(bad.sum())} of {got.numel()} element(s) differ from a job resuming from the source "
+        f"after {steps} step(s), first at flat index {start + i}: {got[i].item()!r} vs {want[i].item()!r}"
     ]
 
 

@@ -16,8 +16,10 @@ from osdpipe.verify.checks.common import Subject
 
 
 def verify(ctx: Context, keyed: Keyed, tally: Tally) -> Verified:
-    """Run the configured checks on this rank (each rank's own results: :mod:`osdpipe.pipeline.loop` combines them after the last rank)."""
-    # A live optimizer's groups (Python API) are known on its own rank only: each rank publishes the keys its optimizer holds.
+    """Run the configured checks on this rank
+    (each rank's own results: :mod:`osdpipe.pipeline.loop` combines them after the last rank)."""
+    # A live optimizer's groups (Python API) are known on its own rank only:
+    # each rank publishes the keys its optimizer holds.
     held = ctx.world.published("held keys", ctx.rank, ctx.plan.held_keys(ctx.rank))
     subject = Subject(ctx, keyed, keyed.source, tally, dict(held))
     results: list[CheckResult] = []

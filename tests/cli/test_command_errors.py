@@ -94,19 +94,27 @@ def test_unwritable_output_fails_fast_in_one_line(where: str, tmp_path: Path) ->
 
 def test_overwrite_replaces_the_previous_conversion_whole(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    first = run_osdpipe("source.world_size=1", "source.state_dict_type=local", "target.world_size=3", f"output.path={out}", cwd=tmp_path)
+    first = run_osdpipe(
+        "source.world_size=1", "source.state_dict_type=local", "target.world_size=3", f"output.path={out}", cwd=tmp_path
+    )
     assert first.returncode == 0, explain(first)
     assert (out / "rank_2.pt").exists() and (out / "source" / "rank_local").is_dir()
 
     refused = run_osdpipe("source.world_size=1", "target.world_size=2", f"output.path={out}", cwd=tmp_path, timeout=60)
     assert_one_line_error(refused, 2, "output.overwrite=true")
 
-    second = run_osdpipe("source.world_size=1", "target.world_size=2", f"output.path={out}", "output.overwrite=true", cwd=tmp_path)
+    second = run_osdpipe(
+        "source.world_size=1", "target.world_size=2", f"output.path={out}", "output.overwrite=true", cwd=tmp_path
+    )
     assert second.returncode == 0, explain(second)
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(p.name for p in out.glob("rank_*.pt")) == sorted(manifest["files"]) == ["rank_0.pt", "rank_1.pt"]
-    assert sorted(str(p.relative_to(out)) for p in (out / "source").rglob("*")) == ["source/optim.pt"], "the old generated source stayed"
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "osdpipe.log", "rank_0.pt", "rank_1.pt", "report.json", "source"]
+    assert sorted(str(p.relative_to(out)) for p in (out / "source").rglob("*")) == ["source/optim.pt"], (
+        "the old generated source stayed"
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json", "osdpipe.log", "rank_0.pt", "rank_1.pt", "report.json", "source"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "nothing is written outside output.path"
 
 
@@ -117,7 +125,13 @@ def test_overwrite_replaces_the_previous_conversion_whole(tmp_path: Path) -> Non
 def nan_source(tmp_path_factory) -> tuple[Path, str]:
     """A generated FULL source with one NaN in one parameter's exp_avg."""
     root = tmp_path_factory.mktemp("nan")
-    result = run_osdpipe("source.world_size=1", "target.world_size=1", "pipeline.stages=[load,broadcast,flatten,shard,rekey,save]", f"output.path={root / 'gen'}", cwd=root)
+    result = run_osdpipe(
+        "source.world_size=1",
+        "target.world_size=1",
+        "pipeline.stages=[load,broadcast,flatten,shard,rekey,save]",
+        f"output.path={root / 'gen'}",
+        cwd=root,
+    )
     assert result.returncode == 0, explain(result)
     osd = torch.load(root / "gen" / "source" / "optim.pt", weights_only=True)
     fqn = "block1.leaf2.lin.weight"
@@ -144,7 +158,16 @@ def test_allow_nonfinite_converts_it_and_load_step_passes(nan_source) -> None:
     warnings = [line for line in error_lines(result) if line.startswith("osdpipe: warning:")]
     assert len(warnings) == 1 and fqn in warnings[0] and "NaN" in warnings[0], explain(result)
     got = [torch.load(p, weights_only=True) for p in sorted(out.glob("rank_*.pt"))]
-    assert sum(int(t.isnan().sum()) for osd in got for s in osd["state"].values() for t in s.values() if torch.is_tensor(t) and t.dim()) == 1
+    assert (
+        sum(
+            int(t.isnan().sum())
+            for osd in got
+            for s in osd["state"].values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim()
+        )
+        == 1
+    )
 
 
 def test_another_models_checkpoint_missing_a_parameter_fails_before_any_process(nan_source, tmp_path: Path) -> None:
@@ -155,7 +178,9 @@ def test_another_models_checkpoint_missing_a_parameter_fails_before_any_process(
         group["params"].remove("block2.gate")
     torch.save(osd, tmp_path / "other_model.pt")
     start = time.monotonic()
-    result = run_osdpipe(f"input.path={tmp_path / 'other_model.pt'}", f"output.path={tmp_path / 'out'}", cwd=tmp_path, timeout=60)
+    result = run_osdpipe(
+        f"input.path={tmp_path / 'other_model.pt'}", f"output.path={tmp_path / 'out'}", cwd=tmp_path, timeout=60
+    )
     assert_one_line_error(result, 1, str(tmp_path / "other_model.pt"), "block2.gate", "model.factory")
     assert time.monotonic() - start < 10, "a world was started"
 
@@ -165,7 +190,10 @@ def test_nonfinite_scalar_state_is_named() -> None:
     from osdpipe.run.stages.broadcast import nonfinite_scalars
 
     meta = SourceMeta(
-        state={"a.weight": {"step": torch.tensor(float("nan")), "exp_avg": TensorRef((2,), "float32")}, "b.bias": {"step": torch.tensor(3.0), "lr": float("inf")}},
+        state={
+            "a.weight": {"step": torch.tensor(float("nan")), "exp_avg": TensorRef((2,), "float32")},
+            "b.bias": {"step": torch.tensor(3.0), "lr": float("inf")},
+        },
         param_groups=None,
     )
     assert nonfinite_scalars(meta) == ["a.weight step = nan", "b.bias lr = inf"]
@@ -184,15 +212,28 @@ def test_help_is_osdpipes_own_and_version_names_torch(tmp_path: Path) -> None:
     version = run_osdpipe("--version", cwd=tmp_path, timeout=60)
     import osdpipe
 
-    assert version.returncode == 0 and f"osdpipe {osdpipe.__version__}" in version.stdout and f"torch {torch.__version__}" in version.stdout
+    assert (
+        version.returncode == 0
+        and f"osdpipe {osdpipe.__version__}" in version.stdout
+        and f"torch {torch.__version__}" in version.stdout
+    )
     assert list(tmp_path.iterdir()) == []
 
 
 def _run_with_terminal_stderr(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Run the command with stderr on a pseudo-terminal (as in a user's shell); returns its exit code and what the terminal showed."""
+    """Run the command with stderr on a pseudo-terminal (as in a user's shell);
+    returns its exit code and what the terminal showed."""
     leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a size; a fresh pty has none
-    proc = subprocess.Popen([sys.executable, "-m", "osdpipe", *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=follower, start_new_session=True)
+    # a terminal has a size; a fresh pty has none
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "osdpipe", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+        start_new_session=True,
+    )
     os.close(follower)
     shown = b""
     deadline = time.monotonic() + TIMEOUT_S

@@ -22,7 +22,8 @@ from helpers import clean_env, run_command
 
 from osdpipe.cli.entry import plain_overrides
 
-#: Command lines answered before Hydra: nothing imports torch (no fork server starts either), with the exit code and words of the one line said.
+#: Command lines answered before Hydra: nothing imports torch (no fork server starts either), with the exit code and
+#: words of the one line said.
 EARLY = {
     "help": (["--help"], 0, []),
     "help_short": (["-h"], 0, []),
@@ -35,11 +36,16 @@ EARLY = {
     "unknown_key": (["target.nope=1"], 2, ["target.nope: not a known key", "spelling"]),
 }
 
-#: Config errors found once Hydra composed the config: the launcher process still imports no torch (the fork server may start beside it).
+#: Config errors found once Hydra composed the config: the launcher process still imports no torch
+#: (the fork server may start beside it).
 COMPOSED = {
-    "rule_between_keys": (["runtime.mode=offline", "runtime.transfer=scatter"], ["runtime.transfer=scatter", "runtime.transfer=shared"]),
+    "rule_between_keys": (
+        ["runtime.mode=offline", "runtime.transfer=scatter"], ["runtime.transfer=scatter", "runtime.transfer=shared"]
+    ),
     "list_value": (["pipeline.stages=[load,bogus]"], ["config: pipeline.stages", "bogus", "known stages are"]),
-    "sweep_of_bad_jobs": (["-m", "target.world_size=0,-1", "hydra.sweep.dir=sweep"], ["config: target.world_size (got 0)"]),
+    "sweep_of_bad_jobs": (
+        ["-m", "target.world_size=0,-1", "hydra.sweep.dir=sweep"], ["config: target.world_size (got 0)"]
+    ),
 }
 
 #: Runs the command as ``python -m osdpipe`` does, then says on stderr whether this process imported torch.
@@ -53,12 +59,18 @@ runpy.run_module("osdpipe", run_name="__main__")
 
 def osdpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``python -X importtime -m osdpipe *args``: stderr holds the import report and what osdpipe said."""
-    return run_command([sys.executable, "-X", "importtime", "-m", "osdpipe", *args], cwd=cwd, timeout=120, env=clean_env())
+    return run_command(
+        [sys.executable, "-X", "importtime", "-m", "osdpipe", *args], cwd=cwd, timeout=120, env=clean_env()
+    )
 
 
 def imported(stderr: str) -> list[str]:
     """The modules ``-X importtime`` reports (``import time: self | cumulative | name``)."""
-    return [line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:") and line.count("|") == 2]
+    return [
+        line.rsplit("|", 1)[1].strip()
+        for line in stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    ]
 
 
 def said(stderr: str) -> list[str]:
@@ -100,8 +112,14 @@ def test_a_composed_config_error_imports_no_torch(case: str, tmp_path: Path) -> 
 
 
 def test_the_probe_sees_torch_where_a_config_needs_it(tmp_path: Path) -> None:
-    """A factory that does not import is found by building the model: past the schema, with torch (so "no torch" above means something)."""
-    result = run_command([sys.executable, "-c", TELL_TORCH, "model.factory=no_such_package.models:build"], cwd=tmp_path, timeout=120, env=clean_env())
+    """A factory that does not import is found by building the model: past the schema, with torch
+    (so "no torch" above means something)."""
+    result = run_command(
+        [sys.executable, "-c", TELL_TORCH, "model.factory=no_such_package.models:build"],
+        cwd=tmp_path,
+        timeout=120,
+        env=clean_env(),
+    )
     assert result.returncode == 2 and result.stderr.splitlines()[-1] == "torch imported", result.stderr
 
 
@@ -113,7 +131,8 @@ def test_version_names_the_installed_versions(tmp_path: Path) -> None:
 
 
 def test_help_is_hydras(tmp_path: Path) -> None:
-    """``osdpipe --help`` (read without Hydra) prints what Hydra's own help prints (given an override, Hydra answers)."""
+    """``osdpipe --help`` (read without Hydra) prints what Hydra's own help prints
+    (given an override, Hydra answers)."""
     fast = osdpipe("--help", cwd=tmp_path)
     hydra = osdpipe("--help", "runtime.debug=false", cwd=tmp_path)
     assert "hydra" in imported(hydra.stderr) and "hydra" not in imported(fast.stderr)
@@ -127,8 +146,10 @@ def test_help_is_hydras(tmp_path: Path) -> None:
 
 #: Values as a command line writes them; each Hydra reads as a bool, int, float, None, a string or a sweep.
 TOKENS = [
-    "0", "007", "+1", "-3", "1_000", "1.5", ".5", "5.", "1e3", "-1.5", "inf", "NaN", "true", "True", "FALSE", "yes", "null", "NULL",
-    "zero", "fsdp1", "FULL_SHARD", "_HYBRID_SHARD_ZERO2", "/tmp/x", "/tmp/a-b/c.pt", "pkg.mod:fn", "a@b", "1GB", "1.5GiB", "e5",
+    "0", "007", "+1", "-3", "1_000", "1.5", ".5", "5.", "1e3", "-1.5",
+    "inf", "NaN", "true", "True", "FALSE", "yes", "null", "NULL",
+    "zero", "fsdp1", "FULL_SHARD", "_HYBRID_SHARD_ZERO2",
+    "/tmp/x", "/tmp/a-b/c.pt", "pkg.mod:fn", "a@b", "1GB", "1.5GiB", "e5",
     "a,b", "${x}", "./rel", "-foo", "x+y", "[a,b]", "'quoted'", "",
 ]  # fmt: skip
 

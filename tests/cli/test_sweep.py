@@ -28,7 +28,8 @@ from helpers import clean_env, run_command
 
 from osdpipe.cli import sweep
 
-#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
+#: runs it).
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
@@ -38,7 +39,10 @@ SOURCES = ("good.pt", "nan.pt", "corrupt.pt")
 SOURCE_WORLDS = (2, 4)
 TARGET_WORLDS = (1, 2, 3, 4)
 USE_ORIG_PARAMS = ("false", "true")
-FIXED = ["model.factory=userlm:build", "runtime.mode=offline", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2"]
+FIXED = [
+    "model.factory=userlm:build", "runtime.mode=offline",
+    "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2",
+]
 
 
 def explain(result: subprocess.CompletedProcess[str]) -> str:
@@ -67,12 +71,20 @@ def sources(tmp_path_factory) -> Path:
 def expected_jobs(sources: Path) -> list[dict]:
     """Every job of the sweep in Hydra's order (the last override varies fastest), with the outcome it must have."""
     jobs = []
-    for num, (name, source_world, target_world, orig) in enumerate(itertools.product(SOURCES, SOURCE_WORLDS, TARGET_WORLDS, USE_ORIG_PARAMS)):
+    for num, (name, source_world, target_world, orig) in enumerate(
+        itertools.product(SOURCES, SOURCE_WORLDS, TARGET_WORLDS, USE_ORIG_PARAMS)
+    ):
         if target_world % 2:
-            kind = "config"  # a shard group of 2 cannot divide 1 or 3 ranks: the config is refused before the input is read
+            # a shard group of 2 cannot divide 1 or 3 ranks: the config is refused before the input is read
+            kind = "config"
         else:
             kind = {"good.pt": "ok", "nan.pt": "stage", "corrupt.pt": "failed"}[name]
-        overrides = {"input.path": str(sources / name), "source.world_size": str(source_world), "target.world_size": str(target_world), "target.use_orig_params": orig}
+        overrides = {
+            "input.path": str(sources / name),
+            "source.world_size": str(source_world),
+            "target.world_size": str(target_world),
+            "target.use_orig_params": orig,
+        }
         jobs.append({"job": num, "kind": kind, "overrides": overrides, "target_world": target_world})
     return jobs
 
@@ -85,8 +97,12 @@ def swept(sources: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess[
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     args = [
-        "-m", *FIXED, f"input.path={','.join(str(sources / s) for s in SOURCES)}", f"source.world_size={','.join(map(str, SOURCE_WORLDS))}",
-        f"target.world_size={','.join(map(str, TARGET_WORLDS))}", f"target.use_orig_params={','.join(USE_ORIG_PARAMS)}", f"hydra.sweep.dir={sweep_dir}",
+        "-m", *FIXED,
+        f"input.path={','.join(str(sources / s) for s in SOURCES)}",
+        f"source.world_size={','.join(map(str, SOURCE_WORLDS))}",
+        f"target.world_size={','.join(map(str, TARGET_WORLDS))}",
+        f"target.use_orig_params={','.join(USE_ORIG_PARAMS)}",
+        f"hydra.sweep.dir={sweep_dir}",
     ]  # fmt: skip
     result = run_command([sys.executable, "-m", "osdpipe", *args], cwd=cwd, timeout=TIMEOUT_S, env=env)
     return result, sweep_dir, expected_jobs(sources)
@@ -109,7 +125,8 @@ def test_a_failed_job_never_stops_the_sweep_and_a_bad_config_outranks_it(swept) 
     result, sweep_dir, jobs = swept
     assert result.returncode == 2, explain(result)
     ran = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]
-    assert ran == len(jobs) == 48, f"the sweep ran {ran} of its {len(jobs)} jobs"  # 3 sources x 2 x 4 world sizes x 2: at least 16, as the issue asks
+    # 3 sources x 2 x 4 world sizes x 2: at least 16, as the issue asks
+    assert ran == len(jobs) == 48, f"the sweep ran {ran} of its {len(jobs)} jobs"
     for job in jobs:
         report = report_of(sweep_dir, job["job"])
         if job["kind"] == "config":
@@ -130,7 +147,8 @@ def test_sweep_json_agrees_with_every_report(swept) -> None:
         report = report_of(sweep_dir, job["job"])
         assert row["kind"] == job["kind"], (job, row)
         varying = dict(sweep.split_override(o) for o in row["overrides"] if o not in summary["common_overrides"])
-        assert {k: v.lower() if v in ("True", "False") else v for k, v in varying.items()} == job["overrides"]  # Hydra writes false as False
+        # Hydra writes false as False
+        assert {k: v.lower() if v in ("True", "False") else v for k, v in varying.items()} == job["overrides"]
         assert row["exit_code"] == {"ok": 0, "config": 2}.get(job["kind"], 1)
         seconds, moved, peak = numbers_from(report)
         assert (row["stage_seconds"], row["bytes"], row["peak_rss"]) == (seconds, moved, peak), job
@@ -144,7 +162,9 @@ def test_sweep_json_agrees_with_every_report(swept) -> None:
             assert "not a torch.save file" in report["error"]
             assert row["outcome"].startswith("failed: ") and "corrupt.pt" in row["outcome"], row["outcome"]
         else:
-            assert row["outcome"] == f"config: target: shard_group_size=2 does not divide world_size={job['target_world']}", row["outcome"]
+            assert row["outcome"] == (
+                f"config: target: shard_group_size=2 does not divide world_size={job['target_world']}"
+            ), row["outcome"]
 
 
 def table_rows(stdout: str) -> tuple[list[str], list[list[str]]]:
@@ -162,7 +182,10 @@ def table_rows(stdout: str) -> tuple[list[str], list[list[str]]]:
 
 def test_console_table_agrees_with_every_report(swept) -> None:
     result, sweep_dir, jobs = swept
-    assert f"sweep summary: {len(jobs)} jobs: 8 ok, 8 stage failed, 8 failed before the stages, 24 config error; exit code 2" in result.stdout
+    assert (
+        f"sweep summary: {len(jobs)} jobs: 8 ok, 8 stage failed, 8 failed before the stages,"
+        " 24 config error; exit code 2" in result.stdout
+    )
     assert "every job: " + " ".join(FIXED) in result.stdout
     header, rows = table_rows(result.stdout)
     keys = ["input.path", "source.world_size", "target.world_size", "target.use_orig_params"]
@@ -171,10 +194,15 @@ def test_console_table_agrees_with_every_report(swept) -> None:
     for job, cells in zip(jobs, rows):
         seconds, moved, peak = numbers_from(report_of(sweep_dir, job["job"]))
         values = dict(zip(keys, cells[1:5]))
-        assert values["input.path"] == Path(job["overrides"]["input.path"]).name  # the directory every source shares is left out
+        # the directory every source shares is left out
+        assert values["input.path"] == Path(job["overrides"]["input.path"]).name
         assert [values[k].lower() for k in keys[1:]] == [job["overrides"][k] for k in keys[1:]]
         outcome = cells[5]
-        assert outcome == "ok" if job["kind"] == "ok" else outcome.startswith({"stage": "stage shard:", "failed": "failed:", "config": "config:"}[job["kind"]])
+        assert (
+            outcome == "ok"
+            if job["kind"] == "ok"
+            else outcome.startswith({"stage": "stage shard:", "failed": "failed:", "config": "config:"}[job["kind"]])
+        )
         assert cells[6] == ("-" if seconds is None else f"{seconds:.3f}")
         assert cells[8] == ("-" if moved is None else f"{moved:,d}")
         assert cells[9] == ("-" if peak is None else f"{peak / 1e6:.1f}")
@@ -206,14 +234,23 @@ def test_png_is_a_readable_matrix_of_the_reports(swept) -> None:
     assert drawn == summary["matrix"]
     assert drawn["row_keys"] == ["input.path", "source.world_size"]
     assert drawn["column_keys"] == ["target.world_size", "target.use_orig_params"]
-    assert len(drawn["rows"]) == len(SOURCES) * len(SOURCE_WORLDS) and len(drawn["columns"]) == len(TARGET_WORLDS) * len(USE_ORIG_PARAMS)
-    assert sorted((c["row"], c["column"]) for c in drawn["cells"]) == sorted(itertools.product(range(6), range(8))), "one cell per job"
+    assert (
+        len(drawn["rows"]) == len(SOURCES) * len(SOURCE_WORLDS)
+        and len(drawn["columns"]) == len(TARGET_WORLDS) * len(USE_ORIG_PARAMS)
+    )
+    assert sorted((c["row"], c["column"]) for c in drawn["cells"]) == sorted(itertools.product(range(6), range(8))), (
+        "one cell per job"
+    )
     for cell in drawn["cells"]:
         job = jobs[cell["job"]]
         seconds, _, _ = numbers_from(report_of(sweep_dir, job["job"]))
         assert cell["kind"] == job["kind"]
-        assert drawn["rows"][cell["row"]] == f"{Path(job['overrides']['input.path']).name}\n{job['overrides']['source.world_size']}"
-        assert drawn["columns"][cell["column"]].lower() == f"{job['target_world']}\n{job['overrides']['target.use_orig_params']}"
+        assert drawn["rows"][cell["row"]] == (
+            f"{Path(job['overrides']['input.path']).name}\n{job['overrides']['source.world_size']}"
+        )
+        assert drawn["columns"][cell["column"]].lower() == (
+            f"{job['target_world']}\n{job['overrides']['target.use_orig_params']}"
+        )
         assert cell["seconds"] == seconds
         if seconds is not None:
             assert cell["text"].endswith(f"\n{sweep.seconds_text(seconds)} s")
@@ -222,18 +259,36 @@ def test_png_is_a_readable_matrix_of_the_reports(swept) -> None:
 # ------------------------------------------------------------ pure functions
 
 
-def record(num: int, overrides: list[str], exit_code: int = 0, error: str | None = None, directory: str = "/nowhere") -> sweep.JobRecord:
+def record(
+    num: int, overrides: list[str], exit_code: int = 0, error: str | None = None, directory: str = "/nowhere"
+) -> sweep.JobRecord:
     return sweep.JobRecord(num, tuple(overrides), exit_code, error, 0.5, directory, "/sweep")
 
 
 OK_REPORT = {
     "ok": True, "error": None, "checks": [{"name": "roundtrip", "ok": True, "detail": "equal"}],
-    "stages": [{"name": "load", "seconds": 0.25, "bytes": 0}, {"name": "shard", "seconds": 0.5, "bytes": 100}, {"name": "save", "seconds": 0.125, "bytes": 300}],
+    "stages": [{"name": "load", "seconds": 0.25, "bytes": 0}, {"name": "shard", "seconds": 0.5, "bytes": 100},
+               {"name": "save", "seconds": 0.125, "bytes": 300}],
     "memory": [{"process": "rank 0", "peak_rss": 2_000_000}, {"process": "rank 1", "peak_rss": 3_000_000}],
 }  # fmt: skip
-CHECK_REPORT = {**OK_REPORT, "ok": False, "checks": [{"name": "roundtrip", "ok": True, "detail": ""}, {"name": "replicas", "ok": False, "detail": "rank 1: 1 element(s) differ"}]}
-STAGE_REPORT = {"ok": False, "error": "stage 'load' failed on ranks 0, 1: rank_3.pt is missing; give source.world_size=3", "checks": [], "stages": [], "memory": []}
-INPUT_REPORT = {"ok": False, "error": "/ckpt/optim.pt: not a torch.save file (truncated?)", "checks": [], "stages": [], "memory": []}
+CHECK_REPORT = {
+    **OK_REPORT,
+    "ok": False,
+    "checks": [
+        {"name": "roundtrip", "ok": True, "detail": ""},
+        {"name": "replicas", "ok": False, "detail": "rank 1: 1 element(s) differ"},
+    ],
+}
+STAGE_REPORT = {
+    "ok": False,
+    "error": "stage 'load' failed on ranks 0, 1: rank_3.pt is missing; give source.world_size=3",
+    "checks": [],
+    "stages": [],
+    "memory": [],
+}
+INPUT_REPORT = {
+    "ok": False, "error": "/ckpt/optim.pt: not a torch.save file (truncated?)", "checks": [], "stages": [], "memory": []
+}
 
 
 @pytest.mark.parametrize(
@@ -243,13 +298,28 @@ INPUT_REPORT = {"ok": False, "error": "/ckpt/optim.pt: not a torch.save file (tr
         (1, "verify failed: ...", CHECK_REPORT, "check", "check replicas: rank 1: 1 element(s) differ"),
         (1, "stage 'load' failed ...", STAGE_REPORT, "stage", "stage load: rank_3.pt is missing"),
         (1, "...", INPUT_REPORT, "failed", "failed: /ckpt/optim.pt: not a torch.save file"),
-        (2, "config: target: shard_group_size=2 does not divide world_size=3; choose a divisor", None, "config", "config: target: shard_group_size=2 does not divide world_size=3"),
-        (2, "config: target.world_size (got 0): must be >= 1", OK_REPORT, "config", "config: target.world_size"),  # a stale report never counts
-        (2, "output.path: cannot create /proc/x (Permission denied)", None, "config", "config: output.path: cannot create /proc/x"),
+        (
+            2,
+            "config: target: shard_group_size=2 does not divide world_size=3; choose a divisor",
+            None,
+            "config",
+            "config: target: shard_group_size=2 does not divide world_size=3",
+        ),
+        # a stale report never counts
+        (2, "config: target.world_size (got 0): must be >= 1", OK_REPORT, "config", "config: target.world_size"),
+        (
+            2,
+            "output.path: cannot create /proc/x (Permission denied)",
+            None,
+            "config",
+            "config: output.path: cannot create /proc/x",
+        ),
         (1, "internal error: KeyError: 'x'", None, "failed", "failed: internal error: KeyError: 'x'"),
     ],
 )
-def test_outcome_of_each_way_a_job_ends(exit_code: int, error: str | None, report: dict | None, kind: str, outcome: str) -> None:
+def test_outcome_of_each_way_a_job_ends(
+    exit_code: int, error: str | None, report: dict | None, kind: str, outcome: str
+) -> None:
     assert sweep.outcome_of(exit_code, error, report) == (kind, outcome)
 
 
@@ -270,8 +340,10 @@ def synthetic_rows() -> list[dict]:
     """Four jobs of a 2 x 2 sweep (source.world_size x target.world_size) with a common override."""
     reports = {0: OK_REPORT, 1: CHECK_REPORT, 2: STAGE_REPORT, 3: None}
     records = [
-        record(num, ["runtime.mode=offline", f"source.world_size={s}", f"target.world_size={t}"], exit_code=code, error=err)
-        for num, (s, t), code, err in zip(range(4), itertools.product((2, 4), (1, 3)), (0, 1, 1, 2), (None, "verify failed", "stage", "config: bad"))
+        record(num, ["runtime.mode=offline", f"source.world_size={s}", f"target.world_size={t}"],
+               exit_code=code, error=err)
+        for num, (s, t), code, err in zip(range(4), itertools.product((2, 4), (1, 3)), (0, 1, 1, 2),
+                                          (None, "verify failed", "stage", "config: bad"))
     ]  # fmt: skip
     return [sweep.job_row(r, reports[r.num]) for r in records]
 
@@ -279,15 +351,22 @@ def synthetic_rows() -> list[dict]:
 def test_matrix_cells_place_each_job_by_its_source_and_target() -> None:
     matrix = sweep.matrix_cells(synthetic_rows())
     assert (matrix.rows, matrix.columns) == (["2", "4"], ["1", "3"])
-    assert (matrix.row_keys, matrix.column_keys, matrix.subtitle) == (["source.world_size"], ["target.world_size"], "runtime.mode=offline")
-    assert [(c["row"], c["column"], c["job"], c["kind"]) for c in matrix.cells] == [(0, 0, 0, "ok"), (0, 1, 1, "check"), (1, 0, 2, "stage"), (1, 1, 3, "config")]
-    assert [c["text"] for c in matrix.cells] == ["ok\n0.875 s", "check replicas\n0.875 s", "load failed", "config error"]
+    assert (matrix.row_keys, matrix.column_keys, matrix.subtitle) == (
+        ["source.world_size"], ["target.world_size"], "runtime.mode=offline"
+    )
+    assert [(c["row"], c["column"], c["job"], c["kind"]) for c in matrix.cells] == [
+        (0, 0, 0, "ok"), (0, 1, 1, "check"), (1, 0, 2, "stage"), (1, 1, 3, "config")
+    ]
+    assert [c["text"] for c in matrix.cells] == [
+        "ok\n0.875 s", "check replicas\n0.875 s", "load failed", "config error"
+    ]
     assert [c["seconds"] for c in matrix.cells] == [0.875, 0.875, None, None]
 
 
 def test_matrix_puts_other_varying_keys_in_columns_and_shortens_paths() -> None:
     records = [
-        record(n, [f"input.path=/ckpts/{src}/optim.pt", f"optim.name={name}"]) for n, (src, name) in enumerate(itertools.product(("a", "b"), ("Adam", "SGD")))
+        record(n, [f"input.path=/ckpts/{src}/optim.pt", f"optim.name={name}"])
+        for n, (src, name) in enumerate(itertools.product(("a", "b"), ("Adam", "SGD")))
     ]  # fmt: skip
     matrix = sweep.matrix_cells([sweep.job_row(r, OK_REPORT) for r in records])
     assert (matrix.rows, matrix.columns) == (["a/optim.pt", "b/optim.pt"], ["Adam", "SGD"])
@@ -298,12 +377,20 @@ def test_matrix_puts_other_varying_keys_in_columns_and_shortens_paths() -> None:
 def test_table_text_has_a_row_per_job_and_says_what_the_numbers_are() -> None:
     text = sweep.table_text(synthetic_rows(), exit_code=2)
     header, rows = table_rows(text)
-    assert header == ["job", "source.world_size", "target.world_size", "outcome", "stage s", "wall s", "bytes", "peak RSS MB"]
+    assert header == [
+        "job", "source.world_size", "target.world_size", "outcome", "stage s", "wall s", "bytes", "peak RSS MB"
+    ]
     assert rows[0] == ["0", "2", "1", "ok", "0.875", "0.50", "400", "3.0"]
     assert rows[2] == ["2", "4", "1", "stage load: rank_3.pt is missing", "-", "0.50", "-", "-"]
-    assert [r[3] for r in rows] == ["ok", "check replicas: rank 1: 1 element(s) differ", "stage load: rank_3.pt is missing", "config: bad"]
+    assert [r[3] for r in rows] == [
+        "ok", "check replicas: rank 1: 1 element(s) differ", "stage load: rank_3.pt is missing", "config: bad"
+    ]
     assert "4 jobs: 1 ok, 1 check failed, 1 stage failed, 1 config error; exit code 2" in text
-    assert "stage s: sum of report.json's stage seconds" in text and "wall s:" in text and "bytes: sum of report.json's stage bytes" in text
+    assert (
+        "stage s: sum of report.json's stage seconds" in text
+        and "wall s:" in text
+        and "bytes: sum of report.json's stage bytes" in text
+    )
 
 
 def test_summary_reads_reports_and_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -311,28 +398,38 @@ def test_summary_reads_reports_and_writes_json_and_png(tmp_path: Path, capsys: p
     (tmp_path / "0" / "report.json").write_text(json.dumps(OK_REPORT))
     records = [
         sweep.JobRecord(0, ("target.world_size=2",), 0, None, 1.0, str(tmp_path / "0"), str(tmp_path / "sweep")),
-        sweep.JobRecord(1, ("target.world_size=0",), 2, "config: target.world_size (got 0): must be >= 1", 0.1, str(tmp_path / "1"), str(tmp_path / "sweep")),
+        sweep.JobRecord(1, ("target.world_size=0",), 2, "config: target.world_size (got 0): must be >= 1", 0.1,
+                        str(tmp_path / "1"), str(tmp_path / "sweep")),
     ]  # fmt: skip
     assert sweep.summarize_sweep(records, exit_code=2) is None
     summary = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     assert [(r["job"], r["kind"], r["bytes"]) for r in summary["rows"]] == [(0, "ok", 400), (1, "config", None)]
-    assert png_text_chunks((tmp_path / "sweep" / "sweep.png").read_bytes())["Description"] == json.dumps(summary["matrix"])
+    assert png_text_chunks((tmp_path / "sweep" / "sweep.png").read_bytes())["Description"] == (
+        json.dumps(summary["matrix"])
+    )
     assert "2 jobs: 1 ok, 1 config error; exit code 2" in capsys.readouterr().out
 
 
-def test_summary_without_matplotlib_is_one_line_and_keeps_sweep_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_summary_without_matplotlib_is_one_line_and_keeps_sweep_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_matplotlib(*args: object) -> None:
         raise ModuleNotFoundError("No module named 'matplotlib'")
 
     monkeypatch.setattr(sweep, "draw_matrix", no_matplotlib)
-    problem = sweep.summarize_sweep([sweep.JobRecord(0, ("a=1",), 1, "boom", 0.1, str(tmp_path / "0"), str(tmp_path))], exit_code=1)
+    problem = sweep.summarize_sweep(
+        [sweep.JobRecord(0, ("a=1",), 1, "boom", 0.1, str(tmp_path / "0"), str(tmp_path))], exit_code=1
+    )
     assert problem is not None and "\n" not in problem and "pip install matplotlib" in problem
     assert (tmp_path / "sweep.json").exists() and not (tmp_path / "sweep.png").exists()
 
 
 def test_summary_into_an_unwritable_place_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "a_file").write_text("")
-    problem = sweep.summarize_sweep([sweep.JobRecord(0, ("a=1",), 0, None, 0.1, str(tmp_path / "0"), str(tmp_path / "a_file" / "sweep"))], exit_code=0)
+    problem = sweep.summarize_sweep(
+        [sweep.JobRecord(0, ("a=1",), 0, None, 0.1, str(tmp_path / "0"), str(tmp_path / "a_file" / "sweep"))],
+        exit_code=0,
+    )
     assert problem is not None and "\n" not in problem and problem.startswith("sweep summary: cannot write"), problem
 
 
@@ -353,7 +450,9 @@ def test_recipe_sweeps_at_least_16_valid_configurations(tmp_path: Path) -> None:
     from osdpipe.spec.reconcile import settle_and_validate
 
     with initialize_config_module(version_base="1.3", config_module="osdpipe.conf"):
-        params = compose("config", overrides=["recipe=sweep_world_sizes"], return_hydra_config=True).hydra.sweeper.params
+        params = compose(
+            "config", overrides=["recipe=sweep_world_sizes"], return_hydra_config=True
+        ).hydra.sweeper.params
         assert sorted(params) == ["source.world_size", "target.sharding_strategy", "target.world_size"]
         axes = [[f"{key}={value}" for value in str(values).split(",")] for key, values in params.items()]
         combinations = list(itertools.product(*axes))

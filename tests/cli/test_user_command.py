@@ -30,7 +30,8 @@ from osdpipe.core.compare import diff
 from osdpipe.io.loading import without_records
 from osdpipe.run.launch import run_local_world
 
-#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
+#: runs it).
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 240
@@ -42,7 +43,12 @@ def _wrap(model: torch.nn.Module, units: set[type], use_orig_params: bool) -> to
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units) if units else None, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy(units) if units else None,
+            use_orig_params=use_orig_params,
+            device_id=torch.device("cpu"),
+        )
 
 
 def _train_and_save(root: str) -> None:
@@ -63,7 +69,9 @@ def _train_and_save(root: str) -> None:
             torch.save(full, os.path.join(root, "optim.pt"))
         os.makedirs(os.path.join(root, "rank_local"), exist_ok=True)
         torch.save(optim.state_dict(), os.path.join(root, "rank_local", f"rank_{rank}.pt"))
-        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+        with FSDP.state_dict_type(
+            model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+        ):
             sharded = FSDP.optim_state_dict(model, optim)
         dcp.save({"optimizer": sharded}, checkpoint_id=os.path.join(root, "dcp"))
 
@@ -84,7 +92,8 @@ def _fully_shard(model: torch.nn.Module, shard_group_size: int | None = None) ->
 
 
 def _train_fsdp2_and_save(root: str) -> None:
-    """A user's FSDP2 job on 4 ranks: 3 Adam steps, then get_optimizer_state_dict + dcp.save, and the full state for reference."""
+    """A user's FSDP2 job on 4 ranks: 3 Adam steps, then get_optimizer_state_dict + dcp.save,
+    and the full state for reference."""
     import torch.distributed.checkpoint as dcp
     import userlm
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -123,7 +132,9 @@ def user_checkpoints(tmp_path_factory) -> Path:
     return root
 
 
-def _pytorch_rank_files_match(out: str, full_path: str, units: list[str], use_orig_params: bool, hybrid: int | None = None) -> list[str]:
+def _pytorch_rank_files_match(
+    out: str, full_path: str, units: list[str], use_orig_params: bool, hybrid: int | None = None
+) -> list[str]:
     """On each target rank: osdpipe's rank file against FSDP.optim_state_dict_to_load, bitwise."""
     import userlm
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -135,7 +146,13 @@ def _pytorch_rank_files_match(out: str, full_path: str, units: list[str], use_or
         mesh = init_device_mesh("cpu", (dist.get_world_size() // hybrid, hybrid), mesh_dim_names=("replicate", "shard"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = FSDP(userlm.build(), device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+            model = FSDP(
+                userlm.build(),
+                device_mesh=mesh,
+                sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                use_orig_params=use_orig_params,
+                device_id=torch.device("cpu"),
+            )
     else:
         model = _wrap(userlm.build(), {getattr(userlm, u) for u in units}, use_orig_params)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -147,7 +164,8 @@ def _pytorch_rank_files_match(out: str, full_path: str, units: list[str], use_or
 
 
 def _pytorch_fsdp2_rank_files_match(out: str, full_path: str, shard_group_size: int | None) -> list[str]:
-    """On each FSDP2 target rank: osdpipe's file against set_optimizer_state_dict(full) + optim.state_dict(); then load it and step."""
+    """On each FSDP2 target rank: osdpipe's file against set_optimizer_state_dict(full) + optim.state_dict(); then load
+    it and step."""
     import userlm
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     from torch.distributed.tensor import DTensor
@@ -157,12 +175,19 @@ def _pytorch_fsdp2_rank_files_match(out: str, full_path: str, shard_group_size: 
     torch.manual_seed(1)
     model = _fully_shard(userlm.build(), shard_group_size)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    set_optimizer_state_dict(model, optim, torch.load(full_path, weights_only=True), options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        model, optim, torch.load(full_path, weights_only=True), options=StateDictOptions(full_state_dict=True)
+    )
     expected = optim.state_dict()
     path = os.path.join(out, f"rank_{dist.get_rank()}.pt")
     got = torch.load(path, weights_only=True)
-    local = {pid: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in s.items()} for pid, s in expected["state"].items()}
-    problems = diff(got["state"], local, path="state") + diff(got["param_groups"], expected["param_groups"], path="param_groups", sequence_types=False)
+    local = {
+        pid: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in s.items()}
+        for pid, s in expected["state"].items()
+    }
+    problems = diff(got["state"], local, path="state") + diff(
+        got["param_groups"], expected["param_groups"], path="param_groups", sequence_types=False
+    )
     placements = {pid: [str(p) for p in v["exp_avg"].placements] for pid, v in expected["state"].items()}
     problems += diff({pid: e["placements"] for pid, e in got["dtensor"].items()}, placements, path="dtensor")
     fresh = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -180,25 +205,57 @@ def _pytorch_fsdp2_rank_files_match(out: str, full_path: str, shard_group_size: 
 
 # (case, README command arguments after model.factory, target world size, target units, use_orig_params)
 CASES = [
-    ("fsdp_full_to_2", ["input.path={root}/optim.pt", "input.format=fsdp_full", "source.world_size=4", "source.wrap=[MixerBlock]", "target.world_size=2"], 2, [], False),
+    (
+        "fsdp_full_to_2",
+        [
+            "input.path={root}/optim.pt", "input.format=fsdp_full",
+            "source.world_size=4", "source.wrap=[MixerBlock]",
+            "target.world_size=2",
+        ],
+        2,
+        [],
+        False,
+    ),
     (
         "fsdp_full_to_3",
-        ["input.path={root}/optim.pt", "source.world_size=4", "source.wrap=[MixerBlock]", "target.world_size=3", "target.wrap=[MixerBlock]", "target.use_orig_params=true"],
+        [
+            "input.path={root}/optim.pt",
+            "source.world_size=4", "source.wrap=[MixerBlock]",
+            "target.world_size=3", "target.wrap=[MixerBlock]", "target.use_orig_params=true",
+        ],
         3,
         ["MixerBlock"],
         True,
     ),
-    ("dcp_to_2", ["input.path={root}/dcp", "input.format=dcp", "input.key=optimizer", "source.world_size=4", "source.wrap=[MixerBlock]", "target.world_size=2"], 2, [], False),
+    (
+        "dcp_to_2",
+        [
+            "input.path={root}/dcp", "input.format=dcp", "input.key=optimizer",
+            "source.world_size=4", "source.wrap=[MixerBlock]",
+            "target.world_size=2",
+        ],
+        2,
+        [],
+        False,
+    ),
     (
         "rank_local_to_3",
-        ["input.path={root}/rank_local", "input.format=rank_local", "source.world_size=4", "source.wrap=[MixerBlock]", "target.world_size=3", "target.use_orig_params=true"],
+        [
+            "input.path={root}/rank_local", "input.format=rank_local",
+            "source.world_size=4", "source.wrap=[MixerBlock]",
+            "target.world_size=3", "target.use_orig_params=true",
+        ],
         3,
         [],
         True,
     ),
     (
         "plain_to_2",
-        ["input.path={root}/plain.pt", "input.format=plain", "source.kind=none", "source.world_size=1", "input.param_groups=[[*]]", "target.world_size=2", "target.wrap=[MixerBlock]"],
+        [
+            "input.path={root}/plain.pt", "input.format=plain",
+            "source.kind=none", "source.world_size=1", "input.param_groups=[[*]]",
+            "target.world_size=2", "target.wrap=[MixerBlock]",
+        ],
         2,
         ["MixerBlock"],
         False,
@@ -216,20 +273,30 @@ def _check_converted(name: str, result: dict, out: Path, world: int) -> None:
 
 
 def _convert(args: list[str], root: Path, tmp_path: Path, world: int) -> Path:
-    """Run the README command with ``args`` in a process of its own; it must pass every check and write ``world`` rank files, nothing else."""
+    """Run the README command with ``args`` in a process of its own; it must pass every check and write ``world`` rank
+    files, nothing else."""
     out = tmp_path / "resharded"
-    cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *(a.format(root=root) for a in args), f"output.path={out}"]
+    cmd = [
+        sys.executable, "-m", "osdpipe", "model.factory=userlm:build", *(a.format(root=root) for a in args),
+        f"output.path={out}",
+    ]
     result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=user_env())
-    _check_converted("command", {"code": result.returncode, "stdout": result.stdout, "stderr": result.stderr}, out, world)
+    _check_converted(
+        "command", {"code": result.returncode, "stdout": result.stdout, "stderr": result.stderr}, out, world
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resharded"], "nothing is written outside output.path"
     return out
 
 
 @pytest.mark.parametrize("case,args,world,units,use_orig_params", CASES, ids=[c[0] for c in CASES])
-def test_readme_command_converts_a_user_checkpoint(case, args, world, units, use_orig_params, user_checkpoints, converted):
+def test_readme_command_converts_a_user_checkpoint(
+    case, args, world, units, use_orig_params, user_checkpoints, converted
+):
     out = converted[case]
     reference = user_checkpoints / ("plain_as_full.pt" if case.startswith("plain") else "optim.pt")
-    problems = run_local_world(_pytorch_rank_files_match, world, (str(out), str(reference), units, use_orig_params), timeout_s=TIMEOUT_S)
+    problems = run_local_world(
+        _pytorch_rank_files_match, world, (str(out), str(reference), units, use_orig_params), timeout_s=TIMEOUT_S
+    )
     assert problems == [[]] * world, problems
 
 
@@ -244,24 +311,47 @@ TO_FSDP2 = [
 @pytest.mark.parametrize("case,args,world,shard_group_size", TO_FSDP2, ids=[c[0] for c in TO_FSDP2])
 def test_fsdp1_checkpoint_converts_to_fsdp2(case, args, world, shard_group_size, user_checkpoints, converted):
     out = converted[case]
-    problems = run_local_world(_pytorch_fsdp2_rank_files_match, world, (str(out), str(user_checkpoints / "optim.pt"), shard_group_size), timeout_s=TIMEOUT_S)
+    problems = run_local_world(
+        _pytorch_fsdp2_rank_files_match,
+        world,
+        (str(out), str(user_checkpoints / "optim.pt"), shard_group_size),
+        timeout_s=TIMEOUT_S,
+    )
     assert problems == [[]] * world, problems
 
 
 # FSDP2 DCP -> FSDP1: (case, arguments, target world size, use_orig_params, shard_group_size)
 FROM_FSDP2 = [
-    ("fsdp2_dcp_to_orig_params_4", ["target.world_size=4", "target.use_orig_params=true", "target.wrap=[MixerBlock]"], 4, True, None),
-    ("fsdp2_dcp_to_hybrid_4", ["target.world_size=4", "target.wrap=[]", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2"], 4, False, 2),
+    (
+        "fsdp2_dcp_to_orig_params_4",
+        ["target.world_size=4", "target.use_orig_params=true", "target.wrap=[MixerBlock]"],
+        4,
+        True,
+        None,
+    ),
+    (
+        "fsdp2_dcp_to_hybrid_4",
+        ["target.world_size=4", "target.wrap=[]", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2"],
+        4,
+        False,
+        2,
+    ),
 ]
 
 
-TO_FSDP2_SOURCE = ["input.path={root}/optim.pt", "input.format=fsdp_full", "source.world_size=4", "source.wrap=[MixerBlock]", "target.kind=fsdp2"]
-FROM_FSDP2_SOURCE = ["input.path={root}/fsdp2_dcp", "input.format=dcp", "source.kind=fsdp2", "source.world_size=4", "target.kind=fsdp1"]
+TO_FSDP2_SOURCE = [
+    "input.path={root}/optim.pt", "input.format=fsdp_full", "source.world_size=4", "source.wrap=[MixerBlock]",
+    "target.kind=fsdp2",
+]
+FROM_FSDP2_SOURCE = [
+    "input.path={root}/fsdp2_dcp", "input.format=dcp", "source.kind=fsdp2", "source.world_size=4", "target.kind=fsdp1"
+]
 
 
 @pytest.fixture(scope="module")
 def converted(user_checkpoints: Path, tmp_path_factory) -> dict[str, Path]:
-    """Every case's README command, through the ``osdpipe`` entry point in one driver process: case -> its output directory.
+    """Every case's README command, through the ``osdpipe`` entry point in one driver process:
+    case -> its output directory.
 
     Each must pass every check and write its rank files; nothing is written outside the output directories.
     """
@@ -270,24 +360,33 @@ def converted(user_checkpoints: Path, tmp_path_factory) -> dict[str, Path]:
     cases |= {name: ([*TO_FSDP2_SOURCE, *args], world) for name, args, world, _ in TO_FSDP2}
     cases |= {name: ([*FROM_FSDP2_SOURCE, *args], world) for name, args, world, *_ in FROM_FSDP2}
     outs = {name: work / name for name in cases}
-    argv = [["model.factory=userlm:build", *(a.format(root=user_checkpoints) for a in args), f"output.path={outs[name]}"] for name, (args, _) in cases.items()]
-    for (name, (_, world)), result in zip(cases.items(), run_cli_cases(argv, cwd=work, per_case_s=TIMEOUT_S, env=user_env())):
+    argv = [
+        ["model.factory=userlm:build", *(a.format(root=user_checkpoints) for a in args), f"output.path={outs[name]}"]
+        for name, (args, _) in cases.items()
+    ]
+    results = run_cli_cases(argv, cwd=work, per_case_s=TIMEOUT_S, env=user_env())
+    for (name, (_, world)), result in zip(cases.items(), results):
         _check_converted(name, result, outs[name], world)
     assert sorted(p.name for p in work.iterdir()) == sorted(cases), "nothing is written outside output.path"
     return outs
 
 
 @pytest.mark.parametrize("case,args,world,use_orig_params,hybrid", FROM_FSDP2, ids=[c[0] for c in FROM_FSDP2])
-def test_fsdp2_dcp_checkpoint_converts_to_fsdp1(case, args, world, use_orig_params, hybrid, user_checkpoints, converted):
+def test_fsdp2_dcp_checkpoint_converts_to_fsdp1(
+    case, args, world, use_orig_params, hybrid, user_checkpoints, converted
+):
     out = converted[case]
     units = [] if hybrid else ["MixerBlock"]
     full = str(user_checkpoints / "fsdp2_full.pt")
-    problems = run_local_world(_pytorch_rank_files_match, world, (str(out), full, units, use_orig_params, hybrid), timeout_s=TIMEOUT_S)
+    problems = run_local_world(
+        _pytorch_rank_files_match, world, (str(out), full, units, use_orig_params, hybrid), timeout_s=TIMEOUT_S
+    )
     assert problems == [[]] * world, problems
 
 
 def _save_fsdp2_state_dicts(root: str) -> None:
-    """A user's FSDP2 job saving each rank's optim.state_dict() as it is (DTensors), and the full state for reference."""
+    """A user's FSDP2 job saving each rank's optim.state_dict() as it is (DTensors),
+    and the full state for reference."""
     import userlm
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -308,7 +407,12 @@ def test_fsdp2_rank_state_dicts_with_dtensors_convert(tmp_path):
     run_local_world(_save_fsdp2_state_dicts, 2, (str(root),), timeout_s=TIMEOUT_S)
     work = tmp_path / "work"
     work.mkdir()
-    args = ["input.path={root}/fsdp2_rank_local", "input.format=rank_local", "source.kind=fsdp2", "source.world_size=2", "target.world_size=3", "target.use_orig_params=true"]
+    args = [
+        "input.path={root}/fsdp2_rank_local", "input.format=rank_local", "source.kind=fsdp2", "source.world_size=2",
+        "target.world_size=3", "target.use_orig_params=true",
+    ]
     out = _convert(args, root, work, 3)
-    problems = run_local_world(_pytorch_rank_files_match, 3, (str(out), str(root / "fsdp2_rank_local_full.pt"), [], True), timeout_s=TIMEOUT_S)
+    problems = run_local_world(
+        _pytorch_rank_files_match, 3, (str(out), str(root / "fsdp2_rank_local_full.pt"), [], True), timeout_s=TIMEOUT_S
+    )
     assert problems == [[]] * 3, problems

@@ -56,22 +56,37 @@ def dump_path(folder: Path) -> Path:
 
 
 def _env() -> dict[str, str]:
-    """:func:`frameworks.launch.worker_env`, without the variables accelerate would read its plugin from (the worker passes its own)."""
+    """:func:`frameworks.launch.worker_env`, without the variables accelerate would read its plugin from (the worker
+    passes its own)."""
     env = worker_env(TOKENIZERS_PARALLELISM="false", ACCELERATE_LOG_LEVEL="warning")
     return {k: v for k, v in env.items() if not k.startswith(("ACCELERATE_USE_", "FSDP_"))}
 
 
 def trainer(workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, timeout: float = 240) -> dict[str, Any]:
-    """The HF Trainer with FSDP on ``nproc`` CPU ranks (``accel_trainer_job.py``: keys out, version, state_dict_type, max_steps,
-    resume, tied); what rank 0 reports of it (global step, optimizer state held after the resume, losses)."""
+    """The HF Trainer with FSDP on ``nproc`` CPU ranks (``accel_trainer_job.py``: keys out, version, state_dict_type,
+    max_steps, resume, tied); what rank 0 reports of it (global step, optimizer state held after the resume, losses)."""
     _torchrun(workdir, nproc, spec, label=label, timeout=timeout, entry=HERE / "accel_trainer_job.py")
-    lines = [line for line in (Path(workdir) / f"{label}.log").read_text(errors="replace").splitlines() if line.startswith("RESULT ")]
+    lines = [
+        line
+        for line in (Path(workdir) / f"{label}.log").read_text(errors="replace").splitlines()
+        if line.startswith("RESULT ")
+    ]
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def _torchrun(workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, timeout: float, entry: Path = ENTRY) -> None:
-    """Launch one job and wait; raise with the log's tail if it fails or hangs (:func:`frameworks.launch.run_logged`)."""
-    elapsed = run_logged(torchrun(nproc, entry, spec), workdir, label=label, timeout=timeout, what=f"accelerate job ({nproc} ranks)", env=_env())
+def _torchrun(
+    workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, timeout: float, entry: Path = ENTRY
+) -> None:
+    """Launch one job and wait; raise with the log's tail if it fails or hangs
+    (:func:`frameworks.launch.run_logged`)."""
+    elapsed = run_logged(
+        torchrun(nproc, entry, spec),
+        workdir,
+        label=label,
+        timeout=timeout,
+        what=f"accelerate job ({nproc} ranks)",
+        env=_env(),
+    )
     TIMINGS.append((label, elapsed))
 
 

@@ -192,7 +192,9 @@ def build(spec: dict[str, Any]) -> tuple[Any, nn.Module, Any, Any]:
         module, _, name = job["model"].partition(":")
         model = getattr(importlib.import_module(module), name)(**job["kwargs"])
         named = dict(model.named_parameters())
-        optimizer = torch.optim.AdamW([{"params": [named[n] for n in names], **kwargs} for names, kwargs in job["groups"]])
+        optimizer = torch.optim.AdamW(
+            [{"params": [named[n] for n in names], **kwargs} for names, kwargs in job["groups"]]
+        )
         model, optimizer = accelerator.prepare(model, optimizer)
         return accelerator, model, optimizer, None
     model = AccelLM(spec["tied"])

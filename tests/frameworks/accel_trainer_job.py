@@ -29,7 +29,8 @@ from accel_job import gathered, patch_fsdp1_to_cpu  # noqa: E402
 
 
 def build_llama(tied: bool = False) -> Any:
-    """A tiny ``LlamaForCausalLM`` from a ``LlamaConfig`` (no download): the Trainer's model, and osdpipe's ``model.factory``."""
+    """A tiny ``LlamaForCausalLM`` from a ``LlamaConfig`` (no download): the Trainer's model,
+    and osdpipe's ``model.factory``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -123,7 +124,9 @@ def main() -> None:
         "is_fsdp_enabled": trainer.is_fsdp_enabled,
         "model_type": type(trainer.model_wrapped).__name__,
         "plugin_version": trainer.accelerator.state.fsdp_plugin.fsdp_version if trainer.is_fsdp_enabled else None,
-        "state_dict_type": str(trainer.accelerator.state.fsdp_plugin.state_dict_type) if trainer.is_fsdp_enabled else None,
+        "state_dict_type": (
+            str(trainer.accelerator.state.fsdp_plugin.state_dict_type) if trainer.is_fsdp_enabled else None
+        ),
         "groups": [{k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])} for g in inner.param_groups],
         "optim_state_len": len(inner.state),
         "optim_state_after_resume": getattr(trainer, "optim_state_after_resume", None),

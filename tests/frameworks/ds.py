@@ -65,8 +65,11 @@ def latest_tag(folder: Path) -> str:
 
 
 def _run(cmd: list[str], workdir: Path, *, label: str, timeout: float, what: str) -> None:
-    """Run one command with DeepSpeed's CPU accelerator (:func:`frameworks.launch.run_logged`); raise with the log's tail if it fails."""
-    TIMINGS.append((label, run_logged(cmd, workdir, label=label, timeout=timeout, what=what, env=worker_env(DS_ACCELERATOR="cpu"))))
+    """Run one command with DeepSpeed's CPU accelerator (:func:`frameworks.launch.run_logged`);
+    raise with the log's tail if it fails."""
+    TIMINGS.append(
+        (label, run_logged(cmd, workdir, label=label, timeout=timeout, what=what, env=worker_env(DS_ACCELERATOR="cpu")))
+    )
 
 
 def _torchrun(workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, timeout: float) -> None:
@@ -133,7 +136,13 @@ def universal(folder: Path, *, workdir: Path | None = None, timeout: float = 300
         "--num_merge_workers",
         "1",
     ]
-    _run(cmd, Path(workdir) if workdir else folder.parent, label=f"universal-{folder.name}", timeout=timeout, what="ds_to_universal")
+    _run(
+        cmd,
+        Path(workdir) if workdir else folder.parent,
+        label=f"universal-{folder.name}",
+        timeout=timeout,
+        what="ds_to_universal",
+    )
     if not (dest / "zero").is_dir():
         raise RuntimeError(f"ds_to_universal wrote no {dest / 'zero'}")
     return dest
@@ -164,7 +173,9 @@ def fill_moments_from_universal(truth: dict[str, Any], universal_folder: Path) -
             saved = torch.load(zero / fqn / f"{key}.pt", weights_only=False)
             tensor = saved["param"] if isinstance(saved, dict) else saved  # stage 1/2: dict; stage 3: bare tensor
             if tensor.numel() != fp32.numel():
-                raise RuntimeError(f"universal {key} of {fqn} has {tensor.numel()} elements, the parameter {fp32.numel()}")
+                raise RuntimeError(
+                    f"universal {key} of {fqn} has {tensor.numel()} elements, the parameter {fp32.numel()}"
+                )
             truth["state"][fqn][key] = tensor.reshape(fp32.shape).clone()
     relinked = truth.get("moments_relinked_api") or {}
     for fqn, moments in relinked.items():

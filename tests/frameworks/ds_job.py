@@ -69,7 +69,9 @@ class DsLM(nn.Module):
         nn.init.normal_(self.tok.weight, std=0.2)
         if tied:
             self.head.weight = self.tok.weight
-        self.register_buffer("pos", torch.linspace(-0.1, 0.1, SEQ).unsqueeze(1).expand(SEQ, dim).clone(), persistent=True)
+        self.register_buffer(
+            "pos", torch.linspace(-0.1, 0.1, SEQ).unsqueeze(1).expand(SEQ, dim).clone(), persistent=True
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids) + self.pos[: ids.shape[1]].to(self.tok.weight.dtype)

@@ -1,4 +1,5 @@
-"""Launching the real frameworks' jobs: one logged, killable command per job (shared by :mod:`frameworks.accel` and :mod:`frameworks.ds`).
+"""Launching the real frameworks' jobs: one logged, killable command per job
+(shared by :mod:`frameworks.accel` and :mod:`frameworks.ds`).
 
 A job runs in its own session so that a hang is killed as a process group
 (torchrun and every rank), never by name; its output goes to
@@ -31,7 +32,10 @@ def worker_env(**variables: str) -> dict[str, str]:
 
 def torchrun(nproc: int, entry: Path, spec: dict[str, Any]) -> list[str]:
     """The command that runs ``entry`` on ``nproc`` local ranks with ``spec`` as its one argument (JSON)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(entry), json.dumps(spec)]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        str(entry), json.dumps(spec),
+    ]
 
 
 def run_then_leave(main: Callable[[], None]) -> None:
@@ -49,7 +53,8 @@ def run_then_leave(main: Callable[[], None]) -> None:
 
 
 def run_logged(cmd: list[str], workdir: Path, *, label: str, timeout: float, what: str, env: dict[str, str]) -> float:
-    """Run ``cmd`` in ``workdir`` and wait; its seconds. Raise with the log's tail if it fails or outlives ``timeout``."""
+    """Run ``cmd`` in ``workdir`` and wait; its seconds. Raise with the log's tail if it fails or outlives
+    ``timeout``."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{label}.log"

@@ -351,7 +351,8 @@ def checkpoint_step(path: Path) -> int:
 
 
 def checkpoint_keys(path: Path) -> list[str]:
-    """Every item a DCP checkpoint holds, by its flattened key (``optimizer.state.<fqn>.exp_avg``), from its ``.metadata`` alone."""
+    """Every item a DCP checkpoint holds, by its flattened key (``optimizer.state.<fqn>.exp_avg``), from its
+    ``.metadata`` alone."""
     from torch.distributed.checkpoint import FileSystemReader
 
     return sorted(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
@@ -387,12 +388,13 @@ def resume_and_dump(
     ``--checkpoint.initial-load-path source
     --checkpoint.no-initial-load-model-only`` with an empty folder, i.e. full
     state; pass ``--checkpoint.initial-load-model-only`` in ``extra`` for
-    model only: the trainer then starts at step 0 and ``optim`` is empty).  ``--checkpoint.load-only`` keeps the job from saving, so
-    ``source`` is never modified.  ``steps`` (total) defaults to the loaded
-    step + 1, so exactly one step runs after the load and ``loss_after`` is
-    its loss.  Pass ``--checkpoint.exclude-from-loading dataloader`` in
-    ``extra`` when ``nproc`` differs from the saving job's.  The dump also
-    carries ``wall`` (seconds of the torchrun call).
+    model only: the trainer then starts at step 0 and ``optim`` is empty).
+    ``--checkpoint.load-only`` keeps the job from saving, so ``source`` is
+    never modified.  ``steps`` (total) defaults to the loaded step + 1, so
+    exactly one step runs after the load and ``loss_after`` is its loss.
+    Pass ``--checkpoint.exclude-from-loading dataloader`` in ``extra`` when
+    ``nproc`` differs from the saving job's.  The dump also carries ``wall``
+    (seconds of the torchrun call).
     """
     workdir = Path(workdir).resolve()
     source = Path(source).resolve()

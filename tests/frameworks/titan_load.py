@@ -1,4 +1,5 @@
-"""Entry point that torchrun launches: torchtitan's own ``CheckpointManager`` loads a step folder into an FSDP2 job of the test's own model.
+"""Entry point that torchrun launches: torchtitan's own ``CheckpointManager`` loads a step folder into an FSDP2 job of
+the test's own model.
 
 torchtitan's trainer builds only torchtitan's models; a step folder written
 for another model (a DeepSpeed job's, converted with
@@ -69,8 +70,12 @@ def main() -> None:
     for block in getattr(model, "blocks", []):
         fully_shard(block)
     fully_shard(model)
-    groups = [ParamGroupConfig(pattern=p, optimizer_name="AdamW", optimizer_kwargs=kwargs) for p, kwargs in spec["groups"]]
-    optimizers = OptimizersContainer(OptimizersContainer.Config(param_groups=groups, implementation="for-loop"), model_parts=[model])
+    groups = [
+        ParamGroupConfig(pattern=p, optimizer_name="AdamW", optimizer_kwargs=kwargs) for p, kwargs in spec["groups"]
+    ]
+    optimizers = OptimizersContainer(
+        OptimizersContainer.Config(param_groups=groups, implementation="for-loop"), model_parts=[model]
+    )
     train_state = _TrainState()
     config = CheckpointManager.Config(enable=True, folder=spec["folder"], exclude_from_loading=list(spec["exclude"]))
     manager = CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=None,
@@ -78,8 +83,12 @@ def main() -> None:
     found = manager.load()
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    loaded = {"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, optimizers.optimizers[0], options=full)}
-    loaded = tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, loaded)  # the step below moves what is not a gathered copy (step)
+    loaded = {
+        "model": get_model_state_dict(model, options=full),
+        "optim": get_optimizer_state_dict(model, optimizers.optimizers[0], options=full),
+    }
+    # the step below moves what is not a gathered copy (step)
+    loaded = tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, loaded)
 
     ids = torch.randint(0, model.vocab, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
     logits = model(ids[:, :-1])

@@ -1,4 +1,5 @@
-"""osdpipe's own writer of DCP rank files (:func:`osdpipe.io.formats.dcp_writer.write_rank`): DCP's layout, osdpipe's bytes.
+"""osdpipe's own writer of DCP rank files (:func:`osdpipe.io.formats.dcp_writer.write_rank`):
+DCP's layout, osdpipe's bytes.
 
 In this process, no world: a small optimizer state cut along dim 0 for 3
 ranks is written the way a conversion writes it (the global plan from
@@ -31,20 +32,26 @@ from osdpipe.io import torchfile
 from osdpipe.io.formats import dcp_writer
 
 WORLD = 3
-SHAPES = {"embed.weight": (7, 5), "blocks.0.weight": (4, 4), "blocks.0.bias": (2,)}  # 2 rows on 3 ranks: one rank holds none
+# 2 rows on 3 ranks: one rank holds none
+SHAPES = {"embed.weight": (7, 5), "blocks.0.weight": (4, 4), "blocks.0.bias": (2,)}
 
 
 def _full() -> dict:
     gen = torch.Generator().manual_seed(0)
     state = {
-        fqn: {"step": torch.tensor(3.0), "exp_avg": torch.randn(shape, generator=gen), "exp_avg_sq": torch.rand(shape, generator=gen).to(torch.bfloat16)}
+        fqn: {
+            "step": torch.tensor(3.0),
+            "exp_avg": torch.randn(shape, generator=gen),
+            "exp_avg_sq": torch.rand(shape, generator=gen).to(torch.bfloat16),
+        }
         for fqn, shape in SHAPES.items()
     }
     return {"state": state, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(SHAPES)}]}
 
 
 def _rank_state(full: dict, rank: int, local: bool) -> dict:
-    """Rank ``rank``'s dim-0 rows as a conversion hands them to the writer (``local``: the rows themselves; else only their plan)."""
+    """Rank ``rank``'s dim-0 rows as a conversion hands them to the writer
+    (``local``: the rows themselves; else only their plan)."""
     state = {}
     for fqn, entries in full["state"].items():
         state[fqn] = {}
@@ -88,7 +95,13 @@ def _write_pytorchs(directory: Path, full: dict) -> None:
 def _load(directory: Path) -> dict:
     """The whole state back, by PyTorch's reader alone: every tensor into a full-size tensor of its own."""
     full = _full()
-    target = {"optim": {"state": {fqn: {k: torch.zeros_like(v) for k, v in entries.items()} for fqn, entries in full["state"].items()}}}
+    target = {
+        "optim": {
+            "state": {
+                fqn: {k: torch.zeros_like(v) for k, v in entries.items()} for fqn, entries in full["state"].items()
+            }
+        }
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
         dcp.load(target, storage_reader=FileSystemReader(str(directory)), no_dist=True)
@@ -103,9 +116,13 @@ def test_pytorchs_reader_loads_what_osdpipe_writes_as_it_loads_what_dcp_writes(t
     assert diff(_load(ours)["state"], full["state"]) == []
     assert diff(_load(theirs)["state"], full["state"]) == []
     mine, pytorchs = FileSystemReader(str(ours)).read_metadata(), FileSystemReader(str(theirs)).read_metadata()
-    assert mine.state_dict_metadata == pytorchs.state_dict_metadata, "the same items, shapes and chunks as DCP's own writer records"
+    assert mine.state_dict_metadata == pytorchs.state_dict_metadata, (
+        "the same items, shapes and chunks as DCP's own writer records"
+    )
     assert set(mine.storage_data) == set(pytorchs.storage_data)
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"
+    ]
 
 
 def test_every_item_is_a_torch_archive_of_its_own_rows_where_metadata_says(tmp_path: Path) -> None:
@@ -129,9 +146,12 @@ def test_every_item_is_a_torch_archive_of_its_own_rows_where_metadata_says(tmp_p
         assert diff(value, want) == [] and value.untyped_storage().nbytes() == want.nbytes, index
         with zipfile.ZipFile(io.BytesIO(data)) as archive:  # offsets and alignment count from the item's own start
             for info_ in archive.infolist():
-                if info_.filename.endswith(tuple("0123456789")):  # a storage record: its data 64-byte aligned, as torch aligns it
+                # a storage record: its data 64-byte aligned, as torch aligns it
+                if info_.filename.endswith(tuple("0123456789")):
                     name_length, extra_length = struct.unpack_from("<HH", data, info_.header_offset + 26)
-                    assert (info_.header_offset + 30 + name_length + extra_length) % torchfile.ALIGNMENT == 0, (index, info_.filename)
+                    assert (info_.header_offset + 30 + name_length + extra_length) % torchfile.ALIGNMENT == 0, (
+                        index, info_.filename
+                    )
     for name, spans in covered.items():  # the items tile each file, nothing between or after them
         spans.sort()
         assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), name
@@ -176,4 +196,6 @@ def test_the_write_results_survive_a_process_groups_pickling(tmp_path: Path) -> 
     plan = dcp_writer.plan(lambda r: _rank_state(full, r, False), WORLD)
     written, _, _ = dcp_writer.write_rank(tmp_path, _rank_state(full, 0, True), 0, plan)
     again = pickle.loads(pickle.dumps(written))
-    assert [(r.index, r.storage_data.offset, r.storage_data.length) for r in again] == [(r.index, r.storage_data.offset, r.storage_data.length) for r in written]
+    assert [(r.index, r.storage_data.offset, r.storage_data.length) for r in again] == [
+        (r.index, r.storage_data.offset, r.storage_data.length) for r in written
+    ]

@@ -1,4 +1,5 @@
-"""Digests taken while writing (``osdpipe.io.digest``) equal those of the bytes on disk, and save's structure check can fail."""
+"""Digests taken while writing (``osdpipe.io.digest``) equal those of the bytes on disk,
+and save's structure check can fail."""
 
 from __future__ import annotations
 
@@ -39,15 +40,22 @@ def test_save_hashed_digests_are_those_of_the_file_and_the_tensors(tmp_path: Pat
     assert torch.equal(loaded["state"][0]["exp_avg_sq"], osd["state"][0]["exp_avg_sq"])
 
 
-def test_a_file_whose_structure_differs_from_the_state_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_whose_structure_differs_from_the_state_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the structure check is for: a writer that drops or reshapes something must not pass."""
     real_save = digest.save_torch_file
 
     def lossy_save(obj, path, **kwargs):
-        return real_save({**obj, "state": {**obj["state"], 1: {**obj["state"][1], "exp_avg": torch.zeros(6, dtype=torch.bfloat16)}}}, path, **kwargs)
+        wrong = {**obj["state"][1], "exp_avg": torch.zeros(6, dtype=torch.bfloat16)}
+        return real_save({**obj, "state": {**obj["state"], 1: wrong}}, path, **kwargs)
 
     monkeypatch.setattr(digest, "save_torch_file", lossy_save)
-    with pytest.raises(OSError, match=r"rank_0\.pt does not read back as written: .*\[1\]\['exp_avg'\]: tensor\(6,\) bfloat16 vs tensor\(7,\) bfloat16"):
+    with pytest.raises(
+        OSError,
+        match=r"rank_0\.pt does not read back as written: "
+        r".*\[1\]\['exp_avg'\]: tensor\(6,\) bfloat16 vs tensor\(7,\) bfloat16",
+    ):
         write_torch_file(_state(), tmp_path / "rank_0.pt")
 
 
@@ -70,13 +78,16 @@ class _CountingSha256:
 
 
 def test_every_written_byte_is_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """save_hashed's file digest and tensor digests come from one pass: the bytes hashed are the file's, plus one 65-byte line per piece."""
+    """save_hashed's file digest and tensor digests come from one pass:
+    the bytes hashed are the file's, plus one 65-byte line per piece."""
     from osdpipe.io import torchfile
 
     monkeypatch.setattr(torchfile, "BUFFER_BYTES", 2 * torchfile.BLOCK)  # many buffers, pieces cut across them
     monkeypatch.setattr(hashlib, "sha256", _CountingSha256)  # every sha256 osdpipe takes, wherever
     torch.manual_seed(0)
-    osd = {"state": {i: {"step": torch.tensor(2.0), "exp_avg": torch.randn(1000 + i), "exp_avg_sq": torch.rand(1000 + i)} for i in range(5)},
+    osd = {"state": {i: {"step": torch.tensor(2.0), "exp_avg": torch.randn(1000 + i),
+                         "exp_avg_sq": torch.rand(1000 + i)}
+                     for i in range(5)},
            "param_groups": [{"lr": 0.1, "params": list(range(5))}]}  # fmt: skip
     _CountingSha256.hashed = 0
     file_digest, per_tensor = digest.save_hashed(osd, tmp_path / "rank_0.pt")

@@ -1,4 +1,5 @@
-"""What the files say of themselves, without a process group: synthetic values, the optimizer, the storage and fit checks.
+"""What the files say of themselves, without a process group: synthetic values, the optimizer,
+the storage and fit checks.
 
 Pure tests: each builds what it reads (a state dict, a file), so each fails
 when the piece it holds stops doing its one job.
@@ -27,14 +28,18 @@ from osdpipe.verify.resume_training import shared_memory
 def test_a_range_of_synthetic_values_is_the_same_range_of_the_whole() -> None:
     whole = values(grad_key(0, 3, "blocks.0.wq.weight"), 0, 1000, 1e-2, torch.float32)
     for start, stop in [(0, 1), (3, 400), (401, 1000), (999, 1000), (7, 7)]:
-        assert torch.equal(values(grad_key(0, 3, "blocks.0.wq.weight"), start, stop, 1e-2, torch.float32), whole[start:stop])
+        assert torch.equal(
+            values(grad_key(0, 3, "blocks.0.wq.weight"), start, stop, 1e-2, torch.float32), whole[start:stop]
+        )
     assert whole.abs().max() <= 1e-2 and whole.std() > 1e-3, "values spread over [-scale, scale)"
     assert len(set(whole.tolist())) > 990, "distinct elements get distinct values"
 
 
 @pytest.mark.parametrize("other", [grad_key(1, 3, "w"), grad_key(0, 4, "w"), grad_key(0, 3, "v"), param_key(0, "w")])
 def test_synthetic_values_depend_on_every_part_of_the_key(other: str) -> None:
-    assert not torch.equal(values(grad_key(0, 3, "w"), 0, 64, 1.0, torch.float32), values(other, 0, 64, 1.0, torch.float32))
+    assert not torch.equal(
+        values(grad_key(0, 3, "w"), 0, 64, 1.0, torch.float32), values(other, 0, 64, 1.0, torch.float32)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -58,7 +63,12 @@ def test_every_torch_optimizer_is_told_from_its_own_state_dict(name: str) -> Non
 
 
 def test_adamw_is_told_from_adam_by_its_switch_and_without_param_groups_the_state_decides() -> None:
-    for name, options in [("Adam", {"amsgrad": True}), ("AdamW", {"weight_decay": 0.1}), ("SGD", {"momentum": 0.9, "nesterov": True}), ("RMSprop", {"centered": True, "momentum": 0.5})]:
+    for name, options in [
+        ("Adam", {"amsgrad": True}),
+        ("AdamW", {"weight_decay": 0.1}),
+        ("SGD", {"momentum": 0.9, "nesterov": True}),
+        ("RMSprop", {"centered": True, "momentum": 0.5}),
+    ]:
         sd = _state_dict(name, **options)
         assert infer(sd["param_groups"], {k for s in sd["state"].values() for k in s}).name == name, (name, options)
     nadam = _state_dict("NAdam")["state"][0]
@@ -74,7 +84,11 @@ def test_adamw_is_told_from_adam_by_its_switch_and_without_param_groups_the_stat
 def test_shared_memory_names_every_overlap_and_nothing_else() -> None:
     step = torch.tensor(3.0)
     buffer = torch.zeros(10)
-    state = {0: {"step": step, "exp_avg": buffer[:5]}, 1: {"step": step.clone(), "exp_avg": buffer[5:]}, 2: {"step": step, "exp_avg": torch.zeros(0)}}
+    state = {
+        0: {"step": step, "exp_avg": buffer[:5]},
+        1: {"step": step.clone(), "exp_avg": buffer[5:]},
+        2: {"step": step, "exp_avg": torch.zeros(0)},
+    }
     assert shared_memory(state, {0: "a", 2: "c"}) == ["step of 0 (a) and step of 2 (c)"]
     state[1]["exp_avg"] = buffer[4:9]  # views that overlap by one element
     assert sorted(shared_memory(state)) == ["exp_avg of 0 and exp_avg of 1", "step of 0 and step of 2"]
@@ -102,8 +116,17 @@ def _optim_over(*shapes: tuple[int, ...]) -> torch.optim.Optimizer:
 
 def test_check_fits_refuses_a_state_of_another_shape_naming_the_id_and_both_shapes() -> None:
     optim = _optim_over((8224,), (6,))
-    osd = {"state": {0: {"exp_avg": torch.zeros(16384), "step": torch.tensor(1.0)}}, PARAM_LAYOUT: {0: {"key": "_flat_param", "fqns": ["a", "b"], "shapes": [[128, 128], [0]], "local_shape": [16384]}}}
-    with pytest.raises(LayoutMismatch, match=r"param ID 0 \(_flat_param: a, b\): state 'exp_avg' has shape \(16384,\), but the optimizer's parameter 0 has local shape \(8224,\)"):
+    osd = {
+        "state": {0: {"exp_avg": torch.zeros(16384), "step": torch.tensor(1.0)}},
+        PARAM_LAYOUT: {
+            0: {"key": "_flat_param", "fqns": ["a", "b"], "shapes": [[128, 128], [0]], "local_shape": [16384]}
+        },
+    }
+    with pytest.raises(
+        LayoutMismatch,
+        match=r"param ID 0 \(_flat_param: a, b\): state 'exp_avg' has shape \(16384,\), "
+        r"but the optimizer's parameter 0 has local shape \(8224,\)",
+    ):
         check_fits(optim, osd)
     check_fits(_optim_over((16384,), (6,)), osd)  # the same file fits the layout it was made for
 
@@ -111,10 +134,17 @@ def test_check_fits_refuses_a_state_of_another_shape_naming_the_id_and_both_shap
 def test_check_fits_holds_a_flat_parameter_to_the_parameters_it_is_made_of() -> None:
     optim = _optim_over((20,))
     flat = optim.param_groups[0]["params"][0]
-    flat._fqns, flat._shapes = ("gate", "lin.weight"), (torch.Size([2, 5]), torch.Size([10]))  # what FSDP1's FlatParameter carries
-    record = {"key": "block1._flat_param", "fqns": ["block1.gate", "block1.lin.weight"], "shapes": [[2, 5], [10]], "local_shape": [20]}
+    # what FSDP1's FlatParameter carries
+    flat._fqns, flat._shapes = ("gate", "lin.weight"), (torch.Size([2, 5]), torch.Size([10]))
+    record = {
+        "key": "block1._flat_param",
+        "fqns": ["block1.gate", "block1.lin.weight"],
+        "shapes": [[2, 5], [10]],
+        "local_shape": [20],
+    }
     check_fits(optim, {"state": {0: {"exp_avg": torch.zeros(20)}}, PARAM_LAYOUT: {0: record}})
-    other = {**record, "fqns": ["block1.lin.weight", "block1.gate"], "shapes": [[10], [2, 5]]}  # the same size, made otherwise
+    # the same size, made otherwise
+    other = {**record, "fqns": ["block1.lin.weight", "block1.gate"], "shapes": [[10], [2, 5]]}
     with pytest.raises(LayoutMismatch, match=r"is an FSDP unit's flat parameter of gate, lin.weight"):
         check_fits(optim, {"state": {0: {"exp_avg": torch.zeros(20)}}, PARAM_LAYOUT: {0: other}})
 
@@ -122,11 +152,15 @@ def test_check_fits_holds_a_flat_parameter_to_the_parameters_it_is_made_of() -> 
 def test_check_fits_with_a_model_holds_each_id_to_the_parameter_name() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    records = {i: {"key": f"{i}.weight", "fqns": [f"{i}.weight"], "shapes": [[3, 3]], "local_shape": [3, 3]} for i in range(2)}
+    records = {
+        i: {"key": f"{i}.weight", "fqns": [f"{i}.weight"], "shapes": [[3, 3]], "local_shape": [3, 3]} for i in range(2)
+    }
     state = {i: {"exp_avg": torch.zeros(3, 3)} for i in range(2)}
     check_fits(optim, {"state": state, PARAM_LAYOUT: records}, model=model)
     swapped = {0: records[1], 1: records[0]}  # same shapes, other parameters: only names tell
-    with pytest.raises(LayoutMismatch, match=r"param ID 0 holds 1.weight .* but the optimizer's parameter 0 is the model's 0.weight"):
+    with pytest.raises(
+        LayoutMismatch, match=r"param ID 0 holds 1.weight .* but the optimizer's parameter 0 is the model's 0.weight"
+    ):
         check_fits(optim, {"state": state, PARAM_LAYOUT: swapped}, model=model)
 
 
@@ -144,7 +178,10 @@ def adamw_file(tmp_path):
     optim.step()
     names = [n for n, _ in model.named_parameters()]
     sd = optim.state_dict()
-    full = {"state": {names[i]: s for i, s in sd["state"].items()}, "param_groups": [{**g, "params": names} for g in sd["param_groups"]]}
+    full = {
+        "state": {names[i]: s for i, s in sd["state"].items()},
+        "param_groups": [{**g, "params": names} for g in sd["param_groups"]],
+    }
     torch.save(full, tmp_path / "optim.pt")
     torch.save(sd, tmp_path / "plain.pt")
     return tmp_path
@@ -160,8 +197,12 @@ def test_formats_are_read_from_the_files(adamw_file) -> None:
 
 
 def _raw(path, **overrides):
-    raw = {"model": {"factory": "nested"}, "input": {"path": str(path), "format": "fsdp_full", "key": "optim"}, "source": {"kind": "fsdp1", "world_size": 2},
-           "optim": {"name": "auto", "lr": None, "kwargs": {}, "param_groups": []}}
+    raw = {
+        "model": {"factory": "nested"},
+        "input": {"path": str(path), "format": "fsdp_full", "key": "optim"},
+        "source": {"kind": "fsdp1", "world_size": 2},
+        "optim": {"name": "auto", "lr": None, "kwargs": {}, "param_groups": []},
+    }
     for key, value in overrides.items():
         section, _, name = key.partition("__")
         raw[section][name] = value
@@ -170,29 +211,53 @@ def _raw(path, **overrides):
 
 def test_reconcile_fills_what_was_not_given_and_refuses_what_contradicts(adamw_file) -> None:
     raw, warnings = reconcile(_raw(adamw_file / "plain.pt"), Given([]))
-    assert (raw["input"]["format"], raw["source"]["kind"], raw["source"]["world_size"], raw["optim"]["name"], raw["optim"]["lr"]) == ("plain", "none", 1, "AdamW", None)
+    assert (
+        raw["input"]["format"],
+        raw["source"]["kind"],
+        raw["source"]["world_size"],
+        raw["optim"]["name"],
+        raw["optim"]["lr"],
+    ) == ("plain", "none", 1, "AdamW", None)
     assert warnings == []
-    with pytest.raises(Contradiction, match=r"input.format=fsdp_full, but .*plain.pt is a torch.save file keyed by param ID: set input.format=plain"):
+    with pytest.raises(
+        Contradiction,
+        match=r"input.format=fsdp_full, but .*plain.pt is a torch.save file keyed by param ID: set input.format=plain",
+    ):
         reconcile(_raw(adamw_file / "plain.pt"), Given(["input.format=fsdp_full"]))
-    with pytest.raises(Contradiction, match=r"optim.name=SGD reads hyperparameters \['dampening', 'momentum', 'nesterov'\], which the checkpoint's param groups .* set optim.name=AdamW"):
+    with pytest.raises(
+        Contradiction,
+        match=r"optim.name=SGD reads hyperparameters \['dampening', 'momentum', 'nesterov'\], "
+        r"which the checkpoint's param groups .* set optim.name=AdamW",
+    ):
         reconcile(_raw(adamw_file / "optim.pt", optim__name="SGD"), Given(["optim.name=SGD"]))
-    _, warnings = reconcile(_raw(adamw_file / "optim.pt", optim__name="AdamW", optim__lr=0.1), Given(["optim.name=AdamW", "optim.lr=0.1"]))
+    _, warnings = reconcile(
+        _raw(adamw_file / "optim.pt", optim__name="AdamW", optim__lr=0.1), Given(["optim.name=AdamW", "optim.lr=0.1"])
+    )
     assert warnings == [
-        "optim.lr=0.1 differs from the checkpoint's lr=0.0003 in param group 0; the output keeps the checkpoint's 0.0003, "
+        "optim.lr=0.1 differs from the checkpoint's lr=0.0003 in param group 0; "
+        "the output keeps the checkpoint's 0.0003, "
         "which a resuming optimizer's load_state_dict sets (change it after loading to train with another)"
     ]
 
 
 def test_a_config_built_in_code_gets_the_inputs_optimizer(adamw_file) -> None:
-    spec = settle_and_validate({"model": {"factory": "testmodels:make_linear"}, "input": {"path": str(adamw_file / "optim.pt")}, "output": {"path": str(adamw_file / "out")}})
-    assert (spec.optim.name, spec.optim.lr) == ("AdamW", None)  # the checkpoint's groups keep their lr: a fact, not a setting
+    spec = settle_and_validate(
+        {
+            "model": {"factory": "testmodels:make_linear"},
+            "input": {"path": str(adamw_file / "optim.pt")},
+            "output": {"path": str(adamw_file / "out")},
+        }
+    )
+    # the checkpoint's groups keep their lr: a fact, not a setting
+    assert (spec.optim.name, spec.optim.lr) == ("AdamW", None)
     generated = settle_and_validate({"output": {"path": str(adamw_file / "gen")}})
     assert (generated.optim.name, generated.optim.lr) == ("Adam", 1e-2)
 
 
 def test_a_checkpoint_at_the_end_of_its_schedule_converts_with_its_own_hyperparameters(tmp_path) -> None:
     """A linear decay to 0 leaves lr=0.0 in the param groups (torchtitan's last step, the Trainer's final checkpoint):
-    a fact of the file, not a setting, so it converts, and the output keeps it with weight_decay=0 and the betas as saved."""
+    a fact of the file, not a setting, so it converts, and the output keeps it with weight_decay=0 and the betas as
+    saved."""
     import sys
 
     from helpers import run_command, user_env

@@ -1,4 +1,5 @@
-"""A flattened optimizer state dict (``flatten_optimizer_state_dict=True``, torchtitan's) reads as the nested one (osdpipe.io.formats.dcp_reader)."""
+"""A flattened optimizer state dict (``flatten_optimizer_state_dict=True``, torchtitan's) reads as the nested one
+(osdpipe.io.formats.dcp_reader)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,23 @@ from osdpipe.io.formats.dcp_reader import nested_paths, unflatten_optimizer
 
 def test_flattened_paths_become_nested_ones_fqn_dots_and_all() -> None:
     planner = {
-        "optimizer.state.layers.0.attention.wq.weight.exp_avg": ("optimizer", "state.layers.0.attention.wq.weight.exp_avg"),
-        "optimizer.param_groups.layers.0.attention.wq.weight.lr": ("optimizer", "param_groups.layers.0.attention.wq.weight.lr"),
+        "optimizer.state.layers.0.attention.wq.weight.exp_avg": (
+            "optimizer", "state.layers.0.attention.wq.weight.exp_avg"
+        ),
+        "optimizer.param_groups.layers.0.attention.wq.weight.lr": (
+            "optimizer", "param_groups.layers.0.attention.wq.weight.lr"
+        ),
         "optim.state.a.step": ("optim", "state", "a", "step"),
         "tok_embeddings.weight": ("tok_embeddings.weight",),
         "lr_scheduler.last_epoch": ("lr_scheduler", "last_epoch"),
     }
     paths = nested_paths(planner)
-    assert paths["optimizer.state.layers.0.attention.wq.weight.exp_avg"] == ("optimizer", "state", "layers.0.attention.wq.weight", "exp_avg")
-    assert paths["optimizer.param_groups.layers.0.attention.wq.weight.lr"] == ("optimizer", "param_groups", "layers.0.attention.wq.weight", "lr")
+    assert paths["optimizer.state.layers.0.attention.wq.weight.exp_avg"] == (
+        "optimizer", "state", "layers.0.attention.wq.weight", "exp_avg"
+    )
+    assert paths["optimizer.param_groups.layers.0.attention.wq.weight.lr"] == (
+        "optimizer", "param_groups", "layers.0.attention.wq.weight", "lr"
+    )
     for untouched in ("optim.state.a.step", "tok_embeddings.weight", "lr_scheduler.last_epoch"):
         assert paths[untouched] == planner[untouched]
     assert all(".".join(map(str, p)) == flat for flat, p in paths.items())  # the flat key is the dotted path either way

@@ -16,8 +16,8 @@ from osdpipe.io.formats.inert_load import Record, load_inert
 
 
 def _fake_framework(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """A framework's module (a top-level one: pickle imports it to save), with classes pickled as DeepSpeed pickles its own: an enum, a plain
-    object, a namedtuple-like one."""
+    """A framework's module (a top-level one: pickle imports it to save), with classes pickled as DeepSpeed pickles its
+    own: an enum, a plain object, a namedtuple-like one."""
     module = types.ModuleType("fakespeed")
 
     class Stage(enum.IntEnum):
@@ -41,7 +41,9 @@ def _fake_framework(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return module
 
 
-def test_a_frameworks_objects_come_out_as_records_and_its_tensors_as_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_frameworks_objects_come_out_as_records_and_its_tensors_as_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ds = _fake_framework(monkeypatch)
     flat = torch.arange(10, dtype=torch.float32)
     tagged = torch.nn.Parameter(torch.ones(3))
@@ -49,17 +51,34 @@ def test_a_frameworks_objects_come_out_as_records_and_its_tensors_as_tensors(tmp
     partition = torch.full((4,), 2.0)
     partition.ds_id = 8  # a plain tensor with an attribute pickles through torch._tensor._rebuild_from_type_v2
     path = tmp_path / "optim_states.pt"
-    torch.save({"zero_stage": ds.Stage.gradients, "loss_scaler": ds.LossScaler(), "address": ds.Address(5, 2), "flat": [flat], "tagged": tagged, "partition": partition,
-                "shapes": {"w": torch.Size([2, 5])}, "step": torch.tensor(3.0)}, path)
+    torch.save(
+        {
+            "zero_stage": ds.Stage.gradients,
+            "loss_scaler": ds.LossScaler(),
+            "address": ds.Address(5, 2),
+            "flat": [flat],
+            "tagged": tagged,
+            "partition": partition,
+            "shapes": {"w": torch.Size([2, 5])},
+            "step": torch.tensor(3.0),
+        },
+        path,
+    )
     monkeypatch.delitem(sys.modules, ds.__name__)  # as where DeepSpeed is not installed
 
     got = load_inert(path, ("fakespeed",), what="a DeepSpeed optimizer file")
-    assert isinstance(got["zero_stage"], Record) and (got["zero_stage"].module, got["zero_stage"].name, got["zero_stage"].value) == ("fakespeed", "Stage", 2)
+    assert isinstance(got["zero_stage"], Record) and (
+        got["zero_stage"].module, got["zero_stage"].name, got["zero_stage"].value
+    ) == ("fakespeed", "Stage", 2)
     assert isinstance(got["loss_scaler"], Record) and got["loss_scaler"].state == {"cur_scale": 1.0, "dynamic": False}
     assert got["address"].args == (5, 2)
     assert torch.equal(got["flat"][0], flat) and got["shapes"]["w"] == torch.Size([2, 5]) and got["step"].item() == 3.0
     assert torch.equal(got["tagged"], tagged.detach()) and got["tagged"].ds_id == 7
-    assert type(got["partition"]) is torch.Tensor and torch.equal(got["partition"], partition) and got["partition"].ds_id == 8
+    assert (
+        type(got["partition"]) is torch.Tensor
+        and torch.equal(got["partition"], partition)
+        and got["partition"].ds_id == 8
+    )
     assert ds.__name__ not in sys.modules, "reading a record never imports its module"
 
 
@@ -80,7 +99,12 @@ def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path
     with pytest.raises(InputError) as refused:
         load_inert(planted, ("deepspeed",), what="a DeepSpeed optimizer file")
     message = str(refused.value)
-    assert str(planted) in message and "posix.system" in message and "refusing to load it" in message and "\n" not in message
+    assert (
+        str(planted) in message
+        and "posix.system" in message
+        and "refusing to load it" in message
+        and "\n" not in message
+    )
     assert not ran.exists(), "the planted command ran"
 
 

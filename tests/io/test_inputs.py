@@ -102,7 +102,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def inspect(fmt: str, path: Path) -> Any:
     """What the launcher runs before any process starts."""
     tree = describe(build_model(MODEL, {}, device="meta"))
-    return inspect_source(fmt, str(path), "optim", tree=tree, source=SOURCE, id_groups=[["*"]] if fmt == "plain" else None)
+    return inspect_source(
+        fmt, str(path), "optim", tree=tree, source=SOURCE, id_groups=[["*"]] if fmt == "plain" else None
+    )
 
 
 # ---------------------------------------------------------------- damage
@@ -129,7 +131,9 @@ def _zip_regions(data: bytes) -> dict[str, list[tuple[str, int, int]]]:
     """Where a torch.save archive keeps its structure: (label, start, length) per kind of region."""
     archive = zipfile.ZipFile(io.BytesIO(data))
     infos = sorted(archive.infolist(), key=lambda i: i.header_offset)
-    regions: dict[str, list[tuple[str, int, int]]] = {"header": [], "descriptor": [], "pickle": [], "index": [], "end": []}
+    regions: dict[str, list[tuple[str, int, int]]] = {
+        "header": [], "descriptor": [], "pickle": [], "index": [], "end": []
+    }
     for info in infos:
         name = info.filename
         regions["header"].append((name, info.header_offset, 30 + len(name.encode())))
@@ -143,25 +147,36 @@ def _zip_regions(data: bytes) -> dict[str, list[tuple[str, int, int]]]:
     pos = archive.start_dir
     for info in infos:
         name_len = len(info.filename.encode())
-        fields = {"flags": (8, 2), "method": (10, 2), "time": (12, 4), "crc": (16, 4), "sizes": (20, 8), "namelen": (28, 2), "offset": (42, 4)}
+        fields = {
+            "flags": (8, 2), "method": (10, 2), "time": (12, 4), "crc": (16, 4),
+            "sizes": (20, 8), "namelen": (28, 2), "offset": (42, 4),
+        }
         for field, (off, size) in {**fields, "name": (46, name_len)}.items():
             regions["index"].append((f"{info.filename}:{field}", pos + off, size))
         pos += 46 + name_len + len(info.extra) + len(info.comment)
     end = len(data) - 22
-    for field, (off, size) in {"signature": (0, 4), "disks": (4, 4), "counts": (8, 4), "size": (12, 4), "offset": (16, 4), "comment": (20, 2)}.items():
+    end_fields = {
+        "signature": (0, 4), "disks": (4, 4), "counts": (8, 4), "size": (12, 4), "offset": (16, 4), "comment": (20, 2)
+    }
+    for field, (off, size) in end_fields.items():
         regions["end"].append((field, end + off, size))
     locator = end - 20
     if data[locator : locator + 4] == b"PK\x06\x07":  # torch writes zip64 end records too
         for field, (off, size) in {"signature": (0, 4), "disk": (4, 4), "offset": (8, 8), "disks": (16, 4)}.items():
             regions["end"].append((f"locator:{field}", locator + off, size))
         end64 = int.from_bytes(data[locator + 8 : locator + 16], "little")
-        fields64 = {"signature": (0, 4), "size": (4, 8), "disks": (16, 8), "counts": (24, 16), "index_size": (40, 8), "index_offset": (48, 8)}
+        fields64 = {
+            "signature": (0, 4), "size": (4, 8), "disks": (16, 8), "counts": (24, 16),
+            "index_size": (40, 8), "index_offset": (48, 8),
+        }
         for field, (off, size) in fields64.items():
             regions["end"].append((f"zip64:{field}", end64 + off, size))
     return regions
 
 
-def _torch_file_damage(prefix: str, data: bytes, rng: random.Random, *, truncations: int, per_region: dict[str, int]) -> list[tuple[str, bytes]]:
+def _torch_file_damage(
+    prefix: str, data: bytes, rng: random.Random, *, truncations: int, per_region: dict[str, int]
+) -> list[tuple[str, bytes]]:
     """Damaged copies of a torch.save file: truncated at random offsets, and each kind of structure overwritten."""
     out = [(f"{prefix}truncated@{k}", data[:k]) for k in sorted(rng.sample(range(1, len(data)), truncations))]
     if truncations:
@@ -209,7 +224,11 @@ def _changed(osd: dict[str, Any], change: str) -> dict[str, Any]:
     """A copy of an optimizer state dict with one thing changed that makes it not fit the model."""
     state = {k: dict(v) if isinstance(v, dict) else v for k, v in osd["state"].items()}
     groups = [dict(g) for g in osd["param_groups"]]
-    key = next(k for k, v in state.items() if isinstance(v, dict) and torch.is_tensor(v.get("exp_avg")) and v["exp_avg"].dim() == 2)
+    key = next(
+        k
+        for k, v in state.items()
+        if isinstance(v, dict) and torch.is_tensor(v.get("exp_avg")) and v["exp_avg"].dim() == 2
+    )
     if change == "dtype":
         state[key]["exp_avg"] = state[key]["exp_avg"].double()
     elif change == "shape":
@@ -226,7 +245,10 @@ def _changed(osd: dict[str, Any], change: str) -> dict[str, Any]:
 
 def _as_double(osd: dict[str, Any]) -> dict[str, Any]:
     """A copy of a param-ID keyed state dict with every state tensor in float64."""
-    state = {pid: {k: v.double() if torch.is_tensor(v) and v.dim() else v for k, v in s.items()} for pid, s in osd["state"].items()}
+    state = {
+        pid: {k: v.double() if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+        for pid, s in osd["state"].items()
+    }
     return {**osd, "state": state}
 
 
@@ -280,9 +302,11 @@ def damaged_variants(inputs: dict[str, Path], out_dir: Path) -> list[tuple[str, 
     for fmt in ("fsdp_full", "plain"):
         data = inputs[fmt].read_bytes()
         osd = torch.load(inputs[fmt], weights_only=True)
-        cases = _torch_file_damage("", data, rng, truncations=20, per_region={"header": 12, "descriptor": 4, "pickle": 4, "index": 14, "end": 16})
+        per_region = {"header": 12, "descriptor": 4, "pickle": 4, "index": 14, "end": 16}
+        cases = _torch_file_damage("", data, rng, truncations=20, per_region=per_region)
         cases += _not_torch_files(rng)
-        cases.append(("hostile@state", _torch_bytes({"state": {next(iter(osd["state"])): {"exp_avg": Hostile(marker)}}, "param_groups": osd["param_groups"]})))
+        hostile_state = {next(iter(osd["state"])): {"exp_avg": Hostile(marker)}}
+        cases.append(("hostile@state", _torch_bytes({"state": hostile_state, "param_groups": osd["param_groups"]})))
         for change in ("dtype", "shape", "rename" if fmt == "fsdp_full" else "group_id"):
             cases.append((f"model@{change}", _torch_bytes(_changed(osd, change))))
         if fmt == "fsdp_full":
@@ -313,12 +337,19 @@ def damaged_variants(inputs: dict[str, Path], out_dir: Path) -> list[tuple[str, 
         local_variant(f"rank_1:{case}", {"rank_1.pt": blob})
     rank1 = torch.load(src / "rank_1.pt", weights_only=True)
     first = next(iter(rank1["state"]))
-    local_variant("rank_1:hostile@state", {"rank_1.pt": _torch_bytes({**rank1, "state": {first: {"exp_avg": Hostile(marker)}}})})
+    local_variant(
+        "rank_1:hostile@state", {"rank_1.pt": _torch_bytes({**rank1, "state": {first: {"exp_avg": Hostile(marker)}}})}
+    )
     local_variant("rank_1:model@dtype", {"rank_1.pt": _torch_bytes(_as_double(rank1))})
-    shape = {pid: {k: torch.zeros(5) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()} for pid, s in rank1["state"].items()}
+    shape = {
+        pid: {k: torch.zeros(5) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+        for pid, s in rank1["state"].items()
+    }
     local_variant("rank_1:model@shape", {"rank_1.pt": _torch_bytes({**rank1, "state": shape})})
     local_variant("rank_1:format@plain", {"rank_1.pt": inputs["plain"].read_bytes()})
-    both = {f"rank_{r}.pt": _torch_bytes(_as_double(torch.load(src / f"rank_{r}.pt", weights_only=True))) for r in range(2)}
+    both = {
+        f"rank_{r}.pt": _torch_bytes(_as_double(torch.load(src / f"rank_{r}.pt", weights_only=True))) for r in range(2)
+    }
     local_variant("model@dtype_both", both)
 
     # ---- dcp: a directory of .metadata and __<rank>_0.distcp
@@ -350,7 +381,9 @@ def damaged_variants(inputs: dict[str, Path], out_dir: Path) -> list[tuple[str, 
         dcp_variant(f"distcp@missing_{rel}", {rel: None})
         for k in sorted(rng.sample(range(0, len(data)), 4)):
             dcp_variant(f"distcp@truncated_{rel}@{k}", {rel: data[:k]})
-        items = sorted((i for i in metadata.storage_data.items() if i[1].relative_path == rel), key=lambda i: i[1].offset)
+        items = sorted(
+            (i for i in metadata.storage_data.items() if i[1].relative_path == rel), key=lambda i: i[1].offset
+        )
         small = [(idx, i) for idx, i in items if not idx.offset]  # bytes items and 0-dim tensors (step)
         for idx, item in rng.sample(items, 3):
             dcp_variant(f"distcp@item_start_{rel}@{idx.fqn}", {rel: _flip(data, item.offset, 4, rng)})
@@ -358,13 +391,21 @@ def damaged_variants(inputs: dict[str, Path], out_dir: Path) -> list[tuple[str, 
         # Inside the items that opening the checkpoint reads (param groups, step): their headers, index and pickle.
         for idx, item in rng.sample(small, min(3, len(small))):
             blob = data[item.offset : item.offset + item.length]
-            for case, damaged in _torch_file_damage("", blob, rng, truncations=0, per_region={"header": 1, "pickle": 1, "index": 1}):
-                dcp_variant(f"distcp@{rel}@{idx.fqn}@{case}", {rel: data[: item.offset] + damaged + data[item.offset + item.length :]})
+            per_region = {"header": 1, "pickle": 1, "index": 1}
+            for case, damaged in _torch_file_damage("", blob, rng, truncations=0, per_region=per_region):
+                dcp_variant(
+                    f"distcp@{rel}@{idx.fqn}@{case}",
+                    {rel: data[: item.offset] + damaged + data[item.offset + item.length :]},
+                )
 
     full = torch.load(inputs["fsdp_full"], weights_only=True)
     made = out_dir / "dcp_made"
     hostile_groups = [{**g, "lr": Hostile(marker)} for g in full["param_groups"]]
-    add("dcp", "hostile@param_group_item", _dcp_save({"optim": {"state": full["state"], "param_groups": hostile_groups}}, made / "hostile"))
+    add(
+        "dcp",
+        "hostile@param_group_item",
+        _dcp_save({"optim": {"state": full["state"], "param_groups": hostile_groups}}, made / "hostile"),
+    )
     add("dcp", "wrong@key", _dcp_save({"model_optim": full}, made / "key"))
     add("dcp", "wrong@model_state_dict", _dcp_save({"optim": make_model().state_dict()}, made / "model"))
     for change in ("dtype", "rename", "group_fqn"):
@@ -381,13 +422,25 @@ EXPECTED = {
     "index": r"is damaged or not a torch\.save file \(.*(index|header|record|overlaps|past)",
     "end": r"is damaged or not a torch\.save file \(.*(index|end record|locator)",
     "foreign": r"is damaged or not a torch\.save file|legacy format",
-    "wrong": r"not an optimizer state dict|holds a \w+, not an optimizer state dict|has no top-level key|holds no optimizer state",
+    "wrong": (
+        r"not an optimizer state dict|holds a \w+, not an optimizer state dict|has no top-level key"
+        r"|holds no optimizer state"
+    ),
     "hostile": r"(refusing to run code from a checkpoint|which a DCP checkpoint never holds; refusing to load it)",
-    "model": r"which model has no parameter|but the parameter (is|has shape)|dtypes? .*on different ranks|source layout says|param ID|input\.param_groups",
+    "model": (
+        r"which model has no parameter|but the parameter (is|has shape)|dtypes? .*on different ranks"
+        r"|source layout says|param ID|input\.param_groups"
+    ),
     "format": r"keys its state by|not an optimizer state dict|source layout|param ID",
     "files": r"rank_\d\.pt is missing|holds no rank_<r>\.pt files|unexpected rank_\d\.pt",
-    "metadata": r"\.metadata is (missing|damaged or not DCP metadata)|\.metadata refers to|not a file inside the checkpoint directory",
-    "distcp": r"\.distcp is (missing|truncated: \d+ bytes, the metadata needs \d+)|of \S+\.distcp is damaged or not a torch\.save file",
+    "metadata": (
+        r"\.metadata is (missing|damaged or not DCP metadata)|\.metadata refers to"
+        r"|not a file inside the checkpoint directory"
+    ),
+    "distcp": (
+        r"\.distcp is (missing|truncated: \d+ bytes, the metadata needs \d+)"
+        r"|of \S+\.distcp is damaged or not a torch\.save file"
+    ),
 }
 
 
@@ -458,12 +511,16 @@ def test_the_hostile_inputs_run_code_through_torch_alone(inputs: dict[str, Path]
     full = torch.load(inputs["fsdp_full"], weights_only=True)
     groups = [{**g, "lr": Hostile(marker)} for g in full["param_groups"]]
     item_dir = _dcp_save({"optim": {"state": full["state"], "param_groups": groups}}, tmp_path / "item")
-    with pytest.raises(InputError, match=r"__0_0\.distcp holds objects torch\.load refuses to load safely \(GLOBAL posix\.system\)"):
+    with pytest.raises(
+        InputError, match=r"__0_0\.distcp holds objects torch\.load refuses to load safely \(GLOBAL posix\.system\)"
+    ):
         DcpReader(str(item_dir), "optim").meta()
     assert not marker.exists()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _load_state_dict({}, storage_reader=FileSystemReader(str(item_dir)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            {}, storage_reader=FileSystemReader(str(item_dir)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
     assert marker.exists()
 
 
@@ -475,12 +532,15 @@ def test_damage_inside_a_tensor_item_is_found_when_it_is_read(inputs: dict[str, 
     index, item = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == "optim.state.proj.weight.exp_avg")
     target = _copy_dir(inputs["dcp"], tmp_path / "dcp")
     data = (target / item.relative_path).read_bytes()
-    (target / item.relative_path).write_bytes(_flip(data, item.offset + 8, 4, random.Random(0)))  # inside its first header
+    # inside its first header
+    (target / item.relative_path).write_bytes(_flip(data, item.offset + 8, 4, random.Random(0)))
     reader = DcpReader(str(target), "optim")
     reader.meta()
     with pytest.raises(InputError) as info:
         reader.read([("proj.weight", "exp_avg")])
-    assert str(info.value).startswith(f"the item at bytes {item.offset}..{item.offset + item.length} of {target / item.relative_path} is damaged")
+    assert str(info.value).startswith(
+        f"the item at bytes {item.offset}..{item.offset + item.length} of {target / item.relative_path} is damaged"
+    )
 
 
 def test_missing_rank_file_messages(inputs: dict[str, Path], tmp_path: Path) -> None:
@@ -497,7 +557,9 @@ def test_missing_rank_file_messages(inputs: dict[str, Path], tmp_path: Path) -> 
     (d / "rank_1.pt").write_bytes(b"")
     with pytest.raises(InputError, match=r"rank_4\.pt is missing: source\.world_size=6 .* set source\.world_size=4$"):
         rank_files(d, 6)
-    with pytest.raises(InputError, match=r"unexpected rank_2\.pt, rank_3\.pt\); if 4 ranks saved it, set source\.world_size=4$"):
+    with pytest.raises(
+        InputError, match=r"unexpected rank_2\.pt, rank_3\.pt\); if 4 ranks saved it, set source\.world_size=4$"
+    ):
         rank_files(d, 2)
     (d / "rank_1.pt").unlink()
     (d / "rank_7.pt").write_bytes(b"")
@@ -534,8 +596,15 @@ def test_dcp_reads_param_groups_without_unsafe_pickle(inputs: dict[str, Path]) -
 
 def _command(fmt: str, path: Path, out: Path) -> list[str]:
     """The README's command for an input of ``fmt`` at ``path``, for this module's model and source layout."""
-    source = ["source.kind=none", "source.world_size=1", "input.param_groups=[[*]]"] if fmt == "plain" else ["source.world_size=2", "source.wrap=[Linear]"]
-    return [f"model.factory={MODEL}", f"input.path={path}", f"input.format={fmt}", *source, "target.world_size=2", "target.wrap=[Linear]", f"output.path={out}"]
+    source = (
+        ["source.kind=none", "source.world_size=1", "input.param_groups=[[*]]"]
+        if fmt == "plain"
+        else ["source.world_size=2", "source.wrap=[Linear]"]
+    )
+    return [
+        f"model.factory={MODEL}", f"input.path={path}", f"input.format={fmt}", *source,
+        "target.world_size=2", "target.wrap=[Linear]", f"output.path={out}",
+    ]
 
 
 def one_of_each_kind(variants: list[tuple[str, str, Path]]) -> list[tuple[str, str, Path]]:
@@ -552,16 +621,19 @@ def one_of_each_kind(variants: list[tuple[str, str, Path]]) -> list[tuple[str, s
 
 
 def test_the_command_refuses_every_kind_of_damaged_input(inputs: dict[str, Path], tmp_path: Path) -> None:
-    """One variant of each kind of damage, per format, through the ``osdpipe`` entry point: non-zero exit, one line, no hang,
-    nothing written but report.json. Every variant is refused by the same check in-process (the test above); a command
-    costs a Hydra composition each, so the command sees each kind once."""
+    """One variant of each kind of damage, per format, through the ``osdpipe`` entry point: non-zero exit, one line, no
+    hang, nothing written but report.json. Every variant is refused by the same check in-process (the test above); a
+    command costs a Hydra composition each, so the command sees each kind once."""
     variants = one_of_each_kind(damaged_variants(inputs, tmp_path / "variants"))
     kinds = {(fmt, _kind(case)) for case, fmt, _ in variants}
     assert {fmt for fmt, _ in kinds} == {"fsdp_full", "plain", "rank_local", "dcp"} and len(kinds) >= 20, sorted(kinds)
     outs = [tmp_path / "out" / str(i) for i in range(len(variants))]
     env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "support"), env.get("PYTHONPATH", "")])
-    results = run_cli_cases([_command(fmt, path, out) for (_, fmt, path), out in zip(variants, outs)], cwd=tmp_path, per_case_s=30, env=env)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "support"), env.get("PYTHONPATH", "")]
+    )
+    commands = [_command(fmt, path, out) for (_, fmt, path), out in zip(variants, outs)]
+    results = run_cli_cases(commands, cwd=tmp_path, per_case_s=30, env=env)
     problems = []
     for (case, _, path), out, result in zip(variants, outs, results):
         lines = [line for line in result["stderr"].splitlines() if line.strip()]
@@ -573,6 +645,9 @@ def test_the_command_refuses_every_kind_of_damaged_input(inputs: dict[str, Path]
         elif written not in ([], ["osdpipe.log", "report.json"]):
             problems.append(f"{case}: wrote {written}")
         elif written and (ran := json.loads((out / "report.json").read_text()))["memory"] + ran["stages"]:
-            problems.append(f"{case}: a world started (its ranks reported {len(ran['memory'])} memory row(s)) before the input was refused")
+            problems.append(
+                f"{case}: a world started (its ranks reported {len(ran['memory'])} memory row(s))"
+                " before the input was refused"
+            )
     assert not (tmp_path / "variants" / "MARKER").exists(), "a hostile pickle ran its code"
     assert not problems, f"{len(problems)} of {len(variants)} variants:\n" + "\n".join(problems[:20])

@@ -9,7 +9,10 @@ import pytest
 
 from osdpipe.io import output
 
-OLD = {"rank_0.pt": "old0", "rank_1.pt": "old1", "rank_2.pt": "old2", "manifest.json": "old", "source/rank_local/rank_0.pt": "oldsrc"}
+OLD = {
+    "rank_0.pt": "old0", "rank_1.pt": "old1", "rank_2.pt": "old2",
+    "manifest.json": "old", "source/rank_local/rank_0.pt": "oldsrc",
+}
 NEW = {"rank_0.pt": "new0", "rank_1.pt": "new1", "manifest.json": "new", "source/optim.pt": "newsrc"}
 
 
@@ -21,7 +24,11 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
 
 def read_tree(root: Path) -> dict[str, str]:
     """Every file under ``root`` but the run's own record (report.json) and user files."""
-    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("report.json", "notes.txt")}
+    return {
+        str(p.relative_to(root)): p.read_text()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in ("report.json", "notes.txt")
+    }
 
 
 def prepared(tmp_path: Path) -> Path:

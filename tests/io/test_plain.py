@@ -41,7 +41,9 @@ OPTIM_GROUPS = [{"params": ID_GROUPS[0]}, {"params": ID_GROUPS[1], "weight_decay
 def user_adam(model: nn.Module) -> torch.optim.Adam:
     """Plain PyTorch, as a user builds it over the unwrapped nested model: no osdpipe."""
     rest = [*model.head.parameters(), *model.embed.parameters(), *model.block1.parameters()]
-    return torch.optim.Adam([{"params": list(model.block2.parameters())}, {"params": rest, "weight_decay": 0.1}], lr=0.01)
+    return torch.optim.Adam(
+        [{"params": list(model.block2.parameters())}, {"params": rest, "weight_decay": 0.1}], lr=0.01
+    )
 
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int = 0) -> None:
@@ -53,7 +55,12 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int 
 
 
 def all_finite(optim: torch.optim.Optimizer) -> bool:
-    return all(bool(torch.isfinite(v).all()) for s in optim.state.values() for v in s.values() if torch.is_tensor(v) and v.is_floating_point())
+    return all(
+        bool(torch.isfinite(v).all())
+        for s in optim.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.is_floating_point()
+    )
 
 
 def spec_for(out: Path, **sections) -> RunSpec:
@@ -147,7 +154,8 @@ def user_plain(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
 
 
 def _pytorch_plain_to_fsdp(plain_path: str, out: str) -> tuple[list[str], bool]:
-    """On each target rank: PyTorch's own path from the plain checkpoint, against osdpipe's rank file; then load and step."""
+    """On each target rank: PyTorch's own path from the plain checkpoint, against osdpipe's rank file;
+    then load and step."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import OptimStateKeyType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -157,10 +165,16 @@ def _pytorch_plain_to_fsdp(plain_path: str, out: str) -> tuple[list[str], bool]:
         plain = torch.load(plain_path, weights_only=True)
         unwrapped = build_model("nested", {})
         full = FSDP.rekey_optim_state_dict(plain, OptimStateKeyType.PARAM_NAME, unwrapped, optim=user_adam(unwrapped))
-        model = FSDP(build_model("nested", {}), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+        model = FSDP(
+            build_model("nested", {}), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+        )
         named = list(model.named_parameters())  # flat parameters: the root's (embed, head), block1's, block2's
         optim = torch.optim.Adam(
-            [{"params": [p for n, p in named if "block2" in n]}, {"params": [p for n, p in named if "block2" not in n], "weight_decay": 0.1}], lr=0.01
+            [
+                {"params": [p for n, p in named if "block2" in n]},
+                {"params": [p for n, p in named if "block2" not in n], "weight_decay": 0.1},
+            ],
+            lr=0.01,
         )
         expected = FSDP.optim_state_dict_to_load(model, optim, full)
         got = torch.load(Path(out) / f"rank_{dist.get_rank()}.pt", weights_only=True)
@@ -193,7 +207,10 @@ def test_user_plain_checkpoint_with_shuffled_groups_to_fsdp1_matches_pytorch(use
     rank0 = torch.load(out / "rank_0.pt", weights_only=True)
     gate = rank0["state"][0]["exp_avg"][:64]
     assert torch.equal(gate, exp_avg["block2.gate"].reshape(-1))
-    assert not torch.equal(gate, exp_avg["block1.gate"].reshape(-1)) and not torch.equal(gate, exp_avg["embed.weight"].reshape(-1))
+    assert (
+        not torch.equal(gate, exp_avg["block1.gate"].reshape(-1))
+        and not torch.equal(gate, exp_avg["embed.weight"].reshape(-1))
+    )
     assert [g["params"] for g in rank0["param_groups"]] == [[0], [1, 2]]
     assert [g["weight_decay"] for g in rank0["param_groups"]] == [0, 0.1]
 
@@ -223,7 +240,10 @@ def test_a_checkpoint_read_in_the_other_format_says_so(user_plain, tmp_path):
     with pytest.raises(ValueError, match="input.format=plain source.kind=none"):
         FullReader(user_plain[0]).meta()
     full = tmp_path / "full.pt"
-    torch.save({"state": {"head.bias": {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 0.1, "params": ["head.bias"]}]}, full)
+    torch.save(
+        {"state": {"head.bias": {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 0.1, "params": ["head.bias"]}]},
+        full,
+    )
     with pytest.raises(ValueError, match="keys its state by 'head.bias'.*input.format=fsdp_full"):
         PlainReader(str(full), describe(build_model("nested", {}, device="meta")), None).meta()
 
@@ -236,7 +256,9 @@ def test_plain_reader_meta_is_fqn_keyed(user_plain):
     tree = describe(build_model("nested", {}, device="meta"))
     reader = PlainReader(path, tree, ID_GROUPS)
     meta = reader.meta()
-    assert [g["params"][:2] for g in meta.param_groups] == [["block2.gate", "block2.leaf1.scale"], ["head.weight", "head.bias"]]
+    assert [g["params"][:2] for g in meta.param_groups] == [
+        ["block2.gate", "block2.leaf1.scale"], ["head.weight", "head.bias"]
+    ]
     assert meta.param_groups[1]["weight_decay"] == 0.1 and len(meta.state) == len(tree.params)
     assert torch.equal(reader.read([("block1.gate", "exp_avg")])[("block1.gate", "exp_avg")], exp_avg["block1.gate"])
 
@@ -274,20 +296,26 @@ def test_fsdp1_to_plain_matches_pytorch_and_steps(tmp_path):
 
 
 def test_reference_for_an_unwrapped_target_keys_groups_of_an_empty_state():
-    """PyTorch's rekey_optim_state_dict returns a state with no entries unchanged (FQN-keyed groups); verify's reference must not."""
+    """PyTorch's rekey_optim_state_dict returns a state with no entries unchanged (FQN-keyed groups);
+    verify's reference must not."""
     from osdpipe.layout import kinds
 
     model = build_model("nested", {})
     optim = user_adam(model)  # no step taken: no state
     name = {p: n for n, p in model.named_parameters()}
-    groups = [{**g, "params": [name[p] for p in live["params"]]} for g, live in zip(optim.state_dict()["param_groups"], optim.param_groups)]
+    groups = [
+        {**g, "params": [name[p] for p in live["params"]]}
+        for g, live in zip(optim.state_dict()["param_groups"], optim.param_groups)
+    ]
     assert kinds.get("none").to_load(model, optim, {"state": {}, "param_groups": groups}) == optim.state_dict()
 
 
 # --------------------------------------------------------------------- recipes
 
 
-@pytest.mark.parametrize(("recipe", "files"), [("fsdp_to_plain", ["optim.pt"]), ("plain_to_fsdp", ["rank_0.pt", "rank_1.pt"])])
+@pytest.mark.parametrize(
+    ("recipe", "files"), [("fsdp_to_plain", ["optim.pt"]), ("plain_to_fsdp", ["rank_0.pt", "rank_1.pt"])]
+)
 def test_recipe_runs_through_the_cli(recipe, files, tmp_path):
     out = tmp_path / "out"
     result = run_osdpipe(f"recipe={recipe}", f"output.path={out}", cwd=tmp_path)

@@ -1,4 +1,5 @@
-"""``rank_local`` as an input: per-rank ``optim.state_dict()`` files of real FSDP1 jobs, read back as PyTorch's full state.
+"""``rank_local`` as an input: per-rank ``optim.state_dict()`` files of real FSDP1 jobs,
+read back as PyTorch's full state.
 
 Real FSDP1 models train two steps on CPU/gloo and save each rank's own
 ``optim.state_dict()`` together with PyTorch's full optimizer state dict;
@@ -38,8 +39,12 @@ GROUPS = [{"params": ["*gate", "*scale"], "weight_decay": 0.1}, {"params": ["emb
 # name -> (world size, config sections). Cases of one world size train in one world.
 CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "block_flat_3": (3, {"source": {"world_size": 3, "wrap": ["Block"]}}),
-    "transformer_orig_3": (3, {"model": TRANSFORMER, "source": {"world_size": 3, "wrap": ["TransformerBlock"], "use_orig_params": True}}),
-    "leaf_orig_groups_2": (2, {"source": {"world_size": 2, "wrap": ["Leaf"], "use_orig_params": True}, "optim": {"param_groups": GROUPS}}),
+    "transformer_orig_3": (
+        3, {"model": TRANSFORMER, "source": {"world_size": 3, "wrap": ["TransformerBlock"], "use_orig_params": True}}
+    ),
+    "leaf_orig_groups_2": (
+        2, {"source": {"world_size": 2, "wrap": ["Leaf"], "use_orig_params": True}, "optim": {"param_groups": GROUPS}}
+    ),
     "no_shard_2": (2, {"source": {"world_size": 2, "wrap": ["Block"], "sharding_strategy": "NO_SHARD"}}),
     "transformer_tied_2": (2, {"model": TRANSFORMER, "source": {"world_size": 2, "wrap": ["TransformerBlock"]}}),
 }
@@ -71,12 +76,18 @@ def pytorch_full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+        with FSDP.state_dict_type(
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(),
+            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False),
+        ):
             return FSDP.optim_state_dict(model, optim)
 
 
 def _train_and_save(root: str, names: list[str]) -> None:
-    """On each rank: train every case two steps, save this rank's optim.state_dict() and (rank 0) PyTorch's full state."""
+    """On each rank: train every case two steps, save this rank's optim.state_dict() and
+    (rank 0) PyTorch's full state."""
     rank = dist.get_rank()
     for name in names:
         spec = spec_of(Path(root), name)
@@ -96,7 +107,8 @@ def _train_and_save(root: str, names: list[str]) -> None:
 def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("rank_local_sources")
     for world in sorted({n for n, _ in CASES.values()}):
-        run_local_world(_train_and_save, world, (str(root), [name for name, (n, _) in CASES.items() if n == world]), backend="gloo", timeout_s=120)
+        names = [name for name, (n, _) in CASES.items() if n == world]
+        run_local_world(_train_and_save, world, (str(root), names), backend="gloo", timeout_s=120)
     return root
 
 
@@ -142,20 +154,32 @@ def test_wrong_world_size_names_the_files(sources: Path) -> None:
 
 def test_wrong_sharding_strategy_is_a_shape_error(sources: Path) -> None:
     reader = reader_of(sources, "block_flat_3", sharding_strategy="NO_SHARD")
-    with pytest.raises(ValueError, match=r"rank 0, param ID 0: state exp_avg has shape \(\d+,\) but the source layout says \(\d+,\) .*use_orig_params"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0, param ID 0: state exp_avg has shape \(\d+,\) but the source layout says \(\d+,\) "
+        r".*use_orig_params",
+    ):
         reader.meta()
 
 
 @pytest.mark.parametrize("wrong", [{"use_orig_params": True}, {"wrap": ["Leaf"]}], ids=["use_orig_params", "wrap"])
 def test_wrong_layout_is_a_count_error(sources: Path, wrong: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=r"rank 0: its optimizer holds 3 parameter\(s\) in 1 group\(s\), but the source layout gives it \d+ .*source\.wrap"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0: its optimizer holds 3 parameter\(s\) in 1 group\(s\), "
+        r"but the source layout gives it \d+ .*source\.wrap",
+    ):
         reader_of(sources, "block_flat_3", **wrong).meta()
 
 
 def test_missing_param_groups_are_named(sources: Path) -> None:
     spec = spec_of(sources, "leaf_orig_groups_2")
     reader = RankLocalReader(str(sources / "leaf_orig_groups_2"), tree_of(spec), spec.source.spec(), None)
-    with pytest.raises(ValueError, match=r"rank 0: the file's param groups hold IDs \[0\.\.\d+\], \[\d+\.\.\d+\] but the groups of input\.param_groups"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0: the file's param groups hold IDs \[0\.\.\d+\], \[\d+\.\.\d+\] "
+        r"but the groups of input\.param_groups",
+    ):
         reader.meta()
 
 
@@ -170,8 +194,12 @@ def test_rank_without_state_for_its_elements_is_an_error(sources: Path, tmp_path
             del osd["state"][split]
         torch.save(osd, tmp_path / f"rank_{r}.pt")
     spec = spec_of(sources, name)
-    reader = RankLocalReader(str(tmp_path), tree_of(spec), spec.source.spec(), [g.params for g in spec.optim.param_groups])
-    with pytest.raises(ValueError, match=rf"lie on rank\(s\) \[1\] under the source layout, which have no state for param ID {split}\b"):
+    reader = RankLocalReader(
+        str(tmp_path), tree_of(spec), spec.source.spec(), [g.params for g in spec.optim.param_groups]
+    )
+    with pytest.raises(
+        ValueError, match=rf"lie on rank\(s\) \[1\] under the source layout, which have no state for param ID {split}\b"
+    ):
         reader.meta()
 
 

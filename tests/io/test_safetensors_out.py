@@ -51,7 +51,9 @@ def _assert_bitwise_equal(loaded: dict[str, torch.Tensor], expected: dict[str, t
         assert got.dtype == value.dtype, name
         assert got.shape == value.shape, name
         # Compare bytes, not values: float8 has no torch.equal kernel, and -0.0 == 0.0.
-        assert torch.equal(got.contiguous().view(-1).view(torch.uint8), value.contiguous().view(-1).view(torch.uint8)), name
+        assert torch.equal(
+            got.contiguous().view(-1).view(torch.uint8), value.contiguous().view(-1).view(torch.uint8)
+        ), name
 
 
 def _header(path: Path) -> tuple[int, dict]:
@@ -74,8 +76,11 @@ def test_one_file_reads_back_bitwise_with_reference_reader(tmp_path: Path) -> No
     n, header = _header(path)
     assert (8 + n) % 8 == 0  # the data section starts 8-byte aligned
     assert path.read_bytes()[8 : 8 + n].rstrip(b" ").endswith(b"}")  # padded with spaces only
-    assert list(header) == ["__metadata__", *(spec.name for spec in file_order(_specs(tensors)))]  # metadata first, then file order
-    assert header["model.empty"] == {"dtype": "F32", "shape": [0, 4], "data_offsets": [header["model.empty"]["data_offsets"][0]] * 2}
+    # metadata first, then file order
+    assert list(header) == ["__metadata__", *(spec.name for spec in file_order(_specs(tensors)))]
+    assert header["model.empty"] == {
+        "dtype": "F32", "shape": [0, 4], "data_offsets": [header["model.empty"]["data_offsets"][0]] * 2
+    }
     assert header["model.scalar"]["shape"] == []
 
 
@@ -190,7 +195,8 @@ def test_index_is_exact_with_an_oversized_tensor_between_others(tmp_path: Path) 
 def test_produce_is_called_once_in_order_and_no_tensor_is_kept(tmp_path: Path) -> None:
     tensors = _sample_tensors()
     specs = _specs(tensors)
-    specs.insert(3, TensorSpec("model.oversized", (40,), torch.float32))  # 160 B: a file of its own, before the one being filled
+    # 160 B: a file of its own, before the one being filled
+    specs.insert(3, TensorSpec("model.oversized", (40,), torch.float32))
     calls: list[str] = []
     produced: list[weakref.ref] = []
 
@@ -220,8 +226,13 @@ def test_every_tensor_starts_at_a_multiple_of_its_element_size(tmp_path: Path) -
     import json
     import struct
 
-    specs = [TensorSpec("a.bytes", (3,), torch.uint8), TensorSpec("b.f32", (3,), torch.float32), TensorSpec("c.i8", (3,), torch.int8),
-             TensorSpec("d.f64", (1,), torch.float64), TensorSpec("e.f16", (1,), torch.float16)]
+    specs = [
+        TensorSpec("a.bytes", (3,), torch.uint8),
+        TensorSpec("b.f32", (3,), torch.float32),
+        TensorSpec("c.i8", (3,), torch.int8),
+        TensorSpec("d.f64", (1,), torch.float64),
+        TensorSpec("e.f16", (1,), torch.float16),
+    ]
     write_safetensors(tmp_path, specs, lambda spec: torch.ones(spec.shape, dtype=spec.dtype))
     raw = (tmp_path / "model.safetensors").read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
@@ -237,7 +248,10 @@ def test_every_tensor_starts_at_a_multiple_of_its_element_size(tmp_path: Path) -
     ("value", "said"),
     [
         (torch.zeros(3, 2), r"shape \(3, 2\) dtype torch.float32.*shape \(2, 3\) dtype torch.float32"),
-        (torch.zeros(2, 3, dtype=torch.float16), r"shape \(2, 3\) dtype torch.float16.*shape \(2, 3\) dtype torch.float32"),
+        (
+            torch.zeros(2, 3, dtype=torch.float16),
+            r"shape \(2, 3\) dtype torch.float16.*shape \(2, 3\) dtype torch.float32",
+        ),
         (torch.zeros(6), r"shape \(6,\) dtype torch.float32.*shape \(2, 3\) dtype torch.float32"),
     ],
 )

@@ -1,4 +1,5 @@
-"""osdpipe's own writer of ``torch.save`` files (:mod:`osdpipe.io.torchfile`): torch, osdpipe's safe reader and ``zipfile`` read what it writes.
+"""osdpipe's own writer of ``torch.save`` files (:mod:`osdpipe.io.torchfile`): torch, osdpipe's safe reader and
+``zipfile`` read what it writes.
 
 Fast: small objects, no processes. ZIP64's structures are exercised on small
 files by lowering the size from which the writer uses them; the digests are
@@ -28,9 +29,17 @@ def _state() -> dict:
     base = torch.randn(6, 10)
     return {
         "state": {
-            0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5000), "exp_avg_sq": base[:, ::2]},  # a strided view of a bigger storage
+            0: {
+                "step": torch.tensor(3.0),
+                "exp_avg": torch.randn(5000),
+                "exp_avg_sq": base[:, ::2],  # a strided view of a bigger storage
+            },
             1: {"step": torch.tensor(3.0), "exp_avg": torch.randn(7).to(torch.bfloat16), "exp_avg_sq": torch.empty(0)},
-            2: {"mask": torch.tensor([True, False, True]), "count": torch.arange(5), "half": torch.ones(3, dtype=torch.float16)},
+            2: {
+                "mask": torch.tensor([True, False, True]),
+                "count": torch.arange(5),
+                "half": torch.ones(3, dtype=torch.float16),
+            },
         },
         "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1, 2], "name": "ünïcode"}],
         "shared": (base, base[1]),  # two tensors of one storage: one record
@@ -48,15 +57,18 @@ def test_torch_loads_what_it_writes_plainly_and_memory_mapped(tmp_path: Path, di
         assert diff(loaded, osd) == [], mmap
         assert loaded["shared"][1].untyped_storage().data_ptr() == loaded["shared"][0].untyped_storage().data_ptr()
     assert digest == digest_by_hand(path, list(digest.pieces))
-    assert storages[osd["state"][0]["exp_avg"].untyped_storage()._cdata] == hashlib.sha256(osd["state"][0]["exp_avg"].numpy().tobytes()).hexdigest()
+    exp_avg = osd["state"][0]["exp_avg"]
+    assert storages[exp_avg.untyped_storage()._cdata] == hashlib.sha256(exp_avg.numpy().tobytes()).hexdigest()
     with open(path, "rb") as f:
-        check_torch_zip(f, path.stat().st_size, str(path))  # osdpipe's own reader: structure, alignment, the small records' CRC
+        # osdpipe's own reader: structure, alignment, the small records' CRC
+        check_torch_zip(f, path.stat().st_size, str(path))
     with zipfile.ZipFile(path) as archive:
         names = [i.filename for i in archive.infolist()]
         assert names[0] == "archive/data.pkl" and names[-2:] == ["archive/version", "archive/.data/serialization_id"]
         assert archive.read("archive/version") == b"3\n" and archive.read("archive/byteorder") == b"little"
         for info in archive.infolist():
-            assert (info.header_offset + 30 + len(info.filename) + len(_local_extra(path, info))) % torchfile.ALIGNMENT == 0, info.filename
+            data_start = info.header_offset + 30 + len(info.filename) + len(_local_extra(path, info))
+            assert data_start % torchfile.ALIGNMENT == 0, info.filename
 
 
 def _local_extra(path: Path, info: zipfile.ZipInfo) -> bytes:
@@ -74,17 +86,23 @@ def test_the_same_object_gives_the_same_bytes_either_way_of_writing(tmp_path: Pa
 
 
 def test_zip64_records_offsets_and_end_records_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the writer's ZIP64 threshold at 100 bytes, every large record, every late offset and the end records take ZIP64's forms."""
+    """With the writer's ZIP64 threshold at 100 bytes, every large record,
+    every late offset and the end records take ZIP64's forms."""
     monkeypatch.setattr(torchfile, "ZIP64_FROM", 100)
     path = tmp_path / "big.pt"
     osd = _state()
     torchfile.save(osd, path)
-    assert diff(torch.load(path, weights_only=True), osd) == [] and diff(torch.load(path, weights_only=True, mmap=True), osd) == []
+    assert (
+        diff(torch.load(path, weights_only=True), osd) == []
+        and diff(torch.load(path, weights_only=True, mmap=True), osd) == []
+    )
     raw = path.read_bytes()
     assert b"PK\x06\x06" in raw and b"PK\x06\x07" in raw, "the ZIP64 end record and its locator"
     with zipfile.ZipFile(path) as archive:
         big = max(archive.infolist(), key=lambda i: i.file_size)  # exp_avg of 5000 floats
-        assert big.file_size == 20000 and big.extra[:2] == b"\x01\x00", "its central entry carries the ZIP64 extra field"
+        assert big.file_size == 20000 and big.extra[:2] == b"\x01\x00", (
+            "its central entry carries the ZIP64 extra field"
+        )
         assert archive.read("archive/data.pkl")  # small records still read, their CRC checked
     with open(path, "rb") as f:
         check_torch_zip(f, path.stat().st_size, str(path))
@@ -119,7 +137,8 @@ def test_large_records_cross_buffer_boundaries(tmp_path: Path, monkeypatch: pyte
 
 
 def test_a_failure_while_finishing_the_file_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The last write, the cut to length or the sync can fail too (a full disk): the file goes, as for a failure while writing."""
+    """The last write, the cut to length or the sync can fail too (a full disk): the file goes,
+    as for a failure while writing."""
     import os
 
     def full_disk(fd: int, length: int) -> None:

@@ -1,5 +1,6 @@
-"""torchtitan's folders as torchtitan itself treats them: the newest step, model-only saves, the step an output is written at, and
-what it will do with its data loader's entries on another data-parallel degree (issue 30). Real torchtitan runs in tests/frameworks."""
+"""torchtitan's folders as torchtitan itself treats them: the newest step, model-only saves, the step an output is
+written at, and what it will do with its data loader's entries on another data-parallel degree (issue 30). Real
+torchtitan runs in tests/frameworks."""
 
 from __future__ import annotations
 
@@ -51,17 +52,31 @@ def test_a_model_only_step_is_torchtitans_and_says_so(folder) -> None:
     assert whole.layout == "torchtitan" and whole.optimizer_path is None
     assert any("model only" in note for note in whole.notes)
     assert TITAN.optimizer_part(whole.path, "dcp") is None
-    assert recognize(folder.parent / "renamed").layout == "torchtitan"  # torchtitan's own entries tell, whatever the name
+    # torchtitan's own entries tell, whatever the name
+    assert recognize(folder.parent / "renamed").layout == "torchtitan"
 
 
-@pytest.mark.parametrize(("target_dp", "said"), [(2, None), (4, "Missing key in checkpoint state_dict: dataloader.dp_rank_2"), (1, "dp_degree is inconsistent")])
-def test_another_data_parallel_degree_is_told_what_torchtitan_does_with_its_data_loader(folder, target_dp, said) -> None:
+@pytest.mark.parametrize(
+    ("target_dp", "said"),
+    [
+        (2, None),
+        (4, "Missing key in checkpoint state_dict: dataloader.dp_rank_2"),
+        (1, "dp_degree is inconsistent"),
+    ],
+)
+def test_another_data_parallel_degree_is_told_what_torchtitan_does_with_its_data_loader(
+    folder, target_dp, said
+) -> None:
     advice = TITAN.advice(str(folder / "step-10"), {"world_size": target_dp * 2, "tp_size": 2}, "dcp")
     if said is None:
         assert advice == []
     else:
         (line,) = advice
-        assert said in line and "--checkpoint.exclude-from-loading dataloader" in line and f"the target has {target_dp}" in line
+        assert (
+            said in line
+            and "--checkpoint.exclude-from-loading dataloader" in line
+            and f"the target has {target_dp}" in line
+        )
 
 
 def test_the_output_step_is_the_folders_name_else_its_train_state(folder) -> None:

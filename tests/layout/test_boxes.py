@@ -1,4 +1,5 @@
-"""Boxes (osdpipe.layout.boxes): torch.chunk at each level, nested cuts that tile a tensor exactly once, boxes met with flat ranges.
+"""Boxes (osdpipe.layout.boxes): torch.chunk at each level, nested cuts that tile a tensor exactly once,
+boxes met with flat ranges.
 
 The properties run on random shapes, meshes and uneven sizes (seeded); the
 last test holds the nested cuts against a real FSDP2 x TP job (dp 2 x tp 2,
@@ -13,7 +14,18 @@ import random
 import pytest
 import torch
 
-from osdpipe.layout.boxes import Cut, chunk, flat_overlap, flat_runs, intersect, local_box, mesh_coordinates, placement_cuts, volume, whole
+from osdpipe.layout.boxes import (
+    Cut,
+    chunk,
+    flat_overlap,
+    flat_runs,
+    intersect,
+    local_box,
+    mesh_coordinates,
+    placement_cuts,
+    volume,
+    whole,
+)
 from osdpipe.run.launch import run_local_world
 
 CASES = 300
@@ -44,14 +56,16 @@ def test_chunk_is_torch_chunk() -> None:
 
 
 def fsdp_over_tp(tp_dim: int | None, tp: int) -> tuple[str, str]:
-    """The placements FSDP2 over TP gives a parameter TP shards on ``tp_dim`` (``None``: TP leaves it whole), as PyTorch prints them."""
+    """The placements FSDP2 over TP gives a parameter TP shards on ``tp_dim``
+    (``None``: TP leaves it whole), as PyTorch prints them."""
     if tp_dim is None:
         return ("S(0)", "R")
     return (f"_S(0, {tp})" if tp_dim == 0 else "S(0)", f"S({tp_dim})")
 
 
 def test_nested_cuts_cover_every_element_exactly_once() -> None:
-    """FSDP2 x TP on any mesh: over all dp x tp ranks, each element is held once (TP's chunk of a dim, then dp's of dim 0)."""
+    """FSDP2 x TP on any mesh: over all dp x tp ranks, each element is held once
+    (TP's chunk of a dim, then dp's of dim 0)."""
     rng = random.Random(0)
     for _ in range(CASES):
         shape = random_shape(rng)
@@ -67,9 +81,14 @@ def test_nested_cuts_cover_every_element_exactly_once() -> None:
 
 def test_a_colwise_weight_is_the_dp_chunk_of_the_tp_chunk() -> None:
     """33 rows over tp=2 are 17 + 16, each chunked over dp=2: not the (dp*tp+tp)-th quarter of the rows."""
-    boxes = [local_box((33, 5), placement_cuts(("_S(0, 2)", "S(0)"), (2, 2), mesh_coordinates(r, (2, 2)))) for r in range(4)]
+    boxes = [
+        local_box((33, 5), placement_cuts(("_S(0, 2)", "S(0)"), (2, 2), mesh_coordinates(r, (2, 2)))) for r in range(4)
+    ]
     assert [b[0] for b in boxes] == [(0, 9), (17, 25), (9, 17), (25, 33)]
-    hsdp = [local_box((33,), placement_cuts(("R", "_S(0, 2)", "S(0)"), (2, 1, 2), mesh_coordinates(r, (2, 1, 2)))) for r in range(4)]
+    hsdp = [
+        local_box((33,), placement_cuts(("R", "_S(0, 2)", "S(0)"), (2, 1, 2), mesh_coordinates(r, (2, 1, 2))))
+        for r in range(4)
+    ]
     assert hsdp == [((0, 17),), ((17, 33),)] * 2, "HSDP x TP: each replica holds the same TP pieces"
 
 
@@ -113,7 +132,8 @@ def test_local_box_of_no_cut_is_the_whole_tensor() -> None:
 
 
 def _fsdp_tp_job() -> list[tuple[str, list[int], tuple[int, ...], tuple[tuple[int, int], ...]]]:
-    """One rank of dp 2 x tp 2: numbered parameters, TP then FSDP2; per parameter, the global indices its local tensor holds and the box osdpipe reads from its placements."""
+    """One rank of dp 2 x tp 2: numbered parameters, TP then FSDP2; per parameter, the global indices its local tensor
+    holds and the box osdpipe reads from its placements."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -147,11 +167,14 @@ def _fsdp_tp_job() -> list[tuple[str, list[int], tuple[int, ...], tuple[tuple[in
 def test_nested_cuts_are_what_real_fsdp2_over_tp_holds() -> None:
     for rank, params in enumerate(run_local_world(_fsdp_tp_job, 4, timeout_s=120)):
         for name, got, shape, box in params:
-            assert got == held(shape, box).tolist(), f"rank {rank} {name}: PyTorch holds {got[:6]}..., the box {box} says otherwise"
+            assert got == held(shape, box).tolist(), (
+                f"rank {rank} {name}: PyTorch holds {got[:6]}..., the box {box} says otherwise"
+            )
 
 
 def _random_tp_job(rng: random.Random):
-    """A random model (2-D and 1-D parameters, uneven sizes) on a random (dp, tp) or (replicate, shard, tp) mesh, each parameter given a style's placements."""
+    """A random model (2-D and 1-D parameters, uneven sizes) on a random (dp, tp) or (replicate, shard, tp) mesh, each
+    parameter given a style's placements."""
     from torch import nn
 
     from osdpipe.layout.ranges import LayoutSpec, Placement
@@ -180,7 +203,8 @@ def _random_tp_job(rng: random.Random):
 
 
 def test_fsdp2_over_tp_layouts_hold_every_element_once_per_copy() -> None:
-    """On random 2-D and 3-D meshes, every element of every parameter lies on exactly as many ranks as its placements replicate it (R dims, and tp for what TP leaves alone), and each local tensor is its segments packed in order."""
+    """On random 2-D and 3-D meshes, every element of every parameter lies on exactly as many ranks as its placements
+    replicate it (R dims, and tp for what TP leaves alone), and each local tensor is its segments packed in order."""
     from osdpipe.layout.kinds import rank_layout
 
     rng = random.Random(18)
@@ -200,5 +224,6 @@ def test_fsdp2_over_tp_layouts_hold_every_element_once_per_copy() -> None:
             copies = 1
             for text, size in zip(where.placements, where.mesh):
                 copies *= size if text == "R" else 1
-            copies *= spec.world_size // torch.Size(where.mesh).numel()  # the mesh dimensions the parameter does not lie on (tp, for what TP leaves alone)
+            # the mesh dimensions the parameter does not lie on (tp, for what TP leaves alone)
+            copies *= spec.world_size // torch.Size(where.mesh).numel()
             assert bool((seen == copies).all()), (fqn, where, spec.world_size, seen.tolist())

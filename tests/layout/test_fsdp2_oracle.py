@@ -66,7 +66,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "nested": ("nested", {}),
     "nested_odd": ("nested", {"dim": 5, "hidden": 3, "blocks": 3}),  # 5 and 3 rows: uneven chunks at 2-4 ranks
     "transformer": ("transformer", {}),  # tok_embed.weight is tied to lm_head.weight
-    "transformer_tiny": ("transformer", {"vocab": 7, "dim": 3, "hidden": 2, "layers": 1}),  # 2-3 rows: empty shards at 3-4 ranks
+    # 2-3 rows: empty shards at 3-4 ranks
+    "transformer_tiny": ("transformer", {"vocab": 7, "dim": 3, "hidden": 2, "layers": 1}),
     "mlp": ("mlp", {"width": 5, "depth": 3}),
     "mlp1": ("mlp", {"width": 1, "depth": 2}),  # one row: only shard 0 holds anything
 }
@@ -83,7 +84,13 @@ class Case:
     direct: bool = False  # wrapped by hand-written fully_shard calls, not by osdpipe's FSDP2.wrap
 
     def spec(self, world_size: int) -> LayoutSpec:
-        return LayoutSpec(kind="fsdp2", world_size=world_size, wrap=self.wrap, param_dtype=self.param_dtype, shard_group_size=self.shard_group_size)
+        return LayoutSpec(
+            kind="fsdp2",
+            world_size=world_size,
+            wrap=self.wrap,
+            param_dtype=self.param_dtype,
+            shard_group_size=self.shard_group_size,
+        )
 
     @property
     def label(self) -> str:
@@ -98,9 +105,12 @@ class Case:
 
 
 def _cases(world_size: int) -> list[Case]:
-    """Every case of a world of ``world_size`` ranks: plain FSDP2, then HSDP on each shard group size that divides it."""
+    """Every case of a world of ``world_size`` ranks: plain FSDP2, then HSDP on each shard group size that divides
+    it."""
     wraps = {
-        "nested": ((), ("Block",), ("Leaf",), ("Block", "Leaf"), ("block1", "block2.leaf1"), ("embed", "block2.leaf2.out")),
+        "nested": (
+            (), ("Block",), ("Leaf",), ("Block", "Leaf"), ("block1", "block2.leaf1"), ("embed", "block2.leaf2.out")
+        ),
         "nested_odd": (("Block",),),
         "transformer": ((), ("TransformerBlock",), ("layers.1",)),
         "transformer_tiny": (("TransformerBlock", "LayerNorm"),),
@@ -108,7 +118,11 @@ def _cases(world_size: int) -> list[Case]:
         "mlp1": (("Linear",),),
     }
     out = [Case(model, wrap) for model, ws in wraps.items() for wrap in ws]
-    out += [Case("nested", ("Block",), param_dtype="bfloat16"), Case("nested", ("Block", "Leaf"), direct=True), Case("transformer", (), direct=True)]
+    out += [
+        Case("nested", ("Block",), param_dtype="bfloat16"),
+        Case("nested", ("Block", "Leaf"), direct=True),
+        Case("transformer", (), direct=True),
+    ]
     for size in (s for s in (1, 2, 3, 4) if world_size % s == 0):
         out += [Case("nested_odd", ("Block",), shard_group_size=size), Case("mlp1", ("Linear",), shard_group_size=size)]
         out += [Case("transformer_tiny", ("TransformerBlock",), shard_group_size=size)]
@@ -161,7 +175,8 @@ def _adam_state(model: torch.nn.Module, tree: ModuleTree, spec: LayoutSpec, rank
 
 
 def _fsdp2_world(cases: list[Case], world_size: int) -> list[dict[str, Any]]:
-    """Wrap every case with real ``fully_shard`` and step it; return what each parameter and its state hold, as plain data."""
+    """Wrap every case with real ``fully_shard`` and step it; return what each parameter and its state hold, as plain
+    data."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -177,9 +192,13 @@ def _fsdp2_world(cases: list[Case], world_size: int) -> list[dict[str, Any]]:
         fill_marked(model)
         spec = case.spec(world_size)
         if case.direct:
-            shape = (world_size // case.shard_group_size, case.shard_group_size) if case.shard_group_size else (world_size,)
+            shape = (
+                (world_size // case.shard_group_size, case.shard_group_size) if case.shard_group_size else (world_size,)
+            )
             if shape not in meshes:
-                meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")[-len(shape) :])
+                meshes[shape] = init_device_mesh(
+                    "cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")[-len(shape) :]
+                )
             model = direct_fully_shard(model, list(case.wrap), meshes[shape])
         else:
             model = kinds.get("fsdp2").wrap(model, spec)
@@ -190,7 +209,8 @@ def _fsdp2_world(cases: list[Case], world_size: int) -> list[dict[str, Any]]:
 
 def _world(world_size: int) -> list[list[dict[str, Any]]]:
     """Every rank's answer for every case of ``world_size`` (one spawned world per size, failures included)."""
-    return world_once("FSDP2", _fsdp2_world, world_size, ([case for ws, case in CASES if ws == world_size], world_size), WORLD_TIMEOUT_S)
+    cases = [case for ws, case in CASES if ws == world_size]
+    return world_once("FSDP2", _fsdp2_world, world_size, (cases, world_size), WORLD_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------
@@ -206,17 +226,23 @@ def _check_param(t: LocalTensor, got: dict[str, Any], info: ParamInfo, where: di
     if tuple(got["local_shape"]) != t.shape:
         errors.append(f"local shape {tuple(got['local_shape'])}, layout {t.shape}")
     real = Placement(tuple(got["mesh"]), tuple(got["placements"]), tuple(got["mesh_dim_names"]))
-    if t.placement is None or (real.mesh, real.placements) != (t.placement.mesh, t.placement.placements):  # names are a job's own (this one's are torchtitan's)
+    # names are a job's own (this one's are torchtitan's)
+    if t.placement is None or (real.mesh, real.placements) != (t.placement.mesh, t.placement.placements):
         errors.append(f"placement {real}, layout {t.placement}")
     if t.fqns != (t.key,) or t.flat or not t.stepped:
-        errors.append(f"layout tensor has fqns={t.fqns} flat={t.flat} stepped={t.stepped}; expected ({t.key},), False, True")
+        errors.append(
+            f"layout tensor has fqns={t.fqns} flat={t.flat} stepped={t.stepped}; expected ({t.key},), False, True"
+        )
     if len(t.segments) > 1 or any(s.dest != 0 or s.fqn != t.key for s in t.segments):
         errors.append(f"layout segments {t.segments}: expected at most one, of {t.key}, at dest 0")
     if where is not None and got["values"] is not None:
         want = expected_values(t.numel, t.segments, where)
         if list(got["values"]) != want:
             held = [v - where[t.key] for v in got["values"]]
-            errors.append(f"holds elements {_ranges(held)} of the flattened parameter, layout says {[(s.start, s.start + s.length) for s in t.segments]}")
+            errors.append(
+                f"holds elements {_ranges(held)} of the flattened parameter,"
+                f" layout says {[(s.start, s.start + s.length) for s in t.segments]}"
+            )
     return errors
 
 
@@ -231,7 +257,9 @@ def _ranges(elements: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _check(tree: ModuleTree, spec: LayoutSpec, rank: int, got: dict[str, Any], where: dict[str, int] | None) -> list[str]:
+def _check(
+    tree: ModuleTree, spec: LayoutSpec, rank: int, got: dict[str, Any], where: dict[str, int] | None
+) -> list[str]:
     """Differences between one rank's real FSDP2 parameters (and Adam state, when stepped) and ``rank_layout``."""
     if "error" in got:
         return [f"wrapping failed: {got['error']}"]
@@ -250,12 +278,19 @@ def _check(tree: ModuleTree, spec: LayoutSpec, rank: int, got: dict[str, Any], w
         return [*errors, f"Adam step on synthetic gradients failed: {step['error']}"]
     for t, p, state in zip(tensors, got["params"], step["states"], strict=True):
         if state is None:
-            errors.append(f"{t.key}: no optimizer state after a step (layout: stepped={t.stepped}, local shape {t.shape})")
+            errors.append(
+                f"{t.key}: no optimizer state after a step (layout: stepped={t.stepped}, local shape {t.shape})"
+            )
             continue
         if not state["dtensor"] or state["local_shape"] != t.shape or state["placements"] != tuple(p["placements"]):
-            errors.append(f"{t.key}: exp_avg is {state}, expected a DTensor of local shape {t.shape} placed {tuple(p['placements'])}")
+            errors.append(
+                f"{t.key}: exp_avg is {state}, expected a DTensor of local shape {t.shape}"
+                f" placed {tuple(p['placements'])}"
+            )
         if state["step"] != 1.0 or not {"exp_avg", "exp_avg_sq", "step"} <= set(state["keys"]):
-            errors.append(f"{t.key}: state {state['keys']} at step {state['step']}, expected exp_avg, exp_avg_sq, step at 1")
+            errors.append(
+                f"{t.key}: state {state['keys']} at step {state['step']}, expected exp_avg, exp_avg_sq, step at 1"
+            )
     return errors
 
 
@@ -289,7 +324,8 @@ def test_real_worlds_hold_empty_and_uneven_shards() -> None:
 # Large worlds on the fake process group
 # ---------------------------------------------------------------------------
 
-#: label -> (built-in factory, kwargs): tiny widths leave most of 64 or 1024 ranks empty; 2047 rows leave the last one a partial chunk.
+#: label -> (built-in factory, kwargs): tiny widths leave most of 64 or 1024 ranks empty;
+#: 2047 rows leave the last one a partial chunk.
 FAKE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mlp3": ("mlp", {"width": 3, "depth": 2}),
     "lm2047": ("transformer", {"vocab": 2047, "dim": 4, "hidden": 6, "layers": 1}),
@@ -303,7 +339,12 @@ def _fake_ranks(world_size: int) -> list[int]:
 
 
 def _fake_cases(world_size: int) -> list[Case]:
-    out = [Case("mlp3", ()), Case("mlp3", ("Linear",)), Case("lm2047", ("TransformerBlock",)), Case("nested", ("Block", "Leaf"))]
+    out = [
+        Case("mlp3", ()),
+        Case("mlp3", ("Linear",)),
+        Case("lm2047", ("TransformerBlock",)),
+        Case("nested", ("Block", "Leaf")),
+    ]
     for size in (8, world_size // 16):  # (N/8, 8) and (16, N/16): (16, 64) at 1024 ranks
         out += [Case("mlp3", ("Linear",), shard_group_size=size), Case("lm2047", (), shard_group_size=size)]
     return out
@@ -317,7 +358,13 @@ def _fake_tree(label: str) -> ModuleTree:
 def _fake_world(world_size: int) -> dict[int, list[dict[str, Any]]]:
     """Every probed rank's answer for every fake case (one subprocess for the world size, one rank after the other)."""
     cases = [
-        dict(kind="fsdp2", factory=FAKE_MODELS[c.model][0], kwargs=FAKE_MODELS[c.model][1], wrap=list(c.wrap), shard_group_size=c.shard_group_size)
+        dict(
+            kind="fsdp2",
+            factory=FAKE_MODELS[c.model][0],
+            kwargs=FAKE_MODELS[c.model][1],
+            wrap=list(c.wrap),
+            shard_group_size=c.shard_group_size,
+        )
         for c in _fake_cases(world_size)
     ]
     return run_fake_world(world_size, _fake_ranks(world_size), cases, FAKE_TIMEOUT_S)
@@ -331,13 +378,16 @@ def test_large_worlds_match_fully_shard_on_a_fake_group(world_size: int) -> None
         spec, tree = case.spec(world_size), _fake_tree(case.model)
         where = marks([(p.fqn, p.numel) for p in tree.params])
         for rank in _fake_ranks(world_size):
-            errors += [f"{case.label} rank {rank}/{world_size}: {e}" for e in _check(tree, spec, rank, results[rank][i], where)]
+            errors += [
+                f"{case.label} rank {rank}/{world_size}: {e}" for e in _check(tree, spec, rank, results[rank][i], where)
+            ]
     assert not errors, "\n".join(errors)
 
 
 @pytest.mark.parametrize("world_size", FAKE_WORLD_SIZES)
 def test_large_world_ranks_reach_empty_and_partial_shards(world_size: int) -> None:
-    """The probed ranks hold, between them, a full chunk, a partial last chunk and an empty shard, with and without HSDP."""
+    """The probed ranks hold, between them, a full chunk, a partial last chunk and an empty shard,
+    with and without HSDP."""
     kinds_seen: set[tuple[bool, str]] = set()
     for case in _fake_cases(world_size):
         spec, tree = case.spec(world_size), _fake_tree(case.model)
@@ -375,10 +425,15 @@ def test_every_element_is_held_once_per_replica_group(world_size: int) -> None:
     for size in _groups(world_size):
         spec = LayoutSpec(kind="fsdp2", world_size=world_size, shard_group_size=size)
         shards = size or world_size
-        mesh = Placement((spec.replicas, shards), ("R", "S(0)"), ("replicate", "shard")) if size else Placement((world_size,), ("S(0)",), ("shard",))
+        mesh = (
+            Placement((spec.replicas, shards), ("R", "S(0)"), ("replicate", "shard"))
+            if size
+            else Placement((world_size,), ("S(0)",), ("shard",))
+        )
         layouts = [rank_layout(tree, spec, rank) for rank in range(world_size)]
         for j, p in enumerate(tree.params):
-            # torch.chunk's rows per shard (missing trailing chunks hold none), and where each starts in the flattened view
+            # torch.chunk's rows per shard (missing trailing chunks hold none),
+            # and where each starts in the flattened view
             rows = [len(c) for c in torch.arange(p.shape[0]).chunk(shards)] if p.shape[0] else []
             rows += [0] * (shards - len(rows))
             row_numel = p.numel // p.shape[0] if p.shape[0] else 0
@@ -387,7 +442,9 @@ def test_every_element_is_held_once_per_replica_group(world_size: int) -> None:
                 t = layouts[rank][j]
                 where = f"ws={world_size} s={size} rank={rank} {p.fqn}{p.shape}"
                 assert shard_group(spec, rank) == (shards, index), where
-                assert t.shape == (rows[index], *p.shape[1:]), f"{where}: shape {t.shape}, torch.chunk gives {rows[index]} rows"
+                assert t.shape == (rows[index], *p.shape[1:]), (
+                    f"{where}: shape {t.shape}, torch.chunk gives {rows[index]} rows"
+                )
                 start, length = sum(rows[:index]) * row_numel, rows[index] * row_numel
                 want = (Segment(p.fqn, start, length, 0),) if length else ()
                 assert t.segments == want, f"{where}: segments {t.segments}, torch.chunk gives {want}"
@@ -395,7 +452,9 @@ def test_every_element_is_held_once_per_replica_group(world_size: int) -> None:
             # per replica group the chunks tile the parameter: each element once
             assert sum(rows) == p.shape[0], f"ws={world_size} s={size}: {p.fqn} rows {rows}"
         for rank in range(world_size - shards):
-            assert layouts[rank] == layouts[rank + shards], f"ws={world_size} s={size}: ranks {rank} and {rank + shards} differ"
+            assert layouts[rank] == layouts[rank + shards], (
+                f"ws={world_size} s={size}: ranks {rank} and {rank + shards} differ"
+            )
 
 
 def test_every_element_is_held_once_small() -> None:
@@ -414,10 +473,14 @@ def test_every_element_is_held_once_small() -> None:
                         t = next(t for t in rank_layout(tree, spec, group * shards + index) if t.key == p.fqn)
                         held = [i for s in t.segments for i in range(s.start, s.start + s.length)]
                         want = pieces[index].flatten().tolist() if index < len(pieces) else []
-                        assert held == want, f"ws={world_size} s={size} shard {index}: {p.fqn}{p.shape} holds {held}, torch.chunk {want}"
+                        assert held == want, (
+                            f"ws={world_size} s={size} shard {index}: {p.fqn}{p.shape} holds {held}, torch.chunk {want}"
+                        )
                         for i in held:
                             counts[i] += 1
-                    assert all(c == 1 for c in counts), f"ws={world_size} s={size}: {p.fqn} held {sorted(set(counts))} times"
+                    assert all(c == 1 for c in counts), (
+                        f"ws={world_size} s={size}: {p.fqn} held {sorted(set(counts))} times"
+                    )
 
 
 @pytest.mark.parametrize(
@@ -437,5 +500,11 @@ def test_config_refuses_what_fully_shard_cannot_do(settings: dict[str, Any], key
 
 
 def test_config_accepts_hsdp_and_full_shard() -> None:
-    for settings in (dict(), dict(shard_group_size=2), dict(shard_group_size=4), dict(shard_group_size=1), dict(sharding_strategy="SHARD_GRAD_OP")):
+    for settings in (
+        dict(),
+        dict(shard_group_size=2),
+        dict(shard_group_size=4),
+        dict(shard_group_size=1),
+        dict(sharding_strategy="SHARD_GRAD_OP"),
+    ):
         assert LayoutConfig(kind="fsdp2", world_size=4, **settings).spec().kind == "fsdp2"

@@ -128,7 +128,10 @@ def _combos() -> list[Combo]:
                 out.append(Combo(model, wrap, "_HYBRID_SHARD_ZERO2", orig, 2))
     out += [Combo("nested", ("Block",), "HYBRID_SHARD", orig, 2, wrap_root=False) for orig in (False, True)]
     out += [Combo("nested", ("Block",), "HYBRID_SHARD", True, 2, param_dtype="bfloat16")]  # aligned to 8 fp32 elements
-    out += [Combo("nested", ("Block",), "HYBRID_SHARD", False, 2, direct=True), Combo("transformer", (), "_HYBRID_SHARD_ZERO2", True, 2, direct=True)]
+    out += [
+        Combo("nested", ("Block",), "HYBRID_SHARD", False, 2, direct=True),
+        Combo("transformer", (), "_HYBRID_SHARD_ZERO2", True, 2, direct=True),
+    ]
     return out
 
 
@@ -186,7 +189,9 @@ def _world() -> list[list[dict[str, Any]]]:
 # ---------------------------------------------------------------------------
 
 
-def check_fsdp1(tree: ModuleTree, spec: LayoutSpec, rank: int, got: dict[str, Any], where: dict[str, int] | None = None) -> list[str]:
+def check_fsdp1(
+    tree: ModuleTree, spec: LayoutSpec, rank: int, got: dict[str, Any], where: dict[str, int] | None = None
+) -> list[str]:
     """Differences between one rank's real FSDP1 metadata (and local values) and osdpipe's layout of ``spec``.
 
     The shard group and index come from :func:`~osdpipe.layout.ranges.shard_group`
@@ -210,17 +215,29 @@ def check_fsdp1(tree: ModuleTree, spec: LayoutSpec, rank: int, got: dict[str, An
         if full != flat.fqns:
             errors.append(f"{label}: flattened parameters {full}, layout {flat.fqns}")
         names = iter(full)
-        entries = tuple((None if pad else next(names, "?"), n) for n, pad in zip(unit["numels_with_padding"], unit["is_padding_mask"], strict=True))
+        entries = tuple(
+            (None if pad else next(names, "?"), n)
+            for n, pad in zip(unit["numels_with_padding"], unit["is_padding_mask"], strict=True)
+        )
         if entries != flat.entries:
             errors.append(f"{label}: flat entries (fqn or None for padding, numel) {entries}, layout {flat.entries}")
         strategy = spec.sharding_strategy if sharded else "NO_SHARD"
         if (unit["sharded"], unit["strategy"]) != (sharded, strategy):
-            errors.append(f"{label}: FSDP runs {unit['strategy']} (sharded={unit['sharded']}), layout says {strategy} (sharded={sharded})")
+            errors.append(
+                f"{label}: FSDP runs {unit['strategy']} (sharded={unit['sharded']}),"
+                f" layout says {strategy} (sharded={sharded})"
+            )
         if tuple(unit["shard_group"]) != (size, index):
-            errors.append(f"{label}: FSDP shards over {unit['shard_group'][0]} ranks as index {unit['shard_group'][1]}, layout says {size} as {index}")
+            errors.append(
+                f"{label}: FSDP shards over {unit['shard_group'][0]} ranks as index {unit['shard_group'][1]},"
+                f" layout says {size} as {index}"
+            )
         chunk = chunk_bounds(flat.total, size, index)[2] if sharded else flat.total
         if unit["local_numel"] != chunk:
-            errors.append(f"{label}: local flat numel {unit['local_numel']}, layout's shard of {flat.total} over {size} is {chunk}")
+            errors.append(
+                f"{label}: local flat numel {unit['local_numel']},"
+                f" layout's shard of {flat.total} over {size} is {chunk}"
+            )
         infos = unit["shard_param_infos"]
         if len(infos) != len(full):
             errors.append(f"{label}: {len(infos)} shard infos for {len(full)} parameters")
@@ -242,11 +259,17 @@ def check_fsdp1(tree: ModuleTree, spec: LayoutSpec, rank: int, got: dict[str, An
                 errors.append(f"{label}: FSDP holds {want}, layout {t}")
     real = [(p["fqn"], tuple(p["local_shape"])) for p in got["params"]]
     if real != [(t.key, t.shape) for t in tensors]:
-        errors.append(f"(name, local shape) of the wrapped model's parameters {real}, layout {[(t.key, t.shape) for t in tensors]}")
+        errors.append(
+            f"(name, local shape) of the wrapped model's parameters {real},"
+            f" layout {[(t.key, t.shape) for t in tensors]}"
+        )
     elif where is not None:
         for p, t in zip(got["params"], tensors):
             if p["values"] is not None and list(p["values"]) != expected_values(t.numel, t.segments, where):
-                errors.append(f"{t.key}: local values {_short(p['values'])}, layout's segments {t.segments} give {_short(expected_values(t.numel, t.segments, where))}")
+                errors.append(
+                    f"{t.key}: local values {_short(p['values'])}, layout's segments {t.segments}"
+                    f" give {_short(expected_values(t.numel, t.segments, where))}"
+                )
     return errors
 
 
@@ -261,20 +284,27 @@ def test_layout_matches_hybrid_fsdp1(combo: Combo) -> None:
     tree, spec = _tree(combo.model), combo.spec(WORLD_SIZE)
     errors = []
     for rank, per_rank in enumerate(results):
-        errors += [f"rank {rank}/{WORLD_SIZE}: {e}" for e in check_fsdp1(tree, spec, rank, per_rank[i], tree_marks(tree))]
+        errors += [
+            f"rank {rank}/{WORLD_SIZE}: {e}" for e in check_fsdp1(tree, spec, rank, per_rank[i], tree_marks(tree))
+        ]
     if errors:
         pytest.fail(f"{combo.label} (world size {WORLD_SIZE}):\n  " + "\n  ".join(errors), pytrace=False)
 
 
 @pytest.mark.parametrize("combo", [c for c in COMBOS if c.shard_group_size < WORLD_SIZE], ids=lambda c: c.label)
 def test_replica_groups_hold_the_same_shards(combo: Combo) -> None:
-    """Ranks ``r`` and ``r + s`` hold the same shards: in osdpipe's layout, and in real FSDP1's metadata and local values."""
+    """Ranks ``r`` and ``r + s`` hold the same shards: in osdpipe's layout,
+    and in real FSDP1's metadata and local values."""
     results = _world()
     i = COMBOS.index(combo)
     tree, spec, size = _tree(combo.model), combo.spec(WORLD_SIZE), combo.shard_group_size
     for rank in range(WORLD_SIZE - size):
-        assert rank_layout(tree, spec, rank) == rank_layout(tree, spec, rank + size), f"layout: ranks {rank} and {rank + size} differ"
-        assert results[rank][i] == results[rank + size][i], f"FSDP1: ranks {rank} and {rank + size} hold different shards"
+        assert rank_layout(tree, spec, rank) == rank_layout(tree, spec, rank + size), (
+            f"layout: ranks {rank} and {rank + size} differ"
+        )
+        assert results[rank][i] == results[rank + size][i], (
+            f"FSDP1: ranks {rank} and {rank + size} hold different shards"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -283,15 +313,20 @@ def test_replica_groups_hold_the_same_shards(combo: Combo) -> None:
 
 
 def _fake_ranks(world_size: int) -> list[int]:
-    """Rank 0, a middle one, the last, and one just past the few that hold any element of the tiny models (padding only)."""
+    """Rank 0, a middle one, the last, and one just past the few that hold any element of the tiny models (padding
+    only)."""
     return [0, world_size // 2 + 1, world_size - 1, 30]
 
 
 def _fake_combos(world_size: int) -> list[Combo]:
     out = [Combo("mlp3", (), "FULL_SHARD", orig, None) for orig in (False, True)]
-    out += [Combo("mlp3", ("Linear",), "FULL_SHARD", True, None), Combo("nested", ("Block", "Leaf"), "FULL_SHARD", True, None)]
+    out += [
+        Combo("mlp3", ("Linear",), "FULL_SHARD", True, None),
+        Combo("nested", ("Block", "Leaf"), "FULL_SHARD", True, None),
+    ]
     out += [Combo("lm2047", ("TransformerBlock",), "FULL_SHARD", orig, None) for orig in (False, True)]
-    out.append(Combo("lm2047", ("TransformerBlock", "LayerNorm"), "FULL_SHARD", False, None))  # the root: 2047 x 4, the last rank's chunk partial
+    # the root: 2047 x 4, the last rank's chunk partial
+    out.append(Combo("lm2047", ("TransformerBlock", "LayerNorm"), "FULL_SHARD", False, None))
     for size in (8, world_size // 16):  # (N/8, 8) and (16, N/16): (16, 64) at 1024 ranks
         out += [Combo("mlp3", ("Linear",), "HYBRID_SHARD", orig, size) for orig in (False, True)]
         out += [Combo("lm2047", (), "HYBRID_SHARD", orig, size) for orig in (False, True)]
@@ -301,7 +336,8 @@ def _fake_combos(world_size: int) -> list[Combo]:
 
 @functools.cache
 def _fake_world(world_size: int) -> dict[int, list[dict[str, Any]]]:
-    """Every probed rank's answer for every fake combination (one subprocess for the world size, one rank after the other)."""
+    """Every probed rank's answer for every fake combination (one subprocess for the world size, one rank after the
+    other)."""
     cases = [
         dict(
             kind="fsdp1",
@@ -324,13 +360,17 @@ def test_large_worlds_match_fsdp1_on_a_fake_group(world_size: int) -> None:
     for i, combo in enumerate(_fake_combos(world_size)):
         tree, spec = _tree(combo.model), combo.spec(world_size)
         for rank in _fake_ranks(world_size):
-            errors += [f"{combo.label} rank {rank}/{world_size}: {e}" for e in check_fsdp1(tree, spec, rank, results[rank][i], tree_marks(tree))]
+            errors += [
+                f"{combo.label} rank {rank}/{world_size}: {e}"
+                for e in check_fsdp1(tree, spec, rank, results[rank][i], tree_marks(tree))
+            ]
     assert not errors, "\n".join(errors)
 
 
 @pytest.mark.parametrize("world_size", FAKE_WORLD_SIZES)
 def test_large_world_ranks_reach_padding_only_shards(world_size: int) -> None:
-    """The probed ranks hold, between them, flat shards of parameters only, of parameters and padding, and of padding only, with and without hybrid sharding."""
+    """The probed ranks hold, between them, flat shards of parameters only, of parameters and padding, and of padding
+    only, with and without hybrid sharding."""
     seen: set[tuple[bool, str]] = set()
     for combo in _fake_combos(world_size):
         tree, spec = _tree(combo.model), combo.spec(world_size)
@@ -341,7 +381,8 @@ def test_large_world_ranks_reach_padding_only_shards(world_size: int) -> None:
                 for fqn, numel in flat.entries:
                     held += max(0, min(offset + numel, start + chunk) - max(offset, start)) if fqn is not None else 0
                     offset += numel
-                seen.add((spec.shard_group_size is not None, "padding" if held == 0 else "full" if held == chunk else "partial"))
+                held_kind = "padding" if held == 0 else "full" if held == chunk else "partial"
+                seen.add((spec.shard_group_size is not None, held_kind))
     assert seen == {(h, w) for h in (False, True) for w in ("padding", "full", "partial")}, sorted(seen)
 
 
@@ -355,8 +396,14 @@ def test_large_world_ranks_reach_padding_only_shards(world_size: int) -> None:
     [
         (LayoutSpec(world_size=8), [(8, r) for r in range(8)]),
         (LayoutSpec(world_size=8, sharding_strategy="NO_SHARD"), [(8, r) for r in range(8)]),
-        (LayoutSpec(world_size=8, sharding_strategy="HYBRID_SHARD", shard_group_size=4), [(4, r % 4) for r in range(8)]),
-        (LayoutSpec(world_size=8, sharding_strategy="_HYBRID_SHARD_ZERO2", shard_group_size=2), [(2, r % 2) for r in range(8)]),
+        (
+            LayoutSpec(world_size=8, sharding_strategy="HYBRID_SHARD", shard_group_size=4),
+            [(4, r % 4) for r in range(8)],
+        ),
+        (
+            LayoutSpec(world_size=8, sharding_strategy="_HYBRID_SHARD_ZERO2", shard_group_size=2),
+            [(2, r % 2) for r in range(8)],
+        ),
         (LayoutSpec(world_size=8, sharding_strategy="HYBRID_SHARD", shard_group_size=8), [(8, r) for r in range(8)]),
         (LayoutSpec(world_size=8, sharding_strategy="HYBRID_SHARD", shard_group_size=1), [(1, 0)] * 8),
         (LayoutSpec(kind="fsdp2", world_size=6, shard_group_size=3), [(3, r % 3) for r in range(6)]),
@@ -373,24 +420,40 @@ def test_shard_group(spec: LayoutSpec, want: list[tuple[int, int]]) -> None:
 def test_hybrid_is_full_shard_of_one_shard_group(world_size: int, size: int) -> None:
     """Every rank's hybrid layout is the FULL_SHARD layout of a world of ``size`` ranks at index ``rank % size``."""
     ranks = sorted({0, 1, size - 1, size, world_size // 2 + 1, world_size - 1} & set(range(world_size)))
-    for model, wraps in (("nested", ((), ("Block", "Leaf"))), ("transformer", (("TransformerBlock",),)), ("mlp1", (("Linear",),)), ("lm2047", ((),))):
+    for model, wraps in (
+        ("nested", ((), ("Block", "Leaf"))),
+        ("transformer", (("TransformerBlock",),)),
+        ("mlp1", (("Linear",),)),
+        ("lm2047", ((),)),
+    ):
         tree = _tree(model)
         for wrap in wraps:
             for strategy in HYBRID_STRATEGIES:
                 for orig in (False, True):
-                    hybrid = LayoutSpec(world_size=world_size, sharding_strategy=strategy, use_orig_params=orig, wrap=wrap, shard_group_size=size)
+                    hybrid = LayoutSpec(
+                        world_size=world_size,
+                        sharding_strategy=strategy,
+                        use_orig_params=orig,
+                        wrap=wrap,
+                        shard_group_size=size,
+                    )
                     full = LayoutSpec(world_size=size, sharding_strategy="FULL_SHARD", use_orig_params=orig, wrap=wrap)
                     where = f"{model} wrap={wrap} {strategy} orig={orig} ws={world_size} s={size}"
                     assert flat_param_layouts(tree, hybrid) == flat_param_layouts(tree, full), where
                     for rank in ranks:
-                        assert rank_layout(tree, hybrid, rank) == rank_layout(tree, full, rank % size), f"{where} rank {rank}"
+                        assert rank_layout(tree, hybrid, rank) == rank_layout(tree, full, rank % size), (
+                            f"{where} rank {rank}"
+                        )
 
 
 @pytest.mark.parametrize(
     "settings,key",
     [
         (dict(kind="fsdp1", sharding_strategy="HYBRID_SHARD", world_size=4, shard_group_size=3), "shard_group_size"),
-        (dict(kind="fsdp1", sharding_strategy="_HYBRID_SHARD_ZERO2", world_size=6, shard_group_size=4), "shard_group_size"),
+        (
+            dict(kind="fsdp1", sharding_strategy="_HYBRID_SHARD_ZERO2", world_size=6, shard_group_size=4),
+            "shard_group_size",
+        ),
         (dict(kind="fsdp1", sharding_strategy="HYBRID_SHARD", world_size=4), "shard_group_size"),
         (dict(kind="fsdp1", sharding_strategy="_HYBRID_SHARD_ZERO2", world_size=4), "shard_group_size"),
         (dict(kind="fsdp1", sharding_strategy="FULL_SHARD", world_size=4, shard_group_size=2), "shard_group_size"),
@@ -400,7 +463,10 @@ def test_hybrid_is_full_shard_of_one_shard_group(world_size: int, size: int) -> 
         (dict(kind="fsdp2", world_size=4, shard_group_size=3), "shard_group_size"),
         (dict(kind="fsdp1", sharding_strategy="HYBRID_SHARD", world_size=4, shard_group_size=0), "shard_group_size"),
     ],
-    ids=["not_dividing", "zero2_not_dividing", "hybrid_without", "zero2_without", "full_shard_with", "no_shard_with", "ddp_with", "none_with", "fsdp2_not_dividing", "zero"],
+    ids=[
+        "not_dividing", "zero2_not_dividing", "hybrid_without", "zero2_without", "full_shard_with",
+        "no_shard_with", "ddp_with", "none_with", "fsdp2_not_dividing", "zero",
+    ],
 )
 def test_config_refuses_shard_groups_that_make_no_sense(settings: dict[str, Any], key: str) -> None:
     with pytest.raises(ValidationError) as info:

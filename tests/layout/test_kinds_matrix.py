@@ -70,7 +70,8 @@ from osdpipe.run.launch import run_local_world
 from osdpipe.spec.config import RunSpec
 from osdpipe.spec.reconcile import settle_and_validate
 
-#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
+#: runs it).
 pytestmark = pytest.mark.slow
 
 #: A spawned world (spawn, every case, every check) must end within this, else it fails.
@@ -108,7 +109,9 @@ def _mesh(shape: tuple[int, ...]) -> Any:
 
     key = (id(dist.group.WORLD), *shape)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None)
+        _MESHES[key] = init_device_mesh(
+            "cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None
+        )
     return _MESHES[key]
 
 
@@ -124,9 +127,16 @@ def _fsdp1(model: nn.Module, use_orig_params: bool = False, hybrid: int | None =
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    kwargs: dict[str, Any] = {"auto_wrap_policy": ModuleWrapPolicy({userlm.MixerBlock}), "use_orig_params": use_orig_params, "device_id": torch.device("cpu")}
+    kwargs: dict[str, Any] = {
+        "auto_wrap_policy": ModuleWrapPolicy({userlm.MixerBlock}),
+        "use_orig_params": use_orig_params,
+        "device_id": torch.device("cpu"),
+    }
     if hybrid:
-        kwargs.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=_mesh((dist.get_world_size() // hybrid, hybrid)))
+        kwargs.update(
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            device_mesh=_mesh((dist.get_world_size() // hybrid, hybrid)),
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return FSDP(model, **kwargs)
@@ -242,7 +252,9 @@ def _save_sources(root: str) -> None:
             model = _fsdp1(_new_model(), hybrid=hybrid)
             optim = _adam(model)
             _train(model, optim, SOURCE_STEPS, seed=0)
-            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=False)):
+            with FSDP.state_dict_type(
+                model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=False)
+            ):
                 full = FSDP.optim_state_dict(model, optim)
             if rank == 0:
                 torch.save(full, directory(name) / "full.pt")
@@ -306,7 +318,8 @@ INPUTS: dict[str, Input] = {
     # the other saved forms of three sources
     "fsdp1_rank_local": Input("fsdp1", "rank_local", "rank_local", FSDP1_4),
     "fsdp2_hsdp_dcp": Input("fsdp2_hsdp", "dcp", "dcp", {**FSDP2_4, "shard_group_size": 2}),
-    "fsdp2_rank_local": Input("fsdp2", "rank_local", "rank_local", FSDP2_4),  # rank 3 holds no row of the 6-row parameters
+    # rank 3 holds no row of the 6-row parameters
+    "fsdp2_rank_local": Input("fsdp2", "rank_local", "rank_local", FSDP2_4),
 }
 
 TARGETS: dict[str, Target] = {
@@ -317,7 +330,9 @@ TARGETS: dict[str, Target] = {
     "fsdp2": Target("fsdp2", {"kind": "fsdp2", "world_size": 2, "wrap": UNITS}),
     "fsdp2_hsdp": Target("fsdp2", {"kind": "fsdp2", "world_size": 4, "wrap": UNITS, "shard_group_size": 2}),
     "fsdp2@dcp": Target("fsdp2", {"kind": "fsdp2", "world_size": 2, "wrap": UNITS}, output="dcp"),
-    "fsdp2_hsdp@dcp": Target("fsdp2", {"kind": "fsdp2", "world_size": 4, "wrap": UNITS, "shard_group_size": 2}, output="dcp"),
+    "fsdp2_hsdp@dcp": Target(
+        "fsdp2", {"kind": "fsdp2", "world_size": 4, "wrap": UNITS, "shard_group_size": 2}, output="dcp"
+    ),
 }
 
 
@@ -356,7 +371,11 @@ def _spec(case: Case, root: Path) -> RunSpec:
             "source": inp.layout,
             "target": target.layout,
             "optim": {"name": "Adam", "lr": LR},
-            "input": {"path": str(root / "sources" / inp.source / inp.path), "format": inp.format, "param_groups": inp.param_groups},
+            "input": {
+                "path": str(root / "sources" / inp.source / inp.path),
+                "format": inp.format,
+                "param_groups": inp.param_groups,
+            },
             "output": {"path": str(root / "out" / case.name), "format": target.output},
             "runtime": {"timeout_s": COLLECTIVE_TIMEOUT_S, "progress": False},
         }
@@ -393,7 +412,9 @@ def _target_job(target: Target) -> tuple[nn.Module, nn.Module, torch.optim.Optim
     return model, raw, _adam(model)
 
 
-def _expected(target: Target, model: nn.Module, raw: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any]) -> dict[str, Any]:
+def _expected(
+    target: Target, model: nn.Module, raw: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any]
+) -> dict[str, Any]:
     """What PyTorch says this rank's optimizer loads, from the ground truth ``full``.
 
     For FSDP2 the optimizer is left holding it (``set_optimizer_state_dict``),
@@ -418,7 +439,8 @@ def _expected(target: Target, model: nn.Module, raw: nn.Module, optim: torch.opt
 
 
 def _dtensor_table(optim: torch.optim.Optimizer, expected: dict[str, Any]) -> dict[int, dict[str, list[Any]]]:
-    """Per param ID with DTensor state: its parameter's global shape, mesh shape and placements, read off the live parameter."""
+    """Per param ID with DTensor state: its parameter's global shape, mesh shape and placements,
+    read off the live parameter."""
     from torch.distributed.tensor import DTensor
 
     params = [p for g in optim.param_groups for p in g["params"]]
@@ -426,7 +448,9 @@ def _dtensor_table(optim: torch.optim.Optimizer, expected: dict[str, Any]) -> di
     for pid, state in expected["state"].items():
         if any(isinstance(v, DTensor) for v in state.values()):
             p = params[pid]
-            table[pid] = {"shape": list(p.shape), "mesh": list(p.device_mesh.shape), "placements": [str(x) for x in p.placements]}
+            table[pid] = {
+                "shape": list(p.shape), "mesh": list(p.device_mesh.shape), "placements": [str(x) for x in p.placements]
+            }
     return table
 
 
@@ -436,8 +460,12 @@ def _compare(target: Target, got: dict[str, Any], expected: dict[str, Any], opti
         return diff(without_records(got), expected, path="output")
     rest = without_records(got)
     problems = diff(rest, _local(expected), path="output", sequence_types=False)
-    # The mesh's names are recorded for people, not compared (osdpipe.layout.ranges.same_placement): this job's 1-D mesh has none.
-    table = {pid: {k: v for k, v in entry.items() if k != "mesh_dim_names"} for pid, entry in (got.get("dtensor") or {}).items()}
+    # The mesh's names are recorded for people, not compared (osdpipe.layout.ranges.same_placement):
+    # this job's 1-D mesh has none.
+    table = {
+        pid: {k: v for k, v in entry.items() if k != "mesh_dim_names"}
+        for pid, entry in (got.get("dtensor") or {}).items()
+    }
     problems += diff(table, _dtensor_table(optim, expected), path="output['dtensor']")
     return problems
 
@@ -474,13 +502,17 @@ def _check_file(case: Case, root: Path) -> list[str]:
         optim.load_state_dict(got)
     else:
         osdpipe.load_rank_local(optim, path)
-    problems += [f"after loading: {p}" for p in diff(_local(optim.state_dict()), _local(expected), path="optim", sequence_types=False)]
+    problems += [
+        f"after loading: {p}"
+        for p in diff(_local(optim.state_dict()), _local(expected), path="optim", sequence_types=False)
+    ]
     _train(model, optim, RESUME_STEPS, seed=7)
     return problems + _nonfinite(optim)
 
 
 def _check_dcp(case: Case, root: Path) -> list[str]:
-    """On this rank of an FSDP2 target world: load the DCP output as PyTorch does, and hold the full state against the ground truth."""
+    """On this rank of an FSDP2 target world: load the DCP output as PyTorch does,
+    and hold the full state against the ground truth."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -501,7 +533,9 @@ def _check_dcp(case: Case, root: Path) -> list[str]:
     loaded = _full_optim_state(model, optim)
     problems = diff(loaded, full, path="full", sequence_types=False)
     if len(loaded["state"]) != len(list(model.parameters())):
-        problems.append(f"the loaded state covers {len(loaded['state'])} parameters, the model has {len(list(model.parameters()))}")
+        problems.append(
+            f"the loaded state covers {len(loaded['state'])} parameters, the model has {len(list(model.parameters()))}"
+        )
     _train(model, optim, RESUME_STEPS, seed=7)
     return problems + _nonfinite(optim)
 
@@ -551,7 +585,9 @@ def _convert_and_check(cases: list[tuple[Case, RunSpec]], root: str, sensitivity
     for case, spec in cases:
         try:
             report = run_rank(plan_run(spec))
-            results[case.name] = Outcome(ok=report.ok, failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok])
+            results[case.name] = Outcome(
+                ok=report.ok, failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok]
+            )
         except StageError as exc:  # raised alike on every rank: the world stays in step
             results[case.name] = Outcome(error=str(exc))
     for case, _ in cases:
@@ -569,7 +605,13 @@ def _convert_and_check(cases: list[tuple[Case, RunSpec]], root: str, sensitivity
 
 
 #: Whose comparison the sensitivity test tampers with: one target of each comparison path.
-SENSITIVITY = [Case("fsdp2_hsdp", "fsdp1"), Case("fsdp1", "fsdp2"), Case("fsdp1_hybrid", "ddp"), Case("fsdp2", "none"), Case("ddp", "fsdp2_hsdp")]
+SENSITIVITY = [
+    Case("fsdp2_hsdp", "fsdp1"),
+    Case("fsdp1", "fsdp2"),
+    Case("fsdp1_hybrid", "ddp"),
+    Case("fsdp2", "none"),
+    Case("ddp", "fsdp2_hsdp"),
+]
 
 
 def _merge(per_rank: list[dict[str, Outcome]]) -> dict[str, Outcome]:
@@ -589,10 +631,16 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     sensitivity = {w: [c for c in SENSITIVITY if TARGETS[c.target].world_size == w] for w in by_world}
     results: dict[str, Outcome] = {}
     # The source world is also the world of the 4-rank targets (their specs are validated there, once the inputs exist).
-    results.update(_merge(run_local_world(_sources_then_convert, 4, (str(root), by_world[4], sensitivity[4]), timeout_s=WORLD_TIMEOUT_S)))
+    ran = run_local_world(
+        _sources_then_convert, 4, (str(root), by_world[4], sensitivity[4]), timeout_s=WORLD_TIMEOUT_S
+    )
+    results.update(_merge(ran))
     for world in sorted(w for w in by_world if w != 4):
         jobs = [(c, _spec(c, root)) for c in by_world[world]]
-        results.update(_merge(run_local_world(_convert_and_check, world, (jobs, str(root), sensitivity[world]), timeout_s=WORLD_TIMEOUT_S)))
+        ran = run_local_world(
+            _convert_and_check, world, (jobs, str(root), sensitivity[world]), timeout_s=WORLD_TIMEOUT_S
+        )
+        results.update(_merge(ran))
     return results
 
 

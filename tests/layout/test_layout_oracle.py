@@ -47,7 +47,8 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
 
 def _combos() -> list[tuple[str, tuple[str, ...], bool, str, bool, str | None]]:
-    """(model, wrap, wrap_root, sharding_strategy, use_orig_params, mixed-precision param_dtype) for every case in one world.
+    """(model, wrap, wrap_root, sharding_strategy, use_orig_params, mixed-precision param_dtype) for every case in one
+    world.
 
     Mixed precision changes the layout only through ``use_orig_params``'
     alignment (16 bytes of the bf16 forward dtype: 8 fp32 elements, not 4), so
@@ -71,14 +72,23 @@ COMBOS = _combos()
 def _spec(combo: tuple, world_size: int) -> LayoutSpec:
     _model, wrap, wrap_root, strategy, orig, param_dtype = combo
     return LayoutSpec(
-        kind="fsdp1", world_size=world_size, sharding_strategy=strategy, use_orig_params=orig, wrap=wrap, wrap_root=wrap_root, param_dtype=param_dtype
+        kind="fsdp1",
+        world_size=world_size,
+        sharding_strategy=strategy,
+        use_orig_params=orig,
+        wrap=wrap,
+        wrap_root=wrap_root,
+        param_dtype=param_dtype,
     )
 
 
 def _combo_id(combo: tuple) -> str:
     model, wrap, wrap_root, strategy, orig, param_dtype = combo
     mixed = f"-mp_{param_dtype}" if param_dtype else ""
-    return f"{model}-wrap[{','.join(wrap)}]-{'root' if wrap_root else 'noroot'}-{strategy}-{'orig' if orig else 'flat'}{mixed}"
+    return (
+        f"{model}-wrap[{','.join(wrap)}]-{'root' if wrap_root else 'noroot'}"
+        f"-{strategy}-{'orig' if orig else 'flat'}{mixed}"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -87,7 +97,8 @@ def _combo_id(combo: tuple) -> str:
 
 
 def _fsdp_metadata(combos: list[tuple], world_size: int) -> list[dict[str, Any]]:
-    """Wrap every combination with FSDP1 and return its units' FlatParameter metadata and (name, local shape) per parameter."""
+    """Wrap every combination with FSDP1 and return its units' FlatParameter metadata and
+    (name, local shape) per parameter."""
     import warnings
 
     from osdpipe.layout import kinds
@@ -117,7 +128,10 @@ def _diff(got: Any, want: Any) -> str:
     got, want = list(got), list(want)
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     lead = f"from index {i} of {len(got)} vs {len(want)}: " if i else ""
-    return f"{lead}FSDP {got[i:i + 4]}{' ...' if len(got) > i + 4 else ''}, layout {want[i:i + 4]}{' ...' if len(want) > i + 4 else ''}"
+    return (
+        f"{lead}FSDP {got[i:i + 4]}{' ...' if len(got) > i + 4 else ''},"
+        f" layout {want[i:i + 4]}{' ...' if len(want) > i + 4 else ''}"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -125,7 +139,9 @@ def _diff(got: Any, want: Any) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, rank: int, local: dict[str, LocalTensor]) -> list[str]:
+def _check_unit(
+    flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, rank: int, local: dict[str, LocalTensor]
+) -> list[str]:
     """Differences between one FSDP unit and the layout's view of it on ``rank``."""
     unit = flat.unit
     where = f"unit {unit or '<root>'!r}"
@@ -135,7 +151,8 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
         errors.append(f"{where}: flattened parameters differ, {_diff(full, flat.fqns)}")
     names = iter(full)
     entries = tuple(
-        (None if pad else next(names, "?"), n) for n, pad in zip(got["numels_with_padding"], got["is_padding_mask"], strict=True)
+        (None if pad else next(names, "?"), n)
+        for n, pad in zip(got["numels_with_padding"], got["is_padding_mask"], strict=True)
     )
     if entries != flat.entries:
         errors.append(f"{where}: flat entries (fqn or None for padding, numel) differ, {_diff(entries, flat.entries)}")
@@ -153,7 +170,9 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
         # one tensor per parameter; the flat parameter is FSDP's business, but its size is still the shard size
         size = layout.chunk_bounds(flat.total, spec.world_size, rank)[2] if shards(spec) else flat.total
         if got["local_numel"] != size:
-            errors.append(f"{where}: FSDP local flat numel {got['local_numel']}, layout's shard of {flat.total} is {size}")
+            errors.append(
+                f"{where}: FSDP local flat numel {got['local_numel']}, layout's shard of {flat.total} is {size}"
+            )
         for (in_shard, _off, numel, lo, _hi), fqn in zip(infos, full):
             t = local.get(fqn)
             if t is None:
@@ -164,7 +183,9 @@ def _check_unit(flat: FlatParamLayout, got: dict[str, Any], spec: LayoutSpec, ra
             else:
                 want_segs = (Segment(fqn, lo, numel, 0),) if in_shard else ()
                 if t.shape != ((numel,) if in_shard else (0,)):
-                    errors.append(f"{where}: {fqn}: FSDP local numel {numel if in_shard else 0}, layout shape {t.shape}")
+                    errors.append(
+                        f"{where}: {fqn}: FSDP local numel {numel if in_shard else 0}, layout shape {t.shape}"
+                    )
             if not in_shard and not shards(spec):
                 errors.append(f"{where}: {fqn}: FSDP NO_SHARD reports it out of the shard")
             if t.segments != want_segs:
@@ -206,7 +227,10 @@ def _check(combo: tuple, world_size: int, rank: int, got: dict[str, Any]) -> lis
 
     want_params = [(t.key, t.shape) for t in tensors]
     if got["params"] != want_params:
-        errors.append(f"(name, local shape) of wrapped.named_parameters() vs layout's local tensors differ, {_diff(got['params'], want_params)}")
+        errors.append(
+            "(name, local shape) of wrapped.named_parameters() vs layout's local tensors differ,"
+            f" {_diff(got['params'], want_params)}"
+        )
     if len(local) != len(tensors):
         errors.append(f"layout repeats a key: {[t.key for t in tensors]}")
     for t in tensors:
@@ -282,9 +306,15 @@ def _check_chunk_bounds(total: int, world_size: int) -> None:
     end_prev = 0
     for rank in range(world_size):
         start, end, chunk = layout.chunk_bounds(total, world_size, rank)
-        assert chunk == padded, f"total={total} ws={world_size} rank={rank}: chunk size {chunk}, torch.chunk gives {padded}"
-        assert end - start == sizes[rank], f"total={total} ws={world_size} rank={rank}: [{start}, {end}) vs {sizes[rank]} elements"
-        assert start == end_prev, f"total={total} ws={world_size} rank={rank}: starts at {start}, previous ended at {end_prev}"
+        assert chunk == padded, (
+            f"total={total} ws={world_size} rank={rank}: chunk size {chunk}, torch.chunk gives {padded}"
+        )
+        assert end - start == sizes[rank], (
+            f"total={total} ws={world_size} rank={rank}: [{start}, {end}) vs {sizes[rank]} elements"
+        )
+        assert start == end_prev, (
+            f"total={total} ws={world_size} rank={rank}: starts at {start}, previous ended at {end_prev}"
+        )
         if rank < len(chunks):
             assert flat[start:end].tolist() == chunks[rank].tolist()
         # FSDP1's own view of the shard: [chunk * rank, chunk * (rank + 1)) clipped to the total
@@ -324,7 +354,8 @@ def test_layout_spec_ws1_never_shards() -> None:
 
 
 def test_mixed_precision_changes_the_alignment() -> None:
-    """bf16 forward dtype over fp32 parameters: 16 bytes are 8 elements, not 4 (the oracle cases above hold it against FSDP1)."""
+    """bf16 forward dtype over fp32 parameters: 16 bytes are 8 elements, not 4
+    (the oracle cases above hold it against FSDP1)."""
     tree = _tree("nested")
     spec = LayoutSpec(kind="fsdp1", world_size=2, use_orig_params=True, wrap=("Block",))
     fp32 = {f.unit: f.entries for f in flat_param_layouts(tree, spec)}

@@ -33,11 +33,14 @@ def test_every_hook_made_key_is_the_rows_the_model_itself_saves(kwargs) -> None:
     model = build(**kwargs)
     saved = model.state_dict()
     assert set(tree.state_names) == set(saved)
-    assert {k.name for k in tree.key_maps} == {n for n in saved if ".mlp.up" in n or ".mlp.gate" in n} | {"tok_embeddings.weight"}
+    assert {k.name for k in tree.key_maps} == (
+        {n for n in saved if ".mlp.up" in n or ".mlp.gate" in n} | {"tok_embeddings.weight"}
+    )
     params = {p.fqn: model.get_parameter(p.fqn).detach() for p in tree.params}
     for key in tree.key_maps:
         assert torch.equal(gather(key, params), saved[key.name]), key.name
-    assert not [b for b in tree.buffers if b.fqn in {k.name for k in tree.key_maps}]  # a hook's key is never taken for a buffer
+    # a hook's key is never taken for a buffer
+    assert not [b for b in tree.buffers if b.fqn in {k.name for k in tree.key_maps}]
 
 
 def test_a_model_without_such_hooks_is_not_probed() -> None:
@@ -50,7 +53,9 @@ class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(4, 3))
-        self.register_state_dict_post_hook(lambda m, sd, prefix, meta: sd.__setitem__(f"{prefix}w2", sd.pop(f"{prefix}weight") * 2))
+        self.register_state_dict_post_hook(
+            lambda m, sd, prefix, meta: sd.__setitem__(f"{prefix}w2", sd.pop(f"{prefix}weight") * 2)
+        )
 
 
 class _Transposed(nn.Module):
@@ -59,12 +64,22 @@ class _Transposed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(4, 3))
-        self.register_state_dict_post_hook(lambda m, sd, prefix, meta: sd.__setitem__(f"{prefix}wt", sd.pop(f"{prefix}weight").t().contiguous()))
+        self.register_state_dict_post_hook(
+            lambda m, sd, prefix, meta: sd.__setitem__(f"{prefix}wt", sd.pop(f"{prefix}weight").t().contiguous())
+        )
 
 
-@pytest.mark.parametrize(("make", "said"), [(_Scaled, "holds values that are no parameter's rows"), (_Transposed, "mixes elements of different rows within one row")])
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (_Scaled, "holds values that are no parameter's rows"),
+        (_Transposed, "mixes elements of different rows within one row"),
+    ],
+)
 def test_a_key_that_is_not_rows_of_parameters_is_refused_in_one_line(make, said) -> None:
-    with pytest.raises(KeyMapError, match=f"state-dict key .* {said}.*; osdpipe converts a key only as whole rows of parameters"):
+    with pytest.raises(
+        KeyMapError, match=f"state-dict key .* {said}.*; osdpipe converts a key only as whole rows of parameters"
+    ):
         describe(_meta(make))
 
 
@@ -77,12 +92,16 @@ def _whole(directory):
 
 @pytest.mark.slow
 def test_the_users_hooked_model_converts_and_loads_back_through_its_own_hooks(tmp_path) -> None:
-    """FSDP2 on 2 ranks -> 3, laid out as torchtitan saves: the command's own checks pass, and, read back by PyTorch's own
-    converter, every entry equals the source's; the model's own load_state_dict takes the output's keys."""
+    """FSDP2 on 2 ranks -> 3, laid out as torchtitan saves: the command's own checks pass, and, read back by PyTorch's
+    own converter, every entry equals the source's; the model's own load_state_dict takes the output's keys."""
     out = tmp_path / "out"
     done = run_command(
-        [sys.executable, "-m", "osdpipe", "checkpoint=torchtitan", "model.factory=fusedlm:build", "source.kind=fsdp2", "source.world_size=2",
-         "target.kind=fsdp2", "target.world_size=3", "output.format=dcp", "output.model_format=safetensors", f"output.path={out}"],
+        [
+            sys.executable, "-m", "osdpipe",
+            "checkpoint=torchtitan", "model.factory=fusedlm:build",
+            "source.kind=fsdp2", "source.world_size=2", "target.kind=fsdp2", "target.world_size=3",
+            "output.format=dcp", "output.model_format=safetensors", f"output.path={out}",
+        ],
         cwd=tmp_path, timeout=300, env=user_env(),
     )
     assert done.returncode == 0, done.stderr
@@ -93,7 +112,8 @@ def test_the_users_hooked_model_converts_and_loads_back_through_its_own_hooks(tm
             assert torch.equal(converted[name], value), name
     for name in ("blocks.0.mlp.up", "blocks.1.mlp.gate", "tok_embeddings.weight"):
         assert name in converted and "optimizer" in converted
-    assert any(k.startswith("state.blocks.0.mlp.up_gate.") for k in converted["optimizer"])  # the optimizer stays keyed by the parameter
+    # the optimizer stays keyed by the parameter
+    assert any(k.startswith("state.blocks.0.mlp.up_gate.") for k in converted["optimizer"])
     model = build()
     model.load_state_dict({k: converted[k] for k in model.state_dict()})
     assert all(torch.equal(model.state_dict()[k], converted[k]) for k in model.state_dict())

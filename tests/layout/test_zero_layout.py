@@ -1,4 +1,5 @@
-"""ZeRO's layout math: every element of every parameter is in exactly one rank's partition, where DeepSpeed puts it (issue 31).
+"""ZeRO's layout math: every element of every parameter is in exactly one rank's partition,
+where DeepSpeed puts it (issue 31).
 
 Real DeepSpeed files hold the same math to account in ``tests/frameworks/test_deepspeed.py``.
 """
@@ -31,7 +32,9 @@ def test_every_element_is_held_once_and_partitions_are_equal_sized(stage: int, w
 def test_stage_1_and_2_cut_one_flat_buffer_padded_to_twice_the_world() -> None:
     group = [("a", 5), ("b", 6)]  # 11 elements; 2 ranks: padded to 12, 6 each
     assert partition_size([5, 6], 2, 2) == 6
-    assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 2, 0)] == [("a", 0, 5, 0), ("b", 0, 1, 5)]
+    assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 2, 0)] == [
+        ("a", 0, 5, 0), ("b", 0, 1, 5)
+    ]
     assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 2, 1)] == [("b", 1, 5, 0)]
     assert partition_size([5, 6], 3, 1) == 4  # padded to 12 = 2 x 3 x 2
 
@@ -39,9 +42,14 @@ def test_stage_1_and_2_cut_one_flat_buffer_padded_to_twice_the_world() -> None:
 def test_stage_3_cuts_each_parameter_on_its_own() -> None:
     group = [("a", 5), ("b", 6)]  # a: pieces of 3 (rank 1 holds 2, then padding); b: pieces of 3
     assert partition_size([5, 6], 2, 3) == 6
-    assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 3, 0)] == [("a", 0, 3, 0), ("b", 0, 3, 3)]
-    assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 3, 1)] == [("a", 3, 2, 0), ("b", 3, 3, 3)]
-    assert [(s.fqn, s.start) for s in rank_segments([("tiny", 1)], 4, 3, 2)] == []  # ranks past a small parameter hold only padding
+    assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 3, 0)] == [
+        ("a", 0, 3, 0), ("b", 0, 3, 3)
+    ]
+    assert [(s.fqn, s.start, s.length, s.dest) for s in rank_segments(group, 2, 3, 1)] == [
+        ("a", 3, 2, 0), ("b", 3, 3, 3)
+    ]
+    # ranks past a small parameter hold only padding
+    assert [(s.fqn, s.start) for s in rank_segments([("tiny", 1)], 4, 3, 2)] == []
 
 
 def test_a_range_is_cut_from_the_pieces_that_hold_it() -> None:
@@ -58,7 +66,8 @@ def test_stage_1_and_2_parameter_alignment_pads_after_each_parameter_but_the_las
 
 
 def test_a_ranks_file_holds_its_moments_padded_and_its_stage_1_2_masters_without_the_groups_end_padding() -> None:
-    # DeepSpeed 0.19.8, 2 ranks, stage 1: a group of 1650 elements is padded to 1652; rank 1's fp32 partition was saved with 824
+    # DeepSpeed 0.19.8, 2 ranks, stage 1: a group of 1650 elements is padded to 1652;
+    # rank 1's fp32 partition was saved with 824
     numels = [407, 209, 19, 209, 209, 209, 388]
     assert sum(numels) == 1650
     assert saved_lengths(numels, 2, 1, 0) == (826, 826)

@@ -82,15 +82,22 @@ def _tamper_and_verify(spec: RunSpec, source: str, tamper: str) -> list[tuple[st
             assert ctx.target_layout()[0].segments[-1].dest + ctx.target_layout()[0].segments[-1].length == 49
             state[0]["exp_avg"].view(-1)[-1] = 1.0
     verified = STAGES["verify"](ctx, keyed, Tally())
-    return [(c.name, c.ok, c.detail) for c in combine(gather_to_all(list(verified.checks)))]  # every rank's results, as the stage loop combines them
+    # every rank's results, as the stage loop combines them
+    return [(c.name, c.ok, c.detail) for c in combine(gather_to_all(list(verified.checks)))]
 
 
 @pytest.mark.parametrize("transfer", ["shared", "scatter"])
 @pytest.mark.parametrize("tamper", ["none", "element", "step", "padding"])
 def test_verify_fails_when_one_element_is_wrong(tamper, transfer, nested_sources, tmp_path):
-    """With ``scatter``, rank 1's bytes came from rank 0: its roundtrip compares them with rank 0's digests of the source."""
-    spec = spec_for(tmp_path, target={"world_size": 2, "wrap": ["Block"]}, runtime={"transfer": transfer, "memory_budget": "1KB" if transfer == "scatter" else None})
-    checks = {name: (ok, detail) for name, ok, detail in run_local_world(_tamper_and_verify, 2, (spec, nested_sources[2], tamper), timeout_s=TIMEOUT_S)[0]}
+    """With ``scatter``, rank 1's bytes came from rank 0: its roundtrip compares them with rank 0's digests of the
+    source."""
+    spec = spec_for(
+        tmp_path,
+        target={"world_size": 2, "wrap": ["Block"]},
+        runtime={"transfer": transfer, "memory_budget": "1KB" if transfer == "scatter" else None},
+    )
+    results = run_local_world(_tamper_and_verify, 2, (spec, nested_sources[2], tamper), timeout_s=TIMEOUT_S)[0]
+    checks = {name: (ok, detail) for name, ok, detail in results}
     if tamper == "none":
         assert "roundtrip" in checks and all(ok for ok, _ in checks.values()), checks
         return
@@ -108,7 +115,8 @@ def test_verify_fails_when_one_element_is_wrong(tamper, transfer, nested_sources
 
 
 def _save_user_checkpoint(root: str) -> str:
-    """Plain PyTorch, no osdpipe: FSDP1 on 4 ranks over a user's model, Adam, a few steps, then save FULL and SHARDED."""
+    """Plain PyTorch, no osdpipe: FSDP1 on 4 ranks over a user's model, Adam, a few steps,
+    then save FULL and SHARDED."""
     import torch.distributed.checkpoint as dcp
     import usermodel
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -122,7 +130,9 @@ def _save_user_checkpoint(root: str) -> str:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = FSDP(usermodel.make(), auto_wrap_policy=ModuleWrapPolicy({usermodel.Tower}), device_id=torch.device("cpu"))
+        model = FSDP(
+            usermodel.make(), auto_wrap_policy=ModuleWrapPolicy({usermodel.Tower}), device_id=torch.device("cpu")
+        )
         optim = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05)
         for step in range(3):
             torch.manual_seed(step)
@@ -132,7 +142,9 @@ def _save_user_checkpoint(root: str) -> str:
         full = FSDP.optim_state_dict(model, optim)
         if dist.get_rank() == 0:
             torch.save(full, os.path.join(root, "optim.pt"))
-        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+        with FSDP.state_dict_type(
+            model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+        ):
             sharded = FSDP.optim_state_dict(model, optim)
         dcp.save({"optimizer": sharded}, checkpoint_id=os.path.join(root, "dcp"))
     return root
@@ -145,7 +157,8 @@ def _pytorch_check_worker(spec: RunSpec, full_path: str) -> list[str]:
 @pytest.mark.parametrize("fmt", ["fsdp_full", "dcp"])
 @pytest.mark.parametrize("m", [2, 3])
 def test_user_checkpoint_4_ranks_to_m(fmt, m, tmp_path_factory):
-    """The issue's acceptance case: a plain-PyTorch checkpoint of a user model, 4 ranks -> m, rewrapped, use_orig_params flipped."""
+    """The issue's acceptance case: a plain-PyTorch checkpoint of a user model, 4 ranks -> m, rewrapped,
+    use_orig_params flipped."""
     root = tmp_path_factory.getbasetemp() / "user_ckpt"
     if not (root / "optim.pt").exists():
         root.mkdir(exist_ok=True)
@@ -166,18 +179,26 @@ def test_user_checkpoint_4_ranks_to_m(fmt, m, tmp_path_factory):
 
 
 def test_mixed_precision_target_matches_pytorch(nested_sources, tmp_path):
-    """FSDP1 with MixedPrecision(param_dtype=bfloat16) and use_orig_params as the target, bitwise as optim_state_dict_to_load."""
+    """FSDP1 with MixedPrecision(param_dtype=bfloat16) and use_orig_params as the target, bitwise as
+    optim_state_dict_to_load."""
     from dataclasses import replace
 
     from osdpipe.layout.models import build_model
     from osdpipe.layout.tree import describe
 
-    target = {"world_size": 3, "wrap": ["Block"], "use_orig_params": True, "mixed_precision": {"param_dtype": "bfloat16"}}
+    target = {
+        "world_size": 3, "wrap": ["Block"], "use_orig_params": True, "mixed_precision": {"param_dtype": "bfloat16"}
+    }
     spec = spec_for(tmp_path / "out", input={"path": nested_sources[2]}, target=target)
     tree = describe(build_model("nested", {}, device="meta"))
-    assert rank_layout(tree, spec.target.spec(), 0) != rank_layout(tree, replace(spec.target.spec(), param_dtype=None), 0), "bf16 alignment differs"
-    args = [f"input.path={nested_sources[2]}", "target.world_size=3", "target.wrap=[Block]", "target.use_orig_params=true"]
-    result = run_osdpipe(*args, "target.mixed_precision.param_dtype=bfloat16", f"output.path={tmp_path / 'out'}", cwd=tmp_path)
+    without_bf16 = replace(spec.target.spec(), param_dtype=None)
+    assert rank_layout(tree, spec.target.spec(), 0) != rank_layout(tree, without_bf16, 0), "bf16 alignment differs"
+    args = [
+        f"input.path={nested_sources[2]}", "target.world_size=3", "target.wrap=[Block]", "target.use_orig_params=true"
+    ]
+    result = run_osdpipe(
+        *args, "target.mixed_precision.param_dtype=bfloat16", f"output.path={tmp_path / 'out'}", cwd=tmp_path
+    )
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     problems = run_local_world(_pytorch_check_worker, 3, (spec, nested_sources[2]), timeout_s=TIMEOUT_S)
     assert problems == [[]] * 3, problems

@@ -46,7 +46,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from helpers import run_cli_cases  # noqa: E402
 
-#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
+#: runs it).
 pytestmark = pytest.mark.slow
 
 RECORD = Path(__file__).parent / "golden" / "outputs.json"
@@ -59,13 +60,19 @@ CASES: dict[str, list[str]] = {
     "dcp_3": ["output.format=dcp", "target.world_size=3", "source.sharding_strategy=SHARD_GRAD_OP"],
     "plain": ["target.kind=none", "target.world_size=1", "output.format=plain"],
     "ddp_from_sharded": ["source.state_dict_type=sharded", "target.kind=ddp", "target.world_size=2"],
-    "offline_fsdp1_4": ["runtime.mode=offline", "target.world_size=4", "target.use_orig_params=true", "model.factory=usermodel:make"],
-    "offline_dcp_hybrid": ["runtime.mode=offline", "target.world_size=4", "target.sharding_strategy=HYBRID_SHARD", "target.shard_group_size=2", "optim.name=AdamW"],
+    "offline_fsdp1_4": [
+        "runtime.mode=offline", "target.world_size=4", "target.use_orig_params=true", "model.factory=usermodel:make"
+    ],
+    "offline_dcp_hybrid": [
+        "runtime.mode=offline", "target.world_size=4", "target.sharding_strategy=HYBRID_SHARD",
+        "target.shard_group_size=2", "optim.name=AdamW",
+    ],
 }
 
 #: Files that say how a run went (times, paths), not what it wrote.
 RUN_RECORDS = ("report.json", "osdpipe.log", "manifest.json")
-#: A generated DCP source is written by PyTorch's own ``dcp.save``, whose ``.metadata`` differs run to run; its data files do not.
+#: A generated DCP source is written by PyTorch's own ``dcp.save``, whose ``.metadata`` differs run to run; its data
+#: files do not.
 PYTORCHS_OWN = "source/dcp/.metadata"
 
 
@@ -91,12 +98,16 @@ def test_fixed_configs_write_the_bytes_recorded_before_the_redesign(tmp_path: Pa
     import torch
 
     recorded = json.loads(RECORD.read_text())
-    assert torch.__version__ == recorded["torch"], f"the digests were recorded under torch {recorded['torch']}; this is {torch.__version__}"
+    assert torch.__version__ == recorded["torch"], (
+        f"the digests were recorded under torch {recorded['torch']}; this is {torch.__version__}"
+    )
     got = run_cases(tmp_path)
     for name in CASES:
         want = recorded["cases"][name]
         assert got[name]["files"] == want["files"], f"{name}: files differ from the recording"
-        assert got[name]["content_sha256"] == want["content_sha256"], f"{name}: the manifest's content differs from the recording"
+        assert got[name]["content_sha256"] == want["content_sha256"], (
+            f"{name}: the manifest's content differs from the recording"
+        )
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
@@ -105,5 +116,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        RECORD.write_text(json.dumps({"torch": torch.__version__, "cases": run_cases(Path(tmp))}, indent=1, sort_keys=True) + "\n")
+        RECORD.write_text(
+            json.dumps({"torch": torch.__version__, "cases": run_cases(Path(tmp))}, indent=1, sort_keys=True) + "\n"
+        )
     print(f"recorded {len(CASES)} cases in {RECORD}")

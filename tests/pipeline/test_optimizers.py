@@ -93,7 +93,9 @@ def _tamper_load_step(spec: RunSpec, source: str, tamper: str) -> tuple[bool, st
 
     ctx, products = run_stages_by_hand(spec, source, "fsdp_full", ("load", "broadcast", "flatten", "shard", "rekey"))
     keyed = products["rekey"]
-    tensor, seg = next((t, s) for t in ctx.optimizer_layout() if t.key in keyed.keys for s in t.segments if s.length >= 3)
+    tensor, seg = next(
+        (t, s) for t in ctx.optimizer_layout() if t.key in keyed.keys for s in t.segments if s.length >= 3
+    )
     trace = keyed.state_dict["state"][keyed.keys[tensor.key]]["trace"].view(-1)
     if tamper == "overflow":
         trace[seg.dest : seg.dest + 3] = 3e38
@@ -106,7 +108,9 @@ def _tamper_load_step(spec: RunSpec, source: str, tamper: str) -> tuple[bool, st
     return result.ok, result.detail, seg.fqn
 
 
-def _convert_all(specs: list[RunSpec], sources: list[str], tamper: list[tuple[str, RunSpec, str]]) -> tuple[list[Any], list[Any]]:
+def _convert_all(
+    specs: list[RunSpec], sources: list[str], tamper: list[tuple[str, RunSpec, str]]
+) -> tuple[list[Any], list[Any]]:
     converted = convert_and_check(specs, sources)
     return converted, [_tamper_load_step(spec, source, how) for how, spec, source in tamper]
 
@@ -114,14 +118,20 @@ def _convert_all(specs: list[RunSpec], sources: list[str], tamper: list[tuple[st
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("optimizers")
-    sources = dict(zip(CASES, run_local_world(_generate_all, 2, ([_spec(root, c, "source") for c in CASES],), timeout_s=TIMEOUT_S)[0]))
+    generated = run_local_world(_generate_all, 2, ([_spec(root, c, "source") for c in CASES],), timeout_s=TIMEOUT_S)
+    sources = dict(zip(CASES, generated[0]))
     user = "user-flat_to_orig"
     tamper = [
         ("overflow", _spec(root, user, "overflow"), sources[user]),
         ("inf", _spec(root, user, "inf"), sources[user]),
         ("inf", _spec(root, user, "inf_allowed", input={"allow_nonfinite": True}), sources[user]),
     ]
-    per_rank = run_local_world(_convert_all, 3, ([_spec(root, c, "out") for c in CASES], [sources[c] for c in CASES], tamper), timeout_s=TIMEOUT_S)
+    per_rank = run_local_world(
+        _convert_all,
+        3,
+        ([_spec(root, c, "out") for c in CASES], [sources[c] for c in CASES], tamper),
+        timeout_s=TIMEOUT_S,
+    )
     return {
         "root": root,
         "convert": {c: [r[0][i] for r in per_rank] for i, c in enumerate(CASES)},
@@ -138,7 +148,9 @@ def test_optimizer_converts_like_pytorch(case: str, outcomes: dict[str, Any]) ->
     for rank in range(3):
         state = torch.load(outcomes["root"] / "out" / case / f"rank_{rank}.pt", weights_only=True)["state"]
         assert state, f"rank {rank} holds no state"
-        assert all(set(s) == names for s in state.values()), f"rank {rank}: state names {[sorted(s) for s in state.values()][:2]}, expected {sorted(names)}"
+        assert all(set(s) == names for s in state.values()), (
+            f"rank {rank}: state names {[sorted(s) for s in state.values()][:2]}, expected {sorted(names)}"
+        )
 
 
 def test_load_step_names_parameters_that_turn_nonfinite(outcomes: dict[str, Any]) -> None:
@@ -149,7 +161,9 @@ def test_load_step_names_parameters_that_turn_nonfinite(outcomes: dict[str, Any]
 
 def test_load_step_carries_the_sources_nonfinite_only_when_allowed(outcomes: dict[str, Any]) -> None:
     for rank, (ok, detail, fqn) in enumerate(outcomes["load_step"]["inf"]):
-        assert not ok and "non-finite in the loaded state" in detail and f"{fqn} trace (1 element)" in detail, (rank, detail)
+        assert not ok and "non-finite in the loaded state" in detail and f"{fqn} trace (1 element)" in detail, (
+            rank, detail
+        )
     for rank, (ok, detail, fqn) in enumerate(outcomes["load_step"]["inf_allowed"]):
         assert ok, f"rank {rank}: the source's own inf failed with allow_nonfinite: {detail}"
         assert f"{fqn} trace (1 element)" in detail and "carried" in detail, detail
@@ -189,15 +203,24 @@ def test_synthetic_gradient_is_the_unwrapped_models(use_orig_params: bool, facto
         assert padding > 0, "the layout was meant to have padding"
     for fqn, whole in unwrapped.items():
         assert whole is not None and bool((whole.abs() > 0).any())
-        assert torch.equal(gathered[fqn].view(whole.shape), whole), f"{fqn}: the ranks' gradients do not add up to the unwrapped model's"
+        assert torch.equal(gathered[fqn].view(whole.shape), whole), (
+            f"{fqn}: the ranks' gradients do not add up to the unwrapped model's"
+        )
 
 
 def test_synthetic_gradient_depends_on_seed_step_and_name() -> None:
     tree = describe(build_model("nested", {}, device="meta"))
-    gate1, gate2 = (next(t for t in rank_layout(tree, LayoutSpec(kind="none"), 0) if t.key == k) for k in ("block1.gate", "block2.gate"))
+    gate1, gate2 = (
+        next(t for t in rank_layout(tree, LayoutSpec(kind="none"), 0) if t.key == k)
+        for k in ("block1.gate", "block2.gate")
+    )
     base = local_grad(gate1, 0, 0, torch.float32)
     assert torch.equal(base, local_grad(gate1, 0, 0, torch.float32))
-    for other in (local_grad(gate2, 0, 0, torch.float32), local_grad(gate1, 1, 0, torch.float32), local_grad(gate1, 0, 1, torch.float32)):
+    for other in (
+        local_grad(gate2, 0, 0, torch.float32),
+        local_grad(gate1, 1, 0, torch.float32),
+        local_grad(gate1, 0, 1, torch.float32),
+    ):
         assert not torch.equal(base, other)
     assert local_grad(gate1, 0, 0, torch.bfloat16).dtype == torch.bfloat16
 
@@ -215,7 +238,9 @@ def _config_error(optim: dict[str, Any], tmp_path: Path) -> str:
 
 def test_every_torch_optimizer_resolves_but_lbfgs_and_sparse_adam() -> None:
     names = torch_optimizers()
-    assert {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax", "ASGD", "Rprop", "Adadelta"} <= set(names)
+    assert {
+        "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax", "ASGD", "Rprop", "Adadelta"
+    } <= set(names)
     assert not {"LBFGS", "SparseAdam", "Optimizer"} & set(names)
     assert all(issubclass(resolve_optimizer(n), torch.optim.Optimizer) for n in names)
 
@@ -233,7 +258,9 @@ def test_refused_optimizers_say_why(name: str, why: str, tmp_path: Path) -> None
 
 
 def test_user_optimizer_by_import_path(tmp_path: Path) -> None:
-    spec = settle_and_validate({"optim": {"name": "useroptim:SignMomentum", "kwargs": {"beta": 0.5}}, "output": {"path": str(tmp_path)}})
+    spec = settle_and_validate(
+        {"optim": {"name": "useroptim:SignMomentum", "kwargs": {"beta": 0.5}}, "output": {"path": str(tmp_path)}}
+    )
     assert resolve_optimizer(spec.optim.name).__name__ == "SignMomentum"
     msg = _config_error({"name": "useroptim:SignMomentum", "kwargs": {"betas": [0.9, 0.99]}}, tmp_path)
     assert "optim.kwargs has ['betas'], which useroptim:SignMomentum does not take" in msg and "'beta'" in msg, msg

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import testmodels
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -49,7 +49,8 @@ from osdpipe.run.launch import run_local_world
 from osdpipe.spec.plan import plan_run
 from osdpipe.spec.reconcile import settle_and_validate
 
-#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
+#: runs it).
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 240
@@ -128,7 +129,8 @@ def _fsdp(factory: str, layout: Layout) -> tuple[nn.Module, nn.Module]:
 
 
 def _optimizer(model: nn.Module, spec: Optim) -> torch.optim.Optimizer:
-    """The optimizer, with param groups picked by FQN patterns (a flat parameter by any of its FQNs), in pattern order."""
+    """The optimizer, with param groups picked by FQN patterns (a flat parameter by any of its FQNs), in pattern
+    order."""
     from torch.distributed.fsdp._optim_utils import _get_param_to_fqns
 
     params = list(model.parameters())
@@ -139,7 +141,11 @@ def _optimizer(model: nn.Module, spec: Optim) -> torch.optim.Optimizer:
     for patterns, options in spec.groups:
         chosen: list[nn.Parameter] = []
         for pattern in patterns:
-            chosen += [p for p in params if all(p is not c for c in chosen) and any(fnmatch.fnmatchcase(f, pattern) for f in fqns[p])]
+            chosen += [
+                p
+                for p in params
+                if all(p is not c for c in chosen) and any(fnmatch.fnmatchcase(f, pattern) for f in fqns[p])
+            ]
         groups.append({"params": chosen, **options})
     return getattr(torch.optim, spec.name)(groups, lr=spec.lr, **spec.kwargs)
 
@@ -178,10 +184,13 @@ class Source:
     save: tuple[str, ...] = ("full",)  # full (every rank holds it), full_rank0 (rank0_only=True), dcp (SHARDED)
 
 
-GROUPS_FLAT = Optim(groups=((("block2.*",), {"weight_decay": 0.1}), (("embed.*",), {})))  # block1's flat parameter in no group
+# block1's flat parameter in no group
+GROUPS_FLAT = Optim(groups=((("block2.*",), {"weight_decay": 0.1}), (("embed.*",), {})))
 # With use_orig_params=True, FSDP.optim_state_dict refuses a unit whose trainable
 # parameters are only partly in the optimizer, so here a whole unit (block1) is in no group.
-GROUPS_ORIG = Optim(groups=((("block2.leaf2.*", "head.*"), {"weight_decay": 0.1}), (("embed.*", "block2.gate", "block2.leaf1.*"), {})))
+GROUPS_ORIG = Optim(
+    groups=((("block2.leaf2.*", "head.*"), {"weight_decay": 0.1}), (("embed.*", "block2.gate", "block2.leaf1.*"), {}))
+)
 
 SOURCES: dict[str, Source] = {
     "block": Source(save=("full", "full_rank0", "dcp")),
@@ -250,7 +259,9 @@ def _save_sources(names: list[str], root: str) -> None:
                 else:
                     assert full == {}, "rank0_only=True: only rank 0 holds the state"
             if "dcp" in src.save:
-                with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+                with FSDP.state_dict_type(
+                    model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+                ):
                     sharded = FSDP.optim_state_dict(model, optim)
                 dcp.save({"optim": sharded}, checkpoint_id=str(out / "dcp"))
     dist.barrier()
@@ -317,7 +328,8 @@ CASES = [
     # the tied embedding / output head
     Case("transformer_tied_ws3", "transformer", Layout(3, ("TransformerBlock",))),
     Case("transformer_tied_to_orig_params", "transformer", Layout(2, ("TransformerBlock",), use_orig_params=True)),
-    # world sizes: doubled, halved, and 3, which divides neither Block unit (488 elements each; 2 and 4 do not divide the root's 99)
+    # world sizes: doubled, halved, and 3, which divides neither Block unit
+    # (488 elements each; 2 and 4 do not divide the root's 99)
     Case("world_doubled_2_to_4", "block", Layout(4, ("Block",))),
     Case("world_halved_4_to_2", "block4", Layout(2, ("Block",))),
     Case("world_2_to_3", "block", Layout(3, ("Block",))),
@@ -335,7 +347,13 @@ CASES = [
     # (FSDP.scatter_full_optim_state_dict cannot take a float state: with rank0_only it
     # calls .cpu() on every state value of rank 0, see _flatten_optim_state_dict.)
     Case("non_tensor_state", "odd_state", Layout(3, ("Leaf",)), apis=FULL_APIS[:2], odd_state=True),
-    Case("non_tensor_state_orig_params", "odd_state", Layout(2, ("Leaf",), use_orig_params=True), apis=FULL_APIS[:2], odd_state=True),
+    Case(
+        "non_tensor_state_orig_params",
+        "odd_state",
+        Layout(2, ("Leaf",), use_orig_params=True),
+        apis=FULL_APIS[:2],
+        odd_state=True,
+    ),
     Case("sgd_no_momentum", "sgd", Layout(3, ("Leaf",))),
     Case("no_step_empty_state", "no_step", Layout(3, ("Leaf",))),
     Case("no_param_groups", "block", Layout(2, ("Leaf",)), input="derived/no_param_groups.pt"),
@@ -353,7 +371,12 @@ CASES = [
         pytorch_error="must have scalar state with the same value and dtype",
     ),
     # ... which is an error only where the parameters share a flat parameter
-    Case("param_without_state_to_orig_params", "block", Layout(2, ("Block",), use_orig_params=True), input="derived/missing_state.pt"),
+    Case(
+        "param_without_state_to_orig_params",
+        "block",
+        Layout(2, ("Block",), use_orig_params=True),
+        input="derived/missing_state.pt",
+    ),
     Case(
         "error_differing_step",
         "block",
@@ -382,7 +405,11 @@ def _spec(case: Case, root: Path):
             "source": src.layout.config(),
             "target": case.target.config(),
             "optim": src.optim.config(),
-            "input": {"path": str(case.input_path(root)), "format": "dcp" if case.input == "dcp" else "fsdp_full", "key": "optim"},
+            "input": {
+                "path": str(case.input_path(root)),
+                "format": "dcp" if case.input == "dcp" else "fsdp_full",
+                "key": "optim",
+            },
             "output": {"path": str(root / "out" / case.name)},
             "runtime": {"timeout_s": TIMEOUT_S, "progress": False},
         }
@@ -394,7 +421,9 @@ def _spec(case: Case, root: Path):
 # ---------------------------------------------------------------------------
 
 
-def _pytorch(api: str, model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any], dcp_dir: Path | None) -> dict[str, Any]:
+def _pytorch(
+    api: str, model: nn.Module, optim: torch.optim.Optimizer, full: dict[str, Any], dcp_dir: Path | None
+) -> dict[str, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     with warnings.catch_warnings():
@@ -420,14 +449,19 @@ def _pytorch(api: str, model: nn.Module, optim: torch.optim.Optimizer, full: dic
             )
 
             assert dcp_dir is not None
-            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
-                sharded = load_sharded_optimizer_state_dict(model.state_dict(), "optim", dcp.FileSystemReader(str(dcp_dir)))["optim"]
+            with FSDP.state_dict_type(
+                model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+            ):
+                sharded = load_sharded_optimizer_state_dict(
+                    model.state_dict(), "optim", dcp.FileSystemReader(str(dcp_dir))
+                )["optim"]
                 return FSDP.flatten_sharded_optim_state_dict(sharded, model, optim)
     raise ValueError(api)
 
 
 def _check_case(case: Case, root: Path) -> list[str]:
-    """On this rank of the target world: every way PyTorch has of saying what this rank loads, against osdpipe's file."""
+    """On this rank of the target world: every way PyTorch has of saying what this rank loads,
+    against osdpipe's file."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     src = SOURCES[case.source]
@@ -455,9 +489,19 @@ def _check_case(case: Case, root: Path) -> list[str]:
         fqns = _get_param_to_fqns(model)
         pid = next(i for i, p in enumerate(model.parameters()) if fqns[p] == ["temperature"])
         if tuple(got["state"][pid]["exp_avg"].shape) != (3,):
-            problems.append(f"the unmanaged parameter's state is not whole on rank {rank}: {tuple(got['state'][pid]['exp_avg'].shape)}")
+            problems.append(
+                f"the unmanaged parameter's state is not whole on rank {rank}:"
+                f" {tuple(got['state'][pid]['exp_avg'].shape)}"
+            )
     if case.odd_state:
-        odd = [k for k, s in got["state"].items() if s.get("lr_scale") != 0.5 or type(s.get("lr_scale")) is not float or "note" not in s or s["note"] is not None]
+        odd = [
+            k
+            for k, s in got["state"].items()
+            if s.get("lr_scale") != 0.5
+            or type(s.get("lr_scale")) is not float
+            or "note" not in s
+            or s["note"] is not None
+        ]
         if odd or not got["state"]:
             problems.append(f"non-tensor state lost for keys {odd}")
 
@@ -466,7 +510,9 @@ def _check_case(case: Case, root: Path) -> list[str]:
     if "param_groups" not in loadable:  # the user supplies the groups the file lacks: the optimizer's own
         loadable["param_groups"] = optim.state_dict()["param_groups"]
     optim.load_state_dict(loadable)
-    problems += [f"after load_state_dict: {p}" for p in diff(optim.state_dict()["state"], got["state"], path="optim.state")]
+    problems += [
+        f"after load_state_dict: {p}" for p in diff(optim.state_dict()["state"], got["state"], path="optim.state")
+    ]
     _train(model, raw, optim, steps=2, seed=7)
     for key, state in optim.state_dict()["state"].items():
         for name, value in state.items():
@@ -481,10 +527,14 @@ def _sensitivity(root: Path) -> list[str]:
     src = SOURCES[case.source]
     model, _ = _fsdp(src.model, case.target)
     optim = _optimizer(model, src.optim)
-    expected = _pytorch("optim_state_dict_to_load", model, optim, torch.load(case.reference_path(root), weights_only=True), None)
+    expected = _pytorch(
+        "optim_state_dict_to_load", model, optim, torch.load(case.reference_path(root), weights_only=True), None
+    )
     got = without_records(torch.load(root / "out" / case.name / f"rank_{dist.get_rank()}.pt", weights_only=True))
     key = max(got["state"])
-    tampered: dict[str, dict[str, Any]] = {name: copy.deepcopy(got) for name in ("element", "step", "key", "state_name", "group_field", "group_params")}
+    tampered: dict[str, dict[str, Any]] = {
+        name: copy.deepcopy(got) for name in ("element", "step", "key", "state_name", "group_field", "group_params")
+    }
     flat = tampered["element"]["state"][key]["exp_avg"].view(-1)
     flat[flat.numel() // 2] = torch.nextafter(flat[flat.numel() // 2], torch.tensor(math.inf))
     tampered["step"]["state"][key]["step"] += 1
@@ -493,7 +543,10 @@ def _sensitivity(root: Path) -> list[str]:
     tampered["group_field"]["param_groups"][0]["eps"] = 1.0000001e-8
     tampered["group_params"]["param_groups"][0]["params"] = tampered["group_params"]["param_groups"][0]["params"][:-1]
     missed = [name for name, osd in tampered.items() if not diff(osd, expected)]
-    return ([] if not diff(got, expected) else ["the untampered file differs"]) + [f"a changed {name} went unnoticed" for name in missed]
+    return (
+        ([] if not diff(got, expected) else ["the untampered file differs"])
+        + [f"a changed {name} went unnoticed" for name in missed]
+    )
 
 
 @dataclass
@@ -517,7 +570,11 @@ def _convert(spec) -> Outcome:
         report = run_rank(plan_run(spec))
     except StageError as exc:  # raised alike on every rank: the world stays in step
         return Outcome(error=str(exc))
-    return Outcome(ok=report.ok, failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok], warnings=report.warnings)
+    return Outcome(
+        ok=report.ok,
+        failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok],
+        warnings=report.warnings,
+    )
 
 
 def _convert_and_check_world(jobs: list[tuple[Case, Any]], root: str, sensitivity: bool) -> dict[str, Outcome]:
@@ -564,7 +621,11 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     specs = {}
 
     def jobs(world: int) -> list[tuple[Case, Any]]:
-        return [(c, None if c.name in VIA_EXECUTE else specs.setdefault(c.name, _spec(c, root))) for c in CASES if c.target.world_size == world]
+        return [
+            (c, None if c.name in VIA_EXECUTE else specs.setdefault(c.name, _spec(c, root)))
+            for c in CASES
+            if c.target.world_size == world
+        ]
 
     # Sources of 2 ranks; then the world of 4 saves its source and takes the 2 -> 4 conversions.
     sources = {w: [n for n, s in SOURCES.items() if s.layout.world_size == w] for w in (2, 4)}
@@ -572,13 +633,22 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     run_local_world(_save_sources, 2, (sources[2], str(root)), timeout_s=TIMEOUT_S)
     _derive_sources(root)
     results: dict[str, Outcome] = {}
-    _merge(results, run_local_world(_save_sources_then_convert, 4, (sources[4], jobs(4), str(root)), timeout_s=TIMEOUT_S))
+    _merge(
+        results, run_local_world(_save_sources_then_convert, 4, (sources[4], jobs(4), str(root)), timeout_s=TIMEOUT_S)
+    )
     for case in CASES:
         if case.name in VIA_EXECUTE:
             report = execute(plan_run(_spec(case, root)))
-            results[case.name] = Outcome(ok=report.ok, error=report.error, failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok])
+            results[case.name] = Outcome(
+                ok=report.ok,
+                error=report.error,
+                failed_checks=[f"{c.name}: {c.detail}" for c in report.checks if not c.ok],
+            )
     for world in sorted({c.target.world_size for c in CASES} - {4}):
-        _merge(results, run_local_world(_convert_and_check_world, world, (jobs(world), str(root), world == 2), timeout_s=TIMEOUT_S))
+        _merge(
+            results,
+            run_local_world(_convert_and_check_world, world, (jobs(world), str(root), world == 2), timeout_s=TIMEOUT_S),
+        )
     for case in CASES:
         results[case.name].files = sorted(p.name for p in (root / "out" / case.name).glob("rank_*.pt"))
     return results
@@ -589,9 +659,13 @@ def test_scenario(case: Case, outcomes: dict[str, Outcome]) -> None:
     outcome = outcomes[case.name]
     if case.error:
         assert not outcome.ok and outcome.error, f"osdpipe converted an input it must refuse: {outcome}"
-        assert all(s in outcome.error for s in case.error), f"expected an error naming {case.error}, got: {outcome.error}"
+        assert all(s in outcome.error for s in case.error), (
+            f"expected an error naming {case.error}, got: {outcome.error}"
+        )
         assert outcome.files == [], "a refused conversion wrote rank files"
-        assert outcome.pytorch and all(p == [] for p in outcome.pytorch), f"PyTorch does not refuse it the same way: {outcome.pytorch}"
+        assert outcome.pytorch and all(p == [] for p in outcome.pytorch), (
+            f"PyTorch does not refuse it the same way: {outcome.pytorch}"
+        )
         return
     assert outcome.ok, f"osdpipe failed: {outcome.error or outcome.failed_checks}"
     assert outcome.files == [f"rank_{r}.pt" for r in range(case.target.world_size)]
@@ -608,4 +682,6 @@ def test_comparison_sees_one_changed_element_key_or_group_field(outcomes: dict[s
 def test_unmanaged_parameter_is_named_in_a_warning(outcomes: dict[str, Outcome]) -> None:
     outcome = outcomes["unmanaged_stays_unmanaged"]
     assert outcome.ok
-    assert any("temperature" in w for w in outcome.warnings), f"no warning names the unmanaged parameter: {outcome.warnings}"
+    assert any("temperature" in w for w in outcome.warnings), (
+        f"no warning names the unmanaged parameter: {outcome.warnings}"
+    )

@@ -1,4 +1,5 @@
-"""A rank that dies mid-stage ends the whole run at once: stage and rank named, exit 1, no process left, the output as it was.
+"""A rank that dies mid-stage ends the whole run at once: stage and rank named, exit 1, no process left,
+the output as it was.
 
 Through the ``osdpipe`` command on a user's model (``userlm``), with a
 previous conversion already in the output directory. ``tests/support/faults`` on
@@ -29,7 +30,8 @@ from helpers import clean_env, processes_marked, run_command
 
 from osdpipe.run.launch import free_port
 
-#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
+#: runs it).
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
@@ -37,7 +39,8 @@ TIMEOUT_S = 60  # runtime.timeout_s: every run must end well inside it
 WORLD = 3  # two survivors of each death
 
 #: A conversion whose shard stage sends many messages under scatter, and writes rank files.
-JOB = ["model.factory=userlm:build", "input.format=fsdp_full", "source.world_size=1", f"target.world_size={WORLD}", "target.wrap=[MixerBlock]",
+JOB = ["model.factory=userlm:build", "input.format=fsdp_full", "source.world_size=1",
+       f"target.world_size={WORLD}", "target.wrap=[MixerBlock]",
        "runtime.memory_budget=2KB", f"runtime.timeout_s={TIMEOUT_S}", "output.overwrite=true"]  # fmt: skip
 SCATTER = ["runtime.transfer=scatter"]
 
@@ -63,7 +66,8 @@ def _conversion(directory: Path) -> dict[str, str]:
 
 
 def _no_process_left(mark: str) -> None:
-    """No process of the run (marked through its environment, torchrun's ranks in their own sessions included) is still alive."""
+    """No process of the run (marked through its environment, torchrun's ranks in their own sessions included) is still
+    alive."""
     deadline = time.monotonic() + 10
     while (left := processes_marked(mark)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -81,32 +85,47 @@ def previous(tmp_path_factory) -> tuple[Path, Path]:
     source = root / "optim.pt"
     torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), source)
     out = root / "previous"
-    result = run_command([sys.executable, "-m", "osdpipe", *JOB, f"input.path={source}", f"output.path={out}"], cwd=root, timeout=120, env=_env())
+    result = run_command(
+        [sys.executable, "-m", "osdpipe", *JOB, f"input.path={source}", f"output.path={out}"],
+        cwd=root,
+        timeout=120,
+        env=_env(),
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.glob("rank_*.pt")) == [f"rank_{r}.pt" for r in range(WORLD)]
     return source, out
 
 
-#: (fault, extra overrides, what the one error line must say). Rank 0 hosts the world's store and reads for the others under scatter.
+#: (fault, extra overrides, what the one error line must say). Rank 0 hosts the world's store and reads for the others
+#: under scatter.
 LOCAL_CASES = {
     "load-kill": ("load:1:kill", [], "rank 1 failed: process killed by SIGKILL in stage 'load'"),
     "load-raise": ("load:2:raise", [], "stage 'load' failed on rank 2: RuntimeError: injected fault load on rank 2"),
     "send-kill": ("send:0:kill", SCATTER, "rank 0 failed: process killed by SIGKILL in stage 'shard'"),
     "receive-kill": ("receive:2:kill", SCATTER, "rank 2 failed: process killed by SIGKILL in stage 'shard'"),
-    "receive-raise": ("receive:1:raise", SCATTER, "stage 'shard' failed on rank 1: RuntimeError: injected fault receive on rank 1"),
+    "receive-raise": (
+        "receive:1:raise", SCATTER, "stage 'shard' failed on rank 1: RuntimeError: injected fault receive on rank 1"
+    ),
     "save-kill": ("save:1:kill", [], "rank 1 failed: process killed by SIGKILL in stage 'save'"),
     "save-raise": ("save:0:raise", [], "stage 'save' failed on rank 0: RuntimeError: injected fault save on rank 0"),
 }
 
 
 @pytest.mark.parametrize("case", LOCAL_CASES)
-def test_a_rank_that_dies_ends_the_run_at_once_and_leaves_the_output_as_it_was(previous, tmp_path: Path, case: str) -> None:
+def test_a_rank_that_dies_ends_the_run_at_once_and_leaves_the_output_as_it_was(
+    previous, tmp_path: Path, case: str
+) -> None:
     fault, extra, expected = LOCAL_CASES[case]
     source, before = previous
     out, mark = tmp_path / "out", uuid.uuid4().hex
     shutil.copytree(before, out)
     start = time.monotonic()
-    result = run_command([sys.executable, "-m", "osdpipe", *JOB, *extra, f"input.path={source}", f"output.path={out}"], cwd=tmp_path, timeout=TIMEOUT_S + 30, env=_env(fault, mark))
+    result = run_command(
+        [sys.executable, "-m", "osdpipe", *JOB, *extra, f"input.path={source}", f"output.path={out}"],
+        cwd=tmp_path,
+        timeout=TIMEOUT_S + 30,
+        env=_env(fault, mark),
+    )
     seconds = time.monotonic() - start
     assert result.returncode == 1, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     lines = result.stderr.strip().splitlines()
@@ -133,18 +152,26 @@ def test_under_torchrun_every_survivor_exits_1_naming_the_stage_and_itself(previ
     source, before = previous
     out, mark = tmp_path / "out", uuid.uuid4().hex
     shutil.copytree(before, out)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), "--tee", "3", "--log-dir", str(tmp_path / "logs"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+           "--master-port", str(free_port()), "--tee", "3", "--log-dir", str(tmp_path / "logs"),
            "-m", "osdpipe", *JOB, *extra, f"input.path={source}", f"output.path={out}"]  # fmt: skip
     start = time.monotonic()
     result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S + 30, env=_env(fault, mark))
     seconds = time.monotonic() - start
     assert result.returncode != 0, result.stdout
     assert seconds < TIMEOUT_S / 2, f"the run took {seconds:.0f} s: it waited on the dead rank"
-    exits = {int(r): int(code) for r, code in re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", result.stderr)}
-    assert exits == {r: -9 if r == dead else 1 for r in range(WORLD)}, f"torchrun's table of exit codes:\n{result.stderr}"
+    exits = {
+        int(r): int(code)
+        for r, code in re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", result.stderr)
+    }
+    assert exits == {r: -9 if r == dead else 1 for r in range(WORLD)}, (
+        f"torchrun's table of exit codes:\n{result.stderr}"
+    )
     for rank in set(range(WORLD)) - {dead}:
         lines = [line for line in result.stderr.splitlines() if line.startswith(f"[default{rank}]:osdpipe: error:")]
-        assert len(lines) == 1 and f"stage '{stage}' failed on rank {rank}:" in lines[0], f"rank {rank}:\n{result.stderr}"
+        assert len(lines) == 1 and f"stage '{stage}' failed on rank {rank}:" in lines[0], (
+            f"rank {rank}:\n{result.stderr}"
+        )
     _no_process_left(mark)
     assert _conversion(out) == _conversion(before), "the failed run changed the previous conversion"
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "the failed run left its staging behind"

@@ -59,7 +59,9 @@ def test_stage_error_is_raised_on_every_rank(tmp_path):
     spec = settle_and_validate({"output": {"path": str(tmp_path)}, "runtime": {"timeout_s": 60}})
     source = run_local_world(_make_source, 2, (spec,), timeout_s=120)[0]
     stages = ["load", "broadcast", "explode", "flatten", "shard", "rekey", "save"]
-    spec = settle_and_validate({"output": {"path": str(tmp_path / "out")}, "input": {"path": source}, "runtime": {"timeout_s": 60}})
+    spec = settle_and_validate(
+        {"output": {"path": str(tmp_path / "out")}, "input": {"path": source}, "runtime": {"timeout_s": 60}}
+    )
     spec = spec.model_copy(update={"pipeline": PipelineConfig.model_construct(stages=stages, checks=[])})
     messages = run_local_world(_run_with_exploding_stage, 2, (spec,), timeout_s=120)
     assert messages[0] == messages[1], messages
@@ -90,9 +92,16 @@ def _explode_on_rank0(ctx, product, tally) -> None:
 
 
 def test_a_stage_error_is_reported_once_not_as_every_ranks_failure(tmp_path):
-    """Each rank raises the same agreed error; the world reports it once, not 'rank 2 failed: ... (also failed: ...)'."""
+    """Each rank raises the same agreed error; the world reports it once, not 'rank 2 failed: ...
+    (also failed: ...)'."""
     (tmp_path / "optim.pt").write_bytes(b"")  # never read: the only stage raises first
-    spec = settle_and_validate({"output": {"path": str(tmp_path / "out")}, "input": {"path": str(tmp_path / "optim.pt")}, "runtime": {"timeout_s": 60}})
+    spec = settle_and_validate(
+        {
+            "output": {"path": str(tmp_path / "out")},
+            "input": {"path": str(tmp_path / "optim.pt")},
+            "runtime": {"timeout_s": 60},
+        }
+    )
     spec = spec.model_copy(update={"pipeline": PipelineConfig.model_construct(stages=["explode0"], checks=[])})
     with pytest.raises(WorldError) as info:
         run_local_world(_stage_fails_on_rank0_only, 3, (spec,), timeout_s=120)
@@ -103,7 +112,9 @@ def test_echoes_of_a_failure_are_not_failures_of_their_own():
     from osdpipe.run.launch import RankFailure, world_error
 
     failures = {
-        1: RankFailure("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer", ""),
+        1: RankFailure(
+            "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer", ""
+        ),
         0: RankFailure("disk full on rank 0", "tb0"),
         2: RankFailure("RuntimeError: Connection reset by peer", ""),
     }
@@ -115,7 +126,9 @@ def test_echoes_of_a_failure_are_not_failures_of_their_own():
 def test_a_rank_that_dies_without_a_word_is_described_by_its_exit_and_stage():
     from osdpipe.run.launch import death
 
-    assert death(-9, "save").startswith("process killed by SIGKILL in stage 'save' without reporting an error; the kernel's out-of-memory killer")
+    assert death(-9, "save").startswith(
+        "process killed by SIGKILL in stage 'save' without reporting an error; the kernel's out-of-memory killer"
+    )
     assert death(-11, "shard") == "process killed by SIGSEGV in stage 'shard' without reporting an error"
     assert death(3, None) == "process exited with code 3 before its first stage without reporting an error"
     assert death(-200, "load") == "process killed by signal 200 in stage 'load' without reporting an error"
@@ -136,5 +149,8 @@ def _post_and_die(stage: str) -> None:
 def test_the_launcher_names_the_stage_a_silent_death_happened_in():
     with pytest.raises(WorldError) as info:
         run_local_world(_post_and_die, 2, ("a-stage-name-longer-than-the-board-cell-holds",), timeout_s=60)
-    assert "rank 1 failed: process exited with code 3 in stage 'a-stage-name-longer-than-the-boa' without reporting an error" == str(info.value)
+    assert (
+        "rank 1 failed: process exited with code 3 in stage 'a-stage-name-longer-than-the-boa'"
+        " without reporting an error" == str(info.value)
+    )
     assert not multiprocessing.active_children()

@@ -94,8 +94,8 @@ def _threads() -> tuple[int, str | None]:
 
 
 def test_each_local_rank_gets_its_share_of_the_cores() -> None:
-    """Two ranks on this machine each run torch's intra-op work on half the cores (at least one), not on all of them each;
-    where the environment says ``OMP_NUM_THREADS``, that rules, as torch reads it."""
+    """Two ranks on this machine each run torch's intra-op work on half the cores (at least one), not on all of them
+    each; where the environment says ``OMP_NUM_THREADS``, that rules, as torch reads it."""
     from osdpipe.run.launch import run_local_world
 
     cores = len(os.sched_getaffinity(0))
@@ -105,7 +105,14 @@ def test_each_local_rank_gets_its_share_of_the_cores() -> None:
 
 def test_a_users_omp_num_threads_is_left_to_rule(tmp_path: Path) -> None:
     code = "import torch; from osdpipe.run.launch import share_cores; share_cores(8); print(torch.get_num_threads())"
-    result = run_command([sys.executable, "-c", code], cwd=tmp_path, timeout=60, env={**clean_env(), "OMP_NUM_THREADS": "2"})
+    result = run_command(
+        [sys.executable, "-c", code], cwd=tmp_path, timeout=60, env={**clean_env(), "OMP_NUM_THREADS": "2"}
+    )
     assert result.returncode == 0 and result.stdout.strip() == "2", result
-    result = run_command([sys.executable, "-c", code], cwd=tmp_path, timeout=60, env={k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"})
+    result = run_command(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        timeout=60,
+        env={k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"},
+    )
     assert result.returncode == 0 and result.stdout.strip() == "1", result  # 8 ranks on this machine: one thread each

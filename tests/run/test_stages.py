@@ -20,7 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from osdpipe.io import output  # noqa: E402
 from osdpipe.io.formats import SourceMeta, TensorRef  # noqa: E402
 from osdpipe.run.context import Context  # noqa: E402
-from osdpipe.run.products import CheckResult, Described, Flattened, Keyed, Opened, Sharded, Staged, Tally, Verified, find  # noqa: E402
+from osdpipe.run.products import (  # noqa: E402
+    CheckResult,
+    Described,
+    Flattened,
+    Keyed,
+    Opened,
+    Sharded,
+    Staged,
+    Tally,
+    Verified,
+    find,
+)
 from osdpipe.run.stages.broadcast import broadcast  # noqa: E402
 from osdpipe.run.stages.flatten import flatten  # noqa: E402
 from osdpipe.run.stages.rekey import rekey  # noqa: E402
@@ -41,7 +52,10 @@ class MemoryReader:
 
     def meta(self) -> SourceMeta:
         described = {
-            fqn: {name: TensorRef(tuple(v.shape), str(v.dtype).removeprefix("torch.")) if v.dim() > 0 else v for name, v in state.items()}
+            fqn: {
+                name: TensorRef(tuple(v.shape), str(v.dtype).removeprefix("torch.")) if v.dim() > 0 else v
+                for name, v in state.items()
+            }
             for fqn, state in self.tensors.items()
         }
         return SourceMeta(described, self.param_groups)
@@ -70,7 +84,8 @@ def make_plan(tmp_path: Path, **sections: Any) -> Plan:
 
 
 def source_tensors(plan: Plan, step: float = 3.0) -> dict[str, dict[str, Any]]:
-    """Adam state for every parameter: exp_avg counts up through the whole model, exp_avg_sq is its square, step is ``step``."""
+    """Adam state for every parameter: exp_avg counts up through the whole model,
+    exp_avg_sq is its square, step is ``step``."""
     out, start = {}, 0
     for p in plan.tree.params:
         values = torch.arange(start, start + p.numel, dtype=torch.float32).reshape(p.shape)
@@ -137,7 +152,9 @@ def test_shard_cuts_each_rank_its_ranges_and_pads_with_zeros(tmp_path: Path) -> 
             got = sharded.state[tensor.key]["exp_avg"].reshape(-1)
             expected = torch.zeros(got.numel())
             for seg in tensor.segments:
-                expected[seg.dest : seg.dest + seg.length] = tensors[seg.fqn]["exp_avg"].reshape(-1)[seg.start : seg.start + seg.length]
+                expected[seg.dest : seg.dest + seg.length] = (
+                    tensors[seg.fqn]["exp_avg"].reshape(-1)[seg.start : seg.start + seg.length]
+                )
                 covered[seg.fqn] = covered.get(seg.fqn, 0) + seg.length
             assert torch.equal(got, expected), (rank, tensor.key)
     assert covered == {p.fqn: p.numel for p in plan.tree.params}, "the ranks together cover every source element once"
@@ -167,7 +184,10 @@ def test_rekey_keys_by_the_target_optimizers_ids_and_keeps_the_sources_hyperpara
     for key, pid in keyed.keys.items():
         assert state[pid] is sharded.state[key]
     assert keyed.state_dict["param_groups"] == [{"params": sorted(state), "lr": 0.01, "betas": (0.9, 0.999)}]
-    two_groups = MemoryReader(source_tensors(plan), [{"params": ["out.weight"], "lr": 0.1}, {"params": [p.fqn for p in plan.tree.params][:-2], "lr": 0.01}])
+    two_groups = MemoryReader(
+        source_tensors(plan),
+        [{"params": ["out.weight"], "lr": 0.1}, {"params": [p.fqn for p in plan.tree.params][:-2], "lr": 0.01}],
+    )
     with pytest.raises(ValueError, match="the source has 2 param group"):
         rekey(at(plan, 0), sharded_on(plan, 0, Described(two_groups, None, two_groups.meta())), Tally())
 
@@ -176,8 +196,12 @@ def test_fqn_keyed_output_keeps_canonical_names(tmp_path: Path) -> None:
     plan = make_plan(tmp_path, output={"format": "fsdp_full"})
     keyed = rekey(at(plan, 0), sharded_on(plan, 0), Tally())
     assert set(keyed.state_dict["state"]) == {p.fqn for p in plan.tree.params}
-    in_optimizer_order = [f for t in plan.optimizer_layout(0) for f in t.fqns]  # FSDP1's flat parameters: the root's (out) first
-    assert keyed.state_dict["param_groups"][0]["params"] == in_optimizer_order and sorted(in_optimizer_order) == sorted(keyed.state_dict["state"])
+    # FSDP1's flat parameters: the root's (out) first
+    in_optimizer_order = [f for t in plan.optimizer_layout(0) for f in t.fqns]
+    assert (
+        keyed.state_dict["param_groups"][0]["params"] == in_optimizer_order
+        and sorted(in_optimizer_order) == sorted(keyed.state_dict["state"])
+    )
 
 
 def test_save_stages_nothing_when_a_check_failed_and_the_files_when_all_passed(tmp_path: Path) -> None:
@@ -222,7 +246,13 @@ def test_a_run_builds_its_meta_model_once(tmp_path: Path, monkeypatch: pytest.Mo
     real = models.build_model
     monkeypatch.setattr(models, "_last_meta", None)
     monkeypatch.setattr(models, "build_model", lambda *a, **k: built.append(k.get("device")) or real(*a, **k))
-    spec = settle_and_validate({"output": {"path": str(tmp_path / "out")}, "target": {"world_size": 3}, "runtime": {"mode": "offline", "progress": False}})
+    spec = settle_and_validate(
+        {
+            "output": {"path": str(tmp_path / "out")},
+            "target": {"world_size": 3},
+            "runtime": {"mode": "offline", "progress": False},
+        }
+    )
     plan = plan_run(spec)
     report = execute(plan)
     assert report.ok, report.error
@@ -230,7 +260,8 @@ def test_a_run_builds_its_meta_model_once(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_a_plan_keeps_only_the_last_layouts_it_was_asked_for(tmp_path: Path) -> None:
-    """A solo world asks about every rank: the plan must not hold 1024 ranks' layouts at once, and what it recomputes is the same."""
+    """A solo world asks about every rank: the plan must not hold 1024 ranks' layouts at once,
+    and what it recomputes is the same."""
     from osdpipe.spec.plan import KEPT_LAYOUTS
 
     plan = make_plan(tmp_path, target={"world_size": 16})

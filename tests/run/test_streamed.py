@@ -1,4 +1,5 @@
-"""An output made as it is written (``osdpipe.run.streamed_output``), through the ``osdpipe`` command, held against the output filled in memory.
+"""An output made as it is written (``osdpipe.run.streamed_output``), through the ``osdpipe`` command,
+held against the output filled in memory.
 
 Under ``runtime.memory_budget`` with ``pipeline.checks=[roundtrip]``, a rank's
 state tensors are placeholders that save fills batch by batch as it writes
@@ -43,13 +44,19 @@ def full_source(tmp_path_factory) -> Path:
 
 
 def _lm(source: Path, out: Path, *extra: str) -> list[str]:
-    return ["model.factory=userlm:build", f"input.path={source}", "input.format=fsdp_full", "source.world_size=1", f"output.path={out}", *extra]
+    return [
+        "model.factory=userlm:build", f"input.path={source}", "input.format=fsdp_full", "source.world_size=1",
+        f"output.path={out}", *extra,
+    ]
 
 
 #: Each output format (with its target), written in memory and as it is made, online and offline.
 TARGETS = {
     "rank_local": ("target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]"),
-    "dcp": ("target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]", "target.wrap_root=true", "output.format=dcp"),
+    "dcp": (
+        "target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]",
+        "target.wrap_root=true", "output.format=dcp",
+    ),
     "fsdp_full": ("target.kind=fsdp2", "target.world_size=2", "target.wrap_root=true", "output.format=fsdp_full"),
     "plain": ("target.kind=none", "target.world_size=1", "output.format=plain"),
 }
@@ -64,14 +71,22 @@ VARIANTS = {
 def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("streamed")
     where = {(fmt, variant): root / fmt / variant for fmt in TARGETS for variant in VARIANTS}
-    cases = [_lm(full_source, out, *TARGETS[fmt], *VARIANTS[variant], "runtime.timeout_s=60") for (fmt, variant), out in where.items()]
-    for (fmt, variant), result in zip(where, run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env()), strict=True):
+    cases = [
+        _lm(full_source, out, *TARGETS[fmt], *VARIANTS[variant], "runtime.timeout_s=60")
+        for (fmt, variant), out in where.items()
+    ]
+    results = run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env())
+    for (fmt, variant), result in zip(where, results, strict=True):
         assert result["code"] == 0, f"{fmt} {variant}: {result['stderr']}"
     return where
 
 
 def _files(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name not in ("report.json", "osdpipe.log", "manifest.json")}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name not in ("report.json", "osdpipe.log", "manifest.json")
+    }
 
 
 @pytest.mark.parametrize("fmt", sorted(TARGETS))
@@ -84,17 +99,23 @@ def test_an_output_made_as_it_is_written_is_the_bytes_filled_in_memory(fmt: str,
         out = converted[(fmt, variant)]
         assert _files(out) == expected, f"{fmt} {variant}: the files differ from those filled in memory"
         manifest = json.loads((out / "manifest.json").read_text())
-        assert manifest["files"] == held_manifest["files"] and manifest["tensors"] == held_manifest["tensors"], f"{fmt} {variant}"
+        assert manifest["files"] == held_manifest["files"] and manifest["tensors"] == held_manifest["tensors"], (
+            f"{fmt} {variant}"
+        )
         report = json.loads((out / "report.json").read_text())
         roundtrip = next(c for c in report["checks"] if c["name"] == "roundtrip")
-        assert roundtrip["ok"] and COMPARED_AS_WRITTEN in roundtrip["detail"], f"{fmt} {variant}: not made as written: {roundtrip}"
+        assert roundtrip["ok"] and COMPARED_AS_WRITTEN in roundtrip["detail"], (
+            f"{fmt} {variant}: not made as written: {roundtrip}"
+        )
         assert report["warnings"] == [], report["warnings"]
     roundtrip = next(c for c in json.loads((held / "report.json").read_text())["checks"] if c["name"] == "roundtrip")
     assert COMPARED_AS_WRITTEN not in roundtrip["detail"], "without a budget the output is filled in memory"
 
 
 @pytest.mark.parametrize("fmt,path", [("dcp", "dcp"), ("fsdp_full", "optim.pt")])
-def test_an_output_made_as_it_is_written_resumes_a_real_fsdp2_job(fmt: str, path: str, full_source: Path, converted) -> None:
+def test_an_output_made_as_it_is_written_resumes_a_real_fsdp2_job(
+    fmt: str, path: str, full_source: Path, converted
+) -> None:
     out = converted[(fmt, "streamed_offline")] / path
     assert spawn_world(fsdp2_resume.resume, 2, (str(full_source), str(out), fmt), timeout_s=TIMEOUT_S) == [[], []]
 
@@ -115,24 +136,39 @@ def wide_source(tmp_path_factory) -> Path:
 
 
 def test_a_rank_made_as_it_is_written_holds_the_budget_not_its_output(wide_source: Path, tmp_path: Path) -> None:
-    """Offline, one process plays both target ranks: filled in memory it holds a rank's output at its peak; made as written, far less."""
+    """Offline, one process plays both target ranks: filled in memory it holds a rank's output at its peak; made as
+    written, far less."""
     budget = 4 << 20
-    common = ["model.factory=usermodel:make", f"model.kwargs.dim={WIDE}", f"input.path={wide_source}", "input.format=fsdp_full", "source.world_size=1",
-              "target.world_size=2", "target.use_orig_params=true", "runtime.mode=offline", f"runtime.memory_budget={budget}"]  # fmt: skip
+    common = ["model.factory=usermodel:make", f"model.kwargs.dim={WIDE}", f"input.path={wide_source}",
+              "input.format=fsdp_full", "source.world_size=1", "target.world_size=2", "target.use_orig_params=true",
+              "runtime.mode=offline", f"runtime.memory_budget={budget}"]  # fmt: skip
     cases = {
         "streamed": [*common, "pipeline.checks=[roundtrip]"],
-        "in_memory": [*common, "pipeline.checks=[roundtrip,resume]"],  # resume steps an optimizer over the output: it must be in memory
+        # resume steps an optimizer over the output: it must be in memory
+        "in_memory": [*common, "pipeline.checks=[roundtrip,resume]"],
     }
-    results = run_cli_cases([[*args, f"output.path={tmp_path / name}"] for name, args in cases.items()], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
+    results = run_cli_cases(
+        [[*args, f"output.path={tmp_path / name}"] for name, args in cases.items()],
+        cwd=tmp_path,
+        per_case_s=TIMEOUT_S,
+        env=user_env(),
+    )
     reports = {}
     for name, result in zip(cases, results, strict=True):
         assert result["code"] == 0, f"{name}: {result['stderr']}"
         reports[name] = json.loads((tmp_path / name / "report.json").read_text())
     output = max(reports["streamed"]["output_bytes"])
     assert output > 50 << 20 and reports["in_memory"]["output_bytes"] == reports["streamed"]["output_bytes"]
-    held = {name: r["memory"][0]["peak_anonymous"] - r["memory"][0]["baseline_anonymous"] for name, r in reports.items()}
-    assert held["in_memory"] >= output, f"filled in memory, the rank held {held['in_memory']} bytes, less than its output of {output}"
-    assert held["streamed"] < budget + (24 << 20), f"made as written, the rank held {held['streamed']} bytes beyond its baseline (output {output}, budget {budget})"
+    held = {
+        name: r["memory"][0]["peak_anonymous"] - r["memory"][0]["baseline_anonymous"] for name, r in reports.items()
+    }
+    assert held["in_memory"] >= output, (
+        f"filled in memory, the rank held {held['in_memory']} bytes, less than its output of {output}"
+    )
+    assert held["streamed"] < budget + (24 << 20), (
+        f"made as written, the rank held {held['streamed']} bytes beyond its baseline"
+        f" (output {output}, budget {budget})"
+    )
     warning = reports["in_memory"]["warnings"]
     assert warning == [
         f"a rank held its whole output in memory, more than runtime.memory_budget={_size(budget)}: "
@@ -166,16 +202,26 @@ def test_nan_in_the_source_fails_a_save_made_as_written_and_commits_nothing(nan_
     out = tmp_path / "out"
     allowed, in_memory = run_cli_cases(
         [_lm(path, out, *target, *STREAMED, "runtime.mode=offline", "input.allow_nonfinite=true"),
-         _lm(path, tmp_path / "allowed_in_memory", *target, "pipeline.checks=[roundtrip]", "runtime.mode=offline", "input.allow_nonfinite=true")],
+         _lm(path, tmp_path / "allowed_in_memory", *target, "pipeline.checks=[roundtrip]", "runtime.mode=offline",
+             "input.allow_nonfinite=true")],
         cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env(),
     )  # fmt: skip
     assert allowed["code"] == 0 and in_memory["code"] == 0, (allowed["stderr"], in_memory["stderr"])
     report = json.loads((out / "report.json").read_text())
-    assert len(report["warnings"]) == 1 and fqn in report["warnings"][0] and "input.allow_nonfinite=true" in report["warnings"][0], report["warnings"]
+    assert (
+        len(report["warnings"]) == 1
+        and fqn in report["warnings"][0]
+        and "input.allow_nonfinite=true" in report["warnings"][0]
+    ), report["warnings"]
     committed = _files(out)
     assert committed == _files(tmp_path / "allowed_in_memory"), "allowed NaN converts as the in-memory path converts it"
 
-    (refused,) = run_cli_cases([_lm(path, out, *target, *STREAMED, "runtime.mode=offline", "output.overwrite=true")], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
+    (refused,) = run_cli_cases(
+        [_lm(path, out, *target, *STREAMED, "runtime.mode=offline", "output.overwrite=true")],
+        cwd=tmp_path,
+        per_case_s=TIMEOUT_S,
+        env=user_env(),
+    )
     errors = [line for line in refused["stderr"].splitlines() if line.startswith("osdpipe: error:")]
     assert refused["code"] == 1 and len(errors) == 1, refused["stderr"]
     for word in ("stage 'save'", fqn, "exp_avg", "first at flat index 7", "input.allow_nonfinite=true"):
@@ -184,29 +230,40 @@ def test_nan_in_the_source_fails_a_save_made_as_written_and_commits_nothing(nan_
 
 
 def test_a_filled_batch_that_differs_from_the_source_fails_the_save(full_source: Path, tmp_path: Path) -> None:
-    """roundtrip's comparison runs on every batch as it is filled: one element copied wrong (``tests/support/faults``) is named, and nothing is committed."""
+    """roundtrip's comparison runs on every batch as it is filled: one element copied wrong (``tests/support/faults``)
+    is named, and nothing is committed."""
     env = user_env(OSDPIPE_TEST_MISFILL="blocks.2.wk.weight:exp_avg_sq")
     out = tmp_path / "out"
-    (result,) = run_cli_cases([_lm(full_source, out, *TARGETS["rank_local"], *STREAMED, "runtime.mode=offline")], cwd=tmp_path, per_case_s=TIMEOUT_S, env=env)
+    (result,) = run_cli_cases(
+        [_lm(full_source, out, *TARGETS["rank_local"], *STREAMED, "runtime.mode=offline")],
+        cwd=tmp_path,
+        per_case_s=TIMEOUT_S,
+        env=env,
+    )
     errors = [line for line in result["stderr"].splitlines() if line.startswith("osdpipe: error:")]
     assert result["code"] == 1 and len(errors) == 1, result["stderr"]
     for word in ("stage 'save'", "roundtrip, comparing rank", "exp_avg_sq: differs from blocks.2.wk.weight["):
         assert word in errors[0], f"{word!r} not in {errors[0]!r}"
-    assert not (out / "manifest.json").exists() and not list(out.glob("rank_*.pt")), sorted(p.name for p in out.iterdir())
+    assert not (out / "manifest.json").exists() and not list(out.glob("rank_*.pt")), (
+        sorted(p.name for p in out.iterdir())
+    )
 
 
 def test_a_rank_that_must_hold_its_output_says_why_once(wide_source: Path, tmp_path: Path) -> None:
-    """Every check by default: both ranks hold an output larger than the budget, and one warning names the checks and the way out."""
+    """Every check by default: both ranks hold an output larger than the budget,
+    and one warning names the checks and the way out."""
     out = tmp_path / "out"
-    args = ["model.factory=usermodel:make", f"model.kwargs.dim={WIDE}", f"input.path={wide_source}", "input.format=fsdp_full", "source.world_size=1",
-            "target.world_size=2", "target.use_orig_params=true", "runtime.mode=offline", "runtime.memory_budget=4MB", f"output.path={out}"]  # fmt: skip
+    args = ["model.factory=usermodel:make", f"model.kwargs.dim={WIDE}", f"input.path={wide_source}",
+            "input.format=fsdp_full", "source.world_size=1", "target.world_size=2", "target.use_orig_params=true",
+            "runtime.mode=offline", "runtime.memory_budget=4MB", f"output.path={out}"]  # fmt: skip
     (result,) = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     assert result["code"] == 0, result["stderr"]
     report = json.loads((out / "report.json").read_text())
     held = [w for w in report["warnings"] if w.startswith("a rank held its whole output in memory")]
     assert held == [
         "a rank held its whole output in memory, more than runtime.memory_budget=4MB: "
-        "check(s) reference, load_step, resume, replicas need it in memory; pipeline.checks=[roundtrip] writes it as it is made"
+        "check(s) reference, load_step, resume, replicas need it in memory; "
+        "pipeline.checks=[roundtrip] writes it as it is made"
     ], report["warnings"]
     roundtrip = next(c for c in report["checks"] if c["name"] == "roundtrip")
     assert roundtrip["ok"] and COMPARED_AS_WRITTEN not in roundtrip["detail"]

@@ -63,26 +63,35 @@ def test_reading_ranks_one_reader_per_host_and_every_rank_served() -> None:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict[str, list[str]]:
-    """The user's job as three inputs: its FQN-keyed full state, and osdpipe's own dcp (FSDP2, 3 ranks) and rank_local (FSDP1, 4 ranks) of it."""
+    """The user's job as three inputs: its FQN-keyed full state, and osdpipe's own dcp
+    (FSDP2, 3 ranks) and rank_local (FSDP1, 4 ranks) of it."""
     import userlm
 
     root = tmp_path_factory.mktemp("transfer_inputs")
     torch.manual_seed(0)
     model = userlm.build()
     torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
-    full = ["model.factory=userlm:build", f"input.path={root / 'optim.pt'}", "input.format=fsdp_full", "source.world_size=1"]
+    full = [
+        "model.factory=userlm:build", f"input.path={root / 'optim.pt'}", "input.format=fsdp_full", "source.world_size=1"
+    ]
     made = {
         "dcp": ["target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]", "output.format=dcp"],
         "rank_local": ["target.world_size=4", "target.wrap=[MixerBlock]", "target.use_orig_params=true"],
     }
     results = run_cli_cases(
-        [[*full, *args, f"output.path={root / name}", "runtime.mode=offline"] for name, args in made.items()], cwd=root, per_case_s=TIMEOUT_S, env=user_env()
+        [[*full, *args, f"output.path={root / name}", "runtime.mode=offline"] for name, args in made.items()],
+        cwd=root,
+        per_case_s=TIMEOUT_S,
+        env=user_env(),
     )
     for result in results:
         assert result["code"] == 0, result["stderr"]
     return {
         "fsdp_full": full,
-        "dcp": ["model.factory=userlm:build", f"input.path={root / 'dcp' / 'dcp'}", "input.format=dcp", "source.kind=fsdp2", "source.world_size=3"],
+        "dcp": [
+            "model.factory=userlm:build", f"input.path={root / 'dcp' / 'dcp'}", "input.format=dcp",
+            "source.kind=fsdp2", "source.world_size=3",
+        ],
         "rank_local": [
             "model.factory=userlm:build", f"input.path={root / 'rank_local'}", "input.format=rank_local",
             "source.world_size=4", "source.wrap=[MixerBlock]", "source.use_orig_params=true",
@@ -90,7 +99,8 @@ def inputs(tmp_path_factory) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
-#: The target of each input: FSDP2 and use_orig_params shards hold no padding, so a rank's file holds exactly the bytes it needs.
+#: The target of each input: FSDP2 and use_orig_params shards hold no padding,
+#: so a rank's file holds exactly the bytes it needs.
 TARGETS = {
     "fsdp_full": ["target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]"],
     "dcp": ["target.world_size=2", "target.wrap=[MixerBlock]", "target.use_orig_params=true"],
@@ -107,10 +117,18 @@ VARIANTS = {
 
 def _tensor_bytes(path: Path) -> int:
     osd = torch.load(path, weights_only=True)
-    return sum(v.numel() * v.element_size() for s in osd["state"].values() if isinstance(s, dict) for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return sum(
+        v.numel() * v.element_size()
+        for s in osd["state"].values()
+        if isinstance(s, dict)
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
 
 
-def test_every_transfer_and_budget_writes_the_same_bytes_and_scatter_sends_only_what_receivers_need(inputs, tmp_path: Path) -> None:
+def test_every_transfer_and_budget_writes_the_same_bytes_and_scatter_sends_only_what_receivers_need(
+    inputs, tmp_path: Path
+) -> None:
     cases, where = [], []
     for source, args in inputs.items():
         for variant, extra in VARIANTS.items():
@@ -127,36 +145,52 @@ def test_every_transfer_and_budget_writes_the_same_bytes_and_scatter_sends_only_
         for variant in VARIANTS:
             out = tmp_path / source / variant
             for name in files:
-                assert (out / name).read_bytes() == (reference / name).read_bytes(), f"{source}: {variant} {name} differs from the default's"
+                assert (out / name).read_bytes() == (reference / name).read_bytes(), (
+                    f"{source}: {variant} {name} differs from the default's"
+                )
             report = json.loads((out / "report.json").read_text())
             assert report["ok"], report
             shard = next(s for s in report["stages"] if s["name"] == "shard")
-            needed = sum(_tensor_bytes(out / name) for name in files if name != "rank_0.pt")  # rank 0 reads for the others
-            assert shard["sent"] == (needed if "scatter" in variant else 0), f"{source} {variant}: sent {shard['sent']}, receivers need {needed}"
+            # rank 0 reads for the others
+            needed = sum(_tensor_bytes(out / name) for name in files if name != "rank_0.pt")
+            assert shard["sent"] == (needed if "scatter" in variant else 0), (
+                f"{source} {variant}: sent {shard['sent']}, receivers need {needed}"
+            )
             assert report["memory_budget"] == (1000 if "budget" in variant else None)
             assert report["output_bytes"] == [_tensor_bytes(out / name) for name in files]
             if "scatter" in variant:
                 assert {c["name"] for c in report["checks"]} == {"roundtrip", "resume"}, report["checks"]
                 resume = next(c for c in report["checks"] if c["name"] == "resume")
-                assert "steps not run: they need the source on every rank, which runtime.transfer=scatter" in resume["detail"], resume
+                assert (
+                    "steps not run: they need the source on every rank, which runtime.transfer=scatter"
+                    in resume["detail"]
+                ), resume
                 assert {c["name"] for c in report["skipped_checks"]} >= {"reference", "load_step"}
 
 
 def test_scatter_needs_a_world(inputs, tmp_path: Path) -> None:
     result = run_cli_cases(
-        [[*inputs["fsdp_full"], *TARGETS["fsdp_full"], f"output.path={tmp_path / 'out'}", "runtime.mode=offline", "runtime.transfer=scatter"],
+        [[*inputs["fsdp_full"], *TARGETS["fsdp_full"], f"output.path={tmp_path / 'out'}",
+          "runtime.mode=offline", "runtime.transfer=scatter"],
          [*inputs["fsdp_full"], *TARGETS["fsdp_full"], f"output.path={tmp_path / 'out2'}", "runtime.memory_budget=12"]],
         cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env(),
     )  # fmt: skip
-    assert result[0]["code"] == 2 and "runtime.transfer=scatter sends bytes between the ranks of a world" in result[0]["stderr"], result[0]
-    assert result[1]["code"] == 2 and "runtime.memory_budget (got 12): a memory budget of 12B leaves no room to copy" in result[1]["stderr"], result[1]
+    assert (
+        result[0]["code"] == 2
+        and "runtime.transfer=scatter sends bytes between the ranks of a world" in result[0]["stderr"]
+    ), result[0]
+    assert (
+        result[1]["code"] == 2
+        and "runtime.memory_budget (got 12): a memory budget of 12B leaves no room to copy" in result[1]["stderr"]
+    ), result[1]
 
 
 # ---------------------------------------------------------------- failures while bytes travel
 
 
 def _reader_fails_while_serving(spec, source: str) -> tuple[str, float]:
-    """On rank 0, reading fails on the 3rd range; every rank must raise the same error at once (none waits for bytes)."""
+    """On rank 0, reading fails on the 3rd range; every rank must raise the same error at once
+    (none waits for bytes)."""
     import torch.distributed as dist
     from helpers import planned
 
@@ -189,8 +223,9 @@ def test_a_reading_rank_that_fails_mid_send_ends_the_run_on_every_rank(inputs, t
 
     source = inputs["fsdp_full"][1].split("=", 1)[1]
     spec = settle_and_validate({
-        "model": {"factory": "userlm:build"}, "source": {"world_size": 1}, "target": {"world_size": 3, "wrap": ["MixerBlock"]},
-        "output": {"path": str(tmp_path / "out")}, "runtime": {"transfer": "scatter", "timeout_s": 60, "progress": False},
+        "model": {"factory": "userlm:build"}, "source": {"world_size": 1},
+        "target": {"world_size": 3, "wrap": ["MixerBlock"]}, "output": {"path": str(tmp_path / "out")},
+        "runtime": {"transfer": "scatter", "timeout_s": 60, "progress": False},
     })  # fmt: skip
     results = spawn_world(_reader_fails_while_serving, 3, (spec, source), timeout_s=TIMEOUT_S)
     for rank, (error, seconds) in enumerate(results):

@@ -30,15 +30,21 @@ from oracle_probe import spawn_world
 from osdpipe.run.launch import free_port
 from osdpipe.run.world import balanced_shares
 
-#: End to end: local worlds and torchrun agents (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+#: End to end: local worlds and torchrun agents (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
+#: runs it).
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
 TIMEOUT_S = 240
 
-JOB = ["model.factory=userlm:build", "input.format=fsdp_full", "source.world_size=4", "target.kind=fsdp2", "target.wrap=[MixerBlock]", "target.wrap_root=true",
+JOB = ["model.factory=userlm:build", "input.format=fsdp_full", "source.world_size=4",
+       "target.kind=fsdp2", "target.wrap=[MixerBlock]", "target.wrap_root=true",
        "runtime.mode=offline"]  # fmt: skip
-TARGETS = {f"{fmt}-{size}": (f"output.format={fmt}", f"target.world_size={size}") for fmt in ("rank_local", "dcp") for size in (4, 7)}
+TARGETS = {
+    f"{fmt}-{size}": (f"output.format={fmt}", f"target.world_size={size}")
+    for fmt in ("rank_local", "dcp")
+    for size in (4, 7)
+}
 LOCAL_WORKERS = (1, 2, 3)
 
 
@@ -60,7 +66,15 @@ def test_the_progress_line_sums_every_workers_share() -> None:
 
 
 def test_shares_are_consecutive_runs_that_cover_every_rank_balanced_by_weight() -> None:
-    for weights, parts in [([1] * 7, 3), ([5, 5, 5, 5], 4), ([10, 1, 1, 1], 2), ([1, 1, 1, 10], 2), ([3, 0, 0, 0], 3), ([4, 4, 1, 1, 1, 1], 2), ([7], 1)]:
+    for weights, parts in [
+        ([1] * 7, 3),
+        ([5, 5, 5, 5], 4),
+        ([10, 1, 1, 1], 2),
+        ([1, 1, 1, 10], 2),
+        ([3, 0, 0, 0], 3),
+        ([4, 4, 1, 1, 1, 1], 2),
+        ([7], 1),
+    ]:
         shares = balanced_shares(weights, parts)
         assert len(shares) == parts and all(len(s) >= 1 for s in shares), (weights, parts, shares)
         assert [r for s in shares for r in s] == list(range(len(weights))), (weights, parts, shares)
@@ -80,13 +94,18 @@ def full_source(tmp_path_factory) -> Path:
 
 
 def _torchrun_two_nodes(args: list[str], cwd: Path, env: dict[str, str]) -> list[tuple[int, str]]:
-    """``osdpipe *args`` under two torchrun agents (``--nnodes 2``, one process each) meeting on 127.0.0.1; each agent's exit code and output."""
+    """``osdpipe *args`` under two torchrun agents (``--nnodes 2``, one process each) meeting on 127.0.0.1;
+    each agent's exit code and output."""
     endpoint = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-           "--rdzv-id", uuid.uuid4().hex, "-m", "osdpipe", *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", uuid.uuid4().hex,
+           "-m", "osdpipe", *args]  # fmt: skip
     import subprocess
 
-    agents = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    agents = [
+        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     try:
         return [(a.wait(timeout=TIMEOUT_S), a.stdout.read()) for a in agents]
     finally:
@@ -96,9 +115,14 @@ def _torchrun_two_nodes(args: list[str], cwd: Path, env: dict[str, str]) -> list
 
 
 def _files(directory: Path) -> dict[str, str]:
-    """sha256 of every file of a conversion but the run's own record and the manifest (which names its path and how it ran)."""
+    """sha256 of every file of a conversion but the run's own record and the manifest
+    (which names its path and how it ran)."""
     skip = ("report.json", "osdpipe.log", "manifest.json")
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file() and p.name not in skip}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +130,17 @@ def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path
     """(target, who) -> output directory: every target by 1, 2 and 3 local workers, and by a 2-node torchrun world."""
     root = tmp_path_factory.mktemp("workers")
     outs = {(target, f"local-{w}"): root / f"{target}-local-{w}" for target in TARGETS for w in LOCAL_WORKERS}
-    cases = [[*JOB, *TARGETS[t], f"runtime.workers={who.split('-')[1]}", f"input.path={full_source}", f"output.path={out}"] for (t, who), out in outs.items()]
+    cases = [
+        [*JOB, *TARGETS[t], f"runtime.workers={who.split('-')[1]}", f"input.path={full_source}", f"output.path={out}"]
+        for (t, who), out in outs.items()
+    ]
     for (key, out), result in zip(outs.items(), run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env())):
         assert result["code"] == 0, f"{key}: exit {result['code']}\n{result['stdout']}\n{result['stderr']}"
     for target in TARGETS:
         out = root / f"{target}-torchrun-2x1"
-        agents = _torchrun_two_nodes([*JOB, *TARGETS[target], f"input.path={full_source}", f"output.path={out}"], root, user_env())
+        agents = _torchrun_two_nodes(
+            [*JOB, *TARGETS[target], f"input.path={full_source}", f"output.path={out}"], root, user_env()
+        )
         assert all(code == 0 for code, _ in agents), f"{target}: {agents}"
         outs[(target, "torchrun-2x1")] = out
     return outs
@@ -122,7 +151,11 @@ def test_every_number_of_workers_writes_the_same_bytes(converted: dict[tuple[str
     runs = {who: out for (t, who), out in converted.items() if t == target}
     alone = _files(runs["local-1"])
     size = int(target.split("-")[1])
-    expected = {f"rank_{r}.pt" for r in range(size)} if target.startswith("rank_local") else {f"dcp/__{r}_0.distcp" for r in range(size)} | {"dcp/.metadata"}
+    expected = (
+        {f"rank_{r}.pt" for r in range(size)}
+        if target.startswith("rank_local")
+        else {f"dcp/__{r}_0.distcp" for r in range(size)} | {"dcp/.metadata"}
+    )
     assert set(alone) == expected
     contents = {}
     for who, out in runs.items():
@@ -132,17 +165,24 @@ def test_every_number_of_workers_writes_the_same_bytes(converted: dict[tuple[str
         report = json.loads((out / "report.json").read_text())
         assert report["ok"] and [c["name"] for c in report["checks"]] == ["roundtrip", "resume"], report
         workers = 1 if who == "local-1" else int(who.split("-")[-1][0]) if who.startswith("local") else 2
-        assert [m["process"] for m in report["memory"]] == (["offline"] if workers == 1 else [f"worker {w}" for w in range(workers)])
+        assert [m["process"] for m in report["memory"]] == (
+            ["offline"] if workers == 1 else [f"worker {w}" for w in range(workers)]
+        )
     assert len(set(contents.values())) == 1, contents
 
 
-def test_a_dcp_checkpoint_three_workers_wrote_for_7_ranks_resumes_on_a_real_2_rank_world(full_source: Path, converted) -> None:
+def test_a_dcp_checkpoint_three_workers_wrote_for_7_ranks_resumes_on_a_real_2_rank_world(
+    full_source: Path, converted
+) -> None:
     out = converted[("dcp-7", "local-3")]
-    assert spawn_world(fsdp2_resume.resume, 2, (str(full_source), str(out / "dcp"), "dcp"), timeout_s=TIMEOUT_S) == [[], []]
+    assert spawn_world(
+        fsdp2_resume.resume, 2, (str(full_source), str(out / "dcp"), "dcp"), timeout_s=TIMEOUT_S
+    ) == [[], []]
 
 
 def test_a_changed_element_is_found_in_a_workers_output(full_source: Path, converted, tmp_path: Path) -> None:
-    """The outputs compared above are not all alike by accident: one changed byte in a file written by worker 2 differs."""
+    """The outputs compared above are not all alike by accident: one changed byte in a file written by worker 2
+    differs."""
     out = tmp_path / "changed"
     shutil.copytree(converted[("rank_local-7", "local-3")], out)
     victim = out / "rank_6.pt"
@@ -155,12 +195,18 @@ def test_a_changed_element_is_found_in_a_workers_output(full_source: Path, conve
 #: The one line each failure must give: (fault, the line's start). Worker 1 plays target ranks 2 and 3 of 4.
 FAILURES = {
     "kill": ("save:1:kill", "worker 1 of 2 on {host} failed: process killed by SIGKILL in stage 'save'"),
-    "raise": ("save:1:raise", "stage 'save' failed on rank 2 (played by worker 1 of 2 on {host}): RuntimeError: injected fault save on rank 1"),
+    "raise": (
+        "save:1:raise",
+        "stage 'save' failed on rank 2 (played by worker 1 of 2 on {host}): "
+        "RuntimeError: injected fault save on rank 1",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", FAILURES)
-def test_a_worker_that_dies_mid_save_ends_the_run_and_leaves_the_previous_conversion(full_source: Path, converted, tmp_path: Path, case: str) -> None:
+def test_a_worker_that_dies_mid_save_ends_the_run_and_leaves_the_previous_conversion(
+    full_source: Path, converted, tmp_path: Path, case: str
+) -> None:
     fault, expected = FAILURES[case]
     expected = expected.format(host=socket.gethostname())
     before = converted[("rank_local-4", "local-2")]
@@ -168,7 +214,10 @@ def test_a_worker_that_dies_mid_save_ends_the_run_and_leaves_the_previous_conver
     shutil.copytree(before, out)
     env = clean_env()
     env.update(OSDPIPE_TEST_FAULT=fault, OSDPIPE_TEST_MARK=mark, PYTHONPATH=f"{TESTS}:{TESTS / 'faults'}")
-    args = [*JOB, *TARGETS["rank_local-4"], "runtime.workers=2", "runtime.timeout_s=60", "output.overwrite=true", f"input.path={full_source}", f"output.path={out}"]
+    args = [
+        *JOB, *TARGETS["rank_local-4"], "runtime.workers=2", "runtime.timeout_s=60", "output.overwrite=true",
+        f"input.path={full_source}", f"output.path={out}",
+    ]
     start = time.monotonic()
     result = run_command([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, timeout=120, env=env)
     assert result.returncode == 1, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
@@ -179,7 +228,10 @@ def test_a_worker_that_dies_mid_save_ends_the_run_and_leaves_the_previous_conver
     while processes_marked(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not processes_marked(mark), "a worker was left behind"
-    assert _files(out) == _files(before) and (out / "manifest.json").read_bytes() == (before / "manifest.json").read_bytes()
+    assert (
+        _files(out) == _files(before)
+        and (out / "manifest.json").read_bytes() == (before / "manifest.json").read_bytes()
+    )
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "the failed run left its staging behind"
     assert not json.loads((out / "report.json").read_text())["ok"]
 
@@ -188,24 +240,39 @@ def test_a_worker_that_dies_mid_save_ends_the_run_and_leaves_the_previous_conver
     ("overrides", "message"),
     [
         (["runtime.workers=2"], "runtime.workers=2 plays the target's ranks offline; set runtime.mode=offline"),
-        (["runtime.mode=offline", "runtime.workers=5", "target.world_size=4"], "runtime.workers=5 is more than target.world_size=4"),
+        (
+            ["runtime.mode=offline", "runtime.workers=5", "target.world_size=4"],
+            "runtime.workers=5 is more than target.world_size=4",
+        ),
         (["runtime.mode=offline", "runtime.workers=0"], "runtime.workers"),
     ],
 )
-def test_workers_that_cannot_play_the_target_are_refused_in_one_line(tmp_path: Path, overrides: list[str], message: str) -> None:
-    result = run_command([sys.executable, "-m", "osdpipe", *overrides, f"output.path={tmp_path / 'out'}"], cwd=tmp_path, timeout=120, env=user_env())
+def test_workers_that_cannot_play_the_target_are_refused_in_one_line(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    result = run_command(
+        [sys.executable, "-m", "osdpipe", *overrides, f"output.path={tmp_path / 'out'}"],
+        cwd=tmp_path,
+        timeout=120,
+        env=user_env(),
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
-def test_as_many_workers_as_target_ranks_is_the_target_world_where_every_check_runs(full_source: Path, converted, tmp_path: Path) -> None:
-    """W = M is the online run: the checks that need the live target job (reference, load_step) run, and the bytes are the others'."""
+def test_as_many_workers_as_target_ranks_is_the_target_world_where_every_check_runs(
+    full_source: Path, converted, tmp_path: Path
+) -> None:
+    """W = M is the online run: the checks that need the live target job (reference, load_step) run,
+    and the bytes are the others'."""
     out = tmp_path / "w4"
     args = [*JOB, *TARGETS["rank_local-4"], "runtime.workers=4", f"input.path={full_source}", f"output.path={out}"]
     result = run_command([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, timeout=TIMEOUT_S, env=user_env())
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
-    assert [c["name"] for c in report["checks"]] == ["roundtrip", "reference", "load_step", "resume"] and report["ok"], report["checks"]
+    assert (
+        [c["name"] for c in report["checks"]] == ["roundtrip", "reference", "load_step", "resume"] and report["ok"]
+    ), report["checks"]
     assert [m["process"] for m in report["memory"]] == [f"rank {r}" for r in range(4)]
     assert _files(out) == _files(converted[("rank_local-4", "local-1")])

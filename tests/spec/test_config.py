@@ -29,7 +29,8 @@ def compose_spec(overrides: list[str] = (), *, output_dir: str | Path | None = N
 
 
 def config_error(overrides: list[str], tmp_path: Path) -> str:
-    """The ConfigError message the overrides provoke (with output.path a fresh directory), from the spec or, for what the model answers, the plan."""
+    """The ConfigError message the overrides provoke (with output.path a fresh directory), from the spec or, for what
+    the model answers, the plan."""
     from osdpipe.spec.plan import plan_run
 
     with pytest.raises(ConfigError) as info:
@@ -57,10 +58,13 @@ def select(raw: dict[str, Any], dotted: str) -> Any:
 
 
 def test_recipes_exist_and_reach_hydra() -> None:
-    """Every recipes/*.yaml is a choice of Hydra's recipe group (through the symlink conf/recipe -> ../recipes), and nothing else is."""
+    """Every recipes/*.yaml is a choice of Hydra's recipe group (through the symlink conf/recipe -> ../recipes), and
+    nothing else is."""
     assert RECIPES, f"no recipes found in {REPO / 'recipes'}"
     link = REPO / "conf" / "recipe"
-    assert link.is_symlink() and link.resolve() == (REPO / "recipes").resolve(), f"{link} should be a symlink to ../recipes"
+    assert link.is_symlink() and link.resolve() == (REPO / "recipes").resolve(), (
+        f"{link} should be a symlink to ../recipes"
+    )
     with initialize_config_module(version_base="1.3", config_module="osdpipe.conf"):
         options = GlobalHydra.instance().config_loader().get_group_options("recipe")
     assert sorted(options) == [p.stem for p in RECIPES]
@@ -73,9 +77,12 @@ def test_recipe_composes_and_validates(recipe: Path, tmp_path: Path) -> None:
     assert spec.output.path == str(tmp_path)
     # The recipe is applied last: every value it sets is the composed value.
     for key, value in leaves(OmegaConf.to_container(OmegaConf.load(recipe))).items():
-        if key.startswith(("hydra.", "defaults")):  # Hydra's own settings (a sweep's params, what a recipe composes in), not the job's config
+        # Hydra's own settings (a sweep's params, what a recipe composes in), not the job's config
+        if key.startswith(("hydra.", "defaults")):
             continue
-        assert select(raw, key) == value, f"{recipe.name} sets {key}={value!r} but the composed config has {select(raw, key)!r}"
+        assert select(raw, key) == value, (
+            f"{recipe.name} sets {key}={value!r} but the composed config has {select(raw, key)!r}"
+        )
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -86,11 +93,15 @@ def test_recipe_header(recipe: Path) -> None:
         if not line.startswith("#"):
             break
         header.append(line)
-    assert header and header[0].strip() == "# @package _global_", f"{recipe.name}: first line must be '# @package _global_'"
+    assert header and header[0].strip() == "# @package _global_", (
+        f"{recipe.name}: first line must be '# @package _global_'"
+    )
     command = re.compile(rf"\bosdpipe (?:-m )?recipe={re.escape(recipe.stem)}(?![\w-])")  # -m: a recipe that is a sweep
     if recipe.stem == "quickstart":
         command = re.compile(rf"\bosdpipe(?: recipe={re.escape(recipe.stem)})?(?![\w=-])")
-    assert any(command.search(line) for line in header), f"{recipe.name}: no comment line showing `osdpipe recipe={recipe.stem}`: {header}"
+    assert any(command.search(line) for line in header), (
+        f"{recipe.name}: no comment line showing `osdpipe recipe={recipe.stem}`: {header}"
+    )
 
 
 def test_default_is_quickstart(tmp_path: Path) -> None:
@@ -138,7 +149,10 @@ def test_user_factory_inherits_no_kwargs_or_units(tmp_path: Path) -> None:
 def test_kwargs_take_new_keys_without_a_plus(tmp_path: Path) -> None:
     from osdpipe.cli.compose import open_dict_overrides
 
-    spec = compose_spec(open_dict_overrides(["model=mlp", "model.kwargs.width=16", "optim=sgd", "optim.kwargs.nesterov=true"]), output_dir=tmp_path)
+    spec = compose_spec(
+        open_dict_overrides(["model=mlp", "model.kwargs.width=16", "optim=sgd", "optim.kwargs.nesterov=true"]),
+        output_dir=tmp_path,
+    )
     assert spec.model.kwargs == {"width": 16}
     assert spec.optim.kwargs == {"momentum": 0.9, "nesterov": True}
 
@@ -150,7 +164,9 @@ def test_optim_group_override(tmp_path: Path) -> None:
 
 
 def test_combined_overrides(tmp_path: Path) -> None:
-    spec = compose_spec(["target.world_size=3", "model=transformer", "optim=sgd", "recipe=halve_world_size"], output_dir=tmp_path)
+    spec = compose_spec(
+        ["target.world_size=3", "model=transformer", "optim=sgd", "recipe=halve_world_size"], output_dir=tmp_path
+    )
     assert (spec.target.world_size, spec.source.world_size) == (3, 4)
     assert (spec.model.factory, spec.optim.name) == ("transformer", "SGD")
 

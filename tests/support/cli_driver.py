@@ -52,7 +52,9 @@ def main() -> None:
                 code = "hung"
             finally:
                 signal.alarm(0)
-        results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "seconds": time.monotonic() - start})
+        results.append(
+            {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "seconds": time.monotonic() - start}
+        )
     json.dump(results, real_stdout)
 
 

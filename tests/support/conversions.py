@@ -1,4 +1,5 @@
-"""Conversions held against PyTorch's own FSDP1 path, on a rank of a live target world (the conversion and kind tests)."""
+"""Conversions held against PyTorch's own FSDP1 path, on a rank of a live target world
+(the conversion and kind tests)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def spec_for(tmp: Path, **sections) -> RunSpec:
 
 
 def pytorch_says(spec: RunSpec, full_path: str) -> list[str]:
-    """On this rank of the target world: diff of osdpipe's rank file against FSDP.optim_state_dict_to_load, then load and step it."""
+    """On this rank of the target world: diff of osdpipe's rank file against FSDP.optim_state_dict_to_load, then load
+    and step it."""
     from osdpipe.layout.models import build_model
     from osdpipe.layout.tree import describe
 

@@ -1,4 +1,5 @@
-"""A check of a test's own, registered only by its line in the catalog (``osdpipe.spec.checks.CHECKS``) and in ``osdpipe.verify.checks.RUNS`` (see ``test_registries.py``)."""
+"""A check of a test's own, registered only by its line in the catalog (``osdpipe.spec.checks.CHECKS``) and in
+``osdpipe.verify.checks.RUNS`` (see ``test_registries.py``)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,10 @@ def main(kind: str, world: int, source: str, out: str, ranks: list[int]) -> list
         for pid, want in enumerate(expected):
             have = got[pid]["exp_avg"]
             if have.shape != want.shape or not torch.equal(have.view(torch.uint8), want.contiguous().view(torch.uint8)):
-                problems.append(f"rank {rank}, param ID {pid}: {tuple(have.shape)} differs from real FSDP's {tuple(want.shape)} shard")
+                problems.append(
+                    f"rank {rank}, param ID {pid}: {tuple(have.shape)}"
+                    f" differs from real FSDP's {tuple(want.shape)} shard"
+                )
     return problems
 
 

@@ -1,4 +1,5 @@
-"""The tests' own model whose state dict is not its parameters: keys made by state-dict hooks, as torchtitan's fused ``wqkv`` saves.
+"""The tests' own model whose state dict is not its parameters: keys made by state-dict hooks,
+as torchtitan's fused ``wqkv`` saves.
 
 * Each block's ``up_gate`` is one parameter whose rows interleave an up and a
   gate projection in groups of ``group`` rows; its hooks save it as ``up``

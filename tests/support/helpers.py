@@ -22,26 +22,40 @@ def clean_env(*drop: str) -> dict[str, str]:
     return env
 
 
-#: This folder: the user's own modules (``userlm``, ``usermodel``, ...) import from here; ``faults`` under it injects failures.
+#: This folder: the user's own modules (``userlm``, ``usermodel``, ...) import from here;
+#: ``faults`` under it injects failures.
 TESTS = Path(__file__).resolve().parent
 #: The tests' folder: the real frameworks' jobs name their models from it (``frameworks.ds_job:DsLM``).
 ALL_TESTS = TESTS.parent
 
 
 def user_env(**variables: str) -> dict[str, str]:
-    """A command's environment as a user's: :func:`clean_env`, with the user's own modules importable (this folder and the tests' on ``PYTHONPATH``).
+    """A command's environment as a user's: :func:`clean_env`, with the user's own modules importable (this folder and
+    the tests' on ``PYTHONPATH``).
 
     ``variables`` (``OSDPIPE_TEST_*``) are set, and ``tests/support/faults`` is put on the path to act on them.
     """
     env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ALL_TESTS), *([str(TESTS / "faults")] if variables else []), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), str(ALL_TESTS), *([str(TESTS / "faults")] if variables else []), env.get("PYTHONPATH", "")]
+    )
     env.update(variables)
     return env
 
 
-def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_command(
+    cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own session; past ``timeout`` kill it with every rank it spawned, and fail."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -50,7 +64,9 @@ def run_command(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str
             out, err = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:  # a descendant in a session of its own (torchrun's workers) holds the pipes
             out, err = "", "(no output: processes outside the command's session kept its pipes open)"
-        pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
+        pytest.fail(
+            f"{' '.join(map(str, cmd))} did not finish within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}"
+        )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -59,7 +75,9 @@ def run_osdpipe(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Compl
     return run_command([sys.executable, "-m", "osdpipe", *args], cwd=cwd, timeout=timeout)
 
 
-def run_cli_cases(cases: list[list[str]], *, cwd: Path, per_case_s: int = 30, env: dict[str, str] | None = None) -> list[dict]:
+def run_cli_cases(
+    cases: list[list[str]], *, cwd: Path, per_case_s: int = 30, env: dict[str, str] | None = None
+) -> list[dict]:
     """Each argument list through the ``osdpipe`` entry point, all in one subprocess (see ``cli_driver.py``).
 
     Returns per case its exit ``code`` (``"hung"`` past ``per_case_s``), ``stdout``, ``stderr`` and ``seconds``.
@@ -143,4 +161,6 @@ def digest_by_hand(path: Path, pieces: list[int] | None = None) -> str:
 def manifest_digests_hold(directory: Path, manifest: dict) -> dict[str, bool]:
     """Per file the manifest lists, whether its digest is the one taken by hand (:func:`digest_by_hand`)."""
     pieces = manifest.get("pieces", {})
-    return {name: digest_by_hand(directory / name, pieces.get(name)) == digest for name, digest in manifest["files"].items()}
+    return {
+        name: digest_by_hand(directory / name, pieces.get(name)) == digest for name, digest in manifest["files"].items()
+    }

@@ -69,7 +69,8 @@ def local_values(tensor: torch.Tensor) -> list[int]:
 
 
 def expected_values(numel: int, segments: Any, where: dict[str, int]) -> list[int]:
-    """The values a local tensor of ``numel`` elements made of ``segments`` (osdpipe ``Segment``) holds after :func:`fill_marked`: marks, 0 in the padding."""
+    """The values a local tensor of ``numel`` elements made of ``segments`` (osdpipe ``Segment``) holds after
+    :func:`fill_marked`: marks, 0 in the padding."""
     out = [0] * numel
     for s in segments:
         out[s.dest : s.dest + s.length] = range(where[s.fqn] + s.start, where[s.fqn] + s.start + s.length)
@@ -78,11 +79,14 @@ def expected_values(numel: int, segments: Any, where: dict[str, int]) -> list[in
 
 #: Words of a world that failed to *form* (its rendezvous port taken by another process between
 #: ``free_port`` and the store's bind, on a machine running other tests), not of a wrapped model.
-NETWORK_FLAKES = ("DistNetworkError", "Broken pipe", "Connection reset", "Connection refused", "Address already in use", "EADDRINUSE")
+NETWORK_FLAKES = (
+    "DistNetworkError", "Broken pipe", "Connection reset", "Connection refused", "Address already in use", "EADDRINUSE"
+)
 
 
 def spawn_world(fn: Any, world_size: int, args: tuple, timeout_s: float) -> Any:
-    """``run_local_world(fn, world_size, args)`` on gloo, spawned once more if the world could not form (:data:`NETWORK_FLAKES`).
+    """``run_local_world(fn, world_size, args)`` on gloo, spawned once more if the world could not form
+    (:data:`NETWORK_FLAKES`).
 
     Any other failure, a hang (``timeout_s``) included, is raised at once.
     """
@@ -100,7 +104,8 @@ _WORLDS: dict[tuple[str, int], tuple[Any, str | None]] = {}
 
 
 def world_once(what: str, fn: Any, world_size: int, args: tuple, timeout_s: float) -> Any:
-    """Every rank's result of ``fn(*args)`` on a world of ``world_size``, spawned once per ``what`` and size and shared by every case.
+    """Every rank's result of ``fn(*args)`` on a world of ``world_size``,
+    spawned once per ``what`` and size and shared by every case.
 
     A world that fails is remembered, not respawned for every case that asks
     for it: each of them fails with its error.
@@ -183,8 +188,11 @@ def direct_fully_shard(model: nn.Module, units: list[str], mesh: Any) -> nn.Modu
     return model
 
 
-def direct_fsdp2_tp(model: nn.Module, units: list[str], world_size: int, tp_size: int, plan: dict[str, str]) -> nn.Module:
-    """FSDP2 over tensor parallelism as torchtitan writes it: a (dp, tp) mesh, torch's styles on the modules ``plan``'s patterns match, then ``fully_shard`` over dp."""
+def direct_fsdp2_tp(
+    model: nn.Module, units: list[str], world_size: int, tp_size: int, plan: dict[str, str]
+) -> nn.Module:
+    """FSDP2 over tensor parallelism as torchtitan writes it: a (dp, tp) mesh, torch's styles on the modules ``plan``'s
+    patterns match, then ``fully_shard`` over dp."""
     import fnmatch
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -197,7 +205,8 @@ def direct_fsdp2_tp(model: nn.Module, units: list[str], world_size: int, tp_size
         for pattern, style in plan.items():
             if name and fnmatch.fnmatchcase(name, pattern):
                 chosen.setdefault(name, styles[style]())
-    # src_data_rank=None: each rank cuts its piece from its own full tensor; the default scatters rank 0's, which a fake group does not carry
+    # src_data_rank=None: each rank cuts its piece from its own full tensor; the default scatters rank 0's,
+    # which a fake group does not carry
     parallelize_module(model, mesh["tp"], chosen, src_data_rank=None)
     return direct_fully_shard(model, units, mesh["dp"])
 
@@ -208,7 +217,8 @@ def direct_fsdp2_tp(model: nn.Module, units: list[str], world_size: int, tp_size
 
 
 def fsdp1_metadata(wrapped: nn.Module, with_values: bool = True) -> dict[str, Any]:
-    """Per FSDP1 unit with a flat parameter, its FlatParameter metadata; per parameter of the wrapped model, its name, local shape, values."""
+    """Per FSDP1 unit with a flat parameter, its FlatParameter metadata;
+    per parameter of the wrapped model, its name, local shape, values."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     units = []
@@ -225,7 +235,14 @@ def fsdp1_metadata(wrapped: nn.Module, with_values: bool = True) -> dict[str, An
                 is_padding_mask=tuple(bool(b) for b in fp._is_padding_mask),
                 local_numel=int(fp.numel()),
                 shard_param_infos=tuple(
-                    (bool(i.in_shard), i.offset_in_shard, i.numel_in_shard, i.intra_param_start_idx, i.intra_param_end_idx) for i in fp._shard_param_infos
+                    (
+                        bool(i.in_shard),
+                        i.offset_in_shard,
+                        i.numel_in_shard,
+                        i.intra_param_start_idx,
+                        i.intra_param_end_idx,
+                    )
+                    for i in fp._shard_param_infos
                 ),
                 sharded=bool(handle.uses_sharded_strategy),
                 strategy=str(module.sharding_strategy.name),
@@ -233,13 +250,17 @@ def fsdp1_metadata(wrapped: nn.Module, with_values: bool = True) -> dict[str, An
             )
         )
     params = [
-        dict(fqn=clean_fqn(n), local_shape=tuple(p.shape), values=local_values(p) if with_values else None) for n, p in wrapped.named_parameters()
+        dict(fqn=clean_fqn(n), local_shape=tuple(p.shape), values=local_values(p) if with_values else None)
+        for n, p in wrapped.named_parameters()
     ]
     return dict(units=units, params=params)
 
 
-def direct_fsdp1(model: nn.Module, units: list[str], strategy: str, use_orig_params: bool, mesh: Any = None) -> nn.Module:
-    """``FullyShardedDataParallel`` with a ``CustomPolicy`` that wraps the modules named (FQN or class) in ``units``, and the root."""
+def direct_fsdp1(
+    model: nn.Module, units: list[str], strategy: str, use_orig_params: bool, mesh: Any = None
+) -> nn.Module:
+    """``FullyShardedDataParallel`` with a ``CustomPolicy`` that wraps the modules named
+    (FQN or class) in ``units``, and the root."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import CustomPolicy
@@ -283,13 +304,16 @@ def _probe_rank(world_size: int, cases: list[dict[str, Any]]) -> list[Any]:
             group = case.get("shard_group_size")
             shape = (world_size // group, group) if group else (world_size,)
             if case["kind"] == "fsdp2_tp":
-                out.append(dict(params=fsdp2_params(direct_fsdp2_tp(model, case["wrap"], world_size, case["tp_size"], case["tp_plan"]))))
+                wrapped = direct_fsdp2_tp(model, case["wrap"], world_size, case["tp_size"], case["tp_plan"])
+                out.append(dict(params=fsdp2_params(wrapped)))
             elif case["kind"] == "fsdp2":
                 direct_fully_shard(model, case["wrap"], mesh(shape))
                 out.append(dict(params=fsdp2_params(model)))
             else:
                 hybrid = case["strategy"] in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-                wrapped = direct_fsdp1(model, case["wrap"], case["strategy"], case["use_orig_params"], mesh(shape) if hybrid else None)
+                wrapped = direct_fsdp1(
+                    model, case["wrap"], case["strategy"], case["use_orig_params"], mesh(shape) if hybrid else None
+                )
                 out.append(fsdp1_metadata(wrapped))
         except Exception as exc:  # noqa: BLE001 - reported per case
             out.append(dict(error=f"{type(exc).__name__}: {exc}"))
@@ -311,12 +335,16 @@ def probe_fake_world(world_size: int, ranks: list[int], cases: list[dict[str, An
     return results
 
 
-def run_fake_world(world_size: int, ranks: list[int], cases: list[dict[str, Any]], timeout_s: float) -> dict[int, list[Any]]:
+def run_fake_world(
+    world_size: int, ranks: list[int], cases: list[dict[str, Any]], timeout_s: float
+) -> dict[int, list[Any]]:
     """In the test process: :func:`probe_fake_world` in a subprocess of its own (the fake group must not live here)."""
     from helpers import clean_env, run_command
 
     request = json.dumps(dict(world_size=world_size, ranks=ranks, cases=cases))
-    proc = run_command([sys.executable, __file__, request], cwd=Path(__file__).parent, timeout=timeout_s, env=clean_env())
+    proc = run_command(
+        [sys.executable, __file__, request], cwd=Path(__file__).parent, timeout=timeout_s, env=clean_env()
+    )
     if proc.returncode != 0:
         import pytest
 

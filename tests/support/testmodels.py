@@ -1,4 +1,5 @@
-"""Small models of the tests' own, named as ``model.factory=testmodels:<function>`` (this folder is on the path, also for the command's subprocesses)."""
+"""Small models of the tests' own, named as ``model.factory=testmodels:<function>`` (this folder is on the path, also
+for the command's subprocesses)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(MixerBlock() for _ in range(3))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied: one parameter, two names
-        self.register_buffer("feature_scale", torch.linspace(0.5, 1.5, DIM))  # a persistent buffer: in model.state_dict(), cut by no layout
+        # a persistent buffer: in model.state_dict(), cut by no layout
+        self.register_buffer("feature_scale", torch.linspace(0.5, 1.5, DIM))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) * self.feature_scale
@@ -48,7 +49,8 @@ def build() -> TinyLM:
 
 
 def train(model: nn.Module, steps: int) -> torch.optim.Optimizer:
-    """A user's training loop: Adam, ``steps`` steps on 4x5 token batches (batch ``i`` seeded by ``i``), a real backward."""
+    """A user's training loop: Adam, ``steps`` steps on 4x5 token batches
+    (batch ``i`` seeded by ``i``), a real backward."""
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     for step in range(steps):
         tokens = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(step))
@@ -69,7 +71,8 @@ def fqn_keyed(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
 
 
 def save_trained(path: Path, steps: int) -> Path:
-    """The user's unwrapped job, seeded: ``steps`` Adam steps, its FQN-keyed state saved at ``path`` (an ``fsdp_full`` input)."""
+    """The user's unwrapped job, seeded: ``steps`` Adam steps, its FQN-keyed state saved at ``path``
+    (an ``fsdp_full`` input)."""
     torch.manual_seed(0)
     model = build()
     torch.save(fqn_keyed(model, train(model, steps)), path)

@@ -58,5 +58,11 @@ def save_stepped(path: Path, dim: int) -> Path:
     model(torch.randn(4, dim)).square().mean().backward()
     optim.step()
     names = {p: n for n, p in model.named_parameters()}
-    torch.save({"state": {names[p]: s for p, s in optim.state.items()}, "param_groups": [{**optim.param_groups[0], "params": list(names.values())}]}, path)
+    torch.save(
+        {
+            "state": {names[p]: s for p, s in optim.state.items()},
+            "param_groups": [{**optim.param_groups[0], "params": list(names.values())}],
+        },
+        path,
+    )
     return path

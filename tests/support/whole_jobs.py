@@ -1,4 +1,5 @@
-"""Whole training checkpoints as torchtitan and accelerate lay them out, written by plain PyTorch code (issue 19's sources).
+"""Whole training checkpoints as torchtitan and accelerate lay them out,
+written by plain PyTorch code (issue 19's sources).
 
 Each function is one rank of a 4-rank gloo job over the user's own model
 (``userlm``: a tied embedding, parameters that share a shape), trained two
@@ -33,7 +34,8 @@ TITAN_OTHER = ("lr_scheduler", "dataloader", "train_state", "user_notes")
 
 
 def user_notes() -> dict:
-    """The user's own entry of every torchtitan fixture: plain values and a tensor (carried as a tensor item, not as stored bytes)."""
+    """The user's own entry of every torchtitan fixture: plain values and a tensor
+    (carried as a tensor item, not as stored bytes)."""
     return {"run": "tiny", "seed": 0, "ema": torch.full((3,), 0.25)}
 
 
@@ -71,13 +73,18 @@ def save_torchtitan(out: str, nested: bool = False) -> None:
     optim, scheduler = _train(model)
     model_sd = get_model_state_dict(model)
     state = {"model": model_sd} if nested else dict(model_sd)
-    state["optimizer"] = get_optimizer_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    state["optimizer"] = get_optimizer_state_dict(
+        model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
     state["lr_scheduler"] = scheduler.state_dict()
-    state["dataloader"] = {f"dp_rank_{rank}": pickle.dumps({"sample_index": 100 + rank}), "world_size": dist.get_world_size()}
+    state["dataloader"] = {
+        f"dp_rank_{rank}": pickle.dumps({"sample_index": 100 + rank}), "world_size": dist.get_world_size()
+    }
     state["train_state"] = {"step": 2, "ntokens_seen": 4096}
     state["user_notes"] = user_notes()
     dcp.save(state, checkpoint_id=str(Path(out) / "step-2"))
-    full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))  # beside the checkpoint, for the tests to compare with
+    # beside the checkpoint, for the tests to compare with
+    full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
     full_model = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
         torch.save(full, Path(out) / "full_optim.pt")
@@ -100,14 +107,24 @@ def save_accelerate(out: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = userlm.build()
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), use_orig_params=False, device_id=torch.device("cpu"))
+    model = FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}),
+        use_orig_params=False,
+        device_id=torch.device("cpu"),
+    )
     optim, scheduler = _train(model)
     root = Path(out) / "checkpoint_0"
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+    with FSDP.state_dict_type(
+        model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+    ):
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(root / "pytorch_model_fsdp_0"))
         dcp.save({"optimizer": FSDP.optim_state_dict(model, optim)}, checkpoint_id=str(root / "optimizer_0"))
     random.seed(rank)
-    torch.save({"step": 2, "random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}, root / f"random_states_{rank}.pkl")
+    torch.save(
+        {"step": 2, "random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()},
+        root / f"random_states_{rank}.pkl",
+    )
     if rank == 0:
         torch.save(scheduler.state_dict(), root / "scheduler.bin")
         torch.save({"best_loss": 1.25}, root / "custom_checkpoint_0.pkl")
@@ -115,7 +132,8 @@ def save_accelerate(out: str) -> None:
 
 
 def save_accelerate_full(out: str) -> None:
-    """One rank of an FSDP1 job on 4 ranks saving accelerate's ``save_state`` with FULL_STATE_DICT: ``pytorch_model_fsdp.bin``, ``optimizer.bin``."""
+    """One rank of an FSDP1 job on 4 ranks saving accelerate's ``save_state`` with FULL_STATE_DICT:
+    ``pytorch_model_fsdp.bin``, ``optimizer.bin``."""
     import warnings
 
     import torch.distributed as dist
@@ -127,14 +145,27 @@ def save_accelerate_full(out: str) -> None:
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = FSDP(userlm.build(), auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), use_orig_params=False, device_id=torch.device("cpu"))
+    model = FSDP(
+        userlm.build(),
+        auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}),
+        use_orig_params=False,
+        device_id=torch.device("cpu"),
+    )
     optim, scheduler = _train(model)
     root = Path(out) / "checkpoint_0"
     root.mkdir(parents=True, exist_ok=True)
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True), FullOptimStateDictConfig(rank0_only=True)):
+    with FSDP.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(rank0_only=True),
+        FullOptimStateDictConfig(rank0_only=True),
+    ):
         model_sd, optim_sd = model.state_dict(), FSDP.optim_state_dict(model, optim)
     random.seed(rank)
-    torch.save({"step": 2, "random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}, root / f"random_states_{rank}.pkl")
+    torch.save(
+        {"step": 2, "random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()},
+        root / f"random_states_{rank}.pkl",
+    )
     if rank == 0:
         torch.save(model_sd, root / "pytorch_model_fsdp.bin")
         torch.save(optim_sd, root / "optimizer.bin")
@@ -155,7 +186,8 @@ def _optimizer_state(optim: torch.optim.Optimizer) -> dict:
 
 
 def _fsdp2_job(seed: int) -> tuple:
-    """A fresh job of the user's model on the current world, as torchtitan builds one: FSDP2 on every block and the root, Adam, the scheduler."""
+    """A fresh job of the user's model on the current world, as torchtitan builds one: FSDP2 on every block and the
+    root, Adam, the scheduler."""
     import torch.distributed as dist
     import userlm
     from torch.distributed.device_mesh import init_device_mesh
@@ -183,7 +215,8 @@ def _train_on(model: torch.nn.Module, optim: torch.optim.Optimizer, scheduler) -
 
 
 def resume_torchtitan(paths: list[str]) -> list[dict]:
-    """On each rank of the target world: each step folder loaded as torchtitan loads one, then two more steps; what the job holds after each.
+    """On each rank of the target world: each step folder loaded as torchtitan loads one,
+    then two more steps; what the job holds after each.
 
     torchtitan's load: one ``dcp.load`` of the structure it saves (the
     model's state dict at the top level, or under ``model`` as v0.1 saved
@@ -192,13 +225,21 @@ def resume_torchtitan(paths: list[str]) -> list[dict]:
     the data-parallel degree changes.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     out = []
     for path in paths:
         model, optim, scheduler = _fsdp2_job(seed=7)
-        nested = any(len(p) > 1 and p[0] == "model" for p in dcp.FileSystemReader(path).read_metadata().planner_data.values())
+        nested = any(
+            len(p) > 1 and p[0] == "model" for p in dcp.FileSystemReader(path).read_metadata().planner_data.values()
+        )
         model_sd = dict(get_model_state_dict(model))
         state: dict = {"model": model_sd} if nested else dict(model_sd)
         state["optimizer"] = get_optimizer_state_dict(model, optim, options=flat)
@@ -209,16 +250,22 @@ def resume_torchtitan(paths: list[str]) -> list[dict]:
         set_model_state_dict(model, state["model"] if nested else {k: v for k, v in state.items() if k in model_sd})
         set_optimizer_state_dict(model, optim, state["optimizer"], options=flat)
         scheduler.load_state_dict(state["lr_scheduler"])
-        loaded = {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim), "scheduler": scheduler.state_dict(),
-                  "train_state": state["train_state"], "user_notes": state["user_notes"]}
+        loaded = {
+            "model": _local(get_model_state_dict(model)),
+            "optim": _optimizer_state(optim),
+            "scheduler": scheduler.state_dict(),
+            "train_state": state["train_state"],
+            "user_notes": state["user_notes"],
+        }
         _train_on(model, optim, scheduler)
-        out.append({"loaded": loaded, "resumed": {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim)}})
+        resumed = {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim)}
+        out.append({"loaded": loaded, "resumed": resumed})
     return out
 
 
 def resume_rank_local(path: str, source: str) -> list[dict]:
-    """On each rank: the rank file loaded with ``osdpipe.load_rank_local`` (model given), and PyTorch's own reshard of the source
-    (torchtitan's load of the step folder on this world); then two more steps each; what each job holds."""
+    """On each rank: the rank file loaded with ``osdpipe.load_rank_local`` (model given), and PyTorch's own reshard of
+    the source (torchtitan's load of the step folder on this world); then two more steps each; what each job holds."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -229,16 +276,28 @@ def resume_rank_local(path: str, source: str) -> list[dict]:
     osdpipe.load_rank_local(optim, file, model=model)
     whole = torch.load(file, weights_only=True)
     scheduler.load_state_dict(whole["lr_scheduler"])
-    mine = {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim), "scheduler": scheduler.state_dict()}
+    mine = {
+        "model": _local(get_model_state_dict(model)),
+        "optim": _optimizer_state(optim),
+        "scheduler": scheduler.state_dict(),
+    }
     _train_on(model, optim, scheduler)
     resumed = {"model": _local(get_model_state_dict(model)), "optim": _optimizer_state(optim)}
     theirs = resume_torchtitan([source])[0]
-    return [{"loaded": mine, "resumed": resumed, "entries": {k: v for k, v in whole.items() if k not in ("model", "optim")}}, theirs]
+    return [
+        {
+            "loaded": mine,
+            "resumed": resumed,
+            "entries": {k: v for k, v in whole.items() if k not in ("model", "optim")},
+        },
+        theirs,
+    ]
 
 
 def load_rank_files(path: str) -> dict:
-    """On each rank of an FSDP2 job: its whole rank file loaded with ``osdpipe.load_rank_local`` (model given) and the scheduler
-    from ``scheduler.bin`` beside it; the full model the job then holds, and whether two more steps stay finite."""
+    """On each rank of an FSDP2 job: its whole rank file loaded with ``osdpipe.load_rank_local`` (model given) and the
+    scheduler from ``scheduler.bin`` beside it; the full model the job then holds, and whether two more steps stay
+    finite."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -247,7 +306,10 @@ def load_rank_files(path: str) -> dict:
     model, optim, scheduler = _fsdp2_job(seed=13)
     osdpipe.load_rank_local(optim, Path(path) / f"rank_{dist.get_rank()}.pt", model=model)
     scheduler.load_state_dict(torch.load(Path(path) / "scheduler.bin", weights_only=True))
-    full = {k: v.detach().clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+    full = {
+        k: v.detach().clone()
+        for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()
+    }
     _train_on(model, optim, scheduler)
     finite = all(torch.isfinite(p.full_tensor()).all() for p in model.parameters())
     return {"model": full, "finite": bool(finite), "lr": optim.param_groups[0]["lr"]}
@@ -273,25 +335,46 @@ def resume_accelerate(roots: list[str]) -> list[dict]:
     out = []
     for root in roots:
         torch.manual_seed(11)
-        model = FSDP(userlm.build(), auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), use_orig_params=False, device_id=torch.device("cpu"))
+        model = FSDP(
+            userlm.build(),
+            auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}),
+            use_orig_params=False,
+            device_id=torch.device("cpu"),
+        )
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
         if (Path(root) / "optimizer.bin").is_file():
             from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
 
-            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False), FullOptimStateDictConfig(rank0_only=False)):
+            with FSDP.state_dict_type(
+                model,
+                StateDictType.FULL_STATE_DICT,
+                FullStateDictConfig(rank0_only=False),
+                FullOptimStateDictConfig(rank0_only=False),
+            ):
                 model.load_state_dict(torch.load(Path(root) / "pytorch_model_fsdp.bin", weights_only=True))
-                optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, torch.load(Path(root) / "optimizer.bin", weights_only=True)))
+                full_osd = torch.load(Path(root) / "optimizer.bin", weights_only=True)
+                optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, full_osd))
         else:
-            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+            with FSDP.state_dict_type(
+                model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+            ):
                 sd = {"model": model.state_dict()}
                 dcp.load(sd, checkpoint_id=str(Path(root) / "pytorch_model_fsdp_0"))
                 model.load_state_dict(sd["model"])
-                osd = load_sharded_optimizer_state_dict(model_state_dict=model.state_dict(), optimizer_key="optimizer",
-                                                        storage_reader=dcp.FileSystemReader(str(Path(root) / "optimizer_0")))
+                osd = load_sharded_optimizer_state_dict(
+                    model_state_dict=model.state_dict(),
+                    optimizer_key="optimizer",
+                    storage_reader=dcp.FileSystemReader(str(Path(root) / "optimizer_0")),
+                )
                 optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd["optimizer"]))
         scheduler.load_state_dict(torch.load(Path(root) / "scheduler.bin", weights_only=True))
-        loaded = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "optim": optim.state_dict(), "scheduler": scheduler.state_dict()}
+        loaded = {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "optim": optim.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        }
         _train_on(model, optim, scheduler)
-        out.append({"loaded": loaded, "resumed": {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "optim": optim.state_dict()}})
+        resumed = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "optim": optim.state_dict()}
+        out.append({"loaded": loaded, "resumed": resumed})
     return out

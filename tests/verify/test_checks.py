@@ -18,7 +18,9 @@ def test_uncovered_is_what_no_range_covers() -> None:
 
 
 def _tensor(numel: int) -> LocalTensor:
-    return LocalTensor(key="w", fqns=("a", "b"), shape=(numel,), segments=(Segment("a", 10, 4, 0), Segment("b", 0, 4, 4)), flat=True)
+    return LocalTensor(
+        key="w", fqns=("a", "b"), shape=(numel,), segments=(Segment("a", 10, 4, 0), Segment("b", 0, 4, 4)), flat=True
+    )
 
 
 def test_nonfinite_names_each_parameter_and_the_first_element() -> None:

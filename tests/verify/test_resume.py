@@ -40,7 +40,8 @@ from helpers import run_cli_cases, user_env
 
 from osdpipe.run.launch import run_local_world
 
-#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI runs it).
+#: End to end: it starts worlds, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
+#: runs it).
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 240
@@ -74,9 +75,12 @@ def _save_sources(root: str) -> None:
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = FSDP(userlm.build(), auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), device_id=torch.device("cpu"))
+            model = FSDP(
+                userlm.build(), auto_wrap_policy=ModuleWrapPolicy({userlm.MixerBlock}), device_id=torch.device("cpu")
+            )
             optim = getattr(torch.optim, name)(model.parameters(), lr=1e-3, **options)
-            userlm.steps(model, optim, userlm.batches(10 * dist.get_rank(), SOURCE_STEPS))  # each rank its own data, as in training
+            # each rank its own data, as in training
+            userlm.steps(model, optim, userlm.batches(10 * dist.get_rank(), SOURCE_STEPS))
             full = FSDP.optim_state_dict(model, optim)
         if dist.get_rank() == 0:
             torch.save(full, os.path.join(root, f"{name}.pt"))
@@ -108,7 +112,8 @@ def _storages(osd: dict[str, Any]) -> dict[int, set[Any]]:
 
 
 def test_the_source_shares_its_step_tensors(converted: Path) -> None:
-    """The precondition of everything below: PyTorch's FSDP1 FULL file holds one step per unit, shared, and torch.load keeps it."""
+    """The precondition of everything below: PyTorch's FSDP1 FULL file holds one step per unit, shared,
+    and torch.load keeps it."""
     for name in OPTIMIZERS:
         osd = torch.load(converted / f"{name}.pt", weights_only=True)
         shared = [keys for keys in _storages(osd).values() if len(keys) > 1]
@@ -116,7 +121,8 @@ def test_the_source_shares_its_step_tensors(converted: Path) -> None:
 
 
 def _output_files(directory: Path, tmp: Path) -> list[Path]:
-    """Every torch file of an output; a DCP checkpoint as the one torch.save file PyTorch's dcp_to_torch_save makes of it."""
+    """Every torch file of an output; a DCP checkpoint as the one torch.save file PyTorch's dcp_to_torch_save makes of
+    it."""
     if (directory / "dcp").is_dir():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -175,15 +181,26 @@ def _load(job: str, model: torch.nn.Module, optim: torch.optim.Optimizer, out: P
     elif job == "fsdp2":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optim, torch.load(out / "optim.pt", weights_only=True), options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            model,
+            optim,
+            torch.load(out / "optim.pt", weights_only=True),
+            options=StateDictOptions(full_state_dict=True),
+        )
     else:
         optim.load_state_dict(torch.load(out / "optim.pt", weights_only=True))
 
 
-def _full_state(job: str, model: torch.nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _full_state(
+    job: str, model: torch.nn.Module, optim: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The job's optimizer state (FQN keyed) and parameters, gathered whole."""
     if job == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True)
         return get_optimizer_state_dict(model, optim, options=options), get_model_state_dict(model, options=options)
@@ -192,7 +209,10 @@ def _full_state(job: str, model: torch.nn.Module, optim: torch.optim.Optimizer) 
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with warnings.catch_warnings(), FSDP.state_dict_type(
-            model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(offload_to_cpu=False)  # offloading on CPU overwrites exp_avg
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(),
+            FullOptimStateDictConfig(offload_to_cpu=False),  # offloading on CPU overwrites exp_avg
         ):
             warnings.simplefilter("ignore")
             return FSDP.optim_state_dict(model, optim), model.state_dict()
@@ -223,16 +243,26 @@ def _resume(cases: list[str], root: str) -> dict[str, list[str]]:
         optim = getattr(torch.optim, optimizer)(model.parameters(), lr=1.0)  # any lr: loading sets the checkpoint's
         _load(job, model, optim, Path(root) / case)
         groups = optim.param_groups
-        problems[case] = [] if groups[0]["lr"] == 1e-3 else [f"lr is {groups[0]['lr']} after loading, the source's is 0.001"]
+        problems[case] = (
+            [] if groups[0]["lr"] == 1e-3 else [f"lr is {groups[0]['lr']} after loading, the source's is 0.001"]
+        )
         if optimizer == "AdamW" and not (groups[0]["decoupled_weight_decay"] and groups[0]["weight_decay"] == 0.1):
             problems[case].append(f"the loaded param groups are not AdamW's: {groups[0]}")
         userlm.steps(model, optim, userlm.batches(100, RESUME_STEPS))
         state, params = _full_state(job, model, optim)
-        problems[case] += _differences(state, params, *_reference(optimizer, Path(root) / f"{optimizer}.pt"), Path(root) / f"{optimizer}.pt")
+        problems[case] += _differences(
+            state, params, *_reference(optimizer, Path(root) / f"{optimizer}.pt"), Path(root) / f"{optimizer}.pt"
+        )
     return problems
 
 
-def _differences(state: dict[str, Any], params: dict[str, torch.Tensor], ref_state: dict[str, Any], ref_params: dict[str, torch.Tensor], source: Path) -> list[str]:
+def _differences(
+    state: dict[str, Any],
+    params: dict[str, torch.Tensor],
+    ref_state: dict[str, Any],
+    ref_params: dict[str, torch.Tensor],
+    source: Path,
+) -> list[str]:
     source_state = torch.load(source, weights_only=True)["state"]
     out = []
     for fqn, want in ref_state["state"].items():
@@ -242,13 +272,22 @@ def _differences(state: dict[str, Any], params: dict[str, torch.Tensor], ref_sta
             continue
         expected_step = float(source_state[fqn]["step"]) + RESUME_STEPS
         if float(got["step"]) != expected_step or float(want["step"]) != expected_step:
-            out.append(f"{fqn}: step {float(got['step'])} after {RESUME_STEPS} steps from {float(source_state[fqn]['step'])}, expected {expected_step}")
-        for name in ("exp_avg", "exp_avg_sq"):  # averaging identical gradients over 3 ranks rounds: to within 1e-4 of the largest element
+            out.append(
+                f"{fqn}: step {float(got['step'])} after {RESUME_STEPS} steps from {float(source_state[fqn]['step'])},"
+                f" expected {expected_step}"
+            )
+        # averaging identical gradients over 3 ranks rounds: to within 1e-4 of the largest element
+        for name in ("exp_avg", "exp_avg_sq"):
             if not torch.allclose(got[name], want[name], rtol=1e-4, atol=1e-4 * float(want[name].abs().max())):
-                out.append(f"{fqn}.{name}: differs from the unwrapped reference by {float((got[name] - want[name]).abs().max())}")
+                out.append(
+                    f"{fqn}.{name}: differs from the unwrapped reference by"
+                    f" {float((got[name] - want[name]).abs().max())}"
+                )
     for fqn, want in ref_params.items():
         if not torch.allclose(params[fqn], want, rtol=1e-5, atol=1e-7):
-            out.append(f"parameter {fqn}: differs from the unwrapped reference by {float((params[fqn] - want).abs().max())}")
+            out.append(
+                f"parameter {fqn}: differs from the unwrapped reference by {float((params[fqn] - want).abs().max())}"
+            )
     return out
 
 
@@ -272,54 +311,89 @@ def test_the_resuming_job_trains_as_it_would_have_from_the_source(converted: Pat
 
 
 @pytest.mark.parametrize("mode", ["online", "offline"])
-def test_resume_fails_naming_the_parameter_and_both_step_values_when_the_output_shares_a_step(mode: str, converted: Path, tmp_path: Path) -> None:
-    """With the copy undone (tests/support/faults/sitecustomize.py), the output shares the source's step tensors; resume must say so."""
+def test_resume_fails_naming_the_parameter_and_both_step_values_when_the_output_shares_a_step(
+    mode: str, converted: Path, tmp_path: Path
+) -> None:
+    """With the copy undone (tests/support/faults/sitecustomize.py), the output shares the source's step tensors; resume
+    must say so."""
     env = user_env()
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS / "faults"), env["PYTHONPATH"]])
     env["OSDPIPE_TEST_SHARE_SCALARS"] = "1"
-    args = ["model.factory=userlm:build", f"input.path={converted / 'Adam.pt'}", "target.kind=fsdp2", "target.world_size=2", f"runtime.mode={mode}"]
+    args = [
+        "model.factory=userlm:build", f"input.path={converted / 'Adam.pt'}",
+        "target.kind=fsdp2", "target.world_size=2", f"runtime.mode={mode}",
+    ]
     [result] = run_cli_cases([[*args, f"output.path={tmp_path / 'out'}"]], cwd=tmp_path, per_case_s=TIMEOUT_S, env=env)
     assert result["code"] == 1, result
     line = result["stderr"]
     assert "check resume: rank 0: " in line, line
     # A parameter by name, the step it reached, the source's, and the one a resuming job has.
-    found = re.search(r"(embed\.weight|blocks\.\d\.\w+\.weight): step is (\d+\.0) after 2 step\(s\) from the source's 3\.0; a job resuming from the source has 5\.0", line)
+    found = re.search(
+        r"(embed\.weight|blocks\.\d\.\w+\.weight): step is (\d+\.0) after 2 step\(s\) from the source's 3\.0; "
+        r"a job resuming from the source has 5\.0",
+        line,
+    )
     assert found and found.group(2) != "5.0", line
     assert "share memory" in line, line
     assert not (tmp_path / "out" / "rank_0.pt").exists(), "a conversion that failed resume is not written"
     # report.json's error is the line the command printed
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert line == f"osdpipe: error: {report['error']} (report: {tmp_path / 'out' / 'report.json'})\n", (line, report["error"])
+    assert line == f"osdpipe: error: {report['error']} (report: {tmp_path / 'out' / 'report.json'})\n", (
+        line, report["error"]
+    )
 
 
 def test_an_optimizer_not_known_to_be_elementwise_is_stepped_whole_or_said_skipped(tmp_path: Path) -> None:
-    """A user's own optimizer (tests/support/useroptim.py): its reference steps the whole model, so it runs under full_state_checks_max
-    only, unless its class says it is elementwise; pipeline.resume_steps sets how many steps."""
+    """A user's own optimizer (tests/support/useroptim.py): its reference steps the whole model, so it runs under
+    full_state_checks_max only, unless its class says it is elementwise; pipeline.resume_steps sets how many steps."""
     base = ["optim.kwargs.beta=0.8", "target.world_size=3"]
     cases = [
         [*base, "optim.name=useroptim:SignMomentum", "pipeline.resume_steps=3", f"output.path={tmp_path / 'whole'}"],
-        [*base, "optim.name=useroptim:SignMomentum", "pipeline.full_state_checks_max=1KB", f"output.path={tmp_path / 'over'}"],
-        [*base, "optim.name=useroptim:ElementwiseSignMomentum", "pipeline.full_state_checks_max=1KB", f"output.path={tmp_path / 'says'}"],
+        [
+            *base, "optim.name=useroptim:SignMomentum", "pipeline.full_state_checks_max=1KB",
+            f"output.path={tmp_path / 'over'}",
+        ],
+        [
+            *base, "optim.name=useroptim:ElementwiseSignMomentum", "pipeline.full_state_checks_max=1KB",
+            f"output.path={tmp_path / 'says'}",
+        ],
     ]
     whole, over, says = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
-    assert whole["code"] == 0 and "check resume     pass  storage: no two state tensors share memory; steps: the fsdp1 target job loaded it and took 3 step(s)" in whole["stdout"], whole
-    assert says["code"] == 0 and "took 2 step(s)" in says["stdout"] and "storage part only" not in says["stderr"], says  # osdpipe_elementwise = True
+    assert whole["code"] == 0 and (
+        "check resume     pass  storage: no two state tensors share memory; "
+        "steps: the fsdp1 target job loaded it and took 3 step(s)"
+    ) in whole["stdout"], whole
+    # osdpipe_elementwise = True
+    assert says["code"] == 0 and "took 2 step(s)" in says["stdout"] and "storage part only" not in says["stderr"], says
     assert over["code"] == 0, over["stderr"]
-    said = "its steps need a reference over the whole model for SignMomentum, which osdpipe does not know to be elementwise"
-    assert f"osdpipe: warning: verify's resume check ran its storage part only: {said}" in over["stderr"], over["stderr"]
-    resume = next(c for c in json.loads((tmp_path / "over" / "report.json").read_text())["checks"] if c["name"] == "resume")
-    assert resume["ok"] and "steps not run: they need a reference over the whole model for SignMomentum" in resume["detail"], resume
+    said = (
+        "its steps need a reference over the whole model for SignMomentum,"
+        " which osdpipe does not know to be elementwise"
+    )
+    assert f"osdpipe: warning: verify's resume check ran its storage part only: {said}" in over["stderr"], (
+        over["stderr"]
+    )
+    resume = next(
+        c for c in json.loads((tmp_path / "over" / "report.json").read_text())["checks"] if c["name"] == "resume"
+    )
+    assert (
+        resume["ok"]
+        and "steps not run: they need a reference over the whole model for SignMomentum" in resume["detail"]
+    ), resume
 
 
 def test_resume_steps_a_batch_whose_tensors_hold_no_element_on_the_rank(tmp_path: Path) -> None:
-    """Under runtime.memory_budget the steps run a batch at a time; a batch of tensors that are all empty on this rank (usermodel's
-    small parameters, use_orig_params on 2 ranks) compares nothing, where it used to build an optimizer of no tensors and fail."""
+    """Under runtime.memory_budget the steps run a batch at a time; a batch of tensors that are all empty on this rank
+    (usermodel's small parameters, use_orig_params on 2 ranks) compares nothing, where it used to build an optimizer of
+    no tensors and fail."""
     import usermodel
 
     source = usermodel.save_stepped(tmp_path / "optim.pt", dim=30)
-    args = ["model.factory=usermodel:make", "model.kwargs.dim=30", f"input.path={source}", "input.format=fsdp_full", "source.world_size=1",
-            "target.world_size=2", "target.use_orig_params=true", "runtime.mode=offline", "pipeline.checks=[resume]"]  # fmt: skip
-    budget, whole = run_cli_cases([[*args, "runtime.memory_budget=4KB", f"output.path={tmp_path / 'budget'}"], [*args, f"output.path={tmp_path / 'whole'}"]],
+    args = ["model.factory=usermodel:make", "model.kwargs.dim=30", f"input.path={source}",
+            "input.format=fsdp_full", "source.world_size=1", "target.world_size=2", "target.use_orig_params=true",
+            "runtime.mode=offline", "pipeline.checks=[resume]"]  # fmt: skip
+    budget, whole = run_cli_cases([[*args, "runtime.memory_budget=4KB", f"output.path={tmp_path / 'budget'}"],
+                                   [*args, f"output.path={tmp_path / 'whole'}"]],
                                   cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())  # fmt: skip
     for result in (budget, whole):
         assert result["code"] == 0 and "check resume     pass" in result["stdout"], result["stderr"]

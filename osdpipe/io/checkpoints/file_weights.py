@@ -1,4 +1,5 @@
-"""A whole checkpoint's model weights in one ``torch.save`` file of the full state dict (accelerate's FULL_STATE_DICT ``pytorch_model_fsdp.bin``)."""
+"""A whole checkpoint's model weights in one ``torch.save`` file of the full state dict
+(accelerate's FULL_STATE_DICT ``pytorch_model_fsdp.bin``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from osdpipe.layout.tree import ModuleTree
 
 
 class FileWeights:
-    """The file's full state dict, memory-mapped (read as data nobody vouches for): each parameter's weights a range of its mapping.
+    """The file's full state dict, memory-mapped (read as data nobody vouches for):
+    each parameter's weights a range of its mapping.
 
     Raises:
         InputError: from the constructor, for a file that is damaged or not a model's state dict (name -> tensor).
@@ -23,7 +25,9 @@ class FileWeights:
         self.path, self.tree = path, tree
         state = load_torch_file(path)
         if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
-            raise InputError(f"{path} holds no model state dict (names to tensors); is it the model part of the checkpoint?")
+            raise InputError(
+                f"{path} holds no model state dict (names to tensors); is it the model part of the checkpoint?"
+            )
         self.state: dict[str, torch.Tensor] = state
         self._names: dict[str, str] | None = None
 

@@ -1,4 +1,5 @@
-"""The default: the input is an optimizer's state alone, in ``input.format`` (under ``input.key`` for ``dcp``), converted as it always was.
+"""The default: the input is an optimizer's state alone,
+in ``input.format`` (under ``input.key`` for ``dcp``), converted as it always was.
 
 It converts no model and carries nothing over; ``osdpipe inspect`` never
 takes a checkpoint for one of these, since every optimizer checkpoint is.

@@ -1,4 +1,5 @@
-"""Writing a whole checkpoint: each target rank's model, optimizer and the entries carried over, as its layout lays them out.
+"""Writing a whole checkpoint: each target rank's model,
+optimizer and the entries carried over, as its layout lays them out.
 
 A layout (:mod:`osdpipe.io.checkpoints.torchtitan`, :mod:`osdpipe.io.checkpoints.accelerate`)
 says *where* each part goes; this module does the writing they share:
@@ -48,7 +49,8 @@ from osdpipe.layout.tree import ModuleTree
 
 
 def read_carried(checkpoint: Any, carrying: Carrying) -> CarriedData:
-    """Read what ``carrying`` names from the DCP checkpoint ``checkpoint`` (:class:`~osdpipe.io.formats.dcp_reader.DcpCheckpoint`), unpickling nothing it can copy."""
+    """Read what ``carrying`` names from the DCP checkpoint ``checkpoint``
+    (:class:`~osdpipe.io.formats.dcp_reader.DcpCheckpoint`), unpickling nothing it can copy."""
     data = CarriedData()
     for flat in carrying.items:
         if flat in carrying.item_tensors:
@@ -83,7 +85,8 @@ class RankParts:
 
 
 def carried_values(carrying: Carrying, data: CarriedData) -> dict[str, Any]:
-    """Every carried item as its value, nested as the checkpoint saved it: what a ``rank_local`` file holds besides the model and the optimizer.
+    """Every carried item as its value, nested as the checkpoint saved it:
+    what a ``rank_local`` file holds besides the model and the optimizer.
 
     Raises:
         InputError: an item holds objects ``torch.load(weights_only=True)`` refuses (a rank file must load so); its
@@ -101,32 +104,41 @@ def carried_values(carrying: Carrying, data: CarriedData) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - said in one line below
                 raise InputError(
                     f"{carrying.source}: the entry {flat} holds objects torch.load(weights_only=True) refuses "
-                    f"({str(exc).strip().splitlines()[0][:120]}); a rank file must load so: set output.format=dcp, which carries it as stored"
+                    f"({str(exc).strip().splitlines()[0][:120]}); "
+                    "a rank file must load so: set output.format=dcp, which carries it as stored"
                 ) from None
         set_element(out, carrying.written_path(path), value)
     return out
 
 
 def rank_parts(keyed: Any, writer: Any) -> RankParts:
-    """What one target rank writes of a whole checkpoint laid out as ``writer`` (:class:`~osdpipe.io.checkpoints.base.CheckpointLayout`)
-    lays it out, from its keyed product (:class:`osdpipe.run.products.Keyed`)."""
+    """What one target rank writes of a whole checkpoint laid out as ``writer``
+    (:class:`~osdpipe.io.checkpoints.base.CheckpointLayout`) lays it out, from its keyed product
+    (:class:`osdpipe.run.products.Keyed`)."""
     meta = keyed.source.meta
-    return RankParts(keyed.state_dict, keyed.weights or {}, meta.buffers, writer.adopt(meta.carried.carrying), meta.carried.carried)
+    return RankParts(
+        keyed.state_dict, keyed.weights or {}, meta.buffers, writer.adopt(meta.carried.carrying), meta.carried.carried
+    )
 
 
 def rank_file_content(parts: RankParts, tree: ModuleTree) -> dict[str, Any]:
-    """What a whole checkpoint's ``rank_<r>.pt`` holds: model (``model.state_dict()`` as local tensors), optimizer and every carried entry."""
+    """What a whole checkpoint's ``rank_<r>.pt`` holds:
+    model (``model.state_dict()`` as local tensors), optimizer and every carried entry."""
     whole = {MODEL_PART: model_state_dict(parts.weights, parts.buffers, tree), OPTIMIZER_PART: parts.optimizer}
     for name, value in carried_values(parts.carrying, parts.carried).items():
         if name in whole:
-            raise InputError(f"{parts.carrying.source}: an entry of its own is called {name!r}, which a rank file keeps the {name} in; rename it")
+            raise InputError(
+                f"{parts.carrying.source}: an entry of its own is called {name!r}, "
+                f"which a rank file keeps the {name} in; rename it"
+            )
         whole[name] = value
     return whole
 
 
 def carried_file_name(carrying: Carrying) -> str | None:
-    """The file a layout with no place for another framework's entries keeps them in (``<framework>.pt``, beside the output's
-    own files), where the carried items are another framework's (:attr:`Carrying.under`); ``None``: they are not."""
+    """The file a layout with no place for another framework's entries keeps them in (``<framework>.pt``,
+    beside the output's own files), where the carried items are another framework's (:attr:`Carrying.under`);
+    ``None``: they are not."""
     return None if carrying.under is None or not carrying.items else f"{carrying.under}.pt"
 
 
@@ -137,7 +149,8 @@ def carried_file_content(parts: RankParts) -> dict[str, Any]:
 
 def write_rank_file(parts: RankParts, staging: Path, rank: int, tree: ModuleTree) -> RankFiles:
     """Target rank ``rank``'s ``rank_<r>.pt`` of a whole checkpoint (:func:`rank_file_content`)."""
-    return write_torch_file(rank_file_content(parts, tree), staging / rank_file_name(rank))  # its digests: osdpipe.io.digest.tensor_digests
+    # its digests: osdpipe.io.digest.tensor_digests
+    return write_torch_file(rank_file_content(parts, tree), staging / rank_file_name(rank))
 
 
 def rank_file_differences(directory: Path, parts: RankParts, rank: int, tree: ModuleTree) -> list[str]:
@@ -146,7 +159,8 @@ def rank_file_differences(directory: Path, parts: RankParts, rank: int, tree: Mo
 
 
 def full_file_differences(directory: Path, wanted: dict[str, Any]) -> list[str]:
-    """Where each file under ``directory`` differs from what it should hold (``wanted``: file name -> content), bitwise."""
+    """Where each file under ``directory`` differs from what it should hold
+    (``wanted``: file name -> content), bitwise."""
     problems = []
     for name, content in wanted.items():
         path = directory / name
@@ -159,14 +173,16 @@ def full_file_differences(directory: Path, wanted: dict[str, Any]) -> list[str]:
 
 
 def model_digests(pieces: dict[str, Any], where: str, known: dict[int, str] | None = None) -> dict[str, str]:
-    """sha256 of every model tensor this rank wrote (:func:`model_pieces`), keyed ``<file>:model.<name>``: for partial checks, beside
-    the optimizer's (``known``: see :func:`osdpipe.io.digest.tensor_sha256`). A key written as several blocks of rows has one per block, ``<name>@<first row>``."""
+    """sha256 of every model tensor this rank wrote (:func:`model_pieces`), keyed ``<file>:model.<name>``: for partial
+    checks, beside the optimizer's (``known``: see :func:`osdpipe.io.digest.tensor_sha256`). A key written as several
+    blocks of rows has one per block, ``<name>@<first row>``."""
     out = {}
     for name, value in pieces.items():
         if isinstance(value, dcp_writer.RowShard):
             assert value.local is not None
             for (first, _), block in zip(value.blocks, value.local):
-                out[f"{where}:model.{name}" if len(value.blocks) == 1 else f"{where}:model.{name}@{first}"] = tensor_sha256(block, known)
+                label = f"{where}:model.{name}" if len(value.blocks) == 1 else f"{where}:model.{name}@{first}"
+                out[label] = tensor_sha256(block, known)
         else:
             out[f"{where}:model.{name}"] = tensor_sha256(value, known)
     return out
@@ -176,9 +192,9 @@ def model_digests(pieces: dict[str, Any], where: str, known: dict[int, str] | No
 
 
 def model_pieces(parts: RankParts | None, tree: ModuleTree, world_size: int, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s ``model.state_dict()`` as DCP is to save it: each parameter's weights as its dim-0 rows (every name of a
-    tied weight), each key a state-dict hook makes of parameters' rows as the blocks of it that are this rank's rows, each
-    buffer whole. ``parts`` are this rank's own (``None``: only the plan is needed)."""
+    """Rank ``rank``'s ``model.state_dict()`` as DCP is to save it: each parameter's weights as its dim-0 rows (every
+    name of a tied weight), each key a state-dict hook makes of parameters' rows as the blocks of it that are this
+    rank's rows, each buffer whole. ``parts`` are this rank's own (``None``: only the plan is needed)."""
     out: dict[str, Any] = {}
     for name in tree.state_names:
         param, key = tree.resolve(name), tree.key_map(name)
@@ -187,18 +203,27 @@ def model_pieces(parts: RankParts | None, tree: ModuleTree, world_size: int, ran
             if param.shape:
                 out[name] = dcp_writer.row_shard(param.shape, getattr(torch, param.dtype), world_size, rank, local)
             else:  # a 0-dim parameter: whole on every rank, kept by one
-                out[name] = local if local is not None else torch.empty((), dtype=getattr(torch, param.dtype), device="meta")
+                out[name] = (
+                    local if local is not None else torch.empty((), dtype=getattr(torch, param.dtype), device="meta")
+                )
         elif key is not None:
             out[name] = _key_blocks(key, None if parts is None else parts.weights, tree, world_size, rank)
         else:
             buffer = tree.resolve_buffer(name)
             assert buffer is not None, f"{name} is neither a parameter nor a buffer of the model's tree"
-            out[name] = parts.buffers[buffer.fqn] if parts is not None else torch.empty(buffer.shape, dtype=getattr(torch, buffer.dtype), device="meta")
+            out[name] = (
+                parts.buffers[buffer.fqn]
+                if parts is not None
+                else torch.empty(buffer.shape, dtype=getattr(torch, buffer.dtype), device="meta")
+            )
     return out
 
 
-def _key_blocks(key: KeyMap, weights: dict[str, torch.Tensor] | None, tree: ModuleTree, world_size: int, rank: int) -> dcp_writer.RowShard:
-    """The blocks of ``key``'s rows that are rank ``rank``'s dim-0 rows of the parameters it is made of (``weights``: the rank's, ``None`` for the plan)."""
+def _key_blocks(
+    key: KeyMap, weights: dict[str, torch.Tensor] | None, tree: ModuleTree, world_size: int, rank: int
+) -> dcp_writer.RowShard:
+    """The blocks of ``key``'s rows that are rank ``rank``'s dim-0 rows of the parameters it is made of
+    (``weights``: the rank's, ``None`` for the plan)."""
     blocks: list[tuple[int, int, torch.Tensor | None]] = []
     for fqn in dict.fromkeys(run.param for run in key.runs):
         first, last, _ = chunk_bounds(rows_of(tree.param(fqn).shape), world_size, rank)
@@ -210,7 +235,8 @@ def _key_blocks(key: KeyMap, weights: dict[str, torch.Tensor] | None, tree: Modu
 
 
 def flattened(optimizer: dict[str, Any]) -> dict[str, Any]:
-    """An FQN-keyed optimizer state dict as ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` gives it.
+    """An FQN-keyed optimizer state dict as
+    ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` gives it.
 
     ``state.<fqn>.<name>`` for each state, ``param_groups.<fqn>.<hyperparameter>``
     for each parameter of each group (the ``params`` list itself is not kept).
@@ -228,12 +254,17 @@ def flattened(optimizer: dict[str, Any]) -> dict[str, Any]:
 
 
 def carried_state(carrying: Carrying, data: CarriedData | None) -> dict[str, Any]:
-    """The carried items nested as the source saved them, each as it is stored there (``data`` ``None``: only the plan is needed)."""
+    """The carried items nested as the source saved them,
+    each as it is stored there (``data`` ``None``: only the plan is needed)."""
     out: dict[str, Any] = {}
     for flat, path in zip(carrying.items, carrying.item_paths):
         if flat in carrying.item_tensors:
             shape, dtype = carrying.item_tensors[flat]
-            value = data.tensors[flat] if data is not None else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            value = (
+                data.tensors[flat]
+                if data is not None
+                else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            )
         elif data is not None and flat in data.values:
             value = data.values[flat]
         else:
@@ -243,9 +274,15 @@ def carried_state(carrying: Carrying, data: CarriedData | None) -> dict[str, Any
 
 
 def write_dcp(
-    directory: Path, name: str, state_of: Callable[[int, bool], dict[str, Any]], rank: int, world_size: int, shared: dict[str, Any]
+    directory: Path,
+    name: str,
+    state_of: Callable[[int, bool], dict[str, Any]],
+    rank: int,
+    world_size: int,
+    shared: dict[str, Any],
 ) -> tuple[list[Any], dict[str, str], dict[int, str]]:
-    """Write rank ``rank``'s items of the DCP checkpoint ``directory / name``, whose rank ``r`` saves ``state_of(r, local)``.
+    """Write rank ``rank``'s items of the DCP checkpoint ``directory / name``,
+    whose rank ``r`` saves ``state_of(r, local)``.
 
     The global plan is made once per process (``shared``), from every rank's
     plan (``local=False``: shapes, no bytes). Returns this rank's write
@@ -261,14 +298,19 @@ def write_dcp(
 
 
 def finish_dcp(directory: Path, name: str, shared: dict[str, Any], results: list[list[Any]]) -> dict[str, str]:
-    """Write ``directory / name``'s ``.metadata`` once every rank has written (``results``: each rank's, in rank order)."""
+    """Write ``directory / name``'s ``.metadata`` once every rank has written
+    (``results``: each rank's, in rank order)."""
     return {f"{name}/.metadata": dcp_writer.finish(directory / name, shared[("dcp plan", name)], results)}
 
 
-def model_differences(checkpoint: Any, key: str | None, parts: RankParts, tree: ModuleTree, world_size: int, rank: int) -> list[str]:
-    """Where rank ``rank``'s rows of the model items of a DCP checkpoint (at the top level, or under ``key``) differ from its pieces, bitwise.
+def model_differences(
+    checkpoint: Any, key: str | None, parts: RankParts, tree: ModuleTree, world_size: int, rank: int
+) -> list[str]:
+    """Where rank ``rank``'s rows of the model items of a DCP checkpoint
+    (at the top level, or under ``key``) differ from its pieces, bitwise.
 
-    Parameters and hook-made keys by the blocks of rows the rank wrote; buffers (and 0-dim parameters), which one rank keeps, on rank 0.
+    Parameters and hook-made keys by the blocks of rows the rank wrote;
+    buffers (and 0-dim parameters), which one rank keeps, on rank 0.
     """
     problems = []
     for name, want in model_pieces(parts, tree, world_size, rank).items():
@@ -282,15 +324,27 @@ def model_differences(checkpoint: Any, key: str | None, parts: RankParts, tree: 
             for (first, rows), block in zip(want.blocks, want.local):
                 if rows:
                     got = checkpoint.read_range(flat, first * width, (first + rows) * width)
-                    problems += [f"{checkpoint.path}: {p}" for p in diff(got, block.reshape(-1), path=f"{flat} (rows from {first})", limit=1)]
+                    problems += [
+                        f"{checkpoint.path}: {p}"
+                        for p in diff(got, block.reshape(-1), path=f"{flat} (rows from {first})", limit=1)
+                    ]
         elif rank == 0:
             problems += [f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_item(flat), want, path=flat, limit=1)]
     return problems
 
 
-def one_dcp_differences(directory: Path, parts: RankParts, rank: int, world_size: int, tree: ModuleTree, opened: dict[str, Any], optimizer_key: str) -> list[str]:
-    """Where target rank ``rank``'s part of a whole checkpoint laid out as one DCP directory (``parts.carrying.folder``: the model under
-    ``parts.carrying.model_key``, the optimizer under ``optimizer_key``, the carried items beside) differs from ``parts``, bitwise.
+def one_dcp_differences(
+    directory: Path,
+    parts: RankParts,
+    rank: int,
+    world_size: int,
+    tree: ModuleTree,
+    opened: dict[str, Any],
+    optimizer_key: str,
+) -> list[str]:
+    """Where target rank ``rank``'s part of a whole checkpoint laid out as one DCP directory (``parts.carrying.folder``:
+    the model under ``parts.carrying.model_key``, the optimizer under ``optimizer_key``, the carried items beside)
+    differs from ``parts``, bitwise.
 
     torchtitan's step folder and PyTorch's ``{"model", "optim"}`` are both such a directory. ``opened`` keeps the
     checkpoint (metadata read, structure checked) across ranks.
@@ -306,7 +360,9 @@ def one_dcp_differences(directory: Path, parts: RankParts, rank: int, world_size
     checkpoint = opened["checkpoint"]
     problems = model_differences(checkpoint, parts.carrying.model_key, parts, tree, world_size, rank)
     if parts.carrying.optimizer:
-        problems += optimizer_differences(opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank)
+        problems += optimizer_differences(
+            opened["optimizer"], opened["optimizer meta"], parts.optimizer, tree=tree, world_size=world_size, rank=rank
+        )
     elif any(p[0] == optimizer_key for p in checkpoint.paths.values()):
         problems.append(f"{checkpoint.path}: holds optimizer state, but the model-only source has none")
     if rank == 0:
@@ -315,7 +371,8 @@ def one_dcp_differences(directory: Path, parts: RankParts, rank: int, world_size
 
 
 def carried_differences(checkpoint: Any, carrying: Carrying, data: CarriedData) -> list[str]:
-    """Where a DCP checkpoint's carried items differ from the source's: the same stored bytes, or the same value (tensors)."""
+    """Where a DCP checkpoint's carried items differ from the source's:
+    the same stored bytes, or the same value (tensors)."""
     problems = []
     for flat in carrying.items:
         written = carrying.written_flat(flat)
@@ -326,7 +383,9 @@ def carried_differences(checkpoint: Any, carrying: Carrying, data: CarriedData) 
                 problems.append(f"{checkpoint.path}: the carried entry {written} is not stored as the source stores it")
         else:
             want = data.tensors.get(flat, data.values.get(flat))
-            problems += [f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_item(written), want, path=written, limit=1)]
+            problems += [
+                f"{checkpoint.path}: {p}" for p in diff(checkpoint.read_item(written), want, path=written, limit=1)
+            ]
     return problems
 
 
@@ -343,7 +402,8 @@ def file_differences(directory: Path, carrying: Carrying) -> list[str]:
 
 
 def optimizer_digests(optimizer: dict[str, Any], where: str, known: dict[int, str] | None = None) -> dict[str, str]:
-    """sha256 of every optimizer state tensor's bytes, keyed ``<file>:<param key>.<state name>``: for partial checks, beside the model's."""
+    """sha256 of every optimizer state tensor's bytes, keyed ``<file>:<param key>.<state name>``:
+    for partial checks, beside the model's."""
     return {f"{where}:{k}": v for k, v in tensor_digests(optimizer, known).items()}
 
 
@@ -351,7 +411,8 @@ def optimizer_digests(optimizer: dict[str, Any], where: str, known: dict[int, st
 
 
 def copy_files(carrying: Carrying, staging: Path, under: str = "") -> dict[str, str]:
-    """Copy every carried file into ``staging / under`` byte for byte; their sha256 by path under ``staging``, taken as they are copied."""
+    """Copy every carried file into ``staging / under`` byte for byte;
+    their sha256 by path under ``staging``, taken as they are copied."""
     out = {}
     for rel in carrying.files:
         target = staging / under / rel
@@ -369,7 +430,12 @@ def copy_files(carrying: Carrying, staging: Path, under: str = "") -> dict[str, 
 
 
 def export_safetensors(
-    reader: Any, meta: Any, tree: ModuleTree, directory: Path, max_shard_size: int | None, to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    reader: Any,
+    meta: Any,
+    tree: ModuleTree,
+    directory: Path,
+    max_shard_size: int | None,
+    to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, str]:
     """The model's full weights as safetensors files (:mod:`osdpipe.io.safetensors_out`), into ``directory``.
 
@@ -403,11 +469,23 @@ def export_safetensors(
         if param is not None:
             if name != param.fqn:
                 continue  # a tied weight is stored once, under its first name
-            add(name, param.shape, getattr(torch, param.dtype), lambda p=param: reader.read_range(p.fqn, WEIGHTS, 0, p.numel).reshape(p.shape))
+            add(
+                name,
+                param.shape,
+                getattr(torch, param.dtype),
+                lambda p=param: reader.read_range(p.fqn, WEIGHTS, 0, p.numel).reshape(p.shape),
+            )
         elif key is not None:  # rows of parameters, as the model's own state_dict() makes the key
             made_of = {r.param for r in key.runs}
-            add(name, key.shape, getattr(torch, key.dtype),
-                lambda k=key, m=made_of: gather(k, {f: reader.read_range(f, WEIGHTS, 0, tree.param(f).numel).reshape(tree.param(f).shape) for f in m}))
+            add(
+                name,
+                key.shape,
+                getattr(torch, key.dtype),
+                lambda k=key, m=made_of: gather(
+                    k,
+                    {f: reader.read_range(f, WEIGHTS, 0, tree.param(f).numel).reshape(tree.param(f).shape) for f in m},
+                ),
+            )
         elif name in meta.buffers:
             buffer = meta.buffers[name]
             add(name, tuple(buffer.shape), buffer.dtype, lambda b=buffer: b)

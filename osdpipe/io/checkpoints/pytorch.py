@@ -21,7 +21,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from osdpipe.io.checkpoints.base import DCP_DIR, CarriedData, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
+from osdpipe.io.checkpoints.base import (
+    DCP_DIR,
+    CarriedData,
+    Carrying,
+    CheckpointLayout,
+    Entry,
+    Part,
+    WholeCheckpoint,
+    register,
+)
 from osdpipe.io.checkpoints.dcp_entries import carried_items, dcp_items, is_dcp
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
@@ -34,19 +43,23 @@ MODEL, OPTIM = "model", "optim"
 
 @register
 class Pytorch(CheckpointLayout):
-    """PyTorch's own layout, read and written; written from a checkpoint of any layout too (``output.checkpoint=pytorch``).
+    """PyTorch's own layout, read and written;
+    written from a checkpoint of any layout too (``output.checkpoint=pytorch``).
 
-    Written: each rank's own file (``rank_local``; ``plain``: the one process's ``rank_0.pt``, what a plain job ``torch.save``s), or one DCP directory of
-    ``model`` and ``optim``, every carried item beside them at the top level
+    Written: each rank's own file (``rank_local``; ``plain``: the one process's ``rank_0.pt``, what a plain job
+    ``torch.save``s), or one DCP directory of ``model`` and ``optim``, every carried item beside them at the top level
     and every carried file (accelerate's ``scheduler.bin``...) beside ``dcp/``.
     """
 
     name = "pytorch"
-    looks_like = "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
+    looks_like = (
+        "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
+    )
     output_formats = ("dcp", "rank_local", "plain")
 
     def recognizes(self, path: Path) -> bool:
-        """A DCP directory with tensors nested under ``model`` and nothing of torchtitan's (its v0.1 nests the model there too)."""
+        """A DCP directory with tensors nested under ``model`` and nothing of torchtitan's
+        (its v0.1 nests the model there too)."""
         if not is_dcp(path):
             return False
         tops = {i.path[0] for i in dcp_items(path) if len(i.path) > 1}
@@ -57,27 +70,46 @@ class Pytorch(CheckpointLayout):
         where = f"{path.name}/ (DCP)"
         groups: dict[str, list] = defaultdict(list)
         for item in items:
-            groups[f"{MODEL}.{item.path[1]}" if item.path[0] == MODEL and len(item.path) > 1 else str(item.path[0])].append(item)
+            name = f"{MODEL}.{item.path[1]}" if item.path[0] == MODEL and len(item.path) > 1 else str(item.path[0])
+            groups[name].append(item)
         part = {OPTIM: "optimizer"}
         entries = tuple(
-            Entry(name, "model" if name.startswith(f"{MODEL}.") else part.get(name, "other"), where, sum(i.size for i in members), sum(i.tensor for i in members))
+            Entry(
+                name,
+                "model" if name.startswith(f"{MODEL}.") else part.get(name, "other"),
+                where,
+                sum(i.size for i in members),
+                sum(i.tensor for i in members),
+            )
             for name, members in groups.items()
         )
         notes = () if OPTIM in groups else ("model only: no optimizer state; it converts to a model-only checkpoint",)
-        return WholeCheckpoint(self.name, str(path), entries, str(path) if OPTIM in groups else None, OPTIM if OPTIM in groups else None, "nested", notes)
+        return WholeCheckpoint(
+            self.name,
+            str(path),
+            entries,
+            str(path) if OPTIM in groups else None,
+            OPTIM if OPTIM in groups else None,
+            "nested",
+            notes,
+        )
 
     def save(self, model: Any, optim: Any, scheduler: Any, path: Path, steps: int) -> None:
-        """``dcp.save`` of the model's and the optimizer's distributed state dicts, as a PyTorch job saves them (no scheduler: the layout has none)."""
+        """``dcp.save`` of the model's and the optimizer's distributed state dicts,
+        as a PyTorch job saves them (no scheduler: the layout has none)."""
         import torch.distributed.checkpoint as dcp  # DCP: only where a checkpoint is saved
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        dcp.save({MODEL: get_model_state_dict(model), OPTIM: get_optimizer_state_dict(model, optim)}, checkpoint_id=str(path))
+        dcp.save(
+            {MODEL: get_model_state_dict(model), OPTIM: get_optimizer_state_dict(model, optim)}, checkpoint_id=str(path)
+        )
 
     def optimizer_part(self, path: str, input_format: str) -> Part | None:
         return Part(path, "dcp", OPTIM) if any(i.path[0] == OPTIM for i in dcp_items(Path(path))) else None
 
     def _model(self, path: str, tree: ModuleTree) -> Any:
-        from osdpipe.io.checkpoints.dcp_weights import DcpWeights  # torch.distributed.checkpoint: only where a DCP checkpoint is read
+        # torch.distributed.checkpoint: only where a DCP checkpoint is read
+        from osdpipe.io.checkpoints.dcp_weights import DcpWeights
         from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
         return DcpWeights(DcpCheckpoint(path, None), MODEL, tree)
@@ -90,10 +122,12 @@ class Pytorch(CheckpointLayout):
         model = self._model(path, tree)
         items, planned, tensors = carried_items(model.checkpoint, set(model.items.values()), (OPTIM,))
         has_optimizer = any(p[0] == OPTIM for p in model.checkpoint.paths.values())
-        return Carrying(path, items, planned, tensors, (), self.read(Path(path)).entries, MODEL, DCP_DIR, has_optimizer, layout=self.name)
+        entries = self.read(Path(path)).entries
+        return Carrying(path, items, planned, tensors, (), entries, MODEL, DCP_DIR, has_optimizer, layout=self.name)
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
-        from osdpipe.io.checkpoints.output import read_carried  # torch.distributed.checkpoint: only where a whole checkpoint is read
+        # torch.distributed.checkpoint: only where a whole checkpoint is read
+        from osdpipe.io.checkpoints.output import read_carried
         from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
         return read_carried(DcpCheckpoint(carrying.source, None), carrying)
@@ -101,20 +135,37 @@ class Pytorch(CheckpointLayout):
     # ------------------------------------------------------------------ writing
 
     def adopt(self, carrying: Carrying) -> Carrying:
-        """The model under ``model`` of one DCP directory, ``dcp/``, whatever layout the input had; its carried items keep their names.
+        """The model under ``model`` of one DCP directory, ``dcp/``, whatever layout the input had;
+        its carried items keep their names.
 
         Raises:
             InputError: a carried item is named ``model`` or ``optim``, which this layout holds.
         """
-        clash = next((flat for flat, path in zip(carrying.items, carrying.item_paths) if path[0] in (MODEL, OPTIM)), None)
+        clash = next(
+            (flat for flat, path in zip(carrying.items, carrying.item_paths) if path[0] in (MODEL, OPTIM)), None
+        )
         if clash is not None:
             from osdpipe.io.formats.base import InputError  # torch: only where a conversion is written
 
-            raise InputError(f"{carrying.source}: its entry {clash} would take the place of PyTorch's {MODEL} or {OPTIM}; write the input's own layout (leave output.checkpoint out)")
+            raise InputError(
+                f"{carrying.source}: its entry {clash} would take the place of PyTorch's {MODEL} or {OPTIM}; "
+                "write the input's own layout (leave output.checkpoint out)"
+            )
         return replace(carrying, model_key=MODEL, folder=DCP_DIR)
 
-    def write(self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any], fmt: Format) -> RankFiles:
-        from osdpipe.io.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+    def write(
+        self,
+        parts: Any,
+        staging: Path,
+        rank: int,
+        *,
+        world_size: int,
+        tree: ModuleTree,
+        shared: dict[str, Any],
+        fmt: Format,
+    ) -> RankFiles:
+        # torch.distributed.checkpoint: only where a whole checkpoint is written
+        from osdpipe.io.checkpoints import output
         from osdpipe.io.formats.base import RankFiles
 
         if fmt.keyed_by_id:  # each rank's own file
@@ -131,25 +182,39 @@ class Pytorch(CheckpointLayout):
 
         results, files, storages = output.write_dcp(staging, DCP_DIR, state_of, rank, world_size, shared)
         where = next(iter(files), DCP_DIR)
-        tensors = {**output.optimizer_digests(parts.optimizer, where, storages), **output.model_digests(output.model_pieces(parts, tree, world_size, rank), where, storages)}
+        tensors = {
+            **output.optimizer_digests(parts.optimizer, where, storages),
+            **output.model_digests(output.model_pieces(parts, tree, world_size, rank), where, storages),
+        }
         return RankFiles(files, tensors, results)
 
-    def finish(self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying) -> dict[str, str]:
-        """The ``.metadata`` (``dcp``), and every carried file (accelerate's) beside the output's DCP directory or rank files."""
-        from osdpipe.io.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is written
+    def finish(
+        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying
+    ) -> dict[str, str]:
+        """The ``.metadata`` (``dcp``), and every carried file
+        (accelerate's) beside the output's DCP directory or rank files."""
+        # torch.distributed.checkpoint: only where a whole checkpoint is written
+        from osdpipe.io.checkpoints import output
 
         done = {} if fmt.keyed_by_id else output.finish_dcp(staging, DCP_DIR, shared, [r.results for r in per_rank])
         return {**done, **output.copy_files(carrying, staging)}
 
     def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
-        """As a PyTorch job loads it: ``dcp.load`` of ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}``, then each set into the job."""
+        """As a PyTorch job loads it: ``dcp.load`` of
+        ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}``, then each set into the job."""
         if fmt.keyed_by_id:  # each rank's own file
             return super().load_output(model, optim, directory, rank, fmt)
         import torch.distributed.checkpoint as dcp  # DCP: only a live job loads
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         path = directory / DCP_DIR
-        with_optimizer = any(i.path[0] == OPTIM for i in dcp_items(path))  # a model-only checkpoint loads the model alone
+        # a model-only checkpoint loads the model alone
+        with_optimizer = any(i.path[0] == OPTIM for i in dcp_items(path))
         state: dict[str, Any] = {MODEL: dict(get_model_state_dict(model))}
         if with_optimizer:
             state[OPTIM] = get_optimizer_state_dict(model, optim)
@@ -158,9 +223,19 @@ class Pytorch(CheckpointLayout):
         if with_optimizer:
             set_optimizer_state_dict(model, optim, state[OPTIM])
 
-    def differences(self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Format, opened: dict[str, Any]) -> list[str]:
-        """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer, and on rank 0 every carried item as stored;
-        on rank 0 every carried file, byte for byte."""
+    def differences(
+        self,
+        directory: Path,
+        parts: Any,
+        rank: int,
+        *,
+        world_size: int,
+        tree: ModuleTree,
+        fmt: Format,
+        opened: dict[str, Any],
+    ) -> list[str]:
+        """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer,
+        and on rank 0 every carried item as stored; on rank 0 every carried file, byte for byte."""
         from osdpipe.io.checkpoints import output  # torch.distributed.checkpoint: only where a whole checkpoint is read
 
         files = output.file_differences(directory, parts.carrying) if rank == 0 else []

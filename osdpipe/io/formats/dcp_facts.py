@@ -26,8 +26,11 @@ _DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def dcp_optimizer_keys(metadata: Any) -> list[str]:
-    """The top-level keys of a DCP checkpoint that hold an optimizer state dict (``state`` and ``param_groups`` under them)."""
-    return sorted({str(p[0]) for p in nested_paths(metadata.planner_data).values() if len(p) > 1 and p[1] == "param_groups"})
+    """The top-level keys of a DCP checkpoint that hold an optimizer state dict
+    (``state`` and ``param_groups`` under them)."""
+    return sorted(
+        {str(p[0]) for p in nested_paths(metadata.planner_data).values() if len(p) > 1 and p[1] == "param_groups"}
+    )
 
 
 def read_dcp_facts(facts: Facts, path: Path, key: str | None) -> None:
@@ -38,7 +41,12 @@ def read_dcp_facts(facts: Facts, path: Path, key: str | None) -> None:
         if len(keys) != 1:
             held = sorted({str(p[0]) for p in metadata.planner_data.values() if p})
             raise InputError(
-                f"{path}: " + (f"several top-level keys hold optimizer state ({keys}); name one with input.key" if keys else f"no top-level key holds optimizer state (it holds {held})")
+                f"{path}: "
+                + (
+                    f"several top-level keys hold optimizer state ({keys}); name one with input.key"
+                    if keys
+                    else f"no top-level key holds optimizer state (it holds {held})"
+                )
             )
         key = keys[0]
     facts.key = key
@@ -54,12 +62,18 @@ def read_dcp_facts(facts: Facts, path: Path, key: str | None) -> None:
             facts.dtypes[dtype] = facts.dtypes.get(dtype, 0) + math.prod(md.size) * md.properties.dtype.itemsize
             chunks = max(chunks, sum(1 for c in md.chunks if math.prod(c.sizes)))
     facts.state_bytes = sum(facts.dtypes.values())
-    ranks = {int(m.group(1)) for info in metadata.storage_data.values() if (m := _DCP_FILE.fullmatch(info.relative_path))}
+    ranks = {
+        int(m.group(1)) for info in metadata.storage_data.values() if (m := _DCP_FILE.fullmatch(info.relative_path))
+    }
     facts.world_size = max(ranks) + 1 if ranks else None
     facts.kind = "sharded"
     facts.notes.append(
-        "dim-0 chunks, as FSDP1's SHARDED_STATE_DICT and FSDP2 both write them (byte for byte alike; a conversion needs no more)"
+        "dim-0 chunks, as FSDP1's SHARDED_STATE_DICT and FSDP2 both write them "
+        "(byte for byte alike; a conversion needs no more)"
     )
     if facts.world_size is not None and 1 < chunks < facts.world_size and facts.world_size % chunks == 0:
         facts.shard_group_size = chunks
-        facts.notes.append(f"{facts.world_size} ranks saved it, its tensors are cut in {chunks}: replica groups of {chunks} ranks (HSDP, HYBRID_SHARD)")
+        facts.notes.append(
+            f"{facts.world_size} ranks saved it, its tensors are cut in {chunks}: "
+            f"replica groups of {chunks} ranks (HSDP, HYBRID_SHARD)"
+        )

@@ -103,7 +103,8 @@ class RowShard:
 
 @dataclass(frozen=True)
 class Stored:
-    """An item carried over from another DCP checkpoint as it is stored there: its bytes written as they are, never unpickled.
+    """An item carried over from another DCP checkpoint as it is stored there:
+    its bytes written as they are, never unpickled.
 
     DCP stores a non-tensor value as a ``torch.save`` archive of it and loads
     it back with ``torch.load``; copying the archive's bytes gives a target
@@ -115,7 +116,8 @@ class Stored:
 
 
 class _RowShardPlanner(DefaultSavePlanner):
-    """DCP's default planner, which also hands the writer a :class:`RowShard`'s local piece and a :class:`Stored` item's bytes."""
+    """DCP's default planner, which also hands the writer a
+    :class:`RowShard`'s local piece and a :class:`Stored` item's bytes."""
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
@@ -134,7 +136,8 @@ class _RowShardPlanner(DefaultSavePlanner):
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's local file system, keeping the sha256 of every file written through it (by name), taken as it is written."""
+    """DCP's local file system, keeping the sha256 of every file written through it
+    (by name), taken as it is written."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,7 +155,8 @@ class _HashingFileSystem(FileSystem):
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer, for its plan and ``.metadata``: minus what varies between runs of the same conversion (the directory, a random save ID), hashing what it writes.
+    """DCP's file writer, for its plan and ``.metadata``:
+    minus what varies between runs of the same conversion (the directory, a random save ID), hashing what it writes.
 
     It syncs nothing: the commit syncs the conversion as a whole, or, under
     ``output.fsync=false``, nothing is synced at all.
@@ -166,14 +170,17 @@ class _Writer(FileSystemWriter):
         return StorageMeta()
 
 
-def row_shard(shape: tuple[int, ...], dtype: torch.dtype, world_size: int, rank: int, local: torch.Tensor | None) -> RowShard:
+def row_shard(
+    shape: tuple[int, ...], dtype: torch.dtype, world_size: int, rank: int, local: torch.Tensor | None
+) -> RowShard:
     """Rank ``rank``'s dim-0 rows of a tensor of ``shape``, as ``torch.chunk`` cuts dim 0 for ``world_size`` ranks."""
     first, last, _ = chunk_bounds(shape[0], world_size, rank)
     return RowShard(shape, ((first, last - first),), dtype, None if local is None else (local,))
 
 
 def rank_state(result: dict[str, Any], tree: ModuleTree, world_size: int, rank: int, *, local: bool) -> dict[str, Any]:
-    """Rank ``rank``'s FQN-keyed optimizer state as DCP is to save it: each parameter-shaped tensor as a :class:`RowShard`.
+    """Rank ``rank``'s FQN-keyed optimizer state as DCP is to save it:
+    each parameter-shaped tensor as a :class:`RowShard`.
 
     ``result`` is any target rank's FQN-keyed output (its non-tensor state is
     the same on every rank); with ``local`` it is rank ``rank``'s own, and the
@@ -186,7 +193,9 @@ def rank_state(result: dict[str, Any], tree: ModuleTree, world_size: int, rank: 
             continue
         shape = tuple(tree.param(fqn).shape)
         state[fqn] = {
-            name: row_shard(shape, value.dtype, world_size, rank, value if local else None) if torch.is_tensor(value) and value.dim() > 0 else value
+            name: row_shard(shape, value.dtype, world_size, rank, value if local else None)
+            if torch.is_tensor(value) and value.dim() > 0
+            else value
             for name, value in entries.items()
         }
     return {**result, "state": state}
@@ -201,7 +210,8 @@ class GlobalPlan:
 
 
 def plan(state_of: Callable[[int], dict[str, Any]], world_size: int) -> GlobalPlan:
-    """The global plan of a checkpoint whose rank ``r`` saves ``state_of(r)`` (its :class:`RowShard` pieces needing no bytes), across ``world_size`` ranks.
+    """The global plan of a checkpoint whose rank ``r`` saves ``state_of(r)``
+    (its :class:`RowShard` pieces needing no bytes), across ``world_size`` ranks.
 
     Computed from shapes only, one rank at a time, by DCP's own planner:
     replicated items (``step``, param groups) are kept by one rank each, as
@@ -221,8 +231,11 @@ def optimizer_plan(key: str, result: dict[str, Any], tree: ModuleTree, world_siz
     return plan(lambda rank: {key: rank_state(result, tree, world_size, rank, local=False)}, world_size)
 
 
-def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: GlobalPlan) -> tuple[list[WriteResult], dict[str, str], dict[int, str]]:
-    """Write rank ``rank``'s items (``state``: what it saves, its pieces and stored bytes at hand) into ``directory``, as DCP's file writer lays them out.
+def write_rank(
+    directory: Path, state: dict[str, Any], rank: int, global_plan: GlobalPlan
+) -> tuple[list[WriteResult], dict[str, str], dict[int, str]]:
+    """Write rank ``rank``'s items (``state``: what it saves, its pieces and stored bytes at hand) into ``directory``,
+    as DCP's file writer lays them out.
 
     One file per rank, named as DCP names it: the byte items first, then each
     tensor as a ``torch.save`` archive of its own, in plan order, each
@@ -241,7 +254,9 @@ def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: G
     planner.set_up_planner(state, None, rank == 0)
     final = planner.finish_plan(global_plan.plans[rank])
     name = f"{final.storage_data.prefix}0{DEFAULT_SUFFIX}"  # what DCP calls a rank's one file
-    ordered = [i for i in final.items if i.type == WriteItemType.BYTE_IO] + [i for i in final.items if i.type != WriteItemType.BYTE_IO]
+    ordered = [i for i in final.items if i.type == WriteItemType.BYTE_IO] + [
+        i for i in final.items if i.type != WriteItemType.BYTE_IO
+    ]
     results, pieces = [], {}
     with torchfile.written(directory / name, sync=False) as out:
         for item in ordered:
@@ -252,12 +267,15 @@ def write_rank(directory: Path, state: dict[str, Any], rank: int, global_plan: G
             else:
                 pieces.update(torchfile.write_archive(_own_storage(data), out))
             length = out.tell() - offset
-            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+            )
     return results, {name: out.digest}, torchfile.storage_digests(out, pieces)
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or a copy of it where it shares a larger storage: an archive holds a tensor's whole storage, an item only its own bytes."""
+    """``tensor``, or a copy of it where it shares a larger storage:
+    an archive holds a tensor's whole storage, an item only its own bytes."""
     tensor = tensor.detach().cpu()
     return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
 

@@ -1,4 +1,5 @@
-"""DeepSpeed's universal checkpoint (``ds_to_universal``) as a reference: running DeepSpeed's own conversion, and where it differs from what was read.
+"""DeepSpeed's universal checkpoint (``ds_to_universal``) as a reference:
+running DeepSpeed's own conversion, and where it differs from what was read.
 
 Used by the ``universal`` check (:mod:`osdpipe.verify.checks.universal`); kept apart
 from the check so that the comparison is a function of files and tensors
@@ -26,8 +27,11 @@ def ds_to_universal(tag_folder: Path, out: Path, timeout_s: float) -> Path:
     Raises:
         RuntimeError: it failed, with the last line it said.
     """
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_folder), "--output_folder", str(out),
-               "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    command = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", str(tag_folder), "--output_folder", str(out),
+        "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0 or not (out / "zero").is_dir():
         said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
@@ -35,9 +39,11 @@ def ds_to_universal(tag_folder: Path, out: Path, timeout_s: float) -> Path:
     return out
 
 
-def universal_differences(folder: Path, weights: dict[str, torch.Tensor], state: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """Where a universal checkpoint ``folder`` differs from the model's ``weights`` (the fp32 masters and the buffers, by name) and the
-    optimizer ``state`` (by FQN), bitwise.
+def universal_differences(
+    folder: Path, weights: dict[str, torch.Tensor], state: dict[str, dict[str, Any]]
+) -> tuple[list[str], list[str]]:
+    """Where a universal checkpoint ``folder`` differs from the model's ``weights``
+    (the fp32 masters and the buffers, by name) and the optimizer ``state`` (by FQN), bitwise.
 
     Stage 1/2 store each tensor as ``{"param": tensor}`` shaped like the
     parameter; stage 3 stores it flat, and with no ``step.pt``: compared by
@@ -58,7 +64,9 @@ def universal_differences(folder: Path, weights: dict[str, torch.Tensor], state:
     """
     zero = folder / "zero"
     theirs = sorted(p.name for p in zero.iterdir() if p.is_dir())
-    problems = [f"osdpipe read {fqn}'s optimizer state, which ds_to_universal has not" for fqn in state if fqn not in theirs]
+    problems = [
+        f"osdpipe read {fqn}'s optimizer state, which ds_to_universal has not" for fqn in state if fqn not in theirs
+    ]
     notes = []
     for fqn in theirs:
         for file, name in UNIVERSAL_FILES.items():
@@ -76,8 +84,11 @@ def universal_differences(folder: Path, weights: dict[str, torch.Tensor], state:
             found = diff(mine.reshape(-1), value.reshape(-1), path=f"{fqn}.{file}", limit=1)
             rounded = _rounded_as(mine, value) if found and name is None and fqn not in state else None
             if rounded is not None:
-                notes.append(f"DeepSpeed's ds_to_universal writes {fqn}, a tied name, from the module's {rounded} copy, not from the fp32 master "
-                             "its parameter holds; osdpipe keeps the master under every name, which rounds to DeepSpeed's copy")
+                notes.append(
+                    f"DeepSpeed's ds_to_universal writes {fqn}, a tied name, from the module's {rounded} copy, "
+                    "not from the fp32 master its parameter holds; "
+                    "osdpipe keeps the master under every name, which rounds to DeepSpeed's copy"
+                )
                 continue
             problems += found
     return problems, notes

@@ -8,7 +8,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from osdpipe.io.formats.base import Format, IdGroups, InputError, RankFiles, SourceMeta, SourceReader, describe_value, mapped_range, release_mapped, write_torch_file
+from osdpipe.io.formats.base import (
+    Format,
+    IdGroups,
+    InputError,
+    RankFiles,
+    SourceMeta,
+    SourceReader,
+    describe_value,
+    mapped_range,
+    release_mapped,
+    write_torch_file,
+)
 from osdpipe.io.formats.safe_load import load_torch_file
 from osdpipe.io.formats.state_facts import Unit, describe_state, moments_alike, tally
 from osdpipe.layout.kinds.fsdp1 import FSDP1
@@ -32,28 +43,46 @@ def load_full(path: str, fmt: str = "fsdp_full") -> dict[str, Any]:
 
 
 def check_optim_state_dict(osd: Any, path: str | Path, fmt: str) -> None:
-    """Refuse, in one line, a loaded object that is not an optimizer state dict ``{"state": {...}, "param_groups": [...]}``."""
+    """Refuse, in one line, a loaded object that is not an optimizer state dict
+    ``{"state": {...}, "param_groups": [...]}``."""
     if not isinstance(osd, dict):
         raise InputError(f"{path} holds a {type(osd).__name__}, not an optimizer state dict; {_WANTED[fmt]}")
     if not isinstance(osd.get("state"), dict):
         keys = [str(k) for k in list(osd)[:4]]
-        looks = ": it looks like a model's state_dict()" if osd and all(torch.is_tensor(v) for v in osd.values()) else ""
-        raise InputError(f"{path} is not an optimizer state dict (no 'state' dict; its keys are {keys}){looks}; {_WANTED[fmt]}")
+        looks = (
+            ": it looks like a model's state_dict()" if osd and all(torch.is_tensor(v) for v in osd.values()) else ""
+        )
+        raise InputError(
+            f"{path} is not an optimizer state dict (no 'state' dict; its keys are {keys}){looks}; {_WANTED[fmt]}"
+        )
     groups = osd.get("param_groups")
     if groups is None and fmt != "plain":
         return
-    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-        raise InputError(f"{path} is not an optimizer state dict: its 'param_groups' is not a list of groups with 'params' lists; {_WANTED[fmt]}")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise InputError(
+            f"{path} is not an optimizer state dict: its 'param_groups' is not a list of groups with 'params' lists; "
+            f"{_WANTED[fmt]}"
+        )
     if fmt != "fsdp_full":  # param-ID keyed: every ID's state is a dict (an FQN-keyed file may carry other user state)
         bad = next(((k, v) for k, v in osd["state"].items() if isinstance(k, int) and not isinstance(v, dict)), None)
         if bad is not None:
-            raise InputError(f"{path} is not an optimizer state dict: the state of param ID {bad[0]} is a {type(bad[1]).__name__}, not a dict; {_WANTED[fmt]}")
+            raise InputError(
+                f"{path} is not an optimizer state dict: "
+                f"the state of param ID {bad[0]} is a {type(bad[1]).__name__}, not a dict; {_WANTED[fmt]}"
+            )
 
 
 _WANTED = {
-    "fsdp_full": "an fsdp_full input is torch.save(FSDP.optim_state_dict(model, optim)) with FULL_STATE_DICT: point input.path at it",
+    "fsdp_full": (
+        "an fsdp_full input is torch.save(FSDP.optim_state_dict(model, optim)) with FULL_STATE_DICT: "
+        "point input.path at it"
+    ),
     "plain": "a plain input is torch.save(optim.state_dict()) of an unwrapped model: point input.path at it",
-    "rank_local": "a rank_local file is torch.save(optim.state_dict()) of that rank: point input.path at the directory of them",
+    "rank_local": (
+        "a rank_local file is torch.save(optim.state_dict()) of that rank: point input.path at the directory of them"
+    ),
 }
 
 
@@ -77,7 +106,11 @@ class FullReader:
                 f"{self.path} keys its state by param ID, as an unwrapped model's optim.state_dict() does, not by FQN; "
                 "read it as input.format=plain source.kind=none source.world_size=1"
             )
-        per_param = {k: {n: describe_value(v) for n, v in s.items()} for k, s in state.items() if isinstance(k, str) and isinstance(s, dict)}
+        per_param = {
+            k: {n: describe_value(v) for n, v in s.items()}
+            for k, s in state.items()
+            if isinstance(k, str) and isinstance(s, dict)
+        }
         extra = {k: v for k, v in state.items() if k not in per_param}
         return SourceMeta(state=per_param, param_groups=self.osd.get("param_groups"), extra=extra)
 
@@ -97,7 +130,8 @@ ONE_FILE = "optim.pt"
 
 
 def read_one_file_facts(facts: Facts, path: Path) -> dict[Any, dict[str, Any]]:
-    """What an ``fsdp_full`` or ``plain`` file (one ``torch.save`` of a whole optimizer state dict) shows of its state; the state, each parameter's."""
+    """What an ``fsdp_full`` or ``plain`` file
+    (one ``torch.save`` of a whole optimizer state dict) shows of its state; the state, each parameter's."""
     osd = load_full(str(path), facts.format)
     state = {k: v for k, v in osd["state"].items() if isinstance(v, dict)}
     describe_state(facts, state, osd.get("param_groups"))
@@ -108,7 +142,8 @@ def read_one_file_facts(facts: Facts, path: Path) -> dict[Any, dict[str, Any]]:
 
 
 def _shared_step_units(state: dict[str, dict[str, Any]]) -> list[Unit]:
-    """FSDP1 units, from the ``step`` tensor a FULL state shares across each unit's parameters (``torch.save`` keeps the sharing)."""
+    """FSDP1 units, from the ``step`` tensor a FULL state shares across each unit's parameters
+    (``torch.save`` keeps the sharing)."""
     units: dict[int, Unit] = {}
     for fqn, entry in state.items():
         step = entry.get("step")
@@ -122,7 +157,8 @@ def _shared_step_units(state: dict[str, dict[str, Any]]) -> list[Unit]:
 
 
 class FsdpFull(Format):
-    """The full FQN-keyed state, every parameter whole, in one file that rank 0 writes (``FSDP.optim_state_dict``, FULL)."""
+    """The full FQN-keyed state, every parameter whole,
+    in one file that rank 0 writes (``FSDP.optim_state_dict``, FULL)."""
 
     name = "fsdp_full"
     keyed_by_id = False
@@ -137,14 +173,17 @@ class FsdpFull(Format):
     def writes(self, rank: int) -> bool:
         return rank == 0
 
-    def output_layout(self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]) -> tuple[LocalTensor, ...]:
+    def output_layout(
+        self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
+    ) -> tuple[LocalTensor, ...]:
         return full_layout(tree) if rank == 0 else ()
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
         return FullReader(path)
 
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
-        """FQN-keyed and whole, as any kind of job saves it; FSDP1's FULL state also shares one ``step`` tensor across each unit's parameters."""
+        """FQN-keyed and whole, as any kind of job saves it;
+        FSDP1's FULL state also shares one ``step`` tensor across each unit's parameters."""
         state = read_one_file_facts(facts, path)
         facts.fqns = sorted(map(str, state))
         facts.units = _shared_step_units(state)
@@ -156,7 +195,20 @@ class FsdpFull(Format):
             )
         else:
             facts.units = []
-            facts.notes.append("a full, FQN-keyed state: any kind of job can save one; it does not record the world size or the wrapping")
+            facts.notes.append(
+                "a full, FQN-keyed state: any kind of job can save one; "
+                "it does not record the world size or the wrapping"
+            )
 
-    def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
+    def write(
+        self,
+        result: dict[str, Any],
+        staging: Path,
+        rank: int,
+        *,
+        key: str,
+        tree: ModuleTree,
+        world_size: int,
+        shared: dict[str, Any],
+    ) -> RankFiles:
         return write_torch_file(result, staging / ONE_FILE)

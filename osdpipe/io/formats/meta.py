@@ -40,19 +40,25 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
         if param is None:
             raise InputError(f"{at}the source has state for {fqn!r}, which model has no parameter of that name; {hint}")
         if param.fqn in state:
-            raise InputError(f"{at}the source has state for {param.fqn!r} twice, as {names.get(param.fqn, param.fqn)!r} and {fqn!r}; {hint}")
+            raise InputError(
+                f"{at}the source has state for {param.fqn!r} twice, "
+                f"as {names.get(param.fqn, param.fqn)!r} and {fqn!r}; {hint}"
+            )
         if fqn != param.fqn:
             names[param.fqn] = fqn
         for name, value in entries.items():
             if not isinstance(value, TensorRef):
                 continue
             if value.shape != param.shape:
-                raise InputError(f"{at}source state {fqn}.{name} has shape {value.shape} but the parameter has shape {param.shape}; {hint}")
+                raise InputError(
+                    f"{at}source state {fqn}.{name} has shape {value.shape} but the parameter has shape {param.shape}; "
+                    f"{hint}"
+                )
             dtype = getattr(torch, value.dtype, None)
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point and value.dtype != param.dtype:
                 raise InputError(
-                    f"{at}source state {fqn}.{name} is {value.dtype} but the parameter is {param.dtype}, and an optimizer keeps "
-                    f"floating state in its parameter's dtype; {hint}"
+                    f"{at}source state {fqn}.{name} is {value.dtype} but the parameter is {param.dtype}, "
+                    f"and an optimizer keeps floating state in its parameter's dtype; {hint}"
                 )
         state[param.fqn] = entries
     groups = None
@@ -61,10 +67,21 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
         for i, group in enumerate(meta.param_groups):
             params = group.get("params") if isinstance(group, dict) else None
             if not isinstance(params, list):
-                raise InputError(f"{at}the source's param group {i} has no 'params' list; its param_groups are not an optimizer's")
+                raise InputError(
+                    f"{at}the source's param group {i} has no 'params' list; its param_groups are not an optimizer's"
+                )
             resolved = [tree.resolve(f) if isinstance(f, str) else None for f in params]
             unknown = next((f for f, p in zip(params, resolved) if p is None), None)
             if unknown is not None:
-                raise InputError(f"{at}the source's param_groups name {unknown!r}, which model has no parameter of that name; {hint}")
+                raise InputError(
+                    f"{at}the source's param_groups name {unknown!r}, which model has no parameter of that name; {hint}"
+                )
             groups.append({**group, "params": [p.fqn for p in resolved]})
-    return SourceMeta(state=state, param_groups=groups, extra=meta.extra, names={**meta.names, **names}, buffers=meta.buffers, carried=meta.carried)
+    return SourceMeta(
+        state=state,
+        param_groups=groups,
+        extra=meta.extra,
+        names={**meta.names, **names},
+        buffers=meta.buffers,
+        carried=meta.carried,
+    )

@@ -14,7 +14,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from osdpipe.io.formats.base import Format, IdGroups, InputError, RankFiles, Shown, SourceMeta, SourceReader, describe_value, mapped_range, release_mapped, write_torch_file
+from osdpipe.io.formats.base import (
+    Format,
+    IdGroups,
+    InputError,
+    RankFiles,
+    Shown,
+    SourceMeta,
+    SourceReader,
+    describe_value,
+    mapped_range,
+    release_mapped,
+    write_torch_file,
+)
 from osdpipe.io.formats.fsdp_full import ONE_FILE, load_full, read_one_file_facts
 from osdpipe.layout.idmap import StateShapes, map_ids
 from osdpipe.layout.kinds.none import NoWrapper
@@ -32,13 +44,19 @@ def saved_ids(osd: dict[str, Any], path: str) -> tuple[list[list[int]], StateSha
         InputError: if ``osd`` is not param-ID keyed like ``optim.state_dict()``.
     """
     groups = osd.get("param_groups")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-        raise InputError(f"{path} has no param groups with 'params' lists; a plain checkpoint is torch.save(optim.state_dict()) of an unwrapped model")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise InputError(
+            f"{path} has no param groups with 'params' lists; "
+            "a plain checkpoint is torch.save(optim.state_dict()) of an unwrapped model"
+        )
     keys = [k for g in groups for k in g["params"]] + list(osd["state"])
     named = [k for k in keys if not isinstance(k, int) or isinstance(k, bool)]
     if named:
         raise InputError(
-            f"{path} keys its state by {named[0]!r}, not by param ID; a plain checkpoint is optim.state_dict() of an unwrapped model. "
+            f"{path} keys its state by {named[0]!r}, not by param ID; "
+            "a plain checkpoint is optim.state_dict() of an unwrapped model. "
             "An FQN-keyed full state (FSDP.optim_state_dict) is input.format=fsdp_full"
         )
     shapes = {
@@ -98,7 +116,8 @@ class PlainReader:
 
 
 class Plain(Format):
-    """An unwrapped model's ``optim.state_dict()``, keyed by param ID, in one file that rank 0 writes (every rank holds it whole)."""
+    """An unwrapped model's ``optim.state_dict()``, keyed by param ID,
+    in one file that rank 0 writes (every rank holds it whole)."""
 
     name = "plain"
     keyed_by_id = True
@@ -131,10 +150,14 @@ class Plain(Format):
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
         read_one_file_facts(facts, path)
         facts.kind, facts.world_size = NoWrapper.name, 1
-        facts.notes.append("param-ID keyed, every tensor whole: an unwrapped model's optim.state_dict(), or a DDP job's (the same on every rank)")
+        facts.notes.append(
+            "param-ID keyed, every tensor whole: "
+            "an unwrapped model's optim.state_dict(), or a DDP job's (the same on every rank)"
+        )
 
     def shows(self, facts: Facts, kind: Any) -> list[Shown]:
-        """A job of one process (an unwrapped model's) saved it: its world size is 1, and the sharding keys a recipe may have set for another source go back to their defaults."""
+        """A job of one process (an unwrapped model's) saved it: its world size is 1,
+        and the sharding keys a recipe may have set for another source go back to their defaults."""
         if kind is None or kind.one_process is None:
             return []
         return [
@@ -158,11 +181,22 @@ class Plain(Format):
         return PlainReader(path, tree, id_groups)
 
     def id_groups(self, given: IdGroups, configured: IdGroups, generated: bool) -> IdGroups:
-        if given is None and generated:  # osdpipe built the source's optimizer from optim.param_groups (one group over model.parameters() without)
+        # osdpipe built the source's optimizer from optim.param_groups (one group over model.parameters() without)
+        if given is None and generated:
             return configured or [["*"]]
         return given
 
-    def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
+    def write(
+        self,
+        result: dict[str, Any],
+        staging: Path,
+        rank: int,
+        *,
+        key: str,
+        tree: ModuleTree,
+        world_size: int,
+        shared: dict[str, Any],
+    ) -> RankFiles:
         return write_torch_file(result, staging / ONE_FILE)
 
     def load_as_a_user_does(self, model: Any, optim: Any, path: Path, written: dict[str, Any], kind: Any) -> None:

@@ -34,7 +34,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from osdpipe.core.compare import diff
-from osdpipe.io.formats.base import Format, IdGroups, InputError, RankFiles, Shown, SourceMeta, SourceReader, TensorRef, mapped_range, own_copy, release_mapped, write_torch_file
+from osdpipe.io.formats.base import (
+    Format,
+    IdGroups,
+    InputError,
+    RankFiles,
+    Shown,
+    SourceMeta,
+    SourceReader,
+    TensorRef,
+    mapped_range,
+    own_copy,
+    release_mapped,
+    write_torch_file,
+)
 from osdpipe.io.formats.fsdp_full import check_optim_state_dict
 from osdpipe.io.formats.safe_load import load_torch_file
 from osdpipe.layout.kinds import find, rank_layout
@@ -49,8 +62,8 @@ if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
 _RANK_FILE = re.compile(r"rank_(0|[1-9]\d*)\.pt")
 _GROUPS_KEY = "input.param_groups (or optim.param_groups)"
 _HINT = (
-    "are source.kind, source.wrap, source.world_size, source.sharding_strategy, source.shard_group_size, source.use_orig_params, "
-    "source.tp_size, source.tp_plan and input.param_groups those of the job that saved it?"
+    "are source.kind, source.wrap, source.world_size, source.sharding_strategy, source.shard_group_size, "
+    "source.use_orig_params, source.tp_size, source.tp_plan and input.param_groups those of the job that saved it?"
 )
 
 
@@ -65,7 +78,9 @@ def rank_files(path: str | Path, world_size: int) -> list[Path]:
     """
     directory = Path(path)
     if not directory.is_dir():
-        raise InputError(f"{directory} is not a directory; a rank_local input is the directory of rank_0.pt .. rank_<N-1>.pt")
+        raise InputError(
+            f"{directory} is not a directory; a rank_local input is the directory of rank_0.pt .. rank_<N-1>.pt"
+        )
     present = {int(m.group(1)): p for p in directory.iterdir() if (m := _RANK_FILE.fullmatch(p.name))}
     missing = [r for r in range(world_size) if r not in present]
     extra = [r for r in sorted(present) if r >= world_size]
@@ -84,15 +99,19 @@ def rank_files(path: str | Path, world_size: int) -> list[Path]:
         fix = _world_size_fix(len(present)) if contiguous else (
             "set source.world_size to the number of ranks that saved it, and copy every rank's file"
         )
-        raise InputError(f"{directory}: expected {expected} for source.world_size={world_size}, found {found} ({what}); {fix}")
+        raise InputError(
+            f"{directory}: expected {expected} for source.world_size={world_size}, found {found} ({what}); {fix}"
+        )
     if contiguous:  # rank_0.pt .. rank_<K-1>.pt, K < N: most likely a world size of K
         raise InputError(
-            f"{directory / rank_file_name(missing[0])} is missing: source.world_size={world_size} needs {expected} but the directory holds {found} "
+            f"{directory / rank_file_name(missing[0])} is missing: "
+            f"source.world_size={world_size} needs {expected} but the directory holds {found} "
             f"(missing {_ranks(missing)}); {_world_size_fix(len(present))}"
         )
     also = f"; also missing {_ranks(missing[1:])}" if len(missing) > 1 else ""
     raise InputError(
-        f"{directory / rank_file_name(missing[0])} is missing (found {found} for source.world_size={world_size}{also}); "
+        f"{directory / rank_file_name(missing[0])} is missing "
+        f"(found {found} for source.world_size={world_size}{also}); "
         "copy every rank's file from the job that saved it"
     )
 
@@ -173,20 +192,23 @@ class RankLocalReader:
         return self._osds[rank]
 
     def _check(self, rank: int, osd: dict[str, Any]) -> None:
-        """The file's groups hold the IDs the groups give; every ID names a local tensor of the source layout, with state of its shape."""
+        """The file's groups hold the IDs the groups give;
+        every ID names a local tensor of the source layout, with state of its shape."""
         groups = osd.get("param_groups")
         if groups is not None:
             ids = [list(g.get("params", [])) if isinstance(g, dict) else [] for g in groups]
             if sum(map(len, ids)) != len(self.order):
                 raise InputError(
-                    f"{self.files[rank]}: rank {rank}: its optimizer holds {sum(map(len, ids))} parameter(s) in {len(ids)} group(s), but the source layout "
+                    f"{self.files[rank]}: rank {rank}: its optimizer holds {sum(map(len, ids))} parameter(s) "
+                    f"in {len(ids)} group(s), but the source layout "
                     f"gives it {len(self.order)} in {len(self.group_ids)}; {_HINT}"
                 )
             if ids != self.group_ids:
                 raise InputError(
-                    f"{self.files[rank]}: rank {rank}: the file's param groups hold IDs {_show(ids)} but the groups of input.param_groups, "
-                    f"else optim.param_groups, hold {_show(self.group_ids)}; "
-                    "set input.param_groups to the FQN patterns of the groups of the optimizer that saved it, in its order"
+                    f"{self.files[rank]}: rank {rank}: the file's param groups hold IDs {_show(ids)} "
+                    f"but the groups of input.param_groups, else optim.param_groups, hold {_show(self.group_ids)}; "
+                    "set input.param_groups to the FQN patterns of the groups of the optimizer that saved it, "
+                    "in its order"
                 )
         self._check_placements(rank, osd)
         for pid, state in osd["state"].items():
@@ -194,14 +216,16 @@ class RankLocalReader:
                 continue  # not a parameter's state: passed through as extra state (rank 0's)
             if not 0 <= pid < len(self.order):
                 raise InputError(
-                    f"{self.files[rank]}: rank {rank}, param ID {pid}: the source layout gives the optimizer {len(self.order)} parameter(s) "
+                    f"{self.files[rank]}: rank {rank}, param ID {pid}: "
+                    f"the source layout gives the optimizer {len(self.order)} parameter(s) "
                     f"(IDs 0..{len(self.order) - 1}); {_HINT}"
                 )
             tensor = self.tensor(rank, pid)
             for name, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tensor.shape:
                     raise InputError(
-                        f"{self.files[rank]}: rank {rank}, param ID {pid}: state {name} has shape {tuple(value.shape)} but the source layout says "
+                        f"{self.files[rank]}: rank {rank}, param ID {pid}: "
+                        f"state {name} has shape {tuple(value.shape)} but the source layout says "
                         f"{tensor.shape} ({tensor.key}); {_HINT}"
                     )
 
@@ -211,24 +235,35 @@ class RankLocalReader:
         if table is None:
             return
         if not isinstance(table, dict):
-            raise InputError(f"{self.files[rank]}: its {DTENSOR_TABLE!r} entry is a {type(table).__name__}, not a table of placements per param ID")
+            raise InputError(
+                f"{self.files[rank]}: its {DTENSOR_TABLE!r} entry is a {type(table).__name__}, "
+                "not a table of placements per param ID"
+            )
         for pid, saved in table.items():
             tensor = self.tensor(rank, pid) if isinstance(pid, int) and 0 <= pid < len(self.order) else None
             if tensor is None or tensor.placement is None:
                 raise InputError(
-                    f"{self.files[rank]}: rank {rank} holds DTensor state (param ID {pid}), which source.kind={self.source.kind} does not have; "
+                    f"{self.files[rank]}: rank {rank} holds DTensor state (param ID {pid}), "
+                    f"which source.kind={self.source.kind} does not have; "
                     "set source.kind=fsdp2 (and source.shard_group_size for HSDP)"
                 )
             expected = tensor.placement.describe(self.tree.param(tensor.key).shape)
             if not same_placement(saved, expected):
-                raise InputError(f"{self.files[rank]}: rank {rank}, param ID {pid} ({tensor.key}) lies as {saved}, but the source layout says {expected}; {_HINT}")
+                raise InputError(
+                    f"{self.files[rank]}: rank {rank}, param ID {pid} ({tensor.key}) lies as {saved}, "
+                    f"but the source layout says {expected}; {_HINT}"
+                )
 
     def _holders(self, pid: int) -> list[int]:
         """The ranks that hold state of param ``pid``: a non-empty local tensor, and state for it.
 
         An empty ``use_orig_params`` shard gets no gradient, hence no state; FSDP skips such ranks too.
         """
-        return [r for r in range(self.source.world_size) if self.tensor(r, pid).has_elements and self._osd(r)["state"].get(pid)]
+        return [
+            r
+            for r in range(self.source.world_size)
+            if self.tensor(r, pid).has_elements and self._osd(r)["state"].get(pid)
+        ]
 
     def _build_index(self) -> dict[str, dict[str, Any]]:
         """FQN -> its param ID, state names, scalar state, and where each state tensor's elements are read."""
@@ -246,7 +281,10 @@ class RankLocalReader:
         names = list(states[first])
         for r in holders[1:]:
             if set(states[r]) != set(names):
-                raise InputError(f"{self.path}: {fqn} (param ID {pid}): rank {first} has state {sorted(names)} but rank {r} has {sorted(states[r])}")
+                raise InputError(
+                    f"{self.path}: {fqn} (param ID {pid}): "
+                    f"rank {first} has state {sorted(names)} but rank {r} has {sorted(states[r])}"
+                )
         values: dict[str, Any] = {}
         pieces: dict[str, list[_Piece]] = {}
         for name in names:
@@ -256,18 +294,23 @@ class RankLocalReader:
                 if odd:
                     raise InputError(
                         f"{self.files[odd[0]]}: {fqn} (param ID {pid}): state {name} is a tensor on rank {first} but a "
-                        f"{type(states[odd[0]][name]).__name__} on rank {odd[0]}; the ranks of one job agree on it, so these files are not from one checkpoint"
+                        f"{type(states[odd[0]][name]).__name__} on rank {odd[0]}; "
+                        "the ranks of one job agree on it, so these files are not from one checkpoint"
                     )
                 dtypes = {str(states[r][name].dtype) for r in holders}
                 if len(dtypes) > 1:
-                    raise InputError(f"{self.path}: {fqn} (param ID {pid}): state {name} has dtypes {sorted(dtypes)} on different ranks")
+                    raise InputError(
+                        f"{self.path}: {fqn} (param ID {pid}): "
+                        f"state {name} has dtypes {sorted(dtypes)} on different ranks"
+                    )
                 values[name] = TensorRef(self.tree.param(fqn).shape, str(value.dtype).removeprefix("torch."))
                 pieces[name] = self._pieces(pid, fqn, name, holders)
                 continue
             for r in holders[1:]:
                 if diff(states[r][name], value):
                     raise InputError(
-                        f"{self.files[r]}: {fqn} (param ID {pid}): scalar state {name} is {states[r][name]!r} on rank {r} but {value!r} on rank {first}; "
+                        f"{self.files[r]}: {fqn} (param ID {pid}): "
+                        f"scalar state {name} is {states[r][name]!r} on rank {r} but {value!r} on rank {first}; "
                         "the ranks of one job agree on it, so these files are not from one checkpoint"
                     )
             values[name] = own_copy(value)
@@ -289,10 +332,14 @@ class RankLocalReader:
         if gaps:
             lo, hi = gaps[0]
             owners = [
-                r for r in range(self.source.world_size) for s in self.tensor(r, pid).segments if s.fqn == fqn and s.start < hi and s.start + s.length > lo
+                r
+                for r in range(self.source.world_size)
+                for s in self.tensor(r, pid).segments
+                if s.fqn == fqn and s.start < hi and s.start + s.length > lo
             ]
             raise InputError(
-                f"{self.path}: {fqn} state {name}: elements {lo}..{hi} (of {numel}) lie on rank(s) {owners} under the source layout, "
+                f"{self.path}: {fqn} state {name}: elements {lo}..{hi} (of {numel}) "
+                f"lie on rank(s) {owners} under the source layout, "
                 f"which have no state for param ID {pid}; FSDP cannot gather this state either. {_HINT}"
             )
         return pieces
@@ -330,7 +377,8 @@ class RankLocalReader:
         return ref
 
     def _overlaps(self, fqn: str, name: str, start: int, stop: int) -> list[tuple[torch.Tensor, int, int, int]]:
-        """``(local tensor, offset, lo, hi)`` for each stored piece that holds elements ``[lo, hi)`` of ``[start, stop)``."""
+        """``(local tensor, offset, lo, hi)`` for each stored piece
+        that holds elements ``[lo, hi)`` of ``[start, stop)``."""
         self._ref(fqn, name)
         out = []
         for p in self.index[self.tree.canonical(fqn)]["pieces"][name]:
@@ -358,9 +406,15 @@ def local_tensors(osd: dict[str, Any]) -> dict[str, Any]:
     What :func:`osdpipe.to_rank_local` would have saved, so both ways of
     saving an FSDP2 rank's state read alike.
     """
-    from torch.distributed.tensor import DTensor  # torch.distributed.tensor is heavy: only where a rank_local file is read
+    # torch.distributed.tensor is heavy: only where a rank_local file is read
+    from torch.distributed.tensor import DTensor
 
-    if any(isinstance(v, DTensor) for entry in osd["state"].values() if isinstance(entry, dict) for v in entry.values()):
+    if any(
+        isinstance(v, DTensor)
+        for entry in osd["state"].values()
+        if isinstance(entry, dict)
+        for v in entry.values()
+    ):
         return to_rank_local(osd)
     return osd
 
@@ -378,7 +432,12 @@ def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -
         first = source.first_replica(r)
         if first == r:
             continue
-        found = diff(local_tensors(load_torch_file(files[r])), local_tensors(load_torch_file(files[first])), path=f"rank {r} vs rank {first}", limit=1)
+        found = diff(
+            local_tensors(load_torch_file(files[r])),
+            local_tensors(load_torch_file(files[first])),
+            path=f"rank {r} vs rank {first}",
+            limit=1,
+        )
         problems.extend(f"{files[r].name}: {line}" for line in found)
     return problems
 
@@ -395,7 +454,8 @@ def _show(ids: list[Any]) -> str:
 
 
 class RankLocal(Format):
-    """Each rank's own ``optim.state_dict()``, keyed by param ID, one ``rank_<r>.pt`` per rank (FSDP2's and ``load_rank_local``'s)."""
+    """Each rank's own ``optim.state_dict()``, keyed by param ID,
+    one ``rank_<r>.pt`` per rank (FSDP2's and ``load_rank_local``'s)."""
 
     name = "rank_local"
     keyed_by_id = True
@@ -413,7 +473,10 @@ class RankLocal(Format):
     def refuses_source(self, kind: Any) -> str | None:
         if "local" in kind.state_dict_types:  # a job whose ranks save their own optimizer's state
             return None
-        return "input.format=rank_local needs the source's layout; set source.kind (fsdp1, ddp) and its world_size and wrap"
+        return (
+            "input.format=rank_local needs the source's layout; "
+            "set source.kind (fsdp1, ddp) and its world_size and wrap"
+        )
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
         return RankLocalReader(path, tree, source, id_groups)
@@ -422,7 +485,8 @@ class RankLocal(Format):
         return any(_RANK_FILE.fullmatch(f.name) for f in directory.iterdir())
 
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
-        """Every rank's file, loaded memory-mapped; what they show is told by :func:`~osdpipe.io.formats.rank_local_facts.describe_ranks`."""
+        """Every rank's file, loaded memory-mapped;
+        what they show is told by :func:`~osdpipe.io.formats.rank_local_facts.describe_ranks`."""
         # imported here: it imports osdpipe.io.loading, which imports the formats package, which imports this module
         from osdpipe.io.formats.rank_local_facts import describe_ranks
 
@@ -444,18 +508,37 @@ class RankLocal(Format):
         saved_by = find(facts.kind)
         if saved_by is not None and saved_by.dtensor_state:
             shown += [
-                Shown("source.kind", facts.kind, f"{facts.path} holds DTensor state ({'; '.join(facts.placements[:2])}): an FSDP2 job's"),
-                Shown("source.shard_group_size", facts.shard_group_size, f"{facts.path}'s DTensors lie on a mesh of {facts.placements[:1]}"),
+                Shown(
+                    "source.kind",
+                    facts.kind,
+                    f"{facts.path} holds DTensor state ({'; '.join(facts.placements[:2])}): an FSDP2 job's",
+                ),
+                Shown(
+                    "source.shard_group_size",
+                    facts.shard_group_size,
+                    f"{facts.path}'s DTensors lie on a mesh of {facts.placements[:1]}",
+                ),
             ]
         return shown
 
     def id_groups(self, given: IdGroups, configured: IdGroups, generated: bool) -> IdGroups:
         return given if given is not None else configured or None
 
-    def write(self, result: dict[str, Any], staging: Path, rank: int, *, key: str, tree: ModuleTree, world_size: int, shared: dict[str, Any]) -> RankFiles:
+    def write(
+        self,
+        result: dict[str, Any],
+        staging: Path,
+        rank: int,
+        *,
+        key: str,
+        tree: ModuleTree,
+        world_size: int,
+        shared: dict[str, Any],
+    ) -> RankFiles:
         return write_torch_file(result, staging / rank_file_name(rank))
 
     def load_as_a_user_does(self, model: Any, optim: Any, path: Path, written: dict[str, Any], kind: Any) -> None:
-        from osdpipe.io.loading import load_rank_local  # imported here: loading imports the formats package, which imports this module
+        # imported here: loading imports the formats package, which imports this module
+        from osdpipe.io.loading import load_rank_local
 
         load_rank_local(optim, path, model=model)

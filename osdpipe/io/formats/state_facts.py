@@ -1,4 +1,5 @@
-"""What a loaded optimizer state shows of itself: the part of every format's :meth:`~osdpipe.io.formats.base.Format.read_facts` they share.
+"""What a loaded optimizer state shows of itself:
+the part of every format's :meth:`~osdpipe.io.formats.base.Format.read_facts` they share.
 
 The optimizer and its hyperparameters per param group, the step range, the
 state names, dtypes and bytes (:mod:`osdpipe.io.file_facts` gathers them into a
@@ -25,8 +26,9 @@ if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
 _FIRST = 16
 #: What to say of a checkpoint whose first moments were overwritten by its second (:func:`moments_alike`).
 MOMENTS_ALIKE = (
-    "exp_avg equals exp_avg_sq for every parameter: no optimizer keeps them so, and PyTorch 2.13's FSDP1 use_orig_params "
-    "FULL_STATE_DICT path on CPU saves them so (offload_to_cpu=True reuses one buffer); this checkpoint has lost its first moments"
+    "exp_avg equals exp_avg_sq for every parameter: no optimizer keeps them so, "
+    "and PyTorch 2.13's FSDP1 use_orig_params FULL_STATE_DICT path on CPU saves them so "
+    "(offload_to_cpu=True reuses one buffer); this checkpoint has lost its first moments"
 )
 
 
@@ -71,7 +73,8 @@ def _describe_optimizer(facts: Facts, param_groups: list[dict[str, Any]] | None,
     guess: Inferred = infer(param_groups, names)
     facts.optimizer, facts.optimizer_candidates, facts.optimizer_why = guess.name, list(guess.candidates), guess.why
     facts.param_groups = [
-        {**{k: _plain(v) for k, v in g.items() if k not in NOT_HYPERPARAMETERS}, "params": len(g.get("params", []))} for g in param_groups or []
+        {**{k: _plain(v) for k, v in g.items() if k not in NOT_HYPERPARAMETERS}, "params": len(g.get("params", []))}
+        for g in param_groups or []
     ]
     named = [list(g.get("params", [])) for g in param_groups or []]
     if named and all(isinstance(p, str) for g in named for p in g):

@@ -40,20 +40,33 @@ from torch import nn
 from osdpipe.layout.boxes import Box, local_box, mesh_coordinates, parse_placement, placement_cuts
 from osdpipe.layout.kinds.base import LayoutKind, compute_device, device_mesh, register
 from osdpipe.layout.kinds.fsdp1 import check_shard_group
-from osdpipe.layout.ranges import DTENSOR_TABLE, LayoutSpec, LocalTensor, Placement, box_segments, same_placement, unit_of, wrapped_modules
+from osdpipe.layout.ranges import (
+    DTENSOR_TABLE,
+    LayoutSpec,
+    LocalTensor,
+    Placement,
+    box_segments,
+    same_placement,
+    unit_of,
+    wrapped_modules,
+)
 from osdpipe.layout.tp import mesh_shape, parallelize, read_placements
 from osdpipe.layout.tree import ModuleTree, describe
 
 
 def placement(spec: LayoutSpec) -> Placement:
-    """The mesh and placements of every parameter of a job without tensor parallelism: ``Shard(0)``, or ``(Replicate(), Shard(0))`` with HSDP."""
+    """The mesh and placements of every parameter of a job without tensor parallelism:
+    ``Shard(0)``, or ``(Replicate(), Shard(0))`` with HSDP."""
     if spec.shard_group_size:
-        return Placement(mesh=(spec.replicas, spec.shard_group_size), placements=("R", "S(0)"), names=("replicate", "shard"))
+        return Placement(
+            mesh=(spec.replicas, spec.shard_group_size), placements=("R", "S(0)"), names=("replicate", "shard")
+        )
     return Placement(mesh=(spec.world_size,), placements=("S(0)",), names=("shard",))
 
 
 def job_mesh(spec: LayoutSpec) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The job's whole device mesh and its dimension names: ``(world,)`` or ``(replicate, shard)``; with TP, torchtitan's (:func:`osdpipe.layout.tp.mesh_shape`)."""
+    """The job's whole device mesh and its dimension names: ``(world,)`` or ``(replicate, shard)``;
+    with TP, torchtitan's (:func:`osdpipe.layout.tp.mesh_shape`)."""
     if spec.tp_size > 1:
         return mesh_shape(spec)
     where = placement(spec)
@@ -61,12 +74,16 @@ def job_mesh(spec: LayoutSpec) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 def placements(tree: ModuleTree, spec: LayoutSpec) -> dict[str, Placement]:
-    """Each parameter's mesh and placements: :func:`placement` for all, or with TP as PyTorch lays them (``spec.tp_placements``)."""
+    """Each parameter's mesh and placements:
+    :func:`placement` for all, or with TP as PyTorch lays them (``spec.tp_placements``)."""
     if spec.tp_size == 1:
         where = placement(spec)
         return {p.fqn: where for p in tree.params}
     if spec.tp_placements is None:
-        raise ValueError(f"tp_size={spec.tp_size}: the parameters' placements are read from PyTorch by the plan (osdpipe.layout.tp.read_placements) before a layout is computed")
+        raise ValueError(
+            f"tp_size={spec.tp_size}: the parameters' placements are read from PyTorch by the plan "
+            "(osdpipe.layout.tp.read_placements) before a layout is computed"
+        )
     return dict(spec.tp_placements)
 
 
@@ -77,7 +94,8 @@ def rank_coordinates(spec: LayoutSpec, rank: int) -> dict[str, int]:
 
 
 def held_box(shape: tuple[int, ...], tensor: LocalTensor) -> Box | None:
-    """The box ``tensor`` holds of a parameter of ``shape`` (its first element's index, and its local shape); ``None`` when it holds nothing."""
+    """The box ``tensor`` holds of a parameter of ``shape``
+    (its first element's index, and its local shape); ``None`` when it holds nothing."""
     if not tensor.segments:
         return None
     first, index = tensor.segments[0].start, []
@@ -89,14 +107,17 @@ def held_box(shape: tuple[int, ...], tensor: LocalTensor) -> Box | None:
 
 def pytorch_box(where: Placement, shape: tuple[int, ...], coords: dict[str, int]) -> Box:
     """The box PyTorch's offset helper (what DCP saves and loads by) says the rank at ``coords`` holds."""
-    # private, as of torch 2.13: the helper behind compute_local_shape_and_global_offset, taking plain coordinates instead of a live mesh
+    # private, as of torch 2.13: the helper behind compute_local_shape_and_global_offset,
+    # taking plain coordinates instead of a live mesh
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
     objects = []
     for text in where.placements:
         dim, factor = parse_placement(text)
-        objects.append(Replicate() if dim is None else Shard(dim) if factor is None else _StridedShard(dim, split_factor=factor))
+        objects.append(
+            Replicate() if dim is None else Shard(dim) if factor is None else _StridedShard(dim, split_factor=factor)
+        )
     local, offset = _compute_local_shape_and_global_offset(shape, where.mesh, [coords[n] for n in where.names], objects)
     return tuple((o, o + n) for o, n in zip(offset, local, strict=True))
 
@@ -111,7 +132,8 @@ class FSDP2(LayoutKind):
     broadcasts_full_model = True
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
-        """Each parameter's box on this rank (:mod:`osdpipe.layout.boxes`): the nested ``torch.chunk`` cuts its placements make, at this rank's mesh coordinates."""
+        """Each parameter's box on this rank (:mod:`osdpipe.layout.boxes`):
+        the nested ``torch.chunk`` cuts its placements make, at this rank's mesh coordinates."""
         coords = rank_coordinates(spec, rank)
         table = placements(tree, spec)
         out = []
@@ -119,11 +141,15 @@ class FSDP2(LayoutKind):
             where = table[p.fqn]
             box = local_box(p.shape, placement_cuts(where.placements, where.mesh, [coords[n] for n in where.names]))
             local_shape = tuple(stop - start for start, stop in box)
-            out.append(LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=local_shape, segments=box_segments(p.fqn, p.shape, box), flat=False, placement=where))
+            segments = box_segments(p.fqn, p.shape, box)
+            out.append(
+                LocalTensor(key=p.fqn, fqns=(p.fqn,), shape=local_shape, segments=segments, flat=False, placement=where)
+            )
         return tuple(out)
 
     def settle(self, spec: LayoutSpec, factory: str, kwargs: dict[str, Any]) -> LayoutSpec:
-        """With tensor parallelism, the placements PyTorch gives each parameter (:func:`osdpipe.layout.tp.read_placements`)."""
+        """With tensor parallelism, the placements PyTorch gives each parameter
+        (:func:`osdpipe.layout.tp.read_placements`)."""
         if spec.tp_size == 1 or spec.tp_placements is not None:
             return spec
         return dataclasses.replace(spec, tp_placements=read_placements(factory, kwargs, spec))
@@ -148,37 +174,50 @@ class FSDP2(LayoutKind):
                 if theirs != box:
                     return (
                         f"dcp.load would put rank {rank}'s piece of {tensor.key} at {theirs}, but the rank holds {box} "
-                        f"(PyTorch {torch.__version__}'s offsets for {', '.join(tensor.placement.placements)} on mesh {list(tensor.placement.mesh)} are wrong); "
+                        f"(PyTorch {torch.__version__}'s offsets for {', '.join(tensor.placement.placements)} "
+                        f"on mesh {list(tensor.placement.mesh)} are wrong); "
                         "write output.format=rank_local, or choose a mesh where they are right"
                     )
         return None
 
     def validate(self, spec: LayoutSpec) -> None:
-        """HSDP is ``shard_group_size``; ``fully_shard`` always wraps the root and has no strategies besides when it reshards."""
+        """HSDP is ``shard_group_size``; ``fully_shard`` always wraps
+        the root and has no strategies besides when it reshards."""
         if spec.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
             raise ValueError(
-                f"sharding_strategy={spec.sharding_strategy}: kind=fsdp2 shards every parameter (FULL_SHARD or SHARD_GRAD_OP, "
-                "which lay out alike); for HSDP set shard_group_size"
+                f"sharding_strategy={spec.sharding_strategy}: kind=fsdp2 shards every parameter "
+                "(FULL_SHARD or SHARD_GRAD_OP, which lay out alike); for HSDP set shard_group_size"
             )
         if not spec.wrap_root:
             raise ValueError("wrap_root=false: fully_shard always wraps the root module; leave wrap_root=true")
         check_shard_group(spec, hybrid=spec.shard_group_size is not None)
         if spec.tp_size > 1 and not spec.tp_plan:
-            raise ValueError(f"tp_size={spec.tp_size} needs tp_plan: module FQN patterns mapped to colwise, rowwise, sequence or package.module:callable")
+            raise ValueError(
+                f"tp_size={spec.tp_size} needs tp_plan: "
+                "module FQN patterns mapped to colwise, rowwise, sequence or package.module:callable"
+            )
 
     def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
         """Unknown wrap names, tied parameters across units, 0-dim parameters (which ``Shard(0)`` cannot cut)."""
         unit_of(tree, spec)
         scalars = [p.fqn for p in tree.params if not p.shape]
         if scalars:
-            raise ValueError(f"FSDP2 shards every parameter on dim 0, but {', '.join(scalars[:3])} are 0-dim; reshape them to (1,)")
+            raise ValueError(
+                f"FSDP2 shards every parameter on dim 0, but {', '.join(scalars[:3])} are 0-dim; reshape them to (1,)"
+            )
 
     def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
-        """``tp_plan`` applied over the ``tp`` mesh dimension (with TP), then ``fully_shard`` on every module of ``wrap``, innermost first, and on the root."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy: only a live model needs it, not the launcher's config check
+        """``tp_plan`` applied over the ``tp`` mesh dimension (with TP),
+        then ``fully_shard`` on every module of ``wrap``, innermost first, and on the root."""
+        # heavy: only a live model needs it, not the launcher's config check
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = device_mesh(*job_mesh(spec))
-        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, spec.param_dtype)) if spec.param_dtype else MixedPrecisionPolicy()
+        policy = (
+            MixedPrecisionPolicy(param_dtype=getattr(torch, spec.param_dtype))
+            if spec.param_dtype
+            else MixedPrecisionPolicy()
+        )
         model = model.to(compute_device())
         if spec.tp_size > 1:  # tensor parallelism first, over the mesh's tp dimension; FSDP2 then shards over the rest
             mesh = parallelize(model, mesh, spec)
@@ -189,7 +228,8 @@ class FSDP2(LayoutKind):
         return model
 
     def to_load(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> dict[str, Any]:
-        """``set_optimizer_state_dict`` from the full state (:meth:`load_full`), then ``optim.state_dict()``, as a ``rank_local`` file holds it.
+        """``set_optimizer_state_dict`` from the full state (:meth:`load_full`),
+        then ``optim.state_dict()``, as a ``rank_local`` file holds it.
 
         ``optim`` is left holding the loaded state.
         """
@@ -197,20 +237,25 @@ class FSDP2(LayoutKind):
         return to_rank_local(optim.state_dict())
 
     def load_full(self, model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any]) -> None:
-        """``set_optimizer_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``: what an FSDP2 job calls with a full state.
+        """``set_optimizer_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``:
+        what an FSDP2 job calls with a full state.
 
         ``broadcast_from_rank0``: rank 0's full state is sent to every rank,
         which keeps its piece. Without it PyTorch 2.13 cuts each rank's piece
         with ``distribute_tensor``, which fails for an uneven ``_StridedShard``
         (FSDP2 over tensor parallelism, a size that ``tp_size`` does not divide).
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # DCP is heavy: only a live model needs it
+        # DCP is heavy: only a live model needs it
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        if "param_groups" not in full_osd:  # PyTorch needs groups to load by; a source without them resumes with the target's
+        # PyTorch needs groups to load by; a source without them resumes with the target's
+        if "param_groups" not in full_osd:
             full_osd = {**full_osd, "param_groups": self.full_state(model, optim)["param_groups"]}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            set_optimizer_state_dict(model, optim, full_osd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            set_optimizer_state_dict(
+                model, optim, full_osd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
 
     def loadable(self, optim: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         return from_rank_local(optim, state)
@@ -222,7 +267,8 @@ class FSDP2(LayoutKind):
         in two steps (FSDP2 over TP); that is how it is done, not a problem
         of the checkpoint, so it is not shown.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # DCP is heavy: only a live model needs it
+        # DCP is heavy: only a live model needs it
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         with warnings.catch_warnings():
@@ -230,7 +276,8 @@ class FSDP2(LayoutKind):
             return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
 
     def save(self, model: nn.Module, optim: torch.optim.Optimizer, path: Path, state_dict_type: str, key: str) -> None:
-        """full: the full state from rank 0; sharded: ``get_optimizer_state_dict`` to DCP; local: :func:`to_rank_local` per rank."""
+        """full: the full state from rank 0; sharded: ``get_optimizer_state_dict`` to DCP;
+        local: :func:`to_rank_local` per rank."""
         if state_dict_type == "local":
             path.mkdir(exist_ok=True)
             torch.save(to_rank_local(optim.state_dict()), path / f"rank_{dist.get_rank()}.pt")
@@ -295,9 +342,15 @@ def from_rank_local(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[s
         saved = table.get(pid)
         here = _describe(param)
         if saved is not None and not same_placement(saved, here):
-            raise ValueError(f"param ID {pid}: the file's DTensor is {saved}, but the optimizer's parameter is {here}; convert to this layout first")
+            raise ValueError(
+                f"param ID {pid}: the file's DTensor is {saved}, but the optimizer's parameter is {here}; "
+                "convert to this layout first"
+            )
         state[pid] = {
-            name: DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+            name: DTensor.from_local(
+                value.to(param.device), param.device_mesh, param.placements,
+                run_check=False, shape=param.shape, stride=param.stride(),
+            )
             if torch.is_tensor(value) and value.dim() > 0
             else value
             for name, value in entry.items()
@@ -306,6 +359,9 @@ def from_rank_local(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[s
 
 
 def _describe(dtensor: Any) -> dict[str, list[Any]]:
-    """A live DTensor's entry of the ``dtensor`` table, as :meth:`osdpipe.layout.ranges.Placement.describe` writes it, its mesh's names included."""
+    """A live DTensor's entry of the ``dtensor`` table,
+    as :meth:`osdpipe.layout.ranges.Placement.describe` writes it, its mesh's names included."""
     mesh = dtensor.device_mesh
-    return Placement(tuple(mesh.shape), tuple(str(p) for p in dtensor.placements), tuple(mesh.mesh_dim_names or ())).describe(tuple(dtensor.shape))
+    return Placement(
+        tuple(mesh.shape), tuple(str(p) for p in dtensor.placements), tuple(mesh.mesh_dim_names or ())
+    ).describe(tuple(dtensor.shape))

@@ -26,12 +26,17 @@ class NoWrapper(LayoutKind):
     def refuses_output(self, fmt: Any) -> str | None:
         if fmt.name == self.saved_format("full"):
             return None
-        return "target.kind=none is an unwrapped model, whose optimizer loads one plain state dict: set output.format=plain"
+        return (
+            "target.kind=none is an unwrapped model, whose optimizer loads one plain state dict: "
+            "set output.format=plain"
+        )
 
     def validate(self, spec: LayoutSpec) -> None:
         super().validate(spec)
         if spec.world_size != 1:
-            raise ValueError(f"kind=none is an unwrapped model on one rank, but world_size={spec.world_size}; set world_size=1")
+            raise ValueError(
+                f"kind=none is an unwrapped model on one rank, but world_size={spec.world_size}; set world_size=1"
+            )
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         return full_layout(tree)
@@ -53,12 +58,16 @@ class NoWrapper(LayoutKind):
             # With no state at all (SGD without momentum, no step taken) PyTorch cannot tell the key type and
             # returns the state dict unchanged, param groups still FQN-keyed: give it one empty entry to key by.
             probe = next(f for g in groups for f in g["params"])
-            rekeyed = FSDP.rekey_optim_state_dict({**full_osd, "state": {probe: {}}}, OptimStateKeyType.PARAM_ID, model, optim=optim)
+            rekeyed = FSDP.rekey_optim_state_dict(
+                {**full_osd, "state": {probe: {}}}, OptimStateKeyType.PARAM_ID, model, optim=optim
+            )
             return {**rekeyed, "state": {}}
 
     def full_state(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """``get_optimizer_state_dict`` with ``full_state_dict``: keyed by FQN (DDP's ``module.`` dropped), in the optimizer's order."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # DCP is heavy: only a live model needs it
+        """``get_optimizer_state_dict`` with ``full_state_dict``:
+        keyed by FQN (DDP's ``module.`` dropped), in the optimizer's order."""
+        # DCP is heavy: only a live model needs it
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -26,14 +26,16 @@ def broadcast(ctx: Context, opened: Opened, tally: Tally) -> Described:
         tally.sent += len(pickle.dumps(meta)) * (ctx.world_size - 1)
     meta = canonical_meta(meta, ctx.tree)
     reader = opened.reader
-    if meta.names and reader is not None:  # the checkpoint names parameters otherwise (module., _orig_mod., an alias): read by its names
+    # the checkpoint names parameters otherwise (module., _orig_mod., an alias): read by its names
+    if meta.names and reader is not None:
         reader = RenamedReader(reader, meta.names)
     act_on_nonfinite(ctx, tally, nonfinite_scalars(meta))
     return Described(reader, opened.reading_ranks, meta)
 
 
 def nonfinite_scalars(meta: SourceMeta) -> list[str]:
-    """Scalar state (0-dim tensors, floats) that is NaN or Inf, as ``"<fqn> <name> = nan"``; tensors are checked in shard."""
+    """Scalar state (0-dim tensors, floats) that is NaN or Inf, as ``"<fqn> <name> = nan"``;
+    tensors are checked in shard."""
     found = []
     for fqn, entries in meta.state.items():
         for name, value in entries.items():
@@ -55,6 +57,11 @@ def act_on_nonfinite(ctx: Context, tally: Tally, found: list[str], *, here: bool
         return
     shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
     if ctx.spec.input.allow_nonfinite:
-        tally.warnings.append(f"the source holds NaN or Inf, converted as they are (input.allow_nonfinite=true): {shown}")
+        tally.warnings.append(
+            f"the source holds NaN or Inf, converted as they are (input.allow_nonfinite=true): {shown}"
+        )
     elif here:
-        raise ValueError(f"the source holds NaN or Inf: {shown}; mend the checkpoint, or set input.allow_nonfinite=true to convert them as they are")
+        raise ValueError(
+            f"the source holds NaN or Inf: {shown}; "
+            "mend the checkpoint, or set input.allow_nonfinite=true to convert them as they are"
+        )

@@ -24,7 +24,13 @@ from osdpipe.run.products import Described, Flattened, Tally
 
 def _same(a: Any, b: Any) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all() | (a.isnan() & b.isnan()).all())
+        return (
+            torch.is_tensor(a)
+            and torch.is_tensor(b)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool((a == b).all() | (a.isnan() & b.isnan()).all())
+        )
     return type(a) is type(b) and a == b
 
 
@@ -42,19 +48,25 @@ def flat_entry(tensor: LocalTensor, meta: SourceMeta) -> dict[str, Any] | None:
     first = names[with_state[0]]
     if any(n != first for n in names.values()):
         detail = "; ".join(f"{f}: {sorted(n)}" for f, n in names.items())
-        raise ValueError(f"parameters sharing flat parameter {tensor.key} have differing optimizer state names ({detail})")
+        raise ValueError(
+            f"parameters sharing flat parameter {tensor.key} have differing optimizer state names ({detail})"
+        )
     entry: dict[str, Any] = {}
     for name in sorted(first):
         values = [meta.state[f][name] for f in with_state]
         if all(isinstance(v, TensorRef) for v in values):
             dtypes = {v.dtype for v in values}
             if len(dtypes) > 1:
-                raise ValueError(f"state {name!r} of the parameters in flat parameter {tensor.key} mixes dtypes {sorted(dtypes)}")
+                raise ValueError(
+                    f"state {name!r} of the parameters in flat parameter {tensor.key} mixes dtypes {sorted(dtypes)}"
+                )
             entry[name] = TensorRef(tensor.shape, dtypes.pop())
             continue
         if any(isinstance(v, TensorRef) for v in values):
             raise ValueError(f"state {name!r} is a tensor for some parameters of {tensor.key} and a scalar for others")
-        if len(tensor.fqns) > 1 and (len(with_state) < len(tensor.fqns) or any(not _same(v, values[0]) for v in values)):
+        if len(tensor.fqns) > 1 and (
+            len(with_state) < len(tensor.fqns) or any(not _same(v, values[0]) for v in values)
+        ):
             shown = {f: meta.state[f][name] if f in with_state else "<no state>" for f in tensor.fqns}
             raise ValueError(
                 f"parameters sharing flat parameter {tensor.key} must have the same scalar state {name!r}, "

@@ -22,28 +22,45 @@ from osdpipe.spec.plan import Plan
 
 
 def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
-    """The groups a param-ID keyed input's IDs follow, as FQN patterns per group (``None``: not known; see :meth:`Format.id_groups`)."""
+    """The groups a param-ID keyed input's IDs follow,
+    as FQN patterns per group (``None``: not known; see :meth:`Format.id_groups`)."""
     configured = [g.params for g in spec.optim.param_groups] or None
     return formats.get(input_format).id_groups(spec.input.param_groups, configured, generated=spec.input.path is None)
 
 
 def open_input(plan: Plan) -> SourceReader:
-    """The source's reader: the optimizer checkpoint, or a whole checkpoint, whose model weights and carried entries come with it (:mod:`osdpipe.io.weights`)."""
+    """The source's reader: the optimizer checkpoint, or a whole checkpoint,
+    whose model weights and carried entries come with it (:mod:`osdpipe.io.weights`)."""
     if plan.checkpoint.whole:
         return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec)
     groups = source_id_groups(plan.spec, plan.input_format)
-    return open_source(plan.input_format, plan.input_path, plan.spec.input.key, tree=plan.tree, source=plan.source_spec, id_groups=groups)
+    return open_source(
+        plan.input_format,
+        plan.input_path,
+        plan.spec.input.key,
+        tree=plan.tree,
+        source=plan.source_spec,
+        id_groups=groups,
+    )
 
 
 def inspect_input(plan: Plan) -> SourceMeta:
-    """Open the input and run every check that needs no process group (:func:`osdpipe.io.formats.inspect_source`); its canonical metadata.
+    """Open the input and run every check that needs no process group
+    (:func:`osdpipe.io.formats.inspect_source`); its canonical metadata.
 
     Raises:
         InputError: the input is damaged, unsafe, or does not fit the model and the source layout.
     """
     if not plan.checkpoint.whole:
         groups = source_id_groups(plan.spec, plan.input_format)
-        return inspect_source(plan.input_format, plan.input_path, plan.spec.input.key, tree=plan.tree, source=plan.source_spec, id_groups=groups)
+        return inspect_source(
+            plan.input_format,
+            plan.input_path,
+            plan.spec.input.key,
+            tree=plan.tree,
+            source=plan.source_spec,
+            id_groups=groups,
+        )
     return canonical_meta(open_input(plan).meta(), plan.tree, where=plan.input_path)
 
 

@@ -36,10 +36,18 @@ from osdpipe.run.products import Keyed, Sharded, Tally
 def _check_shapes(tensor: LocalTensor, state: dict[str, Any], key: Any) -> None:
     for name, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tensor.shape:
-            raise ValueError(f"state {name!r} for {tensor.key} (key {key}) has shape {tuple(value.shape)}, but the target parameter has {tensor.shape}")
+            raise ValueError(
+                f"state {name!r} for {tensor.key} (key {key}) has shape {tuple(value.shape)}, "
+                f"but the target parameter has {tensor.shape}"
+            )
 
 
-def _param_groups(meta: SourceMeta, layout: tuple[LocalTensor, ...], groups: list[list[int]], params_of: Callable[[list[int]], list[Any]]) -> list[dict[str, Any]] | None:
+def _param_groups(
+    meta: SourceMeta,
+    layout: tuple[LocalTensor, ...],
+    groups: list[list[int]],
+    params_of: Callable[[list[int]], list[Any]],
+) -> list[dict[str, Any]] | None:
     """The source's param groups, each holding its target group's parameters as ``params_of`` names them.
 
     Hyperparameters come from the source, as PyTorch keeps them. Group ``g``
@@ -61,7 +69,8 @@ def _param_groups(meta: SourceMeta, layout: tuple[LocalTensor, ...], groups: lis
         source_fqns = set(source_group["params"]) & held
         if source_fqns != target_fqns:
             raise ValueError(
-                f"param group {g}: the source's group holds {sorted(source_fqns - target_fqns)[:4]} that the target's does not, "
+                f"param group {g}: the source's group holds {sorted(source_fqns - target_fqns)[:4]} "
+                "that the target's does not, "
                 f"and the target's holds {sorted(target_fqns - source_fqns)[:4]} that the source's does not; "
                 "set optim.param_groups so the groups hold the same parameters"
             )
@@ -89,29 +98,38 @@ def id_keyed(ctx: Context, sharded: Sharded, converted: dict[str, dict[str, Any]
             state[ids[tensor.key]] = converted[tensor.key]
             keys[tensor.key] = ids[tensor.key]
     out: dict[str, Any] = {"state": dict(sorted(state.items()))}
-    param_groups = _param_groups(sharded.source.meta, layout, groups, lambda members: sorted(ids[layout[i].key] for i in members))
+    param_groups = _param_groups(
+        sharded.source.meta, layout, groups, lambda members: sorted(ids[layout[i].key] for i in members)
+    )
     if param_groups is not None:
         out["param_groups"] = param_groups
     table = dtensor_table(ctx, layout, ids, out["state"])
     if table:
         out[DTENSOR_TABLE] = table
-    # What each ID holds, so that loading can check the file against the optimizer before anything is loaded (osdpipe.io.loading).
+    # What each ID holds, so that loading can check the file against
+    # the optimizer before anything is loaded (osdpipe.io.loading).
     out[PARAM_LAYOUT] = {ids[t.key]: describe_layout(t, ctx.tree) for t in layout if ids.get(t.key) in out["state"]}
     return Keyed(sharded, out, keys)
 
 
-def dtensor_table(ctx: Context, layout: tuple[LocalTensor, ...], ids: dict[str, int], state: dict[int, dict[str, Any]]) -> dict[int, Any]:
-    """Per param ID with tensor state, how the target's DTensor parameter lies on its mesh (FSDP2; see :data:`DTENSOR_TABLE`)."""
+def dtensor_table(
+    ctx: Context, layout: tuple[LocalTensor, ...], ids: dict[str, int], state: dict[int, dict[str, Any]]
+) -> dict[int, Any]:
+    """Per param ID with tensor state,
+    how the target's DTensor parameter lies on its mesh (FSDP2; see :data:`DTENSOR_TABLE`)."""
     table = {}
     for tensor in layout:
         pid = ids.get(tensor.key)
-        if tensor.placement is not None and any(torch.is_tensor(v) and v.dim() > 0 for v in state.get(pid, {}).values()):
+        if tensor.placement is not None and any(
+            torch.is_tensor(v) and v.dim() > 0 for v in state.get(pid, {}).values()
+        ):
             table[pid] = tensor.placement.describe(ctx.tree.param(tensor.key).shape)
     return dict(sorted(table.items()))
 
 
 def fqn_keyed(ctx: Context, sharded: Sharded, converted: dict[str, dict[str, Any]]) -> Keyed:
-    """This rank's optimizer state (``converted``: by layout key) keyed by canonical FQN; param groups list FQNs in the target optimizer's order."""
+    """This rank's optimizer state (``converted``: by layout key) keyed by canonical FQN;
+    param groups list FQNs in the target optimizer's order."""
     meta = sharded.source.meta
     state, keys = {}, {}
     for tensor in ctx.target_layout():
@@ -122,14 +140,17 @@ def fqn_keyed(ctx: Context, sharded: Sharded, converted: dict[str, dict[str, Any
     out: dict[str, Any] = {"state": {**state, **meta.extra}}
     optimizer_layout = ctx.optimizer_layout()
     groups = ctx.plan.target_groups(optimizer_layout)
-    param_groups = _param_groups(meta, optimizer_layout, groups, lambda members: [f for i in members for f in optimizer_layout[i].fqns])
+    param_groups = _param_groups(
+        meta, optimizer_layout, groups, lambda members: [f for i in members for f in optimizer_layout[i].fqns]
+    )
     if param_groups is not None:
         out["param_groups"] = param_groups
     return Keyed(sharded, out, keys)
 
 
 def rekey(ctx: Context, sharded: Sharded, tally: Tally) -> Keyed:
-    """Key the optimizer's state as the target loads it; a whole checkpoint's model weights come out of it, by layout key (:mod:`osdpipe.io.weights`)."""
+    """Key the optimizer's state as the target loads it;
+    a whole checkpoint's model weights come out of it, by layout key (:mod:`osdpipe.io.weights`)."""
     if sharded.source.meta.carried is None:
         return id_keyed(ctx, sharded, sharded.state) if ctx.id_keyed else fqn_keyed(ctx, sharded, sharded.state)
     optimizer, weights = split_weights(sharded.state)

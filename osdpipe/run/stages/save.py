@@ -36,10 +36,13 @@ if TYPE_CHECKING:
     from osdpipe.io.checkpoints.base import Carrying
 
 def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
-    """Stage this rank's files; :func:`commit` commits every rank's once the last has written (see :mod:`osdpipe.pipeline.loop`)."""
+    """Stage this rank's files; :func:`commit` commits every rank's once the last has written
+    (see :mod:`osdpipe.pipeline.loop`)."""
     passed = not isinstance(before, Verified) or before.ok
     if not all(gather_to_all(passed)):
-        return Staged(before, None)  # a result that failed verify is not written; report.json says where it differs (every rank returns: the collectives below stay in step)
+        # a result that failed verify is not written;
+        # report.json says where it differs (every rank returns: the collectives below stay in step)
+        return Staged(before, None)
     keyed = find(before, Keyed)
     assert keyed is not None
     staging = Path(ctx.spec.output.path) / output.STAGING
@@ -55,7 +58,15 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
             if keyed.weights is not None:
                 mine = _write_whole(ctx, keyed, staging)
             elif fmt.writes(ctx.rank):
-                mine = fmt.write(keyed.state_dict, staging, ctx.rank, key=ctx.spec.output.key, tree=ctx.tree, world_size=ctx.world_size, shared=ctx.world.kept)
+                mine = fmt.write(
+                    keyed.state_dict,
+                    staging,
+                    ctx.rank,
+                    key=ctx.spec.output.key,
+                    tree=ctx.tree,
+                    world_size=ctx.world_size,
+                    shared=ctx.world.kept,
+                )
         if streamed is not None:
             _made_as_written(ctx, streamed, tally)
         tally.moved += sum((staging / name).stat().st_size for name in mine.files)
@@ -66,35 +77,51 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
 
 
 def _made_as_written(ctx: Context, streamed: StreamedOutput, tally: Tally) -> None:
-    """Act on what filling the output as it was written found: what shard and roundtrip act on when it is filled in memory.
+    """Act on what filling the output as it was written found:
+    what shard and roundtrip act on when it is filled in memory.
 
     Raises:
         ValueError: a placeholder was never written (its file would hold zeros), an element differs
             from the source, or the source holds NaN or Inf (without ``input.allow_nonfinite``).
     """
     if streamed.unwritten:
-        raise ValueError(f"{ctx.output_format.name} output of rank {ctx.rank} was not written from its placeholders ({', '.join(streamed.unwritten[:3])}): a bug in osdpipe, please report it; without runtime.memory_budget the output is filled in memory")
+        raise ValueError(
+            f"{ctx.output_format.name} output of rank {ctx.rank} was not written from its placeholders "
+            f"({', '.join(streamed.unwritten[:3])}): a bug in osdpipe, please report it; "
+            "without runtime.memory_budget the output is filled in memory"
+        )
     if streamed.differences:
-        raise ValueError(f"roundtrip, comparing rank {ctx.rank}'s output with the source as it was written: {'; '.join(streamed.differences[:5])}")
+        raise ValueError(
+            f"roundtrip, comparing rank {ctx.rank}'s output with the source as it was written: "
+            f"{'; '.join(streamed.differences[:5])}"
+        )
     act_on_nonfinite(ctx, tally, streamed.nonfinite)
     tally.moved += streamed.filled
 
 
 def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
-    """This rank's part of a whole checkpoint, laid out by its layout; with ``output.model_format=safetensors``, the first
-    rank that reads the source also exports the model from it."""
-    from osdpipe.io.checkpoints.output import export_safetensors, rank_parts  # torch.distributed.checkpoint: only where a whole checkpoint is written
+    """This rank's part of a whole checkpoint, laid out by its layout;
+    with ``output.model_format=safetensors``, the first rank that reads the source also exports the model from it."""
+    # torch.distributed.checkpoint: only where a whole checkpoint is written
+    from osdpipe.io.checkpoints.output import export_safetensors, rank_parts
 
     source = keyed.source
     parts = rank_parts(keyed, ctx.plan.output_checkpoint)
-    mine = ctx.plan.output_checkpoint.write(parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format)
+    mine = ctx.plan.output_checkpoint.write(
+        parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format
+    )
     if ctx.spec.output.model_format == "safetensors" and ctx.rank == source.first_reader:
-        mine.files.update(export_safetensors(source.reader, source.meta, ctx.tree, staging, ctx.spec.output.max_shard_size, _to_hf(ctx.spec)))
+        mine.files.update(
+            export_safetensors(
+                source.reader, source.meta, ctx.tree, staging, ctx.spec.output.max_shard_size, _to_hf(ctx.spec)
+            )
+        )
     return mine
 
 
 def _to_hf(spec: Any) -> Any:
-    """The model's own conversion to Hugging Face's names for the export, as ``output.model_keys`` asks (``None``: its own names)."""
+    """The model's own conversion to Hugging Face's names for the export,
+    as ``output.model_keys`` asks (``None``: its own names)."""
     from osdpipe.layout.models import hf_adapter  # imports the model's framework: only where it exports
 
     if spec.output.model_keys == "fqn":
@@ -109,8 +136,9 @@ PLACE_KEYS = ("path", "overwrite", "fsync")
 
 
 def conversion_of(config: dict[str, Any]) -> dict[str, Any]:
-    """What defines the converted bytes: the config without paths and without how it ran (mode, transfer, budget, checks), and
-    without torchtitan's names for the model (``checkpoint.model``, ``checkpoint.flavor``), which the ``model`` section holds."""
+    """What defines the converted bytes: the config without paths and without how it ran
+    (mode, transfer, budget, checks), and without torchtitan's names for the model
+    (``checkpoint.model``, ``checkpoint.flavor``), which the ``model`` section holds."""
     out = {k: v for k, v in config.items() if k not in RUN_SECTIONS}
     for side in ("input", "output"):
         out[side] = {k: v for k, v in config[side].items() if k not in PLACE_KEYS}
@@ -120,7 +148,8 @@ def conversion_of(config: dict[str, Any]) -> dict[str, Any]:
 
 #: What the manifest's digests are, in its own words: how to check a file by hand.
 DIGESTS = (
-    "files: a file listed under pieces has the sha256 of its pieces' sha256, one lowercase hex digest and a newline each: "
+    "files: a file listed under pieces has the sha256 of its pieces' sha256, "
+    "one lowercase hex digest and a newline each: "
     "cut the file at the lengths given, in order, sha256sum each piece, and sha256sum the digests' lines. "
     "Any other file has its sha256 (sha256sum). tensors: the sha256 of each tensor's bytes in row-major order, "
     "which for a torch file's tensor is the digest of its piece."
@@ -128,20 +157,27 @@ DIGESTS = (
 
 
 def content_sha256(content: dict[str, Any]) -> str:
-    """sha256 of the manifest's content (versions, conversion, files, tensor digests): equal for two runs that wrote the same bytes."""
+    """sha256 of the manifest's content (versions, conversion, files, tensor digests):
+    equal for two runs that wrote the same bytes."""
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def source_rank_files(carrying: Carrying, files: dict[str, Any]) -> dict[str, int]:
-    """The output's carried files that describe one rank of the world that saved the checkpoint (accelerate's
-    ``random_states_<r>.pkl``, the Trainer's ``rng_state_<r>.pth``), each with that rank: the manifest's ``source_rank_files``."""
+    """The output's carried files that describe one rank of the world that saved the
+    checkpoint (accelerate's ``random_states_<r>.pkl``, the Trainer's
+    ``rng_state_<r>.pth``), each with that rank: the manifest's ``source_rank_files``."""
     ranks = {entry.where: entry.source_rank for entry in carrying.entries if entry.source_rank is not None}
     carried = {Path(f).name for f in carrying.files}
-    return {name: ranks[Path(name).name] for name in sorted(files) if Path(name).name in ranks and Path(name).name in carried}
+    return {
+        name: ranks[Path(name).name]
+        for name in sorted(files)
+        if Path(name).name in ranks and Path(name).name in carried
+    }
 
 
 def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: WholeSource | None = None) -> dict[str, str]:
-    """Finish a DCP checkpoint, write the manifest into the staged conversion and commit it; returns the files and their digests.
+    """Finish a DCP checkpoint, write the manifest into the staged conversion and commit it;
+    returns the files and their digests.
 
     Called once, by the process that plays rank 0, with what every rank
     staged (``per_rank``, in rank order); ``carried``: what a whole
@@ -164,13 +200,16 @@ def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: Whole
         "format": ctx.spec.output.format,
         "digests": DIGESTS,
         "files": {name: str(digest) for name, digest in sorted(files.items())},
-        "pieces": {name: list(digest.pieces) for name, digest in sorted(files.items()) if isinstance(digest, PieceDigest)},
+        "pieces": {
+            name: list(digest.pieces) for name, digest in sorted(files.items()) if isinstance(digest, PieceDigest)
+        },
         "tensors": {k: v for r in per_rank for k, v in sorted(r.tensors.items())},
     }
     if carried is not None and (ranks := source_rank_files(carried.carrying, files)):
         content["source_rank_files"] = ranks
     manifest = {**content, "content_sha256": content_sha256(content), "config": config}
-    if ctx.spec.input.path is not None:  # what the user typed stays in config; `osdpipe check` from elsewhere needs this
+    # what the user typed stays in config; `osdpipe check` from elsewhere needs this
+    if ctx.spec.input.path is not None:
         manifest[output.INPUT_ABSOLUTE] = os.path.abspath(ctx.spec.input.path)
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     output.commit(staging.parent, ctx.spec.output.fsync)

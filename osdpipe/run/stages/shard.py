@@ -38,7 +38,8 @@ from osdpipe.run.transfer import Receiver, Server, Source, allocate, fill, plan
 
 
 def nonfinite(tensor: LocalTensor, state: dict[str, Any]) -> list[str]:
-    """Each source parameter and state name whose copied range holds NaN or Inf: ``"block1.gate exp_avg (2 element(s), first at flat index 5)"``."""
+    """Each source parameter and state name whose copied range holds NaN or Inf:
+    ``"block1.gate exp_avg (2 element(s), first at flat index 5)"``."""
     found = []
     for name, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0:
@@ -81,7 +82,10 @@ def _serve(ctx: Context, source: Described, tally: Tally) -> dict[int, dict[tupl
     receivers = source.receivers(ctx.rank)
     if not (source.reads_itself(ctx.rank) and receivers):
         return {}
-    server = Server(read_source(ctx, source), digest="verify" in ctx.spec.pipeline.stages and "roundtrip" in ctx.spec.pipeline.checks)
+    server = Server(
+        read_source(ctx, source),
+        digest="verify" in ctx.spec.pipeline.stages and "roundtrip" in ctx.spec.pipeline.checks,
+    )
     sent_digests: dict[int, dict[tuple[str, str, int], str]] = {}
     for receiver in receivers:
         sent_digests[receiver] = {}
@@ -97,7 +101,9 @@ def _serve(ctx: Context, source: Described, tally: Tally) -> dict[int, dict[tupl
     return sent_digests
 
 
-def _convert(ctx: Context, flat: Flattened, tally: Tally, found: list[str]) -> tuple[dict[str, dict[str, Any]], StreamedOutput | None]:
+def _convert(
+    ctx: Context, flat: Flattened, tally: Tally, found: list[str]
+) -> tuple[dict[str, dict[str, Any]], StreamedOutput | None]:
     """Fill this rank's own tensors, read here or received; ``found`` collects the non-finite elements they hold.
 
     Under ``runtime.memory_budget``, when nothing before save needs them in
@@ -111,7 +117,9 @@ def _convert(ctx: Context, flat: Flattened, tally: Tally, found: list[str]) -> t
     plans = [plan(t, flat.entries[t.key], source.meta, ctx.spec.runtime.piece_bytes) for t in tensors]
     streamed = _streamed(ctx, reads, tensors, flat, tally)
     if streamed is not None:
-        return {t.key: streamed.allocate(t, flat.entries[t.key], source.meta, work) for t, work in zip(tensors, plans)}, streamed
+        return {
+            t.key: streamed.allocate(t, flat.entries[t.key], source.meta, work) for t, work in zip(tensors, plans)
+        }, streamed
     out: dict[str, dict[str, Any]] = {}
     try:
         for tensor, work in zip(track(tensors), plans):
@@ -126,9 +134,11 @@ def _convert(ctx: Context, flat: Flattened, tally: Tally, found: list[str]) -> t
     return out, None
 
 
-def _streamed(ctx: Context, reads: Source | None, tensors: list[LocalTensor], flat: Flattened, tally: Tally) -> StreamedOutput | None:
-    """This rank's output as placeholders for save to fill from ``reads`` as it writes them, where a memory budget is set and nothing needs
-    it in memory sooner.
+def _streamed(
+    ctx: Context, reads: Source | None, tensors: list[LocalTensor], flat: Flattened, tally: Tally
+) -> StreamedOutput | None:
+    """This rank's output as placeholders for save to fill from ``reads`` as it writes them,
+    where a memory budget is set and nothing needs it in memory sooner.
 
     Otherwise ``None``; a rank whose output outgrows the budget says why in a warning.
     """
@@ -139,7 +149,12 @@ def _streamed(ctx: Context, reads: Source | None, tensors: list[LocalTensor], fl
     if why is None:
         assert reads is not None, "a rank whose ranges are sent to it holds its output (why_held)"
         return StreamedOutput(reads, compare="verify" in ctx.plan.stages and "roundtrip" in ctx.spec.pipeline.checks)
-    output = sum(t.numel * v.torch_dtype.itemsize for t in tensors for v in flat.entries[t.key].values() if isinstance(v, TensorRef))
+    output = sum(
+        t.numel * v.torch_dtype.itemsize
+        for t in tensors
+        for v in flat.entries[t.key].values()
+        if isinstance(v, TensorRef)
+    )
     if output > budget and "save" in ctx.plan.stages:
         tally.warnings.append(held_warning(why, budget))
     return None

@@ -1,4 +1,5 @@
-"""What several checks share: what they look at (:class:`Subject`), the whole source or output on every rank, the live target job, the size limit."""
+"""What several checks share: what they look at (:class:`Subject`),
+the whole source or output on every rank, the live target job, the size limit."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class Subject:
     keyed: Keyed | None
     source: Described | None
     tally: Tally
-    #: Per target rank, the layout keys its optimizer holds, as the ranks published them (a live optimizer's own groups).
+    #: Per target rank, the layout keys its optimizer holds,
+    #: as the ranks published them (a live optimizer's own groups).
     held: dict[int, set[str]] = field(default_factory=dict)
     _live: tuple[Any, Any] | None = field(default=None, repr=False)
 
@@ -120,7 +122,8 @@ class Subject:
 
     @property
     def streamed(self) -> StreamedOutput | None:
-        """Where this rank's output is made as save writes it, its placeholders and their filler (see :mod:`osdpipe.run.streamed_output`)."""
+        """Where this rank's output is made as save writes it,
+        its placeholders and their filler (see :mod:`osdpipe.run.streamed_output`)."""
         return None if self.keyed is None else self.keyed.sharded.streamed
 
     @property
@@ -156,14 +159,21 @@ class Subject:
     def live(self) -> tuple[Any, Any]:
         """This rank's real target model and optimizer: the Python API's own, else built once, on first use."""
         if self._live is None:
-            self._live = self.world.kept.get((LIVE_TARGET, self.rank)) or live_target(self.spec, self.plan.target_spec, self.tree, self.rank)
+            self._live = self.world.kept.get((LIVE_TARGET, self.rank)) or live_target(
+                self.spec, self.plan.target_spec, self.tree, self.rank
+            )
         return self._live
 
 
 def source_tensor_bytes(ctx: Subject) -> int:
     """The bytes of the source's tensor state (what a check holding the whole state holds on every rank)."""
     assert ctx.meta is not None
-    return sum(math.prod(v.shape) * v.torch_dtype.itemsize for entries in ctx.meta.state.values() for v in entries.values() if isinstance(v, TensorRef))
+    return sum(
+        math.prod(v.shape) * v.torch_dtype.itemsize
+        for entries in ctx.meta.state.values()
+        for v in entries.values()
+        if isinstance(v, TensorRef)
+    )
 
 
 def within_full_state_limit(ctx: Subject) -> bool:
@@ -195,12 +205,14 @@ def full_output(ctx: Subject) -> dict[str, Any]:
 
 
 def whole(ctx: Subject) -> bool:
-    """Whether the source is a whole checkpoint, so the output holds the model's weights beside the optimizer's state."""
+    """Whether the source is a whole checkpoint,
+    so the output holds the model's weights beside the optimizer's state."""
     return ctx.meta is not None and ctx.meta.carried is not None
 
 
 def model_only(ctx: Subject) -> bool:
-    """Whether the source is a model-only checkpoint (torchtitan's last save, its seed checkpoint): its output holds no optimizer to load or compare."""
+    """Whether the source is a model-only checkpoint (torchtitan's last save, its seed checkpoint):
+    its output holds no optimizer to load or compare."""
     return whole(ctx) and not ctx.meta.carried.carrying.optimizer
 
 
@@ -211,10 +223,16 @@ def local_model_output(ctx: Subject) -> dict[str, Any]:
 
 
 def full_model_output(ctx: Subject) -> dict[str, Any]:
-    """The output's model weights gathered to full tensors on every rank (a ``dcp`` output: each rank holds its dim-0 rows)."""
+    """The output's model weights gathered to full tensors on every rank
+    (a ``dcp`` output: each rank holds its dim-0 rows)."""
     assert ctx.keyed is not None and ctx.keyed.weights is not None and ctx.meta is not None
     pieces = gather_to_all(ctx.keyed.weights)
-    full = {fqn: torch.cat([p[fqn] for p in pieces if fqn in p and p[fqn].numel()], dim=0).reshape(ctx.tree.param(fqn).shape) for fqn in pieces[0]}
+    full = {
+        fqn: torch.cat([p[fqn] for p in pieces if fqn in p and p[fqn].numel()], dim=0).reshape(
+            ctx.tree.param(fqn).shape
+        )
+        for fqn in pieces[0]
+    }
     return model_state_dict(full, ctx.meta.buffers, ctx.tree)
 
 
@@ -249,7 +267,8 @@ def with_groups(loadable: dict[str, Any], optim: Any) -> dict[str, Any]:
 
 
 def needs_target_world(ctx: Subject) -> str | None:
-    """Why a check that loads into a live target job with the whole source (``reference``, ``load_step``) cannot run here, or ``None``."""
+    """Why a check that loads into a live target job with the whole source
+    (``reference``, ``load_step``) cannot run here, or ``None``."""
     if not ctx.world.builds_target:
         return "needs a live target world (runtime.mode=online)"
     if ctx.spec.runtime.transfer == "scatter":
@@ -257,8 +276,9 @@ def needs_target_world(ctx: Subject) -> str | None:
     limit, size = ctx.spec.pipeline.full_state_checks_max, source_tensor_bytes(ctx)
     if limit is not None and size > limit:
         return (
-            f"needs the whole state on every rank or a live target model, and the source holds {show_size(size)} of tensor state, over "
-            f"pipeline.full_state_checks_max={show_size(limit)}: raise it (or set it to null) to run it"
+            "needs the whole state on every rank or a live target model, "
+            f"and the source holds {show_size(size)} of tensor state, "
+            f"over pipeline.full_state_checks_max={show_size(limit)}: raise it (or set it to null) to run it"
         )
     return None
 

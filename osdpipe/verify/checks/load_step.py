@@ -1,4 +1,5 @@
-"""``load_step``: the target optimizer loads the result and takes a step on synthetic gradients; what was finite stays finite."""
+"""``load_step``: the target optimizer loads the result and takes a step on synthetic gradients;
+what was finite stays finite."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from osdpipe.verify.checks.common import Subject, live_target_of, loadable, need
 
 
 def _nonfinite(value: Any) -> torch.Tensor | None:
-    """Where this rank's piece of a floating state tensor is NaN or infinite (``None``: nowhere, or not a floating tensor)."""
+    """Where this rank's piece of a floating state tensor is NaN or infinite
+    (``None``: nowhere, or not a floating tensor)."""
     if hasattr(value, "to_local"):  # a DTensor (FSDP2): this rank's elements, without a collective
         value = value.to_local()
     if not (torch.is_tensor(value) and (value.is_floating_point() or value.is_complex())):
@@ -52,7 +54,8 @@ def run(ctx: Subject) -> CheckResult:
 
 
 def load_and_step(ctx: Subject, loadable: dict[str, Any]) -> CheckResult:
-    """This rank's target optimizer loads ``loadable`` and takes one step on synthetic gradients; its state must stay finite.
+    """This rank's target optimizer loads ``loadable`` and takes one step on synthetic gradients;
+    its state must stay finite.
 
     ``loadable`` is what the optimizer's kind loads on this rank: the
     param-ID keyed state, or what the kind's ``to_load`` made of a full one.
@@ -72,11 +75,18 @@ def load_and_step(ctx: Subject, loadable: dict[str, Any]) -> CheckResult:
 
 
 def step_loaded(ctx: Subject, model: Any, optim: Any) -> CheckResult:
-    """The rule of :func:`load_and_step` on a target job that has loaded the output already (a whole checkpoint, loaded as its framework does)."""
+    """The rule of :func:`load_and_step` on a target job that has loaded the output already
+    (a whole checkpoint, loaded as its framework does)."""
     layout = ctx.optimizer_layout()
     tensor_of = {id(p): t for p, t in zip(model.parameters(), layout)}  # the live model is built on this layout
     loaded = {id(p): {n: _nonfinite(v) for n, v in state.items()} for p, state in optim.state.items()}
-    carried = [w for p, state in optim.state.items() for n, mask in loaded[id(p)].items() if mask is not None for w in _named(tensor_of[id(p)], n, mask)]
+    carried = [
+        w
+        for p, state in optim.state.items()
+        for n, mask in loaded[id(p)].items()
+        if mask is not None
+        for w in _named(tensor_of[id(p)], n, mask)
+    ]
     train_step(ctx.spec, model, optim, step=10_000, layout=layout, tree=ctx.tree)
     new_bad = []
     for param, state in optim.state.items():
@@ -90,14 +100,23 @@ def step_loaded(ctx: Subject, model: Any, optim: Any) -> CheckResult:
     allowed = ctx.spec.input.allow_nonfinite
     problems = []
     if new_bad:
-        problems.append(f"non-finite after a step where the loaded state was finite: {', '.join(new_bad[:5])}" + (" ..." if len(new_bad) > 5 else ""))
+        problems.append(
+            f"non-finite after a step where the loaded state was finite: {', '.join(new_bad[:5])}"
+            + (" ..." if len(new_bad) > 5 else "")
+        )
     if carried and not allowed:
-        problems.append(f"non-finite in the loaded state (set input.allow_nonfinite=true to carry it): {', '.join(carried[:5])}" + (" ..." if len(carried) > 5 else ""))
+        problems.append(
+            f"non-finite in the loaded state (set input.allow_nonfinite=true to carry it): {', '.join(carried[:5])}"
+            + (" ..." if len(carried) > 5 else "")
+        )
     if problems:
         return CheckResult("load_step", False, "; ".join(problems))
     detail = "loaded; one step left all state finite"
     if carried:
-        detail = f"loaded; one step left finite every element that was finite (non-finite in the source, carried: {', '.join(carried[:3])})"
+        detail = (
+            "loaded; one step left finite every element that was finite "
+            f"(non-finite in the source, carried: {', '.join(carried[:3])})"
+        )
     return CheckResult("load_step", True, detail)
 
 

@@ -1,4 +1,5 @@
-"""``replicas`` (a side hybrid-sharded: HYBRID_SHARD, HSDP): the source's replica groups hold the same state, and so do the output's."""
+"""``replicas`` (a side hybrid-sharded: HYBRID_SHARD, HSDP):
+the source's replica groups hold the same state, and so do the output's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from osdpipe.verify.checks.common import Subject
 
 
 def has_replicas(ctx: Subject) -> tuple[bool, bool]:
-    """Whether the source files, and the target files, come in replica groups (hybrid sharding, read or written per rank).
+    """Whether the source files, and the target files,
+    come in replica groups (hybrid sharding, read or written per rank).
 
     The output's are compared where each rank hears the rank holding the
     same shard in the first group (workers playing shares of the ranks do
@@ -46,7 +48,8 @@ def run(ctx: Subject) -> CheckResult:
     problems: list[str] = []
     if source:
         readers = sorted(set(ctx.reading_ranks)) if ctx.reading_ranks is not None else list(range(ctx.world_size))
-        share = readers.index(ctx.rank) if ctx.rank in readers else None  # the ranks that read the input share the files out
+        # the ranks that read the input share the files out
+        share = readers.index(ctx.rank) if ctx.rank in readers else None
         mine = [r for r in range(ctx.spec.source.world_size) if share is not None and r % len(readers) == share]
         try:  # not raised: every rank must reach the gather below
             problems += [f"source {p}" for p in replica_mismatches(ctx.input_path, ctx.plan.source_spec, mine)]
@@ -59,15 +62,22 @@ def run(ctx: Subject) -> CheckResult:
         theirs = _first_replica_digests(ctx, digests, first)
         if digests != theirs:
             differ = sorted(k for k in digests.keys() | theirs.keys() if digests.get(k) != theirs.get(k))
-            problems.append(f"output rank {ctx.rank} differs from rank {first}, which holds the same shard: {', '.join(differ[:3])}")
+            problems.append(
+                f"output rank {ctx.rank} differs from rank {first}, which holds the same shard: {', '.join(differ[:3])}"
+            )
     sides = " and ".join(s for s, applies in (("the source's", source), ("the output's", target)) if applies)
-    return CheckResult("replicas", not problems, "; ".join(problems[:5]) or f"{sides} replica groups hold the same state bitwise")
+    return CheckResult(
+        "replicas", not problems, "; ".join(problems[:5]) or f"{sides} replica groups hold the same state bitwise"
+    )
 
 
 def skip_reason(ctx: Subject) -> str | None:
     if not any(has_replicas(ctx)):
         if _output_replicas(ctx):
-            return "compares each output rank with its first replica group's, which workers playing shares of the ranks do not all hear (leave runtime.workers at 1 to compare)"
+            return (
+                "compares each output rank with its first replica group's, "
+                "which workers playing shares of the ranks do not all hear (leave runtime.workers at 1 to compare)"
+            )
         return "applies only where a side has replica groups (HYBRID_SHARD, HSDP)"
     return None
 

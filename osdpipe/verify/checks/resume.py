@@ -1,4 +1,5 @@
-"""``resume``: training resumes from the output as it would have from the source (see :mod:`osdpipe.verify.resume_training`).
+"""``resume``: training resumes from the output as it would have from the source
+(see :mod:`osdpipe.verify.resume_training`).
 
 No two state tensors share memory, and a target job that loads the output
 and takes ``pipeline.resume_steps`` steps holds what a job resuming from the
@@ -18,19 +19,41 @@ from osdpipe.layout.ranges import LocalTensor
 from osdpipe.run.live_jobs import live_target
 from osdpipe.run.products import CheckResult
 from osdpipe.run.stages.rekey import param_ids
-from osdpipe.verify.checks.common import Subject, full_model_output, full_output, local_model_output, model_only, source_tensor_bytes, whole, with_groups, within_full_state_limit
-from osdpipe.verify.resume_training import SHOWN, bare_steps, compare_batch, is_elementwise, live_steps, reference_for, shared_memory
+from osdpipe.verify.checks.common import (
+    Subject,
+    full_model_output,
+    full_output,
+    local_model_output,
+    model_only,
+    source_tensor_bytes,
+    whole,
+    with_groups,
+    within_full_state_limit,
+)
+from osdpipe.verify.resume_training import (
+    SHOWN,
+    bare_steps,
+    compare_batch,
+    is_elementwise,
+    live_steps,
+    reference_for,
+    shared_memory,
+)
 
 
 def run(ctx: Subject) -> CheckResult:
-    """The output resumes as the source would (:mod:`osdpipe.verify.resume_training`): loaded into a live target where one can be built, else into bare optimizers."""
+    """The output resumes as the source would (:mod:`osdpipe.verify.resume_training`):
+    loaded into a live target where one can be built, else into bare optimizers."""
     assert ctx.result is not None
     live = ctx.world.builds_target and (ctx.id_keyed or within_full_state_limit(ctx))
-    return resume_result(ctx, ctx.result["state"], (lambda model, optim: _load_result(ctx, model, optim)) if live else None)
+    return resume_result(
+        ctx, ctx.result["state"], (lambda model, optim: _load_result(ctx, model, optim)) if live else None
+    )
 
 
 def _load_result(ctx: Subject, model: Any, optim: Any) -> None:
-    """This rank's result into a live target job, the way a user loads the output format (from memory: the bytes save writes).
+    """This rank's result into a live target job,
+    the way a user loads the output format (from memory: the bytes save writes).
 
     A whole checkpoint's model weights load with it: each rank's local pieces
     as ``osdpipe.load_rank_local`` loads them, or PyTorch's own full load of
@@ -73,13 +96,19 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
         if load is not None:
             model, optim = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
             load(model, optim)
-            batches: Any = [live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree, weights_loaded=whole(ctx))]
+            batches: Any = [
+                live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree, weights_loaded=whole(ctx))
+            ]
             target = f"the {ctx.spec.target.kind} target job"
         else:
             weights = ctx.keyed.weights if ctx.keyed is not None else None
-            batches = bare_steps(ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes, weights)
+            batches = bare_steps(
+                ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes, weights
+            )
             target = "bare optimizers over the output's tensors (no live target job: " + (
-                "runtime.mode=offline)" if not ctx.world.builds_target else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
+                "runtime.mode=offline)"
+                if not ctx.world.builds_target
+                else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
             )
         count = 0
         for batch in batches:
@@ -89,24 +118,32 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
                 break
         start = "from the checkpoint's own weights, " if whole(ctx) else ""
         parts.append(
-            f"steps: {target} loaded it and took {steps} step(s) {start}on synthetic gradients ({count} tensor(s)): every 0-dim state "
+            f"steps: {target} loaded it and took {steps} step(s) {start}on synthetic gradients ({count} tensor(s)): "
+            "every 0-dim state "
             "(step counters) equals a job resuming from the source, every state and parameter element bitwise"
         )
     if shared:  # after the steps' findings, which say what the sharing does
-        problems = problems[:SHOWN] + [f"{len(shared)} pair(s) of state tensors share memory, so a step of one changes the other: {'; '.join(shared[:3])}"]
+        problems = problems[:SHOWN] + [
+            f"{len(shared)} pair(s) of state tensors share memory, so a step of one changes the other: "
+            f"{'; '.join(shared[:3])}"
+        ]
     return CheckResult("resume", not problems, "; ".join(problems) or "; ".join(parts))
 
 
 def _param_names(ctx: Subject) -> dict[int, str]:
     """Param ID -> the parameter(s) its local tensor holds, for messages about a param-ID keyed output."""
     layout = {t.key: t for t in ctx.target_layout()}
-    return {pid: ", ".join(layout[key].fqns[:2]) + (" ..." if len(layout[key].fqns) > 2 else "") for key, pid in param_ids(ctx.ctx).items()}
+    return {
+        pid: ", ".join(layout[key].fqns[:2]) + (" ..." if len(layout[key].fqns) > 2 else "")
+        for key, pid in param_ids(ctx.ctx).items()
+    }
 
 
 def _resume_steps_skip(ctx: Subject) -> str | None:
     """Why the resume check's steps cannot run here (its storage part always does), or ``None``."""
     if ctx.reading_ranks is not None and any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
-        return "need the source on every rank, which runtime.transfer=scatter does not read everywhere"  # said on every rank alike: the steps are collective
+        # said on every rank alike: the steps are collective
+        return "need the source on every rank, which runtime.transfer=scatter does not read everywhere"
     if ctx.meta is None or ctx.reader is None:
         return "need the source, to step a reference from it, and none was read (give input.path)"
     cls = resolve_optimizer(ctx.spec.optim.name)
@@ -114,14 +151,16 @@ def _resume_steps_skip(ctx: Subject) -> str | None:
         limit = ctx.spec.pipeline.full_state_checks_max
         return (
             f"need a reference over the whole model for {cls.__name__}, which osdpipe does not know to be elementwise "
-            f"(osdpipe.verify.resume_training.ELEMENTWISE), and the source holds {show_size(source_tensor_bytes(ctx))} of tensor state, over "
-            f"pipeline.full_state_checks_max={show_size(limit or 0)}"
+            f"(osdpipe.verify.resume_training.ELEMENTWISE), "
+            f"and the source holds {show_size(source_tensor_bytes(ctx))} of tensor state, "
+            f"over pipeline.full_state_checks_max={show_size(limit or 0)}"
         )
     return None
 
 
 def _output_state_of(ctx: Subject) -> Any:
-    """For a bare target: each local tensor's state and param group as the output holds them (``None``: its optimizer does not hold it)."""
+    """For a bare target: each local tensor's state and param group as the output holds them
+    (``None``: its optimizer does not hold it)."""
     assert ctx.result is not None
     groups = ctx.result.get("param_groups") or []
     if ctx.id_keyed:

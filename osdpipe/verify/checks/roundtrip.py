@@ -1,4 +1,5 @@
-"""``roundtrip``: every converted element equals the same element of the source, bitwise, and the ranks cover every source element.
+"""``roundtrip``: every converted element equals the same element of the source,
+bitwise, and the ranks cover every source element.
 
 Padding is zero; scalar state equals the source's; a rank sent its ranges
 (``runtime.transfer=scatter``) compares them with the digests its reading
@@ -48,7 +49,8 @@ def run(ctx: Subject) -> CheckResult:
     for tensor in ctx.target_layout():
         entry = ctx.flat_state.get(tensor.key)
         if ctx.id_keyed and tensor.key not in ctx.held_keys(ctx.rank):
-            # A parameter outside the target optimizer carries no optimizer state there; a whole checkpoint's weights it does.
+            # A parameter outside the target optimizer carries no optimizer state there;
+            # a whole checkpoint's weights it does.
             entry = {WEIGHTS: entry[WEIGHTS]} if entry is not None and WEIGHTS in entry else None
             if entry is None:
                 continue
@@ -75,25 +77,34 @@ def run(ctx: Subject) -> CheckResult:
                 continue  # made as save writes it: each batch is compared then (osdpipe.run.streamed_output)
             problems += _zero_where_no_state(tensor, name, value.reshape(-1), ctx)
             comparable.add(name)
-        work = [(i, b) for i, b in enumerate(plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes)) if b.name in comparable]
-        problems += _compare_read(tensor, state, work, ctx) if sent is None else _compare_sent(tensor, state, work, sent, ctx)
+        work = [
+            (i, b)
+            for i, b in enumerate(plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes))
+            if b.name in comparable
+        ]
+        problems += (
+            _compare_read(tensor, state, work, ctx) if sent is None else _compare_sent(tensor, state, work, sent, ctx)
+        )
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
     passed = "every element equals the source bitwise; every source element is covered"
     if ctx.streamed is not None:
         passed = (
-            "shapes and scalar state match the source; every source element is covered; the elements are compared bitwise "
+            "shapes and scalar state match the source; every source element is covered; "
+            "the elements are compared bitwise "
             "batch by batch as save writes them (runtime.memory_budget), and a difference fails the save"
         )
     return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or passed)
 
 
 def _sent_digests(ctx: Subject) -> dict[tuple[str, str, int], str] | None:
-    """The digests this rank's reading rank took of the batches it sent here (``None``: this rank reads the source itself)."""
+    """The digests this rank's reading rank took of the batches it sent here
+    (``None``: this rank reads the source itself)."""
     if ctx.reading_ranks is None or not any(reader != r for r, reader in enumerate(ctx.reading_ranks)):
         return None
     mine: dict[tuple[str, str, int], str] = {}
-    for reader in sorted(set(ctx.reading_ranks)):  # collectives: every rank takes part, also those that read for themselves
+    # collectives: every rank takes part, also those that read for themselves
+    for reader in sorted(set(ctx.reading_ranks)):
         per_rank = [ctx.sent_digests.get(r, {}) for r in range(ctx.world_size)] if ctx.rank == reader else None
         got = scatter_from(reader, per_rank)  # each rank gets its own digests only, not every receiver's
         if reader == ctx.reading_ranks[ctx.rank]:
@@ -105,7 +116,10 @@ def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx
     """Padding, and the ranges of parameters without state ``name`` in the source, hold zeros."""
     assert ctx.meta is not None
     problems = []
-    if any(bool(flat[lo:hi].any()) for lo, hi in uncovered(0, flat.numel(), [(s.dest, s.dest + s.length) for s in tensor.segments])):
+    if any(
+        bool(flat[lo:hi].any())
+        for lo, hi in uncovered(0, flat.numel(), [(s.dest, s.dest + s.length) for s in tensor.segments])
+    ):
         problems.append(f"{tensor.key}.{name}: padding is not zero")
     have = set(stateful(tensor, name, ctx.meta))
     for seg in tensor.segments:
@@ -118,20 +132,34 @@ def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[i
     """Each batch of the result against the same ranges read from the source, bitwise."""
     source, problems = ctx.read_source(), []
     for _, batch in work:
-        problems += differing_segments(f"{tensor.key}.{batch.name}", state[batch.name].reshape(-1), batch.segments, source.pieces(batch))
+        problems += differing_segments(
+            f"{tensor.key}.{batch.name}", state[batch.name].reshape(-1), batch.segments, source.pieces(batch)
+        )
         source.done(batch)
     return problems
 
 
-def _compare_sent(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], sent: dict[tuple[str, str, int], str], ctx: Subject) -> list[str]:
-    """Each batch of the result (``i``: its place in the plan) against the digest its reading rank took of the source."""
+def _compare_sent(
+    tensor: LocalTensor,
+    state: dict[str, Any],
+    work: list[tuple[int, Batch]],
+    sent: dict[tuple[str, str, int], str],
+    ctx: Subject,
+) -> list[str]:
+    """Each batch of the result (``i``: its place in the plan)
+    against the digest its reading rank took of the source."""
     assert ctx.reading_ranks is not None
     problems = []
     for i, batch in work:
         if batch_sha256(state, batch) != sent.get((tensor.key, batch.name, i)):
             first, last = batch.segments[0], batch.segments[-1]
-            where = f"{first.fqn}[{first.start}..{first.start + first.length}]" + (f" .. {last.fqn}" if len(batch.segments) > 1 else "")
-            problems.append(f"{tensor.key}.{batch.name}: elements {where} (flat) differ from what rank {ctx.reading_ranks[ctx.rank]} read from the source")
+            where = f"{first.fqn}[{first.start}..{first.start + first.length}]" + (
+                f" .. {last.fqn}" if len(batch.segments) > 1 else ""
+            )
+            problems.append(
+                f"{tensor.key}.{batch.name}: elements {where} (flat) "
+                f"differ from what rank {ctx.reading_ranks[ctx.rank]} read from the source"
+            )
     return problems
 
 

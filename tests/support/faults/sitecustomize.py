@@ -3,8 +3,9 @@
 On ``PYTHONPATH``, Python imports this module at start-up in every process of
 the command: the launcher, the fork server and so every rank forked from it.
 ``OSDPIPE_TEST_FAULT=<point>:<rank>:<how>`` makes rank ``<rank>`` die at
-``<point>`` (``load``, ``send``, ``receive``, ``save``: see :func:`_install`): ``kill`` sends itself SIGKILL (nothing runs
-after it, not even a ``finally``), ``raise`` raises an exception in the stage.
+``<point>`` (``load``, ``send``, ``receive``, ``save``: see :func:`_install`):
+``kill`` sends itself SIGKILL (nothing runs after it, not even a ``finally``),
+``raise`` raises an exception in the stage.
 ``OSDPIPE_TEST_FAULT=commit:<n>`` makes the process that commits the
 conversion die in the middle of it (:func:`_kill_in_commit`).
 ``OSDPIPE_TEST_SHARE_SCALARS=1`` undoes the copy that gives every output
@@ -77,7 +78,8 @@ def _install(point: str, rank: int, how: str) -> None:
 
 def _kill_in_commit(after: int) -> None:
     """SIGKILL this process in the middle of committing a conversion: right after the ``after``-th rename of the commit
-    (the first is ``.staging`` -> ``.incoming``), or, for ``0``, once everything staged is synced but before any rename."""
+    (the first is ``.staging`` -> ``.incoming``), or, for ``0``, once everything staged is synced but before any
+    rename."""
     import signal
 
     from osdpipe.io import output
@@ -121,7 +123,8 @@ if os.environ.get("OSDPIPE_TEST_SHARE_SCALARS"):
 
 
 def _record_syncs(log: str) -> None:
-    """Append each ``fsync`` and ``replace`` of this process to ``log`` as it happens: ``fsync<TAB>path`` or ``replace<TAB>src<TAB>dst``."""
+    """Append each ``fsync`` and ``replace`` of this process to ``log`` as it happens: ``fsync<TAB>path`` or
+    ``replace<TAB>src<TAB>dst``."""
     real_fsync, real_replace = os.fsync, os.replace
 
     def record(*fields: str) -> None:
@@ -145,7 +148,8 @@ if os.environ.get("OSDPIPE_TEST_RECORD_SYNCS"):
 
 
 def _misfill(fqn: str, name: str) -> None:
-    """Every batch :mod:`osdpipe.run.streamed_output` fills of ``fqn``'s state ``name`` gets its first element wrong, after the copy."""
+    """Every batch :mod:`osdpipe.run.streamed_output` fills of ``fqn``'s state ``name`` gets its first element wrong,
+    after the copy."""
     from osdpipe.run import streamed_output as streamed
 
     real_place = streamed.place
