@@ -1,4 +1,5 @@
-"""The package's shape holds: layers whose imports point down, no import cycle, stages that do not know their world, one registry of stages.
+"""The package's shape holds: layers whose imports point down, no import cycle, stages that do not know their world,
+one registry of stages.
 
 The import graph counts every import of the package, those inside functions
 too; only ``TYPE_CHECKING`` blocks (types, never run) are left out, and the
@@ -28,7 +29,12 @@ def modules() -> dict[str, Path]:
 def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The package's modules ``name`` imports, anywhere in it but under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
@@ -39,7 +45,9 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         else:
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         for target in targets:
             while target and target not in known:
@@ -119,7 +127,9 @@ def test_the_package_holds_its_layers_and_nothing_loose() -> None:
     found = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
     assert found == {"__init__.py", "__main__.py", "api.py", *LAYERS}
     for layer in LAYERS:
-        assert (PACKAGE / layer / "__init__.py").is_file(), f"osdpipe/{layer}/ is a package with a docstring that says what the layer is"
+        assert (PACKAGE / layer / "__init__.py").is_file(), (
+            f"osdpipe/{layer}/ is a package with a docstring that says what the layer is"
+        )
     assert {m for m in modules() if m.count(".") == 0 or m.split(".")[1] not in LAYERS} == TOP
 
 
@@ -131,7 +141,9 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
     """Planted in a module's text, inside a function: the check reads the source, as it reads the package's."""
     known = modules()
     planted = tmp_path / "ranges.py"
-    planted.write_text(known["osdpipe.layout.ranges"].read_text() + "\n\ndef planted():\n    from osdpipe.io.output import commit\n")
+    planted.write_text(
+        known["osdpipe.layout.ranges"].read_text() + "\n\ndef planted():\n    from osdpipe.io.output import commit\n"
+    )
     graph = import_graph()
     graph["osdpipe.layout.ranges"] = imported("osdpipe.layout.ranges", planted, known)
     assert upward_imports(graph) == ["osdpipe.layout.ranges -> osdpipe.io.output"]
@@ -143,7 +155,9 @@ def test_the_check_catalog_and_the_checks_that_run_are_one_list() -> None:
 
     assert tuple(RUNS) == checks.names()
     for name, module in RUNS.items():
-        assert module.__name__ == f"osdpipe.verify.checks.{name}" and callable(module.run) and callable(module.skip_reason)
+        assert (
+            module.__name__ == f"osdpipe.verify.checks.{name}" and callable(module.run) and callable(module.skip_reason)
+        )
 
 
 def test_the_package_has_no_import_cycle() -> None:
@@ -152,7 +166,8 @@ def test_the_package_has_no_import_cycle() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = import_graph()
-    graph["osdpipe.layout.ranges"] = graph["osdpipe.layout.ranges"] | {"osdpipe.layout.kinds"}  # what layout.rank_layout once did
+    # what layout.rank_layout once did
+    graph["osdpipe.layout.ranges"] = graph["osdpipe.layout.ranges"] | {"osdpipe.layout.kinds"}
     assert any({"osdpipe.layout.ranges", "osdpipe.layout.kinds"} <= set(c) for c in cycles(graph))
 
 
@@ -196,7 +211,8 @@ def test_the_stage_registry_runs_the_spec_s_stages_in_order() -> None:
 
 
 def test_stages_are_functions_of_frozen_products() -> None:
-    """Context is the frozen (plan, world, rank); each stage takes (ctx, the previous product, a tally) and returns a frozen product."""
+    """Context is the frozen (plan, world, rank); each stage takes (ctx, the previous product, a tally) and returns a
+    frozen product."""
     import dataclasses
     import inspect
 
@@ -206,7 +222,15 @@ def test_stages_are_functions_of_frozen_products() -> None:
 
     assert [f.name for f in dataclasses.fields(Context)] == ["plan", "world", "rank"]
     assert Context.__dataclass_params__.frozen
-    made = {"load": "Opened", "broadcast": "Described", "flatten": "Flattened", "shard": "Sharded", "rekey": "Keyed", "verify": "Verified", "save": "Staged"}
+    made = {
+        "load": "Opened",
+        "broadcast": "Described",
+        "flatten": "Flattened",
+        "shard": "Sharded",
+        "rekey": "Keyed",
+        "verify": "Verified",
+        "save": "Staged",
+    }
     for name, stage in STAGES.items():
         params = list(inspect.signature(stage).parameters)
         assert len(params) == 3 and params[0] == "ctx" and params[2] == "tally", f"stage {name} takes {params}"

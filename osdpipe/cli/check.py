@@ -1,4 +1,5 @@
-"""``osdpipe check OUTPUT_DIR [key=value ...]``: prove a converted checkpoint right later, without converting it again to disk.
+"""``osdpipe check OUTPUT_DIR [key=value ...]``: prove a converted checkpoint right later, without converting it again
+to disk.
 
 Two checks, and a third when asked, each said in one line:
 
@@ -32,10 +33,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from osdpipe.run.products import CheckResult, Keyed, Tally  # the stages' products (CheckResult: what verify's checks give); it imports no torch
+# the stages' products (CheckResult: what verify's checks give); it imports no torch
+from osdpipe.run.products import CheckResult, Keyed, Tally
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-USAGE = "usage: osdpipe check OUTPUT_DIR [--load] [key=value ...]  (--load: load it on a target world and step; input.path=... names a source that moved)"
+USAGE = (
+    "usage: osdpipe check OUTPUT_DIR [--load] [key=value ...]  "
+    "(--load: load it on a target world and step; input.path=... names a source that moved)"
+)
 
 
 class CheckUsageError(ValueError):
@@ -50,7 +55,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckUsageError(f"{path} cannot be read as JSON ({exc}); it is not a manifest osdpipe wrote") from None
-    if not isinstance(manifest, dict) or not all(isinstance(manifest.get(k), dict) for k in ("config", "files", "tensors")):
+    if not isinstance(manifest, dict) or not all(
+        isinstance(manifest.get(k), dict) for k in ("config", "files", "tensors")
+    ):
         raise CheckUsageError(f"{path} has no config, files and tensors tables; it is not a manifest osdpipe wrote")
     return manifest
 
@@ -77,13 +84,18 @@ def check_files(directory: Path, manifest: dict[str, Any]) -> CheckResult:
         except ValueError as exc:  # longer or shorter than its pieces
             got = str(exc)
         if got != digest:
-            problems.append(f"{path} differs from its digest in the manifest" + _tensor_named(path, name, manifest["tensors"]))
+            problems.append(
+                f"{path} differs from its digest in the manifest" + _tensor_named(path, name, manifest["tensors"])
+            )
     count = len(manifest["files"])
-    return CheckResult("files", not problems, "; ".join(problems[:5]) or f"{count} file(s) match the manifest's digests")
+    return CheckResult(
+        "files", not problems, "; ".join(problems[:5]) or f"{count} file(s) match the manifest's digests"
+    )
 
 
 def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:
-    """``": tensor 3.exp_avg differs"``, from the file's tensor digests against the manifest's (empty when it cannot tell)."""
+    """``": tensor 3.exp_avg differs"``, from the file's tensor digests against the manifest's (empty when it cannot
+    tell)."""
     if path.suffix != ".pt":
         return ""
     # torch: not on check --help's path (tests/cli/test_startup.py)
@@ -98,11 +110,16 @@ def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:
     prefix = f"{name}:"
     expected = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
     differ = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
-    return f": tensor(s) {', '.join(differ[:3])} differ" if differ else ": every tensor matches, so the rest of the file differs"
+    return (
+        f": tensor(s) {', '.join(differ[:3])} differ"
+        if differ
+        else ": every tensor matches, so the rest of the file differs"
+    )
 
 
 def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """The manifest's config with the command line's overrides, its source found, and its output being this directory (never written)."""
+    """The manifest's config with the command line's overrides, its source found, and its output being this directory
+    (never written)."""
     # omegaconf: not on check --help's path, nor in the ranks --load starts (they import this module)
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -116,13 +133,17 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as exc:
         key = next((o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in str(exc)), "an override")
-        raise CheckUsageError(f"{key}: not a key of the conversion's config; check its spelling against the config reference in docs/config.md") from None
+        raise CheckUsageError(
+            f"{key}: not a key of the conversion's config; "
+            "check its spelling against the config reference in docs/config.md"
+        ) from None
     raw = OmegaConf.to_container(merged, resolve=True)
     assert isinstance(raw, dict)
     raw["output"] = {**raw["output"], "path": str(directory), "overwrite": True}
     if not any(o.split("=", 1)[0] == "input.path" for o in overrides):
         raw["input"] = {**raw["input"], "path": _input_where_it_was(directory, manifest, raw["input"].get("path"))}
-    if raw["input"].get("path") is None:  # a generated source is kept in the conversion's source/, in the format its world saved
+    # a generated source is kept in the conversion's source/, in the format its world saved
+    if raw["input"].get("path") is None:
         # the registries import torch: not on check --help's path
         from osdpipe.io import checkpoints, formats
         from osdpipe.layout import kinds
@@ -157,7 +178,8 @@ def _input_where_it_was(directory: Path, manifest: dict[str, Any], typed: str | 
 
 
 def conversion_plan(raw: dict[str, Any]) -> Any:
-    """The plan of the conversion's config (a config that does not validate, or a model it does not fit, cannot be checked: exit 2)."""
+    """The plan of the conversion's config (a config that does not validate, or a model it does not fit, cannot be
+    checked: exit 2)."""
     # pydantic (config) and torch (plan): not on check --help's path
     from osdpipe.spec.config import ConfigError, validate
     from osdpipe.spec.plan import plan_run
@@ -179,19 +201,37 @@ def check_roundtrip(directory: Path, plan: Any) -> CheckResult:
     for played in expected_results(plan):
         keyed = played.find(Keyed)
         if keyed.weights is not None:  # a whole checkpoint, laid out by its layout
-            from osdpipe.io.checkpoints.output import rank_parts  # torch.distributed.checkpoint: only for a whole checkpoint
+            # torch.distributed.checkpoint: only for a whole checkpoint
+            from osdpipe.io.checkpoints.output import rank_parts
 
             parts = rank_parts(keyed, plan.output_checkpoint)
-            problems += plan.output_checkpoint.differences(directory, parts, played.ctx.rank, world_size=plan.world_size, tree=plan.tree, fmt=fmt, opened=opened)
+            problems += plan.output_checkpoint.differences(
+                directory, parts, played.ctx.rank, world_size=plan.world_size, tree=plan.tree, fmt=fmt, opened=opened
+            )
         else:
-            problems += fmt.differences(directory, spec.output.key, played.ctx.rank, keyed.state_dict, tree=plan.tree, world_size=plan.world_size, opened=opened)
-        if len(problems) >= 5 or fmt.one_writer:  # one file, rank 0's: the other ranks write none (never a whole checkpoint's format)
+            problems += fmt.differences(
+                directory,
+                spec.output.key,
+                played.ctx.rank,
+                keyed.state_dict,
+                tree=plan.tree,
+                world_size=plan.world_size,
+                opened=opened,
+            )
+        # one file, rank 0's: the other ranks write none (never a whole checkpoint's format)
+        if len(problems) >= 5 or fmt.one_writer:
             break
-    return CheckResult("roundtrip", not problems, "; ".join(problems[:5]) or f"every {fmt.name} tensor equals the source's, element by element ({spec.input.path})")
+    return CheckResult(
+        "roundtrip",
+        not problems,
+        "; ".join(problems[:5])
+        or f"every {fmt.name} tensor equals the source's, element by element ({spec.input.path})",
+    )
 
 
 def expected_results(plan: Any) -> Any:
-    """Each target rank once the conversion's own stages derived its state from the source, offline (:class:`~osdpipe.pipeline.loop.Played`)."""
+    """Each target rank once the conversion's own stages derived its state from the source, offline
+    (:class:`~osdpipe.pipeline.loop.Played`)."""
     # torch: not on check --help's path
     from osdpipe.pipeline.loop import play
     from osdpipe.run.world import SoloWorld
@@ -200,7 +240,8 @@ def expected_results(plan: Any) -> Any:
 
 
 def check_load(directory: Path, plan: Any) -> list[CheckResult]:
-    """Load the files on a local world of the target's ranks, as the target job would: ``load`` (one step) and ``resume`` (see the module docstring)."""
+    """Load the files on a local world of the target's ranks, as the target job would: ``load`` (one step) and
+    ``resume`` (see the module docstring)."""
     # multiprocessing (rankserver) and torch (launch): only --load starts ranks
     from osdpipe.core import rankserver
     from osdpipe.run.launch import WorldError, run_local_world
@@ -208,7 +249,9 @@ def check_load(directory: Path, plan: Any) -> list[CheckResult]:
     spec = plan.spec
     rankserver.start()
     try:
-        results = run_local_world(load_rank, spec.target.world_size, (plan, str(directory)), timeout_s=spec.runtime.timeout_s)
+        results = run_local_world(
+            load_rank, spec.target.world_size, (plan, str(directory)), timeout_s=spec.runtime.timeout_s
+        )
     except WorldError as exc:
         return [CheckResult("load", False, str(exc))]
     where = f"on {spec.target.world_size} {spec.target.kind} rank(s)"
@@ -224,7 +267,8 @@ LOAD_CHECKS = ("load", "resume")
 
 
 def load_rank(plan: Any, directory: str) -> list[Any]:
-    """On one rank of the target world: its optimizer loads what the files hold for it and steps (``load``), and resumes (``resume``).
+    """On one rank of the target world: its optimizer loads what the files hold for it and steps (``load``), and
+    resumes (``resume``).
 
     Returns one ``CheckResult`` per name of :data:`LOAD_CHECKS`.
     """
@@ -254,7 +298,8 @@ def load_rank(plan: Any, directory: str) -> list[Any]:
             plan.output_checkpoint.load_output(model, optim, Path(directory), world.rank, fmt)
 
         load_as_a_user_does(model, optim)
-        written = optim.state_dict()["state"]  # what the loaded job holds: where two states would share memory, they do here
+        # what the loaded job holds: where two states would share memory, they do here
+        written = optim.state_dict()["state"]
         return [step_loaded(subject, model, optim), resume_result(subject, written, load_as_a_user_does)]
     path = fmt.output_path(Path(directory), world.rank)
     written = fmt.read_written(path, spec.output.key)
@@ -286,9 +331,15 @@ def run_check(args: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - the manifest's config cannot be composed (an interpolation, an unknown kind)
         from osdpipe.run.collective import one_line  # imports torch: only on an error, not on check --help's path
 
-        print(f"osdpipe check: error: {directory / 'manifest.json'}: its config cannot be used: {one_line(exc)}", file=sys.stderr)
+        print(
+            f"osdpipe check: error: {directory / 'manifest.json'}: its config cannot be used: {one_line(exc)}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
-    checks = [("files", lambda: check_files(directory, manifest)), ("roundtrip", lambda: check_roundtrip(directory, plan))]
+    checks = [
+        ("files", lambda: check_files(directory, manifest)),
+        ("roundtrip", lambda: check_roundtrip(directory, plan)),
+    ]
     findings = [_run_one(name, run) for name, run in checks]
     if load:
         findings += _run_many("load", lambda: check_load(directory, plan))

@@ -47,7 +47,8 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 #: Config nodes that hold whatever keys the user names (a factory's or an optimizer's keyword arguments):
 #: overriding a key they do not have yet adds it, with no ``+`` needed.
-#: Config keys whose value is a dict of the user's own keys: an override may add keys (``model.kwargs.depth=12``) or give it whole (``target.tp_plan={up:colwise}``).
+#: Config keys whose value is a dict of the user's own keys: an override may add keys (``model.kwargs.depth=12``) or
+#: give it whole (``target.tp_plan={up:colwise}``).
 OPEN_DICTS = ("model.kwargs", "optim.kwargs", "source.tp_plan", "target.tp_plan")
 
 #: The exit code of every job of this invocation (one, or one per sweep job).
@@ -75,7 +76,10 @@ def _error(message: str) -> None:
 
 
 def _internal_error(exc: BaseException) -> None:
-    _error(f"internal error: {type(exc).__name__}: {exc} (rerun with runtime.debug=true for the traceback, and please report it)")
+    _error(
+        f"internal error: {type(exc).__name__}: {exc} "
+        "(rerun with runtime.debug=true for the traceback, and please report it)"
+    )
 
 
 def summarize(report: Report, output: str) -> str:
@@ -96,7 +100,11 @@ def summarize(report: Report, output: str) -> str:
         )
     if report.memory:
         top = max(report.memory, key=lambda m: m.peak_rss)
-        held = "" if top.peak_anonymous is None else f", {(top.peak_anonymous - (top.baseline_anonymous or 0)) / 1e6:,.1f} MB anonymous beyond its baseline"
+        held = (
+            ""
+            if top.peak_anonymous is None
+            else f", {(top.peak_anonymous - (top.baseline_anonymous or 0)) / 1e6:,.1f} MB anonymous beyond its baseline"
+        )
         lines.append(f"  memory     peak RSS {top.peak_rss / 1e6:,.0f} MB ({top.process}){held}")
     return "\n".join(lines)
 
@@ -123,19 +131,29 @@ def run(cfg: DictConfig) -> bool:
 
 
 def _record_sweep_job(cfg: DictConfig, code: int, seconds: float) -> None:
-    """In a sweep, keep what the summary needs of this job, above all what no report.json says (a bad config writes none)."""
+    """In a sweep, keep what the summary needs of this job, above all what no report.json says (a bad config writes
+    none)."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return
     output_dir = cfg.output.path if cfg.output.path is not None else hydra_cfg.runtime.output_dir
     error = _job_errors[0] if _job_errors else None
-    record = JobRecord(hydra_cfg.job.num, tuple(hydra_cfg.overrides.task), code, error, seconds, str(output_dir), str(hydra_cfg.sweep.dir))
+    record = JobRecord(
+        hydra_cfg.job.num,
+        tuple(hydra_cfg.overrides.task),
+        code,
+        error,
+        seconds,
+        str(output_dir),
+        str(hydra_cfg.sweep.dir),
+    )
     _sweep_jobs.append(record)
 
 
 def job_config(cfg: DictConfig, job_dir: str, overrides: Sequence[str] = ()) -> dict:
-    """The plain dict a job validates: ``cfg`` resolved, ``output.path`` defaulting to the job's directory, and the model named by
-    torchtitan's names where ``overrides`` (the user's) name no model otherwise (:func:`osdpipe.spec.config.name_torchtitans_model`)."""
+    """The plain dict a job validates: ``cfg`` resolved, ``output.path`` defaulting to the job's directory, and the
+    model named by torchtitan's names where ``overrides`` (the user's) name no model otherwise
+    (:func:`osdpipe.spec.config.name_torchtitans_model`)."""
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
     if raw.get("output", {}).get("path") is None:
@@ -158,7 +176,11 @@ def _run_job(cfg: DictConfig) -> int:
         check_schema(raw)
     except ConfigError as exc:
         return _config_error(exc)
-    if raw["runtime"].get("mode") == "online" and raw["runtime"].get("launcher") != "torchrun" and not rankserver.in_torchrun():
+    if (
+        raw["runtime"].get("mode") == "online"
+        and raw["runtime"].get("launcher") != "torchrun"
+        and not rankserver.in_torchrun()
+    ):
         rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
     # Imported here, past the schema check, to keep torch out of --help and config errors.
     from osdpipe.pipeline.execute import execute
@@ -179,7 +201,8 @@ def _run_job(cfg: DictConfig) -> int:
         new_dirs.discard(HydraConfig.get().runtime.output_dir)
         return EXIT_CONFIG
     if rankserver.in_torchrun():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: torchrun stopping the ranks must not cut this rank's last words and exit code
+        # the run is over: torchrun stopping the ranks must not cut this rank's last words and exit code
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not _is_rank0() and (report.ok or report.agreed):
         return EXIT_OK if report.ok else EXIT_FAILED  # rank 0 speaks for every rank: it raised the same error
     if report.ok:
@@ -200,20 +223,32 @@ def hydra_message(exc: BaseException) -> str:
     if isinstance(exc, MissingConfigException):
         missing = text.split("Could not find '", 1)[-1].split("'", 1)[0]
         group, _, name = missing.rpartition("/")
-        options = [line.strip() for line in text.split("Available options", 1)[-1].splitlines()[1:] if line.startswith("\t") and line.strip()]
+        options = [
+            line.strip()
+            for line in text.split("Available options", 1)[-1].splitlines()[1:]
+            if line.startswith("\t") and line.strip()
+        ]
         if group:
             options = [o for o in options if "=" not in o and "path" not in o]
-            return f"{group}={name}: no such {group}; choose one of {', '.join(options)}" if options else f"{group}={name}: no such {group}"
+            return (
+                f"{group}={name}: no such {group}; choose one of {', '.join(options)}"
+                if options
+                else f"{group}={name}: no such {group}"
+            )
     if "Could not override '" in text or "Key '" in text and "is not in struct" in text:
         return unknown_key(text.split("'", 2)[1])
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
     if isinstance(exc, OverrideParseException):
-        return f"{exc.override} cannot be parsed ({first}); write overrides as key=value, quoting lists: 'target.wrap=[Block]'"
+        return (
+            f"{exc.override} cannot be parsed ({first}); "
+            "write overrides as key=value, quoting lists: 'target.wrap=[Block]'"
+        )
     return first
 
 
 def open_dict_overrides(args: list[str]) -> list[str]:
-    """Let ``model.kwargs.depth=12`` add a key the composed config does not have (as ``++`` would); a dict given whole is merged into the recipe's."""
+    """Let ``model.kwargs.depth=12`` add a key the composed config does not have (as ``++`` would); a dict given whole
+    is merged into the recipe's."""
     return [f"++{a}" if "=" in a and _in_open_dict(a.split("=", 1)[0]) else a for a in args]
 
 
@@ -251,7 +286,8 @@ def main() -> None:
 
 
 def _summarize_sweep(code: int) -> int:
-    """The sweep's table, sweep.json and sweep.png; a summary that cannot be written is an error (exit code at least 1)."""
+    """The sweep's table, sweep.json and sweep.png; a summary that cannot be written is an error (exit code
+    at least 1)."""
     try:
         problem = summarize_sweep(_sweep_jobs, code)
     except Exception as exc:  # noqa: BLE001 - a bug in the summary: one line; the jobs' reports are in place

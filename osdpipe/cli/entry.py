@@ -1,4 +1,5 @@
-"""The ``osdpipe`` console script: answer what needs no config at once, else run the command (:mod:`osdpipe.cli.compose`).
+"""The ``osdpipe`` console script: answer what needs no config at once, else run the command
+(:mod:`osdpipe.cli.compose`).
 
 Python alone starts in about 0.1 s here; Hydra's import and its two
 compositions of the config take most of a second, torch two more. So:
@@ -43,7 +44,8 @@ EXIT_CONFIG = 2
 
 
 def version_line() -> str:
-    """``osdpipe X (torch Y, hydra Z)``, from the installed packages' metadata: importing torch and Hydra would take seconds."""
+    """``osdpipe X (torch Y, hydra Z)``, from the installed packages' metadata: importing torch and Hydra would take
+    seconds."""
     from importlib.metadata import PackageNotFoundError, version  # about 20 ms: only --version reads package metadata
 
     def installed(package: str) -> str:
@@ -56,7 +58,8 @@ def version_line() -> str:
 
 
 def help_text() -> str | None:
-    """What ``osdpipe --help`` prints: the help template of ``conf/config.yaml`` with its config groups, read without Hydra.
+    """What ``osdpipe --help`` prints: the help template of ``conf/config.yaml`` with its config groups, read without
+    Hydra.
 
     Hydra's own ``--help`` composes the config once per group and option to
     list them (about a second here); the groups are the directories of the
@@ -70,7 +73,9 @@ def help_text() -> str | None:
     import yaml  # PyYAML: what OmegaConf reads YAML with, a fraction of Hydra's import
 
     conf = files("osdpipe.conf")
-    template = (yaml.safe_load(conf.joinpath("config.yaml").read_text()).get("hydra") or {}).get("help", {}).get("template")
+    template = (
+        (yaml.safe_load(conf.joinpath("config.yaml").read_text()).get("hydra") or {}).get("help", {}).get("template")
+    )
     if not isinstance(template, str) or "${" in template:
         return None
     groups = []
@@ -84,7 +89,8 @@ def help_text() -> str | None:
 
 
 def _config_groups(conf: Any, parent: str = "") -> list[str]:
-    """The config groups under ``parent``, as Hydra names them (``model``, ``a/b``): directories that hold a YAML file, at any depth."""
+    """The config groups under ``parent``, as Hydra names them (``model``, ``a/b``): directories that hold a YAML file,
+    at any depth."""
     groups = []
     node = conf.joinpath(parent) if parent else conf
     for entry in node.iterdir():
@@ -98,7 +104,11 @@ def _config_groups(conf: Any, parent: str = "") -> list[str]:
 
 
 def _options(conf: Any, group: str) -> list[str]:
-    return [f.name.removesuffix(".yaml") for f in conf.joinpath(group).iterdir() if f.is_file() and f.name.endswith(".yaml")]
+    return [
+        f.name.removesuffix(".yaml")
+        for f in conf.joinpath(group).iterdir()
+        if f.is_file() and f.name.endswith(".yaml")
+    ]
 
 
 #: Values Hydra reads as a bool (in any case), an int, a float, or a plain string (a name, a path, ``module:function``).
@@ -109,7 +119,8 @@ _WORD = re.compile(r"[A-Za-z_/][A-Za-z0-9_./:@-]*")
 
 
 def plain_overrides(args: list[str]) -> dict[str, Any] | None:
-    """The command line's ``key=value`` overrides whose values are plain, typed as Hydra types them; ``None`` for a sweep or a flag.
+    """The command line's ``key=value`` overrides whose values are plain, typed as Hydra types them; ``None`` for a
+    sweep or a flag.
 
     Plain values are a bool, an int, a float or a string of name and path
     characters; anything else (a list, a sweep ``a,b``, ``null``, ``inf``,
@@ -136,8 +147,10 @@ def plain_overrides(args: list[str]) -> dict[str, Any] | None:
 
 
 def _check_overrides(overrides: dict[str, Any]) -> None:
-    """Refuse a command line whose overrides the schema refuses on their own (:func:`osdpipe.spec.config.check_overrides`), as the command would, before Hydra is imported."""
-    from osdpipe.spec.config import ConfigError, UnknownKey, check_overrides  # pydantic: not on --help's and --version's path
+    """Refuse a command line whose overrides the schema refuses on their own
+    (:func:`osdpipe.spec.config.check_overrides`), as the command would, before Hydra is imported."""
+    # pydantic: not on --help's and --version's path
+    from osdpipe.spec.config import ConfigError, UnknownKey, check_overrides
 
     try:
         check_overrides(overrides)
@@ -184,7 +197,8 @@ def _dispatch(args: list[str]) -> None:
 
 
 def _owns_the_process() -> bool:
-    """Whether this call is the whole process: the ``osdpipe`` script or ``python -m osdpipe``, not a caller that goes on (a test driver)."""
+    """Whether this call is the whole process: the ``osdpipe`` script or ``python -m osdpipe``, not a caller that goes
+    on (a test driver)."""
     return getattr(sys.modules.get("__main__"), "main", None) is main
 
 

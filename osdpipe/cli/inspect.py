@@ -25,7 +25,10 @@ if TYPE_CHECKING:  # annotations only: this module is imported before torch, whi
     from osdpipe.io.file_facts import Facts
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-USAGE = "usage: osdpipe inspect PATH [--json] [--key KEY]  (PATH: a checkpoint file, a DCP directory, a directory of rank_<r>.pt, or an osdpipe output)"
+USAGE = (
+    "usage: osdpipe inspect PATH [--json] [--key KEY]  "
+    "(PATH: a checkpoint file, a DCP directory, a directory of rank_<r>.pt, or an osdpipe output)"
+)
 
 def run_inspect(args: list[str]) -> int:
     """The command: read the facts, print them, return the exit code."""
@@ -43,7 +46,8 @@ def run_inspect(args: list[str]) -> int:
         print(USAGE)
         return EXIT_OK
     if len(rest) != 1 or rest[0].startswith("-"):
-        print(f"osdpipe inspect: error: {'one PATH' if not rest or not rest[0].startswith('-') else repr(rest[0]) + ' is not an option'}; {USAGE}", file=sys.stderr)
+        wrong = "one PATH" if not rest or not rest[0].startswith("-") else repr(rest[0]) + " is not an option"
+        print(f"osdpipe inspect: error: {wrong}; {USAGE}", file=sys.stderr)
         return EXIT_USAGE
     # torch: not on inspect --help's path (tests/cli/test_startup.py)
     from osdpipe.io.checkpoints import recognize
@@ -86,9 +90,11 @@ def run_inspect(args: list[str]) -> int:
 
 
 def _checkpoint_in(path: Path) -> Path:
-    """``path``, or for an osdpipe output directory that holds one checkpoint for every rank (``fsdp_full``, ``plain``, ``dcp``), that checkpoint.
+    """``path``, or for an osdpipe output directory that holds one checkpoint for every rank (``fsdp_full``,
+    ``plain``, ``dcp``), that checkpoint.
 
-    The formats say where they write (``output_path``); a format whose every rank loads the same path wrote one checkpoint.
+    The formats say where they write (``output_path``); a format whose every rank loads the same path wrote one
+    checkpoint.
     """
     if path.is_dir() and (path / "manifest.json").is_file():
         from osdpipe.io import formats  # torch: not on inspect --help's path
@@ -117,13 +123,18 @@ def describe(f: Facts, command: bool = True) -> str:
         lines.append(f"  ... and {len(f.units) - 8} more unit(s)")
     for placement in f.placements[:4]:
         lines.append(f"  placement    {placement}")
-    optimizer = f.optimizer or (" or ".join(f.optimizer_candidates) if f.optimizer_candidates else "none of torch.optim's")
+    optimizer = f.optimizer or (
+        " or ".join(f.optimizer_candidates) if f.optimizer_candidates else "none of torch.optim's"
+    )
     lines.append(f"  optimizer    {optimizer}  (state {', '.join(f.state_names) or 'none'})")
     for i, group in enumerate(f.param_groups):
         shown = ", ".join(f"{k}={v}" for k, v in sorted(group.items()) if k != "params")
         lines.append(f"  group {i:<6} {group['params']} param(s): {shown}")
     if f.steps is not None:
-        lines.append(f"  steps        {_number(f.steps[0])}" + (f" .. {_number(f.steps[1])}" if f.steps[1] != f.steps[0] else ""))
+        lines.append(
+            f"  steps        {_number(f.steps[0])}"
+            + (f" .. {_number(f.steps[1])}" if f.steps[1] != f.steps[0] else "")
+        )
     lines.append(f"  parameters   {f.params} with state")
     dtypes = ", ".join(f"{d} {show_size(n)}" for d, n in sorted(f.dtypes.items()))
     lines.append(f"  state        {show_size(f.state_bytes)} of tensors" + (f" ({dtypes})" if dtypes else ""))
@@ -135,7 +146,10 @@ def describe(f: Facts, command: bool = True) -> str:
     return "\n".join(lines)
 
 #: Said before a whole checkpoint's optimizer part.
-WHOLE_OPTIMIZER = "optimizer part (the command below converts the whole checkpoint: the model and the optimizer, every other entry carried over):\n"
+WHOLE_OPTIMIZER = (
+    "optimizer part (the command below converts the whole checkpoint: the model and the optimizer, "
+    "every other entry carried over):\n"
+)
 
 
 def whole_command(whole: WholeCheckpoint, naming: ModelNaming) -> str:
@@ -148,17 +162,25 @@ def whole_command(whole: WholeCheckpoint, naming: ModelNaming) -> str:
 
 
 def describe_whole(w: WholeCheckpoint) -> str:
-    """A whole training checkpoint as a person reads it: the layout, the model and optimizer parts, and every other entry with its size."""
+    """A whole training checkpoint as a person reads it: the layout, the model and optimizer parts, and every other
+    entry with its size."""
     lines = [w.path, f"  layout       {w.layout} (a whole training checkpoint)"]
     model = w.part("model")
     if model:
         tensors = sum(e.tensors for e in model)
-        lines.append(f"  model        {len(model)} entr{'y' if len(model) == 1 else 'ies'}, {tensors} tensor(s), {show_size(sum(e.size for e in model))}: "
-                     + ", ".join(sorted({e.where for e in model})))
+        lines.append(
+            f"  model        {len(model)} entr{'y' if len(model) == 1 else 'ies'}, {tensors} tensor(s), "
+            f"{show_size(sum(e.size for e in model))}: "
+            + ", ".join(sorted({e.where for e in model}))
+        )
     for e in w.part("optimizer"):
         lines.append(f"  optimizer    {e.name}: {e.tensors} tensor(s), {show_size(e.size)} in {e.where}")
     for e in w.part("other"):
-        whose = f"  (source rank {e.source_rank}'s: it describes the world that saved it)" if e.source_rank is not None else ""
+        whose = (
+            f"  (source rank {e.source_rank}'s: it describes the world that saved it)"
+            if e.source_rank is not None
+            else ""
+        )
         lines.append(f"  entry        {e.name}: {show_size(e.size)} in {e.where}{whose}")
     left_out = [e.name for e in w.part("framework")]
     if left_out:

@@ -97,7 +97,8 @@ class Facts:
     layout: list[str] = field(default_factory=list)
 
     def overrides(self) -> list[str]:
-        """The ``key=value`` arguments that describe this checkpoint to ``osdpipe`` (what the files cannot say is left out)."""
+        """The ``key=value`` arguments that describe this checkpoint to ``osdpipe`` (what the files cannot say is left
+        out)."""
         out = [f"input.path={self.path}", f"input.format={self.format}"]
         if self.key is not None and self.key != "optim":
             out.append(f"input.key={self.key}")
@@ -108,7 +109,12 @@ class Facts:
             out.append(f"source.world_size={self.world_size}")
         if self.shard_group_size is not None and kind is not None:
             out += [f"source.{k}={v}" for k, v in kind.hybrid_keys(self.shard_group_size).items()]
-        if self.use_orig_params and kind is not None and kind.has_use_orig_params and formats.get(self.format).local_state:
+        if (
+            self.use_orig_params
+            and kind is not None
+            and kind.has_use_orig_params
+            and formats.get(self.format).local_state
+        ):
             out.append("source.use_orig_params=true")
         out += self.layout
         if self.optimizer is not None:
@@ -137,7 +143,9 @@ def detect_format(path: str | Path) -> str:
         held = [f for f in formats.FORMATS.values() if f.directory]
         found = next((f for f in held if f.found_in(p)), None)
         if found is None:
-            raise InputError(f"{p} holds neither {' nor '.join(f.found_by for f in held)}; point input.path at a checkpoint")
+            raise InputError(
+                f"{p} holds neither {' nor '.join(f.found_by for f in held)}; point input.path at a checkpoint"
+            )
         return found.name
     if not p.exists():
         raise InputError(f"{p} does not exist; point input.path at a checkpoint file or directory")
@@ -151,7 +159,8 @@ def detect_format(path: str | Path) -> str:
 
 
 def read_facts(path: str | Path, fmt: str | None = None, key: str | None = None) -> Facts:
-    """What the checkpoint at ``path`` shows (in format ``fmt``, detected when ``None``; ``key``: a DCP checkpoint's top-level key).
+    """What the checkpoint at ``path`` shows (in format ``fmt``, detected when ``None``; ``key``: a DCP checkpoint's
+    top-level key).
 
     Each format reads its own (:meth:`~osdpipe.io.formats.base.Format.read_facts`).
 

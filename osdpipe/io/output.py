@@ -39,7 +39,8 @@ import re
 import shutil
 from pathlib import Path
 
-#: The manifest: written last into a staged conversion and moved last into place; a conversion without it is not committed.
+#: The manifest: written last into a staged conversion and moved last into place; a conversion without it is not
+#: committed.
 MANIFEST = "manifest.json"
 #: The manifest's key for the input's absolute path when the conversion ran: its config keeps ``input.path`` as the user
 #: typed it, which `osdpipe check` run from another directory could not find.
@@ -71,7 +72,9 @@ def conversion_entries(directory: Path) -> list[Path]:
     except (OSError, ValueError, AttributeError, IndexError):
         pass  # no manifest, or not one osdpipe wrote: the names osdpipe always uses
     return sorted(
-        p for p in directory.iterdir() if p.name in _NAMED or p.name in listed or _RANK_FILE.fullmatch(p.name) or _EXPORT_SHARD.fullmatch(p.name)
+        p
+        for p in directory.iterdir()
+        if p.name in _NAMED or p.name in listed or _RANK_FILE.fullmatch(p.name) or _EXPORT_SHARD.fullmatch(p.name)
     )
 
 
@@ -84,14 +87,19 @@ def check_writable(directory: Path) -> None:
     """
     blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise OutputError(f"output.path={str(directory)!r}: {blocker} is a file, not a directory; choose another output.path")
+        raise OutputError(
+            f"output.path={str(directory)!r}: {blocker} is a file, not a directory; choose another output.path"
+        )
     probe = directory / ".osdpipe-write-test"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise OutputError(f"output.path={str(directory)!r} cannot be written ({exc.strerror or exc}); choose a directory you can write to") from None
+        raise OutputError(
+            f"output.path={str(directory)!r} cannot be written ({exc.strerror or exc}); "
+            "choose a directory you can write to"
+        ) from None
 
 
 def _move_all(entries: list[Path], into: Path) -> None:
@@ -100,7 +108,8 @@ def _move_all(entries: list[Path], into: Path) -> None:
 
 
 def sync_path(path: Path) -> None:
-    """``fsync`` a file or a directory: its bytes (a directory: its entries, so renames into it) are on disk when it returns."""
+    """``fsync`` a file or a directory: its bytes (a directory: its entries, so renames into it) are on disk when it
+    returns."""
     fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
     try:
         os.fsync(fd)
@@ -109,7 +118,8 @@ def sync_path(path: Path) -> None:
 
 
 def sync_tree(root: Path) -> None:
-    """Sync every file under ``root``, then every directory, deepest first, ``root`` last: its whole content is on disk."""
+    """Sync every file under ``root``, then every directory, deepest first, ``root`` last: its whole content is on
+    disk."""
     directories = []
     for here, dirs, files in os.walk(root):
         for name in files:
@@ -141,12 +151,14 @@ def _finish_commit(directory: Path, durable: bool) -> None:
 
 
 def _committed(incoming: Path) -> bool:
-    """Whether ``.incoming`` holds a committed conversion: its manifest is there, or every entry, the manifest last, has moved out."""
+    """Whether ``.incoming`` holds a committed conversion: its manifest is there, or every entry, the manifest last,
+    has moved out."""
     return (incoming / MANIFEST).is_file() or not any(incoming.iterdir())
 
 
 def _roll_back(directory: Path) -> None:
-    """Put the previous conversion back in place from ``.previous`` (what of the new one moved in goes first) and drop ``.incoming``."""
+    """Put the previous conversion back in place from ``.previous`` (what of the new one moved in goes first) and drop
+    ``.incoming``."""
     previous = directory / PREVIOUS
     if previous.is_dir():
         for entry in conversion_entries(directory):
@@ -187,7 +199,8 @@ def begin(directory: Path, durable: bool = True) -> Path:
 
 
 def commit(directory: Path, durable: bool = True) -> None:
-    """Replace the conversion in ``directory`` by the one staged in ``.staging``, as a whole; with ``durable``, synced at every step."""
+    """Replace the conversion in ``directory`` by the one staged in ``.staging``, as a whole; with ``durable``, synced
+    at every step."""
     staging = directory / STAGING
     if durable:
         sync_tree(staging)

@@ -42,21 +42,26 @@ from osdpipe.spec import checks as check_registry  # the checks' names and order
 if TYPE_CHECKING:
     from osdpipe.layout.ranges import LayoutSpec
 
-#: The built-in stages, in the order they run (the stage registry, :mod:`osdpipe.pipeline.stages`, holds these names).
+#: The built-in stages, in the order they run (the stage registry, :mod:`osdpipe.pipeline.stages`, holds these
+#: names).
 STAGE_ORDER = ("load", "broadcast", "flatten", "shard", "rekey", "verify", "save")
 REQUIRED_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
-#: The verify checks, in the order they run: the check catalog's (it imports no torch; the checks themselves are in osdpipe.verify.checks).
+#: The verify checks, in the order they run: the check catalog's (it imports no torch; the checks themselves are in
+#: osdpipe.verify.checks).
 VERIFY_CHECKS = check_registry.names()
 
-#: FSDP1's sharding strategies by ``torch.distributed.fsdp.ShardingStrategy`` member name (FSDP2 takes FULL_SHARD and NO_SHARD).
+#: FSDP1's sharding strategies by ``torch.distributed.fsdp.ShardingStrategy`` member name (FSDP2 takes FULL_SHARD and
+#: NO_SHARD).
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 
-#: The validation context of :func:`check_schema`'s pass: the validators that need torch, or the input's settled facts, skip themselves.
+#: The validation context of :func:`check_schema`'s pass: the validators that need torch, or the input's settled facts,
+#: skip themselves.
 SCHEMA_ONLY = {"osdpipe.schema_only": True}
 
 
 def _complete(info: ValidationInfo) -> bool:
-    """Whether this validation runs every check: those that import torch too (every validation but :func:`check_schema`'s)."""
+    """Whether this validation runs every check: those that import torch too (every validation but
+    :func:`check_schema`'s)."""
     return not (isinstance(info.context, dict) and info.context.get("osdpipe.schema_only"))
 
 
@@ -101,10 +106,12 @@ class LayoutConfig(_Frozen):
     use_orig_params: bool = False
     wrap: list[str] = Field(default_factory=list)  # null in the config: the model's units (filled in by RunSpec)
     wrap_root: bool = True
-    state_dict_type: Literal["full", "sharded", "local"] = "full"  # local: each rank's own optim.state_dict() (rank_local)
+    # local: each rank's own optim.state_dict() (rank_local)
+    state_dict_type: Literal["full", "sharded", "local"] = "full"
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
     tp_size: int = Field(default=1, ge=1)  # tensor-parallel ranks, the innermost mesh dimension (fsdp2)
-    tp_plan: dict[str, str] = Field(default_factory=dict)  # module FQN pattern -> colwise | rowwise | sequence | package.module:callable
+    # module FQN pattern -> colwise | rowwise | sequence | package.module:callable
+    tp_plan: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("tp_plan")
     @classmethod
@@ -118,11 +125,18 @@ class LayoutConfig(_Frozen):
         return plan
 
     def mesh_problem(self) -> str | None:
-        """Why ``world_size``, ``tp_size`` and ``tp_plan`` make no mesh (``None``: they do); nothing here needs the model or torch."""
+        """Why ``world_size``, ``tp_size`` and ``tp_plan`` make no mesh (``None``: they do); nothing here needs the
+        model or torch."""
         if self.world_size % self.tp_size:
-            return f"tp_size={self.tp_size} does not divide world_size={self.world_size}; the world is replicas x shard group x tp_size"
+            return (
+                f"tp_size={self.tp_size} does not divide world_size={self.world_size}; "
+                "the world is replicas x shard group x tp_size"
+            )
         if self.tp_plan and self.tp_size == 1:
-            return "tp_plan applies with tensor parallelism: set tp_size (the tensor-parallel ranks), or leave tp_plan empty"
+            return (
+                "tp_plan applies with tensor parallelism: set tp_size (the tensor-parallel ranks), "
+                "or leave tp_plan empty"
+            )
         return None
 
     @field_validator("kind")
@@ -141,13 +155,16 @@ class LayoutConfig(_Frozen):
 
             kind = kinds.get(self.kind)
             if self.tp_size > 1 and not kind.tensor_parallel:
-                raise ValueError(f"tp_size={self.tp_size}: kind={self.kind} has no tensor parallelism; set kind=fsdp2, or tp_size=1")
+                raise ValueError(
+                    f"tp_size={self.tp_size}: kind={self.kind} has no tensor parallelism; set kind=fsdp2, or tp_size=1"
+                )
             kind.validate(self.spec())
         return self
 
     def spec(self) -> LayoutSpec:
         """This side's layout, as the layout math and the kinds take it."""
-        from osdpipe.layout.ranges import LayoutSpec  # the layout math imports torch (through osdpipe.layout.tree): not at start-up
+        # the layout math imports torch (through osdpipe.layout.tree): not at start-up
+        from osdpipe.layout.ranges import LayoutSpec
 
         return LayoutSpec(
             kind=self.kind,
@@ -174,7 +191,8 @@ class ParamGroupConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
-#: ``optim.name`` that means: the checkpoint's own optimizer (:data:`GENERATED_OPTIMIZER` for a source osdpipe generates).
+#: ``optim.name`` that means: the checkpoint's own optimizer (:data:`GENERATED_OPTIMIZER` for a source osdpipe
+#: generates).
 AUTO = "auto"
 #: The optimizer that trains a source osdpipe generates (no ``input.path``) when ``optim.name=auto``.
 GENERATED_OPTIMIZER = "Adam"
@@ -227,11 +245,19 @@ class OptimConfig(_Frozen):
         if accepted is None:  # it takes **kwargs: whatever it does not know is its own to refuse
             return self
         if "lr" not in accepted:
-            raise ValueError(f"optim.name={self.name!r}: {label} takes no lr, but every optimizer gets optim.lr; give it an lr argument")
-        for where, keys in [("optim.kwargs", self.kwargs), *((f"optim.param_groups[{i}]", g.options) for i, g in enumerate(self.param_groups))]:
+            raise ValueError(
+                f"optim.name={self.name!r}: {label} takes no lr, but every optimizer gets optim.lr; "
+                "give it an lr argument"
+            )
+        for where, keys in [
+            ("optim.kwargs", self.kwargs),
+            *((f"optim.param_groups[{i}]", g.options) for i, g in enumerate(self.param_groups)),
+        ]:
             unknown = set(keys) - accepted
             if unknown:
-                raise ValueError(f"{where} has {sorted(unknown)}, which {label} does not take; it takes {sorted(accepted)}")
+                raise ValueError(
+                    f"{where} has {sorted(unknown)}, which {label} does not take; it takes {sorted(accepted)}"
+                )
         return self
 
 
@@ -284,7 +310,8 @@ class OutputConfig(_Frozen):
     checkpoint: Literal["torchtitan", "accelerate", "pytorch"] | None = None
     key: str = "optim"
     overwrite: bool = False
-    #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.io.output`); ``false``: for scratch output only.
+    #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.io.output`); ``false``: for
+    #: scratch output only.
     fsync: bool = True
     model_format: Literal["safetensors"] | None = None
     max_shard_size: int | None = None
@@ -300,7 +327,8 @@ class OutputConfig(_Frozen):
 
 
 class CheckpointConfig(_Frozen):
-    """What the input is (:mod:`osdpipe.io.checkpoints`): the optimizer's state alone, or a whole training checkpoint as a framework lays it out.
+    """What the input is (:mod:`osdpipe.io.checkpoints`): the optimizer's state alone, or a whole training checkpoint
+    as a framework lays it out.
 
     ``optimizer``: ``input.path`` is an optimizer checkpoint (``input.format``,
     ``input.key``). ``torchtitan``, ``accelerate``, ``pytorch`` (a DCP
@@ -327,9 +355,15 @@ class CheckpointConfig(_Frozen):
         if self.model is None and self.flavor is None:
             return self
         if self.layout != "torchtitan":
-            raise ValueError(f"checkpoint.model and checkpoint.flavor name a torchtitan checkpoint's model; set checkpoint=torchtitan, or model.factory for checkpoint={self.layout}")
+            raise ValueError(
+                "checkpoint.model and checkpoint.flavor name a torchtitan checkpoint's model; "
+                f"set checkpoint=torchtitan, or model.factory for checkpoint={self.layout}"
+            )
         if self.model is None or self.flavor is None:
-            raise ValueError("checkpoint.model and checkpoint.flavor go together, as torchtitan names a model: checkpoint.model=llama3 checkpoint.flavor=8B")
+            raise ValueError(
+                "checkpoint.model and checkpoint.flavor go together, as torchtitan names a model: "
+                "checkpoint.model=llama3 checkpoint.flavor=8B"
+            )
         return self
 
 
@@ -376,7 +410,9 @@ class PipelineConfig(_Frozen):
             raise ValueError(f"unknown stage(s) {unknown}; known stages are {list(STAGE_ORDER)}")
         required = [s for s in REQUIRED_STAGES if s not in stages]
         if required:
-            raise ValueError(f"stages {required} cannot be skipped: they produce the converted state (only verify and save can)")
+            raise ValueError(
+                f"stages {required} cannot be skipped: they produce the converted state (only verify and save can)"
+            )
         if stages != sorted(stages, key=STAGE_ORDER.index):
             raise ValueError(f"stages {stages} are out of order; built-in stages run as {list(STAGE_ORDER)}")
         return stages
@@ -385,7 +421,8 @@ class PipelineConfig(_Frozen):
 class RuntimeConfig(_Frozen):
     """How ranks are started and watched."""
 
-    mode: Literal["online", "offline"] = "online"  # offline: processes with no target job play the target's ranks in turn
+    # offline: processes with no target job play the target's ranks in turn
+    mode: Literal["online", "offline"] = "online"
     #: offline: how many local processes play the target's ranks (a share each, see osdpipe.run.world.ShareWorld);
     #: under torchrun, the torchrun world's size.
     workers: int = Field(default=1, ge=1)
@@ -400,7 +437,8 @@ class RuntimeConfig(_Frozen):
     transfer: Literal["shared", "scatter"] = "shared"
     #: Bytes a rank may hold in flight (reads, messages); ``None``: no bound. Conversion then copies, sends and
     #: checks in pieces of at most half of it, and, where nothing needs the rank's output whole (``pipeline.checks``
-    #: of ``roundtrip`` alone), makes the output as it writes it, so the budget bounds the output too (osdpipe.run.streamed_output).
+    #: of ``roundtrip`` alone), makes the output as it writes it, so the budget bounds the output too
+    #: (osdpipe.run.streamed_output).
     memory_budget: int | None = None
 
     @field_validator("memory_budget", mode="before")
@@ -408,7 +446,10 @@ class RuntimeConfig(_Frozen):
     def _budget(cls, value: Any) -> int | None:
         size = parse_size(value)
         if size is not None and size < MIN_MEMORY_BUDGET:
-            raise ValueError(f"a memory budget of {show_size(size)} leaves no room to copy; give at least {show_size(MIN_MEMORY_BUDGET)}")
+            raise ValueError(
+                f"a memory budget of {show_size(size)} leaves no room to copy; "
+                f"give at least {show_size(MIN_MEMORY_BUDGET)}"
+            )
         return size
 
     @property
@@ -421,7 +462,8 @@ class RunSpec(_Frozen):
     """A complete, validated conversion."""
 
     model: ModelConfig = ModelConfig()
-    #: Unset: the class's defaults, built without the kind checks, which import torch (the full pass checks both layouts).
+    #: Unset: the class's defaults, built without the kind checks, which import torch (the full pass checks both
+    #: layouts).
     source: LayoutConfig = Field(default_factory=LayoutConfig.model_construct)
     target: LayoutConfig = Field(default_factory=LayoutConfig.model_construct)
     optim: OptimConfig = OptimConfig()
@@ -435,18 +477,28 @@ class RunSpec(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _generated_source_optimizer(cls, raw: Any) -> Any:
-        """No input and ``optim.name=auto`` (or ``lr`` unset): the source osdpipe trains uses :data:`GENERATED_OPTIMIZER` at :data:`DEFAULT_LR`.
+        """No input and ``optim.name=auto`` (or ``lr`` unset): the source osdpipe trains uses
+        :data:`GENERATED_OPTIMIZER` at :data:`DEFAULT_LR`.
 
         With an input, ``auto`` is the input's optimizer, which only its files
         tell (:func:`osdpipe.spec.reconcile.settle_optimizer`, before validation).
         """
-        if not isinstance(raw, dict) or not isinstance(raw.get("optim", {}), dict) or not isinstance(raw.get("input", {}), dict):
+        if (
+            not isinstance(raw, dict)
+            or not isinstance(raw.get("optim", {}), dict)
+            or not isinstance(raw.get("input", {}), dict)
+        ):
             return raw
         optim = raw.get("optim") or {}
-        if (raw.get("input") or {}).get("path") is not None or (optim.get("name", AUTO) != AUTO and optim.get("lr") is not None):
+        if (raw.get("input") or {}).get("path") is not None or (
+            optim.get("name", AUTO) != AUTO and optim.get("lr") is not None
+        ):
             return raw
         name = GENERATED_OPTIMIZER if optim.get("name", AUTO) == AUTO else optim["name"]
-        return {**raw, "optim": {**optim, "name": name, "lr": DEFAULT_LR if optim.get("lr") is None else optim["lr"]}}
+        return {
+            **raw,
+            "optim": {**optim, "name": name, "lr": DEFAULT_LR if optim.get("lr") is None else optim["lr"]},
+        }
 
     @model_validator(mode="before")
     @classmethod
@@ -465,7 +517,8 @@ class RunSpec(_Frozen):
         if units is None and not _complete(info):
             units = []
         elif units is None:
-            from osdpipe.layout.models import model_units  # builds the model on the meta device (torch): not before the schema is checked
+            # builds the model on the meta device (torch): not before the schema is checked
+            from osdpipe.layout.models import model_units
 
             try:
                 units = model_units(model.get("factory", "nested"), model.get("kwargs") or {})
@@ -484,46 +537,80 @@ class RunSpec(_Frozen):
             if why is not None:
                 raise ValueError(f"{side}.{why}")
         named = self.checkpoint.model
-        if named is not None and (self.model.factory, self.model.kwargs.get("name"), self.model.kwargs.get("flavor")) != ("torchtitan", named, self.checkpoint.flavor):
+        if named is not None and (
+            (self.model.factory, self.model.kwargs.get("name"), self.model.kwargs.get("flavor"))
+            != ("torchtitan", named, self.checkpoint.flavor)
+        ):
             raise ValueError(
-                f"checkpoint.model={named} checkpoint.flavor={self.checkpoint.flavor} names torchtitan's own model, model.factory={self.model.factory} "
-                "another (or other kwargs); give one of them"
+                f"checkpoint.model={named} checkpoint.flavor={self.checkpoint.flavor} names torchtitan's own model, "
+                f"model.factory={self.model.factory} another (or other kwargs); give one of them"
             )
         if self.runtime.mode == "offline" and self.runtime.transfer == "scatter":
-            raise ValueError("runtime.transfer=scatter sends bytes between the ranks of a world; runtime.mode=offline plays ranks apart: set runtime.transfer=shared")
+            raise ValueError(
+                "runtime.transfer=scatter sends bytes between the ranks of a world; "
+                "runtime.mode=offline plays ranks apart: set runtime.transfer=shared"
+            )
         if self.runtime.workers > 1 and self.runtime.mode != "offline":
-            raise ValueError(f"runtime.workers={self.runtime.workers} plays the target's ranks offline; set runtime.mode=offline (online, the world has target.world_size ranks)")
+            raise ValueError(
+                f"runtime.workers={self.runtime.workers} plays the target's ranks offline; "
+                "set runtime.mode=offline (online, the world has target.world_size ranks)"
+            )
         if self.runtime.workers > getattr(self.target, "world_size", self.runtime.workers):
-            raise ValueError(f"runtime.workers={self.runtime.workers} is more than target.world_size={self.target.world_size}; each worker plays at least one target rank")
+            raise ValueError(
+                f"runtime.workers={self.runtime.workers} is more than target.world_size={self.target.world_size}; "
+                "each worker plays at least one target rank"
+            )
         if not _complete(info):
             return self  # the rest needs torch, or what the input's files settle (input.format, source.*)
-        from osdpipe.io import checkpoints, formats  # the registries import torch: not before the schema is checked
+        # the registries import torch: not before the schema is checked
+        from osdpipe.io import checkpoints, formats
         from osdpipe.layout import kinds
 
         source, target = kinds.get(self.source.kind), kinds.get(self.target.kind)
         given, written = formats.get(self.input.format), formats.get(self.output.format)
         layout = checkpoints.get(self.checkpoint.layout)
         if self.input.path is not None and layout.whole and not Path(self.input.path).is_dir():
-            raise ValueError(f"input.path={self.input.path!r}: checkpoint={layout.name} reads the framework's checkpoint folder ({layout.looks_like}); point it there")
-        if self.input.path is not None and not layout.whole and given.directory != Path(self.input.path).is_dir():
-            files, directories = (" or ".join(f.name for f in formats.FORMATS.values() if f.directory == d) for d in (False, True))
+            raise ValueError(
+                f"input.path={self.input.path!r}: checkpoint={layout.name} reads the framework's checkpoint folder "
+                f"({layout.looks_like}); point it there"
+            )
+        if (
+            self.input.path is not None
+            and not layout.whole
+            and given.directory != Path(self.input.path).is_dir()
+        ):
+            files, directories = (
+                " or ".join(f.name for f in formats.FORMATS.values() if f.directory == d) for d in (False, True)
+            )
             if given.directory:
-                raise ValueError(f"input.path={self.input.path!r}: a {given.name} input is a directory; use input.format={files} for a file")
+                raise ValueError(
+                    f"input.path={self.input.path!r}: a {given.name} input is a directory; "
+                    f"use input.format={files} for a file"
+                )
             raise ValueError(f"input.path={self.input.path!r} is a directory; set input.format={directories}")
-        why = (given.refuses_source(source) if self.input.path is not None else None) or written.refuses_target(target) or target.refuses_output(written)
+        why = (
+            (given.refuses_source(source) if self.input.path is not None else None)
+            or written.refuses_target(target)
+            or target.refuses_output(written)
+        )
         if why is not None:
             raise ValueError(why)
         if self.output.checkpoint is not None and not layout.whole:
             raise ValueError(
-                f"output.checkpoint={self.output.checkpoint} writes a whole training checkpoint, model and optimizer; the input is an optimizer's alone "
-                "(checkpoint=optimizer): set checkpoint= to the input's layout (torchtitan, accelerate, pytorch, deepspeed), or leave output.checkpoint out"
+                f"output.checkpoint={self.output.checkpoint} writes a whole training checkpoint, model and optimizer; "
+                "the input is an optimizer's alone (checkpoint=optimizer): set checkpoint= to the input's layout "
+                "(torchtitan, accelerate, pytorch, deepspeed), or leave output.checkpoint out"
             )
         writer = checkpoints.written(self.checkpoint.layout, self.output.checkpoint)
-        why = layout.refuses(given, source, generated=self.input.path is None) or writer.refuses_output(layout, written, target)
+        why = (
+            layout.refuses(given, source, generated=self.input.path is None)
+            or writer.refuses_output(layout, written, target)
+        )
         if why is not None:
             raise ValueError(why)
         if self.output.model_keys == "hf":
-            from osdpipe.layout.models import hf_adapter  # imports the model's framework: not before the schema is checked
+            # imports the model's framework: not before the schema is checked
+            from osdpipe.layout.models import hf_adapter
 
             if hf_adapter(self.model.factory, self.model.kwargs) is None:
                 raise ValueError(
@@ -532,17 +619,21 @@ class RunSpec(_Frozen):
                 )
         if self.output.model_format is not None and not layout.whole:
             raise ValueError(
-                f"output.model_format={self.output.model_format} exports a whole checkpoint's model; this input is an optimizer's alone "
-                "(checkpoint=optimizer): set checkpoint=torchtitan, accelerate, pytorch or deepspeed for a checkpoint that holds the model"
+                f"output.model_format={self.output.model_format} exports a whole checkpoint's model; "
+                "this input is an optimizer's alone (checkpoint=optimizer): set checkpoint=torchtitan, accelerate, "
+                "pytorch or deepspeed for a checkpoint that holds the model"
             )
         if self.input.path is None and self.source.state_dict_type not in source.state_dict_types:
             raise ValueError(
-                f"source.state_dict_type={self.source.state_dict_type}: a {self.source.kind} job saves {', '.join(source.state_dict_types)}; "
-                "choose one of those"
+                f"source.state_dict_type={self.source.state_dict_type}: a {self.source.kind} job saves "
+                f"{', '.join(source.state_dict_types)}; choose one of those"
             )
         previous = [p.name for p in conversion_entries(Path(self.output.path))]
         if previous and not self.output.overwrite:
-            raise ValueError(f"output.path={self.output.path!r} already holds a conversion ({', '.join(previous[:3])}); choose another path or set output.overwrite=true")
+            raise ValueError(
+                f"output.path={self.output.path!r} already holds a conversion ({', '.join(previous[:3])}); "
+                "choose another path or set output.overwrite=true"
+            )
         return self
 
     @property
@@ -560,17 +651,25 @@ class RunSpec(_Frozen):
 
 
 def name_torchtitans_model(raw: dict[str, Any], model_given: bool) -> dict[str, Any]:
-    """``raw`` with ``checkpoint.model`` and ``checkpoint.flavor`` (torchtitan's names: ``llama3``, ``8B``) as the model they name,
-    torchtitan's own from its registry (``model.factory=torchtitan``), where the user named no model otherwise (``model_given``);
-    where they did, the schema refuses the two if they disagree."""
+    """``raw`` with ``checkpoint.model`` and ``checkpoint.flavor`` (torchtitan's names: ``llama3``, ``8B``) as the
+    model they name, torchtitan's own from its registry (``model.factory=torchtitan``), where the user named no model
+    otherwise (``model_given``); where they did, the schema refuses the two if they disagree."""
     named = raw.get("checkpoint") or {}
     if model_given or named.get("model") is None or named.get("flavor") is None:
         return raw
-    return {**raw, "model": {**(raw.get("model") or {}), "factory": "torchtitan", "kwargs": {"name": named["model"], "flavor": named["flavor"]}}}
+    return {
+        **raw,
+        "model": {
+            **(raw.get("model") or {}),
+            "factory": "torchtitan",
+            "kwargs": {"name": named["model"], "flavor": named["flavor"]},
+        },
+    }
 
 
 def check_schema(raw: dict[str, Any]) -> None:
-    """Check what needs neither torch nor the input's files: types, ranges, choices, unknown keys, stages, sizes, paths, runtime's rules.
+    """Check what needs neither torch nor the input's files: types, ranges, choices, unknown keys, stages, sizes,
+    paths, runtime's rules.
 
     It imports nothing heavy, so that a mistyped value is said at once: the
     launcher runs it before anything that imports torch, and before the
@@ -588,7 +687,8 @@ def check_schema(raw: dict[str, Any]) -> None:
 
 
 def validate(raw: dict[str, Any]) -> RunSpec:
-    """Validate a composed config (a plain dict) into a :class:`RunSpec`: :func:`check_schema`, then what needs torch.
+    """Validate a composed config (a plain dict) into a :class:`RunSpec`: :func:`check_schema`, then what needs
+    torch.
 
     The second pass checks the layout kinds, the optimizer class and its
     hyperparameters, fills ``wrap`` with the model's units and computes both
@@ -639,7 +739,8 @@ def check_overrides(values: dict[str, Any]) -> None:
 
 
 def _schema_field(key: str) -> tuple[type[BaseModel], str] | None:
-    """The section and the name of the plain field a dotted key names; ``None`` when the schema alone cannot judge the key.
+    """The section and the name of the plain field a dotted key names; ``None`` when the schema alone cannot judge
+    the key.
 
     Raises:
         UnknownKey: the key is not in a section that takes only its own keys.
@@ -652,7 +753,10 @@ def _schema_field(key: str) -> tuple[type[BaseModel], str] | None:
                 return None  # hydra.*, ...: Hydra's own
             raise UnknownKey(key)
         annotation = model.model_fields[part].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)) or annotation.model_config.get("extra") != "forbid":
+        if (
+            not (isinstance(annotation, type) and issubclass(annotation, BaseModel))
+            or annotation.model_config.get("extra") != "forbid"
+        ):
             return None  # an open dict (model.kwargs), a list or a plain value on the way
         model = annotation
     if model is RunSpec:
@@ -666,7 +770,8 @@ def _schema_field(key: str) -> tuple[type[BaseModel], str] | None:
 
 
 def _lines(errors: list[Any], where: tuple[str, ...] = ()) -> list[str]:
-    """Pydantic's errors as one line each: the key (under ``where``), the value given, and what is wrong or what to do."""
+    """Pydantic's errors as one line each: the key (under ``where``), the value given, and what is wrong or what
+    to do."""
     lines = []
     for err in errors:
         loc = (*where, *err["loc"])
@@ -688,7 +793,8 @@ class ConfigError(ValueError):
 
 
 class UnknownKey(ConfigError):
-    """A key that is not in the config, in the words Hydra's complaint about it is said in (:func:`osdpipe.cli.compose.hydra_message`)."""
+    """A key that is not in the config, in the words Hydra's complaint about it is said in
+    (:func:`osdpipe.cli.compose.hydra_message`)."""
 
     def __init__(self, key: str) -> None:
         super().__init__([unknown_key(key)])
@@ -696,4 +802,7 @@ class UnknownKey(ConfigError):
 
 def unknown_key(key: str) -> str:
     """The line for a key the config does not have."""
-    return f"{key}: not a known key; check its spelling against the config reference in docs/config.md (osdpipe --help lists the main keys)"
+    return (
+        f"{key}: not a known key; check its spelling against the config reference in docs/config.md "
+        "(osdpipe --help lists the main keys)"
+    )

@@ -90,7 +90,8 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         return raw, []
     layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
     notes: list[str] = []
-    if layout.whole and Path(path).is_dir() and (newest := layout.newest_in(path)) is not None:  # the framework's folder of checkpoints
+    # the framework's folder of checkpoints
+    if layout.whole and Path(path).is_dir() and (newest := layout.newest_in(path)) is not None:
         _set(raw, "input.path", newest)
         notes.append(f"input.path={path} is {layout.name}'s folder of checkpoints; converting the newest, {newest}")
         path = newest
@@ -99,10 +100,17 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         if "model.factory" not in given and (named := _model_from_files(layout, path)) is not None:
             _set(raw, "model.factory", named[0])
             _set(raw, "model.kwargs", named[1])
-            notes.append(f"no model.factory given: the model is built from {path}'s files (every parameter's name and shape); give model.factory=... for your own")
+            notes.append(
+                f"no model.factory given: the model is built from {path}'s files (every parameter's name and shape); "
+                "give model.factory=... for your own"
+            )
         _set(raw, "input.format", fmt)
         writer = checkpoints.written(layout.name, _get(raw, "output.checkpoint"))
-        keep = layout.output_format_of(fmt) if writer is layout else writer.output_formats[0]  # another framework's: its own format
+        keep = (
+            layout.output_format_of(fmt)
+            if writer is layout
+            else writer.output_formats[0]  # another framework's: its own format
+        )
         if "output.format" not in given and keep is not None:
             _set(raw, "output.format", keep)  # the source's state-dict type, which the job that resumes is set to
         try:
@@ -111,10 +119,13 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         except (InputError, OSError):
             pass  # the pre-flight check says what is wrong with it
         part = layout.optimizer_part(path, fmt)
-        if part is None:  # a model-only checkpoint: no optimizer to settle; the checks resume with the one osdpipe trains
+        # a model-only checkpoint: no optimizer to settle; the checks resume with the one osdpipe trains
+        if part is None:
             if _get(raw, "optim.name") in (None, AUTO):
                 _set(raw, "optim.name", GENERATED_OPTIMIZER)
-            return raw, notes + [f"{path} holds the model alone (no optimizer state): the output holds the model alone too"]
+            return raw, notes + [
+                f"{path} holds the model alone (no optimizer state): the output holds the model alone too"
+            ]
         try:
             facts = read_facts(part.path, part.format, part.key)
         except InputError:
@@ -188,18 +199,22 @@ def settle_and_validate(raw: dict[str, Any]) -> RunSpec:
 
 
 def _settle(raw: dict[str, Any], given: Given, key: str, value: Any, shows: str) -> None:
-    """``key`` takes the files' ``value`` unless the user gave it; given and different, it is a :class:`Contradiction`."""
+    """``key`` takes the files' ``value`` unless the user gave it; given and different, it is a
+    :class:`Contradiction`."""
     current = _get(raw, key)
     if current == value:
         return
     if key in given:
-        raise Contradiction(f"{key}={current}, but {shows}: set {key}={value}, or leave {key} out and osdpipe reads it from the input")
+        raise Contradiction(
+            f"{key}={current}, but {shows}: set {key}={value}, or leave {key} out and osdpipe reads it from the input"
+        )
     _set(raw, key, value)
 
 
 def _settle_layout(raw: dict[str, Any], given: Given, facts: Any) -> None:
-    """What the files show of the layout that saved them: the kind a format's files come from (a plain file's: one process), and the keys its
-    format says they settle (:meth:`~osdpipe.io.formats.base.Format.shows`: the world size of DCP's and rank files, FSDP2 and its mesh)."""
+    """What the files show of the layout that saved them: the kind a format's files come from (a plain file's: one
+    process), and the keys its format says they settle (:meth:`~osdpipe.io.formats.base.Format.shows`: the world size
+    of DCP's and rank files, FSDP2 and its mesh)."""
     fmt = formats.get(facts.format)
     if "source.kind" in given:
         kind = _get(raw, "source.kind")
@@ -216,14 +231,20 @@ def _settle_layout(raw: dict[str, Any], given: Given, facts: Any) -> None:
 
 
 def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str]:
-    """``optim.name`` from the checkpoint unless given; a given one must keep the state the checkpoint has. Returns the warnings."""
+    """``optim.name`` from the checkpoint unless given; a given one must keep the state the checkpoint has. Returns the
+    warnings."""
     name = _get(raw, "optim.name")
     warnings: list[str] = []
     if "optim.name" not in given or name in (None, AUTO):
         if facts.optimizer is None:
             raise Contradiction(
-                f"optim.name=auto, but the optimizer of {facts.path} cannot be told from its state ({facts.optimizer_why}); "
-                + (f"set optim.name to one of {', '.join(facts.optimizer_candidates)}" if facts.optimizer_candidates else "set optim.name=package.module:Class")
+                f"optim.name=auto, but the optimizer of {facts.path} cannot be told from its state "
+                f"({facts.optimizer_why}); "
+                + (
+                    f"set optim.name to one of {', '.join(facts.optimizer_candidates)}"
+                    if facts.optimizer_candidates
+                    else "set optim.name=package.module:Class"
+                )
             )
         _set(raw, "optim.name", facts.optimizer)
     else:
@@ -236,18 +257,29 @@ def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str
             held = f"{facts.optimizer}'s: " if facts.optimizer else ""
             raise Contradiction(
                 f"optim.name={name} {mismatch}; {facts.path} holds {held}state {facts.state_names}: "
-                + (f"set optim.name={facts.optimizer}, or leave it out (auto: the checkpoint's)" if facts.optimizer else "set optim.name to the optimizer that saved it")
+                + (
+                    f"set optim.name={facts.optimizer}, or leave it out (auto: the checkpoint's)"
+                    if facts.optimizer
+                    else "set optim.name to the optimizer that saved it"
+                )
             )
         if facts.optimizer is not None and facts.optimizer != name:
             warnings.append(
-                f"optim.name={name}, but {facts.path} was saved by {optimizer_label(facts.optimizer)}, as its param groups' hyperparameter "
-                f"names and its state names show; converting for {optimizer_label(name)} as asked, with the checkpoint's hyperparameters"
+                f"optim.name={name}, but {facts.path} was saved by {optimizer_label(facts.optimizer)}, "
+                "as its param groups' hyperparameter names and its state names show; "
+                f"converting for {optimizer_label(name)} as asked, with the checkpoint's hyperparameters"
             )
-    if "optim.param_groups" not in given and not _get(raw, "optim.param_groups") and facts.group_fqns and len(facts.group_fqns) > 1:
-        # The target's optimizer takes the checkpoint's grouping (the Trainer's decay / no-decay groups), each FQN matched as itself.
+    if (
+        "optim.param_groups" not in given
+        and not _get(raw, "optim.param_groups")
+        and facts.group_fqns
+        and len(facts.group_fqns) > 1
+    ):
+        # The target's optimizer takes the checkpoint's grouping (the Trainer's decay / no-decay groups), each FQN
+        # matched as itself.
         _set(raw, "optim.param_groups", [{"params": [glob.escape(f) for f in group]} for group in facts.group_fqns])
-    # optim.lr stays unset: the checkpoint's groups hold their lr, which load_state_dict sets. It is a fact of the files,
-    # never validated as a setting (a schedule that decayed to 0 ends with lr=0.0, which optim.lr refuses).
+    # optim.lr stays unset: the checkpoint's groups hold their lr, which load_state_dict sets. It is a fact of the
+    # files, never validated as a setting (a schedule that decayed to 0 ends with lr=0.0, which optim.lr refuses).
     return warnings + _differing_hyperparameters(raw, given, facts)
 
 
@@ -263,11 +295,17 @@ def _does_not_fit(cls: type, name: str, raw: dict[str, Any], facts: Any) -> str 
     known = fingerprint(cls, name)
     keys = hyperparameter_names(facts.param_groups)
     if known is not None and keys and known.hyperparameters - keys:
-        return f"reads hyperparameters {sorted(known.hyperparameters - keys)}, which the checkpoint's param groups (loaded in place of its own) do not have"
+        return (
+            f"reads hyperparameters {sorted(known.hyperparameters - keys)}, "
+            "which the checkpoint's param groups (loaded in place of its own) do not have"
+        )
     held = set(facts.state_names)
     if not held:
         return None
-    options = {**(_get(raw, "optim.kwargs") or {}), **({"lr": _get(raw, "optim.lr")} if _get(raw, "optim.lr") is not None else {})}
+    options = {
+        **(_get(raw, "optim.kwargs") or {}),
+        **({"lr": _get(raw, "optim.lr")} if _get(raw, "optim.lr") is not None else {}),
+    }
     kept, ever = kept_state(cls, options), state_names_of(cls)
     if kept is not None and kept - held:
         return f"keeps state {sorted(kept - held)}, which the checkpoint does not hold"
@@ -277,10 +315,14 @@ def _does_not_fit(cls: type, name: str, raw: dict[str, Any], facts: Any) -> str 
 
 
 def _differing_hyperparameters(raw: dict[str, Any], given: Given, facts: Any) -> list[str]:
-    """One warning per hyperparameter the user gave (``optim.lr``, ``optim.kwargs.*``, ``optim.param_groups[i].*``) that differs from the checkpoint's."""
+    """One warning per hyperparameter the user gave (``optim.lr``, ``optim.kwargs.*``, ``optim.param_groups[i].*``)
+    that differs from the checkpoint's."""
     out = []
     groups = facts.param_groups
-    configured = [(f"optim.{k}" if k == "lr" else f"optim.kwargs.{k}", k, v, range(len(groups))) for k, v in [("lr", _get(raw, "optim.lr")), *(_get(raw, "optim.kwargs") or {}).items()]]
+    configured = [
+        (f"optim.{k}" if k == "lr" else f"optim.kwargs.{k}", k, v, range(len(groups)))
+        for k, v in [("lr", _get(raw, "optim.lr")), *(_get(raw, "optim.kwargs") or {}).items()]
+    ]
     for i, group in enumerate(_get(raw, "optim.param_groups") or []):
         configured += [(f"optim.param_groups[{i}].{k}", k, v, [i]) for k, v in group.items() if k != "params"]
     for key, name, value, indices in configured:
@@ -289,8 +331,9 @@ def _differing_hyperparameters(raw: dict[str, Any], given: Given, facts: Any) ->
         for i in indices:
             if i < len(groups) and name in groups[i] and not _same(groups[i][name], value):
                 out.append(
-                    f"{key}={value} differs from the checkpoint's {name}={groups[i][name]} in param group {i}; the output keeps the checkpoint's "
-                    f"{groups[i][name]}, which a resuming optimizer's load_state_dict sets (change it after loading to train with another)"
+                    f"{key}={value} differs from the checkpoint's {name}={groups[i][name]} in param group {i}; "
+                    f"the output keeps the checkpoint's {groups[i][name]}, "
+                    "which a resuming optimizer's load_state_dict sets (change it after loading to train with another)"
                 )
                 break
     return out

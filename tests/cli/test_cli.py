@@ -47,7 +47,9 @@ def assert_ok(report: dict) -> None:
     assert report["ok"] is True, report
     assert report["error"] is None
     # every check ran, but replicas, which runs only where a side has replica groups
-    assert [c["name"] for c in report["checks"] if c["name"] != "replicas"] == [c for c in VERIFY_CHECKS if c not in ("replicas", "universal")]
+    assert [c["name"] for c in report["checks"] if c["name"] != "replicas"] == [
+        c for c in VERIFY_CHECKS if c not in ("replicas", "universal")
+    ]
     assert all(c["ok"] for c in report["checks"]), report["checks"]
 
 
@@ -213,7 +215,9 @@ def test_help_lists_groups_and_every_recipe(tmp_path: Path) -> None:
     result = osdpipe("--help", cwd=tmp_path, timeout=60)
     assert result.returncode == 0, explain(result)
     recipe_line = next(line for line in result.stdout.splitlines() if line.startswith("recipe:"))
-    assert sorted(r.strip() for r in recipe_line.removeprefix("recipe:").split(",")) == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert sorted(r.strip() for r in recipe_line.removeprefix("recipe:").split(",")) == sorted(
+        p.stem for p in (REPO / "recipes").glob("*.yaml")
+    )
     for group in ("model:", "optim:", "source:", "target:", "pipeline:", "runtime:"):
         assert any(line.startswith(group) for line in result.stdout.splitlines()), group
     assert not (tmp_path / "outputs").exists()
@@ -237,7 +241,10 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
 def test_joins_an_existing_torchrun_world(tmp_path: Path) -> None:
     """The same command under torchrun: the ranks are torchrun's, one report, nothing outside output.path."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "osdpipe", "source.world_size=2", "target.world_size=2", f"output.path={out}"]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "osdpipe", "source.world_size=2", "target.world_size=2", f"output.path={out}",
+    ]
     result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S)
     assert result.returncode == 0, explain(result)
     assert result.stdout.count("osdpipe: OK") == 1, explain(result)  # rank 0 alone prints the summary
@@ -247,11 +254,17 @@ def test_joins_an_existing_torchrun_world(tmp_path: Path) -> None:
 
 
 def test_checks_that_hold_the_whole_state_are_skipped_above_the_limit_and_said_so(tmp_path: Path) -> None:
-    """On the user's own model (tests/support/userlm.py: token IDs in, no example_input, a factory without arguments)."""
+    """On the user's own model (tests/support/userlm.py: token IDs in, no example_input, a factory without
+    arguments)."""
     out = tmp_path / "out"
     env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "support"), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "osdpipe", "model.factory=userlm:build", "pipeline.full_state_checks_max=1KB", f"output.path={out}"]
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "support"), env.get("PYTHONPATH", "")]
+    )
+    cmd = [
+        sys.executable, "-m", "osdpipe",
+        "model.factory=userlm:build", "pipeline.full_state_checks_max=1KB", f"output.path={out}",
+    ]
     result = run_command(cmd, cwd=tmp_path, timeout=TIMEOUT_S, env=env)
     assert result.returncode == 0, explain(result)
     report = read_json(out / "report.json")
@@ -261,10 +274,19 @@ def test_checks_that_hold_the_whole_state_are_skipped_above_the_limit_and_said_s
     skipped = {c["name"]: c["why"] for c in report["skipped_checks"]}
     assert sorted(skipped) == ["load_step", "reference", "replicas"]
     assert re.fullmatch(
-        r"needs the whole state on every rank or a live target model, and the source holds [0-9.]+KB of tensor state, over pipeline.full_state_checks_max=1KB: "
+        r"needs the whole state on every rank or a live target model, "
+        r"and the source holds [0-9.]+KB of tensor state, over pipeline.full_state_checks_max=1KB: "
         r"raise it \(or set it to null\) to run it",
         skipped["reference"],
     ), skipped["reference"]
     assert f"osdpipe: warning: verify did not run reference: it {skipped['reference']}" in result.stderr.splitlines()
-    bad = run_command([*cmd[:3], "pipeline.full_state_checks_max=lots", f"output.path={tmp_path / 'bad'}"], cwd=tmp_path, timeout=TIMEOUT_S, env=env)
-    assert bad.returncode == 2 and "'lots' is not a size; write bytes or a number with a unit: 512MB, 2GB, 1.5GiB" in bad.stderr, explain(bad)
+    bad = run_command(
+        [*cmd[:3], "pipeline.full_state_checks_max=lots", f"output.path={tmp_path / 'bad'}"],
+        cwd=tmp_path,
+        timeout=TIMEOUT_S,
+        env=env,
+    )
+    assert (
+        bad.returncode == 2
+        and "'lots' is not a size; write bytes or a number with a unit: 512MB, 2GB, 1.5GiB" in bad.stderr
+    ), explain(bad)

@@ -1,4 +1,5 @@
-"""Every ``osdpipe`` command the README and ``docs/`` show is one the command line accepts, so the docs cannot drift from the CLI.
+"""Every ``osdpipe`` command the README and ``docs/`` show is one the command line accepts, so the docs cannot drift
+from the CLI.
 
 Each command in a fenced code block is composed and validated as the
 command does it (Hydra's composition of ``osdpipe.conf``, then
@@ -35,7 +36,8 @@ PATH_KEYS = ("input.path", "output.path")
 
 
 def shown_commands(text: str) -> list[str]:
-    """The ``osdpipe`` commands in ``text``'s fenced code blocks: continuation lines joined, comments dropped, each command of a ``&&`` chain."""
+    """The ``osdpipe`` commands in ``text``'s fenced code blocks: continuation lines joined, comments dropped, each
+    command of a ``&&`` chain."""
     commands, in_block, pending = [], False, ""
     for line in text.splitlines():
         if line.lstrip().startswith("```"):
@@ -86,7 +88,11 @@ def command_problems(command: str, here: Path) -> list[str]:
         if args[0] == "check":  # its overrides name keys of the conversion's config
             default = _composed([])
             keys = [a.split("=", 1)[0] for a in args[1:] if "=" in a]
-            problems += [f"{command}: {key} is no key of the config" for key in keys if OmegaConf.select(default, key, default=KeyError) is KeyError]
+            problems += [
+                f"{command}: {key} is no key of the config"
+                for key in keys
+                if OmegaConf.select(default, key, default=KeyError) is KeyError
+            ]
         return problems
     args = [a for a in _filled(args, here) if a not in ("-m", "--multirun")]
     if any(a.startswith("-") for a in args):
@@ -100,7 +106,8 @@ def command_problems(command: str, here: Path) -> list[str]:
 
 def test_the_pages_show_commands_at_all() -> None:
     shown = {page.name: len(shown_commands(page.read_text())) for page in PAGES}
-    assert shown["README.md"] >= 6 and sum(shown.values()) >= 30, shown  # a floor: an extraction that finds none would prove nothing
+    # a floor: an extraction that finds none would prove nothing
+    assert shown["README.md"] >= 6 and sum(shown.values()) >= 30, shown
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
@@ -126,14 +133,19 @@ def test_a_planted_bad_command_is_found(planted: str, tmp_path: Path) -> None:
 
 
 def _schema_keys(model: type, prefix: str = "") -> list[str]:
-    """Every key of the schema (:class:`osdpipe.spec.config.RunSpec`), as a command line names it: the sections' fields, recursively."""
+    """Every key of the schema (:class:`osdpipe.spec.config.RunSpec`), as a command line names it: the sections'
+    fields, recursively."""
     import typing
 
     from pydantic import BaseModel
 
     keys = []
     for name, field in model.model_fields.items():
-        sections = [a for a in (typing.get_args(field.annotation) or (field.annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        sections = [
+            a
+            for a in (typing.get_args(field.annotation) or (field.annotation,))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
         if sections and typing.get_origin(field.annotation) is not list:
             keys += _schema_keys(sections[0], f"{prefix}{name}.")
         else:
@@ -142,13 +154,16 @@ def _schema_keys(model: type, prefix: str = "") -> list[str]:
 
 
 def test_every_key_of_the_schema_is_one_the_command_line_takes_and_docs_config_lists() -> None:
-    """A key the schema has but ``conf/config.yaml`` lacks is refused by the command line as unknown (``output.model_keys`` was)."""
+    """A key the schema has but ``conf/config.yaml`` lacks is refused by the command line as unknown
+    (``output.model_keys`` was)."""
     from osdpipe.spec.config import RunSpec
 
     keys = _schema_keys(RunSpec)
     assert len(keys) > 50 and "output.checkpoint" in keys and "source.mixed_precision.param_dtype" in keys
     default = _composed([])
-    assert [k for k in keys if OmegaConf.select(default, k, default=KeyError) is KeyError] == [], "keys conf/config.yaml does not have"
+    assert [k for k in keys if OmegaConf.select(default, k, default=KeyError) is KeyError] == [], (
+        "keys conf/config.yaml does not have"
+    )
     reference = (REPO / "docs" / "config.md").read_text()
     first_cells = re.findall(r"^\| ([^|]+) \|", reference, flags=re.M)
     named = {key for cell in first_cells for key in re.findall(r"`([^`]+)`", cell)}

@@ -1,12 +1,14 @@
-"""The registry of checkpoint layouts (:mod:`osdpipe.io.checkpoints.base`): the optimizer alone (the default), torchtitan's, accelerate's,
-PyTorch's own, and DeepSpeed's (read, written as PyTorch's)."""
+"""The registry of checkpoint layouts (:mod:`osdpipe.io.checkpoints.base`): the optimizer alone (the default),
+torchtitan's, accelerate's, PyTorch's own, and DeepSpeed's (read, written as PyTorch's)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from osdpipe.core.registry import member
-from osdpipe.io.checkpoints import accelerate, deepspeed, optimizer, pytorch, torchtitan  # noqa: F401 - each registers its layout
+
+# each registers its layout
+from osdpipe.io.checkpoints import accelerate, deepspeed, optimizer, pytorch, torchtitan  # noqa: F401
 from osdpipe.io.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
 
 __all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize", "written"]
@@ -22,15 +24,18 @@ def get(name: str) -> CheckpointLayout:
 
 
 def written(layout: str, output_checkpoint: str | None) -> CheckpointLayout:
-    """The layout a conversion of a ``layout`` checkpoint writes: ``output.checkpoint``, else the input's own (a layout osdpipe only reads: the one it is written as)."""
+    """The layout a conversion of a ``layout`` checkpoint writes: ``output.checkpoint``, else the input's own (a layout
+    osdpipe only reads: the one it is written as)."""
     reads = get(layout)
     return get(output_checkpoint or reads.written_as or reads.name)
 
 
 def recognize(path: str | Path) -> WholeCheckpoint | None:
-    """The whole checkpoint at ``path`` as the first layout that recognizes it reads it; ``None``: no layout does (an optimizer checkpoint).
+    """The whole checkpoint at ``path`` as the first layout that recognizes it reads it; ``None``: no layout does (an
+    optimizer checkpoint).
 
-    A framework's folder of checkpoints (torchtitan's ``--checkpoint.folder``) is read as its newest checkpoint, as the framework resumes.
+    A framework's folder of checkpoints (torchtitan's ``--checkpoint.folder``) is read as its newest checkpoint, as the
+    framework resumes.
     """
     where = Path(path)
     for layout in LAYOUTS.values():

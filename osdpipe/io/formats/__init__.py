@@ -21,7 +21,21 @@ launcher can refuse a bad input before any process starts.
 from __future__ import annotations
 
 from osdpipe.core.registry import member
-from osdpipe.io.formats.base import Format, IdGroups, InputError, RenamedReader, SourceMeta, SourceReader, TensorRef, describe_value, full_state, local_part, mapped_range, own_copy, release_mapped
+from osdpipe.io.formats.base import (
+    Format,
+    IdGroups,
+    InputError,
+    RenamedReader,
+    SourceMeta,
+    SourceReader,
+    TensorRef,
+    describe_value,
+    full_state,
+    local_part,
+    mapped_range,
+    own_copy,
+    release_mapped,
+)
 from osdpipe.io.formats.dcp import Dcp
 from osdpipe.io.formats.deepspeed import DeepSpeed
 from osdpipe.io.formats.fsdp_full import FsdpFull
@@ -33,8 +47,9 @@ from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.tree import ModuleTree
 
 __all__ = [
-    "FORMATS", "Format", "get", "IdGroups", "InputError", "RenamedReader", "SourceMeta", "SourceReader", "TensorRef", "canonical_meta", "describe_value",
-    "full_state", "inspect_source", "local_part", "mapped_range", "open_source", "own_copy", "release_mapped",
+    "FORMATS", "Format", "get", "IdGroups", "InputError", "RenamedReader", "SourceMeta", "SourceReader", "TensorRef",
+    "canonical_meta", "describe_value", "full_state", "inspect_source", "local_part", "mapped_range", "open_source",
+    "own_copy", "release_mapped",
 ]
 
 
@@ -51,7 +66,9 @@ def get(name: str) -> Format:
     return member(FORMATS, name, "format")
 
 
-def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
+def open_source(
+    fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups
+) -> SourceReader:
     """A reader for the checkpoint at ``path`` in format ``fmt``.
 
     Args:
@@ -68,7 +85,9 @@ def open_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: Layo
     return FORMATS[fmt].open(path, key, tree=tree, source=source, id_groups=id_groups)
 
 
-def inspect_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceMeta:
+def inspect_source(
+    fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups
+) -> SourceMeta:
     """Open the checkpoint and run every check that needs no process group; its canonical metadata.
 
     What the launcher calls before it starts any process, so that a damaged or
@@ -92,6 +111,7 @@ def inspect_source(fmt: str, path: str, key: str, *, tree: ModuleTree, source: L
         raise
     except Exception as exc:  # a reader tripping over structure it did not expect: still the input's fault
         raise InputError(
-            f"{path} could not be read as input.format={fmt} ({first_line(exc)}); it may be damaged or in another format: "
+            f"{path} could not be read as input.format={fmt} ({first_line(exc)}); "
+            "it may be damaged or in another format: "
             "re-copy it or point input.path and input.format at the right checkpoint"
         ) from exc

@@ -1,4 +1,5 @@
-"""``deepspeed``: a DeepSpeed ZeRO save (stage 1, 2 or 3, any world size), read as each parameter's full, FQN-keyed state; an input only.
+"""``deepspeed``: a DeepSpeed ZeRO save (stage 1, 2 or 3, any world size), read as each parameter's full, FQN-keyed
+state; an input only.
 
 A ZeRO save folder holds ``latest`` (the newest tag) and one folder per tag,
 ``global_step<N>/``: ``mp_rank_00_model_states.pt`` (stage 3:
@@ -48,7 +49,8 @@ _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_
 #: The packages whose pickled objects come out as records (:class:`~osdpipe.io.formats.inert_load.Record`).
 DESCRIBED = ("deepspeed",)
 WHAT = "a DeepSpeed ZeRO checkpoint file"
-#: The state name :class:`ZeroReader` serves the fp32 master weights under, beside the optimizer's own (the model's weights of a whole conversion).
+#: The state name :class:`ZeroReader` serves the fp32 master weights under, beside the optimizer's own (the model's
+#: weights of a whole conversion).
 MASTER_WEIGHTS = "fp32"
 
 
@@ -60,7 +62,10 @@ def tag_folder(path: str | Path) -> Path:
     """
     p = Path(path)
     if not p.is_dir():
-        raise InputError(f"{p} is not a directory; point input.path at a DeepSpeed save folder (with {LATEST}) or one of its global_step<N> folders")
+        raise InputError(
+            f"{p} is not a directory; point input.path at a DeepSpeed save folder (with {LATEST}) "
+            "or one of its global_step<N> folders"
+        )
     if any(_OPTIMIZER_FILE.fullmatch(c.name) for c in p.iterdir()):
         return p
     latest = p / LATEST
@@ -68,8 +73,14 @@ def tag_folder(path: str | Path) -> Path:
         tag = latest.read_text().strip()
         if (p / tag).is_dir():
             return p / tag
-        raise InputError(f"{latest} names {tag!r}, which is not a folder of {p}; point input.path at the global_step<N> folder to convert")
-    raise InputError(f"{p} holds no zero_pp_rank_<r>_mp_rank_00_optim_states.pt and no {LATEST} file; point input.path at a DeepSpeed ZeRO save folder")
+        raise InputError(
+            f"{latest} names {tag!r}, which is not a folder of {p}; "
+            "point input.path at the global_step<N> folder to convert"
+        )
+    raise InputError(
+        f"{p} holds no zero_pp_rank_<r>_mp_rank_00_optim_states.pt and no {LATEST} file; "
+        "point input.path at a DeepSpeed ZeRO save folder"
+    )
 
 
 #: Files only a model- (tensor-) or pipeline-parallel DeepSpeed job writes.
@@ -85,15 +96,16 @@ def optimizer_files(folder: Path) -> list[Path]:
     parallel = sorted(c.name for c in folder.iterdir() if _PARALLEL_FILE.fullmatch(c.name))
     if parallel:
         raise InputError(
-            f"{folder / parallel[0]}: a DeepSpeed job with tensor (mp_rank_01 and up) or pipeline (layer_<i>) parallelism saved this folder; "
-            "osdpipe reads data-parallel ZeRO saves only, not yet these: convert it with DeepSpeed's ds_to_universal, or save from a data-parallel job"
+            f"{folder / parallel[0]}: a DeepSpeed job with tensor (mp_rank_01 and up) or pipeline (layer_<i>) "
+            "parallelism saved this folder; osdpipe reads data-parallel ZeRO saves only, not yet these: "
+            "convert it with DeepSpeed's ds_to_universal, or save from a data-parallel job"
         )
     found = {int(m[1]): c for c in folder.iterdir() if (m := _OPTIMIZER_FILE.fullmatch(c.name))}
     missing = sorted(set(range(max(found, default=-1) + 1)) - set(found))
     if not found or missing:
         raise InputError(
-            f"{folder} lacks the optimizer file of rank(s) {missing or [0]} ({optimizer_file_pattern(found.values())}); "
-            "re-copy the whole folder"
+            f"{folder} lacks the optimizer file of rank(s) {missing or [0]} "
+            f"({optimizer_file_pattern(found.values())}); re-copy the whole folder"
         )
     return [found[r] for r in range(len(found))]
 
@@ -106,11 +118,14 @@ def optimizer_file_pattern(files: Iterable[Path]) -> str:
 
 
 def model_states(folder: Path) -> dict[str, Any]:
-    """The folder's model-states file (rank 0's, in stage 3): the module's state dict, ``param_shapes`` and DeepSpeed's own entries."""
+    """The folder's model-states file (rank 0's, in stage 3): the module's state dict, ``param_shapes`` and
+    DeepSpeed's own entries."""
     for name in _MODEL_STATES:
         if (folder / name).is_file():
             return load_inert(folder / name, DESCRIBED, what=WHAT)
-    raise InputError(f"{folder} holds neither {' nor '.join(_MODEL_STATES)}, which name the parameters; re-copy the whole folder")
+    raise InputError(
+        f"{folder} holds neither {' nor '.join(_MODEL_STATES)}, which name the parameters; re-copy the whole folder"
+    )
 
 
 def _value(x: Any) -> Any:
@@ -125,8 +140,10 @@ class ZeroSave:
         folder: the ``global_step<N>`` folder.
         stage: 1, 2 or 3.
         world_size: the data-parallel ranks that saved it (one optimizer file each).
-        flat_groups: per flat tensor (stage 1/2: a param group; stage 3: a sub group), each parameter's name and numel, in flat order.
-        paddings: stage 1/2 with ``parameter_alignment``: the padding after each parameter of each flat group (else empty).
+        flat_groups: per flat tensor (stage 1/2: a param group; stage 3: a sub group), each parameter's name and numel,
+            in flat order.
+        paddings: stage 1/2 with ``parameter_alignment``: the padding after each parameter of each flat group (else
+            empty).
         shapes: each optimized parameter's shape.
         groups: each param group's hyperparameters (its ``params``: the flat groups it holds).
         files: each rank's optimizer file, by rank.
@@ -147,26 +164,37 @@ class ZeroSave:
 
 
 def base_state(osd: dict[str, Any], where: Path) -> tuple[dict[str, Any], list[torch.Tensor], int]:
-    """From one rank's optimizer file: the wrapped torch optimizer's ``state_dict()``, the fp32 partition per flat group, and the stage."""
+    """From one rank's optimizer file: the wrapped torch optimizer's ``state_dict()``, the fp32 partition per flat
+    group, and the stage."""
     inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
     if not isinstance(inner, dict):
-        raise InputError(f"{where} holds no 'optimizer_state_dict'; it is not a ZeRO optimizer file: point input.path at a DeepSpeed save folder")
+        raise InputError(
+            f"{where} holds no 'optimizer_state_dict'; it is not a ZeRO optimizer file: "
+            "point input.path at a DeepSpeed save folder"
+        )
     if "fp32_flat_groups" in inner:  # stage 3
         return inner["optimizer_state_dict"], list(inner["fp32_flat_groups"]), 3
     base = inner.get("base_optimizer_state")
     if not isinstance(base, dict):
         raise InputError(
-            f"{where} keeps its optimizer state per group as a list (ZeRO's elastic_checkpoint), which records no parameter's place; "
-            "save with zero_optimization.elastic_checkpoint=false, or convert it with DeepSpeed's ds_to_universal first"
+            f"{where} keeps its optimizer state per group as a list (ZeRO's elastic_checkpoint), "
+            "which records no parameter's place; save with zero_optimization.elastic_checkpoint=false, "
+            "or convert it with DeepSpeed's ds_to_universal first"
         )
-    stage = int(_value(inner.get("zero_stage")) or 1)  # ZeroStageEnum's value is the stage; DeepSpeed's bf16 optimizer (stage 1) records none
+    # ZeroStageEnum's value is the stage; DeepSpeed's bf16 optimizer (stage 1) records none
+    stage = int(_value(inner.get("zero_stage")) or 1)
     return base, list(inner["single_partition_of_fp32_groups"]), stage
 
 
 def saved_world_size(osd: dict[str, Any]) -> int | None:
-    """The data-parallel world that saved an optimizer file, as the file records it (``partition_count``: per group in stage 1/2, one in stage 3)."""
+    """The data-parallel world that saved an optimizer file, as the file records it (``partition_count``: per group
+    in stage 1/2, one in stage 3)."""
     count = osd["optimizer_state_dict"].get("partition_count")
-    counts = {int(c) for c in count} if isinstance(count, (list, tuple)) else {int(count)} if count is not None else set()
+    counts = (
+        {int(c) for c in count}
+        if isinstance(count, (list, tuple))
+        else {int(count)} if count is not None else set()
+    )
     return counts.pop() if len(counts) == 1 else None
 
 
@@ -181,23 +209,32 @@ def read_save(path: str | Path) -> ZeroSave:
     model = model_states(folder)
     shapes_per_flat = model.get("param_shapes")
     if not isinstance(shapes_per_flat, list):
-        raise InputError(f"{folder}: its model states file holds no param_shapes list; it is not a ZeRO save osdpipe can place")
+        raise InputError(
+            f"{folder}: its model states file holds no param_shapes list; it is not a ZeRO save osdpipe can place"
+        )
     first = load_inert(files[0], DESCRIBED, what=WHAT)
     base, fp32, stage = base_state(first, files[0])
     world = saved_world_size(first)
     if world is not None and world != len(files):
         raise InputError(
-            f"{folder}: {files[0].name} records a world of {world} rank(s), but the folder holds {len(files)} optimizer file(s) "
-            f"({optimizer_file_pattern(files)}, r = 0..{world - 1}); re-copy the whole folder"
+            f"{folder}: {files[0].name} records a world of {world} rank(s), but the folder holds {len(files)} "
+            f"optimizer file(s) ({optimizer_file_pattern(files)}, r = 0..{world - 1}); re-copy the whole folder"
         )
     if len(shapes_per_flat) != len(fp32):
-        raise InputError(f"{folder}: param_shapes lists {len(shapes_per_flat)} groups, {files[0].name} {len(fp32)} flat partitions; re-copy the whole folder")
-    flat_groups = [[(name, int(torch.Size(shape).numel())) for name, shape in group.items()] for group in shapes_per_flat]
+        raise InputError(
+            f"{folder}: param_shapes lists {len(shapes_per_flat)} groups, "
+            f"{files[0].name} {len(fp32)} flat partitions; re-copy the whole folder"
+        )
+    flat_groups = [
+        [(name, int(torch.Size(shape).numel())) for name, shape in group.items()] for group in shapes_per_flat
+    ]
     shapes = {name: tuple(shape) for group in shapes_per_flat for name, shape in group.items()}
     paddings: list[list[int]] = []
     if stage < 3:
         paddings = [list(p) for p in first["optimizer_state_dict"].get("param_alignment_paddings") or []]
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])} for g in base["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])} for g in base["param_groups"]
+    ]
     return ZeroSave(folder, stage, len(files), flat_groups, paddings, shapes, groups, files)
 
 
@@ -207,15 +244,19 @@ class ZeroReader:
     def __init__(self, path: str) -> None:
         self.path = path
         self.save = read_save(path)
-        self.pieces: dict[str, list[Piece]] = pieces_by_parameter(self.save.flat_groups, self.save.world_size, self.save.stage, self.save.paddings)
+        self.pieces: dict[str, list[Piece]] = pieces_by_parameter(
+            self.save.flat_groups, self.save.world_size, self.save.stage, self.save.paddings
+        )
         self._opened: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
         self._checked = False
 
     def _open(self, rank: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """Rank ``rank``'s optimizer state and fp32 partitions, read (memory-mapped) and checked against rank 0's layout.
+        """Rank ``rank``'s optimizer state and fp32 partitions, read (memory-mapped) and checked against rank 0's
+        layout.
 
         Raises:
-            InputError: the file is damaged, or of another save: another stage, world size, or partitions of other sizes.
+            InputError: the file is damaged, or of another save: another stage, world size, or partitions of other
+                sizes.
         """
         path = self.save.files[rank]
         osd = load_inert(path, DESCRIBED, what=WHAT)
@@ -223,20 +264,25 @@ class ZeroReader:
         world = saved_world_size(osd)
         if stage != self.save.stage or world not in (None, self.save.world_size):
             raise InputError(
-                f"{path}: rank {rank}'s file records ZeRO stage {stage} on {world} rank(s), rank 0's stage {self.save.stage} on "
-                f"{self.save.world_size}: the folder mixes files of different saves; re-copy it from one save"
+                f"{path}: rank {rank}'s file records ZeRO stage {stage} on {world} rank(s), "
+                f"rank 0's stage {self.save.stage} on {self.save.world_size}: "
+                "the folder mixes files of different saves; re-copy it from one save"
             )
         for flat, master in enumerate(fp32):
             numels = [n for _, n in self.save.flat_groups[flat]]
-            padded, unpadded = saved_lengths(numels, self.save.world_size, self.save.stage, rank, self.save.paddings[flat] if self.save.paddings else ())
+            paddings = self.save.paddings[flat] if self.save.paddings else ()
+            padded, unpadded = saved_lengths(numels, self.save.world_size, self.save.stage, rank, paddings)
             held = {MASTER_WEIGHTS: (master, {padded, unpadded})}
-            held.update({n: (v, {padded}) for n, v in base["state"].get(flat, {}).items() if torch.is_tensor(v) and v.dim() > 0})
+            held.update(
+                {n: (v, {padded}) for n, v in base["state"].get(flat, {}).items() if torch.is_tensor(v) and v.dim() > 0}
+            )
             wrong = [(n, v.numel(), want) for n, (v, want) in held.items() if v.numel() not in want]
             if wrong:
                 name, numel, want = wrong[0]
                 raise InputError(
-                    f"{path}: its {name} partition of group {flat} holds {numel} elements, where the parameters rank 0's files name take "
-                    f"{' or '.join(map(str, sorted(want)))}: the file is not of this save; re-copy the whole folder from one save"
+                    f"{path}: its {name} partition of group {flat} holds {numel} elements, "
+                    f"where the parameters rank 0's files name take {' or '.join(map(str, sorted(want)))}: "
+                    "the file is not of this save; re-copy the whole folder from one save"
                 )
         return base, [t.detach() for t in fp32]  # saved as the parameters of DeepSpeed's inner optimizer: requires_grad
 
@@ -246,8 +292,8 @@ class ZeroReader:
         return self._opened[rank]
 
     def check_files(self) -> None:
-        """Open every rank's file once and check it (:meth:`_open`), keeping none open but rank 0's: a damaged or foreign
-        file is said before the conversion starts, not by the rank that reads it later."""
+        """Open every rank's file once and check it (:meth:`_open`), keeping none open but rank 0's: a damaged or
+        foreign file is said before the conversion starts, not by the rank that reads it later."""
         if not self._checked:
             for rank in range(1, self.save.world_size):
                 if rank not in self._opened:
@@ -262,7 +308,8 @@ class ZeroReader:
         return self.pieces[fqn][0].group
 
     def meta(self) -> SourceMeta:
-        """The state and param groups, from rank 0's file; every other rank's file is checked first (:meth:`check_files`)."""
+        """The state and param groups, from rank 0's file; every other rank's file is checked first
+        (:meth:`check_files`)."""
         base, _ = self._rank(0)
         self.check_files()
         state: dict[str, dict[str, Any]] = {}
@@ -271,17 +318,32 @@ class ZeroReader:
                 continue
             entry = base["state"].get(self._flat_of(fqn), {})
             state[fqn] = {
-                name: TensorRef(shape, str(value.dtype).removeprefix("torch.")) if torch.is_tensor(value) and value.dim() > 0 else describe_value(value)
+                name: (
+                    TensorRef(shape, str(value.dtype).removeprefix("torch."))
+                    if torch.is_tensor(value) and value.dim() > 0
+                    else describe_value(value)
+                )
                 for name, value in entry.items()
             }
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": fqns} for g, fqns in zip(self.save.groups, self.save.group_fqns())]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
+            for g, fqns in zip(self.save.groups, self.save.group_fqns())
+        ]
         return SourceMeta(state=state, param_groups=groups)
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
-        return {(fqn, name): self.read_range(fqn, name, 0, math.prod(self.save.shapes[fqn])).clone().view(self.save.shapes[fqn]) for fqn, name in items}
+        return {
+            (fqn, name): self.read_range(fqn, name, 0, math.prod(self.save.shapes[fqn]))
+            .clone()
+            .view(self.save.shapes[fqn])
+            for fqn, name in items
+        }
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
-        parts = [self._flat(p.rank, p.group, name)[p.offset : p.offset + p.length] for p in pieces_in(self.pieces[fqn], start, stop)]
+        parts = [
+            self._flat(p.rank, p.group, name)[p.offset : p.offset + p.length]
+            for p in pieces_in(self.pieces[fqn], start, stop)
+        ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
@@ -315,14 +377,23 @@ class DeepSpeed(Format):
         return f"zero_pp_rank_<r>_mp_rank_00_optim_states.pt, r = 0..{world_size - 1}"
 
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
-        """The stage, world size, optimizer and param groups (by name), from rank 0's optimizer file and the model states."""
+        """The stage, world size, optimizer and param groups (by name), from rank 0's optimizer file and the model
+        states."""
         reader = ZeroReader(str(path))
         meta, save = reader.meta(), reader.save
-        described = {fqn: {n: torch.empty(v.shape, dtype=v.torch_dtype, device="meta") if isinstance(v, TensorRef) else v for n, v in entry.items()}
-                     for fqn, entry in meta.state.items()}
+        described = {
+            fqn: {
+                n: torch.empty(v.shape, dtype=v.torch_dtype, device="meta") if isinstance(v, TensorRef) else v
+                for n, v in entry.items()
+            }
+            for fqn, entry in meta.state.items()
+        }
         describe_state(facts, described, meta.param_groups)
         tally(facts, described)
         facts.world_size = save.world_size
         facts.params = len(described)
         facts.fqns = sorted(described)
-        facts.notes.append(f"DeepSpeed ZeRO stage {save.stage} on {save.world_size} rank(s), {save.folder.name}: the fp32 master weights and the optimizer's state per parameter")
+        facts.notes.append(
+            f"DeepSpeed ZeRO stage {save.stage} on {save.world_size} rank(s), {save.folder.name}: "
+            "the fp32 master weights and the optimizer's state per parameter"
+        )

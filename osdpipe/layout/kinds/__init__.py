@@ -27,7 +27,8 @@ __all__ = ["KINDS", "LayoutKind", "compute_device", "device_mesh", "find", "get"
 
 
 def rank_layout(tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
-    """The local tensors of rank ``rank``'s optimizer under ``spec``, in ``model.parameters()`` order of the wrapped model.
+    """The local tensors of rank ``rank``'s optimizer under ``spec``, in ``model.parameters()`` order of the wrapped
+    model.
 
     Each kind computes its own (:meth:`LayoutKind.rank_layout`).
     """

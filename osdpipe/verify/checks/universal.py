@@ -1,4 +1,5 @@
-"""``universal`` (a DeepSpeed source, asked for): DeepSpeed's own ``ds_to_universal`` of the save holds what osdpipe read, bitwise.
+"""``universal`` (a DeepSpeed source, asked for): DeepSpeed's own ``ds_to_universal`` of the save holds what osdpipe
+read, bitwise.
 
 osdpipe reads a ZeRO save with its own reader and never runs DeepSpeed's
 code. This check runs DeepSpeed's: ``python -m
@@ -40,7 +41,10 @@ def skip_reason(ctx: Subject) -> str | None:
 
 def run(ctx: Subject) -> CheckResult:
     problems, notes = from_rank0("verify", lambda: _compare(ctx))
-    said = "DeepSpeed's own ds_to_universal of the save holds the fp32 weights, moments and steps osdpipe read, bitwise (and roundtrip holds the output to them)"
+    said = (
+        "DeepSpeed's own ds_to_universal of the save holds the fp32 weights, moments and steps osdpipe read, bitwise "
+        "(and roundtrip holds the output to them)"
+    )
     return CheckResult("universal", not problems, "; ".join(problems[:3]) or "; ".join([said, *notes]))
 
 
@@ -48,5 +52,7 @@ def _compare(ctx: Subject) -> tuple[list[str], list[str]]:
     source = full_source(ctx)
     weights = full_model_source(ctx)
     with tempfile.TemporaryDirectory(prefix="osdpipe-universal-") as work:
-        folder = ds_to_universal(Path(ctx.spec.input.path), Path(work) / "universal", timeout_s=ctx.spec.runtime.timeout_s)
+        folder = ds_to_universal(
+            Path(ctx.spec.input.path), Path(work) / "universal", timeout_s=ctx.spec.runtime.timeout_s
+        )
         return universal_differences(folder, weights, source["state"])
