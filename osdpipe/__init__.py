@@ -11,6 +11,7 @@ from osdpipe.core.version import __version__
 _API = {
     "load_optimizer_state": "osdpipe.api",
     "reshard_optimizer_state": "osdpipe.api",
+    "reshard_megatron": "osdpipe.api",
     "from_rank_local": "osdpipe.layout.kinds.fsdp2",
     "load_rank_local": "osdpipe.io.loading",
     "to_rank_local": "osdpipe.layout.kinds.fsdp2",

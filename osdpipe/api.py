@@ -165,3 +165,82 @@ def load_optimizer_state(
     check_fits(optim, state, model=model, where=checkpoint)
     optim.load_state_dict(state)
     return state
+
+
+def reshard_megatron(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    tp: int,
+    pp: int = 1,
+    dp: int = 1,
+    optim_format: str | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Reshard a Megatron-LM ``torch_dist`` save to TP ``tp`` x PP ``pp`` x DP ``dp``, optimizer included, offline
+    and without Megatron; prove it; commit it whole.
+
+    ``source`` is a Megatron-LM save folder (``latest_checkpointed_iteration.txt``) or one ``iter_<N>`` folder;
+    ``output`` receives a save folder that Megatron-LM's ``load_checkpoint`` at the new parallelism loads.
+    ``optim_format`` (``dp_reshardable`` or ``fully_reshardable``; ``None``: the source's) is how the distributed
+    optimizer is saved: a ``dp_reshardable`` source, which Megatron itself refuses at another TP or PP, converts to
+    either. The output is staged, read back and held against the source bit for bit
+    (:func:`osdpipe.verify.megatron.roundtrip_problems`), and only then renamed into place; ``overwrite`` replaces a
+    previous output whole.
+
+    Returns:
+        ``{"folder", "iteration", "source", "target", "rng_from", "roundtrip"}``: where the iteration folder is, the
+        two parallelisms and sharding types, which source (PP, TP) rank's RNG states each target rank got, and what
+        the read-back proved.
+
+    Raises:
+        osdpipe.io.formats.InputError: the source cannot be read, or holds what osdpipe cannot write yet; one line.
+        RuntimeError: the output read back differs from the source (nothing is committed).
+    """
+    from pathlib import Path
+
+    from osdpipe.io import output as out_dir
+    from osdpipe.io.formats.megatron import read_save
+    from osdpipe.io.formats.megatron_writer import Target, write_save
+    from osdpipe.verify.megatron import roundtrip_problems
+
+    save = read_save(source)
+    target = Target(tp, pp, dp, optim_format or save.sharding)
+    directory = Path(output)
+    if not overwrite and (directory / "latest_checkpointed_iteration.txt").exists():
+        raise out_dir.OutputError(f"{directory} holds a conversion; pass overwrite=True to replace it")
+    staging = out_dir.begin(directory)
+    try:
+        written = write_save(save, staging, target)
+        (staging / out_dir.MANIFEST).write_text(_megatron_manifest(staging))
+        problems = roundtrip_problems(save, read_save(staging))
+        if problems:
+            raise RuntimeError(f"{directory}: the written save read back differs: {'; '.join(problems[:3])}")
+        out_dir.commit(directory)
+    except BaseException:
+        out_dir.abort(directory)
+        raise
+    return {
+        "folder": str(directory / written.folder.name),
+        "iteration": save.iteration,
+        "source": {"tp": save.tp, "pp": save.pp, "dp": save.dp, "sharding": save.sharding},
+        "target": {"tp": tp, "pp": pp, "dp": dp, "sharding": target.sharding},
+        "rng_from": {f"{p}.{t}": list(src) for (p, t), src in written.rng_from.items()},
+        "roundtrip": "every weight, fp32 master and moment, the param groups, step, iteration and scheduler, bitwise",
+    }
+
+
+def _megatron_manifest(staging: Any) -> str:
+    """``manifest.json`` of a Megatron output: each file's sha256 (what :func:`osdpipe.io.output.conversion_entries`
+    takes as the conversion when it is replaced)."""
+    import hashlib
+    import json
+
+    files = {}
+    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 24), b""):
+                digest.update(block)
+        files[str(path.relative_to(staging))] = digest.hexdigest()
+    return json.dumps({"format": "megatron", "files": files}, indent=2, sort_keys=True)

@@ -181,8 +181,12 @@ def load_inert_bytes(raw: bytes, described: tuple[str, ...], *, what: str) -> An
         InputError: one line naming ``what``: damaged, or naming a global outside what is allowed.
     """
     try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False, pickle_module=_pickle_module(described))
+        return torch.load(
+            io.BytesIO(raw), map_location="cpu", weights_only=False, pickle_module=_pickle_module(described)
+        )
     except RefusedGlobal as exc:
-        raise InputError(f"{what} refers to {exc}, which it never holds; refusing to load it (nothing in it was run)") from None
+        raise InputError(
+            f"{what} refers to {exc}, which it never holds; refusing to load it (nothing in it was run)"
+        ) from None
     except Exception as exc:  # torch raises several types for a damaged archive
         raise torch_load_error(what, exc) from exc

@@ -51,6 +51,7 @@ _BUCKET = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)"
 )
 _ITERATION = re.compile(r"iter_(\d{7})")
+_RNG = re.compile(r"rng_state/shard_(\d+)\.(\d+)_\d+\.\d+")
 
 
 @dataclass
@@ -69,6 +70,13 @@ class MegatronSave:
     param_groups: list[dict[str, Any]]
     scheduler: dict[str, Any] | None
     common: dict[str, Any] = field(repr=False, default_factory=dict)
+    #: Each (PP, TP) rank's RNG states (Megatron-LM's ``get_rng_state``), the stored bytes, never unpickled: they
+    #: hold numpy's state, and are carried as they are.
+    rng: dict[tuple[int, int], bytes] = field(repr=False, default_factory=dict)
+    #: The linears' ``_extra_state`` items by their stored keys (one per global layer), the stored bytes.
+    extra_state: dict[str, bytes] = field(repr=False, default_factory=dict)
+    #: A ``dp_reshardable`` gradient buffer's ``(param dtype, grad dtype)`` as its keys spell it.
+    gbuf_dtypes: str | None = None
 
     @property
     def tp(self) -> int:
@@ -172,6 +180,7 @@ def read_save(path: str | Path) -> MegatronSave:
     checkpoint = DcpCheckpoint(str(folder), None)
     gpt = gpt_of(args)
     model = {key: _whole(checkpoint, key, shape) for key, shape in layout.global_shapes(gpt).items()}
+    gbuf_dtypes = None
     if sharding == "fully_reshardable":
         optim = {
             key: {s: _whole(checkpoint, f"optimizer.state.{s}.{key}", model[key].shape) for s in STATES}
@@ -180,6 +189,13 @@ def read_save(path: str | Path) -> MegatronSave:
         groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
     else:
         optim, groups = _from_buckets(checkpoint, gpt, args, folder)
+        gbuf_dtypes = next(m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f)))
+    rng, extra = {}, {}
+    for flat in checkpoint.metadata.state_dict_metadata:
+        if (m := _RNG.fullmatch(flat)) is not None:
+            rng[(int(m[1]), int(m[2]))] = _stored(checkpoint, flat)
+        elif "._extra_state/shard_" in flat:
+            extra[flat] = _stored(checkpoint, flat)
     return MegatronSave(
         folder=folder,
         iteration=int(common.get("iteration", args.get("iteration", 0))),
@@ -190,6 +206,9 @@ def read_save(path: str | Path) -> MegatronSave:
         param_groups=_groups_with_keys(groups, model, folder),
         scheduler=common.get("opt_param_scheduler"),
         common=common,
+        rng=rng,
+        extra_state=extra,
+        gbuf_dtypes=gbuf_dtypes,
     )
 
 
@@ -226,10 +245,11 @@ def _whole(checkpoint: DcpCheckpoint, key: str, shape: tuple[int, ...]) -> torch
     return checkpoint.read_range(key, 0, math.prod(ref.shape)).reshape(shape).clone()
 
 
-def _byte_item(checkpoint: DcpCheckpoint, name: str) -> Any:
-    """The object Megatron saved as ShardedObject ``name`` (stored as ``<name>/shard_<offset>_<shape>``), or
-    ``None``."""
-    flat = next((f for f in checkpoint.metadata.state_dict_metadata if f.startswith(f"{name}/shard_")), None)
+def _byte_item(checkpoint: DcpCheckpoint, name: str, flat: str | None = None) -> Any:
+    """The object Megatron saved as ShardedObject ``name`` (stored as ``<name>/shard_<offset>_<shape>``; ``flat``:
+    that stored key, where a name has several shards), or ``None``."""
+    if flat is None:
+        flat = next((f for f in checkpoint.metadata.state_dict_metadata if f.startswith(f"{name}/shard_")), None)
     if flat is None:
         return None
     raw = checkpoint.stored(flat)
@@ -237,6 +257,13 @@ def _byte_item(checkpoint: DcpCheckpoint, name: str) -> Any:
         raise InputError(f"{checkpoint.path}: {flat} is stored transformed (compressed): not supported yet")
     value = load_inert_bytes(raw, DESCRIBED, what=f"{checkpoint.path}'s item {flat}")
     return value[0] if isinstance(value, list) and len(value) == 1 else value  # a ShardedObject's one-element list
+
+
+def _stored(checkpoint: DcpCheckpoint, flat: str) -> bytes:
+    raw = checkpoint.stored(flat)
+    if raw is None:
+        raise InputError(f"{checkpoint.path}: {flat} is stored transformed (compressed): not supported yet")
+    return raw
 
 
 def _from_buckets(
@@ -312,3 +339,4 @@ def _groups_with_keys(
                       == one_dim)
         out.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
     return out
+

@@ -1,4 +1,4 @@
-"""osdpipe reads real Megatron-Core saves without Megatron: every tensor bitwise what the saving job held.
+"""osdpipe reads and writes real Megatron-Core saves without Megatron, at another TP, PP and DP, optimizer included.
 
 Real megatron-core 0.16.1 trains the test's own GPT (GQA, SwiGLU, RoPE, RMSNorm, untied, vocabulary 1000 padded to
 1024 x TP) 3 steps on 4 CPU ranks with its DistributedOptimizer and saves the folder Megatron-LM writes
@@ -8,6 +8,12 @@ param groups, for both sharding types Megatron-LM writes (``dp_reshardable``, it
 out by :mod:`osdpipe.layout.megatron`, and ``fully_reshardable``), at TP, PP, DP and in bf16; and each bucket's
 layout must be the one megatron-core built (the truth carries it, measured from the live buffers). Bad inputs are
 refused in one line.
+
+Written (:func:`osdpipe.io.formats.megatron_writer.write_save`) at TP1 PP1 DP2, TP2 PP1 DP1, TP1 PP2 DP1 and TP4 PP1
+DP1, each output is loaded by megatron-core itself at that parallelism, as Megatron-LM's ``load_checkpoint`` does:
+what it holds must be bitwise the saving job's state, and 2 more steps on synthetic gradients (a function of the key,
+the global index and the step: comparable across layouts, Adam being elementwise) bitwise what the saving job itself
+did next. A ``dp_reshardable`` source, which Megatron refuses at another TP or PP, converts to both.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import pytest
 import torch
 from frameworks import mcore
 
+import osdpipe
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import read_save
+from osdpipe.io.formats.megatron_writer import Target, write_save
 from osdpipe.layout import megatron as layout
 
 pytestmark = [
@@ -29,13 +37,17 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
 
-#: name -> (TP, PP, DP, sharding type, bf16): each saved once by real megatron-core on 4 ranks.
+#: name -> (TP, PP, DP, sharding type, bf16): each saved once by real megatron-core on 4 ranks (the first three go on
+#: 2 more synthetic steps after the save: what a converted output's resume must equal).
 SAVES = {
     "tp2_dp2": (2, 1, 2, "dp_reshardable", False),
     "tp1_pp2_dp2": (1, 2, 2, "dp_reshardable", False),
     "tp4_bf16": (4, 1, 1, "dp_reshardable", True),
     "tp2_pp2_fully": (2, 2, 1, "fully_reshardable", False),
 }
+#: The sources converted, and the targets each is written for, (TP, PP, DP), in the source's sharding type.
+CONVERTED = ("tp2_dp2", "tp1_pp2_dp2", "tp2_pp2_fully")
+TARGETS = [(1, 1, 2), (2, 1, 1), (1, 2, 1), (4, 1, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +55,14 @@ def saves(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("megatron")
     out = {}
     for name, (tp, pp, dp, sharding, bf16) in SAVES.items():
-        out[name] = mcore.save(root, root / name, tp=tp, pp=pp, dp=dp, sharding=sharding, bf16=bf16, timeout=400)
+        resumed = {"resume_truth": 2, "dump_after": resumed_path(root / name)} if name in CONVERTED else {}
+        out[name] = mcore.save(root, root / name, tp=tp, pp=pp, dp=dp, sharding=sharding, bf16=bf16, timeout=400,
+                               **resumed)
     return out
+
+
+def resumed_path(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".resumed.pt")
 
 
 def differences(truth: dict, save) -> list[str]:
@@ -125,3 +143,86 @@ def test_a_model_osdpipe_cannot_lay_out_yet_is_refused_naming_the_feature() -> N
     biased = {"add_bias_linear": True, "untie_embeddings_and_output_weights": True}
     assert "linear biases" in refused_model(biased, Path("x"))
     assert refused_model({"untie_embeddings_and_output_weights": True}, Path("x")) is None
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_megatron_loads_every_conversion_bitwise_and_resumes_as_the_source_job(
+    saves: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
+    resumed = torch.load(resumed_path(saves[name]), weights_only=False)
+    source = read_save(saves[name])
+    failed = []
+    for tp, pp, dp in TARGETS:
+        label = f"tp{tp}_pp{pp}_dp{dp}"
+        done = osdpipe.reshard_megatron(saves[name], tmp_path / label, tp=tp, pp=pp, dp=dp)
+        assert done["target"] == {"tp": tp, "pp": pp, "dp": dp, "sharding": source.sharding}
+        loaded, after = tmp_path / f"{label}.pt", tmp_path / f"{label}.resumed.pt"
+        mcore.load(tmp_path, tmp_path / label, loaded, tp=tp, pp=pp, dp=dp, bf16=SAVES[name][4], resume=2,
+                   dump_after=after, timeout=300)
+        got, got_after = torch.load(loaded, weights_only=False), torch.load(after, weights_only=False)
+        failed += [f"{label} load: {d}" for d in mcore.dump_differences(truth, got)[:5]]
+        failed += [f"{label} resume: {d}" for d in mcore.dump_differences(resumed, got_after)[:5]]
+        assert got["layout"] == {"tp": tp, "pp": pp, "dp": dp}
+        assert set(done["rng_from"]) == {f"{p}.{t}" for p in range(pp) for t in range(tp)}
+    assert failed == [], "\n".join(failed)
+
+
+def test_a_dp_reshardable_source_becomes_fully_reshardable_at_a_tp_megatron_refuses_it_at(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """Megatron-LM refuses a dp_reshardable save at another TP or PP; written fully_reshardable, TP4 loads it."""
+    name = "tp2_dp2"
+    osdpipe.reshard_megatron(saves[name], tmp_path / "tp4", tp=4, optim_format="fully_reshardable")
+    mcore.load(tmp_path, tmp_path / "tp4", tmp_path / "tp4.pt", tp=4, pp=1, dp=1, resume=2,
+               dump_after=tmp_path / "tp4.resumed.pt", timeout=300)
+    truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
+    assert mcore.dump_differences(truth, torch.load(tmp_path / "tp4.pt", weights_only=False)) == []
+    resumed = torch.load(resumed_path(saves[name]), weights_only=False)
+    assert mcore.dump_differences(resumed, torch.load(tmp_path / "tp4.resumed.pt", weights_only=False)) == []
+    with pytest.raises(RuntimeError):  # Megatron's own refusal, as Megatron-LM's load_checkpoint makes it
+        mcore.load(tmp_path, saves[name], tmp_path / "refused.pt", tp=4, pp=1, dp=1, timeout=300)
+
+
+def test_a_roundtrip_through_the_writer_is_the_source_and_a_changed_element_is_seen(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    source = read_save(saves["tp1_pp2_dp2"])
+    write_save(source, tmp_path / "back", Target(1, 2, 2, "dp_reshardable"))
+    back = read_save(tmp_path / "back")
+    assert all(torch.equal(source.model[k], back.model[k]) for k in source.model)
+    assert all(torch.equal(source.optim[k][s], back.optim[k][s]) for k in source.optim for s in source.optim[k])
+    assert back.rng == source.rng and back.extra_state == source.extra_state
+    with pytest.raises(InputError, match="holds a Megatron save already"):
+        write_save(source, tmp_path / "back", Target(1, 2, 2, "dp_reshardable"))
+
+
+def test_the_read_back_check_fails_on_one_changed_element_and_nothing_is_committed(
+    saves: dict[str, Path], tmp_path: Path, monkeypatch
+) -> None:
+    """The API's proof is not a formality: a writer that puts one element wrong is caught before the rename."""
+    from osdpipe.io.formats import megatron_writer
+    from osdpipe.verify.megatron import roundtrip_problems
+
+    source = read_save(saves["tp2_dp2"])
+    written = tmp_path / "one"
+    write_save(source, written, Target(1, 1, 2, "dp_reshardable"))
+    back = read_save(written)
+    key = "decoder.layers.self_attention.linear_proj.weight"
+    back.optim[key]["exp_avg_sq"].view(-1)[3] += 1
+    assert roundtrip_problems(source, back) == [f"exp_avg_sq {key}: differs from the source's"]
+    back.param_groups[0]["step"] += 1
+    assert any("param groups" in p for p in roundtrip_problems(source, back))
+
+    real = megatron_writer._buckets
+
+    def one_wrong(*args, **kwargs):
+        items = real(*args, **kwargs)
+        next(v for k, v in items.items() if k.endswith(".exp_avg")).view(-1)[5] += 1
+        return items
+
+    monkeypatch.setattr(megatron_writer, "_buckets", one_wrong)
+    with pytest.raises(RuntimeError, match="read back differs: exp_avg "):
+        osdpipe.reshard_megatron(saves["tp2_dp2"], tmp_path / "refused", tp=1, dp=2)
+    assert not (tmp_path / "refused" / "latest_checkpointed_iteration.txt").exists()
+    assert not (tmp_path / "refused" / ".staging").exists()

@@ -1,0 +1,250 @@
+"""Write a Megatron-LM ``torch_dist`` save for any TP x PP x DP, from a save read whole, without Megatron.
+
+What the target's Megatron loads depends on the parallelism only where Megatron-LM decides from it:
+
+* ``common.pt``'s ``args`` are rewritten for the target (``tensor_model_parallel_size``,
+  ``pipeline_model_parallel_size``, ``data_parallel_size``, ``world_size``, ``padded_vocab_size``,
+  ``expert_tensor_parallel_size``, ``dist_ckpt_optim_fully_reshardable``): Megatron-LM reads from them whether it may
+  load the RNG states and a ``dp_reshardable`` optimizer, and refuses a mismatch;
+* the vocabulary is padded as Megatron-LM pads it for the target's TP
+  (:func:`osdpipe.layout.megatron.padded_vocab_size`): the source's rows are kept up to the target's padded size,
+  and rows the target adds are zero, weights, masters and moments alike (no token reaches them; zero moments are
+  what a fresh optimizer holds);
+* a ``dp_reshardable`` optimizer is laid out in the target's buckets (:func:`osdpipe.layout.megatron.bucket_layout`),
+  the padding between and after parameters zero;
+* the RNG states are one per target (PP, TP) rank: the source's where the grid is the same, otherwise those of source
+  rank (PP mod the source's PP, TP mod the source's TP), so every tensor-parallel rank keeps a distinct
+  model-parallel stream; the caller reports which.
+
+The model's and a ``fully_reshardable`` optimizer's tensors are global, as Megatron keys them, and Megatron's load reads
+each rank's piece of them: the DCP files are written by one process, and any target parallelism loads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from osdpipe.io.formats.base import InputError
+from osdpipe.io.formats.inert_load import Record
+from osdpipe.io.formats.megatron import COMMON, LATEST, SHARDING_TYPES, STATES, MegatronSave, gpt_of
+from osdpipe.layout import megatron as layout
+
+#: The model keys whose first axis is the padded vocabulary.
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The parallelism a save is written for, and the optimizer's sharding type."""
+
+    tp: int
+    pp: int
+    dp: int
+    sharding: str
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class Written:
+    """What :func:`write_save` wrote: the iteration folder, and where each target rank's RNG states came from."""
+
+    folder: Path
+    rng_from: dict[tuple[int, int], tuple[int, int]]
+
+
+def target_args(args: dict[str, Any], target: Target) -> dict[str, Any]:
+    """The source's ``args`` with the parallelism and what Megatron-LM derives from it set for ``target``."""
+    out = dict(args)
+    out.update(
+        tensor_model_parallel_size=target.tp,
+        pipeline_model_parallel_size=target.pp,
+        data_parallel_size=target.dp,
+        world_size=target.world_size,
+        padded_vocab_size=layout.padded_vocab_size(
+            int(args["vocab_size"]), int(args.get("make_vocab_size_divisible_by") or 128), target.tp
+        ),
+        dist_ckpt_optim_fully_reshardable=target.sharding == "fully_reshardable",
+    )
+    if "expert_tensor_parallel_size" in out:
+        out["expert_tensor_parallel_size"] = target.tp
+    return out
+
+
+def repadded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with ``rows`` rows: the first ones kept, the rest zero."""
+    out = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
+    keep = min(rows, tensor.shape[0])
+    out[:keep] = tensor[:keep]
+    return out
+
+
+def write_save(save: MegatronSave, into: Path, target: Target) -> Written:
+    """Write ``save`` for ``target`` into ``into`` as a Megatron-LM save folder (``latest_checkpointed_iteration.txt``
+    and ``iter_<N>/``); ``into`` is made, and must hold no save yet. The caller commits it (osdpipe's API stages it
+    and renames it into place whole: :func:`osdpipe.api.reshard_megatron`).
+
+    The linears' ``_extra_state`` items are carried as they are (they are keyed by global layer).
+
+    Raises:
+        InputError: the source's ``args`` hold an object of Megatron's own, which cannot be written without it; or
+            ``into`` holds a save already.
+    """
+    if target.sharding not in SHARDING_TYPES:
+        raise InputError(f"output.megatron_optim_format={target.sharding!r}: one of {', '.join(SHARDING_TYPES)}")
+    records = sorted(k for k, v in save.args.items() if isinstance(v, Record))
+    if records:
+        raise InputError(f"{save.folder / COMMON}: args {', '.join(records)} hold Megatron objects, which osdpipe "
+                         "cannot write back without Megatron: not supported yet")
+    args = target_args(save.args, target)
+    gpt = gpt_of(args)
+    model, optim = _repadded_state(save, gpt.padded_vocab_size)
+    items: dict[str, Any] = dict(model)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in save.param_groups]
+    if target.sharding == "fully_reshardable":
+        items.update({f"optimizer.state.{s}.{key}": states[s] for key, states in optim.items() for s in STATES})
+        optimizer_common = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": target.sharding}
+    else:
+        items.update(_buckets(gpt, target, optim, groups, _dtype_key(save)))
+        optimizer_common = {"param_state_sharding_type": target.sharding}
+    rng_from = _rng_items(save, target, items)
+    items.update({k: io.BytesIO(v) for k, v in save.extra_state.items()})
+    iteration = f"iter_{save.iteration:07d}"
+    if (into / LATEST).exists() or (into / iteration).exists():
+        raise InputError(f"{into} holds a Megatron save already; write into an empty directory")
+    folder = into / iteration
+    folder.mkdir(parents=True)
+    _dcp_save(items, folder)
+    common = {k: v for k, v in save.common.items() if k not in ("args", "optimizer", "content_metadata")}
+    common.update(
+        args=argparse.Namespace(**args),
+        iteration=save.iteration,
+        optimizer=optimizer_common,
+        content_metadata={
+            **(save.common.get("content_metadata") or {}), "distrib_optim_sharding_type": target.sharding
+        },
+    )
+    if target.sharding == "dp_reshardable":
+        common["content_metadata"].pop("distrib_optim_fully_reshardable_mem_efficient", None)
+    else:
+        common["content_metadata"].setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
+    torch.save(common, folder / COMMON)
+    (folder / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}
+    ))
+    (into / LATEST).write_text(str(save.iteration))
+    return Written(folder, rng_from)
+
+
+def _repadded_state(
+    save: MegatronSave, padded: int
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    model = {k: repadded(v, padded) if k in VOCAB_KEYS else v for k, v in save.model.items()}
+    optim = {
+        key: {s: repadded(t, padded) if key in VOCAB_KEYS else t for s, t in states.items()}
+        for key, states in save.optim.items()
+    }
+    return model, optim
+
+
+def _dtype_key(save: MegatronSave) -> str:
+    """The gradient buffer's ``(param dtype, grad dtype)`` as Megatron's keys spell it: the source's, or for a
+    ``fully_reshardable`` source the weights' dtype with fp32 gradients (Megatron-LM reduces bf16 gradients in fp32)."""
+    return save.gbuf_dtypes or f"{save.model['output_layer.weight'].dtype}, torch.float32"
+
+
+def _buckets(
+    gpt: layout.Gpt, target: Target, optim: dict[str, dict[str, torch.Tensor]], groups: list[dict[str, Any]],
+    dtypes: str,
+) -> dict[str, Any]:
+    """The ``dp_reshardable`` items: per (PP, TP) domain, its bucket of each state and its byte items."""
+    items: dict[str, Any] = {}
+    pair = tuple(getattr(torch, d.strip().removeprefix("torch.")) for d in dtypes.split(","))
+    for pp_rank in range(target.pp):
+        for tp_rank in range(target.tp):
+            index = layout.dp_group_index(target.tp, tp_rank, pp_rank)
+            params = layout.local_parameters(gpt, target.tp, target.pp, tp_rank, pp_rank)
+            bucket = layout.bucket_layout([(p.name, p.numel) for p in reversed(params)], target.dp)
+            by_name = {p.name: p for p in params}
+            prefix = f"optimizer.distributed.dp_group_idx_{index}"
+            for state in STATES:
+                flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+                for name, start, stop in bucket.entries:
+                    local = by_name[name]
+                    view = flat[start:stop].view(local.shape)
+                    for piece in local.pieces:
+                        box = tuple(slice(a, b) for a, b in piece.box)
+                        block = optim[piece.key][state][box]
+                        view[piece.local_start : piece.local_stop] = block.reshape(
+                            view[piece.local_start : piece.local_stop].shape
+                        )
+                items[f"{prefix}.gbuf_idx_0.dtype_({dtypes}).bucket_idx_0.{state}"] = flat
+            items[f"{prefix}.optimizer/shard_0_1"] = [{"param_groups": groups}]
+            items[f"{prefix}.per_bucket_numel/shard_0_1"] = [[{pair: [bucket.numel]}]]
+            items[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [[{pair: [bucket.numel_unpadded]}]]
+    return items
+
+
+def _rng_items(save: MegatronSave, target: Target, items: dict[str, Any]) -> dict[tuple[int, int], tuple[int, int]]:
+    """One ``rng_state`` item per target (PP, TP) rank; where each came from."""
+    source = save.rng
+    if not source:
+        return {}
+    rng_from = {}
+    for pp_rank in range(target.pp):
+        for tp_rank in range(target.tp):
+            taken = (pp_rank % save.pp, tp_rank % save.tp)
+            rng_from[(pp_rank, tp_rank)] = taken
+            items[f"rng_state/shard_{pp_rank}.{tp_rank}_{target.pp}.{target.tp}"] = io.BytesIO(source[taken])
+    return rng_from
+
+
+def _pickled(value: Any) -> io.BytesIO:
+    """A byte item's value as ``torch.save`` writes it, by us: DCP's own path turns a dict's tuple keys (the
+    buckets' ``(param dtype, grad dtype)``) into strings, which Megatron's load then refuses."""
+    data = io.BytesIO()
+    torch.save(value, data)
+    return data
+
+
+def _stored_as_is_planner() -> Any:
+    """DCP's default save planner, but a ``BytesIO`` value is written as its bytes, not ``torch.save``d again (as
+    Megatron's own planner does with the ShardedObjects it packs itself)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class StoredAsIs(DefaultSavePlanner):
+        def transform_object(self, write_item: Any, value: Any) -> Any:
+            if isinstance(value, io.BytesIO):
+                return io.BytesIO(value.getvalue())
+            return super().transform_object(write_item, value)
+
+    return StoredAsIs(flatten_state_dict=False)
+
+
+def _dcp_save(items: dict[str, Any], folder: Path) -> None:
+    """The items as one process's DCP checkpoint: tensors as they are, every other item a byte item of its own
+    (``torch.save`` of the value, as Megatron stores a ShardedObject: nothing flattened; a ``BytesIO``'s bytes as
+    they are: the carried items' stored bytes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    packed = {k: v if isinstance(v, (torch.Tensor, io.BytesIO)) else _pickled(v) for k, v in items.items()}
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... save in a single process": it is meant to
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            packed,
+            storage_writer=FileSystemWriter(str(folder), single_file_per_rank=True, sync_files=True),
+            planner=_stored_as_is_planner(),
+            no_dist=True,
+        )

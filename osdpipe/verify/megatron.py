@@ -1,0 +1,67 @@
+"""Proof of a Megatron-LM save osdpipe wrote: read back, it holds the source's state, bit for bit.
+
+The output is read by the same reader as the source (:func:`osdpipe.io.formats.megatron.read_save`), which places
+every bucket and tensor back into global tensors by the target's layout, so a wrong bucket offset, a piece on the wrong
+TP rank, a lost step or a changed hyperparameter shows as a difference. The vocabulary's rows compare up to the shorter
+of the two paddings; rows the target adds must be zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from osdpipe.core.compare import bits_equal
+from osdpipe.io.formats.megatron import MegatronSave
+from osdpipe.io.formats.megatron_writer import VOCAB_KEYS
+
+#: Param-group entries that are not hyperparameters the output must keep: the members, which the groups do not list.
+_NOT_KEPT = ("params",)
+
+
+def tensor_problem(name: str, source: torch.Tensor, written: torch.Tensor, vocab: bool) -> str | None:
+    """How ``written`` fails to hold ``source`` bitwise (``None``: it holds it); ``vocab``: compare the shared rows, and
+    want the rows only ``written`` has to be zero."""
+    if written.dtype != source.dtype:
+        return f"{name}: {written.dtype}, the source's {source.dtype}"
+    if vocab:
+        rows = min(source.shape[0], written.shape[0])
+        if written.shape[1:] != source.shape[1:]:
+            return f"{name}: shape {tuple(written.shape)}, the source's {tuple(source.shape)}"
+        if not bits_equal(written[:rows], source[:rows]):
+            return f"{name}: rows [0, {rows}) differ from the source's"
+        if written.shape[0] > rows and bool(written[rows:].any()):
+            return f"{name}: the padding rows [{rows}, {written.shape[0]}) it adds are not zero"
+        return None
+    if written.shape != source.shape or not bits_equal(written, source):
+        return f"{name}: differs from the source's"
+    return None
+
+
+def roundtrip_problems(source: MegatronSave, written: MegatronSave) -> list[str]:
+    """Every way the save ``written`` (read back) does not hold ``source``'s state: the model's weights, each
+    parameter's fp32 master and moments, the param groups' hyperparameters and step, the iteration, the scheduler."""
+    problems = []
+    for key, weight in source.model.items():
+        if key not in written.model:
+            problems.append(f"model {key}: missing")
+            continue
+        why = tensor_problem(f"model {key}", weight, written.model[key], key in VOCAB_KEYS)
+        problems += [why] if why else []
+        for state, tensor in source.optim[key].items():
+            why = tensor_problem(f"{state} {key}", tensor, written.optim[key][state], key in VOCAB_KEYS)
+            problems += [why] if why else []
+    if _groups(source.param_groups) != _groups(written.param_groups):
+        problems.append(f"param groups: {_groups(written.param_groups)}, the source's {_groups(source.param_groups)}")
+    if written.iteration != source.iteration:
+        problems.append(f"iteration {written.iteration}, the source's {source.iteration}")
+    if written.scheduler != source.scheduler:
+        problems.append("the scheduler's state differs from the source's")
+    return problems
+
+
+def _groups(groups: list[dict[str, Any]]) -> list[tuple]:
+    return sorted(
+        (tuple(g["params"]), tuple(sorted((k, repr(v)) for k, v in g.items() if k not in _NOT_KEPT))) for g in groups
+    )
