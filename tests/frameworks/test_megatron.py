@@ -42,11 +42,15 @@ pytestmark = [
 SAVES = {
     "tp2_dp2": (2, 1, 2, "dp_reshardable", False),
     "tp1_pp2_dp2": (1, 2, 2, "dp_reshardable", False),
-    "tp4_bf16": (4, 1, 1, "dp_reshardable", True),
+    "tp2_pp2": (2, 2, 1, "dp_reshardable", False),
+    "tp2_dp2_fully": (2, 1, 2, "fully_reshardable", False),
+    "tp1_pp2_dp2_fully": (1, 2, 2, "fully_reshardable", False),
     "tp2_pp2_fully": (2, 2, 1, "fully_reshardable", False),
+    "tp4_bf16": (4, 1, 1, "dp_reshardable", True),
 }
-#: The sources converted, and the targets each is written for, (TP, PP, DP), in the source's sharding type.
-CONVERTED = ("tp2_dp2", "tp1_pp2_dp2", "tp2_pp2_fully")
+#: The sources converted (the issue's three parallelisms, each in both sharding types Megatron-LM writes), and the
+#: targets each is written for, (TP, PP, DP), in the source's sharding type.
+CONVERTED = ("tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp2_dp2_fully", "tp1_pp2_dp2_fully", "tp2_pp2_fully")
 TARGETS = [(1, 1, 2), (2, 1, 1), (1, 2, 1), (4, 1, 1)]
 
 
@@ -99,7 +103,7 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
     assert differences(truth, save) == [f"exp_avg {key}"]
 
 
-@pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp4_bf16"])
+@pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16"])
 def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path], name: str) -> None:
     truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
     args = truth["args"]

@@ -1,0 +1,129 @@
+"""Megatron's layout rules and osdpipe's writer, without Megatron: padding, buckets, a vocabulary that changes size.
+
+Real megatron-core saves and loads are in tests/frameworks/test_megatron.py; these are the cases its test model never
+meets: a parameter whose size is not a multiple of 64 (a gap before the next one), and a target TP whose padded
+vocabulary differs from the source's (the rows it adds must be zero, and the read-back check must see them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from osdpipe.io.formats.base import InputError
+from osdpipe.io.formats.megatron import MegatronSave, read_save
+from osdpipe.io.formats.megatron_writer import Target, target_args, write_save
+from osdpipe.layout import megatron as layout
+from osdpipe.verify.megatron import roundtrip_problems
+
+ARGS = {
+    "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+    "kv_channels": 8, "vocab_size": 1000, "make_vocab_size_divisible_by": 96, "swiglu": True,
+    "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
+}
+
+
+def test_megatron_pads_the_vocabulary_to_a_multiple_of_its_divisor_times_tp() -> None:
+    assert layout.padded_vocab_size(1000, 128, 1) == 1024
+    assert layout.padded_vocab_size(1000, 128, 4) == 1024
+    assert layout.padded_vocab_size(1000, 96, 1) == 1056
+    assert layout.padded_vocab_size(1000, 96, 2) == 1152
+    assert layout.padded_vocab_size(50257, 128, 8) == 51200
+
+
+def test_a_bucket_starts_each_parameter_on_a_multiple_of_64_and_pads_its_end_to_lcm_dp_128() -> None:
+    laid = layout.bucket_layout([("a", 100), ("b", 64), ("c", 3)], dp=3)
+    assert laid.entries == (("a", 0, 100), ("b", 128, 192), ("c", 192, 195))
+    assert (laid.numel_unpadded, laid.numel) == (195, 384)  # lcm(3, 128) = 384
+
+
+def test_a_stage_holds_its_layers_and_tp_cuts_rows_or_columns() -> None:
+    gpt = layout.Gpt(4, 32, 64, 4, 2, 8, 1024, True)
+    params = {p.name: p for p in layout.local_parameters(gpt, tp=2, pp=2, tp_rank=1, pp_rank=1)}
+    assert "embedding.word_embeddings.weight" not in params and "output_layer.weight" in params
+    fc1 = params["decoder.layers.0.mlp.linear_fc1.weight"]  # local layer 0 of stage 1: global layer 2
+    assert fc1.shape == (64, 32)
+    assert [(p.box, p.local_start, p.local_stop) for p in fc1.pieces] == [
+        (((2, 3), (32, 64), (0, 32)), 0, 32),  # gate rows of TP rank 1
+        (((2, 3), (96, 128), (0, 32)), 32, 64),  # up rows of TP rank 1
+    ]
+    proj = params["decoder.layers.1.self_attention.linear_proj.weight"]
+    assert proj.shape == (32, 16) and proj.pieces[0].box == ((3, 4), (0, 32), (16, 32))
+    with pytest.raises(ValueError, match="do not split evenly over 3 pipeline stages"):
+        layout.local_parameters(gpt, tp=1, pp=3, tp_rank=0, pp_rank=0)
+
+
+def _save(tmp_path: Path, tp: int) -> Path:
+    """A Megatron-LM save of random state at TP ``tp``, written by osdpipe's writer (as the benchmark makes its own)."""
+    args = target_args({**ARGS, "iteration": 7}, Target(tp, 1, 1, "dp_reshardable"))
+    gpt = layout.Gpt(2, 32, 64, 4, 2, 8, args["padded_vocab_size"], True)
+    generator = torch.Generator().manual_seed(0)
+    shapes = layout.global_shapes(gpt)
+    model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
+    optim = {k: {s: torch.randn(v, generator=generator) for s in ("param", "exp_avg", "exp_avg_sq")}
+             for k, v in shapes.items()}
+    one_dim = sorted(k for k in shapes if len(shapes[k]) - k.startswith(layout.LAYERS) == 1)
+    groups = [{"wd_mult": 1.0, "weight_decay": 0.1, "step": 7.0, "params": sorted(set(shapes) - set(one_dim))},
+              {"wd_mult": 0.0, "weight_decay": 0.0, "step": 7.0, "params": one_dim}]
+    save = MegatronSave(tmp_path, 7, args, "dp_reshardable", model, optim, groups, {"num_steps": 7},
+                        gbuf_dtypes="torch.float32, torch.float32")
+    write_save(save, tmp_path / f"tp{tp}", Target(tp, 1, 1, "dp_reshardable"))
+    return tmp_path / f"tp{tp}"
+
+
+def test_a_larger_padded_vocabulary_gets_zero_rows_and_the_read_back_check_sees_a_nonzero_one(tmp_path: Path) -> None:
+    source = read_save(_save(tmp_path, tp=1))  # 1000 rows padded to 1056
+    write_save(source, tmp_path / "tp2", Target(2, 1, 1, "fully_reshardable"))  # padded to 1152
+    back = read_save(tmp_path / "tp2")
+    assert back.args["padded_vocab_size"] == 1152 and back.tp == 2
+    assert back.model["output_layer.weight"].shape == (1152, 32)
+    assert roundtrip_problems(source, back) == []
+    back.optim["embedding.word_embeddings.weight"]["exp_avg"][1100, 0] = 1.0
+    assert roundtrip_problems(source, back) == [
+        "exp_avg embedding.word_embeddings.weight: the padding rows [1056, 1152) it adds are not zero"
+    ]
+
+
+def test_a_smaller_padded_vocabulary_keeps_the_rows_it_has(tmp_path: Path) -> None:
+    source = read_save(_save(tmp_path, tp=2))  # padded to 1152
+    write_save(source, tmp_path / "tp1", Target(1, 1, 2, "dp_reshardable"))  # padded to 1056
+    back = read_save(tmp_path / "tp1")
+    assert back.model["embedding.word_embeddings.weight"].shape == (1056, 32) and back.dp == 2
+    assert roundtrip_problems(source, back) == []
+
+
+def test_damaged_and_missing_files_are_named_in_one_line(tmp_path: Path) -> None:
+    folder = _save(tmp_path, tp=1) / "iter_0000007"
+    (folder / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(InputError, match=r"\.metadata"):
+        read_save(folder)
+    (folder / "common.pt").unlink()
+    with pytest.raises(InputError, match="holds no common.pt"):
+        read_save(folder)
+    (folder / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    with pytest.raises(InputError, match="sharded_backend 'zarr'"):
+        read_save(folder)
+
+
+def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_whole(tmp_path: Path) -> None:
+    import json
+
+    import osdpipe
+    from osdpipe.io.output import OutputError
+
+    source = _save(tmp_path, tp=1)
+    out = tmp_path / "out"
+    done = osdpipe.reshard_megatron(source, out, tp=2)
+    assert done["target"] == {"tp": 2, "pp": 1, "dp": 1, "sharding": "dp_reshardable"}
+    assert done["rng_from"] == {}  # the synthetic save has no RNG states to carry
+    with pytest.raises(OutputError, match="overwrite=True"):
+        osdpipe.reshard_megatron(source, out, tp=1, dp=2)
+    osdpipe.reshard_megatron(source, out, tp=1, dp=2, overwrite=True)
+    assert read_save(out).dp == 2 and sorted(p.name for p in out.iterdir()) == [
+        "iter_0000007", "latest_checkpointed_iteration.txt", "manifest.json"
+    ]
+    assert set(json.loads((out / "manifest.json").read_text())["files"]) == {
+        str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != "manifest.json"
+    }
