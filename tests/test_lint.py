@@ -37,3 +37,14 @@ def test_ruff_finds_a_name_nobody_defined(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 1 and "F821" in done.stdout, done.stdout
+
+
+def test_no_line_of_the_package_is_longer_than_120_characters() -> None:
+    """ruff measures a line without a trailing pragma (``# noqa``); the package's lines hold the limit whole."""
+    long = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in sorted((REPO / "osdpipe").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if len(line) > 120
+    ]
+    assert long == [], f"lines over 120 characters: {long[:10]}"

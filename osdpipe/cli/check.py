@@ -328,7 +328,8 @@ def run_check(args: list[str]) -> int:
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as exc:  # noqa: BLE001 - the manifest's config cannot be composed (an interpolation, an unknown kind)
+    # the manifest's config cannot be composed (an interpolation, an unknown kind)
+    except Exception as exc:  # noqa: BLE001
         from osdpipe.run.collective import one_line  # imports torch: only on an error, not on check --help's path
 
         print(

@@ -82,7 +82,8 @@ def test_the_same_conversion_writes_the_same_bytes_and_manifest_content(runs: Pa
 
 
 def _check(*args: str, cwd: Path) -> list[dict]:
-    return run_cli_cases([["check", *a] for a in args], cwd=cwd, per_case_s=TIMEOUT_S, env=user_env())  # type: ignore[list-item]
+    cases: list[list[str]] = [["check", *a] for a in args]
+    return run_cli_cases(cases, cwd=cwd, per_case_s=TIMEOUT_S, env=user_env())
 
 
 def test_check_passes_on_every_run(runs: Path) -> None:
