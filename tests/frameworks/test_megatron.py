@@ -48,9 +48,9 @@ SAVES = {
     "tp2_pp2_fully": (2, 2, 1, "fully_reshardable", False),
     "tp4_bf16": (4, 1, 1, "dp_reshardable", True),
 }
-#: The sources converted (the issue's three parallelisms, each in both sharding types Megatron-LM writes), and the
-#: targets each is written for, (TP, PP, DP), in the source's sharding type.
-CONVERTED = ("tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp2_dp2_fully", "tp1_pp2_dp2_fully", "tp2_pp2_fully")
+#: The sources converted (the issue's three parallelisms, each in both sharding types Megatron-LM writes, and a bf16
+#: job's), and the targets each is written for, (TP, PP, DP), in the source's sharding type.
+CONVERTED = ("tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp2_dp2_fully", "tp1_pp2_dp2_fully", "tp2_pp2_fully", "tp4_bf16")
 TARGETS = [(1, 1, 2), (2, 1, 1), (1, 2, 1), (4, 1, 1)]
 
 

@@ -101,7 +101,7 @@ def write_save(save: MegatronSave, into: Path, target: Target) -> Written:
             ``into`` holds a save already.
     """
     if target.sharding not in SHARDING_TYPES:
-        raise InputError(f"output.megatron_optim_format={target.sharding!r}: one of {', '.join(SHARDING_TYPES)}")
+        raise InputError(f"optim_format={target.sharding!r}: one of {', '.join(SHARDING_TYPES)}")
     records = sorted(k for k, v in save.args.items() if isinstance(v, Record))
     if records:
         raise InputError(f"{save.folder / COMMON}: args {', '.join(records)} hold Megatron objects, which osdpipe "
