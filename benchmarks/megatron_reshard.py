@@ -5,12 +5,13 @@ Run (from the repository root; about 10 GB of free disk):
     python benchmarks/megatron_reshard.py --repeats 3
 
 The source is synthesised once: a GPT of Megatron-LM's shape (GQA, SwiGLU, untied, hidden 1024, 4 layers, vocabulary
-16000 padded) with random fp32 weights, masters and moments, written by osdpipe's own writer at TP2 PP2 DP1
+20000 padded) with random fp32 weights, masters and moments, written by osdpipe's own writer at TP2 PP2 DP1
 ``dp_reshardable`` (the tests show megatron-core loads what that writer writes). Then, alternating in every repeat:
 
 * ``osdpipe``: ``osdpipe.reshard_megatron(source, out, tp=1, pp=1, dp=4)`` in a fresh process: read whole,
   written for the target, read back and compared bit for bit, committed (synced);
-* ``limit``: ``cp -r`` of the source's folder and a ``sync``: reading and writing the same bytes once.
+* ``limit``: every file of the source's folder copied by ``dd`` with ``conv=fdatasync`` (as osdpipe syncs what it
+  commits): reading and writing the same bytes once.
 
 It prints one table: median seconds, the ratio to the limit, and each path's peak RSS.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 GPT = {
     "num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 4096, "num_attention_heads": 16, "num_query_groups": 4,
-    "kv_channels": 64, "vocab_size": 16000, "make_vocab_size_divisible_by": 128, "swiglu": True,
+    "kv_channels": 64, "vocab_size": 20000, "make_vocab_size_divisible_by": 128, "swiglu": True,
     "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
 }
 
@@ -105,7 +106,9 @@ def main() -> int:
             if path == "osdpipe":
                 runs[path].append(timed([sys.executable, __file__, "--convert", str(source), str(out)]))
             else:
-                runs[path].append(timed(["bash", "-c", f"cp -r '{source}' '{out}' && sync"]))
+                copy = (f"cd '{source}' && find . -type d -exec mkdir -p '{out}/{{}}' ';' && find . -type f -exec "
+                        f"dd if='{{}}' of='{out}/{{}}' bs=16M conv=fdatasync status=none ';'")
+                runs[path].append(timed(["bash", "-c", copy]))
             shutil.rmtree(out, ignore_errors=True)
     limit = statistics.median(s for s, _ in runs["limit"])
     print(f"\nmedian of {opts.repeats}, alternating; TP2 PP2 DP1 -> TP1 PP1 DP4")

@@ -212,7 +212,7 @@ def reshard_megatron(
     staging = out_dir.begin(directory)
     try:
         written = write_save(save, staging, target)
-        (staging / out_dir.MANIFEST).write_text(_megatron_manifest(staging))
+        (staging / out_dir.MANIFEST).write_text(_megatron_manifest(staging, written.digests))
         problems = roundtrip_problems(save, read_save(staging))
         if problems:
             raise RuntimeError(f"{directory}: the written save read back differs: {'; '.join(problems[:3])}")
@@ -230,17 +230,18 @@ def reshard_megatron(
     }
 
 
-def _megatron_manifest(staging: Any) -> str:
-    """``manifest.json`` of a Megatron output: each file's sha256 (what :func:`osdpipe.io.output.conversion_entries`
-    takes as the conversion when it is replaced)."""
+def _megatron_manifest(staging: Any, digests: dict[str, str]) -> str:
+    """``manifest.json`` of a Megatron output: each file's digest (the DCP files' as they were written, pieces
+    listed as for every osdpipe output; the small ones' sha256 now), which is also what
+    :func:`osdpipe.io.output.conversion_entries` takes as the conversion when it is replaced."""
     import hashlib
     import json
 
-    files = {}
-    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda f=f: f.read(1 << 24), b""):
-                digest.update(block)
-        files[str(path.relative_to(staging))] = digest.hexdigest()
-    return json.dumps({"format": "megatron", "files": files}, indent=2, sort_keys=True)
+    files = {
+        str(p.relative_to(staging)): digests.get(str(p.relative_to(staging)))
+        or hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(staging.rglob("*"))
+        if p.is_file()
+    }
+    pieces = {name: list(d.pieces) for name, d in digests.items() if hasattr(d, "pieces")}
+    return json.dumps({"format": "megatron", "files": files, "pieces": pieces}, indent=2, sort_keys=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,10 +56,13 @@ class Target:
 
 @dataclass(frozen=True)
 class Written:
-    """What :func:`write_save` wrote: the iteration folder, and where each target rank's RNG states came from."""
+    """What :func:`write_save` wrote: the iteration folder, where each target rank's RNG states came from, and the
+    digest of each DCP file, taken as it was written (by path under the save folder; a ``.distcp`` file's is a
+    :class:`osdpipe.io.torchfile.PieceDigest`)."""
 
     folder: Path
     rng_from: dict[tuple[int, int], tuple[int, int]]
+    digests: dict[str, str]
 
 
 def target_args(args: dict[str, Any], target: Target) -> dict[str, Any]:
@@ -118,13 +120,13 @@ def write_save(save: MegatronSave, into: Path, target: Target) -> Written:
         items.update(_buckets(gpt, target, optim, groups, _dtype_key(save)))
         optimizer_common = {"param_state_sharding_type": target.sharding}
     rng_from = _rng_items(save, target, items)
-    items.update({k: io.BytesIO(v) for k, v in save.extra_state.items()})
+    items.update(save.extra_state)
     iteration = f"iter_{save.iteration:07d}"
     if (into / LATEST).exists() or (into / iteration).exists():
         raise InputError(f"{into} holds a Megatron save already; write into an empty directory")
     folder = into / iteration
     folder.mkdir(parents=True)
-    _dcp_save(items, folder)
+    digests = _dcp_save(items, folder)
     common = {k: v for k, v in save.common.items() if k not in ("args", "optimizer", "content_metadata")}
     common.update(
         args=argparse.Namespace(**args),
@@ -144,7 +146,7 @@ def write_save(save: MegatronSave, into: Path, target: Target) -> Written:
          "common_backend_version": 1}
     ))
     (into / LATEST).write_text(str(save.iteration))
-    return Written(folder, rng_from)
+    return Written(folder, rng_from, {f"{iteration}/{name}": digest for name, digest in digests.items()})
 
 
 def _repadded_state(
@@ -206,45 +208,30 @@ def _rng_items(save: MegatronSave, target: Target, items: dict[str, Any]) -> dic
         for tp_rank in range(target.tp):
             taken = (pp_rank % save.pp, tp_rank % save.tp)
             rng_from[(pp_rank, tp_rank)] = taken
-            items[f"rng_state/shard_{pp_rank}.{tp_rank}_{target.pp}.{target.tp}"] = io.BytesIO(source[taken])
+            items[f"rng_state/shard_{pp_rank}.{tp_rank}_{target.pp}.{target.tp}"] = source[taken]
     return rng_from
 
 
-def _pickled(value: Any) -> io.BytesIO:
+def _pickled(value: Any) -> bytes:
     """A byte item's value as ``torch.save`` writes it, by us: DCP's own path turns a dict's tuple keys (the
     buckets' ``(param dtype, grad dtype)``) into strings, which Megatron's load then refuses."""
     data = io.BytesIO()
     torch.save(value, data)
-    return data
+    return data.getvalue()
 
 
-def _stored_as_is_planner() -> Any:
-    """DCP's default save planner, but a ``BytesIO`` value is written as its bytes, not ``torch.save``d again (as
-    Megatron's own planner does with the ShardedObjects it packs itself)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
+def _dcp_save(items: dict[str, Any], folder: Path) -> dict[str, str]:
+    """The items as one process's DCP checkpoint, written by osdpipe's DCP writer (:mod:`osdpipe.io.formats.dcp_writer`:
+    at the disk's speed, hashed as written): tensors whole, every other item a byte item of its own, stored as given
+    (``bytes``: the carried items' stored bytes) or as ``torch.save`` of it. Returns each file's digest, by name."""
+    from osdpipe.io.formats import dcp_writer
 
-    class StoredAsIs(DefaultSavePlanner):
-        def transform_object(self, write_item: Any, value: Any) -> Any:
-            if isinstance(value, io.BytesIO):
-                return io.BytesIO(value.getvalue())
-            return super().transform_object(write_item, value)
-
-    return StoredAsIs(flatten_state_dict=False)
-
-
-def _dcp_save(items: dict[str, Any], folder: Path) -> None:
-    """The items as one process's DCP checkpoint: tensors as they are, every other item a byte item of its own
-    (``torch.save`` of the value, as Megatron stores a ShardedObject: nothing flattened; a ``BytesIO``'s bytes as
-    they are: the carried items' stored bytes)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    packed = {k: v if isinstance(v, (torch.Tensor, io.BytesIO)) else _pickled(v) for k, v in items.items()}
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... save in a single process": it is meant to
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(
-            packed,
-            storage_writer=FileSystemWriter(str(folder), single_file_per_rank=True, sync_files=True),
-            planner=_stored_as_is_planner(),
-            no_dist=True,
+    state = {
+        key: value if isinstance(value, torch.Tensor) else dcp_writer.Stored(
+            value if isinstance(value, bytes) else _pickled(value)
         )
+        for key, value in items.items()
+    }
+    global_plan = dcp_writer.plan(lambda rank: state, 1)
+    results, digests, _ = dcp_writer.write_rank(folder, state, 0, global_plan)
+    return {**digests, ".metadata": dcp_writer.finish(folder, global_plan, [results])}
