@@ -127,3 +127,34 @@ def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_
     assert set(json.loads((out / "manifest.json").read_text())["files"]) == {
         str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != "manifest.json"
     }
+
+
+def test_inspect_and_the_command_say_what_a_megatron_save_is_and_the_call_they_print_converts_it(
+    tmp_path: Path,
+) -> None:
+    """The command does not take a Megatron save yet: inspect and a conversion say so in one line (exit 1 and 2,
+    nothing written), naming its parallelism and the call that converts it, which runs once filled in."""
+    import shlex
+    import subprocess
+    import sys
+
+    from helpers import run_osdpipe
+
+    from osdpipe.io.file_facts import detect_format
+    from osdpipe.io.formats.base import NotTakenYet
+
+    save = _save(tmp_path, tp=1)
+    for path in (save, save / "iter_0000007"):
+        with pytest.raises(NotTakenYet, match=r"is a Megatron-LM torch_dist save \(TP1 PP1 DP1, iteration 7\)"):
+            detect_format(path)
+    inspected = run_osdpipe("inspect", str(save), cwd=tmp_path)
+    assert inspected.returncode == 1 and "osdpipe.reshard_megatron(" in inspected.stderr, inspected.stderr
+    converted = run_osdpipe(f"input.path={save}", f"output.path={tmp_path / 'refused'}", cwd=tmp_path)
+    assert converted.returncode == 2 and "the osdpipe command does not take it yet" in converted.stderr
+    assert len(converted.stderr.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()
+    printed = inspected.stderr[inspected.stderr.index("python -c"):].split(" (docs/")[0]
+    filled = printed.replace("OUT_DIR", str(tmp_path / "tp2")).replace("tp=T, pp=P, dp=D", "tp=2, pp=1, dp=1")
+    done = subprocess.run(shlex.split(filled.replace("python", sys.executable, 1)), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert read_save(tmp_path / "tp2").tp == 2

@@ -326,10 +326,6 @@ class DcpCheckpoint:
                 f"{path} is not a directory; a dcp input is the directory dcp.save wrote (it holds .metadata)"
             )
         self.metadata: Metadata = read_dcp_metadata(directory / ".metadata")
-        if self.metadata.planner_data is None and isinstance(self.metadata.state_dict_metadata, dict):
-            # Megatron's dist_checkpointing saves through a planner of its own that records no planner data:
-            # each item is a top-level key, named by its flat key.
-            self.metadata.planner_data = {flat: (flat,) for flat in self.metadata.state_dict_metadata}
         check_structure(self.metadata, directory, check)
         #: Each stored item's path in the saved state dict,
         #: a flattened optimizer's as the nested one's (:func:`nested_paths`).

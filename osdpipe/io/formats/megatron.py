@@ -117,6 +117,32 @@ def iteration_folder(path: str | Path) -> Path:
     return folder
 
 
+def megatron_folder(path: Path) -> Path | None:
+    """The iteration folder of the Megatron-LM save at ``path`` (a save folder or an ``iter_`` folder of a torch_dist
+    save); ``None`` where ``path`` is none."""
+    if (path / LATEST).is_file():
+        return path
+    if (path / COMMON).is_file() and (path / "metadata.json").is_file() and (path / ".metadata").is_file():
+        return path
+    return None
+
+
+def what_to_do_with(path: Path) -> str:
+    """One line for a Megatron-LM save given where an optimizer checkpoint is asked for: what it is (from
+    ``common.pt``, read inertly) and the call that converts it, since the ``osdpipe`` command does not take it yet."""
+    try:
+        save_args = read_common(iteration_folder(path))["args"]
+        shape = (f"TP{save_args.get('tensor_model_parallel_size')} PP{save_args.get('pipeline_model_parallel_size')} "
+                 f"DP{save_args.get('data_parallel_size')}, iteration {save_args.get('iteration')}")
+    except InputError as exc:
+        return str(exc)
+    return (
+        f"{path} is a Megatron-LM torch_dist save ({shape}); the osdpipe command does not take it yet: convert it "
+        f"with python -c \"import osdpipe; osdpipe.reshard_megatron('{path}', 'OUT_DIR', tp=T, pp=P, dp=D)\" "
+        "(docs/frameworks.md, From and to Megatron-Core)"
+    )
+
+
 def read_common(folder: Path) -> dict[str, Any]:
     """``common.pt``, read inertly, with ``args`` as a plain dict."""
     if not (folder / COMMON).is_file():

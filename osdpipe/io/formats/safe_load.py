@@ -479,4 +479,8 @@ def read_dcp_metadata(path: Path) -> Any:
 
     if not isinstance(loaded, Metadata):
         raise damaged(str(path), f"it holds a {type(loaded).__name__}, not DCP Metadata", fix, what="DCP metadata")
+    if loaded.planner_data is None and isinstance(loaded.state_dict_metadata, dict):
+        # Megatron's dist_checkpointing saves through a planner of its own that records no planner data: each item
+        # is a top-level key, named by its flat key, which is what every reader here takes planner data to say.
+        loaded.planner_data = {flat: (flat,) for flat in loaded.state_dict_metadata}
     return loaded
