@@ -56,7 +56,7 @@ def make_source(folder: Path) -> int:
             "exp_avg_sq": torch.rand(s, generator=generator)}
         for k, s in shapes.items()
     }
-    one_dim = sorted(k for k in shapes if len(shapes[k]) - k.startswith(layout.LAYERS) == 1)
+    one_dim = sorted(k for k in shapes if layout.without_weight_decay(k, shapes[k]))
     hyper = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "step": 100.0}
     groups = [
         {**hyper, "wd_mult": 1.0, "weight_decay": 0.1, "params": sorted(set(shapes) - set(one_dim))},

@@ -234,12 +234,12 @@ def _megatron_manifest(staging: Any, digests: dict[str, str]) -> str:
     """``manifest.json`` of a Megatron output: each file's digest (the DCP files' as they were written, pieces
     listed as for every osdpipe output; the small ones' sha256 now), which is also what
     :func:`osdpipe.io.output.conversion_entries` takes as the conversion when it is replaced."""
-    import hashlib
     import json
 
+    from osdpipe.io.digest import file_sha256
+
     files = {
-        str(p.relative_to(staging)): digests.get(str(p.relative_to(staging)))
-        or hashlib.sha256(p.read_bytes()).hexdigest()
+        str(p.relative_to(staging)): digests.get(str(p.relative_to(staging))) or file_sha256(p)
         for p in sorted(staging.rglob("*"))
         if p.is_file()
     }

@@ -82,6 +82,13 @@ class LocalParameter:
         return math.prod(self.shape)
 
 
+def without_weight_decay(key: str, shape: tuple[int, ...]) -> bool:
+    """Whether Megatron's default param groups put sharded key ``key`` (of global ``shape``) in the group without
+    weight decay (``wd_mult`` 0): a 1-D parameter per layer (a norm), the decoder's layer axis not counted
+    (megatron-core ``optimizer/__init__.py`` ``_get_param_groups``)."""
+    return len(shape) - (1 if key.startswith(LAYERS) else 0) == 1
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """The vocabulary Megatron-LM builds the embedding and output layer for: ``vocab_size`` rounded up to a multiple
     of ``divisible_by x tp`` (Megatron-LM ``training/tokenizer``'s ``_vocab_size_with_padding``)."""

@@ -64,7 +64,7 @@ def _save(tmp_path: Path, tp: int) -> Path:
     model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
     optim = {k: {s: torch.randn(v, generator=generator) for s in ("param", "exp_avg", "exp_avg_sq")}
              for k, v in shapes.items()}
-    one_dim = sorted(k for k in shapes if len(shapes[k]) - k.startswith(layout.LAYERS) == 1)
+    one_dim = sorted(k for k in shapes if layout.without_weight_decay(k, shapes[k]))
     groups = [{"wd_mult": 1.0, "weight_decay": 0.1, "step": 7.0, "params": sorted(set(shapes) - set(one_dim))},
               {"wd_mult": 0.0, "weight_decay": 0.0, "step": 7.0, "params": one_dim}]
     save = MegatronSave(tmp_path, 7, args, "dp_reshardable", model, optim, groups, {"num_steps": 7},

@@ -361,8 +361,7 @@ def _groups_with_keys(
     out = []
     for group in groups:
         one_dim = float(group.get("wd_mult", 1.0)) == 0.0
-        keys = sorted(k for k, v in model.items() if (v.dim() - (1 if k.startswith(layout.LAYERS) else 0) == 1)
-                      == one_dim)
+        keys = sorted(k for k, v in model.items() if layout.without_weight_decay(k, tuple(v.shape)) == one_dim)
         out.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
     return out
 
