@@ -156,9 +156,12 @@ def whole_command(whole: WholeCheckpoint, naming: ModelNaming) -> str:
     """The command that converts a whole checkpoint, once the target and the output are filled in: its layout, the model
     that saved it (``naming``: named where the files and the framework can tell), and its folder. The conversion reads
     the rest from the files."""
-    from osdpipe.io.file_facts import command  # torch: not on inspect --help's path
+    from osdpipe.io.checkpoints import get  # torch: not on inspect --help's path
+    from osdpipe.io.file_facts import command
 
-    return command([f"checkpoint={whole.layout}", *naming.overrides, f"input.path={whole.path}"])
+    layout = get(whole.layout)
+    return command([f"checkpoint={whole.layout}", *naming.overrides, f"input.path={whole.path}",
+                    *layout.target_placeholders])
 
 
 def describe_whole(w: WholeCheckpoint) -> str:

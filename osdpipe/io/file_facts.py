@@ -37,7 +37,7 @@ from typing import Any
 
 from osdpipe.io import formats
 from osdpipe.io.formats import InputError, megatron
-from osdpipe.io.formats.base import NotTakenYet
+from osdpipe.io.formats.base import OtherLayout
 from osdpipe.io.formats.safe_load import load_torch_file
 from osdpipe.io.formats.state_facts import Unit
 from osdpipe.layout import kinds
@@ -141,7 +141,7 @@ def detect_format(path: str | Path) -> str:
     """
     p = Path(path)
     if p.is_dir() and megatron.megatron_folder(p) is not None:
-        raise NotTakenYet(megatron.what_to_do_with(p))
+        raise OtherLayout(megatron.what_to_do_with(p))
     if p.is_dir():
         held = [f for f in formats.FORMATS.values() if f.directory]
         found = next((f for f in held if f.found_in(p)), None)

@@ -31,7 +31,7 @@ from typing import Any
 from osdpipe.io import checkpoints, formats
 from osdpipe.io.file_facts import detect_format, read_facts
 from osdpipe.io.formats import InputError
-from osdpipe.io.formats.base import NotTakenYet
+from osdpipe.io.formats.base import OtherLayout
 from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
 from osdpipe.layout import kinds
 from osdpipe.layout.optim import optimizer_label, resolve_optimizer
@@ -135,7 +135,7 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         return raw, notes + _settle_optimizer(raw, given, facts)
     try:
         fmt = detect_format(path)
-    except NotTakenYet as exc:
+    except OtherLayout as exc:
         raise Contradiction(f"input.path: {exc}") from None
     except InputError:
         return raw, []  # the pre-flight check says what is wrong with it

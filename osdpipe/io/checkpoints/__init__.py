@@ -1,5 +1,6 @@
 """The registry of checkpoint layouts (:mod:`osdpipe.io.checkpoints.base`): the optimizer alone (the default),
-torchtitan's, accelerate's, PyTorch's own, and DeepSpeed's (read, written as PyTorch's)."""
+torchtitan's, accelerate's, PyTorch's own, DeepSpeed's (read, written as PyTorch's), and Megatron-LM's (converted
+by its own stages: :mod:`osdpipe.pipeline.megatron`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from osdpipe.core.registry import member
 
 # each registers its layout
-from osdpipe.io.checkpoints import accelerate, deepspeed, optimizer, pytorch, torchtitan  # noqa: F401
+from osdpipe.io.checkpoints import accelerate, deepspeed, megatron, optimizer, pytorch, torchtitan  # noqa: F401
 from osdpipe.io.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
 
 __all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize", "written"]

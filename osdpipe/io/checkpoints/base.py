@@ -198,6 +198,9 @@ class CheckpointLayout:
     #: Whether this layout, written, is named after the step it was saved at (torchtitan's ``step-<N>``):
     #: only a source that says it converts to it.
     needs_step: ClassVar[bool] = False
+    #: What ``osdpipe inspect``'s printed command leaves to fill in besides the target's world and the output's place
+    #: (Megatron's grid: ``target.tp_size=T``).
+    target_placeholders: ClassVar[tuple[str, ...]] = ()
 
     def refuses(self, given: Format, source_kind: Any, generated: bool) -> str | None:
         """Why a conversion of this layout cannot read ``given``

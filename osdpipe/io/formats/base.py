@@ -40,9 +40,9 @@ class InputError(ValueError):
         super().__init__(" ".join(line.strip() for line in str(message).splitlines() if line.strip()))
 
 
-class NotTakenYet(InputError):
-    """An intact checkpoint of a kind osdpipe knows but the command does not take yet (a Megatron-LM save): said as
-    it is, with what converts it, before any other rule of the config speaks of its files."""
+class OtherLayout(InputError):
+    """An intact checkpoint that another ``checkpoint=`` layout converts (a Megatron-LM save given as an optimizer's):
+    said as it is, with the keys that convert it, before any other rule of the config speaks of its files."""
 
 
 @dataclass(frozen=True)
