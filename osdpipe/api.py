@@ -176,6 +176,7 @@ def reshard_megatron(
     dp: int = 1,
     optim_format: str | None = None,
     overwrite: bool = False,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Reshard a Megatron-LM ``torch_dist`` save to TP ``tp`` x PP ``pp`` x DP ``dp``, optimizer included, offline
     and without Megatron; prove it; commit it whole.
@@ -186,7 +187,7 @@ def reshard_megatron(
     optimizer is saved: a ``dp_reshardable`` source, which Megatron itself refuses at another TP or PP, converts to
     either. The output is staged, read back and held against the source bit for bit
     (:func:`osdpipe.verify.megatron.roundtrip_problems`), and only then renamed into place; ``overwrite`` replaces a
-    previous output whole.
+    previous output whole. ``workers`` processes write the output's files (the command's ``runtime.workers``).
 
     Returns:
         ``{"folder", "iteration", "source", "target", "rng_from", "roundtrip"}``: where the iteration folder is, the
@@ -195,53 +196,11 @@ def reshard_megatron(
 
     Raises:
         osdpipe.io.formats.InputError: the source cannot be read, or holds what osdpipe cannot write yet; one line.
+        osdpipe.io.output.OutputError: ``output`` holds a conversion and ``overwrite`` is false.
         RuntimeError: the output read back differs from the source (nothing is committed).
     """
-    from pathlib import Path
+    from osdpipe.pipeline.megatron import convert  # the Megatron stages: only this call needs them
+    from osdpipe.spec.megatron import MegatronJob
 
-    from osdpipe.io import output as out_dir
-    from osdpipe.io.formats.megatron import read_save
-    from osdpipe.io.formats.megatron_writer import Target, write_save
-    from osdpipe.verify.megatron import roundtrip_problems
-
-    save = read_save(source)
-    target = Target(tp, pp, dp, optim_format or save.sharding)
-    directory = Path(output)
-    if not overwrite and (directory / "latest_checkpointed_iteration.txt").exists():
-        raise out_dir.OutputError(f"{directory} holds a conversion; pass overwrite=True to replace it")
-    staging = out_dir.begin(directory)
-    try:
-        written = write_save(save, staging, target)
-        (staging / out_dir.MANIFEST).write_text(_megatron_manifest(staging, written.digests))
-        problems = roundtrip_problems(save, read_save(staging))
-        if problems:
-            raise RuntimeError(f"{directory}: the written save read back differs: {'; '.join(problems[:3])}")
-        out_dir.commit(directory)
-    except BaseException:
-        out_dir.abort(directory)
-        raise
-    return {
-        "folder": str(directory / written.folder.name),
-        "iteration": save.iteration,
-        "source": {"tp": save.tp, "pp": save.pp, "dp": save.dp, "sharding": save.sharding},
-        "target": {"tp": tp, "pp": pp, "dp": dp, "sharding": target.sharding},
-        "rng_from": {f"{p}.{t}": list(src) for (p, t), src in written.rng_from.items()},
-        "roundtrip": "every weight, fp32 master and moment, the param groups, step, iteration and scheduler, bitwise",
-    }
-
-
-def _megatron_manifest(staging: Any, digests: dict[str, str]) -> str:
-    """``manifest.json`` of a Megatron output: each file's digest (the DCP files' as they were written, pieces
-    listed as for every osdpipe output; the small ones' sha256 now), which is also what
-    :func:`osdpipe.io.output.conversion_entries` takes as the conversion when it is replaced."""
-    import json
-
-    from osdpipe.io.digest import file_sha256
-
-    files = {
-        str(p.relative_to(staging)): digests.get(str(p.relative_to(staging))) or file_sha256(p)
-        for p in sorted(staging.rglob("*"))
-        if p.is_file()
-    }
-    pieces = {name: list(d.pieces) for name, d in digests.items() if hasattr(d, "pieces")}
-    return json.dumps({"format": "megatron", "files": files, "pieces": pieces}, indent=2, sort_keys=True)
+    job = MegatronJob(os.fspath(source), os.fspath(output), tp, pp, dp, optim_format, overwrite, workers=workers)
+    return convert(job, job.config()).summary()

@@ -39,9 +39,11 @@ from osdpipe.cli.sweep import JobRecord, summarize_sweep
 from osdpipe.core import rankserver
 from osdpipe.io.output import OutputError
 from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
+from osdpipe.spec.megatron import MEGATRON
 
 if TYPE_CHECKING:
     from osdpipe.run.report import Report
+    from osdpipe.spec.config import RunSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -173,9 +175,11 @@ def _config_error(exc: Exception) -> int:
 def _run_job(cfg: DictConfig) -> int:
     raw = job_config(cfg, HydraConfig.get().runtime.output_dir, HydraConfig.get().overrides.task)
     try:
-        check_schema(raw)
+        checked = check_schema(raw)
     except ConfigError as exc:
         return _config_error(exc)
+    if checked.checkpoint.layout == MEGATRON:  # converted by its own stages, offline: no world, no plan
+        return _run_megatron(checked)
     if (
         raw["runtime"].get("mode") == "online"
         and raw["runtime"].get("launcher") != "torchrun"
@@ -200,6 +204,27 @@ def _run_job(cfg: DictConfig) -> int:
         _error(str(exc))
         new_dirs.discard(HydraConfig.get().runtime.output_dir)
         return EXIT_CONFIG
+    return _said(report, spec)
+
+
+def _run_megatron(spec: RunSpec) -> int:
+    """A Megatron-LM save's conversion (:mod:`osdpipe.pipeline.megatron`), said as every run is."""
+    from osdpipe.pipeline.megatron import run_command  # torch: past the schema check
+    from osdpipe.spec.reconcile import Contradiction, Given
+
+    try:
+        report = run_command(spec, Given.from_overrides(HydraConfig.get().overrides.task))
+    except Contradiction as exc:
+        return _config_error(exc)
+    except OutputError as exc:
+        _error(str(exc))
+        new_dirs.discard(HydraConfig.get().runtime.output_dir)
+        return EXIT_CONFIG
+    return _said(report, spec)
+
+
+def _said(report: Report, spec: RunSpec) -> int:
+    """Say how a run ended, on rank 0 (every rank under torchrun agreed on it); its exit code."""
     if rankserver.in_torchrun():
         # the run is over: torchrun stopping the ranks must not cut this rank's last words and exit code
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

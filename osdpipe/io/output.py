@@ -52,6 +52,8 @@ _COMPLETE = ".complete"
 _RANK_FILE = re.compile(r"rank_\d+\.pt")
 _NAMED = ("optim.pt", "dcp", "source", MANIFEST, "model.safetensors", "model.safetensors.index.json")
 _EXPORT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+#: A Megatron-LM save folder's entries (checkpoint=megatron writes them): another save there is a conversion too.
+_MEGATRON_SAVE = re.compile(r"iter_\d{7}|latest_checkpointed_iteration\.txt")
 
 
 class OutputError(OSError):
@@ -74,7 +76,9 @@ def conversion_entries(directory: Path) -> list[Path]:
     return sorted(
         p
         for p in directory.iterdir()
-        if p.name in _NAMED or p.name in listed or _RANK_FILE.fullmatch(p.name) or _EXPORT_SHARD.fullmatch(p.name)
+        if p.name in _NAMED
+        or p.name in listed
+        or any(pattern.fullmatch(p.name) for pattern in (_RANK_FILE, _EXPORT_SHARD, _MEGATRON_SAVE))
     )
 
 

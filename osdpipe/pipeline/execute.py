@@ -167,7 +167,7 @@ def execute(plan: Plan, warnings: Sequence[str] = ()) -> Report:
         display.close()
     report.warnings[:0] = warnings
     output.abort(out)  # whatever a failed (or save-less) run staged
-    _record(out, report, spec)
+    record(out, report, spec)
     return report
 
 
@@ -294,7 +294,7 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
         if rank == 0 or not report.agreed:
             output.abort(out)  # rank 0 does; a rank that lost the others does too, rank 0 may be the one lost
         if rank == 0:
-            _record(out, report, spec)
+            record(out, report, spec)
     finally:
         if stop_on_sigterm:
             signal.signal(signal.SIGTERM, previous)
@@ -309,10 +309,10 @@ def _begin(out: Path, spec: RunSpec) -> None:
     which may say ``ok``, as if they were this one's.
     """
     output.begin(out, spec.output.fsync)
-    _record(out, Report.unfinished(), spec)
+    record(out, Report.unfinished(), spec)
 
 
-def _record(out: Path, report: Report, spec: RunSpec) -> None:
+def record(out: Path, report: Report, spec: RunSpec) -> None:
     """What the run says of itself in the output directory:
     ``report.json`` and ``osdpipe.log``, each written whole (and synced)."""
     report.write(out, spec.output.fsync)

@@ -38,6 +38,7 @@ from pydantic import (
 from osdpipe.core.sizes import parse_size, show_size
 from osdpipe.io.output import conversion_entries
 from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
+from osdpipe.spec.megatron import MEGATRON, megatron_problem
 
 if TYPE_CHECKING:
     from osdpipe.layout.ranges import LayoutSpec
@@ -109,7 +110,8 @@ class LayoutConfig(_Frozen):
     # local: each rank's own optim.state_dict() (rank_local)
     state_dict_type: Literal["full", "sharded", "local"] = "full"
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
-    tp_size: int = Field(default=1, ge=1)  # tensor-parallel ranks, the innermost mesh dimension (fsdp2)
+    tp_size: int = Field(default=1, ge=1)  # tensor-parallel ranks, the innermost mesh dimension (fsdp2, megatron)
+    pp_size: int = Field(default=1, ge=1)  # pipeline-parallel stages (megatron): world = tp_size x pp_size x DP
     # module FQN pattern -> colwise | rowwise | sequence | package.module:callable
     tp_plan: dict[str, str] = Field(default_factory=dict)
 
@@ -125,8 +127,13 @@ class LayoutConfig(_Frozen):
         return plan
 
     def mesh_problem(self) -> str | None:
-        """Why ``world_size``, ``tp_size`` and ``tp_plan`` make no mesh (``None``: they do); nothing here needs the
-        model or torch."""
+        """Why ``world_size``, ``tp_size``, ``pp_size`` and ``tp_plan`` make no mesh (``None``: they do); nothing here
+        needs the model or torch."""
+        if self.pp_size > 1 and self.world_size % (self.tp_size * self.pp_size):
+            return (
+                f"tp_size={self.tp_size} x pp_size={self.pp_size} does not divide world_size={self.world_size}; "
+                "the world is tp_size x pp_size x data-parallel ranks"
+            )
         if self.world_size % self.tp_size:
             return (
                 f"tp_size={self.tp_size} does not divide world_size={self.world_size}; "
@@ -316,6 +323,8 @@ class OutputConfig(_Frozen):
     model_format: Literal["safetensors"] | None = None
     max_shard_size: int | None = None
     model_keys: Literal["auto", "fqn", "hf"] = "auto"
+    #: How a Megatron-LM output saves its distributed optimizer (``checkpoint=megatron``); ``None``: as the source did.
+    megatron_optim_format: Literal["dp_reshardable", "fully_reshardable"] | None = None
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
@@ -338,6 +347,8 @@ class CheckpointConfig(_Frozen):
     unchanged, and the output is laid out as the framework lays it out.
     ``deepspeed``: a ZeRO save folder, whose fp32 master weights are the
     model's; it is written in PyTorch's layout (osdpipe does not write DeepSpeed's).
+    ``megatron``: a Megatron-LM ``torch_dist`` save folder, written again as one
+    for ``target.tp_size`` x ``target.pp_size`` x DP (:mod:`osdpipe.spec.megatron`).
 
     ``model`` and ``flavor`` name a torchtitan checkpoint's model as
     torchtitan does (``--module llama3``, flavor ``8B``): torchtitan's own
@@ -346,7 +357,7 @@ class CheckpointConfig(_Frozen):
     (:func:`name_torchtitans_model` sets those as the config is composed).
     """
 
-    layout: Literal["optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed"] = "optimizer"
+    layout: Literal["optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed", "megatron"] = "optimizer"
     model: str | None = None
     flavor: str | None = None
 
@@ -532,10 +543,16 @@ class RunSpec(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> RunSpec:
-        for side in ("source", "target"):
+        why = megatron_problem(self)
+        if why is not None:
+            raise ValueError(why)
+        # a Megatron save's source side is what its files say (osdpipe.pipeline.megatron settles it)
+        for side in ("target",) if self.checkpoint.layout == MEGATRON else ("source", "target"):
             why = getattr(self, side).mesh_problem()
             if why is not None:
                 raise ValueError(f"{side}.{why}")
+        if MEGATRON in (self.checkpoint.layout, self.target.kind):
+            return self  # a Megatron save converts by its own stages (osdpipe.pipeline.megatron): nothing below applies
         named = self.checkpoint.model
         if named is not None and (
             (self.model.factory, self.model.kwargs.get("name"), self.model.kwargs.get("flavor"))
@@ -667,7 +684,7 @@ def name_torchtitans_model(raw: dict[str, Any], model_given: bool) -> dict[str, 
     }
 
 
-def check_schema(raw: dict[str, Any]) -> None:
+def check_schema(raw: dict[str, Any]) -> RunSpec:
     """Check what needs neither torch nor the input's files: types, ranges, choices, unknown keys, stages, sizes,
     paths, runtime's rules.
 
@@ -677,11 +694,14 @@ def check_schema(raw: dict[str, Any]) -> None:
     what depends on that (``input.format`` against the path) waits for
     :func:`validate`.
 
+    Returns the config as far as the schema checks it (what a Megatron conversion, which the layout kinds do not lay
+    out, runs from: :mod:`osdpipe.spec.megatron`).
+
     Raises:
         ConfigError: with one line per problem, naming the key, the value and the fix.
     """
     try:
-        RunSpec.model_validate(raw, context=SCHEMA_ONLY)
+        return RunSpec.model_validate(raw, context=SCHEMA_ONLY)
     except ValidationError as exc:
         raise ConfigError(exc) from None
 

@@ -9,11 +9,12 @@ out by :mod:`osdpipe.layout.megatron`, and ``fully_reshardable``), at TP, PP, DP
 layout must be the one megatron-core built (the truth carries it, measured from the live buffers). Bad inputs are
 refused in one line.
 
-Written (:func:`osdpipe.io.formats.megatron_writer.write_save`) at TP1 PP1 DP2, TP2 PP1 DP1, TP1 PP2 DP1 and TP4 PP1
-DP1, each output is loaded by megatron-core itself at that parallelism, as Megatron-LM's ``load_checkpoint`` does:
-what it holds must be bitwise the saving job's state, and 2 more steps on synthetic gradients (a function of the key,
-the global index and the step: comparable across layouts, Adam being elementwise) bitwise what the saving job itself
-did next. A ``dp_reshardable`` source, which Megatron refuses at another TP or PP, converts to both.
+Converted by the ``osdpipe`` command (``checkpoint=megatron``, in a subprocess) to TP1 PP1 DP2, TP2 PP1 DP1, TP1 PP2 DP1
+and TP4 PP1 DP1 (the last by two writers), each output is loaded by megatron-core itself at that parallelism, as
+Megatron-LM's ``load_checkpoint`` does: what it holds must be bitwise the saving job's state, and 2 more steps on
+synthetic gradients (a function of the key, the global index and the step: comparable across layouts, Adam being
+elementwise) bitwise what the saving job itself did next. A ``dp_reshardable`` source, which Megatron refuses at
+another TP or PP, converts to both.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from frameworks import mcore
+from helpers import run_osdpipe
 
 import osdpipe
 from osdpipe.io.formats.base import InputError
@@ -159,8 +161,14 @@ def test_megatron_loads_every_conversion_bitwise_and_resumes_as_the_source_job(
     failed = []
     for tp, pp, dp in TARGETS:
         label = f"tp{tp}_pp{pp}_dp{dp}"
-        done = osdpipe.reshard_megatron(saves[name], tmp_path / label, tp=tp, pp=pp, dp=dp)
-        assert done["target"] == {"tp": tp, "pp": pp, "dp": dp, "sharding": source.sharding}
+        # the osdpipe command, as a user runs it; the TP4 output by two writers (two DCP files)
+        workers = ["runtime.workers=2"] if tp == 4 else []
+        done = run_osdpipe("checkpoint=megatron", f"input.path={saves[name]}", f"target.tp_size={tp}",
+                           f"target.pp_size={pp}", f"target.world_size={tp * pp * dp}",
+                           f"output.path={tmp_path / label}", *workers, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        written = read_save(tmp_path / label)
+        assert (written.tp, written.pp, written.dp, written.sharding) == (tp, pp, dp, source.sharding)
         loaded, after = tmp_path / f"{label}.pt", tmp_path / f"{label}.resumed.pt"
         mcore.load(tmp_path, tmp_path / label, loaded, tp=tp, pp=pp, dp=dp, bf16=SAVES[name][4], resume=2,
                    dump_after=after, timeout=300)
@@ -168,7 +176,7 @@ def test_megatron_loads_every_conversion_bitwise_and_resumes_as_the_source_job(
         failed += [f"{label} load: {d}" for d in mcore.dump_differences(truth, got)[:5]]
         failed += [f"{label} resume: {d}" for d in mcore.dump_differences(resumed, got_after)[:5]]
         assert got["layout"] == {"tp": tp, "pp": pp, "dp": dp}
-        assert set(done["rng_from"]) == {f"{p}.{t}" for p in range(pp) for t in range(tp)}
+        assert set(written.rng) == {(p, t) for p in range(pp) for t in range(tp)}
     assert failed == [], "\n".join(failed)
 
 

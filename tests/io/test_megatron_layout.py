@@ -55,11 +55,11 @@ def test_a_stage_holds_its_layers_and_tp_cuts_rows_or_columns() -> None:
         layout.local_parameters(gpt, tp=1, pp=3, tp_rank=0, pp_rank=0)
 
 
-def _save(tmp_path: Path, tp: int) -> Path:
+def _save(tmp_path: Path, tp: int, seed: int = 0) -> Path:
     """A Megatron-LM save of random state at TP ``tp``, written by osdpipe's writer (as the benchmark makes its own)."""
     args = target_args({**ARGS, "iteration": 7}, Target(tp, 1, 1, "dp_reshardable"))
     gpt = layout.Gpt(2, 32, 64, 4, 2, 8, args["padded_vocab_size"], True)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     shapes = layout.global_shapes(gpt)
     model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
     optim = {k: {s: torch.randn(v, generator=generator) for s in ("param", "exp_avg", "exp_avg_sq")}
@@ -107,6 +107,18 @@ def test_damaged_and_missing_files_are_named_in_one_line(tmp_path: Path) -> None
         read_save(folder)
 
 
+def test_a_missing_data_file_fails_the_command_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    from helpers import run_osdpipe
+
+    save = _save(tmp_path, tp=1)
+    (save / "iter_0000007" / "__0_0.distcp").unlink()
+    done = run_osdpipe("checkpoint=megatron", f"input.path={save}", "target.world_size=2",
+                       f"output.path={tmp_path / 'out'}", cwd=tmp_path)
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "__0_0.distcp is missing" in done.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["osdpipe.log", "report.json"]
+
+
 def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_whole(tmp_path: Path) -> None:
     import json
 
@@ -129,32 +141,69 @@ def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_
     }
 
 
-def test_inspect_and_the_command_say_what_a_megatron_save_is_and_the_call_they_print_converts_it(
+def test_inspect_describes_a_megatron_save_and_the_command_it_prints_converts_it_and_check_proves_it(
     tmp_path: Path,
 ) -> None:
-    """The command does not take a Megatron save yet: inspect and a conversion say so in one line (exit 1 and 2,
-    nothing written), naming its parallelism and the call that converts it, which runs once filled in."""
+    """inspect names the parallelism, sharding type, dtypes, iteration and the model's dimensions; its printed command,
+    placeholders filled, converts the save (two writers), and ``osdpipe check`` proves the output against the source and
+    fails against another save."""
+    import json
     import shlex
-    import subprocess
-    import sys
 
     from helpers import run_osdpipe
 
-    from osdpipe.io.file_facts import detect_format
-    from osdpipe.io.formats.base import NotTakenYet
-
-    save = _save(tmp_path, tp=1)
-    for path in (save, save / "iter_0000007"):
-        with pytest.raises(NotTakenYet, match=r"is a Megatron-LM torch_dist save \(TP1 PP1 DP1, iteration 7\)"):
-            detect_format(path)
+    save = _save(tmp_path, tp=2)
     inspected = run_osdpipe("inspect", str(save), cwd=tmp_path)
-    assert inspected.returncode == 1 and "osdpipe.reshard_megatron(" in inspected.stderr, inspected.stderr
-    converted = run_osdpipe(f"input.path={save}", f"output.path={tmp_path / 'refused'}", cwd=tmp_path)
-    assert converted.returncode == 2 and "the osdpipe command does not take it yet" in converted.stderr
-    assert len(converted.stderr.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()
-    printed = inspected.stderr[inspected.stderr.index("python -c"):].split(" (docs/")[0]
-    filled = printed.replace("OUT_DIR", str(tmp_path / "tp2")).replace("tp=T, pp=P, dp=D", "tp=2, pp=1, dp=1")
-    done = subprocess.run(shlex.split(filled.replace("python", sys.executable, 1)), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert read_save(tmp_path / "tp2").tp == 2
+    assert inspected.returncode == 0, inspected.stderr
+    for said in ("layout       megatron", "TP2 PP1 DP1 (world 2), EP1, virtual pipeline stages none",
+                 "distributed optimizer dp_reshardable; weights float32", "of iteration 7",
+                 "2 layers, hidden 32, ffn 64, 4 heads in 2 query groups, vocabulary padded to 1152, SwiGLU"):
+        assert said in inspected.stdout, inspected.stdout
+    printed = inspected.stdout[inspected.stdout.index("convert with osdpipe ") + len("convert with osdpipe "):].strip()
+    filled = {"T": "1", "P": "2", "M": "4", "OUT_DIR": str(tmp_path / "out")}
+    words = [w.split("=")[0] + "=" + filled.get(w.split("=", 1)[1], w.split("=", 1)[1]) for w in shlex.split(printed)]
+    done = run_osdpipe(*words, "runtime.workers=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    back = read_save(tmp_path / "out")
+    assert (back.tp, back.pp, back.dp) == (1, 2, 2)
+    assert len(list((tmp_path / "out" / "iter_0000007").glob("*.distcp"))) == 2  # one file per writer
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["ok"] and [s["name"] for s in report["stages"]] == ["load", "shard", "verify", "save"]
+    assert {e["part"] for e in report["entries"]} == {"model", "optimizer", "other"}
+    checked = run_osdpipe("check", str(tmp_path / "out"), cwd=tmp_path)
+    assert checked.returncode == 0 and "check roundtrip  pass" in checked.stdout, checked.stdout + checked.stderr
+    other = _save(tmp_path / "other", tp=2, seed=1)
+    against = run_osdpipe("check", str(tmp_path / "out"), f"input.path={other}", cwd=tmp_path)
+    assert against.returncode == 1 and "roundtrip  FAIL  model embedding.word_embeddings.weight" in against.stdout
+
+
+def test_bad_megatron_configs_are_refused_in_one_line_and_write_nothing(tmp_path: Path) -> None:
+    from helpers import run_cli_cases
+
+    save = _save(tmp_path, tp=2)
+    out = tmp_path / "out"
+    grid = ["checkpoint=megatron", f"input.path={save}", f"output.path={out}"]
+    cases = {
+        "checkpoint=megatron with target.kind=fsdp2": [*grid, "target.kind=fsdp2"],
+        "target.pp_size=2: pipeline stages are Megatron's": ["target.pp_size=2", f"output.path={out}"],
+        "output.megatron_optim_format=fully_reshardable is how a Megatron-LM output": [
+            "output.megatron_optim_format=fully_reshardable", f"output.path={out}"],
+        "target.kind=megatron writes a Megatron-LM save from one": ["target.kind=megatron", f"output.path={out}"],
+        "tp_size=2 x pp_size=2 does not divide world_size=2": [*grid, "target.tp_size=2", "target.pp_size=2",
+                                                               "target.world_size=2"],
+        "source.tp_size=4, but": [*grid, "source.tp_size=4", "target.world_size=2"],
+        "runtime.mode=online: a Megatron-LM save converts offline": [*grid, "runtime.mode=online"],
+        "set checkpoint=megatron and the target's grid": [f"input.path={save}", f"output.path={out}"],
+        "checkpoint=megatron converts a Megatron-LM save: give input.path": ["checkpoint=megatron",
+                                                                             f"output.path={out}"],
+    }
+    results = run_cli_cases(list(cases.values()), cwd=tmp_path)
+    for said, result in zip(cases, results):
+        assert result["code"] == 2, (said, result)
+        assert said in result["stderr"] and len(result["stderr"].strip().splitlines()) == 1, (said, result["stderr"])
+        assert not out.exists(), said
+    (out / "iter_0000007").mkdir(parents=True)  # a conversion already there stays unless output.overwrite=true
+    (out / "latest_checkpointed_iteration.txt").write_text("7")
+    again = run_cli_cases([[*grid, "target.world_size=2"]], cwd=tmp_path)[0]
+    assert again["code"] == 2 and "already holds a conversion" in again["stderr"]
+    assert sorted(p.name for p in out.iterdir()) == ["iter_0000007", "latest_checkpointed_iteration.txt"]

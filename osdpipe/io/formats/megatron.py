@@ -51,7 +51,7 @@ _BUCKET = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)"
 )
 _ITERATION = re.compile(r"iter_(\d{7})")
-_RNG = re.compile(r"rng_state/shard_(\d+)\.(\d+)_\d+\.\d+")
+RNG = re.compile(r"rng_state/shard_(\d+)\.(\d+)_\d+\.\d+")
 
 
 @dataclass
@@ -129,7 +129,7 @@ def megatron_folder(path: Path) -> Path | None:
 
 def what_to_do_with(path: Path) -> str:
     """One line for a Megatron-LM save given where an optimizer checkpoint is asked for: what it is (from
-    ``common.pt``, read inertly) and the call that converts it, since the ``osdpipe`` command does not take it yet."""
+    ``common.pt``, read inertly) and the keys that convert it."""
     try:
         save_args = read_common(iteration_folder(path))["args"]
         shape = (f"TP{save_args.get('tensor_model_parallel_size')} PP{save_args.get('pipeline_model_parallel_size')} "
@@ -137,9 +137,8 @@ def what_to_do_with(path: Path) -> str:
     except InputError as exc:
         return str(exc)
     return (
-        f"{path} is a Megatron-LM torch_dist save ({shape}); the osdpipe command does not take it yet: convert it "
-        f"with python -c \"import osdpipe; osdpipe.reshard_megatron('{path}', 'OUT_DIR', tp=T, pp=P, dp=D)\" "
-        "(docs/frameworks.md, From and to Megatron-Core)"
+        f"{path} is a Megatron-LM torch_dist save ({shape}); set checkpoint=megatron and the target's grid: "
+        "target.tp_size=T target.pp_size=P target.world_size=W (docs/frameworks.md, From and to Megatron-Core)"
     )
 
 
@@ -202,7 +201,7 @@ def read_save(path: str | Path) -> MegatronSave:
     args = common["args"]
     if (why := refused_model(args, folder)) is not None:
         raise InputError(why)
-    sharding = _sharding_type(common, folder)
+    sharding = sharding_type(common, folder)
     checkpoint = DcpCheckpoint(str(folder), None)
     gpt = gpt_of(args)
     model = {key: _whole(checkpoint, key, shape) for key, shape in layout.global_shapes(gpt).items()}
@@ -218,7 +217,7 @@ def read_save(path: str | Path) -> MegatronSave:
         gbuf_dtypes = next(m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f)))
     rng, extra = {}, {}
     for flat in checkpoint.metadata.state_dict_metadata:
-        if (m := _RNG.fullmatch(flat)) is not None:
+        if (m := RNG.fullmatch(flat)) is not None:
             rng[(int(m[1]), int(m[2]))] = _stored(checkpoint, flat)
         elif "._extra_state/shard_" in flat:
             extra[flat] = _stored(checkpoint, flat)
@@ -250,7 +249,12 @@ def _check_backend(folder: Path) -> None:
         raise InputError(f"{meta}: sharded_backend {backend!r}; osdpipe reads torch_dist saves, not yet this one")
 
 
-def _sharding_type(common: dict[str, Any], folder: Path) -> str:
+def sharding_type(common: dict[str, Any], folder: Path) -> str:
+    """How the save's distributed optimizer is sharded, as ``common.pt`` says it.
+
+    Raises:
+        InputError: a sharding type (or a non-distributed optimizer) osdpipe does not read yet.
+    """
     said = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     said = said or (common.get("optimizer") or {}).get("param_state_sharding_type")
     if said is None:

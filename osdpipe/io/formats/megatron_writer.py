@@ -91,12 +91,13 @@ def repadded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def write_save(save: MegatronSave, into: Path, target: Target) -> Written:
+def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1) -> Written:
     """Write ``save`` for ``target`` into ``into`` as a Megatron-LM save folder (``latest_checkpointed_iteration.txt``
     and ``iter_<N>/``); ``into`` is made, and must hold no save yet. The caller commits it (osdpipe's API stages it
     and renames it into place whole: :func:`osdpipe.api.reshard_megatron`).
 
-    The linears' ``_extra_state`` items are carried as they are (they are keyed by global layer).
+    The linears' ``_extra_state`` items are carried as they are (they are keyed by global layer). ``workers``
+    processes write the DCP files, a share of the items each (:func:`_dcp_save`).
 
     Raises:
         InputError: the source's ``args`` hold an object of Megatron's own, which cannot be written without it; or
@@ -126,7 +127,7 @@ def write_save(save: MegatronSave, into: Path, target: Target) -> Written:
         raise InputError(f"{into} holds a Megatron save already; write into an empty directory")
     folder = into / iteration
     folder.mkdir(parents=True)
-    digests = _dcp_save(items, folder)
+    digests = _dcp_save(items, folder, workers)
     common = {k: v for k, v in save.common.items() if k not in ("args", "optimizer", "content_metadata")}
     common.update(
         args=argparse.Namespace(**args),
@@ -220,10 +221,15 @@ def _pickled(value: Any) -> bytes:
     return data.getvalue()
 
 
-def _dcp_save(items: dict[str, Any], folder: Path) -> dict[str, str]:
-    """The items as one process's DCP checkpoint, written by osdpipe's DCP writer (:mod:`osdpipe.io.formats.dcp_writer`:
-    at the disk's speed, hashed as written): tensors whole, every other item a byte item of its own, stored as given
-    (``bytes``: the carried items' stored bytes) or as ``torch.save`` of it. Returns each file's digest, by name."""
+def _dcp_save(items: dict[str, Any], folder: Path, workers: int = 1) -> dict[str, str]:
+    """The items as a DCP checkpoint of ``workers`` writers, written by osdpipe's DCP writer
+    (:mod:`osdpipe.io.formats.dcp_writer`: at the disk's speed, hashed as written): tensors whole, every other item a
+    byte item of its own, stored as given (``bytes``: the carried items' stored bytes) or as ``torch.save`` of it.
+
+    Each writer is a forked process that writes its share of the items (:func:`shares`) into a file of its own, as a
+    rank of ``dcp.save`` does; DCP's loaders read any number of files. Returns each file's digest, by name.
+    """
+    from osdpipe.core.forked import each_forked
     from osdpipe.io.formats import dcp_writer
 
     state = {
@@ -232,6 +238,21 @@ def _dcp_save(items: dict[str, Any], folder: Path) -> dict[str, str]:
         )
         for key, value in items.items()
     }
-    global_plan = dcp_writer.plan(lambda rank: state, 1)
-    results, digests, _ = dcp_writer.write_rank(folder, state, 0, global_plan)
-    return {**digests, ".metadata": dcp_writer.finish(folder, global_plan, [results])}
+    parts = shares(state, workers)
+    global_plan = dcp_writer.plan(lambda rank: parts[rank], len(parts))
+    written = each_forked(len(parts), lambda rank: dcp_writer.write_rank(folder, parts[rank], rank, global_plan)[:2])
+    digests = {name: digest for _, files in written for name, digest in files.items()}
+    return {**digests, ".metadata": dcp_writer.finish(folder, global_plan, [results for results, _ in written])}
+
+
+def shares(state: dict[str, Any], workers: int) -> list[dict[str, Any]]:
+    """``state``'s items dealt to at most ``workers`` writers, each the next largest to the least loaded (the bytes of
+    each share within one item of each other's); no writer is left without an item."""
+    sizes = {key: v.nbytes if isinstance(v, torch.Tensor) else len(v.raw or b"") for key, v in state.items()}
+    count = max(1, min(workers, len(state)))
+    loads, parts = [0] * count, [dict() for _ in range(count)]
+    for key in sorted(state, key=lambda k: (-sizes[k], k)):
+        least = loads.index(min(loads))
+        parts[least][key] = state[key]
+        loads[least] += sizes[key]
+    return parts

@@ -192,25 +192,36 @@ def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: Whole
         finished = ctx.output_format.finish(staging, ctx.world.kept, per_rank)
     files.update(finished)
     tally.moved += sum((staging / name).stat().st_size for name in finished)
-    config = ctx.spec.model_dump(mode="json")
+    tensors = {k: v for r in per_rank for k, v in sorted(r.tensors.items())}
+    extra = {}
+    if carried is not None and (ranks := source_rank_files(carried.carrying, files)):
+        extra["source_rank_files"] = ranks
+    write_manifest(staging, ctx.spec.model_dump(mode="json"), ctx.spec.output.format, files, tensors, extra)
+    output.commit(staging.parent, ctx.spec.output.fsync)
+    return files
+
+
+def write_manifest(
+    staging: Path, config: dict[str, Any], fmt: str, files: dict[str, Any], tensors: dict[str, str],
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write ``manifest.json`` into the staged conversion: its content (versions, what was converted, each file's
+    digest, each tensor's, ``extra``), that content's sha256, the config, and where the input was."""
     content = {
         "osdpipe_version": __version__,
         "torch_version": torch.__version__,
         "conversion": conversion_of(config),
-        "format": ctx.spec.output.format,
+        "format": fmt,
         "digests": DIGESTS,
         "files": {name: str(digest) for name, digest in sorted(files.items())},
         "pieces": {
             name: list(digest.pieces) for name, digest in sorted(files.items()) if isinstance(digest, PieceDigest)
         },
-        "tensors": {k: v for r in per_rank for k, v in sorted(r.tensors.items())},
+        "tensors": tensors,
+        **(extra or {}),
     }
-    if carried is not None and (ranks := source_rank_files(carried.carrying, files)):
-        content["source_rank_files"] = ranks
     manifest = {**content, "content_sha256": content_sha256(content), "config": config}
     # what the user typed stays in config; `osdpipe check` from elsewhere needs this
-    if ctx.spec.input.path is not None:
-        manifest[output.INPUT_ABSOLUTE] = os.path.abspath(ctx.spec.input.path)
-    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    output.commit(staging.parent, ctx.spec.output.fsync)
-    return files
+    if config["input"].get("path") is not None:
+        manifest[output.INPUT_ABSOLUTE] = os.path.abspath(config["input"]["path"])
+    (staging / output.MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))

@@ -1,0 +1,259 @@
+"""A Megatron-LM save's conversion: its own stages, offline, as the command and the Python API run them.
+
+Megatron's model and distributed optimizer are laid out by :mod:`osdpipe.layout.megatron` (TP boxes, PP stages,
+buckets cut over DP), which the range pipeline's layout kinds do not hold yet. So a Megatron save converts by these
+stages, each timed and named in the report as the pipeline's are:
+
+* ``load``: the save read whole and checked (:func:`osdpipe.io.formats.megatron.read_save`);
+* ``shard``: every tensor laid out for the target's TP x PP x DP and written into the output's staging directory, by
+  ``runtime.workers`` writers (:func:`osdpipe.io.formats.megatron_writer.write_save`);
+* ``verify``: the staged save read back by the same reader and held against the source, bit for bit
+  (:func:`osdpipe.verify.megatron.roundtrip_problems`);
+* ``save``: ``manifest.json`` written, the conversion committed whole (:mod:`osdpipe.io.output`).
+
+A failure in any stage leaves the output directory as it was, but for ``report.json`` and ``osdpipe.log``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from traceback import format_exc
+from typing import Any
+
+from osdpipe.core.memory import MemoryWatch
+from osdpipe.io import output
+from osdpipe.io.formats.megatron import MegatronSave, read_save
+from osdpipe.io.formats.megatron_writer import Target, Written, write_save
+from osdpipe.run import progress
+from osdpipe.run.collective import one_line
+from osdpipe.run.products import CheckResult, SkippedCheck
+from osdpipe.run.report import Report, StageReport
+from osdpipe.run.stages.save import write_manifest
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.megatron import MEGATRON, MEGATRON_CHECKS, MegatronJob
+from osdpipe.spec.reconcile import Contradiction, Given
+from osdpipe.verify.megatron import roundtrip_problems
+
+
+class ReadBackDiffers(RuntimeError):
+    """The staged output, read back, does not hold the source's state: nothing was committed."""
+
+
+@dataclass
+class Converted:
+    """What a Megatron conversion did: the source it read, what it wrote, and each stage's seconds and bytes."""
+
+    source: MegatronSave
+    target: Target
+    written: Written
+    stages: list[StageReport] = field(default_factory=list)
+    roundtrip: str = ""
+    #: Every committed file and its digest.
+    files: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The Python API's answer: where the iteration folder is, both parallelisms and sharding types, which source
+        (PP, TP) rank's RNG states each target rank got, and what the read-back proved."""
+        s, t = self.source, self.target
+        return {
+            "folder": str(self.written.folder),
+            "iteration": s.iteration,
+            "source": {"tp": s.tp, "pp": s.pp, "dp": s.dp, "sharding": s.sharding},
+            "target": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "sharding": t.sharding},
+            "rng_from": {f"{p}.{r}": list(src) for (p, r), src in self.written.rng_from.items()},
+            "roundtrip": self.roundtrip,
+        }
+
+
+def convert(job: MegatronJob, config: dict[str, Any], display: progress.Display | None = None) -> Converted:
+    """Convert the save ``job`` names into ``job.output``, prove it and commit it; ``config`` is what the manifest
+    records.
+
+    Raises:
+        osdpipe.io.formats.InputError: the source cannot be read, or holds what osdpipe cannot write yet; one line.
+        osdpipe.io.output.OutputError: the output directory cannot be written, or holds a conversion and
+            ``job.overwrite`` is false.
+        ReadBackDiffers: the output read back differs from the source (nothing is committed).
+    """
+    directory = Path(job.output)
+    if not job.overwrite and (why := _held(directory)) is not None:
+        raise output.OutputError(f"{why} (the Python API: overwrite=True)")
+    stages: list[StageReport] = []
+    staging = output.begin(directory, job.fsync)
+    try:
+        save = _stage(stages, "load", display, lambda: read_save(job.source), _tensor_bytes)
+        target = Target(job.tp, job.pp, job.dp, job.optim_format or save.sharding)
+        written = _stage(stages, "shard", display, lambda: write_save(save, staging, target, workers=job.workers),
+                         lambda _: _tree_bytes(staging))
+        problems = _stage(stages, "verify", display, lambda: roundtrip_problems(save, read_save(staging)),
+                          lambda _: _tree_bytes(staging))
+        if problems:
+            raise ReadBackDiffers(f"{directory}: the written save read back differs: {'; '.join(problems[:3])}")
+
+        def commit() -> dict[str, Any]:
+            files = {**written.digests, **_small_files(staging, written.digests)}
+            write_manifest(staging, config, MEGATRON, files, {})
+            output.commit(directory, job.fsync)
+            return files
+
+        files = _stage(stages, "save", display, commit, lambda _: 0)
+    except BaseException:
+        output.abort(directory)
+        raise
+    proved = "every weight, fp32 master and moment, the param groups, step, iteration and scheduler, bitwise"
+    return Converted(save, target, written, stages, proved, {name: str(d) for name, d in files.items()})
+
+
+def run_command(spec: RunSpec, given: Given) -> Report:
+    """The ``osdpipe`` command's Megatron conversion of ``spec`` (checked by the schema and
+    :func:`osdpipe.spec.megatron.megatron_problem`); ``given``: the keys the user set. Writes ``report.json`` and
+    ``osdpipe.log`` into ``output.path``, whatever happens.
+
+    Raises:
+        Contradiction: a ``source.*`` key the user gave is not what the save's ``args`` say, or ``output.path``
+            holds a conversion and ``output.overwrite`` is false (exit 2, nothing written).
+        OutputError: ``output.path`` cannot be written.
+    """
+    from osdpipe.pipeline.execute import record  # the report and log of every run, written the same way
+
+    spec, notes = _settled(spec, given)
+    out = Path(spec.output.path)
+    if not spec.output.overwrite and (why := _held(out)) is not None:
+        raise Contradiction(why)
+    output.check_writable(out)
+    record(out, Report.unfinished(), spec)
+    job = MegatronJob.of(spec)
+    display = progress.Display(progress.wanted(spec.runtime.progress))
+    try:
+        report = execute(job, spec.model_dump(mode="json"), notes, display)
+    finally:
+        display.close()
+    record(out, report, spec)
+    return report
+
+
+def _held(directory: Path) -> str | None:
+    """Why ``directory`` cannot take a conversion without ``output.overwrite`` (``None``: it can)."""
+    held = [p.name for p in output.conversion_entries(directory)]
+    if not held:
+        return None
+    return (f"output.path={str(directory)!r} already holds a conversion ({', '.join(held[:3])}); choose another path "
+            "or set output.overwrite=true")
+
+
+def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
+    """``spec`` with its ``source.*`` as the save's ``args`` say (the report and the log name them), refusing a key the
+    user gave that says otherwise; and what settling found to say."""
+    from osdpipe.io.formats.base import InputError
+    from osdpipe.io.formats.megatron import iteration_folder, read_common
+
+    try:
+        folder = iteration_folder(spec.input.path)
+        args = read_common(folder)["args"]
+    except InputError:
+        return spec, []  # the load stage says what is wrong with it
+    said = {
+        "tp_size": int(args.get("tensor_model_parallel_size") or 1),
+        "pp_size": int(args.get("pipeline_model_parallel_size") or 1),
+        "world_size": int(args.get("world_size") or 1),
+    }
+    for key, value in said.items():
+        if f"source.{key}" in given and getattr(spec.source, key) != value:
+            raise Contradiction(
+                f"source.{key}={getattr(spec.source, key)}, but {folder / 'common.pt'}'s args say {value}; "
+                f"leave source.{key} out: the save's own args say how it was saved"
+            )
+    settled = spec.model_copy(update={"source": spec.source.model_copy(update={"kind": MEGATRON, **said})})
+    notes = [] if str(folder) == spec.input.path else [f"input.path={spec.input.path}: converting {folder}"]
+    return settled, notes
+
+
+def execute(job: MegatronJob, config: dict[str, Any], warnings: list[str], display: progress.Display) -> Report:
+    """The command's run: :func:`convert`, with a report whatever happens (``report.json`` and ``osdpipe.log`` are
+    the caller's to write). An unreadable source or a read-back that differs is a failed run; a bug is raised."""
+    from osdpipe.io.formats.base import InputError
+
+    watch = MemoryWatch("launcher").start()
+    skipped = [SkippedCheck(name, "needs the target's own job, which only megatron-core builds")
+               for name in config.get("pipeline", {}).get("checks", []) if name not in MEGATRON_CHECKS]
+    try:
+        done = convert(job, config, display)
+    except (InputError, ReadBackDiffers) as exc:
+        return Report(ok=False, error=one_line(exc), traceback=format_exc(), warnings=list(warnings),
+                      memory=[watch.stop()], skipped_checks=skipped)
+    warnings = [*warnings, *_rng_notes(done)]
+    return Report(
+        ok=True,
+        stages=done.stages,
+        checks=[CheckResult("roundtrip", True, f"{done.roundtrip} ({job.source})")],
+        skipped_checks=skipped,
+        files=done.files,
+        warnings=warnings,
+        memory=[watch.stop()],
+        entries=_fates(done),
+    )
+
+
+#: What a Megatron conversion does with each part of the save (:mod:`osdpipe.io.checkpoints.megatron` names them).
+_FATES = {
+    "model": "converted: the model's weights, laid out for the target's TP and PP",
+    "optimizer": "converted: the distributed optimizer's state, laid out for the target's TP, PP and DP",
+    "other": "carried over (common.pt's args rewritten for the target's grid, RNG states per target (PP, TP) rank)",
+}
+
+
+def _fates(done: Converted) -> list[dict[str, Any]]:
+    """Every entry of the source save and what became of it, as ``report.json`` lists a whole checkpoint's."""
+    from osdpipe.io.checkpoints import get
+
+    read = get(MEGATRON).read(done.source.folder)
+    return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": _FATES[e.part]}
+            for e in read.entries]
+
+
+def _rng_notes(done: Converted) -> list[str]:
+    """What the report says of the RNG states: Megatron-LM loads them once the args match the grid, so a target rank
+    that has no source rank of its own (PP, TP) gets another's, which draws the same dropout masks."""
+    s, t = done.source, done.target
+    if (s.tp, s.pp) == (t.tp, t.pp) or not done.written.rng_from:
+        return []
+    return [
+        f"RNG states: the target's (PP, TP) grid {t.pp}x{t.tp} differs from the source's {s.pp}x{s.tp}; target rank "
+        "(p, t) carries source rank (p mod PP, t mod TP)'s states, so ranks that share a source rank draw the same "
+        "random numbers (dropout masks) where the source's drew different ones"
+    ]
+
+
+def _stage(stages: list[StageReport], name: str, display: progress.Display | None, run: Callable[[], Any],
+           measured: Callable[[Any], int]) -> Any:
+    if display is not None:
+        display.phase(f"megatron: stage {name}")
+    start = time.perf_counter()
+    result = run()
+    stages.append(StageReport(name, round(time.perf_counter() - start, 6), measured(result)))
+    return result
+
+
+def _tensor_bytes(save: MegatronSave) -> int:
+    return sum(t.nbytes for t in save.model.values()) + sum(
+        t.nbytes for states in save.optim.values() for t in states.values()
+    )
+
+
+def _tree_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def _small_files(staging: Path, digests: dict[str, Any]) -> dict[str, str]:
+    """The sha256 of every staged file the writer did not hash as it wrote (``common.pt``, ``metadata.json``, the
+    ``latest`` file)."""
+    from osdpipe.io.digest import file_sha256
+
+    return {
+        str(p.relative_to(staging)): file_sha256(p)
+        for p in sorted(staging.rglob("*"))
+        if p.is_file() and str(p.relative_to(staging)) not in digests
+    }

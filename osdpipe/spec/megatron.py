@@ -1,0 +1,111 @@
+"""What the command takes for a Megatron-LM save (``checkpoint=megatron``), and the rules a config for one follows.
+
+A Megatron-LM save converts by stages of its own (:mod:`osdpipe.pipeline.megatron`): its model and its distributed
+optimizer are laid out by :mod:`osdpipe.layout.megatron`, not by the layout kinds of the range pipeline, and its
+source side is read whole from its files (``common.pt``'s ``args``). So a config for one says only the target's grid
+(``target.tp_size`` x ``target.pp_size`` x DP = ``target.world_size``), how the optimizer is saved
+(``output.megatron_optim_format``), the paths, and how it runs (``runtime.workers``). :func:`megatron_problem` says,
+in one line naming the key, what in a config does not fit that; it imports nothing heavy, so the schema pass runs it
+(:meth:`osdpipe.spec.config.RunSpec._consistent`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: ``checkpoint=`` and ``target.kind=`` of a Megatron-LM save.
+MEGATRON = "megatron"
+#: The checks a Megatron conversion runs itself; the others of ``pipeline.checks`` need the target's own job, which
+#: only megatron-core builds (the tests run it: tests/frameworks/test_megatron.py).
+MEGATRON_CHECKS = ("roundtrip",)
+
+
+def megatron_problem(spec: Any) -> str | None:
+    """Why ``spec`` (a :class:`~osdpipe.spec.config.RunSpec`) is no conversion osdpipe makes of or to a Megatron-LM
+    save (``None``: it is one, or none of its keys are Megatron's); one line naming the key to set."""
+    layout, target, output = spec.checkpoint.layout, spec.target, spec.output
+    for side in ("source", "target"):
+        held = getattr(spec, side)
+        if held.pp_size > 1 and held.kind != MEGATRON:
+            return (
+                f"{side}.pp_size={held.pp_size}: pipeline stages are Megatron's (checkpoint=megatron "
+                f"target.kind=megatron); set {side}.pp_size=1 for kind={held.kind}"
+            )
+    if output.megatron_optim_format is not None and layout != MEGATRON:
+        return (
+            f"output.megatron_optim_format={output.megatron_optim_format} is how a Megatron-LM output saves its "
+            "optimizer; set checkpoint=megatron, or leave it out"
+        )
+    if target.kind == MEGATRON and layout != MEGATRON:
+        return (
+            f"target.kind=megatron writes a Megatron-LM save from one (checkpoint=megatron); from checkpoint={layout}: "
+            "not supported yet"
+        )
+    if layout != MEGATRON:
+        return None
+    if target.kind != MEGATRON:
+        return (
+            f"checkpoint=megatron with target.kind={target.kind}: a Megatron-LM save converts to one "
+            "(target.kind=megatron; to other frameworks: not supported yet)"
+        )
+    if spec.input.path is None:
+        return "checkpoint=megatron converts a Megatron-LM save: give input.path (osdpipe does not train Megatron jobs)"
+    if target.tp_plan:
+        return "target.tp_plan: Megatron's model lays out its own tensor parallelism; leave it empty"
+    if output.checkpoint is not None or output.model_format is not None:
+        key = "output.checkpoint" if output.checkpoint is not None else "output.model_format"
+        return f"{key}: a Megatron-LM save is written as Megatron's own (other layouts: not supported yet); drop it"
+    if spec.input.format != "dcp" or output.format != "dcp":
+        key = "input.format" if spec.input.format != "dcp" else "output.format"
+        return f"{key}: a Megatron-LM save is a DCP checkpoint beside common.pt; set {key}=dcp (checkpoint=megatron's)"
+    if spec.runtime.mode != "offline":
+        return "runtime.mode=online: a Megatron-LM save converts offline, without Megatron; set runtime.mode=offline"
+    return None
+
+
+@dataclass(frozen=True)
+class MegatronJob:
+    """One Megatron conversion: the save to read, the grid and optimizer format to write, where, and how."""
+
+    source: str
+    output: str
+    tp: int
+    pp: int
+    dp: int
+    #: ``dp_reshardable`` or ``fully_reshardable``; ``None``: the source's.
+    optim_format: str | None = None
+    overwrite: bool = False
+    fsync: bool = True
+    workers: int = 1
+
+    @classmethod
+    def of(cls, spec: Any) -> MegatronJob:
+        """The job a validated :class:`~osdpipe.spec.config.RunSpec` with ``checkpoint=megatron`` says."""
+        target = spec.target
+        return cls(
+            source=spec.input.path,
+            output=spec.output.path,
+            tp=target.tp_size,
+            pp=target.pp_size,
+            dp=target.world_size // (target.tp_size * target.pp_size),
+            optim_format=spec.output.megatron_optim_format,
+            overwrite=spec.output.overwrite,
+            fsync=spec.output.fsync,
+            workers=spec.runtime.workers,
+        )
+
+    def config(self) -> dict[str, Any]:
+        """The job as the command's config names it: what a manifest records, and what ``osdpipe check`` re-reads."""
+        return {
+            "checkpoint": {"layout": MEGATRON},
+            "input": {"path": self.source},
+            "target": {
+                "kind": MEGATRON, "tp_size": self.tp, "pp_size": self.pp, "world_size": self.tp * self.pp * self.dp,
+            },
+            "output": {
+                "path": self.output, "megatron_optim_format": self.optim_format, "overwrite": self.overwrite,
+                "fsync": self.fsync,
+            },
+            "runtime": {"mode": "offline", "workers": self.workers},
+        }
