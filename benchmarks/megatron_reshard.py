@@ -10,6 +10,8 @@ The source is synthesised once: a GPT of Megatron-LM's shape (GQA, SwiGLU, untie
 
 * ``osdpipe``: ``osdpipe.reshard_megatron(source, out, tp=1, pp=1, dp=4)`` in a fresh process: read whole,
   written for the target, read back and compared bit for bit, committed (synced);
+* ``osdpipe 2 writers``: the same with ``workers=2`` (the command's ``runtime.workers=2``): two forked processes
+  write the output's files;
 * ``limit``: every file of the source's folder copied by ``dd`` with ``conv=fdatasync`` (as osdpipe syncs what it
   commits): reading and writing the same bytes once.
 
@@ -82,12 +84,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--convert", nargs=2, metavar=("SOURCE", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--convert", nargs=3, metavar=("SOURCE", "OUT", "WORKERS"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.convert:
         import osdpipe
 
-        osdpipe.reshard_megatron(opts.convert[0], opts.convert[1], tp=1, pp=1, dp=4)
+        osdpipe.reshard_megatron(opts.convert[0], opts.convert[1], tp=1, pp=1, dp=4, workers=int(opts.convert[2]))
         print(f"peak_rss_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
         return 0
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="megatron_bench_"))
@@ -98,13 +100,14 @@ def main() -> int:
     else:
         size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
     print(f"source: {size / 1e9:.2f} GB at TP2 PP2 DP1 (dp_reshardable), {source}")
-    runs: dict[str, list[tuple[float, float]]] = {"osdpipe": [], "limit": []}
+    runs: dict[str, list[tuple[float, float]]] = {"osdpipe": [], "osdpipe 2 writers": [], "limit": []}
     for _ in range(opts.repeats):
         for path in runs:
-            out = work / f"out_{path}"
+            out = work / f"out_{path.replace(' ', '_')}"
             shutil.rmtree(out, ignore_errors=True)
-            if path == "osdpipe":
-                runs[path].append(timed([sys.executable, __file__, "--convert", str(source), str(out)]))
+            if path.startswith("osdpipe"):
+                workers = "2" if "writers" in path else "1"
+                runs[path].append(timed([sys.executable, __file__, "--convert", str(source), str(out), workers]))
             else:
                 copy = (f"cd '{source}' && find . -type d -exec mkdir -p '{out}/{{}}' ';' && find . -type f -exec "
                         f"dd if='{{}}' of='{out}/{{}}' bs=16M conv=fdatasync status=none ';'")
