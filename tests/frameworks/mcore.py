@@ -84,15 +84,19 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 
 
 def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, bf16: bool = False, steps: int = 3,
-         resume_truth: int = 0, dump_after: Path | None = None, timeout: float = 600) -> Path:
+         resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None,
+         timeout: float = 600) -> Path:
     """Train ``steps`` steps at TP x PP x DP and save ``out`` as Megatron-LM would; return ``out``.
 
     ``truth_path(out)`` receives the gathered state at save time; with ``resume_truth``, the same job then takes
-    that many synthetic steps (:func:`synthetic_grad`) and dumps to ``dump_after``.
+    that many synthetic steps (:func:`synthetic_grad`) and dumps to ``dump_after``; with ``logits`` (TP1 PP1 only),
+    the saved model's logits on :func:`probe_tokens` go there first (:func:`write_logits`).
     """
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out)]
     if bf16:
         argv.append("--bf16")
+    if logits is not None:
+        argv += ["--logits", str(logits)]
     if resume_truth:
         argv += ["--resume-truth", str(resume_truth), "--dump-after", str(dump_after)]
     run_job(workdir, tp * pp * dp, argv, label=f"save-{Path(out).name}", timeout=timeout)
@@ -114,6 +118,12 @@ def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, 
         argv += ["--resume", str(resume), "--dump-after", str(dump_after)]
     run_job(workdir, tp * pp * dp, argv, label=label or f"load-{Path(dump).stem}", timeout=timeout)
     return Path(dump)
+
+
+def probe_tokens() -> torch.Tensor:
+    """Fixed tokens ``[2, SEQ]`` (of the true vocabulary) whose logits two frameworks' forward passes compare."""
+    gen = torch.Generator().manual_seed(SEED + 40)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=gen)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -888,6 +898,30 @@ def synthetic_steps(job: Job, steps: int) -> None:
         job.scheduler.step(increment=GLOBAL_BATCH)
     job.args.iteration += steps
     job.args.consumed_train_samples = job.args.iteration * GLOBAL_BATCH
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker side: the model's own forward pass.
+
+
+def write_logits(job: Job, path: Path) -> None:
+    """The GPT's logits on :func:`probe_tokens` (its eval forward, no labels: ``[b, s, padded vocab]``), with the
+    tokens, ``torch.save``d on rank 0; TP1 PP1 only (a rank then holds the whole vocabulary and every layer)."""
+    if job.tp != 1 or job.pp != 1:
+        raise SystemExit(f"--logits needs TP1 PP1, not TP{job.tp} PP{job.pp}")
+    tokens = probe_tokens()
+    positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens).contiguous()
+    was_training = job.gpt.training
+    job.gpt.eval()
+    with torch.no_grad():
+        logits = job.gpt(tokens, positions, None)
+    job.gpt.train(was_training)
+    if torch.distributed.get_rank() == 0:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"tokens": tokens, "logits": logits.detach().float().clone()}, tmp)
+        os.replace(tmp, path)
+    torch.distributed.barrier()
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
   [--resume-truth K --dump-after OUT2.pt]``: train ``steps`` steps (real forward/backward through
   Megatron's pipeline schedule), write exactly what Megatron-LM's ``save_checkpoint`` writes for
   ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; with
-  ``--resume-truth`` the same live job then takes K synthetic steps and dumps again.
+  ``--resume-truth`` the same live job then takes K synthetic steps and dumps again; with ``--logits OUT.pt``
+  (TP1 PP1) the trained model's logits on :func:`mcore.probe_tokens`, after the save, go to ``OUT.pt``.
 * ``load --tp T --pp P --from SAVE_DIR [--bf16] [--sharding S] --dump OUT.pt [--resume K --dump-after OUT2.pt]``:
   build the job at that layout, load as Megatron-LM's ``load_checkpoint`` does, dump; optionally K synthetic
   steps and a second dump.
@@ -42,6 +43,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     save.add_argument("--steps", type=int, default=3)
     save.add_argument("--out", type=Path, required=True)
     save.add_argument("--resume-truth", type=int, default=0)
+    save.add_argument("--logits", type=Path, default=None)
     load = sub.choices["load"]
     load.add_argument("--from", dest="src", type=Path, required=True)
     load.add_argument("--dump", type=Path, required=True)
@@ -72,6 +74,8 @@ def main() -> None:
         mcore.save_checkpoint(job, out, opts.steps, sharding)
         log(f"saved {out}")
         mcore.write_dump(job, mcore.truth_path(out), {"sharding": sharding, "losses": losses})
+        if opts.logits:
+            mcore.write_logits(job, opts.logits.resolve())
         if opts.resume_truth:
             mcore.synthetic_steps(job, opts.resume_truth)
             mcore.write_dump(job, opts.dump_after.resolve(), {"sharding": sharding, "resumed": opts.resume_truth})

@@ -1,0 +1,313 @@
+"""Megatron-Core's GPT <-> Hugging Face's ``LlamaForCausalLM``: the config and the weights' map, pure functions.
+
+A Megatron GPT with RMSNorm, SwiGLU, RoPE (rotate-half), no biases and untied embeddings computes the function of
+transformers' ``LlamaForCausalLM``; only the tensors are named and cut differently. The map (Megatron's sharded keys
+as :func:`osdpipe.layout.megatron.global_shapes` gives them, the decoder's layers stacked on axis 0; ``g`` a query
+group of ``G``, ``n = heads / G`` query heads each, ``d`` the head dimension, ``f`` the FFN size, ``V`` the true
+vocabulary and ``Vp`` Megatron's padded one):
+
+=========================================================  ======================================================
+Megatron                                                   Hugging Face (layer ``i``)
+=========================================================  ======================================================
+``embedding.word_embeddings.weight`` ``[Vp, h]``           ``model.embed_tokens.weight``: rows ``[0, V)``
+``...linear_qkv.layer_norm_weight[i]``                     ``model.layers.{i}.input_layernorm.weight``
+``...linear_qkv.weight[i]`` ``[G (n + 2) d, h]``           per group ``g``: rows ``[g(n+2)d, g(n+2)d + nd)`` ->
+                                                           ``q_proj`` rows ``[g n d, (g+1) n d)``; the next ``d``
+                                                           -> ``k_proj`` rows ``[g d, (g+1) d)``; the next ``d``
+                                                           -> ``v_proj`` rows ``[g d, (g+1) d)``
+``...linear_proj.weight[i]``                               ``model.layers.{i}.self_attn.o_proj.weight``
+``...linear_fc1.layer_norm_weight[i]``                     ``model.layers.{i}.post_attention_layernorm.weight``
+``...linear_fc1.weight[i]`` ``[2f, h]``                    rows ``[0, f)`` -> ``mlp.gate_proj``, ``[f, 2f)`` ->
+                                                           ``mlp.up_proj``
+``...linear_fc2.weight[i]``                                ``model.layers.{i}.mlp.down_proj.weight``
+``decoder.final_layernorm.weight``                         ``model.norm.weight``
+``output_layer.weight`` ``[Vp, h]``                        ``lm_head.weight``: rows ``[0, V)``
+=========================================================  ======================================================
+
+Every element goes to exactly one place and comes back (:func:`from_hf` puts the padding rows back as zeros), with no
+arithmetic: the same map carries the fp32 masters and Adam's moments.
+
+Why each rule, in the sources installed here (megatron-core 0.16.1, transformers 5.23.0):
+
+* **qkv.** megatron ``transformer/attention.py`` ``get_query_key_value_tensors`` (l. 1385-1460) views
+  ``linear_qkv``'s output as ``[G, (n + 2) d]`` and splits each group into ``n d`` query, ``d`` key, ``d`` value
+  columns; the queries become heads ``g n .. g n + n - 1``. ``transformer/dot_product_attention.py`` l. 170-175
+  repeats each key/value head ``n`` times (``repeat_interleave``): query head ``j`` reads group ``j // n``.
+  transformers ``models/llama/modeling_llama.py`` ``repeat_kv`` (l. 168-177) pairs query head ``j`` with key/value
+  head ``j // n`` too, its heads being ``q_proj``'s consecutive blocks of ``d`` rows (l. 243-245). Hence the
+  per-group cut above and no reordering of heads.
+* **RoPE.** megatron ``models/common/embeddings/rotary_pos_embedding.py`` l. 79-81 (``inv_freq = 1 / base **
+  (arange(0, d, 2) / d)``) and l. 167-168 (``cat((freqs, freqs))`` when not ``rotary_interleaved``),
+  ``rope_utils.py`` ``_rotate_half`` l. 82-84 (``cat((-x2, x1))`` of the two halves) and l. 125
+  (``t cos + rotate_half(t) sin``). transformers ``modeling_llama.py`` l. 105 (the same ``inv_freq``), l. 112
+  (``cat((freqs, freqs))``), ``rotate_half`` l. 119-123 and ``apply_rotary_pos_emb`` l. 147. The same convention
+  (rotate-half over the whole head), so q and k need no permutation (unlike Meta's interleaved checkpoints).
+  ``rotary_interleaved``, ``rotary_percent < 1`` and RoPE scaling are refused.
+* **Attention scale.** megatron ``dot_product_attention.py`` l. 84-85 ``1 / sqrt(d)``; transformers l. 215
+  ``head_dim ** -0.5``; ``head_dim`` is written explicitly (``kv_channels`` need not be ``hidden / heads``).
+* **SwiGLU.** megatron ``transformer/mlp.py`` ``glu`` l. 219-224: ``linear_fc1``'s output is chunked in two,
+  ``silu(first) * second``; transformers ``LlamaMLP.forward`` l. 164: ``down(silu(gate(x)) * up(x))``. So the
+  first ``f`` rows are ``gate_proj``, the last ``f`` ``up_proj`` (globally ``[gate; up]`` whatever the TP:
+  :mod:`osdpipe.layout.megatron`).
+* **RMSNorm.** megatron's local spec builds ``torch.nn.RMSNorm(h, eps)`` (``transformer/torch_norm.py`` l. 40-45):
+  ``x / sqrt(mean(x^2) + eps) * w``; transformers ``LlamaRMSNorm`` l. 52-66 the same (in fp32). ``eps`` is
+  ``norm_epsilon``.
+* **Logits.** megatron ``models/gpt/gpt_model.py`` l. 712 returns ``[b, s, Vp]``; the ``Vp - V`` padding rows'
+  logits belong to no token, and HF's ``lm_head`` is ``V`` rows (``modeling_llama.py`` l. 420).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from osdpipe.layout.megatron import LAYERS, Gpt, global_shapes
+
+EMBEDDING = "embedding.word_embeddings.weight"
+QKV = f"{LAYERS}self_attention.linear_qkv.weight"
+INPUT_NORM = f"{LAYERS}self_attention.linear_qkv.layer_norm_weight"
+PROJ = f"{LAYERS}self_attention.linear_proj.weight"
+FC1 = f"{LAYERS}mlp.linear_fc1.weight"
+MLP_NORM = f"{LAYERS}mlp.linear_fc1.layer_norm_weight"
+FC2 = f"{LAYERS}mlp.linear_fc2.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT = "output_layer.weight"
+
+#: Megatron key of a per-layer weight taken whole -> the HF name within ``model.layers.{i}.``.
+_WHOLE_PER_LAYER = {
+    INPUT_NORM: "input_layernorm.weight",
+    PROJ: "self_attn.o_proj.weight",
+    MLP_NORM: "post_attention_layernorm.weight",
+    FC2: "mlp.down_proj.weight",
+}
+
+
+def query_groups(args: dict[str, Any]) -> int:
+    """The key/value heads of the GPT ``args`` describe: ``num_query_groups`` only with ``group_query_attention``
+    (Megatron-LM's ``core_transformer_config_from_args`` passes ``num_query_groups=None``, one group per head,
+    otherwise; ``--num-query-groups`` defaults to 1 even then)."""
+    heads = int(args["num_attention_heads"])
+    if args.get("group_query_attention"):
+        return int(args.get("num_query_groups") or heads)
+    return heads
+
+
+def true_vocab_size(args: dict[str, Any]) -> int:
+    """The tokenizer's vocabulary: ``args["vocab_size"]`` when Megatron-LM recorded it (``--vocab-size``, the
+    NullTokenizer's); otherwise it is not in the save (Megatron-LM keeps only ``padded_vocab_size`` for other
+    tokenizers) and the padded size is taken: the padding rows then stay in the HF model, as tokens no text holds."""
+    vocab = args.get("vocab_size")
+    return int(vocab) if vocab else int(args["padded_vocab_size"])
+
+
+def _rope(args: dict[str, Any]) -> bool:
+    kind = args.get("position_embedding_type")
+    if kind is None:
+        return bool(args.get("use_rotary_position_embeddings"))
+    return kind == "rope"
+
+
+def refusals(args: dict[str, Any]) -> list[str]:
+    """What of the GPT ``args`` describe HF's Llama cannot express (empty: nothing). Absent args take Megatron-LM's
+    defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied)."""
+    norm = args.get("normalization", "LayerNorm")
+    checks = [
+        (norm != "RMSNorm", f"{norm} (not RMSNorm)"),
+        (bool(args.get("apply_layernorm_1p")) or bool(args.get("layernorm_zero_centered_gamma")),
+         "zero-centred norm weights (apply_layernorm_1p)"),
+        (not args.get("swiglu"), "an MLP without SwiGLU"),
+        (bool(args.get("squared_relu")), "squared ReLU"),
+        (args.get("activation_func_clamp_value") is not None, "a clamped activation (activation_func_clamp_value)"),
+        (bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias")), "linear biases (add_bias_linear)"),
+        (not args.get("untie_embeddings_and_output_weights", False), "tied embedding and output weights"),
+        ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
+        (not _rope(args), f"{args.get('position_embedding_type', 'learned_absolute')} position embeddings (not rope)"),
+        (bool(args.get("rotary_interleaved")), "interleaved RoPE (rotary_interleaved)"),
+        (float(args.get("rotary_percent", 1.0)) != 1.0, "partial RoPE (rotary_percent != 1)"),
+        (bool(args.get("use_rope_scaling")) or args.get("rotary_seq_len_interpolation_factor") not in (None, 1),
+         "RoPE scaling"),
+        (args.get("rope_type") not in (None, "rope"), f"the {args.get('rope_type')} RoPE type"),
+        (args.get("no_rope_freq") is not None, "layers without RoPE (no_rope_freq)"),
+        (bool(args.get("qk_layernorm")), "qk_layernorm"),
+        (bool(args.get("multi_latent_attention")), "multi-latent attention"),
+        (bool(args.get("attention_output_gate")), "a gated attention output (attention_output_gate)"),
+        (args.get("window_size") is not None, "sliding-window attention (window_size)"),
+        (bool(args.get("apply_residual_connection_post_layernorm")), "residuals after the norm"),
+        ((args.get("mtp_num_layers") or 0) > 0, "multi-token prediction layers (mtp_num_layers)"),
+        (bool(args.get("heterogeneous_layers_config_path") or args.get("heterogeneous_layers_config_encoded_json")),
+         "heterogeneous layers"),
+        (bool(args.get("is_hybrid_model")), "a hybrid (Mamba) model"),
+    ]
+    return [what for bad, what in checks if bad]
+
+
+def _refuse(what: list[str]) -> None:
+    if what:
+        raise ValueError(f"a Megatron GPT with {', '.join(what)}: not supported yet as a Hugging Face Llama")
+
+
+def _dtype_name(args: dict[str, Any]) -> str:
+    if args.get("bf16"):
+        return "bfloat16"
+    if args.get("fp16"):
+        return "float16"
+    return "float32"
+
+
+def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` of the ``LlamaForCausalLM`` that computes the GPT Megatron-LM's ``args`` describe.
+
+    ``vocab_size``: the true vocabulary (default :func:`true_vocab_size`); ``dtype``: the weights' (default the
+    job's ``params_dtype``: ``bfloat16`` with ``bf16``). RoPE's base is written both as transformers 5's
+    ``rope_parameters`` and as the older top-level ``rope_theta``, the dtype as ``dtype`` and ``torch_dtype``, so
+    that transformers 4 and 5 read the same model. ``bos_token_id``/``eos_token_id`` are the tokenizer's and
+    Megatron's ``args`` do not hold them: they are ``None``.
+
+    Raises:
+        ValueError: one line naming what HF's Llama cannot express (:func:`refusals`), "not supported yet".
+    """
+    _refuse(refusals(args))
+    heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
+    vocab = int(vocab_size) if vocab_size is not None else true_vocab_size(args)
+    padded = int(args.get("padded_vocab_size") or vocab)
+    if not 0 < vocab <= padded:
+        raise ValueError(f"vocabulary {vocab} is not in (0, padded_vocab_size {padded}]")
+    theta = float(args.get("rotary_base", 10000))
+    name = dtype or _dtype_name(args)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(args["ffn_hidden_size"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": query_groups(args),
+        "head_dim": int(args.get("kv_channels") or hidden // heads),
+        "num_hidden_layers": int(args["num_layers"]),
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(args.get("norm_epsilon", 1e-5)),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "max_position_embeddings": int(args.get("max_position_embeddings") or args["seq_length"]),
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "dtype": name,
+        "torch_dtype": name,
+    }
+
+
+def _check_gpt(gpt: Gpt) -> None:
+    what = []
+    if not gpt.swiglu:
+        what.append("an MLP without SwiGLU")
+    if gpt.num_attention_heads % gpt.num_query_groups:
+        what.append(f"{gpt.num_attention_heads} heads in {gpt.num_query_groups} query groups")
+    _refuse(what)
+
+
+def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the ``LlamaForCausalLM`` state dict :func:`to_hf` gives, and its shape."""
+    h, d, f = gpt.hidden_size, gpt.kv_channels, gpt.ffn_hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
+    for i in range(gpt.num_layers):
+        p = f"model.layers.{i}."
+        out.update({
+            f"{p}input_layernorm.weight": (h,),
+            f"{p}self_attn.q_proj.weight": (gpt.num_attention_heads * d, h),
+            f"{p}self_attn.k_proj.weight": (gpt.num_query_groups * d, h),
+            f"{p}self_attn.v_proj.weight": (gpt.num_query_groups * d, h),
+            f"{p}self_attn.o_proj.weight": (h, gpt.num_attention_heads * d),
+            f"{p}post_attention_layernorm.weight": (h,),
+            f"{p}mlp.gate_proj.weight": (f, h),
+            f"{p}mlp.up_proj.weight": (f, h),
+            f"{p}mlp.down_proj.weight": (h, f),
+        })
+    out["model.norm.weight"] = (h,)
+    out["lm_head.weight"] = (vocab_size, h)
+    return out
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str) -> None:
+    missing, extra = sorted(shapes.keys() - tensors.keys()), sorted(tensors.keys() - shapes.keys())
+    if missing or extra:
+        raise ValueError(f"{what}: missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
+                         f"unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}")
+    for key, shape in shapes.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{what}: {key} has shape {tuple(tensors[key].shape)}, expected {shape}")
+
+
+def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """Megatron's GPT tensors (every key of :func:`osdpipe.layout.megatron.global_shapes`, layers stacked) -> the
+    ``LlamaForCausalLM`` state dict (module docstring's table), the vocabulary cut to its first ``vocab_size`` rows.
+
+    A pure rearrangement: every output element is an input element, copied (the outputs own their storage, each
+    contiguous, as ``safetensors`` wants), so the same call maps fp32 masters and Adam's moments.
+    """
+    _check_gpt(gpt)
+    if not 0 < vocab_size <= gpt.padded_vocab_size:
+        raise ValueError(f"vocabulary {vocab_size} is not in (0, padded vocabulary {gpt.padded_vocab_size}]")
+    _check_tensors(tensors, global_shapes(gpt), "Megatron GPT tensors")
+    n, d, f = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.ffn_hidden_size
+    h = gpt.hidden_size
+    out = {"model.embed_tokens.weight": tensors[EMBEDDING][:vocab_size].clone()}
+    for i in range(gpt.num_layers):
+        p = f"model.layers.{i}."
+        qkv = tensors[QKV][i].reshape(gpt.num_query_groups, n + 2, d, h)
+        out[f"{p}self_attn.q_proj.weight"] = qkv[:, :n].reshape(gpt.num_attention_heads * d, h).clone()
+        out[f"{p}self_attn.k_proj.weight"] = qkv[:, n].reshape(gpt.num_query_groups * d, h).clone()
+        out[f"{p}self_attn.v_proj.weight"] = qkv[:, n + 1].reshape(gpt.num_query_groups * d, h).clone()
+        out[f"{p}mlp.gate_proj.weight"] = tensors[FC1][i][:f].clone()
+        out[f"{p}mlp.up_proj.weight"] = tensors[FC1][i][f:].clone()
+        for key, name in _WHOLE_PER_LAYER.items():
+            out[p + name] = tensors[key][i].clone()
+    out["model.norm.weight"] = tensors[FINAL_NORM].clone()
+    out["lm_head.weight"] = tensors[OUTPUT][:vocab_size].clone()
+    return {key: out[key] for key in hf_shapes(gpt, vocab_size)}
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_hf`: a ``LlamaForCausalLM`` state dict -> Megatron's GPT tensors (layers stacked),
+    the embedding and the output layer padded with zero rows to ``padded_vocab`` (default ``gpt``'s).
+
+    ``from_hf(gpt, to_hf(gpt, x, V))`` is ``x`` bit for bit, but for the padding rows, which come back zero.
+    """
+    _check_gpt(gpt)
+    padded = gpt.padded_vocab_size if padded_vocab is None else int(padded_vocab)
+    if "model.embed_tokens.weight" not in tensors:
+        raise ValueError("Hugging Face Llama tensors: missing model.embed_tokens.weight")
+    vocab = int(tensors["model.embed_tokens.weight"].shape[0])
+    if vocab > padded:
+        raise ValueError(f"vocabulary {vocab} does not fit the padded vocabulary {padded}")
+    _check_tensors(tensors, hf_shapes(gpt, vocab), "Hugging Face Llama tensors")
+    n, d, h = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.hidden_size
+    g = gpt.num_query_groups
+    qkv, fc1, whole = [], [], {key: [] for key in _WHOLE_PER_LAYER}
+    for i in range(gpt.num_layers):
+        p = f"model.layers.{i}.self_attn."
+        q = tensors[f"{p}q_proj.weight"].reshape(g, n, d, h)
+        k = tensors[f"{p}k_proj.weight"].reshape(g, 1, d, h)
+        v = tensors[f"{p}v_proj.weight"].reshape(g, 1, d, h)
+        qkv.append(torch.cat([q, k, v], dim=1).reshape(gpt.qkv_rows, h))
+        mlp = f"model.layers.{i}.mlp."
+        fc1.append(torch.cat([tensors[f"{mlp}gate_proj.weight"], tensors[f"{mlp}up_proj.weight"]]))
+        for key, name in _WHOLE_PER_LAYER.items():
+            whole[key].append(tensors[f"model.layers.{i}.{name}"])
+    out = {
+        EMBEDDING: _pad_rows(tensors["model.embed_tokens.weight"], padded),
+        QKV: torch.stack(qkv),
+        FC1: torch.stack(fc1),
+        **{key: torch.stack(ts) for key, ts in whole.items()},
+        FINAL_NORM: tensors["model.norm.weight"].clone(),
+        OUTPUT: _pad_rows(tensors["lm_head.weight"], padded),
+    }
+    return {key: out[key] for key in global_shapes(gpt)}
