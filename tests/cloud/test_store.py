@@ -133,3 +133,22 @@ def test_the_environments_credentials_never_reach_a_failure(s3, monkeypatch) -> 
     )
     assert SECRET_KEY not in str(failure) and "AKIAREFUSEDKEY000000" not in str(failure)
     assert str(failure) == f"path='{s3.url('k')}': S3 failed: request with *** and *** failed"
+
+
+def test_runtime_storage_options_are_recorded_without_a_credential() -> None:
+    from osdpipe.spec.config import RuntimeConfig
+
+    runtime = RuntimeConfig(storage_options={"s3": {"endpoint_url": "http://minio:9000", "secret": SECRET_KEY}})
+    assert runtime.storage_options["s3"]["secret"] == SECRET_KEY  # the run uses it
+    assert runtime.model_dump(mode="json")["storage_options"] == {
+        "s3": {"endpoint_url": "http://minio:9000", "secret": "***"}
+    }
+
+
+def test_an_object_store_input_is_refused_in_one_line_until_it_is_read() -> None:
+    from pydantic import ValidationError
+
+    from osdpipe.spec.config import InputConfig
+
+    with pytest.raises(ValidationError, match="input.path in object storage is not read yet"):
+        InputConfig(path="s3://bucket/ckpt/optim.pt")
