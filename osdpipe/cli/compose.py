@@ -37,6 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 from osdpipe.cli import new_dirs
 from osdpipe.cli.sweep import JobRecord, summarize_sweep
 from osdpipe.core import rankserver
+from osdpipe.io import store
 from osdpipe.io.output import OutputError
 from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
 from osdpipe.spec.megatron import MEGATRON
@@ -51,7 +52,7 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 #: overriding a key they do not have yet adds it, with no ``+`` needed.
 #: Config keys whose value is a dict of the user's own keys: an override may add keys (``model.kwargs.depth=12``) or
 #: give it whole (``target.tp_plan={up:colwise}``).
-OPEN_DICTS = ("model.kwargs", "optim.kwargs", "source.tp_plan", "target.tp_plan")
+OPEN_DICTS = ("model.kwargs", "optim.kwargs", "source.tp_plan", "target.tp_plan", "runtime.storage_options")
 
 #: The exit code of every job of this invocation (one, or one per sweep job).
 _exit_codes: list[int] = []
@@ -63,8 +64,12 @@ _job_errors: list[str] = []
 # hydra.run.dir: output.path when given (nothing lands in the current directory), else outputs/<date>/<time>;
 # a sweep job's: <sweep dir>/<N>. Each name is noted before Hydra makes the directory, so that a job that never
 # ran removes what it made and nothing else (new_dirs.discard).
+# An object store's output.path (s3://, gs://) is not a directory here: the job's is the default one, where the
+# conversion is made before it is uploaded (osdpipe.io.remote_output).
 OmegaConf.register_new_resolver(
-    "osdpipe_run_dir", lambda path, default: new_dirs.note(default if path is None else path), replace=True
+    "osdpipe_run_dir",
+    lambda path, default: new_dirs.note(default if path is None or store.is_remote(path) else path),
+    replace=True,
 )
 OmegaConf.register_new_resolver(
     "osdpipe_sweep_job", lambda sweep_dir, num: Path(new_dirs.note(os.path.join(sweep_dir, str(num)))).name,
@@ -178,8 +183,21 @@ def _run_job(cfg: DictConfig) -> int:
         checked = check_schema(raw)
     except ConfigError as exc:
         return _config_error(exc)
+    remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
     if checked.checkpoint.layout == MEGATRON:  # converted by its own stages, offline: no world, no plan
+        if remote is not None:
+            return _config_error(ConfigError([
+                f"output.path={remote!r}: a Megatron conversion is not written to object storage yet; "
+                "convert to a local path and copy it up"
+            ]))
         return _run_megatron(checked)
+    if remote is not None:  # made in the job's directory, then uploaded (osdpipe.io.remote_output)
+        if rankserver.in_torchrun() or raw["runtime"].get("launcher") == "torchrun":
+            return _config_error(ConfigError([
+                f"output.path={remote!r}: object storage is not written under torchrun yet; "
+                "convert with the local launcher (runtime.mode=offline, runtime.workers)"
+            ]))
+        raw["output"]["path"] = HydraConfig.get().runtime.output_dir
     if (
         raw["runtime"].get("mode") == "online"
         and raw["runtime"].get("launcher") != "torchrun"
@@ -198,13 +216,24 @@ def _run_job(cfg: DictConfig) -> int:
         plan = plan_run(spec)  # the model's answers: its tree, and whether both wrappings fit it
     except (ConfigError, Contradiction) as exc:
         return _config_error(exc)
+    from osdpipe.io import remote_output
+
     try:
-        report = execute(plan, warnings=notes)
+        destination = None if remote is None else remote_output.prepare(
+            remote, spec.output.overwrite, spec.runtime.storage_options
+        )
+        report = execute(plan, warnings=[*notes, *(destination.notes if destination else [])])
     except OutputError as exc:
         _error(str(exc))
         new_dirs.discard(HydraConfig.get().runtime.output_dir)
         return EXIT_CONFIG
-    return _said(report, spec)
+    if destination is not None and report.ok:
+        try:
+            remote_output.publish(destination, Path(spec.output.path))
+        except OutputError as exc:
+            _error(f"{exc} (the conversion, whole, is in {spec.output.path})")
+            return EXIT_FAILED
+    return _said(report, spec, remote or spec.output.path)
 
 
 def _run_megatron(spec: RunSpec) -> int:
@@ -220,18 +249,19 @@ def _run_megatron(spec: RunSpec) -> int:
         _error(str(exc))
         new_dirs.discard(HydraConfig.get().runtime.output_dir)
         return EXIT_CONFIG
-    return _said(report, spec)
+    return _said(report, spec, spec.output.path)
 
 
-def _said(report: Report, spec: RunSpec) -> int:
-    """Say how a run ended, on rank 0 (every rank under torchrun agreed on it); its exit code."""
+def _said(report: Report, spec: RunSpec, where: str) -> int:
+    """Say how a run ended (``where``: the output, as the user named it), on rank 0 (every rank under torchrun agreed
+    on it); its exit code."""
     if rankserver.in_torchrun():
         # the run is over: torchrun stopping the ranks must not cut this rank's last words and exit code
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not _is_rank0() and (report.ok or report.agreed):
         return EXIT_OK if report.ok else EXIT_FAILED  # rank 0 speaks for every rank: it raised the same error
     if report.ok:
-        print(summarize(report, spec.output.path), flush=True)
+        print(summarize(report, where), flush=True)
         for warning in report.warnings:
             print(f"osdpipe: warning: {warning}", file=sys.stderr)
         return EXIT_OK

@@ -68,17 +68,28 @@ def conversion_entries(directory: Path) -> list[Path]:
     """
     if not directory.is_dir():
         return []
+    try:
+        manifest = (directory / MANIFEST).read_text()
+    except OSError:
+        manifest = None
+    names = set(conversion_names([p.name for p in directory.iterdir()], manifest))
+    return sorted(p for p in directory.iterdir() if p.name in names)
+
+
+def conversion_names(names: list[str], manifest: str | None) -> list[str]:
+    """Which of a directory's top-level ``names`` (a local directory's entries, or an object store prefix's) are a
+    conversion's entries, given the text of its ``manifest.json`` (``None``: none there)."""
     listed = set()
     try:
-        listed = {Path(name).parts[0] for name in json.loads((directory / MANIFEST).read_text()).get("files", {})}
-    except (OSError, ValueError, AttributeError, IndexError):
+        listed = {Path(name).parts[0] for name in json.loads(manifest or "").get("files", {})}
+    except (ValueError, AttributeError, IndexError):
         pass  # no manifest, or not one osdpipe wrote: the names osdpipe always uses
     return sorted(
-        p
-        for p in directory.iterdir()
-        if p.name in _NAMED
-        or p.name in listed
-        or any(pattern.fullmatch(p.name) for pattern in (_RANK_FILE, _EXPORT_SHARD, _MEGATRON_SAVE))
+        n
+        for n in names
+        if n in _NAMED
+        or n in listed
+        or any(pattern.fullmatch(n) for pattern in (_RANK_FILE, _EXPORT_SHARD, _MEGATRON_SAVE))
     )
 
 

@@ -31,12 +31,14 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
 
 from osdpipe.core.sizes import parse_size, show_size
 from osdpipe.io.output import conversion_entries
+from osdpipe.io.store import is_url, redact
 from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
 from osdpipe.spec.megatron import MEGATRON, megatron_problem
 
@@ -287,6 +289,11 @@ class InputConfig(_Frozen):
     @field_validator("path")
     @classmethod
     def _exists(cls, path: str | None) -> str | None:
+        if path is not None and is_url(path):
+            raise ValueError(
+                f"{redact(path)!r}: input.path in object storage is not read yet (output.path is written); "
+                "copy the checkpoint to a local path first"
+            )
         if path is not None and not Path(path).exists():
             raise ValueError(f"{path!r} does not exist; point input.path at a checkpoint file or DCP directory")
         return path
@@ -451,6 +458,15 @@ class RuntimeConfig(_Frozen):
     #: of ``roundtrip`` alone), makes the output as it writes it, so the budget bounds the output too
     #: (osdpipe.run.streamed_output).
     memory_budget: int | None = None
+    #: fsspec's options for an ``s3://`` or ``gs://`` path, per scheme (``{s3: {endpoint_url: ...}}``), over the store's
+    #: own endpoint and credential chain (osdpipe.io.store); recorded with every credential as ``***``.
+    storage_options: dict[Literal["s3", "gs"], dict[str, Any]] = {}
+
+    @field_serializer("storage_options")
+    def _no_credential_recorded(self, options: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        from osdpipe.io.store import redacted_options  # no torch, no fsspec
+
+        return redacted_options(options)
 
     @field_validator("memory_budget", mode="before")
     @classmethod

@@ -1,0 +1,240 @@
+"""A conversion committed whole into object storage (``output.path=s3://bucket/prefix`` or ``gs://...``).
+
+The conversion is made and committed on the local disk as any other (:mod:`osdpipe.io.output`, in the job's directory
+``outputs/<date>/<time>/``), then :func:`publish` puts it into the prefix. An object store has no rename and no
+directory to swap, so a reader that lists the prefix while objects arrive must not take part of them for a whole
+conversion, and a run that dies must leave the previous conversion or the new one whole. The order:
+
+1. every file of the conversion is uploaded under ``<prefix>/.incoming/``, the files that mark a conversion complete
+   last (:func:`markers_last`: DCP's ``.metadata``, then ``manifest.json``). Until ``.incoming/manifest.json`` exists
+   the previous conversion in the prefix is untouched; a failed upload removes what it uploaded;
+2. committing (``.incoming/manifest.json`` there: the new conversion is whole and from here on only goes forward):
+   the previous conversion's markers are deleted first (``manifest.json``, then ``.metadata``: from this moment no
+   reader takes the prefix for a complete conversion), then its other objects that the new one does not have;
+3. every object of ``.incoming/`` is copied into place, server side, the markers last (``.metadata``, then
+   ``manifest.json``: the prefix is a complete conversion again, the new one);
+4. ``.incoming/`` is deleted.
+
+This is "write beside, delete the old only once the new is complete", not "a fresh prefix and a pointer": readers
+(``dcp.load`` through PyTorch's ``FsspecReader``, torchtitan, ``osdpipe check``) read the prefix they are given and
+follow no pointer. A run killed during step 1 leaves the previous conversion whole and stray objects under
+``.incoming/``; killed during steps 2 to 4, the new conversion whole under ``.incoming/``. The next run into the
+prefix (:func:`prepare`, through :func:`recover`) finishes the commit in the second case, removes the strays in the
+first, and names what it did in the run's warnings. The copy into place costs a server-side copy of every object
+(no bytes through this machine).
+
+``report.json`` and ``osdpipe.log`` are not part of a conversion: they are uploaded after the commit
+(:func:`publish_record`), and stay in the local job directory, from which the conversion itself is then removed. A
+run that fails uploads nothing: its report is in the local job directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from osdpipe.io import store
+from osdpipe.io.output import MANIFEST, OutputError, conversion_entries, conversion_names
+
+INCOMING = ".incoming"
+#: What a run writes and deletes in the prefix to prove it may write there.
+PROBE = ".osdpipe-write-test"
+#: Files that mark a conversion complete, in the order they are written (last: the manifest); deleted in reverse.
+MARKERS = (".metadata", MANIFEST)
+#: What of a run is not part of its conversion, uploaded after it.
+RECORDS = ("report.json", "osdpipe.log")
+WHERE = "output.path"
+
+
+@dataclass
+class Destination:
+    """A prefix in object storage, proven writable: where :func:`publish` commits a conversion."""
+
+    location: store.Location
+    storage_options: Mapping[str, Any]
+    fs: Any
+    #: What :func:`recover` did to the prefix before the run: said in the run's warnings.
+    notes: list[str] = field(default_factory=list)
+
+    def key(self, *names: str) -> str:
+        """fsspec's path of ``names`` under the prefix."""
+        return self.location.child(*names).path
+
+    def fail(self, exc: BaseException, *names: str) -> OutputError:
+        key = self.location.child(*names) if names else None
+        error = store.failure(exc, self.location, WHERE, self.storage_options, key=key)
+        assert isinstance(error, OutputError)
+        return error
+
+
+def markers_last(names: list[str]) -> list[str]:
+    """``names`` (paths relative to the conversion) in upload order: the markers (:data:`MARKERS`) last, ``.metadata``
+    files before the manifest."""
+
+    def rank(name: str) -> int:
+        base = name.rsplit("/", 1)[-1]
+        return MARKERS.index(base) + 1 if base in MARKERS else 0
+
+    return sorted(names, key=lambda n: (rank(n), n))
+
+
+def prepare(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None = None) -> Destination:
+    """The prefix ``url``, proven writable (an object written and deleted), an earlier run's leftovers recovered
+    (:func:`recover`), and refused when it holds a conversion and ``overwrite`` is false.
+
+    Raises:
+        OutputError: in one line naming the URL (no such bucket, access denied, no credentials, an endpoint that does
+            not answer, a conversion already there).
+    """
+    try:
+        location = store.parse(url, WHERE)
+    except ValueError as exc:
+        raise OutputError(str(exc)) from None
+    options = dict(storage_options or {})
+    probe = Destination(location, options, store.filesystem(location, options, WHERE, probe=True))
+    try:
+        probe.fs.pipe_file(probe.key(PROBE), b"")
+        probe.fs.rm_file(probe.key(PROBE))
+    except Exception as exc:  # noqa: BLE001 - said in one line, whatever the backend raised
+        raise probe.fail(exc) from None
+    destination = Destination(location, options, store.filesystem(location, options, WHERE))
+    destination.notes.extend(recover(destination))
+    held = _conversion_in_place(destination)
+    if held and not overwrite:
+        raise OutputError(
+            f"{WHERE}={location.url!r} already holds a conversion ({', '.join(held[:3])}); "
+            "choose another path or set output.overwrite=true"
+        )
+    return destination
+
+
+def _objects(destination: Destination, *under: str) -> list[str]:
+    """Every object under the prefix (or ``under`` it), as paths relative to that."""
+    root = destination.key(*under)
+    try:
+        found = destination.fs.find(root)
+    except FileNotFoundError:
+        return []
+    except Exception as exc:  # noqa: BLE001
+        raise destination.fail(exc, *under) from None
+    return sorted(p[len(root) + 1 :] for p in found if p.startswith(root + "/"))
+
+
+def _conversion_in_place(destination: Destination) -> list[str]:
+    """The top-level names of the conversion in the prefix (what an overwrite replaces)."""
+    tops = sorted({o.split("/", 1)[0] for o in _objects(destination) if not o.startswith(INCOMING + "/")})
+    manifest = None
+    if MANIFEST in tops:
+        try:
+            manifest = destination.fs.cat_file(destination.key(MANIFEST)).decode()
+        except Exception as exc:  # noqa: BLE001
+            raise destination.fail(exc, MANIFEST) from None
+    return conversion_names(tops, manifest)
+
+
+def recover(destination: Destination) -> list[str]:
+    """Bring a prefix that an earlier run left mid-way back to one whole conversion; returns what was done, in words.
+
+    ``.incoming/`` with its manifest: the commit was under way, it is finished. Without: the upload was cut; the
+    objects it left are removed, and named.
+    """
+    incoming = _objects(destination, INCOMING)
+    if not incoming:
+        return []
+    if MANIFEST in incoming:
+        _commit(destination, incoming)
+        return [
+            f"finished committing into {destination.location.url} the conversion that a run killed while "
+            "committing left"
+        ]
+    shown = ", ".join(incoming[:5]) + (f" and {len(incoming) - 5} more" if len(incoming) > 5 else "")
+    try:
+        destination.fs.rm([destination.key(INCOMING, o) for o in incoming])
+    except Exception as exc:  # noqa: BLE001
+        raise destination.fail(exc, INCOMING) from None
+    return [
+        f"removed {len(incoming)} stray object(s) an unfinished run left under "
+        f"{destination.location.child(INCOMING).url}/: {shown}"
+    ]
+
+
+def publish(destination: Destination, directory: Path) -> list[str]:
+    """Upload the conversion committed in the local ``directory`` into the prefix and commit it there whole (see the
+    module docstring), then the run's record (:func:`publish_record`); the local copy of the conversion is removed
+    (``report.json`` and ``osdpipe.log`` stay). Returns the uploaded files (relative paths), in upload order.
+
+    The manifest's ``config.output.path`` is the prefix's URL (the conversion's digests do not cover it).
+
+    Raises:
+        OutputError: the upload or the commit failed; what the upload had put under ``.incoming/`` is removed.
+    """
+    local = [p for entry in conversion_entries(directory) for p in ([entry] if entry.is_file() else entry.rglob("*"))]
+    names = markers_last([p.relative_to(directory).as_posix() for p in local if p.is_file()])
+    data = [n for n in names if n.rsplit("/", 1)[-1] not in MARKERS]
+    try:
+        if data:
+            destination.fs.put(
+                [str(directory / n) for n in data], [destination.key(INCOMING, n) for n in data]
+            )  # several in flight (s3fs: its max_concurrency); a large file in parts as it is read
+        for name in names[len(data) :]:
+            if name == MANIFEST:
+                destination.fs.pipe_file(destination.key(INCOMING, name), _manifest_for(directory, destination))
+            else:
+                destination.fs.put_file(str(directory / name), destination.key(INCOMING, name))
+    except Exception as exc:  # noqa: BLE001
+        error = destination.fail(exc)
+        try:
+            destination.fs.rm(destination.key(INCOMING), recursive=True)
+        except Exception:  # noqa: BLE001 - the next run names what is left (recover)
+            pass
+        raise error from None
+    _commit(destination, names)
+    publish_record(destination, directory)
+    for entry in conversion_entries(directory):  # committed in the prefix: the local copy's disk is given back
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    return names
+
+
+def _manifest_for(directory: Path, destination: Destination) -> bytes:
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest.setdefault("config", {}).setdefault("output", {})["path"] = destination.location.url
+    return json.dumps(manifest, indent=2, sort_keys=True).encode()
+
+
+def _commit(destination: Destination, incoming: list[str]) -> None:
+    """Steps 2 to 4 of the module docstring; each can be repeated after an interruption."""
+    fs, key = destination.fs, destination.key
+    try:
+        old = [o for o in _objects(destination) if not o.startswith(INCOMING + "/") and o not in RECORDS]
+        tops = set(_conversion_in_place(destination))
+        old = [o for o in old if o.split("/", 1)[0] in tops]
+        old_markers = list(reversed(markers_last([o for o in old if o.rsplit("/", 1)[-1] in MARKERS])))
+        for name in old_markers:  # the manifest first: from here no reader takes the prefix for a whole conversion
+            fs.rm_file(key(name))
+        new = set(incoming)
+        gone = [key(o) for o in old if o not in new and o not in old_markers]
+        if gone:
+            fs.rm(gone)
+        ordered = markers_last(incoming)
+        data = [n for n in ordered if n.rsplit("/", 1)[-1] not in MARKERS]
+        if data:
+            fs.copy([key(INCOMING, n) for n in data], [key(n) for n in data])
+        for name in ordered[len(data) :]:  # .metadata, then the manifest: the prefix is whole again
+            fs.copy(key(INCOMING, name), key(name))
+        fs.rm(key(INCOMING), recursive=True)
+    except Exception as exc:  # noqa: BLE001
+        raise destination.fail(exc) from None
+
+
+def publish_record(destination: Destination, directory: Path) -> None:
+    """Upload the run's ``report.json`` and ``osdpipe.log`` from ``directory`` into the prefix, each whole (one PUT)."""
+    for name in RECORDS:
+        if (directory / name).is_file():
+            try:
+                destination.fs.pipe_file(destination.key(name), (directory / name).read_bytes())
+            except Exception as exc:  # noqa: BLE001
+                raise destination.fail(exc, name) from None

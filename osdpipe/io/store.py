@@ -1,0 +1,323 @@
+"""Where a path lives: on the local disk, or in object storage (``s3://bucket/key``, ``gs://bucket/key``).
+
+A local path keeps the local code and is never handed to fsspec. An object-store URL opens an fsspec filesystem
+(s3fs, gcsfs: the ``cloud`` extra) with the store's own way of finding its endpoint and credentials (for S3: the AWS
+variables, ``AWS_ENDPOINT_URL`` for an S3-compatible store, ``~/.aws`` files, a profile, instance roles), and with
+``runtime.storage_options[<scheme>]`` given to the filesystem as it is, over osdpipe's defaults (:data:`DEFAULTS`:
+a connect timeout, so that an endpoint that does not answer fails instead of hanging).
+
+Whatever fails is said in one line naming the URL and what to do (:func:`failure`): no such bucket, access denied,
+no credentials, an endpoint that does not answer, a missing key. No credential reaches a message: :func:`redact`
+takes signed query strings, key IDs and every secret the environment or the options hold out of any text, and
+:func:`redacted_options` is what may be recorded of ``runtime.storage_options``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from osdpipe.io.output import OutputError
+
+#: The schemes osdpipe reads and writes, each with the fsspec backend that serves it and the store's name.
+SCHEMES = {"s3": ("s3fs", "S3"), "gs": ("gcsfs", "Google Cloud Storage")}
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+#: osdpipe's options under the user's: timeouts and few retries, so that an endpoint that does not answer fails the
+#: first look at it (:func:`info`, with no retry of s3fs's own) within about a minute, not after botocore's defaults
+#: (60 s a read, 5 attempts) times s3fs's 5 retries.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "s3": {"config_kwargs": {"connect_timeout": 10, "read_timeout": 30, "retries": {"max_attempts": 2}}},
+    "gs": {},
+}
+#: Keys of ``storage_options`` (at any depth) whose values are credentials: never written, never said.
+SECRET_KEYS = frozenset(
+    {
+        "key", "secret", "token", "password", "username", "client_secret", "refresh_token", "access_token",
+        "private_key", "private_key_id", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+        "session_token", "credentials", "sas_token", "account_key", "connection_string",
+    }
+)  # fmt: skip
+#: Environment variables that hold credentials: their values are taken out of any message.
+SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+REDACTED = "***"
+#: Query parameters of signed URLs (S3's SigV4 and SigV2, GCS's V4 signing, OAuth tokens).
+_SIGNED = re.compile(
+    r"((?:X-Amz-(?:Signature|Credential|Security-Token)|X-Goog-(?:Signature|Credential)|Signature|AWSAccessKeyId"
+    r"|access_token|sig|token)=)[^&\s\"'<>]+",
+    re.IGNORECASE,
+)
+_USERINFO = re.compile(r"(://)[^/@\s:]+:[^/@\s]+@")
+_ACCESS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b")
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is written as a URL (``scheme://...``), not a local path."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
+def is_remote(path: object) -> bool:
+    """Whether ``path`` names object storage osdpipe serves (``s3://``, ``gs://``)."""
+    match = _URL.match(path) if isinstance(path, str) else None
+    return match is not None and match.group(1).lower() in SCHEMES
+
+
+@dataclass(frozen=True)
+class Location:
+    """A place in object storage: ``scheme://bucket/key``, the key without leading or trailing ``/`` (``""``: the
+    bucket's top)."""
+
+    scheme: str
+    bucket: str
+    key: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.bucket}" + (f"/{self.key}" if self.key else "")
+
+    @property
+    def path(self) -> str:
+        """The path fsspec's filesystem takes: ``bucket/key``."""
+        return self.bucket + (f"/{self.key}" if self.key else "")
+
+    @property
+    def store(self) -> str:
+        return SCHEMES[self.scheme][1]
+
+    def child(self, *names: str) -> Location:
+        """The location of ``names`` under this one (each may hold ``/``)."""
+        parts = [self.key, *(n.strip("/") for n in names)]
+        return Location(self.scheme, self.bucket, "/".join(p for p in parts if p))
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def parse(url: str, where: str = "path") -> Location:
+    """``url`` as a :class:`Location`.
+
+    Raises:
+        ValueError: naming ``where`` (``input.path``), for a scheme osdpipe does not serve or a URL with no bucket.
+    """
+    match = _URL.match(url)
+    if match is None:
+        raise ValueError(f"{where}={url!r} is not a URL; give s3://bucket/prefix, gs://bucket/prefix or a local path")
+    scheme, rest = match.group(1).lower(), match.group(2)
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"{where}={redact(url)!r}: osdpipe reads and writes s3:// and gs:// (and local paths), not {scheme}://"
+        )
+    bucket, _, key = rest.partition("/")
+    if not bucket or any(c in bucket for c in "?#@"):
+        raise ValueError(f"{where}={redact(url)!r} names no bucket; give {scheme}://bucket/prefix")
+    parts = [p for p in key.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ValueError(f"{where}={redact(url)!r}: a key holds no '.' or '..' segment; give the prefix itself")
+    return Location(scheme, bucket, "/".join(parts))
+
+
+def options_for(scheme: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The filesystem's keyword arguments: osdpipe's :data:`DEFAULTS` for ``scheme``, with
+    ``storage_options[scheme]`` over them (nested dicts merged, the user's value winning)."""
+    merged = copy.deepcopy(DEFAULTS.get(scheme, {}))
+    _merge(merged, dict((storage_options or {}).get(scheme) or {}))
+    return merged
+
+
+def _merge(into: dict[str, Any], over: Mapping[str, Any]) -> None:
+    for name, value in over.items():
+        if isinstance(value, Mapping) and isinstance(into.get(name), dict):
+            _merge(into[name], value)
+        else:
+            into[name] = copy.deepcopy(value)
+
+
+def filesystem(
+    location: Location, storage_options: Mapping[str, Any] | None = None, where: str = "path", probe: bool = False
+):
+    """A fresh fsspec filesystem for ``location``'s store (not fsspec's cached instance: credentials and options are
+    read now). ``probe``: for a first look, which fails at the first error (s3fs's own retries off), so that a store
+    that does not answer is said within the options' timeouts.
+
+    Raises:
+        InputError or OutputError (:func:`error_type` of ``where``): the backend is not installed.
+    """
+    module, store = SCHEMES[location.scheme]
+    try:
+        __import__(module)
+    except ImportError:
+        raise error_type(where)(
+            f"{where}={location.url!r}: {store} needs {module}, which is not installed; "
+            "pip install 'osdpipe[cloud]'"
+        ) from None
+    import fsspec
+
+    fs = fsspec.filesystem(location.scheme, skip_instance_cache=True, **options_for(location.scheme, storage_options))
+    if probe and hasattr(fs, "retries"):
+        fs.retries = 1
+    return fs
+
+
+def error_type(where: str) -> type[Exception]:
+    """The project's error for a bad ``where``: :class:`OutputError` for ``output.path``, else :class:`InputError`."""
+    if where.startswith("output"):
+        return OutputError
+    from osdpipe.io.formats.base import InputError  # imports torch: a running job's, not start-up's
+
+    return InputError
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not s for s in seen):
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, Mapping):
+        return (response.get("Error") or {}).get("Code") or None
+    return None
+
+
+def endpoint(location: Location, storage_options: Mapping[str, Any] | None = None) -> str:
+    """The endpoint the filesystem talks to, as far as the options and the environment say (for messages)."""
+    options = options_for(location.scheme, storage_options)
+    given = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+    if location.scheme == "s3":
+        given = given or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return redact(str(given)) if given else f"{location.store}'s own"
+
+
+def failure(
+    exc: BaseException,
+    location: Location,
+    where: str = "path",
+    storage_options: Mapping[str, Any] | None = None,
+    key: Location | None = None,
+) -> Exception:
+    """What went wrong with ``location`` (``where``: the config key that named it), in one line without a credential:
+    an :class:`InputError` or :class:`OutputError`. ``key``: the object being read or written when it failed."""
+    chain = _chain(exc)
+    names = {type(e).__name__ for e in chain}
+    codes = {c for e in chain if (c := _code(e))}
+    said = f"{where}={location.url!r}"
+    store, at = location.store, endpoint(location, storage_options)
+    verb = "write" if where.startswith("output") else "read"
+    denied = f"access denied{_at(key)}; the credentials in use may not {verb} here"
+    if names & _NO_CREDENTIALS:
+        text = f"no {store} credentials found; {_HOW_TO_GIVE_CREDENTIALS[location.scheme]}"
+    elif "NoSuchBucket" in codes:
+        text = f"no such bucket {location.bucket!r} at the endpoint {at}; check its name and the endpoint"
+    elif codes & _DENIED:
+        text = denied
+    elif codes & _REFUSED:
+        text = f"the {store} credentials were refused ({', '.join(sorted(codes & _REFUSED))}); check or renew them"
+    elif names & _TIMED_OUT:
+        text = f"the endpoint {at} does not answer (timed out); check it (AWS_ENDPOINT_URL, runtime.storage_options)"
+    elif names & _UNREACHABLE:
+        text = f"cannot connect to the endpoint {at}; check it (AWS_ENDPOINT_URL, runtime.storage_options)"
+    elif codes & {"NoSuchKey", "404", "NotFound"} or any(isinstance(e, FileNotFoundError) for e in chain):
+        text = f"{(key or location).url!r} does not exist; check the prefix"
+    elif any(isinstance(e, PermissionError) for e in chain):
+        text = denied
+    else:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        text = f"{store} failed{_at(key)}: {first}"
+    return error_type(where)(redact(f"{said}: {text}", storage_options))
+
+
+_NO_CREDENTIALS = {
+    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "DefaultCredentialsError"
+}  # fmt: skip
+_HOW_TO_GIVE_CREDENTIALS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile (AWS_PROFILE, ~/.aws/credentials), an instance "
+    "role, or runtime.storage_options.s3",
+    "gs": "run gcloud auth application-default login, set GOOGLE_APPLICATION_CREDENTIALS, "
+    "or runtime.storage_options.gs",
+}
+_DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
+_REFUSED = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
+_TIMED_OUT = {"ConnectTimeoutError", "ReadTimeoutError", "TimeoutError", "ConnectionTimeoutError", "ServerTimeoutError"}
+_UNREACHABLE = {"EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError", "ConnectionError"}
+
+
+def _at(key: Location | None) -> str:
+    return f" on {key.url!r}" if key is not None else ""
+
+
+def _secrets(storage_options: Mapping[str, Any] | None) -> list[str]:
+    found = [os.environ[v] for v in SECRET_VARIABLES if os.environ.get(v)]
+
+    def walk(node: Any, secret: bool) -> None:
+        if isinstance(node, Mapping):
+            for name, value in node.items():
+                walk(value, secret or str(name).lower() in SECRET_KEYS)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value, secret)
+        elif secret and node is not None and str(node):
+            found.append(str(node))
+
+    walk(storage_options or {}, False)
+    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+
+
+def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
+    """``text`` without a credential: signed query values, a URL's user and password, AWS key IDs, and every secret
+    of the environment (:data:`SECRET_VARIABLES`) and of ``storage_options`` (:data:`SECRET_KEYS`), each as ``***``."""
+    for secret in _secrets(storage_options):
+        text = text.replace(secret, REDACTED)
+    text = _SIGNED.sub(lambda m: m.group(1) + REDACTED, text)
+    text = _USERINFO.sub(lambda m: m.group(1) + REDACTED + "@", text)
+    return _ACCESS_KEY_ID.sub(REDACTED, text)
+
+
+def redacted_options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` as it may be recorded (the manifest's config): every value under a :data:`SECRET_KEYS` key
+    is ``***``, and a URL's user and password or signature are taken out."""
+
+    def clean(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            return {
+                name: (REDACTED if str(name).lower() in SECRET_KEYS and value is not None else clean(value))
+                for name, value in node.items()
+            }
+        if isinstance(node, (list, tuple)):
+            return [clean(v) for v in node]
+        return redact(node) if isinstance(node, str) else node
+
+    return clean(storage_options or {})
+
+
+def info(location: Location, storage_options: Mapping[str, Any] | None = None, where: str = "input.path") -> dict:
+    """fsspec's ``info`` of ``location`` (an object, or a prefix: ``type`` ``directory``), read now.
+
+    Raises:
+        InputError or OutputError: in one line (:func:`failure`), a missing bucket said as such, not as a missing key.
+    """
+    fs = filesystem(location, storage_options, where, probe=True)
+    try:
+        return fs.info(location.path)
+    except FileNotFoundError as exc:
+        try:
+            there = fs.exists(location.bucket)
+        except Exception:  # noqa: BLE001 - the first failure is the one to say
+            there = True
+        if not there:
+            raise failure(_NoSuchBucket(), location, where, storage_options) from None
+        raise failure(exc, location, where, storage_options) from None
+    except Exception as exc:  # noqa: BLE001 - said in one line, whatever the backend raised
+        raise failure(exc, location, where, storage_options) from None
+
+
+class _NoSuchBucket(Exception):
+    """A bucket found missing by a look at it, where the store's reply said only "not found"."""
+
+    response = {"Error": {"Code": "NoSuchBucket"}}

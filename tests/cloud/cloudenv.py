@@ -1,0 +1,65 @@
+"""What the object-storage tests share: the fake credentials, a test's view of the S3 server, its environment.
+
+tests/cloud/conftest.py starts the server and hands each test an :class:`S3`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+#: The fake credentials every test runs under; tests/cloud look for them in what osdpipe writes.
+ACCESS_KEY = "AKIAOSDPIPETESTKEY01"
+SECRET_KEY = "osdpipe-test-secret-do-not-print-0123456789"
+#: Variables of the AWS credential chain a test must not inherit from the machine.
+AWS_CHAIN = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
+
+
+@dataclass(frozen=True)
+class S3:
+    """One test's view of the server: its endpoint and a bucket of its own, created empty."""
+
+    endpoint: str
+    bucket: str
+
+    def url(self, *parts: str) -> str:
+        """``s3://<bucket>/<parts joined by />``."""
+        return "/".join([f"s3://{self.bucket}", *parts])
+
+    def fs(self):
+        """An s3fs filesystem on the server, fresh (not fsspec's cached instance), for the test's own looks."""
+        import s3fs
+
+        return s3fs.S3FileSystem(
+            endpoint_url=self.endpoint, key=ACCESS_KEY, secret=SECRET_KEY, skip_instance_cache=True
+        )
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every object under ``prefix`` of the bucket, as keys relative to the bucket."""
+        fs = self.fs()
+        root = f"{self.bucket}/{prefix}".rstrip("/")
+        return sorted(p.split("/", 1)[1] for p in fs.find(root)) if fs.exists(root) else []
+
+
+def aws_environment(monkeypatch: pytest.MonkeyPatch, endpoint: str, home: Path) -> None:
+    """The test's (and its subprocesses') environment: the server as the endpoint, fake credentials, nothing else."""
+    for name in AWS_CHAIN:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(home / "aws-config-absent"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "aws-credentials-absent"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")

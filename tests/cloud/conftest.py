@@ -1,0 +1,44 @@
+"""A real S3 server for the object-storage tests: moto's server mode on 127.0.0.1, on a free port, once per session.
+
+The server runs in a thread of the test process (``moto.server.ThreadedMotoServer``) and speaks S3's HTTP API like
+any S3-compatible store; the code under test reaches it only through ``AWS_ENDPOINT_URL``, as a user points osdpipe at
+MinIO or Ceph, so subprocesses (``python -m osdpipe``) reach it too. Each test gets its own bucket, and an environment
+holding only fake credentials: no file of the user's (``~/.aws``), no profile and no instance metadata can lend real
+ones (tests/cloud/cloudenv.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cloudenv import S3, aws_environment
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """The server's URL, ``http://127.0.0.1:<port>``; started on a port the kernel picked, stopped after the session."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not one line per request on the tests' stderr
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3:
+    """A fresh bucket on the server, and the environment pointing at it (see :func:`aws_environment`)."""
+    aws_environment(monkeypatch, s3_endpoint, tmp_path)
+    here = S3(s3_endpoint, f"osdpipe-{uuid.uuid4().hex[:16]}")
+    here.fs().mkdir(here.bucket)
+    assert os.environ["AWS_ENDPOINT_URL"] == s3_endpoint
+    return here

@@ -1,0 +1,234 @@
+"""``output.path=s3://bucket/prefix``: the ``osdpipe`` command converts, uploads and commits whole into a real S3 server
+(tests/cloud/conftest.py), byte for byte what the same conversion writes on the local disk.
+
+One subprocess runs every conversion of the module (tests/support/cli_driver.py: the command's entry point, once per
+case); the tests then look at the bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from cloudenv import ACCESS_KEY, S3, SECRET_KEY, aws_environment
+from helpers import run_cli_cases, user_env
+
+from osdpipe.io import remote_output, store
+from osdpipe.io.output import OutputError
+
+TIMEOUT_S = 120
+FORMATS = {
+    "rank_local": ["target.world_size=3"],
+    "fsdp_full": ["target.world_size=2", "output.format=fsdp_full"],
+    "dcp": ["target.kind=fsdp2", "target.world_size=3", "output.format=dcp"],
+}
+RECORDS = ("manifest.json", "report.json", "osdpipe.log")
+
+
+@pytest.fixture(scope="module")
+def converted(s3_endpoint: str, tmp_path_factory) -> tuple[S3, Path, list[dict]]:
+    """Each format converted offline twice from one user's job: into ``<root>/local/<fmt>`` and into
+    ``s3://<bucket>/<fmt>``."""
+    import userlm
+
+    root = tmp_path_factory.mktemp("s3_output")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        aws_environment(monkeypatch, s3_endpoint, root)
+        bucket = S3(s3_endpoint, f"osdpipe-{uuid.uuid4().hex[:16]}")
+        bucket.fs().mkdir(bucket.bucket)
+        torch.manual_seed(0)
+        model = userlm.build()
+        torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
+        source = ["model.factory=userlm:build", f"input.path={root / 'optim.pt'}", "source.world_size=1",
+                  "runtime.mode=offline"]  # fmt: skip
+        cases = [
+            [*source, *args, f"output.path={where}"]
+            for fmt, args in FORMATS.items()
+            for where in (root / "local" / fmt, bucket.url(fmt))
+        ]
+        results = run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env())
+    return bucket, root, results
+
+
+def _data(files: dict[str, bytes]) -> dict[str, bytes]:
+    return {name: data for name, data in files.items() if Path(name).name not in RECORDS}
+
+
+def _local_files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def _remote_files(bucket: S3, prefix: str) -> dict[str, bytes]:
+    fs = bucket.fs()
+    return {key[len(prefix) + 1 :]: fs.cat_file(f"{bucket.bucket}/{key}") for key in bucket.keys(prefix)}
+
+
+def test_every_conversion_ran(converted) -> None:
+    _, _, results = converted
+    for result in results:
+        assert result["code"] == 0, result["stderr"]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_each_format_lands_in_s3_byte_for_byte_the_local_conversion(converted, fmt: str) -> None:
+    bucket, root, _ = converted
+    local, remote = _local_files(root / "local" / fmt), _remote_files(bucket, fmt)
+    assert set(remote) == set(local), "the prefix holds the conversion, its manifest, report and log; nothing else"
+    assert _data(remote) == _data(local)
+    assert _data(remote)
+    local_manifest, remote_manifest = json.loads(local["manifest.json"]), json.loads(remote["manifest.json"])
+    assert remote_manifest["content_sha256"] == local_manifest["content_sha256"]
+    assert remote_manifest["files"] == local_manifest["files"]
+    assert remote_manifest["config"]["output"]["path"] == bucket.url(fmt)
+    assert json.loads(remote["report.json"])["ok"] is True
+
+
+def test_the_local_job_directory_keeps_the_record_not_the_conversion(converted) -> None:
+    _, root, results = converted
+    jobs = [p.parent for p in root.glob("outputs/*/*/report.json")]
+    assert len(jobs) == len(FORMATS), jobs
+    for job in jobs:
+        assert sorted(p.name for p in job.iterdir()) == ["osdpipe.log", "report.json"]
+    summaries = [r["stdout"] for r in results[1::2]]
+    assert all("s3://" in s for s in summaries), summaries
+
+
+def test_a_dcp_output_loads_with_pytorchs_own_fsspec_reader(converted, monkeypatch, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    bucket, root, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)  # the reader finds the server as a user's job would
+    local_meta = FileSystemReader(str(root / "local" / "dcp" / "dcp")).read_metadata()
+    remote_meta = FsspecReader(bucket.url("dcp", "dcp")).read_metadata()
+    assert remote_meta.state_dict_metadata.keys() == local_meta.state_dict_metadata.keys()
+    key = next(k for k, v in local_meta.state_dict_metadata.items() if hasattr(v, "size") and v.size.numel() > 1)
+    want, got = ({key: torch.empty(local_meta.state_dict_metadata[key].size)} for _ in range(2))
+    dcp.load(want, storage_reader=FileSystemReader(str(root / "local" / "dcp" / "dcp")), no_dist=True)
+    dcp.load(got, storage_reader=FsspecReader(bucket.url("dcp", "dcp")), no_dist=True)
+    assert torch.equal(got[key], want[key])
+
+
+def test_no_credential_is_written_anywhere(converted) -> None:
+    bucket, root, results = converted
+    written = [p.read_bytes() for p in root.rglob("*") if p.is_file() and p.suffix != ".pt"]
+    written += [data for fmt in FORMATS for name, data in _remote_files(bucket, fmt).items() if name in RECORDS]
+    written += [(r["stdout"] + r["stderr"]).encode() for r in results]
+    for secret in (ACCESS_KEY, SECRET_KEY):
+        assert not [w for w in written if secret.encode() in w]
+
+
+# ------------------------------------------------------------------ the prefix's life: refused, overwritten, recovered
+
+
+def _convert(s3: S3, tmp_path: Path, *extra: str) -> dict:
+    import userlm
+
+    if not (tmp_path / "optim.pt").exists():
+        torch.manual_seed(0)
+        model = userlm.build()
+        torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=1)), tmp_path / "optim.pt")
+    args = ["model.factory=userlm:build", f"input.path={tmp_path / 'optim.pt'}", "source.world_size=1",
+            "runtime.mode=offline", *extra]  # fmt: skip
+    [result] = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
+    return result
+
+
+def test_a_prefix_holding_a_conversion_is_refused_then_overwritten_whole(s3: S3, tmp_path: Path) -> None:
+    first = _convert(s3, tmp_path, "target.world_size=3", f"output.path={s3.url('out')}")
+    assert first["code"] == 0, first["stderr"]
+    assert "out/rank_2.pt" in s3.keys()
+    again = _convert(s3, tmp_path, "target.world_size=2", f"output.path={s3.url('out')}")
+    assert again["code"] == 2
+    assert again["stderr"].strip().splitlines() == [
+        f"osdpipe: error: output.path='{s3.url('out')}' already holds a conversion (manifest.json, rank_0.pt, "
+        "rank_1.pt); choose another path or set output.overwrite=true"
+    ]
+    replaced = _convert(s3, tmp_path, "target.world_size=2", f"output.path={s3.url('out')}", "output.overwrite=true")
+    assert replaced["code"] == 0, replaced["stderr"]
+    assert s3.keys("out") == [f"out/{n}" for n in ("manifest.json", "osdpipe.log", "rank_0.pt", "rank_1.pt",
+                                                   "report.json")]  # fmt: skip
+    manifest = json.loads(s3.fs().cat_file(f"{s3.bucket}/out/manifest.json"))
+    assert manifest["config"]["target"]["world_size"] == 2
+
+
+def test_a_missing_bucket_is_one_line_and_nothing_is_written(s3: S3, tmp_path: Path) -> None:
+    result = _convert(s3, tmp_path, "target.world_size=2", "output.path=s3://osdpipe-no-such-bucket/out")
+    assert result["code"] == 2
+    assert result["stderr"].strip().splitlines() == [
+        "osdpipe: error: output.path='s3://osdpipe-no-such-bucket/out': no such bucket 'osdpipe-no-such-bucket' "
+        f"at the endpoint {s3.endpoint}; check its name and the endpoint"
+    ]
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.pt"))
+
+
+def _staged(tmp_path: Path, world: int) -> Path:
+    """A committed local conversion of ``world`` rank files, as publish finds one."""
+    directory = tmp_path / f"staged_{world}"
+    directory.mkdir()
+    files = {f"rank_{r}.pt": f"new rank {r}".encode() for r in range(world)}
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    (directory / "manifest.json").write_text(json.dumps({"files": {n: "x" for n in files}, "config": {}}))
+    return directory
+
+
+def test_a_run_killed_mid_upload_leaves_the_previous_conversion_and_the_next_run_names_the_strays(s3: S3, tmp_path):
+    destination = remote_output.prepare(s3.url("out"), overwrite=False)
+    remote_output.publish(destination, _staged(tmp_path, 3))
+    before = _remote_files(s3, "out")
+    fs = s3.fs()
+    fs.pipe(f"{s3.bucket}/out/.incoming/rank_0.pt", b"half of a new conversion")  # killed before its manifest
+    assert _remote_files(s3, "out")["rank_0.pt"] == b"new rank 0"
+    again = remote_output.prepare(s3.url("out"), overwrite=True)
+    assert again.notes == [
+        f"removed 1 stray object(s) an unfinished run left under {s3.url('out', '.incoming')}/: rank_0.pt"
+    ]
+    assert _remote_files(s3, "out") == before
+
+
+def test_a_run_killed_while_committing_is_finished_by_the_next(s3: S3, tmp_path: Path) -> None:
+    destination = remote_output.prepare(s3.url("out"), overwrite=False)
+    remote_output.publish(destination, _staged(tmp_path, 3))
+    new = _staged(tmp_path, 2)
+    fs = s3.fs()
+    for path in new.iterdir():  # the upload finished, manifest last; the run died before the commit's first step
+        fs.pipe(f"{s3.bucket}/out/.incoming/{path.name}", path.read_bytes())
+    fs.rm(f"{s3.bucket}/out/manifest.json")  # ... or during it: the previous markers gone
+    again = remote_output.prepare(s3.url("out"), overwrite=True)
+    assert again.notes and again.notes[0].startswith("finished committing into")
+    assert s3.keys("out") == ["out/manifest.json", "out/rank_0.pt", "out/rank_1.pt"]
+    assert _remote_files(s3, "out")["rank_1.pt"] == b"new rank 1"
+
+
+def test_the_markers_go_last_and_a_failed_upload_removes_what_it_uploaded(s3: S3, tmp_path: Path) -> None:
+    assert remote_output.markers_last(["manifest.json", "dcp/.metadata", "dcp/__0_0.distcp", "rank_0.pt"]) == [
+        "dcp/__0_0.distcp", "rank_0.pt", "dcp/.metadata", "manifest.json"
+    ]  # fmt: skip
+    destination = remote_output.prepare(s3.url("out"), overwrite=False)
+    uploaded = []
+
+    def refused(path: str, data: bytes, **kwargs) -> None:  # the store refuses the manifest, the upload's last object
+        uploaded.extend(s3.keys("out/.incoming"))
+        raise PermissionError(f"Access Denied on {path}")
+
+    destination.fs.pipe_file = refused
+    with pytest.raises(OutputError) as caught:
+        remote_output.publish(destination, _staged(tmp_path, 2))
+    assert str(caught.value) == (
+        f"output.path='{s3.url('out')}': access denied; the credentials in use may not write here"
+    )
+    assert uploaded == ["out/.incoming/rank_0.pt", "out/.incoming/rank_1.pt"]
+    assert s3.keys("out") == []
+
+
+def test_a_prefix_that_cannot_be_written_is_refused_before_the_run(s3: S3, monkeypatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(OutputError, match="^output.path='s3://[^']+/out': no S3 credentials found; set "):
+        remote_output.prepare(s3.url("out"), overwrite=False)
+    assert store.is_remote(s3.url("out"))

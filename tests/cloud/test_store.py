@@ -1,0 +1,154 @@
+"""osdpipe.io.store against a real S3 server (tests/cloud/conftest.py): where a path lives, the filesystem opened the
+standard way, each failure in one line without a credential."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from cloudenv import ACCESS_KEY, SECRET_KEY
+
+from osdpipe.io import store
+from osdpipe.io.formats.base import InputError
+from osdpipe.io.output import OutputError
+
+#: Small timeouts for the endpoints that do not answer: a failure in seconds.
+QUICK = {"s3": {"config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}}
+
+
+def test_urls_and_local_paths_are_told_apart() -> None:
+    assert store.is_remote("s3://bucket/a/b") and store.is_remote("gs://bucket") and store.is_remote("S3://b/k")
+    assert not store.is_remote("/ckpt/optim.pt") and not store.is_remote("s3_like/dir") and not store.is_remote(None)
+    assert store.is_url("abfs://c/k") and not store.is_remote("abfs://c/k")
+    where = store.parse("s3://bucket//a/b/")
+    assert (where.bucket, where.key, where.url, where.path) == ("bucket", "a/b", "s3://bucket/a/b", "bucket/a/b")
+    assert where.child("dcp/.metadata").url == "s3://bucket/a/b/dcp/.metadata"
+    assert store.parse("gs://bucket").child("x").url == "gs://bucket/x"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("abfs://container/key", "reads and writes s3:// and gs://"),
+        ("s3:///key", "names no bucket"),
+        ("s3://bucket/a/../b", "no '.' or '..'"),
+    ],
+)
+def test_a_url_osdpipe_cannot_serve_is_refused_in_one_line(url: str, says: str) -> None:
+    with pytest.raises(ValueError, match="^input.path=") as caught:
+        store.parse(url, "input.path")
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_users_options_go_over_osdpipes_defaults_nested_dicts_merged() -> None:
+    options = store.options_for("s3", {"s3": {"config_kwargs": {"connect_timeout": 2}, "anon": True}, "gs": {"x": 1}})
+    assert options == {
+        "config_kwargs": {"connect_timeout": 2, "read_timeout": 30, "retries": {"max_attempts": 2}},
+        "anon": True,
+    }
+    assert store.DEFAULTS["s3"]["config_kwargs"]["connect_timeout"] == 10  # the defaults themselves unchanged
+
+
+def test_the_filesystem_finds_the_endpoint_and_credentials_the_standard_way(s3) -> None:
+    s3.fs().pipe(f"{s3.bucket}/ckpt/optim.pt", b"x" * 10)
+    where = store.parse(s3.url("ckpt/optim.pt"))
+    assert store.info(where)["size"] == 10
+    assert store.filesystem(where).cat(where.path) == b"x" * 10
+
+
+def test_a_missing_key_and_a_missing_bucket_are_each_named(s3) -> None:
+    with pytest.raises(InputError) as missing:
+        store.info(store.parse(s3.url("ckpt/absent.pt")), where="input.path")
+    assert str(missing.value) == (
+        f"input.path='{s3.url('ckpt/absent.pt')}': '{s3.url('ckpt/absent.pt')}' does not exist; check the prefix"
+    )
+    with pytest.raises(OutputError) as bucket:
+        store.info(store.parse("s3://osdpipe-no-such-bucket/out"), where="output.path")
+    assert str(bucket.value) == (
+        f"output.path='s3://osdpipe-no-such-bucket/out': no such bucket 'osdpipe-no-such-bucket' at the endpoint "
+        f"{s3.endpoint}; check its name and the endpoint"
+    )
+
+
+def test_no_credentials_is_said_with_where_to_give_them(s3, monkeypatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(InputError, match="no S3 credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+        store.info(store.parse(s3.url("k")))
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """An endpoint that takes connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def test_an_endpoint_that_does_not_answer_times_out_instead_of_hanging(s3, monkeypatch, silent_endpoint) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", silent_endpoint)
+    start = time.monotonic()
+    with pytest.raises(InputError) as caught:
+        store.info(store.parse(s3.url("k")), QUICK)
+    assert time.monotonic() - start < 30
+    assert f"the endpoint {silent_endpoint} does not answer (timed out)" in str(caught.value)
+
+
+def test_an_endpoint_nobody_listens_on_is_named(s3, monkeypatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{taken.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    with pytest.raises(InputError, match=f"cannot connect to the endpoint {closed}; check it"):
+        store.info(store.parse(s3.url("k")), QUICK)
+
+
+def test_no_credential_reaches_a_message() -> None:
+    signed = (
+        "GET https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAABCDEFGHIJKLMNOP%2F2026"
+        "&X-Amz-Signature=deadbeef&X-Amz-Security-Token=tok123 failed; https://user:pa55word@host/x; key "
+        f"{ACCESS_KEY} secret {SECRET_KEY} token my-own-session-token"
+    )
+    options = {"s3": {"key": "AKIAOTHERKEY00000000", "client_kwargs": {"aws_session_token": "my-own-session-token"}}}
+    text = store.redact(signed, options)
+    for secret in ("AKIAABCDEFGHIJKLMNOP", "deadbeef", "tok123", "pa55word", "my-own-session-token"):
+        assert secret not in text, text
+    assert "X-Amz-Algorithm=AWS4-HMAC-SHA256" in text and "X-Amz-Signature=***" in text
+    assert store.redacted_options({**options, "gs": {"token": None, "project": "p"}}) == {
+        "s3": {"key": "***", "client_kwargs": {"aws_session_token": "***"}},
+        "gs": {"token": None, "project": "p"},
+    }
+
+
+def test_the_environments_credentials_never_reach_a_failure(s3, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAREFUSEDKEY000000")
+    failure = store.failure(
+        RuntimeError(f"request with {SECRET_KEY} and AKIAREFUSEDKEY000000 failed"), store.parse(s3.url("k"))
+    )
+    assert SECRET_KEY not in str(failure) and "AKIAREFUSEDKEY000000" not in str(failure)
+    assert str(failure) == f"path='{s3.url('k')}': S3 failed: request with *** and *** failed"
+
+
+def test_runtime_storage_options_are_recorded_without_a_credential() -> None:
+    from osdpipe.spec.config import RuntimeConfig
+
+    runtime = RuntimeConfig(storage_options={"s3": {"endpoint_url": "http://minio:9000", "secret": SECRET_KEY}})
+    assert runtime.storage_options["s3"]["secret"] == SECRET_KEY  # the run uses it
+    assert runtime.model_dump(mode="json")["storage_options"] == {
+        "s3": {"endpoint_url": "http://minio:9000", "secret": "***"}
+    }
+
+
+def test_an_object_store_input_is_refused_in_one_line_until_it_is_read() -> None:
+    from pydantic import ValidationError
+
+    from osdpipe.spec.config import InputConfig
+
+    with pytest.raises(ValidationError, match="input.path in object storage is not read yet"):
+        InputConfig(path="s3://bucket/ckpt/optim.pt")
