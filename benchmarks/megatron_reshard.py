@@ -32,6 +32,7 @@ from pathlib import Path
 
 GPT = {
     "num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 4096, "num_attention_heads": 16, "num_query_groups": 4,
+    "group_query_attention": True,
     "kv_channels": 64, "vocab_size": 20000, "make_vocab_size_divisible_by": 128, "swiglu": True,
     "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
 }

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 #: Parameters start on a multiple of this many elements in a bucket (128 bytes of a 16-bit dtype).
 PARAM_ALIGNMENT = 64
@@ -87,6 +88,16 @@ def without_weight_decay(key: str, shape: tuple[int, ...]) -> bool:
     weight decay (``wd_mult`` 0): a 1-D parameter per layer (a norm), the decoder's layer axis not counted
     (megatron-core ``optimizer/__init__.py`` ``_get_param_groups``)."""
     return len(shape) - (1 if key.startswith(LAYERS) else 0) == 1
+
+
+def query_groups(args: dict[str, Any]) -> int:
+    """The key/value heads of the GPT ``args`` describe: ``num_query_groups`` only with ``group_query_attention``
+    (Megatron-LM's ``core_transformer_config_from_args`` passes ``num_query_groups=None``, one group per head,
+    otherwise; ``--num-query-groups`` defaults to 1 even then)."""
+    heads = int(args["num_attention_heads"])
+    if args.get("group_query_attention"):
+        return int(args.get("num_query_groups") or heads)
+    return heads
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

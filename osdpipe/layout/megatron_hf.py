@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from osdpipe.layout.megatron import LAYERS, Gpt, global_shapes
+from osdpipe.layout.megatron import LAYERS, Gpt, global_shapes, query_groups
 
 EMBEDDING = "embedding.word_embeddings.weight"
 QKV = f"{LAYERS}self_attention.linear_qkv.weight"
@@ -81,16 +81,6 @@ _WHOLE_PER_LAYER = {
     MLP_NORM: "post_attention_layernorm.weight",
     FC2: "mlp.down_proj.weight",
 }
-
-
-def query_groups(args: dict[str, Any]) -> int:
-    """The key/value heads of the GPT ``args`` describe: ``num_query_groups`` only with ``group_query_attention``
-    (Megatron-LM's ``core_transformer_config_from_args`` passes ``num_query_groups=None``, one group per head,
-    otherwise; ``--num-query-groups`` defaults to 1 even then)."""
-    heads = int(args["num_attention_heads"])
-    if args.get("group_query_attention"):
-        return int(args.get("num_query_groups") or heads)
-    return heads
 
 
 def true_vocab_size(args: dict[str, Any]) -> int:

@@ -38,6 +38,7 @@ from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 from osdpipe.io.formats.inert_load import load_inert, load_inert_bytes
 from osdpipe.layout import megatron as layout
+from osdpipe.layout.megatron import query_groups
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
@@ -181,7 +182,7 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
         hidden_size=int(args["hidden_size"]),
         ffn_hidden_size=int(args["ffn_hidden_size"]),
         num_attention_heads=heads,
-        num_query_groups=int(args.get("num_query_groups") or heads),
+        num_query_groups=query_groups(args),
         kv_channels=int(args.get("kv_channels") or int(args["hidden_size"]) // heads),
         padded_vocab_size=int(args["padded_vocab_size"]),
         swiglu=bool(args.get("swiglu")),
