@@ -35,7 +35,7 @@ from typing import Any
 
 # the stages' products (CheckResult: what verify's checks give); it imports no torch
 from osdpipe.run.products import CheckResult, Keyed, Tally
-from osdpipe.spec.megatron import MEGATRON  # it imports nothing heavy
+from osdpipe.spec.megatron import HF, MEGATRON  # it imports nothing heavy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE = (
@@ -363,14 +363,18 @@ def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, An
     def roundtrip() -> CheckResult:
         # torch: not on check --help's path
         from osdpipe.io.formats.megatron import read_save
+        from osdpipe.pipeline.megatron import hf_problems
         from osdpipe.verify.megatron import roundtrip_problems
 
         source = raw["input"]["path"]
-        problems = roundtrip_problems(read_save(source), read_save(directory))
-        detail = "; ".join(problems[:5]) or (
-            f"every weight, fp32 master and moment, the param groups, step, iteration and scheduler equal the "
-            f"source's, bitwise ({source})"
-        )
+        if raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
+            problems = hf_problems(read_save(source), directory)
+            proved = "every fp32 master weight, mapped back from Hugging Face's Llama, equals the source's"
+        else:
+            problems = roundtrip_problems(read_save(source), read_save(directory))
+            proved = ("every weight, fp32 master and moment, the param groups, step, iteration and scheduler equal the "
+                      "source's")
+        detail = "; ".join(problems[:5]) or f"{proved}, bitwise ({source})"
         return CheckResult("roundtrip", not problems, detail)
 
     findings = [_run_one("files", lambda: check_files(directory, manifest)), _run_one("roundtrip", roundtrip)]

@@ -25,8 +25,9 @@ from typing import Any
 
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io import output
+from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import MegatronSave, read_save
-from osdpipe.io.formats.megatron_writer import Target, Written, write_save
+from osdpipe.io.formats.megatron_writer import VOCAB_KEYS, Target, Written, write_save
 from osdpipe.run import progress
 from osdpipe.run.collective import one_line
 from osdpipe.run.products import CheckResult, SkippedCheck
@@ -47,8 +48,9 @@ class Converted:
     """What a Megatron conversion did: the source it read, what it wrote, and each stage's seconds and bytes."""
 
     source: MegatronSave
-    target: Target
-    written: Written
+    #: The grid written and what the writer did (``None``: a Hugging Face folder, which has neither).
+    target: Target | None
+    written: Written | None
     stages: list[StageReport] = field(default_factory=list)
     roundtrip: str = ""
     #: Every committed file and its digest.
@@ -58,6 +60,7 @@ class Converted:
         """The Python API's answer: where the iteration folder is, both parallelisms and sharding types, which source
         (PP, TP) rank's RNG states each target rank got, and what the read-back proved."""
         s, t = self.source, self.target
+        assert t is not None and self.written is not None, "a Megatron output's"
         return {
             "folder": str(self.written.folder),
             "iteration": s.iteration,
@@ -85,17 +88,12 @@ def convert(job: MegatronJob, config: dict[str, Any], display: progress.Display 
     staging = output.begin(directory, job.fsync)
     try:
         save = _stage(stages, "load", display, lambda: read_save(job.source), _tensor_bytes)
-        target = Target(job.tp, job.pp, job.dp, job.optim_format or save.sharding)
-        written = _stage(stages, "shard", display, lambda: write_save(save, staging, target, workers=job.workers),
-                         lambda _: _tree_bytes(staging))
-        problems = _stage(stages, "verify", display, lambda: roundtrip_problems(save, read_save(staging)),
-                          lambda _: _tree_bytes(staging))
-        if problems:
-            raise ReadBackDiffers(f"{directory}: the written save read back differs: {'; '.join(problems[:3])}")
+        write = _as_hf if job.hf else _as_megatron
+        done = write(job, save, staging, stages, display)
 
         def commit() -> dict[str, Any]:
-            files = {**written.digests, **_small_files(staging, written.digests)}
-            write_manifest(staging, config, MEGATRON, files, {})
+            files = {**done.files, **_small_files(staging, done.files)}
+            write_manifest(staging, config, "hf" if job.hf else MEGATRON, files, {})
             output.commit(directory, job.fsync)
             return files
 
@@ -103,8 +101,72 @@ def convert(job: MegatronJob, config: dict[str, Any], display: progress.Display 
     except BaseException:
         output.abort(directory)
         raise
+    done.stages, done.files = stages, {name: str(d) for name, d in files.items()}
+    return done
+
+
+def _as_megatron(
+    job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None
+) -> Converted:
+    """The ``shard`` and ``verify`` stages of a Megatron output: written for the target's grid, read back whole."""
+    target = Target(job.tp, job.pp, job.dp, job.optim_format or save.sharding)
+    written = _stage(stages, "shard", display, lambda: write_save(save, staging, target, workers=job.workers),
+                     lambda _: _tree_bytes(staging))
+    problems = _stage(stages, "verify", display, lambda: roundtrip_problems(save, read_save(staging)),
+                      lambda _: _tree_bytes(staging))
+    if problems:
+        raise ReadBackDiffers(f"{job.output}: the written save read back differs: {'; '.join(problems[:3])}")
     proved = "every weight, fp32 master and moment, the param groups, step, iteration and scheduler, bitwise"
-    return Converted(save, target, written, stages, proved, {name: str(d) for name, d in files.items()})
+    return Converted(save, target, written, roundtrip=proved, files=dict(written.digests))
+
+
+def _as_hf(
+    job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None
+) -> Converted:
+    """The ``shard`` and ``verify`` stages of a Hugging Face folder (``output.checkpoint=hf``): the fp32 master weights
+    mapped to Llama's names and layout (:mod:`osdpipe.layout.megatron_hf`), written as ``save_pretrained`` writes
+    them, read back and mapped again: every element of every master, the vocabulary's padding rows left out."""
+    from osdpipe.io import hf_folder
+    from osdpipe.io.formats.megatron import gpt_of
+    from osdpipe.layout import megatron_hf
+
+    gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
+    masters = {key: states["param"] for key, states in save.optim.items()}
+
+    def write() -> dict[str, str]:
+        try:
+            config = megatron_hf.hf_config(save.args, vocab_size=vocab, dtype="float32")
+            state = megatron_hf.to_hf(gpt, masters, vocab)
+        except ValueError as exc:  # what Llama cannot express, named
+            raise InputError(f"{save.folder}: {exc}") from None
+        except KeyError as exc:
+            raise InputError(f"{save.folder / 'common.pt'}: args hold no {exc.args[0]}, which config.json needs; "
+                             "is it a Megatron-LM save?") from None
+        return hf_folder.write_folder(staging, config, state, job.max_shard_size)
+
+    files = _stage(stages, "shard", display, write, lambda _: _tree_bytes(staging))
+
+    problems = _stage(stages, "verify", display, lambda: hf_problems(save, staging), lambda _: _tree_bytes(staging))
+    if problems:
+        raise ReadBackDiffers(f"{job.output}: the written folder read back differs: {'; '.join(problems[:3])}")
+    proved = (f"every fp32 master weight, mapped to Hugging Face's Llama and back, bitwise (vocabulary {vocab} of "
+              f"{gpt.padded_vocab_size} padded rows)")
+    return Converted(save, None, None, roundtrip=proved, files=files)
+
+
+def hf_problems(save: MegatronSave, folder: Path) -> list[str]:
+    """Every fp32 master of ``save`` that the Hugging Face folder ``folder``, read back and mapped to Megatron's
+    layout again, does not hold bitwise (the vocabulary's padding rows, which the folder leaves out, aside)."""
+    from osdpipe.core.compare import bits_equal
+    from osdpipe.io import hf_folder
+    from osdpipe.io.formats.megatron import gpt_of
+    from osdpipe.layout import megatron_hf
+
+    gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
+    back = megatron_hf.from_hf(gpt, hf_folder.read_weights(folder), gpt.padded_vocab_size)
+    rows = {key: vocab if key in VOCAB_KEYS else None for key in save.optim}
+    return [f"{key}: differs from the source's fp32 master" for key, states in save.optim.items()
+            if not bits_equal(back[key][: rows[key]], states["param"][: rows[key]])]
 
 
 def run_command(spec: RunSpec, given: Given) -> Report:
@@ -174,8 +236,6 @@ def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
 def execute(job: MegatronJob, config: dict[str, Any], warnings: list[str], display: progress.Display) -> Report:
     """The command's run: :func:`convert`, with a report whatever happens (``report.json`` and ``osdpipe.log`` are
     the caller's to write). An unreadable source or a read-back that differs is a failed run; a bug is raised."""
-    from osdpipe.io.formats.base import InputError
-
     watch = MemoryWatch("launcher").start()
     skipped = [SkippedCheck(name, "needs the target's own job, which only megatron-core builds")
                for name in config.get("pipeline", {}).get("checks", []) if name not in MEGATRON_CHECKS]
@@ -205,12 +265,22 @@ _FATES = {
 }
 
 
+#: What a Hugging Face folder does with each part: it holds the model alone.
+_HF_FATES = {
+    "model": "left out: the fp32 master weights are the folder's weights (output.checkpoint=hf)",
+    "optimizer": "converted: the fp32 master weights, mapped to Hugging Face's Llama; the moments and steps are left "
+                 "out (a Hugging Face folder holds the model alone)",
+    "other": "left out: a Hugging Face folder holds the model alone (config.json from args)",
+}
+
+
 def _fates(done: Converted) -> list[dict[str, Any]]:
     """Every entry of the source save and what became of it, as ``report.json`` lists a whole checkpoint's."""
     from osdpipe.io.checkpoints import get
 
+    fates = _FATES if done.target is not None else _HF_FATES
     read = get(MEGATRON).read(done.source.folder)
-    return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": _FATES[e.part]}
+    return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": fates[e.part]}
             for e in read.entries]
 
 
@@ -218,7 +288,7 @@ def _rng_notes(done: Converted) -> list[str]:
     """What the report says of the RNG states: Megatron-LM loads them once the args match the grid, so a target rank
     that has no source rank of its own (PP, TP) gets another's, which draws the same dropout masks."""
     s, t = done.source, done.target
-    if (s.tp, s.pp) == (t.tp, t.pp) or not done.written.rng_from:
+    if t is None or done.written is None or (s.tp, s.pp) == (t.tp, t.pp) or not done.written.rng_from:
         return []
     return [
         f"RNG states: the target's (PP, TP) grid {t.pp}x{t.tp} differs from the source's {s.pp}x{s.tp}; target rank "

@@ -316,12 +316,13 @@ class OutputConfig(_Frozen):
     save, which osdpipe does not write, ``pytorch``. ``pytorch`` and
     ``accelerate`` are written from a checkpoint of any layout; ``torchtitan`` from one whose files say
     the step it was saved at (a DeepSpeed save's ``global_steps``), which
-    names its ``step-<N>`` folder.
+    names its ``step-<N>`` folder; ``hf`` from a Megatron-LM save: a Hugging Face
+    model folder of its fp32 master weights (:mod:`osdpipe.pipeline.megatron`).
     """
 
     path: str
     format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
-    checkpoint: Literal["torchtitan", "accelerate", "pytorch"] | None = None
+    checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf"] | None = None
     key: str = "optim"
     overwrite: bool = False
     #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.io.output`); ``false``: for

@@ -16,6 +16,8 @@ from typing import Any
 
 #: ``checkpoint=`` and ``target.kind=`` of a Megatron-LM save.
 MEGATRON = "megatron"
+#: ``output.checkpoint=`` of a Hugging Face model folder (``config.json``, safetensors), written from a Megatron save.
+HF = "hf"
 #: The checks a Megatron conversion runs itself; the others of ``pipeline.checks`` need the target's own job, which
 #: only megatron-core builds (the tests run it: tests/frameworks/test_megatron.py).
 MEGATRON_CHECKS = ("roundtrip",)
@@ -37,6 +39,11 @@ def megatron_problem(spec: Any) -> str | None:
             f"output.megatron_optim_format={output.megatron_optim_format} is how a Megatron-LM output saves its "
             "optimizer; set checkpoint=megatron, or leave it out"
         )
+    if output.checkpoint == HF and layout != MEGATRON:
+        return (
+            f"output.checkpoint=hf writes a Megatron-LM save (checkpoint=megatron) as a Hugging Face folder; from "
+            f"checkpoint={layout}: set output.model_format=safetensors output.model_keys=hf"
+        )
     if target.kind == MEGATRON and layout != MEGATRON:
         return (
             f"target.kind=megatron writes a Megatron-LM save from one (checkpoint=megatron); from checkpoint={layout}: "
@@ -53,8 +60,8 @@ def megatron_problem(spec: Any) -> str | None:
         return "checkpoint=megatron converts a Megatron-LM save: give input.path (osdpipe does not train Megatron jobs)"
     if target.tp_plan:
         return "target.tp_plan: Megatron's model lays out its own tensor parallelism; leave it empty"
-    if output.checkpoint is not None or output.model_format is not None:
-        key = "output.checkpoint" if output.checkpoint is not None else "output.model_format"
+    if output.checkpoint not in (None, HF) or output.model_format is not None:
+        key = "output.checkpoint" if output.checkpoint not in (None, HF) else "output.model_format"
         return f"{key}: a Megatron-LM save is written as Megatron's own (other layouts: not supported yet); drop it"
     if spec.input.format != "dcp" or output.format != "dcp":
         key = "input.format" if spec.input.format != "dcp" else "output.format"
@@ -78,6 +85,10 @@ class MegatronJob:
     overwrite: bool = False
     fsync: bool = True
     workers: int = 1
+    #: Write a Hugging Face folder of the fp32 master weights instead (``output.checkpoint=hf``): no target grid.
+    hf: bool = False
+    #: A Hugging Face folder's largest safetensors file (``output.max_shard_size``); ``None``: one file.
+    max_shard_size: int | None = None
 
     @classmethod
     def of(cls, spec: Any) -> MegatronJob:
@@ -93,6 +104,8 @@ class MegatronJob:
             overwrite=spec.output.overwrite,
             fsync=spec.output.fsync,
             workers=spec.runtime.workers,
+            hf=spec.output.checkpoint == HF,
+            max_shard_size=spec.output.max_shard_size,
         )
 
     def config(self) -> dict[str, Any]:
@@ -105,7 +118,7 @@ class MegatronJob:
             },
             "output": {
                 "path": self.output, "megatron_optim_format": self.optim_format, "overwrite": self.overwrite,
-                "fsync": self.fsync,
+                "fsync": self.fsync, "checkpoint": HF if self.hf else None, "max_shard_size": self.max_shard_size,
             },
             "runtime": {"mode": "offline", "workers": self.workers},
         }

@@ -200,3 +200,24 @@ def test_the_written_folder_loads_with_from_pretrained(megatron: dict) -> None:
     with torch.no_grad():
         logits = model(megatron["tokens"]).logits
     assert _difference(megatron, logits) <= RELATIVE_TOLERANCE
+
+
+def test_the_command_writes_a_folder_that_transformers_loads_and_that_computes_megatrons_logits(
+    megatron: dict, tmp_path: Path
+) -> None:
+    """``osdpipe checkpoint=megatron output.checkpoint=hf``, in a subprocess: ``from_pretrained`` loads the folder, its
+    weights are the fp32 masters mapped bitwise, and its logits are Megatron's within the tolerance."""
+    from helpers import run_osdpipe
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "hf"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={megatron['save'].folder}", "output.checkpoint=hf",
+                       f"output.path={out}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model = LlamaForCausalLM.from_pretrained(out).eval()
+    expected = to_hf(megatron["gpt"], _masters(megatron), megatron["vocab"])
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[key], t) for key, t in expected.items())
+    with torch.no_grad():
+        difference = _difference(megatron, model(megatron["tokens"]).logits)
+    assert difference <= RELATIVE_TOLERANCE, difference

@@ -22,6 +22,7 @@ ARGS = {
     "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
     "kv_channels": 8, "vocab_size": 1000, "make_vocab_size_divisible_by": 96, "swiglu": True,
     "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
+    "normalization": "RMSNorm", "position_embedding_type": "rope", "group_query_attention": True, "seq_length": 16,
 }
 
 
@@ -207,3 +208,35 @@ def test_bad_megatron_configs_are_refused_in_one_line_and_write_nothing(tmp_path
     again = run_cli_cases([[*grid, "target.world_size=2"]], cwd=tmp_path)[0]
     assert again["code"] == 2 and "already holds a conversion" in again["stderr"]
     assert sorted(p.name for p in out.iterdir()) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
+
+
+def test_output_checkpoint_hf_writes_the_fp32_masters_as_a_hugging_face_folder_that_maps_back_bitwise(
+    tmp_path: Path,
+) -> None:
+    """No target grid: the folder is the whole model. Its weights are the masters (not the model's weights), mapped to
+    Llama's names, the vocabulary's padding dropped; sharded past output.max_shard_size with an index."""
+    import json
+
+    from helpers import run_osdpipe
+
+    from osdpipe.io.hf_folder import read_weights
+    from osdpipe.layout.megatron_hf import from_hf
+
+    save = _save(tmp_path, tp=2)
+    out = tmp_path / "hf"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={save}", "output.checkpoint=hf",
+                       "output.max_shard_size=200KB", f"output.path={out}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["vocab_size"], config["num_key_value_heads"], config["num_hidden_layers"]) == (1000, 2, 2)
+    assert (out / "model.safetensors.index.json").is_file()
+    source = read_save(save)
+    back = from_hf(layout.Gpt(2, 32, 64, 4, 2, 8, 1152, True), read_weights(out), 1152)
+    for key, states in source.optim.items():
+        rows = 1000 if key in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+        assert torch.equal(back[key][:rows], states["param"][:rows]), key
+    assert not torch.equal(source.model["output_layer.weight"], source.optim["output_layer.weight"]["param"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and "mapped to Hugging Face's Llama and back, bitwise" in report["checks"][0]["detail"]
+    checked = run_osdpipe("check", str(out), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
