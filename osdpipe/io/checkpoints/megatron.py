@@ -19,6 +19,7 @@ from osdpipe.io.checkpoints.base import CheckpointLayout, Entry, ModelNaming, Wh
 from osdpipe.io.checkpoints.dcp_entries import dcp_items
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
+from osdpipe.layout.megatron import query_groups
 
 #: Entries by what their flat keys start with, and the part of a conversion each is.
 _OPTIMIZER = re.compile(
@@ -106,7 +107,7 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
     except InputError as exc:
         sharding = str(exc)
     dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
-    heads, groups = args.get("num_attention_heads"), args.get("num_query_groups") or args.get("num_attention_heads")
+    heads, groups = args.get("num_attention_heads"), query_groups(args)
     notes = [
         f"Megatron-LM torch_dist save of iteration {common.get('iteration', args.get('iteration'))}: TP{tp} PP{pp} "
         f"DP{dp} (world {args.get('world_size')}), EP{ep}, virtual pipeline stages {vpp or 'none'}",
