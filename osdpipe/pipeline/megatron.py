@@ -26,7 +26,7 @@ from typing import Any
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io import output
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.megatron import MegatronSave, read_save
+from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MegatronSave, read_save
 from osdpipe.io.formats.megatron_writer import VOCAB_KEYS, Target, Written, write_save
 from osdpipe.run import progress
 from osdpipe.run.collective import one_line
@@ -109,7 +109,7 @@ def _as_megatron(
     job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None
 ) -> Converted:
     """The ``shard`` and ``verify`` stages of a Megatron output: written for the target's grid, read back whole."""
-    target = Target(job.tp, job.pp, job.dp, job.optim_format or save.sharding)
+    target = Target(job.tp, job.pp, job.dp, job.optim_format or DEFAULT_OUTPUT[save.sharding])
     written = _stage(stages, "shard", display, lambda: write_save(save, staging, target, workers=job.workers),
                      lambda _: _tree_bytes(staging))
     problems = _stage(stages, "verify", display, lambda: roundtrip_problems(save, read_save(staging)),

@@ -73,24 +73,28 @@ def job_command(nproc: int, *argv: str) -> list[str]:
             *argv]
 
 
-def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: float = 600) -> float:
-    """Run one job (logged to ``workdir/label.log``, killed as a process group on timeout); its seconds."""
+def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: float = 600,
+            megatron_from: Path | None = None) -> float:
+    """Run one job (logged to ``workdir/label.log``, killed as a process group on timeout); its seconds.
+    ``megatron_from``: a folder holding another megatron-core, imported instead of the installed one."""
     from frameworks.launch import run_logged, worker_env
 
+    extra = {"PYTHONPATH": os.pathsep.join(p for p in (str(megatron_from), os.environ.get("PYTHONPATH", "")) if p)}
     seconds = run_logged(job_command(nproc, *argv), Path(workdir), label=label, timeout=timeout,
-                         what=f"megatron-core job ({nproc} ranks)", env=worker_env())
+                         what=f"megatron-core job ({nproc} ranks)", env=worker_env(**extra if megatron_from else {}))
     TIMINGS.append((label, seconds))
     return seconds
 
 
 def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, bf16: bool = False, steps: int = 3,
          resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None,
-         timeout: float = 600) -> Path:
+         timeout: float = 600, megatron_from: Path | None = None) -> Path:
     """Train ``steps`` steps at TP x PP x DP and save ``out`` as Megatron-LM would; return ``out``.
 
     ``truth_path(out)`` receives the gathered state at save time; with ``resume_truth``, the same job then takes
     that many synthetic steps (:func:`synthetic_grad`) and dumps to ``dump_after``; with ``logits`` (TP1 PP1 only),
-    the saved model's logits on :func:`probe_tokens` go there first (:func:`write_logits`).
+    the saved model's logits on :func:`probe_tokens` go there first (:func:`write_logits`). ``megatron_from``: a
+    folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
     """
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out)]
     if bf16:
@@ -99,10 +103,28 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, 
         argv += ["--logits", str(logits)]
     if resume_truth:
         argv += ["--resume-truth", str(resume_truth), "--dump-after", str(dump_after)]
-    run_job(workdir, tp * pp * dp, argv, label=f"save-{Path(out).name}", timeout=timeout)
+    run_job(workdir, tp * pp * dp, argv, label=f"save-{Path(out).name}", timeout=timeout, megatron_from=megatron_from)
     if not (Path(out) / "latest_checkpointed_iteration.txt").is_file() or not truth_path(out).is_file():
         raise RuntimeError(f"megatron-core job left no {out}/latest_checkpointed_iteration.txt or no {truth_path(out)}")
     return Path(out)
+
+
+#: The last megatron-core that saves ``fully_sharded_model_space`` (0.14 refuses a ShardedTensor's
+#: ``flattened_range``, which that type is made of); the job runs on it too, with the shims marked "0.13" here.
+LEGACY = "megatron-core==0.13.1"
+
+
+def legacy_megatron(root: Path) -> Path | None:
+    """A folder holding :data:`LEGACY`: ``$OSDPIPE_TEST_MEGATRON_013`` where set, else installed into ``root`` with
+    ``pip --target`` (never over the installed megatron-core); ``None`` where pip cannot get it."""
+    import subprocess
+
+    if os.environ.get("OSDPIPE_TEST_MEGATRON_013"):
+        return Path(os.environ["OSDPIPE_TEST_MEGATRON_013"])
+    target = Path(root) / "megatron-core-0.13"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+                           LEGACY], capture_output=True, text=True, timeout=600)
+    return target if done.returncode == 0 and (target / "megatron" / "core").is_dir() else None
 
 
 def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, bf16: bool = False,
@@ -192,6 +214,12 @@ def apply_cpu_patches() -> None:
     if _PATCHED:
         return
     _PATCHED = True
+    import numpy as np
+
+    if not hasattr(np, "product"):
+        # megatron-core 0.13 (the legacy job, which saves fully_sharded_model_space) still calls np.product,
+        # gone in numpy 2.
+        np.product = np.prod
     cuda = torch.cuda
     # 1-2: buffers are allocated on torch.cuda.current_device(); synchronize/empty_cache have nothing to wait for.
     cuda.current_device = lambda: "cpu"
@@ -562,7 +590,6 @@ def save_checkpoint(job: Job, save_dir: Path, iteration: int, sharding: str) -> 
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
     ckpt_dir = Path(save_dir) / f"iter_{iteration:07d}"
     md = sharded_metadata(job, sharding)
@@ -578,7 +605,7 @@ def save_checkpoint(job: Job, save_dir: Path, iteration: int, sharding: str) -> 
         strategy = FullyParallelSaveStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True), False)
     dist_checkpointing.save(sd, str(ckpt_dir), strategy, validate_access_integrity=True,
-                            content_metadata=_clean_metadata_for_serialization(md))
+                            content_metadata={k: v for k, v in md.items() if k != "dp_cp_group"})
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         (Path(save_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
@@ -722,7 +749,12 @@ def _local_records(job: Job) -> dict:
     (opt,) = dist_optimizers(job)
     metas = param_metadata(job)
     # fp32 masters and moments per model parameter, whole over DP (the optimizer's own DP gather).
-    world = opt.get_parameter_state_dp_zero(use_gloo_comm=True, empty_data=False, return_on_all_ranks=True)
+    try:
+        world = opt.get_parameter_state_dp_zero(use_gloo_comm=True, empty_data=False, return_on_all_ranks=True)
+    except TypeError:  # megatron-core 0.13 (the legacy job): gathered on DP rank 0 only
+        held = [opt.get_parameter_state_dp_zero()]
+        torch.distributed.broadcast_object_list(held, group=opt.data_parallel_group_gloo, group_src=0)
+        world = held[0]
     model_pieces, optim_pieces, steps, groups = [], [], {}, {}
     for gbuf_idx, buffer in enumerate(opt.buffers):
         (dtype, tensors), = world[gbuf_idx].items()
@@ -743,9 +775,15 @@ def _local_records(job: Job) -> dict:
                 st_state = opt.optimizer.state.get(main, {})
                 if "step" in st_state:
                     steps.setdefault(key, set()).add(float(st_state["step"]))
-                groups.setdefault(g, set()).add(key)
+                groups.setdefault(_group_id(opt.optimizer.param_groups[g]), set()).add(key)
     return {"model": model_pieces, "optim": optim_pieces, "steps": steps, "groups": groups,
             "buckets": _bucket_layout(job, opt) if opt.data_parallel_group.rank() == 0 else None}
+
+
+def _group_id(group: dict) -> tuple:
+    """A param group by what tells Megatron's groups apart, not by its index: megatron-core 0.13 orders a stage's
+    groups as its first parameters come (decay first on the first PP stage, no decay first on a later one)."""
+    return tuple(float(group.get(k, 1.0)) for k in ("wd_mult", "lr_mult"))
 
 
 def _bucket_layout(job: Job, opt: Any) -> dict:
@@ -819,7 +857,7 @@ def gather(job: Job) -> dict | None:
         for key, t in full.items():
             optim.setdefault(key, {})[state] = t
     steps: dict[str, set] = {}
-    group_keys: dict[int, set] = {}
+    group_keys: dict[tuple, set] = {}
     for rank in everything:
         for key, vals in rank["steps"].items():
             steps.setdefault(key, set()).update(vals)
@@ -830,12 +868,12 @@ def gather(job: Job) -> dict | None:
         # One value if the ranks agree (as they must); all of them otherwise, so that a comparison shows it.
         optim[key]["step"] = torch.tensor(vals.pop()) if len(vals) == 1 else sorted(vals)
     param_groups = []
-    for g, group in enumerate(dist_optimizers(job)[0].optimizer.param_groups):
+    for group in dist_optimizers(job)[0].optimizer.param_groups:
         # "step": a load leaves the checkpoint's group step in torch's param groups, unused and stale (AdamW
         # counts per parameter, in "optim"), so it is left out for the dumps of a save and a load to compare.
         hyper = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in group.items()
                  if k not in ("params", "step")}
-        hyper["params"] = sorted(group_keys.get(g, ()))
+        hyper["params"] = sorted(group_keys.get(_group_id(group), ()))
         param_groups.append(hyper)
     buckets = sorted((r["buckets"] for r in everything if r["buckets"] is not None), key=lambda b: b["dp_group_idx"])
     return {"model": model, "optim": optim, "param_groups": param_groups, "iteration": job.args.iteration,

@@ -2,7 +2,8 @@
 
 Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
 
-* ``save --tp T --pp P --steps 3 --sharding dp_reshardable|fully_reshardable [--bf16] --out SAVE_DIR
+* ``save --tp T --pp P --steps 3 --sharding dp_reshardable|fully_reshardable|fully_sharded_model_space
+  [--bf16] --out SAVE_DIR
   [--resume-truth K --dump-after OUT2.pt]``: train ``steps`` steps (real forward/backward through
   Megatron's pipeline schedule), write exactly what Megatron-LM's ``save_checkpoint`` writes for
   ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; with
@@ -37,7 +38,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         s.add_argument("--tp", type=int, default=1)
         s.add_argument("--pp", type=int, default=1)
         s.add_argument("--bf16", action="store_true")
-        s.add_argument("--sharding", choices=("dp_reshardable", "fully_reshardable"), default=None)
+        s.add_argument("--sharding", choices=("dp_reshardable", "fully_reshardable", "fully_sharded_model_space"),
+                       default=None)
         s.add_argument("--dump-after", type=Path, default=None)
     save = sub.choices["save"]
     save.add_argument("--steps", type=int, default=3)

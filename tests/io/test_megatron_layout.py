@@ -240,3 +240,36 @@ def test_output_checkpoint_hf_writes_the_fp32_masters_as_a_hugging_face_folder_t
     assert report["ok"] and "mapped to Hugging Face's Llama and back, bitwise" in report["checks"][0]["detail"]
     checked = run_osdpipe("check", str(out), cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+class _FlattenedItem:
+    """One ``fully_sharded_model_space`` item as megatron-core 0.13 stores it, without files: its DCP metadata and the
+    stored tensor read flat, as :class:`osdpipe.io.formats.dcp_reader.DcpCheckpoint` gives them."""
+
+    def __init__(self, key: str, stored: torch.Tensor, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+        self.path, self.stored = "iter_0000003", stored
+        item = TensorStorageMetadata(TensorProperties(dtype=stored.dtype), stored.shape,
+                                     [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+        self.metadata = type("Metadata", (), {"state_dict_metadata": {key: item}})()
+
+    def read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self.stored.reshape(-1)[start:stop]
+
+
+def test_a_fully_sharded_model_space_item_is_put_back_from_its_flattened_chunks() -> None:
+    """A stacked weight (2 layers of 6 x 4, TP2 over rows, stored (2, 2, 1, 12)), one chunk cut between two DP ranks:
+    every element lands where the global tensor has it; an item of another shape or with a missing part is refused."""
+    from osdpipe.io.formats.megatron import _unflattened
+
+    key, full = "optimizer.state.exp_avg.w", torch.arange(48, dtype=torch.float32).reshape(2, 6, 4)
+    stored = torch.stack([torch.stack([full[layer, 3 * t : 3 * (t + 1)].reshape(1, 12) for t in range(2)])
+                          for layer in range(2)])
+    chunks = [((0, 0, 0, 0), (1, 1, 1, 5)), ((0, 0, 0, 5), (1, 1, 1, 7)), ((0, 1, 0, 0), (1, 1, 1, 12)),
+              ((1, 0, 0, 0), (1, 1, 1, 12)), ((1, 1, 0, 0), (1, 1, 1, 12))]
+    assert torch.equal(_unflattened(_FlattenedItem(key, stored, chunks), key, (2, 6, 4)), full)
+    with pytest.raises(InputError, match=r"not the flattened chunks of a \(2, 8, 4\) tensor"):
+        _unflattened(_FlattenedItem(key, stored, chunks), key, (2, 8, 4))
+    with pytest.raises(InputError, match="do not cover it; re-copy the save folder"):
+        _unflattened(_FlattenedItem(key, stored, chunks[1:]), key, (2, 6, 4))

@@ -85,7 +85,8 @@ def _entry_of(flat: str) -> tuple[str, str]:
     """``(part, entry name)`` of a DCP item of a Megatron save: the model's weights one entry, each optimizer state one,
     each (PP, TP) rank's RNG states one (the buckets' sizes are the optimizer's, laid out again for the target)."""
     if (m := _OPTIMIZER.fullmatch(flat)) is not None:
-        return "optimizer", f"optimizer {m[2] or m[3]}"
+        state = m[2] or m[3]  # a fully_sharded_model_space save names the fp32 master ``fp32_param``
+        return "optimizer", f"optimizer {'param' if state == 'fp32_param' else state}"
     if _GROUPS.fullmatch(flat):
         return "optimizer", "optimizer param groups"
     if _BUCKET_SIZES.fullmatch(flat):

@@ -15,6 +15,12 @@ optimizer, its param groups) and ``metadata.json`` (``sharded_backend: torch_dis
     ``optimizer.distributed.dp_group_idx_<i>.optimizer``;
   - ``fully_reshardable``: ``optimizer.state.<param|exp_avg|exp_avg_sq>.<sharded key>``, global like the model;
     the param groups (with ``step``) in ``common.pt``;
+  - ``fully_sharded_model_space`` (megatron-core's default until 0.14, which dropped it): per sharded key
+    ``optimizer.state.<fp32_param|exp_avg|exp_avg_sq>.<sharded key>``, each DP rank's part of each TP/PP-local
+    chunk stored flattened: for a key of global shape ``(s_0, .., s_n)`` cut into ``f_i`` chunks along axis ``i``
+    (the decoder's layer axis into single layers), the item's shape is ``(f_0, .., f_n, prod(s_i / f_i))``, the last
+    axis the chunk in row-major order (megatron-core 0.13 ``dist_checkpointing/strategies/torch.py``, its
+    N-D flattened tensors); the param groups (with ``step``) in ``common.pt`` as for ``fully_reshardable``;
 
 * byte items (``rng_state``, a linear's ``_extra_state``, the bucket sizes): each a ``torch.save`` of a one-element
   list.
@@ -47,7 +53,17 @@ DESCRIBED = ("argparse", "megatron")
 WHAT = "a Megatron-LM checkpoint's common.pt"
 #: The optimizer's per-parameter states, as Megatron's sharded keys name them (``param``: the fp32 master weight).
 STATES = ("param", "exp_avg", "exp_avg_sq")
-SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
+#: The distributed optimizer's sharding types osdpipe reads.
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
+#: Those it writes (megatron-core 0.14 and later no longer save nor load ``fully_sharded_model_space``).
+WRITTEN_TYPES = ("dp_reshardable", "fully_reshardable")
+#: The type a save of each type is written in where ``output.megatron_optim_format`` is unset: its own, or for
+#: ``fully_sharded_model_space`` the other model-space type, ``fully_reshardable``, which megatron-core, like the
+#: source, loads at any TP and PP (a ``dp_reshardable`` save only at its own).
+DEFAULT_OUTPUT = {"dp_reshardable": "dp_reshardable", "fully_reshardable": "fully_reshardable",
+                  "fully_sharded_model_space": "fully_reshardable"}
+#: How a ``fully_sharded_model_space`` save names each of :data:`STATES` in its keys.
+FS_STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 _BUCKET = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)"
 )
@@ -213,6 +229,13 @@ def read_save(path: str | Path) -> MegatronSave:
             for key in model
         }
         groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
+    elif sharding == "fully_sharded_model_space":
+        optim = {
+            key: {s: _unflattened(checkpoint, f"optimizer.state.{FS_STATES[s]}.{key}", model[key].shape)
+                  for s in STATES}
+            for key in model
+        }
+        groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
     else:
         optim, groups = _from_buckets(checkpoint, gpt, args, folder)
         gbuf_dtypes = next(m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f)))
@@ -274,6 +297,26 @@ def _whole(checkpoint: DcpCheckpoint, key: str, shape: tuple[int, ...]) -> torch
     if tuple(ref.shape) != tuple(shape):
         raise InputError(f"{checkpoint.path}: {key} is {tuple(ref.shape)}, its args make it {tuple(shape)}")
     return checkpoint.read_range(key, 0, math.prod(ref.shape)).reshape(shape).clone()
+
+
+def _unflattened(checkpoint: DcpCheckpoint, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Tensor item ``key`` of a ``fully_sharded_model_space`` save, stored as flattened chunks (the module's notes),
+    put back in the global ``shape`` the model's args give it."""
+    if key not in checkpoint.metadata.state_dict_metadata:
+        raise InputError(f"{checkpoint.path} has no item {key}; it is not the GPT its common.pt's args describe")
+    md = checkpoint.metadata.state_dict_metadata[key]
+    size = tuple(md.size)
+    cuts, flat = size[:-1], size[-1] if size else 0
+    if len(cuts) != len(shape) or any(c <= 0 or g % c for g, c in zip(shape, cuts)) or \
+            math.prod(g // c for g, c in zip(shape, cuts)) != flat:
+        raise InputError(f"{checkpoint.path}: {key} is {size}, not the flattened chunks of a {tuple(shape)} tensor; "
+                         "it is not the GPT its args describe")
+    if sum(math.prod(c.sizes) for c in md.chunks) != math.prod(size):
+        raise InputError(f"{checkpoint.path}: the stored parts of {key} do not cover it; re-copy the save folder")
+    chunk = tuple(g // c for g, c in zip(shape, cuts))
+    data = checkpoint.read_range(key, 0, math.prod(size)).reshape(*cuts, *chunk)
+    axes = len(shape)
+    return data.permute(*(i + k * axes for i in range(axes) for k in (0, 1))).reshape(shape).clone()
 
 
 def _byte_item(checkpoint: DcpCheckpoint, name: str, flat: str | None = None) -> Any:

@@ -33,7 +33,7 @@ import torch
 
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.inert_load import Record
-from osdpipe.io.formats.megatron import COMMON, LATEST, SHARDING_TYPES, STATES, MegatronSave, gpt_of
+from osdpipe.io.formats.megatron import COMMON, LATEST, STATES, WRITTEN_TYPES, MegatronSave, gpt_of
 from osdpipe.layout import megatron as layout
 
 #: The model keys whose first axis is the padded vocabulary.
@@ -103,8 +103,8 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         InputError: the source's ``args`` hold an object of Megatron's own, which cannot be written without it; or
             ``into`` holds a save already.
     """
-    if target.sharding not in SHARDING_TYPES:
-        raise InputError(f"optim_format={target.sharding!r}: one of {', '.join(SHARDING_TYPES)}")
+    if target.sharding not in WRITTEN_TYPES:
+        raise InputError(f"optim_format={target.sharding!r}: one of {', '.join(WRITTEN_TYPES)}")
     records = sorted(k for k, v in save.args.items() if isinstance(v, Record))
     if records:
         raise InputError(f"{save.folder / COMMON}: args {', '.join(records)} hold Megatron objects, which osdpipe "

@@ -419,7 +419,14 @@ def _dcp_classes() -> dict[tuple[str, str], Any]:
 
     for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
         allowed[(planner.__name__, name)] = getattr(planner, name)
+    # megatron-core up to 0.13 keeps there its own subclass, MCoreSavePlan: read as data, Megatron never imported.
+    allowed[("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")] = MegatronSavePlan
     return allowed
+
+
+class MegatronSavePlan:
+    """megatron-core's ``MCoreSavePlan`` (up to 0.13: DCP's ``SavePlan`` and its ``mcore_data``) as plain data: made
+    empty, its pickled fields set as attributes; nothing of Megatron is imported or run."""
 
 
 class DcpMetadataUnpickler(pickle.Unpickler):
