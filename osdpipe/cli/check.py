@@ -22,6 +22,13 @@ Two checks, and a third when asked, each said in one line:
 The conversion's config comes from the manifest; ``key=value`` arguments
 override it (``input.path``, ``model.factory`` where a module moved).
 
+``OUTPUT_DIR`` may be a URL, ``s3://bucket/prefix`` (or ``gs://``), where ``output.path=s3://...`` committed a
+conversion: ``manifest.json`` is read from the prefix and every file it lists is hashed as it streams in (never
+written to disk); ``strays`` names the objects an unfinished run left under ``<prefix>/.incoming/`` (they do not touch
+the committed conversion; the next run into the prefix removes them). ``roundtrip`` and ``--load`` are not run there
+yet: copy the conversion to a local path to run them. The store's own endpoint and credentials are used
+(:mod:`osdpipe.io.remote_input`).
+
 Exit codes: 0 every check passed; 1 a check failed; 2 the command line or the
 directory cannot be checked (no manifest, an unknown key).
 """
@@ -81,7 +88,10 @@ def check_files(directory: Path, manifest: dict[str, Any]) -> CheckResult:
             problems.append(f"{path} is missing")
             continue
         try:
-            got = pieces_digest(path, pieces[name]) if name in pieces else file_sha256(path)
+            if not isinstance(path, Path):  # in object storage: hashed as it streams in
+                got = _streamed_digest(path, pieces.get(name))
+            else:
+                got = pieces_digest(path, pieces[name]) if name in pieces else file_sha256(path)
         except ValueError as exc:  # longer or shorter than its pieces
             got = str(exc)
         if got != digest:
@@ -94,10 +104,42 @@ def check_files(directory: Path, manifest: dict[str, Any]) -> CheckResult:
     )
 
 
+def _streamed_digest(path: Any, pieces: list[int] | None) -> str:
+    """An object's digest as the manifest records it, hashed as it streams in
+    (:class:`osdpipe.io.remote_input.RemotePath`): the sha256 of its bytes, or with ``pieces`` (lengths) the digest
+    of its pieces' (:func:`osdpipe.io.torchfile.digest_of_pieces`)."""
+    import hashlib
+
+    from osdpipe.io.torchfile import digest_of_pieces
+
+    cuts = list(pieces) if pieces is not None else None
+    digests, h, left = [], hashlib.sha256(), cuts.pop(0) if cuts else None
+    with path.stream() as f:
+        while chunk := f.read(1 << 24):
+            view = memoryview(chunk)
+            while view:
+                if left is None:  # one sha256 of the whole, or past the last piece
+                    if cuts is not None:
+                        raise ValueError(f"{path} is longer than its pieces say")
+                    h.update(view)
+                    break
+                take = min(left, len(view))
+                h.update(view[:take])
+                view, left = view[take:], left - take
+                if left == 0:
+                    digests.append(h.hexdigest())
+                    h, left = hashlib.sha256(), (cuts.pop(0) if cuts else None)
+    if cuts is None:
+        return h.hexdigest()
+    if left is not None or cuts:
+        raise ValueError(f"{path} is shorter than its pieces say")
+    return digest_of_pieces(digests)
+
+
 def _tensor_named(path: Path, name: str, tensors: dict[str, str]) -> str:
     """``": tensor 3.exp_avg differs"``, from the file's tensor digests against the manifest's (empty when it cannot
     tell)."""
-    if path.suffix != ".pt":
+    if not isinstance(path, Path) or path.suffix != ".pt":  # in object storage: not loaded here
         return ""
     # torch: not on check --help's path (tests/cli/test_startup.py)
     import torch
@@ -323,6 +365,10 @@ def run_check(args: list[str]) -> int:
     if unknown:
         print(f"osdpipe check: error: {unknown[0]} is not an option; {USAGE}", file=sys.stderr)
         return EXIT_USAGE
+    from osdpipe.io.store import is_remote  # no torch
+
+    if is_remote(args[0]):
+        return _check_remote(args[0], load, overrides)
     try:
         manifest = read_manifest(directory)
         raw = conversion_config(directory, manifest, overrides)
@@ -379,6 +425,62 @@ def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, An
 
     findings = [_run_one("files", lambda: check_files(directory, manifest)), _run_one("roundtrip", roundtrip)]
     return _said(findings, directory)
+
+
+def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
+    """A conversion committed into object storage: ``files`` (streamed and hashed) and ``strays``."""
+    # fsspec and torch: not on check --help's path
+    from osdpipe.io.remote_input import as_path, probe
+    from osdpipe.run.collective import one_line
+
+    if load or overrides:
+        print(
+            f"osdpipe check: error: {'--load' if load else overrides[0]}: a conversion in object storage is checked "
+            "for its files only yet; copy it to a local path to check it against its source or load it",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        probe(url, "OUTPUT_DIR")
+        directory = as_path(url)
+        manifest = read_manifest(directory)  # a RemotePath answers as a Path does here
+    except CheckUsageError as exc:
+        print(f"osdpipe check: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - the store's failure, said in one line
+        print(f"osdpipe check: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    findings = [
+        _run_one("files", lambda: check_files(directory, manifest)),
+        _run_one("strays", lambda: check_strays(directory)),
+        CheckResult("roundtrip", True, "skipped: not run on object storage yet (copy the conversion to a local path)"),
+    ]
+    return _said(findings, directory)
+
+
+def check_strays(directory: Any) -> CheckResult:
+    """The objects an unfinished run left under a prefix's ``.incoming/`` (:mod:`osdpipe.io.remote_output`)."""
+    from osdpipe.io.remote_output import INCOMING
+
+    incoming = directory / INCOMING
+    names = sorted(p.key.removeprefix(incoming.key + "/") for p in _objects_under(incoming))
+    if not names:
+        return CheckResult("strays", True, f"nothing under {incoming}/")
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return CheckResult(
+        "strays",
+        True,
+        f"{len(names)} stray object(s) an unfinished run left under {incoming}/: {shown}; they do not touch this "
+        "conversion, and the next run into the prefix removes them",
+    )
+
+
+def _objects_under(directory: Any) -> list[Any]:
+    todo, found = [directory], []
+    while todo:
+        for child in todo.pop().iterdir():
+            (found if child.is_file() else todo).append(child)
+    return found
 
 
 def _said(findings: list[CheckResult], directory: Path) -> int:

@@ -5,7 +5,9 @@ optimizer and its hyperparameters per param group, the step range, the
 parameters with state, dtypes and bytes, and the overrides that describe it
 to ``osdpipe``. ``--json`` prints one object instead. Metadata and headers
 only: no tensor's bytes are read (see :mod:`osdpipe.io.file_facts` for the one
-exception, a damaged file's moments).
+exception, a damaged file's moments). PATH may be a URL, ``s3://bucket/prefix`` (or ``gs://``), of a DCP
+checkpoint or an osdpipe output holding one: its ``.metadata`` and small items are read by byte ranges, with the
+store's own endpoint and credentials (:mod:`osdpipe.io.remote_input`).
 
 Exit codes: 0 it was read; 1 it cannot be read as a checkpoint; 2 a bad command line.
 """
@@ -23,6 +25,7 @@ if TYPE_CHECKING:  # annotations only: this module is imported before torch, whi
     from osdpipe.io.checkpoints import WholeCheckpoint
     from osdpipe.io.checkpoints.base import ModelNaming
     from osdpipe.io.file_facts import Facts
+    from osdpipe.io.remote_input import RemotePath
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE = (
@@ -53,12 +56,16 @@ def run_inspect(args: list[str]) -> int:
     from osdpipe.io.checkpoints import recognize
     from osdpipe.io.file_facts import read_facts
     from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
+    from osdpipe.io.remote_input import RemotePath, as_path, probe
     from osdpipe.run.collective import one_line
 
-    path = Path(rest[0])
     facts = None
     try:
-        whole = recognize(path)
+        path = as_path(rest[0])
+        remote = isinstance(path, RemotePath)
+        if remote:
+            probe(rest[0], "path")  # a missing bucket or key, refused credentials: one line, before anything is read
+        whole = None if remote else recognize(path)  # a whole checkpoint in object storage: not read yet
         if whole is None:
             facts = read_facts(_checkpoint_in(path), None, key)
         elif whole.optimizer_path is not None:  # the optimizer part reads as any optimizer checkpoint
@@ -89,7 +96,7 @@ def run_inspect(args: list[str]) -> int:
     return EXIT_OK
 
 
-def _checkpoint_in(path: Path) -> Path:
+def _checkpoint_in(path: Path | RemotePath) -> Path | RemotePath:
     """``path``, or for an osdpipe output directory that holds one checkpoint for every rank (``fsdp_full``,
     ``plain``, ``dcp``), that checkpoint.
 

@@ -40,6 +40,7 @@ from osdpipe.io.formats import InputError, megatron
 from osdpipe.io.formats.base import OtherLayout
 from osdpipe.io.formats.safe_load import load_torch_file
 from osdpipe.io.formats.state_facts import Unit
+from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.layout import kinds
 
 __all__ = ["Facts", "Unit", "command", "detect_format", "read_facts"]
@@ -134,13 +135,15 @@ def detect_format(path: str | Path) -> str:
     A directory is the first directory format's, in the registry's order,
     that finds itself in it (:meth:`~osdpipe.io.formats.base.Format.found_in`:
     DCP's ``.metadata`` before ``rank_<r>.pt`` files); a file is the format
-    of one file keyed as its state is, by param ID or by FQN.
+    of one file keyed as its state is, by param ID or by FQN. A URL (``s3://bucket/prefix``) is asked the same of
+    the objects under it (:mod:`osdpipe.io.remote_input`).
 
     Raises:
         InputError: the path is missing or holds none of them.
     """
-    p = Path(path)
-    if p.is_dir() and megatron.megatron_folder(p) is not None:
+    p = as_path(path)
+    remote = isinstance(p, RemotePath)
+    if not remote and p.is_dir() and megatron.megatron_folder(p) is not None:
         raise OtherLayout(megatron.what_to_do_with(p))
     if p.is_dir():
         held = [f for f in formats.FORMATS.values() if f.directory]
@@ -152,6 +155,11 @@ def detect_format(path: str | Path) -> str:
         return found.name
     if not p.exists():
         raise InputError(f"{p} does not exist; point input.path at a checkpoint file or directory")
+    if remote:
+        raise InputError(
+            f"{p}: a torch.save file in object storage is not read yet (a DCP checkpoint is); "
+            "copy it to a local path first"
+        )
     osd = load_torch_file(p)
     state = osd.get("state") if isinstance(osd, dict) else None
     if not isinstance(state, dict):
@@ -174,12 +182,12 @@ def read_facts(path: str | Path, fmt: str | None = None, key: str | None = None)
     fmt = fmt or detect_format(path)
     reader = formats.FORMATS[fmt]
     facts = Facts(path=str(path), format=fmt)
-    reader.read_facts(facts, Path(path), key)
-    _from_manifest(facts, Path(path))
+    reader.read_facts(facts, as_path(path), key)
+    _from_manifest(facts, as_path(path))
     return facts
 
 
-def _from_manifest(facts: Facts, path: Path) -> None:
+def _from_manifest(facts: Facts, path: Path | RemotePath) -> None:
     """An osdpipe output's ``manifest.json`` (beside its rank files, or above its ``optim.pt`` or ``dcp/``) says exactly
     which layout and model its files are for: what the files alone cannot (a full file's world, FSDP1's units)."""
     for manifest in (path / "manifest.json", path.parent / "manifest.json"):

@@ -38,7 +38,7 @@ from pydantic import (
 
 from osdpipe.core.sizes import parse_size, show_size
 from osdpipe.io.output import conversion_entries
-from osdpipe.io.store import is_url, redact
+from osdpipe.io.store import is_remote, is_url, parse
 from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
 from osdpipe.spec.megatron import MEGATRON, megatron_problem
 
@@ -290,10 +290,8 @@ class InputConfig(_Frozen):
     @classmethod
     def _exists(cls, path: str | None) -> str | None:
         if path is not None and is_url(path):
-            raise ValueError(
-                f"{redact(path)!r}: input.path in object storage is not read yet (output.path is written); "
-                "copy the checkpoint to a local path first"
-            )
+            parse(path, "input.path")  # a scheme osdpipe reads, a bucket; whether it is there is asked with the options
+            return path
         if path is not None and not Path(path).exists():
             raise ValueError(f"{path!r} does not exist; point input.path at a checkpoint file or DCP directory")
         return path
@@ -600,10 +598,18 @@ class RunSpec(_Frozen):
         from osdpipe.io import checkpoints, formats
         from osdpipe.layout import kinds
 
+        input_is_dir = self._input_is_dir()
+
         source, target = kinds.get(self.source.kind), kinds.get(self.target.kind)
         given, written = formats.get(self.input.format), formats.get(self.output.format)
         layout = checkpoints.get(self.checkpoint.layout)
-        if self.input.path is not None and layout.whole and not Path(self.input.path).is_dir():
+        if self.input.path is not None and layout.whole and is_remote(self.input.path):
+            raise ValueError(
+                f"input.path={self.input.path!r}: checkpoint={self.checkpoint.layout} in object storage is not read "
+                "yet (an optimizer's DCP checkpoint is: checkpoint=optimizer input.format=dcp); "
+                "copy the checkpoint folder to a local path first"
+            )
+        if self.input.path is not None and layout.whole and not input_is_dir:
             raise ValueError(
                 f"input.path={self.input.path!r}: checkpoint={layout.name} reads the framework's checkpoint folder "
                 f"({layout.looks_like}); point it there"
@@ -611,7 +617,7 @@ class RunSpec(_Frozen):
         if (
             self.input.path is not None
             and not layout.whole
-            and given.directory != Path(self.input.path).is_dir()
+            and given.directory != input_is_dir
         ):
             files, directories = (
                 " or ".join(f.name for f in formats.FORMATS.values() if f.directory == d) for d in (False, True)
@@ -669,6 +675,18 @@ class RunSpec(_Frozen):
                 "choose another path or set output.overwrite=true"
             )
         return self
+
+    def _input_is_dir(self) -> bool:
+        """Whether ``input.path`` is a directory: on the local disk, or in object storage a prefix with objects under
+        it, asked now with ``runtime.storage_options`` (a missing bucket or key, refused credentials: one line)."""
+        if self.input.path is None:
+            return False
+        if not is_remote(self.input.path):
+            return Path(self.input.path).is_dir()
+        from osdpipe.io import remote_input  # fsspec: only for an input in object storage
+
+        remote_input.configure(self.runtime.storage_options, self.runtime.memory_budget)
+        return remote_input.probe(self.input.path).get("type") == "directory"
 
     @property
     def source_input_format(self) -> str:

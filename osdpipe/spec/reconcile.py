@@ -28,11 +28,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from osdpipe.io import checkpoints, formats
+from osdpipe.io import checkpoints, formats, remote_input
 from osdpipe.io.file_facts import detect_format, read_facts
 from osdpipe.io.formats import InputError
 from osdpipe.io.formats.base import OtherLayout
 from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
+from osdpipe.io.store import is_remote
 from osdpipe.layout import kinds
 from osdpipe.layout.optim import optimizer_label, resolve_optimizer
 from osdpipe.layout.optim_infer import fingerprint, hyperparameter_names, kept_state, state_names_of
@@ -90,6 +91,10 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
             _set(raw, "optim.lr", DEFAULT_LR)
         return raw, []
     layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
+    if is_remote(path):  # read with the user's options (osdpipe.io.remote_input); a whole checkpoint is not read yet
+        remote_input.configure(_get(raw, "runtime.storage_options"))
+        if layout.whole:
+            return raw, []
     notes: list[str] = []
     # the framework's folder of checkpoints
     if layout.whole and Path(path).is_dir() and (newest := layout.newest_in(path)) is not None:

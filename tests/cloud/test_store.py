@@ -145,10 +145,11 @@ def test_runtime_storage_options_are_recorded_without_a_credential() -> None:
     }
 
 
-def test_an_object_store_input_is_refused_in_one_line_until_it_is_read() -> None:
+def test_an_object_store_input_is_taken_and_another_scheme_refused_in_one_line() -> None:
     from pydantic import ValidationError
 
     from osdpipe.spec.config import InputConfig
 
-    with pytest.raises(ValidationError, match="input.path in object storage is not read yet"):
-        InputConfig(path="s3://bucket/ckpt/optim.pt")
+    assert InputConfig(path="s3://bucket/ckpt/dcp").path == "s3://bucket/ckpt/dcp"  # asked for when the run is checked
+    with pytest.raises(ValidationError, match="osdpipe reads and writes s3:// and gs:// .and local paths., not ftp://"):
+        InputConfig(path="ftp://host/ckpt/dcp")

@@ -14,6 +14,11 @@ item's bytes before torch loads them; :class:`SafeLoadPlanner` loads
 non-tensor items with ``weights_only=True``. The directory's structure is
 checked when the reader opens (:func:`check_structure`), so a damaged
 checkpoint fails before any process reads a tensor.
+
+A checkpoint in object storage (``input.path=s3://bucket/prefix``, :mod:`osdpipe.io.remote_input`) is read the same
+way, by byte ranges: ``.metadata`` whole, then each item the plan needs by one ranged request, several in flight
+(:class:`~osdpipe.io.remote_input.Prefetch`); a ``.distcp`` file is never downloaded whole for a part of it. A local
+directory is read as before, never through fsspec.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import io
 import math
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -52,6 +59,7 @@ from osdpipe.io.formats.safe_load import (
     read_dcp_metadata,
     torch_load_error,
 )
+from osdpipe.io.remote_input import Prefetch, RemotePath, as_path
 
 #: What to do about a damaged DCP directory.
 RECOPY_DIR = "re-copy the checkpoint directory or point input.path at the directory dcp.save wrote"
@@ -62,13 +70,18 @@ class SafeFileSystemReader(FileSystemReader):
     """A ``FileSystemReader`` that runs no code from the checkpoint and names the file it finds damaged.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory (a :class:`~osdpipe.io.remote_input.RemotePath` in object storage: its items
+            are fetched by ranged requests, several in flight).
         metadata: its metadata, already read and checked (:func:`read_dcp_metadata`
             and :func:`check_structure`); ``None``: read it when asked.
     """
 
-    def __init__(self, path: str | os.PathLike[str], metadata: Metadata | None = None) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str] | RemotePath, metadata: Metadata | None = None) -> None:
+        remote = isinstance(path, RemotePath)
+        super().__init__(str(path) if remote else path)
+        if remote:
+            self.path, self.fs = path, _RemoteStreams()
+        self._prefetch: Prefetch | None = None
         self._metadata = metadata
         self._item: _StorageInfo | None = None
         #: The :class:`InputError` this reader raised last: DCP wraps it on its way out.
@@ -82,7 +95,7 @@ class SafeFileSystemReader(FileSystemReader):
             if rank is None and self._metadata is not None:
                 metadata = self._metadata
             else:
-                metadata = read_dcp_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+                metadata = read_dcp_metadata(self.path / (".metadata" if rank is None else f"__{rank}.metadata"))
         except InputError as exc:
             self.error = exc
             raise
@@ -94,6 +107,17 @@ class SafeFileSystemReader(FileSystemReader):
     def _slice_file(self, file: Any, sinfo: _StorageInfo) -> Any:
         # Every item is a torch.save archive of its own (unless a storage transform, e.g. compression, wrapped it).
         self._item = sinfo
+        if isinstance(file, RemotePath):  # its bytes, fetched by one ranged request (ahead, by the plan's prefetch)
+            take = self._prefetch.take if self._prefetch is not None else _read_range
+            data = take(file, sinfo.offset, sinfo.length)
+            if len(data) != sinfo.length:
+                raise InputError(
+                    f"{file} is truncated: the item at bytes {sinfo.offset}..{sinfo.offset + sinfo.length} "
+                    f"is cut at {len(data)} bytes; {RECOPY_DIR}"
+                )
+            if not sinfo.transform_descriptors:
+                check_torch_zip(io.BytesIO(data), sinfo.length, self._where(sinfo), RECOPY_DIR)
+            return io.BytesIO(data)
         if not sinfo.transform_descriptors:
             check_torch_zip(Window(file, sinfo.offset, sinfo.length), sinfo.length, self._where(sinfo), RECOPY_DIR)
         return super()._slice_file(file, sinfo)
@@ -101,11 +125,13 @@ class SafeFileSystemReader(FileSystemReader):
     def _where(self, sinfo: _StorageInfo) -> str:
         return (
             f"the item at bytes {sinfo.offset}..{sinfo.offset + sinfo.length} "
-            f"of {Path(self.path) / sinfo.relative_path}"
+            f"of {self.path / sinfo.relative_path}"
         )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._item = None
+        if isinstance(self.path, RemotePath):
+            self._prefetch = Prefetch(self._ranges(plan))
         try:
             return super().read_data(plan, planner)
         except InputError as exc:
@@ -115,6 +141,37 @@ class SafeFileSystemReader(FileSystemReader):
             where = self._where(self._item) if self._item is not None else str(self.path)
             self.error = torch_load_error(where, exc, RECOPY_DIR)
             raise self.error from exc
+        finally:
+            if self._prefetch is not None:
+                self._prefetch.close()
+                self._prefetch = None
+
+    def _ranges(self, plan: LoadPlan) -> list[tuple[RemotePath, int, int]]:
+        """The byte ranges ``plan`` reads, in the order ``FileSystemReader.read_data`` asks for them: file by file in
+        the order each first appears, each file's items in the plan's order."""
+        per_file: dict[str, list[_StorageInfo]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append(info)
+        return [(self.path / rel, i.offset, i.length) for rel, infos in per_file.items() for i in infos]
+
+
+def _read_range(path: RemotePath, start: int, length: int) -> bytes:
+    return path.read_range(start, length)
+
+
+class _RemoteStreams:
+    """What ``FileSystemReader.read_data`` opens files through, for a checkpoint in object storage: each "stream" is
+    the object's :class:`RemotePath`, whose items :meth:`SafeFileSystemReader._slice_file` fetches by range."""
+
+    def concat_path(self, path: RemotePath, suffix: str) -> RemotePath:
+        return path / suffix
+
+    @contextmanager
+    def create_stream(self, path: RemotePath, mode: str) -> Iterator[RemotePath]:
+        if mode != "rb":
+            raise ValueError(f"{path}: a checkpoint in object storage is read only here")
+        yield path
 
 
 class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
@@ -134,7 +191,7 @@ class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def check_structure(metadata: Metadata, directory: Path, key: str | None) -> None:
+def check_structure(metadata: Metadata, directory: Path | RemotePath, key: str | None) -> None:
     """Check that the directory holds everything ``metadata`` names, without reading a tensor.
 
     Checked: the metadata's own shape (types, paths that stay inside the
@@ -216,7 +273,7 @@ def _check_tensor(flat: str, md: TensorStorageMetadata, storage: dict[Any, Any],
         raise bad(f"the chunks of {flat} hold {covered} of its {math.prod(size)} elements")
 
 
-def _check_item_bounds(metadata: Metadata, directory: Path, key: str | None) -> None:
+def _check_item_bounds(metadata: Metadata, directory: Path | RemotePath, key: str | None) -> None:
     """Each item under ``key`` (``None``: every item) begins with a zip
     header and ends with a zip index end, as a torch.save archive does.
 
@@ -230,19 +287,33 @@ def _check_item_bounds(metadata: Metadata, directory: Path, key: str | None) -> 
             by_file[info.relative_path].append(info)
     for rel, infos in by_file.items():
         path = directory / rel
-        with open(path, "rb") as f:
-            for info in sorted(infos, key=lambda i: i.offset):
-                f.seek(info.offset)
-                start = f.read(4)
-                f.seek(info.offset + info.length - _ZIP_END_SIZE)
-                end = f.read(4) if info.length >= _ZIP_END_SIZE else b""
-                if start != _ZIP_START or end != _ZIP_END:
-                    raise damaged(
-                        f"the item at bytes {info.offset}..{info.offset + info.length} of {path}",
-                        "it does not begin and end as a torch.save archive: "
-                        "the file is overwritten or the metadata's offsets are wrong",
-                        RECOPY_DIR,
-                    )
+        for info, start, end in _item_ends(path, sorted(infos, key=lambda i: i.offset)):
+            if start != _ZIP_START or end != _ZIP_END:
+                raise damaged(
+                    f"the item at bytes {info.offset}..{info.offset + info.length} of {path}",
+                    "it does not begin and end as a torch.save archive: "
+                    "the file is overwritten or the metadata's offsets are wrong",
+                    RECOPY_DIR,
+                )
+
+
+def _item_ends(path: Path | RemotePath, infos: list[_StorageInfo]) -> Iterator[tuple[_StorageInfo, bytes, bytes]]:
+    """Each item's first 4 bytes and the 4 where its zip index end begins; in object storage fetched together, several
+    small ranged requests in flight."""
+    if isinstance(path, RemotePath):
+        ranges = [(i.offset, 4) for i in infos] + [
+            (i.offset + i.length - _ZIP_END_SIZE, 4 if i.length >= _ZIP_END_SIZE else 0) for i in infos
+        ]
+        got = path.read_ranges(ranges)
+        yield from zip(infos, got[: len(infos)], got[len(infos) :], strict=True)
+        return
+    with open(path, "rb") as f:
+        for info in infos:
+            f.seek(info.offset)
+            start = f.read(4)
+            f.seek(info.offset + info.length - _ZIP_END_SIZE)
+            end = f.read(4) if info.length >= _ZIP_END_SIZE else b""
+            yield info, start, end
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -320,7 +391,8 @@ class DcpCheckpoint:
 
     def __init__(self, path: str, check: str | None) -> None:
         self.path = path
-        directory = Path(path)
+        #: The directory: a local :class:`~pathlib.Path`, or a :class:`~osdpipe.io.remote_input.RemotePath`.
+        self.directory = directory = as_path(path)
         if not directory.is_dir():
             raise InputError(
                 f"{path} is not a directory; a dcp input is the directory dcp.save wrote (it holds .metadata)"
@@ -347,7 +419,7 @@ class DcpCheckpoint:
         # private in torch 2.13: they are what _load_state_dict_from_keys uses,
         # minus its collective when a process group exists.
         out: dict[str, Any] = {}
-        reader = SafeFileSystemReader(self.path, self.metadata)
+        reader = SafeFileSystemReader(self.directory, self.metadata)
         try:
             _load_state_dict(out, storage_reader=reader, planner=SafeLoadPlanner(keys=flat_keys), no_dist=True)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -403,12 +475,15 @@ class DcpCheckpoint:
         info = self.metadata.storage_data[MetadataIndex(flat)]
         if info.transform_descriptors:
             return None
-        with open(Path(self.path) / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.length)
+        if isinstance(self.directory, RemotePath):
+            raw = (self.directory / info.relative_path).read_range(info.offset, info.length)
+        else:
+            with open(Path(self.path) / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
         if len(raw) != info.length:
             raise InputError(
-                f"{Path(self.path) / info.relative_path} is truncated: "
+                f"{self.directory / info.relative_path} is truncated: "
                 f"the item {flat} needs bytes up to {info.offset + info.length}; {RECOPY_DIR}"
             )
         return raw
@@ -429,11 +504,15 @@ class DcpCheckpoint:
         self._kept = None  # freed before the next is read: one chunk in memory at a time
         info = self.metadata.storage_data[index]
         where = (
-            f"the item at bytes {info.offset}..{info.offset + info.length} of {Path(self.path) / info.relative_path}"
+            f"the item at bytes {info.offset}..{info.offset + info.length} of {self.directory / info.relative_path}"
         )
         try:
-            with open(Path(self.path) / info.relative_path, "rb") as f:
-                tensor = torch.load(Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            if isinstance(self.directory, RemotePath):  # one ranged request for the item
+                data = (self.directory / info.relative_path).read_range(info.offset, info.length)
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            else:
+                with open(Path(self.path) / info.relative_path, "rb") as f:
+                    tensor = torch.load(Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
         except Exception as exc:  # torch.load raises several types for a damaged item
             raise torch_load_error(where, exc, RECOPY_DIR) from exc
         if (

@@ -32,6 +32,7 @@ from typing import IO, Any
 import torch
 
 from osdpipe.io.formats.base import InputError
+from osdpipe.io.store import is_remote
 
 #: What to do about a damaged file.
 RECOPY = "re-copy it or point input.path at the right file"
@@ -286,6 +287,11 @@ def checked_torch_file(path: str | Path) -> Path:
     Raises:
         InputError: one line naming the file: missing, not a file, unreadable or damaged.
     """
+    if is_remote(str(path)):
+        raise InputError(
+            f"{path}: a torch.save file in object storage is not read yet (a DCP checkpoint is); "
+            "copy it to a local path first"
+        )
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p} is missing; point input.path at the checkpoint")

@@ -3,7 +3,8 @@
 Readers memory-map (``fsdp_full``, ``plain``, ``rank_local``) or read stored
 chunks on demand (``dcp``), so opening costs no tensor bytes; the shard stage
 reads only the ranges a rank needs. With ``runtime.transfer=scatter`` only one
-rank per host opens it (see :mod:`osdpipe.run.transfer`).
+rank per host opens it (see :mod:`osdpipe.run.transfer`). An input in object storage (``input.path=s3://...``) is
+read by byte ranges with ``runtime.storage_options`` (:mod:`osdpipe.io.remote_input`): every rank reaches it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from osdpipe.io import formats
+from osdpipe.io import formats, remote_input
 from osdpipe.io.formats import IdGroups, SourceMeta, SourceReader, canonical_meta, inspect_source, open_source
 from osdpipe.io.weights import open_whole
 from osdpipe.run.context import Context
@@ -31,6 +32,7 @@ def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
 def open_input(plan: Plan) -> SourceReader:
     """The source's reader: the optimizer checkpoint, or a whole checkpoint,
     whose model weights and carried entries come with it (:mod:`osdpipe.io.weights`)."""
+    remote_input.configure(plan.spec.runtime.storage_options, plan.spec.runtime.memory_budget)
     if plan.checkpoint.whole:
         return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec)
     groups = source_id_groups(plan.spec, plan.input_format)
@@ -51,6 +53,7 @@ def inspect_input(plan: Plan) -> SourceMeta:
     Raises:
         InputError: the input is damaged, unsafe, or does not fit the model and the source layout.
     """
+    remote_input.configure(plan.spec.runtime.storage_options, plan.spec.runtime.memory_budget)
     if not plan.checkpoint.whole:
         groups = source_id_groups(plan.spec, plan.input_format)
         return inspect_source(
@@ -67,7 +70,8 @@ def inspect_input(plan: Plan) -> SourceMeta:
 def load(ctx: Context, previous: None, tally: Tally) -> Opened:
     """Decide which ranks read the input (``runtime.transfer``), and open it on those."""
     plan = ctx.plan
-    seen = ctx.world.process_facts((socket.gethostname(), Path(plan.input_path).exists()))
+    here = remote_input.is_remote(plan.input_path) or Path(plan.input_path).exists()  # a URL: every rank reaches it
+    seen = ctx.world.process_facts((socket.gethostname(), here))
     readers = reading_ranks([h for h, _ in seen], [v for _, v in seen], ctx.spec.runtime.transfer, plan.input_path)
     opened = Opened(None, tuple(readers))
     if not opened.reads_itself(ctx.rank):

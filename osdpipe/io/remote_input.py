@@ -1,0 +1,396 @@
+"""An input in object storage (``input.path=s3://bucket/prefix``, ``gs://...``), read in byte ranges.
+
+:func:`as_path` is where a reader turns ``input.path`` into something it opens: a local path stays a
+:class:`pathlib.Path` (the local code and its speed are unchanged: nothing local goes through fsspec), a URL becomes a
+:class:`RemotePath`, which answers the few questions the readers ask of a path (``/``, ``is_file``, ``is_dir``,
+``stat().st_size``, ``read_bytes``) from one listing of the prefix, and reads bytes only as ranges:
+
+* :meth:`RemotePath.read_range`: one ranged request (``Range: bytes=a-b``) for one DCP item, or a file's structure;
+* :meth:`RemotePath.read_ranges`: many small ranges at once (the first and last bytes of every item, a check of a
+  checkpoint's structure), concurrently;
+* :class:`Prefetch`: the items one DCP read plan needs, several requests in flight, the bytes fetched and not yet
+  used bounded by :func:`in_flight_limit` (``runtime.memory_budget``);
+* :meth:`RemotePath.open`: a seekable file that fetches the blocks it is asked for (a small file's structure).
+
+A file of which only some pieces are needed is never downloaded whole. :data:`METER` counts what was fetched (the
+tests prove a rank's read fetches less than the files it touches).
+
+The store's options (``runtime.storage_options``) and the in-flight bound reach the readers through :func:`configure`,
+called where a run or a command knows them (the load stage, the config check, ``osdpipe inspect``). Every failure of
+the store is said in one line naming the URL, credentials redacted (:func:`osdpipe.io.store.failure`); a missing
+object is a :class:`FileNotFoundError` naming its URL, as a missing local file is.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from osdpipe.io import store
+
+WHERE = "input.path"
+#: Requests in flight at once, reading one plan's items or a checkpoint's structure.
+CONCURRENCY = 8
+#: Bytes fetched and not yet used, without ``runtime.memory_budget`` (with it: half of it, the pieces' size).
+DEFAULT_IN_FLIGHT = 256 << 20
+#: What :class:`RangedFile` fetches at once, and how many such blocks it keeps.
+BLOCK = 1 << 20
+BLOCKS_KEPT = 4
+
+
+@dataclass
+class _Settings:
+    storage_options: Mapping[str, Any]
+    memory_budget: int | None
+
+
+_settings = _Settings({}, None)
+
+
+def configure(storage_options: Mapping[str, Any] | None, memory_budget: int | None = None) -> None:
+    """The store's options and the memory budget the readers of a URL use from now on (this process's)."""
+    global _settings
+    _settings = _Settings(dict(storage_options or {}), memory_budget)
+
+
+def in_flight_limit() -> int:
+    """The most bytes fetched and not yet used at once: half of ``runtime.memory_budget`` (the size of the pieces the
+    run copies), else :data:`DEFAULT_IN_FLIGHT`."""
+    budget = _settings.memory_budget
+    return DEFAULT_IN_FLIGHT if budget is None else max(1, budget // 2)
+
+
+class Meter:
+    """Bytes and requests fetched from object storage by this process (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.requests = 0
+        #: (URL, start, end) of every ranged request, in the order they were made.
+        self.ranges: list[tuple[str, int, int]] = []
+
+    def add(self, url: str, start: int, end: int) -> None:
+        with self._lock:
+            self.bytes += end - start
+            self.requests += 1
+            self.ranges.append((url, start, end))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes, self.requests, self.ranges = 0, 0, []
+
+
+METER = Meter()
+
+
+def is_remote(path: object) -> bool:
+    return store.is_remote(str(path)) if isinstance(path, (str, RemotePath)) else False
+
+
+def as_path(path: str | Path | RemotePath) -> Path | RemotePath:
+    """``path`` as the readers open it: a :class:`RemotePath` for an ``s3://`` or ``gs://`` URL, else a local
+    :class:`~pathlib.Path`.
+
+    Raises:
+        InputError: a URL osdpipe does not read (another scheme, no bucket).
+    """
+    if isinstance(path, (Path, RemotePath)):
+        return path
+    if store.is_url(path):
+        try:
+            location = store.parse(path, WHERE)
+        except ValueError as exc:
+            raise store.error_type(WHERE)(str(exc)) from None
+        return RemotePath(_Prefix(location), location.key)
+    return Path(path)
+
+
+def probe(url: str, where: str = WHERE) -> dict:
+    """fsspec's ``info`` of ``url`` (``type``: ``file`` or ``directory``), a first look that fails in one line naming
+    ``where`` (the key or argument that gave it): no such bucket, no such key, access denied, no credentials, an
+    endpoint that does not answer."""
+    try:
+        location = store.parse(url, where)
+    except ValueError as exc:
+        raise store.error_type(where)(str(exc)) from None
+    return store.info(location, _settings.storage_options, where)
+
+
+class _Prefix:
+    """The prefix the user named, with one filesystem and one listing of it, shared by every path under it."""
+
+    def __init__(self, location: store.Location) -> None:
+        self.location = location
+        self.options = _settings.storage_options
+        self.fs = store.filesystem(location, self.options, WHERE)
+        self._sizes: dict[str, int] | None = None
+        self._lock = threading.Lock()
+
+    def fail(self, exc: BaseException, key: str) -> Exception:
+        return store.failure(exc, self.location, WHERE, self.options, key=self.at(key))
+
+    def at(self, key: str) -> store.Location:
+        return store.Location(self.location.scheme, self.location.bucket, key)
+
+    def sizes(self) -> dict[str, int]:
+        """Every object at or under the prefix, by key, with its size: listed once."""
+        with self._lock:
+            if self._sizes is None:
+                root = self.location.path
+                try:
+                    found = self.fs.find(root, detail=True)
+                except FileNotFoundError:
+                    found = {}
+                except Exception as exc:  # noqa: BLE001 - said in one line
+                    raise self.fail(exc, self.location.key) from None
+                bucket = self.location.bucket + "/"
+                self._sizes = {
+                    name.removeprefix(bucket): int(info.get("size") or 0)
+                    for name, info in found.items()
+                    if info.get("type", "file") != "directory"
+                }
+            return self._sizes
+
+    def covers(self, key: str) -> bool:
+        top = self.location.key
+        return not top or key == top or key.startswith(top + "/")
+
+
+@dataclass(frozen=True)
+class _Stat:
+    st_size: int
+
+
+class RemotePath:
+    """An object (or a "directory": a key that others are under) in object storage, as the readers ask about paths.
+
+    ``str()`` is its URL. It has no ``__fspath__``: nothing takes it for a local file.
+    """
+
+    def __init__(self, prefix: _Prefix, key: str) -> None:
+        self._prefix, self.key = prefix, key.strip("/")
+
+    # ---------------------------------------------------------------- naming
+
+    @property
+    def location(self) -> store.Location:
+        return self._prefix.at(self.key)
+
+    def __str__(self) -> str:
+        return self.location.url
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and str(other) == str(self)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __truediv__(self, name: str | Path) -> RemotePath:
+        parts = [p for p in str(name).split("/") if p and p != "."]
+        return RemotePath(self._prefix, "/".join([self.key, *parts]) if self.key else "/".join(parts))
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self._prefix, self.key.rpartition("/")[0])
+
+    @property
+    def fs_path(self) -> str:
+        return self.location.path
+
+    # ---------------------------------------------------------------- what is there
+
+    def _size(self) -> int | None:
+        if self._prefix.covers(self.key):
+            return self._prefix.sizes().get(self.key)
+        try:  # outside the listed prefix (a manifest above it): asked on its own
+            info = self._prefix.fs.info(self.fs_path)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - said in one line
+            raise self._prefix.fail(exc, self.key) from None
+        return int(info.get("size") or 0) if info.get("type") == "file" else None
+
+    def is_file(self) -> bool:
+        return self._size() is not None
+
+    def is_dir(self) -> bool:
+        inside = self.key + "/" if self.key else ""
+        if self._prefix.covers(self.key) or (self._prefix.location.key + "/").startswith(inside):
+            return any(k.startswith(inside) for k in self._prefix.sizes())
+        try:
+            return bool(self._prefix.fs.isdir(self.fs_path))
+        except Exception as exc:  # noqa: BLE001 - said in one line
+            raise self._prefix.fail(exc, self.key) from None
+
+    def exists(self) -> bool:
+        return self.is_file() or self.is_dir()
+
+    def stat(self) -> _Stat:
+        size = self._size()
+        if size is None:
+            raise FileNotFoundError(f"{self} does not exist")
+        return _Stat(size)
+
+    def iterdir(self) -> list[RemotePath]:
+        inside = self.key + "/" if self.key else ""
+        names = {k[len(inside) :].split("/", 1)[0] for k in self._prefix.sizes() if k.startswith(inside)}
+        return [self / n for n in sorted(names)]
+
+    # ---------------------------------------------------------------- bytes
+
+    def read_range(self, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)``: one ranged request.
+
+        Raises:
+            FileNotFoundError: the object is missing; InputError: the store failed (one line).
+        """
+        if length <= 0:
+            return b""
+        try:
+            data = self._prefix.fs.cat_file(self.fs_path, start=start, end=start + length)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self} does not exist") from None
+        except Exception as exc:  # noqa: BLE001 - said in one line
+            raise self._prefix.fail(exc, self.key) from None
+        METER.add(str(self), start, start + len(data))
+        return data
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Each ``(start, length)`` of ``ranges``, fetched :data:`CONCURRENCY` at a time."""
+        with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
+            return list(pool.map(lambda r: self.read_range(*r), ranges))
+
+    def read_bytes(self) -> bytes:
+        """The whole object (for small ones: ``.metadata``, a manifest)."""
+        return self.read_range(0, self.stat().st_size)
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def stream(self, block: int = 16 << 20) -> Any:
+        """The object read front to back (hashing it): fsspec's file, reading ahead ``block`` bytes at a time."""
+        try:
+            return self._prefix.fs.open(self.fs_path, "rb", block_size=block, cache_type="readahead")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self} does not exist") from None
+        except Exception as exc:  # noqa: BLE001 - said in one line
+            raise self._prefix.fail(exc, self.key) from None
+
+    def open(self, mode: str = "rb") -> RangedFile:
+        if mode != "rb":
+            raise ValueError(f"{self} is read-only here (mode {mode!r})")
+        return RangedFile(self, self.stat().st_size)
+
+
+class RangedFile(io.RawIOBase):
+    """A seekable read-only file over an object: each read fetches the :data:`BLOCK`-sized blocks it touches, the last
+    :data:`BLOCKS_KEPT` kept (a zip's structure: its end, its index, a few headers)."""
+
+    def __init__(self, path: RemotePath, size: int) -> None:
+        super().__init__()
+        self.path, self.size, self.pos = path, size, 0
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def _block(self, index: int) -> bytes:
+        if index in self._blocks:
+            self._blocks.move_to_end(index)
+            return self._blocks[index]
+        start = index * BLOCK
+        data = self.path.read_range(start, min(BLOCK, self.size - start))
+        self._blocks[index] = data
+        while len(self._blocks) > BLOCKS_KEPT:
+            self._blocks.popitem(last=False)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), max(0, self.size - self.pos))
+        done = 0
+        while done < want:
+            index, at = divmod(self.pos, BLOCK)
+            block = self._block(index)
+            n = min(want - done, len(block) - at)
+            if n <= 0:
+                break
+            view[done : done + n] = block[at : at + n]
+            done += n
+            self.pos += n
+        return done
+
+
+class Prefetch:
+    """The byte ranges one read plan needs, fetched ahead of their use, several at once.
+
+    ``wanted`` lists ``(path, start, length)`` in the order they will be asked for (:meth:`take`). Requests are
+    started while the bytes fetched and not yet taken stay within ``limit`` (one range is always allowed, however
+    large: it is needed); a range taken is dropped here, which lets the next ones start. A range asked for that was
+    not planned is fetched then.
+    """
+
+    def __init__(self, wanted: Sequence[tuple[RemotePath, int, int]], limit: int | None = None) -> None:
+        self.limit = in_flight_limit() if limit is None else limit
+        self._queue = list(dict.fromkeys(wanted))
+        self._next = 0
+        self._held = 0
+        self._started: dict[tuple[RemotePath, int, int], Future[bytes]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=CONCURRENCY)
+        self._top_up()
+
+    def _top_up(self) -> None:
+        with self._lock:
+            while self._next < len(self._queue) and len(self._started) < 2 * CONCURRENCY:
+                path, start, length = self._queue[self._next]
+                if self._started and self._held + length > self.limit:
+                    break
+                self._next += 1
+                self._held += length
+                self._started[(path, start, length)] = self._pool.submit(path.read_range, start, length)
+
+    def take(self, path: RemotePath, start: int, length: int) -> bytes:
+        with self._lock:
+            future = self._started.pop((path, start, length), None)
+        if future is None:
+            return path.read_range(start, length)
+        try:
+            return future.result()
+        finally:
+            with self._lock:
+                self._held -= length
+            self._top_up()
+
+    def close(self) -> None:
+        with self._lock:
+            for future in self._started.values():
+                future.cancel()
+            self._started.clear()
+            self._next = len(self._queue)
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,214 @@
+"""``input.path=s3://bucket/prefix``: a DCP checkpoint in object storage converts by ranged reads, byte for byte as
+its local copy does; ``osdpipe inspect`` and ``osdpipe check`` take a URL (tests/cloud/conftest.py's S3 server).
+
+The conversions run through the command's entry point in subprocesses (tests/support/cli_driver.py); what a read
+fetches is measured in this process, through :data:`osdpipe.io.remote_input.METER`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from cloudenv import ACCESS_KEY, S3, SECRET_KEY, aws_environment
+from helpers import run_cli_cases, user_env
+
+from osdpipe.io import remote_input
+
+TIMEOUT_S = 120
+SOURCE = ["model.factory=userlm:build", "source.kind=fsdp2", "source.world_size=4", "runtime.mode=offline"]
+TARGET = ["target.world_size=2"]
+RECORDS = ("manifest.json", "report.json", "osdpipe.log")
+
+
+@pytest.fixture(scope="module")
+def converted(s3_endpoint: str, tmp_path_factory) -> tuple[S3, Path, dict[str, dict]]:
+    """A DCP checkpoint of 4 ranks (osdpipe's own conversion of a user's job) on the local disk and copied into
+    ``s3://<bucket>/src/dcp``; then converted to 2 ranks from each, and the commands on URLs run."""
+    import userlm
+
+    root = tmp_path_factory.mktemp("s3_input")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        aws_environment(monkeypatch, s3_endpoint, root)
+        bucket = S3(s3_endpoint, f"osdpipe-{uuid.uuid4().hex[:16]}")
+        bucket.fs().mkdir(bucket.bucket)
+        torch.manual_seed(0)
+        model = userlm.build()
+        torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
+        made = ["model.factory=userlm:build", f"input.path={root / 'optim.pt'}", "source.world_size=1",
+                "runtime.mode=offline", "target.kind=fsdp2", "target.world_size=4", "output.format=dcp"]  # fmt: skip
+        into_s3 = [*made[:-2], "target.world_size=3", f"output.path={bucket.url('out')}"]
+        first = run_cli_cases([[*made, f"output.path={root / 'src'}"], into_s3], cwd=root, per_case_s=TIMEOUT_S,
+                              env=user_env())  # fmt: skip
+        assert [r["code"] for r in first] == [0, 0], [r["stderr"] for r in first]
+        bucket.fs().put(f"{root / 'src' / 'dcp'}/", f"{bucket.bucket}/src/dcp/", recursive=True)
+        bucket.fs().pipe(f"{bucket.bucket}/out/.incoming/rank_0.pt", b"half of a killed run's upload")
+        cases = {
+            "local": [*SOURCE, f"input.path={root / 'src' / 'dcp'}", *TARGET, f"output.path={root / 'from_local'}"],
+            "s3": [*SOURCE, f"input.path={bucket.url('src', 'dcp')}", *TARGET, f"output.path={root / 'from_s3'}"],
+            "s3_budget": [*SOURCE, f"input.path={bucket.url('src', 'dcp')}", *TARGET, "runtime.memory_budget=64KB",
+                          f"output.path={root / 'from_s3_budget'}"],  # fmt: skip
+            "missing_key": [*SOURCE, f"input.path={bucket.url('no', 'such')}", *TARGET, f"output.path={root / 'no1'}"],
+            "missing_bucket": [*SOURCE, "input.path=s3://osdpipe-no-such-bucket/dcp", *TARGET,
+                               f"output.path={root / 'no2'}"],  # fmt: skip
+            "inspect": ["inspect", bucket.url("src", "dcp")],
+            "inspect_json": ["inspect", bucket.url("src", "dcp"), "--json"],
+            "inspect_missing": ["inspect", bucket.url("nothing")],
+            "check": ["check", bucket.url("out")],
+        }
+        results = run_cli_cases(list(cases.values()), cwd=root, per_case_s=TIMEOUT_S, env=user_env())
+    return bucket, root, dict(zip(cases, results, strict=True))
+
+
+def _data(directory: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in directory.rglob("*")
+        if p.is_file() and p.name not in RECORDS
+    }
+
+
+@pytest.mark.parametrize("case", ["s3", "s3_budget"])
+def test_a_dcp_input_in_s3_converts_byte_for_byte_as_its_local_copy(converted, case: str) -> None:
+    bucket, root, results = converted
+    assert results["local"]["code"] == 0, results["local"]["stderr"]
+    assert results[case]["code"] == 0, results[case]["stderr"]
+    local, remote = root / "from_local", root / ("from_s3" if case == "s3" else "from_s3_budget")
+    assert _data(remote) == _data(local)
+    assert _data(local)
+    local_manifest, remote_manifest = (json.loads((d / "manifest.json").read_text()) for d in (local, remote))
+    assert remote_manifest["content_sha256"] == local_manifest["content_sha256"]
+    assert remote_manifest["config"]["input"]["path"] == bucket.url("src", "dcp")
+    assert json.loads((remote / "report.json").read_text())["ok"] is True
+
+
+def test_no_credential_is_written_or_said(converted) -> None:
+    _, root, results = converted
+    written = [p.read_bytes() for d in ("from_s3", "from_s3_budget") for p in (root / d).rglob("*") if p.is_file()]
+    written += [(r["stdout"] + r["stderr"]).encode() for r in results.values()]
+    for secret in (ACCESS_KEY, SECRET_KEY):
+        assert not [w for w in written if secret.encode() in w]
+
+
+def test_a_missing_key_or_bucket_is_one_line_and_nothing_is_written(converted) -> None:
+    bucket, root, results = converted
+    assert results["missing_key"]["code"] == 2
+    assert results["missing_key"]["stderr"].strip().splitlines() == [
+        f"osdpipe: error: config: input.path='{bucket.url('no', 'such')}': '{bucket.url('no', 'such')}' does not "
+        "exist; check the prefix"
+    ]
+    assert results["missing_bucket"]["code"] == 2
+    assert results["missing_bucket"]["stderr"].strip().splitlines() == [
+        "osdpipe: error: config: input.path='s3://osdpipe-no-such-bucket/dcp': no such bucket "
+        f"'osdpipe-no-such-bucket' at the endpoint {bucket.endpoint}; check its name and the endpoint"
+    ]
+    assert not (root / "no1").exists() and not (root / "no2").exists()
+
+
+def test_inspect_reads_a_url(converted) -> None:
+    bucket, root, results = converted
+    assert results["inspect"]["code"] == 0, results["inspect"]["stderr"]
+    shown = results["inspect"]["stdout"]
+    assert shown.splitlines()[0] == bucket.url("src", "dcp")
+    assert "format       dcp (key 'optim')" in shown
+    assert "world size   4" in shown
+    facts = json.loads(results["inspect_json"]["stdout"])
+    assert (facts["format"], facts["world_size"], facts["path"]) == ("dcp", 4, bucket.url("src", "dcp"))
+    assert f"input.path={bucket.url('src', 'dcp')}" in facts["command"]
+    assert results["inspect_missing"]["code"] == 1
+    assert results["inspect_missing"]["stderr"].strip().splitlines() == [
+        f"osdpipe inspect: error: path='{bucket.url('nothing')}': '{bucket.url('nothing')}' does not exist; "
+        "check the prefix"
+    ]
+
+
+def test_check_hashes_a_conversion_in_s3_and_names_the_strays(converted) -> None:
+    bucket, _, results = converted
+    result = results["check"]
+    assert result["code"] == 0, result["stderr"]
+    lines = result["stdout"].splitlines()
+    assert lines[0] == "  check files      pass  3 file(s) match the manifest's digests"
+    assert lines[1] == (
+        f"  check strays     pass  1 stray object(s) an unfinished run left under {bucket.url('out', '.incoming')}/: "
+        "rank_0.pt; they do not touch this conversion, and the next run into the prefix removes them"
+    )
+    assert lines[-1] == f"osdpipe check: OK  {bucket.url('out')}"
+
+
+def test_check_finds_an_object_that_differs(converted, s3: S3) -> None:
+    bucket, _, _ = converted
+    fs = bucket.fs()
+    for key in bucket.keys("out"):
+        if not key.startswith("out/.incoming"):
+            fs.copy(f"{bucket.bucket}/{key}", f"{s3.bucket}/{key}")
+    data = bytearray(fs.cat_file(f"{bucket.bucket}/out/rank_1.pt"))
+    data[-100] ^= 1
+    s3.fs().pipe(f"{s3.bucket}/out/rank_1.pt", bytes(data))
+    [result] = run_cli_cases([["check", s3.url("out")]], cwd=Path.cwd(), per_case_s=TIMEOUT_S, env=user_env())
+    assert result["code"] == 1
+    assert f"check files      FAIL  {s3.url('out', 'rank_1.pt')} differs from its digest in the manifest" in (
+        result["stdout"]
+    )
+
+
+def test_a_rank_fetches_only_the_items_it_needs_never_a_whole_file(converted, monkeypatch, tmp_path) -> None:
+    from osdpipe.io.formats.dcp_reader import DcpReader
+
+    bucket, root, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    remote_input.configure({})
+    url = bucket.url("src", "dcp")
+    sizes = {p.name: p.stat().st_size for p in (root / "src" / "dcp").iterdir()}
+    remote, local = DcpReader(url, "optim"), DcpReader(str(root / "src" / "dcp"), "optim")
+    meta = local.meta()
+    assert remote.meta().param_groups == meta.param_groups
+    fqn = max(meta.state, key=lambda f: meta.state[f]["exp_avg"].shape[0])
+    ref = meta.state[fqn]["exp_avg"]
+    rows = ref.shape[0]
+    row = int(torch.Size(ref.shape[1:]).numel())
+    remote_input.METER.reset()
+    got = remote.read_range(fqn, "exp_avg", 0, row)  # target rank 0's first row: in source rank 0's first chunk
+    assert torch.equal(got, local.read_range(fqn, "exp_avg", 0, row))
+    [(fetched_url, start, end)] = remote_input.METER.ranges  # one ranged request: that chunk's item
+    assert fetched_url == f"{url}/__0_0.distcp"
+    assert 0 < end - start < sizes["__0_0.distcp"]
+    assert rows > 1
+    items = [(fqn, "exp_avg"), (fqn, "exp_avg_sq")]
+    remote_input.METER.reset()
+    whole = remote.read(items)
+    expected = local.read(items)
+    assert all(torch.equal(whole[k], expected[k]) for k in items)
+    distcp = {u.rsplit("/", 1)[-1] for u, _, _ in remote_input.METER.ranges}
+    assert remote_input.METER.bytes < sum(sizes[n] for n in distcp)  # the two tensors' items, not their files
+
+
+def test_prefetch_keeps_several_requests_in_flight_within_its_bound() -> None:
+    lock, state = threading.Lock(), {"now": 0, "most": 0, "bytes": 0, "most_bytes": 0}
+
+    class Slow:
+        def read_range(self, start: int, length: int) -> bytes:
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            time.sleep(0.02)
+            with lock:
+                state["now"] -= 1
+            return bytes(length)
+
+    path = Slow()
+    wanted = [(path, i * 100, 100) for i in range(40)]
+    prefetch = remote_input.Prefetch(wanted, limit=450)  # 4 ranges of 100 bytes fit
+    try:
+        for _, start, length in wanted:
+            with prefetch._lock:
+                state["most_bytes"] = max(state["most_bytes"], prefetch._held)
+            assert prefetch.take(path, start, length) == bytes(length)
+    finally:
+        prefetch.close()
+    assert state["most_bytes"] <= 450
+    assert 2 <= state["most"] <= 4
