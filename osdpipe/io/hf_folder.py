@@ -54,7 +54,7 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
 def _read_file(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise InputError(f"{path} is missing; the folder's safetensors files are incomplete")
-    data = path.read_bytes()
+    data = bytearray(path.read_bytes())  # writable: each tensor a view of it, no copy of its own
     if len(data) < 8:
         raise InputError(f"{path} is shorter than a safetensors header")
     (length,) = struct.unpack("<Q", data[:8])
@@ -62,15 +62,16 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
         header = json.loads(data[8 : 8 + length])
     except ValueError:
         raise InputError(f"{path}: its header is not JSON; it is not a safetensors file") from None
-    body = memoryview(data)[8 + length :]
-    out = {}
+    start, out = 8 + length, {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         begin, end = entry["data_offsets"]
-        if end > len(body):
+        if start + end > len(data):
             raise InputError(f"{path}: {name} runs past the end of the file (truncated)")
         dtype = _DTYPES[entry["dtype"]]
-        flat = torch.frombuffer(bytearray(body[begin:end]), dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
+        count = (end - begin) // dtype.itemsize
+        flat = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin) if count else torch.empty(
+            0, dtype=dtype)
         out[name] = flat.reshape(entry["shape"])
     return out

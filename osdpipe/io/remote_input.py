@@ -23,9 +23,7 @@ object is a :class:`FileNotFoundError` naming its URL, as a missing local file i
 
 from __future__ import annotations
 
-import io
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,9 +37,6 @@ WHERE = "input.path"
 CONCURRENCY = 8
 #: Bytes fetched and not yet used, without ``runtime.memory_budget`` (with it: half of it, the pieces' size).
 DEFAULT_IN_FLIGHT = 256 << 20
-#: What :class:`RangedFile` fetches at once, and how many such blocks it keeps.
-BLOCK = 1 << 20
-BLOCKS_KEPT = 4
 
 
 @dataclass
@@ -289,61 +284,6 @@ class RemotePath:
             raise FileNotFoundError(f"{self} does not exist") from None
         except Exception as exc:  # noqa: BLE001 - said in one line
             raise self._prefix.fail(exc, self.key) from None
-
-    def open(self, mode: str = "rb") -> RangedFile:
-        if mode != "rb":
-            raise ValueError(f"{self} is read-only here (mode {mode!r})")
-        return RangedFile(self, self.stat().st_size)
-
-
-class RangedFile(io.RawIOBase):
-    """A seekable read-only file over an object: each read fetches the :data:`BLOCK`-sized blocks it touches, the last
-    :data:`BLOCKS_KEPT` kept (a zip's structure: its end, its index, a few headers)."""
-
-    def __init__(self, path: RemotePath, size: int) -> None:
-        super().__init__()
-        self.path, self.size, self.pos = path, size, 0
-        self._blocks: OrderedDict[int, bytes] = OrderedDict()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
-    def _block(self, index: int) -> bytes:
-        if index in self._blocks:
-            self._blocks.move_to_end(index)
-            return self._blocks[index]
-        start = index * BLOCK
-        data = self.path.read_range(start, min(BLOCK, self.size - start))
-        self._blocks[index] = data
-        while len(self._blocks) > BLOCKS_KEPT:
-            self._blocks.popitem(last=False)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        want = min(len(view), max(0, self.size - self.pos))
-        done = 0
-        while done < want:
-            index, at = divmod(self.pos, BLOCK)
-            block = self._block(index)
-            n = min(want - done, len(block) - at)
-            if n <= 0:
-                break
-            view[done : done + n] = block[at : at + n]
-            done += n
-            self.pos += n
-        return done
 
 
 class Prefetch:

@@ -34,7 +34,7 @@ from osdpipe.run.products import CheckResult, SkippedCheck
 from osdpipe.run.report import Report, StageReport
 from osdpipe.run.stages.save import write_manifest
 from osdpipe.spec.config import RunSpec
-from osdpipe.spec.megatron import MEGATRON, MEGATRON_CHECKS, MegatronJob
+from osdpipe.spec.megatron import HF, MEGATRON, MEGATRON_CHECKS, MegatronJob
 from osdpipe.spec.reconcile import Contradiction, Given
 from osdpipe.verify.megatron import roundtrip_problems
 
@@ -93,7 +93,7 @@ def convert(job: MegatronJob, config: dict[str, Any], display: progress.Display 
 
         def commit() -> dict[str, Any]:
             files = {**done.files, **_small_files(staging, done.files)}
-            write_manifest(staging, config, "hf" if job.hf else MEGATRON, files, {})
+            write_manifest(staging, config, HF if job.hf else MEGATRON, files, {})
             output.commit(directory, job.fsync)
             return files
 

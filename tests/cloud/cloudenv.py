@@ -63,3 +63,20 @@ def aws_environment(monkeypatch: pytest.MonkeyPatch, endpoint: str, home: Path) 
     monkeypatch.setenv("AWS_CONFIG_FILE", str(home / "aws-config-absent"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "aws-credentials-absent"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def bucket_with_a_users_job(monkeypatch: pytest.MonkeyPatch, endpoint: str, root: Path) -> S3:
+    """The environment set (:func:`aws_environment`), a fresh bucket made on the server, and ``root/optim.pt``: the
+    FQN-keyed optimizer state of the tests' own model (``userlm``) after 2 steps, the source the tests convert."""
+    import uuid
+
+    import torch
+    import userlm
+
+    aws_environment(monkeypatch, endpoint, root)
+    bucket = S3(endpoint, f"osdpipe-{uuid.uuid4().hex[:16]}")
+    bucket.fs().mkdir(bucket.bucket)
+    torch.manual_seed(0)
+    model = userlm.build()
+    torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
+    return bucket

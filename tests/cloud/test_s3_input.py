@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from cloudenv import ACCESS_KEY, S3, SECRET_KEY, aws_environment
+from cloudenv import ACCESS_KEY, S3, SECRET_KEY, aws_environment, bucket_with_a_users_job
 from helpers import run_cli_cases, user_env
 
 from osdpipe.io import remote_input
@@ -30,16 +29,9 @@ RECORDS = ("manifest.json", "report.json", "osdpipe.log")
 def converted(s3_endpoint: str, tmp_path_factory) -> tuple[S3, Path, dict[str, dict]]:
     """A DCP checkpoint of 4 ranks (osdpipe's own conversion of a user's job) on the local disk and copied into
     ``s3://<bucket>/src/dcp``; then converted to 2 ranks from each, and the commands on URLs run."""
-    import userlm
-
     root = tmp_path_factory.mktemp("s3_input")
     with pytest.MonkeyPatch.context() as monkeypatch:
-        aws_environment(monkeypatch, s3_endpoint, root)
-        bucket = S3(s3_endpoint, f"osdpipe-{uuid.uuid4().hex[:16]}")
-        bucket.fs().mkdir(bucket.bucket)
-        torch.manual_seed(0)
-        model = userlm.build()
-        torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
+        bucket = bucket_with_a_users_job(monkeypatch, s3_endpoint, root)
         made = ["model.factory=userlm:build", f"input.path={root / 'optim.pt'}", "source.world_size=1",
                 "runtime.mode=offline", "target.kind=fsdp2", "target.world_size=4", "output.format=dcp"]  # fmt: skip
         into_s3 = [*made[:-2], "target.world_size=3", f"output.path={bucket.url('out')}"]

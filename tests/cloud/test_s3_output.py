@@ -8,12 +8,11 @@ case); the tests then look at the bucket.
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from cloudenv import ACCESS_KEY, S3, SECRET_KEY, aws_environment
+from cloudenv import ACCESS_KEY, S3, SECRET_KEY, aws_environment, bucket_with_a_users_job
 from helpers import run_cli_cases, user_env
 
 from osdpipe.io import remote_output, store
@@ -32,16 +31,9 @@ RECORDS = ("manifest.json", "report.json", "osdpipe.log")
 def converted(s3_endpoint: str, tmp_path_factory) -> tuple[S3, Path, list[dict]]:
     """Each format converted offline twice from one user's job: into ``<root>/local/<fmt>`` and into
     ``s3://<bucket>/<fmt>``."""
-    import userlm
-
     root = tmp_path_factory.mktemp("s3_output")
     with pytest.MonkeyPatch.context() as monkeypatch:
-        aws_environment(monkeypatch, s3_endpoint, root)
-        bucket = S3(s3_endpoint, f"osdpipe-{uuid.uuid4().hex[:16]}")
-        bucket.fs().mkdir(bucket.bucket)
-        torch.manual_seed(0)
-        model = userlm.build()
-        torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
+        bucket = bucket_with_a_users_job(monkeypatch, s3_endpoint, root)
         source = ["model.factory=userlm:build", f"input.path={root / 'optim.pt'}", "source.world_size=1",
                   "runtime.mode=offline"]  # fmt: skip
         cases = [
@@ -88,8 +80,9 @@ def test_each_format_lands_in_s3_byte_for_byte_the_local_conversion(converted, f
 
 def test_the_local_job_directory_keeps_the_record_not_the_conversion(converted) -> None:
     _, root, results = converted
+    # one job directory per run, but runs that start in the same second share Hydra's outputs/<date>/<time>
     jobs = [p.parent for p in root.glob("outputs/*/*/report.json")]
-    assert len(jobs) == len(FORMATS), jobs
+    assert 1 <= len(jobs) <= len(FORMATS), jobs
     for job in jobs:
         assert sorted(p.name for p in job.iterdir()) == ["osdpipe.log", "report.json"]
     summaries = [r["stdout"] for r in results[1::2]]
