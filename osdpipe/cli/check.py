@@ -42,7 +42,7 @@ from typing import Any
 
 # the stages' products (CheckResult: what verify's checks give); it imports no torch
 from osdpipe.run.products import CheckResult, Keyed, Tally
-from osdpipe.spec.megatron import HF, MEGATRON  # it imports nothing heavy
+from osdpipe.spec.megatron import HF, by_megatron_stages  # it imports nothing heavy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE = (
@@ -372,7 +372,7 @@ def run_check(args: list[str]) -> int:
     try:
         manifest = read_manifest(directory)
         raw = conversion_config(directory, manifest, overrides)
-        if (raw.get("checkpoint") or {}).get("layout") == MEGATRON:
+        if by_megatron_stages((raw.get("checkpoint") or {}).get("layout"), raw["output"].get("checkpoint")):
             return _check_megatron(directory, manifest, raw, load)
         plan = conversion_plan(raw)
     except CheckUsageError as exc:

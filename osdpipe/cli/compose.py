@@ -40,7 +40,7 @@ from osdpipe.core import rankserver
 from osdpipe.io import store
 from osdpipe.io.output import OutputError
 from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
-from osdpipe.spec.megatron import MEGATRON
+from osdpipe.spec.megatron import by_megatron_stages
 
 if TYPE_CHECKING:
     from osdpipe.run.report import Report
@@ -184,7 +184,8 @@ def _run_job(cfg: DictConfig) -> int:
     except ConfigError as exc:
         return _config_error(exc)
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
-    if checked.checkpoint.layout == MEGATRON:  # converted by its own stages, offline: no world, no plan
+    # converted by its own stages, offline: no world, no plan
+    if by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
         if remote is not None:
             return _config_error(ConfigError([
                 f"output.path={remote!r}: a Megatron conversion is not written to object storage yet; "

@@ -191,6 +191,26 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
     }
 
 
+def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
+    """The keywords of ``osdpipe.layout.models.torchtitan_llama3`` for the GPT Megatron-LM's ``args`` describe: the
+    same model as :func:`hf_config`'s (:mod:`osdpipe.layout.llama_titan` maps one's tensors to the other's).
+
+    Raises:
+        ValueError: a head dimension other than ``hidden / heads``, which torchtitan's llama3 cannot take.
+    """
+    _refuse(refusals(args))
+    hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
+    if int(args.get("kv_channels") or hidden // heads) * heads != hidden:
+        raise ValueError(f"kv_channels={args['kv_channels']} x {heads} heads is not hidden_size={hidden}: torchtitan's "
+                         "llama3 takes its head dimension as hidden / heads")
+    return {
+        "dim": hidden, "n_layers": int(args["num_layers"]), "n_heads": heads, "n_kv_heads": query_groups(args),
+        "hidden_dim": int(args["ffn_hidden_size"]), "vocab_size": int(vocab_size),
+        "norm_eps": float(args.get("norm_epsilon", 1e-5)), "rope_theta": float(args.get("rotary_base", 10000)),
+        "max_seq_len": int(args.get("max_position_embeddings") or args.get("seq_length") or 4096),
+    }
+
+
 def _check_gpt(gpt: Gpt) -> None:
     what = []
     if not gpt.swiglu:
@@ -220,6 +240,29 @@ def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (vocab_size, h)
     return out
+
+
+def hf_names_of(gpt: Gpt) -> dict[str, list[str]]:
+    """Each Megatron key of :func:`osdpipe.layout.megatron.global_shapes` -> the ``LlamaForCausalLM`` names its
+    elements go to under :func:`to_hf`, in the state dict's order: what puts a Megatron param group's keys into the
+    Llama names of the same group."""
+    by_key: dict[str, list[str]] = {key: [] for key in global_shapes(gpt)}
+    for name in hf_shapes(gpt, 1):
+        by_key[_megatron_key_of(name)].append(name)
+    return by_key
+
+
+def _megatron_key_of(name: str) -> str:
+    """The Megatron key a ``LlamaForCausalLM`` name's elements come from (the module docstring's table)."""
+    fixed = {"model.embed_tokens.weight": EMBEDDING, "model.norm.weight": FINAL_NORM, "lm_head.weight": OUTPUT}
+    if name in fixed:
+        return fixed[name]
+    within = name.split(".", 3)[3]  # model.layers.{i}.<within>
+    if within.startswith("self_attn.") and within.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
+        return QKV
+    if within in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        return FC1
+    return next(key for key, hf in _WHOLE_PER_LAYER.items() if hf == within)
 
 
 def _check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str) -> None:

@@ -230,6 +230,55 @@ def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Mod
     return model
 
 
+def hf_llama(**config: Any) -> nn.Module:
+    """Hugging Face's ``LlamaForCausalLM`` of a ``config.json``'s keys (``model.kwargs``): the model a Megatron GPT
+    becomes (:func:`osdpipe.layout.megatron_hf.hf_config`). Its FSDP units are its decoder layers, the modules
+    transformers never splits (``_no_split_modules``). Needs transformers (``pip install transformers``)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise ValueError(f"model.factory=hf_llama: cannot import transformers ({exc}); pip install transformers") \
+            from None
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.fsdp_units = tuple(model._no_split_modules or ())
+    return model
+
+
+def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden_dim: int, vocab_size: int,
+                      norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int = 4096,
+                      attn_backend: str = "flex") -> nn.Module:
+    """torchtitan's llama3 (fused ``wqkv``, complex RoPE without scaling) of any dimensions: what a Megatron GPT becomes
+    for a torchtitan job (:func:`osdpipe.layout.llama_titan.to_titan` maps its tensors). Built by torchtitan's own
+    config classes, its ``debugmodel`` flavor's with these dimensions, and its own layer builder; its FSDP units are its
+    transformer blocks, as torchtitan's ``parallelize`` wraps them. A job builds the same model with these keywords
+    (``model_args.json`` beside the converted step folder). Needs torchtitan (``pip install torchtitan``)."""
+    import dataclasses
+
+    try:
+        llama3 = importlib.import_module("torchtitan.models.llama3")
+        rope = importlib.import_module("torchtitan.models.common").ComplexRoPE
+    except ImportError as exc:
+        raise ValueError(f"model.factory=torchtitan_llama3: cannot import torchtitan ({exc}); pip install torchtitan") \
+            from None
+    base = llama3.model_registry("debugmodel").model
+    layers = llama3._build_llama3_layers(
+        fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, hidden_dim=hidden_dim,
+        rope=rope.Config(dim=dim // n_heads, max_seq_len=max_seq_len, theta=rope_theta, scaling="none"),
+        attn_backend=attn_backend,
+    )
+    for layer in layers:
+        layer.attention_norm.eps = layer.ffn_norm.eps = norm_eps
+    config = dataclasses.replace(
+        base, dim=dim, vocab_size=vocab_size, layers=layers,
+        tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=vocab_size, embedding_dim=dim),
+        norm=dataclasses.replace(base.norm, normalized_shape=dim, eps=norm_eps),
+        lm_head=dataclasses.replace(base.lm_head, in_features=dim, out_features=vocab_size),
+    )
+    model = config.build()
+    model.fsdp_units = (type(next(iter(model.layers.values()))).__name__,)
+    return model
+
+
 def hf_adapter(
     factory: str, kwargs: dict[str, Any]
 ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
@@ -305,6 +354,8 @@ BUILTIN_MODELS: dict[str, ModelFactory] = {
     "mlp": MLP,
     "llama": Llama,
     "torchtitan": torchtitan_model,
+    "hf_llama": hf_llama,
+    "torchtitan_llama3": torchtitan_llama3,
 }
 
 

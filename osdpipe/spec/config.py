@@ -40,7 +40,7 @@ from osdpipe.core.sizes import parse_size, show_size
 from osdpipe.io.output import conversion_entries
 from osdpipe.io.store import is_remote, is_url, parse
 from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
-from osdpipe.spec.megatron import MEGATRON, megatron_problem
+from osdpipe.spec.megatron import MEGATRON, by_megatron_stages, megatron_problem
 
 if TYPE_CHECKING:
     from osdpipe.layout.ranges import LayoutSpec
@@ -281,7 +281,7 @@ class InputConfig(_Frozen):
     """
 
     path: str | None = None
-    format: Literal["fsdp_full", "dcp", "plain", "rank_local", "deepspeed"] = "fsdp_full"
+    format: Literal["fsdp_full", "dcp", "plain", "rank_local", "deepspeed", "megatron"] = "fsdp_full"
     key: str = "optim"
     param_groups: list[list[str]] | None = None
     allow_nonfinite: bool = False  # convert NaN/Inf in the source as they are (with a warning) instead of failing
@@ -561,13 +561,13 @@ class RunSpec(_Frozen):
         why = megatron_problem(self)
         if why is not None:
             raise ValueError(why)
-        # a Megatron save's source side is what its files say (osdpipe.pipeline.megatron settles it)
+        # a Megatron save's source side is what its files say (osdpipe.pipeline.megatron and reconcile settle it)
         for side in ("target",) if self.checkpoint.layout == MEGATRON else ("source", "target"):
             why = getattr(self, side).mesh_problem()
             if why is not None:
                 raise ValueError(f"{side}.{why}")
-        if MEGATRON in (self.checkpoint.layout, self.target.kind):
-            return self  # a Megatron save converts by its own stages (osdpipe.pipeline.megatron): nothing below applies
+        if by_megatron_stages(self.checkpoint.layout, self.output.checkpoint) or self.target.kind == MEGATRON:
+            return self  # converted by Megatron's own stages (osdpipe.pipeline.megatron): nothing below applies
         named = self.checkpoint.model
         if named is not None and (
             (self.model.factory, self.model.kwargs.get("name"), self.model.kwargs.get("flavor"))

@@ -18,9 +18,18 @@ from typing import Any
 MEGATRON = "megatron"
 #: ``output.checkpoint=`` of a Hugging Face model folder (``config.json``, safetensors), written from a Megatron save.
 HF = "hf"
+#: The layouts a Megatron-LM save is written in for a PyTorch job (a Hugging Face Llama's or torchtitan llama3's).
+PYTORCH_NATIVE = ("pytorch", "accelerate", "torchtitan")
 #: The checks a Megatron conversion runs itself; the others of ``pipeline.checks`` need the target's own job, which
 #: only megatron-core builds (the tests run it: tests/frameworks/test_megatron.py).
 MEGATRON_CHECKS = ("roundtrip",)
+
+
+def by_megatron_stages(layout: str, written_as: str | None) -> bool:
+    """Whether a conversion of ``checkpoint.layout=layout`` with ``output.checkpoint=written_as`` runs by Megatron's own
+    stages (:mod:`osdpipe.pipeline.megatron`): a Megatron-LM save to another Megatron grid or to a Hugging Face folder.
+    For a PyTorch job's layout it goes through the range pipeline."""
+    return layout == MEGATRON and written_as in (None, HF)
 
 
 def megatron_problem(spec: Any) -> str | None:
@@ -51,21 +60,30 @@ def megatron_problem(spec: Any) -> str | None:
         )
     if layout != MEGATRON:
         return None
-    if target.kind != MEGATRON:
-        return (
-            f"checkpoint=megatron with target.kind={target.kind}: a Megatron-LM save converts to one "
-            "(target.kind=megatron; to other frameworks: not supported yet)"
-        )
     if spec.input.path is None:
         return "checkpoint=megatron converts a Megatron-LM save: give input.path (osdpipe does not train Megatron jobs)"
+    if spec.input.format != MEGATRON:
+        return f"input.format={spec.input.format}: a Megatron-LM save is read as input.format=megatron; leave it out"
+    if output.checkpoint in PYTORCH_NATIVE:
+        if target.kind == MEGATRON:
+            return (
+                f"output.checkpoint={output.checkpoint} writes the save for a PyTorch job: set target.kind (fsdp2, "
+                "fsdp1, ddp or none) and target.world_size, the job that resumes it"
+            )
+        return None  # the range pipeline's rules apply (osdpipe.io.formats.megatron_source reads the save)
+    if target.kind != MEGATRON:
+        return (
+            f"checkpoint=megatron with target.kind={target.kind}: a Megatron-LM save converts to another Megatron grid "
+            f"(target.kind=megatron), or for a PyTorch job with output.checkpoint={' or '.join(PYTORCH_NATIVE)}"
+        )
     if target.tp_plan:
         return "target.tp_plan: Megatron's model lays out its own tensor parallelism; leave it empty"
     if output.checkpoint not in (None, HF) or output.model_format is not None:
         key = "output.checkpoint" if output.checkpoint not in (None, HF) else "output.model_format"
-        return f"{key}: a Megatron-LM save is written as Megatron's own (other layouts: not supported yet); drop it"
-    if spec.input.format != "dcp" or output.format != "dcp":
-        key = "input.format" if spec.input.format != "dcp" else "output.format"
-        return f"{key}: a Megatron-LM save is a DCP checkpoint beside common.pt; set {key}=dcp (checkpoint=megatron's)"
+        return (f"{key}: a Megatron-LM save is written as Megatron's own, a Hugging Face folder (output.checkpoint=hf) "
+                f"or for a PyTorch job (output.checkpoint={' or '.join(PYTORCH_NATIVE)}); drop {key}")
+    if output.format != "dcp":
+        return "output.format: a Megatron-LM save is a DCP checkpoint beside common.pt; set output.format=dcp"
     if spec.runtime.mode != "offline":
         return "runtime.mode=online: a Megatron-LM save converts offline, without Megatron; set runtime.mode=offline"
     return None

@@ -103,7 +103,8 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         path = newest
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
-        if "model.factory" not in given and (named := _model_from_files(layout, path)) is not None:
+        writer = checkpoints.written(layout.name, _get(raw, "output.checkpoint"))
+        if "model.factory" not in given and (named := _model_from_files(layout, path, writer.name)) is not None:
             _set(raw, "model.factory", named[0])
             _set(raw, "model.kwargs", named[1])
             notes.append(
@@ -111,7 +112,6 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
                 "give model.factory=... for your own"
             )
         _set(raw, "input.format", fmt)
-        writer = checkpoints.written(layout.name, _get(raw, "output.checkpoint"))
         keep = (
             layout.output_format_of(fmt)
             if writer is layout
@@ -124,7 +124,7 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
                       else writer.foreign_advice(layout.name, _get(raw, "target") or {}))
         except (InputError, OSError):
             pass  # the pre-flight check says what is wrong with it
-        part = layout.optimizer_part(path, fmt)
+        part = layout.optimizer_part(path, fmt, writer.name)
         # a model-only checkpoint: no optimizer to settle; the checks resume with the one osdpipe trains
         if part is None:
             if _get(raw, "optim.name") in (None, AUTO):
@@ -132,6 +132,7 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
             return raw, notes + [
                 f"{path} holds the model alone (no optimizer state): the output holds the model alone too"
             ]
+        _settle_source_kind(raw, given, formats.get(part.format))  # the format's, even where its files fail
         try:
             facts = read_facts(part.path, part.format, part.key)
         except InputError:
@@ -158,9 +159,9 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     return raw, warnings
 
 
-def _model_from_files(layout: Any, path: str) -> tuple[str, dict[str, Any]] | None:
+def _model_from_files(layout: Any, path: str, written_as: str) -> tuple[str, dict[str, Any]] | None:
     try:
-        return layout.model_from_files(path)
+        return layout.model_from_files(path, written_as)
     except (InputError, OSError):
         return None  # the pre-flight check says what is wrong with it
 
@@ -229,13 +230,23 @@ def _settle_layout(raw: dict[str, Any], given: Given, facts: Any) -> None:
         refusal = fmt.refuses_saved_by(kinds.find(kind), facts.path)
         if refusal is not None:
             raise Contradiction(f"source.kind={kind}, but {refusal}")
-    elif fmt.source_kind is not None:
-        _set(raw, "source.kind", fmt.source_kind)
+    else:
+        _settle_source_kind(raw, given, fmt)
     for shown in fmt.shows(facts, kinds.find(_get(raw, "source.kind"))):
         if shown.shows is not None:
             _settle(raw, given, shown.key, shown.value, shown.shows)
         elif shown.key not in given:
             _set(raw, shown.key, shown.value)
+
+
+def _settle_source_kind(raw: dict[str, Any], given: Given, fmt: Any) -> None:
+    """The kind of job a format's files come from (:attr:`~osdpipe.io.formats.base.Format.source_kind`), where the
+    user did not say: a kind of one process (a plain file's, a save read whole) on one rank."""
+    if "source.kind" in given or fmt.source_kind is None:
+        return
+    _set(raw, "source.kind", fmt.source_kind)
+    if kinds.get(fmt.source_kind).one_process is not None and "source.world_size" not in given:
+        _set(raw, "source.world_size", 1)
 
 
 def _settle_optimizer(raw: dict[str, Any], given: Given, facts: Any) -> list[str]:

@@ -210,7 +210,7 @@ class Accelerate(CheckpointLayout):
     def input_format_of(self, path: str) -> str:
         return "fsdp_full" if _full(path) else "dcp"
 
-    def optimizer_part(self, path: str, input_format: str) -> Part:
+    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
         if _full(path):  # FULL_STATE_DICT: FSDP.optim_state_dict's full state in one file
             return Part(str(Path(path) / FULL_OPTIMIZER), "fsdp_full", "optim")
         return Part(str(Path(path) / OPTIMIZER_DIR), "dcp", "optimizer")

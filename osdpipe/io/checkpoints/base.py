@@ -134,6 +134,8 @@ class Carrying:
         layout: the layout that read the checkpoint (``checkpoint=``).
         step: the training step the checkpoint was saved at, where its files say (torchtitan's ``step-<N>``,
             DeepSpeed's ``global_steps``): what names a torchtitan output's ``step-<N>`` folder.
+        made: files the source's layout makes for the target beside the output, by path, with their bytes (a Megatron
+            save's ``config.json``, which a Hugging Face model is built from and the save holds only as ``args``).
         under: the framework name another framework's carried items are kept under in the output (``None``: they are
             the output framework's own, kept where the source had them): torchtitan's layout nests them under it, where
             their own names (``lr_scheduler``) would be taken for torchtitan's and loaded into its job; accelerate's,
@@ -154,6 +156,7 @@ class Carrying:
     layout: str = ""
     step: int | None = None
     under: str | None = None
+    made: dict[str, bytes] = field(default_factory=dict)
 
     def written_path(self, path: tuple[Any, ...]) -> tuple[Any, ...]:
         """Where a carried item saved at ``path`` in the source goes in the output's state dict."""
@@ -287,10 +290,11 @@ class CheckpointLayout:
         """
         return ModelNaming.users_own()
 
-    def model_from_files(self, path: str) -> tuple[str, dict[str, Any]] | None:
+    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]] | None:
         """A ``model.factory`` and its ``model.kwargs`` that build the model the checkpoint at ``path`` names, where its
-        files name every parameter and shape (``None``: they do not; the user's factory is needed). What a conversion
-        uses when the user names no model."""
+        files name every parameter and shape (``None``: they do not; the user's factory is needed), for an output in
+        the layout ``written_as`` (the model the job that resumes it builds). What a conversion uses when the user
+        names no model."""
         return None
 
     def newest_in(self, path: str) -> str | None:
@@ -303,9 +307,10 @@ class CheckpointLayout:
         as its folder shows it (by default the layout's first)."""
         return self.input_formats[0]
 
-    def optimizer_part(self, path: str, input_format: str) -> Part | None:
-        """Where the optimizer is in the checkpoint at ``path``,
-        as today's readers take it (``None``: a model-only checkpoint)."""
+    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
+        """Where the optimizer is in the checkpoint at ``path``, as today's readers take it (``None``: a model-only
+        checkpoint), for an output in the layout ``written_as`` (a save read for another framework's model: the
+        reader's ``key`` names whose)."""
         raise NotImplementedError
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:

@@ -1,25 +1,45 @@
 """Megatron-LM's layout of a whole checkpoint, as ``osdpipe inspect`` names it and ``checkpoint=megatron`` reads it.
 
 A save folder (``latest_checkpointed_iteration.txt``, ``iter_<7 digits>/``), its iteration folder one DCP checkpoint
-beside ``common.pt`` and ``metadata.json`` (:mod:`osdpipe.io.formats.megatron` reads it whole). What this layout
-says is metadata only: every entry with its size, the parallelism and sharding type that saved it, the model's
-dimensions from ``args``, and what osdpipe cannot lay out yet. The conversion itself runs by Megatron's own stages
-(:mod:`osdpipe.pipeline.megatron`), so the range pipeline's methods (:meth:`optimizer_part`, :meth:`open_model`, ...)
-are not this layout's.
+beside ``common.pt`` and ``metadata.json`` (:mod:`osdpipe.io.formats.megatron` reads it whole). It says every entry
+with its size, the parallelism and sharding type that saved it, the model's dimensions from ``args``, and what osdpipe
+cannot lay out yet.
+
+Two conversions read it:
+
+* to another Megatron grid or a Hugging Face folder: Megatron's own stages (:mod:`osdpipe.pipeline.megatron`);
+* to a PyTorch-native framework's layout (``output.checkpoint=pytorch|accelerate``): the range pipeline, which asks
+  this layout what every framework's answers (:meth:`optimizer_part`, :meth:`open_model`, :meth:`carried`): the save
+  read as a Hugging Face ``LlamaForCausalLM``'s state (:mod:`osdpipe.io.formats.megatron_source`), the model built
+  from ``args`` (:meth:`model_from_files`), ``config.json`` written beside, and common.pt's plain entries carried.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from osdpipe.io.checkpoints.base import CheckpointLayout, Entry, ModelNaming, WholeCheckpoint, register
+from osdpipe.io.checkpoints.base import (
+    CarriedData,
+    Carrying,
+    CheckpointLayout,
+    Entry,
+    ModelNaming,
+    Part,
+    WholeCheckpoint,
+    register,
+)
 from osdpipe.io.checkpoints.dcp_entries import dcp_items
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
 from osdpipe.layout.megatron import query_groups
+
+if TYPE_CHECKING:  # annotations only: reading imports torch
+    from osdpipe.io.formats.megatron_source import MegatronWeights
+    from osdpipe.layout.tree import ModuleTree
 
 #: Entries by what their flat keys start with, and the part of a conversion each is.
 _OPTIMIZER = re.compile(
@@ -36,7 +56,7 @@ class Megatron(CheckpointLayout):
     name = "megatron"
     looks_like = "a Megatron-LM save folder (latest_checkpointed_iteration.txt and iter_<N>/) or one iter_<N> folder"
     whole = True
-    input_formats: ClassVar[tuple[str, ...]] = ("dcp",)
+    input_formats: ClassVar[tuple[str, ...]] = ("megatron",)
     output_formats: ClassVar[tuple[str, ...]] = ("dcp",)
     written_as = None
     saves_step = True
@@ -55,6 +75,71 @@ class Megatron(CheckpointLayout):
     def model_naming(self, path: Path) -> ModelNaming:
         """No model to name: Megatron's ``args`` give every dimension."""
         return ModelNaming(())
+
+    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]]:
+        """The Llama of the GPT ``args`` describe, as the job that resumes the output builds it: torchtitan's llama3
+        for a torchtitan step folder (``written_as``), else Hugging Face's ``LlamaForCausalLM``
+        (:func:`osdpipe.layout.megatron_hf.hf_config`)."""
+        from osdpipe.layout import megatron_hf
+
+        args = files.read_common(files.iteration_folder(path))["args"]
+        if why := megatron_hf.refusals(args):
+            raise InputError(f"{path}: a Megatron GPT with {', '.join(why)}: not supported yet as a Llama")
+        vocab = megatron_hf.true_vocab_size(args)
+        if written_as == "torchtitan":
+            return "torchtitan_llama3", megatron_hf.titan_args(args, vocab_size=vocab)
+        return "hf_llama", megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
+
+    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
+        """The iteration folder, read for the model ``written_as``'s job builds: its ``key`` names that model's names
+        (the reader's facts name the param groups' parameters so)."""
+        from osdpipe.io.formats.megatron_source import HF_LLAMA, TORCHTITAN_LLAMA3
+
+        naming = TORCHTITAN_LLAMA3 if written_as == "torchtitan" else HF_LLAMA
+        return Part(str(files.iteration_folder(path)), "megatron", naming)
+
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> MegatronWeights:
+        """The fp32 masters from the optimizer part's own reader: the save is read, and mapped, once."""
+        from osdpipe.io.formats.megatron_source import MegatronReader, MegatronWeights
+
+        reader = optimizer if isinstance(optimizer, MegatronReader) else MegatronReader(path)
+        return MegatronWeights(reader, tree)
+
+    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+        """common.pt's plain entries (the iteration, the scheduler's state, the FLOPs so far), each leaf under its own
+        name, and ``config.json`` made for Hugging Face; the rest describes Megatron's own job (``args``, the RNG
+        states of its (PP, TP) ranks, the linears' ``_extra_state``) and is left out, the report says so."""
+        import torch
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
+
+        folder = files.iteration_folder(path)
+        common = files.read_common(folder)
+        flat, paths = flatten_state_dict(_carried_values(common))
+        tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items()
+                   if torch.is_tensor(v)}
+        from osdpipe.io.formats.megatron_source import TORCHTITAN_LLAMA3, naming_of
+
+        titan = naming_of(tree) == TORCHTITAN_LLAMA3
+        _, config = self.model_from_files(str(folder), "torchtitan" if titan else None)
+        entries = [
+            e if e.part in ("model", "optimizer") else Entry(e.name, "framework", e.where, e.size, e.tensors)
+            for e in self.read(folder).entries if not e.name.startswith(files.COMMON)
+        ]
+        entries += [Entry(f"{files.COMMON} {key}", _COMMON_PARTS.get(key, "other"), files.COMMON, len(repr(value)))
+                    for key, value in common.items()]
+        return Carrying(
+            str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), tuple(entries),
+            layout=self.name, step=int(common.get("iteration", 0)),
+            made={TITAN_ARGS if titan else HF_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()},
+        )
+
+    def read_carried(self, carrying: Carrying) -> CarriedData:
+        """The carried leaves' values (common.pt read inertly: plain data)."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        flat, _ = flatten_state_dict(_carried_values(files.read_common(Path(carrying.source))))
+        return CarriedData(tensors={k: flat[k] for k in carrying.item_tensors},
+                           values={k: flat[k] for k in carrying.items if k not in carrying.item_tensors})
 
     def read(self, path: Path) -> WholeCheckpoint:
         """Every entry of the save at ``path``, the parallelism and the model its ``args`` describe, and what osdpipe
@@ -79,6 +164,22 @@ class Megatron(CheckpointLayout):
 
 
 _PARTS = ("model", "optimizer", "other")
+
+#: The Hugging Face model's config a PyTorch-native output gets beside it: what ``LlamaForCausalLM`` is built from.
+HF_CONFIG = "config.json"
+#: What a torchtitan output gets beside its step folder: the keywords of ``osdpipe.layout.models.torchtitan_llama3``,
+#: torchtitan's own config of the model's dimensions.
+TITAN_ARGS = "model_args.json"
+#: common.pt's entries that describe Megatron's own job, which a PyTorch job has no use for (``args``: an
+#: ``argparse.Namespace``, read as an inert record; the optimizer's param groups: converted with it).
+_MEGATRONS_OWN = ("args", "optimizer", "content_metadata", "rng_state", "checkpoint_version")
+#: What each of those is to a conversion: the param groups convert with the optimizer, the rest is left out.
+_COMMON_PARTS = {key: "optimizer" if key == "optimizer" else "framework" for key in _MEGATRONS_OWN}
+
+
+def _carried_values(common: dict[str, Any]) -> dict[str, Any]:
+    """common.pt's entries a PyTorch-native output carries: plain data of the training run (iteration, scheduler)."""
+    return {k: v for k, v in common.items() if k not in _MEGATRONS_OWN}
 
 
 def _entry_of(flat: str) -> tuple[str, str]:

@@ -398,6 +398,12 @@ def file_differences(directory: Path, carrying: Carrying) -> list[str]:
             problems.append(f"{got} is missing")
         elif got.read_bytes() != (Path(carrying.source) / rel).read_bytes():
             problems.append(f"{got} is not byte for byte {Path(carrying.source) / rel}")
+    for rel, data in carrying.made.items():
+        got = directory / rel
+        if not got.is_file():
+            problems.append(f"{got} is missing")
+        elif got.read_bytes() != data:
+            problems.append(f"{got} is not what osdpipe made of {carrying.source}")
     return problems
 
 
@@ -411,9 +417,15 @@ def optimizer_digests(optimizer: dict[str, Any], where: str, known: dict[int, st
 
 
 def copy_files(carrying: Carrying, staging: Path, under: str = "") -> dict[str, str]:
-    """Copy every carried file into ``staging / under`` byte for byte;
-    their sha256 by path under ``staging``, taken as they are copied."""
+    """Copy every carried file into ``staging / under`` byte for byte, and write every file the source's layout made
+    (:attr:`Carrying.made`); their sha256 by path under ``staging``, taken as they are written."""
     out = {}
+    for rel, data in carrying.made.items():
+        target = staging / under / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "xb") as dst:
+            dst.write(data)
+        out[str(Path(under) / rel) if under else rel] = hashlib.sha256(data).hexdigest()
     for rel in carrying.files:
         target = staging / under / rel
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -257,7 +257,7 @@ class Torchtitan(CheckpointLayout):
         ]
         return str(max(steps)[1]) if steps else None
 
-    def optimizer_part(self, path: str, input_format: str) -> Part | None:
+    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
         """The flattened ``optimizer`` entry;
         none in a model-only save (``--checkpoint.last-save-model-only``, the seed checkpoint)."""
         return Part(path, "dcp", OPTIMIZER) if any(i.path[0] == OPTIMIZER for i in dcp_items(Path(path))) else None

@@ -39,6 +39,7 @@ from osdpipe.io.formats.base import (
 from osdpipe.io.formats.dcp import Dcp
 from osdpipe.io.formats.deepspeed import DeepSpeed
 from osdpipe.io.formats.fsdp_full import FsdpFull
+from osdpipe.io.formats.megatron_source import Megatron
 from osdpipe.io.formats.meta import canonical_meta
 from osdpipe.io.formats.plain import Plain
 from osdpipe.io.formats.rank_local import RankLocal
@@ -54,7 +55,7 @@ __all__ = [
 
 
 #: Every format, by name: the only place that lists them.
-FORMATS: dict[str, Format] = {f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal(), DeepSpeed())}
+FORMATS: dict[str, Format] = {f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal(), DeepSpeed(), Megatron())}
 
 
 def get(name: str) -> Format:

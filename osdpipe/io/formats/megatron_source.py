@@ -1,0 +1,209 @@
+"""A Megatron-LM save read as a PyTorch job's state: the range pipeline's source for other frameworks' layouts.
+
+``checkpoint=megatron output.checkpoint=pytorch|accelerate`` converts a Megatron GPT into a Hugging Face
+``LlamaForCausalLM``'s training checkpoint, for FSDP2, FSDP1, DDP or one process (``target.*``), through the same stages
+as every PyTorch-native conversion. What those stages need is a :class:`~osdpipe.io.formats.base.SourceReader` of
+full per-parameter state keyed by the model's names; this module is that reader:
+
+* the save is read whole by :func:`osdpipe.io.formats.megatron.read_save` (no Megatron code runs);
+* each optimizer state (the fp32 master weight, ``exp_avg``, ``exp_avg_sq``) goes through the same pure map,
+  :func:`osdpipe.layout.megatron_hf.to_hf`: Adam's moments follow the weights element for element, so the map that
+  is right for the weights carries the optimizer exactly (the vocabulary's padding rows, which no token reads, are
+  left out of all three);
+* Megatron keeps ``step`` in each param group; a PyTorch ``Adam``/``AdamW`` keeps it per parameter, so every
+  parameter gets its group's ``step`` as the 0-dim float32 tensor torch's Adam holds;
+* each param group keeps the optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``...), its parameters
+  being the Llama names its Megatron keys map to; the keys Megatron adds for its own learning-rate scheduler
+  (:data:`SCHEDULERS_KEYS`) are left out, as a PyTorch job runs its own scheduler, and the report says so.
+
+The model's weights are the fp32 masters (:class:`MegatronWeights`), not the module's copy in the training dtype,
+as for a DeepSpeed save: they are what the optimizer steps from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from osdpipe.io.formats.base import Format, IdGroups, InputError, Shown, SourceMeta, SourceReader, TensorRef
+from osdpipe.io.formats.megatron import STATES, MegatronSave, gpt_of, read_save
+from osdpipe.io.formats.state_facts import describe_state, tally
+from osdpipe.layout import llama_titan, megatron_hf
+from osdpipe.layout.ranges import LayoutSpec
+from osdpipe.layout.tree import ModuleTree
+
+if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
+    from osdpipe.io.file_facts import Facts
+    from osdpipe.io.weights import ModelMeta
+
+#: Megatron's name of the fp32 master weight among :data:`~osdpipe.io.formats.megatron.STATES`.
+MASTER = "param"
+#: The states a PyTorch Adam keeps per parameter, in the order its ``state_dict()`` lists them.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+#: What megatron-core adds to each param group for its ``OptimizerParamScheduler`` (megatron-core 0.16.1
+#: ``optimizer/__init__.py`` ``_get_param_groups``, l. 208-225), which no torch optimizer reads.
+SCHEDULERS_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
+
+
+#: The models a Megatron GPT's state is read for, by what their parameters are named.
+HF_LLAMA, TORCHTITAN_LLAMA3 = "hf_llama", "torchtitan_llama3"
+
+
+def naming_of(tree: ModuleTree) -> str:
+    """Which model's names ``tree`` (the model the conversion builds) has: Hugging Face's ``LlamaForCausalLM``
+    (:data:`HF_LLAMA`) or torchtitan's llama3 (:data:`TORCHTITAN_LLAMA3`).
+
+    Raises:
+        InputError: it has neither's; the message names the factories that build one.
+    """
+    if tree.resolve("model.embed_tokens.weight") is not None:
+        return HF_LLAMA
+    if tree.resolve("tok_embeddings.weight") is not None:
+        return TORCHTITAN_LLAMA3
+    raise InputError(f"a Megatron GPT converts into model.factory={HF_LLAMA} or {TORCHTITAN_LLAMA3} (leave "
+                     "model.factory out: the save's args build it), not a model of other names")
+
+
+class MegatronReader:
+    """A Megatron GPT save as ``LlamaForCausalLM``'s or torchtitan llama3's full per-parameter state (the module
+    docstring); ``naming``: which (:func:`naming_of`)."""
+
+    def __init__(self, path: str, naming: str = HF_LLAMA) -> None:
+        self.path = path
+        save = read_save(path)
+        self.folder = save.folder
+        if why := megatron_hf.refusals(save.args):
+            raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as a Hugging "
+                             "Face Llama (output.checkpoint=pytorch|accelerate); convert it within Megatron instead")
+        self.gpt, self.vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
+        self.args, self.iteration = save.args, save.iteration
+        try:
+            #: state name (``param``: the master) -> Llama name -> the full tensor
+            self.states = {name: megatron_hf.to_hf(self.gpt, {k: s[name] for k, s in save.optim.items()}, self.vocab)
+                           for name in STATES}
+            names_of = megatron_hf.hf_names_of(self.gpt)
+            if naming == TORCHTITAN_LLAMA3:
+                heads = llama_titan.Heads(self.gpt.num_layers, self.gpt.num_attention_heads,
+                                          self.gpt.num_query_groups, self.gpt.kv_channels)
+                self.states = {name: llama_titan.to_titan(heads, state) for name, state in self.states.items()}
+                names_of = {key: list(dict.fromkeys(t for n in names for t in llama_titan.titan_names_of(n)))
+                            for key, names in names_of.items()}
+        except ValueError as exc:
+            raise InputError(f"{save.folder}: {exc}") from None
+        self.groups = _llama_groups(save, names_of)
+
+    def meta(self) -> SourceMeta:
+        state: dict[str, dict[str, Any]] = {}
+        for group, step in self.groups:
+            for name in group["params"]:
+                state[name] = {"step": torch.tensor(step, dtype=torch.float32)}
+                state[name].update({m: _described(self.states[m][name]) for m in MOMENTS})
+        return SourceMeta(state=state, param_groups=[dict(g) for g, _ in self.groups])
+
+    def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        return {(fqn, name): self.states[name][fqn] for fqn, name in items}
+
+    def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.states[name][fqn].reshape(-1)[start:stop]
+
+    def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        """Nothing to let go: the save is held in memory, read once."""
+
+
+def _described(tensor: torch.Tensor) -> TensorRef:
+    return TensorRef(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+
+def _llama_groups(save: MegatronSave, names_of: dict[str, list[str]]) -> list[tuple[dict[str, Any], float]]:
+    """Each Megatron param group as a PyTorch optimizer's (its Llama names as ``params``, ``step`` taken out of the
+    group), and the group's ``step``.
+
+    Raises:
+        InputError: a group holds no ``step`` (an optimizer that never stepped has no moments to carry).
+    """
+    out = []
+    for group in save.param_groups:
+        if "step" not in group:
+            raise InputError(f"{save.folder}: a param group of the optimizer holds no step; re-copy the save folder")
+        hyper = {k: v for k, v in group.items() if k not in ("params", "step", *SCHEDULERS_KEYS)}
+        out.append(({**hyper, "params": [n for key in group["params"] for n in names_of[key]]}, float(group["step"])))
+    return out
+
+
+class MegatronWeights:
+    """The fp32 master weights of a :class:`MegatronReader`, as a whole checkpoint's model part
+    (:class:`~osdpipe.io.weights.WeightsReader`)."""
+
+    def __init__(self, reader: MegatronReader, tree: ModuleTree) -> None:
+        self.reader, self.tree = reader, tree
+
+    def model_meta(self) -> ModelMeta:
+        from osdpipe.io.weights import model_meta_of
+
+        stored = {name: _described(t) for name, t in self.reader.states[MASTER].items()}
+        return model_meta_of(stored, {}, self.tree, str(self.reader.folder))
+
+    def stored_name(self, name: str) -> str | None:
+        return name if name in self.reader.states[MASTER] else None
+
+    def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.reader.read_range(name, MASTER, start, stop)
+
+
+class Megatron(Format):
+    """A Megatron-LM save folder read as Llama's state (``checkpoint=megatron`` to another framework's layout):
+    read, never written by the range pipeline (Megatron's own output is :mod:`osdpipe.pipeline.megatron`'s)."""
+
+    name = "megatron"
+    keyed_by_id = False
+    directory = True
+    generated_name = "iter_0000000"
+    looks_like = "a Megatron-LM save (latest_checkpointed_iteration.txt and iter_<N>/ with common.pt)"
+    written = False
+    #: The state is read whole, as one process holds it.
+    source_kind = "none"
+
+    def output_path(self, directory: Path, rank: int) -> Path:
+        raise NotImplementedError("the range pipeline reads Megatron-LM saves; osdpipe.pipeline.megatron writes them")
+
+    def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
+        try:
+            naming = naming_of(tree)
+        except InputError:
+            MegatronReader(path)  # what is wrong with the save itself (a model Llama cannot be) is said first
+            raise
+        return MegatronReader(path, naming)
+
+    def found_in(self, directory: Path) -> bool:
+        from osdpipe.io.formats.megatron import megatron_folder
+
+        return megatron_folder(directory) is not None
+
+    def shows(self, facts: Facts, kind: Any) -> list[Shown]:
+        """One process: the reader gives every parameter's state whole, whatever grid saved it."""
+        return [Shown("source.world_size", 1, None)]
+
+    def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
+        """The optimizer (from its param groups and states), its parameters under the names of the model ``key`` says
+        (:meth:`osdpipe.io.checkpoints.megatron.Megatron.optimizer_part`: the one the output's job builds)."""
+        reader = MegatronReader(str(path), key if key in (HF_LLAMA, TORCHTITAN_LLAMA3) else HF_LLAMA)
+        meta = reader.meta()
+        described = {
+            fqn: {n: torch.empty(v.shape, dtype=v.torch_dtype, device="meta") if isinstance(v, TensorRef) else v
+                  for n, v in entry.items()}
+            for fqn, entry in meta.state.items()
+        }
+        describe_state(facts, described, meta.param_groups)
+        tally(facts, described)
+        facts.world_size = 1
+        facts.params = len(described)
+        facts.fqns = sorted(described)
+        a = reader.args
+        facts.notes.append(
+            f"Megatron-LM save of iteration {reader.iteration} (TP{a.get('tensor_model_parallel_size')} "
+            f"PP{a.get('pipeline_model_parallel_size')} DP{a.get('data_parallel_size')}), read as Hugging Face Llama's "
+            f"state: the fp32 master weights and the optimizer's per parameter"
+        )
+
