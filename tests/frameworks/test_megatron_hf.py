@@ -221,3 +221,42 @@ def test_the_command_writes_a_folder_that_transformers_loads_and_that_computes_m
     with torch.no_grad():
         difference = _difference(megatron, model(megatron["tokens"]).logits)
     assert difference <= RELATIVE_TOLERANCE, difference
+
+
+def _titan_logits(megatron: dict, titan: dict[str, torch.Tensor]) -> torch.Tensor:
+    """torchtitan's llama3 of the save's dims (``model_args.json``'s keywords), its parameters ``titan``, on the probe
+    tokens (positions and causal masks as torchtitan's trainer makes them)."""
+    from osdpipe.layout.megatron_hf import titan_args
+    from osdpipe.layout.models import torchtitan_llama3
+
+    model = torchtitan_llama3(**titan_args(megatron["save"].args, vocab_size=megatron["vocab"])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(titan[name])
+        tokens = megatron["tokens"]
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        return model(tokens, positions, model.get_attention_masks(positions))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def test_torchtitan_llama3_computes_megatrons_logits_and_a_missing_rope_permutation_is_caught(megatron: dict) -> None:
+    """:func:`osdpipe.layout.llama_titan.to_titan` of the mapped masters, in torchtitan 0.3.0's llama3 (fused ``wqkv``,
+    complex RoPE): Megatron's logits within the tolerance (measured 3.2e-7 relative); without the RoPE permutation of q
+    and k, 5.5e-3 (55 x the tolerance; the test asks for 10)."""
+    from osdpipe.layout import llama_titan
+
+    gpt = megatron["gpt"]
+    heads = llama_titan.Heads(gpt.num_layers, gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels)
+    hf = to_hf(gpt, _masters(megatron), megatron["vocab"])
+    right = _difference(megatron, _titan_logits(megatron, llama_titan.to_titan(heads, hf)))
+    assert right <= RELATIVE_TOLERANCE, right
+    wrong = llama_titan.to_titan(heads, hf)
+    for i in range(gpt.num_layers):  # undo the permutation inside the fused tensor: q and k rows as HF orders them
+        fused = f"layers.{i}.{llama_titan.WQKV}"
+        n, g, d = gpt.num_attention_heads // gpt.num_query_groups, gpt.num_query_groups, gpt.kv_channels
+        p = f"model.layers.{i}.self_attn."
+        cols = hf[f"{p}q_proj.weight"].shape[1]
+        wrong[fused] = torch.cat([hf[f"{p}q_proj.weight"].reshape(g, n, d, cols),
+                                  hf[f"{p}k_proj.weight"].reshape(g, 1, d, cols),
+                                  hf[f"{p}v_proj.weight"].reshape(g, 1, d, cols)], dim=1).reshape(-1, cols)
+    assert _difference(megatron, _titan_logits(megatron, wrong)) >= 10 * RELATIVE_TOLERANCE

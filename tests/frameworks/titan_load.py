@@ -58,7 +58,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
     _import_torchtitan_on_cpu()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
     from torch.utils._pytree import tree_map
     from torchtitan.components.checkpointer.dcp import CheckpointManager
@@ -84,7 +84,9 @@ def main() -> None:
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     loaded = {
-        "model": get_model_state_dict(model, options=full),
+        # the module's own state dict, gathered: get_model_state_dict cannot name the keys a state-dict hook makes
+        # (torchtitan's fused wqkv saved as wq, wk, wv)
+        "model": {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()},
         "optim": get_optimizer_state_dict(model, optimizers.optimizers[0], options=full),
     }
     # the step below moves what is not a gathered copy (step)

@@ -1,0 +1,198 @@
+"""A Megatron-LM save converts for a PyTorch job of Hugging Face's Llama, the optimizer included (issue 40).
+
+Real megatron-core 0.16.1 trains the test's own GPT (GQA 4 heads in 2 groups, SwiGLU, RoPE, RMSNorm, untied, vocabulary
+1000 padded to 1024 x TP) 3 steps at TP2 PP1 DP2 and at TP2 PP2 DP1 and saves it as Megatron-LM does
+(:mod:`frameworks.mcore_saves`), beside the state gathered from the live job (the truth). The ``osdpipe`` command
+(``checkpoint=megatron output.checkpoint=accelerate``, a subprocess) writes ``save_state``'s SHARDED folder for FSDP2 on
+2 ranks with ``config.json`` beside it; accelerate 1.15's own ``load_state``, in a fresh FSDP2 job of
+``LlamaForCausalLM`` built from that ``config.json`` (:mod:`frameworks.hf_llama_job`), loads it, and then takes a
+training step. What it holds after the load must be, bit for bit, the live Megatron job's fp32 master weights and Adam
+moments mapped by :func:`osdpipe.layout.megatron_hf.to_hf`, its step and its hyperparameters: the map itself is proven
+by both frameworks' logits in ``test_megatron_hf.py``, so the loaded job computes what Megatron's did.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from frameworks import mcore
+from helpers import run_osdpipe
+
+from osdpipe.io.formats.megatron import STATES, gpt_of
+from osdpipe.layout.llama_titan import Heads, to_titan
+from osdpipe.layout.megatron_hf import hf_names_of, to_hf, true_vocab_size
+
+pytestmark = [
+    pytest.mark.frameworks,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed"),
+]
+
+#: The hyperparameters a torch AdamW group holds, which the converted groups must keep.
+ADAMW = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+
+
+def _expected(truth: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """The live Megatron job's masters and moments, mapped to Llama's names: state name -> Llama name -> tensor."""
+    gpt = gpt_of(truth["args"])
+    return {s: to_hf(gpt, {k: states[s] for k, states in truth["optim"].items()}, true_vocab_size(truth["args"]))
+            for s in STATES}
+
+
+def _groups(truth: dict) -> list[list]:
+    """The Megatron job's param groups as Llama's: each group's names and its AdamW hyperparameters."""
+    names = hf_names_of(gpt_of(truth["args"]))
+    return [[[n for key in g["params"] for n in names[key]], {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}]
+            for g in truth["param_groups"]]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _differences(loaded: dict, expected: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """Every weight and moment of the loaded job that is not the mapped truth, bit for bit."""
+    found = [f"weights {n}" for n, want in expected["param"].items()
+             if not torch.equal(_bits(loaded["model"][n]), _bits(want))]
+    state = loaded["optim"]["state"]
+    found += [f"{s} {n}" for s in ("exp_avg", "exp_avg_sq") for n, want in expected[s].items()
+              if not torch.equal(_bits(state[n][s]), _bits(want))]
+    return found
+
+
+@pytest.mark.parametrize("name", ["tp2_dp2", "tp2_pp2"])
+def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
+    megatron_saves: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    from frameworks import accel
+
+    folder = megatron_saves[name]
+    truth = torch.load(mcore.truth_path(folder), weights_only=False)
+    out = tmp_path / "out"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={folder}", "output.checkpoint=accelerate",
+                       "target.kind=fsdp2", "target.world_size=2", f"output.path={out}", cwd=tmp_path, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (out / "dcp").iterdir()) == [
+        "config.json", "megatron.pt", "optimizer_0", "pytorch_model_fsdp_0"]
+    carried = torch.load(out / "dcp" / "megatron.pt", weights_only=True)
+    assert carried["iteration"] == truth["iteration"] == 3
+    assert carried["opt_param_scheduler"] == truth["scheduler"]
+
+    job = {"model": "frameworks.hf_llama_job:logits_llama", "kwargs": {"config": str(out / "dcp" / "config.json")},
+           "wrap": "LlamaDecoderLayer", "groups": _groups(truth)}
+    loaded = accel.load(tmp_path, 2, out / "dcp", fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", tied=False,
+                        steps=3, job=job, timeout=400)
+    expected = _expected(truth)
+    assert sorted(loaded["model"]) == sorted(expected["param"])
+    assert _differences(loaded, expected) == []
+    assert {float(s["step"]) for s in loaded["optim"]["state"].values()} == {3.0}
+    for got, want in zip(loaded["param_groups"], truth["param_groups"]):
+        assert {k: got[k] for k in ADAMW} == {k: (tuple(want[k]) if k == "betas" else want[k]) for k in ADAMW}
+    assert math.isfinite(loaded["loss_after"])  # it trains on
+
+    # the comparison sees one element that is not the truth's
+    expected["exp_avg_sq"]["model.layers.1.self_attn.k_proj.weight"].view(-1)[5] += 1
+    assert _differences(loaded, expected) == ["exp_avg_sq model.layers.1.self_attn.k_proj.weight"]
+
+
+def _fused(model: dict[str, torch.Tensor], layer: int, heads: Heads) -> torch.Tensor:
+    """torchtitan's ``wqkv`` of layer ``layer`` from the ``wq``, ``wk``, ``wv`` its state dict saves (per key/value
+    group: its query heads, its key head, its value head)."""
+    p, n, g, d = f"layers.{layer}.attention.qkv_linear.", heads.heads // heads.kv_heads, heads.kv_heads, heads.head_dim
+    q, k, v = (model[f"{p}{w}.weight"] for w in ("wq", "wk", "wv"))
+    cols = q.shape[1]
+    fused = torch.cat([q.reshape(g, n, d, cols), k.reshape(g, 1, d, cols), v.reshape(g, 1, d, cols)], dim=1)
+    return fused.reshape(-1, cols)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(megatron_saves: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    """``output.checkpoint=torchtitan``: ``step-3`` and ``model_args.json`` beside it; torchtitan 0.3.0's own
+    ``CheckpointManager`` loads it into a 2-rank FSDP2 job of its llama3 built from those args (fused ``wqkv``, complex
+    RoPE), which holds the live Megatron job's masters and moments mapped (RoPE-permuted, fused) bit for bit and trains
+    on. That the permuted model computes Megatron's logits is ``test_megatron_hf.py``'s."""
+    import re
+
+    from frameworks import titan_load
+    from frameworks.launch import run_logged, torchrun, worker_env
+
+    folder = megatron_saves["tp2_pp2"]
+    truth = torch.load(mcore.truth_path(folder), weights_only=False)
+    out = tmp_path / "out"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={folder}", "output.checkpoint=torchtitan",
+                       "target.kind=fsdp2", "target.world_size=2", f"output.path={out}", cwd=tmp_path, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model_args.json", "osdpipe.log", "report.json",
+                                                      "step-3"]
+    gpt = gpt_of(truth["args"])
+    heads = Heads(gpt.num_layers, gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels)
+    expected = {s: to_titan(heads, states) for s, states in _expected(truth).items()}
+    norms = [n for n in expected["param"] if n.endswith("norm.weight")]
+    groups = [["^(" + "|".join(re.escape(n) for n in names) + ")$", kwargs] for names, kwargs in (
+        (norms, {"lr": truth["param_groups"][1]["lr"], "weight_decay": 0.0}),
+        ([n for n in expected["param"] if n not in norms], {"lr": truth["param_groups"][0]["lr"], "weight_decay": 0.1}),
+    )]
+    spec = {"folder": str(out), "model": "frameworks.titan_llama_job:megatron_llama3",
+            "kwargs": {"args": str(out / "model_args.json")}, "groups": groups,
+            "exclude": ["dataloader", "lr_scheduler", "train_state"], "dump": str(tmp_path / "titan_loaded.pt")}
+    run_logged(torchrun(2, Path(titan_load.__file__), spec), tmp_path, label="titan-load", timeout=400,
+               what="torchtitan's load of", env=worker_env())
+    loaded = torch.load(spec["dump"], weights_only=False)
+    assert loaded["found"] and math.isfinite(loaded["loss"])
+    model = {**loaded["model"], **{f"layers.{i}.attention.qkv_linear.wqkv.weight": _fused(loaded["model"], i, heads)
+                                   for i in range(gpt.num_layers)}}
+    assert _differences({"model": model, "optim": loaded["optim"]}, expected) == []
+    assert {float(s["step"]) for s in loaded["optim"]["state"].values()} == {3.0}
+
+
+def test_pytorchs_own_layout_passes_every_check_of_a_live_fsdp2_world(megatron_saves: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """``output.checkpoint=pytorch`` online: osdpipe's reference (PyTorch's own ``set_optimizer_state_dict`` into FSDP2
+    on 2 ranks), load_step and resume checks pass, and ``osdpipe check`` holds the output against the save."""
+    import json
+
+    out = tmp_path / "out"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={megatron_saves['tp2_pp2']}", "output.checkpoint=pytorch",
+                       "target.kind=fsdp2", "target.world_size=2", "runtime.mode=online", f"output.path={out}",
+                       cwd=tmp_path, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert {c["name"]: c["ok"] for c in report["checks"]} == {
+        "roundtrip": True, "reference": True, "load_step": True, "resume": True}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dcp", "manifest.json", "osdpipe.log",
+                                                      "report.json"]
+    fates = {e["name"]: e["fate"] for e in report["entries"]}
+    assert fates["common.pt args"].startswith("left out") and fates["common.pt iteration"].startswith("carried")
+    checked = run_osdpipe("check", str(out), cwd=tmp_path, timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("change, feature", [
+    ({"num_experts": 4}, "a mixture of experts (num_experts)"),
+    ({"add_bias_linear": True}, "linear biases (add_bias_linear)"),
+])
+def test_what_llama_cannot_express_is_refused_in_one_line_and_nothing_is_written(
+    megatron_saves: dict[str, Path], tmp_path: Path, change: dict, feature: str
+) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(megatron_saves["tp2_dp2"], source)
+    common = next(source.glob("iter_*")) / "common.pt"
+    held = torch.load(common, weights_only=False)  # the test's own save: its Namespace unpickled
+    for key, value in change.items():
+        setattr(held["args"], key, value)
+    torch.save(held, common, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    out = tmp_path / "out"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={source}", "output.checkpoint=pytorch",
+                       "target.kind=fsdp2", "target.world_size=2", f"output.path={out}", cwd=tmp_path, timeout=300)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and feature in errors[0] and "Traceback" not in done.stderr, done.stderr
+    assert not (out / "dcp").exists() and not (out / "manifest.json").exists()
