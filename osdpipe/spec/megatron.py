@@ -18,6 +18,8 @@ from typing import Any
 MEGATRON = "megatron"
 #: ``output.checkpoint=`` of a Hugging Face model folder (``config.json``, safetensors), written from a Megatron save.
 HF = "hf"
+#: The layouts of a Hugging Face Llama's whole checkpoint that ``output.checkpoint=megatron`` converts.
+FROM_HF = ("accelerate", "pytorch")
 #: The checks a Megatron conversion runs itself; the others of ``pipeline.checks`` need the target's own job, which
 #: only megatron-core builds (the tests run it: tests/frameworks/test_megatron.py).
 MEGATRON_CHECKS = ("roundtrip",)
@@ -27,6 +29,8 @@ def megatron_problem(spec: Any) -> str | None:
     """Why ``spec`` (a :class:`~osdpipe.spec.config.RunSpec`) is no conversion osdpipe makes of or to a Megatron-LM
     save (``None``: it is one, or none of its keys are Megatron's); one line naming the key to set."""
     layout, target, output = spec.checkpoint.layout, spec.target, spec.output
+    if output.checkpoint == MEGATRON and layout != MEGATRON:
+        return to_megatron_problem(spec)
     for side in ("source", "target"):
         held = getattr(spec, side)
         if held.pp_size > 1 and held.kind != MEGATRON:
@@ -68,6 +72,26 @@ def megatron_problem(spec: Any) -> str | None:
         return f"{key}: a Megatron-LM save is a DCP checkpoint beside common.pt; set {key}=dcp (checkpoint=megatron's)"
     if spec.runtime.mode != "offline":
         return "runtime.mode=online: a Megatron-LM save converts offline, without Megatron; set runtime.mode=offline"
+    return None
+
+
+def to_megatron_problem(spec: Any) -> str | None:
+    """Why ``spec`` (``output.checkpoint=megatron`` from another layout) is no conversion of a Hugging Face Llama's
+    checkpoint to a Megatron-LM save osdpipe makes (``None``: it is one); one line naming the key."""
+    layout, target, output = spec.checkpoint.layout, spec.target, spec.output
+    if layout not in FROM_HF:
+        return (
+            f"output.checkpoint=megatron from checkpoint={layout}: not supported yet (a Hugging Face Llama's "
+            f"checkpoint converts: checkpoint={' or '.join(FROM_HF)})"
+        )
+    if spec.input.path is None:
+        return "output.checkpoint=megatron converts a checkpoint: give input.path (the HF Trainer's checkpoint-<N>)"
+    if spec.source.pp_size > 1:
+        return f"source.pp_size={spec.source.pp_size}: pipeline stages are Megatron's; leave source.pp_size out"
+    if target.tp_plan:
+        return "target.tp_plan: Megatron's model lays out its own tensor parallelism; leave it empty"
+    if output.model_format is not None:
+        return "output.model_format: a Megatron-LM save is written as Megatron's own; drop it"
     return None
 
 
