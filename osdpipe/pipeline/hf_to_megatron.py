@@ -33,7 +33,7 @@ from osdpipe.io import hf_folder
 from osdpipe.io.formats.base import WEIGHTS, InputError
 from osdpipe.io.formats.megatron import MegatronSave, gpt_of
 from osdpipe.layout import megatron_hf
-from osdpipe.layout.megatron import without_weight_decay
+from osdpipe.layout.megatron import LAYERS, without_weight_decay
 from osdpipe.pipeline import megatron
 from osdpipe.run import progress
 from osdpipe.run.report import Report
@@ -202,8 +202,26 @@ def source_save(
         scheduler=scheduler,
         common={"checkpoint_version": 3.0, "opt_param_scheduler": scheduler,
                 "num_floating_point_operations_so_far": 0},
+        extra_state=extra_state(gpt.num_layers),
     )
     return save, state, step, groups
+
+
+#: The local layer spec's linears of a decoder layer, each with an ``_extra_state`` item per layer.
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def extra_state(layers: int) -> dict[str, bytes]:
+    """The linears' ``_extra_state`` items a Megatron save holds and megatron-core's load asks for: one per linear
+    and global layer, ``<key>._extra_state/shard_<layer>_<layers>``, each ``torch.save([None])`` (the local spec's
+    linears' ``get_extra_state`` is ``None``, megatron-core ``tensor_parallel/layers.py``; a ShardedObject is stored
+    as the list of its data, ``dist_checkpointing/strategies/torch.py`` ``_mcore_to_torch_sharded_object``)."""
+    import io
+
+    data = io.BytesIO()
+    torch.save([None], data)
+    raw = data.getvalue()
+    return {f"{LAYERS}{linear}._extra_state/shard_{i}_{layers}": raw for i in range(layers) for linear in LINEARS}
 
 
 def _groups(

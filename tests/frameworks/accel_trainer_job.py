@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accel_job import gathered, patch_fsdp1_to_cpu  # noqa: E402
 
-
 #: The tiny Llama's dimensions; a test may give others (the spec's ``llama``).
 LLAMA = {"vocab_size": 37, "hidden_size": 16, "intermediate_size": 20, "num_hidden_layers": 2,
          "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
