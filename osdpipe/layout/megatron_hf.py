@@ -311,8 +311,8 @@ def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     """RoPE's settings as transformers 5 (``rope_parameters``) or 4 (``rope_theta``, ``rope_scaling``) write them."""
     params = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict):
-        params = {**scaling, **params}
+    if isinstance(scaling, dict) and scaling:  # transformers 4's: a scaling there is one, whatever else is said
+        params = {**params, "rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     return params
 
