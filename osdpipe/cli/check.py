@@ -42,7 +42,7 @@ from typing import Any
 
 # the stages' products (CheckResult: what verify's checks give); it imports no torch
 from osdpipe.run.products import CheckResult, Keyed, Tally
-from osdpipe.spec.megatron import HF, by_megatron_stages  # it imports nothing heavy
+from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages  # it imports nothing heavy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE = (
@@ -413,7 +413,13 @@ def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, An
         from osdpipe.verify.megatron import roundtrip_problems
 
         source = raw["input"]["path"]
-        if raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
+        if raw["output"].get("checkpoint") == MEGATRON:  # from a Hugging Face Llama's checkpoint
+            from osdpipe.pipeline.hf_to_megatron import check_problems
+
+            problems = check_problems(raw, directory)
+            proved = ("every weight, fp32 master and moment, the step and the param groups equal the source's, "
+                      "mapped to Megatron's GPT")
+        elif raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
             problems = hf_problems(read_save(source), directory)
             proved = "every fp32 master weight, mapped back from Hugging Face's Llama, equals the source's"
         else:

@@ -40,7 +40,7 @@ from osdpipe.core import rankserver
 from osdpipe.io import store
 from osdpipe.io.output import OutputError
 from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
-from osdpipe.spec.megatron import by_megatron_stages
+from osdpipe.spec.megatron import MEGATRON, by_megatron_stages
 
 if TYPE_CHECKING:
     from osdpipe.run.report import Report
@@ -101,9 +101,11 @@ def summarize(report: Report, output: str) -> str:
         counts = Counter(e["part"] for e in report.entries)
         per_rank = sum(1 for e in report.entries if "source_rank" in e)
         ranks = f" ({per_rank} describe one rank of the world that saved it)" if per_rank else ""
+        left = sum(1 for e in report.entries if e["part"] == "other" and e["fate"].startswith("left out"))
+        carried = f"{counts['other'] - left} other(s) carried over unchanged" + (f", {left} left out" if left else "")
         lines.append(
             f"  entries    {counts['model']} of the model and {counts['optimizer']} of the optimizer converted, "
-            f"{counts['other']} other(s) carried over unchanged{ranks}; report.json lists each"
+            f"{carried}{ranks}; report.json lists each"
         )
     if report.memory:
         top = max(report.memory, key=lambda m: m.peak_rss)
@@ -184,14 +186,15 @@ def _run_job(cfg: DictConfig) -> int:
     except ConfigError as exc:
         return _config_error(exc)
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
-    # converted by its own stages, offline: no world, no plan
+    # converted by Megatron's own stages, offline: no world (a Hugging Face Llama's source read as the range pipeline
+    # reads it)
     if by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
         if remote is not None:
             return _config_error(ConfigError([
                 f"output.path={remote!r}: a Megatron conversion is not written to object storage yet; "
                 "convert to a local path and copy it up"
             ]))
-        return _run_megatron(checked)
+        return _run_megatron(checked) if checked.checkpoint.layout == MEGATRON else _run_to_megatron(raw, checked)
     if remote is not None:  # made in the job's directory, then uploaded (osdpipe.io.remote_output)
         if rankserver.in_torchrun() or raw["runtime"].get("launcher") == "torchrun":
             return _config_error(ConfigError([
@@ -245,6 +248,31 @@ def _run_megatron(spec: RunSpec) -> int:
     try:
         report = run_command(spec, Given.from_overrides(HydraConfig.get().overrides.task))
     except Contradiction as exc:
+        return _config_error(exc)
+    except OutputError as exc:
+        _error(str(exc))
+        new_dirs.discard(HydraConfig.get().runtime.output_dir)
+        return EXIT_CONFIG
+    return _said(report, spec, spec.output.path)
+
+
+def _run_to_megatron(raw: dict, spec: RunSpec) -> int:
+    """A Hugging Face Llama's whole checkpoint -> a Megatron-LM save (:mod:`osdpipe.pipeline.hf_to_megatron`): the
+    source read as every whole checkpoint is (reconciled, planned), written by the Megatron conversion's stages."""
+    # torch: past the schema check
+    from osdpipe.pipeline.hf_to_megatron import refusal, run_command, source_config, without_advice
+    from osdpipe.spec.plan import plan_run
+    from osdpipe.spec.reconcile import Contradiction, Given, reconcile
+
+    if (why := refusal(raw)) is not None:
+        return _config_error(ConfigError([why]))
+    given = Given.from_overrides(HydraConfig.get().overrides.task)
+    try:
+        source, notes = reconcile(source_config(raw, given), given)
+        notes = without_advice(notes, source)
+        plan = plan_run(validate(source))
+        report = run_command(spec, plan, notes)
+    except (ConfigError, Contradiction) as exc:
         return _config_error(exc)
     except OutputError as exc:
         _error(str(exc))

@@ -75,3 +75,64 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
             0, dtype=dtype)
         out[name] = flat.reshape(entry["shape"])
     return out
+
+
+def read_config(directory: str | Path) -> dict:
+    """The ``config.json`` beside a Hugging Face model's weights (an HF Trainer's ``checkpoint-<N>`` has one).
+
+    Raises:
+        InputError: there is none, or it is no JSON object.
+    """
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise InputError(f"{directory} holds no {CONFIG}: the model's dimensions come from it (the HF Trainer saves "
+                         "one beside its weights); copy the model's config.json there")
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        raise InputError(f"{path} is damaged (not JSON); copy the model's config.json again") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path} holds no JSON object; it is not a model's config.json")
+    return config
+
+
+def llama_from_config(path: str) -> torch.nn.Module:
+    """A module with the parameters of the ``LlamaForCausalLM`` whose ``config.json`` is in ``path``: each under its
+    Hugging Face name and shape, fp32 (the masters), in transformers' ``named_parameters()`` order; no ``forward``,
+    and no transformers needed. What ``model.factory`` is where a Llama checkpoint converts to Megatron and the user
+    names no model (:mod:`osdpipe.pipeline.megatron`).
+
+    Raises:
+        ValueError: a config a Megatron GPT cannot express, in one line.
+    """
+    from osdpipe.layout import megatron_hf
+
+    config = read_config(path)
+    what = megatron_hf.hf_refusals(config)
+    if what:
+        raise ValueError(f"{path}: a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")
+    try:
+        h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        groups, d = int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or h // heads)
+        f, layers, vocab = int(config["intermediate_size"]), int(config["num_hidden_layers"]), int(config["vocab_size"])
+    except KeyError as exc:
+        raise ValueError(f"{path}/{CONFIG} holds no {exc.args[0]}, which a Llama's config has") from None
+    layer_shapes = {  # LlamaDecoderLayer's order: self_attn, mlp, the two norms
+        "self_attn.q_proj.weight": (heads * d, h), "self_attn.k_proj.weight": (groups * d, h),
+        "self_attn.v_proj.weight": (groups * d, h), "self_attn.o_proj.weight": (h, heads * d),
+        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    shapes = {"model.embed_tokens.weight": (vocab, h)}
+    shapes.update({f"model.layers.{i}.{name}": shape for i in range(layers) for name, shape in layer_shapes.items()})
+    shapes.update({"model.norm.weight": (h,), "lm_head.weight": (vocab, h)})
+    root = torch.nn.Module()
+    for name, shape in shapes.items():
+        *parents, leaf = name.split(".")
+        module = root
+        for part in parents:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=torch.float32)))
+    return root

@@ -344,3 +344,115 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
         OUTPUT: _pad_rows(tensors["lm_head.weight"], padded),
     }
     return {key: out[key] for key in global_shapes(gpt)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hugging Face Llama -> Megatron GPT: the config.
+
+
+def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE's settings as transformers 5 (``rope_parameters``) or 4 (``rope_theta``, ``rope_scaling``) write them."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling:  # transformers 4's: a scaling there is one, whatever else is said
+        params = {**params, "rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return params
+
+
+def hf_refusals(config: dict[str, Any]) -> list[str]:
+    """What of a Hugging Face ``config.json`` a Megatron GPT with the local layer spec cannot express (empty:
+    nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases, with untied embeddings,
+    SiLU, plain RoPE, and as many query heads per key/value head in every group."""
+    arch = config.get("architectures") or ["LlamaForCausalLM"]
+    rope = _rope_parameters(config)
+    heads = int(config.get("num_attention_heads") or 0)
+    groups = int(config.get("num_key_value_heads") or heads)
+    checks = [
+        (config.get("model_type") != "llama" or arch != ["LlamaForCausalLM"],
+         f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM"),
+        (bool(config.get("attention_bias")), "attention biases (attention_bias)"),
+        (bool(config.get("mlp_bias")), "MLP biases (mlp_bias)"),
+        (config.get("tie_word_embeddings", True) is not False,
+         "tied embedding and output weights (tie_word_embeddings)"),
+        (config.get("hidden_act", "silu") != "silu", f"the {config.get('hidden_act')} activation (not silu)"),
+        (rope.get("rope_type", rope.get("type", "default")) != "default", "RoPE scaling (rope_parameters.rope_type)"),
+        (int(config.get("pretraining_tp") or 1) != 1, "pretraining_tp != 1"),
+        (heads <= 0 or groups <= 0 or heads % groups != 0,
+         f"{heads} attention heads in {groups} key/value heads"),
+    ]
+    return [what for bad, what in checks if bad]
+
+
+def megatron_args(
+    config: dict[str, Any],
+    tp: int,
+    pp: int,
+    world: int,
+    *,
+    iteration: int = 0,
+    sharding: str = "fully_reshardable",
+    divisible_by: int = 128,
+) -> dict[str, Any]:
+    """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` of
+    ``config`` (its ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`.
+
+    What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
+    with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
+    ``rotary_base``, no biases, untied embeddings, the local layer spec, the true ``vocab_size`` (the NullTokenizer's,
+    as Megatron-LM records it for ``--vocab-size``) and ``padded_vocab_size``
+    (:func:`osdpipe.layout.megatron.padded_vocab_size`), the parallelism, the distributed optimizer, ``torch_dist``.
+
+    Raises:
+        ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that
+            does not divide the heads, the query groups or the FFN, a PP that does not divide the layers, a world
+            that is no multiple of TP x PP.
+    """
+    from osdpipe.layout.megatron import padded_vocab_size
+
+    what = hf_refusals(config)
+    if what:
+        raise ValueError(f"a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")
+    try:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        groups = int(config.get("num_key_value_heads") or heads)
+        ffn, layers = int(config["intermediate_size"]), int(config["num_hidden_layers"])
+        vocab = int(config["vocab_size"])
+    except KeyError as exc:
+        raise ValueError(f"config.json holds no {exc.args[0]}, which a Llama's config has") from None
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    sizes = ((heads, "attention heads"), (groups, "key/value heads (query groups)"), (ffn, "intermediate_size"))
+    for size, name in sizes:
+        if size % tp:
+            raise ValueError(f"target.tp_size={tp} does not divide the model's {size} {name}; choose a TP that does")
+    if layers % pp:
+        raise ValueError(f"target.pp_size={pp} does not divide the model's {layers} layers; choose a PP that does")
+    if world % (tp * pp):
+        raise ValueError(f"target.world_size={world} is no multiple of TP {tp} x PP {pp}")
+    positions = int(config.get("max_position_embeddings") or 4096)
+    theta = float(_rope_parameters(config)["rope_theta"])
+    return {
+        # parallelism
+        "world_size": world, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+        "data_parallel_size": world // (tp * pp), "context_parallel_size": 1, "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": tp, "virtual_pipeline_model_parallel_size": None, "sequence_parallel": False,
+        "use_distributed_optimizer": True,
+        # the model
+        "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
+        "group_query_attention": groups != heads, "num_query_groups": groups, "kv_channels": head_dim,
+        "seq_length": positions, "max_position_embeddings": positions, "normalization": "RMSNorm",
+        "norm_epsilon": float(config.get("rms_norm_eps", 1e-6)), "apply_layernorm_1p": False, "swiglu": True,
+        "squared_relu": False, "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
+        "add_position_embedding": False, "rotary_base": int(theta) if theta.is_integer() else theta,
+        "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": False,
+        "untie_embeddings_and_output_weights": True, "add_bias_linear": False, "add_qkv_bias": False,
+        "qk_layernorm": False, "num_experts": None, "transformer_impl": "local",
+        "hidden_dropout": 0.0, "attention_dropout": float(config.get("attention_dropout") or 0.0),
+        "vocab_size": vocab, "padded_vocab_size": padded_vocab_size(vocab, divisible_by, tp),
+        "make_vocab_size_divisible_by": divisible_by, "tokenizer_type": "NullTokenizer",
+        # precision: the weights are written as the fp32 masters, as an fp32 job holds them
+        "bf16": False, "fp16": False,
+        # checkpointing
+        "iteration": iteration, "consumed_train_samples": 0, "ckpt_format": "torch_dist", "use_dist_ckpt": True,
+        "dist_ckpt_optim_fully_reshardable": sharding == "fully_reshardable",
+    }

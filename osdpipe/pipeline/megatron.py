@@ -43,6 +43,17 @@ class ReadBackDiffers(RuntimeError):
     """The staged output, read back, does not hold the source's state: nothing was committed."""
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where a conversion's :class:`MegatronSave` comes from: ``read`` makes it (the ``load`` stage); ``problems``
+    says what else the written save, read back, fails to hold (``None``: nothing beyond the save itself); ``entries``
+    lists the source's entries and what became of them for the report (``None``: a Megatron save's own)."""
+
+    read: Callable[[], MegatronSave]
+    problems: Callable[[MegatronSave], list[str]] | None = None
+    entries: Callable[[], list[dict[str, Any]]] | None = None
+
+
 @dataclass
 class Converted:
     """What a Megatron conversion did: the source it read, what it wrote, and each stage's seconds and bytes."""
@@ -71,9 +82,16 @@ class Converted:
         }
 
 
-def convert(job: MegatronJob, config: dict[str, Any], display: progress.Display | None = None) -> Converted:
+def convert(
+    job: MegatronJob,
+    config: dict[str, Any],
+    display: progress.Display | None = None,
+    source: Source | None = None,
+) -> Converted:
     """Convert the save ``job`` names into ``job.output``, prove it and commit it; ``config`` is what the manifest
-    records.
+    records. ``source``: where the :class:`MegatronSave` comes from and what else the read-back must hold (default:
+    the Megatron-LM save ``job.source``, read by :func:`read_save`; a Hugging Face Llama checkpoint:
+    :func:`hf_source`).
 
     Raises:
         osdpipe.io.formats.InputError: the source cannot be read, or holds what osdpipe cannot write yet; one line.
@@ -87,9 +105,12 @@ def convert(job: MegatronJob, config: dict[str, Any], display: progress.Display 
     stages: list[StageReport] = []
     staging = output.begin(directory, job.fsync)
     try:
-        save = _stage(stages, "load", display, lambda: read_save(job.source), _tensor_bytes)
-        write = _as_hf if job.hf else _as_megatron
-        done = write(job, save, staging, stages, display)
+        source = source or Source(lambda: read_save(job.source))
+        save = _stage(stages, "load", display, source.read, _tensor_bytes)
+        if job.hf:
+            done = _as_hf(job, save, staging, stages, display)
+        else:
+            done = _as_megatron(job, save, staging, stages, display, source.problems)
 
         def commit() -> dict[str, Any]:
             files = {**done.files, **_small_files(staging, done.files)}
@@ -106,17 +127,25 @@ def convert(job: MegatronJob, config: dict[str, Any], display: progress.Display 
 
 
 def _as_megatron(
-    job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None
+    job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None,
+    also: Callable[[MegatronSave], list[str]] | None = None,
 ) -> Converted:
-    """The ``shard`` and ``verify`` stages of a Megatron output: written for the target's grid, read back whole."""
+    """The ``shard`` and ``verify`` stages of a Megatron output: written for the target's grid, read back whole
+    (``also``: what else the read-back must hold, such as a Hugging Face source's own tensors)."""
     target = Target(job.tp, job.pp, job.dp, job.optim_format or DEFAULT_OUTPUT[save.sharding])
     written = _stage(stages, "shard", display, lambda: write_save(save, staging, target, workers=job.workers),
                      lambda _: _tree_bytes(staging))
-    problems = _stage(stages, "verify", display, lambda: roundtrip_problems(save, read_save(staging)),
-                      lambda _: _tree_bytes(staging))
+
+    def verify() -> list[str]:
+        back = read_save(staging)
+        return roundtrip_problems(save, back) + (also(back) if also is not None else [])
+
+    problems = _stage(stages, "verify", display, verify, lambda _: _tree_bytes(staging))
     if problems:
         raise ReadBackDiffers(f"{job.output}: the written save read back differs: {'; '.join(problems[:3])}")
     proved = "every weight, fp32 master and moment, the param groups, step, iteration and scheduler, bitwise"
+    if also is not None:
+        proved += "; mapped back to Hugging Face's Llama, every weight, exp_avg and exp_avg_sq of the source, bitwise"
     return Converted(save, target, written, roundtrip=proved, files=dict(written.digests))
 
 
@@ -233,14 +262,17 @@ def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
     return settled, notes
 
 
-def execute(job: MegatronJob, config: dict[str, Any], warnings: list[str], display: progress.Display) -> Report:
+def execute(
+    job: MegatronJob, config: dict[str, Any], warnings: list[str], display: progress.Display,
+    source: Source | None = None,
+) -> Report:
     """The command's run: :func:`convert`, with a report whatever happens (``report.json`` and ``osdpipe.log`` are
     the caller's to write). An unreadable source or a read-back that differs is a failed run; a bug is raised."""
     watch = MemoryWatch("launcher").start()
     skipped = [SkippedCheck(name, "needs the target's own job, which only megatron-core builds")
                for name in config.get("pipeline", {}).get("checks", []) if name not in MEGATRON_CHECKS]
     try:
-        done = convert(job, config, display)
+        done = convert(job, config, display, source)
     except (InputError, ReadBackDiffers) as exc:
         return Report(ok=False, error=one_line(exc), traceback=format_exc(), warnings=list(warnings),
                       memory=[watch.stop()], skipped_checks=skipped)
@@ -253,7 +285,7 @@ def execute(job: MegatronJob, config: dict[str, Any], warnings: list[str], displ
         files=done.files,
         warnings=warnings,
         memory=[watch.stop()],
-        entries=_fates(done),
+        entries=source.entries() if source is not None and source.entries is not None else _fates(done),
     )
 
 

@@ -315,12 +315,14 @@ class OutputConfig(_Frozen):
     ``accelerate`` are written from a checkpoint of any layout; ``torchtitan`` from one whose files say
     the step it was saved at (a DeepSpeed save's ``global_steps``), which
     names its ``step-<N>`` folder; ``hf`` from a Megatron-LM save: a Hugging Face
-    model folder of its fp32 master weights (:mod:`osdpipe.pipeline.megatron`).
+    model folder of its fp32 master weights (:mod:`osdpipe.pipeline.megatron`); ``megatron`` from a Hugging Face
+    Llama's ``accelerate`` or ``pytorch`` checkpoint: a Megatron-LM save for ``target.tp_size`` x ``target.pp_size``
+    x DP, optimizer included (:mod:`osdpipe.pipeline.hf_to_megatron`).
     """
 
     path: str
     format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
-    checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf"] | None = None
+    checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf", "megatron"] | None = None
     key: str = "optim"
     overwrite: bool = False
     #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.io.output`); ``false``: for

@@ -20,6 +20,8 @@ MEGATRON = "megatron"
 HF = "hf"
 #: The layouts a Megatron-LM save is written in for a PyTorch job (a Hugging Face Llama's or torchtitan llama3's).
 PYTORCH_NATIVE = ("pytorch", "accelerate", "torchtitan")
+#: The layouts of a Hugging Face Llama's whole checkpoint that ``output.checkpoint=megatron`` converts.
+FROM_HF = ("accelerate", "pytorch")
 #: The checks a Megatron conversion runs itself; the others of ``pipeline.checks`` need the target's own job, which
 #: only megatron-core builds (the tests run it: tests/frameworks/test_megatron.py).
 MEGATRON_CHECKS = ("roundtrip",)
@@ -27,15 +29,17 @@ MEGATRON_CHECKS = ("roundtrip",)
 
 def by_megatron_stages(layout: str, written_as: str | None) -> bool:
     """Whether a conversion of ``checkpoint.layout=layout`` with ``output.checkpoint=written_as`` runs by Megatron's own
-    stages (:mod:`osdpipe.pipeline.megatron`): a Megatron-LM save to another Megatron grid or to a Hugging Face folder.
-    For a PyTorch job's layout it goes through the range pipeline."""
-    return layout == MEGATRON and written_as in (None, HF)
+    stages (:mod:`osdpipe.pipeline.megatron`): a Megatron-LM save to another Megatron grid or to a Hugging Face folder,
+    and anything to a Megatron-LM save. A Megatron save for a PyTorch job's layout goes through the range pipeline."""
+    return (layout == MEGATRON and written_as in (None, HF)) or written_as == MEGATRON
 
 
 def megatron_problem(spec: Any) -> str | None:
     """Why ``spec`` (a :class:`~osdpipe.spec.config.RunSpec`) is no conversion osdpipe makes of or to a Megatron-LM
     save (``None``: it is one, or none of its keys are Megatron's); one line naming the key to set."""
     layout, target, output = spec.checkpoint.layout, spec.target, spec.output
+    if output.checkpoint == MEGATRON and layout != MEGATRON:
+        return to_megatron_problem(spec)
     for side in ("source", "target"):
         held = getattr(spec, side)
         if held.pp_size > 1 and held.kind != MEGATRON:
@@ -86,6 +90,26 @@ def megatron_problem(spec: Any) -> str | None:
         return "output.format: a Megatron-LM save is a DCP checkpoint beside common.pt; set output.format=dcp"
     if spec.runtime.mode != "offline":
         return "runtime.mode=online: a Megatron-LM save converts offline, without Megatron; set runtime.mode=offline"
+    return None
+
+
+def to_megatron_problem(spec: Any) -> str | None:
+    """Why ``spec`` (``output.checkpoint=megatron`` from another layout) is no conversion of a Hugging Face Llama's
+    checkpoint to a Megatron-LM save osdpipe makes (``None``: it is one); one line naming the key."""
+    layout, target, output = spec.checkpoint.layout, spec.target, spec.output
+    if layout not in FROM_HF:
+        return (
+            f"output.checkpoint=megatron from checkpoint={layout}: not supported yet (a Hugging Face Llama's "
+            f"checkpoint converts: checkpoint={' or '.join(FROM_HF)})"
+        )
+    if spec.input.path is None:
+        return "output.checkpoint=megatron converts a checkpoint: give input.path (the HF Trainer's checkpoint-<N>)"
+    if spec.source.pp_size > 1:
+        return f"source.pp_size={spec.source.pp_size}: pipeline stages are Megatron's; leave source.pp_size out"
+    if target.tp_plan:
+        return "target.tp_plan: Megatron's model lays out its own tensor parallelism; leave it empty"
+    if output.model_format is not None:
+        return "output.model_format: a Megatron-LM save is written as Megatron's own; drop it"
     return None
 
 

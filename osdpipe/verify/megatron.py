@@ -65,3 +65,41 @@ def _groups(groups: list[dict[str, Any]]) -> list[tuple]:
     return sorted(
         (tuple(g["params"]), tuple(sorted((k, repr(v)) for k, v in g.items() if k not in _NOT_KEPT))) for g in groups
     )
+
+
+def hf_source_problems(
+    gpt: Any, vocab: int, source: dict[str, dict[str, torch.Tensor]], step: float, groups: list[dict[str, Any]],
+    written: MegatronSave,
+) -> list[str]:
+    """Every way the Megatron save ``written`` (read back), mapped to Hugging Face's Llama again
+    (:func:`osdpipe.layout.megatron_hf.to_hf`, the vocabulary cut to ``vocab``), fails to hold the Hugging Face
+    source's state bitwise: ``source[state][name]`` for ``weights`` (the model and the fp32 masters alike),
+    ``exp_avg`` and ``exp_avg_sq``; every param group's ``step``; each source group's hyperparameters, in the written
+    group holding the same parameters."""
+    from osdpipe.layout import megatron_hf
+
+    problems = []
+    back = {
+        "model weights": megatron_hf.to_hf(gpt, written.model, vocab),
+        **{state: megatron_hf.to_hf(gpt, {k: s[state] for k, s in written.optim.items()}, vocab)
+           for state in ("param", "exp_avg", "exp_avg_sq")},
+    }
+    against = {"model weights": "weights", "param": "weights", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    for state, tensors in back.items():
+        for name, want in source[against[state]].items():
+            if tensors[name].dtype != want.dtype or tensors[name].shape != want.shape or \
+                    not bits_equal(tensors[name], want):
+                problems.append(f"{state} {name}: differs from the Hugging Face source's")
+    for group in written.param_groups:
+        if group.get("step") != step:
+            problems.append(f"param group step {group.get('step')!r}, the source's {step!r}")
+    written_by_params = {tuple(sorted(g["params"])): g for g in written.param_groups}
+    for group in groups:
+        got = written_by_params.get(tuple(sorted(group["params"])))
+        if got is None:
+            problems.append(f"no written param group holds {len(group['params'])} parameters as the source's does")
+            continue
+        for key, value in group.items():
+            if key != "params" and repr(got.get(key)) != repr(value):
+                problems.append(f"param group {key}: {got.get(key)!r}, the source's {value!r}")
+    return problems

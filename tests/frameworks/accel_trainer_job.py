@@ -9,7 +9,8 @@ GPU (``distributed_type = FSDP``, the plugin the Trainer built, a plain
 
 Run: ``torchrun --standalone --nproc-per-node N accel_trainer_job.py '<json>'``
 with keys out, version (1|2), state_dict_type, max_steps, resume (a
-checkpoint folder or null), tied, dump (where rank 0 saves the gathered
+checkpoint folder or null), tied, llama (LlamaConfig
+dimensions other than :data:`LLAMA`'s), dump (where rank 0 saves the gathered
 state: at the end of a fresh run, right after the load in a resumed one).  Rank 0 prints one ``RESULT {json}`` line.
 """
 
@@ -27,23 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accel_job import gathered, patch_fsdp1_to_cpu  # noqa: E402
 
+#: The tiny Llama's dimensions; a test may give others (the spec's ``llama``).
+LLAMA = {"vocab_size": 37, "hidden_size": 16, "intermediate_size": 20, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
 
-def build_llama(tied: bool = False) -> Any:
+
+def build_llama(tied: bool = False, **dims: Any) -> Any:
     """A tiny ``LlamaForCausalLM`` from a ``LlamaConfig`` (no download): the Trainer's model,
-    and osdpipe's ``model.factory``."""
+    and osdpipe's ``model.factory``; ``dims``: :data:`LLAMA`'s keys to change."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=37,
-        hidden_size=16,
-        intermediate_size=20,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**{**LLAMA, **dims}, tie_word_embeddings=tied))
 
 
 def _dump(trainer: Any, path: str | None) -> None:
@@ -80,9 +75,11 @@ def make_trainer(spec: dict[str, Any]) -> Any:
                 _dump(self, spec.get("dump"))
 
     torch.manual_seed(0)
-    model = build_llama(spec.get("tied", False))
+    dims = spec.get("llama") or {}
+    model = build_llama(spec.get("tied", False), **dims)
     gen = torch.Generator().manual_seed(7)
-    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 37, (64, 9), generator=gen)]
+    vocab = model.config.vocab_size
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, vocab, (64, 9), generator=gen)]
     fsdp_config: dict[str, Any] = {"version": spec["version"]}
     if spec.get("state_dict_type"):
         fsdp_config["state_dict_type"] = spec["state_dict_type"]

@@ -49,6 +49,8 @@ MICRO_BATCH, GLOBAL_BATCH = 2, 8
 LR, MIN_LR, WEIGHT_DECAY, BETAS, EPS, CLIP = 1e-3, 1e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 WARMUP_ITERS, TRAIN_ITERS = 2, 10
 DIVISIBLE_BY = 128
+#: RMSNorm's epsilon and RoPE's base: the harness's GPT's, or a save's own (:func:`configure_from`).
+NORM_EPS, ROTARY_BASE = 1e-5, 10000
 #: Size of the synthetic gradients (:func:`synthetic_grad`): small enough that the global grad norm stays far below
 #: CLIP, so clipping (whose norm is summed in a layout-dependent order) never acts and a resume is elementwise.
 SYNTH_SCALE = 1e-4
@@ -129,11 +131,22 @@ def legacy_megatron(root: Path) -> Path | None:
 
 def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, bf16: bool = False,
          sharding: str | None = None, resume: int = 0, dump_after: Path | None = None, label: str | None = None,
-         timeout: float = 600) -> Path:
-    """Load ``folder`` with megatron-core at TP x PP x DP as Megatron-LM's ``load_checkpoint`` does; dump it."""
+         timeout: float = 600, dims_from_save: bool = False, no_load_rng: bool = False,
+         logits: Path | None = None) -> Path:
+    """Load ``folder`` with megatron-core at TP x PP x DP as Megatron-LM's ``load_checkpoint`` does; dump it.
+
+    ``dims_from_save``: the GPT is built with the dimensions of the save's own ``args`` (:func:`configure_from`), not
+    the harness's; ``no_load_rng``: as Megatron-LM's ``--no-load-rng`` (a save without RNG states); ``logits``: the
+    loaded model's logits on :func:`probe_tokens` go there (any TP and PP: :func:`write_logits`)."""
     argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump)]
     if bf16:
         argv.append("--bf16")
+    if dims_from_save:
+        argv.append("--dims-from-save")
+    if no_load_rng:
+        argv.append("--no-load-rng")
+    if logits is not None:
+        argv += ["--logits", str(logits)]
     if sharding:
         argv += ["--sharding", sharding]
     if resume:
@@ -325,9 +338,26 @@ def _patch_distrib_optimizer() -> None:
 # Worker side: building the job.
 
 
-def padded_vocab(vocab: int, tp: int, divisible_by: int = DIVISIBLE_BY) -> int:
+def configure_from(folder: Path) -> None:
+    """Take the GPT's dimensions from the Megatron save at ``folder`` (its ``common.pt``'s ``args``, as Megatron-LM's
+    ``--use-checkpoint-args`` does), instead of the harness's own: what a save osdpipe made from another model
+    needs. Worker side, before :func:`setup`."""
+    global VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, NORM_EPS, ROTARY_BASE, DIVISIBLE_BY
+    from megatron.core import dist_checkpointing
+
+    iteration = int((Path(folder) / "latest_checkpointed_iteration.txt").read_text().strip())
+    args = dist_checkpointing.load_common_state_dict(str(Path(folder) / f"iter_{iteration:07d}"))["args"]
+    VOCAB, HIDDEN, FFN, LAYERS = args.vocab_size, args.hidden_size, args.ffn_hidden_size, args.num_layers
+    HEADS = args.num_attention_heads
+    GROUPS = args.num_query_groups if args.group_query_attention else HEADS
+    NORM_EPS, ROTARY_BASE, DIVISIBLE_BY = args.norm_epsilon, args.rotary_base, args.make_vocab_size_divisible_by
+    if args.kv_channels != HIDDEN // HEADS:
+        raise SystemExit(f"kv_channels {args.kv_channels} != hidden / heads: the harness builds no such GPT yet")
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int | None = None) -> int:
     """Megatron-LM's ``_vocab_size_with_padding``: a multiple of ``make_vocab_size_divisible_by * TP``."""
-    multiple = divisible_by * tp
+    multiple = (divisible_by or DIVISIBLE_BY) * tp
     return int(math.ceil(vocab / multiple) * multiple)
 
 
@@ -351,8 +381,8 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, group_query_attention=True, kv_channels=HIDDEN // HEADS, seq_length=SEQ,
         max_position_embeddings=SEQ, encoder_seq_length=SEQ, decoder_seq_length=None, normalization="RMSNorm",
-        norm_epsilon=1e-5, swiglu=True, squared_relu=False, position_embedding_type="rope",
-        use_rotary_position_embeddings=True, add_position_embedding=False, rotary_base=10000, rotary_percent=1.0,
+        norm_epsilon=NORM_EPS, swiglu=True, squared_relu=False, position_embedding_type="rope",
+        use_rotary_position_embeddings=True, add_position_embedding=False, rotary_base=ROTARY_BASE, rotary_percent=1.0,
         rotary_interleaved=False, untie_embeddings_and_output_weights=True, add_bias_linear=False,
         add_qkv_bias=False, apply_query_key_layer_scaling=False, qk_layernorm=False, num_experts=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, transformer_impl="local", spec=None,
@@ -439,7 +469,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     dtype = args.params_dtype
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", layernorm_epsilon=NORM_EPS,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
@@ -452,7 +482,8 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                    max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
-                   share_embeddings_and_output_weights=False, position_embedding_type="rope")
+                   share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                   rotary_base=ROTARY_BASE)
     module = Float16Module(config, gpt) if bf16 else gpt
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=False,
                                                overlap_param_gather=False, use_distributed_optimizer=True,
@@ -612,7 +643,7 @@ def save_checkpoint(job: Job, save_dir: Path, iteration: int, sharding: str) -> 
     torch.distributed.barrier()
 
 
-def load_checkpoint(job: Job, load_dir: Path) -> dict:
+def load_checkpoint(job: Job, load_dir: Path, no_load_rng: bool = False) -> dict:
     """Megatron-LM's ``load_checkpoint`` for torch_dist, with the CPU/torch-AdamW workarounds; returns what it read.
 
     Steps as Megatron-LM: the tracker file; the common state dict on every rank; RNG only at the same TP/PP; the
@@ -644,7 +675,7 @@ def load_checkpoint(job: Job, load_dir: Path) -> dict:
                            f"supported for DistributedOptimizer with sharding type {md['distrib_optim_sharding_type']}")
     md["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     job.args.dist_ckpt_optim_fully_reshardable = md["distrib_optim_sharding_type"] == "fully_reshardable"
-    load_rng = ckpt_tp_pp == run_tp_pp
+    load_rng = ckpt_tp_pp == run_tp_pp and not no_load_rng  # Megatron-LM: --no-load-rng
     for opt in dist_optimizers(job):
         opt._init_optimizer_states_with_dummy_values()
     sd = generate_state_dict(job, md, rng=rng_state() if load_rng else None, is_loading=True)
@@ -944,9 +975,10 @@ def synthetic_steps(job: Job, steps: int) -> None:
 
 def write_logits(job: Job, path: Path) -> None:
     """The GPT's logits on :func:`probe_tokens` (its eval forward, no labels: ``[b, s, padded vocab]``), with the
-    tokens, ``torch.save``d on rank 0; TP1 PP1 only (a rank then holds the whole vocabulary and every layer)."""
+    tokens, ``torch.save``d on rank 0: at TP1 PP1 the model's own forward; otherwise through Megatron's pipeline
+    schedule, forward only, the last stage's vocabulary-parallel logits gathered over TP (:func:`_pipeline_logits`)."""
     if job.tp != 1 or job.pp != 1:
-        raise SystemExit(f"--logits needs TP1 PP1, not TP{job.tp} PP{job.pp}")
+        return _pipeline_logits(job, path)
     tokens = probe_tokens()
     positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens).contiguous()
     was_training = job.gpt.training
@@ -958,6 +990,49 @@ def write_logits(job: Job, path: Path) -> None:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"tokens": tokens, "logits": logits.detach().float().clone()}, tmp)
+        os.replace(tmp, path)
+    torch.distributed.barrier()
+
+
+def _pipeline_logits(job: Job, path: Path) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens = probe_tokens()
+    batch = {"tokens": tokens, "position_ids": torch.arange(SEQ).unsqueeze(0).expand_as(tokens).contiguous()}
+    held: list[torch.Tensor] = []
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        out = model(b["tokens"], b["position_ids"], None)
+
+        def collect(output_tensor, non_loss_data=False):
+            held.append(output_tensor.detach().float().clone())
+            return output_tensor if not non_loss_data else None
+
+        return out, collect
+
+    was_training = job.gpt.training
+    job.gpt.eval()
+    with torch.no_grad():
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=[job.model],
+                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=tokens.shape[0],
+                                    decoder_seq_length=SEQ, forward_only=True, collect_non_loss_data=True)
+    job.gpt.train(was_training)
+    full = None
+    if parallel_state.is_pipeline_last_stage():
+        group = parallel_state.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(held[0]) for _ in range(job.tp)]
+        torch.distributed.all_gather(parts, held[0].contiguous(), group=group)
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
+            full = torch.cat(parts, dim=-1)
+    gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(full, gathered, dst=0)
+    if torch.distributed.get_rank() == 0:
+        (logits,) = [g for g in gathered if g is not None]
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"tokens": tokens, "logits": logits}, tmp)
         os.replace(tmp, path)
     torch.distributed.barrier()
 

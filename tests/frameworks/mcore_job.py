@@ -9,9 +9,10 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
   ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; with
   ``--resume-truth`` the same live job then takes K synthetic steps and dumps again; with ``--logits OUT.pt``
   (TP1 PP1) the trained model's logits on :func:`mcore.probe_tokens`, after the save, go to ``OUT.pt``.
-* ``load --tp T --pp P --from SAVE_DIR [--bf16] [--sharding S] --dump OUT.pt [--resume K --dump-after OUT2.pt]``:
-  build the job at that layout, load as Megatron-LM's ``load_checkpoint`` does, dump; optionally K synthetic
-  steps and a second dump.
+* ``load --tp T --pp P --from SAVE_DIR [--bf16] [--sharding S] --dump OUT.pt [--resume K --dump-after OUT2.pt]
+  [--dims-from-save] [--no-load-rng] [--logits OUT3.pt]``: build the job at that layout (with the save's own GPT
+  dimensions: ``--dims-from-save``), load as Megatron-LM's ``load_checkpoint`` does (without its RNG states:
+  ``--no-load-rng``), dump, optionally the loaded model's logits; optionally K synthetic steps and a second dump.
 
 The CPU patches are applied here, in the rank, never in the process that launches it.
 """
@@ -50,6 +51,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     load.add_argument("--from", dest="src", type=Path, required=True)
     load.add_argument("--dump", type=Path, required=True)
     load.add_argument("--resume", type=int, default=0)
+    load.add_argument("--dims-from-save", action="store_true")
+    load.add_argument("--no-load-rng", action="store_true")
+    load.add_argument("--logits", type=Path, default=None)
     return p.parse_args(argv)
 
 
@@ -66,6 +70,9 @@ def main() -> None:
         raise SystemExit("--resume/--resume-truth needs --dump-after")
     start = time.monotonic()
     with mcore.quiet_warnings():
+        if opts.cmd == "load" and opts.dims_from_save:
+            mcore.apply_cpu_patches()
+            mcore.configure_from(opts.src.resolve())
         job = mcore.setup(tp=opts.tp, pp=opts.pp, bf16=opts.bf16, sharding=opts.sharding or "dp_reshardable")
     log(f"built TP{job.tp} PP{job.pp} DP{job.dp} bf16={opts.bf16} in {time.monotonic() - start:.1f}s")
     if opts.cmd == "save":
@@ -82,9 +89,11 @@ def main() -> None:
             mcore.synthetic_steps(job, opts.resume_truth)
             mcore.write_dump(job, opts.dump_after.resolve(), {"sharding": sharding, "resumed": opts.resume_truth})
     else:
-        info = mcore.load_checkpoint(job, opts.src.resolve())
+        info = mcore.load_checkpoint(job, opts.src.resolve(), no_load_rng=opts.no_load_rng)
         log(f"loaded {opts.src} {json.dumps(info, default=str)}")
         mcore.write_dump(job, opts.dump.resolve(), {"loaded": info})
+        if opts.logits:
+            mcore.write_logits(job, opts.logits.resolve())
         if opts.resume:
             mcore.synthetic_steps(job, opts.resume)
             mcore.write_dump(job, opts.dump_after.resolve(), {"loaded": info, "resumed": opts.resume})

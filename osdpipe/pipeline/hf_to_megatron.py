@@ -1,0 +1,318 @@
+"""A Hugging Face ``LlamaForCausalLM``'s whole checkpoint -> a Megatron-LM ``torch_dist`` save, optimizer included.
+
+The source is read by osdpipe's own readers of the checkpoint's layout (the HF Trainer's or accelerate's folder,
+PyTorch's own: ``checkpoint=accelerate|pytorch``, :func:`osdpipe.run.stages.load.open_input`): every parameter's
+weights (the fp32 masters: an fp32 job's weights, FSDP's full state dict of a mixed-precision one), ``exp_avg``,
+``exp_avg_sq`` and ``step``, and the param groups. The model's dimensions are the folder's ``config.json``, which
+gives Megatron's ``args`` (:func:`osdpipe.layout.megatron_hf.megatron_args`). Every tensor goes through the same map
+(:func:`osdpipe.layout.megatron_hf.from_hf`), the vocabulary padded with zero rows to Megatron's padded size, into a
+:class:`~osdpipe.io.formats.megatron.MegatronSave`, which the Megatron conversion's own stages write for the target's
+TP x PP x DP, read back and prove (:func:`osdpipe.pipeline.megatron.convert`); the read-back, mapped to Hugging
+Face's names again, must hold the source's tensors bit for bit.
+
+What a Megatron save holds that the source does not say:
+
+* param groups as Megatron's optimizer keys them (``wd_mult``, ``lr_mult``, ``is_expert_parallel``,
+  ``is_decoupled_lr``, ``max_lr``, ``min_lr``) beside the source's own hyperparameters and ``step``: its two groups
+  must be Megatron's (weight decay for every matrix, none for the 1-D norms), which the HF Trainer's are;
+* the scheduler (``opt_param_scheduler``, which Megatron-LM's load requires): a constant one at the source's learning
+  rate and weight decay, as a transformers scheduler (a Python function of the step) has no Megatron equivalent;
+* no RNG states: the source's are another framework's; Megatron-LM's ``load_checkpoint`` then needs
+  ``--no-load-rng`` (it exits on a save without them: "Unable to load rng state from checkpoint").
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from osdpipe.io import hf_folder
+from osdpipe.io.formats.base import WEIGHTS, InputError
+from osdpipe.io.formats.megatron import MegatronSave, gpt_of
+from osdpipe.layout import megatron_hf
+from osdpipe.layout.megatron import LAYERS, without_weight_decay
+from osdpipe.pipeline import megatron
+from osdpipe.run import progress
+from osdpipe.run.report import Report
+from osdpipe.spec.config import RunSpec
+from osdpipe.spec.megatron import MegatronJob
+from osdpipe.spec.plan import Plan
+
+#: Adam's per-parameter states a Megatron save holds beside the master weights.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+#: What becomes of each part of the source checkpoint.
+_FATES = {
+    "model": "converted: mapped to Megatron's GPT (the fp32 masters and the weights), laid out for the target's TP "
+             "and PP, the vocabulary padded with zero rows",
+    "optimizer": "converted: exp_avg, exp_avg_sq and step mapped the same way, laid out for the target's TP, PP and "
+                 "DP; the param groups keyed as Megatron's optimizer keys them",
+    "framework": "left out: it describes how the saving framework laid out its own files",
+    "other": "left out: a Megatron save has no place for another framework's entries (its scheduler, RNG states, "
+             "trainer state); the scheduler written is a constant one at the source's learning rate",
+}
+
+
+#: ``model.factory`` where the user names none: the Llama the folder's ``config.json`` describes.
+FROM_CONFIG = "osdpipe.io.hf_folder:llama_from_config"
+
+
+def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:
+    """The config of reading the source alone, as the range pipeline reads a whole checkpoint: the command's
+    (``raw``, a plain dict; ``given``: the keys the user set), its target one process (the Megatron target is not a
+    layout kind of that pipeline), nothing of Megatron's; and, where the user names no model, the Llama of the
+    folder's ``config.json``."""
+    out = copy.deepcopy(raw)
+    out["target"] = {**out["target"], "kind": "fsdp2", "world_size": 1, "tp_size": 1, "pp_size": 1, "tp_plan": {},
+                     "shard_group_size": None, "wrap": None}
+    out["output"] = {**out["output"], "checkpoint": None, "megatron_optim_format": None, "model_format": None}
+    if "model.factory" not in given and "model" not in given:
+        out["model"] = {**out.get("model", {}), "factory": FROM_CONFIG, "kwargs": {"path": out["input"]["path"]},
+                        "units": None}
+    return out
+
+
+def without_advice(notes: list[str], source: dict[str, Any]) -> list[str]:
+    """``notes`` (what reconciling ``source``, :func:`source_config`'s, found to say) without what the source's own
+    framework would do with a conversion in its own layout (its RNG files per process, its ``load_state``): the output
+    is a Megatron save, which has none of them."""
+    from osdpipe.io import checkpoints
+
+    layout = checkpoints.get(source["checkpoint"]["layout"])
+    try:
+        advice = set(layout.advice(source["input"]["path"], source["target"], source["output"]["format"]))
+    except (InputError, OSError):
+        return notes
+    return [n for n in notes if n not in advice]
+
+
+def refusal(raw: dict[str, Any]) -> str | None:
+    """Why the command's config (``raw``) cannot convert its source to Megatron, from the folder's ``config.json``
+    alone (``None``: nothing yet): no ``config.json``, a model Megatron cannot express, a grid that does not divide
+    it. Asked before anything is read or written."""
+    path, target = raw["input"]["path"], raw["target"]
+    try:
+        config = hf_folder.read_config(path)
+        megatron_hf.megatron_args(config, int(target["tp_size"]), int(target["pp_size"]), int(target["world_size"]))
+    except ValueError as exc:  # InputError among them
+        return f"input.path={path}: {exc}"
+    return None
+
+
+def job_of(spec: RunSpec, plan: Plan) -> MegatronJob:
+    """The Megatron conversion ``spec`` (checked, ``output.checkpoint=megatron``) asks of the source ``plan`` reads."""
+    target = spec.target
+    return MegatronJob(
+        source=plan.input_path,
+        output=spec.output.path,
+        tp=target.tp_size,
+        pp=target.pp_size,
+        dp=target.world_size // (target.tp_size * target.pp_size),
+        optim_format=spec.output.megatron_optim_format or "fully_reshardable",
+        overwrite=spec.output.overwrite,
+        fsync=spec.output.fsync,
+        workers=spec.runtime.workers,
+    )
+
+
+def hf_source(plan: Plan, job: MegatronJob) -> megatron.Source:
+    """The :class:`osdpipe.pipeline.megatron.Source` of the Hugging Face checkpoint ``plan`` reads, for ``job``."""
+    held: dict[str, Any] = {}
+
+    def read() -> MegatronSave:
+        save, state, step, groups = source_save(plan, job)
+        held.update(save=save, state=state, step=step, groups=groups)
+        return save
+
+    def problems(written: MegatronSave) -> list[str]:
+        from osdpipe.verify.megatron import hf_source_problems
+
+        save = held["save"]
+        return hf_source_problems(gpt_of(save.args), int(save.args["vocab_size"]), held["state"], held["step"],
+                                  held["groups"], written)
+
+    def entries() -> list[dict[str, Any]]:
+        read = plan.checkpoint.read(Path(plan.input_path))
+        return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": _FATES[e.part]}
+                for e in read.entries]
+
+    return megatron.Source(read, problems, entries)
+
+
+def source_save(
+    plan: Plan, job: MegatronJob
+) -> tuple[MegatronSave, dict[str, dict[str, torch.Tensor]], float, list[dict[str, Any]]]:
+    """The Megatron save of the source ``plan`` reads, for ``job``'s grid; and what it was made of: the Hugging Face
+    tensors by state (``weights``, ``exp_avg``, ``exp_avg_sq``), the step, and the param groups (the source's
+    hyperparameters, their parameters as Megatron's keys).
+
+    Raises:
+        InputError: one line: what Megatron cannot express, a TP or PP that does not divide the model, a source
+            without Adam's state, steps that differ between parameters, param groups other than Megatron's.
+    """
+    from osdpipe.io.formats import canonical_meta
+    from osdpipe.run.stages.load import open_input
+
+    where = plan.input_path
+    config = hf_folder.read_config(where)
+    reader = open_input(plan)
+    meta = canonical_meta(reader.meta(), plan.tree, where=where)
+    names = [p.fqn for p in plan.tree.params]
+    missing = [n for n in names if not {WEIGHTS, *MOMENTS, "step"} <= set(meta.state.get(n, {}))]
+    if missing:
+        raise InputError(f"{where}: no weights or Adam state (exp_avg, exp_avg_sq, step) for {', '.join(missing[:3])}; "
+                         "a Megatron save's distributed optimizer is Adam's: convert a checkpoint of Adam or AdamW "
+                         "that has stepped")
+    read = reader.read([(n, s) for n in names for s in (WEIGHTS, *MOMENTS)])
+    state = {s if s != WEIGHTS else "weights": {n: read[(n, s)] for n in names} for s in (WEIGHTS, *MOMENTS)}
+    bad = sorted({f"{n} ({t.dtype})" for s in state.values() for n, t in s.items() if t.dtype != torch.float32})
+    if bad:
+        raise InputError(f"{where}: {', '.join(bad[:3])} not float32; a Megatron save's masters and moments are fp32: "
+                         "not supported yet")
+    steps = {float(meta.state[n]["step"]) for n in names}
+    if len(steps) != 1:
+        raise InputError(f"{where}: the parameters were stepped {sorted(steps)} times; a Megatron save holds one step "
+                         "for all of them")
+    step = steps.pop()
+    if not step.is_integer():
+        raise InputError(f"{where}: step {step} is no whole number of steps")
+    try:
+        args = megatron_hf.megatron_args(config, job.tp, job.pp, job.tp * job.pp * job.dp, iteration=int(step),
+                                         sharding=job.optim_format or "fully_reshardable")
+    except ValueError as exc:
+        raise InputError(f"{where}: {exc}") from None
+    gpt = gpt_of(args)
+    try:
+        mapped = {s: megatron_hf.from_hf(gpt, tensors, gpt.padded_vocab_size) for s, tensors in state.items()}
+    except ValueError as exc:
+        raise InputError(f"{where}: {exc}") from None
+    shapes = {p.fqn: tuple(p.shape) for p in plan.tree.params}
+    groups, megatron_groups, scheduler = _groups(meta.param_groups, shapes, mapped["weights"], step, where)
+    save = MegatronSave(
+        folder=Path(where),
+        iteration=int(step),
+        args=args,
+        sharding=job.optim_format or "fully_reshardable",
+        model={k: t.clone() for k, t in mapped["weights"].items()},
+        optim={k: {"param": mapped["weights"][k], **{s: mapped[s][k] for s in MOMENTS}} for k in mapped["weights"]},
+        param_groups=megatron_groups,
+        scheduler=scheduler,
+        common={"checkpoint_version": 3.0, "opt_param_scheduler": scheduler,
+                "num_floating_point_operations_so_far": 0},
+        extra_state=extra_state(gpt.num_layers),
+    )
+    return save, state, step, groups
+
+
+#: The local layer spec's linears of a decoder layer, each with an ``_extra_state`` item per layer.
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def extra_state(layers: int) -> dict[str, bytes]:
+    """The linears' ``_extra_state`` items a Megatron save holds and megatron-core's load asks for: one per linear
+    and global layer, ``<key>._extra_state/shard_<layer>_<layers>``, each ``torch.save([None])`` (the local spec's
+    linears' ``get_extra_state`` is ``None``, megatron-core ``tensor_parallel/layers.py``; a ShardedObject is stored
+    as the list of its data, ``dist_checkpointing/strategies/torch.py`` ``_mcore_to_torch_sharded_object``)."""
+    import io
+
+    data = io.BytesIO()
+    torch.save([None], data)
+    raw = data.getvalue()
+    return {f"{LAYERS}{linear}._extra_state/shard_{i}_{layers}": raw for i in range(layers) for linear in LINEARS}
+
+
+def _groups(
+    source: list[dict[str, Any]] | None, shapes: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor],
+    step: float, where: str,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """The source's param groups with Megatron's keys as their parameters; the groups as Megatron's optimizer keys
+    them (its identifying keys and ``step`` beside the source's hyperparameters); and a constant scheduler at the
+    source's learning rate and weight decay (``shapes``: each Hugging Face parameter's).
+
+    Megatron's default groups (megatron-core ``optimizer/__init__.py`` ``_get_param_groups``) put every 1-D
+    parameter (the norms) in a group without weight decay (``wd_mult`` 0) and the rest in one with it; osdpipe's
+    reader assigns them so. A source grouped otherwise is refused.
+    """
+    groups = source or []
+    decays = [g for g in groups if float(g.get("weight_decay", 0.0)) != 0.0]
+    plain = [g for g in groups if float(g.get("weight_decay", 0.0)) == 0.0]
+    as_megatron = (
+        len(decays) == 1 and len(plain) == 1
+        and {n for n in decays[0]["params"]} == {n for n, s in shapes.items() if len(s) > 1}
+        and {n for n in plain[0]["params"]} == {n for n, s in shapes.items() if len(s) == 1}
+    )
+    if not as_megatron:
+        raise InputError(f"{where}: param groups other than Megatron's two (weight decay for every matrix, none for "
+                         "the 1-D norms, as the HF Trainer groups them): not supported yet")
+    by_decay = {True: sorted(k for k, t in weights.items() if not without_weight_decay(k, tuple(t.shape))),
+                False: sorted(k for k, t in weights.items() if without_weight_decay(k, tuple(t.shape)))}
+    out, megatron_groups = [], []
+    for group, decay in ((decays[0], True), (plain[0], False)):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        out.append({**hyper, "params": by_decay[decay]})
+        lr = float(group["lr"])
+        megatron_groups.append({
+            **hyper, "wd_mult": 1.0 if decay else 0.0, "lr_mult": 1.0, "is_expert_parallel": False,
+            "is_decoupled_lr": False, "default_config": True, "max_lr": lr, "min_lr": lr, "step": step,
+            "params": by_decay[decay],
+        })
+    lr, wd = float(decays[0]["lr"]), float(decays[0]["weight_decay"])
+    steps = max(1, int(step))
+    scheduler = {"max_lr": lr, "lr_warmup_steps": 0, "num_steps": int(step), "lr_decay_style": "constant",
+                 "lr_decay_steps": steps, "min_lr": lr, "start_wd": wd, "end_wd": wd,
+                 "wd_incr_style": "constant", "wd_incr_steps": steps}
+    return out, megatron_groups, scheduler
+
+
+def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
+    """What ``osdpipe check`` finds of the Megatron save ``folder`` a conversion of ``raw`` (its manifest's config)
+    wrote: its source read again as the command read it, mapped again, and held against the save read back, bit for
+    bit (the verify stage's proof, :func:`hf_source`'s ``problems``)."""
+    from osdpipe.io.formats.megatron import read_save
+    from osdpipe.spec.config import validate
+    from osdpipe.spec.plan import plan_run
+    from osdpipe.spec.reconcile import Given, reconcile
+    from osdpipe.verify.megatron import roundtrip_problems
+
+    given = Given(["model.factory"])  # the manifest names the model the conversion built
+    source, _ = reconcile(source_config(raw, given), given)
+    plan = plan_run(validate(source))
+    target = raw["target"]
+    job = MegatronJob(source=plan.input_path, output=str(folder), tp=int(target["tp_size"]),
+                      pp=int(target["pp_size"]),
+                      dp=int(target["world_size"]) // (int(target["tp_size"]) * int(target["pp_size"])))
+    read = hf_source(plan, job)
+    written = read_save(folder)
+    assert read.problems is not None
+    return roundtrip_problems(read.read(), written) + read.problems(written)
+
+
+def run_command(spec: RunSpec, plan: Plan, notes: list[str]) -> Report:
+    """The ``osdpipe`` command's conversion of a Hugging Face Llama checkpoint to Megatron (``spec``: the command's
+    config, checked; ``plan``: the source's, as the range pipeline reads it). Writes ``report.json`` and
+    ``osdpipe.log`` into ``output.path``, whatever happens.
+
+    Raises:
+        Contradiction: ``output.path`` holds a conversion and ``output.overwrite`` is false (exit 2).
+        OutputError: ``output.path`` cannot be written.
+    """
+    from osdpipe.io import output
+    from osdpipe.pipeline.execute import record
+    from osdpipe.spec.reconcile import Contradiction
+
+    out = Path(spec.output.path)
+    if not spec.output.overwrite and (why := megatron._held(out)) is not None:
+        raise Contradiction(why)
+    output.check_writable(out)
+    record(out, Report.unfinished(), spec)
+    job = job_of(spec, plan)
+    display = progress.Display(progress.wanted(spec.runtime.progress))
+    try:
+        report = megatron.execute(job, spec.model_dump(mode="json"), notes, display, hf_source(plan, job))
+    finally:
+        display.close()
+    record(out, report, spec)
+    return report

@@ -1,0 +1,173 @@
+"""The HF Trainer's checkpoint of a Llama -> a Megatron-LM save at TP2 PP2 DP1, optimizer included (issue 40).
+
+The real HF Trainer (transformers 5.23.0, accelerate 1.15.0) trains the tests' own ``LlamaForCausalLM`` (GQA: 4 heads
+in 2 key/value heads, untied embeddings, vocabulary 50, which Megatron pads to 256 at TP2; 4 layers) with FSDP2 on 2
+CPU ranks and saves ``checkpoint-3`` mid-schedule (its learning rate not yet 0). The ``osdpipe`` command converts it
+(``checkpoint=accelerate output.checkpoint=megatron``), the model's dimensions from its ``config.json``. The real
+megatron-core 0.16.1 job (:mod:`frameworks.mcore`, built with the save's own dimensions, loading as Megatron-LM's
+``load_checkpoint --no-load-rng`` does) loads it on 4 ranks at TP2 PP2 and:
+
+(a) holds, gathered, the fp32 masters, ``exp_avg``, ``exp_avg_sq``, the model's weights and the step that the Trainer's
+    own files hold (read here with ``torch.load``, mapped by ``from_hf``), bitwise;
+(b) computes, through its pipeline schedule, logits on fixed tokens that transformers' own forward of the checkpoint
+    (``from_pretrained``, eager attention) computes, within ``max |diff| <= 1e-4 x max |logit|`` (fp32, the tolerance
+    of ``test_megatron_hf.py``; measured about 1e-7);
+(c) takes a training step from there (a synthetic gradient): step 4, iteration 4, the masters moved, all finite.
+
+A wrong map fails (b): with ``from_hf``'s key and value heads exchanged, the logits differ by far more than the
+tolerance (docs/frameworks.md says by how much). Bad input is refused in one line, exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from frameworks import accel, mcore
+from helpers import run_command, user_env
+
+from osdpipe.layout.megatron import Gpt
+from osdpipe.layout.megatron_hf import from_hf
+
+pytestmark = [
+    pytest.mark.frameworks,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed"),
+]
+
+#: The tests' Llama: GQA, untied, a vocabulary Megatron pads (50 -> 256 at TP2), layers PP2 splits.
+LLAMA = {"vocab_size": 50, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
+#: The GPT Megatron builds of it at TP2 (vocabulary padded to 128 x 2).
+GPT = Gpt(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+          padded_vocab_size=256, swiglu=True)
+RELATIVE_TOLERANCE = 1e-4
+
+
+def convert(work: Path, source: Path, out: Path, *overrides: str):
+    return run_command(
+        [sys.executable, "-m", "osdpipe", "checkpoint=accelerate", f"input.path={source}", "output.checkpoint=megatron",
+         *overrides, f"output.path={out}"],
+        cwd=work, timeout=300, env=user_env(),
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """The Trainer's checkpoint-3, its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
+    work = tmp_path_factory.mktemp("hf_to_megatron")
+    accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, "tied": False, "llama": LLAMA,
+                            "out": str(work / "run"), "max_steps": 6}, label="train")
+    source = work / "run" / "checkpoint-3"
+    out = work / "megatron"
+    done = convert(work, source, out, "target.tp_size=2", "target.pp_size=2", "target.world_size=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mcore.load(work, out, work / "loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, no_load_rng=True,
+               logits=work / "logits.pt", resume=1, dump_after=work / "after.pt", label="load-tp2pp2")
+    return {"work": work, "source": source, "out": out, "stderr": done.stderr,
+            "loaded": torch.load(work / "loaded.pt", weights_only=False),
+            "after": torch.load(work / "after.pt", weights_only=False),
+            "logits": torch.load(work / "logits.pt", weights_only=True)}
+
+
+def test_megatron_holds_the_trainers_masters_moments_and_step_bitwise(run) -> None:
+    optimizer = torch.load(run["source"] / "optimizer.bin", weights_only=True)
+    weights = torch.load(run["source"] / "pytorch_model_fsdp.bin", weights_only=True)
+    loaded = run["loaded"]
+    want = {"param": from_hf(GPT, weights),
+            **{s: from_hf(GPT, {k: v[s] for k, v in optimizer["state"].items()}) for s in ("exp_avg", "exp_avg_sq")}}
+    differ = [f"{s} {k}" for s, tensors in want.items() for k, t in tensors.items()
+              if not torch.equal(t, loaded["optim"][k][s])]
+    differ += [f"model {k}" for k, t in want["param"].items() if not torch.equal(t, loaded["model"][k])]
+    assert differ == []
+    assert {float(state["step"]) for state in loaded["optim"].values()} == {3.0} and loaded["iteration"] == 3
+    assert loaded["loaded"]["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    # Megatron's two groups, with the Trainer's hyperparameters: weight decay for the matrices, none for the norms
+    groups = {g["wd_mult"]: g for g in loaded["param_groups"]}
+    source = {g["weight_decay"]: g for g in optimizer["param_groups"]}
+    assert groups[1.0]["weight_decay"] == source[0.1]["weight_decay"] and groups[0.0]["weight_decay"] == 0.0
+    assert groups[1.0]["lr"] == source[0.1]["lr"] > 0
+    assert set(groups[0.0]["params"]) == {k for k in want["param"] if k.endswith("norm_weight") or "layernorm" in k}
+
+
+def test_megatrons_logits_are_the_trainers_models(run) -> None:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(run["source"], attn_implementation="eager").eval()
+    tokens, logits = run["logits"]["tokens"], run["logits"]["logits"]
+    with torch.no_grad():
+        reference = model(tokens).logits
+    assert logits.shape == (2, mcore.SEQ, GPT.padded_vocab_size)
+    diff = float((logits[..., : LLAMA["vocab_size"]] - reference).abs().max())
+    scale = float(reference.abs().max())
+    print(f"max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+
+
+def test_megatron_trains_on_from_the_converted_save(run) -> None:
+    loaded, after = run["loaded"], run["after"]
+    assert after["iteration"] == 4 and {float(s["step"]) for s in after["optim"].values()} == {4.0}
+    moved = [k for k in loaded["optim"] if not torch.equal(loaded["optim"][k]["param"], after["optim"][k]["param"])]
+    assert sorted(moved) == sorted(loaded["optim"])
+    assert all(bool(torch.isfinite(s[n]).all()) for s in after["optim"].values() for n in ("param", "exp_avg"))
+
+
+def test_the_report_says_what_became_of_each_entry(run) -> None:
+    report = json.loads((run["out"] / "report.json").read_text())
+    assert report["ok"] and [c["name"] for c in report["checks"]] == ["roundtrip"]
+    assert "mapped back to Hugging Face's Llama" in report["checks"][0]["detail"]
+    fates = {e["name"]: e["fate"] for e in report["entries"]}
+    assert fates["optimizer.bin"].startswith("converted") and fates["rng_state_0.pth"].startswith("left out")
+    assert not any("load_state" in w for w in report["warnings"])  # accelerate's advice is not the output's
+    assert sorted(p.name for p in run["out"].iterdir()) == [
+        "iter_0000003", "latest_checkpointed_iteration.txt", "manifest.json", "osdpipe.log", "report.json"]
+
+
+def _edited(work: Path, source: Path, name: str, **config) -> Path:
+    copy = work / name
+    shutil.copytree(source, copy)
+    held = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**held, **config}))
+    return copy
+
+
+@pytest.mark.parametrize("case", ["mistral", "attention_bias", "no_config", "tp3", "pp3"])
+def test_bad_input_is_one_line_exit_2_nothing_written(run, case) -> None:
+    work, source = run["work"], run["source"]
+    grid = ["target.tp_size=2", "target.world_size=2"]
+    if case == "mistral":
+        given = _edited(work, source, case, model_type="mistral", architectures=["MistralForCausalLM"])
+    elif case == "attention_bias":
+        given = _edited(work, source, case, attention_bias=True)
+    elif case == "no_config":
+        given = work / case
+        shutil.copytree(source, given)
+        (given / "config.json").unlink()
+    else:
+        given, grid = source, {"tp3": ["target.tp_size=3", "target.world_size=3"],
+                               "pp3": ["target.pp_size=3", "target.world_size=3"]}[case]
+    out = work / f"out-{case}"
+    done = convert(work, given, out, *grid)
+    said = {"mistral": "not a LlamaForCausalLM", "attention_bias": "attention biases", "no_config": "config.json",
+            "tp3": "does not divide the model's 4 attention heads", "pp3": "does not divide the model's 4 layers"}
+    assert done.returncode == 2 and said[case] in done.stderr, done.stderr[-2000:]
+    assert len([line for line in done.stderr.splitlines() if "error" in line]) == 1
+    assert not out.exists()
+
+
+def test_check_proves_the_save_against_its_source_and_fails_against_another(run) -> None:
+    """``osdpipe check``: the source read again and mapped, against the save read back, bitwise; the Trainer's later
+    ``checkpoint-6`` (another step's state) is not what the save holds."""
+    args = [sys.executable, "-m", "osdpipe", "check", str(run["out"])]
+    done = run_command(args, cwd=run["work"], timeout=300, env=user_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "check roundtrip  pass" in done.stdout
+    other = run_command([*args, f"input.path={run['source'].parent / 'checkpoint-6'}"], cwd=run["work"], timeout=300,
+                        env=user_env())
+    assert other.returncode == 1 and "check roundtrip  FAIL" in other.stdout, other.stdout + other.stderr

@@ -1,0 +1,66 @@
+"""``megatron_hf.megatron_args``: a Hugging Face Llama's ``config.json`` -> Megatron-LM's ``args``, pure.
+
+It is :func:`~osdpipe.layout.megatron_hf.hf_config`'s inverse on every dimension the map and the layout read, pads the
+vocabulary as Megatron-LM does for the TP, and refuses in one line what a Megatron GPT cannot be or a grid that does not
+divide the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from osdpipe.io.formats.megatron import gpt_of
+from osdpipe.layout.megatron_hf import hf_config, hf_refusals, megatron_args
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 4, "vocab_size": 50,
+         "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+         "max_position_embeddings": 32, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+         "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize(("tp", "pp", "world", "padded"), [(1, 1, 1, 128), (2, 2, 4, 256), (2, 1, 8, 256)])
+def test_args_are_hf_configs_inverse_and_pad_the_vocabulary_for_the_tp(tp, pp, world, padded) -> None:
+    args = megatron_args(LLAMA, tp, pp, world, iteration=7)
+    back = hf_config(args)
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings"):
+        assert back[key] == LLAMA[key], key
+    assert back["rope_theta"] == 500000.0
+    assert args["padded_vocab_size"] == padded and args["data_parallel_size"] == world // (tp * pp)
+    assert args["iteration"] == 7 and args["ckpt_format"] == "torch_dist" and args["use_distributed_optimizer"]
+    gpt = gpt_of(args)
+    assert (gpt.num_query_groups, gpt.kv_channels, gpt.padded_vocab_size) == (2, 8, padded)
+
+
+def test_multi_head_attention_has_no_query_groups() -> None:
+    args = megatron_args({**LLAMA, "num_key_value_heads": 4}, 1, 1, 1)
+    assert not args["group_query_attention"] and gpt_of(args).num_query_groups == 4
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "not a LlamaForCausalLM"),
+    ({"attention_bias": True}, "attention biases"),
+    ({"mlp_bias": True}, "MLP biases"),
+    ({"tie_word_embeddings": True}, "tied embedding"),
+    ({"hidden_act": "gelu"}, "gelu activation"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "RoPE scaling"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
+    ({"num_key_value_heads": 3}, "4 attention heads in 3 key/value heads"),
+])
+def test_what_megatron_cannot_express_is_refused_in_one_line(change, said) -> None:
+    assert any(said in what for what in hf_refusals({**LLAMA, **change}))
+    with pytest.raises(ValueError, match="not supported yet as a Megatron GPT") as err:
+        megatron_args({**LLAMA, **change}, 1, 1, 1)
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("tp", "pp", "world", "said"), [
+    (3, 1, 3, "does not divide the model's 4 attention heads"),
+    (4, 1, 4, "does not divide the model's 2 key/value heads"),
+    (1, 3, 3, "does not divide the model's 4 layers"),
+    (2, 2, 6, "no multiple of TP 2 x PP 2"),
+])
+def test_a_grid_that_does_not_divide_the_model_is_refused(tp, pp, world, said) -> None:
+    with pytest.raises(ValueError, match=said):
+        megatron_args(LLAMA, tp, pp, world)
