@@ -311,7 +311,10 @@ def run_command(spec: RunSpec, plan: Plan, notes: list[str]) -> Report:
     job = job_of(spec, plan)
     display = progress.Display(progress.wanted(spec.runtime.progress))
     try:
-        report = megatron.execute(job, spec.model_dump(mode="json"), notes, display, hf_source(plan, job))
+        # the manifest records the model the source was read as (the Llama of its config.json, or the user's), which
+        # osdpipe check reads it as again
+        config = {**spec.model_dump(mode="json"), "model": plan.spec.model.model_dump(mode="json")}
+        report = megatron.execute(job, config, notes, display, hf_source(plan, job))
     finally:
         display.close()
     record(out, report, spec)
