@@ -264,9 +264,9 @@ def _run_to_megatron(raw: dict, spec: RunSpec) -> int:
     from osdpipe.spec.plan import plan_run
     from osdpipe.spec.reconcile import Contradiction, Given, reconcile
 
-    if (why := refusal(raw)) is not None:
-        return _config_error(ConfigError([why]))
     given = Given.from_overrides(HydraConfig.get().overrides.task)
+    if (why := refusal(raw, given)) is not None:
+        return _config_error(ConfigError([why]))
     try:
         source, notes = reconcile(source_config(raw, given), given)
         notes = without_advice(notes, source)

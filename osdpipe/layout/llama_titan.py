@@ -109,3 +109,28 @@ def titan_names_of(hf_name: str) -> list[str]:
     if within in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
         return [f"layers.{i}.{WQKV}"]
     return [f"layers.{i}.{_PER_LAYER[within]}"]
+
+
+def hf_config(args: dict) -> dict:
+    """The ``config.json`` of the ``LlamaForCausalLM`` that torchtitan's llama3 of ``args`` (the keywords of
+    ``osdpipe.layout.models.torchtitan_llama3``, a ``model_args.json``) computes the function of: what a torchtitan
+    checkpoint converts through (:mod:`osdpipe.layout.megatron_hf` takes it on to Megatron). Its RoPE is unscaled,
+    as that model's is."""
+    dim, heads = int(args["dim"]), int(args["n_heads"])
+    theta = float(args.get("rope_theta", 10000.0))
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": dim,
+        "intermediate_size": int(args["hidden_dim"]), "num_attention_heads": heads,
+        "num_key_value_heads": int(args.get("n_kv_heads") or heads), "head_dim": dim // heads,
+        "num_hidden_layers": int(args["n_layers"]), "vocab_size": int(args["vocab_size"]), "hidden_act": "silu",
+        "rms_norm_eps": float(args.get("norm_eps", 1e-5)), "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "max_position_embeddings": int(args.get("max_seq_len", 4096)), "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False,
+    }
+
+
+def heads_of(args: dict) -> Heads:
+    """The :class:`Heads` of torchtitan's llama3 of ``args`` (``model_args.json``'s keywords)."""
+    heads = int(args["n_heads"])
+    return Heads(int(args["n_layers"]), heads, int(args.get("n_kv_heads") or heads), int(args["dim"]) // heads)

@@ -32,13 +32,13 @@ import torch
 from osdpipe.io import hf_folder
 from osdpipe.io.formats.base import WEIGHTS, InputError
 from osdpipe.io.formats.megatron import MegatronSave, gpt_of
-from osdpipe.layout import megatron_hf
+from osdpipe.layout import llama_titan, megatron_hf
 from osdpipe.layout.megatron import LAYERS, without_weight_decay
 from osdpipe.pipeline import megatron
 from osdpipe.run import progress
 from osdpipe.run.report import Report
 from osdpipe.spec.config import RunSpec
-from osdpipe.spec.megatron import MegatronJob
+from osdpipe.spec.megatron import MEGATRON, MegatronJob
 from osdpipe.spec.plan import Plan
 
 #: Adam's per-parameter states a Megatron save holds beside the master weights.
@@ -58,6 +58,8 @@ _FATES = {
 
 #: ``model.factory`` where the user names none: the Llama the folder's ``config.json`` describes.
 FROM_CONFIG = "osdpipe.io.hf_folder:llama_from_config"
+#: ``model.factory`` of a torchtitan llama3 of any dimensions (a ``model_args.json``'s keywords).
+TITAN = "torchtitan_llama3"
 
 
 def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:
@@ -69,10 +71,34 @@ def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:
     out["target"] = {**out["target"], "kind": "fsdp2", "world_size": 1, "tp_size": 1, "pp_size": 1, "tp_plan": {},
                      "shard_group_size": None, "wrap": None}
     out["output"] = {**out["output"], "checkpoint": None, "megatron_optim_format": None, "model_format": None}
-    if "model.factory" not in given and "model" not in given:
-        out["model"] = {**out.get("model", {}), "factory": FROM_CONFIG, "kwargs": {"path": out["input"]["path"]},
-                        "units": None}
+    out["model"] = source_model(raw, given)
     return out
+
+
+def source_model(raw: dict[str, Any], given: Any) -> dict[str, Any]:
+    """The model the source is read as: the user's; else what the checkpoint's own files name (a torchtitan
+    folder's ``model_args.json``: its llama3); else the Llama of the folder's ``config.json``."""
+    model = dict(raw.get("model") or {})
+    if "model.factory" in given or "model" in given:
+        return model
+    from osdpipe.io import checkpoints
+
+    path = raw["input"]["path"]
+    named = checkpoints.get(raw["checkpoint"]["layout"]).model_from_files(path, MEGATRON)
+    factory, kwargs = named if named is not None else (FROM_CONFIG, {"path": path})
+    return {**model, "factory": factory, "kwargs": kwargs, "units": None}
+
+
+def llama_config(model: dict[str, Any], path: str) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of the Llama the source is read as (``model``: :func:`source_model`'s):
+    torchtitan's llama3 as transformers' Llama (:func:`osdpipe.layout.llama_titan.hf_config`), or the folder's own.
+
+    Raises:
+        InputError: neither: the folder has no ``config.json``, or is damaged.
+    """
+    if model.get("factory") == TITAN:
+        return llama_titan.hf_config(model.get("kwargs") or {})
+    return hf_folder.read_config(path)
 
 
 def without_advice(notes: list[str], source: dict[str, Any]) -> list[str]:
@@ -89,13 +115,13 @@ def without_advice(notes: list[str], source: dict[str, Any]) -> list[str]:
     return [n for n in notes if n not in advice]
 
 
-def refusal(raw: dict[str, Any]) -> str | None:
+def refusal(raw: dict[str, Any], given: Any) -> str | None:
     """Why the command's config (``raw``) cannot convert its source to Megatron, from the folder's ``config.json``
     alone (``None``: nothing yet): no ``config.json``, a model Megatron cannot express, a grid that does not divide
     it. Asked before anything is read or written."""
     path, target = raw["input"]["path"], raw["target"]
     try:
-        config = hf_folder.read_config(path)
+        config = llama_config(source_model(raw, given), path)
         megatron_hf.megatron_args(config, int(target["tp_size"]), int(target["pp_size"]), int(target["world_size"]))
     except ValueError as exc:  # InputError among them
         return f"input.path={path}: {exc}"
@@ -157,7 +183,8 @@ def source_save(
     from osdpipe.run.stages.load import open_input
 
     where = plan.input_path
-    config = hf_folder.read_config(where)
+    model = plan.spec.model.model_dump(mode="json")
+    config = llama_config(model, where)
     reader = open_input(plan)
     meta = canonical_meta(reader.meta(), plan.tree, where=where)
     names = [p.fqn for p in plan.tree.params]
@@ -168,6 +195,9 @@ def source_save(
                          "that has stepped")
     read = reader.read([(n, s) for n in names for s in (WEIGHTS, *MOMENTS)])
     state = {s if s != WEIGHTS else "weights": {n: read[(n, s)] for n in names} for s in (WEIGHTS, *MOMENTS)}
+    if model["factory"] == TITAN:  # torchtitan's llama3: to transformers' Llama first, by the same copy-only map
+        heads = llama_titan.heads_of(model["kwargs"])
+        state = {s: llama_titan.from_titan(heads, tensors) for s, tensors in state.items()}
     bad = sorted({f"{n} ({t.dtype})" for s in state.values() for n, t in s.items() if t.dtype != torch.float32})
     if bad:
         raise InputError(f"{where}: {', '.join(bad[:3])} not float32; a Megatron save's masters and moments are fp32: "

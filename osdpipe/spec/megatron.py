@@ -20,8 +20,9 @@ MEGATRON = "megatron"
 HF = "hf"
 #: The layouts a Megatron-LM save is written in for a PyTorch job (a Hugging Face Llama's or torchtitan llama3's).
 PYTORCH_NATIVE = ("pytorch", "accelerate", "torchtitan")
-#: The layouts of a Hugging Face Llama's whole checkpoint that ``output.checkpoint=megatron`` converts.
-FROM_HF = ("accelerate", "pytorch")
+#: The layouts of a Llama's whole checkpoint that ``output.checkpoint=megatron`` converts (Hugging Face's Llama, or
+#: torchtitan's llama3 of a ``model_args.json``).
+FROM_HF = ("accelerate", "pytorch", "torchtitan")
 #: The checks a Megatron conversion runs itself; the others of ``pipeline.checks`` need the target's own job, which
 #: only megatron-core builds (the tests run it: tests/frameworks/test_megatron.py).
 MEGATRON_CHECKS = ("roundtrip",)

@@ -102,16 +102,6 @@ def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
     assert _differences(loaded, expected) == ["exp_avg_sq model.layers.1.self_attn.k_proj.weight"]
 
 
-def _fused(model: dict[str, torch.Tensor], layer: int, heads: Heads) -> torch.Tensor:
-    """torchtitan's ``wqkv`` of layer ``layer`` from the ``wq``, ``wk``, ``wv`` its state dict saves (per key/value
-    group: its query heads, its key head, its value head)."""
-    p, n, g, d = f"layers.{layer}.attention.qkv_linear.", heads.heads // heads.kv_heads, heads.kv_heads, heads.head_dim
-    q, k, v = (model[f"{p}{w}.weight"] for w in ("wq", "wk", "wv"))
-    cols = q.shape[1]
-    fused = torch.cat([q.reshape(g, n, d, cols), k.reshape(g, 1, d, cols), v.reshape(g, 1, d, cols)], dim=1)
-    return fused.reshape(-1, cols)
-
-
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
 def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(megatron_saves: dict[str, Path],
                                                                          tmp_path: Path) -> None:
@@ -119,10 +109,12 @@ def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(megatro
     ``CheckpointManager`` loads it into a 2-rank FSDP2 job of its llama3 built from those args (fused ``wqkv``, complex
     RoPE), which holds the live Megatron job's masters and moments mapped (RoPE-permuted, fused) bit for bit and trains
     on. That the permuted model computes Megatron's logits is ``test_megatron_hf.py``'s."""
+    import json
     import re
 
     from frameworks import titan_load
     from frameworks.launch import run_logged, torchrun, worker_env
+    from frameworks.titan_llama_job import parameters
 
     folder = megatron_saves["tp2_pp2"]
     truth = torch.load(mcore.truth_path(folder), weights_only=False)
@@ -147,9 +139,8 @@ def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(megatro
                what="torchtitan's load of", env=worker_env())
     loaded = torch.load(spec["dump"], weights_only=False)
     assert loaded["found"] and math.isfinite(loaded["loss"])
-    model = {**loaded["model"], **{f"layers.{i}.attention.qkv_linear.wqkv.weight": _fused(loaded["model"], i, heads)
-                                   for i in range(gpt.num_layers)}}
-    assert _differences({"model": model, "optim": loaded["optim"]}, expected) == []
+    args = json.loads((out / "model_args.json").read_text())
+    assert _differences({"model": parameters(loaded["model"], args), "optim": loaded["optim"]}, expected) == []
     assert {float(s["step"]) for s in loaded["optim"]["state"].values()} == {3.0}
 
 

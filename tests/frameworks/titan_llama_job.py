@@ -32,3 +32,22 @@ def megatron_llama3(args: str) -> nn.Module:
     model.blocks = list(model.layers.values())
     model.vocab = kwargs["vocab_size"]
     return model
+
+
+def fused_wqkv(model: dict[str, torch.Tensor], layer: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """torchtitan's ``wqkv`` parameter of layer ``layer`` from the ``wq``, ``wk``, ``wv`` its state dict saves (per
+    key/value group: its query heads, its key head, its value head; torchtitan's ``FusedQKVLinear``)."""
+    p = f"layers.{layer}.attention.qkv_linear."
+    q, k, v = (model[f"{p}{w}.weight"] for w in ("wq", "wk", "wv"))
+    n, g, cols = n_heads // n_kv_heads, n_kv_heads, q.shape[1]
+    d = q.shape[0] // n_heads
+    fused = torch.cat([q.reshape(g, n, d, cols), k.reshape(g, 1, d, cols), v.reshape(g, 1, d, cols)], dim=1)
+    return fused.reshape(-1, cols)
+
+
+def parameters(model: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]:
+    """A torchtitan llama3 state dict (``wq``, ``wk``, ``wv`` as its hooks save them) as its parameters (``wqkv``)."""
+    out = {k: v for k, v in model.items() if ".qkv_linear.w" not in k}
+    for i in range(args["n_layers"]):
+        out[f"layers.{i}.attention.qkv_linear.wqkv.weight"] = fused_wqkv(model, i, args["n_heads"], args["n_kv_heads"])
+    return out

@@ -33,6 +33,7 @@ from osdpipe.io.checkpoints.base import (
     register,
 )
 from osdpipe.io.checkpoints.dcp_entries import dcp_items
+from osdpipe.io.checkpoints.torchtitan import MODEL_ARGS
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
 from osdpipe.layout.megatron import query_groups
@@ -130,7 +131,7 @@ class Megatron(CheckpointLayout):
         return Carrying(
             str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), tuple(entries),
             layout=self.name, step=int(common.get("iteration", 0)),
-            made={TITAN_ARGS if titan else HF_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()},
+            made={MODEL_ARGS if titan else HF_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()},
         )
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
@@ -167,9 +168,7 @@ _PARTS = ("model", "optimizer", "other")
 
 #: The Hugging Face model's config a PyTorch-native output gets beside it: what ``LlamaForCausalLM`` is built from.
 HF_CONFIG = "config.json"
-#: What a torchtitan output gets beside its step folder: the keywords of ``osdpipe.layout.models.torchtitan_llama3``,
-#: torchtitan's own config of the model's dimensions.
-TITAN_ARGS = "model_args.json"
+
 #: common.pt's entries that describe Megatron's own job, which a PyTorch job has no use for (``args``: an
 #: ``argparse.Namespace``, read as an inert record; the optimizer's param groups: converted with it).
 _MEGATRONS_OWN = ("args", "optimizer", "content_metadata", "rng_state", "checkpoint_version")

@@ -245,6 +245,20 @@ class Torchtitan(CheckpointLayout):
         state["train_state"] = {"step": steps, "ntokens_seen": steps * 4096}
         dcp.save(state, checkpoint_id=str(path))
 
+    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]] | None:
+        """torchtitan's llama3 of the ``model_args.json`` beside the checkpoint folder (or in it), which osdpipe writes
+        with a Megatron GPT converted for torchtitan (``osdpipe.layout.models.torchtitan_llama3``'s keywords); ``None``
+        without one: a job of torchtitan's registry is named by ``checkpoint.model`` and ``checkpoint.flavor``."""
+        import json
+
+        for folder in (Path(path), Path(path).parent):
+            if (folder / MODEL_ARGS).is_file():
+                try:
+                    return "torchtitan_llama3", dict(json.loads((folder / MODEL_ARGS).read_text()))
+                except ValueError:
+                    return None  # not osdpipe's: the user names the model
+        return None
+
     def newest_in(self, path: str) -> str | None:
         """torchtitan's ``--checkpoint.folder``:
         the ``step-<N>`` folder with the highest N that holds a ``.metadata``, as torchtitan resumes."""
@@ -449,6 +463,9 @@ class Torchtitan(CheckpointLayout):
 
 #: How torchtitan names the folder of each checkpoint under ``--checkpoint.folder``; it resumes from the highest N.
 STEP_FOLDER = re.compile(r"step-(\d+)")
+#: What a torchtitan checkpoint folder osdpipe wrote from a Megatron GPT holds beside its step folders: the keywords
+#: of ``osdpipe.layout.models.torchtitan_llama3`` (torchtitan's own config of the model's dimensions).
+MODEL_ARGS = "model_args.json"
 
 
 def step_folder(step: int) -> str:
