@@ -420,7 +420,7 @@ def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, An
             proved = ("every weight, fp32 master and moment, the step and the param groups equal the source's, "
                       "mapped to Megatron's GPT")
         elif raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
-            problems = hf_problems(read_save(source), directory)
+            problems = hf_problems(read_save(source), directory, raw["output"].get("dtype") or "float32")
             proved = "every fp32 master weight, mapped back from Hugging Face's Llama, equals the source's"
         else:
             problems = roundtrip_problems(read_save(source), read_save(directory))

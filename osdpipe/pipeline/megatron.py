@@ -23,6 +23,8 @@ from pathlib import Path
 from traceback import format_exc
 from typing import Any
 
+import torch
+
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io import output
 from osdpipe.io.formats.base import InputError
@@ -160,11 +162,12 @@ def _as_hf(
     from osdpipe.layout import megatron_hf
 
     gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
-    masters = {key: states["param"] for key, states in save.optim.items()}
+    dtype = job.dtype or "float32"
+    masters = {key: states["param"].to(getattr(torch, dtype)) for key, states in save.optim.items()}
 
     def write() -> dict[str, str]:
         try:
-            config = megatron_hf.hf_config(save.args, vocab_size=vocab, dtype="float32")
+            config = megatron_hf.hf_config(save.args, vocab_size=vocab, dtype=dtype)
             state = megatron_hf.to_hf(gpt, masters, vocab)
         except ValueError as exc:  # what Llama cannot express, named
             raise InputError(f"{save.folder}: {exc}") from None
@@ -175,17 +178,20 @@ def _as_hf(
 
     files = _stage(stages, "shard", display, write, lambda _: _tree_bytes(staging))
 
-    problems = _stage(stages, "verify", display, lambda: hf_problems(save, staging), lambda _: _tree_bytes(staging))
+    problems = _stage(stages, "verify", display, lambda: hf_problems(save, staging, dtype),
+                      lambda _: _tree_bytes(staging))
     if problems:
         raise ReadBackDiffers(f"{job.output}: the written folder read back differs: {'; '.join(problems[:3])}")
-    proved = (f"every fp32 master weight, mapped to Hugging Face's Llama and back, bitwise (vocabulary {vocab} of "
-              f"{gpt.padded_vocab_size} padded rows)")
+    cast = "" if dtype == "float32" else f", cast to {dtype} (round to nearest even, as torch casts)"
+    proved = (f"every fp32 master weight{cast}, mapped to Hugging Face's Llama and back, bitwise (vocabulary {vocab} "
+              f"of {gpt.padded_vocab_size} padded rows)")
     return Converted(save, None, None, roundtrip=proved, files=files)
 
 
-def hf_problems(save: MegatronSave, folder: Path) -> list[str]:
-    """Every fp32 master of ``save`` that the Hugging Face folder ``folder``, read back and mapped to Megatron's
-    layout again, does not hold bitwise (the vocabulary's padding rows, which the folder leaves out, aside)."""
+def hf_problems(save: MegatronSave, folder: Path, dtype: str = "float32") -> list[str]:
+    """Every fp32 master of ``save`` (cast to ``dtype``, the folder's) that the Hugging Face folder ``folder``, read
+    back and mapped to Megatron's layout again, does not hold bitwise (the vocabulary's padding rows, which the folder
+    leaves out, aside)."""
     from osdpipe.core.compare import bits_equal
     from osdpipe.io import hf_folder
     from osdpipe.io.formats.megatron import gpt_of
@@ -194,8 +200,10 @@ def hf_problems(save: MegatronSave, folder: Path) -> list[str]:
     gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
     back = megatron_hf.from_hf(gpt, hf_folder.read_weights(folder), gpt.padded_vocab_size)
     rows = {key: vocab if key in VOCAB_KEYS else None for key in save.optim}
-    return [f"{key}: differs from the source's fp32 master" for key, states in save.optim.items()
-            if not bits_equal(back[key][: rows[key]], states["param"][: rows[key]])]
+    cast = getattr(torch, dtype)
+    return [f"{key}: differs from the source's fp32 master" + (f" cast to {dtype}" if dtype != "float32" else "")
+            for key, states in save.optim.items()
+            if not bits_equal(back[key][: rows[key]], states["param"][: rows[key]].to(cast))]
 
 
 def run_command(spec: RunSpec, given: Given) -> Report:

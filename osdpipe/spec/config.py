@@ -333,6 +333,8 @@ class OutputConfig(_Frozen):
     model_keys: Literal["auto", "fqn", "hf"] = "auto"
     #: How a Megatron-LM output saves its distributed optimizer (``checkpoint=megatron``); ``None``: as the source did.
     megatron_optim_format: Literal["dp_reshardable", "fully_reshardable"] | None = None
+    #: The dtype a Hugging Face folder's weights are cast to (``output.checkpoint=hf``); ``None``: the fp32 masters.
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @field_validator("max_shard_size", mode="before")
     @classmethod

@@ -48,6 +48,11 @@ def megatron_problem(spec: Any) -> str | None:
                 f"{side}.pp_size={held.pp_size}: pipeline stages are Megatron's (checkpoint=megatron "
                 f"target.kind=megatron); set {side}.pp_size=1 for kind={held.kind}"
             )
+    if output.dtype is not None and output.checkpoint != HF:
+        return (
+            f"output.dtype={output.dtype} casts a Hugging Face folder's weights (checkpoint=megatron "
+            "output.checkpoint=hf); a training checkpoint keeps its masters as they are: leave output.dtype out"
+        )
     if output.megatron_optim_format is not None and layout != MEGATRON:
         return (
             f"output.megatron_optim_format={output.megatron_optim_format} is how a Megatron-LM output saves its "
@@ -132,6 +137,8 @@ class MegatronJob:
     hf: bool = False
     #: A Hugging Face folder's largest safetensors file (``output.max_shard_size``); ``None``: one file.
     max_shard_size: int | None = None
+    #: The dtype a Hugging Face folder's weights are cast to (``output.dtype``); ``None``: the fp32 masters.
+    dtype: str | None = None
 
     @classmethod
     def of(cls, spec: Any) -> MegatronJob:
@@ -149,6 +156,7 @@ class MegatronJob:
             workers=spec.runtime.workers,
             hf=spec.output.checkpoint == HF,
             max_shard_size=spec.output.max_shard_size,
+            dtype=spec.output.dtype,
         )
 
     def config(self) -> dict[str, Any]:
@@ -162,6 +170,7 @@ class MegatronJob:
             "output": {
                 "path": self.output, "megatron_optim_format": self.optim_format, "overwrite": self.overwrite,
                 "fsync": self.fsync, "checkpoint": HF if self.hf else None, "max_shard_size": self.max_shard_size,
+                "dtype": self.dtype,
             },
             "runtime": {"mode": "offline", "workers": self.workers},
         }

@@ -260,3 +260,28 @@ def test_torchtitan_llama3_computes_megatrons_logits_and_a_missing_rope_permutat
                                   hf[f"{p}k_proj.weight"].reshape(g, 1, d, cols),
                                   hf[f"{p}v_proj.weight"].reshape(g, 1, d, cols)], dim=1).reshape(-1, cols)
     assert _difference(megatron, _titan_logits(megatron, wrong)) >= 10 * RELATIVE_TOLERANCE
+
+
+def test_output_dtype_casts_the_folder_and_check_proves_the_cast(megatron: dict, tmp_path: Path) -> None:
+    """``output.dtype=bfloat16``: ``config.json`` says bfloat16, ``from_pretrained`` loads bfloat16 weights that are the
+    fp32 masters mapped and cast (round to nearest even) bit for bit, and ``osdpipe check`` holds them so; the key is
+    refused in one line for a training checkpoint, which keeps its masters."""
+    from helpers import run_osdpipe
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "hf16"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={megatron['save'].folder}", "output.checkpoint=hf",
+                       "output.dtype=bfloat16", f"output.path={out}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = LlamaForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    expected = to_hf(megatron["gpt"], _masters(megatron), megatron["vocab"])
+    loaded = model.state_dict()
+    assert [k for k, t in expected.items() if not torch.equal(loaded[k], t.to(torch.bfloat16))] == []
+    checked = run_osdpipe("check", str(out), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    refused = run_osdpipe("checkpoint=megatron", f"input.path={megatron['save'].folder}", "output.dtype=bfloat16",
+                          "target.world_size=1", f"output.path={tmp_path / 'x'}", cwd=tmp_path)
+    assert refused.returncode == 2 and "output.dtype=bfloat16 casts a Hugging Face folder" in refused.stderr
+    assert not (tmp_path / "x").exists()
