@@ -194,7 +194,7 @@ def _run_job(cfg: DictConfig) -> int:
                 f"output.path={remote!r}: a Megatron conversion is not written to object storage yet; "
                 "convert to a local path and copy it up"
             ]))
-        return _run_megatron(checked) if checked.checkpoint.layout == MEGATRON else _run_to_megatron(raw, checked)
+        return _run_by_megatron_stages(raw, checked)
     if remote is not None:  # made in the job's directory, then uploaded (osdpipe.io.remote_output)
         if rankserver.in_torchrun() or raw["runtime"].get("launcher") == "torchrun":
             return _config_error(ConfigError([
@@ -240,38 +240,25 @@ def _run_job(cfg: DictConfig) -> int:
     return _said(report, spec, remote or spec.output.path)
 
 
-def _run_megatron(spec: RunSpec) -> int:
-    """A Megatron-LM save's conversion (:mod:`osdpipe.pipeline.megatron`), said as every run is."""
-    from osdpipe.pipeline.megatron import run_command  # torch: past the schema check
-    from osdpipe.spec.reconcile import Contradiction, Given
-
-    try:
-        report = run_command(spec, Given.from_overrides(HydraConfig.get().overrides.task))
-    except Contradiction as exc:
-        return _config_error(exc)
-    except OutputError as exc:
-        _error(str(exc))
-        new_dirs.discard(HydraConfig.get().runtime.output_dir)
-        return EXIT_CONFIG
-    return _said(report, spec, spec.output.path)
-
-
-def _run_to_megatron(raw: dict, spec: RunSpec) -> int:
-    """A Hugging Face Llama's whole checkpoint -> a Megatron-LM save (:mod:`osdpipe.pipeline.hf_to_megatron`): the
-    source read as every whole checkpoint is (reconciled, planned), written by the Megatron conversion's stages."""
+def _run_by_megatron_stages(raw: dict, spec: RunSpec) -> int:
+    """A conversion by Megatron's own stages, said as every run is: a Megatron-LM save's
+    (:mod:`osdpipe.pipeline.megatron`), or a Llama's whole checkpoint to a Megatron-LM save
+    (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and planned)."""
     # torch: past the schema check
-    from osdpipe.pipeline.hf_to_megatron import refusal, run_command, source_config, without_advice
+    from osdpipe.pipeline import hf_to_megatron, megatron
     from osdpipe.spec.plan import plan_run
     from osdpipe.spec.reconcile import Contradiction, Given, reconcile
 
     given = Given.from_overrides(HydraConfig.get().overrides.task)
-    if (why := refusal(raw, given)) is not None:
-        return _config_error(ConfigError([why]))
     try:
-        source, notes = reconcile(source_config(raw, given), given)
-        notes = without_advice(notes, source)
-        plan = plan_run(validate(source))
-        report = run_command(spec, plan, notes)
+        if spec.checkpoint.layout == MEGATRON:
+            report = megatron.run_command(spec, given)
+        else:
+            if (why := hf_to_megatron.refusal(raw, given)) is not None:
+                raise ConfigError([why])
+            source, notes = reconcile(hf_to_megatron.source_config(raw, given), given)
+            plan = plan_run(validate(source))
+            report = hf_to_megatron.run_command(spec, plan, hf_to_megatron.without_advice(notes, source))
     except (ConfigError, Contradiction) as exc:
         return _config_error(exc)
     except OutputError as exc:

@@ -1045,3 +1045,17 @@ def quiet_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+def trained_on(loaded: dict, after: dict, step: int) -> list[str]:
+    """What is wrong with a job that loaded ``loaded`` (a dump) at ``step`` and took one step to ``after``: its step
+    and iteration not ``step + 1``, a master that did not move, a master or moment not finite (empty: nothing)."""
+    found = []
+    steps = sorted({float(s["step"]) for s in after["optim"].values()})
+    if after["iteration"] != step + 1 or steps != [float(step + 1)]:
+        found.append(f"iteration {after['iteration']}, steps {steps}")
+    found += [f"{k} did not move" for k in loaded["optim"]
+              if torch.equal(loaded["optim"][k]["param"], after["optim"][k]["param"])]
+    found += [f"{k} {n} not finite" for k, s in after["optim"].items() for n in ("param", "exp_avg")
+              if not bool(torch.isfinite(s[n]).all())]
+    return found

@@ -34,7 +34,7 @@ import torch
 from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.io.formats.base import Format, IdGroups, InputError, SourceMeta, SourceReader, TensorRef, describe_value
 from osdpipe.io.formats.inert_load import Record, load_inert
-from osdpipe.io.formats.state_facts import describe_state, tally
+from osdpipe.io.formats.state_facts import describe_meta
 from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.tree import ModuleTree
 from osdpipe.layout.zero import Piece, pieces_by_parameter, pieces_in, saved_lengths
@@ -380,19 +380,9 @@ class DeepSpeed(Format):
         """The stage, world size, optimizer and param groups (by name), from rank 0's optimizer file and the model
         states."""
         reader = ZeroReader(str(path))
-        meta, save = reader.meta(), reader.save
-        described = {
-            fqn: {
-                n: torch.empty(v.shape, dtype=v.torch_dtype, device="meta") if isinstance(v, TensorRef) else v
-                for n, v in entry.items()
-            }
-            for fqn, entry in meta.state.items()
-        }
-        describe_state(facts, described, meta.param_groups)
-        tally(facts, described)
+        describe_meta(facts, reader.meta())
+        save = reader.save
         facts.world_size = save.world_size
-        facts.params = len(described)
-        facts.fqns = sorted(described)
         facts.notes.append(
             f"DeepSpeed ZeRO stage {save.stage} on {save.world_size} rank(s), {save.folder.name}: "
             "the fp32 master weights and the optimizer's state per parameter"

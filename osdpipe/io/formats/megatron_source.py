@@ -1,15 +1,17 @@
 """A Megatron-LM save read as a PyTorch job's state: the range pipeline's source for other frameworks' layouts.
 
-``checkpoint=megatron output.checkpoint=pytorch|accelerate`` converts a Megatron GPT into a Hugging Face
-``LlamaForCausalLM``'s training checkpoint, for FSDP2, FSDP1, DDP or one process (``target.*``), through the same stages
-as every PyTorch-native conversion. What those stages need is a :class:`~osdpipe.io.formats.base.SourceReader` of
-full per-parameter state keyed by the model's names; this module is that reader:
+``checkpoint=megatron output.checkpoint=pytorch|accelerate|torchtitan`` converts a Megatron GPT into a Hugging Face
+``LlamaForCausalLM``'s or torchtitan llama3's training checkpoint, for FSDP2, FSDP1, DDP or one process
+(``target.*``), through the same stages as every PyTorch-native conversion. What those stages need is a
+:class:`~osdpipe.io.formats.base.SourceReader` of full per-parameter state keyed by the model's names; this module is
+that reader:
 
 * the save is read whole by :func:`osdpipe.io.formats.megatron.read_save` (no Megatron code runs);
 * each optimizer state (the fp32 master weight, ``exp_avg``, ``exp_avg_sq``) goes through the same pure map,
   :func:`osdpipe.layout.megatron_hf.to_hf`: Adam's moments follow the weights element for element, so the map that
   is right for the weights carries the optimizer exactly (the vocabulary's padding rows, which no token reads, are
-  left out of all three);
+  left out of all three); for torchtitan on through :func:`osdpipe.layout.llama_titan.to_titan` (the model's names
+  say which: :func:`naming_of`);
 * Megatron keeps ``step`` in each param group; a PyTorch ``Adam``/``AdamW`` keeps it per parameter, so every
   parameter gets its group's ``step`` as the 0-dim float32 tensor torch's Adam holds;
 * each param group keeps the optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``...), its parameters
@@ -29,7 +31,7 @@ import torch
 
 from osdpipe.io.formats.base import Format, IdGroups, InputError, Shown, SourceMeta, SourceReader, TensorRef
 from osdpipe.io.formats.megatron import STATES, MegatronSave, gpt_of, read_save
-from osdpipe.io.formats.state_facts import describe_state, tally
+from osdpipe.io.formats.state_facts import describe_meta
 from osdpipe.layout import llama_titan, megatron_hf
 from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.tree import ModuleTree
@@ -75,8 +77,8 @@ class MegatronReader:
         save = read_save(path)
         self.folder = save.folder
         if why := megatron_hf.refusals(save.args):
-            raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as a Hugging "
-                             "Face Llama (output.checkpoint=pytorch|accelerate); convert it within Megatron instead")
+            raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as a Llama "
+                             "(output.checkpoint=pytorch|accelerate|torchtitan); convert it within Megatron instead")
         self.gpt, self.vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
         self.args, self.iteration = save.args, save.iteration
         try:
@@ -189,17 +191,8 @@ class Megatron(Format):
         """The optimizer (from its param groups and states), its parameters under the names of the model ``key`` says
         (:meth:`osdpipe.io.checkpoints.megatron.Megatron.optimizer_part`: the one the output's job builds)."""
         reader = MegatronReader(str(path), key if key in (HF_LLAMA, TORCHTITAN_LLAMA3) else HF_LLAMA)
-        meta = reader.meta()
-        described = {
-            fqn: {n: torch.empty(v.shape, dtype=v.torch_dtype, device="meta") if isinstance(v, TensorRef) else v
-                  for n, v in entry.items()}
-            for fqn, entry in meta.state.items()
-        }
-        describe_state(facts, described, meta.param_groups)
-        tally(facts, described)
+        describe_meta(facts, reader.meta())
         facts.world_size = 1
-        facts.params = len(described)
-        facts.fqns = sorted(described)
         a = reader.args
         facts.notes.append(
             f"Megatron-LM save of iteration {reader.iteration} (TP{a.get('tensor_model_parallel_size')} "

@@ -109,3 +109,20 @@ def moments_alike(state: dict[Any, dict[str, Any]]) -> bool:
         if not bits_equal(a.reshape(-1)[:_FIRST], b.reshape(-1)[:_FIRST]):
             return False
     return all(bits_equal(a, b) for a, b in pairs)
+
+
+def describe_meta(facts: Facts, meta: Any) -> None:
+    """The optimizer, hyperparameters, steps, state names, dtypes and bytes of a reader's metadata (a
+    :class:`~osdpipe.io.formats.base.SourceMeta`: tensors described, never read), and its parameters' names: what a
+    format that reads its source whole (DeepSpeed's, Megatron's) shows of it."""
+    from osdpipe.io.formats.base import TensorRef
+
+    described = {
+        fqn: {n: torch.empty(v.shape, dtype=v.torch_dtype, device="meta") if isinstance(v, TensorRef) else v
+              for n, v in entry.items()}
+        for fqn, entry in meta.state.items()
+    }
+    describe_state(facts, described, meta.param_groups)
+    tally(facts, described)
+    facts.params = len(described)
+    facts.fqns = sorted(described)
