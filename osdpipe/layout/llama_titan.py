@@ -114,17 +114,24 @@ def titan_names_of(hf_name: str) -> list[str]:
 def hf_config(args: dict) -> dict:
     """The ``config.json`` of the ``LlamaForCausalLM`` that torchtitan's llama3 of ``args`` (the keywords of
     ``osdpipe.layout.models.torchtitan_llama3``, a ``model_args.json``) computes the function of: what a torchtitan
-    checkpoint converts through (:mod:`osdpipe.layout.megatron_hf` takes it on to Megatron). Its RoPE is unscaled,
-    as that model's is."""
+    checkpoint converts through (:mod:`osdpipe.layout.megatron_hf` takes it on to Megatron). Llama 3.1's RoPE
+    scaling (``rope_scaling``, torchtitan's ``llama``) is transformers' ``llama3`` rope type, the same formula
+    (transformers ``modeling_rope_utils.py`` ``_compute_llama3_parameters``, torchtitan ``ComplexRoPE``)."""
     dim, heads = int(args["dim"]), int(args["n_heads"])
     theta = float(args.get("rope_theta", 10000.0))
+    scaling = args.get("rope_scaling")
+    rope = {"rope_type": "default", "rope_theta": theta} if not scaling else {
+        "rope_type": "llama3", "rope_theta": theta, "factor": float(scaling["scaling_factor"]),
+        "low_freq_factor": float(scaling["low_freq_factor"]), "high_freq_factor": float(scaling["high_freq_factor"]),
+        "original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),
+    }
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": dim,
         "intermediate_size": int(args["hidden_dim"]), "num_attention_heads": heads,
         "num_key_value_heads": int(args.get("n_kv_heads") or heads), "head_dim": dim // heads,
         "num_hidden_layers": int(args["n_layers"]), "vocab_size": int(args["vocab_size"]), "hidden_act": "silu",
         "rms_norm_eps": float(args.get("norm_eps", 1e-5)), "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope,
         "max_position_embeddings": int(args.get("max_seq_len", 4096)), "tie_word_embeddings": False,
         "attention_bias": False, "mlp_bias": False,
     }

@@ -355,9 +355,21 @@ def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     params = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling")
     if isinstance(scaling, dict) and scaling:  # transformers 4's: a scaling there is one, whatever else is said
-        params = {**params, "rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
+        params = {**params, **scaling, "rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     return params
+
+
+#: Llama 3.1's RoPE scaling as megatron-core 0.16.1 applies it (``--use-rope-scaling``, ``--rope-scaling-factor``):
+#: ``models/common/embeddings/rotary_pos_embedding.py`` ``_apply_scaling`` fixes these three.
+_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _megatrons_llama3(rope: dict[str, Any]) -> float | None:
+    """The scaling factor of a ``llama3`` rope type megatron-core applies the same (``None``: it fixes other
+    frequency factors or positions than this one has)."""
+    fixed = all(float(rope.get(k, v)) == v for k, v in _MEGATRON_LLAMA3.items())
+    return float(rope.get("factor", 8.0)) if fixed else None
 
 
 def hf_refusals(config: dict[str, Any]) -> list[str]:
@@ -376,7 +388,10 @@ def hf_refusals(config: dict[str, Any]) -> list[str]:
         (config.get("tie_word_embeddings", True) is not False,
          "tied embedding and output weights (tie_word_embeddings)"),
         (config.get("hidden_act", "silu") != "silu", f"the {config.get('hidden_act')} activation (not silu)"),
-        (rope.get("rope_type", rope.get("type", "default")) != "default", "RoPE scaling (rope_parameters.rope_type)"),
+        (rope.get("rope_type", rope.get("type", "default")) not in ("default", "llama3") or (
+            rope.get("rope_type") == "llama3" and _megatrons_llama3(rope) is None),
+         "RoPE scaling other than Llama 3.1's with megatron-core's fixed frequency factors 1 and 4 and 8192 positions "
+         "(rope_parameters)"),
         (int(config.get("pretraining_tp") or 1) != 1, "pretraining_tp != 1"),
         (heads <= 0 or groups <= 0 or heads % groups != 0,
          f"{heads} attention heads in {groups} key/value heads"),
@@ -430,7 +445,8 @@ def megatron_args(
     if world % (tp * pp):
         raise ValueError(f"target.world_size={world} is no multiple of TP {tp} x PP {pp}")
     positions = int(config.get("max_position_embeddings") or 4096)
-    theta = float(_rope_parameters(config)["rope_theta"])
+    rope = _rope_parameters(config)
+    theta, scaling = float(rope["rope_theta"]), _megatrons_llama3(rope) if rope.get("rope_type") == "llama3" else None
     return {
         # parallelism
         "world_size": world, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
@@ -444,7 +460,8 @@ def megatron_args(
         "norm_epsilon": float(config.get("rms_norm_eps", 1e-6)), "apply_layernorm_1p": False, "swiglu": True,
         "squared_relu": False, "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
         "add_position_embedding": False, "rotary_base": int(theta) if theta.is_integer() else theta,
-        "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": False,
+        "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": scaling is not None,
+        "rope_scaling_factor": scaling or 8.0,
         "untie_embeddings_and_output_weights": True, "add_bias_linear": False, "add_qkv_bias": False,
         "qk_layernorm": False, "num_experts": None, "transformer_impl": "local",
         "hidden_dropout": 0.0, "attention_dropout": float(config.get("attention_dropout") or 0.0),

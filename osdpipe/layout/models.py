@@ -246,8 +246,10 @@ def hf_llama(**config: Any) -> nn.Module:
 
 def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden_dim: int, vocab_size: int,
                       norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int = 4096,
-                      attn_backend: str = "flex") -> nn.Module:
-    """torchtitan's llama3 (fused ``wqkv``, complex RoPE without scaling) of any dimensions: what a Megatron GPT becomes
+                      rope_scaling: dict[str, float] | None = None, attn_backend: str = "flex") -> nn.Module:
+    """torchtitan's llama3 (fused ``wqkv``, complex RoPE; ``rope_scaling``: Llama 3.1's, as torchtitan's ``llama``
+    scaling takes it: ``scaling_factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``; ``None``: unscaled) of any dimensions: what a Megatron GPT becomes
     for a torchtitan job (:func:`osdpipe.layout.llama_titan.to_titan` maps its tensors). Built by torchtitan's own
     config classes, its ``debugmodel`` flavor's with these dimensions, and its own layer builder; its FSDP units are its
     transformer blocks, as torchtitan's ``parallelize`` wraps them. A job builds the same model with these keywords
@@ -263,7 +265,8 @@ def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
     base = llama3.model_registry("debugmodel").model
     layers = llama3._build_llama3_layers(
         fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, hidden_dim=hidden_dim,
-        rope=rope.Config(dim=dim // n_heads, max_seq_len=max_seq_len, theta=rope_theta, scaling="none"),
+        rope=rope.Config(dim=dim // n_heads, max_seq_len=max_seq_len, theta=rope_theta,
+                         **({"scaling": "llama", **rope_scaling} if rope_scaling else {"scaling": "none"})),
         attn_backend=attn_backend,
     )
     for layer in layers:
@@ -277,6 +280,33 @@ def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
     model = config.build()
     model.fsdp_units = (type(next(iter(model.layers.values()))).__name__,)
     return model
+
+
+#: torchtitan's RoPE config fields of Llama 3.1's scaling (``models/common/rope.py``, ``RoPE.Config``).
+LLAMA_ROPE_SCALING = ("scaling_factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def torchtitan_llama_args(name: str = "llama3", flavor: str = "debugmodel") -> dict[str, Any]:
+    """The keywords of :func:`torchtitan_llama3` that build the model of torchtitan's own registry ``name``/``flavor``
+    (``model=torchtitan``): its dimensions, norms and RoPE read from torchtitan's config of it.
+
+    Raises:
+        ValueError: a model that is not such a llama3 (another family, or a RoPE scaling other than Llama 3.1's).
+    """
+    config = torchtitan_model(name, flavor).config
+    attention, block = config.layers[0].attention, config.layers[0]
+    rope = attention.rope
+    if rope.scaling not in ("none", "llama") or not hasattr(attention, "n_kv_heads"):
+        raise ValueError(f"model=torchtitan {name} {flavor}: not a llama3 of fused q/k/v and complex RoPE "
+                         f"(RoPE scaling {rope.scaling!r}); not supported yet")
+    heads = int(attention.n_heads)
+    return {
+        "dim": int(config.dim), "n_layers": len(config.layers), "n_heads": heads,
+        "n_kv_heads": int(attention.n_kv_heads or heads), "hidden_dim": int(block.feed_forward.w1.out_features),
+        "vocab_size": int(config.vocab_size), "norm_eps": float(block.attention_norm.eps),
+        "rope_theta": float(rope.theta), "max_seq_len": int(rope.max_seq_len),
+        "rope_scaling": {k: float(getattr(rope, k)) for k in LLAMA_ROPE_SCALING} if rope.scaling == "llama" else None,
+    }
 
 
 def hf_adapter(

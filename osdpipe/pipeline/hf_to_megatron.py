@@ -79,7 +79,8 @@ def source_model(raw: dict[str, Any], given: Any) -> dict[str, Any]:
     """The model the source is read as: the user's; else what the checkpoint's own files name (a torchtitan
     folder's ``model_args.json``: its llama3); else the Llama of the folder's ``config.json``."""
     model = dict(raw.get("model") or {})
-    if "model.factory" in given or "model" in given:
+    named = (raw.get("checkpoint") or {}).get("model") is not None  # torchtitan's names, checkpoint.model/flavor
+    if "model.factory" in given or "model" in given or named:
         return model
     from osdpipe.io import checkpoints
 
@@ -96,9 +97,30 @@ def llama_config(model: dict[str, Any], path: str) -> dict[str, Any]:
     Raises:
         InputError: neither: the folder has no ``config.json``, or is damaged.
     """
-    if model.get("factory") == TITAN:
-        return llama_titan.hf_config(model.get("kwargs") or {})
+    if (args := titan_args(model)) is not None:
+        return llama_titan.hf_config(args)
     return hf_folder.read_config(path)
+
+
+def titan_args(model: dict[str, Any]) -> dict[str, Any] | None:
+    """The keywords of ``torchtitan_llama3`` of a torchtitan llama3 source (``model``: :func:`source_model`'s): its
+    ``model_args.json``'s, or those of torchtitan's own registry flavor (``model=torchtitan``); ``None``: the source
+    is no torchtitan model.
+
+    Raises:
+        InputError: a registry model that is no such llama3.
+    """
+    kwargs = model.get("kwargs") or {}
+    if model.get("factory") == TITAN:
+        return kwargs
+    if model.get("factory") != "torchtitan":
+        return None
+    from osdpipe.layout.models import torchtitan_llama_args
+
+    try:
+        return torchtitan_llama_args(kwargs.get("name", "llama3"), kwargs.get("flavor", "debugmodel"))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def without_advice(notes: list[str], source: dict[str, Any]) -> list[str]:
@@ -149,8 +171,8 @@ def hf_source(plan: Plan, job: MegatronJob) -> megatron.Source:
     held: dict[str, Any] = {}
 
     def read() -> MegatronSave:
-        save, state, step, groups = source_save(plan, job)
-        held.update(save=save, state=state, step=step, groups=groups)
+        save, state, step, groups, notes = source_save(plan, job)
+        held.update(save=save, state=state, step=step, groups=groups, notes=notes)
         return save
 
     def problems(written: MegatronSave) -> list[str]:
@@ -165,15 +187,15 @@ def hf_source(plan: Plan, job: MegatronJob) -> megatron.Source:
         return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": _FATES[e.part]}
                 for e in read.entries]
 
-    return megatron.Source(read, problems, entries)
+    return megatron.Source(read, problems, entries, lambda: held.get("notes", []))
 
 
 def source_save(
     plan: Plan, job: MegatronJob
-) -> tuple[MegatronSave, dict[str, dict[str, torch.Tensor]], float, list[dict[str, Any]]]:
-    """The Megatron save of the source ``plan`` reads, for ``job``'s grid; and what it was made of: the Hugging Face
+) -> tuple[MegatronSave, dict[str, dict[str, torch.Tensor]], float, list[dict[str, Any]], list[str]]:
+    """The Megatron save of the source ``plan`` reads, for ``job``'s grid; what it was made of: the Hugging Face
     tensors by state (``weights``, ``exp_avg``, ``exp_avg_sq``), the step, and the param groups (the source's
-    hyperparameters, their parameters as Megatron's keys).
+    hyperparameters, their parameters as Megatron's keys); and what the report warns of the source.
 
     Raises:
         InputError: one line: what Megatron cannot express, a TP or PP that does not divide the model, a source
@@ -195,8 +217,8 @@ def source_save(
                          "that has stepped")
     read = reader.read([(n, s) for n in names for s in (WEIGHTS, *MOMENTS)])
     state = {s if s != WEIGHTS else "weights": {n: read[(n, s)] for n in names} for s in (WEIGHTS, *MOMENTS)}
-    if model["factory"] == TITAN:  # torchtitan's llama3: to transformers' Llama first, by the same copy-only map
-        heads = llama_titan.heads_of(model["kwargs"])
+    if (args := titan_args(model)) is not None:  # torchtitan's llama3: to transformers' Llama first, copy-only
+        heads = llama_titan.heads_of(args)
         state = {s: llama_titan.from_titan(heads, tensors) for s, tensors in state.items()}
     bad = sorted({f"{n} ({t.dtype})" for s in state.values() for n, t in s.items() if t.dtype != torch.float32})
     if bad:
@@ -220,7 +242,7 @@ def source_save(
     except ValueError as exc:
         raise InputError(f"{where}: {exc}") from None
     shapes = {p.fqn: tuple(p.shape) for p in plan.tree.params}
-    groups, megatron_groups, scheduler = _groups(meta.param_groups, shapes, mapped["weights"], step, where)
+    groups, megatron_groups, scheduler, notes = _groups(meta.param_groups, shapes, mapped["weights"], step, where)
     save = MegatronSave(
         folder=Path(where),
         iteration=int(step),
@@ -234,7 +256,7 @@ def source_save(
                 "num_floating_point_operations_so_far": 0},
         extra_state=extra_state(gpt.num_layers),
     )
-    return save, state, step, groups
+    return save, state, step, groups, notes
 
 
 #: The local layer spec's linears of a decoder layer, each with an ``_extra_state`` item per layer.
@@ -257,10 +279,11 @@ def extra_state(layers: int) -> dict[str, bytes]:
 def _groups(
     source: list[dict[str, Any]] | None, shapes: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor],
     step: float, where: str,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], list[str]]:
     """The source's param groups with Megatron's keys as their parameters; the groups as Megatron's optimizer keys
-    them (its identifying keys and ``step`` beside the source's hyperparameters); and a constant scheduler at the
-    source's learning rate and weight decay (``shapes``: each Hugging Face parameter's).
+    them (its identifying keys and ``step`` beside the source's hyperparameters); a constant scheduler at the
+    source's learning rate and weight decay (``shapes``: each Hugging Face parameter's); and what the report warns
+    (:data:`ONE_GROUP`, where one source group holds every parameter).
 
     Megatron's default groups (megatron-core ``optimizer/__init__.py`` ``_get_param_groups``) put every 1-D
     parameter (the norms) in a group without weight decay (``wd_mult`` 0) and the rest in one with it; osdpipe's
@@ -274,9 +297,12 @@ def _groups(
         and {n for n in decays[0]["params"]} == {n for n, s in shapes.items() if len(s) > 1}
         and {n for n in plain[0]["params"]} == {n for n, s in shapes.items() if len(s) == 1}
     )
-    if not as_megatron:
+    one = len(groups) == 1 and set(groups[0]["params"]) == set(shapes)  # torchtitan's default: one group for all
+    if one:
+        decays = plain = groups  # Megatron's two, each with the source's hyperparameters (ONE_GROUP says the rest)
+    elif not as_megatron:
         raise InputError(f"{where}: param groups other than Megatron's two (weight decay for every matrix, none for "
-                         "the 1-D norms, as the HF Trainer groups them): not supported yet")
+                         "the 1-D norms, as the HF Trainer groups them) or one for all: not supported yet")
     by_decay = {True: sorted(k for k, t in weights.items() if not without_weight_decay(k, tuple(t.shape))),
                 False: sorted(k for k, t in weights.items() if without_weight_decay(k, tuple(t.shape)))}
     out, megatron_groups = [], []
@@ -294,7 +320,7 @@ def _groups(
     scheduler = {"max_lr": lr, "lr_warmup_steps": 0, "num_steps": int(step), "lr_decay_style": "constant",
                  "lr_decay_steps": steps, "min_lr": lr, "start_wd": wd, "end_wd": wd,
                  "wd_incr_style": "constant", "wd_incr_steps": steps}
-    return out, megatron_groups, scheduler
+    return out, megatron_groups, scheduler, [ONE_GROUP] if one else []
 
 
 def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
@@ -318,6 +344,14 @@ def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
     written = read_save(folder)
     assert read.problems is not None
     return roundtrip_problems(read.read(), written) + read.problems(written)
+
+
+#: What the report says where the source has one param group for every parameter (torchtitan's default).
+ONE_GROUP = (
+    "the source's one param group decays every parameter, the norms too; a Megatron save holds Megatron's two groups "
+    "(megatron-core _get_param_groups: wd_mult 0 for the 1-D norms), each written with the source's hyperparameters, "
+    "and Megatron's scheduler sets the norms' weight decay to 0 from its first step"
+)
 
 
 def run_command(spec: RunSpec, plan: Plan, notes: list[str]) -> Report:

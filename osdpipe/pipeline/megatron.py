@@ -49,11 +49,13 @@ class ReadBackDiffers(RuntimeError):
 class Source:
     """Where a conversion's :class:`MegatronSave` comes from: ``read`` makes it (the ``load`` stage); ``problems``
     says what else the written save, read back, fails to hold (``None``: nothing beyond the save itself); ``entries``
-    lists the source's entries and what became of them for the report (``None``: a Megatron save's own)."""
+    lists the source's entries and what became of them for the report (``None``: a Megatron save's own); ``notes``:
+    what the report warns of the source, known once it is read."""
 
     read: Callable[[], MegatronSave]
     problems: Callable[[MegatronSave], list[str]] | None = None
     entries: Callable[[], list[dict[str, Any]]] | None = None
+    notes: Callable[[], list[str]] | None = None
 
 
 @dataclass
@@ -284,7 +286,7 @@ def execute(
     except (InputError, ReadBackDiffers) as exc:
         return Report(ok=False, error=one_line(exc), traceback=format_exc(), warnings=list(warnings),
                       memory=[watch.stop()], skipped_checks=skipped)
-    warnings = [*warnings, *_rng_notes(done)]
+    warnings = [*warnings, *_rng_notes(done), *(source.notes() if source is not None and source.notes else [])]
     return Report(
         ok=True,
         stages=done.stages,

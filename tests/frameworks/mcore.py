@@ -51,6 +51,9 @@ WARMUP_ITERS, TRAIN_ITERS = 2, 10
 DIVISIBLE_BY = 128
 #: RMSNorm's epsilon and RoPE's base: the harness's GPT's, or a save's own (:func:`configure_from`).
 NORM_EPS, ROTARY_BASE = 1e-5, 10000
+#: Llama 3.1's RoPE scaling factor (Megatron-LM's --use-rope-scaling); ``None``: unscaled. A save's own, where the GPT
+#: is built from it (:func:`configure_from`).
+ROPE_SCALING: float | None = None
 #: Size of the synthetic gradients (:func:`synthetic_grad`): small enough that the global grad norm stays far below
 #: CLIP, so clipping (whose norm is summed in a layout-dependent order) never acts and a resume is elementwise.
 SYNTH_SCALE = 1e-4
@@ -342,7 +345,7 @@ def configure_from(folder: Path) -> None:
     """Take the GPT's dimensions from the Megatron save at ``folder`` (its ``common.pt``'s ``args``, as Megatron-LM's
     ``--use-checkpoint-args`` does), instead of the harness's own: what a save osdpipe made from another model
     needs. Worker side, before :func:`setup`."""
-    global VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, NORM_EPS, ROTARY_BASE, DIVISIBLE_BY
+    global VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, NORM_EPS, ROTARY_BASE, DIVISIBLE_BY, ROPE_SCALING
     from megatron.core import dist_checkpointing
 
     iteration = int((Path(folder) / "latest_checkpointed_iteration.txt").read_text().strip())
@@ -351,6 +354,8 @@ def configure_from(folder: Path) -> None:
     HEADS = args.num_attention_heads
     GROUPS = args.num_query_groups if args.group_query_attention else HEADS
     NORM_EPS, ROTARY_BASE, DIVISIBLE_BY = args.norm_epsilon, args.rotary_base, args.make_vocab_size_divisible_by
+    # Megatron-LM's --use-rope-scaling --rope-scaling-factor (Llama 3.1's), as its model provider passes them
+    ROPE_SCALING = getattr(args, "rope_scaling_factor", 8.0) if getattr(args, "use_rope_scaling", False) else None
     if args.kv_channels != HIDDEN // HEADS:
         raise SystemExit(f"kv_channels {args.kv_channels} != hidden / heads: the harness builds no such GPT yet")
 
@@ -383,6 +388,7 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         max_position_embeddings=SEQ, encoder_seq_length=SEQ, decoder_seq_length=None, normalization="RMSNorm",
         norm_epsilon=NORM_EPS, swiglu=True, squared_relu=False, position_embedding_type="rope",
         use_rotary_position_embeddings=True, add_position_embedding=False, rotary_base=ROTARY_BASE, rotary_percent=1.0,
+        use_rope_scaling=ROPE_SCALING is not None, rope_scaling_factor=ROPE_SCALING or 8.0,
         rotary_interleaved=False, untie_embeddings_and_output_weights=True, add_bias_linear=False,
         add_qkv_bias=False, apply_query_key_layer_scaling=False, qk_layernorm=False, num_experts=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, transformer_impl="local", spec=None,
@@ -483,7 +489,9 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
                    max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                   rotary_base=ROTARY_BASE)
+                   rotary_base=ROTARY_BASE,
+                   # only where scaled: megatron-core 0.13 (the legacy saves' job) may not know the keywords
+                   **({"rope_scaling": True, "rope_scaling_factor": ROPE_SCALING} if ROPE_SCALING is not None else {}))
     module = Float16Module(config, gpt) if bf16 else gpt
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=False,
                                                overlap_param_gather=False, use_distributed_optimizer=True,

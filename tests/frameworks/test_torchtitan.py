@@ -170,3 +170,51 @@ def test_the_safetensors_export_is_what_torchtitans_own_hf_export_writes(source)
     mine = load_file(out / "model.safetensors")
     assert "model.layers.0.self_attn.q_proj.weight" in mine and set(mine) == set(theirs)
     assert [name for name in theirs if not titan.same_bits(mine[name], theirs[name])] == []
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_the_default_llama3_becomes_a_megatron_save_that_computes_its_logits_and_trains_on(source) -> None:
+    """torchtitan's own trainer's checkpoint of its default llama3 (debugmodel: 16 heads, RoPE theta 5e5 scaled as
+    Llama 3.1) -> Megatron at TP2 PP2 DP1 (``output.checkpoint=megatron``; Megatron's ``--use-rope-scaling``).
+    megatron-core 0.16.1, built from the save's args, loads it on 4 ranks holding what torchtitan itself loads from the
+    checkpoint (masters, moments, step), mapped, bit for bit; its logits through its pipeline schedule are torchtitan's
+    own forward of those weights within 1e-4 x max |logit| (``test_megatron_hf.py`` says why); it trains on."""
+    from frameworks import mcore
+    from frameworks.titan_llama_job import parameters
+
+    from osdpipe.layout.llama_titan import from_titan, heads_of
+    from osdpipe.layout.megatron import Gpt
+    from osdpipe.layout.megatron_hf import from_hf
+    from osdpipe.layout.models import build_model, torchtitan_llama_args
+
+    work, _, folder, loaded = source
+    out = _convert(work, "megatron", f"input.path={folder}", "output.checkpoint=megatron", "target.tp_size=2",
+                   "target.pp_size=2", "target.world_size=4")
+    mcore.load(work, out, work / "megatron.loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, no_load_rng=True,
+               logits=work / "megatron.logits.pt", resume=1, dump_after=work / "megatron.after.pt",
+               label="load-titan-megatron")
+    megatron = torch.load(work / "megatron.loaded.pt", weights_only=False)
+    args = torchtitan_llama_args("llama3", "debugmodel")
+    gpt = Gpt(num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=16, num_query_groups=16,
+              kv_channels=16, padded_vocab_size=2048, swiglu=True)
+    state = loaded["optim"]["state"]
+    titan_state = {"param": parameters(loaded["model"], args),
+                   **{s: {n: v[s] for n, v in state.items()} for s in ("exp_avg", "exp_avg_sq")}}
+    want = {s: from_hf(gpt, from_titan(heads_of(args), t)) for s, t in titan_state.items()}
+    assert [f"{s} {k}" for s, ts in want.items() for k, t in ts.items()
+            if not torch.equal(t, megatron["optim"][k][s])] == []
+    assert {float(s["step"]) for s in megatron["optim"].values()} == {2.0} and megatron["iteration"] == 2
+
+    model = build_model("torchtitan", {"name": "llama3", "flavor": "debugmodel"}).eval()
+    model.load_state_dict(loaded["model"], strict=True)  # its own hooks fuse wq, wk, wv
+    probe = torch.load(work / "megatron.logits.pt", weights_only=True)
+    tokens = probe["tokens"]
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        reference = model(tokens, positions, model.get_attention_masks(positions))
+    diff = float((probe["logits"][..., : args["vocab_size"]] - reference).abs().max())
+    print(f"max |Megatron TP2 PP2 - torchtitan debugmodel| = {diff:.3g}, max |logit| = {reference.abs().max():.3g}")
+    assert diff <= 1e-4 * float(reference.abs().max()), diff
+    report = __import__("json").loads((out / "report.json").read_text())
+    assert any("the source's one param group decays every parameter" in w for w in report["warnings"])
+    assert mcore.trained_on(megatron, torch.load(work / "megatron.after.pt", weights_only=False), step=2) == []

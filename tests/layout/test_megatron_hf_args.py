@@ -44,7 +44,9 @@ def test_multi_head_attention_has_no_query_groups() -> None:
     ({"mlp_bias": True}, "MLP biases"),
     ({"tie_word_embeddings": True}, "tied embedding"),
     ({"hidden_act": "gelu"}, "gelu activation"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "RoPE scaling"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "high_freq_factor": 2.0}},
+     "RoPE scaling other than Llama 3.1's"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, "RoPE scaling"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
     ({"num_key_value_heads": 3}, "4 attention heads in 3 key/value heads"),
 ])
@@ -64,3 +66,17 @@ def test_what_megatron_cannot_express_is_refused_in_one_line(change, said) -> No
 def test_a_grid_that_does_not_divide_the_model_is_refused(tp, pp, world, said) -> None:
     with pytest.raises(ValueError, match=said):
         megatron_args(LLAMA, tp, pp, world)
+
+
+def test_llama_3_1_rope_scaling_is_megatrons_use_rope_scaling() -> None:
+    """transformers' ``llama3`` rope type with megatron-core's fixed frequency factors (1, 4) and 8192 positions is
+    ``--use-rope-scaling --rope-scaling-factor``; transformers 4's ``rope_scaling`` spelling too."""
+    from osdpipe.layout.megatron_hf import megatron_args
+
+    llama31 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    transformers4 = {k: v for k, v in llama31.items() if k != "rope_theta"}
+    for config in ({**LLAMA, "rope_parameters": llama31}, {**LLAMA, "rope_theta": 5e5, "rope_scaling": transformers4}):
+        args = megatron_args(config, 1, 1, 1)
+        assert (args["use_rope_scaling"], args["rope_scaling_factor"], args["rotary_base"]) == (True, 32.0, 500000)
+    assert megatron_args(LLAMA, 1, 1, 1)["use_rope_scaling"] is False
