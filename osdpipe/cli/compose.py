@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -186,15 +186,6 @@ def _run_job(cfg: DictConfig) -> int:
     except ConfigError as exc:
         return _config_error(exc)
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
-    # converted by Megatron's own stages, offline: no world (a Hugging Face Llama's source read as the range pipeline
-    # reads it)
-    if by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
-        if remote is not None:
-            return _config_error(ConfigError([
-                f"output.path={remote!r}: a Megatron conversion is not written to object storage yet; "
-                "convert to a local path and copy it up"
-            ]))
-        return _run_by_megatron_stages(raw, checked)
     if remote is not None:  # made in the job's directory, then uploaded (osdpipe.io.remote_output)
         if rankserver.in_torchrun() or raw["runtime"].get("launcher") == "torchrun":
             return _config_error(ConfigError([
@@ -202,6 +193,12 @@ def _run_job(cfg: DictConfig) -> int:
                 "convert with the local launcher (runtime.mode=offline, runtime.workers)"
             ]))
         raw["output"]["path"] = HydraConfig.get().runtime.output_dir
+        local = checked.output.model_copy(update={"path": raw["output"]["path"]})
+        checked = checked.model_copy(update={"output": local})
+    # converted by Megatron's own stages, offline: no world (a Hugging Face Llama's source read as the range pipeline
+    # reads it)
+    if by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
+        return _run_by_megatron_stages(raw, checked, remote)
     if (
         raw["runtime"].get("mode") == "online"
         and raw["runtime"].get("launcher") != "torchrun"
@@ -220,13 +217,21 @@ def _run_job(cfg: DictConfig) -> int:
         plan = plan_run(spec)  # the model's answers: its tree, and whether both wrappings fit it
     except (ConfigError, Contradiction) as exc:
         return _config_error(exc)
-    from osdpipe.io import remote_output
+    return _made_and_published(spec, remote, lambda said: execute(plan, warnings=[*notes, *said]))
+
+
+def _made_and_published(spec: RunSpec, remote: str | None, run: Callable[[list[str]], Report]) -> int:
+    """``run`` the conversion ``spec`` says (given what the destination found to say), said as every run is; where the
+    user's ``output.path`` is ``remote`` (a URL), the conversion is made in the job's directory (``spec``'s) and
+    then committed there whole (:mod:`osdpipe.io.remote_output`: the prefix proven writable first, an earlier run's
+    leftovers recovered)."""
+    from osdpipe.io import remote_output  # fsspec: only for an output in object storage, imported lazily within
 
     try:
         destination = None if remote is None else remote_output.prepare(
             remote, spec.output.overwrite, spec.runtime.storage_options
         )
-        report = execute(plan, warnings=[*notes, *(destination.notes if destination else [])])
+        report = run(destination.notes if destination else [])
     except OutputError as exc:
         _error(str(exc))
         new_dirs.discard(HydraConfig.get().runtime.output_dir)
@@ -240,10 +245,11 @@ def _run_job(cfg: DictConfig) -> int:
     return _said(report, spec, remote or spec.output.path)
 
 
-def _run_by_megatron_stages(raw: dict, spec: RunSpec) -> int:
+def _run_by_megatron_stages(raw: dict, spec: RunSpec, remote: str | None) -> int:
     """A conversion by Megatron's own stages, said as every run is: a Megatron-LM save's
     (:mod:`osdpipe.pipeline.megatron`), or a Llama's whole checkpoint to a Megatron-LM save
-    (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and planned)."""
+    (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and planned);
+    into object storage as every conversion is (:func:`_made_and_published`)."""
     # torch: past the schema check
     from osdpipe.pipeline import hf_to_megatron, megatron
     from osdpipe.spec.plan import plan_run
@@ -252,20 +258,16 @@ def _run_by_megatron_stages(raw: dict, spec: RunSpec) -> int:
     given = Given.from_overrides(HydraConfig.get().overrides.task)
     try:
         if spec.checkpoint.layout == MEGATRON:
-            report = megatron.run_command(spec, given)
-        else:
-            if (why := hf_to_megatron.refusal(raw, given)) is not None:
-                raise ConfigError([why])
-            source, notes = reconcile(hf_to_megatron.source_config(raw, given), given)
-            plan = plan_run(validate(source))
-            report = hf_to_megatron.run_command(spec, plan, hf_to_megatron.without_advice(notes, source))
+            return _made_and_published(spec, remote, lambda said: megatron.run_command(spec, given, said))
+        if (why := hf_to_megatron.refusal(raw, given)) is not None:
+            raise ConfigError([why])
+        source, notes = reconcile(hf_to_megatron.source_config(raw, given), given)
+        plan = plan_run(validate(source))
+        return _made_and_published(
+            spec, remote, lambda said: hf_to_megatron.run_command(spec, plan, [*hf_to_megatron.without_advice(
+                notes, source), *said]))
     except (ConfigError, Contradiction) as exc:
         return _config_error(exc)
-    except OutputError as exc:
-        _error(str(exc))
-        new_dirs.discard(HydraConfig.get().runtime.output_dir)
-        return EXIT_CONFIG
-    return _said(report, spec, spec.output.path)
 
 
 def _said(report: Report, spec: RunSpec, where: str) -> int:

@@ -6,7 +6,8 @@ directory to swap, so a reader that lists the prefix while objects arrive must n
 conversion, and a run that dies must leave the previous conversion or the new one whole. The order:
 
 1. every file of the conversion is uploaded under ``<prefix>/.incoming/``, the files that mark a conversion complete
-   last (:func:`markers_last`: DCP's ``.metadata``, then ``manifest.json``). Until ``.incoming/manifest.json`` exists
+   last (:func:`markers_last`: DCP's ``.metadata``, Megatron-LM's ``latest_checkpointed_iteration.txt``, then
+   ``manifest.json``). Until ``.incoming/manifest.json`` exists
    the previous conversion in the prefix is untouched; a failed upload removes what it uploaded;
 2. committing (``.incoming/manifest.json`` there: the new conversion is whole and from here on only goes forward):
    the previous conversion's markers are deleted first (``manifest.json``, then ``.metadata``: from this moment no
@@ -43,8 +44,10 @@ from osdpipe.io.output import MANIFEST, OutputError, conversion_entries, convers
 INCOMING = ".incoming"
 #: What a run writes and deletes in the prefix to prove it may write there.
 PROBE = ".osdpipe-write-test"
-#: Files that mark a conversion complete, in the order they are written (last: the manifest); deleted in reverse.
-MARKERS = (".metadata", MANIFEST)
+#: Files that mark a conversion complete, in the order they are written (last: the manifest); deleted in reverse:
+#: DCP's ``.metadata`` (its loaders key on it), Megatron-LM's ``latest_checkpointed_iteration.txt`` (its load reads it
+#: first, then the iteration folder it names), osdpipe's manifest.
+MARKERS = (".metadata", "latest_checkpointed_iteration.txt", MANIFEST)
 #: What of a run is not part of its conversion, uploaded after it.
 RECORDS = ("report.json", "osdpipe.log")
 WHERE = "output.path"

@@ -17,7 +17,7 @@ A failure in any stage leaves the output directory as it was, but for ``report.j
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from traceback import format_exc
@@ -208,10 +208,11 @@ def hf_problems(save: MegatronSave, folder: Path, dtype: str = "float32") -> lis
             if not bits_equal(back[key][: rows[key]], states["param"][: rows[key]].to(cast))]
 
 
-def run_command(spec: RunSpec, given: Given) -> Report:
+def run_command(spec: RunSpec, given: Given, warnings: Sequence[str] = ()) -> Report:
     """The ``osdpipe`` command's Megatron conversion of ``spec`` (checked by the schema and
-    :func:`osdpipe.spec.megatron.megatron_problem`); ``given``: the keys the user set. Writes ``report.json`` and
-    ``osdpipe.log`` into ``output.path``, whatever happens.
+    :func:`osdpipe.spec.megatron.megatron_problem`); ``given``: the keys the user set; ``warnings``: what the run says
+    besides (an object-storage destination's). Writes ``report.json`` and ``osdpipe.log`` into ``output.path``, whatever
+    happens.
 
     Raises:
         Contradiction: a ``source.*`` key the user gave is not what the save's ``args`` say, or ``output.path``
@@ -221,6 +222,7 @@ def run_command(spec: RunSpec, given: Given) -> Report:
     from osdpipe.pipeline.execute import record  # the report and log of every run, written the same way
 
     spec, notes = _settled(spec, given)
+    notes = [*notes, *warnings]
     out = Path(spec.output.path)
     if not spec.output.overwrite and (why := _held(out)) is not None:
         raise Contradiction(why)

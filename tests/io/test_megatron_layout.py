@@ -11,19 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic_megatron import synthetic_save
 
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.megatron import MegatronSave, read_save
-from osdpipe.io.formats.megatron_writer import Target, target_args, write_save
+from osdpipe.io.formats.megatron import read_save
+from osdpipe.io.formats.megatron_writer import Target, write_save
 from osdpipe.layout import megatron as layout
 from osdpipe.verify.megatron import roundtrip_problems
-
-ARGS = {
-    "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-    "kv_channels": 8, "vocab_size": 1000, "make_vocab_size_divisible_by": 96, "swiglu": True,
-    "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
-    "normalization": "RMSNorm", "position_embedding_type": "rope", "group_query_attention": True, "seq_length": 16,
-}
 
 
 def test_megatron_pads_the_vocabulary_to_a_multiple_of_its_divisor_times_tp() -> None:
@@ -56,26 +50,8 @@ def test_a_stage_holds_its_layers_and_tp_cuts_rows_or_columns() -> None:
         layout.local_parameters(gpt, tp=1, pp=3, tp_rank=0, pp_rank=0)
 
 
-def _save(tmp_path: Path, tp: int, seed: int = 0) -> Path:
-    """A Megatron-LM save of random state at TP ``tp``, written by osdpipe's writer (as the benchmark makes its own)."""
-    args = target_args({**ARGS, "iteration": 7}, Target(tp, 1, 1, "dp_reshardable"))
-    gpt = layout.Gpt(2, 32, 64, 4, 2, 8, args["padded_vocab_size"], True)
-    generator = torch.Generator().manual_seed(seed)
-    shapes = layout.global_shapes(gpt)
-    model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
-    optim = {k: {s: torch.randn(v, generator=generator) for s in ("param", "exp_avg", "exp_avg_sq")}
-             for k, v in shapes.items()}
-    one_dim = sorted(k for k in shapes if layout.without_weight_decay(k, shapes[k]))
-    groups = [{"wd_mult": 1.0, "weight_decay": 0.1, "step": 7.0, "params": sorted(set(shapes) - set(one_dim))},
-              {"wd_mult": 0.0, "weight_decay": 0.0, "step": 7.0, "params": one_dim}]
-    save = MegatronSave(tmp_path, 7, args, "dp_reshardable", model, optim, groups, {"num_steps": 7},
-                        gbuf_dtypes="torch.float32, torch.float32")
-    write_save(save, tmp_path / f"tp{tp}", Target(tp, 1, 1, "dp_reshardable"))
-    return tmp_path / f"tp{tp}"
-
-
 def test_a_larger_padded_vocabulary_gets_zero_rows_and_the_read_back_check_sees_a_nonzero_one(tmp_path: Path) -> None:
-    source = read_save(_save(tmp_path, tp=1))  # 1000 rows padded to 1056
+    source = read_save(synthetic_save(tmp_path, tp=1))  # 1000 rows padded to 1056
     write_save(source, tmp_path / "tp2", Target(2, 1, 1, "fully_reshardable"))  # padded to 1152
     back = read_save(tmp_path / "tp2")
     assert back.args["padded_vocab_size"] == 1152 and back.tp == 2
@@ -88,7 +64,7 @@ def test_a_larger_padded_vocabulary_gets_zero_rows_and_the_read_back_check_sees_
 
 
 def test_a_smaller_padded_vocabulary_keeps_the_rows_it_has(tmp_path: Path) -> None:
-    source = read_save(_save(tmp_path, tp=2))  # padded to 1152
+    source = read_save(synthetic_save(tmp_path, tp=2))  # padded to 1152
     write_save(source, tmp_path / "tp1", Target(1, 1, 2, "dp_reshardable"))  # padded to 1056
     back = read_save(tmp_path / "tp1")
     assert back.model["embedding.word_embeddings.weight"].shape == (1056, 32) and back.dp == 2
@@ -96,7 +72,7 @@ def test_a_smaller_padded_vocabulary_keeps_the_rows_it_has(tmp_path: Path) -> No
 
 
 def test_damaged_and_missing_files_are_named_in_one_line(tmp_path: Path) -> None:
-    folder = _save(tmp_path, tp=1) / "iter_0000007"
+    folder = synthetic_save(tmp_path, tp=1) / "iter_0000007"
     (folder / ".metadata").write_bytes(b"not a pickle")
     with pytest.raises(InputError, match=r"\.metadata"):
         read_save(folder)
@@ -111,7 +87,7 @@ def test_damaged_and_missing_files_are_named_in_one_line(tmp_path: Path) -> None
 def test_a_missing_data_file_fails_the_command_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
     from helpers import run_osdpipe
 
-    save = _save(tmp_path, tp=1)
+    save = synthetic_save(tmp_path, tp=1)
     (save / "iter_0000007" / "__0_0.distcp").unlink()
     done = run_osdpipe("checkpoint=megatron", f"input.path={save}", "target.world_size=2",
                        f"output.path={tmp_path / 'out'}", cwd=tmp_path)
@@ -126,7 +102,7 @@ def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_
     import osdpipe
     from osdpipe.io.output import OutputError
 
-    source = _save(tmp_path, tp=1)
+    source = synthetic_save(tmp_path, tp=1)
     out = tmp_path / "out"
     done = osdpipe.reshard_megatron(source, out, tp=2)
     assert done["target"] == {"tp": 2, "pp": 1, "dp": 1, "sharding": "dp_reshardable"}
@@ -153,7 +129,7 @@ def test_inspect_describes_a_megatron_save_and_the_command_it_prints_converts_it
 
     from helpers import run_osdpipe
 
-    save = _save(tmp_path, tp=2)
+    save = synthetic_save(tmp_path, tp=2)
     inspected = run_osdpipe("inspect", str(save), cwd=tmp_path)
     assert inspected.returncode == 0, inspected.stderr
     for said in ("layout       megatron", "TP2 PP1 DP1 (world 2), EP1, virtual pipeline stages none",
@@ -173,7 +149,7 @@ def test_inspect_describes_a_megatron_save_and_the_command_it_prints_converts_it
     assert {e["part"] for e in report["entries"]} == {"model", "optimizer", "other"}
     checked = run_osdpipe("check", str(tmp_path / "out"), cwd=tmp_path)
     assert checked.returncode == 0 and "check roundtrip  pass" in checked.stdout, checked.stdout + checked.stderr
-    other = _save(tmp_path / "other", tp=2, seed=1)
+    other = synthetic_save(tmp_path / "other", tp=2, seed=1)
     against = run_osdpipe("check", str(tmp_path / "out"), f"input.path={other}", cwd=tmp_path)
     assert against.returncode == 1 and "roundtrip  FAIL  model embedding.word_embeddings.weight" in against.stdout
 
@@ -181,7 +157,7 @@ def test_inspect_describes_a_megatron_save_and_the_command_it_prints_converts_it
 def test_bad_megatron_configs_are_refused_in_one_line_and_write_nothing(tmp_path: Path) -> None:
     from helpers import run_cli_cases
 
-    save = _save(tmp_path, tp=2)
+    save = synthetic_save(tmp_path, tp=2)
     out = tmp_path / "out"
     grid = ["checkpoint=megatron", f"input.path={save}", f"output.path={out}"]
     cases = {
@@ -222,7 +198,7 @@ def test_output_checkpoint_hf_writes_the_fp32_masters_as_a_hugging_face_folder_t
     from osdpipe.io.hf_folder import read_weights
     from osdpipe.layout.megatron_hf import from_hf
 
-    save = _save(tmp_path, tp=2)
+    save = synthetic_save(tmp_path, tp=2)
     out = tmp_path / "hf"
     done = run_osdpipe("checkpoint=megatron", f"input.path={save}", "output.checkpoint=hf",
                        "output.max_shard_size=200KB", f"output.path={out}", cwd=tmp_path)

@@ -1,0 +1,39 @@
+"""A Megatron-LM save of random state, written by osdpipe's own writer: the tests that need a Megatron save but not
+megatron-core's training (layout rules, the command's errors, object storage). Real megatron-core saves are
+tests/frameworks/mcore_saves.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from osdpipe.io.formats.megatron import MegatronSave
+from osdpipe.io.formats.megatron_writer import Target, target_args, write_save
+from osdpipe.layout import megatron as layout
+
+#: A small GPT's Megatron-LM args (the divisor 96 makes the padded vocabulary change with TP).
+ARGS = {
+    "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+    "kv_channels": 8, "vocab_size": 1000, "make_vocab_size_divisible_by": 96, "swiglu": True,
+    "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
+    "normalization": "RMSNorm", "position_embedding_type": "rope", "group_query_attention": True, "seq_length": 16,
+}
+
+
+def synthetic_save(tmp_path: Path, tp: int, seed: int = 0) -> Path:
+    """A Megatron-LM save of random state at TP ``tp``, written by osdpipe's writer (as the benchmark makes its own)."""
+    args = target_args({**ARGS, "iteration": 7}, Target(tp, 1, 1, "dp_reshardable"))
+    gpt = layout.Gpt(2, 32, 64, 4, 2, 8, args["padded_vocab_size"], True)
+    generator = torch.Generator().manual_seed(seed)
+    shapes = layout.global_shapes(gpt)
+    model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
+    optim = {k: {s: torch.randn(v, generator=generator) for s in ("param", "exp_avg", "exp_avg_sq")}
+             for k, v in shapes.items()}
+    one_dim = sorted(k for k in shapes if layout.without_weight_decay(k, shapes[k]))
+    groups = [{"wd_mult": 1.0, "weight_decay": 0.1, "step": 7.0, "params": sorted(set(shapes) - set(one_dim))},
+              {"wd_mult": 0.0, "weight_decay": 0.0, "step": 7.0, "params": one_dim}]
+    save = MegatronSave(tmp_path, 7, args, "dp_reshardable", model, optim, groups, {"num_steps": 7},
+                        gbuf_dtypes="torch.float32, torch.float32")
+    write_save(save, tmp_path / f"tp{tp}", Target(tp, 1, 1, "dp_reshardable"))
+    return tmp_path / f"tp{tp}"
