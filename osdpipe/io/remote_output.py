@@ -98,9 +98,10 @@ def prepare(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None
         raise OutputError(str(exc)) from None
     options = dict(storage_options or {})
     probe = Destination(location, options, store.filesystem(location, options, WHERE, probe=True))
+    bound = store.first_look_s(location.scheme, options)  # a PUT waits for "100 Continue" with no timeout of its own
     try:
-        probe.fs.pipe_file(probe.key(PROBE), b"")
-        probe.fs.rm_file(probe.key(PROBE))
+        probe.fs.pipe_file(probe.key(PROBE), b"", timeout=bound)
+        probe.fs.rm_file(probe.key(PROBE), timeout=bound)
     except Exception as exc:  # noqa: BLE001 - said in one line, whatever the backend raised
         raise probe.fail(exc) from None
     destination = Destination(location, options, store.filesystem(location, options, WHERE))
