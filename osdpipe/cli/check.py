@@ -446,9 +446,14 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    from osdpipe.io.remote_output import INCOMING
+
     try:
         probe(url, "OUTPUT_DIR")
         directory = as_path(url)
+        incoming = directory / INCOMING
+        if not (directory / "manifest.json").is_file() and (incoming / "manifest.json").is_file():
+            return _check_cut_commit(url, directory, incoming)
         manifest = read_manifest(directory)  # a RemotePath answers as a Path does here
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
@@ -464,6 +469,23 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
     return _said(findings, directory)
 
 
+def _check_cut_commit(url: str, directory: Any, incoming: Any) -> int:
+    """A prefix whose commit a killed run cut (:mod:`osdpipe.io.remote_output`, steps 2 to 4): the old conversion's
+    manifest is gone, the new conversion is whole under ``.incoming/``. The prefix is no conversion a reader can take
+    until the next run into it finishes the commit: said as a failure, with the new conversion's files checked."""
+    manifest = read_manifest(incoming)
+    findings = [
+        _run_one("files", lambda: check_files(incoming, manifest)),
+        CheckResult(
+            "commit",
+            False,
+            f"a run was killed while committing into {url}: the prefix holds no whole conversion until the next run "
+            f"into it (output.path={url}) finishes the commit of the one under {incoming}/ (checked above)",
+        ),
+    ]
+    return _said(findings, directory)
+
+
 def check_strays(directory: Any) -> CheckResult:
     """The objects an unfinished run left under a prefix's ``.incoming/`` (:mod:`osdpipe.io.remote_output`)."""
     from osdpipe.io.remote_output import INCOMING
@@ -472,6 +494,14 @@ def check_strays(directory: Any) -> CheckResult:
     names = sorted(p.key.removeprefix(incoming.key + "/") for p in _objects_under(incoming))
     if not names:
         return CheckResult("strays", True, f"nothing under {incoming}/")
+    if "manifest.json" in names:
+        return CheckResult(
+            "strays",
+            True,
+            f"a run was killed while committing into {directory}: the whole conversion it uploaded is under "
+            f"{incoming}/ ({len(names)} object(s)); the next run into the prefix finishes its commit, replacing this "
+            "one",
+        )
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return CheckResult(
         "strays",

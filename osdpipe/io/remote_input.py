@@ -6,8 +6,6 @@
 ``stat().st_size``, ``read_bytes``) from one listing of the prefix, and reads bytes only as ranges:
 
 * :meth:`RemotePath.read_range`: one ranged request (``Range: bytes=a-b``) for one DCP item, or a file's structure;
-* :meth:`RemotePath.read_ranges`: many small ranges at once (the first and last bytes of every item, a check of a
-  checkpoint's structure), concurrently;
 * :class:`Prefetch`: the items one DCP read plan needs, several requests in flight, the bytes fetched and not yet
   used bounded by :func:`in_flight_limit` (``runtime.memory_budget``);
 * :meth:`RemotePath.open`: a seekable file that fetches the blocks it is asked for (a small file's structure).
@@ -264,11 +262,6 @@ class RemotePath:
         METER.add(str(self), start, start + len(data))
         return data
 
-    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Each ``(start, length)`` of ``ranges``, fetched :data:`CONCURRENCY` at a time."""
-        with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
-            return list(pool.map(lambda r: self.read_range(*r), ranges))
-
     def read_bytes(self) -> bytes:
         """The whole object (for small ones: ``.metadata``, a manifest)."""
         return self.read_range(0, self.stat().st_size)
@@ -289,42 +282,72 @@ class RemotePath:
 class Prefetch:
     """The byte ranges one read plan needs, fetched ahead of their use, several at once.
 
-    ``wanted`` lists ``(path, start, length)`` in the order they will be asked for (:meth:`take`). Requests are
-    started while the bytes fetched and not yet taken stay within ``limit`` (one range is always allowed, however
-    large: it is needed); a range taken is dropped here, which lets the next ones start. A range asked for that was
-    not planned is fetched then.
+    ``wanted`` lists ``(path, start, length)`` in the order they will be asked for (:meth:`take`). Ranges that follow
+    each other in one object (DCP writes a file's items back to back, and a rank often needs a run of them) are
+    fetched as one request of up to ``span`` bytes (a quarter of ``limit``) and cut apart here: a request costs a
+    round trip and, on S3, a GET's price, and a store that reads the whole object to serve a range (moto's server)
+    the whole object. Requests are started while the bytes fetched and not yet taken stay within ``limit`` (one
+    request is always allowed, however large: it is needed); a request whose ranges are all taken is dropped here,
+    which lets the next ones start. A range asked for that was not planned is fetched then.
     """
 
-    def __init__(self, wanted: Sequence[tuple[RemotePath, int, int]], limit: int | None = None) -> None:
+    def __init__(
+        self, wanted: Sequence[tuple[RemotePath, int, int]], limit: int | None = None, span: int | None = None
+    ) -> None:
         self.limit = in_flight_limit() if limit is None else limit
-        self._queue = list(dict.fromkeys(wanted))
+        self.span = max(1, self.limit // 4) if span is None else span
+        self._requests: list[tuple[RemotePath, int, int]] = []  # (path, start, length): what is fetched
+        self._request_of: dict[tuple[RemotePath, int, int], int] = {}  # a wanted range -> the request holding it
+        self._untaken: list[int] = []  # per request, its ranges not yet taken
+        for path, start, length in dict.fromkeys(wanted):
+            if self._requests:
+                last_path, last_start, last_length = self._requests[-1]
+                if last_path == path and last_start + last_length == start and last_length + length <= self.span:
+                    self._requests[-1] = (path, last_start, last_length + length)
+                    self._request_of[(path, start, length)] = len(self._requests) - 1
+                    self._untaken[-1] += 1
+                    continue
+            self._request_of[(path, start, length)] = len(self._requests)
+            self._requests.append((path, start, length))
+            self._untaken.append(1)
         self._next = 0
         self._held = 0
-        self._started: dict[tuple[RemotePath, int, int], Future[bytes]] = {}
+        self._started: dict[int, Future[bytes]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=CONCURRENCY)
         self._top_up()
 
     def _top_up(self) -> None:
         with self._lock:
-            while self._next < len(self._queue) and len(self._started) < 2 * CONCURRENCY:
-                path, start, length = self._queue[self._next]
+            while self._next < len(self._requests) and len(self._started) < 2 * CONCURRENCY:
+                if not self._untaken[self._next]:  # every range of it was taken (fetched alone) before it started
+                    self._next += 1
+                    continue
+                path, start, length = self._requests[self._next]
                 if self._started and self._held + length > self.limit:
                     break
-                self._next += 1
                 self._held += length
-                self._started[(path, start, length)] = self._pool.submit(path.read_range, start, length)
+                self._started[self._next] = self._pool.submit(path.read_range, start, length)
+                self._next += 1
 
     def take(self, path: RemotePath, start: int, length: int) -> bytes:
         with self._lock:
-            future = self._started.pop((path, start, length), None)
+            index = self._request_of.pop((path, start, length), None)
+            future = self._started.get(index) if index is not None else None
+            if index is not None and future is None:  # planned, not started yet: fetched alone, not again later
+                self._untaken[index] -= 1
         if future is None:
             return path.read_range(start, length)
         try:
-            return future.result()
+            data = future.result()
+            _, first, fetched = self._requests[index]
+            return data if fetched == length else data[start - first : start - first + length]
         finally:
             with self._lock:
-                self._held -= length
+                self._untaken[index] -= 1
+                if not self._untaken[index]:
+                    del self._started[index]
+                    self._held -= self._requests[index][2]
             self._top_up()
 
     def close(self) -> None:
@@ -332,5 +355,5 @@ class Prefetch:
             for future in self._started.values():
                 future.cancel()
             self._started.clear()
-            self._next = len(self._queue)
+            self._next = len(self._requests)
         self._pool.shutdown(wait=True)

@@ -21,7 +21,9 @@ This is "write beside, delete the old only once the new is complete", not "a fre
 follow no pointer. A run killed during step 1 leaves the previous conversion whole and stray objects under
 ``.incoming/``; killed during steps 2 to 4, the new conversion whole under ``.incoming/``. The next run into the
 prefix (:func:`prepare`, through :func:`recover`) finishes the commit in the second case, removes the strays in the
-first, and names what it did in the run's warnings. The copy into place costs a server-side copy of every object
+first, aborts in both the S3 multipart uploads the killed run left unfinished (a large file's upload, or its
+server-side copy into place: no listing shows them, but S3 keeps and bills their parts), and names what it did in the
+run's warnings. The copy into place costs a server-side copy of every object
 (no bytes through this machine).
 
 ``report.json`` and ``osdpipe.log`` are not part of a conversion: they are uploaded after the commit
@@ -99,9 +101,10 @@ def prepare(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None
         raise OutputError(str(exc)) from None
     options = dict(storage_options or {})
     probe = Destination(location, options, store.filesystem(location, options, WHERE, probe=True))
+    bound = store.first_look_s(location.scheme, options)  # a PUT waits for "100 Continue" with no timeout of its own
     try:
-        probe.fs.pipe_file(probe.key(PROBE), b"")
-        probe.fs.rm_file(probe.key(PROBE))
+        probe.fs.pipe_file(probe.key(PROBE), b"", timeout=bound)
+        probe.fs.rm_file(probe.key(PROBE), timeout=bound)
     except Exception as exc:  # noqa: BLE001 - said in one line, whatever the backend raised
         raise probe.fail(exc) from None
     destination = Destination(location, options, store.filesystem(location, options, WHERE))
@@ -143,25 +146,66 @@ def recover(destination: Destination) -> list[str]:
     """Bring a prefix that an earlier run left mid-way back to one whole conversion; returns what was done, in words.
 
     ``.incoming/`` with its manifest: the commit was under way, it is finished. Without: the upload was cut; the
-    objects it left are removed, and named.
+    objects it left are removed, and named. Either way the multipart uploads it left unfinished are aborted
+    (:func:`_abort_unfinished_uploads`).
     """
     incoming = _objects(destination, INCOMING)
-    if not incoming:
-        return []
     if MANIFEST in incoming:
         _commit(destination, incoming)
         return [
             f"finished committing into {destination.location.url} the conversion that a run killed while "
-            "committing left"
+            "committing left",
+            *_abort_unfinished_uploads(destination, incoming),  # its server-side copies of large objects, in parts
         ]
-    shown = ", ".join(incoming[:5]) + (f" and {len(incoming) - 5} more" if len(incoming) > 5 else "")
+    notes = []
+    if incoming:
+        shown = ", ".join(incoming[:5]) + (f" and {len(incoming) - 5} more" if len(incoming) > 5 else "")
+        try:
+            destination.fs.rm([destination.key(INCOMING, o) for o in incoming])
+        except Exception as exc:  # noqa: BLE001
+            raise destination.fail(exc, INCOMING) from None
+        notes.append(
+            f"removed {len(incoming)} stray object(s) an unfinished run left under "
+            f"{destination.location.child(INCOMING).url}/: {shown}"
+        )
+    return notes + _abort_unfinished_uploads(destination)
+
+
+def _abort_unfinished_uploads(destination: Destination, committed: list[str] = ()) -> list[str]:
+    """Abort the multipart uploads a killed run began under ``.incoming/`` (its upload) or into the objects of the
+    conversion it was committing (``committed``: its server-side copies of large objects go in parts too), S3 only: no
+    object shows them, but S3 keeps their parts, and bills them, until they are aborted. Returns what was done, in
+    words; a store that does not let the credentials list or abort them is said in a note, not as a failure (the
+    conversion is not touched)."""
+    if destination.location.scheme != "s3":
+        return []
+    top = destination.location.key + "/" if destination.location.key else ""
+    prefix = destination.location.child(INCOMING).key + "/"
+    fs, bucket = destination.fs, destination.location.bucket
     try:
-        destination.fs.rm([destination.key(INCOMING, o) for o in incoming])
-    except Exception as exc:  # noqa: BLE001
-        raise destination.fail(exc, INCOMING) from None
+        uploads, asked = [], {"Bucket": bucket, "Prefix": top if committed else prefix}
+        while True:
+            answer = fs.call_s3("list_multipart_uploads", **asked)
+            uploads += answer.get("Uploads", [])
+            if not answer.get("IsTruncated"):
+                break
+            asked.update(KeyMarker=answer["NextKeyMarker"], UploadIdMarker=answer["NextUploadIdMarker"])
+        uploads = [u for u in uploads if u["Key"].startswith(prefix) or u["Key"].removeprefix(top) in committed]
+        for upload in uploads:
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    except Exception as exc:  # noqa: BLE001 - a note: the parts cost storage, they do not touch a conversion
+        return [
+            f"could not abort the multipart uploads an unfinished run may have left under "
+            f"{destination.location.child(INCOMING).url}/ ({store.failure(exc, destination.location, WHERE)}); "
+            "a lifecycle rule (AbortIncompleteMultipartUpload) removes them"
+        ]
+    if not uploads:
+        return []
+    names = sorted({u["Key"].removeprefix(top) for u in uploads})
     return [
-        f"removed {len(incoming)} stray object(s) an unfinished run left under "
-        f"{destination.location.child(INCOMING).url}/: {shown}"
+        f"aborted {len(uploads)} unfinished multipart upload(s) an unfinished run left under "
+        f"{destination.location.url}/: {', '.join(names[:5])}"
+        + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     ]
 
 

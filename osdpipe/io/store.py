@@ -27,8 +27,8 @@ from osdpipe.io.output import OutputError
 SCHEMES = {"s3": ("s3fs", "S3"), "gs": ("gcsfs", "Google Cloud Storage")}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 #: osdpipe's options under the user's: timeouts and few retries, so that an endpoint that does not answer fails the
-#: first look at it (:func:`info`, with no retry of s3fs's own) within about a minute, not after botocore's defaults
-#: (60 s a read, 5 attempts) times s3fs's 5 retries.
+#: first look at it (:func:`info`, :func:`first_look_s`) within 80 s, not after botocore's defaults (60 s a read, 5
+#: attempts) times s3fs's 5 retries.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "s3": {"config_kwargs": {"connect_timeout": 10, "read_timeout": 30, "retries": {"max_attempts": 2}}},
     "gs": {},
@@ -161,6 +161,22 @@ def filesystem(
     return fs
 
 
+def first_look_s(scheme: str, storage_options: Mapping[str, Any] | None = None) -> float | None:
+    """The wall-clock bound of one first look at a store (a probe's call: :func:`info`, the output's write test):
+    ``(connect_timeout + read_timeout) * max_attempts`` of the options in use (80 s with :data:`DEFAULTS`).
+
+    The options' own timeouts do not bound every call: a first look may be several requests (s3fs's ``info`` is a
+    HEAD, then a listing), and a PUT waits for the server's ``100 Continue`` with no timeout at all (aiohttp), so an
+    endpoint that takes connections and never answers would hang it. fsspec's own ``timeout`` of a blocking call cuts
+    it at this bound (:class:`fsspec.exceptions.FSTimeoutError`, said as a timeout by :func:`failure`). ``None`` (no
+    bound) for a store whose options hold no such timeouts (gs://: gcsfs has its own)."""
+    config = options_for(scheme, storage_options).get("config_kwargs")
+    if not isinstance(config, Mapping) or "read_timeout" not in config:
+        return None
+    attempts = (config.get("retries") or {}).get("max_attempts", 5)
+    return (float(config.get("connect_timeout", 60)) + float(config["read_timeout"])) * max(int(attempts), 1)
+
+
 def error_type(where: str) -> type[Exception]:
     """The project's error for a bad ``where``: :class:`OutputError` for ``output.path``, else :class:`InputError`."""
     if where.startswith("output"):
@@ -244,7 +260,10 @@ _HOW_TO_GIVE_CREDENTIALS = {
 }
 _DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
 _REFUSED = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
-_TIMED_OUT = {"ConnectTimeoutError", "ReadTimeoutError", "TimeoutError", "ConnectionTimeoutError", "ServerTimeoutError"}
+_TIMED_OUT = {
+    "ConnectTimeoutError", "ReadTimeoutError", "TimeoutError", "ConnectionTimeoutError", "ServerTimeoutError",
+    "FSTimeoutError",
+}  # fmt: skip
 _UNREACHABLE = {"EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError", "ConnectionError"}
 
 
@@ -303,11 +322,12 @@ def info(location: Location, storage_options: Mapping[str, Any] | None = None, w
         InputError or OutputError: in one line (:func:`failure`), a missing bucket said as such, not as a missing key.
     """
     fs = filesystem(location, storage_options, where, probe=True)
+    bound = first_look_s(location.scheme, storage_options)
     try:
-        return fs.info(location.path)
+        return fs.info(location.path, timeout=bound)
     except FileNotFoundError as exc:
         try:
-            there = fs.exists(location.bucket)
+            there = fs.exists(location.bucket, timeout=bound)
         except Exception:  # noqa: BLE001 - the first failure is the one to say
             there = True
         if not there:

@@ -95,6 +95,10 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         remote_input.configure(_get(raw, "runtime.storage_options"))
         if layout.whole:
             return raw, []
+        try:  # the first look, bounded (osdpipe.io.store.first_look_s): a store that fails it is said now, once, not
+            remote_input.probe(path)  # after the reads below waited out s3fs's retries and the pre-flight check again
+        except InputError as exc:
+            raise ConfigError([str(exc)]) from None
     notes: list[str] = []
     # the framework's folder of checkpoints
     if layout.whole and Path(path).is_dir() and (newest := layout.newest_in(path)) is not None:

@@ -204,3 +204,23 @@ def test_prefetch_keeps_several_requests_in_flight_within_its_bound() -> None:
         prefetch.close()
     assert state["most_bytes"] <= 450
     assert 2 <= state["most"] <= 4
+
+
+def test_prefetch_fetches_ranges_that_follow_each_other_as_one_request() -> None:
+    asked: list[tuple[int, int]] = []
+
+    class Counting:
+        def read_range(self, start: int, length: int) -> bytes:
+            asked.append((start, length))
+            return bytes((start + i) % 251 for i in range(length))
+
+    path, other = Counting(), Counting()
+    wanted = [(path, i * 100, 100) for i in range(20)] + [(path, 5000, 10), (other, 5010, 10), (path, 2000, 50)]
+    prefetch = remote_input.Prefetch(wanted, limit=4000)  # requests of up to 1000 bytes
+    try:
+        for p, start, length in wanted:
+            assert prefetch.take(p, start, length) == bytes((start + i) % 251 for i in range(length))
+    finally:
+        prefetch.close()
+    # 20 ranges back to back: two requests of 1000 bytes; a gap, another object, and a step back each start another
+    assert sorted(asked) == [(0, 1000), (1000, 1000), (2000, 50), (5000, 10), (5010, 10)]

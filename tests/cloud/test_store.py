@@ -51,6 +51,14 @@ def test_the_users_options_go_over_osdpipes_defaults_nested_dicts_merged() -> No
     assert store.DEFAULTS["s3"]["config_kwargs"]["connect_timeout"] == 10  # the defaults themselves unchanged
 
 
+def test_a_first_look_is_bounded_by_the_options_timeouts() -> None:
+    assert store.first_look_s("s3") == (10 + 30) * 2  # the documented default (docs/running.md): 80 s
+    assert store.first_look_s("s3", QUICK) == (1 + 1) * 1
+    mine = {"s3": {"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 3}}}}
+    assert store.first_look_s("s3", mine) == (10 + 5) * 3
+    assert store.first_look_s("gs") is None  # gcsfs's own timeouts
+
+
 def test_the_filesystem_finds_the_endpoint_and_credentials_the_standard_way(s3) -> None:
     s3.fs().pipe(f"{s3.bucket}/ckpt/optim.pt", b"x" * 10)
     where = store.parse(s3.url("ckpt/optim.pt"))

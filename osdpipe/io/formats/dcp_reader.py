@@ -241,7 +241,11 @@ def check_structure(metadata: Metadata, directory: Path | RemotePath, key: str |
         have = path.stat().st_size
         if have < size:
             raise InputError(f"{path} is truncated: {have} bytes, the metadata needs {size}; {RECOPY_DIR}")
-    _check_item_bounds(metadata, directory, key)
+    if not isinstance(directory, RemotePath):
+        # In object storage each item's ends are checked as the item is fetched (_slice_file): two ranged requests per
+        # item here cost a request's latency each, and a store that reads the whole object to serve a range (moto,
+        # some gateways) the whole file each.
+        _check_item_bounds(metadata, directory, key)
 
 
 def _inside(rel: str) -> bool:
@@ -273,7 +277,7 @@ def _check_tensor(flat: str, md: TensorStorageMetadata, storage: dict[Any, Any],
         raise bad(f"the chunks of {flat} hold {covered} of its {math.prod(size)} elements")
 
 
-def _check_item_bounds(metadata: Metadata, directory: Path | RemotePath, key: str | None) -> None:
+def _check_item_bounds(metadata: Metadata, directory: Path, key: str | None) -> None:
     """Each item under ``key`` (``None``: every item) begins with a zip
     header and ends with a zip index end, as a torch.save archive does.
 
@@ -297,16 +301,8 @@ def _check_item_bounds(metadata: Metadata, directory: Path | RemotePath, key: st
                 )
 
 
-def _item_ends(path: Path | RemotePath, infos: list[_StorageInfo]) -> Iterator[tuple[_StorageInfo, bytes, bytes]]:
-    """Each item's first 4 bytes and the 4 where its zip index end begins; in object storage fetched together, several
-    small ranged requests in flight."""
-    if isinstance(path, RemotePath):
-        ranges = [(i.offset, 4) for i in infos] + [
-            (i.offset + i.length - _ZIP_END_SIZE, 4 if i.length >= _ZIP_END_SIZE else 0) for i in infos
-        ]
-        got = path.read_ranges(ranges)
-        yield from zip(infos, got[: len(infos)], got[len(infos) :], strict=True)
-        return
+def _item_ends(path: Path, infos: list[_StorageInfo]) -> Iterator[tuple[_StorageInfo, bytes, bytes]]:
+    """Each item's first 4 bytes and the 4 where its zip index end begins."""
     with open(path, "rb") as f:
         for info in infos:
             f.seek(info.offset)

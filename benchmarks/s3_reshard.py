@@ -1,0 +1,207 @@
+"""osdpipe from ``s3://`` to ``s3://`` against copying the same bytes down and up with fsspec alone, through one S3
+server on this machine.
+
+Run (from the repository root; about 8 GB of free disk: the source, moto's spilled objects, the local copies):
+
+    python benchmarks/s3_reshard.py --repeats 3
+
+The source is a 1.6 GB Adam state (exp_avg and exp_avg_sq of osdpipe's ``mlp``, width 4096, depth 12: the state of
+benchmarks/checkpoint_scale.py's 1.6 GB row, synthesized without training) saved as a 4-rank FSDP2 DCP checkpoint
+(``target.kind=fsdp2``, by osdpipe offline), uploaded to ``s3://osdpipe-bench/src/dcp`` on a moto server that this
+script starts on 127.0.0.1 (``python -m moto.server``, a process of its own, so that its CPU time is measured apart).
+Then, alternating in every repeat, each path a fresh process timed from start to end:
+
+* ``osdpipe s3 -> s3``: the ``osdpipe`` command, 4 -> 2 FSDP2 ranks, DCP out, offline, ``pipeline.checks=[roundtrip]``,
+  from ``input.path=s3://...`` to ``output.path=s3://...`` (an empty prefix: the previous repeat's output is deleted,
+  untimed, first); the manifest's digests and the upload's commit included;
+* ``fsspec get + put``: what moving the same bytes costs with no conversion: ``fs.get`` of the source prefix to the
+  local disk, then ``fs.put`` of it to another prefix (s3fs, the same server and client options);
+* ``osdpipe local -> local``: the same conversion from a local copy of the source to a local directory: the CPU and
+  disk part of the first path, without the store;
+* ``osdpipe s3 -> s3, no checks``: the first path with ``pipeline.checks=[]``: the roundtrip check reads the source
+  a second time, from the store.
+
+Under the table, the stages of the last ``osdpipe s3 -> s3`` run as the command reports them (the upload and its
+commit come after its stages: the rest of its wall time).
+
+The table gives median, min and max seconds of the repeats, the ratio to ``fsspec get + put`` (the issue's target:
+osdpipe at most 1.3x), and the CPU seconds each path took in the client (its process and children) and in the server
+(moto's process), medians: where the time goes, and so what bounds the path (the network here is loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+BUCKET = "osdpipe-bench"
+#: The built-in model and the source's size: benchmarks/checkpoint_scale.py's (width_for(1.6), depth 12).
+WIDTH, DEPTH = 4096, 12
+CONVERSION = [
+    "model.factory=mlp", f"model.kwargs.width={WIDTH}", f"model.kwargs.depth={DEPTH}", "source.kind=fsdp2",
+    "source.world_size=4", "target.kind=fsdp2", "target.world_size=2", "output.format=dcp", "runtime.mode=offline",
+    "pipeline.checks=[roundtrip]", "runtime.progress=false", "output.overwrite=true",
+]  # fmt: skip
+PATHS = ("osdpipe s3 -> s3", "fsspec get + put", "osdpipe local -> local", "osdpipe s3 -> s3, no checks")
+
+
+def environment(endpoint: str) -> dict[str, str]:
+    """The server as the endpoint, fake credentials, nothing of the machine's AWS set-up."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="AKIAOSDPIPEBENCH0001", AWS_SECRET_ACCESS_KEY="secret",
+               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true", CI="true",
+               AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)  # fmt: skip
+    return env
+
+
+def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server on a free port of 127.0.0.1, in a process of its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.2)
+    server.kill()
+    raise SystemExit(f"moto's server did not start; see {log}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def filesystem():
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+def make_source(work: Path, env: dict[str, str]) -> Path:
+    """The 4-rank FSDP2 DCP checkpoint (local), made once per work directory."""
+    sys.path.insert(0, str(HERE.parent))
+    from checkpoint_scale import DEPTH as SCALE_DEPTH
+    from checkpoint_scale import width_for, write_random_state
+
+    assert (width_for(1.6), SCALE_DEPTH) == (WIDTH, DEPTH)
+    dcp = work / "src" / "dcp"
+    if not (dcp / ".metadata").exists():
+        full = work / "optim.pt"
+        if not full.exists():
+            write_random_state(WIDTH, full)
+        subprocess.run([sys.executable, "-m", "osdpipe", "model.factory=mlp", f"model.kwargs.width={WIDTH}",
+                        f"model.kwargs.depth={DEPTH}", f"input.path={full}", "input.format=fsdp_full",
+                        "source.world_size=4", "target.kind=fsdp2", "target.world_size=4", "output.format=dcp",
+                        "runtime.mode=offline", "pipeline.checks=[]", "runtime.progress=false",
+                        f"output.path={work / 'src'}", "output.overwrite=true"],
+                       check=True, cwd=work, env=env, capture_output=True)  # fmt: skip
+        full.unlink()
+    return dcp
+
+
+def copy_main(source: str, target: str, local: str) -> None:
+    """The baseline: the source prefix down to ``local``, then up to ``target``, with fsspec alone."""
+    fs = filesystem()
+    fs.get(source.rstrip("/") + "/", local.rstrip("/") + "/", recursive=True)
+    fs.put(local.rstrip("/") + "/", target.rstrip("/") + "/", recursive=True)
+
+
+def timed(cmd: list[str], cwd: Path, env: dict[str, str], server: subprocess.Popen) -> tuple[float, float, float, str]:
+    """Wall seconds of ``cmd``, the CPU seconds of it and its children, the server's CPU seconds meanwhile, and what
+    the command said on stdout."""
+    before_client = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before_server = cpu_seconds(server.pid)
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    client = (after.ru_utime - before_client.ru_utime) + (after.ru_stime - before_client.ru_stime)
+    return wall, client, cpu_seconds(server.pid) - before_server, done.stdout
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="keeps the synthesized source between invocations")
+    parser.add_argument("--copy", nargs=3, metavar=("SOURCE", "TARGET", "LOCAL"), help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.copy:
+        copy_main(*opts.copy)
+        return 0
+    work = Path(opts.workdir or tempfile.mkdtemp(prefix="s3_bench_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    server, endpoint = start_server(work / "moto.log")
+    env = environment(endpoint)
+    os.environ.update(env)
+    try:
+        source = make_source(work, env)
+        size = sum(p.stat().st_size for p in source.iterdir())
+        fs = filesystem()
+        fs.mkdir(BUCKET)
+        fs.put(f"{source}/", f"{BUCKET}/src/dcp/", recursive=True)
+        print(f"source: {size / 1e9:.2f} GB, FSDP2 DCP at 4 ranks, s3://{BUCKET}/src/dcp, moto {endpoint}", flush=True)
+        runs: dict[str, list[tuple[float, float, float]]] = {path: [] for path in PATHS}
+        stages = ""
+        for repeat in range(opts.repeats):
+            for path in PATHS:
+                for prefix in ("out", "copy"):
+                    if fs.exists(f"{BUCKET}/{prefix}"):
+                        fs.rm(f"{BUCKET}/{prefix}", recursive=True)
+                for local in ("local_out", "copy_local", "outputs"):
+                    shutil.rmtree(work / local, ignore_errors=True)
+                if path.startswith("osdpipe s3 -> s3"):
+                    cmd = [sys.executable, "-m", "osdpipe", *CONVERSION, f"input.path=s3://{BUCKET}/src/dcp",
+                           f"output.path=s3://{BUCKET}/out"]  # fmt: skip
+                    cmd += ["pipeline.checks=[]"] if path.endswith("no checks") else []
+                elif path == "fsspec get + put":
+                    cmd = [sys.executable, str(HERE), "--copy", f"s3://{BUCKET}/src/dcp", f"s3://{BUCKET}/copy/dcp",
+                           str(work / "copy_local")]  # fmt: skip
+                else:
+                    cmd = [sys.executable, "-m", "osdpipe", *CONVERSION, f"input.path={source}",
+                           f"output.path={work / 'local_out'}"]  # fmt: skip
+                *measured, said = timed(cmd, work, env, server)
+                runs[path].append(tuple(measured))
+                if path == "osdpipe s3 -> s3":
+                    stages = said
+                wall, client, moto = runs[path][-1]
+                print(f"  repeat {repeat + 1}: {path}: {wall:.1f} s (CPU: client {client:.1f} s, server {moto:.1f} s)",
+                      flush=True)  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    copy = statistics.median(w for w, _, _ in runs["fsspec get + put"])
+    print(f"\nmedian of {opts.repeats}, alternating; {size / 1e9:.2f} GB FSDP2 DCP, 4 -> 2 ranks; moto on 127.0.0.1")
+    print("| path | median s | min s | max s | x fsspec copy | client CPU s | server CPU s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for path, got in runs.items():
+        walls = [w for w, _, _ in got]
+        median = statistics.median(walls)
+        client, moto = statistics.median(c for _, c, _ in got), statistics.median(m for _, _, m in got)
+        print(f"| {path} | {median:.1f} | {min(walls):.1f} | {max(walls):.1f} | {median / copy:.2f} | {client:.1f} | "
+              f"{moto:.1f} |")  # fmt: skip
+    print("\nthe last osdpipe s3 -> s3 run's stages:")
+    print("\n".join(line for line in stages.splitlines() if line.startswith("  ") and " s " in line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
