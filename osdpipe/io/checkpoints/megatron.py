@@ -39,8 +39,37 @@ from osdpipe.io.formats.base import InputError
 from osdpipe.layout.megatron import query_groups
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
-    from osdpipe.io.formats.megatron_source import MegatronWeights
+    import torch
+
+    from osdpipe.io.formats.megatron_source import MegatronReader
+    from osdpipe.io.weights import ModelMeta
     from osdpipe.layout.tree import ModuleTree
+
+
+class MegatronWeights:
+    """The fp32 master weights of a :class:`MegatronReader`, as a whole checkpoint's model part
+    (:class:`~osdpipe.io.weights.WeightsReader`)."""
+
+    def __init__(self, reader: MegatronReader, tree: ModuleTree) -> None:
+        self.reader, self.tree = reader, tree
+
+    def model_meta(self) -> ModelMeta:
+        from osdpipe.io.formats.megatron_source import MASTER, described
+        from osdpipe.io.weights import model_meta_of
+
+        stored = {name: described(t) for name, t in self.reader.states[MASTER].items()}
+        return model_meta_of(stored, {}, self.tree, str(self.reader.folder))
+
+    def stored_name(self, name: str) -> str | None:
+        from osdpipe.io.formats.megatron_source import MASTER
+
+        return name if name in self.reader.states[MASTER] else None
+
+    def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
+        from osdpipe.io.formats.megatron_source import MASTER
+
+        return self.reader.read_range(name, MASTER, start, stop)
+
 
 #: Entries by what their flat keys start with, and the part of a conversion each is.
 _OPTIMIZER = re.compile(
@@ -101,7 +130,7 @@ class Megatron(CheckpointLayout):
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> MegatronWeights:
         """The fp32 masters from the optimizer part's own reader: the save is read, and mapped, once."""
-        from osdpipe.io.formats.megatron_source import MegatronReader, MegatronWeights
+        from osdpipe.io.formats.megatron_source import MegatronReader
 
         reader = optimizer if isinstance(optimizer, MegatronReader) else MegatronReader(path)
         return MegatronWeights(reader, tree)

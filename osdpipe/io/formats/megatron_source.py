@@ -18,7 +18,8 @@ that reader:
   being the Llama names its Megatron keys map to; the keys Megatron adds for its own learning-rate scheduler
   (:data:`SCHEDULERS_KEYS`) are left out, as a PyTorch job runs its own scheduler, and the report says so.
 
-The model's weights are the fp32 masters (:class:`MegatronWeights`), not the module's copy in the training dtype,
+The model's weights are the fp32 masters (:class:`osdpipe.io.checkpoints.megatron.MegatronWeights`), not the
+module's copy in the training dtype,
 as for a DeepSpeed save: they are what the optimizer steps from.
 """
 
@@ -38,7 +39,6 @@ from osdpipe.layout.tree import ModuleTree
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
     from osdpipe.io.file_facts import Facts
-    from osdpipe.io.weights import ModelMeta
 
 #: Megatron's name of the fp32 master weight among :data:`~osdpipe.io.formats.megatron.STATES`.
 MASTER = "param"
@@ -101,7 +101,7 @@ class MegatronReader:
         for group, step in self.groups:
             for name in group["params"]:
                 state[name] = {"step": torch.tensor(step, dtype=torch.float32)}
-                state[name].update({m: _described(self.states[m][name]) for m in MOMENTS})
+                state[name].update({m: described(self.states[m][name]) for m in MOMENTS})
         return SourceMeta(state=state, param_groups=[dict(g) for g, _ in self.groups])
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
@@ -114,7 +114,8 @@ class MegatronReader:
         """Nothing to let go: the save is held in memory, read once."""
 
 
-def _described(tensor: torch.Tensor) -> TensorRef:
+def described(tensor: torch.Tensor) -> TensorRef:
+    """``tensor`` described without its bytes."""
     return TensorRef(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
 
@@ -132,26 +133,6 @@ def _llama_groups(save: MegatronSave, names_of: dict[str, list[str]]) -> list[tu
         hyper = {k: v for k, v in group.items() if k not in ("params", "step", *SCHEDULERS_KEYS)}
         out.append(({**hyper, "params": [n for key in group["params"] for n in names_of[key]]}, float(group["step"])))
     return out
-
-
-class MegatronWeights:
-    """The fp32 master weights of a :class:`MegatronReader`, as a whole checkpoint's model part
-    (:class:`~osdpipe.io.weights.WeightsReader`)."""
-
-    def __init__(self, reader: MegatronReader, tree: ModuleTree) -> None:
-        self.reader, self.tree = reader, tree
-
-    def model_meta(self) -> ModelMeta:
-        from osdpipe.io.weights import model_meta_of
-
-        stored = {name: _described(t) for name, t in self.reader.states[MASTER].items()}
-        return model_meta_of(stored, {}, self.tree, str(self.reader.folder))
-
-    def stored_name(self, name: str) -> str | None:
-        return name if name in self.reader.states[MASTER] else None
-
-    def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.reader.read_range(name, MASTER, start, stop)
 
 
 class Megatron(Format):
