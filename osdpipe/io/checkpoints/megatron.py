@@ -8,10 +8,11 @@ cannot lay out yet.
 Two conversions read it:
 
 * to another Megatron grid or a Hugging Face folder: Megatron's own stages (:mod:`osdpipe.pipeline.megatron`);
-* to a PyTorch-native framework's layout (``output.checkpoint=pytorch|accelerate``): the range pipeline, which asks
-  this layout what every framework's answers (:meth:`optimizer_part`, :meth:`open_model`, :meth:`carried`): the save
-  read as a Hugging Face ``LlamaForCausalLM``'s state (:mod:`osdpipe.io.formats.megatron_source`), the model built
-  from ``args`` (:meth:`model_from_files`), ``config.json`` written beside, and common.pt's plain entries carried.
+* to a PyTorch-native framework's layout (``output.checkpoint=pytorch|accelerate|torchtitan``): the range pipeline,
+  which asks this layout what every framework's answers (:meth:`optimizer_part`, :meth:`open_model`, :meth:`carried`):
+  the save read as a Hugging Face ``LlamaForCausalLM``'s or torchtitan llama3's state
+  (:mod:`osdpipe.io.formats.megatron_source`), the model built from ``args`` (:meth:`model_from_files`),
+  ``config.json`` (or torchtitan's ``model_args.json``) written beside, and common.pt's plain entries carried.
 """
 
 from __future__ import annotations
@@ -137,18 +138,19 @@ class Megatron(CheckpointLayout):
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
         """common.pt's plain entries (the iteration, the scheduler's state, the FLOPs so far), each leaf under its own
-        name, and ``config.json`` made for Hugging Face; the rest describes Megatron's own job (``args``, the RNG
-        states of its (PP, TP) ranks, the linears' ``_extra_state``) and is left out, the report says so."""
+        name, and ``config.json`` made for Hugging Face (``model_args.json`` for torchtitan's llama3); the rest
+        describes Megatron's own job (``args``, the RNG states of its (PP, TP) ranks, the linears' ``_extra_state``) and
+        is left out, the report says so."""
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
+
+        from osdpipe.io.formats.megatron_source import TORCHTITAN_LLAMA3, naming_of
 
         folder = files.iteration_folder(path)
         common = files.read_common(folder)
         flat, paths = flatten_state_dict(_carried_values(common))
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items()
                    if torch.is_tensor(v)}
-        from osdpipe.io.formats.megatron_source import TORCHTITAN_LLAMA3, naming_of
-
         titan = naming_of(tree) == TORCHTITAN_LLAMA3
         _, config = self.model_from_files(str(folder), "torchtitan" if titan else None)
         entries = [
