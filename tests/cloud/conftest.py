@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,3 +43,15 @@ def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3:
     here.fs().mkdir(here.bucket)
     assert os.environ["AWS_ENDPOINT_URL"] == s3_endpoint
     return here
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """An endpoint on 127.0.0.1 that takes connections and never answers (a hung or firewalled store)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()

@@ -12,7 +12,6 @@ runs with the keys of an IAM user that no policy allows anything.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -122,18 +121,6 @@ def test_access_denied(bucket, denied_keys) -> None:
 def test_access_denied_wrote_nothing(bucket) -> None:
     s3, root = bucket  # the server checks no request any more: the test's own keys list the bucket
     _nothing_written(s3, root, "denied")
-
-
-@pytest.fixture
-def silent_endpoint() -> Iterator[str]:
-    """An endpoint that takes connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        listener.close()
 
 
 def _silent(endpoint: str) -> str:

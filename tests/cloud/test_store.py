@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 from cloudenv import ACCESS_KEY, SECRET_KEY
@@ -85,18 +84,6 @@ def test_no_credentials_is_said_with_where_to_give_them(s3, monkeypatch) -> None
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     with pytest.raises(InputError, match="no S3 credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
         store.info(store.parse(s3.url("k")))
-
-
-@pytest.fixture
-def silent_endpoint() -> Iterator[str]:
-    """An endpoint that takes connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        listener.close()
 
 
 def test_an_endpoint_that_does_not_answer_times_out_instead_of_hanging(s3, monkeypatch, silent_endpoint) -> None:

@@ -73,7 +73,6 @@ class MegatronReader:
     docstring); ``naming``: which (:func:`naming_of`)."""
 
     def __init__(self, path: str, naming: str = HF_LLAMA) -> None:
-        self.path = path
         save = read_save(path)
         self.folder = save.folder
         if why := megatron_hf.refusals(save.args):
