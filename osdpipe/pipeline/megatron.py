@@ -136,7 +136,11 @@ def _as_megatron(
 ) -> Converted:
     """The ``shard`` and ``verify`` stages of a Megatron output: written for the target's grid, read back whole
     (``also``: what else the read-back must hold, such as a Hugging Face source's own tensors)."""
-    target = Target(job.tp, job.pp, job.dp, job.optim_format or DEFAULT_OUTPUT[save.sharding])
+    if save.weights_only and job.optim_format is not None:
+        raise InputError(f"{save.folder}: the save holds the model's weights alone, no optimizer state: leave "
+                         f"output.megatron_optim_format={job.optim_format} out")
+    sharding = None if save.weights_only else job.optim_format or DEFAULT_OUTPUT[save.sharding]
+    target = Target(job.tp, job.pp, job.dp, sharding)
     written = _stage(stages, "shard", display, lambda: write_save(save, staging, target, workers=job.workers),
                      lambda _: _tree_bytes(staging))
 
@@ -147,9 +151,13 @@ def _as_megatron(
     problems = _stage(stages, "verify", display, verify, lambda _: _tree_bytes(staging))
     if problems:
         raise ReadBackDiffers(f"{job.output}: the written save read back differs: {'; '.join(problems[:3])}")
-    proved = "every weight, fp32 master and moment, the param groups, step, iteration and scheduler, bitwise"
+    if save.weights_only:
+        proved = "every weight, bitwise (a save of the weights alone: no optimizer state, iteration 0)"
+    else:
+        proved = "every weight, fp32 master and moment, the param groups, step, iteration and scheduler, bitwise"
     if also is not None:
-        proved += "; mapped back to Hugging Face's Llama, every weight, exp_avg and exp_avg_sq of the source, bitwise"
+        states = "weight" if save.weights_only else "weight, exp_avg and exp_avg_sq"
+        proved += f"; mapped back to Hugging Face's Llama, every {states} of the source, bitwise"
     return Converted(save, target, written, roundtrip=proved, files=dict(written.digests))
 
 
@@ -165,7 +173,7 @@ def _as_hf(
 
     gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
     dtype = job.dtype or "float32"
-    masters = {key: states["param"].to(getattr(torch, dtype)) for key, states in save.optim.items()}
+    masters = {key: t.to(getattr(torch, dtype)) for key, t in masters_of(save).items()}
 
     def write() -> dict[str, str]:
         try:
@@ -190,6 +198,14 @@ def _as_hf(
     return Converted(save, None, None, roundtrip=proved, files=files)
 
 
+def masters_of(save: MegatronSave) -> dict[str, torch.Tensor]:
+    """The weights a Hugging Face folder of ``save`` holds, by sharded key: its fp32 masters, or where it holds the
+    weights alone (:attr:`MegatronSave.weights_only`), the model's weights."""
+    if save.weights_only:
+        return save.model
+    return {key: states["param"] for key, states in save.optim.items()}
+
+
 def hf_problems(save: MegatronSave, folder: Path, dtype: str = "float32") -> list[str]:
     """Every fp32 master of ``save`` (cast to ``dtype``, the folder's) that the Hugging Face folder ``folder``, read
     back and mapped to Megatron's layout again, does not hold bitwise (the vocabulary's padding rows, which the folder
@@ -201,11 +217,12 @@ def hf_problems(save: MegatronSave, folder: Path, dtype: str = "float32") -> lis
 
     gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
     back = megatron_hf.from_hf(gpt, hf_folder.read_weights(folder), gpt.padded_vocab_size)
-    rows = {key: vocab if key in VOCAB_KEYS else None for key in save.optim}
+    masters = masters_of(save)
+    rows = {key: vocab if key in VOCAB_KEYS else None for key in masters}
     cast = getattr(torch, dtype)
     return [f"{key}: differs from the source's fp32 master" + (f" cast to {dtype}" if dtype != "float32" else "")
-            for key, states in save.optim.items()
-            if not bits_equal(back[key][: rows[key]], states["param"][: rows[key]].to(cast))]
+            for key, master in masters.items()
+            if not bits_equal(back[key][: rows[key]], master[: rows[key]].to(cast))]
 
 
 def run_command(spec: RunSpec, given: Given, warnings: Sequence[str] = ()) -> Report:

@@ -42,6 +42,9 @@ def tensor_problem(name: str, source: torch.Tensor, written: torch.Tensor, vocab
 def roundtrip_problems(source: MegatronSave, written: MegatronSave) -> list[str]:
     """Every way the save ``written`` (read back) does not hold ``source``'s state: the model's weights, each
     parameter's fp32 master and moments, the param groups' hyperparameters and step, the iteration, the scheduler."""
+    if source.weights_only != written.weights_only:
+        held = "the weights alone" if written.weights_only else "an optimizer's state"
+        return [f"the written save holds {held}, the source does not"]
     problems = []
     for key, weight in source.model.items():
         if key not in written.model:
@@ -49,7 +52,7 @@ def roundtrip_problems(source: MegatronSave, written: MegatronSave) -> list[str]
             continue
         why = tensor_problem(f"model {key}", weight, written.model[key], key in VOCAB_KEYS)
         problems += [why] if why else []
-        for state, tensor in source.optim[key].items():
+        for state, tensor in source.optim.get(key, {}).items():
             why = tensor_problem(f"{state} {key}", tensor, written.optim[key][state], key in VOCAB_KEYS)
             problems += [why] if why else []
     if _groups(source.param_groups) != _groups(written.param_groups):
@@ -74,19 +77,18 @@ def hf_source_problems(
     """Every way the Megatron save ``written`` (read back), mapped to Hugging Face's Llama again
     (:func:`osdpipe.layout.megatron_hf.to_hf`, the vocabulary cut to ``vocab``), fails to hold the Hugging Face
     source's state bitwise: ``source[state][name]`` for ``weights`` (the model and the fp32 masters alike),
-    ``exp_avg`` and ``exp_avg_sq``; every param group's ``step``; each source group's hyperparameters, in the written
-    group holding the same parameters."""
+    ``exp_avg`` and ``exp_avg_sq`` (those ``source`` holds: a Hugging Face folder holds the weights alone); every
+    param group's ``step``; each source group's hyperparameters, in the written group holding the same parameters."""
     from osdpipe.layout import megatron_hf
 
     problems = []
-    back = {
-        "model weights": megatron_hf.to_hf(gpt, written.model, vocab),
-        **{state: megatron_hf.to_hf(gpt, {k: s[state] for k, s in written.optim.items()}, vocab)
-           for state in ("param", "exp_avg", "exp_avg_sq")},
-    }
+    back = {"model weights": megatron_hf.to_hf(gpt, written.model, vocab)}
+    if not written.weights_only:
+        back.update({state: megatron_hf.to_hf(gpt, {k: s[state] for k, s in written.optim.items()}, vocab)
+                     for state in ("param", "exp_avg", "exp_avg_sq")})
     against = {"model weights": "weights", "param": "weights", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
     for state, tensors in back.items():
-        for name, want in source[against[state]].items():
+        for name, want in source.get(against[state], {}).items():
             if tensors[name].dtype != want.dtype or tensors[name].shape != want.shape or \
                     not bits_equal(tensors[name], want):
                 problems.append(f"{state} {name}: differs from the Hugging Face source's")

@@ -348,8 +348,7 @@ def configure_from(folder: Path) -> None:
     global VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, NORM_EPS, ROTARY_BASE, DIVISIBLE_BY, ROPE_SCALING
     from megatron.core import dist_checkpointing
 
-    iteration = int((Path(folder) / "latest_checkpointed_iteration.txt").read_text().strip())
-    args = dist_checkpointing.load_common_state_dict(str(Path(folder) / f"iter_{iteration:07d}"))["args"]
+    args = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(Path(folder))[0]))["args"]
     VOCAB, HIDDEN, FFN, LAYERS = args.vocab_size, args.hidden_size, args.ffn_hidden_size, args.num_layers
     HEADS = args.num_attention_heads
     GROUPS = args.num_query_groups if args.group_query_attention else HEADS
@@ -358,6 +357,15 @@ def configure_from(folder: Path) -> None:
     ROPE_SCALING = getattr(args, "rope_scaling_factor", 8.0) if getattr(args, "use_rope_scaling", False) else None
     if args.kv_channels != HIDDEN // HEADS:
         raise SystemExit(f"kv_channels {args.kv_channels} != hidden / heads: the harness builds no such GPT yet")
+
+
+def checkpoint_dir(load_dir: Path) -> tuple[Path, bool]:
+    """The folder Megatron-LM's ``read_metadata`` and ``get_checkpoint_name`` load from ``load_dir``, and whether it
+    is a ``release`` one: the tracker file says an iteration (``iter_<7 digits>/``) or ``release`` (``release/``)."""
+    said = (Path(load_dir) / "latest_checkpointed_iteration.txt").read_text().strip()
+    if said == "release":
+        return Path(load_dir) / "release", True
+    return Path(load_dir) / f"iter_{int(said):07d}", False
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int | None = None) -> int:
@@ -664,15 +672,15 @@ def load_checkpoint(job: Job, load_dir: Path, no_load_rng: bool = False) -> dict
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
-    load_dir = Path(load_dir)
-    iteration = int((load_dir / "latest_checkpointed_iteration.txt").read_text().strip())
-    ckpt_dir = load_dir / f"iter_{iteration:07d}"
+    ckpt_dir, release = checkpoint_dir(Path(load_dir))
     common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
     ckpt_args = common.get("args") or argparse.Namespace()
     ckpt_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
                   getattr(ckpt_args, "pipeline_model_parallel_size", 1))
     run_tp_pp = (job.tp, job.pp)
     md = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    if release or getattr(ckpt_args, "no_save_optim", False):  # the weights alone: Megatron-LM loads no optimizer
+        return _load_weights_only(job, ckpt_dir, md or {}, release, ckpt_tp_pp)
     if md is None:
         md = {"distrib_optim_sharding_type": "dp_zero_gather_scatter"}
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -705,6 +713,28 @@ def load_checkpoint(job: Job, load_dir: Path, no_load_rng: bool = False) -> dict
     torch.distributed.barrier()
     return {"iteration": state["iteration"], "content_metadata": {k: v for k, v in md.items() if k != "dp_cp_group"},
             "ckpt_tp_pp": ckpt_tp_pp, "rng_loaded": load_rng}
+
+
+def _load_weights_only(job: Job, ckpt_dir: Path, md: dict, release: bool, ckpt_tp_pp: tuple) -> dict:
+    """Megatron-LM's ``load_checkpoint`` of a save without optimizer state (a ``release`` folder, or one saved with
+    ``--no-save-optim``): the model alone, no RNG (``release``, or ``args.no_save_rng``), the optimizer and the
+    scheduler left as built (fresh), ``reload_model_params`` for a bf16 job's fp32 masters, iteration 0 for a
+    ``release`` save (else the save's)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+    md = {**md, "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    sd = generate_state_dict(job, md, rng=None, is_loading=True, with_optimizer=False)
+    state = dist_checkpointing.load(sd, str(ckpt_dir), get_default_load_sharded_strategy(str(ckpt_dir)),
+                                    strict=job.args.dist_ckpt_strictness)
+    job.model.load_state_dict(state["model"], strict=True)
+    if job.args.bf16:
+        job.optimizer.reload_model_params()
+    job.args.iteration = 0 if release else state["iteration"]
+    job.args.consumed_train_samples = getattr(state["args"], "consumed_train_samples", 0)
+    torch.distributed.barrier()
+    return {"iteration": job.args.iteration, "content_metadata": {k: v for k, v in md.items() if k != "dp_cp_group"},
+            "ckpt_tp_pp": ckpt_tp_pp, "rng_loaded": False, "release": release, "optimizer_loaded": False}
 
 
 def dist_optimizers(job: Job) -> list[Any]:
@@ -787,23 +817,28 @@ def _local_records(job: Job) -> dict:
     """This rank's main-replica pieces of weights and optimizer states, and per-key steps and groups (to gather)."""
     (opt,) = dist_optimizers(job)
     metas = param_metadata(job)
-    # fp32 masters and moments per model parameter, whole over DP (the optimizer's own DP gather).
+    # fp32 masters and moments per model parameter, whole over DP (the optimizer's own DP gather); none where the
+    # optimizer has not stepped yet (a fresh one, after loading a save of the weights alone): torch's Adam makes its
+    # state on the first step, and the gather asks for it
+    fresh = not opt.optimizer.state
+    world = None
     try:
-        world = opt.get_parameter_state_dp_zero(use_gloo_comm=True, empty_data=False, return_on_all_ranks=True)
+        world = None if fresh else opt.get_parameter_state_dp_zero(use_gloo_comm=True, empty_data=False,
+                                                                    return_on_all_ranks=True)
     except TypeError:  # megatron-core 0.13 (the legacy job): gathered on DP rank 0 only
         held = [opt.get_parameter_state_dp_zero()]
         torch.distributed.broadcast_object_list(held, group=opt.data_parallel_group_gloo, group_src=0)
         world = held[0]
     model_pieces, optim_pieces, steps, groups = [], [], {}, {}
     for gbuf_idx, buffer in enumerate(opt.buffers):
-        (dtype, tensors), = world[gbuf_idx].items()
+        (dtype, tensors), = world[gbuf_idx].items() if world is not None else [(None, None)]
         for param, (start, end, _bucket) in buffer.param_index_map.items():
             meta = metas[id(param)]
             key = meta.key
             for st in pieces(meta, param.detach().clone()):
                 if _is_main(st.replica_id):
                     model_pieces.append((st.key, tuple(st.global_shape), st.global_slice(), st.data.clone()))
-            for state in ("param", "exp_avg", "exp_avg_sq"):
+            for state in ("param", "exp_avg", "exp_avg_sq") if tensors is not None else ():
                 local = tensors[state][start:end].reshape(param.shape).clone()
                 for st in pieces(meta, local):
                     if _is_main(st.replica_id):

@@ -25,6 +25,11 @@ optimizer, its param groups) and ``metadata.json`` (``sharded_backend: torch_dis
 * byte items (``rng_state``, a linear's ``_extra_state``, the bucket sizes): each a ``torch.save`` of a one-element
   list.
 
+A save of the weights alone (Megatron-LM's ``--no-save-optim``, recorded in ``args.no_save_optim``; what a converted
+model is, as Megatron-LM's ``release`` folder) holds the model's items and no optimizer: Megatron-LM's
+``load_checkpoint`` then starts its optimizer fresh (it loads one only where ``args.no_save_optim`` is unset and the
+folder is no ``release``), and so does osdpipe's reader (:attr:`MegatronSave.weights_only`).
+
 Every pickle (``common.pt``, the byte items) is read by :func:`osdpipe.io.formats.inert_load.load_inert`: names of
 ``argparse`` and ``megatron`` become inert records, nothing runs, and Megatron need not be installed.
 """
@@ -47,6 +52,9 @@ from osdpipe.layout import megatron as layout
 from osdpipe.layout.megatron import query_groups
 
 LATEST = "latest_checkpointed_iteration.txt"
+#: What ``latest_checkpointed_iteration.txt`` says of a ``release`` save (Megatron-LM's converted weights): its folder
+#: is ``release/``, and Megatron-LM loads it at iteration 0 with a fresh optimizer, scheduler and RNG.
+RELEASE = "release"
 COMMON = "common.pt"
 #: The packages whose objects a Megatron pickle may name: kept as inert records, never imported.
 DESCRIBED = ("argparse", "megatron")
@@ -78,7 +86,8 @@ class MegatronSave:
     folder: Path
     iteration: int
     args: dict[str, Any]
-    sharding: str
+    #: The distributed optimizer's sharding type; ``None``: the save holds the weights alone (:attr:`weights_only`).
+    sharding: str | None
     #: sharded key -> the model's weight (its ``params_dtype``; the vocabulary padded as Megatron holds it)
     model: dict[str, torch.Tensor]
     #: sharded key -> ``{"param": fp32 master, "exp_avg": ..., "exp_avg_sq": ...}``
@@ -94,6 +103,13 @@ class MegatronSave:
     extra_state: dict[str, bytes] = field(repr=False, default_factory=dict)
     #: A ``dp_reshardable`` gradient buffer's ``(param dtype, grad dtype)`` as its keys spell it.
     gbuf_dtypes: str | None = None
+    #: The save is Megatron-LM's ``release`` folder (iteration 0), not an ``iter_<N>`` one.
+    release: bool = False
+
+    @property
+    def weights_only(self) -> bool:
+        """The save holds the model's weights and no optimizer state (``optim`` and ``param_groups`` are empty)."""
+        return self.sharding is None
 
     @property
     def tp(self) -> int:
@@ -109,13 +125,14 @@ class MegatronSave:
 
 
 def iteration_folder(path: str | Path) -> Path:
-    """The ``iter_<N>`` folder of a save: ``path`` itself, or the one its ``latest_checkpointed_iteration.txt`` names.
+    """The ``iter_<N>`` (or ``release``) folder of a save: ``path`` itself, or the one its
+    ``latest_checkpointed_iteration.txt`` names.
 
     Raises:
         InputError: neither, or a ``latest`` file that names a missing folder.
     """
     p = Path(path)
-    if _ITERATION.fullmatch(p.name) and p.is_dir():
+    if (_ITERATION.fullmatch(p.name) or p.name == RELEASE) and p.is_dir() and not (p / LATEST).is_file():
         return p
     latest = p / LATEST
     if not latest.is_file():
@@ -123,8 +140,8 @@ def iteration_folder(path: str | Path) -> Path:
             f"{p} holds no {LATEST} and is no iter_<7 digits> folder; point input.path at a Megatron-LM save"
         )
     said = latest.read_text().strip()
-    if said == "release":
-        folder = p / "release"
+    if said == RELEASE:
+        folder = p / RELEASE
     elif said.isdigit():
         folder = p / f"iter_{int(said):07d}"
     else:
@@ -218,12 +235,16 @@ def read_save(path: str | Path) -> MegatronSave:
     args = common["args"]
     if (why := refused_model(args, folder)) is not None:
         raise InputError(why)
-    sharding = sharding_type(common, folder)
+    sharding = None if args.get("no_save_optim") else sharding_type(common, folder)
     checkpoint = DcpCheckpoint(str(folder), None)
     gpt = gpt_of(args)
     model = {key: _whole(checkpoint, key, shape) for key, shape in layout.global_shapes(gpt).items()}
     gbuf_dtypes = None
-    if sharding == "fully_reshardable":
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    groups: list[dict[str, Any]] | None = []
+    if sharding is None:
+        pass  # the weights alone (args.no_save_optim): no optimizer state to read
+    elif sharding == "fully_reshardable":
         optim = {
             key: {s: _whole(checkpoint, f"optimizer.state.{s}.{key}", model[key].shape) for s in STATES}
             for key in model
@@ -252,12 +273,13 @@ def read_save(path: str | Path) -> MegatronSave:
         sharding=sharding,
         model=model,
         optim=optim,
-        param_groups=_groups_with_keys(groups, model, folder),
+        param_groups=_groups_with_keys(groups, model, folder) if sharding is not None else [],
         scheduler=common.get("opt_param_scheduler"),
         common=common,
         rng=rng,
         extra_state=extra,
         gbuf_dtypes=gbuf_dtypes,
+        release=folder.name == RELEASE,
     )
 
 

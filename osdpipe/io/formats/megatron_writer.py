@@ -18,6 +18,11 @@ What the target's Megatron loads depends on the parallelism only where Megatron-
 
 The model's and a ``fully_reshardable`` optimizer's tensors are global, as Megatron keys them, and Megatron's load reads
 each rank's piece of them: the DCP files are written by one process, and any target parallelism loads them.
+
+A save of the weights alone (:attr:`MegatronSave.weights_only`, ``Target.sharding`` ``None``) is written without
+optimizer items, param groups or scheduler, ``args.no_save_optim`` and ``args.no_save_rng`` set as Megatron-LM's
+``--no-save-optim --no-save-rng`` set them; a ``release`` source (a converted model's) into ``release/``, which
+Megatron-LM's ``load_checkpoint`` loads at iteration 0 with a fresh optimizer, scheduler and RNG, with no flags.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.inert_load import Record
-from osdpipe.io.formats.megatron import COMMON, LATEST, STATES, WRITTEN_TYPES, MegatronSave, gpt_of
+from osdpipe.io.formats.megatron import COMMON, LATEST, RELEASE, STATES, WRITTEN_TYPES, MegatronSave, gpt_of
 from osdpipe.layout import megatron as layout
 
 #: The model keys whose first axis is the padded vocabulary.
@@ -47,7 +52,8 @@ class Target:
     tp: int
     pp: int
     dp: int
-    sharding: str
+    #: The optimizer's sharding type; ``None``: the weights alone (a source without optimizer state).
+    sharding: str | None
 
     @property
     def world_size(self) -> int:
@@ -78,6 +84,8 @@ def target_args(args: dict[str, Any], target: Target) -> dict[str, Any]:
         ),
         dist_ckpt_optim_fully_reshardable=target.sharding == "fully_reshardable",
     )
+    if target.sharding is None:  # what Megatron-LM's --no-save-optim --no-save-rng record, and its load reads
+        out.update(no_save_optim=True, no_save_rng=True)
     if "expert_tensor_parallel_size" in out:
         out["expert_tensor_parallel_size"] = target.tp
     return out
@@ -103,7 +111,11 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         InputError: the source's ``args`` hold an object of Megatron's own, which cannot be written without it; or
             ``into`` holds a save already.
     """
-    if target.sharding not in WRITTEN_TYPES:
+    if (target.sharding is None) != save.weights_only:
+        held = "the weights alone" if save.weights_only else "an optimizer's state"
+        raise InputError(f"{save.folder}: a save of {held} cannot be written with optimizer sharding "
+                         f"{target.sharding!r}")
+    if target.sharding is not None and target.sharding not in WRITTEN_TYPES:
         raise InputError(f"optim_format={target.sharding!r}: one of {', '.join(WRITTEN_TYPES)}")
     records = sorted(k for k, v in save.args.items() if isinstance(v, Record))
     if records:
@@ -114,7 +126,10 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
     model, optim = _repadded_state(save, gpt.padded_vocab_size)
     items: dict[str, Any] = dict(model)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in save.param_groups]
-    if target.sharding == "fully_reshardable":
+    optimizer_common: dict[str, Any] | None
+    if target.sharding is None:
+        optimizer_common = None
+    elif target.sharding == "fully_reshardable":
         items.update({f"optimizer.state.{s}.{key}": states[s] for key, states in optim.items() for s in STATES})
         optimizer_common = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": target.sharding}
     else:
@@ -122,32 +137,40 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         optimizer_common = {"param_state_sharding_type": target.sharding}
     rng_from = _rng_items(save, target, items)
     items.update(save.extra_state)
-    iteration = f"iter_{save.iteration:07d}"
+    iteration = RELEASE if save.release else f"iter_{save.iteration:07d}"
     if (into / LATEST).exists() or (into / iteration).exists():
         raise InputError(f"{into} holds a Megatron save already; write into an empty directory")
     folder = into / iteration
     folder.mkdir(parents=True)
     digests = _dcp_save(items, folder, workers)
-    common = {k: v for k, v in save.common.items() if k not in ("args", "optimizer", "content_metadata")}
-    common.update(
-        args=argparse.Namespace(**args),
-        iteration=save.iteration,
-        optimizer=optimizer_common,
-        content_metadata={
-            **(save.common.get("content_metadata") or {}), "distrib_optim_sharding_type": target.sharding
-        },
-    )
-    if target.sharding == "dp_reshardable":
-        common["content_metadata"].pop("distrib_optim_fully_reshardable_mem_efficient", None)
-    else:
-        common["content_metadata"].setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
-    torch.save(common, folder / COMMON)
+    torch.save(_common(save, args, target, optimizer_common), folder / COMMON)
     (folder / "metadata.json").write_text(json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
          "common_backend_version": 1}
     ))
-    (into / LATEST).write_text(str(save.iteration))
+    (into / LATEST).write_text(RELEASE if save.release else str(save.iteration))
     return Written(folder, rng_from, {f"{iteration}/{name}": digest for name, digest in digests.items()})
+
+
+def _common(
+    save: MegatronSave, args: dict[str, Any], target: Target, optimizer: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``common.pt`` for ``target``: the source's, with the target's ``args``, the optimizer's param groups and
+    sharding type (``optimizer`` ``None``: the weights alone, without optimizer and scheduler keys)."""
+    replaced = ("args", "optimizer", "content_metadata") + (("opt_param_scheduler",) if optimizer is None else ())
+    common = {k: v for k, v in save.common.items() if k not in replaced}
+    content = {**(save.common.get("content_metadata") or {})}
+    if optimizer is None:
+        content = {k: v for k, v in content.items() if not k.startswith("distrib_optim")}
+    else:
+        common["optimizer"] = optimizer
+        content["distrib_optim_sharding_type"] = target.sharding
+        if target.sharding == "dp_reshardable":
+            content.pop("distrib_optim_fully_reshardable_mem_efficient", None)
+        else:
+            content.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
+    common.update(args=argparse.Namespace(**args), iteration=save.iteration, content_metadata=content)
+    return common
 
 
 def _repadded_state(
