@@ -413,7 +413,12 @@ def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, An
         from osdpipe.verify.megatron import roundtrip_problems
 
         source = raw["input"]["path"]
-        if raw["output"].get("checkpoint") == MEGATRON:  # from a Hugging Face Llama's checkpoint
+        if (raw.get("checkpoint") or {}).get("layout") == HF:  # from a Hugging Face model folder: the weights alone
+            from osdpipe.pipeline.hf_folder_to_megatron import check_problems as folder_problems
+
+            problems = folder_problems(raw, directory)
+            proved = "every weight equals the Hugging Face folder's, mapped to Megatron's GPT"
+        elif raw["output"].get("checkpoint") == MEGATRON:  # from a Hugging Face Llama's checkpoint
             from osdpipe.pipeline.hf_to_megatron import check_problems
 
             problems = check_problems(raw, directory)

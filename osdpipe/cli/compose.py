@@ -40,7 +40,7 @@ from osdpipe.core import rankserver
 from osdpipe.io import store
 from osdpipe.io.output import OutputError
 from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
-from osdpipe.spec.megatron import MEGATRON, by_megatron_stages
+from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages
 
 if TYPE_CHECKING:
     from osdpipe.run.report import Report
@@ -248,10 +248,11 @@ def _made_and_published(spec: RunSpec, remote: str | None, run: Callable[[list[s
 def _run_by_megatron_stages(raw: dict, spec: RunSpec, remote: str | None) -> int:
     """A conversion by Megatron's own stages, said as every run is: a Megatron-LM save's
     (:mod:`osdpipe.pipeline.megatron`), or a Llama's whole checkpoint to a Megatron-LM save
-    (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and planned);
+    (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and planned), or
+    a Hugging Face model folder to one of its weights (:mod:`osdpipe.pipeline.hf_folder_to_megatron`);
     into object storage as every conversion is (:func:`_made_and_published`)."""
     # torch: past the schema check
-    from osdpipe.pipeline import hf_to_megatron, megatron
+    from osdpipe.pipeline import hf_folder_to_megatron, hf_to_megatron, megatron
     from osdpipe.spec.plan import plan_run
     from osdpipe.spec.reconcile import Contradiction, Given, reconcile
 
@@ -259,6 +260,10 @@ def _run_by_megatron_stages(raw: dict, spec: RunSpec, remote: str | None) -> int
     try:
         if spec.checkpoint.layout == MEGATRON:
             return _made_and_published(spec, remote, lambda said: megatron.run_command(spec, given, said))
+        if spec.checkpoint.layout == HF:  # a Hugging Face model folder: its weights alone
+            if (why := hf_folder_to_megatron.refusal(spec)) is not None:
+                raise ConfigError([why])
+            return _made_and_published(spec, remote, lambda said: hf_folder_to_megatron.run_command(spec, said))
         if (why := hf_to_megatron.refusal(raw, given)) is not None:
             raise ConfigError([why])
         source, notes = reconcile(hf_to_megatron.source_config(raw, given), given)

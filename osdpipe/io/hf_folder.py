@@ -40,28 +40,52 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     Raises:
         InputError: a file is missing, or its header or length is not the format's.
     """
-    index = directory / INDEX_FILE
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        names = [SINGLE_FILE]
     out: dict[str, torch.Tensor] = {}
-    for name in names:
+    for name in weight_files(directory):
         out.update(_read_file(directory / name))
     return out
+
+
+def weight_files(directory: Path) -> list[str]:
+    """The names of the folder's safetensors files: the one file, or the shards its index names."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError):
+            raise InputError(f"{index} is damaged (no weight_map); copy the model's files again") from None
+    return [SINGLE_FILE]
+
+
+def header_of(path: Path) -> dict:
+    """The JSON header of the safetensors file ``path`` (each tensor's dtype, shape and byte range), read alone."""
+    with open(path, "rb") as f:
+        return _parsed_header(path, f.read(_header_length(path, f.read(8))))
+
+
+def _header_length(path: Path, first: bytes) -> int:
+    """The header's length, from a safetensors file's ``first`` 8 bytes (little-endian)."""
+    if len(first) < 8:
+        raise InputError(f"{path} is shorter than a safetensors header")
+    return struct.unpack("<Q", first)[0]
+
+
+def _parsed_header(path: Path, text: bytes) -> dict:
+    try:
+        header = json.loads(text)
+    except ValueError:
+        raise InputError(f"{path}: its header is not JSON; it is not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: its header is no JSON object; it is not a safetensors file")
+    return header
 
 
 def _read_file(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise InputError(f"{path} is missing; the folder's safetensors files are incomplete")
     data = bytearray(path.read_bytes())  # writable: each tensor a view of it, no copy of its own
-    if len(data) < 8:
-        raise InputError(f"{path} is shorter than a safetensors header")
-    (length,) = struct.unpack("<Q", data[:8])
-    try:
-        header = json.loads(data[8 : 8 + length])
-    except ValueError:
-        raise InputError(f"{path}: its header is not JSON; it is not a safetensors file") from None
+    length = _header_length(path, bytes(data[:8]))
+    header = _parsed_header(path, data[8 : 8 + length])
     start, out = 8 + length, {}
     for name, entry in header.items():
         if name == "__metadata__":

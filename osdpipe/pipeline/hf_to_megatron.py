@@ -363,6 +363,23 @@ def run_command(spec: RunSpec, plan: Plan, notes: list[str]) -> Report:
         Contradiction: ``output.path`` holds a conversion and ``output.overwrite`` is false (exit 2).
         OutputError: ``output.path`` cannot be written.
     """
+    job = job_of(spec, plan)
+    # the manifest records the model the source was read as (the Llama of its config.json, or the user's), which
+    # osdpipe check reads it as again
+    config = {**spec.model_dump(mode="json"), "model": plan.spec.model.model_dump(mode="json")}
+    return into_megatron(spec, job, config, hf_source(plan, job), notes)
+
+
+def into_megatron(spec: RunSpec, job: MegatronJob, config: dict[str, Any], source: megatron.Source,
+                  notes: list[str]) -> Report:
+    """The command's run of ``job``, a conversion of another framework's ``source`` into a Megatron-LM save
+    (``config``: what its manifest records): ``report.json`` and ``osdpipe.log`` written into ``output.path`` first
+    (unfinished) and last, whatever happens.
+
+    Raises:
+        Contradiction: ``output.path`` holds a conversion and ``output.overwrite`` is false (exit 2).
+        OutputError: ``output.path`` cannot be written.
+    """
     from osdpipe.io import output
     from osdpipe.pipeline.execute import record
     from osdpipe.spec.reconcile import Contradiction
@@ -372,13 +389,9 @@ def run_command(spec: RunSpec, plan: Plan, notes: list[str]) -> Report:
         raise Contradiction(why)
     output.check_writable(out)
     record(out, Report.unfinished(), spec)
-    job = job_of(spec, plan)
     display = progress.Display(progress.wanted(spec.runtime.progress))
     try:
-        # the manifest records the model the source was read as (the Llama of its config.json, or the user's), which
-        # osdpipe check reads it as again
-        config = {**spec.model_dump(mode="json"), "model": plan.spec.model.model_dump(mode="json")}
-        report = megatron.execute(job, config, notes, display, hf_source(plan, job))
+        report = megatron.execute(job, config, notes, display, source)
     finally:
         display.close()
     record(out, report, spec)

@@ -359,6 +359,9 @@ class CheckpointConfig(_Frozen):
     model's; it is written in PyTorch's layout (osdpipe does not write DeepSpeed's).
     ``megatron``: a Megatron-LM ``torch_dist`` save folder, written again as one
     for ``target.tp_size`` x ``target.pp_size`` x DP (:mod:`osdpipe.spec.megatron`).
+    ``hf``: a Hugging Face model folder (``config.json`` and safetensors), its
+    weights alone, written as a Megatron-LM ``release`` save with ``output.checkpoint=megatron``
+    (:mod:`osdpipe.pipeline.hf_folder_to_megatron`).
 
     ``model`` and ``flavor`` name a torchtitan checkpoint's model as
     torchtitan does (``--module llama3``, flavor ``8B``): torchtitan's own
@@ -367,7 +370,7 @@ class CheckpointConfig(_Frozen):
     (:func:`name_torchtitans_model` sets those as the config is composed).
     """
 
-    layout: Literal["optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed", "megatron"] = "optimizer"
+    layout: Literal["optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed", "megatron", "hf"] = "optimizer"
     model: str | None = None
     flavor: str | None = None
 

@@ -39,6 +39,12 @@ def megatron_problem(spec: Any) -> str | None:
     """Why ``spec`` (a :class:`~osdpipe.spec.config.RunSpec`) is no conversion osdpipe makes of or to a Megatron-LM
     save (``None``: it is one, or none of its keys are Megatron's); one line naming the key to set."""
     layout, target, output = spec.checkpoint.layout, spec.target, spec.output
+    if layout == HF and output.checkpoint != MEGATRON:
+        return (
+            "checkpoint=hf reads a Hugging Face model folder for Megatron-LM: set output.checkpoint=megatron (a "
+            "PyTorch job loads the folder itself: transformers' from_pretrained, torchtitan's "
+            "checkpoint.initial_load_in_hf)"
+        )
     if output.checkpoint == MEGATRON and layout != MEGATRON:
         return to_megatron_problem(spec)
     for side in ("source", "target"):
@@ -103,13 +109,18 @@ def to_megatron_problem(spec: Any) -> str | None:
     """Why ``spec`` (``output.checkpoint=megatron`` from another layout) is no conversion of a Hugging Face Llama's
     checkpoint to a Megatron-LM save osdpipe makes (``None``: it is one); one line naming the key."""
     layout, target, output = spec.checkpoint.layout, spec.target, spec.output
-    if layout not in FROM_HF:
+    if layout not in (*FROM_HF, HF):
         return (
             f"output.checkpoint=megatron from checkpoint={layout}: not supported yet (a Hugging Face Llama's "
-            f"checkpoint converts: checkpoint={' or '.join(FROM_HF)})"
+            f"checkpoint converts: checkpoint={' or '.join(FROM_HF)}, or its model folder: checkpoint=hf)"
         )
     if spec.input.path is None:
         return "output.checkpoint=megatron converts a checkpoint: give input.path (the HF Trainer's checkpoint-<N>)"
+    if layout == HF and output.megatron_optim_format is not None:
+        return (
+            f"output.megatron_optim_format={output.megatron_optim_format}: a Hugging Face folder holds no optimizer "
+            "state, so the Megatron-LM save holds the weights alone; leave it out"
+        )
     if spec.source.pp_size > 1:
         return f"source.pp_size={spec.source.pp_size}: pipeline stages are Megatron's; leave source.pp_size out"
     if target.tp_plan:

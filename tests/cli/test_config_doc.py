@@ -75,6 +75,6 @@ def test_every_registry_member_is_named_in_its_row(key: str, members: list[str])
 
 def test_a_missing_option_fails_the_groups_test(monkeypatch, tmp_path: Path) -> None:
     """The test above can fail: the page with one checkpoint option taken out of its paragraph."""
-    text = PAGE.read_text().replace(", `megatron`)", ")", 1)
-    assert text != PAGE.read_text(), "the page's checkpoint group no longer ends with megatron: update this test"
+    text = PAGE.read_text().replace(", `hf`)", ")", 1)
+    assert text != PAGE.read_text(), "the page's checkpoint group no longer ends with hf: update this test"
     assert documented_groups(text)["checkpoint"] != conf_groups()["checkpoint"]

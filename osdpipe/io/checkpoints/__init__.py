@@ -1,6 +1,7 @@
 """The registry of checkpoint layouts (:mod:`osdpipe.io.checkpoints.base`): the optimizer alone (the default),
-torchtitan's, accelerate's, PyTorch's own, DeepSpeed's (read, written as PyTorch's), and Megatron-LM's (converted
-by its own stages: :mod:`osdpipe.pipeline.megatron`)."""
+torchtitan's, accelerate's, PyTorch's own, DeepSpeed's (read, written as PyTorch's), Megatron-LM's (converted
+by its own stages: :mod:`osdpipe.pipeline.megatron`), and a Hugging Face model folder's (its weights alone, to a
+Megatron-LM save: :mod:`osdpipe.pipeline.hf_folder_to_megatron`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from pathlib import Path
 
 from osdpipe.core.registry import member
 
-# each registers its layout
+# each registers its layout, in the order recognize() asks them
 from osdpipe.io.checkpoints import accelerate, deepspeed, megatron, optimizer, pytorch, torchtitan  # noqa: F401
+
+# isort: split
+from osdpipe.io.checkpoints import hf  # noqa: F401  (last: a Trainer's checkpoint-<N> holds a model folder too)
 from osdpipe.io.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
 
 __all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize", "written"]

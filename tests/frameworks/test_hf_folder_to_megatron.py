@@ -1,0 +1,162 @@
+"""A Hugging Face model folder -> a Megatron-LM release save of its weights, at TP2 PP2 (issue 40, ``checkpoint=hf``).
+
+transformers 5.23.0 builds the test's own ``LlamaForCausalLM`` (GQA: 6 heads in 2 key/value heads, hidden 48, untied,
+vocabulary 61, which Megatron pads to 256 at TP2; 4 layers), seeded, and ``save_pretrained`` writes it in safetensors
+shards with an index, as large models are published. The ``osdpipe`` command converts the folder
+(``checkpoint=hf output.checkpoint=megatron``), the dimensions from its ``config.json``. The real megatron-core 0.16.1
+job (:mod:`frameworks.mcore`, built with the save's own dimensions, loading as Megatron-LM's ``load_checkpoint`` loads
+a ``release`` save: the model alone, iteration 0, no flags) loads it on 4 ranks at TP2 PP2 and:
+
+(a) holds, gathered, the folder's weights mapped by ``from_hf`` bitwise, the padding rows zero;
+(b) computes, through its pipeline schedule, the logits transformers' own forward of the folder computes, within
+    ``max |diff| <= 1e-4 x max |logit|`` (fp32; the tolerance of ``test_megatron_hf.py``, which says why);
+(c) trains on from a fresh optimizer and schedule: two steps (synthetic gradients; the first at the warmup's learning
+    rate 0) to step 2, iteration 2, every weight moved.
+
+A bf16 folder converts to a bf16 Megatron job's weights, bit for bit (TP2 PP1), and the job's fp32 masters start from
+them (Megatron-LM's ``reload_model_params``): its second step moves no weight by more than a step's size. ``osdpipe
+check`` proves the save against its folder and fails against another model's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from frameworks import mcore
+from helpers import run_command, user_env
+
+from osdpipe.io.hf_folder import read_weights
+from osdpipe.layout.megatron import Gpt
+from osdpipe.layout.megatron_hf import from_hf
+from osdpipe.pipeline.hf_folder_to_megatron import FRESH_OPTIMIZER
+
+pytestmark = [
+    pytest.mark.frameworks,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed"),
+]
+
+#: The test's Llama: GQA, untied, a vocabulary Megatron pads (61 -> 256 at TP2), layers PP2 splits.
+LLAMA = {"vocab_size": 61, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 4,
+         "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 32,
+         "tie_word_embeddings": False}
+#: The GPT Megatron builds of it at TP2 (vocabulary padded to 128 x 2).
+GPT = Gpt(num_layers=4, hidden_size=48, ffn_hidden_size=64, num_attention_heads=6, num_query_groups=2, kv_channels=8,
+          padded_vocab_size=256, swiglu=True)
+RELATIVE_TOLERANCE = 1e-4
+
+
+def save_llama(folder: Path, seed: int, dtype: torch.dtype = torch.float32) -> Path:
+    """transformers' own Llama of :data:`LLAMA`, seeded, saved by ``save_pretrained`` in shards with an index."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(dtype)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    return folder
+
+
+def convert(work: Path, source: Path, out: Path, *grid: str):
+    return run_command(
+        [sys.executable, "-m", "osdpipe", "checkpoint=hf", f"input.path={source}", "output.checkpoint=megatron",
+         *grid, f"output.path={out}"],
+        cwd=work, timeout=300, env=user_env(),
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """The folder, its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
+    work = tmp_path_factory.mktemp("hf_folder_to_megatron")
+    source = save_llama(work / "llama", seed=7)
+    out = work / "megatron"
+    done = convert(work, source, out, "target.tp_size=2", "target.pp_size=2", "target.world_size=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mcore.load(work, out, work / "loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, logits=work / "logits.pt",
+               resume=2, dump_after=work / "after.pt", label="load-release-tp2pp2")
+    return {"work": work, "source": source, "out": out, "stderr": done.stderr,
+            "loaded": torch.load(work / "loaded.pt", weights_only=False),
+            "after": torch.load(work / "after.pt", weights_only=False),
+            "logits": torch.load(work / "logits.pt", weights_only=True)}
+
+
+def test_the_folder_is_sharded_as_published_models_are(run) -> None:
+    names = {p.name for p in run["source"].iterdir()}
+    assert "model.safetensors.index.json" in names and len([n for n in names if n.endswith(".safetensors")]) > 1
+
+
+def test_megatron_holds_the_folders_weights_bitwise_at_iteration_0(run) -> None:
+    loaded = run["loaded"]
+    want = from_hf(GPT, read_weights(run["source"]), GPT.padded_vocab_size)
+    assert sorted(loaded["model"]) == sorted(want)
+    assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
+    assert loaded["iteration"] == 0 and loaded["optim"] == {}  # the optimizer holds no state until it steps
+    info = loaded["loaded"]
+    assert info["release"] and not info["optimizer_loaded"] and not info["rng_loaded"]
+
+
+def test_megatrons_logits_are_the_folders_models(run) -> None:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(run["source"], attn_implementation="eager").eval()
+    tokens, logits = run["logits"]["tokens"], run["logits"]["logits"]
+    with torch.no_grad():
+        reference = model(tokens).logits
+    assert logits.shape == (2, mcore.SEQ, GPT.padded_vocab_size)
+    diff = float((logits[..., : LLAMA["vocab_size"]] - reference).abs().max())
+    scale = float(reference.abs().max())
+    print(f"max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+
+
+def test_megatron_trains_on_from_a_fresh_optimizer(run) -> None:
+    loaded, after = run["loaded"], run["after"]
+    steps = sorted({float(s["step"]) for s in after["optim"].values()})
+    assert after["iteration"] == 2 and steps == [2.0]
+    assert [k for k in loaded["model"] if torch.equal(loaded["model"][k], after["model"][k])] == []
+    assert all(bool(torch.isfinite(s["exp_avg"]).all()) for s in after["optim"].values())
+
+
+def test_the_report_says_the_optimizer_starts_fresh(run) -> None:
+    report = json.loads((run["out"] / "report.json").read_text())
+    assert report["ok"] and FRESH_OPTIMIZER in report["warnings"] and FRESH_OPTIMIZER in run["stderr"]
+    assert "every weight of the source, bitwise" in report["checks"][0]["detail"]
+    fates = {e["name"]: e["fate"] for e in report["entries"]}
+    assert fates["config.json"].startswith("converted") and fates["generation_config.json"].startswith("left out")
+    assert all(f.startswith("converted") for n, f in fates.items() if n.endswith(".safetensors"))
+    assert sorted(p.name for p in run["out"].iterdir()) == [
+        "latest_checkpointed_iteration.txt", "manifest.json", "osdpipe.log", "release", "report.json"]
+    assert (run["out"] / "latest_checkpointed_iteration.txt").read_text() == "release"
+
+
+def test_check_proves_the_save_against_its_folder_and_fails_against_another(run) -> None:
+    args = [sys.executable, "-m", "osdpipe", "check", str(run["out"])]
+    done = run_command(args, cwd=run["work"], timeout=300, env=user_env())
+    assert done.returncode == 0 and "check roundtrip  pass" in done.stdout, done.stdout + done.stderr
+    other = save_llama(run["work"] / "other", seed=8)
+    differs = run_command([*args, f"input.path={other}"], cwd=run["work"], timeout=300, env=user_env())
+    assert differs.returncode == 1 and "check roundtrip  FAIL" in differs.stdout, differs.stdout + differs.stderr
+
+
+def test_a_bf16_folder_is_a_bf16_jobs_weights_bitwise(tmp_path: Path) -> None:
+    source = save_llama(tmp_path / "llama-bf16", seed=11, dtype=torch.bfloat16)
+    out = tmp_path / "megatron"
+    done = convert(tmp_path, source, out, "target.tp_size=2", "target.world_size=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mcore.load(tmp_path, out, tmp_path / "loaded.pt", tp=2, pp=1, dp=1, bf16=True, dims_from_save=True,
+               resume=2, dump_after=tmp_path / "after.pt", label="load-release-bf16")
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    after = torch.load(tmp_path / "after.pt", weights_only=False)
+    want = from_hf(GPT, read_weights(source), GPT.padded_vocab_size)
+    assert {t.dtype for t in want.values()} == {torch.bfloat16}
+    assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
+    # Adam's second step moves an element by about the learning rate (5e-4 here); masters left at the job's own
+    # initialisation instead of the loaded weights would move them by the weights' scale (0.02)
+    moved = {k: float((after["model"][k].float() - t.float()).abs().max()) for k, t in want.items()}
+    assert max(moved.values()) <= 2e-3 and any(m > 0 for m in moved.values()), moved
