@@ -115,8 +115,8 @@ def refusals(args: dict[str, Any]) -> list[str]:
         (not _rope(args), f"{args.get('position_embedding_type', 'learned_absolute')} position embeddings (not rope)"),
         (bool(args.get("rotary_interleaved")), "interleaved RoPE (rotary_interleaved)"),
         (float(args.get("rotary_percent", 1.0)) != 1.0, "partial RoPE (rotary_percent != 1)"),
-        (bool(args.get("use_rope_scaling")) or args.get("rotary_seq_len_interpolation_factor") not in (None, 1),
-         "RoPE scaling"),
+        (args.get("rotary_seq_len_interpolation_factor") not in (None, 1),
+         "RoPE position interpolation (rotary_seq_len_interpolation_factor)"),
         (args.get("rope_type") not in (None, "rope"), f"the {args.get('rope_type')} RoPE type"),
         (args.get("no_rope_freq") is not None, "layers without RoPE (no_rope_freq)"),
         (bool(args.get("qk_layernorm")), "qk_layernorm"),
@@ -145,11 +145,18 @@ def _dtype_name(args: dict[str, Any]) -> str:
     return "float32"
 
 
+#: Llama 3.1's RoPE scaling as megatron-core 0.16.1 applies it (``--use-rope-scaling``, ``--rope-scaling-factor``):
+#: ``models/common/embeddings/rotary_pos_embedding.py`` ``_apply_scaling`` fixes these three.
+_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str | None = None) -> dict[str, Any]:
     """The ``config.json`` of the ``LlamaForCausalLM`` that computes the GPT Megatron-LM's ``args`` describe.
 
     ``vocab_size``: the true vocabulary (default :func:`true_vocab_size`); ``dtype``: the weights' (default the
-    job's ``params_dtype``: ``bfloat16`` with ``bf16``). RoPE's base is written both as transformers 5's
+    job's ``params_dtype``: ``bfloat16`` with ``bf16``). ``--use-rope-scaling`` is transformers' ``llama3`` rope
+    type (the same formula: transformers ``_compute_llama3_parameters``, megatron-core ``_apply_scaling``, with its
+    fixed frequency factors and positions). RoPE's base is written both as transformers 5's
     ``rope_parameters`` and as the older top-level ``rope_theta``, the dtype as ``dtype`` and ``torch_dtype``, so
     that transformers 4 and 5 read the same model. ``bos_token_id``/``eos_token_id`` are the tokenizer's and
     Megatron's ``args`` do not hold them: they are ``None``.
@@ -165,6 +172,9 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
         raise ValueError(f"vocabulary {vocab} is not in (0, padded_vocab_size {padded}]")
     theta = float(args.get("rotary_base", 10000))
     name = dtype or _dtype_name(args)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if (factor := _rope_scaling_factor(args)) is not None:  # Llama 3.1's, as megatron-core applies it
+        rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **_MEGATRON_LLAMA3}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -178,7 +188,7 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
         "hidden_act": "silu",
         "rms_norm_eps": float(args.get("norm_epsilon", 1e-5)),
         "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope,
         "max_position_embeddings": int(args.get("max_position_embeddings") or args["seq_length"]),
         "tie_word_embeddings": False,
         "attention_bias": False,
@@ -203,12 +213,23 @@ def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
     if int(args.get("kv_channels") or hidden // heads) * heads != hidden:
         raise ValueError(f"kv_channels={args['kv_channels']} x {heads} heads is not hidden_size={hidden}: torchtitan's "
                          "llama3 takes its head dimension as hidden / heads")
-    return {
+    out = {
         "dim": hidden, "n_layers": int(args["num_layers"]), "n_heads": heads, "n_kv_heads": query_groups(args),
         "hidden_dim": int(args["ffn_hidden_size"]), "vocab_size": int(vocab_size),
         "norm_eps": float(args.get("norm_epsilon", 1e-5)), "rope_theta": float(args.get("rotary_base", 10000)),
         "max_seq_len": int(args.get("max_position_embeddings") or args.get("seq_length") or 4096),
     }
+    if (factor := _rope_scaling_factor(args)) is not None:  # torchtitan's "llama" scaling: the same formula
+        out["rope_scaling"] = {"scaling_factor": factor, **{k: float(v) for k, v in _MEGATRON_LLAMA3.items()}}
+    return out
+
+
+def _rope_scaling_factor(args: dict[str, Any]) -> float | None:
+    """Llama 3.1's RoPE scaling factor of a GPT saved with ``--use-rope-scaling`` (``None``: unscaled). megatron-core
+    applies it with :data:`_MEGATRON_LLAMA3`'s fixed frequency factors and positions."""
+    if not args.get("use_rope_scaling"):
+        return None
+    return float(args.get("rope_scaling_factor") or 8.0)
 
 
 def _check_gpt(gpt: Gpt) -> None:
@@ -358,11 +379,6 @@ def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
         params = {**params, **scaling, "rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     return params
-
-
-#: Llama 3.1's RoPE scaling as megatron-core 0.16.1 applies it (``--use-rope-scaling``, ``--rope-scaling-factor``):
-#: ``models/common/embeddings/rotary_pos_embedding.py`` ``_apply_scaling`` fixes these three.
-_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _megatrons_llama3(rope: dict[str, Any]) -> float | None:

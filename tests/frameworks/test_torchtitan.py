@@ -172,8 +172,24 @@ def test_the_safetensors_export_is_what_torchtitans_own_hf_export_writes(source)
     assert [name for name in theirs if not titan.same_bits(mine[name], theirs[name])] == []
 
 
+@pytest.fixture(scope="module")
+def megatron_save(source) -> Path:
+    """The torchtitan checkpoint converted to Megatron at TP2 PP2 DP1, loaded by megatron-core on 4 ranks (its dump,
+    logits and one step after beside it, ``megatron.*.pt``)."""
+    from frameworks import mcore
+
+    work, _, folder, _ = source
+    out = _convert(work, "megatron", f"input.path={folder}", "output.checkpoint=megatron", "target.tp_size=2",
+                   "target.pp_size=2", "target.world_size=4")
+    mcore.load(work, out, work / "megatron.loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, no_load_rng=True,
+               logits=work / "megatron.logits.pt", resume=1, dump_after=work / "megatron.after.pt",
+               label="load-titan-megatron")
+    return out
+
+
 @pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core is not installed")
-def test_the_default_llama3_becomes_a_megatron_save_that_computes_its_logits_and_trains_on(source) -> None:
+def test_the_default_llama3_becomes_a_megatron_save_that_computes_its_logits_and_trains_on(source,
+                                                                                           megatron_save) -> None:
     """torchtitan's own trainer's checkpoint of its default llama3 (debugmodel: 16 heads, RoPE theta 5e5 scaled as
     Llama 3.1) -> Megatron at TP2 PP2 DP1 (``output.checkpoint=megatron``; Megatron's ``--use-rope-scaling``).
     megatron-core 0.16.1, built from the save's args, loads it on 4 ranks holding what torchtitan itself loads from the
@@ -187,12 +203,8 @@ def test_the_default_llama3_becomes_a_megatron_save_that_computes_its_logits_and
     from osdpipe.layout.megatron_hf import from_hf
     from osdpipe.layout.models import build_model, torchtitan_llama_args
 
-    work, _, folder, loaded = source
-    out = _convert(work, "megatron", f"input.path={folder}", "output.checkpoint=megatron", "target.tp_size=2",
-                   "target.pp_size=2", "target.world_size=4")
-    mcore.load(work, out, work / "megatron.loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, no_load_rng=True,
-               logits=work / "megatron.logits.pt", resume=1, dump_after=work / "megatron.after.pt",
-               label="load-titan-megatron")
+    work, _, _, loaded = source
+    out = megatron_save
     megatron = torch.load(work / "megatron.loaded.pt", weights_only=False)
     args = torchtitan_llama_args("llama3", "debugmodel")
     gpt = Gpt(num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=16, num_query_groups=16,
@@ -218,3 +230,38 @@ def test_the_default_llama3_becomes_a_megatron_save_that_computes_its_logits_and
     report = __import__("json").loads((out / "report.json").read_text())
     assert any("the source's one param group decays every parameter" in w for w in report["warnings"])
     assert mcore.trained_on(megatron, torch.load(work / "megatron.after.pt", weights_only=False), step=2) == []
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_the_megatron_save_of_a_rope_scaled_llama3_is_a_hugging_face_llama_of_its_logits(source,
+                                                                                        megatron_save) -> None:
+    """The way back, RoPE scaling kept: the Megatron save of torchtitan's debugmodel (``--use-rope-scaling``, from the
+    test above) -> a Hugging Face folder (``output.checkpoint=hf``: transformers' ``llama3`` rope type) and a torchtitan
+    step folder's ``model_args.json`` (torchtitan's ``llama`` scaling). transformers' own forward of the folder computes
+    megatron-core's logits of the save within 1e-4 x max |logit|; the torchtitan model args are the debugmodel's own."""
+    from transformers import LlamaForCausalLM
+
+    from osdpipe.layout.models import torchtitan_llama_args
+
+    work = source[0]
+    def back(name: str, *overrides: str) -> Path:
+        done = run_command([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={megatron_save}",
+                            *overrides, f"output.path={work / name}"], cwd=work, timeout=400, env=user_env())
+        assert done.returncode == 0, done.stderr[-3000:]
+        return work / name
+
+    folder = back("megatron-hf", "output.checkpoint=hf")
+    config = __import__("json").loads((folder / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["factor"] == 8.0
+    model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    probe = torch.load(work / "megatron.logits.pt", weights_only=True)
+    vocab = config["vocab_size"]
+    with torch.no_grad():
+        reference = model(probe["tokens"]).logits
+    diff = float((probe["logits"][..., :vocab] - reference).abs().max())
+    print(f"max |Megatron TP2 PP2 - HF llama3 rope| = {diff:.3g}, max |logit| = {reference.abs().max():.3g}")
+    assert diff <= 1e-4 * float(reference.abs().max()), diff
+    titan = back("megatron-titan", "output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2")
+    written = __import__("json").loads((titan / "model_args.json").read_text())
+    own = torchtitan_llama_args("llama3", "debugmodel")
+    assert written["rope_scaling"] == own["rope_scaling"] and written["rope_theta"] == own["rope_theta"]

@@ -80,3 +80,23 @@ def test_llama_3_1_rope_scaling_is_megatrons_use_rope_scaling() -> None:
         args = megatron_args(config, 1, 1, 1)
         assert (args["use_rope_scaling"], args["rope_scaling_factor"], args["rotary_base"]) == (True, 32.0, 500000)
     assert megatron_args(LLAMA, 1, 1, 1)["use_rope_scaling"] is False
+
+
+def test_megatrons_use_rope_scaling_is_llama_3_1s_in_transformers_and_torchtitan() -> None:
+    """The way back: a GPT saved with ``--use-rope-scaling --rope-scaling-factor 32`` is transformers' ``llama3`` rope
+    type and torchtitan's ``llama`` scaling with megatron-core's fixed frequency factors and positions, and reads back
+    as the same args; an unscaled GPT stays unscaled in both."""
+    from osdpipe.layout.megatron_hf import hf_config, megatron_args, titan_args
+
+    llama31 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    args = megatron_args({**LLAMA, "rope_parameters": llama31}, 1, 1, 1)
+    config = hf_config(args)
+    assert config["rope_parameters"] == llama31
+    assert megatron_args(config, 1, 1, 1) == args
+    assert titan_args(args, vocab_size=LLAMA["vocab_size"])["rope_scaling"] == {
+        "scaling_factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192.0}
+    plain = megatron_args(LLAMA, 1, 1, 1)
+    assert hf_config(plain)["rope_parameters"]["rope_type"] == "default"
+    assert "rope_scaling" not in titan_args(plain, vocab_size=LLAMA["vocab_size"])
