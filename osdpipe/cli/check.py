@@ -208,10 +208,13 @@ def _input_where_it_was(directory: Path, manifest: dict[str, Any], typed: str | 
     """The conversion's input as it was found when it ran: the absolute path the manifest recorded beside what the user
     typed, so that a relative ``input.path`` is found from any working directory; refused in one line where it moved."""
     from osdpipe.io.output import INPUT_ABSOLUTE  # the output directory's names; torch: not on check --help's path
+    from osdpipe.io.store import is_url  # no torch
 
     absolute = manifest.get(INPUT_ABSOLUTE)
     if typed is None or absolute is None:  # a generated source, or a manifest written before the path was recorded
         return typed
+    if is_url(absolute):  # object storage: the same from anywhere; the check's first read says if it is gone
+        return absolute
     if not Path(absolute).exists():
         raise CheckUsageError(
             f"the conversion's input {typed!r} (at {absolute} when it ran) is not there any more; "

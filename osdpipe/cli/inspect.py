@@ -65,11 +65,11 @@ def run_inspect(args: list[str]) -> int:
         remote = isinstance(path, RemotePath)
         if remote:
             probe(rest[0], "path")  # a missing bucket or key, refused credentials: one line, before anything is read
-        whole = None if remote else recognize(path)  # a whole checkpoint in object storage: not read yet
+        whole = recognize(path)
         if whole is None:
             facts = read_facts(_checkpoint_in(path), None, key)
         elif whole.optimizer_path is not None:  # the optimizer part reads as any optimizer checkpoint
-            facts = read_facts(Path(whole.optimizer_path), None, key or whole.optimizer_key)
+            facts = read_facts(as_path(whole.optimizer_path), None, key or whole.optimizer_key)
     except Exception as exc:  # noqa: BLE001 - a file that cannot be read says so in one line
         print(f"osdpipe inspect: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
@@ -78,7 +78,7 @@ def run_inspect(args: list[str]) -> int:
     if whole is not None:
         from osdpipe.io.checkpoints import get  # torch: not on inspect --help's path
 
-        naming = get(whole.layout).model_naming(Path(whole.path))
+        naming = get(whole.layout).model_naming(as_path(whole.path))
         notes = [*whole.notes, naming.why] if naming.why else list(whole.notes)
     if as_json:
         if whole is None:

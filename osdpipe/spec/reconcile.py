@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import glob
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from osdpipe.io import checkpoints, formats, remote_input
@@ -91,17 +90,17 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
             _set(raw, "optim.lr", DEFAULT_LR)
         return raw, []
     layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
-    if is_remote(path):  # read with the user's options (osdpipe.io.remote_input); a whole checkpoint is not read yet
+    if is_remote(path):  # read with the user's options (osdpipe.io.remote_input)
         remote_input.configure(_get(raw, "runtime.storage_options"))
-        if layout.whole:
-            return raw, []
+        if layout.whole and not layout.reads_remote:
+            return raw, []  # the schema refuses it
         try:  # the first look, bounded (osdpipe.io.store.first_look_s): a store that fails it is said now, once, not
             remote_input.probe(path)  # after the reads below waited out s3fs's retries and the pre-flight check again
         except InputError as exc:
             raise ConfigError([str(exc)]) from None
     notes: list[str] = []
     # the framework's folder of checkpoints
-    if layout.whole and Path(path).is_dir() and (newest := layout.newest_in(path)) is not None:
+    if layout.whole and remote_input.as_path(path).is_dir() and (newest := layout.newest_in(path)) is not None:
         _set(raw, "input.path", newest)
         notes.append(f"input.path={path} is {layout.name}'s folder of checkpoints; converting the newest, {newest}")
         path = newest

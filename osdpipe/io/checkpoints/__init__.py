@@ -15,6 +15,7 @@ from osdpipe.io.checkpoints import accelerate, deepspeed, megatron, optimizer, p
 # isort: split
 from osdpipe.io.checkpoints import hf  # noqa: F401  (last: a Trainer's checkpoint-<N> holds a model folder too)
 from osdpipe.io.checkpoints.base import LAYOUTS, CheckpointLayout, Entry, WholeCheckpoint
+from osdpipe.io.remote_input import RemotePath, as_path
 
 __all__ = ["LAYOUTS", "CheckpointLayout", "Entry", "WholeCheckpoint", "get", "recognize", "written"]
 
@@ -35,18 +36,22 @@ def written(layout: str, output_checkpoint: str | None) -> CheckpointLayout:
     return get(output_checkpoint or reads.written_as or reads.name)
 
 
-def recognize(path: str | Path) -> WholeCheckpoint | None:
+def recognize(path: str | Path | RemotePath) -> WholeCheckpoint | None:
     """The whole checkpoint at ``path`` as the first layout that recognizes it reads it; ``None``: no layout does (an
-    optimizer checkpoint).
+    optimizer checkpoint). In object storage (a :class:`~osdpipe.io.remote_input.RemotePath`), only the layouts that
+    read from there are asked (:attr:`CheckpointLayout.reads_remote`).
 
     A framework's folder of checkpoints (torchtitan's ``--checkpoint.folder``) is read as its newest checkpoint, as the
     framework resumes.
     """
-    where = Path(path)
+    where = as_path(path)
+    remote = isinstance(where, RemotePath)
     for layout in LAYOUTS.values():
+        if remote and not layout.reads_remote:
+            continue
         newest = layout.newest_in(str(where)) if layout.whole and where.is_dir() else None
-        if newest is not None and layout.recognizes(Path(newest)):
-            return layout.read(Path(newest))
+        if newest is not None and layout.recognizes(as_path(newest)):
+            return layout.read(as_path(newest))
         if layout.recognizes(where):
             return layout.read(where)
     return None

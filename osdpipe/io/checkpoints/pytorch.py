@@ -32,6 +32,7 @@ from osdpipe.io.checkpoints.base import (
     register,
 )
 from osdpipe.io.checkpoints.dcp_entries import carried_items, dcp_items, is_dcp
+from osdpipe.io.remote_input import as_path
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
     from osdpipe.io.formats.base import Format, RankFiles
@@ -55,6 +56,7 @@ class Pytorch(CheckpointLayout):
     looks_like = (
         "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
     )
+    reads_remote = True
     output_formats = ("dcp", "rank_local", "plain")
 
     def recognizes(self, path: Path) -> bool:
@@ -105,14 +107,14 @@ class Pytorch(CheckpointLayout):
         )
 
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
-        return Part(path, "dcp", OPTIM) if any(i.path[0] == OPTIM for i in dcp_items(Path(path))) else None
+        return Part(path, "dcp", OPTIM) if any(i.path[0] == OPTIM for i in dcp_items(as_path(path))) else None
 
     def _model(self, path: str, tree: ModuleTree) -> Any:
         # torch.distributed.checkpoint: only where a DCP checkpoint is read
         from osdpipe.io.checkpoints.dcp_weights import DcpWeights
         from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
-        return DcpWeights(DcpCheckpoint(path, None), MODEL, tree)
+        return DcpWeights(DcpCheckpoint(as_path(path), None), MODEL, tree)
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         return self._model(path, tree)
@@ -122,7 +124,7 @@ class Pytorch(CheckpointLayout):
         model = self._model(path, tree)
         items, planned, tensors = carried_items(model.checkpoint, set(model.items.values()), (OPTIM,))
         has_optimizer = any(p[0] == OPTIM for p in model.checkpoint.paths.values())
-        entries = self.read(Path(path)).entries
+        entries = self.read(as_path(path)).entries
         return Carrying(path, items, planned, tensors, (), entries, MODEL, DCP_DIR, has_optimizer, layout=self.name)
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
@@ -130,7 +132,7 @@ class Pytorch(CheckpointLayout):
         from osdpipe.io.checkpoints.output import read_carried
         from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
-        return read_carried(DcpCheckpoint(carrying.source, None), carrying)
+        return read_carried(DcpCheckpoint(as_path(carrying.source), None), carrying)
 
     # ------------------------------------------------------------------ writing
 

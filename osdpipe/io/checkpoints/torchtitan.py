@@ -35,6 +35,7 @@ from osdpipe.io.checkpoints.base import (
     register,
 )
 from osdpipe.io.checkpoints.dcp_entries import carried_items, dcp_items, is_dcp
+from osdpipe.io.remote_input import as_path
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
     from osdpipe.io.formats.base import Format, RankFiles
@@ -86,6 +87,7 @@ class Torchtitan(CheckpointLayout):
         "(one DCP checkpoint: the model's entries, optimizer, lr_scheduler, dataloader, train_state)"
     )
     saves_step = True
+    reads_remote = True
     needs_step = True
 
     def recognizes(self, path: Path) -> bool:
@@ -107,7 +109,7 @@ class Torchtitan(CheckpointLayout):
         (torchtitan 0.3: a larger degree misses a key, a smaller one fails its assertion); on another,
         ``--checkpoint.exclude-from-loading dataloader`` loads the rest."""
         target_dp = (target.get("world_size") or 1) // (target.get("tp_size") or 1)
-        source_dp = sum(1 for e in self.read(Path(path)).entries if e.name.startswith("dataloader.dp_rank_"))
+        source_dp = sum(1 for e in self.read(as_path(path)).entries if e.name.startswith("dataloader.dp_rank_"))
         if source_dp in (0, target_dp):
             return []
         fails = (f'"Missing key in checkpoint state_dict: dataloader.dp_rank_{source_dp}"' if target_dp > source_dp
@@ -251,7 +253,7 @@ class Torchtitan(CheckpointLayout):
         without one: a job of torchtitan's registry is named by ``checkpoint.model`` and ``checkpoint.flavor``."""
         import json
 
-        for folder in (Path(path), Path(path).parent):
+        for folder in (as_path(path), as_path(path).parent):
             if (folder / MODEL_ARGS).is_file():
                 try:
                     return "torchtitan_llama3", dict(json.loads((folder / MODEL_ARGS).read_text()))
@@ -262,11 +264,11 @@ class Torchtitan(CheckpointLayout):
     def newest_in(self, path: str) -> str | None:
         """torchtitan's ``--checkpoint.folder``:
         the ``step-<N>`` folder with the highest N that holds a ``.metadata``, as torchtitan resumes."""
-        if is_dcp(Path(path)):
+        if is_dcp(as_path(path)):
             return None
         steps = [
             (int(m[1]), p)
-            for p in Path(path).iterdir()
+            for p in as_path(path).iterdir()
             if (m := STEP_FOLDER.fullmatch(p.name)) and (p / ".metadata").is_file()
         ]
         return str(max(steps)[1]) if steps else None
@@ -274,14 +276,14 @@ class Torchtitan(CheckpointLayout):
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
         """The flattened ``optimizer`` entry;
         none in a model-only save (``--checkpoint.last-save-model-only``, the seed checkpoint)."""
-        return Part(path, "dcp", OPTIMIZER) if any(i.path[0] == OPTIMIZER for i in dcp_items(Path(path))) else None
+        return Part(path, "dcp", OPTIMIZER) if any(i.path[0] == OPTIMIZER for i in dcp_items(as_path(path))) else None
 
     def _model(self, path: str, tree: ModuleTree) -> Any:
         # torch.distributed.checkpoint: only where a DCP checkpoint is read
         from osdpipe.io.checkpoints.dcp_weights import DcpWeights
         from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
-        checkpoint = DcpCheckpoint(path, None)
+        checkpoint = DcpCheckpoint(as_path(path), None)
         return DcpWeights(checkpoint, model_key(checkpoint.paths.values()), tree)
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
@@ -292,7 +294,7 @@ class Torchtitan(CheckpointLayout):
         model = self._model(path, tree)
         checkpoint = model.checkpoint
         items, planned, tensors = carried_items(checkpoint, set(model.items.values()), (OPTIMIZER,))
-        entries = _with_the_models_names(self.read(Path(path)).entries, model.items)
+        entries = _with_the_models_names(self.read(as_path(path)).entries, model.items)
         has_optimizer = any(p[0] == OPTIMIZER for p in checkpoint.paths.values())
         step = self.step_of(checkpoint, path)
         return Carrying(
@@ -315,7 +317,7 @@ class Torchtitan(CheckpointLayout):
         Raises:
             InputError: neither says (name the folder ``step-<N>``).
         """
-        named = STEP_FOLDER.fullmatch(Path(path).name)
+        named = STEP_FOLDER.fullmatch(as_path(path).name)
         if named:
             return int(named[1])
         flat = next((f for f, p in checkpoint.paths.items() if tuple(p) == ("train_state", "step")), None)
@@ -334,7 +336,7 @@ class Torchtitan(CheckpointLayout):
         from osdpipe.io.checkpoints.output import read_carried
         from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
-        return read_carried(DcpCheckpoint(carrying.source, None), carrying)
+        return read_carried(DcpCheckpoint(as_path(carrying.source), None), carrying)
 
     def adopt(self, carrying: Carrying) -> Carrying:
         """Another framework's checkpoint as a torchtitan step folder: the model at the top level, in ``step-<N>`` of

@@ -24,6 +24,7 @@ import torch
 from osdpipe.core.version import __version__
 from osdpipe.io import output
 from osdpipe.io.formats.base import RankFiles
+from osdpipe.io.store import is_url
 from osdpipe.io.torchfile import PieceDigest, filled_as_written
 from osdpipe.io.weights import WholeSource
 from osdpipe.run.collective import agree, barrier, gather_to_all, one_line
@@ -223,5 +224,6 @@ def write_manifest(
     manifest = {**content, "content_sha256": content_sha256(content), "config": config}
     # what the user typed stays in config; `osdpipe check` from elsewhere needs this
     if config["input"].get("path") is not None:
-        manifest[output.INPUT_ABSOLUTE] = os.path.abspath(config["input"]["path"])
+        typed = config["input"]["path"]  # a URL is where it is from anywhere
+        manifest[output.INPUT_ABSOLUTE] = typed if is_url(typed) else os.path.abspath(typed)
     (staging / output.MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
