@@ -16,7 +16,8 @@ checked when the reader opens (:func:`check_structure`), so a damaged
 checkpoint fails before any process reads a tensor.
 
 A checkpoint in object storage (``input.path=s3://bucket/prefix``, :mod:`osdpipe.io.remote_input`) is read the same
-way, by byte ranges: ``.metadata`` whole, then each item the plan needs by one ranged request, several in flight
+way, by byte ranges: ``.metadata`` whole, then the items a read plan needs (or that a rank's reads will need, told
+ahead through :meth:`DcpCheckpoint.expect`), each object's neighbours as one ranged request, several in flight
 (:class:`~osdpipe.io.remote_input.Prefetch`); a ``.distcp`` file is never downloaded whole for a part of it. A local
 directory is read as before, never through fsspec.
 """
@@ -107,7 +108,7 @@ class SafeFileSystemReader(FileSystemReader):
     def _slice_file(self, file: Any, sinfo: _StorageInfo) -> Any:
         # Every item is a torch.save archive of its own (unless a storage transform, e.g. compression, wrapped it).
         self._item = sinfo
-        if isinstance(file, RemotePath):  # its bytes, fetched by one ranged request (ahead, by the plan's prefetch)
+        if isinstance(file, RemotePath):  # its bytes, fetched ahead by the plan's prefetch (with its neighbours)
             take = self._prefetch.take if self._prefetch is not None else _read_range
             data = take(file, sinfo.offset, sinfo.length)
             if len(data) != sinfo.length:
