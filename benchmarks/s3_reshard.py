@@ -5,6 +5,9 @@ Run (from the repository root; about 8 GB of free disk: the source, moto's spill
 
     python benchmarks/s3_reshard.py --repeats 3
 
+``--width 2048`` (a quarter of the bytes, 0.4 GB) is a quick look while developing; the table in docs/speed.md is of
+the default width.
+
 The source is a 1.6 GB Adam state (exp_avg and exp_avg_sq of osdpipe's ``mlp``, width 4096, depth 12: the state of
 benchmarks/checkpoint_scale.py's 1.6 GB row, synthesized without training) saved as a 4-rank FSDP2 DCP checkpoint
 (``target.kind=fsdp2``, by osdpipe offline), uploaded to ``s3://osdpipe-bench/src/dcp`` on a moto server that this
@@ -47,11 +50,17 @@ HERE = Path(__file__).resolve()
 BUCKET = "osdpipe-bench"
 #: The built-in model and the source's size: benchmarks/checkpoint_scale.py's (width_for(1.6), depth 12).
 WIDTH, DEPTH = 4096, 12
-CONVERSION = [
-    "model.factory=mlp", f"model.kwargs.width={WIDTH}", f"model.kwargs.depth={DEPTH}", "source.kind=fsdp2",
-    "source.world_size=4", "target.kind=fsdp2", "target.world_size=2", "output.format=dcp", "runtime.mode=offline",
-    "pipeline.checks=[roundtrip]", "runtime.progress=false", "output.overwrite=true",
-]  # fmt: skip
+
+
+def conversion(width: int) -> list[str]:
+    """The command's arguments but the paths, for the mlp of ``width``."""
+    return [
+        "model.factory=mlp", f"model.kwargs.width={width}", f"model.kwargs.depth={DEPTH}", "source.kind=fsdp2",
+        "source.world_size=4", "target.kind=fsdp2", "target.world_size=2", "output.format=dcp", "runtime.mode=offline",
+        "pipeline.checks=[roundtrip]", "runtime.progress=false", "output.overwrite=true",
+    ]  # fmt: skip
+
+
 PATHS = ("osdpipe s3 -> s3", "fsspec get + put", "osdpipe local -> local", "osdpipe s3 -> s3, no checks")
 
 
@@ -94,23 +103,23 @@ def filesystem():
     return s3fs.S3FileSystem(skip_instance_cache=True)
 
 
-def make_source(work: Path, env: dict[str, str]) -> Path:
-    """The 4-rank FSDP2 DCP checkpoint (local), made once per work directory."""
+def make_source(work: Path, env: dict[str, str], width: int = WIDTH) -> Path:
+    """The 4-rank FSDP2 DCP checkpoint (local) of the mlp of ``width``, made once per work directory and width."""
     sys.path.insert(0, str(HERE.parent))
     from checkpoint_scale import DEPTH as SCALE_DEPTH
     from checkpoint_scale import width_for, write_random_state
 
     assert (width_for(1.6), SCALE_DEPTH) == (WIDTH, DEPTH)
-    dcp = work / "src" / "dcp"
+    dcp = work / ("src" if width == WIDTH else f"src_{width}") / "dcp"
     if not (dcp / ".metadata").exists():
-        full = work / "optim.pt"
+        full = work / ("optim.pt" if width == WIDTH else f"optim_{width}.pt")
         if not full.exists():
-            write_random_state(WIDTH, full)
-        subprocess.run([sys.executable, "-m", "osdpipe", "model.factory=mlp", f"model.kwargs.width={WIDTH}",
+            write_random_state(width, full)
+        subprocess.run([sys.executable, "-m", "osdpipe", "model.factory=mlp", f"model.kwargs.width={width}",
                         f"model.kwargs.depth={DEPTH}", f"input.path={full}", "input.format=fsdp_full",
                         "source.world_size=4", "target.kind=fsdp2", "target.world_size=4", "output.format=dcp",
                         "runtime.mode=offline", "pipeline.checks=[]", "runtime.progress=false",
-                        f"output.path={work / 'src'}", "output.overwrite=true"],
+                        f"output.path={dcp.parent}", "output.overwrite=true"],
                        check=True, cwd=work, env=env, capture_output=True)  # fmt: skip
         full.unlink()
     return dcp
@@ -142,6 +151,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="keeps the synthesized source between invocations")
+    parser.add_argument("--width", type=int, default=WIDTH,
+                        help=f"the mlp's width (default {WIDTH}: 1.6 GB); smaller for a quick look")  # fmt: skip
     parser.add_argument("--copy", nargs=3, metavar=("SOURCE", "TARGET", "LOCAL"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.copy:
@@ -153,12 +164,13 @@ def main() -> int:
     env = environment(endpoint)
     os.environ.update(env)
     try:
-        source = make_source(work, env)
+        source = make_source(work, env, opts.width)
         size = sum(p.stat().st_size for p in source.iterdir())
         fs = filesystem()
         fs.mkdir(BUCKET)
         fs.put(f"{source}/", f"{BUCKET}/src/dcp/", recursive=True)
-        print(f"source: {size / 1e9:.2f} GB, FSDP2 DCP at 4 ranks, s3://{BUCKET}/src/dcp, moto {endpoint}", flush=True)
+        print(f"source: {size / 1e9:.2f} GB (width {opts.width}), FSDP2 DCP at 4 ranks, s3://{BUCKET}/src/dcp, "
+              f"moto {endpoint}", flush=True)  # fmt: skip
         runs: dict[str, list[tuple[float, float, float]]] = {path: [] for path in PATHS}
         stages = ""
         for repeat in range(opts.repeats):
@@ -169,14 +181,14 @@ def main() -> int:
                 for local in ("local_out", "copy_local", "outputs"):
                     shutil.rmtree(work / local, ignore_errors=True)
                 if path.startswith("osdpipe s3 -> s3"):
-                    cmd = [sys.executable, "-m", "osdpipe", *CONVERSION, f"input.path=s3://{BUCKET}/src/dcp",
+                    cmd = [sys.executable, "-m", "osdpipe", *conversion(opts.width), f"input.path=s3://{BUCKET}/src/dcp",
                            f"output.path=s3://{BUCKET}/out"]  # fmt: skip
                     cmd += ["pipeline.checks=[]"] if path.endswith("no checks") else []
                 elif path == "fsspec get + put":
                     cmd = [sys.executable, str(HERE), "--copy", f"s3://{BUCKET}/src/dcp", f"s3://{BUCKET}/copy/dcp",
                            str(work / "copy_local")]  # fmt: skip
                 else:
-                    cmd = [sys.executable, "-m", "osdpipe", *CONVERSION, f"input.path={source}",
+                    cmd = [sys.executable, "-m", "osdpipe", *conversion(opts.width), f"input.path={source}",
                            f"output.path={work / 'local_out'}"]  # fmt: skip
                 *measured, said = timed(cmd, work, env, server)
                 runs[path].append(tuple(measured))

@@ -454,7 +454,7 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    from osdpipe.io.remote_output import INCOMING
+    from osdpipe.io.remote_output import INCOMING, WRITING
 
     try:
         probe(url, "OUTPUT_DIR")
@@ -462,6 +462,8 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
         incoming = directory / INCOMING
         if not (directory / "manifest.json").is_file() and (incoming / "manifest.json").is_file():
             return _check_cut_commit(url, directory, incoming)
+        if not (directory / "manifest.json").is_file() and (incoming / WRITING).is_file():
+            return _check_cut_write(url, directory, incoming)
         manifest = read_manifest(directory)  # a RemotePath answers as a Path does here
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
@@ -492,6 +494,28 @@ def _check_cut_commit(url: str, directory: Any, incoming: Any) -> int:
         ),
     ]
     return _said(findings, directory)
+
+
+def _check_cut_write(url: str, directory: Any, incoming: Any) -> int:
+    """A prefix into which a killed run was writing a conversion straight (it held none before,
+    :mod:`osdpipe.io.remote_output`): some of its files, no manifest. No conversion is there: said as a failure, with
+    the files the next run removes."""
+    from osdpipe.io.remote_output import WRITING
+
+    try:
+        named = json.loads((incoming / WRITING).read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        named = []
+    written = [n for n in named if (directory / n).is_file()]
+    shown = ", ".join(written[:5]) + (f" and {len(written) - 5} more" if len(written) > 5 else "")
+    finding = CheckResult(
+        "commit",
+        False,
+        f"a run was killed while writing a conversion into {url}, which held none: {len(written)} of its "
+        f"{len(named)} file(s) are there ({shown or 'none'}), no manifest, so no reader takes them for a conversion; "
+        f"the next run into it (output.path={url}) removes them",
+    )
+    return _said([finding], directory)
 
 
 def check_strays(directory: Any) -> CheckResult:

@@ -6,8 +6,10 @@
 ``stat().st_size``, ``read_bytes``) from one listing of the prefix, and reads bytes only as ranges:
 
 * :meth:`RemotePath.read_range`: one ranged request (``Range: bytes=a-b``) for one DCP item, or a file's structure;
-* :class:`Prefetch`: the items one DCP read plan needs, several requests in flight, the bytes fetched and not yet
-  used bounded by :func:`in_flight_limit` (``runtime.memory_budget``);
+* :class:`Prefetch`: the items one DCP read plan needs (or the items a rank's shard or roundtrip reads will ask for,
+  :meth:`osdpipe.io.formats.dcp_reader.DcpCheckpoint.expect`), each object's neighbouring items as one request
+  (:func:`osdpipe.io.coalesce.coalesce`), several requests in flight, the bytes fetched and not yet used bounded by
+  :func:`in_flight_limit` (``runtime.memory_budget``);
 * :meth:`RemotePath.open`: a seekable file that fetches the blocks it is asked for (a small file's structure).
 
 A file of which only some pieces are needed is never downloaded whole. :data:`METER` counts what was fetched (the
@@ -29,10 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from osdpipe.io import store
+from osdpipe.io.coalesce import Span, coalesce
 
 WHERE = "input.path"
 #: Requests in flight at once, reading one plan's items or a checkpoint's structure.
 CONCURRENCY = 8
+#: The most unwanted bytes a request fetches between two wanted ranges of one object (else: a request each).
+MAX_GAP = 4 << 20
 #: Bytes fetched and not yet used, without ``runtime.memory_budget`` (with it: half of it, the pieces' size).
 DEFAULT_IN_FLIGHT = 256 << 20
 
@@ -280,36 +285,46 @@ class RemotePath:
 
 
 class Prefetch:
-    """The byte ranges one read plan needs, fetched ahead of their use, several at once.
+    """The byte ranges one read plan needs, fetched ahead of their use, several at once, as few requests.
 
-    ``wanted`` lists ``(path, start, length)`` in the order they will be asked for (:meth:`take`). Ranges that follow
-    each other in one object (DCP writes a file's items back to back, and a rank often needs a run of them) are
-    fetched as one request of up to ``span`` bytes (a quarter of ``limit``) and cut apart here: a request costs a
-    round trip and, on S3, a GET's price, and a store that reads the whole object to serve a range (moto's server)
-    the whole object. Requests are started while the bytes fetched and not yet taken stay within ``limit`` (one
-    request is always allowed, however large: it is needed); a request whose ranges are all taken is dropped here,
-    which lets the next ones start. A range asked for that was not planned is fetched then.
+    ``wanted`` lists ``(path, start, length)`` in the order they will be asked for (:meth:`take`). Each object's
+    ranges are fetched as the requests :func:`~osdpipe.io.coalesce.coalesce` makes of them (ranges that touch, or lie
+    at most ``gap`` bytes apart, up to ``span`` bytes a request: a quarter of ``limit``) and cut apart here: a request
+    costs a round trip and, on S3, a GET's price, and a store that reads the whole object to serve a range (moto's
+    server) the whole object. Requests start in the order their first range is wanted, while the bytes fetched and
+    not yet taken stay within ``limit`` (one request is always allowed, however large: it is needed); a request whose
+    ranges are all taken is dropped here, which lets the next ones start. A range asked for that was not planned (or
+    a second time) is fetched then, alone; so is a planned one whose request has not started (a plan that reads
+    from more objects at once than ``limit`` holds requests of); its request still starts for the ranges left in it.
     """
 
     def __init__(
-        self, wanted: Sequence[tuple[RemotePath, int, int]], limit: int | None = None, span: int | None = None
+        self,
+        wanted: Sequence[tuple[RemotePath, int, int]],
+        limit: int | None = None,
+        span: int | None = None,
+        gap: int | None = None,
     ) -> None:
         self.limit = in_flight_limit() if limit is None else limit
         self.span = max(1, self.limit // 4) if span is None else span
+        self.gap = min(MAX_GAP, self.span // 8) if gap is None else gap
         self._requests: list[tuple[RemotePath, int, int]] = []  # (path, start, length): what is fetched
         self._request_of: dict[tuple[RemotePath, int, int], int] = {}  # a wanted range -> the request holding it
         self._untaken: list[int] = []  # per request, its ranges not yet taken
-        for path, start, length in dict.fromkeys(wanted):
-            if self._requests:
-                last_path, last_start, last_length = self._requests[-1]
-                if last_path == path and last_start + last_length == start and last_length + length <= self.span:
-                    self._requests[-1] = (path, last_start, last_length + length)
-                    self._request_of[(path, start, length)] = len(self._requests) - 1
-                    self._untaken[-1] += 1
-                    continue
-            self._request_of[(path, start, length)] = len(self._requests)
-            self._requests.append((path, start, length))
-            self._untaken.append(1)
+        unique = list(dict.fromkeys(wanted))
+        per_path: dict[RemotePath, list[int]] = {}
+        for i, (path, _, _) in enumerate(unique):
+            per_path.setdefault(path, []).append(i)
+        made: list[tuple[int, Span, list[int]]] = []  # (first use, request, the wanted ranges it holds)
+        for indices in per_path.values():
+            for request in coalesce([unique[i][1:] for i in indices], self.gap, self.span):
+                held = [indices[m] for m in request.members]
+                made.append((min(held), request, held))
+        for first_use, request, held in sorted(made, key=lambda m: m[0]):
+            for i in held:
+                self._request_of[unique[i]] = len(self._requests)
+            self._requests.append((unique[first_use][0], request.start, request.length))
+            self._untaken.append(len(held))
         self._next = 0
         self._held = 0
         self._started: dict[int, Future[bytes]] = {}
@@ -340,8 +355,8 @@ class Prefetch:
             return path.read_range(start, length)
         try:
             data = future.result()
-            _, first, fetched = self._requests[index]
-            return data if fetched == length else data[start - first : start - first + length]
+            first = self._requests[index][1]
+            return data if (first, len(data)) == (start, length) else data[start - first : start - first + length]
         finally:
             with self._lock:
                 self._untaken[index] -= 1

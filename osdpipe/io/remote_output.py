@@ -26,6 +26,16 @@ server-side copy into place: no listing shows them, but S3 keeps and bills their
 run's warnings. The copy into place costs a server-side copy of every object
 (no bytes through this machine).
 
+Into a prefix that holds no conversion (a first conversion, or a prefix whose last run was undone) there is nothing to
+keep whole, and the staging and the server-side copies are skipped (:func:`_write_direct`): ``.incoming/writing.json``
+names the files the run writes, then every file is uploaded straight to its own key, the markers last in the same
+order (so a reader that lists the prefix meanwhile finds no ``.metadata`` before the files it describes, and no
+manifest before the whole conversion), and the note is deleted. A run killed before the end leaves the note and some
+of the files, no manifest; the next run into the prefix removes the files it names (markers first) and the note, and
+aborts the multipart uploads into them; ``osdpipe check`` says the prefix holds no whole conversion and why. With
+``output.overwrite=true`` over a conversion in place the steps above are kept: the old conversion stays whole until
+the new one is.
+
 ``report.json`` and ``osdpipe.log`` are not part of a conversion: they are uploaded after the commit
 (:func:`publish_record`), and stay in the local job directory, from which the conversion itself is then removed. A
 run that fails uploads nothing: its report is in the local job directory.
@@ -44,6 +54,8 @@ from osdpipe.io import store
 from osdpipe.io.output import MANIFEST, OutputError, conversion_entries, conversion_names
 
 INCOMING = ".incoming"
+#: Under ``.incoming/``, while a run writes a conversion straight into a prefix that held none: the files it writes.
+WRITING = "writing.json"
 #: What a run writes and deletes in the prefix to prove it may write there.
 PROBE = ".osdpipe-write-test"
 #: Files that mark a conversion complete, in the order they are written (last: the manifest); deleted in reverse:
@@ -158,6 +170,9 @@ def recover(destination: Destination) -> list[str]:
             *_abort_unfinished_uploads(destination, incoming),  # its server-side copies of large objects, in parts
         ]
     notes = []
+    if WRITING in incoming:  # a run writing straight into the prefix was killed: what it wrote is removed
+        notes += _undo_direct(destination)
+        incoming.remove(WRITING)
     if incoming:
         shown = ", ".join(incoming[:5]) + (f" and {len(incoming) - 5} more" if len(incoming) > 5 else "")
         try:
@@ -211,27 +226,108 @@ def _abort_unfinished_uploads(destination: Destination, committed: list[str] = (
 
 def publish(destination: Destination, directory: Path) -> list[str]:
     """Upload the conversion committed in the local ``directory`` into the prefix and commit it there whole (see the
-    module docstring), then the run's record (:func:`publish_record`); the local copy of the conversion is removed
+    module docstring: staged and copied into place over a conversion, straight to its keys into a prefix that holds
+    none), then the run's record (:func:`publish_record`); the local copy of the conversion is removed
     (``report.json`` and ``osdpipe.log`` stay). Returns the uploaded files (relative paths), in upload order.
 
     The manifest's ``config.output.path`` is the prefix's URL (the conversion's digests do not cover it).
 
     Raises:
-        OutputError: the upload or the commit failed; what the upload had put under ``.incoming/`` is removed.
+        OutputError: the upload or the commit failed; what the upload had put under ``.incoming/`` (or, into an
+            empty prefix, in place) is removed.
     """
     local = [p for entry in conversion_entries(directory) for p in ([entry] if entry.is_file() else entry.rglob("*"))]
     names = markers_last([p.relative_to(directory).as_posix() for p in local if p.is_file()])
+    if not _conversion_in_place(destination):  # nothing to keep whole: no staging, no server-side copy
+        _write_direct(destination, directory, names)
+    else:
+        _stage(destination, directory, names)
+        _commit(destination, names)
+    publish_record(destination, directory)
+    for entry in conversion_entries(directory):  # committed in the prefix: the local copy's disk is given back
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    return names
+
+
+def _upload(destination: Destination, directory: Path, names: list[str], *under: str) -> None:
+    """``names`` (in :func:`markers_last` order) from ``directory`` to the prefix (or ``under`` it): the data files
+    several in flight, then the markers one by one, in order; the manifest with the prefix's URL in it."""
     data = [n for n in names if n.rsplit("/", 1)[-1] not in MARKERS]
+    if data:
+        destination.fs.put(
+            [str(directory / n) for n in data], [destination.key(*under, n) for n in data]
+        )  # several in flight (s3fs: its max_concurrency); a large file in parts as it is read
+    for name in names[len(data) :]:
+        if name == MANIFEST:
+            destination.fs.pipe_file(destination.key(*under, name), _manifest_for(directory, destination))
+        else:
+            destination.fs.put_file(str(directory / name), destination.key(*under, name))
+
+
+def _write_direct(destination: Destination, directory: Path, names: list[str]) -> None:
+    """Into a prefix that holds no conversion: every file straight to its own key, the markers last, so that a
+    reader that lists the prefix meanwhile finds no marker (no ``.metadata``, no manifest) before every file it
+    vouches for is there. :data:`WRITING` under ``.incoming/`` names the files first and is deleted last: a run
+    killed in between leaves it, and the next run (:func:`recover`) removes what it names, ``osdpipe check`` says
+    so. A failed upload removes what it wrote."""
+    note = destination.key(INCOMING, WRITING)
     try:
-        if data:
-            destination.fs.put(
-                [str(directory / n) for n in data], [destination.key(INCOMING, n) for n in data]
-            )  # several in flight (s3fs: its max_concurrency); a large file in parts as it is read
-        for name in names[len(data) :]:
-            if name == MANIFEST:
-                destination.fs.pipe_file(destination.key(INCOMING, name), _manifest_for(directory, destination))
-            else:
-                destination.fs.put_file(str(directory / name), destination.key(INCOMING, name))
+        destination.fs.pipe_file(note, json.dumps({"files": names}, indent=2).encode())
+        _upload(destination, directory, names)
+        destination.fs.rm_file(note)
+    except Exception as exc:  # noqa: BLE001
+        error = destination.fail(exc)
+        try:
+            _remove_written(destination, names)
+            destination.fs.rm_file(note)
+        except Exception:  # noqa: BLE001 - the next run names what is left (recover)
+            pass
+        raise error from None
+
+
+def _remove_written(destination: Destination, names: list[str]) -> list[str]:
+    """Of ``names``, those in the prefix, deleted, markers first (the manifest, then ``.metadata``: no reader takes
+    what is left for a conversion); returns them."""
+    there = set(_objects(destination))
+    written = [n for n in names if n in there]
+    markers = list(reversed(markers_last([n for n in written if n.rsplit("/", 1)[-1] in MARKERS])))
+    for name in markers:
+        destination.fs.rm_file(destination.key(name))
+    rest = [destination.key(n) for n in written if n not in markers]
+    if rest:
+        destination.fs.rm(rest)
+    return written
+
+
+def _undo_direct(destination: Destination) -> list[str]:
+    """A run that wrote straight into an empty prefix (:func:`_write_direct`) and was killed before the end: the
+    files it names, removed, unless its manifest (its last file) made it whole; its unfinished multipart uploads
+    aborted. Returns what was done, in words."""
+    try:
+        named = json.loads(destination.fs.cat_file(destination.key(INCOMING, WRITING)))["files"]
+        if not isinstance(named, list) or not all(isinstance(n, str) for n in named):
+            raise ValueError(f"{WRITING} does not list files")
+        if MANIFEST in named and MANIFEST in _objects(destination):
+            destination.fs.rm_file(destination.key(INCOMING, WRITING))  # whole: only its note was left
+            return []
+        removed = _remove_written(destination, named)
+        destination.fs.rm_file(destination.key(INCOMING, WRITING))
+    except Exception as exc:  # noqa: BLE001
+        raise destination.fail(exc, INCOMING, WRITING) from None
+    notes = []
+    if removed:
+        shown = ", ".join(removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
+        notes.append(
+            f"removed {len(removed)} object(s) of an unfinished conversion that a run killed while writing it into "
+            f"{destination.location.url} left (no manifest; no reader took them for a conversion): {shown}"
+        )
+    return notes + _abort_unfinished_uploads(destination, named)
+
+
+def _stage(destination: Destination, directory: Path, names: list[str]) -> None:
+    """Step 1 of the module docstring: every file under ``.incoming/``, the markers last; a failure removes it."""
+    try:
+        _upload(destination, directory, names, INCOMING)
     except Exception as exc:  # noqa: BLE001
         error = destination.fail(exc)
         try:
@@ -239,11 +335,6 @@ def publish(destination: Destination, directory: Path) -> list[str]:
         except Exception:  # noqa: BLE001 - the next run names what is left (recover)
             pass
         raise error from None
-    _commit(destination, names)
-    publish_record(destination, directory)
-    for entry in conversion_entries(directory):  # committed in the prefix: the local copy's disk is given back
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    return names
 
 
 def _manifest_for(directory: Path, destination: Destination) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from osdpipe.io.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader, TensorRef
+from osdpipe.io.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader, TensorRef, expect
 from osdpipe.layout.model_keys import gather, key_ranges
 from osdpipe.layout.tree import ModuleTree, ParamInfo
 
@@ -248,6 +248,11 @@ class WholeReader:
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         if name != WEIGHTS:
             self.optimizer.release(fqn, name, start, stop)
+
+    def expect(self, reads: Iterable[tuple[str, str, int, int]]) -> None:
+        """The optimizer's ranges about to be read, told to its reader where it fetches ahead
+        (:func:`osdpipe.io.formats.base.expect`); the weights are read as they are asked for."""
+        expect(self.optimizer, [r for r in reads if r[1] != WEIGHTS])
 
 
 class NoOptimizer:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from osdpipe.io.digest import pieces_sha256
 from osdpipe.io.formats import SourceMeta, SourceReader, TensorRef, own_copy
+from osdpipe.io.formats.base import expect
 from osdpipe.layout.ranges import LocalTensor, Segment, batches, uncovered
 
 
@@ -127,6 +128,11 @@ class Source:
 
     def __init__(self, reader: SourceReader, piece_bytes: int | None) -> None:
         self.reader, self.piece_bytes = reader, piece_bytes
+
+    def expect(self, batches_: list[Batch]) -> None:
+        """The batches about to be read, in order: a reader of object storage fetches them ahead as few requests
+        (:func:`osdpipe.io.formats.base.expect`); none: it lets go of what it fetched for the last ones."""
+        expect(self.reader, [(s.fqn, b.name, s.start, s.start + s.length) for b in batches_ for s in b.segments])
 
     def pieces(self, batch: Batch) -> list[torch.Tensor]:
         return [self.reader.read_range(s.fqn, batch.name, s.start, s.start + s.length) for s in batch.segments]

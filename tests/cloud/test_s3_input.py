@@ -179,6 +179,52 @@ def test_a_rank_fetches_only_the_items_it_needs_never_a_whole_file(converted, mo
     assert remote_input.METER.bytes < sum(sizes[n] for n in distcp)  # the two tensors' items, not their files
 
 
+def test_a_ranks_expected_reads_of_one_object_are_one_request(converted, monkeypatch, tmp_path) -> None:
+    """The shard stage and the roundtrip check tell the reader every range a rank will read (``expect``): each
+    object's items come in one request (here: the files are far below a request's bound), not one request per item,
+    and the bytes are those of the local copy."""
+    from osdpipe.io.formats.dcp_reader import DcpReader
+    from osdpipe.layout.ranges import Segment
+    from osdpipe.run.transfer import Batch, Source
+
+    bucket, root, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    remote_input.configure({})
+    url = bucket.url("src", "dcp")
+    remote, local = DcpReader(url, "optim"), DcpReader(str(root / "src" / "dcp"), "optim")
+    meta = local.meta()
+    # target rank 0 of 2: the first half of the rows of every moment, in source ranks 0 and 1's files
+    reads = []
+    for fqn, states in meta.state.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            ref = states[name]
+            row = int(torch.Size(ref.shape[1:]).numel())
+            reads.append((fqn, name, 0, (ref.shape[0] + 1) // 2 * row))
+    batches = [
+        Batch(name, getattr(torch, meta.state[fqn][name].dtype), (Segment(fqn, start, stop - start, 0),))
+        for fqn, name, start, stop in reads
+    ]
+
+    def read_all(expect: bool) -> list[torch.Tensor]:
+        source = Source(remote, None)
+        remote_input.METER.reset()
+        if expect:
+            source.expect(batches)
+        try:
+            return [piece for batch in batches for piece in source.pieces(batch)]
+        finally:
+            source.expect([])
+
+    one_by_one = read_all(expect=False)
+    items = remote_input.METER.requests
+    planned = read_all(expect=True)
+    objects = sorted({u.rsplit("/", 1)[-1] for u, _, _ in remote_input.METER.ranges})
+    assert objects == ["__0_0.distcp", "__1_0.distcp"]
+    assert remote_input.METER.requests == len(objects) < items  # one request per object, not one per item
+    want = [local.read_range(fqn, name, start, stop) for fqn, name, start, stop in reads]
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, planned, one_by_one, strict=True))
+
+
 def test_prefetch_keeps_several_requests_in_flight_within_its_bound() -> None:
     lock, state = threading.Lock(), {"now": 0, "most": 0, "bytes": 0, "most_bytes": 0}
 
@@ -222,5 +268,26 @@ def test_prefetch_fetches_ranges_that_follow_each_other_as_one_request() -> None
             assert prefetch.take(p, start, length) == bytes((start + i) % 251 for i in range(length))
     finally:
         prefetch.close()
-    # 20 ranges back to back: two requests of 1000 bytes; a gap, another object, and a step back each start another
+    # 20 ranges back to back: two requests of 1000 bytes (the bound); the range asked for last joins no request (it
+    # would outgrow one), nor does a far one (the gap is over 1000 // 8) or one of another object
     assert sorted(asked) == [(0, 1000), (1000, 1000), (2000, 50), (5000, 10), (5010, 10)]
+
+
+def test_prefetch_joins_ranges_of_one_object_across_a_small_gap_and_out_of_order() -> None:
+    asked: list[tuple[int, int]] = []
+
+    class Counting:
+        def read_range(self, start: int, length: int) -> bytes:
+            asked.append((start, length))
+            return bytes((start + i) % 251 for i in range(length))
+
+    a, b = Counting(), Counting()
+    # two objects read in turn (as a rank reads two source ranks' files), each back to front, with small gaps
+    wanted = [(p, start, 95) for start in (300, 200, 100, 0) for p in (a, b)]
+    prefetch = remote_input.Prefetch(wanted, limit=40_000, gap=10)
+    try:
+        for p, start, length in wanted:
+            assert prefetch.take(p, start, length) == bytes((start + i) % 251 for i in range(length))
+    finally:
+        prefetch.close()
+    assert sorted(asked) == [(0, 395), (0, 395)]

@@ -6,7 +6,9 @@ Nothing in osdpipe waits for the test: the kill lands because the upload is long
 MLP of width 2048, depth 8: its optimizer state about 270 MB, kept in the conversion as ``source/optim.pt``) goes up
 in parts beside eight small DCP files; the test polls the bucket and kills the command as soon as the first object of
 the new conversion is under ``<prefix>/.incoming/`` (mid-upload: the big file is still going up), or as soon as
-``.incoming/manifest.json`` is there (the commit: server-side copies of the same bytes into place).
+``.incoming/manifest.json`` is there (the commit: server-side copies of the same bytes into place). A first conversion
+into an empty prefix goes straight to its keys, markers last: killed as soon as its first file is in place, it leaves
+no marker a reader keys on, and the next run removes what it wrote.
 """
 
 from __future__ import annotations
@@ -62,14 +64,15 @@ def _run(args: list[str], cwd: Path, name: str) -> dict:
     return _finished(_osdpipe(args, cwd, cwd / name), cwd / name)
 
 
-def _kill_when(proc: subprocess.Popen, s3: S3, prefix: str, reached) -> list[str]:
-    """Poll the bucket until ``reached(keys under <prefix>/.incoming/)``, then SIGKILL the command's process group;
+def _kill_when(proc: subprocess.Popen, s3: S3, prefix: str, reached, under: str = INCOMING) -> list[str]:
+    """Poll the bucket until ``reached(keys under <prefix>/<under>/)``, then SIGKILL the command's process group;
     returns the keys seen then."""
     deadline = time.monotonic() + REACH_S
+    inside = f"{prefix}/{under}".rstrip("/")
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"the run ended ({proc.returncode}) before the point to kill it at was seen")
-        seen = [k.removeprefix(f"{prefix}/{INCOMING}/") for k in s3.keys(f"{prefix}/{INCOMING}")]
+        seen = [k.removeprefix(f"{inside}/") for k in s3.keys(inside)]
         if reached(seen):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
@@ -198,6 +201,43 @@ def test_a_run_killed_while_committing_is_finished_by_the_next(s3: S3, tmp_path:
                  tmp_path, "third")  # fmt: skip
     assert third["code"] == 0, third["stderr"]
     assert f"finished committing into {s3.url('out')}" in third["stderr"]
+    if copying:
+        assert f"aborted {len(copying)} unfinished multipart upload(s) an unfinished run left under " in third["stderr"]
+    assert s3.keys(f"out/{INCOMING}") == [] and _uploads_in_flight(s3, "out") == []
+    assert _world(s3, "out") == 8
+    after = _check(s3, "out", tmp_path)
+    assert after["code"] == 0 and f"nothing under {s3.url('out', INCOMING)}/" in after["stdout"], after["stdout"]
+    assert _loads_with_pytorchs_reader(s3, "out", monkeypatch, tmp_path) > 0
+
+
+def test_a_run_killed_writing_into_an_empty_prefix_leaves_no_marker_and_the_next_removes_it(
+    s3: S3, tmp_path: Path, monkeypatch
+) -> None:
+    killed = _osdpipe([*CONVERSION, "target.world_size=4", f"output.path={s3.url('out')}"], tmp_path,
+                      tmp_path / "killed")  # fmt: skip
+    seen = _kill_when(killed, s3, "out", lambda keys: any(not k.startswith(INCOMING + "/") for k in keys), under="")
+    assert f"{INCOMING}/writing.json" in seen, seen  # the note naming its files went first
+    left = [k.removeprefix("out/") for k in s3.keys("out")]
+    assert "manifest.json" not in left and "dcp/.metadata" not in left, f"a marker before its data: {left}"
+    assert [k for k in left if k.startswith(INCOMING + "/")] == [f"{INCOMING}/writing.json"]  # nothing staged
+    written = [k for k in left if not k.startswith(INCOMING + "/")]
+    assert written
+
+    check = _check(s3, "out", tmp_path)
+    assert check["code"] == 1, check["stdout"] + check["stderr"]
+    assert f"check commit     FAIL  a run was killed while writing a conversion into {s3.url('out')}, which held " in (
+        check["stdout"]
+    ), check["stdout"]
+    copying = _uploads_in_flight(s3, "out")
+    # listed again: a PUT whose body had reached the server when the run was killed may complete after the kill
+    written = [k.removeprefix("out/") for k in s3.keys("out") if not k.startswith(f"out/{INCOMING}/")]
+
+    third = _run([*CONVERSION, "target.world_size=8", f"output.path={s3.url('out')}"], tmp_path, "third")
+    assert third["code"] == 0, third["stderr"]  # no overwrite needed: the prefix held no conversion
+    assert (
+        f"removed {len(written)} object(s) of an unfinished conversion that a run killed while writing it into "
+        f"{s3.url('out')} left" in third["stderr"]
+    ), third["stderr"]
     if copying:
         assert f"aborted {len(copying)} unfinished multipart upload(s) an unfinished run left under " in third["stderr"]
     assert s3.keys(f"out/{INCOMING}") == [] and _uploads_in_flight(s3, "out") == []

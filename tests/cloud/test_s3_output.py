@@ -198,25 +198,113 @@ def test_a_run_killed_while_committing_is_finished_by_the_next(s3: S3, tmp_path:
     assert _remote_files(s3, "out")["rank_1.pt"] == b"new rank 1"
 
 
+def _refuse_the_manifest(destination, s3: S3, seen: list[str]) -> None:
+    """The store refuses the manifest, the upload's last object; what the prefix holds then goes into ``seen``."""
+    pipe_file = destination.fs.pipe_file
+
+    def refused(path: str, data: bytes, **kwargs) -> None:
+        if not path.endswith("/manifest.json"):
+            return pipe_file(path, data, **kwargs)
+        seen.extend(s3.keys("out"))
+        raise PermissionError(f"Access Denied on {path}")
+
+    destination.fs.pipe_file = refused
+
+
 def test_the_markers_go_last_and_a_failed_upload_removes_what_it_uploaded(s3: S3, tmp_path: Path) -> None:
     assert remote_output.markers_last(["manifest.json", "dcp/.metadata", "dcp/__0_0.distcp", "rank_0.pt"]) == [
         "dcp/__0_0.distcp", "rank_0.pt", "dcp/.metadata", "manifest.json"
     ]  # fmt: skip
-    destination = remote_output.prepare(s3.url("out"), overwrite=False)
-    uploaded = []
-
-    def refused(path: str, data: bytes, **kwargs) -> None:  # the store refuses the manifest, the upload's last object
-        uploaded.extend(s3.keys("out/.incoming"))
-        raise PermissionError(f"Access Denied on {path}")
-
-    destination.fs.pipe_file = refused
+    remote_output.publish(remote_output.prepare(s3.url("out"), overwrite=False), _staged(tmp_path, 3))
+    before = _remote_files(s3, "out")
+    destination = remote_output.prepare(s3.url("out"), overwrite=True)  # over a conversion: staged under .incoming/
+    seen: list[str] = []
+    _refuse_the_manifest(destination, s3, seen)
     with pytest.raises(OutputError) as caught:
         remote_output.publish(destination, _staged(tmp_path, 2))
     assert str(caught.value) == (
         f"output.path='{s3.url('out')}': access denied; the credentials in use may not write here"
     )
-    assert uploaded == ["out/.incoming/rank_0.pt", "out/.incoming/rank_1.pt"]
+    assert [k for k in seen if "/.incoming/" in k] == ["out/.incoming/rank_0.pt", "out/.incoming/rank_1.pt"]
+    assert _remote_files(s3, "out") == before
+
+
+def test_into_an_empty_prefix_each_file_goes_straight_to_its_key_markers_last(s3: S3, tmp_path: Path) -> None:
+    """No staging under .incoming/ and no server-side copy: the note naming the files, the data, the DCP metadata,
+    the manifest, in that order; then the note is gone."""
+    directory = _staged(tmp_path, 2)
+    (directory / "dcp").mkdir()
+    (directory / "dcp" / "__0_0.distcp").write_bytes(b"items")
+    (directory / "dcp" / ".metadata").write_bytes(b"metadata")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["files"].update({"dcp/__0_0.distcp": "x", "dcp/.metadata": "x"})
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    destination = remote_output.prepare(s3.url("out"), overwrite=False)
+    fs, written = destination.fs, []
+    put, put_file, pipe_file = fs.put, fs.put_file, fs.pipe_file
+
+    def copy(*args, **kwargs):
+        raise AssertionError("no server-side copy into an empty prefix")
+
+    fs.put = lambda sources, keys, **kw: (written.extend(keys), put(sources, keys, **kw))
+    fs.put_file = lambda source, key, **kw: (written.append(key), put_file(source, key, **kw))
+    fs.pipe_file = lambda key, data, **kw: (written.append(key), pipe_file(key, data, **kw))
+    fs.copy = copy
+    names = remote_output.publish(destination, directory)
+    top = f"{s3.bucket}/out"
+    assert [k.removeprefix(top + "/") for k in written] == [
+        ".incoming/writing.json", "dcp/__0_0.distcp", "rank_0.pt", "rank_1.pt", "dcp/.metadata", "manifest.json",
+        "report.json", "osdpipe.log",
+    ][: len(written)]  # fmt: skip
+    assert names == ["dcp/__0_0.distcp", "rank_0.pt", "rank_1.pt", "dcp/.metadata", "manifest.json"]
+    assert s3.keys("out") == [f"out/{n}" for n in sorted(names)]  # nothing under .incoming/
+    assert _remote_files(s3, "out")["dcp/__0_0.distcp"] == b"items"
+
+
+def test_a_failed_write_into_an_empty_prefix_removes_what_it_wrote(s3: S3, tmp_path: Path) -> None:
+    destination = remote_output.prepare(s3.url("out"), overwrite=False)
+    seen: list[str] = []
+    _refuse_the_manifest(destination, s3, seen)
+    with pytest.raises(OutputError, match="access denied"):
+        remote_output.publish(destination, _staged(tmp_path, 2))
+    assert seen == ["out/.incoming/writing.json", "out/rank_0.pt", "out/rank_1.pt"]
     assert s3.keys("out") == []
+
+
+def _killed_writing(s3: S3, tmp_path: Path, written: list[str]) -> list[str]:
+    """The prefix as a run writing straight into it leaves it when killed after ``written`` (in upload order)."""
+    directory = _staged(tmp_path, 3)
+    names = remote_output.markers_last([p.name for p in directory.iterdir()])
+    fs = s3.fs()
+    fs.pipe(f"{s3.bucket}/out/.incoming/writing.json", json.dumps({"files": names}).encode())
+    for name in written:
+        fs.pipe(f"{s3.bucket}/out/{name}", (directory / name).read_bytes())
+    return names
+
+
+def test_a_run_killed_writing_into_an_empty_prefix_is_named_by_check_and_removed_by_the_next(s3: S3, tmp_path):
+    _killed_writing(s3, tmp_path, ["rank_0.pt", "rank_1.pt"])  # before its manifest
+    [check] = run_cli_cases([["check", s3.url("out")]], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
+    assert check["code"] == 1, check["stdout"] + check["stderr"]
+    assert (
+        f"check commit     FAIL  a run was killed while writing a conversion into {s3.url('out')}, which held none: "
+        "2 of its 4 file(s) are there (rank_0.pt, rank_1.pt), no manifest" in check["stdout"]
+    ), check["stdout"]
+    again = remote_output.prepare(s3.url("out"), overwrite=False)  # no conversion there: no overwrite needed
+    assert again.notes == [
+        f"removed 2 object(s) of an unfinished conversion that a run killed while writing it into {s3.url('out')} "
+        "left (no manifest; no reader took them for a conversion): rank_0.pt, rank_1.pt"
+    ]
+    assert s3.keys("out") == []
+
+
+def test_a_run_killed_after_its_manifest_leaves_its_conversion_whole(s3: S3, tmp_path: Path) -> None:
+    names = _killed_writing(s3, tmp_path, [])
+    for name in names:
+        s3.fs().pipe(f"{s3.bucket}/out/{name}", (tmp_path / "staged_3" / name).read_bytes())
+    with pytest.raises(OutputError, match="already holds a conversion"):
+        remote_output.prepare(s3.url("out"), overwrite=False)
+    assert s3.keys("out") == [f"out/{n}" for n in sorted(names)]  # the note gone, the conversion kept
 
 
 def test_a_prefix_that_cannot_be_written_is_refused_before_the_run(s3: S3, monkeypatch) -> None:

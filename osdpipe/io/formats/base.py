@@ -8,7 +8,7 @@ import cycle.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -149,6 +149,19 @@ class RenamedReader:
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         self.reader.release(self.names.get(fqn, fqn), name, start, stop)
+
+    def expect(self, reads: Iterable[tuple[str, str, int, int]]) -> None:
+        expect(self.reader, [(self.names.get(fqn, fqn), name, a, b) for fqn, name, a, b in reads])
+
+
+def expect(reader: Any, reads: Iterable[tuple[str, str, int, int]]) -> None:
+    """Tell ``reader`` the ranges ``(fqn, name, start, stop)`` it is about to be asked for, in that order, where it
+    can use them: a reader of object storage fetches them ahead as few requests
+    (:meth:`osdpipe.io.formats.dcp_reader.DcpCheckpoint.expect`); empty: it lets go of what it fetched and was not
+    asked for. Readers of local files read as they are asked: nothing happens."""
+    told = getattr(reader, "expect", None)
+    if told is not None:
+        told(list(reads))
 
 
 def mapped_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:

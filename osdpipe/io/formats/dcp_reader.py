@@ -16,7 +16,8 @@ checked when the reader opens (:func:`check_structure`), so a damaged
 checkpoint fails before any process reads a tensor.
 
 A checkpoint in object storage (``input.path=s3://bucket/prefix``, :mod:`osdpipe.io.remote_input`) is read the same
-way, by byte ranges: ``.metadata`` whole, then each item the plan needs by one ranged request, several in flight
+way, by byte ranges: ``.metadata`` whole, then the items a read plan needs (or that a rank's reads will need, told
+ahead through :meth:`DcpCheckpoint.expect`), each object's neighbours as one ranged request, several in flight
 (:class:`~osdpipe.io.remote_input.Prefetch`); a ``.distcp`` file is never downloaded whole for a part of it. A local
 directory is read as before, never through fsspec.
 """
@@ -27,7 +28,7 @@ import io
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -107,7 +108,7 @@ class SafeFileSystemReader(FileSystemReader):
     def _slice_file(self, file: Any, sinfo: _StorageInfo) -> Any:
         # Every item is a torch.save archive of its own (unless a storage transform, e.g. compression, wrapped it).
         self._item = sinfo
-        if isinstance(file, RemotePath):  # its bytes, fetched by one ranged request (ahead, by the plan's prefetch)
+        if isinstance(file, RemotePath):  # its bytes, fetched ahead by the plan's prefetch (with its neighbours)
             take = self._prefetch.take if self._prefetch is not None else _read_range
             data = take(file, sinfo.offset, sinfo.length)
             if len(data) != sinfo.length:
@@ -400,6 +401,7 @@ class DcpCheckpoint:
         self.paths: dict[str, tuple[Any, ...]] = nested_paths(self.metadata.planner_data)
         self._kept: tuple[MetadataIndex, torch.Tensor] | None = None  # read_range: the last chunk read
         self._whole_kept: tuple[str, torch.Tensor] | None = None  # read_range: the last tensor read whole
+        self._prefetch: Prefetch | None = None  # read_range in object storage: the items expect() planned
 
     def tops(self) -> list[str]:
         """The top-level keys of the saved state dict."""
@@ -447,16 +449,10 @@ class DcpCheckpoint:
         and kept until another tensor is asked for.
         """
         md = self.metadata.state_dict_metadata[flat]
-        size = tuple(md.size)
-        row = math.prod(size[1:])
-        chunks = sorted(md.chunks, key=lambda c: tuple(c.offsets))
-        rows_only = all(
-            tuple(c.offsets[1:]) == (0,) * (len(size) - 1) and tuple(c.sizes[1:]) == size[1:] for c in chunks
-        )
-        if not rows_only or any(
-            self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors for c in chunks
-        ):
+        chunks = self._row_chunks(flat)
+        if chunks is None:
             return self._whole(flat).view(-1)[start:stop]
+        row = math.prod(tuple(md.size)[1:])
         out = torch.empty(stop - start, dtype=md.properties.dtype)
         for c in chunks:
             lo, hi = max(start, c.offsets[0] * row), min(stop, (c.offsets[0] + c.sizes[0]) * row)
@@ -464,6 +460,49 @@ class DcpCheckpoint:
                 base = c.offsets[0] * row
                 out[lo - start : hi - start] = self._chunk(flat, c).view(-1)[lo - base : hi - base]
         return out
+
+    def _row_chunks(self, flat: str) -> list[Any] | None:
+        """Tensor item ``flat``'s stored chunks in order, where each spans whole rows and is stored as it is (a
+        ``torch.save`` archive); ``None`` where :meth:`read_range` reads the whole tensor instead."""
+        md = self.metadata.state_dict_metadata[flat]
+        size = tuple(md.size)
+        chunks = sorted(md.chunks, key=lambda c: tuple(c.offsets))
+        rows_only = all(
+            tuple(c.offsets[1:]) == (0,) * (len(size) - 1) and tuple(c.sizes[1:]) == size[1:] for c in chunks
+        )
+        if not rows_only or any(
+            self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors for c in chunks
+        ):
+            return None
+        return chunks
+
+    def expect(self, reads: Iterable[tuple[str, int, int]]) -> None:
+        """The element ranges (flat key, start, stop) :meth:`read_range` is about to be asked for, in that order.
+
+        In object storage the items holding them are fetched ahead, each object's neighbours as one request
+        (:class:`~osdpipe.io.remote_input.Prefetch`): the shard stage and the roundtrip check know a rank's reads
+        before they make them, and a request per item costs a round trip each (on a store that reads the whole
+        object to serve a range, the whole object each). Replaces what an earlier call planned; no reads: the
+        bytes fetched and not read are let go. A local directory is read as before: nothing happens.
+        """
+        if not isinstance(self.directory, RemotePath):
+            return
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
+        self._kept = None  # a kept chunk would be used, not taken, and its request held until the next call
+        wanted = []
+        for flat, start, stop in reads:
+            chunks = self._row_chunks(flat)
+            if chunks is None:  # read whole, through DCP's reader and its own prefetch
+                continue
+            row = math.prod(tuple(self.metadata.state_dict_metadata[flat].size)[1:])
+            for c in chunks:
+                if max(start, c.offsets[0] * row) < min(stop, (c.offsets[0] + c.sizes[0]) * row):
+                    info = self.metadata.storage_data[MetadataIndex(flat, c.offsets)]
+                    wanted.append((self.directory / info.relative_path, info.offset, info.length))
+        if wanted:
+            self._prefetch = Prefetch(wanted)
 
     def stored(self, flat: str) -> bytes | None:
         """The bytes non-tensor item ``flat`` is stored as (a ``torch.save`` archive of its value), unread;
@@ -503,8 +542,10 @@ class DcpCheckpoint:
             f"the item at bytes {info.offset}..{info.offset + info.length} of {self.directory / info.relative_path}"
         )
         try:
-            if isinstance(self.directory, RemotePath):  # one ranged request for the item
-                data = (self.directory / info.relative_path).read_range(info.offset, info.length)
+            if isinstance(self.directory, RemotePath):  # fetched ahead (expect), else one ranged request for the item
+                path = self.directory / info.relative_path
+                take = self._prefetch.take if self._prefetch is not None else _read_range
+                data = take(path, info.offset, info.length)
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             else:
                 with open(Path(self.path) / info.relative_path, "rb") as f:
@@ -605,3 +646,7 @@ class DcpReader:
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         """Nothing is mapped: what was read is dropped when the next range needs another chunk."""
+
+    def expect(self, reads: Iterable[tuple[str, str, int, int]]) -> None:
+        """The ranges ``(fqn, name, start, stop)`` about to be read, in order (see :meth:`DcpCheckpoint.expect`)."""
+        self.checkpoint.expect((self._flat_key("state", fqn, name), start, stop) for fqn, name, start, stop in reads)

@@ -87,18 +87,24 @@ def _serve(ctx: Context, source: Described, tally: Tally) -> dict[int, dict[tupl
         digest="verify" in ctx.spec.pipeline.stages and "roundtrip" in ctx.spec.pipeline.checks,
     )
     sent_digests: dict[int, dict[tuple[str, str, int], str]] = {}
-    for receiver in receivers:
-        sent_digests[receiver] = {}
-        for tensor in ctx.target_layout(receiver):
-            entry = flat_entry(tensor, source.meta)
-            if entry is None:
-                continue
-            work = plan(tensor, entry, source.meta, ctx.spec.runtime.piece_bytes)
+    sends = [
+        (receiver, tensor, plan(tensor, entry, source.meta, ctx.spec.runtime.piece_bytes))
+        for receiver in receivers
+        for tensor in ctx.target_layout(receiver)
+        if (entry := flat_entry(tensor, source.meta)) is not None
+    ]
+    server.source.expect([batch for _, _, work in sends for batch in work])  # fetched ahead from object storage
+    try:
+        for receiver, tensor, work in sends:
             sent, digests = server.send(work, receiver)
             tally.sent += sent
-            sent_digests[receiver].update({(tensor.key, b.name, i): d for i, (b, d) in enumerate(zip(work, digests))})
+            sent_digests.setdefault(receiver, {}).update(
+                {(tensor.key, b.name, i): d for i, (b, d) in enumerate(zip(work, digests))}
+            )
+    finally:
+        server.source.expect([])
     server.finish()
-    return sent_digests
+    return {receiver: sent_digests.get(receiver, {}) for receiver in receivers}
 
 
 def _convert(
@@ -121,6 +127,8 @@ def _convert(
             t.key: streamed.allocate(t, flat.entries[t.key], source.meta, work) for t, work in zip(tensors, plans)
         }, streamed
     out: dict[str, dict[str, Any]] = {}
+    if reads is not None:  # every read this rank makes, known now: an input in object storage fetches them ahead
+        reads.expect([batch for work in plans for batch in work])
     try:
         for tensor, work in zip(track(tensors), plans):
             state = allocate(tensor, flat.entries[tensor.key], source.meta)
@@ -131,6 +139,9 @@ def _convert(
         if receiver is not None:
             receiver.drain([batch for work in plans for batch in work])  # the sender is still sending: take it all
         raise
+    finally:
+        if reads is not None:
+            reads.expect([])
     return out, None
 
 

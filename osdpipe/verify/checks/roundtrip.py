@@ -46,6 +46,7 @@ def run(ctx: Subject) -> CheckResult:
     assert ctx.meta is not None
     sent = _sent_digests(ctx)
     problems: list[str] = []
+    reads: list[tuple[LocalTensor, dict[str, Any], list[tuple[int, Batch]]]] = []  # compared below, all known first
     for tensor in ctx.target_layout():
         entry = ctx.flat_state.get(tensor.key)
         if ctx.id_keyed and tensor.key not in ctx.held_keys(ctx.rank):
@@ -82,9 +83,11 @@ def run(ctx: Subject) -> CheckResult:
             for i, b in enumerate(plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes))
             if b.name in comparable
         ]
-        problems += (
-            _compare_read(tensor, state, work, ctx) if sent is None else _compare_sent(tensor, state, work, sent, ctx)
-        )
+        if sent is None:
+            reads.append((tensor, state, work))
+        else:
+            problems += _compare_sent(tensor, state, work, sent, ctx)
+    problems += _compare_reads(reads, ctx)
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
     passed = "every element equals the source bitwise; every source element is covered"
@@ -128,14 +131,25 @@ def _zero_where_no_state(tensor: LocalTensor, name: str, flat: torch.Tensor, ctx
     return problems
 
 
-def _compare_read(tensor: LocalTensor, state: dict[str, Any], work: list[tuple[int, Batch]], ctx: Subject) -> list[str]:
-    """Each batch of the result against the same ranges read from the source, bitwise."""
+def _compare_reads(reads: list[tuple[LocalTensor, dict[str, Any], list[tuple[int, Batch]]]], ctx: Subject) -> list[str]:
+    """Each batch of the result against the same ranges read from the source, bitwise.
+
+    Every read is known before the first is made: a source in object storage fetches them ahead as few requests
+    (:meth:`osdpipe.run.transfer.Source.expect`), as the shard stage did.
+    """
+    if not reads:
+        return []
     source, problems = ctx.read_source(), []
-    for _, batch in work:
-        problems += differing_segments(
-            f"{tensor.key}.{batch.name}", state[batch.name].reshape(-1), batch.segments, source.pieces(batch)
-        )
-        source.done(batch)
+    source.expect([batch for _, _, work in reads for _, batch in work])
+    try:
+        for tensor, state, work in reads:
+            for _, batch in work:
+                problems += differing_segments(
+                    f"{tensor.key}.{batch.name}", state[batch.name].reshape(-1), batch.segments, source.pieces(batch)
+                )
+                source.done(batch)
+    finally:
+        source.expect([])
     return problems
 
 
