@@ -337,6 +337,20 @@ def _patch_distrib_optimizer() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
+def hf_logits_gap(folder: Path, probe: dict) -> tuple[float, float]:
+    """How far Megatron's logits (``probe``: :func:`write_logits`' tokens and logits) are from transformers' own
+    forward of the Hugging Face folder ``folder`` (``from_pretrained``, eager attention) on the same tokens, over the
+    true vocabulary: ``(max |diff|, max |HF logit|)``. The tests hold the first within 1e-4 of the second
+    (``test_megatron_hf.py`` says why)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        reference = model(probe["tokens"]).logits
+    logits = probe["logits"][..., : reference.shape[-1]]
+    return float((logits - reference).abs().max()), float(reference.abs().max())
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Worker side: building the job.
 
