@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from osdpipe.io.store import is_remote
+
 #: ``checkpoint=`` and ``target.kind=`` of a Megatron-LM save.
 MEGATRON = "megatron"
 #: ``output.checkpoint=`` of a Hugging Face model folder (``config.json``, safetensors), written from a Megatron save.
@@ -39,6 +41,11 @@ def megatron_problem(spec: Any) -> str | None:
     """Why ``spec`` (a :class:`~osdpipe.spec.config.RunSpec`) is no conversion osdpipe makes of or to a Megatron-LM
     save (``None``: it is one, or none of its keys are Megatron's); one line naming the key to set."""
     layout, target, output = spec.checkpoint.layout, spec.target, spec.output
+    if by_megatron_stages(layout, output.checkpoint) and spec.input.path is not None and is_remote(spec.input.path):
+        return (
+            f"input.path={spec.input.path!r}: a conversion to or from Megatron-LM does not read object storage yet "
+            "(its output may go there); copy the source to a local path first"
+        )
     if layout == HF and output.checkpoint != MEGATRON:
         return (
             "checkpoint=hf reads a Hugging Face model folder for Megatron-LM: set output.checkpoint=megatron (a "
