@@ -46,6 +46,11 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def has_weights(directory: Path) -> bool:
+    """Whether ``directory`` holds safetensors weights as ``save_pretrained`` writes them: one file, or an index."""
+    return (directory / SINGLE_FILE).is_file() or (directory / INDEX_FILE).is_file()
+
+
 def weight_files(directory: Path) -> list[str]:
     """The names of the folder's safetensors files: the one file, or the shards its index names."""
     index = directory / INDEX_FILE

@@ -67,7 +67,7 @@ def refusal(spec: RunSpec) -> str | None:
 
 def _weights_files(folder: Path) -> None:
     """Refuse a folder without safetensors weights (``InputError``, naming what it holds)."""
-    if not (folder / SINGLE_FILE).is_file() and not (folder / INDEX_FILE).is_file():
+    if not hf_folder.has_weights(folder):
         held = sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
         raise InputError(f"{folder} holds no {SINGLE_FILE} or {INDEX_FILE} (it holds "
                          f"{', '.join(held[:5]) or 'no file'}); save the model with "
@@ -82,7 +82,7 @@ def read_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
     """
     folder = Path(path)
     config = hf_folder.read_config(folder)
-    _weights_files(folder)
+    _weights_files(folder)  # refused in one line naming what the folder holds, not a missing model.safetensors
     return config, hf_folder.read_weights(folder)
 
 

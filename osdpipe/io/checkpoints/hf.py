@@ -19,7 +19,7 @@ from osdpipe.io import hf_folder
 from osdpipe.io.checkpoints.base import CheckpointLayout, Entry, ModelNaming, WholeCheckpoint, register
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.hf_folder import CONFIG
-from osdpipe.io.safetensors_out import INDEX_FILE, SINGLE_FILE
+from osdpipe.io.safetensors_out import INDEX_FILE
 
 #: Files of a training run beside a model's weights (the HF Trainer's, accelerate's): such a folder is no model folder.
 TRAINING_FILES = ("optimizer.pt", "optimizer.bin", "trainer_state.json", "scheduler.pt", "optimizer_0",
@@ -37,8 +37,7 @@ class HuggingFaceFolder(CheckpointLayout):
 
     def recognizes(self, path: Path) -> bool:
         return (
-            path.is_dir() and (path / CONFIG).is_file()
-            and ((path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file())
+            path.is_dir() and (path / CONFIG).is_file() and hf_folder.has_weights(path)
             and not any((path / name).exists() for name in TRAINING_FILES)
         )
 
