@@ -13,21 +13,24 @@ import contextlib
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from osdpipe.core import rankserver
-from osdpipe.run import progress, whereabouts
+from osdpipe.run import native_crash, progress, whereabouts
 from osdpipe.run.collective import StageError, lost_a_peer, one_line
 
 #: How long the launcher waits for the other ranks to report after one failed.
@@ -108,7 +111,9 @@ def _worker(
     events: Any,
     board: Any,
     shared_progress: tuple[str, ...],
+    stacks: str,
 ) -> None:
+    native_crash.arm(native_crash.dump_path(Path(stacks), rank))
     whereabouts.attach(board, rank)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -152,8 +157,9 @@ def _worker(
         dist.destroy_process_group()
 
 
-def death(exitcode: int, stage: str | None) -> str:
-    """Why a rank process ended without a word, and where: "process killed by SIGKILL in stage 'save'"."""
+def death(exitcode: int, stage: str | None, code: str | None = None) -> str:
+    """Why a rank process ended without a word, and where: "process killed by SIGKILL in stage 'save'";
+    ``code``: the Python code it was in (:func:`osdpipe.run.native_crash.innermost`), where it said."""
     if exitcode < 0:
         try:
             how = f"killed by {signal.Signals(-exitcode).name}"
@@ -162,12 +168,13 @@ def death(exitcode: int, stage: str | None) -> str:
     else:
         how = f"exited with code {exitcode}"
     where = f"in stage {stage!r}" if stage else "before its first stage"
+    at = f" (in {code})" if code else ""
     hint = (
         "; the kernel's out-of-memory killer sends SIGKILL: see runtime.memory_budget"
         if exitcode == -signal.SIGKILL
         else ""
     )
-    return f"process {how} {where} without reporting an error{hint}"
+    return f"process {how} {where} without reporting an error{at}{hint}"
 
 
 def _is_echo(failure: RankFailure) -> bool:
@@ -234,12 +241,16 @@ def run_local_world(
     results = ctx.Queue()
     events = ctx.Queue() if display is not None and display.enabled else None
     board = whereabouts.Board(ctx, world_size)
+    stacks = Path(tempfile.mkdtemp(prefix="osdpipe-stacks-"))  # where a rank killed by a signal leaves its stacks
     port = free_port()
     backend = backend or default_backend()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells, shared_progress),
+            args=(
+                r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells, shared_progress,
+                str(stacks),
+            ),
             daemon=False,
         )
         for r in range(world_size)
@@ -263,7 +274,9 @@ def run_local_world(
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
                 for r in dead:
-                    outcome[r] = (False, RankFailure(death(procs[r].exitcode, board.stage_of(r)), ""))
+                    dump = native_crash.read(native_crash.dump_path(stacks, r))
+                    said = death(procs[r].exitcode, board.stage_of(r), native_crash.innermost(dump))
+                    outcome[r] = (False, RankFailure(said, dump))
                 if dead and first_failure is None:
                     first_failure = time.monotonic()
     finally:
@@ -275,6 +288,7 @@ def run_local_world(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(stacks, ignore_errors=True)
     _drain(events, display)
     failures = {r: v for r, (ok, v) in outcome.items() if not ok}  # in the order they arrived
     missing = [r for r in range(world_size) if r not in outcome]

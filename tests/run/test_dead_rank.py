@@ -4,7 +4,8 @@ the output as it was.
 Through the ``osdpipe`` command on a user's model (``userlm``), with a
 previous conversion already in the output directory. ``tests/support/faults`` on
 ``PYTHONPATH`` makes one rank die on cue (``OSDPIPE_TEST_FAULT``, see its
-``sitecustomize.py``): killed with SIGKILL, which runs nothing after it, or
+``sitecustomize.py``): killed with SIGKILL, which runs nothing after it,
+aborting as native code does (named by the code it was in), or
 raising, while it loads the source, while it sends or receives ranges
 (``runtime.transfer=scatter`` under a small ``runtime.memory_budget``, so
 there are many messages), and after writing its file in ``save``. Under the
@@ -108,6 +109,10 @@ LOCAL_CASES = {
     ),
     "save-kill": ("save:1:kill", [], "rank 1 failed: process killed by SIGKILL in stage 'save'"),
     "save-raise": ("save:0:raise", [], "stage 'save' failed on rank 0: RuntimeError: injected fault save on rank 0"),
+    # as native code dies (glibc's heap checks abort): the line names the Python code the rank was in
+    "save-abort": (
+        "save:1:abort", [], "rank 1 failed: process killed by SIGABRT in stage 'save' without reporting an error (in "
+    ),
 }
 
 
@@ -130,6 +135,9 @@ def test_a_rank_that_dies_ends_the_run_at_once_and_leaves_the_output_as_it_was(
     assert result.returncode == 1, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("osdpipe: error: " + expected), result.stderr
+    if fault.endswith(":abort"):
+        named = r"sitecustomize\.py:\d+ in _die, called from osdpipe/io/formats/\S+:\d+ in \w+\) \(report: "
+        assert re.search(named, lines[0]), lines
     assert seconds < TIMEOUT_S / 2, f"the run took {seconds:.0f} s: it waited on the dead rank"
     _no_process_left(mark)
     assert _conversion(out) == _conversion(before), "the failed run changed the previous conversion"
