@@ -15,6 +15,7 @@ takes signed query strings, key IDs and every secret the environment or the opti
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -155,10 +156,24 @@ def filesystem(
         ) from None
     import fsspec
 
+    _quiet_clients()
     fs = fsspec.filesystem(location.scheme, skip_instance_cache=True, **options_for(location.scheme, storage_options))
     if probe and hasattr(fs, "retries"):
         fs.retries = 1
     return fs
+
+
+#: The store clients' loggers. At INFO they say, on every run, where they found the credentials and the endpoint
+#: ("Found credentials in environment variables."); Hydra's console handler prints those lines among osdpipe's own.
+CLIENT_LOGGERS = ("botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "google", "fsspec")
+
+
+def _quiet_clients() -> None:
+    """The store clients say warnings and errors only (what a failure means, osdpipe says in its own line)."""
+    for name in CLIENT_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET or logger.level < logging.WARNING:
+            logger.setLevel(logging.WARNING)
 
 
 def first_look_s(scheme: str, storage_options: Mapping[str, Any] | None = None) -> float | None:

@@ -87,6 +87,14 @@ def test_no_credential_is_written_or_said(converted) -> None:
         assert not [w for w in written if secret.encode() in w]
 
 
+def test_the_store_clients_chatter_is_not_printed(converted) -> None:
+    """botocore says where it found the credentials and the endpoint at INFO, on every run; Hydra's console handler
+    printed those lines among osdpipe's own (``[HYDRA] Found credentials in environment variables.``)."""
+    _, _, results = converted
+    said = "".join(r["stdout"] + r["stderr"] for r in results.values())
+    assert "Found credentials" not in said and "Found endpoint" not in said, said[:2000]
+
+
 def test_a_missing_key_or_bucket_is_one_line_and_nothing_is_written(converted) -> None:
     bucket, root, results = converted
     assert results["missing_key"]["code"] == 2
