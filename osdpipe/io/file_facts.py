@@ -155,11 +155,6 @@ def detect_format(path: str | Path) -> str:
         return found.name
     if not p.exists():
         raise InputError(f"{p} does not exist; point input.path at a checkpoint file or directory")
-    if remote:
-        raise InputError(
-            f"{p}: a torch.save file in object storage is not read yet (a DCP checkpoint is); "
-            "copy it to a local path first"
-        )
     osd = load_torch_file(p)
     state = osd.get("state") if isinstance(osd, dict) else None
     if not isinstance(state, dict):

@@ -10,7 +10,8 @@
   :meth:`osdpipe.io.formats.dcp_reader.DcpCheckpoint.expect`), each object's neighbouring items as one request
   (:func:`osdpipe.io.coalesce.coalesce`), several requests in flight, the bytes fetched and not yet used bounded by
   :func:`in_flight_limit` (``runtime.memory_budget``);
-* :meth:`RemotePath.open`: a seekable file that fetches the blocks it is asked for (a small file's structure).
+* :meth:`RemotePath.open_blocks`: a seekable file that fetches the blocks it is asked for (a file's structure: a
+  ``torch.save`` archive's index, headers and pickle, :mod:`osdpipe.io.remote_torchfile`).
 
 A file of which only some pieces are needed is never downloaded whole. :data:`METER` counts what was fetched (the
 tests prove a rank's read fetches less than the files it touches).
@@ -23,6 +24,7 @@ object is a :class:`FileNotFoundError` naming its URL, as a missing local file i
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -274,6 +276,10 @@ class RemotePath:
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
+    def open_blocks(self, block: int) -> BlockFile:
+        """The object as a seekable file that fetches ``block`` bytes at a time, as it is read, keeping the last few."""
+        return BlockFile(self, block)
+
     def stream(self, block: int = 16 << 20) -> Any:
         """The object read front to back (hashing it): fsspec's file, reading ahead ``block`` bytes at a time."""
         try:
@@ -282,6 +288,51 @@ class RemotePath:
             raise FileNotFoundError(f"{self} does not exist") from None
         except Exception as exc:  # noqa: BLE001 - said in one line
             raise self._prefix.fail(exc, self.key) from None
+
+
+class BlockFile(io.RawIOBase):
+    """A remote object read where it is asked for: aligned blocks fetched by range (:meth:`RemotePath.read_range`),
+    the last :data:`KEPT_BLOCKS` kept (a zip's index, then its headers, are read in small pieces, near each other)."""
+
+    KEPT_BLOCKS = 8
+
+    def __init__(self, path: RemotePath, block: int) -> None:
+        super().__init__()
+        self.path, self.block, self.size, self.pos = path, block, path.stat().st_size, 0
+        self._kept: dict[int, bytes] = {}
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def _block(self, index: int) -> bytes:
+        if index not in self._kept:
+            if len(self._kept) >= self.KEPT_BLOCKS:
+                del self._kept[next(iter(self._kept))]
+            start = index * self.block
+            self._kept[index] = self.path.read_range(start, min(self.block, self.size - start))
+        return self._kept[index]
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view) and self.pos < self.size:
+            index, at = divmod(self.pos, self.block)
+            piece = self._block(index)[at : at + len(view) - done]
+            view[done : done + len(piece)] = piece
+            done += len(piece)
+            self.pos += len(piece)
+        return done
 
 
 class Prefetch:

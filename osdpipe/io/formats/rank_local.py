@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from osdpipe.core.compare import diff
+from osdpipe.io import remote_torchfile
 from osdpipe.io.formats.base import (
     Format,
     IdGroups,
@@ -50,6 +51,7 @@ from osdpipe.io.formats.base import (
 )
 from osdpipe.io.formats.fsdp_full import check_optim_state_dict
 from osdpipe.io.formats.safe_load import load_torch_file
+from osdpipe.io.remote_input import as_path
 from osdpipe.layout.kinds import find, rank_layout
 from osdpipe.layout.kinds.fsdp2 import to_rank_local
 from osdpipe.layout.optim import pattern_members
@@ -76,7 +78,7 @@ def rank_files(path: str | Path, world_size: int) -> list[Path]:
             only where the files say what it is: they are exactly
             ``rank_0.pt`` .. ``rank_<K-1>.pt``, or some lie beyond the world size.
     """
-    directory = Path(path)
+    directory = as_path(path)
     if not directory.is_dir():
         raise InputError(
             f"{directory} is not a directory; a rank_local input is the directory of rank_0.pt .. rank_<N-1>.pt"
@@ -432,9 +434,9 @@ def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -
         first = source.first_replica(r)
         if first == r:
             continue
-        found = diff(
-            local_tensors(load_torch_file(files[r])),
-            local_tensors(load_torch_file(files[first])),
+        found = diff(  # whole files: a remote file's bytes fetched
+            remote_torchfile.fetch_all(local_tensors(load_torch_file(files[r]))),
+            remote_torchfile.fetch_all(local_tensors(load_torch_file(files[first]))),
             path=f"rank {r} vs rank {first}",
             limit=1,
         )

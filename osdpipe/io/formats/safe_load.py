@@ -192,7 +192,7 @@ def _check_end_record(f: IO[bytes], size: int, count: int, where: str, fix: str)
         raise damaged(where, "the end record of its zip index is overwritten", fix)
 
 
-def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> None:
+def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> dict[str, tuple[int, int]]:
     """Check that ``f`` (``size`` bytes) is an intact ``torch.save`` archive, reading only its structure.
 
     Checked: the zip signature and index; every record's local header
@@ -200,6 +200,10 @@ def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> N
     records overlapping; the CRC of every record but tensor bytes (the pickle
     above all); tensor records aligned as the archive says. Tensor bytes are
     not read: a flipped bit inside a tensor is beyond a cheap check.
+
+    Returns:
+        Each record's data, ``(start, end)`` in the file, by its name in the archive (what a reader of a file in
+        object storage fetches: :mod:`osdpipe.io.remote_torchfile`).
 
     Raises:
         InputError: naming ``where``, what is wrong, and ``fix``.
@@ -239,6 +243,7 @@ def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> N
         index_start = getattr(archive, "start_dir", size)
         align = _alignment(archive, f"{prefix}/.storage_alignment", where, fix)
         previous_end = 0
+        spans: dict[str, tuple[int, int]] = {}
         for info in infos:
             if info.header_offset < previous_end:
                 raise damaged(where, f"record {info.filename} overlaps the one before it", fix)
@@ -251,6 +256,7 @@ def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> N
                     fix,
                 )
             previous_end = end
+            spans[info.filename] = (start, start + info.file_size)
             if info.filename.startswith(f"{prefix}/data/"):  # tensor bytes: not read
                 if align and start % align:
                     raise damaged(
@@ -260,6 +266,7 @@ def check_torch_zip(f: IO[bytes], size: int, where: str, fix: str = RECOPY) -> N
                     )
             elif info.file_size <= _SMALL_RECORD or info.filename == f"{prefix}/data.pkl":
                 _read_record(archive, info, where, fix)
+    return spans
 
 
 def _read_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str, fix: str) -> bytes:
@@ -288,10 +295,7 @@ def checked_torch_file(path: str | Path) -> Path:
         InputError: one line naming the file: missing, not a file, unreadable or damaged.
     """
     if is_remote(str(path)):
-        raise InputError(
-            f"{path}: a torch.save file in object storage is not read yet (a DCP checkpoint is); "
-            "copy it to a local path first"
-        )
+        raise InputError(f"{path}: {NOT_READ_REMOTE}")
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p} is missing; point input.path at the checkpoint")
@@ -305,26 +309,58 @@ def checked_torch_file(path: str | Path) -> Path:
     return p
 
 
-def load_torch_file(path: str | Path) -> Any:
+#: What a ``torch.save`` file in object storage that is not an optimizer's own (a framework's file) gets.
+NOT_READ_REMOTE = (
+    "this torch.save file in object storage is not read yet (an optimizer's: input.format=fsdp_full, plain, "
+    "rank_local or dcp, is); copy it to a local path first"
+)
+
+
+def load_torch_file(path: Any) -> Any:
     """``torch.load`` a file that nobody vouches for: structure checked first, memory-mapped, ``weights_only``.
+
+    A file in object storage (a URL, or a :class:`~osdpipe.io.remote_input.RemotePath`) is loaded without its tensor
+    bytes, which its readers fetch by range as they read (:mod:`osdpipe.io.remote_torchfile`).
 
     Raises:
         InputError: one line naming the file: missing, unreadable, damaged,
             not a torch.save file, or holding objects that are not plain data.
     """
+    if is_remote(str(path)):
+        return _load_remote(str(path))
     p = checked_torch_file(path)
+    return _with_dtensors(lambda: torch.load(p, map_location="cpu", mmap=True, weights_only=True), str(p))
+
+
+def _with_dtensors(load: Any, where: str) -> Any:
+    """``load()``, once more with DTensors readable where the file holds them; torch's failures in one line."""
     try:
         try:
-            return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+            return load()
         except pickle.UnpicklingError as exc:
             if "torch.distributed.tensor" not in str(exc):
                 raise
             # An FSDP2 rank's state holds DTensors, which weights_only reads once their module is imported (as PyTorch
             # allows); imported only then, as it costs most of a second that other files do not need.
             importlib.import_module("torch.distributed.tensor")
-            return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+            return load()
+    except InputError:
+        raise
     except Exception as exc:  # torch raises several types for a bad file
-        raise torch_load_error(str(p), exc) from exc
+        raise torch_load_error(where, exc) from exc
+
+
+def _load_remote(url: str) -> Any:
+    """:func:`load_torch_file` of a file in object storage: its structure checked as a local file's is."""
+    from osdpipe.io import remote_torchfile
+    from osdpipe.io.remote_input import as_path
+
+    p = as_path(url)
+    if not p.is_file():
+        if p.is_dir():
+            raise InputError(f"{p} is not a file; point input.path at the checkpoint file")
+        raise InputError(f"{p} is missing; point input.path at the checkpoint")
+    return _with_dtensors(lambda: remote_torchfile.load(p, lambda f, size: check_torch_zip(f, size, str(p))), str(p))
 
 
 class Window(io.RawIOBase):
