@@ -1,9 +1,9 @@
 """``torch.save`` optimizer files in object storage (``fsdp_full``, ``plain``, ``rank_local``): converted by ranged
 reads of their records, byte for byte as their local copies are (tests/cloud/conftest.py's S3 server).
 
-A remote file is loaded without its tensor bytes; each tensor's pages are fetched as a reader reads them, and memory
-not fetched is unreadable (:mod:`osdpipe.io.remote_torchfile`): a path that read a tensor without fetching it would
-crash these runs (SIGSEGV), never convert zeros.
+A remote file is loaded without its tensor bytes (:mod:`osdpipe.io.remote_torchfile`); each tensor's pages are
+fetched as a reader reads them, and memory not fetched is unreadable (:mod:`osdpipe.io.fetched_memory`): a path that
+read a tensor without fetching it would crash these runs (SIGSEGV), never convert zeros.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from cloudenv import S3, bucket_with_a_users_job
 from helpers import run_cli_cases, user_env
 
-from osdpipe.io import remote_input, remote_torchfile
+from osdpipe.io import fetched_memory, remote_input
 from osdpipe.io.formats.safe_load import load_torch_file
 
 TIMEOUT_S = 180
@@ -114,17 +114,17 @@ def test_a_range_is_fetched_alone_the_file_never_whole_and_again_once_let_go(s3:
     assert remote["step"].item() == 7.0  # a scalar: fetched with the structure
     theirs, ours = remote["exp_avg"], local["exp_avg"]
     remote_input.METER.reset()
-    remote_torchfile.fetch(theirs, 1000, 1003)
+    fetched_memory.fetch(theirs, 1000, 1003)
     [(_, start, end)] = remote_input.METER.ranges  # one request: the page under those three elements
-    assert end - start == remote_torchfile._PAGE
+    assert end - start == fetched_memory.PAGE
     assert torch.equal(theirs.reshape(-1)[1000:1003], ours.reshape(-1)[1000:1003])
-    remote_torchfile.fetch_all(remote)
+    fetched_memory.fetch_all(remote)
     assert torch.equal(theirs, ours) and torch.equal(remote["exp_avg_sq"], local["exp_avg_sq"])
     remote_input.METER.reset()
-    assert remote_torchfile.let_go(theirs, 0, theirs.numel())
-    remote_torchfile.fetch(theirs, 0, 10)
+    assert fetched_memory.let_go(theirs, 0, theirs.numel())
+    fetched_memory.fetch(theirs, 0, 10)
     assert remote_input.METER.ranges, "let go, the pages were fetched again"
-    remote_torchfile.fetch(theirs)
+    fetched_memory.fetch(theirs)
     assert torch.equal(theirs, ours)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from osdpipe.core.compare import diff
 from osdpipe.core.memory import drop_mapped_pages
-from osdpipe.io import remote_torchfile
+from osdpipe.io import fetched_memory
 from osdpipe.io.digest import save_hashed
 from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree
@@ -169,9 +169,9 @@ def mapped_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of a tensor's flattened view:
     a view when it is contiguous, else a copy of just that range.
 
-    A tensor of a file in object storage has its bytes fetched first (:func:`osdpipe.io.remote_torchfile.fetch`).
+    A tensor of a file in object storage has its bytes fetched first (:func:`osdpipe.io.fetched_memory.fetch`).
     """
-    remote_torchfile.fetch(tensor, start, stop)
+    fetched_memory.fetch(tensor, start, stop)
     if tensor.is_contiguous():
         return tensor.view(-1)[start:stop]
     return tensor.reshape(-1)[start:stop].clone()  # reshape copies the whole tensor: rare (a file of strided views)
@@ -180,7 +180,7 @@ def mapped_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 def release_mapped(tensor: torch.Tensor, start: int, stop: int) -> None:
     """Drop the file pages under ``[start, stop)`` of a memory-mapped tensor
     (nothing for a strided one, which was copied); a remote file's are given back (fetched again if asked for)."""
-    if remote_torchfile.let_go(tensor, start, stop):
+    if fetched_memory.let_go(tensor, start, stop):
         return
     if tensor.is_contiguous():
         drop_mapped_pages(tensor.view(-1)[start:stop])

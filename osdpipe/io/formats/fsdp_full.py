@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from osdpipe.io import remote_torchfile
+from osdpipe.io import fetched_memory
 from osdpipe.io.formats.base import (
     Format,
     IdGroups,
@@ -117,7 +117,7 @@ class FullReader:
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         state = self.osd["state"]
-        return {(fqn, name): remote_torchfile.fetch_all(state[fqn][name]) for fqn, name in items}
+        return {(fqn, name): fetched_memory.fetch_all(state[fqn][name]) for fqn, name in items}
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
         return mapped_range(self.osd["state"][fqn][name], start, stop)

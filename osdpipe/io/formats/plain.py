@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from osdpipe.io import remote_torchfile
+from osdpipe.io import fetched_memory
 from osdpipe.io.formats.base import (
     Format,
     IdGroups,
@@ -103,7 +103,7 @@ class PlainReader:
         return SourceMeta(state=per_param, param_groups=groups)
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
-        return {item: remote_torchfile.fetch_all(self._tensor(*item)) for item in items}
+        return {item: fetched_memory.fetch_all(self._tensor(*item)) for item in items}
 
     def _tensor(self, fqn: str, name: str) -> torch.Tensor:
         self.fqn_of()  # every rank maps the IDs itself: meta() ran on rank 0 only

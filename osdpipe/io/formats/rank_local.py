@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from osdpipe.core.compare import diff
-from osdpipe.io import remote_torchfile
+from osdpipe.io import fetched_memory
 from osdpipe.io.formats.base import (
     Format,
     IdGroups,
@@ -435,8 +435,8 @@ def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -
         if first == r:
             continue
         found = diff(  # whole files: a remote file's bytes fetched
-            remote_torchfile.fetch_all(local_tensors(load_torch_file(files[r]))),
-            remote_torchfile.fetch_all(local_tensors(load_torch_file(files[first]))),
+            fetched_memory.fetch_all(local_tensors(load_torch_file(files[r]))),
+            fetched_memory.fetch_all(local_tensors(load_torch_file(files[first]))),
             path=f"rank {r} vs rank {first}",
             limit=1,
         )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from osdpipe.core.compare import bits_equal
-from osdpipe.io import remote_torchfile
+from osdpipe.io import fetched_memory
 from osdpipe.io.formats.base import local_part
 from osdpipe.layout.optim_infer import NOT_HYPERPARAMETERS, Inferred, infer
 
@@ -107,11 +107,11 @@ def moments_alike(state: dict[Any, dict[str, Any]]) -> bool:
     if not pairs:
         return False
     # a few elements each first: a healthy file differs there, and its tensors are never read (nor fetched) whole
-    remote_torchfile.fetch_many([(t, 0, min(_FIRST, t.numel())) for pair in pairs for t in pair])
+    fetched_memory.fetch_many([(t, 0, min(_FIRST, t.numel())) for pair in pairs for t in pair])
     for a, b in pairs:
         if not bits_equal(a.reshape(-1)[:_FIRST], b.reshape(-1)[:_FIRST]):
             return False
-    remote_torchfile.fetch_all(pairs)
+    fetched_memory.fetch_all(pairs)
     return all(bits_equal(a, b) for a, b in pairs)
 
 
