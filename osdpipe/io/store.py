@@ -163,17 +163,19 @@ def filesystem(
     return fs
 
 
-#: The store clients' loggers. At INFO they say, on every run, where they found the credentials and the endpoint
-#: ("Found credentials in environment variables."); Hydra's console handler prints those lines among osdpipe's own.
+#: The store clients' loggers. They say, on every run, where they found the credentials and the endpoint (botocore
+#: at INFO: "Found credentials in environment variables."), and which ways to credentials failed before one worked
+#: (google-auth at WARNING: "Authentication failed using Compute Engine authentication due to unavailable metadata
+#: server."); Hydra's console handler prints those lines among osdpipe's own.
 CLIENT_LOGGERS = ("botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "google", "fsspec")
 
 
 def _quiet_clients() -> None:
-    """The store clients say warnings and errors only (what a failure means, osdpipe says in its own line)."""
+    """The store clients say errors only: what a failure means, osdpipe says in its own line."""
     for name in CLIENT_LOGGERS:
         logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET or logger.level < logging.WARNING:
-            logger.setLevel(logging.WARNING)
+        if logger.level == logging.NOTSET or logger.level < logging.ERROR:
+            logger.setLevel(logging.ERROR)
 
 
 def first_look_s(scheme: str, storage_options: Mapping[str, Any] | None = None) -> float | None:

@@ -1,4 +1,6 @@
-"""A real S3 server for the object-storage tests: moto's server mode on 127.0.0.1, on a free port, once per session.
+"""Real servers for the object-storage tests, on 127.0.0.1, on free ports, once per session: moto's server mode for
+S3, and gcp-storage-emulator (in memory) for Google Cloud Storage's JSON API, which gcsfs reaches through
+``STORAGE_EMULATOR_HOST`` as it reaches any emulator.
 
 The server runs in a thread of the test process (``moto.server.ThreadedMotoServer``) and speaks S3's HTTP API like
 any S3-compatible store; the code under test reaches it only through ``AWS_ENDPOINT_URL``, as a user points osdpipe at
@@ -12,6 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,3 +60,32 @@ def silent_endpoint() -> Iterator[str]:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
     finally:
         listener.close()
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint(tmp_path_factory) -> Iterator[str]:
+    """gcp-storage-emulator's URL, ``http://127.0.0.1:<port>``: a process of its own, its objects in memory."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path_factory.mktemp("gcs") / "emulator.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port),
+             "--in-memory"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gcp-storage-emulator did not start: {log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -33,7 +33,7 @@ def test_a_subprocess_reaches_the_server_through_the_standard_aws_variables(s3) 
     assert result.stdout.strip() == "seen"
 
 
-def test_the_test_extra_pins_the_cloud_extras_s3_client() -> None:
+def test_the_test_extra_pins_the_cloud_extras_clients() -> None:
     text = (REPO / "pyproject.toml").read_text()
 
     def extra(name: str) -> dict[str, str]:
@@ -42,5 +42,5 @@ def test_the_test_extra_pins_the_cloud_extras_s3_client() -> None:
 
     test, cloud = extra("test"), extra("cloud")
     assert test["moto"] == "5.2.1"
-    for name in ("s3fs", "aiobotocore"):
+    for name in ("s3fs", "aiobotocore", "gcsfs"):
         assert test[name] == cloud[name], f"{name}: test extra {test[name]}, cloud extra {cloud[name]}"
