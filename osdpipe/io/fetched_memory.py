@@ -31,7 +31,8 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 class Fetcher(Protocol):
-    """Where a reserved storage's bytes come from."""
+    """Where a reserved storage's bytes come from. It may also take a plan, ``plan(spans)``: the spans
+    :meth:`fetch` will be asked for next, to fetch ahead (empty: none)."""
 
     def fetch(self, spans: list[tuple[int, int]]) -> list[bytes]:
         """The bytes ``[offset, offset + length)`` of each ``(offset, length)``, in order."""
@@ -52,6 +53,8 @@ class _Reserved:
 _lock = threading.Lock()
 #: Each reserved storage by the address of its memory (``untyped_storage().data_ptr()``).
 _RESERVED: dict[int, _Reserved] = {}
+#: The fetchers holding a plan (:func:`plan`), by ``id``.
+_PLANNED: dict[int, Fetcher] = {}
 
 
 def _protect(address: int, length: int, readable: bool) -> None:
@@ -108,6 +111,44 @@ def fetch(tensor: torch.Tensor, start: int = 0, stop: int | None = None) -> None
 def fetch_many(ranges: list[tuple[torch.Tensor, int, int]]) -> None:
     """:func:`fetch` of each ``(tensor, start, stop)``: the missing pages of all of them, as runs of pages, each
     fetcher asked once for all of its runs."""
+    for fetcher, members in _missing_runs(ranges).items():
+        spans = [span for _, _, span in members]
+        for (reserved, (first, end), (offset, length)), data in zip(members, fetcher.fetch(spans), strict=True):
+            if len(data) != length:
+                raise OSError(f"{length} bytes asked at {offset}, {len(data)} received")
+            with _lock:
+                lo = first * PAGE
+                _protect(reserved.address + lo, (end - first) * PAGE, readable=True)
+                ctypes.memmove(reserved.address + lo, data, length)
+                reserved.fetched.update(range(first, end))
+
+
+def plan(ranges: list[tuple[torch.Tensor, int, int]]) -> None:
+    """The ranges a reader will ask for next, told ahead: each fetcher that can (:meth:`Fetcher.plan`) starts
+    fetching their missing pages, to hand them over when :func:`fetch` asks. Empty: every plan is dropped."""
+    wanted = _missing_runs(ranges)
+    with _lock:
+        planned = list(_PLANNED.values())
+        _PLANNED.clear()
+    for fetcher in planned:
+        fetcher.plan([])
+    for fetcher, members in wanted.items():
+        if hasattr(fetcher, "plan"):
+            fetcher.plan([span for _, _, span in members])
+            with _lock:
+                _PLANNED[id(fetcher)] = fetcher
+
+
+def _missing_runs(
+    ranges: list[tuple[torch.Tensor, int, int]],
+) -> dict[Fetcher, list[tuple[_Reserved, tuple[int, int], tuple[int, int]]]]:
+    """Per fetcher, the runs of pages each range needs that are not fetched: ``(storage, (first page, end page),
+    (offset, length) to fetch)``, each run once.
+
+    Runs are a range's own, never joined with another range's: a range told ahead (:func:`plan`) asks for the same
+    runs when it is read, which is how a plan's fetcher knows them (it joins neighbouring runs into one request
+    itself). Two ranges that share a page may both fetch it.
+    """
     runs: dict[tuple[int, int, int], _Reserved] = {}  # (address, first page, end page) -> its storage
     for tensor, start, stop in ranges:
         found = _span(tensor, start, stop) if stop > start else None
@@ -118,21 +159,11 @@ def fetch_many(ranges: list[tuple[torch.Tensor, int, int]]) -> None:
             missing = [p for p in range(first // PAGE, -(-end // PAGE)) if p not in reserved.fetched]
         for run in _runs(missing):
             runs[(reserved.address, *run)] = reserved
-    by_fetcher: dict[int, list[tuple[tuple[int, int, int], _Reserved]]] = {}
-    for key, reserved in runs.items():
-        by_fetcher.setdefault(id(reserved.fetcher), []).append((key, reserved))
-    for members in by_fetcher.values():
-        spans = [(r.offset + k[1] * PAGE, min(k[2] * PAGE, r.nbytes) - k[1] * PAGE) for k, r in members]
-        for ((_, first, end), reserved), (offset, length), data in zip(
-            members, spans, members[0][1].fetcher.fetch(spans), strict=True
-        ):
-            if len(data) != length:
-                raise OSError(f"{length} bytes asked at {offset}, {len(data)} received")
-            with _lock:
-                lo = first * PAGE
-                _protect(reserved.address + lo, (end - first) * PAGE, readable=True)
-                ctypes.memmove(reserved.address + lo, data, length)
-                reserved.fetched.update(range(first, end))
+    by_fetcher: dict[Fetcher, list[tuple[_Reserved, tuple[int, int], tuple[int, int]]]] = {}
+    for (_, first, end), reserved in runs.items():
+        span = (reserved.offset + first * PAGE, min(end * PAGE, reserved.nbytes) - first * PAGE)
+        by_fetcher.setdefault(reserved.fetcher, []).append((reserved, (first, end), span))
+    return by_fetcher
 
 
 def fetch_all(obj: Any) -> Any:

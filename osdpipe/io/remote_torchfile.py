@@ -31,12 +31,21 @@ STRUCTURE_BLOCK = 64 << 10
 
 
 class _ObjectFetcher:
-    """A remote object's byte ranges, for the storages reserved for its records."""
+    """A remote object's byte ranges, for the storages reserved for its records: the spans of a plan fetched ahead
+    (neighbours joined, several in flight, within the in-flight bound), the others as they are asked for."""
 
     def __init__(self, path: RemotePath) -> None:
         self.path = path
+        self._planned: Prefetch | None = None
+
+    def plan(self, spans: list[tuple[int, int]]) -> None:
+        if self._planned is not None:
+            self._planned.close()
+        self._planned = Prefetch([(self.path, offset, length) for offset, length in spans]) if spans else None
 
     def fetch(self, spans: list[tuple[int, int]]) -> list[bytes]:
+        if self._planned is not None:  # a span it did not plan is fetched alone
+            return [self._planned.take(self.path, offset, length) for offset, length in spans]
         prefetch = Prefetch([(self.path, offset, length) for offset, length in spans])
         try:
             return [prefetch.take(self.path, offset, length) for offset, length in spans]

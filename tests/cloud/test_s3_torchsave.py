@@ -143,3 +143,26 @@ def test_reading_a_tensor_that_was_never_fetched_crashes_rather_than_reading_zer
     )
     assert done.stdout.startswith("loaded (1024, 64)"), done.stderr
     assert done.returncode == -11, (done.returncode, done.stdout, done.stderr)
+
+
+def test_reads_told_ahead_are_fetched_as_one_request_and_read_without_another(s3: S3, tmp_path: Path) -> None:
+    """The shard stage tells a reader its reads first (``expect``): an ``fsdp_full`` file's eight moments, records
+    side by side in the file, come in one ranged request, and reading them asks for nothing more."""
+    from osdpipe.io.formats.fsdp_full import FullReader
+
+    torch.manual_seed(0)
+    state = {f"layer{i}.weight": {"exp_avg": torch.randn(256, 256), "step": torch.tensor(3.0)} for i in range(8)}
+    torch.save({"state": state, "param_groups": [{"lr": 0.1, "params": list(state)}]}, tmp_path / "optim.pt")
+    s3.fs().put(str(tmp_path / "optim.pt"), f"{s3.bucket}/optim.pt")
+    remote_input.configure({})
+    reader = FullReader(s3.url("optim.pt"))
+    reads = [(fqn, "exp_avg", 1000, 60000) for fqn in state]
+    reader.meta()
+    remote_input.METER.reset()
+    reader.expect(reads)
+    got = {fqn: reader.read_range(fqn, name, start, stop).clone() for fqn, name, start, stop in reads}
+    reader.expect([])
+    [(_, start, end)] = remote_input.METER.ranges
+    assert end - start < (tmp_path / "optim.pt").stat().st_size
+    for fqn, value in got.items():
+        assert torch.equal(value, state[fqn]["exp_avg"].reshape(-1)[1000:60000])

@@ -125,6 +125,11 @@ class FullReader:
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         release_mapped(self.osd["state"][fqn][name], start, stop)
 
+    def expect(self, reads: list[tuple[str, str, int, int]]) -> None:
+        """The reads to come, told ahead: a file in object storage fetches their pages ahead."""
+        state = self.osd["state"]
+        fetched_memory.plan([(state[fqn][name], start, stop) for fqn, name, start, stop in reads])
+
 
 #: The one file of a ``fsdp_full`` or ``plain`` checkpoint.
 ONE_FILE = "optim.pt"

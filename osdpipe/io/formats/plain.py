@@ -115,6 +115,10 @@ class PlainReader:
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         release_mapped(self._tensor(fqn, name), start, stop)
 
+    def expect(self, reads: list[tuple[str, str, int, int]]) -> None:
+        """The reads to come, told ahead: a file in object storage fetches their pages ahead."""
+        fetched_memory.plan([(self._tensor(fqn, name), start, stop) for fqn, name, start, stop in reads])
+
 
 class Plain(Format):
     """An unwrapped model's ``optim.state_dict()``, keyed by param ID,

@@ -401,6 +401,16 @@ class RankLocalReader:
         for local, offset, lo, hi in self._overlaps(fqn, name, start, stop):
             release_mapped(local, offset, offset + hi - lo)
 
+    def expect(self, reads: list[tuple[str, str, int, int]]) -> None:
+        """The reads to come, told ahead: files in object storage fetch their pages ahead."""
+        fetched_memory.plan(
+            [
+                (local, offset, offset + hi - lo)
+                for fqn, name, start, stop in reads
+                for local, offset, lo, hi in self._overlaps(fqn, name, start, stop)
+            ]
+        )
+
 
 def local_tensors(osd: dict[str, Any]) -> dict[str, Any]:
     """An FSDP2 rank's ``torch.save(optim.state_dict())`` holds DTensors: take their local tensors and placements.
