@@ -29,7 +29,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from osdpipe.io import store
@@ -195,6 +195,9 @@ class RemotePath:
     def __hash__(self) -> int:
         return hash(str(self))
 
+    def __lt__(self, other: RemotePath) -> bool:  # sorted(), as paths sort
+        return str(self) < str(other)
+
     def __truediv__(self, name: str | Path) -> RemotePath:
         parts = [p for p in str(name).split("/") if p and p != "."]
         return RemotePath(self._prefix, "/".join([self.key, *parts]) if self.key else "/".join(parts))
@@ -245,6 +248,19 @@ class RemotePath:
             raise FileNotFoundError(f"{self} does not exist")
         return _Stat(size)
 
+    def rglob(self, pattern: str = "*") -> list[RemotePath]:
+        """Every object under this key, at any depth (``pattern`` must be ``*``: the layouts ask for everything)."""
+        if pattern != "*":
+            raise ValueError(f"{self}: only rglob('*') is served in object storage")
+        inside = self.key + "/" if self.key else ""
+        return [RemotePath(self._prefix, k) for k in sorted(self._prefix.sizes()) if k.startswith(inside)]
+
+    def relative_to(self, other: RemotePath) -> PurePosixPath:
+        inside = other.key + "/" if other.key else ""
+        if not self.key.startswith(inside):
+            raise ValueError(f"{self} is not under {other}")
+        return PurePosixPath(self.key[len(inside) :])
+
     def iterdir(self) -> list[RemotePath]:
         inside = self.key + "/" if self.key else ""
         names = {k[len(inside) :].split("/", 1)[0] for k in self._prefix.sizes() if k.startswith(inside)}
@@ -275,6 +291,12 @@ class RemotePath:
 
     def read_text(self) -> str:
         return self.read_bytes().decode()
+
+    def open(self, mode: str = "rb") -> Any:
+        """The object read front to back (:meth:`stream`), as ``open(path, "rb")`` reads a local file."""
+        if mode != "rb":
+            raise ValueError(f"{self}: object storage is read here, not written ({mode!r})")
+        return self.stream()
 
     def open_blocks(self, block: int) -> BlockFile:
         """The object as a seekable file that fetches ``block`` bytes at a time, as it is read, keeping the last few."""

@@ -1,8 +1,8 @@
 """Whole checkpoints from object storage (issue 41): a torchtitan step folder (and torchtitan's folder of step
 folders) and PyTorch's own layout (a DCP directory of ``model`` and ``optim``) convert from ``s3://`` as they do from
 the local disk, byte for byte; ``osdpipe inspect`` names the layout from the URL and ``osdpipe check`` proves a
-conversion against the URL it was read from. Layouts with ``torch.save`` files (accelerate's FULL state dicts,
-DeepSpeed, Megatron-LM, a Hugging Face folder) are refused in one line, exit 2, nothing written.
+conversion against the URL it was read from. The layouts not read from there yet (DeepSpeed, Megatron-LM, a Hugging
+Face folder) are refused in one line, exit 2, nothing written (accelerate's: tests/cloud/test_s3_accelerate.py).
 
 The sources are a 4-rank gloo job of the tests' own model saved as torchtitan saves (tests/support/whole_jobs.py), and
 osdpipe's own conversion of it to PyTorch's layout; they are uploaded with s3fs to the test's S3 server
@@ -64,8 +64,8 @@ def runs(s3_endpoint: str, tmp_path_factory) -> tuple[S3, Path, dict[str, dict]]
                            f"output.path={root / 'pytorch_s3'}"],
             "inspect": ["inspect", bucket.url("titan"), "--json"],
             "check": ["check", str(root / "titan_s3")],
-            "accelerate": ["checkpoint=accelerate", *MODEL, *TARGET, f"input.path={bucket.url('titan', 'step-2')}",
-                           f"output.path={root / 'refused'}"],
+            "deepspeed": ["checkpoint=deepspeed", *MODEL, *TARGET, f"input.path={bucket.url('titan', 'step-2')}",
+                          f"output.path={root / 'refused'}"],
         }
         results = run_cli_cases(list(cases.values()), cwd=root, per_case_s=TIMEOUT_S, env=user_env())
     return bucket, root, dict(zip(cases, results, strict=True))
@@ -109,10 +109,10 @@ def test_check_proves_a_conversion_against_the_url_it_read(runs) -> None:
     assert "check roundtrip  pass" in shown and bucket.url("titan", "step-2") in shown
 
 
-def test_a_layout_of_torch_save_files_is_refused_from_object_storage_in_one_line(runs) -> None:
+def test_a_layout_not_read_from_object_storage_is_refused_in_one_line(runs) -> None:
     _, root, done = runs
-    refused = done["accelerate"]
+    refused = done["deepspeed"]
     assert refused["code"] == 2 and len(refused["stderr"].strip().splitlines()) == 1, refused["stderr"]
-    assert "checkpoint=accelerate in object storage is not read yet" in refused["stderr"]
-    assert "checkpoint=torchtitan and checkpoint=pytorch" in refused["stderr"]
+    assert "checkpoint=deepspeed in object storage is not read yet" in refused["stderr"]
+    assert "checkpoint=accelerate and checkpoint=torchtitan and checkpoint=pytorch" in refused["stderr"]
     assert not (root / "refused").exists()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from osdpipe.io.checkpoints.base import DCP_DIR, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
 from osdpipe.io.checkpoints.dcp_entries import dcp_items, is_dcp
+from osdpipe.io.remote_input import as_path
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
     from osdpipe.io.formats.base import Format, RankFiles
@@ -50,6 +51,8 @@ class Accelerate(CheckpointLayout):
     ``<framework>.pt`` beside them, which accelerate does not read."""
 
     name = "accelerate"
+    #: Its DCP directories by range, its full files (torch.save) by their records' ranges, the rest whole.
+    reads_remote = True
     looks_like = (
         "an accelerate save_state folder "
         "(pytorch_model_fsdp_0/, optimizer_0/, scheduler.bin, random_states_<r>.pkl, ...)"
@@ -133,7 +136,7 @@ class Accelerate(CheckpointLayout):
                 "the model and the scheduler load, the moments do not; write output.format=fsdp_full "
                 "(FULL_STATE_DICT, set the job to it) or take one optimizer step before load_state"
             )
-        saved = sorted(int(m[1] or m[2]) for p in Path(path).iterdir() if (m := _PER_RANK.fullmatch(p.name)))
+        saved = sorted(int(m[1] or m[2]) for p in as_path(path).iterdir() if (m := _PER_RANK.fullmatch(p.name)))
         if saved and len(saved) != world:
             kept = (f"processes {len(saved)}..{world - 1} find no file of their own and keep their own RNG state"
                     if world > len(saved) else f"the files of processes {world}..{len(saved) - 1} are not read")
@@ -212,23 +215,23 @@ class Accelerate(CheckpointLayout):
 
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
         if _full(path):  # FULL_STATE_DICT: FSDP.optim_state_dict's full state in one file
-            return Part(str(Path(path) / FULL_OPTIMIZER), "fsdp_full", "optim")
-        return Part(str(Path(path) / OPTIMIZER_DIR), "dcp", "optimizer")
+            return Part(str(as_path(path) / FULL_OPTIMIZER), "fsdp_full", "optim")
+        return Part(str(as_path(path) / OPTIMIZER_DIR), "dcp", "optimizer")
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         if _full(path):
             from osdpipe.io.checkpoints.file_weights import FileWeights  # torch: only where a checkpoint is read
 
-            return FileWeights(Path(path) / FULL_MODEL, tree)
+            return FileWeights(as_path(path) / FULL_MODEL, tree)
         # torch.distributed.checkpoint: only where a DCP checkpoint is read
         from osdpipe.io.checkpoints.dcp_weights import DcpWeights
         from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
-        return DcpWeights(DcpCheckpoint(str(Path(path) / MODEL_DIR), None), "model", tree)
+        return DcpWeights(DcpCheckpoint(as_path(path) / MODEL_DIR, None), "model", tree)
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
         """Every file of the folder but the model's and the optimizer's parts, copied as it is."""
-        root = Path(path)
+        root = as_path(path)
         parts = (FULL_MODEL, FULL_OPTIMIZER) if _full(path) else (MODEL_DIR, OPTIMIZER_DIR)
         files = tuple(
             sorted(
@@ -405,4 +408,5 @@ class Accelerate(CheckpointLayout):
 
 def _full(path: str) -> bool:
     """Whether the folder is the FULL_STATE_DICT variant (one file each for the model and the optimizer)."""
-    return (Path(path) / FULL_OPTIMIZER).is_file() and not (Path(path) / OPTIMIZER_DIR).is_dir()
+    root = as_path(path)
+    return (root / FULL_OPTIMIZER).is_file() and not (root / OPTIMIZER_DIR).is_dir()

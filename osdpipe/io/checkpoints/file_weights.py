@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from osdpipe.io import fetched_memory
 from osdpipe.io.formats.base import InputError, describe_value, mapped_range
 from osdpipe.io.formats.safe_load import load_torch_file
 from osdpipe.io.weights import ModelMeta, model_meta_of, stored_names
@@ -33,7 +34,11 @@ class FileWeights:
 
     def model_meta(self) -> ModelMeta:
         stored = {name: describe_value(value) for name, value in self.state.items() if self.tree.holds_weights(name)}
-        buffers = {name: value.clone() for name, value in self.state.items() if not self.tree.holds_weights(name)}
+        buffers = {
+            name: fetched_memory.fetch_all(value).clone()  # a file in object storage: its bytes fetched first
+            for name, value in self.state.items()
+            if not self.tree.holds_weights(name)
+        }
         return model_meta_of(stored, buffers, self.tree, str(self.path))
 
     def stored_name(self, name: str) -> str | None:

@@ -40,6 +40,7 @@ from osdpipe.io.digest import tensor_digests, tensor_sha256
 from osdpipe.io.formats import dcp_writer
 from osdpipe.io.formats.base import WEIGHTS, InputError, RankFiles, write_torch_file
 from osdpipe.io.formats.rank_local import rank_file_name
+from osdpipe.io.remote_input import as_path
 from osdpipe.io.safetensors_out import TensorSpec, write_safetensors
 from osdpipe.io.weights import model_state_dict
 from osdpipe.io.whole_rank_file import MODEL_PART, OPTIMIZER_PART
@@ -396,8 +397,8 @@ def file_differences(directory: Path, carrying: Carrying) -> list[str]:
         got = directory / rel
         if not got.is_file():
             problems.append(f"{got} is missing")
-        elif got.read_bytes() != (Path(carrying.source) / rel).read_bytes():
-            problems.append(f"{got} is not byte for byte {Path(carrying.source) / rel}")
+        elif got.read_bytes() != (as_path(carrying.source) / rel).read_bytes():
+            problems.append(f"{got} is not byte for byte {as_path(carrying.source) / rel}")
     for rel, data in carrying.made.items():
         got = directory / rel
         if not got.is_file():
@@ -430,7 +431,7 @@ def copy_files(carrying: Carrying, staging: Path, under: str = "") -> dict[str, 
         target = staging / under / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
-        with open(Path(carrying.source) / rel, "rb") as src, open(target, "xb") as dst:
+        with (as_path(carrying.source) / rel).open("rb") as src, open(target, "xb") as dst:
             while chunk := src.read(1 << 20):
                 digest.update(chunk)
                 dst.write(chunk)
