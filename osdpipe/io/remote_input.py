@@ -24,7 +24,6 @@ object is a :class:`FileNotFoundError` naming its URL, as a missing local file i
 
 from __future__ import annotations
 
-import io
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from osdpipe.core.seekable import Seekable
 from osdpipe.io import store
 from osdpipe.io.coalesce import Span, coalesce
 
@@ -312,30 +312,16 @@ class RemotePath:
             raise self._prefix.fail(exc, self.key) from None
 
 
-class BlockFile(io.RawIOBase):
+class BlockFile(Seekable):
     """A remote object read where it is asked for: aligned blocks fetched by range (:meth:`RemotePath.read_range`),
     the last :data:`KEPT_BLOCKS` kept (a zip's index, then its headers, are read in small pieces, near each other)."""
 
     KEPT_BLOCKS = 8
 
     def __init__(self, path: RemotePath, block: int) -> None:
-        super().__init__()
-        self.path, self.block, self.size, self.pos = path, block, path.stat().st_size, 0
+        super().__init__(path.stat().st_size)
+        self.path, self.block = path, block
         self._kept: dict[int, bytes] = {}
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
 
     def _block(self, index: int) -> bytes:
         if index not in self._kept:

@@ -31,6 +31,7 @@ from typing import IO, Any
 
 import torch
 
+from osdpipe.core.seekable import Seekable
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.store import is_remote
 
@@ -363,25 +364,12 @@ def _load_remote(url: str) -> Any:
     return _with_dtensors(lambda: remote_torchfile.load(p, lambda f, size: check_torch_zip(f, size, str(p))), str(p))
 
 
-class Window(io.RawIOBase):
+class Window(Seekable):
     """``length`` bytes of ``base`` from ``offset``, as a seekable file of their own (one item of a DCP file)."""
 
     def __init__(self, base: IO[bytes], offset: int, length: int) -> None:
-        super().__init__()
-        self.base, self.offset, self.length, self.pos = base, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = max(0, {io.SEEK_SET: pos, io.SEEK_CUR: self.pos + pos, io.SEEK_END: self.length + pos}[whence])
-        return self.pos
+        super().__init__(length)
+        self.base, self.offset, self.length = base, offset, length
 
     def read(self, size: int | None = -1) -> bytes:
         left = max(0, self.length - self.pos)
