@@ -53,12 +53,13 @@ class _ObjectFetcher:
             prefetch.close()
 
 
-def load(path: RemotePath, check: Any) -> Any:
+def load(path: RemotePath, check: Any, unpickler: Any = None) -> Any:
     """``torch.load(path, weights_only=True)`` of a remote ``torch.save`` file, its storages unfetched
     (small ones fetched).
 
     ``check(file, size)`` checks the archive's structure and returns each record's data span by name
-    (:func:`~osdpipe.io.formats.safe_load.check_torch_zip`).
+    (:func:`~osdpipe.io.formats.safe_load.check_torch_zip`). ``unpickler(file)``: the unpickler of the pickle
+    (default: torch's weights-only one; a framework's files take :mod:`osdpipe.io.formats.inert_load`'s).
     """
     from torch import _weights_only_unpickler
 
@@ -88,10 +89,29 @@ def load(path: RemotePath, check: Any) -> Any:
             storages[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
         return storages[key]
 
-    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
-    unpickler.persistent_load = persistent_load
-    loaded = unpickler.load()
+    reading = (_naming_storages(unpickler) if unpickler else _weights_only_unpickler.Unpickler)(
+        io.BytesIO(pickled), encoding="utf-8"
+    )
+    reading.persistent_load = persistent_load
+    loaded = reading.load()
     small = [s._untyped_storage for s in storages.values() if 0 < s._untyped_storage.nbytes() <= EAGER_BYTES]
     # the small ones now, as one look at the file needs them
     fetched_memory.fetch_all([torch.empty(0, dtype=torch.uint8).set_(u) for u in small])
     return loaded
+
+
+def _naming_storages(unpickler: Any) -> Any:
+    """``unpickler`` with the storage classes a pickle names (``torch.FloatStorage``) resolved to their dtypes, as
+    ``torch.load`` resolves them before its ``pickle_module``'s unpickler is asked (the weights-only one does it
+    itself)."""
+
+    class NamingStorages(unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module == "torch" and name.endswith("Storage"):
+                try:
+                    return torch.serialization.StorageType(name)
+                except KeyError:
+                    pass
+            return super().find_class(module, name)
+
+    return NamingStorages

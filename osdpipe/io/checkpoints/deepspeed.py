@@ -22,6 +22,7 @@ DeepSpeed's own layout back. What each part of a save becomes:
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from osdpipe.io.checkpoints.base import (
     WholeCheckpoint,
     register,
 )
+from osdpipe.io.remote_input import as_path
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
@@ -67,6 +69,7 @@ class ZeroWeights:
         self._names = stored_names(reader.save.shapes, tree)
 
     def model_meta(self) -> ModelMeta:
+        from osdpipe.io import fetched_memory
         from osdpipe.io.formats.base import TensorRef
         from osdpipe.io.weights import model_meta_of
 
@@ -76,6 +79,7 @@ class ZeroWeights:
             for name, value in self.module.items()
             if self.tree.resolve(name) is None and self.tree.key_map(name) is None
         }
+        fetched_memory.fetch_all(buffers)  # a save in object storage: their bytes fetched
         return model_meta_of(stored, buffers, self.tree, str(self.reader.save.folder))
 
     def stored_name(self, name: str) -> str | None:
@@ -147,11 +151,29 @@ def _carried_values(states: dict[str, Any]) -> dict[str, Any]:
 
 
 def _stored_size(value: Any) -> int:
-    """About how many bytes an entry takes, as pickled: the size ``inspect`` and the report give it."""
+    """About how many bytes an entry takes, as pickled: the size ``inspect`` and the report give it.
+
+    Its tensors' bytes are counted, not pickled: a save in object storage has not fetched them
+    (:mod:`osdpipe.io.fetched_memory`), and a local one need not read them.
+    """
+    import torch
+
+    tensor_bytes = 0
+
+    class Sizing(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            nonlocal tensor_bytes
+            if torch.is_tensor(obj):
+                tensor_bytes += obj.numel() * obj.element_size()
+                return id(obj)
+            return None
+
+    out = io.BytesIO()
     try:
-        return len(pickle.dumps(value))
+        Sizing(out).dump(value)
     except Exception:  # noqa: BLE001 - an object that does not pickle (a record of DeepSpeed's) is shown without a size
         return 0
+    return len(out.getvalue()) + tensor_bytes
 
 
 @register
@@ -165,6 +187,8 @@ class DeepSpeedZero(CheckpointLayout):
     output_formats = ()
     written_as = "pytorch"
     saves_step = True  # global_steps, in the model-states file
+    #: Its files by their records' ranges (the optimizer's partitions, the model states), in object storage too.
+    reads_remote = True
 
     def recognizes(self, path: Path) -> bool:
         from osdpipe.io.formats.deepspeed import DeepSpeed  # torch: only where a folder is looked at
@@ -194,7 +218,7 @@ class DeepSpeedZero(CheckpointLayout):
         from osdpipe.io.formats.base import InputError
         from osdpipe.io.formats.deepspeed import LATEST, tag_folder
 
-        folder = Path(path)
+        folder = as_path(path)
         try:
             return str(tag_folder(folder)) if (folder / LATEST).is_file() else None
         except InputError:
@@ -291,9 +315,11 @@ class DeepSpeedZero(CheckpointLayout):
         """The carried leaves' values (the model-states file loads with ``weights_only=True``: plain data)."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+        from osdpipe.io import fetched_memory
         from osdpipe.io.formats.deepspeed import model_states
 
-        flat, _ = flatten_state_dict(_carried_values(model_states(Path(carrying.source))))
+        # a save in object storage: the carried tensors' bytes fetched
+        flat, _ = flatten_state_dict(fetched_memory.fetch_all(_carried_values(model_states(as_path(carrying.source)))))
         return CarriedData(
             tensors={k: flat[k] for k in carrying.item_tensors},
             values={k: flat[k] for k in carrying.items if k not in carrying.item_tensors},

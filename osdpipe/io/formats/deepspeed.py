@@ -31,10 +31,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from osdpipe.core.memory import drop_mapped_pages
-from osdpipe.io.formats.base import Format, IdGroups, InputError, SourceMeta, SourceReader, TensorRef, describe_value
+from osdpipe.io import fetched_memory
+from osdpipe.io.formats.base import (
+    Format,
+    IdGroups,
+    InputError,
+    SourceMeta,
+    SourceReader,
+    TensorRef,
+    describe_value,
+    mapped_range,
+    release_mapped,
+)
 from osdpipe.io.formats.inert_load import Record, load_inert
 from osdpipe.io.formats.state_facts import describe_meta
+from osdpipe.io.remote_input import as_path
 from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.tree import ModuleTree
 from osdpipe.layout.zero import Piece, pieces_by_parameter, pieces_in, saved_lengths
@@ -60,7 +71,7 @@ def tag_folder(path: str | Path) -> Path:
     Raises:
         InputError: neither.
     """
-    p = Path(path)
+    p = as_path(path)
     if not p.is_dir():
         raise InputError(
             f"{p} is not a directory; point input.path at a DeepSpeed save folder (with {LATEST}) "
@@ -341,14 +352,24 @@ class ZeroReader:
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
         parts = [
-            self._flat(p.rank, p.group, name)[p.offset : p.offset + p.length]
+            mapped_range(self._flat(p.rank, p.group, name), p.offset, p.offset + p.length)
             for p in pieces_in(self.pieces[fqn], start, stop)
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         for p in pieces_in(self.pieces[fqn], start, stop):
-            drop_mapped_pages(self._flat(p.rank, p.group, name)[p.offset : p.offset + p.length])
+            release_mapped(self._flat(p.rank, p.group, name), p.offset, p.offset + p.length)
+
+    def expect(self, reads: list[tuple[str, str, int, int]]) -> None:
+        """The reads to come, told ahead: files in object storage fetch their pages ahead."""
+        fetched_memory.plan(
+            [
+                (self._flat(p.rank, p.group, name), p.offset, p.offset + p.length)
+                for fqn, name, start, stop in reads
+                for p in pieces_in(self.pieces[fqn], start, stop)
+            ]
+        )
 
 
 class DeepSpeed(Format):

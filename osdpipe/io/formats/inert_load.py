@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.safe_load import RECOPY, RefusedGlobal, checked_torch_file, torch_load_error
+from osdpipe.io.formats.safe_load import RECOPY, RefusedGlobal, checked_torch_file, load_remote, torch_load_error
+from osdpipe.io.store import is_remote
 
 
 class Record:
@@ -161,9 +162,22 @@ def load_inert(path: str | Path, described: tuple[str, ...], *, what: str) -> An
     Raises:
         InputError: one line naming the file: missing, damaged, or naming a global outside what is allowed.
     """
-    p = checked_torch_file(path)
+    module = _pickle_module(described)
+    if is_remote(str(path)):  # in object storage: its tensors' bytes fetched as they are read
+        p: Any = path
+
+        def load() -> Any:
+            return load_remote(str(path), module.Unpickler)
+    else:
+        p = checked_torch_file(path)
+
+        def load() -> Any:
+            return torch.load(p, map_location="cpu", mmap=True, weights_only=False, pickle_module=module)
+
     try:
-        return torch.load(p, map_location="cpu", mmap=True, weights_only=False, pickle_module=_pickle_module(described))
+        return load()
+    except InputError:
+        raise
     except RefusedGlobal as exc:
         if not exc.plausible:
             raise InputError(f"{p} is damaged or not {what} (it names no class such a file holds); {RECOPY}") from None

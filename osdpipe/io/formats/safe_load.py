@@ -352,7 +352,17 @@ def _with_dtensors(load: Any, where: str) -> Any:
 
 
 def _load_remote(url: str) -> Any:
-    """:func:`load_torch_file` of a file in object storage: its structure checked as a local file's is."""
+    """:func:`load_torch_file` of a file in object storage."""
+    return _with_dtensors(lambda: load_remote(url), url)
+
+
+def load_remote(url: str, unpickler: Any = None) -> Any:
+    """A ``torch.save`` file in object storage, its structure checked as a local file's is, loaded without its tensor
+    bytes (:func:`osdpipe.io.remote_torchfile.load`, ``unpickler`` its unpickler).
+
+    Raises:
+        InputError: the object is missing or a folder; what the structure check raises.
+    """
     from osdpipe.io import remote_torchfile
     from osdpipe.io.remote_input import as_path
 
@@ -361,7 +371,7 @@ def _load_remote(url: str) -> Any:
         if p.is_dir():
             raise InputError(f"{p} is not a file; point input.path at the checkpoint file")
         raise InputError(f"{p} is missing; point input.path at the checkpoint")
-    return _with_dtensors(lambda: remote_torchfile.load(p, lambda f, size: check_torch_zip(f, size, str(p))), str(p))
+    return remote_torchfile.load(p, lambda f, size: check_torch_zip(f, size, str(p)), unpickler)
 
 
 class Window(Seekable):

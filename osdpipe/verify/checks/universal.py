@@ -25,6 +25,7 @@ from pathlib import Path
 
 from osdpipe.io import formats
 from osdpipe.io.formats.ds_universal import ds_to_universal, universal_differences
+from osdpipe.io.store import is_remote
 from osdpipe.run.collective import from_rank0
 from osdpipe.run.products import CheckResult
 from osdpipe.verify.checks.common import Subject, full_model_source, full_source
@@ -34,6 +35,8 @@ def skip_reason(ctx: Subject) -> str | None:
     converter = formats.get(ctx.spec.input.format).universal_converter
     if converter is None:
         return "applies to a source whose framework converts it to a universal checkpoint itself (DeepSpeed's)"
+    if is_remote(ctx.spec.input.path):
+        return f"needs the save on a local disk ({converter} reads local files)"
     if importlib.util.find_spec(converter.split(".")[0]) is None:
         return f"needs {converter.split('.')[0]} installed (its own {converter} is the reference)"
     return None
