@@ -90,6 +90,16 @@ _PAGE = mmap.PAGESIZE
 _libc: ctypes.CDLL | None = None
 
 
+def libc() -> ctypes.CDLL:
+    """The C library, its ``madvise`` and ``mprotect`` typed (address, length, flags): loaded once."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        for call in (_libc.madvise, _libc.mprotect):
+            call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _libc
+
+
 def drop_mapped_pages(view: Any) -> None:
     """Let go of the whole pages under ``view``, a tensor read from a memory-mapped file that nothing wrote to.
 
@@ -100,14 +110,10 @@ def drop_mapped_pages(view: Any) -> None:
     were never written: anonymous memory would read back as zeros. Partial
     pages at the ends stay; where the call is not available, nothing happens.
     """
-    global _libc
     if sys.platform != "linux" or view.numel() == 0:
         return
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = view.data_ptr()
     end = start + view.numel() * view.element_size()
     first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
     if last > first:
-        _libc.madvise(first, last - first, mmap.MADV_DONTNEED)
+        libc().madvise(first, last - first, mmap.MADV_DONTNEED)

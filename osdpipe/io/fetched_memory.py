@@ -22,12 +22,11 @@ from typing import Any, Protocol
 
 import torch
 
+from osdpipe.core.memory import libc
+
 PAGE = mmap.PAGESIZE
 _PROT_NONE = 0  # <sys/mman.h>; Python's mmap names PROT_READ and PROT_WRITE only
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 class Fetcher(Protocol):
@@ -59,7 +58,7 @@ _PLANNED: dict[int, Fetcher] = {}
 
 def _protect(address: int, length: int, readable: bool) -> None:
     prot = mmap.PROT_READ | mmap.PROT_WRITE if readable else _PROT_NONE
-    if _libc.mprotect(address, length, prot) != 0:
+    if libc().mprotect(address, length, prot) != 0:
         raise OSError(ctypes.get_errno(), f"mprotect of {length} bytes failed")
 
 
@@ -193,7 +192,7 @@ def let_go(tensor: torch.Tensor, start: int, stop: int) -> bool:
         return True
     with _lock:
         reserved.fetched.difference_update(range(lo, hi))
-        _libc.madvise(reserved.address + lo * PAGE, (hi - lo) * PAGE, mmap.MADV_DONTNEED)
+        libc().madvise(reserved.address + lo * PAGE, (hi - lo) * PAGE, mmap.MADV_DONTNEED)
         _protect(reserved.address + lo * PAGE, (hi - lo) * PAGE, readable=False)
     return True
 

@@ -328,7 +328,7 @@ def load_torch_file(path: Any) -> Any:
             not a torch.save file, or holding objects that are not plain data.
     """
     if is_remote(str(path)):
-        return _load_remote(str(path))
+        return _with_dtensors(lambda: load_remote(str(path)), str(path))
     p = checked_torch_file(path)
     return _with_dtensors(lambda: torch.load(p, map_location="cpu", mmap=True, weights_only=True), str(p))
 
@@ -349,11 +349,6 @@ def _with_dtensors(load: Any, where: str) -> Any:
         raise
     except Exception as exc:  # torch raises several types for a bad file
         raise torch_load_error(where, exc) from exc
-
-
-def _load_remote(url: str) -> Any:
-    """:func:`load_torch_file` of a file in object storage."""
-    return _with_dtensors(lambda: load_remote(url), url)
 
 
 def load_remote(url: str, unpickler: Any = None) -> Any:
