@@ -37,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 from osdpipe.cli import new_dirs
 from osdpipe.cli.sweep import JobRecord, summarize_sweep
 from osdpipe.core import rankserver
-from osdpipe.io import store
+from osdpipe.io import remote_input, store
 from osdpipe.io.output import OutputError
 from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
 from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages
@@ -128,7 +128,8 @@ def run(cfg: DictConfig) -> bool:
     _job_errors.clear()
     start = time.perf_counter()
     try:
-        code = _run_job(cfg)
+        with remote_input.one_snapshot():  # its steps open an input in object storage as one listing, small reads once
+            code = _run_job(cfg)
     except Exception as exc:  # noqa: BLE001 - a bug in osdpipe: one line, the traceback on request
         if cfg.runtime.debug:
             traceback.print_exc()

@@ -16,6 +16,10 @@
 A file of which only some pieces are needed is never downloaded whole. :data:`METER` counts what was fetched (the
 tests prove a rank's read fetches less than the files it touches).
 
+A run reads its input as **one snapshot** (:func:`one_snapshot`, around a whole command): the prefix is listed once,
+and every small read (:data:`SMALL_READ`: a ``.metadata``, a step, a param group: what working out the config,
+checking the source and each stage's reader ask for again) is fetched once, however many readers open the input.
+
 The store's options (``runtime.storage_options``) and the in-flight bound reach the readers through :func:`configure`,
 called where a run or a command knows them (the load stage, the config check, ``osdpipe inspect``). Every failure of
 the store is said in one line naming the URL, credentials redacted (:func:`osdpipe.io.store.failure`); a missing
@@ -24,10 +28,12 @@ object is a :class:`FileNotFoundError` naming its URL, as a missing local file i
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -42,6 +48,9 @@ CONCURRENCY = 8
 MAX_GAP = 4 << 20
 #: Bytes fetched and not yet used, without ``runtime.memory_budget`` (with it: half of it, the pieces' size).
 DEFAULT_IN_FLIGHT = 256 << 20
+#: A read this small is kept for the rest of a snapshot (:func:`one_snapshot`), up to :data:`SMALL_KEPT` in all.
+SMALL_READ = 64 << 10
+SMALL_KEPT = 64 << 20
 
 
 @dataclass
@@ -64,6 +73,67 @@ def in_flight_limit() -> int:
     run copies), else :data:`DEFAULT_IN_FLIGHT`."""
     budget = _settings.memory_budget
     return DEFAULT_IN_FLIGHT if budget is None else max(1, budget // 2)
+
+
+@dataclass
+class _Snapshot:
+    """What one run has seen of its input: the prefixes it listed and the small ranges it was given."""
+
+    prefixes: dict[tuple[str, str], _Prefix] = field(default_factory=dict)
+    small: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
+    small_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def prefix(self, location: store.Location) -> _Prefix:
+        key = (location.url, json.dumps(_settings.storage_options, sort_keys=True, default=str))
+        with self.lock:
+            if key not in self.prefixes:
+                self.prefixes[key] = _Prefix(location)
+            return self.prefixes[key]
+
+
+def _kept(path: RemotePath, start: int, length: int) -> bytes | None:
+    """Range ``[start, start + length)`` of ``path`` as this run's snapshot kept it, else ``None``."""
+    snapshot = _snapshot
+    if snapshot is None or length > SMALL_READ:
+        return None
+    with snapshot.lock:
+        return snapshot.small.get((str(path), start, length))
+
+
+def _keep(path: RemotePath, start: int, data: bytes) -> None:
+    """Keep a small range a reader was given for the rest of this run's snapshot (within :data:`SMALL_KEPT`)."""
+    snapshot = _snapshot
+    if snapshot is None or len(data) > SMALL_READ:
+        return
+    with snapshot.lock:
+        if snapshot.small_bytes + len(data) <= SMALL_KEPT:
+            snapshot.small[(str(path), start, len(data))] = data
+            snapshot.small_bytes += len(data)
+
+
+_snapshot: _Snapshot | None = None
+
+
+@contextmanager
+def one_snapshot() -> Iterator[None]:
+    """Within it, this process reads every input in object storage as one snapshot: each prefix listed once, each
+    small range (:data:`SMALL_READ`) fetched once.
+
+    A command's steps open its input several times: working out what the user did not say (its facts), checking the
+    source, then each stage's reader. Each reads the same ``.metadata`` and the same small items (a step, the param
+    groups), one request each, and lists the prefix again; on a store a request costs a round trip (and, on one that
+    reads the whole object to serve a range, the whole object). Read once, they also agree: every step of the run sees
+    the same listing. Large ranges are not kept (they are the conversion's bytes, fetched as a plan needs them and let
+    go). Nested: the outer snapshot holds.
+    """
+    global _snapshot
+    outer = _snapshot
+    _snapshot = outer or _Snapshot()
+    try:
+        yield
+    finally:
+        _snapshot = outer
 
 
 class Meter:
@@ -108,7 +178,7 @@ def as_path(path: str | Path | RemotePath) -> Path | RemotePath:
             location = store.parse(path, WHERE)
         except ValueError as exc:
             raise store.error_type(WHERE)(str(exc)) from None
-        return RemotePath(_Prefix(location), location.key)
+        return RemotePath(_Prefix(location) if _snapshot is None else _snapshot.prefix(location), location.key)
     return Path(path)
 
 
@@ -276,6 +346,8 @@ class RemotePath:
         """
         if length <= 0:
             return b""
+        if (kept := _kept(self, start, length)) is not None:
+            return kept
         try:
             data = self._prefix.fs.cat_file(self.fs_path, start=start, end=start + length)
         except FileNotFoundError:
@@ -283,6 +355,8 @@ class RemotePath:
         except Exception as exc:  # noqa: BLE001 - said in one line
             raise self._prefix.fail(exc, self.key) from None
         METER.add(str(self), start, start + len(data))
+        if len(data) == length:
+            _keep(self, start, data)
         return data
 
     def read_bytes(self) -> bytes:
@@ -355,6 +429,7 @@ class Prefetch:
     ranges are all taken is dropped here, which lets the next ones start. A range asked for that was not planned (or
     a second time) is fetched then, alone; so is a planned one whose request has not started (a plan that reads
     from more objects at once than ``limit`` holds requests of); its request still starts for the ranges left in it.
+    Within a run's snapshot (:func:`one_snapshot`), a small range it was given before is not fetched again.
     """
 
     def __init__(
@@ -370,7 +445,7 @@ class Prefetch:
         self._requests: list[tuple[RemotePath, int, int]] = []  # (path, start, length): what is fetched
         self._request_of: dict[tuple[RemotePath, int, int], int] = {}  # a wanted range -> the request holding it
         self._untaken: list[int] = []  # per request, its ranges not yet taken
-        unique = list(dict.fromkeys(wanted))
+        unique = [w for w in dict.fromkeys(wanted) if _kept(*w) is None]  # a run's small ranges: fetched once
         per_path: dict[RemotePath, list[int]] = {}
         for i, (path, _, _) in enumerate(unique):
             per_path.setdefault(path, []).append(i)
@@ -405,6 +480,8 @@ class Prefetch:
                 self._next += 1
 
     def take(self, path: RemotePath, start: int, length: int) -> bytes:
+        if (kept := _kept(path, start, length)) is not None:
+            return kept
         with self._lock:
             index = self._request_of.pop((path, start, length), None)
             future = self._started.get(index) if index is not None else None
@@ -415,7 +492,10 @@ class Prefetch:
         try:
             data = future.result()
             first = self._requests[index][1]
-            return data if (first, len(data)) == (start, length) else data[start - first : start - first + length]
+            piece = data if (first, len(data)) == (start, length) else data[start - first : start - first + length]
+            if len(piece) == length:
+                _keep(path, start, piece)
+            return piece
         finally:
             with self._lock:
                 self._untaken[index] -= 1

@@ -53,7 +53,8 @@ def converted(s3_endpoint: str, tmp_path_factory) -> tuple[S3, Path, dict[str, d
             "inspect_missing": ["inspect", bucket.url("nothing")],
             "check": ["check", bucket.url("out")],
         }
-        results = run_cli_cases(list(cases.values()), cwd=root, per_case_s=TIMEOUT_S, env=user_env())
+        fetches = user_env(OSDPIPE_TEST_RECORD_FETCHES=str(root / "fetches.jsonl"))  # see test_..._one_snapshot
+        results = run_cli_cases(list(cases.values()), cwd=root, per_case_s=TIMEOUT_S, env=fetches)
     return bucket, root, dict(zip(cases, results, strict=True))
 
 
@@ -185,6 +186,60 @@ def test_a_rank_fetches_only_the_items_it_needs_never_a_whole_file(converted, mo
     assert all(torch.equal(whole[k], expected[k]) for k in items)
     distcp = {u.rsplit("/", 1)[-1] for u, _, _ in remote_input.METER.ranges}
     assert remote_input.METER.bytes < sum(sizes[n] for n in distcp)  # the two tensors' items, not their files
+
+
+def test_a_command_reads_its_input_as_one_snapshot(converted) -> None:
+    """Working out the config (the input's facts), checking the source and the load stage each open the input; the
+    conversion from ``s3://`` lists it and fetches its ``.metadata`` and each small item (steps, param groups) once,
+    not once per opening (``remote_input.one_snapshot`` around the command)."""
+    _, root, results = converted
+    assert results["s3"]["code"] == 0, results["s3"]["stderr"]
+    [ranges] = [
+        line["ranges"]
+        for line in map(json.loads, (root / "fetches.jsonl").read_text().splitlines())
+        if any(a.startswith("input.path=s3://") and a.endswith("/src/dcp") for a in line["argv"])
+        and not any(a.startswith("runtime.memory_budget") for a in line["argv"])
+    ]
+    small = [tuple(r) for r in ranges if r[2] - r[1] <= remote_input.SMALL_READ]
+    assert [r for r in small if r[0].endswith("/.metadata")] == [small[0]]  # read first, and once
+    assert len(small) == len(set(small)) > 1, "a small range fetched twice in one command"
+
+
+def test_a_snapshot_keeps_its_listing_and_small_reads_and_nothing_else(converted, monkeypatch, tmp_path) -> None:
+    """Within :func:`remote_input.one_snapshot`, a second reader of the same prefix asks the store for no small range
+    the first fetched, and sees the listing the first saw (an object put meanwhile is not in it); large ranges are
+    fetched each time they are asked for. Outside it, every opening asks again."""
+    from osdpipe.io.formats.dcp_reader import DcpReader
+
+    bucket, root, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    remote_input.configure({})
+    url = bucket.url("src", "dcp")
+
+    def meta_requests() -> int:
+        remote_input.METER.reset()
+        DcpReader(url, "optim").meta()
+        return remote_input.METER.requests
+
+    alone = meta_requests()
+    assert alone > 1 and meta_requests() == alone  # outside a snapshot: asked again
+    big = (root / "src" / "dcp" / "__0_0.distcp").stat().st_size
+    monkeypatch.setattr(remote_input, "SMALL_READ", big - 1)  # this model's files are small; one is "large" here
+    with remote_input.one_snapshot():
+        assert meta_requests() == alone
+        assert meta_requests() == 0
+        listed = [p.name for p in remote_input.as_path(url).iterdir()]
+        bucket.fs().pipe(f"{bucket.bucket}/src/dcp/late.txt", b"put after the listing")
+        try:
+            assert [p.name for p in remote_input.as_path(url).iterdir()] == listed
+            whole = remote_input.as_path(url) / "__0_0.distcp"
+            remote_input.METER.reset()
+            local = (root / "src" / "dcp" / "__0_0.distcp").read_bytes()
+            assert whole.read_range(0, big) == whole.read_range(0, big) == local
+            assert remote_input.METER.requests == 2
+        finally:
+            bucket.fs().rm(f"{bucket.bucket}/src/dcp/late.txt")
+    assert "late.txt" not in listed
 
 
 def test_a_ranks_expected_reads_of_one_object_are_one_request(converted, monkeypatch, tmp_path) -> None:

@@ -17,6 +17,10 @@ line each, in order (``tests/io/test_durability.py``).
 ``OSDPIPE_TEST_MISFILL=<fqn>:<state>`` copies one element wrong into an output
 made as it is written: the first of each batch of parameter ``<fqn>``'s
 state ``<state>`` is one more than the source's (``tests/run/test_streamed.py``).
+``OSDPIPE_TEST_RECORD_FETCHES=<file>`` appends, as each command's snapshot of
+its input ends (``osdpipe.io.remote_input.one_snapshot``: one per command, in
+this process), a JSON line: the command's arguments and every ranged request
+it made (``tests/cloud/test_s3_input.py``).
 Without any of these variables this module does nothing, not even import torch.
 """
 
@@ -168,3 +172,31 @@ def _misfill(fqn: str, name: str) -> None:
 
 if os.environ.get("OSDPIPE_TEST_MISFILL"):
     _misfill(*os.environ["OSDPIPE_TEST_MISFILL"].split(":"))
+
+
+def _record_fetches(log: str) -> None:
+    """Each command's requests to object storage, a JSON line per command: ``{"argv": [...], "ranges": [[url, start,
+    end], ...]}``."""
+    import json
+    import sys
+    from contextlib import contextmanager
+
+    from osdpipe.io import remote_input
+
+    real_snapshot = remote_input.one_snapshot
+
+    @contextmanager
+    def recorded():
+        first = len(remote_input.METER.ranges)
+        try:
+            with real_snapshot():
+                yield
+        finally:
+            with open(log, "a") as f:
+                f.write(json.dumps({"argv": sys.argv[1:], "ranges": remote_input.METER.ranges[first:]}) + "\n")
+
+    remote_input.one_snapshot = recorded
+
+
+if os.environ.get("OSDPIPE_TEST_RECORD_FETCHES"):
+    _record_fetches(os.environ["OSDPIPE_TEST_RECORD_FETCHES"])
