@@ -318,8 +318,8 @@ class Archive:
         self.out = out
         self.start = out.tell()  # where the archive begins in the file: its offsets and alignment count from here
         self.entries: list[tuple[str, int, int, int]] = []  # name, crc, size, header offset
-        # each storage (``UntypedStorage._cdata``) -> its piece of the file (``None``: no bytes)
-        self.storage_pieces: dict[int, int | None] = {}
+        # each storage (``UntypedStorage._cdata``) -> its piece of the file (``None``: no bytes), and the storage
+        self.storage_pieces: dict[int, tuple[int | None, torch.UntypedStorage]] = {}
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         """One record: its bytes (``str``, ``bytes`` or a CPU storage), ``nbytes`` of them."""
@@ -329,7 +329,7 @@ class Archive:
         filler = _FILLER.get()
         if storage is not None and filler is not None and filler.fills(storage):
             self._header(name, 0, nbytes)
-            self.storage_pieces[storage._cdata] = self.out.cut() if nbytes else None
+            self.storage_pieces[storage._cdata] = (self.out.cut() if nbytes else None, storage)
             self._write_filled(filler.windows(storage), nbytes)
             self.out.cut()
             return
@@ -343,7 +343,7 @@ class Archive:
         if storage is None:
             self.out.write(payload)
             return
-        self.storage_pieces[storage._cdata] = self.out.cut() if nbytes else None
+        self.storage_pieces[storage._cdata] = (self.out.cut() if nbytes else None, storage)
         self.out.write(payload)
         self.out.cut()
 
@@ -426,7 +426,7 @@ def _storage_bytes(storage: torch.UntypedStorage, nbytes: int) -> memoryview:
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).numpy()).cast("B")
 
 
-def write_archive(obj: Any, out: DirectFile) -> dict[int, int | None]:
+def write_archive(obj: Any, out: DirectFile) -> dict[int, tuple[int | None, torch.UntypedStorage]]:
     """Write ``obj`` as ``torch.save`` would, as one archive from ``out``'s current position on:
     what a ``torch.save`` file holds.
 
@@ -434,7 +434,8 @@ def write_archive(obj: Any, out: DirectFile) -> dict[int, int | None]:
     there to the end load with ``torch.load`` wherever they sit (DCP keeps a
     rank's items one after another in one file). Returns each storage's
     piece of the file (by ``UntypedStorage._cdata``; ``None`` for one of no
-    bytes), whose digests :func:`storage_digests` gives once ``out`` is closed.
+    bytes) with the storage, whose digests :func:`storage_digests` gives once
+    ``out`` is closed.
     A storage whose bytes are made as it is written comes from the active
     filler (:func:`filled_as_written`).
     """
@@ -451,13 +452,32 @@ def write_archive(obj: Any, out: DirectFile) -> dict[int, int | None]:
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
-def storage_digests(out: DirectFile, pieces: dict[int, int | None]) -> dict[int, str]:
+class StorageDigests(dict[int, str]):
+    """Each written storage's sha256, by ``UntypedStorage._cdata`` (the address of the storage's C object), holding
+    the storages themselves.
+
+    An address names a storage only while that storage lives: once freed, the next storage made may get it, and a
+    lookup by address would give that one a digest of bytes it does not hold. What is written is often made for the
+    write and freed right after it (a copy of a view, :func:`osdpipe.io.formats.dcp_writer.write_rank`), and its
+    digests are looked up later, by tensors made later (:func:`osdpipe.io.digest.tensor_sha256`). Holding the
+    storages for as long as the digests are held keeps every address in here naming its own storage.
+    """
+
+    def __init__(self, digests: dict[int, str], storages: list[torch.UntypedStorage]) -> None:
+        super().__init__(digests)
+        self._storages = storages
+
+
+def storage_digests(out: DirectFile, pieces: dict[int, tuple[int | None, torch.UntypedStorage]]) -> StorageDigests:
     """Each storage's sha256 (by ``UntypedStorage._cdata``), its piece's digest:
     from the one pass over the closed file ``out``'s bytes."""
-    return {cdata: EMPTY_SHA256 if index is None else out.piece_digest(index) for cdata, index in pieces.items()}
+    return StorageDigests(
+        {cdata: EMPTY_SHA256 if index is None else out.piece_digest(index) for cdata, (index, _) in pieces.items()},
+        [storage for _, storage in pieces.values()],
+    )
 
 
-def save(obj: Any, path: Path, *, sync: bool = True, direct: bool = True) -> tuple[PieceDigest, dict[int, str]]:
+def save(obj: Any, path: Path, *, sync: bool = True, direct: bool = True) -> tuple[PieceDigest, StorageDigests]:
     """``torch.save(obj, path)`` as :mod:`osdpipe.io.torchfile` writes it:
     the file's digest, and each storage's sha256 (by ``UntypedStorage._cdata``).
 

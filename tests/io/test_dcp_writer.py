@@ -199,3 +199,19 @@ def test_the_write_results_survive_a_process_groups_pickling(tmp_path: Path) -> 
     assert [(r.index, r.storage_data.offset, r.storage_data.length) for r in again] == [
         (r.index, r.storage_data.offset, r.storage_data.length) for r in written
     ]
+
+
+def test_no_tensor_made_after_the_write_takes_a_written_storages_digest(tmp_path: Path) -> None:
+    """A view's rows are written from a copy of their own, which the write frees; the digests are keyed by a storage's
+    address (``UntypedStorage._cdata``), which the next storage made may get. Tensors made after the write (as the
+    model's pieces are made again for their digests) are never given a written copy's digest: the digests hold the
+    storages they name."""
+    from osdpipe.io.digest import tensor_sha256
+
+    full = _full()
+    plan = dcp_writer.plan(lambda r: _rank_state(full, r, False), WORLD)
+    _, _, storages = dcp_writer.write_rank(tmp_path, _rank_state(full, 1, True), 1, plan)
+    assert len(storages) >= len(SHAPES)
+    made = [torch.full((n,), float(n)) for n in range(1, 400)]
+    wrong = [t.numel() for t in made if tensor_sha256(t, storages) != hashlib.sha256(t.numpy().tobytes()).hexdigest()]
+    assert wrong == []
