@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from cloudenv import S3
-from helpers import run_osdpipe
+from helpers import run_cli_cases, run_osdpipe, user_env
 from synthetic_megatron import synthetic_save
 
 from osdpipe.io import remote_output
@@ -46,3 +46,39 @@ def test_megatron_lm_s_latest_file_is_committed_after_the_iterations_metadata_an
     assert remote_output.markers_last(names) == [
         "iter_0000007/__0_0.distcp", "iter_0000007/common.pt", "iter_0000007/.metadata",
         "latest_checkpointed_iteration.txt", "manifest.json"]
+
+
+def test_a_megatron_save_in_the_bucket_converts_as_its_local_copy(s3: S3, tmp_path: Path) -> None:
+    """``input.path=s3://...`` of a Megatron-LM save (``latest_checkpointed_iteration.txt`` followed, ``common.pt`` and
+    the iteration's DCP items read by range): to another Megatron grid, to a Hugging Face folder (both by Megatron's
+    own stages) and to a torchtitan step folder (the range pipeline), each byte for byte what the same conversion of
+    the local copy writes; ``osdpipe inspect`` of the URL names the save; ``osdpipe check`` proves the output against
+the save in the bucket."""
+    source = synthetic_save(tmp_path, tp=2)
+    s3.fs().put(f"{source}/", f"{s3.bucket}/save/", recursive=True)
+    conversions = {
+        "megatron": ["target.tp_size=1", "target.pp_size=2", "target.world_size=2"],
+        "hf": ["output.checkpoint=hf"],
+        "torchtitan": ["output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2",
+                       "runtime.mode=offline"],
+    }  # fmt: skip
+    cases = [["checkpoint=megatron", f"input.path={where}", *args, f"output.path={tmp_path / name / side}"]
+             for name, args in conversions.items() for side, where in (("local", source), ("s3", s3.url("save")))]
+    cases.append(["inspect", s3.url("save")])
+    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=240, env=user_env())
+    assert [r["code"] for r in results] == [0] * len(cases), [r["stderr"][-1500:] for r in results]
+    for name in conversions:
+        local, remote = (
+            {p.relative_to(tmp_path / name / side).as_posix(): p.read_bytes()
+             for p in (tmp_path / name / side).rglob("*") if p.is_file() and p.name not in RECORDS}
+            for side in ("local", "s3")
+        )
+        assert local and remote == local, name
+        manifests = [json.loads((tmp_path / name / side / "manifest.json").read_text()) for side in ("local", "s3")]
+        assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"], name
+        assert manifests[1]["config"]["input"]["path"] in (s3.url("save"), s3.url("save", "iter_0000007")), name
+    shown = results[-1]["stdout"]
+    assert "layout       megatron" in shown and s3.url("save", "iter_0000007") in shown, shown
+    [checked] = run_cli_cases([["check", str(tmp_path / "megatron" / "s3")]], cwd=tmp_path, env=user_env())
+    assert checked["code"] == 0 and "check roundtrip  pass" in checked["stdout"], checked["stdout"] + checked["stderr"]
+    assert s3.url("save") in checked["stdout"]  # proven against the save in the bucket, read again

@@ -114,6 +114,6 @@ def test_a_layout_not_read_from_object_storage_is_refused_in_one_line(runs) -> N
     _, root, done = runs
     refused = done["hf"]
     assert refused["code"] == 2 and len(refused["stderr"].strip().splitlines()) == 1, refused["stderr"]
-    assert "a conversion to or from Megatron-LM does not read object storage yet" in refused["stderr"]
+    assert "reads a Megatron-LM save from object storage, not yet checkpoint=hf" in refused["stderr"]
     assert "copy the source to a local path first" in refused["stderr"]
     assert not (root / "refused").exists()

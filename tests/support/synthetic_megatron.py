@@ -31,8 +31,11 @@ def synthetic_save(tmp_path: Path, tp: int, seed: int = 0) -> Path:
     optim = {k: {s: torch.randn(v, generator=generator) for s in ("param", "exp_avg", "exp_avg_sq")}
              for k, v in shapes.items()}
     one_dim = sorted(k for k in shapes if layout.without_weight_decay(k, shapes[k]))
-    groups = [{"wd_mult": 1.0, "weight_decay": 0.1, "step": 7.0, "params": sorted(set(shapes) - set(one_dim))},
-              {"wd_mult": 0.0, "weight_decay": 0.0, "step": 7.0, "params": one_dim}]
+    adamw = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
+             "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+    # the hyperparameters of torch.optim.AdamW (Megatron's optimizer on CPU), which a PyTorch job's optimizer reads
+    groups = [{**adamw, "wd_mult": 1.0, "weight_decay": 0.1, "step": 7.0, "params": sorted(set(shapes) - set(one_dim))},
+              {**adamw, "wd_mult": 0.0, "weight_decay": 0.0, "step": 7.0, "params": one_dim}]
     save = MegatronSave(tmp_path, 7, args, "dp_reshardable", model, optim, groups, {"num_steps": 7},
                         gbuf_dtypes="torch.float32, torch.float32")
     write_save(save, tmp_path / f"tp{tp}", Target(tp, 1, 1, "dp_reshardable"))

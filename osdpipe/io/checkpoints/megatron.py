@@ -37,6 +37,7 @@ from osdpipe.io.checkpoints.dcp_entries import dcp_items
 from osdpipe.io.checkpoints.torchtitan import MODEL_ARGS
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
+from osdpipe.io.remote_input import as_path
 from osdpipe.layout.megatron import query_groups
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
@@ -87,6 +88,7 @@ class Megatron(CheckpointLayout):
     name = "megatron"
     looks_like = "a Megatron-LM save folder (latest_checkpointed_iteration.txt and iter_<N>/) or one iter_<N> folder"
     whole = True
+    reads_remote = True
     input_formats: ClassVar[tuple[str, ...]] = ("megatron",)
     output_formats: ClassVar[tuple[str, ...]] = ("dcp",)
     written_as = None
@@ -100,7 +102,7 @@ class Megatron(CheckpointLayout):
     def newest_in(self, path: str) -> str | None:
         """A save folder is read at the iteration its ``latest_checkpointed_iteration.txt`` names, as Megatron-LM
         resumes."""
-        where = Path(path)
+        where = as_path(path)
         return str(files.iteration_folder(where)) if (where / files.LATEST).is_file() else None
 
     def model_naming(self, path: Path) -> ModelNaming:
@@ -169,7 +171,7 @@ class Megatron(CheckpointLayout):
         """The carried leaves' values (common.pt read inertly: plain data)."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-        flat, _ = flatten_state_dict(_carried_values(files.read_common(Path(carrying.source))))
+        flat, _ = flatten_state_dict(_carried_values(files.read_common(as_path(carrying.source))))
         return CarriedData(tensors={k: flat[k] for k in carrying.item_tensors},
                            values={k: flat[k] for k in carrying.items if k not in carrying.item_tensors})
 

@@ -48,6 +48,7 @@ import torch
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 from osdpipe.io.formats.inert_load import load_inert, load_inert_bytes
+from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.layout import megatron as layout
 from osdpipe.layout.megatron import query_groups
 
@@ -124,14 +125,14 @@ class MegatronSave:
         return int(self.args["data_parallel_size"])
 
 
-def iteration_folder(path: str | Path) -> Path:
+def iteration_folder(path: str | Path | RemotePath) -> Path | RemotePath:
     """The ``iter_<N>`` (or ``release``) folder of a save: ``path`` itself, or the one its
-    ``latest_checkpointed_iteration.txt`` names.
+    ``latest_checkpointed_iteration.txt`` names (in object storage: a :class:`RemotePath`, read by range).
 
     Raises:
         InputError: neither, or a ``latest`` file that names a missing folder.
     """
-    p = Path(path)
+    p = as_path(path)
     if (_ITERATION.fullmatch(p.name) or p.name == RELEASE) and p.is_dir() and not (p / LATEST).is_file():
         return p
     latest = p / LATEST
@@ -238,19 +239,23 @@ def read_save(path: str | Path) -> MegatronSave:
     sharding = None if args.get("no_save_optim") else sharding_type(common, folder)
     checkpoint = DcpCheckpoint(str(folder), None)
     gpt = gpt_of(args)
-    model = {key: _whole(checkpoint, key, shape) for key, shape in layout.global_shapes(gpt).items()}
+    shapes = layout.global_shapes(gpt)
+    _expect(checkpoint, list(shapes))
+    model = {key: _whole(checkpoint, key, shape) for key, shape in shapes.items()}
     gbuf_dtypes = None
     optim: dict[str, dict[str, torch.Tensor]] = {}
     groups: list[dict[str, Any]] | None = []
     if sharding is None:
         pass  # the weights alone (args.no_save_optim): no optimizer state to read
     elif sharding == "fully_reshardable":
+        _expect(checkpoint, [f"optimizer.state.{s}.{key}" for key in model for s in STATES])
         optim = {
             key: {s: _whole(checkpoint, f"optimizer.state.{s}.{key}", model[key].shape) for s in STATES}
             for key in model
         }
         groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
     elif sharding == "fully_sharded_model_space":
+        _expect(checkpoint, [f"optimizer.state.{FS_STATES[s]}.{key}" for key in model for s in STATES])
         optim = {
             key: {s: _unflattened(checkpoint, f"optimizer.state.{FS_STATES[s]}.{key}", model[key].shape)
                   for s in STATES}
@@ -260,6 +265,7 @@ def read_save(path: str | Path) -> MegatronSave:
     else:
         optim, groups = _from_buckets(checkpoint, gpt, args, folder)
         gbuf_dtypes = next(m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f)))
+    checkpoint.expect([])  # what was fetched ahead and not read is let go
     rng, extra = {}, {}
     for flat in checkpoint.metadata.state_dict_metadata:
         if (m := RNG.fullmatch(flat)) is not None:
@@ -309,6 +315,16 @@ def sharding_type(common: dict[str, Any], folder: Path) -> str:
         raise InputError(f"{folder}: the optimizer is saved {said!r}: not supported yet (osdpipe reads "
                          f"{' and '.join(SHARDING_TYPES)})")
     return said
+
+
+def _expect(checkpoint: DcpCheckpoint, keys: list[str]) -> None:
+    """Tell ``checkpoint`` the tensor items about to be read whole, in order: in object storage their items are
+    fetched ahead, each file's neighbours as one request (:meth:`DcpCheckpoint.expect`); locally nothing happens. A
+    key the save lacks is left to the read, which names it."""
+    stored = checkpoint.metadata.state_dict_metadata
+    checkpoint.expect(
+        (key, 0, math.prod(checkpoint.ref(key).shape)) for key in keys if key in stored and checkpoint.is_tensor(key)
+    )
 
 
 def _whole(checkpoint: DcpCheckpoint, key: str, shape: tuple[int, ...]) -> torch.Tensor:
