@@ -17,6 +17,7 @@ import torch
 
 from osdpipe.io.digest import file_sha256
 from osdpipe.io.formats.base import InputError
+from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.io.safetensors_out import DTYPE_CODES, INDEX_FILE, SINGLE_FILE, TensorSpec, write_safetensors
 
 CONFIG = "config.json"
@@ -62,8 +63,11 @@ def weight_files(directory: Path) -> list[str]:
     return [SINGLE_FILE]
 
 
-def header_of(path: Path) -> dict:
-    """The JSON header of the safetensors file ``path`` (each tensor's dtype, shape and byte range), read alone."""
+def header_of(path: Path | RemotePath) -> dict:
+    """The JSON header of the safetensors file ``path`` (each tensor's dtype, shape and byte range), read alone (in
+    object storage: its first bytes, by range)."""
+    if isinstance(path, RemotePath):
+        return _parsed_header(path, path.read_range(8, _header_length(path, path.read_range(0, 8))))
     with open(path, "rb") as f:
         return _parsed_header(path, f.read(_header_length(path, f.read(8))))
 
@@ -112,7 +116,7 @@ def read_config(directory: str | Path) -> dict:
     Raises:
         InputError: there is none, or it is no JSON object.
     """
-    path = Path(directory) / CONFIG
+    path = as_path(directory) / CONFIG
     if not path.is_file():
         raise InputError(f"{directory} holds no {CONFIG}: the model's dimensions come from it (the HF Trainer saves "
                          "one beside its weights); copy the model's config.json there")

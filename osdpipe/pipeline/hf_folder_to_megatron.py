@@ -26,6 +26,7 @@ import torch
 from osdpipe.io import hf_folder
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import MegatronSave, gpt_of
+from osdpipe.io.remote_input import as_path
 from osdpipe.io.safetensors_out import INDEX_FILE, SINGLE_FILE
 from osdpipe.layout import megatron_hf
 from osdpipe.pipeline import megatron
@@ -55,7 +56,7 @@ def refusal(spec: RunSpec) -> str | None:
     """Why the folder ``spec`` names cannot convert to its target's grid, from its ``config.json`` and file names
     alone (``None``: nothing yet): no ``config.json`` or safetensors, a model Megatron cannot express, a grid that
     does not divide it. Asked before anything is read or written."""
-    path, target = Path(spec.input.path), spec.target
+    path, target = as_path(spec.input.path), spec.target
     try:
         config = hf_folder.read_config(path)
         _weights_files(path)
@@ -80,7 +81,7 @@ def read_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
     Raises:
         InputError: no ``config.json``, no safetensors files (a ``pytorch_model.bin`` folder), or a damaged one.
     """
-    folder = Path(path)
+    folder = as_path(path)
     config = hf_folder.read_config(folder)
     _weights_files(folder)  # refused in one line naming what the folder holds, not a missing model.safetensors
     return config, hf_folder.read_weights(folder)
@@ -106,7 +107,7 @@ def folder_save(path: str | Path, job: MegatronJob) -> tuple[MegatronSave, dict[
     except ValueError as exc:
         raise InputError(f"{path}: {exc}") from None
     save = MegatronSave(
-        folder=Path(path),
+        folder=as_path(path),
         iteration=0,
         args=args,
         sharding=None,
@@ -146,7 +147,7 @@ def entries(path: str | Path) -> list[dict[str, Any]]:
     from osdpipe.io.checkpoints.hf import kind_of
 
     return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": _FATES[kind_of(e)]}
-            for e in get(HF).read(Path(path)).entries]
+            for e in get(HF).read(as_path(path)).entries]
 
 
 def run_command(spec: RunSpec, notes: list[str]) -> Report:

@@ -42,14 +42,15 @@ def megatron_problem(spec: Any) -> str | None:
     save (``None``: it is one, or none of its keys are Megatron's); one line naming the key to set."""
     layout, target, output = spec.checkpoint.layout, spec.target, spec.output
     if (
-        layout != MEGATRON
+        layout not in (MEGATRON, HF)
         and by_megatron_stages(layout, output.checkpoint)
         and spec.input.path is not None
         and is_remote(spec.input.path)
     ):
         return (
-            f"input.path={spec.input.path!r}: a conversion to Megatron-LM reads a Megatron-LM save from object storage, "
-            f"not yet checkpoint={layout} (its output may go there); copy the source to a local path first"
+            f"input.path={spec.input.path!r}: a conversion to Megatron-LM reads a Megatron-LM save or a Hugging Face "
+            f"folder from object storage, not yet checkpoint={layout} (its output may go there); copy the source to a "
+            "local path first"
         )
     if layout == HF and output.checkpoint != MEGATRON:
         return (

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cloudenv import S3
 from helpers import run_cli_cases, run_osdpipe, user_env
+from hf_llama_folder import write_llama
 from synthetic_megatron import synthetic_save
 
 from osdpipe.io import remote_output
@@ -82,3 +83,27 @@ the save in the bucket."""
     [checked] = run_cli_cases([["check", str(tmp_path / "megatron" / "s3")]], cwd=tmp_path, env=user_env())
     assert checked["code"] == 0 and "check roundtrip  pass" in checked["stdout"], checked["stdout"] + checked["stderr"]
     assert s3.url("save") in checked["stdout"]  # proven against the save in the bucket, read again
+
+
+def test_a_hugging_face_folder_in_the_bucket_converts_to_megatron_as_its_local_copy(s3: S3, tmp_path: Path) -> None:
+    """``checkpoint=hf`` from ``s3://``: ``config.json``, the index and each safetensors shard (its header by range for
+    ``inspect``) read from the bucket; the Megatron-LM save is byte for byte the local copy's conversion, and
+    ``osdpipe check`` proves it against the folder in the bucket."""
+    write_llama(tmp_path / "hf")
+    s3.fs().put(f"{tmp_path / 'hf'}/", f"{s3.bucket}/hf/", recursive=True)
+    grid = ["checkpoint=hf", "target.tp_size=2", "target.pp_size=2", "target.world_size=4"]
+    cases = [[*grid, f"input.path={where}", f"output.path={tmp_path / side}"]
+             for side, where in (("local", tmp_path / "hf"), ("s3", s3.url("hf")))]
+    cases += [["inspect", s3.url("hf")], ["check", str(tmp_path / "s3")]]
+    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=240, env=user_env())
+    assert [r["code"] for r in results] == [0] * len(cases), [r["stderr"][-1500:] for r in results]
+    local, remote = (
+        {p.relative_to(tmp_path / side).as_posix(): p.read_bytes()
+         for p in (tmp_path / side).rglob("*") if p.is_file() and p.name not in RECORDS}
+        for side in ("local", "s3")
+    )
+    assert local and remote == local
+    manifests = [json.loads((tmp_path / side / "manifest.json").read_text()) for side in ("local", "s3")]
+    assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"]
+    assert "layout       hf" in results[2]["stdout"], results[2]["stdout"]
+    assert "check roundtrip  pass" in results[3]["stdout"] and s3.url("hf") in results[3]["stdout"], results[3]

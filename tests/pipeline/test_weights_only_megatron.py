@@ -13,28 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_command, user_env
+from hf_llama_folder import CONFIG, write_llama
 
 from osdpipe.io import hf_folder
 from osdpipe.io.formats.megatron import gpt_of, read_save
 from osdpipe.layout import megatron_hf
 from osdpipe.verify.megatron import hf_source_problems
-
-#: A Llama's config.json (GQA, untied, vocabulary 50: padded to 256 at TP2).
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 50, "hidden_size": 32,
-          "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-          "hidden_act": "silu"}
-
-
-def write_llama(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """A folder as ``save_pretrained`` writes one, in shards with an index; its tensors."""
-    gpt = gpt_of(megatron_hf.megatron_args(CONFIG, 1, 1, 1))
-    g = torch.Generator().manual_seed(seed)
-    shapes = megatron_hf.hf_shapes(gpt, CONFIG["vocab_size"])
-    state = {n: torch.randn(s, generator=g).to(dtype) for n, s in shapes.items()}
-    folder.mkdir(parents=True)
-    hf_folder.write_folder(folder, CONFIG, state, max_shard_size=20_000)
-    return state
 
 
 def osdpipe(cwd: Path, *args: str):
@@ -132,9 +116,3 @@ def test_inspect_names_the_folder_and_the_command(tmp_path: Path) -> None:
     assert "layout       hf" not in osdpipe(tmp_path, "inspect", "hf").stdout
 
 
-def test_a_hugging_face_folder_in_object_storage_is_refused_in_one_line(tmp_path: Path) -> None:
-    """A Megatron-LM save is read from a URL (tests/cloud/test_s3_megatron.py); a Hugging Face folder not yet."""
-    done = osdpipe(tmp_path, "checkpoint=hf", "input.path=s3://a-bucket/model", "target.tp_size=2",
-                   "target.world_size=2", "output.path=out")
-    assert done.returncode == 2 and "not yet checkpoint=hf" in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
