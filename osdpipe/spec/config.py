@@ -610,12 +610,6 @@ class RunSpec(_Frozen):
         source, target = kinds.get(self.source.kind), kinds.get(self.target.kind)
         given, written = formats.get(self.input.format), formats.get(self.output.format)
         layout = checkpoints.get(self.checkpoint.layout)
-        if self.input.path is not None and layout.whole and is_remote(self.input.path) and not layout.reads_remote:
-            read = " and ".join(f"checkpoint={n}" for n, c in checkpoints.LAYOUTS.items() if c.whole and c.reads_remote)
-            raise ValueError(
-                f"input.path={self.input.path!r}: checkpoint={self.checkpoint.layout} in object storage is not read "
-                f"yet ({read} and an optimizer's DCP checkpoint are); copy the checkpoint folder to a local path first"
-            )
         if self.input.path is not None and layout.whole and not input_is_dir:
             raise ValueError(
                 f"input.path={self.input.path!r}: checkpoint={layout.name} reads the framework's checkpoint folder "

@@ -92,8 +92,6 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
     if is_remote(path):  # read with the user's options (osdpipe.io.remote_input)
         remote_input.configure(_get(raw, "runtime.storage_options"))
-        if layout.whole and not layout.reads_remote:
-            return raw, []  # the schema refuses it
         try:  # the first look, bounded (osdpipe.io.store.first_look_s): a store that fails it is said now, once, not
             remote_input.probe(path)  # after the reads below waited out s3fs's retries and the pre-flight check again
         except InputError as exc:

@@ -38,17 +38,14 @@ def written(layout: str, output_checkpoint: str | None) -> CheckpointLayout:
 
 def recognize(path: str | Path | RemotePath) -> WholeCheckpoint | None:
     """The whole checkpoint at ``path`` as the first layout that recognizes it reads it; ``None``: no layout does (an
-    optimizer checkpoint). In object storage (a :class:`~osdpipe.io.remote_input.RemotePath`), only the layouts that
-    read from there are asked (:attr:`CheckpointLayout.reads_remote`).
+    optimizer checkpoint). In object storage (a :class:`~osdpipe.io.remote_input.RemotePath`) every layout is asked
+    as it is of a local folder: each reads its files through :mod:`osdpipe.io.remote_input`.
 
     A framework's folder of checkpoints (torchtitan's ``--checkpoint.folder``) is read as its newest checkpoint, as the
     framework resumes.
     """
     where = as_path(path)
-    remote = isinstance(where, RemotePath)
     for layout in LAYOUTS.values():
-        if remote and not layout.reads_remote:
-            continue
         newest = layout.newest_in(str(where)) if layout.whole and where.is_dir() else None
         if newest is not None and layout.recognizes(as_path(newest)):
             return layout.read(as_path(newest))

@@ -52,7 +52,6 @@ class Accelerate(CheckpointLayout):
 
     name = "accelerate"
     #: Its DCP directories by range, its full files (torch.save) by their records' ranges, the rest whole.
-    reads_remote = True
     looks_like = (
         "an accelerate save_state folder "
         "(pytorch_model_fsdp_0/, optimizer_0/, scheduler.bin, random_states_<r>.pkl, ...)"

@@ -198,9 +198,6 @@ class CheckpointLayout:
     written_as: ClassVar[str | None] = None
     #: Whether this layout's files say at which training step the checkpoint was saved (:attr:`Carrying.step`).
     saves_step: ClassVar[bool] = False
-    #: Whether a checkpoint of this layout is read from object storage (``input.path=s3://...``, ``gs://...``): its
-    #: files are DCP checkpoints and small files, which :mod:`osdpipe.io.remote_input` reads by range.
-    reads_remote: ClassVar[bool] = False
     #: Whether this layout, written, is named after the step it was saved at (torchtitan's ``step-<N>``):
     #: only a source that says it converts to it.
     needs_step: ClassVar[bool] = False

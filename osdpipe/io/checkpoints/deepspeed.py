@@ -188,7 +188,6 @@ class DeepSpeedZero(CheckpointLayout):
     written_as = "pytorch"
     saves_step = True  # global_steps, in the model-states file
     #: Its files by their records' ranges (the optimizer's partitions, the model states), in object storage too.
-    reads_remote = True
 
     def recognizes(self, path: Path) -> bool:
         from osdpipe.io.formats.deepspeed import DeepSpeed  # torch: only where a folder is looked at

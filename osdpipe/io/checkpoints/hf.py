@@ -31,7 +31,6 @@ class HuggingFaceFolder(CheckpointLayout):
     name = "hf"
     looks_like = "a Hugging Face model folder (config.json and model.safetensors, or its shards and their index)"
     whole = True
-    reads_remote = True
     input_formats: ClassVar[tuple[str, ...]] = ()
     output_formats: ClassVar[tuple[str, ...]] = ("dcp",)
     target_placeholders: ClassVar[tuple[str, ...]] = ("target.tp_size=T", "target.pp_size=P")

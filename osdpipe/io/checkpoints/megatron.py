@@ -88,7 +88,6 @@ class Megatron(CheckpointLayout):
     name = "megatron"
     looks_like = "a Megatron-LM save folder (latest_checkpointed_iteration.txt and iter_<N>/) or one iter_<N> folder"
     whole = True
-    reads_remote = True
     input_formats: ClassVar[tuple[str, ...]] = ("megatron",)
     output_formats: ClassVar[tuple[str, ...]] = ("dcp",)
     written_as = None

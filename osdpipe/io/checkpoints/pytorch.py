@@ -56,7 +56,6 @@ class Pytorch(CheckpointLayout):
     looks_like = (
         "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
     )
-    reads_remote = True
     output_formats = ("dcp", "rank_local", "plain")
 
     def recognizes(self, path: Path) -> bool:

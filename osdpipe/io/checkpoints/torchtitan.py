@@ -87,7 +87,6 @@ class Torchtitan(CheckpointLayout):
         "(one DCP checkpoint: the model's entries, optimizer, lr_scheduler, dataloader, train_state)"
     )
     saves_step = True
-    reads_remote = True
     needs_step = True
 
     def recognizes(self, path: Path) -> bool:
