@@ -32,6 +32,7 @@ import torch
 from osdpipe.io import hf_folder
 from osdpipe.io.formats.base import WEIGHTS, InputError
 from osdpipe.io.formats.megatron import MegatronSave, gpt_of
+from osdpipe.io.remote_input import as_path
 from osdpipe.layout import llama_titan, megatron_hf
 from osdpipe.layout.megatron import LAYERS, without_weight_decay
 from osdpipe.pipeline import megatron
@@ -183,7 +184,7 @@ def hf_source(plan: Plan, job: MegatronJob) -> megatron.Source:
                                   held["groups"], written)
 
     def entries() -> list[dict[str, Any]]:
-        read = plan.checkpoint.read(Path(plan.input_path))
+        read = plan.checkpoint.read(as_path(plan.input_path))
         return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": _FATES[e.part]}
                 for e in read.entries]
 
@@ -244,7 +245,7 @@ def source_save(
     shapes = {p.fqn: tuple(p.shape) for p in plan.tree.params}
     groups, megatron_groups, scheduler, notes = _groups(meta.param_groups, shapes, mapped["weights"], step, where)
     save = MegatronSave(
-        folder=Path(where),
+        folder=as_path(where),
         iteration=int(step),
         args=args,
         sharding=job.optim_format or "fully_reshardable",

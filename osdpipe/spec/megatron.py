@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from osdpipe.io.store import is_remote
-
 #: ``checkpoint=`` and ``target.kind=`` of a Megatron-LM save.
 MEGATRON = "megatron"
 #: ``output.checkpoint=`` of a Hugging Face model folder (``config.json``, safetensors), written from a Megatron save.
@@ -41,17 +39,6 @@ def megatron_problem(spec: Any) -> str | None:
     """Why ``spec`` (a :class:`~osdpipe.spec.config.RunSpec`) is no conversion osdpipe makes of or to a Megatron-LM
     save (``None``: it is one, or none of its keys are Megatron's); one line naming the key to set."""
     layout, target, output = spec.checkpoint.layout, spec.target, spec.output
-    if (
-        layout not in (MEGATRON, HF)
-        and by_megatron_stages(layout, output.checkpoint)
-        and spec.input.path is not None
-        and is_remote(spec.input.path)
-    ):
-        return (
-            f"input.path={spec.input.path!r}: a conversion to Megatron-LM reads a Megatron-LM save or a Hugging Face "
-            f"folder from object storage, not yet checkpoint={layout} (its output may go there); copy the source to a "
-            "local path first"
-        )
     if layout == HF and output.checkpoint != MEGATRON:
         return (
             "checkpoint=hf reads a Hugging Face model folder for Megatron-LM: set output.checkpoint=megatron (a "

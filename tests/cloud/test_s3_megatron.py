@@ -107,3 +107,31 @@ def test_a_hugging_face_folder_in_the_bucket_converts_to_megatron_as_its_local_c
     assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"]
     assert "layout       hf" in results[2]["stdout"], results[2]["stdout"]
     assert "check roundtrip  pass" in results[3]["stdout"] and s3.url("hf") in results[3]["stdout"], results[3]
+
+
+def test_a_torchtitan_step_in_the_bucket_converts_to_megatron_as_its_local_copy(s3: S3, tmp_path: Path) -> None:
+    """A PyTorch job's whole checkpoint from ``s3://`` into a Megatron-LM save: a torchtitan step folder (osdpipe's
+    conversion of a Megatron save, ``model_args.json`` beside it naming its llama3), read from the bucket as the
+    range pipeline reads it, mapped to Megatron's layout; byte for byte the local copy's conversion, the same
+    ``content_sha256``."""
+    source = synthetic_save(tmp_path, tp=2)
+    made = run_cli_cases([["checkpoint=megatron", f"input.path={source}", "output.checkpoint=torchtitan",
+                           "target.kind=fsdp2", "target.world_size=2", "runtime.mode=offline",
+                           f"output.path={tmp_path / 'titan'}"]], cwd=tmp_path, per_case_s=240, env=user_env())
+    assert made[0]["code"] == 0, made[0]["stderr"][-1500:]
+    s3.fs().put(f"{tmp_path / 'titan'}/", f"{s3.bucket}/titan/", recursive=True)
+    grid = ["checkpoint=torchtitan", "output.checkpoint=megatron", "target.tp_size=2", "target.pp_size=1",
+            "target.world_size=2"]
+    cases = [[*grid, f"input.path={where}", f"output.path={tmp_path / side}"]
+             for side, where in (("local", tmp_path / "titan"), ("s3", s3.url("titan")))]
+    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=240, env=user_env())
+    assert [r["code"] for r in results] == [0, 0], [r["stderr"][-1500:] for r in results]
+    local, remote = (
+        {p.relative_to(tmp_path / side).as_posix(): p.read_bytes()
+         for p in (tmp_path / side).rglob("*") if p.is_file() and p.name not in RECORDS}
+        for side in ("local", "s3")
+    )
+    assert local and remote == local
+    manifests = [json.loads((tmp_path / side / "manifest.json").read_text()) for side in ("local", "s3")]
+    assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"]
+    assert manifests[1]["input_path_absolute"] == s3.url("titan")  # as given: the local one records its folder too
