@@ -1,10 +1,13 @@
 """What the object-storage tests share: the fake credentials, a test's view of the S3 server, its environment.
 
-tests/cloud/conftest.py starts the server and hands each test an :class:`S3`.
+tests/cloud/conftest.py starts the server and hands each test an :class:`S3`; a test elsewhere (a real framework's
+save, converted from a bucket) starts one of its own with :func:`s3_bucket`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +83,24 @@ def bucket_with_a_users_job(monkeypatch: pytest.MonkeyPatch, endpoint: str, root
     model = userlm.build()
     torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=2)), root / "optim.pt")
     return bucket
+
+
+@contextmanager
+def s3_bucket(monkeypatch: pytest.MonkeyPatch, home: Path) -> Iterator[S3]:
+    """An S3 server of its own on 127.0.0.1 (moto's, in a thread, on a free port), the environment pointing at it
+    (:func:`aws_environment`) and a fresh bucket on it; stopped on leaving. For a test outside tests/cloud, whose
+    session has no server."""
+    import uuid
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        aws_environment(monkeypatch, f"http://{host}:{port}", home)
+        bucket = S3(f"http://{host}:{port}", f"osdpipe-{uuid.uuid4().hex[:16]}")
+        bucket.fs().mkdir(bucket.bucket)
+        yield bucket
+    finally:
+        server.stop()

@@ -107,10 +107,13 @@ TRAINER_SETUPS = {
 
 
 @pytest.mark.parametrize("setup", list(TRAINER_SETUPS))
-def test_the_trainers_final_checkpoint_resumes_at_its_step_on_another_world(tmp_path, setup) -> None:
+def test_the_trainers_final_checkpoint_resumes_at_its_step_on_another_world(tmp_path, setup, monkeypatch) -> None:
     """The HF Trainer saves checkpoint-3 at the end of its linear schedule (lr 0.0, a fact osdpipe takes as it is) on 2
     ranks; converted to 4, ``resume_from_checkpoint`` resumes there at step 3 with the optimizer's state loaded, and
-    trains on. What the resumed job holds right after its load, gathered, is what the saving job held."""
+    trains on. What the resumed job holds right after its load, gathered, is what the saving job held. The same
+    checkpoint copied into a bucket (an S3 server on 127.0.0.1) converts from ``s3://`` into the same bytes."""
+    from cloud.cloudenv import s3_bucket
+
     fsdp, target = TRAINER_SETUPS[setup]
     spec = {**fsdp, "resume": None, "tied": True}
     accel.trainer(
@@ -132,6 +135,17 @@ def test_the_trainers_final_checkpoint_resumes_at_its_step_on_another_world(tmp_
     assert {"pytorch_model_fsdp.bin", "optimizer.bin", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= {
         p.name for p in folder.iterdir()
     }
+    with monkeypatch.context() as env, s3_bucket(env, tmp_path) as bucket:
+        bucket.fs().put(f"{tmp_path / 'run'}/", f"{bucket.bucket}/run/", recursive=True)
+        from_s3 = run_command(
+            [sys.executable, "-m", "osdpipe", "checkpoint=accelerate",
+             "model.factory=frameworks.accel_trainer_job:build_llama", "+model.kwargs.tied=true",
+             f"input.path={bucket.url('run', 'checkpoint-3')}", *target, "target.world_size=4",
+             f"output.path={tmp_path / 'out_s3'}"],
+            cwd=tmp_path, timeout=400, env=user_env(),
+        )
+    assert from_s3.returncode == 0, from_s3.stderr[-3000:]
+    assert _files(tmp_path / "out_s3") == _files(tmp_path / "out") != {}
     resumed = accel.trainer(
         tmp_path,
         4,
@@ -147,3 +161,9 @@ def test_the_trainers_final_checkpoint_resumes_at_its_step_on_another_world(tmp_
     assert resumed["global_step"] == 4 and resumed["optim_state_after_resume"] > 0 and len(resumed["groups"]) == 2
     saved, loaded = (torch.load(tmp_path / name, weights_only=False) for name in ("saved.pt", "loaded.pt"))
     assert accel.compare(saved, loaded) == []
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """A conversion's files and their bytes, without what it writes about itself (paths in it differ)."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name not in ("report.json", "osdpipe.log", "manifest.json")}  # fmt: skip

@@ -608,30 +608,14 @@ def test_a_zero_save_in_s3_converts_whole_byte_for_byte_as_its_local_copy(
     """DeepSpeed's own ZeRO-2 bf16 and ZeRO-3 saves, copied into a bucket of an S3 server on 127.0.0.1 (moto's), convert
     from ``s3://`` (``latest`` followed, every file read by its records' ranges) into the bytes their local copies
     convert into; DeepSpeed's ``ds_to_universal`` cannot read a URL, so ``universal`` says it did not run."""
-    import uuid
+    from cloud.cloudenv import s3_bucket
 
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        for name, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "AKIAOSDPIPETESTKEY01",
-                            "AWS_SECRET_ACCESS_KEY": "osdpipe-test-secret", "AWS_DEFAULT_REGION": "us-east-1",
-                            "AWS_EC2_METADATA_DISABLED": "true",
-                            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "absent"),
-                            "AWS_CONFIG_FILE": str(tmp_path / "absent")}.items():  # fmt: skip
-            monkeypatch.setenv(name, value)
-        monkeypatch.delenv("AWS_PROFILE", raising=False)
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        bucket = f"osdpipe-{uuid.uuid4().hex[:16]}"
-        fs.mkdir(bucket)
+    with s3_bucket(monkeypatch, tmp_path) as bucket:
         cases: dict[str, list[str]] = {}
         for name in ("zero2-bf16-2", "zero3-bf16-4"):
-            fs.put(f"{saves[name]}/", f"{bucket}/{name}/", recursive=True)
+            bucket.fs().put(f"{saves[name]}/", f"{bucket.bucket}/{name}/", recursive=True)
             checks = "pipeline.checks=[roundtrip,reference,load_step,resume,universal]"
-            for side, where in (("local", str(saves[name])), ("s3", f"s3://{bucket}/{name}")):
+            for side, where in (("local", str(saves[name])), ("s3", bucket.url(name))):
                 out = tmp_path / f"{name}-{side}"
                 cases[f"{name}-{side}"] = [
                     *_argv(saves[name], out, "checkpoint=deepspeed", "target.world_size=2", checks)[1:],
@@ -639,8 +623,6 @@ def test_a_zero_save_in_s3_converts_whole_byte_for_byte_as_its_local_copy(
                 ]
         results = dict(zip(cases, run_cli_cases(list(cases.values()), cwd=tmp_path, per_case_s=400, env=user_env()),
                            strict=True))  # fmt: skip
-    finally:
-        server.stop()
     for name in ("zero2-bf16-2", "zero3-bf16-4"):
         local, remote = results[f"{name}-local"], results[f"{name}-s3"]
         assert local["code"] == 0 and remote["code"] == 0, (local["stderr"], remote["stderr"])
