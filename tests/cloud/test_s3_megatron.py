@@ -54,7 +54,7 @@ def test_a_megatron_save_in_the_bucket_converts_as_its_local_copy(s3: S3, tmp_pa
     the iteration's DCP items read by range): to another Megatron grid, to a Hugging Face folder (both by Megatron's
     own stages) and to a torchtitan step folder (the range pipeline), each byte for byte what the same conversion of
     the local copy writes; ``osdpipe inspect`` of the URL names the save; ``osdpipe check`` proves the output against
-the save in the bucket."""
+    the save in the bucket."""
     source = synthetic_save(tmp_path, tp=2)
     s3.fs().put(f"{source}/", f"{s3.bucket}/save/", recursive=True)
     conversions = {
@@ -69,15 +69,8 @@ the save in the bucket."""
     results = run_cli_cases(cases, cwd=tmp_path, per_case_s=240, env=user_env())
     assert [r["code"] for r in results] == [0] * len(cases), [r["stderr"][-1500:] for r in results]
     for name in conversions:
-        local, remote = (
-            {p.relative_to(tmp_path / name / side).as_posix(): p.read_bytes()
-             for p in (tmp_path / name / side).rglob("*") if p.is_file() and p.name not in RECORDS}
-            for side in ("local", "s3")
-        )
-        assert local and remote == local, name
-        manifests = [json.loads((tmp_path / name / side / "manifest.json").read_text()) for side in ("local", "s3")]
-        assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"], name
-        assert manifests[1]["config"]["input"]["path"] in (s3.url("save"), s3.url("save", "iter_0000007")), name
+        manifest = _same_conversion(tmp_path / name / "local", tmp_path / name / "s3")
+        assert manifest["config"]["input"]["path"] in (s3.url("save"), s3.url("save", "iter_0000007")), name
     shown = results[-1]["stdout"]
     assert "layout       megatron" in shown and s3.url("save", "iter_0000007") in shown, shown
     [checked] = run_cli_cases([["check", str(tmp_path / "megatron" / "s3")]], cwd=tmp_path, env=user_env())
@@ -97,14 +90,7 @@ def test_a_hugging_face_folder_in_the_bucket_converts_to_megatron_as_its_local_c
     cases += [["inspect", s3.url("hf")], ["check", str(tmp_path / "s3")]]
     results = run_cli_cases(cases, cwd=tmp_path, per_case_s=240, env=user_env())
     assert [r["code"] for r in results] == [0] * len(cases), [r["stderr"][-1500:] for r in results]
-    local, remote = (
-        {p.relative_to(tmp_path / side).as_posix(): p.read_bytes()
-         for p in (tmp_path / side).rglob("*") if p.is_file() and p.name not in RECORDS}
-        for side in ("local", "s3")
-    )
-    assert local and remote == local
-    manifests = [json.loads((tmp_path / side / "manifest.json").read_text()) for side in ("local", "s3")]
-    assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"]
+    _same_conversion(tmp_path / "local", tmp_path / "s3")
     assert "layout       hf" in results[2]["stdout"], results[2]["stdout"]
     assert "check roundtrip  pass" in results[3]["stdout"] and s3.url("hf") in results[3]["stdout"], results[3]
 
@@ -126,12 +112,18 @@ def test_a_torchtitan_step_in_the_bucket_converts_to_megatron_as_its_local_copy(
              for side, where in (("local", tmp_path / "titan"), ("s3", s3.url("titan")))]
     results = run_cli_cases(cases, cwd=tmp_path, per_case_s=240, env=user_env())
     assert [r["code"] for r in results] == [0, 0], [r["stderr"][-1500:] for r in results]
-    local, remote = (
-        {p.relative_to(tmp_path / side).as_posix(): p.read_bytes()
-         for p in (tmp_path / side).rglob("*") if p.is_file() and p.name not in RECORDS}
-        for side in ("local", "s3")
+    manifest = _same_conversion(tmp_path / "local", tmp_path / "s3")
+    assert manifest["input_path_absolute"] == s3.url("titan")  # as given: the local one records its folder too
+
+
+def _same_conversion(local: Path, remote: Path) -> dict:
+    """Two conversions of one source, its local copy's and the bucket's: the same files byte for byte (what a run
+    writes about itself aside) and the same ``content_sha256``. Returns the bucket's conversion's manifest."""
+    local_files, remote_files = (
+        {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name not in RECORDS}
+        for d in (local, remote)
     )
-    assert local and remote == local
-    manifests = [json.loads((tmp_path / side / "manifest.json").read_text()) for side in ("local", "s3")]
-    assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"]
-    assert manifests[1]["input_path_absolute"] == s3.url("titan")  # as given: the local one records its folder too
+    assert local_files and remote_files == local_files, remote
+    manifests = [json.loads((d / "manifest.json").read_text()) for d in (local, remote)]
+    assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"], remote
+    return manifests[1]
