@@ -401,56 +401,61 @@ def run_check(args: list[str]) -> int:
 
 
 def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, Any], load: bool) -> int:
-    """A Megatron-LM output's checks: ``files``, and ``roundtrip``: the output and its source read whole by the same
-    reader, held against each other bit for bit (:func:`osdpipe.verify.megatron.roundtrip_problems`)."""
+    """A Megatron-LM output's checks: ``files``, and ``roundtrip`` (:func:`megatron_roundtrip`)."""
     if load:
         raise CheckUsageError(
             "--load: a Megatron-LM output loads in megatron-core's own job, which osdpipe does not start "
             "(tests/frameworks/test_megatron.py loads every conversion so); check it without --load"
         )
-
-    def roundtrip() -> CheckResult:
-        # torch: not on check --help's path
-        from osdpipe.io.formats.megatron import read_save
-        from osdpipe.pipeline.megatron import hf_problems
-        from osdpipe.verify.megatron import roundtrip_problems
-
-        source = raw["input"]["path"]
-        if (raw.get("checkpoint") or {}).get("layout") == HF:  # from a Hugging Face model folder: the weights alone
-            from osdpipe.pipeline.hf_folder_to_megatron import check_problems as folder_problems
-
-            problems = folder_problems(raw, directory)
-            proved = "every weight equals the Hugging Face folder's, mapped to Megatron's GPT"
-        elif raw["output"].get("checkpoint") == MEGATRON:  # from a Hugging Face Llama's checkpoint
-            from osdpipe.pipeline.hf_to_megatron import check_problems
-
-            problems = check_problems(raw, directory)
-            proved = ("every weight, fp32 master and moment, the step and the param groups equal the source's, "
-                      "mapped to Megatron's GPT")
-        elif raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
-            problems = hf_problems(read_save(source), directory, raw["output"].get("dtype") or "float32")
-            proved = "every fp32 master weight, mapped back from Hugging Face's Llama, equals the source's"
-        else:
-            problems = roundtrip_problems(read_save(source), read_save(directory))
-            proved = ("every weight, fp32 master and moment, the param groups, step, iteration and scheduler equal the "
-                      "source's")
-        detail = "; ".join(problems[:5]) or f"{proved}, bitwise ({source})"
-        return CheckResult("roundtrip", not problems, detail)
-
-    findings = [_run_one("files", lambda: check_files(directory, manifest)), _run_one("roundtrip", roundtrip)]
+    findings = [
+        _run_one("files", lambda: check_files(directory, manifest)),
+        _run_one("roundtrip", lambda: megatron_roundtrip(directory, raw)),
+    ]
     return _said(findings, directory)
 
 
+def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
+    """A conversion by Megatron's own stages (``raw``: its config), checked: the output and its source read whole by
+    the same reader, held against each other bit for bit (:func:`osdpipe.verify.megatron.roundtrip_problems`)."""
+    # torch: not on check --help's path
+    from osdpipe.io.formats.megatron import read_save
+    from osdpipe.pipeline.megatron import hf_problems
+    from osdpipe.verify.megatron import roundtrip_problems
+
+    source = raw["input"]["path"]
+    if (raw.get("checkpoint") or {}).get("layout") == HF:  # from a Hugging Face model folder: the weights alone
+        from osdpipe.pipeline.hf_folder_to_megatron import check_problems as folder_problems
+
+        problems = folder_problems(raw, directory)
+        proved = "every weight equals the Hugging Face folder's, mapped to Megatron's GPT"
+    elif raw["output"].get("checkpoint") == MEGATRON:  # from a Hugging Face Llama's checkpoint
+        from osdpipe.pipeline.hf_to_megatron import check_problems
+
+        problems = check_problems(raw, directory)
+        proved = ("every weight, fp32 master and moment, the step and the param groups equal the source's, "
+                  "mapped to Megatron's GPT")
+    elif raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
+        problems = hf_problems(read_save(source), directory, raw["output"].get("dtype") or "float32")
+        proved = "every fp32 master weight, mapped back from Hugging Face's Llama, equals the source's"
+    else:
+        problems = roundtrip_problems(read_save(source), read_save(directory))
+        proved = ("every weight, fp32 master and moment, the param groups, step, iteration and scheduler equal the "
+                  "source's")
+    detail = "; ".join(problems[:5]) or f"{proved}, bitwise ({source})"
+    return CheckResult("roundtrip", not problems, detail)
+
+
 def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
-    """A conversion committed into object storage: ``files`` (streamed and hashed) and ``strays``."""
+    """A conversion committed into object storage: ``files`` (streamed and hashed), ``strays``, and ``roundtrip``
+    (the source read again, each rank's state derived again and held against the files, read from the bucket)."""
     # fsspec and torch: not on check --help's path
     from osdpipe.io.remote_input import as_path, probe
     from osdpipe.run.collective import one_line
 
-    if load or overrides:
+    if load:
         print(
-            f"osdpipe check: error: {'--load' if load else overrides[0]}: a conversion in object storage is checked "
-            "for its files only yet; copy it to a local path to check it against its source or load it",
+            "osdpipe check: error: --load: a conversion in object storage is not loaded on a target world yet; copy "
+            "it to a local path to load it",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -465,6 +470,9 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
         if not (directory / "manifest.json").is_file() and (incoming / WRITING).is_file():
             return _check_cut_write(url, directory, incoming)
         manifest = read_manifest(directory)  # a RemotePath answers as a Path does here
+        raw = conversion_config(directory, manifest, overrides)
+        megatron = by_megatron_stages((raw.get("checkpoint") or {}).get("layout"), raw["output"].get("checkpoint"))
+        plan = None if megatron else conversion_plan(raw)
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -474,7 +482,10 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
     findings = [
         _run_one("files", lambda: check_files(directory, manifest)),
         _run_one("strays", lambda: check_strays(directory)),
-        CheckResult("roundtrip", True, "skipped: not run on object storage yet (copy the conversion to a local path)"),
+        _run_one(
+            "roundtrip",
+            lambda: megatron_roundtrip(directory, raw) if plan is None else check_roundtrip(directory, plan),
+        ),
     ]
     return _said(findings, directory)
 

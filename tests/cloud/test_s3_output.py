@@ -313,3 +313,25 @@ def test_a_prefix_that_cannot_be_written_is_refused_before_the_run(s3: S3, monke
     with pytest.raises(OutputError, match="^output.path='s3://[^']+/out': no S3 credentials found; set "):
         remote_output.prepare(s3.url("out"), overwrite=False)
     assert store.is_remote(s3.url("out"))
+
+
+def test_check_proves_each_format_in_s3_against_its_source_and_sees_one_element_differ(
+    converted, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``osdpipe check s3://...`` runs ``roundtrip`` on the files in the bucket: each target rank's state derived from
+    the source again and held against what the bucket holds (DCP items by range, ``torch.save`` files by their
+    records); given a source with one element changed (``input.path=``), it fails naming the tensor."""
+    bucket, root, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    state = torch.load(root / "optim.pt", weights_only=True)
+    first = next(iter(state["state"]))
+    state["state"][first]["exp_avg"].view(-1)[0] += 1
+    torch.save(state, root / "one_off.pt")
+    cases = [["check", bucket.url(fmt)] for fmt in sorted(FORMATS)]
+    cases += [["check", bucket.url(fmt), f"input.path={root / 'one_off.pt'}"] for fmt in sorted(FORMATS)]
+    results = run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env())
+    for fmt, same, other in zip(sorted(FORMATS), results, results[len(FORMATS) :], strict=False):
+        assert same["code"] == 0, (fmt, same["stdout"] + same["stderr"])
+        assert "check roundtrip  pass" in same["stdout"] and str(root / "optim.pt") in same["stdout"], same["stdout"]
+        assert other["code"] == 1, (fmt, other["stdout"] + other["stderr"])
+        assert "check roundtrip  FAIL" in other["stdout"] and "exp_avg" in other["stdout"], other["stdout"]

@@ -65,6 +65,7 @@ def runs(s3_endpoint: str, tmp_path_factory) -> tuple[S3, Path, dict[str, dict]]
                            f"output.path={root / 'pytorch_s3'}"],
             "inspect": ["inspect", bucket.url("titan"), "--json"],
             "check": ["check", str(root / "titan_s3")],
+            "check_s3": ["check", bucket.url("out")],
         }
         results = run_cli_cases(list(cases.values()), cwd=root, per_case_s=TIMEOUT_S, env=user_env())
     return bucket, root, dict(zip(cases, results, strict=True))
@@ -106,3 +107,12 @@ def test_check_proves_a_conversion_against_the_url_it_read(runs) -> None:
     assert done["check"]["code"] == 0, done["check"]["stdout"] + done["check"]["stderr"]
     shown = done["check"]["stdout"]
     assert "check roundtrip  pass" in shown and bucket.url("titan", "step-2") in shown
+
+
+def test_check_of_a_whole_conversion_in_s3_proves_it_against_its_source(runs) -> None:
+    """``osdpipe check s3://...`` of the torchtitan step folder committed into the bucket: its files hashed as they
+    stream in, and ``roundtrip``: the step folder's DCP items, read from the bucket, held against the source's."""
+    bucket, _, done = runs
+    result = done["check_s3"]
+    assert result["code"] == 0, result["stdout"] + result["stderr"]
+    assert "check roundtrip  pass" in result["stdout"] and bucket.url("titan", "step-2") in result["stdout"], result

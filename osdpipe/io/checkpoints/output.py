@@ -38,7 +38,7 @@ from osdpipe.core.compare import diff
 from osdpipe.io.checkpoints.base import CarriedData, Carrying
 from osdpipe.io.digest import tensor_digests, tensor_sha256
 from osdpipe.io.formats import dcp_writer
-from osdpipe.io.formats.base import WEIGHTS, InputError, RankFiles, write_torch_file
+from osdpipe.io.formats.base import WEIGHTS, InputError, RankFiles, load_written, write_torch_file
 from osdpipe.io.formats.rank_local import rank_file_name
 from osdpipe.io.remote_input import as_path
 from osdpipe.io.safetensors_out import TensorSpec, write_safetensors
@@ -168,8 +168,7 @@ def full_file_differences(directory: Path, wanted: dict[str, Any]) -> list[str]:
         if not path.is_file():
             problems.append(f"{path} is missing")
             continue
-        got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        problems += [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, content, limit=3)]
+        problems += [f"{path}: {p.removeprefix('state_dict')}" for p in diff(load_written(path), content, limit=3)]
     return problems
 
 

@@ -19,6 +19,7 @@ from osdpipe.core.compare import diff
 from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.io import fetched_memory
 from osdpipe.io.digest import save_hashed
+from osdpipe.io.store import is_remote
 from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree
 
@@ -404,13 +405,22 @@ class Format:
         path = self.output_path(directory, rank)
         if not path.is_file():
             return [f"{path} is missing"]
-        got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(got, expected, limit=3)]
+        return [f"{path}: {p.removeprefix('state_dict')}" for p in diff(load_written(path), expected, limit=3)]
 
     def load_as_a_user_does(self, model: Any, optim: Any, path: Path, written: dict[str, Any], kind: Any) -> None:
         """Load target rank's file into a live target job the way the README tells a resuming job to
         (FQN-keyed: the kind's full load)."""
         kind.load_full(model, optim, written)
+
+
+def load_written(path: Any) -> Any:
+    """A ``torch.save`` file osdpipe wrote, loaded to be compared: memory-mapped on the local disk; in object storage
+    (``osdpipe check s3://...``) by its records, every tensor's bytes fetched (the comparison reads them all)."""
+    if is_remote(str(path)):
+        from osdpipe.io.formats.safe_load import load_remote  # it imports this module
+
+        return fetched_memory.fetch_all(load_remote(str(path)))
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def write_torch_file(osd: dict[str, Any], path: Path) -> RankFiles:
