@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from osdpipe.io.errors import InputError
 from osdpipe.io.output import OutputError
 
 #: The schemes osdpipe reads and writes, each with the fsspec backend that serves it and the store's name.
@@ -196,11 +197,7 @@ def first_look_s(scheme: str, storage_options: Mapping[str, Any] | None = None) 
 
 def error_type(where: str) -> type[Exception]:
     """The project's error for a bad ``where``: :class:`OutputError` for ``output.path``, else :class:`InputError`."""
-    if where.startswith("output"):
-        return OutputError
-    from osdpipe.io.formats.base import InputError  # imports torch: a running job's, not start-up's
-
-    return InputError
+    return OutputError if where.startswith("output") else InputError
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -19,6 +19,7 @@ from osdpipe.core.compare import diff
 from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.io import fetched_memory
 from osdpipe.io.digest import save_hashed
+from osdpipe.io.errors import InputError
 from osdpipe.io.store import is_remote
 from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree
@@ -32,14 +33,6 @@ WEIGHTS = "weights"
 
 #: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
 IdGroups = list[list[str]] | None
-
-
-class InputError(ValueError):
-    """A damaged or wrong input. Its message is one line: the file, what is wrong, and what to do."""
-
-    def __init__(self, message: str) -> None:
-        # Callers build one line; text quoted from elsewhere (an exception, a name) must not break it.
-        super().__init__(" ".join(line.strip() for line in str(message).splitlines() if line.strip()))
 
 
 class OtherLayout(InputError):
@@ -417,7 +410,7 @@ def load_written(path: Any) -> Any:
     """A ``torch.save`` file osdpipe wrote, loaded to be compared: memory-mapped on the local disk; in object storage
     (``osdpipe check s3://...``) by its records, every tensor's bytes fetched (the comparison reads them all)."""
     if is_remote(str(path)):
-        from osdpipe.io.formats.safe_load import load_remote  # it imports this module
+        from osdpipe.io.formats.safe_load import load_remote
 
         return fetched_memory.fetch_all(load_remote(str(path)))
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

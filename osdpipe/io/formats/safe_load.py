@@ -32,7 +32,7 @@ from typing import IO, Any
 import torch
 
 from osdpipe.core.seekable import Seekable
-from osdpipe.io.formats.base import InputError
+from osdpipe.io.errors import InputError
 from osdpipe.io.store import is_remote
 
 #: What to do about a damaged file.
