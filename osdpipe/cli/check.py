@@ -358,7 +358,18 @@ def load_rank(plan: Any, directory: str) -> list[Any]:
 
 
 def run_check(args: list[str]) -> int:
-    """The command: check, print one line per check, return the exit code."""
+    """The command: check, print one line per check, return the exit code.
+
+    Its steps open the source again (planning, the roundtrip's own stages) and, for a conversion in object storage,
+    the output: one snapshot of what is in a bucket (:func:`osdpipe.io.remote_input.one_snapshot`), as a run reads
+    its input."""
+    from osdpipe.io import remote_input  # no torch: fsspec only once a URL is opened
+
+    with remote_input.one_snapshot():
+        return _run_check(args)
+
+
+def _run_check(args: list[str]) -> int:
     if not args or args[0].startswith("-"):
         print(USAGE, file=sys.stderr if args[:1] != ["--help"] else sys.stdout)
         return EXIT_OK if args[:1] == ["--help"] else EXIT_USAGE

@@ -191,7 +191,8 @@ def test_a_rank_fetches_only_the_items_it_needs_never_a_whole_file(converted, mo
 def test_a_command_reads_its_input_as_one_snapshot(converted) -> None:
     """Working out the config (the input's facts), checking the source and the load stage each open the input; the
     conversion from ``s3://`` lists it and fetches its ``.metadata`` and each small item (steps, param groups) once,
-    not once per opening (``remote_input.one_snapshot`` around the command)."""
+    not once per opening (``remote_input.one_snapshot`` around the command); so does ``osdpipe check`` of a
+    conversion in the bucket."""
     _, root, results = converted
     assert results["s3"]["code"] == 0, results["s3"]["stderr"]
     [ranges] = [
@@ -203,6 +204,12 @@ def test_a_command_reads_its_input_as_one_snapshot(converted) -> None:
     small = [tuple(r) for r in ranges if r[2] - r[1] <= remote_input.SMALL_READ]
     assert [r for r in small if r[0].endswith("/.metadata")] == [small[0]]  # read first, and once
     assert len(small) == len(set(small)) > 1, "a small range fetched twice in one command"
+    # osdpipe check of the conversion in the bucket: its roundtrip plans and reads the output there, once too
+    assert results["check"]["code"] == 0, results["check"]["stdout"] + results["check"]["stderr"]
+    [checked] = [json.loads(line)["ranges"] for line in (root / "fetches.jsonl").read_text().splitlines()
+                 if json.loads(line)["argv"][:1] == ["check"]]
+    small = [tuple(r) for r in checked if r[2] - r[1] <= remote_input.SMALL_READ]
+    assert small and len(small) == len(set(small)), "a small range fetched twice in one check"
 
 
 def test_a_snapshot_keeps_its_listing_and_small_reads_and_nothing_else(converted, monkeypatch, tmp_path) -> None:
