@@ -478,7 +478,7 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
         incoming = directory / INCOMING
         if not (directory / "manifest.json").is_file() and (incoming / "manifest.json").is_file():
             return _check_cut_commit(url, directory, incoming)
-        if not (directory / "manifest.json").is_file() and (incoming / WRITING).is_file():
+        if not (directory / "manifest.json").is_file() and (incoming / WRITING).is_dir():
             return _check_cut_write(url, directory, incoming)
         manifest = read_manifest(directory)  # a RemotePath answers as a Path does here
         raw = conversion_config(directory, manifest, overrides)
@@ -522,10 +522,11 @@ def _check_cut_write(url: str, directory: Any, incoming: Any) -> int:
     """A prefix into which a killed run was writing a conversion straight (it held none before,
     :mod:`osdpipe.io.remote_output`): some of its files, no manifest. No conversion is there: said as a failure, with
     the files the next run removes."""
-    from osdpipe.io.remote_output import WRITING
+    from osdpipe.io.remote_output import WRITING, named_in_notes
 
+    notes = [f"{WRITING}/{p.name}" for p in (incoming / WRITING).iterdir()]
     try:
-        named = json.loads((incoming / WRITING).read_text())["files"]
+        named = named_in_notes(lambda note: (incoming / note).read_bytes(), notes)
     except (ValueError, KeyError, TypeError):
         named = []
     written = [n for n in named if (directory / n).is_file()]

@@ -24,6 +24,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,7 @@ from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_mode
 from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages
 
 if TYPE_CHECKING:
+    from osdpipe.io import remote_output
     from osdpipe.run.report import Report
     from osdpipe.spec.config import RunSpec
 
@@ -218,25 +220,32 @@ def _run_job(cfg: DictConfig) -> int:
         plan = plan_run(spec)  # the model's answers: its tree, and whether both wrappings fit it
     except (ConfigError, Contradiction) as exc:
         return _config_error(exc)
-    return _made_and_published(spec, remote, lambda said: execute(plan, warnings=[*notes, *said]))
+    return _made_and_published(
+        spec, remote, lambda said, upload: execute(replace(plan, upload=upload), warnings=[*notes, *said])
+    )
 
 
-def _made_and_published(spec: RunSpec, remote: str | None, run: Callable[[list[str]], Report]) -> int:
-    """``run`` the conversion ``spec`` says (given what the destination found to say), said as every run is; where the
-    user's ``output.path`` is ``remote`` (a URL), the conversion is made in the job's directory (``spec``'s) and
-    then committed there whole (:mod:`osdpipe.io.remote_output`: the prefix proven writable first, an earlier run's
-    leftovers recovered)."""
+def _made_and_published(
+    spec: RunSpec, remote: str | None, run: Callable[[list[str], remote_output.Upload | None], Report]
+) -> int:
+    """``run`` the conversion ``spec`` says (given what the destination found to say, and where to send files as they
+    are written, if it can), said as every run is; where the user's ``output.path`` is ``remote`` (a URL), the
+    conversion is made in the job's directory (``spec``'s) and then committed there whole
+    (:mod:`osdpipe.io.remote_output`: the prefix proven writable first, an earlier run's leftovers recovered; what a
+    failed run sent removed)."""
     from osdpipe.io import remote_output  # fsspec: only for an output in object storage, imported lazily within
 
     try:
         destination = None if remote is None else remote_output.prepare(
             remote, spec.output.overwrite, spec.runtime.storage_options
         )
-        report = run(destination.notes if destination else [])
+        report = run(destination.notes if destination else [], destination.upload if destination else None)
     except OutputError as exc:
         _error(str(exc))
         new_dirs.discard(HydraConfig.get().runtime.output_dir)
         return EXIT_CONFIG
+    if destination is not None and not report.ok:
+        remote_output.discard(destination)  # the files its ranks sent before it failed
     if destination is not None and report.ok:
         try:
             remote_output.publish(destination, Path(spec.output.path))
@@ -260,17 +269,17 @@ def _run_by_megatron_stages(raw: dict, spec: RunSpec, remote: str | None) -> int
     given = Given.from_overrides(HydraConfig.get().overrides.task)
     try:
         if spec.checkpoint.layout == MEGATRON:
-            return _made_and_published(spec, remote, lambda said: megatron.run_command(spec, given, said))
+            return _made_and_published(spec, remote, lambda said, _: megatron.run_command(spec, given, said))
         if spec.checkpoint.layout == HF:  # a Hugging Face model folder: its weights alone
             if (why := hf_folder_to_megatron.refusal(spec)) is not None:
                 raise ConfigError([why])
-            return _made_and_published(spec, remote, lambda said: hf_folder_to_megatron.run_command(spec, said))
+            return _made_and_published(spec, remote, lambda said, _: hf_folder_to_megatron.run_command(spec, said))
         if (why := hf_to_megatron.refusal(raw, given)) is not None:
             raise ConfigError([why])
         source, notes = reconcile(hf_to_megatron.source_config(raw, given), given)
         plan = plan_run(validate(source))
         return _made_and_published(
-            spec, remote, lambda said: hf_to_megatron.run_command(spec, plan, [*hf_to_megatron.without_advice(
+            spec, remote, lambda said, _: hf_to_megatron.run_command(spec, plan, [*hf_to_megatron.without_advice(
                 notes, source), *said]))
     except (ConfigError, Contradiction) as exc:
         return _config_error(exc)

@@ -27,24 +27,30 @@ run's warnings. The copy into place costs a server-side copy of every object
 (no bytes through this machine).
 
 Into a prefix that holds no conversion (a first conversion, or a prefix whose last run was undone) there is nothing to
-keep whole, and the staging and the server-side copies are skipped (:func:`_write_direct`): ``.incoming/writing.json``
-names the files the run writes, then every file is uploaded straight to its own key, the markers last in the same
-order (so a reader that lists the prefix meanwhile finds no ``.metadata`` before the files it describes, and no
-manifest before the whole conversion), and the note is deleted. A run killed before the end leaves the note and some
-of the files, no manifest; the next run into the prefix removes the files it names (markers first) and the note, and
-aborts the multipart uploads into them; ``osdpipe check`` says the prefix holds no whole conversion and why. With
-``output.overwrite=true`` over a conversion in place the steps above are kept: the old conversion stays whole until
-the new one is.
+keep whole, and the staging and the server-side copies are skipped (:attr:`Destination.staged` is false): every file
+is uploaded straight to its own key, each named first in a note under ``.incoming/writing/`` (:func:`send`), the
+markers last in the same order (so a reader that lists the prefix meanwhile finds no ``.metadata`` before the files it
+describes, and no manifest before the whole conversion); the notes are deleted last. A run killed before the end
+leaves notes and some of the files, no manifest; the next run into the prefix removes the files they name (markers
+first) and the notes, and aborts the multipart uploads into them; ``osdpipe check`` says the prefix holds no whole
+conversion and why. With ``output.overwrite=true`` over a conversion in place the steps above are kept: the old
+conversion stays whole until the new one is.
+
+The data files need not wait for the whole conversion: the ranks send theirs as soon as their save stage has written
+and checked them (:class:`osdpipe.io.upload_queue.UploadQueue`, given an :class:`Upload`), while the next ranks
+convert; :func:`publish` then uploads only what is not there yet, and the markers. A run that fails after some were
+sent removes them (:func:`discard`).
 
 ``report.json`` and ``osdpipe.log`` are not part of a conversion: they are uploaded after the commit
 (:func:`publish_record`), and stay in the local job directory, from which the conversion itself is then removed. A
-run that fails uploads nothing: its report is in the local job directory.
+run that fails leaves nothing in the prefix: its report is in the local job directory.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +60,9 @@ from osdpipe.io import store
 from osdpipe.io.output import MANIFEST, OutputError, conversion_entries, conversion_names
 
 INCOMING = ".incoming"
-#: Under ``.incoming/``, while a run writes a conversion straight into a prefix that held none: the files it writes.
-WRITING = "writing.json"
+#: Under ``.incoming/``, while a run writes a conversion straight into a prefix that held none: notes (JSON, each
+#: ``{"files": [...]}``) naming the files it writes, one per batch, each written before the batch's first byte.
+WRITING = "writing"
 #: What a run writes and deletes in the prefix to prove it may write there.
 PROBE = ".osdpipe-write-test"
 #: Files that mark a conversion complete, in the order they are written (last: the manifest); deleted in reverse:
@@ -74,8 +81,16 @@ class Destination:
     location: store.Location
     storage_options: Mapping[str, Any]
     fs: Any
+    #: A conversion is in place, kept whole until the new one is: files go under ``.incoming/`` and are copied into
+    #: place at the commit. Otherwise straight to their keys, each named in a note first.
+    staged: bool = False
     #: What :func:`recover` did to the prefix before the run: said in the run's warnings.
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def upload(self) -> Upload:
+        """What a rank's process needs to send files here."""
+        return Upload(self.location.url, dict(self.storage_options), self.staged)
 
     def key(self, *names: str) -> str:
         """fsspec's path of ``names`` under the prefix."""
@@ -86,6 +101,26 @@ class Destination:
         error = store.failure(exc, self.location, WHERE, self.storage_options, key=key)
         assert isinstance(error, OutputError)
         return error
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A :class:`Destination` as it travels to the processes that play the ranks (in the plan): its URL, options and
+    mode, from which each process opens its own."""
+
+    url: str
+    storage_options: dict[str, Any]
+    staged: bool
+
+    def open(self) -> Destination:
+        location = store.parse(self.url, WHERE)
+        fs = store.filesystem(location, self.storage_options, WHERE)
+        return Destination(location, self.storage_options, fs, self.staged)
+
+
+def is_marker(name: str) -> bool:
+    """Whether ``name`` (a path relative to the conversion) is a file that marks a conversion complete."""
+    return name.rsplit("/", 1)[-1] in MARKERS
 
 
 def markers_last(names: list[str]) -> list[str]:
@@ -127,6 +162,7 @@ def prepare(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None
             f"{WHERE}={location.url!r} already holds a conversion ({', '.join(held[:3])}); "
             "choose another path or set output.overwrite=true"
         )
+    destination.staged = bool(held)  # nothing to keep whole: no staging, no server-side copy
     return destination
 
 
@@ -170,9 +206,10 @@ def recover(destination: Destination) -> list[str]:
             *_abort_unfinished_uploads(destination, incoming),  # its server-side copies of large objects, in parts
         ]
     notes = []
-    if WRITING in incoming:  # a run writing straight into the prefix was killed: what it wrote is removed
-        notes += _undo_direct(destination)
-        incoming.remove(WRITING)
+    written = [o for o in incoming if o.startswith(WRITING + "/")]
+    if written:  # a run writing straight into the prefix was killed: what it wrote is removed
+        notes += _undo_direct(destination, written)
+        incoming = [o for o in incoming if o not in written]
     if incoming:
         shown = ", ".join(incoming[:5]) + (f" and {len(incoming) - 5} more" if len(incoming) > 5 else "")
         try:
@@ -228,31 +265,50 @@ def publish(destination: Destination, directory: Path) -> list[str]:
     """Upload the conversion committed in the local ``directory`` into the prefix and commit it there whole (see the
     module docstring: staged and copied into place over a conversion, straight to its keys into a prefix that holds
     none), then the run's record (:func:`publish_record`); the local copy of the conversion is removed
-    (``report.json`` and ``osdpipe.log`` stay). Returns the uploaded files (relative paths), in upload order.
+    (``report.json`` and ``osdpipe.log`` stay). Files the ranks sent as they were written (:func:`sent_ahead`) are not
+    sent again. Returns every file of the conversion (relative paths), in upload order.
 
     The manifest's ``config.output.path`` is the prefix's URL (the conversion's digests do not cover it).
 
     Raises:
-        OutputError: the upload or the commit failed; what the upload had put under ``.incoming/`` (or, into an
-            empty prefix, in place) is removed.
+        OutputError: the upload failed: what this run put into the prefix (under ``.incoming/``, or, into a prefix
+            that held no conversion, in place) is removed (:func:`discard`); or the commit did: the next run into the
+            prefix finishes it (:func:`recover`).
     """
     local = [p for entry in conversion_entries(directory) for p in ([entry] if entry.is_file() else entry.rglob("*"))]
     names = markers_last([p.relative_to(directory).as_posix() for p in local if p.is_file()])
-    if not _conversion_in_place(destination):  # nothing to keep whole: no staging, no server-side copy
-        _write_direct(destination, directory, names)
+    try:
+        ahead = sent_ahead(destination, directory, names)
+        send(destination, directory, [n for n in names if n not in ahead])
+    except Exception as exc:  # noqa: BLE001 - before the manifest: nothing of this run is taken for a conversion
+        error = destination.fail(exc)
+        discard(destination)
+        raise error from None
+    if destination.staged:
+        _commit(destination, names)  # cut short, the next run into the prefix finishes it (recover)
     else:
-        _stage(destination, directory, names)
-        _commit(destination, names)
+        try:  # every file in place, the manifest last: the notes that named them go
+            destination.fs.rm(destination.key(INCOMING), recursive=True)
+        except Exception as exc:  # noqa: BLE001 - the conversion is whole; the next run removes the notes
+            raise destination.fail(exc, INCOMING) from None
     publish_record(destination, directory)
     for entry in conversion_entries(directory):  # committed in the prefix: the local copy's disk is given back
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     return names
 
 
-def _upload(destination: Destination, directory: Path, names: list[str], *under: str) -> None:
-    """``names`` (in :func:`markers_last` order) from ``directory`` to the prefix (or ``under`` it): the data files
-    several in flight, then the markers one by one, in order; the manifest with the prefix's URL in it."""
-    data = [n for n in names if n.rsplit("/", 1)[-1] not in MARKERS]
+def send(destination: Destination, directory: Path, names: list[str]) -> None:
+    """``names`` (paths relative to ``directory``, in :func:`markers_last` order) into the destination: under
+    ``.incoming/`` where it is staged, else straight to their keys after a note naming them (:data:`WRITING`); the
+    data files several in flight, then the markers one by one, in order; the manifest with the prefix's URL in it.
+    Called by :func:`publish` and, for data files as they are written, by the ranks' upload queues."""
+    if not names:
+        return
+    under = (INCOMING,) if destination.staged else ()
+    if not destination.staged:  # one note per batch: the ranks' processes send theirs at the same time
+        note = destination.key(INCOMING, WRITING, f"{uuid.uuid4().hex}.json")
+        destination.fs.pipe_file(note, json.dumps({"files": names}).encode())
+    data = [n for n in names if not is_marker(n)]
     if data:
         destination.fs.put(
             [str(directory / n) for n in data], [destination.key(*under, n) for n in data]
@@ -264,25 +320,34 @@ def _upload(destination: Destination, directory: Path, names: list[str], *under:
             destination.fs.put_file(str(directory / name), destination.key(*under, name))
 
 
-def _write_direct(destination: Destination, directory: Path, names: list[str]) -> None:
-    """Into a prefix that holds no conversion: every file straight to its own key, the markers last, so that a
-    reader that lists the prefix meanwhile finds no marker (no ``.metadata``, no manifest) before every file it
-    vouches for is there. :data:`WRITING` under ``.incoming/`` names the files first and is deleted last: a run
-    killed in between leaves it, and the next run (:func:`recover`) removes what it names, ``osdpipe check`` says
-    so. A failed upload removes what it wrote."""
-    note = destination.key(INCOMING, WRITING)
+def sent_ahead(destination: Destination, directory: Path, names: list[str]) -> set[str]:
+    """Of ``names``, the data files already in the destination as the local files in ``directory`` are (their size):
+    sent by the ranks as they were written. What is there was sent by this run: :func:`prepare` left nothing of an
+    earlier one under ``.incoming/``, nor, into a prefix that held no conversion, at a conversion's keys."""
+    under = (INCOMING,) if destination.staged else ()
+    root = destination.key(*under)
+    destination.fs.invalidate_cache()  # listed before the run: what the ranks sent since is not in the cache
     try:
-        destination.fs.pipe_file(note, json.dumps({"files": names}, indent=2).encode())
-        _upload(destination, directory, names)
-        destination.fs.rm_file(note)
-    except Exception as exc:  # noqa: BLE001
-        error = destination.fail(exc)
-        try:
-            _remove_written(destination, names)
-            destination.fs.rm_file(note)
-        except Exception:  # noqa: BLE001 - the next run names what is left (recover)
-            pass
-        raise error from None
+        found = destination.fs.find(root, detail=True)
+    except FileNotFoundError:
+        return set()
+    sizes = {path[len(root) + 1 :]: info.get("size") for path, info in found.items()}
+    return {n for n in names if not is_marker(n) and sizes.get(n) == (directory / n).stat().st_size}
+
+
+def discard(destination: Destination) -> None:
+    """Remove what this run put into the prefix: ``.incoming/`` where it is staged (the conversion in place is
+    untouched); else the files its notes name, then the notes. For a run that failed, or whose upload did: nothing of
+    it stays. What cannot be removed is left to the next run (:func:`recover`), which names it."""
+    try:
+        if destination.staged:
+            destination.fs.rm(destination.key(INCOMING), recursive=True)
+        else:
+            notes = [o for o in _objects(destination, INCOMING) if o.startswith(WRITING + "/")]
+            if notes:
+                _undo_direct(destination, notes)
+    except Exception:  # noqa: BLE001 - the next run names what is left (recover)
+        pass
 
 
 def _remove_written(destination: Destination, names: list[str]) -> list[str]:
@@ -290,7 +355,7 @@ def _remove_written(destination: Destination, names: list[str]) -> list[str]:
     what is left for a conversion); returns them."""
     there = set(_objects(destination))
     written = [n for n in names if n in there]
-    markers = list(reversed(markers_last([n for n in written if n.rsplit("/", 1)[-1] in MARKERS])))
+    markers = list(reversed(markers_last([n for n in written if is_marker(n)])))
     for name in markers:
         destination.fs.rm_file(destination.key(name))
     rest = [destination.key(n) for n in written if n not in markers]
@@ -299,42 +364,43 @@ def _remove_written(destination: Destination, names: list[str]) -> list[str]:
     return written
 
 
-def _undo_direct(destination: Destination) -> list[str]:
-    """A run that wrote straight into an empty prefix (:func:`_write_direct`) and was killed before the end: the
-    files it names, removed, unless its manifest (its last file) made it whole; its unfinished multipart uploads
-    aborted. Returns what was done, in words."""
+def named_in_notes(read: Any, notes: list[str]) -> list[str]:
+    """The files that the notes (paths under ``.incoming/``) of a run writing straight into a prefix name, in order,
+    each once; ``read(note)`` gives a note's bytes.
+
+    Raises:
+        ValueError: a note that is not one osdpipe wrote.
+    """
+    named: list[str] = []
+    for note in sorted(notes):
+        files = json.loads(read(note))["files"]
+        if not isinstance(files, list) or not all(isinstance(n, str) for n in files):
+            raise ValueError(f"{INCOMING}/{note} does not list files")
+        named += [n for n in files if n not in named]
+    return named
+
+
+def _undo_direct(destination: Destination, notes: list[str]) -> list[str]:
+    """A run that wrote straight into a prefix that held no conversion and was killed before the end (``notes``: its
+    notes, paths under ``.incoming/``): the files they name, removed, unless its manifest (its last file) made it
+    whole; the notes removed; its unfinished multipart uploads aborted. Returns what was done, in words."""
     try:
-        named = json.loads(destination.fs.cat_file(destination.key(INCOMING, WRITING)))["files"]
-        if not isinstance(named, list) or not all(isinstance(n, str) for n in named):
-            raise ValueError(f"{WRITING} does not list files")
-        if MANIFEST in named and MANIFEST in _objects(destination):
-            destination.fs.rm_file(destination.key(INCOMING, WRITING))  # whole: only its note was left
-            return []
-        removed = _remove_written(destination, named)
-        destination.fs.rm_file(destination.key(INCOMING, WRITING))
+        named = named_in_notes(lambda note: destination.fs.cat_file(destination.key(INCOMING, note)), notes)
+        whole = MANIFEST in named and MANIFEST in _objects(destination)
+        removed = [] if whole else _remove_written(destination, named)  # whole: only its notes were left
+        destination.fs.rm([destination.key(INCOMING, note) for note in notes])
     except Exception as exc:  # noqa: BLE001
         raise destination.fail(exc, INCOMING, WRITING) from None
-    notes = []
+    if whole:
+        return []
+    notes_said = []
     if removed:
         shown = ", ".join(removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
-        notes.append(
+        notes_said.append(
             f"removed {len(removed)} object(s) of an unfinished conversion that a run killed while writing it into "
             f"{destination.location.url} left (no manifest; no reader took them for a conversion): {shown}"
         )
-    return notes + _abort_unfinished_uploads(destination, named)
-
-
-def _stage(destination: Destination, directory: Path, names: list[str]) -> None:
-    """Step 1 of the module docstring: every file under ``.incoming/``, the markers last; a failure removes it."""
-    try:
-        _upload(destination, directory, names, INCOMING)
-    except Exception as exc:  # noqa: BLE001
-        error = destination.fail(exc)
-        try:
-            destination.fs.rm(destination.key(INCOMING), recursive=True)
-        except Exception:  # noqa: BLE001 - the next run names what is left (recover)
-            pass
-        raise error from None
+    return notes_said + _abort_unfinished_uploads(destination, named)
 
 
 def _manifest_for(directory: Path, destination: Destination) -> bytes:

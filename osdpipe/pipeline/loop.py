@@ -21,6 +21,7 @@ from typing import Any
 
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io.checkpoints.base import fates
+from osdpipe.io.upload_queue import UploadQueue
 from osdpipe.io.weights import WholeSource
 from osdpipe.pipeline.stages import STAGES
 from osdpipe.run import progress, whereabouts
@@ -152,6 +153,10 @@ def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | No
     warnings: list[str] = []
     watch = MemoryWatch(world.label).start()
     last: Played | None = None
+    # an output in object storage: the save stage sends each rank's files as soon as they are written
+    queue = UploadQueue(plan.upload) if plan.upload is not None and "save" in stages else None
+    if queue is not None:
+        world.kept[UploadQueue] = queue
     ranks = play(plan, world, stages, timings, on_rank)
     try:
         for _ in world.ranks():
@@ -161,12 +166,22 @@ def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | No
             last = next(ranks)
             outcomes.append(outcome_of(last))
             warnings += [w for w in last.warnings if w not in warnings]
+    except BaseException:
+        if queue is not None:
+            queue.cancel()  # what it sent, the launcher removes (osdpipe.io.remote_output.discard)
+        raise
     finally:
         peak = watch.stop()  # its sampling thread must not outlive a failed run in a caller's process (the Python API)
     assert last is not None, "a world plays at least one rank"
-    every = sorted((o for process in world.gather_processes(outcomes) for o in process), key=lambda o: o.rank)
+    # every upload done before the commit moves the files it reads
+    unsent = None if queue is None else queue.finish()
+    per_process = world.gather_processes((outcomes, unsent))
+    every = sorted((o for process, _ in per_process for o in process), key=lambda o: o.rank)
     checks = combine([list(o.checks) for o in every]) if every and every[0].checks else []
     ok = all(c.ok for c in checks)
+    failed = [(process[0].rank, error) for process, error in per_process if error is not None]
+    if ok and failed:
+        raise StageError("save", dict(failed[:1]))
     files: dict[str, str] = {}
     if ok and "save" in stages and all(o.saved is not None for o in every):
         start = time.perf_counter()

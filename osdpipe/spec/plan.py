@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from osdpipe.io import checkpoints, formats
 from osdpipe.io.checkpoints import CheckpointLayout
@@ -30,6 +30,9 @@ from osdpipe.layout.optim import group_members
 from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree, describe
 from osdpipe.spec.config import ConfigError, RunSpec
+
+if TYPE_CHECKING:
+    from osdpipe.io.remote_output import Upload
 
 #: How many layouts a plan keeps:
 #: a rank's output and optimizer layouts, and a few of the ranks a stage asks about besides.
@@ -53,6 +56,9 @@ class Plan:
     #: The live target optimizer's param groups as indices into its layout, when the Python API is handed one;
     #: otherwise they follow ``optim.param_groups``.
     optim_groups: tuple[tuple[int, ...], ...] | None = None
+    #: Where the files go when ``output.path`` is in object storage (the spec's is then the job's local directory):
+    #: each rank's are sent there as soon as they are written (:mod:`osdpipe.io.upload_queue`).
+    upload: Upload | None = None
     _kept: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ case); the tests then look at the bucket.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -252,8 +253,8 @@ def test_into_an_empty_prefix_each_file_goes_straight_to_its_key_markers_last(s3
     fs.copy = copy
     names = remote_output.publish(destination, directory)
     top = f"{s3.bucket}/out"
-    assert [k.removeprefix(top + "/") for k in written] == [
-        ".incoming/writing.json", "dcp/__0_0.distcp", "rank_0.pt", "rank_1.pt", "dcp/.metadata", "manifest.json",
+    assert [_note_as_one(k.removeprefix(top + "/")) for k in written] == [
+        ".incoming/writing/<note>", "dcp/__0_0.distcp", "rank_0.pt", "rank_1.pt", "dcp/.metadata", "manifest.json",
         "report.json", "osdpipe.log",
     ][: len(written)]  # fmt: skip
     assert names == ["dcp/__0_0.distcp", "rank_0.pt", "rank_1.pt", "dcp/.metadata", "manifest.json"]
@@ -267,8 +268,13 @@ def test_a_failed_write_into_an_empty_prefix_removes_what_it_wrote(s3: S3, tmp_p
     _refuse_the_manifest(destination, s3, seen)
     with pytest.raises(OutputError, match="access denied"):
         remote_output.publish(destination, _staged(tmp_path, 2))
-    assert seen == ["out/.incoming/writing.json", "out/rank_0.pt", "out/rank_1.pt"]
+    assert [_note_as_one(k) for k in seen] == ["out/.incoming/writing/<note>", "out/rank_0.pt", "out/rank_1.pt"]
     assert s3.keys("out") == []
+
+
+def _note_as_one(key: str) -> str:
+    """``key`` with a note's name (a random one) said as ``<note>``."""
+    return re.sub(r"/\.incoming/writing/[0-9a-f]{32}\.json$", "/.incoming/writing/<note>", "/" + key)[1:]
 
 
 def _killed_writing(s3: S3, tmp_path: Path, written: list[str]) -> list[str]:
@@ -276,7 +282,8 @@ def _killed_writing(s3: S3, tmp_path: Path, written: list[str]) -> list[str]:
     directory = _staged(tmp_path, 3)
     names = remote_output.markers_last([p.name for p in directory.iterdir()])
     fs = s3.fs()
-    fs.pipe(f"{s3.bucket}/out/.incoming/writing.json", json.dumps({"files": names}).encode())
+    fs.pipe(f"{s3.bucket}/out/.incoming/writing/{'0' * 32}.json", json.dumps({"files": names[:2]}).encode())
+    fs.pipe(f"{s3.bucket}/out/.incoming/writing/{'1' * 32}.json", json.dumps({"files": names[2:]}).encode())
     for name in written:
         fs.pipe(f"{s3.bucket}/out/{name}", (directory / name).read_bytes())
     return names

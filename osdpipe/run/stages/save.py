@@ -7,7 +7,9 @@ process that plays rank 0 write ``manifest.json`` there and commit the staged
 conversion (:func:`commit`, called by :mod:`osdpipe.pipeline.loop` after the last
 rank), replacing a previous one as a whole. A failure on any rank leaves
 the output directory as it was: nothing half-written. A run whose verify
-failed writes no data.
+failed writes no data. Where the output is bound for object storage, a
+rank's files are handed to its process's upload queue as soon as they are
+written (:mod:`osdpipe.io.upload_queue`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from osdpipe.io import output
 from osdpipe.io.formats.base import RankFiles
 from osdpipe.io.store import is_url
 from osdpipe.io.torchfile import PieceDigest, filled_as_written
+from osdpipe.io.upload_queue import UploadQueue
 from osdpipe.io.weights import WholeSource
 from osdpipe.run.collective import agree, barrier, gather_to_all, one_line
 from osdpipe.run.context import Context
@@ -74,6 +77,9 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
     agree("save", error, rank=ctx.rank)  # on failure the launcher drops the staged run (output.abort)
+    queue = ctx.world.kept.get(UploadQueue)
+    if queue is not None:  # an output in object storage: this rank's files go now, while the next ranks convert
+        queue.send(staging, list(mine.files))
     return Staged(before, mine)
 
 

@@ -1,0 +1,59 @@
+"""A process's finished files sent into object storage in the background, while its next ranks convert.
+
+A conversion into ``s3://`` or ``gs://`` is made in the job's directory and committed into the prefix by
+:func:`osdpipe.io.remote_output.publish`. Were every byte to wait for the whole conversion, the upload would follow
+the last rank and add its whole time to the run. Instead the save stage hands each rank's data files to its
+process's queue as soon as they are written and checked (the roundtrip check and the structure check have passed on
+that rank); the queue uploads them (:func:`osdpipe.io.remote_output.send`: under ``.incoming/``, or straight to their
+keys after a note naming them) while the process plays its next ranks, or waits for the others. The files that mark a
+conversion complete (``.metadata``, the manifest) are never sent here: only ``publish`` sends them, after the local
+commit, once every rank's files are in the prefix.
+
+The pipeline waits for the queue (:meth:`UploadQueue.finish`) before the local commit moves the staged files, and
+says a failed upload as the save stage's failure; a run that fails after some files were sent has them removed by
+:func:`osdpipe.io.remote_output.discard`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from osdpipe.io import remote_output
+
+#: Uploads at once from one process, each a file (a large one in parts): enough to keep a store busy while the
+#: process converts, few enough that the conversion keeps its CPU.
+IN_FLIGHT = 2
+
+
+class UploadQueue:
+    """One process's uploads into the destination ``upload`` names."""
+
+    def __init__(self, upload: remote_output.Upload) -> None:
+        self._destination = upload.open()
+        self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="osdpipe-upload")
+        self._sent: list[tuple[list[str], Future[None]]] = []
+
+    def send(self, directory: Path, names: list[str]) -> None:
+        """Upload ``names`` (paths relative to ``directory``, the staged conversion) in the background; the markers
+        among them are left to :func:`osdpipe.io.remote_output.publish`."""
+        data = [n for n in sorted(names) if not remote_output.is_marker(n)]
+        if data:
+            self._sent.append((data, self._pool.submit(remote_output.send, self._destination, directory, data)))
+
+    def finish(self) -> str | None:
+        """Wait for every upload; the first failure in one line (naming the file), or ``None``."""
+        try:
+            for names, sent in self._sent:
+                try:
+                    sent.result()
+                except Exception as exc:  # noqa: BLE001 - said as the save stage's failure
+                    return str(self._destination.fail(exc, names[0]))
+            return None
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Send nothing more; wait for the uploads under way (their files are read from the staged conversion,
+        which a failed run then removes)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
