@@ -24,8 +24,11 @@ Then, alternating in every repeat, each path a fresh process timed from start to
 * ``osdpipe s3 -> s3, no checks``: the first path with ``pipeline.checks=[]``: the roundtrip check reads the source
   a second time, from the store.
 
-Under the table, the stages of the last ``osdpipe s3 -> s3`` run as the command reports them (the upload and its
-commit come after its stages: the rest of its wall time).
+Under the table, the stages of the last ``osdpipe s3 -> s3`` run as the command reports them (the ranks' files go up
+while later ranks convert; the rest of the upload and the commit come after the stages), the requests each path made
+of the server (counted in moto's access log: ranged GETs, whole GETs, PUTs of objects and of parts), and what the
+server charges for each kind, timed apart on the same objects (median of 5): a ranged GET of 1 KiB from a 400 MB
+object and from a 1 MiB one, a GET of a whole 400 MB object, a PUT of one: what bounds each path.
 
 The table gives median, min and max seconds of the repeats, the ratio to ``fsspec get + put`` (the issue's target:
 osdpipe at most 1.3x), and the CPU seconds each path took in the client (its process and children) and in the server
@@ -44,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -132,6 +136,56 @@ def copy_main(source: str, target: str, local: str) -> None:
     fs.put(local.rstrip("/") + "/", target.rstrip("/") + "/", recursive=True)
 
 
+def requests_in(log: Path, start: int) -> Counter:
+    """The requests moto's access log holds past byte ``start``, by kind."""
+    kinds: Counter = Counter()
+    with log.open("rb") as f:
+        f.seek(start)
+        for line in f.read().decode(errors="replace").splitlines():
+            if '"' not in line:
+                continue
+            request, status = line.split('"')[1], line.rsplit('"', 1)[1].split()[0]
+            method, target = request.split()[:2]
+            if method == "GET" and "?" not in target:
+                kinds["ranged GET" if status == "206" else "GET"] += 1
+            elif method == "PUT":
+                kinds["PUT part" if "partNumber=" in target else "PUT"] += 1
+            else:
+                kinds["other"] += 1
+    return kinds
+
+
+def server_costs(fs, source: Path) -> dict[str, float]:
+    """Seconds the server takes for one request of each kind (median of 5), timed from this process."""
+    big = max(source.iterdir(), key=lambda p: p.stat().st_size)
+    fs.put_file(str(big), f"{BUCKET}/costs/big")
+    fs.pipe_file(f"{BUCKET}/costs/small", b"x" * (1 << 20))
+
+    def median_of(action) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            action()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    size = big.stat().st_size
+    costs = {
+        f"ranged GET of 1 KiB, {size / 1e6:.0f} MB object": median_of(
+            lambda: fs.cat_file(f"{BUCKET}/costs/big", start=size // 2, end=size // 2 + 1024)
+        ),
+        "ranged GET of 1 KiB, 1 MiB object": median_of(
+            lambda: fs.cat_file(f"{BUCKET}/costs/small", start=4096, end=4096 + 1024)
+        ),
+        f"GET of a whole {size / 1e6:.0f} MB object": median_of(lambda: fs.cat_file(f"{BUCKET}/costs/big")),
+        f"PUT of a {size / 1e6:.0f} MB object (in parts)": median_of(
+            lambda: fs.put_file(str(big), f"{BUCKET}/costs/up")
+        ),
+    }
+    fs.rm(f"{BUCKET}/costs", recursive=True)
+    return costs
+
+
 def timed(cmd: list[str], cwd: Path, env: dict[str, str], server: subprocess.Popen) -> tuple[float, float, float, str]:
     """Wall seconds of ``cmd``, the CPU seconds of it and its children, the server's CPU seconds meanwhile, and what
     the command said on stdout."""
@@ -172,6 +226,7 @@ def main() -> int:
         print(f"source: {size / 1e9:.2f} GB (width {opts.width}), FSDP2 DCP at 4 ranks, s3://{BUCKET}/src/dcp, "
               f"moto {endpoint}", flush=True)  # fmt: skip
         runs: dict[str, list[tuple[float, float, float]]] = {path: [] for path in PATHS}
+        asked: dict[str, Counter] = {}
         stages = ""
         for repeat in range(opts.repeats):
             for path in PATHS:
@@ -190,13 +245,16 @@ def main() -> int:
                 else:
                     cmd = [sys.executable, "-m", "osdpipe", *conversion(opts.width), f"input.path={source}",
                            f"output.path={work / 'local_out'}"]  # fmt: skip
+                logged = (work / "moto.log").stat().st_size
                 *measured, said = timed(cmd, work, env, server)
                 runs[path].append(tuple(measured))
+                asked[path] = requests_in(work / "moto.log", logged)
                 if path == "osdpipe s3 -> s3":
                     stages = said
                 wall, client, moto = runs[path][-1]
                 print(f"  repeat {repeat + 1}: {path}: {wall:.1f} s (CPU: client {client:.1f} s, server {moto:.1f} s)",
                       flush=True)  # fmt: skip
+        costs = server_costs(fs, source)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -212,6 +270,17 @@ def main() -> int:
               f"{moto:.1f} |")  # fmt: skip
     print("\nthe last osdpipe s3 -> s3 run's stages:")
     print("\n".join(line for line in stages.splitlines() if line.startswith("  ") and " s " in line))
+    kinds = ("ranged GET", "GET", "PUT", "PUT part", "other")
+    print("\nrequests of the server, the last repeat of each path (moto's access log)")
+    print("| path | " + " | ".join(kinds) + " |")
+    print("| --- | " + " | ".join("---" for _ in kinds) + " |")
+    for path, counted in asked.items():
+        print(f"| {path} | " + " | ".join(str(counted[k]) for k in kinds) + " |")
+    print("\nwhat the server takes per request, timed apart (median of 5)")
+    print("| request | s |")
+    print("| --- | --- |")
+    for request, seconds in costs.items():
+        print(f"| {request} | {seconds:.3f} |")
     return 0
 
 
