@@ -247,11 +247,18 @@ def _made_and_published(
     if destination is not None and not report.ok:
         remote_output.discard(destination)  # the files its ranks sent before it failed
     if destination is not None and report.ok:
+        from osdpipe.run import progress  # tqdm: past the schema check
+
+        display = progress.Display(progress.wanted(spec.runtime.progress))
+        display.phase(f"uploading to {remote}", unit="B")
         try:
-            remote_output.publish(destination, Path(spec.output.path))
+            remote_output.publish(destination, Path(spec.output.path), lambda done, total: display(
+                ("items", done, total)))
         except OutputError as exc:
             _error(f"{exc} (the conversion, whole, is in {spec.output.path})")
             return EXIT_FAILED
+        finally:
+            display.close()
     return _said(report, spec, remote or spec.output.path)
 
 

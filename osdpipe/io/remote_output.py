@@ -51,7 +51,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,12 +261,13 @@ def _abort_unfinished_uploads(destination: Destination, committed: list[str] = (
     ]
 
 
-def publish(destination: Destination, directory: Path) -> list[str]:
+def publish(destination: Destination, directory: Path, shown: Callable[[int, int], None] | None = None) -> list[str]:
     """Upload the conversion committed in the local ``directory`` into the prefix and commit it there whole (see the
     module docstring: staged and copied into place over a conversion, straight to its keys into a prefix that holds
     none), then the run's record (:func:`publish_record`); the local copy of the conversion is removed
     (``report.json`` and ``osdpipe.log`` stay). Files the ranks sent as they were written (:func:`sent_ahead`) are not
-    sent again. Returns every file of the conversion (relative paths), in upload order.
+    sent again; ``shown(done, total)`` is told the bytes sent so far of those it sends. Returns every file of the
+    conversion (relative paths), in upload order.
 
     The manifest's ``config.output.path`` is the prefix's URL (the conversion's digests do not cover it).
 
@@ -279,7 +280,8 @@ def publish(destination: Destination, directory: Path) -> list[str]:
     names = markers_last([p.relative_to(directory).as_posix() for p in local if p.is_file()])
     try:
         ahead = sent_ahead(destination, directory, names)
-        send(destination, directory, [n for n in names if n not in ahead])
+        rest = [n for n in names if n not in ahead]
+        send(destination, directory, rest, None if shown is None else _counted(directory, rest, shown))
     except Exception as exc:  # noqa: BLE001 - before the manifest: nothing of this run is taken for a conversion
         error = destination.fail(exc)
         discard(destination)
@@ -297,13 +299,17 @@ def publish(destination: Destination, directory: Path) -> list[str]:
     return names
 
 
-def send(destination: Destination, directory: Path, names: list[str]) -> None:
+def send(
+    destination: Destination, directory: Path, names: list[str], sent: Callable[[int], None] | None = None
+) -> None:
     """``names`` (paths relative to ``directory``, in :func:`markers_last` order) into the destination: under
     ``.incoming/`` where it is staged, else straight to their keys after a note naming them (:data:`WRITING`); the
     data files several in flight, then the markers one by one, in order; the manifest with the prefix's URL in it.
-    Called by :func:`publish` and, for data files as they are written, by the ranks' upload queues."""
+    ``sent(n)``: ``n`` more bytes went up. Called by :func:`publish` and, for data files as they are written, by the
+    ranks' upload queues."""
     if not names:
         return
+    files, each = _callbacks(sent)
     under = (INCOMING,) if destination.staged else ()
     if not destination.staged:  # one note per batch: the ranks' processes send theirs at the same time
         note = destination.key(INCOMING, WRITING, f"{uuid.uuid4().hex}.json")
@@ -311,13 +317,43 @@ def send(destination: Destination, directory: Path, names: list[str]) -> None:
     data = [n for n in names if not is_marker(n)]
     if data:
         destination.fs.put(
-            [str(directory / n) for n in data], [destination.key(*under, n) for n in data]
+            [str(directory / n) for n in data], [destination.key(*under, n) for n in data], callback=files
         )  # several in flight (s3fs: its max_concurrency); a large file in parts as it is read
     for name in names[len(data) :]:
         if name == MANIFEST:
             destination.fs.pipe_file(destination.key(*under, name), _manifest_for(directory, destination))
+            each.relative_update((directory / name).stat().st_size)  # as counted: the local file's size
         else:
-            destination.fs.put_file(str(directory / name), destination.key(*under, name))
+            destination.fs.put_file(str(directory / name), destination.key(*under, name), callback=each)
+
+
+def _callbacks(sent: Callable[[int], None] | None) -> tuple[Any, Any]:
+    """fsspec's callbacks that pass on to ``sent`` the bytes an upload sends: one for ``put`` of several files (which
+    counts files itself and hands each file's transfer a child), one for a file's transfer."""
+    from fsspec.callbacks import Callback  # fsspec: only for an output in object storage
+
+    class Bytes(Callback):
+        def relative_update(self, inc: int = 1) -> None:
+            if sent is not None:
+                sent(inc)
+
+    class Files(Callback):
+        def branched(self, path_1: str, path_2: str, **kwargs: Any) -> Callback:
+            return Bytes()
+
+    return Files(), Bytes()
+
+
+def _counted(directory: Path, names: list[str], shown: Callable[[int, int], None]) -> Callable[[int], None]:
+    """A ``sent`` for :func:`send` that tells ``shown`` the bytes sent so far of ``names``' total."""
+    total, done = sum((directory / n).stat().st_size for n in names), 0
+
+    def sent(n: int) -> None:
+        nonlocal done
+        done += n
+        shown(done, total)
+
+    return sent
 
 
 def sent_ahead(destination: Destination, directory: Path, names: list[str]) -> set[str]:

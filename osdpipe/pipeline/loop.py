@@ -174,6 +174,8 @@ def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | No
         peak = watch.stop()  # its sampling thread must not outlive a failed run in a caller's process (the Python API)
     assert last is not None, "a world plays at least one rank"
     # every upload done before the commit moves the files it reads
+    if queue is not None and 0 in world.ranks():
+        progress.emit("phase", f"uploading the ranks' files to {plan.upload.url}")
     unsent = None if queue is None else queue.finish()
     per_process = world.gather_processes((outcomes, unsent))
     every = sorted((o for process, _ in per_process for o in process), key=lambda o: o.rank)

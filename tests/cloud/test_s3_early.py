@@ -72,14 +72,17 @@ def test_each_ranks_file_is_sent_before_the_next_rank_converts_and_publish_sends
     sent: list[list[str]] = []
     real_send = remote_output.send
 
-    def sending(into, directory, names):
+    def sending(into, directory, names, *counted):
         sent.append(names)
-        return real_send(into, directory, names)
+        return real_send(into, directory, names, *counted)
 
     monkeypatch.setattr(remote_output, "send", sending)
     local = {p.name: p.read_bytes() for p in (tmp_path / "job").iterdir() if p.name.startswith("rank_")}
-    names = remote_output.publish(destination, tmp_path / "job")
+    shown: list[tuple[int, int]] = []
+    manifest_size = (tmp_path / "job" / "manifest.json").stat().st_size
+    names = remote_output.publish(destination, tmp_path / "job", lambda done, total: shown.append((done, total)))
     assert sent == [["manifest.json"]], "publish sent again what the ranks had sent"
+    assert shown == [(manifest_size, manifest_size)]  # the progress of what it sent
     assert names == [*sorted(local), "manifest.json"]
     fs = bucket.fs()
     assert {name: fs.cat_file(f"{bucket.bucket}/out/{name}") for name in local} == local

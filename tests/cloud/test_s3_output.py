@@ -251,7 +251,10 @@ def test_into_an_empty_prefix_each_file_goes_straight_to_its_key_markers_last(s3
     fs.put_file = lambda source, key, **kw: (written.append(key), put_file(source, key, **kw))
     fs.pipe_file = lambda key, data, **kw: (written.append(key), pipe_file(key, data, **kw))
     fs.copy = copy
-    names = remote_output.publish(destination, directory)
+    shown: list[tuple[int, int]] = []
+    total = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())  # the conversion alone
+    names = remote_output.publish(destination, directory, lambda done, total: shown.append((done, total)))
+    assert shown and shown[-1] == (total, total) and shown == sorted(shown), shown  # every byte, counted up
     top = f"{s3.bucket}/out"
     assert [_note_as_one(k.removeprefix(top + "/")) for k in written] == [
         ".incoming/writing/<note>", "dcp/__0_0.distcp", "rank_0.pt", "rank_1.pt", "dcp/.metadata", "manifest.json",
