@@ -6,7 +6,9 @@ Run (from the repository root; about 8 GB of free disk: the source, moto's spill
     python benchmarks/s3_reshard.py --repeats 3
 
 ``--width 2048`` (a quarter of the bytes, 0.4 GB) is a quick look while developing; the table in docs/speed.md is of
-the default width.
+the default width. ``--store gs`` runs the same paths through ``gs://`` against gcp-storage-emulator (in memory, a
+process of its own, found through ``STORAGE_EMULATOR_HOST``): a server that charges a ranged GET its range, where
+moto charges it its whole object.
 
 The source is a 1.6 GB Adam state (exp_avg and exp_avg_sq of osdpipe's ``mlp``, width 4096, depth 12: the state of
 benchmarks/checkpoint_scale.py's 1.6 GB row, synthesized without training) saved as a 4-rank FSDP2 DCP checkpoint
@@ -65,25 +67,40 @@ def conversion(width: int) -> list[str]:
     ]  # fmt: skip
 
 
-PATHS = ("osdpipe s3 -> s3", "fsspec get + put", "osdpipe local -> local", "osdpipe s3 -> s3, no checks")
+#: Each store's server on this machine: the command that starts it on a port, and its name in the tables.
+SERVERS = {
+    "s3": (["-m", "moto.server", "-H", "127.0.0.1", "-p"], "moto"),
+    "gs": (["-m", "gcp_storage_emulator", "start", "--in-memory", "--host", "127.0.0.1", "--port"],
+           "gcp-storage-emulator"),
+}  # fmt: skip
 
 
-def environment(endpoint: str) -> dict[str, str]:
-    """The server as the endpoint, fake credentials, nothing of the machine's AWS set-up."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+def paths(store: str) -> tuple[str, ...]:
+    return (f"osdpipe {store} -> {store}", "fsspec get + put", "osdpipe local -> local",
+            f"osdpipe {store} -> {store}, no checks")  # fmt: skip
+
+
+def environment(endpoint: str, store: str = "s3") -> dict[str, str]:
+    """The server as the endpoint, fake credentials (S3) or none (the GCS emulator), nothing of the machine's own
+    set-up for either store."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_", "CLOUDSDK_"))}
+    env["CI"] = "true"
+    if store == "gs":
+        env["STORAGE_EMULATOR_HOST"] = endpoint
+        return env
     env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="AKIAOSDPIPEBENCH0001", AWS_SECRET_ACCESS_KEY="secret",
-               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true", CI="true",
+               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
                AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)  # fmt: skip
     return env
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen, str]:
-    """moto's S3 server on a free port of 127.0.0.1, in a process of its own."""
+def start_server(log: Path, store: str = "s3") -> tuple[subprocess.Popen, str]:
+    """The store's server on a free port of 127.0.0.1, in a process of its own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+    args, name = SERVERS[store]
+    server = subprocess.Popen([sys.executable, *args, str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -92,7 +109,7 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
         except OSError:
             time.sleep(0.2)
     server.kill()
-    raise SystemExit(f"moto's server did not start; see {log}")
+    raise SystemExit(f"{name} did not start; see {log}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -101,7 +118,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def filesystem():
+def filesystem(store: str = "s3"):
+    if store == "gs":
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(skip_instance_cache=True)
     import s3fs
 
     return s3fs.S3FileSystem(skip_instance_cache=True)
@@ -131,25 +152,29 @@ def make_source(work: Path, env: dict[str, str], width: int = WIDTH) -> Path:
 
 def copy_main(source: str, target: str, local: str) -> None:
     """The baseline: the source prefix down to ``local``, then up to ``target``, with fsspec alone."""
-    fs = filesystem()
+    fs = filesystem(source.split("://", 1)[0])
     fs.get(source.rstrip("/") + "/", local.rstrip("/") + "/", recursive=True)
     fs.put(local.rstrip("/") + "/", target.rstrip("/") + "/", recursive=True)
 
 
 def requests_in(log: Path, start: int) -> Counter:
-    """The requests moto's access log holds past byte ``start``, by kind."""
+    """The requests the server's access log holds past byte ``start``, by kind (moto's S3 API, or the emulator's
+    GCS JSON API: an object's bytes are ``GET .../o/<name>?alt=media``; an upload in parts is resumable, its parts
+    ``PUT ...&upload_id=``)."""
     kinds: Counter = Counter()
     with log.open("rb") as f:
         f.seek(start)
         for line in f.read().decode(errors="replace").splitlines():
-            if '"' not in line:
+            if line.count('"') < 2 or " HTTP/" not in line:
                 continue
             request, status = line.split('"')[1], line.rsplit('"', 1)[1].split()[0]
             method, target = request.split()[:2]
-            if method == "GET" and "?" not in target:
+            if method == "GET" and ("?" not in target or "alt=media" in target):
                 kinds["ranged GET" if status == "206" else "GET"] += 1
             elif method == "PUT":
-                kinds["PUT part" if "partNumber=" in target else "PUT"] += 1
+                kinds["PUT part" if "partNumber=" in target or "upload_id=" in target else "PUT"] += 1
+            elif method == "POST" and "uploadType=multipart" in target:
+                kinds["PUT"] += 1  # one request, the whole object
             else:
                 kinds["other"] += 1
     return kinds
@@ -207,6 +232,8 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="keeps the synthesized source between invocations")
     parser.add_argument("--width", type=int, default=WIDTH,
                         help=f"the mlp's width (default {WIDTH}: 1.6 GB); smaller for a quick look")  # fmt: skip
+    parser.add_argument("--store", choices=sorted(SERVERS), default="s3",
+                        help="s3: moto's server (default); gs: gcp-storage-emulator, in memory")  # fmt: skip
     parser.add_argument("--copy", nargs=3, metavar=("SOURCE", "TARGET", "LOCAL"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.copy:
@@ -214,42 +241,44 @@ def main() -> int:
         return 0
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="s3_bench_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    server, endpoint = start_server(work / "moto.log")
-    env = environment(endpoint)
+    store, server_name = opts.store, SERVERS[opts.store][1]
+    log = work / f"{server_name}.log"
+    server, endpoint = start_server(log, store)
+    env = environment(endpoint, store)
     os.environ.update(env)
     try:
         source = make_source(work, env, opts.width)
         size = sum(p.stat().st_size for p in source.iterdir())
-        fs = filesystem()
+        fs = filesystem(store)
         fs.mkdir(BUCKET)
         fs.put(f"{source}/", f"{BUCKET}/src/dcp/", recursive=True)
-        print(f"source: {size / 1e9:.2f} GB (width {opts.width}), FSDP2 DCP at 4 ranks, s3://{BUCKET}/src/dcp, "
-              f"moto {endpoint}", flush=True)  # fmt: skip
-        runs: dict[str, list[tuple[float, float, float]]] = {path: [] for path in PATHS}
+        print(f"source: {size / 1e9:.2f} GB (width {opts.width}), FSDP2 DCP at 4 ranks, {store}://{BUCKET}/src/dcp, "
+              f"{server_name} {endpoint}", flush=True)  # fmt: skip
+        runs: dict[str, list[tuple[float, float, float]]] = {path: [] for path in paths(store)}
         asked: dict[str, Counter] = {}
         stages = ""
         for repeat in range(opts.repeats):
-            for path in PATHS:
+            for path in runs:
                 for prefix in ("out", "copy"):
                     if fs.exists(f"{BUCKET}/{prefix}"):
                         fs.rm(f"{BUCKET}/{prefix}", recursive=True)
                 for local in ("local_out", "copy_local", "outputs"):
                     shutil.rmtree(work / local, ignore_errors=True)
-                if path.startswith("osdpipe s3 -> s3"):
-                    cmd = [sys.executable, "-m", "osdpipe", *conversion(opts.width), f"input.path=s3://{BUCKET}/src/dcp",
-                           f"output.path=s3://{BUCKET}/out"]  # fmt: skip
+                if path.startswith(f"osdpipe {store} -> {store}"):
+                    cmd = [sys.executable, "-m", "osdpipe", *conversion(opts.width),
+                           f"input.path={store}://{BUCKET}/src/dcp", f"output.path={store}://{BUCKET}/out"]  # fmt: skip
                     cmd += ["pipeline.checks=[]"] if path.endswith("no checks") else []
                 elif path == "fsspec get + put":
-                    cmd = [sys.executable, str(HERE), "--copy", f"s3://{BUCKET}/src/dcp", f"s3://{BUCKET}/copy/dcp",
-                           str(work / "copy_local")]  # fmt: skip
+                    cmd = [sys.executable, str(HERE), "--copy", f"{store}://{BUCKET}/src/dcp",
+                           f"{store}://{BUCKET}/copy/dcp", str(work / "copy_local")]  # fmt: skip
                 else:
                     cmd = [sys.executable, "-m", "osdpipe", *conversion(opts.width), f"input.path={source}",
                            f"output.path={work / 'local_out'}"]  # fmt: skip
-                logged = (work / "moto.log").stat().st_size
+                logged = log.stat().st_size
                 *measured, said = timed(cmd, work, env, server)
                 runs[path].append(tuple(measured))
-                asked[path] = requests_in(work / "moto.log", logged)
-                if path == "osdpipe s3 -> s3":
+                asked[path] = requests_in(log, logged)
+                if path == f"osdpipe {store} -> {store}":
                     stages = said
                 wall, client, moto = runs[path][-1]
                 print(f"  repeat {repeat + 1}: {path}: {wall:.1f} s (CPU: client {client:.1f} s, server {moto:.1f} s)",
@@ -259,7 +288,8 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=30)
     copy = statistics.median(w for w, _, _ in runs["fsspec get + put"])
-    print(f"\nmedian of {opts.repeats}, alternating; {size / 1e9:.2f} GB FSDP2 DCP, 4 -> 2 ranks; moto on 127.0.0.1")
+    print(f"\nmedian of {opts.repeats}, alternating; {size / 1e9:.2f} GB FSDP2 DCP, 4 -> 2 ranks; {server_name} on "
+          "127.0.0.1")  # fmt: skip
     print("| path | median s | min s | max s | x fsspec copy | client CPU s | server CPU s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for path, got in runs.items():
@@ -268,10 +298,10 @@ def main() -> int:
         client, moto = statistics.median(c for _, c, _ in got), statistics.median(m for _, _, m in got)
         print(f"| {path} | {median:.1f} | {min(walls):.1f} | {max(walls):.1f} | {median / copy:.2f} | {client:.1f} | "
               f"{moto:.1f} |")  # fmt: skip
-    print("\nthe last osdpipe s3 -> s3 run's stages:")
+    print(f"\nthe last osdpipe {store} -> {store} run's stages:")
     print("\n".join(line for line in stages.splitlines() if line.startswith("  ") and " s " in line))
     kinds = ("ranged GET", "GET", "PUT", "PUT part", "other")
-    print("\nrequests of the server, the last repeat of each path (moto's access log)")
+    print(f"\nrequests of the server, the last repeat of each path ({server_name}'s access log)")
     print("| path | " + " | ".join(kinds) + " |")
     print("| --- | " + " | ".join("---" for _ in kinds) + " |")
     for path, counted in asked.items():
