@@ -42,7 +42,8 @@ class UploadQueue:
             self._sent.append((data, self._pool.submit(remote_output.send, self._destination, directory, data)))
 
     def finish(self) -> str | None:
-        """Wait for every upload; the first failure in one line (naming the file), or ``None``."""
+        """Wait for every upload; the first failure in one line (naming the first file of its batch, a rank's files),
+        or ``None``."""
         try:
             for names, sent in self._sent:
                 try:
