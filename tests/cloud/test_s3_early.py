@@ -113,7 +113,8 @@ def test_the_queue_uploads_in_the_background_and_says_a_failure_in_one_line(
 
 def _failing_launcher(bucket: S3, prefix: str) -> str:
     """The ``osdpipe`` command whose last rank fails in its save stage, once the first rank's file is in the bucket
-    (so the failure comes after an upload, for certain)."""
+    (so the failure comes after an upload, for certain: without that upload it fails saying so, and the test
+    with it)."""
     return (
         "import sys, time\n"
         "import s3fs\n"
@@ -124,6 +125,8 @@ def _failing_launcher(bucket: S3, prefix: str) -> str:
         "        fs, deadline = s3fs.S3FileSystem(skip_instance_cache=True), time.monotonic() + 60\n"
         f"        while not fs.exists('{bucket.bucket}/{prefix}/rank_0.pt') and time.monotonic() < deadline:\n"
         "            time.sleep(0.05)\n"
+        f"        if not fs.exists('{bucket.bucket}/{prefix}/rank_0.pt'):\n"
+        "            raise RuntimeError('rank_0.pt never reached the bucket during the run')\n"
         "        raise RuntimeError('injected: the last rank fails after the first rank\\'s file went up')\n"
         "    return save(ctx, before, tally)\n"
         "stages.STAGES['save'] = failing\n"
