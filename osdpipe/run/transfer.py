@@ -145,11 +145,18 @@ class Source:
                 self.reader.release(s.fqn, batch.name, s.start, s.start + s.length)
 
 
-def fill(state: dict[str, Any], batches_: list[Batch], source: Source) -> int:
-    """Copy every batch from this rank's reader into ``state``; the bytes copied."""
+def fill(state: dict[str, Any], batches_: list[Batch], source: Source, digests: list[str] | None = None) -> int:
+    """Copy every batch from this rank's reader into ``state``; the bytes copied.
+
+    With ``digests``, each batch's sha256 as read is appended to it (for the roundtrip check, which then need not
+    read the source again: :func:`osdpipe.run.stages.shard.digests_reads`).
+    """
     copied = 0
     for batch in batches_:
-        place(state[batch.name].view(-1), batch, source.pieces(batch))
+        pieces = source.pieces(batch)
+        if digests is not None:
+            digests.append(pieces_sha256(pieces))
+        place(state[batch.name].view(-1), batch, pieces)
         source.done(batch)
         copied += batch.numel * batch.dtype.itemsize
     return copied

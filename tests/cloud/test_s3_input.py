@@ -188,6 +188,48 @@ def test_a_rank_fetches_only_the_items_it_needs_never_a_whole_file(converted, mo
     assert remote_input.METER.bytes < sum(sizes[n] for n in distcp)  # the two tensors' items, not their files
 
 
+def test_the_roundtrip_check_fetches_nothing_from_the_source(converted, monkeypatch, tmp_path) -> None:
+    """The roundtrip check compares the output with the sha256 the shard stage took of each batch as it read it
+    (``osdpipe.run.stages.shard.digests_reads``): a source in object storage is fetched once, not once to convert and
+    once more to check. The same conversion with and without the check makes the same requests (this model's items
+    are small: a snapshot would keep them, so here it keeps only what is under 1 KiB, as a large model's)."""
+    bucket, _, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    log = tmp_path / "fetches.jsonl"
+    env = user_env(OSDPIPE_TEST_RECORD_FETCHES=str(log), OSDPIPE_TEST_SMALL_READ="1024")
+    args = [*SOURCE, f"input.path={bucket.url('src', 'dcp')}", *TARGET]
+    checked = [*args, "pipeline.checks=[roundtrip]", f"output.path={tmp_path / 'checked'}"]
+    unchecked = [*args, "pipeline.checks=[]", f"output.path={tmp_path / 'unchecked'}"]
+    results = run_cli_cases([checked, unchecked], cwd=tmp_path, per_case_s=TIMEOUT_S, env=env)
+    assert [r["code"] for r in results] == [0, 0], [r["stderr"] for r in results]
+    report = json.loads((tmp_path / "checked" / "report.json").read_text())
+    assert [c["ok"] for c in report["checks"] if c["name"] == "roundtrip"] == [True], report["checks"]
+    fetched = {
+        json.loads(line)["argv"][-2]: sorted(map(tuple, json.loads(line)["ranges"]))
+        for line in log.read_text().splitlines()
+    }
+    assert set(fetched) == {"pipeline.checks=[roundtrip]", "pipeline.checks=[]"}, sorted(fetched)
+    assert any(end - start > 1024 for _, start, end in fetched["pipeline.checks=[]"])
+    assert fetched["pipeline.checks=[roundtrip]"] == fetched["pipeline.checks=[]"]
+
+
+def test_an_element_converted_wrong_from_s3_fails_the_roundtrip_check(converted, monkeypatch, tmp_path) -> None:
+    """The digests taken as the source was read catch one element copied wrong (``tests/support/faults``), and name
+    the batch; no checkpoint is written."""
+    bucket, _, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    out = tmp_path / "out"
+    args = [*SOURCE, f"input.path={bucket.url('src', 'dcp')}", *TARGET, f"output.path={out}"]
+    env = user_env(OSDPIPE_TEST_MISFILL="blocks.1.wq.weight:exp_avg")
+    [result] = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=env)
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("osdpipe: error:")]
+    assert result["code"] == 1 and len(errors) == 1, result["stderr"]
+    said = ("roundtrip", "exp_avg: elements blocks.1.wq.weight[", "differ from what this rank read from the source")
+    for word in said:
+        assert word in errors[0], f"{word!r} not in {errors[0]!r}"
+    assert sorted(p.name for p in out.iterdir()) == ["osdpipe.log", "report.json"]  # the failed run's records only
+
+
 def test_a_command_reads_its_input_as_one_snapshot(converted) -> None:
     """Working out the config (the input's facts), checking the source and the load stage each open the input; the
     conversion from ``s3://`` lists it and fetches its ``.metadata`` and each small item (steps, param groups) once,

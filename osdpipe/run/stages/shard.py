@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from osdpipe.core.compare import nonfinite_segments
+from osdpipe.io import remote_input
 from osdpipe.io.formats import TensorRef
 from osdpipe.layout.ranges import LocalTensor
 from osdpipe.run.collective import gather_to_all
@@ -56,16 +57,17 @@ def shard(ctx: Context, flat: Flattened, tally: Tally) -> Sharded:
     state: dict[str, dict[str, Any]] = {}
     streamed: StreamedOutput | None = None
     sent_digests: dict[int, dict[tuple[str, str, int], str]] = {}
+    read_digests: dict[tuple[str, str, int], str] | None = None
     try:
         sent_digests = _serve(ctx, source, tally)
-        state, streamed = _convert(ctx, flat, tally, found)
+        state, streamed, read_digests = _convert(ctx, flat, tally, found)
     except Exception as exc:  # noqa: BLE001 - raised below: first every rank must reach the collective
         failure = exc
     everywhere = sorted({f for rank_found in gather_to_all(found) for f in rank_found})
     if failure is not None:
         raise failure
     act_on_nonfinite(ctx, tally, everywhere, here=bool(found))
-    return Sharded(flat, state, sent_digests, streamed)
+    return Sharded(flat, state, sent_digests, streamed=streamed, read_digests=read_digests)
 
 
 def read_source(ctx: Context, source: Described) -> Source:
@@ -82,10 +84,7 @@ def _serve(ctx: Context, source: Described, tally: Tally) -> dict[int, dict[tupl
     receivers = source.receivers(ctx.rank)
     if not (source.reads_itself(ctx.rank) and receivers):
         return {}
-    server = Server(
-        read_source(ctx, source),
-        digest="verify" in ctx.spec.pipeline.stages and "roundtrip" in ctx.spec.pipeline.checks,
-    )
+    server = Server(read_source(ctx, source), digest=_roundtrip_checks(ctx))
     sent_digests: dict[int, dict[tuple[str, str, int], str]] = {}
     sends = [
         (receiver, tensor, plan(tensor, entry, source.meta, ctx.spec.runtime.piece_bytes))
@@ -107,14 +106,31 @@ def _serve(ctx: Context, source: Described, tally: Tally) -> dict[int, dict[tupl
     return {receiver: sent_digests.get(receiver, {}) for receiver in receivers}
 
 
+def _roundtrip_checks(ctx: Context) -> bool:
+    return "verify" in ctx.plan.stages and "roundtrip" in ctx.spec.pipeline.checks
+
+
+def digests_reads(ctx: Context) -> bool:
+    """Whether this rank keeps the sha256 of each batch it reads for itself, for the roundtrip check to compare with.
+
+    Where the source is in object storage: there, reading it again for the check would fetch every byte a second
+    time (as long as the conversion's own reads, and as many requests). A digest taken of the bytes the conversion
+    copied proves the same thing of the output (it holds exactly what was read), and fails on one wrong byte; what it
+    cannot do is name the first differing element, so a local source, read again from the page cache, is compared
+    byte by byte as before.
+    """
+    return _roundtrip_checks(ctx) and remote_input.is_remote(ctx.plan.input_path)
+
+
 def _convert(
     ctx: Context, flat: Flattened, tally: Tally, found: list[str]
-) -> tuple[dict[str, dict[str, Any]], StreamedOutput | None]:
+) -> tuple[dict[str, dict[str, Any]], StreamedOutput | None, dict[tuple[str, str, int], str] | None]:
     """Fill this rank's own tensors, read here or received; ``found`` collects the non-finite elements they hold.
 
     Under ``runtime.memory_budget``, when nothing before save needs them in
     memory, they are left placeholders that save fills as it writes them
-    (:mod:`osdpipe.run.streamed_output`): the second value.
+    (:mod:`osdpipe.run.streamed_output`): the second value. The third: each batch's sha256 as read,
+    where the roundtrip check compares with them (:func:`digests_reads`).
     """
     source = flat.source
     reads = read_source(ctx, source) if source.reads_itself(ctx.rank) else None
@@ -125,14 +141,21 @@ def _convert(
     if streamed is not None:
         return {
             t.key: streamed.allocate(t, flat.entries[t.key], source.meta, work) for t, work in zip(tensors, plans)
-        }, streamed
+        }, streamed, None
     out: dict[str, dict[str, Any]] = {}
+    read_digests = {} if reads is not None and digests_reads(ctx) else None
     if reads is not None:  # every read this rank makes, known now: an input in object storage fetches them ahead
         reads.expect([batch for work in plans for batch in work])
     try:
         for tensor, work in zip(track(tensors), plans):
             state = allocate(tensor, flat.entries[tensor.key], source.meta)
-            tally.moved += fill(state, work, reads) if receiver is None else receiver.receive(state, work)
+            if receiver is not None:
+                tally.moved += receiver.receive(state, work)
+            else:
+                digests: list[str] | None = None if read_digests is None else []
+                tally.moved += fill(state, work, reads, digests)
+                if read_digests is not None:
+                    read_digests.update({(tensor.key, b.name, i): d for i, (b, d) in enumerate(zip(work, digests))})
             out[tensor.key] = state
             found.extend(nonfinite(tensor, state))
     except Exception:
@@ -142,7 +165,7 @@ def _convert(
     finally:
         if reads is not None:
             reads.expect([])
-    return out, None
+    return out, None, read_digests
 
 
 def _streamed(
@@ -159,7 +182,7 @@ def _streamed(
     why = why_held(ctx, flat.source)
     if why is None:
         assert reads is not None, "a rank whose ranges are sent to it holds its output (why_held)"
-        return StreamedOutput(reads, compare="verify" in ctx.plan.stages and "roundtrip" in ctx.spec.pipeline.checks)
+        return StreamedOutput(reads, compare=_roundtrip_checks(ctx))
     output = sum(
         t.numel * v.torch_dtype.itemsize
         for t in tensors

@@ -3,7 +3,9 @@ bitwise, and the ranks cover every source element.
 
 Padding is zero; scalar state equals the source's; a rank sent its ranges
 (``runtime.transfer=scatter``) compares them with the digests its reading
-rank took. Together: gathered back, the result *is* the source. An output
+rank took, and a rank that read a source in object storage with the digests it
+took as it read (rather than fetching every byte again). Together: gathered
+back, the result *is* the source. An output
 made as it is written (:mod:`osdpipe.run.streamed_output`) has its elements and its
 padding compared by the same function as save writes them, batch by batch.
 """
@@ -38,13 +40,18 @@ def _result_state(ctx: Subject, key: str) -> dict[str, Any] | None:
 def run(ctx: Subject) -> CheckResult:
     """Compare this rank's converted tensors with the source, batch by batch, and check coverage.
 
-    A rank that reads the source compares the bytes themselves (and names the
-    first differing element); a rank whose bytes were sent to it
+    A rank that reads a local source compares the bytes themselves (and names
+    the first differing element); a rank whose bytes were sent to it
     (``runtime.transfer=scatter``) compares each batch's sha256 with the
-    digest its reading rank took of the source while sending it.
+    digest its reading rank took of the source while sending it, and a rank
+    that read a source in object storage with the digest it took as it read
+    (:func:`osdpipe.run.stages.shard.digests_reads`).
     """
     assert ctx.meta is not None
     sent = _sent_digests(ctx)
+    reader = ctx.rank if ctx.reading_ranks is None else ctx.reading_ranks[ctx.rank]
+    if sent is None and ctx.keyed is not None:
+        sent = ctx.keyed.sharded.read_digests
     problems: list[str] = []
     reads: list[tuple[LocalTensor, dict[str, Any], list[tuple[int, Batch]]]] = []  # compared below, all known first
     for tensor in ctx.target_layout():
@@ -86,7 +93,7 @@ def run(ctx: Subject) -> CheckResult:
         if sent is None:
             reads.append((tensor, state, work))
         else:
-            problems += _compare_sent(tensor, state, work, sent, ctx)
+            problems += _compare_digests(tensor, state, work, sent, reader, ctx.rank)
     problems += _compare_reads(reads, ctx)
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
@@ -153,26 +160,27 @@ def _compare_reads(reads: list[tuple[LocalTensor, dict[str, Any], list[tuple[int
     return problems
 
 
-def _compare_sent(
+def _compare_digests(
     tensor: LocalTensor,
     state: dict[str, Any],
     work: list[tuple[int, Batch]],
-    sent: dict[tuple[str, str, int], str],
-    ctx: Subject,
+    digests: dict[tuple[str, str, int], str],
+    reader: int,
+    rank: int,
 ) -> list[str]:
     """Each batch of the result (``i``: its place in the plan)
-    against the digest its reading rank took of the source."""
-    assert ctx.reading_ranks is not None
+    against the digest rank ``reader`` took of the source as it read it (this rank: ``rank``)."""
+    who = "this rank" if reader == rank else f"rank {reader}"
     problems = []
     for i, batch in work:
-        if batch_sha256(state, batch) != sent.get((tensor.key, batch.name, i)):
+        if batch_sha256(state, batch) != digests.get((tensor.key, batch.name, i)):
             first, last = batch.segments[0], batch.segments[-1]
             where = f"{first.fqn}[{first.start}..{first.start + first.length}]" + (
                 f" .. {last.fqn}" if len(batch.segments) > 1 else ""
             )
             problems.append(
                 f"{tensor.key}.{batch.name}: elements {where} (flat) "
-                f"differ from what rank {ctx.reading_ranks[ctx.rank]} read from the source"
+                f"differ from what {who} read from the source"
             )
     return problems
 

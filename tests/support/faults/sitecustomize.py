@@ -14,13 +14,16 @@ tensor scalar state of its own (``tests/verify/test_resume.py``).
 ``OSDPIPE_TEST_RECORD_SYNCS=<file>`` appends every ``os.fsync`` (the path
 behind the descriptor) and ``os.replace`` of the process to ``<file>``, a
 line each, in order (``tests/io/test_durability.py``).
-``OSDPIPE_TEST_MISFILL=<fqn>:<state>`` copies one element wrong into an output
-made as it is written: the first of each batch of parameter ``<fqn>``'s
-state ``<state>`` is one more than the source's (``tests/run/test_streamed.py``).
+``OSDPIPE_TEST_MISFILL=<fqn>:<state>`` copies one element wrong into the
+output, as the shard stage fills it or as it is written: the first of each
+batch of parameter ``<fqn>``'s state ``<state>`` is one more than the source's
+(``tests/run/test_streamed.py``, ``tests/cloud/test_s3_input.py``).
 ``OSDPIPE_TEST_RECORD_FETCHES=<file>`` appends, as each command's snapshot of
 its input ends (``osdpipe.io.remote_input.one_snapshot``: one per command, in
 this process), a JSON line: the command's arguments and every ranged request
-it made (``tests/cloud/test_s3_input.py``).
+it made (``tests/cloud/test_s3_input.py``); ``OSDPIPE_TEST_SMALL_READ=<bytes>``
+lowers what a snapshot keeps (``remote_input.SMALL_READ``), so that a small
+model's items count as a large model's do.
 Without any of these variables this module does nothing, not even import torch.
 """
 
@@ -155,11 +158,12 @@ if os.environ.get("OSDPIPE_TEST_RECORD_SYNCS"):
 
 
 def _misfill(fqn: str, name: str) -> None:
-    """Every batch :mod:`osdpipe.run.streamed_output` fills of ``fqn``'s state ``name`` gets its first element wrong,
-    after the copy."""
+    """Every batch the shard stage (:func:`osdpipe.run.transfer.fill`) or :mod:`osdpipe.run.streamed_output` fills of
+    ``fqn``'s state ``name`` gets its first element wrong, after the copy."""
     from osdpipe.run import streamed_output as streamed
+    from osdpipe.run import transfer
 
-    real_place = streamed.place
+    real_place = transfer.place
 
     def place(flat, batch, pieces):
         real_place(flat, batch, pieces)
@@ -167,7 +171,7 @@ def _misfill(fqn: str, name: str) -> None:
         if first.fqn == fqn and batch.name == name:
             flat[first.dest] += 1
 
-    streamed.place = place
+    streamed.place = transfer.place = place
 
 
 if os.environ.get("OSDPIPE_TEST_MISFILL"):
@@ -200,3 +204,8 @@ def _record_fetches(log: str) -> None:
 
 if os.environ.get("OSDPIPE_TEST_RECORD_FETCHES"):
     _record_fetches(os.environ["OSDPIPE_TEST_RECORD_FETCHES"])
+
+if os.environ.get("OSDPIPE_TEST_SMALL_READ"):
+    from osdpipe.io import remote_input
+
+    remote_input.SMALL_READ = int(os.environ["OSDPIPE_TEST_SMALL_READ"])
