@@ -126,6 +126,7 @@ class StreamedOutput:
         self.source, self.compare = source, compare
         self._pending: dict[int, _Placeholder] = {}
         self._written: progress.Counter | None = None  # placeholders written, on the progress line
+        self._told = False  # whether the reader was told every batch the windows will read (_fetch_ahead)
         self.differences: list[str] = []
         self.nonfinite: list[str] = []
         self.filled = 0  # bytes copied from the source
@@ -170,6 +171,7 @@ class StreamedOutput:
         if self._written is None:
             self._written = progress.Counter(len(self._pending))
         p = self._pending.pop(storage._cdata)
+        self._fetch_ahead(p)
         size = p.flat.element_size()
         data = memoryview(p.region) if p.region is not None else memoryview(b"")
         label = f"{p.tensor.key}.{p.name}"
@@ -200,6 +202,25 @@ class StreamedOutput:
         self._written.advance()
         if not self._pending:
             self._written.finish()
+            self.close()
+
+    def _fetch_ahead(self, first: _Placeholder) -> None:
+        """Tell the reader, once, every batch the windows will read: ``first``'s, then the other placeholders' in the
+        order shard allocated them (the order the writers ask for them).
+
+        A source in object storage then fetches them ahead, several requests at once and neighbours as one,
+        within half the budget (:class:`osdpipe.io.remote_input.Prefetch`), instead of one request per piece, each
+        waited for. A window asked for out of that order is still read, on its own. Local readers ignore it.
+        """
+        if not self._told:
+            self._told = True
+            self.source.expect([*first.work, *(b for q in self._pending.values() for b in q.work)])
+
+    def close(self) -> None:
+        """Let go of what was fetched ahead and not read (a save that failed part way)."""
+        if self._told:
+            self._told = False
+            self.source.expect([])
 
 
 def _let_go(region: mmap.mmap | None, start: int, end: int) -> None:

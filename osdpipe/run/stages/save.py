@@ -76,6 +76,9 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
         tally.moved += sum((staging / name).stat().st_size for name in mine.files)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = one_line(exc)
+    finally:
+        if keyed.sharded.streamed is not None:
+            keyed.sharded.streamed.close()
     agree("save", error, rank=ctx.rank)  # on failure the launcher drops the staged run (output.abort)
     queue = ctx.world.kept.get(UploadQueue)
     if queue is not None:  # an output in object storage: this rank's files go now, while the next ranks convert
