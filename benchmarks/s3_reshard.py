@@ -23,8 +23,8 @@ Then, alternating in every repeat, each path a fresh process timed from start to
   local disk, then ``fs.put`` of it to another prefix (s3fs, the same server and client options);
 * ``osdpipe local -> local``: the same conversion from a local copy of the source to a local directory: the CPU and
   disk part of the first path, without the store;
-* ``osdpipe s3 -> s3, no checks``: the first path with ``pipeline.checks=[]``: the roundtrip check reads the source
-  a second time, from the store.
+* ``osdpipe s3 -> s3, no checks``: the first path with ``pipeline.checks=[]``: what the roundtrip check costs (it
+  compares with digests the shard stage took as it read, and fetches nothing more from the store).
 
 Under the table, the stages of the last ``osdpipe s3 -> s3`` run as the command reports them (the ranks' files go up
 while later ranks convert; the rest of the upload and the commit come after the stages), the requests each path made
