@@ -25,8 +25,9 @@ override it (``input.path``, ``model.factory`` where a module moved).
 ``OUTPUT_DIR`` may be a URL, ``s3://bucket/prefix`` (or ``gs://``), where ``output.path=s3://...`` committed a
 conversion: ``manifest.json`` is read from the prefix and every file it lists is hashed as it streams in (never
 written to disk); ``strays`` names the objects an unfinished run left under ``<prefix>/.incoming/`` (they do not touch
-the committed conversion; the next run into the prefix removes them). ``roundtrip`` and ``--load`` are not run there
-yet: copy the conversion to a local path to run them. The store's own endpoint and credentials are used
+the committed conversion; the next run into the prefix removes them); ``roundtrip`` reads the source and the files
+by range, as a conversion from a URL reads its input. ``--load`` is not run there yet (refused in one line): copy the
+conversion to a local path to load it. The store's own endpoint and credentials are used
 (:mod:`osdpipe.io.remote_input`).
 
 Exit codes: 0 every check passed; 1 a check failed; 2 the command line or the

@@ -452,7 +452,7 @@ def _commit(destination: Destination, incoming: list[str]) -> None:
         old = [o for o in _objects(destination) if not o.startswith(INCOMING + "/") and o not in RECORDS]
         tops = set(_conversion_in_place(destination))
         old = [o for o in old if o.split("/", 1)[0] in tops]
-        old_markers = list(reversed(markers_last([o for o in old if o.rsplit("/", 1)[-1] in MARKERS])))
+        old_markers = list(reversed(markers_last([o for o in old if is_marker(o)])))
         for name in old_markers:  # the manifest first: from here no reader takes the prefix for a whole conversion
             fs.rm_file(key(name))
         new = set(incoming)
@@ -460,7 +460,7 @@ def _commit(destination: Destination, incoming: list[str]) -> None:
         if gone:
             fs.rm(gone)
         ordered = markers_last(incoming)
-        data = [n for n in ordered if n.rsplit("/", 1)[-1] not in MARKERS]
+        data = [n for n in ordered if not is_marker(n)]
         if data:
             fs.copy([key(INCOMING, n) for n in data], [key(n) for n in data])
         for name in ordered[len(data) :]:  # .metadata, then the manifest: the prefix is whole again
