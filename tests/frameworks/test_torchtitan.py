@@ -12,6 +12,7 @@ and so the data order are the source's).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -53,10 +54,11 @@ def _convert(work: Path, name: str, *overrides: str) -> Path:
     return out
 
 
-def _convert_as_inspect_says(work: Path, name: str, folder: Path, world_size: int) -> Path:
-    """The command ``osdpipe inspect`` prints for ``folder``, run verbatim with only the target's world and the output
-    filled in; it names the model as torchtitan does (``checkpoint.model``, ``checkpoint.flavor``), where the module's
-    own tests name it by ``model=torchtitan`` (:data:`CONVERT`)."""
+def _convert_as_inspect_says(work: Path, name: str, folder: Path | str, world_size: int, out: str = "") -> Path:
+    """The command ``osdpipe inspect`` prints for ``folder`` (a path or a URL), run verbatim with only the target's
+    world and the output (``out``, else ``work / name``) filled in; it names the model as torchtitan does
+    (``checkpoint.model``, ``checkpoint.flavor``), where the module's own tests name it by ``model=torchtitan``
+    (:data:`CONVERT`)."""
     shown = run_command(
         [sys.executable, "-m", "osdpipe", "inspect", str(folder)], cwd=work, timeout=120, env=user_env()
     )
@@ -64,17 +66,16 @@ def _convert_as_inspect_says(work: Path, name: str, folder: Path, world_size: in
     (line,) = [line for line in shown.stdout.splitlines() if line.strip().startswith("convert with osdpipe ")]
     # the model, named as torchtitan names it
     assert "checkpoint.model=llama3 checkpoint.flavor=debugmodel" in line, line
-    out = work / name
     args = (
         line.strip()
         .removeprefix("convert with osdpipe ")
         .replace("target.world_size=M", f"target.world_size={world_size}")
-        .replace("OUT_DIR", str(out))
+        .replace("OUT_DIR", out or str(work / name))
         .split()
     )
     done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=work, timeout=400, env=user_env())
     assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
-    return out
+    return work / name
 
 
 def test_default_llama3_converts_4_to_2_and_back_to_4_and_torchtitan_resumes_each_at_its_step(source) -> None:
@@ -90,6 +91,29 @@ def test_default_llama3_converts_4_to_2_and_back_to_4_and_torchtitan_resumes_eac
     # the source's dp degree: its data loader loads too
     got = titan.resume_and_dump(work, 4, four, assets=assets, name="four")
     assert titan.compare_dumps(want, got, parts=("step", "model", "optim", "lr_scheduler", "loss_after")) == []
+
+
+def test_the_readmes_bucket_example_converts_into_the_bytes_it_makes_on_disk(source, monkeypatch) -> None:
+    """README's object-storage line: torchtitan's checkpoint folder in a bucket (an S3 server on 127.0.0.1), named as
+    torchtitan names its model, as ``osdpipe inspect s3://...`` prints the command, converts into another prefix: the
+    files the same command writes on disk (which torchtitan resumes from, above), byte for byte."""
+    from cloud.cloudenv import s3_bucket
+
+    work, _, folder, _ = source
+    local = _convert_as_inspect_says(work, "readme-local", folder, 2)
+    with monkeypatch.context() as env, s3_bucket(env, work / "readme-home") as bucket:
+        bucket.fs().put(f"{folder}/", f"{bucket.bucket}/titan/", recursive=True)
+        _convert_as_inspect_says(work, "", bucket.url("titan"), 2, out=bucket.url("titan-2"))
+        bucket.fs().get(f"{bucket.bucket}/titan-2/", f"{work / 'readme-s3'}/", recursive=True)
+
+    def data(directory: Path) -> dict[str, bytes]:
+        records = ("manifest.json", "report.json", "osdpipe.log")
+        return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*")
+                if p.is_file() and p.name not in records}  # fmt: skip
+
+    assert data(work / "readme-s3") == data(local) and any(n.endswith(".distcp") for n in data(local))
+    manifests = [json.loads((d / "manifest.json").read_text()) for d in (local, work / "readme-s3")]
+    assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"]
 
 
 def test_offline_to_8_ranks_resumes_on_2(source) -> None:
