@@ -237,7 +237,7 @@ def _made_and_published(
 
     try:
         destination = None if remote is None else remote_output.prepare(
-            remote, spec.output.overwrite, spec.runtime.storage_options
+            remote, spec.output.overwrite, spec.runtime.storage_options, spec.runtime.memory_budget
         )
         report = run(destination.notes if destination else [], destination.upload if destination else None)
     except OutputError as exc:

@@ -86,11 +86,13 @@ class Destination:
     staged: bool = False
     #: What :func:`recover` did to the prefix before the run: said in the run's warnings.
     notes: list[str] = field(default_factory=list)
+    #: The parts files go up in (:func:`osdpipe.io.store.upload_part_bytes`; ``None``: the store client's own).
+    part_bytes: int | None = None
 
     @property
     def upload(self) -> Upload:
         """What a rank's process needs to send files here."""
-        return Upload(self.location.url, dict(self.storage_options), self.staged)
+        return Upload(self.location.url, dict(self.storage_options), self.staged, self.part_bytes)
 
     def key(self, *names: str) -> str:
         """fsspec's path of ``names`` under the prefix."""
@@ -111,11 +113,12 @@ class Upload:
     url: str
     storage_options: dict[str, Any]
     staged: bool
+    part_bytes: int | None = None
 
     def open(self) -> Destination:
         location = store.parse(self.url, WHERE)
         fs = store.filesystem(location, self.storage_options, WHERE)
-        return Destination(location, self.storage_options, fs, self.staged)
+        return Destination(location, self.storage_options, fs, self.staged, part_bytes=self.part_bytes)
 
 
 def is_marker(name: str) -> bool:
@@ -134,9 +137,12 @@ def markers_last(names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (rank(n), n))
 
 
-def prepare(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None = None) -> Destination:
+def prepare(
+    url: str, overwrite: bool, storage_options: Mapping[str, Any] | None = None, memory_budget: int | None = None
+) -> Destination:
     """The prefix ``url``, proven writable (an object written and deleted), an earlier run's leftovers recovered
-    (:func:`recover`), and refused when it holds a conversion and ``overwrite`` is false.
+    (:func:`recover`), and refused when it holds a conversion and ``overwrite`` is false. Under ``memory_budget``
+    (``runtime.memory_budget``) files go up in parts of a size it bounds (:func:`osdpipe.io.store.upload_part_bytes`).
 
     Raises:
         OutputError: in one line naming the URL (no such bucket, access denied, no credentials, an endpoint that does
@@ -154,7 +160,9 @@ def prepare(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None
         probe.fs.rm_file(probe.key(PROBE), timeout=bound)
     except Exception as exc:  # noqa: BLE001 - said in one line, whatever the backend raised
         raise probe.fail(exc) from None
-    destination = Destination(location, options, store.filesystem(location, options, WHERE))
+    destination = Destination(
+        location, options, store.filesystem(location, options, WHERE), part_bytes=store.upload_part_bytes(memory_budget)
+    )
     destination.notes.extend(recover(destination))
     held = _conversion_in_place(destination)
     if held and not overwrite:
@@ -315,27 +323,35 @@ def send(
         note = destination.key(INCOMING, WRITING, f"{uuid.uuid4().hex}.json")
         destination.fs.pipe_file(note, json.dumps({"files": names}).encode())
     data = [n for n in names if not is_marker(n)]
+    parts = store.upload_options(
+        destination.location.scheme, destination.part_bytes, max((directory / n).stat().st_size for n in names)
+    )
     if data:
         destination.fs.put(
-            [str(directory / n) for n in data], [destination.key(*under, n) for n in data], callback=files
-        )  # several in flight (s3fs: its max_concurrency); a large file in parts as it is read
+            [str(directory / n) for n in data], [destination.key(*under, n) for n in data], callback=files, **parts
+        )  # several in flight; a large file in parts as it is read
     for name in names[len(data) :]:
         if name == MANIFEST:
             destination.fs.pipe_file(destination.key(*under, name), _manifest_for(directory, destination))
             each.relative_update((directory / name).stat().st_size)  # as counted: the local file's size
         else:
-            destination.fs.put_file(str(directory / name), destination.key(*under, name), callback=each)
+            destination.fs.put_file(str(directory / name), destination.key(*under, name), callback=each, **parts)
 
 
 def _callbacks(sent: Callable[[int], None] | None) -> tuple[Any, Any]:
     """fsspec's callbacks that pass on to ``sent`` the bytes an upload sends: one for ``put`` of several files (which
-    counts files itself and hands each file's transfer a child), one for a file's transfer."""
+    counts files itself and hands each file's transfer a child), one for a file's transfer. s3fs says each part's
+    bytes (``relative_update``), gcsfs how far the file is (``absolute_update``): both count."""
     from fsspec.callbacks import Callback  # fsspec: only for an output in object storage
 
     class Bytes(Callback):
         def relative_update(self, inc: int = 1) -> None:
-            if sent is not None:
-                sent(inc)
+            self.absolute_update(self.value + inc)
+
+        def absolute_update(self, value: int) -> None:
+            if sent is not None and value > self.value:
+                sent(value - self.value)
+            self.value = value
 
     class Files(Callback):
         def branched(self, path_1: str, path_2: str, **kwargs: Any) -> Callback:

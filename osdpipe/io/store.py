@@ -121,6 +121,37 @@ def parse(url: str, where: str = "path") -> Location:
     return Location(scheme, bucket, "/".join(parts))
 
 
+#: The smallest part of a multipart upload S3 takes (but the last); GCS's resumable chunks are multiples of 256 KiB.
+MIN_PART = 5 << 20
+_PART_QUANTUM = 256 << 10
+#: The most parts one S3 multipart upload may have.
+MAX_PARTS = 10_000
+
+
+def upload_part_bytes(memory_budget: int | None) -> int | None:
+    """The size of the parts a file is uploaded in under ``runtime.memory_budget``: an eighth of it (a file's upload
+    holds two parts at most, and two uploads run at once: half the budget, beside the conversion's reads), a multiple
+    of 256 KiB, at least :data:`MIN_PART`. ``None`` (no budget): the store client's own (s3fs: 50 MiB parts, ten at
+    once)."""
+    if memory_budget is None:
+        return None
+    return max(MIN_PART, memory_budget // 8 // _PART_QUANTUM * _PART_QUANTUM)
+
+
+def upload_options(scheme: str, part_bytes: int | None, largest: int) -> dict[str, Any]:
+    """The keyword arguments of fsspec's ``put``/``put_file`` that upload in parts of ``part_bytes`` (``None``: the
+    client's defaults), one part at a time, for files of at most ``largest`` bytes.
+
+    s3fs reads a file smaller than two parts whole, else ``max_concurrency`` parts at a time (ten by default); gcsfs
+    sends a resumable upload's chunks one by one. A part grows where S3's :data:`MAX_PARTS` would not hold the file.
+    """
+    if part_bytes is None:
+        return {}
+    fits = -(-largest // MAX_PARTS)
+    part = max(part_bytes, -(-fits // _PART_QUANTUM) * _PART_QUANTUM)
+    return {"chunksize": part, "max_concurrency": 1} if scheme == "s3" else {"chunksize": part}
+
+
 def options_for(scheme: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """The filesystem's keyword arguments: osdpipe's :data:`DEFAULTS` for ``scheme``, with
     ``storage_options[scheme]`` over them (nested dicts merged, the user's value winning)."""

@@ -103,3 +103,27 @@ def test_the_google_clients_chatter_is_not_printed(converted) -> None:
     _, _, results, _ = converted
     said = "".join(r["stdout"] + r["stderr"] for r in results.values())
     assert "Authentication failed" not in said and "[HYDRA]" not in said, said[:2000]
+
+
+def test_under_a_memory_budget_a_file_goes_up_to_gs_in_chunks(gcs_endpoint: str, monkeypatch, tmp_path: Path) -> None:
+    """gcsfs takes the budget's part size as its resumable upload's chunks (multiples of 256 KiB): a 12 MiB file
+    arrives whole, counted a 5 MiB chunk at a time (gcsfs says how far a file is, where s3fs says each part's bytes:
+    before, the progress line counted no byte of a gs upload)."""
+    import torch
+
+    from osdpipe.io import remote_output
+
+    fs = _gcs(monkeypatch, gcs_endpoint, tmp_path)
+    bucket = f"osdpipe-{uuid.uuid4().hex[:16]}"
+    fs.mkdir(bucket)
+    directory = tmp_path / "conversion"
+    directory.mkdir()
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    (directory / "rank_0.pt").write_bytes(data)
+    (directory / "manifest.json").write_text(json.dumps({"files": {"rank_0.pt": "x"}, "config": {}}))
+    destination = remote_output.prepare(f"gs://{bucket}/out", overwrite=False, memory_budget=40 << 20)
+    shown: list[tuple[int, int]] = []
+    remote_output.publish(destination, directory, lambda done, total: shown.append((done, total)))
+    steps = [b - a for (a, _), (b, _) in zip([(0, 0), *shown], shown)]
+    assert fs.cat_file(f"{bucket}/out/rank_0.pt") == data
+    assert max(steps) <= 5 << 20 and sum(steps) >= 12 << 20, steps

@@ -265,6 +265,25 @@ def test_into_an_empty_prefix_each_file_goes_straight_to_its_key_markers_last(s3
     assert _remote_files(s3, "out")["dcp/__0_0.distcp"] == b"items"
 
 
+@pytest.mark.parametrize("budget", [None, 40 << 20])
+def test_under_a_memory_budget_a_file_goes_up_in_parts_it_bounds(s3: S3, tmp_path: Path, budget) -> None:
+    """``runtime.memory_budget`` bounds what an upload holds: a 12 MiB file goes up in parts of an eighth of the budget
+    (here S3's smallest, 5 MiB), counted as each is sent; without a budget s3fs reads it whole (a file under two of
+    its 50 MiB parts) and sends it in one request."""
+    directory = _staged(tmp_path, 1)
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    (directory / "rank_0.pt").write_bytes(data)
+    destination = remote_output.prepare(s3.url("out"), overwrite=False, memory_budget=budget)
+    shown: list[tuple[int, int]] = []
+    remote_output.publish(destination, directory, lambda done, total: shown.append((done, total)))
+    steps = [b - a for (a, _), (b, _) in zip([(0, 0), *shown], shown)]
+    assert _remote_files(s3, "out")["rank_0.pt"] == data
+    if budget is None:
+        assert 12 << 20 in steps, steps
+    else:
+        assert max(steps) <= 5 << 20 and sum(steps) >= 12 << 20, steps
+
+
 def test_a_failed_write_into_an_empty_prefix_removes_what_it_wrote(s3: S3, tmp_path: Path) -> None:
     destination = remote_output.prepare(s3.url("out"), overwrite=False)
     seen: list[str] = []

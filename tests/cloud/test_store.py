@@ -148,3 +148,18 @@ def test_an_object_store_input_is_taken_and_another_scheme_refused_in_one_line()
     assert InputConfig(path="s3://bucket/ckpt/dcp").path == "s3://bucket/ckpt/dcp"  # asked for when the run is checked
     with pytest.raises(ValidationError, match="osdpipe reads and writes s3:// and gs:// .and local paths., not ftp://"):
         InputConfig(path="ftp://host/ckpt/dcp")
+
+
+def test_a_memory_budget_sets_the_upload_parts() -> None:
+    """An eighth of the budget, in 256 KiB steps, at least S3's 5 MiB; one part at a time on S3 (s3fs sends ten);
+    grown where S3's 10,000 parts would not hold the largest file; the client's own without a budget."""
+    assert store.upload_part_bytes(None) is None
+    assert store.upload_part_bytes(1 << 30) == 128 << 20
+    assert store.upload_part_bytes(1000 << 20) == 125 << 20  # 125 MiB: a multiple of 256 KiB
+    assert store.upload_part_bytes(1 << 20) == store.MIN_PART == 5 << 20
+    assert store.upload_options("s3", None, 1 << 40) == {}
+    assert store.upload_options("s3", 5 << 20, 12 << 20) == {"chunksize": 5 << 20, "max_concurrency": 1}
+    assert store.upload_options("gs", 5 << 20, 12 << 20) == {"chunksize": 5 << 20}
+    huge = store.upload_options("s3", 5 << 20, 100 << 30)["chunksize"]  # 100 GiB: 10,000 parts of 10.25 MiB
+    assert huge % (256 << 10) == 0 and huge * store.MAX_PARTS >= 100 << 30 > (huge - (256 << 10)) * store.MAX_PARTS
+
