@@ -26,8 +26,8 @@ override it (``input.path``, ``model.factory`` where a module moved).
 conversion: ``manifest.json`` is read from the prefix and every file it lists is hashed as it streams in (never
 written to disk); ``strays`` names the objects an unfinished run left under ``<prefix>/.incoming/`` (they do not touch
 the committed conversion; the next run into the prefix removes them); ``roundtrip`` reads the source and the files
-by range, as a conversion from a URL reads its input. ``--load`` is not run there yet (refused in one line): copy the
-conversion to a local path to load it. The store's own endpoint and credentials are used
+by range, as a conversion from a URL reads its input; ``--load`` loads a copy of the files in a temporary directory
+(the target job's loaders read local files), removed after. The store's own endpoint and credentials are used
 (:mod:`osdpipe.io.remote_input`).
 
 Exit codes: 0 every check passed; 1 a check failed; 2 the command line or the
@@ -46,6 +46,10 @@ from osdpipe.run.products import CheckResult, Keyed, Tally
 from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages  # it imports nothing heavy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MEGATRON_NOT_LOADED = (
+    "--load: a Megatron-LM output loads in megatron-core's own job, which osdpipe does not start "
+    "(tests/frameworks/test_megatron.py loads every conversion so); check it without --load"
+)
 #: The conversion's stages the ``roundtrip`` check plays again: those that derive a rank's state from the source.
 DERIVING_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
 USAGE = (
@@ -421,10 +425,7 @@ def _run_check(args: list[str]) -> int:
 def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, Any], load: bool) -> int:
     """A Megatron-LM output's checks: ``files``, and ``roundtrip`` (:func:`megatron_roundtrip`)."""
     if load:
-        raise CheckUsageError(
-            "--load: a Megatron-LM output loads in megatron-core's own job, which osdpipe does not start "
-            "(tests/frameworks/test_megatron.py loads every conversion so); check it without --load"
-        )
+        raise CheckUsageError(MEGATRON_NOT_LOADED)
     findings = [
         _run_one("files", lambda: check_files(directory, manifest)),
         _run_one("roundtrip", lambda: megatron_roundtrip(directory, raw)),
@@ -468,16 +469,8 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
     (the source read again, each rank's state derived again and held against the files, read from the bucket)."""
     # fsspec and torch: not on check --help's path
     from osdpipe.io.remote_input import as_path, probe
-    from osdpipe.run.collective import one_line
-
-    if load:
-        print(
-            "osdpipe check: error: --load: a conversion in object storage is not loaded on a target world yet; copy "
-            "it to a local path to load it",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     from osdpipe.io.remote_output import INCOMING, WRITING
+    from osdpipe.run.collective import one_line
 
     try:
         probe(url, "OUTPUT_DIR")
@@ -490,6 +483,8 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
         manifest = read_manifest(directory)  # a RemotePath answers as a Path does here
         raw = conversion_config(directory, manifest, overrides)
         megatron = by_megatron_stages((raw.get("checkpoint") or {}).get("layout"), raw["output"].get("checkpoint"))
+        if megatron and load:
+            raise CheckUsageError(MEGATRON_NOT_LOADED)
         plan = None if megatron else conversion_plan(raw)
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
@@ -505,7 +500,25 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
             lambda: megatron_roundtrip(directory, raw) if plan is None else check_roundtrip(directory, plan),
         ),
     ]
+    if load and plan is not None:
+        findings += _run_many("load", lambda: _load_a_copy(directory, manifest, plan))
     return _said(findings, directory)
+
+
+def _load_a_copy(directory: Any, manifest: dict[str, Any], plan: Any) -> list[CheckResult]:
+    """``--load`` of a conversion in object storage: its files copied into a temporary directory (``TMPDIR``: it
+    needs room for them), loaded there on the target world as a local conversion is (:func:`check_load`), the copy
+    removed. The target job's loaders read local files; the ``files`` check has hashed the objects already."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="osdpipe-check-load-") as copy:
+        for name in sorted(manifest["files"]):
+            local = Path(copy) / name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            with (directory / name).open() as remote, local.open("wb") as out:
+                shutil.copyfileobj(remote, out, 16 << 20)
+        return check_load(Path(copy), plan)
 
 
 def _check_cut_commit(url: str, directory: Any, incoming: Any) -> int:

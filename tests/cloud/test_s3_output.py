@@ -7,6 +7,7 @@ case); the tests then look at the bucket.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -364,3 +365,43 @@ def test_check_proves_each_format_in_s3_against_its_source_and_sees_one_element_
         assert "check roundtrip  pass" in same["stdout"] and str(root / "optim.pt") in same["stdout"], same["stdout"]
         assert other["code"] == 1, (fmt, other["stdout"] + other["stderr"])
         assert "check roundtrip  FAIL" in other["stdout"] and "exp_avg" in other["stdout"], other["stdout"]
+
+
+def test_check_load_loads_a_conversion_in_s3_on_its_target_world(
+    converted, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``osdpipe check s3://... --load``: the files copied into a temporary directory (``TMPDIR``), loaded there on the
+    target world and stepped as a local conversion's are, the copy removed after; each format."""
+    bucket, root, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    worlds = {"rank_local": "3 fsdp1", "fsdp_full": "2 fsdp1", "dcp": "3 fsdp2"}
+    results = run_cli_cases([["check", bucket.url(fmt), "--load"] for fmt in sorted(FORMATS)], cwd=root,
+                            per_case_s=TIMEOUT_S, env=user_env(TMPDIR=str(scratch)))  # fmt: skip
+    for fmt, result in zip(sorted(FORMATS), results, strict=True):
+        assert result["code"] == 0, (fmt, result["stdout"] + result["stderr"])
+        said = result["stdout"]
+        assert f"check load       pass  on {worlds[fmt]} rank(s): loaded; one step left all state finite" in said, said
+        assert f"check resume     pass  on {worlds[fmt]} rank(s)" in said, said
+        assert said.splitlines()[-1] == f"osdpipe check: OK  {bucket.url(fmt)}"
+    assert not [p for p in scratch.iterdir() if p.name.startswith("osdpipe-check-load-")]
+
+
+def test_check_load_of_s3_loads_what_the_bucket_holds(converted, s3: S3, tmp_path: Path) -> None:
+    """The copy ``--load`` loads is the bucket's: rank 1's file there holding a NaN fails ``load``, naming rank 1."""
+    bucket, _, _ = converted
+    fs = bucket.fs()
+    for key in bucket.keys("rank_local"):
+        fs.copy(f"{bucket.bucket}/{key}", f"{s3.bucket}/{key}")
+    osd = torch.load(io.BytesIO(fs.cat_file(f"{bucket.bucket}/rank_local/rank_1.pt")), weights_only=True)
+    key = sorted(k for k, st in osd["state"].items() if isinstance(st, dict) and st["exp_avg_sq"].numel() > 3)[0]
+    osd["state"][key]["exp_avg_sq"].view(-1)[2] = float("nan")
+    changed = io.BytesIO()
+    torch.save(osd, changed)
+    s3.fs().pipe(f"{s3.bucket}/rank_local/rank_1.pt", changed.getvalue())
+    [result] = run_cli_cases([["check", s3.url("rank_local"), "--load"]], cwd=tmp_path, per_case_s=TIMEOUT_S,
+                             env=user_env())  # fmt: skip
+    assert result["code"] == 1, result["stdout"] + result["stderr"]
+    line = next(line for line in result["stdout"].splitlines() if "check load" in line)
+    assert "FAIL  rank 1: non-finite in the loaded state" in line and "exp_avg_sq (1 element)" in line, line
