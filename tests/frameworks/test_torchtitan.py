@@ -54,9 +54,9 @@ def _convert(work: Path, name: str, *overrides: str) -> Path:
     return out
 
 
-def _convert_as_inspect_says(work: Path, name: str, folder: Path | str, world_size: int, out: str = "") -> Path:
+def _convert_as_inspect_says(work: Path, folder: Path | str, world_size: int, into: Path | str) -> Path | str:
     """The command ``osdpipe inspect`` prints for ``folder`` (a path or a URL), run verbatim with only the target's
-    world and the output (``out``, else ``work / name``) filled in; it names the model as torchtitan does
+    world and the output (``into``: a path or a URL) filled in; it names the model as torchtitan does
     (``checkpoint.model``, ``checkpoint.flavor``), where the module's own tests name it by ``model=torchtitan``
     (:data:`CONVERT`)."""
     shown = run_command(
@@ -70,17 +70,17 @@ def _convert_as_inspect_says(work: Path, name: str, folder: Path | str, world_si
         line.strip()
         .removeprefix("convert with osdpipe ")
         .replace("target.world_size=M", f"target.world_size={world_size}")
-        .replace("OUT_DIR", out or str(work / name))
+        .replace("OUT_DIR", str(into))
         .split()
     )
     done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=work, timeout=400, env=user_env())
     assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
-    return work / name
+    return into
 
 
 def test_default_llama3_converts_4_to_2_and_back_to_4_and_torchtitan_resumes_each_at_its_step(source) -> None:
     work, assets, folder, want = source
-    two = _convert_as_inspect_says(work, "two", folder, 2)
+    two = _convert_as_inspect_says(work, folder, 2, work / "two")
     # where torchtitan's --checkpoint.folder resumes
     assert sorted(p.name for p in two.iterdir() if p.is_dir()) == ["step-2"]
     got = titan.resume_and_dump(work, 2, two, assets=assets, extra=NEW_DP_DEGREE, name="two")
@@ -100,10 +100,10 @@ def test_the_readmes_bucket_example_converts_into_the_bytes_it_makes_on_disk(sou
     from cloud.cloudenv import s3_bucket
 
     work, _, folder, _ = source
-    local = _convert_as_inspect_says(work, "readme-local", folder, 2)
+    local = _convert_as_inspect_says(work, folder, 2, work / "readme-local")
     with monkeypatch.context() as env, s3_bucket(env, work / "readme-home") as bucket:
         bucket.fs().put(f"{folder}/", f"{bucket.bucket}/titan/", recursive=True)
-        _convert_as_inspect_says(work, "", bucket.url("titan"), 2, out=bucket.url("titan-2"))
+        _convert_as_inspect_says(work, bucket.url("titan"), 2, into=bucket.url("titan-2"))
         bucket.fs().get(f"{bucket.bucket}/titan-2/", f"{work / 'readme-s3'}/", recursive=True)
 
     def data(directory: Path) -> dict[str, bytes]:
@@ -134,7 +134,7 @@ def test_a_model_only_last_save_converts_to_a_model_only_step_that_torchtitan_in
     titan.train(work, 2, 2, folder=saved, assets=assets, extra=["--checkpoint.last-save-model-only"])
     model_only = ["--checkpoint.initial-load-model-only"]
     want = titan.resume_and_dump(work, 2, saved / "step-2", assets=assets, extra=model_only, name="model-only-source")
-    three = _convert_as_inspect_says(work, "model-only-3", saved, 3)
+    three = _convert_as_inspect_says(work, saved, 3, work / "model-only-3")
     assert not any(key.startswith("optimizer") for key in titan.checkpoint_keys(three / "step-2"))
     got = titan.resume_and_dump(work, 3, three / "step-2", assets=assets, extra=model_only, name="model-only-3")
     assert got["step"] == 0 and got["optim"] == {} and titan.compare_dumps(want, got, parts=("model",)) == []
@@ -158,7 +158,7 @@ def test_a_seed_checkpoint_converts_to_a_model_only_step_0_that_torchtitan_start
         extra=["--checkpoint.create-seed-checkpoint", "--checkpoint.last-save-model-only"],
     )
     assert titan.latest_step(seed) == 0
-    two = _convert_as_inspect_says(work, "seed-2", seed, 2)
+    two = _convert_as_inspect_says(work, seed, 2, work / "seed-2")
     assert sorted(p.name for p in two.iterdir() if p.is_dir()) == ["step-0"]
     assert not any(key.startswith("optimizer") for key in titan.checkpoint_keys(two / "step-0"))
     got = titan.resume_and_dump(work, 2, two, assets=assets, name="seed-2")

@@ -48,10 +48,12 @@ def run(ctx: Subject) -> CheckResult:
     (:func:`osdpipe.run.stages.shard.digests_reads`).
     """
     assert ctx.meta is not None
-    sent = _sent_digests(ctx)
+    # The digests of the source's batches taken as they were read: by the rank that sent them here, else by this
+    # rank as it read a source in object storage; None where the source is read again and compared byte by byte.
+    read_digests = _sent_digests(ctx)
     reader = ctx.rank if ctx.reading_ranks is None else ctx.reading_ranks[ctx.rank]
-    if sent is None and ctx.keyed is not None:
-        sent = ctx.keyed.sharded.read_digests
+    if read_digests is None and ctx.keyed is not None:
+        read_digests = ctx.keyed.sharded.read_digests
     problems: list[str] = []
     reads: list[tuple[LocalTensor, dict[str, Any], list[tuple[int, Batch]]]] = []  # compared below, all known first
     for tensor in ctx.target_layout():
@@ -90,10 +92,10 @@ def run(ctx: Subject) -> CheckResult:
             for i, b in enumerate(plan(tensor, entry, ctx.meta, ctx.spec.runtime.piece_bytes))
             if b.name in comparable
         ]
-        if sent is None:
+        if read_digests is None:
             reads.append((tensor, state, work))
         else:
-            problems += _compare_digests(tensor, state, work, sent, reader, ctx.rank)
+            problems += _compare_digests(tensor, state, work, read_digests, reader, ctx.rank)
     problems += _compare_reads(reads, ctx)
     if ctx.rank == 0:  # pure layout math over all target ranks: one rank suffices
         problems.extend(_coverage_gaps(ctx))
