@@ -40,7 +40,7 @@ def main() -> int:
     server, endpoint = bench.start_server(log, "s3")
     env = bench.environment(endpoint, "s3")
     os.environ.update(env)
-    runs: dict[str, list[tuple[float, float, float]]] = {c: [] for c in opts.checkouts}
+    runs: dict[str, list[tuple[float, float, float, float]]] = {c: [] for c in opts.checkouts}
     gets: dict[str, int] = {}
     try:
         fs = bench.filesystem("s3")
@@ -60,7 +60,7 @@ def main() -> int:
                     raise SystemExit(f"{checkout}: the roundtrip check did not pass:\n{said[-2000:]}")
                 runs[checkout].append(tuple(measured))
                 gets[checkout] = bench.requests_in(log, logged)["ranged GET"]
-                wall, client, served = measured
+                wall, client, served, _ = measured
                 print(f"  repeat {repeat + 1}: {checkout}: {wall:.1f} s (CPU: client {client:.1f} s, "
                       f"server {served:.1f} s)", flush=True)  # fmt: skip
     finally:
@@ -70,8 +70,8 @@ def main() -> int:
     print("| checkout | median s | min s | max s | client CPU s | server CPU s | ranged GETs |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for checkout, got in runs.items():
-        walls = [w for w, _, _ in got]
-        client, served = statistics.median(c for _, c, _ in got), statistics.median(s for _, _, s in got)
+        walls = [w for w, *_ in got]
+        client, served = statistics.median(c for _, c, *_ in got), statistics.median(s for _, _, s, _ in got)
         print(f"| {checkout} | {statistics.median(walls):.1f} | {min(walls):.1f} | {max(walls):.1f} | {client:.1f} | "
               f"{served:.1f} | {gets[checkout]} |")  # fmt: skip
     return 0

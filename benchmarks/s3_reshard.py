@@ -24,17 +24,24 @@ Then, alternating in every repeat, each path a fresh process timed from start to
 * ``osdpipe local -> local``: the same conversion from a local copy of the source to a local directory: the CPU and
   disk part of the first path, without the store;
 * ``osdpipe s3 -> s3, no checks``: the first path with ``pipeline.checks=[]``: what the roundtrip check costs (it
-  compares with digests the shard stage took as it read, and fetches nothing more from the store).
+  compares with digests the shard stage took as it read, and fetches nothing more from the store);
+* ``osdpipe s3 -> s3, runtime.memory_budget=8GB``: the first path given the memory to make every request as large
+  as the bytes it serves (:data:`WHOLE_REQUESTS_BUDGET`): each source object read in one GET, each output file sent
+  in one PUT, the output made as save writes it. What a server that charges per request, not per byte, costs
+  osdpipe at its fewest requests; the defaults keep the request sizes S3 itself serves fastest (64 MiB ranges,
+  50 MiB parts, several at once).
 
 Under the table, the stages of the last ``osdpipe s3 -> s3`` run as the command reports them (the ranks' files go up
 while later ranks convert; the rest of the upload and the commit come after the stages), the requests each path made
 of the server (counted in moto's access log: ranged GETs, whole GETs, PUTs of objects and of parts), and what the
 server charges for each kind, timed apart on the same objects (median of 5): a ranged GET of 1 KiB from a 400 MB
-object and from a 1 MiB one, a GET of a whole 400 MB object, a PUT of one: what bounds each path.
+object and from a 1 MiB one, a GET of a whole 400 MB object, a PUT of one in parts and in one request: what bounds
+each path.
 
 The table gives median, min and max seconds of the repeats, the ratio to ``fsspec get + put`` (the issue's target:
-osdpipe at most 1.3x), and the CPU seconds each path took in the client (its process and children) and in the server
-(moto's process), medians: where the time goes, and so what bounds the path (the network here is loopback).
+osdpipe at most 1.3x), the CPU seconds each path took in the client (its process and children) and in the server
+(moto's process), medians: where the time goes, and so what bounds the path (the network here is loopback), and the
+command's peak RSS (its main process's ``VmHWM``).
 """
 
 from __future__ import annotations
@@ -75,9 +82,15 @@ SERVERS = {
 }  # fmt: skip
 
 
+#: The budget at which each source object is one GET and each output file one PUT (a request fetches up to an eighth
+#: of the budget, an upload part is an eighth: both at least this conversion's largest object, the 806 MB output).
+WHOLE_REQUESTS_BUDGET = "8GB"
+
+
 def paths(store: str) -> tuple[str, ...]:
     return (f"osdpipe {store} -> {store}", "fsspec get + put", "osdpipe local -> local",
-            f"osdpipe {store} -> {store}, no checks")  # fmt: skip
+            f"osdpipe {store} -> {store}, no checks",
+            f"osdpipe {store} -> {store}, runtime.memory_budget={WHOLE_REQUESTS_BUDGET}")  # fmt: skip
 
 
 def environment(endpoint: str, store: str = "s3") -> dict[str, str]:
@@ -206,24 +219,50 @@ def server_costs(fs, source: Path) -> dict[str, float]:
         f"PUT of a {size / 1e6:.0f} MB object (in parts)": median_of(
             lambda: fs.put_file(str(big), f"{BUCKET}/costs/up")
         ),
+        f"PUT of a {size / 1e6:.0f} MB object (one request)": median_of(  # s3fs: one PUT below 2 chunks
+            lambda: fs.put_file(str(big), f"{BUCKET}/costs/up", chunksize=size)
+        ),
     }
     fs.rm(f"{BUCKET}/costs", recursive=True)
     return costs
 
 
-def timed(cmd: list[str], cwd: Path, env: dict[str, str], server: subprocess.Popen) -> tuple[float, float, float, str]:
-    """Wall seconds of ``cmd``, the CPU seconds of it and its children, the server's CPU seconds meanwhile, and what
-    the command said on stdout."""
+def peak_rss_gb(pid: int, seen: float) -> float:
+    """The larger of ``seen`` and the process's own high-water RSS now (``VmHWM``, GB); ``seen`` once it is gone.
+
+    Read while it runs: the ``ru_maxrss`` that ``wait4`` gives counts the forking parent's RSS too (Linux keeps the
+    high-water mark across ``fork`` and ``exec``), and this script holds more than the commands it times.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return seen
+    kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return max(seen, kb * 1024 / 1e9)
+
+
+def timed(
+    cmd: list[str], cwd: Path, env: dict[str, str], server: subprocess.Popen
+) -> tuple[float, float, float, float, str]:
+    """Wall seconds of ``cmd``, the CPU seconds of it and its children, the server's CPU seconds meanwhile, the
+    command's peak RSS in GB (its own process's, sampled every 20 ms), and what it said on stdout."""
     before_client = resource.getrusage(resource.RUSAGE_CHILDREN)
     before_server = cpu_seconds(server.pid)
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
+        rss = 0.0
+        while proc.poll() is None:
+            rss = peak_rss_gb(proc.pid, rss)
+            time.sleep(0.02)
+        wall = time.perf_counter() - start
+        out.seek(0), err.seek(0)
+        said, complained = out.read(), err.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{complained}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     client = (after.ru_utime - before_client.ru_utime) + (after.ru_stime - before_client.ru_stime)
-    return wall, client, cpu_seconds(server.pid) - before_server, done.stdout
+    return wall, client, cpu_seconds(server.pid) - before_server, rss, said
 
 
 def main() -> int:
@@ -254,7 +293,7 @@ def main() -> int:
         fs.put(f"{source}/", f"{BUCKET}/src/dcp/", recursive=True)
         print(f"source: {size / 1e9:.2f} GB (width {opts.width}), FSDP2 DCP at 4 ranks, {store}://{BUCKET}/src/dcp, "
               f"{server_name} {endpoint}", flush=True)  # fmt: skip
-        runs: dict[str, list[tuple[float, float, float]]] = {path: [] for path in paths(store)}
+        runs: dict[str, list[tuple[float, float, float, float]]] = {path: [] for path in paths(store)}
         asked: dict[str, Counter] = {}
         stages = ""
         for repeat in range(opts.repeats):
@@ -268,6 +307,7 @@ def main() -> int:
                     cmd = [sys.executable, "-m", "osdpipe", *conversion(opts.width),
                            f"input.path={store}://{BUCKET}/src/dcp", f"output.path={store}://{BUCKET}/out"]  # fmt: skip
                     cmd += ["pipeline.checks=[]"] if path.endswith("no checks") else []
+                    cmd += [f"runtime.memory_budget={WHOLE_REQUESTS_BUDGET}"] if "memory_budget" in path else []
                 elif path == "fsspec get + put":
                     cmd = [sys.executable, str(HERE), "--copy", f"{store}://{BUCKET}/src/dcp",
                            f"{store}://{BUCKET}/copy/dcp", str(work / "copy_local")]  # fmt: skip
@@ -280,24 +320,24 @@ def main() -> int:
                 asked[path] = requests_in(log, logged)
                 if path == f"osdpipe {store} -> {store}":
                     stages = said
-                wall, client, moto = runs[path][-1]
-                print(f"  repeat {repeat + 1}: {path}: {wall:.1f} s (CPU: client {client:.1f} s, server {moto:.1f} s)",
-                      flush=True)  # fmt: skip
+                wall, client, moto, rss = runs[path][-1]
+                print(f"  repeat {repeat + 1}: {path}: {wall:.1f} s (CPU: client {client:.1f} s, server {moto:.1f} s; "
+                      f"peak RSS {rss:.2f} GB)", flush=True)  # fmt: skip
         costs = server_costs(fs, source)
     finally:
         server.terminate()
         server.wait(timeout=30)
-    copy = statistics.median(w for w, _, _ in runs["fsspec get + put"])
+    copy = statistics.median(w for w, *_ in runs["fsspec get + put"])
     print(f"\nmedian of {opts.repeats}, alternating; {size / 1e9:.2f} GB FSDP2 DCP, 4 -> 2 ranks; {server_name} on "
           "127.0.0.1")  # fmt: skip
-    print("| path | median s | min s | max s | x fsspec copy | client CPU s | server CPU s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| path | median s | min s | max s | x fsspec copy | client CPU s | server CPU s | peak RSS GB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for path, got in runs.items():
-        walls = [w for w, _, _ in got]
+        walls = [w for w, *_ in got]
         median = statistics.median(walls)
-        client, moto = statistics.median(c for _, c, _ in got), statistics.median(m for _, _, m in got)
+        client, moto, rss = (statistics.median(run[i] for run in got) for i in (1, 2, 3))
         print(f"| {path} | {median:.1f} | {min(walls):.1f} | {max(walls):.1f} | {median / copy:.2f} | {client:.1f} | "
-              f"{moto:.1f} |")  # fmt: skip
+              f"{moto:.1f} | {rss:.2f} |")  # fmt: skip
     print(f"\nthe last osdpipe {store} -> {store} run's stages:")
     print("\n".join(line for line in stages.splitlines() if line.startswith("  ") and " s " in line))
     kinds = ("ranged GET", "GET", "PUT", "PUT part", "other")
