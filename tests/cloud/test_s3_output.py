@@ -10,12 +10,13 @@ from __future__ import annotations
 import io
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cloudenv import ACCESS_KEY, S3, SECRET_KEY, aws_environment, bucket_with_a_users_job
-from helpers import run_cli_cases, user_env
+from helpers import run_cli_cases, run_command, user_env
 
 from osdpipe.io import remote_output, store
 from osdpipe.io.output import OutputError
@@ -120,14 +121,19 @@ def test_no_credential_is_written_anywhere(converted) -> None:
 # ------------------------------------------------------------------ the prefix's life: refused, overwritten, recovered
 
 
-def _convert(s3: S3, tmp_path: Path, *extra: str) -> dict:
+def _source(tmp_path: Path) -> Path:
+    """The optimizer state of one step of the test's own model (tests/support/userlm.py), saved once per test."""
     import userlm
 
     if not (tmp_path / "optim.pt").exists():
         torch.manual_seed(0)
         model = userlm.build()
         torch.save(userlm.fqn_keyed(model, userlm.train(model, steps=1)), tmp_path / "optim.pt")
-    args = ["model.factory=userlm:build", f"input.path={tmp_path / 'optim.pt'}", "source.world_size=1",
+    return tmp_path / "optim.pt"
+
+
+def _convert(s3: S3, tmp_path: Path, *extra: str) -> dict:
+    args = ["model.factory=userlm:build", f"input.path={_source(tmp_path)}", "source.world_size=1",
             "runtime.mode=offline", *extra]  # fmt: skip
     [result] = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     return result
@@ -149,6 +155,25 @@ def test_a_prefix_holding_a_conversion_is_refused_then_overwritten_whole(s3: S3,
                                                    "report.json")]  # fmt: skip
     manifest = json.loads(s3.fs().cat_file(f"{s3.bucket}/out/manifest.json"))
     assert manifest["config"]["target"]["world_size"] == 2
+
+
+def test_a_sweep_into_s3_commits_each_job_and_summarizes_them_from_their_local_records(s3: S3, tmp_path: Path) -> None:
+    """A sweep (Hydra multirun) whose jobs write into object storage: each job commits its conversion to its own
+    prefix, and the summary reads each job's report.json where the job made it, in its local directory (it said
+    "failed: no report.json" of jobs that had converted and committed, looking for it at the URL)."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "model.factory=userlm:build", f"input.path={_source(tmp_path)}", "source.world_size=1",
+            "runtime.mode=offline", "target.world_size=2,3", f"output.path={s3.url('sweep')}" + "_${target.world_size}",
+            f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, timeout=2 * TIMEOUT_S, env=user_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    for world in (2, 3):
+        assert f"sweep_{world}/manifest.json" in s3.keys(f"sweep_{world}")
+        assert f"sweep_{world}/rank_{world - 1}.pt" in s3.keys(f"sweep_{world}")
+    rows = json.loads((sweep_dir / "sweep.json").read_text())["rows"]
+    assert [row["kind"] for row in rows] == ["ok", "ok"], rows
+    assert all(row["stage_seconds"] and row["bytes"] for row in rows), rows
+    assert "2 jobs: 2 ok" in done.stdout + done.stderr
 
 
 def test_a_missing_bucket_is_one_line_and_nothing_is_written(s3: S3, tmp_path: Path) -> None:
