@@ -28,8 +28,8 @@ Then, alternating in every repeat, each path a fresh process timed from start to
 * ``osdpipe s3 -> s3, runtime.memory_budget=8GB``: the first path given the memory to make every request as large
   as the bytes it serves (:data:`WHOLE_REQUESTS_BUDGET`): each source object read in one GET, each output file sent
   in one PUT, the output made as save writes it. What a server that charges per request, not per byte, costs
-  osdpipe at its fewest requests; the defaults keep the request sizes S3 itself serves fastest (64 MiB ranges,
-  50 MiB parts, several at once).
+  osdpipe at its fewest requests; the defaults keep request sizes made for S3 itself (64 MiB ranges, 50 MiB
+  parts, several at once).
 
 Under the table, the stages of the last ``osdpipe s3 -> s3`` run as the command reports them (the ranks' files go up
 while later ranks convert; the rest of the upload and the commit come after the stages), the requests each path made
