@@ -390,9 +390,9 @@ def _run_check(args: list[str]) -> int:
     if unknown:
         print(f"osdpipe check: error: {unknown[0]} is not an option; {USAGE}", file=sys.stderr)
         return EXIT_USAGE
-    from osdpipe.io.store import is_remote  # no torch
+    from osdpipe.io.store import is_url  # no torch
 
-    if is_remote(args[0]):
+    if is_url(args[0]):  # object storage; another scheme is refused there in one line, not looked for on the disk
         return _check_remote(args[0], load, overrides)
     try:
         manifest = read_manifest(directory)

@@ -67,10 +67,10 @@ _job_errors: list[str] = []
 # a sweep job's: <sweep dir>/<N>. Each name is noted before Hydra makes the directory, so that a job that never
 # ran removes what it made and nothing else (new_dirs.discard).
 # An object store's output.path (s3://, gs://) is not a directory here: the job's is the default one, where the
-# conversion is made before it is uploaded (osdpipe.io.remote_output).
+# conversion is made before it is uploaded (osdpipe.io.remote_output); nor is any other URL (refused by the schema).
 OmegaConf.register_new_resolver(
     "osdpipe_run_dir",
-    lambda path, default: new_dirs.note(default if path is None or store.is_remote(path) else path),
+    lambda path, default: new_dirs.note(default if path is None or store.is_url(path) else path),
     replace=True,
 )
 OmegaConf.register_new_resolver(

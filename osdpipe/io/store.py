@@ -27,6 +27,9 @@ from osdpipe.io.output import OutputError
 
 #: The schemes osdpipe reads and writes, each with the fsspec backend that serves it and the store's name.
 SCHEMES = {"s3": ("s3fs", "S3"), "gs": ("gcsfs", "Google Cloud Storage")}
+#: Other names for those stores (Hadoop's and Spark's s3a:// and s3n://, fsspec's gcs://): said with the name osdpipe
+#: takes, so that the fix is in the error line.
+SAME_STORE = {"s3a": "s3", "s3n": "s3", "gcs": "gs"}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 #: osdpipe's options under the user's: timeouts and few retries, so that an endpoint that does not answer fails the
 #: first look at it (:func:`info`, :func:`first_look_s`) within 80 s, not after botocore's defaults (60 s a read, 5
@@ -109,8 +112,10 @@ def parse(url: str, where: str = "path") -> Location:
         raise ValueError(f"{where}={url!r} is not a URL; give s3://bucket/prefix, gs://bucket/prefix or a local path")
     scheme, rest = match.group(1).lower(), match.group(2)
     if scheme not in SCHEMES:
+        fix = f"; write {SAME_STORE[scheme]}://{rest}" if scheme in SAME_STORE else ""
         raise ValueError(
-            f"{where}={redact(url)!r}: osdpipe reads and writes s3:// and gs:// (and local paths), not {scheme}://"
+            f"{where}={redact(url)!r}: osdpipe reads and writes s3:// and gs:// (and local paths), "
+            f"not {scheme}://{redact(fix)}"
         )
     bucket, _, key = rest.partition("/")
     if not bucket or any(c in bucket for c in "?#@"):

@@ -323,6 +323,15 @@ class OutputConfig(_Frozen):
     path: str
     format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
     checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf", "megatron"] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _served(cls, path: str) -> str:
+        """A URL names a store osdpipe writes and a bucket: else ``az://c/p`` or ``s3a://b/p`` would be taken for a
+        local path and the conversion land in a directory named ``az:`` beside the user."""
+        if is_url(path):
+            parse(path, "output.path")
+        return path
     key: str = "optim"
     overwrite: bool = False
     #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.io.output`); ``false``: for
@@ -837,7 +846,8 @@ def _lines(errors: list[Any], where: tuple[str, ...] = ()) -> list[str]:
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
         if err["type"] == "extra_forbidden":
             msg = "is not a known key; check its spelling against the config reference in docs/config.md"
-        lines.append(f"{key}{shown}: {msg}" if loc else msg)
+        said_whole = msg.startswith(f"{key}=")  # the message names the key and its value itself (a URL, redacted)
+        lines.append(f"{key}{shown}: {msg}" if loc and not said_whole else msg)
     return lines
 
 

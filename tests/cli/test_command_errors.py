@@ -56,6 +56,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *
         ("target.wrap=[Block", ["target.wrap=[Block", "cannot be parsed"]),
         ("model.factory=no_such_package.models:build", ["model", "no_such_package"]),
         ("optim.name=Adamm", ["optim.name", "Adamm"]),
+        # a URL osdpipe does not write: not a local directory named 'ftp:' (the test sees nothing written)
+        ("output.path=ftp://host/dir", ["output.path='ftp://host/dir'", "not ftp://"]),
+        ("output.path=s3a://bucket/dir", ["not s3a://; write s3://bucket/dir"]),
     ],
 )
 def test_bad_command_line_is_one_line_and_exit_2(arg: str, words: list[str], tmp_path: Path) -> None:
@@ -64,6 +67,15 @@ def test_bad_command_line_is_one_line_and_exit_2(arg: str, words: list[str], tmp
     assert_one_line_error(result, 2, *words)
     assert time.monotonic() - start < 30
     assert list(tmp_path.iterdir()) == [], "a bad command line wrote something"
+
+
+def test_check_of_a_url_osdpipe_does_not_serve_says_so_in_one_line(tmp_path: Path) -> None:
+    """It looked for ``hdfs:/x/y/manifest.json`` on the disk and said that file did not exist."""
+    result = run_osdpipe("check", "hdfs://namenode/ckpt", cwd=tmp_path, timeout=60)
+    lines = error_lines(result)
+    assert result.returncode == 2, explain(result)
+    assert lines == ["osdpipe check: error: OUTPUT_DIR='hdfs://namenode/ckpt': osdpipe reads and writes s3:// and "
+                     "gs:// (and local paths), not hdfs://"], explain(result)  # fmt: skip
 
 
 def test_sweep_with_a_bad_job_exits_2_and_runs_the_others(tmp_path: Path) -> None:

@@ -31,6 +31,9 @@ def test_urls_and_local_paths_are_told_apart() -> None:
     ("url", "says"),
     [
         ("abfs://container/key", "reads and writes s3:// and gs://"),
+        ("s3a://bucket/key", "not s3a://; write s3://bucket/key"),  # Hadoop's and Spark's name for it
+        ("gcs://bucket/key", "not gcs://; write gs://bucket/key"),
+        ("s3://bucket:secret@host/key", "names no bucket"),
         ("s3:///key", "names no bucket"),
         ("s3://bucket/a/../b", "no '.' or '..'"),
     ],
@@ -38,7 +41,7 @@ def test_urls_and_local_paths_are_told_apart() -> None:
 def test_a_url_osdpipe_cannot_serve_is_refused_in_one_line(url: str, says: str) -> None:
     with pytest.raises(ValueError, match="^input.path=") as caught:
         store.parse(url, "input.path")
-    assert says in str(caught.value) and "\n" not in str(caught.value)
+    assert says in str(caught.value) and "\n" not in str(caught.value) and "secret" not in str(caught.value)
 
 
 def test_the_users_options_go_over_osdpipes_defaults_nested_dicts_merged() -> None:
@@ -148,6 +151,18 @@ def test_an_object_store_input_is_taken_and_another_scheme_refused_in_one_line()
     assert InputConfig(path="s3://bucket/ckpt/dcp").path == "s3://bucket/ckpt/dcp"  # asked for when the run is checked
     with pytest.raises(ValidationError, match="osdpipe reads and writes s3:// and gs:// .and local paths., not ftp://"):
         InputConfig(path="ftp://host/ckpt/dcp")
+
+
+def test_an_output_url_of_another_scheme_is_refused_not_taken_for_a_local_directory() -> None:
+    """``output.path=az://c/p`` once converted into a local directory named ``az:`` and said OK."""
+    from pydantic import ValidationError
+
+    from osdpipe.spec.config import OutputConfig
+
+    assert OutputConfig(path="gs://bucket/out").path == "gs://bucket/out"
+    assert OutputConfig(path="relative/dir").path == "relative/dir"
+    with pytest.raises(ValidationError, match="output.path=.az://c/p.: osdpipe reads and writes .* not az://"):
+        OutputConfig(path="az://c/p")
 
 
 def test_a_memory_budget_sets_the_upload_parts() -> None:
