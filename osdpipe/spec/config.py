@@ -38,7 +38,7 @@ from pydantic import (
 
 from osdpipe.core.sizes import parse_size, show_size
 from osdpipe.io.output import conversion_entries
-from osdpipe.io.store import is_remote, is_url, parse
+from osdpipe.io.store import is_remote, is_url, parse, redact
 from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
 from osdpipe.spec.megatron import MEGATRON, by_megatron_stages, megatron_problem
 
@@ -843,7 +843,7 @@ def _lines(errors: list[Any], where: tuple[str, ...] = ()) -> list[str]:
         key = ".".join(str(p) for p in loc)
         msg = err["msg"].removeprefix("Value error, ")
         value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        shown = "" if isinstance(value, dict) else f" (got {redact(repr(value))})"  # a URL's password: never said
         if err["type"] == "extra_forbidden":
             msg = "is not a known key; check its spelling against the config reference in docs/config.md"
         said_whole = msg.startswith(f"{key}=")  # the message names the key and its value itself (a URL, redacted)

@@ -69,6 +69,13 @@ def test_bad_command_line_is_one_line_and_exit_2(arg: str, words: list[str], tmp
     assert list(tmp_path.iterdir()) == [], "a bad command line wrote something"
 
 
+def test_a_config_error_about_a_url_never_says_its_password(tmp_path: Path) -> None:
+    """The line named the key with the value as typed before the message, which redacted it: the password showed."""
+    result = run_osdpipe("input.path=s3://key:hunter2@bucket/ckpt", cwd=tmp_path, timeout=60)
+    line = assert_one_line_error(result, 2, "input.path='s3://***@bucket/ckpt' names no bucket")
+    assert "hunter2" not in result.stdout + result.stderr, line
+
+
 def test_check_of_a_url_osdpipe_does_not_serve_says_so_in_one_line(tmp_path: Path) -> None:
     """It looked for ``hdfs:/x/y/manifest.json`` on the disk and said that file did not exist."""
     result = run_osdpipe("check", "hdfs://namenode/ckpt", cwd=tmp_path, timeout=60)
