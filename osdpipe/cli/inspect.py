@@ -56,15 +56,15 @@ def run_inspect(args: list[str]) -> int:
     from osdpipe.io.checkpoints import recognize
     from osdpipe.io.file_facts import read_facts
     from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
-    from osdpipe.io.remote_input import RemotePath, as_path, probe
+    from osdpipe.io.remote_input import as_path, probe
+    from osdpipe.io.store import is_url
     from osdpipe.run.collective import one_line
 
     facts = None
     try:
+        if is_url(rest[0]):  # another scheme, a missing bucket or key, refused credentials: one line naming PATH
+            probe(rest[0], "PATH")
         path = as_path(rest[0])
-        remote = isinstance(path, RemotePath)
-        if remote:
-            probe(rest[0], "path")  # a missing bucket or key, refused credentials: one line, before anything is read
         whole = recognize(path)
         if whole is None:
             facts = read_facts(_checkpoint_in(path), None, key)

@@ -76,13 +76,16 @@ def test_a_config_error_about_a_url_never_says_its_password(tmp_path: Path) -> N
     assert "hunter2" not in result.stdout + result.stderr, line
 
 
-def test_check_of_a_url_osdpipe_does_not_serve_says_so_in_one_line(tmp_path: Path) -> None:
-    """It looked for ``hdfs:/x/y/manifest.json`` on the disk and said that file did not exist."""
-    result = run_osdpipe("check", "hdfs://namenode/ckpt", cwd=tmp_path, timeout=60)
-    lines = error_lines(result)
-    assert result.returncode == 2, explain(result)
-    assert lines == ["osdpipe check: error: OUTPUT_DIR='hdfs://namenode/ckpt': osdpipe reads and writes s3:// and "
-                     "gs:// (and local paths), not hdfs://"], explain(result)  # fmt: skip
+@pytest.mark.parametrize(("command", "argument", "code"), [("check", "OUTPUT_DIR", 2), ("inspect", "PATH", 1)])
+def test_check_and_inspect_of_a_url_osdpipe_does_not_serve_say_so_in_one_line(
+    command: str, argument: str, code: int, tmp_path: Path
+) -> None:
+    """check looked for ``hdfs:/namenode/ckpt/manifest.json`` on the disk and said that file did not exist; inspect
+    named its argument ``input.path``. Each names its own argument, as its usage line does."""
+    result = run_osdpipe(command, "hdfs://namenode/ckpt", cwd=tmp_path, timeout=60)
+    assert result.returncode == code, explain(result)
+    said = f"{argument}='hdfs://namenode/ckpt': osdpipe reads and writes s3:// and gs:// (and local paths), not hdfs://"
+    assert error_lines(result) == [f"osdpipe {command}: error: {said}"], explain(result)
 
 
 def test_sweep_with_a_bad_job_exits_2_and_runs_the_others(tmp_path: Path) -> None:

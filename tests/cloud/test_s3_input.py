@@ -123,7 +123,7 @@ def test_inspect_reads_a_url(converted) -> None:
     assert f"input.path={bucket.url('src', 'dcp')}" in facts["command"]
     assert results["inspect_missing"]["code"] == 1
     assert results["inspect_missing"]["stderr"].strip().splitlines() == [
-        f"osdpipe inspect: error: path='{bucket.url('nothing')}': '{bucket.url('nothing')}' does not exist; "
+        f"osdpipe inspect: error: PATH='{bucket.url('nothing')}': '{bucket.url('nothing')}' does not exist; "
         "check the prefix"
     ]
 
