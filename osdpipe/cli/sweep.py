@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from osdpipe.io.store import is_url
+
 #: How a job ended, from best to worst; the colors of the matrix.
 OUTCOME_KINDS = ("ok", "check", "stage", "failed", "config")
 KIND_LABELS = {
@@ -176,17 +178,31 @@ def varying_keys(rows: list[dict], common: list[str]) -> list[str]:
     return list(keys)
 
 
+def shared_directory(column: list[str]) -> str | None:
+    """The directory that every value of ``column`` lies under, where all are local paths of one kind (absolute, or
+    relative) and it is not one of them; else ``None``: the values are shown whole.
+
+    A URL (``s3://bucket/out``) is not a local path (``os.path`` would fold its ``//``), and an absolute path has no
+    directory in common with a relative one (``os.path.commonpath`` refuses the pair): a sweep over
+    ``output.path=/local/out,s3://bucket/out`` ended in an internal error before its summary.
+    """
+    if len(column) < 2 or not all("/" in x and not is_url(x) for x in column):
+        return None
+    if len({os.path.isabs(x) for x in column}) > 1:
+        return None
+    prefix = os.path.commonpath(column)
+    return prefix if prefix and prefix not in column else None
+
+
 def shown_values(rows: list[dict], common: list[str]) -> list[dict[str, str]]:
     """Each row's varying overrides as a person reads them: paths without the directory all of them share."""
     values = [varying(r, common) for r in rows]
     for key in varying_keys(rows, common):
-        column = [v[key] for v in values if key in v]
-        if len(column) > 1 and all("/" in x for x in column):
-            prefix = os.path.commonpath(column)
-            if prefix and prefix not in column:
-                for v in values:
-                    if key in v:
-                        v[key] = os.path.relpath(v[key], prefix)
+        prefix = shared_directory([v[key] for v in values if key in v])
+        if prefix is not None:
+            for v in values:
+                if key in v:
+                    v[key] = os.path.relpath(v[key], prefix)
     return values
 
 

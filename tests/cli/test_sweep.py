@@ -374,6 +374,29 @@ def test_matrix_puts_other_varying_keys_in_columns_and_shortens_paths() -> None:
     assert sweep.axis_title("source", matrix.row_keys) == "source: input.path"
 
 
+@pytest.mark.parametrize(
+    ("column", "shared"),
+    [
+        (["/ckpts/a/optim.pt", "/ckpts/b/optim.pt"], "/ckpts"),
+        (["runs/a", "runs/b"], "runs"),
+        (["/ckpts/a", "/ckpts"], None),  # one of them: each shown whole
+        (["/local/out", "s3://bucket/out"], None),  # crashed the summary: a URL is not a local path
+        (["out/a", "/tmp/out/b"], None),  # crashed it too: relative beside absolute
+        (["s3://bucket/out_2", "s3://bucket/out_3"], None),
+        (["a", "b"], None),
+    ],
+)
+def test_paths_are_shortened_only_where_they_share_a_local_directory(column: list[str], shared: str | None) -> None:
+    assert sweep.shared_directory(column) == shared
+
+
+def test_a_sweep_over_a_local_and_a_bucket_output_is_summarized() -> None:
+    records = [record(n, [f"output.path={path}"]) for n, path in enumerate(("/local/out", "s3://bucket/out"))]
+    rows = [sweep.job_row(r, OK_REPORT) for r in records]
+    assert [v["output.path"] for v in sweep.shown_values(rows, [])] == ["/local/out", "s3://bucket/out"]
+    assert "s3://bucket/out" in sweep.table_text(rows, exit_code=0)
+
+
 def test_table_text_has_a_row_per_job_and_says_what_the_numbers_are() -> None:
     text = sweep.table_text(synthetic_rows(), exit_code=2)
     header, rows = table_rows(text)
