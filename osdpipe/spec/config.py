@@ -323,15 +323,6 @@ class OutputConfig(_Frozen):
     path: str
     format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
     checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf", "megatron"] | None = None
-
-    @field_validator("path")
-    @classmethod
-    def _served(cls, path: str) -> str:
-        """A URL names a store osdpipe writes and a bucket: else ``az://c/p`` or ``s3a://b/p`` would be taken for a
-        local path and the conversion land in a directory named ``az:`` beside the user."""
-        if is_url(path):
-            parse(path, "output.path")
-        return path
     key: str = "optim"
     overwrite: bool = False
     #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.io.output`); ``false``: for
@@ -344,6 +335,15 @@ class OutputConfig(_Frozen):
     megatron_optim_format: Literal["dp_reshardable", "fully_reshardable"] | None = None
     #: The dtype a Hugging Face folder's weights are cast to (``output.checkpoint=hf``); ``None``: the fp32 masters.
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _served(cls, path: str) -> str:
+        """A URL names a store osdpipe writes and a bucket: else ``az://c/p`` or ``s3a://b/p`` would be taken for a
+        local path and the conversion land in a directory named ``az:`` beside the user."""
+        if is_url(path):
+            parse(path, "output.path")
+        return path
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
