@@ -100,11 +100,13 @@ def test_an_endpoint_that_does_not_answer_times_out_instead_of_hanging(s3, monke
 
 def test_an_endpoint_nobody_listens_on_is_named(s3, monkeypatch) -> None:
     with socket.socket() as taken:
+        # bound and never listening, kept so through the request: the connection is refused, and no other process
+        # can take the port meanwhile (one did, once, and answered nothing: the test saw a timeout)
         taken.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{taken.getsockname()[1]}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
-    with pytest.raises(InputError, match=f"cannot connect to the endpoint {closed}; check it"):
-        store.info(store.parse(s3.url("k")), QUICK)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+        with pytest.raises(InputError, match=f"cannot connect to the endpoint {closed}; check it"):
+            store.info(store.parse(s3.url("k")), QUICK)
 
 
 def test_no_credential_reaches_a_message() -> None:
