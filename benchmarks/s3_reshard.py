@@ -256,7 +256,8 @@ def timed(
             rss = peak_rss_gb(proc.pid, rss)
             time.sleep(0.02)
         wall = time.perf_counter() - start
-        out.seek(0), err.seek(0)
+        out.seek(0)
+        err.seek(0)
         said, complained = out.read(), err.read()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{complained}")

@@ -148,10 +148,10 @@ def _record_sweep_job(cfg: DictConfig, code: int, seconds: float) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return
-    # Where the job's report.json is: its output, unless that is the job's directory or in object storage (made
-    # and kept in the job's directory, which the record is uploaded from: osdpipe.io.remote_output)
+    # Where the job's report.json is: its output, unless that is the job's directory or a URL (the run directory the
+    # osdpipe_run_dir resolver chose: a conversion into object storage is made and its record kept there)
     written = cfg.output.path
-    output_dir = written if written is not None and not store.is_remote(written) else hydra_cfg.runtime.output_dir
+    output_dir = written if written is not None and not store.is_url(written) else hydra_cfg.runtime.output_dir
     error = _job_errors[0] if _job_errors else None
     record = JobRecord(
         hydra_cfg.job.num,
