@@ -18,6 +18,7 @@ thing to mend. Every error is one line on stderr, a traceback only with
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -192,13 +193,14 @@ def _run_job(cfg: DictConfig) -> int:
     except ConfigError as exc:
         return _config_error(exc)
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
-    if remote is not None:  # made in the job's directory, then uploaded (osdpipe.io.remote_output)
-        if rankserver.in_torchrun() or raw["runtime"].get("launcher") == "torchrun":
+    if remote is not None:  # made in local directories, then uploaded (osdpipe.io.remote_output)
+        under_torchrun = rankserver.in_torchrun() or raw["runtime"].get("launcher") == "torchrun"
+        if under_torchrun and by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
             return _config_error(ConfigError([
-                f"output.path={remote!r}: object storage is not written under torchrun yet; "
-                "convert with the local launcher (runtime.mode=offline, runtime.workers)"
+                f"output.path={remote!r}: Megatron's stages convert in one process, not under torchrun; "
+                "run the same command without torchrun"
             ]))
-        raw["output"]["path"] = HydraConfig.get().runtime.output_dir
+        raw["output"]["path"] = made_in(HydraConfig.get().runtime.output_dir)
         local = checked.output.model_copy(update={"path": raw["output"]["path"]})
         checked = checked.model_copy(update={"output": local})
     # converted by Megatron's own stages, offline: no world (a Hugging Face Llama's source read as the range pipeline
@@ -228,6 +230,15 @@ def _run_job(cfg: DictConfig) -> int:
     )
 
 
+def made_in(job_dir: str) -> str:
+    """Where this process makes its part of a conversion bound for object storage: the job's directory, where the
+    run's record stays; under torchrun, a process other than rank 0 makes its ranks' files in a directory of its own
+    inside its job's (nodes share no filesystem, and the processes of one node may share a job's directory), sends
+    them as they are written, and removes the directory at the end (:func:`_made_and_published`)."""
+    rank = int(os.environ.get("RANK", "0"))
+    return job_dir if rank == 0 else os.path.join(job_dir, f".rank-{rank}")
+
+
 def _made_and_published(
     spec: RunSpec, remote: str | None, run: Callable[[list[str], remote_output.Upload | None], Report]
 ) -> int:
@@ -235,18 +246,26 @@ def _made_and_published(
     are written, if it can), said as every run is; where the user's ``output.path`` is ``remote`` (a URL), the
     conversion is made in the job's directory (``spec``'s) and then committed there whole
     (:mod:`osdpipe.io.remote_output`: the prefix proven writable first, an earlier run's leftovers recovered; what a
-    failed run sent removed)."""
+    failed run sent removed).
+
+    Under torchrun rank 0 alone prepares the prefix, commits and publishes; the other processes learn from it, when
+    the world meets, how the prefix is written (:func:`osdpipe.pipeline.execute.execute`), and send their ranks' files
+    as they are written."""
     from osdpipe.io import remote_output  # fsspec: only for an output in object storage, imported lazily within
 
+    destination = upload = None
     try:
-        destination = None if remote is None else remote_output.prepare(
-            remote, spec.output.overwrite, spec.runtime.storage_options, spec.runtime.memory_budget
-        )
-        report = run(destination.notes if destination else [], destination.upload if destination else None)
+        if remote is not None:
+            destination, upload = _destination(spec, remote)
+        report = run(destination.notes if destination else [], upload)
     except OutputError as exc:
         _error(str(exc))
         new_dirs.discard(HydraConfig.get().runtime.output_dir)
         return EXIT_CONFIG
+    if remote is not None and not _is_rank0():  # its files are in the prefix, or removed by rank 0
+        shutil.rmtree(spec.output.path, ignore_errors=True)
+        new_dirs.discard(HydraConfig.get().runtime.output_dir)  # its job's, unless rank 0's record is there
+        return _said(report, spec, remote)
     if destination is not None and not report.ok:
         remote_output.discard(destination)  # the files its ranks sent before it failed
     if destination is not None and report.ok:
@@ -263,6 +282,32 @@ def _made_and_published(
         finally:
             display.close()
     return _said(report, spec, remote or spec.output.path)
+
+
+def _destination(
+    spec: RunSpec, remote: str
+) -> tuple[remote_output.Destination | None, remote_output.Upload]:
+    """The prefix ``remote`` prepared (:func:`osdpipe.io.remote_output.prepare`), and how the ranks send files into
+    it. Under torchrun rank 0 alone prepares it; the others, and rank 0 where the prefix is refused, go on to meet it
+    in the world, where it says the refusal to every rank (the others would wait for it there until torchrun stopped
+    them).
+
+    Raises:
+        OutputError: the prefix refused, outside torchrun.
+    """
+    from osdpipe.io import remote_output
+
+    options, budget = spec.runtime.storage_options, spec.runtime.memory_budget
+    torchrun = rankserver.in_torchrun() or spec.runtime.launcher == "torchrun"
+    if torchrun and not _is_rank0():
+        return None, remote_output.Upload.from_rank0(remote, options, budget)
+    try:
+        destination = remote_output.prepare(remote, spec.output.overwrite, options, budget)
+    except OutputError as exc:
+        if not torchrun:
+            raise
+        return None, remote_output.Upload.from_rank0(remote, options, budget, refused=str(exc))
+    return destination, destination.upload
 
 
 def _run_by_megatron_stages(raw: dict, spec: RunSpec, remote: str | None) -> int:

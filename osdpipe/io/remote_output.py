@@ -41,6 +41,11 @@ and checked them (:class:`osdpipe.io.upload_queue.UploadQueue`, given an :class:
 convert; :func:`publish` then uploads only what is not there yet, and the markers. A run that fails after some were
 sent removes them (:func:`discard`).
 
+Under torchrun the nodes share no directory: each process makes its ranks' files in a local directory of its own and
+sends them as above; rank 0 alone prepares the prefix (the others take from it how files go in: :class:`Upload`),
+writes the files that finish the conversion and the manifest, which lists every file, and publishes: the files it
+does not hold are the others', already in the prefix (:func:`conversion_files`, :func:`sent_ahead`).
+
 ``report.json`` and ``osdpipe.log`` are not part of a conversion: they are uploaded after the commit
 (:func:`publish_record`), and stay in the local job directory, from which the conversion itself is then removed. A
 run that fails leaves nothing in the prefix: its report is in the local job directory.
@@ -114,6 +119,29 @@ class Upload:
     storage_options: dict[str, Any]
     staged: bool
     part_bytes: int | None = None
+    #: Why rank 0 could not prepare the prefix (under torchrun: said by every rank when the world meets).
+    refused: str | None = None
+
+    @classmethod
+    def from_rank0(
+        cls, url: str, storage_options: Mapping[str, Any] | None, memory_budget: int | None, refused: str | None = None
+    ) -> Upload:
+        """What a process knows of the destination before the world meets under torchrun, where rank 0 alone
+        prepares the prefix: where it is and in what parts files go up (and, on rank 0, why the prefix was
+        ``refused``). Whether files are staged (:attr:`Destination.staged`) is what rank 0 found: its :class:`Upload`
+        replaces this one when the world meets (:mod:`osdpipe.pipeline.execute`)."""
+        options = dict(storage_options or {})
+        return cls(url, options, staged=False, part_bytes=store.upload_part_bytes(memory_budget), refused=refused)
+
+    def accepted(self) -> Upload:
+        """This upload, where rank 0 prepared the prefix.
+
+        Raises:
+            OutputError: why it could not (no such bucket, a conversion already there, ...).
+        """
+        if self.refused is not None:
+            raise OutputError(self.refused)
+        return self
 
     def open(self) -> Destination:
         location = store.parse(self.url, WHERE)
@@ -284,16 +312,23 @@ def publish(destination: Destination, directory: Path, shown: Callable[[int, int
             that held no conversion, in place) is removed (:func:`discard`); or the commit did: the next run into the
             prefix finishes it (:func:`recover`).
     """
-    local = [p for entry in conversion_entries(directory) for p in ([entry] if entry.is_file() else entry.rglob("*"))]
-    names = markers_last([p.relative_to(directory).as_posix() for p in local if p.is_file()])
+    names = conversion_files(directory)
     try:
         ahead = sent_ahead(destination, directory, names)
-        rest = [n for n in names if n not in ahead]
+        unsent = [n for n in names if n not in ahead and not (directory / n).is_file()]
+        rest = [] if unsent else [n for n in names if n not in ahead]
         send(destination, directory, rest, None if shown is None else _counted(directory, rest, shown))
     except Exception as exc:  # noqa: BLE001 - before the manifest: nothing of this run is taken for a conversion
         error = destination.fail(exc)
         discard(destination)
         raise error from None
+    if unsent:  # another process's files (torchrun): said sent, not there
+        discard(destination)
+        raise OutputError(
+            f"{WHERE}={destination.location.url!r}: {len(unsent)} file(s) of the conversion are neither in "
+            f"{directory} nor in the prefix ({', '.join(unsent[:3])}); the processes that wrote them did not send "
+            "them: run the conversion again"
+        )
     if destination.staged:
         _commit(destination, names)  # cut short, the next run into the prefix finishes it (recover)
     else:
@@ -305,6 +340,17 @@ def publish(destination: Destination, directory: Path, shown: Callable[[int, int
     for entry in conversion_entries(directory):  # committed in the prefix: the local copy's disk is given back
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     return names
+
+
+def conversion_files(directory: Path) -> list[str]:
+    """Every file of the conversion committed in ``directory`` (paths relative to it), in upload order: those there,
+    and those its manifest lists that another process made and sent (under torchrun every process stages its own
+    ranks' files in a directory of its own: :mod:`osdpipe.cli.compose`)."""
+    local = [p for entry in conversion_entries(directory) for p in ([entry] if entry.is_file() else entry.rglob("*"))]
+    names = {p.relative_to(directory).as_posix() for p in local if p.is_file()}
+    if (directory / MANIFEST).is_file():
+        names |= set(json.loads((directory / MANIFEST).read_text()).get("files", {}))
+    return markers_last(sorted(names))
 
 
 def send(
@@ -373,9 +419,10 @@ def _counted(directory: Path, names: list[str], shown: Callable[[int, int], None
 
 
 def sent_ahead(destination: Destination, directory: Path, names: list[str]) -> set[str]:
-    """Of ``names``, the data files already in the destination as the local files in ``directory`` are (their size):
-    sent by the ranks as they were written. What is there was sent by this run: :func:`prepare` left nothing of an
-    earlier one under ``.incoming/``, nor, into a prefix that held no conversion, at a conversion's keys."""
+    """Of ``names``, the data files already in the destination as the local files in ``directory`` are (their size),
+    or, of those not in ``directory`` (another process's), there at all: sent by the ranks as they were written. What
+    is there was sent by this run: :func:`prepare` left nothing of an earlier one under ``.incoming/``, nor, into a
+    prefix that held no conversion, at a conversion's keys."""
     under = (INCOMING,) if destination.staged else ()
     root = destination.key(*under)
     destination.fs.invalidate_cache()  # listed before the run: what the ranks sent since is not in the cache
@@ -384,7 +431,13 @@ def sent_ahead(destination: Destination, directory: Path, names: list[str]) -> s
     except FileNotFoundError:
         return set()
     sizes = {path[len(root) + 1 :]: info.get("size") for path, info in found.items()}
-    return {n for n in names if not is_marker(n) and sizes.get(n) == (directory / n).stat().st_size}
+    return {
+        n
+        for n in names
+        if not is_marker(n)
+        and n in sizes
+        and (not (directory / n).is_file() or sizes[n] == (directory / n).stat().st_size)
+    }
 
 
 def discard(destination: Destination) -> None:

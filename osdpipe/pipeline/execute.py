@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from traceback import format_exc
 
@@ -24,11 +25,12 @@ import torch.distributed as dist
 from osdpipe.core.rankserver import in_torchrun
 from osdpipe.io import output
 from osdpipe.io.formats import InputError
+from osdpipe.io.output import OutputError
 from osdpipe.layout.optim import group_members
 from osdpipe.layout.ranges import full_layout
 from osdpipe.pipeline import loop
 from osdpipe.run import progress, whereabouts
-from osdpipe.run.collective import StageError, from_rank0, lost_a_peer, one_line
+from osdpipe.run.collective import StageError, agree, from_rank0, lost_a_peer, one_line
 from osdpipe.run.generate import generate_rank
 from osdpipe.run.launch import WorldError, default_backend, init_world, run_local_world
 from osdpipe.run.logfile import write_log
@@ -217,7 +219,8 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
     """Join the torchrun world: the target world (and, to generate, the source world too),
     or offline, workers playing its ranks.
 
-    Rank 0 prepares the output directory, draws progress and writes the report.
+    Rank 0 prepares the output directory, draws progress and writes the report; for an output bound for object
+    storage every process prepares its own (:func:`_each_makes_its_own`).
     """
     spec = plan.spec
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
@@ -258,7 +261,10 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
         if not dist.is_initialized():
             init_world(backend or default_backend(), spec.runtime.timeout_s)
         try:
-            from_rank0("launch", lambda: _begin(out, spec))
+            if plan.upload is None:
+                from_rank0("launch", lambda: _begin(out, spec))
+            else:
+                plan = _each_makes_its_own(plan, out, rank)
             if spec.input.path is None:
                 if spec.source.world_size != world:
                     raise StageError(
@@ -291,14 +297,34 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
         progress.connect(None)
     report.warnings[:0] = warnings
     try:
-        if rank == 0 or not report.agreed:
-            output.abort(out)  # rank 0 does; a rank that lost the others does too, rank 0 may be the one lost
+        if rank == 0 or not report.agreed or plan.upload is not None:
+            # rank 0 does; a rank that lost the others does too, rank 0 may be the one lost; each its own directory
+            output.abort(out)
         if rank == 0:
             record(out, report, spec)
     finally:
         if stop_on_sigterm:
             signal.signal(signal.SIGTERM, previous)
     return report
+
+
+def _each_makes_its_own(plan: Plan, out: Path, rank: int) -> Plan:
+    """An output bound for object storage under torchrun: the nodes share no directory, so each process prepares its
+    own (``out``, :func:`osdpipe.cli.compose.made_in`), stages its ranks' files there and sends them as they are
+    written; rank 0's directory takes the record and the files that finish the conversion. Rank 0 prepared the prefix:
+    how files go into it (its :class:`~osdpipe.io.remote_output.Upload`), or why it could not, is taken from rank 0."""
+    assert plan.upload is not None
+    upload = from_rank0("launch", plan.upload.accepted)
+    error = None
+    try:
+        if rank == 0:
+            _begin(out, plan.spec)
+        else:
+            output.begin(out, plan.spec.output.fsync)
+    except OutputError as exc:
+        error = str(exc)
+    agree("launch", error, rank=rank)
+    return replace(plan, upload=upload)
 
 
 def _begin(out: Path, spec: RunSpec) -> None:

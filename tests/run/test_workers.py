@@ -24,10 +24,9 @@ from pathlib import Path
 
 import fsdp2_resume
 import pytest
-from helpers import clean_env, processes_marked, run_cli_cases, run_command, user_env
+from helpers import clean_env, processes_marked, run_cli_cases, run_command, torchrun_two_nodes, user_env
 from oracle_probe import spawn_world
 
-from osdpipe.run.launch import free_port
 from osdpipe.run.world import balanced_shares
 
 #: End to end: local worlds and torchrun agents (`python -m pytest -m "not slow"` leaves it out, for a quick loop; CI
@@ -93,27 +92,6 @@ def full_source(tmp_path_factory) -> Path:
     return userlm.save_trained(tmp_path_factory.mktemp("user_job") / "optim.pt", steps=2)
 
 
-def _torchrun_two_nodes(args: list[str], cwd: Path, env: dict[str, str]) -> list[tuple[int, str]]:
-    """``osdpipe *args`` under two torchrun agents (``--nnodes 2``, one process each) meeting on 127.0.0.1;
-    each agent's exit code and output."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", uuid.uuid4().hex,
-           "-m", "osdpipe", *args]  # fmt: skip
-    import subprocess
-
-    agents = [
-        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    try:
-        return [(a.wait(timeout=TIMEOUT_S), a.stdout.read()) for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-
-
 def _files(directory: Path) -> dict[str, str]:
     """sha256 of every file of a conversion but the run's own record and the manifest
     (which names its path and how it ran)."""
@@ -138,8 +116,9 @@ def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path
         assert result["code"] == 0, f"{key}: exit {result['code']}\n{result['stdout']}\n{result['stderr']}"
     for target in TARGETS:
         out = root / f"{target}-torchrun-2x1"
-        agents = _torchrun_two_nodes(
-            [*JOB, *TARGETS[target], f"input.path={full_source}", f"output.path={out}"], root, user_env()
+        agents = torchrun_two_nodes(
+            [*JOB, *TARGETS[target], f"input.path={full_source}", f"output.path={out}"], (root, root), user_env(),
+            TIMEOUT_S,
         )
         assert all(code == 0 for code, _ in agents), f"{target}: {agents}"
         outs[(target, "torchrun-2x1")] = out

@@ -98,6 +98,31 @@ def run_cli_cases(
     return json.loads(proc.stdout)
 
 
+def torchrun_two_nodes(
+    args: list[str], cwds: tuple[Path, Path], env: dict[str, str], timeout: float
+) -> list[tuple[int, str]]:
+    """``osdpipe *args`` under two torchrun agents (``--nnodes 2``, one process each) meeting through a c10d
+    rendezvous on 127.0.0.1, each started in its own directory of ``cwds`` (two nodes: the same one given twice shares
+    it); each agent's exit code and output (stdout and stderr)."""
+    import uuid
+
+    from osdpipe.run.launch import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", uuid.uuid4().hex,
+           "-m", "osdpipe", *args]  # fmt: skip
+    agents = [
+        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cwd in cwds
+    ]
+    try:
+        return [(a.wait(timeout=timeout), a.stdout.read()) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+
+
 def processes_marked(mark: str) -> list[int]:
     """PIDs of live processes whose environment holds ``OSDPIPE_TEST_MARK=mark``: a command's and every descendant's,
     whatever session they run in (torchrun starts each rank in a session of its own)."""
