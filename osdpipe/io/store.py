@@ -112,7 +112,8 @@ def parse(url: str, where: str = "path") -> Location:
         raise ValueError(f"{where}={url!r} is not a URL; give s3://bucket/prefix, gs://bucket/prefix or a local path")
     scheme, rest = match.group(1).lower(), match.group(2)
     if scheme not in SCHEMES:
-        fix = f"; write {SAME_STORE[scheme]}://{rest}" if scheme in SAME_STORE else ""
+        instead = written_instead(scheme, rest)
+        fix = "" if instead is None else f"; write {instead}"
         raise ValueError(
             f"{where}={redact(url)!r}: osdpipe reads and writes s3:// and gs:// (and local paths), "
             f"not {scheme}://{redact(fix)}"
@@ -124,6 +125,18 @@ def parse(url: str, where: str = "path") -> Location:
     if any(p in (".", "..") for p in parts):
         raise ValueError(f"{where}={redact(url)!r}: a key holds no '.' or '..' segment; give the prefix itself")
     return Location(scheme, bucket, "/".join(parts))
+
+
+def written_instead(scheme: str, rest: str) -> str | None:
+    """What to write for ``<scheme>://<rest>``, a URL osdpipe does not take, where it names something osdpipe does:
+    the same store under the name osdpipe takes (:data:`SAME_STORE`), or, for a ``file://`` URL of this machine, the
+    local path. ``None``: nothing osdpipe reads."""
+    if scheme in SAME_STORE:
+        return f"{SAME_STORE[scheme]}://{rest}"
+    host, _, path = rest.partition("/")
+    if scheme == "file" and host in ("", "localhost"):
+        return f"/{path}"
+    return None
 
 
 #: The smallest part of a multipart upload S3 takes (but the last); GCS's resumable chunks are multiples of 256 KiB.

@@ -59,6 +59,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *
         # a URL osdpipe does not write: not a local directory named 'ftp:' (the test sees nothing written)
         ("output.path=ftp://host/dir", ["output.path='ftp://host/dir'", "not ftp://"]),
         ("output.path=s3a://bucket/dir", ["not s3a://; write s3://bucket/dir"]),
+        ("output.path=file:///tmp/out", ["not file://; write /tmp/out"]),
     ],
 )
 def test_bad_command_line_is_one_line_and_exit_2(arg: str, words: list[str], tmp_path: Path) -> None:

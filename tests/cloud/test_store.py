@@ -33,6 +33,9 @@ def test_urls_and_local_paths_are_told_apart() -> None:
         ("abfs://container/key", "reads and writes s3:// and gs://"),
         ("s3a://bucket/key", "not s3a://; write s3://bucket/key"),  # Hadoop's and Spark's name for it
         ("gcs://bucket/key", "not gcs://; write gs://bucket/key"),
+        ("file:///ckpt/optim.pt", "not file://; write /ckpt/optim.pt"),  # this machine's file: its path
+        ("file://localhost/ckpt/dir", "not file://; write /ckpt/dir"),
+        ("file://server/share/dir", "reads and writes s3:// and gs:// (and local paths), not file://"),
         ("s3://bucket:secret@host/key", "names no bucket"),
         ("s3:///key", "names no bucket"),
         ("s3://bucket/a/../b", "no '.' or '..'"),
