@@ -110,7 +110,8 @@ def test_a_refused_prefix_ends_every_rank_at_once_then_an_overwrite_replaces_it_
 ) -> None:
     """Rank 0 finds a conversion in the prefix: it says so in one line and every rank ends (the other does not wait
     for it in the world until torchrun stops it); then with output.overwrite=true the other rank's files go under
-    .incoming/ and rank 0 copies the conversion into place."""
+    .incoming/ and rank 0 copies the conversion into place (the two processes started in one directory this time, as
+    on one node: each keeps its files apart, and only the run's record stays)."""
     bucket, root, _, _ = converted
     aws_environment(monkeypatch, bucket.endpoint, tmp_path)
     source = [*SOURCE, "runtime.mode=offline", f"input.path={bucket.url('source', 'optim.pt')}"]
@@ -126,10 +127,12 @@ def test_a_refused_prefix_ends_every_rank_at_once_then_an_overwrite_replaces_it_
         "conversion (manifest.json, rank_0.pt, rank_1.pt); choose another path or set output.overwrite=true"
     ), refused
     assert _remote_files(bucket, "again") == before
+    one_node = _nodes(root, "replaced")[0]  # both processes in one directory: they may share a job's directory
     replaced = torchrun_two_nodes(
-        [*source, "target.world_size=2", into, "output.overwrite=true"], _nodes(root, "replaced"), user_env(), TIMEOUT_S
+        [*source, "target.world_size=2", into, "output.overwrite=true"], (one_node, one_node), user_env(), TIMEOUT_S
     )
     assert all(code == 0 for code, _ in replaced), replaced
+    assert sorted(Path(f).name for f in _files_under(one_node)) == ["osdpipe.log", "report.json"]
     assert bucket.keys("again") == [f"again/{n}" for n in ("manifest.json", "osdpipe.log", "rank_0.pt", "rank_1.pt",
                                                             "report.json")]  # fmt: skip
     manifest = json.loads(_remote_files(bucket, "again")["manifest.json"])
