@@ -177,12 +177,17 @@ class Reference:
         self._group_of = {f: i for i, g in enumerate(meta.param_groups or []) for f in g["params"]}
         self._whole: dict[str, tuple[torch.Tensor, dict[str, Any]]] | None = None
 
-    def pieces(self, ranges: list[Range]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """Each range of its parameter, and of its state, after the steps (0-dim state whole), in the order asked."""
+    def pieces(
+        self, ranges: list[Range], device: torch.device | None = None
+    ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """Each range of its parameter, and of its state, after the steps (0-dim state whole), in the order asked;
+        stepped on ``device``, the target's (``None``: the CPU): a CUDA job's optimizer rounds as CUDA's kernels do
+        (its ``exp_avg_sq`` differs from the CPU's in the last bit), so the reference steps where the target did."""
         if not ranges:
             return []  # a batch of tensors with no element on this rank (an optimizer of no tensors cannot be built)
+        device = device or torch.device("cpu")
         if not self.elementwise:
-            whole = self._stepped_whole()
+            whole = self._stepped_whole(device)
             return [
                 (
                     whole[f][0].reshape(-1)[lo:hi],
@@ -190,7 +195,7 @@ class Reference:
                 )
                 for f, lo, hi in ranges
             ]
-        params = [self._start(f, lo, hi) for f, lo, hi in ranges]
+        params = [self._start(f, lo, hi).to(device) for f, lo, hi in ranges]  # the state follows (load_state_dict)
         by_group = _grouped(list(range(len(ranges))), lambda i: self._group_of.get(ranges[i][0]))
         order = [i for g in by_group for i in g]  # an optimizer numbers its tensors group by group
         groups = [(ranges[g[0]][0], [params[i] for i in g], self._saved_group(ranges[g[0]][0])) for g in by_group]
@@ -229,11 +234,12 @@ class Reference:
         trainable = [((f, lo, hi), p) for (f, lo, hi), p in items if self.tree.param(f).requires_grad]
         for k in range(self.steps):
             for (fqn, lo, hi), param in trainable:
-                param.grad = synthetic_grad(self.seed, FIRST_STEP + k, fqn, lo, hi, self._dtype(fqn)).view(param.shape)
+                grad = synthetic_grad(self.seed, FIRST_STEP + k, fqn, lo, hi, self._dtype(fqn))
+                param.grad = grad.view(param.shape).to(param.device)
             optim.step()
 
-    def _stepped_whole(self) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
-        """Every parameter whole, stepped from the whole source state
+    def _stepped_whole(self, device: torch.device) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+        """Every parameter whole, stepped on ``device`` from the whole source state
         in one optimizer with the source's param groups (computed once)."""
         if self._whole is None:
             full = full_state(self.reader, self.meta)["state"]
@@ -243,7 +249,9 @@ class Reference:
                 else [[p.fqn for p in self.tree.params]]
             )
             fqns = [f for g in groups for f in g]
-            params = {f: self._start(f, 0, self.tree.param(f).numel).view(self.tree.param(f).shape) for f in fqns}
+            params = {
+                f: self._start(f, 0, self.tree.param(f).numel).view(self.tree.param(f).shape).to(device) for f in fqns
+            }
             saved = self.meta.param_groups or [None]
             optim = loaded_optimizer(
                 self.config,
@@ -401,7 +409,8 @@ def pieces_of(tensor: LocalTensor) -> tuple[Segment, ...]:
 def compare_batch(batch: list[Stepped], reference: Reference, meta: SourceMeta, steps: int) -> list[str]:
     """Where a batch of stepped local tensors differs from the reference (stepped for all their ranges at once)."""
     segments = [(s, seg) for s in batch for seg in pieces_of(s.tensor)]
-    refs = reference.pieces([(seg.fqn, seg.start, seg.start + seg.length) for _, seg in segments])
+    device = batch[0].param.device if batch else None  # where the target stepped: the reference steps there too
+    refs = reference.pieces([(seg.fqn, seg.start, seg.start + seg.length) for _, seg in segments], device)
     problems: list[str] = []
     for (stepped, seg), (ref_param, ref_state) in zip(segments, refs):
         problems += compare(stepped, seg, ref_param, ref_state, meta, steps)

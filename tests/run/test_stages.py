@@ -270,3 +270,19 @@ def test_a_plan_keeps_only_the_last_layouts_it_was_asked_for(tmp_path: Path) -> 
         plan.target_layout(rank)
     assert len(plan._kept) <= KEPT_LAYOUTS
     assert plan.target_layout(0) == first
+
+
+def test_the_resume_reference_steps_on_the_targets_device(tmp_path: Path) -> None:
+    """A CUDA job's Adam rounds ``exp_avg_sq`` as CUDA's kernels do, one bit off the CPU's: the ``resume`` check's
+    reference steps where the target stepped (the meta device stands in for a GPU here: only where it steps is
+    asked), and on the CPU where it is not told."""
+    from osdpipe.verify.resume_training import reference_for
+
+    plan = make_plan(tmp_path)
+    reader = MemoryReader(source_tensors(plan), None)  # the configured optimizer's hyperparameters
+    reference = reference_for(plan.spec, reader.meta(), reader, plan.tree)
+    fqn = plan.tree.params[0].fqn
+    [(param, state)] = reference.pieces([(fqn, 0, 2)], torch.device("meta"))
+    assert param.device.type == "meta" and state["exp_avg_sq"].device.type == "meta"
+    [(param, state)] = reference.pieces([(fqn, 0, 2)])
+    assert param.device.type == "cpu" and state["exp_avg_sq"].device.type == "cpu"
