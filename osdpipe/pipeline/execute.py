@@ -32,7 +32,7 @@ from osdpipe.pipeline import loop
 from osdpipe.run import progress, whereabouts
 from osdpipe.run.collective import StageError, agree, from_rank0, lost_a_peer, one_line
 from osdpipe.run.generate import generate_rank
-from osdpipe.run.launch import WorldError, default_backend, init_world, run_local_world
+from osdpipe.run.launch import WorldError, backend_for, init_world, run_local_world
 from osdpipe.run.logfile import write_log
 from osdpipe.run.products import Sharded
 from osdpipe.run.report import Report
@@ -259,7 +259,8 @@ def _execute_torchrun(plan: Plan, backend: str | None, warnings: Sequence[str]) 
                 },
             )
         if not dist.is_initialized():
-            init_world(backend or default_backend(), spec.runtime.timeout_s)
+            # torchrun says how many of its ranks run on this machine
+            init_world(backend_for(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), spec.runtime.timeout_s)
         try:
             if plan.upload is None:
                 from_rank0("launch", lambda: _begin(out, spec))

@@ -68,9 +68,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    """NCCL when CUDA is present, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def backend_for(asked: str | None, local_ranks: int, gpus: int | None = None) -> str:
+    """The process group's backend: ``asked`` (``runtime.backend``; ``None``: ``auto``), else NCCL where this machine
+    has a GPU for each of its ``local_ranks`` ranks (NCCL runs one rank per GPU: two on one GPU fail in the first
+    collective), gloo otherwise. ``gpus``: how many this machine has (``None``: as CUDA says).
+
+    Raises:
+        ValueError: NCCL asked for with fewer GPUs than ranks on this machine.
+    """
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if asked is None:
+        return "nccl" if gpus >= local_ranks else "gloo"
+    if asked == "nccl" and gpus < local_ranks:
+        raise ValueError(
+            f"runtime.backend=nccl runs one rank per GPU, and this machine has {gpus} GPU(s) for {local_ranks} "
+            "rank(s); set runtime.backend=gloo (or auto, which chooses it here), or start fewer ranks per machine"
+        )
+    return asked
 
 
 def init_world(backend: str, timeout_s: float, rank: int | None = None, world_size: int | None = None) -> None:
@@ -243,7 +257,7 @@ def run_local_world(
     board = whereabouts.Board(ctx, world_size)
     stacks = Path(tempfile.mkdtemp(prefix="osdpipe-stacks-"))  # where a rank killed by a signal leaves its stacks
     port = free_port()
-    backend = backend or default_backend()
+    backend = backend_for(backend, world_size)
     procs = [
         ctx.Process(
             target=_worker,
