@@ -430,3 +430,29 @@ def test_check_load_of_s3_loads_what_the_bucket_holds(converted, s3: S3, tmp_pat
     assert result["code"] == 1, result["stdout"] + result["stderr"]
     line = next(line for line in result["stdout"].splitlines() if "check load" in line)
     assert "FAIL  rank 1: non-finite in the loaded state" in line and "exp_avg_sq (1 element)" in line, line
+
+
+def test_a_file_the_manifest_lists_that_another_process_sent_is_published_and_one_it_did_not_send_fails(
+    s3: S3, tmp_path: Path
+) -> None:
+    """Under torchrun rank 0 holds its own files and the manifest; the others' files are in the prefix, sent by their
+    processes: publish commits them with the rest. One that is in neither place fails the publish, and what was sent
+    is removed."""
+    sent = _staged(tmp_path, 3)
+    destination = remote_output.prepare(s3.url("out"), overwrite=False)
+    remote_output.send(destination, sent, ["rank_2.pt"])  # another process's file, sent as it was written
+    (sent / "rank_2.pt").unlink()  # ... from that process's own directory
+    assert remote_output.publish(destination, sent) == ["rank_0.pt", "rank_1.pt", "rank_2.pt", "manifest.json"]
+    assert s3.keys("out") == [f"out/{n}" for n in ("manifest.json", "rank_0.pt", "rank_1.pt", "rank_2.pt")]
+    assert _remote_files(s3, "out")["rank_2.pt"] == b"new rank 2"
+
+    unsent = _staged(tmp_path, 4)
+    (unsent / "rank_3.pt").unlink()  # listed by the manifest, sent by nobody
+    destination = remote_output.prepare(s3.url("lost"), overwrite=False)
+    with pytest.raises(OutputError) as caught:
+        remote_output.publish(destination, unsent)
+    assert str(caught.value) == (
+        f"output.path='{s3.url('lost')}': 1 file(s) of the conversion are neither in {unsent} nor in the prefix "
+        "(rank_3.pt); the processes that wrote them did not send them: run the conversion again"
+    )
+    assert s3.keys("lost") == []
