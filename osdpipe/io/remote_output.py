@@ -455,6 +455,23 @@ def discard(destination: Destination) -> None:
         pass
 
 
+def withdraw(destination: Destination, names: list[str]) -> None:
+    """Remove ``names`` (data files this process sent, paths relative to the conversion) from the destination, where
+    they are: under ``.incoming/`` where it is staged, else at their keys. What cannot be removed is left to the
+    launcher's :func:`discard` and to the next run (:func:`recover`)."""
+    if not names:
+        return
+    under = (INCOMING,) if destination.staged else ()
+    try:
+        destination.fs.invalidate_cache()
+        there = set(_objects(destination, *under))
+        gone = [destination.key(*under, n) for n in names if n in there]
+        if gone:
+            destination.fs.rm(gone)
+    except Exception:  # noqa: BLE001 - the run has failed already; the launcher and the next run clean up
+        pass
+
+
 def _remove_written(destination: Destination, names: list[str]) -> list[str]:
     """Of ``names``, those in the prefix, deleted, markers first (the manifest, then ``.metadata``: no reader takes
     what is left for a conversion); returns them."""

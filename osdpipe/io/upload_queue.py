@@ -58,3 +58,12 @@ class UploadQueue:
         """Send nothing more; wait for the uploads under way (their files are read from the staged conversion,
         which a failed run then removes)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def withdraw(self) -> None:
+        """For a run that failed: send nothing more, and once nothing is in flight, remove from the destination what
+        this queue sent (:func:`osdpipe.io.remote_output.withdraw`). The launcher removes the whole run's files too
+        (:func:`osdpipe.io.remote_output.discard`), but under torchrun it is another process: an upload of this one
+        still in flight then would land after it, named by no note."""
+        self.cancel()
+        sent = [n for names, future in self._sent if future.done() and not future.cancelled() for n in names]
+        remote_output.withdraw(self._destination, sent)

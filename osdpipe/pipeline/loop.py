@@ -168,7 +168,7 @@ def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | No
             warnings += [w for w in last.warnings if w not in warnings]
     except BaseException:
         if queue is not None:
-            queue.cancel()  # what it sent, the launcher removes (osdpipe.io.remote_output.discard)
+            queue.withdraw()  # what it sent, removed once nothing is in flight (the launcher removes the rest)
         raise
     finally:
         peak = watch.stop()  # its sampling thread must not outlive a failed run in a caller's process (the Python API)

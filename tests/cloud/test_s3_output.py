@@ -456,3 +456,25 @@ def test_a_file_the_manifest_lists_that_another_process_sent_is_published_and_on
         "(rank_3.pt); the processes that wrote them did not send them: run the conversion again"
     )
     assert s3.keys("lost") == []
+
+
+@pytest.mark.parametrize("over_a_conversion", [False, True])
+def test_a_process_whose_run_failed_withdraws_what_its_queue_sent(s3: S3, tmp_path: Path, over_a_conversion) -> None:
+    """Each process removes its own sends once nothing of its is in flight: under torchrun the launcher's discard is
+    rank 0's, and an upload of another process still in flight then would land after it. The conversion in place,
+    if any, is not touched."""
+    from osdpipe.io.upload_queue import UploadQueue
+
+    if over_a_conversion:
+        remote_output.publish(remote_output.prepare(s3.url("out"), overwrite=False), _staged(tmp_path, 1))
+    before = _remote_files(s3, "out")
+    destination = remote_output.prepare(s3.url("out"), overwrite=True)
+    assert destination.staged is over_a_conversion
+    queue = UploadQueue(destination.upload)
+    queue.send(_staged(tmp_path, 3), ["rank_1.pt", "rank_2.pt"])
+    assert queue.finish() is None
+    sent = [k for k in s3.keys("out") if k.endswith(("rank_1.pt", "rank_2.pt"))]
+    assert len(sent) == 2, s3.keys("out")
+    queue.withdraw()
+    assert not [k for k in s3.keys("out") if k.endswith(("rank_1.pt", "rank_2.pt"))]
+    assert {k: v for k, v in _remote_files(s3, "out").items() if not k.startswith(".incoming/")} == before
