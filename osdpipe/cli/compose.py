@@ -194,8 +194,8 @@ def _run_job(cfg: DictConfig) -> int:
         return _config_error(exc)
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
     if remote is not None:  # made in local directories, then uploaded (osdpipe.io.remote_output)
-        under_torchrun = rankserver.in_torchrun() or raw["runtime"].get("launcher") == "torchrun"
-        if under_torchrun and by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
+        one_process = by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint)
+        if one_process and rankserver.joins_torchrun(checked.runtime.launcher):
             return _config_error(ConfigError([
                 f"output.path={remote!r}: Megatron's stages convert in one process, not under torchrun; "
                 "run the same command without torchrun"
@@ -298,7 +298,7 @@ def _destination(
     from osdpipe.io import remote_output
 
     options, budget = spec.runtime.storage_options, spec.runtime.memory_budget
-    torchrun = rankserver.in_torchrun() or spec.runtime.launcher == "torchrun"
+    torchrun = rankserver.joins_torchrun(spec.runtime.launcher)
     if torchrun and not _is_rank0():
         return None, remote_output.Upload.from_rank0(remote, options, budget)
     try:

@@ -48,6 +48,11 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def joins_torchrun(launcher: str) -> bool:
+    """Whether a run with ``runtime.launcher=launcher`` joins a torchrun world: asked for, or ``auto`` inside one."""
+    return launcher == "torchrun" or (launcher == "auto" and in_torchrun())
+
+
 def context() -> Any:
     """The multiprocessing context ranks start from: the fork server where the platform has one, else spawn."""
     if "forkserver" not in mp.get_all_start_methods():

@@ -22,7 +22,7 @@ from traceback import format_exc
 
 import torch.distributed as dist
 
-from osdpipe.core.rankserver import in_torchrun
+from osdpipe.core.rankserver import joins_torchrun
 from osdpipe.io import output
 from osdpipe.io.formats import InputError
 from osdpipe.io.output import OutputError
@@ -154,7 +154,7 @@ def execute(plan: Plan, warnings: Sequence[str] = ()) -> Report:
     """
     spec = plan.spec
     backend = None if spec.runtime.backend == "auto" else spec.runtime.backend
-    if spec.runtime.launcher == "torchrun" or (spec.runtime.launcher == "auto" and in_torchrun()):
+    if joins_torchrun(spec.runtime.launcher):
         return _execute_torchrun(plan, backend, warnings)
     out = Path(spec.output.path)
     _begin(out, spec)

@@ -289,3 +289,17 @@ def test_progress_shows_on_a_terminal_and_not_in_ci(tmp_path: Path) -> None:
         assert f"osdpipe: {phase}" in shown, f"{phase!r} not shown: {shown!r}"
     code, shown = _run_with_terminal_stderr([*args, "output.overwrite=true"], tmp_path, {**env, "CI": "true"})
     assert code == 0 and "osdpipe: stage" not in shown, shown
+
+
+def test_megatrons_one_process_stages_into_object_storage_under_torchrun_are_refused(tmp_path: Path) -> None:
+    """Megatron's own stages convert in one process: under torchrun every rank would convert and publish alone."""
+    save = tmp_path / "save"
+    save.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    result = run_osdpipe("checkpoint=megatron", f"input.path={save}", "runtime.launcher=torchrun",
+                         "output.path=s3://bucket/out", cwd=run, timeout=60)  # fmt: skip
+    assert_one_line_error(
+        result, 2, "output.path='s3://bucket/out': Megatron's stages convert in one process, not under torchrun"
+    )
+    assert list(run.iterdir()) == [], "a refused run wrote something"
