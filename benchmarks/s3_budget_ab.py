@@ -9,8 +9,9 @@ Run (from the repository root, after ``python benchmarks/s3_reshard.py --workdir
 
 It starts moto's server as ``s3_reshard.py`` does, uploads the 1.6 GB source there, and runs the ``osdpipe`` command
 of ``s3_reshard.py``'s first path (4 -> 2 FSDP2 ranks, DCP out, offline, ``pipeline.checks=[roundtrip]``) with
-``runtime.memory_budget``, each checkout on ``PYTHONPATH``, alternating, ``--repeats`` times; then a table: median,
-min and max seconds, the CPU seconds of the command and of the server, and the ranged GETs of the last repeat.
+``runtime.memory_budget`` (``--budget none``: without), each checkout on ``PYTHONPATH``, alternating, ``--repeats``
+times; then a table: median, min and max seconds, the CPU seconds of the command and of the server, the command's
+peak RSS, and the ranged GETs of the last repeat.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import s3_reshard as bench
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkouts", nargs=2, help="two osdpipe checkouts (git worktrees): before, after")
-    parser.add_argument("--budget", default="1GB", help="runtime.memory_budget (default 1GB)")
+    parser.add_argument("--budget", default="1GB", help="runtime.memory_budget (default 1GB; none: no budget)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/s3bench", help="where s3_reshard.py made the source")
     opts = parser.parse_args()
@@ -52,28 +53,28 @@ def main() -> int:
                     fs.rm(f"{bench.BUCKET}/out", recursive=True)
                 shutil.rmtree(work / "outputs", ignore_errors=True)
                 cmd = [sys.executable, "-m", "osdpipe", *bench.conversion(bench.WIDTH),
-                       f"runtime.memory_budget={opts.budget}", f"input.path=s3://{bench.BUCKET}/src/dcp",
-                       f"output.path=s3://{bench.BUCKET}/out"]  # fmt: skip
+                       f"input.path=s3://{bench.BUCKET}/src/dcp", f"output.path=s3://{bench.BUCKET}/out"]  # fmt: skip
+                cmd += [] if opts.budget == "none" else [f"runtime.memory_budget={opts.budget}"]
                 logged = log.stat().st_size
                 *measured, said = bench.timed(cmd, work, {**env, "PYTHONPATH": checkout}, server)
                 if "check roundtrip  pass" not in said:
                     raise SystemExit(f"{checkout}: the roundtrip check did not pass:\n{said[-2000:]}")
                 runs[checkout].append(tuple(measured))
                 gets[checkout] = bench.requests_in(log, logged)["ranged GET"]
-                wall, client, served, _ = measured
+                wall, client, served, rss = measured
                 print(f"  repeat {repeat + 1}: {checkout}: {wall:.1f} s (CPU: client {client:.1f} s, "
-                      f"server {served:.1f} s)", flush=True)  # fmt: skip
+                      f"server {served:.1f} s; peak RSS {rss:.2f} GB)", flush=True)  # fmt: skip
     finally:
         server.terminate()
         server.wait(timeout=30)
     print(f"\nruntime.memory_budget={opts.budget}, s3 -> s3 on moto, median of {opts.repeats}, alternating")
-    print("| checkout | median s | min s | max s | client CPU s | server CPU s | ranged GETs |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| checkout | median s | min s | max s | client CPU s | server CPU s | peak RSS GB | ranged GETs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for checkout, got in runs.items():
         walls = [w for w, *_ in got]
-        client, served = statistics.median(c for _, c, *_ in got), statistics.median(s for _, _, s, _ in got)
+        client, served, rss = (statistics.median(run[i] for run in got) for i in (1, 2, 3))
         print(f"| {checkout} | {statistics.median(walls):.1f} | {min(walls):.1f} | {max(walls):.1f} | {client:.1f} | "
-              f"{served:.1f} | {gets[checkout]} |")  # fmt: skip
+              f"{served:.1f} | {rss:.2f} | {gets[checkout]} |")  # fmt: skip
     return 0
 
 

@@ -366,8 +366,7 @@ def send(
     files, each = _callbacks(sent)
     under = (INCOMING,) if destination.staged else ()
     if not destination.staged:  # one note per batch: the ranks' processes send theirs at the same time
-        note = destination.key(INCOMING, WRITING, f"{uuid.uuid4().hex}.json")
-        destination.fs.pipe_file(note, json.dumps({"files": names}).encode())
+        write_note(destination, names)
     data = [n for n in names if not is_marker(n)]
     parts = store.upload_options(
         destination.location.scheme, destination.part_bytes, max((directory / n).stat().st_size for n in names)
@@ -382,6 +381,14 @@ def send(
             each.relative_update((directory / name).stat().st_size)  # as counted: the local file's size
         else:
             destination.fs.put_file(str(directory / name), destination.key(*under, name), callback=each, **parts)
+
+
+def write_note(destination: Destination, names: list[str]) -> None:
+    """Name ``names`` in a note of their own under ``.incoming/writing/``, before their first byte goes straight to
+    their keys (a prefix that held no conversion): what a run killed meanwhile leaves, the next removes
+    (:func:`recover`)."""
+    note = destination.key(INCOMING, WRITING, f"{uuid.uuid4().hex}.json")
+    destination.fs.pipe_file(note, json.dumps({"files": names}).encode())
 
 
 def _callbacks(sent: Callable[[int], None] | None) -> tuple[Any, Any]:

@@ -141,7 +141,8 @@ def written_instead(scheme: str, rest: str) -> str | None:
 
 #: The smallest part of a multipart upload S3 takes (but the last); GCS's resumable chunks are multiples of 256 KiB.
 MIN_PART = 5 << 20
-_PART_QUANTUM = 256 << 10
+#: What a part size is a multiple of: GCS's resumable uploads take chunks of 256 KiB multiples.
+PART_QUANTUM = 256 << 10
 #: The most parts one S3 multipart upload may have.
 MAX_PARTS = 10_000
 
@@ -153,7 +154,7 @@ def upload_part_bytes(memory_budget: int | None) -> int | None:
     once)."""
     if memory_budget is None:
         return None
-    return max(MIN_PART, memory_budget // 8 // _PART_QUANTUM * _PART_QUANTUM)
+    return max(MIN_PART, memory_budget // 8 // PART_QUANTUM * PART_QUANTUM)
 
 
 def upload_options(scheme: str, part_bytes: int | None, largest: int) -> dict[str, Any]:
@@ -166,7 +167,7 @@ def upload_options(scheme: str, part_bytes: int | None, largest: int) -> dict[st
     if part_bytes is None:
         return {}
     fits = -(-largest // MAX_PARTS)
-    part = max(part_bytes, -(-fits // _PART_QUANTUM) * _PART_QUANTUM)
+    part = max(part_bytes, -(-fits // PART_QUANTUM) * PART_QUANTUM)
     return {"chunksize": part, "max_concurrency": 1} if scheme == "s3" else {"chunksize": part}
 
 

@@ -42,7 +42,7 @@ import pickle
 import struct
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -125,6 +125,43 @@ def pieces_digest(path: Path, pieces: list[int]) -> str:
     return digest_of_pieces(digests)
 
 
+class Follower(Protocol):
+    """Told how far a :class:`DirectFile` is written, as its bytes reach the file (see :func:`followed_as_written`):
+    the bytes before ``end`` are the file's, written once and never again, so they may be read while it grows."""
+
+    def grown(self, end: int) -> None:
+        """The file holds its bytes up to ``end`` (from the writing thread, in order)."""
+        ...
+
+    def ended(self, length: int) -> None:
+        """The file is whole: ``length`` bytes, closed."""
+        ...
+
+    def dropped(self) -> None:
+        """The file was not finished: it is removed, and what was said of it is void."""
+        ...
+
+
+_FOLLOW: ContextVar[Callable[[Path], Follower | None] | None] = ContextVar("osdpipe_torchfile_follow", default=None)
+
+
+@contextmanager
+def followed_as_written(follow: Callable[[Path], Follower | None]) -> Iterator[None]:
+    """Every file :func:`written` opens inside is followed as it is written: ``follow(path)`` gives its
+    :class:`Follower` (or ``None``: not followed).
+
+    So a rank file bound for object storage goes up in parts while it is made
+    (:mod:`osdpipe.io.upload_queue`), rather than after its last byte: a
+    :class:`DirectFile` is written front to back, so what it has written is
+    final and can be read back while it grows.
+    """
+    token = _FOLLOW.set(follow)
+    try:
+        yield
+    finally:
+        _FOLLOW.reset(token)
+
+
 class DirectFile:
     """A new file written front to back,
     around the page cache where the filesystem allows (``O_DIRECT``), hashed once on the way.
@@ -140,7 +177,7 @@ class DirectFile:
     buffers are written through the page cache.
     """
 
-    def __init__(self, path: Path, direct: bool = True) -> None:
+    def __init__(self, path: Path, direct: bool = True, follower: Follower | None = None) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         self.direct = False
         self.fd = -1
@@ -165,6 +202,8 @@ class DirectFile:
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-file-hash")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osdpipe-write")
         self._pending: list[tuple[Future[None], Future[None]] | None] = [None] * BUFFERS
+        #: told how far the file is written, by the writing thread after each buffer (:func:`followed_as_written`)
+        self.follower = follower
 
     def tell(self) -> int:
         return self._flushed + self._fill
@@ -217,7 +256,7 @@ class DirectFile:
         self._pending[index] = (
             # in order: one thread hashes, buffer after buffer
             self._hasher.submit(self._hash, view[: self._fill], offset),
-            self._writer.submit(self._pwrite, view[:length], offset),
+            self._writer.submit(self._pwrite, view[:length], offset, offset + self._fill),
         )
         self._flushed += self._fill
         self._fill = 0
@@ -231,10 +270,14 @@ class DirectFile:
                 future.result()
             self._pending[index] = None
 
-    def _pwrite(self, view: memoryview, offset: int) -> None:
+    def _pwrite(self, view: memoryview, offset: int, end: int) -> None:
+        """Write ``view`` at ``offset``; the file's own bytes then end at ``end`` (the rest of a last block is
+        padding, cut at :meth:`close`)."""
         done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], offset + done)
+        if self.follower is not None:
+            self.follower.grown(end)
 
     def close(self, sync: bool) -> None:
         """Write what is left, cut the file to its length, sync it if ``sync``;
@@ -497,11 +540,16 @@ def written(path: Path, *, sync: bool, direct: bool = True) -> Iterator[DirectFi
     On failure, while writing or while finishing the file, it is removed:
     nothing is left claiming to be whole.
     """
-    out = DirectFile(path, direct)
+    follow = _FOLLOW.get()
+    out = DirectFile(path, direct, follow(path) if follow is not None else None)
     try:
         yield out
         out.close(sync)
     except BaseException:
         out.release()
         path.unlink(missing_ok=True)
+        if out.follower is not None:
+            out.follower.dropped()
         raise
+    if out.follower is not None:
+        out.follower.ended(out.tell())

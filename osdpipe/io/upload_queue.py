@@ -9,6 +9,11 @@ keys after a note naming them) while the process plays its next ranks, or waits 
 conversion complete (``.metadata``, the manifest) are never sent here: only ``publish`` sends them, after the local
 commit, once every rank's files are in the prefix.
 
+A rank file written by :mod:`osdpipe.io.torchfile` (a DCP rank file, a ``torch.save`` rank file) does not wait for
+its last byte either: inside :meth:`UploadQueue.following`, each goes up in parts as it is written
+(:class:`~osdpipe.io.followed_upload.FollowedUpload`), and the queue only makes it whole at its key when its rank is
+checked; a file no rank hands over is abandoned. Any other file (a safetensors export, a carried file) is sent whole.
+
 The pipeline waits for the queue (:meth:`UploadQueue.finish`) before the local commit moves the staged files, and
 says a failed upload as the save stage's failure; a run that fails after some files were sent has them removed by
 :func:`osdpipe.io.remote_output.discard`.
@@ -16,10 +21,14 @@ says a failed upload as the save stage's failure; a run that fails after some fi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from osdpipe.io import remote_output
+from osdpipe.io.followed_upload import FollowedUpload
+from osdpipe.io.torchfile import followed_as_written
 
 #: Uploads at once from one process, each a file (a large one in parts): enough to keep a store busy while the
 #: process converts, few enough that the conversion keeps its CPU.
@@ -33,13 +42,38 @@ class UploadQueue:
         self._destination = upload.open()
         self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="osdpipe-upload")
         self._sent: list[tuple[list[str], Future[None]]] = []
+        self._following: dict[str, FollowedUpload] = {}  # rank files that went up as they were written, by name
+
+    @contextmanager
+    def following(self, directory: Path) -> Iterator[None]:
+        """Every rank file written inside (into ``directory``, the staged conversion) goes up as it is written: the
+        markers excepted, which only :func:`osdpipe.io.remote_output.publish` sends."""
+
+        def follow(path: Path) -> FollowedUpload | None:
+            name = path.relative_to(directory).as_posix()
+            if remote_output.is_marker(name) or name in self._following:
+                return None
+            self._following[name] = FollowedUpload(self._destination, name, path)
+            return self._following[name]
+
+        with followed_as_written(follow):
+            yield
+
+    def followed(self, name: str) -> FollowedUpload | None:
+        """The upload of rank file ``name`` that went up as it was written, if it did."""
+        return self._following.get(name)
 
     def send(self, directory: Path, names: list[str]) -> None:
-        """Upload ``names`` (paths relative to ``directory``, the staged conversion) in the background; the markers
-        among them are left to :func:`osdpipe.io.remote_output.publish`."""
+        """Upload ``names`` (paths relative to ``directory``, the staged conversion) in the background, or make whole
+        those that went up as they were written; the markers among them are left to
+        :func:`osdpipe.io.remote_output.publish`."""
         data = [n for n in sorted(names) if not remote_output.is_marker(n)]
-        if data:
-            self._sent.append((data, self._pool.submit(remote_output.send, self._destination, directory, data)))
+        followed = [n for n in data if n in self._following and self._following[n].written]
+        for name in followed:
+            self._sent.append(([name], self._pool.submit(self._following[name].commit)))
+        whole = [n for n in data if n not in followed]
+        if whole:
+            self._sent.append((whole, self._pool.submit(remote_output.send, self._destination, directory, whole)))
 
     def finish(self) -> str | None:
         """Wait for every upload; the first failure in one line (naming the first file of its batch, a rank's files),
@@ -56,8 +90,10 @@ class UploadQueue:
 
     def cancel(self) -> None:
         """Send nothing more; wait for the uploads under way (their files are read from the staged conversion,
-        which a failed run then removes)."""
+        which a failed run then removes); abandon the files followed as written that no rank handed over."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        for upload in self._following.values():
+            upload.cancel()  # nothing to do for one made whole
 
     def withdraw(self) -> None:
         """For a run that failed: send nothing more, and once nothing is in flight, remove from the destination what

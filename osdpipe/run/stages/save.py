@@ -8,8 +8,8 @@ conversion (:func:`commit`, called by :mod:`osdpipe.pipeline.loop` after the las
 rank), replacing a previous one as a whole. A failure on any rank leaves
 the output directory as it was: nothing half-written. A run whose verify
 failed writes no data. Where the output is bound for object storage, a
-rank's files are handed to its process's upload queue as soon as they are
-written (:mod:`osdpipe.io.upload_queue`).
+rank's files go up as they are written and are made whole once they are
+checked (:mod:`osdpipe.io.upload_queue`).
 """
 
 from __future__ import annotations
@@ -56,9 +56,13 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
     fmt = ctx.output_format
     mine = RankFiles()
     error = None
+    queue = ctx.world.kept.get(UploadQueue)
     try:
         streamed = keyed.sharded.streamed
-        with filled_as_written(streamed) if streamed is not None else nullcontext():
+        with (
+            filled_as_written(streamed) if streamed is not None else nullcontext(),
+            queue.following(staging) if queue is not None else nullcontext(),
+        ):
             if keyed.weights is not None:
                 mine = _write_whole(ctx, keyed, staging)
             elif fmt.writes(ctx.rank):
@@ -80,9 +84,8 @@ def save(ctx: Context, before: Keyed | Verified, tally: Tally) -> Staged:
         if keyed.sharded.streamed is not None:
             keyed.sharded.streamed.close()
     agree("save", error, rank=ctx.rank)  # on failure the launcher drops the staged run (output.abort)
-    queue = ctx.world.kept.get(UploadQueue)
-    if queue is not None:  # an output in object storage: this rank's files go now, while the next ranks convert
-        queue.send(staging, list(mine.files))
+    if queue is not None:  # an output in object storage: this rank's files go now (or, gone up as they were written,
+        queue.send(staging, list(mine.files))  # are made whole), while the next ranks convert
     return Staged(before, mine)
 
 

@@ -1,0 +1,185 @@
+"""One rank file sent into object storage while it is written: in parts as the writer makes them, made whole at its
+key only once its rank has passed its checks.
+
+Sent after its last byte, a rank file's upload would start when the file ends, and the last rank's would add its
+whole time to the run. A :class:`~osdpipe.io.torchfile.DirectFile` is written front to back and never goes back over
+what it wrote, so what it has written can be read back from the local file and sent while it grows
+(:class:`FollowedUpload` is the file's :class:`~osdpipe.io.torchfile.Follower`). The object store's own upload
+protocol keeps it invisible until then: an S3 multipart upload, a GCS resumable upload, both through fsspec's
+buffered file, whose parts go up as its buffer fills and whose object exists only once it is closed. So a reader never
+sees part of the file; :meth:`FollowedUpload.commit` closes it once the rank's checks have passed, and
+:meth:`FollowedUpload.cancel` abandons it otherwise (the store drops the parts). A process killed meanwhile leaves an
+unfinished upload that the next run into the prefix aborts (:func:`osdpipe.io.remote_output.recover`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from osdpipe.io import remote_output, store
+
+#: The parts a followed file goes up in without ``runtime.memory_budget``: s3fs's own part size, a multiple of the
+#: 256 KiB GCS's resumable uploads need.
+DEFAULT_PART = 50 << 20
+#: How much of the local file one read takes: the part grows in the store client's buffer.
+READ_BYTES = 8 << 20
+#: A part grows with the file from this many parts on, so S3's :data:`~osdpipe.io.store.MAX_PARTS` holds any file up to
+#: its 5 TiB limit (the file's size is not known while it is written).
+PARTS_BEFORE_GROWING = store.MAX_PARTS // 20
+
+
+class FollowedUpload:
+    """The upload of the local file ``path`` to ``name`` (relative to the conversion) in ``destination``, made by a
+    thread of its own as the file grows.
+
+    Args:
+        destination: where the conversion goes (under ``.incoming/`` where it is staged, else straight to its key,
+            after a note naming the file: :func:`osdpipe.io.remote_output.write_note`).
+        name: the file's path relative to the conversion.
+        path: the local file, not yet created: the writer creates it.
+    """
+
+    def __init__(self, destination: remote_output.Destination, name: str, path: Path) -> None:
+        self.destination, self.name, self.path = destination, name, path
+        self.part = destination.part_bytes or DEFAULT_PART
+        self._changed = threading.Condition()
+        self._end = 0  # the local file's bytes written so far
+        self._whole = False  # the writer closed it
+        self._dropped = False  # the writer failed: the file is gone
+        self._commit = False  # the rank passed its checks: make the object whole
+        self._cancel = False
+        #: ``sending``; ``held``: every byte went up but the last part's, and the object waits for the rank's
+        #: checks (:meth:`commit`); ``whole``: the object is at its key; ``abandoned``.
+        self.state = "sending"
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"osdpipe-follow-{name}", daemon=True)
+        self._thread.start()
+
+    # the writer's side (osdpipe.io.torchfile.Follower)
+    def grown(self, end: int) -> None:
+        with self._changed:
+            self._end = end
+            self._changed.notify()
+
+    def ended(self, length: int) -> None:
+        with self._changed:
+            self._end, self._whole = length, True
+            self._changed.notify()
+
+    def dropped(self) -> None:
+        with self._changed:
+            self._dropped = True
+            self._changed.notify()
+
+    # the upload queue's side
+    @property
+    def written(self) -> bool:
+        """The writer finished the file (its upload can be committed)."""
+        with self._changed:
+            return self._whole
+
+    def settled(self, within_s: float) -> str:
+        """The state once the upload rests (not ``sending``), or after ``within_s`` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.state != "sending", timeout=within_s)
+            return self.state
+
+    def commit(self) -> None:
+        """Send what is left and make the object whole at its key; waits for it.
+
+        Raises:
+            Exception: the store's failure, as the store client raised it (said by the caller, naming the file).
+        """
+        with self._changed:
+            self._commit = True
+            self._changed.notify()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        if self.state != "whole":
+            raise RuntimeError(f"{self.name} was not written whole")
+
+    def cancel(self) -> None:
+        """Abandon the upload (the store drops its parts) unless it was made whole; waits for the thread."""
+        with self._changed:
+            self._cancel = True
+            self._changed.notify()
+        self._thread.join()
+
+    def _next(self, sent: int) -> tuple[int, bool] | None:
+        """Wait for something to do (``held`` meanwhile, once every byte went up): ``(end, finish)``, the bytes to
+        send up to and whether to make the object whole after them; ``None``: abandon it."""
+        with self._changed:
+            if self._whole and self._end == sent and not self._commit:
+                self._rest("held")
+            self._changed.wait_for(
+                lambda: self._cancel or self._dropped or self._end > sent or (self._whole and self._commit)
+            )
+            if self._cancel or self._dropped:
+                return None
+            return self._end, self._whole and self._commit and self._end == sent
+
+    def _rest(self, state: str) -> None:
+        with self._changed:
+            self.state = state
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        remote: Any = None
+        local = -1
+        sent = 0
+        try:
+            while (step := self._next(sent)) is not None:
+                end, finish = step
+                if remote is None:
+                    remote = self._open()
+                if finish:
+                    remote.close()  # the last part, and the object is whole
+                    self._rest("whole")
+                    return
+                if local < 0:
+                    local = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                while sent < end:
+                    chunk = os.pread(local, min(READ_BYTES, end - sent), sent)
+                    if not chunk:
+                        raise OSError(f"{self.path} ends at byte {sent}, before the {end} its writer wrote")
+                    remote.blocksize = self._part_at(sent)
+                    remote.write(chunk)
+                    sent += len(chunk)
+        except BaseException as exc:  # noqa: BLE001 - said when the queue commits it
+            self.error = exc
+        finally:
+            if local >= 0:
+                os.close(local)
+            if self.state != "whole":
+                if remote is not None:
+                    _abandon(remote)
+                self._rest("abandoned")
+
+    def _open(self) -> Any:
+        """The object's writer: fsspec's buffered file, its parts :attr:`part` bytes; where the file goes straight to
+        its key, a note names it first."""
+        destination = self.destination
+        if not destination.staged:
+            remote_output.write_note(destination, [self.name])
+        under = (remote_output.INCOMING,) if destination.staged else ()
+        return destination.fs.open(destination.key(*under, self.name), "wb", block_size=self.part)
+
+    def _part_at(self, sent: int) -> int:
+        """The part size once ``sent`` bytes went up: :attr:`part`, then a fraction of what went up, so the parts stay
+        within S3's count (doubling the file adds :data:`PARTS_BEFORE_GROWING` parts at most, about)."""
+        grown = sent // PARTS_BEFORE_GROWING
+        return max(self.part, -(-grown // store.PART_QUANTUM) * store.PART_QUANTUM)
+
+
+def _abandon(remote: Any) -> None:
+    """Drop an unfinished upload: the store discards its parts (S3's multipart upload aborted, GCS's resumable one
+    cancelled). Where even that fails, the next run into the prefix aborts it
+    (:func:`~osdpipe.io.remote_output.recover`)."""
+    try:
+        remote.discard()
+    except Exception:  # noqa: BLE001 - the run has failed or is failing; recover cleans up
+        pass

@@ -1,0 +1,134 @@
+"""A rank file bound for object storage goes up in parts while it is written (osdpipe.io.followed_upload), and is whole
+at its key only once its rank hands it over (its checks passed); otherwise nothing of it stays, not even parts.
+
+Against the real S3 server of tests/cloud/conftest.py; the files are written as the save stage writes them, through
+osdpipe.io.torchfile.written, inside the upload queue's ``following``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cloudenv import S3
+
+from osdpipe.io import followed_upload, remote_output, store, torchfile
+from osdpipe.io.upload_queue import UploadQueue
+
+#: A budget whose parts are S3's smallest, 5 MiB (an eighth of it, osdpipe.io.store.upload_part_bytes).
+BUDGET = 40 << 20
+SIZE = 40 << 20  # two of torchfile's 16 MiB buffers reach the file before it ends: parts go up meanwhile
+
+
+def _bytes(n: int) -> bytes:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+
+
+def _unfinished(s3: S3, prefix: str) -> list[dict]:
+    """The multipart uploads begun under ``prefix`` and neither completed nor aborted."""
+    return s3.fs().call_s3("list_multipart_uploads", Bucket=s3.bucket, Prefix=f"{prefix}/").get("Uploads", [])
+
+
+def _parts_sent(s3: S3, prefix: str, within_s: float = 60) -> int:
+    """The parts the one unfinished upload under ``prefix`` holds, once it holds any (waits ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for upload in _unfinished(s3, prefix):
+            listed = s3.fs().call_s3("list_parts", Bucket=s3.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            if listed.get("Parts"):
+                return len(listed["Parts"])
+        time.sleep(0.05)
+    return 0
+
+
+def _queue(s3: S3, tmp_path: Path, over_a_conversion: bool) -> tuple[UploadQueue, Path]:
+    if over_a_conversion:
+        first = tmp_path / "first"
+        first.mkdir()
+        (first / "rank_0.pt").write_bytes(b"the previous conversion")
+        (first / "manifest.json").write_text("{}")
+        remote_output.publish(remote_output.prepare(s3.url("out"), overwrite=False), first)
+    destination = remote_output.prepare(s3.url("out"), overwrite=True, memory_budget=BUDGET)
+    assert destination.staged is over_a_conversion
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    return UploadQueue(destination.upload), staging
+
+
+@pytest.mark.parametrize("over_a_conversion", [False, True], ids=["empty prefix", "over a conversion"])
+def test_a_rank_file_goes_up_as_it_is_written_and_is_whole_only_once_handed_over(
+    s3: S3, tmp_path: Path, over_a_conversion: bool
+) -> None:
+    queue, staging = _queue(s3, tmp_path, over_a_conversion)
+    data = _bytes(SIZE + 12345)  # not a whole number of parts, nor of O_DIRECT blocks
+    key = f"out/{remote_output.INCOMING}/rank_0.pt" if over_a_conversion else "out/rank_0.pt"
+    with queue.following(staging), torchfile.written(staging / "rank_0.pt", sync=False) as out:
+        out.write(data[:SIZE])
+        assert _parts_sent(s3, "out") >= 1, "no part went up while the file was written"
+        assert key not in s3.keys("out"), "part of a file is never an object"
+        if not over_a_conversion:  # straight to its key: a note names it before its first byte
+            assert [k for k in s3.keys("out") if k.startswith("out/.incoming/writing/")]
+        out.write(data[SIZE:])
+    upload = queue.followed("rank_0.pt")
+    assert upload is not None and upload.settled(60) == "held"
+    assert key not in s3.keys("out"), "a file is whole at its key only once its rank hands it over"
+    queue.send(staging, ["rank_0.pt"])
+    assert queue.finish() is None
+    assert upload.state == "whole"
+    assert s3.fs().cat_file(f"{s3.bucket}/{key}") == data == (staging / "rank_0.pt").read_bytes()
+    assert _unfinished(s3, "out") == []
+
+
+def test_a_file_no_rank_hands_over_leaves_nothing_not_even_its_parts(s3: S3, tmp_path: Path) -> None:
+    """As after a rank's failed check: the save stage never hands the file over, and the queue abandons it."""
+    queue, staging = _queue(s3, tmp_path, over_a_conversion=False)
+    with queue.following(staging), torchfile.written(staging / "rank_0.pt", sync=False) as out:
+        out.write(_bytes(SIZE))
+        assert _parts_sent(s3, "out") >= 1
+    upload = queue.followed("rank_0.pt")
+    assert upload is not None and upload.settled(60) == "held"
+    queue.withdraw()
+    assert upload.state == "abandoned"
+    assert _unfinished(s3, "out") == []
+    assert [k for k in s3.keys("out") if not k.startswith("out/.incoming/")] == []
+
+
+def test_a_file_whose_writer_fails_leaves_nothing_not_even_its_parts(s3: S3, tmp_path: Path) -> None:
+    queue, staging = _queue(s3, tmp_path, over_a_conversion=True)
+    with pytest.raises(RuntimeError, match="the writer failed"), queue.following(staging):
+        with torchfile.written(staging / "rank_0.pt", sync=False) as out:
+            out.write(_bytes(SIZE))
+            assert _parts_sent(s3, "out") >= 1
+            raise RuntimeError("the writer failed")
+    assert not (staging / "rank_0.pt").exists()
+    upload = queue.followed("rank_0.pt")
+    assert upload is not None and upload.settled(60) == "abandoned"  # by its own thread, told by the writer
+    assert _unfinished(s3, "out") == []
+    assert queue.finish() is None
+    assert s3.keys("out/.incoming") == []
+
+
+def test_markers_are_not_followed_they_go_last_with_publish(s3: S3, tmp_path: Path) -> None:
+    queue, staging = _queue(s3, tmp_path, over_a_conversion=False)
+    with queue.following(staging), torchfile.written(staging / ".metadata", sync=False) as out:
+        out.write(b"a marker")
+    assert queue.followed(".metadata") is None
+    queue.send(staging, [".metadata"])
+    assert queue.finish() is None
+    assert s3.keys("out") == [] and _unfinished(s3, "out") == []
+
+
+def test_the_parts_grow_with_the_file_so_s3s_part_count_holds_its_largest_object() -> None:
+    """The file's size is not known while it is written: the part grows with what went up, so a 5 TiB file (S3's
+    largest object) goes up in fewer than S3's 10,000 parts, starting from the default part."""
+    upload = object.__new__(followed_upload.FollowedUpload)
+    upload.part = followed_upload.DEFAULT_PART
+    sent, parts = 0, 0
+    while sent < 5 << 40:
+        part = upload._part_at(sent)
+        assert part % store.PART_QUANTUM == 0 and part >= store.MIN_PART
+        sent, parts = sent + part, parts + 1
+    assert parts < store.MAX_PARTS, parts
+    assert upload._part_at(10 << 30) == followed_upload.DEFAULT_PART  # a 10 GiB file: the default part throughout
