@@ -24,7 +24,7 @@ from osdpipe.io import remote_output, store
 #: The parts a followed file goes up in without ``runtime.memory_budget``: s3fs's own part size, a multiple of the
 #: 256 KiB GCS's resumable uploads need.
 DEFAULT_PART = 50 << 20
-#: How much of the local file one read takes: the part grows in the store client's buffer.
+#: How much of the local file one read takes: a part is gathered in the store client's buffer.
 READ_BYTES = 8 << 20
 #: A part grows with the file from this many parts on, so S3's :data:`~osdpipe.io.store.MAX_PARTS` holds any file up to
 #: its 5 TiB limit (the file's size is not known while it is written).
@@ -32,18 +32,20 @@ PARTS_BEFORE_GROWING = store.MAX_PARTS // 20
 
 
 class FollowedUpload:
-    """The upload of the local file ``path`` to ``name`` (relative to the conversion) in ``destination``, made by a
-    thread of its own as the file grows.
+    """The upload of ``name`` (relative to the staged conversion ``directory``, not yet created: the writer creates
+    it) into ``destination``, made by a thread of its own as the file grows: a part each time the file holds one
+    more, read back from the local file. A file that never holds a whole part goes in one piece when it is handed
+    over, as a file sent whole (:func:`osdpipe.io.remote_output.send`): nothing to overlap, and no copy of it held.
 
     Args:
         destination: where the conversion goes (under ``.incoming/`` where it is staged, else straight to its key,
             after a note naming the file: :func:`osdpipe.io.remote_output.write_note`).
-        name: the file's path relative to the conversion.
-        path: the local file, not yet created: the writer creates it.
+        directory: the staged conversion.
+        name: the file's path relative to it.
     """
 
-    def __init__(self, destination: remote_output.Destination, name: str, path: Path) -> None:
-        self.destination, self.name, self.path = destination, name, path
+    def __init__(self, destination: remote_output.Destination, directory: Path, name: str) -> None:
+        self.destination, self.directory, self.name = destination, directory, name
         self.part = destination.part_bytes or DEFAULT_PART
         self._changed = threading.Condition()
         self._end = 0  # the local file's bytes written so far
@@ -62,17 +64,17 @@ class FollowedUpload:
     def grown(self, end: int) -> None:
         with self._changed:
             self._end = end
-            self._changed.notify()
+            self._changed.notify_all()
 
     def ended(self, length: int) -> None:
         with self._changed:
             self._end, self._whole = length, True
-            self._changed.notify()
+            self._changed.notify_all()
 
     def dropped(self) -> None:
         with self._changed:
             self._dropped = True
-            self._changed.notify()
+            self._changed.notify_all()
 
     # the upload queue's side
     @property
@@ -95,7 +97,7 @@ class FollowedUpload:
         """
         with self._changed:
             self._commit = True
-            self._changed.notify()
+            self._changed.notify_all()
         self._thread.join()
         if self.error is not None:
             raise self.error
@@ -106,21 +108,25 @@ class FollowedUpload:
         """Abandon the upload (the store drops its parts) unless it was made whole; waits for the thread."""
         with self._changed:
             self._cancel = True
-            self._changed.notify()
+            self._changed.notify_all()
         self._thread.join()
 
     def _next(self, sent: int) -> tuple[int, bool] | None:
-        """Wait for something to do (``held`` meanwhile, once every byte went up): ``(end, finish)``, the bytes to
-        send up to and whether to make the object whole after them; ``None``: abandon it."""
+        """Wait for something to do: ``(upto, finish)``, send the bytes up to ``upto`` (a whole part, while the file
+        is written) or, with ``finish``, all of it and make the object whole; ``None``: abandon it. ``held``
+        meanwhile, once the file is written and each of its whole parts went up."""
+        part = self._part_at(sent)
         with self._changed:
-            if self._whole and self._end == sent and not self._commit:
-                self._rest("held")
-            self._changed.wait_for(
-                lambda: self._cancel or self._dropped or self._end > sent or (self._whole and self._commit)
-            )
-            if self._cancel or self._dropped:
-                return None
-            return self._end, self._whole and self._commit and self._end == sent
+            while True:
+                if self._cancel or self._dropped:
+                    return None
+                if self._whole and self._commit:
+                    return self._end, True
+                if self._end - sent >= part:
+                    return sent + part, False
+                if self._whole:
+                    self._rest("held")
+                self._changed.wait()
 
     def _rest(self, state: str) -> None:
         with self._changed:
@@ -133,22 +139,26 @@ class FollowedUpload:
         sent = 0
         try:
             while (step := self._next(sent)) is not None:
-                end, finish = step
+                upto, finish = step
+                if finish and remote is None:  # not one whole part: it goes in one piece, as a file sent whole
+                    remote_output.send(self.destination, self.directory, [self.name])
+                    self._rest("whole")
+                    return
                 if remote is None:
                     remote = self._open()
+                if local < 0:
+                    local = os.open(self.directory / self.name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                remote.blocksize = self._part_at(sent)  # the client sends a part once its buffer holds this much
+                while sent < upto:
+                    chunk = os.pread(local, min(READ_BYTES, upto - sent), sent)
+                    if not chunk:
+                        raise OSError(f"{self.directory / self.name} ends at byte {sent}, before the {upto} written")
+                    remote.write(chunk)
+                    sent += len(chunk)
                 if finish:
                     remote.close()  # the last part, and the object is whole
                     self._rest("whole")
                     return
-                if local < 0:
-                    local = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                while sent < end:
-                    chunk = os.pread(local, min(READ_BYTES, end - sent), sent)
-                    if not chunk:
-                        raise OSError(f"{self.path} ends at byte {sent}, before the {end} its writer wrote")
-                    remote.blocksize = self._part_at(sent)
-                    remote.write(chunk)
-                    sent += len(chunk)
         except BaseException as exc:  # noqa: BLE001 - said when the queue commits it
             self.error = exc
         finally:
@@ -183,3 +193,4 @@ def _abandon(remote: Any) -> None:
         remote.discard()
     except Exception:  # noqa: BLE001 - the run has failed or is failing; recover cleans up
         pass
+    remote.closed = True  # nothing more to send: s3fs's file would otherwise try its last part when collected

@@ -53,7 +53,7 @@ class UploadQueue:
             name = path.relative_to(directory).as_posix()
             if remote_output.is_marker(name) or name in self._following:
                 return None
-            self._following[name] = FollowedUpload(self._destination, name, path)
+            self._following[name] = FollowedUpload(self._destination, directory, name)
             return self._following[name]
 
         with followed_as_written(follow):

@@ -81,6 +81,25 @@ def test_a_rank_file_goes_up_as_it_is_written_and_is_whole_only_once_handed_over
     assert _unfinished(s3, "out") == []
 
 
+def test_a_file_smaller_than_a_part_goes_in_one_request_when_handed_over(s3: S3, tmp_path: Path) -> None:
+    """Without a budget a part is 50 MiB: a 40 MiB file never holds one, so nothing is held in memory for it while it
+    is written, and it goes up as a file sent whole does, in one PUT (an S3 ETag without a part count)."""
+    destination = remote_output.prepare(s3.url("out"), overwrite=False)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    queue = UploadQueue(destination.upload)
+    data = _bytes(SIZE)
+    with queue.following(staging), torchfile.written(staging / "rank_0.pt", sync=False) as out:
+        out.write(data)
+    upload = queue.followed("rank_0.pt")
+    assert upload is not None and upload.settled(60) == "held"
+    assert _unfinished(s3, "out") == []
+    queue.send(staging, ["rank_0.pt"])
+    assert queue.finish() is None
+    assert s3.fs().cat_file(f"{s3.bucket}/out/rank_0.pt") == data
+    assert "-" not in s3.fs().info(f"{s3.bucket}/out/rank_0.pt")["ETag"], "sent in parts"
+
+
 def test_a_file_no_rank_hands_over_leaves_nothing_not_even_its_parts(s3: S3, tmp_path: Path) -> None:
     """As after a rank's failed check: the save stage never hands the file over, and the queue abandons it."""
     queue, staging = _queue(s3, tmp_path, over_a_conversion=False)
