@@ -53,8 +53,8 @@ class FollowedUpload:
         self._dropped = False  # the writer failed: the file is gone
         self._commit = False  # the rank passed its checks: make the object whole
         self._cancel = False
-        #: ``sending``; ``held``: every byte went up but the last part's, and the object waits for the rank's
-        #: checks (:meth:`commit`); ``whole``: the object is at its key; ``abandoned``.
+        #: ``sending``; ``held``: the file is written, each whole part of it went up, and the object waits for the
+        #: rank's checks (:meth:`commit`); ``whole``: the object is at its key; ``abandoned``.
         self.state = "sending"
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"osdpipe-follow-{name}", daemon=True)
