@@ -175,14 +175,18 @@ class FollowedUpload:
         destination = self.destination
         if not destination.staged:
             remote_output.write_note(destination, [self.name])
-        under = (remote_output.INCOMING,) if destination.staged else ()
-        return destination.fs.open(destination.key(*under, self.name), "wb", block_size=self.part)
+        return destination.fs.open(destination.key(*destination.sent_under, self.name), "wb", block_size=self.part)
 
     def _part_at(self, sent: int) -> int:
-        """The part size once ``sent`` bytes went up: :attr:`part`, then a fraction of what went up, so the parts stay
-        within S3's count (doubling the file adds :data:`PARTS_BEFORE_GROWING` parts at most, about)."""
-        grown = sent // PARTS_BEFORE_GROWING
-        return max(self.part, -(-grown // store.PART_QUANTUM) * store.PART_QUANTUM)
+        return part_size(self.part, sent)
+
+
+def part_size(first: int, sent: int) -> int:
+    """The part a followed file goes up in once ``sent`` bytes of it went up: ``first``, then a fraction of what went
+    up, a multiple of 256 KiB, so the parts stay within S3's count (doubling the file adds
+    :data:`PARTS_BEFORE_GROWING` parts at most, about)."""
+    grown = sent // PARTS_BEFORE_GROWING
+    return max(first, -(-grown // store.PART_QUANTUM) * store.PART_QUANTUM)
 
 
 def _abandon(remote: Any) -> None:

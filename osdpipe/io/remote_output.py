@@ -99,6 +99,12 @@ class Destination:
         """What a rank's process needs to send files here."""
         return Upload(self.location.url, dict(self.storage_options), self.staged, self.part_bytes)
 
+    @property
+    def sent_under(self) -> tuple[str, ...]:
+        """Where a conversion's files go before the commit, under the prefix: ``.incoming/`` where it is staged, else
+        the prefix itself (straight to their keys)."""
+        return (INCOMING,) if self.staged else ()
+
     def key(self, *names: str) -> str:
         """fsspec's path of ``names`` under the prefix."""
         return self.location.child(*names).path
@@ -364,7 +370,7 @@ def send(
     if not names:
         return
     files, each = _callbacks(sent)
-    under = (INCOMING,) if destination.staged else ()
+    under = destination.sent_under
     if not destination.staged:  # one note per batch: the ranks' processes send theirs at the same time
         write_note(destination, names)
     data = [n for n in names if not is_marker(n)]
@@ -430,7 +436,7 @@ def sent_ahead(destination: Destination, directory: Path, names: list[str]) -> s
     or, of those not in ``directory`` (another process's), there at all: sent by the ranks as they were written. What
     is there was sent by this run: :func:`prepare` left nothing of an earlier one under ``.incoming/``, nor, into a
     prefix that held no conversion, at a conversion's keys."""
-    under = (INCOMING,) if destination.staged else ()
+    under = destination.sent_under
     root = destination.key(*under)
     destination.fs.invalidate_cache()  # listed before the run: what the ranks sent since is not in the cache
     try:
@@ -468,7 +474,7 @@ def withdraw(destination: Destination, names: list[str]) -> None:
     launcher's :func:`discard` and to the next run (:func:`recover`)."""
     if not names:
         return
-    under = (INCOMING,) if destination.staged else ()
+    under = destination.sent_under
     try:
         destination.fs.invalidate_cache()
         there = set(_objects(destination, *under))

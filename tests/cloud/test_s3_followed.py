@@ -142,12 +142,10 @@ def test_markers_are_not_followed_they_go_last_with_publish(s3: S3, tmp_path: Pa
 def test_the_parts_grow_with_the_file_so_s3s_part_count_holds_its_largest_object() -> None:
     """The file's size is not known while it is written: the part grows with what went up, so a 5 TiB file (S3's
     largest object) goes up in fewer than S3's 10,000 parts, starting from the default part."""
-    upload = object.__new__(followed_upload.FollowedUpload)
-    upload.part = followed_upload.DEFAULT_PART
     sent, parts = 0, 0
     while sent < 5 << 40:
-        part = upload._part_at(sent)
+        part = followed_upload.part_size(followed_upload.DEFAULT_PART, sent)
         assert part % store.PART_QUANTUM == 0 and part >= store.MIN_PART
         sent, parts = sent + part, parts + 1
     assert parts < store.MAX_PARTS, parts
-    assert upload._part_at(10 << 30) == followed_upload.DEFAULT_PART  # a 10 GiB file: the default part throughout
+    assert followed_upload.part_size(followed_upload.DEFAULT_PART, 10 << 30) == followed_upload.DEFAULT_PART
