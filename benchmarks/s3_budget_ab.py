@@ -9,9 +9,10 @@ Run (from the repository root, after ``python benchmarks/s3_reshard.py --workdir
 
 It starts moto's server as ``s3_reshard.py`` does, uploads the 1.6 GB source there, and runs the ``osdpipe`` command
 of ``s3_reshard.py``'s first path (4 -> 2 FSDP2 ranks, DCP out, offline, ``pipeline.checks=[roundtrip]``) with
-``runtime.memory_budget`` (``--budget none``: without), each checkout on ``PYTHONPATH``, alternating, ``--repeats``
-times; then a table: median, min and max seconds, the CPU seconds of the command and of the server, the command's
-peak RSS, and the ranged GETs of the last repeat.
+``runtime.memory_budget`` (``--budget none``: without) and the overrides ``--set`` gives, each checkout on
+``PYTHONPATH``, alternating, ``--repeats`` times; then a table: median, min and max seconds, the CPU seconds of the
+command and of the server, the command's peak RSS, and the ranged GETs of the last repeat. (Online, the ranks are
+forked from the rank server, not from the command: the client's CPU and RSS are then the command's process alone.)
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> int:
     parser.add_argument("--budget", default="1GB", help="runtime.memory_budget (default 1GB; none: no budget)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/s3bench", help="where s3_reshard.py made the source")
+    parser.add_argument("--set", nargs="*", default=[], metavar="OVERRIDE",
+                        help="more overrides for both checkouts (runtime.mode=online, say)")  # fmt: skip
     opts = parser.parse_args()
     work = Path(opts.workdir).resolve()
     source = work / "src" / "dcp"
@@ -55,6 +58,7 @@ def main() -> int:
                 cmd = [sys.executable, "-m", "osdpipe", *bench.conversion(bench.WIDTH),
                        f"input.path=s3://{bench.BUCKET}/src/dcp", f"output.path=s3://{bench.BUCKET}/out"]  # fmt: skip
                 cmd += [] if opts.budget == "none" else [f"runtime.memory_budget={opts.budget}"]
+                cmd += opts.set
                 logged = log.stat().st_size
                 *measured, said = bench.timed(cmd, work, {**env, "PYTHONPATH": checkout}, server)
                 if "check roundtrip  pass" not in said:
@@ -67,7 +71,8 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    print(f"\nruntime.memory_budget={opts.budget}, s3 -> s3 on moto, median of {opts.repeats}, alternating")
+    print(f"\nruntime.memory_budget={opts.budget} {' '.join(opts.set)}, s3 -> s3 on moto, median of {opts.repeats}, "
+          "alternating")  # fmt: skip
     print("| checkout | median s | min s | max s | client CPU s | server CPU s | peak RSS GB | ranged GETs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for checkout, got in runs.items():

@@ -75,6 +75,15 @@ def in_flight_limit() -> int:
     return DEFAULT_IN_FLIGHT if budget is None else max(1, budget // 2)
 
 
+@dataclass(frozen=True)
+class Seen:
+    """What a run has seen of its input so far, as the processes it starts take it over (:func:`seen`,
+    :func:`one_snapshot`): each listed prefix's listing, keyed by its URL and store options, and the small ranges."""
+
+    listings: dict[tuple[str, str], dict[str, int]]
+    small: dict[tuple[str, int, int], bytes]
+
+
 @dataclass
 class _Snapshot:
     """What one run has seen of its input: the prefixes it listed and the small ranges it was given."""
@@ -83,13 +92,27 @@ class _Snapshot:
     small: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
     small_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Listings the process that started this one made (:class:`Seen`), taken as each prefix is opened here.
+    handed_listings: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+
+    @classmethod
+    def taking_over(cls, seen: Seen | None) -> _Snapshot:
+        if seen is None:
+            return cls()
+        return cls(small=dict(seen.small), small_bytes=sum(map(len, seen.small.values())),
+                   handed_listings=dict(seen.listings))  # fmt: skip
 
     def prefix(self, location: store.Location) -> _Prefix:
         key = (location.url, json.dumps(_settings.storage_options, sort_keys=True, default=str))
         with self.lock:
             if key not in self.prefixes:
-                self.prefixes[key] = _Prefix(location)
+                self.prefixes[key] = _Prefix(location, listed=self.handed_listings.get(key))
             return self.prefixes[key]
+
+    def seen(self) -> Seen:
+        with self.lock:
+            listings = {key: dict(p.listed) for key, p in self.prefixes.items() if p.listed is not None}
+            return Seen({**self.handed_listings, **listings}, dict(self.small))
 
 
 def _kept(path: RemotePath, start: int, length: int) -> bytes | None:
@@ -115,8 +138,14 @@ def _keep(path: RemotePath, start: int, data: bytes) -> None:
 _snapshot: _Snapshot | None = None
 
 
+def seen() -> Seen | None:
+    """What this process's snapshot holds (``None`` outside one), for the processes it starts to go on from."""
+    snapshot = _snapshot
+    return None if snapshot is None else snapshot.seen()
+
+
 @contextmanager
-def one_snapshot() -> Iterator[None]:
+def one_snapshot(taken_over: Seen | None = None) -> Iterator[None]:
     """Within it, this process reads every input in object storage as one snapshot: each prefix listed once, each
     small range (:data:`SMALL_READ`) fetched once.
 
@@ -126,10 +155,14 @@ def one_snapshot() -> Iterator[None]:
     reads the whole object to serve a range, the whole object). Read once, they also agree: every step of the run sees
     the same listing. Large ranges are not kept (they are the conversion's bytes, fetched as a plan needs them and let
     go). Nested: the outer snapshot holds.
+
+    ``taken_over``: what the process that started this one had seen (:func:`seen`): a run's ranks and workers go on
+    from the command's snapshot, so they neither fetch again what working out the config fetched nor list the prefix
+    again, and they see the listing the command saw.
     """
     global _snapshot
     outer = _snapshot
-    _snapshot = outer or _Snapshot()
+    _snapshot = outer or _Snapshot.taking_over(taken_over)
     try:
         yield
     finally:
@@ -196,12 +229,18 @@ def probe(url: str, where: str = WHERE) -> dict:
 class _Prefix:
     """The prefix the user named, with one filesystem and one listing of it, shared by every path under it."""
 
-    def __init__(self, location: store.Location) -> None:
+    def __init__(self, location: store.Location, listed: dict[str, int] | None = None) -> None:
         self.location = location
         self.options = _settings.storage_options
         self.fs = store.filesystem(location, self.options, WHERE)
-        self._sizes: dict[str, int] | None = None
+        self._sizes: dict[str, int] | None = listed
         self._lock = threading.Lock()
+
+    @property
+    def listed(self) -> dict[str, int] | None:
+        """The listing (:meth:`sizes`), where it was made."""
+        with self._lock:
+            return self._sizes
 
     def fail(self, exc: BaseException, key: str) -> Exception:
         return store.failure(exc, self.location, WHERE, self.options, key=self.at(key))

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from osdpipe.core import rankserver
+from osdpipe.io import remote_input
 from osdpipe.run import native_crash, progress, whereabouts
 from osdpipe.run.collective import StageError, lost_a_peer, one_line
 
@@ -126,6 +127,7 @@ def _worker(
     board: Any,
     shared_progress: tuple[str, ...],
     stacks: str,
+    seen: remote_input.Seen | None,
 ) -> None:
     native_crash.arm(native_crash.dump_path(Path(stacks), rank))
     whereabouts.attach(board, rank)
@@ -144,7 +146,8 @@ def _worker(
         progress.connect(events.put)
     try:
         init_world(backend, timeout_s, rank, world_size)
-        outcome = (rank, True, fn(*args))
+        with remote_input.one_snapshot(seen):  # the input as the command saw it: listed, its small reads fetched
+            outcome = (rank, True, fn(*args))
     except StageError as exc:
         outcome = (rank, False, RankFailure(str(exc), traceback.format_exc(), agreed=True))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
@@ -258,12 +261,13 @@ def run_local_world(
     stacks = Path(tempfile.mkdtemp(prefix="osdpipe-stacks-"))  # where a rank killed by a signal leaves its stacks
     port = free_port()
     backend = backend_for(backend, world_size)
+    seen = remote_input.seen()
     procs = [
         ctx.Process(
             target=_worker,
             args=(
                 r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells, shared_progress,
-                str(stacks),
+                str(stacks), seen,
             ),
             daemon=False,
         )

@@ -316,6 +316,62 @@ def test_a_snapshot_keeps_its_listing_and_small_reads_and_nothing_else(converted
     assert "late.txt" not in listed
 
 
+def test_a_snapshot_taken_over_lists_nothing_and_fetches_no_small_range_again(converted, monkeypatch, tmp_path):
+    """What a command has seen of its input (:func:`remote_input.seen`) is where the processes it starts go on from
+    (:func:`remote_input.one_snapshot` given it): the listing the command made, an object put since not in it, and
+    no small range it fetched asked for again."""
+    from osdpipe.io.formats.dcp_reader import DcpReader
+
+    bucket, _, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    remote_input.configure({})
+    url = bucket.url("src", "dcp")
+    assert remote_input.seen() is None  # outside a snapshot: nothing to hand over
+    with remote_input.one_snapshot():
+        remote_input.METER.reset()
+        expected = DcpReader(url, "optim").meta()
+        assert remote_input.METER.requests > 1
+        listed = [p.name for p in remote_input.as_path(url).iterdir()]
+        seen = remote_input.seen()
+    bucket.fs().pipe(f"{bucket.bucket}/src/dcp/late.txt", b"put after the command listed the prefix")
+    try:
+        with remote_input.one_snapshot(seen):  # as a rank process takes it over
+            remote_input.METER.reset()
+            meta = DcpReader(url, "optim").meta()
+            assert remote_input.METER.requests == 0
+            assert [p.name for p in remote_input.as_path(url).iterdir()] == listed
+        with remote_input.one_snapshot():  # a snapshot of its own lists and fetches again
+            assert "late.txt" in [p.name for p in remote_input.as_path(url).iterdir()]
+    finally:
+        bucket.fs().rm(f"{bucket.bucket}/src/dcp/late.txt")
+    assert meta.param_groups == expected.param_groups
+    steps = [(f, e["step"]) for f, e in expected.state.items() if "step" in e]
+    assert steps and all(torch.equal(meta.state[f]["step"], step) for f, step in steps)
+
+
+def test_the_ranks_of_an_online_run_fetch_no_small_range_the_command_fetched(converted, monkeypatch, tmp_path):
+    """An online conversion from ``s3://``: the command works out the config (reading the input's ``.metadata`` and
+    small items), then starts its ranks; they go on from its snapshot, so no rank fetches a range the command did (a
+    rank still reads the ranges its own plan needs). The output is byte for byte the local conversion's."""
+    bucket, root, results = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    out = root / "from_s3_online"
+    online = [*SOURCE[:-1], "runtime.mode=online", f"input.path={bucket.url('src', 'dcp')}", *TARGET,
+              f"output.path={out}"]  # fmt: skip
+    log = root / "fetches_online.jsonl"
+    recorded = user_env(OSDPIPE_TEST_RECORD_FETCHES=str(log))
+    [result] = run_cli_cases([online], cwd=root, per_case_s=TIMEOUT_S, env=recorded)
+    assert result["code"] == 0, result["stdout"] + result["stderr"]
+    assert _data(out) == _data(root / "from_local") and results["local"]["code"] == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(str(line["rank"]) for line in lines) == ["0", "1", "None"], lines  # the command and its 2 ranks
+    assert all(line["ranges"] for line in lines), "a process that read nothing: is it recorded at all?"
+    [command] = [set(map(tuple, line["ranges"])) for line in lines if line["rank"] is None]
+    assert any(r[0].endswith("/.metadata") for r in command)
+    ranks = {tuple(r) for line in lines if line["rank"] is not None for r in line["ranges"]}
+    assert not command & ranks, f"fetched by the command, then again by a rank: {sorted(command & ranks)}"
+
+
 def test_a_ranks_expected_reads_of_one_object_are_one_request(converted, monkeypatch, tmp_path) -> None:
     """The shard stage and the roundtrip check tell the reader every range a rank will read (``expect``): each
     object's items come in one request (here: the files are far below a request's bound), not one request per item,

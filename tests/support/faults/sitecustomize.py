@@ -19,9 +19,10 @@ output, as the shard stage fills it or as it is written: the first of each
 batch of parameter ``<fqn>``'s state ``<state>`` is one more than the source's
 (``tests/run/test_streamed.py``, ``tests/cloud/test_s3_input.py``).
 ``OSDPIPE_TEST_RECORD_FETCHES=<file>`` appends, as each command's snapshot of
-its input ends (``osdpipe.io.remote_input.one_snapshot``: one per command, in
-this process), a JSON line: the command's arguments and every ranged request
-it made (``tests/cloud/test_s3_input.py``); ``OSDPIPE_TEST_SMALL_READ=<bytes>``
+its input ends (``osdpipe.io.remote_input.one_snapshot``: one per command, and
+one per rank or worker process it starts), a JSON line: the process's
+arguments, its ``RANK`` (``null`` in the command's own process) and every
+ranged request it made (``tests/cloud/test_s3_input.py``); ``OSDPIPE_TEST_SMALL_READ=<bytes>``
 lowers what a snapshot keeps (``remote_input.SMALL_READ``), so that a small
 model's items count as a large model's do.
 Without any of these variables this module does nothing, not even import torch.
@@ -190,14 +191,16 @@ def _record_fetches(log: str) -> None:
     real_snapshot = remote_input.one_snapshot
 
     @contextmanager
-    def recorded():
+    def recorded(taken_over=None):
         first = len(remote_input.METER.ranges)
         try:
-            with real_snapshot():
+            with real_snapshot(taken_over):
                 yield
         finally:
             with open(log, "a") as f:
-                f.write(json.dumps({"argv": sys.argv[1:], "ranges": remote_input.METER.ranges[first:]}) + "\n")
+                ranges = remote_input.METER.ranges[first:]
+                said = {"argv": sys.argv[1:], "rank": os.environ.get("RANK"), "ranges": ranges}
+                f.write(json.dumps(said) + "\n")
 
     remote_input.one_snapshot = recorded
 
