@@ -60,6 +60,20 @@ class OutputError(OSError):
     """``output.path`` cannot be used; the message says why in one line."""
 
 
+class OutputHeld(OutputError):
+    """``output.path`` holds a conversion and ``output.overwrite`` is false: the config's choice to make, said as a
+    config error is (the same words wherever it is found: :func:`already_holds`)."""
+
+
+def already_holds(path: str, held: list[str]) -> str:
+    """Why ``path`` (a directory or a URL) takes no conversion without ``output.overwrite``: the entries ``held`` there
+    (the first three named)."""
+    return (
+        f"output.path={path!r} already holds a conversion ({', '.join(held[:3])}); "
+        "choose another path or set output.overwrite=true"
+    )
+
+
 def conversion_entries(directory: Path) -> list[Path]:
     """The entries of a conversion directly under ``directory`` (what an overwrite replaces).
 

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from osdpipe.io import store
-from osdpipe.io.output import MANIFEST, OutputError, conversion_entries, conversion_names
+from osdpipe.io.output import MANIFEST, OutputError, OutputHeld, already_holds, conversion_entries, conversion_names
 
 INCOMING = ".incoming"
 #: Under ``.incoming/``, while a run writes a conversion straight into a prefix that held none: notes (JSON, each
@@ -200,10 +200,7 @@ def prepare(
     destination.notes.extend(recover(destination))
     held = _conversion_in_place(destination)
     if held and not overwrite:
-        raise OutputError(
-            f"{WHERE}={location.url!r} already holds a conversion ({', '.join(held[:3])}); "
-            "choose another path or set output.overwrite=true"
-        )
+        raise OutputHeld(already_holds(location.url, held))
     destination.staged = bool(held)  # nothing to keep whole: no staging, no server-side copy
     return destination
 

@@ -105,7 +105,7 @@ def convert(
     """
     directory = Path(job.output)
     if not job.overwrite and (why := _held(directory)) is not None:
-        raise output.OutputError(f"{why} (the Python API: overwrite=True)")
+        raise output.OutputHeld(f"{why} (the Python API: overwrite=True)")
     stages: list[StageReport] = []
     staging = output.begin(directory, job.fsync)
     try:
@@ -258,10 +258,7 @@ def run_command(spec: RunSpec, given: Given, warnings: Sequence[str] = ()) -> Re
 def _held(directory: Path) -> str | None:
     """Why ``directory`` cannot take a conversion without ``output.overwrite`` (``None``: it can)."""
     held = [p.name for p in output.conversion_entries(directory)]
-    if not held:
-        return None
-    return (f"output.path={str(directory)!r} already holds a conversion ({', '.join(held[:3])}); choose another path "
-            "or set output.overwrite=true")
+    return output.already_holds(str(directory), held) if held else None
 
 
 def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:

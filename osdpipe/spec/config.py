@@ -37,7 +37,7 @@ from pydantic import (
 )
 
 from osdpipe.core.sizes import parse_size, show_size
-from osdpipe.io.output import conversion_entries
+from osdpipe.io.output import already_holds, conversion_entries
 from osdpipe.io.store import is_remote, is_url, parse, redact
 from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
 from osdpipe.spec.megatron import MEGATRON, by_megatron_stages, megatron_problem
@@ -680,10 +680,7 @@ class RunSpec(_Frozen):
             )
         previous = [p.name for p in conversion_entries(Path(self.output.path))]
         if previous and not self.output.overwrite:
-            raise ValueError(
-                f"output.path={self.output.path!r} already holds a conversion ({', '.join(previous[:3])}); "
-                "choose another path or set output.overwrite=true"
-            )
+            raise ValueError(already_holds(self.output.path, previous))
         return self
 
     def _input_is_dir(self) -> bool:

@@ -125,6 +125,9 @@ def test_overwrite_replaces_the_previous_conversion_whole(tmp_path: Path) -> Non
 
     refused = run_osdpipe("source.world_size=1", "target.world_size=2", f"output.path={out}", cwd=tmp_path, timeout=60)
     assert_one_line_error(refused, 2, "output.overwrite=true")
+    said = refused.stderr.strip()  # the words a prefix in object storage gets (tests/cloud/test_s3_output.py)
+    assert said.startswith(f"osdpipe: error: config: output.path='{out}' already holds a conversion ("), said
+    assert said.endswith("); choose another path or set output.overwrite=true"), said
 
     second = run_osdpipe(
         "source.world_size=1", "target.world_size=2", f"output.path={out}", "output.overwrite=true", cwd=tmp_path

@@ -146,7 +146,7 @@ def test_a_prefix_holding_a_conversion_is_refused_then_overwritten_whole(s3: S3,
     again = _convert(s3, tmp_path, "target.world_size=2", f"output.path={s3.url('out')}")
     assert again["code"] == 2
     assert again["stderr"].strip().splitlines() == [
-        f"osdpipe: error: output.path='{s3.url('out')}' already holds a conversion (manifest.json, rank_0.pt, "
+        f"osdpipe: error: config: output.path='{s3.url('out')}' already holds a conversion (manifest.json, rank_0.pt, "
         "rank_1.pt); choose another path or set output.overwrite=true"
     ]
     replaced = _convert(s3, tmp_path, "target.world_size=2", f"output.path={s3.url('out')}", "output.overwrite=true")

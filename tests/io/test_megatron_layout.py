@@ -182,7 +182,9 @@ def test_bad_megatron_configs_are_refused_in_one_line_and_write_nothing(tmp_path
     (out / "iter_0000007").mkdir(parents=True)  # a conversion already there stays unless output.overwrite=true
     (out / "latest_checkpointed_iteration.txt").write_text("7")
     again = run_cli_cases([[*grid, "target.world_size=2"]], cwd=tmp_path)[0]
-    assert again["code"] == 2 and "already holds a conversion" in again["stderr"]
+    assert again["code"] == 2 and f"osdpipe: error: config: output.path='{out}' already holds a conversion (" in (
+        again["stderr"]
+    ), again["stderr"]
     assert sorted(p.name for p in out.iterdir()) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
 
 
