@@ -37,6 +37,25 @@ def test_a_sum_that_overflows_is_not_taken_for_a_nonfinite_element() -> None:
     assert nonfinite(_tensor(8), {"exp_avg": value}) == []
 
 
+def test_a_memory_sample_is_the_kernels_rssanon_and_leaves_a_mapped_file_out(tmp_path) -> None:
+    """A sample reads ``/proc/self/statm`` (cheaper than ``status``): resident less file-backed pages, which is what
+    ``status`` calls ``RssAnon``; the pages of a file read through ``mmap`` are not the conversion's memory."""
+    import mmap
+
+    from osdpipe.core import memory
+
+    assert abs(memory._anonymous_bytes() - memory._status_bytes("RssAnon")) < 4 << 20
+    mapped = tmp_path / "mapped"
+    mapped.write_bytes(b"\1" * (64 << 20))
+    with mapped.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        before = memory._anonymous_bytes()
+        touched = sum(view[offset] for offset in range(0, len(view), mmap.PAGESIZE))
+        after = memory._anonymous_bytes()
+        resident = memory._status_bytes("RssFile")
+    assert touched == (64 << 20) // mmap.PAGESIZE and resident > 60 << 20
+    assert after - before < 8 << 20, (before, after)
+
+
 def test_memory_watch_sees_a_peak_that_is_gone_and_stops_its_thread() -> None:
     import mmap
     import threading
