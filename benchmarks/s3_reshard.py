@@ -8,7 +8,10 @@ Run (from the repository root; about 8 GB of free disk: the source, moto's spill
 ``--width 2048`` (a quarter of the bytes, 0.4 GB) is a quick look while developing; the table in docs/speed.md is of
 the default width. ``--store gs`` runs the same paths through ``gs://`` against gcp-storage-emulator (in memory, a
 process of its own, found through ``STORAGE_EMULATOR_HOST``): a server that charges a ranged GET its range, where
-moto charges it its whole object.
+moto charges it its whole object. ``--server s3rver`` keeps ``s3://`` but serves it with s3rver (Node.js, installed
+once from the npm registry into the work directory, objects on its disk), which also reads a ranged GET's range
+alone: what the paths cost where the server does not charge osdpipe's ranged reads the whole object (its log names
+no request's method, so the requests table is left out).
 
 The source is a 1.6 GB Adam state (exp_avg and exp_avg_sq of osdpipe's ``mlp``, width 4096, depth 12: the state of
 benchmarks/checkpoint_scale.py's 1.6 GB row, synthesized without training) saved as a 4-rank FSDP2 DCP checkpoint
@@ -82,6 +85,10 @@ SERVERS = {
 }  # fmt: skip
 
 
+#: The S3 server ``--server s3rver`` installs (npm) and starts instead of moto's; its one access key and secret.
+S3RVER, S3RVER_KEY = "s3rver@3.7.1", "S3RVER"
+
+
 #: The budget at which each source object is one GET and each output file one PUT (a request fetches up to an eighth
 #: of the budget, an upload part is an eighth: both at least this conversion's largest object, the 806 MB output).
 WHOLE_REQUESTS_BUDGET = "8GB"
@@ -93,27 +100,44 @@ def paths(store: str) -> tuple[str, ...]:
             f"osdpipe {store} -> {store}, runtime.memory_budget={WHOLE_REQUESTS_BUDGET}")  # fmt: skip
 
 
-def environment(endpoint: str, store: str = "s3") -> dict[str, str]:
-    """The server as the endpoint, fake credentials (S3) or none (the GCS emulator), nothing of the machine's own
-    set-up for either store."""
+def environment(endpoint: str, store: str = "s3", server: str = "moto") -> dict[str, str]:
+    """The server as the endpoint, fake credentials (S3: s3rver takes its own) or none (the GCS emulator), nothing of
+    the machine's own set-up for either store."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_", "CLOUDSDK_"))}
     env["CI"] = "true"
     if store == "gs":
         env["STORAGE_EMULATOR_HOST"] = endpoint
         return env
-    env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="AKIAOSDPIPEBENCH0001", AWS_SECRET_ACCESS_KEY="secret",
+    key, secret = (S3RVER_KEY, S3RVER_KEY) if server == "s3rver" else ("AKIAOSDPIPEBENCH0001", "secret")
+    env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret,
                AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
                AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)  # fmt: skip
     return env
 
 
-def start_server(log: Path, store: str = "s3") -> tuple[subprocess.Popen, str]:
-    """The store's server on a free port of 127.0.0.1, in a process of its own."""
+def s3rver_command(work: Path, port: int) -> list[str]:
+    """s3rver on ``port``, installed into ``work/s3rver`` the first time, its objects in a fresh folder there."""
+    home = work / "s3rver"
+    binary = home / "node_modules" / ".bin" / "s3rver"
+    if not binary.exists():
+        subprocess.run(["npm", "install", "--prefix", str(home), S3RVER], check=True, capture_output=True)
+    data = home / "data"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir()
+    return [str(binary), "-d", str(data), "-a", "127.0.0.1", "-p", str(port)]
+
+
+def start_server(log: Path, store: str = "s3", server: str = "moto") -> tuple[subprocess.Popen, str]:
+    """The store's server (for s3: moto's, or s3rver) on a free port of 127.0.0.1, in a process of its own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args, name = SERVERS[store]
-    server = subprocess.Popen([sys.executable, *args, str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    cmd, env = [sys.executable, *args, str(port)], None
+    if server == "s3rver":  # it lists a bucket with a hash OpenSSL 3 keeps in its legacy provider
+        name, cmd = "s3rver", s3rver_command(log.parent, port)
+        env = {**os.environ, "NODE_OPTIONS": "--openssl-legacy-provider"}
+    server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -274,6 +298,8 @@ def main() -> int:
                         help=f"the mlp's width (default {WIDTH}: 1.6 GB); smaller for a quick look")  # fmt: skip
     parser.add_argument("--store", choices=sorted(SERVERS), default="s3",
                         help="s3: moto's server (default); gs: gcp-storage-emulator, in memory")  # fmt: skip
+    parser.add_argument("--server", choices=("moto", "s3rver"), default="moto",
+                        help="with --store s3: moto's server (default), or s3rver (npm)")  # fmt: skip
     parser.add_argument("--copy", nargs=3, metavar=("SOURCE", "TARGET", "LOCAL"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.copy:
@@ -282,9 +308,13 @@ def main() -> int:
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="s3_bench_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     store, server_name = opts.store, SERVERS[opts.store][1]
+    if opts.server == "s3rver":
+        if store != "s3":
+            raise SystemExit("--server s3rver serves s3://; leave --store out")
+        server_name = "s3rver"
     log = work / f"{server_name}.log"
-    server, endpoint = start_server(log, store)
-    env = environment(endpoint, store)
+    server, endpoint = start_server(log, store, opts.server)
+    env = environment(endpoint, store, opts.server)
     os.environ.update(env)
     try:
         source = make_source(work, env, opts.width)
@@ -342,11 +372,12 @@ def main() -> int:
     print(f"\nthe last osdpipe {store} -> {store} run's stages:")
     print("\n".join(line for line in stages.splitlines() if line.startswith("  ") and " s " in line))
     kinds = ("ranged GET", "GET", "PUT", "PUT part", "other")
-    print(f"\nrequests of the server, the last repeat of each path ({server_name}'s access log)")
-    print("| path | " + " | ".join(kinds) + " |")
-    print("| --- | " + " | ".join("---" for _ in kinds) + " |")
-    for path, counted in asked.items():
-        print(f"| {path} | " + " | ".join(str(counted[k]) for k in kinds) + " |")
+    if server_name != "s3rver":  # its log names no request's method
+        print(f"\nrequests of the server, the last repeat of each path ({server_name}'s access log)")
+        print("| path | " + " | ".join(kinds) + " |")
+        print("| --- | " + " | ".join("---" for _ in kinds) + " |")
+        for path, counted in asked.items():
+            print(f"| {path} | " + " | ".join(str(counted[k]) for k in kinds) + " |")
     print("\nwhat the server takes per request, timed apart (median of 5)")
     print("| request | s |")
     print("| --- | --- |")
