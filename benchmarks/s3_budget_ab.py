@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--budget", default="1GB", help="runtime.memory_budget (default 1GB; none: no budget)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/s3bench", help="where s3_reshard.py made the source")
+    parser.add_argument("--server", choices=("moto", "s3rver"), default="moto", help="as s3_reshard.py's")
     parser.add_argument("--set", nargs="*", default=[], metavar="OVERRIDE",
                         help="more overrides for both checkouts (runtime.mode=online, say)")  # fmt: skip
     opts = parser.parse_args()
@@ -40,12 +41,12 @@ def main() -> int:
     source = work / "src" / "dcp"
     if not (source / ".metadata").exists():
         raise SystemExit(f"no source in {source}: run benchmarks/s3_reshard.py --workdir {work} first")
-    log = work / "moto-ab.log"
-    server, endpoint = bench.start_server(log, "s3")
-    env = bench.environment(endpoint, "s3")
+    log = work / f"{opts.server}-ab.log"
+    server, endpoint = bench.start_server(log, "s3", opts.server)
+    env = bench.environment(endpoint, "s3", opts.server)
     os.environ.update(env)
     runs: dict[str, list[tuple[float, float, float, float]]] = {c: [] for c in opts.checkouts}
-    gets: dict[str, int] = {}
+    gets: dict[str, int | str] = {}
     try:
         fs = bench.filesystem("s3")
         fs.mkdir(bench.BUCKET)
@@ -64,14 +65,14 @@ def main() -> int:
                 if "check roundtrip  pass" not in said:
                     raise SystemExit(f"{checkout}: the roundtrip check did not pass:\n{said[-2000:]}")
                 runs[checkout].append(tuple(measured))
-                gets[checkout] = bench.requests_in(log, logged)["ranged GET"]
+                gets[checkout] = bench.requests_in(log, logged)["ranged GET"] if opts.server == "moto" else "-"
                 wall, client, served, rss = measured
                 print(f"  repeat {repeat + 1}: {checkout}: {wall:.1f} s (CPU: client {client:.1f} s, "
                       f"server {served:.1f} s; peak RSS {rss:.2f} GB)", flush=True)  # fmt: skip
     finally:
         server.terminate()
         server.wait(timeout=30)
-    print(f"\nruntime.memory_budget={opts.budget} {' '.join(opts.set)}, s3 -> s3 on moto, median of {opts.repeats}, "
+    print(f"\nruntime.memory_budget={opts.budget} {' '.join(opts.set)}, s3 -> s3 on {opts.server}, median of {opts.repeats}, "
           "alternating")  # fmt: skip
     print("| checkout | median s | min s | max s | client CPU s | server CPU s | peak RSS GB | ranged GETs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -24,8 +24,6 @@ from osdpipe.io import remote_output, store
 #: The parts a followed file goes up in without ``runtime.memory_budget``: s3fs's own part size, a multiple of the
 #: 256 KiB GCS's resumable uploads need.
 DEFAULT_PART = 50 << 20
-#: How much of the local file one read takes: a part is gathered in the store client's buffer.
-READ_BYTES = 8 << 20
 #: A part grows with the file from this many parts on, so S3's :data:`~osdpipe.io.store.MAX_PARTS` holds any file up to
 #: its 5 TiB limit (the file's size is not known while it is written).
 PARTS_BEFORE_GROWING = store.MAX_PARTS // 20
@@ -148,15 +146,11 @@ class FollowedUpload:
                     remote = self._open()
                 if local < 0:
                     local = os.open(self.directory / self.name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                remote.blocksize = self._part_at(sent)  # the client sends a part once its buffer holds this much
-                while sent < upto:
-                    chunk = os.pread(local, min(READ_BYTES, upto - sent), sent)
-                    if not chunk:
-                        raise OSError(f"{self.directory / self.name} ends at byte {sent}, before the {upto} written")
-                    remote.write(chunk)
-                    sent += len(chunk)
+                if sent < upto:
+                    remote.send(_read_exactly(local, sent, upto - sent, self.directory / self.name))
+                    sent = upto
                 if finish:
-                    remote.close()  # the last part, and the object is whole
+                    remote.complete()  # the object is whole
                     self._rest("whole")
                     return
         except BaseException as exc:  # noqa: BLE001 - said when the queue commits it
@@ -166,16 +160,17 @@ class FollowedUpload:
                 os.close(local)
             if self.state != "whole":
                 if remote is not None:
-                    _abandon(remote)
+                    remote.abandon()
                 self._rest("abandoned")
 
-    def _open(self) -> Any:
-        """The object's writer: fsspec's buffered file, its parts :attr:`part` bytes; where the file goes straight to
-        its key, a note names it first."""
+    def _open(self) -> Parts:
+        """The object's writer (:data:`PARTS`, by the store); where the file goes straight to its key, a note names it
+        first."""
         destination = self.destination
         if not destination.staged:
             remote_output.write_note(destination, [self.name])
-        return destination.fs.open(destination.key(*destination.sent_under, self.name), "wb", block_size=self.part)
+        writer = PARTS.get(destination.location.scheme, BufferedParts)
+        return writer(destination.fs, destination.key(*destination.sent_under, self.name), self.part)
 
     def _part_at(self, sent: int) -> int:
         return part_size(self.part, sent)
@@ -189,12 +184,90 @@ def part_size(first: int, sent: int) -> int:
     return max(first, -(-grown // store.PART_QUANTUM) * store.PART_QUANTUM)
 
 
-def _abandon(remote: Any) -> None:
-    """Drop an unfinished upload: the store discards its parts (S3's multipart upload aborted, GCS's resumable one
-    cancelled). Where even that fails, the next run into the prefix aborts it
-    (:func:`~osdpipe.io.remote_output.recover`)."""
-    try:
-        remote.discard()
-    except Exception:  # noqa: BLE001 - the run has failed or is failing; recover cleans up
-        pass
-    remote.closed = True  # nothing more to send: s3fs's file would otherwise try its last part when collected
+def _read_exactly(fd: int, start: int, length: int, path: Path) -> bytes:
+    """Bytes ``[start, start + length)`` of the open file, in one buffer (a part, as the store client sends it)."""
+    data = os.pread(fd, length, start)
+    while len(data) < length:  # a short read: the rest, as many times as it takes
+        more = os.pread(fd, length - len(data), start + len(data))
+        if not more:
+            raise OSError(f"{path} ends at byte {start + len(data)}, before the {start + length} written")
+        data += more
+    return data
+
+
+class Parts:
+    """An object made of parts sent one by one (each a whole part but the last), visible at its key only once
+    :meth:`complete`; :meth:`abandon` drops what was sent. Where even that fails, the next run into the prefix aborts
+    it (:func:`~osdpipe.io.remote_output.recover`)."""
+
+    def send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def complete(self) -> None:
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        raise NotImplementedError
+
+
+class BufferedParts(Parts):
+    """Through fsspec's buffered file (any store: a GCS resumable upload, say): each part written into its buffer
+    and flushed, the file closed to complete it, discarded to drop it."""
+
+    def __init__(self, fs: Any, key: str, part: int) -> None:
+        self._file = fs.open(key, "wb", block_size=part)
+
+    def send(self, data: bytes) -> None:
+        # a whole part fills the buffer and the client sends it; the last, shorter, stays there until complete
+        self._file.blocksize = max(self._file.blocksize, len(data))
+        self._file.write(data)
+
+    def complete(self) -> None:
+        self._file.close()
+
+    def abandon(self) -> None:
+        try:
+            self._file.discard()
+        except Exception:  # noqa: BLE001 - the run has failed or is failing; recover cleans up
+            pass
+        self._file.closed = True  # nothing more to send: s3fs's file would otherwise try its last part when collected
+
+
+class S3Parts(Parts):
+    """An S3 multipart upload made by its own calls: each part the bytes read from the file, as they are. Through
+    s3fs's buffered file every part was copied into its buffer and out again (2.8 s of the GIL for the bench's
+    1.6 GB, docs/speed.md); the calls are s3fs's own (``call_s3``: its retries, its error translation, and the
+    ``s3_additional_kwargs`` of ``runtime.storage_options``, encryption say)."""
+
+    def __init__(self, fs: Any, key: str, part: int) -> None:
+        self._fs = fs
+        self._bucket, self._key, _ = fs.split_path(key)
+        self._id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+
+    def send(self, data: bytes) -> None:
+        if self._id is None:
+            self._id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
+        number = len(self._parts) + 1
+        answer = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._id,
+                                  PartNumber=number, Body=data)  # fmt: skip
+        checksums = {k: v for k, v in answer.items() if k.startswith("Checksum") and k != "ChecksumType"}
+        self._parts.append({"PartNumber": number, "ETag": answer["ETag"], **checksums})
+
+    def complete(self) -> None:
+        if self._id is None:
+            raise RuntimeError(f"s3://{self._bucket}/{self._key}: no part was sent to complete")
+        self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._id,
+                         MultipartUpload={"Parts": self._parts})  # fmt: skip
+
+    def abandon(self) -> None:
+        if self._id is None:
+            return
+        try:
+            self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._id)
+        except Exception:  # noqa: BLE001 - the run has failed or is failing; recover cleans up
+            pass
+
+
+#: The part writer of each store that has one of its own; any other goes through fsspec's buffered file.
+PARTS: dict[str, type[Parts]] = {"s3": S3Parts}

@@ -127,3 +127,33 @@ def test_under_a_memory_budget_a_file_goes_up_to_gs_in_chunks(gcs_endpoint: str,
     steps = [b - a for (a, _), (b, _) in zip([(0, 0), *shown], shown)]
     assert fs.cat_file(f"{bucket}/out/rank_0.pt") == data
     assert max(steps) <= 5 << 20 and sum(steps) >= 12 << 20, steps
+
+
+def test_a_rank_file_goes_up_to_gs_as_it_is_written_and_is_whole_once_handed_over(
+    gcs_endpoint: str, monkeypatch, tmp_path: Path
+) -> None:
+    """A followed rank file (osdpipe.io.followed_upload) through gcsfs's resumable upload: whole chunks while it is
+    written, its last one (not a multiple of 256 KiB, which GCS takes only as the final chunk) when it is handed
+    over; nothing at its key before."""
+    import torch
+
+    from osdpipe.io import followed_upload, remote_output, torchfile
+    from osdpipe.io.upload_queue import UploadQueue
+
+    fs = _gcs(monkeypatch, gcs_endpoint, tmp_path)
+    bucket = f"osdpipe-{uuid.uuid4().hex[:16]}"
+    fs.mkdir(bucket)
+    destination = remote_output.prepare(f"gs://{bucket}/out", overwrite=False, memory_budget=40 << 20)
+    assert followed_upload.PARTS.get("gs") is None  # fsspec's buffered file
+    queue, staging = UploadQueue(destination.upload), tmp_path / "staging"
+    staging.mkdir()
+    data = torch.randint(0, 256, ((40 << 20) + 12345,), dtype=torch.uint8).numpy().tobytes()
+    with queue.following(staging), torchfile.written(staging / "rank_0.pt", sync=False) as out:
+        out.write(data)
+    upload = queue.followed("rank_0.pt")
+    assert upload is not None and upload.settled(60) == "held"
+    assert not fs.exists(f"{bucket}/out/rank_0.pt")
+    queue.send(staging, ["rank_0.pt"])
+    assert queue.finish() is None and upload.state == "whole"
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{bucket}/out/rank_0.pt") == data

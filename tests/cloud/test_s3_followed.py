@@ -57,10 +57,14 @@ def _queue(s3: S3, tmp_path: Path, over_a_conversion: bool) -> tuple[UploadQueue
     return UploadQueue(destination.upload), staging
 
 
+@pytest.mark.parametrize("writer", ["S3Parts", "BufferedParts"])
 @pytest.mark.parametrize("over_a_conversion", [False, True], ids=["empty prefix", "over a conversion"])
 def test_a_rank_file_goes_up_as_it_is_written_and_is_whole_only_once_handed_over(
-    s3: S3, tmp_path: Path, over_a_conversion: bool
+    s3: S3, tmp_path: Path, over_a_conversion: bool, writer: str, monkeypatch
 ) -> None:
+    """S3's own multipart calls (osdpipe's writer for s3://), and fsspec's buffered file (the writer of every other
+    store), each on the real server."""
+    monkeypatch.setattr(followed_upload, "PARTS", {"s3": getattr(followed_upload, writer)})
     queue, staging = _queue(s3, tmp_path, over_a_conversion)
     data = _bytes(SIZE + 12345)  # not a whole number of parts, nor of O_DIRECT blocks
     key = f"out/{remote_output.INCOMING}/rank_0.pt" if over_a_conversion else "out/rank_0.pt"
