@@ -72,8 +72,8 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    print(f"\nruntime.memory_budget={opts.budget} {' '.join(opts.set)}, s3 -> s3 on {opts.server}, median of {opts.repeats}, "
-          "alternating")  # fmt: skip
+    print(f"\nruntime.memory_budget={opts.budget} {' '.join(opts.set)}, s3 -> s3 on {opts.server}, "
+          f"median of {opts.repeats}, alternating")  # fmt: skip
     print("| checkout | median s | min s | max s | client CPU s | server CPU s | peak RSS GB | ranged GETs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for checkout, got in runs.items():
