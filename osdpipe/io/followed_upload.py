@@ -146,9 +146,10 @@ class FollowedUpload:
                     remote = self._open()
                 if local < 0:
                     local = os.open(self.directory / self.name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                if sent < upto:
-                    remote.send(_read_exactly(local, sent, upto - sent, self.directory / self.name))
-                    sent = upto
+                while sent < upto:  # one part; at the end, what is left, a part at a time
+                    length = min(self._part_at(sent), upto - sent)
+                    remote.send(_read_exactly(local, sent, length, self.directory / self.name))
+                    sent += length
                 if finish:
                     remote.complete()  # the object is whole
                     self._rest("whole")

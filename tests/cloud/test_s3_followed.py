@@ -7,6 +7,7 @@ osdpipe.io.torchfile.written, inside the upload queue's ``following``.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -141,6 +142,39 @@ def test_markers_are_not_followed_they_go_last_with_publish(s3: S3, tmp_path: Pa
     queue.send(staging, [".metadata"])
     assert queue.finish() is None
     assert s3.keys("out") == [] and _unfinished(s3, "out") == []
+
+
+def test_what_is_left_when_a_file_is_handed_over_goes_up_a_part_at_a_time(s3: S3, tmp_path: Path, monkeypatch) -> None:
+    """A writer faster than the store: while the first part goes up, the rest of the file is written and handed over.
+    What is left is sent a part at a time, never as one request of the rest of the file (which could outgrow memory,
+    and S3's 5 GiB part)."""
+    sent: list[int] = []
+    first_part_sending, first_part_held = threading.Event(), threading.Event()
+
+    class Recorded(followed_upload.S3Parts):
+        def send(self, data: bytes) -> None:
+            sent.append(len(data))
+            if len(sent) == 1:
+                first_part_sending.set()
+                first_part_held.wait(30)  # until the file is written and handed over
+            super().send(data)
+
+    monkeypatch.setattr(followed_upload, "PARTS", {"s3": Recorded})
+    destination = remote_output.prepare(s3.url("out"), overwrite=True, memory_budget=BUDGET)
+    part = store.upload_part_bytes(BUDGET)
+    data = _bytes(SIZE + 12345)
+    (tmp_path / "rank_0.pt").write_bytes(data)
+    upload = followed_upload.FollowedUpload(destination, tmp_path, "rank_0.pt")
+    upload.grown(part)  # the first part is written: it goes up
+    assert first_part_sending.wait(30)
+    upload.ended(len(data))
+    handed_over = threading.Thread(target=upload.commit)
+    handed_over.start()
+    time.sleep(0.5)  # the hand-over is asked for while the first part is still going up
+    first_part_held.set()
+    handed_over.join(60)
+    assert upload.state == "whole" and sent == [part] * (SIZE // part) + [len(data) - SIZE // part * part], sent
+    assert s3.fs().cat_file(f"{s3.bucket}/out/rank_0.pt") == data
 
 
 def test_the_parts_grow_with_the_file_so_s3s_part_count_holds_its_largest_object() -> None:
