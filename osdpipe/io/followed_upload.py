@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -196,19 +197,19 @@ def _read_exactly(fd: int, start: int, length: int, path: Path) -> bytes:
     return data
 
 
-class Parts:
+class Parts(ABC):
     """An object made of parts sent one by one (each a whole part but the last), visible at its key only once
     :meth:`complete`; :meth:`abandon` drops what was sent. Where even that fails, the next run into the prefix aborts
     it (:func:`~osdpipe.io.remote_output.recover`)."""
 
-    def send(self, data: bytes) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def send(self, data: bytes) -> None: ...
 
-    def complete(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def complete(self) -> None: ...
 
-    def abandon(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def abandon(self) -> None: ...
 
 
 class BufferedParts(Parts):
