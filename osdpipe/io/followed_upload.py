@@ -5,15 +5,18 @@ Sent after its last byte, a rank file's upload would start when the file ends, a
 whole time to the run. A :class:`~osdpipe.io.torchfile.DirectFile` is written front to back and never goes back over
 what it wrote, so what it has written can be read back from the local file and sent while it grows
 (:class:`FollowedUpload` is the file's :class:`~osdpipe.io.torchfile.Follower`). The object store's own upload
-protocol keeps it invisible until then: an S3 multipart upload, a GCS resumable upload, both through fsspec's
-buffered file, whose parts go up as its buffer fills and whose object exists only once it is closed. So a reader never
-sees part of the file; :meth:`FollowedUpload.commit` closes it once the rank's checks have passed, and
+protocol keeps it invisible until then: an S3 multipart upload (made by S3's own calls, several parts at once:
+:class:`S3Parts`), a GCS resumable upload (through fsspec's buffered file, whose chunks go up one by one as its buffer
+fills: :class:`BufferedParts`), each an object only once completed. So a reader never sees part of the file;
+:meth:`FollowedUpload.commit` completes it once the rank's checks have passed, and
 :meth:`FollowedUpload.cancel` abandons it otherwise (the store drops the parts). A process killed meanwhile leaves an
 unfinished upload that the next run into the prefix aborts (:func:`osdpipe.io.remote_output.recover`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -46,6 +49,7 @@ class FollowedUpload:
     def __init__(self, destination: remote_output.Destination, directory: Path, name: str) -> None:
         self.destination, self.directory, self.name = destination, directory, name
         self.part = destination.part_bytes or DEFAULT_PART
+        self.in_flight = store.parts_in_flight(destination.part_bytes)
         self._changed = threading.Condition()
         self._end = 0  # the local file's bytes written so far
         self._whole = False  # the writer closed it
@@ -172,7 +176,7 @@ class FollowedUpload:
         if not destination.staged:
             remote_output.write_note(destination, [self.name])
         writer = PARTS.get(destination.location.scheme, BufferedParts)
-        return writer(destination.fs, destination.key(*destination.sent_under, self.name), self.part)
+        return writer(destination.fs, destination.key(*destination.sent_under, self.name), self.part, self.in_flight)
 
     def _part_at(self, sent: int) -> int:
         return part_size(self.part, sent)
@@ -200,7 +204,11 @@ def _read_exactly(fd: int, start: int, length: int, path: Path) -> bytes:
 class Parts(ABC):
     """An object made of parts sent one by one (each a whole part but the last), visible at its key only once
     :meth:`complete`; :meth:`abandon` drops what was sent. Where even that fails, the next run into the prefix aborts
-    it (:func:`~osdpipe.io.remote_output.recover`)."""
+    it (:func:`~osdpipe.io.remote_output.recover`).
+
+    A writer is made as ``writer(fs, key, part, in_flight)``: the store's fsspec filesystem, the object's key, the
+    part size :class:`FollowedUpload` sends (it grows with the file: :func:`part_size`), and how many parts may be
+    under way at once (:func:`osdpipe.io.store.parts_in_flight`); each takes what its protocol uses."""
 
     @abstractmethod
     def send(self, data: bytes) -> None: ...
@@ -214,9 +222,10 @@ class Parts(ABC):
 
 class BufferedParts(Parts):
     """Through fsspec's buffered file (any store: a GCS resumable upload, say): each part written into its buffer
-    and flushed, the file closed to complete it, discarded to drop it."""
+    and flushed, the file closed to complete it, discarded to drop it; one part at a time (a resumable upload's chunks
+    go in order)."""
 
-    def __init__(self, fs: Any, key: str, part: int) -> None:
+    def __init__(self, fs: Any, key: str, part: int, in_flight: int = 1) -> None:
         self._file = fs.open(key, "wb", block_size=part)
 
     def send(self, data: bytes) -> None:
@@ -236,39 +245,62 @@ class BufferedParts(Parts):
 
 
 class S3Parts(Parts):
-    """An S3 multipart upload made by its own calls: each part the bytes read from the file, as they are. Through
-    s3fs's buffered file every part was copied into its buffer and out again (2.8 s of the GIL for the bench's
-    1.6 GB, docs/speed.md); the calls are s3fs's own (``call_s3``: its retries, its error translation, and the
-    ``s3_additional_kwargs`` of ``runtime.storage_options``, encryption say)."""
+    """An S3 multipart upload made by its own calls: each part the bytes read from the file, as they are, up to
+    ``in_flight`` of them sent at once. Through s3fs's buffered file every part was copied into its buffer and out
+    again (2.8 s of the GIL for the bench's 1.6 GB, docs/speed.md), and went up alone: one part at a time leaves the
+    store idle while the client reads, hashes and signs the next. The calls are s3fs's own (``call_s3``: its retries,
+    its error translation, and the ``s3_additional_kwargs`` of ``runtime.storage_options``, encryption say), made on
+    its event loop, which keeps several requests open at once."""
 
-    def __init__(self, fs: Any, key: str, part: int) -> None:
+    def __init__(self, fs: Any, key: str, part: int, in_flight: int = 1) -> None:
         self._fs = fs
         self._bucket, self._key, _ = fs.split_path(key)
+        self._in_flight = in_flight
         self._id: str | None = None
-        self._parts: list[dict[str, Any]] = []
+        self._sent: list[tuple[int, concurrent.futures.Future]] = []  # (part number, its request), in order
+        self._answered = 0  # the parts in ``_sent`` before this one have their answers
 
     def send(self, data: bytes) -> None:
+        """Send ``data`` as the next part; returns once fewer than ``in_flight`` parts are under way (so the caller's
+        next part, read meanwhile, makes ``in_flight`` held at most).
+
+        Raises:
+            Exception: the store's failure of this part or of one sent before, as the store client raised it.
+        """
         if self._id is None:
             self._id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
-        number = len(self._parts) + 1
-        answer = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._id,
-                                  PartNumber=number, Body=data)  # fmt: skip
-        checksums = {k: v for k, v in answer.items() if k.startswith("Checksum") and k != "ChecksumType"}
-        self._parts.append({"PartNumber": number, "ETag": answer["ETag"], **checksums})
+        number = len(self._sent) + 1
+        request = self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._id,
+                                    PartNumber=number, Body=data)  # fmt: skip
+        self._sent.append((number, asyncio.run_coroutine_threadsafe(request, self._fs.loop)))
+        self._wait_until(len(self._sent) - self._in_flight + 1)
 
     def complete(self) -> None:
         if self._id is None:
             raise RuntimeError(f"s3://{self._bucket}/{self._key}: no part was sent to complete")
+        self._wait_until(len(self._sent))
+        parts = []
+        for number, request in self._sent:
+            answer = request.result()
+            checksums = {k: v for k, v in answer.items() if k.startswith("Checksum") and k != "ChecksumType"}
+            parts.append({"PartNumber": number, "ETag": answer["ETag"], **checksums})
         self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._id,
-                         MultipartUpload={"Parts": self._parts})  # fmt: skip
+                         MultipartUpload={"Parts": parts})  # fmt: skip
 
     def abandon(self) -> None:
         if self._id is None:
             return
+        concurrent.futures.wait([request for _, request in self._sent])  # a part still going up would outlive the abort
         try:
             self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._id)
         except Exception:  # noqa: BLE001 - the run has failed or is failing; recover cleans up
             pass
+
+    def _wait_until(self, answered: int) -> None:
+        """Wait for the answers of the first ``answered`` parts; the first failure among them is raised."""
+        while self._answered < answered:
+            self._sent[self._answered][1].result()
+            self._answered += 1
 
 
 #: The part writer of each store that has one of its own; any other goes through fsspec's buffered file.

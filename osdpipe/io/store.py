@@ -157,9 +157,18 @@ def upload_part_bytes(memory_budget: int | None) -> int | None:
     return max(MIN_PART, memory_budget // 8 // PART_QUANTUM * PART_QUANTUM)
 
 
+def parts_in_flight(part_bytes: int | None) -> int:
+    """How many parts of one file go up at once, each a request of its own: a store serves them side by side, and
+    one at a time would leave it idle while the client reads, hashes and signs the next. Two of
+    :func:`upload_part_bytes` under ``runtime.memory_budget`` (what it counts for a file); four of the default 50
+    MiB parts without one (s3fs sends ten of a file it uploads whole: osdpipe's rank files go up beside the
+    conversion, which keeps the rest of the memory)."""
+    return 4 if part_bytes is None else 2
+
+
 def upload_options(scheme: str, part_bytes: int | None, largest: int) -> dict[str, Any]:
     """The keyword arguments of fsspec's ``put``/``put_file`` that upload in parts of ``part_bytes`` (``None``: the
-    client's defaults), one part at a time, for files of at most ``largest`` bytes.
+    client's defaults), :func:`parts_in_flight` at a time, for files of at most ``largest`` bytes.
 
     s3fs reads a file smaller than two parts whole, else ``max_concurrency`` parts at a time (ten by default); gcsfs
     sends a resumable upload's chunks one by one. A part grows where S3's :data:`MAX_PARTS` would not hold the file.
@@ -168,7 +177,9 @@ def upload_options(scheme: str, part_bytes: int | None, largest: int) -> dict[st
         return {}
     fits = -(-largest // MAX_PARTS)
     part = max(part_bytes, -(-fits // PART_QUANTUM) * PART_QUANTUM)
-    return {"chunksize": part, "max_concurrency": 1} if scheme == "s3" else {"chunksize": part}
+    if scheme != "s3":
+        return {"chunksize": part}
+    return {"chunksize": part, "max_concurrency": parts_in_flight(part_bytes)}
 
 
 def options_for(scheme: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ osdpipe.io.torchfile.written, inside the upload queue's ``following``.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -187,3 +188,65 @@ def test_the_parts_grow_with_the_file_so_s3s_part_count_holds_its_largest_object
         sent, parts = sent + part, parts + 1
     assert parts < store.MAX_PARTS, parts
     assert followed_upload.part_size(followed_upload.DEFAULT_PART, 10 << 30) == followed_upload.DEFAULT_PART
+
+
+def _parts_held_until_the_next_is_answered(fs, monkeypatch, fail_part: int | None = None) -> dict[str, int]:
+    """Wrap ``fs``'s requests: part 1's answer waits until part 2 is answered (at most 10 s), so parts sent one at
+    a time never overlap, and several at once are answered out of order; ``fail_part`` fails with the store's
+    error. What it saw: the most parts under way at once."""
+    seen = {"running": 0, "most": 0}
+    answered: set[int] = set()
+    asked = fs._call_s3
+
+    async def call(method: str, **kwargs):
+        if method != "upload_part":
+            return await asked(method, **kwargs)
+        number = kwargs["PartNumber"]
+        seen["running"] += 1
+        seen["most"] = max(seen["most"], seen["running"])
+        try:
+            if number == fail_part:
+                raise PermissionError(f"the store refused part {number}")
+            if number == 1:
+                for _ in range(1000):
+                    if 2 in answered:
+                        break
+                    await asyncio.sleep(0.01)
+            answer = await asked(method, **kwargs)
+            answered.add(number)
+            return answer
+        finally:
+            seen["running"] -= 1
+
+    monkeypatch.setattr(fs, "_call_s3", call)
+    return seen
+
+
+def test_s3_parts_go_up_several_at_once_and_make_the_object_in_order(s3: S3, monkeypatch) -> None:
+    """Two parts in flight: the second goes up while the first is still unanswered (one at a time, the first would
+    wait for the second in vain), never a third beside them, and the object is the parts in the order sent though
+    answered out of order."""
+    fs = s3.fs()
+    seen = _parts_held_until_the_next_is_answered(fs, monkeypatch)
+    data = _bytes(3 * store.MIN_PART + 1234)
+    parts = followed_upload.S3Parts(fs, f"{s3.bucket}/out/rank_0.pt", store.MIN_PART, in_flight=2)
+    for start in range(0, len(data), store.MIN_PART):
+        parts.send(data[start : start + store.MIN_PART])
+    parts.complete()
+    assert seen["most"] == 2, seen
+    assert s3.fs().cat_file(f"{s3.bucket}/out/rank_0.pt") == data
+    assert _unfinished(s3, "out") == []
+
+
+def test_a_part_the_store_refuses_fails_the_upload_and_leaves_no_parts(s3: S3, monkeypatch) -> None:
+    fs = s3.fs()
+    _parts_held_until_the_next_is_answered(fs, monkeypatch, fail_part=2)
+    data = _bytes(3 * store.MIN_PART)
+    parts = followed_upload.S3Parts(fs, f"{s3.bucket}/out/rank_0.pt", store.MIN_PART, in_flight=2)
+    with pytest.raises(PermissionError, match="refused part 2"):
+        for start in range(0, len(data), store.MIN_PART):
+            parts.send(data[start : start + store.MIN_PART])
+        parts.complete()
+    parts.abandon()
+    assert _unfinished(s3, "out") == [] and s3.keys("out") == []
+

@@ -171,15 +171,17 @@ def test_an_output_url_of_another_scheme_is_refused_not_taken_for_a_local_direct
 
 
 def test_a_memory_budget_sets_the_upload_parts() -> None:
-    """An eighth of the budget, in 256 KiB steps, at least S3's 5 MiB; one part at a time on S3 (s3fs sends ten);
-    grown where S3's 10,000 parts would not hold the largest file; the client's own without a budget."""
+    """An eighth of the budget, in 256 KiB steps, at least S3's 5 MiB; two parts at a time on S3 (s3fs sends ten:
+    the budget counts two per file); grown where S3's 10,000 parts would not hold the largest file; the client's own
+    without a budget."""
     assert store.upload_part_bytes(None) is None
     assert store.upload_part_bytes(1 << 30) == 128 << 20
     assert store.upload_part_bytes(1000 << 20) == 125 << 20  # 125 MiB: a multiple of 256 KiB
     assert store.upload_part_bytes(1 << 20) == store.MIN_PART == 5 << 20
     assert store.upload_options("s3", None, 1 << 40) == {}
-    assert store.upload_options("s3", 5 << 20, 12 << 20) == {"chunksize": 5 << 20, "max_concurrency": 1}
+    assert store.upload_options("s3", 5 << 20, 12 << 20) == {"chunksize": 5 << 20, "max_concurrency": 2}
     assert store.upload_options("gs", 5 << 20, 12 << 20) == {"chunksize": 5 << 20}
+    assert store.parts_in_flight(5 << 20) == 2 and store.parts_in_flight(None) == 4  # a followed file's parts too
     huge = store.upload_options("s3", 5 << 20, 100 << 30)["chunksize"]  # 100 GiB: 10,000 parts of 10.25 MiB
     assert huge % (256 << 10) == 0 and huge * store.MAX_PARTS >= 100 << 30 > (huge - (256 << 10)) * store.MAX_PARTS
 
