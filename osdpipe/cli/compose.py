@@ -40,7 +40,7 @@ from osdpipe.cli import new_dirs
 from osdpipe.cli.sweep import JobRecord, summarize_sweep
 from osdpipe.core import rankserver
 from osdpipe.io import remote_input, store
-from osdpipe.io.output import OutputError, OutputHeld
+from osdpipe.io.output import OutputError
 from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
 from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages
 
@@ -259,7 +259,7 @@ def _made_and_published(
             destination, upload = _destination(spec, remote)
         report = run(destination.notes if destination else [], upload)
     except OutputError as exc:
-        _error(f"config: {exc}" if isinstance(exc, OutputHeld) else str(exc))
+        _error(exc.said())
         new_dirs.discard(HydraConfig.get().runtime.output_dir)
         return EXIT_CONFIG
     if remote is not None and not _is_rank0():  # its files are in the prefix, or removed by rank 0

@@ -59,10 +59,20 @@ _MEGATRON_SAVE = re.compile(r"iter_\d{7}|latest_checkpointed_iteration\.txt")
 class OutputError(OSError):
     """``output.path`` cannot be used; the message says why in one line."""
 
+    #: What the command's error line calls it, before the message (``config``: the config's choice to make, said as
+    #: a config error is); ``None``: the message alone.
+    kind: str | None = None
+
+    def said(self) -> str:
+        """The command's error line, without its ``osdpipe: error:``."""
+        return f"{self.kind}: {self}" if self.kind else str(self)
+
 
 class OutputHeld(OutputError):
-    """``output.path`` holds a conversion and ``output.overwrite`` is false: the config's choice to make, said as a
-    config error is (the same words wherever it is found: :func:`already_holds`)."""
+    """``output.path`` holds a conversion and ``output.overwrite`` is false (the same words wherever it is found:
+    :func:`already_holds`)."""
+
+    kind = "config"
 
 
 def already_holds(path: str, held: list[str]) -> str:
