@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
+import mmap
 import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 from osdpipe.io import remote_output, store
+from osdpipe.io.part_source import PartBody, PartSource, part_buffer
 
 #: The parts a followed file goes up in without ``runtime.memory_budget``: s3fs's own part size, a multiple of the
 #: 256 KiB GCS's resumable uploads need.
@@ -138,7 +139,7 @@ class FollowedUpload:
 
     def _run(self) -> None:
         remote: Any = None
-        local = -1
+        local: PartSource | None = None
         sent = 0
         try:
             while (step := self._next(sent)) is not None:
@@ -149,11 +150,11 @@ class FollowedUpload:
                     return
                 if remote is None:
                     remote = self._open()
-                if local < 0:
-                    local = os.open(self.directory / self.name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                if local is None:
+                    local = PartSource(self.directory / self.name)
                 while sent < upto:  # one part; at the end, what is left, a part at a time
                     length = min(self._part_at(sent), upto - sent)
-                    remote.send(_read_exactly(local, sent, length, self.directory / self.name))
+                    remote.send(local, sent, length)
                     sent += length
                 if finish:
                     remote.complete()  # the object is whole
@@ -162,8 +163,8 @@ class FollowedUpload:
         except BaseException as exc:  # noqa: BLE001 - said when the queue commits it
             self.error = exc
         finally:
-            if local >= 0:
-                os.close(local)
+            if local is not None:
+                local.close()
             if self.state != "whole":
                 if remote is not None:
                     remote.abandon()
@@ -190,17 +191,6 @@ def part_size(first: int, sent: int) -> int:
     return max(first, -(-grown // store.PART_QUANTUM) * store.PART_QUANTUM)
 
 
-def _read_exactly(fd: int, start: int, length: int, path: Path) -> bytes:
-    """Bytes ``[start, start + length)`` of the open file, in one buffer (a part, as the store client sends it)."""
-    data = os.pread(fd, length, start)
-    while len(data) < length:  # a short read: the rest, as many times as it takes
-        more = os.pread(fd, length - len(data), start + len(data))
-        if not more:
-            raise OSError(f"{path} ends at byte {start + len(data)}, before the {start + length} written")
-        data += more
-    return data
-
-
 class Parts(ABC):
     """An object made of parts sent one by one (each a whole part but the last), visible at its key only once
     :meth:`complete`; :meth:`abandon` drops what was sent. Where even that fails, the next run into the prefix aborts
@@ -211,7 +201,9 @@ class Parts(ABC):
     under way at once (:func:`osdpipe.io.store.parts_in_flight`); each takes what its protocol uses."""
 
     @abstractmethod
-    def send(self, data: bytes) -> None: ...
+    def send(self, source: PartSource, start: int, length: int) -> None:
+        """Send bytes ``[start, start + length)`` of the local file as the next part, read from ``source`` as the
+        writer's client sends best."""
 
     @abstractmethod
     def complete(self) -> None: ...
@@ -228,10 +220,10 @@ class BufferedParts(Parts):
     def __init__(self, fs: Any, key: str, part: int, in_flight: int = 1) -> None:
         self._file = fs.open(key, "wb", block_size=part)
 
-    def send(self, data: bytes) -> None:
+    def send(self, source: PartSource, start: int, length: int) -> None:
         # a whole part fills the buffer and the client sends it; the last, shorter, stays there until complete
-        self._file.blocksize = max(self._file.blocksize, len(data))
-        self._file.write(data)
+        self._file.blocksize = max(self._file.blocksize, length)
+        self._file.write(source.read(start, length))
 
     def complete(self) -> None:
         self._file.close()
@@ -245,12 +237,13 @@ class BufferedParts(Parts):
 
 
 class S3Parts(Parts):
-    """An S3 multipart upload made by its own calls: each part the bytes read from the file, as they are, up to
-    ``in_flight`` of them sent at once. Through s3fs's buffered file every part was copied into its buffer and out
-    again (2.8 s of the GIL for the bench's 1.6 GB, docs/speed.md), and went up alone: one part at a time leaves the
-    store idle while the client reads, hashes and signs the next. The calls are s3fs's own (``call_s3``: its retries,
-    its error translation, and the ``s3_additional_kwargs`` of ``runtime.storage_options``, encryption say), made on
-    its event loop, which keeps several requests open at once."""
+    """An S3 multipart upload made by its own calls, up to ``in_flight`` parts sent at once, each read into a buffer
+    of its own (:func:`~osdpipe.io.part_source.part_buffer`) and sent from there as it lies
+    (:class:`~osdpipe.io.part_source.PartBody`). Through s3fs's buffered file every part was copied into its buffer
+    and out again (2.8 s of the GIL for the bench's 1.6 GB, docs/speed.md), and went up alone: one part at a time
+    leaves the store idle while the client reads, hashes and signs the next. The calls are s3fs's own (``call_s3``:
+    its retries, its error translation, and the ``s3_additional_kwargs`` of ``runtime.storage_options``, encryption
+    say), made on its event loop, which keeps several requests open at once."""
 
     def __init__(self, fs: Any, key: str, part: int, in_flight: int = 1) -> None:
         self._fs = fs
@@ -259,21 +252,27 @@ class S3Parts(Parts):
         self._id: str | None = None
         self._sent: list[tuple[int, concurrent.futures.Future]] = []  # (part number, its request), in order
         self._answered = 0  # the parts in ``_sent`` before this one have their answers
+        self._sending: dict[int, mmap.mmap] = {}  # the buffers of parts not yet answered, by index in ``_sent``
+        self._free: list[mmap.mmap] = []  # buffers of answered parts, to read the next into
 
-    def send(self, data: bytes) -> None:
-        """Send ``data`` as the next part; returns once fewer than ``in_flight`` parts are under way (so the caller's
-        next part, read meanwhile, makes ``in_flight`` held at most).
+    def send(self, source: PartSource, start: int, length: int) -> None:
+        """Read the part into a free buffer (once fewer than ``in_flight`` parts are under way, which frees one) and
+        send it; returns while it goes up.
 
         Raises:
-            Exception: the store's failure of this part or of one sent before, as the store client raised it.
+            Exception: the store's failure of a part sent before, as the store client raised it.
         """
         if self._id is None:
             self._id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
-        number = len(self._sent) + 1
-        request = self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._id,
-                                    PartNumber=number, Body=data)  # fmt: skip
-        self._sent.append((number, asyncio.run_coroutine_threadsafe(request, self._fs.loop)))
         self._wait_until(len(self._sent) - self._in_flight + 1)
+        buffer = self._free.pop() if self._free else None
+        if buffer is None or len(buffer) < length:  # the first parts, or one grown past its buffer
+            buffer = part_buffer(length)
+        body, number = PartBody(source.read_into(buffer, start, length)), len(self._sent) + 1
+        request = self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._id,
+                                    PartNumber=number, Body=body)  # fmt: skip
+        self._sending[len(self._sent)] = buffer
+        self._sent.append((number, asyncio.run_coroutine_threadsafe(request, self._fs.loop)))
 
     def complete(self) -> None:
         if self._id is None:
@@ -300,6 +299,7 @@ class S3Parts(Parts):
         """Wait for the answers of the first ``answered`` parts; the first failure among them is raised."""
         while self._answered < answered:
             self._sent[self._answered][1].result()
+            self._free.append(self._sending.pop(self._answered))
             self._answered += 1
 
 

@@ -17,6 +17,7 @@ import torch
 from cloudenv import S3
 
 from osdpipe.io import followed_upload, remote_output, store, torchfile
+from osdpipe.io.part_source import PartSource
 from osdpipe.io.upload_queue import UploadQueue
 
 #: A budget whose parts are S3's smallest, 5 MiB (an eighth of it, osdpipe.io.store.upload_part_bytes).
@@ -153,12 +154,12 @@ def test_what_is_left_when_a_file_is_handed_over_goes_up_a_part_at_a_time(s3: S3
     first_part_sending, first_part_held = threading.Event(), threading.Event()
 
     class Recorded(followed_upload.S3Parts):
-        def send(self, data: bytes) -> None:
-            sent.append(len(data))
+        def send(self, source: PartSource, start: int, length: int) -> None:
+            sent.append(length)
             if len(sent) == 1:
                 first_part_sending.set()
                 first_part_held.wait(30)  # until the file is written and handed over
-            super().send(data)
+            super().send(source, start, length)
 
     monkeypatch.setattr(followed_upload, "PARTS", {"s3": Recorded})
     destination = remote_output.prepare(s3.url("out"), overwrite=True, memory_budget=BUDGET)
@@ -222,31 +223,34 @@ def _parts_held_until_the_next_is_answered(fs, monkeypatch, fail_part: int | Non
     return seen
 
 
-def test_s3_parts_go_up_several_at_once_and_make_the_object_in_order(s3: S3, monkeypatch) -> None:
+def test_s3_parts_go_up_several_at_once_and_make_the_object_in_order(s3: S3, tmp_path: Path, monkeypatch) -> None:
     """Two parts in flight: the second goes up while the first is still unanswered (one at a time, the first would
     wait for the second in vain), never a third beside them, and the object is the parts in the order sent though
     answered out of order."""
     fs = s3.fs()
     seen = _parts_held_until_the_next_is_answered(fs, monkeypatch)
     data = _bytes(3 * store.MIN_PART + 1234)
+    (tmp_path / "rank_0.pt").write_bytes(data)
     parts = followed_upload.S3Parts(fs, f"{s3.bucket}/out/rank_0.pt", store.MIN_PART, in_flight=2)
+    source = PartSource(tmp_path / "rank_0.pt")
     for start in range(0, len(data), store.MIN_PART):
-        parts.send(data[start : start + store.MIN_PART])
+        parts.send(source, start, min(store.MIN_PART, len(data) - start))
     parts.complete()
+    source.close()
     assert seen["most"] == 2, seen
     assert s3.fs().cat_file(f"{s3.bucket}/out/rank_0.pt") == data
     assert _unfinished(s3, "out") == []
 
 
-def test_a_part_the_store_refuses_fails_the_upload_and_leaves_no_parts(s3: S3, monkeypatch) -> None:
+def test_a_part_the_store_refuses_fails_the_upload_and_leaves_no_parts(s3: S3, tmp_path: Path, monkeypatch) -> None:
     fs = s3.fs()
     _parts_held_until_the_next_is_answered(fs, monkeypatch, fail_part=2)
-    data = _bytes(3 * store.MIN_PART)
+    (tmp_path / "rank_0.pt").write_bytes(_bytes(3 * store.MIN_PART))
     parts = followed_upload.S3Parts(fs, f"{s3.bucket}/out/rank_0.pt", store.MIN_PART, in_flight=2)
+    source = PartSource(tmp_path / "rank_0.pt")
     with pytest.raises(PermissionError, match="refused part 2"):
-        for start in range(0, len(data), store.MIN_PART):
-            parts.send(data[start : start + store.MIN_PART])
+        for start in range(0, 3 * store.MIN_PART, store.MIN_PART):
+            parts.send(source, start, store.MIN_PART)
         parts.complete()
     parts.abandon()
     assert _unfinished(s3, "out") == [] and s3.keys("out") == []
-

@@ -1,0 +1,113 @@
+"""A rank file read back a part at a time to be sent into object storage while it is written, at the cost of the disk.
+
+:class:`~osdpipe.io.torchfile.DirectFile` writes around the page cache (``O_DIRECT``), so what a followed upload
+(:mod:`osdpipe.io.followed_upload`) reads back is not in memory: a plain ``pread`` has the kernel read it into the
+cache and copy it out again, into a new ``bytes`` the size of a part, which the store client then copies once more
+(botocore wraps a ``bytes`` body in a ``BytesIO`` that aiohttp unshares). Measured on the bench VM, eight 50 MiB parts
+to s3rver: 1.4 CPU seconds that way, 0.6 s read with ``O_DIRECT`` into a page-aligned buffer that is sent as it lies
+(:class:`PartBody`). Where the filesystem refuses ``O_DIRECT`` (tmpfs), or a read that way, the file is read through
+the page cache into the same buffer.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from pathlib import Path
+
+from osdpipe.io.torchfile import BLOCK
+
+
+class PartSource:
+    """The local file at ``path``, open for reading parts of it (``O_DIRECT`` where the filesystem takes it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        self._fd, self.direct = -1, False
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self._fd, self.direct = os.open(path, flags | os.O_DIRECT), True
+            except OSError:  # the filesystem does not take it: through the page cache
+                pass
+        if self._fd < 0:
+            self._fd = os.open(path, flags)
+
+    def read(self, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)`` (for a client that takes ``bytes``)."""
+        return bytes(self.read_into(part_buffer(length), start, length))
+
+    def read_into(self, buffer: mmap.mmap, start: int, length: int) -> memoryview:
+        """Bytes ``[start, start + length)`` into ``buffer`` (:func:`part_buffer`, at least ``length`` rounded up to
+        a block); the view of them there.
+
+        Raises:
+            OSError: the file ends before ``start + length``.
+        """
+        view = memoryview(buffer)
+        got = 0
+        while got < length:
+            at = start + got
+            if self.direct and (at % BLOCK or got % BLOCK):  # a short read left an unaligned rest: plain reads now
+                self._plain()
+            # O_DIRECT reads whole blocks: the last part's rest of a block is past the file's end, and reads short
+            want = -(-(length - got) // BLOCK) * BLOCK if self.direct else length - got
+            try:
+                n = os.preadv(self._fd, [view[got : got + want]], at)
+            except OSError:
+                if not self.direct:
+                    raise
+                self._plain()  # the filesystem took the flag but not the read
+                continue
+            if n == 0:
+                raise OSError(f"{self.path} ends at byte {at}, before the {start + length} written")
+            got += n
+        return view[:length]
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _plain(self) -> None:
+        os.close(self._fd)
+        self._fd, self.direct = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), False
+
+
+def part_buffer(length: int) -> mmap.mmap:
+    """A page-aligned buffer (anonymous memory, as ``O_DIRECT`` needs) for a part of ``length`` bytes, rounded up to
+    a block."""
+    return mmap.mmap(-1, max(-(-length // BLOCK) * BLOCK, BLOCK))
+
+
+class PartBody(io.RawIOBase):
+    """A part as a store client's request body: the bytes of ``view``, read in the chunks the client asks for (to
+    sign them, to checksum them, to send them; seeking back for a retry), never copied whole."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._at = view, 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, into) -> int:  # noqa: ANN001 - any writable buffer
+        n = max(0, min(len(into), len(self._view) - self._at))
+        into[:n] = self._view[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        self._at = base + offset
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
