@@ -49,7 +49,7 @@ class PartSource:
         got = 0
         while got < length:
             at = start + got
-            if self.direct and (at % BLOCK or got % BLOCK):  # a short read left an unaligned rest: plain reads now
+            if self.direct and at % BLOCK:  # off a block (a part starting there, a short read's rest): plain reads
                 self._plain()
             # O_DIRECT reads whole blocks: the last part's rest of a block is past the file's end, and reads short
             want = -(-(length - got) // BLOCK) * BLOCK if self.direct else length - got
