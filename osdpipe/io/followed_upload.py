@@ -16,6 +16,7 @@ unfinished upload that the next run into the prefix aborts (:func:`osdpipe.io.re
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import mmap
 import threading
@@ -250,9 +251,8 @@ class S3Parts(Parts):
         self._bucket, self._key, _ = fs.split_path(key)
         self._in_flight = in_flight
         self._id: str | None = None
-        self._sent: list[tuple[int, concurrent.futures.Future]] = []  # (part number, its request), in order
-        self._answered = 0  # the parts in ``_sent`` before this one have their answers
-        self._sending: dict[int, mmap.mmap] = {}  # the buffers of parts not yet answered, by index in ``_sent``
+        self._sent: list[concurrent.futures.Future] = []  # each part's request, in order: part i + 1 is _sent[i]
+        self._sending: collections.deque[mmap.mmap] = collections.deque()  # the unanswered parts' buffers, in order
         self._free: list[mmap.mmap] = []  # buffers of answered parts, to read the next into
 
     def send(self, source: PartSource, start: int, length: int) -> None:
@@ -268,18 +268,18 @@ class S3Parts(Parts):
         buffer = self._free.pop() if self._free else None
         if buffer is None or len(buffer) < length:  # the first parts, or one grown past its buffer
             buffer = part_buffer(length)
-        body, number = PartBody(source.read_into(buffer, start, length)), len(self._sent) + 1
+        body = PartBody(source.read_into(buffer, start, length))
         request = self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._id,
-                                    PartNumber=number, Body=body)  # fmt: skip
-        self._sending[len(self._sent)] = buffer
-        self._sent.append((number, asyncio.run_coroutine_threadsafe(request, self._fs.loop)))
+                                    PartNumber=len(self._sent) + 1, Body=body)  # fmt: skip
+        self._sending.append(buffer)
+        self._sent.append(asyncio.run_coroutine_threadsafe(request, self._fs.loop))
 
     def complete(self) -> None:
         if self._id is None:
             raise RuntimeError(f"s3://{self._bucket}/{self._key}: no part was sent to complete")
         self._wait_until(len(self._sent))
         parts = []
-        for number, request in self._sent:
+        for number, request in enumerate(self._sent, start=1):
             answer = request.result()
             checksums = {k: v for k, v in answer.items() if k.startswith("Checksum") and k != "ChecksumType"}
             parts.append({"PartNumber": number, "ETag": answer["ETag"], **checksums})
@@ -289,7 +289,7 @@ class S3Parts(Parts):
     def abandon(self) -> None:
         if self._id is None:
             return
-        concurrent.futures.wait([request for _, request in self._sent])  # a part still going up would outlive the abort
+        concurrent.futures.wait(self._sent)  # a part still going up would outlive the abort
         try:
             self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._id)
         except Exception:  # noqa: BLE001 - the run has failed or is failing; recover cleans up
@@ -297,10 +297,9 @@ class S3Parts(Parts):
 
     def _wait_until(self, answered: int) -> None:
         """Wait for the answers of the first ``answered`` parts; the first failure among them is raised."""
-        while self._answered < answered:
-            self._sent[self._answered][1].result()
-            self._free.append(self._sending.pop(self._answered))
-            self._answered += 1
+        while len(self._sent) - len(self._sending) < answered:
+            self._sent[len(self._sent) - len(self._sending)].result()
+            self._free.append(self._sending.popleft())
 
 
 #: The part writer of each store that has one of its own; any other goes through fsspec's buffered file.
