@@ -16,7 +16,7 @@ import mmap
 import os
 from pathlib import Path
 
-from osdpipe.io.torchfile import BLOCK
+from osdpipe.io.torchfile import BLOCK, open_direct
 
 
 class PartSource:
@@ -24,15 +24,7 @@ class PartSource:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        self._fd, self.direct = -1, False
-        if hasattr(os, "O_DIRECT"):
-            try:
-                self._fd, self.direct = os.open(path, flags | os.O_DIRECT), True
-            except OSError:  # the filesystem does not take it: through the page cache
-                pass
-        if self._fd < 0:
-            self._fd = os.open(path, flags)
+        self._fd, self.direct = open_direct(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
     def read(self, start: int, length: int) -> bytes:
         """Bytes ``[start, start + length)`` (for a client that takes ``bytes``)."""

@@ -162,6 +162,17 @@ def followed_as_written(follow: Callable[[Path], Follower | None]) -> Iterator[N
         _FOLLOW.reset(token)
 
 
+def open_direct(path: Path, flags: int) -> tuple[int, bool]:
+    """``path`` opened with ``flags`` around the page cache (``O_DIRECT``) where the filesystem takes it, else through
+    it; the descriptor, and whether it is direct."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError:  # the filesystem does not take O_DIRECT: the page cache, then
+            pass
+    return os.open(path, flags, 0o644), False
+
+
 class DirectFile:
     """A new file written front to back,
     around the page cache where the filesystem allows (``O_DIRECT``), hashed once on the way.
@@ -179,16 +190,7 @@ class DirectFile:
 
     def __init__(self, path: Path, direct: bool = True, follower: Follower | None = None) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        self.direct = False
-        self.fd = -1
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError:  # the filesystem does not take O_DIRECT: the page cache, then
-                self.fd = -1
-        if self.fd < 0:
-            self.fd = os.open(path, flags, 0o644)
+        self.fd, self.direct = open_direct(path, flags) if direct else (os.open(path, flags, 0o644), False)
         self.digest = PieceDigest("", ())  # the file's, once closed
         self._cuts = [0]  # where each piece starts; appended here, read by the hashing thread behind the writes
         self._piece = hashlib.sha256()  # the hashing thread's piece in progress, the ``_hashing``-th
