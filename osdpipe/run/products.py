@@ -99,12 +99,12 @@ class Sharded:
 
     flat: Flattened
     state: dict[str, dict[str, Any]]
-    #: Per rank this one read for (``runtime.transfer=scatter``), each batch's sha256:
-    #: ``(key, state name, batch) -> digest``.
+    #: Per rank this one read for (``runtime.transfer=scatter``), each batch's fingerprint
+    #: (:func:`osdpipe.io.digest.pieces_fingerprint`): ``(key, state name, batch) -> digest``.
     sent_digests: dict[int, dict[tuple[str, str, int], str]] = field(default_factory=dict)
-    #: Each batch this rank read for itself, its sha256 as read, where the source is in object storage and roundtrip
-    #: will check (``(key, state name, batch) -> digest``): the check compares with them instead of fetching the
-    #: source a second time. ``None``: the check reads the source again.
+    #: Each batch this rank read for itself, its fingerprint as read, where the source is in object storage and
+    #: roundtrip will check (``(key, state name, batch) -> digest``): the check compares with them instead of fetching
+    #: the source a second time. ``None``: the check reads the source again.
     read_digests: dict[tuple[str, str, int], str] | None = None
     #: Under ``runtime.memory_budget``, where the state's tensors are placeholders that save fills as it writes them
     #: (:mod:`osdpipe.run.streamed_output`); ``None``: they are filled here.

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from osdpipe.io.digest import pieces_sha256
+from osdpipe.io.digest import pieces_fingerprint
 from osdpipe.io.formats import SourceMeta, SourceReader, TensorRef, own_copy
 from osdpipe.io.formats.base import expect
 from osdpipe.layout.ranges import LocalTensor, Segment, batches, uncovered
@@ -148,14 +148,15 @@ class Source:
 def fill(state: dict[str, Any], batches_: list[Batch], source: Source, digests: list[str] | None = None) -> int:
     """Copy every batch from this rank's reader into ``state``; the bytes copied.
 
-    With ``digests``, each batch's sha256 as read is appended to it (for the roundtrip check, which then need not
-    read the source again: :func:`osdpipe.run.stages.shard.digests_reads`).
+    With ``digests``, each batch's fingerprint as read (:func:`osdpipe.io.digest.pieces_fingerprint`) is appended
+    to it (for the roundtrip check, which then need not read the source again:
+    :func:`osdpipe.run.stages.shard.digests_reads`).
     """
     copied = 0
     for batch in batches_:
         pieces = source.pieces(batch)
         if digests is not None:
-            digests.append(pieces_sha256(pieces))
+            digests.append(pieces_fingerprint(pieces))
         place(state[batch.name].view(-1), batch, pieces)
         source.done(batch)
         copied += batch.numel * batch.dtype.itemsize
@@ -182,7 +183,7 @@ class Server:
 
     def send(self, batches_: list[Batch], dst: int) -> tuple[int, list[str]]:
         """Send rank ``dst`` every batch, read here;
-        the bytes sent and, with ``digest``, each batch's sha256 (for verify)."""
+        the bytes sent and, with ``digest``, each batch's fingerprint (for verify)."""
         device, sent, digests = _device(), 0, []
         for batch in batches_:
             message: torch.Tensor | None = None
@@ -190,7 +191,7 @@ class Server:
                 try:
                     pieces = self.source.pieces(batch)
                     if self.digest:
-                        digests.append(pieces_sha256(pieces))
+                        digests.append(pieces_fingerprint(pieces))
                     message = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
                 except Exception as exc:  # noqa: BLE001 - raised by finish(), after every receiver has its messages
                     self.failure = exc
@@ -253,8 +254,8 @@ class Receiver:
             self.received += 1
 
 
-def batch_sha256(state: dict[str, Any], batch: Batch) -> str:
-    """sha256 of what ``state`` holds where ``batch`` wrote:
+def batch_fingerprint(state: dict[str, Any], batch: Batch) -> str:
+    """The fingerprint of what ``state`` holds where ``batch`` wrote:
     equal to the sender's digest exactly when every byte arrived and stayed."""
     flat = state[batch.name].reshape(-1)
-    return pieces_sha256([flat[s.dest : s.dest + s.length] for s in batch.segments])
+    return pieces_fingerprint([flat[s.dest : s.dest + s.length] for s in batch.segments])

@@ -94,3 +94,19 @@ def test_every_written_byte_is_hashed_once(tmp_path: Path, monkeypatch: pytest.M
     size = (tmp_path / "rank_0.pt").stat().st_size
     assert _CountingSha256.hashed == size + 65 * len(file_digest.pieces), "a byte was hashed twice, or not at all"
     assert len(per_tensor) == 15 and file_digest == digest_by_hand(tmp_path / "rank_0.pt", list(file_digest.pieces))
+
+
+def test_a_fingerprint_is_of_the_bytes_joined_and_changes_with_any_one_element() -> None:
+    """What the roundtrip check compares within a run (a batch as read, the state it filled): equal for the same bytes
+    however they are cut into pieces, and different when any one element of them is."""
+    torch.manual_seed(0)
+    whole = torch.randn(64)
+    as_read = digest.pieces_fingerprint([whole])
+    assert digest.pieces_fingerprint([whole[:10], whole[10:41], whole[41:]]) == as_read
+    assert digest.pieces_fingerprint([whole.clone()]) == as_read
+    assert len(as_read) == 32  # 128 bits, hex
+    for i in range(whole.numel()):
+        wrong = whole.clone()
+        wrong.view(torch.int32)[i] ^= 1  # the lowest bit of one element
+        assert digest.pieces_fingerprint([wrong[:10], wrong[10:]]) != as_read, i
+    assert digest.pieces_fingerprint([whole[:63]]) != as_read  # one element missing

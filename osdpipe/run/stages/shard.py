@@ -79,7 +79,7 @@ def read_source(ctx: Context, source: Described) -> Source:
 def _serve(ctx: Context, source: Described, tally: Tally) -> dict[int, dict[tuple[str, str, int], str]]:
     """Send each rank this one reads for its batches (``runtime.transfer=scatter``); they wait for them, so first.
 
-    Returns, per rank served, each batch's sha256 (when roundtrip will check them).
+    Returns, per rank served, each batch's fingerprint (when roundtrip will check them).
     """
     receivers = source.receivers(ctx.rank)
     if not (source.reads_itself(ctx.rank) and receivers):
@@ -111,13 +111,13 @@ def _roundtrip_checks(ctx: Context) -> bool:
 
 
 def digests_reads(ctx: Context) -> bool:
-    """Whether this rank keeps the sha256 of each batch it reads for itself, for the roundtrip check to compare with.
+    """Whether this rank keeps the fingerprint of each batch it reads for itself, for the roundtrip check.
 
     Where the source is in object storage: there, reading it again for the check would fetch every byte a second
-    time (as long as the conversion's own reads, and as many requests). A digest taken of the bytes the conversion
-    copied proves the same thing of the output (it holds exactly what was read), and fails on one wrong byte; what it
-    cannot do is name the first differing element, so a local source, read again from the page cache, is compared
-    byte by byte as before.
+    time (as long as the conversion's own reads, and as many requests). A fingerprint taken of the bytes the
+    conversion copied proves the same thing of the output (it holds exactly what was read), and fails on one wrong
+    byte; what it cannot do is name the first differing element, so a local source, read again from the page cache,
+    is compared byte by byte as before.
     """
     return _roundtrip_checks(ctx) and remote_input.is_remote(ctx.plan.input_path)
 
@@ -129,7 +129,7 @@ def _convert(
 
     Under ``runtime.memory_budget``, when nothing before save needs them in
     memory, they are left placeholders that save fills as it writes them
-    (:mod:`osdpipe.run.streamed_output`): the second value. The third: each batch's sha256 as read,
+    (:mod:`osdpipe.run.streamed_output`): the second value. The third: each batch's fingerprint as read,
     where the roundtrip check compares with them (:func:`digests_reads`).
     """
     source = flat.source

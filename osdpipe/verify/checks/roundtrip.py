@@ -22,7 +22,7 @@ from osdpipe.io.formats.base import WEIGHTS
 from osdpipe.layout.ranges import LocalTensor, uncovered
 from osdpipe.run.collective import scatter_from
 from osdpipe.run.products import CheckResult
-from osdpipe.run.transfer import Batch, batch_sha256, plan, stateful
+from osdpipe.run.transfer import Batch, batch_fingerprint, plan, stateful
 from osdpipe.verify.checks.common import Subject
 
 
@@ -42,9 +42,9 @@ def run(ctx: Subject) -> CheckResult:
 
     A rank that reads a local source compares the bytes themselves (and names
     the first differing element); a rank whose bytes were sent to it
-    (``runtime.transfer=scatter``) compares each batch's sha256 with the
-    digest its reading rank took of the source while sending it, and a rank
-    that read a source in object storage with the digest it took as it read
+    (``runtime.transfer=scatter``) compares each batch's fingerprint with the
+    one its reading rank took of the source while sending it, and a rank
+    that read a source in object storage with the one it took as it read
     (:func:`osdpipe.run.stages.shard.digests_reads`).
     """
     assert ctx.meta is not None
@@ -175,7 +175,7 @@ def _compare_digests(
     who = "this rank" if reader == rank else f"rank {reader}"
     problems = []
     for i, batch in work:
-        if batch_sha256(state, batch) != digests.get((tensor.key, batch.name, i)):
+        if batch_fingerprint(state, batch) != digests.get((tensor.key, batch.name, i)):
             first, last = batch.segments[0], batch.segments[-1]
             where = f"{first.fqn}[{first.start}..{first.start + first.length}]" + (
                 f" .. {last.fqn}" if len(batch.segments) > 1 else ""
