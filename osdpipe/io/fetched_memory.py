@@ -33,8 +33,9 @@ class Fetcher(Protocol):
     """Where a reserved storage's bytes come from. It may also take a plan, ``plan(spans)``: the spans
     :meth:`fetch` will be asked for next, to fetch ahead (empty: none)."""
 
-    def fetch(self, spans: list[tuple[int, int]]) -> list[bytes]:
-        """The bytes ``[offset, offset + length)`` of each ``(offset, length)``, in order."""
+    def fetch(self, spans: list[tuple[int, int]]) -> list[bytes | memoryview]:
+        """The bytes ``[offset, offset + length)`` of each ``(offset, length)``, in order (a view into a larger
+        fetch, or bytes)."""
         ...
 
 
@@ -118,7 +119,7 @@ def fetch_many(ranges: list[tuple[torch.Tensor, int, int]]) -> None:
             with _lock:
                 lo = first * PAGE
                 _protect(reserved.address + lo, (end - first) * PAGE, readable=True)
-                ctypes.memmove(reserved.address + lo, data, length)
+                memoryview((ctypes.c_char * length).from_address(reserved.address + lo)).cast("B")[:] = data
                 reserved.fetched.update(range(first, end))
 
 

@@ -124,14 +124,15 @@ def _kept(path: RemotePath, start: int, length: int) -> bytes | None:
         return snapshot.small.get((str(path), start, length))
 
 
-def _keep(path: RemotePath, start: int, data: bytes) -> None:
-    """Keep a small range a reader was given for the rest of this run's snapshot (within :data:`SMALL_KEPT`)."""
+def _keep(path: RemotePath, start: int, data: bytes | memoryview) -> None:
+    """Keep a small range a reader was given for the rest of this run's snapshot (within :data:`SMALL_KEPT`);
+    a copy of a slice, which would otherwise hold its whole request."""
     snapshot = _snapshot
     if snapshot is None or len(data) > SMALL_READ:
         return
     with snapshot.lock:
         if snapshot.small_bytes + len(data) <= SMALL_KEPT:
-            snapshot.small[(str(path), start, len(data))] = data
+            snapshot.small[(str(path), start, len(data))] = bytes(data)
             snapshot.small_bytes += len(data)
 
 
@@ -518,7 +519,9 @@ class Prefetch:
                 self._started[self._next] = self._pool.submit(path.read_range, start, length)
                 self._next += 1
 
-    def take(self, path: RemotePath, start: int, length: int) -> bytes:
+    def take(self, path: RemotePath, start: int, length: int) -> bytes | memoryview:
+        """Range ``[start, start + length)`` of ``path``: a slice of the request that fetched it with its neighbours
+        (a view, not a copy: :class:`~osdpipe.core.seekable.ViewFile` reads it as a file), or the bytes alone."""
         if (kept := _kept(path, start, length)) is not None:
             return kept
         with self._lock:
@@ -531,7 +534,8 @@ class Prefetch:
         try:
             data = future.result()
             first = self._requests[index][1]
-            piece = data if (first, len(data)) == (start, length) else data[start - first : start - first + length]
+            whole = (first, len(data)) == (start, length)
+            piece = data if whole else memoryview(data)[start - first : start - first + length]
             if len(piece) == length:
                 _keep(path, start, piece)
             return piece

@@ -43,7 +43,7 @@ class _ObjectFetcher:
             self._planned.close()
         self._planned = Prefetch([(self.path, offset, length) for offset, length in spans]) if spans else None
 
-    def fetch(self, spans: list[tuple[int, int]]) -> list[bytes]:
+    def fetch(self, spans: list[tuple[int, int]]) -> list[bytes | memoryview]:
         if self._planned is not None:  # a span it did not plan is fetched alone
             return [self._planned.take(self.path, offset, length) for offset, length in spans]
         prefetch = Prefetch([(self.path, offset, length) for offset, length in spans])

@@ -4,8 +4,6 @@ as a request body."""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 import torch
 
 from osdpipe.io import torchfile
-from osdpipe.io.part_source import PartBody, PartSource, part_buffer
+from osdpipe.io.part_source import PartSource, part_buffer
 
 PART = 5 << 20
 SIZE = 3 * PART + 12345  # the last part ends mid-block
@@ -83,19 +81,3 @@ def test_a_part_past_the_files_end_is_an_error_naming_the_file(tmp_path: Path) -
     with pytest.raises(OSError, match=rf"{path} ends at byte {SIZE}, before the {SIZE + PART - 12345} written"):
         source.read_into(part_buffer(PART), 3 * PART, PART)
     source.close()
-
-
-def test_a_part_body_reads_in_chunks_seeks_back_and_says_its_length() -> None:
-    """As botocore and aiohttp use a request body: its length, the digest of its chunks, then again from the start
-    (a retry), then sent in chunks."""
-    data = os.urandom(3 << 20)
-    body = PartBody(memoryview(data))
-    assert len(body) == len(data) and body.tell() == 0
-    digest = hashlib.sha256()
-    for chunk in iter(lambda: body.read(1 << 20), b""):
-        digest.update(chunk)
-    assert digest.digest() == hashlib.sha256(data).digest()
-    assert body.seek(0) == 0 and body.read(10) == data[:10]
-    assert body.seek(-5, io.SEEK_END) == len(data) - 5 and body.read() == data[-5:]
-    body.seek(0)
-    assert b"".join(iter(lambda: body.read(256 << 10), b"")) == data

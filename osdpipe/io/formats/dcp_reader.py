@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from osdpipe.core.seekable import ViewFile
 from osdpipe.io.formats.base import InputError, SourceMeta, TensorRef
 from osdpipe.io.formats.safe_load import (
     Window,
@@ -117,8 +118,8 @@ class SafeFileSystemReader(FileSystemReader):
                     f"is cut at {len(data)} bytes; {RECOPY_DIR}"
                 )
             if not sinfo.transform_descriptors:
-                check_torch_zip(io.BytesIO(data), sinfo.length, self._where(sinfo), RECOPY_DIR)
-            return io.BytesIO(data)
+                check_torch_zip(ViewFile(data), sinfo.length, self._where(sinfo), RECOPY_DIR)
+            return ViewFile(data)
         if not sinfo.transform_descriptors:
             check_torch_zip(Window(file, sinfo.offset, sinfo.length), sinfo.length, self._where(sinfo), RECOPY_DIR)
         return super()._slice_file(file, sinfo)
@@ -546,7 +547,7 @@ class DcpCheckpoint:
                 path = self.directory / info.relative_path
                 take = self._prefetch.take if self._prefetch is not None else _read_range
                 data = take(path, info.offset, info.length)
-                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                tensor = torch.load(ViewFile(data), map_location="cpu", weights_only=True)
             else:
                 with open(Path(self.path) / info.relative_path, "rb") as f:
                     tensor = torch.load(Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
