@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from osdpipe.io.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader, TensorRef, expect
+from osdpipe.io.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader, TensorRef, expect, read_parts
 from osdpipe.layout.model_keys import gather, key_ranges
 from osdpipe.layout.tree import ModuleTree, ParamInfo
 
@@ -244,6 +244,11 @@ class WholeReader:
         if name == WEIGHTS:
             return self._weights(self.tree.resolve(fqn), start, stop)
         return self.optimizer.read_range(fqn, name, start, stop)
+
+    def read_parts(self, fqn: str, name: str, start: int, stop: int) -> list[torch.Tensor]:
+        if name == WEIGHTS:
+            return [self._weights(self.tree.resolve(fqn), start, stop)]
+        return read_parts(self.optimizer, fqn, name, start, stop)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         if name != WEIGHTS:

@@ -182,10 +182,10 @@ class StreamedOutput:
                 self.differences.append(
                     f"{label}: holds non-zero elements where no source state goes (before flat {first.dest})"
                 )
-            pieces = self.source.pieces(batch)
-            place(p.flat, batch, pieces)
+            stored, pieces = self.source.parts(batch)
+            place(p.flat, stored, pieces)
             if self.compare:
-                self.differences += differing_segments(label, p.flat, batch.segments, pieces)
+                self.differences += differing_segments(label, p.flat, stored.segments, pieces)
             self.source.done(batch)
             self.filled += batch.numel * batch.dtype.itemsize
             self.nonfinite += nonfinite_segments(p.name, p.flat, batch.segments)

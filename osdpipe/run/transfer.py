@@ -18,7 +18,7 @@ travels as one message and is copied into place. Elements no batch carries
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from osdpipe.io.digest import pieces_fingerprint
 from osdpipe.io.formats import SourceMeta, SourceReader, TensorRef, own_copy
-from osdpipe.io.formats.base import expect
+from osdpipe.io.formats.base import expect, read_parts
 from osdpipe.layout.ranges import LocalTensor, Segment, batches, uncovered
 
 
@@ -135,7 +135,27 @@ class Source:
         expect(self.reader, [(s.fqn, b.name, s.start, s.start + s.length) for b in batches_ for s in b.segments])
 
     def pieces(self, batch: Batch) -> list[torch.Tensor]:
+        """Each segment's elements, one tensor each."""
         return [self.reader.read_range(s.fqn, batch.name, s.start, s.start + s.length) for s in batch.segments]
+
+    def parts(self, batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
+        """The batch as the source stores it: its segments cut where a stored piece ends
+        (:func:`osdpipe.io.formats.base.read_parts`), and the elements of each cut; joined, :meth:`pieces`.
+
+        What is copied into the state goes there from where it was read, without a tensor of its own per segment
+        first: a 4 -> 2 conversion of a DCP checkpoint joins two chunks for every segment, 1.6 GB written into new
+        tensors (0.8 s of one core, most of it their first touch) only to be copied on.
+        """
+        segments: list[Segment] = []
+        pieces: list[torch.Tensor] = []
+        for seg in batch.segments:
+            done = 0
+            for part in read_parts(self.reader, seg.fqn, batch.name, seg.start, seg.start + seg.length):
+                segments.append(replace(seg, start=seg.start + done, length=part.numel(), dest=seg.dest + done))
+                pieces.append(part)
+                done += part.numel()
+            assert done == seg.length, f"{seg.fqn} {batch.name}: {done} of [{seg.start}, {seg.start + seg.length}) read"
+        return replace(batch, segments=tuple(segments)), pieces
 
     def done(self, batch: Batch) -> None:
         """Under a memory budget, memory-mapped pages are let go once copied;
@@ -154,10 +174,10 @@ def fill(state: dict[str, Any], batches_: list[Batch], source: Source, digests: 
     """
     copied = 0
     for batch in batches_:
-        pieces = source.pieces(batch)
+        stored, pieces = source.parts(batch)
         if digests is not None:
             digests.append(pieces_fingerprint(pieces))
-        place(state[batch.name].view(-1), batch, pieces)
+        place(state[batch.name].view(-1), stored, pieces)
         source.done(batch)
         copied += batch.numel * batch.dtype.itemsize
     return copied
@@ -189,7 +209,7 @@ class Server:
             message: torch.Tensor | None = None
             if self.failure is None:
                 try:
-                    pieces = self.source.pieces(batch)
+                    _, pieces = self.source.parts(batch)
                     if self.digest:
                         digests.append(pieces_fingerprint(pieces))
                     message = pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -591,6 +591,40 @@ def test_dcp_reads_param_groups_without_unsafe_pickle(inputs: dict[str, Path]) -
     ]
 
 
+def test_a_dcp_range_across_chunks_is_read_as_the_chunks_hold_it(inputs: dict[str, Path]) -> None:
+    """``read_parts``: a range across a tensor's stored chunks comes back as a view of each chunk's share, in order
+    (nothing copied to join them); ``Source.parts`` cuts the batch's segment there, and placing the parts fills the
+    state as the joined range does."""
+    from osdpipe.io.formats.dcp_reader import DcpReader
+    from osdpipe.layout.ranges import Segment
+    from osdpipe.run.transfer import Batch, Source, place
+
+    reader = DcpReader(str(inputs["dcp"]), "optim")
+    reader.meta()
+    full = torch.load(inputs["fsdp_full"], weights_only=True)["state"]["proj.weight"]["exp_avg"].reshape(-1)
+    item = reader.checkpoint.metadata.state_dict_metadata["optim.state.proj.weight.exp_avg"]
+    assert len(item.chunks) == 2, "saved by two FSDP ranks: a chunk each"
+    boundary = sorted(c.offsets[0] for c in item.chunks)[1] * (full.numel() // item.size[0])
+    start, stop = 1, full.numel() - 4  # most of either chunk: views of them
+    parts = reader.read_parts("proj.weight", "exp_avg", start, stop)
+    assert [p.numel() for p in parts] == [boundary - 1, full.numel() - 4 - boundary]
+    assert all(p.untyped_storage().nbytes() > p.numel() * p.element_size() for p in parts), "views of whole chunks"
+    assert torch.equal(torch.cat(parts), full[start:stop])
+    assert torch.equal(reader.read_range("proj.weight", "exp_avg", start, stop), full[start:stop])
+    start, stop = boundary - 3, boundary + 5  # a few elements of each: copies, not holding the chunks
+    parts = reader.read_parts("proj.weight", "exp_avg", start, stop)
+    assert [p.numel() for p in parts] == [3, 5]
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in parts), "copies of the shares"
+    assert torch.equal(torch.cat(parts), full[start:stop])
+
+    batch = Batch("exp_avg", full.dtype, (Segment("proj.weight", start, stop - start, 10),))
+    stored, pieces = Source(reader, None).parts(batch)
+    assert stored.segments == (Segment("proj.weight", start, 3, 10), Segment("proj.weight", boundary, 5, 13))
+    flat = torch.zeros(20, dtype=full.dtype)
+    place(flat, stored, pieces)
+    assert torch.equal(flat[10:18], full[start:stop]) and not flat[:10].any() and not flat[18:].any()
+
+
 # ---------------------------------------------------------------- through the command
 
 

@@ -142,11 +142,26 @@ class RenamedReader:
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
         return self.reader.read_range(self.names.get(fqn, fqn), name, start, stop)
 
+    def read_parts(self, fqn: str, name: str, start: int, stop: int) -> list[torch.Tensor]:
+        return read_parts(self.reader, self.names.get(fqn, fqn), name, start, stop)
+
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         self.reader.release(self.names.get(fqn, fqn), name, start, stop)
 
     def expect(self, reads: Iterable[tuple[str, str, int, int]]) -> None:
         expect(self.reader, [(self.names.get(fqn, fqn), name, a, b) for fqn, name, a, b in reads])
+
+
+def read_parts(reader: Any, fqn: str, name: str, start: int, stop: int) -> list[torch.Tensor]:
+    """Elements ``[start, stop)`` of the flattened state ``name`` of parameter ``fqn`` as the pieces the reader
+    stores them in hold them, in order: joined, what ``read_range`` gives; not to be written to.
+
+    A reader whose range can span stored pieces (DCP's chunks: every range of a 4 -> 2 conversion spans two) gives
+    them apart (its ``read_parts``): joining them writes every element once more, into a tensor made for the range
+    and first touched then, only for the caller to copy it where it goes. Any other reader's range is one part.
+    """
+    parts = getattr(reader, "read_parts", None)
+    return parts(fqn, name, start, stop) if parts is not None else [reader.read_range(fqn, name, start, stop)]
 
 
 def expect(reader: Any, reads: Iterable[tuple[str, str, int, int]]) -> None:

@@ -441,26 +441,39 @@ class DcpCheckpoint:
         return TensorRef(tuple(md.size), str(md.properties.dtype).removeprefix("torch."))
 
     def read_range(self, flat: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of tensor item ``flat``'s flattened view,
-        read from the stored chunks that hold it (one chunk is kept for the next range).
+        """Elements ``[start, stop)`` of tensor item ``flat``'s flattened view, not to be written to:
+        :meth:`read_parts` joined (a view where the range lies in one chunk)."""
+        parts = self.read_parts(flat, start, stop)
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return torch.empty(0, dtype=self.metadata.state_dict_metadata[flat].properties.dtype)
+        return torch.cat(parts)
+
+    def read_parts(self, flat: str, start: int, stop: int) -> list[torch.Tensor]:
+        """Elements ``[start, stop)`` of tensor item ``flat``'s flattened view as the stored chunks that hold them
+        hold them: each chunk's share, in order (one chunk is kept for the next range).
 
         A chunk is read whole: DCP stores each as a ``torch.save`` archive of
-        its own. Where a chunk does not span whole rows (not a dim-0 piece) or
-        its bytes are transformed (compressed), the whole tensor is read once
-        and kept until another tensor is asked for.
+        its own. A share is a view of its chunk, which it holds as long as it
+        lives; a share under half its chunk is a copy, so that the parts never
+        hold more than twice their own bytes. Where a chunk does not span whole
+        rows (not a dim-0 piece) or its bytes are transformed (compressed), the
+        whole tensor is read once and kept until another tensor is asked for:
+        one part.
         """
-        md = self.metadata.state_dict_metadata[flat]
         chunks = self._row_chunks(flat)
         if chunks is None:
-            return self._whole(flat).view(-1)[start:stop]
-        row = math.prod(tuple(md.size)[1:])
-        out = torch.empty(stop - start, dtype=md.properties.dtype)
+            return [self._whole(flat).view(-1)[start:stop]]
+        row = math.prod(tuple(self.metadata.state_dict_metadata[flat].size)[1:])
+        parts = []
         for c in chunks:
-            lo, hi = max(start, c.offsets[0] * row), min(stop, (c.offsets[0] + c.sizes[0]) * row)
+            base = c.offsets[0] * row
+            lo, hi = max(start, base), min(stop, base + c.sizes[0] * row)
             if lo < hi:
-                base = c.offsets[0] * row
-                out[lo - start : hi - start] = self._chunk(flat, c).view(-1)[lo - base : hi - base]
-        return out
+                share = self._chunk(flat, c).view(-1)[lo - base : hi - base]
+                parts.append(share if 2 * (hi - lo) >= c.sizes[0] * row else share.clone())
+        return parts
 
     def _row_chunks(self, flat: str) -> list[Any] | None:
         """Tensor item ``flat``'s stored chunks in order, where each spans whole rows and is stored as it is (a
@@ -644,6 +657,10 @@ class DcpReader:
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
         """The range, read from the stored chunks that hold it (see :meth:`DcpCheckpoint.read_range`)."""
         return self.checkpoint.read_range(self._flat_key("state", fqn, name), start, stop)
+
+    def read_parts(self, fqn: str, name: str, start: int, stop: int) -> list[torch.Tensor]:
+        """The range as the stored chunks that hold it hold it (see :meth:`DcpCheckpoint.read_parts`)."""
+        return self.checkpoint.read_parts(self._flat_key("state", fqn, name), start, stop)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
         """Nothing is mapped: what was read is dropped when the next range needs another chunk."""
