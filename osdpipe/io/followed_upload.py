@@ -24,9 +24,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from osdpipe.core.seekable import ViewFile
 from osdpipe.io import remote_output, store
-from osdpipe.io.part_source import PartSource, part_buffer
+from osdpipe.io.part_source import PartBody, PartSource, part_buffer
 
 #: The parts a followed file goes up in without ``runtime.memory_budget``: s3fs's own part size, a multiple of the
 #: 256 KiB GCS's resumable uploads need.
@@ -241,7 +240,7 @@ class BufferedParts(Parts):
 class S3Parts(Parts):
     """An S3 multipart upload made by its own calls, up to ``in_flight`` parts sent at once, each read into a buffer
     of its own (:func:`~osdpipe.io.part_source.part_buffer`) and sent from there as it lies
-    (:class:`~osdpipe.core.seekable.ViewFile`). Through s3fs's buffered file every part was copied into its buffer
+    (:class:`~osdpipe.io.part_source.PartBody`). Through s3fs's buffered file every part was copied into its buffer
     and out again (2.8 s of the GIL for the bench's 1.6 GB, docs/speed.md), and went up alone: one part at a time
     leaves the store idle while the client reads, hashes and signs the next. The calls are s3fs's own (``call_s3``:
     its retries, its error translation, and the ``s3_additional_kwargs`` of ``runtime.storage_options``, encryption
@@ -269,7 +268,7 @@ class S3Parts(Parts):
         buffer = self._free.pop() if self._free else None
         if buffer is None or len(buffer) < length:  # the first parts, or one grown past its buffer
             buffer = part_buffer(length)
-        body = ViewFile(source.read_into(buffer, start, length))
+        body = PartBody(source.read_into(buffer, start, length))
         request = self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._id,
                                     PartNumber=len(self._sent) + 1, Body=body)  # fmt: skip
         self._sending.append(buffer)

@@ -4,14 +4,16 @@ as a request body."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from osdpipe.io import torchfile
-from osdpipe.io.part_source import PartSource, part_buffer
+from osdpipe.io.part_source import PartBody, PartSource, part_buffer
 
 PART = 5 << 20
 SIZE = 3 * PART + 12345  # the last part ends mid-block
@@ -81,3 +83,20 @@ def test_a_part_past_the_files_end_is_an_error_naming_the_file(tmp_path: Path) -
     with pytest.raises(OSError, match=rf"{path} ends at byte {SIZE}, before the {SIZE + PART - 12345} written"):
         source.read_into(part_buffer(PART), 3 * PART, PART)
     source.close()
+
+
+def test_a_part_body_is_read_as_views_of_the_part() -> None:
+    """As botocore reads a body (chunks until ``b""``: its SHA-256, then its CRC32 from the start again) and aiohttp
+    sends it: each read is a view of the buffer, never a copy, and the passes see the part's bytes."""
+    buffer = bytearray(os.urandom(3 << 20))
+    body = PartBody(memoryview(buffer)[5:])
+    chunks = list(iter(lambda: body.read(1 << 20), b""))
+    assert [len(c) for c in chunks] == [1 << 20, 1 << 20, (1 << 20) - 5]
+    assert all(isinstance(c, memoryview) and c.obj is buffer for c in chunks), "views of the part's buffer"
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    assert digest.digest() == hashlib.sha256(buffer[5:]).digest()
+    assert body.seek(0) == 0 and zlib.crc32(body.read()) == zlib.crc32(buffer[5:]) and body.read() == b""
+    body.seek(len(buffer))  # past the end: reads nothing
+    assert body.read(10) == b"" and body.tell() == len(buffer)
