@@ -222,7 +222,37 @@ def filesystem(
     fs = fsspec.filesystem(location.scheme, skip_instance_cache=True, **options_for(location.scheme, storage_options))
     if probe and hasattr(fs, "retries"):
         fs.retries = 1
+    if location.scheme == "s3":
+        _share_models(fs)
     return fs
+
+
+#: The botocore loader of this process's S3 sessions: the service models, endpoint rules and partitions it parsed.
+_models: Any = None
+
+
+def _share_models(fs: Any) -> None:
+    """Give a fresh s3fs filesystem the session s3fs would make itself (from the options it did not take: a
+    ``profile``, say), but loading botocore's data through this process's one loader.
+
+    A run opens an S3 client for each thing it does (the first look, the input's reads, the output's write test,
+    its uploads, the commit), each on a fresh filesystem so that the credentials are read then; each new session
+    parsed botocore's JSON models again (0.07 s a client on the benchmarks' VM, on the main thread, most of them
+    before the first byte is read). What is shared is data from botocore's package, the same for every session; the
+    credentials, the config and the endpoint stay each session's own. A session the user gave (``session=``) is
+    left alone.
+    """
+    global _models
+    if fs.session is not None:
+        return
+    from aiobotocore.session import AioSession
+
+    session = AioSession(**fs.kwargs)
+    if _models is None:
+        _models = session.get_component("data_loader")
+    else:
+        session.register_component("data_loader", _models)
+    fs.session = session
 
 
 #: The store clients' loggers. They say, on every run, where they found the credentials and the endpoint (botocore

@@ -71,6 +71,24 @@ def test_the_filesystem_finds_the_endpoint_and_credentials_the_standard_way(s3) 
     assert store.filesystem(where).cat(where.path) == b"x" * 10
 
 
+def test_every_s3_filesystem_reads_botocores_models_once_and_keeps_its_own_session(s3, monkeypatch) -> None:
+    """A run's S3 clients share the one loader of botocore's data (its JSON parsed once a process), while each has
+    the session s3fs would give it: the options s3fs leaves to the session (a profile) and the credentials as found
+    when it connects."""
+    where = store.parse(s3.url("ckpt/models.pt"))
+    first, second = store.filesystem(where), store.filesystem(where)
+    assert first.session is not second.session
+    assert first.session.get_component("data_loader") is second.session.get_component("data_loader")
+    first.pipe(where.path, b"m" * 3)
+    assert second.cat(where.path) == b"m" * 3
+    profiled = store.filesystem(where, {"s3": {"profile": "osdpipe-test-profile"}})
+    assert profiled.session.profile == "osdpipe-test-profile"
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(InputError, match="no S3 credentials found"):  # read when this one connects, not shared
+        store.info(where)
+
+
 def test_a_missing_key_and_a_missing_bucket_are_each_named(s3) -> None:
     with pytest.raises(InputError) as missing:
         store.info(store.parse(s3.url("ckpt/absent.pt")), where="input.path")
