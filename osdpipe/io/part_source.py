@@ -5,8 +5,8 @@
 cache and copy it out again, into a new ``bytes`` the size of a part, which the store client then copies once more
 (botocore wraps a ``bytes`` body in a ``BytesIO`` that aiohttp unshares). Measured on the bench VM, eight 50 MiB parts
 to s3rver: 1.4 CPU seconds that way, 0.6 s read with ``O_DIRECT`` into a page-aligned buffer that is sent as it lies
-(:class:`PartBody`). Where the filesystem refuses ``O_DIRECT`` (tmpfs), or a read that way,
-the file is read through the page cache into the same buffer.
+(:class:`PartBody`). Where the filesystem refuses ``O_DIRECT`` (tmpfs), or a read that way, the file is read through
+the page cache into the same buffer.
 """
 
 from __future__ import annotations
