@@ -134,13 +134,9 @@ class Source:
         (:func:`osdpipe.io.formats.base.expect`); none: it lets go of what it fetched for the last ones."""
         expect(self.reader, [(s.fqn, b.name, s.start, s.start + s.length) for b in batches_ for s in b.segments])
 
-    def pieces(self, batch: Batch) -> list[torch.Tensor]:
-        """Each segment's elements, one tensor each."""
-        return [self.reader.read_range(s.fqn, batch.name, s.start, s.start + s.length) for s in batch.segments]
-
     def parts(self, batch: Batch) -> tuple[Batch, list[torch.Tensor]]:
         """The batch as the source stores it: its segments cut where a stored piece ends
-        (:func:`osdpipe.io.formats.base.read_parts`), and the elements of each cut; joined, :meth:`pieces`.
+        (:func:`osdpipe.io.formats.base.read_parts`), and the elements of each cut, in order.
 
         What is copied into the state goes there from where it was read, without a tensor of its own per segment
         first: a 4 -> 2 conversion of a DCP checkpoint joins two chunks for every segment, 1.6 GB written into new

@@ -255,6 +255,23 @@ def test_an_element_converted_wrong_from_s3_fails_the_roundtrip_check(converted,
     assert sorted(p.name for p in out.iterdir()) == ["osdpipe.log", "report.json"]  # the failed run's records only
 
 
+def test_an_element_converted_wrong_from_the_local_copy_is_named(converted, tmp_path) -> None:
+    """The same source on the local disk is read again by the roundtrip check, as the stored chunks cut each range
+    (4 -> 2: a range spans two or three); the one element copied wrong is named where it lies, and nothing is
+    written."""
+    _, root, _ = converted
+    out = tmp_path / "out"
+    args = [*SOURCE, f"input.path={root / 'src' / 'dcp'}", *TARGET, f"output.path={out}"]
+    env = user_env(OSDPIPE_TEST_MISFILL="blocks.1.wq.weight:exp_avg")
+    [result] = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=env)
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("osdpipe: error:")]
+    assert result["code"] == 1 and len(errors) == 1, result["stderr"]
+    # the first element of the batch holding it (wrong by one): where target rank 1's range of the parameter starts,
+    # its element 9 (6 x 6, two rows in each of source ranks 0 to 2: the range [9, 36) spans their three chunks)
+    assert "rank 1: _flat_param.exp_avg: differs from blocks.1.wq.weight[9] (flat)" in errors[0], errors[0]
+    assert sorted(p.name for p in out.iterdir()) == ["osdpipe.log", "report.json"]
+
+
 def test_a_command_reads_its_input_as_one_snapshot(converted) -> None:
     """Working out the config (the input's facts), checking the source and the load stage each open the input; the
     conversion from ``s3://`` lists it and fetches its ``.metadata`` and each small item (steps, param groups) once,
@@ -404,7 +421,7 @@ def test_a_ranks_expected_reads_of_one_object_are_one_request(converted, monkeyp
         if expect:
             source.expect(batches)
         try:
-            return [piece for batch in batches for piece in source.pieces(batch)]
+            return [torch.cat(source.parts(batch)[1]) for batch in batches]
         finally:
             source.expect([])
 

@@ -153,8 +153,9 @@ def _compare_reads(reads: list[tuple[LocalTensor, dict[str, Any], list[tuple[int
     try:
         for tensor, state, work in reads:
             for _, batch in work:
+                stored, pieces = source.parts(batch)
                 problems += differing_segments(
-                    f"{tensor.key}.{batch.name}", state[batch.name].reshape(-1), batch.segments, source.pieces(batch)
+                    f"{tensor.key}.{batch.name}", state[batch.name].reshape(-1), stored.segments, pieces
                 )
                 source.done(batch)
     finally:
