@@ -104,11 +104,9 @@ def test_unwritable_output_fails_fast_in_one_line(where: str, tmp_path: Path) ->
         path = tmp_path / "a_file" / "out"
     else:
         path = Path("/proc")  # exists, and no one can create files in it (root included)
-    start = time.monotonic()
     result = run_osdpipe(f"output.path={path}", cwd=tmp_path, timeout=60)
-    elapsed = time.monotonic() - start
+    # exit 2: refused with the config, before any process started (not a wall-clock bound: a busy machine breaks one)
     assert_one_line_error(result, 2, "output.path")
-    assert elapsed < 10, f"took {elapsed:.1f} s"  # 2 s of it is importing torch; no process was started
     assert sorted(p.name for p in tmp_path.iterdir()) == (["a_file"] if where == "under_a_file" else [])
 
 
@@ -203,12 +201,14 @@ def test_another_models_checkpoint_missing_a_parameter_fails_before_any_process(
     for group in osd["param_groups"]:
         group["params"].remove("block2.gate")
     torch.save(osd, tmp_path / "other_model.pt")
-    start = time.monotonic()
     result = run_osdpipe(
         f"input.path={tmp_path / 'other_model.pt'}", f"output.path={tmp_path / 'out'}", cwd=tmp_path, timeout=60
     )
-    assert_one_line_error(result, 1, str(tmp_path / "other_model.pt"), "block2.gate", "model.factory")
-    assert time.monotonic() - start < 10, "a world was started"
+    line = assert_one_line_error(result, 1, str(tmp_path / "other_model.pt"), "block2.gate", "model.factory")
+    # found by the launcher's look at the source, before any world: a failure in a rank names its stage and rank
+    # (a wall-clock bound said this before, and failed on a busy machine)
+    assert "stage '" not in line and "rank" not in line, line
+    assert " stage " not in (tmp_path / "out" / "osdpipe.log").read_text()
 
 
 def test_nonfinite_scalar_state_is_named() -> None:
