@@ -238,21 +238,28 @@ def test_an_output_made_as_it_is_written_fetches_its_pieces_ahead(converted, mon
     assert fetched[0] == fetched[1], f"{len(fetched[0])} requests under the budget, {len(fetched[1])} without"
 
 
-def test_an_element_converted_wrong_from_s3_fails_the_roundtrip_check(converted, monkeypatch, tmp_path) -> None:
-    """The digests taken as the source was read catch one element copied wrong (``tests/support/faults``), and name
-    the batch; no checkpoint is written."""
-    bucket, _, _ = converted
-    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+def _misfilled(input_path: str, tmp_path: Path) -> str:
+    """The error line of the conversion of ``input_path`` to 2 ranks with one element of ``blocks.1.wq.weight``'s
+    ``exp_avg`` copied wrong (``tests/support/faults``): the one line, exit 1, and only the failed run's records."""
     out = tmp_path / "out"
-    args = [*SOURCE, f"input.path={bucket.url('src', 'dcp')}", *TARGET, f"output.path={out}"]
+    args = [*SOURCE, f"input.path={input_path}", *TARGET, f"output.path={out}"]
     env = user_env(OSDPIPE_TEST_MISFILL="blocks.1.wq.weight:exp_avg")
     [result] = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=env)
     errors = [line for line in result["stderr"].splitlines() if line.startswith("osdpipe: error:")]
     assert result["code"] == 1 and len(errors) == 1, result["stderr"]
+    assert sorted(p.name for p in out.iterdir()) == ["osdpipe.log", "report.json"]
+    return errors[0]
+
+
+def test_an_element_converted_wrong_from_s3_fails_the_roundtrip_check(converted, monkeypatch, tmp_path) -> None:
+    """The digests taken as the source was read catch one element copied wrong, and name the batch; no checkpoint
+    is written."""
+    bucket, _, _ = converted
+    aws_environment(monkeypatch, bucket.endpoint, tmp_path)
+    error = _misfilled(bucket.url("src", "dcp"), tmp_path)
     said = ("roundtrip", "exp_avg: elements blocks.1.wq.weight[", "differ from what this rank read from the source")
     for word in said:
-        assert word in errors[0], f"{word!r} not in {errors[0]!r}"
-    assert sorted(p.name for p in out.iterdir()) == ["osdpipe.log", "report.json"]  # the failed run's records only
+        assert word in error, f"{word!r} not in {error!r}"
 
 
 def test_an_element_converted_wrong_from_the_local_copy_is_named(converted, tmp_path) -> None:
@@ -260,16 +267,10 @@ def test_an_element_converted_wrong_from_the_local_copy_is_named(converted, tmp_
     (4 -> 2: a range spans two or three); the one element copied wrong is named where it lies, and nothing is
     written."""
     _, root, _ = converted
-    out = tmp_path / "out"
-    args = [*SOURCE, f"input.path={root / 'src' / 'dcp'}", *TARGET, f"output.path={out}"]
-    env = user_env(OSDPIPE_TEST_MISFILL="blocks.1.wq.weight:exp_avg")
-    [result] = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=env)
-    errors = [line for line in result["stderr"].splitlines() if line.startswith("osdpipe: error:")]
-    assert result["code"] == 1 and len(errors) == 1, result["stderr"]
+    error = _misfilled(str(root / "src" / "dcp"), tmp_path)
     # the first element of the batch holding it (wrong by one): where target rank 1's range of the parameter starts,
     # its element 9 (6 x 6, two rows in each of source ranks 0 to 2: the range [9, 36) spans their three chunks)
-    assert "rank 1: _flat_param.exp_avg: differs from blocks.1.wq.weight[9] (flat)" in errors[0], errors[0]
-    assert sorted(p.name for p in out.iterdir()) == ["osdpipe.log", "report.json"]
+    assert "rank 1: _flat_param.exp_avg: differs from blocks.1.wq.weight[9] (flat)" in error, error
 
 
 def test_a_command_reads_its_input_as_one_snapshot(converted) -> None:
