@@ -1,5 +1,8 @@
 import sys
+from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 # Tests are in a folder per layer of the package; what they share (helpers, the
 # tests' own models, fault injection) is in support/. The user-model tests name
@@ -8,3 +11,24 @@ from pathlib import Path
 # for the real frameworks' helpers (``frameworks.launch``).
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+#: Session fixtures that take minutes to build (megatron-core training and saving every source layout): every
+#: module that uses one runs on the worker that built it, not on each of them.
+BUILT_ONCE = ("megatron_saves",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``python -m pytest -n 2 --dist loadgroup``, each test module is one unit of work for pytest-xdist: its
+    module fixtures (a framework's saves, a converted source) are built on one worker, once. Modules that share a
+    :data:`BUILT_ONCE` fixture are one unit together. Most tests wait on processes they start (ranks, servers,
+    framework jobs), so two workers keep both cores busy where one left half of them idle. Without ``-n`` the groups
+    mean nothing."""
+    modules: dict[str, list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        modules[item.nodeid.split("::")[0]].append(item)
+    for module, its in modules.items():
+        shared = next((f for f in BUILT_ONCE if any(f in getattr(i, "fixturenames", ()) for i in its)), None)
+        for item in its:
+            if item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(shared or module))
