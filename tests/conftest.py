@@ -19,11 +19,11 @@ BUILT_ONCE = ("megatron_saves",)
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``python -m pytest -n 2 --dist loadgroup``, each test module is one unit of work for pytest-xdist: its
+    """Under ``-n 2 --dist loadgroup`` (pyproject's addopts), each test module is one unit of work for pytest-xdist: its
     module fixtures (a framework's saves, a converted source) are built on one worker, once. Modules that share a
     :data:`BUILT_ONCE` fixture are one unit together. Most tests wait on processes they start (ranks, servers,
-    framework jobs), so two workers keep both cores busy where one left half of them idle. Without ``-n`` the groups
-    mean nothing."""
+    framework jobs), so two workers keep both cores busy where one left half of them idle. Under ``-n 0`` the
+    groups mean nothing."""
     modules: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
         modules[item.nodeid.split("::")[0]].append(item)
