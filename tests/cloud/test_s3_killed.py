@@ -27,6 +27,9 @@ from helpers import user_env
 
 from osdpipe.io.remote_output import INCOMING
 
+#: End to end: three runs each, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop).
+pytestmark = pytest.mark.slow
+
 #: A conversion big enough that its upload and its commit each take seconds against moto's server.
 CONVERSION = [
     "model=mlp", "model.kwargs.width=2048", "model.kwargs.depth=8", "source.world_size=2", "target.kind=fsdp2",
