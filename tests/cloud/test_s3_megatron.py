@@ -63,7 +63,8 @@ def test_a_megatron_save_in_the_bucket_converts_as_its_local_copy(s3: S3, tmp_pa
         "torchtitan": ["output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2",
                        "runtime.mode=offline"],
     }  # fmt: skip
-    # runtime.debug: a failed case prints its traceback (CI once saw the local torchtitan case exit 1, unexplained)
+    # runtime.debug: a failed case prints its traceback (the local torchtitan case has failed now and then: the resume
+    # check, a few ulp off on tok_embeddings.weight, not yet explained)
     cases = [["checkpoint=megatron", f"input.path={where}", *args, f"output.path={tmp_path / name / side}",
               "runtime.debug=true"]
              for name, args in conversions.items() for side, where in (("local", source), ("s3", s3.url("save")))]
