@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from osdpipe.core import vector_math
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io.checkpoints.base import fates
 from osdpipe.io.upload_queue import UploadQueue
@@ -79,6 +80,7 @@ def play(
     moves on to the next rank, so memory holds one target rank's state at a
     time; the source's (:data:`SOURCE_STAGES`) are made once and shared.
     """
+    vector_math.settle()  # before any check steps an optimizer: their float math is compared bit for bit
     timings = timings if timings is not None else Timings()
     source: Described | None = None
     for rank in world.ranks():

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from osdpipe.core import rankserver
+from osdpipe.core import rankserver, vector_math
 from osdpipe.io import remote_input
 from osdpipe.run import native_crash, progress, whereabouts
 from osdpipe.run.collective import StageError, lost_a_peer, one_line
@@ -139,6 +139,7 @@ def _worker(
         LOCAL_RANK=str(rank),
     )
     share_cores(world_size)
+    vector_math.settle()  # before a rank's first float math, which checks compare bit for bit
     warnings.simplefilter("ignore")  # what a user must know travels in the report, not as Python warnings on stderr
     if events is not None and shared_progress:
         progress.connect(progress.only(shared_progress, events.put))
