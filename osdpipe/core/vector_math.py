@@ -15,12 +15,13 @@ process's first ``sqrt`` (Adam's denominator) over two threads, the second
 thread's half came back about 1e-4 off, and a correct conversion failed the
 check by a few ulp in that half (``osdpipe: error: verify failed: check
 resume: ... 1808 of 16000 element(s) differ ..., first at flat index 8001``),
-in about one run in twenty. A job that resumes training can be hit the same
+in 1 of 37 runs of that conversion here (8 of 61 under instrumentation that
+made the race likelier). A job that resumes training can be hit the same
 way, on its first step.
 
 :func:`settle` calls each such function once on a few elements, which one
 thread computes alone, so the choice is made before any call can race. It
-costs well under a millisecond, once per process. ``benchmarks/vml_first_call.py``
+costs about 2 ms, once per process. ``benchmarks/vml_first_call.py``
 counts the corrupted first calls over many fresh processes with and without it.
 """
 
