@@ -54,13 +54,12 @@ def test_every_unary_op_an_elementwise_optimizer_steps_with_is_settled() -> None
     assert not unsettled, f"ops an optimizer steps with that vector_math.settle() does not settle: {unsettled}"
 
 
-def test_settling_calls_every_op_in_both_dtypes_on_fewer_elements_than_a_thread_s_share() -> None:
+def test_settling_calls_every_op_in_both_dtypes_on_a_few_elements() -> None:
     with UnaryOps() as ops:
         vector_math.settle.__wrapped__()  # the function itself, not its once-a-process cache
     called = {(op, dtype) for op, dtype, numel in ops.calls if numel <= vector_math.ELEMENTS}
     missing = [(op, dtype) for op in vector_math.UNARY_OPS for dtype in vector_math.DTYPES if (op, dtype) not in called]
     assert not missing, missing
-    assert vector_math.ELEMENTS < 2048  # below ATen's grain for vector math: one thread computes each call
 
 
 def test_a_conversion_settles_the_vector_math_before_its_first_stage(tmp_path: Path, monkeypatch) -> None:
