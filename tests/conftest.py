@@ -36,3 +36,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for item in its:
             if item.get_closest_marker("xdist_group") is None:
                 item.add_marker(pytest.mark.xdist_group(shared or module))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def settled_vector_math() -> None:
+    """Each test process settles oneMKL's vector math before its first test (:mod:`osdpipe.core.vector_math`), as
+    osdpipe's own processes do: a test that steps an optimizer here, to compare bit for bit with what a conversion
+    made, would otherwise be the process's first vector-math call, and a first call split over two threads can come
+    back wrong in one thread's half (pytorch/pytorch#188792). A fixture, not a hook: xdist's controller runs no test
+    and need not import torch."""
+    from osdpipe.core import vector_math
+
+    vector_math.settle()

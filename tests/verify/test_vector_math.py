@@ -4,11 +4,13 @@ back wrong in one thread's half, pytorch/pytorch#188792).
 
 The race itself needs many fresh processes to show (``benchmarks/vml_first_call.py`` counts it); these tests hold what
 prevents it: every unary op an optimizer osdpipe steps takes is settled, settling runs each of them on one thread's
-share of elements in both dtypes, and a conversion settles before its first stage.
+share of elements in both dtypes, a conversion settles before its first stage, and so does each test process.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -90,3 +92,20 @@ def test_every_rank_of_a_local_world_settles_before_its_function_runs() -> None:
     from osdpipe.run.launch import run_local_world
 
     assert run_local_world(settled_here, 2, (), timeout_s=120) == [True, True]
+
+
+def test_settled_before_the_first_test_of_its_process() -> None:
+    """Run by the next test alone, in a fresh pytest process, where nothing else can have settled."""
+    assert vector_math.settle.cache_info().currsize == 1
+
+
+def test_a_fresh_test_process_settles_before_its_first_test() -> None:
+    from helpers import clean_env
+
+    root = Path(__file__).resolve().parents[2]
+    alone = f"{Path(__file__).relative_to(root)}::test_settled_before_the_first_test_of_its_process"
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider", alone],
+        cwd=root, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ran.returncode == 0 and "1 passed" in ran.stdout, ran.stdout[-3000:]
