@@ -3,8 +3,9 @@
 back wrong in one thread's half, pytorch/pytorch#188792).
 
 The race itself needs many fresh processes to show (``benchmarks/vml_first_call.py`` counts it); these tests hold what
-prevents it: every unary op an optimizer osdpipe steps takes is settled, settling runs each of them on one thread's
-share of elements in both dtypes, a conversion settles before its first stage, and so does each test process.
+prevents it: every unary op an optimizer osdpipe steps takes is settled, settling runs each of them on a few elements
+(far below what ATen splits over threads) in both dtypes, a conversion settles before its first stage, and so does
+each test process.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def test_a_conversion_settles_the_vector_math_before_its_first_stage(tmp_path: P
 
 
 def settled_here() -> bool:
-    """In a rank: whether this process settled its vector math before the rank's function began."""
+    """Whether this process has settled its vector math (in a rank: before the rank's function began)."""
     return vector_math.settle.cache_info().currsize == 1
 
 
@@ -95,8 +96,9 @@ def test_every_rank_of_a_local_world_settles_before_its_function_runs() -> None:
 
 
 def test_settled_before_the_first_test_of_its_process() -> None:
-    """Run by the next test alone, in a fresh pytest process, where nothing else can have settled."""
-    assert vector_math.settle.cache_info().currsize == 1
+    """Run by the next test alone, in a fresh pytest process, where nothing else can have settled (in the whole
+    suite it holds whenever any test before it settled: the proof is the next test's)."""
+    assert settled_here()
 
 
 def test_a_fresh_test_process_settles_before_its_first_test() -> None:
