@@ -22,7 +22,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under ``-n 2 --dist loadgroup`` (pyproject's addopts), each test module is one unit of work for pytest-xdist: its
     module fixtures (a framework's saves, a converted source) are built on one worker, once. Modules that share a
     :data:`BUILT_ONCE` fixture are one unit together. Most tests wait on processes they start (ranks, servers,
-    framework jobs), so two workers keep both cores busy where one left half of them idle. Under ``-n 0`` the
+    framework jobs), so two workers keep both cores busy where one left half of them idle. A third worker was
+    measured slower (44:16 against 40:21 for the whole suite, one run each on the same day): the framework jobs,
+    which keep both cores busy themselves, each took 1.2 to 2x as long beside two other workers. Under ``-n 0`` the
     groups mean nothing.
 
     The units go out in xdist's own order (more tests first). Handing out the framework units first was tried and
