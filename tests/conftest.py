@@ -23,9 +23,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     module fixtures (a framework's saves, a converted source) are built on one worker, once. Modules that share a
     :data:`BUILT_ONCE` fixture are one unit together. Most tests wait on processes they start (ranks, servers,
     framework jobs), so two workers keep both cores busy where one left half of them idle. A third worker was
-    measured slower (44:16 against 40:21 for the whole suite, one run each on the same day): the framework jobs,
-    which keep both cores busy themselves, each took 1.2 to 2x as long beside two other workers. Under ``-n 0`` the
-    groups mean nothing.
+    measured slower (44:16 against 40:21 for the whole suite, one run each on the same day): the framework jobs
+    keep both cores busy themselves, and beside two other workers took 1.1 to 2.4x as long (median 1.4x, over the 30
+    framework tests among both runs' 60 slowest). Under ``-n 0`` the groups mean nothing.
 
     The units go out in xdist's own order (more tests first). Handing out the framework units first was tried and
     measured slower (58:19 against 50:24 for the whole suite): two of them at once, one on each worker, slow each
