@@ -18,7 +18,9 @@ rank of the grid holds:
 
 Everything here is a pure function of the model's dimensions (Megatron-LM's ``args``) and the parallelism; the
 files are read in :mod:`osdpipe.io.formats.megatron`. What is laid out is Megatron's GPT with the local layer spec
-(``--transformer-impl local``), dense, without biases; other models are refused where they are read.
+(``--transformer-impl local``), dense, with or without linear biases (``add_bias_linear``: the column-parallel
+layers' split as their rows, the row-parallel layers' held whole by every TP rank, as a norm; ``add_qkv_bias``:
+``linear_qkv``'s alone); other models are refused where they are read.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ class Gpt:
     kv_channels: int
     padded_vocab_size: int
     swiglu: bool
+    #: ``add_bias_linear``: a bias on each of the four linear layers of a layer.
+    linear_bias: bool = False
+    #: ``add_qkv_bias`` (Qwen2's attention): a bias on ``linear_qkv`` alone; implied by ``linear_bias``.
+    qkv_bias: bool = False
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.linear_bias or self.qkv_bias
 
     @property
     def qkv_rows(self) -> int:
@@ -118,6 +128,12 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
 def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
     """Every sharded key of the model and its global shape (the decoder's layers stacked on axis 0)."""
     h, layers = gpt.hidden_size, gpt.num_layers
+    biases = {
+        f"{LAYERS}self_attention.linear_proj.bias": ((layers, h), gpt.linear_bias),
+        f"{LAYERS}self_attention.linear_qkv.bias": ((layers, gpt.qkv_rows), gpt.has_qkv_bias),
+        f"{LAYERS}mlp.linear_fc1.bias": ((layers, gpt.fc1_rows), gpt.linear_bias),
+        f"{LAYERS}mlp.linear_fc2.bias": ((layers, h), gpt.linear_bias),
+    }
     return {
         "embedding.word_embeddings.weight": (gpt.padded_vocab_size, h),
         f"{LAYERS}self_attention.linear_qkv.layer_norm_weight": (layers, h),
@@ -128,6 +144,7 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
         f"{LAYERS}mlp.linear_fc2.weight": (layers, h, gpt.ffn_hidden_size),
         "decoder.final_layernorm.weight": (h,),
         "output_layer.weight": (gpt.padded_vocab_size, h),
+        **{key: shape for key, (shape, held) in biases.items() if held},
     }
 
 
@@ -141,44 +158,59 @@ def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
 def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> list[LocalParameter]:
     """The parameters of rank (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order of Megatron's GPT with the
     local layer spec (embedding; per layer the input norm, ``linear_proj``, ``linear_qkv``, the pre-MLP norm,
-    ``linear_fc1``, ``linear_fc2``; the final norm; the output layer), each with the global boxes it holds."""
+    ``linear_fc1``, ``linear_fc2``, each linear layer's weight then its bias where it has one; the final norm; the
+    output layer), each with the global boxes it holds."""
     h, shapes = gpt.hidden_size, global_shapes(gpt)
     out: list[LocalParameter] = []
 
-    def whole_rows(name: str, key: str, layer: int | None, rows: tuple[int, int], cols: int) -> LocalParameter:
-        box = ((layer, layer + 1),) if layer is not None else ()
-        n = rows[1] - rows[0]
-        return LocalParameter(name, (n, cols), (Piece(key, (*box, rows, (0, cols)), 0, n),))
+    def column_parallel(name: str, key: str, at: tuple, blocks: list[tuple[int, int]],
+                        cols: int | None) -> LocalParameter:
+        """A column-parallel layer's weight (``cols`` columns) or, ``cols`` None, its bias: the global rows
+        ``blocks`` (SwiGLU's gate and up blocks), one after another in the local tensor."""
+        n, tail = blocks[0][1] - blocks[0][0], ((0, cols),) if cols is not None else ()
+        pieces = tuple(Piece(key, (*at, block, *tail), i * n, (i + 1) * n) for i, block in enumerate(blocks))
+        return LocalParameter(name, (n * len(blocks), *(() if cols is None else (cols,))), pieces)
+
+    def whole(name: str, key: str, at: tuple, size: int) -> LocalParameter:
+        """A norm's weight or a row-parallel layer's bias: every TP rank holds all of it."""
+        return LocalParameter(name, (size,), (Piece(key, (*at, (0, size)), 0, size),))
 
     vocab = _split(gpt.padded_vocab_size, tp, tp_rank, "the padded vocabulary")
     if pp_rank == 0:
-        out.append(whole_rows("embedding.word_embeddings.weight", "embedding.word_embeddings.weight", None, vocab, h))
+        name = "embedding.word_embeddings.weight"
+        out.append(column_parallel(name, name, (), [vocab], h))
     for local, layer in enumerate(stage_layers(gpt.num_layers, pp, pp_rank)):
         prefix, at = f"decoder.layers.{local}.", ((layer, layer + 1),)
         attention = gpt.num_attention_heads * gpt.kv_channels
         cols = _split(attention, tp, tp_rank, "linear_proj's columns")
         rows = _split(gpt.qkv_rows, tp, tp_rank, "linear_qkv's rows")
         ffn = _split(gpt.ffn_hidden_size, tp, tp_rank, "linear_fc2's columns")
-        norm_qkv = f"{LAYERS}self_attention.linear_qkv.layer_norm_weight"
-        norm_fc1 = f"{LAYERS}mlp.linear_fc1.layer_norm_weight"
-        out.append(LocalParameter(f"{prefix}input_layernorm.weight", (h,), (Piece(norm_qkv, (*at, (0, h)), 0, h),)))
+        fc1_blocks = [ffn] + ([(gpt.ffn_hidden_size + ffn[0], gpt.ffn_hidden_size + ffn[1])] if gpt.swiglu else [])
+        attn, mlp = f"{prefix}self_attention.", f"{prefix}mlp."
+        out.append(whole(f"{prefix}input_layernorm.weight", f"{LAYERS}self_attention.linear_qkv.layer_norm_weight",
+                         at, h))
         proj = f"{LAYERS}self_attention.linear_proj.weight"
-        out.append(LocalParameter(f"{prefix}self_attention.linear_proj.weight", (h, cols[1] - cols[0]),
+        out.append(LocalParameter(f"{attn}linear_proj.weight", (h, cols[1] - cols[0]),
                                   (Piece(proj, (*at, (0, h), cols), 0, h),)))
-        out.append(whole_rows(f"{prefix}self_attention.linear_qkv.weight", f"{LAYERS}self_attention.linear_qkv.weight",
-                              layer, rows, h))
-        out.append(LocalParameter(f"{prefix}pre_mlp_layernorm.weight", (h,), (Piece(norm_fc1, (*at, (0, h)), 0, h),)))
-        fc1 = f"{LAYERS}mlp.linear_fc1.weight"
-        n = ffn[1] - ffn[0]
-        blocks = [ffn] + ([(gpt.ffn_hidden_size + ffn[0], gpt.ffn_hidden_size + ffn[1])] if gpt.swiglu else [])
-        pieces = tuple(Piece(fc1, (*at, block, (0, h)), i * n, (i + 1) * n) for i, block in enumerate(blocks))
-        out.append(LocalParameter(f"{prefix}mlp.linear_fc1.weight", (n * len(blocks), h), pieces))
+        if gpt.linear_bias:
+            out.append(whole(f"{attn}linear_proj.bias", f"{LAYERS}self_attention.linear_proj.bias", at, h))
+        qkv = f"{LAYERS}self_attention.linear_qkv."
+        out.append(column_parallel(f"{attn}linear_qkv.weight", f"{qkv}weight", at, [rows], h))
+        if gpt.has_qkv_bias:
+            out.append(column_parallel(f"{attn}linear_qkv.bias", f"{qkv}bias", at, [rows], None))
+        out.append(whole(f"{prefix}pre_mlp_layernorm.weight", f"{LAYERS}mlp.linear_fc1.layer_norm_weight", at, h))
+        out.append(column_parallel(f"{mlp}linear_fc1.weight", f"{LAYERS}mlp.linear_fc1.weight", at, fc1_blocks, h))
+        if gpt.linear_bias:
+            out.append(column_parallel(f"{mlp}linear_fc1.bias", f"{LAYERS}mlp.linear_fc1.bias", at, fc1_blocks, None))
         fc2 = f"{LAYERS}mlp.linear_fc2.weight"
-        out.append(LocalParameter(f"{prefix}mlp.linear_fc2.weight", (h, n), (Piece(fc2, (*at, (0, h), ffn), 0, h),)))
+        out.append(LocalParameter(f"{mlp}linear_fc2.weight", (h, ffn[1] - ffn[0]),
+                                  (Piece(fc2, (*at, (0, h), ffn), 0, h),)))
+        if gpt.linear_bias:
+            out.append(whole(f"{mlp}linear_fc2.bias", f"{LAYERS}mlp.linear_fc2.bias", at, h))
     if pp_rank == pp - 1:
         final = "decoder.final_layernorm.weight"
-        out.append(LocalParameter(final, (h,), (Piece(final, ((0, h),), 0, h),)))
-        out.append(whole_rows("output_layer.weight", "output_layer.weight", None, vocab, h))
+        out.append(whole(final, final, (), h))
+        out.append(column_parallel("output_layer.weight", "output_layer.weight", (), [vocab], h))
     assert all(p.key in shapes for lp in out for p in lp.pieces)
     return out
 

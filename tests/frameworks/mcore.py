@@ -54,6 +54,10 @@ NORM_EPS, ROTARY_BASE = 1e-5, 10000
 #: Llama 3.1's RoPE scaling factor (Megatron-LM's --use-rope-scaling); ``None``: unscaled. A save's own, where the GPT
 #: is built from it (:func:`configure_from`).
 ROPE_SCALING: float | None = None
+#: Megatron-LM's ``--add-bias-linear`` (biases on all four linear layers) and ``--add-qkv-bias`` (on linear_qkv alone,
+#: as Qwen2's attention): the harness's GPT has none (``--disable-bias-linear``, as Llama), a job given ``--bias``
+#: builds them, and a save's own are taken with its dimensions (:func:`configure_from`).
+BIAS_LINEAR, BIAS_QKV = False, False
 #: Size of the synthetic gradients (:func:`synthetic_grad`): small enough that the global grad norm stays far below
 #: CLIP, so clipping (whose norm is summed in a layout-dependent order) never acts and a resume is elementwise.
 SYNTH_SCALE = 1e-4
@@ -93,15 +97,17 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 
 def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, bf16: bool = False, steps: int = 3,
          resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None,
-         timeout: float = 600, megatron_from: Path | None = None) -> Path:
+         timeout: float = 600, megatron_from: Path | None = None, bias: str = "none") -> Path:
     """Train ``steps`` steps at TP x PP x DP and save ``out`` as Megatron-LM would; return ``out``.
 
     ``truth_path(out)`` receives the gathered state at save time; with ``resume_truth``, the same job then takes
     that many synthetic steps (:func:`synthetic_grad`) and dumps to ``dump_after``; with ``logits`` (TP1 PP1 only),
     the saved model's logits on :func:`probe_tokens` go there first (:func:`write_logits`). ``megatron_from``: a
-    folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
+    folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`). ``bias``: ``linear``
+    (``--add-bias-linear``) or ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`).
     """
-    argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out)]
+    argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
+            "--bias", bias]
     if bf16:
         argv.append("--bf16")
     if logits is not None:
@@ -135,13 +141,14 @@ def legacy_megatron(root: Path) -> Path | None:
 def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, bf16: bool = False,
          sharding: str | None = None, resume: int = 0, dump_after: Path | None = None, label: str | None = None,
          timeout: float = 600, dims_from_save: bool = False, no_load_rng: bool = False,
-         logits: Path | None = None) -> Path:
+         logits: Path | None = None, bias: str = "none") -> Path:
     """Load ``folder`` with megatron-core at TP x PP x DP as Megatron-LM's ``load_checkpoint`` does; dump it.
 
     ``dims_from_save``: the GPT is built with the dimensions of the save's own ``args`` (:func:`configure_from`), not
     the harness's; ``no_load_rng``: as Megatron-LM's ``--no-load-rng`` (a save without RNG states); ``logits``: the
-    loaded model's logits on :func:`probe_tokens` go there (any TP and PP: :func:`write_logits`)."""
-    argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump)]
+    loaded model's logits on :func:`probe_tokens` go there (any TP and PP: :func:`write_logits`); ``bias``: as
+    :func:`save`'s."""
+    argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias]
     if bf16:
         argv.append("--bf16")
     if dims_from_save:
@@ -360,6 +367,7 @@ def configure_from(folder: Path) -> None:
     ``--use-checkpoint-args`` does), instead of the harness's own: what a save osdpipe made from another model
     needs. Worker side, before :func:`setup`."""
     global VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, NORM_EPS, ROTARY_BASE, DIVISIBLE_BY, ROPE_SCALING
+    global BIAS_LINEAR, BIAS_QKV
     from megatron.core import dist_checkpointing
 
     args = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(Path(folder))[0]))["args"]
@@ -369,6 +377,7 @@ def configure_from(folder: Path) -> None:
     NORM_EPS, ROTARY_BASE, DIVISIBLE_BY = args.norm_epsilon, args.rotary_base, args.make_vocab_size_divisible_by
     # Megatron-LM's --use-rope-scaling --rope-scaling-factor (Llama 3.1's), as its model provider passes them
     ROPE_SCALING = getattr(args, "rope_scaling_factor", 8.0) if getattr(args, "use_rope_scaling", False) else None
+    BIAS_LINEAR, BIAS_QKV = bool(args.add_bias_linear), bool(getattr(args, "add_qkv_bias", False))
     if args.kv_channels != HIDDEN // HEADS:
         raise SystemExit(f"kv_channels {args.kv_channels} != hidden / heads: the harness builds no such GPT yet")
 
@@ -411,8 +420,8 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         norm_epsilon=NORM_EPS, swiglu=True, squared_relu=False, position_embedding_type="rope",
         use_rotary_position_embeddings=True, add_position_embedding=False, rotary_base=ROTARY_BASE, rotary_percent=1.0,
         use_rope_scaling=ROPE_SCALING is not None, rope_scaling_factor=ROPE_SCALING or 8.0,
-        rotary_interleaved=False, untie_embeddings_and_output_weights=True, add_bias_linear=False,
-        add_qkv_bias=False, apply_query_key_layer_scaling=False, qk_layernorm=False, num_experts=None,
+        rotary_interleaved=False, untie_embeddings_and_output_weights=True, add_bias_linear=BIAS_LINEAR,
+        add_qkv_bias=BIAS_QKV, apply_query_key_layer_scaling=False, qk_layernorm=False, num_experts=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, transformer_impl="local", spec=None,
         is_hybrid_model=False, heterogeneous_layers_config_path=None, heterogeneous_layers_config_encoded_json=None,
         vocab_size=VOCAB, padded_vocab_size=padded_vocab(VOCAB, tp), make_vocab_size_divisible_by=DIVISIBLE_BY,
@@ -498,7 +507,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", layernorm_epsilon=NORM_EPS,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=BIAS_LINEAR, add_qkv_bias=BIAS_QKV,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
         use_cpu_initialization=True, perform_initialization=True, bf16=bf16, params_dtype=dtype,

@@ -6,16 +6,18 @@ Real megatron-core 0.16.1 trains the test's own GPT (GQA, SwiGLU, RoPE, RMSNorm,
 (:func:`osdpipe.io.formats.megatron.read_save`) must give back every weight, fp32 master and moment, the step and the
 param groups, for both sharding types Megatron-LM writes (``dp_reshardable``, its default, whose buckets are laid
 out by :mod:`osdpipe.layout.megatron`, and ``fully_reshardable``), at TP, PP, DP and in bf16; and each bucket's
-layout must be the one megatron-core built (the truth carries it, measured from the live buffers). Bad inputs are
+layout must be the one megatron-core built (the truth carries it, measured from the live buffers), with Megatron-LM's
+linear biases (``--add-bias-linear``, its default) and with ``linear_qkv``'s alone (``--add-qkv-bias``). Bad inputs are
 refused in one line. The sharding type megatron-core saved by default until 0.14, ``fully_sharded_model_space``, is
 saved by megatron-core 0.13.1 (installed apart: :func:`frameworks.mcore.legacy_megatron`) at TP2 DP2 and TP1 PP2 DP2.
 
 Converted by the ``osdpipe`` command (``checkpoint=megatron``, in a subprocess) to TP1 PP1 DP2, TP2 PP1 DP1, TP1 PP2 DP1
 and TP4 PP1 DP1 (the last by two writers), each output is loaded by megatron-core itself at that parallelism, as
-Megatron-LM's ``load_checkpoint`` does: what it holds must be bitwise the saving job's state, and 2 more steps on
-synthetic gradients (a function of the key, the global index and the step: comparable across layouts, Adam being
-elementwise) bitwise what the saving job itself did next. A ``dp_reshardable`` source, which Megatron refuses at
-another TP or PP, converts to both; a ``fully_sharded_model_space`` source is written ``fully_reshardable``
+Megatron-LM's ``load_checkpoint`` does (the GPT with every linear bias among the sources): what it holds must be bitwise
+the saving job's state, and 2 more steps on synthetic gradients (a function of the key, the global index and the step:
+comparable across layouts, Adam being elementwise) bitwise what the saving job itself did next. A ``dp_reshardable``
+source, which Megatron refuses at another TP or PP, converts to both; a ``fully_sharded_model_space`` source is written
+``fully_reshardable``
 (megatron-core 0.16.1, which loads the outputs, reads no ``fully_sharded_model_space``).
 """
 
@@ -33,7 +35,7 @@ from helpers import run_osdpipe
 
 import osdpipe
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, read_save
+from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, gpt_of, read_save
 from osdpipe.io.formats.megatron_writer import Target, write_save
 from osdpipe.layout import megatron as layout
 
@@ -77,19 +79,19 @@ def differences(truth: dict, save) -> list[str]:
 def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path], name: str) -> None:
     truth = torch.load(mcore.truth_path(saved(saves, name)), weights_only=False)
     save = read_save(saves[name])
-    assert save.sharding == SAVES[name][3] and (save.tp, save.pp, save.dp) == SAVES[name][:3]
+    assert save.sharding == SAVES[name].sharding and (save.tp, save.pp, save.dp) == SAVES[name][:3]
     assert differences(truth, save) == []
     key = "decoder.layers.mlp.linear_fc1.weight"
     truth["optim"][key]["exp_avg"].view(-1)[7] += 1  # one element wrong: the comparison must see it
     assert differences(truth, save) == [f"exp_avg {key}"]
 
 
-@pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16"])
+@pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16", "tp2_dp2_bias", "tp2_pp2_qkv_bias"])
 def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path], name: str) -> None:
     truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
-    args = truth["args"]
-    gpt = layout.Gpt(args["num_layers"], args["hidden_size"], args["ffn_hidden_size"], args["num_attention_heads"],
-                     args["num_query_groups"], args["kv_channels"], args["padded_vocab_size"], args["swiglu"])
+    gpt = gpt_of(truth["args"])
+    assert (gpt.linear_bias, gpt.has_qkv_bias) == {"none": (False, False), "linear": (True, True),
+                                                   "qkv": (False, True)}[SAVES[name].bias]
     tp, pp, dp = SAVES[name][:3]
     for domain in truth["buckets"]:
         params = layout.local_parameters(gpt, tp, pp, domain["tp_rank"], domain["pp_rank"])
@@ -125,9 +127,9 @@ def test_a_model_osdpipe_cannot_lay_out_yet_is_refused_naming_the_feature() -> N
 
     moe = {"num_experts": 8, "untie_embeddings_and_output_weights": True, "transformer_impl": "local"}
     assert "a mixture of experts (num_experts): not supported yet" in refused_model(moe, Path("iter_0000003"))
-    biased = {"add_bias_linear": True, "untie_embeddings_and_output_weights": True}
-    assert "linear biases" in refused_model(biased, Path("x"))
-    assert refused_model({"untie_embeddings_and_output_weights": True}, Path("x")) is None
+    for biased in ({"add_bias_linear": True}, {"add_qkv_bias": True}):  # laid out (tp2_dp2_bias, tp2_pp2_qkv_bias)
+        assert refused_model({**biased, "untie_embeddings_and_output_weights": True}, Path("x")) is None
+    assert "tied embedding" in refused_model({"untie_embeddings_and_output_weights": False}, Path("x"))
 
 
 @pytest.mark.parametrize("name", CONVERTED)
@@ -149,8 +151,8 @@ def test_megatron_loads_every_conversion_bitwise_and_resumes_as_the_source_job(
         written = read_save(tmp_path / label)
         assert (written.tp, written.pp, written.dp, written.sharding) == (tp, pp, dp, DEFAULT_OUTPUT[source.sharding])
         loaded, after = tmp_path / f"{label}.pt", tmp_path / f"{label}.resumed.pt"
-        mcore.load(tmp_path, tmp_path / label, loaded, tp=tp, pp=pp, dp=dp, bf16=SAVES[name][4], resume=2,
-                   dump_after=after, timeout=300)
+        mcore.load(tmp_path, tmp_path / label, loaded, tp=tp, pp=pp, dp=dp, bf16=SAVES[name].bf16, resume=2,
+                   dump_after=after, timeout=300, bias=SAVES[name].bias)
         got, got_after = torch.load(loaded, weights_only=False), torch.load(after, weights_only=False)
         failed += [f"{label} load: {d}" for d in mcore.dump_differences(truth, got)[:5]]
         failed += [f"{label} resume: {d}" for d in mcore.dump_differences(resumed, got_after)[:5]]

@@ -50,6 +50,30 @@ def test_a_stage_holds_its_layers_and_tp_cuts_rows_or_columns() -> None:
         layout.local_parameters(gpt, tp=1, pp=3, tp_rank=0, pp_rank=0)
 
 
+def test_a_column_parallel_bias_is_cut_as_its_rows_and_a_row_parallel_one_is_whole_on_every_tp_rank() -> None:
+    biased = layout.Gpt(4, 32, 64, 4, 2, 8, 1024, True, linear_bias=True)
+    params = layout.local_parameters(biased, tp=2, pp=2, tp_rank=1, pp_rank=1)
+    by_name = {p.name: p for p in params}
+    layer = [p.name.removeprefix("decoder.layers.0.") for p in params if p.name.startswith("decoder.layers.0.")]
+    assert layer == ["input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "pre_mlp_layernorm.weight",
+                     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
+    fc1 = by_name["decoder.layers.0.mlp.linear_fc1.bias"]  # global layer 2, TP rank 1: its gate and up elements
+    assert fc1.shape == (64,) and [(p.box, p.local_start, p.local_stop) for p in fc1.pieces] == [
+        (((2, 3), (32, 64)), 0, 32), (((2, 3), (96, 128)), 32, 64)]
+    qkv = by_name["decoder.layers.1.self_attention.linear_qkv.bias"]  # qkv rows: (4 + 2 x 2) x 8 = 64, half of them
+    assert qkv.shape == (32,) and qkv.pieces[0].box == ((3, 4), (32, 64))
+    for whole in ("decoder.layers.1.self_attention.linear_proj.bias", "decoder.layers.1.mlp.linear_fc2.bias"):
+        assert by_name[whole].shape == (32,) and by_name[whole].pieces[0].box == ((3, 4), (0, 32))
+    shapes = layout.global_shapes(biased)
+    assert shapes["decoder.layers.mlp.linear_fc1.bias"] == (4, 128)
+    assert all(layout.without_weight_decay(k, shapes[k]) for k in shapes if k.endswith(".bias"))
+    qkv_only = layout.Gpt(4, 32, 64, 4, 2, 8, 1024, True, qkv_bias=True)  # Qwen2's attention
+    assert sorted(k for k in layout.global_shapes(qkv_only) if k.endswith("bias")) == [
+        "decoder.layers.self_attention.linear_qkv.bias"]
+    assert not any(k.endswith("bias") for k in layout.global_shapes(layout.Gpt(4, 32, 64, 4, 2, 8, 1024, True)))
+
+
 def test_a_larger_padded_vocabulary_gets_zero_rows_and_the_read_back_check_sees_a_nonzero_one(tmp_path: Path) -> None:
     source = read_save(synthetic_save(tmp_path, tp=1))  # 1000 rows padded to 1056
     write_save(source, tmp_path / "tp2", Target(2, 1, 1, "fully_reshardable"))  # padded to 1152

@@ -241,13 +241,16 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
         sharding = str(exc)
     dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
     heads, groups = args.get("num_attention_heads"), query_groups(args)
+    biases = (", linear biases" if args.get("add_bias_linear")
+              else ", linear_qkv bias" if args.get("add_qkv_bias") else "")  # fmt: skip
     notes = [
         f"Megatron-LM torch_dist save of iteration {common.get('iteration', args.get('iteration'))}: TP{tp} PP{pp} "
         f"DP{dp} (world {args.get('world_size')}), EP{ep}, virtual pipeline stages {vpp or 'none'}",
         f"distributed optimizer {sharding}; weights {dtype}, fp32 master weights and moments",
         f"GPT: {args.get('num_layers')} layers, hidden {args.get('hidden_size')}, ffn {args.get('ffn_hidden_size')}, "
         f"{heads} heads in {groups} query groups, vocabulary padded to {args.get('padded_vocab_size')}"
-        + (", SwiGLU" if args.get("swiglu") else "") + f", {args.get('normalization', 'LayerNorm')}",
+        + (", SwiGLU" if args.get("swiglu") else "") + f", {args.get('normalization', 'LayerNorm')}"
+        + biases,
     ]
     if (why := files.refused_model(args, folder)) is not None:
         notes.append(why)

@@ -196,7 +196,6 @@ def refused_model(args: dict[str, Any], where: Path) -> str | None:
         ((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism (expert_model_parallel_size)"),
         (args.get("virtual_pipeline_model_parallel_size") not in (None, 1), "virtual pipeline stages"),
         ((args.get("context_parallel_size") or 1) > 1, "context parallelism"),
-        (bool(args.get("add_bias_linear")) or bool(args.get("add_qkv_bias")), "linear biases (add_bias_linear)"),
         (not args.get("untie_embeddings_and_output_weights", False), "tied embedding and output weights"),
         (args.get("transformer_impl", "local") != "local", f"the {args.get('transformer_impl')} layer spec"),
         (bool(args.get("use_megatron_fsdp")) or args.get("ckpt_format") == "fsdp_dtensor", "Megatron-FSDP"),
@@ -220,6 +219,8 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
         kv_channels=int(args.get("kv_channels") or int(args["hidden_size"]) // heads),
         padded_vocab_size=int(args["padded_vocab_size"]),
         swiglu=bool(args.get("swiglu")),
+        linear_bias=bool(args.get("add_bias_linear")),
+        qkv_bias=bool(args.get("add_qkv_bias")),
     )
 
 
