@@ -293,7 +293,7 @@ class InputConfig(_Frozen):
             parse(path, "input.path")  # a scheme osdpipe reads, a bucket; whether it is there is asked with the options
             return path
         if path is not None and not Path(path).exists():
-            raise ValueError(f"{path!r} does not exist; point input.path at a checkpoint file or DCP directory")
+            raise ValueError(f"{path!r} does not exist; point input.path at a checkpoint file or directory")
         return path
 
 
