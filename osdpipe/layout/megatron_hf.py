@@ -1,10 +1,12 @@
 """Megatron-Core's GPT <-> Hugging Face's ``LlamaForCausalLM``: the config and the weights' map, pure functions.
 
 A Megatron GPT with RMSNorm, SwiGLU, RoPE (rotate-half), no biases and untied embeddings computes the function of
-transformers' ``LlamaForCausalLM``; only the tensors are named and cut differently. The map (Megatron's sharded keys
-as :func:`osdpipe.layout.megatron.global_shapes` gives them, the decoder's layers stacked on axis 0; ``g`` a query
-group of ``G``, ``n = heads / G`` query heads each, ``d`` the head dimension, ``f`` the FFN size, ``V`` the true
-vocabulary and ``Vp`` Megatron's padded one):
+transformers' ``LlamaForCausalLM``; only the tensors are named and cut differently. With Megatron-LM's linear biases
+(``add_bias_linear``) it is a Llama with ``attention_bias`` and ``mlp_bias``; with ``linear_qkv``'s alone
+(``add_qkv_bias``) transformers' ``Qwen2ForCausalLM`` (:func:`architecture`); a bias is cut as its weight's rows. The
+map (Megatron's sharded keys as :func:`osdpipe.layout.megatron.global_shapes` gives them, the decoder's layers stacked
+on axis 0; ``g`` a query group of ``G``, ``n = heads / G`` query heads each, ``d`` the head dimension, ``f`` the FFN
+size, ``V`` the true vocabulary and ``Vp`` Megatron's padded one):
 
 =========================================================  ======================================================
 Megatron                                                   Hugging Face (layer ``i``)
@@ -22,6 +24,9 @@ Megatron                                                   Hugging Face (layer `
 ``...linear_fc2.weight[i]``                                ``model.layers.{i}.mlp.down_proj.weight``
 ``decoder.final_layernorm.weight``                         ``model.norm.weight``
 ``output_layer.weight`` ``[Vp, h]``                        ``lm_head.weight``: rows ``[0, V)``
+``...linear_qkv.bias[i]``, ``...linear_fc1.bias[i]``       as their weights' rows: ``q_proj``, ``k_proj``,
+                                                           ``v_proj``, ``gate_proj``, ``up_proj`` ``.bias``
+``...linear_proj.bias[i]``, ``...linear_fc2.bias[i]``      ``self_attn.o_proj.bias``, ``mlp.down_proj.bias``
 =========================================================  ======================================================
 
 Every element goes to exactly one place and comes back (:func:`from_hf` puts the padding rows back as zeros), with no
@@ -71,16 +76,38 @@ PROJ = f"{LAYERS}self_attention.linear_proj.weight"
 FC1 = f"{LAYERS}mlp.linear_fc1.weight"
 MLP_NORM = f"{LAYERS}mlp.linear_fc1.layer_norm_weight"
 FC2 = f"{LAYERS}mlp.linear_fc2.weight"
+QKV_BIAS = f"{LAYERS}self_attention.linear_qkv.bias"
+PROJ_BIAS = f"{LAYERS}self_attention.linear_proj.bias"
+FC1_BIAS = f"{LAYERS}mlp.linear_fc1.bias"
+FC2_BIAS = f"{LAYERS}mlp.linear_fc2.bias"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
 
-#: Megatron key of a per-layer weight taken whole -> the HF name within ``model.layers.{i}.``.
+#: Megatron key of a per-layer tensor taken whole -> the HF name within ``model.layers.{i}.`` (the biases where the
+#: GPT has them: :func:`_whole_per_layer`).
 _WHOLE_PER_LAYER = {
     INPUT_NORM: "input_layernorm.weight",
     PROJ: "self_attn.o_proj.weight",
+    PROJ_BIAS: "self_attn.o_proj.bias",
     MLP_NORM: "post_attention_layernorm.weight",
     FC2: "mlp.down_proj.weight",
+    FC2_BIAS: "mlp.down_proj.bias",
 }
+
+#: The Hugging Face architectures a Megatron GPT is written as (:func:`architecture`).
+LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
+
+
+def architecture(args: dict[str, Any]) -> str:
+    """The Hugging Face model that computes the GPT Megatron-LM's ``args`` describe: Qwen2's where only ``linear_qkv``
+    has a bias (``add_qkv_bias``: Qwen2 biases q, k and v, not o, nor its MLP), else Llama's (``add_bias_linear``, a
+    bias on each of the four linears, is Llama's ``attention_bias`` and ``mlp_bias``)."""
+    return QWEN2 if args.get("add_qkv_bias") and not args.get("add_bias_linear") else LLAMA
+
+
+def _whole_per_layer(gpt: Gpt) -> dict[str, str]:
+    shapes = global_shapes(gpt)
+    return {key: name for key, name in _WHOLE_PER_LAYER.items() if key in shapes}
 
 
 def true_vocab_size(args: dict[str, Any]) -> int:
@@ -98,10 +125,16 @@ def _rope(args: dict[str, Any]) -> bool:
     return kind == "rope"
 
 
-def refusals(args: dict[str, Any]) -> list[str]:
+def refusals(args: dict[str, Any], *, biases: bool = False) -> list[str]:
     """What of the GPT ``args`` describe HF's Llama cannot express (empty: nothing). Absent args take Megatron-LM's
-    defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied)."""
+    defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied).
+
+    ``biases``: the output is a model folder, which holds a GPT's linear biases as Llama's ``attention_bias`` and
+    ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`); where it is a training checkpoint for
+    a PyTorch job's Llama or torchtitan's llama3, which have none, they are refused."""
     norm = args.get("normalization", "LayerNorm")
+    qwen2 = biases and architecture(args) == QWEN2
+    hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
     checks = [
         (norm != "RMSNorm", f"{norm} (not RMSNorm)"),
         (bool(args.get("apply_layernorm_1p")) or bool(args.get("layernorm_zero_centered_gamma")),
@@ -109,7 +142,11 @@ def refusals(args: dict[str, Any]) -> list[str]:
         (not args.get("swiglu"), "an MLP without SwiGLU"),
         (bool(args.get("squared_relu")), "squared ReLU"),
         (args.get("activation_func_clamp_value") is not None, "a clamped activation (activation_func_clamp_value)"),
-        (bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias")), "linear biases (add_bias_linear)"),
+        (not biases and (bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))),
+         "linear biases (add_bias_linear)"),
+        (qwen2 and bool(args.get("use_rope_scaling")), "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
+        (qwen2 and int(args.get("kv_channels") or hidden // heads) * heads != hidden,
+         "a head dimension other than hidden / heads with linear_qkv's bias alone (a Qwen2)"),
         (not args.get("untie_embeddings_and_output_weights", False), "tied embedding and output weights"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
         (not _rope(args), f"{args.get('position_embedding_type', 'learned_absolute')} position embeddings (not rope)"),
@@ -151,7 +188,8 @@ _MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_m
 
 
 def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str | None = None) -> dict[str, Any]:
-    """The ``config.json`` of the ``LlamaForCausalLM`` that computes the GPT Megatron-LM's ``args`` describe.
+    """The ``config.json`` of the ``LlamaForCausalLM`` that computes the GPT Megatron-LM's ``args`` describe, or of
+    the ``Qwen2ForCausalLM`` where only ``linear_qkv`` has a bias (:func:`architecture`).
 
     ``vocab_size``: the true vocabulary (default :func:`true_vocab_size`); ``dtype``: the weights' (default the
     job's ``params_dtype``: ``bfloat16`` with ``bf16``). ``--use-rope-scaling`` is transformers' ``llama3`` rope
@@ -164,7 +202,8 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
     Raises:
         ValueError: one line naming what HF's Llama cannot express (:func:`refusals`), "not supported yet".
     """
-    _refuse(refusals(args))
+    _refuse(refusals(args, biases=True))
+    linear_bias, qwen2 = bool(args.get("add_bias_linear")), architecture(args) == QWEN2
     heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     vocab = int(vocab_size) if vocab_size is not None else true_vocab_size(args)
     padded = int(args.get("padded_vocab_size") or vocab)
@@ -175,9 +214,9 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if (factor := _rope_scaling_factor(args)) is not None:  # Llama 3.1's, as megatron-core applies it
         rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **_MEGATRON_LLAMA3}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    config = {
+        "architectures": [QWEN2 if qwen2 else LLAMA],
+        "model_type": "qwen2" if qwen2 else "llama",
         "hidden_size": hidden,
         "intermediate_size": int(args["ffn_hidden_size"]),
         "num_attention_heads": heads,
@@ -191,14 +230,18 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
         "rope_parameters": rope,
         "max_position_embeddings": int(args.get("max_position_embeddings") or args["seq_length"]),
         "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "attention_bias": linear_bias,
+        "mlp_bias": linear_bias,
         "attention_dropout": 0.0,
         "bos_token_id": None,
         "eos_token_id": None,
         "dtype": name,
         "torch_dtype": name,
     }
+    if qwen2:  # Qwen2's biases are its architecture's (q, k, v), not keys; its attention is full in every layer
+        del config["attention_bias"], config["mlp_bias"]
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=int(args["num_layers"]))
+    return config
 
 
 def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
@@ -242,22 +285,25 @@ def _check_gpt(gpt: Gpt) -> None:
 
 
 def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the ``LlamaForCausalLM`` state dict :func:`to_hf` gives, and its shape."""
+    """Every tensor of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``: :func:`architecture`) state dict
+    :func:`to_hf` gives, and its shape: each linear's bias, where the GPT has one, after its weight."""
     h, d, f = gpt.hidden_size, gpt.kv_channels, gpt.ffn_hidden_size
+    q, kv, o = gpt.num_attention_heads * d, gpt.num_query_groups * d, gpt.linear_bias
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
     for i in range(gpt.num_layers):
         p = f"model.layers.{i}."
-        out.update({
-            f"{p}input_layernorm.weight": (h,),
-            f"{p}self_attn.q_proj.weight": (gpt.num_attention_heads * d, h),
-            f"{p}self_attn.k_proj.weight": (gpt.num_query_groups * d, h),
-            f"{p}self_attn.v_proj.weight": (gpt.num_query_groups * d, h),
-            f"{p}self_attn.o_proj.weight": (h, gpt.num_attention_heads * d),
-            f"{p}post_attention_layernorm.weight": (h,),
-            f"{p}mlp.gate_proj.weight": (f, h),
-            f"{p}mlp.up_proj.weight": (f, h),
-            f"{p}mlp.down_proj.weight": (h, f),
-        })
+        layer = {
+            "input_layernorm.weight": ((h,), True),
+            "self_attn.q_proj.weight": ((q, h), True), "self_attn.q_proj.bias": ((q,), gpt.has_qkv_bias),
+            "self_attn.k_proj.weight": ((kv, h), True), "self_attn.k_proj.bias": ((kv,), gpt.has_qkv_bias),
+            "self_attn.v_proj.weight": ((kv, h), True), "self_attn.v_proj.bias": ((kv,), gpt.has_qkv_bias),
+            "self_attn.o_proj.weight": ((h, q), True), "self_attn.o_proj.bias": ((h,), o),
+            "post_attention_layernorm.weight": ((h,), True),
+            "mlp.gate_proj.weight": ((f, h), True), "mlp.gate_proj.bias": ((f,), o),
+            "mlp.up_proj.weight": ((f, h), True), "mlp.up_proj.bias": ((f,), o),
+            "mlp.down_proj.weight": ((h, f), True), "mlp.down_proj.bias": ((h,), o),
+        }
+        out.update({p + name: shape for name, (shape, held) in layer.items() if held})
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (vocab_size, h)
     return out
@@ -279,10 +325,11 @@ def _megatron_key_of(name: str) -> str:
     if name in fixed:
         return fixed[name]
     within = name.split(".", 3)[3]  # model.layers.{i}.<within>
+    bias = within.endswith(".bias")
     if within.startswith("self_attn.") and within.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
-        return QKV
-    if within in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-        return FC1
+        return QKV_BIAS if bias else QKV
+    if within.split(".")[:2] in (["mlp", "gate_proj"], ["mlp", "up_proj"]):
+        return FC1_BIAS if bias else FC1
     return next(key for key, hf in _WHOLE_PER_LAYER.items() if hf == within)
 
 
@@ -298,7 +345,8 @@ def _check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int
 
 def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """Megatron's GPT tensors (every key of :func:`osdpipe.layout.megatron.global_shapes`, layers stacked) -> the
-    ``LlamaForCausalLM`` state dict (module docstring's table), the vocabulary cut to its first ``vocab_size`` rows.
+    ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) state dict (module docstring's table), the vocabulary cut to its
+    first ``vocab_size`` rows.
 
     A pure rearrangement: every output element is an input element, copied (the outputs own their storage, each
     contiguous, as ``safetensors`` wants), so the same call maps fp32 masters and Adam's moments.
@@ -308,17 +356,21 @@ def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[s
         raise ValueError(f"vocabulary {vocab_size} is not in (0, padded vocabulary {gpt.padded_vocab_size}]")
     _check_tensors(tensors, global_shapes(gpt), "Megatron GPT tensors")
     n, d, f = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.ffn_hidden_size
-    h = gpt.hidden_size
     out = {"model.embed_tokens.weight": tensors[EMBEDDING][:vocab_size].clone()}
+    cuts = [(QKV, "weight")] + ([(QKV_BIAS, "bias")] if gpt.has_qkv_bias else [])
+    halves = [(FC1, "weight")] + ([(FC1_BIAS, "bias")] if gpt.linear_bias else [])
     for i in range(gpt.num_layers):
         p = f"model.layers.{i}."
-        qkv = tensors[QKV][i].reshape(gpt.num_query_groups, n + 2, d, h)
-        out[f"{p}self_attn.q_proj.weight"] = qkv[:, :n].reshape(gpt.num_attention_heads * d, h).clone()
-        out[f"{p}self_attn.k_proj.weight"] = qkv[:, n].reshape(gpt.num_query_groups * d, h).clone()
-        out[f"{p}self_attn.v_proj.weight"] = qkv[:, n + 1].reshape(gpt.num_query_groups * d, h).clone()
-        out[f"{p}mlp.gate_proj.weight"] = tensors[FC1][i][:f].clone()
-        out[f"{p}mlp.up_proj.weight"] = tensors[FC1][i][f:].clone()
-        for key, name in _WHOLE_PER_LAYER.items():
+        for key, kind in cuts:  # a bias is cut as its weight's rows
+            tail = tuple(tensors[key].shape[2:])  # (h,) of the weight, () of the bias
+            qkv = tensors[key][i].reshape(gpt.num_query_groups, n + 2, d, *tail)
+            out[f"{p}self_attn.q_proj.{kind}"] = qkv[:, :n].reshape(gpt.num_attention_heads * d, *tail).clone()
+            out[f"{p}self_attn.k_proj.{kind}"] = qkv[:, n].reshape(gpt.num_query_groups * d, *tail).clone()
+            out[f"{p}self_attn.v_proj.{kind}"] = qkv[:, n + 1].reshape(gpt.num_query_groups * d, *tail).clone()
+        for key, kind in halves:
+            out[f"{p}mlp.gate_proj.{kind}"] = tensors[key][i][:f].clone()
+            out[f"{p}mlp.up_proj.{kind}"] = tensors[key][i][f:].clone()
+        for key, name in _whole_per_layer(gpt).items():
             out[p + name] = tensors[key][i].clone()
     out["model.norm.weight"] = tensors[FINAL_NORM].clone()
     out["lm_head.weight"] = tensors[OUTPUT][:vocab_size].clone()
@@ -343,24 +395,25 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
     if vocab > padded:
         raise ValueError(f"vocabulary {vocab} does not fit the padded vocabulary {padded}")
     _check_tensors(tensors, hf_shapes(gpt, vocab), "Hugging Face Llama tensors")
-    n, d, h = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.hidden_size
-    g = gpt.num_query_groups
-    qkv, fc1, whole = [], [], {key: [] for key in _WHOLE_PER_LAYER}
+    n, d, g = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.num_query_groups
+    cuts = [(QKV, "weight")] + ([(QKV_BIAS, "bias")] if gpt.has_qkv_bias else [])
+    halves = [(FC1, "weight")] + ([(FC1_BIAS, "bias")] if gpt.linear_bias else [])
+    whole = _whole_per_layer(gpt)
+    layers: dict[str, list[torch.Tensor]] = {key: [] for key in [*dict(cuts), *dict(halves), *whole]}
     for i in range(gpt.num_layers):
-        p = f"model.layers.{i}.self_attn."
-        q = tensors[f"{p}q_proj.weight"].reshape(g, n, d, h)
-        k = tensors[f"{p}k_proj.weight"].reshape(g, 1, d, h)
-        v = tensors[f"{p}v_proj.weight"].reshape(g, 1, d, h)
-        qkv.append(torch.cat([q, k, v], dim=1).reshape(gpt.qkv_rows, h))
-        mlp = f"model.layers.{i}.mlp."
-        fc1.append(torch.cat([tensors[f"{mlp}gate_proj.weight"], tensors[f"{mlp}up_proj.weight"]]))
-        for key, name in _WHOLE_PER_LAYER.items():
-            whole[key].append(tensors[f"model.layers.{i}.{name}"])
+        p = f"model.layers.{i}."
+        for key, kind in cuts:  # per query group: its query heads, then a key and a value head
+            q, k, v = (tensors[f"{p}self_attn.{proj}.{kind}"] for proj in ("q_proj", "k_proj", "v_proj"))
+            tail = tuple(q.shape[1:])
+            heads = [q.reshape(g, n, d, *tail), k.reshape(g, 1, d, *tail), v.reshape(g, 1, d, *tail)]
+            layers[key].append(torch.cat(heads, dim=1).reshape(gpt.qkv_rows, *tail))
+        for key, kind in halves:
+            layers[key].append(torch.cat([tensors[f"{p}mlp.gate_proj.{kind}"], tensors[f"{p}mlp.up_proj.{kind}"]]))
+        for key, name in whole.items():
+            layers[key].append(tensors[p + name])
     out = {
         EMBEDDING: _pad_rows(tensors["model.embed_tokens.weight"], padded),
-        QKV: torch.stack(qkv),
-        FC1: torch.stack(fc1),
-        **{key: torch.stack(ts) for key, ts in whole.items()},
+        **{key: torch.stack(ts) for key, ts in layers.items()},
         FINAL_NORM: tensors["model.norm.weight"].clone(),
         OUTPUT: _pad_rows(tensors["lm_head.weight"], padded),
     }
@@ -388,19 +441,34 @@ def _megatrons_llama3(rope: dict[str, Any]) -> float | None:
     return float(rope.get("factor", 8.0)) if fixed else None
 
 
-def hf_refusals(config: dict[str, Any]) -> list[str]:
+def hf_refusals(config: dict[str, Any], *, biases: bool = False) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT with the local layer spec cannot express (empty:
     nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases, with untied embeddings,
-    SiLU, plain RoPE, and as many query heads per key/value head in every group."""
+    SiLU, plain RoPE, and as many query heads per key/value head in every group.
+
+    ``biases``: the source is a model folder, whose biases become Megatron's (:func:`megatron_args`): a Llama's
+    ``attention_bias`` and ``mlp_bias`` together (``add_bias_linear``: Megatron biases all four linears or
+    ``linear_qkv`` alone), or a Qwen2 (``Qwen2ForCausalLM``: ``add_qkv_bias``) without sliding windows or RoPE
+    scaling. A training checkpoint (the HF Trainer's, torchtitan's) is read for a Llama without them."""
     arch = config.get("architectures") or ["LlamaForCausalLM"]
     rope = _rope_parameters(config)
     heads = int(config.get("num_attention_heads") or 0)
     groups = int(config.get("num_key_value_heads") or heads)
+    qwen2 = biases and (config.get("model_type"), arch) == ("qwen2", [QWEN2])
+    attention, mlp = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
+    hidden = int(config.get("hidden_size") or 0)
     checks = [
-        (config.get("model_type") != "llama" or arch != ["LlamaForCausalLM"],
-         f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM"),
-        (bool(config.get("attention_bias")), "attention biases (attention_bias)"),
-        (bool(config.get("mlp_bias")), "MLP biases (mlp_bias)"),
+        (not qwen2 and (config.get("model_type") != "llama" or arch != [LLAMA]),
+         f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM"
+         + (" or Qwen2ForCausalLM" if biases else "")),
+        (not biases and attention, "attention biases (attention_bias)"),
+        (not biases and mlp, "MLP biases (mlp_bias)"),
+        (biases and attention != mlp,
+         "attention biases without MLP biases or the other way (Megatron biases all four linears or linear_qkv alone)"),
+        (qwen2 and bool(config.get("use_sliding_window")), "sliding-window attention (use_sliding_window)"),
+        (qwen2 and rope.get("rope_type", rope.get("type", "default")) != "default", "RoPE scaling in a Qwen2"),
+        (qwen2 and heads > 0 and int(config.get("head_dim") or hidden // heads) * heads != hidden,
+         "a head dimension other than hidden / heads in a Qwen2"),
         (config.get("tie_word_embeddings", True) is not False,
          "tied embedding and output weights (tie_word_embeddings)"),
         (config.get("hidden_act", "silu") != "silu", f"the {config.get('hidden_act')} activation (not silu)"),
@@ -424,15 +492,19 @@ def megatron_args(
     iteration: int = 0,
     sharding: str = "fully_reshardable",
     divisible_by: int = 128,
+    biases: bool = False,
 ) -> dict[str, Any]:
-    """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` of
-    ``config`` (its ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`.
+    """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (with
+    ``biases``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``), for TP ``tp`` x PP ``pp`` on ``world``
+    ranks: the inverse of :func:`hf_config`.
 
     What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
     with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
-    ``rotary_base``, no biases, untied embeddings, the local layer spec, the true ``vocab_size`` (the NullTokenizer's,
-    as Megatron-LM records it for ``--vocab-size``) and ``padded_vocab_size``
-    (:func:`osdpipe.layout.megatron.padded_vocab_size`), the parallelism, the distributed optimizer, ``torch_dist``.
+    ``rotary_base``, the biases (``add_bias_linear`` for a Llama's ``attention_bias`` and ``mlp_bias``,
+    ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals` with ``biases``), untied embeddings, the local layer spec, the
+    true ``vocab_size`` (the NullTokenizer's, as Megatron-LM records it for ``--vocab-size``) and
+    ``padded_vocab_size`` (:func:`osdpipe.layout.megatron.padded_vocab_size`), the parallelism, the distributed
+    optimizer, ``torch_dist``.
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that
@@ -441,9 +513,10 @@ def megatron_args(
     """
     from osdpipe.layout.megatron import padded_vocab_size
 
-    what = hf_refusals(config)
+    what = hf_refusals(config, biases=biases)
     if what:
         raise ValueError(f"a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")
+    qwen2 = config.get("model_type") == "qwen2"
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         groups = int(config.get("num_key_value_heads") or heads)
@@ -478,7 +551,8 @@ def megatron_args(
         "add_position_embedding": False, "rotary_base": int(theta) if theta.is_integer() else theta,
         "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": scaling is not None,
         "rope_scaling_factor": scaling or 8.0,
-        "untie_embeddings_and_output_weights": True, "add_bias_linear": False, "add_qkv_bias": False,
+        "untie_embeddings_and_output_weights": True,
+        "add_bias_linear": bool(config.get("attention_bias")) and not qwen2, "add_qkv_bias": qwen2,
         "qk_layernorm": False, "num_experts": None, "transformer_impl": "local",
         "hidden_dropout": 0.0, "attention_dropout": float(config.get("attention_dropout") or 0.0),
         "vocab_size": vocab, "padded_vocab_size": padded_vocab_size(vocab, divisible_by, tp),

@@ -348,10 +348,11 @@ def hf_logits_gap(folder: Path, probe: dict) -> tuple[float, float]:
     """How far Megatron's logits (``probe``: :func:`write_logits`' tokens and logits) are from transformers' own
     forward of the Hugging Face folder ``folder`` (``from_pretrained``, eager attention) on the same tokens, over the
     true vocabulary: ``(max |diff|, max |HF logit|)``. The tests hold the first within 1e-4 of the second
-    (``test_megatron_hf.py`` says why)."""
-    from transformers import LlamaForCausalLM
+    (``test_megatron_hf.py`` says why). The model is the one ``config.json``'s ``architectures`` names (a Llama, or a
+    Qwen2 for a GPT with ``linear_qkv``'s bias alone)."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():
         reference = model(probe["tokens"]).logits
     logits = probe["logits"][..., : reference.shape[-1]]

@@ -15,7 +15,9 @@ a ``release`` save: the model alone, iteration 0, no flags) loads it on 4 ranks 
 
 A bf16 folder converts to a bf16 Megatron job's weights, bit for bit (TP2 PP1), and the job's fp32 masters start from
 them (Megatron-LM's ``reload_model_params``): its second step moves no weight by more than a step's size. ``osdpipe
-check`` proves the save against its folder and fails against another model's.
+check`` proves the save against its folder and fails against another model's. transformers' Qwen2 (Megatron's
+``--add-qkv-bias``) and a Llama with every linear biased (``--add-bias-linear``) convert too: megatron-core holds their
+tensors bitwise and computes their logits.
 """
 
 from __future__ import annotations
@@ -153,3 +155,36 @@ def test_a_bf16_folder_is_a_bf16_jobs_weights_bitwise(tmp_path: Path) -> None:
     # initialisation instead of the loaded weights would move them by the weights' scale (0.02)
     moved = {k: float((after["model"][k].float() - t.float()).abs().max()) for k, t in want.items()}
     assert max(moved.values()) <= 2e-3 and any(m > 0 for m in moved.values()), moved
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama with attention_bias and mlp_bias"])
+def test_a_biased_folder_is_a_megatron_save_that_computes_its_logits(tmp_path: Path, family: str) -> None:
+    """transformers' own Qwen2 (q, k and v biased: Megatron's ``add_qkv_bias``) or Llama with every linear biased
+    (``add_bias_linear``), biases drawn at 0.1 so that they move the logits, converts at TP2: megatron-core, built
+    from the save's ``args``, holds the folder's tensors mapped by ``from_hf`` bitwise and computes its logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**LLAMA))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA, attention_bias=True, mlp_bias=True))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.1)
+    source = tmp_path / "folder"
+    model.save_pretrained(source)
+    out = tmp_path / "megatron"
+    done = convert(tmp_path, source, out, "target.tp_size=2", "target.world_size=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mcore.load(tmp_path, out, tmp_path / "loaded.pt", tp=2, pp=1, dp=1, dims_from_save=True,
+               logits=tmp_path / "logits.pt", label="load-release-biased")
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    biased = Gpt(**{**GPT.__dict__, "linear_bias": family != "qwen2", "qkv_bias": family == "qwen2"})
+    want = from_hf(biased, read_weights(source), biased.padded_vocab_size)
+    assert sorted(loaded["model"]) == sorted(want) and any(k.endswith(".bias") for k in want)
+    assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
+    diff, scale = mcore.hf_logits_gap(source, torch.load(tmp_path / "logits.pt", weights_only=True))
+    print(f"{family}: max |Megatron TP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale

@@ -1,4 +1,5 @@
-"""``megatron_hf.megatron_args``: a Hugging Face Llama's ``config.json`` -> Megatron-LM's ``args``, pure.
+"""``megatron_hf.megatron_args``: a Hugging Face Llama's (or a model folder's Qwen2's) ``config.json`` -> Megatron-LM's
+``args``, pure.
 
 It is :func:`~osdpipe.layout.megatron_hf.hf_config`'s inverse on every dimension the map and the layout read, pads the
 vocabulary as Megatron-LM does for the TP, and refuses in one line what a Megatron GPT cannot be or a grid that does not
@@ -54,6 +55,42 @@ def test_what_megatron_cannot_express_is_refused_in_one_line(change, said) -> No
     assert any(said in what for what in hf_refusals({**LLAMA, **change}))
     with pytest.raises(ValueError, match="not supported yet as a Megatron GPT") as err:
         megatron_args({**LLAMA, **change}, 1, 1, 1)
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+QWEN2 = {**{k: v for k, v in LLAMA.items() if k not in ("attention_bias", "mlp_bias")},
+         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+
+
+@pytest.mark.parametrize(("config", "flags", "architecture"), [
+    ({**LLAMA, "attention_bias": True, "mlp_bias": True}, (True, False), "LlamaForCausalLM"),
+    (QWEN2, (False, True), "Qwen2ForCausalLM"),
+])
+def test_a_folders_biases_are_megatrons_and_back(config, flags, architecture) -> None:
+    """A model folder (``biases``) maps a Llama's attention_bias and mlp_bias to add_bias_linear and a Qwen2 to
+    add_qkv_bias, and hf_config gives the same architecture back; a training checkpoint's Llama has none (refused)."""
+    args = megatron_args(config, 2, 1, 2, biases=True)
+    assert (args["add_bias_linear"], args["add_qkv_bias"]) == flags
+    gpt = gpt_of(args)
+    assert (gpt.linear_bias, gpt.has_qkv_bias) == (flags[0], True)
+    back = hf_config(args)
+    assert back["architectures"] == [architecture] and back["model_type"] == config["model_type"]
+    assert {k: back.get(k) for k in ("attention_bias", "mlp_bias")} == \
+        {k: config.get(k) for k in ("attention_bias", "mlp_bias")}
+    assert hf_refusals(config) != [] and hf_refusals(config, biases=True) == []
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({**LLAMA, "attention_bias": True}, "attention biases without MLP biases"),
+    ({**LLAMA, "mlp_bias": True}, "attention biases without MLP biases"),
+    ({**QWEN2, "use_sliding_window": True}, "sliding-window attention"),
+    ({**QWEN2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "RoPE scaling in a Qwen2"),
+    ({**QWEN2, "head_dim": 16}, "a head dimension other than hidden / heads in a Qwen2"),
+    ({**QWEN2, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "not a LlamaForCausalLM or Qwen2"),
+])
+def test_what_a_folders_biases_cannot_be_in_megatron_is_refused_in_one_line(change, said) -> None:
+    with pytest.raises(ValueError, match="not supported yet as a Megatron GPT") as err:
+        megatron_args(change, 1, 1, 1, biases=True)
     assert said in str(err.value) and "\n" not in str(err.value)
 
 

@@ -17,7 +17,8 @@ import torch
 from osdpipe.layout.megatron import Gpt, global_shapes
 from osdpipe.layout.megatron_hf import from_hf, hf_config, hf_shapes, query_groups, refusals, to_hf, true_vocab_size
 
-#: The harness's GPT (tests/frameworks/mcore.py: GQA 4 heads / 2 groups), MHA, MQA, and kv_channels != hidden / heads.
+#: The harness's GPT (tests/frameworks/mcore.py: GQA 4 heads / 2 groups), MHA, MQA, kv_channels != hidden / heads,
+#: and GQA with Megatron-LM's linear biases (a Llama with attention_bias and mlp_bias) or linear_qkv's alone (a Qwen2).
 GPTS = {
     "gqa": Gpt(num_layers=3, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
                kv_channels=4, padded_vocab_size=40, swiglu=True),
@@ -27,8 +28,12 @@ GPTS = {
                kv_channels=3, padded_vocab_size=24, swiglu=True),
     "wide_heads": Gpt(num_layers=1, hidden_size=8, ffn_hidden_size=8, num_attention_heads=4, num_query_groups=2,
                       kv_channels=5, padded_vocab_size=16, swiglu=True),
+    "gqa_biased": Gpt(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
+                      kv_channels=4, padded_vocab_size=40, swiglu=True, linear_bias=True),
+    "gqa_qkv_bias": Gpt(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
+                        kv_channels=4, padded_vocab_size=40, swiglu=True, qkv_bias=True),
 }
-VOCAB = {"gqa": 37, "mha": 16, "mqa": 20, "wide_heads": 9}
+VOCAB = {"gqa": 37, "mha": 16, "mqa": 20, "wide_heads": 9, "gqa_biased": 37, "gqa_qkv_bias": 37}
 
 #: Megatron-LM's args of the harness's GPT (tests/frameworks/mcore.py ``make_args``), the fields the map reads.
 ARGS = dict(
@@ -65,6 +70,9 @@ def test_each_tensor_lands_where_the_heads_say(name):
     per_group = heads // groups
     qkv = x["decoder.layers.self_attention.linear_qkv.weight"]
     fc1 = x["decoder.layers.mlp.linear_fc1.weight"]
+    qkv_bias = x.get("decoder.layers.self_attention.linear_qkv.bias")
+    fc1_bias = x.get("decoder.layers.mlp.linear_fc1.bias")
+    assert (qkv_bias is not None, fc1_bias is not None) == (gpt.has_qkv_bias, gpt.linear_bias)
     assert torch.equal(hf["model.embed_tokens.weight"], x["embedding.word_embeddings.weight"][:vocab])
     assert torch.equal(hf["lm_head.weight"], x["output_layer.weight"][:vocab])
     assert torch.equal(hf["model.norm.weight"], x["decoder.final_layernorm.weight"])
@@ -74,10 +82,17 @@ def test_each_tensor_lands_where_the_heads_say(name):
             group, within = divmod(head, per_group)
             first = group * (per_group + 2) * d + within * d  # group's block, then the head's d rows in it
             assert torch.equal(hf[p + "self_attn.q_proj.weight"][head * d:(head + 1) * d], qkv[i, first:first + d])
+            if qkv_bias is not None:  # a bias goes with its rows
+                assert torch.equal(hf[p + "self_attn.q_proj.bias"][head * d:(head + 1) * d],
+                                   qkv_bias[i, first:first + d])
         for group in range(groups):
             k = group * (per_group + 2) * d + per_group * d
             assert torch.equal(hf[p + "self_attn.k_proj.weight"][group * d:(group + 1) * d], qkv[i, k:k + d])
             assert torch.equal(hf[p + "self_attn.v_proj.weight"][group * d:(group + 1) * d], qkv[i, k + d:k + 2 * d])
+            if qkv_bias is not None:
+                assert torch.equal(hf[p + "self_attn.k_proj.bias"][group * d:(group + 1) * d], qkv_bias[i, k:k + d])
+                assert torch.equal(hf[p + "self_attn.v_proj.bias"][group * d:(group + 1) * d],
+                                   qkv_bias[i, k + d:k + 2 * d])
         assert torch.equal(hf[p + "mlp.gate_proj.weight"], fc1[i, :f])
         assert torch.equal(hf[p + "mlp.up_proj.weight"], fc1[i, f:])
         assert torch.equal(hf[p + "mlp.down_proj.weight"], x["decoder.layers.mlp.linear_fc2.weight"][i])
@@ -86,6 +101,12 @@ def test_each_tensor_lands_where_the_heads_say(name):
                            x["decoder.layers.self_attention.linear_qkv.layer_norm_weight"][i])
         assert torch.equal(hf[p + "post_attention_layernorm.weight"],
                            x["decoder.layers.mlp.linear_fc1.layer_norm_weight"][i])
+        if fc1_bias is not None:
+            assert torch.equal(hf[p + "mlp.gate_proj.bias"], fc1_bias[i, :f])
+            assert torch.equal(hf[p + "mlp.up_proj.bias"], fc1_bias[i, f:])
+            assert torch.equal(hf[p + "mlp.down_proj.bias"], x["decoder.layers.mlp.linear_fc2.bias"][i])
+            assert torch.equal(hf[p + "self_attn.o_proj.bias"], x["decoder.layers.self_attention.linear_proj.bias"][i])
+        assert (p + "self_attn.o_proj.bias" in hf) == (p + "mlp.up_proj.bias" in hf) == gpt.linear_bias
 
 
 @pytest.mark.parametrize("name", sorted(GPTS))
@@ -196,8 +217,6 @@ def test_vocabulary_and_query_groups_from_args():
     ({"apply_layernorm_1p": True}, "zero-centred norm weights"),
     ({"swiglu": False}, "an MLP without SwiGLU"),
     ({"squared_relu": True, "swiglu": False}, "squared ReLU"),
-    ({"add_bias_linear": True}, "linear biases"),
-    ({"add_qkv_bias": True}, "linear biases"),
     ({"untie_embeddings_and_output_weights": False}, "tied embedding and output weights"),
     ({"num_experts": 8}, "a mixture of experts"),
     ({"position_embedding_type": "learned_absolute"}, "learned_absolute position embeddings (not rope)"),
@@ -217,6 +236,25 @@ def test_what_llama_cannot_express_is_refused(change, feature):
     with pytest.raises(ValueError, match="not supported yet") as err:
         hf_config(args)
     assert feature in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("biases, architecture, flags", [
+    ({"add_bias_linear": True}, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    ({"add_bias_linear": True, "add_qkv_bias": True}, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    ({"add_qkv_bias": True}, "Qwen2ForCausalLM", {"use_sliding_window": False}),
+])
+def test_a_biased_gpt_is_a_biased_llama_or_a_qwen2_in_a_folder_and_refused_for_a_training_job(biases, architecture,
+                                                                                                flags):
+    """A model folder holds the biases (hf_config); a PyTorch job's Llama and torchtitan's llama3 have none, so the
+    training-checkpoint paths, which ask refusals() without biases, refuse them in one line."""
+    args = {**ARGS, **biases}
+    config = hf_config(args)
+    assert config["architectures"] == [architecture] and {k: config[k] for k in flags} == flags
+    assert ("attention_bias" in config) == (architecture == "LlamaForCausalLM")
+    assert refusals(args) == ["linear biases (add_bias_linear)"] and refusals(args, biases=True) == []
+    if architecture == "Qwen2ForCausalLM":  # what Qwen2 cannot take, named
+        assert "RoPE scaling" in ", ".join(refusals({**args, "use_rope_scaling": True}, biases=True))
+        assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}, biases=True))
 
 
 def test_absent_args_take_megatron_lm_defaults():

@@ -1,0 +1,76 @@
+"""A Megatron GPT with linear biases is a Hugging Face model that computes its logits: a Llama with ``attention_bias``
+and ``mlp_bias`` (Megatron-LM's ``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``: ``linear_qkv``'s bias alone).
+
+The sources are real megatron-core 0.16.1 saves of the harness's GPT with those biases (``tp2_dp2_bias``,
+``tp2_pp2_qkv_bias`` of :mod:`frameworks.mcore_saves`), trained 3 steps on 4 ranks. The ``osdpipe`` command writes
+each as a model folder (``output.checkpoint=hf``); transformers 5.23.0 loads it by its ``config.json``
+(``AutoModelForCausalLM``: the class its ``architectures`` names), and its logits on fixed tokens must be the ones
+megatron-core itself computes from the save (loaded at the save's own grid, as Megatron-LM's ``load_checkpoint``
+does), within ``max |diff| <= 1e-4 x max |logit|`` (fp32; test_megatron_hf.py says why). The biases are what a map
+that lost them would miss: zeroed, the folder's logits move by 140 times the tolerance or more (measured: 0.014 of
+their scale for the Qwen2's, 0.41 for the Llama's). The HF -> Megatron direction is in test_hf_folder_to_megatron.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from frameworks import mcore
+from frameworks.mcore_saves import SAVES
+from helpers import run_osdpipe
+
+from osdpipe.io.formats.megatron import gpt_of, read_save
+from osdpipe.io.hf_folder import read_weights
+from osdpipe.layout.megatron_hf import from_hf
+
+pytestmark = [
+    pytest.mark.frameworks,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed"),
+]
+
+RELATIVE_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("name, architecture", [("tp2_dp2_bias", "LlamaForCausalLM"),
+                                                ("tp2_pp2_qkv_bias", "Qwen2ForCausalLM")])
+def test_a_biased_megatron_save_is_a_hugging_face_model_that_computes_its_logits(
+    megatron_saves: dict[str, Path], name: str, architecture: str, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    source, save = megatron_saves[name], SAVES[name]
+    out = tmp_path / "hf"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={source}", "output.checkpoint=hf", f"output.path={out}",
+                       cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["architectures"] == [architecture]
+    megatron = read_save(source)
+    gpt = gpt_of(megatron.args)
+    back = from_hf(gpt, read_weights(out))  # the folder holds every fp32 master, biases included, bitwise
+    vocab = mcore.VOCAB
+    masters = {key: states["param"] for key, states in megatron.optim.items()}
+    assert any(key.endswith(".bias") for key in masters)
+    assert [k for k, t in masters.items() if not torch.equal(back[k][:vocab], t[:vocab])] == []
+
+    probe_path = tmp_path / "logits.pt"
+    mcore.load(tmp_path, source, tmp_path / "loaded.pt", tp=save.tp, pp=save.pp, dp=save.dp, bias=save.bias,
+               logits=probe_path, timeout=300)
+    probe = torch.load(probe_path, weights_only=True)
+    diff, scale = mcore.hf_logits_gap(out, probe)
+    print(f"{name}: max |Megatron - HF {architecture}| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(model).__name__ == architecture
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if parameter_name.endswith(".bias"):
+                parameter.zero_()
+        unbiased = model(probe["tokens"]).logits
+    moved = float((unbiased - probe["logits"][..., :vocab]).abs().max())
+    assert moved > 10 * RELATIVE_TOLERANCE * scale, moved  # the comparison above sees the biases
