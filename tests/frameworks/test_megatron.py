@@ -17,8 +17,7 @@ Megatron-LM's ``load_checkpoint`` does (the GPT with every linear bias among the
 the saving job's state, and 2 more steps on synthetic gradients (a function of the key, the global index and the step:
 comparable across layouts, Adam being elementwise) bitwise what the saving job itself did next. A ``dp_reshardable``
 source, which Megatron refuses at another TP or PP, converts to both; a ``fully_sharded_model_space`` source is written
-``fully_reshardable``
-(megatron-core 0.16.1, which loads the outputs, reads no ``fully_sharded_model_space``).
+``fully_reshardable`` (megatron-core 0.16.1, which loads the outputs, reads no ``fully_sharded_model_space``).
 """
 
 from __future__ import annotations
