@@ -105,6 +105,15 @@ def architecture(args: dict[str, Any]) -> str:
     return QWEN2 if args.get("add_qkv_bias") and not args.get("add_bias_linear") else LLAMA
 
 
+def _split_by_rows(gpt: Gpt) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The Megatron keys HF splits by rows, each with the kind (``weight``, ``bias``) of the HF names it goes to:
+    ``linear_qkv``'s (per query group into q, k and v) and ``linear_fc1``'s (into gate and up), a bias where the GPT
+    has one (:func:`to_hf` and :func:`from_hf` walk the same list)."""
+    qkv = [(QKV, "weight")] + ([(QKV_BIAS, "bias")] if gpt.has_qkv_bias else [])
+    fc1 = [(FC1, "weight")] + ([(FC1_BIAS, "bias")] if gpt.linear_bias else [])
+    return qkv, fc1
+
+
 def _whole_per_layer(gpt: Gpt) -> dict[str, str]:
     shapes = global_shapes(gpt)
     return {key: name for key, name in _WHOLE_PER_LAYER.items() if key in shapes}
@@ -357,8 +366,7 @@ def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[s
     _check_tensors(tensors, global_shapes(gpt), "Megatron GPT tensors")
     n, d, f = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.ffn_hidden_size
     out = {"model.embed_tokens.weight": tensors[EMBEDDING][:vocab_size].clone()}
-    cuts = [(QKV, "weight")] + ([(QKV_BIAS, "bias")] if gpt.has_qkv_bias else [])
-    halves = [(FC1, "weight")] + ([(FC1_BIAS, "bias")] if gpt.linear_bias else [])
+    cuts, halves = _split_by_rows(gpt)
     for i in range(gpt.num_layers):
         p = f"model.layers.{i}."
         for key, kind in cuts:  # a bias is cut as its weight's rows
@@ -396,8 +404,7 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
         raise ValueError(f"vocabulary {vocab} does not fit the padded vocabulary {padded}")
     _check_tensors(tensors, hf_shapes(gpt, vocab), "Hugging Face Llama tensors")
     n, d, g = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.num_query_groups
-    cuts = [(QKV, "weight")] + ([(QKV_BIAS, "bias")] if gpt.has_qkv_bias else [])
-    halves = [(FC1, "weight")] + ([(FC1_BIAS, "bias")] if gpt.linear_bias else [])
+    cuts, halves = _split_by_rows(gpt)
     whole = _whole_per_layer(gpt)
     layers: dict[str, list[torch.Tensor]] = {key: [] for key in [*dict(cuts), *dict(halves), *whole]}
     for i in range(gpt.num_layers):
