@@ -35,6 +35,7 @@ GPT = {
     "group_query_attention": True,
     "kv_channels": 64, "vocab_size": 20000, "make_vocab_size_divisible_by": 128, "swiglu": True,
     "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
+    "normalization": "RMSNorm", "position_embedding_type": "rope",
 }
 
 

@@ -125,6 +125,17 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+
+def learned_positions(args: dict[str, Any]) -> bool:
+    """Whether the GPT Megatron-LM's ``args`` describe holds a learned absolute position table
+    (``embedding.position_embeddings.weight``): Megatron-LM's default ``--position-embedding-type``. Saves older than
+    that argument record ``use_rotary_position_embeddings`` alone (RoPE, no table, where it is set)."""
+    kind = args.get("position_embedding_type")
+    if kind is None:
+        return not args.get("use_rotary_position_embeddings")
+    return kind == "learned_absolute"
+
+
 def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
     """Every sharded key of the model and its global shape (the decoder's layers stacked on axis 0)."""
     h, layers = gpt.hidden_size, gpt.num_layers

@@ -124,11 +124,35 @@ def test_bad_inputs_are_refused_in_one_line(saves: dict[str, Path], tmp_path: Pa
 def test_a_model_osdpipe_cannot_lay_out_yet_is_refused_naming_the_feature() -> None:
     from osdpipe.io.formats.megatron import refused_model
 
-    moe = {"num_experts": 8, "untie_embeddings_and_output_weights": True, "transformer_impl": "local"}
+    laid_out = {"untie_embeddings_and_output_weights": True, "normalization": "RMSNorm",
+                "position_embedding_type": "rope"}
+    moe = {**laid_out, "num_experts": 8, "transformer_impl": "local"}
     assert "a mixture of experts (num_experts): not supported yet" in refused_model(moe, Path("iter_0000003"))
     for biased in ({"add_bias_linear": True}, {"add_qkv_bias": True}):  # laid out (tp2_dp2_bias, tp2_pp2_qkv_bias)
-        assert refused_model({**biased, "untie_embeddings_and_output_weights": True}, Path("x")) is None
-    assert "tied embedding" in refused_model({"untie_embeddings_and_output_weights": False}, Path("x"))
+        assert refused_model({**laid_out, **biased}, Path("x")) is None
+    assert "tied embedding" in refused_model({**laid_out, "untie_embeddings_and_output_weights": False}, Path("x"))
+    # Megatron-LM's defaults where the args are silent: LayerNorm (a bias beside each norm) and a learned position table
+    assert "LayerNorm (a norm with a bias" in refused_model({**laid_out, "normalization": "LayerNorm"}, Path("x"))
+    defaults = refused_model({"untie_embeddings_and_output_weights": True}, Path("x"))
+    assert "LayerNorm" in defaults and "a learned absolute position table" in defaults
+    older = {k: v for k, v in laid_out.items() if k != "position_embedding_type"}  # before --position-embedding-type
+    assert refused_model({**older, "use_rotary_position_embeddings": True}, Path("x")) is None
+    assert "position table" in refused_model(older, Path("x"))
+
+
+def test_a_weight_the_args_have_no_place_for_is_refused_not_dropped(saves: dict[str, Path], tmp_path: Path) -> None:
+    """A save whose common.pt describes a model without a weight the save holds (here linear_qkv's bias, the args
+    edited to deny it) is refused naming the weight: read without it, the output would lack it while every check of
+    what was read passed."""
+    folder = shutil.copytree(saves["tp2_pp2_qkv_bias"], tmp_path / "copy")
+    common_pt = folder / "iter_0000003" / "common.pt"
+    common = torch.load(common_pt, weights_only=False)
+    common["args"].add_qkv_bias = False
+    torch.save(common, common_pt)
+    weight = r"decoder\.layers\.self_attention\.linear_qkv\.bias"
+    with pytest.raises(InputError, match=rf"holds {weight}, optimizer\.state\.exp_avg\.{weight}, .* and 1 more, "
+                                         "which the GPT its common.pt's args describe has no place for"):
+        read_save(folder)
 
 
 @pytest.mark.parametrize("name", CONVERTED)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
@@ -76,6 +77,9 @@ FS_STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg
 _BUCKET = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)"
 )
+#: A model-space optimizer state's key (``fully_reshardable``, ``fully_sharded_model_space``): the weight's after it.
+_MODEL_SPACE_STATE = re.compile(r"optimizer\.state\.(?:%s)\.(.+)" % "|".join(
+    sorted({*STATES, *FS_STATES.values()})))
 _ITERATION = re.compile(r"iter_(\d{7})")
 RNG = re.compile(r"rng_state/shard_(\d+)\.(\d+)_\d+\.\d+")
 
@@ -190,8 +194,12 @@ def read_common(folder: Path) -> dict[str, Any]:
 
 
 def refused_model(args: dict[str, Any], where: Path) -> str | None:
-    """Why osdpipe cannot lay out the model ``args`` describe yet (``None``: it can), naming the feature."""
+    """Why osdpipe cannot lay out the model ``args`` describe yet (``None``: it can), naming the feature. Absent args
+    take Megatron-LM's defaults: LayerNorm, a learned position table, tied embeddings."""
+    norm = args.get("normalization", "LayerNorm")
     checks = [
+        (norm != "RMSNorm", f"{norm} (a norm with a bias; osdpipe lays out RMSNorm's weight alone)"),
+        (layout.learned_positions(args), "a learned absolute position table (position_embedding_type)"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
         ((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism (expert_model_parallel_size)"),
         (args.get("virtual_pipeline_model_parallel_size") not in (None, 1), "virtual pipeline stages"),
@@ -241,6 +249,7 @@ def read_save(path: str | Path) -> MegatronSave:
     checkpoint = DcpCheckpoint(str(folder), None)
     gpt = gpt_of(args)
     shapes = layout.global_shapes(gpt)
+    _refuse_unknown_tensors(checkpoint, shapes)
     _expect(checkpoint, list(shapes))
     model = {key: _whole(checkpoint, key, shape) for key, shape in shapes.items()}
     gbuf_dtypes = None
@@ -288,6 +297,25 @@ def read_save(path: str | Path) -> MegatronSave:
         gbuf_dtypes=gbuf_dtypes,
         release=folder.name == RELEASE,
     )
+
+
+def _refuse_unknown_tensors(checkpoint: DcpCheckpoint, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a save holding a weight (or a model-space optimizer state of one) that the layout of its ``args`` does
+    not have, naming it: read without it, the output would lack a weight its job needs while every check, comparing
+    what was read, passed. :func:`refused_model` names the features it knows; this catches the rest."""
+    unknown = []
+    for flat, item in checkpoint.metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata) or _BUCKET.fullmatch(flat):
+            continue
+        state = _MODEL_SPACE_STATE.fullmatch(flat)
+        if (state[1] if state else flat) not in shapes:
+            unknown.append(flat)
+    if unknown:
+        shown = ", ".join(sorted(unknown)[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        raise InputError(
+            f"{checkpoint.path}: holds {shown}, which the GPT its common.pt's args describe has no place for: "
+            "a model osdpipe does not lay out yet"
+        )
 
 
 def _check_backend(folder: Path) -> None:
