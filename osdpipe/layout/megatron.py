@@ -125,7 +125,6 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-
 def learned_positions(args: dict[str, Any]) -> bool:
     """Whether the GPT Megatron-LM's ``args`` describe holds a learned absolute position table
     (``embedding.position_embeddings.weight``): Megatron-LM's default ``--position-embedding-type``. Saves older than

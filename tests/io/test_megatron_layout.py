@@ -95,6 +95,22 @@ def test_a_smaller_padded_vocabulary_keeps_the_rows_it_has(tmp_path: Path) -> No
     assert roundtrip_problems(source, back) == []
 
 
+def test_a_weight_the_layout_has_no_place_for_is_named_not_dropped(tmp_path: Path) -> None:
+    """What the reader does with a save holding a weight its args' layout lacks (a LayerNorm's bias, a position
+    table, ...): it names it. Here the layout is the save's own less the final norm, whose weight the save holds."""
+    from osdpipe.io.formats.dcp_reader import DcpCheckpoint
+    from osdpipe.io.formats.megatron import _refuse_unknown_tensors, gpt_of, iteration_folder, read_common
+
+    folder = iteration_folder(synthetic_save(tmp_path, tp=1))
+    shapes = layout.global_shapes(gpt_of(read_common(folder)["args"]))
+    checkpoint = DcpCheckpoint(str(folder), None)
+    _refuse_unknown_tensors(checkpoint, shapes)  # the save's own layout: nothing unknown
+    del shapes["decoder.final_layernorm.weight"]
+    with pytest.raises(InputError, match=r"holds decoder\.final_layernorm\.weight, which the GPT its common\.pt's "
+                                         "args describe has no place for: not supported yet"):
+        _refuse_unknown_tensors(checkpoint, shapes)
+
+
 def test_damaged_and_missing_files_are_named_in_one_line(tmp_path: Path) -> None:
     folder = synthetic_save(tmp_path, tp=1) / "iter_0000007"
     (folder / ".metadata").write_bytes(b"not a pickle")

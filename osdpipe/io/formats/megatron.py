@@ -78,8 +78,7 @@ _BUCKET = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)"
 )
 #: A model-space optimizer state's key (``fully_reshardable``, ``fully_sharded_model_space``): the weight's after it.
-_MODEL_SPACE_STATE = re.compile(r"optimizer\.state\.(?:%s)\.(.+)" % "|".join(
-    sorted({*STATES, *FS_STATES.values()})))
+_MODEL_SPACE_STATE = re.compile(rf"optimizer\.state\.(?:{'|'.join(sorted({*STATES, *FS_STATES.values()}))})\.(.+)")
 _ITERATION = re.compile(r"iter_(\d{7})")
 RNG = re.compile(r"rng_state/shard_(\d+)\.(\d+)_\d+\.\d+")
 
@@ -314,7 +313,7 @@ def _refuse_unknown_tensors(checkpoint: DcpCheckpoint, shapes: dict[str, tuple[i
         shown = ", ".join(sorted(unknown)[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         raise InputError(
             f"{checkpoint.path}: holds {shown}, which the GPT its common.pt's args describe has no place for: "
-            "a model osdpipe does not lay out yet"
+            "not supported yet"
         )
 
 
