@@ -125,14 +125,14 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def learned_positions(args: dict[str, Any]) -> bool:
-    """Whether the GPT Megatron-LM's ``args`` describe holds a learned absolute position table
-    (``embedding.position_embeddings.weight``): Megatron-LM's default ``--position-embedding-type``. Saves older than
-    that argument record ``use_rotary_position_embeddings`` alone (RoPE, no table, where it is set)."""
+def position_embedding_type(args: dict[str, Any]) -> str:
+    """The position embedding of the GPT Megatron-LM's ``args`` describe: ``args.position_embedding_type``, whose
+    default, ``learned_absolute``, is a learned table (``embedding.position_embeddings.weight``). Saves older than
+    that argument record ``use_rotary_position_embeddings`` alone: RoPE where it is set, else the table."""
     kind = args.get("position_embedding_type")
     if kind is None:
-        return not args.get("use_rotary_position_embeddings")
-    return kind == "learned_absolute"
+        return "rope" if args.get("use_rotary_position_embeddings") else "learned_absolute"
+    return kind
 
 
 def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from osdpipe.layout.megatron import LAYERS, Gpt, global_shapes, query_groups
+from osdpipe.layout.megatron import LAYERS, Gpt, global_shapes, position_embedding_type, query_groups
 
 EMBEDDING = "embedding.word_embeddings.weight"
 QKV = f"{LAYERS}self_attention.linear_qkv.weight"
@@ -127,13 +127,6 @@ def true_vocab_size(args: dict[str, Any]) -> int:
     return int(vocab) if vocab else int(args["padded_vocab_size"])
 
 
-def _rope(args: dict[str, Any]) -> bool:
-    kind = args.get("position_embedding_type")
-    if kind is None:
-        return bool(args.get("use_rotary_position_embeddings"))
-    return kind == "rope"
-
-
 def refusals(args: dict[str, Any], *, biases: bool = False) -> list[str]:
     """What of the GPT ``args`` describe HF's Llama cannot express (empty: nothing). Absent args take Megatron-LM's
     defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied).
@@ -141,7 +134,7 @@ def refusals(args: dict[str, Any], *, biases: bool = False) -> list[str]:
     ``biases``: the output is a model folder, which holds a GPT's linear biases as Llama's ``attention_bias`` and
     ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`); where it is a training checkpoint for
     a PyTorch job's Llama or torchtitan's llama3, which have none, they are refused."""
-    norm = args.get("normalization", "LayerNorm")
+    norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
     qwen2 = biases and architecture(args) == QWEN2
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
     checks = [
@@ -158,7 +151,7 @@ def refusals(args: dict[str, Any], *, biases: bool = False) -> list[str]:
          "a head dimension other than hidden / heads with linear_qkv's bias alone (a Qwen2)"),
         (not args.get("untie_embeddings_and_output_weights", False), "tied embedding and output weights"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
-        (not _rope(args), f"{args.get('position_embedding_type', 'learned_absolute')} position embeddings (not rope)"),
+        (positions != "rope", f"{positions} position embeddings (not rope)"),
         (bool(args.get("rotary_interleaved")), "interleaved RoPE (rotary_interleaved)"),
         (float(args.get("rotary_percent", 1.0)) != 1.0, "partial RoPE (rotary_percent != 1)"),
         (args.get("rotary_seq_len_interpolation_factor") not in (None, 1),

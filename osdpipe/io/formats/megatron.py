@@ -198,7 +198,8 @@ def refused_model(args: dict[str, Any], where: Path) -> str | None:
     norm = args.get("normalization", "LayerNorm")
     checks = [
         (norm != "RMSNorm", f"{norm} (a norm with a bias; osdpipe lays out RMSNorm's weight alone)"),
-        (layout.learned_positions(args), "a learned absolute position table (position_embedding_type)"),
+        (layout.position_embedding_type(args) == "learned_absolute",
+         "a learned absolute position table (position_embedding_type)"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
         ((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism (expert_model_parallel_size)"),
         (args.get("virtual_pipeline_model_parallel_size") not in (None, 1), "virtual pipeline stages"),
