@@ -2,13 +2,15 @@
 while it commits: the prefix keeps one whole conversion, ``osdpipe check`` and the next run name what the killed run
 left, PyTorch's own ``FsspecReader`` loads what is there, and a third run leaves nothing stray.
 
-Nothing in osdpipe waits for the test: the kill lands because the upload is long. The source osdpipe generates (an
-MLP of width 2048, depth 8: its optimizer state about 270 MB, kept in the conversion as ``source/optim.pt``) goes up
-in parts beside eight small DCP files; the test polls the bucket and kills the command as soon as the new
-conversion's big file is going up in parts under ``<prefix>/.incoming/`` (mid-upload), or as soon as
-``.incoming/manifest.json`` is there (the commit: server-side copies of the same bytes into place). A first conversion
-into an empty prefix goes straight to its keys, markers last: killed as soon as its first file is in place (a rank's,
-sent as soon as it was written), it leaves no marker a reader keys on, and the next run removes what it wrote.
+Nothing in osdpipe waits for the test: the kill lands because the upload is long. The run that is killed converts
+a source osdpipe generates (an MLP of width 2048, depth 8: its optimizer state about 270 MB, kept in the conversion
+as ``source/optim.pt``) that goes up in parts beside eight small DCP files; the runs that finish, before and after
+it, convert a smaller one (width 1024, 70 MB: the same steps on a quarter of the bytes). The test polls the bucket
+and kills the command as soon as the new conversion's big file is going up in parts under ``<prefix>/.incoming/``
+(mid-upload), or as soon as ``.incoming/manifest.json`` is there (the commit: server-side copies of the same bytes
+into place). A first conversion into an empty prefix goes straight to its keys, markers last: killed as soon as its
+first file is in place (a rank's, sent as soon as it was written), it leaves no marker a reader keys on, and the next
+run removes what it wrote.
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from osdpipe.io.remote_output import INCOMING
 #: End to end: three runs each, minutes in all (`python -m pytest -m "not slow"` leaves it out, for a quick loop).
 pytestmark = pytest.mark.slow
 
-#: A conversion big enough that its upload and its commit each take seconds against moto's server.
+#: The conversion every run makes, but the model's width.
 CONVERSION = [
-    "model=mlp", "model.kwargs.width=2048", "model.kwargs.depth=8", "source.world_size=2", "target.kind=fsdp2",
-    "output.format=dcp", "runtime.mode=offline", "pipeline.checks=[roundtrip]",
+    "model=mlp", "model.kwargs.depth=8", "source.world_size=2", "target.kind=fsdp2", "output.format=dcp",
+    "runtime.mode=offline", "pipeline.checks=[roundtrip]",
 ]  # fmt: skip
+#: The killed run's: big enough that its upload and its commit each take seconds against moto's server.
+KILLED = [*CONVERSION, "model.kwargs.width=2048"]
+#: The runs that finish: the same steps on a smaller model.
+FINISHED = [*CONVERSION, "model.kwargs.width=1024"]
 RUN_S = 300
 #: How long the killed run may take to reach the point the test kills it at.
 REACH_S = 240
@@ -131,12 +137,12 @@ def _check(s3: S3, prefix: str, cwd: Path) -> dict:
 
 
 def test_a_run_killed_mid_upload_leaves_the_previous_conversion_whole(s3: S3, tmp_path: Path, monkeypatch) -> None:
-    first = _run([*CONVERSION, "target.world_size=4", f"output.path={s3.url('out')}"], tmp_path, "first")
+    first = _run([*FINISHED, "target.world_size=4", f"output.path={s3.url('out')}"], tmp_path, "first")
     assert first["code"] == 0, first["stderr"]
     before = _objects(s3, "out")
     assert "dcp/.metadata" in before and "manifest.json" in before
 
-    killed = _osdpipe([*CONVERSION, "target.world_size=8", f"output.path={s3.url('out')}", "output.overwrite=true"],
+    killed = _osdpipe([*KILLED, "target.world_size=8", f"output.path={s3.url('out')}", "output.overwrite=true"],
                       tmp_path, tmp_path / "killed")  # fmt: skip
     # killed while the big file goes up in parts (after the ranks' files, which go up as they are written)
     seen = _kill_when(killed, s3, "out", lambda keys: bool(_uploads_in_flight(s3, f"out/{INCOMING}")))
@@ -158,7 +164,7 @@ def test_a_run_killed_mid_upload_leaves_the_previous_conversion_whole(s3: S3, tm
     assert _world(s3, "out") == 4
     assert _loads_with_pytorchs_reader(s3, "out", monkeypatch, tmp_path) > 0
 
-    third = _run([*CONVERSION, "target.world_size=8", f"output.path={s3.url('out')}", "output.overwrite=true"],
+    third = _run([*FINISHED, "target.world_size=8", f"output.path={s3.url('out')}", "output.overwrite=true"],
                  tmp_path, "third")  # fmt: skip
     assert third["code"] == 0, third["stderr"]
     assert (
@@ -177,10 +183,10 @@ def test_a_run_killed_mid_upload_leaves_the_previous_conversion_whole(s3: S3, tm
 
 
 def test_a_run_killed_while_committing_is_finished_by_the_next(s3: S3, tmp_path: Path, monkeypatch) -> None:
-    first = _run([*CONVERSION, "target.world_size=4", f"output.path={s3.url('out')}"], tmp_path, "first")
+    first = _run([*FINISHED, "target.world_size=4", f"output.path={s3.url('out')}"], tmp_path, "first")
     assert first["code"] == 0, first["stderr"]
 
-    killed = _osdpipe([*CONVERSION, "target.world_size=8", f"output.path={s3.url('out')}", "output.overwrite=true"],
+    killed = _osdpipe([*KILLED, "target.world_size=8", f"output.path={s3.url('out')}", "output.overwrite=true"],
                       tmp_path, tmp_path / "killed")  # fmt: skip
     _kill_when(killed, s3, "out", lambda keys: "manifest.json" in keys)
     copying = _uploads_in_flight(s3, "out")  # the commit copies a large object into place in parts
@@ -201,7 +207,7 @@ def test_a_run_killed_while_committing_is_finished_by_the_next(s3: S3, tmp_path:
         ), said
     assert _loads_with_pytorchs_reader(s3, f"out/{INCOMING}", monkeypatch, tmp_path) > 0  # the new one, whole
 
-    third = _run([*CONVERSION, "target.world_size=8", f"output.path={s3.url('out')}", "output.overwrite=true"],
+    third = _run([*FINISHED, "target.world_size=8", f"output.path={s3.url('out')}", "output.overwrite=true"],
                  tmp_path, "third")  # fmt: skip
     assert third["code"] == 0, third["stderr"]
     assert f"finished committing into {s3.url('out')}" in third["stderr"]
@@ -217,7 +223,7 @@ def test_a_run_killed_while_committing_is_finished_by_the_next(s3: S3, tmp_path:
 def test_a_run_killed_writing_into_an_empty_prefix_leaves_no_marker_and_the_next_removes_it(
     s3: S3, tmp_path: Path, monkeypatch
 ) -> None:
-    killed = _osdpipe([*CONVERSION, "target.world_size=4", f"output.path={s3.url('out')}"], tmp_path,
+    killed = _osdpipe([*KILLED, "target.world_size=4", f"output.path={s3.url('out')}"], tmp_path,
                       tmp_path / "killed")  # fmt: skip
     seen = _kill_when(killed, s3, "out", lambda keys: any(not k.startswith(INCOMING + "/") for k in keys), under="")
     assert any(k.startswith(f"{INCOMING}/writing/") for k in seen), seen  # a note naming its files went first
@@ -236,7 +242,7 @@ def test_a_run_killed_writing_into_an_empty_prefix_leaves_no_marker_and_the_next
     # listed again: a PUT whose body had reached the server when the run was killed may complete after the kill
     written = [k.removeprefix("out/") for k in s3.keys("out") if not k.startswith(f"out/{INCOMING}/")]
 
-    third = _run([*CONVERSION, "target.world_size=8", f"output.path={s3.url('out')}"], tmp_path, "third")
+    third = _run([*FINISHED, "target.world_size=8", f"output.path={s3.url('out')}"], tmp_path, "third")
     assert third["code"] == 0, third["stderr"]  # no overwrite needed: the prefix held no conversion
     assert (
         f"removed {len(written)} object(s) of an unfinished conversion that a run killed while writing it into "
