@@ -97,7 +97,8 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 
 def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, bf16: bool = False, steps: int = 3,
          resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None,
-         timeout: float = 600, megatron_from: Path | None = None, bias: str = "none") -> Path:
+         timeout: float = 600, megatron_from: Path | None = None, bias: str = "none",
+         also: tuple[tuple[str, Path, Path], ...] = ()) -> Path:
     """Train ``steps`` steps at TP x PP x DP and save ``out`` as Megatron-LM would; return ``out``.
 
     ``truth_path(out)`` receives the gathered state at save time; with ``resume_truth``, the same job then takes
@@ -105,6 +106,8 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, 
     the saved model's logits on :func:`probe_tokens` go there first (:func:`write_logits`). ``megatron_from``: a
     folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`). ``bias``: ``linear``
     (``--add-bias-linear``) or ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`).
+    ``also``: ``(sharding, folder, dump_after)`` of each further save the same job makes of the same trained state,
+    in another sharding type (one launch, one training: megatron-core's start on 4 ranks is most of a save's time).
     """
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
             "--bias", bias]
@@ -114,9 +117,13 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, 
         argv += ["--logits", str(logits)]
     if resume_truth:
         argv += ["--resume-truth", str(resume_truth), "--dump-after", str(dump_after)]
+    for kind, folder, after in also:
+        argv += ["--also", kind, str(folder), str(after)]
     run_job(workdir, tp * pp * dp, argv, label=f"save-{Path(out).name}", timeout=timeout, megatron_from=megatron_from)
-    if not (Path(out) / "latest_checkpointed_iteration.txt").is_file() or not truth_path(out).is_file():
-        raise RuntimeError(f"megatron-core job left no {out}/latest_checkpointed_iteration.txt or no {truth_path(out)}")
+    for folder in (out, *(folder for _, folder, _ in also)):
+        if not (Path(folder) / "latest_checkpointed_iteration.txt").is_file() or not truth_path(folder).is_file():
+            raise RuntimeError(
+                f"megatron-core job left no {folder}/latest_checkpointed_iteration.txt or no {truth_path(folder)}")
     return Path(out)
 
 

@@ -3,12 +3,14 @@
 Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
 
 * ``save --tp T --pp P --steps 3 --sharding dp_reshardable|fully_reshardable|fully_sharded_model_space
-  [--bf16] [--bias none|linear|qkv] --out SAVE_DIR
+  [--bf16] [--bias none|linear|qkv] --out SAVE_DIR [--also SHARDING SAVE_DIR2 OUT2.pt]...
   [--resume-truth K --dump-after OUT2.pt]``: train ``steps`` steps (real forward/backward through
   Megatron's pipeline schedule), write exactly what Megatron-LM's ``save_checkpoint`` writes for
-  ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; with
-  ``--resume-truth`` the same live job then takes K synthetic steps and dumps again; with ``--logits OUT.pt``
-  (TP1 PP1) the trained model's logits on :func:`mcore.probe_tokens`, after the save, go to ``OUT.pt``.
+  ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; each ``--also`` saves the
+  same trained job again in another sharding type to ``SAVE_DIR2`` (its own truth dump beside it; ``OUT2.pt``: where
+  its resume truth goes); with ``--resume-truth`` the same live job then takes K synthetic steps and dumps again;
+  with ``--logits OUT.pt`` (TP1 PP1) the trained model's logits on :func:`mcore.probe_tokens`, after the save, go to
+  ``OUT.pt``.
 * ``load --tp T --pp P --from SAVE_DIR [--bf16] [--bias B] [--sharding S] --dump OUT.pt [--resume K --dump-after
   OUT2.pt] [--dims-from-save] [--no-load-rng] [--logits OUT3.pt]``: build the job at that layout (with the save's own
   GPT dimensions: ``--dims-from-save``), load as Megatron-LM's ``load_checkpoint`` does (without its RNG states:
@@ -46,6 +48,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     save = sub.choices["save"]
     save.add_argument("--steps", type=int, default=3)
     save.add_argument("--out", type=Path, required=True)
+    save.add_argument("--also", nargs=3, action="append", default=[], metavar=("SHARDING", "SAVE_DIR", "DUMP_AFTER"))
     save.add_argument("--resume-truth", type=int, default=0)
     save.add_argument("--logits", type=Path, default=None)
     load = sub.choices["load"]
@@ -81,15 +84,19 @@ def main() -> None:
         sharding = opts.sharding or "dp_reshardable"
         losses = mcore.train(job, opts.steps)
         log(f"trained {opts.steps} steps, losses {losses}")
-        out = opts.out.resolve()
-        mcore.save_checkpoint(job, out, opts.steps, sharding)
-        log(f"saved {out}")
-        mcore.write_dump(job, mcore.truth_path(out), {"sharding": sharding, "losses": losses})
+        saves = [(sharding, opts.out.resolve(), opts.dump_after)] + [(s, Path(o).resolve(), Path(d))
+                                                                      for s, o, d in opts.also]
+        for kind, out, _ in saves:  # one trained job, saved as each sharding type: what the job held is the same
+            job.args.dist_ckpt_optim_fully_reshardable = kind == "fully_reshardable"
+            mcore.save_checkpoint(job, out, opts.steps, kind)
+            log(f"saved {out}")
+            mcore.write_dump(job, mcore.truth_path(out), {"sharding": kind, "losses": losses})
         if opts.logits:
             mcore.write_logits(job, opts.logits.resolve())
         if opts.resume_truth:
             mcore.synthetic_steps(job, opts.resume_truth)
-            mcore.write_dump(job, opts.dump_after.resolve(), {"sharding": sharding, "resumed": opts.resume_truth})
+            for kind, _, dump_after in saves:
+                mcore.write_dump(job, dump_after.resolve(), {"sharding": kind, "resumed": opts.resume_truth})
     else:
         info = mcore.load_checkpoint(job, opts.src.resolve(), no_load_rng=opts.no_load_rng)
         log(f"loaded {opts.src} {json.dumps(info, default=str)}")
