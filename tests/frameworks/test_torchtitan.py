@@ -78,9 +78,16 @@ def _convert_as_inspect_says(work: Path, folder: Path | str, world_size: int, in
     return into
 
 
-def test_default_llama3_converts_4_to_2_and_back_to_4_and_torchtitan_resumes_each_at_its_step(source) -> None:
+@pytest.fixture(scope="module")
+def two(source) -> Path:
+    """The source converted to 2 ranks by the command ``osdpipe inspect`` prints for it (made once: two tests hold
+    it against what torchtitan loads and against the same command's output in a bucket)."""
+    work, _, folder, _ = source
+    return _convert_as_inspect_says(work, folder, 2, work / "two")
+
+
+def test_default_llama3_converts_4_to_2_and_back_to_4_and_torchtitan_resumes_each_at_its_step(source, two) -> None:
     work, assets, folder, want = source
-    two = _convert_as_inspect_says(work, folder, 2, work / "two")
     # where torchtitan's --checkpoint.folder resumes
     assert sorted(p.name for p in two.iterdir() if p.is_dir()) == ["step-2"]
     got = titan.resume_and_dump(work, 2, two, assets=assets, extra=NEW_DP_DEGREE, name="two")
@@ -93,14 +100,14 @@ def test_default_llama3_converts_4_to_2_and_back_to_4_and_torchtitan_resumes_eac
     assert titan.compare_dumps(want, got, parts=("step", "model", "optim", "lr_scheduler", "loss_after")) == []
 
 
-def test_the_readmes_bucket_example_converts_into_the_bytes_it_makes_on_disk(source, monkeypatch) -> None:
+def test_the_readmes_bucket_example_converts_into_the_bytes_it_makes_on_disk(source, two, monkeypatch) -> None:
     """README's object-storage line: torchtitan's checkpoint folder in a bucket (an S3 server on 127.0.0.1), named as
     torchtitan names its model, as ``osdpipe inspect s3://...`` prints the command, converts into another prefix: the
     files the same command writes on disk (which torchtitan resumes from, above), byte for byte."""
     from cloud.cloudenv import s3_bucket
 
     work, _, folder, _ = source
-    local = _convert_as_inspect_says(work, folder, 2, work / "readme-local")
+    local = two
     with monkeypatch.context() as env, s3_bucket(env, work / "readme-home") as bucket:
         bucket.fs().put(f"{folder}/", f"{bucket.bucket}/titan/", recursive=True)
         _convert_as_inspect_says(work, bucket.url("titan"), 2, into=bucket.url("titan-2"))
