@@ -55,7 +55,7 @@ def make_saves(root: Path) -> dict[str, Path]:
     legacy = mcore.legacy_megatron(root) if any(s.sharding == "fully_sharded_model_space" for s in SAVES.values()) \
         else None
     jobs: dict[Save, list[str]] = {}  # the job (its sharding type blanked) -> the sources it saves
-    for name, s in SAVES.items():
+    for name, s in SAVES.items():  # a fully_sharded_model_space source is another megatron-core's job: its own
         legacy_type = s.sharding == "fully_sharded_model_space"
         jobs.setdefault(s._replace(sharding=name if legacy_type else ""), []).append(name)
     for names in jobs.values():
