@@ -107,7 +107,6 @@ def test_the_readmes_bucket_example_converts_into_the_bytes_it_makes_on_disk(sou
     from cloud.cloudenv import s3_bucket
 
     work, _, folder, _ = source
-    local = two
     with monkeypatch.context() as env, s3_bucket(env, work / "readme-home") as bucket:
         bucket.fs().put(f"{folder}/", f"{bucket.bucket}/titan/", recursive=True)
         _convert_as_inspect_says(work, bucket.url("titan"), 2, into=bucket.url("titan-2"))
@@ -118,8 +117,8 @@ def test_the_readmes_bucket_example_converts_into_the_bytes_it_makes_on_disk(sou
         return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*")
                 if p.is_file() and p.name not in records}  # fmt: skip
 
-    assert data(work / "readme-s3") == data(local) and any(n.endswith(".distcp") for n in data(local))
-    manifests = [json.loads((d / "manifest.json").read_text()) for d in (local, work / "readme-s3")]
+    assert data(work / "readme-s3") == data(two) and any(n.endswith(".distcp") for n in data(two))
+    manifests = [json.loads((d / "manifest.json").read_text()) for d in (two, work / "readme-s3")]
     assert manifests[0]["content_sha256"] == manifests[1]["content_sha256"]
 
 
