@@ -18,8 +18,10 @@ Two halves:
 
 The dump (the gathered truth) is ``{"model": {key: full tensor}, "optim": {key:
 {"param", "exp_avg", "exp_avg_sq", "step"}}, "param_groups": [...], "iteration",
-"scheduler", "args"}`` with ``key`` the model's ``sharded_state_dict()`` key:
-layers stacked along a leading axis, full over TP and PP, vocabulary padded.
+"scheduler", "args", "replicas_unequal"}`` with ``key`` the model's ``sharded_state_dict()`` key:
+layers stacked along a leading axis, full over TP and PP, vocabulary padded. The saved state is the main replicas';
+``replicas_unequal`` names each weight or state whose other replicas (a norm on every TP rank, a tied embedding's
+copy on the last stage) hold anything else (:func:`dump_differences` reports it).
 Every local piece is put in place by its ShardedTensor's own metadata
 (``global_shape``/``global_offset``; factories such as SwiGLU's ``linear_fc1``
 are built with the tensor in question), never by a hand-written TP rule.
@@ -58,6 +60,11 @@ ROPE_SCALING: float | None = None
 #: as Qwen2's attention): the harness's GPT has none (``--disable-bias-linear``, as Llama), a job given ``--bias``
 #: builds them, and a save's own are taken with its dimensions (:func:`configure_from`).
 BIAS_LINEAR, BIAS_QKV = False, False
+#: The GPT's norm, position embedding, MLP and embeddings: the harness's own (``llama``: RMSNorm, RoPE, SwiGLU,
+#: untied), or Megatron-LM's defaults where its arguments are silent (``gpt``, :data:`MODELS`: LayerNorm, a learned
+#: position table, GeLU, the output layer tied to the word embedding), set by :func:`use_model`.
+NORM, POSITIONS, SWIGLU, TIED = "RMSNorm", "rope", True, False
+MODELS = {"llama": ("RMSNorm", "rope", True, False), "gpt": ("LayerNorm", "learned_absolute", False, True)}
 #: Size of the synthetic gradients (:func:`synthetic_grad`): small enough that the global grad norm stays far below
 #: CLIP, so clipping (whose norm is summed in a layout-dependent order) never acts and a resume is elementwise.
 SYNTH_SCALE = 1e-4
@@ -97,7 +104,7 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 
 def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, bf16: bool = False, steps: int = 3,
          resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None,
-         timeout: float = 600, megatron_from: Path | None = None, bias: str = "none",
+         timeout: float = 600, megatron_from: Path | None = None, bias: str = "none", model: str = "llama",
          also: tuple[tuple[str, Path, Path], ...] = ()) -> Path:
     """Train ``steps`` steps at TP x PP x DP and save ``out`` as Megatron-LM would; return ``out``.
 
@@ -105,12 +112,13 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, 
     that many synthetic steps (:func:`synthetic_grad`) and dumps to ``dump_after``; with ``logits`` (TP1 PP1 only),
     the saved model's logits on :func:`probe_tokens` go there first (:func:`write_logits`). ``megatron_from``: a
     folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`). ``bias``: ``linear``
-    (``--add-bias-linear``) or ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`).
-    ``also``: ``(sharding, folder, dump_after)`` of each further save the same job makes of the same trained state,
-    in another sharding type (one launch, one training: megatron-core's start on 4 ranks is most of a save's time).
+    (``--add-bias-linear``) or ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`);
+    ``model``: one of :data:`MODELS`. ``also``: ``(sharding, folder, dump_after)`` of each further save the same job
+    makes of the same trained state, in another sharding type (one launch, one training: megatron-core's start on 4
+    ranks is most of a save's time).
     """
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
-            "--bias", bias]
+            "--bias", bias, "--model", model]
     if bf16:
         argv.append("--bf16")
     if logits is not None:
@@ -148,14 +156,15 @@ def legacy_megatron(root: Path) -> Path | None:
 def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, bf16: bool = False,
          sharding: str | None = None, resume: int = 0, dump_after: Path | None = None, label: str | None = None,
          timeout: float = 600, dims_from_save: bool = False, no_load_rng: bool = False,
-         logits: Path | None = None, bias: str = "none") -> Path:
+         logits: Path | None = None, bias: str = "none", model: str = "llama") -> Path:
     """Load ``folder`` with megatron-core at TP x PP x DP as Megatron-LM's ``load_checkpoint`` does; dump it.
 
     ``dims_from_save``: the GPT is built with the dimensions of the save's own ``args`` (:func:`configure_from`), not
     the harness's; ``no_load_rng``: as Megatron-LM's ``--no-load-rng`` (a save without RNG states); ``logits``: the
-    loaded model's logits on :func:`probe_tokens` go there (any TP and PP: :func:`write_logits`); ``bias``: as
-    :func:`save`'s."""
-    argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias]
+    loaded model's logits on :func:`probe_tokens` go there (any TP and PP: :func:`write_logits`); ``bias`` and
+    ``model``: as :func:`save`'s."""
+    argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias,
+            "--model", model]
     if bf16:
         argv.append("--bf16")
     if dims_from_save:
@@ -215,6 +224,9 @@ def dump_differences(expected: dict, actual: dict, *, what: tuple[str, ...] = ("
     for part in ("param_groups", "iteration", "scheduler"):
         if part in what and expected[part] != actual[part]:
             out.append(f"{part}: {expected[part]!r} != {actual[part]!r}")
+    for name, dump in (("expected", expected), ("actual", actual)):
+        if dump.get("replicas_unequal"):
+            out.append(f"{name}: replicas unequal to the main one: {', '.join(dump['replicas_unequal'][:5])}")
     return out
 
 
@@ -375,7 +387,7 @@ def configure_from(folder: Path) -> None:
     ``--use-checkpoint-args`` does), instead of the harness's own: what a save osdpipe made from another model
     needs. Worker side, before :func:`setup`."""
     global VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, NORM_EPS, ROTARY_BASE, DIVISIBLE_BY, ROPE_SCALING
-    global BIAS_LINEAR, BIAS_QKV
+    global BIAS_LINEAR, BIAS_QKV, NORM, POSITIONS, SWIGLU, TIED
     from megatron.core import dist_checkpointing
 
     args = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(Path(folder))[0]))["args"]
@@ -386,8 +398,16 @@ def configure_from(folder: Path) -> None:
     # Megatron-LM's --use-rope-scaling --rope-scaling-factor (Llama 3.1's), as its model provider passes them
     ROPE_SCALING = getattr(args, "rope_scaling_factor", 8.0) if getattr(args, "use_rope_scaling", False) else None
     BIAS_LINEAR, BIAS_QKV = bool(args.add_bias_linear), bool(getattr(args, "add_qkv_bias", False))
+    NORM, POSITIONS, SWIGLU = args.normalization, args.position_embedding_type, bool(args.swiglu)
+    TIED = not args.untie_embeddings_and_output_weights
     if args.kv_channels != HIDDEN // HEADS:
         raise SystemExit(f"kv_channels {args.kv_channels} != hidden / heads: the harness builds no such GPT yet")
+
+
+def use_model(name: str) -> None:
+    """Build the GPT :data:`MODELS` names ``name`` from now on (worker side, before :func:`setup`)."""
+    global NORM, POSITIONS, SWIGLU, TIED
+    NORM, POSITIONS, SWIGLU, TIED = MODELS[name]
 
 
 def checkpoint_dir(load_dir: Path) -> tuple[Path, bool]:
@@ -424,11 +444,12 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         # model
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, group_query_attention=True, kv_channels=HIDDEN // HEADS, seq_length=SEQ,
-        max_position_embeddings=SEQ, encoder_seq_length=SEQ, decoder_seq_length=None, normalization="RMSNorm",
-        norm_epsilon=NORM_EPS, swiglu=True, squared_relu=False, position_embedding_type="rope",
-        use_rotary_position_embeddings=True, add_position_embedding=False, rotary_base=ROTARY_BASE, rotary_percent=1.0,
+        max_position_embeddings=SEQ, encoder_seq_length=SEQ, decoder_seq_length=None, normalization=NORM,
+        norm_epsilon=NORM_EPS, swiglu=SWIGLU, squared_relu=False, position_embedding_type=POSITIONS,
+        use_rotary_position_embeddings=POSITIONS == "rope", add_position_embedding=POSITIONS == "learned_absolute",
+        rotary_base=ROTARY_BASE, rotary_percent=1.0,
         use_rope_scaling=ROPE_SCALING is not None, rope_scaling_factor=ROPE_SCALING or 8.0,
-        rotary_interleaved=False, untie_embeddings_and_output_weights=True, add_bias_linear=BIAS_LINEAR,
+        rotary_interleaved=False, untie_embeddings_and_output_weights=not TIED, add_bias_linear=BIAS_LINEAR,
         add_qkv_bias=BIAS_QKV, apply_query_key_layer_scaling=False, qk_layernorm=False, num_experts=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, transformer_impl="local", spec=None,
         is_hybrid_model=False, heterogeneous_layers_config_path=None, heterogeneous_layers_config_encoded_json=None,
@@ -514,8 +535,9 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     dtype = args.params_dtype
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS, normalization="RMSNorm", layernorm_epsilon=NORM_EPS,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=BIAS_LINEAR, add_qkv_bias=BIAS_QKV,
+        num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS, normalization=NORM, layernorm_epsilon=NORM_EPS,
+        gated_linear_unit=SWIGLU, activation_func=F.silu if SWIGLU else F.gelu, add_bias_linear=BIAS_LINEAR,
+        add_qkv_bias=BIAS_QKV,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
         use_cpu_initialization=True, perform_initialization=True, bf16=bf16, params_dtype=dtype,
@@ -523,11 +545,11 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization=NORM)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                    max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
-                   share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                   share_embeddings_and_output_weights=TIED, position_embedding_type=POSITIONS,
                    rotary_base=ROTARY_BASE,
                    # only where scaled: megatron-core 0.13 (the legacy saves' job) may not know the keywords
                    **({"rope_scaling": True, "rope_scaling_factor": ROPE_SCALING} if ROPE_SCALING is not None else {}))
@@ -860,20 +882,23 @@ def _local_records(job: Job) -> dict:
         held = [opt.get_parameter_state_dp_zero()]
         torch.distributed.broadcast_object_list(held, group=opt.data_parallel_group_gloo, group_src=0)
         world = held[0]
-    model_pieces, optim_pieces, steps, groups = [], [], {}, {}
+    model_pieces, optim_pieces, replicas, steps, groups = [], [], [], {}, {}
     for gbuf_idx, buffer in enumerate(opt.buffers):
         (dtype, tensors), = world[gbuf_idx].items() if world is not None else [(None, None)]
         for param, (start, end, _bucket) in buffer.param_index_map.items():
             meta = metas[id(param)]
             key = meta.key
             for st in pieces(meta, param.detach().clone()):
+                record = (st.key, tuple(st.global_shape), st.global_slice(), st.data.clone())
                 if _is_main(st.replica_id):
-                    model_pieces.append((st.key, tuple(st.global_shape), st.global_slice(), st.data.clone()))
+                    model_pieces.append(record)
+                else:
+                    replicas.append(("model", *record))
             for state in ("param", "exp_avg", "exp_avg_sq") if tensors is not None else ():
                 local = tensors[state][start:end].reshape(param.shape).clone()
                 for st in pieces(meta, local):
-                    if _is_main(st.replica_id):
-                        optim_pieces.append((state, st.key, tuple(st.global_shape), st.global_slice(), st.data.clone()))
+                    record = (state, st.key, tuple(st.global_shape), st.global_slice(), st.data.clone())
+                    (optim_pieces if _is_main(st.replica_id) else replicas).append(record)
             if param in opt.model_param_group_index_map:
                 g, order = opt.model_param_group_index_map[param]
                 main = opt.optimizer.param_groups[g]["params"][order]
@@ -881,7 +906,7 @@ def _local_records(job: Job) -> dict:
                 if "step" in st_state:
                     steps.setdefault(key, set()).add(float(st_state["step"]))
                 groups.setdefault(_group_id(opt.optimizer.param_groups[g]), set()).add(key)
-    return {"model": model_pieces, "optim": optim_pieces, "steps": steps, "groups": groups,
+    return {"model": model_pieces, "optim": optim_pieces, "replicas": replicas, "steps": steps, "groups": groups,
             "buckets": _bucket_layout(job, opt) if opt.data_parallel_group.rank() == 0 else None}
 
 
@@ -961,6 +986,11 @@ def gather(job: Job) -> dict | None:
         full = _assemble([r[1:] for rank in everything for r in rank["optim"] if r[0] == state])
         for key, t in full.items():
             optim.setdefault(key, {})[state] = t
+    # every other replica (a norm on each TP rank, a tied embedding's copy on the last stage) must hold what the main
+    # one holds: it is not saved, but the job computes with it
+    unequal = sorted({f"{what} {key}" for rank in everything for what, key, _, where, data in rank["replicas"]
+                      if not torch.equal(_bits((model[key] if what == "model" else optim[key][what])[where]),
+                                         _bits(data))})
     steps: dict[str, set] = {}
     group_keys: dict[tuple, set] = {}
     for rank in everything:
@@ -982,7 +1012,7 @@ def gather(job: Job) -> dict | None:
         param_groups.append(hyper)
     buckets = sorted((r["buckets"] for r in everything if r["buckets"] is not None), key=lambda b: b["dp_group_idx"])
     return {"model": model, "optim": optim, "param_groups": param_groups, "iteration": job.args.iteration,
-            "buckets": buckets,
+            "buckets": buckets, "replicas_unequal": unequal,
             "scheduler": job.scheduler.state_dict(), "args": dict(vars(job.args)),
             "layout": {"tp": job.tp, "pp": job.pp, "dp": job.dp}}
 

@@ -3,7 +3,7 @@
 Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
 
 * ``save --tp T --pp P --steps 3 --sharding dp_reshardable|fully_reshardable|fully_sharded_model_space
-  [--bf16] [--bias none|linear|qkv] --out SAVE_DIR [--also SHARDING SAVE_DIR2 OUT2.pt]...
+  [--bf16] [--bias none|linear|qkv] [--model llama|gpt] --out SAVE_DIR [--also SHARDING SAVE_DIR2 OUT2.pt]...
   [--resume-truth K --dump-after OUT2.pt]``: train ``steps`` steps (real forward/backward through
   Megatron's pipeline schedule), write exactly what Megatron-LM's ``save_checkpoint`` writes for
   ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; each ``--also`` saves the
@@ -11,10 +11,11 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
   its resume truth goes); with ``--resume-truth`` the same live job then takes K synthetic steps and dumps again;
   with ``--logits OUT.pt`` (TP1 PP1) the trained model's logits on :func:`mcore.probe_tokens`, after the save, go to
   ``OUT.pt``.
-* ``load --tp T --pp P --from SAVE_DIR [--bf16] [--bias B] [--sharding S] --dump OUT.pt [--resume K --dump-after
-  OUT2.pt] [--dims-from-save] [--no-load-rng] [--logits OUT3.pt]``: build the job at that layout (with the save's own
-  GPT dimensions: ``--dims-from-save``), load as Megatron-LM's ``load_checkpoint`` does (without its RNG states:
-  ``--no-load-rng``), dump, optionally the loaded model's logits; optionally K synthetic steps and a second dump.
+* ``load --tp T --pp P --from SAVE_DIR [--bf16] [--bias B] [--model M] [--sharding S] --dump OUT.pt [--resume K
+  --dump-after OUT2.pt] [--dims-from-save] [--no-load-rng] [--logits OUT3.pt]``: build the job at that layout (with the
+  save's own GPT dimensions: ``--dims-from-save``), load as Megatron-LM's ``load_checkpoint`` does (without its RNG
+  states: ``--no-load-rng``), dump, optionally the loaded model's logits; optionally K synthetic steps and a second
+  dump.
 
 The CPU patches are applied here, in the rank, never in the process that launches it.
 """
@@ -45,6 +46,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                        default=None)
         s.add_argument("--dump-after", type=Path, default=None)
         s.add_argument("--bias", choices=("none", "linear", "qkv"), default="none")
+        s.add_argument("--model", choices=sorted(mcore.MODELS), default="llama")
     save = sub.choices["save"]
     save.add_argument("--steps", type=int, default=3)
     save.add_argument("--out", type=Path, required=True)
@@ -74,6 +76,7 @@ def main() -> None:
         raise SystemExit("--resume/--resume-truth needs --dump-after")
     start = time.monotonic()
     mcore.BIAS_LINEAR, mcore.BIAS_QKV = opts.bias == "linear", opts.bias == "qkv"
+    mcore.use_model(opts.model)
     with mcore.quiet_warnings():
         if opts.cmd == "load" and opts.dims_from_save:
             mcore.apply_cpu_patches()
