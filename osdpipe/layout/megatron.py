@@ -16,18 +16,28 @@ rank of the grid holds:
   ``_pad_start_of_param_if_needed`` and ``_pad_end_of_bucket_if_needed``); DP rank ``d`` owns the ``d``-th of
   ``DP`` equal parts. The saved tensor is the bucket cut at its unpadded size.
 
+Embeddings tied to the output layer (Megatron-LM's default, ``untie_embeddings_and_output_weights`` unset) have
+one sharded key, ``embedding.word_embeddings.weight``. At PP 1 the output layer has no weight of its own; over PP the
+last stage holds a copy (``output_layer.weight``, which Megatron keeps equal to the first stage's by summing both
+gradients), saved under the embedding's key as a replica: in a ``dp_reshardable`` save the copy's state is in its
+stage's bucket, and where the two are read, the first stage's is the one kept (:attr:`LocalParameter.tied_copy`), as
+Megatron's own model-space save keeps it. With the distributed optimizer each of the two tied parameters is a bucket
+of its own (``param_and_grad_buffer.py``'s ``_does_param_require_new_bucket``: :func:`buckets`).
+
 Everything here is a pure function of the model's dimensions (Megatron-LM's ``args``) and the parallelism; the
 files are read in :mod:`osdpipe.io.formats.megatron`. What is laid out is Megatron's GPT with the local layer spec
-(``--transformer-impl local``), dense, with or without linear biases (``add_bias_linear``: the column-parallel
-layers' split as their rows, the row-parallel layers' held whole by every TP rank, as a norm; ``add_qkv_bias``:
-``linear_qkv``'s alone); other models are refused where they are read.
+(``--transformer-impl local``), dense, with RMSNorm or LayerNorm (a bias beside each norm's weight), RoPE or a learned
+position table (``embedding.position_embeddings.weight``, on the first stage, whole on every TP rank), tied or untied
+embeddings, with or without linear biases (``add_bias_linear``: the column-parallel layers' split as their rows, the
+row-parallel layers' held whole by every TP rank, as a norm; ``add_qkv_bias``: ``linear_qkv``'s alone); other models
+are refused where they are read.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 #: Parameters start on a multiple of this many elements in a bucket (128 bytes of a 16-bit dtype).
@@ -54,6 +64,13 @@ class Gpt:
     linear_bias: bool = False
     #: ``add_qkv_bias`` (Qwen2's attention): a bias on ``linear_qkv`` alone; implied by ``linear_bias``.
     qkv_bias: bool = False
+    #: ``normalization=LayerNorm``: each norm has a bias beside its weight (RMSNorm has none).
+    norm_bias: bool = False
+    #: The rows of the learned position table (``max_position_embeddings``) where ``position_embedding_type`` is
+    #: ``learned_absolute``; 0: none (RoPE).
+    position_table: int = 0
+    #: The output layer is the word embedding (``untie_embeddings_and_output_weights`` unset).
+    tied: bool = False
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -87,6 +104,12 @@ class LocalParameter:
     name: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    #: The last stage's copy of the tied word embedding (PP > 1): written from the embedding's state, never read
+    #: into it (the first stage's is the main replica).
+    tied_copy: bool = False
+    #: A tied embedding's parameter over PP (the word embedding on the first stage, its copy on the last): with the
+    #: distributed optimizer, a bucket of its own.
+    own_bucket: bool = False
 
     @property
     def numel(self) -> int:
@@ -144,8 +167,14 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
         f"{LAYERS}mlp.linear_fc1.bias": ((layers, gpt.fc1_rows), gpt.linear_bias),
         f"{LAYERS}mlp.linear_fc2.bias": ((layers, h), gpt.linear_bias),
     }
+    norm_biases = {
+        f"{LAYERS}self_attention.linear_qkv.layer_norm_bias": (layers, h),
+        f"{LAYERS}mlp.linear_fc1.layer_norm_bias": (layers, h),
+        "decoder.final_layernorm.bias": (h,),
+    }
     return {
         "embedding.word_embeddings.weight": (gpt.padded_vocab_size, h),
+        **({"embedding.position_embeddings.weight": (gpt.position_table, h)} if gpt.position_table else {}),
         f"{LAYERS}self_attention.linear_qkv.layer_norm_weight": (layers, h),
         f"{LAYERS}self_attention.linear_proj.weight": (layers, h, gpt.num_attention_heads * gpt.kv_channels),
         f"{LAYERS}self_attention.linear_qkv.weight": (layers, gpt.qkv_rows, h),
@@ -153,8 +182,9 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
         f"{LAYERS}mlp.linear_fc1.weight": (layers, gpt.fc1_rows, h),
         f"{LAYERS}mlp.linear_fc2.weight": (layers, h, gpt.ffn_hidden_size),
         "decoder.final_layernorm.weight": (h,),
-        "output_layer.weight": (gpt.padded_vocab_size, h),
+        **({} if gpt.tied else {"output_layer.weight": (gpt.padded_vocab_size, h)}),
         **{key: shape for key, (shape, held) in biases.items() if held},
+        **(norm_biases if gpt.norm_bias else {}),
     }
 
 
@@ -167,9 +197,10 @@ def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
 
 def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> list[LocalParameter]:
     """The parameters of rank (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order of Megatron's GPT with the
-    local layer spec (embedding; per layer the input norm, ``linear_proj``, ``linear_qkv``, the pre-MLP norm,
-    ``linear_fc1``, ``linear_fc2``, each linear layer's weight then its bias where it has one; the final norm; the
-    output layer), each with the global boxes it holds."""
+    local layer spec (the word embedding, the position table; per layer the input norm, ``linear_proj``,
+    ``linear_qkv``, the pre-MLP norm, ``linear_fc1``, ``linear_fc2``, each norm's and linear layer's weight then its
+    bias where it has one; the final norm; the output layer, or over PP the tied embedding's copy), each with the
+    global boxes it holds."""
     h, shapes = gpt.hidden_size, global_shapes(gpt)
     out: list[LocalParameter] = []
 
@@ -182,13 +213,23 @@ def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> 
         return LocalParameter(name, (n * len(blocks), *(() if cols is None else (cols,))), pieces)
 
     def whole(name: str, key: str, at: tuple, size: int) -> LocalParameter:
-        """A norm's weight or a row-parallel layer's bias: every TP rank holds all of it."""
+        """A norm's weight or bias, or a row-parallel layer's bias: every TP rank holds all of it."""
         return LocalParameter(name, (size,), (Piece(key, (*at, (0, size)), 0, size),))
 
+    def norm(name: str, key: str, at: tuple) -> list[LocalParameter]:
+        """A norm's weight (``<key>weight``), and its bias with LayerNorm (``<key>bias``)."""
+        held = [whole(f"{name}weight", f"{key}weight", at, h)]
+        return held + ([whole(f"{name}bias", f"{key}bias", at, h)] if gpt.norm_bias else [])
+
     vocab = _split(gpt.padded_vocab_size, tp, tp_rank, "the padded vocabulary")
+    tied_over_pp = gpt.tied and pp > 1
+    embedding = "embedding.word_embeddings.weight"
     if pp_rank == 0:
-        name = "embedding.word_embeddings.weight"
-        out.append(column_parallel(name, name, (), [vocab], h))
+        out.append(replace(column_parallel(embedding, embedding, (), [vocab], h), own_bucket=tied_over_pp))
+        if gpt.position_table:
+            table = "embedding.position_embeddings.weight"
+            out.append(LocalParameter(table, (gpt.position_table, h),
+                                      (Piece(table, ((0, gpt.position_table), (0, h)), 0, gpt.position_table),)))
     for local, layer in enumerate(stage_layers(gpt.num_layers, pp, pp_rank)):
         prefix, at = f"decoder.layers.{local}.", ((layer, layer + 1),)
         attention = gpt.num_attention_heads * gpt.kv_channels
@@ -197,8 +238,7 @@ def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> 
         ffn = _split(gpt.ffn_hidden_size, tp, tp_rank, "linear_fc2's columns")
         fc1_blocks = [ffn] + ([(gpt.ffn_hidden_size + ffn[0], gpt.ffn_hidden_size + ffn[1])] if gpt.swiglu else [])
         attn, mlp = f"{prefix}self_attention.", f"{prefix}mlp."
-        out.append(whole(f"{prefix}input_layernorm.weight", f"{LAYERS}self_attention.linear_qkv.layer_norm_weight",
-                         at, h))
+        out += norm(f"{prefix}input_layernorm.", f"{LAYERS}self_attention.linear_qkv.layer_norm_", at)
         proj = f"{LAYERS}self_attention.linear_proj.weight"
         out.append(LocalParameter(f"{attn}linear_proj.weight", (h, cols[1] - cols[0]),
                                   (Piece(proj, (*at, (0, h), cols), 0, h),)))
@@ -208,7 +248,7 @@ def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> 
         out.append(column_parallel(f"{attn}linear_qkv.weight", f"{qkv}weight", at, [rows], h))
         if gpt.has_qkv_bias:
             out.append(column_parallel(f"{attn}linear_qkv.bias", f"{qkv}bias", at, [rows], None))
-        out.append(whole(f"{prefix}pre_mlp_layernorm.weight", f"{LAYERS}mlp.linear_fc1.layer_norm_weight", at, h))
+        out += norm(f"{prefix}pre_mlp_layernorm.", f"{LAYERS}mlp.linear_fc1.layer_norm_", at)
         out.append(column_parallel(f"{mlp}linear_fc1.weight", f"{LAYERS}mlp.linear_fc1.weight", at, fc1_blocks, h))
         if gpt.linear_bias:
             out.append(column_parallel(f"{mlp}linear_fc1.bias", f"{LAYERS}mlp.linear_fc1.bias", at, fc1_blocks, None))
@@ -218,9 +258,12 @@ def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> 
         if gpt.linear_bias:
             out.append(whole(f"{mlp}linear_fc2.bias", f"{LAYERS}mlp.linear_fc2.bias", at, h))
     if pp_rank == pp - 1:
-        final = "decoder.final_layernorm.weight"
-        out.append(whole(final, final, (), h))
-        out.append(column_parallel("output_layer.weight", "output_layer.weight", (), [vocab], h))
+        out += norm("decoder.final_layernorm.", "decoder.final_layernorm.", ())
+        if not gpt.tied:
+            out.append(column_parallel("output_layer.weight", "output_layer.weight", (), [vocab], h))
+        elif tied_over_pp:  # the copy of the first stage's embedding (at PP 1 the output layer has no weight)
+            out.append(replace(column_parallel("output_layer.weight", embedding, (), [vocab], h), tied_copy=True,
+                               own_bucket=True))
     assert all(p.key in shapes for lp in out for p in lp.pieces)
     return out
 
@@ -245,6 +288,22 @@ def bucket_layout(params: Sequence[tuple[str, int]], dp: int) -> BucketLayout:
         at = start + numel
     divisor = math.lcm(dp, BUCKET_ALIGNMENT)
     return BucketLayout(tuple(entries), at, -(-at // divisor) * divisor)
+
+
+def buckets(params: Sequence[LocalParameter], dp: int) -> list[BucketLayout]:
+    """The buckets of one (PP, TP) rank's parameters (``named_parameters()`` order, :func:`local_parameters`), as
+    megatron-core's distributed optimizer makes them with no bucket size: one bucket, in reverse order, but for a
+    tied embedding's parameter over PP (:attr:`LocalParameter.own_bucket`), which closes the bucket before it and is
+    a bucket alone. Each bucket starts at the padded end of the one before (a multiple of 64), so its parameters'
+    offsets in it are :func:`bucket_layout`'s."""
+    groups: list[list[tuple[str, int]]] = [[]]
+    for param in reversed(params):
+        if param.own_bucket and groups[-1]:
+            groups.append([])
+        groups[-1].append((param.name, param.numel))
+        if param.own_bucket:
+            groups.append([])
+    return [bucket_layout(group, dp) for group in groups if group]
 
 
 def dp_group_index(tp: int, tp_rank: int, pp_rank: int) -> int:

@@ -12,8 +12,10 @@ from frameworks import mcore
 
 
 class Save(NamedTuple):
-    """How one source is trained and saved: its grid, its sharding type, its dtype and its linear biases
-    (``none``, ``linear``: Megatron-LM's ``--add-bias-linear``, ``qkv``: ``--add-qkv-bias``)."""
+    """How one source is trained and saved: its grid, its sharding type, its dtype, its linear biases
+    (``none``, ``linear``: Megatron-LM's ``--add-bias-linear``, ``qkv``: ``--add-qkv-bias``) and its GPT
+    (:data:`frameworks.mcore.MODELS`: ``llama``, the harness's, or ``gpt``, Megatron-LM's defaults: LayerNorm, a
+    learned position table, GeLU, tied embeddings)."""
 
     tp: int
     pp: int
@@ -21,6 +23,7 @@ class Save(NamedTuple):
     sharding: str
     bf16: bool = False
     bias: str = "none"
+    model: str = "llama"
 
 
 #: Each saved once by real megatron-core on 4 ranks (the converted ones go on 2 more synthetic steps after the save:
@@ -37,12 +40,15 @@ SAVES = {
     "tp1_pp2_dp2_fs": Save(1, 2, 2, "fully_sharded_model_space"),
     "tp2_dp2_bias": Save(2, 1, 2, "dp_reshardable", bias="linear"),
     "tp2_pp2_qkv_bias": Save(2, 2, 1, "fully_reshardable", bias="qkv"),
+    "gpt_tp2_pp2": Save(2, 2, 1, "dp_reshardable", bias="linear", model="gpt"),
+    "gpt_tp2_pp2_fully": Save(2, 2, 1, "fully_reshardable", bias="linear", model="gpt"),
 }
 #: The sources converted (the issue's three parallelisms, each in both sharding types Megatron-LM writes, a bf16
-#: job's, the legacy type at two, and a GPT with every linear bias), and the targets each is written for,
-#: (TP, PP, DP), in the type ``output.megatron_optim_format`` unset gives (``DEFAULT_OUTPUT``).
+#: job's, the legacy type at two, a GPT with every linear bias, and Megatron-LM's default GPT over PP, whose tied
+#: embedding has a copy on the last stage), and the targets each is written for, (TP, PP, DP), in the type
+#: ``output.megatron_optim_format`` unset gives (``DEFAULT_OUTPUT``).
 CONVERTED = ("tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp2_dp2_fully", "tp1_pp2_dp2_fully", "tp2_pp2_fully", "tp4_bf16",
-             "tp2_dp2_fs", "tp1_pp2_dp2_fs", "tp2_dp2_bias")
+             "tp2_dp2_fs", "tp1_pp2_dp2_fs", "tp2_dp2_bias", "gpt_tp2_pp2")
 
 
 def make_saves(root: Path) -> dict[str, Path]:
@@ -68,7 +74,7 @@ def make_saves(root: Path) -> dict[str, Path]:
             resumed["megatron_from"] = legacy
         also = tuple((SAVES[n].sharding, root / n, resumed_path(root / n)) for n in rest)
         out[first] = mcore.save(root, root / first, tp=s.tp, pp=s.pp, dp=s.dp, sharding=s.sharding, bf16=s.bf16,
-                                bias=s.bias, timeout=400, also=also, **resumed)
+                                bias=s.bias, model=s.model, timeout=400, also=also, **resumed)
         out.update({n: root / n for n in rest})
     return out
 

@@ -7,9 +7,11 @@ Real megatron-core 0.16.1 trains the test's own GPT (GQA, SwiGLU, RoPE, RMSNorm,
 param groups, for both sharding types Megatron-LM writes (``dp_reshardable``, its default, whose buckets are laid
 out by :mod:`osdpipe.layout.megatron`, and ``fully_reshardable``), at TP, PP, DP and in bf16; and each bucket's
 layout must be the one megatron-core built (the truth carries it, measured from the live buffers), with Megatron-LM's
-linear biases (``--add-bias-linear``, its default) and with ``linear_qkv``'s alone (``--add-qkv-bias``). Bad inputs are
-refused in one line. The sharding type megatron-core saved by default until 0.14, ``fully_sharded_model_space``, is
-saved by megatron-core 0.13.1 (installed apart: :func:`frameworks.mcore.legacy_megatron`) at TP2 DP2 and TP1 PP2 DP2.
+linear biases (``--add-bias-linear``, its default) and with ``linear_qkv``'s alone (``--add-qkv-bias``), and for
+Megatron-LM's default GPT (LayerNorm, a learned position table, GeLU, the output layer tied to the word embedding: over
+PP the last stage's copy of it, a bucket of its own on either stage). Bad inputs are refused in one line. The sharding
+type megatron-core saved by default until 0.14, ``fully_sharded_model_space``, is saved by megatron-core 0.13.1
+(installed apart: :func:`frameworks.mcore.legacy_megatron`) at TP2 DP2 and TP1 PP2 DP2.
 
 Converted by the ``osdpipe`` command (``checkpoint=megatron``, in a subprocess) to two of TP1 PP1 DP2, TP2 PP1 DP1,
 TP1 PP2 DP1 and TP4 PP1 DP1 (the last by two writers; :func:`targets_of`), each output is loaded by megatron-core itself
@@ -96,26 +98,32 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
     assert differences(truth, save) == [f"exp_avg {key}"]
 
 
-@pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16", "tp2_dp2_bias", "tp2_pp2_qkv_bias"])
+@pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16", "tp2_dp2_bias", "tp2_pp2_qkv_bias",
+                                  "gpt_tp2_pp2"])
 def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path], name: str) -> None:
     truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
     gpt = gpt_of(truth["args"])
     assert (gpt.linear_bias, gpt.has_qkv_bias) == {"none": (False, False), "linear": (True, True),
                                                    "qkv": (False, True)}[SAVES[name].bias]
+    megatron_defaults = SAVES[name].model == "gpt"
+    assert (gpt.norm_bias, bool(gpt.position_table), gpt.tied, gpt.swiglu) == (megatron_defaults,) * 3 + (
+        not megatron_defaults,)
     tp, pp, dp = SAVES[name][:3]
     for domain in truth["buckets"]:
         params = layout.local_parameters(gpt, tp, pp, domain["tp_rank"], domain["pp_rank"])
         assert layout.dp_group_index(tp, domain["tp_rank"], domain["pp_rank"]) == domain["dp_group_idx"]
         [gbuf] = domain["gbufs"]
-        [bucket] = gbuf["buckets"]
-        laid = layout.bucket_layout([(p.name, p.numel) for p in reversed(params)], dp)
-        assert list(laid.entries) == [(p["name"], p["start"], p["end"]) for p in bucket["params"]]
-        assert (laid.numel_unpadded, laid.numel) == (bucket["numel_unpadded"], bucket["numel"])
+        laid = layout.buckets(params, dp)
+        assert len(laid) == len(gbuf["buckets"])
+        for mine, bucket in zip(laid, gbuf["buckets"], strict=True):
+            assert list(mine.entries) == [(p["name"], p["start"], p["end"]) for p in bucket["params"]]
+            assert (mine.numel_unpadded, mine.numel) == (bucket["numel_unpadded"], bucket["numel"])
         by_name = {p.name: p for p in params}
-        for p in bucket["params"]:
+        for p in (p for bucket in gbuf["buckets"] for p in bucket["params"]):
             mine = sorted(list(piece.box) for piece in by_name[p["name"]].pieces)
             theirs = sorted([(x, x + 1) if isinstance(x, int) else tuple(x) for x in piece] for piece in p["global"])
             assert tuple(by_name[p["name"]].shape) == tuple(p["shape"]) and mine == theirs, p["name"]
+            assert {piece.key for piece in by_name[p["name"]].pieces} == {p["key"]}, p["name"]
 
 
 def test_bad_inputs_are_refused_in_one_line(saves: dict[str, Path], tmp_path: Path) -> None:
@@ -141,14 +149,19 @@ def test_a_model_osdpipe_cannot_lay_out_yet_is_refused_naming_the_feature() -> N
     assert "a mixture of experts (num_experts): not supported yet" in refused_model(moe, Path("iter_0000003"))
     for biased in ({"add_bias_linear": True}, {"add_qkv_bias": True}):  # laid out (tp2_dp2_bias, tp2_pp2_qkv_bias)
         assert refused_model({**laid_out, **biased}, Path("x")) is None
-    assert "tied embedding" in refused_model({**laid_out, "untie_embeddings_and_output_weights": False}, Path("x"))
-    # Megatron-LM's defaults where the args are silent: LayerNorm (a bias beside each norm) and a learned position table
-    assert "LayerNorm (a norm with a bias" in refused_model({**laid_out, "normalization": "LayerNorm"}, Path("x"))
-    defaults = refused_model({"untie_embeddings_and_output_weights": True}, Path("x"))
-    assert "LayerNorm" in defaults and "a learned absolute position table" in defaults
+    # Megatron-LM's defaults where the args are silent (LayerNorm, a learned position table, tied embeddings) are
+    # laid out (gpt_tp2_pp2); other norms and position embeddings are named
+    assert refused_model({}, Path("x")) is None
+    assert "MixedFusedRMSNorm normalization" in refused_model({"normalization": "MixedFusedRMSNorm"}, Path("x"))
+    assert "mrope position embeddings" in refused_model({**laid_out, "position_embedding_type": "mrope"}, Path("x"))
     older = {k: v for k, v in laid_out.items() if k != "position_embedding_type"}  # before --position-embedding-type
-    assert refused_model({**older, "use_rotary_position_embeddings": True}, Path("x")) is None
-    assert "position table" in refused_model(older, Path("x"))
+    assert gpt_of({**older, **DIMS, "use_rotary_position_embeddings": True}).position_table == 0
+    assert gpt_of({**older, **DIMS}).position_table == DIMS["max_position_embeddings"]
+
+
+#: A GPT's dimensions as Megatron-LM's args name them.
+DIMS = {"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 16, "num_attention_heads": 2, "padded_vocab_size": 128,
+        "max_position_embeddings": 32}
 
 
 def test_a_weight_the_args_have_no_place_for_is_refused_not_dropped(saves: dict[str, Path], tmp_path: Path) -> None:
@@ -186,7 +199,7 @@ def test_megatron_loads_every_conversion_bitwise_and_resumes_as_the_source_job(
         assert (written.tp, written.pp, written.dp, written.sharding) == (tp, pp, dp, DEFAULT_OUTPUT[source.sharding])
         loaded, after = tmp_path / f"{label}.pt", tmp_path / f"{label}.resumed.pt"
         mcore.load(tmp_path, tmp_path / label, loaded, tp=tp, pp=pp, dp=dp, bf16=SAVES[name].bf16, resume=2,
-                   dump_after=after, timeout=300, bias=SAVES[name].bias)
+                   dump_after=after, timeout=300, bias=SAVES[name].bias, model=SAVES[name].model)
         got, got_after = torch.load(loaded, weights_only=False), torch.load(after, weights_only=False)
         failed += [f"{label} load: {d}" for d in mcore.dump_differences(truth, got)[:5]]
         failed += [f"{label} resume: {d}" for d in mcore.dump_differences(resumed, got_after)[:5]]
@@ -253,3 +266,32 @@ def test_the_read_back_check_fails_on_one_changed_element_and_nothing_is_committ
         osdpipe.reshard_megatron(saves["tp2_dp2"], tmp_path / "refused", tp=1, dp=2)
     assert not (tmp_path / "refused" / "latest_checkpointed_iteration.txt").exists()
     assert not (tmp_path / "refused" / ".staging").exists()
+
+
+def test_a_tied_embeddings_copy_on_the_last_stage_is_written_as_megatron_keeps_it_and_a_wrong_one_is_seen(
+    saves: dict[str, Path], tmp_path: Path, monkeypatch
+) -> None:
+    """Over PP the last stage computes its logits with its own copy of the tied word embedding, whose state no
+    model-space save holds: a ``dp_reshardable`` output carries it in the last stage's first bucket, filled from the
+    embedding's. Megatron's loaded job must find it equal to the first stage's (the harness compares every replica
+    with its main one); one element of its exp_avg changed, it must not."""
+    from osdpipe.io.formats import megatron_writer
+
+    source = read_save(saves["gpt_tp2_pp2"])
+    write_save(source, tmp_path / "right", Target(1, 2, 1, "dp_reshardable"))
+    real = megatron_writer._buckets
+
+    def copy_wrong(*args, **kwargs):
+        items = real(*args, **kwargs)  # the last stage (domain 1 at TP1): bucket 0 is the copy alone
+        next(v for k, v in items.items() if k.startswith("optimizer.distributed.dp_group_idx_1.")
+             and k.endswith("bucket_idx_0.exp_avg")).view(-1)[3] += 1
+        return items
+
+    monkeypatch.setattr(megatron_writer, "_buckets", copy_wrong)
+    write_save(source, tmp_path / "wrong", Target(1, 2, 1, "dp_reshardable"))
+    truth = torch.load(mcore.truth_path(saves["gpt_tp2_pp2"]), weights_only=False)
+    for name, expected in (("right", []), ("wrong", ["actual: replicas unequal to the main one: "
+                                                       "exp_avg embedding.word_embeddings.weight"])):
+        mcore.load(tmp_path, tmp_path / name, tmp_path / f"{name}.pt", tp=1, pp=2, dp=1, bias="linear", model="gpt",
+                   timeout=300)
+        assert mcore.dump_differences(truth, torch.load(tmp_path / f"{name}.pt", weights_only=False)) == expected

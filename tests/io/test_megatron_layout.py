@@ -74,6 +74,33 @@ def test_a_column_parallel_bias_is_cut_as_its_rows_and_a_row_parallel_one_is_who
     assert not any(k.endswith("bias") for k in layout.global_shapes(layout.Gpt(4, 32, 64, 4, 2, 8, 1024, True)))
 
 
+def test_megatron_lms_default_gpt_has_norm_biases_a_position_table_and_a_tied_embedding_copied_over_pp() -> None:
+    gpt = layout.Gpt(4, 32, 64, 4, 2, 8, 1024, False, norm_bias=True, position_table=16, tied=True)
+    shapes = layout.global_shapes(gpt)
+    assert "output_layer.weight" not in shapes and shapes["embedding.position_embeddings.weight"] == (16, 32)
+    assert shapes["decoder.layers.self_attention.linear_qkv.layer_norm_bias"] == (4, 32)
+    assert shapes["decoder.final_layernorm.bias"] == (32,)
+    first = layout.local_parameters(gpt, tp=2, pp=2, tp_rank=1, pp_rank=0)
+    assert [p.name for p in first[:4]] == ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                                           "decoder.layers.0.input_layernorm.weight",
+                                           "decoder.layers.0.input_layernorm.bias"]
+    table = first[1]  # whole on every TP rank
+    assert table.shape == (16, 32) and table.pieces[0].box == ((0, 16), (0, 32))
+    last = layout.local_parameters(gpt, tp=2, pp=2, tp_rank=1, pp_rank=1)
+    assert [p.name for p in last[-3:]] == ["decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
+                                          "output_layer.weight"]
+    copy = last[-1]  # the embedding's rows of TP rank 1, under the embedding's key
+    assert copy.tied_copy and copy.own_bucket and copy.pieces[0].key == "embedding.word_embeddings.weight"
+    assert copy.pieces[0].box == ((512, 1024), (0, 32))
+    # each tied parameter a bucket of its own: the embedding last in the first stage's order, the copy first
+    assert [[e[0] for e in b.entries][-1:] for b in layout.buckets(first, dp=1)] == [
+        ["embedding.position_embeddings.weight"], ["embedding.word_embeddings.weight"]]
+    assert [len(b.entries) for b in layout.buckets(last, dp=1)] == [1, len(last) - 1]
+    assert all(b.numel % 128 == 0 for b in layout.buckets(last, dp=1))
+    one_stage = layout.local_parameters(gpt, tp=1, pp=1, tp_rank=0, pp_rank=0)  # the output layer has no weight
+    assert "output_layer.weight" not in {p.name for p in one_stage} and len(layout.buckets(one_stage, dp=2)) == 1
+
+
 def test_a_larger_padded_vocabulary_gets_zero_rows_and_the_read_back_check_sees_a_nonzero_one(tmp_path: Path) -> None:
     source = read_save(synthetic_save(tmp_path, tp=1))  # 1000 rows padded to 1056
     write_save(source, tmp_path / "tp2", Target(2, 1, 1, "fully_reshardable"))  # padded to 1152

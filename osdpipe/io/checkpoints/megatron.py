@@ -38,7 +38,7 @@ from osdpipe.io.checkpoints.torchtitan import MODEL_ARGS
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.remote_input import as_path
-from osdpipe.layout.megatron import query_groups
+from osdpipe.layout.megatron import position_embedding_type, query_groups
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
@@ -250,7 +250,8 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
         f"GPT: {args.get('num_layers')} layers, hidden {args.get('hidden_size')}, ffn {args.get('ffn_hidden_size')}, "
         f"{heads} heads in {groups} query groups, vocabulary padded to {args.get('padded_vocab_size')}"
         + (", SwiGLU" if args.get("swiglu") else "") + f", {args.get('normalization', 'LayerNorm')}"
-        + biases,
+        + f", {position_embedding_type(args)} positions"
+        + (", untied" if args.get("untie_embeddings_and_output_weights") else ", tied embeddings") + biases,
     ]
     if (why := files.refused_model(args, folder)) is not None:
         notes.append(why)

@@ -10,9 +10,9 @@ optimizer, its param groups) and ``metadata.json`` (``sharded_backend: torch_dis
 
   - ``dp_reshardable`` (Megatron-LM's default): per model-parallel domain ``i``, gradient buffer, dtype and bucket,
     one 1-D tensor per state, ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_(<param>, <grad>)
-    .bucket_idx_<b>.<param|exp_avg|exp_avg_sq>``: the bucket as :func:`osdpipe.layout.megatron.bucket_layout`
-    lays it out, cut at its unpadded size; the param groups (with ``step``) in the byte item
-    ``optimizer.distributed.dp_group_idx_<i>.optimizer``;
+    .bucket_idx_<b>.<param|exp_avg|exp_avg_sq>``: each bucket as :func:`osdpipe.layout.megatron.buckets` lays it
+    out (one; two on a stage that holds a tied embedding over PP), cut at its unpadded size; the param groups (with
+    ``step``) in the byte item ``optimizer.distributed.dp_group_idx_<i>.optimizer``;
   - ``fully_reshardable``: ``optimizer.state.<param|exp_avg|exp_avg_sq>.<sharded key>``, global like the model;
     the param groups (with ``step``) in ``common.pt``;
   - ``fully_sharded_model_space`` (megatron-core's default until 0.14, which dropped it): per sharded key
@@ -194,17 +194,15 @@ def read_common(folder: Path) -> dict[str, Any]:
 
 def refused_model(args: dict[str, Any], where: Path) -> str | None:
     """Why osdpipe cannot lay out the model ``args`` describe yet (``None``: it can), naming the feature. Absent args
-    take Megatron-LM's defaults: LayerNorm, a learned position table, tied embeddings."""
-    norm = args.get("normalization", "LayerNorm")
+    take Megatron-LM's defaults (LayerNorm, a learned position table, tied embeddings: all laid out)."""
+    norm, positions = args.get("normalization", "LayerNorm"), layout.position_embedding_type(args)
     checks = [
-        (norm != "RMSNorm", f"{norm} (a norm with a bias; osdpipe lays out RMSNorm's weight alone)"),
-        (layout.position_embedding_type(args) == "learned_absolute",
-         "a learned absolute position table (position_embedding_type)"),
+        (norm not in ("RMSNorm", "LayerNorm"), f"{norm} normalization"),
+        (positions not in ("rope", "learned_absolute"), f"{positions} position embeddings"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
         ((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism (expert_model_parallel_size)"),
         (args.get("virtual_pipeline_model_parallel_size") not in (None, 1), "virtual pipeline stages"),
         ((args.get("context_parallel_size") or 1) > 1, "context parallelism"),
-        (not args.get("untie_embeddings_and_output_weights", False), "tied embedding and output weights"),
         (args.get("transformer_impl", "local") != "local", f"the {args.get('transformer_impl')} layer spec"),
         (bool(args.get("use_megatron_fsdp")) or args.get("ckpt_format") == "fsdp_dtensor", "Megatron-FSDP"),
         (bool(args.get("qk_layernorm")), "qk_layernorm"),
@@ -229,6 +227,10 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
         swiglu=bool(args.get("swiglu")),
         linear_bias=bool(args.get("add_bias_linear")),
         qkv_bias=bool(args.get("add_qkv_bias")),
+        norm_bias=args.get("normalization", "LayerNorm") == "LayerNorm",
+        position_table=int(args["max_position_embeddings"])
+        if layout.position_embedding_type(args) == "learned_absolute" else 0,
+        tied=not args.get("untie_embeddings_and_output_weights", False),
     )
 
 
@@ -420,28 +422,37 @@ def _from_buckets(
     for flat in checkpoint.metadata.state_dict_metadata:
         if (m := _BUCKET.fullmatch(flat)) is not None:
             buckets.setdefault((int(m[1]), int(m[2]), int(m[4])), {})[m[5]] = flat
-    if any(gbuf or bucket for _, gbuf, bucket in buckets):
-        raise InputError(f"{folder}: the optimizer has several gradient buffers or buckets: not supported yet")
+    if any(gbuf for _, gbuf, _ in buckets):
+        raise InputError(f"{folder}: the optimizer has several gradient buffers: not supported yet")
     groups = None
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             index = layout.dp_group_index(tp, tp_rank, pp_rank)
-            states = buckets.get((index, 0, 0))
-            if states is None or set(states) != set(STATES):
-                raise InputError(f"{folder}: the optimizer state of model-parallel domain {index} is missing; "
-                                 "re-copy the save folder")
             params = layout.local_parameters(gpt, tp, pp, tp_rank, pp_rank)
-            bucket = layout.bucket_layout([(p.name, p.numel) for p in reversed(params)], dp)
+            laid = layout.buckets(params, dp)
+            held_buckets = sorted(b for i, _, b in buckets if i == index)
+            if len(held_buckets) > len(laid):
+                raise InputError(f"{folder}: the optimizer's gradient buffer is cut into {len(held_buckets)} "
+                                 "buckets (a bucket size: --overlap-grad-reduce): not supported yet")
+            if held_buckets != list(range(len(laid))):
+                raise InputError(f"{folder}: the optimizer state of model-parallel domain {index} is missing "
+                                 f"buckets (it holds {held_buckets} of {len(laid)}); re-copy the save folder")
             by_name = {p.name: p for p in params}
-            for state, flat in states.items():
-                held = math.prod(checkpoint.ref(flat).shape)
-                if held != bucket.numel_unpadded:
-                    raise InputError(f"{folder}: {flat} holds {held} elements, the bucket of its parameters "
-                                     f"{bucket.numel_unpadded}; it is not the GPT its args describe")
-                data = checkpoint.read_range(flat, 0, bucket.numel_unpadded)
-                for name, start, stop in bucket.entries:
-                    local = by_name[name]
-                    _place(data[start:stop].view(local.shape), local, optim, state, filled)
+            for b, bucket in enumerate(laid):
+                states = buckets[(index, 0, b)]
+                if set(states) != set(STATES):
+                    raise InputError(f"{folder}: the optimizer state of model-parallel domain {index}, bucket {b} "
+                                     "is missing; re-copy the save folder")
+                for state, flat in states.items():
+                    held = math.prod(checkpoint.ref(flat).shape)
+                    if held != bucket.numel_unpadded:
+                        raise InputError(f"{folder}: {flat} holds {held} elements, the bucket of its parameters "
+                                         f"{bucket.numel_unpadded}; it is not the GPT its args describe")
+                    data = checkpoint.read_range(flat, 0, bucket.numel_unpadded)
+                    for name, start, stop in bucket.entries:
+                        local = by_name[name]
+                        if not local.tied_copy:  # the tied embedding's state is the first stage's
+                            _place(data[start:stop].view(local.shape), local, optim, state, filled)
             if groups is None:
                 groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer")
                           or {}).get("param_groups")

@@ -10,7 +10,7 @@ What the target's Megatron loads depends on the parallelism only where Megatron-
   (:func:`osdpipe.layout.megatron.padded_vocab_size`): the source's rows are kept up to the target's padded size,
   and rows the target adds are zero, weights, masters and moments alike (no token reaches them; zero moments are
   what a fresh optimizer holds);
-* a ``dp_reshardable`` optimizer is laid out in the target's buckets (:func:`osdpipe.layout.megatron.bucket_layout`),
+* a ``dp_reshardable`` optimizer is laid out in the target's buckets (:func:`osdpipe.layout.megatron.buckets`),
   the padding between and after parameters zero;
 * the RNG states are one per target (PP, TP) rank: the source's where the grid is the same, otherwise those of source
   rank (PP mod the source's PP, TP mod the source's TP), so every tensor-parallel rank keeps a distinct
@@ -187,38 +187,41 @@ def _repadded_state(
 def _dtype_key(save: MegatronSave) -> str:
     """The gradient buffer's ``(param dtype, grad dtype)`` as Megatron's keys spell it: the source's, or for a
     ``fully_reshardable`` source the weights' dtype with fp32 gradients (Megatron-LM reduces bf16 gradients in fp32)."""
-    return save.gbuf_dtypes or f"{save.model['output_layer.weight'].dtype}, torch.float32"
+    return save.gbuf_dtypes or f"{save.model['embedding.word_embeddings.weight'].dtype}, torch.float32"
 
 
 def _buckets(
     gpt: layout.Gpt, target: Target, optim: dict[str, dict[str, torch.Tensor]], groups: list[dict[str, Any]],
     dtypes: str,
 ) -> dict[str, Any]:
-    """The ``dp_reshardable`` items: per (PP, TP) domain, its bucket of each state and its byte items."""
+    """The ``dp_reshardable`` items: per (PP, TP) domain, each bucket of each state (the tied embedding's copy on the
+    last stage filled from the embedding's state) and its byte items."""
     items: dict[str, Any] = {}
     pair = tuple(getattr(torch, d.strip().removeprefix("torch.")) for d in dtypes.split(","))
     for pp_rank in range(target.pp):
         for tp_rank in range(target.tp):
             index = layout.dp_group_index(target.tp, tp_rank, pp_rank)
             params = layout.local_parameters(gpt, target.tp, target.pp, tp_rank, pp_rank)
-            bucket = layout.bucket_layout([(p.name, p.numel) for p in reversed(params)], target.dp)
+            laid = layout.buckets(params, target.dp)
             by_name = {p.name: p for p in params}
             prefix = f"optimizer.distributed.dp_group_idx_{index}"
-            for state in STATES:
-                flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
-                for name, start, stop in bucket.entries:
-                    local = by_name[name]
-                    view = flat[start:stop].view(local.shape)
-                    for piece in local.pieces:
-                        box = tuple(slice(a, b) for a, b in piece.box)
-                        block = optim[piece.key][state][box]
-                        view[piece.local_start : piece.local_stop] = block.reshape(
-                            view[piece.local_start : piece.local_stop].shape
-                        )
-                items[f"{prefix}.gbuf_idx_0.dtype_({dtypes}).bucket_idx_0.{state}"] = flat
+            for b, bucket in enumerate(laid):
+                for state in STATES:
+                    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+                    for name, start, stop in bucket.entries:
+                        local = by_name[name]
+                        view = flat[start:stop].view(local.shape)
+                        for piece in local.pieces:
+                            box = tuple(slice(a, b) for a, b in piece.box)
+                            block = optim[piece.key][state][box]
+                            view[piece.local_start : piece.local_stop] = block.reshape(
+                                view[piece.local_start : piece.local_stop].shape
+                            )
+                    items[f"{prefix}.gbuf_idx_0.dtype_({dtypes}).bucket_idx_{b}.{state}"] = flat
             items[f"{prefix}.optimizer/shard_0_1"] = [{"param_groups": groups}]
-            items[f"{prefix}.per_bucket_numel/shard_0_1"] = [[{pair: [bucket.numel]}]]
-            items[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [[{pair: [bucket.numel_unpadded]}]]
+            items[f"{prefix}.per_bucket_numel/shard_0_1"] = [[{pair: [bucket.numel for bucket in laid]}]]
+            items[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [[{pair: [bucket.numel_unpadded
+                                                                              for bucket in laid]}]]
     return items
 
 
