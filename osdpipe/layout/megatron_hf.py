@@ -1,12 +1,15 @@
 """Megatron-Core's GPT <-> Hugging Face's ``LlamaForCausalLM``: the config and the weights' map, pure functions.
 
 A Megatron GPT with RMSNorm, SwiGLU, RoPE (rotate-half), no biases and untied embeddings computes the function of
-transformers' ``LlamaForCausalLM``; only the tensors are named and cut differently. With Megatron-LM's linear biases
-(``add_bias_linear``) it is a Llama with ``attention_bias`` and ``mlp_bias``; with ``linear_qkv``'s alone
-(``add_qkv_bias``) transformers' ``Qwen2ForCausalLM`` (:func:`architecture`); a bias is cut as its weight's rows. The
-map (Megatron's sharded keys as :func:`osdpipe.layout.megatron.global_shapes` gives them, the decoder's layers stacked
-on axis 0; ``g`` a query group of ``G``, ``n = heads / G`` query heads each, ``d`` the head dimension, ``f`` the FFN
-size, ``V`` the true vocabulary and ``Vp`` Megatron's padded one):
+transformers' ``LlamaForCausalLM``; only the tensors are named and cut differently. Its embedding tied to the output
+layer (Megatron-LM's ``untie_embeddings_and_output_weights`` unset) is Llama's ``tie_word_embeddings`` (Llama 3.2's 1B
+and 3B, Qwen2.5's smaller models): one tensor, ``model.embed_tokens.weight``, and no ``lm_head.weight`` (transformers'
+``save_pretrained`` writes none where the two are tied, and ``from_pretrained`` ties ``lm_head`` to the embedding). With
+Megatron-LM's linear biases (``add_bias_linear``) it is a Llama with ``attention_bias`` and ``mlp_bias``; with
+``linear_qkv``'s alone (``add_qkv_bias``) transformers' ``Qwen2ForCausalLM`` (:func:`architecture`); a bias is cut as
+its weight's rows. The map (Megatron's sharded keys as :func:`osdpipe.layout.megatron.global_shapes` gives them, the
+decoder's layers stacked on axis 0; ``g`` a query group of ``G``, ``n = heads / G`` query heads each, ``d`` the head
+dimension, ``f`` the FFN size, ``V`` the true vocabulary and ``Vp`` Megatron's padded one):
 
 =========================================================  ======================================================
 Megatron                                                   Hugging Face (layer ``i``)
@@ -23,7 +26,7 @@ Megatron                                                   Hugging Face (layer `
                                                            ``mlp.up_proj``
 ``...linear_fc2.weight[i]``                                ``model.layers.{i}.mlp.down_proj.weight``
 ``decoder.final_layernorm.weight``                         ``model.norm.weight``
-``output_layer.weight`` ``[Vp, h]``                        ``lm_head.weight``: rows ``[0, V)``
+``output_layer.weight`` ``[Vp, h]`` (untied)               ``lm_head.weight``: rows ``[0, V)``
 ``...linear_qkv.bias[i]``, ``...linear_fc1.bias[i]``       as their weights' rows: ``q_proj``, ``k_proj``,
                                                            ``v_proj``, ``gate_proj``, ``up_proj`` ``.bias``
 ``...linear_proj.bias[i]``, ``...linear_fc2.bias[i]``      ``self_attn.o_proj.bias``, ``mlp.down_proj.bias``
@@ -98,6 +101,12 @@ _WHOLE_PER_LAYER = {
 LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
 
 
+def tied_word_embeddings(config: dict[str, Any]) -> bool:
+    """Whether a Hugging Face ``config.json`` ties ``lm_head`` to the embedding: ``tie_word_embeddings``, whose
+    default in transformers' ``PretrainedConfig`` is true (a Llama's config.json says it either way)."""
+    return config.get("tie_word_embeddings", True) is not False
+
+
 def architecture(args: dict[str, Any]) -> str:
     """The Hugging Face model that computes the GPT Megatron-LM's ``args`` describe: Qwen2's where only ``linear_qkv``
     has a bias (``add_qkv_bias``: Qwen2 biases q, k and v, not o, nor its MLP), else Llama's (``add_bias_linear``, a
@@ -127,15 +136,16 @@ def true_vocab_size(args: dict[str, Any]) -> int:
     return int(vocab) if vocab else int(args["padded_vocab_size"])
 
 
-def refusals(args: dict[str, Any], *, biases: bool = False) -> list[str]:
+def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of the GPT ``args`` describe HF's Llama cannot express (empty: nothing). Absent args take Megatron-LM's
     defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied).
 
-    ``biases``: the output is a model folder, which holds a GPT's linear biases as Llama's ``attention_bias`` and
-    ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`); where it is a training checkpoint for
-    a PyTorch job's Llama or torchtitan's llama3, which have none, they are refused."""
+    ``model_folder``: the output is a model folder, which holds a GPT's linear biases as Llama's ``attention_bias``
+    and ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`), and tied embeddings as its
+    ``tie_word_embeddings``; where it is a training checkpoint for a PyTorch job's Llama or torchtitan's llama3
+    (untied, without biases), both are refused."""
     norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
-    qwen2 = biases and architecture(args) == QWEN2
+    qwen2 = model_folder and architecture(args) == QWEN2
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
     checks = [
         (norm != "RMSNorm", f"{norm} (not RMSNorm)"),
@@ -144,12 +154,13 @@ def refusals(args: dict[str, Any], *, biases: bool = False) -> list[str]:
         (not args.get("swiglu"), "an MLP without SwiGLU"),
         (bool(args.get("squared_relu")), "squared ReLU"),
         (args.get("activation_func_clamp_value") is not None, "a clamped activation (activation_func_clamp_value)"),
-        (not biases and (bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))),
+        (not model_folder and (bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))),
          "linear biases (add_bias_linear)"),
         (qwen2 and bool(args.get("use_rope_scaling")), "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
         (qwen2 and int(args.get("kv_channels") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads with linear_qkv's bias alone (a Qwen2)"),
-        (not args.get("untie_embeddings_and_output_weights", False), "tied embedding and output weights"),
+        (not model_folder and not args.get("untie_embeddings_and_output_weights", False),
+         "tied embedding and output weights"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
         (positions != "rope", f"{positions} position embeddings (not rope)"),
         (bool(args.get("rotary_interleaved")), "interleaved RoPE (rotary_interleaved)"),
@@ -204,7 +215,7 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
     Raises:
         ValueError: one line naming what HF's Llama cannot express (:func:`refusals`), "not supported yet".
     """
-    _refuse(refusals(args, biases=True))
+    _refuse(refusals(args, model_folder=True))
     linear_bias, qwen2 = bool(args.get("add_bias_linear")), architecture(args) == QWEN2
     heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     vocab = int(vocab_size) if vocab_size is not None else true_vocab_size(args)
@@ -231,7 +242,7 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
         "rope_theta": theta,
         "rope_parameters": rope,
         "max_position_embeddings": int(args.get("max_position_embeddings") or args["seq_length"]),
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
         "attention_bias": linear_bias,
         "mlp_bias": linear_bias,
         "attention_dropout": 0.0,
@@ -281,6 +292,10 @@ def _check_gpt(gpt: Gpt) -> None:
     what = []
     if not gpt.swiglu:
         what.append("an MLP without SwiGLU")
+    if gpt.norm_bias:
+        what.append("LayerNorm (not RMSNorm)")
+    if gpt.position_table:
+        what.append("a learned position table (not rope)")
     if gpt.num_attention_heads % gpt.num_query_groups:
         what.append(f"{gpt.num_attention_heads} heads in {gpt.num_query_groups} query groups")
     _refuse(what)
@@ -307,7 +322,8 @@ def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
         }
         out.update({p + name: shape for name, (shape, held) in layer.items() if held})
     out["model.norm.weight"] = (h,)
-    out["lm_head.weight"] = (vocab_size, h)
+    if not gpt.tied:
+        out["lm_head.weight"] = (vocab_size, h)
     return out
 
 
@@ -374,7 +390,8 @@ def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[s
         for key, name in _whole_per_layer(gpt).items():
             out[p + name] = tensors[key][i].clone()
     out["model.norm.weight"] = tensors[FINAL_NORM].clone()
-    out["lm_head.weight"] = tensors[OUTPUT][:vocab_size].clone()
+    if not gpt.tied:
+        out["lm_head.weight"] = tensors[OUTPUT][:vocab_size].clone()
     return {key: out[key] for key in hf_shapes(gpt, vocab_size)}
 
 
@@ -415,7 +432,7 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
         EMBEDDING: _pad_rows(tensors["model.embed_tokens.weight"], padded),
         **{key: torch.stack(ts) for key, ts in layers.items()},
         FINAL_NORM: tensors["model.norm.weight"].clone(),
-        OUTPUT: _pad_rows(tensors["lm_head.weight"], padded),
+        **({} if gpt.tied else {OUTPUT: _pad_rows(tensors["lm_head.weight"], padded)}),
     }
     return {key: out[key] for key in global_shapes(gpt)}
 
@@ -441,36 +458,36 @@ def _megatrons_llama3(rope: dict[str, Any]) -> float | None:
     return float(rope.get("factor", 8.0)) if fixed else None
 
 
-def hf_refusals(config: dict[str, Any], *, biases: bool = False) -> list[str]:
+def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT with the local layer spec cannot express (empty:
     nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases, with untied embeddings,
     SiLU, plain RoPE, and as many query heads per key/value head in every group.
 
-    ``biases``: the source is a model folder, whose biases become Megatron's (:func:`megatron_args`): a Llama's
-    ``attention_bias`` and ``mlp_bias`` together (``add_bias_linear``: Megatron biases all four linears or
+    ``model_folder``: the source is a model folder, whose biases become Megatron's (:func:`megatron_args`): a
+    Llama's ``attention_bias`` and ``mlp_bias`` together (``add_bias_linear``: Megatron biases all four linears or
     ``linear_qkv`` alone), or a Qwen2 (``Qwen2ForCausalLM``: ``add_qkv_bias``) without sliding windows or RoPE
-    scaling. A training checkpoint (the HF Trainer's, torchtitan's) is read for a Llama without them."""
+    scaling; and whose tied embeddings (``tie_word_embeddings``) become Megatron's. A training checkpoint (the HF
+    Trainer's, torchtitan's) is read for an untied Llama without them."""
     arch = config.get("architectures") or ["LlamaForCausalLM"]
     rope = _rope_parameters(config)
     heads = int(config.get("num_attention_heads") or 0)
     groups = int(config.get("num_key_value_heads") or heads)
-    qwen2 = biases and (config.get("model_type"), arch) == ("qwen2", [QWEN2])
+    qwen2 = model_folder and (config.get("model_type"), arch) == ("qwen2", [QWEN2])
     attention, mlp = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
     hidden = int(config.get("hidden_size") or 0)
     checks = [
         (not qwen2 and (config.get("model_type") != "llama" or arch != [LLAMA]),
          f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM"
-         + (" or Qwen2ForCausalLM" if biases else "")),
-        (not biases and attention, "attention biases (attention_bias)"),
-        (not biases and mlp, "MLP biases (mlp_bias)"),
-        (biases and attention != mlp,
+         + (" or Qwen2ForCausalLM" if model_folder else "")),
+        (not model_folder and attention, "attention biases (attention_bias)"),
+        (not model_folder and mlp, "MLP biases (mlp_bias)"),
+        (model_folder and attention != mlp,
          "attention biases without MLP biases or the other way (Megatron biases all four linears or linear_qkv alone)"),
         (qwen2 and bool(config.get("use_sliding_window")), "sliding-window attention (use_sliding_window)"),
         (qwen2 and rope.get("rope_type", rope.get("type", "default")) != "default", "RoPE scaling in a Qwen2"),
         (qwen2 and heads > 0 and int(config.get("head_dim") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads in a Qwen2"),
-        (config.get("tie_word_embeddings", True) is not False,
-         "tied embedding and output weights (tie_word_embeddings)"),
+        (not model_folder and tied_word_embeddings(config), "tied embedding and output weights (tie_word_embeddings)"),
         (config.get("hidden_act", "silu") != "silu", f"the {config.get('hidden_act')} activation (not silu)"),
         (rope.get("rope_type", rope.get("type", "default")) not in ("default", "llama3") or (
             rope.get("rope_type") == "llama3" and _megatrons_llama3(rope) is None),
@@ -492,16 +509,17 @@ def megatron_args(
     iteration: int = 0,
     sharding: str = "fully_reshardable",
     divisible_by: int = 128,
-    biases: bool = False,
+    model_folder: bool = False,
 ) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (with
-    ``biases``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``), for TP ``tp`` x PP ``pp`` on ``world``
-    ranks: the inverse of :func:`hf_config`.
+    biases or tied embeddings where ``model_folder``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``),
+    for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`.
 
     What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
     with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
     ``rotary_base``, the biases (``add_bias_linear`` for a Llama's ``attention_bias`` and ``mlp_bias``,
-    ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals` with ``biases``), untied embeddings, the local layer spec, the
+    ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals` with ``model_folder``), tied or untied embeddings, the local
+    layer spec, the
     true ``vocab_size`` (the NullTokenizer's, as Megatron-LM records it for ``--vocab-size``) and
     ``padded_vocab_size`` (:func:`osdpipe.layout.megatron.padded_vocab_size`), the parallelism, the distributed
     optimizer, ``torch_dist``.
@@ -513,7 +531,7 @@ def megatron_args(
     """
     from osdpipe.layout.megatron import padded_vocab_size
 
-    what = hf_refusals(config, biases=biases)
+    what = hf_refusals(config, model_folder=model_folder)
     if what:
         raise ValueError(f"a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")
     qwen2 = config.get("model_type") == "qwen2"
@@ -551,7 +569,7 @@ def megatron_args(
         "add_position_embedding": False, "rotary_base": int(theta) if theta.is_integer() else theta,
         "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": scaling is not None,
         "rope_scaling_factor": scaling or 8.0,
-        "untie_embeddings_and_output_weights": True,
+        "untie_embeddings_and_output_weights": not tied_word_embeddings(config),
         "add_bias_linear": bool(config.get("attention_bias")) and not qwen2, "add_qkv_bias": qwen2,
         "qk_layernorm": False, "num_experts": None, "transformer_impl": "local",
         "hidden_dropout": 0.0, "attention_dropout": float(config.get("attention_dropout") or 0.0),

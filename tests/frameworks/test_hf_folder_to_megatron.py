@@ -17,7 +17,8 @@ A bf16 folder converts to a bf16 Megatron job's weights, bit for bit (TP2 PP1), 
 them (Megatron-LM's ``reload_model_params``): its second step moves no weight by more than a step's size. ``osdpipe
 check`` proves the save against its folder and fails against another model's. transformers' Qwen2 (Megatron's
 ``--add-qkv-bias``) and a Llama with every linear biased (``--add-bias-linear``) convert too: megatron-core holds their
-tensors bitwise and computes their logits.
+tensors bitwise and computes their logits; so does a Llama with tied embeddings (``tie_word_embeddings``), whose save
+converts back to the same folder.
 """
 
 from __future__ import annotations
@@ -188,3 +189,45 @@ def test_a_biased_folder_is_a_megatron_save_that_computes_its_logits(tmp_path: P
     diff, scale = mcore.hf_logits_gap(source, torch.load(tmp_path / "logits.pt", weights_only=True))
     print(f"{family}: max |Megatron TP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
+
+
+def test_a_tied_folder_is_a_tied_megatron_gpt_that_computes_its_logits_and_converts_back_to_the_same_folder(
+    tmp_path: Path,
+) -> None:
+    """transformers' Llama with ``tie_word_embeddings`` (Llama 3.2's 1B and 3B, Qwen2.5's smaller models: no
+    ``lm_head.weight`` in the folder) converts at TP2 PP2 to a Megatron GPT with its embedding tied to the output layer:
+    megatron-core, built from the save's ``args``, holds the folder's tensors bitwise (the last stage's copy of the
+    embedding equal to the first stage's: the harness compares every replica with its main one) and computes its
+    logits through the pipeline. Converted back to a folder, it is the folder's tensors bitwise, which transformers
+    loads tied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    source = tmp_path / "folder"
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA, "tie_word_embeddings": True})).save_pretrained(source)
+    assert "lm_head.weight" not in read_weights(source)
+    out = tmp_path / "megatron"
+    done = convert(tmp_path, source, out, "target.tp_size=2", "target.pp_size=2", "target.world_size=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mcore.load(tmp_path, out, tmp_path / "loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True,
+               logits=tmp_path / "logits.pt", label="load-release-tied")
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    tied = Gpt(**{**GPT.__dict__, "tied": True})
+    want = from_hf(tied, read_weights(source), tied.padded_vocab_size)
+    assert sorted(loaded["model"]) == sorted(want) and "output_layer.weight" not in want
+    assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
+    assert loaded["replicas_unequal"] == []
+    diff, scale = mcore.hf_logits_gap(source, torch.load(tmp_path / "logits.pt", weights_only=True))
+    print(f"tied: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+
+    from transformers import AutoModelForCausalLM
+
+    back = tmp_path / "back"
+    done = run_command([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={out}",
+                        "output.checkpoint=hf", f"output.path={back}"], cwd=tmp_path, timeout=300, env=user_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs, ours = read_weights(source), read_weights(back)
+    assert sorted(ours) == sorted(theirs) and [k for k, t in theirs.items() if not torch.equal(t, ours[k])] == []
+    model = AutoModelForCausalLM.from_pretrained(back)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight

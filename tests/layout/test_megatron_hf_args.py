@@ -69,7 +69,7 @@ QWEN2 = {**{k: v for k, v in LLAMA.items() if k not in ("attention_bias", "mlp_b
 def test_a_folders_biases_are_megatrons_and_back(config, flags, architecture) -> None:
     """A model folder (``biases``) maps a Llama's attention_bias and mlp_bias to add_bias_linear and a Qwen2 to
     add_qkv_bias, and hf_config gives the same architecture back; a training checkpoint's Llama has none (refused)."""
-    args = megatron_args(config, 2, 1, 2, biases=True)
+    args = megatron_args(config, 2, 1, 2, model_folder=True)
     assert (args["add_bias_linear"], args["add_qkv_bias"]) == flags
     gpt = gpt_of(args)
     assert (gpt.linear_bias, gpt.has_qkv_bias) == (flags[0], True)
@@ -77,7 +77,17 @@ def test_a_folders_biases_are_megatrons_and_back(config, flags, architecture) ->
     assert back["architectures"] == [architecture] and back["model_type"] == config["model_type"]
     assert {k: back.get(k) for k in ("attention_bias", "mlp_bias")} == \
         {k: config.get(k) for k in ("attention_bias", "mlp_bias")}
-    assert hf_refusals(config) != [] and hf_refusals(config, biases=True) == []
+    assert hf_refusals(config) != [] and hf_refusals(config, model_folder=True) == []
+
+
+def test_a_folders_tied_embeddings_are_megatrons_and_back() -> None:
+    """A model folder's ``tie_word_embeddings`` is Megatron's tied embedding (no output layer of its own), and
+    hf_config says it again; a training checkpoint's Llama is untied (refused)."""
+    config = {**LLAMA, "tie_word_embeddings": True}
+    args = megatron_args(config, 2, 2, 4, model_folder=True)
+    assert args["untie_embeddings_and_output_weights"] is False and gpt_of(args).tied
+    assert hf_config(args)["tie_word_embeddings"] is True
+    assert hf_refusals(config) != [] and hf_refusals(config, model_folder=True) == []
 
 
 @pytest.mark.parametrize(("change", "said"), [
@@ -90,7 +100,7 @@ def test_a_folders_biases_are_megatrons_and_back(config, flags, architecture) ->
 ])
 def test_what_a_folders_biases_cannot_be_in_megatron_is_refused_in_one_line(change, said) -> None:
     with pytest.raises(ValueError, match="not supported yet as a Megatron GPT") as err:
-        megatron_args(change, 1, 1, 1, biases=True)
+        megatron_args(change, 1, 1, 1, model_folder=True)
     assert said in str(err.value) and "\n" not in str(err.value)
 
 

@@ -18,7 +18,8 @@ from osdpipe.layout.megatron import Gpt, global_shapes
 from osdpipe.layout.megatron_hf import from_hf, hf_config, hf_shapes, query_groups, refusals, to_hf, true_vocab_size
 
 #: The harness's GPT (tests/frameworks/mcore.py: GQA 4 heads / 2 groups), MHA, MQA, kv_channels != hidden / heads,
-#: and GQA with Megatron-LM's linear biases (a Llama with attention_bias and mlp_bias) or linear_qkv's alone (a Qwen2).
+#: and GQA with Megatron-LM's linear biases (a Llama with attention_bias and mlp_bias) or linear_qkv's alone (a Qwen2),
+#: or with its embedding tied to the output layer (a Llama with tie_word_embeddings: no lm_head.weight).
 GPTS = {
     "gqa": Gpt(num_layers=3, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
                kv_channels=4, padded_vocab_size=40, swiglu=True),
@@ -32,8 +33,10 @@ GPTS = {
                       kv_channels=4, padded_vocab_size=40, swiglu=True, linear_bias=True),
     "gqa_qkv_bias": Gpt(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
                         kv_channels=4, padded_vocab_size=40, swiglu=True, qkv_bias=True),
+    "gqa_tied": Gpt(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
+                    kv_channels=4, padded_vocab_size=40, swiglu=True, tied=True),
 }
-VOCAB = {"gqa": 37, "mha": 16, "mqa": 20, "wide_heads": 9, "gqa_biased": 37, "gqa_qkv_bias": 37}
+VOCAB = {"gqa": 37, "mha": 16, "mqa": 20, "wide_heads": 9, "gqa_biased": 37, "gqa_qkv_bias": 37, "gqa_tied": 37}
 
 #: Megatron-LM's args of the harness's GPT (tests/frameworks/mcore.py ``make_args``), the fields the map reads.
 ARGS = dict(
@@ -74,7 +77,10 @@ def test_each_tensor_lands_where_the_heads_say(name):
     fc1_bias = x.get("decoder.layers.mlp.linear_fc1.bias")
     assert (qkv_bias is not None, fc1_bias is not None) == (gpt.has_qkv_bias, gpt.linear_bias)
     assert torch.equal(hf["model.embed_tokens.weight"], x["embedding.word_embeddings.weight"][:vocab])
-    assert torch.equal(hf["lm_head.weight"], x["output_layer.weight"][:vocab])
+    if gpt.tied:  # one tensor: transformers' tied lm_head is the embedding
+        assert "lm_head.weight" not in hf and "output_layer.weight" not in x
+    else:
+        assert torch.equal(hf["lm_head.weight"], x["output_layer.weight"][:vocab])
     assert torch.equal(hf["model.norm.weight"], x["decoder.final_layernorm.weight"])
     for i in range(gpt.num_layers):
         p = f"model.layers.{i}."
@@ -217,7 +223,6 @@ def test_vocabulary_and_query_groups_from_args():
     ({"apply_layernorm_1p": True}, "zero-centred norm weights"),
     ({"swiglu": False}, "an MLP without SwiGLU"),
     ({"squared_relu": True, "swiglu": False}, "squared ReLU"),
-    ({"untie_embeddings_and_output_weights": False}, "tied embedding and output weights"),
     ({"num_experts": 8}, "a mixture of experts"),
     ({"position_embedding_type": "learned_absolute"}, "learned_absolute position embeddings (not rope)"),
     ({"rotary_interleaved": True}, "interleaved RoPE"),
@@ -246,15 +251,25 @@ def test_what_llama_cannot_express_is_refused(change, feature):
 def test_a_biased_gpt_is_a_biased_llama_or_a_qwen2_in_a_folder_and_refused_for_a_training_job(biases, architecture,
                                                                                                 flags):
     """A model folder holds the biases (hf_config); a PyTorch job's Llama and torchtitan's llama3 have none, so the
-    training-checkpoint paths, which ask refusals() without biases, refuse them in one line."""
+    training-checkpoint paths, which ask refusals() without model_folder, refuse them in one line."""
     args = {**ARGS, **biases}
     config = hf_config(args)
     assert config["architectures"] == [architecture] and {k: config[k] for k in flags} == flags
     assert ("attention_bias" in config) == (architecture == "LlamaForCausalLM")
-    assert refusals(args) == ["linear biases (add_bias_linear)"] and refusals(args, biases=True) == []
+    assert refusals(args) == ["linear biases (add_bias_linear)"] and refusals(args, model_folder=True) == []
     if architecture == "Qwen2ForCausalLM":  # what Qwen2 cannot take, named
-        assert "RoPE scaling" in ", ".join(refusals({**args, "use_rope_scaling": True}, biases=True))
-        assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}, biases=True))
+        assert "RoPE scaling" in ", ".join(refusals({**args, "use_rope_scaling": True}, model_folder=True))
+        assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}, model_folder=True))
+
+
+def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_refused_for_a_training_job():
+    """A model folder holds tied embeddings as transformers does (``tie_word_embeddings``, no ``lm_head.weight``); a
+    PyTorch job's Llama and torchtitan's llama3 are untied, so the training-checkpoint paths refuse them."""
+    args = {**ARGS, "untie_embeddings_and_output_weights": False}
+    assert hf_config(args)["tie_word_embeddings"] is True and hf_config(ARGS)["tie_word_embeddings"] is False
+    assert refusals(args) == ["tied embedding and output weights"] and refusals(args, model_folder=True) == []
+    assert "lm_head.weight" not in to_hf(GPTS["gqa_tied"], {k: torch.zeros(s) for k, s in
+                                                            global_shapes(GPTS["gqa_tied"]).items()}, 37)
 
 
 def test_absent_args_take_megatron_lm_defaults():
