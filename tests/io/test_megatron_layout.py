@@ -318,3 +318,28 @@ def test_a_fully_sharded_model_space_item_is_put_back_from_its_flattened_chunks(
         _unflattened(_FlattenedItem(key, stored, chunks), key, (2, 8, 4))
     with pytest.raises(InputError, match="do not cover it; re-copy the save folder"):
         _unflattened(_FlattenedItem(key, stored, chunks[1:]), key, (2, 6, 4))
+
+
+def test_a_save_in_more_buckets_than_its_layout_is_refused_naming_the_bucket_size(tmp_path: Path, monkeypatch) -> None:
+    """Megatron cuts its gradient buffer into several buckets where a bucket size is set (``--overlap-grad-reduce``);
+    osdpipe lays out one per stage (two around a tied embedding over PP) and names the others rather than misread
+    them. A save whose domain lacks a bucket its layout has is damaged: named, to re-copy."""
+    source = read_save(synthetic_save(tmp_path, tp=1))
+    real = layout.buckets
+
+    def split_in_two(params, dp):  # what a bucket size makes: the same parameters in two buckets
+        (whole,) = real(params, dp)
+        half = len(whole.entries) // 2
+        names = [name for name, _, _ in whole.entries]
+        by_name = {p.name: p.numel for p in params}
+        return [layout.bucket_layout([(n, by_name[n]) for n in part], dp) for part in (names[:half], names[half:])]
+
+    monkeypatch.setattr(layout, "buckets", split_in_two)
+    write_save(source, tmp_path / "two", Target(1, 1, 1, "dp_reshardable"))
+    monkeypatch.setattr(layout, "buckets", real)
+    with pytest.raises(InputError, match=r"cut into 2 buckets \(a bucket size: --overlap-grad-reduce\): not supported"):
+        read_save(tmp_path / "two")
+    one = synthetic_save(tmp_path / "one", tp=1)
+    monkeypatch.setattr(layout, "buckets", lambda params, dp: [*real(params, dp), *real(params, dp)])
+    with pytest.raises(InputError, match=r"domain 0 is missing buckets \(it holds \[0\] of 2\); re-copy"):
+        read_save(one)
