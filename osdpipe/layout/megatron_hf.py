@@ -460,8 +460,9 @@ def _megatrons_llama3(rope: dict[str, Any]) -> float | None:
 
 def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT with the local layer spec cannot express (empty:
-    nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases, with untied embeddings,
-    SiLU, plain RoPE, and as many query heads per key/value head in every group.
+    nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases, with untied embeddings
+    (both allowed in a model folder, below), SiLU, plain RoPE, and as many query heads per key/value head in every
+    group.
 
     ``model_folder``: the source is a model folder, whose biases become Megatron's (:func:`megatron_args`): a
     Llama's ``attention_bias`` and ``mlp_bias`` together (``add_bias_linear``: Megatron biases all four linears or
@@ -519,8 +520,7 @@ def megatron_args(
     with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
     ``rotary_base``, the biases (``add_bias_linear`` for a Llama's ``attention_bias`` and ``mlp_bias``,
     ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals` with ``model_folder``), tied or untied embeddings, the local
-    layer spec, the
-    true ``vocab_size`` (the NullTokenizer's, as Megatron-LM records it for ``--vocab-size``) and
+    layer spec, the true ``vocab_size`` (the NullTokenizer's, as Megatron-LM records it for ``--vocab-size``) and
     ``padded_vocab_size`` (:func:`osdpipe.layout.megatron.padded_vocab_size`), the parallelism, the distributed
     optimizer, ``torch_dist``.
 
