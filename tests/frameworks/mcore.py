@@ -60,11 +60,17 @@ ROPE_SCALING: float | None = None
 #: as Qwen2's attention): the harness's GPT has none (``--disable-bias-linear``, as Llama), a job given ``--bias``
 #: builds them, and a save's own are taken with its dimensions (:func:`configure_from`).
 BIAS_LINEAR, BIAS_QKV = False, False
-#: The GPT's norm, position embedding, MLP and embeddings: the harness's own (``llama``: RMSNorm, RoPE, SwiGLU,
-#: untied), or Megatron-LM's defaults where its arguments are silent (``gpt``, :data:`MODELS`: LayerNorm, a learned
-#: position table, GeLU, the output layer tied to the word embedding), set by :func:`use_model`.
-NORM, POSITIONS, SWIGLU, TIED = "RMSNorm", "rope", True, False
-MODELS = {"llama": ("RMSNorm", "rope", True, False), "gpt": ("LayerNorm", "learned_absolute", False, True)}
+#: The GPT's norm, position embedding, MLP, embeddings and attention: the harness's own (``llama``: RMSNorm, RoPE,
+#: SwiGLU, untied, GQA), or Megatron-LM's defaults where its arguments are silent (``gpt``, :data:`MODELS`: LayerNorm,
+#: a learned position table, GeLU, the output layer tied to the word embedding, a key and a value per head), set by
+#: :func:`use_model`.
+NORM, POSITIONS, SWIGLU, TIED, GQA = "RMSNorm", "rope", True, False, True
+#: Megatron-LM's ``--openai-gelu`` (the tanh approximation) where the MLP is a GeLU's: a save's own, where the GPT is
+#: built from it (:func:`configure_from`; a Hugging Face GPT-2's ``gelu_new``); else the exact GeLU.
+OPENAI_GELU = False
+#: The positions the GPT is built for (a learned table's rows): the tokens of a batch, or a save's own.
+MAX_POSITIONS = SEQ
+MODELS = {"llama": ("RMSNorm", "rope", True, False, True), "gpt": ("LayerNorm", "learned_absolute", False, True, False)}
 #: Size of the synthetic gradients (:func:`synthetic_grad`): small enough that the global grad norm stays far below
 #: CLIP, so clipping (whose norm is summed in a layout-dependent order) never acts and a resume is elementwise.
 SYNTH_SCALE = 1e-4
@@ -387,7 +393,7 @@ def configure_from(folder: Path) -> None:
     ``--use-checkpoint-args`` does), instead of the harness's own: what a save osdpipe made from another model
     needs. Worker side, before :func:`setup`."""
     global VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, NORM_EPS, ROTARY_BASE, DIVISIBLE_BY, ROPE_SCALING
-    global BIAS_LINEAR, BIAS_QKV, NORM, POSITIONS, SWIGLU, TIED
+    global BIAS_LINEAR, BIAS_QKV, NORM, POSITIONS, SWIGLU, TIED, GQA, OPENAI_GELU, MAX_POSITIONS
     from megatron.core import dist_checkpointing
 
     args = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(Path(folder))[0]))["args"]
@@ -399,15 +405,17 @@ def configure_from(folder: Path) -> None:
     ROPE_SCALING = getattr(args, "rope_scaling_factor", 8.0) if getattr(args, "use_rope_scaling", False) else None
     BIAS_LINEAR, BIAS_QKV = bool(args.add_bias_linear), bool(getattr(args, "add_qkv_bias", False))
     NORM, POSITIONS, SWIGLU = args.normalization, args.position_embedding_type, bool(args.swiglu)
-    TIED = not args.untie_embeddings_and_output_weights
+    TIED, GQA = not args.untie_embeddings_and_output_weights, bool(args.group_query_attention)
+    OPENAI_GELU = bool(getattr(args, "openai_gelu", False))
+    MAX_POSITIONS = int(args.max_position_embeddings)
     if args.kv_channels != HIDDEN // HEADS:
         raise SystemExit(f"kv_channels {args.kv_channels} != hidden / heads: the harness builds no such GPT yet")
 
 
 def use_model(name: str) -> None:
     """Build the GPT :data:`MODELS` names ``name`` from now on (worker side, before :func:`setup`)."""
-    global NORM, POSITIONS, SWIGLU, TIED
-    NORM, POSITIONS, SWIGLU, TIED = MODELS[name]
+    global NORM, POSITIONS, SWIGLU, TIED, GQA
+    NORM, POSITIONS, SWIGLU, TIED, GQA = MODELS[name]
 
 
 def checkpoint_dir(load_dir: Path) -> tuple[Path, bool]:
@@ -443,13 +451,16 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         data_parallel_random_init=False, overlap_grad_reduce=False, overlap_param_gather=False,
         # model
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS, group_query_attention=True, kv_channels=HIDDEN // HEADS, seq_length=SEQ,
-        max_position_embeddings=SEQ, encoder_seq_length=SEQ, decoder_seq_length=None, normalization=NORM,
+        num_query_groups=GROUPS if GQA else HEADS, group_query_attention=GQA, kv_channels=HIDDEN // HEADS,
+        seq_length=SEQ,
+        max_position_embeddings=MAX_POSITIONS, encoder_seq_length=SEQ, decoder_seq_length=None, normalization=NORM,
         norm_epsilon=NORM_EPS, swiglu=SWIGLU, squared_relu=False, position_embedding_type=POSITIONS,
         use_rotary_position_embeddings=POSITIONS == "rope", add_position_embedding=POSITIONS == "learned_absolute",
         rotary_base=ROTARY_BASE, rotary_percent=1.0,
         use_rope_scaling=ROPE_SCALING is not None, rope_scaling_factor=ROPE_SCALING or 8.0,
         rotary_interleaved=False, untie_embeddings_and_output_weights=not TIED, add_bias_linear=BIAS_LINEAR,
+        # the job builds its MLP unfused (setup's bias_activation_fusion): the exact GeLU, where it has one
+        bias_gelu_fusion=False, bias_swiglu_fusion=False, openai_gelu=OPENAI_GELU,
         add_qkv_bias=BIAS_QKV, apply_query_key_layer_scaling=False, qk_layernorm=False, num_experts=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, transformer_impl="local", spec=None,
         is_hybrid_model=False, heterogeneous_layers_config_path=None, heterogeneous_layers_config_encoded_json=None,
@@ -514,6 +525,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.utils import openai_gelu
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
@@ -535,8 +547,10 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     dtype = args.params_dtype
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS, normalization=NORM, layernorm_epsilon=NORM_EPS,
-        gated_linear_unit=SWIGLU, activation_func=F.silu if SWIGLU else F.gelu, add_bias_linear=BIAS_LINEAR,
+        num_query_groups=GROUPS if GQA else HEADS, kv_channels=HIDDEN // HEADS, normalization=NORM,
+        layernorm_epsilon=NORM_EPS,
+        gated_linear_unit=SWIGLU, activation_func=F.silu if SWIGLU else openai_gelu if OPENAI_GELU else F.gelu,
+        add_bias_linear=BIAS_LINEAR,
         add_qkv_bias=BIAS_QKV,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
@@ -547,7 +561,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     )
     spec = get_gpt_layer_local_spec(normalization=NORM)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                   max_sequence_length=SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                   max_sequence_length=MAX_POSITIONS, pre_process=parallel_state.is_pipeline_first_stage(),
                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
                    share_embeddings_and_output_weights=TIED, position_embedding_type=POSITIONS,
                    rotary_base=ROTARY_BASE,
