@@ -455,7 +455,7 @@ def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
                   "mapped to Megatron's GPT")
     elif raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
         problems = hf_problems(read_save(source), directory, raw["output"].get("dtype") or "float32")
-        proved = "every fp32 master weight, mapped back from Hugging Face's Llama, equals the source's"
+        proved = "every fp32 master weight, mapped back from the Hugging Face model, equals the source's"
     else:
         problems = roundtrip_problems(read_save(source), read_save(directory))
         proved = ("every weight, fp32 master and moment, the param groups, step, iteration and scheduler equal the "

@@ -188,6 +188,18 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
     }
 
 
+def check_shapes(tensors: dict[str, Any], shapes: dict[str, tuple[int, ...]], what: str) -> None:
+    """``tensors`` holds exactly the names of ``shapes``, each of its shape; else a ``ValueError`` naming the first
+    few missing, unexpected or misshapen (``what``: whose tensors, for the message)."""
+    missing, extra = sorted(shapes.keys() - tensors.keys()), sorted(tensors.keys() - shapes.keys())
+    if missing or extra:
+        raise ValueError(f"{what}: missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
+                         f"unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}")
+    for key, shape in shapes.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{what}: {key} has shape {tuple(tensors[key].shape)}, expected {shape}")
+
+
 def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
     if size % tp:
         raise ValueError(f"{what}: {size} does not split over {tp} tensor-parallel ranks")

@@ -70,7 +70,15 @@ from typing import Any
 
 import torch
 
-from osdpipe.layout.megatron import LAYERS, Gpt, global_shapes, position_embedding_type, query_groups
+from osdpipe.layout import megatron_gpt2
+from osdpipe.layout.megatron import (
+    LAYERS,
+    Gpt,
+    check_shapes,
+    global_shapes,
+    position_embedding_type,
+    query_groups,
+)
 
 EMBEDDING = "embedding.word_embeddings.weight"
 QKV = f"{LAYERS}self_attention.linear_qkv.weight"
@@ -108,9 +116,12 @@ def tied_word_embeddings(config: dict[str, Any]) -> bool:
 
 
 def architecture(args: dict[str, Any]) -> str:
-    """The Hugging Face model that computes the GPT Megatron-LM's ``args`` describe: Qwen2's where only ``linear_qkv``
-    has a bias (``add_qkv_bias``: Qwen2 biases q, k and v, not o, nor its MLP), else Llama's (``add_bias_linear``, a
-    bias on each of the four linears, is Llama's ``attention_bias`` and ``mlp_bias``)."""
+    """The Hugging Face model that computes the GPT Megatron-LM's ``args`` describe: GPT-2's where it has LayerNorm
+    and a learned position table (Megatron-LM's defaults: :mod:`osdpipe.layout.megatron_gpt2`); Qwen2's where only
+    ``linear_qkv`` has a bias (``add_qkv_bias``: Qwen2 biases q, k and v, not o, nor its MLP), else Llama's
+    (``add_bias_linear``, a bias on each of the four linears, is Llama's ``attention_bias`` and ``mlp_bias``)."""
+    if megatron_gpt2.is_gpt2(args):
+        return megatron_gpt2.GPT2
     return QWEN2 if args.get("add_qkv_bias") and not args.get("add_bias_linear") else LLAMA
 
 
@@ -138,12 +149,15 @@ def true_vocab_size(args: dict[str, Any]) -> int:
 
 def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of the GPT ``args`` describe HF's Llama cannot express (empty: nothing). Absent args take Megatron-LM's
-    defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied).
+    defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied): a GPT-2, which a model folder
+    holds (:func:`osdpipe.layout.megatron_gpt2.refusals` says what of it GPT-2 cannot express).
 
     ``model_folder``: the output is a model folder, which holds a GPT's linear biases as Llama's ``attention_bias``
     and ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`), and tied embeddings as its
     ``tie_word_embeddings``; where it is a training checkpoint for a PyTorch job's Llama or torchtitan's llama3
     (untied, without biases), both are refused."""
+    if model_folder and megatron_gpt2.is_gpt2(args):  # a GPT-2's folder: what GPT-2 cannot express
+        return megatron_gpt2.refusals(args)
     norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
     qwen2 = model_folder and architecture(args) == QWEN2
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
@@ -215,15 +229,17 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
     Raises:
         ValueError: one line naming what HF's Llama cannot express (:func:`refusals`), "not supported yet".
     """
-    _refuse(refusals(args, model_folder=True))
-    linear_bias, qwen2 = bool(args.get("add_bias_linear")), architecture(args) == QWEN2
-    heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     vocab = int(vocab_size) if vocab_size is not None else true_vocab_size(args)
     padded = int(args.get("padded_vocab_size") or vocab)
     if not 0 < vocab <= padded:
         raise ValueError(f"vocabulary {vocab} is not in (0, padded_vocab_size {padded}]")
-    theta = float(args.get("rotary_base", 10000))
     name = dtype or _dtype_name(args)
+    if megatron_gpt2.is_gpt2(args):
+        return megatron_gpt2.hf_config(args, vocab_size=vocab, dtype=name)
+    _refuse(refusals(args, model_folder=True))
+    linear_bias, qwen2 = bool(args.get("add_bias_linear")), architecture(args) == QWEN2
+    heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
+    theta = float(args.get("rotary_base", 10000))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if (factor := _rope_scaling_factor(args)) is not None:  # Llama 3.1's, as megatron-core applies it
         rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **_MEGATRON_LLAMA3}
@@ -351,28 +367,21 @@ def _megatron_key_of(name: str) -> str:
     return next(key for key, hf in _WHOLE_PER_LAYER.items() if hf == within)
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str) -> None:
-    missing, extra = sorted(shapes.keys() - tensors.keys()), sorted(tensors.keys() - shapes.keys())
-    if missing or extra:
-        raise ValueError(f"{what}: missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
-                         f"unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}")
-    for key, shape in shapes.items():
-        if tuple(tensors[key].shape) != shape:
-            raise ValueError(f"{what}: {key} has shape {tuple(tensors[key].shape)}, expected {shape}")
-
-
 def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """Megatron's GPT tensors (every key of :func:`osdpipe.layout.megatron.global_shapes`, layers stacked) -> the
     ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) state dict (module docstring's table), the vocabulary cut to its
     first ``vocab_size`` rows.
 
     A pure rearrangement: every output element is an input element, copied (the outputs own their storage, each
-    contiguous, as ``safetensors`` wants), so the same call maps fp32 masters and Adam's moments.
+    contiguous, as ``safetensors`` wants), so the same call maps fp32 masters and Adam's moments. A GPT with
+    LayerNorm is a GPT-2's (:func:`osdpipe.layout.megatron_gpt2.to_hf`).
     """
+    if gpt.norm_bias:
+        return megatron_gpt2.to_hf(gpt, tensors, vocab_size)
     _check_gpt(gpt)
     if not 0 < vocab_size <= gpt.padded_vocab_size:
         raise ValueError(f"vocabulary {vocab_size} is not in (0, padded vocabulary {gpt.padded_vocab_size}]")
-    _check_tensors(tensors, global_shapes(gpt), "Megatron GPT tensors")
+    check_shapes(tensors, global_shapes(gpt), "Megatron GPT tensors")
     n, d, f = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.ffn_hidden_size
     out = {"model.embed_tokens.weight": tensors[EMBEDDING][:vocab_size].clone()}
     cuts, halves = _split_by_rows(gpt)
@@ -403,8 +412,11 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
     """The inverse of :func:`to_hf`: a ``LlamaForCausalLM`` state dict -> Megatron's GPT tensors (layers stacked),
     the embedding and the output layer padded with zero rows to ``padded_vocab`` (default ``gpt``'s).
 
-    ``from_hf(gpt, to_hf(gpt, x, V))`` is ``x`` bit for bit, but for the padding rows, which come back zero.
+    ``from_hf(gpt, to_hf(gpt, x, V))`` is ``x`` bit for bit, but for the padding rows, which come back zero. A GPT
+    with LayerNorm is a GPT-2's (:func:`osdpipe.layout.megatron_gpt2.from_hf`).
     """
+    if gpt.norm_bias:
+        return megatron_gpt2.from_hf(gpt, tensors, padded_vocab)
     _check_gpt(gpt)
     padded = gpt.padded_vocab_size if padded_vocab is None else int(padded_vocab)
     if "model.embed_tokens.weight" not in tensors:
@@ -412,7 +424,7 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
     vocab = int(tensors["model.embed_tokens.weight"].shape[0])
     if vocab > padded:
         raise ValueError(f"vocabulary {vocab} does not fit the padded vocabulary {padded}")
-    _check_tensors(tensors, hf_shapes(gpt, vocab), "Hugging Face Llama tensors")
+    check_shapes(tensors, hf_shapes(gpt, vocab), "Hugging Face Llama tensors")
     n, d, g = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.num_query_groups
     cuts, halves = _split_by_rows(gpt)
     whole = _whole_per_layer(gpt)
@@ -464,11 +476,14 @@ def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[s
     (both allowed in a model folder, below), SiLU, plain RoPE, and as many query heads per key/value head in every
     group.
 
-    ``model_folder``: the source is a model folder, whose biases become Megatron's (:func:`megatron_args`): a
-    Llama's ``attention_bias`` and ``mlp_bias`` together (``add_bias_linear``: Megatron biases all four linears or
-    ``linear_qkv`` alone), or a Qwen2 (``Qwen2ForCausalLM``: ``add_qkv_bias``) without sliding windows or RoPE
-    scaling; and whose tied embeddings (``tie_word_embeddings``) become Megatron's. A training checkpoint (the HF
-    Trainer's, torchtitan's) is read for an untied Llama without them."""
+    ``model_folder``: the source is a model folder (a GPT-2's too: :func:`osdpipe.layout.megatron_gpt2.hf_refusals`),
+    whose biases become Megatron's (:func:`megatron_args`): a Llama's ``attention_bias`` and ``mlp_bias`` together
+    (``add_bias_linear``: Megatron biases all four linears or ``linear_qkv`` alone), or a Qwen2 (``Qwen2ForCausalLM``:
+    ``add_qkv_bias``) without sliding windows or RoPE scaling; and whose tied embeddings (``tie_word_embeddings``)
+    become Megatron's. A training checkpoint (the HF Trainer's, torchtitan's) is read for an untied Llama without
+    them."""
+    if model_folder and megatron_gpt2.is_gpt2_config(config):  # a GPT-2's folder: what Megatron cannot express of it
+        return megatron_gpt2.hf_refusals(config)
     arch = config.get("architectures") or ["LlamaForCausalLM"]
     rope = _rope_parameters(config)
     heads = int(config.get("num_attention_heads") or 0)
@@ -514,7 +529,8 @@ def megatron_args(
 ) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (with
     biases or tied embeddings where ``model_folder``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``),
-    for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`.
+    for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`. A GPT-2's folder is
+    :func:`osdpipe.layout.megatron_gpt2.megatron_args`'s.
 
     What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
     with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
@@ -531,6 +547,9 @@ def megatron_args(
     """
     from osdpipe.layout.megatron import padded_vocab_size
 
+    if model_folder and megatron_gpt2.is_gpt2_config(config):  # a GPT-2's folder
+        return megatron_gpt2.megatron_args(config, tp, pp, world, iteration=iteration, sharding=sharding,
+                                           divisible_by=divisible_by)
     what = hf_refusals(config, model_folder=model_folder)
     if what:
         raise ValueError(f"a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")

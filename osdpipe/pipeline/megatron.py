@@ -157,7 +157,9 @@ def _as_megatron(
         proved = "every weight, fp32 master and moment, the param groups, step, iteration and scheduler, bitwise"
     if also is not None:
         states = "weight" if save.weights_only else "weight, exp_avg and exp_avg_sq"
-        proved += f"; mapped back to Hugging Face's Llama, every {states} of the source, bitwise"
+        from osdpipe.layout.megatron_hf import architecture
+
+        proved += f"; mapped back to Hugging Face's {architecture(save.args)}, every {states} of the source, bitwise"
     return Converted(save, target, written, roundtrip=proved, files=dict(written.digests))
 
 
@@ -165,8 +167,9 @@ def _as_hf(
     job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None
 ) -> Converted:
     """The ``shard`` and ``verify`` stages of a Hugging Face folder (``output.checkpoint=hf``): the fp32 master weights
-    mapped to Llama's names and layout (:mod:`osdpipe.layout.megatron_hf`), written as ``save_pretrained`` writes
-    them, read back and mapped again: every element of every master, the vocabulary's padding rows left out."""
+    mapped to Llama's, Qwen2's or GPT-2's names and layout (:mod:`osdpipe.layout.megatron_hf`), written as
+    ``save_pretrained`` writes them, read back and mapped again: every element of every master, the vocabulary's
+    padding rows left out."""
     from osdpipe.io import hf_folder
     from osdpipe.io.formats.megatron import gpt_of
     from osdpipe.layout import megatron_hf
@@ -193,8 +196,8 @@ def _as_hf(
     if problems:
         raise ReadBackDiffers(f"{job.output}: the written folder read back differs: {'; '.join(problems[:3])}")
     cast = "" if dtype == "float32" else f", cast to {dtype} (round to nearest even, as torch casts)"
-    proved = (f"every fp32 master weight{cast}, mapped to Hugging Face's Llama and back, bitwise (vocabulary {vocab} "
-              f"of {gpt.padded_vocab_size} padded rows)")
+    proved = (f"every fp32 master weight{cast}, mapped to Hugging Face's {megatron_hf.architecture(save.args)} and "
+              f"back, bitwise (vocabulary {vocab} of {gpt.padded_vocab_size} padded rows)")
     return Converted(save, None, None, roundtrip=proved, files=files)
 
 
@@ -326,7 +329,7 @@ _FATES = {
 #: What a Hugging Face folder does with each part: it holds the model alone.
 _HF_FATES = {
     "model": "left out: the fp32 master weights are the folder's weights (output.checkpoint=hf)",
-    "optimizer": "converted: the fp32 master weights, mapped to Hugging Face's Llama; the moments and steps are left "
+    "optimizer": "converted: the fp32 master weights, mapped to the Hugging Face model; the moments and steps are left "
                  "out (a Hugging Face folder holds the model alone)",
     "other": "left out: a Hugging Face folder holds the model alone (config.json from args)",
 }

@@ -17,8 +17,8 @@ A bf16 folder converts to a bf16 Megatron job's weights, bit for bit (TP2 PP1), 
 them (Megatron-LM's ``reload_model_params``): its second step moves no weight by more than a step's size. ``osdpipe
 check`` proves the save against its folder and fails against another model's. transformers' Qwen2 (Megatron's
 ``--add-qkv-bias``) and a Llama with every linear biased (``--add-bias-linear``) convert too: megatron-core holds their
-tensors bitwise and computes their logits; so does a Llama with tied embeddings (``tie_word_embeddings``), whose save
-converts back to the same folder.
+tensors bitwise and computes their logits; so does a Llama with tied embeddings (``tie_word_embeddings``) and a GPT-2
+(Megatron-LM's default GPT), whose saves convert back to the same folders.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from frameworks import mcore
 from helpers import run_command, user_env
 
+from osdpipe.io.formats.megatron import gpt_of, read_save
 from osdpipe.io.hf_folder import read_weights
 from osdpipe.layout.megatron import Gpt
 from osdpipe.layout.megatron_hf import from_hf
@@ -191,37 +192,47 @@ def test_a_biased_folder_is_a_megatron_save_that_computes_its_logits(tmp_path: P
     assert diff <= RELATIVE_TOLERANCE * scale
 
 
+@pytest.mark.parametrize("family", ["llama with tie_word_embeddings", "gpt2"])
 def test_a_tied_folder_is_a_tied_megatron_gpt_that_computes_its_logits_and_converts_back_to_the_same_folder(
-    tmp_path: Path,
+    tmp_path: Path, family: str
 ) -> None:
     """transformers' Llama with ``tie_word_embeddings`` (Llama 3.2's 1B and 3B, Qwen2.5's smaller models: no
-    ``lm_head.weight`` in the folder) converts at TP2 PP2 to a Megatron GPT with its embedding tied to the output layer:
-    megatron-core, built from the save's ``args``, holds the folder's tensors bitwise (the last stage's copy of the
-    embedding equal to the first stage's: the harness compares every replica with its main one) and computes its
-    logits through the pipeline. Converted back to a folder, it is the folder's tensors bitwise, which transformers
-    loads tied."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    ``lm_head.weight`` in the folder), or its GPT-2 (LayerNorm, a learned position table, the tanh GeLU, every linear
+    biased, tied: Megatron-LM's default GPT), converts at TP2 PP2 to a Megatron GPT with its embedding tied to the
+    output layer: megatron-core, built from the save's ``args``, holds the folder's tensors bitwise (the last stage's
+    copy of the embedding equal to the first stage's: the harness compares every replica with its main one) and
+    computes its logits through the pipeline. Converted back to a folder, it is the folder's tensors bitwise, which
+    transformers loads tied."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(11)
     source = tmp_path / "folder"
-    LlamaForCausalLM(LlamaConfig(**{**LLAMA, "tie_word_embeddings": True})).save_pretrained(source)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=32, n_embd=48, n_layer=4, n_head=6, n_inner=64,
+                                           bos_token_id=None, eos_token_id=None))
+        with torch.no_grad():  # transformers starts biases and LayerNorm's at 0 and 1: drawn, so that a map that
+            for name, parameter in model.named_parameters():  # lost or swapped one would move the logits
+                if name.endswith(".bias") or ".ln_" in name:
+                    parameter.normal_(1.0 if name.endswith(".weight") else 0.0, 0.1)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "tie_word_embeddings": True}))
+    model.save_pretrained(source)
     assert "lm_head.weight" not in read_weights(source)
     out = tmp_path / "megatron"
     done = convert(tmp_path, source, out, "target.tp_size=2", "target.pp_size=2", "target.world_size=4")
     assert done.returncode == 0, done.stderr[-3000:]
     mcore.load(tmp_path, out, tmp_path / "loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True,
-               logits=tmp_path / "logits.pt", label="load-release-tied")
+               logits=tmp_path / "logits.pt", label=f"load-release-{family.split()[0]}")
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
-    tied = Gpt(**{**GPT.__dict__, "tied": True})
-    want = from_hf(tied, read_weights(source), tied.padded_vocab_size)
+    gpt = gpt_of(read_save(out).args)
+    assert gpt.tied and (gpt.norm_bias, bool(gpt.position_table)) == ((family == "gpt2"),) * 2
+    want = from_hf(gpt, read_weights(source), gpt.padded_vocab_size)
     assert sorted(loaded["model"]) == sorted(want) and "output_layer.weight" not in want
     assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
     assert loaded["replicas_unequal"] == []
     diff, scale = mcore.hf_logits_gap(source, torch.load(tmp_path / "logits.pt", weights_only=True))
-    print(f"tied: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    print(f"{family}: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
-
-    from transformers import AutoModelForCausalLM
 
     back = tmp_path / "back"
     done = run_command([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={out}",
@@ -229,5 +240,6 @@ def test_a_tied_folder_is_a_tied_megatron_gpt_that_computes_its_logits_and_conve
     assert done.returncode == 0, done.stderr[-3000:]
     theirs, ours = read_weights(source), read_weights(back)
     assert sorted(ours) == sorted(theirs) and [k for k, t in theirs.items() if not torch.equal(t, ours[k])] == []
-    model = AutoModelForCausalLM.from_pretrained(back)
-    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    reloaded = AutoModelForCausalLM.from_pretrained(back)
+    assert type(reloaded) is type(model) and reloaded.config.tie_word_embeddings
+    assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight

@@ -110,7 +110,7 @@ def test_megatron_trains_on_from_the_converted_save(run) -> None:
 def test_the_report_says_what_became_of_each_entry(run) -> None:
     report = json.loads((run["out"] / "report.json").read_text())
     assert report["ok"] and [c["name"] for c in report["checks"]] == ["roundtrip"]
-    assert "mapped back to Hugging Face's Llama" in report["checks"][0]["detail"]
+    assert "mapped back to Hugging Face's LlamaForCausalLM" in report["checks"][0]["detail"]
     fates = {e["name"]: e["fate"] for e in report["entries"]}
     assert fates["optimizer.bin"].startswith("converted") and fates["rng_state_0.pth"].startswith("left out")
     assert not any("load_state" in w for w in report["warnings"])  # accelerate's advice is not the output's

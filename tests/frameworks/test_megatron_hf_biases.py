@@ -1,14 +1,16 @@
 """A Megatron GPT with linear biases is a Hugging Face model that computes its logits: a Llama with ``attention_bias``
-and ``mlp_bias`` (Megatron-LM's ``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``: ``linear_qkv``'s bias alone).
+and ``mlp_bias`` (Megatron-LM's ``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``: ``linear_qkv``'s bias alone), and
+Megatron-LM's default GPT (LayerNorm, a learned position table, GeLU, every linear biased, tied embeddings) a GPT-2.
 
 The sources are real megatron-core 0.16.1 saves of the harness's GPT with those biases (``tp2_dp2_bias``,
-``tp2_pp2_qkv_bias`` of :mod:`frameworks.mcore_saves`), trained 3 steps on 4 ranks. The ``osdpipe`` command writes
-each as a model folder (``output.checkpoint=hf``); transformers 5.23.0 loads it by its ``config.json``
-(``AutoModelForCausalLM``: the class its ``architectures`` names), and its logits on fixed tokens must be the ones
-megatron-core itself computes from the save (loaded at the save's own grid, as Megatron-LM's ``load_checkpoint``
-does), within ``max |diff| <= 1e-4 x max |logit|`` (fp32; test_megatron_hf.py says why). The biases are what a map
-that lost them would miss: zeroed, the folder's logits move by 140 times the tolerance or more (measured: 0.014 of
-their scale for the Qwen2's, 0.41 for the Llama's). The HF -> Megatron direction is in test_hf_folder_to_megatron.py.
+``tp2_pp2_qkv_bias`` of :mod:`frameworks.mcore_saves`) and of Megatron-LM's default GPT (``gpt_tp2_pp2``), trained 3
+steps on 4 ranks. The ``osdpipe`` command writes each as a model folder (``output.checkpoint=hf``); transformers 5.23.0
+loads it by its ``config.json`` (``AutoModelForCausalLM``: the class its ``architectures`` names), and its logits on
+fixed tokens must be the ones megatron-core itself computes from the save (loaded at the save's own grid, as
+Megatron-LM's ``load_checkpoint`` does), within ``max |diff| <= 1e-4 x max |logit|`` (fp32; test_megatron_hf.py says
+why). The biases are what a map that lost them would miss: zeroed, the folder's logits move by 140 times the tolerance
+or more (measured: 0.014 of their scale for the Qwen2's, 0.41 for the Llama's). The HF -> Megatron direction is in
+test_hf_folder_to_megatron.py.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ RELATIVE_TOLERANCE = 1e-4
 
 
 @pytest.mark.parametrize("name, architecture", [("tp2_dp2_bias", "LlamaForCausalLM"),
-                                                ("tp2_pp2_qkv_bias", "Qwen2ForCausalLM")])
+                                                ("tp2_pp2_qkv_bias", "Qwen2ForCausalLM"),
+                                                ("gpt_tp2_pp2", "GPT2LMHeadModel")])
 def test_a_biased_megatron_save_is_a_hugging_face_model_that_computes_its_logits(
     megatron_saves: dict[str, Path], name: str, architecture: str, tmp_path: Path
 ) -> None:
@@ -59,7 +62,7 @@ def test_a_biased_megatron_save_is_a_hugging_face_model_that_computes_its_logits
 
     probe_path = tmp_path / "logits.pt"
     mcore.load(tmp_path, source, tmp_path / "loaded.pt", tp=save.tp, pp=save.pp, dp=save.dp, bias=save.bias,
-               logits=probe_path, timeout=300)
+               model=save.model, logits=probe_path, timeout=300)
     probe = torch.load(probe_path, weights_only=True)
     diff, scale = mcore.hf_logits_gap(out, probe)
     print(f"{name}: max |Megatron - HF {architecture}| = {diff:.3g}, max |logit| = {scale:.3g}")

@@ -282,7 +282,8 @@ def test_output_checkpoint_hf_writes_the_fp32_masters_as_a_hugging_face_folder_t
         assert torch.equal(back[key][:rows], states["param"][:rows]), key
     assert not torch.equal(source.model["output_layer.weight"], source.optim["output_layer.weight"]["param"])
     report = json.loads((out / "report.json").read_text())
-    assert report["ok"] and "mapped to Hugging Face's Llama and back, bitwise" in report["checks"][0]["detail"]
+    detail = report["checks"][0]["detail"]
+    assert report["ok"] and "mapped to Hugging Face's LlamaForCausalLM and back, bitwise" in detail
     checked = run_osdpipe("check", str(out), cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
