@@ -200,6 +200,42 @@ def check_shapes(tensors: dict[str, Any], shapes: dict[str, tuple[int, ...]], wh
             raise ValueError(f"{what}: {key} has shape {tuple(tensors[key].shape)}, expected {shape}")
 
 
+def grid_args(sizes: Sequence[tuple[int, str]], layers: int, tp: int, pp: int, world: int) -> dict[str, Any]:
+    """Megatron-LM's ``args`` of the parallelism, for a GPT converted in from another framework's model: TP ``tp`` x
+    PP ``pp`` on ``world`` ranks, the distributed optimizer.
+
+    Raises:
+        ValueError: one line: a TP that does not divide one of ``sizes`` (``(size, what it is)``: the heads, the FFN),
+            a PP that does not divide the ``layers``, a world that is no multiple of TP x PP.
+    """
+    for size, name in sizes:
+        if size % tp:
+            raise ValueError(f"target.tp_size={tp} does not divide the model's {size} {name}; choose a TP that does")
+    if layers % pp:
+        raise ValueError(f"target.pp_size={pp} does not divide the model's {layers} layers; choose a PP that does")
+    if world % (tp * pp):
+        raise ValueError(f"target.world_size={world} is no multiple of TP {tp} x PP {pp}")
+    return {
+        "world_size": world, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+        "data_parallel_size": world // (tp * pp), "context_parallel_size": 1, "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": tp, "virtual_pipeline_model_parallel_size": None, "sequence_parallel": False,
+        "use_distributed_optimizer": True,
+    }  # fmt: skip
+
+
+def save_args(vocab: int, divisible_by: int, tp: int, iteration: int, sharding: str) -> dict[str, Any]:
+    """Megatron-LM's ``args`` of the vocabulary (the NullTokenizer's ``vocab_size``, as Megatron-LM records it for
+    ``--vocab-size``, padded for ``tp``: :func:`padded_vocab_size`), the precision (the weights written as an fp32
+    job's masters) and the checkpoint (``torch_dist``, ``sharding``), for a GPT converted in from another framework."""
+    return {
+        "vocab_size": vocab, "padded_vocab_size": padded_vocab_size(vocab, divisible_by, tp),
+        "make_vocab_size_divisible_by": divisible_by, "tokenizer_type": "NullTokenizer",
+        "bf16": False, "fp16": False,
+        "iteration": iteration, "consumed_train_samples": 0, "ckpt_format": "torch_dist", "use_dist_ckpt": True,
+        "dist_ckpt_optim_fully_reshardable": sharding == "fully_reshardable",
+    }  # fmt: skip
+
+
 def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
     if size % tp:
         raise ValueError(f"{what}: {size} does not split over {tp} tensor-parallel ranks")

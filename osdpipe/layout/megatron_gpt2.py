@@ -61,9 +61,10 @@ from osdpipe.layout.megatron import (
     Gpt,
     check_shapes,
     global_shapes,
-    padded_vocab_size,
+    grid_args,
     position_embedding_type,
     query_groups,
+    save_args,
 )
 
 GPT2 = "GPT2LMHeadModel"
@@ -298,19 +299,9 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
     except KeyError as exc:
         raise ValueError(f"config.json holds no {exc.args[0]}, which a GPT-2's config has") from None
     ffn = int(config.get("n_inner") or 4 * hidden)
-    for size, name in ((heads, "attention heads"), (ffn, "n_inner (the FFN)")):
-        if size % tp:
-            raise ValueError(f"target.tp_size={tp} does not divide the model's {size} {name}; choose a TP that does")
-    if layers % pp:
-        raise ValueError(f"target.pp_size={pp} does not divide the model's {layers} layers; choose a PP that does")
-    if world % (tp * pp):
-        raise ValueError(f"target.world_size={world} is no multiple of TP {tp} x PP {pp}")
+    grid = grid_args(((heads, "attention heads"), (ffn, "n_inner (the FFN)")), layers, tp, pp, world)
     return {
-        # parallelism
-        "world_size": world, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-        "data_parallel_size": world // (tp * pp), "context_parallel_size": 1, "expert_model_parallel_size": 1,
-        "expert_tensor_parallel_size": tp, "virtual_pipeline_model_parallel_size": None, "sequence_parallel": False,
-        "use_distributed_optimizer": True,
+        **grid,
         # the model
         "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
         "group_query_attention": False, "num_query_groups": heads, "kv_channels": hidden // heads,
@@ -326,11 +317,5 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
         "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False, "num_experts": None,
         "transformer_impl": "local", "hidden_dropout": float(config.get("resid_pdrop", 0.1)),
         "attention_dropout": float(config.get("attn_pdrop", 0.1)),
-        "vocab_size": vocab, "padded_vocab_size": padded_vocab_size(vocab, divisible_by, tp),
-        "make_vocab_size_divisible_by": divisible_by, "tokenizer_type": "NullTokenizer",
-        # precision: the weights are written as the fp32 masters, as an fp32 job holds them
-        "bf16": False, "fp16": False,
-        # checkpointing
-        "iteration": iteration, "consumed_train_samples": 0, "ckpt_format": "torch_dist", "use_dist_ckpt": True,
-        "dist_ckpt_optim_fully_reshardable": sharding == "fully_reshardable",
+        **save_args(vocab, divisible_by, tp, iteration, sharding),
     }  # fmt: skip

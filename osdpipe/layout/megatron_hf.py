@@ -76,8 +76,10 @@ from osdpipe.layout.megatron import (
     Gpt,
     check_shapes,
     global_shapes,
+    grid_args,
     position_embedding_type,
     query_groups,
+    save_args,
 )
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -545,8 +547,6 @@ def megatron_args(
             does not divide the heads, the query groups or the FFN, a PP that does not divide the layers, a world
             that is no multiple of TP x PP.
     """
-    from osdpipe.layout.megatron import padded_vocab_size
-
     if model_folder and megatron_gpt2.is_gpt2_config(config):  # a GPT-2's folder
         return megatron_gpt2.megatron_args(config, tp, pp, world, iteration=iteration, sharding=sharding,
                                            divisible_by=divisible_by)
@@ -563,22 +563,12 @@ def megatron_args(
         raise ValueError(f"config.json holds no {exc.args[0]}, which a Llama's config has") from None
     head_dim = int(config.get("head_dim") or hidden // heads)
     sizes = ((heads, "attention heads"), (groups, "key/value heads (query groups)"), (ffn, "intermediate_size"))
-    for size, name in sizes:
-        if size % tp:
-            raise ValueError(f"target.tp_size={tp} does not divide the model's {size} {name}; choose a TP that does")
-    if layers % pp:
-        raise ValueError(f"target.pp_size={pp} does not divide the model's {layers} layers; choose a PP that does")
-    if world % (tp * pp):
-        raise ValueError(f"target.world_size={world} is no multiple of TP {tp} x PP {pp}")
+    grid = grid_args(sizes, layers, tp, pp, world)
     positions = int(config.get("max_position_embeddings") or 4096)
     rope = _rope_parameters(config)
     theta, scaling = float(rope["rope_theta"]), _megatrons_llama3(rope) if rope.get("rope_type") == "llama3" else None
     return {
-        # parallelism
-        "world_size": world, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-        "data_parallel_size": world // (tp * pp), "context_parallel_size": 1, "expert_model_parallel_size": 1,
-        "expert_tensor_parallel_size": tp, "virtual_pipeline_model_parallel_size": None, "sequence_parallel": False,
-        "use_distributed_optimizer": True,
+        **grid,
         # the model
         "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
         "group_query_attention": groups != heads, "num_query_groups": groups, "kv_channels": head_dim,
@@ -592,11 +582,5 @@ def megatron_args(
         "add_bias_linear": bool(config.get("attention_bias")) and not qwen2, "add_qkv_bias": qwen2,
         "qk_layernorm": False, "num_experts": None, "transformer_impl": "local",
         "hidden_dropout": 0.0, "attention_dropout": float(config.get("attention_dropout") or 0.0),
-        "vocab_size": vocab, "padded_vocab_size": padded_vocab_size(vocab, divisible_by, tp),
-        "make_vocab_size_divisible_by": divisible_by, "tokenizer_type": "NullTokenizer",
-        # precision: the weights are written as the fp32 masters, as an fp32 job holds them
-        "bf16": False, "fp16": False,
-        # checkpointing
-        "iteration": iteration, "consumed_train_samples": 0, "ckpt_format": "torch_dist", "use_dist_ckpt": True,
-        "dist_ckpt_optim_fully_reshardable": sharding == "fully_reshardable",
+        **save_args(vocab, divisible_by, tp, iteration, sharding),
     }
