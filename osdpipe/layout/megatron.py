@@ -200,6 +200,25 @@ def check_shapes(tensors: dict[str, Any], shapes: dict[str, tuple[int, ...]], wh
             raise ValueError(f"{what}: {key} has shape {tuple(tensors[key].shape)}, expected {shape}")
 
 
+def block_refusals(args: dict[str, Any]) -> list[str]:
+    """What of the decoder block Megatron-LM's ``args`` describe neither Hugging Face map (a Llama's, a GPT-2's) nor
+    its model expresses: features of the norms, the activation, the attention and the layers both families lack."""
+    checks = [
+        (bool(args.get("apply_layernorm_1p")) or bool(args.get("layernorm_zero_centered_gamma")),
+         "zero-centred norm weights (apply_layernorm_1p)"),
+        (bool(args.get("squared_relu")), "squared ReLU"),
+        (args.get("activation_func_clamp_value") is not None, "a clamped activation (activation_func_clamp_value)"),
+        ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
+        (bool(args.get("qk_layernorm")), "qk_layernorm"),
+        (bool(args.get("multi_latent_attention")), "multi-latent attention"),
+        (bool(args.get("attention_output_gate")), "a gated attention output (attention_output_gate)"),
+        (args.get("window_size") is not None, "sliding-window attention (window_size)"),
+        (bool(args.get("apply_residual_connection_post_layernorm")), "residuals after the norm"),
+        ((args.get("mtp_num_layers") or 0) > 0, "multi-token prediction layers (mtp_num_layers)"),
+    ]
+    return [what for bad, what in checks if bad]
+
+
 def grid_args(sizes: Sequence[tuple[int, str]], layers: int, tp: int, pp: int, world: int) -> dict[str, Any]:
     """Megatron-LM's ``args`` of the parallelism, for a GPT converted in from another framework's model: TP ``tp`` x
     PP ``pp`` on ``world`` ranks, the distributed optimizer.

@@ -59,6 +59,7 @@ import torch
 from osdpipe.layout.megatron import (
     LAYERS,
     Gpt,
+    block_refusals,
     check_shapes,
     global_shapes,
     grid_args,
@@ -114,22 +115,11 @@ def refusals(args: dict[str, Any]) -> list[str]:
     checks = [
         (query_groups(args) != heads, "grouped-query attention (GPT-2's heads each have a key and a value)"),
         (bool(args.get("swiglu")), "SwiGLU"),
-        (bool(args.get("squared_relu")), "squared ReLU"),
         (not args.get("add_bias_linear", True), "linears without biases (GPT-2 biases every linear)"),
         (int(args.get("kv_channels") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads"),
-        (bool(args.get("apply_layernorm_1p")) or bool(args.get("layernorm_zero_centered_gamma")),
-         "zero-centred norm weights (apply_layernorm_1p)"),
-        (bool(args.get("qk_layernorm")), "qk_layernorm"),
-        (bool(args.get("multi_latent_attention")), "multi-latent attention"),
-        (bool(args.get("attention_output_gate")), "a gated attention output (attention_output_gate)"),
-        (args.get("window_size") is not None, "sliding-window attention (window_size)"),
-        (args.get("activation_func_clamp_value") is not None, "a clamped activation (activation_func_clamp_value)"),
-        ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
-        (bool(args.get("apply_residual_connection_post_layernorm")), "residuals after the norm"),
-        ((args.get("mtp_num_layers") or 0) > 0, "multi-token prediction layers (mtp_num_layers)"),
     ]
-    return [what for bad, what in checks if bad]
+    return [what for bad, what in checks if bad] + block_refusals(args)
 
 
 def _refuse(what: list[str]) -> None:

@@ -74,6 +74,7 @@ from osdpipe.layout import megatron_gpt2
 from osdpipe.layout.megatron import (
     LAYERS,
     Gpt,
+    block_refusals,
     check_shapes,
     global_shapes,
     grid_args,
@@ -165,11 +166,7 @@ def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
     checks = [
         (norm != "RMSNorm", f"{norm} (not RMSNorm)"),
-        (bool(args.get("apply_layernorm_1p")) or bool(args.get("layernorm_zero_centered_gamma")),
-         "zero-centred norm weights (apply_layernorm_1p)"),
         (not args.get("swiglu"), "an MLP without SwiGLU"),
-        (bool(args.get("squared_relu")), "squared ReLU"),
-        (args.get("activation_func_clamp_value") is not None, "a clamped activation (activation_func_clamp_value)"),
         (not model_folder and (bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))),
          "linear biases (add_bias_linear)"),
         (qwen2 and bool(args.get("use_rope_scaling")), "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
@@ -177,7 +174,6 @@ def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
          "a head dimension other than hidden / heads with linear_qkv's bias alone (a Qwen2)"),
         (not model_folder and not args.get("untie_embeddings_and_output_weights", False),
          "tied embedding and output weights"),
-        ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
         (positions != "rope", f"{positions} position embeddings (not rope)"),
         (bool(args.get("rotary_interleaved")), "interleaved RoPE (rotary_interleaved)"),
         (float(args.get("rotary_percent", 1.0)) != 1.0, "partial RoPE (rotary_percent != 1)"),
@@ -185,17 +181,11 @@ def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
          "RoPE position interpolation (rotary_seq_len_interpolation_factor)"),
         (args.get("rope_type") not in (None, "rope"), f"the {args.get('rope_type')} RoPE type"),
         (args.get("no_rope_freq") is not None, "layers without RoPE (no_rope_freq)"),
-        (bool(args.get("qk_layernorm")), "qk_layernorm"),
-        (bool(args.get("multi_latent_attention")), "multi-latent attention"),
-        (bool(args.get("attention_output_gate")), "a gated attention output (attention_output_gate)"),
-        (args.get("window_size") is not None, "sliding-window attention (window_size)"),
-        (bool(args.get("apply_residual_connection_post_layernorm")), "residuals after the norm"),
-        ((args.get("mtp_num_layers") or 0) > 0, "multi-token prediction layers (mtp_num_layers)"),
         (bool(args.get("heterogeneous_layers_config_path") or args.get("heterogeneous_layers_config_encoded_json")),
          "heterogeneous layers"),
         (bool(args.get("is_hybrid_model")), "a hybrid (Mamba) model"),
     ]
-    return [what for bad, what in checks if bad]
+    return [what for bad, what in checks if bad] + block_refusals(args)
 
 
 def _refuse(what: list[str]) -> None:
@@ -310,8 +300,6 @@ def _check_gpt(gpt: Gpt) -> None:
     what = []
     if not gpt.swiglu:
         what.append("an MLP without SwiGLU")
-    if gpt.norm_bias:
-        what.append("LayerNorm (not RMSNorm)")
     if gpt.position_table:
         what.append("a learned position table (not rope)")
     if gpt.num_attention_heads % gpt.num_query_groups:
