@@ -28,8 +28,10 @@ Megatron                                           GPT-2 (layer ``i``)
 
 Every element goes to exactly one place and comes back, with no arithmetic (a transpose is a copy): the same map
 carries the fp32 masters. The other way, a GPT-2's folder becomes such a GPT (:func:`megatron_args`, :func:`from_hf`):
-what continues pretraining from ``gpt2`` in Megatron-LM. :mod:`osdpipe.layout.megatron_hf`, the Llama's map, sends a
-GPT with LayerNorm here.
+what continues pretraining from ``gpt2`` in Megatron-LM. A family of :mod:`osdpipe.layout.megatron_hf`'s registry
+(:class:`osdpipe.layout.megatron_hf.HfFamily`): a GPT with LayerNorm and a learned position table, and a ``gpt2``
+config.json, are this family's; a model folder holds it, a training checkpoint does not (osdpipe writes and reads a
+PyTorch job's and torchtitan's Llamas).
 
 Why each rule, in the sources installed here (megatron-core 0.16.1, transformers 5.23.0):
 
@@ -69,6 +71,8 @@ from osdpipe.layout.megatron import (
 )
 
 GPT2 = "GPT2LMHeadModel"
+#: A model folder holds a GPT-2; the training checkpoints osdpipe writes for a PyTorch job or torchtitan are Llamas.
+IN_TRAINING_CHECKPOINTS = False
 EMBEDDING = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"
 QKV = f"{LAYERS}self_attention.linear_qkv."
@@ -94,10 +98,21 @@ _FIXED = {EMBEDDING: "transformer.wte.weight", POSITIONS: "transformer.wpe.weigh
 _VOCAB_ROWS = (EMBEDDING, OUTPUT)
 
 
-def is_gpt2(args: dict[str, Any]) -> bool:
+def fits_args(args: dict[str, Any]) -> bool:
     """Whether the GPT Megatron-LM's ``args`` describe is written as a GPT-2 (LayerNorm and a learned position table,
-    Megatron-LM's defaults where ``args`` are silent), not as a Llama (:mod:`osdpipe.layout.megatron_hf`)."""
+    Megatron-LM's defaults where ``args`` are silent), not as a Llama (:mod:`osdpipe.layout.megatron_llama`)."""
     return args.get("normalization", "LayerNorm") == "LayerNorm" and position_embedding_type(args) == "learned_absolute"
+
+
+def fits_gpt(gpt: Gpt) -> bool:
+    """Whether a GPT layout is mapped as a GPT-2's: its norms have biases (LayerNorm); :func:`to_hf` and
+    :func:`from_hf` refuse the rest of what GPT-2 has not."""
+    return gpt.norm_bias
+
+
+def architecture(args: dict[str, Any]) -> str:
+    """transformers' model of this family: one architecture, whatever the ``args``."""
+    return GPT2
 
 
 def activation(args: dict[str, Any]) -> str:
@@ -108,9 +123,10 @@ def activation(args: dict[str, Any]) -> str:
     return "gelu_new" if args.get("openai_gelu") or fused else "gelu"
 
 
-def refusals(args: dict[str, Any]) -> list[str]:
+def refusals(args: dict[str, Any], *, model_folder: bool = True) -> list[str]:
     """What of the GPT ``args`` describe transformers' GPT-2 cannot express (empty: nothing). Absent args take
-    Megatron-LM's defaults (all of which GPT-2 has)."""
+    Megatron-LM's defaults (all of which GPT-2 has). ``model_folder`` is always true here: only model folders hold
+    this family (:data:`IN_TRAINING_CHECKPOINTS`)."""
     heads, hidden = int(args.get("num_attention_heads") or 1), int(args.get("hidden_size") or 0)
     checks = [
         (query_groups(args) != heads, "grouped-query attention (GPT-2's heads each have a key and a value)"),
@@ -246,7 +262,7 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
 # Hugging Face GPT-2 -> Megatron GPT: the config.
 
 
-def is_gpt2_config(config: dict[str, Any]) -> bool:
+def fits_config(config: dict[str, Any]) -> bool:
     """Whether a Hugging Face ``config.json`` is a GPT-2's (``model_type`` gpt2)."""
     return config.get("model_type") == "gpt2"
 
@@ -255,8 +271,9 @@ def is_gpt2_config(config: dict[str, Any]) -> bool:
 _GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 
 
-def hf_refusals(config: dict[str, Any]) -> list[str]:
-    """What of a GPT-2's ``config.json`` Megatron's GPT (the local layer spec) cannot express (empty: nothing)."""
+def hf_refusals(config: dict[str, Any], *, model_folder: bool = True) -> list[str]:
+    """What of a GPT-2's ``config.json`` Megatron's GPT (the local layer spec) cannot express (empty: nothing);
+    ``model_folder`` as :func:`refusals`'s."""
     act = config.get("activation_function", "gelu_new")
     checks = [
         (config.get("architectures", [GPT2]) != [GPT2], f"architectures {config.get('architectures')}, not {GPT2}"),
@@ -270,10 +287,11 @@ def hf_refusals(config: dict[str, Any]) -> list[str]:
 
 
 def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
-                  divisible_by: int) -> dict[str, Any]:
+                  divisible_by: int, model_folder: bool = True) -> dict[str, Any]:
     """The Megatron-LM ``args`` of the GPT that computes the ``GPT2LMHeadModel`` of ``config``: the inverse of
     :func:`hf_config` (LayerNorm, a learned position table, the GeLU it names, every linear biased, multi-head
-    attention, tied or untied embeddings), for TP ``tp`` x PP ``pp`` on ``world`` ranks.
+    attention, tied or untied embeddings), for TP ``tp`` x PP ``pp`` on ``world`` ranks; ``model_folder`` as
+    :func:`refusals`'s.
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that

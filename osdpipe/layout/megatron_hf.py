@@ -1,145 +1,96 @@
-"""Megatron-Core's GPT <-> Hugging Face's ``LlamaForCausalLM``: the config and the weights' map, pure functions.
+"""Megatron-Core's GPT <-> Hugging Face models: which family a GPT or a ``config.json`` is, and its maps, both ways.
 
-A Megatron GPT with RMSNorm, SwiGLU, RoPE (rotate-half), no biases and untied embeddings computes the function of
-transformers' ``LlamaForCausalLM``; only the tensors are named and cut differently. Its embedding tied to the output
-layer (Megatron-LM's ``untie_embeddings_and_output_weights`` unset) is Llama's ``tie_word_embeddings`` (Llama 3.2's 1B
-and 3B, Qwen2.5's smaller models): one tensor, ``model.embed_tokens.weight``, and no ``lm_head.weight`` (transformers'
-``save_pretrained`` writes none where the two are tied, and ``from_pretrained`` ties ``lm_head`` to the embedding). With
-Megatron-LM's linear biases (``add_bias_linear``) it is a Llama with ``attention_bias`` and ``mlp_bias``; with
-``linear_qkv``'s alone (``add_qkv_bias``) transformers' ``Qwen2ForCausalLM`` (:func:`architecture`); a bias is cut as
-its weight's rows. The map (Megatron's sharded keys as :func:`osdpipe.layout.megatron.global_shapes` gives them, the
-decoder's layers stacked on axis 0; ``g`` a query group of ``G``, ``n = heads / G`` query heads each, ``d`` the head
-dimension, ``f`` the FFN size, ``V`` the true vocabulary and ``Vp`` Megatron's padded one):
+A Megatron GPT computes the function of one Hugging Face model or another depending on what it is built of: with
+RMSNorm, SwiGLU and RoPE a ``LlamaForCausalLM`` (or a ``Qwen2ForCausalLM``: :mod:`osdpipe.layout.megatron_llama`),
+with LayerNorm and a learned position table, Megatron-LM's defaults, a ``GPT2LMHeadModel``
+(:mod:`osdpipe.layout.megatron_gpt2`). Each such family is a module with the same functions (:class:`HfFamily`), and
+:data:`FAMILIES` is their one registry: what converts, checks or proves a GPT asks here, and the family is chosen once,
+from Megatron-LM's ``args``, from a ``config.json``, or from a GPT's layout. A new family (another architecture of
+transformers) is a module and an entry in :data:`FAMILIES`, not a branch in each caller.
 
-=========================================================  ======================================================
-Megatron                                                   Hugging Face (layer ``i``)
-=========================================================  ======================================================
-``embedding.word_embeddings.weight`` ``[Vp, h]``           ``model.embed_tokens.weight``: rows ``[0, V)``
-``...linear_qkv.layer_norm_weight[i]``                     ``model.layers.{i}.input_layernorm.weight``
-``...linear_qkv.weight[i]`` ``[G (n + 2) d, h]``           per group ``g``: rows ``[g(n+2)d, g(n+2)d + nd)`` ->
-                                                           ``q_proj`` rows ``[g n d, (g+1) n d)``; the next ``d``
-                                                           -> ``k_proj`` rows ``[g d, (g+1) d)``; the next ``d``
-                                                           -> ``v_proj`` rows ``[g d, (g+1) d)``
-``...linear_proj.weight[i]``                               ``model.layers.{i}.self_attn.o_proj.weight``
-``...linear_fc1.layer_norm_weight[i]``                     ``model.layers.{i}.post_attention_layernorm.weight``
-``...linear_fc1.weight[i]`` ``[2f, h]``                    rows ``[0, f)`` -> ``mlp.gate_proj``, ``[f, 2f)`` ->
-                                                           ``mlp.up_proj``
-``...linear_fc2.weight[i]``                                ``model.layers.{i}.mlp.down_proj.weight``
-``decoder.final_layernorm.weight``                         ``model.norm.weight``
-``output_layer.weight`` ``[Vp, h]`` (untied)               ``lm_head.weight``: rows ``[0, V)``
-``...linear_qkv.bias[i]``, ``...linear_fc1.bias[i]``       as their weights' rows: ``q_proj``, ``k_proj``,
-                                                           ``v_proj``, ``gate_proj``, ``up_proj`` ``.bias``
-``...linear_proj.bias[i]``, ``...linear_fc2.bias[i]``      ``self_attn.o_proj.bias``, ``mlp.down_proj.bias``
-=========================================================  ======================================================
-
-Every element goes to exactly one place and comes back (:func:`from_hf` puts the padding rows back as zeros), with no
-arithmetic: the same map carries the fp32 masters and Adam's moments.
-
-Why each rule, in the sources installed here (megatron-core 0.16.1, transformers 5.23.0):
-
-* **qkv.** megatron ``transformer/attention.py`` ``get_query_key_value_tensors`` (l. 1385-1460) views
-  ``linear_qkv``'s output as ``[G, (n + 2) d]`` and splits each group into ``n d`` query, ``d`` key, ``d`` value
-  columns; the queries become heads ``g n .. g n + n - 1``. ``transformer/dot_product_attention.py`` l. 170-175
-  repeats each key/value head ``n`` times (``repeat_interleave``): query head ``j`` reads group ``j // n``.
-  transformers ``models/llama/modeling_llama.py`` ``repeat_kv`` (l. 168-177) pairs query head ``j`` with key/value
-  head ``j // n`` too, its heads being ``q_proj``'s consecutive blocks of ``d`` rows (l. 243-245). Hence the
-  per-group cut above and no reordering of heads.
-* **RoPE.** megatron ``models/common/embeddings/rotary_pos_embedding.py`` l. 79-81 (``inv_freq = 1 / base **
-  (arange(0, d, 2) / d)``) and l. 167-168 (``cat((freqs, freqs))`` when not ``rotary_interleaved``),
-  ``rope_utils.py`` ``_rotate_half`` l. 82-84 (``cat((-x2, x1))`` of the two halves) and l. 125
-  (``t cos + rotate_half(t) sin``). transformers ``modeling_llama.py`` l. 105 (the same ``inv_freq``), l. 112
-  (``cat((freqs, freqs))``), ``rotate_half`` l. 119-123 and ``apply_rotary_pos_emb`` l. 147. The same convention
-  (rotate-half over the whole head), so q and k need no permutation (unlike Meta's interleaved checkpoints).
-  ``rotary_interleaved``, ``rotary_percent < 1`` and RoPE scaling are refused.
-* **Attention scale.** megatron ``dot_product_attention.py`` l. 84-85 ``1 / sqrt(d)``; transformers l. 215
-  ``head_dim ** -0.5``; ``head_dim`` is written explicitly (``kv_channels`` need not be ``hidden / heads``).
-* **SwiGLU.** megatron ``transformer/mlp.py`` ``glu`` l. 219-224: ``linear_fc1``'s output is chunked in two,
-  ``silu(first) * second``; transformers ``LlamaMLP.forward`` l. 164: ``down(silu(gate(x)) * up(x))``. So the
-  first ``f`` rows are ``gate_proj``, the last ``f`` ``up_proj`` (globally ``[gate; up]`` whatever the TP:
-  :mod:`osdpipe.layout.megatron`).
-* **RMSNorm.** megatron's local spec builds ``torch.nn.RMSNorm(h, eps)`` (``transformer/torch_norm.py`` l. 40-45):
-  ``x / sqrt(mean(x^2) + eps) * w``; transformers ``LlamaRMSNorm`` l. 52-66 the same (in fp32). ``eps`` is
-  ``norm_epsilon``.
-* **Logits.** megatron ``models/gpt/gpt_model.py`` l. 712 returns ``[b, s, Vp]``; the ``Vp - V`` padding rows'
-  logits belong to no token, and HF's ``lm_head`` is ``V`` rows (``modeling_llama.py`` l. 420).
+The order of :data:`FAMILIES` is the order they are asked in; the last, the Llama's, fits every GPT (its refusals then
+say what of it a Llama cannot express: a GPT-2's norms in a training checkpoint, say). Training checkpoints (a PyTorch
+job's, torchtitan's) are written and read for Llamas alone; model folders for every family
+(:attr:`HfFamily.IN_TRAINING_CHECKPOINTS`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from osdpipe.layout import megatron_gpt2
-from osdpipe.layout.megatron import (
-    LAYERS,
-    Gpt,
-    block_refusals,
-    check_shapes,
-    global_shapes,
-    grid_args,
-    position_embedding_type,
-    query_groups,
-    save_args,
-)
+from osdpipe.layout import megatron_gpt2, megatron_llama
+from osdpipe.layout.megatron import Gpt
+from osdpipe.layout.megatron_llama import hf_names_of, titan_args
 
-EMBEDDING = "embedding.word_embeddings.weight"
-QKV = f"{LAYERS}self_attention.linear_qkv.weight"
-INPUT_NORM = f"{LAYERS}self_attention.linear_qkv.layer_norm_weight"
-PROJ = f"{LAYERS}self_attention.linear_proj.weight"
-FC1 = f"{LAYERS}mlp.linear_fc1.weight"
-MLP_NORM = f"{LAYERS}mlp.linear_fc1.layer_norm_weight"
-FC2 = f"{LAYERS}mlp.linear_fc2.weight"
-QKV_BIAS = f"{LAYERS}self_attention.linear_qkv.bias"
-PROJ_BIAS = f"{LAYERS}self_attention.linear_proj.bias"
-FC1_BIAS = f"{LAYERS}mlp.linear_fc1.bias"
-FC2_BIAS = f"{LAYERS}mlp.linear_fc2.bias"
-FINAL_NORM = "decoder.final_layernorm.weight"
-OUTPUT = "output_layer.weight"
-
-#: Megatron key of a per-layer tensor taken whole -> the HF name within ``model.layers.{i}.`` (the biases where the
-#: GPT has them: :func:`_whole_per_layer`).
-_WHOLE_PER_LAYER = {
-    INPUT_NORM: "input_layernorm.weight",
-    PROJ: "self_attn.o_proj.weight",
-    PROJ_BIAS: "self_attn.o_proj.bias",
-    MLP_NORM: "post_attention_layernorm.weight",
-    FC2: "mlp.down_proj.weight",
-    FC2_BIAS: "mlp.down_proj.bias",
-}
-
-#: The Hugging Face architectures a Megatron GPT is written as (:func:`architecture`).
-LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
+__all__ = [
+    "FAMILIES", "HfFamily", "architecture", "family_of_args", "family_of_config", "family_of_gpt", "from_hf",
+    "hf_config", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusals", "titan_args", "to_hf",
+    "true_vocab_size",
+]  # fmt: skip
 
 
-def tied_word_embeddings(config: dict[str, Any]) -> bool:
-    """Whether a Hugging Face ``config.json`` ties ``lm_head`` to the embedding: ``tie_word_embeddings``, whose
-    default in transformers' ``PretrainedConfig`` is true (a Llama's config.json says it either way)."""
-    return config.get("tie_word_embeddings", True) is not False
+class HfFamily(Protocol):
+    """A Hugging Face family a Megatron GPT is written as: a module of pure functions, each the one its name says in
+    :mod:`osdpipe.layout.megatron_llama` and :mod:`osdpipe.layout.megatron_gpt2`.
+
+    ``model_folder``: the Hugging Face side is a model folder (``config.json`` and safetensors), which may hold what a
+    training checkpoint's model cannot (biases, tied embeddings: the Llama family's refusals differ)."""
+
+    #: Whether training checkpoints (a PyTorch job's, torchtitan's) hold this family; model folders hold every one.
+    IN_TRAINING_CHECKPOINTS: bool
+
+    def fits_args(self, args: dict[str, Any]) -> bool: ...
+
+    def fits_config(self, config: dict[str, Any]) -> bool: ...
+
+    def fits_gpt(self, gpt: Gpt) -> bool: ...
+
+    def architecture(self, args: dict[str, Any]) -> str: ...
+
+    def refusals(self, args: dict[str, Any], *, model_folder: bool) -> list[str]: ...
+
+    def hf_config(self, args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str, Any]: ...
+
+    def hf_shapes(self, gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]: ...
+
+    def to_hf(self, gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]: ...
+
+    def from_hf(
+        self, gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None = None
+    ) -> dict[str, torch.Tensor]: ...
+
+    def hf_refusals(self, config: dict[str, Any], *, model_folder: bool) -> list[str]: ...
+
+    def megatron_args(
+        self, config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
+        divisible_by: int, model_folder: bool,
+    ) -> dict[str, Any]: ...  # fmt: skip
 
 
-def architecture(args: dict[str, Any]) -> str:
-    """The Hugging Face model that computes the GPT Megatron-LM's ``args`` describe: GPT-2's where it has LayerNorm
-    and a learned position table (Megatron-LM's defaults: :mod:`osdpipe.layout.megatron_gpt2`); Qwen2's where only
-    ``linear_qkv`` has a bias (``add_qkv_bias``: Qwen2 biases q, k and v, not o, nor its MLP), else Llama's
-    (``add_bias_linear``, a bias on each of the four linears, is Llama's ``attention_bias`` and ``mlp_bias``)."""
-    if megatron_gpt2.is_gpt2(args):
-        return megatron_gpt2.GPT2
-    return QWEN2 if args.get("add_qkv_bias") and not args.get("add_bias_linear") else LLAMA
+#: Every family, in the order they are asked whether they fit; the Llama's, which fits all, last.
+FAMILIES: tuple[HfFamily, ...] = (megatron_gpt2, megatron_llama)  # type: ignore[assignment]
 
 
-def _split_by_rows(gpt: Gpt) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """The Megatron keys HF splits by rows, each with the kind (``weight``, ``bias``) of the HF names it goes to:
-    ``linear_qkv``'s (per query group into q, k and v) and ``linear_fc1``'s (into gate and up), a bias where the GPT
-    has one (:func:`to_hf` and :func:`from_hf` walk the same list)."""
-    qkv = [(QKV, "weight")] + ([(QKV_BIAS, "bias")] if gpt.has_qkv_bias else [])
-    fc1 = [(FC1, "weight")] + ([(FC1_BIAS, "bias")] if gpt.linear_bias else [])
-    return qkv, fc1
+def _held(model_folder: bool) -> list[HfFamily]:
+    return [f for f in FAMILIES if model_folder or f.IN_TRAINING_CHECKPOINTS]
 
 
-def _whole_per_layer(gpt: Gpt) -> dict[str, str]:
-    shapes = global_shapes(gpt)
-    return {key: name for key, name in _WHOLE_PER_LAYER.items() if key in shapes}
+def family_of_args(args: dict[str, Any], *, model_folder: bool = True) -> HfFamily:
+    """The family of the GPT Megatron-LM's ``args`` describe, among those a model folder (``model_folder``) or a
+    training checkpoint holds."""
+    return next(f for f in _held(model_folder) if f.fits_args(args))
+
+
+def family_of_config(config: dict[str, Any], *, model_folder: bool = True) -> HfFamily:
+    """The family of a Hugging Face ``config.json``, among those a model folder or a training checkpoint holds."""
+    return next(f for f in _held(model_folder) if f.fits_config(config))
+
+
+def family_of_gpt(gpt: Gpt) -> HfFamily:
+    """The family a GPT's layout maps to (its tensors say it: LayerNorm's biases, a position table)."""
+    return next(f for f in FAMILIES if f.fits_gpt(gpt))
 
 
 def true_vocab_size(args: dict[str, Any]) -> int:
@@ -150,50 +101,8 @@ def true_vocab_size(args: dict[str, Any]) -> int:
     return int(vocab) if vocab else int(args["padded_vocab_size"])
 
 
-def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
-    """What of the GPT ``args`` describe HF's Llama cannot express (empty: nothing). Absent args take Megatron-LM's
-    defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied): a GPT-2, which a model folder
-    holds (:func:`osdpipe.layout.megatron_gpt2.refusals` says what of it GPT-2 cannot express).
-
-    ``model_folder``: the output is a model folder, which holds a GPT's linear biases as Llama's ``attention_bias``
-    and ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`), and tied embeddings as its
-    ``tie_word_embeddings``; where it is a training checkpoint for a PyTorch job's Llama or torchtitan's llama3
-    (untied, without biases), both are refused."""
-    if model_folder and megatron_gpt2.is_gpt2(args):  # a GPT-2's folder: what GPT-2 cannot express
-        return megatron_gpt2.refusals(args)
-    norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
-    qwen2 = model_folder and architecture(args) == QWEN2
-    hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
-    checks = [
-        (norm != "RMSNorm", f"{norm} (not RMSNorm)"),
-        (not args.get("swiglu"), "an MLP without SwiGLU"),
-        (not model_folder and (bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))),
-         "linear biases (add_bias_linear)"),
-        (qwen2 and bool(args.get("use_rope_scaling")), "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
-        (qwen2 and int(args.get("kv_channels") or hidden // heads) * heads != hidden,
-         "a head dimension other than hidden / heads with linear_qkv's bias alone (a Qwen2)"),
-        (not model_folder and not args.get("untie_embeddings_and_output_weights", False),
-         "tied embedding and output weights"),
-        (positions != "rope", f"{positions} position embeddings (not rope)"),
-        (bool(args.get("rotary_interleaved")), "interleaved RoPE (rotary_interleaved)"),
-        (float(args.get("rotary_percent", 1.0)) != 1.0, "partial RoPE (rotary_percent != 1)"),
-        (args.get("rotary_seq_len_interpolation_factor") not in (None, 1),
-         "RoPE position interpolation (rotary_seq_len_interpolation_factor)"),
-        (args.get("rope_type") not in (None, "rope"), f"the {args.get('rope_type')} RoPE type"),
-        (args.get("no_rope_freq") is not None, "layers without RoPE (no_rope_freq)"),
-        (bool(args.get("heterogeneous_layers_config_path") or args.get("heterogeneous_layers_config_encoded_json")),
-         "heterogeneous layers"),
-        (bool(args.get("is_hybrid_model")), "a hybrid (Mamba) model"),
-    ]
-    return [what for bad, what in checks if bad] + block_refusals(args)
-
-
-def _refuse(what: list[str]) -> None:
-    if what:
-        raise ValueError(f"a Megatron GPT with {', '.join(what)}: not supported yet as a Hugging Face Llama")
-
-
 def _dtype_name(args: dict[str, Any]) -> str:
+    """The job's ``params_dtype`` as transformers names it."""
     if args.get("bf16"):
         return "bfloat16"
     if args.get("fp16"):
@@ -201,309 +110,59 @@ def _dtype_name(args: dict[str, Any]) -> str:
     return "float32"
 
 
-#: Llama 3.1's RoPE scaling as megatron-core 0.16.1 applies it (``--use-rope-scaling``, ``--rope-scaling-factor``):
-#: ``models/common/embeddings/rotary_pos_embedding.py`` ``_apply_scaling`` fixes these three.
-_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+def architecture(args: dict[str, Any]) -> str:
+    """The Hugging Face model (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``) that computes the GPT
+    Megatron-LM's ``args`` describe."""
+    return family_of_args(args).architecture(args)
+
+
+def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
+    """What of the GPT ``args`` describe its family cannot express (empty: nothing): a model folder's family
+    (``model_folder``), else a training checkpoint's, a Llama without biases or tied embeddings (a PyTorch job's
+    Llama, torchtitan's llama3)."""
+    return family_of_args(args, model_folder=model_folder).refusals(args, model_folder=model_folder)
 
 
 def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str | None = None) -> dict[str, Any]:
-    """The ``config.json`` of the ``LlamaForCausalLM`` that computes the GPT Megatron-LM's ``args`` describe, or of
-    the ``Qwen2ForCausalLM`` where only ``linear_qkv`` has a bias (:func:`architecture`).
+    """The ``config.json`` of the Hugging Face model that computes the GPT Megatron-LM's ``args`` describe
+    (:func:`architecture`).
 
     ``vocab_size``: the true vocabulary (default :func:`true_vocab_size`); ``dtype``: the weights' (default the
-    job's ``params_dtype``: ``bfloat16`` with ``bf16``). ``--use-rope-scaling`` is transformers' ``llama3`` rope
-    type (the same formula: transformers ``_compute_llama3_parameters``, megatron-core ``_apply_scaling``, with its
-    fixed frequency factors and positions). RoPE's base is written both as transformers 5's
-    ``rope_parameters`` and as the older top-level ``rope_theta``, the dtype as ``dtype`` and ``torch_dtype``, so
-    that transformers 4 and 5 read the same model. ``bos_token_id``/``eos_token_id`` are the tokenizer's and
-    Megatron's ``args`` do not hold them: they are ``None``.
+    job's ``params_dtype``: ``bfloat16`` with ``bf16``).
 
     Raises:
-        ValueError: one line naming what HF's Llama cannot express (:func:`refusals`), "not supported yet".
+        ValueError: one line: a vocabulary larger than the padded one, or what the family cannot express (its
+            refusals), "not supported yet".
     """
     vocab = int(vocab_size) if vocab_size is not None else true_vocab_size(args)
     padded = int(args.get("padded_vocab_size") or vocab)
     if not 0 < vocab <= padded:
         raise ValueError(f"vocabulary {vocab} is not in (0, padded_vocab_size {padded}]")
-    name = dtype or _dtype_name(args)
-    if megatron_gpt2.is_gpt2(args):
-        return megatron_gpt2.hf_config(args, vocab_size=vocab, dtype=name)
-    _refuse(refusals(args, model_folder=True))
-    linear_bias, qwen2 = bool(args.get("add_bias_linear")), architecture(args) == QWEN2
-    heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
-    theta = float(args.get("rotary_base", 10000))
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if (factor := _rope_scaling_factor(args)) is not None:  # Llama 3.1's, as megatron-core applies it
-        rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **_MEGATRON_LLAMA3}
-    config = {
-        "architectures": [QWEN2 if qwen2 else LLAMA],
-        "model_type": "qwen2" if qwen2 else "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(args["ffn_hidden_size"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": query_groups(args),
-        "head_dim": int(args.get("kv_channels") or hidden // heads),
-        "num_hidden_layers": int(args["num_layers"]),
-        "vocab_size": vocab,
-        "hidden_act": "silu",
-        "rms_norm_eps": float(args.get("norm_epsilon", 1e-5)),
-        "rope_theta": theta,
-        "rope_parameters": rope,
-        "max_position_embeddings": int(args.get("max_position_embeddings") or args["seq_length"]),
-        "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
-        "attention_bias": linear_bias,
-        "mlp_bias": linear_bias,
-        "attention_dropout": 0.0,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "dtype": name,
-        "torch_dtype": name,
-    }
-    if qwen2:  # Qwen2's biases are its architecture's (q, k, v), not keys; its attention is full in every layer
-        del config["attention_bias"], config["mlp_bias"]
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=int(args["num_layers"]))
-    return config
-
-
-def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
-    """The keywords of ``osdpipe.layout.models.torchtitan_llama3`` for the GPT Megatron-LM's ``args`` describe: the
-    same model as :func:`hf_config`'s (:mod:`osdpipe.layout.llama_titan` maps one's tensors to the other's).
-
-    Raises:
-        ValueError: a head dimension other than ``hidden / heads``, which torchtitan's llama3 cannot take.
-    """
-    _refuse(refusals(args))
-    hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
-    if int(args.get("kv_channels") or hidden // heads) * heads != hidden:
-        raise ValueError(f"kv_channels={args['kv_channels']} x {heads} heads is not hidden_size={hidden}: torchtitan's "
-                         "llama3 takes its head dimension as hidden / heads")
-    out = {
-        "dim": hidden, "n_layers": int(args["num_layers"]), "n_heads": heads, "n_kv_heads": query_groups(args),
-        "hidden_dim": int(args["ffn_hidden_size"]), "vocab_size": int(vocab_size),
-        "norm_eps": float(args.get("norm_epsilon", 1e-5)), "rope_theta": float(args.get("rotary_base", 10000)),
-        "max_seq_len": int(args.get("max_position_embeddings") or args.get("seq_length") or 4096),
-    }
-    if (factor := _rope_scaling_factor(args)) is not None:  # torchtitan's "llama" scaling: the same formula
-        out["rope_scaling"] = {"scaling_factor": factor, **{k: float(v) for k, v in _MEGATRON_LLAMA3.items()}}
-    return out
-
-
-def _rope_scaling_factor(args: dict[str, Any]) -> float | None:
-    """Llama 3.1's RoPE scaling factor of a GPT saved with ``--use-rope-scaling`` (``None``: unscaled). megatron-core
-    applies it with :data:`_MEGATRON_LLAMA3`'s fixed frequency factors and positions."""
-    if not args.get("use_rope_scaling"):
-        return None
-    return float(args.get("rope_scaling_factor") or 8.0)
-
-
-def _check_gpt(gpt: Gpt) -> None:
-    what = []
-    if not gpt.swiglu:
-        what.append("an MLP without SwiGLU")
-    if gpt.position_table:
-        what.append("a learned position table (not rope)")
-    if gpt.num_attention_heads % gpt.num_query_groups:
-        what.append(f"{gpt.num_attention_heads} heads in {gpt.num_query_groups} query groups")
-    _refuse(what)
+    return family_of_args(args).hf_config(args, vocab_size=vocab, dtype=dtype or _dtype_name(args))
 
 
 def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``: :func:`architecture`) state dict
-    :func:`to_hf` gives, and its shape: each linear's bias, where the GPT has one, after its weight."""
-    h, d, f = gpt.hidden_size, gpt.kv_channels, gpt.ffn_hidden_size
-    q, kv, o = gpt.num_attention_heads * d, gpt.num_query_groups * d, gpt.linear_bias
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
-    for i in range(gpt.num_layers):
-        p = f"model.layers.{i}."
-        layer = {
-            "input_layernorm.weight": ((h,), True),
-            "self_attn.q_proj.weight": ((q, h), True), "self_attn.q_proj.bias": ((q,), gpt.has_qkv_bias),
-            "self_attn.k_proj.weight": ((kv, h), True), "self_attn.k_proj.bias": ((kv,), gpt.has_qkv_bias),
-            "self_attn.v_proj.weight": ((kv, h), True), "self_attn.v_proj.bias": ((kv,), gpt.has_qkv_bias),
-            "self_attn.o_proj.weight": ((h, q), True), "self_attn.o_proj.bias": ((h,), o),
-            "post_attention_layernorm.weight": ((h,), True),
-            "mlp.gate_proj.weight": ((f, h), True), "mlp.gate_proj.bias": ((f,), o),
-            "mlp.up_proj.weight": ((f, h), True), "mlp.up_proj.bias": ((f,), o),
-            "mlp.down_proj.weight": ((h, f), True), "mlp.down_proj.bias": ((h,), o),
-        }
-        out.update({p + name: shape for name, (shape, held) in layer.items() if held})
-    out["model.norm.weight"] = (h,)
-    if not gpt.tied:
-        out["lm_head.weight"] = (vocab_size, h)
-    return out
-
-
-def hf_names_of(gpt: Gpt) -> dict[str, list[str]]:
-    """Each Megatron key of :func:`osdpipe.layout.megatron.global_shapes` -> the ``LlamaForCausalLM`` names its
-    elements go to under :func:`to_hf`, in the state dict's order: what puts a Megatron param group's keys into the
-    Llama names of the same group."""
-    by_key: dict[str, list[str]] = {key: [] for key in global_shapes(gpt)}
-    for name in hf_shapes(gpt, 1):
-        by_key[_megatron_key_of(name)].append(name)
-    return by_key
-
-
-def _megatron_key_of(name: str) -> str:
-    """The Megatron key a ``LlamaForCausalLM`` name's elements come from (the module docstring's table)."""
-    fixed = {"model.embed_tokens.weight": EMBEDDING, "model.norm.weight": FINAL_NORM, "lm_head.weight": OUTPUT}
-    if name in fixed:
-        return fixed[name]
-    within = name.split(".", 3)[3]  # model.layers.{i}.<within>
-    bias = within.endswith(".bias")
-    if within.startswith("self_attn.") and within.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
-        return QKV_BIAS if bias else QKV
-    if within.split(".")[:2] in (["mlp", "gate_proj"], ["mlp", "up_proj"]):
-        return FC1_BIAS if bias else FC1
-    return next(key for key, hf in _WHOLE_PER_LAYER.items() if hf == within)
+    """Every tensor of the Hugging Face state dict :func:`to_hf` gives for ``gpt``, and its shape."""
+    return family_of_gpt(gpt).hf_shapes(gpt, vocab_size)
 
 
 def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """Megatron's GPT tensors (every key of :func:`osdpipe.layout.megatron.global_shapes`, layers stacked) -> the
-    ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) state dict (module docstring's table), the vocabulary cut to its
-    first ``vocab_size`` rows.
-
-    A pure rearrangement: every output element is an input element, copied (the outputs own their storage, each
-    contiguous, as ``safetensors`` wants), so the same call maps fp32 masters and Adam's moments. A GPT with
-    LayerNorm is a GPT-2's (:func:`osdpipe.layout.megatron_gpt2.to_hf`).
-    """
-    if gpt.norm_bias:
-        return megatron_gpt2.to_hf(gpt, tensors, vocab_size)
-    _check_gpt(gpt)
-    if not 0 < vocab_size <= gpt.padded_vocab_size:
-        raise ValueError(f"vocabulary {vocab_size} is not in (0, padded vocabulary {gpt.padded_vocab_size}]")
-    check_shapes(tensors, global_shapes(gpt), "Megatron GPT tensors")
-    n, d, f = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.ffn_hidden_size
-    out = {"model.embed_tokens.weight": tensors[EMBEDDING][:vocab_size].clone()}
-    cuts, halves = _split_by_rows(gpt)
-    for i in range(gpt.num_layers):
-        p = f"model.layers.{i}."
-        for key, kind in cuts:  # a bias is cut as its weight's rows
-            tail = tuple(tensors[key].shape[2:])  # (h,) of the weight, () of the bias
-            qkv = tensors[key][i].reshape(gpt.num_query_groups, n + 2, d, *tail)
-            out[f"{p}self_attn.q_proj.{kind}"] = qkv[:, :n].reshape(gpt.num_attention_heads * d, *tail).clone()
-            out[f"{p}self_attn.k_proj.{kind}"] = qkv[:, n].reshape(gpt.num_query_groups * d, *tail).clone()
-            out[f"{p}self_attn.v_proj.{kind}"] = qkv[:, n + 1].reshape(gpt.num_query_groups * d, *tail).clone()
-        for key, kind in halves:
-            out[f"{p}mlp.gate_proj.{kind}"] = tensors[key][i][:f].clone()
-            out[f"{p}mlp.up_proj.{kind}"] = tensors[key][i][f:].clone()
-        for key, name in _whole_per_layer(gpt).items():
-            out[p + name] = tensors[key][i].clone()
-    out["model.norm.weight"] = tensors[FINAL_NORM].clone()
-    if not gpt.tied:
-        out["lm_head.weight"] = tensors[OUTPUT][:vocab_size].clone()
-    return {key: out[key] for key in hf_shapes(gpt, vocab_size)}
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+    Hugging Face state dict of its family, the vocabulary cut to its first ``vocab_size`` rows: a pure
+    rearrangement, so the same call maps fp32 masters and Adam's moments."""
+    return family_of_gpt(gpt).to_hf(gpt, tensors, vocab_size)
 
 
 def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`to_hf`: a ``LlamaForCausalLM`` state dict -> Megatron's GPT tensors (layers stacked),
-    the embedding and the output layer padded with zero rows to ``padded_vocab`` (default ``gpt``'s).
-
-    ``from_hf(gpt, to_hf(gpt, x, V))`` is ``x`` bit for bit, but for the padding rows, which come back zero. A GPT
-    with LayerNorm is a GPT-2's (:func:`osdpipe.layout.megatron_gpt2.from_hf`).
-    """
-    if gpt.norm_bias:
-        return megatron_gpt2.from_hf(gpt, tensors, padded_vocab)
-    _check_gpt(gpt)
-    padded = gpt.padded_vocab_size if padded_vocab is None else int(padded_vocab)
-    if "model.embed_tokens.weight" not in tensors:
-        raise ValueError("Hugging Face Llama tensors: missing model.embed_tokens.weight")
-    vocab = int(tensors["model.embed_tokens.weight"].shape[0])
-    if vocab > padded:
-        raise ValueError(f"vocabulary {vocab} does not fit the padded vocabulary {padded}")
-    check_shapes(tensors, hf_shapes(gpt, vocab), "Hugging Face Llama tensors")
-    n, d, g = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.num_query_groups
-    cuts, halves = _split_by_rows(gpt)
-    whole = _whole_per_layer(gpt)
-    layers: dict[str, list[torch.Tensor]] = {key: [] for key in [*dict(cuts), *dict(halves), *whole]}
-    for i in range(gpt.num_layers):
-        p = f"model.layers.{i}."
-        for key, kind in cuts:  # per query group: its query heads, then a key and a value head
-            q, k, v = (tensors[f"{p}self_attn.{proj}.{kind}"] for proj in ("q_proj", "k_proj", "v_proj"))
-            tail = tuple(q.shape[1:])
-            heads = [q.reshape(g, n, d, *tail), k.reshape(g, 1, d, *tail), v.reshape(g, 1, d, *tail)]
-            layers[key].append(torch.cat(heads, dim=1).reshape(gpt.qkv_rows, *tail))
-        for key, kind in halves:
-            layers[key].append(torch.cat([tensors[f"{p}mlp.gate_proj.{kind}"], tensors[f"{p}mlp.up_proj.{kind}"]]))
-        for key, name in whole.items():
-            layers[key].append(tensors[p + name])
-    out = {
-        EMBEDDING: _pad_rows(tensors["model.embed_tokens.weight"], padded),
-        **{key: torch.stack(ts) for key, ts in layers.items()},
-        FINAL_NORM: tensors["model.norm.weight"].clone(),
-        **({} if gpt.tied else {OUTPUT: _pad_rows(tensors["lm_head.weight"], padded)}),
-    }
-    return {key: out[key] for key in global_shapes(gpt)}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Hugging Face Llama -> Megatron GPT: the config.
-
-
-def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE's settings as transformers 5 (``rope_parameters``) or 4 (``rope_theta``, ``rope_scaling``) write them."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict) and scaling:  # transformers 4's: a scaling there is one, whatever else is said
-        params = {**params, **scaling, "rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
-    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    return params
-
-
-def _megatrons_llama3(rope: dict[str, Any]) -> float | None:
-    """The scaling factor of a ``llama3`` rope type megatron-core applies the same (``None``: it fixes other
-    frequency factors or positions than this one has)."""
-    fixed = all(float(rope.get(k, v)) == v for k, v in _MEGATRON_LLAMA3.items())
-    return float(rope.get("factor", 8.0)) if fixed else None
+    """The inverse of :func:`to_hf`, the vocabulary padded with zero rows to ``padded_vocab`` (default ``gpt``'s)."""
+    return family_of_gpt(gpt).from_hf(gpt, tensors, padded_vocab)
 
 
 def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[str]:
-    """What of a Hugging Face ``config.json`` a Megatron GPT with the local layer spec cannot express (empty:
-    nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases, with untied embeddings
-    (both allowed in a model folder, below), SiLU, plain RoPE, and as many query heads per key/value head in every
-    group.
-
-    ``model_folder``: the source is a model folder (a GPT-2's too: :func:`osdpipe.layout.megatron_gpt2.hf_refusals`),
-    whose biases become Megatron's (:func:`megatron_args`): a Llama's ``attention_bias`` and ``mlp_bias`` together
-    (``add_bias_linear``: Megatron biases all four linears or ``linear_qkv`` alone), or a Qwen2 (``Qwen2ForCausalLM``:
-    ``add_qkv_bias``) without sliding windows or RoPE scaling; and whose tied embeddings (``tie_word_embeddings``)
-    become Megatron's. A training checkpoint (the HF Trainer's, torchtitan's) is read for an untied Llama without
-    them."""
-    if model_folder and megatron_gpt2.is_gpt2_config(config):  # a GPT-2's folder: what Megatron cannot express of it
-        return megatron_gpt2.hf_refusals(config)
-    arch = config.get("architectures") or ["LlamaForCausalLM"]
-    rope = _rope_parameters(config)
-    heads = int(config.get("num_attention_heads") or 0)
-    groups = int(config.get("num_key_value_heads") or heads)
-    qwen2 = model_folder and (config.get("model_type"), arch) == ("qwen2", [QWEN2])
-    attention, mlp = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
-    hidden = int(config.get("hidden_size") or 0)
-    checks = [
-        (not qwen2 and (config.get("model_type") != "llama" or arch != [LLAMA]),
-         f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM"
-         + (" or Qwen2ForCausalLM" if model_folder else "")),
-        (not model_folder and attention, "attention biases (attention_bias)"),
-        (not model_folder and mlp, "MLP biases (mlp_bias)"),
-        (model_folder and attention != mlp,
-         "attention biases without MLP biases or the other way (Megatron biases all four linears or linear_qkv alone)"),
-        (qwen2 and bool(config.get("use_sliding_window")), "sliding-window attention (use_sliding_window)"),
-        (qwen2 and rope.get("rope_type", rope.get("type", "default")) != "default", "RoPE scaling in a Qwen2"),
-        (qwen2 and heads > 0 and int(config.get("head_dim") or hidden // heads) * heads != hidden,
-         "a head dimension other than hidden / heads in a Qwen2"),
-        (not model_folder and tied_word_embeddings(config), "tied embedding and output weights (tie_word_embeddings)"),
-        (config.get("hidden_act", "silu") != "silu", f"the {config.get('hidden_act')} activation (not silu)"),
-        (rope.get("rope_type", rope.get("type", "default")) not in ("default", "llama3") or (
-            rope.get("rope_type") == "llama3" and _megatrons_llama3(rope) is None),
-         "RoPE scaling other than Llama 3.1's with megatron-core's fixed frequency factors 1 and 4 and 8192 positions "
-         "(rope_parameters)"),
-        (int(config.get("pretraining_tp") or 1) != 1, "pretraining_tp != 1"),
-        (heads <= 0 or groups <= 0 or heads % groups != 0,
-         f"{heads} attention heads in {groups} key/value heads"),
-    ]
-    return [what for bad, what in checks if bad]
+    """What of a Hugging Face ``config.json`` a Megatron GPT (the local layer spec) cannot express (empty: nothing),
+    as its family reads it: a model folder's (``model_folder``: every family), else a training checkpoint's (the HF
+    Trainer's, torchtitan's: an untied Llama without biases)."""
+    return family_of_config(config, model_folder=model_folder).hf_refusals(config, model_folder=model_folder)
 
 
 def megatron_args(
@@ -517,58 +176,15 @@ def megatron_args(
     divisible_by: int = 128,
     model_folder: bool = False,
 ) -> dict[str, Any]:
-    """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (with
-    biases or tied embeddings where ``model_folder``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``),
-    for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`. A GPT-2's folder is
-    :func:`osdpipe.layout.megatron_gpt2.megatron_args`'s.
-
-    What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
-    with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
-    ``rotary_base``, the biases (``add_bias_linear`` for a Llama's ``attention_bias`` and ``mlp_bias``,
-    ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals` with ``model_folder``), tied or untied embeddings, the local
-    layer spec, the true ``vocab_size`` (the NullTokenizer's, as Megatron-LM records it for ``--vocab-size``) and
-    ``padded_vocab_size`` (:func:`osdpipe.layout.megatron.padded_vocab_size`), the parallelism, the distributed
-    optimizer, ``torch_dist``.
+    """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face model of ``config`` (its
+    ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`, a model folder's
+    (``model_folder``) or a training checkpoint's (an untied Llama without biases).
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that
             does not divide the heads, the query groups or the FFN, a PP that does not divide the layers, a world
             that is no multiple of TP x PP.
     """
-    if model_folder and megatron_gpt2.is_gpt2_config(config):  # a GPT-2's folder
-        return megatron_gpt2.megatron_args(config, tp, pp, world, iteration=iteration, sharding=sharding,
-                                           divisible_by=divisible_by)
-    what = hf_refusals(config, model_folder=model_folder)
-    if what:
-        raise ValueError(f"a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")
-    qwen2 = config.get("model_type") == "qwen2"
-    try:
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        groups = int(config.get("num_key_value_heads") or heads)
-        ffn, layers = int(config["intermediate_size"]), int(config["num_hidden_layers"])
-        vocab = int(config["vocab_size"])
-    except KeyError as exc:
-        raise ValueError(f"config.json holds no {exc.args[0]}, which a Llama's config has") from None
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    sizes = ((heads, "attention heads"), (groups, "key/value heads (query groups)"), (ffn, "intermediate_size"))
-    grid = grid_args(sizes, layers, tp, pp, world)
-    positions = int(config.get("max_position_embeddings") or 4096)
-    rope = _rope_parameters(config)
-    theta, scaling = float(rope["rope_theta"]), _megatrons_llama3(rope) if rope.get("rope_type") == "llama3" else None
-    return {
-        **grid,
-        # the model
-        "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
-        "group_query_attention": groups != heads, "num_query_groups": groups, "kv_channels": head_dim,
-        "seq_length": positions, "max_position_embeddings": positions, "normalization": "RMSNorm",
-        "norm_epsilon": float(config.get("rms_norm_eps", 1e-6)), "apply_layernorm_1p": False, "swiglu": True,
-        "squared_relu": False, "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
-        "add_position_embedding": False, "rotary_base": int(theta) if theta.is_integer() else theta,
-        "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": scaling is not None,
-        "rope_scaling_factor": scaling or 8.0,
-        "untie_embeddings_and_output_weights": not tied_word_embeddings(config),
-        "add_bias_linear": bool(config.get("attention_bias")) and not qwen2, "add_qkv_bias": qwen2,
-        "qk_layernorm": False, "num_experts": None, "transformer_impl": "local",
-        "hidden_dropout": 0.0, "attention_dropout": float(config.get("attention_dropout") or 0.0),
-        **save_args(vocab, divisible_by, tp, iteration, sharding),
-    }
+    family = family_of_config(config, model_folder=model_folder)
+    return family.megatron_args(config, tp, pp, world, iteration=iteration, sharding=sharding,
+                                divisible_by=divisible_by, model_folder=model_folder)  # fmt: skip

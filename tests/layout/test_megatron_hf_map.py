@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from osdpipe.layout.megatron import Gpt, global_shapes
-from osdpipe.layout.megatron_hf import from_hf, hf_config, hf_shapes, query_groups, refusals, to_hf, true_vocab_size
+from osdpipe.layout.megatron import Gpt, global_shapes, query_groups
+from osdpipe.layout.megatron_hf import from_hf, hf_config, hf_shapes, refusals, to_hf, true_vocab_size
 
 #: The harness's GPT (tests/frameworks/mcore.py: GQA 4 heads / 2 groups), MHA, MQA, kv_channels != hidden / heads,
 #: and GQA with Megatron-LM's linear biases (a Llama with attention_bias and mlp_bias) or linear_qkv's alone (a Qwen2),
