@@ -132,13 +132,14 @@ def read_config(directory: str | Path) -> dict:
 def llama_from_config(path: str) -> torch.nn.Module:
     """A module with the parameters of the ``LlamaForCausalLM`` whose ``config.json`` is in ``path``: each under its
     Hugging Face name and shape, fp32 (the masters), in transformers' ``named_parameters()`` order; no ``forward``,
-    and no transformers needed. What ``model.factory`` is where a Llama checkpoint converts to Megatron and the user
-    names no model (:mod:`osdpipe.pipeline.megatron`).
+    and no transformers needed; with ``tie_word_embeddings``, ``lm_head.weight`` is the embedding's parameter, as
+    transformers ties them (``named_parameters()`` yields it once). What ``model.factory`` is where a Llama checkpoint
+    converts to Megatron and the user names no model (:mod:`osdpipe.pipeline.megatron`).
 
     Raises:
         ValueError: a config a Megatron GPT cannot express, in one line.
     """
-    from osdpipe.layout import megatron_hf
+    from osdpipe.layout import megatron_hf, megatron_llama
 
     config = read_config(path)
     what = megatron_hf.hf_refusals(config)
@@ -168,4 +169,6 @@ def llama_from_config(path: str) -> torch.nn.Module:
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
         module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=torch.float32)))
+    if megatron_llama.tied_word_embeddings(config):  # one parameter under both names, as transformers ties them
+        root.lm_head.weight = root.model.embed_tokens.weight
     return root

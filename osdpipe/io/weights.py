@@ -329,16 +329,19 @@ def model_state_dict(
     return out
 
 
-def open_whole(layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any) -> WholeReader:
+def open_whole(
+    layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any, written_as: str | None = None
+) -> WholeReader:
     """A reader of the whole checkpoint at ``path`` laid out as ``layout``
-    (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says.
+    (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says, for an output of layout ``written_as`` (its
+    optimizer part is read for that layout's job: :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.optimizer_part`).
 
     Raises:
         InputError: naming the part of the checkpoint that is missing or damaged.
     """
     from osdpipe.io.formats import open_source  # the formats package imports this module's base: imported where used
 
-    part = layout.optimizer_part(path, input_format)
+    part = layout.optimizer_part(path, input_format, written_as)
     optimizer = (
         NoOptimizer()
         if part is None

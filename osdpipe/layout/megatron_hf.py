@@ -22,12 +22,12 @@ import torch
 
 from osdpipe.layout import megatron_gpt2, megatron_llama
 from osdpipe.layout.megatron import Gpt
-from osdpipe.layout.megatron_llama import hf_names_of, titan_args
+from osdpipe.layout.megatron_llama import hf_names_of, titan_args, titan_refusals
 
 __all__ = [
     "FAMILIES", "HfFamily", "architecture", "family_of_args", "family_of_config", "family_of_gpt", "from_hf",
-    "hf_config", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusals", "titan_args", "to_hf",
-    "true_vocab_size",
+    "hf_config", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusals", "titan_args",
+    "titan_refusals", "to_hf", "true_vocab_size",
 ]  # fmt: skip
 
 
@@ -36,7 +36,7 @@ class HfFamily(Protocol):
     :mod:`osdpipe.layout.megatron_llama` and :mod:`osdpipe.layout.megatron_gpt2`.
 
     ``model_folder``: the Hugging Face side is a model folder (``config.json`` and safetensors), which may hold what a
-    training checkpoint's model cannot (biases, tied embeddings: the Llama family's refusals differ)."""
+    training checkpoint's model cannot (biases, a Qwen2's: the Llama family's refusals differ)."""
 
     #: Whether training checkpoints (a PyTorch job's, torchtitan's) hold this family; model folders hold every one.
     IN_TRAINING_CHECKPOINTS: bool
@@ -118,8 +118,8 @@ def architecture(args: dict[str, Any]) -> str:
 
 def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of the GPT ``args`` describe its family cannot express (empty: nothing): a model folder's family
-    (``model_folder``), else a training checkpoint's, a Llama without biases or tied embeddings (a PyTorch job's
-    Llama, torchtitan's llama3)."""
+    (``model_folder``), else a training checkpoint's, a Llama without biases (a PyTorch job's Llama; torchtitan's
+    llama3, which cannot tie its embeddings either, asks :func:`titan_refusals`)."""
     return family_of_args(args, model_folder=model_folder).refusals(args, model_folder=model_folder)
 
 
@@ -161,7 +161,7 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
 def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT (the local layer spec) cannot express (empty: nothing),
     as its family reads it: a model folder's (``model_folder``: every family), else a training checkpoint's (the HF
-    Trainer's, torchtitan's: an untied Llama without biases)."""
+    Trainer's, torchtitan's: a Llama without biases)."""
     return family_of_config(config, model_folder=model_folder).hf_refusals(config, model_folder=model_folder)
 
 
@@ -178,7 +178,7 @@ def megatron_args(
 ) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face model of ``config`` (its
     ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`, a model folder's
-    (``model_folder``) or a training checkpoint's (an untied Llama without biases).
+    (``model_folder``) or a training checkpoint's (a Llama without biases).
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that

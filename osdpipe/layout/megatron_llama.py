@@ -166,9 +166,10 @@ def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     holds as another family's (:mod:`osdpipe.layout.megatron_gpt2`).
 
     ``model_folder``: the output is a model folder, which holds a GPT's linear biases as Llama's ``attention_bias``
-    and ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`), and tied embeddings as its
-    ``tie_word_embeddings``; where it is a training checkpoint for a PyTorch job's Llama or torchtitan's llama3
-    (untied, without biases), both are refused."""
+    and ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`); where it is a training checkpoint
+    for a PyTorch job's Llama or torchtitan's llama3 (without biases), they are refused. Tied embeddings are Llama's
+    ``tie_word_embeddings`` in both (transformers ties ``lm_head`` to the embedding: one parameter, which a PyTorch
+    job's optimizer holds once); torchtitan's llama3, which has no tying, refuses them (:func:`titan_refusals`)."""
     norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
     qwen2 = model_folder and architecture(args) == QWEN2
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
@@ -180,8 +181,6 @@ def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
         (qwen2 and bool(args.get("use_rope_scaling")), "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
         (qwen2 and int(args.get("kv_channels") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads with linear_qkv's bias alone (a Qwen2)"),
-        (not model_folder and not args.get("untie_embeddings_and_output_weights", False),
-         "tied embedding and output weights"),
         (positions != "rope", f"{positions} position embeddings (not rope)"),
         (bool(args.get("rotary_interleaved")), "interleaved RoPE (rotary_interleaved)"),
         (float(args.get("rotary_percent", 1.0)) != 1.0, "partial RoPE (rotary_percent != 1)"),
@@ -257,6 +256,13 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
     return config
 
 
+def titan_refusals(args: dict[str, Any]) -> list[str]:
+    """What of the GPT ``args`` describe torchtitan's llama3 cannot express: what a training checkpoint's Llama cannot
+    (:func:`refusals`), and tied embeddings (its ``output`` is a weight of its own, with no option to tie it)."""
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    return refusals(args) + (["tied embedding and output weights (torchtitan's llama3 has no tying)"] if tied else [])
+
+
 def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
     """The keywords of ``osdpipe.layout.models.torchtitan_llama3`` for the GPT Megatron-LM's ``args`` describe: the
     same model as :func:`hf_config`'s (:mod:`osdpipe.layout.llama_titan` maps one's tensors to the other's).
@@ -264,7 +270,7 @@ def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
     Raises:
         ValueError: a head dimension other than ``hidden / heads``, which torchtitan's llama3 cannot take.
     """
-    _refuse(refusals(args))
+    _refuse(titan_refusals(args))
     hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
     if int(args.get("kv_channels") or hidden // heads) * heads != hidden:
         raise ValueError(f"kv_channels={args['kv_channels']} x {heads} heads is not hidden_size={hidden}: torchtitan's "
@@ -448,15 +454,14 @@ def _megatrons_llama3(rope: dict[str, Any]) -> float | None:
 
 def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT with the local layer spec cannot express (empty:
-    nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases, with untied embeddings
-    (both allowed in a model folder, below), SiLU, plain RoPE, and as many query heads per key/value head in every
-    group.
+    nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases (allowed in a model
+    folder, below), with SiLU, plain RoPE, and as many query heads per key/value head in every group; its embeddings
+    tied or not (``tie_word_embeddings``: Megatron's tied embedding, :func:`megatron_args`).
 
     ``model_folder``: the source is a model folder, whose biases become Megatron's (:func:`megatron_args`): a
     Llama's ``attention_bias`` and ``mlp_bias`` together (``add_bias_linear``: Megatron biases all four linears or
     ``linear_qkv`` alone), or a Qwen2 (``Qwen2ForCausalLM``: ``add_qkv_bias``) without sliding windows or RoPE
-    scaling; and whose tied embeddings (``tie_word_embeddings``) become Megatron's. A training checkpoint (the HF
-    Trainer's, torchtitan's) is read for an untied Llama without them."""
+    scaling. A training checkpoint (the HF Trainer's, torchtitan's) is read for a Llama without them."""
     arch = config.get("architectures") or ["LlamaForCausalLM"]
     rope = _rope_parameters(config)
     heads = int(config.get("num_attention_heads") or 0)
@@ -476,7 +481,6 @@ def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[s
         (qwen2 and rope.get("rope_type", rope.get("type", "default")) != "default", "RoPE scaling in a Qwen2"),
         (qwen2 and heads > 0 and int(config.get("head_dim") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads in a Qwen2"),
-        (not model_folder and tied_word_embeddings(config), "tied embedding and output weights (tie_word_embeddings)"),
         (config.get("hidden_act", "silu") != "silu", f"the {config.get('hidden_act')} activation (not silu)"),
         (rope.get("rope_type", rope.get("type", "default")) not in ("default", "llama3") or (
             rope.get("rope_type") == "llama3" and _megatrons_llama3(rope) is None),
@@ -501,7 +505,7 @@ def megatron_args(
     model_folder: bool = False,
 ) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (with
-    biases or tied embeddings where ``model_folder``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``),
+    biases where ``model_folder``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``),
     for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`.
 
     What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``

@@ -70,7 +70,9 @@ NORM, POSITIONS, SWIGLU, TIED, GQA = "RMSNorm", "rope", True, False, True
 OPENAI_GELU = False
 #: The positions the GPT is built for (a learned table's rows): the tokens of a batch, or a save's own.
 MAX_POSITIONS = SEQ
-MODELS = {"llama": ("RMSNorm", "rope", True, False, True), "gpt": ("LayerNorm", "learned_absolute", False, True, False)}
+#: ``llama_tied``: the harness's with its output layer tied to the word embedding (Llama 3.2's 1B and 3B).
+MODELS = {"llama": ("RMSNorm", "rope", True, False, True), "gpt": ("LayerNorm", "learned_absolute", False, True, False),
+          "llama_tied": ("RMSNorm", "rope", True, True, True)}
 #: Size of the synthetic gradients (:func:`synthetic_grad`): small enough that the global grad norm stays far below
 #: CLIP, so clipping (whose norm is summed in a layout-dependent order) never acts and a resume is elementwise.
 SYNTH_SCALE = 1e-4

@@ -14,8 +14,8 @@ from frameworks import mcore
 class Save(NamedTuple):
     """How one source is trained and saved: its grid, its sharding type, its dtype, its linear biases
     (``none``, ``linear``: Megatron-LM's ``--add-bias-linear``, ``qkv``: ``--add-qkv-bias``) and its GPT
-    (:data:`frameworks.mcore.MODELS`: ``llama``, the harness's, or ``gpt``, Megatron-LM's defaults: LayerNorm, a
-    learned position table, GeLU, tied embeddings)."""
+    (:data:`frameworks.mcore.MODELS`: ``llama``, the harness's, ``llama_tied``, the same with tied embeddings, or
+    ``gpt``, Megatron-LM's defaults: LayerNorm, a learned position table, GeLU, tied embeddings)."""
 
     tp: int
     pp: int
@@ -42,6 +42,7 @@ SAVES = {
     "tp2_pp2_qkv_bias": Save(2, 2, 1, "fully_reshardable", bias="qkv"),
     "gpt_tp2_pp2": Save(2, 2, 1, "dp_reshardable", bias="linear", model="gpt"),
     "gpt_tp2_pp2_fully": Save(2, 2, 1, "fully_reshardable", bias="linear", model="gpt"),
+    "tied_tp2_pp2": Save(2, 2, 1, "dp_reshardable", model="llama_tied"),
 }
 #: The sources converted (the issue's three parallelisms, each in both sharding types Megatron-LM writes, a bf16
 #: job's, the legacy type at two, a GPT with every linear bias, and Megatron-LM's default GPT over PP, whose tied

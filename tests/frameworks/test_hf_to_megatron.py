@@ -20,6 +20,7 @@ tolerance (docs/frameworks.md says by how much). Bad input is refused in one lin
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -58,11 +59,10 @@ def convert(work: Path, source: Path, out: Path, *overrides: str):
     )
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    """The Trainer's checkpoint-3, its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
-    work = tmp_path_factory.mktemp("hf_to_megatron")
-    accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, "tied": False, "llama": LLAMA,
+def _trained_and_converted(work: Path, tied: bool) -> dict:
+    """The Trainer's checkpoint-3 of the tests' Llama (``tied``: its ``lm_head`` the embedding, as Llama 3.2's 1B and
+    3B), its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
+    accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, "tied": tied, "llama": LLAMA,
                             "out": str(work / "run"), "max_steps": 6}, label="train")
     source = work / "run" / "checkpoint-3"
     out = work / "megatron"
@@ -76,16 +76,30 @@ def run(tmp_path_factory) -> dict:
             "logits": torch.load(work / "logits.pt", weights_only=True)}
 
 
-def test_megatron_holds_the_trainers_masters_moments_and_step_bitwise(run) -> None:
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    return _trained_and_converted(tmp_path_factory.mktemp("hf_to_megatron"), tied=False)
+
+
+def _differences(run: dict, gpt: Gpt) -> list[str]:
+    """Every master, moment and weight megatron-core loaded that is not the Trainer's, mapped by ``from_hf``, bitwise
+    (a tied model's weights file holds ``lm_head.weight`` too: the embedding's tensor again, which it must equal)."""
     optimizer = torch.load(run["source"] / "optimizer.bin", weights_only=True)
     weights = torch.load(run["source"] / "pytorch_model_fsdp.bin", weights_only=True)
+    if gpt.tied:
+        assert torch.equal(weights.pop("lm_head.weight"), weights["model.embed_tokens.weight"])
     loaded = run["loaded"]
-    want = {"param": from_hf(GPT, weights),
-            **{s: from_hf(GPT, {k: v[s] for k, v in optimizer["state"].items()}) for s in ("exp_avg", "exp_avg_sq")}}
+    want = {"param": from_hf(gpt, weights),
+            **{s: from_hf(gpt, {k: v[s] for k, v in optimizer["state"].items()}) for s in ("exp_avg", "exp_avg_sq")}}
     differ = [f"{s} {k}" for s, tensors in want.items() for k, t in tensors.items()
               if not torch.equal(t, loaded["optim"][k][s])]
-    differ += [f"model {k}" for k, t in want["param"].items() if not torch.equal(t, loaded["model"][k])]
-    assert differ == []
+    return differ + [f"model {k}" for k, t in want["param"].items() if not torch.equal(t, loaded["model"][k])]
+
+
+def test_megatron_holds_the_trainers_masters_moments_and_step_bitwise(run) -> None:
+    loaded = run["loaded"]
+    assert _differences(run, GPT) == []
+    optimizer = torch.load(run["source"] / "optimizer.bin", weights_only=True)
     assert {float(state["step"]) for state in loaded["optim"].values()} == {3.0} and loaded["iteration"] == 3
     assert loaded["loaded"]["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     # Megatron's two groups, with the Trainer's hyperparameters: weight decay for the matrices, none for the norms
@@ -93,7 +107,24 @@ def test_megatron_holds_the_trainers_masters_moments_and_step_bitwise(run) -> No
     source = {g["weight_decay"]: g for g in optimizer["param_groups"]}
     assert groups[1.0]["weight_decay"] == source[0.1]["weight_decay"] and groups[0.0]["weight_decay"] == 0.0
     assert groups[1.0]["lr"] == source[0.1]["lr"] > 0
-    assert set(groups[0.0]["params"]) == {k for k in want["param"] if k.endswith("norm_weight") or "layernorm" in k}
+    assert set(groups[0.0]["params"]) == {k for k in loaded["model"] if k.endswith("norm_weight") or "layernorm" in k}
+
+
+def test_a_tied_llamas_checkpoint_is_a_tied_megatron_gpt_that_computes_its_logits_and_trains_on(
+    tmp_path_factory,
+) -> None:
+    """Llama 3.2's tied embedding, as the Trainer holds it (one parameter: ``optimizer.bin`` has no ``lm_head.weight``),
+    is Megatron's tied embedding: no output layer of its own, the last stage's copy (PP2) equal to it, the same logits,
+    and a step on."""
+    run = _trained_and_converted(tmp_path_factory.mktemp("hf_to_megatron_tied"), tied=True)
+    gpt = dataclasses.replace(GPT, tied=True)
+    assert "lm_head.weight" not in torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]
+    assert "output_layer.weight" not in run["loaded"]["optim"] and run["loaded"]["replicas_unequal"] == []
+    assert _differences(run, gpt) == []
+    diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
+    print(f"tied: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+    assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
 
 
 def test_megatrons_logits_are_the_trainers_models(run) -> None:

@@ -14,6 +14,7 @@ by both frameworks' logits in ``test_megatron_hf.py``, so the loaded job compute
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import pickle
 import shutil
@@ -67,7 +68,7 @@ def _differences(loaded: dict, expected: dict[str, dict[str, torch.Tensor]]) -> 
     return found
 
 
-@pytest.mark.parametrize("name", ["tp2_dp2", "tp2_pp2"])
+@pytest.mark.parametrize("name", ["tp2_dp2", "tp2_pp2", "tied_tp2_pp2"])
 def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
     megatron_saves: dict[str, Path], name: str, tmp_path: Path
 ) -> None:
@@ -90,6 +91,11 @@ def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
     loaded = accel.load(tmp_path, 2, out / "dcp", fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", tied=False,
                         steps=3, job=job, timeout=400)
     expected = _expected(truth)
+    if name.startswith("tied"):  # Llama 3.2's: lm_head is the embedding, one parameter, one optimizer state
+        assert json.loads((out / "dcp" / "config.json").read_text())["tie_word_embeddings"] is True
+        assert "lm_head.weight" not in expected["param"] and "lm_head.weight" not in loaded["optim"]["state"]
+        embedding = loaded["model"]["model.embed_tokens.weight"]
+        assert torch.equal(_bits(loaded["model"].pop("lm_head.weight")), _bits(embedding))
     assert sorted(loaded["model"]) == sorted(expected["param"])
     assert _differences(loaded, expected) == []
     assert {float(s["step"]) for s in loaded["optim"]["state"].values()} == {3.0}
@@ -164,6 +170,23 @@ def test_pytorchs_own_layout_passes_every_check_of_a_live_fsdp2_world(megatron_s
     assert fates["common.pt args"].startswith("left out") and fates["common.pt iteration"].startswith("carried")
     checked = run_osdpipe("check", str(out), cwd=tmp_path, timeout=300)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def test_a_tied_save_is_refused_for_torchtitan_in_one_line_naming_the_jobs_that_take_it(
+    megatron_saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """torchtitan's llama3 cannot tie its output layer to the embedding: the tied save is refused before anything is
+    written, and the line names the outputs that take it (a Hugging Face Llama's job)."""
+    out = tmp_path / "out"
+    done = run_osdpipe("checkpoint=megatron", f"input.path={megatron_saves['tied_tp2_pp2']}",
+                       "output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2", f"output.path={out}",
+                       cwd=tmp_path, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert done.returncode != 0 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "tied embedding and output weights (torchtitan's llama3 has no tying)" in errors[0]
+    assert "output.checkpoint=accelerate|pytorch" in errors[0]
+    assert not (out / "manifest.json").exists() and not list(out.glob("step-*"))
 
 
 @pytest.mark.parametrize("name, change, feature", [

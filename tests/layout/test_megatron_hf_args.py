@@ -43,7 +43,6 @@ def test_multi_head_attention_has_no_query_groups() -> None:
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "not a LlamaForCausalLM"),
     ({"attention_bias": True}, "attention biases"),
     ({"mlp_bias": True}, "MLP biases"),
-    ({"tie_word_embeddings": True}, "tied embedding"),
     ({"hidden_act": "gelu"}, "gelu activation"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "high_freq_factor": 2.0}},
      "RoPE scaling other than Llama 3.1's"),
@@ -80,14 +79,15 @@ def test_a_folders_biases_are_megatrons_and_back(config, flags, architecture) ->
     assert hf_refusals(config) != [] and hf_refusals(config, model_folder=True) == []
 
 
-def test_a_folders_tied_embeddings_are_megatrons_and_back() -> None:
-    """A model folder's ``tie_word_embeddings`` is Megatron's tied embedding (no output layer of its own), and
-    hf_config says it again; a training checkpoint's Llama is untied (refused)."""
+@pytest.mark.parametrize("model_folder", [True, False], ids=["folder", "training checkpoint"])
+def test_a_llamas_tied_embeddings_are_megatrons_and_back(model_folder: bool) -> None:
+    """``tie_word_embeddings`` (a model folder's, or a PyTorch job's Llama's, the HF Trainer's) is Megatron's tied
+    embedding (no output layer of its own), and hf_config says it again."""
     config = {**LLAMA, "tie_word_embeddings": True}
-    args = megatron_args(config, 2, 2, 4, model_folder=True)
+    args = megatron_args(config, 2, 2, 4, model_folder=model_folder)
     assert args["untie_embeddings_and_output_weights"] is False and gpt_of(args).tied
     assert hf_config(args)["tie_word_embeddings"] is True
-    assert hf_refusals(config) != [] and hf_refusals(config, model_folder=True) == []
+    assert hf_refusals(config, model_folder=model_folder) == []
 
 
 @pytest.mark.parametrize(("change", "said"), [

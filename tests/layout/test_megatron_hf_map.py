@@ -15,7 +15,16 @@ import pytest
 import torch
 
 from osdpipe.layout.megatron import Gpt, global_shapes, query_groups
-from osdpipe.layout.megatron_hf import from_hf, hf_config, hf_shapes, refusals, to_hf, true_vocab_size
+from osdpipe.layout.megatron_hf import (
+    from_hf,
+    hf_config,
+    hf_shapes,
+    refusals,
+    titan_args,
+    titan_refusals,
+    to_hf,
+    true_vocab_size,
+)
 
 #: The harness's GPT (tests/frameworks/mcore.py: GQA 4 heads / 2 groups), MHA, MQA, kv_channels != hidden / heads,
 #: and GQA with Megatron-LM's linear biases (a Llama with attention_bias and mlp_bias) or linear_qkv's alone (a Qwen2),
@@ -262,20 +271,26 @@ def test_a_biased_gpt_is_a_biased_llama_or_a_qwen2_in_a_folder_and_refused_for_a
         assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}, model_folder=True))
 
 
-def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_refused_for_a_training_job():
-    """A model folder holds tied embeddings as transformers does (``tie_word_embeddings``, no ``lm_head.weight``); a
-    PyTorch job's Llama and torchtitan's llama3 are untied, so the training-checkpoint paths refuse them."""
+def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_for_torchtitan():
+    """A model folder and a PyTorch job's Llama hold tied embeddings as transformers does (``tie_word_embeddings``,
+    no ``lm_head.weight``: one parameter); torchtitan's llama3 cannot tie its output layer, so its path refuses them."""
     args = {**ARGS, "untie_embeddings_and_output_weights": False}
     assert hf_config(args)["tie_word_embeddings"] is True and hf_config(ARGS)["tie_word_embeddings"] is False
-    assert refusals(args) == ["tied embedding and output weights"] and refusals(args, model_folder=True) == []
+    assert refusals(args) == [] and refusals(args, model_folder=True) == []
+    assert titan_refusals(args) == ["tied embedding and output weights (torchtitan's llama3 has no tying)"]
+    assert titan_refusals(ARGS) == []
+    with pytest.raises(ValueError, match="torchtitan's llama3 has no tying"):
+        titan_args(args, vocab_size=37)
     assert "lm_head.weight" not in to_hf(GPTS["gqa_tied"], {k: torch.zeros(s) for k, s in
                                                             global_shapes(GPTS["gqa_tied"]).items()}, 37)
 
 
 def test_absent_args_take_megatron_lm_defaults():
-    """Megatron-LM's defaults (LayerNorm, GeLU, learned absolute positions, biases, tied embeddings) are refused."""
+    """Megatron-LM's defaults (LayerNorm, GeLU, learned absolute positions, biases) are refused for a training job's
+    Llama, and tied embeddings for torchtitan's."""
     bare = {k: ARGS[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                  "seq_length", "padded_vocab_size")}
     assert refusals(bare) == ["LayerNorm (not RMSNorm)", "an MLP without SwiGLU", "linear biases (add_bias_linear)",
-                              "tied embedding and output weights", "learned_absolute position embeddings (not rope)"]
+                              "learned_absolute position embeddings (not rope)"]
+    assert "tied embedding and output weights (torchtitan's llama3 has no tying)" in titan_refusals(bare)
     assert not refusals(ARGS)

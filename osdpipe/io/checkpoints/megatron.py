@@ -115,10 +115,12 @@ class Megatron(CheckpointLayout):
         from osdpipe.layout import megatron_hf
 
         args = files.read_common(files.iteration_folder(path))["args"]
-        if why := megatron_hf.refusals(args):
-            raise InputError(f"{path}: a Megatron GPT with {', '.join(why)}: not supported yet as a Llama")
+        titan = written_as == "torchtitan"
+        if why := (megatron_hf.titan_refusals if titan else megatron_hf.refusals)(args):
+            raise InputError(f"{path}: a Megatron GPT with {', '.join(why)}: not supported yet as "
+                             + ("torchtitan's llama3" if titan else "a Hugging Face Llama"))
         vocab = megatron_hf.true_vocab_size(args)
-        if written_as == "torchtitan":
+        if titan:
             return "torchtitan_llama3", megatron_hf.titan_args(args, vocab_size=vocab)
         return "hf_llama", megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
 

@@ -78,6 +78,10 @@ class MegatronReader:
         if why := megatron_hf.refusals(save.args):
             raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as a Llama "
                              "(output.checkpoint=pytorch|accelerate|torchtitan); convert it within Megatron instead")
+        if naming == TORCHTITAN_LLAMA3 and (why := megatron_hf.titan_refusals(save.args)):
+            raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as torchtitan's "
+                             "llama3; convert it for a Hugging Face Llama's job (output.checkpoint=accelerate|pytorch) "
+                             "or within Megatron instead")
         self.gpt, self.vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
         self.args, self.iteration = save.args, save.iteration
         try:
@@ -153,8 +157,8 @@ class Megatron(Format):
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
         try:
             naming = naming_of(tree)
-        except InputError:
-            MegatronReader(path)  # what is wrong with the save itself (a model Llama cannot be) is said first
+        except InputError:  # what is wrong with the save itself, for the model the output's job builds, is said first
+            MegatronReader(path, key if key in (HF_LLAMA, TORCHTITAN_LLAMA3) else HF_LLAMA)
             raise
         return MegatronReader(path, naming)
 

@@ -34,7 +34,8 @@ def open_input(plan: Plan) -> SourceReader:
     whose model weights and carried entries come with it (:mod:`osdpipe.io.weights`)."""
     remote_input.configure(plan.spec.runtime.storage_options, plan.spec.runtime.memory_budget)
     if plan.checkpoint.whole:
-        return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec)
+        return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec,
+                          written_as=plan.output_checkpoint.name)
     groups = source_id_groups(plan.spec, plan.input_format)
     return open_source(
         plan.input_format,
