@@ -493,20 +493,13 @@ def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[s
     return [what for bad, what in checks if bad]
 
 
-def megatron_args(
-    config: dict[str, Any],
-    tp: int,
-    pp: int,
-    world: int,
-    *,
-    iteration: int = 0,
-    sharding: str = "fully_reshardable",
-    divisible_by: int = 128,
-    model_folder: bool = False,
-) -> dict[str, Any]:
+def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
+                  divisible_by: int, model_folder: bool) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (with
-    biases where ``model_folder``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``),
-    for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`.
+    biases where ``model_folder``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``), for TP ``tp`` x PP
+    ``pp`` on ``world`` ranks, at ``iteration``, its optimizer saved as ``sharding``, the vocabulary padded to a
+    multiple of ``divisible_by`` x TP: the inverse of :func:`hf_config` (the defaults are
+    :func:`osdpipe.layout.megatron_hf.megatron_args`'s).
 
     What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
     with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
