@@ -14,6 +14,9 @@ megatron-core 0.16.1 job (:mod:`frameworks.mcore`, built with the save's own dim
     of ``test_megatron_hf.py``; measured about 1e-7);
 (c) takes a training step from there (a synthetic gradient): step 4, iteration 4, the masters moved, all finite.
 
+The same Llama tied (``tie_word_embeddings``, as Llama 3.2's 1B and 3B) holds (a) to (c) too, Megatron's tied
+embedding with no output layer of its own, the last stage's copy equal to it.
+
 A wrong map fails (b): with ``from_hf``'s key and value heads exchanged, the logits differ by far more than the
 tolerance (docs/frameworks.md says by how much). Bad input is refused in one line, exit 2, nothing written.
 """

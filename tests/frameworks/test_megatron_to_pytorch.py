@@ -8,7 +8,9 @@ Real megatron-core 0.16.1 trains the test's own GPT (GQA 4 heads in 2 groups, Sw
 ``LlamaForCausalLM`` built from that ``config.json`` (:mod:`frameworks.hf_llama_job`), loads it, and then takes a
 training step. What it holds after the load must be, bit for bit, the live Megatron job's fp32 master weights and Adam
 moments mapped by :func:`osdpipe.layout.megatron_hf.to_hf`, its step and its hyperparameters: the map itself is proven
-by both frameworks' logits in ``test_megatron_hf.py``, so the loaded job computes what Megatron's did.
+by both frameworks' logits in ``test_megatron_hf.py``, so the loaded job computes what Megatron's did. A GPT with
+its output layer tied to the embedding (``tied_tp2_pp2``) is transformers' tied Llama: one parameter, one optimizer
+state; torchtitan's llama3, which cannot tie, refuses it in one line.
 """
 
 from __future__ import annotations
