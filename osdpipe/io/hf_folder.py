@@ -139,7 +139,8 @@ def llama_from_config(path: str) -> torch.nn.Module:
     Raises:
         ValueError: a config a Megatron GPT cannot express, in one line.
     """
-    from osdpipe.layout import megatron_hf, megatron_llama
+    from osdpipe.layout import megatron_hf
+    from osdpipe.layout.megatron import tied_word_embeddings
 
     config = read_config(path)
     what = megatron_hf.hf_refusals(config)
@@ -169,6 +170,6 @@ def llama_from_config(path: str) -> torch.nn.Module:
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
         module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=torch.float32)))
-    if megatron_llama.tied_word_embeddings(config):  # one parameter under both names, as transformers ties them
+    if tied_word_embeddings(config):  # one parameter under both names, as transformers ties them
         root.lm_head.weight = root.model.embed_tokens.weight
     return root

@@ -133,6 +133,19 @@ def query_groups(args: dict[str, Any]) -> int:
     return heads
 
 
+def tied_embeddings(args: dict[str, Any]) -> bool:
+    """Whether the GPT Megatron-LM's ``args`` describe ties its output layer to the word embedding: Megatron-LM's
+    default, unless ``--untie-embeddings-and-output-weights``."""
+    return not args.get("untie_embeddings_and_output_weights", False)
+
+
+def tied_word_embeddings(config: dict[str, Any]) -> bool:
+    """Whether a Hugging Face ``config.json`` ties ``lm_head`` to the embedding: ``tie_word_embeddings``, whose
+    default in transformers' ``PretrainedConfig`` is true. What a converted-in model's args say of it (either family
+    writes ``untie_embeddings_and_output_weights`` as its negation)."""
+    return config.get("tie_word_embeddings", True) is not False
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """The vocabulary Megatron-LM builds the embedding and output layer for: ``vocab_size`` rounded up to a multiple
     of ``divisible_by x tp`` (Megatron-LM ``training/tokenizer``'s ``_vocab_size_with_padding``)."""

@@ -68,6 +68,8 @@ from osdpipe.layout.megatron import (
     position_embedding_type,
     query_groups,
     save_args,
+    tied_embeddings,
+    tied_word_embeddings,
 )
 
 GPT2 = "GPT2LMHeadModel"
@@ -169,7 +171,7 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
+        "tie_word_embeddings": tied_embeddings(args),
         "bos_token_id": None,
         "eos_token_id": None,
         "dtype": dtype,
@@ -321,7 +323,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
         # RoPE's, unused, at Megatron-LM's defaults: its args hold every argument, and readers of a save ask for them
         "rotary_base": 10000, "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": False,
         "rope_scaling_factor": 8.0,
-        "untie_embeddings_and_output_weights": config.get("tie_word_embeddings", True) is False,
+        "untie_embeddings_and_output_weights": not tied_word_embeddings(config),
         "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False, "num_experts": None,
         "transformer_impl": "local", "hidden_dropout": float(config.get("resid_pdrop", 0.1)),
         "attention_dropout": float(config.get("attn_pdrop", 0.1)),

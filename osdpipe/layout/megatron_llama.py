@@ -84,6 +84,8 @@ from osdpipe.layout.megatron import (
     position_embedding_type,
     query_groups,
     save_args,
+    tied_embeddings,
+    tied_word_embeddings,
 )
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -131,12 +133,6 @@ def fits_config(config: dict[str, Any]) -> bool:
 def fits_gpt(gpt: Gpt) -> bool:
     """Every GPT layout no other family takes is mapped as a Llama's: the maps refuse what a Llama has not."""
     return True
-
-
-def tied_word_embeddings(config: dict[str, Any]) -> bool:
-    """Whether a Hugging Face ``config.json`` ties ``lm_head`` to the embedding: ``tie_word_embeddings``, whose
-    default in transformers' ``PretrainedConfig`` is true (a Llama's config.json says it either way)."""
-    return config.get("tie_word_embeddings", True) is not False
 
 
 def architecture(args: dict[str, Any]) -> str:
@@ -241,7 +237,7 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
         "rope_theta": theta,
         "rope_parameters": rope,
         "max_position_embeddings": int(args.get("max_position_embeddings") or args["seq_length"]),
-        "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
+        "tie_word_embeddings": tied_embeddings(args),
         "attention_bias": linear_bias,
         "mlp_bias": linear_bias,
         "attention_dropout": 0.0,
@@ -259,8 +255,8 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
 def titan_refusals(args: dict[str, Any]) -> list[str]:
     """What of the GPT ``args`` describe torchtitan's llama3 cannot express: what a training checkpoint's Llama cannot
     (:func:`refusals`), and tied embeddings (its ``output`` is a weight of its own, with no option to tie it)."""
-    tied = not args.get("untie_embeddings_and_output_weights", False)
-    return refusals(args) + (["tied embedding and output weights (torchtitan's llama3 has no tying)"] if tied else [])
+    tied = ["tied embedding and output weights (torchtitan's llama3 has no tying)"] if tied_embeddings(args) else []
+    return refusals(args) + tied
 
 
 def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:

@@ -230,7 +230,7 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
         norm_bias=args.get("normalization", "LayerNorm") == "LayerNorm",
         position_table=int(args["max_position_embeddings"])
         if layout.position_embedding_type(args) == "learned_absolute" else 0,
-        tied=not args.get("untie_embeddings_and_output_weights", False),
+        tied=layout.tied_embeddings(args),
     )
 
 
