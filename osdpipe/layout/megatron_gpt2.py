@@ -125,10 +125,10 @@ def activation(args: dict[str, Any]) -> str:
     return "gelu_new" if args.get("openai_gelu") or fused else "gelu"
 
 
-def refusals(args: dict[str, Any], *, model_folder: bool = True) -> list[str]:
+def refusals(args: dict[str, Any]) -> list[str]:
     """What of the GPT ``args`` describe transformers' GPT-2 cannot express (empty: nothing). Absent args take
-    Megatron-LM's defaults (all of which GPT-2 has). ``model_folder`` is always true here: only model folders hold
-    this family (:data:`IN_TRAINING_CHECKPOINTS`)."""
+    Megatron-LM's defaults (all of which GPT-2 has). Only model folders hold this family
+    (:data:`IN_TRAINING_CHECKPOINTS`)."""
     heads, hidden = int(args.get("num_attention_heads") or 1), int(args.get("hidden_size") or 0)
     checks = [
         (query_groups(args) != heads, "grouped-query attention (GPT-2's heads each have a key and a value)"),
@@ -273,9 +273,8 @@ def fits_config(config: dict[str, Any]) -> bool:
 _GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
 
 
-def hf_refusals(config: dict[str, Any], *, model_folder: bool = True) -> list[str]:
-    """What of a GPT-2's ``config.json`` Megatron's GPT (the local layer spec) cannot express (empty: nothing);
-    ``model_folder`` as :func:`refusals`'s."""
+def hf_refusals(config: dict[str, Any]) -> list[str]:
+    """What of a GPT-2's ``config.json`` Megatron's GPT (the local layer spec) cannot express (empty: nothing)."""
     act = config.get("activation_function", "gelu_new")
     checks = [
         (config.get("architectures", [GPT2]) != [GPT2], f"architectures {config.get('architectures')}, not {GPT2}"),
@@ -289,11 +288,10 @@ def hf_refusals(config: dict[str, Any], *, model_folder: bool = True) -> list[st
 
 
 def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
-                  divisible_by: int, model_folder: bool = True) -> dict[str, Any]:
+                  divisible_by: int) -> dict[str, Any]:
     """The Megatron-LM ``args`` of the GPT that computes the ``GPT2LMHeadModel`` of ``config``: the inverse of
     :func:`hf_config` (LayerNorm, a learned position table, the GeLU it names, every linear biased, multi-head
-    attention, tied or untied embeddings), for TP ``tp`` x PP ``pp`` on ``world`` ranks; ``model_folder`` as
-    :func:`refusals`'s.
+    attention, tied or untied embeddings), for TP ``tp`` x PP ``pp`` on ``world`` ranks.
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that

@@ -10,7 +10,8 @@ transformers) is a module and an entry in :data:`FAMILIES`, not a branch in each
 
 The order of :data:`FAMILIES` is the order they are asked in; the last, the Llama's, fits every GPT (its refusals then
 say what of it a Llama cannot express: a GPT-2's norms in a training checkpoint, say). Training checkpoints (a PyTorch
-job's, torchtitan's) are written and read for Llamas alone; model folders for every family
+job's, torchtitan's) are written and read for the Llama family alone (a Llama or a Qwen2, biases and tying as
+transformers holds them; torchtitan's llama3 without either: :func:`titan_refusals`); model folders for every family
 (:attr:`HfFamily.IN_TRAINING_CHECKPOINTS`).
 """
 
@@ -33,10 +34,9 @@ __all__ = [
 
 class HfFamily(Protocol):
     """A Hugging Face family a Megatron GPT is written as: a module of pure functions, each the one its name says in
-    :mod:`osdpipe.layout.megatron_llama` and :mod:`osdpipe.layout.megatron_gpt2`.
-
-    ``model_folder``: the Hugging Face side is a model folder (``config.json`` and safetensors), which may hold what a
-    training checkpoint's model cannot (biases, a Qwen2's: the Llama family's refusals differ)."""
+    :mod:`osdpipe.layout.megatron_llama` and :mod:`osdpipe.layout.megatron_gpt2`. A family's model is the same
+    transformers model in a model folder and in a PyTorch job, so its functions do not ask which; the registry does,
+    choosing among the families a training checkpoint holds (:func:`family_of_args`)."""
 
     #: Whether training checkpoints (a PyTorch job's, torchtitan's) hold this family; model folders hold every one.
     IN_TRAINING_CHECKPOINTS: bool
@@ -49,7 +49,7 @@ class HfFamily(Protocol):
 
     def architecture(self, args: dict[str, Any]) -> str: ...
 
-    def refusals(self, args: dict[str, Any], *, model_folder: bool) -> list[str]: ...
+    def refusals(self, args: dict[str, Any]) -> list[str]: ...
 
     def hf_config(self, args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str, Any]: ...
 
@@ -61,11 +61,11 @@ class HfFamily(Protocol):
         self, gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None = None
     ) -> dict[str, torch.Tensor]: ...
 
-    def hf_refusals(self, config: dict[str, Any], *, model_folder: bool) -> list[str]: ...
+    def hf_refusals(self, config: dict[str, Any]) -> list[str]: ...
 
     def megatron_args(
         self, config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
-        divisible_by: int, model_folder: bool,
+        divisible_by: int,
     ) -> dict[str, Any]: ...  # fmt: skip
 
 
@@ -118,9 +118,9 @@ def architecture(args: dict[str, Any]) -> str:
 
 def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of the GPT ``args`` describe its family cannot express (empty: nothing): a model folder's family
-    (``model_folder``), else a training checkpoint's, a Llama without biases (a PyTorch job's Llama; torchtitan's
-    llama3, which cannot tie its embeddings either, asks :func:`titan_refusals`)."""
-    return family_of_args(args, model_folder=model_folder).refusals(args, model_folder=model_folder)
+    (``model_folder``), else a training checkpoint's, the Llama family's (a PyTorch job's Llama or Qwen2; torchtitan's
+    llama3, which can neither bias its linears nor tie its embeddings, asks :func:`titan_refusals`)."""
+    return family_of_args(args, model_folder=model_folder).refusals(args)
 
 
 def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str | None = None) -> dict[str, Any]:
@@ -161,8 +161,8 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
 def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT (the local layer spec) cannot express (empty: nothing),
     as its family reads it: a model folder's (``model_folder``: every family), else a training checkpoint's (the HF
-    Trainer's, torchtitan's: a Llama without biases)."""
-    return family_of_config(config, model_folder=model_folder).hf_refusals(config, model_folder=model_folder)
+    Trainer's, accelerate's, torchtitan's: the Llama family's)."""
+    return family_of_config(config, model_folder=model_folder).hf_refusals(config)
 
 
 def megatron_args(
@@ -178,7 +178,7 @@ def megatron_args(
 ) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face model of ``config`` (its
     ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`, a model folder's
-    (``model_folder``) or a training checkpoint's (a Llama without biases).
+    (``model_folder``: every family) or a training checkpoint's (the Llama family's).
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that
@@ -187,4 +187,4 @@ def megatron_args(
     """
     family = family_of_config(config, model_folder=model_folder)
     return family.megatron_args(config, tp, pp, world, iteration=iteration, sharding=sharding,
-                                divisible_by=divisible_by, model_folder=model_folder)  # fmt: skip
+                                divisible_by=divisible_by)  # fmt: skip

@@ -156,24 +156,21 @@ def _whole_per_layer(gpt: Gpt) -> dict[str, str]:
     return {key: name for key, name in _WHOLE_PER_LAYER.items() if key in shapes}
 
 
-def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
-    """What of the GPT ``args`` describe HF's Llama cannot express (empty: nothing). Absent args take Megatron-LM's
-    defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied): a GPT-2, which a model folder
-    holds as another family's (:mod:`osdpipe.layout.megatron_gpt2`).
+def refusals(args: dict[str, Any]) -> list[str]:
+    """What of the GPT ``args`` describe HF's Llama (or Qwen2: :func:`architecture`) cannot express (empty: nothing).
+    Absent args take Megatron-LM's defaults (LayerNorm, GeLU, learned absolute positions, biases on, embeddings tied):
+    a GPT-2, which a model folder holds as another family's (:mod:`osdpipe.layout.megatron_gpt2`).
 
-    ``model_folder``: the output is a model folder, which holds a GPT's linear biases as Llama's ``attention_bias``
-    and ``mlp_bias`` or, ``linear_qkv``'s alone, as a Qwen2 (:func:`architecture`); where it is a training checkpoint
-    for a PyTorch job's Llama or torchtitan's llama3 (without biases), they are refused. Tied embeddings are Llama's
-    ``tie_word_embeddings`` in both (transformers ties ``lm_head`` to the embedding: one parameter, which a PyTorch
-    job's optimizer holds once); torchtitan's llama3, which has no tying, refuses them (:func:`titan_refusals`)."""
+    A model folder and a PyTorch job's model (a training checkpoint's) are the same transformers model: a GPT's linear
+    biases are Llama's ``attention_bias`` and ``mlp_bias`` or, ``linear_qkv``'s alone, a Qwen2; tied embeddings are
+    ``tie_word_embeddings`` (one parameter, which a PyTorch job's optimizer holds once). torchtitan's llama3 has
+    neither biases nor tying: :func:`titan_refusals`."""
     norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
-    qwen2 = model_folder and architecture(args) == QWEN2
+    qwen2 = architecture(args) == QWEN2
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
     checks = [
         (norm != "RMSNorm", f"{norm} (not RMSNorm)"),
         (not args.get("swiglu"), "an MLP without SwiGLU"),
-        (not model_folder and (bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))),
-         "linear biases (add_bias_linear)"),
         (qwen2 and bool(args.get("use_rope_scaling")), "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
         (qwen2 and int(args.get("kv_channels") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads with linear_qkv's bias alone (a Qwen2)"),
@@ -215,7 +212,7 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
     Raises:
         ValueError: one line naming what HF's Llama cannot express (:func:`refusals`), "not supported yet".
     """
-    _refuse(refusals(args, model_folder=True))
+    _refuse(refusals(args))
     linear_bias, qwen2 = bool(args.get("add_bias_linear")), architecture(args) == QWEN2
     heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     theta = float(args.get("rotary_base", 10000))
@@ -253,10 +250,15 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
 
 
 def titan_refusals(args: dict[str, Any]) -> list[str]:
-    """What of the GPT ``args`` describe torchtitan's llama3 cannot express: what a training checkpoint's Llama cannot
-    (:func:`refusals`), and tied embeddings (its ``output`` is a weight of its own, with no option to tie it)."""
-    tied = ["tied embedding and output weights (torchtitan's llama3 has no tying)"] if tied_embeddings(args) else []
-    return refusals(args) + tied
+    """What of the GPT ``args`` describe torchtitan's llama3 cannot express: what a Llama cannot (:func:`refusals`),
+    linear biases (its linears have none) and tied embeddings (its ``output`` is a weight of its own, with no option
+    to tie it)."""
+    biased = bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))
+    checks = [
+        (biased, "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"),
+        (tied_embeddings(args), "tied embedding and output weights (torchtitan's llama3 has no tying)"),
+    ]
+    return refusals(args) + [what for bad, what in checks if bad]
 
 
 def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
@@ -448,30 +450,26 @@ def _megatrons_llama3(rope: dict[str, Any]) -> float | None:
     return float(rope.get("factor", 8.0)) if fixed else None
 
 
-def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[str]:
+def hf_refusals(config: dict[str, Any]) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT with the local layer spec cannot express (empty:
-    nothing): it must be a Llama (``model_type`` llama, ``LlamaForCausalLM``), without biases (allowed in a model
-    folder, below), with SiLU, plain RoPE, and as many query heads per key/value head in every group; its embeddings
-    tied or not (``tie_word_embeddings``: Megatron's tied embedding, :func:`megatron_args`).
-
-    ``model_folder``: the source is a model folder, whose biases become Megatron's (:func:`megatron_args`): a
-    Llama's ``attention_bias`` and ``mlp_bias`` together (``add_bias_linear``: Megatron biases all four linears or
-    ``linear_qkv`` alone), or a Qwen2 (``Qwen2ForCausalLM``: ``add_qkv_bias``) without sliding windows or RoPE
-    scaling. A training checkpoint (the HF Trainer's, torchtitan's) is read for a Llama without them."""
-    arch = config.get("architectures") or ["LlamaForCausalLM"]
+    nothing), a model folder's or a PyTorch job's (the HF Trainer's, accelerate's) alike: it must be a Llama
+    (``model_type`` llama, ``LlamaForCausalLM``) with ``attention_bias`` and ``mlp_bias`` both or neither (Megatron
+    biases all four linears or ``linear_qkv`` alone: ``add_bias_linear``), or a Qwen2 (``Qwen2ForCausalLM``:
+    ``add_qkv_bias``) without sliding windows or RoPE scaling; with SiLU, plain RoPE, and as many query heads per
+    key/value head in every group; its embeddings tied or not (``tie_word_embeddings``: Megatron's tied embedding,
+    :func:`megatron_args`)."""
+    arch = config.get("architectures") or [QWEN2 if config.get("model_type") == "qwen2" else LLAMA]  # none: its type's
     rope = _rope_parameters(config)
     heads = int(config.get("num_attention_heads") or 0)
     groups = int(config.get("num_key_value_heads") or heads)
-    qwen2 = model_folder and (config.get("model_type"), arch) == ("qwen2", [QWEN2])
+    qwen2 = (config.get("model_type"), arch) == ("qwen2", [QWEN2])
     attention, mlp = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
     hidden = int(config.get("hidden_size") or 0)
     checks = [
         (not qwen2 and (config.get("model_type") != "llama" or arch != [LLAMA]),
-         f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM"
-         + (" or Qwen2ForCausalLM" if model_folder else "")),
-        (not model_folder and attention, "attention biases (attention_bias)"),
-        (not model_folder and mlp, "MLP biases (mlp_bias)"),
-        (model_folder and attention != mlp,
+         f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM or "
+         "Qwen2ForCausalLM"),
+        (not qwen2 and attention != mlp,
          "attention biases without MLP biases or the other way (Megatron biases all four linears or linear_qkv alone)"),
         (qwen2 and bool(config.get("use_sliding_window")), "sliding-window attention (use_sliding_window)"),
         (qwen2 and rope.get("rope_type", rope.get("type", "default")) != "default", "RoPE scaling in a Qwen2"),
@@ -490,9 +488,9 @@ def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[s
 
 
 def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
-                  divisible_by: int, model_folder: bool) -> dict[str, Any]:
-    """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (with
-    biases where ``model_folder``, or ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``), for TP ``tp`` x PP
+                  divisible_by: int) -> dict[str, Any]:
+    """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (or
+    ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``), for TP ``tp`` x PP
     ``pp`` on ``world`` ranks, at ``iteration``, its optimizer saved as ``sharding``, the vocabulary padded to a
     multiple of ``divisible_by`` x TP: the inverse of :func:`hf_config` (the defaults are
     :func:`osdpipe.layout.megatron_hf.megatron_args`'s).
@@ -500,7 +498,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
     What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
     with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
     ``rotary_base``, the biases (``add_bias_linear`` for a Llama's ``attention_bias`` and ``mlp_bias``,
-    ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals` with ``model_folder``), tied or untied embeddings, the local
+    ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals`), tied or untied embeddings, the local
     layer spec, the true ``vocab_size`` (the NullTokenizer's, as Megatron-LM records it for ``--vocab-size``) and
     ``padded_vocab_size`` (:func:`osdpipe.layout.megatron.padded_vocab_size`), the parallelism, the distributed
     optimizer, ``torch_dist``.
@@ -510,7 +508,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
             does not divide the heads, the query groups or the FFN, a PP that does not divide the layers, a world
             that is no multiple of TP x PP.
     """
-    what = hf_refusals(config, model_folder=model_folder)
+    what = hf_refusals(config)
     if what:
         raise ValueError(f"a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")
     qwen2 = config.get("model_type") == "qwen2"

@@ -231,15 +231,19 @@ def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Mod
 
 
 def hf_llama(**config: Any) -> nn.Module:
-    """Hugging Face's ``LlamaForCausalLM`` of a ``config.json``'s keys (``model.kwargs``): the model a Megatron GPT
-    becomes (:func:`osdpipe.layout.megatron_hf.hf_config`). Its FSDP units are its decoder layers, the modules
-    transformers never splits (``_no_split_modules``). Needs transformers (``pip install transformers``)."""
+    """Hugging Face's ``LlamaForCausalLM`` of a ``config.json``'s keys (``model.kwargs``), or its ``Qwen2ForCausalLM``
+    where ``model_type`` is ``qwen2``: the model a Megatron GPT becomes (:func:`osdpipe.layout.megatron_hf.hf_config`;
+    a Qwen2 is a Llama with biases on q, k and v). Its FSDP units are its decoder layers, the modules transformers
+    never splits (``_no_split_modules``). Needs transformers (``pip install transformers``)."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
     except ImportError as exc:
         raise ValueError(f"model.factory=hf_llama: cannot import transformers ({exc}); pip install transformers") \
             from None
-    model = LlamaForCausalLM(LlamaConfig(**config))
+    qwen2 = config.get("model_type") == "qwen2"
+    config_class, model_class = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if qwen2
+                                 else (transformers.LlamaConfig, transformers.LlamaForCausalLM))  # fmt: skip
+    model = model_class(config_class(**config))
     model.fsdp_units = tuple(model._no_split_modules or ())
     return model
 

@@ -1,4 +1,5 @@
-"""A Hugging Face ``LlamaForCausalLM``'s whole checkpoint -> a Megatron-LM ``torch_dist`` save, optimizer included.
+"""A Hugging Face ``LlamaForCausalLM``'s (or ``Qwen2ForCausalLM``'s) whole checkpoint -> a Megatron-LM ``torch_dist``
+save, optimizer included.
 
 The source is read by osdpipe's own readers of the checkpoint's layout (the HF Trainer's or accelerate's folder,
 PyTorch's own: ``checkpoint=accelerate|pytorch``, :func:`osdpipe.run.stages.load.open_input`): every parameter's

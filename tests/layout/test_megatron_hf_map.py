@@ -257,18 +257,22 @@ def test_what_llama_cannot_express_is_refused(change, feature):
     ({"add_bias_linear": True, "add_qkv_bias": True}, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
     ({"add_qkv_bias": True}, "Qwen2ForCausalLM", {"use_sliding_window": False}),
 ])
-def test_a_biased_gpt_is_a_biased_llama_or_a_qwen2_in_a_folder_and_refused_for_a_training_job(biases, architecture,
-                                                                                                flags):
-    """A model folder holds the biases (hf_config); a PyTorch job's Llama and torchtitan's llama3 have none, so the
-    training-checkpoint paths, which ask refusals() without model_folder, refuse them in one line."""
+def test_a_biased_gpt_is_a_biased_llama_or_a_qwen2_in_a_folder_and_a_pytorch_job_and_refused_for_torchtitan(
+        biases, architecture, flags):
+    """A model folder and a PyTorch job's model hold the biases as transformers does (hf_config: the same model);
+    torchtitan's llama3 has none, so its path refuses them in one line."""
     args = {**ARGS, **biases}
     config = hf_config(args)
     assert config["architectures"] == [architecture] and {k: config[k] for k in flags} == flags
     assert ("attention_bias" in config) == (architecture == "LlamaForCausalLM")
-    assert refusals(args) == ["linear biases (add_bias_linear)"] and refusals(args, model_folder=True) == []
-    if architecture == "Qwen2ForCausalLM":  # what Qwen2 cannot take, named
-        assert "RoPE scaling" in ", ".join(refusals({**args, "use_rope_scaling": True}, model_folder=True))
-        assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}, model_folder=True))
+    assert refusals(args) == [] and refusals(args, model_folder=True) == []
+    assert titan_refusals(args) == ["linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"]
+    with pytest.raises(ValueError, match="torchtitan's llama3 has none"):
+        titan_args(args, vocab_size=37)
+    if architecture == "Qwen2ForCausalLM":  # what Qwen2 cannot take, named, for a folder and a PyTorch job alike
+        for model_folder in (True, False):
+            assert "RoPE scaling" in ", ".join(refusals({**args, "use_rope_scaling": True}, model_folder=model_folder))
+            assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}, model_folder=model_folder))
 
 
 def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_for_torchtitan():
@@ -286,11 +290,13 @@ def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_f
 
 
 def test_absent_args_take_megatron_lm_defaults():
-    """Megatron-LM's defaults (LayerNorm, GeLU, learned absolute positions, biases) are refused for a training job's
-    Llama, and tied embeddings for torchtitan's."""
+    """Megatron-LM's defaults (LayerNorm, GeLU, learned absolute positions) are refused for a training job's Llama,
+    and biases and tied embeddings for torchtitan's."""
     bare = {k: ARGS[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                  "seq_length", "padded_vocab_size")}
-    assert refusals(bare) == ["LayerNorm (not RMSNorm)", "an MLP without SwiGLU", "linear biases (add_bias_linear)",
+    assert refusals(bare) == ["LayerNorm (not RMSNorm)", "an MLP without SwiGLU",
                               "learned_absolute position embeddings (not rope)"]
-    assert "tied embedding and output weights (torchtitan's llama3 has no tying)" in titan_refusals(bare)
+    assert titan_refusals(bare)[-2:] == [
+        "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)",
+        "tied embedding and output weights (torchtitan's llama3 has no tying)"]
     assert not refusals(ARGS)

@@ -110,7 +110,7 @@ class Megatron(CheckpointLayout):
 
     def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]]:
         """The Llama of the GPT ``args`` describe, as the job that resumes the output builds it: torchtitan's llama3
-        for a torchtitan step folder (``written_as``), else Hugging Face's ``LlamaForCausalLM``
+        for a torchtitan step folder (``written_as``), else Hugging Face's ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``
         (:func:`osdpipe.layout.megatron_hf.hf_config`)."""
         from osdpipe.layout import megatron_hf
 
@@ -200,7 +200,8 @@ class Megatron(CheckpointLayout):
 
 _PARTS = ("model", "optimizer", "other")
 
-#: The Hugging Face model's config a PyTorch-native output gets beside it: what ``LlamaForCausalLM`` is built from.
+#: The Hugging Face model's config a PyTorch-native output gets beside it: what its ``LlamaForCausalLM`` (or
+#: ``Qwen2ForCausalLM``) is built from.
 HF_CONFIG = "config.json"
 
 #: common.pt's entries that describe Megatron's own job, which a PyTorch job has no use for (``args``: an
