@@ -7,11 +7,11 @@ with DDP.  :class:`CpuFsdpTrainer` sets on the state what accelerate sets on a
 GPU (``distributed_type = FSDP``, the plugin the Trainer built, a plain
 ``torch.device("cpu")``), then lets the Trainer run as it is.
 
-Run: ``torchrun --standalone --nproc-per-node N accel_trainer_job.py '<json>'``
-with keys out, version (1|2), state_dict_type, max_steps, resume (a
-checkpoint folder or null), tied, llama (LlamaConfig
-dimensions other than :data:`LLAMA`'s), dump (where rank 0 saves the gathered
-state: at the end of a fresh run, right after the load in a resumed one).  Rank 0 prints one ``RESULT {json}`` line.
+Run: ``torchrun --standalone --nproc-per-node N accel_trainer_job.py '<json>'`` with keys out, version (1|2),
+state_dict_type, max_steps, resume (a checkpoint folder or null), tied, qwen2 (a ``Qwen2ForCausalLM`` of the same
+dimensions instead: biases on q, k and v), llama (LlamaConfig dimensions other than :data:`LLAMA`'s), dump (where rank
+0 saves the gathered state: at the end of a fresh run, right after the load in a resumed one). Rank 0 prints one
+``RESULT {json}`` line.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ LLAMA = {"vocab_size": 37, "hidden_size": 16, "intermediate_size": 20, "num_hidd
          "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
 
 
-def build_llama(tied: bool = False, **dims: Any) -> Any:
-    """A tiny ``LlamaForCausalLM`` from a ``LlamaConfig`` (no download): the Trainer's model,
-    and osdpipe's ``model.factory``; ``dims``: :data:`LLAMA`'s keys to change."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_llama(tied: bool = False, qwen2: bool = False, **dims: Any) -> Any:
+    """A tiny ``LlamaForCausalLM`` from a ``LlamaConfig`` (no download), or with ``qwen2`` a ``Qwen2ForCausalLM`` of
+    the same dimensions: the Trainer's model, and osdpipe's ``model.factory``; ``dims``: :data:`LLAMA`'s keys to
+    change."""
+    import transformers
 
-    return LlamaForCausalLM(LlamaConfig(**{**LLAMA, **dims}, tie_word_embeddings=tied))
+    config, model = ("Qwen2Config", "Qwen2ForCausalLM") if qwen2 else ("LlamaConfig", "LlamaForCausalLM")
+    return getattr(transformers, model)(getattr(transformers, config)(**{**LLAMA, **dims}, tie_word_embeddings=tied))
 
 
 def _dump(trainer: Any, path: str | None) -> None:
@@ -76,7 +78,7 @@ def make_trainer(spec: dict[str, Any]) -> Any:
 
     torch.manual_seed(0)
     dims = spec.get("llama") or {}
-    model = build_llama(spec.get("tied", False), **dims)
+    model = build_llama(spec.get("tied", False), spec.get("qwen2", False), **dims)
     gen = torch.Generator().manual_seed(7)
     vocab = model.config.vocab_size
     data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, vocab, (64, 9), generator=gen)]

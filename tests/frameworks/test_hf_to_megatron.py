@@ -15,7 +15,9 @@ megatron-core 0.16.1 job (:mod:`frameworks.mcore`, built with the save's own dim
 (c) takes a training step from there (a synthetic gradient): step 4, iteration 4, the masters moved, all finite.
 
 The same Llama tied (``tie_word_embeddings``, as Llama 3.2's 1B and 3B) holds (a) to (c) too, Megatron's tied
-embedding with no output layer of its own, the last stage's copy equal to it.
+embedding with no output layer of its own, the last stage's copy equal to it; and so does a ``Qwen2ForCausalLM`` of
+the same dimensions (Qwen2.5's architecture: biases on q, k and v), Megatron's ``add_qkv_bias`` GPT, each bias with
+its moments.
 
 A wrong map fails (b): with ``from_hf``'s key and value heads exchanged, the logits differ by far more than the
 tolerance (docs/frameworks.md says by how much). Bad input is refused in one line, exit 2, nothing written.
@@ -62,11 +64,11 @@ def convert(work: Path, source: Path, out: Path, *overrides: str):
     )
 
 
-def _trained_and_converted(work: Path, tied: bool) -> dict:
+def _trained_and_converted(work: Path, tied: bool, qwen2: bool = False) -> dict:
     """The Trainer's checkpoint-3 of the tests' Llama (``tied``: its ``lm_head`` the embedding, as Llama 3.2's 1B and
-    3B), its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
-    accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, "tied": tied, "llama": LLAMA,
-                            "out": str(work / "run"), "max_steps": 6}, label="train")
+    3B; ``qwen2``: a Qwen2 of its dimensions), its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
+    accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, "tied": tied, "qwen2": qwen2,
+                            "llama": LLAMA, "out": str(work / "run"), "max_steps": 6}, label="train")
     source = work / "run" / "checkpoint-3"
     out = work / "megatron"
     done = convert(work, source, out, "target.tp_size=2", "target.pp_size=2", "target.world_size=4")
@@ -126,6 +128,27 @@ def test_a_tied_llamas_checkpoint_is_a_tied_megatron_gpt_that_computes_its_logit
     assert _differences(run, gpt) == []
     diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
     print(f"tied: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+    assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
+
+
+def test_a_qwen2s_checkpoint_is_a_qkv_biased_megatron_gpt_that_computes_its_logits_and_trains_on(
+    tmp_path_factory,
+) -> None:
+    """Qwen2's biases on q, k and v, with the Trainer's Adam state of each, are Megatron's ``linear_qkv`` bias (cut per
+    query group as its weight's rows): the same tensors bitwise, the same logits, a step on; the biases in the
+    no-decay group, as the Trainer keeps them."""
+    run = _trained_and_converted(tmp_path_factory.mktemp("hf_to_megatron_qwen2"), tied=False, qwen2=True)
+    gpt = dataclasses.replace(GPT, qkv_bias=True)
+    assert json.loads((run["source"] / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    held = torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]
+    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.v_proj.bias"} <= set(held)
+    biases = [k for k in run["loaded"]["optim"] if k.endswith("linear_qkv.bias")]
+    assert biases and _differences(run, gpt) == []
+    groups = {g["wd_mult"]: g for g in run["loaded"]["param_groups"]}
+    assert set(biases) <= set(groups[0.0]["params"])
+    diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
+    print(f"qwen2: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
     assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
 

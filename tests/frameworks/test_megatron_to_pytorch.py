@@ -10,7 +10,9 @@ training step. What it holds after the load must be, bit for bit, the live Megat
 moments mapped by :func:`osdpipe.layout.megatron_hf.to_hf`, its step and its hyperparameters: the map itself is proven
 by both frameworks' logits in ``test_megatron_hf.py``, so the loaded job computes what Megatron's did. A GPT with
 its output layer tied to the embedding (``tied_tp2_pp2``) is transformers' tied Llama: one parameter, one optimizer
-state; torchtitan's llama3, which cannot tie, refuses it in one line.
+state; a GPT with a bias on each linear (``tp2_dp2_bias``) a Llama with ``attention_bias`` and ``mlp_bias``, and one
+with ``linear_qkv``'s bias alone (``tp2_pp2_qkv_bias``) a ``Qwen2ForCausalLM``, each bias with its Adam state.
+torchtitan's llama3, which can neither tie nor bias its linears, refuses those saves in one line.
 """
 
 from __future__ import annotations
@@ -70,7 +72,13 @@ def _differences(loaded: dict, expected: dict[str, dict[str, torch.Tensor]]) -> 
     return found
 
 
-@pytest.mark.parametrize("name", ["tp2_dp2", "tp2_pp2", "tied_tp2_pp2"])
+#: The saves a PyTorch job's model holds, each with the transformers model its ``config.json`` names: a Llama, tied,
+#: with a bias on each linear (``--add-bias-linear``), and a Qwen2 (``--add-qkv-bias``: q, k and v biased alone).
+HF_JOBS = {"tp2_dp2": "LlamaForCausalLM", "tp2_pp2": "LlamaForCausalLM", "tied_tp2_pp2": "LlamaForCausalLM",
+           "tp2_dp2_bias": "LlamaForCausalLM", "tp2_pp2_qkv_bias": "Qwen2ForCausalLM"}
+
+
+@pytest.mark.parametrize("name", sorted(HF_JOBS))
 def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
     megatron_saves: dict[str, Path], name: str, tmp_path: Path
 ) -> None:
@@ -88,13 +96,19 @@ def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
     assert carried["iteration"] == truth["iteration"] == 3
     assert carried["opt_param_scheduler"] == truth["scheduler"]
 
+    config = json.loads((out / "dcp" / "config.json").read_text())
+    assert config["architectures"] == [HF_JOBS[name]]
     job = {"model": "frameworks.hf_llama_job:logits_llama", "kwargs": {"config": str(out / "dcp" / "config.json")},
-           "wrap": "LlamaDecoderLayer", "groups": _groups(truth)}
+           "wrap": HF_JOBS[name].replace("ForCausalLM", "DecoderLayer"), "groups": _groups(truth)}
     loaded = accel.load(tmp_path, 2, out / "dcp", fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", tied=False,
                         steps=3, job=job, timeout=400)
     expected = _expected(truth)
+    biases = sorted(n.rsplit(".", 2)[-2] for n in expected["param"] if n.startswith("model.layers.0.")
+                    and n.endswith(".bias"))
+    assert biases == {"tp2_dp2_bias": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+                      "tp2_pp2_qkv_bias": ["k_proj", "q_proj", "v_proj"]}.get(name, [])
     if name.startswith("tied"):  # Llama 3.2's: lm_head is the embedding, one parameter, one optimizer state
-        assert json.loads((out / "dcp" / "config.json").read_text())["tie_word_embeddings"] is True
+        assert config["tie_word_embeddings"] is True
         assert "lm_head.weight" not in expected["param"] and "lm_head.weight" not in loaded["optim"]["state"]
         embedding = loaded["model"]["model.embed_tokens.weight"]
         assert torch.equal(_bits(loaded["model"].pop("lm_head.weight")), _bits(embedding))
@@ -105,9 +119,10 @@ def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
         assert {k: got[k] for k in ADAMW} == {k: (tuple(want[k]) if k == "betas" else want[k]) for k in ADAMW}
     assert math.isfinite(loaded["loss_after"])  # it trains on
 
-    # the comparison sees one element that is not the truth's
-    expected["exp_avg_sq"]["model.layers.1.self_attn.k_proj.weight"].view(-1)[5] += 1
-    assert _differences(loaded, expected) == ["exp_avg_sq model.layers.1.self_attn.k_proj.weight"]
+    # the comparison sees one element that is not the truth's (a bias's, where the model has them)
+    wrong = "model.layers.1.self_attn.k_proj." + ("bias" if biases else "weight")
+    expected["exp_avg_sq"][wrong].view(-1)[5] += 1
+    assert _differences(loaded, expected) == [f"exp_avg_sq {wrong}"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
@@ -175,25 +190,28 @@ def test_pytorchs_own_layout_passes_every_check_of_a_live_fsdp2_world(megatron_s
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
-def test_a_tied_save_is_refused_for_torchtitan_in_one_line_naming_the_jobs_that_take_it(
-    megatron_saves: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize("name, feature", [
+    ("tied_tp2_pp2", "tied embedding and output weights (torchtitan's llama3 has no tying)"),
+    ("tp2_dp2_bias", "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"),
+])
+def test_what_torchtitan_cannot_hold_is_refused_in_one_line_naming_the_jobs_that_take_it(
+    megatron_saves: dict[str, Path], tmp_path: Path, name: str, feature: str
 ) -> None:
-    """torchtitan's llama3 cannot tie its output layer to the embedding: the tied save is refused before anything is
-    written, and the line names the outputs that take it (a Hugging Face Llama's job)."""
+    """torchtitan's llama3 can neither tie its output layer to the embedding nor bias its linears: such a save is
+    refused before anything is written, and the line names the outputs that take it (a Hugging Face model's job)."""
     out = tmp_path / "out"
-    done = run_osdpipe("checkpoint=megatron", f"input.path={megatron_saves['tied_tp2_pp2']}",
+    done = run_osdpipe("checkpoint=megatron", f"input.path={megatron_saves[name]}",
                        "output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2", f"output.path={out}",
                        cwd=tmp_path, timeout=300)
     errors = [line for line in done.stderr.splitlines() if "error" in line]
     assert done.returncode != 0 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
-    assert "tied embedding and output weights (torchtitan's llama3 has no tying)" in errors[0]
-    assert "output.checkpoint=accelerate|pytorch" in errors[0]
+    assert feature in errors[0] and "output.checkpoint=accelerate|pytorch" in errors[0]
     assert not (out / "manifest.json").exists() and not list(out.glob("step-*"))
 
 
 @pytest.mark.parametrize("name, change, feature", [
     ("tp2_dp2", {"num_experts": 4}, "a mixture of experts (num_experts)"),
-    ("tp2_dp2_bias", {}, "linear biases (add_bias_linear)"),  # megatron-core's own save with them
+    ("tp2_pp2_qkv_bias", {"use_rope_scaling": True}, "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
 ])
 def test_what_llama_cannot_express_is_refused_in_one_line_and_nothing_is_written(
     megatron_saves: dict[str, Path], tmp_path: Path, name: str, change: dict, feature: str
