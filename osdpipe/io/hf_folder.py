@@ -132,44 +132,24 @@ def read_config(directory: str | Path) -> dict:
 def llama_from_config(path: str) -> torch.nn.Module:
     """A module with the parameters of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) whose ``config.json`` is in
     ``path``: each under its Hugging Face name and shape, fp32 (the masters), in transformers' ``named_parameters()``
-    order (a linear's bias after its weight: a Llama's with ``attention_bias`` and ``mlp_bias``, a Qwen2's on q, k
-    and v); no ``forward``, and no transformers needed; with ``tie_word_embeddings``, ``lm_head.weight`` is the
-    embedding's parameter, as transformers ties them (``named_parameters()`` yields it once). What ``model.factory``
-    is where a Llama checkpoint converts to Megatron and the user names no model (:mod:`osdpipe.pipeline.megatron`).
+    order (:func:`osdpipe.layout.megatron_hf.hf_shapes` of the GPT the config is: a linear's bias after its weight, a
+    Llama's with ``attention_bias`` and ``mlp_bias``, a Qwen2's on q, k and v); no ``forward``, and no transformers
+    needed; with ``tie_word_embeddings``, ``lm_head.weight`` is the embedding's parameter, as transformers ties them
+    (``named_parameters()`` yields it once). What ``model.factory`` is where a Llama checkpoint converts to Megatron
+    and the user names no model (:mod:`osdpipe.pipeline.megatron`).
 
     Raises:
         ValueError: a config a Megatron GPT cannot express, in one line.
     """
+    from osdpipe.io.formats.megatron import gpt_of
     from osdpipe.layout import megatron_hf
-    from osdpipe.layout.megatron import tied_word_embeddings
 
     config = read_config(path)
-    what = megatron_hf.hf_refusals(config)
-    if what:
-        raise ValueError(f"{path}: a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")
-    try:
-        h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        groups, d = int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or h // heads)
-        f, layers, vocab = int(config["intermediate_size"]), int(config["num_hidden_layers"]), int(config["vocab_size"])
-    except KeyError as exc:
-        raise ValueError(f"{path}/{CONFIG} holds no {exc.args[0]}, which a Llama's config has") from None
-    qwen2 = config.get("model_type") == "qwen2"
-    attention = bool(config.get("attention_bias")) and not qwen2  # a Qwen2's biases are its architecture's, not keys
-    qkv_bias, o_bias, mlp_bias = qwen2 or attention, attention, bool(config.get("mlp_bias")) and not qwen2
-    linears = {  # LlamaDecoderLayer's (and Qwen2's) order: self_attn, mlp, each linear's bias (if any) after its weight
-        "self_attn.q_proj": ((heads * d, h), qkv_bias), "self_attn.k_proj": ((groups * d, h), qkv_bias),
-        "self_attn.v_proj": ((groups * d, h), qkv_bias), "self_attn.o_proj": ((h, heads * d), o_bias),
-        "mlp.gate_proj": ((f, h), mlp_bias), "mlp.up_proj": ((f, h), mlp_bias), "mlp.down_proj": ((h, f), mlp_bias),
-    }
-    layer_shapes: dict[str, tuple[int, ...]] = {}
-    for name, (shape, bias) in linears.items():
-        layer_shapes[f"{name}.weight"] = shape
-        if bias:
-            layer_shapes[f"{name}.bias"] = shape[:1]
-    layer_shapes.update({"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)})
-    shapes = {"model.embed_tokens.weight": (vocab, h)}
-    shapes.update({f"model.layers.{i}.{name}": shape for i in range(layers) for name, shape in layer_shapes.items()})
-    shapes.update({"model.norm.weight": (h,), "lm_head.weight": (vocab, h)})
+    try:  # the GPT at TP1 PP1, which any dimensions fit: its shapes are the model's
+        gpt = gpt_of(megatron_hf.megatron_args(config, 1, 1, 1))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    shapes = megatron_hf.hf_shapes(gpt, int(config["vocab_size"]))
     root = torch.nn.Module()
     for name, shape in shapes.items():
         *parents, leaf = name.split(".")
@@ -179,6 +159,7 @@ def llama_from_config(path: str) -> torch.nn.Module:
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
         module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=torch.float32)))
-    if tied_word_embeddings(config):  # one parameter under both names, as transformers ties them
+    if gpt.tied:  # one parameter under both names, as transformers ties them
+        root.add_module("lm_head", torch.nn.Module())
         root.lm_head.weight = root.model.embed_tokens.weight
     return root

@@ -305,22 +305,23 @@ def _check_gpt(gpt: Gpt) -> None:
 
 def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every tensor of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``: :func:`architecture`) state dict
-    :func:`to_hf` gives, and its shape: each linear's bias, where the GPT has one, after its weight."""
+    :func:`to_hf` gives, and its shape, in transformers' ``named_parameters()`` order (a decoder layer's attention,
+    its MLP, its two norms; each linear's bias, where the GPT has one, after its weight): the order a PyTorch
+    optimizer's state follows (:func:`osdpipe.io.hf_folder.llama_from_config` builds the model's tree from it)."""
     h, d, f = gpt.hidden_size, gpt.kv_channels, gpt.ffn_hidden_size
     q, kv, o = gpt.num_attention_heads * d, gpt.num_query_groups * d, gpt.linear_bias
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
     for i in range(gpt.num_layers):
         p = f"model.layers.{i}."
         layer = {
-            "input_layernorm.weight": ((h,), True),
             "self_attn.q_proj.weight": ((q, h), True), "self_attn.q_proj.bias": ((q,), gpt.has_qkv_bias),
             "self_attn.k_proj.weight": ((kv, h), True), "self_attn.k_proj.bias": ((kv,), gpt.has_qkv_bias),
             "self_attn.v_proj.weight": ((kv, h), True), "self_attn.v_proj.bias": ((kv,), gpt.has_qkv_bias),
             "self_attn.o_proj.weight": ((h, q), True), "self_attn.o_proj.bias": ((h,), o),
-            "post_attention_layernorm.weight": ((h,), True),
             "mlp.gate_proj.weight": ((f, h), True), "mlp.gate_proj.bias": ((f,), o),
             "mlp.up_proj.weight": ((f, h), True), "mlp.up_proj.bias": ((f,), o),
             "mlp.down_proj.weight": ((h, f), True), "mlp.down_proj.bias": ((h,), o),
+            "input_layernorm.weight": ((h,), True), "post_attention_layernorm.weight": ((h,), True),
         }
         out.update({p + name: shape for name, (shape, held) in layer.items() if held})
     out["model.norm.weight"] = (h,)
