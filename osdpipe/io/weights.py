@@ -213,6 +213,7 @@ class WholeReader:
             names=names,
             buffers=model.buffers,
             carried=carried,
+            notes=optimizer.notes,
         )
 
     def _weights(self, param: ParamInfo, start: int, stop: int) -> torch.Tensor:

@@ -21,8 +21,9 @@ one sharded key, ``embedding.word_embeddings.weight``. At PP 1 the output layer 
 last stage holds a copy (``output_layer.weight``, which Megatron keeps equal to the first stage's by summing both
 gradients), saved under the embedding's key as a replica: in a ``dp_reshardable`` save the copy's state is in its
 stage's bucket, and where the two are read, the first stage's is the one kept (:attr:`LocalParameter.tied_copy`), as
-Megatron's own model-space save keeps it. With the distributed optimizer each of the two tied parameters is a bucket
-of its own (``param_and_grad_buffer.py``'s ``_does_param_require_new_bucket``: :func:`buckets`).
+Megatron's own model-space save keeps it (the report says so where the copy's differs). With the distributed
+optimizer each of the two tied parameters is a bucket of its own (``param_and_grad_buffer.py``'s
+``_does_param_require_new_bucket``: :func:`buckets`).
 
 Everything here is a pure function of the model's dimensions (Megatron-LM's ``args``) and the parallelism; the
 files are read in :mod:`osdpipe.io.formats.megatron`. What is laid out is Megatron's GPT with the local layer spec
@@ -105,7 +106,7 @@ class LocalParameter:
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
     #: The last stage's copy of the tied word embedding (PP > 1): written from the embedding's state, never read
-    #: into it (the first stage's is the main replica).
+    #: into it (the first stage's is the main replica), only compared with it.
     tied_copy: bool = False
     #: A tied embedding's parameter over PP (the word embedding on the first stage, its copy on the last): with the
     #: distributed optimizer, a bucket of its own.

@@ -305,7 +305,8 @@ def execute(
     except (InputError, ReadBackDiffers) as exc:
         return Report(ok=False, error=one_line(exc), traceback=format_exc(), warnings=list(warnings),
                       memory=[watch.stop()], skipped_checks=skipped)
-    warnings = [*warnings, *_rng_notes(done), *(source.notes() if source is not None and source.notes else [])]
+    warnings = [*warnings, *done.source.notes, *_rng_notes(done),
+                *(source.notes() if source is not None and source.notes else [])]
     return Report(
         ok=True,
         stages=done.stages,

@@ -34,6 +34,7 @@ import torch
 from frameworks import mcore
 from frameworks.mcore_saves import CONVERTED, SAVES, resumed_path, saved
 from helpers import run_osdpipe
+from synthetic_megatron import write_with_the_tied_copy_changed
 
 import osdpipe
 from osdpipe.io.formats.base import InputError
@@ -93,6 +94,7 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
     save = read_save(saves[name])
     assert save.sharding == SAVES[name].sharding and (save.tp, save.pp, save.dp) == SAVES[name][:3]
     assert differences(truth, save) == []
+    assert save.notes == ()  # a tied embedding's copy (gpt_tp2_pp2, tied_tp2_pp2) holds the first stage's state
     key = "decoder.layers.mlp.linear_fc1.weight"
     truth["optim"][key]["exp_avg"].view(-1)[7] += 1  # one element wrong: the comparison must see it
     assert differences(truth, save) == [f"exp_avg {key}"]
@@ -269,26 +271,15 @@ def test_the_read_back_check_fails_on_one_changed_element_and_nothing_is_committ
 
 
 def test_a_tied_embeddings_copy_on_the_last_stage_is_written_as_megatron_keeps_it_and_a_wrong_one_is_seen(
-    saves: dict[str, Path], tmp_path: Path, monkeypatch
+    saves: dict[str, Path], tmp_path: Path
 ) -> None:
     """Over PP the last stage computes its logits with its own copy of the tied word embedding, whose state no
     model-space save holds: a ``dp_reshardable`` output carries it in the last stage's first bucket, filled from the
     embedding's. Megatron's loaded job must find it equal to the first stage's (the harness compares every replica
     with its main one); one element of its exp_avg changed, it must not."""
-    from osdpipe.io.formats import megatron_writer
-
     source = read_save(saves["gpt_tp2_pp2"])
     write_save(source, tmp_path / "right", Target(1, 2, 1, "dp_reshardable"))
-    real = megatron_writer._buckets
-
-    def copy_wrong(*args, **kwargs):
-        items = real(*args, **kwargs)  # the last stage (domain 1 at TP1): bucket 0 is the copy alone
-        next(v for k, v in items.items() if k.startswith("optimizer.distributed.dp_group_idx_1.")
-             and k.endswith("bucket_idx_0.exp_avg")).view(-1)[3] += 1
-        return items
-
-    monkeypatch.setattr(megatron_writer, "_buckets", copy_wrong)
-    write_save(source, tmp_path / "wrong", Target(1, 2, 1, "dp_reshardable"))
+    write_with_the_tied_copy_changed(source, tmp_path / "wrong")
     truth = torch.load(mcore.truth_path(saves["gpt_tp2_pp2"]), weights_only=False)
     for name, expected in (("right", []), ("wrong", ["actual: replicas unequal to the main one: "
                                                        "exp_avg embedding.word_embeddings.weight"])):

@@ -7,11 +7,13 @@ vocabulary differs from the source's (the rows it adds must be zero, and the rea
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from synthetic_megatron import synthetic_save
+from helpers import run_cli_cases, user_env
+from synthetic_megatron import synthetic_save, write_with_the_tied_copy_changed
 
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import read_save
@@ -112,6 +114,36 @@ def test_a_larger_padded_vocabulary_gets_zero_rows_and_the_read_back_check_sees_
     assert roundtrip_problems(source, back) == [
         "exp_avg embedding.word_embeddings.weight: the padding rows [1056, 1152) it adds are not zero"
     ]
+
+
+def test_a_tied_copy_whose_state_differs_from_the_first_stages_is_named_in_every_conversions_report(
+    tmp_path: Path,
+) -> None:
+    """Megatron keeps the last stage's copy of a tied embedding equal to the first stage's, and a ``dp_reshardable``
+    save holds both. The first stage's is the one read (as Megatron's own model-space save keeps it); a copy that
+    differs in one element is named in the report of a conversion by Megatron's stages and by the range pipeline, not
+    left out without a word. (tests/frameworks/test_megatron.py holds a real save's copy equal.)"""
+    pytest.importorskip("transformers")  # the Llama a PyTorch job's output is of (the frameworks extra)
+    source = synthetic_save(tmp_path, tp=1, pp=2, tied=True)
+    write_with_the_tied_copy_changed(read_save(source), tmp_path / "wrong")
+    right, wrong = read_save(source), read_save(tmp_path / "wrong")
+    note = (f"{wrong.folder}: the last pipeline stage's copy of the tied word embedding holds optimizer state unequal "
+            "to the first stage's (1 element of exp_avg), which Megatron keeps equal: the first stage's is "
+            "converted, the copy's left out")
+    assert right.notes == () and wrong.notes == (note,)
+    assert roundtrip_problems(right, wrong) == []  # the first stage's state, as written
+
+    targets = {"megatron": ["target.tp_size=1", "target.pp_size=1", "target.world_size=1"],
+               "pytorch": ["output.checkpoint=pytorch", "target.kind=fsdp2", "target.world_size=2",
+                           "runtime.mode=offline"]}
+    cases = [["checkpoint=megatron", f"input.path={folder}", *args, f"output.path={tmp_path / f'{name}-{kind}'}"]
+             for name, folder in (("right", source), ("wrong", tmp_path / "wrong")) for kind, args in targets.items()]
+    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=240, env=user_env())
+    assert [r["code"] for r in results] == [0] * len(cases), [r["stderr"][-2000:] for r in results]
+    for name in ("right", "wrong"):
+        for kind in targets:
+            warnings = json.loads((tmp_path / f"{name}-{kind}" / "report.json").read_text())["warnings"]
+            assert (note in warnings) == (name == "wrong"), (name, kind, warnings)
 
 
 def test_a_smaller_padded_vocabulary_keeps_the_rows_it_has(tmp_path: Path) -> None:

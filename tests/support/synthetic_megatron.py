@@ -21,10 +21,13 @@ ARGS = {
 }
 
 
-def synthetic_save(tmp_path: Path, tp: int, seed: int = 0) -> Path:
-    """A Megatron-LM save of random state at TP ``tp``, written by osdpipe's writer (as the benchmark makes its own)."""
-    args = target_args({**ARGS, "iteration": 7}, Target(tp, 1, 1, "dp_reshardable"))
-    gpt = layout.Gpt(2, 32, 64, 4, 2, 8, args["padded_vocab_size"], True)
+def synthetic_save(tmp_path: Path, tp: int, seed: int = 0, *, pp: int = 1, tied: bool = False) -> Path:
+    """A Megatron-LM save of random state at TP ``tp`` and PP ``pp``, written by osdpipe's writer (as the benchmark
+    makes its own) into ``tmp_path / f"tp{tp}"``; ``tied``: the word embedding tied to the output layer (over PP the
+    last stage holds a copy)."""
+    grid = Target(tp, pp, 1, "dp_reshardable")
+    args = target_args({**ARGS, "iteration": 7, "untie_embeddings_and_output_weights": not tied}, grid)
+    gpt = layout.Gpt(2, 32, 64, 4, 2, 8, args["padded_vocab_size"], True, tied=tied)
     generator = torch.Generator().manual_seed(seed)
     shapes = layout.global_shapes(gpt)
     model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
@@ -38,5 +41,26 @@ def synthetic_save(tmp_path: Path, tp: int, seed: int = 0) -> Path:
               {**adamw, "wd_mult": 0.0, "weight_decay": 0.0, "step": 7.0, "params": one_dim}]
     save = MegatronSave(tmp_path, 7, args, "dp_reshardable", model, optim, groups, {"num_steps": 7},
                         gbuf_dtypes="torch.float32, torch.float32")
-    write_save(save, tmp_path / f"tp{tp}", Target(tp, 1, 1, "dp_reshardable"))
+    write_save(save, tmp_path / f"tp{tp}", grid)
     return tmp_path / f"tp{tp}"
+
+
+def write_with_the_tied_copy_changed(save: MegatronSave, folder: Path) -> None:
+    """``save`` written by osdpipe's writer at TP1 PP2 ``dp_reshardable``, but one element of the last stage's copy of
+    the tied embedding (domain 1, bucket 0: the copy alone) wrong in its ``exp_avg``: a save whose two copies of the
+    tied embedding differ, which Megatron never writes."""
+    from osdpipe.io.formats import megatron_writer
+
+    real = megatron_writer._buckets
+
+    def copy_wrong(*args, **kwargs):
+        items = real(*args, **kwargs)
+        next(v for k, v in items.items() if k.startswith("optimizer.distributed.dp_group_idx_1.")
+             and k.endswith("bucket_idx_0.exp_avg")).view(-1)[3] += 1
+        return items
+
+    megatron_writer._buckets = copy_wrong
+    try:
+        write_save(save, folder, Target(1, 2, 1, "dp_reshardable"))
+    finally:
+        megatron_writer._buckets = real

@@ -76,6 +76,9 @@ class SourceMeta:
     #: A whole checkpoint's entries besides the model and the optimizer,
     #: as read (:class:`osdpipe.io.weights.WholeSource`); ``None``: an optimizer checkpoint.
     carried: Any = None
+    #: What reading the source found that the run's report should say (a warning each): a state the conversion
+    #: cannot carry two of, say, and the one it kept.
+    notes: list[str] = field(default_factory=list)
 
 
 def describe_value(value: Any) -> Any:

@@ -109,6 +109,8 @@ class MegatronSave:
     gbuf_dtypes: str | None = None
     #: The save is Megatron-LM's ``release`` folder (iteration 0), not an ``iter_<N>`` one.
     release: bool = False
+    #: What reading found that a conversion's report should say (a warning each).
+    notes: tuple[str, ...] = ()
 
     @property
     def weights_only(self) -> bool:
@@ -255,6 +257,7 @@ def read_save(path: str | Path) -> MegatronSave:
     _expect(checkpoint, list(shapes))
     model = {key: _whole(checkpoint, key, shape) for key, shape in shapes.items()}
     gbuf_dtypes = None
+    notes: tuple[str, ...] = ()
     optim: dict[str, dict[str, torch.Tensor]] = {}
     groups: list[dict[str, Any]] | None = []
     if sharding is None:
@@ -275,7 +278,7 @@ def read_save(path: str | Path) -> MegatronSave:
         }
         groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
     else:
-        optim, groups = _from_buckets(checkpoint, gpt, args, folder)
+        optim, groups, notes = _from_buckets(checkpoint, gpt, args, folder)
         gbuf_dtypes = next(m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f)))
     checkpoint.expect([])  # what was fetched ahead and not read is let go
     rng, extra = {}, {}
@@ -298,6 +301,7 @@ def read_save(path: str | Path) -> MegatronSave:
         extra_state=extra,
         gbuf_dtypes=gbuf_dtypes,
         release=folder.name == RELEASE,
+        notes=notes,
     )
 
 
@@ -411,8 +415,13 @@ def _stored(checkpoint: DcpCheckpoint, flat: str) -> bytes:
 
 def _from_buckets(
     checkpoint: DcpCheckpoint, gpt: layout.Gpt, args: dict[str, Any], folder: Path
-) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]] | None]:
-    """A ``dp_reshardable`` optimizer's state, each bucket's parameters placed into global tensors."""
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]] | None, tuple[str, ...]]:
+    """A ``dp_reshardable`` optimizer's state, each bucket's parameters placed into global tensors; its param groups;
+    and a note where the last stage's copy of a tied embedding holds state unequal to the first stage's.
+
+    Megatron keeps the two copies equal (their gradients are summed before either steps), so they differ only in a save
+    that something else wrote or changed. The first stage's is the one converted, as Megatron's own model-space save
+    keeps it; the note says the copy's was not, so that the loss is not silent."""
     tp, pp, dp = (int(args[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                          "data_parallel_size"))
     shapes = layout.global_shapes(gpt)
@@ -425,7 +434,8 @@ def _from_buckets(
     if any(gbuf for _, gbuf, _ in buckets):
         raise InputError(f"{folder}: the optimizer has several gradient buffers: not supported yet")
     groups = None
-    for pp_rank in range(pp):
+    unequal: dict[str, int] = {}  # state -> elements of the tied copy that differ from the first stage's
+    for pp_rank in range(pp):  # the first stage's embedding is placed before the last stage's copy is compared with it
         for tp_rank in range(tp):
             index = layout.dp_group_index(tp, tp_rank, pp_rank)
             params = layout.local_parameters(gpt, tp, pp, tp_rank, pp_rank)
@@ -451,7 +461,10 @@ def _from_buckets(
                     data = checkpoint.read_range(flat, 0, bucket.numel_unpadded)
                     for name, start, stop in bucket.entries:
                         local = by_name[name]
-                        if not local.tied_copy:  # the tied embedding's state is the first stage's
+                        if local.tied_copy:  # the tied embedding's state is the first stage's
+                            if held := _unequal(data[start:stop].view(local.shape), local, optim, state):
+                                unequal[state] = unequal.get(state, 0) + held
+                        else:
                             _place(data[start:stop].view(local.shape), local, optim, state, filled)
             if groups is None:
                 groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer")
@@ -459,7 +472,23 @@ def _from_buckets(
     missing = [key for key, done in filled.items() if not bool(done.all())]
     if missing:
         raise InputError(f"{folder}: no optimizer state for parts of {', '.join(missing[:3])}; re-copy the save")
-    return optim, groups
+    counted = ", ".join(f"{n} element{'s' * (n > 1)} of {state}" for state, n in unequal.items())
+    notes = () if not unequal else (
+        f"{folder}: the last pipeline stage's copy of the tied word embedding holds optimizer state unequal to the "
+        f"first stage's ({counted}), which Megatron keeps equal: the first stage's is converted, the copy's left out",
+    )
+    return optim, groups, notes
+
+
+def _unequal(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str) -> int:
+    """How many elements of ``local`` (a tied copy's ``state``) differ, bit for bit, from what the global tensors
+    already hold at the copy's pieces (:func:`_place`'s ``optim``)."""
+    differ = 0
+    for piece in param.pieces:
+        held = optim[piece.key][state][tuple(slice(a, b) for a, b in piece.box)]
+        block = local[piece.local_start : piece.local_stop].reshape(held.shape).to(held.dtype)
+        differ += int((block.view(torch.int32) != held.view(torch.int32)).sum())  # the fp32 states' bits
+    return differ
 
 
 def _place(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str, filled: dict) -> None:

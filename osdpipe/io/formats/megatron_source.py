@@ -83,7 +83,7 @@ class MegatronReader:
                              "llama3; convert it for a Hugging Face Llama's job (output.checkpoint=accelerate|pytorch) "
                              "or within Megatron instead")
         self.gpt, self.vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
-        self.args, self.iteration = save.args, save.iteration
+        self.args, self.iteration, self.notes = save.args, save.iteration, list(save.notes)
         try:
             #: state name (``param``: the master) -> Llama name -> the full tensor
             self.states = {name: megatron_hf.to_hf(self.gpt, {k: s[name] for k, s in save.optim.items()}, self.vocab)
@@ -105,7 +105,7 @@ class MegatronReader:
             for name in group["params"]:
                 state[name] = {"step": torch.tensor(step, dtype=torch.float32)}
                 state[name].update({m: described(self.states[m][name]) for m in MOMENTS})
-        return SourceMeta(state=state, param_groups=[dict(g) for g, _ in self.groups])
+        return SourceMeta(state=state, param_groups=[dict(g) for g, _ in self.groups], notes=self.notes)
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         return {(fqn, name): self.states[name][fqn] for fqn, name in items}

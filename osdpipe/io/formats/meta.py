@@ -84,4 +84,5 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
         names={**meta.names, **names},
         buffers=meta.buffers,
         carried=meta.carried,
+        notes=meta.notes,
     )

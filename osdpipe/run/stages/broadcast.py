@@ -25,6 +25,7 @@ def broadcast(ctx: Context, opened: Opened, tally: Tally) -> Described:
     if ctx.rank == opened.first_reader:
         tally.sent += len(pickle.dumps(meta)) * (ctx.world_size - 1)
     meta = canonical_meta(meta, ctx.tree)
+    tally.warnings += meta.notes  # every rank's are the same: the report lists each warning once
     reader = opened.reader
     # the checkpoint names parameters otherwise (module., _orig_mod., an alias): read by its names
     if meta.names and reader is not None:
