@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import random
@@ -110,21 +111,10 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
     return seconds
 
 
-def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, bf16: bool = False, steps: int = 3,
-         resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None,
-         timeout: float = 600, megatron_from: Path | None = None, bias: str = "none", model: str = "llama",
-         also: tuple[tuple[str, Path, Path], ...] = ()) -> Path:
-    """Train ``steps`` steps at TP x PP x DP and save ``out`` as Megatron-LM would; return ``out``.
-
-    ``truth_path(out)`` receives the gathered state at save time; with ``resume_truth``, the same job then takes
-    that many synthetic steps (:func:`synthetic_grad`) and dumps to ``dump_after``; with ``logits`` (TP1 PP1 only),
-    the saved model's logits on :func:`probe_tokens` go there first (:func:`write_logits`). ``megatron_from``: a
-    folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`). ``bias``: ``linear``
-    (``--add-bias-linear``) or ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`);
-    ``model``: one of :data:`MODELS`. ``also``: ``(sharding, folder, dump_after)`` of each further save the same job
-    makes of the same trained state, in another sharding type (one launch, one training: megatron-core's start on 4
-    ranks is most of a save's time).
-    """
+def save_argv(out: Path, *, tp: int, pp: int, sharding: str, bf16: bool = False, steps: int = 3,
+              resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None, bias: str = "none",
+              model: str = "llama", also: tuple[tuple[str, Path, Path], ...] = ()) -> list[str]:
+    """``mcore_job.py``'s ``save`` sub-command for one job (:func:`save` says what each option does)."""
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
             "--bias", bias, "--model", model]
     if bf16:
@@ -135,12 +125,35 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, sharding: str, 
         argv += ["--resume-truth", str(resume_truth), "--dump-after", str(dump_after)]
     for kind, folder, after in also:
         argv += ["--also", kind, str(folder), str(after)]
+    return argv
+
+
+def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, timeout: float = 600,
+         megatron_from: Path | None = None, **options: Any) -> Path:
+    """Train ``steps`` steps at TP x PP x DP and save ``out`` as Megatron-LM would; return ``out``.
+
+    ``truth_path(out)`` receives the gathered state at save time. ``options`` (:func:`save_argv`): the ``sharding``
+    type; ``bf16``; ``steps``; with ``resume_truth``, the same job then takes that many synthetic steps
+    (:func:`synthetic_grad`) and dumps to ``dump_after``; with ``logits`` (TP1 PP1 only), the saved model's logits on
+    :func:`probe_tokens` go there first (:func:`write_logits`); ``bias``: ``linear`` (``--add-bias-linear``) or
+    ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`); ``model``: one of
+    :data:`MODELS`; ``also``: ``(sharding, folder, dump_after)`` of each further save the same job makes of the same
+    trained state, in another sharding type (one training for both). ``megatron_from``: a folder holding
+    megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
+    """
+    argv = save_argv(out, tp=tp, pp=pp, **options)
     run_job(workdir, tp * pp * dp, argv, label=f"save-{Path(out).name}", timeout=timeout, megatron_from=megatron_from)
-    for folder in (out, *(folder for _, folder, _ in also)):
+    check_saved(argv)
+    return Path(out)
+
+
+def check_saved(argv: list[str]) -> None:
+    """Raise unless the ``save`` job ``argv`` (:func:`save_argv`) left each of its folders and truths."""
+    also = [argv[i + 2] for i, a in enumerate(argv) if a == "--also"]
+    for folder in (argv[argv.index("--out") + 1], *also):
         if not (Path(folder) / "latest_checkpointed_iteration.txt").is_file() or not truth_path(folder).is_file():
             raise RuntimeError(
                 f"megatron-core job left no {folder}/latest_checkpointed_iteration.txt or no {truth_path(folder)}")
-    return Path(out)
 
 
 #: The last megatron-core that saves ``fully_sharded_model_space`` (0.14 refuses a ShardedTensor's
@@ -161,16 +174,11 @@ def legacy_megatron(root: Path) -> Path | None:
     return target if done.returncode == 0 and (target / "megatron" / "core").is_dir() else None
 
 
-def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, bf16: bool = False,
-         sharding: str | None = None, resume: int = 0, dump_after: Path | None = None, label: str | None = None,
-         timeout: float = 600, dims_from_save: bool = False, no_load_rng: bool = False,
-         logits: Path | None = None, bias: str = "none", model: str = "llama") -> Path:
-    """Load ``folder`` with megatron-core at TP x PP x DP as Megatron-LM's ``load_checkpoint`` does; dump it.
-
-    ``dims_from_save``: the GPT is built with the dimensions of the save's own ``args`` (:func:`configure_from`), not
-    the harness's; ``no_load_rng``: as Megatron-LM's ``--no-load-rng`` (a save without RNG states); ``logits``: the
-    loaded model's logits on :func:`probe_tokens` go there (any TP and PP: :func:`write_logits`); ``bias`` and
-    ``model``: as :func:`save`'s."""
+def load_argv(folder: Path, dump: Path, *, tp: int, pp: int, bf16: bool = False, sharding: str | None = None,
+              resume: int = 0, dump_after: Path | None = None, dims_from_save: bool = False,
+              no_load_rng: bool = False, logits: Path | None = None, bias: str = "none",
+              model: str = "llama") -> list[str]:
+    """``mcore_job.py``'s ``load`` sub-command for one load (:func:`load` says what each option does)."""
     argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias,
             "--model", model]
     if bf16:
@@ -185,8 +193,38 @@ def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, 
         argv += ["--sharding", sharding]
     if resume:
         argv += ["--resume", str(resume), "--dump-after", str(dump_after)]
-    run_job(workdir, tp * pp * dp, argv, label=label or f"load-{Path(dump).stem}", timeout=timeout)
+    return argv
+
+
+def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, label: str | None = None,
+         timeout: float = 600, **options: Any) -> Path:
+    """Load ``folder`` with megatron-core at TP x PP x DP as Megatron-LM's ``load_checkpoint`` does; dump it.
+
+    ``options`` (:func:`load_argv`): ``bf16``; ``sharding``; ``resume`` synthetic steps, then a second dump to
+    ``dump_after``; ``dims_from_save``: the GPT is built with the dimensions of the save's own ``args``
+    (:func:`configure_from`), not the harness's; ``no_load_rng``: as Megatron-LM's ``--no-load-rng`` (a save without
+    RNG states); ``logits``: the loaded model's logits on :func:`probe_tokens` go there (any TP and PP:
+    :func:`write_logits`); ``bias`` and ``model``: as :func:`save`'s."""
+    run_job(workdir, tp * pp * dp, load_argv(folder, dump, tp=tp, pp=pp, **options),
+            label=label or f"load-{Path(dump).stem}", timeout=timeout)
     return Path(dump)
+
+
+def each(workdir: Path, world: int, jobs: list[list[str]], *, label: str, timeout: float = 900,
+         megatron_from: Path | None = None) -> None:
+    """Every job of ``jobs`` (each :func:`save_argv`'s or :func:`load_argv`'s, its TP x PP dividing ``world``) in one
+    megatron-core launch on ``world`` ranks, one after the other, each built afresh (:func:`teardown` between); each
+    save checked as :func:`save` checks it.
+
+    Why one launch: importing megatron-core takes about 10 s of CPU per rank, so a launch on 2 to 4 ranks costs
+    20 to 25 s on 2 cores before it builds anything, and a load itself a few seconds; tests that run many jobs at
+    one world size pay the start once."""
+    plan = Path(workdir) / f"{label}.plan.json"
+    plan.write_text(json.dumps(jobs))
+    run_job(workdir, world, ["each", "--plan", str(plan)], label=label, timeout=timeout, megatron_from=megatron_from)
+    for argv in jobs:
+        if argv[0] == "save":
+            check_saved(argv)
 
 
 def probe_tokens() -> torch.Tensor:
@@ -418,6 +456,34 @@ def use_model(name: str) -> None:
     """Build the GPT :data:`MODELS` names ``name`` from now on (worker side, before :func:`setup`)."""
     global NORM, POSITIONS, SWIGLU, TIED, GQA
     NORM, POSITIONS, SWIGLU, TIED, GQA = MODELS[name]
+
+
+#: The module's globals a job's options change (:func:`use_model`, :func:`configure_from`, the bias flags): what
+#: :func:`settings` keeps and :func:`restore` puts back between the jobs of one launch.
+_SETTINGS = ("VOCAB", "HIDDEN", "FFN", "LAYERS", "HEADS", "GROUPS", "NORM_EPS", "ROTARY_BASE", "DIVISIBLE_BY",
+             "ROPE_SCALING", "BIAS_LINEAR", "BIAS_QKV", "NORM", "POSITIONS", "SWIGLU", "TIED", "GQA", "OPENAI_GELU",
+             "MAX_POSITIONS")
+
+
+def settings() -> dict[str, Any]:
+    """The GPT the harness builds now, as :data:`_SETTINGS` name it."""
+    return {name: globals()[name] for name in _SETTINGS}
+
+
+def restore(saved: dict[str, Any]) -> None:
+    """Build the GPT of ``saved`` (:func:`settings`) from now on: a launch's next job starts from the harness's own,
+    never from the dimensions the last one took from its save."""
+    globals().update(saved)
+
+
+def teardown(job: Job) -> None:
+    """Let go of ``job`` and Megatron's parallel state (its process groups, its memory buffer), so that the same
+    ranks can build the next job at another TP and PP (:func:`setup` seeds afresh, the RNG tracker included)."""
+    from megatron.core import parallel_state
+
+    torch.distributed.barrier()
+    job.extras.clear()
+    parallel_state.destroy_model_parallel()
 
 
 def checkpoint_dir(load_dir: Path) -> tuple[Path, bool]:

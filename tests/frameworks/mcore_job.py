@@ -16,6 +16,8 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
   save's own GPT dimensions: ``--dims-from-save``), load as Megatron-LM's ``load_checkpoint`` does (without its RNG
   states: ``--no-load-rng``), dump, optionally the loaded model's logits; optionally K synthetic steps and a second
   dump.
+* ``each --plan PLAN.json``: each ``load`` of the plan (a JSON list of ``load`` argument lists), in turn, each in a
+  job built afresh at its own TP and PP on the same ranks (:func:`mcore.teardown` between): one launch for many.
 
 The CPU patches are applied here, in the rank, never in the process that launches it.
 """
@@ -60,6 +62,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     load.add_argument("--dims-from-save", action="store_true")
     load.add_argument("--no-load-rng", action="store_true")
     load.add_argument("--logits", type=Path, default=None)
+    each = sub.add_parser("each")
+    each.add_argument("--plan", type=Path, required=True)
     return p.parse_args(argv)
 
 
@@ -72,6 +76,22 @@ def log(msg: str) -> None:
 
 def main() -> None:
     opts = parse(sys.argv[1:])
+    if opts.cmd == "each":
+        harness = mcore.settings()
+        for argv in json.loads(opts.plan.read_text()):
+            mcore.restore(harness)
+            job = run(parse(argv))
+            mcore.teardown(job)
+    else:
+        run(opts)
+    import torch
+
+    torch.distributed.barrier()
+    stop_children()
+
+
+def run(opts: argparse.Namespace):
+    """One ``save`` or ``load`` on these ranks; the job it built."""
     if (opts.resume_truth if opts.cmd == "save" else opts.resume) and opts.dump_after is None:
         raise SystemExit("--resume/--resume-truth needs --dump-after")
     start = time.monotonic()
@@ -110,10 +130,7 @@ def main() -> None:
             mcore.synthetic_steps(job, opts.resume)
             mcore.write_dump(job, opts.dump_after.resolve(), {"loaded": info, "resumed": opts.resume})
     log(f"done in {time.monotonic() - start:.1f}s")
-    import torch
-
-    torch.distributed.barrier()
-    stop_children()
+    return job
 
 
 def stop_children() -> None:

@@ -26,8 +26,10 @@ class Save(NamedTuple):
     model: str = "llama"
 
 
-#: Each saved once by real megatron-core on 4 ranks (the converted ones go on 2 more synthetic steps after the save:
-#: what a converted output's resume must equal).
+#: The ranks every source is saved on.
+WORLD = 4
+#: Each saved once by real megatron-core on :data:`WORLD` ranks (the converted ones go on 2 more synthetic steps after
+#: the save: what a converted output's resume must equal).
 SAVES = {
     "tp2_dp2": Save(2, 1, 2, "dp_reshardable"),
     "tp1_pp2_dp2": Save(1, 2, 2, "dp_reshardable"),
@@ -57,26 +59,34 @@ def make_saves(root: Path) -> dict[str, Path]:
     session fixture ``megatron_saves`` (tests/frameworks/conftest.py) makes them once for every test module.
 
     Sources that differ only in their sharding type are one job, trained once and saved once in each type
-    (:func:`mcore.save`'s ``also``): what the job held is the same, and a launch on 4 ranks costs about 20 s."""
-    out = {}
+    (:func:`mcore.save`'s ``also``): what the job held is the same. The jobs run one after the other in one launch
+    on 4 ranks (:func:`mcore.each`), the legacy ones in a second on megatron-core 0.13: a launch's start (importing
+    megatron-core on each rank) costs about 20 s, a job a few seconds."""
     legacy = mcore.legacy_megatron(root) if any(s.sharding == "fully_sharded_model_space" for s in SAVES.values()) \
         else None
     jobs: dict[Save, list[str]] = {}  # the job (its sharding type blanked) -> the sources it saves
     for name, s in SAVES.items():  # a fully_sharded_model_space source is another megatron-core's job: its own
         legacy_type = s.sharding == "fully_sharded_model_space"
         jobs.setdefault(s._replace(sharding=name if legacy_type else ""), []).append(name)
+    launches: dict[bool, list[list[str]]] = {False: [], True: []}  # legacy or not -> its jobs
+    out = {}
     for names in jobs.values():
         first, rest = names[0], names[1:]
         s = SAVES[first]
+        is_legacy = s.sharding == "fully_sharded_model_space"
+        if is_legacy and legacy is None:
+            continue  # its tests skip, naming what is missing
+        if s.tp * s.pp * s.dp != WORLD:
+            raise ValueError(f"{first}: every source is saved on {WORLD} ranks, one launch for all")
         resumed = {"resume_truth": 2, "dump_after": resumed_path(root / first)} if first in CONVERTED else {}
-        if s.sharding == "fully_sharded_model_space":
-            if legacy is None:
-                continue  # its tests skip, naming what is missing
-            resumed["megatron_from"] = legacy
         also = tuple((SAVES[n].sharding, root / n, resumed_path(root / n)) for n in rest)
-        out[first] = mcore.save(root, root / first, tp=s.tp, pp=s.pp, dp=s.dp, sharding=s.sharding, bf16=s.bf16,
-                                bias=s.bias, model=s.model, timeout=400, also=also, **resumed)
-        out.update({n: root / n for n in rest})
+        launches[is_legacy].append(mcore.save_argv(root / first, tp=s.tp, pp=s.pp, sharding=s.sharding, bf16=s.bf16,
+                                                   bias=s.bias, model=s.model, also=also, **resumed))
+        out.update({n: root / n for n in names})
+    for is_legacy, argvs in launches.items():
+        if argvs:
+            mcore.each(root, WORLD, argvs, label="save-legacy" if is_legacy else "save", timeout=900,
+                       megatron_from=legacy if is_legacy else None)
     return out
 
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 from frameworks import mcore
 from frameworks.mcore_saves import CONVERTED, SAVES, resumed_path, saved
-from helpers import run_osdpipe
+from helpers import run_cli_cases
 from synthetic_megatron import write_with_the_tied_copy_changed
 
 import osdpipe
@@ -54,8 +54,9 @@ TARGETS = [(1, 1, 2), (2, 1, 1), (1, 2, 1), (4, 1, 1)]
 def targets_of(name: str) -> list[tuple[int, int, int]]:
     """The two of :data:`TARGETS` source ``name`` is converted to: the ``i``-th of :data:`CONVERTED` to the ``i``-th
     and the ``i + 2``-th, round. Each source thus goes to two grids, and each grid takes five sources, every sharding
-    type among them; a megatron-core load and resume costs about 25 s on 2 cores, so all four grids for all ten
-    sources would cost CI eight minutes more for pairs the layout math treats alike."""
+    type among them; a conversion and a load in one launch (:func:`converted`) cost about 7 s on 2 cores, so all
+    four grids for all eleven sources would cost CI two and a half minutes more for pairs the layout math treats
+    alike."""
     i = CONVERTED.index(name)
     return [TARGETS[i % len(TARGETS)], TARGETS[(i + 2) % len(TARGETS)]]
 
@@ -181,28 +182,61 @@ def test_a_weight_the_args_have_no_place_for_is_refused_not_dropped(saves: dict[
         read_save(folder)
 
 
+def _label(tp: int, pp: int, dp: int) -> str:
+    return f"tp{tp}_pp{pp}_dp{dp}"
+
+
+@pytest.fixture(scope="module")
+def converted(megatron_saves: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
+    """Each saved source of :data:`CONVERTED` converted by the ``osdpipe`` command to each grid of :func:`targets_of`
+    (``<root>/<source>/<grid>``; the TP4 output by two writers: two DCP files), and each output megatron-core loaded
+    at its grid and resumed 2 steps (``<grid>.pt``, ``<grid>.resumed.pt`` beside it): by source and grid, the
+    command's ``code``, ``stderr`` and ``folder``.
+
+    The 22 conversions run in one process (:func:`run_cli_cases`: the command's entry point, as the script calls it)
+    and the loads in one megatron-core launch per world size (:func:`mcore.each`): started once each, not 22
+    times, they take minutes less (a launch's start is most of a load's time)."""
+    saves, root = megatron_saves, tmp_path_factory.mktemp("converted")
+    cases, where = [], []
+    for name in (n for n in CONVERTED if n in saves):
+        for tp, pp, dp in targets_of(name):
+            folder = root / name / _label(tp, pp, dp)
+            workers = ["runtime.workers=2"] if tp == 4 else []
+            cases.append(["checkpoint=megatron", f"input.path={saves[name]}", f"target.tp_size={tp}",
+                          f"target.pp_size={pp}", f"target.world_size={tp * pp * dp}", f"output.path={folder}",
+                          *workers])
+            where.append((name, (tp, pp, dp), folder))
+    (root / "work").mkdir()
+    outcome: dict[str, dict[str, dict]] = {}
+    loads: dict[int, list[list[str]]] = {}
+    for (name, (tp, pp, dp), folder), done in zip(where, run_cli_cases(cases, cwd=root / "work", per_case_s=240),
+                                                  strict=True):
+        outcome.setdefault(name, {})[_label(tp, pp, dp)] = {**done, "folder": folder}
+        if done["code"] == 0:
+            loads.setdefault(tp * pp * dp, []).append(mcore.load_argv(
+                folder, folder.with_suffix(".pt"), tp=tp, pp=pp, bf16=SAVES[name].bf16, resume=2,
+                dump_after=folder.with_suffix(".resumed.pt"), bias=SAVES[name].bias, model=SAVES[name].model))
+    for world, jobs in sorted(loads.items()):
+        mcore.each(root, world, jobs, label=f"load-each-{world}", timeout=900)
+    return outcome
+
+
 @pytest.mark.parametrize("name", CONVERTED)
 def test_megatron_loads_every_conversion_bitwise_and_resumes_as_the_source_job(
-    saves: dict[str, Path], name: str, tmp_path: Path
+    saves: dict[str, Path], converted: dict[str, dict[str, dict]], name: str
 ) -> None:
     truth = torch.load(mcore.truth_path(saved(saves, name)), weights_only=False)
     resumed = torch.load(resumed_path(saves[name]), weights_only=False)
     source = read_save(saves[name])
     failed = []
     for tp, pp, dp in targets_of(name):
-        label = f"tp{tp}_pp{pp}_dp{dp}"
-        # the osdpipe command, as a user runs it; the TP4 output by two writers (two DCP files)
-        workers = ["runtime.workers=2"] if tp == 4 else []
-        done = run_osdpipe("checkpoint=megatron", f"input.path={saves[name]}", f"target.tp_size={tp}",
-                           f"target.pp_size={pp}", f"target.world_size={tp * pp * dp}",
-                           f"output.path={tmp_path / label}", *workers, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-2000:]
-        written = read_save(tmp_path / label)
+        label = _label(tp, pp, dp)
+        done = converted[name][label]
+        assert done["code"] == 0, done["stderr"][-2000:]
+        written = read_save(done["folder"])
         assert (written.tp, written.pp, written.dp, written.sharding) == (tp, pp, dp, DEFAULT_OUTPUT[source.sharding])
-        loaded, after = tmp_path / f"{label}.pt", tmp_path / f"{label}.resumed.pt"
-        mcore.load(tmp_path, tmp_path / label, loaded, tp=tp, pp=pp, dp=dp, bf16=SAVES[name].bf16, resume=2,
-                   dump_after=after, timeout=300, bias=SAVES[name].bias, model=SAVES[name].model)
-        got, got_after = torch.load(loaded, weights_only=False), torch.load(after, weights_only=False)
+        got = torch.load(done["folder"].with_suffix(".pt"), weights_only=False)
+        got_after = torch.load(done["folder"].with_suffix(".resumed.pt"), weights_only=False)
         failed += [f"{label} load: {d}" for d in mcore.dump_differences(truth, got)[:5]]
         failed += [f"{label} resume: {d}" for d in mcore.dump_differences(resumed, got_after)[:5]]
         assert got["layout"] == {"tp": tp, "pp": pp, "dp": dp}

@@ -40,8 +40,13 @@ def _assert_same(expected_path, actual_path):
 
 def test_dp_reshardable_loads_back_bitwise_and_resumes(tmp_path):
     """TP2 PP1 DP2, dp_reshardable (Megatron-LM's default): the same layout loads the truth, resumes like the source."""
-    src = mcore.save(tmp_path, tmp_path / "src", tp=2, pp=1, dp=2, sharding="dp_reshardable", steps=3,
-                     resume_truth=2, dump_after=tmp_path / "src.resumed.pt", timeout=TIMEOUT)
+    src = tmp_path / "src"
+    # the save, then the load, in one launch (each job built afresh): megatron-core's start is most of a job's time
+    mcore.each(tmp_path, 4, [
+        mcore.save_argv(src, tp=2, pp=1, sharding="dp_reshardable", steps=3, resume_truth=2,
+                        dump_after=tmp_path / "src.resumed.pt"),
+        mcore.load_argv(src, tmp_path / "loaded.pt", tp=2, pp=1, resume=2, dump_after=tmp_path / "loaded.resumed.pt"),
+    ], label="save-load", timeout=TIMEOUT)
     truth = _load(mcore.truth_path(src))
     assert truth["iteration"] == 3 and len(truth["param_groups"]) == 2
     assert truth["model"]["embedding.word_embeddings.weight"].shape == (1024, 64)  # vocab 1000 padded (128 x TP)
@@ -49,8 +54,6 @@ def test_dp_reshardable_loads_back_bitwise_and_resumes(tmp_path):
     assert (src / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert {p.name for p in (src / "iter_0000003").iterdir()} >= {".metadata", "common.pt", "metadata.json"}
 
-    mcore.load(tmp_path, src, tmp_path / "loaded.pt", tp=2, pp=1, dp=2, resume=2,
-               dump_after=tmp_path / "loaded.resumed.pt", timeout=TIMEOUT)
     _assert_same(mcore.truth_path(src), tmp_path / "loaded.pt")
     _assert_same(tmp_path / "src.resumed.pt", tmp_path / "loaded.resumed.pt")
     assert _load(tmp_path / "loaded.resumed.pt")["iteration"] == 5
@@ -58,9 +61,11 @@ def test_dp_reshardable_loads_back_bitwise_and_resumes(tmp_path):
 
 def test_fully_reshardable_is_resharded_by_megatron(tmp_path):
     """TP2 PP2 DP1, fully_reshardable, loaded by Megatron at TP1 PP1 DP4: the truth, and the same resume."""
-    src = mcore.save(tmp_path, tmp_path / "src", tp=2, pp=2, dp=1, sharding="fully_reshardable", steps=3,
-                     resume_truth=2, dump_after=tmp_path / "src.resumed.pt", timeout=TIMEOUT)
-    mcore.load(tmp_path, src, tmp_path / "loaded.pt", tp=1, pp=1, dp=4, resume=2,
-               dump_after=tmp_path / "loaded.resumed.pt", timeout=TIMEOUT)
+    src = tmp_path / "src"
+    mcore.each(tmp_path, 4, [
+        mcore.save_argv(src, tp=2, pp=2, sharding="fully_reshardable", steps=3, resume_truth=2,
+                        dump_after=tmp_path / "src.resumed.pt"),
+        mcore.load_argv(src, tmp_path / "loaded.pt", tp=1, pp=1, resume=2, dump_after=tmp_path / "loaded.resumed.pt"),
+    ], label="save-load", timeout=TIMEOUT)
     _assert_same(mcore.truth_path(src), tmp_path / "loaded.pt")
     _assert_same(tmp_path / "src.resumed.pt", tmp_path / "loaded.resumed.pt")
