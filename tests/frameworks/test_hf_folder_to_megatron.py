@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from frameworks import mcore
-from helpers import run_command, user_env
+from helpers import run_cli_cases, run_command, user_env
 
 from osdpipe.io.formats.megatron import gpt_of, read_save
 from osdpipe.io.hf_folder import read_weights
@@ -66,28 +66,99 @@ def save_llama(folder: Path, seed: int, dtype: torch.dtype = torch.float32) -> P
     return folder
 
 
-def convert(work: Path, source: Path, out: Path, *grid: str):
-    return run_command(
-        [sys.executable, "-m", "osdpipe", "checkpoint=hf", f"input.path={source}", "output.checkpoint=megatron",
-         *grid, f"output.path={out}"],
-        cwd=work, timeout=300, env=user_env(),
-    )
+
+
+def save_biased(folder: Path, family: str) -> Path:
+    """transformers' own Qwen2 (q, k and v biased: Megatron's ``add_qkv_bias``) or Llama with every linear biased
+    (``add_bias_linear``), biases drawn at 0.1 so that they move the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**LLAMA))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA, attention_bias=True, mlp_bias=True))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+def save_tied(folder: Path, family: str) -> Path:
+    """transformers' Llama with ``tie_word_embeddings``, or its GPT-2."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=32, n_embd=48, n_layer=4, n_head=6, n_inner=64,
+                                           bos_token_id=None, eos_token_id=None))
+        with torch.no_grad():  # transformers starts biases and LayerNorm's at 0 and 1: drawn, so that a map that
+            for name, parameter in model.named_parameters():  # lost or swapped one would move the logits
+                if name.endswith(".bias") or ".ln_" in name:
+                    parameter.normal_(1.0 if name.endswith(".weight") else 0.0, 0.1)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "tie_word_embeddings": True}))
+    model.save_pretrained(folder)
+    return folder
+
+
+#: Each folder the module converts: how it is saved, the grid (TP, PP) it converts to, and how megatron-core loads it
+#: (``resume``: that many steps on, then a second dump; each but the bf16 one with its logits on the probe tokens).
+FOLDERS = {
+    "llama": (lambda f: save_llama(f, seed=7), (2, 2), {"resume": 2}),
+    "bf16": (lambda f: save_llama(f, seed=11, dtype=torch.bfloat16), (2, 1),
+             {"bf16": True, "resume": 2, "logits": None}),
+    "qwen2": (lambda f: save_biased(f, "qwen2"), (2, 1), {}),
+    "llama with attention_bias and mlp_bias": (lambda f: save_biased(f, "llama"), (2, 1), {}),
+    "llama with tie_word_embeddings": (lambda f: save_tied(f, "llama"), (2, 2), {}),
+    "gpt2": (lambda f: save_tied(f, "gpt2"), (2, 2), {}),
+}
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    """The folder, its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
-    work = tmp_path_factory.mktemp("hf_folder_to_megatron")
-    source = save_llama(work / "llama", seed=7)
-    out = work / "megatron"
-    done = convert(work, source, out, "target.tp_size=2", "target.pp_size=2", "target.world_size=4")
-    assert done.returncode == 0, done.stderr[-3000:]
-    mcore.load(work, out, work / "loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, logits=work / "logits.pt",
-               resume=2, dump_after=work / "after.pt", label="load-release-tp2pp2")
-    return {"work": work, "source": source, "out": out, "stderr": done.stderr,
-            "loaded": torch.load(work / "loaded.pt", weights_only=False),
-            "after": torch.load(work / "after.pt", weights_only=False),
-            "logits": torch.load(work / "logits.pt", weights_only=True)}
+def made(tmp_path_factory) -> dict[str, dict]:
+    """Each folder of :data:`FOLDERS` saved by transformers, converted by the ``osdpipe`` command to a Megatron save at
+    its grid, and loaded there by megatron-core built from the save's own ``args``: by name, its ``work`` folder, the
+    ``source``, the ``out``put, the command's ``stderr``, the ``loaded`` dump, its ``logits`` and (where resumed) the
+    dump ``after``.
+
+    The conversions run in one process (:func:`run_cli_cases`: the command's entry point, as the script calls it), the
+    loads in one megatron-core launch per world size (:func:`mcore.each`): a launch's start, most of a load's time, is
+    paid twice rather than six times."""
+    root = tmp_path_factory.mktemp("hf_folder_to_megatron")
+    cases, jobs, found = [], {}, {}
+    for i, (name, (save, (tp, pp), load)) in enumerate(FOLDERS.items()):
+        work = root / f"case{i}"
+        work.mkdir()
+        source, out = save(work / "folder"), work / "megatron"
+        found[name] = {"work": work, "source": source, "out": out}
+        cases.append(["checkpoint=hf", f"input.path={source}", "output.checkpoint=megatron", f"target.tp_size={tp}",
+                      f"target.pp_size={pp}", f"target.world_size={tp * pp}", f"output.path={out}"])
+        options = {"logits": work / "logits.pt", **load}
+        if options.get("resume"):
+            options["dump_after"] = work / "after.pt"
+        jobs.setdefault(tp * pp, []).append(mcore.load_argv(out, work / "loaded.pt", tp=tp, pp=pp, dims_from_save=True,
+                                                            **options))
+    for name, done in zip(FOLDERS, run_cli_cases(cases, cwd=root, per_case_s=300, env=user_env()), strict=True):
+        assert done["code"] == 0, f"{name}: {done['stderr'][-3000:]}"
+        found[name]["stderr"] = done["stderr"]
+    for world, each in sorted(jobs.items()):
+        mcore.each(root, world, each, label=f"load-release-{world}")
+    for name, case in found.items():
+        case["loaded"] = torch.load(case["work"] / "loaded.pt", weights_only=False)
+        if FOLDERS[name][2].get("logits", True):
+            case["logits"] = torch.load(case["work"] / "logits.pt", weights_only=True)
+        if FOLDERS[name][2].get("resume"):
+            case["after"] = torch.load(case["work"] / "after.pt", weights_only=False)
+    return found
+
+
+@pytest.fixture
+def run(made: dict[str, dict]) -> dict:
+    """The untied Llama's folder, its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
+    return made["llama"]
 
 
 def test_the_folder_is_sharded_as_published_models_are(run) -> None:
@@ -141,15 +212,8 @@ def test_check_proves_the_save_against_its_folder_and_fails_against_another(run)
     assert differs.returncode == 1 and "check roundtrip  FAIL" in differs.stdout, differs.stdout + differs.stderr
 
 
-def test_a_bf16_folder_is_a_bf16_jobs_weights_bitwise(tmp_path: Path) -> None:
-    source = save_llama(tmp_path / "llama-bf16", seed=11, dtype=torch.bfloat16)
-    out = tmp_path / "megatron"
-    done = convert(tmp_path, source, out, "target.tp_size=2", "target.world_size=2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    mcore.load(tmp_path, out, tmp_path / "loaded.pt", tp=2, pp=1, dp=1, bf16=True, dims_from_save=True,
-               resume=2, dump_after=tmp_path / "after.pt", label="load-release-bf16")
-    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
-    after = torch.load(tmp_path / "after.pt", weights_only=False)
+def test_a_bf16_folder_is_a_bf16_jobs_weights_bitwise(made: dict[str, dict]) -> None:
+    source, loaded, after = (made["bf16"][k] for k in ("source", "loaded", "after"))
     want = from_hf(GPT, read_weights(source), GPT.padded_vocab_size)
     assert {t.dtype for t in want.values()} == {torch.bfloat16}
     assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
@@ -160,41 +224,23 @@ def test_a_bf16_folder_is_a_bf16_jobs_weights_bitwise(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama with attention_bias and mlp_bias"])
-def test_a_biased_folder_is_a_megatron_save_that_computes_its_logits(tmp_path: Path, family: str) -> None:
-    """transformers' own Qwen2 (q, k and v biased: Megatron's ``add_qkv_bias``) or Llama with every linear biased
-    (``add_bias_linear``), biases drawn at 0.1 so that they move the logits, converts at TP2: megatron-core, built
-    from the save's ``args``, holds the folder's tensors mapped by ``from_hf`` bitwise and computes its logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(5)
-    if family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**LLAMA))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA, attention_bias=True, mlp_bias=True))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(0.0, 0.1)
-    source = tmp_path / "folder"
-    model.save_pretrained(source)
-    out = tmp_path / "megatron"
-    done = convert(tmp_path, source, out, "target.tp_size=2", "target.world_size=2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    mcore.load(tmp_path, out, tmp_path / "loaded.pt", tp=2, pp=1, dp=1, dims_from_save=True,
-               logits=tmp_path / "logits.pt", label="load-release-biased")
-    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+def test_a_biased_folder_is_a_megatron_save_that_computes_its_logits(made: dict[str, dict], family: str) -> None:
+    """transformers' own Qwen2 or Llama with every linear biased (:func:`save_biased`) converts at TP2: megatron-core,
+    built from the save's ``args``, holds the folder's tensors mapped by ``from_hf`` bitwise and computes its
+    logits."""
+    source, loaded = made[family]["source"], made[family]["loaded"]
     biased = Gpt(**{**GPT.__dict__, "linear_bias": family != "qwen2", "qkv_bias": family == "qwen2"})
     want = from_hf(biased, read_weights(source), biased.padded_vocab_size)
     assert sorted(loaded["model"]) == sorted(want) and any(k.endswith(".bias") for k in want)
     assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
-    diff, scale = mcore.hf_logits_gap(source, torch.load(tmp_path / "logits.pt", weights_only=True))
+    diff, scale = mcore.hf_logits_gap(source, made[family]["logits"])
     print(f"{family}: max |Megatron TP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
 
 
 @pytest.mark.parametrize("family", ["llama with tie_word_embeddings", "gpt2"])
 def test_a_tied_folder_is_a_tied_megatron_gpt_that_computes_its_logits_and_converts_back_to_the_same_folder(
-    tmp_path: Path, family: str
+    made: dict[str, dict], family: str
 ) -> None:
     """transformers' Llama with ``tie_word_embeddings`` (Llama 3.2's 1B and 3B, Qwen2.5's smaller models: no
     ``lm_head.weight`` in the folder), or its GPT-2 (LayerNorm, a learned position table, the tanh GeLU, every linear
@@ -203,43 +249,27 @@ def test_a_tied_folder_is_a_tied_megatron_gpt_that_computes_its_logits_and_conve
     copy of the embedding equal to the first stage's: the harness compares every replica with its main one) and
     computes its logits through the pipeline. Converted back to a folder, it is the folder's tensors bitwise, which
     transformers loads tied."""
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
-    torch.manual_seed(11)
-    source = tmp_path / "folder"
-    if family == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=32, n_embd=48, n_layer=4, n_head=6, n_inner=64,
-                                           bos_token_id=None, eos_token_id=None))
-        with torch.no_grad():  # transformers starts biases and LayerNorm's at 0 and 1: drawn, so that a map that
-            for name, parameter in model.named_parameters():  # lost or swapped one would move the logits
-                if name.endswith(".bias") or ".ln_" in name:
-                    parameter.normal_(1.0 if name.endswith(".weight") else 0.0, 0.1)
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, "tie_word_embeddings": True}))
-    model.save_pretrained(source)
+    source, out, loaded, work = (made[family][k] for k in ("source", "out", "loaded", "work"))
     assert "lm_head.weight" not in read_weights(source)
-    out = tmp_path / "megatron"
-    done = convert(tmp_path, source, out, "target.tp_size=2", "target.pp_size=2", "target.world_size=4")
-    assert done.returncode == 0, done.stderr[-3000:]
-    mcore.load(tmp_path, out, tmp_path / "loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True,
-               logits=tmp_path / "logits.pt", label=f"load-release-{family.split()[0]}")
-    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
     gpt = gpt_of(read_save(out).args)
     assert gpt.tied and (gpt.norm_bias, bool(gpt.position_table)) == ((family == "gpt2"),) * 2
     want = from_hf(gpt, read_weights(source), gpt.padded_vocab_size)
     assert sorted(loaded["model"]) == sorted(want) and "output_layer.weight" not in want
     assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
     assert loaded["replicas_unequal"] == []
-    diff, scale = mcore.hf_logits_gap(source, torch.load(tmp_path / "logits.pt", weights_only=True))
+    diff, scale = mcore.hf_logits_gap(source, made[family]["logits"])
     print(f"{family}: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
 
-    back = tmp_path / "back"
+    back = work / "back"
     done = run_command([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={out}",
-                        "output.checkpoint=hf", f"output.path={back}"], cwd=tmp_path, timeout=300, env=user_env())
+                        "output.checkpoint=hf", f"output.path={back}"], cwd=work, timeout=300, env=user_env())
     assert done.returncode == 0, done.stderr[-3000:]
     theirs, ours = read_weights(source), read_weights(back)
     assert sorted(ours) == sorted(theirs) and [k for k, t in theirs.items() if not torch.equal(t, ours[k])] == []
     reloaded = AutoModelForCausalLM.from_pretrained(back)
-    assert type(reloaded) is type(model) and reloaded.config.tie_word_embeddings
+    assert type(reloaded) is (GPT2LMHeadModel if family == "gpt2" else LlamaForCausalLM)
+    assert reloaded.config.tie_word_embeddings
     assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
