@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 from frameworks import accel, mcore
-from helpers import run_command, user_env
+from helpers import run_cli_cases, run_command, user_env
 
 from osdpipe.layout.megatron import Gpt
 from osdpipe.layout.megatron_hf import from_hf
@@ -64,26 +64,45 @@ def convert(work: Path, source: Path, out: Path, *overrides: str):
     )
 
 
-def _trained_and_converted(work: Path, tied: bool, qwen2: bool = False) -> dict:
-    """The Trainer's checkpoint-3 of the tests' Llama (``tied``: its ``lm_head`` the embedding, as Llama 3.2's 1B and
-    3B; ``qwen2``: a Qwen2 of its dimensions), its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
-    accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, "tied": tied, "qwen2": qwen2,
-                            "llama": LLAMA, "out": str(work / "run"), "max_steps": 6}, label="train")
-    source = work / "run" / "checkpoint-3"
-    out = work / "megatron"
-    done = convert(work, source, out, "target.tp_size=2", "target.pp_size=2", "target.world_size=4")
-    assert done.returncode == 0, done.stderr[-3000:]
-    mcore.load(work, out, work / "loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, no_load_rng=True,
-               logits=work / "logits.pt", resume=1, dump_after=work / "after.pt", label="load-tp2pp2")
-    return {"work": work, "source": source, "out": out, "stderr": done.stderr,
-            "loaded": torch.load(work / "loaded.pt", weights_only=False),
-            "after": torch.load(work / "after.pt", weights_only=False),
-            "logits": torch.load(work / "logits.pt", weights_only=True)}
+#: The Trainer's runs the module converts: the tests' Llama untied, tied (its ``lm_head`` the embedding, as Llama
+#: 3.2's 1B and 3B), and a Qwen2 of its dimensions.
+RUNS = {"untied": {"tied": False, "qwen2": False}, "tied": {"tied": True, "qwen2": False},
+        "qwen2": {"tied": False, "qwen2": True}}
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    return _trained_and_converted(tmp_path_factory.mktemp("hf_to_megatron"), tied=False)
+def runs(tmp_path_factory) -> dict[str, dict]:
+    """By :data:`RUNS`' name: the Trainer's checkpoint-3, its conversion to TP2 PP2 DP1, and what megatron-core made of
+    it (loaded at that grid, its logits, a step on). The conversions run in one process (:func:`run_cli_cases`: the
+    command's entry point), the loads in one megatron-core launch (:func:`mcore.each`): a launch's start is most of a
+    load's time."""
+    root = tmp_path_factory.mktemp("hf_to_megatron")
+    cases, jobs, found = [], [], {}
+    for name, variant in RUNS.items():
+        work = root / name
+        accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, **variant, "llama": LLAMA,
+                                "out": str(work / "run"), "max_steps": 6}, label="train")
+        source, out = work / "run" / "checkpoint-3", work / "megatron"
+        found[name] = {"work": work, "source": source, "out": out}
+        cases.append(["checkpoint=accelerate", f"input.path={source}", "output.checkpoint=megatron", "target.tp_size=2",
+                      "target.pp_size=2", "target.world_size=4", f"output.path={out}"])
+        jobs.append(mcore.load_argv(out, work / "loaded.pt", tp=2, pp=2, dims_from_save=True, no_load_rng=True,
+                                    logits=work / "logits.pt", resume=1, dump_after=work / "after.pt"))
+    for name, done in zip(RUNS, run_cli_cases(cases, cwd=root, per_case_s=300, env=user_env()), strict=True):
+        assert done["code"] == 0, f"{name}: {done['stderr'][-3000:]}"
+        found[name]["stderr"] = done["stderr"]
+    mcore.each(root, 4, jobs, label="load-tp2pp2")
+    for case in found.values():
+        case.update(loaded=torch.load(case["work"] / "loaded.pt", weights_only=False),
+                    after=torch.load(case["work"] / "after.pt", weights_only=False),
+                    logits=torch.load(case["work"] / "logits.pt", weights_only=True))
+    return found
+
+
+@pytest.fixture
+def run(runs: dict[str, dict]) -> dict:
+    """The untied Llama's run."""
+    return runs["untied"]
 
 
 def _differences(run: dict, gpt: Gpt) -> list[str]:
@@ -115,13 +134,11 @@ def test_megatron_holds_the_trainers_masters_moments_and_step_bitwise(run) -> No
     assert set(groups[0.0]["params"]) == {k for k in loaded["model"] if k.endswith("norm_weight") or "layernorm" in k}
 
 
-def test_a_tied_llamas_checkpoint_is_a_tied_megatron_gpt_that_computes_its_logits_and_trains_on(
-    tmp_path_factory,
-) -> None:
+def test_a_tied_llamas_checkpoint_is_a_tied_megatron_gpt_that_computes_its_logits_and_trains_on(runs) -> None:
     """Llama 3.2's tied embedding, as the Trainer holds it (one parameter: ``optimizer.bin`` has no ``lm_head.weight``),
     is Megatron's tied embedding: no output layer of its own, the last stage's copy (PP2) equal to it, the same logits,
     and a step on."""
-    run = _trained_and_converted(tmp_path_factory.mktemp("hf_to_megatron_tied"), tied=True)
+    run = runs["tied"]
     gpt = dataclasses.replace(GPT, tied=True)
     assert "lm_head.weight" not in torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]
     assert "output_layer.weight" not in run["loaded"]["optim"] and run["loaded"]["replicas_unequal"] == []
@@ -132,13 +149,11 @@ def test_a_tied_llamas_checkpoint_is_a_tied_megatron_gpt_that_computes_its_logit
     assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
 
 
-def test_a_qwen2s_checkpoint_is_a_qkv_biased_megatron_gpt_that_computes_its_logits_and_trains_on(
-    tmp_path_factory,
-) -> None:
+def test_a_qwen2s_checkpoint_is_a_qkv_biased_megatron_gpt_that_computes_its_logits_and_trains_on(runs) -> None:
     """Qwen2's biases on q, k and v, with the Trainer's Adam state of each, are Megatron's ``linear_qkv`` bias (cut per
     query group as its weight's rows): the same tensors bitwise, the same logits, a step on; the biases in the
     no-decay group, as the Trainer keeps them."""
-    run = _trained_and_converted(tmp_path_factory.mktemp("hf_to_megatron_qwen2"), tied=False, qwen2=True)
+    run = runs["qwen2"]
     gpt = dataclasses.replace(GPT, qkv_bias=True)
     assert json.loads((run["source"] / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     held = torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]

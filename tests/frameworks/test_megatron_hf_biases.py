@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from frameworks import mcore
-from frameworks.mcore_saves import SAVES
+from frameworks.mcore_saves import SAVES, WORLD
 from helpers import run_osdpipe
 
 from osdpipe.io.formats.megatron import gpt_of, read_save
@@ -36,17 +36,32 @@ pytestmark = [
 ]
 
 RELATIVE_TOLERANCE = 1e-4
+#: Each source and the Hugging Face class its folder must be.
+ARCHITECTURES = {"tp2_dp2_bias": "LlamaForCausalLM", "tp2_pp2_qkv_bias": "Qwen2ForCausalLM",
+                 "gpt_tp2_pp2": "GPT2LMHeadModel"}
 
 
-@pytest.mark.parametrize("name, architecture", [("tp2_dp2_bias", "LlamaForCausalLM"),
-                                                ("tp2_pp2_qkv_bias", "Qwen2ForCausalLM"),
-                                                ("gpt_tp2_pp2", "GPT2LMHeadModel")])
+@pytest.fixture(scope="module")
+def megatron_logits(megatron_saves: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The logits megatron-core computes on the probe tokens from each source of :data:`ARCHITECTURES`, loaded at its
+    own grid: the three loads in one launch (:func:`mcore.each`; a launch's start is most of a load's time)."""
+    root = tmp_path_factory.mktemp("megatron_logits")
+    jobs = []
+    for name in ARCHITECTURES:
+        save = SAVES[name]
+        jobs.append(mcore.load_argv(megatron_saves[name], root / f"{name}.pt", tp=save.tp, pp=save.pp,
+                                    bias=save.bias, model=save.model, logits=root / f"{name}.logits.pt"))
+    mcore.each(root, WORLD, jobs, label="load-logits", timeout=600)
+    return {name: torch.load(root / f"{name}.logits.pt", weights_only=True) for name in ARCHITECTURES}
+
+
+@pytest.mark.parametrize("name, architecture", ARCHITECTURES.items())
 def test_a_biased_megatron_save_is_a_hugging_face_model_that_computes_its_logits(
-    megatron_saves: dict[str, Path], name: str, architecture: str, tmp_path: Path
+    megatron_saves: dict[str, Path], megatron_logits: dict[str, dict], name: str, architecture: str, tmp_path: Path
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    source, save = megatron_saves[name], SAVES[name]
+    source = megatron_saves[name]
     out = tmp_path / "hf"
     done = run_osdpipe("checkpoint=megatron", f"input.path={source}", "output.checkpoint=hf", f"output.path={out}",
                        cwd=tmp_path)
@@ -60,10 +75,7 @@ def test_a_biased_megatron_save_is_a_hugging_face_model_that_computes_its_logits
     assert any(key.endswith(".bias") for key in masters)
     assert [k for k, t in masters.items() if not torch.equal(back[k][:vocab], t[:vocab])] == []
 
-    probe_path = tmp_path / "logits.pt"
-    mcore.load(tmp_path, source, tmp_path / "loaded.pt", tp=save.tp, pp=save.pp, dp=save.dp, bias=save.bias,
-               model=save.model, logits=probe_path, timeout=300)
-    probe = torch.load(probe_path, weights_only=True)
+    probe = megatron_logits[name]
     diff, scale = mcore.hf_logits_gap(out, probe)
     print(f"{name}: max |Megatron - HF {architecture}| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
