@@ -9,13 +9,13 @@ for bit.  This module launches ``tests/frameworks/ds_job.py`` under
 
 API:
 
-* :func:`save` -- train ``steps`` steps on ``nproc`` ranks and
-  ``save_checkpoint(out)``; rank 0 dumps the gathered state at save time next
-  to the folder (:func:`dump_path`).  Moments that DeepSpeed's own API could
-  not give (see :func:`fill_moments_from_universal`) are filled in from
-  ``ds_to_universal``'s output.
-* :func:`universal` -- ``python -m deepspeed.checkpoint.ds_to_universal`` on
-  the folder's latest tag, written beside the folder.
+* :func:`save_all` -- one launch of ``ds_job.py`` on ``nproc`` ranks that, for each
+  spec in turn, trains ``steps`` steps and ``save_checkpoint(out)``s; rank 0
+  dumps the gathered state at save time next to the folder (:func:`dump_path`);
+  then ``ds_to_universal`` runs on each folder's latest tag, in the job, and
+  writes beside it (:func:`universal_path`).  Moments that DeepSpeed's own API
+  could not give (see :func:`fill_moments_from_universal`) are filled in from
+  that output.
 * :func:`fill_moments_from_universal` -- the per-parameter ``exp_avg`` /
   ``exp_avg_sq`` of a universal checkpoint, put into a dump.
 
@@ -31,7 +31,7 @@ with FQNs as ``model.named_parameters()`` of the unwrapped model names them.
 from __future__ import annotations
 
 import os
-import sys
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +46,19 @@ TIMINGS: list[tuple[str, float]] = []
 
 
 def dump_path(folder: Path) -> Path:
-    """Where :func:`save` puts the gathered state of ``folder`` (beside it, not inside:
+    """Where :func:`save_all` puts the gathered state of ``folder`` (beside it, not inside:
     the folder holds exactly what ``save_checkpoint`` wrote)."""
     folder = Path(folder)
     return folder.with_name(folder.name + ".dump.pt")
 
 
 def universal_path(folder: Path) -> Path:
-    """Where :func:`universal` writes (beside the folder: ``ds_to_universal`` also writes a
-    ``latest_universal`` file into the parent of its output folder)."""
+    """Where :func:`save_all` has ``ds_to_universal`` write, under the save's tag (beside the folder:
+    ``ds_to_universal`` also writes a ``latest_universal`` file into the parent of its output folder).
+
+    Its ``<tag>/zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt`` hold, for stage 1/2, ``{"cat_dim": 0, "param": tensor shaped
+    like the parameter}`` (and a ``step.pt`` with a 0-dim tensor); for stage 3, a bare flat tensor of the parameter's
+    numel (and no ``step.pt``)."""
     folder = Path(folder)
     return folder.with_name(folder.name + ".universal")
 
@@ -64,88 +68,54 @@ def latest_tag(folder: Path) -> str:
     return (Path(folder) / "latest").read_text().strip()
 
 
-def _run(cmd: list[str], workdir: Path, *, label: str, timeout: float, what: str) -> None:
-    """Run one command with DeepSpeed's CPU accelerator (:func:`frameworks.launch.run_logged`);
-    raise with the log's tail if it fails."""
-    TIMINGS.append(
-        (label, run_logged(cmd, workdir, label=label, timeout=timeout, what=what, env=worker_env(DS_ACCELERATOR="cpu")))
-    )
+def save_all(workdir: Path, nproc: int, specs: list[dict[str, Any]], *, timeout: float = 600) -> list[Path]:
+    """Train and ``engine.save_checkpoint(spec["out"])`` each of ``specs``, in turn, in one launch on ``nproc`` CPU
+    ranks, each followed by DeepSpeed's own ``ds_to_universal`` (:func:`universal_path`); return the folders.
 
-
-def _torchrun(workdir: Path, nproc: int, spec: dict[str, Any], *, label: str, timeout: float) -> None:
-    _run(torchrun(nproc, ENTRY, spec), workdir, label=label, timeout=timeout, what=f"DeepSpeed job ({nproc} ranks)")
-
-
-def save(workdir: Path, nproc: int, spec: dict[str, Any], *, timeout: float = 300) -> Path:
-    """Train and ``engine.save_checkpoint(spec["out"])`` on ``nproc`` CPU ranks; return the folder.
-
-    ``spec``: the keys of ``ds_job.py`` (out, stage, dtype, steps, tied; optional
-    vocab, dim, hidden, grad_accum_dtype); ``dump`` defaults to
-    :func:`dump_path` (out).  ``workdir`` receives the logs.  Where the job could
-    not take the moments from DeepSpeed's API, :func:`universal` runs and
+    ``spec``: the keys of ``ds_job.py`` (out, stage, dtype, steps, tied; optional vocab, dim, hidden,
+    grad_accum_dtype); ``dump`` defaults to :func:`dump_path` (out), ``universal`` to :func:`universal_path` (out).
+    ``workdir`` receives the log. Where the job could not take the moments from DeepSpeed's API,
     :func:`fill_moments_from_universal` completes the dump.
+
+    Why one launch: every rank's imports take longer than a save (``ds_job.main``); a save made after others is what
+    DeepSpeed writes in a job of its own (``ds_job.train_and_save``). Compared once, with DeepSpeed 0.19.8, for the
+    tests' six saves: every file of the folders, of ``ds_to_universal``'s output and every dump was the same, byte for
+    byte or tensor for tensor, as from a launch per save, but for stage 3's padding in the last rank's flat fp32
+    partition, memory DeepSpeed never writes, which two launches of the same save do not agree on either.
     """
-    spec = dict(spec)
-    out = Path(spec["out"]).resolve()
-    spec["out"] = str(out)
-    dump = Path(spec.get("dump") or dump_path(out)).resolve()
-    spec["dump"] = str(dump)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    dump.unlink(missing_ok=True)
-    _torchrun(workdir, nproc, spec, label=f"save-{out.name}", timeout=timeout)
-    if not (out / "latest").is_file() or not dump.is_file():
-        raise RuntimeError(f"DeepSpeed job left no folder {out} (with a 'latest' file) or no dump {dump}")
-    truth = torch.load(dump, weights_only=False)
-    if truth.get("missing_moments"):
-        folder = universal(out, workdir=workdir, timeout=timeout)
-        fill_moments_from_universal(truth, folder)
-        tmp = dump.with_name(dump.name + ".tmp")
-        torch.save(truth, tmp)
-        os.replace(tmp, dump)
-    return out
-
-
-def universal(folder: Path, *, workdir: Path | None = None, timeout: float = 300) -> Path:
-    """``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state`` on the latest tag.
-
-    Writes ``<folder>.universal/<tag>`` (and ``<folder>.universal/latest_universal``)
-    with one worker for extraction and one for merging; returns
-    ``<folder>.universal/<tag>``.  Its ``zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt``
-    hold, for stage 1/2, ``{"cat_dim": 0, "param": tensor shaped like the parameter}``
-    (and a ``step.pt`` with a 0-dim tensor); for stage 3, a bare flat tensor of the
-    parameter's numel (and no ``step.pt``).
-    """
-    folder = Path(folder).resolve()
-    tag = latest_tag(folder)
-    dest = universal_path(folder) / tag
-    if dest.exists():
-        import shutil
-
-        shutil.rmtree(dest)
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder",
-        str(folder / tag),
-        "--output_folder",
-        str(dest),
-        "--inject_missing_state",
-        "--num_extract_workers",
-        "1",
-        "--num_merge_workers",
-        "1",
-    ]
-    _run(
-        cmd,
-        Path(workdir) if workdir else folder.parent,
-        label=f"universal-{folder.name}",
+    specs = [dict(spec) for spec in specs]
+    for spec in specs:
+        out = Path(spec["out"]).resolve()
+        spec["out"] = str(out)
+        spec["dump"] = str(Path(spec.get("dump") or dump_path(out)).resolve())
+        spec["universal"] = str(Path(spec.get("universal") or universal_path(out)).resolve())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(spec["dump"]).unlink(missing_ok=True)
+        shutil.rmtree(spec["universal"], ignore_errors=True)
+    label = "save-" + "+".join(Path(spec["out"]).name for spec in specs)
+    seconds = run_logged(
+        torchrun(nproc, ENTRY, {"saves": specs}),
+        workdir,
+        label=label,
         timeout=timeout,
-        what="ds_to_universal",
+        what=f"DeepSpeed job ({nproc} ranks)",
+        env=worker_env(DS_ACCELERATOR="cpu"),
     )
-    if not (dest / "zero").is_dir():
-        raise RuntimeError(f"ds_to_universal wrote no {dest / 'zero'}")
-    return dest
+    TIMINGS.append((label, seconds))
+    for spec in specs:
+        out, dump = Path(spec["out"]), Path(spec["dump"])
+        if not (out / "latest").is_file() or not dump.is_file():
+            raise RuntimeError(f"DeepSpeed job left no folder {out} (with a 'latest' file) or no dump {dump}")
+        universal = Path(spec["universal"]) / latest_tag(out)
+        if not (universal / "zero").is_dir():
+            raise RuntimeError(f"ds_to_universal wrote no {universal / 'zero'}")
+        truth = torch.load(dump, weights_only=False)
+        if truth.get("missing_moments"):
+            fill_moments_from_universal(truth, universal)
+            tmp = dump.with_name(dump.name + ".tmp")
+            torch.save(truth, tmp)
+            os.replace(tmp, dump)
+    return [Path(spec["out"]) for spec in specs]
 
 
 def fill_moments_from_universal(truth: dict[str, Any], universal_folder: Path) -> dict[str, Any]:

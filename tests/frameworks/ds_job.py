@@ -14,8 +14,9 @@ multiple of the world size.  With dim 12 / hidden 20 every count is even and
 no padding appears at all on 2 ranks; ``dim``/``hidden`` in the spec change it.
 ``tied`` shares the embedding with the output head.
 
-Invoked as ``ds_job.py '<json spec>'``; see :func:`main` for the keys.  Rank 0
-writes the ground truth (see :func:`truth`) to ``spec["dump"]``.
+Invoked as ``ds_job.py '{"saves": [<spec>, ...]}'``: several saves, one after the other, in one
+launch; see :func:`main` for the keys.  Rank 0 writes each save's ground truth (see
+:func:`truth`) to its ``spec["dump"]``.
 
 fp16: the spec accepts "fp16" (with a dynamic loss scale), but DeepSpeed's CPU
 accelerator reports fp16 as supported only when
@@ -244,20 +245,18 @@ def truth(engine: Any, names: list[list[str]], stage: int, rank: int) -> dict[st
     return out if rank == 0 else {}
 
 
-def main() -> None:
-    """Spec keys: out (save folder), stage (1|2|3), dtype ("fp32"|"bf16"|"fp16"), steps, tied (bool),
-    dump (path for rank 0's ground truth); optional vocab, dim, hidden (model sizes) and
-    grad_accum_dtype (DeepSpeed ``data_types.grad_accum_dtype``, e.g. "fp32")."""
-    spec = json.loads(sys.argv[1])
-    t0 = time.time()
-    # Before deepspeed is imported: it picks its accelerator then.  Set here, not at
-    # import time, so that importing this module for DsLM alone changes nothing.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def train_and_save(spec: dict[str, Any], rank: int, world: int) -> None:
+    """One save of :func:`main`'s list: train ``spec["steps"]`` steps, ``engine.save_checkpoint(spec["out"])``, rank 0
+    writes the gathered state (:func:`truth`) to ``spec["dump"]``; then the engine is destroyed (collective).
+
+    Everything a save depends on starts afresh here, as in a process of its own: the seed, the model, its param groups,
+    the engine, its optimizer and scheduler. What the process keeps from an earlier save is only what DeepSpeed keeps
+    per process (``deepspeed.comm``'s process group, the loaded ops), which a save's files do not record.
+    """
     import deepspeed
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.time()
     torch.manual_seed(SEED)  # the same initial weights on every rank
     model = DsLM(bool(spec["tied"]), spec.get("vocab", VOCAB), spec.get("dim", DIM), spec.get("hidden", HIDDEN))
     groups, names = param_groups(model)
@@ -293,6 +292,57 @@ def main() -> None:
         tmp = path.with_name(path.name + ".tmp")
         torch.save(dump, tmp)
         os.replace(tmp, path)
+    # DeepSpeed's own teardown of an engine, for another in the same process: the optimizer's hooks and buffers
+    engine.destroy()
+    dist.barrier()
+
+
+def to_universal(folder: str, into: str) -> None:
+    """``python -m deepspeed.checkpoint.ds_to_universal --input_folder <folder>/<tag> --output_folder <into>/<tag>
+    --inject_missing_state --num_extract_workers 1 --num_merge_workers 1`` (``tag``: the one ``latest`` names), in this
+    process: the module's own argument parser and ``main``, without the seconds a process of its own spends importing
+    torch and DeepSpeed. One worker of each kind: the work is done in this process, none forked."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag = (Path(folder) / "latest").read_text().strip()
+    argv = sys.argv
+    sys.argv = [
+        "ds_to_universal", "--input_folder", str(Path(folder) / tag), "--output_folder", str(Path(into) / tag),
+        "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1",
+    ]  # fmt: skip
+    try:
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
+
+
+def main() -> None:
+    """The one argument: ``{"saves": [spec, ...]}`` (JSON), the saves made in turn in this one world
+    (:func:`train_and_save`); then, for each save whose spec names ``universal`` (a folder for its output), DeepSpeed's
+    ``ds_to_universal`` of it (:func:`to_universal`), the saves shared out over the ranks.
+
+    Why several saves in one launch: each rank of a launch spends about 25 s of a CPU core on imports (DeepSpeed's own,
+    then, at the first ``deepspeed.initialize``, ``torch._dynamo``, which torch's optimizers import, and DeepSpeed's
+    Muon module), where the save itself takes 1 to 2 s; a later engine in the same process imports nothing more.
+    ``ds_to_universal`` runs here for the same reason (a process of its own: about 5 s, nearly all imports).
+
+    Each save's spec keys: out (save folder), stage (1|2|3), dtype ("fp32"|"bf16"|"fp16"), steps, tied (bool), dump
+    (path for rank 0's ground truth); optional vocab, dim, hidden (model sizes), grad_accum_dtype (DeepSpeed
+    ``data_types.grad_accum_dtype``, e.g. "fp32") and universal."""
+    specs = json.loads(sys.argv[1])["saves"]
+    # Before deepspeed is imported: it picks its accelerator then.  Set here, not at
+    # import time, so that importing this module for DsLM alone changes nothing.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for spec in specs:
+        train_and_save(spec, rank, world)
+    converts = [spec for spec in specs if spec.get("universal")]
+    for spec in converts[rank::world]:
+        to_universal(spec["out"], spec["universal"])
     dist.barrier()
     # A background thread of gloo / DeepSpeed's CPU comm can abort the interpreter's
     # teardown after the work is done ("terminate called without an active exception").

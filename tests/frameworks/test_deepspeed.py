@@ -4,17 +4,24 @@ DeepSpeed 0.19.8 trains the tests' own model (:mod:`frameworks.ds_job`: odd
 sizes so ZeRO's padding shows, two param groups, a persistent buffer, tied
 embeddings or not) on 2 or 4 CPU ranks, for each ZeRO stage in fp32 and bf16
 (:data:`SAVES`), and calls ``engine.save_checkpoint``; the same job gathers
-what it held at that moment through DeepSpeed's own API (:mod:`frameworks.ds`).
-osdpipe reads the save folder without DeepSpeed's code and writes each save
-for FSDP2 on 2 and on 3 ranks, one also for DDP (:data:`TARGETS`), in PyTorch's layout
-(``checkpoint=deepspeed``: model and optimizer) or the optimizer alone
-(``input.format=deepspeed``); its own checks load the output into that job
-(``set_model_state_dict``, ``set_optimizer_state_dict``) and step it. The
-other frameworks load what osdpipe writes for them: every save as a torchtitan
-step folder, which torchtitan's own ``CheckpointManager`` loads
+what it held at that moment through DeepSpeed's own API (:mod:`frameworks.ds`)
+and runs DeepSpeed's own ``ds_to_universal`` on the save. One launch makes
+every save of a world size, one after the other (:func:`saves`).
+
+osdpipe reads the save folder without DeepSpeed's code and writes, in PyTorch's
+layout (``checkpoint=deepspeed``: model and optimizer), each save for FSDP2 on
+one world and, as a torchtitan step folder, on the other (2 and 3 ranks, the
+pairs alternating over the saves, :data:`WORLDS` says why), one save also for
+DDP (:data:`TARGETS`), one with the model as safetensors; one save's optimizer
+alone (``input.format=deepspeed``, found by itself). Its own checks load each
+output into that job (``set_model_state_dict``, ``set_optimizer_state_dict``)
+and step it. The other frameworks load what osdpipe writes for them: every
+torchtitan step folder, which torchtitan's own ``CheckpointManager`` loads
 (:mod:`frameworks.titan_load`); an accelerate folder, which accelerate's own
-``load_state`` loads; every save as one plain file, which plain torch loads. The asked-for
-``universal`` check runs DeepSpeed's own ``ds_to_universal``.
+``load_state`` loads; every save as one plain file, which plain torch loads.
+The asked-for ``universal`` check runs DeepSpeed's own ``ds_to_universal``.
+``osdpipe inspect`` prints a command that runs as printed, and two saves
+copied to S3 convert as their local copies do.
 
 The output, gathered whole, holds bit for bit, under each parameter's name:
 DeepSpeed's fp32 master weights as the model's weights (not the bf16 copy),
@@ -55,26 +62,38 @@ SAVES = {
     "zero3-fp32-2": {"stage": 3, "dtype": "fp32", "tied": False, "ranks": 2},
     "zero3-bf16-4": {"stage": 3, "dtype": "bf16", "tied": True, "ranks": 4},
 }
-#: What each save converts to: FSDP2 on 2 and on 3 ranks in PyTorch's layout (DCP), one with the model as safetensors
-#: beside it, and DDP's rank files (each the whole model and optimizer, as a plain job saves them) with the model as
-#: safetensors.
+#: Each save's two FSDP2 target worlds, ``(whole, titan)``: that of its conversion in PyTorch's layout (:data:`TARGETS`)
+#: and that of its torchtitan step folder (:data:`CONVERSIONS`). Both outputs are compared bit for bit with DeepSpeed's
+#: state (masters, moments, steps, param groups, buffer, its own entries) and pass osdpipe's four checks, so with the
+#: two worlds different every save is written for FSDP2 on 2 and on 3 ranks, once each (it was twice: PyTorch's layout
+#: for both worlds, besides torchtitan's). The layout math cuts the source's partitions (stage 1/2: flat groups; stage
+#: 3: per parameter; on 2 or 4 ranks; the dtype plays no part) into the target's shards. The worlds alternate over the
+#: saves so that the conversion to PyTorch's layout alone still writes each source kind and each source world for both
+#: target worlds: stage 1/2 for 2 (zero2-fp32-4) and 3 (zero1-bf16-4, zero2-bf16-2), stage 3 for 2 (zero3-fp32-2) and 3
+#: (zero3-bf16-4), 4 ranks for 2 (zero2-fp32-4) and 3 (zero1-bf16-4, zero3-bf16-4), 2 ranks for 2 (zero3-fp32-2) and 3
+#: (zero2-bf16-2); and torchtitan's own load, on 2 ranks, takes a tied and an untied model written for 2 (zero2-bf16-2,
+#: zero3-bf16-4; zero1-bf16-4) and for 3, resharding them (zero2-fp32-4; zero3-fp32-2).
+WORLDS = {"zero1-bf16-4": (3, 2), "zero2-fp32-4": (2, 3), "zero2-bf16-2": (3, 2), "zero3-fp32-2": (2, 3),
+          "zero3-bf16-4": (3, 2)}  # fmt: skip
+#: What each save converts to in PyTorch's layout: FSDP2 on its :data:`WORLDS` (DCP), one with the model as
+#: safetensors beside it; and one save to DDP's rank files (each the whole model and optimizer, as a plain job saves
+#: them) with the model as safetensors.
 TARGETS = {
     **{
-        f"{name}-fsdp2-{world}": (
-            name, ["target.kind=fsdp2", f"target.world_size={world}", "output.checkpoint=pytorch"]
+        f"{name}-fsdp2-{whole}": (
+            name, ["target.kind=fsdp2", f"target.world_size={whole}", "output.checkpoint=pytorch"]
         )
-        for name in SAVES
-        for world in (2, 3)
+        for name, (whole, _) in WORLDS.items()
     },
     "zero2-fp32-4-ddp-2": (
         "zero2-fp32-4",
         ["target.kind=ddp", "target.world_size=2", "output.format=rank_local", "output.model_format=safetensors"],
     ),
 }
-TARGETS["zero3-bf16-4-fsdp2-2"][1].append("output.model_format=safetensors")
-#: The FSDP2 world each save's torchtitan step folder is written for (torchtitan's own load, on 2 ranks, reshards
-#: either).
-TITAN_WORLDS = {"zero1-bf16-4": 2, "zero2-fp32-4": 3, "zero2-bf16-2": 3, "zero3-fp32-2": 2, "zero3-bf16-4": 2}
+TARGETS["zero3-bf16-4-fsdp2-3"][1].append("output.model_format=safetensors")
+#: A ZeRO-3 fp32 save on 2 ranks, as ``zero3-fp32-2`` but of a model of other sizes (same stage, same world,
+#: partitions of other lengths): for :func:`_damaged`'s "rank file of another model".
+OTHER_MODEL = {"stage": 3, "dtype": "fp32", "tied": False, "dim": 12, "hidden": 20, "steps": 1, "ranks": 2}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -91,18 +110,23 @@ def _gathered(dcp_dir: Path, work: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory) -> dict[str, Path]:
-    """Each of :data:`SAVES`, trained and saved once for the module, with DeepSpeed's own universal checkpoint beside
-    it."""
+    """Each of :data:`SAVES` and ``other-model`` (:data:`OTHER_MODEL`), trained and saved once for the module, with
+    DeepSpeed's own universal checkpoint beside it.
+
+    One DeepSpeed launch per world size (:func:`frameworks.ds.save_all`), not one per save: a launch's imports, on
+    every rank, take longer than its save (``ds_job.main``). On two cores, within the same hour, the six launches and
+    five runs of ``ds_to_universal`` these two replace took 265 s, the two 84 s. Each save is still made from a fresh
+    seed, model and engine (``ds_job.train_and_save``)."""
     root = tmp_path_factory.mktemp("deepspeed")
+    specs = {**SAVES, "other-model": OTHER_MODEL}
     made = {}
-    for name, spec in SAVES.items():
-        made[name] = folder = ds.save(
-            root,
-            spec["ranks"],
-            {**{k: v for k, v in spec.items() if k != "ranks"}, "out": str(root / name), "steps": 2},
-        )
-        if not ds.universal_path(folder).is_dir():  # ds.save made it where DeepSpeed's API lacked moments
-            ds.universal(folder, workdir=root)
+    for ranks in sorted({spec["ranks"] for spec in specs.values()}, reverse=True):
+        names = [name for name, spec in specs.items() if spec["ranks"] == ranks]
+        jobs = [
+            {"steps": 2, **{k: v for k, v in specs[name].items() if k != "ranks"}, "out": str(root / name)}
+            for name in names
+        ]
+        made.update(zip(names, ds.save_all(root, ranks, jobs), strict=True))
     return made
 
 
@@ -126,17 +150,11 @@ def _passed(out: Path, code: int | str, said: str, checks: tuple[str, ...] = ALL
     return report
 
 
-def _convert(folder: Path, out: Path, *extra: str, checks: tuple[str, ...] = ALL_CHECKS) -> dict:
-    """The ``osdpipe`` command on the save ``folder`` (:func:`_argv`), in a process of its own;
-    every check must pass."""
-    done = run_command(
-        [sys.executable, "-m", "osdpipe", *_argv(folder, out, *extra)], cwd=out.parent, timeout=400, env=user_env()
-    )
-    return _passed(out, done.returncode, done.stderr, checks)
-
-
-#: The conversions of every save to PyTorch's layout, to one plain file and to a torchtitan step folder:
-#: ``(save, overrides)`` by case.
+#: The ``universal`` check, asked for where a test names it: DeepSpeed's own ``ds_to_universal``, run by osdpipe.
+WITH_UNIVERSAL = (*ALL_CHECKS, "universal")
+#: Every conversion of a local save (the ``osdpipe`` command's overrides after :func:`_argv`'s), run by
+#: :func:`converted` in one driver process: each save to PyTorch's layout (:data:`TARGETS`), to one plain file and to a
+#: torchtitan step folder (:data:`WORLDS`); the optimizer alone; an accelerate folder. ``(save, overrides)`` by case.
 CONVERSIONS = {
     **{
         f"whole/{target}": (name, ["checkpoint=deepspeed", *overrides])
@@ -153,16 +171,26 @@ CONVERSIONS = {
         for name in SAVES
     },
     **{
-        f"titan/{name}": (name, ["checkpoint=deepspeed", "output.checkpoint=torchtitan", f"target.world_size={world}"])
-        for name, world in TITAN_WORLDS.items()
+        f"titan/{name}": (name, ["checkpoint=deepspeed", "output.checkpoint=torchtitan", f"target.world_size={titan}"])
+        for name, (_, titan) in WORLDS.items()
     },
+    # input.format=deepspeed, found by itself; checkpoint=optimizer
+    "optimizer/zero3-fp32-2": ("zero3-fp32-2", []),
+    "accelerate/zero2-bf16-2": (
+        "zero2-bf16-2",
+        [
+            "checkpoint=deepspeed", "output.checkpoint=accelerate", "target.world_size=2",
+            f"pipeline.checks=[{','.join(WITH_UNIVERSAL)}]",
+        ],
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def converted(saves: dict[str, Path], tmp_path_factory) -> dict[str, tuple[Path, int | str, str]]:
-    """Each of :data:`CONVERSIONS` through the ``osdpipe`` entry point, all in one driver process (torch imported once):
-    case -> its output directory, exit code and stderr."""
+    """Each of :data:`CONVERSIONS` through the ``osdpipe`` entry point, all in one driver process (torch imported, the
+    ranks' fork server started, once; a command of its own took about 5 s more each): case -> its output directory, exit
+    code and stderr."""
     root = tmp_path_factory.mktemp("converted")
     outs = {case: root / case.replace("/", "-") for case in CONVERSIONS}
     argv = [_argv(saves[name], outs[case], *overrides) for case, (name, overrides) in CONVERSIONS.items()]
@@ -292,7 +320,7 @@ def _unflattened(optimizer: dict, groups: list[dict]) -> dict:
 
 
 
-@pytest.mark.parametrize("name", list(TITAN_WORLDS))
+@pytest.mark.parametrize("name", list(WORLDS))
 def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(
     tmp_path: Path, saves: dict[str, Path], converted: dict, name: str
 ) -> None:
@@ -335,7 +363,9 @@ def test_a_zero_save_becomes_a_torchtitan_step_folder_of_its_step(
     _assert_the_optimizer_is_deepspeeds(loaded["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
 
 
-def test_a_zero_save_becomes_an_accelerate_folder_that_load_state_reads(tmp_path: Path, saves: dict[str, Path]) -> None:
+def test_a_zero_save_becomes_an_accelerate_folder_that_load_state_reads(
+    tmp_path: Path, saves: dict[str, Path], converted: dict
+) -> None:
     """``output.checkpoint=accelerate``: ``save_state``'s SHARDED folder for FSDP2 on 2 ranks, DeepSpeed's own entries
     in ``deepspeed.pt`` beside it; accelerate 1.15's own ``load_state``, in a fresh FSDP2 job of the same model and
     param groups (no scheduler, as the run says), loads DeepSpeed's masters and optimizer state bit for bit and takes a
@@ -345,18 +375,9 @@ def test_a_zero_save_becomes_an_accelerate_folder_that_load_state_reads(tmp_path
     name = "zero2-bf16-2"
     folder = saves[name]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
-    out = tmp_path / "out"
+    out, code, stderr = converted[f"accelerate/{name}"]
     # and DeepSpeed's own ds_to_universal, run by the check
-    asked = ("roundtrip", "reference", "load_step", "resume", "universal")
-    report = _convert(
-        folder,
-        out,
-        "checkpoint=deepspeed",
-        "output.checkpoint=accelerate",
-        "target.world_size=2",
-        f"pipeline.checks=[{','.join(asked)}]",
-        checks=asked,
-    )
+    report = _passed(out, code, stderr, WITH_UNIVERSAL)
     assert sorted(p.name for p in (out / "dcp").iterdir()) == ["deepspeed.pt", "optimizer_0", "pytorch_model_fsdp_0"]
     carried = torch.load(out / "dcp" / "deepspeed.pt", weights_only=True)
     assert carried["lr_scheduler"] == truth["lr_scheduler"] and carried["global_steps"] == truth["global_steps"]
@@ -482,15 +503,17 @@ def test_a_zero_save_becomes_one_plain_file_that_a_single_process_job_loads(
 
 
 def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(
-    tmp_path: Path, saves: dict[str, Path]
+    tmp_path: Path, saves: dict[str, Path], converted: dict
 ) -> None:
+    """No ``checkpoint=``: ``input.format=deepspeed`` is found from the files, and the optimizer alone is converted (for
+    FSDP2 on 3 ranks); osdpipe's reader gives DeepSpeed's fp32 masters bit for bit."""
     folder = saves["zero3-fp32-2"]
     truth = torch.load(ds.dump_path(folder), weights_only=False)
-    out = tmp_path / "out"
-    _convert(folder, out)  # input.format=deepspeed, found by itself; checkpoint=optimizer
-    _assert_the_optimizer_is_deepspeeds(
-        _gathered(out / "dcp", tmp_path)["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder)
-    )
+    out, code, said = converted["optimizer/zero3-fp32-2"]
+    _passed(out, code, said)
+    got = _gathered(out / "dcp", tmp_path)
+    assert list(got) == ["optim"], "the optimizer alone"
+    _assert_the_optimizer_is_deepspeeds(got["optim"], truth, ds.universal_path(folder) / ds.latest_tag(folder))
     reader = ZeroReader(str(folder))
     masters = reader.read([(fqn, "fp32") for fqn in truth["fp32"]])
     assert [
@@ -499,15 +522,9 @@ def test_the_optimizer_alone_converts_and_the_masters_read_are_deepspeeds(
 
 
 @pytest.fixture(scope="module")
-def other_model(tmp_path_factory) -> Path:
-    """A ZeRO-3 fp32 save on 2 ranks, as ``zero3-fp32-2`` but of a model of other sizes: same stage, same world,
-    partitions of other lengths."""
-    root = tmp_path_factory.mktemp("deepspeed-other")
-    return ds.save(
-        root,
-        2,
-        {"stage": 3, "dtype": "fp32", "tied": False, "dim": 12, "hidden": 20, "out": str(root / "other"), "steps": 1},
-    )
+def other_model(saves: dict[str, Path]) -> Path:
+    """The save of :data:`OTHER_MODEL`, made in the launch of the other 2-rank saves."""
+    return saves["other-model"]
 
 
 def _damaged(kind: str, folder: Path, other: Path, other_model: Path) -> None:
