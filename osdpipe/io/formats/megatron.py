@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from osdpipe.core.compare import bits_equal
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 from osdpipe.io.formats.inert_load import load_inert, load_inert_bytes
@@ -480,24 +481,31 @@ def _from_buckets(
     return optim, groups, notes
 
 
+def _blocks(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str):
+    """Each piece of a local parameter's ``state``: its key, its box in the global tensor (``optim[key][state]``) and
+    its block of ``local`` shaped as that box: what :func:`_place` writes there and :func:`_unequal` compares."""
+    for piece in param.pieces:
+        box = tuple(slice(a, b) for a, b in piece.box)
+        yield piece.key, box, local[piece.local_start : piece.local_stop].reshape(optim[piece.key][state][box].shape)
+
+
 def _unequal(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str) -> int:
     """How many elements of ``local`` (a tied copy's ``state``) differ, bit for bit, from what the global tensors
     already hold at the copy's pieces (:func:`_place`'s ``optim``)."""
     differ = 0
-    for piece in param.pieces:
-        held = optim[piece.key][state][tuple(slice(a, b) for a, b in piece.box)]
-        block = local[piece.local_start : piece.local_stop].reshape(held.shape).to(held.dtype)
-        differ += int((block.view(torch.int32) != held.view(torch.int32)).sum())  # the fp32 states' bits
+    for key, box, block in _blocks(local, param, optim, state):
+        held = optim[key][state][box]
+        block = block.to(held.dtype)
+        if not bits_equal(block, held):
+            differ += int((block.view(torch.int32) != held.view(torch.int32)).sum())  # the fp32 states' bits
     return differ
 
 
 def _place(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str, filled: dict) -> None:
     """A local parameter's state into the global tensors, piece by piece."""
-    for piece in param.pieces:
-        box = tuple(slice(a, b) for a, b in piece.box)
-        block = local[piece.local_start : piece.local_stop]
-        optim[piece.key][state][box] = block.reshape(optim[piece.key][state][box].shape)
-        filled[piece.key][box] = True
+    for key, box, block in _blocks(local, param, optim, state):
+        optim[key][state][box] = block
+        filled[key][box] = True
 
 
 def _groups_with_keys(
