@@ -38,15 +38,23 @@ def _assert_same(expected_path, actual_path):
     assert not differences, "\n".join(differences[:40])
 
 
+def _save_then_load(tmp_path, saved: tuple[int, int], sharding: str, loaded: tuple[int, int]):
+    """A job at TP x PP ``saved`` trains 3 steps, saves in ``sharding`` and takes 2 more; a job at ``loaded`` loads
+    the save and takes the same 2: the save, then the load, in one launch on 4 ranks (each job built afresh), as
+    megatron-core's start is most of a job's time. The save's folder."""
+    src = tmp_path / "src"
+    mcore.each(tmp_path, 4, [
+        mcore.save_argv(src, tp=saved[0], pp=saved[1], sharding=sharding, steps=3, resume_truth=2,
+                        dump_after=tmp_path / "src.resumed.pt"),
+        mcore.load_argv(src, tmp_path / "loaded.pt", tp=loaded[0], pp=loaded[1], resume=2,
+                        dump_after=tmp_path / "loaded.resumed.pt"),
+    ], label="save-load", timeout=TIMEOUT)
+    return src
+
+
 def test_dp_reshardable_loads_back_bitwise_and_resumes(tmp_path):
     """TP2 PP1 DP2, dp_reshardable (Megatron-LM's default): the same layout loads the truth, resumes like the source."""
-    src = tmp_path / "src"
-    # the save, then the load, in one launch (each job built afresh): megatron-core's start is most of a job's time
-    mcore.each(tmp_path, 4, [
-        mcore.save_argv(src, tp=2, pp=1, sharding="dp_reshardable", steps=3, resume_truth=2,
-                        dump_after=tmp_path / "src.resumed.pt"),
-        mcore.load_argv(src, tmp_path / "loaded.pt", tp=2, pp=1, resume=2, dump_after=tmp_path / "loaded.resumed.pt"),
-    ], label="save-load", timeout=TIMEOUT)
+    src = _save_then_load(tmp_path, (2, 1), "dp_reshardable", (2, 1))
     truth = _load(mcore.truth_path(src))
     assert truth["iteration"] == 3 and len(truth["param_groups"]) == 2
     assert truth["model"]["embedding.word_embeddings.weight"].shape == (1024, 64)  # vocab 1000 padded (128 x TP)
@@ -61,11 +69,6 @@ def test_dp_reshardable_loads_back_bitwise_and_resumes(tmp_path):
 
 def test_fully_reshardable_is_resharded_by_megatron(tmp_path):
     """TP2 PP2 DP1, fully_reshardable, loaded by Megatron at TP1 PP1 DP4: the truth, and the same resume."""
-    src = tmp_path / "src"
-    mcore.each(tmp_path, 4, [
-        mcore.save_argv(src, tp=2, pp=2, sharding="fully_reshardable", steps=3, resume_truth=2,
-                        dump_after=tmp_path / "src.resumed.pt"),
-        mcore.load_argv(src, tmp_path / "loaded.pt", tp=1, pp=1, resume=2, dump_after=tmp_path / "loaded.resumed.pt"),
-    ], label="save-load", timeout=TIMEOUT)
+    src = _save_then_load(tmp_path, (2, 2), "fully_reshardable", (1, 1))
     _assert_same(mcore.truth_path(src), tmp_path / "loaded.pt")
     _assert_same(tmp_path / "src.resumed.pt", tmp_path / "loaded.resumed.pt")
