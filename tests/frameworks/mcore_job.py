@@ -16,8 +16,8 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
   save's own GPT dimensions: ``--dims-from-save``), load as Megatron-LM's ``load_checkpoint`` does (without its RNG
   states: ``--no-load-rng``), dump, optionally the loaded model's logits; optionally K synthetic steps and a second
   dump.
-* ``each --plan PLAN.json``: each ``load`` of the plan (a JSON list of ``load`` argument lists), in turn, each in a
-  job built afresh at its own TP and PP on the same ranks (:func:`mcore.teardown` between): one launch for many.
+* ``each --plan PLAN.json``: each job of the plan (a JSON list of ``save`` or ``load`` argument lists), in turn, each
+  built afresh at its own TP and PP on the same ranks (:func:`mcore.teardown` between): one launch for many.
 
 The CPU patches are applied here, in the rank, never in the process that launches it.
 """
