@@ -432,34 +432,34 @@ def configure_from(folder: Path) -> None:
     """Take the GPT's dimensions from the Megatron save at ``folder`` (its ``common.pt``'s ``args``, as Megatron-LM's
     ``--use-checkpoint-args`` does), instead of the harness's own: what a save osdpipe made from another model
     needs. Worker side, before :func:`setup`."""
-    global VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, NORM_EPS, ROTARY_BASE, DIVISIBLE_BY, ROPE_SCALING
-    global BIAS_LINEAR, BIAS_QKV, NORM, POSITIONS, SWIGLU, TIED, GQA, OPENAI_GELU, MAX_POSITIONS
     from megatron.core import dist_checkpointing
 
     args = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(Path(folder))[0]))["args"]
-    VOCAB, HIDDEN, FFN, LAYERS = args.vocab_size, args.hidden_size, args.ffn_hidden_size, args.num_layers
-    HEADS = args.num_attention_heads
-    GROUPS = args.num_query_groups if args.group_query_attention else HEADS
-    NORM_EPS, ROTARY_BASE, DIVISIBLE_BY = args.norm_epsilon, args.rotary_base, args.make_vocab_size_divisible_by
-    # Megatron-LM's --use-rope-scaling --rope-scaling-factor (Llama 3.1's), as its model provider passes them
-    ROPE_SCALING = getattr(args, "rope_scaling_factor", 8.0) if getattr(args, "use_rope_scaling", False) else None
-    BIAS_LINEAR, BIAS_QKV = bool(args.add_bias_linear), bool(getattr(args, "add_qkv_bias", False))
-    NORM, POSITIONS, SWIGLU = args.normalization, args.position_embedding_type, bool(args.swiglu)
-    TIED, GQA = not args.untie_embeddings_and_output_weights, bool(args.group_query_attention)
-    OPENAI_GELU = bool(getattr(args, "openai_gelu", False))
-    MAX_POSITIONS = int(args.max_position_embeddings)
-    if args.kv_channels != HIDDEN // HEADS:
+    if args.kv_channels != args.hidden_size // args.num_attention_heads:
         raise SystemExit(f"kv_channels {args.kv_channels} != hidden / heads: the harness builds no such GPT yet")
+    restore({
+        "VOCAB": args.vocab_size, "HIDDEN": args.hidden_size, "FFN": args.ffn_hidden_size, "LAYERS": args.num_layers,
+        "HEADS": args.num_attention_heads,
+        "GROUPS": args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+        "NORM_EPS": args.norm_epsilon, "ROTARY_BASE": args.rotary_base,
+        "DIVISIBLE_BY": args.make_vocab_size_divisible_by,
+        # Megatron-LM's --use-rope-scaling --rope-scaling-factor (Llama 3.1's), as its model provider passes them
+        "ROPE_SCALING": getattr(args, "rope_scaling_factor", 8.0) if getattr(args, "use_rope_scaling", False) else None,
+        "BIAS_LINEAR": bool(args.add_bias_linear), "BIAS_QKV": bool(getattr(args, "add_qkv_bias", False)),
+        "NORM": args.normalization, "POSITIONS": args.position_embedding_type, "SWIGLU": bool(args.swiglu),
+        "TIED": not args.untie_embeddings_and_output_weights, "GQA": bool(args.group_query_attention),
+        "OPENAI_GELU": bool(getattr(args, "openai_gelu", False)),
+        "MAX_POSITIONS": int(args.max_position_embeddings),
+    })  # fmt: skip
 
 
 def use_model(name: str) -> None:
     """Build the GPT :data:`MODELS` names ``name`` from now on (worker side, before :func:`setup`)."""
-    global NORM, POSITIONS, SWIGLU, TIED, GQA
-    NORM, POSITIONS, SWIGLU, TIED, GQA = MODELS[name]
+    restore(dict(zip(("NORM", "POSITIONS", "SWIGLU", "TIED", "GQA"), MODELS[name], strict=True)))
 
 
-#: The module's globals a job's options change (:func:`use_model`, :func:`configure_from`, the bias flags): what
-#: :func:`settings` keeps and :func:`restore` puts back between the jobs of one launch.
+#: The module's globals a job's options change (:func:`use_model`, :func:`configure_from`, the bias flags), each set
+#: through :func:`restore`: what :func:`settings` keeps and :func:`restore` puts back between the jobs of one launch.
 _SETTINGS = ("VOCAB", "HIDDEN", "FFN", "LAYERS", "HEADS", "GROUPS", "NORM_EPS", "ROTARY_BASE", "DIVISIBLE_BY",
              "ROPE_SCALING", "BIAS_LINEAR", "BIAS_QKV", "NORM", "POSITIONS", "SWIGLU", "TIED", "GQA", "OPENAI_GELU",
              "MAX_POSITIONS")
@@ -471,8 +471,11 @@ def settings() -> dict[str, Any]:
 
 
 def restore(saved: dict[str, Any]) -> None:
-    """Build the GPT of ``saved`` (:func:`settings`) from now on: a launch's next job starts from the harness's own,
-    never from the dimensions the last one took from its save."""
+    """Build the GPT of ``saved`` (:func:`settings`, or some of its names) from now on: a launch's next job starts
+    from the harness's own, never from the dimensions the last one took from its save. The one place a job's options
+    change the module's globals: a name :data:`_SETTINGS` does not list is refused, so none escapes the restore."""
+    if unknown := set(saved) - set(_SETTINGS):
+        raise KeyError(f"not a harness setting: {sorted(unknown)} (add it to _SETTINGS)")
     globals().update(saved)
 
 

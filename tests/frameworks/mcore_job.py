@@ -95,7 +95,7 @@ def run(opts: argparse.Namespace):
     if (opts.resume_truth if opts.cmd == "save" else opts.resume) and opts.dump_after is None:
         raise SystemExit("--resume/--resume-truth needs --dump-after")
     start = time.monotonic()
-    mcore.BIAS_LINEAR, mcore.BIAS_QKV = opts.bias == "linear", opts.bias == "qkv"
+    mcore.restore({"BIAS_LINEAR": opts.bias == "linear", "BIAS_QKV": opts.bias == "qkv"})
     mcore.use_model(opts.model)
     with mcore.quiet_warnings():
         if opts.cmd == "load" and opts.dims_from_save:
