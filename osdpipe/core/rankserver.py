@@ -34,7 +34,8 @@ PRELOAD = [
     "osdpipe.layout.kinds.fsdp2",
 ]
 
-#: Command-line words after which the command starts no local ranks (help, config printing, offline, torchrun).
+#: Command-line words after which the command starts no local ranks (help, config printing, torchrun; offline, where an
+#: input.path is given: :func:`ranks_may_start`).
 NO_RANKS = (
     "--help", "-h", "--version", "--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc",
     "runtime.mode=offline", "runtime.launcher=torchrun",
@@ -76,11 +77,16 @@ def ranks_may_start(args: list[str]) -> bool:
     """Whether a command with these arguments may start local ranks:
     not under torchrun, nor where :data:`NO_RANKS` says none will.
 
-    An offline run with ``runtime.workers`` starts its workers as ranks.
+    An offline run starts ranks all the same where it has workers (``runtime.workers``: they start as ranks) or no
+    ``input.path`` (the source it converts is trained on ranks first, as the embedded default's is).
     """
     words = [a.lstrip("+") for a in args]
     workers = any(w.startswith("runtime.workers=") and w != "runtime.workers=1" for w in words)
-    return not in_torchrun() and not any(w in NO_RANKS and not (workers and w == "runtime.mode=offline") for w in words)
+    given = any(w.startswith("input.path=") for w in words)
+    offline_ranks = workers or not given
+    return not in_torchrun() and not any(
+        w in NO_RANKS and not (offline_ranks and w == "runtime.mode=offline") for w in words
+    )
 
 
 def start_early(args: list[str]) -> None:

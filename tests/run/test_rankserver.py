@@ -37,15 +37,42 @@ def test_the_server_starts_only_where_ranks_will(monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     assert rankserver.ranks_may_start(["output.path=/tmp/x"])
     assert not rankserver.ranks_may_start(["--help"])
-    assert not rankserver.ranks_may_start(["runtime.mode=offline", "target.world_size=64"])
-    assert rankserver.ranks_may_start(["runtime.mode=offline", "runtime.workers=3"]), "offline workers start as ranks"
-    assert not rankserver.ranks_may_start(["runtime.mode=offline", "runtime.workers=1"])
+    given = "input.path=/ckpt/optim.pt"
+    assert not rankserver.ranks_may_start(["runtime.mode=offline", "target.world_size=64", given])
+    assert rankserver.ranks_may_start(["runtime.mode=offline", "runtime.workers=3", given]), "workers start as ranks"
+    assert not rankserver.ranks_may_start(["runtime.mode=offline", "runtime.workers=1", given])
+    assert rankserver.ranks_may_start(["runtime.mode=offline", "target.world_size=64"]), "a source is trained on ranks"
     assert not rankserver.ranks_may_start(["+runtime.launcher=torchrun"])
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert not rankserver.ranks_may_start(["output.path=/tmp/x"]), "under torchrun the command is a rank itself"
+
+
+@pytest.mark.parametrize(
+    ("mode", "workers", "path", "launcher", "starts"),
+    [
+        ("online", 1, "/ckpt/optim.pt", "auto", True),
+        ("offline", 1, "/ckpt/optim.pt", "auto", False),
+        ("offline", 3, "/ckpt/optim.pt", "auto", True),  # the workers start as ranks
+        ("offline", 1, None, "auto", True),  # the source is trained on ranks first
+        ("online", 1, None, "torchrun", False),  # the command is a rank itself
+    ],
+)
+def test_a_composed_run_starts_the_server_where_it_will_start_ranks(monkeypatch, mode, workers, path, launcher,
+                                                                    starts) -> None:
+    """What the command line did not say (a recipe's mode or input, the embedded default's): the composed run's spec
+    decides, before the run's own imports."""
+    from types import SimpleNamespace
+
+    from osdpipe.cli.compose import _starts_local_ranks
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    spec = SimpleNamespace(runtime=SimpleNamespace(mode=mode, workers=workers, launcher=launcher),
+                           input=SimpleNamespace(path=path))  # fmt: skip
+    assert _starts_local_ranks(spec) is starts
 
 
 def _pid_and(value: int) -> tuple[int, bool]:
