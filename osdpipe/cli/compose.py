@@ -41,7 +41,7 @@ from osdpipe.cli.sweep import JobRecord, summarize_sweep
 from osdpipe.core import rankserver
 from osdpipe.io import remote_input, store
 from osdpipe.io.output import OutputError
-from osdpipe.spec.config import ConfigError, RunSpec, check_schema, name_torchtitans_model, unknown_key, validate
+from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
 from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages
 
 if TYPE_CHECKING:
@@ -178,15 +178,6 @@ def job_config(cfg: DictConfig, job_dir: str, overrides: Sequence[str] = ()) -> 
     return name_torchtitans_model(raw, model_given=bool(named & {"model", "model.factory"}))
 
 
-def _starts_local_ranks(spec: RunSpec) -> bool:
-    """Whether the run of ``spec`` starts ranks on this machine, so that their fork server is worth starting before
-    the run's own imports (:mod:`osdpipe.core.rankserver`): an online run's target world, an offline run's workers,
-    and the training that makes a source where no ``input.path`` is given; none of them under torchrun."""
-    if rankserver.joins_torchrun(spec.runtime.launcher):
-        return False
-    return spec.runtime.mode == "online" or spec.runtime.workers > 1 or spec.input.path is None
-
-
 def _config_error(exc: Exception) -> int:
     """Say a bad config, one line per problem, and remove the directories Hydra made for the job."""
     for line in str(exc).splitlines():
@@ -216,7 +207,8 @@ def _run_job(cfg: DictConfig) -> int:
     # reads it)
     if by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
         return _run_by_megatron_stages(raw, checked, remote)
-    if _starts_local_ranks(checked):
+    runtime = checked.runtime
+    if rankserver.starts_ranks(runtime.mode, runtime.workers, checked.input.path is not None, runtime.launcher):
         rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
     # Imported here, past the schema check, to keep torch out of --help and config errors.
     from osdpipe.pipeline.execute import execute

@@ -12,8 +12,8 @@ compositions of the config take most of a second, torch two more. So:
   a mistyped value or an unknown key is said in a third of a second, where
   Hydra would take most of one to compose the config first;
 * then the ranks' fork server starts, unless the command line says no local
-  ranks will start (``--cfg``, offline, torchrun: see
-  :data:`osdpipe.core.rankserver.NO_RANKS`), so that its imports (torch among
+  ranks will start (``--cfg``, offline with an input, torchrun: see
+  :func:`osdpipe.core.rankserver.ranks_may_start`), so that its imports (torch among
   them) run while this process imports Hydra, composes the config and
   checks the model (see :mod:`osdpipe.core.rankserver`); :mod:`osdpipe.cli.compose`
   imports torch only once the composed config has passed its schema check;

@@ -34,12 +34,8 @@ PRELOAD = [
     "osdpipe.layout.kinds.fsdp2",
 ]
 
-#: Command-line words after which the command starts no local ranks (help, config printing, torchrun; offline, where an
-#: input.path is given: :func:`ranks_may_start`).
-NO_RANKS = (
-    "--help", "-h", "--version", "--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc",
-    "runtime.mode=offline", "runtime.launcher=torchrun",
-)
+#: Command-line words after which the command runs no conversion, so starts no ranks (help, config printing).
+NO_RUN = ("--help", "-h", "--version", "--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc")
 
 _started = False
 
@@ -73,19 +69,29 @@ def start() -> None:
     _started = True
 
 
-def ranks_may_start(args: list[str]) -> bool:
-    """Whether a command with these arguments may start local ranks:
-    not under torchrun, nor where :data:`NO_RANKS` says none will.
+def starts_ranks(mode: str, workers: int, input_given: bool, launcher: str) -> bool:
+    """Whether a run starts ranks on this machine: an online run's target world, an offline run's workers, and the
+    training that makes a source where no ``input.path`` is given; none of them where it joins a torchrun world
+    (the command is a rank itself)."""
+    if joins_torchrun(launcher):
+        return False
+    return mode == "online" or workers > 1 or not input_given
 
-    An offline run starts ranks all the same where it has workers (``runtime.workers``: they start as ranks) or no
-    ``input.path`` (the source it converts is trained on ranks first, as the embedded default's is).
-    """
+
+def ranks_may_start(args: list[str]) -> bool:
+    """:func:`starts_ranks` for a command line, before anything is composed: what the words say, and what a key they
+    leave out defaults to (online, one worker, no input, launcher ``auto``); never after a :data:`NO_RUN` word.
+    A recipe that sets those keys is judged again on the composed run (``osdpipe.cli.compose``)."""
     words = [a.lstrip("+") for a in args]
-    workers = any(w.startswith("runtime.workers=") and w != "runtime.workers=1" for w in words)
-    given = any(w.startswith("input.path=") for w in words)
-    offline_ranks = workers or not given
-    return not in_torchrun() and not any(
-        w in NO_RANKS and not (offline_ranks and w == "runtime.mode=offline") for w in words
+    if any(w in NO_RUN for w in words):
+        return False
+    said = dict(w.split("=", 1) for w in words if "=" in w)
+    workers = said.get("runtime.workers", "1")
+    return starts_ranks(
+        mode=said.get("runtime.mode", "online"),
+        workers=int(workers) if workers.isdigit() else 1,
+        input_given="input.path" in said,
+        launcher=said.get("runtime.launcher", "auto"),
     )
 
 

@@ -51,28 +51,24 @@ def test_the_server_starts_only_where_ranks_will(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "workers", "path", "launcher", "starts"),
+    ("mode", "workers", "input_given", "launcher", "starts"),
     [
-        ("online", 1, "/ckpt/optim.pt", "auto", True),
-        ("offline", 1, "/ckpt/optim.pt", "auto", False),
-        ("offline", 3, "/ckpt/optim.pt", "auto", True),  # the workers start as ranks
-        ("offline", 1, None, "auto", True),  # the source is trained on ranks first
-        ("online", 1, None, "torchrun", False),  # the command is a rank itself
+        ("online", 1, True, "auto", True),
+        ("offline", 1, True, "auto", False),
+        ("offline", 3, True, "auto", True),  # the workers start as ranks
+        ("offline", 1, False, "auto", True),  # the source is trained on ranks first
+        ("online", 1, False, "torchrun", False),  # the command is a rank itself
     ],
 )
-def test_a_composed_run_starts_the_server_where_it_will_start_ranks(monkeypatch, mode, workers, path, launcher,
-                                                                    starts) -> None:
-    """What the command line did not say (a recipe's mode or input, the embedded default's): the composed run's spec
-    decides, before the run's own imports."""
-    from types import SimpleNamespace
-
-    from osdpipe.cli.compose import _starts_local_ranks
+def test_a_run_starts_ranks_by_its_mode_workers_input_and_launcher(monkeypatch, mode, workers, input_given, launcher,
+                                                                   starts) -> None:
+    """The one rule both the command line (:func:`ranks_may_start`) and the composed run (a recipe's mode or input,
+    the embedded default's) are judged by."""
+    from osdpipe.core import rankserver
 
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    spec = SimpleNamespace(runtime=SimpleNamespace(mode=mode, workers=workers, launcher=launcher),
-                           input=SimpleNamespace(path=path))  # fmt: skip
-    assert _starts_local_ranks(spec) is starts
+    assert rankserver.starts_ranks(mode, workers, input_given, launcher) is starts
 
 
 def _pid_and(value: int) -> tuple[int, bool]:
