@@ -203,7 +203,7 @@ def _run_job(cfg: DictConfig) -> int:
         raw["output"]["path"] = made_in(HydraConfig.get().runtime.output_dir)
         local = checked.output.model_copy(update={"path": raw["output"]["path"]})
         checked = checked.model_copy(update={"output": local})
-    # converted by Megatron's own stages, offline: no world (a Hugging Face Llama's source read as the range pipeline
+    # converted by Megatron's own stages, offline: no world (a Hugging Face model's source read as the range pipeline
     # reads it)
     if by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
         return _run_by_megatron_stages(raw, checked, remote)
@@ -309,7 +309,7 @@ def _destination(
 
 def _run_by_megatron_stages(raw: dict, spec: RunSpec, remote: str | None) -> int:
     """A conversion by Megatron's own stages, said as every run is: a Megatron-LM save's
-    (:mod:`osdpipe.pipeline.megatron`), or a Llama's whole checkpoint to a Megatron-LM save
+    (:mod:`osdpipe.pipeline.megatron`), or a Hugging Face model's whole checkpoint to a Megatron-LM save
     (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and planned), or
     a Hugging Face model folder to one of its weights (:mod:`osdpipe.pipeline.hf_folder_to_megatron`);
     into object storage as every conversion is (:func:`_made_and_published`)."""

@@ -129,14 +129,15 @@ def read_config(directory: str | Path) -> dict:
     return config
 
 
-def llama_from_config(path: str) -> torch.nn.Module:
-    """A module with the parameters of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) whose ``config.json`` is in
-    ``path``: each under its Hugging Face name and shape, fp32 (the masters), in transformers' ``named_parameters()``
-    order (:func:`osdpipe.layout.megatron_hf.hf_shapes` of the GPT the config is: a linear's bias after its weight, a
-    Llama's with ``attention_bias`` and ``mlp_bias``, a Qwen2's on q, k and v); no ``forward``, and no transformers
-    needed; with ``tie_word_embeddings``, ``lm_head.weight`` is the embedding's parameter, as transformers ties them
-    (``named_parameters()`` yields it once). What ``model.factory`` is where a Llama checkpoint converts to Megatron
-    and the user names no model (:mod:`osdpipe.pipeline.megatron`).
+def model_from_config(path: str) -> torch.nn.Module:
+    """A module with the parameters of the Hugging Face model whose ``config.json`` is in ``path`` (a
+    ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``GPT2LMHeadModel``: the family of
+    :mod:`osdpipe.layout.megatron_hf` it is): each under its Hugging Face name and shape, fp32 (the masters), in
+    transformers' ``named_parameters()`` order (:func:`osdpipe.layout.megatron_hf.hf_shapes` of the GPT the config
+    is: the order a PyTorch optimizer's state follows); no ``forward``, and no transformers needed. Where the config
+    ties the output layer to the word embedding, ``lm_head.weight`` is the embedding's parameter, as transformers ties
+    them (``named_parameters()`` yields it once). What ``model.factory`` is where a Hugging Face checkpoint converts to
+    Megatron and the user names no model (:mod:`osdpipe.pipeline.hf_to_megatron`).
 
     Raises:
         ValueError: a config a Megatron GPT cannot express, in one line.
@@ -149,17 +150,21 @@ def llama_from_config(path: str) -> torch.nn.Module:
         gpt = gpt_of(megatron_hf.megatron_args(config, 1, 1, 1))
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    shapes = megatron_hf.hf_shapes(gpt, int(config["vocab_size"]))
     root = torch.nn.Module()
-    for name, shape in shapes.items():
-        *parents, leaf = name.split(".")
-        module = root
-        for part in parents:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=torch.float32)))
-    if gpt.tied:  # one parameter under both names, as transformers ties them
-        root.add_module("lm_head", torch.nn.Module())
-        root.lm_head.weight = root.model.embed_tokens.weight
+    for name, shape in megatron_hf.hf_shapes(gpt, int(config["vocab_size"])).items():
+        _place(root, name, torch.nn.Parameter(torch.empty(shape, dtype=torch.float32)))
+    if (tied := megatron_hf.tied_names(gpt)) is not None:  # one parameter under both names, as transformers ties them
+        embedding, output = tied
+        _place(root, output, root.get_parameter(embedding))
     return root
+
+
+def _place(root: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:
+    """``parameter`` at the dotted ``name`` under ``root``, the modules on its way made as needed."""
+    *parents, leaf = name.split(".")
+    module = root
+    for part in parents:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    module.register_parameter(leaf, parameter)

@@ -30,8 +30,8 @@ Every element goes to exactly one place and comes back, with no arithmetic (a tr
 carries the fp32 masters. The other way, a GPT-2's folder becomes such a GPT (:func:`megatron_args`, :func:`from_hf`):
 what continues pretraining from ``gpt2`` in Megatron-LM. A family of :mod:`osdpipe.layout.megatron_hf`'s registry
 (:class:`osdpipe.layout.megatron_hf.HfFamily`): a GPT with LayerNorm and a learned position table, and a ``gpt2``
-config.json, are this family's; a model folder holds it, a training checkpoint does not (osdpipe writes and reads a
-PyTorch job's and torchtitan's Llamas).
+config.json, are this family's, in a model folder and in a PyTorch job's training checkpoint (the HF Trainer's,
+accelerate's: a ``GPT2LMHeadModel``'s optimizer state, by its ``named_parameters()``, :func:`hf_shapes`).
 
 Why each rule, in the sources installed here (megatron-core 0.16.1, transformers 5.23.0):
 
@@ -73,8 +73,9 @@ from osdpipe.layout.megatron import (
 )
 
 GPT2 = "GPT2LMHeadModel"
-#: A model folder holds a GPT-2; the training checkpoints osdpipe writes for a PyTorch job or torchtitan are Llamas.
-IN_TRAINING_CHECKPOINTS = False
+#: The ``model.factory`` of transformers' GPT-2 of a ``config.json``'s keys.
+HF_FACTORY = "hf_gpt2"
+HF_EMBEDDING = "transformer.wte.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"
 QKV = f"{LAYERS}self_attention.linear_qkv."
@@ -127,8 +128,7 @@ def activation(args: dict[str, Any]) -> str:
 
 def refusals(args: dict[str, Any]) -> list[str]:
     """What of the GPT ``args`` describe transformers' GPT-2 cannot express (empty: nothing). Absent args take
-    Megatron-LM's defaults (all of which GPT-2 has). Only model folders hold this family
-    (:data:`IN_TRAINING_CHECKPOINTS`)."""
+    Megatron-LM's defaults (all of which GPT-2 has)."""
     heads, hidden = int(args.get("num_attention_heads") or 1), int(args.get("hidden_size") or 0)
     checks = [
         (query_groups(args) != heads, "grouped-query attention (GPT-2's heads each have a key and a value)"),
@@ -207,6 +207,19 @@ def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
     if not gpt.tied:
         out["lm_head.weight"] = (vocab_size, h)
     return out
+
+
+def hf_names_of(gpt: Gpt) -> dict[str, list[str]]:
+    """Each Megatron key of :func:`osdpipe.layout.megatron.global_shapes` -> the ``GPT2LMHeadModel`` names its elements
+    go to under :func:`to_hf`, in the state dict's order (a layer's key: one name per layer)."""
+    megatron_of = {name: key for key, name in _FIXED.items()}
+    per_layer = {name: key for key, (name, _) in _PER_LAYER.items()}
+    per_layer.update({"attn.c_attn.weight": QKV + "weight", "attn.c_attn.bias": QKV + "bias"})
+    by_key: dict[str, list[str]] = {key: [] for key in global_shapes(gpt)}
+    for name in hf_shapes(gpt, 1):
+        key = megatron_of.get(name) or per_layer[name.split(".", 3)[3]]  # transformer.h.{i}.<within>
+        by_key[key].append(name)
+    return by_key
 
 
 def _qkv_order(gpt: Gpt) -> torch.Tensor:

@@ -9,10 +9,10 @@ from Megatron-LM's ``args``, from a ``config.json``, or from a GPT's layout. A n
 transformers) is a module and an entry in :data:`FAMILIES`, not a branch in each caller.
 
 The order of :data:`FAMILIES` is the order they are asked in; the last, the Llama's, fits every GPT (its refusals then
-say what of it a Llama cannot express: a GPT-2's norms in a training checkpoint, say). Training checkpoints (a PyTorch
-job's, torchtitan's) are written and read for the Llama family alone (a Llama or a Qwen2, biases and tying as
-transformers holds them; torchtitan's llama3 without either: :func:`titan_refusals`); model folders for every family
-(:attr:`HfFamily.IN_TRAINING_CHECKPOINTS`).
+say what of it a Llama cannot express). A family's model is the same transformers model in a model folder and in a
+PyTorch job's training checkpoint (the HF Trainer's, accelerate's, PyTorch's own: its ``model.factory`` is
+:attr:`HfFamily.HF_FACTORY`), so no function here asks which. torchtitan has a llama3 alone, and without biases or
+tying: :func:`titan_refusals` says what else it cannot hold.
 """
 
 from __future__ import annotations
@@ -23,23 +23,25 @@ import torch
 
 from osdpipe.layout import megatron_gpt2, megatron_llama
 from osdpipe.layout.megatron import Gpt
-from osdpipe.layout.megatron_llama import hf_names_of, titan_args, titan_refusals
+from osdpipe.layout.megatron_llama import titan_args, titan_refusals
 
 __all__ = [
     "FAMILIES", "HfFamily", "architecture", "family_of_args", "family_of_config", "family_of_gpt", "from_hf",
-    "hf_config", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusals", "titan_args",
-    "titan_refusals", "to_hf", "true_vocab_size",
+    "hf_config", "hf_factory", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusals", "titan_args",
+    "titan_refusals", "tied_names", "to_hf", "true_vocab_size",
 ]  # fmt: skip
 
 
 class HfFamily(Protocol):
     """A Hugging Face family a Megatron GPT is written as: a module of pure functions, each the one its name says in
     :mod:`osdpipe.layout.megatron_llama` and :mod:`osdpipe.layout.megatron_gpt2`. A family's model is the same
-    transformers model in a model folder and in a PyTorch job, so its functions do not ask which; the registry does,
-    choosing among the families a training checkpoint holds (:func:`family_of_args`)."""
+    transformers model in a model folder and in a PyTorch job, so its functions do not ask which."""
 
-    #: Whether training checkpoints (a PyTorch job's, torchtitan's) hold this family; model folders hold every one.
-    IN_TRAINING_CHECKPOINTS: bool
+    #: The ``model.factory`` (:data:`osdpipe.layout.models.FACTORIES`) that builds the family's transformers model
+    #: from a ``config.json``'s keys: what a PyTorch job resuming a converted Megatron save builds.
+    HF_FACTORY: str
+    #: The word embedding's Hugging Face name: the one parameter ``lm_head.weight`` is where the model ties them.
+    HF_EMBEDDING: str
 
     def fits_args(self, args: dict[str, Any]) -> bool: ...
 
@@ -54,6 +56,8 @@ class HfFamily(Protocol):
     def hf_config(self, args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str, Any]: ...
 
     def hf_shapes(self, gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]: ...
+
+    def hf_names_of(self, gpt: Gpt) -> dict[str, list[str]]: ...
 
     def to_hf(self, gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]: ...
 
@@ -73,19 +77,14 @@ class HfFamily(Protocol):
 FAMILIES: tuple[HfFamily, ...] = (megatron_gpt2, megatron_llama)  # type: ignore[assignment]
 
 
-def _held(model_folder: bool) -> list[HfFamily]:
-    return [f for f in FAMILIES if model_folder or f.IN_TRAINING_CHECKPOINTS]
+def family_of_args(args: dict[str, Any]) -> HfFamily:
+    """The family of the GPT Megatron-LM's ``args`` describe."""
+    return next(f for f in FAMILIES if f.fits_args(args))
 
 
-def family_of_args(args: dict[str, Any], *, model_folder: bool = True) -> HfFamily:
-    """The family of the GPT Megatron-LM's ``args`` describe, among those a model folder (``model_folder``) or a
-    training checkpoint holds."""
-    return next(f for f in _held(model_folder) if f.fits_args(args))
-
-
-def family_of_config(config: dict[str, Any], *, model_folder: bool = True) -> HfFamily:
-    """The family of a Hugging Face ``config.json``, among those a model folder or a training checkpoint holds."""
-    return next(f for f in _held(model_folder) if f.fits_config(config))
+def family_of_config(config: dict[str, Any]) -> HfFamily:
+    """The family of a Hugging Face ``config.json``."""
+    return next(f for f in FAMILIES if f.fits_config(config))
 
 
 def family_of_gpt(gpt: Gpt) -> HfFamily:
@@ -116,11 +115,15 @@ def architecture(args: dict[str, Any]) -> str:
     return family_of_args(args).architecture(args)
 
 
-def refusals(args: dict[str, Any], *, model_folder: bool = False) -> list[str]:
-    """What of the GPT ``args`` describe its family cannot express (empty: nothing): a model folder's family
-    (``model_folder``), else a training checkpoint's, the Llama family's (a PyTorch job's Llama or Qwen2; torchtitan's
-    llama3, which can neither bias its linears nor tie its embeddings, asks :func:`titan_refusals`)."""
-    return family_of_args(args, model_folder=model_folder).refusals(args)
+def refusals(args: dict[str, Any]) -> list[str]:
+    """What of the GPT ``args`` describe its family cannot express (empty: nothing); torchtitan's llama3, which can
+    neither bias its linears nor tie its embeddings, asks :func:`titan_refusals`."""
+    return family_of_args(args).refusals(args)
+
+
+def hf_factory(args: dict[str, Any]) -> str:
+    """The ``model.factory`` of the transformers model that computes the GPT Megatron-LM's ``args`` describe."""
+    return family_of_args(args).HF_FACTORY
 
 
 def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str | None = None) -> dict[str, Any]:
@@ -146,6 +149,19 @@ def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
     return family_of_gpt(gpt).hf_shapes(gpt, vocab_size)
 
 
+def hf_names_of(gpt: Gpt) -> dict[str, list[str]]:
+    """Each Megatron key of :func:`osdpipe.layout.megatron.global_shapes` -> the Hugging Face names its elements go to
+    under :func:`to_hf`, in the state dict's order: what puts a Megatron param group's keys into the Hugging Face
+    names of the same group."""
+    return family_of_gpt(gpt).hf_names_of(gpt)
+
+
+def tied_names(gpt: Gpt) -> tuple[str, str] | None:
+    """Where ``gpt`` ties its output layer to the word embedding: ``(embedding, "lm_head.weight")``, the two Hugging
+    Face names of the one parameter (transformers' ``named_parameters()`` yields the first alone); else ``None``."""
+    return (family_of_gpt(gpt).HF_EMBEDDING, "lm_head.weight") if gpt.tied else None
+
+
 def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """Megatron's GPT tensors (every key of :func:`osdpipe.layout.megatron.global_shapes`, layers stacked) -> the
     Hugging Face state dict of its family, the vocabulary cut to its first ``vocab_size`` rows: a pure
@@ -158,11 +174,10 @@ def from_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], padded_vocab: int | None
     return family_of_gpt(gpt).from_hf(gpt, tensors, padded_vocab)
 
 
-def hf_refusals(config: dict[str, Any], *, model_folder: bool = False) -> list[str]:
+def hf_refusals(config: dict[str, Any]) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT (the local layer spec) cannot express (empty: nothing),
-    as its family reads it: a model folder's (``model_folder``: every family), else a training checkpoint's (the HF
-    Trainer's, accelerate's, torchtitan's: the Llama family's)."""
-    return family_of_config(config, model_folder=model_folder).hf_refusals(config)
+    as its family reads it."""
+    return family_of_config(config).hf_refusals(config)
 
 
 def megatron_args(
@@ -174,17 +189,15 @@ def megatron_args(
     iteration: int = 0,
     sharding: str = "fully_reshardable",
     divisible_by: int = 128,
-    model_folder: bool = False,
 ) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face model of ``config`` (its
-    ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`, a model folder's
-    (``model_folder``: every family) or a training checkpoint's (the Llama family's).
+    ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`.
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that
             does not divide the heads, the query groups or the FFN, a PP that does not divide the layers, a world
             that is no multiple of TP x PP.
     """
-    family = family_of_config(config, model_folder=model_folder)
+    family = family_of_config(config)
     return family.megatron_args(config, tp, pp, world, iteration=iteration, sharding=sharding,
                                 divisible_by=divisible_by)  # fmt: skip

@@ -115,8 +115,9 @@ _WHOLE_PER_LAYER = {
 
 #: The Hugging Face architectures a Megatron GPT is written as (:func:`architecture`).
 LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
-#: A PyTorch job's Llama and torchtitan's llama3 are this family: training checkpoints hold it, not only model folders.
-IN_TRAINING_CHECKPOINTS = True
+#: The ``model.factory`` of transformers' Llama (or Qwen2) of a ``config.json``'s keys.
+HF_FACTORY = "hf_llama"
+HF_EMBEDDING = "model.embed_tokens.weight"
 
 
 def fits_args(args: dict[str, Any]) -> bool:
@@ -307,7 +308,7 @@ def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every tensor of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``: :func:`architecture`) state dict
     :func:`to_hf` gives, and its shape, in transformers' ``named_parameters()`` order (a decoder layer's attention,
     its MLP, its two norms; each linear's bias, where the GPT has one, after its weight): the order a PyTorch
-    optimizer's state follows (:func:`osdpipe.io.hf_folder.llama_from_config` builds the model's tree from it)."""
+    optimizer's state follows (:func:`osdpipe.io.hf_folder.model_from_config` builds the model's tree from it)."""
     h, d, f = gpt.hidden_size, gpt.kv_channels, gpt.ffn_hidden_size
     q, kv, o = gpt.num_attention_heads * d, gpt.num_query_groups * d, gpt.linear_bias
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}

@@ -248,6 +248,20 @@ def hf_llama(**config: Any) -> nn.Module:
     return model
 
 
+def hf_gpt2(**config: Any) -> nn.Module:
+    """Hugging Face's ``GPT2LMHeadModel`` of a ``config.json``'s keys (``model.kwargs``): what Megatron-LM's default
+    GPT (LayerNorm, a learned position table, GeLU) becomes (:func:`osdpipe.layout.megatron_hf.hf_config`). Its FSDP
+    units are its blocks, the modules transformers never splits. Needs transformers (``pip install transformers``)."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ValueError(f"model.factory=hf_gpt2: cannot import transformers ({exc}); pip install transformers") \
+            from None
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config))
+    model.fsdp_units = tuple(model._no_split_modules or ())
+    return model
+
+
 def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden_dim: int, vocab_size: int,
                       norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int = 4096,
                       rope_scaling: dict[str, float] | None = None, attn_backend: str = "flex") -> nn.Module:
@@ -389,6 +403,7 @@ BUILTIN_MODELS: dict[str, ModelFactory] = {
     "llama": Llama,
     "torchtitan": torchtitan_model,
     "hf_llama": hf_llama,
+    "hf_gpt2": hf_gpt2,
     "torchtitan_llama3": torchtitan_llama3,
 }
 

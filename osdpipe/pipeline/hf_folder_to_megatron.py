@@ -60,7 +60,7 @@ def refusal(spec: RunSpec) -> str | None:
     try:
         config = hf_folder.read_config(path)
         _weights_files(path)
-        megatron_hf.megatron_args(config, target.tp_size, target.pp_size, target.world_size, model_folder=True)
+        megatron_hf.megatron_args(config, target.tp_size, target.pp_size, target.world_size)
     except ValueError as exc:  # InputError among them
         return f"input.path={path}: {exc}"
     return None
@@ -100,7 +100,7 @@ def folder_save(path: str | Path, job: MegatronJob) -> tuple[MegatronSave, dict[
         raise InputError(f"{path}: weights of dtype {', '.join(dtypes)}; a Megatron GPT's are one of float32, "
                          "bfloat16 or float16: not supported yet")
     try:
-        args = megatron_hf.megatron_args(config, job.tp, job.pp, job.tp * job.pp * job.dp, model_folder=True)
+        args = megatron_hf.megatron_args(config, job.tp, job.pp, job.tp * job.pp * job.dp)
         args.update(bf16=dtypes[0] == "bfloat16", fp16=dtypes[0] == "float16")
         gpt = gpt_of(args)
         model = megatron_hf.from_hf(gpt, weights, gpt.padded_vocab_size)

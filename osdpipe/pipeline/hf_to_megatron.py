@@ -1,5 +1,5 @@
-"""A Hugging Face ``LlamaForCausalLM``'s (or ``Qwen2ForCausalLM``'s) whole checkpoint -> a Megatron-LM ``torch_dist``
-save, optimizer included.
+"""A Hugging Face ``LlamaForCausalLM``'s, ``Qwen2ForCausalLM``'s or ``GPT2LMHeadModel``'s whole checkpoint -> a
+Megatron-LM ``torch_dist`` save, optimizer included.
 
 The source is read by osdpipe's own readers of the checkpoint's layout (the HF Trainer's or accelerate's folder,
 PyTorch's own: ``checkpoint=accelerate|pytorch``, :func:`osdpipe.run.stages.load.open_input`): every parameter's
@@ -58,8 +58,8 @@ _FATES = {
 }
 
 
-#: ``model.factory`` where the user names none: the Llama the folder's ``config.json`` describes.
-FROM_CONFIG = "osdpipe.io.hf_folder:llama_from_config"
+#: ``model.factory`` where the user names none: the model the folder's ``config.json`` describes.
+FROM_CONFIG = "osdpipe.io.hf_folder:model_from_config"
 #: ``model.factory`` of a torchtitan llama3 of any dimensions (a ``model_args.json``'s keywords).
 TITAN = "torchtitan_llama3"
 
@@ -67,7 +67,7 @@ TITAN = "torchtitan_llama3"
 def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:
     """The config of reading the source alone, as the range pipeline reads a whole checkpoint: the command's
     (``raw``, a plain dict; ``given``: the keys the user set), its target one process (the Megatron target is not a
-    layout kind of that pipeline), nothing of Megatron's; and, where the user names no model, the Llama of the
+    layout kind of that pipeline), nothing of Megatron's; and, where the user names no model, the model of the
     folder's ``config.json``."""
     out = copy.deepcopy(raw)
     out["target"] = {**out["target"], "kind": "fsdp2", "world_size": 1, "tp_size": 1, "pp_size": 1, "tp_plan": {},
@@ -79,7 +79,7 @@ def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:
 
 def source_model(raw: dict[str, Any], given: Any) -> dict[str, Any]:
     """The model the source is read as: the user's; else what the checkpoint's own files name (a torchtitan
-    folder's ``model_args.json``: its llama3); else the Llama of the folder's ``config.json``."""
+    folder's ``model_args.json``: its llama3); else the model of the folder's ``config.json``."""
     model = dict(raw.get("model") or {})
     named = (raw.get("checkpoint") or {}).get("model") is not None  # torchtitan's names, checkpoint.model/flavor
     if "model.factory" in given or "model" in given or named:
@@ -92,8 +92,8 @@ def source_model(raw: dict[str, Any], given: Any) -> dict[str, Any]:
     return {**model, "factory": factory, "kwargs": kwargs, "units": None}
 
 
-def llama_config(model: dict[str, Any], path: str) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of the Llama the source is read as (``model``: :func:`source_model`'s):
+def hf_model_config(model: dict[str, Any], path: str) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of the model the source is read as (``model``: :func:`source_model`'s):
     torchtitan's llama3 as transformers' Llama (:func:`osdpipe.layout.llama_titan.hf_config`), or the folder's own.
 
     Raises:
@@ -145,7 +145,7 @@ def refusal(raw: dict[str, Any], given: Any) -> str | None:
     it. Asked before anything is read or written."""
     path, target = raw["input"]["path"], raw["target"]
     try:
-        config = llama_config(source_model(raw, given), path)
+        config = hf_model_config(source_model(raw, given), path)
         megatron_hf.megatron_args(config, int(target["tp_size"]), int(target["pp_size"]), int(target["world_size"]))
     except ValueError as exc:  # InputError among them
         return f"input.path={path}: {exc}"
@@ -208,7 +208,7 @@ def source_save(
 
     where = plan.input_path
     model = plan.spec.model.model_dump(mode="json")
-    config = llama_config(model, where)
+    config = hf_model_config(model, where)
     reader = open_input(plan)
     meta = canonical_meta(reader.meta(), plan.tree, where=where)
     names = [p.fqn for p in plan.tree.params]
@@ -357,7 +357,7 @@ ONE_GROUP = (
 
 
 def run_command(spec: RunSpec, plan: Plan, notes: list[str]) -> Report:
-    """The ``osdpipe`` command's conversion of a Hugging Face Llama checkpoint to Megatron (``spec``: the command's
+    """The ``osdpipe`` command's conversion of a Hugging Face model's checkpoint to Megatron (``spec``: the command's
     config, checked; ``plan``: the source's, as the range pipeline reads it). Writes ``report.json`` and
     ``osdpipe.log`` into ``output.path``, whatever happens.
 
@@ -366,7 +366,7 @@ def run_command(spec: RunSpec, plan: Plan, notes: list[str]) -> Report:
         OutputError: ``output.path`` cannot be written.
     """
     job = job_of(spec, plan)
-    # the manifest records the model the source was read as (the Llama of its config.json, or the user's), which
+    # the manifest records the model the source was read as (the model of its config.json, or the user's), which
     # osdpipe check reads it as again
     config = {**spec.model_dump(mode="json"), "model": plan.spec.model.model_dump(mode="json")}
     return into_megatron(spec, job, config, hf_source(plan, job), notes)

@@ -94,7 +94,7 @@ def convert(
 ) -> Converted:
     """Convert the save ``job`` names into ``job.output``, prove it and commit it; ``config`` is what the manifest
     records. ``source``: where the :class:`MegatronSave` comes from and what else the read-back must hold (default:
-    the Megatron-LM save ``job.source``, read by :func:`read_save`; a Hugging Face Llama checkpoint:
+    the Megatron-LM save ``job.source``, read by :func:`read_save`; a Hugging Face model's checkpoint:
     :func:`hf_source`).
 
     Raises:
@@ -182,7 +182,7 @@ def _as_hf(
         try:
             config = megatron_hf.hf_config(save.args, vocab_size=vocab, dtype=dtype)
             state = megatron_hf.to_hf(gpt, masters, vocab)
-        except ValueError as exc:  # what Llama cannot express, named
+        except ValueError as exc:  # what its Hugging Face family cannot express, named
             raise InputError(f"{save.folder}: {exc}") from None
         except KeyError as exc:
             raise InputError(f"{save.folder / 'common.pt'}: args hold no {exc.args[0]}, which config.json needs; "

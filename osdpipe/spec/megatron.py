@@ -18,10 +18,10 @@ from typing import Any
 MEGATRON = "megatron"
 #: ``output.checkpoint=`` of a Hugging Face model folder (``config.json``, safetensors), written from a Megatron save.
 HF = "hf"
-#: The layouts a Megatron-LM save is written in for a PyTorch job (a Hugging Face Llama's or torchtitan llama3's).
+#: The layouts a Megatron-LM save is written in for a PyTorch job (a Hugging Face model's or torchtitan llama3's).
 PYTORCH_NATIVE = ("pytorch", "accelerate", "torchtitan")
-#: The layouts of a Llama's whole checkpoint that ``output.checkpoint=megatron`` converts (Hugging Face's Llama, or
-#: torchtitan's llama3 of a ``model_args.json``).
+#: The layouts of a whole checkpoint that ``output.checkpoint=megatron`` converts (a Hugging Face Llama, Qwen2 or
+#: GPT-2, or torchtitan's llama3 of a ``model_args.json``).
 FROM_HF = ("accelerate", "pytorch", "torchtitan")
 #: The checks a Megatron conversion runs itself; the others of ``pipeline.checks`` need the target's own job, which
 #: only megatron-core builds (the tests run it: tests/frameworks/test_megatron.py).
@@ -106,12 +106,12 @@ def megatron_problem(spec: Any) -> str | None:
 
 
 def to_megatron_problem(spec: Any) -> str | None:
-    """Why ``spec`` (``output.checkpoint=megatron`` from another layout) is no conversion of a Hugging Face Llama's
+    """Why ``spec`` (``output.checkpoint=megatron`` from another layout) is no conversion of a Hugging Face model's
     checkpoint to a Megatron-LM save osdpipe makes (``None``: it is one); one line naming the key."""
     layout, target, output = spec.checkpoint.layout, spec.target, spec.output
     if layout not in (*FROM_HF, HF):
         return (
-            f"output.checkpoint=megatron from checkpoint={layout}: not supported yet (a Hugging Face Llama's "
+            f"output.checkpoint=megatron from checkpoint={layout}: not supported yet (a Hugging Face model's "
             f"checkpoint converts: checkpoint={' or '.join(FROM_HF)}, or its model folder: checkpoint=hf)"
         )
     if spec.input.path is None:

@@ -74,7 +74,7 @@ def hf_source_problems(
     gpt: Any, vocab: int, source: dict[str, dict[str, torch.Tensor]], step: float, groups: list[dict[str, Any]],
     written: MegatronSave,
 ) -> list[str]:
-    """Every way the Megatron save ``written`` (read back), mapped to Hugging Face's Llama again
+    """Every way the Megatron save ``written`` (read back), mapped to its Hugging Face model again
     (:func:`osdpipe.layout.megatron_hf.to_hf`, the vocabulary cut to ``vocab``), fails to hold the Hugging Face
     source's state bitwise: ``source[state][name]`` for ``weights`` (the model and the fp32 masters alike),
     ``exp_avg`` and ``exp_avg_sq`` (those ``source`` holds: a Hugging Face folder holds the weights alone); every

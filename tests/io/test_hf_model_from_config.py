@@ -1,24 +1,29 @@
 """The model a Hugging Face job's checkpoint is read as, built from its ``config.json``: osdpipe's own parameter tree
-(``osdpipe.io.hf_folder.llama_from_config``, no transformers needed) and the ``hf_llama`` factory (transformers'
-model) must hold exactly transformers' parameters, names, shapes and order, for a Llama with and without linear
-biases, tied, and a Qwen2 (biases on q, k and v alone): a PyTorch optimizer keys its state by that order."""
+(``osdpipe.io.hf_folder.model_from_config``, no transformers needed) and the ``hf_llama`` and ``hf_gpt2`` factories
+(transformers' models) must hold exactly transformers' parameters, names, shapes and order, for a Llama with and
+without linear biases, tied, a Qwen2 (biases on q, k and v alone) and a GPT-2 (tied, as transformers builds it by
+default, and untied): a PyTorch optimizer keys its state by that order, and a tied model holds one parameter."""
 
 from __future__ import annotations
 
 import pytest
 
-from osdpipe.io.hf_folder import llama_from_config
-from osdpipe.layout.models import hf_llama
+from osdpipe.io.hf_folder import model_from_config
+from osdpipe.layout.models import hf_gpt2, hf_llama
 
 transformers = pytest.importorskip("transformers")
 
 DIMS = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 50}  # fmt: skip
+GPT2_DIMS = {"n_embd": 32, "n_inner": 48, "n_layer": 2, "n_head": 4, "n_positions": 16, "vocab_size": 50}
+#: name -> (config class, model class, its dimensions, the factory that builds it)
 CONFIGS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "llama_biased": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
-    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", DIMS, hf_llama),
+    "llama_biased": ("LlamaConfig", "LlamaForCausalLM", {**DIMS, "attention_bias": True, "mlp_bias": True}, hf_llama),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {**DIMS, "tie_word_embeddings": True}, hf_llama),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", DIMS, hf_llama),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", GPT2_DIMS, hf_gpt2),
+    "gpt2_untied": ("GPT2Config", "GPT2LMHeadModel", {**GPT2_DIMS, "tie_word_embeddings": False}, hf_gpt2),
 }
 
 
@@ -28,13 +33,18 @@ def _parameters(model) -> list[tuple[str, tuple[int, ...]]]:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_tree_read_from_a_config_is_transformers_model(name: str, tmp_path) -> None:
-    config_class, model_class, extra = CONFIGS[name]
-    config = getattr(transformers, config_class)(**DIMS, **extra)
+    config_class, model_class, dims, factory = CONFIGS[name]
+    config = getattr(transformers, config_class)(**dims)
     config.save_pretrained(tmp_path)
-    theirs = _parameters(getattr(transformers, model_class)(config))
-    assert any(n.endswith(".bias") for n, _ in theirs) == (name in ("llama_biased", "qwen2"))
-    assert _parameters(llama_from_config(str(tmp_path))) == theirs
-    built = hf_llama(**config.to_dict())
+    model = getattr(transformers, model_class)(config)
+    theirs = _parameters(model)
+    assert any(n.endswith(".bias") for n, _ in theirs) == (name in ("llama_biased", "qwen2", "gpt2", "gpt2_untied"))
+    ours = model_from_config(str(tmp_path))
+    assert _parameters(ours) == theirs
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == (name in ("llama_tied", "gpt2"))
+    assert (ours.get_parameter("lm_head.weight") is ours.get_parameter(theirs[0][0])) == tied
+    built = factory(**config.to_dict())
     assert type(built).__name__ == model_class and _parameters(built) == theirs
 
 
@@ -43,5 +53,5 @@ def test_a_llama_biased_on_attention_alone_is_refused_in_one_line(tmp_path) -> N
     neither."""
     transformers.LlamaConfig(**DIMS, attention_bias=True).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="attention biases without MLP biases") as err:
-        llama_from_config(str(tmp_path))
+        model_from_config(str(tmp_path))
     assert "\n" not in str(err.value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from osdpipe.layout import megatron_gpt2, megatron_hf
+from osdpipe.layout import megatron_gpt2, megatron_hf, megatron_llama
 from osdpipe.layout.megatron import Gpt, global_shapes
 
 #: Megatron-LM's default GPT, small: MHA (3 heads of 4), LayerNorm, a learned position table, biases, tied.
@@ -100,13 +100,14 @@ def test_what_gpt2_cannot_express_is_refused_in_one_line(change: dict, said: str
     with pytest.raises(ValueError, match="not supported yet as a Hugging Face GPT-2") as err:
         megatron_hf.hf_config({**ARGS, **change})
     assert said in str(err.value) and "\n" not in str(err.value)
-    # a training checkpoint's Llama refuses the GPT-2 itself, in its own words
-    assert "LayerNorm (not RMSNorm)" in ", ".join(megatron_hf.refusals(ARGS))
+    # the Llama family, which fits every GPT, refuses the GPT-2 itself in its own words; the registry asks GPT-2's
+    assert "LayerNorm (not RMSNorm)" in ", ".join(megatron_llama.refusals(ARGS))
+    assert megatron_hf.refusals(ARGS) == []
 
 
 def test_a_gpt2_config_is_the_args_of_the_gpt_that_gives_it_back() -> None:
     config = megatron_hf.hf_config({**ARGS, "bias_gelu_fusion": False, "openai_gelu": True}, dtype="float32")
-    args = megatron_hf.megatron_args(config, 1, 2, 4, model_folder=True)
+    args = megatron_hf.megatron_args(config, 1, 2, 4)
     assert (args["normalization"], args["position_embedding_type"], args["swiglu"], args["add_bias_linear"],
             args["untie_embeddings_and_output_weights"], args["group_query_attention"]) == (
         "LayerNorm", "learned_absolute", False, True, False, False)
@@ -114,7 +115,7 @@ def test_a_gpt2_config_is_the_args_of_the_gpt_that_gives_it_back() -> None:
             args["max_position_embeddings"], args["vocab_size"]) == (2, 12, 20, 3, 8, VOCAB)
     back = megatron_hf.hf_config(args, dtype="float32")
     assert {k: back[k] for k in config if k != "vocab_size"} == {k: config[k] for k in config if k != "vocab_size"}
-    assert megatron_hf.hf_refusals(config) != [] and megatron_hf.hf_refusals(config, model_folder=True) == []
+    assert megatron_hf.hf_refusals(config) == [] and megatron_llama.hf_refusals(config) != []
 
 
 @pytest.mark.parametrize("change, said", [
@@ -125,7 +126,7 @@ def test_a_gpt2_config_is_the_args_of_the_gpt_that_gives_it_back() -> None:
 def test_what_megatron_cannot_express_of_a_gpt2_is_refused_in_one_line(change: dict, said: str) -> None:
     config = {**megatron_hf.hf_config(ARGS, dtype="float32"), **change}
     with pytest.raises(ValueError, match="not supported yet as a Megatron GPT") as err:
-        megatron_hf.megatron_args(config, 1, 1, 1, model_folder=True)
+        megatron_hf.megatron_args(config, 1, 1, 1)
     assert said in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="target.tp_size=2 does not divide the model's 3 attention heads"):
-        megatron_hf.megatron_args(megatron_hf.hf_config(ARGS, dtype="float32"), 2, 1, 2, model_folder=True)
+        megatron_hf.megatron_args(megatron_hf.hf_config(ARGS, dtype="float32"), 2, 1, 2)

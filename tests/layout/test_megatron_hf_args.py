@@ -65,11 +65,10 @@ QWEN2 = {**{k: v for k, v in LLAMA.items() if k not in ("attention_bias", "mlp_b
     ({**LLAMA, "attention_bias": True, "mlp_bias": True}, (True, False), "LlamaForCausalLM"),
     (QWEN2, (False, True), "Qwen2ForCausalLM"),
 ])
-@pytest.mark.parametrize("model_folder", [True, False], ids=["folder", "training checkpoint"])
-def test_biases_are_megatrons_and_back(config, flags, architecture, model_folder: bool) -> None:
+def test_biases_are_megatrons_and_back(config, flags, architecture) -> None:
     """A model folder's or a PyTorch job's (the HF Trainer's) Llama with attention_bias and mlp_bias is Megatron's
     add_bias_linear, a Qwen2 its add_qkv_bias, and hf_config gives the same architecture back."""
-    args = megatron_args(config, 2, 1, 2, model_folder=model_folder)
+    args = megatron_args(config, 2, 1, 2)
     assert (args["add_bias_linear"], args["add_qkv_bias"]) == flags
     gpt = gpt_of(args)
     assert (gpt.linear_bias, gpt.has_qkv_bias) == (flags[0], True)
@@ -77,18 +76,17 @@ def test_biases_are_megatrons_and_back(config, flags, architecture, model_folder
     assert back["architectures"] == [architecture] and back["model_type"] == config["model_type"]
     assert {k: back.get(k) for k in ("attention_bias", "mlp_bias")} == \
         {k: config.get(k) for k in ("attention_bias", "mlp_bias")}
-    assert hf_refusals(config, model_folder=model_folder) == []
+    assert hf_refusals(config) == []
 
 
-@pytest.mark.parametrize("model_folder", [True, False], ids=["folder", "training checkpoint"])
-def test_a_llamas_tied_embeddings_are_megatrons_and_back(model_folder: bool) -> None:
+def test_a_llamas_tied_embeddings_are_megatrons_and_back() -> None:
     """``tie_word_embeddings`` (a model folder's, or a PyTorch job's Llama's, the HF Trainer's) is Megatron's tied
     embedding (no output layer of its own), and hf_config says it again."""
     config = {**LLAMA, "tie_word_embeddings": True}
-    args = megatron_args(config, 2, 2, 4, model_folder=model_folder)
+    args = megatron_args(config, 2, 2, 4)
     assert args["untie_embeddings_and_output_weights"] is False and gpt_of(args).tied
     assert hf_config(args)["tie_word_embeddings"] is True
-    assert hf_refusals(config, model_folder=model_folder) == []
+    assert hf_refusals(config) == []
 
 
 @pytest.mark.parametrize(("change", "said"), [
@@ -99,10 +97,9 @@ def test_a_llamas_tied_embeddings_are_megatrons_and_back(model_folder: bool) -> 
     ({**QWEN2, "head_dim": 16}, "a head dimension other than hidden / heads in a Qwen2"),
     ({**QWEN2, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "not a LlamaForCausalLM or Qwen2"),
 ])
-@pytest.mark.parametrize("model_folder", [True, False], ids=["folder", "training checkpoint"])
-def test_what_biases_cannot_be_in_megatron_is_refused_in_one_line(change, said, model_folder: bool) -> None:
+def test_what_biases_cannot_be_in_megatron_is_refused_in_one_line(change, said) -> None:
     with pytest.raises(ValueError, match="not supported yet as a Megatron GPT") as err:
-        megatron_args(change, 1, 1, 1, model_folder=model_folder)
+        megatron_args(change, 1, 1, 1)
     assert said in str(err.value) and "\n" not in str(err.value)
 
 

@@ -14,8 +14,10 @@ import math
 import pytest
 import torch
 
+from osdpipe.layout import megatron_llama
 from osdpipe.layout.megatron import Gpt, global_shapes, query_groups
 from osdpipe.layout.megatron_hf import (
+    architecture,
     from_hf,
     hf_config,
     hf_shapes,
@@ -265,14 +267,13 @@ def test_a_biased_gpt_is_a_biased_llama_or_a_qwen2_in_a_folder_and_a_pytorch_job
     config = hf_config(args)
     assert config["architectures"] == [architecture] and {k: config[k] for k in flags} == flags
     assert ("attention_bias" in config) == (architecture == "LlamaForCausalLM")
-    assert refusals(args) == [] and refusals(args, model_folder=True) == []
+    assert refusals(args) == []
     assert titan_refusals(args) == ["linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"]
     with pytest.raises(ValueError, match="torchtitan's llama3 has none"):
         titan_args(args, vocab_size=37)
     if architecture == "Qwen2ForCausalLM":  # what Qwen2 cannot take, named, for a folder and a PyTorch job alike
-        for model_folder in (True, False):
-            assert "RoPE scaling" in ", ".join(refusals({**args, "use_rope_scaling": True}, model_folder=model_folder))
-            assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}, model_folder=model_folder))
+        assert "RoPE scaling" in ", ".join(refusals({**args, "use_rope_scaling": True}))
+        assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}))
 
 
 def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_for_torchtitan():
@@ -280,7 +281,7 @@ def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_f
     no ``lm_head.weight``: one parameter); torchtitan's llama3 cannot tie its output layer, so its path refuses them."""
     args = {**ARGS, "untie_embeddings_and_output_weights": False}
     assert hf_config(args)["tie_word_embeddings"] is True and hf_config(ARGS)["tie_word_embeddings"] is False
-    assert refusals(args) == [] and refusals(args, model_folder=True) == []
+    assert refusals(args) == []
     assert titan_refusals(args) == ["tied embedding and output weights (torchtitan's llama3 has no tying)"]
     assert titan_refusals(ARGS) == []
     with pytest.raises(ValueError, match="torchtitan's llama3 has no tying"):
@@ -290,12 +291,13 @@ def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_f
 
 
 def test_absent_args_take_megatron_lm_defaults():
-    """Megatron-LM's defaults (LayerNorm, GeLU, learned absolute positions) are refused for a training job's Llama,
-    and biases and tied embeddings for torchtitan's."""
+    """Megatron-LM's defaults (LayerNorm, GeLU, learned absolute positions) are a GPT-2, which the Llama family
+    refuses, and biases and tied embeddings torchtitan's llama3."""
     bare = {k: ARGS[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                  "seq_length", "padded_vocab_size")}
-    assert refusals(bare) == ["LayerNorm (not RMSNorm)", "an MLP without SwiGLU",
-                              "learned_absolute position embeddings (not rope)"]
+    assert refusals(bare) == [] and architecture(bare) == "GPT2LMHeadModel"
+    assert megatron_llama.refusals(bare) == ["LayerNorm (not RMSNorm)", "an MLP without SwiGLU",
+                                             "learned_absolute position embeddings (not rope)"]
     assert titan_refusals(bare)[-2:] == [
         "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)",
         "tied embedding and output weights (torchtitan's llama3 has no tying)"]

@@ -10,7 +10,7 @@ Two conversions read it:
 * to another Megatron grid or a Hugging Face folder: Megatron's own stages (:mod:`osdpipe.pipeline.megatron`);
 * to a PyTorch-native framework's layout (``output.checkpoint=pytorch|accelerate|torchtitan``): the range pipeline,
   which asks this layout what every framework's answers (:meth:`optimizer_part`, :meth:`open_model`, :meth:`carried`):
-  the save read as a Hugging Face ``LlamaForCausalLM``'s or torchtitan llama3's state
+  the save read as its Hugging Face model's (``LlamaForCausalLM``, ``GPT2LMHeadModel``...) or torchtitan llama3's state
   (:mod:`osdpipe.io.formats.megatron_source`), the model built from ``args`` (:meth:`model_from_files`),
   ``config.json`` (or torchtitan's ``model_args.json``) written beside, and common.pt's plain entries carried.
 """
@@ -109,27 +109,27 @@ class Megatron(CheckpointLayout):
         return ModelNaming(())
 
     def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]]:
-        """The Llama of the GPT ``args`` describe, as the job that resumes the output builds it: torchtitan's llama3
-        for a torchtitan step folder (``written_as``), else Hugging Face's ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``
-        (:func:`osdpipe.layout.megatron_hf.hf_config`)."""
+        """The model of the GPT ``args`` describe, as the job that resumes the output builds it: torchtitan's llama3
+        for a torchtitan step folder (``written_as``), else the transformers model of its family (``LlamaForCausalLM``,
+        ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``: :func:`osdpipe.layout.megatron_hf.hf_config`)."""
         from osdpipe.layout import megatron_hf
 
         args = files.read_common(files.iteration_folder(path))["args"]
         titan = written_as == "torchtitan"
         if why := (megatron_hf.titan_refusals if titan else megatron_hf.refusals)(args):
             raise InputError(f"{path}: a Megatron GPT with {', '.join(why)}: not supported yet as "
-                             + ("torchtitan's llama3" if titan else "a Hugging Face Llama"))
+                             + ("torchtitan's llama3" if titan else f"a {megatron_hf.architecture(args)}"))
         vocab = megatron_hf.true_vocab_size(args)
         if titan:
             return "torchtitan_llama3", megatron_hf.titan_args(args, vocab_size=vocab)
-        return "hf_llama", megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
+        return megatron_hf.hf_factory(args), megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
 
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
         """The iteration folder, read for the model ``written_as``'s job builds: its ``key`` names that model's names
         (the reader's facts name the param groups' parameters so)."""
-        from osdpipe.io.formats.megatron_source import HF_LLAMA, TORCHTITAN_LLAMA3
+        from osdpipe.io.formats.megatron_source import HF_NAMES, TORCHTITAN_LLAMA3
 
-        naming = TORCHTITAN_LLAMA3 if written_as == "torchtitan" else HF_LLAMA
+        naming = TORCHTITAN_LLAMA3 if written_as == "torchtitan" else HF_NAMES
         return Part(str(files.iteration_folder(path)), "megatron", naming)
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> MegatronWeights:
@@ -201,7 +201,7 @@ class Megatron(CheckpointLayout):
 _PARTS = ("model", "optimizer", "other")
 
 #: The Hugging Face model's config a PyTorch-native output gets beside it: what its ``LlamaForCausalLM`` (or
-#: ``Qwen2ForCausalLM``) is built from.
+#: ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``) is built from.
 HF_CONFIG = "config.json"
 
 #: common.pt's entries that describe Megatron's own job, which a PyTorch job has no use for (``args``: an

@@ -1,7 +1,8 @@
 """A Megatron-LM save read as a PyTorch job's state: the range pipeline's source for other frameworks' layouts.
 
 ``checkpoint=megatron output.checkpoint=pytorch|accelerate|torchtitan`` converts a Megatron GPT into a Hugging Face
-``LlamaForCausalLM``'s or torchtitan llama3's training checkpoint, for FSDP2, FSDP1, DDP or one process
+model's (its family's: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``) or torchtitan llama3's
+training checkpoint, for FSDP2, FSDP1, DDP or one process
 (``target.*``), through the same stages as every PyTorch-native conversion. What those stages need is a
 :class:`~osdpipe.io.formats.base.SourceReader` of full per-parameter state keyed by the model's names; this module is
 that reader:
@@ -15,7 +16,7 @@ that reader:
 * Megatron keeps ``step`` in each param group; a PyTorch ``Adam``/``AdamW`` keeps it per parameter, so every
   parameter gets its group's ``step`` as the 0-dim float32 tensor torch's Adam holds;
 * each param group keeps the optimizer's hyperparameters (``lr``, ``betas``, ``weight_decay``...), its parameters
-  being the Llama names its Megatron keys map to; the keys Megatron adds for its own learning-rate scheduler
+  being the Hugging Face names its Megatron keys map to; the keys Megatron adds for its own learning-rate scheduler
   (:data:`SCHEDULERS_KEYS`) are left out, as a PyTorch job runs its own scheduler, and the report says so.
 
 The model's weights are the fp32 masters (:class:`osdpipe.io.checkpoints.megatron.MegatronWeights`), not the
@@ -49,43 +50,46 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 SCHEDULERS_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
 
 
-#: The models a Megatron GPT's state is read for, by what their parameters are named.
-HF_LLAMA, TORCHTITAN_LLAMA3 = "hf_llama", "torchtitan_llama3"
+#: The models a Megatron GPT's state is read for, by what their parameters are named: the transformers model of its
+#: family (:mod:`osdpipe.layout.megatron_hf`), or torchtitan's llama3.
+HF_NAMES, TORCHTITAN_LLAMA3 = "hf", "torchtitan_llama3"
 
 
 def naming_of(tree: ModuleTree) -> str:
-    """Which model's names ``tree`` (the model the conversion builds) has: Hugging Face's ``LlamaForCausalLM``
-    (:data:`HF_LLAMA`) or torchtitan's llama3 (:data:`TORCHTITAN_LLAMA3`).
+    """Which model's names ``tree`` (the model the conversion builds) has: a Hugging Face model's, of any family
+    (:data:`HF_NAMES`), or torchtitan's llama3's (:data:`TORCHTITAN_LLAMA3`).
 
     Raises:
         InputError: it has neither's; the message names the factories that build one.
     """
-    if tree.resolve("model.embed_tokens.weight") is not None:
-        return HF_LLAMA
+    if any(tree.resolve(f.HF_EMBEDDING) is not None for f in megatron_hf.FAMILIES):
+        return HF_NAMES
     if tree.resolve("tok_embeddings.weight") is not None:
         return TORCHTITAN_LLAMA3
-    raise InputError(f"a Megatron GPT converts into model.factory={HF_LLAMA} or {TORCHTITAN_LLAMA3} (leave "
+    factories = ", ".join(f"model.factory={f.HF_FACTORY}" for f in megatron_hf.FAMILIES)
+    raise InputError(f"a Megatron GPT converts into {factories} or model.factory={TORCHTITAN_LLAMA3} (leave "
                      "model.factory out: the save's args build it), not a model of other names")
 
 
 class MegatronReader:
-    """A Megatron GPT save as ``LlamaForCausalLM``'s or torchtitan llama3's full per-parameter state (the module
+    """A Megatron GPT save as its Hugging Face model's or torchtitan llama3's full per-parameter state (the module
     docstring); ``naming``: which (:func:`naming_of`)."""
 
-    def __init__(self, path: str, naming: str = HF_LLAMA) -> None:
+    def __init__(self, path: str, naming: str = HF_NAMES) -> None:
         save = read_save(path)
         self.folder = save.folder
         if why := megatron_hf.refusals(save.args):
-            raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as a Llama "
-                             "(output.checkpoint=pytorch|accelerate|torchtitan); convert it within Megatron instead")
+            raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as a "
+                             f"{megatron_hf.architecture(save.args)} (output.checkpoint=pytorch|accelerate|"
+                             "torchtitan); convert it within Megatron instead")
         if naming == TORCHTITAN_LLAMA3 and (why := megatron_hf.titan_refusals(save.args)):
             raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as torchtitan's "
-                             "llama3; convert it for a Hugging Face Llama's job (output.checkpoint=accelerate|pytorch) "
+                             "llama3; convert it for a Hugging Face model's job (output.checkpoint=accelerate|pytorch) "
                              "or within Megatron instead")
         self.gpt, self.vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
         self.args, self.iteration, self.notes = save.args, save.iteration, list(save.notes)
         try:
-            #: state name (``param``: the master) -> Llama name -> the full tensor
+            #: state name (``param``: the master) -> Hugging Face (or torchtitan) name -> the full tensor
             self.states = {name: megatron_hf.to_hf(self.gpt, {k: s[name] for k, s in save.optim.items()}, self.vocab)
                            for name in STATES}
             names_of = megatron_hf.hf_names_of(self.gpt)
@@ -97,7 +101,7 @@ class MegatronReader:
                             for key, names in names_of.items()}
         except ValueError as exc:
             raise InputError(f"{save.folder}: {exc}") from None
-        self.groups = _llama_groups(save, names_of)
+        self.groups = _torch_groups(save, names_of)
 
     def meta(self) -> SourceMeta:
         state: dict[str, dict[str, Any]] = {}
@@ -122,9 +126,9 @@ def described(tensor: torch.Tensor) -> TensorRef:
     return TensorRef(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
 
-def _llama_groups(save: MegatronSave, names_of: dict[str, list[str]]) -> list[tuple[dict[str, Any], float]]:
-    """Each Megatron param group as a PyTorch optimizer's (its Llama names as ``params``, ``step`` taken out of the
-    group), and the group's ``step``.
+def _torch_groups(save: MegatronSave, names_of: dict[str, list[str]]) -> list[tuple[dict[str, Any], float]]:
+    """Each Megatron param group as a PyTorch optimizer's (the names its keys map to, ``names_of``, as ``params``;
+    ``step`` taken out of the group), and the group's ``step``.
 
     Raises:
         InputError: a group holds no ``step`` (an optimizer that never stepped has no moments to carry).
@@ -139,7 +143,8 @@ def _llama_groups(save: MegatronSave, names_of: dict[str, list[str]]) -> list[tu
 
 
 class Megatron(Format):
-    """A Megatron-LM save folder read as Llama's state (``checkpoint=megatron`` to another framework's layout):
+    """A Megatron-LM save folder read as a Hugging Face model's state (``checkpoint=megatron`` to another framework's
+    layout):
     read, never written by the range pipeline (Megatron's own output is :mod:`osdpipe.pipeline.megatron`'s)."""
 
     name = "megatron"
@@ -158,7 +163,7 @@ class Megatron(Format):
         try:
             naming = naming_of(tree)
         except InputError:  # what is wrong with the save itself, for the model the output's job builds, is said first
-            MegatronReader(path, key if key in (HF_LLAMA, TORCHTITAN_LLAMA3) else HF_LLAMA)
+            MegatronReader(path, key if key in (HF_NAMES, TORCHTITAN_LLAMA3) else HF_NAMES)
             raise
         return MegatronReader(path, naming)
 
@@ -174,13 +179,14 @@ class Megatron(Format):
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
         """The optimizer (from its param groups and states), its parameters under the names of the model ``key`` says
         (:meth:`osdpipe.io.checkpoints.megatron.Megatron.optimizer_part`: the one the output's job builds)."""
-        reader = MegatronReader(str(path), key if key in (HF_LLAMA, TORCHTITAN_LLAMA3) else HF_LLAMA)
+        reader = MegatronReader(str(path), key if key in (HF_NAMES, TORCHTITAN_LLAMA3) else HF_NAMES)
         describe_meta(facts, reader.meta())
         facts.world_size = 1
         a = reader.args
         facts.notes.append(
             f"Megatron-LM save of iteration {reader.iteration} (TP{a.get('tensor_model_parallel_size')} "
-            f"PP{a.get('pipeline_model_parallel_size')} DP{a.get('data_parallel_size')}), read as Hugging Face Llama's "
+            f"PP{a.get('pipeline_model_parallel_size')} DP{a.get('data_parallel_size')}), read as "
+            f"{'torchtitan llama3' if key == TORCHTITAN_LLAMA3 else megatron_hf.architecture(a)}'s "
             f"state: the fp32 master weights and the optimizer's per parameter"
         )
 
