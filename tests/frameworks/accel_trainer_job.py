@@ -9,7 +9,8 @@ GPU (``distributed_type = FSDP``, the plugin the Trainer built, a plain
 
 Run: ``torchrun --standalone --nproc-per-node N accel_trainer_job.py '<json>'`` with keys out, version (1|2),
 state_dict_type, max_steps, resume (a checkpoint folder or null), tied, qwen2 (a ``Qwen2ForCausalLM`` of the same
-dimensions instead: biases on q, k and v), llama (LlamaConfig dimensions other than :data:`LLAMA`'s), dump (where rank
+dimensions instead: biases on q, k and v), llama (LlamaConfig dimensions other than :data:`LLAMA`'s), gpt2 (a
+``GPT2LMHeadModel`` of these GPT2Config dimensions instead of the Llama), dump (where rank
 0 saves the gathered state: at the end of a fresh run, right after the load in a resumed one). Rank 0 prints one
 ``RESULT {json}`` line.
 """
@@ -41,6 +42,14 @@ def build_llama(tied: bool = False, qwen2: bool = False, **dims: Any) -> Any:
 
     config, model = ("Qwen2Config", "Qwen2ForCausalLM") if qwen2 else ("LlamaConfig", "LlamaForCausalLM")
     return getattr(transformers, model)(getattr(transformers, config)(**{**LLAMA, **dims}, tie_word_embeddings=tied))
+
+
+def build_gpt2(**dims: Any) -> Any:
+    """A tiny ``GPT2LMHeadModel`` of ``dims`` (``GPT2Config``'s keys; no download), tied as transformers ties it by
+    default: the Trainer's model where the spec names ``gpt2``."""
+    import transformers
+
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**dims))
 
 
 def _dump(trainer: Any, path: str | None) -> None:
@@ -77,8 +86,10 @@ def make_trainer(spec: dict[str, Any]) -> Any:
                 _dump(self, spec.get("dump"))
 
     torch.manual_seed(0)
-    dims = spec.get("llama") or {}
-    model = build_llama(spec.get("tied", False), spec.get("qwen2", False), **dims)
+    if spec.get("gpt2"):
+        model = build_gpt2(**spec["gpt2"])
+    else:
+        model = build_llama(spec.get("tied", False), spec.get("qwen2", False), **(spec.get("llama") or {}))
     gen = torch.Generator().manual_seed(7)
     vocab = model.config.vocab_size
     data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, vocab, (64, 9), generator=gen)]

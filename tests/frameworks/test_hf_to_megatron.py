@@ -17,7 +17,8 @@ megatron-core 0.16.1 job (:mod:`frameworks.mcore`, built with the save's own dim
 The same Llama tied (``tie_word_embeddings``, as Llama 3.2's 1B and 3B) holds (a) to (c) too, Megatron's tied
 embedding with no output layer of its own, the last stage's copy equal to it; and so does a ``Qwen2ForCausalLM`` of
 the same dimensions (Qwen2.5's architecture: biases on q, k and v), Megatron's ``add_qkv_bias`` GPT, each bias with
-its moments.
+its moments; and a ``GPT2LMHeadModel`` (tied, as transformers builds it), Megatron-LM's default GPT (LayerNorm, a
+learned position table, the tanh GeLU, a bias on every linear), Conv1D's transposed weights and all.
 
 A wrong map fails (b): with ``from_hf``'s key and value heads exchanged, the logits differ by far more than the
 tolerance (docs/frameworks.md says by how much). Bad input is refused in one line, exit 2, nothing written.
@@ -38,7 +39,7 @@ from frameworks import accel, mcore
 from helpers import run_cli_cases, run_command, user_env
 
 from osdpipe.layout.megatron import Gpt
-from osdpipe.layout.megatron_hf import from_hf
+from osdpipe.layout.megatron_hf import from_hf, tied_names
 
 pytestmark = [
     pytest.mark.frameworks,
@@ -50,7 +51,9 @@ pytestmark = [
 #: The tests' Llama: GQA, untied, a vocabulary Megatron pads (50 -> 256 at TP2), layers PP2 splits.
 LLAMA = {"vocab_size": 50, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
-#: The GPT Megatron builds of it at TP2 (vocabulary padded to 128 x 2).
+#: The tests' GPT-2: 4 heads, 4 layers, the Llama's width and vocabulary, tied (transformers' default).
+GPT2 = {"vocab_size": 50, "n_embd": 32, "n_inner": 48, "n_layer": 4, "n_head": 4, "n_positions": 32}
+#: The GPT Megatron builds of the Llama at TP2 (vocabulary padded to 128 x 2).
 GPT = Gpt(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2, kv_channels=8,
           padded_vocab_size=256, swiglu=True)
 RELATIVE_TOLERANCE = 1e-4
@@ -65,9 +68,9 @@ def convert(work: Path, source: Path, out: Path, *overrides: str):
 
 
 #: The Trainer's runs the module converts: the tests' Llama untied, tied (its ``lm_head`` the embedding, as Llama
-#: 3.2's 1B and 3B), and a Qwen2 of its dimensions.
+#: 3.2's 1B and 3B), a Qwen2 of its dimensions, and the tests' GPT-2.
 RUNS = {"untied": {"tied": False, "qwen2": False}, "tied": {"tied": True, "qwen2": False},
-        "qwen2": {"tied": False, "qwen2": True}}
+        "qwen2": {"tied": False, "qwen2": True}, "gpt2": {"gpt2": GPT2}}
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +113,9 @@ def _differences(run: dict, gpt: Gpt) -> list[str]:
     (a tied model's weights file holds ``lm_head.weight`` too: the embedding's tensor again, which it must equal)."""
     optimizer = torch.load(run["source"] / "optimizer.bin", weights_only=True)
     weights = torch.load(run["source"] / "pytorch_model_fsdp.bin", weights_only=True)
-    if gpt.tied:
-        assert torch.equal(weights.pop("lm_head.weight"), weights["model.embed_tokens.weight"])
+    if (tied := tied_names(gpt)) is not None:
+        embedding, output = tied
+        assert torch.equal(weights.pop(output), weights[embedding])
     loaded = run["loaded"]
     want = {"param": from_hf(gpt, weights),
             **{s: from_hf(gpt, {k: v[s] for k, v in optimizer["state"].items()}) for s in ("exp_avg", "exp_avg_sq")}}
@@ -164,6 +168,29 @@ def test_a_qwen2s_checkpoint_is_a_qkv_biased_megatron_gpt_that_computes_its_logi
     assert set(biases) <= set(groups[0.0]["params"])
     diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
     print(f"qwen2: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+    assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
+
+
+def test_a_gpt2s_checkpoint_is_megatron_lms_default_gpt_that_computes_its_logits_and_trains_on(runs) -> None:
+    """GPT-2, as the Trainer holds it (Conv1D's ``[in, out]`` weights, ``c_attn`` fusing all queries, then all keys,
+    then all values; one tied parameter for ``wte`` and ``lm_head``), is Megatron-LM's default GPT: LayerNorm, the
+    learned position table, the tanh GeLU, a bias on every linear, tied; the same tensors bitwise, the same logits, a
+    step on; every bias and norm in the no-decay group, as the Trainer keeps them."""
+    run = runs["gpt2"]
+    gpt = Gpt(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=4,
+              kv_channels=8, padded_vocab_size=256, swiglu=False, linear_bias=True, norm_bias=True, position_table=32,
+              tied=True)
+    assert json.loads((run["source"] / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    held = torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]
+    assert "transformer.wpe.weight" in held and "lm_head.weight" not in held
+    assert "output_layer.weight" not in run["loaded"]["optim"] and run["loaded"]["replicas_unequal"] == []
+    assert _differences(run, gpt) == []
+    groups = {g["wd_mult"]: g for g in run["loaded"]["param_groups"]}
+    assert set(groups[0.0]["params"]) == {k for k, t in run["loaded"]["model"].items()
+                                          if k.endswith(("bias", "layer_norm_weight", "final_layernorm.weight"))}
+    diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
+    print(f"gpt2: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
     assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
 

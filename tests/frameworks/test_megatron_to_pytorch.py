@@ -5,13 +5,15 @@ Real megatron-core 0.16.1 trains the test's own GPT (GQA 4 heads in 2 groups, Sw
 (:mod:`frameworks.mcore_saves`), beside the state gathered from the live job (the truth). The ``osdpipe`` command
 (``checkpoint=megatron output.checkpoint=accelerate``, a subprocess) writes ``save_state``'s SHARDED folder for FSDP2 on
 2 ranks with ``config.json`` beside it; accelerate 1.15's own ``load_state``, in a fresh FSDP2 job of
-``LlamaForCausalLM`` built from that ``config.json`` (:mod:`frameworks.hf_llama_job`), loads it, and then takes a
+``LlamaForCausalLM`` built from that ``config.json`` (:mod:`frameworks.hf_model_job`), loads it, and then takes a
 training step. What it holds after the load must be, bit for bit, the live Megatron job's fp32 master weights and Adam
 moments mapped by :func:`osdpipe.layout.megatron_hf.to_hf`, its step and its hyperparameters: the map itself is proven
 by both frameworks' logits in ``test_megatron_hf.py``, so the loaded job computes what Megatron's did. A GPT with
 its output layer tied to the embedding (``tied_tp2_pp2``) is transformers' tied Llama: one parameter, one optimizer
 state; a GPT with a bias on each linear (``tp2_dp2_bias``) a Llama with ``attention_bias`` and ``mlp_bias``, and one
 with ``linear_qkv``'s bias alone (``tp2_pp2_qkv_bias``) a ``Qwen2ForCausalLM``, each bias with its Adam state.
+Megatron-LM's default GPT (``gpt_tp2_pp2``: LayerNorm, a learned position table, GeLU, a bias on each linear, tied)
+is transformers' ``GPT2LMHeadModel``, tied as transformers ties it (``test_megatron_hf.py`` proves its logits).
 torchtitan's llama3, which can neither tie nor bias its linears, refuses those saves in one line.
 """
 
@@ -31,7 +33,7 @@ from helpers import run_osdpipe
 
 from osdpipe.io.formats.megatron import STATES, gpt_of
 from osdpipe.layout.llama_titan import Heads, to_titan
-from osdpipe.layout.megatron_hf import hf_names_of, to_hf, true_vocab_size
+from osdpipe.layout.megatron_hf import hf_names_of, tied_names, to_hf, true_vocab_size
 
 pytestmark = [
     pytest.mark.frameworks,
@@ -73,13 +75,21 @@ def _differences(loaded: dict, expected: dict[str, dict[str, torch.Tensor]]) -> 
 
 
 #: The saves a PyTorch job's model holds, each with the transformers model its ``config.json`` names: a Llama, tied,
-#: with a bias on each linear (``--add-bias-linear``), and a Qwen2 (``--add-qkv-bias``: q, k and v biased alone).
+#: with a bias on each linear (``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``: q, k and v biased alone), and
+#: Megatron-LM's default GPT, a GPT-2.
 HF_JOBS = {"tp2_dp2": "LlamaForCausalLM", "tp2_pp2": "LlamaForCausalLM", "tied_tp2_pp2": "LlamaForCausalLM",
-           "tp2_dp2_bias": "LlamaForCausalLM", "tp2_pp2_qkv_bias": "Qwen2ForCausalLM"}
+           "tp2_dp2_bias": "LlamaForCausalLM", "tp2_pp2_qkv_bias": "Qwen2ForCausalLM",
+           "gpt_tp2_pp2": "GPT2LMHeadModel"}
+#: Each model's block: the module accelerate's FSDP wraps.
+BLOCKS = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer",
+          "GPT2LMHeadModel": "GPT2Block"}
+#: Each model's element the comparison is shown to catch: a bias's moment, where the model has biases.
+WRONG = {"LlamaForCausalLM": "model.layers.1.self_attn.k_proj.", "Qwen2ForCausalLM": "model.layers.1.self_attn.k_proj.",
+         "GPT2LMHeadModel": "transformer.h.1.attn.c_attn."}
 
 
 @pytest.mark.parametrize("name", sorted(HF_JOBS))
-def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
+def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_model(
     megatron_saves: dict[str, Path], name: str, tmp_path: Path
 ) -> None:
     from frameworks import accel
@@ -98,20 +108,21 @@ def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
 
     config = json.loads((out / "dcp" / "config.json").read_text())
     assert config["architectures"] == [HF_JOBS[name]]
-    job = {"model": "frameworks.hf_llama_job:logits_llama", "kwargs": {"config": str(out / "dcp" / "config.json")},
-           "wrap": HF_JOBS[name].replace("ForCausalLM", "DecoderLayer"), "groups": _groups(truth)}
+    job = {"model": "frameworks.hf_model_job:logits_model", "kwargs": {"config": str(out / "dcp" / "config.json")},
+           "wrap": BLOCKS[HF_JOBS[name]], "groups": _groups(truth)}
     loaded = accel.load(tmp_path, 2, out / "dcp", fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", tied=False,
                         steps=3, job=job, timeout=400)
-    expected = _expected(truth)
+    expected, gpt = _expected(truth), gpt_of(truth["args"])
     biases = sorted(n.rsplit(".", 2)[-2] for n in expected["param"] if n.startswith("model.layers.0.")
                     and n.endswith(".bias"))
     assert biases == {"tp2_dp2_bias": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
                       "tp2_pp2_qkv_bias": ["k_proj", "q_proj", "v_proj"]}.get(name, [])
-    if name.startswith("tied"):  # Llama 3.2's: lm_head is the embedding, one parameter, one optimizer state
-        assert config["tie_word_embeddings"] is True
-        assert "lm_head.weight" not in expected["param"] and "lm_head.weight" not in loaded["optim"]["state"]
-        embedding = loaded["model"]["model.embed_tokens.weight"]
-        assert torch.equal(_bits(loaded["model"].pop("lm_head.weight")), _bits(embedding))
+    if gpt.tied:  # Llama 3.2's, GPT-2's: lm_head is the embedding, one parameter, one optimizer state
+        assert config["tie_word_embeddings"] is True and name in ("tied_tp2_pp2", "gpt_tp2_pp2")
+        embedding_name, output_name = tied_names(gpt)
+        assert output_name not in expected["param"] and output_name not in loaded["optim"]["state"]
+        embedding = loaded["model"][embedding_name]
+        assert torch.equal(_bits(loaded["model"].pop(output_name)), _bits(embedding))
     assert sorted(loaded["model"]) == sorted(expected["param"])
     assert _differences(loaded, expected) == []
     assert {float(s["step"]) for s in loaded["optim"]["state"].values()} == {3.0}
@@ -120,7 +131,7 @@ def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_llama(
     assert math.isfinite(loaded["loss_after"])  # it trains on
 
     # the comparison sees one element that is not the truth's (a bias's, where the model has them)
-    wrong = "model.layers.1.self_attn.k_proj." + ("bias" if biases else "weight")
+    wrong = WRONG[HF_JOBS[name]] + ("bias" if biases or name.startswith("gpt") else "weight")
     expected["exp_avg_sq"][wrong].view(-1)[5] += 1
     assert _differences(loaded, expected) == [f"exp_avg_sq {wrong}"]
 
@@ -193,6 +204,7 @@ def test_pytorchs_own_layout_passes_every_check_of_a_live_fsdp2_world(megatron_s
 @pytest.mark.parametrize("name, feature", [
     ("tied_tp2_pp2", "tied embedding and output weights (torchtitan's llama3 has no tying)"),
     ("tp2_dp2_bias", "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"),
+    ("gpt_tp2_pp2", "LayerNorm (not RMSNorm)"),
 ])
 def test_what_torchtitan_cannot_hold_is_refused_in_one_line_naming_the_jobs_that_take_it(
     megatron_saves: dict[str, Path], tmp_path: Path, name: str, feature: str
