@@ -37,7 +37,7 @@ class HfFamily(Protocol):
     :mod:`osdpipe.layout.megatron_llama` and :mod:`osdpipe.layout.megatron_gpt2`. A family's model is the same
     transformers model in a model folder and in a PyTorch job, so its functions do not ask which."""
 
-    #: The ``model.factory`` (:data:`osdpipe.layout.models.FACTORIES`) that builds the family's transformers model
+    #: The ``model.factory`` (:data:`osdpipe.layout.models.BUILTIN_MODELS`) that builds the family's transformers model
     #: from a ``config.json``'s keys: what a PyTorch job resuming a converted Megatron save builds.
     HF_FACTORY: str
     #: The word embedding's Hugging Face name: the one parameter ``lm_head.weight`` is where the model ties them.

@@ -178,14 +178,16 @@ def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(megatro
     assert {float(s["step"]) for s in loaded["optim"]["state"].values()} == {3.0}
 
 
+@pytest.mark.parametrize("name", ["tp2_pp2", "gpt_tp2_pp2"])
 def test_pytorchs_own_layout_passes_every_check_of_a_live_fsdp2_world(megatron_saves: dict[str, Path],
-                                                                      tmp_path: Path) -> None:
+                                                                      tmp_path: Path, name: str) -> None:
     """``output.checkpoint=pytorch`` online: osdpipe's reference (PyTorch's own ``set_optimizer_state_dict`` into FSDP2
-    on 2 ranks), load_step and resume checks pass, and ``osdpipe check`` holds the output against the save."""
+    on 2 ranks), load_step and resume checks pass, and ``osdpipe check`` holds the output against the save; for a
+    Llama, and for Megatron-LM's default GPT, transformers' GPT-2 (one tied parameter)."""
     import json
 
     out = tmp_path / "out"
-    done = run_osdpipe("checkpoint=megatron", f"input.path={megatron_saves['tp2_pp2']}", "output.checkpoint=pytorch",
+    done = run_osdpipe("checkpoint=megatron", f"input.path={megatron_saves[name]}", "output.checkpoint=pytorch",
                        "target.kind=fsdp2", "target.world_size=2", "runtime.mode=online", f"output.path={out}",
                        cwd=tmp_path, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
