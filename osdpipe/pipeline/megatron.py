@@ -109,7 +109,7 @@ def convert(
     stages: list[StageReport] = []
     staging = output.begin(directory, job.fsync)
     try:
-        source = source or Source(lambda: read_save(job.source))
+        source = source or Source(lambda: read_save(job.source, within_memory=True))
         save = _stage(stages, "load", display, source.read, _tensor_bytes)
         if job.hf:
             done = _as_hf(job, save, staging, stages, display)

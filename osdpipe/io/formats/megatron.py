@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from osdpipe.core import memory
 from osdpipe.core.compare import bits_equal
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
@@ -237,12 +238,16 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
     )
 
 
-def read_save(path: str | Path) -> MegatronSave:
+def read_save(path: str | Path, *, within_memory: bool = False) -> MegatronSave:
     """Read the Megatron-LM save at ``path`` (a save folder or one ``iter_<N>`` folder) whole.
+
+    ``within_memory``: first refuse a save whose tensors alone need more memory than this machine has available
+    (:func:`refuse_unless_it_fits`): what a conversion asks when it reads its source, so that it says so at once rather
+    than being killed hours into the read. A read-back of an output the same run made leaves it out.
 
     Raises:
         InputError: one line naming the file and what to do: a missing or damaged file, a model or sharding
-            osdpipe does not read yet.
+            osdpipe does not read yet, a save larger than the memory available.
     """
     folder = iteration_folder(path)
     _check_backend(folder)
@@ -252,6 +257,8 @@ def read_save(path: str | Path) -> MegatronSave:
         raise InputError(why)
     sharding = None if args.get("no_save_optim") else sharding_type(common, folder)
     checkpoint = DcpCheckpoint(str(folder), None)
+    if within_memory:
+        refuse_unless_it_fits(checkpoint, folder)
     gpt = gpt_of(args)
     shapes = layout.global_shapes(gpt)
     _refuse_unknown_tensors(checkpoint, shapes)
@@ -351,6 +358,27 @@ def sharding_type(common: dict[str, Any], folder: Path) -> str:
         raise InputError(f"{folder}: the optimizer is saved {said!r}: not supported yet (osdpipe reads "
                          f"{' and '.join(SHARDING_TYPES)})")
     return said
+
+
+def stored_bytes(checkpoint: DcpCheckpoint) -> int:
+    """The bytes of every tensor the save's ``.metadata`` lists (the model's, the optimizer's, a ``dp_reshardable``
+    save's buckets with the few elements of padding between their parameters): what reading it whole holds."""
+    return sum(math.prod(item.size) * item.properties.dtype.itemsize
+               for item in checkpoint.metadata.state_dict_metadata.values() if isinstance(item, TensorStorageMetadata))
+
+
+def refuse_unless_it_fits(checkpoint: DcpCheckpoint, folder: Path | RemotePath) -> None:
+    """Refuse, in one line, a save whose tensors alone (:func:`stored_bytes`) need more memory than this machine has
+    available (:func:`osdpipe.core.memory.available_bytes`): a Megatron conversion holds the save whole (and its output
+    beside it), so such a run can only end killed for memory, after reading for as long as the save is large. The
+    save's bytes are less than the run holds (the read's tensors, and the output beside them, outweigh a bucket's
+    padding): a save that fits may still not, one that does not never does."""
+    need, free = stored_bytes(checkpoint), memory.available_bytes()
+    if free is not None and need > free:
+        raise InputError(f"{folder}: reading this save whole takes {need / 1e9:.1f} GB of memory, and this machine "
+                         f"has {free / 1e9:.1f} GB available (MemAvailable and SwapFree, or its cgroup's limit); a "
+                         "Megatron conversion holds the save in memory, not streamed yet: run it on a machine with "
+                         "more memory")
 
 
 def _expect(checkpoint: DcpCheckpoint, keys: list[str]) -> None:
