@@ -13,7 +13,7 @@ its output layer tied to the embedding (``tied_tp2_pp2``) is transformers' tied 
 state; a GPT with a bias on each linear (``tp2_dp2_bias``) a Llama with ``attention_bias`` and ``mlp_bias``, and one
 with ``linear_qkv``'s bias alone (``tp2_pp2_qkv_bias``) a ``Qwen2ForCausalLM``, each bias with its Adam state.
 Megatron-LM's default GPT (``gpt_tp2_pp2``: LayerNorm, a learned position table, GeLU, a bias on each linear, tied)
-is transformers' ``GPT2LMHeadModel``, tied as transformers ties it (``test_megatron_hf.py`` proves its logits).
+is transformers' ``GPT2LMHeadModel``, tied as transformers ties it (``test_megatron_hf_biases.py`` proves its logits).
 torchtitan's llama3, which can neither tie nor bias its linears, refuses those saves in one line.
 """
 
