@@ -1,4 +1,5 @@
-"""How much memory a process held at its peak: resident (RSS) and anonymous (not backed by a file).
+"""How much memory a process held at its peak: resident (RSS) and anonymous (not backed by a file); and how much
+the machine has left to give it (:func:`available_bytes`), which a conversion that holds its source whole asks first.
 
 Memory-mapped input counts in RSS, but the kernel can drop those pages at any
 time; anonymous memory (tensors osdpipe made, buffers) is what a conversion
