@@ -177,9 +177,11 @@ def reshard_megatron(
     optim_format: str | None = None,
     overwrite: bool = False,
     workers: int = 1,
+    vpp: int = 1,
 ) -> dict[str, Any]:
-    """Reshard a Megatron-LM ``torch_dist`` save to TP ``tp`` x PP ``pp`` x DP ``dp``, optimizer included, offline
-    and without Megatron; prove it; commit it whole.
+    """Reshard a Megatron-LM ``torch_dist`` save to TP ``tp`` x PP ``pp`` x DP ``dp`` with ``vpp`` model chunks per
+    pipeline stage (virtual pipeline stages; 1: none), optimizer included, offline and without Megatron; prove it;
+    commit it whole.
 
     ``source`` is a Megatron-LM save folder (``latest_checkpointed_iteration.txt``) or one ``iter_<N>`` folder;
     ``output`` receives a save folder that Megatron-LM's ``load_checkpoint`` at the new parallelism loads.
@@ -191,8 +193,8 @@ def reshard_megatron(
 
     Returns:
         ``{"folder", "iteration", "source", "target", "rng_from", "roundtrip"}``: where the iteration folder is, the
-        two parallelisms and sharding types, which source (PP, TP) rank's RNG states each target rank got, and what
-        the read-back proved.
+        two parallelisms (``tp``, ``pp``, ``vpp``, ``dp``) and sharding types, which source (PP, TP) rank's RNG
+        states each target rank got, and what the read-back proved.
 
     Raises:
         osdpipe.io.formats.InputError: the source cannot be read, or holds what osdpipe cannot write yet; one line.
@@ -202,5 +204,6 @@ def reshard_megatron(
     from osdpipe.pipeline.megatron import convert  # the Megatron stages: only this call needs them
     from osdpipe.spec.megatron import MegatronJob
 
-    job = MegatronJob(os.fspath(source), os.fspath(output), tp, pp, dp, optim_format, overwrite, workers=workers)
+    job = MegatronJob(os.fspath(source), os.fspath(output), tp, pp, dp, optim_format, overwrite, workers=workers,
+                      vpp=vpp)
     return convert(job, job.config()).summary()

@@ -5,12 +5,18 @@ leading layer axis (``decoder.layers.self_attention.linear_qkv.weight`` of shape
 rank of the grid holds:
 
 * **PP** stage ``p``: the layers ``[p L/P, (p+1) L/P)``; the embedding on the first stage, the final norm and the
-  output layer on the last;
+  output layer on the last. With ``V`` virtual stages per pipeline rank (Megatron-LM's interleaved schedule,
+  ``virtual_pipeline_model_parallel_size``) a stage holds ``V`` model chunks instead, chunk ``v`` the layers
+  ``[(v P + p) L/(P V), (v P + p + 1) L/(P V))``: the pipeline's ``P V`` chunks in layer order, dealt round the
+  stages (megatron-core 0.16 ``transformer/transformer_layer.py`` ``get_transformer_layer_offset``); the embedding
+  is chunk 0's of the first stage, the final norm and the output layer chunk ``V - 1``'s of the last. Each chunk is a
+  model of its own (its layers named from ``decoder.layers.0``) with its own gradient buffer;
 * **TP** rank ``t``: of a column-parallel weight (``linear_qkv``, ``linear_fc1``, the embedding and the output
   layer, whose vocabulary is padded to a multiple of ``make_vocab_size_divisible_by x TP``) the ``t``-th block of
   rows; of a row-parallel one (``linear_proj``, ``linear_fc2``) the ``t``-th block of columns; norms whole. SwiGLU's
   ``linear_fc1`` is ``[gate; up]`` globally and ``[gate_t; up_t]`` locally: two blocks of rows;
-* **DP** (the distributed optimizer, ``dp_reshardable``): per gradient buffer, the stage's local parameters in
+* **DP** (the distributed optimizer, ``dp_reshardable``): per gradient buffer (one per model chunk: ``gbuf_idx``
+  is the chunk's index), the chunk's local parameters in
   *reverse* ``named_parameters()`` order, each start padded to a multiple of 64 elements and the end of the bucket
   to ``lcm(DP, 128)`` (megatron-core 0.16 ``distributed/param_and_grad_buffer.py``,
   ``_pad_start_of_param_if_needed`` and ``_pad_end_of_bucket_if_needed``); DP rank ``d`` owns the ``d``-th of
@@ -154,12 +160,35 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """The global layers pipeline stage ``stage`` of ``pp`` holds (an even split, Megatron's default)."""
-    if num_layers % pp:
-        raise ValueError(f"{num_layers} layers do not split evenly over {pp} pipeline stages")
-    per = num_layers // pp
-    return range(stage * per, (stage + 1) * per)
+def stage_layers(num_layers: int, pp: int, stage: int, vpp: int = 1, chunk: int = 0) -> range:
+    """The global layers model chunk ``chunk`` of pipeline stage ``stage`` of ``pp`` holds, with ``vpp`` virtual
+    stages (chunks) per pipeline rank: an even split into ``pp x vpp`` runs of layers, dealt round the stages chunk
+    by chunk (Megatron's default split; ``vpp`` 1: the stage's one run)."""
+    if num_layers % (pp * vpp):
+        stages = f"{pp} pipeline stages" + (f" x {vpp} virtual stages" if vpp > 1 else "")
+        raise ValueError(f"{num_layers} layers do not split evenly over {stages}")
+    per = num_layers // (pp * vpp)
+    first = (chunk * pp + stage) * per
+    return range(first, first + per)
+
+
+def virtual_stages(args: dict[str, Any]) -> int:
+    """The model chunks per pipeline rank of the job Megatron-LM's ``args`` describe: its
+    ``virtual_pipeline_model_parallel_size`` (derived from ``--num-layers-per-virtual-pipeline-stage`` or
+    ``--num-virtual-stages-per-pipeline-rank``), 1 where unset (no interleaved schedule)."""
+    return int(args.get("virtual_pipeline_model_parallel_size") or 1)
+
+
+def virtual_stage_args(num_layers: int, pp: int, vpp: int) -> dict[str, Any]:
+    """Megatron-LM's ``args`` of ``vpp`` virtual stages per pipeline rank (``vpp`` 1: none), as its ``arguments.py``
+    records them: the size itself, and the two flags it is derived from (``load_args_from_checkpoint`` reads them
+    back)."""
+    if vpp == 1:
+        return {"virtual_pipeline_model_parallel_size": None, "num_layers_per_virtual_pipeline_stage": None,
+                "num_virtual_stages_per_pipeline_rank": None}
+    return {"virtual_pipeline_model_parallel_size": vpp,
+            "num_layers_per_virtual_pipeline_stage": num_layers // (pp * vpp),
+            "num_virtual_stages_per_pipeline_rank": None}
 
 
 def position_embedding_type(args: dict[str, Any]) -> str:
@@ -233,27 +262,42 @@ def block_refusals(args: dict[str, Any]) -> list[str]:
     return [what for bad, what in checks if bad]
 
 
-def grid_args(sizes: Sequence[tuple[int, str]], layers: int, tp: int, pp: int, world: int) -> dict[str, Any]:
+def grid_args(
+    sizes: Sequence[tuple[int, str]], layers: int, tp: int, pp: int, world: int, vpp: int = 1
+) -> dict[str, Any]:
     """Megatron-LM's ``args`` of the parallelism, for a GPT converted in from another framework's model: TP ``tp`` x
-    PP ``pp`` on ``world`` ranks, the distributed optimizer.
+    PP ``pp`` on ``world`` ranks, ``vpp`` virtual stages per pipeline rank, the distributed optimizer.
 
     Raises:
         ValueError: one line: a TP that does not divide one of ``sizes`` (``(size, what it is)``: the heads, the FFN),
-            a PP that does not divide the ``layers``, a world that is no multiple of TP x PP.
+            a PP (times the virtual stages) that does not divide the ``layers``, a world that is no multiple of TP x PP.
     """
     for size, name in sizes:
         if size % tp:
             raise ValueError(f"target.tp_size={tp} does not divide the model's {size} {name}; choose a TP that does")
-    if layers % pp:
-        raise ValueError(f"target.pp_size={pp} does not divide the model's {layers} layers; choose a PP that does")
+    if why := virtual_stages_problem(layers, pp, vpp):
+        raise ValueError(why)
     if world % (tp * pp):
         raise ValueError(f"target.world_size={world} is no multiple of TP {tp} x PP {pp}")
     return {
         "world_size": world, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "data_parallel_size": world // (tp * pp), "context_parallel_size": 1, "expert_model_parallel_size": 1,
-        "expert_tensor_parallel_size": tp, "virtual_pipeline_model_parallel_size": None, "sequence_parallel": False,
-        "use_distributed_optimizer": True,
+        "expert_tensor_parallel_size": tp, "sequence_parallel": False, "use_distributed_optimizer": True,
+        **virtual_stage_args(layers, pp, vpp),
     }  # fmt: skip
+
+
+def virtual_stages_problem(layers: int, pp: int, vpp: int) -> str | None:
+    """Why a target of PP ``pp`` with ``vpp`` virtual stages per pipeline rank cannot hold a GPT of ``layers``
+    layers (``None``: it can), in one line naming the key: the stages' chunks must split the layers evenly, and
+    Megatron's interleaved schedule needs more than one pipeline stage."""
+    if vpp > 1 and pp < 2:
+        return (f"target.vpp_size={vpp}: virtual pipeline stages interleave several pipeline stages (megatron-core "
+                "refuses them at PP 1); set target.pp_size to 2 or more, or leave target.vpp_size out")
+    if layers % (pp * vpp):
+        what = f"target.pp_size={pp}" + (f" x target.vpp_size={vpp}" if vpp > 1 else "")
+        return f"{what} does not divide the model's {layers} layers; choose a PP that does"
+    return None
 
 
 def save_args(vocab: int, divisible_by: int, tp: int, iteration: int, sharding: str) -> dict[str, Any]:
@@ -276,12 +320,14 @@ def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
     return rank * part, (rank + 1) * part
 
 
-def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> list[LocalParameter]:
-    """The parameters of rank (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order of Megatron's GPT with the
-    local layer spec (the word embedding, the position table; per layer the input norm, ``linear_proj``,
-    ``linear_qkv``, the pre-MLP norm, ``linear_fc1``, ``linear_fc2``, each norm's and linear layer's weight then its
-    bias where it has one; the final norm; the output layer, or over PP the tied embedding's copy), each with the
-    global boxes it holds."""
+def local_parameters(
+    gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int, vpp: int = 1, chunk: int = 0
+) -> list[LocalParameter]:
+    """The parameters of model chunk ``chunk`` (of ``vpp`` per pipeline rank; 1: the rank's one model) of rank
+    (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order of Megatron's GPT with the local layer spec (the word
+    embedding, the position table; per layer the input norm, ``linear_proj``, ``linear_qkv``, the pre-MLP norm,
+    ``linear_fc1``, ``linear_fc2``, each norm's and linear layer's weight then its bias where it has one; the final
+    norm; the output layer, or over PP the tied embedding's copy), each with the global boxes it holds."""
     h, shapes = gpt.hidden_size, global_shapes(gpt)
     out: list[LocalParameter] = []
 
@@ -305,13 +351,13 @@ def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> 
     vocab = _split(gpt.padded_vocab_size, tp, tp_rank, "the padded vocabulary")
     tied_over_pp = gpt.tied and pp > 1
     embedding = "embedding.word_embeddings.weight"
-    if pp_rank == 0:
+    if pp_rank == 0 and chunk == 0:
         out.append(replace(column_parallel(embedding, embedding, (), [vocab], h), own_bucket=tied_over_pp))
         if gpt.position_table:
             table = "embedding.position_embeddings.weight"
             out.append(LocalParameter(table, (gpt.position_table, h),
                                       (Piece(table, ((0, gpt.position_table), (0, h)), 0, gpt.position_table),)))
-    for local, layer in enumerate(stage_layers(gpt.num_layers, pp, pp_rank)):
+    for local, layer in enumerate(stage_layers(gpt.num_layers, pp, pp_rank, vpp, chunk)):
         prefix, at = f"decoder.layers.{local}.", ((layer, layer + 1),)
         attention = gpt.num_attention_heads * gpt.kv_channels
         cols = _split(attention, tp, tp_rank, "linear_proj's columns")
@@ -338,7 +384,7 @@ def local_parameters(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int) -> 
                                   (Piece(fc2, (*at, (0, h), ffn), 0, h),)))
         if gpt.linear_bias:
             out.append(whole(f"{mlp}linear_fc2.bias", f"{LAYERS}mlp.linear_fc2.bias", at, h))
-    if pp_rank == pp - 1:
+    if pp_rank == pp - 1 and chunk == vpp - 1:
         out += norm("decoder.final_layernorm.", "decoder.final_layernorm.", ())
         if not gpt.tied:
             out.append(column_parallel("output_layer.weight", "output_layer.weight", (), [vocab], h))
@@ -372,7 +418,7 @@ def bucket_layout(params: Sequence[tuple[str, int]], dp: int) -> BucketLayout:
 
 
 def buckets(params: Sequence[LocalParameter], dp: int) -> list[BucketLayout]:
-    """The buckets of one (PP, TP) rank's parameters (``named_parameters()`` order, :func:`local_parameters`), as
+    """The buckets of one model chunk's parameters (``named_parameters()`` order, :func:`local_parameters`), as
     megatron-core's distributed optimizer makes them with no bucket size: one bucket, in reverse order, but for a
     tied embedding's parameter over PP (:attr:`LocalParameter.own_bucket`), which closes the bucket before it and is
     a bucket alone. Each bucket starts at the padded end of the one before (a multiple of 64), so its parameters'

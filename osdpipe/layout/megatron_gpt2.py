@@ -301,10 +301,11 @@ def hf_refusals(config: dict[str, Any]) -> list[str]:
 
 
 def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
-                  divisible_by: int) -> dict[str, Any]:
+                  divisible_by: int, vpp: int = 1) -> dict[str, Any]:
     """The Megatron-LM ``args`` of the GPT that computes the ``GPT2LMHeadModel`` of ``config``: the inverse of
     :func:`hf_config` (LayerNorm, a learned position table, the GeLU it names, every linear biased, multi-head
-    attention, tied or untied embeddings), for TP ``tp`` x PP ``pp`` on ``world`` ranks.
+    attention, tied or untied embeddings), for TP ``tp`` x PP ``pp`` on ``world`` ranks (``vpp`` model chunks per
+    stage).
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that
@@ -320,7 +321,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
     except KeyError as exc:
         raise ValueError(f"config.json holds no {exc.args[0]}, which a GPT-2's config has") from None
     ffn = int(config.get("n_inner") or 4 * hidden)
-    grid = grid_args(((heads, "attention heads"), (ffn, "n_inner (the FFN)")), layers, tp, pp, world)
+    grid = grid_args(((heads, "attention heads"), (ffn, "n_inner (the FFN)")), layers, tp, pp, world, vpp)
     return {
         **grid,
         # the model

@@ -69,7 +69,7 @@ class HfFamily(Protocol):
 
     def megatron_args(
         self, config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
-        divisible_by: int,
+        divisible_by: int, vpp: int,
     ) -> dict[str, Any]: ...  # fmt: skip
 
 
@@ -189,15 +189,17 @@ def megatron_args(
     iteration: int = 0,
     sharding: str = "fully_reshardable",
     divisible_by: int = 128,
+    vpp: int = 1,
 ) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face model of ``config`` (its
-    ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks: the inverse of :func:`hf_config`.
+    ``config.json``), for TP ``tp`` x PP ``pp`` on ``world`` ranks, ``vpp`` model chunks per pipeline stage: the
+    inverse of :func:`hf_config`.
 
     Raises:
         ValueError: one line: what Megatron cannot express (:func:`hf_refusals`), "not supported yet"; or a TP that
-            does not divide the heads, the query groups or the FFN, a PP that does not divide the layers, a world
-            that is no multiple of TP x PP.
+            does not divide the heads, the query groups or the FFN, a PP (times ``vpp``) that does not divide the
+            layers, a world that is no multiple of TP x PP.
     """
     family = family_of_config(config)
     return family.megatron_args(config, tp, pp, world, iteration=iteration, sharding=sharding,
-                                divisible_by=divisible_by)  # fmt: skip
+                                divisible_by=divisible_by, vpp=vpp)  # fmt: skip

@@ -490,12 +490,12 @@ def hf_refusals(config: dict[str, Any]) -> list[str]:
 
 
 def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
-                  divisible_by: int) -> dict[str, Any]:
+                  divisible_by: int, vpp: int = 1) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (or
     ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``), for TP ``tp`` x PP
-    ``pp`` on ``world`` ranks, at ``iteration``, its optimizer saved as ``sharding``, the vocabulary padded to a
-    multiple of ``divisible_by`` x TP: the inverse of :func:`hf_config` (the defaults are
-    :func:`osdpipe.layout.megatron_hf.megatron_args`'s).
+    ``pp`` on ``world`` ranks (``vpp`` model chunks per stage), at ``iteration``, its optimizer saved as
+    ``sharding``, the vocabulary padded to a multiple of ``divisible_by`` x TP: the inverse of :func:`hf_config`
+    (the defaults are :func:`osdpipe.layout.megatron_hf.megatron_args`'s).
 
     What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
     with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
@@ -523,7 +523,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
         raise ValueError(f"config.json holds no {exc.args[0]}, which a Llama's config has") from None
     head_dim = int(config.get("head_dim") or hidden // heads)
     sizes = ((heads, "attention heads"), (groups, "key/value heads (query groups)"), (ffn, "intermediate_size"))
-    grid = grid_args(sizes, layers, tp, pp, world)
+    grid = grid_args(sizes, layers, tp, pp, world, vpp)
     positions = int(config.get("max_position_embeddings") or 4096)
     rope = _rope_parameters(config)
     theta, scaling = float(rope["rope_theta"]), _megatrons_llama3(rope) if rope.get("rope_type") == "llama3" else None

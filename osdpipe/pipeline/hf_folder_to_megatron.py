@@ -60,7 +60,7 @@ def refusal(spec: RunSpec) -> str | None:
     try:
         config = hf_folder.read_config(path)
         _weights_files(path)
-        megatron_hf.megatron_args(config, target.tp_size, target.pp_size, target.world_size)
+        megatron_hf.megatron_args(config, target.tp_size, target.pp_size, target.world_size, vpp=target.vpp_size)
     except ValueError as exc:  # InputError among them
         return f"input.path={path}: {exc}"
     return None

@@ -146,7 +146,8 @@ def refusal(raw: dict[str, Any], given: Any) -> str | None:
     path, target = raw["input"]["path"], raw["target"]
     try:
         config = hf_model_config(source_model(raw, given), path)
-        megatron_hf.megatron_args(config, int(target["tp_size"]), int(target["pp_size"]), int(target["world_size"]))
+        megatron_hf.megatron_args(config, int(target["tp_size"]), int(target["pp_size"]), int(target["world_size"]),
+                                  vpp=int(target.get("vpp_size") or 1))
     except ValueError as exc:  # InputError among them
         return f"input.path={path}: {exc}"
     return None
@@ -165,6 +166,7 @@ def job_of(spec: RunSpec, plan: Plan) -> MegatronJob:
         overwrite=spec.output.overwrite,
         fsync=spec.output.fsync,
         workers=spec.runtime.workers,
+        vpp=target.vpp_size,
     )
 
 

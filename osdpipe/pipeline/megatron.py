@@ -30,6 +30,7 @@ from osdpipe.io import output
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MegatronSave, read_save
 from osdpipe.io.formats.megatron_writer import VOCAB_KEYS, Target, Written, write_save
+from osdpipe.layout.megatron import virtual_stages, virtual_stages_problem
 from osdpipe.run import progress
 from osdpipe.run.collective import one_line
 from osdpipe.run.products import CheckResult, SkippedCheck
@@ -79,8 +80,8 @@ class Converted:
         return {
             "folder": str(self.written.folder),
             "iteration": s.iteration,
-            "source": {"tp": s.tp, "pp": s.pp, "dp": s.dp, "sharding": s.sharding},
-            "target": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "sharding": t.sharding},
+            "source": {"tp": s.tp, "pp": s.pp, "vpp": s.vpp, "dp": s.dp, "sharding": s.sharding},
+            "target": {"tp": t.tp, "pp": t.pp, "vpp": t.vpp, "dp": t.dp, "sharding": t.sharding},
             "rng_from": {f"{p}.{r}": list(src) for (p, r), src in self.written.rng_from.items()},
             "roundtrip": self.roundtrip,
         }
@@ -140,7 +141,7 @@ def _as_megatron(
         raise InputError(f"{save.folder}: the save holds the model's weights alone, no optimizer state: leave "
                          f"output.megatron_optim_format={job.optim_format} out")
     sharding = None if save.weights_only else job.optim_format or DEFAULT_OUTPUT[save.sharding]
-    target = Target(job.tp, job.pp, job.dp, sharding)
+    target = Target(job.tp, job.pp, job.dp, sharding, vpp=job.vpp)
     written = _stage(stages, "shard", display, lambda: write_save(save, staging, target, workers=job.workers),
                      lambda _: _tree_bytes(staging))
 
@@ -266,7 +267,8 @@ def _held(directory: Path) -> str | None:
 
 def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
     """``spec`` with its ``source.*`` as the save's ``args`` say (the report and the log name them), refusing a key the
-    user gave that says otherwise; and what settling found to say."""
+    user gave that says otherwise, and a target grid whose pipeline stages cannot split the save's layers (before
+    anything is written); and what settling found to say."""
     from osdpipe.io.formats.base import InputError
     from osdpipe.io.formats.megatron import iteration_folder, read_common
 
@@ -278,6 +280,7 @@ def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
     said = {
         "tp_size": int(args.get("tensor_model_parallel_size") or 1),
         "pp_size": int(args.get("pipeline_model_parallel_size") or 1),
+        "vpp_size": virtual_stages(args),
         "world_size": int(args.get("world_size") or 1),
     }
     for key, value in said.items():
@@ -286,6 +289,10 @@ def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
                 f"source.{key}={getattr(spec.source, key)}, but {folder / 'common.pt'}'s args say {value}; "
                 f"leave source.{key} out: the save's own args say how it was saved"
             )
+    layers, target = args.get("num_layers"), spec.target
+    if spec.output.checkpoint != HF and isinstance(layers, int) and \
+            (why := virtual_stages_problem(layers, target.pp_size, target.vpp_size)) is not None:
+        raise Contradiction(f"{why} ({folder / 'common.pt'}'s args)")
     settled = spec.model_copy(update={"source": spec.source.model_copy(update={"kind": MEGATRON, **said})})
     notes = [] if str(folder) == spec.input.path else [f"input.path={spec.input.path}: converting {folder}"]
     return settled, notes

@@ -114,6 +114,8 @@ class LayoutConfig(_Frozen):
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
     tp_size: int = Field(default=1, ge=1)  # tensor-parallel ranks, the innermost mesh dimension (fsdp2, megatron)
     pp_size: int = Field(default=1, ge=1)  # pipeline-parallel stages (megatron): world = tp_size x pp_size x DP
+    # model chunks per pipeline stage (megatron's virtual pipeline stages, its interleaved schedule); 1: none
+    vpp_size: int = Field(default=1, ge=1)
     # module FQN pattern -> colwise | rowwise | sequence | package.module:callable
     tp_plan: dict[str, str] = Field(default_factory=dict)
 

@@ -3,7 +3,8 @@
 A Megatron-LM save converts by stages of its own (:mod:`osdpipe.pipeline.megatron`): its model and its distributed
 optimizer are laid out by :mod:`osdpipe.layout.megatron`, not by the layout kinds of the range pipeline, and its
 source side is read whole from its files (``common.pt``'s ``args``). So a config for one says only the target's grid
-(``target.tp_size`` x ``target.pp_size`` x DP = ``target.world_size``), how the optimizer is saved
+(``target.tp_size`` x ``target.pp_size`` x DP = ``target.world_size``, ``target.vpp_size`` model chunks per
+pipeline stage), how the optimizer is saved
 (``output.megatron_optim_format``), the paths, and how it runs (``runtime.workers``). :func:`megatron_problem` says,
 in one line naming the key, what in a config does not fit that; it imports nothing heavy, so the schema pass runs it
 (:meth:`osdpipe.spec.config.RunSpec._consistent`).
@@ -49,11 +50,17 @@ def megatron_problem(spec: Any) -> str | None:
         return to_megatron_problem(spec)
     for side in ("source", "target"):
         held = getattr(spec, side)
-        if held.pp_size > 1 and held.kind != MEGATRON:
-            return (
-                f"{side}.pp_size={held.pp_size}: pipeline stages are Megatron's (checkpoint=megatron "
-                f"target.kind=megatron); set {side}.pp_size=1 for kind={held.kind}"
-            )
+        for key in ("pp_size", "vpp_size"):
+            if getattr(held, key) > 1 and held.kind != MEGATRON:
+                return (
+                    f"{side}.{key}={getattr(held, key)}: pipeline stages are Megatron's (checkpoint=megatron "
+                    f"target.kind=megatron); set {side}.{key}=1 for kind={held.kind}"
+                )
+    if target.vpp_size > 1 and target.pp_size < 2:
+        return (
+            f"target.vpp_size={target.vpp_size}: virtual pipeline stages interleave several pipeline stages "
+            "(megatron-core refuses them at PP 1); set target.pp_size to 2 or more, or leave target.vpp_size out"
+        )
     if output.dtype is not None and output.checkpoint != HF:
         return (
             f"output.dtype={output.dtype} casts a Hugging Face folder's weights (checkpoint=megatron "
@@ -121,8 +128,9 @@ def to_megatron_problem(spec: Any) -> str | None:
             f"output.megatron_optim_format={output.megatron_optim_format}: a Hugging Face folder holds no optimizer "
             "state, so the Megatron-LM save holds the weights alone; leave it out"
         )
-    if spec.source.pp_size > 1:
-        return f"source.pp_size={spec.source.pp_size}: pipeline stages are Megatron's; leave source.pp_size out"
+    for key in ("pp_size", "vpp_size"):
+        if getattr(spec.source, key) > 1:
+            return f"source.{key}={getattr(spec.source, key)}: pipeline stages are Megatron's; leave source.{key} out"
     if target.tp_plan:
         return "target.tp_plan: Megatron's model lays out its own tensor parallelism; leave it empty"
     if output.model_format is not None:
@@ -150,6 +158,8 @@ class MegatronJob:
     max_shard_size: int | None = None
     #: The dtype a Hugging Face folder's weights are cast to (``output.dtype``); ``None``: the fp32 masters.
     dtype: str | None = None
+    #: Model chunks per pipeline stage of the target (``target.vpp_size``: virtual pipeline stages); 1: none.
+    vpp: int = 1
 
     @classmethod
     def of(cls, spec: Any) -> MegatronJob:
@@ -168,6 +178,7 @@ class MegatronJob:
             hf=spec.output.checkpoint == HF,
             max_shard_size=spec.output.max_shard_size,
             dtype=spec.output.dtype,
+            vpp=target.vpp_size,
         )
 
     def config(self) -> dict[str, Any]:
@@ -177,6 +188,7 @@ class MegatronJob:
             "input": {"path": self.source},
             "target": {
                 "kind": MEGATRON, "tp_size": self.tp, "pp_size": self.pp, "world_size": self.tp * self.pp * self.dp,
+                "vpp_size": self.vpp,
             },
             "output": {
                 "path": self.output, "megatron_optim_format": self.optim_format, "overwrite": self.overwrite,

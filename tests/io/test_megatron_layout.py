@@ -52,6 +52,61 @@ def test_a_stage_holds_its_layers_and_tp_cuts_rows_or_columns() -> None:
         layout.local_parameters(gpt, tp=1, pp=3, tp_rank=0, pp_rank=0)
 
 
+def test_virtual_stages_deal_the_pipelines_chunks_round_the_stages_in_layer_order() -> None:
+    """PP2 with 2 chunks per stage over 8 layers: the 4 chunks of 2 layers go stage 0, stage 1, stage 0, stage 1
+    (megatron-core's ``get_transformer_layer_offset``); each layer is held once; the embedding is chunk 0's of the
+    first stage, the final norm and the output layer chunk 1's of the last; each chunk names its layers from 0."""
+    assert [list(layout.stage_layers(8, 2, stage, 2, chunk)) for chunk in (0, 1) for stage in (0, 1)] == [
+        [0, 1], [2, 3], [4, 5], [6, 7]]
+    gpt = layout.Gpt(8, 32, 64, 4, 2, 8, 1024, True)
+    held: dict[str, list[tuple[int, int]]] = {}
+    for stage, chunk in ((s, c) for s in (0, 1) for c in (0, 1)):
+        for param in layout.local_parameters(gpt, tp=1, pp=2, tp_rank=0, pp_rank=stage, vpp=2, chunk=chunk):
+            held.setdefault(param.name.split(".weight")[0] if "layers" not in param.name else "layer", []).append(
+                (stage, chunk))
+            if param.name == "decoder.layers.1.mlp.linear_fc2.weight":
+                assert param.pieces[0].box[0] == (4 * chunk + 2 * stage + 1, 4 * chunk + 2 * stage + 2)
+    assert held["embedding.word_embeddings"] == [(0, 0)] and held["output_layer"] == [(1, 1)]
+    assert held["decoder.final_layernorm"] == [(1, 1)]
+    layers = [piece.box[0] for s in (0, 1) for c in (0, 1)
+              for p in layout.local_parameters(gpt, 1, 2, 0, s, 2, c) for piece in p.pieces
+              if piece.key == "decoder.layers.mlp.linear_fc2.weight"]
+    assert sorted(layers) == [(i, i + 1) for i in range(8)]  # every layer once
+    with pytest.raises(ValueError, match="do not split evenly over 2 pipeline stages x 3 virtual stages"):
+        layout.stage_layers(8, 2, 0, 3, 0)
+
+
+def test_a_grid_of_virtual_stages_that_cannot_be_is_one_line_naming_the_key() -> None:
+    assert layout.virtual_stages_problem(8, 2, 2) is None and layout.virtual_stages_problem(8, 1, 1) is None
+    assert "target.vpp_size=2: virtual pipeline stages interleave several pipeline stages" in \
+        layout.virtual_stages_problem(8, 1, 2)
+    assert layout.virtual_stages_problem(8, 2, 3) == (
+        "target.pp_size=2 x target.vpp_size=3 does not divide the model's 8 layers; choose a PP that does")
+    args = layout.virtual_stage_args(8, 2, 2)
+    assert (args["virtual_pipeline_model_parallel_size"], args["num_layers_per_virtual_pipeline_stage"]) == (2, 2)
+    assert layout.virtual_stages(args) == 2 and layout.virtual_stages(layout.virtual_stage_args(8, 2, 1)) == 1
+
+
+def test_a_save_written_with_virtual_stages_reads_back_bitwise_and_a_grid_that_cannot_be_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Each chunk's bucket is a ``gbuf_idx`` of its own, its sizes listed per chunk; read back, it is the source."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    source = read_save(synthetic_save(tmp_path, tp=1, layers=4, tied=True))
+    write_save(source, tmp_path / "vpp", Target(1, 2, 1, "dp_reshardable", vpp=2))
+    back = read_save(tmp_path / "vpp")
+    assert back.vpp == 2 and roundtrip_problems(source, back) == []
+    stored = FileSystemReader(back.folder).read_metadata().state_dict_metadata
+    assert {k.split(".gbuf_idx_")[1].split(".")[0] for k in stored if ".gbuf_idx_" in k} == {"0", "1"}
+    back.optim["decoder.layers.mlp.linear_fc2.weight"]["exp_avg"][3, 0, 1] += 1  # chunk 1 of stage 1: the last layer
+    assert roundtrip_problems(source, back) == ["exp_avg decoder.layers.mlp.linear_fc2.weight: differs from the "
+                                                "source's"]
+    with pytest.raises(InputError, match="target.pp_size=2 x target.vpp_size=3 does not divide"):
+        write_save(source, tmp_path / "bad", Target(1, 2, 1, "dp_reshardable", vpp=3))
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_column_parallel_bias_is_cut_as_its_rows_and_a_row_parallel_one_is_whole_on_every_tp_rank() -> None:
     biased = layout.Gpt(4, 32, 64, 4, 2, 8, 1024, True, linear_bias=True)
     params = layout.local_parameters(biased, tp=2, pp=2, tp_rank=1, pp_rank=1)
@@ -204,7 +259,7 @@ def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_
     source = synthetic_save(tmp_path, tp=1)
     out = tmp_path / "out"
     done = osdpipe.reshard_megatron(source, out, tp=2)
-    assert done["target"] == {"tp": 2, "pp": 1, "dp": 1, "sharding": "dp_reshardable"}
+    assert done["target"] == {"tp": 2, "pp": 1, "vpp": 1, "dp": 1, "sharding": "dp_reshardable"}
     assert done["rng_from"] == {}  # the synthetic save has no RNG states to carry
     with pytest.raises(OutputError, match="overwrite=True"):
         osdpipe.reshard_megatron(source, out, tp=1, dp=2)
@@ -262,6 +317,10 @@ def test_bad_megatron_configs_are_refused_in_one_line_and_write_nothing(tmp_path
     cases = {
         "checkpoint=megatron with target.kind=fsdp2": [*grid, "target.kind=fsdp2"],
         "target.pp_size=2: pipeline stages are Megatron's": ["target.pp_size=2", f"output.path={out}"],
+        "target.vpp_size=2: pipeline stages are Megatron's": ["target.vpp_size=2", f"output.path={out}"],
+        "target.vpp_size=2: virtual pipeline stages interleave several pipeline stages": [*grid, "target.vpp_size=2"],
+        "target.pp_size=2 x target.vpp_size=2 does not divide the model's 2 layers": [
+            *grid, "target.pp_size=2", "target.vpp_size=2", "target.world_size=2"],
         "output.megatron_optim_format=fully_reshardable is how a Megatron-LM output": [
             "output.megatron_optim_format=fully_reshardable", f"output.path={out}"],
         "target.kind=megatron writes a Megatron-LM save from one": ["target.kind=megatron", f"output.path={out}"],

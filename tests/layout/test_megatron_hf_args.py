@@ -103,15 +103,27 @@ def test_what_biases_cannot_be_in_megatron_is_refused_in_one_line(change, said) 
     assert said in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize(("tp", "pp", "world", "said"), [
-    (3, 1, 3, "does not divide the model's 4 attention heads"),
-    (4, 1, 4, "does not divide the model's 2 key/value heads"),
-    (1, 3, 3, "does not divide the model's 4 layers"),
-    (2, 2, 6, "no multiple of TP 2 x PP 2"),
+@pytest.mark.parametrize(("tp", "pp", "world", "vpp", "said"), [
+    (3, 1, 3, 1, "does not divide the model's 4 attention heads"),
+    (4, 1, 4, 1, "does not divide the model's 2 key/value heads"),
+    (1, 3, 3, 1, "does not divide the model's 4 layers"),
+    (2, 2, 6, 1, "no multiple of TP 2 x PP 2"),
+    (1, 2, 2, 4, "target.pp_size=2 x target.vpp_size=4 does not divide the model's 4 layers"),
+    (1, 1, 1, 2, "virtual pipeline stages interleave several pipeline stages"),
 ])
-def test_a_grid_that_does_not_divide_the_model_is_refused(tp, pp, world, said) -> None:
+def test_a_grid_that_does_not_divide_the_model_is_refused(tp, pp, world, vpp, said) -> None:
     with pytest.raises(ValueError, match=said):
-        megatron_args(LLAMA, tp, pp, world)
+        megatron_args(LLAMA, tp, pp, world, vpp=vpp)
+
+
+def test_virtual_stages_are_recorded_as_megatron_lm_records_them() -> None:
+    """``--num-layers-per-virtual-pipeline-stage`` and the size Megatron-LM derives from it, which its
+    ``load_args_from_checkpoint`` reads back; none without virtual stages."""
+    args = megatron_args(LLAMA, 1, 2, 2, vpp=2)
+    assert (args["virtual_pipeline_model_parallel_size"], args["num_layers_per_virtual_pipeline_stage"]) == (2, 1)
+    plain = megatron_args(LLAMA, 1, 2, 2)
+    assert (plain["virtual_pipeline_model_parallel_size"], plain["num_layers_per_virtual_pipeline_stage"]) == (None,
+                                                                                                              None)
 
 
 def test_llama_3_1_rope_scaling_is_megatrons_use_rope_scaling() -> None:

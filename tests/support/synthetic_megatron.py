@@ -21,13 +21,15 @@ ARGS = {
 }
 
 
-def synthetic_save(tmp_path: Path, tp: int, seed: int = 0, *, pp: int = 1, tied: bool = False) -> Path:
+def synthetic_save(tmp_path: Path, tp: int, seed: int = 0, *, pp: int = 1, tied: bool = False,
+                   layers: int = 2) -> Path:
     """A Megatron-LM save of random state at TP ``tp`` and PP ``pp``, written by osdpipe's writer (as the benchmark
     makes its own) into ``tmp_path / f"tp{tp}"``; ``tied``: the word embedding tied to the output layer (over PP the
-    last stage holds a copy)."""
+    last stage holds a copy); ``layers``: the GPT's."""
     grid = Target(tp, pp, 1, "dp_reshardable")
-    args = target_args({**ARGS, "iteration": 7, "untie_embeddings_and_output_weights": not tied}, grid)
-    gpt = layout.Gpt(2, 32, 64, 4, 2, 8, args["padded_vocab_size"], True, tied=tied)
+    args = target_args({**ARGS, "iteration": 7, "untie_embeddings_and_output_weights": not tied,
+                        "num_layers": layers}, grid)
+    gpt = layout.Gpt(layers, 32, 64, 4, 2, 8, args["padded_vocab_size"], True, tied=tied)
     generator = torch.Generator().manual_seed(seed)
     shapes = layout.global_shapes(gpt)
     model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}

@@ -11,7 +11,8 @@ optimizer, its param groups) and ``metadata.json`` (``sharded_backend: torch_dis
   - ``dp_reshardable`` (Megatron-LM's default): per model-parallel domain ``i``, gradient buffer, dtype and bucket,
     one 1-D tensor per state, ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_(<param>, <grad>)
     .bucket_idx_<b>.<param|exp_avg|exp_avg_sq>``: each bucket as :func:`osdpipe.layout.megatron.buckets` lays it
-    out (one; two on a stage that holds a tied embedding over PP), cut at its unpadded size; the param groups (with
+    out (one; two on a stage that holds a tied embedding over PP), ``g`` the model chunk (0 but with virtual
+    pipeline stages), cut at its unpadded size; the param groups (with
     ``step``) in the byte item ``optimizer.distributed.dp_group_idx_<i>.optimizer``;
   - ``fully_reshardable``: ``optimizer.state.<param|exp_avg|exp_avg_sq>.<sharded key>``, global like the model;
     the param groups (with ``step``) in ``common.pt``;
@@ -131,6 +132,11 @@ class MegatronSave:
     def dp(self) -> int:
         return int(self.args["data_parallel_size"])
 
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (virtual pipeline stages); 1: none."""
+        return layout.virtual_stages(self.args)
+
 
 def iteration_folder(path: str | Path | RemotePath) -> Path | RemotePath:
     """The ``iter_<N>`` (or ``release``) folder of a save: ``path`` itself, or the one its
@@ -205,7 +211,6 @@ def refused_model(args: dict[str, Any], where: Path) -> str | None:
         (positions not in ("rope", "learned_absolute"), f"{positions} position embeddings"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
         ((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism (expert_model_parallel_size)"),
-        (args.get("virtual_pipeline_model_parallel_size") not in (None, 1), "virtual pipeline stages"),
         ((args.get("context_parallel_size") or 1) > 1, "context parallelism"),
         (args.get("transformer_impl", "local") != "local", f"the {args.get('transformer_impl')} layer spec"),
         (bool(args.get("use_megatron_fsdp")) or args.get("ckpt_format") == "fsdp_dtensor", "Megatron-FSDP"),
@@ -453,6 +458,7 @@ def _from_buckets(
     keeps it; the note says the copy's was not, so that the loss is not silent."""
     tp, pp, dp = (int(args[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                          "data_parallel_size"))
+    vpp = layout.virtual_stages(args)
     shapes = layout.global_shapes(gpt)
     optim = {key: {s: torch.empty(shape, dtype=torch.float32) for s in STATES} for key, shape in shapes.items()}
     filled = {key: torch.zeros(shape, dtype=torch.bool) for key, shape in shapes.items()}
@@ -460,44 +466,45 @@ def _from_buckets(
     for flat in checkpoint.metadata.state_dict_metadata:
         if (m := _BUCKET.fullmatch(flat)) is not None:
             buckets.setdefault((int(m[1]), int(m[2]), int(m[4])), {})[m[5]] = flat
-    if any(gbuf for _, gbuf, _ in buckets):
-        raise InputError(f"{folder}: the optimizer has several gradient buffers: not supported yet")
+    if any(gbuf >= vpp for _, gbuf, _ in buckets):  # one gradient buffer per model chunk
+        raise InputError(f"{folder}: the optimizer has several gradient buffers per model chunk: not supported yet")
     groups = None
     unequal: dict[str, int] = {}  # state -> elements of the tied copy that differ from the first stage's
-    for pp_rank in range(pp):  # the first stage's embedding is placed before the last stage's copy is compared with it
-        for tp_rank in range(tp):
-            index = layout.dp_group_index(tp, tp_rank, pp_rank)
-            params = layout.local_parameters(gpt, tp, pp, tp_rank, pp_rank)
-            laid = layout.buckets(params, dp)
-            held_buckets = sorted(b for i, _, b in buckets if i == index)
-            if len(held_buckets) > len(laid):
-                raise InputError(f"{folder}: the optimizer's gradient buffer is cut into {len(held_buckets)} "
-                                 "buckets (a bucket size: --overlap-grad-reduce): not supported yet")
-            if held_buckets != list(range(len(laid))):
-                raise InputError(f"{folder}: the optimizer state of model-parallel domain {index} is missing "
-                                 f"buckets (it holds {held_buckets} of {len(laid)}); re-copy the save folder")
-            by_name = {p.name: p for p in params}
-            for b, bucket in enumerate(laid):
-                states = buckets[(index, 0, b)]
-                if set(states) != set(STATES):
-                    raise InputError(f"{folder}: the optimizer state of model-parallel domain {index}, bucket {b} "
-                                     "is missing; re-copy the save folder")
-                for state, flat in states.items():
-                    held = math.prod(checkpoint.ref(flat).shape)
-                    if held != bucket.numel_unpadded:
-                        raise InputError(f"{folder}: {flat} holds {held} elements, the bucket of its parameters "
-                                         f"{bucket.numel_unpadded}; it is not the GPT its args describe")
-                    data = checkpoint.read_range(flat, 0, bucket.numel_unpadded)
-                    for name, start, stop in bucket.entries:
-                        local = by_name[name]
-                        if local.tied_copy:  # the tied embedding's state is the first stage's
-                            if held := _unequal(data[start:stop].view(local.shape), local, optim, state):
-                                unequal[state] = unequal.get(state, 0) + held
-                        else:
-                            _place(data[start:stop].view(local.shape), local, optim, state, filled)
-            if groups is None:
-                groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer")
-                          or {}).get("param_groups")
+    # the first stage's embedding is placed before the last stage's copy is compared with it
+    for pp_rank, tp_rank, chunk in ((p, t, c) for p in range(pp) for t in range(tp) for c in range(vpp)):
+        index = layout.dp_group_index(tp, tp_rank, pp_rank)
+        where = f"model-parallel domain {index}" + (f", model chunk {chunk}" if vpp > 1 else "")
+        params = layout.local_parameters(gpt, tp, pp, tp_rank, pp_rank, vpp, chunk)
+        laid = layout.buckets(params, dp)
+        held_buckets = sorted(b for i, g, b in buckets if (i, g) == (index, chunk))
+        if len(held_buckets) > len(laid):
+            raise InputError(f"{folder}: the optimizer's gradient buffer is cut into {len(held_buckets)} "
+                             "buckets (a bucket size: --overlap-grad-reduce): not supported yet")
+        if held_buckets != list(range(len(laid))):
+            raise InputError(f"{folder}: the optimizer state of {where} is missing "
+                             f"buckets (it holds {held_buckets} of {len(laid)}); re-copy the save folder")
+        by_name = {p.name: p for p in params}
+        for b, bucket in enumerate(laid):
+            states = buckets[(index, chunk, b)]
+            if set(states) != set(STATES):
+                raise InputError(f"{folder}: the optimizer state of {where}, bucket {b} "
+                                 "is missing; re-copy the save folder")
+            for state, flat in states.items():
+                held = math.prod(checkpoint.ref(flat).shape)
+                if held != bucket.numel_unpadded:
+                    raise InputError(f"{folder}: {flat} holds {held} elements, the bucket of its parameters "
+                                     f"{bucket.numel_unpadded}; it is not the GPT its args describe")
+                data = checkpoint.read_range(flat, 0, bucket.numel_unpadded)
+                for name, start, stop in bucket.entries:
+                    local = by_name[name]
+                    if local.tied_copy:  # the tied embedding's state is the first stage's
+                        if held := _unequal(data[start:stop].view(local.shape), local, optim, state):
+                            unequal[state] = unequal.get(state, 0) + held
+                    else:
+                        _place(data[start:stop].view(local.shape), local, optim, state, filled)
+        if groups is None:
+            groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer")
+                      or {}).get("param_groups")
     missing = [key for key, done in filled.items() if not bool(done.all())]
     if missing:
         raise InputError(f"{folder}: no optimizer state for parts of {', '.join(missing[:3])}; re-copy the save")

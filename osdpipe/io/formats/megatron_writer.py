@@ -54,6 +54,8 @@ class Target:
     dp: int
     #: The optimizer's sharding type; ``None``: the weights alone (a source without optimizer state).
     sharding: str | None
+    #: Model chunks per pipeline rank (virtual pipeline stages, Megatron-LM's interleaved schedule); 1: none.
+    vpp: int = 1
 
     @property
     def world_size(self) -> int:
@@ -83,6 +85,7 @@ def target_args(args: dict[str, Any], target: Target) -> dict[str, Any]:
             int(args["vocab_size"]), int(args.get("make_vocab_size_divisible_by") or 128), target.tp
         ),
         dist_ckpt_optim_fully_reshardable=target.sharding == "fully_reshardable",
+        **layout.virtual_stage_args(int(args["num_layers"]), target.pp, target.vpp),
     )
     if target.sharding is None:  # what Megatron-LM's --no-save-optim --no-save-rng record, and its load reads
         out.update(no_save_optim=True, no_save_rng=True)
@@ -121,6 +124,8 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
     if records:
         raise InputError(f"{save.folder / COMMON}: args {', '.join(records)} hold Megatron objects, which osdpipe "
                          "cannot write back without Megatron: not supported yet")
+    if why := layout.virtual_stages_problem(int(save.args["num_layers"]), target.pp, target.vpp):
+        raise InputError(f"{save.folder}: {why}")
     args = target_args(save.args, target)
     gpt = gpt_of(args)
     model, optim = _repadded_state(save, gpt.padded_vocab_size)
@@ -194,35 +199,48 @@ def _buckets(
     gpt: layout.Gpt, target: Target, optim: dict[str, dict[str, torch.Tensor]], groups: list[dict[str, Any]],
     dtypes: str,
 ) -> dict[str, Any]:
-    """The ``dp_reshardable`` items: per (PP, TP) domain, each bucket of each state (the tied embedding's copy on the
-    last stage filled from the embedding's state) and its byte items."""
+    """The ``dp_reshardable`` items: per (PP, TP) domain and model chunk (its gradient buffer), each bucket of each
+    state (the tied embedding's copy on the last stage filled from the embedding's state); per domain its byte items
+    (the param groups, each chunk's bucket sizes)."""
     items: dict[str, Any] = {}
     pair = tuple(getattr(torch, d.strip().removeprefix("torch.")) for d in dtypes.split(","))
     for pp_rank in range(target.pp):
         for tp_rank in range(target.tp):
             index = layout.dp_group_index(target.tp, tp_rank, pp_rank)
-            params = layout.local_parameters(gpt, target.tp, target.pp, tp_rank, pp_rank)
-            laid = layout.buckets(params, target.dp)
-            by_name = {p.name: p for p in params}
             prefix = f"optimizer.distributed.dp_group_idx_{index}"
-            for b, bucket in enumerate(laid):
-                for state in STATES:
-                    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
-                    for name, start, stop in bucket.entries:
-                        local = by_name[name]
-                        view = flat[start:stop].view(local.shape)
-                        for piece in local.pieces:
-                            box = tuple(slice(a, b) for a, b in piece.box)
-                            block = optim[piece.key][state][box]
-                            view[piece.local_start : piece.local_stop] = block.reshape(
-                                view[piece.local_start : piece.local_stop].shape
-                            )
-                    items[f"{prefix}.gbuf_idx_0.dtype_({dtypes}).bucket_idx_{b}.{state}"] = flat
+            per_chunk = []
+            for chunk in range(target.vpp):
+                params = layout.local_parameters(gpt, target.tp, target.pp, tp_rank, pp_rank, target.vpp, chunk)
+                laid = layout.buckets(params, target.dp)
+                per_chunk.append(laid)
+                by_name = {p.name: p for p in params}
+                for b, bucket in enumerate(laid):
+                    for state in STATES:
+                        key = f"{prefix}.gbuf_idx_{chunk}.dtype_({dtypes}).bucket_idx_{b}.{state}"
+                        items[key] = _bucket_of(bucket, by_name, optim, state)
             items[f"{prefix}.optimizer/shard_0_1"] = [{"param_groups": groups}]
-            items[f"{prefix}.per_bucket_numel/shard_0_1"] = [[{pair: [bucket.numel for bucket in laid]}]]
-            items[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [[{pair: [bucket.numel_unpadded
-                                                                              for bucket in laid]}]]
+            items[f"{prefix}.per_bucket_numel/shard_0_1"] = [[{pair: [b.numel for b in laid]} for laid in per_chunk]]
+            items[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [
+                [{pair: [b.numel_unpadded for b in laid]} for laid in per_chunk]
+            ]
     return items
+
+
+def _bucket_of(
+    bucket: layout.BucketLayout, by_name: dict[str, layout.LocalParameter], optim: dict[str, dict[str, torch.Tensor]],
+    state: str,
+) -> torch.Tensor:
+    """One bucket's ``state``, cut at its unpadded size: each parameter's pieces taken from the global tensors, the
+    padding between parameters zero."""
+    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+    for name, start, stop in bucket.entries:
+        local = by_name[name]
+        view = flat[start:stop].view(local.shape)
+        for piece in local.pieces:
+            box = tuple(slice(a, b) for a, b in piece.box)
+            rows = view[piece.local_start : piece.local_stop]
+            rows.copy_(optim[piece.key][state][box].reshape(rows.shape))
+    return flat
 
 
 def _rng_items(save: MegatronSave, target: Target, items: dict[str, Any]) -> dict[tuple[int, int], tuple[int, int]]:
