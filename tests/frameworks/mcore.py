@@ -113,10 +113,10 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 
 def save_argv(out: Path, *, tp: int, pp: int, sharding: str, bf16: bool = False, steps: int = 3,
               resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None, bias: str = "none",
-              model: str = "llama", also: tuple[tuple[str, Path, Path], ...] = ()) -> list[str]:
+              model: str = "llama", also: tuple[tuple[str, Path, Path], ...] = (), vpp: int = 1) -> list[str]:
     """``mcore_job.py``'s ``save`` sub-command for one job (:func:`save` says what each option does)."""
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
-            "--bias", bias, "--model", model]
+            "--bias", bias, "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else [])]
     if bf16:
         argv.append("--bf16")
     if logits is not None:
@@ -138,7 +138,8 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, timeout: float 
     :func:`probe_tokens` go there first (:func:`write_logits`); ``bias``: ``linear`` (``--add-bias-linear``) or
     ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`); ``model``: one of
     :data:`MODELS`; ``also``: ``(sharding, folder, dump_after)`` of each further save the same job makes of the same
-    trained state, in another sharding type (one training for both). ``megatron_from``: a folder holding
+    trained state, in another sharding type (one training for both); ``vpp``: model chunks per pipeline stage
+    (virtual pipeline stages, the interleaved schedule). ``megatron_from``: a folder holding
     megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
     """
     argv = save_argv(out, tp=tp, pp=pp, **options)
@@ -177,10 +178,10 @@ def legacy_megatron(root: Path) -> Path | None:
 def load_argv(folder: Path, dump: Path, *, tp: int, pp: int, bf16: bool = False, sharding: str | None = None,
               resume: int = 0, dump_after: Path | None = None, dims_from_save: bool = False,
               no_load_rng: bool = False, logits: Path | None = None, bias: str = "none",
-              model: str = "llama") -> list[str]:
+              model: str = "llama", vpp: int = 1) -> list[str]:
     """``mcore_job.py``'s ``load`` sub-command for one load (:func:`load` says what each option does)."""
     argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias,
-            "--model", model]
+            "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else [])]
     if bf16:
         argv.append("--bf16")
     if dims_from_save:
@@ -504,7 +505,8 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int | None = None) -> int:
     return int(math.ceil(vocab / multiple) * multiple)
 
 
-def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iteration: int = 0) -> argparse.Namespace:
+def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iteration: int = 0,
+              vpp: int = 1) -> argparse.Namespace:
     """The ``args`` Megatron-LM keeps in ``common.pt``: its ``arguments.py`` names, this test model's values.
 
     Why a Namespace with these fields: Megatron-LM's ``load_checkpoint`` and
@@ -517,8 +519,9 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         # parallelism
         rank=0, world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         data_parallel_size=dp, context_parallel_size=1, expert_model_parallel_size=1,
-        expert_tensor_parallel_size=tp, virtual_pipeline_model_parallel_size=None,
-        num_layers_per_virtual_pipeline_stage=None, sequence_parallel=False, use_distributed_optimizer=True,
+        expert_tensor_parallel_size=tp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=LAYERS // (pp * vpp) if vpp > 1 else None,
+        num_virtual_stages_per_pipeline_rank=None, sequence_parallel=False, use_distributed_optimizer=True,
         data_parallel_random_init=False, overlap_grad_reduce=False, overlap_param_gather=False,
         # model
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
@@ -568,19 +571,23 @@ class Job:
     """What one rank holds: Megatron's objects and the parallel layout."""
 
     args: argparse.Namespace
-    model: Any  # the DistributedDataParallel-wrapped chunk
-    gpt: Any  # the unwrapped GPTModel
+    #: The DistributedDataParallel-wrapped model chunks: one, or with virtual pipeline stages one per virtual stage
+    #: (Megatron-LM's ``model`` list).
+    chunks: list[Any]
+    gpts: list[Any]  # the unwrapped GPTModel of each chunk
     optimizer: Any
     scheduler: Any
     config: Any
     tp: int
     pp: int
     dp: int
+    vpp: int = 1
     extras: dict = field(default_factory=dict)
 
 
-def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
-    """Start gloo, Megatron's parallel state and the RNG, then build the GPT, DDP, optimizer and scheduler.
+def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
+    """Start gloo, Megatron's parallel state and the RNG, then build the GPT (``vpp`` chunks of it per stage: virtual
+    pipeline stages), DDP, optimizer and scheduler.
 
     Follows Megatron-LM's ``initialize_megatron`` + ``setup_model_and_optimizer`` (``get_model``, ``Float16Module``
     for bf16, ``DistributedDataParallel`` with bucket_size None since overlap_grad_reduce is off,
@@ -603,7 +610,9 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     world = torch.distributed.get_world_size()
     if world % (tp * pp):
         raise SystemExit(f"world {world} is not a multiple of TP {tp} x PP {pp}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    virtual = {"virtual_pipeline_model_parallel_size": vpp} if vpp > 1 else {}  # megatron-core 0.13 jobs pass none
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             **virtual)
     # Megatron-LM's _set_random_seed: a seed per PP stage, then the model-parallel CUDA RNG tracker.
     seed = SEED + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
@@ -613,7 +622,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     np.random.seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-    args = make_args(tp=tp, pp=pp, world=world, bf16=bf16, sharding=sharding)
+    args = make_args(tp=tp, pp=pp, world=world, bf16=bf16, sharding=sharding, vpp=vpp)
     args.rank = torch.distributed.get_rank()
     dtype = args.params_dtype
     config = TransformerConfig(
@@ -628,25 +637,31 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
         use_cpu_initialization=True, perform_initialization=True, bf16=bf16, params_dtype=dtype,
         pipeline_dtype=dtype, autocast_dtype=dtype if bf16 else None,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **virtual,
     )
     spec = get_gpt_layer_local_spec(normalization=NORM)
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                   max_sequence_length=MAX_POSITIONS, pre_process=parallel_state.is_pipeline_first_stage(),
-                   post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
-                   share_embeddings_and_output_weights=TIED, position_embedding_type=POSITIONS,
-                   rotary_base=ROTARY_BASE,
-                   # only where scaled: megatron-core 0.13 (the legacy saves' job) may not know the keywords
-                   **({"rope_scaling": True, "rope_scaling_factor": ROPE_SCALING} if ROPE_SCALING is not None else {}))
-    module = Float16Module(config, gpt) if bf16 else gpt
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=False,
                                                overlap_param_gather=False, use_distributed_optimizer=True,
                                                check_for_nan_in_grad=False, bucket_size=None)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    gpts, chunks = [], []
+    for chunk in range(vpp):  # Megatron-LM's get_model: a chunk per virtual stage, each its own DDP
+        stage = {"ignore_virtual": False, "vp_stage": chunk} if vpp > 1 else {}
+        gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                       max_sequence_length=MAX_POSITIONS, pre_process=parallel_state.is_pipeline_first_stage(**stage),
+                       post_process=parallel_state.is_pipeline_last_stage(**stage), parallel_output=True,
+                       share_embeddings_and_output_weights=TIED, position_embedding_type=POSITIONS,
+                       rotary_base=ROTARY_BASE, **({"vp_stage": chunk} if vpp > 1 else {}),
+                       # only where scaled: megatron-core 0.13 (the legacy saves' job) may not know the keywords
+                       **({"rope_scaling": True, "rope_scaling_factor": ROPE_SCALING}
+                          if ROPE_SCALING is not None else {}))
+        module = Float16Module(config, gpt) if bf16 else gpt
+        gpts.append(gpt)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                              disable_bucketing=chunk > 0))
     opt_config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WEIGHT_DECAY,
                                  adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=CLIP,
                                  bf16=bf16, params_dtype=dtype, use_distributed_optimizer=True)
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(opt_config, chunks)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP_ITERS * GLOBAL_BATCH,
         lr_decay_steps=TRAIN_ITERS * GLOBAL_BATCH, lr_decay_style="cosine", start_wd=WEIGHT_DECAY,
@@ -655,8 +670,8 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str) -> Job:
     # Megatron-LM's train(): DP gradient sync and the loss scale hook.
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    return Job(args=args, model=model, gpt=gpt, optimizer=optimizer, scheduler=scheduler, config=config,
-               tp=tp, pp=pp, dp=world // (tp * pp))
+    return Job(args=args, chunks=chunks, gpts=gpts, optimizer=optimizer, scheduler=scheduler, config=config,
+               tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp)
 
 
 def _batch(iteration: int, microbatch: int, dp_rank: int) -> dict[str, torch.Tensor]:
@@ -683,17 +698,20 @@ def train(job: Job, steps: int, start: int = 0) -> list[float]:
         return loss, {"lm loss": loss.detach().clone()}
 
     for it in range(start, start + steps):
-        batches = iter([_batch(it, m, dp_rank) for m in range(num_micro)])
+        # with virtual stages, the interleaved schedule takes an iterator per chunk, each of every microbatch
+        batches = [iter([_batch(it, m, dp_rank) for m in range(num_micro)]) for _ in job.chunks]
 
         def forward_step(data_iterator, model):
             b = next(data_iterator)
             out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             return out, lambda t: loss_func(torch.ones(MICRO_BATCH, SEQ), t)
 
-        job.model.zero_grad_buffer()
+        for chunk in job.chunks:
+            chunk.zero_grad_buffer()
         job.optimizer.zero_grad()
-        reduced = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches,
-                                              model=[job.model], num_microbatches=num_micro, seq_length=SEQ,
+        reduced = get_forward_backward_func()(forward_step_func=forward_step,
+                                              data_iterator=batches if job.vpp > 1 else batches[0],
+                                              model=job.chunks, num_microbatches=num_micro, seq_length=SEQ,
                                               micro_batch_size=MICRO_BATCH, decoder_seq_length=SEQ,
                                               forward_only=False)
         ok, _, _ = job.optimizer.step()
@@ -751,11 +769,13 @@ def flops_so_far(iteration: int) -> float:
 
 def generate_state_dict(job: Job, md: dict, *, rng: Any, is_loading: bool = False, iteration: int | None = None,
                         with_optimizer: bool = True) -> dict:
-    """Megatron-LM's ``generate_state_dict`` for torch_dist (one model chunk, so the key is ``model``)."""
+    """Megatron-LM's ``generate_state_dict`` for torch_dist: one model chunk's under ``model``, or with virtual pipeline
+    stages each chunk's under ``model<i>``."""
     sd: dict[str, Any] = {"args": job.args, "checkpoint_version": 3.0}
     if iteration is not None:
         sd["iteration"] = iteration
-    sd["model"] = job.gpt.sharded_state_dict(metadata=md)
+    for name, gpt in zip(model_keys(job), job.gpts, strict=True):
+        sd[name] = gpt.sharded_state_dict(metadata=md)
     if with_optimizer:
         kwargs = {"metadata": md, "is_loading": True} if is_loading else {"metadata": md}
         sd["optimizer"] = job.optimizer.sharded_state_dict(sd, **kwargs)
@@ -763,6 +783,12 @@ def generate_state_dict(job: Job, md: dict, *, rng: Any, is_loading: bool = Fals
     if rng is not None:
         sd["rng_state"] = rng
     return sd
+
+
+def model_keys(job: Job) -> list[str]:
+    """Where Megatron-LM's state dict holds each model chunk's: ``model``, or ``model0``, ``model1``, ... with
+    several."""
+    return ["model"] if len(job.chunks) == 1 else [f"model{i}" for i in range(len(job.chunks))]
 
 
 def save_checkpoint(job: Job, save_dir: Path, iteration: int, sharding: str) -> None:
@@ -835,7 +861,8 @@ def load_checkpoint(job: Job, load_dir: Path, no_load_rng: bool = False) -> dict
     sd = generate_state_dict(job, md, rng=rng_state() if load_rng else None, is_loading=True)
     strategy = get_default_load_sharded_strategy(str(ckpt_dir))
     state = dist_checkpointing.load(sd, str(ckpt_dir), strategy, strict=job.args.dist_ckpt_strictness)
-    job.model.load_state_dict(state["model"], strict=True)
+    for name, chunk in zip(model_keys(job), job.chunks, strict=True):
+        chunk.load_state_dict(state[name], strict=True)
     job.optimizer.load_state_dict(state["optimizer"])
     restore_steps(job, state["optimizer"])
     job.scheduler.load_state_dict(state["opt_param_scheduler"])
@@ -865,7 +892,8 @@ def _load_weights_only(job: Job, ckpt_dir: Path, md: dict, release: bool, ckpt_t
     sd = generate_state_dict(job, md, rng=None, is_loading=True, with_optimizer=False)
     state = dist_checkpointing.load(sd, str(ckpt_dir), get_default_load_sharded_strategy(str(ckpt_dir)),
                                     strict=job.args.dist_ckpt_strictness)
-    job.model.load_state_dict(state["model"], strict=True)
+    for name, chunk in zip(model_keys(job), job.chunks, strict=True):
+        chunk.load_state_dict(state[name], strict=True)
     if job.args.bf16:
         job.optimizer.reload_model_params()
     job.args.iteration = 0 if release else state["iteration"]
@@ -912,12 +940,12 @@ def param_metadata(job: Job) -> dict[int, Any]:
 
     if "param_metadata" in job.extras:
         return job.extras["param_metadata"]
-    params = {id(p): p for p in job.gpt.parameters()}
+    params = {id(p): p for gpt in job.gpts for p in gpt.parameters()}
     found = {}
-    for sh in nested_values(job.gpt.sharded_state_dict()):
+    for sh in (sh for gpt in job.gpts for sh in nested_values(gpt.sharded_state_dict())):
         if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and id(sh.data) in params:
             found[id(sh.data)] = sh
-    missing = [n for n, p in job.gpt.named_parameters() if id(p) not in found]
+    missing = [n for gpt in job.gpts for n, p in gpt.named_parameters() if id(p) not in found]
     if missing:
         raise RuntimeError(f"parameters without sharded metadata: {missing}")
     job.extras["param_metadata"] = found
@@ -1010,7 +1038,7 @@ def _bucket_layout(job: Job, opt: Any) -> dict:
     """
     from megatron.core import parallel_state
 
-    names = {id(p): n for n, p in job.gpt.named_parameters()}
+    names = {id(p): n for gpt in job.gpts for n, p in gpt.named_parameters()}
     metas = param_metadata(job)
     out = {"dp_group_idx": opt.data_parallel_group_idx, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "dp_size": opt.data_parallel_group.size(),
@@ -1099,7 +1127,7 @@ def gather(job: Job) -> dict | None:
     return {"model": model, "optim": optim, "param_groups": param_groups, "iteration": job.args.iteration,
             "buckets": buckets, "replicas_unequal": unequal,
             "scheduler": job.scheduler.state_dict(), "args": dict(vars(job.args)),
-            "layout": {"tp": job.tp, "pp": job.pp, "dp": job.dp}}
+            "layout": {"tp": job.tp, "pp": job.pp, "dp": job.dp, "vpp": job.vpp}}
 
 
 def write_dump(job: Job, path: Path, extra: dict | None = None) -> None:
@@ -1136,10 +1164,11 @@ def synthetic_steps(job: Job, steps: int) -> None:
     slice of the global gradient, by the parameter's ShardedTensor metadata), then the scheduler's step."""
     metas = param_metadata(job)
     for k in range(steps):
-        job.model.zero_grad_buffer()
+        for chunk in job.chunks:
+            chunk.zero_grad_buffer()
         job.optimizer.zero_grad()
         cache: dict[str, torch.Tensor] = {}
-        for param in job.gpt.parameters():
+        for param in (p for gpt in job.gpts for p in gpt.parameters()):
             grad = param.main_grad
             for st in pieces(metas[id(param)], grad):
                 if st.key not in cache:
@@ -1166,15 +1195,18 @@ def write_logits(job: Job, path: Path) -> None:
     """The GPT's logits on :func:`probe_tokens` (its eval forward, no labels: ``[b, s, padded vocab]``), with the
     tokens, ``torch.save``d on rank 0: at TP1 PP1 the model's own forward; otherwise through Megatron's pipeline
     schedule, forward only, the last stage's vocabulary-parallel logits gathered over TP (:func:`_pipeline_logits`)."""
+    if job.vpp > 1:
+        raise NotImplementedError("logits of a job with virtual pipeline stages (no test asks for them)")
     if job.tp != 1 or job.pp != 1:
         return _pipeline_logits(job, path)
     tokens = probe_tokens()
     positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens).contiguous()
-    was_training = job.gpt.training
-    job.gpt.eval()
+    (gpt,) = job.gpts
+    was_training = gpt.training
+    gpt.eval()
     with torch.no_grad():
-        logits = job.gpt(tokens, positions, None)
-    job.gpt.train(was_training)
+        logits = gpt(tokens, positions, None)
+    gpt.train(was_training)
     if torch.distributed.get_rank() == 0:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
@@ -1201,13 +1233,14 @@ def _pipeline_logits(job: Job, path: Path) -> None:
 
         return out, collect
 
-    was_training = job.gpt.training
-    job.gpt.eval()
+    (gpt,) = job.gpts
+    was_training = gpt.training
+    gpt.eval()
     with torch.no_grad():
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=[job.model],
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=job.chunks,
                                     num_microbatches=1, seq_length=SEQ, micro_batch_size=tokens.shape[0],
                                     decoder_seq_length=SEQ, forward_only=True, collect_non_loss_data=True)
-    job.gpt.train(was_training)
+    gpt.train(was_training)
     full = None
     if parallel_state.is_pipeline_last_stage():
         group = parallel_state.get_tensor_model_parallel_group()

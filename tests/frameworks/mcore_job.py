@@ -2,7 +2,7 @@
 
 Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
 
-* ``save --tp T --pp P --steps 3 --sharding dp_reshardable|fully_reshardable|fully_sharded_model_space
+* ``save --tp T --pp P [--vpp V] --steps 3 --sharding dp_reshardable|fully_reshardable|fully_sharded_model_space
   [--bf16] [--bias none|linear|qkv] [--model llama|gpt] --out SAVE_DIR [--also SHARDING SAVE_DIR2 OUT2.pt]...
   [--resume-truth K --dump-after OUT2.pt]``: train ``steps`` steps (real forward/backward through
   Megatron's pipeline schedule), write exactly what Megatron-LM's ``save_checkpoint`` writes for
@@ -11,8 +11,9 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
   its resume truth goes); with ``--resume-truth`` the same live job then takes K synthetic steps and dumps again;
   with ``--logits OUT.pt`` (TP1 PP1) the trained model's logits on :func:`mcore.probe_tokens`, after the save, go to
   ``OUT.pt``.
-* ``load --tp T --pp P --from SAVE_DIR [--bf16] [--bias B] [--model M] [--sharding S] --dump OUT.pt [--resume K
-  --dump-after OUT2.pt] [--dims-from-save] [--no-load-rng] [--logits OUT3.pt]``: build the job at that layout (with the
+* ``load --tp T --pp P [--vpp V] --from SAVE_DIR [--bf16] [--bias B] [--model M] [--sharding S] --dump OUT.pt
+  [--resume K --dump-after OUT2.pt] [--dims-from-save] [--no-load-rng] [--logits OUT3.pt]``: build the job at that
+  layout (with the
   save's own GPT dimensions: ``--dims-from-save``), load as Megatron-LM's ``load_checkpoint`` does (without its RNG
   states: ``--no-load-rng``), dump, optionally the loaded model's logits; optionally K synthetic steps and a second
   dump.
@@ -43,6 +44,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         s = sub.add_parser(name)
         s.add_argument("--tp", type=int, default=1)
         s.add_argument("--pp", type=int, default=1)
+        s.add_argument("--vpp", type=int, default=1)
         s.add_argument("--bf16", action="store_true")
         s.add_argument("--sharding", choices=("dp_reshardable", "fully_reshardable", "fully_sharded_model_space"),
                        default=None)
@@ -101,8 +103,9 @@ def run(opts: argparse.Namespace):
         if opts.cmd == "load" and opts.dims_from_save:
             mcore.apply_cpu_patches()
             mcore.configure_from(opts.src.resolve())
-        job = mcore.setup(tp=opts.tp, pp=opts.pp, bf16=opts.bf16, sharding=opts.sharding or "dp_reshardable")
-    log(f"built TP{job.tp} PP{job.pp} DP{job.dp} bf16={opts.bf16} in {time.monotonic() - start:.1f}s")
+        job = mcore.setup(tp=opts.tp, pp=opts.pp, bf16=opts.bf16, sharding=opts.sharding or "dp_reshardable",
+                          vpp=opts.vpp)
+    log(f"built TP{job.tp} PP{job.pp} VPP{job.vpp} DP{job.dp} bf16={opts.bf16} in {time.monotonic() - start:.1f}s")
     if opts.cmd == "save":
         sharding = opts.sharding or "dp_reshardable"
         losses = mcore.train(job, opts.steps)

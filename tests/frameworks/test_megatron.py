@@ -94,6 +94,7 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
     truth = torch.load(mcore.truth_path(saved(saves, name)), weights_only=False)
     save = read_save(saves[name])
     assert save.sharding == SAVES[name].sharding and (save.tp, save.pp, save.dp) == SAVES[name][:3]
+    assert save.vpp == SAVES[name].vpp
     assert differences(truth, save) == []
     assert save.notes == ()  # a tied embedding's copy (gpt_tp2_pp2, tied_tp2_pp2) holds the first stage's state
     key = "decoder.layers.mlp.linear_fc1.weight"
@@ -102,7 +103,7 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
 
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16", "tp2_dp2_bias", "tp2_pp2_qkv_bias",
-                                  "gpt_tp2_pp2"])
+                                  "gpt_tp2_pp2", "tp1_pp2_vpp2_dp2"])
 def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path], name: str) -> None:
     truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
     gpt = gpt_of(truth["args"])
@@ -112,10 +113,12 @@ def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path
     assert (gpt.norm_bias, bool(gpt.position_table), gpt.tied, gpt.swiglu) == (megatron_defaults,) * 3 + (
         not megatron_defaults,)
     tp, pp, dp = SAVES[name][:3]
-    for domain in truth["buckets"]:
-        params = layout.local_parameters(gpt, tp, pp, domain["tp_rank"], domain["pp_rank"])
+    vpp = SAVES[name].vpp
+    for domain, chunk in ((d, c) for d in truth["buckets"] for c in range(vpp)):
+        params = layout.local_parameters(gpt, tp, pp, domain["tp_rank"], domain["pp_rank"], vpp, chunk)
         assert layout.dp_group_index(tp, domain["tp_rank"], domain["pp_rank"]) == domain["dp_group_idx"]
-        [gbuf] = domain["gbufs"]
+        assert len(domain["gbufs"]) == vpp  # a gradient buffer per model chunk, in the chunks' order
+        gbuf = domain["gbufs"][chunk]
         laid = layout.buckets(params, dp)
         assert len(laid) == len(gbuf["buckets"])
         for mine, bucket in zip(laid, gbuf["buckets"], strict=True):
@@ -239,9 +242,47 @@ def test_megatron_loads_every_conversion_bitwise_and_resumes_as_the_source_job(
         got_after = torch.load(done["folder"].with_suffix(".resumed.pt"), weights_only=False)
         failed += [f"{label} load: {d}" for d in mcore.dump_differences(truth, got)[:5]]
         failed += [f"{label} resume: {d}" for d in mcore.dump_differences(resumed, got_after)[:5]]
-        assert got["layout"] == {"tp": tp, "pp": pp, "dp": dp}
+        assert got["layout"] == {"tp": tp, "pp": pp, "dp": dp, "vpp": 1}
         assert set(written.rng) == {(p, t) for p in range(pp) for t in range(tp)}
     assert failed == [], "\n".join(failed)
+
+
+def test_virtual_pipeline_stages_are_written_as_megatron_cores_interleaved_schedule_loads_them(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """``target.vpp_size``: a save converts to model chunks per pipeline stage (virtual pipeline stages), each
+    chunk's layers where megatron-core's interleaved schedule builds them and, ``dp_reshardable``, each chunk's
+    gradient buffer a ``gbuf_idx`` of its own. A job without them (TP2 DP2) goes to PP2 x 2 chunks (DP2), and a job
+    with them (PP2 x 2 chunks, DP2) to TP2 PP2 x 2 chunks (DP1); megatron-core builds each grid's chunks, loads the
+    output, holds the saving job's state bitwise and resumes as the saving job did. A wrong grid is one line before
+    anything is written."""
+    wanted = {"tp2_dp2": (1, 2, 2, "dp_reshardable"), "tp1_pp2_vpp2_dp2_fully": (2, 2, 1, "fully_reshardable")}
+    cases = [["checkpoint=megatron", f"input.path={saves[name]}", f"target.tp_size={tp}", f"target.pp_size={pp}",
+              "target.vpp_size=2", f"target.world_size={tp * pp * dp}", f"output.path={tmp_path / name}"]
+             for name, (tp, pp, dp, _) in wanted.items()]
+    cases.append(["checkpoint=megatron", f"input.path={saves['tp2_dp2']}", "target.pp_size=1", "target.vpp_size=2",
+                  f"output.path={tmp_path / 'refused'}"])
+    (tmp_path / "work").mkdir()
+    *done, refused = run_cli_cases(cases, cwd=tmp_path / "work", per_case_s=240)
+    assert refused["code"] != 0 and "target.vpp_size=2: virtual pipeline stages interleave several pipeline " \
+        "stages" in refused["stderr"] and not (tmp_path / "refused" / "latest_checkpointed_iteration.txt").exists()
+    jobs = []
+    for (name, (tp, pp, dp, sharding)), outcome in zip(wanted.items(), done, strict=True):
+        assert outcome["code"] == 0, outcome["stderr"][-2000:]
+        written = read_save(tmp_path / name)
+        assert (written.tp, written.pp, written.vpp, written.dp, written.sharding) == (tp, pp, 2, dp, sharding)
+        assert written.args["num_layers_per_virtual_pipeline_stage"] == mcore.LAYERS // (pp * 2)
+        jobs.append(mcore.load_argv(tmp_path / name, tmp_path / f"{name}.pt", tp=tp, pp=pp, vpp=2, resume=2,
+                                    dump_after=tmp_path / f"{name}.resumed.pt"))
+    mcore.each(tmp_path, 4, jobs, label="load-virtual-stages", timeout=600)
+    for name, (tp, pp, dp, _) in wanted.items():
+        got = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        assert got["layout"] == {"tp": tp, "pp": pp, "dp": dp, "vpp": 2}
+        truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
+        assert mcore.dump_differences(truth, got) == []
+        resumed = torch.load(resumed_path(saves[name]), weights_only=False)
+        after = torch.load(tmp_path / f"{name}.resumed.pt", weights_only=False)
+        assert mcore.dump_differences(resumed, after) == []
 
 
 def test_a_dp_reshardable_source_becomes_fully_reshardable_at_a_tp_megatron_refuses_it_at(

@@ -75,11 +75,11 @@ def _differences(loaded: dict, expected: dict[str, dict[str, torch.Tensor]]) -> 
 
 
 #: The saves a PyTorch job's model holds, each with the transformers model its ``config.json`` names: a Llama, tied,
-#: with a bias on each linear (``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``: q, k and v biased alone), and
-#: Megatron-LM's default GPT, a GPT-2.
+#: with a bias on each linear (``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``: q, k and v biased alone),
+#: Megatron-LM's default GPT, a GPT-2, and a Llama trained over virtual pipeline stages.
 HF_JOBS = {"tp2_dp2": "LlamaForCausalLM", "tp2_pp2": "LlamaForCausalLM", "tied_tp2_pp2": "LlamaForCausalLM",
            "tp2_dp2_bias": "LlamaForCausalLM", "tp2_pp2_qkv_bias": "Qwen2ForCausalLM",
-           "gpt_tp2_pp2": "GPT2LMHeadModel"}
+           "gpt_tp2_pp2": "GPT2LMHeadModel", "tp1_pp2_vpp2_dp2": "LlamaForCausalLM"}
 #: Each model's block: the module accelerate's FSDP wraps.
 BLOCKS = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer",
           "GPT2LMHeadModel": "GPT2Block"}
