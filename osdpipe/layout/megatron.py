@@ -181,8 +181,9 @@ def virtual_stages(args: dict[str, Any]) -> int:
 
 def virtual_stage_args(num_layers: int, pp: int, vpp: int) -> dict[str, Any]:
     """Megatron-LM's ``args`` of ``vpp`` virtual stages per pipeline rank (``vpp`` 1: none), as its ``arguments.py``
-    records them: the size itself, and the two flags it is derived from (``load_args_from_checkpoint`` reads them
-    back)."""
+    records a job launched with ``--num-layers-per-virtual-pipeline-stage``: the size it derives, the layers per
+    virtual stage, and ``num_virtual_stages_per_pipeline_rank`` unset (its other flag for the same; Megatron-LM refuses
+    both at once)."""
     if vpp == 1:
         return {"virtual_pipeline_model_parallel_size": None, "num_layers_per_virtual_pipeline_stage": None,
                 "num_virtual_stages_per_pipeline_rank": None}
