@@ -70,8 +70,8 @@ def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:
     layout kind of that pipeline), nothing of Megatron's; and, where the user names no model, the model of the
     folder's ``config.json``."""
     out = copy.deepcopy(raw)
-    out["target"] = {**out["target"], "kind": "fsdp2", "world_size": 1, "tp_size": 1, "pp_size": 1, "tp_plan": {},
-                     "shard_group_size": None, "wrap": None}
+    out["target"] = {**out["target"], "kind": "fsdp2", "world_size": 1, "tp_size": 1, "pp_size": 1, "vpp_size": 1,
+                     "tp_plan": {}, "shard_group_size": None, "wrap": None}
     out["output"] = {**out["output"], "checkpoint": None, "megatron_optim_format": None, "model_format": None}
     out["model"] = source_model(raw, given)
     return out
