@@ -34,7 +34,9 @@ record alone, each archive's (its 40 bytes and their CRC-32, compared byte by
 byte); the generated sources, ``.metadata`` and every tensor did not; for
 issue 39, every manifest's config gained ``source.pp_size``, ``target.pp_size``
 and ``output.megatron_optim_format`` (each ``content_sha256``; no data file changed); for issue 40, every
-manifest's config gained ``output.dtype`` (each ``content_sha256``; no data file changed).
+manifest's config gained ``output.dtype`` (each ``content_sha256``; no data file changed); for Megatron's virtual
+pipeline stages, every manifest's config gained ``source.vpp_size`` and ``target.vpp_size`` (each
+``content_sha256``; no data file changed).
 """
 
 from __future__ import annotations
