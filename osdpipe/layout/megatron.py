@@ -288,13 +288,22 @@ def grid_args(
     }  # fmt: skip
 
 
-def virtual_stages_problem(layers: int, pp: int, vpp: int) -> str | None:
-    """Why a target of PP ``pp`` with ``vpp`` virtual stages per pipeline rank cannot hold a GPT of ``layers``
-    layers (``None``: it can), in one line naming the key: the stages' chunks must split the layers evenly, and
-    Megatron's interleaved schedule needs more than one pipeline stage."""
+def interleaving_problem(pp: int, vpp: int) -> str | None:
+    """Why ``vpp`` virtual stages per pipeline rank cannot interleave PP ``pp`` (``None``: they can), in one line
+    naming the key: Megatron's interleaved schedule needs more than one pipeline stage. Needs no model: the schema
+    pass asks it (:func:`osdpipe.spec.megatron.megatron_problem`)."""
     if vpp > 1 and pp < 2:
         return (f"target.vpp_size={vpp}: virtual pipeline stages interleave several pipeline stages (megatron-core "
                 "refuses them at PP 1); set target.pp_size to 2 or more, or leave target.vpp_size out")
+    return None
+
+
+def virtual_stages_problem(layers: int, pp: int, vpp: int) -> str | None:
+    """Why a target of PP ``pp`` with ``vpp`` virtual stages per pipeline rank cannot hold a GPT of ``layers``
+    layers (``None``: it can), in one line naming the key: :func:`interleaving_problem`, or chunks that do not split
+    the layers evenly."""
+    if why := interleaving_problem(pp, vpp):
+        return why
     if layers % (pp * vpp):
         what = f"target.pp_size={pp}" + (f" x target.vpp_size={vpp}" if vpp > 1 else "")
         return f"{what} does not divide the model's {layers} layers; choose a PP that does"

@@ -147,7 +147,7 @@ def refusal(raw: dict[str, Any], given: Any) -> str | None:
     try:
         config = hf_model_config(source_model(raw, given), path)
         megatron_hf.megatron_args(config, int(target["tp_size"]), int(target["pp_size"]), int(target["world_size"]),
-                                  vpp=int(target.get("vpp_size") or 1))
+                                  vpp=int(target["vpp_size"]))
     except ValueError as exc:  # InputError among them
         return f"input.path={path}: {exc}"
     return None

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from osdpipe.layout.megatron import interleaving_problem  # pure: no torch
+
 #: ``checkpoint=`` and ``target.kind=`` of a Megatron-LM save.
 MEGATRON = "megatron"
 #: ``output.checkpoint=`` of a Hugging Face model folder (``config.json``, safetensors), written from a Megatron save.
@@ -56,11 +58,8 @@ def megatron_problem(spec: Any) -> str | None:
                     f"{side}.{key}={getattr(held, key)}: pipeline stages are Megatron's (checkpoint=megatron "
                     f"target.kind=megatron); set {side}.{key}=1 for kind={held.kind}"
                 )
-    if target.vpp_size > 1 and target.pp_size < 2:
-        return (
-            f"target.vpp_size={target.vpp_size}: virtual pipeline stages interleave several pipeline stages "
-            "(megatron-core refuses them at PP 1); set target.pp_size to 2 or more, or leave target.vpp_size out"
-        )
+    if why := interleaving_problem(target.pp_size, target.vpp_size):
+        return why
     if output.dtype is not None and output.checkpoint != HF:
         return (
             f"output.dtype={output.dtype} casts a Hugging Face folder's weights (checkpoint=megatron "

@@ -264,7 +264,7 @@ def test_virtual_pipeline_stages_are_written_as_megatron_cores_interleaved_sched
                   f"output.path={tmp_path / 'refused'}"])
     (tmp_path / "work").mkdir()
     *done, refused = run_cli_cases(cases, cwd=tmp_path / "work", per_case_s=240)
-    assert refused["code"] != 0 and "target.vpp_size=2: virtual pipeline stages interleave several pipeline " \
+    assert refused["code"] == 2 and "target.vpp_size=2: virtual pipeline stages interleave several pipeline " \
         "stages" in refused["stderr"] and not (tmp_path / "refused" / "latest_checkpointed_iteration.txt").exists()
     jobs = []
     for (name, (tp, pp, dp, sharding)), outcome in zip(wanted.items(), done, strict=True):

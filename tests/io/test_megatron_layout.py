@@ -59,19 +59,15 @@ def test_virtual_stages_deal_the_pipelines_chunks_round_the_stages_in_layer_orde
     assert [list(layout.stage_layers(8, 2, stage, 2, chunk)) for chunk in (0, 1) for stage in (0, 1)] == [
         [0, 1], [2, 3], [4, 5], [6, 7]]
     gpt = layout.Gpt(8, 32, 64, 4, 2, 8, 1024, True)
-    held: dict[str, list[tuple[int, int]]] = {}
-    for stage, chunk in ((s, c) for s in (0, 1) for c in (0, 1)):
-        for param in layout.local_parameters(gpt, tp=1, pp=2, tp_rank=0, pp_rank=stage, vpp=2, chunk=chunk):
-            held.setdefault(param.name.split(".weight")[0] if "layers" not in param.name else "layer", []).append(
-                (stage, chunk))
-            if param.name == "decoder.layers.1.mlp.linear_fc2.weight":
-                assert param.pieces[0].box[0] == (4 * chunk + 2 * stage + 1, 4 * chunk + 2 * stage + 2)
-    assert held["embedding.word_embeddings"] == [(0, 0)] and held["output_layer"] == [(1, 1)]
-    assert held["decoder.final_layernorm"] == [(1, 1)]
-    layers = [piece.box[0] for s in (0, 1) for c in (0, 1)
-              for p in layout.local_parameters(gpt, 1, 2, 0, s, 2, c) for piece in p.pieces
-              if piece.key == "decoder.layers.mlp.linear_fc2.weight"]
-    assert sorted(layers) == [(i, i + 1) for i in range(8)]  # every layer once
+    chunks = {(stage, chunk): {p.name: p for p in layout.local_parameters(gpt, 1, 2, 0, stage, 2, chunk)}
+              for stage in (0, 1) for chunk in (0, 1)}
+    for name, where in (("embedding.word_embeddings.weight", (0, 0)), ("output_layer.weight", (1, 1)),
+                        ("decoder.final_layernorm.weight", (1, 1))):
+        assert [at for at, params in chunks.items() if name in params] == [where], name
+    fc2 = "decoder.layers.mlp.linear_fc2.weight"
+    layers = {at: [piece.box[0][0] for p in params.values() for piece in p.pieces if piece.key == fc2]
+              for at, params in chunks.items()}
+    assert layers == {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]}  # each layer once, in order
     with pytest.raises(ValueError, match="do not split evenly over 2 pipeline stages x 3 virtual stages"):
         layout.stage_layers(8, 2, 0, 3, 0)
 
