@@ -53,6 +53,8 @@ PARAM_ALIGNMENT = 64
 BUCKET_ALIGNMENT = 128
 #: The prefix of the stacked decoder layers' sharded keys.
 LAYERS = "decoder.layers."
+#: The model keys whose first axis is the padded vocabulary.
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from osdpipe.core.memory import MemoryWatch
 from osdpipe.io import output
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MegatronSave, read_save
-from osdpipe.io.formats.megatron_writer import VOCAB_KEYS, Target, Written, write_save
-from osdpipe.layout.megatron import virtual_stages, virtual_stages_problem
+from osdpipe.io.formats.megatron_writer import Target, Written, write_save
+from osdpipe.layout.megatron import VOCAB_KEYS, virtual_stages, virtual_stages_problem
 from osdpipe.run import progress
 from osdpipe.run.collective import one_line
 from osdpipe.run.products import CheckResult, SkippedCheck
@@ -110,7 +110,9 @@ def convert(
     stages: list[StageReport] = []
     staging = output.begin(directory, job.fsync)
     try:
-        source = source or Source(lambda: read_save(job.source, within_memory=True))
+        # Another Megatron grid's output is read back whole beside the save (verify): two copies at once. A Hugging
+        # Face folder holds the masters alone (mapped, then read back): less than a second copy.
+        source = source or Source(lambda: read_save(job.source, copies_held=1 if job.hf else 2))
         save = _stage(stages, "load", display, source.read, _tensor_bytes)
         if job.hf:
             done = _as_hf(job, save, staging, stages, display)

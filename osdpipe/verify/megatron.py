@@ -14,7 +14,7 @@ import torch
 
 from osdpipe.core.compare import bits_equal
 from osdpipe.io.formats.megatron import MegatronSave
-from osdpipe.io.formats.megatron_writer import VOCAB_KEYS
+from osdpipe.layout.megatron import VOCAB_KEYS
 
 #: Param-group entries that are not hyperparameters the output must keep: the members, which the groups do not list.
 _NOT_KEPT = ("params",)

@@ -243,12 +243,13 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
     )
 
 
-def read_save(path: str | Path, *, within_memory: bool = False) -> MegatronSave:
+def read_save(path: str | Path, *, copies_held: int = 0) -> MegatronSave:
     """Read the Megatron-LM save at ``path`` (a save folder or one ``iter_<N>`` folder) whole.
 
-    ``within_memory``: first refuse a save whose tensors alone need more memory than this machine has available
-    (:func:`refuse_unless_it_fits`): what a conversion asks when it reads its source, so that it says so at once rather
-    than being killed hours into the read. A read-back of an output the same run made leaves it out.
+    ``copies_held``: how many times over the conversion reading it will hold the save's tensors at once (the save
+    itself is one; a Megatron output's read-back beside it a second): first refuse a save for which that needs more
+    memory than this machine has available (:func:`refuse_unless_it_fits`), so that the run says so at once rather
+    than being killed hours into the read. 0, as a read-back of an output the same run made asks: no check.
 
     Raises:
         InputError: one line naming the file and what to do: a missing or damaged file, a model or sharding
@@ -262,8 +263,9 @@ def read_save(path: str | Path, *, within_memory: bool = False) -> MegatronSave:
         raise InputError(why)
     sharding = None if args.get("no_save_optim") else sharding_type(common, folder)
     checkpoint = DcpCheckpoint(str(folder), None)
-    if within_memory:
-        refuse_unless_it_fits(checkpoint, folder)
+    if copies_held:
+        padding = vocabulary_padding_bytes(checkpoint, args, 0 if sharding is None else len(STATES))
+        refuse_unless_it_fits(checkpoint, folder, copies_held, padding)
     gpt = gpt_of(args)
     shapes = layout.global_shapes(gpt)
     _refuse_unknown_tensors(checkpoint, shapes)
@@ -372,18 +374,38 @@ def stored_bytes(checkpoint: DcpCheckpoint) -> int:
                for item in checkpoint.metadata.state_dict_metadata.values() if isinstance(item, TensorStorageMetadata))
 
 
-def refuse_unless_it_fits(checkpoint: DcpCheckpoint, folder: Path | RemotePath) -> None:
-    """Refuse, in one line, a save whose tensors alone (:func:`stored_bytes`) need more memory than this machine has
-    available (:func:`osdpipe.core.memory.available_bytes`): a Megatron conversion holds the save whole (and its output
-    beside it), so such a run can only end killed for memory, after reading for as long as the save is large. The
-    save's bytes are less than the run holds (the read's tensors, and the output beside them, outweigh a bucket's
-    padding): a save that fits may still not, one that does not never does."""
-    need, free = stored_bytes(checkpoint), memory.available_bytes()
-    if free is not None and need > free:
-        raise InputError(f"{folder}: reading this save whole takes {need / 1e9:.1f} GB of memory, and this machine "
-                         f"has {free / 1e9:.1f} GB available (MemAvailable and SwapFree, or its cgroup's limit); a "
-                         "Megatron conversion holds the save in memory, not streamed yet: run it on a machine with "
-                         "more memory")
+def vocabulary_padding_bytes(checkpoint: DcpCheckpoint, args: dict[str, Any], states: int) -> int:
+    """The bytes of the vocabulary's padding rows (beyond ``args["vocab_size"]``, where Megatron-LM recorded it) in
+    the save's embedding and output layer: each weight's, and its ``states`` fp32 optimizer states'. What an output
+    for another grid, padded for its own TP, may hold less of."""
+    true = args.get("vocab_size")
+    padding = 0
+    for key in layout.VOCAB_KEYS:
+        item = checkpoint.metadata.state_dict_metadata.get(key)
+        if true and isinstance(item, TensorStorageMetadata) and len(item.size) == 2 and item.size[0] > int(true):
+            padding += (item.size[0] - int(true)) * item.size[1] * (item.properties.dtype.itemsize + 4 * states)
+    return padding
+
+
+def refuse_unless_it_fits(checkpoint: DcpCheckpoint, folder: Path | RemotePath, copies: int = 1,
+                          padding: int = 0) -> None:
+    """Refuse, in one line, a save whose tensors (:func:`stored_bytes`), ``copies`` times over, need more memory than
+    this machine has available (:func:`osdpipe.core.memory.available_bytes`): a Megatron conversion holds the save
+    whole, and one into another Megatron grid holds its output, read back to prove it, beside it (``copies=2``: the
+    read-back holds every tensor the save does, less at most the vocabulary's ``padding`` bytes,
+    :func:`vocabulary_padding_bytes`). Such a run can only end killed for memory, after reading for as long as the
+    save is large. The figure is less than the run holds (the output being written, the reader's buffers and Python's
+    own come on top): a save that passes may still not fit, one that fails never does."""
+    stored, free = stored_bytes(checkpoint), memory.available_bytes()
+    need = stored + (copies - 1) * (stored - padding)
+    if free is None or need <= free:
+        return
+    held = ("reading this save whole takes" if copies == 1 else
+            f"converting this save holds its tensors {'twice' if copies == 2 else f'{copies} times'} at once (the "
+            "save, and the output read back beside it to prove it), which takes")
+    raise InputError(f"{folder}: {held} {need / 1e9:.1f} GB of memory, and this machine has {free / 1e9:.1f} GB "
+                     "available (MemAvailable and SwapFree, or its cgroup's limit); a Megatron conversion holds the "
+                     "save in memory, not streamed yet: run it on a machine with more memory")
 
 
 def _expect(checkpoint: DcpCheckpoint, keys: list[str]) -> None:

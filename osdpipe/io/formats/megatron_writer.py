@@ -40,9 +40,7 @@ from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.inert_load import Record
 from osdpipe.io.formats.megatron import COMMON, LATEST, RELEASE, STATES, WRITTEN_TYPES, MegatronSave, gpt_of
 from osdpipe.layout import megatron as layout
-
-#: The model keys whose first axis is the padded vocabulary.
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+from osdpipe.layout.megatron import VOCAB_KEYS
 
 
 @dataclass(frozen=True)
