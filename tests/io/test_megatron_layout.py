@@ -268,6 +268,30 @@ def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_
     }
 
 
+def test_inspect_of_a_save_with_virtual_pipeline_stages_names_the_key_that_keeps_them(tmp_path: Path) -> None:
+    """The printed command's target has no virtual stages unless ``target.vpp_size`` is added: inspect says so for a
+    save that has them, and the command with the key added keeps them."""
+    import shlex
+
+    from helpers import run_osdpipe
+
+    source = read_save(synthetic_save(tmp_path, tp=1, layers=4))
+    write_save(source, tmp_path / "vpp", Target(1, 2, 1, "dp_reshardable", vpp=2))
+    inspected = run_osdpipe("inspect", str(tmp_path / "vpp"), cwd=tmp_path)
+    assert inspected.returncode == 0, inspected.stderr
+    assert "TP1 PP2 DP1 (world 2), EP1, virtual pipeline stages 2" in inspected.stdout
+    assert "to keep 2 virtual pipeline stages per pipeline stage, add target.vpp_size=2" in inspected.stdout
+    printed = inspected.stdout[inspected.stdout.index("convert with osdpipe ") + len("convert with osdpipe "):].strip()
+    filled = {"T": "2", "P": "2", "M": "4", "OUT_DIR": str(tmp_path / "out")}
+    words = [w.split("=")[0] + "=" + filled.get(w.split("=", 1)[1], w.split("=", 1)[1]) for w in shlex.split(printed)]
+    done = run_osdpipe(*words, "target.vpp_size=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    back = read_save(tmp_path / "out")
+    assert (back.tp, back.pp, back.vpp, back.dp) == (2, 2, 2, 1) and roundtrip_problems(source, back) == []
+    plain = run_osdpipe("inspect", str(synthetic_save(tmp_path, tp=2)), cwd=tmp_path)
+    assert "target.vpp_size" not in plain.stdout  # a save without virtual stages: nothing to keep
+
+
 def test_inspect_describes_a_megatron_save_and_the_command_it_prints_converts_it_and_check_proves_it(
     tmp_path: Path,
 ) -> None:

@@ -256,6 +256,9 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
         + f", {position_embedding_type(args)} positions"
         + (", untied" if args.get("untie_embeddings_and_output_weights") else ", tied embeddings") + biases,
     ]
+    if vpp and int(vpp) > 1:  # the command's target leaves target.vpp_size at 1: no virtual stages
+        notes.append(f"to keep {vpp} virtual pipeline stages per pipeline stage, add target.vpp_size={vpp} to the "
+                     "command below (without it, the output has none)")
     if (why := files.refused_model(args, folder)) is not None:
         notes.append(why)
     return notes
