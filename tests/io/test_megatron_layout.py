@@ -8,6 +8,7 @@ vocabulary differs from the source's (the rows it adds must be zero, and the rea
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -268,11 +269,15 @@ def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_
     }
 
 
+def _printed_command(stdout: str, filled: dict[str, str]) -> list[str]:
+    """The arguments of the command ``osdpipe inspect`` printed, each placeholder (``T``, ``OUT_DIR``...) filled."""
+    printed = stdout[stdout.index("convert with osdpipe ") + len("convert with osdpipe "):].strip()
+    return [w.split("=")[0] + "=" + filled.get(w.split("=", 1)[1], w.split("=", 1)[1]) for w in shlex.split(printed)]
+
+
 def test_inspect_of_a_save_with_virtual_pipeline_stages_names_the_key_that_keeps_them(tmp_path: Path) -> None:
     """The printed command's target has no virtual stages unless ``target.vpp_size`` is added: inspect says so for a
     save that has them, and the command with the key added keeps them."""
-    import shlex
-
     from helpers import run_osdpipe
 
     source = read_save(synthetic_save(tmp_path, tp=1, layers=4))
@@ -281,9 +286,7 @@ def test_inspect_of_a_save_with_virtual_pipeline_stages_names_the_key_that_keeps
     assert inspected.returncode == 0, inspected.stderr
     assert "TP1 PP2 DP1 (world 2), EP1, virtual pipeline stages 2" in inspected.stdout
     assert "to keep 2 virtual pipeline stages per pipeline stage, add target.vpp_size=2" in inspected.stdout
-    printed = inspected.stdout[inspected.stdout.index("convert with osdpipe ") + len("convert with osdpipe "):].strip()
-    filled = {"T": "2", "P": "2", "M": "4", "OUT_DIR": str(tmp_path / "out")}
-    words = [w.split("=")[0] + "=" + filled.get(w.split("=", 1)[1], w.split("=", 1)[1]) for w in shlex.split(printed)]
+    words = _printed_command(inspected.stdout, {"T": "2", "P": "2", "M": "4", "OUT_DIR": str(tmp_path / "out")})
     done = run_osdpipe(*words, "target.vpp_size=2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     back = read_save(tmp_path / "out")
@@ -299,7 +302,6 @@ def test_inspect_describes_a_megatron_save_and_the_command_it_prints_converts_it
     placeholders filled, converts the save (two writers), and ``osdpipe check`` proves the output against the source and
     fails against another save."""
     import json
-    import shlex
 
     from helpers import run_osdpipe
 
@@ -310,9 +312,7 @@ def test_inspect_describes_a_megatron_save_and_the_command_it_prints_converts_it
                  "distributed optimizer dp_reshardable; weights float32", "of iteration 7",
                  "2 layers, hidden 32, ffn 64, 4 heads in 2 query groups, vocabulary padded to 1152, SwiGLU"):
         assert said in inspected.stdout, inspected.stdout
-    printed = inspected.stdout[inspected.stdout.index("convert with osdpipe ") + len("convert with osdpipe "):].strip()
-    filled = {"T": "1", "P": "2", "M": "4", "OUT_DIR": str(tmp_path / "out")}
-    words = [w.split("=")[0] + "=" + filled.get(w.split("=", 1)[1], w.split("=", 1)[1]) for w in shlex.split(printed)]
+    words = _printed_command(inspected.stdout, {"T": "1", "P": "2", "M": "4", "OUT_DIR": str(tmp_path / "out")})
     done = run_osdpipe(*words, "runtime.workers=2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     back = read_save(tmp_path / "out")
