@@ -112,8 +112,9 @@ def convert(
     try:
         # Another Megatron grid's output is read back whole beside the save (verify): two copies at once. A Hugging
         # Face folder holds the masters alone (mapped, then read back): less than a second copy.
-        source = source or Source(lambda: read_save(job.source, copies_held=1 if job.hf else 2))
-        save = _stage(stages, "load", display, source.read, _tensor_bytes)
+        source = source or Source(lambda: read_save(job.source, copies_held=1 if job.hf else 2,
+                                                    on_read=_amount(display)))
+        save = _stage(stages, "load", display, source.read, _tensor_bytes, unit="B")
         if job.hf:
             done = _as_hf(job, save, staging, stages, display)
         else:
@@ -148,10 +149,10 @@ def _as_megatron(
                      lambda _: _tree_bytes(staging))
 
     def verify() -> list[str]:
-        back = read_save(staging)
+        back = read_save(staging, on_read=_amount(display))
         return roundtrip_problems(save, back) + (also(back) if also is not None else [])
 
-    problems = _stage(stages, "verify", display, verify, lambda _: _tree_bytes(staging))
+    problems = _stage(stages, "verify", display, verify, lambda _: _tree_bytes(staging), unit="B")
     if problems:
         raise ReadBackDiffers(f"{job.output}: the written save read back differs: {'; '.join(problems[:3])}")
     if save.weights_only:
@@ -369,13 +370,18 @@ def _rng_notes(done: Converted) -> list[str]:
 
 
 def _stage(stages: list[StageReport], name: str, display: progress.Display | None, run: Callable[[], Any],
-           measured: Callable[[Any], int]) -> Any:
+           measured: Callable[[Any], int], unit: str = "item") -> Any:
     if display is not None:
-        display.phase(f"megatron: stage {name}")
+        display.phase(f"megatron: stage {name}", unit)
     start = time.perf_counter()
     result = run()
     stages.append(StageReport(name, round(time.perf_counter() - start, 6), measured(result)))
     return result
+
+
+def _amount(display: progress.Display | None) -> Callable[[int, int], None] | None:
+    """Where a stage that reads a save tells how far it is: the live line, if the run draws one."""
+    return display.amount if display is not None else None
 
 
 def _tensor_bytes(save: MegatronSave) -> int:

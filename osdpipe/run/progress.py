@@ -98,6 +98,7 @@ class Display:
         self.enabled = enabled
         self._bar: Any = None
         self._shares: dict[int, tuple[int, int | None]] = {}
+        self._shown = 0.0  # when amount() last drew
 
     def __call__(self, event: Event) -> None:
         """Take one event (the sink of :func:`connect`, or what the launcher received)."""
@@ -124,6 +125,14 @@ class Display:
     def phase(self, text: str, unit: str = "item") -> None:
         self(("phase", text, unit))
 
+    def amount(self, done: int, total: int | None) -> None:
+        """``done`` of ``total`` in the current phase, drawn at most every :data:`_ITEM_INTERVAL_S` and when it is
+        all done: for work this process does itself, told as it goes (a Megatron save's bytes read)."""
+        now = time.monotonic()
+        if self._bar is not None and (now - self._shown >= _ITEM_INTERVAL_S or done == total):
+            self._shown = now
+            self._show(done, total)
+
     def tick(self) -> None:
         """Redraw, so the elapsed time moves while nothing else happens."""
         if self._bar is not None:
@@ -131,7 +140,7 @@ class Display:
 
     def _open(self, text: str, unit: str = "item") -> None:
         self.close()
-        self._shares = {}
+        self._shares, self._shown = {}, 0.0  # a new phase draws its first amount at once
         self._bar = tqdm(
             desc=f"osdpipe: {text}",
             total=None,

@@ -28,7 +28,7 @@ import io
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -403,6 +403,9 @@ class DcpCheckpoint:
         self._kept: tuple[MetadataIndex, torch.Tensor] | None = None  # read_range: the last chunk read
         self._whole_kept: tuple[str, torch.Tensor] | None = None  # read_range: the last tensor read whole
         self._prefetch: Prefetch | None = None  # read_range in object storage: the items expect() planned
+        #: Told the bytes of each stored tensor :meth:`read_range` reads (a chunk, or a tensor read whole), as it
+        #: reads them: a long read's progress (``None``: nobody asks).
+        self.on_read: Callable[[int], None] | None = None
 
     def tops(self) -> list[str]:
         """The top-level keys of the saved state dict."""
@@ -575,6 +578,8 @@ class DcpCheckpoint:
                 where, f"it does not hold the {tuple(chunk.sizes)} chunk of {flat} the metadata describes", RECOPY_DIR
             )
         self._kept = (index, tensor.contiguous())
+        if self.on_read is not None:
+            self.on_read(tensor.nbytes)
         return self._kept[1]
 
     def _whole(self, flat: str) -> torch.Tensor:
@@ -582,6 +587,8 @@ class DcpCheckpoint:
         if self._whole_kept is None or self._whole_kept[0] != flat:
             self._whole_kept = None
             self._whole_kept = (flat, self.read_item(flat).contiguous())
+            if self.on_read is not None:
+                self.on_read(self._whole_kept[1].nbytes)
         return self._whole_kept[1]
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,8 +244,13 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
     )
 
 
-def read_save(path: str | Path, *, copies_held: int = 0) -> MegatronSave:
+def read_save(
+    path: str | Path, *, copies_held: int = 0, on_read: Callable[[int, int], None] | None = None
+) -> MegatronSave:
     """Read the Megatron-LM save at ``path`` (a save folder or one ``iter_<N>`` folder) whole.
+
+    ``on_read``: told ``(bytes read, bytes in all)`` as each stored tensor is read (:func:`stored_bytes`: the total),
+    so that a save that takes minutes to read shows how far it is.
 
     ``copies_held``: how many times over the conversion reading it will hold the save's tensors at once (the save
     itself is one; a Megatron output's read-back beside it a second): first refuse a save for which that needs more
@@ -266,6 +272,8 @@ def read_save(path: str | Path, *, copies_held: int = 0) -> MegatronSave:
     if copies_held:
         padding = vocabulary_padding_bytes(checkpoint, args, 0 if sharding is None else len(STATES))
         refuse_unless_it_fits(checkpoint, folder, copies_held, padding)
+    if on_read is not None:
+        checkpoint.on_read = _counted(on_read, stored_bytes(checkpoint))
     gpt = gpt_of(args)
     shapes = layout.global_shapes(gpt)
     _refuse_unknown_tensors(checkpoint, shapes)
@@ -318,6 +326,18 @@ def read_save(path: str | Path, *, copies_held: int = 0) -> MegatronSave:
         release=folder.name == RELEASE,
         notes=notes,
     )
+
+
+def _counted(on_read: Callable[[int, int], None], total: int) -> Callable[[int], None]:
+    """What a :class:`DcpCheckpoint` tells of each tensor it reads, summed and passed on with the ``total``."""
+    done = 0
+
+    def read(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        on_read(done, total)
+
+    return read
 
 
 def _refuse_unknown_tensors(checkpoint: DcpCheckpoint, shapes: dict[str, tuple[int, ...]]) -> None:
