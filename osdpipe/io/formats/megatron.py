@@ -249,13 +249,13 @@ def read_save(
 ) -> MegatronSave:
     """Read the Megatron-LM save at ``path`` (a save folder or one ``iter_<N>`` folder) whole.
 
-    ``on_read``: told ``(bytes read, bytes in all)`` as each stored tensor is read (:func:`stored_bytes`: the total),
-    so that a save that takes minutes to read shows how far it is.
-
     ``copies_held``: how many times over the conversion reading it will hold the save's tensors at once (the save
     itself is one; a Megatron output's read-back beside it a second): first refuse a save for which that needs more
     memory than this machine has available (:func:`refuse_unless_it_fits`), so that the run says so at once rather
     than being killed hours into the read. 0, as a read-back of an output the same run made asks: no check.
+
+    ``on_read``: told ``(bytes read, bytes in all)`` as each stored tensor is read (:func:`stored_bytes`: the total),
+    so that a save that takes minutes to read shows how far it is.
 
     Raises:
         InputError: one line naming the file and what to do: a missing or damaged file, a model or sharding
