@@ -56,6 +56,7 @@ from osdpipe.io.formats.inert_load import load_inert, load_inert_bytes
 from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.layout import megatron as layout
 from osdpipe.layout.megatron import query_groups
+from osdpipe.layout.megatron_hf import true_vocab_size
 
 LATEST = "latest_checkpointed_iteration.txt"
 #: What ``latest_checkpointed_iteration.txt`` says of a ``release`` save (Megatron-LM's converted weights): its folder
@@ -395,15 +396,15 @@ def stored_bytes(checkpoint: DcpCheckpoint) -> int:
 
 
 def vocabulary_padding_bytes(checkpoint: DcpCheckpoint, args: dict[str, Any], states: int) -> int:
-    """The bytes of the vocabulary's padding rows (beyond ``args["vocab_size"]``, where Megatron-LM recorded it) in
-    the save's embedding and output layer: each weight's, and its ``states`` fp32 optimizer states'. What an output
-    for another grid, padded for its own TP, may hold less of."""
-    true = args.get("vocab_size")
+    """The bytes of the vocabulary's padding rows (beyond :func:`~osdpipe.layout.megatron_hf.true_vocab_size`: none
+    where Megatron-LM did not record the tokenizer's) in the save's embedding and output layer: each weight's, and its
+    ``states`` fp32 optimizer states'. What an output for another grid, padded for its own TP, may hold less of."""
+    true = true_vocab_size(args)
     padding = 0
     for key in layout.VOCAB_KEYS:
         item = checkpoint.metadata.state_dict_metadata.get(key)
-        if true and isinstance(item, TensorStorageMetadata) and len(item.size) == 2 and item.size[0] > int(true):
-            padding += (item.size[0] - int(true)) * item.size[1] * (item.properties.dtype.itemsize + 4 * states)
+        if isinstance(item, TensorStorageMetadata) and len(item.size) == 2 and item.size[0] > true:
+            padding += (item.size[0] - true) * item.size[1] * (item.properties.dtype.itemsize + 4 * states)
     return padding
 
 
