@@ -4,6 +4,9 @@ For work whose input is already in memory and large (a Megatron save read whole,
 writers): a forked child shares the parent's pages until it writes to them, so nothing is sent or read again. Only
 the results travel back, pickled. A child that dies (killed, out of memory) fails the call with one line rather than
 hanging it (``concurrent.futures`` notices a dead worker; ``multiprocessing.Pool`` would wait for its lost task).
+
+A child runs torch on one thread: the parent's OpenMP threads are not forked with it, and the first parallel op of a
+child whose parent had used them waits for them forever (a Megatron writer making a bucket's state hung so).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -41,4 +46,5 @@ def each_forked(count: int, work: Callable[[int], T]) -> list[T]:
 
 def _call(index: int) -> Any:
     assert _work is not None, "set before the workers fork"
+    torch.set_num_threads(1)
     return _work(index)

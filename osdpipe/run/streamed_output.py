@@ -34,6 +34,7 @@ import torch
 from osdpipe.core.compare import differing_segments, nonfinite_segments
 from osdpipe.core.sizes import show_size
 from osdpipe.io.formats import SourceMeta, TensorRef, own_copy
+from osdpipe.io.torchfile import placeholder
 from osdpipe.layout.ranges import LocalTensor
 from osdpipe.run import progress
 from osdpipe.run.transfer import Batch, Source, place
@@ -99,18 +100,6 @@ class _Placeholder:
     flat: torch.Tensor
     region: mmap.mmap | None
     work: list[Batch]
-
-
-def placeholder(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
-    """A flat tensor in anonymous memory that is mapped but untouched (zeros, no pages held), and the mapping."""
-    if numel == 0:
-        return torch.empty(0, dtype=dtype), None
-    # private: let-go pages are freed, not kept as shared memory
-    region = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        # 2 MB pages where the kernel allows: filling 4 KB pages first-touched one by one took 3x as long
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=dtype), region  # the tensor keeps the mapping alive
 
 
 class StreamedOutput:
