@@ -39,7 +39,7 @@ from osdpipe.run.stages.save import write_manifest
 from osdpipe.spec.config import RunSpec
 from osdpipe.spec.megatron import HF, MEGATRON, MEGATRON_CHECKS, MegatronJob
 from osdpipe.spec.reconcile import Contradiction, Given
-from osdpipe.verify.megatron import roundtrip_problems
+from osdpipe.verify.megatron import read_back_problems, roundtrip_problems
 
 
 class ReadBackDiffers(RuntimeError):
@@ -110,10 +110,7 @@ def convert(
     stages: list[StageReport] = []
     staging = output.begin(directory, job.fsync)
     try:
-        # Another Megatron grid's output is read back whole beside the save (verify): two copies at once. A Hugging
-        # Face folder holds the masters alone (mapped, then read back): less than a second copy.
-        source = source or Source(lambda: read_save(job.source, copies_held=1 if job.hf else 2,
-                                                    on_read=_amount(display)))
+        source = source or Source(lambda: read_save(job.source, within_memory=True, on_read=_amount(display)))
         save = _stage(stages, "load", display, source.read, _tensor_bytes, unit="B")
         if job.hf:
             done = _as_hf(job, save, staging, stages, display)
@@ -149,8 +146,10 @@ def _as_megatron(
                      lambda _: _tree_bytes(staging))
 
     def verify() -> list[str]:
-        back = read_save(staging, on_read=_amount(display))
-        return roundtrip_problems(save, back) + (also(back) if also is not None else [])
+        if also is None:  # each tensor held against the source's as it is read, and let go
+            return read_back_problems(save, staging, _amount(display))
+        back = read_save(staging, on_read=_amount(display))  # what else must hold needs the save whole
+        return roundtrip_problems(save, back) + also(back)
 
     problems = _stage(stages, "verify", display, verify, lambda _: _tree_bytes(staging), unit="B")
     if problems:

@@ -1,19 +1,24 @@
 """Proof of a Megatron-LM save osdpipe wrote: read back, it holds the source's state, bit for bit.
 
 The output is read by the same reader as the source (:func:`osdpipe.io.formats.megatron.read_save`), which places
-every bucket and tensor back into global tensors by the target's layout, so a wrong bucket offset, a piece on the wrong
-TP rank, a lost step or a changed hyperparameter shows as a difference. The vocabulary's rows compare up to the shorter
-of the two paddings; rows the target adds must be zero.
+every bucket and tensor back by the target's layout, so a wrong bucket offset, a piece on the wrong TP rank, a lost
+step or a changed hyperparameter shows as a difference. :func:`read_back_problems` holds each tensor against the
+source's as it is read (:class:`Compared`) and keeps none: the verify stage holds the source and one tensor of the
+output, not a second copy of the state. The vocabulary's rows compare up to the shorter of the two paddings; rows the
+target adds must be zero.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from osdpipe.core.compare import bits_equal
-from osdpipe.io.formats.megatron import MegatronSave
+from osdpipe.io.formats.megatron import Box, MegatronSave, differing_bits, read_save
+from osdpipe.io.formats.megatron_deferred import box_of
 from osdpipe.layout.megatron import VOCAB_KEYS
 
 #: Param-group entries that are not hyperparameters the output must keep: the members, which the groups do not list.
@@ -39,22 +44,102 @@ def tensor_problem(name: str, source: torch.Tensor, written: torch.Tensor, vocab
     return None
 
 
+class Compared:
+    """A :class:`osdpipe.io.formats.megatron.Placement` that holds each tensor of a written save, as it is read back,
+    against the source's, and keeps only what differs (:attr:`problems`, then :meth:`missing`)."""
+
+    def __init__(self, source: MegatronSave) -> None:
+        self.source = source
+        self.problems: list[str] = []
+        self._seen: set[tuple[str, str | None]] = set()
+        self._misshapen: set[str] = set()  # keys whose written shape is not the source's: said once, not compared
+
+    def _source(self, key: str, state: str | None) -> torch.Tensor | None:
+        if key in self._misshapen:
+            return None
+        return self.source.model.get(key) if state is None else self.source.optim.get(key, {}).get(state)
+
+    def expect(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        for key, shape in shapes.items():
+            want = self.source.model.get(key)
+            rows = 1 if key in VOCAB_KEYS else 0  # a vocabulary's rows are padded for each grid's TP
+            if want is None:
+                self.problems.append(f"model {key}: not in the source")
+            elif tuple(shape)[rows:] != tuple(want.shape)[rows:]:
+                self.problems.append(f"{key}: shape {tuple(shape)}, the source's {tuple(want.shape)}")
+                self._misshapen.add(key)
+
+    def whole(self, key: str, state: str | None, tensor: torch.Tensor) -> None:
+        self._seen.add((key, state))
+        name = f"model {key}" if state is None else f"{state} {key}"
+        if (want := self._source(key, state)) is not None:
+            why = tensor_problem(name, want, tensor, key in VOCAB_KEYS)
+            self.problems += [why] if why else []
+
+    def block(self, key: str, state: str, box: Box, block: torch.Tensor) -> None:
+        self._seen.add((key, state))
+        if (want := self._source(key, state)) is not None and differing_bits(block, _box_of(want, box)):
+            past = f" (rows past the source's {want.shape[0]} must be zero)" if key in VOCAB_KEYS else ""
+            self.problems.append(f"{state} {key}: differs from the source's at {_shown(box)}{past}")
+
+    def tied_copy(self, key: str, state: str, box: Box, block: torch.Tensor) -> int:
+        want = self._source(key, state)
+        return block.numel() if want is None else differing_bits(block, _box_of(want, box))
+
+    def missing(self) -> list[str]:
+        """The source's tensors the written save held nowhere."""
+        held = [(key, None) for key in self.source.model]
+        held += [(key, state) for key, states in self.source.optim.items() for state in states]
+        return [f"{'model' if state is None else state} {key}: missing" for key, state in held
+                if (key, state) not in self._seen]
+
+
+def _box_of(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+    return box_of(tensor, tuple((s.start, s.stop) for s in box))
+
+
+def _shown(box: Box) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
+
+
+def read_back_problems(
+    source: MegatronSave, folder: Path, on_read: Callable[[int, int], None] | None = None
+) -> list[str]:
+    """Every way the save osdpipe wrote into ``folder`` does not hold ``source``'s state (:func:`roundtrip_problems`'
+    list), found as it is read: each tensor held against the source's and let go (``on_read``: the reader's
+    progress)."""
+    compared = Compared(source)
+    back = read_save(folder, on_read=on_read, placed=compared)
+    return _kind_problem(source, back) or [*compared.problems, *compared.missing(), *_fact_problems(source, back)]
+
+
 def roundtrip_problems(source: MegatronSave, written: MegatronSave) -> list[str]:
-    """Every way the save ``written`` (read back) does not hold ``source``'s state: the model's weights, each
-    parameter's fp32 master and moments, the param groups' hyperparameters and step, the iteration, the scheduler."""
+    """Every way the save ``written`` (read back whole) does not hold ``source``'s state: the model's weights, each
+    parameter's fp32 master and moments, the param groups' hyperparameters and step, the iteration, the scheduler, and
+    a tied embedding's copy equal to the embedding."""
+    if why := _kind_problem(source, written):
+        return why
+    compared = Compared(source)
+    compared.expect({key: tuple(t.shape) for key, t in written.model.items()})
+    for key, weight in written.model.items():
+        compared.whole(key, None, weight)
+    for key, states in written.optim.items():
+        for state, tensor in states.items():
+            compared.whole(key, state, tensor)
+    return [*compared.problems, *compared.missing(), *_fact_problems(source, written)]
+
+
+def _kind_problem(source: MegatronSave, written: MegatronSave) -> list[str]:
     if source.weights_only != written.weights_only:
         held = "the weights alone" if written.weights_only else "an optimizer's state"
         return [f"the written save holds {held}, the source does not"]
-    problems = []
-    for key, weight in source.model.items():
-        if key not in written.model:
-            problems.append(f"model {key}: missing")
-            continue
-        why = tensor_problem(f"model {key}", weight, written.model[key], key in VOCAB_KEYS)
-        problems += [why] if why else []
-        for state, tensor in source.optim.get(key, {}).items():
-            why = tensor_problem(f"{state} {key}", tensor, written.optim[key][state], key in VOCAB_KEYS)
-            problems += [why] if why else []
+    return []
+
+
+def _fact_problems(source: MegatronSave, written: MegatronSave) -> list[str]:
+    """What the read-back ``written`` holds beside the tensors, held against ``source``: the param groups, the
+    iteration, the scheduler, and what reading it found to note (a tied copy unequal to the embedding)."""
+    problems = [f"the written save: {note}" for note in written.notes]
     if _groups(source.param_groups) != _groups(written.param_groups):
         problems.append(f"param groups: {_groups(written.param_groups)}, the source's {_groups(source.param_groups)}")
     if written.iteration != source.iteration:

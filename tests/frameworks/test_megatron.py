@@ -34,7 +34,7 @@ import torch
 from frameworks import mcore
 from frameworks.mcore_saves import CONVERTED, SAVES, resumed_path, saved
 from helpers import run_cli_cases
-from synthetic_megatron import write_with_the_tied_copy_changed
+from synthetic_megatron import one_element_changed, write_with_the_tied_copy_changed
 
 import osdpipe
 from osdpipe.io.formats.base import InputError
@@ -320,10 +320,9 @@ def test_a_roundtrip_through_the_writer_is_the_source_and_a_changed_element_is_s
 
 
 def test_the_read_back_check_fails_on_one_changed_element_and_nothing_is_committed(
-    saves: dict[str, Path], tmp_path: Path, monkeypatch
+    saves: dict[str, Path], tmp_path: Path
 ) -> None:
     """The API's proof is not a formality: a writer that puts one element wrong is caught before the rename."""
-    from osdpipe.io.formats import megatron_writer
     from osdpipe.verify.megatron import roundtrip_problems
 
     source = read_save(saves["tp2_dp2"])
@@ -336,15 +335,8 @@ def test_the_read_back_check_fails_on_one_changed_element_and_nothing_is_committ
     back.param_groups[0]["step"] += 1
     assert any("param groups" in p for p in roundtrip_problems(source, back))
 
-    real = megatron_writer._buckets
-
-    def one_wrong(*args, **kwargs):
-        items = real(*args, **kwargs)
-        next(v for k, v in items.items() if k.endswith(".exp_avg")).view(-1)[5] += 1
-        return items
-
-    monkeypatch.setattr(megatron_writer, "_buckets", one_wrong)
-    with pytest.raises(RuntimeError, match="read back differs: exp_avg "):
+    with one_element_changed(lambda key: key.endswith(".exp_avg"), 5), \
+            pytest.raises(RuntimeError, match="read back differs: exp_avg "):
         osdpipe.reshard_megatron(saves["tp2_dp2"], tmp_path / "refused", tp=1, dp=2)
     assert not (tmp_path / "refused" / "latest_checkpointed_iteration.txt").exists()
     assert not (tmp_path / "refused" / ".staging").exists()

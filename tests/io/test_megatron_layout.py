@@ -20,7 +20,7 @@ from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import read_save
 from osdpipe.io.formats.megatron_writer import Target, write_save
 from osdpipe.layout import megatron as layout
-from osdpipe.verify.megatron import roundtrip_problems
+from osdpipe.verify.megatron import read_back_problems, roundtrip_problems
 
 
 def test_megatron_pads_the_vocabulary_to_a_multiple_of_its_divisor_times_tp() -> None:
@@ -174,7 +174,8 @@ def test_a_tied_copy_whose_state_differs_from_the_first_stages_is_named_in_every
     """Megatron keeps the last stage's copy of a tied embedding equal to the first stage's, and a ``dp_reshardable``
     save holds both. The first stage's is the one read (as Megatron's own model-space save keeps it); a copy that
     differs in one element is named in the report of a conversion by Megatron's stages and by the range pipeline, not
-    left out without a word. (tests/frameworks/test_megatron.py holds a real save's copy equal.)"""
+    left out without a word; in a conversion's read-back, it fails the conversion. (tests/frameworks/test_megatron.py
+    holds a real save's copy equal.)"""
     pytest.importorskip("transformers")  # the Llama a PyTorch job's output is of (the frameworks extra)
     source = synthetic_save(tmp_path, tp=1, pp=2, tied=True)
     write_with_the_tied_copy_changed(read_save(source), tmp_path / "wrong")
@@ -183,7 +184,10 @@ def test_a_tied_copy_whose_state_differs_from_the_first_stages_is_named_in_every
             "to the first stage's (1 element of exp_avg), which Megatron keeps equal: the first stage's is "
             "converted, the copy's left out")
     assert right.notes == () and wrong.notes == (note,)
-    assert roundtrip_problems(right, wrong) == []  # the first stage's state, as written
+    # as the read-back of a conversion's output, one wrong element of the copy fails it (the rest, the first stage's
+    # state, is the source's)
+    assert roundtrip_problems(right, wrong) == [f"the written save: {note}"]
+    assert read_back_problems(right, tmp_path / "wrong") == [f"the written save: {note}"]  # as it is read
 
     targets = {"megatron": ["target.tp_size=1", "target.pp_size=1", "target.world_size=1"],
                "pytorch": ["output.checkpoint=pytorch", "target.kind=fsdp2", "target.world_size=2",

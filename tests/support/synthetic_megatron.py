@@ -4,6 +4,8 @@ tests/frameworks/mcore_saves.py's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,14 +24,16 @@ ARGS = {
 
 
 def synthetic_save(tmp_path: Path, tp: int, seed: int = 0, *, pp: int = 1, tied: bool = False,
-                   layers: int = 2) -> Path:
+                   layers: int = 2, width: int = 32, vocab: int = 1000) -> Path:
     """A Megatron-LM save of random state at TP ``tp`` and PP ``pp``, written by osdpipe's writer (as the benchmark
     makes its own) into ``tmp_path / f"tp{tp}"``; ``tied``: the word embedding tied to the output layer (over PP the
-    last stage holds a copy); ``layers``: the GPT's."""
+    last stage holds a copy); ``layers``, ``width`` (the hidden size; the FFN's is twice it) and ``vocab``: the
+    GPT's."""
     grid = Target(tp, pp, 1, "dp_reshardable")
-    args = target_args({**ARGS, "iteration": 7, "untie_embeddings_and_output_weights": not tied,
+    dims = {"hidden_size": width, "ffn_hidden_size": 2 * width, "kv_channels": width // 4, "vocab_size": vocab}
+    args = target_args({**ARGS, **dims, "iteration": 7, "untie_embeddings_and_output_weights": not tied,
                         "num_layers": layers}, grid)
-    gpt = layout.Gpt(layers, 32, 64, 4, 2, 8, args["padded_vocab_size"], True, tied=tied)
+    gpt = layout.Gpt(layers, width, 2 * width, 4, 2, width // 4, args["padded_vocab_size"], True, tied=tied)
     generator = torch.Generator().manual_seed(seed)
     shapes = layout.global_shapes(gpt)
     model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
@@ -47,22 +51,41 @@ def synthetic_save(tmp_path: Path, tp: int, seed: int = 0, *, pp: int = 1, tied:
     return tmp_path / f"tp{tp}"
 
 
+@contextmanager
+def one_element_changed(chosen: Callable[[str], bool], index: int) -> Iterator[list[str]]:
+    """Inside, osdpipe's Megatron writer writes element ``index`` of the first item it makes as it writes (a bucket, a
+    padded vocabulary tensor) whose key ``chosen`` picks one more than it should be; the list given names the item."""
+    from osdpipe.io.formats import megatron_writer
+
+    real, picked = megatron_writer._dcp_save, []
+
+    def dcp_save(items, folder, workers, made):
+        key = next(k for k, v in items.items() if chosen(k) and isinstance(v, torch.Tensor)
+                   and made.fills(v.untyped_storage()))
+        wrong, dtype, real_windows = items[key].untyped_storage()._cdata, items[key].dtype, made.windows
+
+        def windows(storage):
+            if storage._cdata != wrong:
+                return real_windows(storage)
+            data = torch.frombuffer(bytearray(b"".join(bytes(w) for w in real_windows(storage))), dtype=dtype)
+            data[index] += 1
+            return iter([memoryview(data.view(torch.uint8).numpy())])
+
+        made.windows = windows
+        picked.append(key)
+        return real(items, folder, workers, made)
+
+    megatron_writer._dcp_save = dcp_save
+    try:
+        yield picked
+    finally:
+        megatron_writer._dcp_save = real
+
+
 def write_with_the_tied_copy_changed(save: MegatronSave, folder: Path) -> None:
     """``save`` written by osdpipe's writer at TP1 PP2 ``dp_reshardable``, but one element of the last stage's copy of
     the tied embedding (domain 1, bucket 0: the copy alone) wrong in its ``exp_avg``: a save whose two copies of the
     tied embedding differ, which Megatron never writes."""
-    from osdpipe.io.formats import megatron_writer
-
-    real = megatron_writer._buckets
-
-    def copy_wrong(*args, **kwargs):
-        items = real(*args, **kwargs)
-        next(v for k, v in items.items() if k.startswith("optimizer.distributed.dp_group_idx_1.")
-             and k.endswith("bucket_idx_0.exp_avg")).view(-1)[3] += 1
-        return items
-
-    megatron_writer._buckets = copy_wrong
-    try:
+    with one_element_changed(lambda key: key.startswith("optimizer.distributed.dp_group_idx_1.")
+                             and key.endswith("bucket_idx_0.exp_avg"), 3):
         write_save(save, folder, Target(1, 2, 1, "dp_reshardable"))
-    finally:
-        megatron_writer._buckets = real

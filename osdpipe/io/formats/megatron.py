@@ -40,10 +40,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -56,7 +56,6 @@ from osdpipe.io.formats.inert_load import load_inert, load_inert_bytes
 from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.layout import megatron as layout
 from osdpipe.layout.megatron import query_groups
-from osdpipe.layout.megatron_hf import true_vocab_size
 
 LATEST = "latest_checkpointed_iteration.txt"
 #: What ``latest_checkpointed_iteration.txt`` says of a ``release`` save (Megatron-LM's converted weights): its folder
@@ -138,6 +137,64 @@ class MegatronSave:
     def vpp(self) -> int:
         """Model chunks per pipeline rank (virtual pipeline stages); 1: none."""
         return layout.virtual_stages(self.args)
+
+
+#: A box of a global tensor: a slice per axis.
+Box = tuple[slice, ...]
+
+
+class Placement(Protocol):
+    """Where :func:`read_save` puts each tensor as it reads it: :class:`Gathered` (into global tensors, the default),
+    or a caller's own (:class:`osdpipe.verify.megatron.Compared`: held against a source, and let go)."""
+
+    def expect(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """The save's global tensors, by sharded key, as its ``args`` shape them: told before any is read."""
+
+    def whole(self, key: str, state: str | None, tensor: torch.Tensor) -> None:
+        """A global tensor read whole: the model's weight ``key`` (``state`` ``None``) or one of its optimizer
+        :data:`STATES`."""
+
+    def block(self, key: str, state: str, box: Box, block: torch.Tensor) -> None:
+        """A block of ``key``'s optimizer ``state`` at ``box`` of its global tensor (a ``dp_reshardable`` bucket's
+        piece): each element of every global tensor comes once."""
+
+    def tied_copy(self, key: str, state: str, box: Box, block: torch.Tensor) -> int:
+        """The last stage's copy of the tied embedding's ``state`` at ``box``, which Megatron keeps equal to the
+        first stage's (placed before it): how many of its elements differ from that."""
+        ...
+
+
+class Gathered:
+    """The default :class:`Placement`: every tensor into the global tensors a :class:`MegatronSave` holds."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.model: dict[str, torch.Tensor] = {}
+        self._optim: dict[tuple[str, str], torch.Tensor] = {}
+
+    def expect(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.shapes = dict(shapes)
+
+    def whole(self, key: str, state: str | None, tensor: torch.Tensor) -> None:
+        if state is None:
+            self.model[key] = tensor
+        else:
+            self._optim[(key, state)] = tensor
+
+    def _global(self, key: str, state: str) -> torch.Tensor:
+        if (key, state) not in self._optim:
+            self._optim[(key, state)] = torch.empty(self.shapes[key], dtype=torch.float32)
+        return self._optim[(key, state)]
+
+    def block(self, key: str, state: str, box: Box, block: torch.Tensor) -> None:
+        self._global(key, state)[box] = block
+
+    def tied_copy(self, key: str, state: str, box: Box, block: torch.Tensor) -> int:
+        return differing_bits(block, self._global(key, state)[box])
+
+    def states(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's states by sharded key, in the order of ``shapes`` and :data:`STATES`."""
+        return {key: {s: self._optim[(key, s)] for s in STATES} for key in shapes}
 
 
 def iteration_folder(path: str | Path | RemotePath) -> Path | RemotePath:
@@ -246,17 +303,22 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
 
 
 def read_save(
-    path: str | Path, *, copies_held: int = 0, on_read: Callable[[int, int], None] | None = None
+    path: str | Path, *, within_memory: bool = False, on_read: Callable[[int, int], None] | None = None,
+    placed: Placement | None = None,
 ) -> MegatronSave:
     """Read the Megatron-LM save at ``path`` (a save folder or one ``iter_<N>`` folder) whole.
 
-    ``copies_held``: how many times over the conversion reading it will hold the save's tensors at once (the save
-    itself is one; a Megatron output's read-back beside it a second): first refuse a save for which that needs more
-    memory than this machine has available (:func:`refuse_unless_it_fits`), so that the run says so at once rather
-    than being killed hours into the read. 0, as a read-back of an output the same run made asks: no check.
+    ``within_memory``: first refuse a save whose tensors need more memory than this machine has available
+    (:func:`refuse_unless_it_fits`), so that the run says so at once rather than being killed hours into the read.
+    Unset, as a read-back of an output the same run made asks: no check.
 
     ``on_read``: told ``(bytes read, bytes in all)`` as each stored tensor is read (:func:`stored_bytes`: the total),
     so that a save that takes minutes to read shows how far it is.
+
+    ``placed``: where each tensor goes as it is read (:class:`Placement`); by default (:class:`Gathered`) into the
+    global tensors the save returned holds. One of the caller's (the verify stage's comparison,
+    :class:`osdpipe.verify.megatron.Compared`) takes them instead, and the save returned holds no tensors: its
+    ``model`` and ``optim`` are empty.
 
     Raises:
         InputError: one line naming the file and what to do: a missing or damaged file, a model or sharding
@@ -270,39 +332,39 @@ def read_save(
         raise InputError(why)
     sharding = None if args.get("no_save_optim") else sharding_type(common, folder)
     checkpoint = DcpCheckpoint(str(folder), None)
-    if copies_held:
-        padding = vocabulary_padding_bytes(checkpoint, args, 0 if sharding is None else len(STATES))
-        refuse_unless_it_fits(checkpoint, folder, copies_held, padding)
+    if within_memory:
+        refuse_unless_it_fits(checkpoint, folder)
     if on_read is not None:
         checkpoint.on_read = _counted(on_read, stored_bytes(checkpoint))
     gpt = gpt_of(args)
     shapes = layout.global_shapes(gpt)
     _refuse_unknown_tensors(checkpoint, shapes)
+    gathered = Gathered() if placed is None else None
+    placement = placed or gathered
+    assert placement is not None
+    placement.expect(shapes)
     _expect(checkpoint, list(shapes))
-    model = {key: _whole(checkpoint, key, shape) for key, shape in shapes.items()}
+    for key, shape in shapes.items():
+        placement.whole(key, None, _whole(checkpoint, key, shape))
     gbuf_dtypes = None
     notes: tuple[str, ...] = ()
-    optim: dict[str, dict[str, torch.Tensor]] = {}
     groups: list[dict[str, Any]] | None = []
     if sharding is None:
         pass  # the weights alone (args.no_save_optim): no optimizer state to read
     elif sharding == "fully_reshardable":
-        _expect(checkpoint, [f"optimizer.state.{s}.{key}" for key in model for s in STATES])
-        optim = {
-            key: {s: _whole(checkpoint, f"optimizer.state.{s}.{key}", model[key].shape) for s in STATES}
-            for key in model
-        }
+        _expect(checkpoint, [f"optimizer.state.{s}.{key}" for key in shapes for s in STATES])
+        for key, shape in shapes.items():
+            for s in STATES:
+                placement.whole(key, s, _whole(checkpoint, f"optimizer.state.{s}.{key}", shape))
         groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
     elif sharding == "fully_sharded_model_space":
-        _expect(checkpoint, [f"optimizer.state.{FS_STATES[s]}.{key}" for key in model for s in STATES])
-        optim = {
-            key: {s: _unflattened(checkpoint, f"optimizer.state.{FS_STATES[s]}.{key}", model[key].shape)
-                  for s in STATES}
-            for key in model
-        }
+        _expect(checkpoint, [f"optimizer.state.{FS_STATES[s]}.{key}" for key in shapes for s in STATES])
+        for key, shape in shapes.items():
+            for s in STATES:
+                placement.whole(key, s, _unflattened(checkpoint, f"optimizer.state.{FS_STATES[s]}.{key}", shape))
         groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
     else:
-        optim, groups, notes = _from_buckets(checkpoint, gpt, args, folder)
+        groups, notes = _from_buckets(checkpoint, gpt, args, folder, placement)
         gbuf_dtypes = next(m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f)))
     checkpoint.expect([])  # what was fetched ahead and not read is let go
     rng, extra = {}, {}
@@ -316,9 +378,9 @@ def read_save(
         iteration=int(common.get("iteration", args.get("iteration", 0))),
         args=args,
         sharding=sharding,
-        model=model,
-        optim=optim,
-        param_groups=_groups_with_keys(groups, model, folder) if sharding is not None else [],
+        model=gathered.model if gathered else {},
+        optim=gathered.states(shapes) if gathered and sharding is not None else {},
+        param_groups=_groups_with_keys(groups, shapes, folder) if sharding is not None else [],
         scheduler=common.get("opt_param_scheduler"),
         common=common,
         rng=rng,
@@ -395,38 +457,18 @@ def stored_bytes(checkpoint: DcpCheckpoint) -> int:
                for item in checkpoint.metadata.state_dict_metadata.values() if isinstance(item, TensorStorageMetadata))
 
 
-def vocabulary_padding_bytes(checkpoint: DcpCheckpoint, args: dict[str, Any], states: int) -> int:
-    """The bytes of the vocabulary's padding rows (beyond :func:`~osdpipe.layout.megatron_hf.true_vocab_size`: none
-    where Megatron-LM did not record the tokenizer's) in the save's embedding and output layer: each weight's, and its
-    ``states`` fp32 optimizer states'. What an output for another grid, padded for its own TP, may hold less of."""
-    true = true_vocab_size(args)
-    padding = 0
-    for key in layout.VOCAB_KEYS:
-        item = checkpoint.metadata.state_dict_metadata.get(key)
-        if isinstance(item, TensorStorageMetadata) and len(item.size) == 2 and item.size[0] > true:
-            padding += (item.size[0] - true) * item.size[1] * (item.properties.dtype.itemsize + 4 * states)
-    return padding
-
-
-def refuse_unless_it_fits(checkpoint: DcpCheckpoint, folder: Path | RemotePath, copies: int = 1,
-                          padding: int = 0) -> None:
-    """Refuse, in one line, a save whose tensors (:func:`stored_bytes`), ``copies`` times over, need more memory than
-    this machine has available (:func:`osdpipe.core.memory.available_bytes`): a Megatron conversion holds the save
-    whole, and one into another Megatron grid holds its output, read back to prove it, beside it (``copies=2``: the
-    read-back holds every tensor the save does, less at most the vocabulary's ``padding`` bytes,
-    :func:`vocabulary_padding_bytes`). Such a run can only end killed for memory, after reading for as long as the
-    save is large. The figure is less than the run holds (the output being written, the reader's buffers and Python's
-    own come on top): a save that passes may still not fit, one that fails never does."""
-    stored, free = stored_bytes(checkpoint), memory.available_bytes()
-    need = stored + (copies - 1) * (stored - padding)
+def refuse_unless_it_fits(checkpoint: DcpCheckpoint, folder: Path | RemotePath) -> None:
+    """Refuse, in one line, a save whose tensors (:func:`stored_bytes`) need more memory than this machine has
+    available (:func:`osdpipe.core.memory.available_bytes`): a Megatron conversion holds the save whole, and such a run
+    can only end killed for memory, after reading for as long as the save is large. The figure is less than the run
+    holds (the output's largest parameter or bucket being written or read back, the reader's buffers and Python's own
+    come on top): a save that passes may still not fit, one that fails never does."""
+    need, free = stored_bytes(checkpoint), memory.available_bytes()
     if free is None or need <= free:
         return
-    held = ("reading this save whole takes" if copies == 1 else
-            f"converting this save holds its tensors {'twice' if copies == 2 else f'{copies} times'} at once (the "
-            "save, and the output read back beside it to prove it), which takes")
-    raise InputError(f"{folder}: {held} {need / 1e9:.1f} GB of memory, and this machine has {free / 1e9:.1f} GB "
-                     "available (MemAvailable and SwapFree, or its cgroup's limit); a Megatron conversion holds the "
-                     "save in memory, not streamed yet: run it on a machine with more memory")
+    raise InputError(f"{folder}: reading this save whole takes {need / 1e9:.1f} GB of memory, and this machine has "
+                     f"{free / 1e9:.1f} GB available (MemAvailable and SwapFree, or its cgroup's limit); a Megatron "
+                     "conversion holds the save in memory, not streamed yet: run it on a machine with more memory")
 
 
 def _expect(checkpoint: DcpCheckpoint, keys: list[str]) -> None:
@@ -491,10 +533,11 @@ def _stored(checkpoint: DcpCheckpoint, flat: str) -> bytes:
 
 
 def _from_buckets(
-    checkpoint: DcpCheckpoint, gpt: layout.Gpt, args: dict[str, Any], folder: Path
-) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]] | None, tuple[str, ...]]:
-    """A ``dp_reshardable`` optimizer's state, each bucket's parameters placed into global tensors; its param groups;
-    and a note where the last stage's copy of a tied embedding holds state unequal to the first stage's.
+    checkpoint: DcpCheckpoint, gpt: layout.Gpt, args: dict[str, Any], folder: Path, placement: Placement
+) -> tuple[list[dict[str, Any]] | None, tuple[str, ...]]:
+    """A ``dp_reshardable`` optimizer's state, each bucket's parameters handed to ``placement`` piece by piece (each
+    element of every global tensor once); its param groups; and a note where the last stage's copy of a tied
+    embedding holds state unequal to the first stage's.
 
     Megatron keeps the two copies equal (their gradients are summed before either steps), so they differ only in a save
     that something else wrote or changed. The first stage's is the one converted, as Megatron's own model-space save
@@ -503,7 +546,6 @@ def _from_buckets(
                                          "data_parallel_size"))
     vpp = layout.virtual_stages(args)
     shapes = layout.global_shapes(gpt)
-    optim = {key: {s: torch.empty(shape, dtype=torch.float32) for s in STATES} for key, shape in shapes.items()}
     filled = {key: torch.zeros(shape, dtype=torch.bool) for key, shape in shapes.items()}
     buckets: dict[tuple[int, int, int], dict[str, str]] = {}
     for flat in checkpoint.metadata.state_dict_metadata:
@@ -540,11 +582,13 @@ def _from_buckets(
                 data = checkpoint.read_range(flat, 0, bucket.numel_unpadded)
                 for name, start, stop in bucket.entries:
                     local = by_name[name]
-                    if local.tied_copy:  # the tied embedding's state is the first stage's
-                        if held := _unequal(data[start:stop].view(local.shape), local, optim, state):
-                            unequal[state] = unequal.get(state, 0) + held
-                    else:
-                        _place(data[start:stop].view(local.shape), local, optim, state, filled)
+                    for key, box, block in _blocks(data[start:stop].view(local.shape), local):
+                        if local.tied_copy:  # the tied embedding's state is the first stage's
+                            if differ := placement.tied_copy(key, state, box, block):
+                                unequal[state] = unequal.get(state, 0) + differ
+                        else:
+                            placement.block(key, state, box, block)
+                            filled[key][box] = True
         if groups is None:
             groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer")
                       or {}).get("param_groups")
@@ -556,38 +600,27 @@ def _from_buckets(
         f"{folder}: the last pipeline stage's copy of the tied word embedding holds optimizer state unequal to the "
         f"first stage's ({counted}), which Megatron keeps equal: the first stage's is converted, the copy's left out",
     )
-    return optim, groups, notes
+    return groups, notes
 
 
-def _blocks(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str):
-    """Each piece of a local parameter's ``state``: its key, its box in the global tensor (``optim[key][state]``) and
-    its block of ``local`` shaped as that box: what :func:`_place` writes there and :func:`_unequal` compares."""
+def _blocks(local: torch.Tensor, param: layout.LocalParameter) -> Iterator[tuple[str, Box, torch.Tensor]]:
+    """Each piece of a local parameter's state ``local``: its key, its box in the global tensor and its block of
+    ``local`` shaped as that box."""
     for piece in param.pieces:
         box = tuple(slice(a, b) for a, b in piece.box)
-        yield piece.key, box, local[piece.local_start : piece.local_stop].reshape(optim[piece.key][state][box].shape)
+        yield piece.key, box, local[piece.local_start : piece.local_stop].reshape([b - a for a, b in piece.box])
 
 
-def _unequal(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str) -> int:
-    """How many elements of ``local`` (a tied copy's ``state``) differ, bit for bit, from what the global tensors
-    already hold at the copy's pieces (:func:`_place`'s ``optim``)."""
-    differ = 0
-    for key, box, block in _blocks(local, param, optim, state):
-        held = optim[key][state][box]
-        block = block.to(held.dtype)
-        if not bits_equal(block, held):
-            differ += int((block.view(torch.int32) != held.view(torch.int32)).sum())  # the fp32 states' bits
-    return differ
-
-
-def _place(local: torch.Tensor, param: layout.LocalParameter, optim: dict, state: str, filled: dict) -> None:
-    """A local parameter's state into the global tensors, piece by piece."""
-    for key, box, block in _blocks(local, param, optim, state):
-        optim[key][state][box] = block
-        filled[key][box] = True
+def differing_bits(block: torch.Tensor, held: torch.Tensor) -> int:
+    """How many elements of the fp32 ``block`` differ, bit for bit, from ``held`` (cast to fp32)."""
+    held = held.to(block.dtype)
+    if bits_equal(block, held):
+        return 0
+    return int((block.view(torch.int32) != held.view(torch.int32)).sum())
 
 
 def _groups_with_keys(
-    groups: list[dict[str, Any]] | None, model: dict[str, torch.Tensor], folder: Path
+    groups: list[dict[str, Any]] | None, shapes: dict[str, tuple[int, ...]], folder: Path
 ) -> list[dict[str, Any]]:
     """The param groups with the sharded keys each holds: Megatron's default rule puts 1-D parameters (norms,
     biases) in the group without weight decay (``wd_mult`` 0) and the rest in the other; the saved groups do not list
@@ -602,7 +635,7 @@ def _groups_with_keys(
     out = []
     for group in groups:
         one_dim = float(group.get("wd_mult", 1.0)) == 0.0
-        keys = sorted(k for k, v in model.items() if layout.without_weight_decay(k, tuple(v.shape)) == one_dim)
+        keys = sorted(k for k, shape in shapes.items() if layout.without_weight_decay(k, tuple(shape)) == one_dim)
         out.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
     return out
 

@@ -76,7 +76,7 @@ class MegatronReader:
     docstring); ``naming``: which (:func:`naming_of`)."""
 
     def __init__(self, path: str, naming: str = HF_NAMES) -> None:
-        save = read_save(path, copies_held=1)
+        save = read_save(path, within_memory=True)
         self.folder = save.folder
         if why := megatron_hf.refusals(save.args):
             raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as a "

@@ -31,14 +31,17 @@ import argparse
 import io
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from osdpipe.io.formats import megatron_deferred as deferred
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.inert_load import Record
 from osdpipe.io.formats.megatron import COMMON, LATEST, RELEASE, STATES, WRITTEN_TYPES, MegatronSave, gpt_of
+from osdpipe.io.formats.megatron_deferred import MadeAsWritten
 from osdpipe.layout import megatron as layout
 from osdpipe.layout.megatron import VOCAB_KEYS
 
@@ -92,14 +95,6 @@ def target_args(args: dict[str, Any], target: Target) -> dict[str, Any]:
     return out
 
 
-def repadded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """``tensor`` with ``rows`` rows: the first ones kept, the rest zero."""
-    out = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
-    keep = min(rows, tensor.shape[0])
-    out[:keep] = tensor[:keep]
-    return out
-
-
 def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1) -> Written:
     """Write ``save`` for ``target`` into ``into`` as a Megatron-LM save folder (``latest_checkpointed_iteration.txt``
     and ``iter_<N>/``); ``into`` is made, and must hold no save yet. The caller commits it (osdpipe's API stages it
@@ -126,7 +121,8 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         raise InputError(f"{save.folder}: {why}")
     args = target_args(save.args, target)
     gpt = gpt_of(args)
-    model, optim = _repadded_state(save, gpt.padded_vocab_size)
+    made = MadeAsWritten()
+    model, optim = _repadded_state(save, gpt.padded_vocab_size, made)
     items: dict[str, Any] = dict(model)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in save.param_groups]
     optimizer_common: dict[str, Any] | None
@@ -136,7 +132,7 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         items.update({f"optimizer.state.{s}.{key}": states[s] for key, states in optim.items() for s in STATES})
         optimizer_common = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": target.sharding}
     else:
-        items.update(_buckets(gpt, target, optim, groups, _dtype_key(save)))
+        items.update(_buckets(gpt, target, save.optim, groups, _dtype_key(save), made))
         optimizer_common = {"param_state_sharding_type": target.sharding}
     rng_from = _rng_items(save, target, items)
     items.update(save.extra_state)
@@ -145,7 +141,7 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         raise InputError(f"{into} holds a Megatron save already; write into an empty directory")
     folder = into / iteration
     folder.mkdir(parents=True)
-    digests = _dcp_save(items, folder, workers)
+    digests = _dcp_save(items, folder, workers, made)
     torch.save(_common(save, args, target, optimizer_common), folder / COMMON)
     (folder / "metadata.json").write_text(json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -177,13 +173,19 @@ def _common(
 
 
 def _repadded_state(
-    save: MegatronSave, padded: int
+    save: MegatronSave, padded: int, made: MadeAsWritten
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    model = {k: repadded(v, padded) if k in VOCAB_KEYS else v for k, v in save.model.items()}
-    optim = {
-        key: {s: repadded(t, padded) if key in VOCAB_KEYS else t for s, t in states.items()}
-        for key, states in save.optim.items()
-    }
+    """The source's weights and states as the target holds them: the source's own tensors, but each vocabulary tensor
+    padded to ``padded`` rows, made as it is written (``made``)."""
+
+    def held(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        if key not in VOCAB_KEYS:
+            return tensor
+        shape = (padded, *tensor.shape[1:])
+        return made.add(shape, tensor.dtype, lambda: deferred.repadded_windows(tensor, padded))
+
+    model = {key: held(key, tensor) for key, tensor in save.model.items()}
+    optim = {key: {s: held(key, t) for s, t in states.items()} for key, states in save.optim.items()}
     return model, optim
 
 
@@ -195,11 +197,12 @@ def _dtype_key(save: MegatronSave) -> str:
 
 def _buckets(
     gpt: layout.Gpt, target: Target, optim: dict[str, dict[str, torch.Tensor]], groups: list[dict[str, Any]],
-    dtypes: str,
+    dtypes: str, made: MadeAsWritten,
 ) -> dict[str, Any]:
     """The ``dp_reshardable`` items: per (PP, TP) domain and model chunk (its gradient buffer), each bucket of each
-    state (the tied embedding's copy on the last stage filled from the embedding's state); per domain its byte items
-    (the param groups, each chunk's bucket sizes)."""
+    state (the tied embedding's copy on the last stage filled from the embedding's state), made from the source's
+    global tensors ``optim`` as it is written (``made``); per domain its byte items (the param groups, each chunk's
+    bucket sizes)."""
     items: dict[str, Any] = {}
     pair = tuple(getattr(torch, d.strip().removeprefix("torch.")) for d in dtypes.split(","))
     for pp_rank in range(target.pp):
@@ -215,30 +218,15 @@ def _buckets(
                 for b, bucket in enumerate(laid):
                     for state in STATES:
                         key = f"{prefix}.gbuf_idx_{chunk}.dtype_({dtypes}).bucket_idx_{b}.{state}"
-                        items[key] = _bucket_of(bucket, by_name, optim, state)
+                        items[key] = made.add((bucket.numel_unpadded,), torch.float32, partial(
+                            deferred.bucket_windows, bucket, by_name, lambda k, s=state: optim[k][s]
+                        ))
             items[f"{prefix}.optimizer/shard_0_1"] = [{"param_groups": groups}]
             items[f"{prefix}.per_bucket_numel/shard_0_1"] = [[{pair: [b.numel for b in laid]} for laid in per_chunk]]
             items[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [
                 [{pair: [b.numel_unpadded for b in laid]} for laid in per_chunk]
             ]
     return items
-
-
-def _bucket_of(
-    bucket: layout.BucketLayout, by_name: dict[str, layout.LocalParameter], optim: dict[str, dict[str, torch.Tensor]],
-    state: str,
-) -> torch.Tensor:
-    """One bucket's ``state``, cut at its unpadded size: each parameter's pieces taken from the global tensors, the
-    padding between parameters zero."""
-    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
-    for name, start, stop in bucket.entries:
-        local = by_name[name]
-        view = flat[start:stop].view(local.shape)
-        for piece in local.pieces:
-            box = tuple(slice(a, b) for a, b in piece.box)
-            rows = view[piece.local_start : piece.local_stop]
-            rows.copy_(optim[piece.key][state][box].reshape(rows.shape))
-    return flat
 
 
 def _rng_items(save: MegatronSave, target: Target, items: dict[str, Any]) -> dict[tuple[int, int], tuple[int, int]]:
@@ -263,16 +251,18 @@ def _pickled(value: Any) -> bytes:
     return data.getvalue()
 
 
-def _dcp_save(items: dict[str, Any], folder: Path, workers: int = 1) -> dict[str, str]:
+def _dcp_save(items: dict[str, Any], folder: Path, workers: int, made: MadeAsWritten) -> dict[str, str]:
     """The items as a DCP checkpoint of ``workers`` writers, written by osdpipe's DCP writer
-    (:mod:`osdpipe.io.formats.dcp_writer`: at the disk's speed, hashed as written): tensors whole, every other item a
-    byte item of its own, stored as given (``bytes``: the carried items' stored bytes) or as ``torch.save`` of it.
+    (:mod:`osdpipe.io.formats.dcp_writer`: at the disk's speed, hashed as written): tensors whole (``made``'s
+    placeholders filled as they are written), every other item a byte item of its own, stored as given (``bytes``: the
+    carried items' stored bytes) or as ``torch.save`` of it.
 
     Each writer is a forked process that writes its share of the items (:func:`shares`) into a file of its own, as a
     rank of ``dcp.save`` does; DCP's loaders read any number of files. Returns each file's digest, by name.
     """
     from osdpipe.core.forked import each_forked
     from osdpipe.io.formats import dcp_writer
+    from osdpipe.io.torchfile import filled_as_written
 
     state = {
         key: value if isinstance(value, torch.Tensor) else dcp_writer.Stored(
@@ -282,7 +272,13 @@ def _dcp_save(items: dict[str, Any], folder: Path, workers: int = 1) -> dict[str
     }
     parts = shares(state, workers)
     global_plan = dcp_writer.plan(lambda rank: parts[rank], len(parts))
-    written = each_forked(len(parts), lambda rank: dcp_writer.write_rank(folder, parts[rank], rank, global_plan)[:2])
+
+    def write(rank: int) -> tuple[list[Any], dict[str, str]]:
+        with filled_as_written(made):
+            results, files, _ = dcp_writer.write_rank(folder, parts[rank], rank, global_plan)
+        return results, files
+
+    written = each_forked(len(parts), write)
     digests = {name: digest for _, files in written for name, digest in files.items()}
     return {**digests, ".metadata": dcp_writer.finish(folder, global_plan, [results for results, _ in written])}
 
