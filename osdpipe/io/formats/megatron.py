@@ -339,9 +339,7 @@ def read_save(
     gpt = gpt_of(args)
     shapes = layout.global_shapes(gpt)
     _refuse_unknown_tensors(checkpoint, shapes)
-    gathered = Gathered() if placed is None else None
-    placement = placed or gathered
-    assert placement is not None
+    placement = placed if placed is not None else Gathered()
     placement.expect(shapes)
     _expect(checkpoint, list(shapes))
     for key, shape in shapes.items():
@@ -378,8 +376,8 @@ def read_save(
         iteration=int(common.get("iteration", args.get("iteration", 0))),
         args=args,
         sharding=sharding,
-        model=gathered.model if gathered else {},
-        optim=gathered.states(shapes) if gathered and sharding is not None else {},
+        model=placement.model if isinstance(placement, Gathered) else {},
+        optim=placement.states(shapes) if isinstance(placement, Gathered) and sharding is not None else {},
         param_groups=_groups_with_keys(groups, shapes, folder) if sharding is not None else [],
         scheduler=common.get("opt_param_scheduler"),
         common=common,

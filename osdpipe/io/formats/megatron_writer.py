@@ -41,7 +41,6 @@ from osdpipe.io.formats import megatron_deferred as deferred
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.inert_load import Record
 from osdpipe.io.formats.megatron import COMMON, LATEST, RELEASE, STATES, WRITTEN_TYPES, MegatronSave, gpt_of
-from osdpipe.io.formats.megatron_deferred import MadeAsWritten
 from osdpipe.layout import megatron as layout
 from osdpipe.layout.megatron import VOCAB_KEYS
 
@@ -121,7 +120,7 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         raise InputError(f"{save.folder}: {why}")
     args = target_args(save.args, target)
     gpt = gpt_of(args)
-    made = MadeAsWritten()
+    made = deferred.MadeAsWritten()
     model, optim = _repadded_state(save, gpt.padded_vocab_size, made)
     items: dict[str, Any] = dict(model)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in save.param_groups]
@@ -173,7 +172,7 @@ def _common(
 
 
 def _repadded_state(
-    save: MegatronSave, padded: int, made: MadeAsWritten
+    save: MegatronSave, padded: int, made: deferred.MadeAsWritten
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """The source's weights and states as the target holds them: the source's own tensors, but each vocabulary tensor
     padded to ``padded`` rows, made as it is written (``made``)."""
@@ -197,7 +196,7 @@ def _dtype_key(save: MegatronSave) -> str:
 
 def _buckets(
     gpt: layout.Gpt, target: Target, optim: dict[str, dict[str, torch.Tensor]], groups: list[dict[str, Any]],
-    dtypes: str, made: MadeAsWritten,
+    dtypes: str, made: deferred.MadeAsWritten,
 ) -> dict[str, Any]:
     """The ``dp_reshardable`` items: per (PP, TP) domain and model chunk (its gradient buffer), each bucket of each
     state (the tied embedding's copy on the last stage filled from the embedding's state), made from the source's
@@ -251,7 +250,7 @@ def _pickled(value: Any) -> bytes:
     return data.getvalue()
 
 
-def _dcp_save(items: dict[str, Any], folder: Path, workers: int, made: MadeAsWritten) -> dict[str, str]:
+def _dcp_save(items: dict[str, Any], folder: Path, workers: int, made: deferred.MadeAsWritten) -> dict[str, str]:
     """The items as a DCP checkpoint of ``workers`` writers, written by osdpipe's DCP writer
     (:mod:`osdpipe.io.formats.dcp_writer`: at the disk's speed, hashed as written): tensors whole (``made``'s
     placeholders filled as they are written), every other item a byte item of its own, stored as given (``bytes``: the
