@@ -21,6 +21,15 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(x.view(word), y.view(word))
 
 
+def differing_bits(block: torch.Tensor, held: torch.Tensor) -> int:
+    """How many elements of ``block`` differ, bit for bit, from ``held`` (cast to ``block``'s dtype, of its shape)."""
+    held = held.to(block.dtype)
+    if bits_equal(block, held):
+        return 0
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[block.element_size()]
+    return int((block.contiguous().view(word) != held.contiguous().view(word)).sum())
+
+
 def _widest_word(*flats: torch.Tensor) -> torch.dtype:
     """The widest integer type every byte tensor of ``flats`` can be viewed as:
     ``torch.equal`` compares int64 words about 5x faster than bytes."""

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from osdpipe.core.compare import bits_equal
-from osdpipe.io.formats.megatron import Box, MegatronSave, differing_bits, read_save
+from osdpipe.core.compare import bits_equal, differing_bits
+from osdpipe.io.formats.megatron import Box, MegatronSave, read_save
 from osdpipe.io.formats.megatron_deferred import box_of
 from osdpipe.layout.megatron import VOCAB_KEYS
 

@@ -68,7 +68,7 @@ def test_a_buckets_bytes_are_the_bucket_made_whole(tp: int, pp: int, dp: int, pa
                 assert made == _as_bytes(whole), (tp_rank, pp_rank)
 
 
-def test_a_placeholder_holds_no_bytes_until_its_windows_make_them() -> None:
+def test_a_placeholder_reads_as_zeros_and_its_windows_make_its_bytes_once() -> None:
     made = MadeAsWritten()
     tensor = made.add((1000, 1000), torch.float32, lambda: iter([memoryview(b"x")]))
     assert tensor.shape == (1000, 1000) and not bool(tensor.any())  # untouched anonymous memory reads as zeros

@@ -49,7 +49,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from osdpipe.core import memory
-from osdpipe.core.compare import bits_equal
+from osdpipe.core.compare import differing_bits
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 from osdpipe.io.formats.inert_load import load_inert, load_inert_bytes
@@ -607,14 +607,6 @@ def _blocks(local: torch.Tensor, param: layout.LocalParameter) -> Iterator[tuple
     for piece in param.pieces:
         box = tuple(slice(a, b) for a, b in piece.box)
         yield piece.key, box, local[piece.local_start : piece.local_stop].reshape([b - a for a, b in piece.box])
-
-
-def differing_bits(block: torch.Tensor, held: torch.Tensor) -> int:
-    """How many elements of the fp32 ``block`` differ, bit for bit, from ``held`` (cast to fp32)."""
-    held = held.to(block.dtype)
-    if bits_equal(block, held):
-        return 0
-    return int((block.view(torch.int32) != held.view(torch.int32)).sum())
 
 
 def _groups_with_keys(

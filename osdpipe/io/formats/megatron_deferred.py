@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from osdpipe.io.digest import tensor_bytes
 from osdpipe.io.torchfile import placeholder
 from osdpipe.layout import megatron as layout
 
@@ -48,11 +49,6 @@ class MadeAsWritten:
         return self._makers.pop(storage._cdata)()
 
 
-def raw(tensor: torch.Tensor) -> memoryview:
-    """``tensor``'s bytes in row-major order (a copy where it is not contiguous)."""
-    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
 def zeros(nbytes: int) -> Iterator[memoryview]:
     """``nbytes`` zero bytes, at most :data:`ZERO_WINDOW` at a time."""
     window = memoryview(bytes(min(nbytes, ZERO_WINDOW)))
@@ -65,7 +61,7 @@ def repadded_windows(tensor: torch.Tensor, rows: int) -> Iterator[memoryview]:
     """The bytes of ``tensor`` given ``rows`` rows: its first ones kept, the rest zero (a vocabulary padded for the
     target's TP: more rows than the source's, or fewer)."""
     keep = min(rows, tensor.shape[0])
-    yield raw(tensor[:keep])
+    yield memoryview(tensor_bytes(tensor[:keep]))
     yield from zeros((rows - keep) * math.prod(tensor.shape[1:]) * tensor.element_size())
 
 
@@ -99,6 +95,6 @@ def bucket_windows(
     at = 0
     for name, start, stop in sorted(bucket.entries, key=lambda entry: entry[1]):
         yield from zeros((start - at) * 4)
-        yield raw(local_state(by_name[name], state_of))
+        yield memoryview(tensor_bytes(local_state(by_name[name], state_of)))
         at = stop
     yield from zeros((bucket.numel_unpadded - at) * 4)
