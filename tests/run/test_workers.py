@@ -2,8 +2,9 @@
 
 One source, the user's own model (``userlm``) trained unwrapped, converted
 offline to 4 and to 7 target ranks, as rank files and as a DCP checkpoint,
-by 1, 2 and 3 local workers and by a 2-node torchrun world (two torchrun
-agents meeting through a c10d rendezvous on 127.0.0.1). Every output is the
+by 1, 2 and 3 local workers, and to 7 (each node's share uneven) by a
+2-node torchrun world (two torchrun agents meeting through a c10d rendezvous
+on 127.0.0.1). Every output is the
 same bytes, file for file, and its manifest's ``content_sha256`` is the
 same; the DCP checkpoint that 3 workers wrote for 7 ranks resumes on a real
 2-rank FSDP2 world. A worker that dies or fails mid-save ends the run with
@@ -105,7 +106,9 @@ def _files(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """(target, who) -> output directory: every target by 1, 2 and 3 local workers, and by a 2-node torchrun world."""
+    """(target, who) -> output directory: every target by 1, 2 and 3 local workers; the 7-rank targets also by a 2-node
+    torchrun world (seven ranks over two nodes: shares that cannot be equal, the case the even one adds nothing to
+    but two more torchrun worlds' start-up)."""
     root = tmp_path_factory.mktemp("workers")
     outs = {(target, f"local-{w}"): root / f"{target}-local-{w}" for target in TARGETS for w in LOCAL_WORKERS}
     cases = [
@@ -114,7 +117,7 @@ def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path
     ]
     for (key, out), result in zip(outs.items(), run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env())):
         assert result["code"] == 0, f"{key}: exit {result['code']}\n{result['stdout']}\n{result['stderr']}"
-    for target in TARGETS:
+    for target in (t for t in TARGETS if t.endswith("-7")):
         out = root / f"{target}-torchrun-2x1"
         agents = torchrun_two_nodes(
             [*JOB, *TARGETS[target], f"input.path={full_source}", f"output.path={out}"], (root, root), user_env(),
