@@ -5,8 +5,8 @@ left, PyTorch's own ``FsspecReader`` loads what is there, and a third run leaves
 Nothing in osdpipe waits for the test: the kill lands because the upload is long. The run that is killed converts
 a source osdpipe generates (an MLP of width 2048, depth 8: its optimizer state about 270 MB, kept in the conversion
 as ``source/optim.pt``) that goes up in parts beside eight small DCP files; the runs that finish, before and after
-it, convert a small one (width 256, 4 MB: the same steps on a sixty-fourth of the bytes; they need no time to kill
-in, so the bytes they move through moto's server are kept few). The test polls the bucket
+it, convert a small one (width 256, 4 MB: the same steps on a sixty-fourth of the bytes; nothing is timed against
+them, so they move few bytes through moto's server). The test polls the bucket
 and kills the command as soon as the new conversion's big file is going up in parts under ``<prefix>/.incoming/``
 (mid-upload), or as soon as ``.incoming/manifest.json`` is there (the commit: server-side copies of the same bytes
 into place). A first conversion into an empty prefix goes straight to its keys, markers last: killed as soon as its

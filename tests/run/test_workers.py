@@ -2,9 +2,9 @@
 
 One source, the user's own model (``userlm``) trained unwrapped, converted
 offline to 4 and to 7 target ranks, as rank files and as a DCP checkpoint,
-by 1, 2 and 3 local workers, and to 7 (each node's share uneven) by a
-2-node torchrun world (two torchrun agents meeting through a c10d rendezvous
-on 127.0.0.1). Every output is the
+by 1, 2 and 3 local workers, and to 7 by a 2-node torchrun world (two
+torchrun agents meeting through a c10d rendezvous on 127.0.0.1; seven ranks
+cannot be split evenly between them). Every output is the
 same bytes, file for file, and its manifest's ``content_sha256`` is the
 same; the DCP checkpoint that 3 workers wrote for 7 ranks resumes on a real
 2-rank FSDP2 world. A worker that dies or fails mid-save ends the run with
@@ -46,6 +46,9 @@ TARGETS = {
     for size in (4, 7)
 }
 LOCAL_WORKERS = (1, 2, 3)
+#: The targets a 2-node torchrun world also converts: seven ranks cannot be split evenly between two nodes, the case
+#: an even split adds nothing to but two more torchrun worlds' start-up.
+TORCHRUN_TARGETS = ("rank_local-7", "dcp-7")
 
 
 def test_the_progress_line_sums_every_workers_share() -> None:
@@ -106,9 +109,8 @@ def _files(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """(target, who) -> output directory: every target by 1, 2 and 3 local workers; the 7-rank targets also by a 2-node
-    torchrun world (seven ranks over two nodes: shares that cannot be equal, the case the even one adds nothing to
-    but two more torchrun worlds' start-up)."""
+    """(target, who) -> output directory: every target by 1, 2 and 3 local workers, and :data:`TORCHRUN_TARGETS` by a
+    2-node torchrun world."""
     root = tmp_path_factory.mktemp("workers")
     outs = {(target, f"local-{w}"): root / f"{target}-local-{w}" for target in TARGETS for w in LOCAL_WORKERS}
     cases = [
@@ -117,7 +119,7 @@ def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path
     ]
     for (key, out), result in zip(outs.items(), run_cli_cases(cases, cwd=root, per_case_s=TIMEOUT_S, env=user_env())):
         assert result["code"] == 0, f"{key}: exit {result['code']}\n{result['stdout']}\n{result['stderr']}"
-    for target in (t for t in TARGETS if t.endswith("-7")):
+    for target in TORCHRUN_TARGETS:
         out = root / f"{target}-torchrun-2x1"
         agents = torchrun_two_nodes(
             [*JOB, *TARGETS[target], f"input.path={full_source}", f"output.path={out}"], (root, root), user_env(),
@@ -131,6 +133,8 @@ def converted(full_source: Path, tmp_path_factory) -> dict[tuple[str, str], Path
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_number_of_workers_writes_the_same_bytes(converted: dict[tuple[str, str], Path], target: str) -> None:
     runs = {who: out for (t, who), out in converted.items() if t == target}
+    by_torchrun = {"torchrun-2x1"} if target in TORCHRUN_TARGETS else set()
+    assert set(runs) == {f"local-{w}" for w in LOCAL_WORKERS} | by_torchrun, f"{target}: not every way ran"
     alone = _files(runs["local-1"])
     size = int(target.split("-")[1])
     expected = (
