@@ -13,3 +13,9 @@ class InputError(ValueError):
     def __init__(self, message: str) -> None:
         # Callers build one line; text quoted from elsewhere (an exception, a name) must not break it.
         super().__init__(" ".join(line.strip() for line in str(message).splitlines() if line.strip()))
+
+
+class ModelRefused(InputError):
+    """The checkpoint's files were read, and the model they describe cannot be built for the output asked for (a
+    feature its family cannot express, an arg it needs missing). Said when the config is worked out, before anything
+    runs: unlike an input that cannot be read, no later check would say it (the run would build another model)."""

@@ -134,14 +134,19 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
     job's ``params_dtype``: ``bfloat16`` with ``bf16``).
 
     Raises:
-        ValueError: one line: a vocabulary larger than the padded one, or what the family cannot express (its
-            refusals), "not supported yet".
+        ValueError: one line: a vocabulary larger than the padded one, what the family cannot express (its
+            refusals), "not supported yet", or an arg ``config.json`` needs that ``args`` lack (a save that is not
+            Megatron-LM's own).
     """
     vocab = int(vocab_size) if vocab_size is not None else true_vocab_size(args)
     padded = int(args.get("padded_vocab_size") or vocab)
     if not 0 < vocab <= padded:
         raise ValueError(f"vocabulary {vocab} is not in (0, padded_vocab_size {padded}]")
-    return family_of_args(args).hf_config(args, vocab_size=vocab, dtype=dtype or _dtype_name(args))
+    try:
+        return family_of_args(args).hf_config(args, vocab_size=vocab, dtype=dtype or _dtype_name(args))
+    except KeyError as exc:
+        raise ValueError(f"common.pt's args hold no {exc.args[0]}, which config.json needs; is it a Megatron-LM "
+                         "save?") from None
 
 
 def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:

@@ -185,11 +185,8 @@ def _as_hf(
         try:
             config = megatron_hf.hf_config(save.args, vocab_size=vocab, dtype=dtype)
             state = megatron_hf.to_hf(gpt, masters, vocab)
-        except ValueError as exc:  # what its Hugging Face family cannot express, named
+        except ValueError as exc:  # what its Hugging Face family cannot express, or an arg it needs, named
             raise InputError(f"{save.folder}: {exc}") from None
-        except KeyError as exc:
-            raise InputError(f"{save.folder / 'common.pt'}: args hold no {exc.args[0]}, which config.json needs; "
-                             "is it a Megatron-LM save?") from None
         return hf_folder.write_folder(staging, config, state, job.max_shard_size)
 
     files = _stage(stages, "shard", display, write, lambda _: _tree_bytes(staging))

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from osdpipe.io import checkpoints, formats, remote_input
+from osdpipe.io.errors import ModelRefused
 from osdpipe.io.file_facts import detect_format, read_facts
 from osdpipe.io.formats import InputError
 from osdpipe.io.formats.base import OtherLayout
@@ -163,6 +164,8 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
 def _model_from_files(layout: Any, path: str, written_as: str) -> tuple[str, dict[str, Any]] | None:
     try:
         return layout.model_from_files(path, written_as)
+    except ModelRefused as exc:  # read, and no model it could build: said now, or the run builds another
+        raise ConfigError([str(exc)]) from None
     except (InputError, OSError):
         return None  # the pre-flight check says what is wrong with it
 

@@ -370,6 +370,33 @@ def test_bad_megatron_configs_are_refused_in_one_line_and_write_nothing(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
 
 
+def test_a_save_whose_model_cannot_be_its_hugging_face_models_is_one_line_naming_why(tmp_path: Path) -> None:
+    """A save whose args lack what config.json needs (``seq_length``, without ``max_position_embeddings``: not
+    Megatron-LM's own), or hold what the Hugging Face family cannot express (interleaved RoPE): a Hugging Face folder,
+    or a framework's checkpoint of the Hugging Face model, is refused in one line naming it, and nothing is written
+    (not a run that builds another model and says that model is wrong)."""
+    changes = {"common.pt's args hold no seq_length, which config.json needs": lambda args: delattr(args, "seq_length"),
+               "interleaved RoPE (rotary_interleaved): not supported yet": lambda args: setattr(
+                   args, "rotary_interleaved", True)}
+    cases, said = [], []
+    for i, (why, change) in enumerate(changes.items()):
+        save = synthetic_save(tmp_path / f"save{i}", tp=1)
+        common = save / "iter_0000007" / "common.pt"
+        held = torch.load(common, weights_only=False)
+        change(held["args"])
+        torch.save(held, common)
+        given = ["checkpoint=megatron", f"input.path={save}", f"output.path={tmp_path / 'out'}"]
+        cases += [[*given, "output.checkpoint=hf"],
+                  [*given, "output.checkpoint=accelerate", "target.kind=fsdp2", "target.world_size=1"]]
+        said += [why, why]
+    for why, result in zip(said, run_cli_cases(cases, cwd=tmp_path)):
+        line = result["stderr"].strip()
+        assert result["code"] in (1, 2) and len(line.splitlines()) == 1, (why, line)
+        assert why in line and "internal" not in line, (why, line)
+        out = tmp_path / "out"
+        assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["osdpipe.log", "report.json"], why
+
+
 def test_output_checkpoint_hf_writes_the_fp32_masters_as_a_hugging_face_folder_that_maps_back_bitwise(
     tmp_path: Path,
 ) -> None:

@@ -35,6 +35,7 @@ from osdpipe.io.checkpoints.base import (
 )
 from osdpipe.io.checkpoints.dcp_entries import dcp_items
 from osdpipe.io.checkpoints.torchtitan import MODEL_ARGS
+from osdpipe.io.errors import ModelRefused
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.remote_input import as_path
@@ -117,12 +118,15 @@ class Megatron(CheckpointLayout):
         args = files.read_common(files.iteration_folder(path))["args"]
         titan = written_as == "torchtitan"
         if why := (megatron_hf.titan_refusals if titan else megatron_hf.refusals)(args):
-            raise InputError(f"{path}: a Megatron GPT with {', '.join(why)}: not supported yet as "
+            raise ModelRefused(f"{path}: a Megatron GPT with {', '.join(why)}: not supported yet as "
                              + ("torchtitan's llama3" if titan else f"a {megatron_hf.architecture(args)}"))
         vocab = megatron_hf.true_vocab_size(args)
         if titan:
             return "torchtitan_llama3", megatron_hf.titan_args(args, vocab_size=vocab)
-        return megatron_hf.hf_factory(args), megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
+        try:
+            return megatron_hf.hf_factory(args), megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
+        except ValueError as exc:  # an arg config.json needs, missing
+            raise ModelRefused(f"{files.iteration_folder(path)}: {exc}") from None
 
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
         """The iteration folder, read for the model ``written_as``'s job builds: its ``key`` names that model's names
