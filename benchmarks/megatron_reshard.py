@@ -35,7 +35,7 @@ GPT = {
     "group_query_attention": True,
     "kv_channels": 64, "vocab_size": 20000, "make_vocab_size_divisible_by": 128, "swiglu": True,
     "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
-    "normalization": "RMSNorm", "position_embedding_type": "rope",
+    "normalization": "RMSNorm", "position_embedding_type": "rope", "seq_length": 2048,
 }
 
 
@@ -61,7 +61,9 @@ def make_source(folder: Path) -> int:
         for k, s in shapes.items()
     }
     one_dim = sorted(k for k in shapes if layout.without_weight_decay(k, shapes[k]))
-    hyper = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "step": 100.0}
+    # torch.optim.AdamW's hyperparameters, as megatron-core's optimizer on CPU saves them (a framework's job reads them)
+    hyper = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
+             "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True, "step": 100.0}
     groups = [
         {**hyper, "wd_mult": 1.0, "weight_decay": 0.1, "params": sorted(set(shapes) - set(one_dim))},
         {**hyper, "wd_mult": 0.0, "weight_decay": 0.0, "params": one_dim},

@@ -434,12 +434,13 @@ def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, An
 
 
 def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
-    """A conversion by Megatron's own stages (``raw``: its config), checked: the output and its source read whole by
-    the same reader, held against each other bit for bit (:func:`osdpipe.verify.megatron.roundtrip_problems`)."""
+    """A conversion by Megatron's own stages (``raw``: its config), checked: its source read whole, the output read
+    back by the same reader a tensor at a time and held against it bit for bit
+    (:func:`osdpipe.verify.megatron.written_problems`)."""
     # torch: not on check --help's path
     from osdpipe.io.formats.megatron import read_save
     from osdpipe.pipeline.megatron import hf_problems
-    from osdpipe.verify.megatron import roundtrip_problems
+    from osdpipe.verify.megatron import written_problems
 
     source = raw["input"]["path"]
     if (raw.get("checkpoint") or {}).get("layout") == HF:  # from a Hugging Face model folder: the weights alone
@@ -457,7 +458,7 @@ def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
         problems = hf_problems(read_save(source), directory, raw["output"].get("dtype") or "float32")
         proved = "every fp32 master weight, mapped back from the Hugging Face model, equals the source's"
     else:
-        problems = roundtrip_problems(read_save(source), read_save(directory))
+        problems = written_problems(read_save(source), directory)
         proved = ("every weight, fp32 master and moment, the param groups, step, iteration and scheduler equal the "
                   "source's")
     detail = "; ".join(problems[:5]) or f"{proved}, bitwise ({source})"

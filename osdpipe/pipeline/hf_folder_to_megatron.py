@@ -164,15 +164,13 @@ def run_command(spec: RunSpec, notes: list[str]) -> Report:
 
 def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
     """What ``osdpipe check`` finds of the Megatron save ``folder`` that a conversion of ``raw`` (its manifest's
-    config) wrote: the Hugging Face folder read and mapped again, held against the save read back, bit for bit."""
-    from osdpipe.io.formats.megatron import read_save
-    from osdpipe.verify.megatron import roundtrip_problems
-
+    config) wrote: the Hugging Face folder read and mapped again, held against the save read back a tensor at a time,
+    bit for bit (:func:`osdpipe.verify.megatron.written_problems`)."""
     target = raw["target"]
     tp, pp = int(target["tp_size"]), int(target["pp_size"])
     job = MegatronJob(source=raw["input"]["path"], output=str(folder), tp=tp, pp=pp,
                       dp=int(target["world_size"]) // (tp * pp))
     source = folder_source(job.source, job)
-    written = read_save(folder)
-    assert source.problems is not None
-    return roundtrip_problems(source.read(), written) + source.problems(written)
+    from osdpipe.verify.megatron import written_problems
+
+    return written_problems(source.read(), folder, source.problems)

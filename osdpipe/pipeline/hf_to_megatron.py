@@ -329,13 +329,11 @@ def _groups(
 
 def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
     """What ``osdpipe check`` finds of the Megatron save ``folder`` a conversion of ``raw`` (its manifest's config)
-    wrote: its source read again as the command read it, mapped again, and held against the save read back, bit for
-    bit (the verify stage's proof, :func:`hf_source`'s ``problems``)."""
-    from osdpipe.io.formats.megatron import read_save
+    wrote: its source read again as the command read it, mapped again, and held against the save read back a tensor at
+    a time, bit for bit (the verify stage's proof: :func:`osdpipe.verify.megatron.written_problems`)."""
     from osdpipe.spec.config import validate
     from osdpipe.spec.plan import plan_run
     from osdpipe.spec.reconcile import Given, reconcile
-    from osdpipe.verify.megatron import roundtrip_problems
 
     given = Given(["model.factory"])  # the manifest names the model the conversion built
     source, _ = reconcile(source_config(raw, given), given)
@@ -345,9 +343,9 @@ def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
                       pp=int(target["pp_size"]),
                       dp=int(target["world_size"]) // (int(target["tp_size"]) * int(target["pp_size"])))
     read = hf_source(plan, job)
-    written = read_save(folder)
-    assert read.problems is not None
-    return roundtrip_problems(read.read(), written) + read.problems(written)
+    from osdpipe.verify.megatron import written_problems
+
+    return written_problems(read.read(), folder, read.problems)
 
 
 #: What the report says where the source has one param group for every parameter (torchtitan's default).

@@ -7,8 +7,8 @@ stages, each timed and named in the report as the pipeline's are:
 * ``load``: the save read whole and checked (:func:`osdpipe.io.formats.megatron.read_save`);
 * ``shard``: every tensor laid out for the target's TP x PP x DP and written into the output's staging directory, by
   ``runtime.workers`` writers (:func:`osdpipe.io.formats.megatron_writer.write_save`);
-* ``verify``: the staged save read back by the same reader and held against the source, bit for bit
-  (:func:`osdpipe.verify.megatron.roundtrip_problems`);
+* ``verify``: the staged save read back by the same reader and held against the source, bit for bit, a tensor at
+  a time (:func:`osdpipe.verify.megatron.written_problems`);
 * ``save``: ``manifest.json`` written, the conversion committed whole (:mod:`osdpipe.io.output`).
 
 A failure in any stage leaves the output directory as it was, but for ``report.json`` and ``osdpipe.log``.
@@ -39,7 +39,7 @@ from osdpipe.run.stages.save import write_manifest
 from osdpipe.spec.config import RunSpec
 from osdpipe.spec.megatron import HF, MEGATRON, MEGATRON_CHECKS, MegatronJob
 from osdpipe.spec.reconcile import Contradiction, Given
-from osdpipe.verify.megatron import read_back_problems, roundtrip_problems
+from osdpipe.verify.megatron import written_problems
 
 
 class ReadBackDiffers(RuntimeError):
@@ -145,13 +145,8 @@ def _as_megatron(
     written = _stage(stages, "shard", display, lambda: write_save(save, staging, target, workers=job.workers),
                      lambda _: _tree_bytes(staging))
 
-    def verify() -> list[str]:
-        if also is None:  # each tensor held against the source's as it is read, and let go
-            return read_back_problems(save, staging, _amount(display))
-        back = read_save(staging, on_read=_amount(display))  # what else must hold needs the save whole
-        return roundtrip_problems(save, back) + also(back)
-
-    problems = _stage(stages, "verify", display, verify, lambda _: _tree_bytes(staging), unit="B")
+    problems = _stage(stages, "verify", display, lambda: written_problems(save, staging, also, _amount(display)),
+                      lambda _: _tree_bytes(staging), unit="B")
     if problems:
         raise ReadBackDiffers(f"{job.output}: the written save read back differs: {'; '.join(problems[:3])}")
     if save.weights_only:

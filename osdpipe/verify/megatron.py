@@ -4,7 +4,8 @@ The output is read by the same reader as the source (:func:`osdpipe.io.formats.m
 every bucket and tensor back by the target's layout, so a wrong bucket offset, a piece on the wrong TP rank, a lost
 step or a changed hyperparameter shows as a difference. :func:`read_back_problems` holds each tensor against the
 source's as it is read (:class:`Compared`) and keeps none: the verify stage holds the source and one tensor of the
-output, not a second copy of the state. The vocabulary's rows compare up to the shorter of the two paddings; rows the
+output, not a second copy of the state (:func:`written_problems`, which also asks a Hugging Face source's own question
+of the source's save). The vocabulary's rows compare up to the shorter of the two paddings; rows the
 target adds must be zero.
 """
 
@@ -111,6 +112,21 @@ def read_back_problems(
     compared = Compared(source)
     back = read_save(folder, on_read=on_read, placed=compared)
     return _kind_problem(source, back) or [*compared.problems, *compared.missing(), *_fact_problems(source, back)]
+
+
+def written_problems(
+    source: MegatronSave, folder: Path, also: Callable[[MegatronSave], list[str]] | None = None,
+    on_read: Callable[[int, int], None] | None = None,
+) -> list[str]:
+    """Every way the save written into ``folder`` fails to hold ``source`` (:func:`read_back_problems`: each tensor
+    read back, held against the source's and let go), then what ``also`` finds of ``source`` (a Hugging Face
+    checkpoint's own tensors, mapped back: :attr:`osdpipe.pipeline.megatron.Source.problems`).
+
+    ``also`` is asked of ``source``, not of the save read back: the read-back is proven to hold ``source`` bit for bit
+    (every tensor, param group, step, iteration and scheduler ``also`` could look at), so both answer the same, and
+    asking it of ``source`` spares a second whole copy of the state in memory."""
+    problems = read_back_problems(source, folder, on_read)
+    return problems + (also(source) if also is not None else [])
 
 
 def roundtrip_problems(source: MegatronSave, written: MegatronSave) -> list[str]:
