@@ -5,8 +5,8 @@ every bucket and tensor back by the target's layout, so a wrong bucket offset, a
 step or a changed hyperparameter shows as a difference. :func:`read_back_problems` holds each tensor against the
 source's as it is read (:class:`Compared`) and keeps none: the verify stage holds the source and one tensor of the
 output, not a second copy of the state (:func:`written_problems`, which also asks a Hugging Face source's own question
-of the source's save). The vocabulary's rows compare up to the shorter of the two paddings; rows the
-target adds must be zero.
+of the source's save). The vocabulary's rows compare up to the shorter of the two paddings; rows the target adds must
+be zero.
 """
 
 from __future__ import annotations

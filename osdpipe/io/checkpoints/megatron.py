@@ -119,7 +119,7 @@ class Megatron(CheckpointLayout):
         titan = written_as == "torchtitan"
         if why := (megatron_hf.titan_refusals if titan else megatron_hf.refusals)(args):
             raise ModelRefused(f"{path}: a Megatron GPT with {', '.join(why)}: not supported yet as "
-                             + ("torchtitan's llama3" if titan else f"a {megatron_hf.architecture(args)}"))
+                               + ("torchtitan's llama3" if titan else f"a {megatron_hf.architecture(args)}"))
         vocab = megatron_hf.true_vocab_size(args)
         if titan:
             return "torchtitan_llama3", megatron_hf.titan_args(args, vocab_size=vocab)
