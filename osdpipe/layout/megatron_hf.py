@@ -27,8 +27,8 @@ from osdpipe.layout.megatron_llama import titan_args, titan_refusals
 
 __all__ = [
     "FAMILIES", "HfFamily", "architecture", "family_of_args", "family_of_config", "family_of_gpt", "from_hf",
-    "hf_config", "hf_factory", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusals", "titan_args",
-    "titan_refusals", "tied_names", "to_hf", "true_vocab_size",
+    "hf_config", "hf_factory", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusal", "refusals",
+    "titan_args", "titan_refusals", "tied_names", "to_hf", "true_vocab_size",
 ]  # fmt: skip
 
 
@@ -119,6 +119,19 @@ def refusals(args: dict[str, Any]) -> list[str]:
     """What of the GPT ``args`` describe its family cannot express (empty: nothing); torchtitan's llama3, which can
     neither bias its linears nor tie its embeddings, asks :func:`titan_refusals`."""
     return family_of_args(args).refusals(args)
+
+
+def refusal(args: dict[str, Any], *, titan: bool = False) -> str | None:
+    """Why the GPT ``args`` describe cannot become its Hugging Face model (``titan``: nor torchtitan's llama3), and
+    what to do instead, in one line; ``None``: it can. What the command says when it works out the model, and the
+    reader when it opens the save, alike."""
+    if why := refusals(args):
+        return (f"a Megatron GPT with {', '.join(why)}: not supported yet as a {architecture(args)} "
+                "(output.checkpoint=pytorch|accelerate|torchtitan); convert it within Megatron instead")
+    if titan and (why := titan_refusals(args)):
+        return (f"a Megatron GPT with {', '.join(why)}: not supported yet as torchtitan's llama3; convert it for a "
+                "Hugging Face model's job (output.checkpoint=accelerate|pytorch) or within Megatron instead")
+    return None
 
 
 def hf_factory(args: dict[str, Any]) -> str:

@@ -115,18 +115,18 @@ class Megatron(CheckpointLayout):
         ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``: :func:`osdpipe.layout.megatron_hf.hf_config`)."""
         from osdpipe.layout import megatron_hf
 
-        args = files.read_common(files.iteration_folder(path))["args"]
+        folder = files.iteration_folder(path)
+        args = files.read_common(folder)["args"]
         titan = written_as == "torchtitan"
-        if why := (megatron_hf.titan_refusals if titan else megatron_hf.refusals)(args):
-            raise ModelRefused(f"{path}: a Megatron GPT with {', '.join(why)}: not supported yet as "
-                               + ("torchtitan's llama3" if titan else f"a {megatron_hf.architecture(args)}"))
+        if why := megatron_hf.refusal(args, titan=titan):
+            raise ModelRefused(f"{folder}: {why}")
         vocab = megatron_hf.true_vocab_size(args)
         if titan:
             return "torchtitan_llama3", megatron_hf.titan_args(args, vocab_size=vocab)
         try:
             return megatron_hf.hf_factory(args), megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
         except ValueError as exc:  # an arg config.json needs, missing
-            raise ModelRefused(f"{files.iteration_folder(path)}: {exc}") from None
+            raise ModelRefused(f"{folder}: {exc}") from None
 
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
         """The iteration folder, read for the model ``written_as``'s job builds: its ``key`` names that model's names

@@ -78,14 +78,8 @@ class MegatronReader:
     def __init__(self, path: str, naming: str = HF_NAMES) -> None:
         save = read_save(path, within_memory=True)
         self.folder = save.folder
-        if why := megatron_hf.refusals(save.args):
-            raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as a "
-                             f"{megatron_hf.architecture(save.args)} (output.checkpoint=pytorch|accelerate|"
-                             "torchtitan); convert it within Megatron instead")
-        if naming == TORCHTITAN_LLAMA3 and (why := megatron_hf.titan_refusals(save.args)):
-            raise InputError(f"{save.folder}: a Megatron GPT with {', '.join(why)}: not supported yet as torchtitan's "
-                             "llama3; convert it for a Hugging Face model's job (output.checkpoint=accelerate|pytorch) "
-                             "or within Megatron instead")
+        if why := megatron_hf.refusal(save.args, titan=naming == TORCHTITAN_LLAMA3):
+            raise InputError(f"{save.folder}: {why}")
         self.gpt, self.vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
         self.args, self.iteration, self.notes = save.args, save.iteration, list(save.notes)
         try:
