@@ -166,11 +166,11 @@ def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
     """What ``osdpipe check`` finds of the Megatron save ``folder`` that a conversion of ``raw`` (its manifest's
     config) wrote: the Hugging Face folder read and mapped again, held against the save read back a tensor at a time,
     bit for bit (:func:`osdpipe.verify.megatron.written_problems`)."""
+    from osdpipe.verify.megatron import written_problems
+
     target = raw["target"]
     tp, pp = int(target["tp_size"]), int(target["pp_size"])
     job = MegatronJob(source=raw["input"]["path"], output=str(folder), tp=tp, pp=pp,
                       dp=int(target["world_size"]) // (tp * pp))
     source = folder_source(job.source, job)
-    from osdpipe.verify.megatron import written_problems
-
     return written_problems(source.read(), folder, source.problems)

@@ -334,6 +334,7 @@ def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
     from osdpipe.spec.config import validate
     from osdpipe.spec.plan import plan_run
     from osdpipe.spec.reconcile import Given, reconcile
+    from osdpipe.verify.megatron import written_problems
 
     given = Given(["model.factory"])  # the manifest names the model the conversion built
     source, _ = reconcile(source_config(raw, given), given)
@@ -343,8 +344,6 @@ def check_problems(raw: dict[str, Any], folder: Path) -> list[str]:
                       pp=int(target["pp_size"]),
                       dp=int(target["world_size"]) // (int(target["tp_size"]) * int(target["pp_size"])))
     read = hf_source(plan, job)
-    from osdpipe.verify.megatron import written_problems
-
     return written_problems(read.read(), folder, read.problems)
 
 
