@@ -211,7 +211,7 @@ def conversion_config(directory: Path, manifest: dict[str, Any], overrides: list
     # The check derives each rank's state again and holds it against the files: what the stages before save make. Its
     # plan says so, or the shard stage would do what it does for a conversion that saves and verifies (under
     # runtime.memory_budget, leave the state to be made as save writes it: zeros to compare with).
-    raw["pipeline"] = {**raw["pipeline"], "stages": list(DERIVING_STAGES)}
+    raw["pipeline"] = {**(raw.get("pipeline") or {}), "stages": list(DERIVING_STAGES)}  # the Python API's have none
     return raw
 
 

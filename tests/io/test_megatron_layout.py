@@ -271,6 +271,10 @@ def test_the_api_refuses_to_replace_an_output_unless_asked_and_then_replaces_it_
     assert set(json.loads((out / "manifest.json").read_text())["files"]) == {
         str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != "manifest.json"
     }
+    from helpers import run_osdpipe
+
+    checked = run_osdpipe("check", str(out), cwd=tmp_path)  # the API's manifest holds its own, smaller config
+    assert checked.returncode == 0 and "check roundtrip  pass" in checked.stdout, checked.stdout + checked.stderr
 
 
 def _printed_command(stdout: str, filled: dict[str, str]) -> list[str]:
