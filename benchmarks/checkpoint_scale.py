@@ -5,10 +5,12 @@ Run (the default is the row the targets are set on; the full grid takes long):
     python benchmarks/checkpoint_scale.py --sizes 1.6 --pairs 4:2 --repeats 2
     python benchmarks/checkpoint_scale.py --sizes 0.4,1.6,6.4 --pairs 4:2,2:4,4:3
     python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2,2:4 --paths osdpipe-offline-budget,limit --budget 1GB
-    python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2 --repeats 3 --paths osdpipe-offline-budget,osdpipe-offline-budget-dcp,limit
-    python benchmarks/checkpoint_scale.py --sizes 6.4 --pairs 4:8 --repeats 3 --paths osdpipe-offline,osdpipe-offline-2,osdpipe-torchrun-2x1,limit
-    python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2 --repeats 3 --cold \
-        --paths osdpipe-offline-budget,osdpipe-offline-budget-dcp,osdpipe-offline-budget-2,osdpipe-offline-budget-dcp-2,copy
+    python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2 --repeats 3 \
+        --paths osdpipe-offline-budget,osdpipe-offline-budget-dcp,limit
+    python benchmarks/checkpoint_scale.py --sizes 6.4 --pairs 4:8 --repeats 3 \
+        --paths osdpipe-offline,osdpipe-offline-2,osdpipe-torchrun-2x1,limit
+    python benchmarks/checkpoint_scale.py --sizes 25 --pairs 4:2 --repeats 3 --cold --paths \
+        osdpipe-offline-budget,osdpipe-offline-budget-dcp,osdpipe-offline-budget-2,osdpipe-offline-budget-dcp-2,copy
 
 (the last: a source larger than this machine's memory, which only an
 offline conversion under a budget converts here; it needs about 60 GB of disk)
@@ -82,7 +84,12 @@ OSDPIPE_PATHS = {
     "osdpipe-offline-budget": ("runtime.mode=offline", "runtime.memory_budget={budget}"),
     "osdpipe-offline-budget-dcp": ("runtime.mode=offline", "runtime.memory_budget={budget}", "output.format=dcp"),
     "osdpipe-offline-budget-2": ("runtime.mode=offline", "runtime.memory_budget={budget}", "runtime.workers=2"),
-    "osdpipe-offline-budget-dcp-2": ("runtime.mode=offline", "runtime.memory_budget={budget}", "runtime.workers=2", "output.format=dcp"),
+    "osdpipe-offline-budget-dcp-2": (
+        "runtime.mode=offline",
+        "runtime.memory_budget={budget}",
+        "runtime.workers=2",
+        "output.format=dcp",
+    ),
     "osdpipe-dcp": ("output.format=dcp",),
 }
 #: Paths whose command runs under torchrun agents, one per node (each node one process): the path -> how many nodes.
@@ -103,7 +110,8 @@ def width_for(gigabytes: float) -> int:
 
 
 def synthesize(width: int, directory: Path, source_ranks: int, with_dcp: bool) -> tuple[Path, Path]:
-    """An fsdp_full file of random Adam state for the mlp, and (``with_dcp``) an N-rank dcp checkpoint of it (written by osdpipe offline).
+    """An fsdp_full file of random Adam state for the mlp, and (``with_dcp``) an N-rank dcp checkpoint of it
+    (written by osdpipe offline).
 
     The file is streamed (:func:`write_random_state`), so a source larger than
     this machine's memory (the 25 GB case) can be made on it.
@@ -114,7 +122,17 @@ def synthesize(width: int, directory: Path, source_ranks: int, with_dcp: bool) -
     read_once(full)
     dcp = directory / f"dcp_{source_ranks}"
     if with_dcp and not (dcp / "dcp" / ".metadata").exists():
-        osdpipe_command(width, full, "fsdp_full", source_ranks, source_ranks, dcp, "runtime.mode=offline", "output.format=dcp", "pipeline.checks=[]")
+        osdpipe_command(
+            width,
+            full,
+            "fsdp_full",
+            source_ranks,
+            source_ranks,
+            dcp,
+            "runtime.mode=offline",
+            "output.format=dcp",
+            "pipeline.checks=[]",
+        )
     return full, dcp / "dcp"
 
 
@@ -141,14 +159,19 @@ def drop_page_cache() -> None:
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     except OSError as exc:
-        raise SystemExit(f"--cold: cannot drop the page cache here ({exc}); run without --cold, and say the cache was warm") from None
+        raise SystemExit(
+            f"--cold: cannot drop the page cache here ({exc}); run without --cold, and say the cache was warm"
+        ) from None
 
 
 def fits_in_memory(path: Path) -> bool:
-    """Whether the file takes at most half of the memory available now: then it can be read into the page cache before each path."""
+    """Whether the file takes at most half of the memory available now: then it can be read into the page cache
+    before each path."""
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():  # MemAvailable counts the page cache that can be reclaimed, the source's own pages among them
-        available = next(int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:"))
+        available = next(
+            int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:")
+        )
     else:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return path.stat().st_size <= available // 2
@@ -179,7 +202,8 @@ def write_random_state(width: int, path: Path) -> None:
             draws[state[name]["exp_avg"].untyped_storage()._cdata] = torch.randn
             draws[state[name]["exp_avg_sq"].untyped_storage()._cdata] = torch.rand
     groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
-               "foreach": None, "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": False, "params": names}]  # fmt: skip
+               "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+               "decoupled_weight_decay": False, "params": names}]  # fmt: skip
 
     class RandomFiller:  # a torchfile.Filler: each placeholder's values, drawn 64 MB at a time as its record is written
         def fills(self, storage: torch.UntypedStorage) -> bool:
@@ -200,20 +224,24 @@ def write_random_state(width: int, path: Path) -> None:
 
 
 def osdpipe_command(width: int, source: Path, fmt: str, n: int, m: int, out: Path, *extra: str, nodes: int = 0) -> dict:
-    """The ``osdpipe`` command, or with ``nodes``, that many torchrun agents (one process each) running it as one world."""
+    """The ``osdpipe`` command, or with ``nodes``, that many torchrun agents (one process each) running it as one
+    world."""
     launcher = [sys.executable, "-m", "osdpipe"]
     if nodes:
         from osdpipe.run.launch import free_port
 
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"bench{time.monotonic_ns()}", "-m", "osdpipe"]  # fmt: skip
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                    "--rdzv-id", f"bench{time.monotonic_ns()}", "-m", "osdpipe"]  # fmt: skip
     cmd = [
         *launcher, "model.factory=mlp", f"model.kwargs.width={width}", f"model.kwargs.depth={DEPTH}",
         f"input.path={source}", f"input.format={fmt}", f"source.world_size={n}", "source.wrap=[Linear]",
         f"target.world_size={m}", "target.wrap=[Linear]", "target.use_orig_params=true", "pipeline.checks=[roundtrip]",
         f"output.path={out}", "output.overwrite=true", "runtime.progress=false", *extra,
     ]  # fmt: skip
-    logs = [tempfile.TemporaryFile("w+") for _ in range(max(1, nodes))]  # files, not pipes: an agent never blocks on a full pipe the other waits behind
+    logs = [
+        tempfile.TemporaryFile("w+") for _ in range(max(1, nodes))
+    ]  # files, not pipes: an agent never blocks on a full pipe the other waits behind
     agents = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True) for log in logs]
     codes = [a.wait() for a in agents]
     for code, log in zip(codes, logs):
@@ -241,13 +269,23 @@ def _baseline_rank(rank: int, world: int, port: int, path: str, width: int, sour
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    model = FSDP(MLP(width, DEPTH), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True, device_id=torch.device("cpu"))
+    model = FSDP(
+        MLP(width, DEPTH),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+    )
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     start = time.perf_counter()
     if path == "fsdp1":
         from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 
-        FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True), FullOptimStateDictConfig(rank0_only=True))
+        FSDP.set_state_dict_type(
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(rank0_only=True),
+            FullOptimStateDictConfig(rank0_only=True),
+        )
         full = torch.load(source, map_location="cpu", weights_only=True) if rank == 0 else {}
         osd = FSDP.optim_state_dict_to_load(model, optim, full)
         del full
@@ -272,7 +310,20 @@ def baseline_command(path: str, width: int, source: Path, m: int, out: Path) -> 
     """Run PyTorch's path as its own command (this script in worker mode); its ranks' memory and seconds."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    cmd = [sys.executable, str(HERE), "--worker", path, "--width", str(width), "--source", str(source), "--world", str(m), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--worker",
+        path,
+        "--width",
+        str(width),
+        "--source",
+        str(source),
+        "--world",
+        str(m),
+        "--out",
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{path} failed: {result.stderr.strip()[-2000:]}")
@@ -285,7 +336,12 @@ def worker_main(args: argparse.Namespace) -> None:
 
     from osdpipe.run.launch import free_port
 
-    mp.start_processes(_baseline_rank, args=(args.world, free_port(), args.worker, args.width, args.source, args.out), nprocs=args.world, start_method="spawn")
+    mp.start_processes(
+        _baseline_rank,
+        args=(args.world, free_port(), args.worker, args.width, args.source, args.out),
+        nprocs=args.world,
+        start_method="spawn",
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -304,8 +360,10 @@ def run_path(path: str, width: int, full: Path, dcp: Path, n: int, m: int, out: 
         extra = [arg.format(budget=budget) for arg in OSDPIPE_PATHS[path]]
         report = osdpipe_command(width, full, "fsdp_full", n, m, out, *extra, nodes=TORCHRUN_NODES.get(path, 0))
         result = {
-            "memory": report["memory"], "conversion_s": sum(s["seconds"] for s in report["stages"]), "stages": {s["name"]: s["seconds"] for s in report["stages"]},
-            "sent": sum(s["sent"] for s in report["stages"] if s["name"] == "shard"), "output_bytes": report["output_bytes"],
+            "memory": report["memory"], "conversion_s": sum(s["seconds"] for s in report["stages"]),
+            "stages": {s["name"]: s["seconds"] for s in report["stages"]},
+            "sent": sum(s["sent"] for s in report["stages"] if s["name"] == "shard"),
+            "output_bytes": report["output_bytes"],
         }  # fmt: skip
     else:
         result = baseline_command(path, width, dcp if path == "dcp" else full, m, out)
@@ -320,7 +378,8 @@ def output_bytes(out: Path) -> int:
 
 
 def limit_command(total: int, m: int, out: Path, source: Path | None = None) -> dict:
-    """``import torch.distributed``, then ``m`` synced ``dd`` writes of ``total / m`` bytes each, in parallel; ``dd_s``: the writes alone.
+    """``import torch.distributed``, then ``m`` synced ``dd`` writes of ``total / m`` bytes each, in parallel;
+    ``dd_s``: the writes alone.
 
     From ``/dev/zero``, or with ``source``, each its share of the source's bytes (a copy: read and written).
     """
@@ -329,8 +388,9 @@ def limit_command(total: int, m: int, out: Path, source: Path | None = None) -> 
     share = -(-total // m)
     start = time.perf_counter()
     writers = [
-        subprocess.Popen(["dd", f"if={source or '/dev/zero'}", f"of={out / f'rank_{r}.bin'}", "bs=16M", f"count={share}", f"skip={r * share if source else 0}",
-                          "iflag=count_bytes,skip_bytes", "conv=fdatasync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(["dd", f"if={source or '/dev/zero'}", f"of={out / f'rank_{r}.bin'}", "bs=16M",
+                          f"count={share}", f"skip={r * share if source else 0}", "iflag=count_bytes,skip_bytes",
+                          "conv=fdatasync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for r in range(m)
     ]  # fmt: skip
     if any(w.wait() for w in writers):
@@ -339,14 +399,18 @@ def limit_command(total: int, m: int, out: Path, source: Path | None = None) -> 
 
 
 def in_flight(run: dict) -> str:
-    """The most anonymous memory a process held beyond its baseline and the output it holds (offline: one target rank's at a time).
+    """The most anonymous memory a process held beyond its baseline and the output it holds (offline: one target
+    rank's at a time).
 
-    ``-`` where a process held less than its output: its output was made as it was written (``osdpipe.run.streamed_output``), never held whole.
+    ``-`` where a process held less than its output: its output was made as it was written
+    (``osdpipe.run.streamed_output``), never held whole.
     """
     if "output_bytes" not in run:
         return "-"
     memory, outputs = run["memory"], run["output_bytes"]
-    held = outputs if len(memory) == len(outputs) else [max(outputs)] * len(memory)  # online: its own; offline workers: one rank's at a time
+    held = (
+        outputs if len(memory) == len(outputs) else [max(outputs)] * len(memory)
+    )  # online: its own; offline workers: one rank's at a time
     beyond = [(m["peak_anonymous"] or 0) - (m["baseline_anonymous"] or 0) - out for m, out in zip(memory, held)]
     return "-" if min(beyond) < 0 else f"{max(beyond) / 1e9:.2f}"
 
@@ -372,7 +436,12 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--workdir", default=None, help="where sources and outputs go (default: a temporary directory)")
     parser.add_argument("--budget", default="1GB", help="runtime.memory_budget of the osdpipe-offline-budget path")
-    parser.add_argument("--cold", action="store_true", help="drop the page cache before every run (needs root: /proc/sys/vm/drop_caches); else the source is read into it first where it fits")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before every run (needs root: /proc/sys/vm/drop_caches); "
+        "else the source is read into it first where it fits",
+    )
     parser.add_argument("--worker", choices=("fsdp1", "dcp"), help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
@@ -385,8 +454,11 @@ def main() -> None:
     paths = args.paths.split(",")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="osdpipe-bench-"))
     rows = []
-    print("| state GB | N -> M | path | median s | x fsdp1 | x dcp | x limit | conversion s | write GB/s (save) | peak RSS GB | peak anon GB (beyond baseline) "
-          "| in flight GB (anon beyond baseline and output) | sent GB / receivers' GB | output GB/s |")
+    print(
+        "| state GB | N -> M | path | median s | x fsdp1 | x dcp | x limit | conversion s | write GB/s (save) "
+        "| peak RSS GB | peak anon GB (beyond baseline) "
+        "| in flight GB (anon beyond baseline and output) | sent GB / receivers' GB | output GB/s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for size in (float(s) for s in args.sizes.split(",")):
         width = width_for(size)
@@ -404,12 +476,19 @@ def main() -> None:
                     out = directory / f"out_{path}"
                     try:
                         if args.cold:
-                            drop_page_cache()  # every path reads its source from the disk, as a first conversion after a job would
+                            # every path reads its source from the disk, as a first conversion after a job would
+                            drop_page_cache()
                         elif fits_in_memory(full):
                             read_once(full)  # the paths before this one may have pushed some of it out
                         runs[path].append(run_path(path, width, full, dcp, n, m, out, args.budget))
-                    except RuntimeError as exc:  # a path that cannot run here (PyTorch's own, out of memory) is a finding, not the end
-                        failed[path] = "killed (out of memory?)" if "SIGKILL" in str(exc) else str(exc).strip().splitlines()[-1][:100]
+                    except (
+                        RuntimeError
+                    ) as exc:  # a path that cannot run here (PyTorch's own, out of memory) is a finding, not the end
+                        failed[path] = (
+                            "killed (out of memory?)"
+                            if "SIGKILL" in str(exc)
+                            else str(exc).strip().splitlines()[-1][:100]
+                        )
                     shutil.rmtree(out, ignore_errors=True)
             for path, why in failed.items():
                 print(f"| {size} | {n} -> {m} | {path} | failed: {why} |  |  |  |  |  |  |  |  |  |  |", flush=True)
@@ -419,16 +498,23 @@ def main() -> None:
             for path in paths_run:
                 last = runs[path][-1]
                 rss = max((x["peak_rss"] for x in last["memory"]), default=0) / 1e9
-                anon = max(((x["peak_anonymous"] or 0) - (x["baseline_anonymous"] or 0) for x in last["memory"]), default=0) / 1e9
+                anon = (
+                    max(
+                        ((x["peak_anonymous"] or 0) - (x["baseline_anonymous"] or 0) for x in last["memory"]), default=0
+                    )
+                    / 1e9
+                )
                 ratio = lambda base: f"{medians[base] / medians[path]:.2f}" if base in medians else "-"  # noqa: E731
                 times = f"{medians[path] / medians['limit']:.2f}" if "limit" in medians else "-"
                 conv = statistics.median(r["conversion_s"] for r in runs[path])
                 flight, sent = in_flight(last), "-"
                 if last.get("sent"):
-                    sent = f"{last['sent'] / 1e9:.2f} / {sum(last['output_bytes'][1:]) / 1e9:.2f}"  # rank 0 reads for the others
+                    # rank 0 reads for the others
+                    sent = f"{last['sent'] / 1e9:.2f} / {sum(last['output_bytes'][1:]) / 1e9:.2f}"
                 write = write_throughput(runs[path])
                 row = (
-                    f"| {size} | {n} -> {m} | {path} | {medians[path]:.1f} | {ratio('fsdp1')} | {ratio('dcp')} | {times} | {conv:.1f} | {write} | {rss:.2f} "
+                    f"| {size} | {n} -> {m} | {path} | {medians[path]:.1f} | {ratio('fsdp1')} | {ratio('dcp')} "
+                    f"| {times} | {conv:.1f} | {write} | {rss:.2f} "
                     f"| {anon:.2f} | {flight} | {sent} | {last['bytes'] / 1e9 / medians[path]:.2f} |"
                 )
                 print(row, flush=True)
@@ -436,10 +522,16 @@ def main() -> None:
             if "limit" in medians:
                 for path in (p for p in paths_run if p in OSDPIPE_PATHS):
                     ratio = write_ratio(runs[path], runs["limit"])
-                    print(f"|  |  | {path}: write throughput / dd's (fdatasync, same bytes) | {ratio} |  |  |  |  |  |  |  |  |  |  |  |")
+                    print(
+                        f"|  |  | {path}: write throughput / dd's (fdatasync, same bytes) | {ratio} "
+                        "|  |  |  |  |  |  |  |  |  |  |  |"
+                    )
             if "copy" in medians:
                 for path in (p for p in paths_run if p in OSDPIPE_PATHS):
-                    print(f"|  |  | {path}: median / copy's (dd from the source's disk to the output's, fdatasync) | {medians[path] / medians['copy']:.2f} |  |  |  |  |  |  |  |  |  |  |  |")
+                    print(
+                        f"|  |  | {path}: median / copy's (dd from the source's disk to the output's, fdatasync) "
+                        f"| {medians[path] / medians['copy']:.2f} |  |  |  |  |  |  |  |  |  |  |  |"
+                    )
     (root / "results.json").write_text(json.dumps(rows, indent=1))
     print(f"\nraw results: {root / 'results.json'}")
 

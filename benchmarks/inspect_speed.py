@@ -64,7 +64,10 @@ def main() -> None:
         medians = {name: statistics.median(t) for name, t in times.items()}
         state_gb = sum(p.stat().st_size for p in [full]) / 1e9
         rows.append((size, state_gb, medians))
-    print(f"| state GB | file GB | {' | '.join(rows[0][2])} | inspect fsdp_full - import torch | inspect dcp - import dcp |")
+    print(
+        f"| state GB | file GB | {' | '.join(rows[0][2])} "
+        "| inspect fsdp_full - import torch | inspect dcp - import dcp |"
+    )
     print("| --- " * (len(rows[0][2]) + 4) + "|")
     for size, file_gb, m in rows:
         values = " | ".join(f"{v:.2f}" for v in m.values())

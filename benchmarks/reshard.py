@@ -22,7 +22,11 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--source-ranks", type=int, default=4)
     parser.add_argument("--target-ranks", type=int, default=2)
-    parser.add_argument("--checks", default="roundtrip,load_step", help="verify checks to run (reference needs the full state on every rank)")
+    parser.add_argument(
+        "--checks",
+        default="roundtrip,load_step",
+        help="verify checks to run (reference needs the full state on every rank)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         spec = validate(
@@ -40,7 +44,10 @@ def main() -> None:
         report = execute(plan_run(spec))
         total = time.perf_counter() - start
     params = args.depth * (args.width * args.width + args.width)
-    print(f"mlp width={args.width} depth={args.depth}: {params:,} parameters, {args.source_ranks} -> {args.target_ranks} ranks, ok={report.ok}")
+    print(
+        f"mlp width={args.width} depth={args.depth}: {params:,} parameters, "
+        f"{args.source_ranks} -> {args.target_ranks} ranks, ok={report.ok}"
+    )
     print(f"{'stage':<10} {'seconds':>10} {'MB moved':>10}")
     for s in report.stages:
         print(f"{s.name:<10} {s.seconds:>10.3f} {s.bytes / 1e6:>10.1f}")

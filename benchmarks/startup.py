@@ -62,7 +62,9 @@ def run(cmd: list[str], expect: int, env: dict[str, str]) -> float:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     seconds = time.perf_counter() - start
     if done.returncode != expect:
-        print(f"{' '.join(cmd)}: exit {done.returncode}, expected {expect}\n{done.stdout}\n{done.stderr}", file=sys.stderr)
+        print(
+            f"{' '.join(cmd)}: exit {done.returncode}, expected {expect}\n{done.stdout}\n{done.stderr}", file=sys.stderr
+        )
         sys.exit(2)
     return seconds
 
@@ -129,7 +131,9 @@ def main() -> int:
     within = ratio <= CONVERSION_LIMIT
     ok &= within
     verdict = f"{ratio:.2f}x {'yes' if within else 'NO'} ({median / floor:.2f}x the floor)"
-    rows.append((conversion, median, slow[conversion], f"{CONVERSION_LIMIT:.1f}x = {CONVERSION_LIMIT * base:.2f} s", verdict))
+    rows.append(
+        (conversion, median, slow[conversion], f"{CONVERSION_LIMIT:.1f}x = {CONVERSION_LIMIT * base:.2f} s", verdict)
+    )
 
     print(f"osdpipe start-up: wall seconds, median of {runs} after a warm-up ({sys.executable}, {os.cpu_count()} CPUs)")
     width = max(len(r[0]) for r in rows)
