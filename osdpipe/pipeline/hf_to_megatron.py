@@ -252,7 +252,9 @@ def source_save(
         iteration=int(step),
         args=args,
         sharding=job.optim_format or "fully_reshardable",
-        model={k: t.clone() for k, t in mapped["weights"].items()},
+        # the fp32 weights are the model's and the masters' both: one tensor, as nothing writes into a save's
+        # tensors (the writer and the checks only read them), where a copy for each held the weights twice
+        model=mapped["weights"],
         optim={k: {"param": mapped["weights"][k], **{s: mapped[s][k] for s in MOMENTS}} for k in mapped["weights"]},
         param_groups=megatron_groups,
         scheduler=scheduler,
