@@ -4,7 +4,9 @@ The same worker function runs in both. A local world picks a free port, starts
 one process per rank (forked from the rank server, :mod:`osdpipe.core.rankserver`,
 or spawned), and watches them: the first rank that fails ends the
 world (the others are terminated, none is left behind) and its error is raised
-in the launcher with the ranks that failed.
+in the launcher with the ranks that failed. The ranks' standard error is
+theirs, not the terminal's (:mod:`osdpipe.run.native_crash`): a failed run
+says one line.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def _worker(
     seen: remote_input.Seen | None,
 ) -> None:
     native_crash.arm(native_crash.dump_path(Path(stacks), rank))
+    native_crash.capture_stderr(native_crash.stderr_path(Path(stacks), rank))
     whereabouts.attach(board, rank)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -175,9 +178,11 @@ def _worker(
         dist.destroy_process_group()
 
 
-def death(exitcode: int, stage: str | None, code: str | None = None) -> str:
+def death(exitcode: int, stage: str | None, code: str | None = None, printed: str | None = None) -> str:
     """Why a rank process ended without a word, and where: "process killed by SIGKILL in stage 'save'";
-    ``code``: the Python code it was in (:func:`osdpipe.run.native_crash.innermost`), where it said."""
+    ``code``: the Python code it was in (:func:`osdpipe.run.native_crash.innermost`), where it said; ``printed``: the
+    last line it wrote to standard error (:func:`osdpipe.run.native_crash.last_words`), which is what native code says
+    as it aborts. Not for SIGKILL: a process cannot write as that signal ends it, so its last line is older news."""
     if exitcode < 0:
         try:
             how = f"killed by {signal.Signals(-exitcode).name}"
@@ -187,12 +192,23 @@ def death(exitcode: int, stage: str | None, code: str | None = None) -> str:
         how = f"exited with code {exitcode}"
     where = f"in stage {stage!r}" if stage else "before its first stage"
     at = f" (in {code})" if code else ""
+    if printed and exitcode != -signal.SIGKILL:
+        at += f"; it printed {printed!r}"
     hint = (
         "; the kernel's out-of-memory killer sends SIGKILL: see runtime.memory_budget"
         if exitcode == -signal.SIGKILL
         else ""
     )
     return f"process {how} {where} without reporting an error{at}{hint}"
+
+
+def _dead_rank_record(dump: str, printed: str) -> str:
+    """What the log and ``runtime.debug`` show of a rank that died without a word: its stacks, then its standard
+    error."""
+    parts = [dump.rstrip()] if dump.strip() else []
+    if printed.strip():
+        parts.append("standard error:\n" + printed.rstrip())
+    return "\n\n".join(parts)
 
 
 def _is_echo(failure: RankFailure) -> bool:
@@ -259,7 +275,8 @@ def run_local_world(
     results = ctx.Queue()
     events = ctx.Queue() if display is not None and display.enabled else None
     board = whereabouts.Board(ctx, world_size)
-    stacks = Path(tempfile.mkdtemp(prefix="osdpipe-stacks-"))  # where a rank killed by a signal leaves its stacks
+    # Where each rank writes its standard error, and its stacks if a signal kills it (osdpipe.run.native_crash).
+    stacks = Path(tempfile.mkdtemp(prefix="osdpipe-stacks-"))
     port = free_port()
     backend = backend_for(backend, world_size)
     seen = remote_input.seen()
@@ -294,8 +311,10 @@ def run_local_world(
                 dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
                 for r in dead:
                     dump = native_crash.read(native_crash.dump_path(stacks, r))
-                    said = death(procs[r].exitcode, board.stage_of(r), native_crash.innermost(dump))
-                    outcome[r] = (False, RankFailure(said, dump))
+                    printed = native_crash.read(native_crash.stderr_path(stacks, r))
+                    code, last = native_crash.innermost(dump), native_crash.last_words(printed)
+                    said = death(procs[r].exitcode, board.stage_of(r), code, last)
+                    outcome[r] = (False, RankFailure(said, _dead_rank_record(dump, printed)))
                 if dead and first_failure is None:
                     first_failure = time.monotonic()
     finally:

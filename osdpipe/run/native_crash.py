@@ -1,4 +1,5 @@
-"""Where a rank was when native code killed it: the Python stacks ``faulthandler`` writes as the process dies.
+"""Where a rank was when native code killed it, and what it printed: the Python stacks ``faulthandler`` writes as the
+process dies, and the rank's standard error.
 
 A rank killed by SIGSEGV or SIGABRT (a heap check in ``malloc``, an abort in
 a C++ library) raises nothing and sends nothing, so its launcher knows only
@@ -9,12 +10,22 @@ local world therefore arms ``faulthandler`` into a file of its own
 innermost frame and the innermost of osdpipe's own. ``runtime.debug`` prints
 the whole dump (:func:`read`). A rank that ends normally leaves an empty file,
 removed with the world's folder.
+
+A rank's standard error goes to a file of its own too (:func:`capture_stderr`),
+not to the user's terminal: native code writes there as it dies (glibc's
+"free(): invalid pointer", a C++ "terminate called after throwing"), and so
+does a surviving rank whose library trips over a peer's death as it shuts
+down, after the run's one error line is decided. The dead rank's last line
+(:func:`last_words`) joins its error line; the whole of it is in ``report.json``'s
+``traceback`` (printed with ``runtime.debug``).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import os
 import re
+import sys
 from pathlib import Path
 from typing import IO
 
@@ -34,6 +45,11 @@ def dump_path(folder: Path, rank: int) -> Path:
     return folder / f"rank-{rank}.stacks"
 
 
+def stderr_path(folder: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a local world writes its standard error."""
+    return folder / f"rank-{rank}.stderr"
+
+
 def arm(path: Path) -> None:
     """Dump every thread's Python stack into ``path`` if this process is killed by a fatal signal."""
     global _armed
@@ -41,12 +57,32 @@ def arm(path: Path) -> None:
     faulthandler.enable(file=_armed, all_threads=True)
 
 
+def capture_stderr(path: Path) -> None:
+    """Send this process's standard error (its descriptor 2, where C and C++ code write too) into ``path``."""
+    sys.stderr.flush()
+    with path.open("ab") as file:
+        os.dup2(file.fileno(), 2)
+
+
 def read(path: Path) -> str:
-    """The dump a dead rank wrote (``""``: none)."""
+    """The dump, or the standard error, a dead rank wrote (``""``: none)."""
     try:
         return path.read_text(errors="replace")
     except OSError:
         return ""
+
+
+#: The most of a dead rank's last line that its one-line error carries.
+_LAST_WORDS_CHARS = 200
+
+
+def last_words(printed: str) -> str | None:
+    """The last line a dead rank printed (``None``: nothing), cut to :data:`_LAST_WORDS_CHARS` characters."""
+    lines = [line.strip() for line in printed.splitlines() if line.strip()]
+    if not lines:
+        return None
+    last = lines[-1]
+    return last if len(last) <= _LAST_WORDS_CHARS else last[: _LAST_WORDS_CHARS - 3] + "..."
 
 
 def _ours(path: str) -> bool:

@@ -113,6 +113,10 @@ LOCAL_CASES = {
     "save-abort": (
         "save:1:abort", [], "rank 1 failed: process killed by SIGABRT in stage 'save' without reporting an error (in "
     ),
+    # glibc's own line goes into the rank's error line, not beside it on the terminal
+    "save-glibc": (
+        "save:2:glibc", [], "rank 2 failed: process killed by SIGABRT in stage 'save' without reporting an error (in "
+    ),
 }
 
 
@@ -138,12 +142,16 @@ def test_a_rank_that_dies_ends_the_run_at_once_and_leaves_the_output_as_it_was(
     if fault.endswith(":abort"):
         named = r"sitecustomize\.py:\d+ in _die, called from osdpipe/io/formats/\S+:\d+ in \w+\) \(report: "
         assert re.search(named, lines[0]), lines
+    if fault.endswith(":glibc"):
+        assert re.search(r"in \w+\); it printed 'free\(\): invalid pointer' \(report: ", lines[0]), lines
     assert seconds < TIMEOUT_S / 2, f"the run took {seconds:.0f} s: it waited on the dead rank"
     _no_process_left(mark)
     assert _conversion(out) == _conversion(before), "the failed run changed the previous conversion"
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "the failed run left its staging behind"
     report = json.loads((out / "report.json").read_text())
     assert not report["ok"] and report["error"].startswith(expected)
+    if fault.endswith(":glibc"):  # what it printed is kept for runtime.debug and bug reports
+        assert "standard error:\nfree(): invalid pointer" in report["traceback"]
 
 
 #: Under torchrun each rank is its own process: (fault, extra, the dead rank, the stage every survivor names).

@@ -1,4 +1,5 @@
-"""A rank killed by native code is reported with the Python code it was in (:mod:`osdpipe.run.native_crash`).
+"""A rank killed by native code is reported with the Python code it was in, and the last line it printed
+(:mod:`osdpipe.run.native_crash`).
 
 The end-to-end case (a rank of a world that aborts in ``save``) is in ``test_dead_rank.py``.
 """
@@ -80,3 +81,37 @@ def test_the_death_line_carries_the_code_it_was_in() -> None:
         "process killed by SIGABRT in stage 'verify' without reporting an error "
         "(in osdpipe/verify/checks/universal.py:45 in run)"
     )
+
+
+def test_what_a_process_prints_as_it_aborts_is_kept_from_the_terminal_and_its_last_line_named(tmp_path: Path) -> None:
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent("""
+        import os, sys
+        from pathlib import Path
+        from osdpipe.run import native_crash
+
+        native_crash.capture_stderr(Path(sys.argv[1]))
+        print("a warning from Python", file=sys.stderr)
+        os.write(2, b"free(): invalid pointer\\n\\n")
+        os.abort()
+    """))
+    printed = tmp_path / "rank-0.stderr"
+    done = subprocess.run([sys.executable, str(job), str(printed)], capture_output=True, timeout=60, check=False)
+    assert done.returncode < 0 and done.stderr == b""
+    assert native_crash.read(printed) == "a warning from Python\nfree(): invalid pointer\n\n"
+    assert native_crash.last_words(native_crash.read(printed)) == "free(): invalid pointer"
+
+
+def test_last_words_are_the_last_line_cut_short() -> None:
+    assert native_crash.last_words("") is None
+    assert native_crash.last_words("\n  \n") is None
+    long = native_crash.last_words("first\n" + "x" * 500)
+    assert long is not None and len(long) == 200 and long.endswith("...")
+
+
+def test_the_death_line_carries_what_the_process_printed_unless_sigkill_ended_it() -> None:
+    assert death(-6, "save", "osdpipe/io/x.py:3 in f", "free(): invalid pointer") == (
+        "process killed by SIGABRT in stage 'save' without reporting an error (in osdpipe/io/x.py:3 in f); "
+        "it printed 'free(): invalid pointer'"
+    )
+    assert "printed" not in death(-9, "save", None, "an older warning")

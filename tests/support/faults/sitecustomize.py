@@ -6,6 +6,7 @@ the command: the launcher, the fork server and so every rank forked from it.
 ``<point>`` (``load``, ``send``, ``receive``, ``save``: see :func:`_install`):
 ``kill`` sends itself SIGKILL (nothing runs after it, not even a ``finally``),
 ``abort`` aborts as native code does (SIGABRT, as glibc's heap checks),
+``glibc`` prints glibc's heap-check message to its standard error first,
 ``raise`` raises an exception in the stage.
 ``OSDPIPE_TEST_FAULT=commit:<n>`` makes the process that commits the
 conversion die in the middle of it (:func:`_kill_in_commit`).
@@ -40,6 +41,9 @@ def _die(how: str, where: str) -> None:
 
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "glibc":  # as glibc's heap checks die: a line on descriptor 2, then SIGABRT
+        os.write(2, b"free(): invalid pointer\n")
+        os.abort()
     if how == "abort":  # as native code dies: glibc's heap checks, a C++ terminate
         os.abort()
     raise RuntimeError(f"injected fault {where}")
