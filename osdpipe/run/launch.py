@@ -128,11 +128,11 @@ def _worker(
     events: Any,
     board: Any,
     shared_progress: tuple[str, ...],
-    stacks: str,
+    rank_files: str,
     seen: remote_input.Seen | None,
 ) -> None:
-    native_crash.arm(native_crash.dump_path(Path(stacks), rank))
-    native_crash.capture_stderr(native_crash.stderr_path(Path(stacks), rank))
+    native_crash.arm(native_crash.dump_path(Path(rank_files), rank))
+    native_crash.capture_stderr(native_crash.stderr_path(Path(rank_files), rank))
     whereabouts.attach(board, rank)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -276,7 +276,7 @@ def run_local_world(
     events = ctx.Queue() if display is not None and display.enabled else None
     board = whereabouts.Board(ctx, world_size)
     # Where each rank writes its standard error, and its stacks if a signal kills it (osdpipe.run.native_crash).
-    stacks = Path(tempfile.mkdtemp(prefix="osdpipe-stacks-"))
+    rank_files = Path(tempfile.mkdtemp(prefix="osdpipe-ranks-"))
     port = free_port()
     backend = backend_for(backend, world_size)
     seen = remote_input.seen()
@@ -285,7 +285,7 @@ def run_local_world(
             target=_worker,
             args=(
                 r, world_size, port, backend, timeout_s, fn, args, results, events, board.cells, shared_progress,
-                str(stacks), seen,
+                str(rank_files), seen,
             ),
             daemon=False,
         )
@@ -310,8 +310,8 @@ def run_local_world(
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
                 for r in dead:
-                    dump = native_crash.read(native_crash.dump_path(stacks, r))
-                    printed = native_crash.read(native_crash.stderr_path(stacks, r))
+                    dump = native_crash.read(native_crash.dump_path(rank_files, r))
+                    printed = native_crash.read(native_crash.stderr_path(rank_files, r))
                     code, last = native_crash.innermost(dump), native_crash.last_words(printed)
                     said = death(procs[r].exitcode, board.stage_of(r), code, last)
                     outcome[r] = (False, RankFailure(said, _dead_rank_record(dump, printed)))
@@ -326,7 +326,7 @@ def run_local_world(
             if p.is_alive():
                 p.kill()
                 p.join()
-        shutil.rmtree(stacks, ignore_errors=True)
+        shutil.rmtree(rank_files, ignore_errors=True)
     _drain(events, display)
     failures = {r: v for r, (ok, v) in outcome.items() if not ok}  # in the order they arrived
     missing = [r for r in range(world_size) if r not in outcome]

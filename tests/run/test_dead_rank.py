@@ -10,7 +10,9 @@ raising, while it loads the source, while it sends or receives ranges
 (``runtime.transfer=scatter`` under a small ``runtime.memory_budget``, so
 there are many messages), and after writing its file in ``save``. Under the
 local launcher and under torchrun, where every surviving rank must exit 1
-with its own line.
+with its own line. Under the local launcher every rank also prints a line as
+it tears its group down (``OSDPIPE_TEST_NOISY_TEARDOWN``), as a survivor's
+glibc once did in CI: the command must still say one line.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ JOB = ["model.factory=userlm:build", "input.format=fsdp_full", "source.world_siz
 SCATTER = ["runtime.transfer=scatter"]
 
 
-def _env(fault: str | None = None, mark: str | None = None) -> dict[str, str]:
+def _env(fault: str | None = None, mark: str | None = None, *, noisy: bool = False) -> dict[str, str]:
+    """The command's environment: ``fault`` on cue; ``noisy``: every rank prints a line as it tears down its group."""
     env = clean_env()
+    if noisy:
+        env["OSDPIPE_TEST_NOISY_TEARDOWN"] = "1"
     if mark:
         env["OSDPIPE_TEST_MARK"] = mark
     paths = [str(TESTS), *([str(TESTS / "faults")] if fault else []), env.get("PYTHONPATH", "")]
@@ -133,7 +138,7 @@ def test_a_rank_that_dies_ends_the_run_at_once_and_leaves_the_output_as_it_was(
         [sys.executable, "-m", "osdpipe", *JOB, *extra, f"input.path={source}", f"output.path={out}"],
         cwd=tmp_path,
         timeout=TIMEOUT_S + 30,
-        env=_env(fault, mark),
+        env=_env(fault, mark, noisy=True),  # what the ranks print as they tear down must not add to the one line
     )
     seconds = time.monotonic() - start
     assert result.returncode == 1, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"

@@ -8,6 +8,9 @@ the command: the launcher, the fork server and so every rank forked from it.
 ``abort`` aborts as native code does (SIGABRT, as glibc's heap checks),
 ``glibc`` prints glibc's heap-check message to its standard error first,
 ``raise`` raises an exception in the stage.
+``OSDPIPE_TEST_NOISY_TEARDOWN=1`` makes every rank write a line to its
+standard error as it tears its process group down, as a survivor's glibc did
+in CI when gloo's threads ended after a peer's death.
 ``OSDPIPE_TEST_FAULT=commit:<n>`` makes the process that commits the
 conversion die in the middle of it (:func:`_kill_in_commit`).
 ``OSDPIPE_TEST_SHARE_SCALARS=1`` undoes the copy that gives every output
@@ -128,6 +131,21 @@ if FAULT and FAULT.startswith("commit:"):  # the process that commits (offline: 
 elif FAULT:
     _point, _rank, _how = FAULT.split(":")
     _install(_point, int(_rank), _how)
+
+if os.environ.get("OSDPIPE_TEST_NOISY_TEARDOWN"):
+
+    def _noisy_teardown() -> None:
+        import torch.distributed as dist
+
+        destroy = dist.destroy_process_group
+
+        def noisy(*args, **kwargs):
+            os.write(2, b"tcache_thread_shutdown(): unaligned tcache chunk detected\n")
+            return destroy(*args, **kwargs)
+
+        dist.destroy_process_group = noisy
+
+    _noisy_teardown()
 
 if os.environ.get("OSDPIPE_TEST_SHARE_SCALARS"):
     # Put back what osdpipe fixes: every output tensor holds the source's scalar state object itself, so a
