@@ -134,7 +134,7 @@ def folder_source(path: str | Path, job: MegatronJob) -> megatron.Source:
         from osdpipe.verify.megatron import hf_source_problems
 
         save = held["save"]
-        return hf_source_problems(gpt_of(save.args), int(save.args["vocab_size"]), {"weights": held["weights"]},
+        return hf_source_problems(gpt_of(save.args), int(save.args["vocab_size"]), {"weights": held["weights"]}.get,
                                   0.0, [], written)
 
     return megatron.Source(read, problems, lambda: entries(path), lambda: [FRESH_OPTIMIZER])

@@ -25,13 +25,14 @@ What a Megatron save holds that the source does not say:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from osdpipe.io import hf_folder
-from osdpipe.io.formats.base import WEIGHTS, InputError
+from osdpipe.io.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader
 from osdpipe.io.formats.megatron import MegatronSave, gpt_of
 from osdpipe.io.remote_input import as_path
 from osdpipe.layout import llama_titan, megatron_hf
@@ -171,19 +172,25 @@ def job_of(spec: RunSpec, plan: Plan) -> MegatronJob:
 
 
 def hf_source(plan: Plan, job: MegatronJob) -> megatron.Source:
-    """The :class:`osdpipe.pipeline.megatron.Source` of the Hugging Face checkpoint ``plan`` reads, for ``job``."""
+    """The :class:`osdpipe.pipeline.megatron.Source` of the Hugging Face checkpoint ``plan`` reads, for ``job``.
+
+    It holds none of the source's tensors beside the save made of them: ``read`` maps one state of every parameter
+    at a time and lets it go, and ``problems`` reads each state again to hold the written save against it
+    (:func:`osdpipe.verify.megatron.hf_source_problems`). A second read of the source costs less than the memory of
+    a second copy of the state, which is what bounds a conversion on one machine."""
     held: dict[str, Any] = {}
 
     def read() -> MegatronSave:
-        save, state, step, groups, notes = source_save(plan, job)
-        held.update(save=save, state=state, step=step, groups=groups, notes=notes)
+        save, step, groups, notes = source_save(plan, job)
+        held.update(save=save, step=step, groups=groups, notes=notes)
         return save
 
     def problems(written: MegatronSave) -> list[str]:
         from osdpipe.verify.megatron import hf_source_problems
 
         save = held["save"]
-        return hf_source_problems(gpt_of(save.args), int(save.args["vocab_size"]), held["state"], held["step"],
+        states = hf_states(plan, open_hf_input(plan)[0])
+        return hf_source_problems(gpt_of(save.args), int(save.args["vocab_size"]), states, held["step"],
                                   held["groups"], written)
 
     def entries() -> list[dict[str, Any]]:
@@ -194,41 +201,70 @@ def hf_source(plan: Plan, job: MegatronJob) -> megatron.Source:
     return megatron.Source(read, problems, entries, lambda: held.get("notes", []))
 
 
-def source_save(
-    plan: Plan, job: MegatronJob
-) -> tuple[MegatronSave, dict[str, dict[str, torch.Tensor]], float, list[dict[str, Any]], list[str]]:
-    """The Megatron save of the source ``plan`` reads, for ``job``'s grid; what it was made of: the Hugging Face
-    tensors by state (``weights``, ``exp_avg``, ``exp_avg_sq``), the step, and the param groups (the source's
-    hyperparameters, their parameters as Megatron's keys); and what the report warns of the source.
+def open_hf_input(plan: Plan) -> tuple[SourceReader, SourceMeta]:
+    """The reader of the source ``plan`` reads, and its metadata, checked to hold every parameter's weights and
+    Adam's state.
 
     Raises:
-        InputError: one line: what Megatron cannot express, a TP or PP that does not divide the model, a source
-            without Adam's state, steps that differ between parameters, param groups other than Megatron's.
+        InputError: a parameter without weights, ``exp_avg``, ``exp_avg_sq`` or ``step``.
     """
     from osdpipe.io.formats import canonical_meta
     from osdpipe.run.stages.load import open_input
 
-    where = plan.input_path
-    model = plan.spec.model.model_dump(mode="json")
-    config = hf_model_config(model, where)
     reader = open_input(plan)
-    meta = canonical_meta(reader.meta(), plan.tree, where=where)
-    names = [p.fqn for p in plan.tree.params]
-    missing = [n for n in names if not {WEIGHTS, *MOMENTS, "step"} <= set(meta.state.get(n, {}))]
+    meta = canonical_meta(reader.meta(), plan.tree, where=plan.input_path)
+    missing = [p.fqn for p in plan.tree.params if not {WEIGHTS, *MOMENTS, "step"} <= set(meta.state.get(p.fqn, {}))]
     if missing:
-        raise InputError(f"{where}: no weights or Adam state (exp_avg, exp_avg_sq, step) for {', '.join(missing[:3])}; "
-                         "a Megatron save's distributed optimizer is Adam's: convert a checkpoint of Adam or AdamW "
-                         "that has stepped")
-    read = reader.read([(n, s) for n in names for s in (WEIGHTS, *MOMENTS)])
-    state = {s if s != WEIGHTS else "weights": {n: read[(n, s)] for n in names} for s in (WEIGHTS, *MOMENTS)}
-    if (args := titan_args(model)) is not None:  # torchtitan's llama3: to transformers' Llama first, copy-only
-        heads = llama_titan.heads_of(args)
-        state = {s: llama_titan.from_titan(heads, tensors) for s, tensors in state.items()}
-    bad = sorted({f"{n} ({t.dtype})" for s in state.values() for n, t in s.items() if t.dtype != torch.float32})
-    if bad:
-        raise InputError(f"{where}: {', '.join(bad[:3])} not float32; a Megatron save's masters and moments are fp32: "
-                         "not supported yet")
-    steps = {float(meta.state[n]["step"]) for n in names}
+        raise InputError(f"{plan.input_path}: no weights or Adam state (exp_avg, exp_avg_sq, step) for "
+                         f"{', '.join(missing[:3])}; a Megatron save's distributed optimizer is Adam's: convert a "
+                         "checkpoint of Adam or AdamW that has stepped")
+    return reader, meta
+
+
+def hf_states(plan: Plan, reader: SourceReader) -> Callable[[str], dict[str, torch.Tensor]]:
+    """What reads one state of every parameter of the source (``weights``, ``exp_avg`` or ``exp_avg_sq``) by its
+    Hugging Face name: torchtitan's llama3 rearranged as transformers' Llama (copy-only), each tensor checked to be
+    fp32, as a Megatron save's masters and moments are.
+
+    One state at a time, so that a caller holds a third of the source's tensors at most.
+
+    Raises (from the function returned):
+        InputError: a tensor that is not float32.
+    """
+    names = [p.fqn for p in plan.tree.params]
+    args = titan_args(plan.spec.model.model_dump(mode="json"))
+    heads = llama_titan.heads_of(args) if args is not None else None
+
+    def state(name: str) -> dict[str, torch.Tensor]:
+        got = reader.read([(n, name) for n in names])
+        tensors = {n: got.pop((n, name)) for n in names}
+        if heads is not None:
+            tensors = llama_titan.from_titan(heads, tensors)
+        bad = sorted(f"{n} ({t.dtype})" for n, t in tensors.items() if t.dtype != torch.float32)
+        if bad:
+            raise InputError(f"{plan.input_path}: {name} {', '.join(bad[:3])} not float32; a Megatron save's masters "
+                             "and moments are fp32: not supported yet")
+        return tensors
+
+    return state
+
+
+def source_save(plan: Plan, job: MegatronJob) -> tuple[MegatronSave, float, list[dict[str, Any]], list[str]]:
+    """The Megatron save of the source ``plan`` reads, for ``job``'s grid; the step, the source's param groups (its
+    hyperparameters, their parameters as Megatron's keys), and what the report warns of the source.
+
+    Each state of the source is read, mapped and let go before the next is read (:func:`hf_states`): the save's
+    tensors and one state of the source's are all it holds at once.
+
+    Raises:
+        InputError: one line: what Megatron cannot express, a TP or PP that does not divide the model, a source
+            without Adam's state, tensors that are not fp32, steps that differ between parameters, param groups other
+            than Megatron's.
+    """
+    where = plan.input_path
+    config = hf_model_config(plan.spec.model.model_dump(mode="json"), where)
+    reader, meta = open_hf_input(plan)
+    steps = {float(meta.state[p.fqn]["step"]) for p in plan.tree.params}
     if len(steps) != 1:
         raise InputError(f"{where}: the parameters were stepped {sorted(steps)} times; a Megatron save holds one step "
                          "for all of them")
@@ -241,12 +277,15 @@ def source_save(
     except ValueError as exc:
         raise InputError(f"{where}: {exc}") from None
     gpt = gpt_of(args)
-    try:
-        mapped = {s: megatron_hf.from_hf(gpt, tensors, gpt.padded_vocab_size) for s, tensors in state.items()}
-    except ValueError as exc:
-        raise InputError(f"{where}: {exc}") from None
+    read_state = hf_states(plan, reader)
+    mapped: dict[str, dict[str, torch.Tensor]] = {}
+    for state in (WEIGHTS, *MOMENTS):
+        try:
+            mapped[state] = megatron_hf.from_hf(gpt, read_state(state), gpt.padded_vocab_size)
+        except ValueError as exc:
+            raise InputError(f"{where}: {exc}") from None
     shapes = {p.fqn: tuple(p.shape) for p in plan.tree.params}
-    groups, megatron_groups, scheduler, notes = _groups(meta.param_groups, shapes, mapped["weights"], step, where)
+    groups, megatron_groups, scheduler, notes = _groups(meta.param_groups, shapes, mapped[WEIGHTS], step, where)
     save = MegatronSave(
         folder=as_path(where),
         iteration=int(step),
@@ -254,15 +293,15 @@ def source_save(
         sharding=job.optim_format or "fully_reshardable",
         # the fp32 weights are the model's and the masters' both: one tensor, as nothing writes into a save's
         # tensors (the writer and the checks only read them), where a copy for each held the weights twice
-        model=mapped["weights"],
-        optim={k: {"param": mapped["weights"][k], **{s: mapped[s][k] for s in MOMENTS}} for k in mapped["weights"]},
+        model=mapped[WEIGHTS],
+        optim={k: {"param": mapped[WEIGHTS][k], **{s: mapped[s][k] for s in MOMENTS}} for k in mapped[WEIGHTS]},
         param_groups=megatron_groups,
         scheduler=scheduler,
         common={"checkpoint_version": 3.0, "opt_param_scheduler": scheduler,
                 "num_floating_point_operations_so_far": 0},
         extra_state=extra_state(gpt.num_layers),
     )
-    return save, state, step, groups, notes
+    return save, step, groups, notes
 
 
 #: The local layer spec's linears of a decoder layer, each with an ``_extra_state`` item per layer.

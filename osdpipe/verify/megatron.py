@@ -172,27 +172,40 @@ def _groups(groups: list[dict[str, Any]]) -> list[tuple]:
 
 
 def hf_source_problems(
-    gpt: Any, vocab: int, source: dict[str, dict[str, torch.Tensor]], step: float, groups: list[dict[str, Any]],
-    written: MegatronSave,
+    gpt: Any, vocab: int, source: Callable[[str], dict[str, torch.Tensor] | None], step: float,
+    groups: list[dict[str, Any]], written: MegatronSave,
 ) -> list[str]:
     """Every way the Megatron save ``written`` (read back), mapped to its Hugging Face model again
     (:func:`osdpipe.layout.megatron_hf.to_hf`, the vocabulary cut to ``vocab``), fails to hold the Hugging Face
-    source's state bitwise: ``source[state][name]`` for ``weights`` (the model and the fp32 masters alike),
-    ``exp_avg`` and ``exp_avg_sq`` (those ``source`` holds: a Hugging Face folder holds the weights alone); every
-    param group's ``step``; each source group's hyperparameters, in the written group holding the same parameters."""
+    source's state bitwise: ``source(state)`` (the source's tensors of one state by name; ``None``: it has none) for
+    ``weights`` (the model and the fp32 masters alike), ``exp_avg`` and ``exp_avg_sq`` (a Hugging Face folder holds
+    the weights alone); every param group's ``step``; each source group's hyperparameters, in the written group holding
+    the same parameters.
+
+    One state at a time: the source's tensors of a state are asked for, held against the written save's, and let go
+    before the next, so that a caller that reads them from disk holds a third of them at most."""
     from osdpipe.layout import megatron_hf
 
     problems = []
-    back = {"model weights": megatron_hf.to_hf(gpt, written.model, vocab)}
+    # each source state, and the written save's tensors that must hold it: the model's weights and the masters both
+    # hold the source's weights
+    held_by = {"weights": {"model weights": written.model}}
     if not written.weights_only:
-        back.update({state: megatron_hf.to_hf(gpt, {k: s[state] for k, s in written.optim.items()}, vocab)
-                     for state in ("param", "exp_avg", "exp_avg_sq")})
-    against = {"model weights": "weights", "param": "weights", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-    for state, tensors in back.items():
-        for name, want in source.get(against[state], {}).items():
-            if tensors[name].dtype != want.dtype or tensors[name].shape != want.shape or \
-                    not bits_equal(tensors[name], want):
-                problems.append(f"{state} {name}: differs from the Hugging Face source's")
+        held_by["weights"]["param"] = {k: s["param"] for k, s in written.optim.items()}
+        held_by.update({state: {state: {k: s[state] for k, s in written.optim.items()}}
+                        for state in ("exp_avg", "exp_avg_sq")})
+    for source_state, holders in held_by.items():
+        wanted = source(source_state)
+        if not wanted:
+            continue
+        for label, tensors in holders.items():
+            back = megatron_hf.to_hf(gpt, tensors, vocab)
+            for name, want in wanted.items():
+                mapped = back[name]
+                if mapped.dtype != want.dtype or mapped.shape != want.shape or not bits_equal(mapped, want):
+                    problems.append(f"{label} {name}: differs from the Hugging Face source's")
+            del back  # before the next state's are made
+        del wanted  # before the next state's are read
     for group in written.param_groups:
         if group.get("step") != step:
             problems.append(f"param group step {group.get('step')!r}, the source's {step!r}")
