@@ -80,14 +80,6 @@ def _hashed(key: str, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor
         yield first - start, block
 
 
-def uniform(key: str, start: int, stop: int) -> torch.Tensor:
-    """Elements ``[start, stop)`` of the sequence of ``key``: float64 values in ``[0, 1)``."""
-    out = torch.empty(max(stop - start, 0), dtype=torch.float64)
-    for at, block in _hashed(key, start, stop):
-        out[at : at + len(block)].copy_(block).div_(_PRIME)
-    return out
-
-
 def values(key: str, start: int, stop: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Elements ``[start, stop)`` of ``key``'s sequence as values in ``[-scale, scale)`` of ``dtype`` (1-D).
 

@@ -181,16 +181,17 @@ def hf_source(plan: Plan, job: MegatronJob) -> megatron.Source:
     held: dict[str, Any] = {}
 
     def read() -> MegatronSave:
-        save, step, groups, notes = source_save(plan, job)
-        held.update(save=save, step=step, groups=groups, notes=notes)
+        reader, meta = open_hf_input(plan)
+        states = hf_states(plan, reader)  # kept for problems: the reader holds no tensor, only where they are
+        save, step, groups, notes = source_save(plan, job, meta, states)
+        held.update(save=save, states=states, step=step, groups=groups, notes=notes)
         return save
 
     def problems(written: MegatronSave) -> list[str]:
         from osdpipe.verify.megatron import hf_source_problems
 
         save = held["save"]
-        states = hf_states(plan, open_hf_input(plan)[0])
-        return hf_source_problems(gpt_of(save.args), int(save.args["vocab_size"]), states, held["step"],
+        return hf_source_problems(gpt_of(save.args), int(save.args["vocab_size"]), held["states"], held["step"],
                                   held["groups"], written)
 
     def entries() -> list[dict[str, Any]]:
@@ -249,12 +250,15 @@ def hf_states(plan: Plan, reader: SourceReader) -> Callable[[str], dict[str, tor
     return state
 
 
-def source_save(plan: Plan, job: MegatronJob) -> tuple[MegatronSave, float, list[dict[str, Any]], list[str]]:
-    """The Megatron save of the source ``plan`` reads, for ``job``'s grid; the step, the source's param groups (its
+def source_save(
+    plan: Plan, job: MegatronJob, meta: SourceMeta, read_state: Callable[[str], dict[str, torch.Tensor]]
+) -> tuple[MegatronSave, float, list[dict[str, Any]], list[str]]:
+    """The Megatron save of the source ``plan`` reads (its metadata ``meta`` and ``read_state``, from
+    :func:`open_hf_input` and :func:`hf_states`), for ``job``'s grid; the step, the source's param groups (its
     hyperparameters, their parameters as Megatron's keys), and what the report warns of the source.
 
-    Each state of the source is read, mapped and let go before the next is read (:func:`hf_states`): the save's
-    tensors and one state of the source's are all it holds at once.
+    Each state of the source is read, mapped and let go before the next is read: the save's tensors and one state of
+    the source's are all it holds at once.
 
     Raises:
         InputError: one line: what Megatron cannot express, a TP or PP that does not divide the model, a source
@@ -263,7 +267,6 @@ def source_save(plan: Plan, job: MegatronJob) -> tuple[MegatronSave, float, list
     """
     where = plan.input_path
     config = hf_model_config(plan.spec.model.model_dump(mode="json"), where)
-    reader, meta = open_hf_input(plan)
     steps = {float(meta.state[p.fqn]["step"]) for p in plan.tree.params}
     if len(steps) != 1:
         raise InputError(f"{where}: the parameters were stepped {sorted(steps)} times; a Megatron save holds one step "
@@ -277,7 +280,6 @@ def source_save(plan: Plan, job: MegatronJob) -> tuple[MegatronSave, float, list
     except ValueError as exc:
         raise InputError(f"{where}: {exc}") from None
     gpt = gpt_of(args)
-    read_state = hf_states(plan, reader)
     mapped: dict[str, dict[str, torch.Tensor]] = {}
     for state in (WEIGHTS, *MOMENTS):
         try:

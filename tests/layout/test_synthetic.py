@@ -1,4 +1,4 @@
-"""The synthetic sequence (osdpipe.layout.synthetic), computed a block at a time with a Mersenne remainder, is the
+"""The synthetic values (osdpipe.layout.synthetic), computed a block at a time with a Mersenne remainder, is the
 integer hash its docstring defines, bit for bit: held here against that definition written out plainly (``%`` of the
 prime after every step, the whole range at once), across blocks, at large indices, for every dtype the checks use.
 tests/io/test_facts.py holds what the checks need of it (a range is that range of the whole; every part of the key
@@ -42,8 +42,9 @@ RANGES = [
 @pytest.mark.parametrize(("start", "stop"), RANGES)
 @pytest.mark.parametrize("key", [synthetic.grad_key(0, 3, "blocks.0.wq.weight"), synthetic.param_key(7, "w")])
 def test_the_sequence_is_its_definition_bit_for_bit(key: str, start: int, stop: int) -> None:
-    want = defined(key, start, stop)
-    assert torch.equal(synthetic.uniform(key, start, stop).view(torch.int64), want.view(torch.int64))
+    want = defined(key, start, stop) * 2 - 1
+    got = synthetic.values(key, start, stop, 1.0, torch.float64)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -59,7 +60,7 @@ def test_one_changed_round_changes_the_values(monkeypatch) -> None:
     key = synthetic.param_key(0, "w")
     constants = synthetic._constants(key)
     monkeypatch.setattr(synthetic, "_constants", lambda k: (*constants[:-1], constants[-1] + 1))
-    assert not torch.equal(synthetic.uniform(key, 0, 1000), defined(key, 0, 1000))
+    assert not torch.equal(synthetic.values(key, 0, 1000, 1.0, torch.float64), defined(key, 0, 1000) * 2 - 1)
 
 
 def test_the_mersenne_remainder_is_percent_at_its_edges() -> None:
