@@ -20,7 +20,9 @@ rank of the grid holds:
   *reverse* ``named_parameters()`` order, each start padded to a multiple of 64 elements and the end of the bucket
   to ``lcm(DP, 128)`` (megatron-core 0.16 ``distributed/param_and_grad_buffer.py``,
   ``_pad_start_of_param_if_needed`` and ``_pad_end_of_bucket_if_needed``); DP rank ``d`` owns the ``d``-th of
-  ``DP`` equal parts. The saved tensor is the bucket cut at its unpadded size.
+  ``DP`` equal parts. The saved tensor is the bucket cut at its unpadded size. With ``--overlap-grad-reduce`` the
+  buffer of the first stage's first model chunk is cut into buckets of about ``--ddp-bucket-size`` elements
+  (:class:`Bucketing`, :func:`bucketing`); the other buffers are not cut by size.
 
 Embeddings tied to the output layer (Megatron-LM's default, ``untie_embeddings_and_output_weights`` unset) have
 one sharded key, ``embedding.word_embeddings.weight``. At PP 1 the output layer has no weight of its own; over PP the
@@ -43,7 +45,7 @@ are refused where they are read.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -409,40 +411,113 @@ def local_parameters(
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """A gradient bucket of the distributed optimizer: each parameter's ``(name, start, stop)`` in it, the end of
-    the last parameter (``numel_unpadded``: what a ``dp_reshardable`` save holds) and the padded size."""
+    """A gradient bucket of the distributed optimizer: each parameter's ``(name, start, stop)`` in it, where its
+    last parameter ends (``numel_unpadded``: what a ``dp_reshardable`` save holds) and the padded size."""
 
     entries: tuple[tuple[str, int, int], ...]
     numel_unpadded: int
     numel: int
 
 
-def bucket_layout(params: Sequence[tuple[str, int]], dp: int) -> BucketLayout:
+@dataclass(frozen=True)
+class Bucketing:
+    """How megatron-core's ``DistributedDataParallel`` cuts one model chunk's gradient buffer into buckets.
+
+    ``size``: a bucket is closed once it spans this many elements (``None``: one bucket, as without
+    ``--overlap-grad-reduce``). ``high_busbw``: each bucket's end is padded to a multiple of ``2**16`` as well
+    (``--ddp-pad-buckets-for-high-nccl-busbw``), which changes only the padded sizes a save records."""
+
+    size: int | None = None
+    high_busbw: bool = False
+
+
+#: megatron-core's bucket size where ``--ddp-bucket-size`` is unset: ``max(BUCKET_FLOOR, BUCKET_PER_DP x DP)``
+#: (0.16 ``distributed/distributed_data_parallel.py``: large DP worlds get larger buckets).
+BUCKET_FLOOR, BUCKET_PER_DP = 40_000_000, 1_000_000
+
+
+def bucketing(args: dict[str, Any], dp: int, pp_rank: int, chunk: int) -> Bucketing:
+    """The bucketing of model chunk ``chunk`` on pipeline stage ``pp_rank`` of a job of ``dp`` data-parallel ranks
+    run with Megatron-LM's ``args``.
+
+    Buckets of a size exist only with ``overlap_grad_reduce`` (megatron-core drops the size otherwise), and only on
+    the first stage's first model chunk: megatron-core's DDP drops the size on a later pipeline stage, and Megatron-LM
+    builds every later chunk, and every chunk under ``overlap_param_gather_with_optimizer_step``, with
+    ``disable_bucketing`` (their reduction is overlapped with compute anyway).
+
+    Raises:
+        ValueError: one line: ``ddp_num_buckets`` (a bucket size Megatron-LM derives from each rank's parameter count)
+            is not laid out yet.
+    """
+    if args.get("ddp_num_buckets") is not None:
+        raise ValueError("gradient buckets counted by ddp_num_buckets (Megatron-LM's --ddp-num-buckets): not supported "
+                         "yet; a save made with --ddp-bucket-size instead converts")
+    high_busbw = bool(args.get("ddp_pad_buckets_for_high_nccl_busbw"))
+    bucketed = (bool(args.get("overlap_grad_reduce")) and pp_rank == 0 and chunk == 0
+                and not args.get("overlap_param_gather_with_optimizer_step"))
+    if not bucketed:
+        return Bucketing(None, high_busbw)
+    size = args.get("ddp_bucket_size")
+    return Bucketing(int(size) if size is not None else max(BUCKET_FLOOR, BUCKET_PER_DP * dp), high_busbw)
+
+
+def _bucket_end(numel_unpadded: int, dp: int, high_busbw: bool) -> int:
+    """A bucket's padded size: a multiple of ``lcm(DP, 128)`` (and of ``2**16`` with ``high_busbw``)."""
+    divisor = math.lcm(dp, BUCKET_ALIGNMENT, 2**16) if high_busbw else math.lcm(dp, BUCKET_ALIGNMENT)
+    return -(-numel_unpadded // divisor) * divisor
+
+
+def _aligned(at: int) -> int:
+    return -(-at // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
+
+
+def bucket_layout(params: Sequence[tuple[str, int]], dp: int, high_busbw: bool = False) -> BucketLayout:
     """One bucket holding ``params`` (name and numel, in the bucket's order: reverse ``named_parameters()``), laid
     out as megatron-core pads it for ``dp`` data-parallel ranks."""
-    entries, at = [], 0
-    for name, numel in params:
-        start = -(-at // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
-        entries.append((name, start, start + numel))
-        at = start + numel
-    divisor = math.lcm(dp, BUCKET_ALIGNMENT)
-    return BucketLayout(tuple(entries), at, -(-at // divisor) * divisor)
+    entries = tuple((name, start, start + numel) for name, numel, start in _starts(params))
+    end = entries[-1][2] if entries else 0
+    return BucketLayout(entries, end, _bucket_end(end, dp, high_busbw))
 
 
-def buckets(params: Sequence[LocalParameter], dp: int) -> list[BucketLayout]:
+def buckets(params: Sequence[LocalParameter], dp: int, how: Bucketing = Bucketing()) -> list[BucketLayout]:
     """The buckets of one model chunk's parameters (``named_parameters()`` order, :func:`local_parameters`), as
-    megatron-core's distributed optimizer makes them with no bucket size: one bucket, in reverse order, but for a
-    tied embedding's parameter over PP (:attr:`LocalParameter.own_bucket`), which closes the bucket before it and is
-    a bucket alone. Each bucket starts at the padded end of the one before (a multiple of 64), so its parameters'
-    offsets in it are :func:`bucket_layout`'s."""
-    groups: list[list[tuple[str, int]]] = [[]]
+    megatron-core's distributed optimizer makes them (0.16 ``param_and_grad_buffer.py``): in reverse order, a bucket
+    closed once it spans ``how.size`` elements, and a tied embedding's parameter over PP
+    (:attr:`LocalParameter.own_bucket`) a bucket alone. Each bucket starts at the padded end of the one before (a
+    multiple of 128), so its parameters' offsets in it start from 0 as :func:`bucket_layout`'s.
+
+    A bucket closed for such a parameter ends where that parameter would have started: its unpadded size counts the
+    alignment after its last parameter (megatron-core aligns the start first, then closes the bucket there)."""
+    laid: list[BucketLayout] = []
+    group: list[tuple[str, int]] = []
+    at = 0  # where the bucket's last parameter ends
+
+    def close(end: int) -> None:
+        nonlocal at
+        entries = tuple((name, start, start + numel) for name, numel, start in _starts(group))
+        laid.append(BucketLayout(entries, end, _bucket_end(end, dp, how.high_busbw)))
+        group.clear()
+        at = 0
+
     for param in reversed(params):
-        if param.own_bucket and groups[-1]:
-            groups.append([])
-        groups[-1].append((param.name, param.numel))
-        if param.own_bucket:
-            groups.append([])
-    return [bucket_layout(group, dp) for group in groups if group]
+        if param.own_bucket and group:
+            close(_aligned(at))
+        group.append((param.name, param.numel))
+        at = _aligned(at) + param.numel
+        if param.own_bucket or (how.size is not None and at >= how.size):
+            close(at)
+    if group:
+        close(at)
+    return laid
+
+
+def _starts(params: Sequence[tuple[str, int]]) -> Iterator[tuple[str, int, int]]:
+    """Each of a bucket's ``params`` (name, numel) with where it starts: after the one before, aligned."""
+    at = 0
+    for name, numel in params:
+        start = _aligned(at)
+        yield name, numel, start
+        at = start + numel
 
 
 def dp_group_index(tp: int, tp_rank: int, pp_rank: int) -> int:

@@ -71,6 +71,9 @@ NORM, POSITIONS, SWIGLU, TIED, GQA = "RMSNorm", "rope", True, False, True
 OPENAI_GELU = False
 #: The positions the GPT is built for (a learned table's rows): the tokens of a batch, or a save's own.
 MAX_POSITIONS = SEQ
+#: Megatron-LM's ``--overlap-grad-reduce --ddp-bucket-size N``: the DDP cuts the first stage's gradient buffer into
+#: buckets of about N elements (the layout of a ``dp_reshardable`` optimizer); ``None``: off, one bucket per buffer.
+BUCKET_SIZE: int | None = None
 #: ``llama_tied``: the harness's with its output layer tied to the word embedding (Llama 3.2's 1B and 3B).
 MODELS = {"llama": ("RMSNorm", "rope", True, False, True), "gpt": ("LayerNorm", "learned_absolute", False, True, False),
           "llama_tied": ("RMSNorm", "rope", True, True, True)}
@@ -113,10 +116,12 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 
 def save_argv(out: Path, *, tp: int, pp: int, sharding: str, bf16: bool = False, steps: int = 3,
               resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None, bias: str = "none",
-              model: str = "llama", also: tuple[tuple[str, Path, Path], ...] = (), vpp: int = 1) -> list[str]:
+              model: str = "llama", also: tuple[tuple[str, Path, Path], ...] = (), vpp: int = 1,
+              bucket: int | None = None) -> list[str]:
     """``mcore_job.py``'s ``save`` sub-command for one job (:func:`save` says what each option does)."""
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
-            "--bias", bias, "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else [])]
+            "--bias", bias, "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else []),
+            *(["--bucket-size", str(bucket)] if bucket is not None else [])]
     if bf16:
         argv.append("--bf16")
     if logits is not None:
@@ -139,8 +144,8 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, timeout: float 
     ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`); ``model``: one of
     :data:`MODELS`; ``also``: ``(sharding, folder, dump_after)`` of each further save the same job makes of the same
     trained state, in another sharding type (one training for both); ``vpp``: model chunks per pipeline stage
-    (virtual pipeline stages, the interleaved schedule). ``megatron_from``: a folder holding
-    megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
+    (virtual pipeline stages, the interleaved schedule); ``bucket``: :data:`BUCKET_SIZE`. ``megatron_from``: a
+    folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
     """
     argv = save_argv(out, tp=tp, pp=pp, **options)
     run_job(workdir, tp * pp * dp, argv, label=f"save-{Path(out).name}", timeout=timeout, megatron_from=megatron_from)
@@ -178,10 +183,11 @@ def legacy_megatron(root: Path) -> Path | None:
 def load_argv(folder: Path, dump: Path, *, tp: int, pp: int, bf16: bool = False, sharding: str | None = None,
               resume: int = 0, dump_after: Path | None = None, dims_from_save: bool = False,
               no_load_rng: bool = False, logits: Path | None = None, bias: str = "none",
-              model: str = "llama", vpp: int = 1) -> list[str]:
+              model: str = "llama", vpp: int = 1, bucket: int | None = None) -> list[str]:
     """``mcore_job.py``'s ``load`` sub-command for one load (:func:`load` says what each option does)."""
     argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias,
-            "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else [])]
+            "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else []),
+            *(["--bucket-size", str(bucket)] if bucket is not None else [])]
     if bf16:
         argv.append("--bf16")
     if dims_from_save:
@@ -463,7 +469,7 @@ def use_model(name: str) -> None:
 #: through :func:`restore`: what :func:`settings` keeps and :func:`restore` puts back between the jobs of one launch.
 _SETTINGS = ("VOCAB", "HIDDEN", "FFN", "LAYERS", "HEADS", "GROUPS", "NORM_EPS", "ROTARY_BASE", "DIVISIBLE_BY",
              "ROPE_SCALING", "BIAS_LINEAR", "BIAS_QKV", "NORM", "POSITIONS", "SWIGLU", "TIED", "GQA", "OPENAI_GELU",
-             "MAX_POSITIONS")
+             "MAX_POSITIONS", "BUCKET_SIZE")
 
 
 def settings() -> dict[str, Any]:
@@ -522,7 +528,8 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         expert_tensor_parallel_size=tp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=LAYERS // (pp * vpp) if vpp > 1 else None,
         num_virtual_stages_per_pipeline_rank=None, sequence_parallel=False, use_distributed_optimizer=True,
-        data_parallel_random_init=False, overlap_grad_reduce=False, overlap_param_gather=False,
+        data_parallel_random_init=False, overlap_grad_reduce=BUCKET_SIZE is not None, overlap_param_gather=False,
+        ddp_bucket_size=BUCKET_SIZE,
         # model
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS if GQA else HEADS, group_query_attention=GQA, kv_channels=HIDDEN // HEADS,
@@ -590,7 +597,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
     pipeline stages), DDP, optimizer and scheduler.
 
     Follows Megatron-LM's ``initialize_megatron`` + ``setup_model_and_optimizer`` (``get_model``, ``Float16Module``
-    for bf16, ``DistributedDataParallel`` with bucket_size None since overlap_grad_reduce is off,
+    for bf16, ``DistributedDataParallel`` with :data:`BUCKET_SIZE` and overlap_grad_reduce where it is set,
     ``get_megatron_optimizer``, ``get_optimizer_param_scheduler``).
     """
     apply_cpu_patches()
@@ -640,9 +647,9 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **virtual,
     )
     spec = get_gpt_layer_local_spec(normalization=NORM)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=BUCKET_SIZE is not None,
                                                overlap_param_gather=False, use_distributed_optimizer=True,
-                                               check_for_nan_in_grad=False, bucket_size=None)
+                                               check_for_nan_in_grad=False, bucket_size=BUCKET_SIZE)
     gpts, chunks = [], []
     for chunk in range(vpp):  # Megatron-LM's get_model: a chunk per virtual stage, each its own DDP
         stage = {"ignore_virtual": False, "vp_stage": chunk} if vpp > 1 else {}
@@ -998,7 +1005,10 @@ def _local_records(job: Job) -> dict:
     model_pieces, optim_pieces, replicas, steps, groups = [], [], [], {}, {}
     for gbuf_idx, buffer in enumerate(opt.buffers):
         (dtype, tensors), = world[gbuf_idx].items() if world is not None else [(None, None)]
-        for param, (start, end, _bucket) in buffer.param_index_map.items():
+        # the gathered state is the buffer's buckets cut at their unpadded sizes, one after the other
+        before = [sum(b.numel_unpadded for b in buffer.buckets[:i]) - bucket.offset
+                  for i, bucket in enumerate(buffer.buckets)]
+        for param, (start, end, bucket_id) in buffer.param_index_map.items():
             meta = metas[id(param)]
             key = meta.key
             for st in pieces(meta, param.detach().clone()):
@@ -1008,7 +1018,8 @@ def _local_records(job: Job) -> dict:
                 else:
                     replicas.append(("model", *record))
             for state in ("param", "exp_avg", "exp_avg_sq") if tensors is not None else ():
-                local = tensors[state][start:end].reshape(param.shape).clone()
+                at = before[bucket_id]
+                local = tensors[state][start + at:end + at].reshape(param.shape).clone()
                 for st in pieces(meta, local):
                     record = (state, st.key, tuple(st.global_shape), st.global_slice(), st.data.clone())
                     (optim_pieces if _is_main(st.replica_id) else replicas).append(record)

@@ -303,6 +303,33 @@ def test_inspect_of_a_save_with_virtual_pipeline_stages_names_the_key_that_keeps
     assert "target.vpp_size" not in plain.stdout  # a save without virtual stages: nothing to keep
 
 
+def test_inspect_names_a_saves_bucket_size_and_a_bucket_count_is_refused_in_one_line_writing_nothing(
+    tmp_path: Path,
+) -> None:
+    """``--overlap-grad-reduce --ddp-bucket-size`` is described; ``--ddp-num-buckets`` (a size Megatron-LM derives per
+    rank) is named by inspect and refused by a conversion in one line, with nothing written."""
+    from helpers import run_osdpipe
+
+    bucketed = synthetic_save(tmp_path / "sized", tp=1, ddp=BUCKETED)
+    inspected = run_osdpipe("inspect", str(bucketed), cwd=tmp_path)
+    assert inspected.returncode == 0, inspected.stderr
+    assert "DDP with --overlap-grad-reduce: the first stage's gradient buffer in buckets of 3000 elements" in \
+        inspected.stdout
+    counted = synthetic_save(tmp_path / "counted", tp=1)
+    common = counted / "iter_0000007" / "common.pt"
+    held = torch.load(common, weights_only=False)
+    held["args"].ddp_num_buckets = 4
+    torch.save(held, common)
+    why = "gradient buckets counted by ddp_num_buckets (Megatron-LM's --ddp-num-buckets): not supported yet"
+    assert why in run_osdpipe("inspect", str(counted), cwd=tmp_path).stdout
+    out = tmp_path / "out"
+    (result,) = run_cli_cases([["checkpoint=megatron", f"input.path={counted}", "target.tp_size=1",
+                                "target.world_size=1", f"output.path={out}"]], cwd=tmp_path)
+    line = result["stderr"].strip()
+    assert result["code"] in (1, 2) and len(line.splitlines()) == 1 and why in line, line
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["osdpipe.log", "report.json"]  # the failure's
+
+
 def test_inspect_describes_a_megatron_save_and_the_command_it_prints_converts_it_and_check_proves_it(
     tmp_path: Path,
 ) -> None:
@@ -467,26 +494,82 @@ def test_a_fully_sharded_model_space_item_is_put_back_from_its_flattened_chunks(
         _unflattened(_FlattenedItem(key, stored, chunks[1:]), key, (2, 6, 4))
 
 
-def test_a_save_in_more_buckets_than_its_layout_is_refused_naming_the_bucket_size(tmp_path: Path, monkeypatch) -> None:
-    """Megatron cuts its gradient buffer into several buckets where a bucket size is set (``--overlap-grad-reduce``);
-    osdpipe lays out one per stage (two around a tied embedding over PP) and names the others rather than misread
-    them. A save whose domain lacks a bucket its layout has is damaged: named, to re-copy."""
-    source = read_save(synthetic_save(tmp_path, tp=1))
-    real = layout.buckets
+def _bucket_counts(folder: Path) -> dict[int, int]:
+    """How many buckets each model-parallel domain of a ``dp_reshardable`` save holds, from its stored keys."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    def split_in_two(params, dp):  # what a bucket size makes: the same parameters in two buckets
-        (whole,) = real(params, dp)
-        half = len(whole.entries) // 2
-        names = [name for name, _, _ in whole.entries]
-        by_name = {p.name: p.numel for p in params}
-        return [layout.bucket_layout([(n, by_name[n]) for n in part], dp) for part in (names[:half], names[half:])]
+    (iteration,) = folder.glob("iter_*")
+    stored = FileSystemReader(iteration).read_metadata().state_dict_metadata
+    held: dict[int, set[int]] = {}
+    for key in stored:
+        if ".bucket_idx_" in key and key.endswith(".exp_avg"):
+            domain = int(key.split("dp_group_idx_")[1].split(".")[0])
+            held.setdefault(domain, set()).add(int(key.split(".bucket_idx_")[1].split(".")[0]))
+    return {domain: len(b) for domain, b in sorted(held.items())}
 
-    monkeypatch.setattr(layout, "buckets", split_in_two)
-    write_save(source, tmp_path / "two", Target(1, 1, 1, "dp_reshardable"))
-    monkeypatch.setattr(layout, "buckets", real)
-    with pytest.raises(InputError, match=r"cut into 2 buckets \(a bucket size: --overlap-grad-reduce\): not supported"):
-        read_save(tmp_path / "two")
+
+BUCKETED = {"overlap_grad_reduce": True, "ddp_bucket_size": 3000}
+
+
+def test_a_bucket_size_cuts_the_first_stages_buffer_and_converts_to_another_grid_bitwise(tmp_path: Path) -> None:
+    """With ``--overlap-grad-reduce --ddp-bucket-size``, the first stage's buffer is several buckets, the later
+    stage's one; read, converted to PP1 (all of it bucketed) and back, every state is the source's."""
+    folder = synthetic_save(tmp_path, tp=1, pp=2, layers=4, ddp=BUCKETED)
+    counts = _bucket_counts(folder)
+    assert counts[0] > 2 and counts[1] == 1, counts
+    source = read_save(folder)
+    write_save(source, tmp_path / "pp1", Target(1, 1, 2, "dp_reshardable"))
+    assert _bucket_counts(tmp_path / "pp1")[0] > counts[0]
+    back = read_save(tmp_path / "pp1")
+    assert roundtrip_problems(source, back) == []
+    back.optim["decoder.layers.mlp.linear_fc1.weight"]["exp_avg_sq"][0, 5, 2] += 1
+    assert roundtrip_problems(source, back) == ["exp_avg_sq decoder.layers.mlp.linear_fc1.weight: differs from the "
+                                                "source's"]
+
+
+def test_buckets_close_at_the_bucket_size_and_around_a_tied_embedding_as_megatron_core_closes_them() -> None:
+    """The rules of megatron-core 0.16's ``_ParamAndGradBuffer`` (reverse order, a start aligned to 64, a bucket
+    closed once its span reaches the size, a tied embedding's parameter a bucket alone whose bucket before ends at
+    its aligned start), on sizes whose alignment shows."""
+    def param(name: str, numel: int, own: bool = False) -> layout.LocalParameter:
+        return layout.LocalParameter(name, (numel,), (), own_bucket=own)
+
+    params = [param("embed", 300, own=True), param("a", 100), param("b", 70), param("c", 30)]  # reversed: c, b, a
+    laid = layout.buckets(params, dp=2, how=layout.Bucketing(size=130))
+    assert [b.entries for b in laid] == [(("c", 0, 30), ("b", 64, 134)), (("a", 0, 100),), (("embed", 0, 300),)]
+    assert [(b.numel_unpadded, b.numel) for b in laid] == [(134, 256), (128, 128), (300, 384)]
+    # no size: one bucket before the embedding, closed at the embedding's aligned start (292 -> 320)
+    laid = layout.buckets(params, dp=2)
+    assert [b.numel_unpadded for b in laid] == [320, 300] and laid[0].entries[-1] == ("a", 192, 292)
+    assert layout.buckets(params[1:], dp=3, how=layout.Bucketing(high_busbw=True))[0].numel == 3 * 2**16
+
+
+def test_only_the_first_stages_first_chunk_is_bucketed_and_only_with_overlap_grad_reduce() -> None:
+    on = {"overlap_grad_reduce": True, "ddp_bucket_size": 5000}
+    assert layout.bucketing(on, 2, 0, 0) == layout.Bucketing(5000)
+    assert layout.bucketing(on, 2, 1, 0).size is None and layout.bucketing(on, 2, 0, 1).size is None
+    assert layout.bucketing({**on, "overlap_param_gather_with_optimizer_step": True}, 2, 0, 0).size is None
+    assert layout.bucketing({**on, "overlap_grad_reduce": False}, 2, 0, 0).size is None
+    default = {"overlap_grad_reduce": True, "ddp_bucket_size": None}
+    assert layout.bucketing(default, 8, 0, 0).size == 40_000_000
+    assert layout.bucketing(default, 64, 0, 0).size == 64_000_000
+    with pytest.raises(ValueError, match="ddp_num_buckets .*: not supported yet"):
+        layout.bucketing({**on, "ddp_num_buckets": 4}, 2, 0, 0)
+
+
+def test_a_save_in_other_buckets_than_its_args_lay_out_is_refused_in_one_line(tmp_path: Path, monkeypatch) -> None:
+    """A save whose buckets its args do not describe (a bucket size they do not name) is refused rather than
+    misread; one whose domain lacks a bucket its layout has is damaged: named, to re-copy."""
+    folder = synthetic_save(tmp_path, tp=1, ddp=BUCKETED)
+    common = folder / "iter_0000007" / "common.pt"
+    held = torch.load(common, weights_only=False)
+    held["args"].overlap_grad_reduce = False  # the save's buckets, args that lay out one
+    torch.save(held, common)
+    with pytest.raises(InputError, match=r"cut into \d+ buckets where its args lay out 1 \(one bucket: "
+                                         r"overlap_grad_reduce, ddp_bucket_size\); it is not the job its args"):
+        read_save(folder)
     one = synthetic_save(tmp_path / "one", tp=1)
-    monkeypatch.setattr(layout, "buckets", lambda params, dp: [*real(params, dp), *real(params, dp)])
+    real = layout.buckets
+    monkeypatch.setattr(layout, "buckets", lambda params, dp, how: [*real(params, dp, how), *real(params, dp, how)])
     with pytest.raises(InputError, match=r"domain 0 is missing buckets \(it holds \[0\] of 2\); re-copy"):
         read_save(one)

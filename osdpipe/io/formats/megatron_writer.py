@@ -119,6 +119,11 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
     if why := layout.virtual_stages_problem(int(save.args["num_layers"]), target.pp, target.vpp):
         raise InputError(f"{save.folder}: {why}")
     args = target_args(save.args, target)
+    if target.sharding == "dp_reshardable":
+        try:  # the target job's buckets
+            layout.bucketing(args, target.dp, 0, 0)
+        except ValueError as exc:
+            raise InputError(f"{save.folder}: {exc}; or write output.megatron_optim_format=fully_reshardable") from None
     gpt = gpt_of(args)
     made = deferred.MadeAsWritten()
     model, optim = _repadded_state(save, gpt.padded_vocab_size, made)
@@ -131,7 +136,7 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         items.update({f"optimizer.state.{s}.{key}": states[s] for key, states in optim.items() for s in STATES})
         optimizer_common = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": target.sharding}
     else:
-        items.update(_buckets(gpt, target, save.optim, groups, _dtype_key(save), made))
+        items.update(_buckets(gpt, target, args, save.optim, groups, _dtype_key(save), made))
         optimizer_common = {"param_state_sharding_type": target.sharding}
     rng_from = _rng_items(save, target, items)
     items.update(save.extra_state)
@@ -195,13 +200,14 @@ def _dtype_key(save: MegatronSave) -> str:
 
 
 def _buckets(
-    gpt: layout.Gpt, target: Target, optim: dict[str, dict[str, torch.Tensor]], groups: list[dict[str, Any]],
-    dtypes: str, made: deferred.MadeAsWritten,
+    gpt: layout.Gpt, target: Target, args: dict[str, Any], optim: dict[str, dict[str, torch.Tensor]],
+    groups: list[dict[str, Any]], dtypes: str, made: deferred.MadeAsWritten,
 ) -> dict[str, Any]:
     """The ``dp_reshardable`` items: per (PP, TP) domain and model chunk (its gradient buffer), each bucket of each
     state (the tied embedding's copy on the last stage filled from the embedding's state), made from the source's
     global tensors ``optim`` as it is written (``made``); per domain its byte items (the param groups, each chunk's
-    bucket sizes)."""
+    bucket sizes). The buckets are those the target's job builds with the target's ``args`` (the source's DDP
+    options: ``overlap_grad_reduce``, ``ddp_bucket_size``; :func:`osdpipe.layout.megatron.bucketing`)."""
     items: dict[str, Any] = {}
     pair = tuple(getattr(torch, d.strip().removeprefix("torch.")) for d in dtypes.split(","))
     for pp_rank in range(target.pp):
@@ -211,7 +217,7 @@ def _buckets(
             per_chunk = []
             for chunk in range(target.vpp):
                 params = layout.local_parameters(gpt, target.tp, target.pp, tp_rank, pp_rank, target.vpp, chunk)
-                laid = layout.buckets(params, target.dp)
+                laid = layout.buckets(params, target.dp, layout.bucketing(args, target.dp, pp_rank, chunk))
                 per_chunk.append(laid)
                 by_name = {p.name: p for p in params}
                 for b, bucket in enumerate(laid):
