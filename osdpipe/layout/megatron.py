@@ -38,8 +38,8 @@ files are read in :mod:`osdpipe.io.formats.megatron`. What is laid out is Megatr
 (``--transformer-impl local``), dense, with RMSNorm or LayerNorm (a bias beside each norm's weight), RoPE or a learned
 position table (``embedding.position_embeddings.weight``, on the first stage, whole on every TP rank), tied or untied
 embeddings, with or without linear biases (``add_bias_linear``: the column-parallel layers' split as their rows, the
-row-parallel layers' held whole by every TP rank, as a norm; ``add_qkv_bias``: ``linear_qkv``'s alone); other models
-are refused where they are read.
+row-parallel layers' held whole by every TP rank, as a norm; ``add_qkv_bias``: ``linear_qkv``'s alone), with or without
+a norm on each head's query and key (``qk_layernorm``); other models are refused where they are read.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ class Gpt:
     position_table: int = 0
     #: The output layer is the word embedding (``untie_embeddings_and_output_weights`` unset).
     tied: bool = False
+    #: ``qk_layernorm`` (Qwen3's, OLMo2's attention): a norm of ``kv_channels`` on each head's query and key, after
+    #: ``linear_qkv`` (``self_attention.q_layernorm`` and ``k_layernorm``; a bias beside each with LayerNorm).
+    qk_layernorm: bool = False
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -220,6 +223,8 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
         f"{LAYERS}mlp.linear_fc1.layer_norm_bias": (layers, h),
         "decoder.final_layernorm.bias": (h,),
     }
+    head_norms = [f"{LAYERS}self_attention.{which}_layernorm.{part}" for which in ("q", "k")
+                  for part in ("weight", "bias") if part == "weight" or gpt.norm_bias] if gpt.qk_layernorm else []
     return {
         "embedding.word_embeddings.weight": (gpt.padded_vocab_size, h),
         **({"embedding.position_embeddings.weight": (gpt.position_table, h)} if gpt.position_table else {}),
@@ -233,6 +238,7 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
         **({} if gpt.tied else {"output_layer.weight": (gpt.padded_vocab_size, h)}),
         **{key: shape for key, (shape, held) in biases.items() if held},
         **(norm_biases if gpt.norm_bias else {}),
+        **{key: (layers, gpt.kv_channels) for key in head_norms},
     }
 
 
@@ -339,9 +345,10 @@ def local_parameters(
 ) -> list[LocalParameter]:
     """The parameters of model chunk ``chunk`` (of ``vpp`` per pipeline rank; 1: the rank's one model) of rank
     (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order of Megatron's GPT with the local layer spec (the word
-    embedding, the position table; per layer the input norm, ``linear_proj``, ``linear_qkv``, the pre-MLP norm,
-    ``linear_fc1``, ``linear_fc2``, each norm's and linear layer's weight then its bias where it has one; the final
-    norm; the output layer, or over PP the tied embedding's copy), each with the global boxes it holds."""
+    embedding, the position table; per layer the input norm, ``linear_proj``, ``linear_qkv``, with
+    ``qk_layernorm`` the query's and the key's norm, the pre-MLP norm, ``linear_fc1``, ``linear_fc2``, each norm's
+    and linear layer's weight then its bias where it has one; the final norm; the output layer, or over PP the tied
+    embedding's copy), each with the global boxes it holds."""
     h, shapes = gpt.hidden_size, global_shapes(gpt)
     out: list[LocalParameter] = []
 
@@ -357,10 +364,10 @@ def local_parameters(
         """A norm's weight or bias, or a row-parallel layer's bias: every TP rank holds all of it."""
         return LocalParameter(name, (size,), (Piece(key, (*at, (0, size)), 0, size),))
 
-    def norm(name: str, key: str, at: tuple) -> list[LocalParameter]:
-        """A norm's weight (``<key>weight``), and its bias with LayerNorm (``<key>bias``)."""
-        held = [whole(f"{name}weight", f"{key}weight", at, h)]
-        return held + ([whole(f"{name}bias", f"{key}bias", at, h)] if gpt.norm_bias else [])
+    def norm(name: str, key: str, at: tuple, size: int = h) -> list[LocalParameter]:
+        """A norm's weight (``<key>weight``), and its bias with LayerNorm (``<key>bias``), of ``size``."""
+        held = [whole(f"{name}weight", f"{key}weight", at, size)]
+        return held + ([whole(f"{name}bias", f"{key}bias", at, size)] if gpt.norm_bias else [])
 
     vocab = _split(gpt.padded_vocab_size, tp, tp_rank, "the padded vocabulary")
     tied_over_pp = gpt.tied and pp > 1
@@ -389,6 +396,10 @@ def local_parameters(
         out.append(column_parallel(f"{attn}linear_qkv.weight", f"{qkv}weight", at, [rows], h))
         if gpt.has_qkv_bias:
             out.append(column_parallel(f"{attn}linear_qkv.bias", f"{qkv}bias", at, [rows], None))
+        if gpt.qk_layernorm:  # a head's norm: whole on every TP rank, as the other norms
+            for which in ("q", "k"):
+                key = f"{which}_layernorm."
+                out += norm(f"{attn}{key}", f"{LAYERS}self_attention.{key}", at, gpt.kv_channels)
         out += norm(f"{prefix}pre_mlp_layernorm.", f"{LAYERS}mlp.linear_fc1.layer_norm_", at)
         out.append(column_parallel(f"{mlp}linear_fc1.weight", f"{LAYERS}mlp.linear_fc1.weight", at, fc1_blocks, h))
         if gpt.linear_bias:

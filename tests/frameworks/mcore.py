@@ -74,6 +74,8 @@ MAX_POSITIONS = SEQ
 #: Megatron-LM's ``--overlap-grad-reduce --ddp-bucket-size N``: the DDP cuts the first stage's gradient buffer into
 #: buckets of about N elements (the layout of a ``dp_reshardable`` optimizer); ``None``: off, one bucket per buffer.
 BUCKET_SIZE: int | None = None
+#: Megatron-LM's ``--qk-layernorm``: a norm on each head's query and key (Qwen3's, OLMo2's attention).
+QK_LAYERNORM = False
 #: ``llama_tied``: the harness's with its output layer tied to the word embedding (Llama 3.2's 1B and 3B).
 MODELS = {"llama": ("RMSNorm", "rope", True, False, True), "gpt": ("LayerNorm", "learned_absolute", False, True, False),
           "llama_tied": ("RMSNorm", "rope", True, True, True)}
@@ -117,11 +119,11 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 def save_argv(out: Path, *, tp: int, pp: int, sharding: str, bf16: bool = False, steps: int = 3,
               resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None, bias: str = "none",
               model: str = "llama", also: tuple[tuple[str, Path, Path], ...] = (), vpp: int = 1,
-              bucket: int | None = None) -> list[str]:
+              bucket: int | None = None, qk: bool = False) -> list[str]:
     """``mcore_job.py``'s ``save`` sub-command for one job (:func:`save` says what each option does)."""
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
             "--bias", bias, "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else []),
-            *(["--bucket-size", str(bucket)] if bucket is not None else [])]
+            *(["--bucket-size", str(bucket)] if bucket is not None else []), *(["--qk-layernorm"] if qk else [])]
     if bf16:
         argv.append("--bf16")
     if logits is not None:
@@ -144,7 +146,8 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, timeout: float 
     ``qkv`` (``--add-qkv-bias``) builds the GPT with those biases (:data:`BIAS_LINEAR`); ``model``: one of
     :data:`MODELS`; ``also``: ``(sharding, folder, dump_after)`` of each further save the same job makes of the same
     trained state, in another sharding type (one training for both); ``vpp``: model chunks per pipeline stage
-    (virtual pipeline stages, the interleaved schedule); ``bucket``: :data:`BUCKET_SIZE`. ``megatron_from``: a
+    (virtual pipeline stages, the interleaved schedule); ``bucket``: :data:`BUCKET_SIZE`; ``qk``:
+    :data:`QK_LAYERNORM`. ``megatron_from``: a
     folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
     """
     argv = save_argv(out, tp=tp, pp=pp, **options)
@@ -183,11 +186,11 @@ def legacy_megatron(root: Path) -> Path | None:
 def load_argv(folder: Path, dump: Path, *, tp: int, pp: int, bf16: bool = False, sharding: str | None = None,
               resume: int = 0, dump_after: Path | None = None, dims_from_save: bool = False,
               no_load_rng: bool = False, logits: Path | None = None, bias: str = "none",
-              model: str = "llama", vpp: int = 1, bucket: int | None = None) -> list[str]:
+              model: str = "llama", vpp: int = 1, bucket: int | None = None, qk: bool = False) -> list[str]:
     """``mcore_job.py``'s ``load`` sub-command for one load (:func:`load` says what each option does)."""
     argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias,
             "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else []),
-            *(["--bucket-size", str(bucket)] if bucket is not None else [])]
+            *(["--bucket-size", str(bucket)] if bucket is not None else []), *(["--qk-layernorm"] if qk else [])]
     if bf16:
         argv.append("--bf16")
     if dims_from_save:
@@ -457,6 +460,7 @@ def configure_from(folder: Path) -> None:
         "TIED": not args.untie_embeddings_and_output_weights, "GQA": bool(args.group_query_attention),
         "OPENAI_GELU": bool(getattr(args, "openai_gelu", False)),
         "MAX_POSITIONS": int(args.max_position_embeddings),
+        "QK_LAYERNORM": bool(getattr(args, "qk_layernorm", False)),
     })  # fmt: skip
 
 
@@ -469,7 +473,7 @@ def use_model(name: str) -> None:
 #: through :func:`restore`: what :func:`settings` keeps and :func:`restore` puts back between the jobs of one launch.
 _SETTINGS = ("VOCAB", "HIDDEN", "FFN", "LAYERS", "HEADS", "GROUPS", "NORM_EPS", "ROTARY_BASE", "DIVISIBLE_BY",
              "ROPE_SCALING", "BIAS_LINEAR", "BIAS_QKV", "NORM", "POSITIONS", "SWIGLU", "TIED", "GQA", "OPENAI_GELU",
-             "MAX_POSITIONS", "BUCKET_SIZE")
+             "MAX_POSITIONS", "BUCKET_SIZE", "QK_LAYERNORM")
 
 
 def settings() -> dict[str, Any]:
@@ -542,7 +546,7 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         rotary_interleaved=False, untie_embeddings_and_output_weights=not TIED, add_bias_linear=BIAS_LINEAR,
         # the job builds its MLP unfused (setup's bias_activation_fusion): the exact GeLU, where it has one
         bias_gelu_fusion=False, bias_swiglu_fusion=False, openai_gelu=OPENAI_GELU,
-        add_qkv_bias=BIAS_QKV, apply_query_key_layer_scaling=False, qk_layernorm=False, num_experts=None,
+        add_qkv_bias=BIAS_QKV, apply_query_key_layer_scaling=False, qk_layernorm=QK_LAYERNORM, num_experts=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, transformer_impl="local", spec=None,
         is_hybrid_model=False, heterogeneous_layers_config_path=None, heterogeneous_layers_config_encoded_json=None,
         vocab_size=VOCAB, padded_vocab_size=padded_vocab(VOCAB, tp), make_vocab_size_divisible_by=DIVISIBLE_BY,
@@ -644,9 +648,10 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
         use_cpu_initialization=True, perform_initialization=True, bf16=bf16, params_dtype=dtype,
         pipeline_dtype=dtype, autocast_dtype=dtype if bf16 else None,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, **virtual,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=QK_LAYERNORM,
+        **virtual,
     )
-    spec = get_gpt_layer_local_spec(normalization=NORM)
+    spec = get_gpt_layer_local_spec(normalization=NORM, qk_layernorm=QK_LAYERNORM)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=BUCKET_SIZE is not None,
                                                overlap_param_gather=False, use_distributed_optimizer=True,
                                                check_for_nan_in_grad=False, bucket_size=BUCKET_SIZE)

@@ -52,6 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         s.add_argument("--bias", choices=("none", "linear", "qkv"), default="none")
         s.add_argument("--model", choices=sorted(mcore.MODELS), default="llama")
         s.add_argument("--bucket-size", type=int, default=None)
+        s.add_argument("--qk-layernorm", action="store_true")
     save = sub.choices["save"]
     save.add_argument("--steps", type=int, default=3)
     save.add_argument("--out", type=Path, required=True)
@@ -99,7 +100,7 @@ def run(opts: argparse.Namespace):
         raise SystemExit("--resume/--resume-truth needs --dump-after")
     start = time.monotonic()
     mcore.restore({"BIAS_LINEAR": opts.bias == "linear", "BIAS_QKV": opts.bias == "qkv",
-                   "BUCKET_SIZE": opts.bucket_size})
+                   "BUCKET_SIZE": opts.bucket_size, "QK_LAYERNORM": opts.qk_layernorm})
     mcore.use_model(opts.model)
     with mcore.quiet_warnings():
         if opts.cmd == "load" and opts.dims_from_save:

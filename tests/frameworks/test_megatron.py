@@ -103,7 +103,8 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
 
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16", "tp2_dp2_bias", "tp2_pp2_qkv_bias",
-                                  "gpt_tp2_pp2", "tp1_pp2_vpp2_dp2", "tp1_pp2_dp2_buckets"])
+                                  "gpt_tp2_pp2", "tp1_pp2_vpp2_dp2", "tp1_pp2_dp2_buckets",
+                                  "gpt_qk_tp2_pp2"])
 def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path], name: str) -> None:
     truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
     gpt = gpt_of(truth["args"])
@@ -112,6 +113,7 @@ def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path
     megatron_defaults = SAVES[name].model == "gpt"
     assert (gpt.norm_bias, bool(gpt.position_table), gpt.tied, gpt.swiglu) == (megatron_defaults,) * 3 + (
         not megatron_defaults,)
+    assert gpt.qk_layernorm == SAVES[name].qk
     tp, pp, dp = SAVES[name][:3]
     vpp = SAVES[name].vpp
     for domain, chunk in ((d, c) for d in truth["buckets"] for c in range(vpp)):
@@ -159,6 +161,10 @@ def test_a_model_osdpipe_cannot_lay_out_yet_is_refused_naming_the_feature() -> N
     # Megatron-LM's defaults where the args are silent (LayerNorm, a learned position table, tied embeddings) are
     # laid out (gpt_tp2_pp2); other norms and position embeddings are named
     assert refused_model({}, Path("x")) is None
+    assert refused_model({**laid_out, "qk_layernorm": True}, Path("x")) is None  # laid out (gpt_qk_tp2_pp2)
+    # each instance shards the optimizer over a part of DP: a layout of its own
+    assert "several distributed optimizer instances (num_distributed_optimizer_instances): not supported yet" in \
+        refused_model({**laid_out, "num_distributed_optimizer_instances": 2}, Path("x"))
     assert "MixedFusedRMSNorm normalization" in refused_model({"normalization": "MixedFusedRMSNorm"}, Path("x"))
     assert "mrope position embeddings" in refused_model({**laid_out, "position_embedding_type": "mrope"}, Path("x"))
     older = {k: v for k, v in laid_out.items() if k != "position_embedding_type"}  # before --position-embedding-type
@@ -197,8 +203,8 @@ def converted(megatron_saves: dict[str, Path], tmp_path_factory: pytest.TempPath
     at its grid and resumed 2 steps (``<grid>.pt``, ``<grid>.resumed.pt`` beside it): by source and grid, the
     command's ``code``, ``stderr`` and ``folder``.
 
-    The 24 conversions run in one process (:func:`run_cli_cases`: the command's entry point, as the script calls it)
-    and the loads in one megatron-core launch per world size (:func:`mcore.each`): started once each, not 24
+    The 26 conversions run in one process (:func:`run_cli_cases`: the command's entry point, as the script calls it)
+    and the loads in one megatron-core launch per world size (:func:`mcore.each`): started once each, not 26
     times, they take minutes less (a launch's start is most of a load's time)."""
     saves, root = megatron_saves, tmp_path_factory.mktemp("converted")
     cases, where = [], []
@@ -220,7 +226,7 @@ def converted(megatron_saves: dict[str, Path], tmp_path_factory: pytest.TempPath
             loads.setdefault(tp * pp * dp, []).append(mcore.load_argv(
                 folder, folder.with_suffix(".pt"), tp=tp, pp=pp, bf16=SAVES[name].bf16, resume=2,
                 dump_after=folder.with_suffix(".resumed.pt"), bias=SAVES[name].bias, model=SAVES[name].model,
-                bucket=SAVES[name].bucket))
+                bucket=SAVES[name].bucket, qk=SAVES[name].qk))
     for world, jobs in sorted(loads.items()):
         mcore.each(root, world, jobs, label=f"load-each-{world}", timeout=900)
     return outcome

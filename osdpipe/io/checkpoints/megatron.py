@@ -258,7 +258,8 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
         f"{heads} heads in {groups} query groups, vocabulary padded to {args.get('padded_vocab_size')}"
         + (", SwiGLU" if args.get("swiglu") else "") + f", {args.get('normalization', 'LayerNorm')}"
         + f", {position_embedding_type(args)} positions"
-        + (", untied" if args.get("untie_embeddings_and_output_weights") else ", tied embeddings") + biases,
+        + (", untied" if args.get("untie_embeddings_and_output_weights") else ", tied embeddings") + biases
+        + (", qk_layernorm" if args.get("qk_layernorm") else ""),
     ]
     if vpp and int(vpp) > 1:  # the command's target leaves target.vpp_size at 1: no virtual stages
         notes.append(f"to keep {vpp} virtual pipeline stages per pipeline stage, add target.vpp_size={vpp} to the "

@@ -271,9 +271,10 @@ def refused_model(args: dict[str, Any], where: Path) -> str | None:
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
         ((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism (expert_model_parallel_size)"),
         ((args.get("context_parallel_size") or 1) > 1, "context parallelism"),
+        ((args.get("num_distributed_optimizer_instances") or 1) > 1,
+         "several distributed optimizer instances (num_distributed_optimizer_instances)"),
         (args.get("transformer_impl", "local") != "local", f"the {args.get('transformer_impl')} layer spec"),
         (bool(args.get("use_megatron_fsdp")) or args.get("ckpt_format") == "fsdp_dtensor", "Megatron-FSDP"),
-        (bool(args.get("qk_layernorm")), "qk_layernorm"),
     ]
     refused = [what for bad, what in checks if bad]
     if refused:
@@ -299,6 +300,7 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
         position_table=int(args["max_position_embeddings"])
         if layout.position_embedding_type(args) == "learned_absolute" else 0,
         tied=layout.tied_embeddings(args),
+        qk_layernorm=bool(args.get("qk_layernorm")),
     )
 
 
