@@ -447,29 +447,33 @@ class Bucketing:
 BUCKET_FLOOR, BUCKET_PER_DP = 40_000_000, 1_000_000
 
 
-def bucketing(args: dict[str, Any], dp: int, pp_rank: int, chunk: int) -> Bucketing:
+def bucketing(args: dict[str, Any], dp: int, pp_rank: int, chunk: int, rank_numel: int) -> Bucketing:
     """The bucketing of model chunk ``chunk`` on pipeline stage ``pp_rank`` of a job of ``dp`` data-parallel ranks
-    run with Megatron-LM's ``args``.
+    run with Megatron-LM's ``args``; ``rank_numel``: the elements of every parameter of the rank's model chunks
+    (:func:`rank_numel`), of which ``--ddp-num-buckets`` makes its size.
 
     Buckets of a size exist only with ``overlap_grad_reduce`` (megatron-core drops the size otherwise), and only on
     the first stage's first model chunk: megatron-core's DDP drops the size on a later pipeline stage, and Megatron-LM
     builds every later chunk, and every chunk under ``overlap_param_gather_with_optimizer_step``, with
-    ``disable_bucketing`` (their reduction is overlapped with compute anyway).
-
-    Raises:
-        ValueError: one line: ``ddp_num_buckets`` (a bucket size Megatron-LM derives from each rank's parameter count)
-            is not laid out yet.
+    ``disable_bucketing`` (their reduction is overlapped with compute anyway). The size is ``--ddp-bucket-size``, or
+    with ``--ddp-num-buckets N`` the rank's parameters over ``N`` (Megatron-LM's ``get_model``, rounded down), else
+    megatron-core's default for ``dp``.
     """
-    if args.get("ddp_num_buckets") is not None:
-        raise ValueError("gradient buckets counted by ddp_num_buckets (Megatron-LM's --ddp-num-buckets): not supported "
-                         "yet; a save made with --ddp-bucket-size instead converts")
     high_busbw = bool(args.get("ddp_pad_buckets_for_high_nccl_busbw"))
     bucketed = (bool(args.get("overlap_grad_reduce")) and pp_rank == 0 and chunk == 0
                 and not args.get("overlap_param_gather_with_optimizer_step"))
     if not bucketed:
         return Bucketing(None, high_busbw)
+    if (count := args.get("ddp_num_buckets")) is not None:
+        return Bucketing(rank_numel // int(count), high_busbw)
     size = args.get("ddp_bucket_size")
     return Bucketing(int(size) if size is not None else max(BUCKET_FLOOR, BUCKET_PER_DP * dp), high_busbw)
+
+
+def rank_numel(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int, vpp: int = 1) -> int:
+    """The elements of every parameter of rank (``pp_rank``, ``tp_rank``)'s model chunks: what Megatron-LM's
+    ``get_model`` counts (and prints) before it builds the DDP."""
+    return sum(p.numel for chunk in range(vpp) for p in local_parameters(gpt, tp, pp, tp_rank, pp_rank, vpp, chunk))
 
 
 def _bucket_end(numel_unpadded: int, dp: int, high_busbw: bool) -> int:

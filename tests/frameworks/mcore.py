@@ -74,6 +74,9 @@ MAX_POSITIONS = SEQ
 #: Megatron-LM's ``--overlap-grad-reduce --ddp-bucket-size N``: the DDP cuts the first stage's gradient buffer into
 #: buckets of about N elements (the layout of a ``dp_reshardable`` optimizer); ``None``: off, one bucket per buffer.
 BUCKET_SIZE: int | None = None
+#: Megatron-LM's ``--overlap-grad-reduce --ddp-num-buckets N``: the bucket size is the rank's parameters over N, as
+#: Megatron-LM's ``get_model`` derives it; ``None``: not counted.
+NUM_BUCKETS: int | None = None
 #: Megatron-LM's ``--qk-layernorm``: a norm on each head's query and key (Qwen3's, OLMo2's attention).
 QK_LAYERNORM = False
 #: ``llama_tied``: the harness's with its output layer tied to the word embedding (Llama 3.2's 1B and 3B).
@@ -119,11 +122,12 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 def save_argv(out: Path, *, tp: int, pp: int, sharding: str, bf16: bool = False, steps: int = 3,
               resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None, bias: str = "none",
               model: str = "llama", also: tuple[tuple[str, Path, Path], ...] = (), vpp: int = 1,
-              bucket: int | None = None, qk: bool = False) -> list[str]:
+              bucket: int | None = None, qk: bool = False, num_buckets: int | None = None) -> list[str]:
     """``mcore_job.py``'s ``save`` sub-command for one job (:func:`save` says what each option does)."""
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
             "--bias", bias, "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else []),
-            *(["--bucket-size", str(bucket)] if bucket is not None else []), *(["--qk-layernorm"] if qk else [])]
+            *(["--bucket-size", str(bucket)] if bucket is not None else []), *(["--qk-layernorm"] if qk else []),
+            *(["--num-buckets", str(num_buckets)] if num_buckets is not None else [])]
     if bf16:
         argv.append("--bf16")
     if logits is not None:
@@ -147,7 +151,7 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, timeout: float 
     :data:`MODELS`; ``also``: ``(sharding, folder, dump_after)`` of each further save the same job makes of the same
     trained state, in another sharding type (one training for both); ``vpp``: model chunks per pipeline stage
     (virtual pipeline stages, the interleaved schedule); ``bucket``: :data:`BUCKET_SIZE`; ``qk``:
-    :data:`QK_LAYERNORM`. ``megatron_from``: a
+    :data:`QK_LAYERNORM`; ``num_buckets``: :data:`NUM_BUCKETS`. ``megatron_from``: a
     folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
     """
     argv = save_argv(out, tp=tp, pp=pp, **options)
@@ -186,11 +190,13 @@ def legacy_megatron(root: Path) -> Path | None:
 def load_argv(folder: Path, dump: Path, *, tp: int, pp: int, bf16: bool = False, sharding: str | None = None,
               resume: int = 0, dump_after: Path | None = None, dims_from_save: bool = False,
               no_load_rng: bool = False, logits: Path | None = None, bias: str = "none",
-              model: str = "llama", vpp: int = 1, bucket: int | None = None, qk: bool = False) -> list[str]:
+              model: str = "llama", vpp: int = 1, bucket: int | None = None, qk: bool = False,
+              num_buckets: int | None = None) -> list[str]:
     """``mcore_job.py``'s ``load`` sub-command for one load (:func:`load` says what each option does)."""
     argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias,
             "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else []),
-            *(["--bucket-size", str(bucket)] if bucket is not None else []), *(["--qk-layernorm"] if qk else [])]
+            *(["--bucket-size", str(bucket)] if bucket is not None else []), *(["--qk-layernorm"] if qk else []),
+            *(["--num-buckets", str(num_buckets)] if num_buckets is not None else [])]
     if bf16:
         argv.append("--bf16")
     if dims_from_save:
@@ -473,7 +479,7 @@ def use_model(name: str) -> None:
 #: through :func:`restore`: what :func:`settings` keeps and :func:`restore` puts back between the jobs of one launch.
 _SETTINGS = ("VOCAB", "HIDDEN", "FFN", "LAYERS", "HEADS", "GROUPS", "NORM_EPS", "ROTARY_BASE", "DIVISIBLE_BY",
              "ROPE_SCALING", "BIAS_LINEAR", "BIAS_QKV", "NORM", "POSITIONS", "SWIGLU", "TIED", "GQA", "OPENAI_GELU",
-             "MAX_POSITIONS", "BUCKET_SIZE", "QK_LAYERNORM")
+             "MAX_POSITIONS", "BUCKET_SIZE", "NUM_BUCKETS", "QK_LAYERNORM")
 
 
 def settings() -> dict[str, Any]:
@@ -532,8 +538,8 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         expert_tensor_parallel_size=tp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=LAYERS // (pp * vpp) if vpp > 1 else None,
         num_virtual_stages_per_pipeline_rank=None, sequence_parallel=False, use_distributed_optimizer=True,
-        data_parallel_random_init=False, overlap_grad_reduce=BUCKET_SIZE is not None, overlap_param_gather=False,
-        ddp_bucket_size=BUCKET_SIZE,
+        data_parallel_random_init=False, overlap_param_gather=False, ddp_bucket_size=BUCKET_SIZE,
+        overlap_grad_reduce=BUCKET_SIZE is not None or NUM_BUCKETS is not None, ddp_num_buckets=NUM_BUCKETS,
         # model
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=GROUPS if GQA else HEADS, group_query_attention=GQA, kv_channels=HIDDEN // HEADS,
@@ -652,10 +658,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
         **virtual,
     )
     spec = get_gpt_layer_local_spec(normalization=NORM, qk_layernorm=QK_LAYERNORM)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=BUCKET_SIZE is not None,
-                                               overlap_param_gather=False, use_distributed_optimizer=True,
-                                               check_for_nan_in_grad=False, bucket_size=BUCKET_SIZE)
-    gpts, chunks = [], []
+    gpts, modules = [], []
     for chunk in range(vpp):  # Megatron-LM's get_model: a chunk per virtual stage, each its own DDP
         stage = {"ignore_virtual": False, "vp_stage": chunk} if vpp > 1 else {}
         gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
@@ -666,10 +669,16 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
                        # only where scaled: megatron-core 0.13 (the legacy saves' job) may not know the keywords
                        **({"rope_scaling": True, "rope_scaling_factor": ROPE_SCALING}
                           if ROPE_SCALING is not None else {}))
-        module = Float16Module(config, gpt) if bf16 else gpt
         gpts.append(gpt)
-        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                              disable_bucketing=chunk > 0))
+        modules.append(Float16Module(config, gpt) if bf16 else gpt)
+    bucket_size = BUCKET_SIZE
+    if NUM_BUCKETS is not None:  # Megatron-LM's get_model: the rank's parameters, every chunk's, over the count
+        bucket_size = sum(p.nelement() for module in modules for p in module.parameters()) // NUM_BUCKETS
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, overlap_grad_reduce=bucket_size is not None,
+                                               overlap_param_gather=False, use_distributed_optimizer=True,
+                                               check_for_nan_in_grad=False, bucket_size=bucket_size)
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, disable_bucketing=chunk > 0)
+              for chunk, module in enumerate(modules)]
     opt_config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WEIGHT_DECAY,
                                  adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=CLIP,
                                  bf16=bf16, params_dtype=dtype, use_distributed_optimizer=True)

@@ -53,6 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         s.add_argument("--model", choices=sorted(mcore.MODELS), default="llama")
         s.add_argument("--bucket-size", type=int, default=None)
         s.add_argument("--qk-layernorm", action="store_true")
+        s.add_argument("--num-buckets", type=int, default=None)
     save = sub.choices["save"]
     save.add_argument("--steps", type=int, default=3)
     save.add_argument("--out", type=Path, required=True)
@@ -100,7 +101,8 @@ def run(opts: argparse.Namespace):
         raise SystemExit("--resume/--resume-truth needs --dump-after")
     start = time.monotonic()
     mcore.restore({"BIAS_LINEAR": opts.bias == "linear", "BIAS_QKV": opts.bias == "qkv",
-                   "BUCKET_SIZE": opts.bucket_size, "QK_LAYERNORM": opts.qk_layernorm})
+                   "BUCKET_SIZE": opts.bucket_size, "QK_LAYERNORM": opts.qk_layernorm,
+                   "NUM_BUCKETS": opts.num_buckets})
     mcore.use_model(opts.model)
     with mcore.quiet_warnings():
         if opts.cmd == "load" and opts.dims_from_save:

@@ -18,7 +18,8 @@ class Save(NamedTuple):
     ``gpt``, Megatron-LM's defaults: LayerNorm, a learned position table, GeLU, tied embeddings) and its model chunks
     per pipeline stage (``vpp``: virtual pipeline stages, trained by megatron-core's interleaved schedule), and its
     DDP's bucket size (``bucket``: ``--overlap-grad-reduce --ddp-bucket-size``; ``None``: one bucket per buffer), and
-    whether each head's query and key are normed (``qk``: ``--qk-layernorm``)."""
+    whether each head's query and key are normed (``qk``: ``--qk-layernorm``); ``num_buckets``: the buckets counted
+    instead (``--overlap-grad-reduce --ddp-num-buckets``: the rank's parameters over the count make the size)."""
 
     tp: int
     pp: int
@@ -30,6 +31,7 @@ class Save(NamedTuple):
     vpp: int = 1
     bucket: int | None = None
     qk: bool = False
+    num_buckets: int | None = None
 
 
 #: The bucket size of the bucketed source: its first stage's parameters (about 140,000 elements) in 4 buckets.
@@ -57,16 +59,17 @@ SAVES = {
     "tp1_pp2_vpp2_dp2_fully": Save(1, 2, 2, "fully_reshardable", vpp=2),
     "tp1_pp2_dp2_buckets": Save(1, 2, 2, "dp_reshardable", bucket=BUCKET),
     "gpt_qk_tp2_pp2": Save(2, 2, 1, "dp_reshardable", bias="linear", model="gpt", qk=True),
+    "tp2_dp2_counted": Save(2, 1, 2, "dp_reshardable", num_buckets=5),  # 4 buckets: each closes once past a fifth
 }
 #: The sources converted (the issue's three parallelisms, each in both sharding types Megatron-LM writes, a bf16
 #: job's, the legacy type at two, a GPT with every linear bias, Megatron-LM's default GPT over PP, whose tied
 #: embedding has a copy on the last stage, a job of virtual pipeline stages, one whose first stage's gradient
-#: buffer is cut into buckets of a size, and Megatron-LM's default GPT with --qk-layernorm), and the targets each is
-#: written for,
+#: buffer is cut into buckets of a size and one whose buckets are counted, and Megatron-LM's default GPT with
+#: --qk-layernorm), and the targets each is written for,
 #: (TP, PP, DP), in the type ``output.megatron_optim_format`` unset gives (``DEFAULT_OUTPUT``).
 CONVERTED = ("tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp2_dp2_fully", "tp1_pp2_dp2_fully", "tp2_pp2_fully", "tp4_bf16",
              "tp2_dp2_fs", "tp1_pp2_dp2_fs", "tp2_dp2_bias", "gpt_tp2_pp2", "tp1_pp2_vpp2_dp2", "tp1_pp2_dp2_buckets",
-             "gpt_qk_tp2_pp2")
+             "gpt_qk_tp2_pp2", "tp2_dp2_counted")
 
 
 def make_saves(root: Path) -> dict[str, Path]:
@@ -97,7 +100,8 @@ def make_saves(root: Path) -> dict[str, Path]:
         also = tuple((SAVES[n].sharding, root / n, resumed_path(root / n)) for n in rest)
         launches[is_legacy].append(mcore.save_argv(root / first, tp=s.tp, pp=s.pp, sharding=s.sharding, bf16=s.bf16,
                                                    bias=s.bias, model=s.model, also=also, vpp=s.vpp,
-                                                   bucket=s.bucket, qk=s.qk, **resumed))
+                                                   bucket=s.bucket, qk=s.qk, num_buckets=s.num_buckets,
+                                                   **resumed))
         out.update({n: root / n for n in names})
     for is_legacy, argvs in launches.items():
         if argvs:

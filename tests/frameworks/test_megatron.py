@@ -104,7 +104,7 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16", "tp2_dp2_bias", "tp2_pp2_qkv_bias",
                                   "gpt_tp2_pp2", "tp1_pp2_vpp2_dp2", "tp1_pp2_dp2_buckets",
-                                  "gpt_qk_tp2_pp2"])
+                                  "gpt_qk_tp2_pp2", "tp2_dp2_counted"])
 def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path], name: str) -> None:
     truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
     gpt = gpt_of(truth["args"])
@@ -121,8 +121,10 @@ def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path
         assert layout.dp_group_index(tp, domain["tp_rank"], domain["pp_rank"]) == domain["dp_group_idx"]
         assert len(domain["gbufs"]) == vpp  # a gradient buffer per model chunk, in the chunks' order
         gbuf = domain["gbufs"][chunk]
-        laid = layout.buckets(params, dp, layout.bucketing(truth["args"], dp, domain["pp_rank"], chunk))
-        assert len(laid) == len(gbuf["buckets"]) == (4 if SAVES[name].bucket and domain["pp_rank"] == 0 else
+        held = layout.rank_numel(gpt, tp, pp, domain["tp_rank"], domain["pp_rank"], vpp)
+        laid = layout.buckets(params, dp, layout.bucketing(truth["args"], dp, domain["pp_rank"], chunk, held))
+        cut = domain["pp_rank"] == 0 and (SAVES[name].bucket or SAVES[name].num_buckets)
+        assert len(laid) == len(gbuf["buckets"]) == ({"tp1_pp2_dp2_buckets": 4, "tp2_dp2_counted": 4}[name] if cut else
                                                      1 + (gpt.tied and pp > 1))
         for mine, bucket in zip(laid, gbuf["buckets"], strict=True):
             assert list(mine.entries) == [(p["name"], p["start"], p["end"]) for p in bucket["params"]]
@@ -203,8 +205,8 @@ def converted(megatron_saves: dict[str, Path], tmp_path_factory: pytest.TempPath
     at its grid and resumed 2 steps (``<grid>.pt``, ``<grid>.resumed.pt`` beside it): by source and grid, the
     command's ``code``, ``stderr`` and ``folder``.
 
-    The 26 conversions run in one process (:func:`run_cli_cases`: the command's entry point, as the script calls it)
-    and the loads in one megatron-core launch per world size (:func:`mcore.each`): started once each, not 26
+    The 28 conversions run in one process (:func:`run_cli_cases`: the command's entry point, as the script calls it)
+    and the loads in one megatron-core launch per world size (:func:`mcore.each`): started once each, not 28
     times, they take minutes less (a launch's start is most of a load's time)."""
     saves, root = megatron_saves, tmp_path_factory.mktemp("converted")
     cases, where = [], []
@@ -226,7 +228,7 @@ def converted(megatron_saves: dict[str, Path], tmp_path_factory: pytest.TempPath
             loads.setdefault(tp * pp * dp, []).append(mcore.load_argv(
                 folder, folder.with_suffix(".pt"), tp=tp, pp=pp, bf16=SAVES[name].bf16, resume=2,
                 dump_after=folder.with_suffix(".resumed.pt"), bias=SAVES[name].bias, model=SAVES[name].model,
-                bucket=SAVES[name].bucket, qk=SAVES[name].qk))
+                bucket=SAVES[name].bucket, qk=SAVES[name].qk, num_buckets=SAVES[name].num_buckets))
     for world, jobs in sorted(loads.items()):
         mcore.each(root, world, jobs, label=f"load-each-{world}", timeout=900)
     return outcome

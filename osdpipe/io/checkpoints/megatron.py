@@ -39,7 +39,7 @@ from osdpipe.io.errors import ModelRefused
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.remote_input import as_path
-from osdpipe.layout.megatron import bucketing, position_embedding_type, query_groups
+from osdpipe.layout.megatron import position_embedding_type, query_groups
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
@@ -265,14 +265,11 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
         notes.append(f"to keep {vpp} virtual pipeline stages per pipeline stage, add target.vpp_size={vpp} to the "
                      "command below (without it, the output has none)")
     if args.get("overlap_grad_reduce"):
-        size = args.get("ddp_bucket_size")
-        notes.append("DDP with --overlap-grad-reduce: the first stage's gradient buffer in buckets of "
-                     + (f"{size}" if size is not None else "max(40M, 1M x DP)") + " elements; a dp_reshardable "
+        count, size = args.get("ddp_num_buckets"), args.get("ddp_bucket_size")
+        cut = (f"about {count} buckets (--ddp-num-buckets)" if count is not None
+               else f"buckets of {size} elements" if size is not None else "buckets of max(40M, 1M x DP) elements")
+        notes.append(f"DDP with --overlap-grad-reduce: the first stage's gradient buffer in {cut}; a dp_reshardable "
                      "output is laid out in the buckets a target job run with the same options builds")
-    try:
-        bucketing(args, int(dp or 1), 0, 0)
-    except ValueError as exc:
-        notes.append(f"{folder}: {exc}")
     if (why := files.refused_model(args, folder)) is not None:
         notes.append(why)
     return notes

@@ -560,17 +560,15 @@ def _from_buckets(
         index = layout.dp_group_index(tp, tp_rank, pp_rank)
         where = f"model-parallel domain {index}" + (f", model chunk {chunk}" if vpp > 1 else "")
         params = layout.local_parameters(gpt, tp, pp, tp_rank, pp_rank, vpp, chunk)
-        try:
-            how = layout.bucketing(args, dp, pp_rank, chunk)
-        except ValueError as exc:
-            raise InputError(f"{folder}: {exc}") from None
+        how = layout.bucketing(args, dp, pp_rank, chunk, layout.rank_numel(gpt, tp, pp, tp_rank, pp_rank, vpp))
         laid = layout.buckets(params, dp, how)
         held_buckets = sorted(b for i, g, b in buckets if (i, g) == (index, chunk))
         if len(held_buckets) > len(laid):
             said = f"buckets of {how.size} elements" if how.size is not None else "one bucket"
             raise InputError(f"{folder}: the optimizer's gradient buffer of {where} is cut into "
                              f"{len(held_buckets)} buckets where its args lay out {len(laid)} ({said}: "
-                             "overlap_grad_reduce, ddp_bucket_size); it is not the job its args describe")
+                             "overlap_grad_reduce, ddp_bucket_size, ddp_num_buckets); it is not the job its args "
+                             "describe")
         if held_buckets != list(range(len(laid))):
             raise InputError(f"{folder}: the optimizer state of {where} is missing "
                              f"buckets (it holds {held_buckets} of {len(laid)}); re-copy the save folder")

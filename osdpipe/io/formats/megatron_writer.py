@@ -119,11 +119,6 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
     if why := layout.virtual_stages_problem(int(save.args["num_layers"]), target.pp, target.vpp):
         raise InputError(f"{save.folder}: {why}")
     args = target_args(save.args, target)
-    if target.sharding == "dp_reshardable":
-        try:  # the target job's buckets
-            layout.bucketing(args, target.dp, 0, 0)
-        except ValueError as exc:
-            raise InputError(f"{save.folder}: {exc}; or write output.megatron_optim_format=fully_reshardable") from None
     gpt = gpt_of(args)
     made = deferred.MadeAsWritten()
     model, optim = _repadded_state(save, gpt.padded_vocab_size, made)
@@ -207,7 +202,8 @@ def _buckets(
     state (the tied embedding's copy on the last stage filled from the embedding's state), made from the source's
     global tensors ``optim`` as it is written (``made``); per domain its byte items (the param groups, each chunk's
     bucket sizes). The buckets are those the target's job builds with the target's ``args`` (the source's DDP
-    options: ``overlap_grad_reduce``, ``ddp_bucket_size``; :func:`osdpipe.layout.megatron.bucketing`)."""
+    options: ``overlap_grad_reduce``, ``ddp_bucket_size`` or ``ddp_num_buckets``;
+    :func:`osdpipe.layout.megatron.bucketing`)."""
     items: dict[str, Any] = {}
     pair = tuple(getattr(torch, d.strip().removeprefix("torch.")) for d in dtypes.split(","))
     for pp_rank in range(target.pp):
@@ -217,7 +213,8 @@ def _buckets(
             per_chunk = []
             for chunk in range(target.vpp):
                 params = layout.local_parameters(gpt, target.tp, target.pp, tp_rank, pp_rank, target.vpp, chunk)
-                laid = layout.buckets(params, target.dp, layout.bucketing(args, target.dp, pp_rank, chunk))
+                held = layout.rank_numel(gpt, target.tp, target.pp, tp_rank, pp_rank, target.vpp)
+                laid = layout.buckets(params, target.dp, layout.bucketing(args, target.dp, pp_rank, chunk, held))
                 per_chunk.append(laid)
                 by_name = {p.name: p for p in params}
                 for b, bucket in enumerate(laid):
