@@ -45,7 +45,7 @@ a norm on each head's query and key (``qk_layernorm``); other models are refused
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -486,53 +486,34 @@ def _aligned(at: int) -> int:
     return -(-at // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
 
 
-def bucket_layout(params: Sequence[tuple[str, int]], dp: int, high_busbw: bool = False) -> BucketLayout:
-    """One bucket holding ``params`` (name and numel, in the bucket's order: reverse ``named_parameters()``), laid
-    out as megatron-core pads it for ``dp`` data-parallel ranks."""
-    entries = tuple((name, start, start + numel) for name, numel, start in _starts(params))
-    end = entries[-1][2] if entries else 0
-    return BucketLayout(entries, end, _bucket_end(end, dp, high_busbw))
-
-
 def buckets(params: Sequence[LocalParameter], dp: int, how: Bucketing = Bucketing()) -> list[BucketLayout]:
     """The buckets of one model chunk's parameters (``named_parameters()`` order, :func:`local_parameters`), as
-    megatron-core's distributed optimizer makes them (0.16 ``param_and_grad_buffer.py``): in reverse order, a bucket
-    closed once it spans ``how.size`` elements, and a tied embedding's parameter over PP
-    (:attr:`LocalParameter.own_bucket`) a bucket alone. Each bucket starts at the padded end of the one before (a
-    multiple of 128), so its parameters' offsets in it start from 0 as :func:`bucket_layout`'s.
+    megatron-core's distributed optimizer makes them (0.16 ``param_and_grad_buffer.py``): in reverse order, each
+    parameter starting on a multiple of 64 elements, a bucket closed once it spans ``how.size`` elements, and a tied
+    embedding's parameter over PP (:attr:`LocalParameter.own_bucket`) a bucket alone; each bucket's end padded for
+    ``dp`` ranks. Each bucket starts at the padded end of the one before (a multiple of 128), so its parameters'
+    offsets in it start from 0.
 
     A bucket closed for such a parameter ends where that parameter would have started: its unpadded size counts the
     alignment after its last parameter (megatron-core aligns the start first, then closes the bucket there)."""
     laid: list[BucketLayout] = []
-    group: list[tuple[str, int]] = []
-    at = 0  # where the bucket's last parameter ends
+    entries: list[tuple[str, int, int]] = []  # the open bucket's parameters: (name, start, stop) in it
 
     def close(end: int) -> None:
-        nonlocal at
-        entries = tuple((name, start, start + numel) for name, numel, start in _starts(group))
-        laid.append(BucketLayout(entries, end, _bucket_end(end, dp, how.high_busbw)))
-        group.clear()
-        at = 0
+        laid.append(BucketLayout(tuple(entries), end, _bucket_end(end, dp, how.high_busbw)))
+        entries.clear()
 
     for param in reversed(params):
-        if param.own_bucket and group:
-            close(_aligned(at))
-        group.append((param.name, param.numel))
-        at = _aligned(at) + param.numel
-        if param.own_bucket or (how.size is not None and at >= how.size):
-            close(at)
-    if group:
-        close(at)
+        start = _aligned(entries[-1][2]) if entries else 0
+        if param.own_bucket and entries:
+            close(start)
+            start = 0
+        entries.append((param.name, start, start + param.numel))
+        if param.own_bucket or (how.size is not None and start + param.numel >= how.size):
+            close(start + param.numel)
+    if entries:
+        close(entries[-1][2])
     return laid
-
-
-def _starts(params: Sequence[tuple[str, int]]) -> Iterator[tuple[str, int, int]]:
-    """Each of a bucket's ``params`` (name, numel) with where it starts: after the one before, aligned."""
-    at = 0
-    for name, numel in params:
-        start = _aligned(at)
-        yield name, numel, start
-        at = start + numel
 
 
 def dp_group_index(tp: int, tp_rank: int, pp_rank: int) -> int:

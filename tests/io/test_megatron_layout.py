@@ -31,8 +31,13 @@ def test_megatron_pads_the_vocabulary_to_a_multiple_of_its_divisor_times_tp() ->
     assert layout.padded_vocab_size(50257, 128, 8) == 51200
 
 
+def _param(name: str, numel: int, own: bool = False) -> layout.LocalParameter:
+    """A parameter of ``numel`` elements as :func:`layout.buckets` sees it (``own``: a tied embedding's, alone)."""
+    return layout.LocalParameter(name, (numel,), (), own_bucket=own)
+
+
 def test_a_bucket_starts_each_parameter_on_a_multiple_of_64_and_pads_its_end_to_lcm_dp_128() -> None:
-    laid = layout.bucket_layout([("a", 100), ("b", 64), ("c", 3)], dp=3)
+    (laid,) = layout.buckets([_param("c", 3), _param("b", 64), _param("a", 100)], dp=3)  # laid out in reverse
     assert laid.entries == (("a", 0, 100), ("b", 128, 192), ("c", 192, 195))
     assert (laid.numel_unpadded, laid.numel) == (195, 384)  # lcm(3, 128) = 384
 
@@ -523,10 +528,7 @@ def test_buckets_close_at_the_bucket_size_and_around_a_tied_embedding_as_megatro
     """The rules of megatron-core 0.16's ``_ParamAndGradBuffer`` (reverse order, a start aligned to 64, a bucket
     closed once its span reaches the size, a tied embedding's parameter a bucket alone whose bucket before ends at
     its aligned start), on sizes whose alignment shows."""
-    def param(name: str, numel: int, own: bool = False) -> layout.LocalParameter:
-        return layout.LocalParameter(name, (numel,), (), own_bucket=own)
-
-    params = [param("embed", 300, own=True), param("a", 100), param("b", 70), param("c", 30)]  # reversed: c, b, a
+    params = [_param("embed", 300, own=True), _param("a", 100), _param("b", 70), _param("c", 30)]  # reversed: c, b, a
     laid = layout.buckets(params, dp=2, how=layout.Bucketing(size=130))
     assert [b.entries for b in laid] == [(("c", 0, 30), ("b", 64, 134)), (("a", 0, 100),), (("embed", 0, 300),)]
     assert [(b.numel_unpadded, b.numel) for b in laid] == [(134, 256), (128, 128), (300, 384)]

@@ -211,9 +211,9 @@ def _buckets(
             index = layout.dp_group_index(target.tp, tp_rank, pp_rank)
             prefix = f"optimizer.distributed.dp_group_idx_{index}"
             per_chunk = []
+            held = layout.rank_numel(gpt, target.tp, target.pp, tp_rank, pp_rank, target.vpp)
             for chunk in range(target.vpp):
                 params = layout.local_parameters(gpt, target.tp, target.pp, tp_rank, pp_rank, target.vpp, chunk)
-                held = layout.rank_numel(gpt, target.tp, target.pp, tp_rank, pp_rank, target.vpp)
                 laid = layout.buckets(params, target.dp, layout.bucketing(args, target.dp, pp_rank, chunk, held))
                 per_chunk.append(laid)
                 by_name = {p.name: p for p in params}
