@@ -131,7 +131,7 @@ def read_config(directory: str | Path) -> dict:
 
 def model_from_config(path: str) -> torch.nn.Module:
     """A module with the parameters of the Hugging Face model whose ``config.json`` is in ``path`` (a
-    ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``GPT2LMHeadModel``: the family of
+    ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or ``GPT2LMHeadModel``: the family of
     :mod:`osdpipe.layout.megatron_hf` it is): each under its Hugging Face name and shape, fp32 (the masters), in
     transformers' ``named_parameters()`` order (:func:`osdpipe.layout.megatron_hf.hf_shapes` of the GPT the config
     is: the order a PyTorch optimizer's state follows); no ``forward``, and no transformers needed. Where the config

@@ -263,7 +263,6 @@ def block_refusals(args: dict[str, Any]) -> list[str]:
         (bool(args.get("squared_relu")), "squared ReLU"),
         (args.get("activation_func_clamp_value") is not None, "a clamped activation (activation_func_clamp_value)"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
-        (bool(args.get("qk_layernorm")), "qk_layernorm"),
         (bool(args.get("multi_latent_attention")), "multi-latent attention"),
         (bool(args.get("attention_output_gate")), "a gated attention output (attention_output_gate)"),
         (args.get("window_size") is not None, "sliding-window attention (window_size)"),

@@ -136,6 +136,7 @@ def refusals(args: dict[str, Any]) -> list[str]:
         (not args.get("add_bias_linear", True), "linears without biases (GPT-2 biases every linear)"),
         (int(args.get("kv_channels") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads"),
+        (bool(args.get("qk_layernorm")), "qk_layernorm (GPT-2 norms no query or key)"),
     ]
     return [what for bad, what in checks if bad] + block_refusals(args)
 
@@ -187,6 +188,7 @@ def _check_gpt(gpt: Gpt) -> None:
         (not gpt.position_table, "RoPE"),
         (not gpt.linear_bias, "linears without biases"),
         (gpt.kv_channels * gpt.num_attention_heads != gpt.hidden_size, "a head dimension other than hidden / heads"),
+        (gpt.qk_layernorm, "qk_layernorm"),
     ]
     _refuse([what for bad, what in checks if bad])
 

@@ -1,9 +1,9 @@
 """Megatron-Core's GPT <-> Hugging Face models: which family a GPT or a ``config.json`` is, and its maps, both ways.
 
 A Megatron GPT computes the function of one Hugging Face model or another depending on what it is built of: with
-RMSNorm, SwiGLU and RoPE a ``LlamaForCausalLM`` (or a ``Qwen2ForCausalLM``: :mod:`osdpipe.layout.megatron_llama`),
-with LayerNorm and a learned position table, Megatron-LM's defaults, a ``GPT2LMHeadModel``
-(:mod:`osdpipe.layout.megatron_gpt2`). Each such family is a module with the same functions (:class:`HfFamily`), and
+RMSNorm, SwiGLU and RoPE a ``LlamaForCausalLM`` (or a ``Qwen2ForCausalLM``, a ``Qwen3ForCausalLM``:
+:mod:`osdpipe.layout.megatron_llama`), with LayerNorm and a learned position table, Megatron-LM's defaults, a
+``GPT2LMHeadModel`` (:mod:`osdpipe.layout.megatron_gpt2`). Each such family is a module with the same functions (:class:`HfFamily`), and
 :data:`FAMILIES` is their one registry: what converts, checks or proves a GPT asks here, and the family is chosen once,
 from Megatron-LM's ``args``, from a ``config.json``, or from a GPT's layout. A new family (another architecture of
 transformers) is a module and an entry in :data:`FAMILIES`, not a branch in each caller.
@@ -110,8 +110,8 @@ def _dtype_name(args: dict[str, Any]) -> str:
 
 
 def architecture(args: dict[str, Any]) -> str:
-    """The Hugging Face model (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``) that computes the GPT
-    Megatron-LM's ``args`` describe."""
+    """The Hugging Face model (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GPT2LMHeadModel``)
+    that computes the GPT Megatron-LM's ``args`` describe."""
     return family_of_args(args).architecture(args)
 
 

@@ -1,4 +1,5 @@
-"""Megatron-Core's GPT <-> Hugging Face's ``LlamaForCausalLM``: the config and the weights' map, pure functions.
+"""Megatron-Core's GPT <-> Hugging Face's ``LlamaForCausalLM`` (and its kin, Qwen2 and Qwen3): the config and the
+weights' map, pure functions.
 
 A family of :mod:`osdpipe.layout.megatron_hf`'s registry (:class:`osdpipe.layout.megatron_hf.HfFamily`): the one a
 Megatron GPT with RMSNorm and RoPE is written as, and the one every GPT not another family's falls to, whose refusals
@@ -11,8 +12,10 @@ and 3B, Qwen2.5's smaller models): one tensor, ``model.embed_tokens.weight``, an
 ``save_pretrained`` writes none where the two are tied, and ``from_pretrained`` ties ``lm_head`` to the embedding). With
 Megatron-LM's linear biases (``add_bias_linear``) it is a Llama with ``attention_bias`` and ``mlp_bias``; with
 ``linear_qkv``'s alone (``add_qkv_bias``) transformers' ``Qwen2ForCausalLM`` (:func:`architecture`); a bias is cut as
-its weight's rows. The map (Megatron's sharded keys as :func:`osdpipe.layout.megatron.global_shapes` gives them, the
-decoder's layers stacked on axis 0; ``g`` a query group of ``G``, ``n = heads / G`` query heads each, ``d`` the head
+its weight's rows. With a norm on each head's query and key (``qk_layernorm``) and no biases it is a
+``Qwen3ForCausalLM``, whose ``q_norm`` and ``k_norm`` are Megatron's ``q_layernorm`` and ``k_layernorm``. The map
+(Megatron's sharded keys as :func:`osdpipe.layout.megatron.global_shapes` gives them, the decoder's layers stacked on
+axis 0; ``g`` a query group of ``G``, ``n = heads / G`` query heads each, ``d`` the head
 dimension, ``f`` the FFN size, ``V`` the true vocabulary and ``Vp`` Megatron's padded one):
 
 =========================================================  ======================================================
@@ -34,6 +37,8 @@ Megatron                                                   Hugging Face (layer `
 ``...linear_qkv.bias[i]``, ``...linear_fc1.bias[i]``       as their weights' rows: ``q_proj``, ``k_proj``,
                                                            ``v_proj``, ``gate_proj``, ``up_proj`` ``.bias``
 ``...linear_proj.bias[i]``, ``...linear_fc2.bias[i]``      ``self_attn.o_proj.bias``, ``mlp.down_proj.bias``
+``...q_layernorm.weight[i]``, ``...k_layernorm.weight[i]``  ``self_attn.q_norm.weight``, ``self_attn.k_norm.weight``
+``[d]`` (``qk_layernorm``: a Qwen3)
 =========================================================  ======================================================
 
 Every element goes to exactly one place and comes back (:func:`from_hf` puts the padding rows back as zeros), with no
@@ -64,6 +69,14 @@ Why each rule, in the sources installed here (megatron-core 0.16.1, transformers
 * **RMSNorm.** megatron's local spec builds ``torch.nn.RMSNorm(h, eps)`` (``transformer/torch_norm.py`` l. 40-45):
   ``x / sqrt(mean(x^2) + eps) * w``; transformers ``LlamaRMSNorm`` l. 52-66 the same (in fp32). ``eps`` is
   ``norm_epsilon``.
+* **qk_layernorm.** megatron ``transformer/attention.py`` ``SelfAttention.__init__`` builds ``q_layernorm`` and
+  ``k_layernorm`` of the head dimension ``d`` with ``layernorm_epsilon`` (the local spec's norm: ``torch.nn.RMSNorm``
+  under RMSNorm), and ``get_query_key_value_tensors`` applies them to the ``[s, b, heads, d]`` queries and keys, one
+  weight for every head, before ``forward`` applies RoPE. transformers ``models/qwen3/modeling_qwen3.py``
+  ``Qwen3Attention`` (l. 229-249): ``q_norm``/``k_norm`` are ``Qwen3RMSNorm(head_dim, rms_norm_eps)`` on each head of
+  ``q_proj``'s and ``k_proj``'s output, then ``apply_rotary_pos_emb``. The same norm at the same place: the weights
+  map whole. Qwen3's ``attention_bias`` biases ``o_proj`` with q, k and v and its MLP has none, which no Megatron
+  bias option gives: a Qwen3 has no biases here.
 * **Logits.** megatron ``models/gpt/gpt_model.py`` l. 712 returns ``[b, s, Vp]``; the ``Vp - V`` padding rows'
   logits belong to no token, and HF's ``lm_head`` is ``V`` rows (``modeling_llama.py`` l. 420).
 """
@@ -99,23 +112,29 @@ QKV_BIAS = f"{LAYERS}self_attention.linear_qkv.bias"
 PROJ_BIAS = f"{LAYERS}self_attention.linear_proj.bias"
 FC1_BIAS = f"{LAYERS}mlp.linear_fc1.bias"
 FC2_BIAS = f"{LAYERS}mlp.linear_fc2.bias"
+Q_NORM = f"{LAYERS}self_attention.q_layernorm.weight"
+K_NORM = f"{LAYERS}self_attention.k_layernorm.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
 
 #: Megatron key of a per-layer tensor taken whole -> the HF name within ``model.layers.{i}.`` (the biases where the
-#: GPT has them: :func:`_whole_per_layer`).
+#: GPT has them, and a Qwen3's head norms: :func:`_whole_per_layer`).
 _WHOLE_PER_LAYER = {
     INPUT_NORM: "input_layernorm.weight",
     PROJ: "self_attn.o_proj.weight",
     PROJ_BIAS: "self_attn.o_proj.bias",
+    Q_NORM: "self_attn.q_norm.weight",
+    K_NORM: "self_attn.k_norm.weight",
     MLP_NORM: "post_attention_layernorm.weight",
     FC2: "mlp.down_proj.weight",
     FC2_BIAS: "mlp.down_proj.bias",
 }
 
 #: The Hugging Face architectures a Megatron GPT is written as (:func:`architecture`).
-LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
-#: The ``model.factory`` of transformers' Llama (or Qwen2) of a ``config.json``'s keys.
+LLAMA, QWEN2, QWEN3 = "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+#: Each architecture's ``model_type`` in its ``config.json``.
+MODEL_TYPES = {LLAMA: "llama", QWEN2: "qwen2", QWEN3: "qwen3"}
+#: The ``model.factory`` of transformers' Llama (or Qwen2, Qwen3) of a ``config.json``'s keys.
 HF_FACTORY = "hf_llama"
 HF_EMBEDDING = "model.embed_tokens.weight"
 
@@ -137,9 +156,12 @@ def fits_gpt(gpt: Gpt) -> bool:
 
 
 def architecture(args: dict[str, Any]) -> str:
-    """The Hugging Face model of this family that computes the GPT Megatron-LM's ``args`` describe: Qwen2's where only
-    ``linear_qkv`` has a bias (``add_qkv_bias``: Qwen2 biases q, k and v, not o, nor its MLP), else Llama's
-    (``add_bias_linear``, a bias on each of the four linears, is Llama's ``attention_bias`` and ``mlp_bias``)."""
+    """The Hugging Face model of this family that computes the GPT Megatron-LM's ``args`` describe: Qwen3's where each
+    head's query and key are normed (``qk_layernorm``), Qwen2's where only ``linear_qkv`` has a bias (``add_qkv_bias``:
+    Qwen2 biases q, k and v, not o, nor its MLP), else Llama's (``add_bias_linear``, a bias on each of the four
+    linears, is Llama's ``attention_bias`` and ``mlp_bias``)."""
+    if args.get("qk_layernorm"):
+        return QWEN3
     return QWEN2 if args.get("add_qkv_bias") and not args.get("add_bias_linear") else LLAMA
 
 
@@ -167,11 +189,14 @@ def refusals(args: dict[str, Any]) -> list[str]:
     ``tie_word_embeddings`` (one parameter, which a PyTorch job's optimizer holds once). torchtitan's llama3 has
     neither biases nor tying: :func:`titan_refusals`."""
     norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
-    qwen2 = architecture(args) == QWEN2
+    qwen2, qwen3 = architecture(args) == QWEN2, architecture(args) == QWEN3
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
     checks = [
         (norm != "RMSNorm", f"{norm} (not RMSNorm)"),
         (not args.get("swiglu"), "an MLP without SwiGLU"),
+        (qwen3 and bool(args.get("add_bias_linear") or args.get("add_qkv_bias")),
+         "linear biases with qk_layernorm (a Qwen3's linears have none)"),
+        (qwen3 and bool(args.get("use_rope_scaling")), "RoPE scaling with qk_layernorm (a Qwen3)"),
         (qwen2 and bool(args.get("use_rope_scaling")), "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
         (qwen2 and int(args.get("kv_channels") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads with linear_qkv's bias alone (a Qwen2)"),
@@ -214,15 +239,15 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
         ValueError: one line naming what HF's Llama cannot express (:func:`refusals`), "not supported yet".
     """
     _refuse(refusals(args))
-    linear_bias, qwen2 = bool(args.get("add_bias_linear")), architecture(args) == QWEN2
+    linear_bias, arch = bool(args.get("add_bias_linear")), architecture(args)
     heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     theta = float(args.get("rotary_base", 10000))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if (factor := _rope_scaling_factor(args)) is not None:  # Llama 3.1's, as megatron-core applies it
         rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **_MEGATRON_LLAMA3}
     config = {
-        "architectures": [QWEN2 if qwen2 else LLAMA],
-        "model_type": "qwen2" if qwen2 else "llama",
+        "architectures": [arch],
+        "model_type": MODEL_TYPES[arch],
         "hidden_size": hidden,
         "intermediate_size": int(args["ffn_hidden_size"]),
         "num_attention_heads": heads,
@@ -244,9 +269,11 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
         "dtype": dtype,
         "torch_dtype": dtype,
     }
-    if qwen2:  # Qwen2's biases are its architecture's (q, k, v), not keys; its attention is full in every layer
-        del config["attention_bias"], config["mlp_bias"]
+    if arch != LLAMA:  # Qwen2's biases are its architecture's (q, k, v), Qwen3 has none (refusals); full attention
+        del config["mlp_bias"]
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=int(args["num_layers"]))
+    if arch == QWEN2:
+        del config["attention_bias"]
     return config
 
 
@@ -258,6 +285,7 @@ def titan_refusals(args: dict[str, Any]) -> list[str]:
     checks = [
         (biased, "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"),
         (tied_embeddings(args), "tied embedding and output weights (torchtitan's llama3 has no tying)"),
+        (bool(args.get("qk_layernorm")), "qk_layernorm (torchtitan's llama3 norms no query or key)"),
     ]
     return refusals(args) + [what for bad, what in checks if bad]
 
@@ -301,13 +329,16 @@ def _check_gpt(gpt: Gpt) -> None:
         what.append("a learned position table (not rope)")
     if gpt.num_attention_heads % gpt.num_query_groups:
         what.append(f"{gpt.num_attention_heads} heads in {gpt.num_query_groups} query groups")
+    if gpt.qk_layernorm and (gpt.linear_bias or gpt.has_qkv_bias):
+        what.append("linear biases with qk_layernorm (a Qwen3's linears have none)")
     _refuse(what)
 
 
 def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``: :func:`architecture`) state dict
-    :func:`to_hf` gives, and its shape, in transformers' ``named_parameters()`` order (a decoder layer's attention,
-    its MLP, its two norms; each linear's bias, where the GPT has one, after its weight): the order a PyTorch
+    """Every tensor of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: :func:`architecture`)
+    state dict :func:`to_hf` gives, and its shape, in transformers' ``named_parameters()`` order (a decoder layer's
+    attention, a Qwen3's head norms after its projections, its MLP, its two norms; each linear's bias, where the GPT
+    has one, after its weight): the order a PyTorch
     optimizer's state follows (:func:`osdpipe.io.hf_folder.model_from_config` builds the model's tree from it)."""
     h, d, f = gpt.hidden_size, gpt.kv_channels, gpt.ffn_hidden_size
     q, kv, o = gpt.num_attention_heads * d, gpt.num_query_groups * d, gpt.linear_bias
@@ -319,6 +350,7 @@ def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
             "self_attn.k_proj.weight": ((kv, h), True), "self_attn.k_proj.bias": ((kv,), gpt.has_qkv_bias),
             "self_attn.v_proj.weight": ((kv, h), True), "self_attn.v_proj.bias": ((kv,), gpt.has_qkv_bias),
             "self_attn.o_proj.weight": ((h, q), True), "self_attn.o_proj.bias": ((h,), o),
+            "self_attn.q_norm.weight": ((d,), gpt.qk_layernorm), "self_attn.k_norm.weight": ((d,), gpt.qk_layernorm),
             "mlp.gate_proj.weight": ((f, h), True), "mlp.gate_proj.bias": ((f,), o),
             "mlp.up_proj.weight": ((f, h), True), "mlp.up_proj.bias": ((f,), o),
             "mlp.down_proj.weight": ((h, f), True), "mlp.down_proj.bias": ((h,), o),
@@ -357,8 +389,8 @@ def _megatron_key_of(name: str) -> str:
 
 def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """Megatron's GPT tensors (every key of :func:`osdpipe.layout.megatron.global_shapes`, layers stacked) -> the
-    ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) state dict (module docstring's table), the vocabulary cut to its
-    first ``vocab_size`` rows.
+    ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) state dict (module docstring's table), the
+    vocabulary cut to its first ``vocab_size`` rows.
 
     A pure rearrangement: every output element is an input element, copied (the outputs own their storage, each
     contiguous, as ``safetensors`` wants), so the same call maps fp32 masters and Adam's moments.
@@ -456,25 +488,30 @@ def hf_refusals(config: dict[str, Any]) -> list[str]:
     """What of a Hugging Face ``config.json`` a Megatron GPT with the local layer spec cannot express (empty:
     nothing), a model folder's or a PyTorch job's (the HF Trainer's, accelerate's) alike: it must be a Llama
     (``model_type`` llama, ``LlamaForCausalLM``) with ``attention_bias`` and ``mlp_bias`` both or neither (Megatron
-    biases all four linears or ``linear_qkv`` alone: ``add_bias_linear``), or a Qwen2 (``Qwen2ForCausalLM``:
-    ``add_qkv_bias``) without sliding windows or RoPE scaling; with SiLU, plain RoPE, and as many query heads per
-    key/value head in every group; its embeddings tied or not (``tie_word_embeddings``: Megatron's tied embedding,
-    :func:`megatron_args`)."""
-    arch = config.get("architectures") or [QWEN2 if config.get("model_type") == "qwen2" else LLAMA]  # none: its type's
+    biases all four linears or ``linear_qkv`` alone: ``add_bias_linear``), a Qwen2 (``Qwen2ForCausalLM``:
+    ``add_qkv_bias``) or a Qwen3 without biases (``Qwen3ForCausalLM``: ``qk_layernorm``), either without sliding
+    windows or RoPE scaling; with SiLU, plain RoPE, and as many query heads per key/value head in every group; its
+    embeddings tied or not (``tie_word_embeddings``: Megatron's tied embedding, :func:`megatron_args`)."""
+    by_type = {kind: arch for arch, kind in MODEL_TYPES.items()}
+    arch = config.get("architectures") or [by_type.get(config.get("model_type"), LLAMA)]  # none: its type's
     rope = _rope_parameters(config)
     heads = int(config.get("num_attention_heads") or 0)
     groups = int(config.get("num_key_value_heads") or heads)
-    qwen2 = (config.get("model_type"), arch) == ("qwen2", [QWEN2])
+    known = len(arch) == 1 and MODEL_TYPES.get(arch[0]) == config.get("model_type")
+    qwen2, qwen3 = known and arch == [QWEN2], known and arch == [QWEN3]
     attention, mlp = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
     hidden = int(config.get("hidden_size") or 0)
     checks = [
-        (not qwen2 and (config.get("model_type") != "llama" or arch != [LLAMA]),
-         f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM or "
-         "Qwen2ForCausalLM"),
-        (not qwen2 and attention != mlp,
+        (not known,
+         f"model_type {config.get('model_type')!r} ({', '.join(map(str, arch))}), not a LlamaForCausalLM, "
+         "Qwen2ForCausalLM or Qwen3ForCausalLM"),
+        (known and arch == [LLAMA] and attention != mlp,
          "attention biases without MLP biases or the other way (Megatron biases all four linears or linear_qkv alone)"),
-        (qwen2 and bool(config.get("use_sliding_window")), "sliding-window attention (use_sliding_window)"),
-        (qwen2 and rope.get("rope_type", rope.get("type", "default")) != "default", "RoPE scaling in a Qwen2"),
+        (qwen3 and attention, "attention_bias in a Qwen3 (o_proj biased with q, k and v, the MLP not: no Megatron "
+                              "bias option is that)"),
+        ((qwen2 or qwen3) and bool(config.get("use_sliding_window")), "sliding-window attention (use_sliding_window)"),
+        ((qwen2 or qwen3) and rope.get("rope_type", rope.get("type", "default")) != "default",
+         f"RoPE scaling in a {arch[0].removesuffix('ForCausalLM')}"),
         (qwen2 and heads > 0 and int(config.get("head_dim") or hidden // heads) * heads != hidden,
          "a head dimension other than hidden / heads in a Qwen2"),
         (config.get("hidden_act", "silu") != "silu", f"the {config.get('hidden_act')} activation (not silu)"),
@@ -492,7 +529,7 @@ def hf_refusals(config: dict[str, Any]) -> list[str]:
 def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, iteration: int, sharding: str,
                   divisible_by: int, vpp: int = 1) -> dict[str, Any]:
     """The Megatron-LM ``args`` (``common.pt``) of the GPT that computes the Hugging Face ``LlamaForCausalLM`` (or
-    ``Qwen2ForCausalLM``) of ``config`` (its ``config.json``), for TP ``tp`` x PP
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) of ``config`` (its ``config.json``), for TP ``tp`` x PP
     ``pp`` on ``world`` ranks (``vpp`` model chunks per stage), at ``iteration``, its optimizer saved as
     ``sharding``, the vocabulary padded to a multiple of ``divisible_by`` x TP: the inverse of :func:`hf_config`
     (the defaults are :func:`osdpipe.layout.megatron_hf.megatron_args`'s).
@@ -500,7 +537,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
     What Megatron-LM's ``load_checkpoint`` and osdpipe's own reader need: the GPT's dimensions (``num_query_groups``
     with ``group_query_attention`` where there are fewer key/value heads than heads), RMSNorm, SwiGLU, RoPE with
     ``rotary_base``, the biases (``add_bias_linear`` for a Llama's ``attention_bias`` and ``mlp_bias``,
-    ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals`), tied or untied embeddings, the local
+    ``add_qkv_bias`` for a Qwen2: :func:`hf_refusals`), a Qwen3's ``qk_layernorm``, tied or untied embeddings, the local
     layer spec, the true ``vocab_size`` (the NullTokenizer's, as Megatron-LM records it for ``--vocab-size``) and
     ``padded_vocab_size`` (:func:`osdpipe.layout.megatron.padded_vocab_size`), the parallelism, the distributed
     optimizer, ``torch_dist``.
@@ -513,7 +550,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
     what = hf_refusals(config)
     if what:
         raise ValueError(f"a Hugging Face model with {', '.join(what)}: not supported yet as a Megatron GPT")
-    qwen2 = config.get("model_type") == "qwen2"
+    kind = config.get("model_type")
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         groups = int(config.get("num_key_value_heads") or heads)
@@ -539,8 +576,8 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
         "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": scaling is not None,
         "rope_scaling_factor": scaling or 8.0,
         "untie_embeddings_and_output_weights": not tied_word_embeddings(config),
-        "add_bias_linear": bool(config.get("attention_bias")) and not qwen2, "add_qkv_bias": qwen2,
-        "qk_layernorm": False, "num_experts": None, "transformer_impl": "local",
+        "add_bias_linear": bool(config.get("attention_bias")) and kind == "llama", "add_qkv_bias": kind == "qwen2",
+        "qk_layernorm": kind == "qwen3", "num_experts": None, "transformer_impl": "local",
         "hidden_dropout": 0.0, "attention_dropout": float(config.get("attention_dropout") or 0.0),
         **save_args(vocab, divisible_by, tp, iteration, sharding),
     }

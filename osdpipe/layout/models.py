@@ -232,18 +232,18 @@ def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Mod
 
 def hf_llama(**config: Any) -> nn.Module:
     """Hugging Face's ``LlamaForCausalLM`` of a ``config.json``'s keys (``model.kwargs``), or its ``Qwen2ForCausalLM``
-    where ``model_type`` is ``qwen2``: the model a Megatron GPT becomes (:func:`osdpipe.layout.megatron_hf.hf_config`;
-    a Qwen2 is a Llama with biases on q, k and v). Its FSDP units are its decoder layers, the modules transformers
-    never splits (``_no_split_modules``). Needs transformers (``pip install transformers``)."""
+    or ``Qwen3ForCausalLM`` where ``model_type`` is ``qwen2`` or ``qwen3``: the model a Megatron GPT becomes
+    (:func:`osdpipe.layout.megatron_hf.hf_config`; a Qwen2 is a Llama with biases on q, k and v, a Qwen3 one with a
+    norm on each head's query and key). Its FSDP units are its decoder layers, the modules transformers never splits
+    (``_no_split_modules``). Needs transformers (``pip install transformers``)."""
     try:
         import transformers
     except ImportError as exc:
         raise ValueError(f"model.factory=hf_llama: cannot import transformers ({exc}); pip install transformers") \
             from None
-    qwen2 = config.get("model_type") == "qwen2"
-    config_class, model_class = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if qwen2
-                                 else (transformers.LlamaConfig, transformers.LlamaForCausalLM))  # fmt: skip
-    model = model_class(config_class(**config))
+    classes = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+    config_name, model_name = classes.get(config.get("model_type"), ("LlamaConfig", "LlamaForCausalLM"))
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
     model.fsdp_units = tuple(model._no_split_modules or ())
     return model
 

@@ -1,5 +1,5 @@
-"""``megatron_hf.megatron_args``: a Hugging Face Llama's (or a model folder's Qwen2's) ``config.json`` -> Megatron-LM's
-``args``, pure.
+"""``megatron_hf.megatron_args``: a Hugging Face Llama's (or a model folder's Qwen2's or Qwen3's) ``config.json`` ->
+Megatron-LM's ``args``, pure.
 
 It is :func:`~osdpipe.layout.megatron_hf.hf_config`'s inverse on every dimension the map and the layout read, pads the
 vocabulary as Megatron-LM does for the TP, and refuses in one line what a Megatron GPT cannot be or a grid that does not
@@ -95,7 +95,8 @@ def test_a_llamas_tied_embeddings_are_megatrons_and_back() -> None:
     ({**QWEN2, "use_sliding_window": True}, "sliding-window attention"),
     ({**QWEN2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "RoPE scaling in a Qwen2"),
     ({**QWEN2, "head_dim": 16}, "a head dimension other than hidden / heads in a Qwen2"),
-    ({**QWEN2, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "not a LlamaForCausalLM or Qwen2"),
+    ({**QWEN2, "model_type": "qwen3", "architectures": ["Qwen2ForCausalLM"]}, "not a LlamaForCausalLM, Qwen2"),
+    ({**QWEN2, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "not a LlamaForCausalLM, Qwen2"),
 ])
 def test_what_biases_cannot_be_in_megatron_is_refused_in_one_line(change, said) -> None:
     with pytest.raises(ValueError, match="not supported yet as a Megatron GPT") as err:
@@ -158,3 +159,31 @@ def test_megatrons_use_rope_scaling_is_llama_3_1s_in_transformers_and_torchtitan
     plain = megatron_args(LLAMA, 1, 1, 1)
     assert hf_config(plain)["rope_parameters"]["rope_type"] == "default"
     assert "rope_scaling" not in titan_args(plain, vocab_size=LLAMA["vocab_size"])
+
+
+QWEN3 = {**QWEN2, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16, "attention_bias": False}
+
+
+def test_a_qwen3_is_megatrons_qk_layernorm_and_back() -> None:
+    """A Qwen3 (a norm on each head's query and key, no biases, a head dimension of its own) is Megatron's GPT with
+    ``qk_layernorm`` and ``kv_channels``, whose layout holds the two norms; hf_config gives the Qwen3 back."""
+    args = megatron_args(QWEN3, 2, 2, 4)
+    assert (args["qk_layernorm"], args["add_bias_linear"], args["add_qkv_bias"], args["kv_channels"]) == \
+        (True, False, False, 16)
+    gpt = gpt_of(args)
+    assert gpt.qk_layernorm and not gpt.has_qkv_bias and gpt.kv_channels == 16
+    back = hf_config(args)
+    assert (back["architectures"], back["model_type"], back["head_dim"]) == (["Qwen3ForCausalLM"], "qwen3", 16)
+    assert back["attention_bias"] is False and hf_refusals(QWEN3) == []
+    assert megatron_args(LLAMA, 2, 2, 4)["qk_layernorm"] is False
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"attention_bias": True}, "attention_bias in a Qwen3"),
+    ({"use_sliding_window": True}, "sliding-window attention"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "RoPE scaling in a Qwen3"),
+])
+def test_what_a_qwen3_has_and_megatron_cannot_is_refused_in_one_line(change, said) -> None:
+    with pytest.raises(ValueError, match="not supported yet as a Megatron GPT") as err:
+        megatron_args({**QWEN3, **change}, 1, 1, 1)
+    assert said in str(err.value) and "\n" not in str(err.value)

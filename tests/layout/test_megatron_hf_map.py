@@ -30,7 +30,8 @@ from osdpipe.layout.megatron_hf import (
 
 #: The harness's GPT (tests/frameworks/mcore.py: GQA 4 heads / 2 groups), MHA, MQA, kv_channels != hidden / heads,
 #: and GQA with Megatron-LM's linear biases (a Llama with attention_bias and mlp_bias) or linear_qkv's alone (a Qwen2),
-#: or with its embedding tied to the output layer (a Llama with tie_word_embeddings: no lm_head.weight).
+#: or with its embedding tied to the output layer (a Llama with tie_word_embeddings: no lm_head.weight), or with a norm
+#: on each head's query and key (qk_layernorm: a Qwen3, its head dimension other than hidden / heads as Qwen3's is).
 GPTS = {
     "gqa": Gpt(num_layers=3, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
                kv_channels=4, padded_vocab_size=40, swiglu=True),
@@ -46,8 +47,11 @@ GPTS = {
                         kv_channels=4, padded_vocab_size=40, swiglu=True, qkv_bias=True),
     "gqa_tied": Gpt(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
                     kv_channels=4, padded_vocab_size=40, swiglu=True, tied=True),
+    "gqa_qk": Gpt(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
+                  kv_channels=6, padded_vocab_size=40, swiglu=True, qk_layernorm=True),
 }
-VOCAB = {"gqa": 37, "mha": 16, "mqa": 20, "wide_heads": 9, "gqa_biased": 37, "gqa_qkv_bias": 37, "gqa_tied": 37}
+VOCAB = {"gqa": 37, "mha": 16, "mqa": 20, "wide_heads": 9, "gqa_biased": 37, "gqa_qkv_bias": 37, "gqa_tied": 37,
+         "gqa_qk": 37}
 
 #: Megatron-LM's args of the harness's GPT (tests/frameworks/mcore.py ``make_args``), the fields the map reads.
 ARGS = dict(
@@ -124,6 +128,11 @@ def test_each_tensor_lands_where_the_heads_say(name):
             assert torch.equal(hf[p + "mlp.down_proj.bias"], x["decoder.layers.mlp.linear_fc2.bias"][i])
             assert torch.equal(hf[p + "self_attn.o_proj.bias"], x["decoder.layers.self_attention.linear_proj.bias"][i])
         assert (p + "self_attn.o_proj.bias" in hf) == (p + "mlp.up_proj.bias" in hf) == gpt.linear_bias
+        for which in ("q", "k"):  # one norm of d for every head: whole
+            norm = x.get(f"decoder.layers.self_attention.{which}_layernorm.weight")
+            assert (norm is not None) == (p + f"self_attn.{which}_norm.weight" in hf) == gpt.qk_layernorm
+            if norm is not None:
+                assert torch.equal(hf[p + f"self_attn.{which}_norm.weight"], norm[i]) and norm.shape[1:] == (d,)
 
 
 @pytest.mark.parametrize("name", sorted(GPTS))
@@ -240,7 +249,9 @@ def test_vocabulary_and_query_groups_from_args():
     ({"rotary_percent": 0.5}, "partial RoPE"),
     ({"rotary_seq_len_interpolation_factor": 4}, "RoPE position interpolation"),
     ({"rope_type": "yarn"}, "the yarn RoPE type"),
-    ({"qk_layernorm": True}, "qk_layernorm"),
+    ({"qk_layernorm": True, "add_bias_linear": True}, "linear biases with qk_layernorm"),
+    ({"qk_layernorm": True, "add_qkv_bias": True}, "linear biases with qk_layernorm"),
+    ({"qk_layernorm": True, "use_rope_scaling": True}, "RoPE scaling with qk_layernorm"),
     ({"multi_latent_attention": True}, "multi-latent attention"),
     ({"window_size": (128, 0)}, "sliding-window attention"),
     ({"mtp_num_layers": 1}, "multi-token prediction layers"),
@@ -274,6 +285,24 @@ def test_a_biased_gpt_is_a_biased_llama_or_a_qwen2_in_a_folder_and_a_pytorch_job
     if architecture == "Qwen2ForCausalLM":  # what Qwen2 cannot take, named, for a folder and a PyTorch job alike
         assert "RoPE scaling" in ", ".join(refusals({**args, "use_rope_scaling": True}))
         assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}))
+
+
+def test_a_qk_layernorm_gpt_is_a_qwen3_in_a_folder_and_a_pytorch_job_and_refused_for_torchtitan():
+    """A norm on each head's query and key, no biases: transformers' Qwen3 (its head dimension written, as a Qwen3's
+    need not be hidden / heads); torchtitan's llama3 norms no query or key, and GPT-2 neither."""
+    from osdpipe.layout import megatron_gpt2
+
+    args = {**ARGS, "qk_layernorm": True, "kv_channels": 24}
+    config = hf_config(args)
+    assert (config["architectures"], config["model_type"]) == (["Qwen3ForCausalLM"], "qwen3")
+    assert config["head_dim"] == 24 and config["attention_bias"] is False and "mlp_bias" not in config
+    assert (config["use_sliding_window"], config["sliding_window"]) == (False, None)
+    assert refusals(args) == []
+    assert titan_refusals(args) == ["qk_layernorm (torchtitan's llama3 norms no query or key)"]
+    assert "qk_layernorm" in ", ".join(megatron_gpt2.refusals({**ARGS, "normalization": "LayerNorm",
+                                                               "qk_layernorm": True}))
+    with pytest.raises(ValueError, match="linear biases with qk_layernorm"):  # the map refuses a layout with both
+        to_hf(Gpt(**{**GPTS["gqa_qk"].__dict__, "linear_bias": True}), {}, 37)
 
 
 def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_for_torchtitan():
