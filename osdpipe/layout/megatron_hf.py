@@ -3,10 +3,10 @@
 A Megatron GPT computes the function of one Hugging Face model or another depending on what it is built of: with
 RMSNorm, SwiGLU and RoPE a ``LlamaForCausalLM`` (or a ``Qwen2ForCausalLM``, a ``Qwen3ForCausalLM``:
 :mod:`osdpipe.layout.megatron_llama`), with LayerNorm and a learned position table, Megatron-LM's defaults, a
-``GPT2LMHeadModel`` (:mod:`osdpipe.layout.megatron_gpt2`). Each such family is a module with the same functions (:class:`HfFamily`), and
-:data:`FAMILIES` is their one registry: what converts, checks or proves a GPT asks here, and the family is chosen once,
-from Megatron-LM's ``args``, from a ``config.json``, or from a GPT's layout. A new family (another architecture of
-transformers) is a module and an entry in :data:`FAMILIES`, not a branch in each caller.
+``GPT2LMHeadModel`` (:mod:`osdpipe.layout.megatron_gpt2`). Each such family is a module with the same functions
+(:class:`HfFamily`), and :data:`FAMILIES` is their one registry: what converts, checks or proves a GPT asks here, and
+the family is chosen once, from Megatron-LM's ``args``, from a ``config.json``, or from a GPT's layout. A new family
+(another architecture of transformers) is a module and an entry in :data:`FAMILIES`, not a branch in each caller.
 
 The order of :data:`FAMILIES` is the order they are asked in; the last, the Llama's, fits every GPT (its refusals then
 say what of it a Llama cannot express). A family's model is the same transformers model in a model folder and in a

@@ -1,5 +1,5 @@
-"""A Hugging Face ``LlamaForCausalLM``'s, ``Qwen2ForCausalLM``'s or ``GPT2LMHeadModel``'s whole checkpoint -> a
-Megatron-LM ``torch_dist`` save, optimizer included.
+"""A Hugging Face ``LlamaForCausalLM``'s, ``Qwen2ForCausalLM``'s, ``Qwen3ForCausalLM``'s or ``GPT2LMHeadModel``'s whole
+checkpoint -> a Megatron-LM ``torch_dist`` save, optimizer included.
 
 The source is read by osdpipe's own readers of the checkpoint's layout (the HF Trainer's or accelerate's folder,
 PyTorch's own: ``checkpoint=accelerate|pytorch``, :func:`osdpipe.run.stages.load.open_input`): every parameter's

@@ -165,7 +165,7 @@ def _as_hf(
     job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None
 ) -> Converted:
     """The ``shard`` and ``verify`` stages of a Hugging Face folder (``output.checkpoint=hf``): the fp32 master weights
-    mapped to Llama's, Qwen2's or GPT-2's names and layout (:mod:`osdpipe.layout.megatron_hf`), written as
+    mapped to Llama's, Qwen2's, Qwen3's or GPT-2's names and layout (:mod:`osdpipe.layout.megatron_hf`), written as
     ``save_pretrained`` writes them, read back and mapped again: every element of every master, the vocabulary's
     padding rows left out."""
     from osdpipe.io import hf_folder

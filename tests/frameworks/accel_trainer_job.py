@@ -8,8 +8,9 @@ GPU (``distributed_type = FSDP``, the plugin the Trainer built, a plain
 ``torch.device("cpu")``), then lets the Trainer run as it is.
 
 Run: ``torchrun --standalone --nproc-per-node N accel_trainer_job.py '<json>'`` with keys out, version (1|2),
-state_dict_type, max_steps, resume (a checkpoint folder or null), tied, qwen2 (a ``Qwen2ForCausalLM`` of the same
-dimensions instead: biases on q, k and v), llama (LlamaConfig dimensions other than :data:`LLAMA`'s), gpt2 (a
+state_dict_type, max_steps, resume (a checkpoint folder or null), tied, family (``qwen2``: a ``Qwen2ForCausalLM`` of
+the same dimensions instead, biases on q, k and v; ``qwen3``: a ``Qwen3ForCausalLM``, a norm on each head's query and
+key), llama (the config's dimensions other than :data:`LLAMA`'s), gpt2 (a
 ``GPT2LMHeadModel`` of these GPT2Config dimensions instead of the Llama), dump (where rank
 0 saves the gathered state: at the end of a fresh run, right after the load in a resumed one). Rank 0 prints one
 ``RESULT {json}`` line.
@@ -34,13 +35,17 @@ LLAMA = {"vocab_size": 37, "hidden_size": 16, "intermediate_size": 20, "num_hidd
          "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
 
 
-def build_llama(tied: bool = False, qwen2: bool = False, **dims: Any) -> Any:
-    """A tiny ``LlamaForCausalLM`` from a ``LlamaConfig`` (no download), or with ``qwen2`` a ``Qwen2ForCausalLM`` of
-    the same dimensions: the Trainer's model, and osdpipe's ``model.factory``; ``dims``: :data:`LLAMA`'s keys to
-    change."""
+#: Each family the Trainer's model may be: its config class and its model.
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
+def build_llama(tied: bool = False, family: str = "llama", **dims: Any) -> Any:
+    """A tiny ``LlamaForCausalLM`` from a ``LlamaConfig`` (no download), or a Qwen2 or Qwen3 of the same dimensions
+    (``family``): the Trainer's model, and osdpipe's ``model.factory``; ``dims``: :data:`LLAMA`'s keys to change."""
     import transformers
 
-    config, model = ("Qwen2Config", "Qwen2ForCausalLM") if qwen2 else ("LlamaConfig", "LlamaForCausalLM")
+    config, model = FAMILIES[family]
     return getattr(transformers, model)(getattr(transformers, config)(**{**LLAMA, **dims}, tie_word_embeddings=tied))
 
 
@@ -89,7 +94,7 @@ def make_trainer(spec: dict[str, Any]) -> Any:
     if spec.get("gpt2"):
         model = build_gpt2(**spec["gpt2"])
     else:
-        model = build_llama(spec.get("tied", False), spec.get("qwen2", False), **(spec.get("llama") or {}))
+        model = build_llama(spec.get("tied", False), spec.get("family", "llama"), **(spec.get("llama") or {}))
     gen = torch.Generator().manual_seed(7)
     vocab = model.config.vocab_size
     data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, vocab, (64, 9), generator=gen)]

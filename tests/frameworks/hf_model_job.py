@@ -26,13 +26,17 @@ class LogitsQwen2(_Logits, transformers.Qwen2ForCausalLM):
     pass
 
 
+class LogitsQwen3(_Logits, transformers.Qwen3ForCausalLM):
+    pass
+
+
 class LogitsGpt2(_Logits, transformers.GPT2LMHeadModel):
     pass
 
 
 #: ``model_type`` -> the config class and the model of it.
 _MODELS = {"llama": (transformers.LlamaConfig, LogitsLlama), "qwen2": (transformers.Qwen2Config, LogitsQwen2),
-           "gpt2": (transformers.GPT2Config, LogitsGpt2)}
+           "qwen3": (transformers.Qwen3Config, LogitsQwen3), "gpt2": (transformers.GPT2Config, LogitsGpt2)}
 
 
 def logits_model(config: str) -> torch.nn.Module:

@@ -54,6 +54,9 @@ WARMUP_ITERS, TRAIN_ITERS = 2, 10
 DIVISIBLE_BY = 128
 #: RMSNorm's epsilon and RoPE's base: the harness's GPT's, or a save's own (:func:`configure_from`).
 NORM_EPS, ROTARY_BASE = 1e-5, 10000
+#: Each head's dimension (``kv_channels``); ``None``: hidden / heads, Megatron-LM's default. A save's own, where the
+#: GPT is built from it (:func:`configure_from`: a Qwen3's is its own).
+KV_CHANNELS: int | None = None
 #: Llama 3.1's RoPE scaling factor (Megatron-LM's --use-rope-scaling); ``None``: unscaled. A save's own, where the GPT
 #: is built from it (:func:`configure_from`).
 ROPE_SCALING: float | None = None
@@ -451,11 +454,9 @@ def configure_from(folder: Path) -> None:
     from megatron.core import dist_checkpointing
 
     args = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(Path(folder))[0]))["args"]
-    if args.kv_channels != args.hidden_size // args.num_attention_heads:
-        raise SystemExit(f"kv_channels {args.kv_channels} != hidden / heads: the harness builds no such GPT yet")
     restore({
         "VOCAB": args.vocab_size, "HIDDEN": args.hidden_size, "FFN": args.ffn_hidden_size, "LAYERS": args.num_layers,
-        "HEADS": args.num_attention_heads,
+        "HEADS": args.num_attention_heads, "KV_CHANNELS": args.kv_channels,
         "GROUPS": args.num_query_groups if args.group_query_attention else args.num_attention_heads,
         "NORM_EPS": args.norm_epsilon, "ROTARY_BASE": args.rotary_base,
         "DIVISIBLE_BY": args.make_vocab_size_divisible_by,
@@ -477,9 +478,14 @@ def use_model(name: str) -> None:
 
 #: The module's globals a job's options change (:func:`use_model`, :func:`configure_from`, the bias flags), each set
 #: through :func:`restore`: what :func:`settings` keeps and :func:`restore` puts back between the jobs of one launch.
-_SETTINGS = ("VOCAB", "HIDDEN", "FFN", "LAYERS", "HEADS", "GROUPS", "NORM_EPS", "ROTARY_BASE", "DIVISIBLE_BY",
-             "ROPE_SCALING", "BIAS_LINEAR", "BIAS_QKV", "NORM", "POSITIONS", "SWIGLU", "TIED", "GQA", "OPENAI_GELU",
-             "MAX_POSITIONS", "BUCKET_SIZE", "NUM_BUCKETS", "QK_LAYERNORM")
+_SETTINGS = ("VOCAB", "HIDDEN", "FFN", "LAYERS", "HEADS", "KV_CHANNELS", "GROUPS", "NORM_EPS", "ROTARY_BASE",
+             "DIVISIBLE_BY", "ROPE_SCALING", "BIAS_LINEAR", "BIAS_QKV", "NORM", "POSITIONS", "SWIGLU", "TIED", "GQA",
+             "OPENAI_GELU", "MAX_POSITIONS", "BUCKET_SIZE", "NUM_BUCKETS", "QK_LAYERNORM")
+
+
+def head_dim() -> int:
+    """Each head's dimension in the GPT the harness builds now."""
+    return KV_CHANNELS or HIDDEN // HEADS
 
 
 def settings() -> dict[str, Any]:
@@ -542,7 +548,7 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         overlap_grad_reduce=BUCKET_SIZE is not None or NUM_BUCKETS is not None, ddp_num_buckets=NUM_BUCKETS,
         # model
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS if GQA else HEADS, group_query_attention=GQA, kv_channels=HIDDEN // HEADS,
+        num_query_groups=GROUPS if GQA else HEADS, group_query_attention=GQA, kv_channels=head_dim(),
         seq_length=SEQ,
         max_position_embeddings=MAX_POSITIONS, encoder_seq_length=SEQ, decoder_seq_length=None, normalization=NORM,
         norm_epsilon=NORM_EPS, swiglu=SWIGLU, squared_relu=False, position_embedding_type=POSITIONS,
@@ -644,7 +650,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
     dtype = args.params_dtype
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS if GQA else HEADS, kv_channels=HIDDEN // HEADS, normalization=NORM,
+        num_query_groups=GROUPS if GQA else HEADS, kv_channels=head_dim(), normalization=NORM,
         layernorm_epsilon=NORM_EPS,
         gated_linear_unit=SWIGLU, activation_func=F.silu if SWIGLU else openai_gelu if OPENAI_GELU else F.gelu,
         add_bias_linear=BIAS_LINEAR,
@@ -783,8 +789,8 @@ def rng_state() -> Any:
 
 def flops_so_far(iteration: int) -> float:
     """A floating-point-operation count for ``num_floating_point_operations_so_far`` (6 x params x tokens)."""
-    params = (2 * padded_vocab(VOCAB, 1) * HIDDEN + LAYERS * (HIDDEN * (HEADS + 2 * GROUPS) * (HIDDEN // HEADS)
-              + HIDDEN * HIDDEN + 3 * HIDDEN * FFN))
+    params = (2 * padded_vocab(VOCAB, 1) * HIDDEN + LAYERS * (HIDDEN * (HEADS + 2 * GROUPS) * head_dim()
+              + HIDDEN * HEADS * head_dim() + 3 * HIDDEN * FFN))
     return float(6 * params * iteration * GLOBAL_BATCH * SEQ)
 
 

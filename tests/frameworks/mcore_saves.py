@@ -60,6 +60,7 @@ SAVES = {
     "tp1_pp2_dp2_buckets": Save(1, 2, 2, "dp_reshardable", bucket=BUCKET),
     "gpt_qk_tp2_pp2": Save(2, 2, 1, "dp_reshardable", bias="linear", model="gpt", qk=True),
     "tp2_dp2_counted": Save(2, 1, 2, "dp_reshardable", num_buckets=5),  # 4 buckets: each closes once past a fifth
+    "qwen3_tp2_pp2": Save(2, 2, 1, "dp_reshardable", qk=True),  # the harness's GPT with head norms: a Qwen3
 }
 #: The sources converted (the issue's three parallelisms, each in both sharding types Megatron-LM writes, a bf16
 #: job's, the legacy type at two, a GPT with every linear bias, Megatron-LM's default GPT over PP, whose tied

@@ -18,7 +18,8 @@ them (Megatron-LM's ``reload_model_params``): its second step moves no weight by
 check`` proves the save against its folder and fails against another model's. transformers' Qwen2 (Megatron's
 ``--add-qkv-bias``) and a Llama with every linear biased (``--add-bias-linear``) convert too: megatron-core holds their
 tensors bitwise and computes their logits; so does a Llama with tied embeddings (``tie_word_embeddings``) and a GPT-2
-(Megatron-LM's default GPT), whose saves convert back to the same folders.
+(Megatron-LM's default GPT), whose saves convert back to the same folders, and a Qwen3 (a norm on each head's query
+and key, a head dimension other than hidden / heads: Megatron's ``--qk-layernorm``, ``--kv-channels``).
 """
 
 from __future__ import annotations
@@ -104,6 +105,22 @@ def save_tied(folder: Path, family: str) -> Path:
     return folder
 
 
+def save_qwen3(folder: Path) -> Path:
+    """transformers' own Qwen3: :data:`LLAMA`'s dimensions with heads of 12 (6 x 12 = 72, not the hidden 48, as a
+    Qwen3's head dimension is its own), its head norms drawn about 1 so that a map that lost or swapped them would
+    move the logits."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(13)
+    model = Qwen3ForCausalLM(Qwen3Config(**LLAMA, head_dim=12))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.normal_(1.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
 #: Each folder the module converts: how it is saved, the grid (TP, PP) it converts to, and how megatron-core loads it
 #: (``resume``: that many steps on, then a second dump; each but the bf16 one with its logits on the probe tokens).
 FOLDERS = {
@@ -114,6 +131,7 @@ FOLDERS = {
     "llama with attention_bias and mlp_bias": (lambda f: save_biased(f, "llama"), (2, 1), {}),
     "llama with tie_word_embeddings": (lambda f: save_tied(f, "llama"), (2, 2), {}),
     "gpt2": (lambda f: save_tied(f, "gpt2"), (2, 2), {}),
+    "qwen3": (save_qwen3, (2, 2), {}),
 }
 
 
@@ -273,3 +291,41 @@ def test_a_tied_folder_is_a_tied_megatron_gpt_that_computes_its_logits_and_conve
     assert type(reloaded) is (GPT2LMHeadModel if family == "gpt2" else LlamaForCausalLM)
     assert reloaded.config.tie_word_embeddings
     assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
+
+
+def test_a_qwen3_folder_is_a_megatron_gpt_with_head_norms_that_computes_its_logits_and_converts_back(
+    made: dict[str, dict],
+) -> None:
+    """transformers' own Qwen3 (:func:`save_qwen3`) converts at TP2 PP2 to a Megatron GPT with ``qk_layernorm`` and
+    ``kv_channels`` 12: megatron-core, built from the save's ``args``, holds the folder's tensors bitwise (the head
+    norms whole on every TP rank) and computes its logits through the pipeline. Converted back to a folder, it is the
+    folder's tensors bitwise, which transformers loads as a Qwen3."""
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    source, out, loaded, work = (made["qwen3"][k] for k in ("source", "out", "loaded", "work"))
+    gpt = gpt_of(read_save(out).args)
+    assert gpt.qk_layernorm and gpt.kv_channels == 12 and not gpt.has_qkv_bias
+    want = from_hf(gpt, read_weights(source), gpt.padded_vocab_size)
+    assert sorted(loaded["model"]) == sorted(want) and "decoder.layers.self_attention.q_layernorm.weight" in want
+    assert [k for k, t in want.items() if not torch.equal(t, loaded["model"][k])] == []
+    assert loaded["replicas_unequal"] == []
+    diff, scale = mcore.hf_logits_gap(source, made["qwen3"]["logits"])
+    print(f"qwen3: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+    model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+    with torch.no_grad():  # the comparison sees the head norms: at transformers' initial ones, the logits move
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.fill_(1.0)
+        probe = made["qwen3"]["logits"]
+        moved = float((model(probe["tokens"]).logits - probe["logits"][..., :LLAMA["vocab_size"]]).abs().max())
+    print(f"qwen3: head norms at 1 move the logits by {moved:.3g}")
+    assert moved > 10 * RELATIVE_TOLERANCE * scale, moved
+
+    back = work / "back"
+    done = run_command([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={out}",
+                        "output.checkpoint=hf", f"output.path={back}"], cwd=work, timeout=300, env=user_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs, ours = read_weights(source), read_weights(back)
+    assert sorted(ours) == sorted(theirs) and [k for k, t in theirs.items() if not torch.equal(t, ours[k])] == []
+    assert type(AutoModelForCausalLM.from_pretrained(back)) is Qwen3ForCausalLM

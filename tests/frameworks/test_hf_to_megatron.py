@@ -17,11 +17,12 @@ megatron-core 0.16.1 job (:mod:`frameworks.mcore`, built with the save's own dim
 Converted for PP2 with 2 model chunks per stage (``target.vpp_size=2``, DP2), megatron-core's interleaved chunks hold
 (a) and take (c) too.
 
-The same Llama tied (``tie_word_embeddings``, as Llama 3.2's 1B and 3B) holds (a) to (c) too, Megatron's tied
-embedding with no output layer of its own, the last stage's copy equal to it; and so does a ``Qwen2ForCausalLM`` of
-the same dimensions (Qwen2.5's architecture: biases on q, k and v), Megatron's ``add_qkv_bias`` GPT, each bias with
-its moments; and a ``GPT2LMHeadModel`` (tied, as transformers builds it), Megatron-LM's default GPT (LayerNorm, a
-learned position table, the tanh GeLU, a bias on every linear), Conv1D's transposed weights and all.
+The same Llama tied (``tie_word_embeddings``, as Llama 3.2's 1B and 3B) holds (a) to (c) too, Megatron's tied embedding
+with no output layer of its own, the last stage's copy equal to it; and so does a ``Qwen2ForCausalLM`` of the same
+dimensions (Qwen2.5's architecture: biases on q, k and v), Megatron's ``add_qkv_bias`` GPT, each bias with its moments;
+and a ``Qwen3ForCausalLM`` (a norm on each head's query and key, heads of 12), Megatron's ``qk_layernorm`` GPT, each
+norm with its moments; and a ``GPT2LMHeadModel`` (tied, as transformers builds it), Megatron-LM's default GPT
+(LayerNorm, a learned position table, the tanh GeLU, a bias on every linear), Conv1D's transposed weights and all.
 
 A wrong map fails (b): with ``from_hf``'s key and value heads exchanged, the logits differ by far more than the
 tolerance (docs/frameworks.md says by how much). Bad input is refused in one line, exit 2, nothing written.
@@ -71,9 +72,10 @@ def convert(work: Path, source: Path, out: Path, *overrides: str):
 
 
 #: The Trainer's runs the module converts: the tests' Llama untied, tied (its ``lm_head`` the embedding, as Llama
-#: 3.2's 1B and 3B), a Qwen2 of its dimensions, and the tests' GPT-2.
-RUNS = {"untied": {"tied": False, "qwen2": False}, "tied": {"tied": True, "qwen2": False},
-        "qwen2": {"tied": False, "qwen2": True}, "gpt2": {"gpt2": GPT2}}
+#: 3.2's 1B and 3B), a Qwen2 of its dimensions, a Qwen3 of them with heads of 12 (not hidden / heads, as a Qwen3's
+#: head dimension is its own), and the tests' GPT-2.
+RUNS = {"untied": {"tied": False}, "tied": {"tied": True}, "qwen2": {"family": "qwen2"},
+        "qwen3": {"family": "qwen3", "llama": {**LLAMA, "head_dim": 12}}, "gpt2": {"gpt2": GPT2}}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     cases, jobs, found = [], [], {}
     for name, variant in RUNS.items():
         work = root / name
-        accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, **variant, "llama": LLAMA,
+        accel.trainer(work, 2, {"version": 2, "state_dict_type": None, "resume": None, "llama": LLAMA, **variant,
                                 "out": str(work / "run"), "max_steps": 6}, label="train")
         source, out = work / "run" / "checkpoint-3", work / "megatron"
         found[name] = {"work": work, "source": source, "out": out}
@@ -181,6 +183,25 @@ def test_a_qwen2s_checkpoint_is_a_qkv_biased_megatron_gpt_that_computes_its_logi
     assert set(biases) <= set(groups[0.0]["params"])
     diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
     print(f"qwen2: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= RELATIVE_TOLERANCE * scale
+    assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
+
+
+def test_a_qwen3s_checkpoint_is_a_head_normed_megatron_gpt_that_computes_its_logits_and_trains_on(runs) -> None:
+    """Qwen3's norms on each head's query and key, with the Trainer's Adam state of each, are Megatron's
+    ``q_layernorm`` and ``k_layernorm`` (``qk_layernorm``, ``kv_channels`` 12): the same tensors bitwise, the same
+    logits, a step on; the norms in the no-decay group, as the Trainer keeps them."""
+    run = runs["qwen3"]
+    gpt = dataclasses.replace(GPT, kv_channels=12, qk_layernorm=True)
+    assert json.loads((run["source"] / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    held = torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= set(held)
+    norms = [k for k in run["loaded"]["optim"] if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+    assert len(norms) == 2 and _differences(run, gpt) == []
+    groups = {g["wd_mult"]: g for g in run["loaded"]["param_groups"]}
+    assert set(norms) <= set(groups[0.0]["params"])
+    diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
+    print(f"qwen3: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
     assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
 

@@ -104,7 +104,7 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16", "tp2_dp2_bias", "tp2_pp2_qkv_bias",
                                   "gpt_tp2_pp2", "tp1_pp2_vpp2_dp2", "tp1_pp2_dp2_buckets",
-                                  "gpt_qk_tp2_pp2", "tp2_dp2_counted"])
+                                  "gpt_qk_tp2_pp2", "tp2_dp2_counted", "qwen3_tp2_pp2"])
 def test_each_bucket_is_laid_out_as_megatron_core_built_it(saves: dict[str, Path], name: str) -> None:
     truth = torch.load(mcore.truth_path(saves[name]), weights_only=False)
     gpt = gpt_of(truth["args"])

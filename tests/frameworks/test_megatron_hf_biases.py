@@ -1,16 +1,18 @@
-"""A Megatron GPT with linear biases is a Hugging Face model that computes its logits: a Llama with ``attention_bias``
-and ``mlp_bias`` (Megatron-LM's ``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``: ``linear_qkv``'s bias alone), and
-Megatron-LM's default GPT (LayerNorm, a learned position table, GeLU, every linear biased, tied embeddings) a GPT-2.
+"""A Megatron GPT with linear biases or head norms is a Hugging Face model that computes its logits: a Llama with
+``attention_bias`` and ``mlp_bias`` (Megatron-LM's ``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``:
+``linear_qkv``'s bias alone), a Qwen3 (``--qk-layernorm``: a norm on each head's query and key), and Megatron-LM's
+default GPT (LayerNorm, a learned position table, GeLU, every linear biased, tied embeddings) a GPT-2.
 
 The sources are real megatron-core 0.16.1 saves of the harness's GPT with those biases (``tp2_dp2_bias``,
-``tp2_pp2_qkv_bias`` of :mod:`frameworks.mcore_saves`) and of Megatron-LM's default GPT (``gpt_tp2_pp2``), trained 3
-steps on 4 ranks. The ``osdpipe`` command writes each as a model folder (``output.checkpoint=hf``); transformers 5.23.0
-loads it by its ``config.json`` (``AutoModelForCausalLM``: the class its ``architectures`` names), and its logits on
-fixed tokens must be the ones megatron-core itself computes from the save (loaded at the save's own grid, as
-Megatron-LM's ``load_checkpoint`` does), within ``max |diff| <= 1e-4 x max |logit|`` (fp32; test_megatron_hf.py says
-why). The biases are what a map that lost them would miss: zeroed, the folder's logits move by 140 times the tolerance
-or more (measured: 0.014 of their scale for the Qwen2's, 0.41 for the Llama's). The HF -> Megatron direction is in
-test_hf_folder_to_megatron.py.
+``tp2_pp2_qkv_bias`` of :mod:`frameworks.mcore_saves`) or head norms (``qwen3_tp2_pp2``) and of Megatron-LM's default
+GPT (``gpt_tp2_pp2``), trained 3 steps on 4 ranks. The ``osdpipe`` command writes each as a model folder
+(``output.checkpoint=hf``); transformers 5.23.0 loads it by its ``config.json`` (``AutoModelForCausalLM``: the class its
+``architectures`` names), and its logits on fixed tokens must be the ones megatron-core itself computes from the save
+(loaded at the save's own grid, as Megatron-LM's ``load_checkpoint`` does), within ``max |diff| <= 1e-4 x max |logit|``
+(fp32; test_megatron_hf.py says why). The biases are what a map that lost them would miss: zeroed, the folder's logits
+move by 140 times the tolerance or more (measured: 0.014 of their scale for the Qwen2's, 0.41 for the Llama's); so are
+the head norms: the same weights in a Llama, which norms no query or key, move the Qwen3's logits by far more than the
+tolerance. The HF -> Megatron direction is in test_hf_folder_to_megatron.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ pytestmark = [
 RELATIVE_TOLERANCE = 1e-4
 #: Each source and the Hugging Face class its folder must be.
 ARCHITECTURES = {"tp2_dp2_bias": "LlamaForCausalLM", "tp2_pp2_qkv_bias": "Qwen2ForCausalLM",
-                 "gpt_tp2_pp2": "GPT2LMHeadModel"}
+                 "gpt_tp2_pp2": "GPT2LMHeadModel", "qwen3_tp2_pp2": "Qwen3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +52,13 @@ def megatron_logits(megatron_saves: dict[str, Path], tmp_path_factory: pytest.Te
     for name in ARCHITECTURES:
         save = SAVES[name]
         jobs.append(mcore.load_argv(megatron_saves[name], root / f"{name}.pt", tp=save.tp, pp=save.pp,
-                                    bias=save.bias, model=save.model, logits=root / f"{name}.logits.pt"))
+                                    bias=save.bias, model=save.model, qk=save.qk, logits=root / f"{name}.logits.pt"))
     mcore.each(root, WORLD, jobs, label="load-logits", timeout=600)
     return {name: torch.load(root / f"{name}.logits.pt", weights_only=True) for name in ARCHITECTURES}
 
 
 @pytest.mark.parametrize("name, architecture", ARCHITECTURES.items())
-def test_a_biased_megatron_save_is_a_hugging_face_model_that_computes_its_logits(
+def test_a_biased_or_head_normed_megatron_save_is_a_hugging_face_model_that_computes_its_logits(
     megatron_saves: dict[str, Path], megatron_logits: dict[str, dict], name: str, architecture: str, tmp_path: Path
 ) -> None:
     from transformers import AutoModelForCausalLM
@@ -72,7 +74,8 @@ def test_a_biased_megatron_save_is_a_hugging_face_model_that_computes_its_logits
     back = from_hf(gpt, read_weights(out))  # the folder holds every fp32 master, biases included, bitwise
     vocab = mcore.VOCAB
     masters = {key: states["param"] for key, states in megatron.optim.items()}
-    assert any(key.endswith(".bias") for key in masters)
+    feature = "self_attention.q_layernorm.weight" if SAVES[name].qk else ".bias"  # what the family adds to a Llama
+    assert any(key.endswith(feature) for key in masters)
     assert [k for k, t in masters.items() if not torch.equal(back[k][:vocab], t[:vocab])] == []
 
     probe = megatron_logits[name]
@@ -83,9 +86,26 @@ def test_a_biased_megatron_save_is_a_hugging_face_model_that_computes_its_logits
     model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(model).__name__ == architecture
     with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            if parameter_name.endswith(".bias"):
-                parameter.zero_()
-        unbiased = model(probe["tokens"]).logits
-    moved = float((unbiased - probe["logits"][..., :vocab]).abs().max())
-    assert moved > 10 * RELATIVE_TOLERANCE * scale, moved  # the comparison above sees the biases
+        without = _without_its_feature(model, out)(probe["tokens"]).logits
+    moved = float((without - probe["logits"][..., :vocab]).abs().max())
+    print(f"{name}: without its biases or head norms the logits move by {moved:.3g}")
+    assert moved > 10 * RELATIVE_TOLERANCE * scale, moved  # the comparison above sees the biases, or the head norms
+
+
+def _without_its_feature(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """The folder's model without what its family adds to a Llama: its biases zeroed, or, a Qwen3, its weights in a
+    ``LlamaForCausalLM`` (which norms no query or key): what a map that lost them computes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if type(model).__name__ != "Qwen3ForCausalLM":
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.zero_()
+        return model
+    config = json.loads((folder / "config.json").read_text())
+    kept = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    llama = LlamaForCausalLM(LlamaConfig(**kept, attn_implementation="eager")).eval()
+    weights = {k: v for k, v in read_weights(folder).items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+    llama.load_state_dict(weights, strict=True)
+    return llama

@@ -11,10 +11,12 @@ moments mapped by :func:`osdpipe.layout.megatron_hf.to_hf`, its step and its hyp
 by both frameworks' logits in ``test_megatron_hf.py``, so the loaded job computes what Megatron's did. A GPT with
 its output layer tied to the embedding (``tied_tp2_pp2``) is transformers' tied Llama: one parameter, one optimizer
 state; a GPT with a bias on each linear (``tp2_dp2_bias``) a Llama with ``attention_bias`` and ``mlp_bias``, and one
-with ``linear_qkv``'s bias alone (``tp2_pp2_qkv_bias``) a ``Qwen2ForCausalLM``, each bias with its Adam state.
+with ``linear_qkv``'s bias alone (``tp2_pp2_qkv_bias``) a ``Qwen2ForCausalLM``, each bias with its Adam state; one
+with a norm on each head's query and key (``qwen3_tp2_pp2``: ``--qk-layernorm``) a ``Qwen3ForCausalLM``, whose
+``q_norm`` and ``k_norm`` hold the norms' masters and moments.
 Megatron-LM's default GPT (``gpt_tp2_pp2``: LayerNorm, a learned position table, GeLU, a bias on each linear, tied)
 is transformers' ``GPT2LMHeadModel``, tied as transformers ties it (``test_megatron_hf_biases.py`` proves its logits).
-torchtitan's llama3, which can neither tie nor bias its linears, refuses those saves in one line.
+torchtitan's llama3, which can neither tie nor bias its linears nor norm its heads, refuses those saves in one line.
 """
 
 from __future__ import annotations
@@ -76,16 +78,18 @@ def _differences(loaded: dict, expected: dict[str, dict[str, torch.Tensor]]) -> 
 
 #: The saves a PyTorch job's model holds, each with the transformers model its ``config.json`` names: a Llama, tied,
 #: with a bias on each linear (``--add-bias-linear``), a Qwen2 (``--add-qkv-bias``: q, k and v biased alone),
-#: Megatron-LM's default GPT, a GPT-2, and a Llama trained over virtual pipeline stages.
+#: Megatron-LM's default GPT, a GPT-2, a Llama trained over virtual pipeline stages, and a Qwen3 (``--qk-layernorm``).
 HF_JOBS = {"tp2_dp2": "LlamaForCausalLM", "tp2_pp2": "LlamaForCausalLM", "tied_tp2_pp2": "LlamaForCausalLM",
            "tp2_dp2_bias": "LlamaForCausalLM", "tp2_pp2_qkv_bias": "Qwen2ForCausalLM",
-           "gpt_tp2_pp2": "GPT2LMHeadModel", "tp1_pp2_vpp2_dp2": "LlamaForCausalLM"}
+           "gpt_tp2_pp2": "GPT2LMHeadModel", "tp1_pp2_vpp2_dp2": "LlamaForCausalLM",
+           "qwen3_tp2_pp2": "Qwen3ForCausalLM"}
 #: Each model's block: the module accelerate's FSDP wraps.
 BLOCKS = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer",
-          "GPT2LMHeadModel": "GPT2Block"}
-#: Each model's element the comparison is shown to catch: a bias's moment, where the model has biases.
+          "Qwen3ForCausalLM": "Qwen3DecoderLayer", "GPT2LMHeadModel": "GPT2Block"}
+#: Each model's element the comparison is shown to catch: a bias's moment, where the model has biases; a head norm's,
+#: in a Qwen3.
 WRONG = {"LlamaForCausalLM": "model.layers.1.self_attn.k_proj.", "Qwen2ForCausalLM": "model.layers.1.self_attn.k_proj.",
-         "GPT2LMHeadModel": "transformer.h.1.attn.c_attn."}
+         "Qwen3ForCausalLM": "model.layers.1.self_attn.q_norm.", "GPT2LMHeadModel": "transformer.h.1.attn.c_attn."}
 
 
 @pytest.mark.parametrize("name", sorted(HF_JOBS))
@@ -207,6 +211,7 @@ def test_pytorchs_own_layout_passes_every_check_of_a_live_fsdp2_world(megatron_s
     ("tied_tp2_pp2", "tied embedding and output weights (torchtitan's llama3 has no tying)"),
     ("tp2_dp2_bias", "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"),
     ("gpt_tp2_pp2", "LayerNorm (not RMSNorm)"),
+    ("qwen3_tp2_pp2", "qk_layernorm (torchtitan's llama3 norms no query or key)"),
 ])
 def test_what_torchtitan_cannot_hold_is_refused_in_one_line_naming_the_jobs_that_take_it(
     megatron_saves: dict[str, Path], tmp_path: Path, name: str, feature: str

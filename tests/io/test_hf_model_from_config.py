@@ -1,7 +1,8 @@
 """The model a Hugging Face job's checkpoint is read as, built from its ``config.json``: osdpipe's own parameter tree
 (``osdpipe.io.hf_folder.model_from_config``, no transformers needed) and the ``hf_llama`` and ``hf_gpt2`` factories
 (transformers' models) must hold exactly transformers' parameters, names, shapes and order, for a Llama with and
-without linear biases, tied, a Qwen2 (biases on q, k and v alone) and a GPT-2 (tied, as transformers builds it by
+without linear biases, tied, a Qwen2 (biases on q, k and v alone), a Qwen3 (a norm on each head's query and key,
+heads of its own dimension, tied as its small models are) and a GPT-2 (tied, as transformers builds it by
 default, and untied): a PyTorch optimizer keys its state by that order, and a tied model holds one parameter."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ CONFIGS = {
     "llama_biased": ("LlamaConfig", "LlamaForCausalLM", {**DIMS, "attention_bias": True, "mlp_bias": True}, hf_llama),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {**DIMS, "tie_word_embeddings": True}, hf_llama),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", DIMS, hf_llama),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**DIMS, "head_dim": 12, "tie_word_embeddings": True}, hf_llama),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", GPT2_DIMS, hf_gpt2),
     "gpt2_untied": ("GPT2Config", "GPT2LMHeadModel", {**GPT2_DIMS, "tie_word_embeddings": False}, hf_gpt2),
 }
@@ -42,7 +44,7 @@ def test_the_tree_read_from_a_config_is_transformers_model(name: str, tmp_path) 
     ours = model_from_config(str(tmp_path))
     assert _parameters(ours) == theirs
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert tied == (name in ("llama_tied", "gpt2"))
+    assert tied == (name in ("llama_tied", "qwen3", "gpt2"))
     assert (ours.get_parameter("lm_head.weight") is ours.get_parameter(theirs[0][0])) == tied
     built = factory(**config.to_dict())
     assert type(built).__name__ == model_class and _parameters(built) == theirs

@@ -112,7 +112,8 @@ class Megatron(CheckpointLayout):
     def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]]:
         """The model of the GPT ``args`` describe, as the job that resumes the output builds it: torchtitan's llama3
         for a torchtitan step folder (``written_as``), else the transformers model of its family (``LlamaForCausalLM``,
-        ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``: :func:`osdpipe.layout.megatron_hf.hf_config`)."""
+        ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GPT2LMHeadModel``: :func:`~osdpipe.layout.megatron_hf.hf_config`).
+        """
         from osdpipe.layout import megatron_hf
 
         folder = files.iteration_folder(path)
@@ -205,7 +206,7 @@ class Megatron(CheckpointLayout):
 _PARTS = ("model", "optimizer", "other")
 
 #: The Hugging Face model's config a PyTorch-native output gets beside it: what its ``LlamaForCausalLM`` (or
-#: ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``) is built from.
+#: ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GPT2LMHeadModel``) is built from.
 HF_CONFIG = "config.json"
 
 #: common.pt's entries that describe Megatron's own job, which a PyTorch job has no use for (``args``: an

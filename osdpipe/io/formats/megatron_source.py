@@ -1,11 +1,10 @@
 """A Megatron-LM save read as a PyTorch job's state: the range pipeline's source for other frameworks' layouts.
 
 ``checkpoint=megatron output.checkpoint=pytorch|accelerate|torchtitan`` converts a Megatron GPT into a Hugging Face
-model's (its family's: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``) or torchtitan llama3's
-training checkpoint, for FSDP2, FSDP1, DDP or one process
-(``target.*``), through the same stages as every PyTorch-native conversion. What those stages need is a
-:class:`~osdpipe.io.formats.base.SourceReader` of full per-parameter state keyed by the model's names; this module is
-that reader:
+model's (its family's: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GPT2LMHeadModel``) or
+torchtitan llama3's training checkpoint, for FSDP2, FSDP1, DDP or one process (``target.*``), through the same stages as
+every PyTorch-native conversion. What those stages need is a :class:`~osdpipe.io.formats.base.SourceReader` of full
+per-parameter state keyed by the model's names; this module is that reader:
 
 * the save is read whole by :func:`osdpipe.io.formats.megatron.read_save` (no Megatron code runs);
 * each optimizer state (the fp32 master weight, ``exp_avg``, ``exp_avg_sq``) goes through the same pure map,
