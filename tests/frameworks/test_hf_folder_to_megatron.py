@@ -269,7 +269,7 @@ def test_a_tied_folder_is_a_tied_megatron_gpt_that_computes_its_logits_and_conve
     transformers loads tied."""
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
-    source, out, loaded, work = (made[family][k] for k in ("source", "out", "loaded", "work"))
+    source, out, loaded = (made[family][k] for k in ("source", "out", "loaded"))
     assert "lm_head.weight" not in read_weights(source)
     gpt = gpt_of(read_save(out).args)
     assert gpt.tied and (gpt.norm_bias, bool(gpt.position_table)) == ((family == "gpt2"),) * 2
@@ -281,13 +281,7 @@ def test_a_tied_folder_is_a_tied_megatron_gpt_that_computes_its_logits_and_conve
     print(f"{family}: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
 
-    back = work / "back"
-    done = run_command([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={out}",
-                        "output.checkpoint=hf", f"output.path={back}"], cwd=work, timeout=300, env=user_env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs, ours = read_weights(source), read_weights(back)
-    assert sorted(ours) == sorted(theirs) and [k for k, t in theirs.items() if not torch.equal(t, ours[k])] == []
-    reloaded = AutoModelForCausalLM.from_pretrained(back)
+    reloaded = AutoModelForCausalLM.from_pretrained(_back_to_a_folder(made[family]))
     assert type(reloaded) is (GPT2LMHeadModel if family == "gpt2" else LlamaForCausalLM)
     assert reloaded.config.tie_word_embeddings
     assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
@@ -302,7 +296,7 @@ def test_a_qwen3_folder_is_a_megatron_gpt_with_head_norms_that_computes_its_logi
     folder's tensors bitwise, which transformers loads as a Qwen3."""
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-    source, out, loaded, work = (made["qwen3"][k] for k in ("source", "out", "loaded", "work"))
+    source, out, loaded = (made["qwen3"][k] for k in ("source", "out", "loaded"))
     gpt = gpt_of(read_save(out).args)
     assert gpt.qk_layernorm and gpt.kv_channels == 12 and not gpt.has_qkv_bias
     want = from_hf(gpt, read_weights(source), gpt.padded_vocab_size)
@@ -322,10 +316,16 @@ def test_a_qwen3_folder_is_a_megatron_gpt_with_head_norms_that_computes_its_logi
     print(f"qwen3: head norms at 1 move the logits by {moved:.3g}")
     assert moved > 10 * RELATIVE_TOLERANCE * scale, moved
 
-    back = work / "back"
-    done = run_command([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={out}",
-                        "output.checkpoint=hf", f"output.path={back}"], cwd=work, timeout=300, env=user_env())
+    assert type(AutoModelForCausalLM.from_pretrained(_back_to_a_folder(made["qwen3"]))) is Qwen3ForCausalLM
+
+
+def _back_to_a_folder(case: dict) -> Path:
+    """The case's Megatron save converted back to a Hugging Face folder by the ``osdpipe`` command, which must hold
+    the source folder's tensors, every one bitwise."""
+    back = case["work"] / "back"
+    done = run_command([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={case['out']}",
+                        "output.checkpoint=hf", f"output.path={back}"], cwd=case["work"], timeout=300, env=user_env())
     assert done.returncode == 0, done.stderr[-3000:]
-    theirs, ours = read_weights(source), read_weights(back)
+    theirs, ours = read_weights(case["source"]), read_weights(back)
     assert sorted(ours) == sorted(theirs) and [k for k, t in theirs.items() if not torch.equal(t, ours[k])] == []
-    assert type(AutoModelForCausalLM.from_pretrained(back)) is Qwen3ForCausalLM
+    return back

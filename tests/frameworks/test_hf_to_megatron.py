@@ -168,40 +168,30 @@ def test_a_tied_llamas_checkpoint_is_a_tied_megatron_gpt_that_computes_its_logit
     assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
 
 
-def test_a_qwen2s_checkpoint_is_a_qkv_biased_megatron_gpt_that_computes_its_logits_and_trains_on(runs) -> None:
-    """Qwen2's biases on q, k and v, with the Trainer's Adam state of each, are Megatron's ``linear_qkv`` bias (cut per
-    query group as its weight's rows): the same tensors bitwise, the same logits, a step on; the biases in the
-    no-decay group, as the Trainer keeps them."""
-    run = runs["qwen2"]
-    gpt = dataclasses.replace(GPT, qkv_bias=True)
-    assert json.loads((run["source"] / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
-    held = torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]
-    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.v_proj.bias"} <= set(held)
-    biases = [k for k in run["loaded"]["optim"] if k.endswith("linear_qkv.bias")]
-    assert biases and _differences(run, gpt) == []
+@pytest.mark.parametrize(("name", "change", "held", "keys"), [
+    ("qwen2", {"qkv_bias": True}, ("q_proj.bias", "v_proj.bias"), ("linear_qkv.bias",)),
+    ("qwen3", {"kv_channels": 12, "qk_layernorm": True}, ("q_norm.weight", "k_norm.weight"),
+     ("q_layernorm.weight", "k_layernorm.weight")),
+])
+def test_a_qwens_checkpoint_is_a_megatron_gpt_with_its_tensors_that_computes_its_logits_and_trains_on(
+    runs, name: str, change: dict, held: tuple[str, ...], keys: tuple[str, ...]
+) -> None:
+    """Qwen2's biases on q, k and v are Megatron's ``linear_qkv`` bias (cut per query group as its weight's rows);
+    Qwen3's norms on each head's query and key are its ``q_layernorm`` and ``k_layernorm`` (``qk_layernorm``,
+    ``kv_channels`` 12). Each with the Trainer's Adam state: the same tensors bitwise, the same logits, a step on;
+    those tensors in the no-decay group, as the Trainer keeps them."""
+    run = runs[name]
+    gpt = dataclasses.replace(GPT, **change)
+    config = json.loads((run["source"] / "config.json").read_text())
+    assert config["architectures"] == [f"{name.capitalize()}ForCausalLM"]
+    state = torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]
+    assert {f"model.layers.0.self_attn.{n}" for n in held} <= set(state)
+    theirs = [k for k in run["loaded"]["optim"] if k.endswith(keys)]
+    assert len(theirs) == len(keys) and _differences(run, gpt) == []
     groups = {g["wd_mult"]: g for g in run["loaded"]["param_groups"]}
-    assert set(biases) <= set(groups[0.0]["params"])
+    assert set(theirs) <= set(groups[0.0]["params"])
     diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
-    print(f"qwen2: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
-    assert diff <= RELATIVE_TOLERANCE * scale
-    assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
-
-
-def test_a_qwen3s_checkpoint_is_a_head_normed_megatron_gpt_that_computes_its_logits_and_trains_on(runs) -> None:
-    """Qwen3's norms on each head's query and key, with the Trainer's Adam state of each, are Megatron's
-    ``q_layernorm`` and ``k_layernorm`` (``qk_layernorm``, ``kv_channels`` 12): the same tensors bitwise, the same
-    logits, a step on; the norms in the no-decay group, as the Trainer keeps them."""
-    run = runs["qwen3"]
-    gpt = dataclasses.replace(GPT, kv_channels=12, qk_layernorm=True)
-    assert json.loads((run["source"] / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
-    held = torch.load(run["source"] / "optimizer.bin", weights_only=True)["state"]
-    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= set(held)
-    norms = [k for k in run["loaded"]["optim"] if k.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
-    assert len(norms) == 2 and _differences(run, gpt) == []
-    groups = {g["wd_mult"]: g for g in run["loaded"]["param_groups"]}
-    assert set(norms) <= set(groups[0.0]["params"])
-    diff, scale = mcore.hf_logits_gap(run["source"], run["logits"])
-    print(f"qwen3: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
+    print(f"{name}: max |Megatron TP2 PP2 - HF| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
     assert mcore.trained_on(run["loaded"], run["after"], step=3) == []
 
