@@ -570,3 +570,34 @@ def test_a_save_in_other_buckets_than_its_args_lay_out_is_refused_in_one_line(tm
     monkeypatch.setattr(layout, "buckets", lambda params, dp, how: [*real(params, dp, how), *real(params, dp, how)])
     with pytest.raises(InputError, match=r"domain 0 is missing buckets \(it holds \[0\] of 2\); re-copy"):
         read_save(one)
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({}, "a Hugging Face LlamaForCausalLM (output.checkpoint=hf: its weights; accelerate|pytorch: a job's, the "
+         "optimizer included); torchtitan's llama3 too (output.checkpoint=torchtitan)"),
+    ({"qk_layernorm": True}, "a Hugging Face Qwen3ForCausalLM (output.checkpoint=hf: its weights; accelerate|pytorch: "
+                             "a job's, the optimizer included); torchtitan's llama3 cannot hold it (qk_layernorm"),
+    ({"untie_embeddings_and_output_weights": False}, "torchtitan's llama3 cannot hold it (tied embedding"),
+    ({"normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "swiglu": False,
+      "add_bias_linear": True, "num_query_groups": 4, "group_query_attention": False},
+     "a Hugging Face GPT2LMHeadModel"),
+    ({"num_experts": 8}, "outside Megatron: no Hugging Face model yet (a mixture of experts (num_experts)); convert it "
+                         "within Megatron"),
+])
+def test_inspect_says_which_outputs_take_a_save(change: dict, said: str) -> None:
+    """The Hugging Face model a save becomes, and whether torchtitan's llama3 holds it, from its ``args`` alone."""
+    from synthetic_megatron import ARGS
+
+    from osdpipe.io.checkpoints.megatron import elsewhere
+
+    line = elsewhere({**ARGS, **change})
+    assert said in line and "\n" not in line, line
+
+
+def test_inspect_of_a_save_says_which_outputs_take_it(tmp_path: Path) -> None:
+    from helpers import run_osdpipe
+
+    inspected = run_osdpipe("inspect", str(synthetic_save(tmp_path, tp=2, tied=True)), cwd=tmp_path)
+    assert inspected.returncode == 0, inspected.stderr
+    assert "outside Megatron: a Hugging Face LlamaForCausalLM" in inspected.stdout
+    assert "torchtitan's llama3 cannot hold it (tied embedding and output weights" in inspected.stdout

@@ -238,6 +238,20 @@ def _entry_of(flat: str) -> tuple[str, str]:
     return "model", "model weights"
 
 
+def elsewhere(args: dict[str, Any]) -> str:
+    """What the GPT Megatron-LM's ``args`` describe becomes outside Megatron, in one line: the Hugging Face model that
+    computes it (:func:`osdpipe.layout.megatron_hf.architecture`), and whether torchtitan's llama3 can hold it; or what
+    stops both. So a user sees which ``output.checkpoint`` takes the save before running one."""
+    from osdpipe.layout import megatron_hf
+
+    if why := megatron_hf.refusals(args):
+        return f"outside Megatron: no Hugging Face model yet ({', '.join(why)}); convert it within Megatron"
+    titan = megatron_hf.titan_refusals(args)
+    return (f"outside Megatron: a Hugging Face {megatron_hf.architecture(args)} (output.checkpoint=hf: its weights; "
+            "accelerate|pytorch: a job's, the optimizer included); torchtitan's llama3 "
+            + (f"cannot hold it ({', '.join(titan)})" if titan else "too (output.checkpoint=torchtitan)"))
+
+
 def _notes(common: dict, args: dict, folder: Path) -> list[str]:
     """What the files say of the job that saved it, and what osdpipe cannot convert yet."""
     tp, pp, dp = (args.get(k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -261,6 +275,7 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
         + f", {position_embedding_type(args)} positions"
         + (", untied" if args.get("untie_embeddings_and_output_weights") else ", tied embeddings") + biases
         + (", qk_layernorm" if args.get("qk_layernorm") else ""),
+        elsewhere(args),
     ]
     if vpp and int(vpp) > 1:  # the command's target leaves target.vpp_size at 1: no virtual stages
         notes.append(f"to keep {vpp} virtual pipeline stages per pipeline stage, add target.vpp_size={vpp} to the "
