@@ -338,8 +338,8 @@ def hf_shapes(gpt: Gpt, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every tensor of the ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: :func:`architecture`)
     state dict :func:`to_hf` gives, and its shape, in transformers' ``named_parameters()`` order (a decoder layer's
     attention, a Qwen3's head norms after its projections, its MLP, its two norms; each linear's bias, where the GPT
-    has one, after its weight): the order a PyTorch
-    optimizer's state follows (:func:`osdpipe.io.hf_folder.model_from_config` builds the model's tree from it)."""
+    has one, after its weight): the order a PyTorch optimizer's state follows
+    (:func:`osdpipe.io.hf_folder.model_from_config` builds the model's tree from it)."""
     h, d, f = gpt.hidden_size, gpt.kv_channels, gpt.ffn_hidden_size
     q, kv, o = gpt.num_attention_heads * d, gpt.num_query_groups * d, gpt.linear_bias
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
