@@ -555,12 +555,13 @@ def _from_buckets(
         raise InputError(f"{folder}: the optimizer has several gradient buffers per model chunk: not supported yet")
     groups = None
     unequal: dict[str, int] = {}  # state -> elements of the tied copy that differ from the first stage's
+    numels = {(p, t): layout.rank_numel(gpt, tp, pp, t, p, vpp) for p in range(pp) for t in range(tp)}  # once a rank
     # the first stage's embedding is placed before the last stage's copy is compared with it
     for pp_rank, tp_rank, chunk in ((p, t, c) for p in range(pp) for t in range(tp) for c in range(vpp)):
         index = layout.dp_group_index(tp, tp_rank, pp_rank)
         where = f"model-parallel domain {index}" + (f", model chunk {chunk}" if vpp > 1 else "")
         params = layout.local_parameters(gpt, tp, pp, tp_rank, pp_rank, vpp, chunk)
-        how = layout.bucketing(args, dp, pp_rank, chunk, layout.rank_numel(gpt, tp, pp, tp_rank, pp_rank, vpp))
+        how = layout.bucketing(args, dp, pp_rank, chunk, numels[pp_rank, tp_rank])
         laid = layout.buckets(params, dp, how)
         held_buckets = sorted(b for i, g, b in buckets if (i, g) == (index, chunk))
         if len(held_buckets) > len(laid):
