@@ -1,20 +1,25 @@
-"""Hugging Face's ``LlamaForCausalLM`` <-> torchtitan's llama3 (fused ``wqkv``, complex RoPE): pure functions.
+"""Hugging Face's Llama family <-> torchtitan's decoders of it (fused ``wqkv``): pure functions, and the registry of
+the torchtitan models a Megatron GPT or a Hugging Face model of the family becomes (:data:`FAMILIES`).
 
-The two compute the same function; their tensors differ in three ways (torchtitan 0.3.0, transformers 5.23.0):
+Two of torchtitan 0.3.0's models compute what transformers 5.23.0's Llama family computes: its **llama3** (complex
+RoPE) is ``LlamaForCausalLM``, its **qwen3** (rotate-half RoPE, a norm of each head's query and key) is
+``Qwen3ForCausalLM``. Their tensors differ from transformers' in up to four ways:
 
 * **Names.** ``model.embed_tokens`` / ``tok_embeddings``, ``model.layers.{i}.self_attn.o_proj`` /
   ``layers.{i}.attention.wo``, ``mlp.gate_proj`` / ``feed_forward.w1``, ``mlp.up_proj`` / ``w3``, ``mlp.down_proj`` /
   ``w2``, ``input_layernorm`` / ``attention_norm``, ``post_attention_layernorm`` / ``ffn_norm``, ``model.norm`` /
-  ``norm``, ``lm_head`` / ``lm_head`` (torchtitan ``models/llama3/state_dict_adapter.py``, ``from_hf_map``).
-* **RoPE.** transformers rotates the two halves of a head (``rotate_half``: element ``j`` pairs with ``j + d/2``);
-  torchtitan's ``ComplexRoPE`` views a head as ``d/2`` complex numbers of consecutive elements (``2j``, ``2j+1``;
-  ``models/common/rope.py``, ``ComplexRoPE.apply_rotary_emb``). So within each query and key head, torchtitan's row
-  ``2j`` is HF's row ``j`` and its row ``2j + 1`` is HF's row ``j + d/2``. Values are not touched by RoPE and keep
-  their order.
-* **Fused QKV.** torchtitan's llama3 holds one parameter ``layers.{i}.attention.qkv_linear.wqkv.weight``, per
-  key/value group ``g``: the group's ``n`` query heads, then its key head, then its value head, ``d`` rows each
-  (``models/common/attention.py``, ``FusedQKVLinear``: its output viewed as ``[G, n + 2, d]``, its state-dict hook
-  splitting ``wq``, ``wk``, ``wv`` the same way). Query head ``j`` belongs to group ``j // n`` in both frameworks.
+  ``norm``, ``lm_head`` / ``lm_head``; qwen3's ``self_attn.q_norm`` / ``attention.q_norm`` and ``k_norm`` likewise
+  (torchtitan ``models/llama3/state_dict_adapter.py`` and ``models/qwen3/state_dict_adapter.py``, ``from_hf_map``).
+* **RoPE (llama3 only).** transformers rotates the two halves of a head (``rotate_half``: element ``j`` pairs with
+  ``j + d/2``); torchtitan's ``ComplexRoPE`` views a head as ``d/2`` complex numbers of consecutive elements (``2j``,
+  ``2j+1``; ``models/common/rope.py``, ``ComplexRoPE.apply_rotary_emb``). So within each query and key head,
+  torchtitan's row ``2j`` is HF's row ``j`` and its row ``2j + 1`` is HF's row ``j + d/2``. Values are not touched by
+  RoPE and keep their order. qwen3's ``CosSinRoPE`` rotates halves, as transformers does: its rows keep HF's order.
+* **Fused QKV.** Both hold one parameter ``layers.{i}.attention.qkv_linear.wqkv.weight``, per key/value group ``g``:
+  the group's ``n`` query heads, then its key head, then its value head, ``d`` rows each (``models/common/
+  attention.py``, ``FusedQKVLinear``: its output viewed as ``[G, n + 2, d]``, its state-dict hook splitting ``wq``,
+  ``wk``, ``wv`` the same way). Query head ``j`` belongs to group ``j // n`` in both frameworks.
+* **Head dimension.** llama3 takes it as ``dim / n_heads``; qwen3 has its own (``head_dim``, as Qwen3 does).
 
 Every element goes to exactly one place and comes back, with no arithmetic, so the same map carries the weights and
 Adam's moments (the optimizer is keyed by torchtitan's parameters: ``wqkv``).
@@ -35,24 +40,73 @@ _PER_LAYER = {
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
+#: The same for a family with :attr:`TitanFamily.head_norms` (qwen3): each a norm of the head dimension, taken whole.
+_HEAD_NORMS = {"self_attn.q_norm.weight": "attention.q_norm.weight",
+               "self_attn.k_norm.weight": "attention.k_norm.weight"}
 _TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
         "lm_head.weight": "lm_head.weight"}
 WQKV = "attention.qkv_linear.wqkv.weight"
 
 
 @dataclass(frozen=True)
+class TitanFamily:
+    """One torchtitan model a Llama-family model becomes: what its map and its ``model_args.json`` differ in.
+
+    Attributes:
+        name: torchtitan's name of the model (``torchtitan.models.<name>``, ``--model.name``).
+        factory: the ``model.factory`` that builds it of any dimensions (:mod:`osdpipe.layout.models`), from the
+            keywords osdpipe writes to ``model_args.json``.
+        complex_rope: its RoPE pairs consecutive elements (``ComplexRoPE``): query and key rows are interleaved.
+        head_norms: it norms each head's query and key (``q_norm``, ``k_norm``).
+        own_head_dim: ``head_dim`` is one of its keywords (else it is ``dim / n_heads``); what tells its
+            ``model_args.json`` from the others' (:func:`family_of`).
+    """
+
+    name: str
+    factory: str
+    complex_rope: bool
+    head_norms: bool
+    own_head_dim: bool
+
+    def per_layer(self) -> dict[str, str]:
+        """HF name -> torchtitan's, within a layer, of the tensors taken whole."""
+        return {**_PER_LAYER, **(_HEAD_NORMS if self.head_norms else {})}
+
+
+LLAMA3 = TitanFamily("llama3", "torchtitan_llama3", complex_rope=True, head_norms=False, own_head_dim=False)
+QWEN3 = TitanFamily("qwen3", "torchtitan_qwen3", complex_rope=False, head_norms=True, own_head_dim=True)
+#: The torchtitan models osdpipe writes and reads a Llama-family model as, by factory.
+FAMILIES = {f.factory: f for f in (LLAMA3, QWEN3)}
+
+
+def family_of(args: dict) -> TitanFamily:
+    """The family whose factory's keywords ``args`` (a ``model_args.json``) are: qwen3's name a ``head_dim``."""
+    return QWEN3 if "head_dim" in args else LLAMA3
+
+
+@dataclass(frozen=True)
 class Heads:
-    """What the map needs of the model: its layers and its attention heads."""
+    """What the map needs of the model: its family, its layers and its attention heads."""
 
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
+    family: TitanFamily = LLAMA3
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads or self.head_dim % 2:
             raise ValueError(f"{self.heads} query heads in {self.kv_heads} key/value heads of dimension "
-                             f"{self.head_dim}: torchtitan's llama3 needs whole groups and an even head dimension")
+                             f"{self.head_dim}: torchtitan's {self.family.name} needs whole groups and an even head "
+                             "dimension")
+
+    def rope_rows(self, w: torch.Tensor, heads: int) -> torch.Tensor:
+        """HF's rows of ``heads`` query or key heads in torchtitan's order (:func:`interleaved` for complex RoPE)."""
+        return interleaved(w, heads) if self.family.complex_rope else w
+
+    def hf_rows(self, w: torch.Tensor, heads: int) -> torch.Tensor:
+        """The inverse of :meth:`rope_rows`."""
+        return halves(w, heads) if self.family.complex_rope else w
 
 
 def interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -68,19 +122,19 @@ def halves(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def to_titan(heads: Heads, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A ``LlamaForCausalLM`` state dict -> torchtitan llama3's parameters (the module docstring); each output owns
-    its storage."""
+    """A Hugging Face state dict of the family (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) -> the torchtitan model's
+    parameters (the module docstring); each output owns its storage."""
     out = {titan: hf[name].clone() for name, titan in _TOP.items()}
     n, g, d = heads.heads // heads.kv_heads, heads.kv_heads, heads.head_dim
     for i in range(heads.layers):
         p = f"model.layers.{i}."
-        q = interleaved(hf[f"{p}self_attn.q_proj.weight"], heads.heads)
-        k = interleaved(hf[f"{p}self_attn.k_proj.weight"], g)
+        q = heads.rope_rows(hf[f"{p}self_attn.q_proj.weight"], heads.heads)
+        k = heads.rope_rows(hf[f"{p}self_attn.k_proj.weight"], g)
         v = hf[f"{p}self_attn.v_proj.weight"]
         cols = q.shape[1]
         fused = torch.cat([q.reshape(g, n, d, cols), k.reshape(g, 1, d, cols), v.reshape(g, 1, d, cols)], dim=1)
         out[f"layers.{i}.{WQKV}"] = fused.reshape(g * (n + 2) * d, cols)
-        out.update({f"layers.{i}.{titan}": hf[p + name].clone() for name, titan in _PER_LAYER.items()})
+        out.update({f"layers.{i}.{titan}": hf[p + name].clone() for name, titan in heads.family.per_layer().items()})
     return out
 
 
@@ -93,30 +147,32 @@ def from_titan(heads: Heads, titan: dict[str, torch.Tensor]) -> dict[str, torch.
         fused = titan[f"layers.{i}.{WQKV}"]
         cols = fused.shape[1]
         groups = fused.reshape(g, n + 2, d, cols)
-        out[f"{p}self_attn.q_proj.weight"] = halves(groups[:, :n].reshape(g * n * d, cols), heads.heads).clone()
-        out[f"{p}self_attn.k_proj.weight"] = halves(groups[:, n].reshape(g * d, cols), g).clone()
+        out[f"{p}self_attn.q_proj.weight"] = heads.hf_rows(groups[:, :n].reshape(g * n * d, cols), heads.heads).clone()
+        out[f"{p}self_attn.k_proj.weight"] = heads.hf_rows(groups[:, n].reshape(g * d, cols), g).clone()
         out[f"{p}self_attn.v_proj.weight"] = groups[:, n + 1].reshape(g * d, cols).clone()
-        out.update({p + name: titan[f"layers.{i}.{t}"].clone() for name, t in _PER_LAYER.items()})
+        out.update({p + name: titan[f"layers.{i}.{t}"].clone() for name, t in heads.family.per_layer().items()})
     return out
 
 
 def titan_names_of(hf_name: str) -> list[str]:
-    """The torchtitan parameter a ``LlamaForCausalLM`` name's elements go to (one; a list to read as
-    :func:`osdpipe.layout.megatron_hf.hf_names_of` does)."""
+    """The torchtitan parameter a Hugging Face name's elements go to (one; a list to read as
+    :func:`osdpipe.layout.megatron_hf.hf_names_of` does); the names are the same in every family that has them."""
     if hf_name in _TOP:
         return [_TOP[hf_name]]
     _, _, i, within = hf_name.split(".", 3)
     if within in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
         return [f"layers.{i}.{WQKV}"]
-    return [f"layers.{i}.{_PER_LAYER[within]}"]
+    return [f"layers.{i}.{QWEN3.per_layer()[within]}"]
 
 
 def hf_config(args: dict) -> dict:
-    """The ``config.json`` of the ``LlamaForCausalLM`` that torchtitan's llama3 of ``args`` (the keywords of
-    ``osdpipe.layout.models.torchtitan_llama3``, a ``model_args.json``) computes the function of: what a torchtitan
-    checkpoint converts through (:mod:`osdpipe.layout.megatron_hf` takes it on to Megatron). Llama 3.1's RoPE
-    scaling (``rope_scaling``, torchtitan's ``llama``) is transformers' ``llama3`` rope type, the same formula
-    (transformers ``modeling_rope_utils.py`` ``_compute_llama3_parameters``, torchtitan ``ComplexRoPE``)."""
+    """The ``config.json`` of the Hugging Face model that the torchtitan model of ``args`` (its factory's keywords, a
+    ``model_args.json``: :func:`family_of` says which) computes the function of: what a torchtitan checkpoint converts
+    through (:mod:`osdpipe.layout.megatron_hf` takes it on to Megatron). llama3's is a ``LlamaForCausalLM``, its Llama
+    3.1 RoPE scaling (``rope_scaling``, torchtitan's ``llama``) transformers' ``llama3`` rope type, the same formula
+    (transformers ``modeling_rope_utils.py`` ``_compute_llama3_parameters``, torchtitan ``ComplexRoPE``); qwen3's a
+    ``Qwen3ForCausalLM`` of its own head dimension, full attention in every layer."""
+    family = family_of(args)
     dim, heads = int(args["dim"]), int(args["n_heads"])
     theta = float(args.get("rope_theta", 10000.0))
     scaling = args.get("rope_scaling")
@@ -125,19 +181,25 @@ def hf_config(args: dict) -> dict:
         "low_freq_factor": float(scaling["low_freq_factor"]), "high_freq_factor": float(scaling["high_freq_factor"]),
         "original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),
     }
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": dim,
         "intermediate_size": int(args["hidden_dim"]), "num_attention_heads": heads,
-        "num_key_value_heads": int(args.get("n_kv_heads") or heads), "head_dim": dim // heads,
+        "num_key_value_heads": int(args.get("n_kv_heads") or heads), "head_dim": heads_of(args).head_dim,
         "num_hidden_layers": int(args["n_layers"]), "vocab_size": int(args["vocab_size"]), "hidden_act": "silu",
         "rms_norm_eps": float(args.get("norm_eps", 1e-5)), "rope_theta": theta,
         "rope_parameters": rope,
         "max_position_embeddings": int(args.get("max_seq_len", 4096)), "tie_word_embeddings": False,
         "attention_bias": False, "mlp_bias": False,
     }
+    if family is QWEN3:  # no MLP bias option, no sliding window (Megatron's own Qwen3 config says the same)
+        del config["mlp_bias"]
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
+                      sliding_window=None, max_window_layers=int(args["n_layers"]))
+    return config
 
 
 def heads_of(args: dict) -> Heads:
-    """The :class:`Heads` of torchtitan's llama3 of ``args`` (``model_args.json``'s keywords)."""
-    heads = int(args["n_heads"])
-    return Heads(int(args["n_layers"]), heads, int(args.get("n_kv_heads") or heads), int(args["dim"]) // heads)
+    """The :class:`Heads` of the torchtitan model of ``args`` (its factory's keywords, a ``model_args.json``)."""
+    family, heads = family_of(args), int(args["n_heads"])
+    head_dim = int(args["head_dim"]) if family.own_head_dim else int(args["dim"]) // heads
+    return Heads(int(args["n_layers"]), heads, int(args.get("n_kv_heads") or heads), head_dim, family)

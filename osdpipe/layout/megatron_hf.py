@@ -11,8 +11,8 @@ the family is chosen once, from Megatron-LM's ``args``, from a ``config.json``, 
 The order of :data:`FAMILIES` is the order they are asked in; the last, the Llama's, fits every GPT (its refusals then
 say what of it a Llama cannot express). A family's model is the same transformers model in a model folder and in a
 PyTorch job's training checkpoint (the HF Trainer's, accelerate's, PyTorch's own: its ``model.factory`` is
-:attr:`HfFamily.HF_FACTORY`), so no function here asks which. torchtitan has a llama3 alone, and without biases or
-tying: :func:`titan_refusals` says what else it cannot hold.
+:attr:`HfFamily.HF_FACTORY`), so no function here asks which. A torchtitan job's model is a llama3 or a qwen3
+(:func:`titan_family`), without biases or tying: :func:`titan_refusals` says what else it cannot hold.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 
 from osdpipe.layout import megatron_gpt2, megatron_llama
 from osdpipe.layout.megatron import Gpt
-from osdpipe.layout.megatron_llama import titan_args, titan_refusals
+from osdpipe.layout.megatron_llama import titan_args, titan_family, titan_refusals
 
 __all__ = [
     "FAMILIES", "HfFamily", "architecture", "family_of_args", "family_of_config", "family_of_gpt", "from_hf",
     "hf_config", "hf_factory", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusal", "refusals",
-    "titan_args", "titan_refusals", "tied_names", "to_hf", "true_vocab_size",
+    "titan_args", "titan_family", "titan_refusals", "tied_names", "to_hf", "true_vocab_size",
 ]  # fmt: skip
 
 
@@ -116,21 +116,22 @@ def architecture(args: dict[str, Any]) -> str:
 
 
 def refusals(args: dict[str, Any]) -> list[str]:
-    """What of the GPT ``args`` describe its family cannot express (empty: nothing); torchtitan's llama3, which can
-    neither bias its linears nor tie its embeddings, asks :func:`titan_refusals`."""
+    """What of the GPT ``args`` describe its family cannot express (empty: nothing); a torchtitan model, which can
+    neither bias its linears nor tie its embeddings here, asks :func:`titan_refusals`."""
     return family_of_args(args).refusals(args)
 
 
 def refusal(args: dict[str, Any], *, titan: bool = False) -> str | None:
-    """Why the GPT ``args`` describe cannot become its Hugging Face model (``titan``: nor torchtitan's llama3), and
+    """Why the GPT ``args`` describe cannot become its Hugging Face model (``titan``: nor its torchtitan model), and
     what to do instead, in one line; ``None``: it can. What the command says when it works out the model, and the
     reader when it opens the save, alike."""
     if why := refusals(args):
         return (f"a Megatron GPT with {', '.join(why)}: not supported yet as a {architecture(args)} "
                 "(output.checkpoint=pytorch|accelerate|torchtitan); convert it within Megatron instead")
     if titan and (why := titan_refusals(args)):
-        return (f"a Megatron GPT with {', '.join(why)}: not supported yet as torchtitan's llama3; convert it for a "
-                "Hugging Face model's job (output.checkpoint=accelerate|pytorch) or within Megatron instead")
+        return (f"a Megatron GPT with {', '.join(why)}: not supported yet as torchtitan's {titan_family(args).name}; "
+                "convert it for a Hugging Face model's job (output.checkpoint=accelerate|pytorch) or within Megatron "
+                "instead")
     return None
 
 

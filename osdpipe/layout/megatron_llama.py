@@ -87,6 +87,8 @@ from typing import Any
 
 import torch
 
+from osdpipe.layout import llama_titan
+from osdpipe.layout.llama_titan import TitanFamily
 from osdpipe.layout.megatron import (
     LAYERS,
     Gpt,
@@ -186,8 +188,8 @@ def refusals(args: dict[str, Any]) -> list[str]:
 
     A model folder and a PyTorch job's model (a training checkpoint's) are the same transformers model: a GPT's linear
     biases are Llama's ``attention_bias`` and ``mlp_bias`` or, ``linear_qkv``'s alone, a Qwen2; tied embeddings are
-    ``tie_word_embeddings`` (one parameter, which a PyTorch job's optimizer holds once). torchtitan's llama3 has
-    neither biases nor tying: :func:`titan_refusals`."""
+    ``tie_word_embeddings`` (one parameter, which a PyTorch job's optimizer holds once). A torchtitan job's model
+    takes neither biases nor tying: :func:`titan_refusals`."""
     norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
     qwen2, qwen3 = architecture(args) == QWEN2, architecture(args) == QWEN3
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
@@ -277,37 +279,52 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
     return config
 
 
+def titan_family(args: dict[str, Any]) -> TitanFamily:
+    """The torchtitan model the GPT ``args`` describe becomes: qwen3 where it norms each head's query and key
+    (``qk_layernorm``: a Qwen3), else llama3."""
+    return llama_titan.QWEN3 if args.get("qk_layernorm") else llama_titan.LLAMA3
+
+
 def titan_refusals(args: dict[str, Any]) -> list[str]:
-    """What of the GPT ``args`` describe torchtitan's llama3 cannot express: what a Llama cannot (:func:`refusals`),
-    linear biases (its linears have none) and tied embeddings (its ``output`` is a weight of its own, with no option
-    to tie it)."""
+    """What of the GPT ``args`` describe its torchtitan model (:func:`titan_family`) cannot express: what a Llama or a
+    Qwen3 cannot (:func:`refusals`), linear biases (the linears of torchtitan's llama3 and qwen3 have none), tied
+    embeddings (osdpipe writes torchtitan's models with an output weight of their own), and for llama3 a head
+    dimension other than ``hidden / heads`` (qwen3 takes its own)."""
+    family = titan_family(args)
     biased = bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))
+    hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
+    own_head_dim = int(args.get("kv_channels") or hidden // heads) * heads != hidden
     checks = [
-        (biased, "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"),
-        (tied_embeddings(args), "tied embedding and output weights (torchtitan's llama3 has no tying)"),
-        (bool(args.get("qk_layernorm")), "qk_layernorm (torchtitan's llama3 norms no query or key)"),
+        (biased, f"linear biases (add_bias_linear or add_qkv_bias: torchtitan's {family.name} has none)"),
+        (tied_embeddings(args), "tied embedding and output weights (not supported yet for torchtitan)"),
+        (own_head_dim and not family.own_head_dim,
+         f"kv_channels={args.get('kv_channels')} x {heads} heads other than hidden_size={hidden} (torchtitan's "
+         f"{family.name} takes its head dimension as hidden / heads)"),
     ]
     return refusals(args) + [what for bad, what in checks if bad]
 
 
 def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
-    """The keywords of ``osdpipe.layout.models.torchtitan_llama3`` for the GPT Megatron-LM's ``args`` describe: the
-    same model as :func:`hf_config`'s (:mod:`osdpipe.layout.llama_titan` maps one's tensors to the other's).
+    """The keywords of the factory of the torchtitan model (:func:`titan_family`: ``torchtitan_llama3`` or
+    ``torchtitan_qwen3`` of :mod:`osdpipe.layout.models`) for the GPT Megatron-LM's ``args`` describe: the same model
+    as :func:`hf_config`'s (:mod:`osdpipe.layout.llama_titan` maps one's tensors to the other's).
 
     Raises:
-        ValueError: a head dimension other than ``hidden / heads``, which torchtitan's llama3 cannot take.
+        ValueError: what the torchtitan model cannot express (:func:`titan_refusals`).
     """
-    _refuse(titan_refusals(args))
+    what = titan_refusals(args)
+    if what:
+        raise ValueError(f"a Megatron GPT with {', '.join(what)}: not supported yet as torchtitan's "
+                         f"{titan_family(args).name}")
     hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
-    if int(args.get("kv_channels") or hidden // heads) * heads != hidden:
-        raise ValueError(f"kv_channels={args['kv_channels']} x {heads} heads is not hidden_size={hidden}: torchtitan's "
-                         "llama3 takes its head dimension as hidden / heads")
     out = {
         "dim": hidden, "n_layers": int(args["num_layers"]), "n_heads": heads, "n_kv_heads": query_groups(args),
         "hidden_dim": int(args["ffn_hidden_size"]), "vocab_size": int(vocab_size),
         "norm_eps": float(args.get("norm_epsilon", 1e-5)), "rope_theta": float(args.get("rotary_base", 10000)),
         "max_seq_len": int(args.get("max_position_embeddings") or args.get("seq_length") or 4096),
     }
+    if titan_family(args).own_head_dim:
+        out["head_dim"] = int(args.get("kv_channels") or hidden // heads)
     if (factor := _rope_scaling_factor(args)) is not None:  # torchtitan's "llama" scaling: the same formula
         out["rope_scaling"] = {"scaling_factor": factor, **{k: float(v) for k, v in _MEGATRON_LLAMA3.items()}}
     return out

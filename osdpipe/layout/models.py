@@ -207,6 +207,20 @@ def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Mod
     job's own. Its FSDP units are its transformer blocks, as torchtitan's
     ``parallelize`` wraps them. Needs torchtitan installed (``pip install torchtitan``).
     """
+    model = torchtitan_config(name, flavor).build()
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
+    model.fsdp_units = (type(blocks[0]).__name__,) if blocks else ()
+    return model
+
+
+def torchtitan_config(name: str, flavor: str) -> Any:
+    """The config of torchtitan's registry model ``name``/``flavor`` (what :func:`torchtitan_model` builds), read
+    without building it: an 8B's dimensions without 32 GB of weights.
+
+    Raises:
+        ValueError: torchtitan, the model or the flavor is not there; the message says which.
+    """
     try:
         registry = importlib.import_module(f"torchtitan.models.{name}").model_registry
     except ImportError as exc:
@@ -220,14 +234,9 @@ def torchtitan_model(name: str = "llama3", flavor: str = "debugmodel") -> nn.Mod
             "name one of torchtitan's models"
         ) from None
     try:
-        spec = registry(flavor)
+        return registry(flavor).model
     except KeyError:
         raise ValueError(f"model.factory=torchtitan: torchtitan's {name} has no flavor {flavor!r}") from None
-    model = spec.model.build()
-    layers = getattr(model, "layers", None)
-    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
-    model.fsdp_units = (type(blocks[0]).__name__,) if blocks else ()
-    return model
 
 
 def hf_llama(**config: Any) -> nn.Module:
@@ -300,31 +309,80 @@ def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
     return model
 
 
+def torchtitan_qwen3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, hidden_dim: int,
+                     vocab_size: int, norm_eps: float = 1e-6, rope_theta: float = 1000000.0, max_seq_len: int = 4096,
+                     attn_backend: str = "flex") -> nn.Module:
+    """torchtitan's qwen3 (fused ``wqkv``, rotate-half RoPE, a norm of each head's query and key, a head dimension of
+    its own; dense, its output layer not tied) of any dimensions: what a Megatron GPT with ``--qk-layernorm`` becomes
+    for a torchtitan job (:func:`osdpipe.layout.llama_titan.to_titan` maps its tensors). Built by torchtitan's own
+    config classes, its ``debugmodel`` flavor's with these dimensions, and its own layer builder, every norm's
+    epsilon ``norm_eps``; its FSDP units are its transformer blocks, as torchtitan's ``parallelize`` wraps them. A job
+    builds the same model with these keywords (``model_args.json`` beside the converted step folder). Needs torchtitan
+    (``pip install torchtitan``)."""
+    import dataclasses
+
+    try:
+        qwen3 = importlib.import_module("torchtitan.models.qwen3")
+        rope = importlib.import_module("torchtitan.models.common").CosSinRoPE
+    except ImportError as exc:
+        raise ValueError(f"model.factory=torchtitan_qwen3: cannot import torchtitan ({exc}); pip install torchtitan") \
+            from None
+    base = qwen3.model_registry("debugmodel").model
+    layers = qwen3._build_qwen3_layers(
+        fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        hidden_dim=hidden_dim, rope=rope.Config(dim=head_dim, max_seq_len=max_seq_len, theta=rope_theta),
+        attn_backend=attn_backend,
+    )
+    for layer in layers:
+        layer.attention_norm.eps = layer.ffn_norm.eps = layer.attention.qk_norm.eps = norm_eps
+    config = dataclasses.replace(
+        base, dim=dim, vocab_size=vocab_size, layers=layers, enable_weight_tying=False,
+        tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=vocab_size, embedding_dim=dim),
+        norm=dataclasses.replace(base.norm, normalized_shape=dim, eps=norm_eps),
+        lm_head=dataclasses.replace(base.lm_head, in_features=dim, out_features=vocab_size),
+    )
+    model = config.build()
+    model.fsdp_units = (type(next(iter(model.layers.values()))).__name__,)
+    return model
+
+
 #: torchtitan's RoPE config fields of Llama 3.1's scaling (``models/common/rope.py``, ``RoPE.Config``).
 LLAMA_ROPE_SCALING = ("scaling_factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def torchtitan_llama_args(name: str = "llama3", flavor: str = "debugmodel") -> dict[str, Any]:
-    """The keywords of :func:`torchtitan_llama3` that build the model of torchtitan's own registry ``name``/``flavor``
-    (``model=torchtitan``): its dimensions, norms and RoPE read from torchtitan's config of it.
+    """The keywords of :func:`torchtitan_llama3` or :func:`torchtitan_qwen3` (``name``) that build the model of
+    torchtitan's own registry ``name``/``flavor`` (``model=torchtitan``): its dimensions, norms and RoPE read from
+    torchtitan's config of it.
 
     Raises:
-        ValueError: a model that is not such a llama3 (another family, or a RoPE scaling other than Llama 3.1's).
+        ValueError: a model that is no such llama3 or qwen3 (another family, an MoE, a RoPE scaling other than Llama
+            3.1's, an output weight tied to the embedding).
     """
-    config = torchtitan_model(name, flavor).config
+    config = torchtitan_config(name, flavor)
     attention, block = config.layers[0].attention, config.layers[0]
     rope = attention.rope
-    if rope.scaling not in ("none", "llama") or not hasattr(attention, "n_kv_heads"):
-        raise ValueError(f"model=torchtitan {name} {flavor}: not a llama3 of fused q/k/v and complex RoPE "
-                         f"(RoPE scaling {rope.scaling!r}); not supported yet")
+    why = [what for bad, what in (
+        (name not in ("llama3", "qwen3"), "not a llama3 or a qwen3"),
+        (getattr(block, "feed_forward", None) is None, "a mixture of experts"),
+        (rope.scaling not in ("none", "llama"), f"RoPE scaling {rope.scaling!r}"),
+        (not hasattr(attention, "n_kv_heads"), "attention other than grouped-query"),
+        (bool(config.enable_weight_tying), "its output weight tied to the embedding"),
+    ) if bad]
+    if why:
+        raise ValueError(f"model=torchtitan {name} {flavor}: {', '.join(why)}; not supported yet")
+    qwen3 = name == "qwen3"
     heads = int(attention.n_heads)
-    return {
+    args = {
         "dim": int(config.dim), "n_layers": len(config.layers), "n_heads": heads,
         "n_kv_heads": int(attention.n_kv_heads or heads), "hidden_dim": int(block.feed_forward.w1.out_features),
         "vocab_size": int(config.vocab_size), "norm_eps": float(block.attention_norm.eps),
         "rope_theta": float(rope.theta), "max_seq_len": int(rope.max_seq_len),
-        "rope_scaling": {k: float(getattr(rope, k)) for k in LLAMA_ROPE_SCALING} if rope.scaling == "llama" else None,
     }
+    if qwen3:
+        return {**args, "head_dim": int(attention.head_dim)}
+    scaling = {k: float(getattr(rope, k)) for k in LLAMA_ROPE_SCALING} if rope.scaling == "llama" else None
+    return {**args, "rope_scaling": scaling}
 
 
 def hf_adapter(
@@ -405,6 +463,7 @@ BUILTIN_MODELS: dict[str, ModelFactory] = {
     "hf_llama": hf_llama,
     "hf_gpt2": hf_gpt2,
     "torchtitan_llama3": torchtitan_llama3,
+    "torchtitan_qwen3": torchtitan_qwen3,
 }
 
 

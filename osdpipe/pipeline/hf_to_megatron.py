@@ -61,8 +61,6 @@ _FATES = {
 
 #: ``model.factory`` where the user names none: the model the folder's ``config.json`` describes.
 FROM_CONFIG = "osdpipe.io.hf_folder:model_from_config"
-#: ``model.factory`` of a torchtitan llama3 of any dimensions (a ``model_args.json``'s keywords).
-TITAN = "torchtitan_llama3"
 
 
 def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:
@@ -80,7 +78,7 @@ def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:
 
 def source_model(raw: dict[str, Any], given: Any) -> dict[str, Any]:
     """The model the source is read as: the user's; else what the checkpoint's own files name (a torchtitan
-    folder's ``model_args.json``: its llama3); else the model of the folder's ``config.json``."""
+    folder's ``model_args.json``: its llama3 or qwen3); else the model of the folder's ``config.json``."""
     model = dict(raw.get("model") or {})
     named = (raw.get("checkpoint") or {}).get("model") is not None  # torchtitan's names, checkpoint.model/flavor
     if "model.factory" in given or "model" in given or named:
@@ -95,7 +93,8 @@ def source_model(raw: dict[str, Any], given: Any) -> dict[str, Any]:
 
 def hf_model_config(model: dict[str, Any], path: str) -> dict[str, Any]:
     """The Hugging Face ``config.json`` of the model the source is read as (``model``: :func:`source_model`'s):
-    torchtitan's llama3 as transformers' Llama (:func:`osdpipe.layout.llama_titan.hf_config`), or the folder's own.
+    torchtitan's llama3 or qwen3 as transformers' Llama or Qwen3 (:func:`osdpipe.layout.llama_titan.hf_config`), or
+    the folder's own.
 
     Raises:
         InputError: neither: the folder has no ``config.json``, or is damaged.
@@ -106,15 +105,15 @@ def hf_model_config(model: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def titan_args(model: dict[str, Any]) -> dict[str, Any] | None:
-    """The keywords of ``torchtitan_llama3`` of a torchtitan llama3 source (``model``: :func:`source_model`'s): its
-    ``model_args.json``'s, or those of torchtitan's own registry flavor (``model=torchtitan``); ``None``: the source
-    is no torchtitan model.
+    """The keywords of ``torchtitan_llama3`` or ``torchtitan_qwen3`` of a torchtitan source (``model``:
+    :func:`source_model`'s): its ``model_args.json``'s, or those of torchtitan's own registry flavor
+    (``model=torchtitan``); ``None``: the source is no torchtitan model.
 
     Raises:
-        InputError: a registry model that is no such llama3.
+        InputError: a registry model that is no such llama3 or qwen3.
     """
     kwargs = model.get("kwargs") or {}
-    if model.get("factory") == TITAN:
+    if model.get("factory") in llama_titan.FAMILIES:
         return kwargs
     if model.get("factory") != "torchtitan":
         return None
@@ -224,7 +223,8 @@ def open_hf_input(plan: Plan) -> tuple[SourceReader, SourceMeta]:
 
 def hf_states(plan: Plan, reader: SourceReader) -> Callable[[str], dict[str, torch.Tensor]]:
     """What reads one state of every parameter of the source (``weights``, ``exp_avg`` or ``exp_avg_sq``) by its
-    Hugging Face name: torchtitan's llama3 rearranged as transformers' Llama (copy-only), each tensor checked to be
+    Hugging Face name: torchtitan's llama3 or qwen3 rearranged as transformers' Llama or Qwen3 (copy-only), each
+    tensor checked to be
     fp32, as a Megatron save's masters and moments are.
 
     One state at a time, so that a caller holds a third of the source's tensors at most.

@@ -576,7 +576,7 @@ def test_a_save_in_other_buckets_than_its_args_lay_out_is_refused_in_one_line(tm
     ({}, "a Hugging Face LlamaForCausalLM (output.checkpoint=hf: its weights; accelerate|pytorch: a job's, the "
          "optimizer included); torchtitan's llama3 too (output.checkpoint=torchtitan)"),
     ({"qk_layernorm": True}, "a Hugging Face Qwen3ForCausalLM (output.checkpoint=hf: its weights; accelerate|pytorch: "
-                             "a job's, the optimizer included); torchtitan's llama3 cannot hold it (qk_layernorm"),
+                             "a job's, the optimizer included); torchtitan's qwen3 too (output.checkpoint=torchtitan)"),
     ({"untie_embeddings_and_output_weights": False}, "torchtitan's llama3 cannot hold it (tied embedding"),
     ({"normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "swiglu": False,
       "add_bias_linear": True, "num_query_groups": 4, "group_query_attention": False},

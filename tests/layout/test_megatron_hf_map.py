@@ -287,10 +287,12 @@ def test_a_biased_gpt_is_a_biased_llama_or_a_qwen2_in_a_folder_and_a_pytorch_job
         assert "head dimension" in ", ".join(refusals({**args, "kv_channels": 8}))
 
 
-def test_a_qk_layernorm_gpt_is_a_qwen3_in_a_folder_and_a_pytorch_job_and_refused_for_torchtitan():
+def test_a_qk_layernorm_gpt_is_a_qwen3_in_a_folder_a_pytorch_job_and_torchtitan():
     """A norm on each head's query and key, no biases: transformers' Qwen3 (its head dimension written, as a Qwen3's
-    need not be hidden / heads); torchtitan's llama3 norms no query or key, and GPT-2 neither."""
+    need not be hidden / heads), and torchtitan's qwen3 (``torchtitan_qwen3``'s keywords, the head dimension its own);
+    GPT-2 norms no query or key. Without head norms, torchtitan's llama3 refuses a head dimension of its own."""
     from osdpipe.layout import megatron_gpt2
+    from osdpipe.layout.megatron_hf import titan_family
 
     args = {**ARGS, "qk_layernorm": True, "kv_channels": 24}
     config = hf_config(args)
@@ -298,7 +300,13 @@ def test_a_qk_layernorm_gpt_is_a_qwen3_in_a_folder_and_a_pytorch_job_and_refused
     assert config["head_dim"] == 24 and config["attention_bias"] is False and "mlp_bias" not in config
     assert (config["use_sliding_window"], config["sliding_window"]) == (False, None)
     assert refusals(args) == []
-    assert titan_refusals(args) == ["qk_layernorm (torchtitan's llama3 norms no query or key)"]
+    assert titan_refusals(args) == [] and titan_family(args).factory == "torchtitan_qwen3"
+    titan = titan_args(args, vocab_size=37)
+    assert (titan["head_dim"], titan["dim"], titan["n_heads"]) == (24, ARGS["hidden_size"], ARGS["num_attention_heads"])
+    assert titan_family({**args, "qk_layernorm": False}).factory == "torchtitan_llama3"
+    assert titan_refusals({**args, "qk_layernorm": False}) == [
+        f"kv_channels=24 x {ARGS['num_attention_heads']} heads other than hidden_size={ARGS['hidden_size']} "
+        "(torchtitan's llama3 takes its head dimension as hidden / heads)"]
     assert "qk_layernorm" in ", ".join(megatron_gpt2.refusals({**ARGS, "normalization": "LayerNorm",
                                                                "qk_layernorm": True}))
     with pytest.raises(ValueError, match="linear biases with qk_layernorm"):  # the map refuses a layout with both
@@ -307,13 +315,13 @@ def test_a_qk_layernorm_gpt_is_a_qwen3_in_a_folder_and_a_pytorch_job_and_refused
 
 def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_for_torchtitan():
     """A model folder and a PyTorch job's Llama hold tied embeddings as transformers does (``tie_word_embeddings``,
-    no ``lm_head.weight``: one parameter); torchtitan's llama3 cannot tie its output layer, so its path refuses them."""
+    no ``lm_head.weight``: one parameter); osdpipe writes torchtitan's models untied, so its path refuses them."""
     args = {**ARGS, "untie_embeddings_and_output_weights": False}
     assert hf_config(args)["tie_word_embeddings"] is True and hf_config(ARGS)["tie_word_embeddings"] is False
     assert refusals(args) == []
-    assert titan_refusals(args) == ["tied embedding and output weights (torchtitan's llama3 has no tying)"]
+    assert titan_refusals(args) == ["tied embedding and output weights (not supported yet for torchtitan)"]
     assert titan_refusals(ARGS) == []
-    with pytest.raises(ValueError, match="torchtitan's llama3 has no tying"):
+    with pytest.raises(ValueError, match="tied embedding and output weights"):
         titan_args(args, vocab_size=37)
     assert "lm_head.weight" not in to_hf(GPTS["gqa_tied"], {k: torch.zeros(s) for k, s in
                                                             global_shapes(GPTS["gqa_tied"]).items()}, 37)
@@ -329,5 +337,5 @@ def test_absent_args_take_megatron_lm_defaults():
                                              "learned_absolute position embeddings (not rope)"]
     assert titan_refusals(bare)[-2:] == [
         "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)",
-        "tied embedding and output weights (torchtitan's llama3 has no tying)"]
+        "tied embedding and output weights (not supported yet for torchtitan)"]
     assert not refusals(ARGS)

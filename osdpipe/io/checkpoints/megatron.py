@@ -10,7 +10,7 @@ Two conversions read it:
 * to another Megatron grid or a Hugging Face folder: Megatron's own stages (:mod:`osdpipe.pipeline.megatron`);
 * to a PyTorch-native framework's layout (``output.checkpoint=pytorch|accelerate|torchtitan``): the range pipeline,
   which asks this layout what every framework's answers (:meth:`optimizer_part`, :meth:`open_model`, :meth:`carried`):
-  the save read as its Hugging Face model's (``LlamaForCausalLM``, ``GPT2LMHeadModel``...) or torchtitan llama3's state
+  the save read as its Hugging Face model's (``LlamaForCausalLM``, ``GPT2LMHeadModel``...) or torchtitan model's state
   (:mod:`osdpipe.io.formats.megatron_source`), the model built from ``args`` (:meth:`model_from_files`),
   ``config.json`` (or torchtitan's ``model_args.json``) written beside, and common.pt's plain entries carried.
 """
@@ -111,8 +111,9 @@ class Megatron(CheckpointLayout):
 
     def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]]:
         """The model of the GPT ``args`` describe, as the job that resumes the output builds it: torchtitan's llama3
-        for a torchtitan step folder (``written_as``), else the transformers model of its family (``LlamaForCausalLM``,
-        ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GPT2LMHeadModel``: :func:`~osdpipe.layout.megatron_hf.hf_config`).
+        or qwen3 (:func:`~osdpipe.layout.megatron_hf.titan_family`) for a torchtitan step folder (``written_as``),
+        else the transformers model of its family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+        ``GPT2LMHeadModel``: :func:`~osdpipe.layout.megatron_hf.hf_config`).
         """
         from osdpipe.layout import megatron_hf
 
@@ -123,7 +124,7 @@ class Megatron(CheckpointLayout):
             raise ModelRefused(f"{folder}: {why}")
         vocab = megatron_hf.true_vocab_size(args)
         if titan:
-            return "torchtitan_llama3", megatron_hf.titan_args(args, vocab_size=vocab)
+            return megatron_hf.titan_family(args).factory, megatron_hf.titan_args(args, vocab_size=vocab)
         try:
             return megatron_hf.hf_factory(args), megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
         except ValueError as exc:  # an arg config.json needs, missing
@@ -132,9 +133,9 @@ class Megatron(CheckpointLayout):
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
         """The iteration folder, read for the model ``written_as``'s job builds: its ``key`` names that model's names
         (the reader's facts name the param groups' parameters so)."""
-        from osdpipe.io.formats.megatron_source import HF_NAMES, TORCHTITAN_LLAMA3
+        from osdpipe.io.formats.megatron_source import HF_NAMES, TORCHTITAN
 
-        naming = TORCHTITAN_LLAMA3 if written_as == "torchtitan" else HF_NAMES
+        naming = TORCHTITAN if written_as == "torchtitan" else HF_NAMES
         return Part(str(files.iteration_folder(path)), "megatron", naming)
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> MegatronWeights:
@@ -146,20 +147,20 @@ class Megatron(CheckpointLayout):
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
         """common.pt's plain entries (the iteration, the scheduler's state, the FLOPs so far), each leaf under its own
-        name, and ``config.json`` made for Hugging Face (``model_args.json`` for torchtitan's llama3); the rest
+        name, and ``config.json`` made for Hugging Face (``model_args.json`` for a torchtitan model); the rest
         describes Megatron's own job (``args``, the RNG states of its (PP, TP) ranks, the linears' ``_extra_state``) and
         is left out, the report says so."""
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
 
-        from osdpipe.io.formats.megatron_source import TORCHTITAN_LLAMA3, naming_of
+        from osdpipe.io.formats.megatron_source import TORCHTITAN, naming_of
 
         folder = files.iteration_folder(path)
         common = files.read_common(folder)
         flat, paths = flatten_state_dict(_carried_values(common))
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items()
                    if torch.is_tensor(v)}
-        titan = naming_of(tree) == TORCHTITAN_LLAMA3
+        titan = naming_of(tree) == TORCHTITAN
         _, config = self.model_from_files(str(folder), "torchtitan" if titan else None)
         entries = [
             e if e.part in ("model", "optimizer") else Entry(e.name, "framework", e.where, e.size, e.tensors)
@@ -240,15 +241,15 @@ def _entry_of(flat: str) -> tuple[str, str]:
 
 def elsewhere(args: dict[str, Any]) -> str:
     """What the GPT Megatron-LM's ``args`` describe becomes outside Megatron, in one line: the Hugging Face model that
-    computes it (:func:`osdpipe.layout.megatron_hf.architecture`), and whether torchtitan's llama3 can hold it; or what
-    stops both. So a user sees which ``output.checkpoint`` takes the save before running one."""
+    computes it (:func:`osdpipe.layout.megatron_hf.architecture`), and whether its torchtitan model (llama3, qwen3) can
+    hold it; or what stops both. So a user sees which ``output.checkpoint`` takes the save before running one."""
     from osdpipe.layout import megatron_hf
 
     if why := megatron_hf.refusals(args):
         return f"outside Megatron: no Hugging Face model yet ({', '.join(why)}); convert it within Megatron"
     titan = megatron_hf.titan_refusals(args)
     return (f"outside Megatron: a Hugging Face {megatron_hf.architecture(args)} (output.checkpoint=hf: its weights; "
-            "accelerate|pytorch: a job's, the optimizer included); torchtitan's llama3 "
+            f"accelerate|pytorch: a job's, the optimizer included); torchtitan's {megatron_hf.titan_family(args).name} "
             + (f"cannot hold it ({', '.join(titan)})" if titan else "too (output.checkpoint=torchtitan)"))
 
 

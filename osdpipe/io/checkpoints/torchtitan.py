@@ -247,17 +247,22 @@ class Torchtitan(CheckpointLayout):
         dcp.save(state, checkpoint_id=str(path))
 
     def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]] | None:
-        """torchtitan's llama3 of the ``model_args.json`` beside the checkpoint folder (or in it), which osdpipe writes
-        with a Megatron GPT converted for torchtitan (``osdpipe.layout.models.torchtitan_llama3``'s keywords); ``None``
-        without one: a job of torchtitan's registry is named by ``checkpoint.model`` and ``checkpoint.flavor``."""
+        """torchtitan's llama3 or qwen3 of the ``model_args.json`` beside the checkpoint folder (or in it), which
+        osdpipe writes with a Megatron GPT converted for torchtitan (the keywords of ``osdpipe.layout.models``'
+        ``torchtitan_llama3`` or ``torchtitan_qwen3``: :func:`osdpipe.layout.llama_titan.family_of` says which);
+        ``None`` without one: a job of torchtitan's registry is named by ``checkpoint.model`` and
+        ``checkpoint.flavor``."""
         import json
+
+        from osdpipe.layout.llama_titan import family_of
 
         for folder in (as_path(path), as_path(path).parent):
             if (folder / MODEL_ARGS).is_file():
                 try:
-                    return "torchtitan_llama3", dict(json.loads((folder / MODEL_ARGS).read_text()))
+                    args = dict(json.loads((folder / MODEL_ARGS).read_text()))
                 except ValueError:
                     return None  # not osdpipe's: the user names the model
+                return family_of(args).factory, args
         return None
 
     def newest_in(self, path: str) -> str | None:
@@ -465,7 +470,8 @@ class Torchtitan(CheckpointLayout):
 #: How torchtitan names the folder of each checkpoint under ``--checkpoint.folder``; it resumes from the highest N.
 STEP_FOLDER = re.compile(r"step-(\d+)")
 #: What a torchtitan checkpoint folder osdpipe wrote from a Megatron GPT holds beside its step folders: the keywords
-#: of ``osdpipe.layout.models.torchtitan_llama3`` (torchtitan's own config of the model's dimensions).
+#: of ``osdpipe.layout.models.torchtitan_llama3`` or ``torchtitan_qwen3`` (torchtitan's own config of the model's
+#: dimensions).
 MODEL_ARGS = "model_args.json"
 
 

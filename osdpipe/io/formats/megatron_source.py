@@ -2,9 +2,10 @@
 
 ``checkpoint=megatron output.checkpoint=pytorch|accelerate|torchtitan`` converts a Megatron GPT into a Hugging Face
 model's (its family's: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GPT2LMHeadModel``) or
-torchtitan llama3's training checkpoint, for FSDP2, FSDP1, DDP or one process (``target.*``), through the same stages as
-every PyTorch-native conversion. What those stages need is a :class:`~osdpipe.io.formats.base.SourceReader` of full
-per-parameter state keyed by the model's names; this module is that reader:
+a torchtitan model's (llama3, or qwen3 for a GPT with head norms) training checkpoint, for FSDP2, FSDP1, DDP or one
+process (``target.*``), through the same stages as every PyTorch-native conversion. What those stages need is a
+:class:`~osdpipe.io.formats.base.SourceReader` of full per-parameter state keyed by the model's names; this module is
+that reader:
 
 * the save is read whole by :func:`osdpipe.io.formats.megatron.read_save` (no Megatron code runs);
 * each optimizer state (the fp32 master weight, ``exp_avg``, ``exp_avg_sq``) goes through the same pure map,
@@ -50,13 +51,14 @@ SCHEDULERS_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult",
 
 
 #: The models a Megatron GPT's state is read for, by what their parameters are named: the transformers model of its
-#: family (:mod:`osdpipe.layout.megatron_hf`), or torchtitan's llama3.
-HF_NAMES, TORCHTITAN_LLAMA3 = "hf", "torchtitan_llama3"
+#: family (:mod:`osdpipe.layout.megatron_hf`), or its torchtitan model (:func:`osdpipe.layout.megatron_hf.titan_family`:
+#: llama3 and qwen3 name their parameters alike).
+HF_NAMES, TORCHTITAN = "hf", "torchtitan"
 
 
 def naming_of(tree: ModuleTree) -> str:
     """Which model's names ``tree`` (the model the conversion builds) has: a Hugging Face model's, of any family
-    (:data:`HF_NAMES`), or torchtitan's llama3's (:data:`TORCHTITAN_LLAMA3`).
+    (:data:`HF_NAMES`), or a torchtitan model's (:data:`TORCHTITAN`).
 
     Raises:
         InputError: it has neither's; the message names the factories that build one.
@@ -64,20 +66,21 @@ def naming_of(tree: ModuleTree) -> str:
     if any(tree.resolve(f.HF_EMBEDDING) is not None for f in megatron_hf.FAMILIES):
         return HF_NAMES
     if tree.resolve("tok_embeddings.weight") is not None:
-        return TORCHTITAN_LLAMA3
-    factories = ", ".join(f"model.factory={f.HF_FACTORY}" for f in megatron_hf.FAMILIES)
-    raise InputError(f"a Megatron GPT converts into {factories} or model.factory={TORCHTITAN_LLAMA3} (leave "
+        return TORCHTITAN
+    factories = ", ".join([*(f"model.factory={f.HF_FACTORY}" for f in megatron_hf.FAMILIES),
+                           *(f"model.factory={factory}" for factory in llama_titan.FAMILIES)])
+    raise InputError(f"a Megatron GPT converts into {factories} (leave "
                      "model.factory out: the save's args build it), not a model of other names")
 
 
 class MegatronReader:
-    """A Megatron GPT save as its Hugging Face model's or torchtitan llama3's full per-parameter state (the module
+    """A Megatron GPT save as its Hugging Face model's or its torchtitan model's full per-parameter state (the module
     docstring); ``naming``: which (:func:`naming_of`)."""
 
     def __init__(self, path: str, naming: str = HF_NAMES) -> None:
         save = read_save(path, within_memory=True)
         self.folder = save.folder
-        if why := megatron_hf.refusal(save.args, titan=naming == TORCHTITAN_LLAMA3):
+        if why := megatron_hf.refusal(save.args, titan=naming == TORCHTITAN):
             raise InputError(f"{save.folder}: {why}")
         self.gpt, self.vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
         self.args, self.iteration, self.notes = save.args, save.iteration, list(save.notes)
@@ -86,9 +89,10 @@ class MegatronReader:
             self.states = {name: megatron_hf.to_hf(self.gpt, {k: s[name] for k, s in save.optim.items()}, self.vocab)
                            for name in STATES}
             names_of = megatron_hf.hf_names_of(self.gpt)
-            if naming == TORCHTITAN_LLAMA3:
+            if naming == TORCHTITAN:
                 heads = llama_titan.Heads(self.gpt.num_layers, self.gpt.num_attention_heads,
-                                          self.gpt.num_query_groups, self.gpt.kv_channels)
+                                          self.gpt.num_query_groups, self.gpt.kv_channels,
+                                          megatron_hf.titan_family(save.args))
                 self.states = {name: llama_titan.to_titan(heads, state) for name, state in self.states.items()}
                 names_of = {key: list(dict.fromkeys(t for n in names for t in llama_titan.titan_names_of(n)))
                             for key, names in names_of.items()}
@@ -156,7 +160,7 @@ class Megatron(Format):
         try:
             naming = naming_of(tree)
         except InputError:  # what is wrong with the save itself, for the model the output's job builds, is said first
-            MegatronReader(path, key if key in (HF_NAMES, TORCHTITAN_LLAMA3) else HF_NAMES)
+            MegatronReader(path, key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES)
             raise
         return MegatronReader(path, naming)
 
@@ -172,14 +176,15 @@ class Megatron(Format):
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
         """The optimizer (from its param groups and states), its parameters under the names of the model ``key`` says
         (:meth:`osdpipe.io.checkpoints.megatron.Megatron.optimizer_part`: the one the output's job builds)."""
-        reader = MegatronReader(str(path), key if key in (HF_NAMES, TORCHTITAN_LLAMA3) else HF_NAMES)
+        reader = MegatronReader(str(path), key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES)
         describe_meta(facts, reader.meta())
         facts.world_size = 1
         a = reader.args
+        model = f"torchtitan {megatron_hf.titan_family(a).name}" if key == TORCHTITAN else megatron_hf.architecture(a)
         facts.notes.append(
             f"Megatron-LM save of iteration {reader.iteration} (TP{a.get('tensor_model_parallel_size')} "
             f"PP{a.get('pipeline_model_parallel_size')} DP{a.get('data_parallel_size')}), read as "
-            f"{'torchtitan llama3' if key == TORCHTITAN_LLAMA3 else megatron_hf.architecture(a)}'s "
+            f"{model}'s "
             f"state: the fp32 master weights and the optimizer's per parameter"
         )
 
