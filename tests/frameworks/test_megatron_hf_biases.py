@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from frameworks import mcore
-from frameworks.mcore_saves import SAVES, WORLD
+from frameworks.mcore_saves import SAVES
 from helpers import run_osdpipe
 
 from osdpipe.io.formats.megatron import gpt_of, read_save
@@ -38,23 +38,9 @@ pytestmark = [
 ]
 
 RELATIVE_TOLERANCE = 1e-4
-#: Each source and the Hugging Face class its folder must be.
+#: Each source and the Hugging Face class its folder must be (each one of ``conftest.LOGITS_OF``).
 ARCHITECTURES = {"tp2_dp2_bias": "LlamaForCausalLM", "tp2_pp2_qkv_bias": "Qwen2ForCausalLM",
                  "gpt_tp2_pp2": "GPT2LMHeadModel", "qwen3_tp2_pp2": "Qwen3ForCausalLM"}
-
-
-@pytest.fixture(scope="module")
-def megatron_logits(megatron_saves: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """The logits megatron-core computes on the probe tokens from each source of :data:`ARCHITECTURES`, loaded at its
-    own grid: the three loads in one launch (:func:`mcore.each`; a launch's start is most of a load's time)."""
-    root = tmp_path_factory.mktemp("megatron_logits")
-    jobs = []
-    for name in ARCHITECTURES:
-        save = SAVES[name]
-        jobs.append(mcore.load_argv(megatron_saves[name], root / f"{name}.pt", tp=save.tp, pp=save.pp,
-                                    bias=save.bias, model=save.model, qk=save.qk, logits=root / f"{name}.logits.pt"))
-    mcore.each(root, WORLD, jobs, label="load-logits", timeout=600)
-    return {name: torch.load(root / f"{name}.logits.pt", weights_only=True) for name in ARCHITECTURES}
 
 
 @pytest.mark.parametrize("name, architecture", ARCHITECTURES.items())

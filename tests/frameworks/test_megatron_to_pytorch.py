@@ -16,7 +16,8 @@ with a norm on each head's query and key (``qwen3_tp2_pp2``: ``--qk-layernorm``)
 ``q_norm`` and ``k_norm`` hold the norms' masters and moments.
 Megatron-LM's default GPT (``gpt_tp2_pp2``: LayerNorm, a learned position table, GeLU, a bias on each linear, tied)
 is transformers' ``GPT2LMHeadModel``, tied as transformers ties it (``test_megatron_hf_biases.py`` proves its logits).
-torchtitan's llama3, which can neither tie nor bias its linears nor norm its heads, refuses those saves in one line.
+For torchtitan, a GPT is its llama3, or with head norms its qwen3 (both proven against megatron-core's logits); a tied
+or biased save is refused in one line.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from frameworks import mcore
 from helpers import run_osdpipe
 
 from osdpipe.io.formats.megatron import STATES, gpt_of
-from osdpipe.layout.llama_titan import Heads, to_titan
+from osdpipe.layout.llama_titan import LLAMA3, QWEN3, Heads, to_titan
 from osdpipe.layout.megatron_hf import hf_names_of, tied_names, to_hf, true_vocab_size
 
 pytestmark = [
@@ -140,46 +141,95 @@ def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_model(
     assert _differences(loaded, expected) == [f"exp_avg_sq {wrong}"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
-def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(megatron_saves: dict[str, Path],
-                                                                         tmp_path: Path) -> None:
-    """``output.checkpoint=torchtitan``: ``step-3`` and ``model_args.json`` beside it; torchtitan 0.3.0's own
-    ``CheckpointManager`` loads it into a 2-rank FSDP2 job of its llama3 built from those args (fused ``wqkv``, complex
-    RoPE), which holds the live Megatron job's masters and moments mapped (RoPE-permuted, fused) bit for bit and trains
-    on. That the permuted model computes Megatron's logits is ``test_megatron_hf.py``'s."""
-    import json
+#: Each source torchtitan takes: its model there, the job building it from ``model_args.json`` (:mod:`frameworks.
+#: titan_llama_job`). A GPT with head norms (``--qk-layernorm``) is torchtitan's qwen3, one without its llama3.
+TITAN_JOBS = {"tp2_pp2": (LLAMA3, "megatron_llama3"), "qwen3_tp2_pp2": (QWEN3, "megatron_qwen3")}
+
+
+@pytest.fixture(scope="module")
+def in_torchtitan(megatron_saves: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """``output.checkpoint=torchtitan`` of a source of :data:`TITAN_JOBS` (``step-3`` and ``model_args.json`` beside
+    it), loaded by torchtitan 0.3.0's own ``CheckpointManager`` into a 2-rank FSDP2 job of its model built from those
+    args, which then takes a step; each source once, when a test first asks: the output folder, what the job held
+    after the load (:mod:`frameworks.titan_load`) and the live Megatron job's state mapped for it."""
     import re
 
     from frameworks import titan_load
     from frameworks.launch import run_logged, torchrun, worker_env
+
+    done: dict[str, dict] = {}
+
+    def resumed(name: str) -> dict:
+        if name in done:
+            return done[name]
+        family, job = TITAN_JOBS[name]
+        folder, work = megatron_saves[name], tmp_path_factory.mktemp(f"titan_{name}")
+        truth = torch.load(mcore.truth_path(folder), weights_only=False)
+        out = work / "out"
+        ran = run_osdpipe("checkpoint=megatron", f"input.path={folder}", "output.checkpoint=torchtitan",
+                          "target.kind=fsdp2", "target.world_size=2", f"output.path={out}", cwd=work, timeout=400)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        gpt = gpt_of(truth["args"])
+        heads = Heads(gpt.num_layers, gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels, family)
+        expected = {s: to_titan(heads, states) for s, states in _expected(truth).items()}
+        norms = [n for n in expected["param"] if n.endswith("norm.weight")]
+        groups = [["^(" + "|".join(re.escape(n) for n in names) + ")$", kwargs] for names, kwargs in (
+            (norms, {"lr": truth["param_groups"][1]["lr"], "weight_decay": 0.0}),
+            ([n for n in expected["param"] if n not in norms],
+             {"lr": truth["param_groups"][0]["lr"], "weight_decay": 0.1}),
+        )]
+        spec = {"folder": str(out), "model": f"frameworks.titan_llama_job:{job}",
+                "kwargs": {"args": str(out / "model_args.json")}, "groups": groups,
+                "exclude": ["dataloader", "lr_scheduler", "train_state"], "dump": str(work / "titan_loaded.pt")}
+        run_logged(torchrun(2, Path(titan_load.__file__), spec), work, label="titan-load", timeout=400,
+                   what="torchtitan's load of", env=worker_env())
+        done[name] = {"out": out, "expected": expected, "job": job,
+                      "loaded": torch.load(spec["dump"], weights_only=False)}
+        return done[name]
+
+    return resumed
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+@pytest.mark.parametrize("name", TITAN_JOBS)
+def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(in_torchtitan, name: str) -> None:
+    """torchtitan's job (llama3: fused ``wqkv``, complex RoPE; qwen3: fused ``wqkv``, rotate-half RoPE, head norms)
+    holds the live Megatron job's masters and moments mapped (fused, RoPE-permuted for llama3; the head norms whole for
+    qwen3) bit for bit, step 3, and trains on. That llama3's permuted model computes Megatron's logits is
+    ``test_megatron_hf.py``'s, qwen3's the next test's."""
     from frameworks.titan_llama_job import parameters
 
-    folder = megatron_saves["tp2_pp2"]
-    truth = torch.load(mcore.truth_path(folder), weights_only=False)
-    out = tmp_path / "out"
-    done = run_osdpipe("checkpoint=megatron", f"input.path={folder}", "output.checkpoint=torchtitan",
-                       "target.kind=fsdp2", "target.world_size=2", f"output.path={out}", cwd=tmp_path, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model_args.json", "osdpipe.log", "report.json",
-                                                      "step-3"]
-    gpt = gpt_of(truth["args"])
-    heads = Heads(gpt.num_layers, gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels)
-    expected = {s: to_titan(heads, states) for s, states in _expected(truth).items()}
-    norms = [n for n in expected["param"] if n.endswith("norm.weight")]
-    groups = [["^(" + "|".join(re.escape(n) for n in names) + ")$", kwargs] for names, kwargs in (
-        (norms, {"lr": truth["param_groups"][1]["lr"], "weight_decay": 0.0}),
-        ([n for n in expected["param"] if n not in norms], {"lr": truth["param_groups"][0]["lr"], "weight_decay": 0.1}),
-    )]
-    spec = {"folder": str(out), "model": "frameworks.titan_llama_job:megatron_llama3",
-            "kwargs": {"args": str(out / "model_args.json")}, "groups": groups,
-            "exclude": ["dataloader", "lr_scheduler", "train_state"], "dump": str(tmp_path / "titan_loaded.pt")}
-    run_logged(torchrun(2, Path(titan_load.__file__), spec), tmp_path, label="titan-load", timeout=400,
-               what="torchtitan's load of", env=worker_env())
-    loaded = torch.load(spec["dump"], weights_only=False)
+    run = in_torchtitan(name)
+    loaded = run["loaded"]
+    assert sorted(p.name for p in run["out"].iterdir()) == ["manifest.json", "model_args.json", "osdpipe.log",
+                                                             "report.json", "step-3"]
     assert loaded["found"] and math.isfinite(loaded["loss"])
-    args = json.loads((out / "model_args.json").read_text())
-    assert _differences({"model": parameters(loaded["model"], args), "optim": loaded["optim"]}, expected) == []
+    args = json.loads((run["out"] / "model_args.json").read_text())
+    assert _differences({"model": parameters(loaded["model"], args), "optim": loaded["optim"]}, run["expected"]) == []
     assert {float(s["step"]) for s in loaded["optim"]["state"].values()} == {3.0}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def test_torchtitans_qwen3_of_the_step_folder_computes_megatrons_logits(in_torchtitan, megatron_logits) -> None:
+    """The qwen3 torchtitan loaded from a Megatron Qwen3 save (``--qk-layernorm``), built from ``model_args.json`` by
+    torchtitan's own config classes, computes megatron-core's logits of the save on the probe tokens within
+    ``1e-4 x max |logit|`` (fp32; ``test_megatron_hf.py`` says why); without its head norms (what a llama3, which
+    norms no query or key, computes of the same weights) the logits move by more than 10 times that."""
+    from frameworks import titan_llama_job
+
+    run = in_torchtitan("qwen3_tp2_pp2")
+    probe = megatron_logits["qwen3_tp2_pp2"]
+    model = titan_llama_job.megatron_qwen3(str(run["out"] / "model_args.json")).eval()
+    model.load_state_dict(run["loaded"]["model"], strict=True)  # its own hooks fuse wq, wk, wv
+    megatron, scale = probe["logits"][..., : mcore.VOCAB], float(probe["logits"].abs().max())
+    with torch.no_grad():
+        diff = float((model(probe["tokens"]) - megatron).abs().max())
+        for block in model.blocks:
+            block.attention.q_norm = block.attention.k_norm = torch.nn.Identity()
+        moved = float((model(probe["tokens"]) - megatron).abs().max())
+    print(f"max |Megatron - torchtitan qwen3| = {diff:.3g}, without head norms: {moved:.3g}, max |logit| = {scale:.3g}")
+    assert diff <= 1e-4 * scale
+    assert moved > 10 * 1e-4 * scale
 
 
 @pytest.mark.parametrize("name", ["tp2_pp2", "gpt_tp2_pp2"])
@@ -208,16 +258,16 @@ def test_pytorchs_own_layout_passes_every_check_of_a_live_fsdp2_world(megatron_s
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
 @pytest.mark.parametrize("name, feature", [
-    ("tied_tp2_pp2", "tied embedding and output weights (torchtitan's llama3 has no tying)"),
+    ("tied_tp2_pp2", "tied embedding and output weights (not supported yet for torchtitan)"),
     ("tp2_dp2_bias", "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"),
     ("gpt_tp2_pp2", "LayerNorm (not RMSNorm)"),
-    ("qwen3_tp2_pp2", "qk_layernorm (torchtitan's llama3 norms no query or key)"),
 ])
 def test_what_torchtitan_cannot_hold_is_refused_in_one_line_naming_the_jobs_that_take_it(
     megatron_saves: dict[str, Path], tmp_path: Path, name: str, feature: str
 ) -> None:
-    """torchtitan's llama3 can neither tie its output layer to the embedding nor bias its linears: such a save is
-    refused before anything is written, and the line names the outputs that take it (a Hugging Face model's job)."""
+    """osdpipe writes torchtitan's llama3 and qwen3 with an output layer of their own and unbiased linears, as
+    torchtitan builds them: a tied or biased save is refused before anything is written, and the line names the
+    outputs that take it (a Hugging Face model's job)."""
     out = tmp_path / "out"
     done = run_osdpipe("checkpoint=megatron", f"input.path={megatron_saves[name]}",
                        "output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2", f"output.path={out}",

@@ -1,18 +1,20 @@
-"""A torchtitan checkpoint of llama3 -> a Megatron-LM save at TP2 PP2 DP1, optimizer included (issue 40).
+"""A torchtitan checkpoint of llama3 or qwen3 -> a Megatron-LM save at TP2 PP2 DP1, optimizer included (issue 40).
 
 torchtitan 0.3.0's own pieces train its llama3 (fused ``wqkv``, complex RoPE; GQA 4 heads in 2 key/value heads, the
-harness GPT's dimensions: vocabulary 1000, which Megatron pads to 1024 at TP2) 3 steps with FSDP2 on 2 CPU ranks, and
-its ``CheckpointManager`` saves ``step-3`` (:mod:`frameworks.titan_save`; the model's dimensions in ``model_args.json``
-beside it, torchtitan's own config classes building it). The ``osdpipe`` command converts the folder
-(``checkpoint=torchtitan output.checkpoint=megatron``: to transformers' Llama by :mod:`osdpipe.layout.llama_titan`,
-then to Megatron's GPT by :mod:`osdpipe.layout.megatron_hf`, both copy-only). The real megatron-core 0.16.1 job,
-built with the save's own dimensions and loading as Megatron-LM's ``load_checkpoint --no-load-rng`` does, loads it at
-TP2 PP2 and:
+harness GPT's dimensions: vocabulary 1000, which Megatron pads to 1024 at TP2) or its qwen3 (fused ``wqkv``,
+rotate-half RoPE, a norm of each head's query and key, heads of 12 against a hidden size of 48) 3 steps with FSDP2 on
+2 CPU ranks, and its ``CheckpointManager`` saves ``step-3`` (:mod:`frameworks.titan_save`; the model's dimensions in
+``model_args.json`` beside it, torchtitan's own config classes building it). The ``osdpipe`` command converts the
+folder (``checkpoint=torchtitan output.checkpoint=megatron``: to transformers' Llama or Qwen3 by
+:mod:`osdpipe.layout.llama_titan`, then to Megatron's GPT by :mod:`osdpipe.layout.megatron_hf`, both copy-only). The
+real megatron-core 0.16.1 job, built with the save's own dimensions (``--qk-layernorm --kv-channels 12`` for the qwen3)
+and loading as Megatron-LM's ``load_checkpoint --no-load-rng`` does, loads it at TP2 PP2 and:
 
 (a) holds, gathered, the masters, ``exp_avg``, ``exp_avg_sq``, the weights and the step of the live torchtitan job,
     mapped, bitwise;
 (b) computes, through its pipeline schedule, the logits torchtitan's own forward of the saved model computes on the
-    same tokens, within ``max |diff| <= 1e-4 x max |logit|`` (fp32; ``test_megatron_hf.py`` says why);
+    same tokens, within ``max |diff| <= 1e-4 x max |logit|`` (fp32; ``test_megatron_hf.py`` says why); for the qwen3,
+    torchtitan's forward without its head norms is more than 10 times that away (a map that lost them);
 (c) takes a training step from there: step and iteration 4, every master moved, all finite.
 """
 
@@ -27,7 +29,7 @@ import torch
 from frameworks import mcore
 from helpers import run_osdpipe
 
-from osdpipe.layout.llama_titan import from_titan, heads_of
+from osdpipe.layout.llama_titan import LLAMA3, QWEN3, Heads, from_titan
 from osdpipe.layout.megatron import Gpt
 from osdpipe.layout.megatron_hf import from_hf
 
@@ -38,26 +40,38 @@ pytestmark = [
 ]
 
 #: torchtitan's llama3 of the harness GPT's dimensions (``osdpipe.layout.models.torchtitan_llama3``'s keywords).
-ARGS = {"dim": mcore.HIDDEN, "n_layers": mcore.LAYERS, "n_heads": mcore.HEADS, "n_kv_heads": mcore.GROUPS,
-        "hidden_dim": mcore.FFN, "vocab_size": mcore.VOCAB, "norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_seq_len": mcore.SEQ}
-#: The GPT Megatron builds of it at TP2 (vocabulary padded to 128 x 2).
-GPT = Gpt(num_layers=mcore.LAYERS, hidden_size=mcore.HIDDEN, ffn_hidden_size=mcore.FFN, num_attention_heads=mcore.HEADS,
-          num_query_groups=mcore.GROUPS, kv_channels=mcore.HIDDEN // mcore.HEADS, padded_vocab_size=1024, swiglu=True)
+LLAMA3_ARGS = {"dim": mcore.HIDDEN, "n_layers": mcore.LAYERS, "n_heads": mcore.HEADS, "n_kv_heads": mcore.GROUPS,
+               "hidden_dim": mcore.FFN, "vocab_size": mcore.VOCAB, "norm_eps": 1e-5, "rope_theta": 10000.0,
+               "max_seq_len": mcore.SEQ}
+#: Its qwen3 (``torchtitan_qwen3``'s keywords): heads of its own dimension (12 x 4 against a hidden size of 48),
+#: normed as Qwen3's.
+QWEN3_ARGS = {**LLAMA3_ARGS, "head_dim": 12, "norm_eps": 1e-6, "rope_theta": 1000000.0}
+#: Each model: its ``model_args.json``, its builder in :mod:`frameworks.titan_llama_job`, the torchtitan family.
+MODELS = {"llama3": (LLAMA3_ARGS, "megatron_llama3", LLAMA3), "qwen3": (QWEN3_ARGS, "megatron_qwen3", QWEN3)}
 RELATIVE_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    """torchtitan's step-3, its conversion to TP2 PP2 DP1, and what megatron-core made of it."""
+def _gpt(args: dict) -> Gpt:
+    """The GPT Megatron builds of torchtitan's model of ``args`` at TP2 (vocabulary padded to 128 x 2)."""
+    return Gpt(num_layers=mcore.LAYERS, hidden_size=mcore.HIDDEN, ffn_hidden_size=mcore.FFN,
+               num_attention_heads=mcore.HEADS, num_query_groups=mcore.GROUPS,
+               kv_channels=args.get("head_dim", mcore.HIDDEN // mcore.HEADS), padded_vocab_size=1024, swiglu=True,
+               qk_layernorm="head_dim" in args)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def run(request, tmp_path_factory) -> dict:
+    """torchtitan's step-3 of one of :data:`MODELS`, its conversion to TP2 PP2 DP1, and what megatron-core made of
+    it."""
     from frameworks import titan_save
     from frameworks.launch import run_logged, torchrun, worker_env
 
-    work = tmp_path_factory.mktemp("titan_to_megatron")
+    args, job, family = MODELS[request.param]
+    work = tmp_path_factory.mktemp(f"titan_to_megatron_{request.param}")
     folder = work / "titan"
     folder.mkdir()
-    (folder / "model_args.json").write_text(json.dumps(ARGS))
-    spec = {"folder": str(folder), "args": str(folder / "model_args.json"), "steps": 3, "lr": 1e-3,
+    (folder / "model_args.json").write_text(json.dumps(args))
+    spec = {"folder": str(folder), "model": job, "args": str(folder / "model_args.json"), "steps": 3, "lr": 1e-3,
             "dump": str(work / "truth.pt")}
     run_logged(torchrun(2, Path(titan_save.__file__), spec), work, label="titan-save", timeout=400,
                what="torchtitan's save of", env=worker_env())
@@ -68,7 +82,8 @@ def run(tmp_path_factory) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     mcore.load(work, out, work / "loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, no_load_rng=True,
                logits=work / "logits.pt", resume=1, dump_after=work / "after.pt", label="load-titan-tp2pp2")
-    return {"work": work, "out": out, "truth": torch.load(work / "truth.pt", weights_only=False),
+    return {"work": work, "out": out, "args": args, "job": job, "family": family,
+            "truth": torch.load(work / "truth.pt", weights_only=False),
             "loaded": torch.load(work / "loaded.pt", weights_only=False),
             "after": torch.load(work / "after.pt", weights_only=False),
             "logits": torch.load(work / "logits.pt", weights_only=True)}
@@ -77,11 +92,13 @@ def run(tmp_path_factory) -> dict:
 def test_megatron_holds_torchtitans_masters_moments_and_step_bitwise(run) -> None:
     from frameworks.titan_llama_job import parameters
 
-    truth, loaded, heads = run["truth"], run["loaded"], heads_of(ARGS)
+    truth, loaded, args = run["truth"], run["loaded"], run["args"]
+    heads = Heads(mcore.LAYERS, mcore.HEADS, mcore.GROUPS, args.get("head_dim", mcore.HIDDEN // mcore.HEADS),
+                  run["family"])
     state = truth["optim"]["state"]
-    titan = {"param": parameters(truth["model"], ARGS),
+    titan = {"param": parameters(truth["model"], args),
              **{s: {n: v[s] for n, v in state.items()} for s in ("exp_avg", "exp_avg_sq")}}
-    want = {s: from_hf(GPT, from_titan(heads, tensors)) for s, tensors in titan.items()}
+    want = {s: from_hf(_gpt(args), from_titan(heads, tensors)) for s, tensors in titan.items()}
     differ = [f"{s} {k}" for s, tensors in want.items() for k, t in tensors.items()
               if not torch.equal(t, loaded["optim"][k][s])]
     differ += [f"model {k}" for k, t in want["param"].items() if not torch.equal(t, loaded["model"][k])]
@@ -93,16 +110,22 @@ def test_megatron_holds_torchtitans_masters_moments_and_step_bitwise(run) -> Non
 
 
 def test_megatrons_logits_are_torchtitans(run) -> None:
-    from frameworks.titan_llama_job import megatron_llama3
+    from frameworks import titan_llama_job
 
-    model = megatron_llama3(str(run["out"].parent / "titan" / "model_args.json")).eval()
+    model = getattr(titan_llama_job, run["job"])(str(run["out"].parent / "titan" / "model_args.json")).eval()
     model.load_state_dict(run["truth"]["model"], strict=True)  # its own hooks fuse wq, wk, wv
-    tokens, logits = run["logits"]["tokens"], run["logits"]["logits"]
+    tokens, logits = run["logits"]["tokens"], run["logits"]["logits"][..., : mcore.VOCAB]
     with torch.no_grad():
         reference = model(tokens)
-    diff = float((logits[..., : ARGS["vocab_size"]] - reference).abs().max())
+        if run["family"].head_norms:  # what a map that lost them computes: far off
+            for block in model.blocks:
+                block.attention.q_norm = block.attention.k_norm = torch.nn.Identity()
+            moved = float((logits - model(tokens)).abs().max())
+            print(f"without its head norms, torchtitan's {run['family'].name} is {moved:.3g} off")
+            assert moved > 10 * RELATIVE_TOLERANCE * float(reference.abs().max())
+    diff = float((logits - reference).abs().max())
     scale = float(reference.abs().max())
-    print(f"max |Megatron TP2 PP2 - torchtitan| = {diff:.3g}, max |logit| = {scale:.3g}")
+    print(f"max |Megatron TP2 PP2 - torchtitan {run['family'].name}| = {diff:.3g}, max |logit| = {scale:.3g}")
     assert diff <= RELATIVE_TOLERANCE * scale
 
 

@@ -1,27 +1,39 @@
-"""torchtitan's llama3 of a converted Megatron GPT, as ``titan_load.py`` trains it: built from the
+"""torchtitan's llama3 or qwen3 of a converted Megatron GPT, as ``titan_load.py`` trains it: built from the
 ``model_args.json`` osdpipe wrote beside the step folder, by torchtitan's own config classes
-(``osdpipe.layout.models.torchtitan_llama3``), its forward taking token ids alone (the positions and the causal block
-masks torchtitan's trainer gives, made here), its FlexAttention run as SDPA under the same block-causal mask:
-FlexAttention has no backward on CPU (``titan_train._patch_attention``, as torchtitan's trainer runs in these tests)."""
+(``osdpipe.layout.models``' ``torchtitan_llama3`` and ``torchtitan_qwen3``), its forward taking token ids alone (the
+positions and the causal block masks torchtitan's trainer gives, made here), its FlexAttention run as SDPA under the
+same block-causal mask: FlexAttention has no backward on CPU (``titan_train._patch_attention``, as torchtitan's trainer
+runs in these tests)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from osdpipe.layout.models import torchtitan_llama3
+from osdpipe.layout.models import torchtitan_llama3, torchtitan_qwen3
 
 
 def megatron_llama3(args: str) -> nn.Module:
-    """The model ``args`` (a ``model_args.json``) describes; ``blocks`` are its FSDP units, ``vocab`` its tokens."""
+    """torchtitan's llama3 ``args`` (a ``model_args.json``) describes; ``blocks`` are its FSDP units, ``vocab`` its
+    tokens."""
+    return _on_ids(torchtitan_llama3, args)
+
+
+def megatron_qwen3(args: str) -> nn.Module:
+    """torchtitan's qwen3 ``args`` describes, as :func:`megatron_llama3`."""
+    return _on_ids(torchtitan_qwen3, args)
+
+
+def _on_ids(factory: Callable[..., nn.Module], args: str) -> nn.Module:
     from frameworks.titan_train import _patch_attention
 
     _patch_attention()
     kwargs = json.loads(Path(args).read_text())
-    model = torchtitan_llama3(**kwargs)
+    model = factory(**kwargs)
     forward = model.forward
 
     def on_ids(ids: torch.Tensor) -> torch.Tensor:

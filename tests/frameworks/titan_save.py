@@ -1,14 +1,15 @@
-"""Entry point that torchrun launches: an FSDP2 job of torchtitan's llama3 trains a few steps and torchtitan's own
-``CheckpointManager`` saves it, as torchtitan's trainer saves (``step-<N>`` under ``--checkpoint.folder``).
+"""Entry point that torchrun launches: an FSDP2 job of torchtitan's llama3 or qwen3 trains a few steps and torchtitan's
+own ``CheckpointManager`` saves it, as torchtitan's trainer saves (``step-<N>`` under ``--checkpoint.folder``).
 
-The model is torchtitan's llama3 of the dimensions in ``model_args.json`` (:func:`frameworks.titan_llama_job.
-megatron_llama3`: torchtitan's own config classes), not a registry flavor, which torchtitan's trainer would need
-(its llama3 flavors scale RoPE as Llama 3.1, which a Megatron GPT converted from them would need too). Everything
-else is torchtitan's: ``fully_shard`` per block, an ``OptimizersContainer`` of AdamW with two param groups (decay for
-the matrices, none for the norms), ``CheckpointManager.save``. Rank 0 then writes, to ``spec["dump"]``, the model and
-the optimizer gathered whole (the truth the conversion is held against).
+The model is torchtitan's llama3 or qwen3 of the dimensions in ``model_args.json`` (``spec["model"]``, a builder of
+:mod:`frameworks.titan_llama_job`: torchtitan's own config classes), not a registry flavor, which torchtitan's
+trainer would need (its llama3 flavors scale RoPE as Llama 3.1, which a Megatron GPT converted from them would need
+too). Everything else is torchtitan's: ``fully_shard`` per block, an ``OptimizersContainer`` of AdamW with two param
+groups (decay for the matrices, none for the norms), ``CheckpointManager.save``. Rank 0 then writes, to
+``spec["dump"]``, the model and the optimizer gathered whole (the truth the conversion is held against).
 
-spec (JSON, the one argument): folder, args (``model_args.json``), steps, lr, dump.
+spec (JSON, the one argument): folder, model (a builder's name in :mod:`frameworks.titan_llama_job`), args
+(``model_args.json``), steps, lr, dump.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main() -> None:
     from frameworks.titan_load import _import_torchtitan_on_cpu
 
     _import_torchtitan_on_cpu()
-    from frameworks.titan_llama_job import megatron_llama3
+    from frameworks import titan_llama_job
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
     from torch.utils._pytree import tree_map
@@ -48,7 +49,7 @@ def main() -> None:
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
 
     torch.manual_seed(4321)
-    model = megatron_llama3(spec["args"])
+    model = getattr(titan_llama_job, spec["model"])(spec["args"])
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
