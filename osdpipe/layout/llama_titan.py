@@ -21,6 +21,10 @@ RoPE) is ``LlamaForCausalLM``, its **qwen3** (rotate-half RoPE, a norm of each h
   ``wk``, ``wv`` the same way). Query head ``j`` belongs to group ``j // n`` in both frameworks.
 * **Head dimension.** llama3 takes it as ``dim / n_heads``; qwen3 has its own (``head_dim``, as Qwen3 does).
 
+Either can tie its output layer to the embedding (torchtitan's ``enable_weight_tying``: llama3's 1B and 3B, qwen3's
+0.6B to 4B; the factories' ``tie_embeddings``): one parameter, ``tok_embeddings.weight``, as transformers' tied model
+holds one, ``model.embed_tokens.weight``; neither has an ``lm_head`` of its own to map (:attr:`Heads.tied`).
+
 Every element goes to exactly one place and comes back, with no arithmetic, so the same map carries the weights and
 Adam's moments (the optimizer is keyed by torchtitan's parameters: ``wqkv``).
 """
@@ -86,13 +90,15 @@ def family_of(args: dict) -> TitanFamily:
 
 @dataclass(frozen=True)
 class Heads:
-    """What the map needs of the model: its family, its layers and its attention heads."""
+    """What the map needs of the model: its family, its layers, its attention heads, and whether its output layer is
+    the embedding (``tied``: neither side has an ``lm_head`` parameter of its own)."""
 
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     family: TitanFamily = LLAMA3
+    tied: bool = False
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads or self.head_dim % 2:
@@ -107,6 +113,11 @@ class Heads:
     def hf_rows(self, w: torch.Tensor, heads: int) -> torch.Tensor:
         """The inverse of :meth:`rope_rows`."""
         return halves(w, heads) if self.family.complex_rope else w
+
+    def top(self) -> dict[str, str]:
+        """HF name -> torchtitan's of the tensors outside the layers: the embedding, the final norm and, untied, the
+        output layer."""
+        return {hf: titan for hf, titan in _TOP.items() if not (self.tied and hf == "lm_head.weight")}
 
 
 def interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -124,7 +135,7 @@ def halves(w: torch.Tensor, heads: int) -> torch.Tensor:
 def to_titan(heads: Heads, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Hugging Face state dict of the family (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) -> the torchtitan model's
     parameters (the module docstring); each output owns its storage."""
-    out = {titan: hf[name].clone() for name, titan in _TOP.items()}
+    out = {titan: hf[name].clone() for name, titan in heads.top().items()}
     n, g, d = heads.heads // heads.kv_heads, heads.kv_heads, heads.head_dim
     for i in range(heads.layers):
         p = f"model.layers.{i}."
@@ -140,7 +151,7 @@ def to_titan(heads: Heads, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def from_titan(heads: Heads, titan: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of :func:`to_titan`: ``from_titan(h, to_titan(h, x)) == x`` bit for bit."""
-    out = {name: titan[t].clone() for name, t in _TOP.items()}
+    out = {name: titan[t].clone() for name, t in heads.top().items()}
     n, g, d = heads.heads // heads.kv_heads, heads.kv_heads, heads.head_dim
     for i in range(heads.layers):
         p = f"model.layers.{i}."
@@ -188,7 +199,8 @@ def hf_config(args: dict) -> dict:
         "num_hidden_layers": int(args["n_layers"]), "vocab_size": int(args["vocab_size"]), "hidden_act": "silu",
         "rms_norm_eps": float(args.get("norm_eps", 1e-5)), "rope_theta": theta,
         "rope_parameters": rope,
-        "max_position_embeddings": int(args.get("max_seq_len", 4096)), "tie_word_embeddings": False,
+        "max_position_embeddings": int(args.get("max_seq_len", 4096)),
+        "tie_word_embeddings": bool(args.get("tie_embeddings", False)),
         "attention_bias": False, "mlp_bias": False,
     }
     if family is QWEN3:  # no MLP bias option, no sliding window (Megatron's own Qwen3 config says the same)
@@ -202,4 +214,5 @@ def heads_of(args: dict) -> Heads:
     """The :class:`Heads` of the torchtitan model of ``args`` (its factory's keywords, a ``model_args.json``)."""
     family, heads = family_of(args), int(args["n_heads"])
     head_dim = int(args["head_dim"]) if family.own_head_dim else int(args["dim"]) // heads
-    return Heads(int(args["n_layers"]), heads, int(args.get("n_kv_heads") or heads), head_dim, family)
+    return Heads(int(args["n_layers"]), heads, int(args.get("n_kv_heads") or heads), head_dim, family,
+                 bool(args.get("tie_embeddings", False)))

@@ -287,16 +287,15 @@ def titan_family(args: dict[str, Any]) -> TitanFamily:
 
 def titan_refusals(args: dict[str, Any]) -> list[str]:
     """What of the GPT ``args`` describe its torchtitan model (:func:`titan_family`) cannot express: what a Llama or a
-    Qwen3 cannot (:func:`refusals`), linear biases (the linears of torchtitan's llama3 and qwen3 have none), tied
-    embeddings (osdpipe writes torchtitan's models with an output weight of their own), and for llama3 a head
-    dimension other than ``hidden / heads`` (qwen3 takes its own)."""
+    Qwen3 cannot (:func:`refusals`), linear biases (the linears of torchtitan's llama3 and qwen3 have none), and for
+    llama3 a head dimension other than ``hidden / heads`` (qwen3 takes its own). Tied embeddings are its
+    ``enable_weight_tying`` (:func:`titan_args`)."""
     family = titan_family(args)
     biased = bool(args.get("add_bias_linear", True)) or bool(args.get("add_qkv_bias"))
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
     own_head_dim = int(args.get("kv_channels") or hidden // heads) * heads != hidden
     checks = [
         (biased, f"linear biases (add_bias_linear or add_qkv_bias: torchtitan's {family.name} has none)"),
-        (tied_embeddings(args), "tied embedding and output weights (not supported yet for torchtitan)"),
         (own_head_dim and not family.own_head_dim,
          f"kv_channels={args.get('kv_channels')} x {heads} heads other than hidden_size={hidden} (torchtitan's "
          f"{family.name} takes its head dimension as hidden / heads)"),
@@ -325,6 +324,8 @@ def titan_args(args: dict[str, Any], *, vocab_size: int) -> dict[str, Any]:
     }
     if titan_family(args).own_head_dim:
         out["head_dim"] = int(args.get("kv_channels") or hidden // heads)
+    if tied_embeddings(args):
+        out["tie_embeddings"] = True
     if (factor := _rope_scaling_factor(args)) is not None:  # torchtitan's "llama" scaling: the same formula
         out["rope_scaling"] = {"scaling_factor": factor, **{k: float(v) for k, v in _MEGATRON_LLAMA3.items()}}
     return out

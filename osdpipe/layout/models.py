@@ -273,10 +273,12 @@ def hf_gpt2(**config: Any) -> nn.Module:
 
 def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden_dim: int, vocab_size: int,
                       norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int = 4096,
-                      rope_scaling: dict[str, float] | None = None, attn_backend: str = "flex") -> nn.Module:
+                      rope_scaling: dict[str, float] | None = None, tie_embeddings: bool = False,
+                      attn_backend: str = "flex") -> nn.Module:
     """torchtitan's llama3 (fused ``wqkv``, complex RoPE; ``rope_scaling``: Llama 3.1's, as torchtitan's ``llama``
     scaling takes it: ``scaling_factor``, ``low_freq_factor``, ``high_freq_factor``,
-    ``original_max_position_embeddings``; ``None``: unscaled) of any dimensions: what a Megatron GPT becomes
+    ``original_max_position_embeddings``; ``None``: unscaled; ``tie_embeddings``: its output layer the embedding, as
+    torchtitan's ``enable_weight_tying``) of any dimensions: what a Megatron GPT becomes
     for a torchtitan job (:func:`osdpipe.layout.llama_titan.to_titan` maps its tensors). Built by torchtitan's own
     config classes, its ``debugmodel`` flavor's with these dimensions, and its own layer builder; its FSDP units are its
     transformer blocks, as torchtitan's ``parallelize`` wraps them. A job builds the same model with these keywords
@@ -299,7 +301,7 @@ def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
     for layer in layers:
         layer.attention_norm.eps = layer.ffn_norm.eps = norm_eps
     config = dataclasses.replace(
-        base, dim=dim, vocab_size=vocab_size, layers=layers,
+        base, dim=dim, vocab_size=vocab_size, layers=layers, enable_weight_tying=tie_embeddings,
         tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=vocab_size, embedding_dim=dim),
         norm=dataclasses.replace(base.norm, normalized_shape=dim, eps=norm_eps),
         lm_head=dataclasses.replace(base.lm_head, in_features=dim, out_features=vocab_size),
@@ -311,14 +313,14 @@ def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
 
 def torchtitan_qwen3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, hidden_dim: int,
                      vocab_size: int, norm_eps: float = 1e-6, rope_theta: float = 1000000.0, max_seq_len: int = 4096,
-                     attn_backend: str = "flex") -> nn.Module:
+                     tie_embeddings: bool = False, attn_backend: str = "flex") -> nn.Module:
     """torchtitan's qwen3 (fused ``wqkv``, rotate-half RoPE, a norm of each head's query and key, a head dimension of
-    its own; dense, its output layer not tied) of any dimensions: what a Megatron GPT with ``--qk-layernorm`` becomes
-    for a torchtitan job (:func:`osdpipe.layout.llama_titan.to_titan` maps its tensors). Built by torchtitan's own
-    config classes, its ``debugmodel`` flavor's with these dimensions, and its own layer builder, every norm's
-    epsilon ``norm_eps``; its FSDP units are its transformer blocks, as torchtitan's ``parallelize`` wraps them. A job
-    builds the same model with these keywords (``model_args.json`` beside the converted step folder). Needs torchtitan
-    (``pip install torchtitan``)."""
+    its own; dense; ``tie_embeddings``: its output layer the embedding, as its 0.6B to 4B) of any dimensions: what a
+    Megatron GPT with ``--qk-layernorm`` becomes for a torchtitan job (:func:`osdpipe.layout.llama_titan.to_titan`
+    maps its tensors). Built by torchtitan's own config classes, its ``debugmodel`` flavor's with these dimensions,
+    and its own layer builder, every norm's epsilon ``norm_eps``; its FSDP units are its transformer blocks, as
+    torchtitan's ``parallelize`` wraps them. A job builds the same model with these keywords (``model_args.json``
+    beside the converted step folder). Needs torchtitan (``pip install torchtitan``)."""
     import dataclasses
 
     try:
@@ -336,7 +338,7 @@ def torchtitan_qwen3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, 
     for layer in layers:
         layer.attention_norm.eps = layer.ffn_norm.eps = layer.attention.qk_norm.eps = norm_eps
     config = dataclasses.replace(
-        base, dim=dim, vocab_size=vocab_size, layers=layers, enable_weight_tying=False,
+        base, dim=dim, vocab_size=vocab_size, layers=layers, enable_weight_tying=tie_embeddings,
         tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=vocab_size, embedding_dim=dim),
         norm=dataclasses.replace(base.norm, normalized_shape=dim, eps=norm_eps),
         lm_head=dataclasses.replace(base.lm_head, in_features=dim, out_features=vocab_size),
@@ -357,7 +359,7 @@ def torchtitan_llama_args(name: str = "llama3", flavor: str = "debugmodel") -> d
 
     Raises:
         ValueError: a model that is no such llama3 or qwen3 (another family, an MoE, a RoPE scaling other than Llama
-            3.1's, an output weight tied to the embedding).
+            3.1's).
     """
     config = torchtitan_config(name, flavor)
     attention, block = config.layers[0].attention, config.layers[0]
@@ -367,7 +369,6 @@ def torchtitan_llama_args(name: str = "llama3", flavor: str = "debugmodel") -> d
         (getattr(block, "feed_forward", None) is None, "a mixture of experts"),
         (rope.scaling not in ("none", "llama"), f"RoPE scaling {rope.scaling!r}"),
         (not hasattr(attention, "n_kv_heads"), "attention other than grouped-query"),
-        (bool(config.enable_weight_tying), "its output weight tied to the embedding"),
     ) if bad]
     if why:
         raise ValueError(f"model=torchtitan {name} {flavor}: {', '.join(why)}; not supported yet")
@@ -378,6 +379,7 @@ def torchtitan_llama_args(name: str = "llama3", flavor: str = "debugmodel") -> d
         "n_kv_heads": int(attention.n_kv_heads or heads), "hidden_dim": int(block.feed_forward.w1.out_features),
         "vocab_size": int(config.vocab_size), "norm_eps": float(block.attention_norm.eps),
         "rope_theta": float(rope.theta), "max_seq_len": int(rope.max_seq_len),
+        **({"tie_embeddings": True} if config.enable_weight_tying else {}),
     }
     if qwen3:
         return {**args, "head_dim": int(attention.head_dim)}

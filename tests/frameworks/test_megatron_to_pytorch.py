@@ -16,8 +16,8 @@ with a norm on each head's query and key (``qwen3_tp2_pp2``: ``--qk-layernorm``)
 ``q_norm`` and ``k_norm`` hold the norms' masters and moments.
 Megatron-LM's default GPT (``gpt_tp2_pp2``: LayerNorm, a learned position table, GeLU, a bias on each linear, tied)
 is transformers' ``GPT2LMHeadModel``, tied as transformers ties it (``test_megatron_hf_biases.py`` proves its logits).
-For torchtitan, a GPT is its llama3, or with head norms its qwen3 (both proven against megatron-core's logits); a tied
-or biased save is refused in one line.
+For torchtitan, a GPT is its llama3, or with head norms its qwen3 (both proven against megatron-core's logits), tied
+as torchtitan ties; a biased save is refused in one line.
 """
 
 from __future__ import annotations
@@ -142,8 +142,10 @@ def test_accelerate_resumes_a_megatron_save_converted_for_a_hugging_face_model(
 
 
 #: Each source torchtitan takes: its model there, the job building it from ``model_args.json`` (:mod:`frameworks.
-#: titan_llama_job`). A GPT with head norms (``--qk-layernorm``) is torchtitan's qwen3, one without its llama3.
-TITAN_JOBS = {"tp2_pp2": (LLAMA3, "megatron_llama3"), "qwen3_tp2_pp2": (QWEN3, "megatron_qwen3")}
+#: titan_llama_job`). A GPT with head norms (``--qk-layernorm``) is torchtitan's qwen3, one without its llama3; a tied
+#: GPT (``tied_tp2_pp2``: the last stage's output layer a copy of the embedding) a llama3 with ``enable_weight_tying``.
+TITAN_JOBS = {"tp2_pp2": (LLAMA3, "megatron_llama3"), "qwen3_tp2_pp2": (QWEN3, "megatron_qwen3"),
+              "tied_tp2_pp2": (LLAMA3, "megatron_llama3")}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +172,7 @@ def in_torchtitan(megatron_saves: dict[str, Path], tmp_path_factory: pytest.Temp
                           "target.kind=fsdp2", "target.world_size=2", f"output.path={out}", cwd=work, timeout=400)
         assert ran.returncode == 0, ran.stderr[-3000:]
         gpt = gpt_of(truth["args"])
-        heads = Heads(gpt.num_layers, gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels, family)
+        heads = Heads(gpt.num_layers, gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels, family, gpt.tied)
         expected = {s: to_titan(heads, states) for s, states in _expected(truth).items()}
         norms = [n for n in expected["param"] if n.endswith("norm.weight")]
         groups = [["^(" + "|".join(re.escape(n) for n in names) + ")$", kwargs] for names, kwargs in (
@@ -193,10 +195,11 @@ def in_torchtitan(megatron_saves: dict[str, Path], tmp_path_factory: pytest.Temp
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
 @pytest.mark.parametrize("name", TITAN_JOBS)
 def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(in_torchtitan, name: str) -> None:
-    """torchtitan's job (llama3: fused ``wqkv``, complex RoPE; qwen3: fused ``wqkv``, rotate-half RoPE, head norms)
-    holds the live Megatron job's masters and moments mapped (fused, RoPE-permuted for llama3; the head norms whole for
-    qwen3) bit for bit, step 3, and trains on. That llama3's permuted model computes Megatron's logits is
-    ``test_megatron_hf.py``'s, qwen3's the next test's."""
+    """torchtitan's job (llama3: fused ``wqkv``, complex RoPE; qwen3: fused ``wqkv``, rotate-half RoPE, head norms;
+    tied: one parameter, ``tok_embeddings``, its ``lm_head`` the same) holds the live Megatron job's masters and
+    moments mapped (fused, RoPE-permuted for llama3; the head norms whole for qwen3) bit for bit, step 3, and trains
+    on. That llama3's permuted model computes Megatron's logits is ``test_megatron_hf.py``'s, qwen3's the next
+    test's."""
     from frameworks.titan_llama_job import parameters
 
     run = in_torchtitan(name)
@@ -207,6 +210,9 @@ def test_torchtitan_resumes_a_megatron_save_converted_to_its_step_folder(in_torc
     args = json.loads((run["out"] / "model_args.json").read_text())
     assert _differences({"model": parameters(loaded["model"], args), "optim": loaded["optim"]}, run["expected"]) == []
     assert {float(s["step"]) for s in loaded["optim"]["state"].values()} == {3.0}
+    tied = bool(args.get("tie_embeddings"))
+    assert tied == (name == "tied_tp2_pp2") and ("lm_head.weight" in loaded["optim"]["state"]) is not tied
+    assert torch.equal(loaded["model"]["lm_head.weight"], loaded["model"]["tok_embeddings.weight"]) is tied
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
@@ -258,16 +264,15 @@ def test_pytorchs_own_layout_passes_every_check_of_a_live_fsdp2_world(megatron_s
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
 @pytest.mark.parametrize("name, feature", [
-    ("tied_tp2_pp2", "tied embedding and output weights (not supported yet for torchtitan)"),
     ("tp2_dp2_bias", "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"),
     ("gpt_tp2_pp2", "LayerNorm (not RMSNorm)"),
 ])
 def test_what_torchtitan_cannot_hold_is_refused_in_one_line_naming_the_jobs_that_take_it(
     megatron_saves: dict[str, Path], tmp_path: Path, name: str, feature: str
 ) -> None:
-    """osdpipe writes torchtitan's llama3 and qwen3 with an output layer of their own and unbiased linears, as
-    torchtitan builds them: a tied or biased save is refused before anything is written, and the line names the
-    outputs that take it (a Hugging Face model's job)."""
+    """torchtitan's llama3 and qwen3 have unbiased linears, and a llama3 norms a model's hidden state alone (not
+    LayerNorm): such a save is refused before anything is written, and the line names the outputs that take it (a
+    Hugging Face model's job)."""
     out = tmp_path / "out"
     done = run_osdpipe("checkpoint=megatron", f"input.path={megatron_saves[name]}",
                        "output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2", f"output.path={out}",

@@ -46,8 +46,10 @@ LLAMA3_ARGS = {"dim": mcore.HIDDEN, "n_layers": mcore.LAYERS, "n_heads": mcore.H
 #: Its qwen3 (``torchtitan_qwen3``'s keywords): heads of its own dimension (12 x 4 against a hidden size of 48),
 #: normed as Qwen3's.
 QWEN3_ARGS = {**LLAMA3_ARGS, "head_dim": 12, "norm_eps": 1e-6, "rope_theta": 1000000.0}
-#: Each model: its ``model_args.json``, its builder in :mod:`frameworks.titan_llama_job`, the torchtitan family.
-MODELS = {"llama3": (LLAMA3_ARGS, "megatron_llama3", LLAMA3), "qwen3": (QWEN3_ARGS, "megatron_qwen3", QWEN3)}
+#: Each model: its ``model_args.json``, its builder in :mod:`frameworks.titan_llama_job`, the torchtitan family. The
+#: tied qwen3 is as torchtitan's 0.6B to 4B (``enable_weight_tying``): its output layer the embedding.
+MODELS = {"llama3": (LLAMA3_ARGS, "megatron_llama3", LLAMA3), "qwen3": (QWEN3_ARGS, "megatron_qwen3", QWEN3),
+          "tied qwen3": ({**QWEN3_ARGS, "tie_embeddings": True}, "megatron_qwen3", QWEN3)}
 RELATIVE_TOLERANCE = 1e-4
 
 
@@ -56,7 +58,7 @@ def _gpt(args: dict) -> Gpt:
     return Gpt(num_layers=mcore.LAYERS, hidden_size=mcore.HIDDEN, ffn_hidden_size=mcore.FFN,
                num_attention_heads=mcore.HEADS, num_query_groups=mcore.GROUPS,
                kv_channels=args.get("head_dim", mcore.HIDDEN // mcore.HEADS), padded_vocab_size=1024, swiglu=True,
-               qk_layernorm="head_dim" in args)
+               qk_layernorm="head_dim" in args, tied=bool(args.get("tie_embeddings")))
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -67,7 +69,7 @@ def run(request, tmp_path_factory) -> dict:
     from frameworks.launch import run_logged, torchrun, worker_env
 
     args, job, family = MODELS[request.param]
-    work = tmp_path_factory.mktemp(f"titan_to_megatron_{request.param}")
+    work = tmp_path_factory.mktemp(f"titan_to_megatron_{request.param.replace(' ', '_')}")
     folder = work / "titan"
     folder.mkdir()
     (folder / "model_args.json").write_text(json.dumps(args))
@@ -94,7 +96,7 @@ def test_megatron_holds_torchtitans_masters_moments_and_step_bitwise(run) -> Non
 
     truth, loaded, args = run["truth"], run["loaded"], run["args"]
     heads = Heads(mcore.LAYERS, mcore.HEADS, mcore.GROUPS, args.get("head_dim", mcore.HIDDEN // mcore.HEADS),
-                  run["family"])
+                  run["family"], bool(args.get("tie_embeddings")))
     state = truth["optim"]["state"]
     titan = {"param": parameters(truth["model"], args),
              **{s: {n: v[s] for n, v in state.items()} for s in ("exp_avg", "exp_avg_sq")}}
@@ -105,8 +107,10 @@ def test_megatron_holds_torchtitans_masters_moments_and_step_bitwise(run) -> Non
     assert differ == []
     assert {float(s["step"]) for s in loaded["optim"].values()} == {3.0} and loaded["iteration"] == 3
     # one element wrong: the comparison sees it
-    want["exp_avg"]["output_layer.weight"].view(-1)[3] += 1
-    assert not torch.equal(want["exp_avg"]["output_layer.weight"], loaded["optim"]["output_layer.weight"]["exp_avg"])
+    assert ("output_layer.weight" in loaded["optim"]) is not bool(args.get("tie_embeddings"))  # tied: the embedding
+    embedding = "embedding.word_embeddings.weight"
+    want["exp_avg"][embedding].view(-1)[3] += 1
+    assert not torch.equal(want["exp_avg"][embedding], loaded["optim"][embedding]["exp_avg"])
 
 
 def test_megatrons_logits_are_torchtitans(run) -> None:

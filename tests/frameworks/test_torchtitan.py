@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -42,10 +43,11 @@ def source(tmp_path_factory):
     return work, assets, folder, loaded
 
 
-def _convert(work: Path, name: str, *overrides: str) -> Path:
+def _convert(work: Path, name: str, *overrides: str, model: Sequence[str] = CONVERT) -> Path:
+    """``osdpipe`` with ``overrides`` for torchtitan's checkpoint of the registry model ``model`` names."""
     out = work / name
     done = run_command(
-        [sys.executable, "-m", "osdpipe", *CONVERT, *overrides, f"output.path={out}"],
+        [sys.executable, "-m", "osdpipe", *model, *overrides, f"output.path={out}"],
         cwd=work,
         timeout=400,
         env=user_env(),
@@ -202,52 +204,51 @@ def test_the_safetensors_export_is_what_torchtitans_own_hf_export_writes(source)
     assert [name for name in theirs if not titan.same_bits(mine[name], theirs[name])] == []
 
 
-@pytest.fixture(scope="module")
-def megatron_save(source) -> Path:
-    """The torchtitan checkpoint converted to Megatron at TP2 PP2 DP1, loaded by megatron-core on 4 ranks (its dump,
-    logits and one step after beside it, ``megatron.*.pt``)."""
+def _to_megatron(work: Path, folder: Path, model: Sequence[str] = CONVERT) -> Path:
+    """torchtitan's checkpoint ``folder`` (of the registry model ``model`` names) converted to Megatron at TP2 PP2 DP1,
+    loaded by megatron-core on 4 ranks (its dump, logits and one step after beside it, ``megatron.*.pt``)."""
     from frameworks import mcore
 
-    work, _, folder, _ = source
     out = _convert(work, "megatron", f"input.path={folder}", "output.checkpoint=megatron", "target.tp_size=2",
-                   "target.pp_size=2", "target.world_size=4")
+                   "target.pp_size=2", "target.world_size=4", model=model)
     mcore.load(work, out, work / "megatron.loaded.pt", tp=2, pp=2, dp=1, dims_from_save=True, no_load_rng=True,
                logits=work / "megatron.logits.pt", resume=1, dump_after=work / "megatron.after.pt",
                label="load-titan-megatron")
     return out
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core is not installed")
-def test_the_default_llama3_becomes_a_megatron_save_that_computes_its_logits_and_trains_on(source,
-                                                                                           megatron_save) -> None:
-    """torchtitan's own trainer's checkpoint of its default llama3 (debugmodel: 16 heads, RoPE theta 5e5 scaled as
-    Llama 3.1) -> Megatron at TP2 PP2 DP1 (``output.checkpoint=megatron``; Megatron's ``--use-rope-scaling``).
-    megatron-core 0.16.1, built from the save's args, loads it on 4 ranks holding what torchtitan itself loads from the
-    checkpoint (masters, moments, step), mapped, bit for bit; its logits through its pipeline schedule are torchtitan's
-    own forward of those weights within 1e-4 x max |logit| (``test_megatron_hf.py`` says why); it trains on."""
+@pytest.fixture(scope="module")
+def megatron_save(source) -> Path:
+    """The torchtitan checkpoint converted to Megatron at TP2 PP2 DP1 and loaded by megatron-core
+    (:func:`_to_megatron`)."""
+    work, _, folder, _ = source
+    return _to_megatron(work, folder)
+
+
+def _megatron_holds_and_computes(work: Path, loaded: dict, name: str, gpt, step: int) -> None:
+    """megatron-core's load of :func:`_to_megatron` holds what torchtitan itself loads from the checkpoint (masters,
+    moments, step) of its registry model ``name`` (``debugmodel``), mapped, bit for bit; its logits through its
+    pipeline schedule are torchtitan's own forward of those weights within 1e-4 x max |logit| (``test_megatron_hf.py``
+    says why); one more step moves every master."""
     from frameworks import mcore
     from frameworks.titan_llama_job import parameters
 
     from osdpipe.layout.llama_titan import from_titan, heads_of
-    from osdpipe.layout.megatron import Gpt
     from osdpipe.layout.megatron_hf import from_hf
     from osdpipe.layout.models import build_model, torchtitan_llama_args
 
-    work, _, _, loaded = source
-    out = megatron_save
     megatron = torch.load(work / "megatron.loaded.pt", weights_only=False)
-    args = torchtitan_llama_args("llama3", "debugmodel")
-    gpt = Gpt(num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=16, num_query_groups=16,
-              kv_channels=16, padded_vocab_size=2048, swiglu=True)
+    args = torchtitan_llama_args(name, "debugmodel")
     state = loaded["optim"]["state"]
     titan_state = {"param": parameters(loaded["model"], args),
                    **{s: {n: v[s] for n, v in state.items()} for s in ("exp_avg", "exp_avg_sq")}}
     want = {s: from_hf(gpt, from_titan(heads_of(args), t)) for s, t in titan_state.items()}
     assert [f"{s} {k}" for s, ts in want.items() for k, t in ts.items()
             if not torch.equal(t, megatron["optim"][k][s])] == []
-    assert {float(s["step"]) for s in megatron["optim"].values()} == {2.0} and megatron["iteration"] == 2
+    assert sorted(megatron["optim"]) == sorted(want["param"])
+    assert {float(s["step"]) for s in megatron["optim"].values()} == {float(step)} and megatron["iteration"] == step
 
-    model = build_model("torchtitan", {"name": "llama3", "flavor": "debugmodel"}).eval()
+    model = build_model("torchtitan", {"name": name, "flavor": "debugmodel"}).eval()
     model.load_state_dict(loaded["model"], strict=True)  # its own hooks fuse wq, wk, wv
     probe = torch.load(work / "megatron.logits.pt", weights_only=True)
     tokens = probe["tokens"]
@@ -255,11 +256,50 @@ def test_the_default_llama3_becomes_a_megatron_save_that_computes_its_logits_and
     with torch.no_grad():
         reference = model(tokens, positions, model.get_attention_masks(positions))
     diff = float((probe["logits"][..., : args["vocab_size"]] - reference).abs().max())
-    print(f"max |Megatron TP2 PP2 - torchtitan debugmodel| = {diff:.3g}, max |logit| = {reference.abs().max():.3g}")
+    print(f"max |Megatron TP2 PP2 - torchtitan {name} debugmodel| = {diff:.3g}, "
+          f"max |logit| = {reference.abs().max():.3g}")
     assert diff <= 1e-4 * float(reference.abs().max()), diff
-    report = __import__("json").loads((out / "report.json").read_text())
+    assert mcore.trained_on(megatron, torch.load(work / "megatron.after.pt", weights_only=False), step=step) == []
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_the_default_llama3_becomes_a_megatron_save_that_computes_its_logits_and_trains_on(source,
+                                                                                           megatron_save) -> None:
+    """torchtitan's own trainer's checkpoint of its default llama3 (debugmodel: 16 heads, RoPE theta 5e5 scaled as
+    Llama 3.1) -> Megatron at TP2 PP2 DP1 (``output.checkpoint=megatron``; Megatron's ``--use-rope-scaling``).
+    megatron-core 0.16.1, built from the save's args, holds it and computes it (:func:`_megatron_holds_and_computes`);
+    the report says that Megatron's no-decay group for the norms is not the source's one group."""
+    from osdpipe.layout.megatron import Gpt
+
+    work, _, _, loaded = source
+    gpt = Gpt(num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=16, num_query_groups=16,
+              kv_channels=16, padded_vocab_size=2048, swiglu=True)
+    _megatron_holds_and_computes(work, loaded, "llama3", gpt, step=2)
+    report = json.loads((megatron_save / "report.json").read_text())
     assert any("the source's one param group decays every parameter" in w for w in report["warnings"])
-    assert mcore.trained_on(megatron, torch.load(work / "megatron.after.pt", weights_only=False), step=2) == []
+
+
+#: What torchtitan's trainer is told to train its default qwen3 instead of llama3.
+QWEN3 = ["--module", "qwen3", "--config", "qwen3_debugmodel"]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_the_default_qwen3_becomes_a_megatron_save_that_computes_its_logits_and_trains_on(source,
+                                                                                          tmp_path: Path) -> None:
+    """torchtitan's own trainer trains its default qwen3 (debugmodel: 16 heads of 128 against a hidden size of 256,
+    head norms, its output layer tied to the embedding) 2 steps on 2 ranks; its checkpoint, named as torchtitan names
+    the model, converts to Megatron at TP2 PP2 DP1 (``--qk-layernorm --kv-channels 128``, tied), and megatron-core
+    holds what torchtitan itself loads from it and computes it (:func:`_megatron_holds_and_computes`)."""
+    from osdpipe.layout.megatron import Gpt
+
+    assets = source[1]
+    titan.train(tmp_path, 2, 2, folder=tmp_path / "Q", assets=assets, extra=QWEN3)
+    loaded = titan.resume_and_dump(tmp_path, 2, tmp_path / "Q", assets=assets, name="qwen3", extra=QWEN3)
+    _to_megatron(tmp_path, tmp_path / "Q", ["checkpoint=torchtitan", "checkpoint.model=qwen3",
+                                            "checkpoint.flavor=debugmodel"])
+    gpt = Gpt(num_layers=8, hidden_size=256, ffn_hidden_size=3072, num_attention_heads=16, num_query_groups=8,
+              kv_channels=128, padded_vocab_size=2048, swiglu=True, tied=True, qk_layernorm=True)
+    _megatron_holds_and_computes(tmp_path, loaded, "qwen3", gpt, step=2)
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core is not installed")

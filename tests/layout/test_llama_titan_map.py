@@ -26,13 +26,16 @@ from osdpipe.layout.llama_titan import (
 HEADS = Heads(layers=2, heads=4, kv_heads=2, head_dim=6)
 #: A qwen3's: its head dimension its own (8 x 4 heads against a hidden size of 24).
 QWEN3_HEADS = Heads(layers=2, heads=4, kv_heads=2, head_dim=8, family=QWEN3)
+#: A qwen3 whose output layer is the embedding (torchtitan's 0.6B to 4B).
+TIED_QWEN3_HEADS = Heads(layers=2, heads=4, kv_heads=2, head_dim=8, family=QWEN3, tied=True)
 DIM, FFN, VOCAB = 24, 10, 13
 
 
 def _hf(dtype: torch.dtype = torch.float32, h: Heads = HEADS) -> dict[str, torch.Tensor]:
     """A Llama's (or, for a qwen3's ``h``, a Qwen3's) state dict whose every element is distinct (its position in one
-    long arange)."""
-    shapes = {"model.embed_tokens.weight": (VOCAB, DIM), "model.norm.weight": (DIM,), "lm_head.weight": (VOCAB, DIM)}
+    long arange); tied, without ``lm_head.weight``, as transformers' tied model holds one parameter."""
+    shapes = {"model.embed_tokens.weight": (VOCAB, DIM), "model.norm.weight": (DIM,),
+              **({} if h.tied else {"lm_head.weight": (VOCAB, DIM)})}
     for i in range(h.layers):
         p = f"model.layers.{i}."
         shapes.update({
@@ -54,7 +57,7 @@ def _hf(dtype: torch.dtype = torch.float32, h: Heads = HEADS) -> dict[str, torch
     return out
 
 
-@pytest.mark.parametrize("heads", [HEADS, QWEN3_HEADS], ids=["llama3", "qwen3"])
+@pytest.mark.parametrize("heads", [HEADS, QWEN3_HEADS, TIED_QWEN3_HEADS], ids=["llama3", "qwen3", "tied qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_the_map_is_a_permutation_and_comes_back_bitwise(heads: Heads, dtype: torch.dtype) -> None:
     hf = _hf(dtype, heads)
@@ -64,6 +67,7 @@ def test_the_map_is_a_permutation_and_comes_back_bitwise(heads: Heads, dtype: to
     back = from_titan(heads, titan)
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
     assert {t for n in hf for t in titan_names_of(n)} == titan.keys()
+    assert ("lm_head.weight" in titan) is not heads.tied  # tied: the embedding is the output layer's one parameter
 
 
 def test_qwen3_keeps_hfs_row_order_and_takes_each_head_norm_whole() -> None:
@@ -92,6 +96,9 @@ def test_model_args_say_their_family_and_its_hugging_face_model() -> None:
     assert (config["rms_norm_eps"], config["rope_theta"], config["use_sliding_window"]) == (1e-6, 1e6, False)
     assert "mlp_bias" not in config and config["attention_bias"] is False
     assert (hf_config(llama)["architectures"], hf_config(llama)["head_dim"]) == (["LlamaForCausalLM"], 6)
+    tied = {**qwen3, "tie_embeddings": True}
+    assert heads_of(tied) == TIED_QWEN3_HEADS and hf_config(tied)["tie_word_embeddings"] is True
+    assert hf_config(qwen3)["tie_word_embeddings"] is False
 
 
 def test_rope_pairs_become_consecutive_rows_within_each_head() -> None:
@@ -113,7 +120,7 @@ def test_each_group_holds_its_query_heads_then_its_key_then_its_value() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
-@pytest.mark.parametrize("heads", [HEADS, QWEN3_HEADS], ids=["llama3", "qwen3"])
+@pytest.mark.parametrize("heads", [HEADS, QWEN3_HEADS, TIED_QWEN3_HEADS], ids=["llama3", "qwen3", "tied qwen3"])
 def test_torchtitans_own_adapter_and_load_hook_make_the_same_parameters(heads: Heads) -> None:
     """torchtitan's own ``Llama3StateDictAdapter.from_hf`` (its RoPE permutation, wq/wk/wv) or
     ``Qwen3StateDictAdapter.from_hf`` (wq/wk/wv, the head norms) loaded by its model's own ``load_state_dict`` (the
@@ -125,8 +132,9 @@ def test_torchtitans_own_adapter_and_load_hook_make_the_same_parameters(heads: H
 
     dims = {"dim": DIM, "n_layers": heads.layers, "n_heads": heads.heads, "n_kv_heads": heads.kv_heads,
             "hidden_dim": FFN, "vocab_size": VOCAB}
-    if heads.family is QWEN3:
-        model, adapter = torchtitan_qwen3(**dims, head_dim=heads.head_dim), Qwen3StateDictAdapter
+    if heads.family is QWEN3:  # tied, torchtitan's adapter takes the embedding for the head, as transformers does
+        model = torchtitan_qwen3(**dims, head_dim=heads.head_dim, tie_embeddings=heads.tied)
+        adapter = Qwen3StateDictAdapter
     else:
         model, adapter = torchtitan_llama3(**dims), Llama3StateDictAdapter
     hf = _hf(h=heads)
@@ -141,8 +149,8 @@ def test_torchtitans_own_adapter_and_load_hook_make_the_same_parameters(heads: H
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
 def test_a_registry_flavors_keywords_are_read_from_its_config_without_building_it(monkeypatch) -> None:
     """``checkpoint.model=qwen3 checkpoint.flavor=8B`` (torchtitan -> Megatron): the keywords of ``torchtitan_qwen3``
-    come from torchtitan's config of the flavor, and the model is never built (an 8B's fp32 weights are 32 GB); what
-    osdpipe cannot write is refused in one line: a tied output layer (qwen3's small flavors, llama3's 1B), an MoE."""
+    come from torchtitan's config of the flavor, and the model is never built (an 8B's fp32 weights are 32 GB): a
+    small flavor's tied output layer too (qwen3's 0.6B to 4B, llama3's 1B and 3B); an MoE is refused in one line."""
     from torchtitan.models.common.decoder import Decoder
 
     from osdpipe.layout.models import torchtitan_llama_args
@@ -157,7 +165,7 @@ def test_a_registry_flavors_keywords_are_read_from_its_config_without_building_i
         "dim": 4096, "n_layers": 36, "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "hidden_dim": 12288}
     assert (args["vocab_size"], args["norm_eps"], args["rope_theta"]) == (151936, 1e-6, 1e6)
     assert family_of(torchtitan_llama_args("llama3", "8B")).name == "llama3"
-    with pytest.raises(ValueError, match=r"qwen3 0\.6B: its output weight tied to the embedding; not supported yet"):
-        torchtitan_llama_args("qwen3", "0.6B")
+    assert "tie_embeddings" not in args and torchtitan_llama_args("qwen3", "0.6B")["tie_embeddings"] is True
+    assert heads_of(torchtitan_llama_args("llama3", "1B")).tied
     with pytest.raises(ValueError, match="30B-A3B: a mixture of experts; not supported yet"):
         torchtitan_llama_args("qwen3", "30B-A3B")

@@ -313,29 +313,27 @@ def test_a_qk_layernorm_gpt_is_a_qwen3_in_a_folder_a_pytorch_job_and_torchtitan(
         to_hf(Gpt(**{**GPTS["gqa_qk"].__dict__, "linear_bias": True}), {}, 37)
 
 
-def test_a_tied_gpt_is_a_tied_llama_in_a_folder_and_a_training_job_and_refused_for_torchtitan():
+def test_a_tied_gpt_is_a_tied_llama_in_a_folder_a_training_job_and_torchtitan():
     """A model folder and a PyTorch job's Llama hold tied embeddings as transformers does (``tie_word_embeddings``,
-    no ``lm_head.weight``: one parameter); osdpipe writes torchtitan's models untied, so its path refuses them."""
+    no ``lm_head.weight``: one parameter); torchtitan's as its ``enable_weight_tying`` (``tie_embeddings``)."""
     args = {**ARGS, "untie_embeddings_and_output_weights": False}
     assert hf_config(args)["tie_word_embeddings"] is True and hf_config(ARGS)["tie_word_embeddings"] is False
     assert refusals(args) == []
-    assert titan_refusals(args) == ["tied embedding and output weights (not supported yet for torchtitan)"]
-    assert titan_refusals(ARGS) == []
-    with pytest.raises(ValueError, match="tied embedding and output weights"):
-        titan_args(args, vocab_size=37)
+    assert titan_refusals(args) == [] and titan_refusals(ARGS) == []
+    assert titan_args(args, vocab_size=37)["tie_embeddings"] is True and "tie_embeddings" not in titan_args(
+        ARGS, vocab_size=37)
     assert "lm_head.weight" not in to_hf(GPTS["gqa_tied"], {k: torch.zeros(s) for k, s in
                                                             global_shapes(GPTS["gqa_tied"]).items()}, 37)
 
 
 def test_absent_args_take_megatron_lm_defaults():
     """Megatron-LM's defaults (LayerNorm, GeLU, learned absolute positions) are a GPT-2, which the Llama family
-    refuses, and biases and tied embeddings torchtitan's llama3."""
+    refuses, and biases torchtitan's llama3."""
     bare = {k: ARGS[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                  "seq_length", "padded_vocab_size")}
     assert refusals(bare) == [] and architecture(bare) == "GPT2LMHeadModel"
     assert megatron_llama.refusals(bare) == ["LayerNorm (not RMSNorm)", "an MLP without SwiGLU",
                                              "learned_absolute position embeddings (not rope)"]
-    assert titan_refusals(bare)[-2:] == [
-        "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)",
-        "tied embedding and output weights (not supported yet for torchtitan)"]
+    assert titan_refusals(bare)[-1:] == [
+        "linear biases (add_bias_linear or add_qkv_bias: torchtitan's llama3 has none)"]
     assert not refusals(ARGS)

@@ -90,9 +90,8 @@ class MegatronReader:
                            for name in STATES}
             names_of = megatron_hf.hf_names_of(self.gpt)
             if naming == TORCHTITAN:
-                heads = llama_titan.Heads(self.gpt.num_layers, self.gpt.num_attention_heads,
-                                          self.gpt.num_query_groups, self.gpt.kv_channels,
-                                          megatron_hf.titan_family(save.args))
+                # the map of the model the job builds: its family, heads and tying, from model_args.json's keywords
+                heads = llama_titan.heads_of(megatron_hf.titan_args(save.args, vocab_size=self.vocab))
                 self.states = {name: llama_titan.to_titan(heads, state) for name, state in self.states.items()}
                 names_of = {key: list(dict.fromkeys(t for n in names for t in llama_titan.titan_names_of(n)))
                             for key, names in names_of.items()}
