@@ -283,15 +283,7 @@ def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
     config classes, its ``debugmodel`` flavor's with these dimensions, and its own layer builder; its FSDP units are its
     transformer blocks, as torchtitan's ``parallelize`` wraps them. A job builds the same model with these keywords
     (``model_args.json`` beside the converted step folder). Needs torchtitan (``pip install torchtitan``)."""
-    import dataclasses
-
-    try:
-        llama3 = importlib.import_module("torchtitan.models.llama3")
-        rope = importlib.import_module("torchtitan.models.common").ComplexRoPE
-    except ImportError as exc:
-        raise ValueError(f"model.factory=torchtitan_llama3: cannot import torchtitan ({exc}); pip install torchtitan") \
-            from None
-    base = llama3.model_registry("debugmodel").model
+    llama3, rope = _titan_modules("torchtitan_llama3", "llama3", "ComplexRoPE")
     layers = llama3._build_llama3_layers(
         fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, hidden_dim=hidden_dim,
         rope=rope.Config(dim=dim // n_heads, max_seq_len=max_seq_len, theta=rope_theta,
@@ -300,15 +292,8 @@ def torchtitan_llama3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
     )
     for layer in layers:
         layer.attention_norm.eps = layer.ffn_norm.eps = norm_eps
-    config = dataclasses.replace(
-        base, dim=dim, vocab_size=vocab_size, layers=layers, enable_weight_tying=tie_embeddings,
-        tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=vocab_size, embedding_dim=dim),
-        norm=dataclasses.replace(base.norm, normalized_shape=dim, eps=norm_eps),
-        lm_head=dataclasses.replace(base.lm_head, in_features=dim, out_features=vocab_size),
-    )
-    model = config.build()
-    model.fsdp_units = (type(next(iter(model.layers.values()))).__name__,)
-    return model
+    return _titan_decoder(llama3, layers, dim=dim, vocab_size=vocab_size, norm_eps=norm_eps,
+                          tie_embeddings=tie_embeddings)
 
 
 def torchtitan_qwen3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, hidden_dim: int,
@@ -321,15 +306,7 @@ def torchtitan_qwen3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, 
     and its own layer builder, every norm's epsilon ``norm_eps``; its FSDP units are its transformer blocks, as
     torchtitan's ``parallelize`` wraps them. A job builds the same model with these keywords (``model_args.json``
     beside the converted step folder). Needs torchtitan (``pip install torchtitan``)."""
-    import dataclasses
-
-    try:
-        qwen3 = importlib.import_module("torchtitan.models.qwen3")
-        rope = importlib.import_module("torchtitan.models.common").CosSinRoPE
-    except ImportError as exc:
-        raise ValueError(f"model.factory=torchtitan_qwen3: cannot import torchtitan ({exc}); pip install torchtitan") \
-            from None
-    base = qwen3.model_registry("debugmodel").model
+    qwen3, rope = _titan_modules("torchtitan_qwen3", "qwen3", "CosSinRoPE")
     layers = qwen3._build_qwen3_layers(
         fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         hidden_dim=hidden_dim, rope=rope.Config(dim=head_dim, max_seq_len=max_seq_len, theta=rope_theta),
@@ -337,6 +314,30 @@ def torchtitan_qwen3(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, 
     )
     for layer in layers:
         layer.attention_norm.eps = layer.ffn_norm.eps = layer.attention.qk_norm.eps = norm_eps
+    return _titan_decoder(qwen3, layers, dim=dim, vocab_size=vocab_size, norm_eps=norm_eps,
+                          tie_embeddings=tie_embeddings)
+
+
+def _titan_modules(factory: str, name: str, rope: str) -> tuple[Any, Any]:
+    """torchtitan's module of the model ``name`` and its RoPE config class ``rope``, for ``model.factory=factory``.
+
+    Raises:
+        ValueError: torchtitan is not installed (one line naming the factory).
+    """
+    try:
+        return (importlib.import_module(f"torchtitan.models.{name}"),
+                getattr(importlib.import_module("torchtitan.models.common"), rope))
+    except ImportError as exc:
+        raise ValueError(f"model.factory={factory}: cannot import torchtitan ({exc}); pip install torchtitan") from None
+
+
+def _titan_decoder(module: Any, layers: list[Any], *, dim: int, vocab_size: int, norm_eps: float,
+                   tie_embeddings: bool) -> nn.Module:
+    """The decoder of torchtitan's ``module`` (its ``debugmodel`` flavor's config) with ``layers`` and these
+    dimensions, built; its FSDP units are its transformer blocks, as torchtitan's ``parallelize`` wraps them."""
+    import dataclasses
+
+    base = module.model_registry("debugmodel").model
     config = dataclasses.replace(
         base, dim=dim, vocab_size=vocab_size, layers=layers, enable_weight_tying=tie_embeddings,
         tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=vocab_size, embedding_dim=dim),
