@@ -173,7 +173,8 @@ def titan_names_of(hf_name: str) -> list[str]:
     _, _, i, within = hf_name.split(".", 3)
     if within in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
         return [f"layers.{i}.{WQKV}"]
-    return [f"layers.{i}.{QWEN3.per_layer()[within]}"]
+    whole = {**_PER_LAYER, **_HEAD_NORMS}  # every family's tensors taken whole (a name is the same in each)
+    return [f"layers.{i}.{whole[within]}"]
 
 
 def hf_config(args: dict) -> dict:
