@@ -577,7 +577,9 @@ def test_a_save_in_other_buckets_than_its_args_lay_out_is_refused_in_one_line(tm
          "optimizer included); torchtitan's llama3 too (output.checkpoint=torchtitan)"),
     ({"qk_layernorm": True}, "a Hugging Face Qwen3ForCausalLM (output.checkpoint=hf: its weights; accelerate|pytorch: "
                              "a job's, the optimizer included); torchtitan's qwen3 too (output.checkpoint=torchtitan)"),
-    ({"untie_embeddings_and_output_weights": False}, "torchtitan's llama3 cannot hold it (tied embedding"),
+    ({"untie_embeddings_and_output_weights": False}, "LlamaForCausalLM (output.checkpoint=hf: its weights; "
+     "accelerate|pytorch: a job's, the optimizer included); torchtitan's llama3 too (output.checkpoint=torchtitan)"),
+    ({"add_bias_linear": True}, "torchtitan's llama3 cannot hold it (linear biases"),
     ({"normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "swiglu": False,
       "add_bias_linear": True, "num_query_groups": 4, "group_query_attention": False},
      "a Hugging Face GPT2LMHeadModel"),
@@ -600,4 +602,4 @@ def test_inspect_of_a_save_says_which_outputs_take_it(tmp_path: Path) -> None:
     inspected = run_osdpipe("inspect", str(synthetic_save(tmp_path, tp=2, tied=True)), cwd=tmp_path)
     assert inspected.returncode == 0, inspected.stderr
     assert "outside Megatron: a Hugging Face LlamaForCausalLM" in inspected.stdout
-    assert "torchtitan's llama3 cannot hold it (tied embedding and output weights" in inspected.stdout
+    assert "torchtitan's llama3 too (output.checkpoint=torchtitan)" in inspected.stdout  # tied, as torchtitan ties
