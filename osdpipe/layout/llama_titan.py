@@ -64,6 +64,8 @@ class TitanFamily:
         head_norms: it norms each head's query and key (``q_norm``, ``k_norm``).
         own_head_dim: ``head_dim`` is one of its keywords (else it is ``dim / n_heads``); what tells its
             ``model_args.json`` from the others' (:func:`family_of`).
+        rope_scalings: the RoPE scalings of torchtitan's config its factory takes (``"llama"``: Llama 3.1's, as
+            ``rope_scaling``).
     """
 
     name: str
@@ -71,13 +73,15 @@ class TitanFamily:
     complex_rope: bool
     head_norms: bool
     own_head_dim: bool
+    rope_scalings: tuple[str, ...] = ("none",)
 
     def per_layer(self) -> dict[str, str]:
         """HF name -> torchtitan's, within a layer, of the tensors taken whole."""
         return {**_PER_LAYER, **(_HEAD_NORMS if self.head_norms else {})}
 
 
-LLAMA3 = TitanFamily("llama3", "torchtitan_llama3", complex_rope=True, head_norms=False, own_head_dim=False)
+LLAMA3 = TitanFamily("llama3", "torchtitan_llama3", complex_rope=True, head_norms=False, own_head_dim=False,
+                     rope_scalings=("none", "llama"))
 QWEN3 = TitanFamily("qwen3", "torchtitan_qwen3", complex_rope=False, head_norms=True, own_head_dim=True)
 #: The torchtitan models osdpipe writes and reads a Llama-family model as, by factory.
 FAMILIES = {f.factory: f for f in (LLAMA3, QWEN3)}

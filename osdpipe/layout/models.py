@@ -353,27 +353,30 @@ def _titan_decoder(module: Any, layers: list[Any], *, dim: int, vocab_size: int,
 LLAMA_ROPE_SCALING = ("scaling_factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def torchtitan_llama_args(name: str = "llama3", flavor: str = "debugmodel") -> dict[str, Any]:
-    """The keywords of :func:`torchtitan_llama3` or :func:`torchtitan_qwen3` (``name``) that build the model of
-    torchtitan's own registry ``name``/``flavor`` (``model=torchtitan``): its dimensions, norms and RoPE read from
-    torchtitan's config of it.
+def torchtitan_flavor_args(name: str = "llama3", flavor: str = "debugmodel") -> dict[str, Any]:
+    """The keywords of the factory of torchtitan's model ``name`` (:data:`osdpipe.layout.llama_titan.FAMILIES`:
+    :func:`torchtitan_llama3`, :func:`torchtitan_qwen3`) that build the model of torchtitan's own registry
+    ``name``/``flavor`` (``model=torchtitan``): its dimensions, norms, RoPE and tying read from torchtitan's config of
+    it, which is not built.
 
     Raises:
-        ValueError: a model that is no such llama3 or qwen3 (another family, an MoE, a RoPE scaling other than Llama
-            3.1's).
+        ValueError: a model osdpipe does not map (another family, an MoE, a RoPE scaling its factory does not take:
+            Llama 3.1's for llama3, none for qwen3).
     """
+    from osdpipe.layout.llama_titan import FAMILIES
+
+    family = next((f for f in FAMILIES.values() if f.name == name), None)
     config = torchtitan_config(name, flavor)
     attention, block = config.layers[0].attention, config.layers[0]
     rope = attention.rope
     why = [what for bad, what in (
-        (name not in ("llama3", "qwen3"), "not a llama3 or a qwen3"),
+        (family is None, f"not one of {', '.join(f.name for f in FAMILIES.values())}"),
         (getattr(block, "feed_forward", None) is None, "a mixture of experts"),
-        (rope.scaling not in ("none", "llama"), f"RoPE scaling {rope.scaling!r}"),
+        (family is not None and rope.scaling not in family.rope_scalings, f"RoPE scaling {rope.scaling!r}"),
         (not hasattr(attention, "n_kv_heads"), "attention other than grouped-query"),
     ) if bad]
     if why:
         raise ValueError(f"model=torchtitan {name} {flavor}: {', '.join(why)}; not supported yet")
-    qwen3 = name == "qwen3"
     heads = int(attention.n_heads)
     args = {
         "dim": int(config.dim), "n_layers": len(config.layers), "n_heads": heads,
@@ -382,10 +385,12 @@ def torchtitan_llama_args(name: str = "llama3", flavor: str = "debugmodel") -> d
         "rope_theta": float(rope.theta), "max_seq_len": int(rope.max_seq_len),
         **({"tie_embeddings": True} if config.enable_weight_tying else {}),
     }
-    if qwen3:
-        return {**args, "head_dim": int(attention.head_dim)}
-    scaling = {k: float(getattr(rope, k)) for k in LLAMA_ROPE_SCALING} if rope.scaling == "llama" else None
-    return {**args, "rope_scaling": scaling}
+    if family.own_head_dim:
+        args["head_dim"] = int(attention.head_dim)
+    if "llama" in family.rope_scalings:
+        args["rope_scaling"] = {k: float(getattr(rope, k)) for k in LLAMA_ROPE_SCALING} if rope.scaling == "llama" \
+            else None
+    return args
 
 
 def hf_adapter(

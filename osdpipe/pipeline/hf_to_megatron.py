@@ -117,10 +117,10 @@ def titan_args(model: dict[str, Any]) -> dict[str, Any] | None:
         return kwargs
     if model.get("factory") != "torchtitan":
         return None
-    from osdpipe.layout.models import torchtitan_llama_args
+    from osdpipe.layout.models import torchtitan_flavor_args
 
     try:
-        return torchtitan_llama_args(kwargs.get("name", "llama3"), kwargs.get("flavor", "debugmodel"))
+        return torchtitan_flavor_args(kwargs.get("name", "llama3"), kwargs.get("flavor", "debugmodel"))
     except ValueError as exc:
         raise InputError(str(exc)) from None
 

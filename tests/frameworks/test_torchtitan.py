@@ -235,10 +235,10 @@ def _megatron_holds_and_computes(work: Path, loaded: dict, name: str, gpt, step:
 
     from osdpipe.layout.llama_titan import from_titan, heads_of
     from osdpipe.layout.megatron_hf import from_hf
-    from osdpipe.layout.models import build_model, torchtitan_llama_args
+    from osdpipe.layout.models import build_model, torchtitan_flavor_args
 
     megatron = torch.load(work / "megatron.loaded.pt", weights_only=False)
-    args = torchtitan_llama_args(name, "debugmodel")
+    args = torchtitan_flavor_args(name, "debugmodel")
     state = loaded["optim"]["state"]
     titan_state = {"param": parameters(loaded["model"], args),
                    **{s: {n: v[s] for n, v in state.items()} for s in ("exp_avg", "exp_avg_sq")}}
@@ -311,7 +311,7 @@ def test_the_megatron_save_of_a_rope_scaled_llama3_is_a_hugging_face_llama_of_it
     megatron-core's logits of the save within 1e-4 x max |logit|; the torchtitan model args are the debugmodel's own."""
     from frameworks import mcore
 
-    from osdpipe.layout.models import torchtitan_llama_args
+    from osdpipe.layout.models import torchtitan_flavor_args
 
     work = source[0]
     def back(name: str, *overrides: str) -> Path:
@@ -328,5 +328,5 @@ def test_the_megatron_save_of_a_rope_scaled_llama3_is_a_hugging_face_llama_of_it
     assert diff <= 1e-4 * scale, diff
     titan = back("megatron-titan", "output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2")
     written = __import__("json").loads((titan / "model_args.json").read_text())
-    own = torchtitan_llama_args("llama3", "debugmodel")
+    own = torchtitan_flavor_args("llama3", "debugmodel")
     assert written["rope_scaling"] == own["rope_scaling"] and written["rope_theta"] == own["rope_theta"]

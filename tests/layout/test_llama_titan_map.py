@@ -153,19 +153,40 @@ def test_a_registry_flavors_keywords_are_read_from_its_config_without_building_i
     small flavor's tied output layer too (qwen3's 0.6B to 4B, llama3's 1B and 3B); an MoE is refused in one line."""
     from torchtitan.models.common.decoder import Decoder
 
-    from osdpipe.layout.models import torchtitan_llama_args
+    from osdpipe.layout.models import torchtitan_flavor_args
 
     def built(self, *args, **kwargs):
         raise AssertionError("the flavor's model was built")
 
     monkeypatch.setattr(Decoder.Config, "build", built, raising=False)
-    args = torchtitan_llama_args("qwen3", "8B")
+    args = torchtitan_flavor_args("qwen3", "8B")
     assert family_of(args) is QWEN3
     assert {k: args[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim")} == {
         "dim": 4096, "n_layers": 36, "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "hidden_dim": 12288}
     assert (args["vocab_size"], args["norm_eps"], args["rope_theta"]) == (151936, 1e-6, 1e6)
-    assert family_of(torchtitan_llama_args("llama3", "8B")).name == "llama3"
-    assert "tie_embeddings" not in args and torchtitan_llama_args("qwen3", "0.6B")["tie_embeddings"] is True
-    assert heads_of(torchtitan_llama_args("llama3", "1B")).tied
+    assert family_of(torchtitan_flavor_args("llama3", "8B")).name == "llama3"
+    assert "tie_embeddings" not in args and torchtitan_flavor_args("qwen3", "0.6B")["tie_embeddings"] is True
+    assert heads_of(torchtitan_flavor_args("llama3", "1B")).tied
     with pytest.raises(ValueError, match="30B-A3B: a mixture of experts; not supported yet"):
-        torchtitan_llama_args("qwen3", "30B-A3B")
+        torchtitan_flavor_args("qwen3", "30B-A3B")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def test_a_flavor_whose_rope_scaling_its_factory_cannot_take_is_refused(monkeypatch) -> None:
+    """``torchtitan_qwen3`` takes no RoPE scaling: a qwen3 config with Llama 3.1's is refused in one line, not written
+    unscaled; llama3's is kept as ``rope_scaling``."""
+    from osdpipe.layout import models
+
+    real = models.torchtitan_config
+
+    def scaled(name: str, flavor: str):
+        config = real(name, flavor)
+        config.layers[0].attention.rope.scaling = "llama"
+        return config
+
+    monkeypatch.setattr(models, "torchtitan_config", scaled)
+    with pytest.raises(ValueError, match="model=torchtitan qwen3 8B: RoPE scaling 'llama'; not supported yet"):
+        models.torchtitan_flavor_args("qwen3", "8B")
+    assert models.torchtitan_flavor_args("llama3", "debugmodel")["rope_scaling"]["scaling_factor"] == 8.0
+    with pytest.raises(ValueError, match="not one of llama3, qwen3"):
+        models.torchtitan_flavor_args("deepseek_v3", "debugmodel")
