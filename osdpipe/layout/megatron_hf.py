@@ -12,7 +12,8 @@ The order of :data:`FAMILIES` is the order they are asked in; the last, the Llam
 say what of it a Llama cannot express). A family's model is the same transformers model in a model folder and in a
 PyTorch job's training checkpoint (the HF Trainer's, accelerate's, PyTorch's own: its ``model.factory`` is
 :attr:`HfFamily.HF_FACTORY`), so no function here asks which. A torchtitan job's model is a llama3 or a qwen3
-(:func:`titan_family`), without biases or tying: :func:`titan_refusals` says what else it cannot hold.
+(:func:`titan_family`), tied as torchtitan ties and without biases: :func:`titan_refusals` says what it cannot
+hold.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def architecture(args: dict[str, Any]) -> str:
 
 
 def refusals(args: dict[str, Any]) -> list[str]:
-    """What of the GPT ``args`` describe its family cannot express (empty: nothing); a torchtitan model, which can
-    neither bias its linears nor tie its embeddings here, asks :func:`titan_refusals`."""
+    """What of the GPT ``args`` describe its family cannot express (empty: nothing); a torchtitan model, whose linears
+    have no biases, asks :func:`titan_refusals`."""
     return family_of_args(args).refusals(args)
 
 

@@ -189,7 +189,7 @@ def refusals(args: dict[str, Any]) -> list[str]:
     A model folder and a PyTorch job's model (a training checkpoint's) are the same transformers model: a GPT's linear
     biases are Llama's ``attention_bias`` and ``mlp_bias`` or, ``linear_qkv``'s alone, a Qwen2; tied embeddings are
     ``tie_word_embeddings`` (one parameter, which a PyTorch job's optimizer holds once). A torchtitan job's model
-    takes neither biases nor tying: :func:`titan_refusals`."""
+    takes no biases: :func:`titan_refusals`."""
     norm, positions = args.get("normalization", "LayerNorm"), position_embedding_type(args)
     qwen2, qwen3 = architecture(args) == QWEN2, architecture(args) == QWEN3
     hidden, heads = int(args.get("hidden_size") or 0), int(args.get("num_attention_heads") or 1)
