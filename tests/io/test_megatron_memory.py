@@ -59,13 +59,16 @@ def test_the_saves_stored_bytes_are_what_reading_it_holds_and_its_padding(tmp_pa
 def test_a_save_larger_than_the_memory_available_is_refused_in_one_line_before_anything_is_written(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Into another Megatron grid, a PyTorch job's layout (the range pipeline's reader) or a Hugging Face folder, the
-    run holds the save's tensors once: refused one byte short of them, converted with exactly them."""
+    """Into another Megatron grid or a Hugging Face folder, the run holds the save's tensors once: refused one byte
+    short of them, converted with exactly them. Into a PyTorch job's layout (the range pipeline's reader) it reads the
+    optimizer's alone (the fp32 masters stand in for the module's weights): refused one byte short of those."""
     import osdpipe
     from osdpipe.io.formats.megatron_source import MegatronReader
 
     source = synthetic_save(tmp_path, tp=2)
-    need = stored_bytes(DcpCheckpoint(str(iteration_folder(source)), None))
+    checkpoint = DcpCheckpoint(str(iteration_folder(source)), None)
+    need, optimizer = stored_bytes(checkpoint), stored_bytes(checkpoint, weights=False)
+    assert 0 < optimizer < need
     out = tmp_path / "out"
     monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
     with pytest.raises(InputError) as err:
@@ -74,11 +77,31 @@ def test_a_save_larger_than_the_memory_available_is_refused_in_one_line_before_a
     assert "\n" not in said and "reading this save whole takes" in said and "run it on a machine with more" in said
     assert f"{need / 1e9:.1f} GB of memory" in said
     assert not out.exists() or not any(out.iterdir())
-    with pytest.raises(InputError, match="reading this save whole takes"):
+    monkeypatch.setattr(memory, "available_bytes", lambda: optimizer - 1)
+    with pytest.raises(InputError, match="reading this save's optimizer state .* takes"):
         MegatronReader(str(source))
+    monkeypatch.setattr(memory, "available_bytes", lambda: optimizer)  # exactly enough for the reader
+    assert MegatronReader(str(source)).states
     monkeypatch.setattr(memory, "available_bytes", lambda: need)  # exactly enough: converted
     assert osdpipe.reshard_megatron(source, out, tp=1, dp=2)["target"]["dp"] == 2
-    assert MegatronReader(str(source)).states
+
+
+def test_the_pytorch_jobs_reader_reads_and_holds_no_module_weights(tmp_path: Path) -> None:
+    """The reader of a Megatron save for a PyTorch job serves the fp32 masters as the weights, so the module's copy
+    (the training dtype's) is never read: it reads the optimizer's bytes alone."""
+    from osdpipe.io.formats.megatron_source import STATES, MegatronReader
+
+    source = synthetic_save(tmp_path, tp=2)
+    checkpoint = DcpCheckpoint(str(iteration_folder(source)), None)
+    told: list[tuple[int, int]] = []
+    save = read_save(source, weights=False, on_read=lambda done, total: told.append((done, total)))
+    assert save.model == {} and set(next(iter(save.optim.values()))) == set(STATES)
+    assert told[-1][1] == stored_bytes(checkpoint, weights=False)
+    assert told[-1][0] <= told[-1][1]  # a dp_reshardable bucket's padding is listed, not read
+    whole = read_save(source)
+    assert whole.model and all(k in whole.optim for k in save.optim)
+    reader = MegatronReader(str(source))
+    assert set(reader.states) == set(STATES) and reader.states["param"]
 
 
 def test_a_conversion_holds_the_save_once_and_one_piece_of_its_output_beside_it(tmp_path: Path) -> None:
@@ -100,3 +123,29 @@ def test_a_conversion_holds_the_save_once_and_one_piece_of_its_output_beside_it(
         peak = json.loads((tmp_path / name / "report.json").read_text())["memory"][0]
         held = peak["peak_anonymous"] - peak["baseline_anonymous"]
         assert stored < held < 1.8 * stored, f"{name}: held {held / stored:.2f}x the save's {stored} bytes"
+
+
+@pytest.mark.parametrize("naming", ["hf", "torchtitan"])
+def test_the_configs_look_at_a_save_reads_no_tensor_and_describes_what_the_run_reads(
+    tmp_path: Path, monkeypatch, naming: str
+) -> None:
+    """Working out the config describes a save for a PyTorch job (its parameters' names, shapes and dtypes, the param
+    groups) from common.pt, .metadata and the groups' small items: the same description as the save read whole, with
+    no tensor's bytes read (a read raises here), so the run reads the save once."""
+    from osdpipe.io.formats.megatron_source import MegatronReader
+
+    source = synthetic_save(tmp_path, tp=2, pp=2, tied=naming == "torchtitan")
+    read = MegatronReader(str(source), naming).meta()
+
+    def no_tensor(*_: object) -> None:
+        raise AssertionError("a tensor was read")
+
+    monkeypatch.setattr(DcpCheckpoint, "read_range", no_tensor)
+    monkeypatch.setattr(DcpCheckpoint, "read_parts", no_tensor)
+    described = MegatronReader(str(source), naming, tensors=False).meta()
+    assert described.param_groups == read.param_groups and read.param_groups
+    assert described.state.keys() == read.state.keys()
+    for fqn, entry in read.state.items():
+        assert described.state[fqn] == entry, fqn  # TensorRefs: shape and dtype; the step's value
+    with pytest.raises(AssertionError, match="a tensor was read"):
+        MegatronReader(str(source), naming)

@@ -67,6 +67,9 @@ DESCRIBED = ("argparse", "megatron")
 WHAT = "a Megatron-LM checkpoint's common.pt"
 #: The optimizer's per-parameter states, as Megatron's sharded keys name them (``param``: the fp32 master weight).
 STATES = ("param", "exp_avg", "exp_avg_sq")
+#: What every optimizer item's key starts with (its states, a ``dp_reshardable`` save's buckets); the model's weights'
+#: keys are the weights' own.
+OPTIMIZER = "optimizer."
 #: The distributed optimizer's sharding types osdpipe reads.
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")
 #: Those it writes (megatron-core 0.14 and later no longer save nor load ``fully_sharded_model_space``).
@@ -306,7 +309,7 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
 
 def read_save(
     path: str | Path, *, within_memory: bool = False, on_read: Callable[[int, int], None] | None = None,
-    placed: Placement | None = None,
+    placed: Placement | None = None, weights: bool = True, tensors: bool = True,
 ) -> MegatronSave:
     """Read the Megatron-LM save at ``path`` (a save folder or one ``iter_<N>`` folder) whole.
 
@@ -322,6 +325,16 @@ def read_save(
     :class:`osdpipe.verify.megatron.Compared`) takes them instead, and the save returned holds no tensors: its
     ``model`` and ``optim`` are empty.
 
+    ``weights``: read the model's weights (the module's copy, in the training dtype). ``False`` for a reader that
+    serves the fp32 master weights in their place (a PyTorch job's state, :class:`~osdpipe.io.formats.megatron_source.
+    MegatronReader`): that copy is then neither read, nor held (``model`` is empty), nor counted against the memory
+    available. A save without optimizer state has nothing else, and its weights are read whatever this says.
+
+    ``tensors=False``: the save described, not read: its tensors are the global shapes on the meta device, and what
+    is read is ``common.pt``, ``.metadata`` and the param groups (a few small items): what working out a conversion's
+    config asks of a save it reads whole once the run starts. The checks that need the tensors' bytes (a bucket's
+    layout, a tied copy's state) are the run's; RNG states and extra state are left out.
+
     Raises:
         InputError: one line naming the file and what to do: a missing or damaged file, a model or sharding
             osdpipe does not read yet, a save larger than the memory available.
@@ -333,22 +346,24 @@ def read_save(
     if (why := refused_model(args, folder)) is not None:
         raise InputError(why)
     sharding = None if args.get("no_save_optim") else sharding_type(common, folder)
+    weights = weights or sharding is None
     checkpoint = DcpCheckpoint(str(folder), None)
     if within_memory:
-        refuse_unless_it_fits(checkpoint, folder)
+        refuse_unless_it_fits(checkpoint, folder, weights=weights)
     if on_read is not None:
-        checkpoint.on_read = _counted(on_read, stored_bytes(checkpoint))
+        checkpoint.on_read = _counted(on_read, stored_bytes(checkpoint, weights=weights))
     gpt = gpt_of(args)
     shapes = layout.global_shapes(gpt)
     _refuse_unknown_tensors(checkpoint, shapes)
+    if not tensors:
+        return _described(folder, common, sharding, checkpoint, shapes, weights)
     placement = placed if placed is not None else Gathered()
     placement.expect(shapes)
-    _expect(checkpoint, list(shapes))
-    for key, shape in shapes.items():
-        placement.whole(key, None, _whole(checkpoint, key, shape))
-    gbuf_dtypes = None
+    if weights:
+        _expect(checkpoint, list(shapes))
+        for key, shape in shapes.items():
+            placement.whole(key, None, _whole(checkpoint, key, shape))
     notes: tuple[str, ...] = ()
-    groups: list[dict[str, Any]] | None = []
     if sharding is None:
         pass  # the weights alone (args.no_save_optim): no optimizer state to read
     elif sharding == "fully_reshardable":
@@ -356,16 +371,13 @@ def read_save(
         for key, shape in shapes.items():
             for s in STATES:
                 placement.whole(key, s, _whole(checkpoint, f"optimizer.state.{s}.{key}", shape))
-        groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
     elif sharding == "fully_sharded_model_space":
         _expect(checkpoint, [f"optimizer.state.{FS_STATES[s]}.{key}" for key in shapes for s in STATES])
         for key, shape in shapes.items():
             for s in STATES:
                 placement.whole(key, s, _unflattened(checkpoint, f"optimizer.state.{FS_STATES[s]}.{key}", shape))
-        groups = (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
     else:
-        groups, notes = _from_buckets(checkpoint, gpt, args, folder, placement)
-        gbuf_dtypes = next(m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f)))
+        notes = _from_buckets(checkpoint, gpt, args, folder, placement)
     checkpoint.expect([])  # what was fetched ahead and not read is let go
     rng, extra = {}, {}
     for flat in checkpoint.metadata.state_dict_metadata:
@@ -380,15 +392,61 @@ def read_save(
         sharding=sharding,
         model=placement.model if isinstance(placement, Gathered) else {},
         optim=placement.states(shapes) if isinstance(placement, Gathered) and sharding is not None else {},
-        param_groups=_groups_with_keys(groups, shapes, folder) if sharding is not None else [],
+        param_groups=_groups_with_keys(_saved_groups(checkpoint, common, sharding), shapes, folder)
+        if sharding is not None else [],
         scheduler=common.get("opt_param_scheduler"),
         common=common,
         rng=rng,
         extra_state=extra,
-        gbuf_dtypes=gbuf_dtypes,
+        gbuf_dtypes=_gbuf_dtypes(checkpoint),
         release=folder.name == RELEASE,
         notes=notes,
     )
+
+
+def _described(
+    folder: Path, common: dict[str, Any], sharding: str | None, checkpoint: DcpCheckpoint,
+    shapes: dict[str, tuple[int, ...]], weights: bool,
+) -> MegatronSave:
+    """:func:`read_save`'s save with ``tensors=False``: every tensor of its global shape on the meta device."""
+    def meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    args = common["args"]
+    return MegatronSave(
+        folder=folder,
+        iteration=int(common.get("iteration", args.get("iteration", 0))),
+        args=args,
+        sharding=sharding,
+        model={k: meta(shape, checkpoint.ref(k).torch_dtype) for k, shape in shapes.items()} if weights else {},
+        optim={k: {s: meta(shape) for s in STATES} for k, shape in shapes.items()} if sharding is not None else {},
+        param_groups=_groups_with_keys(_saved_groups(checkpoint, common, sharding), shapes, folder)
+        if sharding is not None else [],
+        scheduler=common.get("opt_param_scheduler"),
+        common=common,
+        gbuf_dtypes=_gbuf_dtypes(checkpoint),
+        release=folder.name == RELEASE,
+    )
+
+
+def _saved_groups(checkpoint: DcpCheckpoint, common: dict[str, Any], sharding: str | None) -> list[dict] | None:
+    """The optimizer's param groups as saved (their hyperparameters and ``step``; no parameters listed): in common.pt
+    for a model-space save, else in the first model-parallel domain's optimizer item that holds them."""
+    if sharding != "dp_reshardable":
+        return (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
+    args = common["args"]
+    tp, pp = int(args["tensor_model_parallel_size"]), int(args["pipeline_model_parallel_size"])
+    for pp_rank, tp_rank in ((p, t) for p in range(pp) for t in range(tp)):
+        index = layout.dp_group_index(tp, tp_rank, pp_rank)
+        groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer") or {})
+        if groups.get("param_groups") is not None:
+            return groups["param_groups"]
+    return None
+
+
+def _gbuf_dtypes(checkpoint: DcpCheckpoint) -> str | None:
+    """A ``dp_reshardable`` save's gradient buffer's dtypes as its bucket keys spell them; ``None``: it has none."""
+    return next((m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f))), None)
 
 
 def _counted(on_read: Callable[[int, int], None], total: int) -> Callable[[int], None]:
@@ -450,23 +508,27 @@ def sharding_type(common: dict[str, Any], folder: Path) -> str:
     return said
 
 
-def stored_bytes(checkpoint: DcpCheckpoint) -> int:
+def stored_bytes(checkpoint: DcpCheckpoint, *, weights: bool = True) -> int:
     """The bytes of every tensor the save's ``.metadata`` lists (the model's, the optimizer's, a ``dp_reshardable``
-    save's buckets with the few elements of padding between their parameters): what reading it whole holds."""
+    save's buckets with the few elements of padding between their parameters): what reading it whole holds.
+    ``weights=False``: the optimizer's alone, what :func:`read_save` reads without the model's weights."""
     return sum(math.prod(item.size) * item.properties.dtype.itemsize
-               for item in checkpoint.metadata.state_dict_metadata.values() if isinstance(item, TensorStorageMetadata))
+               for flat, item in checkpoint.metadata.state_dict_metadata.items()
+               if isinstance(item, TensorStorageMetadata) and (weights or flat.startswith(OPTIMIZER)))
 
 
-def refuse_unless_it_fits(checkpoint: DcpCheckpoint, folder: Path | RemotePath) -> None:
+def refuse_unless_it_fits(checkpoint: DcpCheckpoint, folder: Path | RemotePath, *, weights: bool = True) -> None:
     """Refuse, in one line, a save whose tensors (:func:`stored_bytes`) need more memory than this machine has
     available (:func:`osdpipe.core.memory.available_bytes`): a Megatron conversion holds the save whole, and such a run
     can only end killed for memory, after reading for as long as the save is large. The figure is less than the run
     holds (the output's largest parameter or bucket being written or read back, the reader's buffers and Python's own
-    come on top): a save that passes may still not fit, one that fails never does."""
-    need, free = stored_bytes(checkpoint), memory.available_bytes()
+    come on top): a save that passes may still not fit, one that fails never does. ``weights=False``: what
+    :func:`read_save` reads without the model's weights."""
+    need, free = stored_bytes(checkpoint, weights=weights), memory.available_bytes()
     if free is None or need <= free:
         return
-    raise InputError(f"{folder}: reading this save whole takes {need / 1e9:.1f} GB of memory, and this machine has "
+    what = "this save whole" if weights else "this save's optimizer state (the fp32 masters and the moments)"
+    raise InputError(f"{folder}: reading {what} takes {need / 1e9:.1f} GB of memory, and this machine has "
                      f"{free / 1e9:.1f} GB available (MemAvailable and SwapFree, or its cgroup's limit); a Megatron "
                      "conversion holds the save in memory, not streamed yet: run it on a machine with more memory")
 
@@ -534,10 +596,10 @@ def _stored(checkpoint: DcpCheckpoint, flat: str) -> bytes:
 
 def _from_buckets(
     checkpoint: DcpCheckpoint, gpt: layout.Gpt, args: dict[str, Any], folder: Path, placement: Placement
-) -> tuple[list[dict[str, Any]] | None, tuple[str, ...]]:
+) -> tuple[str, ...]:
     """A ``dp_reshardable`` optimizer's state, each bucket's parameters handed to ``placement`` piece by piece (each
-    element of every global tensor once); its param groups; and a note where the last stage's copy of a tied
-    embedding holds state unequal to the first stage's.
+    element of every global tensor once); and a note where the last stage's copy of a tied embedding holds state
+    unequal to the first stage's.
 
     Megatron keeps the two copies equal (their gradients are summed before either steps), so they differ only in a save
     that something else wrote or changed. The first stage's is the one converted, as Megatron's own model-space save
@@ -553,7 +615,6 @@ def _from_buckets(
             buckets.setdefault((int(m[1]), int(m[2]), int(m[4])), {})[m[5]] = flat
     if any(gbuf >= vpp for _, gbuf, _ in buckets):  # one gradient buffer per model chunk
         raise InputError(f"{folder}: the optimizer has several gradient buffers per model chunk: not supported yet")
-    groups = None
     unequal: dict[str, int] = {}  # state -> elements of the tied copy that differ from the first stage's
     numels = {(p, t): layout.rank_numel(gpt, tp, pp, t, p, vpp) for p in range(pp) for t in range(tp)}  # once a rank
     # the first stage's embedding is placed before the last stage's copy is compared with it
@@ -594,9 +655,6 @@ def _from_buckets(
                         else:
                             placement.block(key, state, box, block)
                             filled[key][box] = True
-        if groups is None:
-            groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer")
-                      or {}).get("param_groups")
     missing = [key for key, done in filled.items() if not bool(done.all())]
     if missing:
         raise InputError(f"{folder}: no optimizer state for parts of {', '.join(missing[:3])}; re-copy the save")
@@ -605,7 +663,7 @@ def _from_buckets(
         f"{folder}: the last pipeline stage's copy of the tied word embedding holds optimizer state unequal to the "
         f"first stage's ({counted}), which Megatron keeps equal: the first stage's is converted, the copy's left out",
     )
-    return groups, notes
+    return notes
 
 
 def _blocks(local: torch.Tensor, param: layout.LocalParameter) -> Iterator[tuple[str, Box, torch.Tensor]]:

@@ -75,29 +75,43 @@ def naming_of(tree: ModuleTree) -> str:
 
 class MegatronReader:
     """A Megatron GPT save as its Hugging Face model's or its torchtitan model's full per-parameter state (the module
-    docstring); ``naming``: which (:func:`naming_of`)."""
+    docstring); ``naming``: which (:func:`naming_of`).
 
-    def __init__(self, path: str, naming: str = HF_NAMES) -> None:
-        save = read_save(path, within_memory=True)
+    ``tensors=False``: the save described, not read (:func:`~osdpipe.io.formats.megatron.read_save`'s): every state
+    a tensor on the meta device, mapped as the run maps it, so :meth:`meta` describes what the run will read
+    without its bytes: what working out the config asks (:meth:`Megatron.read_facts`), where reading the save whole
+    would read it twice.
+    """
+
+    def __init__(self, path: str, naming: str = HF_NAMES, *, tensors: bool = True) -> None:
+        # the module's weights (the training dtype's copy) are not read: the masters stand in for them
+        save = read_save(path, within_memory=True, weights=False, tensors=tensors)
         self.folder = save.folder
         if why := megatron_hf.refusal(save.args, titan=naming == TORCHTITAN):
             raise InputError(f"{save.folder}: {why}")
         self.gpt, self.vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
         self.args, self.iteration, self.notes = save.args, save.iteration, list(save.notes)
+        heads = None
+        if naming == TORCHTITAN:  # the map of the model the job builds: its family, heads and tying (model_args.json)
+            heads = llama_titan.heads_of(megatron_hf.titan_args(save.args, vocab_size=self.vocab))
+        #: state name (``param``: the master) -> Hugging Face (or torchtitan) name -> the full tensor
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
         try:
-            #: state name (``param``: the master) -> Hugging Face (or torchtitan) name -> the full tensor
-            self.states = {name: megatron_hf.to_hf(self.gpt, {k: s[name] for k, s in save.optim.items()}, self.vocab)
-                           for name in STATES}
+            for name in STATES:  # one state at a time, taken out of the save: its Megatron-keyed tensors go as mapped
+                self.states[name] = self._mapped({k: s.pop(name) for k, s in save.optim.items()}, heads)
             names_of = megatron_hf.hf_names_of(self.gpt)
-            if naming == TORCHTITAN:
-                # the map of the model the job builds: its family, heads and tying, from model_args.json's keywords
-                heads = llama_titan.heads_of(megatron_hf.titan_args(save.args, vocab_size=self.vocab))
-                self.states = {name: llama_titan.to_titan(heads, state) for name, state in self.states.items()}
+            if heads is not None:
                 names_of = {key: list(dict.fromkeys(t for n in names for t in llama_titan.titan_names_of(n)))
                             for key, names in names_of.items()}
         except ValueError as exc:
             raise InputError(f"{save.folder}: {exc}") from None
         self.groups = _torch_groups(save, names_of)
+
+    def _mapped(self, state: dict[str, torch.Tensor], heads: llama_titan.Heads | None) -> dict[str, torch.Tensor]:
+        """One state of every parameter (Megatron's keys, taken from the caller), by the target model's names."""
+        hf = megatron_hf.to_hf(self.gpt, state, self.vocab)
+        state.clear()  # the Megatron-keyed tensors the map copied go before torchtitan's map makes its copies
+        return hf if heads is None else llama_titan.to_titan(heads, hf)
 
     def meta(self) -> SourceMeta:
         state: dict[str, dict[str, Any]] = {}
@@ -159,7 +173,7 @@ class Megatron(Format):
         try:
             naming = naming_of(tree)
         except InputError:  # what is wrong with the save itself, for the model the output's job builds, is said first
-            MegatronReader(path, key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES)
+            MegatronReader(path, key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES, tensors=False)
             raise
         return MegatronReader(path, naming)
 
@@ -175,7 +189,7 @@ class Megatron(Format):
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
         """The optimizer (from its param groups and states), its parameters under the names of the model ``key`` says
         (:meth:`osdpipe.io.checkpoints.megatron.Megatron.optimizer_part`: the one the output's job builds)."""
-        reader = MegatronReader(str(path), key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES)
+        reader = MegatronReader(str(path), key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES, tensors=False)
         describe_meta(facts, reader.meta())
         facts.world_size = 1
         a = reader.args
