@@ -385,23 +385,10 @@ def read_save(
             rng[(int(m[1]), int(m[2]))] = _stored(checkpoint, flat)
         elif "._extra_state/shard_" in flat:
             extra[flat] = _stored(checkpoint, flat)
-    return MegatronSave(
-        folder=folder,
-        iteration=int(common.get("iteration", args.get("iteration", 0))),
-        args=args,
-        sharding=sharding,
-        model=placement.model if isinstance(placement, Gathered) else {},
-        optim=placement.states(shapes) if isinstance(placement, Gathered) and sharding is not None else {},
-        param_groups=_groups_with_keys(_saved_groups(checkpoint, common, sharding), shapes, folder)
-        if sharding is not None else [],
-        scheduler=common.get("opt_param_scheduler"),
-        common=common,
-        rng=rng,
-        extra_state=extra,
-        gbuf_dtypes=_gbuf_dtypes(checkpoint),
-        release=folder.name == RELEASE,
-        notes=notes,
-    )
+    gathered = isinstance(placement, Gathered)
+    return _assembled(folder, common, sharding, checkpoint, shapes, model=placement.model if gathered else {},
+                      optim=placement.states(shapes) if gathered and sharding is not None else {},
+                      rng=rng, extra_state=extra, notes=notes)
 
 
 def _described(
@@ -412,20 +399,30 @@ def _described(
     def meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="meta")
 
+    model = {k: meta(shape, checkpoint.ref(k).torch_dtype) for k, shape in shapes.items()} if weights else {}
+    optim = {k: {s: meta(shape) for s in STATES} for k, shape in shapes.items()} if sharding is not None else {}
+    return _assembled(folder, common, sharding, checkpoint, shapes, model=model, optim=optim)
+
+
+def _assembled(
+    folder: Path, common: dict[str, Any], sharding: str | None, checkpoint: DcpCheckpoint,
+    shapes: dict[str, tuple[int, ...]], **tensors: Any,
+) -> MegatronSave:
+    """The :class:`MegatronSave` of the save in ``folder`` around what was read of it (``tensors``: its ``model``,
+    ``optim`` and the rest of its fields as read); its param groups, the few small items they are, read here."""
     args = common["args"]
     return MegatronSave(
         folder=folder,
         iteration=int(common.get("iteration", args.get("iteration", 0))),
         args=args,
         sharding=sharding,
-        model={k: meta(shape, checkpoint.ref(k).torch_dtype) for k, shape in shapes.items()} if weights else {},
-        optim={k: {s: meta(shape) for s in STATES} for k, shape in shapes.items()} if sharding is not None else {},
         param_groups=_groups_with_keys(_saved_groups(checkpoint, common, sharding), shapes, folder)
         if sharding is not None else [],
         scheduler=common.get("opt_param_scheduler"),
         common=common,
         gbuf_dtypes=_gbuf_dtypes(checkpoint),
         release=folder.name == RELEASE,
+        **tensors,
     )
 
 
