@@ -331,11 +331,13 @@ def model_state_dict(
 
 
 def open_whole(
-    layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any, written_as: str | None = None
+    layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any, written_as: str | None = None,
+    described: bool = False,
 ) -> WholeReader:
     """A reader of the whole checkpoint at ``path`` laid out as ``layout``
     (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says, for an output of layout ``written_as`` (its
-    optimizer part is read for that layout's job: :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.optimizer_part`).
+    optimizer part is read for that layout's job: :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.optimizer_part`);
+    ``described``: for its metadata alone (:meth:`osdpipe.io.formats.base.Format.describe`).
 
     Raises:
         InputError: naming the part of the checkpoint that is missing or damaged.
@@ -346,7 +348,8 @@ def open_whole(
     optimizer = (
         NoOptimizer()
         if part is None
-        else open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None)
+        else open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None,
+                         described=described)
     )
     model = layout.open_model(path, input_format, tree, optimizer)
     return WholeReader(optimizer, model, tree, path, layout, layout.carried(path, input_format, tree))

@@ -149,3 +149,21 @@ def test_the_configs_look_at_a_save_reads_no_tensor_and_describes_what_the_run_r
         assert described.state[fqn] == entry, fqn  # TensorRefs: shape and dtype; the step's value
     with pytest.raises(AssertionError, match="a tensor was read"):
         MegatronReader(str(source), naming)
+
+
+def test_a_conversion_into_a_pytorch_job_reads_each_tensor_of_the_save_once(tmp_path: Path) -> None:
+    """The command works out its config and checks the source with the save described, and the run reads it: every
+    stored tensor of the optimizer is read once, and no weight of the module (the masters stand in for them). Before,
+    the config's look, the source's check and the load stage each read the whole save."""
+    source = synthetic_save(tmp_path, tp=2, pp=2)
+    reads = tmp_path / "reads.txt"
+    done = subprocess.run([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={source}",
+                           "output.checkpoint=accelerate", "target.kind=fsdp2", "target.world_size=2",
+                           "runtime.mode=offline", f"output.path={tmp_path / 'out'}"],
+                          capture_output=True, text=True, timeout=240,
+                          env=user_env(OSDPIPE_TEST_RECORD_READS=str(reads)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    read = reads.read_text().splitlines()
+    assert read and all(flat.startswith("optimizer.") for flat in read)
+    twice = sorted({flat for flat in read if read.count(flat) > 1})
+    assert not twice, f"read more than once: {twice[:3]}"

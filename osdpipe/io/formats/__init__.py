@@ -68,9 +68,11 @@ def get(name: str) -> Format:
 
 
 def open_source(
-    fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups
+    fmt: str, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups,
+    described: bool = False,
 ) -> SourceReader:
-    """A reader for the checkpoint at ``path`` in format ``fmt``.
+    """A reader for the checkpoint at ``path`` in format ``fmt``; ``described``: for its metadata alone
+    (:meth:`~osdpipe.io.formats.base.Format.describe`).
 
     Args:
         fmt: the input format.
@@ -83,7 +85,8 @@ def open_source(
     """
     if fmt not in FORMATS:
         raise ValueError(f"input.format={fmt!r} cannot be read; use {', '.join(FORMATS)}")
-    return FORMATS[fmt].open(path, key, tree=tree, source=source, id_groups=id_groups)
+    opened = FORMATS[fmt].describe if described else FORMATS[fmt].open
+    return opened(path, key, tree=tree, source=source, id_groups=id_groups)
 
 
 def inspect_source(
@@ -106,7 +109,7 @@ def inspect_source(
             that match no parameter); the message says which key to mend.
     """
     try:
-        reader = open_source(fmt, path, key, tree=tree, source=source, id_groups=id_groups)
+        reader = open_source(fmt, path, key, tree=tree, source=source, id_groups=id_groups, described=True)
         return canonical_meta(reader.meta(), tree, where=path)
     except ValueError:
         raise

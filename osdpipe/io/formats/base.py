@@ -370,6 +370,16 @@ class Format:
         """A reader of the checkpoint at ``path`` (see :func:`osdpipe.io.formats.open_source`)."""
         raise NotImplementedError
 
+    def describe(
+        self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups
+    ) -> SourceReader:
+        """A reader of the checkpoint at ``path`` for its metadata alone: what the checks before any process starts
+        ask (:func:`osdpipe.io.formats.inspect_source`, :func:`osdpipe.run.stages.load.inspect_input`), whose
+        :meth:`~SourceReader.meta` must equal :meth:`open`'s. A format that reads lazily opens it (no tensor is read
+        before one is asked for); one that reads its source whole when it opens (Megatron's) describes it without
+        the tensors' bytes instead, so a run reads it once."""
+        return self.open(path, key, tree=tree, source=source, id_groups=id_groups)
+
     def id_groups(self, given: IdGroups, configured: IdGroups, generated: bool) -> IdGroups:
         """The param groups a param-ID keyed input's IDs follow
         (``given``: ``input.param_groups``; ``configured``: ``optim.param_groups``)."""

@@ -170,12 +170,23 @@ class Megatron(Format):
         raise NotImplementedError("the range pipeline reads Megatron-LM saves; osdpipe.pipeline.megatron writes them")
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
+        return self._reader(path, key, tree, tensors=True)
+
+    def describe(
+        self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups
+    ) -> SourceReader:
+        """The save described (:class:`MegatronReader` with ``tensors=False``): the checks before the run read no
+        tensor of a save the run reads whole."""
+        return self._reader(path, key, tree, tensors=False)
+
+    @staticmethod
+    def _reader(path: str, key: str, tree: ModuleTree, *, tensors: bool) -> MegatronReader:
         try:
             naming = naming_of(tree)
         except InputError:  # what is wrong with the save itself, for the model the output's job builds, is said first
             MegatronReader(path, key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES, tensors=False)
             raise
-        return MegatronReader(path, naming)
+        return MegatronReader(path, naming, tensors=tensors)
 
     def found_in(self, directory: Path) -> bool:
         from osdpipe.io.formats.megatron import megatron_folder

@@ -29,13 +29,14 @@ def source_id_groups(spec: RunSpec, input_format: str) -> IdGroups:
     return formats.get(input_format).id_groups(spec.input.param_groups, configured, generated=spec.input.path is None)
 
 
-def open_input(plan: Plan) -> SourceReader:
+def open_input(plan: Plan, described: bool = False) -> SourceReader:
     """The source's reader: the optimizer checkpoint, or a whole checkpoint,
-    whose model weights and carried entries come with it (:mod:`osdpipe.io.weights`)."""
+    whose model weights and carried entries come with it (:mod:`osdpipe.io.weights`); ``described``: for its
+    metadata alone (:meth:`osdpipe.io.formats.base.Format.describe`)."""
     remote_input.configure(plan.spec.runtime.storage_options, plan.spec.runtime.memory_budget)
     if plan.checkpoint.whole:
         return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec,
-                          written_as=plan.output_checkpoint.name)
+                          written_as=plan.output_checkpoint.name, described=described)
     groups = source_id_groups(plan.spec, plan.input_format)
     return open_source(
         plan.input_format,
@@ -44,6 +45,7 @@ def open_input(plan: Plan) -> SourceReader:
         tree=plan.tree,
         source=plan.source_spec,
         id_groups=groups,
+        described=described,
     )
 
 
@@ -65,7 +67,7 @@ def inspect_input(plan: Plan) -> SourceMeta:
             source=plan.source_spec,
             id_groups=groups,
         )
-    return canonical_meta(open_input(plan).meta(), plan.tree, where=plan.input_path)
+    return canonical_meta(open_input(plan, described=True).meta(), plan.tree, where=plan.input_path)
 
 
 def load(ctx: Context, previous: None, tally: Tally) -> Opened:
