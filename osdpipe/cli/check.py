@@ -438,7 +438,7 @@ def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
     back by the same reader a tensor at a time and held against it bit for bit
     (:func:`osdpipe.verify.megatron.written_problems`)."""
     # torch: not on check --help's path
-    from osdpipe.io.formats.megatron import read_save
+    from osdpipe.io.formats.megatron import MASTERS, read_save
     from osdpipe.pipeline.megatron import hf_problems
     from osdpipe.verify.megatron import written_problems
 
@@ -455,7 +455,8 @@ def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
         proved = ("every weight, fp32 master and moment, the step and the param groups equal the source's, "
                   "mapped to Megatron's GPT")
     elif raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
-        problems = hf_problems(read_save(source), directory, raw["output"].get("dtype") or "float32")
+        masters = read_save(source, weights=False, states=MASTERS)  # the folder holds them alone
+        problems = hf_problems(masters, directory, raw["output"].get("dtype") or "float32")
         proved = "every fp32 master weight, mapped back from the Hugging Face model, equals the source's"
     else:
         problems = written_problems(read_save(source), directory)

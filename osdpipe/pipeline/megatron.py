@@ -28,7 +28,7 @@ import torch
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io import output
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MegatronSave, read_save
+from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MASTERS, MegatronSave, read_save
 from osdpipe.io.formats.megatron_writer import Target, Written, write_save
 from osdpipe.layout.megatron import VOCAB_KEYS, virtual_stages, virtual_stages_problem
 from osdpipe.run import progress
@@ -110,7 +110,9 @@ def convert(
     stages: list[StageReport] = []
     staging = output.begin(directory, job.fsync)
     try:
-        source = source or Source(lambda: read_save(job.source, within_memory=True, on_read=_amount(display)))
+        # a Hugging Face folder holds the fp32 masters alone: the module's weights and the moments are not read
+        read = {"weights": False, "states": MASTERS} if job.hf else {}
+        source = source or Source(lambda: read_save(job.source, within_memory=True, on_read=_amount(display), **read))
         save = _stage(stages, "load", display, source.read, _tensor_bytes, unit="B")
         if job.hf:
             done = _as_hf(job, save, staging, stages, display)

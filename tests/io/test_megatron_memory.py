@@ -78,7 +78,7 @@ def test_a_save_larger_than_the_memory_available_is_refused_in_one_line_before_a
     assert f"{need / 1e9:.1f} GB of memory" in said
     assert not out.exists() or not any(out.iterdir())
     monkeypatch.setattr(memory, "available_bytes", lambda: optimizer - 1)
-    with pytest.raises(InputError, match="reading this save's optimizer state .* takes"):
+    with pytest.raises(InputError, match=r"reading this save's optimizer states \(param, exp_avg, exp_avg_sq\) takes"):
         MegatronReader(str(source))
     monkeypatch.setattr(memory, "available_bytes", lambda: optimizer)  # exactly enough for the reader
     assert MegatronReader(str(source)).states
@@ -167,3 +167,36 @@ def test_a_conversion_into_a_pytorch_job_reads_each_tensor_of_the_save_once(tmp_
     assert read and all(flat.startswith("optimizer.") for flat in read)
     twice = sorted({flat for flat in read if read.count(flat) > 1})
     assert not twice, f"read more than once: {twice[:3]}"
+
+
+@pytest.mark.parametrize("grid", ["dp_reshardable", "fully_reshardable"])
+def test_a_hugging_face_folder_reads_the_fp32_masters_alone(tmp_path: Path, monkeypatch, grid: str) -> None:
+    """``output.checkpoint=hf`` writes the fp32 masters: the command and ``osdpipe check`` read those alone, each
+    once, never the module's weights or the moments (a dp_reshardable save's ``param`` buckets, a model-space save's
+    ``optimizer.state.param`` items), and the memory refusal counts them alone."""
+    import osdpipe
+    from osdpipe.io.formats.megatron import MASTERS
+
+    source = synthetic_save(tmp_path, tp=2)
+    if grid == "fully_reshardable":
+        osdpipe.reshard_megatron(source, tmp_path / "model_space", tp=2, dp=1, optim_format=grid)
+        source = tmp_path / "model_space"
+    checkpoint = DcpCheckpoint(str(iteration_folder(source)), None)
+    masters = stored_bytes(checkpoint, weights=False, states=MASTERS)
+    assert 0 < masters < stored_bytes(checkpoint, weights=False)
+    reads, out = tmp_path / "reads.txt", tmp_path / "hf"
+    for args in (["checkpoint=megatron", f"input.path={source}", "output.checkpoint=hf", f"output.path={out}"],
+                 ["check", str(out)]):
+        done = subprocess.run([sys.executable, "-m", "osdpipe", *args], capture_output=True, text=True, timeout=240,
+                              env=user_env(OSDPIPE_TEST_RECORD_READS=str(reads)))
+        assert done.returncode == 0, done.stderr[-2000:]
+        read = reads.read_text().splitlines()
+        reads.unlink()
+        assert read and all(flat.endswith(".param") or flat.startswith("optimizer.state.param.") for flat in read)
+        assert len(set(read)) == len(read), "a master was read twice"
+    monkeypatch.setattr(memory, "available_bytes", lambda: masters - 1)
+    with pytest.raises(InputError, match=r"reading this save's optimizer states \(param\) takes"):
+        read_save(source, within_memory=True, weights=False, states=MASTERS)
+    monkeypatch.setattr(memory, "available_bytes", lambda: masters)
+    assert set(next(iter(read_save(source, within_memory=True, weights=False, states=MASTERS).optim.values()))) == {
+        "param"}

@@ -67,6 +67,8 @@ DESCRIBED = ("argparse", "megatron")
 WHAT = "a Megatron-LM checkpoint's common.pt"
 #: The optimizer's per-parameter states, as Megatron's sharded keys name them (``param``: the fp32 master weight).
 STATES = ("param", "exp_avg", "exp_avg_sq")
+#: The fp32 master weights alone (:func:`read_save`'s ``states``): what a Hugging Face folder of a save holds.
+MASTERS = ("param",)
 #: What every optimizer item's key starts with (its states, a ``dp_reshardable`` save's buckets); the model's weights'
 #: keys are the weights' own.
 OPTIMIZER = "optimizer."
@@ -84,8 +86,11 @@ FS_STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg
 _BUCKET = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)"
 )
-#: A model-space optimizer state's key (``fully_reshardable``, ``fully_sharded_model_space``): the weight's after it.
-_MODEL_SPACE_STATE = re.compile(rf"optimizer\.state\.(?:{'|'.join(sorted({*STATES, *FS_STATES.values()}))})\.(.+)")
+#: A model-space optimizer state's key (``fully_reshardable``, ``fully_sharded_model_space``): the state's name as
+#: stored, then the weight's key.
+_MODEL_SPACE_STATE = re.compile(rf"optimizer\.state\.({'|'.join(sorted({*STATES, *FS_STATES.values()}))})\.(.+)")
+#: Each of :data:`STATES` by the names a save stores it under.
+_STATE_NAMED = {**{s: s for s in STATES}, **{stored: s for s, stored in FS_STATES.items()}}
 _ITERATION = re.compile(r"iter_(\d{7})")
 RNG = re.compile(r"rng_state/shard_(\d+)\.(\d+)_\d+\.\d+")
 
@@ -195,9 +200,11 @@ class Gathered:
     def tied_copy(self, key: str, state: str, box: Box, block: torch.Tensor) -> int:
         return differing_bits(block, self._global(key, state)[box])
 
-    def states(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer's states by sharded key, in the order of ``shapes`` and :data:`STATES`."""
-        return {key: {s: self._optim[(key, s)] for s in STATES} for key in shapes}
+    def states(
+        self, shapes: dict[str, tuple[int, ...]], states: tuple[str, ...] = STATES
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's ``states`` (those read) by sharded key, in the order of ``shapes`` and :data:`STATES`."""
+        return {key: {s: self._optim[(key, s)] for s in states} for key in shapes}
 
 
 def iteration_folder(path: str | Path | RemotePath) -> Path | RemotePath:
@@ -309,7 +316,7 @@ def gpt_of(args: dict[str, Any]) -> layout.Gpt:
 
 def read_save(
     path: str | Path, *, within_memory: bool = False, on_read: Callable[[int, int], None] | None = None,
-    placed: Placement | None = None, weights: bool = True, tensors: bool = True,
+    placed: Placement | None = None, weights: bool = True, states: tuple[str, ...] = STATES, tensors: bool = True,
 ) -> MegatronSave:
     """Read the Megatron-LM save at ``path`` (a save folder or one ``iter_<N>`` folder) whole.
 
@@ -330,6 +337,9 @@ def read_save(
     MegatronReader`): that copy is then neither read, nor held (``model`` is empty), nor counted against the memory
     available. A save without optimizer state has nothing else, and its weights are read whatever this says.
 
+    ``states``: the optimizer's states read (of :data:`STATES`, in that order), the rest neither read, held nor
+    counted; ``("param",)``: the fp32 masters alone, what a Hugging Face folder of the save holds.
+
     ``tensors=False``: the save described, not read: its tensors are the global shapes on the meta device, and what
     is read is ``common.pt``, ``.metadata`` and the param groups (a few small items): what working out a conversion's
     config asks of a save it reads whole once the run starts. The checks that need the tensors' bytes (a bucket's
@@ -348,15 +358,16 @@ def read_save(
     sharding = None if args.get("no_save_optim") else sharding_type(common, folder)
     weights = weights or sharding is None
     checkpoint = DcpCheckpoint(str(folder), None)
+    states = tuple(s for s in STATES if s in states)
     if within_memory:
-        refuse_unless_it_fits(checkpoint, folder, weights=weights)
+        refuse_unless_it_fits(checkpoint, folder, weights=weights, states=states)
     if on_read is not None:
-        checkpoint.on_read = _counted(on_read, stored_bytes(checkpoint, weights=weights))
+        checkpoint.on_read = _counted(on_read, stored_bytes(checkpoint, weights=weights, states=states))
     gpt = gpt_of(args)
     shapes = layout.global_shapes(gpt)
     _refuse_unknown_tensors(checkpoint, shapes)
     if not tensors:
-        return _described(folder, common, sharding, checkpoint, shapes, weights)
+        return _described(folder, common, sharding, checkpoint, shapes, weights, states)
     placement = placed if placed is not None else Gathered()
     placement.expect(shapes)
     if weights:
@@ -367,17 +378,17 @@ def read_save(
     if sharding is None:
         pass  # the weights alone (args.no_save_optim): no optimizer state to read
     elif sharding == "fully_reshardable":
-        _expect(checkpoint, [f"optimizer.state.{s}.{key}" for key in shapes for s in STATES])
+        _expect(checkpoint, [f"optimizer.state.{s}.{key}" for key in shapes for s in states])
         for key, shape in shapes.items():
-            for s in STATES:
+            for s in states:
                 placement.whole(key, s, _whole(checkpoint, f"optimizer.state.{s}.{key}", shape))
     elif sharding == "fully_sharded_model_space":
-        _expect(checkpoint, [f"optimizer.state.{FS_STATES[s]}.{key}" for key in shapes for s in STATES])
+        _expect(checkpoint, [f"optimizer.state.{FS_STATES[s]}.{key}" for key in shapes for s in states])
         for key, shape in shapes.items():
-            for s in STATES:
+            for s in states:
                 placement.whole(key, s, _unflattened(checkpoint, f"optimizer.state.{FS_STATES[s]}.{key}", shape))
     else:
-        notes = _from_buckets(checkpoint, gpt, args, folder, placement)
+        notes = _from_buckets(checkpoint, gpt, args, folder, placement, states)
     checkpoint.expect([])  # what was fetched ahead and not read is let go
     rng, extra = {}, {}
     for flat in checkpoint.metadata.state_dict_metadata:
@@ -387,20 +398,20 @@ def read_save(
             extra[flat] = _stored(checkpoint, flat)
     gathered = isinstance(placement, Gathered)
     return _assembled(folder, common, sharding, checkpoint, shapes, model=placement.model if gathered else {},
-                      optim=placement.states(shapes) if gathered and sharding is not None else {},
+                      optim=placement.states(shapes, states) if gathered and sharding is not None else {},
                       rng=rng, extra_state=extra, notes=notes)
 
 
 def _described(
     folder: Path, common: dict[str, Any], sharding: str | None, checkpoint: DcpCheckpoint,
-    shapes: dict[str, tuple[int, ...]], weights: bool,
+    shapes: dict[str, tuple[int, ...]], weights: bool, states: tuple[str, ...],
 ) -> MegatronSave:
     """:func:`read_save`'s save with ``tensors=False``: every tensor of its global shape on the meta device."""
     def meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="meta")
 
     model = {k: meta(shape, checkpoint.ref(k).torch_dtype) for k, shape in shapes.items()} if weights else {}
-    optim = {k: {s: meta(shape) for s in STATES} for k, shape in shapes.items()} if sharding is not None else {}
+    optim = {k: {s: meta(shape) for s in states} for k, shape in shapes.items()} if sharding is not None else {}
     return _assembled(folder, common, sharding, checkpoint, shapes, model=model, optim=optim)
 
 
@@ -467,7 +478,7 @@ def _refuse_unknown_tensors(checkpoint: DcpCheckpoint, shapes: dict[str, tuple[i
         if not isinstance(item, TensorStorageMetadata) or _BUCKET.fullmatch(flat):
             continue
         state = _MODEL_SPACE_STATE.fullmatch(flat)
-        if (state[1] if state else flat) not in shapes:
+        if (state[2] if state else flat) not in shapes:
             unknown.append(flat)
     if unknown:
         shown = ", ".join(sorted(unknown)[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
@@ -505,26 +516,41 @@ def sharding_type(common: dict[str, Any], folder: Path) -> str:
     return said
 
 
-def stored_bytes(checkpoint: DcpCheckpoint, *, weights: bool = True) -> int:
+def stored_bytes(checkpoint: DcpCheckpoint, *, weights: bool = True, states: tuple[str, ...] = STATES) -> int:
     """The bytes of every tensor the save's ``.metadata`` lists (the model's, the optimizer's, a ``dp_reshardable``
     save's buckets with the few elements of padding between their parameters): what reading it whole holds.
-    ``weights=False``: the optimizer's alone, what :func:`read_save` reads without the model's weights."""
+    ``weights`` and ``states``: those :func:`read_save` reads (without the model's weights, some states)."""
     return sum(math.prod(item.size) * item.properties.dtype.itemsize
                for flat, item in checkpoint.metadata.state_dict_metadata.items()
-               if isinstance(item, TensorStorageMetadata) and (weights or flat.startswith(OPTIMIZER)))
+               if isinstance(item, TensorStorageMetadata)
+               and (_state_of(flat) in states if flat.startswith(OPTIMIZER) else weights))
 
 
-def refuse_unless_it_fits(checkpoint: DcpCheckpoint, folder: Path | RemotePath, *, weights: bool = True) -> None:
+def _state_of(flat: str) -> str | None:
+    """Which of :data:`STATES` optimizer item ``flat`` stores (a model-space state, a bucket's); ``None``: neither."""
+    if (bucket := _BUCKET.fullmatch(flat)) is not None:
+        return bucket[5]
+    if (state := _MODEL_SPACE_STATE.fullmatch(flat)) is not None:
+        return _STATE_NAMED[state[1]]
+    return None
+
+
+def refuse_unless_it_fits(
+    checkpoint: DcpCheckpoint, folder: Path | RemotePath, *, weights: bool = True, states: tuple[str, ...] = STATES
+) -> None:
     """Refuse, in one line, a save whose tensors (:func:`stored_bytes`) need more memory than this machine has
     available (:func:`osdpipe.core.memory.available_bytes`): a Megatron conversion holds the save whole, and such a run
     can only end killed for memory, after reading for as long as the save is large. The figure is less than the run
     holds (the output's largest parameter or bucket being written or read back, the reader's buffers and Python's own
-    come on top): a save that passes may still not fit, one that fails never does. ``weights=False``: what
-    :func:`read_save` reads without the model's weights."""
-    need, free = stored_bytes(checkpoint, weights=weights), memory.available_bytes()
+    come on top): a save that passes may still not fit, one that fails never does. ``weights`` and ``states``: what
+    :func:`read_save` reads of it."""
+    need, free = stored_bytes(checkpoint, weights=weights, states=states), memory.available_bytes()
     if free is None or need <= free:
         return
-    what = "this save whole" if weights else "this save's optimizer state (the fp32 masters and the moments)"
+    if weights and states == STATES:
+        what = "this save whole"
+    else:
+        what = f"this save's {'weights and ' if weights else ''}optimizer states ({', '.join(states)})"
     raise InputError(f"{folder}: reading {what} takes {need / 1e9:.1f} GB of memory, and this machine has "
                      f"{free / 1e9:.1f} GB available (MemAvailable and SwapFree, or its cgroup's limit); a Megatron "
                      "conversion holds the save in memory, not streamed yet: run it on a machine with more memory")
@@ -592,11 +618,12 @@ def _stored(checkpoint: DcpCheckpoint, flat: str) -> bytes:
 
 
 def _from_buckets(
-    checkpoint: DcpCheckpoint, gpt: layout.Gpt, args: dict[str, Any], folder: Path, placement: Placement
+    checkpoint: DcpCheckpoint, gpt: layout.Gpt, args: dict[str, Any], folder: Path, placement: Placement,
+    wanted: tuple[str, ...] = STATES,
 ) -> tuple[str, ...]:
-    """A ``dp_reshardable`` optimizer's state, each bucket's parameters handed to ``placement`` piece by piece (each
-    element of every global tensor once); and a note where the last stage's copy of a tied embedding holds state
-    unequal to the first stage's.
+    """A ``dp_reshardable`` optimizer's ``wanted`` states, each bucket's parameters handed to ``placement`` piece by
+    piece (each element of every global tensor once); and a note where the last stage's copy of a tied embedding
+    holds state unequal to the first stage's.
 
     Megatron keeps the two copies equal (their gradients are summed before either steps), so they differ only in a save
     that something else wrote or changed. The first stage's is the one converted, as Megatron's own model-space save
@@ -638,6 +665,8 @@ def _from_buckets(
                 raise InputError(f"{folder}: the optimizer state of {where}, bucket {b} "
                                  "is missing; re-copy the save folder")
             for state, flat in states.items():
+                if state not in wanted:
+                    continue
                 held = math.prod(checkpoint.ref(flat).shape)
                 if held != bucket.numel_unpadded:
                     raise InputError(f"{folder}: {flat} holds {held} elements, the bucket of its parameters "
