@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import user_env
+from helpers import run_command, user_env
 from synthetic_megatron import synthetic_save
 
 from osdpipe.core import memory
@@ -151,22 +151,29 @@ def test_the_configs_look_at_a_save_reads_no_tensor_and_describes_what_the_run_r
         MegatronReader(str(source), naming)
 
 
+def _stored_reads(tmp_path: Path, *args: str) -> list[str]:
+    """The stored tensors ``osdpipe *args`` reads, in order, one line each (the faults hook
+    ``OSDPIPE_TEST_RECORD_READS``), after checking it succeeded and that it read none twice."""
+    reads = tmp_path / "reads.txt"
+    reads.unlink(missing_ok=True)
+    done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, timeout=240,
+                       env=user_env(OSDPIPE_TEST_RECORD_READS=str(reads)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    read = reads.read_text().splitlines()
+    twice = sorted({flat for flat in read if read.count(flat) > 1})
+    assert read and not twice, f"read more than once: {twice[:3]}"
+    return read
+
+
 def test_a_conversion_into_a_pytorch_job_reads_each_tensor_of_the_save_once(tmp_path: Path) -> None:
     """The command works out its config and checks the source with the save described, and the run reads it: every
     stored tensor of the optimizer is read once, and no weight of the module (the masters stand in for them). Before,
     the config's look, the source's check and the load stage each read the whole save."""
     source = synthetic_save(tmp_path, tp=2, pp=2)
-    reads = tmp_path / "reads.txt"
-    done = subprocess.run([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={source}",
-                           "output.checkpoint=accelerate", "target.kind=fsdp2", "target.world_size=2",
-                           "runtime.mode=offline", f"output.path={tmp_path / 'out'}"],
-                          capture_output=True, text=True, timeout=240,
-                          env=user_env(OSDPIPE_TEST_RECORD_READS=str(reads)))
-    assert done.returncode == 0, done.stderr[-2000:]
-    read = reads.read_text().splitlines()
-    assert read and all(flat.startswith("optimizer.") for flat in read)
-    twice = sorted({flat for flat in read if read.count(flat) > 1})
-    assert not twice, f"read more than once: {twice[:3]}"
+    read = _stored_reads(tmp_path, "checkpoint=megatron", f"input.path={source}", "output.checkpoint=accelerate",
+                         "target.kind=fsdp2", "target.world_size=2", "runtime.mode=offline",
+                         f"output.path={tmp_path / 'out'}")
+    assert all(flat.startswith("optimizer.") for flat in read)
 
 
 @pytest.mark.parametrize("grid", ["dp_reshardable", "fully_reshardable"])
@@ -184,16 +191,11 @@ def test_a_hugging_face_folder_reads_the_fp32_masters_alone(tmp_path: Path, monk
     checkpoint = DcpCheckpoint(str(iteration_folder(source)), None)
     masters = stored_bytes(checkpoint, weights=False, states=MASTERS)
     assert 0 < masters < stored_bytes(checkpoint, weights=False)
-    reads, out = tmp_path / "reads.txt", tmp_path / "hf"
+    out = tmp_path / "hf"
     for args in (["checkpoint=megatron", f"input.path={source}", "output.checkpoint=hf", f"output.path={out}"],
                  ["check", str(out)]):
-        done = subprocess.run([sys.executable, "-m", "osdpipe", *args], capture_output=True, text=True, timeout=240,
-                              env=user_env(OSDPIPE_TEST_RECORD_READS=str(reads)))
-        assert done.returncode == 0, done.stderr[-2000:]
-        read = reads.read_text().splitlines()
-        reads.unlink()
-        assert read and all(flat.endswith(".param") or flat.startswith("optimizer.state.param.") for flat in read)
-        assert len(set(read)) == len(read), "a master was read twice"
+        read = _stored_reads(tmp_path, *args)
+        assert all(flat.endswith(".param") or flat.startswith("optimizer.state.param.") for flat in read), read[:3]
     monkeypatch.setattr(memory, "available_bytes", lambda: masters - 1)
     with pytest.raises(InputError, match=r"reading this save's optimizer states \(param\) takes"):
         read_save(source, within_memory=True, weights=False, states=MASTERS)

@@ -619,7 +619,7 @@ def _stored(checkpoint: DcpCheckpoint, flat: str) -> bytes:
 
 def _from_buckets(
     checkpoint: DcpCheckpoint, gpt: layout.Gpt, args: dict[str, Any], folder: Path, placement: Placement,
-    wanted: tuple[str, ...] = STATES,
+    wanted: tuple[str, ...],
 ) -> tuple[str, ...]:
     """A ``dp_reshardable`` optimizer's ``wanted`` states, each bucket's parameters handed to ``placement`` piece by
     piece (each element of every global tensor once); and a note where the last stage's copy of a tied embedding
