@@ -32,6 +32,7 @@ Adam's moments (the optimizer is keyed by torchtitan's parameters: ``wqkv``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -210,9 +211,15 @@ def hf_config(args: dict) -> dict:
     }
     if family is QWEN3:  # no MLP bias option, no sliding window (Megatron's own Qwen3 config says the same)
         del config["mlp_bias"]
-        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
-                      sliding_window=None, max_window_layers=int(args["n_layers"]))
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **full_attention(int(args["n_layers"])))
     return config
+
+
+def full_attention(layers: int) -> dict[str, Any]:
+    """The keys that say a Qwen model (2 or 3) attends fully in each of its ``layers``: transformers picks a layer's
+    attention from ``use_sliding_window`` and ``max_window_layers``, and a Qwen config's own defaults may slide;
+    torchtitan and Megatron-Core train full attention only, so every config osdpipe writes for a Qwen says so."""
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers}
 
 
 def heads_of(args: dict) -> Heads:

@@ -273,7 +273,7 @@ def hf_config(args: dict[str, Any], *, vocab_size: int, dtype: str) -> dict[str,
     }
     if arch != LLAMA:  # Qwen2's biases are its architecture's (q, k, v), Qwen3 has none (refusals); full attention
         del config["mlp_bias"]
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=int(args["num_layers"]))
+        config.update(llama_titan.full_attention(int(args["num_layers"])))
     if arch == QWEN2:
         del config["attention_bias"]
     return config
