@@ -62,6 +62,7 @@ class FollowedUpload:
         #: rank's checks (:meth:`commit`); ``whole``: the object is at its key; ``abandoned``.
         self.state = "sending"
         self.error: BaseException | None = None
+        self._sent = 0  # the bytes of it that went up (handed to the store's writer)
         self._thread = threading.Thread(target=self._run, name=f"osdpipe-follow-{name}", daemon=True)
         self._thread.start()
 
@@ -87,6 +88,12 @@ class FollowedUpload:
         """The writer finished the file (its upload can be committed)."""
         with self._changed:
             return self._whole
+
+    def progress(self) -> tuple[int, int]:
+        """``(sent, written)``: the bytes of the file that went up, and those the writer wrote so far (all of it once
+        it is written): what the queue shows while it waits (:meth:`osdpipe.io.upload_queue.UploadQueue.finish`)."""
+        with self._changed:
+            return self._sent, self._end
 
     def settled(self, within_s: float) -> str:
         """The state once the upload rests (not ``sending``), or after ``within_s`` seconds."""
@@ -146,7 +153,7 @@ class FollowedUpload:
             while (step := self._next(sent)) is not None:
                 upto, finish = step
                 if finish and remote is None:  # not one whole part: it goes in one piece, as a file sent whole
-                    remote_output.send(self.destination, self.directory, [self.name])
+                    remote_output.send(self.destination, self.directory, [self.name], self._went_up)
                     self._rest("whole")
                     return
                 if remote is None:
@@ -157,6 +164,7 @@ class FollowedUpload:
                     length = min(self._part_at(sent), upto - sent)
                     remote.send(local, sent, length)
                     sent += length
+                    self._went_up(length)
                 if finish:
                     remote.complete()  # the object is whole
                     self._rest("whole")
@@ -170,6 +178,10 @@ class FollowedUpload:
                 if remote is not None:
                     remote.abandon()
                 self._rest("abandoned")
+
+    def _went_up(self, n: int) -> None:
+        with self._changed:
+            self._sent += n
 
     def _open(self) -> Parts:
         """The object's writer (:data:`PARTS`, by the store); where the file goes straight to its key, a note names it

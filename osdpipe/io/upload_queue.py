@@ -21,8 +21,9 @@ says a failed upload as the save stage's failure; a run that fails after some fi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from osdpipe.io.torchfile import followed_as_written
 #: Uploads at once from one process, each a file (a large one in parts): enough to keep a store busy while the
 #: process converts, few enough that the conversion keeps its CPU.
 IN_FLIGHT = 2
+#: How often :meth:`UploadQueue.finish` tells its caller the bytes sent while it waits.
+SHOWN_EVERY_S = 0.2
 
 
 class UploadQueue:
@@ -43,6 +46,9 @@ class UploadQueue:
         self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="osdpipe-upload")
         self._sent: list[tuple[list[str], Future[None]]] = []
         self._following: dict[str, FollowedUpload] = {}  # rank files that went up as they were written, by name
+        self._handed: list[str] = []  # the followed files handed over, to be made whole
+        self._whole_bytes = [0, 0]  # of the files sent whole: bytes sent, bytes handed over
+        self._lock = threading.Lock()
 
     @contextmanager
     def following(self, directory: Path) -> Iterator[None]:
@@ -70,15 +76,41 @@ class UploadQueue:
         data = [n for n in sorted(names) if not remote_output.is_marker(n)]
         followed = [n for n in data if n in self._following and self._following[n].written]
         for name in followed:
+            self._handed.append(name)
             self._sent.append(([name], self._pool.submit(self._following[name].commit)))
         whole = [n for n in data if n not in followed]
         if whole:
-            self._sent.append((whole, self._pool.submit(remote_output.send, self._destination, directory, whole)))
+            with self._lock:  # a file not there fails its upload, said by finish()
+                self._whole_bytes[1] += sum((directory / n).stat().st_size for n in whole if (directory / n).is_file())
+            batch = self._pool.submit(remote_output.send, self._destination, directory, whole, self._whole_went_up)
+            self._sent.append((whole, batch))
 
-    def finish(self) -> str | None:
+    def _whole_went_up(self, n: int) -> None:
+        with self._lock:
+            self._whole_bytes[0] += n
+
+    def progress(self) -> tuple[int, int]:
+        """``(sent, total)``: the bytes that went up of every file handed over so far, and those files' bytes."""
+        with self._lock:
+            sent, total = self._whole_bytes
+        for name in self._handed:
+            went_up, written = self._following[name].progress()
+            sent, total = sent + went_up, total + written
+        return sent, total
+
+    def finish(self, shown: Callable[[int, int], None] | None = None) -> str | None:
         """Wait for every upload; the first failure in one line (naming the first file of its batch, a rank's files),
-        or ``None``."""
+        or ``None``. ``shown(sent, total)`` is told the bytes sent (:meth:`progress`) every :data:`SHOWN_EVERY_S`
+        meanwhile, and once all are done: the tail of a large output's upload, after its last rank converted."""
         try:
+            pending = {future for _, future in self._sent}
+            while shown is not None and pending:
+                shown(*self.progress())
+                done, pending = wait(pending, timeout=SHOWN_EVERY_S, return_when=FIRST_EXCEPTION)
+                if any(f.exception() is not None for f in done):
+                    break  # said below, as the first failure
+            if shown is not None:
+                shown(*self.progress())
             for names, sent in self._sent:
                 try:
                     sent.result()

@@ -60,7 +60,7 @@ def run_offline(plan: Plan, display: progress.Display | None = None) -> Report:
     if display is not None:
         display.phase(f"offline: {world.size} target rank(s)", unit="B")
     weights = rank_weights(plan)
-    return loop.run_stages(plan, world, on_rank=_share_done(0, weights, world.ranks(), display))[0]
+    return loop.run_stages(plan, world, on_rank=_share_done(0, weights, world.ranks(), display), display=display)[0]
 
 
 def run_share(plan: Plan) -> Report:

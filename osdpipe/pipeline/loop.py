@@ -136,19 +136,27 @@ def outcome_of(played: Played) -> RankOutcome:
     )
 
 
-def run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | None = None) -> tuple[Report, Played]:
+def run_stages(
+    plan: Plan,
+    world: World,
+    on_rank: Callable[[Played], None] | None = None,
+    display: progress.Display | None = None,
+) -> tuple[Report, Played]:
     """The conversion over ``world``: every rank's stages, then the checks combined and the staged files committed.
 
     Returns the report, the same on every process, and the last rank this
     process played (the Python API returns its state dict). Where the
     processes are not the target's ranks (:attr:`~osdpipe.run.world.World.ranks_meet`),
-    each plays its ranks apart and they meet here, after the last.
+    each plays its ranks apart and they meet here, after the last. ``display``: the live line where this process
+    draws its own (offline, one process), else what it does is sent as progress events (:mod:`osdpipe.run.progress`).
     """
     with nullcontext() if world.ranks_meet else ranks_apart(world.player):
-        return _run_stages(plan, world, on_rank)
+        return _run_stages(plan, world, on_rank, display)
 
 
-def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | None) -> tuple[Report, Played]:
+def _run_stages(
+    plan: Plan, world: World, on_rank: Callable[[Played], None] | None, display: progress.Display | None
+) -> tuple[Report, Played]:
     stages = list(plan.stages)
     timings = Timings()
     outcomes: list[RankOutcome] = []
@@ -176,9 +184,7 @@ def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | No
         peak = watch.stop()  # its sampling thread must not outlive a failed run in a caller's process (the Python API)
     assert last is not None, "a world plays at least one rank"
     # every upload done before the commit moves the files it reads
-    if queue is not None and 0 in world.ranks():
-        progress.emit("phase", f"uploading the ranks' files to {plan.upload.url}")
-    unsent = None if queue is None else queue.finish()
+    unsent = None if queue is None else queue.finish(_upload_shown(plan, world, display))
     per_process = world.gather_processes((outcomes, unsent))
     every = sorted((o for process, _ in per_process for o in process), key=lambda o: o.rank)
     checks = combine([list(o.checks) for o in every]) if every and every[0].checks else []
@@ -226,6 +232,22 @@ def _run_stages(plan: Plan, world: World, on_rank: Callable[[Played], None] | No
         entries=_entries(last),
     )
     return report, last
+
+
+def _upload_shown(plan: Plan, world: World, display: progress.Display | None) -> Callable[[int, int], None] | None:
+    """Where this process draws the live line (it plays rank 0): the wait for its files' uploads as a phase of it,
+    and what tells it their bytes sent (:meth:`~osdpipe.io.upload_queue.UploadQueue.finish`); else ``None``.
+
+    A large output's last files are still going up when its last rank has converted; without this the line would
+    stand still at the conversion's end for as long."""
+    assert plan.upload is not None, "only an output in object storage has an upload queue"
+    if 0 not in world.ranks():
+        return None
+    draw = display if display is not None else (lambda event: progress.emit(*event))
+    played = list(world.ranks())  # under a process group each rank sends its own files
+    whose = "the ranks'" if len(played) == plan.world_size else f"rank {', '.join(map(str, played))}'s"
+    draw(("phase", f"uploading {whose} files to {plan.upload.url}", "B"))
+    return lambda sent, total: draw(("items", sent, total))
 
 
 def _carried(played: Played) -> WholeSource | None:

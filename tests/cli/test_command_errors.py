@@ -8,21 +8,14 @@ line or config and 1 for a failed conversion; nothing lands outside
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import pty
-import select
-import struct
 import subprocess
-import sys
-import termios
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env, run_osdpipe
+from helpers import clean_env, run_osdpipe, run_with_terminal_stderr
 
 TIMEOUT_S = 240
 
@@ -246,51 +239,15 @@ def test_help_is_osdpipes_own_and_version_names_torch(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def _run_with_terminal_stderr(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Run the command with stderr on a pseudo-terminal (as in a user's shell);
-    returns its exit code and what the terminal showed."""
-    leader, follower = pty.openpty()
-    # a terminal has a size; a fresh pty has none
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "osdpipe", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=follower,
-        start_new_session=True,
-    )
-    os.close(follower)
-    shown = b""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([leader], [], [], 0.5)
-        if ready:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # the terminal closed: the command ended
-                break
-            if not chunk:
-                break
-            shown += chunk
-        elif proc.poll() is not None:
-            break
-    if proc.poll() is None:
-        os.killpg(proc.pid, 9)
-        pytest.fail(f"did not finish within {TIMEOUT_S} s")
-    os.close(leader)
-    return proc.wait(), shown.decode(errors="replace")
-
-
 def test_progress_shows_on_a_terminal_and_not_in_ci(tmp_path: Path) -> None:
     args = ["source.world_size=1", "target.world_size=1", f"output.path={tmp_path / 'out'}"]
     env = clean_env()
     del env["CI"]  # a user's shell
-    code, shown = _run_with_terminal_stderr(args, tmp_path, env)
+    code, shown = run_with_terminal_stderr(args, tmp_path, env, TIMEOUT_S)
     assert code == 0, shown
     for phase in ("generating a source", "starting 1 rank", "stage shard", "stage verify"):
         assert f"osdpipe: {phase}" in shown, f"{phase!r} not shown: {shown!r}"
-    code, shown = _run_with_terminal_stderr([*args, "output.overwrite=true"], tmp_path, {**env, "CI": "true"})
+    code, shown = run_with_terminal_stderr([*args, "output.overwrite=true"], tmp_path, {**env, "CI": "true"}, TIMEOUT_S)
     assert code == 0 and "osdpipe: stage" not in shown, shown
 
 

@@ -254,3 +254,20 @@ def test_a_part_the_store_refuses_fails_the_upload_and_leaves_no_parts(s3: S3, t
         parts.complete()
     parts.abandon()
     assert _unfinished(s3, "out") == [] and s3.keys("out") == []
+
+
+def test_the_queue_tells_the_bytes_it_sent_while_it_waits_up_to_every_file_handed_over(s3: S3, tmp_path: Path) -> None:
+    """What the live line shows of the upload's tail, after the last rank converted (osdpipe.pipeline.loop): a rank
+    file that went up in parts as it was written and a file sent whole, counted together, all of it at the end."""
+    queue, staging = _queue(s3, tmp_path, over_a_conversion=False)
+    data = _bytes(SIZE + 12345)
+    with queue.following(staging), torchfile.written(staging / "rank_0.pt", sync=False) as out:
+        out.write(data)
+    (staging / "extra.bin").write_bytes(b"x" * 1000)  # not written by torchfile: sent whole
+    queue.send(staging, ["rank_0.pt", "extra.bin"])
+    shown: list[tuple[int, int]] = []
+    assert queue.finish(lambda sent, total: shown.append((sent, total))) is None
+    total = len(data) + 1000
+    assert shown[-1] == (total, total), shown
+    assert all(t == total for _, t in shown) and [s for s, _ in shown] == sorted(s for s, _ in shown), shown
+    assert s3.fs().cat_file(f"{s3.bucket}/out/rank_0.pt") == data

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from cloudenv import ACCESS_KEY, S3, SECRET_KEY, aws_environment, bucket_with_a_users_job
-from helpers import run_cli_cases, run_command, user_env
+from helpers import run_cli_cases, run_command, run_with_terminal_stderr, user_env
 
 from osdpipe.io import remote_output, store
 from osdpipe.io.output import OutputError
@@ -155,6 +155,30 @@ def test_a_prefix_holding_a_conversion_is_refused_then_overwritten_whole(s3: S3,
                                                    "report.json")]  # fmt: skip
     manifest = json.loads(s3.fs().cat_file(f"{s3.bucket}/out/manifest.json"))
     assert manifest["config"]["target"]["world_size"] == 2
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_a_terminal_is_shown_the_bytes_of_the_upload_left_after_the_ranks(s3: S3, tmp_path: Path, mode: str) -> None:
+    """In a user's shell the ranks' files still going up once the last rank converted are a phase of the live line,
+    with their bytes: the tail of a large upload is not a silent wait. Offline one process plays every rank and draws
+    their files; online each rank sends its own, and rank 0's are drawn (sent to the launcher)."""
+    env = {k: v for k, v in user_env().items() if k != "CI"}
+    args = ["model.factory=userlm:build", f"input.path={_source(tmp_path)}", "source.world_size=1",
+            f"runtime.mode={mode}", "target.world_size=2", f"output.path={s3.url('out')}"]  # fmt: skip
+    code, shown = run_with_terminal_stderr(args, tmp_path, env, TIMEOUT_S)
+    assert code == 0, shown
+    played = range(2) if mode == "offline" else [0]
+    whose = "the ranks'" if mode == "offline" else "rank 0's"
+    phase = f"osdpipe: uploading {whose} files to {s3.url('out')}"
+    assert phase in shown, shown
+    total = sum(s3.fs().size(f"{s3.bucket}/out/rank_{r}.pt") for r in played)
+    tail = shown[shown.index(phase) : shown.index("osdpipe: uploading to")]  # up to publish's own line
+    drawn = re.findall(r"(\d+(?:\.\d+)?)([kMG]?)/(\d+(?:\.\d+)?)([kMG]?) \[", tail)  # tqdm's "7.43k/7.43k ["
+    assert drawn, shown
+    done, done_unit, whole, whole_unit = drawn[-1]  # the last drawn: every byte of the ranks' files
+    assert (done, done_unit) == (whole, whole_unit), drawn
+    scale = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}[whole_unit]
+    assert abs(float(whole) * scale - total) <= 0.01 * total, (drawn, total)
 
 
 def test_a_sweep_into_s3_commits_each_job_and_summarizes_them_from_their_local_records(s3: S3, tmp_path: Path) -> None:

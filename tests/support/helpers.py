@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import pty
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +79,45 @@ def run_command(
 def run_osdpipe(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """``python -m osdpipe *args`` in ``cwd``."""
     return run_command([sys.executable, "-m", "osdpipe", *args], cwd=cwd, timeout=timeout)
+
+
+def run_with_terminal_stderr(args: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int, str]:
+    """Run the ``osdpipe`` command with stderr on a pseudo-terminal (as in a user's shell), killed after
+    ``timeout_s``; returns its exit code and what the terminal showed (the live progress line among it)."""
+    leader, follower = pty.openpty()
+    # a terminal has a size; a fresh pty has none
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "osdpipe", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+        start_new_session=True,
+    )
+    os.close(follower)
+    shown = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closed: the command ended
+                break
+            if not chunk:
+                break
+            shown += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(leader)
+    try:  # the terminal closes as the command exits, a moment before it is gone
+        code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        pytest.fail(f"did not finish within {timeout_s} s")
+    return code, shown.decode(errors="replace")
 
 
 def run_cli_cases(
