@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
@@ -66,9 +65,7 @@ def main() -> int:
                     raise SystemExit(f"{checkout}: the roundtrip check did not pass:\n{said[-2000:]}")
                 runs[checkout].append(tuple(measured))
                 gets[checkout] = bench.requests_in(log, logged)["ranged GET"] if opts.server == "moto" else "-"
-                wall, client, served, rss = measured
-                print(f"  repeat {repeat + 1}: {checkout}: {wall:.1f} s (CPU: client {client:.1f} s, "
-                      f"server {served:.1f} s; peak RSS {rss:.2f} GB)", flush=True)  # fmt: skip
+                print(bench.said_repeat(repeat, checkout, runs[checkout][-1]), flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -77,10 +74,9 @@ def main() -> int:
     print("| checkout | median s | min s | max s | client CPU s | server CPU s | peak RSS GB | ranged GETs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for checkout, got in runs.items():
-        walls = [w for w, *_ in got]
-        client, served, rss = (statistics.median(run[i] for run in got) for i in (1, 2, 3))
-        print(f"| {checkout} | {statistics.median(walls):.1f} | {min(walls):.1f} | {max(walls):.1f} | {client:.1f} | "
-              f"{served:.1f} | {rss:.2f} | {gets[checkout]} |")  # fmt: skip
+        median, least, most, client, served, rss = bench.medians(got)
+        print(f"| {checkout} | {median:.1f} | {least:.1f} | {most:.1f} | {client:.1f} | {served:.1f} | {rss:.2f} | "
+              f"{gets[checkout]} |")  # fmt: skip
     return 0
 
 

@@ -124,9 +124,7 @@ def main() -> int:
                 runs[name].append(tuple(measured))
                 seen = bench.requests_in(log, logged)
                 requests[name] = (seen["ranged GET"], seen["GET"])
-                wall, client, served, rss = measured
-                print(f"  repeat {repeat + 1}: {name}: {wall:.1f} s "
-                      f"(CPU: client {client:.1f} s, server {served:.1f} s)", flush=True)  # fmt: skip
+                print(bench.said_repeat(repeat, name, runs[name][-1]), flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -137,10 +135,8 @@ def main() -> int:
           "| ranged GETs | GETs |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, got in runs.items():
-        walls = [w for w, *_ in got]
-        client, served, rss = (statistics.median(run[i] for run in got) for i in (1, 2, 3))
-        median = statistics.median(walls)
-        print(f"| {name} | {median:.1f} | {min(walls):.1f} | {max(walls):.1f} | {median / copy:.2f} | {client:.1f} | "
+        median, least, most, client, served, rss = bench.medians(got)
+        print(f"| {name} | {median:.1f} | {least:.1f} | {most:.1f} | {median / copy:.2f} | {client:.1f} | "
               f"{served:.1f} | {rss:.2f} | {requests[name][0]} | {requests[name][1]} |")  # fmt: skip
     return 0
 

@@ -290,6 +290,21 @@ def timed(
     return wall, client, cpu_seconds(server.pid) - before_server, rss, said
 
 
+def said_repeat(repeat: int, path: str, measured: tuple[float, float, float, float]) -> str:
+    """One repeat of a path (what :func:`timed` measured), as the scripts print it while they run."""
+    wall, client, served, rss = measured
+    return (f"  repeat {repeat + 1}: {path}: {wall:.1f} s (CPU: client {client:.1f} s, server {served:.1f} s; "
+            f"peak RSS {rss:.2f} GB)")  # fmt: skip
+
+
+def medians(got: list[tuple[float, float, float, float]]) -> tuple[float, float, float, float, float, float]:
+    """A path's repeats as its table row's numbers: the median, min and max seconds, and the medians of the client's
+    and the server's CPU seconds and of the peak RSS."""
+    walls = [wall for wall, *_ in got]
+    client, served, rss = (statistics.median(run[i] for run in got) for i in (1, 2, 3))
+    return statistics.median(walls), min(walls), max(walls), client, served, rss
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -351,9 +366,7 @@ def main() -> int:
                 asked[path] = requests_in(log, logged)
                 if path == f"osdpipe {store} -> {store}":
                     stages = said
-                wall, client, moto, rss = runs[path][-1]
-                print(f"  repeat {repeat + 1}: {path}: {wall:.1f} s (CPU: client {client:.1f} s, server {moto:.1f} s; "
-                      f"peak RSS {rss:.2f} GB)", flush=True)  # fmt: skip
+                print(said_repeat(repeat, path, runs[path][-1]), flush=True)
         costs = server_costs(fs, source)
     finally:
         server.terminate()
@@ -364,10 +377,8 @@ def main() -> int:
     print("| path | median s | min s | max s | x fsspec copy | client CPU s | server CPU s | peak RSS GB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for path, got in runs.items():
-        walls = [w for w, *_ in got]
-        median = statistics.median(walls)
-        client, moto, rss = (statistics.median(run[i] for run in got) for i in (1, 2, 3))
-        print(f"| {path} | {median:.1f} | {min(walls):.1f} | {max(walls):.1f} | {median / copy:.2f} | {client:.1f} | "
+        median, least, most, client, moto, rss = medians(got)
+        print(f"| {path} | {median:.1f} | {least:.1f} | {most:.1f} | {median / copy:.2f} | {client:.1f} | "
               f"{moto:.1f} | {rss:.2f} |")  # fmt: skip
     print(f"\nthe last osdpipe {store} -> {store} run's stages:")
     print("\n".join(line for line in stages.splitlines() if line.startswith("  ") and " s " in line))
