@@ -28,7 +28,8 @@ Where no live target job can be built (offline, or an FQN-keyed output whose
 loading needs the whole state on every rank past
 ``pipeline.full_state_checks_max``), bare optimizers over the output's local
 tensors play the target, a batch of at most ``runtime.memory_budget / 2`` at
-a time: they load the state as written and take the same steps. The check's
+a time (without a budget, as much as the largest tensor's state): they load the
+state as written and take the same steps. The check's
 detail says which target ran.
 """
 
@@ -340,7 +341,7 @@ def bare_steps(
     the target optimizer does not hold it); each starts from the output's
     ``weights`` for it (a whole checkpoint's, by layout key), else from
     synthetic parameters. A batch is at most ``batch_bytes``
-    of state (``None``: every tensor of the rank), in one optimizer with a
+    of state (``None``: the largest tensor's, :func:`_batches`), in one optimizer with a
     param group per group of the output, as the target's optimizer holds them.
     0-dim state is copied once per object, so state the output shares between
     tensors stays shared here, and shows in the steps.
@@ -379,12 +380,19 @@ def bare_steps(
 
 
 def _batches(held: list[tuple[LocalTensor, Held]], limit: int | None) -> Iterator[list[tuple[LocalTensor, Held]]]:
-    """``held`` in batches of at most ``limit`` bytes of tensor state (a tensor larger than that is a batch alone)."""
+    """``held`` in batches of at most ``limit`` bytes of tensor state (a tensor larger than that is a batch alone).
+
+    ``None`` (no ``runtime.memory_budget``): at most the largest tensor's, as a piece is a whole local tensor without
+    a budget. The batch's state is cloned and stepped beside the output, so the rank's whole state at once would hold
+    a second copy of it (a 1.6 GB FSDP2 checkpoint 4 -> 2 offline peaked at 4.7 GB, and at 1.6 GB this way:
+    docs/speed.md); small tensors still share a batch, and an optimizer step."""
+    sizes = [sum(v.numel() * v.element_size() for v in state.values() if _is_tensor_state(v)) for _, (state, _) in held]
+    if limit is None:
+        limit = max(sizes, default=0)
     batch: list[tuple[LocalTensor, Held]] = []
     size = 0
-    for item in held:
-        nbytes = sum(v.numel() * v.element_size() for v in item[1][0].values() if _is_tensor_state(v))
-        if batch and limit is not None and size + nbytes > limit:
+    for item, nbytes in zip(held, sizes):
+        if batch and size + nbytes > limit:
             yield batch
             batch, size = [], 0
         batch.append(item)

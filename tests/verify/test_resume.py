@@ -397,3 +397,18 @@ def test_resume_steps_a_batch_whose_tensors_hold_no_element_on_the_rank(tmp_path
                                   cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())  # fmt: skip
     for result in (budget, whole):
         assert result["code"] == 0 and "check resume     pass" in result["stdout"], result["stderr"]
+
+
+def test_without_a_budget_a_batch_of_bare_optimizers_holds_at_most_the_largest_tensors_state() -> None:
+    """Offline, the resume check clones and steps a batch of the output's tensors beside the output: without
+    ``runtime.memory_budget`` a batch is as large as the largest tensor's state, not the rank's whole (a second copy of
+    it), and small tensors still share one; with a budget, as large as it says."""
+    from osdpipe.verify.resume_training import _batches
+
+    def held(n: int) -> tuple[dict, dict]:
+        return {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n), "step": torch.tensor(1.0)}, {}
+
+    tensors = [("a", held(100)), ("b", held(10)), ("c", held(30)), ("d", held(60)), ("e", held(100))]
+    assert [[name for name, _ in b] for b in _batches(tensors, None)] == [["a"], ["b", "c", "d"], ["e"]]
+    assert [[name for name, _ in b] for b in _batches(tensors, 1 << 30)] == [["a", "b", "c", "d", "e"]]
+    assert [[name for name, _ in b] for b in _batches(tensors, 1)] == [["a"], ["b"], ["c"], ["d"], ["e"]]
