@@ -47,7 +47,7 @@ class UploadQueue:
         self._sent: list[tuple[list[str], Future[None]]] = []
         self._following: dict[str, FollowedUpload] = {}  # rank files that went up as they were written, by name
         self._handed: list[str] = []  # the followed files handed over, to be made whole
-        self._whole_bytes = [0, 0]  # of the files sent whole: bytes sent, bytes handed over
+        self._whole_sent = self._whole_total = 0  # of the files sent whole: bytes that went up, bytes handed over
         self._lock = threading.Lock()
 
     @contextmanager
@@ -81,18 +81,18 @@ class UploadQueue:
         whole = [n for n in data if n not in followed]
         if whole:
             with self._lock:  # a file not there fails its upload, said by finish()
-                self._whole_bytes[1] += sum((directory / n).stat().st_size for n in whole if (directory / n).is_file())
+                self._whole_total += sum((directory / n).stat().st_size for n in whole if (directory / n).is_file())
             batch = self._pool.submit(remote_output.send, self._destination, directory, whole, self._whole_went_up)
             self._sent.append((whole, batch))
 
     def _whole_went_up(self, n: int) -> None:
         with self._lock:
-            self._whole_bytes[0] += n
+            self._whole_sent += n
 
     def progress(self) -> tuple[int, int]:
         """``(sent, total)``: the bytes that went up of every file handed over so far, and those files' bytes."""
         with self._lock:
-            sent, total = self._whole_bytes
+            sent, total = self._whole_sent, self._whole_total
         for name in self._handed:
             went_up, written = self._following[name].progress()
             sent, total = sent + went_up, total + written

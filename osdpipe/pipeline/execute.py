@@ -93,16 +93,14 @@ def _share_done(
     """
     share = sum(weights[r] for r in ranks)
     done = {"bytes": 0, "elements": 0}
+    draw = progress.drawer(display)
 
     def after(played: loop.Played) -> None:
         sharded = played.find(Sharded)
         done["bytes"] += 0 if sharded is None else sharded.state_bytes()
         done["elements"] += weights[played.ctx.rank]
         total = done["bytes"] * share // done["elements"] if done["elements"] else (None if share else 0)
-        if display is not None:
-            display(("share", worker, done["bytes"], total))
-        else:
-            progress.emit("share", worker, done["bytes"], total)
+        draw(("share", worker, done["bytes"], total))
 
     return after
 

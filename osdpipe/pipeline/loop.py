@@ -243,7 +243,7 @@ def _upload_shown(plan: Plan, world: World, display: progress.Display | None) ->
     assert plan.upload is not None, "only an output in object storage has an upload queue"
     if 0 not in world.ranks():
         return None
-    draw = display if display is not None else (lambda event: progress.emit(*event))
+    draw = progress.drawer(display)
     played = list(world.ranks())  # under a process group each rank sends its own files
     whose = "the ranks'" if len(played) == plan.world_size else f"rank {', '.join(map(str, played))}'s"
     draw(("phase", f"uploading {whose} files to {plan.upload.url}", "B"))

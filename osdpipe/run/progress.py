@@ -53,6 +53,12 @@ def emit(*event: Any) -> None:
             pass
 
 
+def drawer(display: Display | None) -> Callable[[Event], None]:
+    """Where this process's events go: ``display``, where it draws its own line (offline, one process), else
+    :func:`emit` (to whoever draws: the launcher, or rank 0's display)."""
+    return display if display is not None else (lambda event: emit(*event))
+
+
 def only(kinds: tuple[str, ...], sink: Callable[[Event], None]) -> Callable[[Event], None]:
     """A sink that passes on events of ``kinds`` alone
     (a worker of several sends its share's progress, not its stages')."""
