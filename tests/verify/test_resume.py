@@ -412,3 +412,101 @@ def test_without_a_budget_a_batch_of_bare_optimizers_holds_at_most_the_largest_t
     assert [[name for name, _ in b] for b in _batches(tensors, None)] == [["a"], ["b", "c", "d"], ["e"]]
     assert [[name for name, _ in b] for b in _batches(tensors, 1 << 30)] == [["a", "b", "c", "d", "e"]]
     assert [[name for name, _ in b] for b in _batches(tensors, 1)] == [["a"], ["b"], ["c"], ["d"], ["e"]]
+
+
+def test_offline_each_synthetic_range_is_computed_once_for_the_output_and_its_reference(monkeypatch, tmp_path) -> None:
+    """Offline, the bare target and the reference start the same ranges from the same synthetic parameters and step
+    them on the same synthetic gradients: each range is hashed once for both (osdpipe.run.live_jobs.
+    each_computed_twice), where it was hashed once a side (under a budget, what half of it holds); and one element of
+    the output off still fails the check."""
+    import usermodel
+    from helpers import planned
+
+    from osdpipe.layout import synthetic
+    from osdpipe.pipeline.execute import run_offline
+    from osdpipe.pipeline.stages import STAGES
+    from osdpipe.run import live_jobs
+    from osdpipe.run.progress import Display
+    from osdpipe.spec.reconcile import settle_and_validate
+
+    source = usermodel.save_stepped(tmp_path / "optim.pt", dim=30)
+    hashed: list[tuple[str, int, int]] = []
+    real = synthetic._hashed
+    monkeypatch.setattr(synthetic, "_hashed", lambda key, start, stop: (hashed.append((key, start, stop)),
+                                                                         real(key, start, stop))[1])  # fmt: skip
+
+    def converted(out: str, budget: str | None) -> Any:
+        hashed.clear()
+        spec = settle_and_validate({
+            "model": {"factory": "usermodel:make", "kwargs": {"dim": 30}},
+            "source": {"world_size": 1}, "target": {"kind": "fsdp2", "world_size": 2},
+            "input": {"path": str(source), "format": "fsdp_full"}, "output": {"path": str(tmp_path / out)},
+            "pipeline": {"checks": ["resume"], "resume_steps": 2},
+            "runtime": {"mode": "offline", "progress": False, "memory_budget": budget},
+        })  # fmt: skip
+        return run_offline(planned(spec), Display(False))
+
+    most_held = []
+    keep = live_jobs.Pairs.keep
+
+    def keep_and_count(pairs, asked, out):
+        keep(pairs, asked, out)
+        most_held.append(pairs.held)
+
+    monkeypatch.setattr(live_jobs.Pairs, "keep", keep_and_count)
+    for out, budget in (("whole", None), ("budget", "1MB"), ("small_budget", "4KB")):
+        most_held.clear()
+        report = converted(out, budget)
+        assert report.ok, report.checks
+        grads = [h for h in hashed if h[0].startswith("grad\0")]
+        assert grads and {h[0].split("\0")[2] for h in grads} == {"20000", "20001"}  # both resume steps
+        twice = sorted(h for h in set(hashed) if hashed.count(h) > 1)
+        if budget == "4KB":  # half of it holds no tensor's values: kept within it, the rest computed again
+            assert twice and 0 < max(most_held) <= 2048, (twice, max(most_held, default=0))
+        else:
+            assert not twice, twice[:3]
+
+    rekey = STAGES["rekey"]
+
+    def rekey_then_spoil_rank_1(ctx, sharded, tally):
+        keyed = rekey(ctx, sharded, tally)
+        if ctx.rank == 1:
+            next(iter(keyed.state_dict["state"].values()))["exp_avg"].view(-1)[0] += 1
+        return keyed
+
+    monkeypatch.setitem(STAGES, "rekey", rekey_then_spoil_rank_1)
+    report = converted("spoiled", None)
+    assert not report.ok and "differ from a job resuming from the source" in report.checks[0].detail, report.checks
+
+
+def test_within_each_computed_twice_the_second_asking_is_the_firsts_copy_computed_once(monkeypatch) -> None:
+    """The resume check's two sides ask for the same ranges: inside ``each_computed_twice`` the second asking gets the
+    first computation's bits without hashing again, as a tensor of its own (the first asker stepping its tensor in
+    place does not reach it), and is not kept for a third; what ``limit`` cannot hold is computed again; outside,
+    nothing is kept."""
+    from osdpipe.layout import synthetic
+    from osdpipe.run import live_jobs
+
+    hashed: list[tuple[str, int, int]] = []
+    real = synthetic._hashed
+    monkeypatch.setattr(synthetic, "_hashed", lambda key, start, stop: (hashed.append((key, start, stop)),
+                                                                         real(key, start, stop))[1])  # fmt: skip
+    grad, param = synthetic.grad_key(0, 1, "w"), synthetic.param_key(0, "w")
+    want = live_jobs.synthetic_grad(0, 1, "w", 10, 1010, torch.float32)
+    with live_jobs.each_computed_twice(limit=1000 * 4) as pairs:
+        first = live_jobs.synthetic_grad(0, 1, "w", 10, 1010, torch.float32)
+        first.mul_(3)  # stepped in place by the side that asked first
+        second = live_jobs.synthetic_grad(0, 1, "w", 10, 1010, torch.float32)
+        assert torch.equal(second.view(torch.int32), want.view(torch.int32))
+        third = live_jobs.synthetic_grad(0, 1, "w", 10, 1010, torch.float32)  # taken once: computed again
+        assert torch.equal(third, want)
+        assert pairs.held == 4000  # the third's copy, kept for an asking that does not come
+        live_jobs.synthetic_param(0, "w", 0, 1, torch.float32)  # over the limit: not kept
+        live_jobs.synthetic_param(0, "w", 0, 1, torch.float32)
+        pairs.clear()
+        assert pairs.held == 0
+    assert hashed.count((grad, 10, 1010)) == 3  # before, the first, the third: never the second
+    assert hashed.count((param, 0, 1)) == 2
+    live_jobs.synthetic_param(0, "w", 0, 5, torch.float32)
+    live_jobs.synthetic_param(0, "w", 0, 5, torch.float32)
+    assert hashed.count((param, 0, 5)) == 2 and live_jobs._pairs is None

@@ -9,6 +9,7 @@ source holds, step counters exactly.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import Any
 
 from osdpipe.core.sizes import show_size
@@ -16,7 +17,7 @@ from osdpipe.io.loading import load_model_local
 from osdpipe.layout import kinds
 from osdpipe.layout.optim import resolve_optimizer
 from osdpipe.layout.ranges import LocalTensor
-from osdpipe.run.live_jobs import live_target
+from osdpipe.run.live_jobs import each_computed_twice, live_target
 from osdpipe.run.products import CheckResult
 from osdpipe.run.stages.rekey import param_ids
 from osdpipe.verify.checks.common import (
@@ -111,11 +112,19 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
                 else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
             )
         count = 0
-        for batch in batches:
-            count += len(batch)
-            problems += compare_batch(batch, reference, ctx.meta, steps)
-            if len(problems) >= SHOWN:
-                break
+        # A bare batch's synthetic values are computed once for it and for its reference, which asks for the same
+        # ranges when it steps them alone (elementwise). A live target steps the whole rank before the reference
+        # starts, and a whole-model reference asks for whole parameters: keeping their values would hold the rank's.
+        once = load is None and reference.elementwise
+        sharing = each_computed_twice(ctx.spec.runtime.piece_bytes) if once else nullcontext(None)
+        with sharing as pairs:
+            for batch in batches:
+                count += len(batch)
+                problems += compare_batch(batch, reference, ctx.meta, steps)
+                if pairs is not None:
+                    pairs.clear()
+                if len(problems) >= SHOWN:
+                    break
         start = "from the checkpoint's own weights, " if whole(ctx) else ""
         parts.append(
             f"steps: {target} loaded it and took {steps} step(s) {start}on synthetic gradients ({count} tensor(s)): "
