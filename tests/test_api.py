@@ -97,3 +97,35 @@ def test_api_needs_a_process_group(source_checkpoint):
             source=SOURCE,
             target=TARGET,
         )
+
+
+def _resume_check_batches(checkpoint: str) -> tuple[list[int], int]:
+    """The resume check in a live job (the API's own model and optimizer: a live target): how many ranges each call
+    to its reference stepped, and how many the rank's tensors hold."""
+    from osdpipe.layout.ranges import LayoutSpec
+    from osdpipe.verify import resume_training
+
+    asked: list[int] = []
+    pieces = resume_training.Reference.pieces
+
+    def counted(self, ranges, device=None):
+        asked.append(len(ranges))
+        return pieces(self, ranges, device)
+
+    resume_training.Reference.pieces = counted
+    spec = LayoutSpec(kind="fsdp1", world_size=2, wrap=("Leaf",), use_orig_params=True)
+    model = kinds.get("fsdp1").wrap(build_model("nested", MODEL["kwargs"], seed=0), spec)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    osdpipe.reshard_optimizer_state(model, optim, checkpoint, model_config=MODEL, source=SOURCE, target=TARGET,
+                                    checks=["resume"])  # fmt: skip
+    tree = describe(build_model("nested", MODEL["kwargs"], device="meta"))
+    held = sum(len(resume_training.pieces_of(t)) for t in rank_layout(tree, spec, dist.get_rank()) if t.stepped)
+    return asked, held
+
+
+def test_a_live_target_is_compared_with_its_reference_a_batch_at_a_time(source_checkpoint):
+    """The resume check's reference steps the ranges of one batch of the live target's tensors at a time (each at
+    most the largest tensor's state without a budget), every range once: it never holds the rank's whole state
+    stepped from the source beside the live job's."""
+    for asked, held in run_local_world(_resume_check_batches, 2, (source_checkpoint,), timeout_s=TIMEOUT_S):
+        assert len(asked) > 1 and sum(asked) == held, (asked, held)

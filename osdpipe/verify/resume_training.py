@@ -30,7 +30,9 @@ loading needs the whole state on every rank past
 tensors play the target, a batch of at most ``runtime.memory_budget / 2`` at
 a time (without a budget, as much as the largest tensor's state): they load the
 state as written and take the same steps. The check's
-detail says which target ran.
+detail says which target ran. Either target is compared with its reference
+in those batches (:func:`in_batches`), so the reference holds one batch's
+ranges stepped from the source at a time, never the rank's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -61,6 +63,8 @@ ELEMENTWISE = frozenset(
 FIRST_STEP = 20_000
 #: Problems a failed check names at most, per rank.
 SHOWN = 3
+
+T = TypeVar("T")
 
 
 def is_elementwise(cls: type[torch.optim.Optimizer]) -> bool:
@@ -341,14 +345,14 @@ def bare_steps(
     the target optimizer does not hold it); each starts from the output's
     ``weights`` for it (a whole checkpoint's, by layout key), else from
     synthetic parameters. A batch is at most ``batch_bytes``
-    of state (``None``: the largest tensor's, :func:`_batches`), in one optimizer with a
+    of state (``None``: the largest tensor's, :func:`in_batches`), in one optimizer with a
     param group per group of the output, as the target's optimizer holds them.
     0-dim state is copied once per object, so state the output shares between
     tensors stays shared here, and shows in the steps.
     """
     scalars: dict[int, Any] = {}
     held = [(t, h) for t in layout if (h := state_of(t)) is not None]
-    for batch in _batches(held, batch_bytes):
+    for batch in in_batches(held, [state_bytes(state) for _, (state, _) in held], batch_bytes):
         dtypes = [getattr(torch, tree.param(t.fqns[0]).dtype) for t, _ in batch]
         params = [
             weights[t.key].clone().reshape(t.shape)
@@ -379,19 +383,20 @@ def bare_steps(
         yield [Stepped(t, p, dict(optim.state.get(p, {}))) for (t, _), p in zip(batch, params)]
 
 
-def _batches(held: list[tuple[LocalTensor, Held]], limit: int | None) -> Iterator[list[tuple[LocalTensor, Held]]]:
-    """``held`` in batches of at most ``limit`` bytes of tensor state (a tensor larger than that is a batch alone).
+def in_batches(items: list[T], sizes: list[int], limit: int | None) -> Iterator[list[T]]:
+    """``items`` (whose tensor state is ``sizes`` bytes each) in batches of at most ``limit`` bytes of it, in order
+    (an item larger than that is a batch alone).
 
-    ``None`` (no ``runtime.memory_budget``): at most the largest tensor's, as a piece is a whole local tensor without
-    a budget. The batch's state is cloned and stepped beside the output, so the rank's whole state at once would hold
-    a second copy of it (a 1.6 GB FSDP2 checkpoint 4 -> 2 offline peaked at 4.7 GB, and at 1.6 GB this way:
-    docs/speed.md); small tensors still share a batch, and an optimizer step."""
-    sizes = [sum(v.numel() * v.element_size() for v in state.values() if _is_tensor_state(v)) for _, (state, _) in held]
+    ``None`` (no ``runtime.memory_budget``): at most the largest item's, as a piece is a whole local tensor without
+    a budget. A bare batch's state is cloned and stepped beside the output, and each batch's reference holds the
+    same ranges stepped from the source, so the rank's whole state at once would hold a second copy of it (a 1.6 GB
+    FSDP2 checkpoint 4 -> 2 offline peaked at 4.7 GB, and at 1.6 GB this way: docs/speed.md); small tensors still
+    share a batch, and an optimizer step."""
     if limit is None:
         limit = max(sizes, default=0)
-    batch: list[tuple[LocalTensor, Held]] = []
+    batch: list[T] = []
     size = 0
-    for item, nbytes in zip(held, sizes):
+    for item, nbytes in zip(items, sizes, strict=True):
         if batch and size + nbytes > limit:
             yield batch
             batch, size = [], 0
@@ -399,6 +404,11 @@ def _batches(held: list[tuple[LocalTensor, Held]], limit: int | None) -> Iterato
         size += nbytes
     if batch:
         yield batch
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """The bytes of an optimizer state's tensors (0-dim state, the step counters, left out)."""
+    return sum(v.numel() * v.element_size() for v in state.values() if _is_tensor_state(v))
 
 
 # ---------------------------------------------------------------------------

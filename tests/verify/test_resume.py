@@ -403,15 +403,21 @@ def test_without_a_budget_a_batch_of_bare_optimizers_holds_at_most_the_largest_t
     """Offline, the resume check clones and steps a batch of the output's tensors beside the output: without
     ``runtime.memory_budget`` a batch is as large as the largest tensor's state, not the rank's whole (a second copy of
     it), and small tensors still share one; with a budget, as large as it says."""
-    from osdpipe.verify.resume_training import _batches
+    from osdpipe.verify.resume_training import in_batches, state_bytes
 
-    def held(n: int) -> tuple[dict, dict]:
-        return {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n), "step": torch.tensor(1.0)}, {}
+    def held(n: int) -> dict:
+        return {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n), "step": torch.tensor(1.0)}
 
     tensors = [("a", held(100)), ("b", held(10)), ("c", held(30)), ("d", held(60)), ("e", held(100))]
-    assert [[name for name, _ in b] for b in _batches(tensors, None)] == [["a"], ["b", "c", "d"], ["e"]]
-    assert [[name for name, _ in b] for b in _batches(tensors, 1 << 30)] == [["a", "b", "c", "d", "e"]]
-    assert [[name for name, _ in b] for b in _batches(tensors, 1)] == [["a"], ["b"], ["c"], ["d"], ["e"]]
+    sizes = [state_bytes(state) for _, state in tensors]
+    assert sizes == [800, 80, 240, 480, 800]  # the step counter is no tensor state
+
+    def names(limit: int | None) -> list[list[str]]:
+        return [[name for name, _ in b] for b in in_batches(tensors, sizes, limit)]
+
+    assert names(None) == [["a"], ["b", "c", "d"], ["e"]]
+    assert names(1 << 30) == [["a", "b", "c", "d", "e"]]
+    assert names(1) == [["a"], ["b"], ["c"], ["d"], ["e"]]
 
 
 def test_offline_each_synthetic_range_is_computed_once_for_the_output_and_its_reference(monkeypatch, tmp_path) -> None:

@@ -35,10 +35,12 @@ from osdpipe.verify.resume_training import (
     SHOWN,
     bare_steps,
     compare_batch,
+    in_batches,
     is_elementwise,
     live_steps,
     reference_for,
     shared_memory,
+    state_bytes,
 )
 
 
@@ -97,9 +99,9 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
         if load is not None:
             model, optim = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
             load(model, optim)
-            batches: Any = [
-                live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree, weights_loaded=whole(ctx))
-            ]
+            stepped = live_steps(ctx.spec, model, optim, ctx.optimizer_layout(), ctx.tree, weights_loaded=whole(ctx))
+            # compared a batch at a time, as the bare target is: each batch's reference holds its ranges alone
+            batches: Any = in_batches(stepped, [state_bytes(s.state) for s in stepped], ctx.spec.runtime.piece_bytes)
             target = f"the {ctx.spec.target.kind} target job"
         else:
             weights = ctx.keyed.weights if ctx.keyed is not None else None
