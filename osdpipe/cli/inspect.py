@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from osdpipe.core.sizes import show_size  # it imports no torch
@@ -25,7 +24,6 @@ if TYPE_CHECKING:  # annotations only: this module is imported before torch, whi
     from osdpipe.io.checkpoints import WholeCheckpoint
     from osdpipe.io.checkpoints.base import ModelNaming
     from osdpipe.io.file_facts import Facts
-    from osdpipe.io.remote_input import RemotePath
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE = (
@@ -54,7 +52,7 @@ def run_inspect(args: list[str]) -> int:
         return EXIT_USAGE
     # torch: not on inspect --help's path (tests/cli/test_startup.py)
     from osdpipe.io.checkpoints import recognize
-    from osdpipe.io.file_facts import read_facts
+    from osdpipe.io.file_facts import checkpoint_in, read_facts
     from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
     from osdpipe.io.remote_input import as_path, probe
     from osdpipe.io.store import is_url
@@ -67,7 +65,7 @@ def run_inspect(args: list[str]) -> int:
         path = as_path(rest[0])
         whole = recognize(path)
         if whole is None:
-            facts = read_facts(_checkpoint_in(path), None, key)
+            facts = read_facts(checkpoint_in(path), None, key)
         elif whole.optimizer_path is not None:  # the optimizer part reads as any optimizer checkpoint
             facts = read_facts(as_path(whole.optimizer_path), None, key or whole.optimizer_key)
     except Exception as exc:  # noqa: BLE001 - a file that cannot be read says so in one line
@@ -94,22 +92,6 @@ def run_inspect(args: list[str]) -> int:
         described = describe_whole(whole) + "".join(f"\n  note         {n}" for n in notes[len(whole.notes):])
         print("\n".join(filter(None, [described, optimizer, "  convert with " + whole_command(whole, naming)])))
     return EXIT_OK
-
-
-def _checkpoint_in(path: Path | RemotePath) -> Path | RemotePath:
-    """``path``, or for an osdpipe output directory that holds one checkpoint for every rank (``fsdp_full``,
-    ``plain``, ``dcp``), that checkpoint.
-
-    The formats say where they write (``output_path``); a format whose every rank loads the same path wrote one
-    checkpoint.
-    """
-    if path.is_dir() and (path / "manifest.json").is_file():
-        from osdpipe.io import formats  # torch: not on inspect --help's path
-
-        for fmt in formats.FORMATS.values():
-            if fmt.written and (inner := fmt.output_path(path, 0)) == fmt.output_path(path, 1) and inner.exists():
-                return inner
-    return path
 
 
 def describe(f: Facts, command: bool = True) -> str:

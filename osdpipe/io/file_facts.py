@@ -129,6 +129,21 @@ class Facts:
         return out
 
 
+def checkpoint_in(path: Path | RemotePath) -> Path | RemotePath:
+    """``path``, or for an osdpipe output directory (its ``manifest.json``) that holds one checkpoint for every rank
+    (``fsdp_full``, ``plain``, ``dcp``), that checkpoint: what a user points at to inspect a conversion, or to
+    convert it again, is the ``output.path`` it was given.
+
+    The formats say where they write (``output_path``); a format whose every rank loads the same path wrote one
+    checkpoint. An output of ``rank_<r>.pt`` files is read where it is.
+    """
+    if path.is_dir() and (path / "manifest.json").is_file():
+        for fmt in formats.FORMATS.values():
+            if fmt.written and (inner := fmt.output_path(path, 0)) == fmt.output_path(path, 1) and inner.exists():
+                return inner
+    return path
+
+
 def detect_format(path: str | Path) -> str:
     """The input format of ``path``, from what is there: ``dcp``, ``rank_local``, ``fsdp_full`` or ``plain``.
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from osdpipe.io import checkpoints, formats, remote_input
 from osdpipe.io.errors import ModelRefused
-from osdpipe.io.file_facts import detect_format, read_facts
+from osdpipe.io.file_facts import checkpoint_in, detect_format, read_facts
 from osdpipe.io.formats import InputError
 from osdpipe.io.formats.base import OtherLayout
 from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
@@ -103,6 +103,11 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         _set(raw, "input.path", newest)
         notes.append(f"input.path={path} is {layout.name}'s folder of checkpoints; converting the newest, {newest}")
         path = newest
+    # an earlier conversion's output.path: the checkpoint it holds
+    if not layout.whole and (inner := checkpoint_in(remote_input.as_path(path))) != remote_input.as_path(path):
+        _set(raw, "input.path", str(inner))
+        notes.append(f"input.path={path} is an osdpipe output; converting the checkpoint it holds, {inner}")
+        path = str(inner)
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
         writer = checkpoints.written(layout.name, _get(raw, "output.checkpoint"))
@@ -146,19 +151,19 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     except OtherLayout as exc:
         raise Contradiction(f"input.path: {exc}") from None
     except InputError:
-        return raw, []  # the pre-flight check says what is wrong with it
+        return raw, notes  # the pre-flight check says what is wrong with it
     _settle(raw, given, "input.format", fmt, f"{path} is {formats.get(fmt).looks_like}")
     try:
         facts = read_facts(path, fmt, _get(raw, "input.key") if "input.key" in given else None)
     except InputError:
-        return raw, []
+        return raw, notes
     if facts.key is not None:
         _settle(raw, given, "input.key", facts.key, f"{path} holds its optimizer state under {facts.key!r}")
     _settle_layout(raw, given, facts)
-    warnings = _settle_optimizer(raw, given, facts)
+    notes += _settle_optimizer(raw, given, facts)
     if facts.moments_alike:
-        warnings.append(f"{path}: {MOMENTS_ALIKE}; it converts as it is")
-    return raw, warnings
+        notes.append(f"{path}: {MOMENTS_ALIKE}; it converts as it is")
+    return raw, notes
 
 
 def _model_from_files(layout: Any, path: str, written_as: str) -> tuple[str, dict[str, Any]] | None:

@@ -290,3 +290,30 @@ def test_checks_that_hold_the_whole_state_are_skipped_above_the_limit_and_said_s
         bad.returncode == 2
         and "'lots' is not a size; write bytes or a number with a unit: 512MB, 2GB, 1.5GiB" in bad.stderr
     ), explain(bad)
+
+
+def test_an_earlier_conversions_output_path_converts_again(tmp_path: Path) -> None:
+    """A user chaining conversions points ``input.path`` at the ``output.path`` they gave the last one (its
+    ``manifest.json``, ``report.json`` and the checkpoint in it): the command converts the checkpoint that output
+    holds, says so, and records it in the manifest; the DCP directory and the one ``fsdp_full`` file alike."""
+    import usermodel
+    from helpers import run_cli_cases, user_env
+
+    source = usermodel.save_stepped(tmp_path / "optim.pt", dim=30)
+    common = ["model.factory=usermodel:make", "model.kwargs.dim=30", "runtime.mode=offline"]
+    first, second, third = tmp_path / "dcp_2", tmp_path / "full_3", tmp_path / "dcp_2_again"
+    cases = [
+        [*common, f"input.path={source}", "input.format=fsdp_full", "source.world_size=1", "target.kind=fsdp2",
+         "target.world_size=2", "output.format=dcp", f"output.path={first}"],
+        [*common, f"input.path={first}", "target.world_size=3", "output.format=fsdp_full", f"output.path={second}"],
+        [*common, f"input.path={second}", "source.world_size=3", "target.kind=fsdp2", "target.world_size=2",
+         "output.format=dcp", f"output.path={third}"],
+    ]  # fmt: skip
+    results = run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
+    assert [r["code"] for r in results] == [0, 0, 0], [r["stderr"] for r in results]
+    for result, given, held in ((results[1], first, first / "dcp"), (results[2], second, second / "optim.pt")):
+        said = f"input.path={given} is an osdpipe output; converting the checkpoint it holds, {held}"
+        assert said in result["stderr"], result["stderr"]
+    assert json.loads((second / "manifest.json").read_text())["config"]["input"]["path"] == str(first / "dcp")
+    assert json.loads((third / "manifest.json").read_text())["config"]["input"]["path"] == str(second / "optim.pt")
+    assert all("check roundtrip  pass" in r["stdout"] for r in results[1:])
