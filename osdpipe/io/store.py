@@ -31,6 +31,7 @@ SCHEMES = {"s3": ("s3fs", "S3"), "gs": ("gcsfs", "Google Cloud Storage")}
 #: takes, so that the fix is in the error line.
 SAME_STORE = {"s3a": "s3", "s3n": "s3", "gcs": "gs"}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
 #: osdpipe's options under the user's: timeouts and few retries, so that an endpoint that does not answer fails the
 #: first look at it (:func:`info`, :func:`first_look_s`) within 80 s, not after botocore's defaults (60 s a read, 5
 #: attempts) times s3fs's 5 retries.
@@ -62,6 +63,16 @@ _ACCESS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b")
 def is_url(path: object) -> bool:
     """Whether ``path`` is written as a URL (``scheme://...``), not a local path."""
     return isinstance(path, str) and _URL.match(path) is not None
+
+
+def one_slash_short(path: object) -> str | None:
+    """The URL ``path`` was meant to be where it is one a slash short of it (``s3:/bucket/x``: a slash a shell, a
+    config or a copy drops easily), of a store osdpipe serves; else ``None``. Taken as a local path, it would read a
+    directory named ``s3:`` that is not there, or write the conversion into one beside the user."""
+    match = _ONE_SLASH.match(path) if isinstance(path, str) else None
+    if match is None or match.group(1).lower() not in SCHEMES:
+        return None
+    return f"{match.group(1)}://{path[match.end():]}"
 
 
 def is_remote(path: object) -> bool:

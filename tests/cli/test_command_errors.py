@@ -70,6 +70,29 @@ def test_a_config_error_about_a_url_never_says_its_password(tmp_path: Path) -> N
     assert "hunter2" not in result.stdout + result.stderr, line
 
 
+@pytest.mark.parametrize(
+    ("args", "says", "code"),
+    [
+        (["input.path=s3:/bucket/ckpt"], "osdpipe: error: config: input.path (got 's3:/bucket/ckpt'): ", 2),
+        (["output.path=gs:/bucket/ckpt"], "osdpipe: error: config: output.path (got 'gs:/bucket/ckpt'): ", 2),
+        (["inspect", "s3:/bucket/ckpt"], "osdpipe inspect: error: ", 1),
+        (["check", "gs:/bucket/ckpt"], "osdpipe check: error: ", 2),
+    ],
+)
+def test_a_url_a_slash_short_is_named_with_the_url_meant_and_nothing_written(
+    args: list[str], says: str, code: int, tmp_path: Path
+) -> None:
+    """``s3:/bucket/ckpt`` is no URL (``://``): taken as a local path, an input said it did not exist, and an output
+    landed in a directory named ``gs:`` beside the user. Each entry point names the URL meant."""
+    result = run_osdpipe(*args, cwd=tmp_path, timeout=60)
+    scheme = args[-1].split("=")[-1].split(":")[0]
+    meant = args[-1].split("=")[-1].replace(":/", "://", 1)
+    said = f"'{args[-1].split('=')[-1]}' is a slash short of a URL; write '{meant}'"
+    assert result.returncode == code, explain(result)
+    assert error_lines(result) == [says + said], explain(result)
+    assert not (tmp_path / f"{scheme}:").exists() and not list(tmp_path.glob("outputs/**/*.pt"))
+
+
 @pytest.mark.parametrize(("command", "argument", "code"), [("check", "OUTPUT_DIR", 2), ("inspect", "PATH", 1)])
 def test_check_and_inspect_of_a_url_osdpipe_does_not_serve_say_so_in_one_line(
     command: str, argument: str, code: int, tmp_path: Path
