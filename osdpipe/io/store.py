@@ -66,7 +66,7 @@ def is_url(path: object) -> bool:
 
 
 def one_slash_short(path: object) -> str | None:
-    """The URL ``path`` was meant to be where it is one a slash short of it (``s3:/bucket/x``: a slash a shell, a
+    """The URL ``path`` was meant to be where it is a slash short of one (``s3:/bucket/x``: a slash a shell, a
     config or a copy drops easily), of a store osdpipe serves; else ``None``. Taken as a local path, it would read a
     directory named ``s3:`` that is not there, or write the conversion into one beside the user."""
     match = _ONE_SLASH.match(path) if isinstance(path, str) else None
