@@ -40,7 +40,7 @@ from osdpipe.cli import new_dirs
 from osdpipe.cli.sweep import JobRecord, summarize_sweep
 from osdpipe.core import rankserver
 from osdpipe.io import remote_input, store
-from osdpipe.io.output import OutputError
+from osdpipe.io.output import OutputError, takes_input
 from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
 from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages
 
@@ -192,6 +192,8 @@ def _run_job(cfg: DictConfig) -> int:
         checked = check_schema(raw)
     except ConfigError as exc:
         return _config_error(exc)
+    if (why := takes_input(checked.output.path, checked.input.path)) is not None:
+        return _config_error(ConfigError([why]))
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
     if remote is not None:  # made in local directories, then uploaded (osdpipe.io.remote_output)
         one_process = by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint)

@@ -317,3 +317,35 @@ def test_an_earlier_conversions_output_path_converts_again(tmp_path: Path) -> No
     assert json.loads((second / "manifest.json").read_text())["config"]["input"]["path"] == str(first / "dcp")
     assert json.loads((third / "manifest.json").read_text())["config"]["input"]["path"] == str(second / "optim.pt")
     assert all("check roundtrip  pass" in r["stdout"] for r in results[1:])
+
+
+def test_a_conversion_into_the_directory_of_its_input_is_refused_and_the_input_kept(tmp_path: Path) -> None:
+    """Pointing ``output.path`` at the earlier output being converted (or at the directory the input is in) with
+    ``output.overwrite=true`` replaced it: the checkpoint converted was gone after the commit, and the new manifest
+    named it as its source. Refused in one line before anything runs; every file of the input as it was."""
+    import hashlib
+
+    import usermodel
+    from helpers import run_cli_cases, user_env
+
+    source = usermodel.save_stepped(tmp_path / "optim.pt", dim=30)
+    common = ["model.factory=usermodel:make", "model.kwargs.dim=30", "runtime.mode=offline"]
+    earlier = tmp_path / "earlier"
+    made = run_cli_cases([[*common, f"input.path={source}", "input.format=fsdp_full", "source.world_size=1",
+                           "target.kind=fsdp2", "target.world_size=2", "output.format=dcp",
+                           f"output.path={earlier}"]], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())  # fmt: skip
+    assert made[0]["code"] == 0, made[0]["stderr"]
+
+    def files() -> dict[str, str]:
+        return {str(p.relative_to(earlier)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(earlier.rglob("*")) if p.is_file()}  # fmt: skip
+
+    before = files()
+    cases = [[*common, f"input.path={given}", "target.world_size=3", f"output.path={out}", "output.overwrite=true"]
+             for given, out in ((earlier, earlier), (earlier / "dcp", earlier), (earlier / "dcp", tmp_path))]
+    for result, (given, out) in zip(run_cli_cases(cases, cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env()),
+                                    ((earlier, earlier), (earlier / "dcp", earlier), (earlier / "dcp", tmp_path))):
+        said = (f"osdpipe: error: config: output.path='{out}' holds input.path='{given}', the checkpoint it converts, "
+                "and a conversion replaces what its output.path holds: give another output.path")
+        assert result["code"] == 2 and result["stderr"].strip().splitlines() == [said], result["stderr"]
+    assert files() == before
