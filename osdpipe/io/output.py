@@ -89,7 +89,7 @@ def takes_input(output_path: str, input_path: str | None) -> str | None:
     directory (a prefix) it is in. A conversion is committed by replacing the conversion at its output whole, so with
     ``output.overwrite=true`` the checkpoint it converted would be gone, and its manifest would name a source no
     longer there. Local paths are compared resolved; URLs as written, a prefix as a directory of keys."""
-    from osdpipe.io import store  # no torch, no fsspec
+    from osdpipe.io import store  # here: store imports this module (its OutputError)
 
     if input_path is None or store.is_url(input_path) != store.is_url(output_path):
         return None
