@@ -40,8 +40,15 @@ from osdpipe.cli import new_dirs
 from osdpipe.cli.sweep import JobRecord, summarize_sweep
 from osdpipe.core import rankserver
 from osdpipe.io import remote_input, store
-from osdpipe.io.output import OutputError, takes_input
-from osdpipe.spec.config import ConfigError, check_schema, name_torchtitans_model, unknown_key, validate
+from osdpipe.io.output import OutputError
+from osdpipe.spec.config import (
+    ConfigError,
+    check_schema,
+    name_torchtitans_model,
+    output_takes_input,
+    unknown_key,
+    validate,
+)
 from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages
 
 if TYPE_CHECKING:
@@ -192,7 +199,7 @@ def _run_job(cfg: DictConfig) -> int:
         checked = check_schema(raw)
     except ConfigError as exc:
         return _config_error(exc)
-    if (why := takes_input(checked.output.path, checked.input.path)) is not None:
+    if (why := output_takes_input(checked.output.path, checked.input.path)) is not None:
         return _config_error(ConfigError([why]))
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
     if remote is not None:  # made in local directories, then uploaded (osdpipe.io.remote_output)

@@ -84,31 +84,6 @@ def already_holds(path: str, held: list[str]) -> str:
     )
 
 
-def takes_input(output_path: str, input_path: str | None) -> str | None:
-    """Why ``output_path`` would take the input with it, else ``None``: the same place as ``input_path``, or a
-    directory (a prefix) it is in. A conversion is committed by replacing the conversion at its output whole, so with
-    ``output.overwrite=true`` the checkpoint it converted would be gone, and its manifest would name a source no
-    longer there. Local paths are compared resolved; URLs as written, a prefix as a directory of keys."""
-    from osdpipe.io import store  # here: store imports this module (its OutputError)
-
-    if input_path is None or store.is_url(input_path) != store.is_url(output_path):
-        return None
-    if store.is_url(input_path):
-        if not (store.is_remote(input_path) and store.is_remote(output_path)):
-            return None  # a URL osdpipe does not serve is refused by its own check
-        given, out = store.parse(input_path, "input.path"), store.parse(output_path, "output.path")
-        inside = (given.scheme, given.bucket) == (out.scheme, out.bucket) and (
-            not out.key or given.key == out.key or given.key.startswith(out.key + "/")
-        )
-    else:
-        given_path, out_path = Path(input_path).resolve(), Path(output_path).resolve()
-        inside = given_path == out_path or out_path in given_path.parents
-    if not inside:
-        return None
-    return (f"output.path={store.redact(output_path)!r} holds input.path={store.redact(input_path)!r}, the "
-            "checkpoint it converts, and a conversion replaces what its output.path holds: give another output.path")
-
-
 def conversion_entries(directory: Path) -> list[Path]:
     """The entries of a conversion directly under ``directory`` (what an overwrite replaces).
 

@@ -68,6 +68,29 @@ def _complete(info: ValidationInfo) -> bool:
     return not (isinstance(info.context, dict) and info.context.get("osdpipe.schema_only"))
 
 
+def output_takes_input(output_path: str, input_path: str | None) -> str | None:
+    """Why ``output_path`` would take the input with it, else ``None``: the same place as ``input_path``, or a
+    directory (a prefix) it is in. A conversion is committed by replacing the conversion at its output whole, so with
+    ``output.overwrite=true`` the checkpoint it converted would be gone, and its manifest would name a source no
+    longer there. Local paths are compared resolved; URLs as written, a prefix as a directory of keys."""
+    if input_path is None or is_url(input_path) != is_url(output_path):
+        return None
+    if is_url(input_path):
+        if not (is_remote(input_path) and is_remote(output_path)):
+            return None  # a URL osdpipe does not serve is refused by its own check
+        given, out = parse(input_path, "input.path"), parse(output_path, "output.path")
+        inside = (given.scheme, given.bucket) == (out.scheme, out.bucket) and (
+            not out.key or given.key == out.key or given.key.startswith(out.key + "/")
+        )
+    else:
+        given_path, out_path = Path(input_path).resolve(), Path(output_path).resolve()
+        inside = given_path == out_path or out_path in given_path.parents
+    if not inside:
+        return None
+    return (f"output.path={redact(output_path)!r} holds input.path={redact(input_path)!r}, the "
+            "checkpoint it converts, and a conversion replaces what its output.path holds: give another output.path")
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

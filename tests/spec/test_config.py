@@ -18,7 +18,7 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from osdpipe.spec.config import STAGE_ORDER, ConfigError, RunSpec, validate
+from osdpipe.spec.config import STAGE_ORDER, ConfigError, RunSpec, output_takes_input, validate
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -263,3 +263,34 @@ def test_existing_conversion_needs_overwrite(tmp_path: Path) -> None:
 def test_unknown_layout_kind_names_the_kinds(tmp_path: Path) -> None:
     message = config_error(["target.kind=fsdp3"], tmp_path)
     assert "target.kind" in message and "fsdp3" in message and "fsdp1" in message and "none" in message, message
+
+
+@pytest.mark.parametrize(
+    ("output_path", "input_path", "takes"),
+    [
+        ("out", "out", True),
+        ("out", "out/dcp", True),
+        ("out/", "./out/dcp/", True),
+        (".", "out/optim.pt", True),
+        ("out", "outside/optim.pt", False),
+        ("out", "out_2/dcp", False),  # a sibling that shares the name's start
+        ("out/dcp/again", "out/dcp", False),  # written inside the input: it stays
+        ("s3://bucket/out", "s3://bucket/out/dcp", True),
+        ("s3://bucket", "s3://bucket/any/key", True),
+        ("s3://bucket/out", "s3://bucket/out_2", False),
+        ("s3://bucket/out", "s3://other/out/dcp", False),
+        ("s3://bucket/out", "gs://bucket/out/dcp", False),
+        ("s3://bucket/out", "out/dcp", False),
+        ("out", None, False),  # the source generated: written inside the output by design
+    ],
+)
+def test_an_output_path_that_holds_its_input_is_refused(
+    output_path: str, input_path: str | None, takes: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversion replaces what its output.path holds: one that holds the input would take the checkpoint it
+    converts with it (``output.overwrite=true``), and its manifest would name a source that is gone."""
+    monkeypatch.chdir(tmp_path)
+    said = output_takes_input(output_path, input_path)
+    assert (said is not None) == takes, said
+    if takes:
+        assert said.startswith(f"output.path={output_path!r} holds input.path={input_path!r}")
