@@ -390,12 +390,12 @@ def _run_check(args: list[str]) -> int:
     if unknown:
         print(f"osdpipe check: error: {unknown[0]} is not an option; {USAGE}", file=sys.stderr)
         return EXIT_USAGE
-    from osdpipe.io.store import is_url, one_slash_short  # no torch
+    from osdpipe.io.store import is_url, slash_short  # no torch
 
     if is_url(args[0]):  # object storage; another scheme is refused there in one line, not looked for on the disk
         return _check_remote(args[0], load, overrides)
-    if (meant := one_slash_short(args[0])) is not None:
-        print(f"osdpipe check: error: {args[0]!r} is a slash short of a URL; write {meant!r}", file=sys.stderr)
+    if (why := slash_short(args[0])) is not None:
+        print(f"osdpipe check: error: {why}", file=sys.stderr)
         return EXIT_USAGE
     try:
         manifest = read_manifest(directory)

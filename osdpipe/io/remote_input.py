@@ -207,8 +207,8 @@ def as_path(path: str | Path | RemotePath) -> Path | RemotePath:
     """
     if isinstance(path, (Path, RemotePath)):
         return path
-    if (meant := store.one_slash_short(path)) is not None:  # inspect and check take no config that says it first
-        raise store.error_type(WHERE)(f"{path!r} is a slash short of a URL; write {meant!r}")
+    if (why := store.slash_short(path)) is not None:  # inspect takes no config that says it first
+        raise store.error_type(WHERE)(why)
     if store.is_url(path):
         try:
             location = store.parse(path, WHERE)

@@ -65,14 +65,14 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and _URL.match(path) is not None
 
 
-def one_slash_short(path: object) -> str | None:
-    """The URL ``path`` was meant to be where it is a slash short of one (``s3:/bucket/x``: a slash a shell, a
-    config or a copy drops easily), of a store osdpipe serves; else ``None``. Taken as a local path, it would read a
-    directory named ``s3:`` that is not there, or write the conversion into one beside the user."""
+def slash_short(path: object) -> str | None:
+    """Why ``path`` is refused where it is a URL a slash short (``s3:/bucket/x``: a slash a shell, a config or a copy
+    drops easily) of a store osdpipe serves, naming the URL meant; else ``None``. Taken as a local path, it would read
+    a directory named ``s3:`` that is not there, or write the conversion into one beside the user."""
     match = _ONE_SLASH.match(path) if isinstance(path, str) else None
     if match is None or match.group(1).lower() not in SCHEMES:
         return None
-    return f"{match.group(1)}://{path[match.end():]}"
+    return f"{path!r} is a slash short of a URL; write {match.group(1) + '://' + path[match.end():]!r}"
 
 
 def is_remote(path: object) -> bool:

@@ -38,7 +38,7 @@ from pydantic import (
 
 from osdpipe.core.sizes import parse_size, show_size
 from osdpipe.io.output import already_holds, conversion_entries
-from osdpipe.io.store import is_remote, is_url, one_slash_short, parse, redact
+from osdpipe.io.store import is_remote, is_url, parse, redact, slash_short
 from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
 from osdpipe.spec.megatron import MEGATRON, by_megatron_stages, megatron_problem
 
@@ -317,8 +317,8 @@ class InputConfig(_Frozen):
         if path is not None and is_url(path):
             parse(path, "input.path")  # a scheme osdpipe reads, a bucket; whether it is there is asked with the options
             return path
-        if path is not None and (meant := one_slash_short(path)) is not None:
-            raise ValueError(f"{path!r} is a slash short of a URL; write {meant!r}")
+        if path is not None and (why := slash_short(path)) is not None:
+            raise ValueError(why)
         if path is not None and not Path(path).exists():
             raise ValueError(f"{path!r} does not exist; point input.path at a checkpoint file or directory")
         return path
@@ -370,8 +370,8 @@ class OutputConfig(_Frozen):
         local path and the conversion land in a directory named ``az:`` beside the user."""
         if is_url(path):
             parse(path, "output.path")
-        elif (meant := one_slash_short(path)) is not None:
-            raise ValueError(f"{path!r} is a slash short of a URL; write {meant!r}")
+        elif (why := slash_short(path)) is not None:
+            raise ValueError(why)
         return path
 
     @field_validator("max_shard_size", mode="before")

@@ -104,7 +104,7 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         notes.append(f"input.path={path} is {layout.name}'s folder of checkpoints; converting the newest, {newest}")
         path = newest
     # an earlier conversion's output.path: the checkpoint it holds
-    if not layout.whole and (inner := checkpoint_in(remote_input.as_path(path))) != remote_input.as_path(path):
+    if not layout.whole and (inner := checkpoint_in(held := remote_input.as_path(path))) != held:
         _set(raw, "input.path", str(inner))
         notes.append(f"input.path={path} is an osdpipe output; converting the checkpoint it holds, {inner}")
         path = str(inner)

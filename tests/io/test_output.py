@@ -103,4 +103,3 @@ def test_a_failed_run_leaves_the_previous_conversion(tmp_path: Path) -> None:
     out = prepared(tmp_path)
     output.abort(out)
     assert read_tree(out) == OLD
-

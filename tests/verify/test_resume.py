@@ -420,6 +420,21 @@ def test_without_a_budget_a_batch_of_bare_optimizers_holds_at_most_the_largest_t
     assert names(1) == [["a"], ["b"], ["c"], ["d"], ["e"]]
 
 
+def _hashes_counted(monkeypatch) -> list[tuple[str, int, int]]:
+    """Every ``(key, start, stop)`` the synthetic hash computes from now on (osdpipe.layout.synthetic), in order."""
+    from osdpipe.layout import synthetic
+
+    hashed: list[tuple[str, int, int]] = []
+    real = synthetic._hashed
+
+    def counted(key: str, start: int, stop: int):
+        hashed.append((key, start, stop))
+        return real(key, start, stop)
+
+    monkeypatch.setattr(synthetic, "_hashed", counted)
+    return hashed
+
+
 def test_offline_each_synthetic_range_is_computed_once_for_the_output_and_its_reference(monkeypatch, tmp_path) -> None:
     """Offline, the bare target and the reference start the same ranges from the same synthetic parameters and step
     them on the same synthetic gradients: each range is hashed once for both (osdpipe.run.live_jobs.
@@ -428,7 +443,6 @@ def test_offline_each_synthetic_range_is_computed_once_for_the_output_and_its_re
     import usermodel
     from helpers import planned
 
-    from osdpipe.layout import synthetic
     from osdpipe.pipeline.execute import run_offline
     from osdpipe.pipeline.stages import STAGES
     from osdpipe.run import live_jobs
@@ -436,10 +450,7 @@ def test_offline_each_synthetic_range_is_computed_once_for_the_output_and_its_re
     from osdpipe.spec.reconcile import settle_and_validate
 
     source = usermodel.save_stepped(tmp_path / "optim.pt", dim=30)
-    hashed: list[tuple[str, int, int]] = []
-    real = synthetic._hashed
-    monkeypatch.setattr(synthetic, "_hashed", lambda key, start, stop: (hashed.append((key, start, stop)),
-                                                                         real(key, start, stop))[1])  # fmt: skip
+    hashed = _hashes_counted(monkeypatch)
 
     def converted(out: str, budget: str | None) -> Any:
         hashed.clear()
@@ -493,10 +504,7 @@ def test_within_each_computed_twice_the_second_asking_is_the_firsts_copy_compute
     from osdpipe.layout import synthetic
     from osdpipe.run import live_jobs
 
-    hashed: list[tuple[str, int, int]] = []
-    real = synthetic._hashed
-    monkeypatch.setattr(synthetic, "_hashed", lambda key, start, stop: (hashed.append((key, start, stop)),
-                                                                         real(key, start, stop))[1])  # fmt: skip
+    hashed = _hashes_counted(monkeypatch)
     grad, param = synthetic.grad_key(0, 1, "w"), synthetic.param_key(0, "w")
     want = live_jobs.synthetic_grad(0, 1, "w", 10, 1010, torch.float32)
     with live_jobs.each_computed_twice(limit=1000 * 4) as pairs:
