@@ -223,6 +223,19 @@ def test_help_lists_groups_and_every_recipe(tmp_path: Path) -> None:
     assert not (tmp_path / "outputs").exists()
 
 
+def test_every_key_the_help_names_is_a_key_of_the_config(tmp_path: Path) -> None:
+    """The help's "Main keys" are what a newcomer types first: each one (``model.kwargs.*``'s node, ``runtime.mode``
+    of ``runtime.mode=offline``) is in the composed config, so that a key renamed or dropped cannot stay in the help."""
+    shown = osdpipe("--help", cwd=tmp_path, timeout=60).stdout
+    section = shown.split("Main keys", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    firsts = [re.split(r"\s{2,}", line.strip())[0] for line in section if line.strip() and not line.startswith(" " * 8)]
+    keys = sorted({re.sub(r"(=.*|\.\*)$", "", key.strip()) for first in firsts for key in first.split(",")})
+    assert {"input.path", "checkpoint", "output.checkpoint", "target.tp_size", "runtime.mode"} <= set(keys), keys
+    config = OmegaConf.create(osdpipe("--cfg", "job", cwd=tmp_path, timeout=60).stdout)
+    unknown = [key for key in keys if OmegaConf.select(config, key, default=KeyError) is KeyError]
+    assert unknown == [], f"the help names keys the config does not have: {unknown}"
+
+
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     result = osdpipe("--cfg", "job", "target.world_size=5", cwd=tmp_path, timeout=60)
     assert result.returncode == 0, explain(result)
