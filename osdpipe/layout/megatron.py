@@ -57,6 +57,8 @@ BUCKET_ALIGNMENT = 128
 LAYERS = "decoder.layers."
 #: The model keys whose first axis is the padded vocabulary.
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+#: What the key/value heads are called where a TP does not divide them (:func:`tp_problem`).
+GROUPS = "key/value heads (query groups)"
 
 
 @dataclass(frozen=True)
@@ -282,9 +284,8 @@ def grid_args(
         ValueError: one line: a TP that does not divide one of ``sizes`` (``(size, what it is)``: the heads, the FFN),
             a PP (times the virtual stages) that does not divide the ``layers``, a world that is no multiple of TP x PP.
     """
-    for size, name in sizes:
-        if size % tp:
-            raise ValueError(f"target.tp_size={tp} does not divide the model's {size} {name}; choose a TP that does")
+    if why := tp_problem(sizes, tp):
+        raise ValueError(why)
     if why := virtual_stages_problem(layers, pp, vpp):
         raise ValueError(why)
     if world % (tp * pp):
@@ -295,6 +296,27 @@ def grid_args(
         "expert_tensor_parallel_size": tp, "sequence_parallel": False, "use_distributed_optimizer": True,
         **virtual_stage_args(layers, pp, vpp),
     }  # fmt: skip
+
+
+def tp_sizes(gpt: Gpt) -> tuple[tuple[int, str], ...]:
+    """What tensor parallelism splits of ``gpt``, as ``(size, what it is)``: the attention heads, the key/value heads
+    and the FFN (the vocabulary is padded for each TP instead: :func:`padded_vocab_size`)."""
+    return ((gpt.num_attention_heads, "attention heads"), (gpt.num_query_groups, GROUPS),
+            (gpt.ffn_hidden_size, "ffn_hidden_size (the FFN)"))
+
+
+def tp_problem(sizes: Sequence[tuple[int, str]], tp: int) -> str | None:
+    """Why TP ``tp`` cannot split a GPT of ``sizes`` (``(size, what it is)``, :func:`tp_sizes`), in one line naming
+    ``target.tp_size`` and the TPs that can (``None``: it can). Megatron-LM itself runs a TP that is a multiple of the
+    key/value heads, each replicated over several TP ranks; osdpipe lays each out on one rank, so it says that too."""
+    for size, name in sizes:
+        if size % tp:
+            fits = [d for d in range(1, min(s for s, _ in sizes) + 1) if all(s % d == 0 for s, _ in sizes)]
+            replicated = name == GROUPS and tp % size == 0 and all(s % tp == 0 for s, n in sizes if n != GROUPS)
+            why = ", which Megatron-LM would replicate over TP ranks (not supported yet)" if replicated else ""
+            return (f"target.tp_size={tp} does not divide the model's {size} {name}{why}; "
+                    f"choose a TP that does: {', '.join(map(str, fits))}")
+    return None
 
 
 def interleaving_problem(pp: int, vpp: int) -> str | None:

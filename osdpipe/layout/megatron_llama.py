@@ -90,6 +90,7 @@ import torch
 from osdpipe.layout import llama_titan
 from osdpipe.layout.llama_titan import TitanFamily
 from osdpipe.layout.megatron import (
+    GROUPS,
     LAYERS,
     Gpt,
     block_refusals,
@@ -577,7 +578,7 @@ def megatron_args(config: dict[str, Any], tp: int, pp: int, world: int, *, itera
     except KeyError as exc:
         raise ValueError(f"config.json holds no {exc.args[0]}, which a Llama's config has") from None
     head_dim = int(config.get("head_dim") or hidden // heads)
-    sizes = ((heads, "attention heads"), (groups, "key/value heads (query groups)"), (ffn, "intermediate_size"))
+    sizes = ((heads, "attention heads"), (groups, GROUPS), (ffn, "intermediate_size"))
     grid = grid_args(sizes, layers, tp, pp, world, vpp)
     positions = int(config.get("max_position_embeddings") or 4096)
     rope = _rope_parameters(config)

@@ -28,9 +28,9 @@ import torch
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io import output
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MASTERS, MegatronSave, read_save
+from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MASTERS, MegatronSave, gpt_of, read_save
 from osdpipe.io.formats.megatron_writer import Target, Written, write_save
-from osdpipe.layout.megatron import VOCAB_KEYS, virtual_stages, virtual_stages_problem
+from osdpipe.layout.megatron import VOCAB_KEYS, tp_problem, tp_sizes, virtual_stages, virtual_stages_problem
 from osdpipe.run import progress
 from osdpipe.run.collective import one_line
 from osdpipe.run.products import CheckResult, SkippedCheck
@@ -289,9 +289,20 @@ def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
     if spec.output.checkpoint != HF and isinstance(layers, int) and \
             (why := virtual_stages_problem(layers, target.pp_size, target.vpp_size)) is not None:
         raise Contradiction(f"{why} ({folder / 'common.pt'}'s args)")
+    if spec.output.checkpoint != HF and (sizes := _tp_sizes(args)) and (why := tp_problem(sizes, target.tp_size)):
+        raise Contradiction(f"{why} ({folder / 'common.pt'}'s args)")
     settled = spec.model_copy(update={"source": spec.source.model_copy(update={"kind": MEGATRON, **said})})
     notes = [] if str(folder) == spec.input.path else [f"input.path={spec.input.path}: converting {folder}"]
     return settled, notes
+
+
+def _tp_sizes(args: dict[str, Any]) -> tuple[tuple[int, str], ...] | None:
+    """What a target's TP must divide of the GPT a save's ``args`` describe (:func:`tp_sizes`); ``None`` where the
+    args lack a dimension (the load stage says what is wrong with them)."""
+    try:
+        return tp_sizes(gpt_of(args))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def execute(
