@@ -67,10 +67,10 @@ def run_inspect(args: list[str]) -> int:
     try:
         if is_url(rest[0]):  # another scheme, a missing bucket or key, refused credentials: one line naming PATH
             probe(rest[0], "PATH")
-        path = as_path(rest[0])
+        path = checkpoint_in(as_path(rest[0]))  # an osdpipe output: the checkpoint it holds, whole or an optimizer's
         whole = recognize(path)
         if whole is None:
-            facts = read_facts(checkpoint_in(path), None, key)
+            facts = read_facts(path, None, key)
         elif whole.optimizer_path is not None:  # the optimizer part reads as any optimizer checkpoint
             facts = read_facts(as_path(whole.optimizer_path), None, key or whole.optimizer_key)
     except Exception as exc:  # noqa: BLE001 - a file that cannot be read says so in one line

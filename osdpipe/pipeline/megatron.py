@@ -27,6 +27,7 @@ import torch
 
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io import output
+from osdpipe.io.checkpoints import get as get_layout
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MASTERS, MegatronSave, gpt_of, read_save
 from osdpipe.io.formats.megatron_writer import Target, Written, write_save
@@ -38,7 +39,7 @@ from osdpipe.run.report import Report, StageReport
 from osdpipe.run.stages.save import write_manifest
 from osdpipe.spec.config import RunSpec
 from osdpipe.spec.megatron import HF, MEGATRON, MEGATRON_CHECKS, MegatronJob
-from osdpipe.spec.reconcile import Contradiction, Given
+from osdpipe.spec.reconcile import Contradiction, Given, another_layouts
 from osdpipe.verify.megatron import written_problems
 
 
@@ -272,6 +273,8 @@ def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
         folder = iteration_folder(spec.input.path)
         args = read_common(folder)["args"]
     except InputError:
+        if (why := another_layouts(get_layout(MEGATRON), spec.input.path)) is not None:
+            raise Contradiction(why) from None  # another framework's checkpoint: a config that names the wrong one
         return spec, []  # the load stage says what is wrong with it
     said = {
         "tp_size": int(args.get("tensor_model_parallel_size") or 1),

@@ -98,16 +98,18 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         except InputError as exc:
             raise ConfigError([str(exc)]) from None
     notes: list[str] = []
+    # an earlier conversion's output.path: the checkpoint it holds (a whole checkpoint's folder, too)
+    if (inner := checkpoint_in(held := remote_input.as_path(path))) != held:
+        _set(raw, "input.path", str(inner))
+        notes.append(f"input.path={path} is an osdpipe output; converting the checkpoint it holds, {inner}")
+        path = str(inner)
     # the framework's folder of checkpoints
     if layout.whole and remote_input.as_path(path).is_dir() and (newest := layout.newest_in(path)) is not None:
         _set(raw, "input.path", newest)
         notes.append(f"input.path={path} is {layout.name}'s folder of checkpoints; converting the newest, {newest}")
         path = newest
-    # an earlier conversion's output.path: the checkpoint it holds
-    if not layout.whole and (inner := checkpoint_in(held := remote_input.as_path(path))) != held:
-        _set(raw, "input.path", str(inner))
-        notes.append(f"input.path={path} is an osdpipe output; converting the checkpoint it holds, {inner}")
-        path = str(inner)
+    if layout.whole and (why := another_layouts(layout, path)) is not None:
+        raise Contradiction(why)
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
         writer = checkpoints.written(layout.name, _get(raw, "output.checkpoint"))
@@ -131,7 +133,10 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
                       else writer.foreign_advice(layout.name, _get(raw, "target") or {}))
         except (InputError, OSError):
             pass  # the pre-flight check says what is wrong with it
-        part = layout.optimizer_part(path, fmt, writer.name)
+        try:
+            part = layout.optimizer_part(path, fmt, writer.name)
+        except InputError:
+            return raw, notes  # the pre-flight check says what is wrong with it
         # a model-only checkpoint: no optimizer to settle; the checks resume with the one osdpipe trains
         if part is None:
             if _get(raw, "optim.name") in (None, AUTO):
@@ -164,6 +169,22 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
     if facts.moments_alike:
         notes.append(f"{path}: {MOMENTS_ALIKE}; it converts as it is")
     return raw, notes
+
+
+def another_layouts(layout: Any, path: str) -> str | None:
+    """Why ``path``, given as ``checkpoint=<layout>``, is the checkpoint of another layout (an accelerate folder as
+    torchtitan's, a Megatron-LM save as DeepSpeed's), naming the ``checkpoint=`` that reads it; ``None``: ``layout``
+    reads it, or no layout does (the pre-flight check says what is wrong with it). Said as a bad config, before
+    anything runs, rather than as the stage that fails to find its files."""
+    try:
+        where = checkpoint_in(remote_input.as_path(path))  # an earlier conversion's output: the checkpoint it holds
+        if layout.recognizes(where) or (found := checkpoints.recognize(where)) is None or found.layout == layout.name:
+            return None
+    except (InputError, OSError):
+        return None
+    other = checkpoints.get(found.layout)
+    return (f"input.path: {where} is {other.looks_like}, not what checkpoint={layout.name} reads "
+            f"({layout.looks_like}); set checkpoint={other.name}")
 
 
 def _model_from_files(layout: Any, path: str, written_as: str) -> tuple[str, dict[str, Any]] | None:

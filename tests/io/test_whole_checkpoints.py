@@ -568,6 +568,39 @@ def test_what_a_whole_checkpoint_cannot_be_asked_is_one_line(tmp_path: Path) -> 
         assert all(w in lines[0] for w in words), f"{name}: {lines[0]}"
 
 
+def test_another_frameworks_checkpoint_is_refused_naming_the_checkpoint_that_reads_it(
+    saved: Path, tmp_path: Path
+) -> None:
+    """A folder given as another framework's (an accelerate folder as torchtitan's, a torchtitan step as accelerate's,
+    either as a Megatron-LM save): one line, exit 2, naming the ``checkpoint=`` that reads it, nothing written. Before,
+    the stage that looked for its files failed (exit 1, a report in ``output.path``; torchtitan's: as an internal
+    error)."""
+    accelerate, titan = saved / "accelerate" / "checkpoint_0", saved / "titan" / "step-2"
+    cases = {given: (accelerate, "set checkpoint=accelerate") for given in ("torchtitan", "deepspeed", "megatron")}
+    cases["accelerate"] = (titan, "set checkpoint=torchtitan")
+    argv = [[f"checkpoint={given}", f"input.path={path}", "target.world_size=2", f"output.path={tmp_path / given}"]
+            for given, (path, _) in cases.items()]
+    for (given, (path, said)), result in zip(cases.items(), run_cli_cases(argv, cwd=tmp_path, per_case_s=60,
+                                                                           env=user_env())):  # fmt: skip
+        lines = [line for line in result["stderr"].splitlines() if line.strip()]
+        assert result["code"] == 2 and len(lines) == 1, f"{given}: {result['stderr']}"
+        assert lines[0].startswith(f"osdpipe: error: config: input.path: {path} is ") and lines[0].endswith(said), (
+            given, lines[0])
+        assert f"not what checkpoint={given} reads" in lines[0] and not (tmp_path / given).exists(), lines[0]
+
+
+def test_inspect_of_a_whole_conversions_output_path_describes_the_checkpoint_it_holds(
+    converted: dict[str, Path], tmp_path: Path
+) -> None:
+    """The folder ``output.path`` holds (``dcp/``: accelerate's files) is what inspect reads and its command converts;
+    before, inspect read ``dcp/`` as an optimizer's DCP and failed."""
+    out = converted["accelerate_dcp_2"]
+    result = run_command([sys.executable, "-m", "osdpipe", "inspect", str(out)], cwd=tmp_path, timeout=TIMEOUT_S,
+                         env=user_env())  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "layout       accelerate" in result.stdout and f"input.path={out / 'dcp'}" in result.stdout, result.stdout
+
+
 def test_another_models_checkpoint_is_refused_before_any_process_naming_the_weights(
     saved: Path, tmp_path: Path
 ) -> None:
