@@ -21,6 +21,8 @@ from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.io.safetensors_out import DTYPE_CODES, INDEX_FILE, SINGLE_FILE, TensorSpec, write_safetensors
 
 CONFIG = "config.json"
+#: ``model.factory`` of the model a folder's ``config.json`` describes (:func:`model_from_config`).
+MODEL_FROM_CONFIG = "osdpipe.io.hf_folder:model_from_config"
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -127,6 +129,18 @@ def read_config(directory: str | Path) -> dict:
     if not isinstance(config, dict):
         raise InputError(f"{path} holds no JSON object; it is not a model's config.json")
     return config
+
+
+def config_builds_a_model(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a ``config.json`` that :func:`model_from_config` builds a model of (a Llama, Qwen2,
+    Qwen3 or GPT-2 a Megatron GPT expresses): where it does, a checkpoint beside it needs no ``model.factory``."""
+    from osdpipe.layout import megatron_hf
+
+    try:
+        megatron_hf.megatron_args(read_config(directory), 1, 1, 1)
+    except (InputError, ValueError, KeyError, TypeError):
+        return False
+    return True
 
 
 def model_from_config(path: str) -> torch.nn.Module:

@@ -60,7 +60,7 @@ _FATES = {
 
 
 #: ``model.factory`` where the user names none: the model the folder's ``config.json`` describes.
-FROM_CONFIG = "osdpipe.io.hf_folder:model_from_config"
+FROM_CONFIG = hf_folder.MODEL_FROM_CONFIG
 
 
 def source_config(raw: dict[str, Any], given: Any) -> dict[str, Any]:

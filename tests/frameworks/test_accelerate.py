@@ -111,7 +111,9 @@ def test_the_trainers_final_checkpoint_resumes_at_its_step_on_another_world(tmp_
     """The HF Trainer saves checkpoint-3 at the end of its linear schedule (lr 0.0, a fact osdpipe takes as it is) on 2
     ranks; converted to 4, ``resume_from_checkpoint`` resumes there at step 3 with the optimizer's state loaded, and
     trains on. What the resumed job holds right after its load, gathered, is what the saving job held. The same
-    checkpoint copied into a bucket (an S3 server on 127.0.0.1) converts from ``s3://`` into the same bytes."""
+    checkpoint copied into a bucket (an S3 server on 127.0.0.1) converts from ``s3://`` into the same bytes, with no
+    ``model.factory``: the Trainer's ``config.json`` of the Llama builds it (read from the bucket), as ``osdpipe
+    inspect``'s command says."""
     from cloud.cloudenv import s3_bucket
 
     fsdp, target = TRAINER_SETUPS[setup]
@@ -139,13 +141,18 @@ def test_the_trainers_final_checkpoint_resumes_at_its_step_on_another_world(tmp_
         bucket.fs().put(f"{tmp_path / 'run'}/", f"{bucket.bucket}/run/", recursive=True)
         from_s3 = run_command(
             [sys.executable, "-m", "osdpipe", "checkpoint=accelerate",
-             "model.factory=frameworks.accel_trainer_job:build_llama", "+model.kwargs.tied=true",
              f"input.path={bucket.url('run', 'checkpoint-3')}", *target, "target.world_size=4",
              f"output.path={tmp_path / 'out_s3'}"],
             cwd=tmp_path, timeout=400, env=user_env(),
         )
     assert from_s3.returncode == 0, from_s3.stderr[-3000:]
+    assert "no model.factory given: the model is built from" in from_s3.stderr
     assert _files(tmp_path / "out_s3") == _files(tmp_path / "out") != {}
+    inspected = run_command([sys.executable, "-m", "osdpipe", "inspect", str(checkpoint)], cwd=tmp_path, timeout=120,
+                            env=user_env())  # fmt: skip
+    command = inspected.stdout.split("convert with ", 1)[1]
+    assert inspected.returncode == 0 and "checkpoint=accelerate" in command and "model.factory" not in command, (
+        inspected.stdout)
     resumed = accel.trainer(
         tmp_path,
         4,

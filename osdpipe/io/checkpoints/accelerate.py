@@ -24,7 +24,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from osdpipe.io.checkpoints.base import DCP_DIR, Carrying, CheckpointLayout, Entry, Part, WholeCheckpoint, register
+from osdpipe.io.checkpoints.base import (
+    DCP_DIR,
+    Carrying,
+    CheckpointLayout,
+    Entry,
+    ModelNaming,
+    Part,
+    WholeCheckpoint,
+    register,
+)
 from osdpipe.io.checkpoints.dcp_entries import dcp_items, is_dcp
 from osdpipe.io.remote_input import as_path
 
@@ -211,6 +220,19 @@ class Accelerate(CheckpointLayout):
 
     def input_format_of(self, path: str) -> str:
         return "fsdp_full" if _full(path) else "dcp"
+
+    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]] | None:
+        """transformers' model of the folder's ``config.json``, which the HF Trainer saves in every ``checkpoint-<N>``:
+        a Llama, Qwen2, Qwen3 or GPT-2 is built from it, its parameters named and shaped as transformers names them
+        (:func:`osdpipe.io.hf_folder.model_from_config`, without transformers); ``None`` for a folder without one
+        (accelerate's own ``save_state``) or of another model: the user's ``model.factory`` names it."""
+        from osdpipe.io import hf_folder  # torch: only where a checkpoint is read
+
+        return (hf_folder.MODEL_FROM_CONFIG, {"path": str(path)}) if hf_folder.config_builds_a_model(path) else None
+
+    def model_naming(self, path: Path) -> ModelNaming:
+        """None where the folder's ``config.json`` builds the model (:meth:`model_from_files`), else the user's own."""
+        return ModelNaming(()) if self.model_from_files(str(path)) is not None else ModelNaming.users_own()
 
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
         if _full(path):  # FULL_STATE_DICT: FSDP.optim_state_dict's full state in one file
