@@ -264,8 +264,9 @@ def _held(directory: Path) -> str | None:
 
 def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
     """``spec`` with its ``source.*`` as the save's ``args`` say (the report and the log name them), refusing a key the
-    user gave that says otherwise, and a target grid whose pipeline stages cannot split the save's layers (before
-    anything is written); and what settling found to say."""
+    user gave that says otherwise, a target grid whose pipeline stages cannot split the save's layers or whose TP
+    cannot split its heads or FFN, and another framework's checkpoint (before anything is written); and what settling
+    found to say."""
     from osdpipe.io.formats.base import InputError
     from osdpipe.io.formats.megatron import iteration_folder, read_common
 
