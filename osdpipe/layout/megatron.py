@@ -57,7 +57,7 @@ BUCKET_ALIGNMENT = 128
 LAYERS = "decoder.layers."
 #: The model keys whose first axis is the padded vocabulary.
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
-#: What the key/value heads are called where a TP does not divide them (:func:`tp_problem`).
+#: What the key/value heads are called in :func:`tp_problem`'s line.
 GROUPS = "key/value heads (query groups)"
 
 
@@ -300,23 +300,29 @@ def grid_args(
 
 def tp_sizes(gpt: Gpt) -> tuple[tuple[int, str], ...]:
     """What tensor parallelism splits of ``gpt``, as ``(size, what it is)``: the attention heads, the key/value heads
-    and the FFN (the vocabulary is padded for each TP instead: :func:`padded_vocab_size`)."""
+    (:data:`GROUPS`), ``linear_qkv``'s rows and the FFN (the vocabulary is padded for each TP instead:
+    :func:`padded_vocab_size`)."""
     return ((gpt.num_attention_heads, "attention heads"), (gpt.num_query_groups, GROUPS),
-            (gpt.ffn_hidden_size, "ffn_hidden_size (the FFN)"))
+            (gpt.qkv_rows, "linear_qkv's rows"), (gpt.ffn_hidden_size, "ffn_hidden_size (the FFN)"))
 
 
-def tp_problem(sizes: Sequence[tuple[int, str]], tp: int) -> str | None:
+def tp_problem(sizes: Sequence[tuple[int, str]], tp: int, replicated: bool = False) -> str | None:
     """Why TP ``tp`` cannot split a GPT of ``sizes`` (``(size, what it is)``, :func:`tp_sizes`), in one line naming
-    ``target.tp_size`` and the TPs that can (``None``: it can). Megatron-LM itself runs a TP that is a multiple of the
-    key/value heads, each replicated over several TP ranks; osdpipe lays each out on one rank, so it says that too."""
-    for size, name in sizes:
-        if size % tp:
-            fits = [d for d in range(1, min(s for s, _ in sizes) + 1) if all(s % d == 0 for s, _ in sizes)]
-            replicated = name == GROUPS and tp % size == 0 and all(s % tp == 0 for s, n in sizes if n != GROUPS)
-            why = ", which Megatron-LM would replicate over TP ranks (not supported yet)" if replicated else ""
-            return (f"target.tp_size={tp} does not divide the model's {size} {name}{why}; "
-                    f"choose a TP that does: {', '.join(map(str, fits))}")
-    return None
+    ``target.tp_size`` and the TPs that can (``None``: it can). Each size must be a multiple of ``tp``; with
+    ``replicated``, the key/value heads may instead divide ``tp``, each then held by ``tp / groups`` ranks, as
+    megatron-core runs them (its ``TransformerConfig``'s rule; a save of 2 at TP 4 converts both ways,
+    tests/frameworks/test_megatron.py)."""
+
+    def failed(t: int) -> tuple[int, str] | None:
+        return next(((s, n) for s, n in sizes if s % t and not (replicated and n == GROUPS and t % s == 0)), None)
+
+    if (first := failed(tp)) is None:
+        return None
+    size, name = first
+    bound = min(s for s, n in sizes if not (replicated and n == GROUPS))  # every TP that fits divides these
+    fits = ", ".join(str(d) for d in range(1, bound + 1) if failed(d) is None)
+    how = "neither divides nor is a multiple of" if replicated and name == GROUPS else "does not divide"
+    return f"target.tp_size={tp} {how} the model's {size} {name}; choose a TP that does: {fits}"
 
 
 def interleaving_problem(pp: int, vpp: int) -> str | None:

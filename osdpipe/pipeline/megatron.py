@@ -293,7 +293,8 @@ def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
     if spec.output.checkpoint != HF and isinstance(layers, int) and \
             (why := virtual_stages_problem(layers, target.pp_size, target.vpp_size)) is not None:
         raise Contradiction(f"{why} ({folder / 'common.pt'}'s args)")
-    if spec.output.checkpoint != HF and (sizes := _tp_sizes(args)) and (why := tp_problem(sizes, target.tp_size)):
+    sizes = _tp_sizes(args) if spec.output.checkpoint != HF else None
+    if sizes and (why := tp_problem(sizes, target.tp_size, replicated=True)) is not None:
         raise Contradiction(f"{why} ({folder / 'common.pt'}'s args)")
     settled = spec.model_copy(update={"source": spec.source.model_copy(update={"kind": MEGATRON, **said})})
     notes = [] if str(folder) == spec.input.path else [f"input.path={spec.input.path}: converting {folder}"]

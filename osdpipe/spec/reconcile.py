@@ -183,6 +183,8 @@ def another_layouts(layout: Any, path: str) -> str | None:
     except (InputError, OSError):
         return None
     other = checkpoints.get(found.layout)
+    if layout.one_dcp and other.one_dcp:
+        return None  # either reads the other's DCP directory
     return (f"input.path: {where} is {other.looks_like}, not what checkpoint={layout.name} reads "
             f"({layout.looks_like}); set checkpoint={other.name}")
 

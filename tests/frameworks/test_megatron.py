@@ -168,11 +168,6 @@ def test_a_model_osdpipe_cannot_lay_out_yet_is_refused_naming_the_feature() -> N
     assert "several distributed optimizer instances (num_distributed_optimizer_instances): not supported yet" in \
         refused_model({**laid_out, "num_distributed_optimizer_instances": 2}, Path("x"))
     assert "MixedFusedRMSNorm normalization" in refused_model({"normalization": "MixedFusedRMSNorm"}, Path("x"))
-    # a TP above the key/value heads replicates each over TP ranks (megatron-core's attention): a layout of its own
-    gqa = {**laid_out, "group_query_attention": True, "num_query_groups": 2}
-    assert refused_model({**gqa, "tensor_model_parallel_size": 2}, Path("x")) is None
-    assert "key/value heads replicated over tensor-parallel ranks" in \
-        refused_model({**gqa, "tensor_model_parallel_size": 4}, Path("x"))
     assert "mrope position embeddings" in refused_model({**laid_out, "position_embedding_type": "mrope"}, Path("x"))
     older = {k: v for k, v in laid_out.items() if k != "position_embedding_type"}  # before --position-embedding-type
     assert gpt_of({**older, **DIMS, "use_rotary_position_embeddings": True}).position_table == 0

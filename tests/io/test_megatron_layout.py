@@ -90,19 +90,20 @@ def test_a_grid_of_virtual_stages_that_cannot_be_is_one_line_naming_the_key() ->
 
 
 def test_a_tp_that_does_not_split_the_heads_or_the_ffn_is_one_line_naming_the_tps_that_do() -> None:
-    """16 heads in 4 key/value groups, an FFN of 96: TP 1, 2 and 4 split them; 3 splits no head evenly, 8 and 16
-    would replicate each key/value head over TP ranks (Megatron-LM's way above the groups; osdpipe lays each out on
-    one rank), 32 divides nothing."""
+    """16 heads in 4 key/value groups of 4 channels (linear_qkv's 96 rows), an FFN of 96: TP 1, 2, 4, 8 and 16 split
+    them, the key/value heads replicated over 2 or 4 ranks at 8 and 16, as megatron-core runs them; 3 splits no head
+    evenly. 12 heads in 6 key/value groups at TP 4: 4 neither divides 6 nor is a multiple of it, which megatron-core
+    refuses. Without replication (a Hugging Face model's grid) 8 and 16 do not fit."""
     sizes = layout.tp_sizes(layout.Gpt(2, 64, 96, 16, 4, 4, 1024, True))
+    assert [tp for tp in range(1, 33) if layout.tp_problem(sizes, tp, replicated=True) is None] == [1, 2, 4, 8, 16]
+    assert layout.tp_problem(sizes, 3, replicated=True) == (
+        "target.tp_size=3 does not divide the model's 16 attention heads; choose a TP that does: 1, 2, 4, 8, 16")
+    assert layout.tp_problem(layout.tp_sizes(layout.Gpt(2, 48, 96, 12, 6, 4, 1024, True)), 4, replicated=True) == (
+        "target.tp_size=4 neither divides nor is a multiple of the model's 6 key/value heads (query groups); "
+        "choose a TP that does: 1, 2, 3, 6, 12")
     assert [tp for tp in range(1, 33) if layout.tp_problem(sizes, tp) is None] == [1, 2, 4]
-    assert layout.tp_problem(sizes, 3) == (
-        "target.tp_size=3 does not divide the model's 16 attention heads; choose a TP that does: 1, 2, 4")
-    assert layout.tp_problem(sizes, 8) == (
-        "target.tp_size=8 does not divide the model's 4 key/value heads (query groups), which Megatron-LM would "
-        "replicate over TP ranks (not supported yet); choose a TP that does: 1, 2, 4")
-    assert "not supported yet" not in layout.tp_problem(sizes, 32)  # no replication can make 32 split 16 heads
     assert "does not divide the model's 96 ffn_hidden_size (the FFN)" in layout.tp_problem(
-        layout.tp_sizes(layout.Gpt(2, 64, 96, 64, 64, 1, 1024, True)), 64)
+        layout.tp_sizes(layout.Gpt(2, 64, 96, 64, 64, 1, 1024, True)), 64, replicated=True)
 
 
 def test_a_save_written_with_virtual_stages_reads_back_bitwise_and_a_grid_that_cannot_be_is_refused(
@@ -398,8 +399,6 @@ def test_bad_megatron_configs_are_refused_in_one_line_and_write_nothing(tmp_path
         "runtime.mode=online: a Megatron-LM save converts offline": [*grid, "runtime.mode=online"],
         "target.tp_size=3 does not divide the model's 4 attention heads; choose a TP that does: 1, 2": [
             *grid, "target.tp_size=3", "target.world_size=3"],
-        "target.tp_size=4 does not divide the model's 2 key/value heads (query groups), which Megatron-LM would": [
-            *grid, "target.tp_size=4", "target.world_size=4"],
         "set checkpoint=megatron and the target's grid": [f"input.path={save}", f"output.path={out}"],
         "checkpoint=megatron converts a Megatron-LM save: give input.path": ["checkpoint=megatron",
                                                                              f"output.path={out}"],

@@ -189,6 +189,10 @@ class CheckpointLayout:
     #: Whether the checkpoint holds more than the optimizer's state:
     #: model weights that convert with it, entries carried over.
     whole: ClassVar[bool] = True
+    #: Whether the checkpoint is one DCP directory of the model's and the optimizer's state dicts beside other entries
+    #: (torchtitan's step, PyTorch's own): another such layout reads it too, whichever's own it looks like (a PyTorch
+    #: layout converted from torchtitan keeps torchtitan's entries).
+    one_dcp: ClassVar[bool] = False
     #: ``input.format`` of each variant this layout comes in (a sharded one is ``dcp``).
     input_formats: ClassVar[tuple[str, ...]] = ("dcp",)
     #: ``output.format`` this layout can be written in: its own (``dcp``) or each rank's files (``rank_local``).

@@ -53,6 +53,7 @@ class Pytorch(CheckpointLayout):
     """
 
     name = "pytorch"
+    one_dcp = True
     looks_like = (
         "a DCP directory of PyTorch's state dicts: model (get_model_state_dict) and optim (get_optimizer_state_dict)"
     )

@@ -82,6 +82,7 @@ class Torchtitan(CheckpointLayout):
     it was saved at (DeepSpeed's), as torchtitan names its step folders after it."""
 
     name = "torchtitan"
+    one_dcp = True
     looks_like = (
         "a torchtitan step directory "
         "(one DCP checkpoint: the model's entries, optimizer, lr_scheduler, dataloader, train_state)"

@@ -275,10 +275,7 @@ def refused_model(args: dict[str, Any], where: Path) -> str | None:
     """Why osdpipe cannot lay out the model ``args`` describe yet (``None``: it can), naming the feature. Absent args
     take Megatron-LM's defaults (LayerNorm, a learned position table, tied embeddings: all laid out)."""
     norm, positions = args.get("normalization", "LayerNorm"), layout.position_embedding_type(args)
-    groups = int(args.get("num_query_groups") or 0) if args.get("group_query_attention") else 0
     checks = [
-        (0 < groups < int(args.get("tensor_model_parallel_size") or 1),
-         "key/value heads replicated over tensor-parallel ranks (num_query_groups below tensor_model_parallel_size)"),
         (norm not in ("RMSNorm", "LayerNorm"), f"{norm} normalization"),
         (positions not in ("rope", "learned_absolute"), f"{positions} position embeddings"),
         ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),

@@ -120,7 +120,7 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         raise InputError(f"{save.folder}: {why}")
     args = target_args(save.args, target)
     gpt = gpt_of(args)
-    if why := layout.tp_problem(layout.tp_sizes(gpt), target.tp):
+    if why := layout.tp_problem(layout.tp_sizes(gpt), target.tp, replicated=True):
         raise InputError(f"{save.folder}: {why}")
     made = deferred.MadeAsWritten()
     model, optim = _repadded_state(save, gpt.padded_vocab_size, made)
