@@ -68,6 +68,8 @@ OPEN_DICTS = ("model.kwargs", "optim.kwargs", "source.tp_plan", "target.tp_plan"
 _exit_codes: list[int] = []
 #: Every sweep job as it ended, for the sweep's summary: Hydra's basic launcher runs them in this process.
 _sweep_jobs: list[JobRecord] = []
+#: In a sweep, each ``output.path`` given (resolved) and the first job given it (:func:`_given_to_another_job`).
+_sweep_outputs: dict[str, int] = {}
 #: The errors the current job printed (the first is its outcome in a sweep's summary).
 _job_errors: list[str] = []
 
@@ -173,6 +175,22 @@ def _record_sweep_job(cfg: DictConfig, code: int, seconds: float) -> None:
     _sweep_jobs.append(record)
 
 
+def _given_to_another_job(given: str | None) -> str | None:
+    """In a sweep, why ``output.path`` (as the user gave it, resolved; ``None``: each job's own directory) cannot be
+    this job's: an earlier job of the sweep was given the same. Its conversion would be refused there, or with
+    ``output.overwrite=true`` replace the earlier job's, and the sweep would end with one conversion of many."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN or given is None:
+        return None
+    key = given if store.is_url(given) else os.path.abspath(given)
+    first = _sweep_outputs.setdefault(key, hydra_cfg.job.num)
+    if first == hydra_cfg.job.num:
+        return None
+    return (f"output.path={given!r} was job {first}'s too: each job of a sweep writes a conversion of its own; leave "
+            "output.path out (each job writes into <sweep dir>/<job number>) or make it differ per job "
+            "('output.path=/ckpt/sweep/${hydra:job.num}')")
+
+
 def job_config(cfg: DictConfig, job_dir: str, overrides: Sequence[str] = ()) -> dict:
     """The plain dict a job validates: ``cfg`` resolved, ``output.path`` defaulting to the job's directory, and the
     model named by torchtitan's names where ``overrides`` (the user's) name no model otherwise
@@ -200,6 +218,8 @@ def _run_job(cfg: DictConfig) -> int:
     except ConfigError as exc:
         return _config_error(exc)
     if (why := output_takes_input(checked.output.path, checked.input.path)) is not None:
+        return _config_error(ConfigError([why]))
+    if (why := _given_to_another_job(cfg.output.path)) is not None:
         return _config_error(ConfigError([why]))
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
     if remote is not None:  # made in local directories, then uploaded (osdpipe.io.remote_output)
@@ -413,6 +433,7 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's errors reach the handler below, which says them in one line
     _exit_codes.clear()
     _sweep_jobs.clear()
+    _sweep_outputs.clear()
     try:
         run()
     except (HydraException, OmegaConfBaseException) as exc:

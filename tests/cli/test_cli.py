@@ -208,6 +208,27 @@ def test_multirun_goes_on_after_a_failed_job(tmp_path: Path) -> None:
     assert not (sweep / "1" / ".staging").exists()
 
 
+def test_a_sweep_whose_jobs_share_an_output_path_keeps_the_first_jobs_conversion(tmp_path: Path) -> None:
+    """``output.path`` given once for a whole sweep: the second job was refused as 'already holds a conversion' or,
+    with ``output.overwrite=true``, replaced the first job's, and the sweep ended with one conversion of two. It is
+    refused as the first job's path, one line, and the first job's conversion stays; a path that differs per job
+    (``${hydra:job.num}``) gives each its own."""
+    shared = tmp_path / "shared"
+    result = osdpipe("-m", "target.world_size=2,3", f"output.path={shared}", "output.overwrite=true",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, explain(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("osdpipe: error:")]
+    assert errors == [f"osdpipe: error: config: output.path='{shared}' was job 0's too: each job of a sweep writes a "
+                      "conversion of its own; leave output.path out (each job writes into <sweep dir>/<job number>) "
+                      "or make it differ per job ('output.path=/ckpt/sweep/${hydra:job.num}')"], explain(result)
+    assert read_json(shared / "manifest.json")["config"]["target"]["world_size"] == 2
+    each = tmp_path / "each"
+    result = osdpipe("-m", "target.world_size=2,3", f"output.path={each}/${{hydra:job.num}}",
+                     f"hydra.sweep.dir={tmp_path / 'sweep_each'}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, explain(result)
+    assert [read_json(each / job / "manifest.json")["config"]["target"]["world_size"] for job in "01"] == [2, 3]
+
+
 # ---------------------------------------------------------------- entry point
 
 
