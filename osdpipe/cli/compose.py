@@ -178,7 +178,8 @@ def _record_sweep_job(cfg: DictConfig, code: int, seconds: float) -> None:
 def _given_to_another_job(given: str | None) -> str | None:
     """In a sweep, why ``output.path`` (as the user gave it, resolved; ``None``: each job's own directory) cannot be
     this job's: an earlier job of the sweep was given the same. Its conversion would be refused there, or with
-    ``output.overwrite=true`` replace the earlier job's, and the sweep would end with one conversion of many."""
+    ``output.overwrite=true`` replace the earlier job's, and the sweep would end with one conversion of many. The
+    first job given a path is noted here, in :data:`_sweep_outputs`."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN or given is None:
         return None

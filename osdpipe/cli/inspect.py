@@ -15,7 +15,6 @@ Exit codes: 0 it was read; 1 it cannot be read as a checkpoint (or does not exis
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -56,13 +55,9 @@ def run_inspect(args: list[str]) -> int:
     from osdpipe.io.file_facts import checkpoint_in, read_facts
     from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
     from osdpipe.io.remote_input import as_path, probe
-    from osdpipe.io.store import is_url, slash_short
+    from osdpipe.io.store import is_url
     from osdpipe.run.collective import one_line
 
-    if not is_url(rest[0]) and slash_short(rest[0]) is None and not os.path.lexists(rest[0]):
-        print(f"osdpipe inspect: error: {rest[0]} does not exist; give osdpipe inspect a checkpoint file or directory "
-              "(or an s3:// or gs:// URL)", file=sys.stderr)  # fmt: skip
-        return EXIT_FAILED
     facts = None
     try:
         if is_url(rest[0]):  # another scheme, a missing bucket or key, refused credentials: one line naming PATH

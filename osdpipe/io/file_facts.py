@@ -169,7 +169,7 @@ def detect_format(path: str | Path) -> str:
             )
         return found.name
     if not p.exists():
-        raise InputError(f"{p} does not exist; point input.path at a checkpoint file or directory")
+        raise InputError(f"{p} does not exist; give a checkpoint file or directory (or an s3:// or gs:// URL)")
     osd = load_torch_file(p)
     state = osd.get("state") if isinstance(osd, dict) else None
     if not isinstance(state, dict):

@@ -178,12 +178,12 @@ def another_layouts(layout: Any, path: str) -> str | None:
     anything runs, rather than as the stage that fails to find its files."""
     try:
         where = checkpoint_in(remote_input.as_path(path))  # an earlier conversion's output: the checkpoint it holds
-        if layout.recognizes(where) or (found := checkpoints.recognize(where)) is None or found.layout == layout.name:
+        if layout.recognizes(where) or (found := checkpoints.recognizing(where)) is None:
             return None
     except (InputError, OSError):
         return None
-    other = checkpoints.get(found.layout)
-    if layout.one_dcp and other.one_dcp:
+    other = found[0]
+    if other.name == layout.name or (layout.one_dcp and other.one_dcp):
         return None  # either reads the other's DCP directory
     return (f"input.path: {where} is {other.looks_like}, not what checkpoint={layout.name} reads "
             f"({layout.looks_like}); set checkpoint={other.name}")

@@ -158,8 +158,8 @@ def test_inspect_refuses_what_is_not_a_checkpoint_and_a_bad_command_line(checkpo
     code, _, err = _inspect("--bogus", str(tmp_path), cwd=tmp_path)
     assert code == 2 and "usage: osdpipe inspect PATH" in err, err
     code, _, err = _inspect(str(tmp_path / "missing"), cwd=tmp_path)  # named as inspect's PATH, not input.path
-    assert err == (f"osdpipe inspect: error: {tmp_path / 'missing'} does not exist; give osdpipe inspect a checkpoint "
-                   "file or directory (or an s3:// or gs:// URL)\n") and code == 1, (code, err)  # fmt: skip
+    assert err == (f"osdpipe inspect: error: {tmp_path / 'missing'} does not exist; give a checkpoint file or "
+                   "directory (or an s3:// or gs:// URL)\n") and code == 1, (code, err)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
