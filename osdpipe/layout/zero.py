@@ -25,33 +25,30 @@ give it the names and sizes from the checkpoint's ``param_shapes``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from osdpipe.layout.flat_buffer import FlatBuffer, Held, held_by, pack, rank_slice, segments
 from osdpipe.layout.ranges import Segment
 
 #: ZeRO 1/2 pads each group's flat buffer to a multiple of this many times the world size.
 STAGE12_ALIGNMENT = 2
 
 
-@dataclass(frozen=True)
-class Piece:
-    """``length`` elements of a parameter's flattened view from ``start``,
-    at ``offset`` in rank ``rank``'s partition of group ``group``."""
-
-    rank: int
-    group: int
-    start: int
-    length: int
-    offset: int
+def group_buffers(numels: Sequence[tuple[str, int]], world_size: int, stage: int, paddings: Sequence[int] = ()
+                  ) -> list[FlatBuffer]:
+    """One group's flat buffers (:mod:`osdpipe.layout.flat_buffer`), each cut into ``world_size`` equal slices: stage
+    1/2's one, of the group's parameters with the padding after each and the end padded to a multiple of
+    :data:`STAGE12_ALIGNMENT` x ``world_size``; stage 3's one per parameter, padded to a multiple of ``world_size``
+    (a rank's partition is its slice of each, one after another)."""
+    if stage == 3:
+        return [pack([entry], multiple=world_size) for entry in numels]
+    return [pack(numels, gaps=paddings, multiple=STAGE12_ALIGNMENT * world_size)]
 
 
 def partition_size(numels: Sequence[int], world_size: int, stage: int, paddings: Sequence[int] = ()) -> int:
     """How many elements each rank's partition of a group of parameters of ``numels`` holds, padding included
     (``paddings``: stage 1/2's after each parameter, where the save lists them)."""
-    if stage == 3:
-        return sum(-(-n // world_size) for n in numels)
-    align = STAGE12_ALIGNMENT * world_size
-    return -(-(sum(numels) + sum(paddings)) // align) * align // world_size
+    named = [(str(i), n) for i, n in enumerate(numels)]
+    return sum(b.numel // world_size for b in group_buffers(named, world_size, stage, paddings))
 
 
 def saved_lengths(
@@ -63,55 +60,33 @@ def saved_lengths(
     size = partition_size(numels, world_size, stage, paddings)
     if stage == 3:
         return size, size
-    data = sum(numels) + sum(paddings)
-    return size, min(size, max(0, data - rank * size))
+    (buffer,) = group_buffers([(str(i), n) for i, n in enumerate(numels)], world_size, stage, paddings)
+    return size, min(size, max(0, buffer.data_end - rank * size))
 
 
 def rank_segments(
     numels: Sequence[tuple[str, int]], world_size: int, stage: int, rank: int, paddings: Sequence[int] = ()
 ) -> tuple[Segment, ...]:
     """Rank ``rank``'s partition of one group (``numels``: each parameter's name and numel, in ``param_shapes`` order;
-    ``paddings``: stage 1/2's after each parameter), as segments."""
-    out = []
-    if stage == 3:
-        dest = 0
-        for fqn, numel in numels:
-            piece = -(-numel // world_size)
-            start, stop = min(rank * piece, numel), min((rank + 1) * piece, numel)
-            if stop > start:
-                out.append(Segment(fqn, start, stop - start, dest))
-            dest += piece
-        return tuple(out)
-    size = partition_size([n for _, n in numels], world_size, stage, paddings)
-    low, high, offset = rank * size, (rank + 1) * size, 0
-    for i, (fqn, numel) in enumerate(numels):
-        start, stop = max(low, offset), min(high, offset + numel)
-        if stop > start:
-            out.append(Segment(fqn, start - offset, stop - start, start - low))
-        offset += numel + (paddings[i] if i < len(paddings) else 0)
+    ``paddings``: stage 1/2's after each parameter), as segments: its slice of each of the group's buffers, one
+    after another."""
+    out: list[Segment] = []
+    dest = 0
+    for buffer in group_buffers(numels, world_size, stage, paddings):
+        start, stop, size = rank_slice(buffer, world_size, rank)
+        out += [Segment(s.fqn, s.start, s.length, s.dest + dest) for s in segments(buffer, start, stop)]
+        dest += size
     return tuple(out)
 
 
 def pieces_by_parameter(
     groups: Sequence[Sequence[tuple[str, int]]], world_size: int, stage: int, paddings: Sequence[Sequence[int]] = ()
-) -> dict[str, list[Piece]]:
-    """Where every parameter's elements are: name -> its pieces across ranks and groups, in the order of its flattened
-    view (``paddings``: per group, stage 1/2's after each parameter, where the save lists them)."""
-    out: dict[str, list[Piece]] = {}
-    for g, numels in enumerate(groups):
-        for rank in range(world_size):
-            for s in rank_segments(numels, world_size, stage, rank, paddings[g] if g < len(paddings) else ()):
-                out.setdefault(s.fqn, []).append(Piece(rank, g, s.start, s.length, s.dest))
-    for pieces in out.values():
-        pieces.sort(key=lambda p: p.start)
-    return out
-
-
-def pieces_in(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece]:
-    """The parts of ``pieces`` (one parameter's) that hold elements ``[start, stop)``, cut to that range."""
-    out = []
-    for p in pieces:
-        low, high = max(start, p.start), min(stop, p.start + p.length)
-        if high > low:
-            out.append(Piece(p.rank, p.group, low, high - low, p.offset + low - p.start))
-    return out
+) -> dict[str, list[Held]]:
+    """Where every parameter's elements are: name -> its pieces, each held in ``(rank, group)``'s partition, in the
+    order of its flattened view (``paddings``: per group, stage 1/2's after each parameter, where the save lists
+    them)."""
+    return held_by(
+        ((rank, g), rank_segments(numels, world_size, stage, rank, paddings[g] if g < len(paddings) else ()))
+        for g, numels in enumerate(groups)
+        for rank in range(world_size)
+    )

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from osdpipe.layout.zero import partition_size, pieces_by_parameter, pieces_in, rank_segments, saved_lengths
+from osdpipe.layout.flat_buffer import held_in
+from osdpipe.layout.zero import partition_size, pieces_by_parameter, rank_segments, saved_lengths
 
 GROUPS = [[("emb", 37 * 12), ("w1", 20 * 12), ("b1", 20)], [("norm", 12), ("b2", 7)]]
 
@@ -54,8 +55,8 @@ def test_stage_3_cuts_each_parameter_on_its_own() -> None:
 
 def test_a_range_is_cut_from_the_pieces_that_hold_it() -> None:
     pieces = pieces_by_parameter([[("a", 5), ("b", 6)]], 2, 2)["b"]
-    assert [(p.rank, p.start, p.length, p.offset) for p in pieces_in(pieces, 0, 6)] == [(0, 0, 1, 5), (1, 1, 5, 0)]
-    assert [(p.rank, p.start, p.length, p.offset) for p in pieces_in(pieces, 2, 4)] == [(1, 2, 2, 1)]
+    assert [(p.where[0], p.start, p.length, p.offset) for p in held_in(pieces, 0, 6)] == [(0, 0, 1, 5), (1, 1, 5, 0)]
+    assert [(p.where[0], p.start, p.length, p.offset) for p in held_in(pieces, 2, 4)] == [(1, 2, 2, 1)]
 
 
 def test_stage_1_and_2_parameter_alignment_pads_after_each_parameter_but_the_last() -> None:

@@ -46,9 +46,10 @@ from osdpipe.io.formats.base import (
 from osdpipe.io.formats.inert_load import Record, load_inert
 from osdpipe.io.formats.state_facts import describe_meta
 from osdpipe.io.remote_input import as_path
+from osdpipe.layout.flat_buffer import Held, held_in
 from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.tree import ModuleTree
-from osdpipe.layout.zero import Piece, pieces_by_parameter, pieces_in, saved_lengths
+from osdpipe.layout.zero import pieces_by_parameter, saved_lengths
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
     from osdpipe.io.file_facts import Facts
@@ -255,7 +256,7 @@ class ZeroReader:
     def __init__(self, path: str) -> None:
         self.path = path
         self.save = read_save(path)
-        self.pieces: dict[str, list[Piece]] = pieces_by_parameter(
+        self.pieces: dict[str, list[Held]] = pieces_by_parameter(
             self.save.flat_groups, self.save.world_size, self.save.stage, self.save.paddings
         )
         self._opened: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
@@ -316,7 +317,7 @@ class ZeroReader:
         return fp32[flat] if name == MASTER_WEIGHTS else base["state"][flat][name]
 
     def _flat_of(self, fqn: str) -> int:
-        return self.pieces[fqn][0].group
+        return self.pieces[fqn][0].where[1]
 
     def meta(self) -> SourceMeta:
         """The state and param groups, from rank 0's file; every other rank's file is checked first
@@ -352,22 +353,22 @@ class ZeroReader:
 
     def read_range(self, fqn: str, name: str, start: int, stop: int) -> torch.Tensor:
         parts = [
-            mapped_range(self._flat(p.rank, p.group, name), p.offset, p.offset + p.length)
-            for p in pieces_in(self.pieces[fqn], start, stop)
+            mapped_range(self._flat(*p.where, name), p.offset, p.offset + p.length)
+            for p in held_in(self.pieces[fqn], start, stop)
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
-        for p in pieces_in(self.pieces[fqn], start, stop):
-            release_mapped(self._flat(p.rank, p.group, name), p.offset, p.offset + p.length)
+        for p in held_in(self.pieces[fqn], start, stop):
+            release_mapped(self._flat(*p.where, name), p.offset, p.offset + p.length)
 
     def expect(self, reads: list[tuple[str, str, int, int]]) -> None:
         """The reads to come, told ahead: files in object storage fetch their pages ahead."""
         fetched_memory.plan(
             [
-                (self._flat(p.rank, p.group, name), p.offset, p.offset + p.length)
+                (self._flat(*p.where, name), p.offset, p.offset + p.length)
                 for fqn, name, start, stop in reads
-                for p in pieces_in(self.pieces[fqn], start, stop)
+                for p in held_in(self.pieces[fqn], start, stop)
             ]
         )
 

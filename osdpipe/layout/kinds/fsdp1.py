@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from osdpipe.layout.flat_buffer import FlatBuffer, pack, rank_slice, segments
 from osdpipe.layout.kinds.base import LayoutKind, compute_device, device_mesh, register
 from osdpipe.layout.ranges import (
     HYBRID_STRATEGIES,
     LayoutSpec,
     LocalTensor,
     Segment,
-    chunk_bounds,
     shard_group,
     unit_of,
     whole,
@@ -48,19 +48,30 @@ FLAT_PARAM = "_flat_param"
 
 @dataclass(frozen=True)
 class FlatParamLayout:
-    """The unsharded flat parameter of one FSDP1 unit.
-
-    ``entries`` are ``(fqn or None for padding, numel)`` in flat order, as
-    FlatParameter's ``_fqns`` interleaved with ``_numels_with_padding``.
-    """
+    """The unsharded flat parameter of one FSDP1 unit: its parameters laid out in one flat buffer."""
 
     unit: str
     fqns: tuple[str, ...]
-    entries: tuple[tuple[str | None, int], ...]
+    buffer: FlatBuffer
+
+    @property
+    def entries(self) -> tuple[tuple[str | None, int], ...]:
+        """``(fqn or None for padding, numel)`` in flat order, as FlatParameter's ``_fqns`` interleaved with
+        ``_numels_with_padding`` (what the layout oracle compares)."""
+        out: list[tuple[str | None, int]] = []
+        at = 0
+        for fqn, start, stop in self.buffer.entries:
+            if start > at:
+                out.append((None, start - at))
+            out.append((fqn, stop - start))
+            at = stop
+        if self.buffer.numel > at:
+            out.append((None, self.buffer.numel - at))
+        return tuple(out)
 
     @property
     def total(self) -> int:
-        return sum(n for _, n in self.entries)
+        return self.buffer.numel
 
 
 def shards(spec: LayoutSpec) -> bool:
@@ -88,35 +99,16 @@ def flat_param_layouts(tree: ModuleTree, spec: LayoutSpec) -> tuple[FlatParamLay
                 f"FSDP unit {unit or '<root>'!r} mixes dtypes {sorted(dtypes)}; FSDP1 needs one dtype per unit"
             )
         compute_itemsize = getattr(torch, spec.param_dtype).itemsize if spec.param_dtype else params[0].itemsize
-        aligned = ALIGNMENT_BYTES // compute_itemsize if spec.use_orig_params else 0
-        entries: list[tuple[str | None, int]] = []
-        total = 0
-        for p in params:
-            if aligned and total % aligned:
-                entries.append((None, aligned - total % aligned))
-                total += entries[-1][1]
-            entries.append((p.fqn, p.numel))
-            total += p.numel
-        shard_ranks = shard_group(spec, 0)[0]
-        if aligned and total % shard_ranks:
-            entries.append((None, shard_ranks - total % shard_ranks))
-        out.append(FlatParamLayout(unit=unit, fqns=tuple(p.fqn for p in params), entries=tuple(entries)))
+        # use_orig_params: each start aligned, the end padded for the shard group; without it, padded when chunked
+        aligned = ALIGNMENT_BYTES // compute_itemsize if spec.use_orig_params else 1
+        multiple = shard_group(spec, 0)[0] if spec.use_orig_params else 1
+        buffer = pack([(p.fqn, p.numel) for p in params], align=aligned, multiple=multiple)
+        out.append(FlatParamLayout(unit=unit, fqns=tuple(p.fqn for p in params), buffer=buffer))
     return tuple(out)
 
 
 def flat_param_key(unit: str) -> str:
     return f"{unit}.{FLAT_PARAM}" if unit else FLAT_PARAM
-
-
-def _segments_in(flat: FlatParamLayout, start: int, end: int) -> tuple[Segment, ...]:
-    """Segments of the parameters that fall inside ``[start, end)`` of the flat parameter."""
-    segments, offset = [], 0
-    for fqn, numel in flat.entries:
-        lo, hi = max(offset, start), min(offset + numel, end)
-        if fqn is not None and lo < hi:
-            segments.append(Segment(fqn=fqn, start=lo - offset, length=hi - lo, dest=lo - start))
-        offset += numel
-    return tuple(segments)
 
 
 @register
@@ -143,7 +135,7 @@ class FSDP1(LayoutKind):
 
         def shard(flat: FlatParamLayout) -> tuple[int, int, int]:
             if shards(spec):
-                return chunk_bounds(flat.total, *shard_group(spec, rank))
+                return rank_slice(flat.buffer, *shard_group(spec, rank))
             return 0, flat.total, flat.total
 
         if spec.use_orig_params:
@@ -151,7 +143,7 @@ class FSDP1(LayoutKind):
             in_shard = {
                 seg.fqn: Segment(seg.fqn, seg.start, seg.length, 0)
                 for flat in flats.values()
-                for seg in _segments_in(flat, *shard(flat)[:2])
+                for seg in segments(flat.buffer, *shard(flat)[:2])
             }
             out = []
             for p in tree.params:
@@ -169,9 +161,11 @@ class FSDP1(LayoutKind):
             if module in flats:
                 flat = flats[module]
                 start, end, size = shard(flat)
-                segments = _segments_in(flat, start, end)
                 out.append(
-                    LocalTensor(key=flat_param_key(module), fqns=flat.fqns, shape=(size,), segments=segments, flat=True)
+                    LocalTensor(
+                        key=flat_param_key(module), fqns=flat.fqns, shape=(size,),
+                        segments=segments(flat.buffer, start, end), flat=True,
+                    )
                 )
             out.extend(whole(p) for p in tree.params if p.owner == module and owner[p.fqn] is None)
         return tuple(out)
