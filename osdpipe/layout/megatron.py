@@ -49,6 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from osdpipe.layout.flat_buffer import FlatBuffer, pack, round_up
+
 #: Parameters start on a multiple of this many elements in a bucket (128 bytes of a 16-bit dtype).
 PARAM_ALIGNMENT = 64
 #: A bucket's end is padded to a multiple of lcm(DP, this) (256 bytes of a 16-bit dtype).
@@ -448,16 +450,6 @@ def local_parameters(
 
 
 @dataclass(frozen=True)
-class BucketLayout:
-    """A gradient bucket of the distributed optimizer: each parameter's ``(name, start, stop)`` in it, where its
-    last parameter ends (``numel_unpadded``: what a ``dp_reshardable`` save holds) and the padded size."""
-
-    entries: tuple[tuple[str, int, int], ...]
-    numel_unpadded: int
-    numel: int
-
-
-@dataclass(frozen=True)
 class Bucketing:
     """How megatron-core's ``DistributedDataParallel`` cuts one model chunk's gradient buffer into buckets.
 
@@ -503,43 +495,42 @@ def rank_numel(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int, vpp: int 
     return sum(p.numel for chunk in range(vpp) for p in local_parameters(gpt, tp, pp, tp_rank, pp_rank, vpp, chunk))
 
 
-def _bucket_end(numel_unpadded: int, dp: int, high_busbw: bool) -> int:
-    """A bucket's padded size: a multiple of ``lcm(DP, 128)`` (and of ``2**16`` with ``high_busbw``)."""
-    divisor = math.lcm(dp, BUCKET_ALIGNMENT, 2**16) if high_busbw else math.lcm(dp, BUCKET_ALIGNMENT)
-    return -(-numel_unpadded // divisor) * divisor
+def bucket_multiple(dp: int, high_busbw: bool = False) -> int:
+    """What a bucket's end is padded to a multiple of: ``lcm(DP, 128)`` (and ``2**16`` with ``high_busbw``)."""
+    return math.lcm(dp, BUCKET_ALIGNMENT, 2**16) if high_busbw else math.lcm(dp, BUCKET_ALIGNMENT)
 
 
-def _aligned(at: int) -> int:
-    return -(-at // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
-
-
-def buckets(params: Sequence[LocalParameter], dp: int, how: Bucketing = Bucketing()) -> list[BucketLayout]:
+def buckets(params: Sequence[LocalParameter], dp: int, how: Bucketing = Bucketing()) -> list[FlatBuffer]:
     """The buckets of one model chunk's parameters (``named_parameters()`` order, :func:`local_parameters`), as
-    megatron-core's distributed optimizer makes them (0.16 ``param_and_grad_buffer.py``): in reverse order, each
-    parameter starting on a multiple of 64 elements, a bucket closed once it spans ``how.size`` elements, and a tied
-    embedding's parameter over PP (:attr:`LocalParameter.own_bucket`) a bucket alone; each bucket's end padded for
-    ``dp`` ranks. Each bucket starts at the padded end of the one before (a multiple of 128), so its parameters'
-    offsets in it start from 0.
+    megatron-core's distributed optimizer makes them (0.16 ``param_and_grad_buffer.py``), each a flat buffer
+    (:mod:`osdpipe.layout.flat_buffer`) cut into DP equal slices: in reverse order, each parameter starting on a
+    multiple of 64 elements, a bucket closed once it spans ``how.size`` elements, and a tied embedding's parameter over
+    PP (:attr:`LocalParameter.own_bucket`) a bucket alone; each bucket's end padded for ``dp`` ranks. Each bucket
+    starts at the padded end of the one before (a multiple of 128), so its parameters' offsets in it start from 0.
 
-    A bucket closed for such a parameter ends where that parameter would have started: its unpadded size counts the
-    alignment after its last parameter (megatron-core aligns the start first, then closes the bucket there)."""
-    laid: list[BucketLayout] = []
-    entries: list[tuple[str, int, int]] = []  # the open bucket's parameters: (name, start, stop) in it
+    A bucket closed for such a parameter ends where that parameter would have started: its data (what a
+    ``dp_reshardable`` save holds of it, :attr:`FlatBuffer.data_end`) counts the alignment after its last parameter
+    (megatron-core aligns the start first, then closes the bucket there)."""
+    laid: list[FlatBuffer] = []
+    held: list[tuple[str, int]] = []  # the open bucket's parameters
+    multiple = bucket_multiple(dp, how.high_busbw)
 
-    def close(end: int) -> None:
-        laid.append(BucketLayout(tuple(entries), end, _bucket_end(end, dp, how.high_busbw)))
-        entries.clear()
+    def close(data_end: int) -> None:
+        laid.append(pack(held, align=PARAM_ALIGNMENT, data_end=data_end, multiple=multiple))
+        held.clear()
 
+    at = 0  # where the open bucket's last parameter ends
     for param in reversed(params):
-        start = _aligned(entries[-1][2]) if entries else 0
-        if param.own_bucket and entries:
+        start = round_up(at, PARAM_ALIGNMENT) if held else 0
+        if param.own_bucket and held:
             close(start)
             start = 0
-        entries.append((param.name, start, start + param.numel))
-        if param.own_bucket or (how.size is not None and start + param.numel >= how.size):
-            close(start + param.numel)
-    if entries:
-        close(entries[-1][2])
+        held.append((param.name, param.numel))
+        at = start + param.numel
+        if param.own_bucket or (how.size is not None and at >= how.size):
+            close(at)
+    if held:
+        close(at)
     return laid
 
 

@@ -57,7 +57,7 @@ def test_a_buckets_bytes_are_the_bucket_made_whole(tp: int, pp: int, dp: int, pa
             params = layout.local_parameters(target, tp, pp, tp_rank, pp_rank)
             by_name = {p.name: p for p in params}
             for bucket in layout.buckets(params, dp):
-                whole = torch.zeros(bucket.numel_unpadded)
+                whole = torch.zeros(bucket.data_end)
                 for name, start, stop in bucket.entries:
                     view = whole[start:stop].view(by_name[name].shape)
                     for piece in by_name[name].pieces:

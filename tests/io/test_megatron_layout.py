@@ -39,7 +39,7 @@ def _param(name: str, numel: int, own: bool = False) -> layout.LocalParameter:
 def test_a_bucket_starts_each_parameter_on_a_multiple_of_64_and_pads_its_end_to_lcm_dp_128() -> None:
     (laid,) = layout.buckets([_param("c", 3), _param("b", 64), _param("a", 100)], dp=3)  # laid out in reverse
     assert laid.entries == (("a", 0, 100), ("b", 128, 192), ("c", 192, 195))
-    assert (laid.numel_unpadded, laid.numel) == (195, 384)  # lcm(3, 128) = 384
+    assert (laid.data_end, laid.numel) == (195, 384)  # lcm(3, 128) = 384
 
 
 def test_a_stage_holds_its_layers_and_tp_cuts_rows_or_columns() -> None:
@@ -550,10 +550,10 @@ def test_buckets_close_at_the_bucket_size_and_around_a_tied_embedding_as_megatro
     params = [_param("embed", 300, own=True), _param("a", 100), _param("b", 70), _param("c", 30)]  # reversed: c, b, a
     laid = layout.buckets(params, dp=2, how=layout.Bucketing(size=130))
     assert [b.entries for b in laid] == [(("c", 0, 30), ("b", 64, 134)), (("a", 0, 100),), (("embed", 0, 300),)]
-    assert [(b.numel_unpadded, b.numel) for b in laid] == [(134, 256), (128, 128), (300, 384)]
+    assert [(b.data_end, b.numel) for b in laid] == [(134, 256), (128, 128), (300, 384)]
     # no size: one bucket before the embedding, closed at the embedding's aligned start (292 -> 320)
     laid = layout.buckets(params, dp=2)
-    assert [b.numel_unpadded for b in laid] == [320, 300] and laid[0].entries[-1] == ("a", 192, 292)
+    assert [b.data_end for b in laid] == [320, 300] and laid[0].entries[-1] == ("a", 192, 292)
     assert layout.buckets(params[1:], dp=3, how=layout.Bucketing(high_busbw=True))[0].numel == 3 * 2**16
 
 

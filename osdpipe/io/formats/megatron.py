@@ -668,10 +668,10 @@ def _from_buckets(
                 if state not in wanted:
                     continue
                 held = math.prod(checkpoint.ref(flat).shape)
-                if held != bucket.numel_unpadded:
+                if held != bucket.data_end:
                     raise InputError(f"{folder}: {flat} holds {held} elements, the bucket of its parameters "
-                                     f"{bucket.numel_unpadded}; it is not the GPT its args describe")
-                data = checkpoint.read_range(flat, 0, bucket.numel_unpadded)
+                                     f"{bucket.data_end}; it is not the GPT its args describe")
+                data = checkpoint.read_range(flat, 0, bucket.data_end)
                 for name, start, stop in bucket.entries:
                     local = by_name[name]
                     for key, box, block in _blocks(data[start:stop].view(local.shape), local):

@@ -20,6 +20,7 @@ import torch
 from osdpipe.io.digest import tensor_bytes
 from osdpipe.io.torchfile import placeholder
 from osdpipe.layout import megatron as layout
+from osdpipe.layout.flat_buffer import FlatBuffer
 
 #: The most zeros (bytes) handed to the file in one window: padding rows of a large vocabulary are not made at once.
 ZERO_WINDOW = 16 << 20
@@ -88,7 +89,7 @@ def local_state(param: layout.LocalParameter, state_of: Callable[[str], torch.Te
 
 
 def bucket_windows(
-    bucket: layout.BucketLayout, by_name: Mapping[str, layout.LocalParameter], state_of: Callable[[str], torch.Tensor]
+    bucket: FlatBuffer, by_name: Mapping[str, layout.LocalParameter], state_of: Callable[[str], torch.Tensor]
 ) -> Iterator[memoryview]:
     """The bytes of one ``dp_reshardable`` bucket of a state, cut at its unpadded size: each parameter's local state
     (:func:`local_state`) at its place, zeros between parameters."""
@@ -97,4 +98,4 @@ def bucket_windows(
         yield from zeros((start - at) * 4)
         yield memoryview(tensor_bytes(local_state(by_name[name], state_of)))
         at = stop
-    yield from zeros((bucket.numel_unpadded - at) * 4)
+    yield from zeros((bucket.data_end - at) * 4)

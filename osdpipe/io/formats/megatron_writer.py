@@ -222,13 +222,13 @@ def _buckets(
                 for b, bucket in enumerate(laid):
                     for state in STATES:
                         key = f"{prefix}.gbuf_idx_{chunk}.dtype_({dtypes}).bucket_idx_{b}.{state}"
-                        items[key] = made.add((bucket.numel_unpadded,), torch.float32, partial(
+                        items[key] = made.add((bucket.data_end,), torch.float32, partial(
                             deferred.bucket_windows, bucket, by_name, lambda k, s=state: optim[k][s]
                         ))
             items[f"{prefix}.optimizer/shard_0_1"] = [{"param_groups": groups}]
             items[f"{prefix}.per_bucket_numel/shard_0_1"] = [[{pair: [b.numel for b in laid]} for laid in per_chunk]]
             items[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = [
-                [{pair: [b.numel_unpadded for b in laid]} for laid in per_chunk]
+                [{pair: [b.data_end for b in laid]} for laid in per_chunk]
             ]
     return items
 
