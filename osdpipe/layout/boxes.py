@@ -180,3 +180,18 @@ def placement_cuts(placements: Sequence[str], mesh_shape: Sequence[int], coords:
             )
         later.append(Cut(dim, size, index))
     return (*now, *later)
+
+
+def box_range_runs(shape: Sequence[int], box: Box, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Elements ``[start, stop)`` of ``box`` taken in its own row-major order (a local tensor that is the box), as
+    runs of the whole tensor's flattened view: ``(tensor start, length, offset from start)`` each, in order."""
+    out, at = [], 0
+    for run_start, run_stop in flat_runs(shape, box):
+        length = run_stop - run_start
+        lo, hi = max(start, at), min(stop, at + length)
+        if lo < hi:
+            out.append((run_start + lo - at, hi - lo, lo - start))
+        at += length
+        if at >= stop:
+            break
+    return out

@@ -213,6 +213,69 @@ def position_embedding_type(args: dict[str, Any]) -> str:
     return kind
 
 
+def gpt_of(args: dict[str, Any]) -> Gpt:
+    """The layout's dimensions of the GPT Megatron-LM's ``args`` describe."""
+    heads = int(args["num_attention_heads"])
+    return Gpt(
+        num_layers=int(args["num_layers"]),
+        hidden_size=int(args["hidden_size"]),
+        ffn_hidden_size=int(args["ffn_hidden_size"]),
+        num_attention_heads=heads,
+        num_query_groups=query_groups(args),
+        kv_channels=int(args.get("kv_channels") or int(args["hidden_size"]) // heads),
+        padded_vocab_size=int(args["padded_vocab_size"]),
+        swiglu=bool(args.get("swiglu")),
+        linear_bias=bool(args.get("add_bias_linear")),
+        qkv_bias=bool(args.get("add_qkv_bias")),
+        norm_bias=args.get("normalization", "LayerNorm") == "LayerNorm",
+        position_table=int(args["max_position_embeddings"])
+        if position_embedding_type(args) == "learned_absolute" else 0,
+        tied=tied_embeddings(args),
+        qk_layernorm=bool(args.get("qk_layernorm")),
+    )
+
+
+#: Megatron-LM's ``args`` of the gradient buffers' buckets (:func:`bucketing` reads them): a job's DDP options, which
+#: move elements of a ``dp_reshardable`` save, and which a converted save keeps.
+DDP_ARGS = ("overlap_grad_reduce", "ddp_bucket_size", "ddp_num_buckets", "ddp_pad_buckets_for_high_nccl_busbw",
+            "overlap_param_gather_with_optimizer_step")
+#: Megatron-LM's ``args`` that say where every element of a GPT and of its distributed optimizer lies: the model's
+#: dimensions (:func:`gpt_of`), its vocabulary before padding, its precision and its buckets.
+LAYOUT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+               "num_query_groups", "kv_channels", "padded_vocab_size", "vocab_size", "make_vocab_size_divisible_by",
+               "swiglu", "add_bias_linear", "add_qkv_bias", "normalization", "position_embedding_type",
+               "use_rotary_position_embeddings", "max_position_embeddings", "untie_embeddings_and_output_weights",
+               "qk_layernorm", "bf16", "fp16", "accumulate_allreduce_grads_in_fp32", *DDP_ARGS)
+
+
+def layout_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The part of Megatron-LM's ``args`` that lays a GPT and its optimizer out (:data:`LAYOUT_ARGS`): what the model's
+    tree is built from (``model.kwargs``), small and plain."""
+    return {k: args[k] for k in LAYOUT_ARGS if k in args}
+
+
+def params_dtype(args: dict[str, Any]) -> str:
+    """The dtype of the model's weights in the job ``args`` describe (its ``params_dtype``)."""
+    return "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
+
+
+def gbuf_dtypes(args: dict[str, Any]) -> str:
+    """A gradient buffer's ``(param dtype, grad dtype)`` as a ``dp_reshardable`` save's keys spell it: the weights'
+    dtype, and fp32 gradients unless a 16-bit job reduces them in its own dtype (Megatron-LM sets
+    ``accumulate_allreduce_grads_in_fp32`` for bf16)."""
+    weights = params_dtype(args)
+    in_fp32 = weights == "float32" or args.get("accumulate_allreduce_grads_in_fp32", weights == "bfloat16")
+    return f"torch.{weights}, torch.{'float32' if in_fp32 else weights}"
+
+
+def target_vocab(args: dict[str, Any], tp: int) -> int:
+    """The padded vocabulary of the GPT ``args`` describe on TP ``tp`` (:func:`padded_vocab_size`); a save that does
+    not record its vocabulary before padding (a tokenizer's, not ``--vocab-size``) keeps its padded size."""
+    if not args.get("vocab_size"):
+        return int(args["padded_vocab_size"])
+    return padded_vocab_size(int(args["vocab_size"]), int(args.get("make_vocab_size_divisible_by") or 128), tp)
+
+
 def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
     """Every sharded key of the model and its global shape (the decoder's layers stacked on axis 0)."""
     h, layers = gpt.hidden_size, gpt.num_layers

@@ -462,7 +462,28 @@ def torchtitan_model_of(shapes: dict[str, tuple[int, ...]]) -> tuple[str, str, f
 COMMON_TORCHTITAN_MODELS = ("llama3", "qwen3", "deepseek_v3", "gpt_oss")
 
 
+def megatron_gpt(args: dict[str, Any]) -> nn.Module:
+    """A Megatron GPT as its save keys it: a module whose parameters are the sharded keys, each of its global shape
+    over TP and PP (the decoder's layers stacked on a leading axis) and in the job's ``params_dtype``, from
+    Megatron-LM's ``args`` (:func:`osdpipe.layout.megatron.layout_args`). No ``forward``: what a conversion of a
+    Megatron save lays out (:mod:`osdpipe.layout.megatron_grid`), and no megatron-core needed."""
+    from osdpipe.layout import megatron  # pure; imported where a Megatron model is built
+
+    dtype = getattr(torch, megatron.params_dtype(args))
+    root = nn.Module()
+    for key, shape in megatron.global_shapes(megatron.gpt_of(args)).items():
+        *path, leaf = key.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype)))
+    return root
+
+
 BUILTIN_MODELS: dict[str, ModelFactory] = {
+    "megatron_gpt": megatron_gpt,
     "nested": NestedModel,
     "transformer": TransformerModel,
     "mlp": MLP,

@@ -55,11 +55,22 @@ class LayoutSpec:
     #: lays them (:func:`osdpipe.layout.tp.read_placements`); filled in
     #: by the plan, since only the model and PyTorch can say them.
     tp_placements: tuple[tuple[str, Placement], ...] | None = None
+    #: Pipeline stages, and model chunks per stage (virtual pipeline stages): the world is ``tp_size`` x
+    #: ``pp_size`` x data-parallel ranks (Megatron-Core's grid).
+    pp_size: int = 1
+    vpp_size: int = 1
+    #: How a distributed optimizer saves its state where the kind has more than one way (Megatron's
+    #: ``dp_reshardable``, ``fully_reshardable``); ``None``: the kind's only way, or the source's.
+    state_sharding: str | None = None
+    #: What the kind's :meth:`~osdpipe.layout.kinds.base.LayoutKind.settle` works out of the model for its layout and
+    #: only it reads (Megatron's :class:`~osdpipe.layout.megatron_grid.Grid`); ``None``: nothing.
+    grid: Any = None
 
     @property
     def data_parallel(self) -> int:
-        """The ranks that hold different data: every rank but the tensor-parallel ones of each group."""
-        return self.world_size // self.tp_size
+        """The ranks that hold different data: every rank but the tensor-parallel ones of each group (and the
+        pipeline's stages)."""
+        return self.world_size // (self.tp_size * self.pp_size)
 
     @property
     def replica_span(self) -> int:
@@ -120,6 +131,10 @@ def same_placement(saved: Any, expected: dict[str, Any]) -> bool:
     return isinstance(saved, dict) and all(saved.get(k) == expected.get(k) for k in ("shape", "mesh", "placements"))
 
 
+#: The state name a whole checkpoint's model weights travel under, beside the optimizer's own (``exp_avg``...):
+#: :mod:`osdpipe.io.weights`. A layout names it where a tensor holds the weights alone (:attr:`LocalTensor.states`).
+WEIGHTS = "weights"
+
 #: The top-level key of a param-ID keyed file that lists, per param ID, how its
 #: DTensor state lies on the mesh (:meth:`Placement.describe`): the file holds
 #: plain local tensors, so it loads with ``torch.load(weights_only=True)``.
@@ -151,6 +166,9 @@ class LocalTensor:
         flat: whether its state is flat (1-D) rather than parameter-shaped.
         placement: for a DTensor parameter (FSDP2), its mesh and placements;
             ``None`` for a plain tensor.
+        states: the states of its parameters it holds (``None``: every one). A layout that keeps a parameter's
+            weights apart from its optimizer's state (Megatron's model boxes beside its distributed optimizer's
+            buckets) holds each in a tensor of its own.
     """
 
     key: str
@@ -159,6 +177,11 @@ class LocalTensor:
     segments: tuple[Segment, ...]
     flat: bool
     placement: Placement | None = None
+    states: tuple[str, ...] | None = None
+
+    def holds(self, state: str) -> bool:
+        """Whether this tensor holds its parameters' state ``state``."""
+        return self.states is None or state in self.states
 
     @property
     def numel(self) -> int:

@@ -21,15 +21,12 @@ from osdpipe.io import fetched_memory
 from osdpipe.io.digest import save_hashed
 from osdpipe.io.errors import InputError
 from osdpipe.io.store import is_remote
-from osdpipe.layout.ranges import LayoutSpec, LocalTensor
+from osdpipe.layout.ranges import WEIGHTS, LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
     from osdpipe.io.file_facts import Facts
 
-#: The state name a whole checkpoint's model weights travel under,
-#: beside the optimizer's own (see :mod:`osdpipe.io.weights`).
-WEIGHTS = "weights"
 
 #: Param groups of the optimizer that saved a param-ID keyed checkpoint, as FQN patterns per group.
 IdGroups = list[list[str]] | None

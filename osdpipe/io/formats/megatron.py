@@ -55,7 +55,7 @@ from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 from osdpipe.io.formats.inert_load import load_inert, load_inert_bytes
 from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.layout import megatron as layout
-from osdpipe.layout.megatron import query_groups
+from osdpipe.layout.megatron import gpt_of
 
 LATEST = "latest_checkpointed_iteration.txt"
 #: What ``latest_checkpointed_iteration.txt`` says of a ``release`` save (Megatron-LM's converted weights): its folder
@@ -292,28 +292,6 @@ def refused_model(args: dict[str, Any], where: Path) -> str | None:
     return None
 
 
-def gpt_of(args: dict[str, Any]) -> layout.Gpt:
-    """The layout's dimensions of the GPT Megatron-LM's ``args`` describe."""
-    heads = int(args["num_attention_heads"])
-    return layout.Gpt(
-        num_layers=int(args["num_layers"]),
-        hidden_size=int(args["hidden_size"]),
-        ffn_hidden_size=int(args["ffn_hidden_size"]),
-        num_attention_heads=heads,
-        num_query_groups=query_groups(args),
-        kv_channels=int(args.get("kv_channels") or int(args["hidden_size"]) // heads),
-        padded_vocab_size=int(args["padded_vocab_size"]),
-        swiglu=bool(args.get("swiglu")),
-        linear_bias=bool(args.get("add_bias_linear")),
-        qkv_bias=bool(args.get("add_qkv_bias")),
-        norm_bias=args.get("normalization", "LayerNorm") == "LayerNorm",
-        position_table=int(args["max_position_embeddings"])
-        if layout.position_embedding_type(args) == "learned_absolute" else 0,
-        tied=layout.tied_embeddings(args),
-        qk_layernorm=bool(args.get("qk_layernorm")),
-    )
-
-
 def read_save(
     path: str | Path, *, within_memory: bool = False, on_read: Callable[[int, int], None] | None = None,
     placed: Placement | None = None, weights: bool = True, states: tuple[str, ...] = STATES, tensors: bool = True,
@@ -355,7 +333,7 @@ def read_save(
     args = common["args"]
     if (why := refused_model(args, folder)) is not None:
         raise InputError(why)
-    sharding = None if args.get("no_save_optim") else sharding_type(common, folder)
+    sharding = optimizer_sharding(common, folder)
     weights = weights or sharding is None
     checkpoint = DcpCheckpoint(str(folder), None)
     states = tuple(s for s in STATES if s in states)
@@ -514,6 +492,17 @@ def sharding_type(common: dict[str, Any], folder: Path) -> str:
         raise InputError(f"{folder}: the optimizer is saved {said!r}: not supported yet (osdpipe reads "
                          f"{' and '.join(SHARDING_TYPES)})")
     return said
+
+
+def optimizer_sharding(common: dict[str, Any], folder: Path) -> str | None:
+    """How the save's distributed optimizer is sharded (:func:`sharding_type`); ``None``: the save holds the weights
+    alone (``args.no_save_optim``: Megatron-LM's ``--no-save-optim``, and every ``release`` save osdpipe writes), and
+    a job that loads it starts its optimizer fresh.
+
+    Raises:
+        InputError: a sharding type (or a non-distributed optimizer) osdpipe does not read yet.
+    """
+    return None if common["args"].get("no_save_optim") else sharding_type(common, folder)
 
 
 def stored_bytes(checkpoint: DcpCheckpoint, *, weights: bool = True, states: tuple[str, ...] = STATES) -> int:

@@ -18,7 +18,7 @@ its module plus its :func:`register` line.
 
 from __future__ import annotations
 
-from osdpipe.layout.kinds import ddp, fsdp1, fsdp2, none  # noqa: F401  (each registers its kind)
+from osdpipe.layout.kinds import ddp, fsdp1, fsdp2, megatron, none  # noqa: F401  (each registers its kind)
 from osdpipe.layout.kinds.base import KINDS, LayoutKind, compute_device, device_mesh, find, get, register
 from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree

@@ -51,6 +51,9 @@ class LayoutKind:
     #: ``FSDP.optim_state_dict``), which is empty before its first step: a ``dcp.load`` into a fresh optimizer then
     #: loads nothing, and a framework that loads so (accelerate's ``load_state``) says nothing.
     sharded_load_needs_a_stepped_optimizer: ClassVar[bool] = False
+    #: The optimizer state that holds the parameter its optimizer steps, where that is a master copy of its own
+    #: (Megatron's distributed optimizer keeps the fp32 master as ``param``); ``None``: the model's parameter.
+    master_state: ClassVar[str | None] = None
 
     def hybrid_keys(self, shard_group_size: int) -> dict[str, Any]:
         """The layout keys (``source.*``, ``target.*``) of a hybrid-sharded job of this kind with shard groups of

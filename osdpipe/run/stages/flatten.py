@@ -41,10 +41,10 @@ def flat_entry(tensor: LocalTensor, meta: SourceMeta) -> dict[str, Any] | None:
         ValueError: when parameters sharing a flat parameter disagree in state
             names, tensor dtypes, or scalar state.
     """
-    with_state = [f for f in tensor.fqns if meta.state.get(f)]
+    with_state = [f for f in tensor.fqns if any(tensor.holds(n) for n in meta.state.get(f) or ())]
     if not with_state or not tensor.stepped:
         return None
-    names = {f: set(meta.state[f]) for f in with_state}
+    names = {f: {n for n in meta.state[f] if tensor.holds(n)} for f in with_state}
     first = names[with_state[0]]
     if any(n != first for n in names.values()):
         detail = "; ".join(f"{f}: {sorted(n)}" for f, n in names.items())

@@ -1,0 +1,237 @@
+"""Where a Megatron GPT's elements lie on each rank of a TP x PP x DP grid, as the segments every layout is made of.
+
+A rank of a Megatron-Core job holds, for each of its model chunks, its local parameters (boxes of the global sharded
+keys: :func:`osdpipe.layout.megatron.local_parameters`) and its distributed optimizer's slice of each gradient bucket
+(flat buffers cut over DP: :func:`osdpipe.layout.megatron.buckets`). The model's tree names its parameters by the
+sharded keys, global over TP and PP (:func:`osdpipe.layout.models.megatron_gpt`), so both are
+:class:`~osdpipe.layout.ranges.LocalTensor` of that tree, which is all the stages need:
+
+* :func:`model_tensors`: every local parameter of the rank, parameter-shaped: what its model holds, and what its
+  optimizer's param groups follow;
+* :func:`written_tensors`: what the rank writes of a save: its share of its (PP, TP) rank's model boxes (the DP ranks
+  share the writing, as Megatron writes one copy of a replicated box) holding the weights and, ``fully_reshardable``,
+  the optimizer's states in model space; and ``dp_reshardable``, its DP slice of each bucket, holding the optimizer's
+  states (the padding between parameters zero);
+* :func:`item_chunks`: where each such tensor goes in the save: the DCP item, its global shape and its box.
+
+Ranks are numbered as megatron-core numbers them by default (``tp-cp-ep-dp-pp``): TP fastest, then DP, then PP. The
+vocabulary is padded for the grid's TP (:func:`osdpipe.layout.megatron.padded_vocab_size`); where that is more rows
+than the model's tree holds, the rows past them are padding (zero), and where fewer, the tree's last rows are not
+read. Pure functions of the dimensions: no torch, no files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from osdpipe.layout import megatron as gpt_layout
+from osdpipe.layout.boxes import Box, box_range_runs
+from osdpipe.layout.flat_buffer import rank_slice, segments
+from osdpipe.layout.megatron import Gpt, LocalParameter
+from osdpipe.layout.ranges import WEIGHTS, LocalTensor, Segment
+
+#: The distributed optimizer's states of each parameter, as its sharded keys name them (``param``: the fp32 master).
+OPTIMIZER_STATES = ("param", "exp_avg", "exp_avg_sq")
+#: The sharding types of the distributed optimizer a grid lays out (``None``: the weights alone, no optimizer).
+SHARDINGS = ("dp_reshardable", "fully_reshardable")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A Megatron GPT laid out on TP x PP x DP ranks, ``vpp`` model chunks per pipeline rank.
+
+    ``gpt``'s vocabulary is the one this grid's TP pads to. ``ddp`` holds Megatron-LM's ``args`` that cut a gradient
+    buffer into buckets (:func:`osdpipe.layout.megatron.bucketing` reads them), ``sharding`` how the distributed
+    optimizer saves its state (``None``: a save of the weights alone) and ``dtypes`` the gradient buffers'
+    ``(param dtype, grad dtype)`` as a ``dp_reshardable`` save's keys spell it."""
+
+    gpt: Gpt
+    tp: int
+    pp: int
+    dp: int
+    vpp: int = 1
+    sharding: str | None = "dp_reshardable"
+    ddp: tuple[tuple[str, Any], ...] = ()
+    dtypes: str = "torch.float32, torch.float32"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every sharded key's global shape on this grid (its padded vocabulary)."""
+        return gpt_layout.global_shapes(self.gpt)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, dp_rank, tp_rank)`` of global rank ``rank``: TP fastest, then DP, then PP."""
+        rest, tp_rank = divmod(rank, self.tp)
+        pp_rank, dp_rank = divmod(rest, self.dp)
+        return pp_rank, dp_rank, tp_rank
+
+    def params(self, pp_rank: int, tp_rank: int, chunk: int) -> list[LocalParameter]:
+        """Model chunk ``chunk``'s local parameters on (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order."""
+        return gpt_layout.local_parameters(self.gpt, self.tp, self.pp, tp_rank, pp_rank, self.vpp, chunk)
+
+    def buckets(self, pp_rank: int, tp_rank: int, chunk: int) -> list[Any]:
+        """Model chunk ``chunk``'s gradient buckets on (``pp_rank``, ``tp_rank``), as its job's DDP makes them."""
+        held = gpt_layout.rank_numel(self.gpt, self.tp, self.pp, tp_rank, pp_rank, self.vpp)
+        how = gpt_layout.bucketing(dict(self.ddp), self.dp, pp_rank, chunk, held)
+        return gpt_layout.buckets(self.params(pp_rank, tp_rank, chunk), self.dp, how)
+
+    def bucket_item(self, pp_rank: int, tp_rank: int, chunk: int, bucket: int) -> str:
+        """A ``dp_reshardable`` bucket's item, as the save keys it (each state's item is this, a dot and the state)."""
+        index = gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
+        return (f"optimizer.distributed.dp_group_idx_{index}.gbuf_idx_{chunk}.dtype_({self.dtypes})"
+                f".bucket_idx_{bucket}")
+
+
+def grid_of(args: Mapping[str, Any], tp: int, pp: int, dp: int, vpp: int = 1, sharding: str | None = None) -> Grid:
+    """The grid a job of Megatron-LM's ``args`` (its GPT, vocabulary, precision and buckets:
+    :func:`osdpipe.layout.megatron.layout_args`) has on TP ``tp`` x PP ``pp`` x DP ``dp``, ``vpp`` model chunks per
+    pipeline stage, its optimizer saved ``sharding`` (``None``: ``dp_reshardable``, Megatron-LM's default)."""
+    args = dict(args)
+    gpt = replace(gpt_layout.gpt_of(args), padded_vocab_size=gpt_layout.target_vocab(args, tp))
+    ddp = tuple((k, args[k]) for k in gpt_layout.DDP_ARGS if k in args)
+    return Grid(gpt, tp, pp, dp, vpp, sharding or "dp_reshardable", ddp, gpt_layout.gbuf_dtypes(args))
+
+
+def model_key(chunk: int, param: LocalParameter) -> str:
+    """A local parameter's layout key: its model chunk and its name in it (each chunk numbers its layers from 0)."""
+    return f"model{chunk}.{param.name}"
+
+
+def param_segments(
+    param: LocalParameter, shapes: Mapping[str, tuple[int, ...]], start: int = 0, stop: int | None = None
+) -> list[Segment]:
+    """Elements ``[start, stop)`` of a local parameter's flattened view as segments of the global keys it holds
+    (``shapes``: each key's global shape in the model's tree), at their offset from ``start``.
+
+    A piece's box past the rows the tree holds (a vocabulary padded further than the tree's) has no segment there:
+    padding."""
+    stop = param.numel if stop is None else stop
+    row = math.prod(param.shape[1:])
+    out: list[Segment] = []
+    for piece in param.pieces:
+        box = _clipped(piece.box, shapes[piece.key], piece.key)
+        first = piece.local_start * row  # the piece's first element in the local parameter
+        lo, hi = max(start, first), min(stop, first + math.prod(b - a for a, b in box))
+        for at, length, offset in box_range_runs(shapes[piece.key], box, lo - first, hi - first) if lo < hi else ():
+            out.append(Segment(piece.key, at, length, offset + lo - start))
+    return out
+
+
+def _clipped(box: Box, shape: tuple[int, ...], key: str) -> Box:
+    """``box`` within a tensor of ``shape``: only its rows may reach past the tensor's (a vocabulary padded further)."""
+    if len(box) != len(shape) or any(b > s for (_, b), s in zip(box[1:], shape[1:], strict=True)):
+        raise ValueError(f"{key}: the grid's box {box} does not lie in the model's {shape}")
+    (a, b), rest = box[0], box[1:]
+    return ((min(a, shape[0]), min(b, shape[0])), *rest)
+
+
+def model_tensors(grid: Grid, shapes: Mapping[str, tuple[int, ...]], rank: int) -> tuple[LocalTensor, ...]:
+    """Every local parameter of rank ``rank``'s model chunks, in order, parameter-shaped (``shapes``: the tree's)."""
+    pp_rank, _, tp_rank = grid.coordinates(rank)
+    out = []
+    for chunk in range(grid.vpp):
+        for param in grid.params(pp_rank, tp_rank, chunk):
+            out.append(_tensor(model_key(chunk, param), param, shapes, None))
+    return tuple(out)
+
+
+def _tensor(
+    key: str, param: LocalParameter, shapes: Mapping[str, tuple[int, ...]], states: tuple[str, ...] | None
+) -> LocalTensor:
+    fqns = tuple(dict.fromkeys(p.key for p in param.pieces))
+    return LocalTensor(key, fqns, param.shape, tuple(param_segments(param, shapes)), flat=False, states=states)
+
+
+def writers(grid: Grid, pp_rank: int, tp_rank: int) -> dict[str, int]:
+    """Which DP rank of (``pp_rank``, ``tp_rank``) writes each of its model boxes (by layout key): the largest first,
+    each to the DP rank that writes least so far, so that the DP ranks write about as much. A save holds a box
+    once: what another TP rank holds too (a norm, a row-parallel layer's bias: whole on every TP rank) is TP rank 0's
+    to write, and the last stage's copy of a tied embedding is none's (the first stage's is kept)."""
+    first = {(c, p.name): p.pieces for c in range(grid.vpp) for p in grid.params(pp_rank, 0, c)}
+    held = [(model_key(c, p), p.numel) for c in range(grid.vpp) for p in grid.params(pp_rank, tp_rank, c)
+            if not p.tied_copy and (tp_rank == 0 or first.get((c, p.name)) != p.pieces)]
+    loads, out = [0] * grid.dp, {}
+    for key, numel in sorted(held, key=lambda kv: -kv[1]):
+        least = loads.index(min(loads))
+        out[key] = least
+        loads[least] += numel
+    return out
+
+
+def written_tensors(grid: Grid, shapes: Mapping[str, tuple[int, ...]], rank: int) -> tuple[LocalTensor, ...]:
+    """What rank ``rank`` writes of a save laid out on ``grid`` (``shapes``: the tree's): its share of the model boxes
+    (:func:`writers`), each holding the weights and, ``fully_reshardable``, the optimizer's states; ``dp_reshardable``,
+    its slice of each bucket, holding the optimizer's states."""
+    pp_rank, dp_rank, tp_rank = grid.coordinates(rank)
+    mine = writers(grid, pp_rank, tp_rank)
+    boxed = (WEIGHTS, *OPTIMIZER_STATES) if grid.sharding == "fully_reshardable" else (WEIGHTS,)
+    out = []
+    for chunk in range(grid.vpp):
+        params = grid.params(pp_rank, tp_rank, chunk)
+        for param in params:
+            if mine.get(model_key(chunk, param)) == dp_rank:
+                out.append(_tensor(model_key(chunk, param), param, shapes, boxed))
+        if grid.sharding != "dp_reshardable":
+            continue
+        by_name = {p.name: p for p in params}
+        for b, bucket in enumerate(grid.buckets(pp_rank, tp_rank, chunk)):
+            lo, hi, _ = rank_slice(bucket, grid.dp, dp_rank)
+            hi = min(hi, bucket.data_end)  # the save holds the bucket cut at its data
+            if hi <= lo:
+                continue
+            held = [Segment(s.fqn, s.start, s.length, s.dest + part.dest)
+                    for part in segments(bucket, lo, hi)
+                    for s in param_segments(by_name[part.fqn], shapes, part.start, part.start + part.length)]
+            fqns = tuple(dict.fromkeys(s.fqn for s in held))
+            out.append(LocalTensor(grid.bucket_item(pp_rank, tp_rank, chunk, b), fqns, (hi - lo,), tuple(held),
+                                   flat=True, states=OPTIMIZER_STATES))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``[first, last)`` of a local tensor are box ``box`` of item ``item`` (global ``shape``) of the save."""
+
+    item: str
+    shape: tuple[int, ...]
+    box: Box
+    first: int
+    last: int
+
+
+def item_chunks(grid: Grid, rank: int) -> dict[str, tuple[Chunk, ...]]:
+    """Where each of rank ``rank``'s :func:`written_tensors` goes in the save, by layout key: a model box, each piece
+    a box of its sharded key (the weights' item; a model-space state's is ``optimizer.state.<state>.<key>``); a
+    bucket's slice, its range of the bucket's item (each state's is ``<item>.<state>``)."""
+    pp_rank, dp_rank, tp_rank = grid.coordinates(rank)
+    shapes, mine = grid.shapes, writers(grid, pp_rank, tp_rank)
+    out: dict[str, tuple[Chunk, ...]] = {}
+    for chunk in range(grid.vpp):
+        for param in grid.params(pp_rank, tp_rank, chunk):
+            if mine.get(model_key(chunk, param)) == dp_rank:
+                out[model_key(chunk, param)] = tuple(
+                    Chunk(p.key, shapes[p.key], p.box, p.local_start, p.local_stop) for p in param.pieces)
+        if grid.sharding != "dp_reshardable":
+            continue
+        for b, bucket in enumerate(grid.buckets(pp_rank, tp_rank, chunk)):
+            lo, hi, _ = rank_slice(bucket, grid.dp, dp_rank)
+            hi = min(hi, bucket.data_end)
+            if hi > lo:
+                item = grid.bucket_item(pp_rank, tp_rank, chunk, b)
+                out[item] = (Chunk(item, (bucket.data_end,), ((lo, hi),), 0, hi - lo),)
+    return out
+
+
+def state_item(chunk: Chunk, state: str) -> str:
+    """The save's item that holds ``state`` of a :class:`Chunk`: the weights under the sharded key itself, a
+    model-space optimizer state under ``optimizer.state.<state>.<key>``, a bucket's state under ``<item>.<state>``."""
+    if chunk.item.startswith("optimizer.distributed."):
+        return f"{chunk.item}.{state}"
+    return chunk.item if state == WEIGHTS else f"optimizer.state.{state}.{chunk.item}"
