@@ -9,9 +9,17 @@ import pytest
 
 @pytest.fixture(scope="session")
 def megatron_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every Megatron-LM source of :data:`frameworks.mcore_saves.SAVES`, saved once per session by megatron-core."""
-    from frameworks.mcore_saves import make_saves
+    """Every Megatron-LM source of :data:`frameworks.mcore_saves.SAVES`, saved once per session by megatron-core.
 
+    ``OSDPIPE_TEST_MEGATRON_SAVES`` names a folder where :func:`~frameworks.mcore_saves.make_saves` saved them before:
+    a developer's loop over the Megatron tests reuses them (about 2 minutes each session); CI sets none."""
+    import os
+
+    from frameworks.mcore_saves import SAVES, make_saves
+
+    kept = os.environ.get("OSDPIPE_TEST_MEGATRON_SAVES")
+    if kept:
+        return {name: Path(kept) / name for name in SAVES if (Path(kept) / name).is_dir()}
     return make_saves(tmp_path_factory.mktemp("megatron"))
 
 

@@ -26,8 +26,10 @@ reads no ``fully_sharded_model_space``).
 from __future__ import annotations
 
 import importlib.util
+import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,8 +41,11 @@ from synthetic_megatron import one_element_changed, write_with_the_tied_copy_cha
 import osdpipe
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, gpt_of, read_save
+from osdpipe.io.formats.megatron_reader import MegatronFiles, read_pieces
 from osdpipe.io.formats.megatron_writer import Target, write_save
 from osdpipe.layout import megatron as layout
+from osdpipe.layout.megatron_grid import OPTIMIZER_STATES
+from osdpipe.layout.ranges import WEIGHTS
 
 pytestmark = [
     pytest.mark.frameworks,
@@ -100,6 +105,35 @@ def test_every_tensor_is_read_bitwise_as_the_job_held_it(saves: dict[str, Path],
     key = "decoder.layers.mlp.linear_fc1.weight"
     truth["optim"][key]["exp_avg"].view(-1)[7] += 1  # one element wrong: the comparison must see it
     assert differences(truth, save) == [f"exp_avg {key}"]
+
+
+@pytest.mark.parametrize("name", sorted(SAVES))
+def test_every_tensor_read_by_ranges_is_the_jobs(saves: dict[str, Path], name: str) -> None:
+    """The range reader conversions read a save by (:mod:`osdpipe.io.formats.megatron_reader`: memory-mapped chunks,
+    a ``dp_reshardable`` save's buckets met the other way) gives the saving job's every weight, fp32 master and moment
+    bitwise, whole and in ranges that cross chunks and buckets, with its step and param groups."""
+    truth = torch.load(mcore.truth_path(saved(saves, name)), weights_only=False)
+    files = MegatronFiles(saves[name])
+    assert (files.sharding, files.tp, files.pp, files.dp, files.vpp) == (SAVES[name].sharding, *SAVES[name][:3],
+                                                                          SAVES[name].vpp)
+
+    def gathered(key: str, state: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stop = math.prod(files.shapes[key]) if stop is None else stop
+        return torch.cat(read_pieces(files, key, state, start, stop))
+
+    whole = SimpleNamespace(
+        model={k: gathered(k, WEIGHTS).reshape(shape) for k, shape in files.shapes.items()},
+        optim={k: {s: gathered(k, s).reshape(shape) for s in OPTIMIZER_STATES} for k, shape in files.shapes.items()},
+        param_groups=files.param_groups, iteration=files.iteration)
+    assert differences(truth, whole) == []
+    for key, shape in files.shapes.items():  # a range from a third of the way in to a fifth from the end
+        numel = math.prod(shape)
+        for state, held in (("exp_avg", truth["optim"][key]["exp_avg"]), (WEIGHTS, truth["model"][key])):
+            assert torch.equal(gathered(key, state, numel // 3, numel - numel // 5),
+                               held.reshape(-1)[numel // 3: numel - numel // 5]), (key, state)
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    truth["optim"][key]["exp_avg"].view(-1)[7] += 1  # one element wrong: the comparison must see it
+    assert differences(truth, whole) == [f"exp_avg {key}"]
 
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp1_pp2_dp2", "tp2_pp2", "tp4_bf16", "tp2_dp2_bias", "tp2_pp2_qkv_bias",

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import io
 import math
+import mmap
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -51,6 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.core.seekable import ViewFile
 from osdpipe.io.formats.base import InputError, SourceMeta, TensorRef
 from osdpipe.io.formats.safe_load import (
@@ -62,6 +65,7 @@ from osdpipe.io.formats.safe_load import (
     torch_load_error,
 )
 from osdpipe.io.remote_input import Prefetch, RemotePath, as_path
+from osdpipe.layout.boxes import flat_overlap
 
 #: What to do about a damaged DCP directory.
 RECOPY_DIR = "re-copy the checkpoint directory or point input.path at the directory dcp.save wrote"
@@ -403,6 +407,8 @@ class DcpCheckpoint:
         self._kept: tuple[MetadataIndex, torch.Tensor] | None = None  # read_range: the last chunk read
         self._whole_kept: tuple[str, torch.Tensor] | None = None  # read_range: the last tensor read whole
         self._prefetch: Prefetch | None = None  # read_range in object storage: the items expect() planned
+        self._maps: dict[str, mmap.mmap] = {}  # a local checkpoint's files, mapped once each
+        self._views: dict[MetadataIndex, torch.Tensor] = {}  # each chunk read, as a flat view of its mapped file
         #: Told the bytes of each stored tensor :meth:`read_range` reads (a chunk, or a tensor read whole), as it
         #: reads them: a long read's progress (``None``: nobody asks).
         self.on_read: Callable[[int], None] | None = None
@@ -455,16 +461,17 @@ class DcpCheckpoint:
 
     def read_parts(self, flat: str, start: int, stop: int) -> list[torch.Tensor]:
         """Elements ``[start, stop)`` of tensor item ``flat``'s flattened view as the stored chunks that hold them
-        hold them: each chunk's share, in order (one chunk is kept for the next range).
+        hold them: each chunk's share, in order, not to be written to.
 
-        A chunk is read whole: DCP stores each as a ``torch.save`` archive of
-        its own. A share is a view of its chunk, which it holds as long as it
-        lives; a share under half its chunk is a copy, so that the parts never
-        hold more than twice their own bytes. Where a chunk does not span whole
-        rows (not a dim-0 piece) or its bytes are transformed (compressed), the
-        whole tensor is read once and kept until another tensor is asked for:
-        one part.
+        A local checkpoint's chunks are read in place: each a view of its file mapped into memory (:meth:`_mapped`),
+        of any box (TP's column blocks, a flattened bucket's range), so a range reads what it needs and no more, and
+        :meth:`release` lets its pages go. In object storage, or where an item's bytes are transformed (compressed),
+        a chunk is read whole (DCP stores each as a ``torch.save`` archive of its own) and the last one kept; a share
+        under half its chunk is a copy, so that the parts never hold more than twice their own bytes; where such a
+        chunk does not span whole rows, the whole tensor is read once and kept until another is asked for.
         """
+        if self._maps_chunks(flat):
+            return [part for _, part in self._mapped_parts(flat, start, stop)]
         chunks = self._row_chunks(flat)
         if chunks is None:
             return [self._whole(flat).view(-1)[start:stop]]
@@ -477,6 +484,84 @@ class DcpCheckpoint:
                 share = self._chunk(flat, c).view(-1)[lo - base : hi - base]
                 parts.append(share if 2 * (hi - lo) >= c.sizes[0] * row else share.clone())
         return parts
+
+    def release(self, flat: str, start: int, stop: int) -> None:
+        """Done with elements ``[start, stop)`` of ``flat``: the pages of a memory-mapped chunk under them let go
+        (:func:`~osdpipe.core.memory.drop_mapped_pages`); a chunk read whole is dropped when the next is read."""
+        if self._maps_chunks(flat):
+            for _, part in self._mapped_parts(flat, start, stop, counted=False):
+                drop_mapped_pages(part)
+
+    def _maps_chunks(self, flat: str) -> bool:
+        """Whether ``flat``'s chunks are read as memory-mapped views: a local checkpoint's, stored as they are."""
+        if isinstance(self.directory, RemotePath):
+            return False
+        md = self.metadata.state_dict_metadata[flat]
+        return not any(self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors
+                       for c in md.chunks)
+
+    def _mapped_parts(
+        self, flat: str, start: int, stop: int, counted: bool = True
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Each chunk's share of elements ``[start, stop)`` of ``flat``, as ``(where it starts in the flattened
+        tensor, view)``, in order: a chunk of a box that cuts a later dimension gives one share per row it holds."""
+        md = self.metadata.state_dict_metadata[flat]
+        size = tuple(md.size)
+        out = []
+        for chunk in md.chunks:
+            box = tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+            runs = flat_overlap(size, box, start, stop)
+            if not runs:
+                continue
+            local = self._mapped(flat, chunk)
+            for lo, hi in runs:
+                at = _local_index(size, box, lo)
+                out.append((lo, local[at : at + hi - lo]))
+                if counted and self.on_read is not None:
+                    self.on_read((hi - lo) * local.element_size())
+        out.sort(key=lambda part: part[0])
+        return out
+
+    def _mapped(self, flat: str, chunk: Any) -> torch.Tensor:
+        """One stored chunk of ``flat`` as a flat view of its file mapped into memory (not to be written to), its
+        archive checked once (:func:`~osdpipe.io.formats.safe_load.check_torch_zip`) and its tensor described by
+        torch's own loader without its bytes (``torch.serialization.skip_data``)."""
+        index = MetadataIndex(flat, torch.Size(chunk.offsets))
+        if index in self._views:
+            return self._views[index]
+        info = self.metadata.storage_data[index]
+        path = Path(self.path) / info.relative_path
+        where = f"the item at bytes {info.offset}..{info.offset + info.length} of {path}"
+        dtype = self.metadata.state_dict_metadata[flat].properties.dtype
+        if info.relative_path not in self._maps:
+            with open(path, "rb") as f:
+                self._maps[info.relative_path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped = self._maps[info.relative_path]
+        try:
+            window = Window(_MappedFile(mapped), info.offset, info.length)
+            records = check_torch_zip(window, info.length, where, RECOPY_DIR)
+            window.seek(0)
+            with torch.serialization.skip_data():
+                skeleton = torch.load(window, map_location="cpu", weights_only=True)
+        except InputError:
+            raise
+        except Exception as exc:  # torch.load raises several types for a damaged item
+            raise torch_load_error(where, exc, RECOPY_DIR) from exc
+        data = [span for name, span in records.items() if "/data/" in name]
+        if (
+            not torch.is_tensor(skeleton) or tuple(skeleton.shape) != tuple(chunk.sizes) or skeleton.dtype != dtype
+            or len(data) != 1 or data[0][1] - data[0][0] != skeleton.untyped_storage().nbytes()
+        ):
+            raise damaged(
+                where, f"it does not hold the {tuple(chunk.sizes)} chunk of {flat} the metadata describes", RECOPY_DIR
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only map: nothing writes through the view
+            storage = torch.frombuffer(mapped, dtype=dtype, count=(data[0][1] - data[0][0]) // dtype.itemsize,
+                                       offset=info.offset + data[0][0])
+        view = storage.as_strided(skeleton.shape, skeleton.stride(), skeleton.storage_offset())
+        self._views[index] = view = view.reshape(-1) if view.is_contiguous() else view.contiguous().view(-1)
+        return view
 
     def _row_chunks(self, flat: str) -> list[Any] | None:
         """Tensor item ``flat``'s stored chunks in order, where each spans whole rows and is stored as it is (a
@@ -592,6 +677,40 @@ class DcpCheckpoint:
         return self._whole_kept[1]
 
 
+class _MappedFile:
+    """A file mapped into memory, read as a file is (what :class:`~osdpipe.io.formats.safe_load.Window` reads)."""
+
+    def __init__(self, mapped: mmap.mmap) -> None:
+        self.mapped, self.pos = mapped, 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else len(self.mapped) + pos
+        return self.pos
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self.mapped) if size is None or size < 0 else min(len(self.mapped), self.pos + size)
+        data, self.pos = self.mapped[self.pos : end], max(self.pos, end)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+
+def _local_index(size: tuple[int, ...], box: tuple[tuple[int, int], ...], flat: int) -> int:
+    """Where element ``flat`` of a tensor of ``size`` (inside ``box``) is in the box's own row-major order."""
+    coords = []
+    for n in reversed(size):
+        flat, index = divmod(flat, n)
+        coords.append(index)
+    local = 0
+    for c, (lo, hi) in zip(reversed(coords), box):
+        local = local * (hi - lo) + c - lo
+    return local
+
+
 class DcpReader:
     """The optimizer state under ``key`` of a DCP checkpoint (:class:`DcpCheckpoint`),
     as a :class:`~osdpipe.io.formats.base.SourceReader`.
@@ -670,7 +789,8 @@ class DcpReader:
         return self.checkpoint.read_parts(self._flat_key("state", fqn, name), start, stop)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
-        """Nothing is mapped: what was read is dropped when the next range needs another chunk."""
+        """Done with the range (see :meth:`DcpCheckpoint.release`)."""
+        self.checkpoint.release(self._flat_key("state", fqn, name), start, stop)
 
     def expect(self, reads: Iterable[tuple[str, str, int, int]]) -> None:
         """The ranges ``(fqn, name, start, stop)`` about to be read, in order (see :meth:`DcpCheckpoint.expect`)."""
