@@ -30,11 +30,13 @@ from typing import Any
 from osdpipe.layout import megatron as gpt_layout
 from osdpipe.layout.boxes import Box, box_range_runs
 from osdpipe.layout.flat_buffer import rank_slice, segments
-from osdpipe.layout.megatron import Gpt, LocalParameter
+from osdpipe.layout.megatron import Gpt, LocalParameter, Piece
 from osdpipe.layout.ranges import WEIGHTS, LocalTensor, Segment
 
 #: The distributed optimizer's states of each parameter, as its sharded keys name them (``param``: the fp32 master).
 OPTIMIZER_STATES = ("param", "exp_avg", "exp_avg_sq")
+#: The state name of a PyTorch optimizer's step counter, which Megatron keeps per param group.
+STEP = "step"
 #: The sharding types of the distributed optimizer a grid lays out (``None``: the weights alone, no optimizer).
 SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
@@ -166,18 +168,24 @@ def writers(grid: Grid, pp_rank: int, tp_rank: int) -> dict[str, int]:
 
 
 def written_tensors(grid: Grid, shapes: Mapping[str, tuple[int, ...]], rank: int) -> tuple[LocalTensor, ...]:
-    """What rank ``rank`` writes of a save laid out on ``grid`` (``shapes``: the tree's): its share of the model boxes
-    (:func:`writers`), each holding the weights and, ``fully_reshardable``, the optimizer's states; ``dp_reshardable``,
-    its slice of each bucket, holding the optimizer's states."""
+    """What rank ``rank`` writes of a save laid out on ``grid`` (``shapes``: the tree's), each tensor one chunk of an
+    item of the save (:func:`item_chunks`): its share of the model's boxes (:func:`writers`; a local parameter of
+    several boxes, SwiGLU's gate and up, one each), holding the weights and, ``fully_reshardable``, the optimizer's
+    states; ``dp_reshardable``, its slice of each bucket, holding the optimizer's states. Each holds its group's
+    ``step`` too, as every optimizer's tensor does; the save keeps it in the param groups."""
     pp_rank, dp_rank, tp_rank = grid.coordinates(rank)
     mine = writers(grid, pp_rank, tp_rank)
-    boxed = (WEIGHTS, *OPTIMIZER_STATES) if grid.sharding == "fully_reshardable" else (WEIGHTS,)
+    optimizer = (*OPTIMIZER_STATES, STEP)
+    boxed = (WEIGHTS, *optimizer) if grid.sharding == "fully_reshardable" else (WEIGHTS,)
     out = []
     for chunk in range(grid.vpp):
         params = grid.params(pp_rank, tp_rank, chunk)
         for param in params:
             if mine.get(model_key(chunk, param)) == dp_rank:
-                out.append(_tensor(model_key(chunk, param), param, shapes, boxed))
+                for key, piece in _boxes(chunk, param):
+                    held = _piece_segments(piece, shapes)
+                    out.append(LocalTensor(key, (piece.key,), _extents(piece.box), tuple(held), flat=False,
+                                           states=boxed))
         if grid.sharding != "dp_reshardable":
             continue
         by_name = {p.name: p for p in params}
@@ -191,33 +199,49 @@ def written_tensors(grid: Grid, shapes: Mapping[str, tuple[int, ...]], rank: int
                     for s in param_segments(by_name[part.fqn], shapes, part.start, part.start + part.length)]
             fqns = tuple(dict.fromkeys(s.fqn for s in held))
             out.append(LocalTensor(grid.bucket_item(pp_rank, tp_rank, chunk, b), fqns, (hi - lo,), tuple(held),
-                                   flat=True, states=OPTIMIZER_STATES))
+                                   flat=True, states=optimizer))
     return tuple(out)
+
+
+def _boxes(chunk: int, param: LocalParameter) -> list[tuple[str, Piece]]:
+    """A local parameter's boxes, each with its layout key: the parameter's own where it is one box, else numbered."""
+    key = model_key(chunk, param)
+    if len(param.pieces) == 1:
+        return [(key, param.pieces[0])]
+    return [(f"{key}#{i}", piece) for i, piece in enumerate(param.pieces)]
+
+
+def _extents(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def _piece_segments(piece: Piece, shapes: Mapping[str, tuple[int, ...]]) -> list[Segment]:
+    """A box's elements, in its own row-major order, as segments of its key (past the tree's rows: padding)."""
+    box = _clipped(piece.box, shapes[piece.key], piece.key)
+    return [Segment(piece.key, at, length, offset)
+            for at, length, offset in box_range_runs(shapes[piece.key], box, 0, math.prod(_extents(box)))]
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Rows ``[first, last)`` of a local tensor are box ``box`` of item ``item`` (global ``shape``) of the save."""
+    """A written tensor is box ``box`` of item ``item`` (global ``shape``) of the save."""
 
     item: str
     shape: tuple[int, ...]
     box: Box
-    first: int
-    last: int
 
 
-def item_chunks(grid: Grid, rank: int) -> dict[str, tuple[Chunk, ...]]:
-    """Where each of rank ``rank``'s :func:`written_tensors` goes in the save, by layout key: a model box, each piece
-    a box of its sharded key (the weights' item; a model-space state's is ``optimizer.state.<state>.<key>``); a
-    bucket's slice, its range of the bucket's item (each state's is ``<item>.<state>``)."""
+def item_chunks(grid: Grid, rank: int) -> dict[str, Chunk]:
+    """Where each of rank ``rank``'s :func:`written_tensors` goes in the save, by layout key: a model box, a box of its
+    sharded key (the weights' item; a model-space state's is ``optimizer.state.<state>.<key>``); a bucket's slice, its
+    range of the bucket's item (each state's is ``<item>.<state>``)."""
     pp_rank, dp_rank, tp_rank = grid.coordinates(rank)
     shapes, mine = grid.shapes, writers(grid, pp_rank, tp_rank)
-    out: dict[str, tuple[Chunk, ...]] = {}
+    out: dict[str, Chunk] = {}
     for chunk in range(grid.vpp):
         for param in grid.params(pp_rank, tp_rank, chunk):
             if mine.get(model_key(chunk, param)) == dp_rank:
-                out[model_key(chunk, param)] = tuple(
-                    Chunk(p.key, shapes[p.key], p.box, p.local_start, p.local_stop) for p in param.pieces)
+                out.update({key: Chunk(p.key, shapes[p.key], p.box) for key, p in _boxes(chunk, param)})
         if grid.sharding != "dp_reshardable":
             continue
         for b, bucket in enumerate(grid.buckets(pp_rank, tp_rank, chunk)):
@@ -225,13 +249,33 @@ def item_chunks(grid: Grid, rank: int) -> dict[str, tuple[Chunk, ...]]:
             hi = min(hi, bucket.data_end)
             if hi > lo:
                 item = grid.bucket_item(pp_rank, tp_rank, chunk, b)
-                out[item] = (Chunk(item, (bucket.data_end,), ((lo, hi),), 0, hi - lo),)
+                out[item] = Chunk(item, (bucket.data_end,), ((lo, hi),))
     return out
+
+
+def is_bucket(chunk: Chunk) -> bool:
+    """Whether ``chunk`` is a ``dp_reshardable`` bucket's range (else a box of a sharded key)."""
+    return chunk.item.startswith("optimizer.distributed.")
+
+
+def chunk_extents(chunk: Chunk) -> tuple[int, ...]:
+    """The shape of a chunk's box: the shape of the written tensor that fills it."""
+    return _extents(chunk.box)
+
+
+def chunk_states(grid: Grid, chunk: Chunk, weights_only: bool) -> tuple[str, ...]:
+    """The states a chunk is written in, each an item of the save (:func:`state_item`): a model box's weights and,
+    ``fully_reshardable``, the optimizer's states in model space; a bucket's optimizer states; the weights alone for
+    a save without optimizer state."""
+    optimizer = () if weights_only else OPTIMIZER_STATES
+    if is_bucket(chunk):
+        return optimizer
+    return (WEIGHTS, *optimizer) if grid.sharding == "fully_reshardable" else (WEIGHTS,)
 
 
 def state_item(chunk: Chunk, state: str) -> str:
     """The save's item that holds ``state`` of a :class:`Chunk`: the weights under the sharded key itself, a
     model-space optimizer state under ``optimizer.state.<state>.<key>``, a bucket's state under ``<item>.<state>``."""
-    if chunk.item.startswith("optimizer.distributed."):
+    if is_bucket(chunk):
         return f"{chunk.item}.{state}"
     return chunk.item if state == WEIGHTS else f"optimizer.state.{state}.{chunk.item}"

@@ -73,14 +73,17 @@ def test_every_item_of_the_save_is_written_once_as_megatron_lays_it_out(args, gr
         assert set(chunks) == set(tensors)
         for key, tensor in tensors.items():
             for state in tensor.states:
+                if state == "step":
+                    continue  # the save keeps it in the param groups
                 local = _filled(tensor, None, source, state)
-                for c in chunks[key]:
-                    item = state_item(c, state)
-                    items.setdefault(item, torch.zeros(c.shape))
-                    covered.setdefault(item, torch.zeros(c.shape, dtype=torch.int32))
-                    box = tuple(slice(a, b) for a, b in c.box)
-                    items[item][box] = local[c.first: c.last].reshape(items[item][box].shape)
-                    covered[item][box] += 1
+                c = chunks[key]
+                item = state_item(c, state)
+                items.setdefault(item, torch.zeros(c.shape))
+                covered.setdefault(item, torch.zeros(c.shape, dtype=torch.int32))
+                box = tuple(slice(a, b) for a, b in c.box)
+                assert tensor.shape == items[item][box].shape
+                items[item][box] = local
+                covered[item][box] += 1
     assert all(bool((n == 1).all()) for n in covered.values()), [k for k, n in covered.items() if not (n == 1).all()]
     for key, shape in target.shapes.items():  # the model (and model-space states) as the target pads it
         states = (WEIGHTS, *OPTIMIZER_STATES) if sharding == "fully_reshardable" else (WEIGHTS,)

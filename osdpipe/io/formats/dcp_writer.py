@@ -102,6 +102,31 @@ class RowShard:
 
 
 @dataclass(frozen=True)
+class BoxShard:
+    """One rank's box of a tensor of ``shape`` (a ``[start, stop)`` per dimension), as one chunk of a checkpoint: a
+    box a tensor-parallel rank holds (Megatron's column blocks, one layer of a stacked weight) or a range of a flat
+    buffer. ``local`` is the box's values on the rank that writes it, ``None`` where only the plan is needed."""
+
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]
+    dtype: torch.dtype
+    local: torch.Tensor | None = None
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        offsets = torch.Size(a for a, _ in self.box)
+        sizes = torch.Size(b - a for a, b in self.box)
+        return [WriteItem(
+            index=MetadataIndex(fqn, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                properties=TensorProperties(dtype=self.dtype),
+                size=torch.Size(self.shape),
+            ),
+        )]
+
+
+@dataclass(frozen=True)
 class Stored:
     """An item carried over from another DCP checkpoint as it is stored there:
     its bytes written as they are, never unpickled.
@@ -117,14 +142,16 @@ class Stored:
 
 class _RowShardPlanner(DefaultSavePlanner):
     """DCP's default planner, which also hands the writer a
-    :class:`RowShard`'s local piece and a :class:`Stored` item's bytes."""
+    :class:`RowShard`'s or a :class:`BoxShard`'s local piece and a :class:`Stored` item's bytes."""
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
+        if isinstance(obj, (RowShard, BoxShard)) and obj.local is None:
+            raise ValueError(f"{index.fqn}: this rank's piece is not at hand; only its plan is")
         if isinstance(obj, RowShard):
-            if obj.local is None:
-                raise ValueError(f"{index.fqn}: this rank's piece is not at hand; only its plan is")
             return obj.block_at(index.offset)
+        if isinstance(obj, BoxShard):
+            return obj.local
         if isinstance(obj, Stored) and obj.raw is None:
             raise ValueError(f"{index.fqn}: the stored bytes are not at hand; only its plan is")
         return super().lookup_object(index)
