@@ -442,7 +442,7 @@ def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
     (:func:`osdpipe.verify.megatron.written_problems`)."""
     # torch: not on check --help's path
     from osdpipe.io.formats.megatron import MASTERS, read_save
-    from osdpipe.pipeline.megatron import hf_problems
+    from osdpipe.pipeline.megatron import hf_dtype, hf_folder_problems
     from osdpipe.verify.megatron import written_problems
 
     source = raw["input"]["path"]
@@ -459,8 +459,9 @@ def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
                   "mapped to Megatron's GPT")
     elif raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
         masters = read_save(source, weights=False, states=MASTERS)  # the folder holds them alone
-        problems = hf_problems(masters, directory, raw["output"].get("dtype") or "float32")
-        proved = "every fp32 master weight, mapped back from the Hugging Face model, equals the source's"
+        problems = hf_folder_problems(masters, directory, raw["output"].get("dtype") or hf_dtype(masters))
+        proved = ("every fp32 master weight, mapped back from the Hugging Face model, equals the source's; "
+                  "config.json is the one the save makes")
     else:
         problems = written_problems(read_save(source), directory)
         proved = ("every weight, fp32 master and moment, the param groups, step, iteration and scheduler equal the "

@@ -400,10 +400,42 @@ def draw_matrix(matrix: Matrix, path: Path, title: str) -> None:
     _draw_cells(ax, matrix)
     _label_axes(ax, matrix)
     _add_legend(fig, matrix)
-    # ~14 characters an inch at 10 pt
-    subtitle = textwrap.fill(f"every job: {matrix.subtitle}", width=int(width * 14)) + "\n" if matrix.subtitle else ""
-    fig.suptitle(f"{title}\n{subtitle}cells: outcome, and seconds in the stages (report.json)", fontsize=10)
+    subtitle = [f"every job: {matrix.subtitle}"] if matrix.subtitle else []
+    _fit_title(fig, [title, *subtitle, "cells: outcome, and seconds in the stages (report.json)"])
     fig.savefig(path, metadata={"Description": json.dumps(matrix_dict(matrix)), "Software": "osdpipe"})
+
+
+#: The share of the figure's width a title line may take: a margin on each side.
+TITLE_ROOM = 0.96
+#: The fewest characters a title line is wrapped to (a figure narrower than that cuts it).
+TITLE_MIN_CHARS = 12
+#: The height of one more title line at 10 pt, with its spacing.
+TITLE_LINE_INCHES = 0.17
+
+
+def _fit_title(fig: Any, paragraphs: list[str]) -> None:
+    """Give ``fig`` the title ``paragraphs``, each wrapped into lines that fit the figure's width, and the figure the
+    height the extra lines take.
+
+    A centered line wider than the figure is cut on both sides, and how many characters fit an inch depends on the
+    letters (capitals, ``=``, ``_`` of a sweep's overrides are wide), so each paragraph is measured as drawn, not
+    guessed, and wrapped narrower until it fits.
+    """
+    renderer = fig.canvas.get_renderer()
+    room = fig.bbox.width * TITLE_ROOM
+    lines: list[str] = []
+    for paragraph in paragraphs:
+        chars = len(paragraph)
+        while True:
+            wrapped = textwrap.wrap(paragraph, width=chars) or [""]
+            wide = fig.suptitle("\n".join(wrapped), fontsize=10).get_window_extent(renderer).width
+            if wide <= room or chars <= TITLE_MIN_CHARS:
+                break
+            chars = max(TITLE_MIN_CHARS, min(chars - 1, int(chars * room / wide)))
+        lines.extend(wrapped)
+    fig.suptitle("\n".join(lines), fontsize=10)
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width, height + TITLE_LINE_INCHES * max(0, len(lines) - 3))
 
 
 # the widest sweep.png: a sweep of hundreds of columns gets smaller type, not a picture no viewer opens

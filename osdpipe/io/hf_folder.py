@@ -21,6 +21,13 @@ from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.io.safetensors_out import DTYPE_CODES, INDEX_FILE, SINGLE_FILE, TensorSpec, write_safetensors
 
 CONFIG = "config.json"
+#: The generation defaults ``save_pretrained`` writes beside ``config.json`` (token ids, sampling settings).
+GENERATION_CONFIG = "generation_config.json"
+#: The entry of a Megatron save's ``common.pt`` in which osdpipe keeps the Hugging Face folder the save was made of
+#: (:func:`record_of`), for the way back (``output.checkpoint=hf``, :func:`config_back`).
+RECORD = "hugging_face"
+#: The dtypes a folder's weights are written in, as ``config.json`` names them.
+DTYPES = ("float32", "bfloat16", "float16")
 #: ``model.factory`` of the model a folder's ``config.json`` describes (:func:`model_from_config`).
 MODEL_FROM_CONFIG = "osdpipe.io.hf_folder:model_from_config"
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -182,3 +189,51 @@ def _place(root: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> N
             module.add_module(part, torch.nn.Module())
         module = getattr(module, part)
     module.register_parameter(leaf, parameter)
+
+
+def record_of(directory: str | Path, config: dict) -> dict:
+    """What a Megatron save made of the Hugging Face folder (or the HF Trainer's checkpoint) ``directory`` keeps of
+    it in ``common.pt`` (:data:`RECORD`): its ``config.json`` (``config``, as read) and the text of its
+    ``generation_config.json`` where it has one.
+
+    Megatron's ``args`` hold the model's dimensions and nothing else of the folder: without this, the folder made
+    back of the save had no token ids (``bos_token_id``, ``eos_token_id``), no ``generation_config.json`` and the
+    dtype of the job's masters, not the folder's."""
+    record: dict = {"config": config}
+    generation = as_path(directory) / GENERATION_CONFIG
+    if generation.is_file():
+        record["generation_config"] = generation.read_text()
+    return record
+
+
+def recorded_dtype(record: dict | None) -> str | None:
+    """The dtype of the weights of the folder ``record`` (:func:`record_of`) was made of, as its ``config.json``
+    says it (transformers 5's ``dtype``, 4's ``torch_dtype``); ``None``: no record, or a dtype it does not say."""
+    config = (record or {}).get("config") or {}
+    said = config.get("dtype") or config.get("torch_dtype")
+    return said if said in DTYPES else None
+
+
+def config_back(record: dict | None, made: dict) -> dict:
+    """The ``config.json`` of a folder made of a Megatron save: ``made`` (what the save's ``args`` give) over the
+    recorded folder's own (``record``, :func:`record_of`), so that every field ``args`` cannot hold (the token ids,
+    the tokenizer's and the generation's settings) is the folder's again; a field ``made`` leaves ``None`` is the
+    folder's."""
+    recorded = dict((record or {}).get("config") or {})
+    return {**recorded, **{k: v for k, v in made.items() if v is not None or k not in recorded}}
+
+
+def record_problems(record: dict | None, config: dict, directory: Path) -> list[str]:
+    """What the folder ``directory`` made of a Megatron save does not hold as it was meant to: ``config`` as its
+    ``config.json`` (:func:`config_back`), and, where the save kept the folder it was made of (``record``,
+    :func:`record_of`), that folder's ``generation_config.json`` as it was."""
+    problems = []
+    written, config = json.loads((directory / CONFIG).read_text()), json.loads(json.dumps(config))
+    if written != config:
+        problems.append(f"{CONFIG}: " + ", ".join(sorted(k for k in {*written, *config}
+                                                          if written.get(k) != config.get(k))) + " differ")
+    if record and record.get("generation_config") is not None:
+        generation = directory / GENERATION_CONFIG
+        if not generation.is_file() or generation.read_text() != record["generation_config"]:
+            problems.append(f"{GENERATION_CONFIG}: not the one of the folder the save was made of")
+    return problems

@@ -18,9 +18,12 @@ import copy
 import logging
 import os
 import re
+import socket
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from osdpipe.io.errors import InputError
 from osdpipe.io.output import OutputError
@@ -213,11 +216,13 @@ def filesystem(
     location: Location, storage_options: Mapping[str, Any] | None = None, where: str = "path", probe: bool = False
 ):
     """A fresh fsspec filesystem for ``location``'s store (not fsspec's cached instance: credentials and options are
-    read now). ``probe``: for a first look, which fails at the first error (s3fs's own retries off), so that a store
-    that does not answer is said within the options' timeouts.
+    read now). ``probe``: for a first look, which fails at the first error (s3fs's own retries off, and an endpoint
+    the user set connected to first: :func:`_connect`), so that a store that does not answer is said within the
+    options' timeouts.
 
     Raises:
-        InputError or OutputError (:func:`error_type` of ``where``): the backend is not installed.
+        InputError or OutputError (:func:`error_type` of ``where``): the backend is not installed; with ``probe``, the
+            endpoint the user set takes no connection.
     """
     module, store = SCHEMES[location.scheme]
     try:
@@ -225,11 +230,13 @@ def filesystem(
     except ImportError:
         raise error_type(where)(
             f"{where}={location.url!r}: {store} needs {module}, which is not installed; "
-            "pip install 'osdpipe[cloud]'"
+            "pip install '.[cloud]' in osdpipe's checkout (the cloud extra)"
         ) from None
     import fsspec
 
     _quiet_clients()
+    if probe:
+        _connect(location, storage_options, where)
     fs = fsspec.filesystem(location.scheme, skip_instance_cache=True, **options_for(location.scheme, storage_options))
     if probe and hasattr(fs, "retries"):
         fs.retries = 1
@@ -269,16 +276,77 @@ def _share_models(fs: Any) -> None:
 #: The store clients' loggers. They say, on every run, where they found the credentials and the endpoint (botocore
 #: at INFO: "Found credentials in environment variables."), and which ways to credentials failed before one worked
 #: (google-auth at WARNING: "Authentication failed using Compute Engine authentication due to unavailable metadata
-#: server."); Hydra's console handler prints those lines among osdpipe's own.
+#: server."), and gcsfs logs each failed request with its traceback at ERROR ("_request out of retries on
+#: exception", "non-retriable exception"); Hydra's console handler prints those lines among osdpipe's own.
 CLIENT_LOGGERS = ("botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "google", "fsspec")
 
 
 def _quiet_clients() -> None:
-    """The store clients say errors only: what a failure means, osdpipe says in its own line."""
+    """The store clients say nothing short of CRITICAL: every failure of theirs reaches osdpipe as an exception, which
+    osdpipe says in its own line (:func:`failure`), without the client's traceback beside it."""
     for name in CLIENT_LOGGERS:
         logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET or logger.level < logging.ERROR:
-            logger.setLevel(logging.ERROR)
+        if logger.level == logging.NOTSET or logger.level < logging.CRITICAL:
+            logger.setLevel(logging.CRITICAL)
+
+
+#: Where each store's client takes an endpoint other than the store's own, in the order it looks: keys of its options
+#: (``runtime.storage_options.<scheme>``), then environment variables (botocore: ``AWS_ENDPOINT_URL_S3`` over
+#: ``AWS_ENDPOINT_URL``; gcsfs: ``STORAGE_EMULATOR_HOST``, a host with or without ``http://``).
+ENDPOINT_SETTINGS: dict[str, tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]] = {
+    "s3": ((("endpoint_url",), ("client_kwargs", "endpoint_url")), ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")),
+    "gs": ((("endpoint_url",),), ("STORAGE_EMULATOR_HOST",)),
+}
+#: How long the connection to an endpoint the user set may take before the first look (:func:`_connect`), where the
+#: options give no ``config_kwargs.connect_timeout`` (gs://): s3's default's.
+CONNECT_S = 10.0
+
+
+def endpoint_setting(location: Location, storage_options: Mapping[str, Any] | None = None) -> tuple[str | None, str]:
+    """The endpoint the user set for ``location``'s store and what set it (``AWS_ENDPOINT_URL``,
+    ``runtime.storage_options.s3.endpoint_url``, ``STORAGE_EMULATOR_HOST``); ``(None, <where one sets it>)`` where
+    the client uses the store's own. For messages that name what to fix: each store reads its own variable."""
+    options = options_for(location.scheme, storage_options)
+    keys, variables = ENDPOINT_SETTINGS[location.scheme]
+    for path in keys:
+        node: Any = options
+        for name in path:
+            node = node.get(name) if isinstance(node, Mapping) else None
+        if node:
+            return str(node), ".".join(("runtime.storage_options", location.scheme, *path))
+    for variable in variables:
+        value = os.environ.get(variable)
+        if value and not (variable == "STORAGE_EMULATOR_HOST" and value == "default"):  # gcsfs: the store's own
+            return value, variable
+    return None, ", ".join((*variables, ".".join(("runtime.storage_options", location.scheme, *keys[0]))))
+
+
+def _connect(location: Location, storage_options: Mapping[str, Any] | None, where: str) -> None:
+    """Open and close one TCP connection to the endpoint the user set (:func:`endpoint_setting`), before the first
+    look; an endpoint that refuses it, or whose host does not resolve, is said now in one line (:func:`failure`).
+
+    gcsfs retries a request that could not connect six times with growing pauses, 35 to 40 s, and no option of it
+    says otherwise; a closed port must not cost that. The connection is bounded by the options' connect timeout
+    (:data:`CONNECT_S` without one). Skipped where a proxy variable covers the endpoint (the client may reach it
+    only through the proxy) and for the store's own endpoint.
+    """
+    url, _ = endpoint_setting(location, storage_options)
+    if url is None:
+        return
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is no number: the client says what it makes of it
+        return
+    proxies = urllib.request.getproxies()
+    if host is None or (parts.scheme in proxies and not urllib.request.proxy_bypass(host)):
+        return
+    config = options_for(location.scheme, storage_options).get("config_kwargs")
+    timeout = float((config or {}).get("connect_timeout", CONNECT_S)) if isinstance(config, Mapping) else CONNECT_S
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise failure(exc, location, where, storage_options) from None
 
 
 def first_look_s(scheme: str, storage_options: Mapping[str, Any] | None = None) -> float | None:
@@ -320,11 +388,8 @@ def _code(exc: BaseException) -> str | None:
 
 def endpoint(location: Location, storage_options: Mapping[str, Any] | None = None) -> str:
     """The endpoint the filesystem talks to, as far as the options and the environment say (for messages)."""
-    options = options_for(location.scheme, storage_options)
-    given = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
-    if location.scheme == "s3":
-        given = given or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    return redact(str(given)) if given else f"{location.store}'s own"
+    given, _ = endpoint_setting(location, storage_options)
+    return redact(given) if given else f"{location.store}'s own"
 
 
 def failure(
@@ -341,6 +406,7 @@ def failure(
     codes = {c for e in chain if (c := _code(e))}
     said = f"{where}={location.url!r}"
     store, at = location.store, endpoint(location, storage_options)
+    set_by = endpoint_setting(location, storage_options)[1]
     verb = "write" if where.startswith("output") else "read"
     denied = f"access denied{_at(key)}; the credentials in use may not {verb} here"
     if names & _NO_CREDENTIALS:
@@ -352,9 +418,9 @@ def failure(
     elif codes & _REFUSED:
         text = f"the {store} credentials were refused ({', '.join(sorted(codes & _REFUSED))}); check or renew them"
     elif names & _TIMED_OUT:
-        text = f"the endpoint {at} does not answer (timed out); check it (AWS_ENDPOINT_URL, runtime.storage_options)"
+        text = f"the endpoint {at} does not answer (timed out); check it ({set_by})"
     elif names & _UNREACHABLE:
-        text = f"cannot connect to the endpoint {at}; check it (AWS_ENDPOINT_URL, runtime.storage_options)"
+        text = f"cannot connect to the endpoint {at}; check it ({set_by})"
     elif codes & {"NoSuchKey", "404", "NotFound"} or any(isinstance(e, FileNotFoundError) for e in chain):
         text = f"{(key or location).url!r} does not exist; check the prefix"
     elif any(isinstance(e, PermissionError) for e in chain):
@@ -380,7 +446,10 @@ _TIMED_OUT = {
     "ConnectTimeoutError", "ReadTimeoutError", "TimeoutError", "ConnectionTimeoutError", "ServerTimeoutError",
     "FSTimeoutError",
 }  # fmt: skip
-_UNREACHABLE = {"EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError", "ConnectionError"}
+_UNREACHABLE = {
+    "EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError", "ConnectionError", "gaierror",
+    "ClientConnectorDNSError",
+}  # fmt: skip
 
 
 def _at(key: Location | None) -> str:

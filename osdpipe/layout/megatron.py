@@ -345,11 +345,15 @@ def grid_args(
     """Megatron-LM's ``args`` of the parallelism, for a GPT converted in from another framework's model: TP ``tp`` x
     PP ``pp`` on ``world`` ranks, ``vpp`` virtual stages per pipeline rank, the distributed optimizer.
 
+    The TP rule is megatron-core's (:func:`tp_problem` with ``replicated``): the key/value heads may divide the TP,
+    each then held by ``tp / groups`` ranks, as the other direction (a Megatron save to another TP) takes it.
+
     Raises:
-        ValueError: one line: a TP that does not divide one of ``sizes`` (``(size, what it is)``: the heads, the FFN),
-            a PP (times the virtual stages) that does not divide the ``layers``, a world that is no multiple of TP x PP.
+        ValueError: one line: a TP that does not divide one of ``sizes`` (``(size, what it is)``: the heads, the FFN;
+            the key/value heads neither divided by it nor dividing it), a PP (times the virtual stages) that does not
+            divide the ``layers``, a world that is no multiple of TP x PP.
     """
-    if why := tp_problem(sizes, tp):
+    if why := tp_problem(sizes, tp, replicated=True):
         raise ValueError(why)
     if why := virtual_stages_problem(layers, pp, vpp):
         raise ValueError(why)

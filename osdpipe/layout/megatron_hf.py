@@ -101,7 +101,7 @@ def true_vocab_size(args: dict[str, Any]) -> int:
     return int(vocab) if vocab else int(args["padded_vocab_size"])
 
 
-def _dtype_name(args: dict[str, Any]) -> str:
+def params_dtype(args: dict[str, Any]) -> str:
     """The job's ``params_dtype`` as transformers names it."""
     if args.get("bf16"):
         return "bfloat16"
@@ -158,7 +158,7 @@ def hf_config(args: dict[str, Any], *, vocab_size: int | None = None, dtype: str
     if not 0 < vocab <= padded:
         raise ValueError(f"vocabulary {vocab} is not in (0, padded_vocab_size {padded}]")
     try:
-        return family_of_args(args).hf_config(args, vocab_size=vocab, dtype=dtype or _dtype_name(args))
+        return family_of_args(args).hf_config(args, vocab_size=vocab, dtype=dtype or params_dtype(args))
     except KeyError as exc:
         raise ValueError(f"common.pt's args hold no {exc.args[0]}, which config.json needs; is it a Megatron-LM "
                          "save?") from None

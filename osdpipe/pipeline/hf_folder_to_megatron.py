@@ -11,9 +11,11 @@ no ``release`` and ``args.no_save_optim`` is unset); the report says so.
 The weights go through the map every Llama checkpoint does (:func:`osdpipe.layout.megatron_hf.from_hf`, the
 vocabulary padded with zero rows to Megatron's padded size for the target's TP), in the folder's own dtype (a bf16
 folder is a bf16 Megatron job's weights, bit for bit); ``args`` come from ``config.json``
-(:func:`osdpipe.layout.megatron_hf.megatron_args`), ``bf16``/``fp16`` set as the weights are. The save, read back and
-mapped to Hugging Face's names again, must hold every tensor of the folder bit for bit (the verify stage and
-``osdpipe check``).
+(:func:`osdpipe.layout.megatron_hf.megatron_args`), ``bf16``/``fp16`` set as the weights are. What ``args`` cannot
+hold of the folder (``config.json`` whole: its token ids, its dtype; ``generation_config.json``) is kept in
+``common.pt`` (:func:`osdpipe.io.hf_folder.record_of`), which Megatron-LM's load ignores, so that the save converted
+back to a folder is this one. The save, read back and mapped to Hugging Face's names again, must hold every tensor of
+the folder bit for bit (the verify stage and ``osdpipe check``).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ FRESH_OPTIMIZER = (
     "optimizer and learning-rate schedule started fresh"
 )
 
-#: What becomes of each file of the folder, by kind: its weights, its ``config.json``, the rest (a tokenizer's files,
-#: ``generation_config.json``).
+#: What becomes of each file of the folder, by kind: its weights, its ``config.json``, its ``generation_config.json``,
+#: the rest (a tokenizer's files).
 _FATES = {
     "weights": "converted: the weights, mapped to Megatron's GPT in their own dtype, laid out for the target's TP and "
                "PP, the vocabulary padded with zero rows",
-    "config": "converted: the model's dimensions, written as common.pt's args",
+    "config": f"converted: the model's dimensions, written as common.pt's args; kept whole in common.pt's "
+              f"{hf_folder.RECORD!r} for the way back (output.checkpoint=hf: its token ids, dtype and other fields)",
+    "generation": f"kept: in common.pt's {hf_folder.RECORD!r}, written back by output.checkpoint=hf",
     "other": "left out: a Megatron-LM save has no place for it",
 }
 
@@ -115,7 +119,8 @@ def folder_save(path: str | Path, job: MegatronJob) -> tuple[MegatronSave, dict[
         optim={},
         param_groups=[],
         scheduler=None,
-        common={"checkpoint_version": 3.0, "num_floating_point_operations_so_far": 0},
+        common={"checkpoint_version": 3.0, "num_floating_point_operations_so_far": 0,
+                hf_folder.RECORD: hf_folder.record_of(path, config)},
         extra_state=extra_state(gpt.num_layers),
         release=True,
     )

@@ -195,10 +195,18 @@ def hf_source(plan: Plan, job: MegatronJob) -> megatron.Source:
 
     def entries() -> list[dict[str, Any]]:
         read = plan.checkpoint.read(as_path(plan.input_path))
-        return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": _FATES[e.part]}
+        kept = hf_folder.RECORD in held["save"].common if "save" in held else False
+        return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size,
+                 "fate": _KEPT if kept and e.name in (hf_folder.CONFIG, hf_folder.GENERATION_CONFIG)
+                 else _FATES[e.part]}
                 for e in read.entries]
 
     return megatron.Source(read, problems, entries, lambda: held.get("notes", []))
+
+
+#: What becomes of the checkpoint's ``config.json`` and ``generation_config.json``: what ``args`` cannot hold of them.
+_KEPT = (f"kept: in common.pt's {hf_folder.RECORD!r} (config.json also as common.pt's args), written back by "
+         "output.checkpoint=hf")
 
 
 def open_hf_input(plan: Plan) -> tuple[SourceReader, SourceMeta]:
@@ -266,7 +274,10 @@ def source_save(
             than Megatron's.
     """
     where = plan.input_path
-    config = hf_model_config(plan.spec.model.model_dump(mode="json"), where)
+    model = plan.spec.model.model_dump(mode="json")
+    config = hf_model_config(model, where)
+    # a folder's own config.json (not one made of torchtitan's model): kept for the way back to a Hugging Face folder
+    record = {} if titan_args(model) is not None else {hf_folder.RECORD: hf_folder.record_of(where, config)}
     steps = {float(meta.state[p.fqn]["step"]) for p in plan.tree.params}
     if len(steps) != 1:
         raise InputError(f"{where}: the parameters were stepped {sorted(steps)} times; a Megatron save holds one step "
@@ -300,7 +311,7 @@ def source_save(
         param_groups=megatron_groups,
         scheduler=scheduler,
         common={"checkpoint_version": 3.0, "opt_param_scheduler": scheduler,
-                "num_floating_point_operations_so_far": 0},
+                "num_floating_point_operations_so_far": 0, **record},
         extra_state=extra_state(gpt.num_layers),
     )
     return save, step, groups, notes

@@ -72,6 +72,8 @@ class Converted:
     roundtrip: str = ""
     #: Every committed file and its digest.
     files: dict[str, str] = field(default_factory=dict)
+    #: What the report warns of the output (a Hugging Face folder's fields the save could not say).
+    notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """The Python API's answer: where the iteration folder is, both parallelisms and sharding types, which source
@@ -168,35 +170,106 @@ def _as_hf(
     job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None
 ) -> Converted:
     """The ``shard`` and ``verify`` stages of a Hugging Face folder (``output.checkpoint=hf``): the fp32 master weights
-    mapped to Llama's, Qwen2's, Qwen3's or GPT-2's names and layout (:mod:`osdpipe.layout.megatron_hf`), written as
-    ``save_pretrained`` writes them, read back and mapped again: every element of every master, the vocabulary's
-    padding rows left out."""
+    (a save of the weights alone: its weights) mapped to Llama's, Qwen2's, Qwen3's or GPT-2's names and layout
+    (:mod:`osdpipe.layout.megatron_hf`), written as ``save_pretrained`` writes them, read back and mapped again: every
+    element of every master, the vocabulary's padding rows left out.
+
+    In the source's dtype unless ``output.dtype`` says another (:func:`hf_dtype`). Where osdpipe made the save of a
+    Hugging Face folder, the folder's ``config.json`` fields and ``generation_config.json`` it kept
+    (:func:`osdpipe.io.hf_folder.record_of`) are the output's again; else the report names what the save could not
+    say (:func:`unknown_of_hf`)."""
     from osdpipe.io import hf_folder
     from osdpipe.io.formats.megatron import gpt_of
     from osdpipe.layout import megatron_hf
 
     gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
-    dtype = job.dtype or "float32"
-    masters = {key: t.to(getattr(torch, dtype)) for key, t in masters_of(save).items()}
+    record = save.common.get(hf_folder.RECORD)
+    dtype = job.dtype or hf_dtype(save)
+    held = masters_of(save)
+    masters = {key: t.to(getattr(torch, dtype)) for key, t in held.items()}
+
+    try:
+        config = hf_config_of(save, dtype)
+    except ValueError as exc:  # what its Hugging Face family cannot express, or an arg it needs, named
+        raise InputError(f"{save.folder}: {exc}") from None
 
     def write() -> dict[str, str]:
         try:
-            config = megatron_hf.hf_config(save.args, vocab_size=vocab, dtype=dtype)
             state = megatron_hf.to_hf(gpt, masters, vocab)
-        except ValueError as exc:  # what its Hugging Face family cannot express, or an arg it needs, named
+        except ValueError as exc:
             raise InputError(f"{save.folder}: {exc}") from None
-        return hf_folder.write_folder(staging, config, state, job.max_shard_size)
+        written = hf_folder.write_folder(staging, config, state, job.max_shard_size)
+        if record and record.get("generation_config") is not None:
+            (staging / hf_folder.GENERATION_CONFIG).write_text(record["generation_config"])
+        return written
 
     files = _stage(stages, "shard", display, write, lambda _: _tree_bytes(staging))
 
-    problems = _stage(stages, "verify", display, lambda: hf_problems(save, staging, dtype),
+    problems = _stage(stages, "verify", display, lambda: hf_folder_problems(save, staging, dtype),
                       lambda _: _tree_bytes(staging))
     if problems:
         raise ReadBackDiffers(f"{job.output}: the written folder read back differs: {'; '.join(problems[:3])}")
-    cast = "" if dtype == "float32" else f", cast to {dtype} (round to nearest even, as torch casts)"
-    proved = (f"every fp32 master weight{cast}, mapped to Hugging Face's {megatron_hf.architecture(save.args)} and "
-              f"back, bitwise (vocabulary {vocab} of {gpt.padded_vocab_size} padded rows)")
-    return Converted(save, None, None, roundtrip=proved, files=files)
+    cast = "" if {str(t.dtype) for t in held.values()} == {f"torch.{dtype}"} else (
+        f", cast to {dtype} (round to nearest even, as torch casts)")
+    which = "weight" if save.weights_only else "fp32 master weight"
+    kept = (f"; config.json's fields and {'generation_config.json ' if record.get('generation_config') else ''}"
+            "as the Hugging Face folder the save was made of had them") if record else ""
+    proved = (f"every {which}{cast}, mapped to Hugging Face's {megatron_hf.architecture(save.args)} and "
+              f"back, bitwise (vocabulary {vocab} of {gpt.padded_vocab_size} padded rows){kept}")
+    return Converted(save, None, None, roundtrip=proved, files=files, notes=unknown_of_hf(save))
+
+
+def hf_config_of(save: MegatronSave, dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face folder made of ``save`` in ``dtype``: what its ``args`` give
+    (:func:`osdpipe.layout.megatron_hf.hf_config`) over the folder the save was made of, where osdpipe kept one
+    (:func:`osdpipe.io.hf_folder.config_back`).
+
+    Raises:
+        ValueError: one line: what its Hugging Face family cannot express, or an arg ``config.json`` needs.
+    """
+    from osdpipe.io import hf_folder
+    from osdpipe.layout import megatron_hf
+
+    made = megatron_hf.hf_config(save.args, vocab_size=megatron_hf.true_vocab_size(save.args), dtype=dtype)
+    return hf_folder.config_back(save.common.get(hf_folder.RECORD), made)
+
+
+def hf_folder_problems(save: MegatronSave, folder: Path, dtype: str) -> list[str]:
+    """What the Hugging Face folder ``folder`` made of ``save`` in ``dtype`` does not hold: every master, cast, bitwise
+    (:func:`hf_problems`), ``config.json`` as :func:`hf_config_of` makes it, and the ``generation_config.json`` of
+    the folder the save was made of (:func:`osdpipe.io.hf_folder.record_problems`). The verify stage's and
+    ``osdpipe check``'s."""
+    from osdpipe.io import hf_folder
+
+    record = save.common.get(hf_folder.RECORD)
+    return [*hf_problems(save, folder, dtype), *hf_folder.record_problems(record, hf_config_of(save, dtype), folder)]
+
+
+def hf_dtype(save: MegatronSave) -> str:
+    """The dtype of a Hugging Face folder made of ``save`` where ``output.dtype`` says none: the source's own. That of
+    the folder the save was made of, as it recorded it (:func:`osdpipe.io.hf_folder.recorded_dtype`); else the job's
+    ``params_dtype`` (``args.bf16``: bfloat16, ``args.fp16``: float16, else float32), the dtype its model computes
+    in and ``from_pretrained`` loads, where fp32 masters made a bf16 folder an fp32 one."""
+    from osdpipe.io import hf_folder
+    from osdpipe.layout import megatron_hf
+
+    return hf_folder.recorded_dtype(save.common.get(hf_folder.RECORD)) or megatron_hf.params_dtype(save.args)
+
+
+def unknown_of_hf(save: MegatronSave) -> list[str]:
+    """What a Hugging Face folder made of ``save`` cannot hold as its model had it, in a warning (none where osdpipe
+    made the save of a Hugging Face folder and kept it: :func:`osdpipe.io.hf_folder.record_of`): Megatron's ``args``
+    hold no token ids, and a Megatron save no ``generation_config.json``."""
+    from osdpipe.io import hf_folder
+
+    if hf_folder.RECORD in save.common:
+        return []
+    return [
+        f"{save.folder}: the save holds no Hugging Face folder's config.json (osdpipe keeps one in common.pt's "
+        f"{hf_folder.RECORD!r} only where it made the save of a folder): config.json's bos_token_id and eos_token_id "
+        "are null and no generation_config.json is written; set the token ids from the model's tokenizer, and copy "
+        "its generation_config.json beside the weights"
+    ]
 
 
 def masters_of(save: MegatronSave) -> dict[str, torch.Tensor]:
@@ -324,7 +397,7 @@ def execute(
     except (InputError, ReadBackDiffers) as exc:
         return Report(ok=False, error=one_line(exc), traceback=format_exc(), warnings=list(warnings),
                       memory=[watch.stop()], skipped_checks=skipped)
-    warnings = [*warnings, *done.source.notes, *_rng_notes(done),
+    warnings = [*warnings, *done.source.notes, *done.notes, *_rng_notes(done),
                 *(source.notes() if source is not None and source.notes else [])]
     return Report(
         ok=True,
@@ -355,13 +428,21 @@ _HF_FATES = {
 }
 
 
+#: What a Hugging Face folder does with the one of a save made of a folder (:data:`RECORDED`).
+_HF_RECORDED = ("converted: config.json's fields the args do not hold (token ids, dtype, the rest) and "
+                "generation_config.json, as the Hugging Face folder the save was made of had them")
+
+
 def _fates(done: Converted) -> list[dict[str, Any]]:
     """Every entry of the source save and what became of it, as ``report.json`` lists a whole checkpoint's."""
     from osdpipe.io.checkpoints import get
+    from osdpipe.io.checkpoints.megatron import RECORDED
 
-    fates = _FATES if done.target is not None else _HF_FATES
+    fates = _FATES if done.target is not None else {**_HF_FATES, RECORDED: _HF_RECORDED}
+    if done.target is None and done.source.weights_only:  # no masters: the weights are the folder's
+        fates["model"] = "converted: the weights (the save holds no optimizer), mapped to the Hugging Face model"
     read = get(MEGATRON).read(done.source.folder)
-    return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": fates[e.part]}
+    return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": fates.get(e.name, fates[e.part])}
             for e in read.entries]
 
 

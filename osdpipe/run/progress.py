@@ -7,9 +7,15 @@ draws its own phases (starting a world, generating the source); under
 torchrun rank 0 draws them itself. So there is one display per run, never two
 processes writing over each other's line.
 
-The line is drawn with tqdm (rate, elapsed time and terminal width are solved
-there; rich would bring a rendering stack osdpipe does not otherwise need),
-only when stderr is a terminal and ``CI`` is unset.
+The line is drawn with tqdm (rate and elapsed time are solved there; rich
+would bring a rendering stack osdpipe does not otherwise need), only when
+stderr is a terminal and ``CI`` is unset. Its width is the terminal's, read
+again at each draw (:func:`line_width`), and never its height: tqdm's own
+(``dynamic_ncols``) took both from the size the terminal reports, and a
+terminal that reports none (0 x 0: a pseudo-terminal whose size was never
+set) or fewer than 3 rows made it draw nothing at all, as if the line were a
+nested bar below the screen. Which terminal it is (``TERM``: tmux's, screen's)
+plays no part.
 """
 
 from __future__ import annotations
@@ -31,11 +37,28 @@ Event = tuple[Any, ...]
 _sink: Callable[[Event], None] | None = None
 #: Items events are sent at most this often, so a fast loop costs nothing.
 _ITEM_INTERVAL_S = 0.2
+#: The line's width where the terminal reports none (nor ``COLUMNS``): a terminal's usual.
+DEFAULT_COLUMNS = 80
+#: The screen height tqdm is told: its one line is never a nested bar beyond the screen, which tqdm hides.
+_ROWS = 1 << 16
 
 
 def wanted(flag: bool) -> bool:
     """Whether to draw progress: asked for, stderr is a terminal, and not in CI."""
     return flag and not os.environ.get("CI") and sys.stderr.isatty()
+
+
+def line_width() -> int:
+    """The live line's width: the terminal's columns (stderr's; ``COLUMNS`` or :data:`DEFAULT_COLUMNS` where it
+    reports none), less one, since a line as wide as the terminal wraps in some."""
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # not a terminal, closed, or replaced by an object without a file
+        columns = 0
+    if columns <= 1:
+        given = os.environ.get("COLUMNS", "")
+        columns = int(given) if given.isdigit() and int(given) > 1 else DEFAULT_COLUMNS
+    return columns - 1
 
 
 def connect(sink: Callable[[Event], None] | None) -> None:
@@ -126,6 +149,11 @@ class Display:
         if total != self._bar.total:
             self._bar.total = total
         self._bar.n = done
+        self._draw()
+
+    def _draw(self) -> None:
+        """Redraw the line at the terminal's width now (it may have been resized)."""
+        self._bar.ncols = line_width()
         self._bar.refresh()
 
     def phase(self, text: str, unit: str = "item") -> None:
@@ -142,7 +170,7 @@ class Display:
     def tick(self) -> None:
         """Redraw, so the elapsed time moves while nothing else happens."""
         if self._bar is not None:
-            self._bar.refresh()
+            self._draw()
 
     def _open(self, text: str, unit: str = "item") -> None:
         self.close()
@@ -154,7 +182,8 @@ class Display:
             file=sys.stderr,
             unit=unit,
             unit_scale=unit == "B",
-            dynamic_ncols=True,
+            ncols=line_width(),
+            nrows=_ROWS,
         )
 
     def close(self) -> None:

@@ -170,3 +170,43 @@ def test_every_key_of_the_schema_is_one_the_command_line_takes_and_docs_config_l
     # a layout's keys are listed once for source and target (`.kind`); a dict's as `key.*`
     listed = [k for k in keys if k in named or f"{k}.*" in named or "." + k.split(".", 1)[1] in named]
     assert sorted(set(keys) - set(listed)) == [], "keys docs/config.md does not list"
+
+
+#: A ``pip install`` and its arguments, to the end of the command (``&&``, ``;``, a closing backtick, the line's end).
+_PIP_INSTALL = re.compile(r"pip install((?:(?!&&|;|`)[^\n])*)")
+#: osdpipe named as a package to fetch (``osdpipe``, ``'osdpipe[cloud]'``, ``osdpipe==1.0``): no index holds it.
+_BY_NAME = re.compile(r"osdpipe(?:\[[^\]]*\])?(?:[<>=!~].*)?")
+
+
+def install_problems(text: str, extras: set[str]) -> list[str]:
+    """The ``pip install`` commands of ``text`` that would not install osdpipe from its checkout: one that names the
+    package ``osdpipe`` (it is installed from the checkout, ``pip install '.[cloud]'``), or an extra of the checkout
+    that ``pyproject.toml`` does not define."""
+    problems = []
+    for match in _PIP_INSTALL.finditer(text):
+        args = match.group(1)
+        if any(_BY_NAME.fullmatch(word.strip("'\"")) for word in args.split()):
+            problems.append(f"pip install{args}: osdpipe installs from its checkout (pip install '.[extra]')")
+        for named in re.findall(r"(?:^|[\s'\"])\.\[([^\]]*)\]", args):
+            unknown = sorted({e.strip() for e in named.split(",")} - extras)
+            if unknown:
+                problems.append(f"pip install{args}: pyproject.toml has no extra {', '.join(unknown)}")
+    return problems
+
+
+def test_every_install_command_shown_installs_from_the_checkout() -> None:
+    """osdpipe is not on a package index: ``pip install 'osdpipe[cloud]'`` (docs/running.md's, and the store's error
+    line) fails where a user runs it. The pages and the package's own messages say ``pip install '.[cloud]'``."""
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    assert {"cloud", "test", "frameworks"} <= extras
+    sources = [*PAGES, *sorted((REPO / "osdpipe").rglob("*.py"))]
+    problems = [f"{p.relative_to(REPO)}: {q}" for p in sources for q in install_problems(p.read_text(), extras)]
+    assert problems == [], "\n".join(problems)
+    # the check finds what it is for
+    assert install_problems("with the `cloud` extra (`pip install 'osdpipe[cloud]'`: s3fs)", extras) != []
+    assert install_problems('pip install "osdpipe" && osdpipe', extras) != []
+    assert install_problems("pip install -e '.[test,cloudy]'", extras) != []
+    assert install_problems("pip install . && cd x && osdpipe; pip install -e '.[test,cloud]'", extras) == []
+    assert install_problems("pip install '.[cloud]' in osdpipe's checkout", extras) == []

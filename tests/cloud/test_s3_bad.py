@@ -124,7 +124,7 @@ def test_access_denied_wrote_nothing(bucket) -> None:
 
 
 def _silent(endpoint: str) -> str:
-    return f"the endpoint {endpoint} does not answer (timed out); check it (AWS_ENDPOINT_URL, runtime.storage_options)"
+    return f"the endpoint {endpoint} does not answer (timed out); check it (AWS_ENDPOINT_URL)"
 
 
 def test_an_endpoint_that_does_not_answer_fails_within_the_options_timeouts(bucket, silent_endpoint) -> None:

@@ -4,10 +4,14 @@ standard way, each failure in one line without a credential."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from cloudenv import ACCESS_KEY, SECRET_KEY
+from cloudenv import ACCESS_KEY, AWS_CHAIN, SECRET_KEY
+from helpers import user_env
 
 from osdpipe.io import store
 from osdpipe.io.formats.base import InputError
@@ -132,6 +136,57 @@ def test_an_endpoint_nobody_listens_on_is_named(s3, monkeypatch) -> None:
         roomy = {"s3": {"config_kwargs": {"connect_timeout": 10, "read_timeout": 10, "retries": {"max_attempts": 1}}}}
         with pytest.raises(InputError, match=f"cannot connect to the endpoint {closed}; check it"):
             store.info(store.parse(s3.url("k")), roomy)
+
+
+#: What the command may take to say that an endpoint refuses connections (starting Python and importing the store's
+#: client included): gcsfs alone retried a refused connection for 35 to 40 s.
+REFUSED_S = 15
+
+
+def test_an_endpoint_nobody_listens_on_is_one_line_naming_the_variable_that_set_it(tmp_path: Path) -> None:
+    """Through the command, for each store, for ``input.path``, ``output.path`` and ``inspect``: an error, one line
+    that names the endpoint and what set it (gcsfs reads ``STORAGE_EMULATOR_HOST``, not ``AWS_ENDPOINT_URL``),
+    within :data:`REFUSED_S`, and nothing of the client's logging (gcsfs logged each retry's traceback)."""
+    with socket.socket() as taken:  # bound, never listening: refused (see the test above)
+        taken.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{taken.getsockname()[1]}"
+        env = {k: v for k, v in user_env().items() if k not in (*AWS_CHAIN, "GOOGLE_APPLICATION_CREDENTIALS")}
+        env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION="us-east-1",
+                   AWS_EC2_METADATA_DISABLED="true", CLOUDSDK_CONFIG=str(tmp_path / "gcloud-absent"))  # fmt: skip
+        gs_env = {**env, "STORAGE_EMULATOR_HOST": closed}
+        s3_env = {**env, "AWS_ENDPOINT_URL": closed}
+        run = ["runtime.mode=offline", "target.world_size=2"]
+        options = f"runtime.storage_options={{s3:{{endpoint_url:'{closed}'}}}}"
+        said = f"cannot connect to the endpoint {closed}; check it"
+        cases = [
+            (gs_env, ["input.path=gs://b/src", *run],
+             f"osdpipe: error: config: input.path='gs://b/src': {said} (STORAGE_EMULATOR_HOST)"),
+            (gs_env, ["output.path=gs://b/out", *run],
+             f"osdpipe: error: output.path='gs://b/out': {said} (STORAGE_EMULATOR_HOST)"),
+            (gs_env, ["inspect", "gs://b/src"],
+             f"osdpipe inspect: error: PATH='gs://b/src': {said} (STORAGE_EMULATOR_HOST)"),
+            (s3_env, ["input.path=s3://b/src", *run],
+             f"osdpipe: error: config: input.path='s3://b/src': {said} (AWS_ENDPOINT_URL)"),
+            (env, ["output.path=s3://b/out", options, *run],
+             f"osdpipe: error: output.path='s3://b/out': {said} (runtime.storage_options.s3.endpoint_url)"),
+        ]  # fmt: skip
+        start = time.monotonic()
+        procs = [
+            subprocess.Popen([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, env=case_env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            for case_env, args, _ in cases
+        ]  # fmt: skip
+        outputs = []
+        try:
+            for proc in procs:  # side by side: each ends within REFUSED_S of the start, or the test fails
+                outputs.append((*proc.communicate(timeout=REFUSED_S * 4), time.monotonic() - start))
+        finally:
+            for proc in procs:
+                proc.kill()
+    for (_, args, expected), proc, (out, err, seconds) in zip(cases, procs, outputs, strict=True):
+        assert proc.returncode == (1 if args[0] == "inspect" else 2), (args, out, err)
+        assert err.strip().splitlines() == [expected] and not out.strip(), (args, out, err)
+        assert seconds < REFUSED_S, (args, seconds)
 
 
 def test_no_credential_reaches_a_message() -> None:

@@ -104,9 +104,20 @@ def test_what_biases_cannot_be_in_megatron_is_refused_in_one_line(change, said) 
     assert said in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_tp_that_is_a_multiple_of_the_key_value_heads_is_taken_as_megatron_core_takes_it() -> None:
+    """megatron-core's ``TransformerConfig`` takes a TP that the key/value heads divide (each head then on
+    ``tp / groups`` ranks), and so did a Megatron save converted to TP4; a Hugging Face model was refused it ("choose a
+    TP that does: 1, 2"). Both directions take megatron-core's rule."""
+    args = megatron_args(LLAMA, 4, 1, 4)
+    assert (args["tensor_model_parallel_size"], args["num_query_groups"], args["group_query_attention"]) == (4, 2, True)
+    assert args["padded_vocab_size"] == 512
+    gpt = gpt_of(args)
+    assert (gpt.num_attention_heads, gpt.num_query_groups) == (4, 2)
+
+
 @pytest.mark.parametrize(("tp", "pp", "world", "vpp", "said"), [
     (3, 1, 3, 1, "does not divide the model's 4 attention heads"),
-    (4, 1, 4, 1, "does not divide the model's 2 key/value heads"),
+    (8, 1, 8, 1, "does not divide the model's 4 attention heads"),
     (1, 3, 3, 1, "does not divide the model's 4 layers"),
     (2, 2, 6, 1, "no multiple of TP 2 x PP 2"),
     (1, 2, 2, 4, "target.pp_size=2 x target.vpp_size=4 does not divide the model's 4 layers"),
@@ -115,6 +126,15 @@ def test_what_biases_cannot_be_in_megatron_is_refused_in_one_line(change, said) 
 def test_a_grid_that_does_not_divide_the_model_is_refused(tp, pp, world, vpp, said) -> None:
     with pytest.raises(ValueError, match=said):
         megatron_args(LLAMA, tp, pp, world, vpp=vpp)
+
+
+def test_a_tp_the_key_value_heads_neither_divide_nor_are_divided_by_is_refused() -> None:
+    """6 heads in 3 key/value heads at TP2: the heads split, the key/value heads neither split over 2 ranks nor fill
+    them whole (megatron-core refuses it too)."""
+    with pytest.raises(ValueError) as err:
+        megatron_args({**LLAMA, "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48}, 2, 1, 2)
+    assert str(err.value) == ("target.tp_size=2 neither divides nor is a multiple of the model's 3 key/value heads "
+                              "(query groups); choose a TP that does: 1, 3, 6")
 
 
 def test_virtual_stages_are_recorded_as_megatron_lm_records_them() -> None:

@@ -24,19 +24,22 @@ ARGS = {
 
 
 def synthetic_save(tmp_path: Path, tp: int, seed: int = 0, *, pp: int = 1, tied: bool = False,
-                   layers: int = 2, width: int = 32, vocab: int = 1000, ddp: dict | None = None) -> Path:
+                   layers: int = 2, width: int = 32, vocab: int = 1000, ddp: dict | None = None,
+                   bf16: bool = False) -> Path:
     """A Megatron-LM save of random state at TP ``tp`` and PP ``pp``, written by osdpipe's writer (as the benchmark
     makes its own) into ``tmp_path / f"tp{tp}"``; ``tied``: the word embedding tied to the output layer (over PP the
     last stage holds a copy); ``layers``, ``width`` (the hidden size; the FFN's is twice it) and ``vocab``: the
-    GPT's; ``ddp``: Megatron-LM's DDP args of the job (``overlap_grad_reduce``, ``ddp_bucket_size``: its buckets)."""
+    GPT's; ``ddp``: Megatron-LM's DDP args of the job (``overlap_grad_reduce``, ``ddp_bucket_size``: its buckets);
+    ``bf16``: a bf16 job's (``args.bf16``, the model's weights its masters rounded to bf16)."""
     grid = Target(tp, pp, 1, "dp_reshardable")
     dims = {"hidden_size": width, "ffn_hidden_size": 2 * width, "kv_channels": width // 4, "vocab_size": vocab}
     args = target_args({**ARGS, **dims, "iteration": 7, "untie_embeddings_and_output_weights": not tied,
-                        "num_layers": layers, **(ddp or {})}, grid)
+                        "num_layers": layers, **(ddp or {}), **({"bf16": True} if bf16 else {})}, grid)
     gpt = layout.Gpt(layers, width, 2 * width, 4, 2, width // 4, args["padded_vocab_size"], True, tied=tied)
     generator = torch.Generator().manual_seed(seed)
     shapes = layout.global_shapes(gpt)
-    model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
+    model = {k: torch.randn(s, generator=generator).to(torch.bfloat16 if bf16 else torch.float32)
+             for k, s in shapes.items()}
     optim = {k: {s: torch.randn(v, generator=generator) for s in ("param", "exp_avg", "exp_avg_sq")}
              for k, v in shapes.items()}
     one_dim = sorted(k for k in shapes if layout.without_weight_decay(k, shapes[k]))

@@ -70,9 +70,11 @@ class HuggingFaceFolder(CheckpointLayout):
 
 def kind_of(entry: Entry) -> str:
     """What a conversion does with a folder's entry: ``weights`` (a safetensors file or their index), ``config``
-    (``config.json``) or ``other``."""
+    (``config.json``), ``generation`` (``generation_config.json``) or ``other``."""
     if entry.name == CONFIG:
         return "config"
+    if entry.name == hf_folder.GENERATION_CONFIG:
+        return "generation"
     return "weights" if entry.part == "model" else "other"
 
 

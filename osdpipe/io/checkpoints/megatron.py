@@ -38,6 +38,7 @@ from osdpipe.io.checkpoints.torchtitan import MODEL_ARGS
 from osdpipe.io.errors import ModelRefused
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
+from osdpipe.io.hf_folder import RECORD
 from osdpipe.io.remote_input import as_path
 from osdpipe.layout.megatron import position_embedding_type, query_groups
 
@@ -201,10 +202,14 @@ class Megatron(CheckpointLayout):
                    for (part, name), members in sorted(groups.items(), key=lambda kv: (_PARTS.index(kv[0][0]), kv[0]))]
         entries.append(Entry("common.pt (args, iteration, scheduler)", "other", files.COMMON,
                              (folder / files.COMMON).stat().st_size))
+        if RECORD in common:  # what osdpipe kept of the Hugging Face folder it made the save of
+            entries.append(Entry(RECORDED, "other", files.COMMON, len(repr(common[RECORD]))))
         return WholeCheckpoint(self.name, str(folder), tuple(entries), notes=tuple(_notes(common, args, folder)))
 
 
 _PARTS = ("model", "optimizer", "other")
+#: The entry of the Hugging Face folder a save was made of (:func:`osdpipe.io.hf_folder.record_of`).
+RECORDED = f"common.pt {RECORD} (the Hugging Face folder's config.json and generation_config.json it was made of)"
 
 #: The Hugging Face model's config a PyTorch-native output gets beside it: what its ``LlamaForCausalLM`` (or
 #: ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GPT2LMHeadModel``) is built from.
@@ -239,14 +244,20 @@ def _entry_of(flat: str) -> tuple[str, str]:
     return "model", "model weights"
 
 
-def elsewhere(args: dict[str, Any]) -> str:
+def elsewhere(args: dict[str, Any], weights_only: bool = False) -> str:
     """What the GPT Megatron-LM's ``args`` describe becomes outside Megatron, in one line: the Hugging Face model that
     computes it (:func:`osdpipe.layout.megatron_hf.architecture`), and whether its torchtitan model (llama3, qwen3) can
-    hold it; or what stops both. So a user sees which ``output.checkpoint`` takes the save before running one."""
+    hold it; or what stops both. So a user sees which ``output.checkpoint`` takes the save before running one.
+    ``weights_only``: the save holds no optimizer, so only the Hugging Face folder of its weights takes it (a PyTorch
+    job's checkpoint is its optimizer's state)."""
     from osdpipe.layout import megatron_hf
 
     if why := megatron_hf.refusals(args):
         return f"outside Megatron: no Hugging Face model yet ({', '.join(why)}); convert it within Megatron"
+    if weights_only:
+        return (f"outside Megatron: a Hugging Face {megatron_hf.architecture(args)} folder of its weights "
+                "(output.checkpoint=hf); no PyTorch job's checkpoint (accelerate, pytorch, torchtitan): those hold an "
+                "optimizer's state")
     titan = megatron_hf.titan_refusals(args)
     return (f"outside Megatron: a Hugging Face {megatron_hf.architecture(args)} (output.checkpoint=hf: its weights; "
             f"accelerate|pytorch: a job's, the optimizer included); torchtitan's {megatron_hf.titan_family(args).name} "
@@ -259,24 +270,32 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
                                         "data_parallel_size"))
     ep, vpp = args.get("expert_model_parallel_size") or 1, args.get("virtual_pipeline_model_parallel_size")
     try:
-        sharding = files.sharding_type(common, folder)
+        sharding = files.optimizer_sharding(common, folder)
     except InputError as exc:
         sharding = str(exc)
     dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
+    release = folder.name == files.RELEASE
+    iteration = common.get("iteration", args.get("iteration"))
+    saved = "release save (iteration 0)" if release else f"save of iteration {iteration}"
+    if sharding is None:  # Megatron-LM loads such a save's weights and starts its optimizer (a release: and all) anew
+        optimizer = (f"weights only ({dtype}): no optimizer state (args.no_save_optim); a job that loads it starts a "
+                     "fresh optimizer" + (", scheduler and RNG" if release else ""))
+    else:
+        optimizer = f"distributed optimizer {sharding}; weights {dtype}, fp32 master weights and moments"
     heads, groups = args.get("num_attention_heads"), query_groups(args)
     biases = (", linear biases" if args.get("add_bias_linear")
               else ", linear_qkv bias" if args.get("add_qkv_bias") else "")  # fmt: skip
     notes = [
-        f"Megatron-LM torch_dist save of iteration {common.get('iteration', args.get('iteration'))}: TP{tp} PP{pp} "
+        f"Megatron-LM torch_dist {saved}: TP{tp} PP{pp} "
         f"DP{dp} (world {args.get('world_size')}), EP{ep}, virtual pipeline stages {vpp or 'none'}",
-        f"distributed optimizer {sharding}; weights {dtype}, fp32 master weights and moments",
+        optimizer,
         f"GPT: {args.get('num_layers')} layers, hidden {args.get('hidden_size')}, ffn {args.get('ffn_hidden_size')}, "
         f"{heads} heads in {groups} query groups, vocabulary padded to {args.get('padded_vocab_size')}"
         + (", SwiGLU" if args.get("swiglu") else "") + f", {args.get('normalization', 'LayerNorm')}"
         + f", {position_embedding_type(args)} positions"
         + (", untied" if args.get("untie_embeddings_and_output_weights") else ", tied embeddings") + biases
         + (", qk_layernorm" if args.get("qk_layernorm") else ""),
-        elsewhere(args),
+        elsewhere(args, weights_only=sharding is None),
     ]
     if vpp and int(vpp) > 1:  # the command's target leaves target.vpp_size at 1: no virtual stages
         notes.append(f"to keep {vpp} virtual pipeline stages per pipeline stage, add target.vpp_size={vpp} to the "
