@@ -10,9 +10,10 @@ is checked (:func:`osdpipe.spec.config.check_schema`).
 
 Exit codes: 0 every job succeeded; 1 a conversion or check failed; 2 the
 command line or a config is bad (an unknown key or recipe, a bad value, an
-output path that cannot be written), in a sweep too: a bad config is the first
-thing to mend. Every error is one line on stderr, a traceback only with
-``runtime.debug=true``.
+output path that cannot be written, an input whose files the config does not
+describe: :func:`osdpipe.pipeline.execute.check_source`, before anything is
+written), in a sweep too: a bad config is the first thing to mend. Every error
+is one line on stderr, a traceback only with ``runtime.debug=true``.
 """
 
 from __future__ import annotations
@@ -206,8 +207,14 @@ def job_config(cfg: DictConfig, job_dir: str, overrides: Sequence[str] = ()) -> 
 
 def _config_error(exc: Exception) -> int:
     """Say a bad config, one line per problem, and remove the directories Hydra made for the job."""
-    for line in str(exc).splitlines():
-        _error(f"config: {line}")
+    return _refused([f"config: {line}" for line in str(exc).splitlines()])
+
+
+def _refused(lines: Sequence[str]) -> int:
+    """Say why the job cannot run (exit code 2), one line per problem, and remove the directories Hydra made for it:
+    a job refused before it ran leaves nothing behind."""
+    for line in lines:
+        _error(line)
     new_dirs.discard(HydraConfig.get().runtime.output_dir)
     return EXIT_CONFIG
 
@@ -241,7 +248,8 @@ def _run_job(cfg: DictConfig) -> int:
     if rankserver.starts_ranks(runtime.mode, runtime.workers, checked.input.path is not None, runtime.launcher):
         rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
     # Imported here, past the schema check, to keep torch out of --help and config errors.
-    from osdpipe.pipeline.execute import execute
+    from osdpipe.pipeline.execute import check_source, execute
+    from osdpipe.run.collective import one_line
     from osdpipe.spec.plan import plan_run
     from osdpipe.spec.reconcile import Contradiction, Given, reconcile
 
@@ -252,8 +260,17 @@ def _run_job(cfg: DictConfig) -> int:
         plan = plan_run(spec)  # the model's answers: its tree, and whether both wrappings fit it
     except (ConfigError, Contradiction) as exc:
         return _config_error(exc)
+    if spec.input.path is not None:
+        try:  # the input's metadata against the model and the source layout, before anything is written
+            check_source(plan)
+        except ValueError as exc:  # the files are not what the config describes (InputError, among them)
+            return _refused([one_line(exc)])
     return _made_and_published(
-        spec, remote, lambda said, upload: execute(replace(plan, upload=upload), warnings=[*notes, *said])
+        spec,
+        remote,
+        lambda said, upload: execute(
+            replace(plan, upload=upload), warnings=[*notes, *said], source_checked=spec.input.path is not None
+        ),
     )
 
 
@@ -286,9 +303,7 @@ def _made_and_published(
             destination, upload = _destination(spec, remote)
         report = run(destination.notes if destination else [], upload)
     except OutputError as exc:
-        _error(exc.said())
-        new_dirs.discard(HydraConfig.get().runtime.output_dir)
-        return EXIT_CONFIG
+        return _refused([exc.said()])
     if remote is not None and not _is_rank0():  # its files are in the prefix, or removed by rank 0
         shutil.rmtree(spec.output.path, ignore_errors=True)
         new_dirs.discard(HydraConfig.get().runtime.output_dir)  # its job's, unless rank 0's record is there

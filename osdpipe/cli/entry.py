@@ -18,7 +18,10 @@ compositions of the config take most of a second, torch two more. So:
   checks the model (see :mod:`osdpipe.core.rankserver`); :mod:`osdpipe.cli.compose`
   imports torch only once the composed config has passed its schema check;
 * a command that imported torch ends without tearing the interpreter down
-  (:func:`_end`): that takes about a second and does nothing for the user.
+  (:func:`_end`): that takes about a second and does nothing for the user;
+* a command stopped by SIGINT (Ctrl-C) or SIGTERM says so in one line, exits with 128 plus the signal's number (as
+  a shell says a process the signal killed), and removes the job directories it made and had written nothing into
+  (:func:`osdpipe.cli.new_dirs.discard_all`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import contextlib
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
 from string import Template
 from typing import Any
 
@@ -163,14 +168,46 @@ def _check_overrides(overrides: dict[str, Any]) -> None:
         sys.exit(EXIT_CONFIG)
 
 
+class Stopped(BaseException):
+    """The command was sent SIGTERM (SIGINT raises :class:`KeyboardInterrupt`): like it, no ``Exception``, which the
+    command's own handlers would say as a failure of the job."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
 def main() -> None:
     """The console script (see the module docstring); exits with the command's exit code."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped) if on_main_thread else None
     try:
-        _dispatch(sys.argv[1:])
+        try:
+            _dispatch(sys.argv[1:])
+        except (KeyboardInterrupt, Stopped) as exc:
+            sys.exit(_stopped(exc.signum if isinstance(exc, Stopped) else signal.SIGINT))
     except SystemExit as exc:
         if "torch" in sys.modules and _owns_the_process():
             _end(exc.code)
         raise
+    finally:
+        if previous is not None:  # a handler set outside Python reads as None and cannot be set again
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(signum: int) -> int:
+    """Say that a signal stopped the command, remove the job directories it made that are still empty, and give the
+    exit code: 128 plus the signal's number."""
+    from osdpipe.cli import new_dirs  # os and pathlib alone
+
+    new_dirs.discard_all()
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(f"osdpipe: error: stopped by {name}; run the command again to convert", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def _dispatch(args: list[str]) -> None:

@@ -52,7 +52,7 @@ def run_inspect(args: list[str]) -> int:
         return EXIT_USAGE
     # torch: not on inspect --help's path (tests/cli/test_startup.py)
     from osdpipe.io.checkpoints import recognize
-    from osdpipe.io.file_facts import checkpoint_in, read_facts
+    from osdpipe.io.file_facts import checkpoint_in, lone_file_in, read_facts
     from osdpipe.io.formats.state_facts import MOMENTS_ALIKE
     from osdpipe.io.remote_input import as_path, probe
     from osdpipe.io.store import is_url
@@ -64,12 +64,12 @@ def run_inspect(args: list[str]) -> int:
             probe(rest[0], "PATH")
         path = checkpoint_in(as_path(rest[0]))  # an osdpipe output: the checkpoint it holds, whole or an optimizer's
         whole = recognize(path)
-        if whole is None:
-            facts = read_facts(path, None, key)
+        if whole is None:  # a folder of one checkpoint file (an output's source/) is that file
+            facts = read_facts(lone_file_in(path), None, key)
         elif whole.optimizer_path is not None:  # the optimizer part reads as any optimizer checkpoint
             facts = read_facts(as_path(whole.optimizer_path), None, key or whole.optimizer_key)
     except Exception as exc:  # noqa: BLE001 - a file that cannot be read says so in one line
-        print(f"osdpipe inspect: error: {one_line(exc)}", file=sys.stderr)
+        print(f"osdpipe inspect: error: {for_path(one_line(exc))}", file=sys.stderr)
         return EXIT_FAILED
     if facts is not None and facts.moments_alike:
         facts.notes.append(f"warning: {MOMENTS_ALIKE}")
@@ -82,7 +82,7 @@ def run_inspect(args: list[str]) -> int:
         if whole is None:
             shown = facts.to_json() if facts is not None else None
         else:
-            checkpoint = {**whole.to_json(), "notes": notes, "command": whole_command(whole, naming)}
+            checkpoint = {**whole.to_json(), "notes": notes, "command": whole_command(whole, naming, facts)}
             shown = {"checkpoint": checkpoint, "optimizer": facts.to_json() if facts else None}
         print(json.dumps(shown, indent=2, sort_keys=True))
     elif whole is None:
@@ -90,7 +90,7 @@ def run_inspect(args: list[str]) -> int:
     else:
         optimizer = facts and WHOLE_OPTIMIZER + describe(facts, command=False)
         described = describe_whole(whole) + "".join(f"\n  note         {n}" for n in notes[len(whole.notes):])
-        print("\n".join(filter(None, [described, optimizer, "  convert with " + whole_command(whole, naming)])))
+        print("\n".join(filter(None, [described, optimizer, "  convert with " + whole_command(whole, naming, facts)])))
     return EXIT_OK
 
 
@@ -141,15 +141,27 @@ WHOLE_OPTIMIZER = (
 )
 
 
-def whole_command(whole: WholeCheckpoint, naming: ModelNaming) -> str:
+def for_path(message: str) -> str:
+    """A reader's message, said of inspect's ``PATH``: the readers are the conversion's, and name its ``input.path``."""
+    return message.replace("input.path", "PATH")
+
+
+def whole_command(whole: WholeCheckpoint, naming: ModelNaming, facts: Facts | None = None) -> str:
     """The command that converts a whole checkpoint, once the target and the output are filled in: its layout, the model
     that saved it (``naming``: named where the files and the framework can tell), and its folder. The conversion reads
-    the rest from the files."""
+    the rest from the files; where an osdpipe manifest describes its optimizer part (``facts``: an osdpipe output, or
+    the source a conversion generated), the layout and the model it names, which the files cannot tell."""
     from osdpipe.io.checkpoints import get  # torch: not on inspect --help's path
+    from osdpipe.io.checkpoints.base import ModelNaming
     from osdpipe.io.file_facts import command
 
     layout = get(whole.layout)
-    return command([f"checkpoint={whole.layout}", *naming.overrides, f"input.path={whole.path}",
+    model, described = list(naming.overrides), []
+    if facts is not None and facts.manifest is not None:
+        described = facts.source_keys()
+        if facts.model is not None and naming.overrides == ModelNaming.users_own().overrides:
+            model = facts.model
+    return command([f"checkpoint={whole.layout}", *model, f"input.path={whole.path}", *described,
                     *layout.target_placeholders])
 
 

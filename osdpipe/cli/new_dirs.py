@@ -33,6 +33,14 @@ def note(path: str) -> str:
     return path
 
 
+def discard_all() -> None:
+    """Remove every job directory this invocation named and the parents it made for them, each only while empty: what
+    a command stopped before its jobs wrote anything leaves behind. The last named goes first, so that a sweep's
+    directory, made for its first job, goes with that job's."""
+    for path in reversed(list(_first_missing)):
+        discard(str(path))
+
+
 def discard(path: str) -> None:
     """Remove ``path`` and the parents this invocation made for it,
     each only while empty, and nothing it did not make."""

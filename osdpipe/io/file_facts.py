@@ -40,6 +40,7 @@ from osdpipe.io.formats import InputError, megatron
 from osdpipe.io.formats.base import OtherLayout
 from osdpipe.io.formats.safe_load import load_torch_file
 from osdpipe.io.formats.state_facts import Unit
+from osdpipe.io.output import GENERATED_SOURCE, MANIFEST
 from osdpipe.io.remote_input import RemotePath, as_path
 from osdpipe.layout import kinds
 
@@ -97,6 +98,9 @@ class Facts:
     model: list[str] | None = None
     #: Layout keys beyond kind and world that the files name (an osdpipe output's manifest: ``source.wrap=[...]``).
     layout: list[str] = field(default_factory=list)
+    #: The osdpipe ``manifest.json`` that says which layout and model these files are for (:func:`_from_manifest`);
+    #: ``None``: none does.
+    manifest: str | None = None
 
     def overrides(self) -> list[str]:
         """The ``key=value`` arguments that describe this checkpoint to ``osdpipe`` (what the files cannot say is left
@@ -104,6 +108,14 @@ class Facts:
         out = [f"input.path={self.path}", f"input.format={self.format}"]
         if self.key is not None and self.key != "optim":
             out.append(f"input.key={self.key}")
+        out += self.source_keys()
+        if self.optimizer is not None:
+            out.append(f"optim.name={self.optimizer}")
+        return [*out, *(self.model if self.model is not None else [f"model.factory={USER_FACTORY}"])]
+
+    def source_keys(self) -> list[str]:
+        """The ``source.*`` arguments that describe the layout that saved these files, as far as they show it."""
+        out = []
         kind = kinds.find(self.kind)
         if kind is not None:
             out.append(f"source.kind={self.kind}")
@@ -118,10 +130,7 @@ class Facts:
             and formats.get(self.format).local_state
         ):
             out.append("source.use_orig_params=true")
-        out += self.layout
-        if self.optimizer is not None:
-            out.append(f"optim.name={self.optimizer}")
-        return [*out, *(self.model if self.model is not None else [f"model.factory={USER_FACTORY}"])]
+        return out + self.layout
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -197,33 +206,73 @@ def read_facts(path: str | Path, fmt: str | None = None, key: str | None = None)
     return facts
 
 
+def lone_file_in(path: Path | RemotePath) -> Path | RemotePath:
+    """``path``, or for a local directory that holds one file and nothing else, and that no format reads as a
+    checkpoint of its own (DCP's, rank files), that file: a folder with exactly one checkpoint file is that checkpoint
+    (an osdpipe output's ``source/``, where a generated ``optim.pt`` is kept)."""
+    if not isinstance(path, Path) or not path.is_dir() or megatron.megatron_folder(path) is not None:
+        return path
+    if any(f.found_in(path) for f in formats.FORMATS.values() if f.directory):
+        return path
+    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+    return entries[0] if len(entries) == 1 and entries[0].is_file() else path
+
+
 def _from_manifest(facts: Facts, path: Path | RemotePath) -> None:
-    """An osdpipe output's ``manifest.json`` (beside its rank files, or above its ``optim.pt`` or ``dcp/``) says exactly
-    which layout and model its files are for: what the files alone cannot (a full file's world, FSDP1's units)."""
-    for manifest in (path / "manifest.json", path.parent / "manifest.json"):
-        if manifest.is_file():
-            break
-    else:
+    """An osdpipe output's ``manifest.json`` says exactly which layout and model its files are for: what the files
+    alone cannot (a full file's world, FSDP1's units). Beside its rank files, or above its ``optim.pt`` or ``dcp/``,
+    it describes them as the conversion's target; above the ``source/`` that keeps a source osdpipe generated for
+    the conversion, it describes that source (the config's ``source``)."""
+    found = _describing_manifest(facts, path)
+    if found is None:
         return
-    try:
-        recorded = json.loads(manifest.read_text())
-        config, target = recorded["config"], recorded["config"]["target"]
-        if recorded.get("format") != facts.format:
-            return  # the manifest of another checkpoint in the same folder (a kept source/, say)
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    facts.kind, facts.world_size = target.get("kind", facts.kind), target.get("world_size", facts.world_size)
-    facts.shard_group_size = target.get("shard_group_size")
+    manifest, side, config = found
+    layout = config[side]
+    facts.kind, facts.world_size = layout.get("kind", facts.kind), layout.get("world_size", facts.world_size)
+    facts.shard_group_size = layout.get("shard_group_size")
     kind = kinds.find(facts.kind)
-    facts.use_orig_params = target.get("use_orig_params") if kind is not None and kind.has_use_orig_params else None
-    facts.layout = [f"source.{k}={_value(target[k])}" for k, v in _LAYOUT_DEFAULTS.items() if target.get(k, v) != v]
-    if (target.get("mixed_precision") or {}).get("param_dtype"):
-        facts.layout.append(f"source.mixed_precision.param_dtype={target['mixed_precision']['param_dtype']}")
+    facts.use_orig_params = layout.get("use_orig_params") if kind is not None and kind.has_use_orig_params else None
+    facts.layout = [f"source.{k}={_value(layout[k])}" for k, v in _LAYOUT_DEFAULTS.items() if layout.get(k, v) != v]
+    if (layout.get("mixed_precision") or {}).get("param_dtype"):
+        facts.layout.append(f"source.mixed_precision.param_dtype={layout['mixed_precision']['param_dtype']}")
     model = config.get("model") or {}
     if model.get("factory"):
         kwargs = [f"model.kwargs.{k}={_value(v)}" for k, v in sorted((model.get("kwargs") or {}).items())]
         facts.model = [f"model.factory={model['factory']}", *kwargs]
-    facts.notes.append(f"osdpipe's output ({manifest}): converted for target {json.dumps(target, sort_keys=True)}")
+    facts.manifest = str(manifest)
+    shown = json.dumps(layout, sort_keys=True)
+    facts.notes.append(
+        f"osdpipe's output ({manifest}): converted for target {shown}" if side == "target" else
+        f"the source osdpipe generated for the conversion in {manifest.parent} ({manifest}): saved by {shown}"
+    )
+
+
+def _describing_manifest(facts: Facts, path: Path | RemotePath) -> tuple[Path | RemotePath, str, dict] | None:
+    """The manifest that describes the files at ``path``, which side of its conversion they are (``target``,
+    ``source``), and its config; ``None``: none does (the manifest of another checkpoint in the same folder: a kept
+    ``source/``'s beside an output's)."""
+    for manifest in (path / MANIFEST, path.parent / MANIFEST):
+        if manifest.is_file():
+            recorded = _recorded(manifest)
+            if recorded is None or recorded.get("format") != facts.format:
+                return None
+            return manifest, "target", recorded["config"]
+    for folder in (path.parent, path.parent.parent):  # <output>/source/optim.pt, <output>/source/<step>/<part>
+        if folder.name == GENERATED_SOURCE and (recorded := _recorded(folder.parent / MANIFEST)) is not None:
+            generated = (recorded["config"].get("input") or {}).get("path") is None
+            return (folder.parent / MANIFEST, "source", recorded["config"]) if generated else None
+    return None
+
+
+def _recorded(manifest: Path | RemotePath) -> dict[str, Any] | None:
+    """An osdpipe manifest's contents, where it is one (a config with both sides); ``None`` else."""
+    try:
+        recorded = json.loads(manifest.read_text())
+        if isinstance(recorded["config"]["target"], dict) and isinstance(recorded["config"]["source"], dict):
+            return recorded
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def _value(value: Any) -> str:

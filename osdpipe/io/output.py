@@ -46,11 +46,13 @@ MANIFEST = "manifest.json"
 #: typed it, which `osdpipe check` run from another directory could not find.
 INPUT_ABSOLUTE = "input_path_absolute"
 STAGING = ".staging"
+#: Where a conversion keeps the source it generated (no ``input.path``): ``<output.path>/source/``.
+GENERATED_SOURCE = "source"
 INCOMING = ".incoming"
 PREVIOUS = ".previous"
 _COMPLETE = ".complete"
 _RANK_FILE = re.compile(r"rank_\d+\.pt")
-_NAMED = ("optim.pt", "dcp", "source", MANIFEST, "model.safetensors", "model.safetensors.index.json")
+_NAMED = ("optim.pt", "dcp", GENERATED_SOURCE, MANIFEST, "model.safetensors", "model.safetensors.index.json")
 _EXPORT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 #: A Megatron-LM save folder's entries (checkpoint=megatron writes them): another save there is a conversion too.
 _MEGATRON_SAVE = re.compile(r"iter_\d{7}|latest_checkpointed_iteration\.txt")

@@ -98,7 +98,7 @@ def model_meta_of(
             )
         if tuple(ref.shape) != want[0] or ref.dtype != want[1]:
             raise InputError(
-                f"{where}: the model's {name} is {ref.dtype} {list(ref.shape)}, "
+                f"{where}: the checkpoint's {name} is {ref.dtype} {list(ref.shape)}, "
                 f"but the model's {want[2]} is {want[1]} {list(want[0])}; {hint}"
             )
         if param is not None:
@@ -118,7 +118,7 @@ def model_meta_of(
             )
         if tuple(value.shape) != buffer.shape or str(value.dtype).removeprefix("torch.") != buffer.dtype:
             raise InputError(
-                f"{where}: the model's buffer {name} is {value.dtype} {list(value.shape)}, "
+                f"{where}: the checkpoint's buffer {name} is {value.dtype} {list(value.shape)}, "
                 f"but the model's is {buffer.dtype} {list(buffer.shape)}; {hint}"
             )
         meta.buffers[buffer.fqn] = value

@@ -139,13 +139,15 @@ def check_source(plan: Plan) -> None:
             )
 
 
-def execute(plan: Plan, warnings: Sequence[str] = ()) -> Report:
+def execute(plan: Plan, warnings: Sequence[str] = (), source_checked: bool = False) -> Report:
     """The whole conversion in a local world (spawned ranks) or in the current torchrun world.
 
     The output directory is prepared first (:func:`osdpipe.io.output.begin`); a
     failed run leaves it as it was, but for ``report.json``, which it always
     writes. ``warnings`` (what settling the config found, see
-    :mod:`osdpipe.spec.reconcile`) open the report's warnings.
+    :mod:`osdpipe.spec.reconcile`) open the report's warnings. ``source_checked``: the caller ran
+    :func:`check_source` already (the command does, so that an input that does not fit is refused before anything
+    is written); else it runs here, and a failure is the report's.
 
     Raises:
         OutputError: ``output.path`` cannot be written, so not even a report can be.
@@ -158,7 +160,7 @@ def execute(plan: Plan, warnings: Sequence[str] = ()) -> Report:
     _begin(out, spec)
     display = progress.Display(progress.wanted(spec.runtime.progress))
     try:
-        report = _execute_local(plan, backend, display)
+        report = _execute_local(plan, backend, display, source_checked)
     except (WorldError, StageError) as exc:
         report = Report(ok=False, error=str(exc), traceback=getattr(exc, "traceback", None) or None)
     except ValueError as exc:  # the input (InputError) or what the config says of it, found before any process starts
@@ -171,12 +173,14 @@ def execute(plan: Plan, warnings: Sequence[str] = ()) -> Report:
     return report
 
 
-def _execute_local(plan: Plan, backend: str | None, display: progress.Display) -> Report:
-    """Check the input, generate a source when none is given, convert on a local world of spawned ranks (or offline)."""
+def _execute_local(plan: Plan, backend: str | None, display: progress.Display, source_checked: bool) -> Report:
+    """Check the input (unless ``source_checked``), generate a source when none is given, convert on a local world of
+    spawned ranks (or offline)."""
     spec = plan.spec
     if spec.input.path is not None:
-        display.phase("checking the input")
-        check_source(plan)
+        if not source_checked:
+            display.phase("checking the input")
+            check_source(plan)
     else:
         display.phase(f"generating a source: {spec.generate.steps} steps on {spec.source.world_size} rank(s)")
         run_local_world(

@@ -69,26 +69,36 @@ def _complete(info: ValidationInfo) -> bool:
 
 
 def output_takes_input(output_path: str, input_path: str | None) -> str | None:
-    """Why ``output_path`` would take the input with it, else ``None``: the same place as ``input_path``, or a
-    directory (a prefix) it is in. A conversion is committed by replacing the conversion at its output whole, so with
-    ``output.overwrite=true`` the checkpoint it converted would be gone, and its manifest would name a source no
-    longer there. Local paths are compared resolved; URLs as written, a prefix as a directory of keys."""
+    """Why ``output_path`` and ``input_path`` overlap, else ``None``: the same place, an output that is a directory (a
+    prefix) the input is in, or an output inside the input.
+
+    A conversion is committed by replacing what its output holds whole, so an output that holds the input would,
+    with ``output.overwrite=true``, take the checkpoint it converts with it, and its manifest would name a source no
+    longer there. An output inside the input writes the conversion among the source checkpoint's own files, where
+    the next look at that checkpoint (a framework's loader, ``osdpipe inspect``, another conversion) finds it too.
+    Local paths are compared resolved (symlinks followed); URLs as written, a prefix as a directory of keys."""
     if input_path is None or is_url(input_path) != is_url(output_path):
         return None
     if is_url(input_path):
         if not (is_remote(input_path) and is_remote(output_path)):
             return None  # a URL osdpipe does not serve is refused by its own check
         given, out = parse(input_path, "input.path"), parse(output_path, "output.path")
-        inside = (given.scheme, given.bucket) == (out.scheme, out.bucket) and (
-            not out.key or given.key == out.key or given.key.startswith(out.key + "/")
-        )
+        if (given.scheme, given.bucket) != (out.scheme, out.bucket):
+            return None
+        holds = not out.key or given.key == out.key or given.key.startswith(out.key + "/")
+        inside = not given.key or out.key.startswith(given.key + "/")
     else:
         given_path, out_path = Path(input_path).resolve(), Path(output_path).resolve()
-        inside = given_path == out_path or out_path in given_path.parents
-    if not inside:
-        return None
-    return (f"output.path={redact(output_path)!r} holds input.path={redact(input_path)!r}, the "
-            "checkpoint it converts, and a conversion replaces what its output.path holds: give another output.path")
+        holds = given_path == out_path or out_path in given_path.parents
+        inside = given_path in out_path.parents
+    shown = f"output.path={redact(output_path)!r}"
+    if holds:
+        return (f"{shown} holds input.path={redact(input_path)!r}, the checkpoint it converts, and a conversion "
+                "replaces what its output.path holds: give another output.path")
+    if inside:
+        return (f"{shown} is inside input.path={redact(input_path)!r}, the checkpoint it converts: the conversion "
+                "would be written among the source's own files; give an output.path outside it")
+    return None
 
 
 class _Frozen(BaseModel):
@@ -122,10 +132,33 @@ class MixedPrecisionConfig(_Frozen):
     param_dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
 
 
-class LayoutConfig(_Frozen):
-    """One side of the conversion: how the model is wrapped and how its state is saved."""
+#: The target's kind where ``target.kind`` is unset (null) and the source's is not one to follow
+#: (:func:`followed_kind`).
+FALLBACK_TARGET_KIND = "fsdp1"
 
-    kind: str = "fsdp1"  # a layout kind of osdpipe.layout.kinds
+
+def followed_kind(source_kind: str) -> str:
+    """The target's kind where ``target.kind`` is unset (null, the command's default): the source's, so that a
+    checkpoint converts for the kind of job that saved it; :data:`FALLBACK_TARGET_KIND` where that is a kind of one
+    process (``none``), whose target would be one unwrapped process and a ``plain`` file, not ranks to reshard to, or
+    no kind (``source.kind``'s own error says so, once).
+
+    The command settles the source's kind from the input's files first, and says in a warning what it chose where
+    they do not tell (:mod:`osdpipe.spec.reconcile`)."""
+    from osdpipe.layout import kinds  # the kind registry imports torch: not before the schema is checked
+
+    kind = kinds.find(source_kind)
+    return FALLBACK_TARGET_KIND if kind is None or kind.one_process is not None else source_kind
+
+
+class LayoutConfig(_Frozen):
+    """One side of the conversion: how the model is wrapped and how its state is saved.
+
+    ``kind`` null is the target's alone: the source's kind (:func:`followed_kind`), filled in before the full
+    validation; the schema pass leaves it open.
+    """
+
+    kind: str | None = "fsdp1"  # a layout kind of osdpipe.layout.kinds
     world_size: int = Field(default=2, ge=1)
     sharding_strategy: ShardingStrategy = "FULL_SHARD"
     shard_group_size: int | None = Field(default=None, ge=1)  # HYBRID_SHARD (fsdp1) or HSDP (fsdp2): ranks per replica
@@ -175,7 +208,12 @@ class LayoutConfig(_Frozen):
 
     @field_validator("kind")
     @classmethod
-    def _known_kind(cls, kind: str, info: ValidationInfo) -> str:
+    def _known_kind(cls, kind: str | None, info: ValidationInfo) -> str | None:
+        if kind is None and _complete(info):  # the target's was filled in (RunSpec._target_follows_source)
+            raise ValueError(
+                "null names no kind; give the kind of job that saved the source (fsdp1, fsdp2, ddp or none): only "
+                "target.kind may be left null, for the source's"
+            )
         if _complete(info):
             from osdpipe.layout import kinds  # the kind registry imports torch: not before the schema is checked
 
@@ -570,6 +608,19 @@ class RunSpec(_Frozen):
             **raw,
             "optim": {**optim, "name": name, "lr": DEFAULT_LR if optim.get("lr") is None else optim["lr"]},
         }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _target_follows_source(cls, raw: Any, info: ValidationInfo) -> Any:
+        """``target.kind`` null: the source's kind (:func:`followed_kind`); a ``target`` without ``kind`` is the
+        schema's default. The schema pass leaves it null: the layout kinds import torch."""
+        if not isinstance(raw, dict) or not _complete(info):
+            return raw
+        target, source = raw.get("target"), raw.get("source") or {}
+        if not isinstance(target, dict) or "kind" not in target or target["kind"] is not None:
+            return raw
+        given = source.get("kind", LayoutConfig.model_fields["kind"].default) if isinstance(source, dict) else None
+        return raw if given is None else {**raw, "target": {**target, "kind": followed_kind(given)}}
 
     @model_validator(mode="before")
     @classmethod

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from osdpipe.io import checkpoints, formats
 from osdpipe.io.checkpoints import CheckpointLayout
 from osdpipe.io.formats import Format
-from osdpipe.io.output import STAGING
+from osdpipe.io.output import GENERATED_SOURCE, STAGING
 from osdpipe.layout import kinds
 from osdpipe.layout.kinds import rank_layout
 from osdpipe.layout.models import meta_model
@@ -204,4 +204,4 @@ def generated_source_path(spec: RunSpec) -> str:
         if layout.whole
         else formats.get(spec.source_input_format).generated_name
     )
-    return str(Path(spec.output.path) / STAGING / "source" / name)
+    return str(Path(spec.output.path) / STAGING / GENERATED_SOURCE / name)

@@ -37,7 +37,16 @@ from osdpipe.io.store import is_remote
 from osdpipe.layout import kinds
 from osdpipe.layout.optim import optimizer_label, resolve_optimizer
 from osdpipe.layout.optim_infer import fingerprint, hyperparameter_names, kept_state, state_names_of
-from osdpipe.spec.config import AUTO, DEFAULT_LR, GENERATED_OPTIMIZER, ConfigError, RunSpec, check_schema, validate
+from osdpipe.spec.config import (
+    AUTO,
+    DEFAULT_LR,
+    GENERATED_OPTIMIZER,
+    ConfigError,
+    RunSpec,
+    check_schema,
+    followed_kind,
+    validate,
+)
 
 
 class Contradiction(ValueError):
@@ -89,7 +98,34 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
             _set(raw, "optim.name", GENERATED_OPTIMIZER)
         if _get(raw, "optim.lr") is None:
             _set(raw, "optim.lr", DEFAULT_LR)
-        return raw, []
+        return raw, _settle_target_kind(raw, _get(raw, "source.kind"), "the source osdpipe trains")
+    notes, facts = _from_files(raw, given, path)
+    if "source.kind" in given:
+        told = _get(raw, "source.kind")
+    else:  # what the files show: settled into source.kind (a plain file's none), or named alone (an osdpipe output's)
+        told = facts.kind if facts is not None and kinds.find(facts.kind) is not None else None
+    notes += _settle_target_kind(raw, told, _get(raw, "input.path"))
+    return raw, notes + _advice(raw)
+
+
+def _advice(raw: dict[str, Any]) -> list[str]:
+    """What the framework's job on the target will make of a whole checkpoint's output (its layout's
+    :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.advice`), once the target is settled."""
+    layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
+    if not layout.whole:
+        return []
+    writer, target = checkpoints.written(layout.name, _get(raw, "output.checkpoint")), _get(raw, "target") or {}
+    try:
+        if writer is layout:
+            return writer.advice(_get(raw, "input.path"), target, _get(raw, "output.format"))
+        return writer.foreign_advice(layout.name, target)
+    except (InputError, OSError):
+        return []  # the pre-flight check says what is wrong with it
+
+
+def _from_files(raw: dict[str, Any], given: Given, path: str) -> tuple[list[str], Any]:
+    """Settle ``raw`` (in place) against the files of the input at ``path``: the warnings to report, and the facts of
+    its optimizer's files (``None``: it has none, or they cannot be read; the pre-flight check says why)."""
     layout = checkpoints.get(_get(raw, "checkpoint.layout") or "optimizer")
     if is_remote(path):  # read with the user's options (osdpipe.io.remote_input)
         remote_input.configure(_get(raw, "runtime.storage_options"))
@@ -129,46 +165,59 @@ def reconcile(raw: dict[str, Any], given: Given) -> tuple[dict[str, Any], list[s
         if "output.format" not in given and keep is not None:
             _set(raw, "output.format", keep)  # the source's state-dict type, which the job that resumes is set to
         try:
-            notes += (writer.advice(path, _get(raw, "target") or {}, _get(raw, "output.format")) if writer is layout
-                      else writer.foreign_advice(layout.name, _get(raw, "target") or {}))
-        except (InputError, OSError):
-            pass  # the pre-flight check says what is wrong with it
-        try:
             part = layout.optimizer_part(path, fmt, writer.name)
         except InputError:
-            return raw, notes  # the pre-flight check says what is wrong with it
+            return notes, None  # the pre-flight check says what is wrong with it
         # a model-only checkpoint: no optimizer to settle; the checks resume with the one osdpipe trains
         if part is None:
             if _get(raw, "optim.name") in (None, AUTO):
                 _set(raw, "optim.name", GENERATED_OPTIMIZER)
-            return raw, notes + [
+            return notes + [
                 f"{path} holds the model alone (no optimizer state): the output holds the model alone too"
-            ]
+            ], None
         _settle_source_kind(raw, given, formats.get(part.format))  # the format's, even where its files fail
         try:
             facts = read_facts(part.path, part.format, part.key)
         except InputError:
-            return raw, notes  # the pre-flight check says what is wrong with it
+            return notes, None  # the pre-flight check says what is wrong with it
         _settle_layout(raw, given, facts)
-        return raw, notes + _settle_optimizer(raw, given, facts)
+        return notes + _settle_optimizer(raw, given, facts), facts
     try:
         fmt = detect_format(path)
     except OtherLayout as exc:
         raise Contradiction(f"input.path: {exc}") from None
     except InputError:
-        return raw, notes  # the pre-flight check says what is wrong with it
+        return notes, None  # the pre-flight check says what is wrong with it
     _settle(raw, given, "input.format", fmt, f"{path} is {formats.get(fmt).looks_like}")
     try:
         facts = read_facts(path, fmt, _get(raw, "input.key") if "input.key" in given else None)
     except InputError:
-        return raw, notes
+        return notes, None
     if facts.key is not None:
         _settle(raw, given, "input.key", facts.key, f"{path} holds its optimizer state under {facts.key!r}")
     _settle_layout(raw, given, facts)
     notes += _settle_optimizer(raw, given, facts)
     if facts.moments_alike:
         notes.append(f"{path}: {MOMENTS_ALIKE}; it converts as it is")
-    return raw, notes
+    return notes, facts
+
+
+def _settle_target_kind(raw: dict[str, Any], told: str | None, source: str) -> list[str]:
+    """``target.kind`` unset (null): the source's kind (:func:`osdpipe.spec.config.followed_kind`), where ``told``
+    (the user gave it, or ``source``'s files show it); else ``source.kind``'s. A warning says the kind chosen where it
+    is not the source's known one: the files do not tell it, or the source is one process's."""
+    target = raw.get("target")
+    if not isinstance(target, dict) or "kind" not in target or target["kind"] is not None:
+        return []  # given (a recipe's, a framework's), or the schema's default
+    kind = followed_kind(told or _get(raw, "source.kind"))
+    target["kind"] = kind
+    if told == kind or (told is not None and kinds.find(told) is None):
+        return []  # followed, or no kind at all (source.kind's error says so)
+    choose = "set target.kind (fsdp1, fsdp2, ddp, or none with target.world_size=1) for the job that loads it"
+    if told is not None:
+        return [f"target.kind={kind}: {source} is {kinds.get(told).one_process} (source.kind={told}), not a layout "
+                f"of ranks to follow; {choose}"]
+    return [f"target.kind={kind}, source.kind's: {source}'s files do not say which kind of job saved it; {choose}"]
 
 
 def another_layouts(layout: Any, path: str) -> str | None:

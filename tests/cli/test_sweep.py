@@ -3,9 +3,10 @@
 One real sweep of 48 offline jobs (a user's model, no process group, so each
 job costs a fraction of a second) holds every kind of outcome the command can
 reach cheaply: conversions that succeed, a NaN source that fails stage
-``shard``, a damaged file that fails before the stages, and HYBRID_SHARD
-targets whose shard group does not divide the world size (bad configs, which
-write no report.json). The table, ``sweep.json`` and the PNG are each held
+``shard``, and bad configs, which write no report.json: a damaged file (the
+config does not describe the files: refused before anything runs,
+docs/errors.md) and HYBRID_SHARD targets whose shard group does not divide the
+world size. The table, ``sweep.json`` and the PNG are each held
 against the jobs' own ``report.json`` files and against what each job's
 overrides say it must have done. The pure functions are tested directly,
 with outcomes (a failed check) the sweep cannot reach cheaply.
@@ -20,6 +21,7 @@ import re
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,7 +80,7 @@ def expected_jobs(sources: Path) -> list[dict]:
             # a shard group of 2 cannot divide 1 or 3 ranks: the config is refused before the input is read
             kind = "config"
         else:
-            kind = {"good.pt": "ok", "nan.pt": "stage", "corrupt.pt": "failed"}[name]
+            kind = {"good.pt": "ok", "nan.pt": "stage", "corrupt.pt": "config"}[name]
         overrides = {
             "input.path": str(sources / name),
             "source.world_size": str(source_world),
@@ -158,9 +160,8 @@ def test_sweep_json_agrees_with_every_report(swept) -> None:
         elif job["kind"] == "stage":
             assert report["error"].startswith("stage 'shard' failed")
             assert row["outcome"].startswith("stage shard: the source holds NaN or Inf"), row["outcome"]
-        elif job["kind"] == "failed":
-            assert "not a torch.save file" in report["error"]
-            assert row["outcome"].startswith("failed: ") and "corrupt.pt" in row["outcome"], row["outcome"]
+        elif job["overrides"]["input.path"].endswith("corrupt.pt") and job["target_world"] % 2 == 0:
+            assert row["outcome"].startswith("config: ") and "corrupt.pt" in row["outcome"], row["outcome"]
         else:
             assert row["outcome"] == (
                 f"config: target: shard_group_size=2 does not divide world_size={job['target_world']}"
@@ -183,8 +184,7 @@ def table_rows(stdout: str) -> tuple[list[str], list[list[str]]]:
 def test_console_table_agrees_with_every_report(swept) -> None:
     result, sweep_dir, jobs = swept
     assert (
-        f"sweep summary: {len(jobs)} jobs: 8 ok, 8 stage failed, 8 failed before the stages,"
-        " 24 config error; exit code 2" in result.stdout
+        f"sweep summary: {len(jobs)} jobs: 8 ok, 8 stage failed, 32 config error; exit code 2" in result.stdout
     )
     assert "every job: " + " ".join(FIXED) in result.stdout
     header, rows = table_rows(result.stdout)
@@ -414,6 +414,33 @@ def test_table_text_has_a_row_per_job_and_says_what_the_numbers_are() -> None:
         and "wall s:" in text
         and "bytes: sum of report.json's stage bytes" in text
     )
+
+
+def test_the_title_of_sweep_png_lies_inside_the_picture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overrides every job shares, wide letters and all, made a centered title line wider than the figure: it was cut
+    on both sides. Each line of the title, measured as drawn in the saved picture, is inside it."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    save = Figure.savefig
+
+    def keep(fig: Figure, *args: object, **kwargs: object) -> None:
+        saved.append(fig)
+        save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    common = ("runtime.mode=offline model.factory=MyWorkModels.Models:BuildWideModelWithMoE optim.name=AdamW "
+              "output.format=DCP source.kind=FSDP2 target.kind=FSDP2 runtime.workers=2 "
+              "pipeline.checks=[roundtrip,reference,load_step] runtime.memory_budget=16GB")  # fmt: skip
+    matrix = replace(sweep.matrix_cells(synthetic_rows()), subtitle=common)
+    title = "osdpipe sweep, 12 jobs: 3 ok, 2 check failed, 4 stage failed, 3 config error; exit code 2"
+    sweep.draw_matrix(matrix, tmp_path / "sweep.png", title)
+    [fig] = saved
+    [drawn] = [t for t in fig.texts if t.get_text() == fig.get_suptitle()]
+    extent, picture = drawn.get_window_extent(fig.canvas.get_renderer()), fig.bbox
+    assert picture.x0 <= extent.x0 and extent.x1 <= picture.x1, (extent, picture)
+    assert picture.y0 <= extent.y0 and extent.y1 <= picture.y1, (extent, picture)
+    assert drawn.get_text().replace("\n", " ").startswith(f"{title} every job: {common[:40]}")
 
 
 def test_summary_reads_reports_and_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -409,7 +409,7 @@ def test_fsdp2_rank_state_dicts_with_dtensors_convert(tmp_path):
     work.mkdir()
     args = [
         "input.path={root}/fsdp2_rank_local", "input.format=rank_local", "source.kind=fsdp2", "source.world_size=2",
-        "target.world_size=3", "target.use_orig_params=true",
+        "target.kind=fsdp1", "target.world_size=3", "target.use_orig_params=true",
     ]
     out = _convert(args, root, work, 3)
     problems = run_local_world(

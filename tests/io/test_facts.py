@@ -240,6 +240,33 @@ def test_reconcile_fills_what_was_not_given_and_refuses_what_contradicts(adamw_f
     ]
 
 
+@pytest.mark.parametrize(
+    ("given", "kind", "warned"),
+    [
+        ({}, "fsdp1", "optim.pt's files do not say which kind of job saved it"),  # one step per parameter: no kind
+        ({"source.kind": "fsdp2"}, "fsdp2", None),  # the kind the user gives
+        ({"source.kind": "ddp"}, "ddp", None),
+        ({"source.kind": "none"}, "fsdp1", "(source.kind=none), not a layout of ranks to follow"),
+        ({"target.kind": "fsdp2"}, "fsdp2", None),  # given: kept
+    ],
+)
+def test_the_targets_kind_unset_follows_the_sources(
+    adamw_file, given: dict[str, str], kind: str, warned: str | None
+) -> None:
+    """``target.kind`` null (the command's default) is the source's kind: where the files do not tell it, or the source
+    is one process's, a warning names the kind chosen. A ``target`` without ``kind`` (a config built in code) keeps
+    the schema's default, unsaid."""
+    raw = {**_raw(adamw_file / "optim.pt"), "target": {"kind": None, "world_size": 2}}
+    for key, value in given.items():
+        raw[key.split(".")[0]][key.split(".")[1]] = value
+    settled, warnings = reconcile(raw, Given([f"{k}={v}" for k, v in given.items()]))
+    assert settled["target"]["kind"] == kind
+    said = [w for w in warnings if w.startswith("target.kind=")]
+    assert len(said) == (warned is not None) and all(warned in w for w in said), warnings
+    unset, warnings = reconcile({**_raw(adamw_file / "optim.pt"), "target": {"world_size": 2}}, Given([]))
+    assert "kind" not in unset["target"] and warnings == []
+
+
 def test_a_config_built_in_code_gets_the_inputs_optimizer(adamw_file) -> None:
     spec = settle_and_validate(
         {

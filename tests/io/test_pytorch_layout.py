@@ -14,6 +14,7 @@ names the layout, and the command it prints converts the source again.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def test_pytorchs_own_layout_converts_for_another_world_and_holds_the_source_bit
         .replace("target.world_size=M", "target.world_size=2")
         .replace("OUT_DIR", str(tmp_path / "again"))
     )
-    _osdpipe([*command.split()[1:], "target.kind=ddp", "runtime.mode=offline", "output.format=rank_local"], tmp_path)
+    extra = ["target.kind=ddp", "runtime.mode=offline", "output.format=rank_local"]
+    _osdpipe([*shlex.split(command)[1:], *extra], tmp_path)  # as a shell splits it: 'source.wrap=[]' is quoted
     again = torch.load(tmp_path / "again" / "rank_1.pt", weights_only=True)
     assert [k for k, v in source["model"].items() if not _bits_equal(again["model"][k], v)] == [], (
         "DDP: every rank holds the whole model"

@@ -614,8 +614,10 @@ def test_another_models_checkpoint_is_refused_before_any_process_naming_the_weig
         cwd=tmp_path, timeout=TIMEOUT_S, env=user_env(),
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 1 and len(lines) == 1 and str(saved / "titan" / "step-2") in lines[0], result.stderr
+    # the config does not describe the files: exit code 2, nothing written (docs/errors.md)
+    assert result.returncode == 2 and len(lines) == 1 and str(saved / "titan" / "step-2") in lines[0], result.stderr
     assert "model.factory" in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == [], "a refused run wrote something"
 
 
 def test_one_wrong_weight_fails_roundtrip_and_resume_and_nothing_is_written(

@@ -46,8 +46,8 @@ def ddp_to_fsdp1(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ddp")
     out = root / "out"
     result = run_osdpipe(
-        "source.kind=ddp", "source.world_size=2", "target.world_size=3", "target.use_orig_params=true",
-        f"output.path={out}", cwd=root,
+        "source.kind=ddp", "source.world_size=2", "target.kind=fsdp1", "target.world_size=3",
+        "target.use_orig_params=true", f"output.path={out}", cwd=root,
     )
     assert result.returncode == 0, explain(result)
     return out

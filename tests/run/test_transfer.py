@@ -103,7 +103,7 @@ def inputs(tmp_path_factory) -> dict[str, list[str]]:
 #: so a rank's file holds exactly the bytes it needs.
 TARGETS = {
     "fsdp_full": ["target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]"],
-    "dcp": ["target.world_size=2", "target.wrap=[MixerBlock]", "target.use_orig_params=true"],
+    "dcp": ["target.kind=fsdp1", "target.world_size=2", "target.wrap=[MixerBlock]", "target.use_orig_params=true"],
     "rank_local": ["target.kind=fsdp2", "target.world_size=3", "target.wrap=[MixerBlock]"],
 }
 VARIANTS = {

@@ -266,31 +266,39 @@ def test_unknown_layout_kind_names_the_kinds(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("output_path", "input_path", "takes"),
+    ("output_path", "input_path", "overlap"),
     [
-        ("out", "out", True),
-        ("out", "out/dcp", True),
-        ("out/", "./out/dcp/", True),
-        (".", "out/optim.pt", True),
-        ("out", "outside/optim.pt", False),
-        ("out", "out_2/dcp", False),  # a sibling that shares the name's start
-        ("out/dcp/again", "out/dcp", False),  # written inside the input: it stays
-        ("s3://bucket/out", "s3://bucket/out/dcp", True),
-        ("s3://bucket", "s3://bucket/any/key", True),
-        ("s3://bucket/out", "s3://bucket/out_2", False),
-        ("s3://bucket/out", "s3://other/out/dcp", False),
-        ("s3://bucket/out", "gs://bucket/out/dcp", False),
-        ("s3://bucket/out", "out/dcp", False),
-        ("out", None, False),  # the source generated: written inside the output by design
+        ("out", "out", "holds"),
+        ("out", "out/dcp", "holds"),
+        ("out/", "./out/dcp/", "holds"),
+        (".", "out/optim.pt", "holds"),
+        ("out", "outside/optim.pt", None),
+        ("out", "out_2/dcp", None),  # a sibling that shares the name's start
+        ("out/dcp/again", "out/dcp", "is inside"),  # written among the source's files
+        ("out/dcp_2", "out/dcp", None),
+        ("linked/again", "out/dcp", "is inside"),  # linked -> out/dcp: compared resolved
+        ("s3://bucket/out", "s3://bucket/out/dcp", "holds"),
+        ("s3://bucket", "s3://bucket/any/key", "holds"),
+        ("s3://bucket/out/dcp/again", "s3://bucket/out/dcp", "is inside"),
+        ("s3://bucket/any/key", "s3://bucket", "is inside"),
+        ("s3://bucket/out", "s3://bucket/out_2", None),
+        ("s3://bucket/out_2", "s3://bucket/out", None),
+        ("s3://bucket/out", "s3://other/out/dcp", None),
+        ("s3://bucket/out", "gs://bucket/out/dcp", None),
+        ("s3://bucket/out", "out/dcp", None),
+        ("out", None, None),  # the source generated: written inside the output by design
     ],
 )
-def test_an_output_path_that_holds_its_input_is_refused(
-    output_path: str, input_path: str | None, takes: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_an_output_path_that_holds_its_input_or_lies_inside_it_is_refused(
+    output_path: str, input_path: str | None, overlap: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A conversion replaces what its output.path holds: one that holds the input would take the checkpoint it
-    converts with it (``output.overwrite=true``), and its manifest would name a source that is gone."""
+    converts with it (``output.overwrite=true``), and its manifest would name a source that is gone. One inside the
+    input is written among the source checkpoint's own files."""
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "out" / "dcp").mkdir(parents=True)
+    (tmp_path / "linked").symlink_to(tmp_path / "out" / "dcp")
     said = output_takes_input(output_path, input_path)
-    assert (said is not None) == takes, said
-    if takes:
-        assert said.startswith(f"output.path={output_path!r} holds input.path={input_path!r}")
+    assert (said is not None) == (overlap is not None), said
+    if overlap is not None:
+        assert said.startswith(f"output.path={output_path!r} {overlap} input.path={input_path!r}"), said

@@ -81,12 +81,15 @@ def run_osdpipe(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Compl
     return run_command([sys.executable, "-m", "osdpipe", *args], cwd=cwd, timeout=timeout)
 
 
-def run_with_terminal_stderr(args: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int, str]:
+def run_with_terminal_stderr(
+    args: list[str], cwd: Path, env: dict[str, str], timeout_s: float, size: tuple[int, int] = (24, 120)
+) -> tuple[int, str]:
     """Run the ``osdpipe`` command with stderr on a pseudo-terminal (as in a user's shell), killed after
-    ``timeout_s``; returns its exit code and what the terminal showed (the live progress line among it)."""
+    ``timeout_s``; returns its exit code and what the terminal showed (the live progress line among it). ``size``:
+    the terminal's rows and columns as it reports them (``(0, 0)``: a fresh pty's, never set)."""
     leader, follower = pty.openpty()
-    # a terminal has a size; a fresh pty has none
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    # a user's terminal has a size; a fresh pty has none
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", *size, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, "-m", "osdpipe", *args],
         cwd=cwd,

@@ -22,7 +22,7 @@ from osdpipe.run.products import Described, Opened, Tally
 def broadcast(ctx: Context, opened: Opened, tally: Tally) -> Described:
     assert opened.reader is not None or not opened.reads_itself(ctx.rank), "the load stage must run before broadcast"
     meta = from_rank0("broadcast", lambda: opened.reader.meta(), src=opened.first_reader)
-    if ctx.rank == opened.first_reader:
+    if ctx.rank == opened.first_reader and ctx.world.ranks_meet:  # played apart (offline), it went to no process
         tally.sent += len(pickle.dumps(meta)) * (ctx.world_size - 1)
     meta = canonical_meta(meta, ctx.tree)
     tally.warnings += meta.notes  # every rank's are the same: the report lists each warning once
