@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from osdpipe.layout.boxes import Box, flat_runs
-from osdpipe.layout.tree import ModuleTree, ParamInfo
 
-if TYPE_CHECKING:  # an annotation only: the spec's names of the strategies
+if TYPE_CHECKING:  # annotations only: the spec's names of the strategies; the tree imports torch
+    from osdpipe.layout.tree import ModuleTree, ParamInfo
     from osdpipe.spec.config import ShardingStrategy
 
 #: Strategies that shard within a group of ranks and replicate across groups.
