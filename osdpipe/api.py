@@ -178,32 +178,64 @@ def reshard_megatron(
     overwrite: bool = False,
     workers: int = 1,
     vpp: int = 1,
+    checks: list[str] | None = None,
+    memory_budget: int | None = None,
 ) -> dict[str, Any]:
     """Reshard a Megatron-LM ``torch_dist`` save to TP ``tp`` x PP ``pp`` x DP ``dp`` with ``vpp`` model chunks per
     pipeline stage (virtual pipeline stages; 1: none), optimizer included, offline and without Megatron; prove it;
-    commit it whole.
+    commit it whole: the ``osdpipe`` command's ``checkpoint=megatron`` conversion, through the same stages.
 
     ``source`` is a Megatron-LM save folder (``latest_checkpointed_iteration.txt``) or one ``iter_<N>`` folder;
     ``output`` receives a save folder that Megatron-LM's ``load_checkpoint`` at the new parallelism loads.
     ``optim_format`` (``dp_reshardable`` or ``fully_reshardable``; ``None``: the source's) is how the distributed
     optimizer is saved: a ``dp_reshardable`` source, which Megatron itself refuses at another TP or PP, converts to
-    either. The output is staged, read back and held against the source bit for bit
-    (:func:`osdpipe.verify.megatron.roundtrip_problems`), and only then renamed into place; ``overwrite`` replaces a
-    previous output whole. ``workers`` processes write the output's files (the command's ``runtime.workers``).
+    either. ``checks`` are the verify checks (``None``: the command's default); ``overwrite`` replaces a previous
+    output whole; ``workers`` processes convert the target's ranks (``runtime.workers``); ``memory_budget`` (bytes)
+    bounds what each holds (``runtime.memory_budget``). ``report.json`` and ``manifest.json`` are written as the
+    command writes them.
 
     Returns:
-        ``{"folder", "iteration", "source", "target", "rng_from", "roundtrip"}``: where the iteration folder is, the
-        two parallelisms (``tp``, ``pp``, ``vpp``, ``dp``) and sharding types, which source (PP, TP) rank's RNG
-        states each target rank got, and what the read-back proved.
+        ``{"folder", "iteration", "source", "target", "rng_from", "checks"}``: where the iteration folder is, the two
+        parallelisms (``tp``, ``pp``, ``vpp``, ``dp``) and sharding types, which source (PP, TP) rank's RNG states each
+        target (PP, TP) rank got, and what each check proved.
 
     Raises:
-        osdpipe.io.formats.InputError: the source cannot be read, or holds what osdpipe cannot write yet; one line.
-        osdpipe.io.output.OutputError: ``output`` holds a conversion and ``overwrite`` is false.
-        RuntimeError: the output read back differs from the source (nothing is committed).
+        osdpipe.spec.config.ConfigError: the config does not fit the save (a TP that does not split its heads), or
+            ``output`` holds a conversion and ``overwrite`` is false.
+        ValueError: the save cannot be read (an ``InputError``, one line).
+        RuntimeError: a stage or a check failed (nothing is committed); its line.
     """
-    from osdpipe.pipeline.megatron import convert  # the Megatron stages: only this call needs them
-    from osdpipe.spec.megatron import MegatronJob
+    from osdpipe.io.formats.megatron_items import rng_source
+    from osdpipe.io.formats.megatron_reader import MegatronFiles  # the Megatron path: only this call needs it
+    from osdpipe.pipeline.execute import check_source, execute
 
-    job = MegatronJob(os.fspath(source), os.fspath(output), tp, pp, dp, optim_format, overwrite, workers=workers,
-                      vpp=vpp)
-    return convert(job, job.config()).summary()
+    raw: dict[str, Any] = {
+        "checkpoint": {"layout": "megatron"},
+        "input": {"path": os.fspath(source), "format": "megatron"},
+        "source": {"kind": "megatron"},
+        "target": {"kind": "megatron", "tp_size": tp, "pp_size": pp, "vpp_size": vpp, "world_size": tp * pp * dp},
+        "output": {"path": os.fspath(output), "format": "megatron", "overwrite": overwrite,
+                   "megatron_optim_format": optim_format},
+        "runtime": {"mode": "offline", "workers": workers, "progress": False, "memory_budget": memory_budget},
+        **({"pipeline": {"checks": checks}} if checks is not None else {}),
+    }
+    given = Given(["target", "output.overwrite", "runtime"]
+                  + (["output.megatron_optim_format"] if optim_format is not None else []))
+    raw, notes = reconcile(raw, given)
+    plan = plan_run(validate(raw))
+    check_source(plan)
+    report = execute(plan, warnings=notes, source_checked=True)
+    if not report.ok:
+        raise RuntimeError(report.failure)
+    files = MegatronFiles(plan.input_path)
+    grid = plan.target_spec.grid
+    return {
+        "folder": os.path.join(os.fspath(output), files.folder.name),
+        "iteration": files.iteration,
+        "source": {"tp": files.tp, "pp": files.pp, "vpp": files.vpp, "dp": files.dp, "sharding": files.sharding},
+        "target": {"tp": grid.tp, "pp": grid.pp, "vpp": grid.vpp, "dp": grid.dp,
+                   "sharding": grid.sharding if files.sharding is not None else None},
+        "rng_from": {f"{p}.{t}": list(rng_source(grid, files.tp, files.pp, p, t))
+                     for p in range(grid.pp) for t in range(grid.tp)} if files.has_rng else {},
+        "checks": {c.name: c.detail for c in report.checks},
+    }

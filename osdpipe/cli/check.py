@@ -263,7 +263,8 @@ def check_roundtrip(directory: Path, plan: Any) -> CheckResult:
 
             parts = rank_parts(keyed, plan.output_checkpoint)
             problems += plan.output_checkpoint.differences(
-                directory, parts, played.ctx.rank, world_size=plan.world_size, tree=plan.tree, fmt=fmt, opened=opened
+                directory, parts, played.ctx.rank, world_size=plan.world_size, tree=plan.tree, fmt=fmt, opened=opened,
+                target=plan.target_spec,
             )
         else:
             problems += fmt.differences(

@@ -214,6 +214,7 @@ class WholeReader:
             buffers=model.buffers,
             carried=carried,
             notes=optimizer.notes,
+            state_dtype=optimizer.state_dtype,
         )
 
     def _weights(self, param: ParamInfo, start: int, stop: int) -> torch.Tensor:

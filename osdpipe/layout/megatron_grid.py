@@ -198,6 +198,8 @@ def written_tensors(grid: Grid, shapes: Mapping[str, tuple[int, ...]], rank: int
                     for part in segments(bucket, lo, hi)
                     for s in param_segments(by_name[part.fqn], shapes, part.start, part.start + part.length)]
             fqns = tuple(dict.fromkeys(s.fqn for s in held))
+            if not fqns:  # a slice of padding alone still has its item's range: zeros (it holds no parameter)
+                fqns = tuple(dict.fromkeys(p.key for p in by_name[bucket.entries[0][0]].pieces))
             out.append(LocalTensor(grid.bucket_item(pp_rank, tp_rank, chunk, b), fqns, (hi - lo,), tuple(held),
                                    flat=True, states=optimizer))
     return tuple(out)

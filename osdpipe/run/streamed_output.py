@@ -63,9 +63,9 @@ def why_held(ctx: Context, source: Described) -> str | None:
             "its ranges are sent to it (runtime.transfer=scatter), in the order its reading rank sends them; "
             "runtime.transfer=shared reads them as they are written"
         )
-    if ctx.plan.checkpoint.whole:
+    if ctx.plan.checkpoint.whole and not ctx.plan.output_checkpoint.made_as_written:
         return (
-            f"a whole checkpoint ({ctx.plan.checkpoint.name}) is written "
+            f"a whole checkpoint ({ctx.plan.output_checkpoint.name}) is written "
             "with its model weights beside the optimizer's state"
         )
     if not ctx.output_format.writes(ctx.rank):

@@ -249,6 +249,8 @@ class LayoutConfig(_Frozen):
             shard_group_size=self.shard_group_size,
             tp_size=self.tp_size,
             tp_plan=tuple(self.tp_plan.items()),
+            pp_size=self.pp_size,
+            vpp_size=self.vpp_size,
         )
 
 
@@ -386,7 +388,7 @@ class OutputConfig(_Frozen):
     """
 
     path: str
-    format: Literal["rank_local", "fsdp_full", "dcp", "plain"] = "rank_local"
+    format: Literal["rank_local", "fsdp_full", "dcp", "plain", "megatron"] = "rank_local"
     checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf", "megatron"] | None = None
     key: str = "optim"
     overwrite: bool = False
@@ -662,7 +664,7 @@ class RunSpec(_Frozen):
             why = getattr(self, side).mesh_problem()
             if why is not None:
                 raise ValueError(f"{side}.{why}")
-        if by_megatron_stages(self.checkpoint.layout, self.output.checkpoint) or self.target.kind == MEGATRON:
+        if by_megatron_stages(self.checkpoint.layout, self.output.checkpoint):
             return self  # converted by Megatron's own stages (osdpipe.pipeline.megatron): nothing below applies
         named = self.checkpoint.model
         if named is not None and (

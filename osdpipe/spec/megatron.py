@@ -33,9 +33,10 @@ MEGATRON_CHECKS = ("roundtrip",)
 
 def by_megatron_stages(layout: str, written_as: str | None) -> bool:
     """Whether a conversion of ``checkpoint.layout=layout`` with ``output.checkpoint=written_as`` runs by Megatron's own
-    stages (:mod:`osdpipe.pipeline.megatron`): a Megatron-LM save to another Megatron grid or to a Hugging Face folder,
-    and anything to a Megatron-LM save. A Megatron save for a PyTorch job's layout goes through the range pipeline."""
-    return (layout == MEGATRON and written_as in (None, HF)) or written_as == MEGATRON
+    stages (:mod:`osdpipe.pipeline.megatron`): a Megatron-LM save to a Hugging Face folder, and another framework's
+    checkpoint or a Hugging Face folder to a Megatron-LM save. A Megatron save to another Megatron grid, or for a
+    PyTorch job's layout, goes through the stage loop."""
+    return (layout == MEGATRON and written_as == HF) or (written_as == MEGATRON and layout != MEGATRON)
 
 
 def megatron_problem(spec: Any) -> str | None:
@@ -104,8 +105,9 @@ def megatron_problem(spec: Any) -> str | None:
         key = "output.checkpoint" if output.checkpoint not in (None, HF) else "output.model_format"
         return (f"{key}: a Megatron-LM save is written as Megatron's own, a Hugging Face folder (output.checkpoint=hf) "
                 f"or for a PyTorch job (output.checkpoint={' or '.join(PYTORCH_NATIVE)}); drop {key}")
-    if output.format != "dcp":
-        return "output.format: a Megatron-LM save is a DCP checkpoint beside common.pt; set output.format=dcp"
+    if output.format != MEGATRON and output.checkpoint != HF:
+        return (f"output.format={output.format}: a Megatron-LM save is its own DCP checkpoint beside common.pt; set "
+                "output.format=megatron")
     if spec.runtime.mode != "offline":
         return "runtime.mode=online: a Megatron-LM save converts offline, without Megatron; set runtime.mode=offline"
     return None

@@ -103,7 +103,7 @@ class Plan:
         return self._keep(
             ("output", rank),
             lambda: self.output_format.output_layout(
-                self.tree, self.world_size, rank, lambda: self.optimizer_layout(rank)
+                self.tree, self.target_spec, rank, lambda: self.optimizer_layout(rank)
             ),
         )
 
@@ -115,9 +115,12 @@ class Plan:
         return group_members(self.spec.optim, layout)
 
     def held_keys(self, rank: int) -> set[str]:
-        """The layout keys target rank ``rank``'s optimizer holds."""
-        layout = self.target_layout(rank)
-        return {layout[i].key for g in self.target_groups(layout) for i in g}
+        """The layout keys of target rank ``rank``'s output that its optimizer holds: those of a parameter its param
+        groups hold (asked of the optimizer's own layout, whose tensors each lie in one group: an output's may not, as
+        a distributed optimizer's bucket holds parameters of both)."""
+        optimizer = self.optimizer_layout(rank)
+        held = {f for g in self.target_groups(optimizer) for i in g for f in optimizer[i].fqns}
+        return {t.key for t in self.target_layout(rank) if any(f in held for f in t.fqns)}
 
     def with_optimizer_groups(self, groups: list[list[int]]) -> Plan:
         """This plan, keyed by a live optimizer's own param groups (the Python API)."""
@@ -151,8 +154,11 @@ def plan_run(spec: RunSpec, tree: ModuleTree | None = None) -> Plan:
     for side in ("source", "target"):
         layout = getattr(spec, side)
         kind = kinds.get(layout.kind)
+        wrapped = layout.spec()
+        if side == "target":  # how its distributed optimizer saves its state, where the kind has more than one way
+            wrapped = dataclasses.replace(wrapped, state_sharding=spec.output.megatron_optim_format)
         try:
-            settled[side] = kind.settle(layout.spec(), spec.model.factory, spec.model.kwargs)
+            settled[side] = kind.settle(wrapped, spec.model.factory, spec.model.kwargs)
         except ValueError as exc:
             raise ConfigError([f"{side}.tp_plan={layout.tp_plan}: {exc}"]) from None
         try:

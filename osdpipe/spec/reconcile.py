@@ -166,8 +166,11 @@ def _from_files(raw: dict[str, Any], given: Given, path: str) -> tuple[list[str]
             _set(raw, "output.format", keep)  # the source's state-dict type, which the job that resumes is set to
         try:
             part = layout.optimizer_part(path, fmt, writer.name)
+            why = layout.refuses_keys(path, given, raw)
         except InputError:
             return notes, None  # the pre-flight check says what is wrong with it
+        if why is not None:
+            raise Contradiction(why)
         # a model-only checkpoint: no optimizer to settle; the checks resume with the one osdpipe trains
         if part is None:
             if _get(raw, "optim.name") in (None, AUTO):

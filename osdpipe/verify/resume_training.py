@@ -165,6 +165,8 @@ class Reference:
         seed: ``generate.seed``, of the synthetic parameters and gradients.
         steps: how many steps.
         elementwise: whether ranges may be stepped alone.
+        master: the state that holds the parameter the optimizer steps, where the source keeps a master copy of its
+            own (Megatron's distributed optimizer: ``param``, fp32); ``None``: the model's weights, or synthetic ones.
     """
 
     def __init__(
@@ -176,9 +178,10 @@ class Reference:
         seed: int,
         steps: int,
         elementwise: bool,
+        master: str | None = None,
     ) -> None:
         self.config, self.meta, self.reader, self.tree = optim_config, meta, reader, tree
-        self.seed, self.steps, self.elementwise = seed, steps, elementwise
+        self.seed, self.steps, self.elementwise, self.master = seed, steps, elementwise, master
         self._group_of = {f: i for i, g in enumerate(meta.param_groups or []) for f in g["params"]}
         self._whole: dict[str, tuple[torch.Tensor, dict[str, Any]]] | None = None
 
@@ -209,13 +212,17 @@ class Reference:
         return [(p, optim.state[p]) for p in params]
 
     def _dtype(self, fqn: str) -> torch.dtype:
-        return getattr(torch, self.tree.param(fqn).dtype)
+        """The dtype the optimizer steps ``fqn`` in: its master's, where it keeps one, else the parameter's."""
+        held = self.meta.state.get(fqn, {}).get(self.master) if self.master is not None else None
+        return held.torch_dtype if isinstance(held, TensorRef) else getattr(torch, self.tree.param(fqn).dtype)
 
     def _start(self, fqn: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of parameter ``fqn`` as the job starts:
-        the source's weights in a whole checkpoint, else synthetic."""
-        if WEIGHTS in self.meta.state.get(fqn, {}):
-            return self.reader.read_range(fqn, WEIGHTS, start, stop).clone()
+        """Elements ``[start, stop)`` of parameter ``fqn`` as the job starts: the source's master copy where its
+        optimizer keeps one, the source's weights in a whole checkpoint, else synthetic."""
+        held = self.meta.state.get(fqn, {})
+        for name in (self.master, WEIGHTS):
+            if name is not None and name in held:
+                return self.reader.read_range(fqn, name, start, stop).clone()
         return synthetic_param(self.seed, fqn, start, stop, self._dtype(fqn))
 
     def _saved_group(self, fqn: str) -> dict[str, Any] | None:
@@ -230,7 +237,7 @@ class Reference:
             if isinstance(value, TensorRef)
             else own_copy(value)
             for name, value in self.meta.state.get(fqn, {}).items()
-            if name != WEIGHTS
+            if name not in (WEIGHTS, self.master)
         }
 
     def _step(self, optim: torch.optim.Optimizer, items: list[tuple[Range, torch.Tensor]]) -> None:
@@ -330,48 +337,82 @@ def live_steps(
 Held = tuple[dict[str, Any], dict[str, Any]]
 
 
+def by_group(
+    tensor: LocalTensor, state: dict[str, Any], group_of: Callable[[str], Any]
+) -> list[tuple[LocalTensor, dict[str, Any], Any]]:
+    """A local tensor and its state, as the parts of it each param group holds (``group_of(fqn)``): the tensor itself
+    where its parameters are in one group; else one flat part per group, made of the tensor's elements of that
+    group's parameters (a distributed optimizer's bucket holds norms without weight decay beside matrices with it),
+    each with a copy of the tensor's 0-dim state of its own, as each parameter of the job has its own."""
+    groups = list({id(g): g for g in (group_of(s.fqn) for s in tensor.segments)}.values())
+    if len(groups) <= 1:
+        return [(tensor, state, groups[0] if groups else group_of(tensor.fqns[0]))]
+    parts = []
+    for i, group in enumerate(groups):
+        mine = [s for s in tensor.segments if group_of(s.fqn) is group]
+        at, segments = 0, []
+        for seg in mine:
+            segments.append(Segment(seg.fqn, seg.start, seg.length, at))
+            at += seg.length
+        part = LocalTensor(f"{tensor.key}[group {i}]", tuple(dict.fromkeys(s.fqn for s in mine)), (at,),
+                           tuple(segments), flat=True, states=tensor.states)
+        held = {
+            name: torch.cat([value.reshape(-1)[s.dest : s.dest + s.length] for s in mine])
+            if _is_tensor_state(value) else own_copy(value)
+            for name, value in state.items()
+        }
+        parts.append((part, held, group))
+    return parts
+
+
 def bare_steps(
     spec: Any,
     layout: tuple[LocalTensor, ...],
-    state_of: Callable[[LocalTensor], Held | None],
+    state_of: Callable[[LocalTensor], list[tuple[LocalTensor, dict[str, Any], dict[str, Any]]]],
     tree: ModuleTree,
     batch_bytes: int | None,
     weights: dict[str, torch.Tensor] | None = None,
+    master: str | None = None,
 ) -> Iterator[list[Stepped]]:
     """The output's local tensors in bare optimizers,
     loaded with their state as written, through the resume steps; a batch at a time.
 
-    ``state_of(tensor)`` gives what the output holds for the tensor (``None``:
-    the target optimizer does not hold it); each starts from the output's
-    ``weights`` for it (a whole checkpoint's, by layout key), else from
-    synthetic parameters. A batch is at most ``batch_bytes``
-    of state (``None``: the largest tensor's, :func:`in_batches`), in one optimizer with a
-    param group per group of the output, as the target's optimizer holds them.
-    0-dim state is copied once per object, so state the output shares between
-    tensors stays shared here, and shows in the steps.
+    ``state_of(tensor)`` gives what the output holds for the tensor, as the parts of it that lie in one param group
+    each (:func:`by_group`): ``(part, its state, its param group)`` (none: the target optimizer does not hold it);
+    each starts from its master copy where the optimizer keeps one (``master``: Megatron's ``param``), else from the
+    output's ``weights`` for it (a whole checkpoint's, by layout key), else from synthetic parameters. A batch is at
+    most ``batch_bytes`` of state (``None``: the largest tensor's, :func:`in_batches`), in one optimizer with a param
+    group per group of the output, as the target's optimizer holds them. 0-dim state is copied once per object, so
+    state the output shares between tensors stays shared here, and shows in the steps.
     """
     scalars: dict[int, Any] = {}
-    held = [(t, h) for t in layout if (h := state_of(t)) is not None]
+    held = [(part, (state, group)) for t in layout for part, state, group in state_of(t)]
     for batch in in_batches(held, [state_bytes(state) for _, (state, _) in held], batch_bytes):
-        dtypes = [getattr(torch, tree.param(t.fqns[0]).dtype) for t, _ in batch]
+        dtypes = [
+            state[master].dtype if master in state else getattr(torch, tree.param(t.fqns[0]).dtype)
+            for t, (state, _) in batch
+        ]
         params = [
-            weights[t.key].clone().reshape(t.shape)
+            state[master].clone().reshape(t.shape)
+            if master in state
+            else weights[t.key].clone().reshape(t.shape)
             if weights is not None and t.key in weights
             else local_values(
                 t, lambda fqn, lo, hi, dtype=dtype: synthetic_param(spec.generate.seed, fqn, lo, hi, dtype), dtype
             )
-            for (t, _), dtype in zip(batch, dtypes)
+            for (t, (state, _)), dtype in zip(batch, dtypes)
         ]
         states = [
             {
                 n: (v.clone() if _is_tensor_state(v) else scalars.setdefault(id(v), own_copy(v)))
                 for n, v in state.items()
+                if n != master
             }
             for _, (state, _) in batch
         ]
-        by_group = _grouped(list(range(len(batch))), lambda i: id(batch[i][1][1]))
-        order = [i for g in by_group for i in g]
-        groups = [(batch[g[0]][0].fqns[0], [params[i] for i in g], batch[g[0]][1][1] or None) for g in by_group]
+        by_groups = _grouped(list(range(len(batch))), lambda i: id(batch[i][1][1]))
+        order = [i for g in by_groups for i in g]
+        groups = [(batch[g[0]][0].fqns[0], [params[i] for i in g], batch[g[0]][1][1] or None) for g in by_groups]
         optim = loaded_optimizer(spec.optim, groups, [states[i] for i in order])
         trainable = [
             i for i, (t, _) in enumerate(batch) if t.stepped and all(tree.param(f).requires_grad for f in t.fqns)
@@ -497,7 +538,11 @@ def _differ(what: str, got: torch.Tensor, want: torch.Tensor, start: int, steps:
     ]
 
 
-def reference_for(spec: Any, meta: SourceMeta, reader: SourceReader, tree: ModuleTree) -> Reference:
-    """The reference of this conversion: range by range for an elementwise optimizer, else over the whole model."""
+def reference_for(
+    spec: Any, meta: SourceMeta, reader: SourceReader, tree: ModuleTree, master: str | None = None
+) -> Reference:
+    """The reference of this conversion: range by range for an elementwise optimizer, else over the whole model
+    (``master``: the state that holds the parameter the optimizer steps, where it keeps a copy of its own)."""
     elementwise = is_elementwise(resolve_optimizer(spec.optim.name))
-    return Reference(spec.optim, meta, reader, tree, spec.generate.seed, spec.pipeline.resume_steps, elementwise)
+    return Reference(spec.optim, meta, reader, tree, spec.generate.seed, spec.pipeline.resume_steps, elementwise,
+                     master)

@@ -36,7 +36,7 @@ import torch
 from frameworks import mcore
 from frameworks.mcore_saves import CONVERTED, SAVES, resumed_path, saved
 from helpers import run_cli_cases
-from synthetic_megatron import one_element_changed, write_with_the_tied_copy_changed
+from synthetic_megatron import write_with_the_tied_copy_changed
 
 import osdpipe
 from osdpipe.io.formats.base import InputError
@@ -363,27 +363,32 @@ def test_a_roundtrip_through_the_writer_is_the_source_and_a_changed_element_is_s
         write_save(source, tmp_path / "back", Target(1, 2, 2, "dp_reshardable"))
 
 
-def test_the_read_back_check_fails_on_one_changed_element_and_nothing_is_committed(
-    saves: dict[str, Path], tmp_path: Path
+def test_a_layout_that_takes_one_element_from_the_wrong_place_fails_roundtrip_and_commits_nothing(
+    saves: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The API's proof is not a formality: a writer that puts one element wrong is caught before the rename."""
-    from osdpipe.verify.megatron import roundtrip_problems
+    """Verify is not a formality: a Megatron output whose layout reads one bucket's range one element off (one element
+    twice, another never) fails ``roundtrip`` before anything is committed, converted in memory and made as it is
+    written under a memory budget alike."""
+    from dataclasses import replace
 
-    source = read_save(saves["tp2_dp2"])
-    written = tmp_path / "one"
-    write_save(source, written, Target(1, 1, 2, "dp_reshardable"))
-    back = read_save(written)
-    key = "decoder.layers.self_attention.linear_proj.weight"
-    back.optim[key]["exp_avg_sq"].view(-1)[3] += 1
-    assert roundtrip_problems(source, back) == [f"exp_avg_sq {key}: differs from the source's"]
-    back.param_groups[0]["step"] += 1
-    assert any("param groups" in p for p in roundtrip_problems(source, back))
+    from osdpipe.io.formats import megatron_source
 
-    with one_element_changed(lambda key: key.endswith(".exp_avg"), 5), \
-            pytest.raises(RuntimeError, match="read back differs: exp_avg "):
-        osdpipe.reshard_megatron(saves["tp2_dp2"], tmp_path / "refused", tp=1, dp=2)
-    assert not (tmp_path / "refused" / "latest_checkpointed_iteration.txt").exists()
-    assert not (tmp_path / "refused" / ".staging").exists()
+    laid_out = megatron_source.written_tensors
+
+    def one_off(grid, shapes, rank):  # noqa: ANN001, ANN202 - the patched function's own signature
+        out = list(laid_out(grid, shapes, rank))
+        i, j = next((i, j) for i, t in enumerate(out) if t.key.startswith("optimizer.distributed.")
+                    for j, s in enumerate(t.segments) if s.start > 0)
+        shifted = replace(out[i].segments[j], start=out[i].segments[j].start - 1)
+        out[i] = replace(out[i], segments=(*out[i].segments[:j], shifted, *out[i].segments[j + 1:]))
+        return tuple(out)
+
+    monkeypatch.setattr(megatron_source, "written_tensors", one_off)
+    for budget in (None, 1 << 20):
+        out = tmp_path / f"refused-{budget}"
+        with pytest.raises(RuntimeError, match="roundtrip"):
+            osdpipe.reshard_megatron(saves["tp2_dp2"], out, tp=1, dp=2, checks=["roundtrip"], memory_budget=budget)
+        assert not (out / "latest_checkpointed_iteration.txt").exists() and not (out / ".staging").exists()
 
 
 def test_a_tied_embeddings_copy_on_the_last_stage_is_written_as_megatron_keeps_it_and_a_wrong_one_is_seen(

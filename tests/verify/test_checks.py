@@ -77,3 +77,24 @@ def test_memory_watch_sees_a_peak_that_is_gone_and_stops_its_thread() -> None:
     assert peak.peak_anonymous - peak.baseline_anonymous > 90e6, peak
     assert peak.peak_rss >= peak.peak_anonymous
     assert not any(t.name == "osdpipe-memory" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_flat_tensor_of_two_param_groups_is_stepped_as_a_part_in_each() -> None:
+    """A distributed optimizer's bucket holds parameters of both of Megatron's groups (norms without weight decay
+    beside matrices with it): the resume check's bare optimizers step each group's elements in that group, each part
+    with a step counter of its own; a tensor of one group is itself."""
+    from osdpipe.verify.resume_training import by_group
+
+    decay, none = {"weight_decay": 0.1}, {"weight_decay": 0.0}
+    bucket = LocalTensor("bucket", ("w", "norm", "v"), (12,),
+                         (Segment("w", 0, 4, 0), Segment("norm", 2, 3, 6), Segment("v", 1, 2, 10)), flat=True)
+    state = {"exp_avg": torch.arange(12.0), "step": torch.tensor(3.0)}
+    parts = by_group(bucket, state, {"w": decay, "v": decay, "norm": none}.get)
+    assert [(p.fqns, p.shape, g) for p, _, g in parts] == [(("w", "v"), (6,), decay), (("norm",), (3,), none)]
+    (first, held, _), (second, other, _) = parts
+    assert first.segments == (Segment("w", 0, 4, 0), Segment("v", 1, 2, 4))
+    assert torch.equal(held["exp_avg"], torch.tensor([0.0, 1, 2, 3, 10, 11]))
+    assert torch.equal(other["exp_avg"], torch.tensor([6.0, 7, 8])) and second.segments == (Segment("norm", 2, 3, 0),)
+    assert held["step"] is not other["step"] and held["step"] is not state["step"] and float(other["step"]) == 3.0
+    alone = LocalTensor("w", ("w",), (4,), (Segment("w", 0, 4, 0),), flat=False)
+    assert by_group(alone, state, {"w": decay}.get) == [(alone, state, decay)]

@@ -39,6 +39,7 @@ from osdpipe.io.remote_input import as_path
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
     from osdpipe.io.formats.base import Format, RankFiles
+    from osdpipe.layout.ranges import LayoutSpec
     from osdpipe.layout.tree import ModuleTree
 
 _MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)")
@@ -273,6 +274,7 @@ class Accelerate(CheckpointLayout):
         tree: ModuleTree,
         shared: dict[str, Any],
         fmt: Format,
+        target: LayoutSpec | None = None,
     ) -> RankFiles:
         """A rank file (``rank_local``); the two full files, on rank 0 (``fsdp_full``: FULL_STATE_DICT); or this rank's
         pieces of the folder's two DCP directories (``dcp``: SHARDED_STATE_DICT)."""
@@ -327,7 +329,8 @@ class Accelerate(CheckpointLayout):
         return RankFiles(files, tensors, [model_results, optimizer_results])
 
     def finish(
-        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying
+        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying,
+        target: LayoutSpec | None = None,
     ) -> dict[str, str]:
         """The two ``.metadata`` files (``dcp``) and every carried file, beside them or beside the rank files."""
         # torch.distributed.checkpoint: only where a whole checkpoint is written
@@ -387,6 +390,7 @@ class Accelerate(CheckpointLayout):
         tree: ModuleTree,
         fmt: Format,
         opened: dict[str, Any],
+        target: LayoutSpec | None = None,
     ) -> list[str]:
         """A rank file as it should be (``rank_local``); else this rank's rows of the two DCP directories; on rank 0
         every carried file byte for byte."""

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # annotations only: the layouts import torch where they read or write
     from osdpipe.io.formats.base import Format, RankFiles
+    from osdpipe.layout.ranges import LayoutSpec
     from osdpipe.layout.tree import ModuleTree
 
 #: Where a whole checkpoint's ``dcp`` output goes under ``output.path``:
@@ -205,9 +206,18 @@ class CheckpointLayout:
     #: Whether this layout, written, is named after the step it was saved at (torchtitan's ``step-<N>``):
     #: only a source that says it converts to it.
     needs_step: ClassVar[bool] = False
+    #: Whether this layout writes each state tensor of a rank whole, as one record, so that a rank's output can be made
+    #: as it is written under ``runtime.memory_budget`` (:mod:`osdpipe.run.streamed_output`); else the whole
+    #: checkpoint's model and optimizer are put together in memory first.
+    made_as_written: ClassVar[bool] = False
     #: What ``osdpipe inspect``'s printed command leaves to fill in besides the target's world and the output's place
     #: (Megatron's grid: ``target.tp_size=T``).
     target_placeholders: ClassVar[tuple[str, ...]] = ()
+
+    def refuses_keys(self, path: str, given: Any, raw: dict[str, Any]) -> str | None:
+        """Why keys the user gave (``given``: their names; ``raw``: the config) cannot convert the checkpoint at
+        ``path``, where only its files say so (``None``: they can); one line naming the key. None by default."""
+        return None
 
     def refuses(self, given: Format, source_kind: Any, generated: bool) -> str | None:
         """Why a conversion of this layout cannot read ``given``
@@ -343,15 +353,18 @@ class CheckpointLayout:
         tree: ModuleTree,
         shared: dict[str, Any],
         fmt: Format,
+        target: LayoutSpec | None = None,
     ) -> RankFiles:
         """Write target rank ``rank``'s part of the output into ``staging``
-        (``parts``: :class:`osdpipe.io.checkpoints.output.RankParts`)."""
+        (``parts``: :class:`osdpipe.io.checkpoints.output.RankParts`), for a target job laid out as ``target``."""
         raise NotImplementedError
 
     def finish(
-        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying
+        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying,
+        target: LayoutSpec | None = None,
     ) -> dict[str, str]:
-        """After every rank wrote: the files that complete the output (carried files among them), and their sha256."""
+        """After every rank wrote: the files that complete the output (carried files among them), and their sha256
+        (``target``: how the target job is laid out)."""
         return {}
 
     def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Format) -> None:
@@ -378,6 +391,7 @@ class CheckpointLayout:
         tree: ModuleTree,
         fmt: Format,
         opened: dict[str, Any],
+        target: LayoutSpec | None = None,
     ) -> list[str]:
         """Where what target rank ``rank`` finds under ``directory`` differs from ``parts`` (what it should hold),
         bitwise (``opened``: kept across ranks).

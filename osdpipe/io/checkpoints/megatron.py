@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from osdpipe.io.checkpoints.base import (
+    DCP_DIR,
     CarriedData,
     Carrying,
     CheckpointLayout,
@@ -41,6 +42,7 @@ from osdpipe.io.formats.base import InputError
 from osdpipe.io.hf_folder import RECORD
 from osdpipe.io.remote_input import as_path
 from osdpipe.layout.megatron import position_embedding_type, query_groups
+from osdpipe.layout.ranges import WEIGHTS
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
@@ -75,6 +77,34 @@ class MegatronWeights:
         return self.reader.read_range(name, MASTER, start, stop)
 
 
+class SavedWeights:
+    """A Megatron-LM save's model weights (each sharded key's item, in the job's ``params_dtype``), as a whole
+    checkpoint's model part (:class:`~osdpipe.io.weights.WeightsReader`)."""
+
+    def __init__(self, files: Any, tree: ModuleTree) -> None:
+        self.files, self.tree = files, tree
+
+    def model_meta(self) -> Any:
+        from osdpipe.io.weights import model_meta_of
+
+        stored = {key: self.files.checkpoint.ref(key) for key in self.files.shapes
+                  if key in self.files.checkpoint.metadata.state_dict_metadata}
+        return model_meta_of(stored, {}, self.tree, str(self.files.folder))
+
+    def stored_name(self, name: str) -> str | None:
+        return name if name in self.files.shapes else None
+
+    def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
+        parts = self.files.checkpoint.read_parts(name, start, stop)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def read_parts(self, name: str, start: int, stop: int) -> list[torch.Tensor]:
+        return self.files.checkpoint.read_parts(name, start, stop)
+
+    def release(self, name: str, start: int, stop: int) -> None:
+        self.files.checkpoint.release(name, start, stop)
+
+
 #: Entries by what their flat keys start with, and the part of a conversion each is.
 _OPTIMIZER = re.compile(
     r"optimizer\.(state\.(\w+)\..+|distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_\(.+\)\.bucket_idx_\d+\.(\w+))"
@@ -91,7 +121,8 @@ class Megatron(CheckpointLayout):
     looks_like = "a Megatron-LM save folder (latest_checkpointed_iteration.txt and iter_<N>/) or one iter_<N> folder"
     whole = True
     input_formats: ClassVar[tuple[str, ...]] = ("megatron",)
-    output_formats: ClassVar[tuple[str, ...]] = ("dcp",)
+    output_formats: ClassVar[tuple[str, ...]] = ("megatron",)
+    made_as_written = True
     written_as = None
     saves_step = True
     needs_step = False
@@ -110,16 +141,36 @@ class Megatron(CheckpointLayout):
         """No model to name: Megatron's ``args`` give every dimension."""
         return ModelNaming(())
 
+    def output_format_of(self, input_format: str) -> str | None:
+        """A Megatron-LM save is written as one (its DCP checkpoint beside ``common.pt``)."""
+        return "megatron"
+
+    def refuses_keys(self, path: str, given: Any, raw: dict[str, Any]) -> str | None:
+        """A sharding type for the optimizer (``output.megatron_optim_format``) of a save that holds the weights alone:
+        there is no optimizer to save so."""
+        said = (raw.get("output") or {}).get("megatron_optim_format")
+        folder = files.iteration_folder(path)
+        if "output.megatron_optim_format" in given and said and files.optimizer_sharding(files.read_common(folder),
+                                                                                         folder) is None:
+            return (f"output.megatron_optim_format={said}, but {folder} holds the model's weights alone, no optimizer "
+                    "state; leave output.megatron_optim_format out")
+        return None
+
     def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]]:
-        """The model of the GPT ``args`` describe, as the job that resumes the output builds it: torchtitan's llama3
-        or qwen3 (:func:`~osdpipe.layout.megatron_hf.titan_family`) for a torchtitan step folder (``written_as``),
+        """The model of the GPT ``args`` describe, as the job that resumes the output builds it: Megatron's own GPT, its
+        sharded keys (:func:`osdpipe.layout.models.megatron_gpt`), for a Megatron save (``written_as`` this layout);
+        torchtitan's llama3 or qwen3 (:func:`~osdpipe.layout.megatron_hf.titan_family`) for a torchtitan step folder;
         else the transformers model of its family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
         ``GPT2LMHeadModel``: :func:`~osdpipe.layout.megatron_hf.hf_config`).
         """
         from osdpipe.layout import megatron_hf
+        from osdpipe.layout.kinds.megatron import FACTORY
+        from osdpipe.layout.megatron import layout_args
 
         folder = files.iteration_folder(path)
         args = files.read_common(folder)["args"]
+        if written_as in (None, self.name):
+            return FACTORY, {"args": layout_args(args)}
         titan = written_as == "torchtitan"
         if why := megatron_hf.refusal(args, titan=titan):
             raise ModelRefused(f"{folder}: {why}")
@@ -131,18 +182,29 @@ class Megatron(CheckpointLayout):
         except ValueError as exc:  # an arg config.json needs, missing
             raise ModelRefused(f"{folder}: {exc}") from None
 
-    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
+    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
         """The iteration folder, read for the model ``written_as``'s job builds: its ``key`` names that model's names
-        (the reader's facts name the param groups' parameters so)."""
-        from osdpipe.io.formats.megatron_source import HF_NAMES, TORCHTITAN
+        (the reader's facts name the param groups' parameters so); read for Megatron's own, ``None`` where the save
+        holds the weights alone (a model-only checkpoint, which converts to one)."""
+        from osdpipe.io.formats.megatron_source import HF_NAMES, MEGATRON_NAMES, TORCHTITAN
 
+        folder = files.iteration_folder(path)
+        if written_as in (None, self.name):
+            if files.optimizer_sharding(files.read_common(folder), folder) is None:
+                return None
+            return Part(str(folder), "megatron", MEGATRON_NAMES)
         naming = TORCHTITAN if written_as == "torchtitan" else HF_NAMES
-        return Part(str(files.iteration_folder(path)), "megatron", naming)
+        return Part(str(folder), "megatron", naming)
 
-    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> MegatronWeights:
-        """The fp32 masters from the optimizer part's own reader: the save is read, and mapped, once."""
-        from osdpipe.io.formats.megatron_source import MegatronReader
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
+        """Read for Megatron's own GPT, its weights (the model's items, by ranges:
+        :class:`~osdpipe.io.formats.megatron_reader.SavedWeights`); for another model's names, the fp32 masters from
+        the optimizer part's own reader: the save is read, and mapped, once."""
+        from osdpipe.io.formats.megatron_reader import MegatronFiles, SavedState
+        from osdpipe.io.formats.megatron_source import MEGATRON_NAMES, MegatronReader, naming_of
 
+        if naming_of(tree) == MEGATRON_NAMES:
+            return SavedWeights(optimizer.files if isinstance(optimizer, SavedState) else MegatronFiles(path), tree)
         reader = optimizer if isinstance(optimizer, MegatronReader) else MegatronReader(path)
         return MegatronWeights(reader, tree)
 
@@ -154,9 +216,11 @@ class Megatron(CheckpointLayout):
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
 
-        from osdpipe.io.formats.megatron_source import TORCHTITAN, naming_of
+        from osdpipe.io.formats.megatron_source import MEGATRON_NAMES, TORCHTITAN, naming_of
 
         folder = files.iteration_folder(path)
+        if naming_of(tree) == MEGATRON_NAMES:
+            return self._carried_for_megatron(folder)
         common = files.read_common(folder)
         flat, paths = flatten_state_dict(_carried_values(common))
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items()
@@ -175,9 +239,164 @@ class Megatron(CheckpointLayout):
             made={MODEL_ARGS if titan else HF_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()},
         )
 
+    def _carried_for_megatron(self, folder: Path) -> Carrying:
+        """What a Megatron save carries into another grid's: each (PP, TP) rank's RNG states and the linears'
+        ``_extra_state`` items, as stored, and ``common.pt`` (rewritten for the target: :meth:`finish`); the model and
+        the optimizer convert. Its iteration folder's name is the output's (``iter_<N>``, or ``release``)."""
+        from osdpipe.io.formats.dcp_reader import DcpCheckpoint
+
+        checkpoint = DcpCheckpoint(str(folder), None)
+        items = tuple(flat for flat in checkpoint.metadata.state_dict_metadata
+                      if files.RNG.fullmatch(flat) or "._extra_state/shard_" in flat)
+        common = files.read_common(folder)
+        return Carrying(str(folder), items, tuple((flat,) for flat in items), {}, (),
+                        self.read(folder).entries, layout=self.name, step=int(common.get("iteration", 0)),
+                        folder=folder.name, optimizer=files.optimizer_sharding(common, folder) is not None)
+
+    def write(
+        self,
+        parts: Any,
+        staging: Path,
+        rank: int,
+        *,
+        world_size: int,
+        tree: ModuleTree,
+        shared: dict[str, Any],
+        fmt: Any,
+        target: Any = None,
+    ) -> Any:
+        """Target rank ``rank``'s items of the save (:func:`osdpipe.io.formats.megatron_items.rank_items`: its chunks
+        of the model and the optimizer, its (PP, TP) rank's byte items) into a file of its own of the iteration
+        folder's DCP checkpoint; the checkpoint's plan made once per process, from every rank's items."""
+        from osdpipe.io.checkpoints import output
+        from osdpipe.io.digest import tensor_sha256
+        from osdpipe.io.formats.base import RankFiles
+
+        grid, carrying = target.grid, parts.carrying
+        written = _written(parts, tree)
+        groups = _groups_of(parts.optimizer) if carrying.optimizer else None
+        # what finish writes common.pt of, kept in the process that commits
+        shared[_SHARED_GROUPS], shared[_SHARED_COMMON] = groups, parts.carried.raw[COMMON_BYTES]
+
+        def items_of(r: int, local: bool) -> dict[str, Any]:
+            return written.items(grid, r, parts.carried.raw if local else None, groups,
+                                 _state(parts) if local and r == rank else None)
+
+        results, digests, storages = output.write_dcp(staging, carrying.folder, items_of, rank, world_size, shared)
+        where = next(iter(digests), carrying.folder)
+        tensors = {f"{where}:{key}@{','.join(str(a) for a, _ in box)}": tensor_sha256(local, storages)
+                   for key, value in items_of(rank, True).items() if getattr(value, "boxes", None)
+                   for box, local in zip(value.boxes, value.local or ())}
+        return RankFiles(digests, tensors, results)
+
+    def finish(
+        self, staging: Path, shared: dict[str, Any], per_rank: list[Any], fmt: Any, carrying: Carrying,
+        target: Any = None,
+    ) -> dict[str, str]:
+        """The ``.metadata`` of the iteration folder, its ``common.pt`` for the target's grid
+        (:func:`osdpipe.io.formats.megatron_items.target_common`: the source's, its ``args`` and optimizer part
+        rewritten), ``metadata.json`` and the save folder's ``latest_checkpointed_iteration.txt``."""
+        import torch
+
+        from osdpipe.io.checkpoints import output
+        from osdpipe.io.digest import file_sha256
+        from osdpipe.io.formats import megatron_items
+        from osdpipe.io.formats.inert_load import load_inert_bytes
+
+        folder = carrying.folder
+        done = output.finish_dcp(staging, folder, shared, [r.results for r in per_rank])
+        common = load_inert_bytes(shared[_SHARED_COMMON], files.DESCRIBED, what=files.WHAT)
+        common["args"] = dict(common["args"].state) if hasattr(common["args"], "state") else vars(common["args"])
+        made = megatron_items.target_common(common, target.grid, shared[_SHARED_GROUPS], int(carrying.step or 0))
+        torch.save(made, staging / folder / files.COMMON)
+        (staging / folder / "metadata.json").write_text(json.dumps(
+            {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+             "common_backend_version": 1}))
+        (staging / files.LATEST).write_text(files.RELEASE if folder == files.RELEASE else str(carrying.step or 0))
+        small = [f"{folder}/{files.COMMON}", f"{folder}/metadata.json", files.LATEST]
+        return {**done, **{name: file_sha256(staging / name) for name in small}}
+
+    def differences(
+        self,
+        directory: Path,
+        parts: Any,
+        rank: int,
+        *,
+        world_size: int,
+        tree: ModuleTree,
+        fmt: Any,
+        opened: dict[str, Any],
+        target: Any = None,
+    ) -> list[str]:
+        """Where target rank ``rank``'s items of the save under ``directory`` differ from what it should hold
+        (``parts``, derived from the source again), bitwise: each chunk of the model and the optimizer, each byte item
+        as stored; on rank 0 ``common.pt``'s ``args``, iteration and optimizer part (``opened``: the save, opened
+        once for every rank)."""
+
+        from osdpipe.core.compare import bits_equal
+        from osdpipe.io.formats import megatron_items
+        from osdpipe.io.formats.dcp_reader import DcpCheckpoint
+        from osdpipe.io.formats.dcp_writer import BoxShard
+
+        folder = directory / parts.carrying.folder
+        if "save" not in opened:
+            opened["save"] = DcpCheckpoint(str(folder), None)
+        saved: DcpCheckpoint = opened["save"]
+        groups = _groups_of(parts.optimizer) if parts.carrying.optimizer else None
+        problems: list[str] = []
+        items = _written(parts, tree).items(target.grid, rank, parts.carried.raw, groups, _state(parts))
+        for item, value in items.items():
+            try:
+                if isinstance(value, BoxShard):
+                    for box, want in zip(value.boxes, value.local or ()):
+                        got = saved.read_chunk(item, tuple(a for a, _ in box))
+                        if got.dtype != want.dtype or not bits_equal(got.reshape(-1), want.reshape(-1)):
+                            problems.append(f"{folder}: {item} at {tuple(a for a, _ in box)} differs from the source's")
+                elif saved.stored(item) != value.raw:
+                    problems.append(f"{folder}: {item} differs from the source's")
+            except InputError as exc:
+                problems.append(str(exc))
+        if rank == 0:
+            common = files.read_common(folder)
+            made = megatron_items.target_common(
+                files.read_common(as_path(parts.carrying.source)), target.grid, groups, int(parts.carrying.step or 0))
+            made["args"] = vars(made["args"])
+            for key in ("args", "iteration", "optimizer", "content_metadata"):  # plain data: equal as written out
+                if repr(common.get(key)) != repr(made.get(key)):
+                    problems.append(f"{folder / files.COMMON}: {key} is not what the target's grid makes of the "
+                                    "source's")
+        return problems
+
+    def advice(self, path: str, target: dict[str, Any], output_format: str) -> list[str]:
+        """Into another grid, what the target's RNG states are: Megatron-LM loads them once its ``args`` match the
+        grid, so a target (PP, TP) rank with no source rank of its own carries another's, which draws the same dropout
+        masks."""
+        folder = files.iteration_folder(path)
+        args = files.read_common(folder)["args"]
+        tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
+        t, p = int(target.get("tp_size") or 1), int(target.get("pp_size") or 1)
+        if (t, p) == (tp, pp) or not any(files.RNG.fullmatch(i.name) or i.name.startswith("rng_state")
+                                         for i in self.read(folder).entries):
+            return []
+        return [f"RNG states: the target's (PP, TP) grid {p}x{t} differs from the source's {pp}x{tp}; target rank "
+                "(p, t) carries source rank (p mod PP, t mod TP)'s states, so ranks that share a source rank draw the "
+                "same random numbers (dropout masks) where the source's drew different ones"]
+
     def read_carried(self, carrying: Carrying) -> CarriedData:
-        """The carried leaves' values (common.pt read inertly: plain data)."""
+        """The carried leaves' values (common.pt read inertly: plain data); into another Megatron grid, the RNG states'
+        and ``_extra_state``'s stored bytes and ``common.pt``'s own (:data:`COMMON_BYTES`)."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        if _into_megatron(carrying):
+            from osdpipe.io.formats.dcp_reader import DcpCheckpoint
+
+            checkpoint = DcpCheckpoint(carrying.source, None)
+            raw = {flat: checkpoint.stored(flat) for flat in carrying.items}
+            if missing := [flat for flat, data in raw.items() if data is None]:
+                raise InputError(f"{carrying.source}: {missing[0]} is stored transformed (compressed): not supported "
+                                 "yet")
+            raw[COMMON_BYTES] = (as_path(carrying.source) / files.COMMON).read_bytes()
+            return CarriedData(raw=raw)
 
         flat, _ = flatten_state_dict(_carried_values(files.read_common(as_path(carrying.source))))
         return CarriedData(tensors={k: flat[k] for k in carrying.item_tensors},
@@ -208,6 +427,62 @@ class Megatron(CheckpointLayout):
 
 
 _PARTS = ("model", "optimizer", "other")
+#: Where a Megatron output's carried data keeps the source's ``common.pt`` bytes, and what every process that writes
+#: keeps of the conversion for :meth:`Megatron.finish` (in the world's shared dict).
+COMMON_BYTES = "common.pt"
+_SHARED_COMMON, _SHARED_GROUPS = "megatron common.pt", "megatron param groups"
+
+
+def _into_megatron(carrying: Carrying) -> bool:
+    """Whether ``carrying`` is a Megatron save's for another Megatron grid (its iteration folder is the output's)."""
+    return carrying.folder != DCP_DIR
+
+
+def _groups_of(optimizer: dict[str, Any]) -> list[dict[str, Any]]:
+    """The optimizer's param groups as a save keeps them: their hyperparameters and ``step``, no parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.get("param_groups") or []]
+
+
+def _state(parts: Any) -> dict[str, dict[str, Any]]:
+    """A rank's written tensors' states by layout key, the weights among them."""
+    state = {key: dict(held) for key, held in parts.optimizer.get("state", {}).items() if isinstance(held, dict)}
+    for key, weights in parts.weights.items():
+        state.setdefault(key, {})[WEIGHTS] = weights
+    return state
+
+
+class _Written:
+    """What a Megatron output's ranks write: their items (:func:`~osdpipe.io.formats.megatron_items.rank_items`),
+    with the RNG states and ``_extra_state`` a conversion carries."""
+
+    def __init__(self, weights_dtype: Any, carried_items: tuple[str, ...]) -> None:
+        self.weights_dtype = weights_dtype
+        self.rng_items = [f for f in carried_items if files.RNG.fullmatch(f)]
+        self.extra_items = [f for f in carried_items if f not in self.rng_items]
+
+    def items(self, grid: Any, rank: int, raw: dict[str, bytes] | None, groups: Any, state: Any) -> dict[str, Any]:
+        from osdpipe.io.formats import megatron_items
+
+        held = raw or {}
+        rng = {(int(m[1]), int(m[2])): held.get(f, b"") for f in self.rng_items if (m := files.RNG.fullmatch(f))}
+        source = _source_grid(self.rng_items)
+        return megatron_items.rank_items(
+            grid, rank, self.weights_dtype, state, groups=groups, rng=rng, source_grid=source,
+            extra={f: held.get(f, b"") for f in self.extra_items})
+
+
+def _written(parts: Any, tree: ModuleTree) -> _Written:
+    import torch
+
+    return _Written(getattr(torch, tree.params[0].dtype), parts.carrying.items)
+
+
+def _source_grid(rng_items: list[str]) -> tuple[int, int]:
+    """The source's (TP, PP), as its RNG items' keys name them (``rng_state/shard_<pp>.<tp>_<PP>.<TP>``)."""
+    for flat in rng_items:
+        pp, tp = flat.rsplit("_", 1)[1].split(".")
+        return int(tp), int(pp)
+    return 1, 1
 #: The entry of the Hugging Face folder a save was made of (:func:`osdpipe.io.hf_folder.record_of`).
 RECORDED = f"common.pt {RECORD} (the Hugging Face folder's config.json and generation_config.json it was made of)"
 

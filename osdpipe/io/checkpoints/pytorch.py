@@ -36,6 +36,7 @@ from osdpipe.io.remote_input import as_path
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
     from osdpipe.io.formats.base import Format, RankFiles
+    from osdpipe.layout.ranges import LayoutSpec
     from osdpipe.layout.tree import ModuleTree
 
 #: Where PyTorch's layout keeps the model's and the optimizer's state dicts.
@@ -165,6 +166,7 @@ class Pytorch(CheckpointLayout):
         tree: ModuleTree,
         shared: dict[str, Any],
         fmt: Format,
+        target: LayoutSpec | None = None,
     ) -> RankFiles:
         # torch.distributed.checkpoint: only where a whole checkpoint is written
         from osdpipe.io.checkpoints import output
@@ -191,7 +193,8 @@ class Pytorch(CheckpointLayout):
         return RankFiles(files, tensors, results)
 
     def finish(
-        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying
+        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying,
+        target: LayoutSpec | None = None,
     ) -> dict[str, str]:
         """The ``.metadata`` (``dcp``), and every carried file
         (accelerate's) beside the output's DCP directory or rank files."""
@@ -235,6 +238,7 @@ class Pytorch(CheckpointLayout):
         tree: ModuleTree,
         fmt: Format,
         opened: dict[str, Any],
+        target: LayoutSpec | None = None,
     ) -> list[str]:
         """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer,
         and on rank 0 every carried item as stored; on rank 0 every carried file, byte for byte."""

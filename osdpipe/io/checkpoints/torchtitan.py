@@ -39,6 +39,7 @@ from osdpipe.io.remote_input import as_path
 
 if TYPE_CHECKING:  # annotations only: reading and writing import torch
     from osdpipe.io.formats.base import Format, RankFiles
+    from osdpipe.layout.ranges import LayoutSpec
     from osdpipe.layout.tree import ModuleTree
 
 #: The top-level keys torchtitan itself saves besides the model.
@@ -372,6 +373,7 @@ class Torchtitan(CheckpointLayout):
         tree: ModuleTree,
         shared: dict[str, Any],
         fmt: Format,
+        target: LayoutSpec | None = None,
     ) -> RankFiles:
         """A rank file (``rank_local``), or this rank's pieces of one
         DCP directory laid out as torchtitan saves it (``dcp``)."""
@@ -406,7 +408,8 @@ class Torchtitan(CheckpointLayout):
         return RankFiles(files, tensors, results)
 
     def finish(
-        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying
+        self, staging: Path, shared: dict[str, Any], per_rank: list[RankFiles], fmt: Format, carrying: Carrying,
+        target: LayoutSpec | None = None,
     ) -> dict[str, str]:
         """The step folder's ``.metadata`` (``dcp``), and the files the source carries, where it has any, beside it."""
         # torch.distributed.checkpoint: only where a whole checkpoint is written
@@ -457,6 +460,7 @@ class Torchtitan(CheckpointLayout):
         tree: ModuleTree,
         fmt: Format,
         opened: dict[str, Any],
+        target: LayoutSpec | None = None,
     ) -> list[str]:
         """A rank file as it should be (``rank_local``); else this rank's rows of the model and the optimizer in the
         step folder, and on rank 0 every carried item as stored; on rank 0 every carried file, byte for byte."""

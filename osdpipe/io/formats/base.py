@@ -76,6 +76,10 @@ class SourceMeta:
     #: What reading the source found that the run's report should say (a warning each): a state the conversion
     #: cannot carry two of, say, and the one it kept.
     notes: list[str] = field(default_factory=list)
+    #: The dtype the optimizer keeps its floating state in where that is not each parameter's own: a mixed-precision
+    #: optimizer's fp32 master weights and moments beside 16-bit parameters (Megatron's distributed optimizer);
+    #: ``None``: the parameter's.
+    state_dtype: str | None = None
 
 
 def describe_value(value: Any) -> Any:
@@ -357,9 +361,9 @@ class Format:
         return not self.writes(1)
 
     def output_layout(
-        self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
+        self, tree: ModuleTree, target: LayoutSpec, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
     ) -> tuple[LocalTensor, ...]:
-        """The local tensors target rank ``rank`` holds in this format
+        """The local tensors target rank ``rank`` holds in this format, for a target job laid out as ``target``
         (``optimizer_layout``: the target optimizer's own)."""
         return optimizer_layout()
 

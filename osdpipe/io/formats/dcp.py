@@ -43,9 +43,9 @@ class Dcp(Format):
         return directory / DCP_DIR
 
     def output_layout(
-        self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
+        self, tree: ModuleTree, target: LayoutSpec, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
     ) -> tuple[LocalTensor, ...]:
-        return dim0_layout(tree, world_size, rank)
+        return dim0_layout(tree, target.world_size, rank)
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
         # torch.distributed.checkpoint: only where a DCP checkpoint is read

@@ -492,6 +492,21 @@ class DcpCheckpoint:
             for _, part in self._mapped_parts(flat, start, stop, counted=False):
                 drop_mapped_pages(part)
 
+    def read_chunk(self, flat: str, offsets: tuple[int, ...]) -> torch.Tensor:
+        """The stored chunk of ``flat`` whose box starts at ``offsets``, shaped as stored, not to be written to (what
+        a check holds against the chunk a rank wrote).
+
+        Raises:
+            InputError: the checkpoint has no such chunk.
+        """
+        md = self.metadata.state_dict_metadata.get(flat)
+        chunk = next((c for c in getattr(md, "chunks", ()) if tuple(c.offsets) == tuple(offsets)), None)
+        if chunk is None:
+            raise InputError(f"{self.path} holds no chunk of {flat} at {tuple(offsets)}; {RECOPY_DIR}")
+        if self._maps_chunks(flat):
+            return self._mapped(flat, chunk).view(tuple(chunk.sizes))
+        return self._chunk(flat, chunk)
+
     def _maps_chunks(self, flat: str) -> bool:
         """Whether ``flat``'s chunks are read as memory-mapped views: a local checkpoint's, stored as they are."""
         if isinstance(self.directory, RemotePath):

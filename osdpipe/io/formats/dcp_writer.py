@@ -103,27 +103,36 @@ class RowShard:
 
 @dataclass(frozen=True)
 class BoxShard:
-    """One rank's box of a tensor of ``shape`` (a ``[start, stop)`` per dimension), as one chunk of a checkpoint: a
-    box a tensor-parallel rank holds (Megatron's column blocks, one layer of a stacked weight) or a range of a flat
-    buffer. ``local`` is the box's values on the rank that writes it, ``None`` where only the plan is needed."""
+    """One rank's boxes of a tensor of ``shape`` (a ``[start, stop)`` per dimension each), each one chunk of a
+    checkpoint: what a tensor-parallel rank holds of a stacked weight (one box a layer; Megatron's column blocks), or
+    a range of a flat buffer. ``local`` holds each box's values on the rank that writes them, ``None`` where only the
+    plan is needed."""
 
     shape: tuple[int, ...]
-    box: tuple[tuple[int, int], ...]
+    boxes: tuple[tuple[tuple[int, int], ...], ...]
     dtype: torch.dtype
-    local: torch.Tensor | None = None
+    local: tuple[torch.Tensor, ...] | None = None
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        offsets = torch.Size(a for a, _ in self.box)
-        sizes = torch.Size(b - a for a, b in self.box)
-        return [WriteItem(
-            index=MetadataIndex(fqn, offsets),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                properties=TensorProperties(dtype=self.dtype),
-                size=torch.Size(self.shape),
-            ),
-        )]
+        items = []
+        for box in self.boxes:
+            offsets = torch.Size(a for a, _ in box)
+            sizes = torch.Size(b - a for a, b in box)
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=torch.Size(self.shape),
+                ),
+            ))
+        return items
+
+    def box_at(self, offsets: torch.Size) -> torch.Tensor:
+        """The values of the box that starts at ``offsets`` (a write item's), on the rank that writes them."""
+        assert self.local is not None
+        return next(v for box, v in zip(self.boxes, self.local) if tuple(a for a, _ in box) == tuple(offsets))
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ class _RowShardPlanner(DefaultSavePlanner):
         if isinstance(obj, RowShard):
             return obj.block_at(index.offset)
         if isinstance(obj, BoxShard):
-            return obj.local
+            return obj.box_at(index.offset)
         if isinstance(obj, Stored) and obj.raw is None:
             raise ValueError(f"{index.fqn}: the stored bytes are not at hand; only its plan is")
         return super().lookup_object(index)

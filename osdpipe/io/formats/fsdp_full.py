@@ -180,7 +180,7 @@ class FsdpFull(Format):
         return rank == 0
 
     def output_layout(
-        self, tree: ModuleTree, world_size: int, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
+        self, tree: ModuleTree, target: LayoutSpec, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
     ) -> tuple[LocalTensor, ...]:
         return full_layout(tree) if rank == 0 else ()
 

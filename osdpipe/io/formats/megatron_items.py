@@ -63,12 +63,19 @@ def rank_items(
         extra: the linears' ``_extra_state`` items, as stored (rank 0 writes them).
     """
     pp_rank, dp_rank, tp_rank = grid.coordinates(rank)
-    items: dict[str, Any] = {}
+    boxes: dict[str, list[tuple[Any, torch.Tensor | None]]] = {}  # each item's boxes this rank writes (a layer each)
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for key, chunk in item_chunks(grid, rank).items():
         for name in chunk_states(grid, chunk, weights_only=groups is None):
+            item = state_item(chunk, name)
             local = None if state is None else state[key][name].reshape(chunk_extents(chunk))
-            dtype = weights_dtype if name == WEIGHTS else torch.float32
-            items[state_item(chunk, name)] = BoxShard(chunk.shape, chunk.box, dtype, local)
+            boxes.setdefault(item, []).append((chunk.box, local))
+            shapes[item] = (chunk.shape, weights_dtype if name == WEIGHTS else torch.float32)
+    items: dict[str, Any] = {
+        item: BoxShard(shapes[item][0], tuple(b for b, _ in held), shapes[item][1],
+                       None if state is None else tuple(v for _, v in held))
+        for item, held in boxes.items()
+    }
     if dp_rank == 0:
         source = rng_source(grid, *source_grid, pp_rank, tp_rank)
         if source in rng:

@@ -16,7 +16,8 @@ read_parts`), never whole. What a range of a sharded key's state is depends on h
 So a conversion holds the ranges it copies, whatever the save's size (``runtime.memory_budget``). The reader is a
 :class:`~osdpipe.io.formats.base.SourceReader` keyed by the sharded keys, the names the model's tree gives the
 parameters (:func:`osdpipe.layout.models.megatron_gpt`), with the fp32 master as state ``param``, Adam's moments, and
-each param group's ``step`` as every parameter's; the weights are the model part (:class:`SavedWeights`).
+each param group's ``step`` as every parameter's; the weights are the model part
+(:class:`osdpipe.io.checkpoints.megatron.SavedWeights`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from typing import Any
 
 import torch
 
+from osdpipe.core.compare import differing_bits
 from osdpipe.io.formats.base import InputError, SourceMeta, TensorRef
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 from osdpipe.io.formats.megatron import (
     _BUCKET,
     FS_STATES,
     RELEASE,
+    RNG,
     _check_backend,
     _groups_with_keys,
     _refuse_unknown_tensors,
@@ -76,7 +79,12 @@ class MegatronFiles:
         _refuse_unknown_tensors(self.checkpoint, self.shapes)
         self.iteration = int(self.common.get("iteration", self.args.get("iteration", 0)))
         self.release = folder.name == RELEASE
-        self._where: dict[tuple[str, str], list[Held]] | None = None
+        self._tied_copies: dict[str, list[Held]] = {}  # a tied embedding's copy on the last stage (dp_reshardable)
+
+    @property
+    def has_rng(self) -> bool:
+        """Whether the save holds its (PP, TP) ranks' RNG states (Megatron-LM's ``--no-save-rng`` leaves them out)."""
+        return any(RNG.fullmatch(flat) for flat in self.checkpoint.metadata.state_dict_metadata)
 
     @property
     def tp(self) -> int:
@@ -132,7 +140,7 @@ class MegatronFiles:
         if any(gbuf >= self.vpp for _, gbuf in stored):  # one gradient buffer per model chunk
             raise InputError(f"{self.folder}: the optimizer has several gradient buffers per model chunk: "
                              "not supported yet")
-        containers = []
+        containers, tied_copies = [], []
         for pp_rank, tp_rank, chunk in product(range(self.pp), range(self.tp), range(self.vpp)):
             index = gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
             where = f"model-parallel domain {index}" + (f", model chunk {chunk}" if self.vpp > 1 else "")
@@ -150,6 +158,7 @@ class MegatronFiles:
             # a replica is read from one place: TP rank 0's copy of what every TP rank holds whole (a norm), the
             # first stage's of a tied embedding
             replica = {name for name, p in params.items() if p.tied_copy or (tp_rank and first.get(name) == p.pieces)}
+            copies = {name for name, p in params.items() if p.tied_copy}
             for b, bucket in enumerate(laid):
                 base = items[(index, chunk, b)]
                 for state in OPTIMIZER_STATES:
@@ -164,12 +173,44 @@ class MegatronFiles:
                     Segment(s.fqn, s.start, s.length, s.dest + part.dest)
                     for part in segments(bucket, 0, bucket.data_end) if part.fqn not in replica
                     for s in param_segments(params[part.fqn], self.shapes, part.start, part.start + part.length)]))
+                tied_copies.append((base, [
+                    Segment(s.fqn, s.start, s.length, s.dest + part.dest)
+                    for part in segments(bucket, 0, bucket.data_end) if part.fqn in copies
+                    for s in param_segments(params[part.fqn], self.shapes, part.start, part.start + part.length)]))
+        self._tied_copies = held_by(tied_copies)
         where_is = held_by(containers)
         for key, shape in self.shapes.items():
             covered = sum(p.length for p in where_is.get(key, ()))
             if covered != math.prod(shape):
                 raise InputError(f"{self.folder}: no optimizer state for parts of {key}; re-copy the save folder")
         return where_is
+
+    @cached_property
+    def notes(self) -> tuple[str, ...]:
+        """What reading found that a conversion's report should say: where the last pipeline stage's copy of a tied
+        embedding (a ``dp_reshardable`` save keeps it in that stage's bucket) holds state unequal to the first
+        stage's. Megatron keeps the two equal (their gradients are summed before either steps), so they differ only
+        in a save that something else wrote or changed; the first stage's is the one converted, as Megatron's own
+        model-space save keeps it, and the note says the copy's was not, so that the loss is not silent."""
+        if self.sharding != "dp_reshardable":
+            return ()
+        self._buckets  # noqa: B018 - lays out the buckets, and the copies beside them
+        unequal: dict[str, int] = {}
+        for key, pieces in self._tied_copies.items():
+            for state in OPTIMIZER_STATES:
+                for p in pieces:
+                    for lo in range(0, p.length, _COMPARED):  # a window at a time: the vocabulary may be large
+                        n = min(_COMPARED, p.length - lo)
+                        copy = self.checkpoint.read_range(f"{p.where}.{state}", p.offset + lo, p.offset + lo + n)
+                        first = torch.cat(read_pieces(self, key, state, p.start + lo, p.start + lo + n))
+                        if differ := differing_bits(copy, first):
+                            unequal[state] = unequal.get(state, 0) + differ
+        if not unequal:
+            return ()
+        counted = ", ".join(f"{n} element{'s' * (n > 1)} of {state}" for state, n in unequal.items())
+        return (f"{self.folder}: the last pipeline stage's copy of the tied word embedding holds optimizer state "
+                f"unequal to the first stage's ({counted}), which Megatron keeps equal: the first stage's is "
+                "converted, the copy's left out",)
 
     def _chunk_runs(self, key: str, state: str, start: int, stop: int) -> list[tuple[str, int, int]]:
         """A ``fully_sharded_model_space`` state's range: the item stores each TP/PP chunk of the key flattened on
@@ -206,6 +247,10 @@ def _box_index(shape: tuple[int, ...], box: tuple[tuple[int, int], ...], flat: i
     return local
 
 
+#: How many elements of a tied embedding's copy :attr:`MegatronFiles.notes` compares at a time.
+_COMPARED = 1 << 22
+
+
 class SavedState:
     """A Megatron-LM save's optimizer as a :class:`~osdpipe.io.formats.base.SourceReader` keyed by the sharded keys:
     per key its fp32 master (``param``), ``exp_avg`` and ``exp_avg_sq`` (fp32, global shape) and its group's
@@ -225,7 +270,7 @@ class SavedState:
             for key in group["params"]:
                 state[key] = {"step": torch.tensor(float(group["step"]), dtype=torch.float32)}
                 state[key].update({s: TensorRef(files.shapes[key], "float32") for s in OPTIMIZER_STATES})
-        return SourceMeta(state=state, param_groups=groups)
+        return SourceMeta(state=state, param_groups=groups, state_dtype="float32", notes=list(files.notes))
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         return {(key, name): self.read_range(key, name, 0, math.prod(self.files.shapes[key])).reshape(
@@ -252,31 +297,3 @@ def read_pieces(files: MegatronFiles, key: str, state: str, start: int, stop: in
     """Elements ``[start, stop)`` of ``state`` of sharded key ``key`` as the save's chunks hold them, in order."""
     return [part for item, at, length in files.pieces(key, state, start, stop)
             for part in files.checkpoint.read_parts(item, at, at + length)]
-
-
-class SavedWeights:
-    """A Megatron-LM save's model weights (each sharded key's item, in the job's ``params_dtype``), as a whole
-    checkpoint's model part (:class:`~osdpipe.io.weights.WeightsReader`)."""
-
-    def __init__(self, files: MegatronFiles, tree: Any) -> None:
-        self.files, self.tree = files, tree
-
-    def model_meta(self) -> Any:
-        from osdpipe.io.weights import model_meta_of  # the weights' module imports the formats
-
-        stored = {key: self.files.checkpoint.ref(key) for key in self.files.shapes
-                  if key in self.files.checkpoint.metadata.state_dict_metadata}
-        return model_meta_of(stored, {}, self.tree, str(self.files.folder))
-
-    def stored_name(self, name: str) -> str | None:
-        return name if name in self.files.shapes else None
-
-    def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
-        parts = self.files.checkpoint.read_parts(name, start, stop)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def read_parts(self, name: str, start: int, stop: int) -> list[torch.Tensor]:
-        return self.files.checkpoint.read_parts(name, start, stop)
-
-    def release(self, name: str, start: int, stop: int) -> None:
-        self.files.checkpoint.release(name, start, stop)

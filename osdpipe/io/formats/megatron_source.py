@@ -26,6 +26,7 @@ as for a DeepSpeed save: they are what the optimizer steps from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +34,12 @@ import torch
 
 from osdpipe.io.formats.base import Format, IdGroups, InputError, Shown, SourceMeta, SourceReader, TensorRef
 from osdpipe.io.formats.megatron import STATES, MegatronSave, gpt_of, read_save
+from osdpipe.io.formats.megatron_reader import MegatronFiles, SavedState
 from osdpipe.io.formats.state_facts import describe_meta
 from osdpipe.layout import llama_titan, megatron_hf
-from osdpipe.layout.ranges import LayoutSpec
+from osdpipe.layout import megatron as gpt_layout
+from osdpipe.layout.megatron_grid import written_tensors
+from osdpipe.layout.ranges import LayoutSpec, LocalTensor
 from osdpipe.layout.tree import ModuleTree
 
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
@@ -51,9 +55,12 @@ SCHEDULERS_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult",
 
 
 #: The models a Megatron GPT's state is read for, by what their parameters are named: the transformers model of its
-#: family (:mod:`osdpipe.layout.megatron_hf`), or its torchtitan model (:func:`osdpipe.layout.megatron_hf.titan_family`:
-#: llama3 and qwen3 name their parameters alike).
-HF_NAMES, TORCHTITAN = "hf", "torchtitan"
+#: family (:mod:`osdpipe.layout.megatron_hf`), its torchtitan model (:func:`osdpipe.layout.megatron_hf.titan_family`:
+#: llama3 and qwen3 name their parameters alike), or Megatron's own GPT (its sharded keys:
+#: :func:`osdpipe.layout.models.megatron_gpt`), read by ranges (:mod:`osdpipe.io.formats.megatron_reader`).
+HF_NAMES, TORCHTITAN, MEGATRON_NAMES = "hf", "torchtitan", "megatron"
+#: The word embedding's sharded key: a model of Megatron's own names has it.
+_MEGATRON_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def naming_of(tree: ModuleTree) -> str:
@@ -63,6 +70,8 @@ def naming_of(tree: ModuleTree) -> str:
     Raises:
         InputError: it has neither's; the message names the factories that build one.
     """
+    if tree.resolve(_MEGATRON_EMBEDDING) is not None:
+        return MEGATRON_NAMES
     if any(tree.resolve(f.HF_EMBEDDING) is not None for f in megatron_hf.FAMILIES):
         return HF_NAMES
     if tree.resolve("tok_embeddings.weight") is not None:
@@ -131,6 +140,16 @@ class MegatronReader:
         """Nothing to let go: the save is held in memory, read once."""
 
 
+def as_torchs(meta: SourceMeta) -> SourceMeta:
+    """A Megatron save's optimizer (read for its own GPT) as the PyTorch optimizer it steps with describes it: its
+    param groups without the keys Megatron adds for its scheduler (:data:`SCHEDULERS_KEYS`) and ``step`` (kept
+    per parameter), its state without the fp32 master (the parameter that optimizer steps). What tells which optimizer
+    it is (:func:`osdpipe.io.formats.state_facts.describe_meta`); the conversion keeps the groups as saved."""
+    groups = [{k: v for k, v in g.items() if k not in (*SCHEDULERS_KEYS, "step")} for g in meta.param_groups or []]
+    state = {key: {n: v for n, v in held.items() if n != MASTER} for key, held in meta.state.items()}
+    return SourceMeta(state=state, param_groups=groups, notes=meta.notes)
+
+
 def described(tensor: torch.Tensor) -> TensorRef:
     """``tensor`` described without its bytes."""
     return TensorRef(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
@@ -153,21 +172,31 @@ def _torch_groups(save: MegatronSave, names_of: dict[str, list[str]]) -> list[tu
 
 
 class Megatron(Format):
-    """A Megatron-LM save folder read as a Hugging Face model's state (``checkpoint=megatron`` to another framework's
-    layout):
-    read, never written by the range pipeline (Megatron's own output is :mod:`osdpipe.pipeline.megatron`'s)."""
+    """A Megatron-LM save folder: read as its own GPT's state, by ranges (a conversion to another Megatron grid:
+    :class:`~osdpipe.io.formats.megatron_reader.SavedState`), or as a Hugging Face or torchtitan model's
+    (``output.checkpoint=pytorch|accelerate|torchtitan``: :class:`MegatronReader`), the model the output's job builds
+    says which (:func:`naming_of`); laid out for a Megatron target's grid (:meth:`output_layout`), whose files its
+    checkpoint layout writes (:mod:`osdpipe.io.checkpoints.megatron`)."""
 
     name = "megatron"
     keyed_by_id = False
     directory = True
     generated_name = "iter_0000000"
     looks_like = "a Megatron-LM save (latest_checkpointed_iteration.txt and iter_<N>/ with common.pt)"
-    written = False
-    #: The state is read whole, as one process holds it.
-    source_kind = "none"
+    made_as_written = True
 
     def output_path(self, directory: Path, rank: int) -> Path:
-        raise NotImplementedError("the range pipeline reads Megatron-LM saves; osdpipe.pipeline.megatron writes them")
+        """Every rank's job loads the save folder itself (``latest_checkpointed_iteration.txt`` and ``iter_<N>/``)."""
+        return directory
+
+    def output_layout(
+        self, tree: ModuleTree, target: LayoutSpec, rank: int, optimizer_layout: Callable[[], tuple[LocalTensor, ...]]
+    ) -> tuple[LocalTensor, ...]:
+        """What target rank ``rank`` writes of the save: its model boxes and its slices of the distributed optimizer's
+        buckets (:func:`osdpipe.layout.megatron_grid.written_tensors`)."""
+        if target.grid is None:
+            raise ValueError(f"output.format={self.name} is written for a Megatron grid: set target.kind=megatron")
+        return written_tensors(target.grid, {p.fqn: p.shape for p in tree.params}, rank)
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
         return self._reader(path, key, tree, tensors=True)
@@ -175,17 +204,19 @@ class Megatron(Format):
     def describe(
         self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups
     ) -> SourceReader:
-        """The save described (:class:`MegatronReader` with ``tensors=False``): the checks before the run read no
-        tensor of a save the run reads whole."""
+        """The save described: read for its own GPT, it reads nothing before it is asked; for another model's names
+        (:class:`MegatronReader` with ``tensors=False``), without the tensors the run reads whole."""
         return self._reader(path, key, tree, tensors=False)
 
     @staticmethod
-    def _reader(path: str, key: str, tree: ModuleTree, *, tensors: bool) -> MegatronReader:
+    def _reader(path: str, key: str, tree: ModuleTree, *, tensors: bool) -> SourceReader:
         try:
             naming = naming_of(tree)
         except InputError:  # what is wrong with the save itself, for the model the output's job builds, is said first
             MegatronReader(path, key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES, tensors=False)
             raise
+        if naming == MEGATRON_NAMES:
+            return SavedState(MegatronFiles(path))
         return MegatronReader(path, naming, tensors=tensors)
 
     def found_in(self, directory: Path) -> bool:
@@ -194,12 +225,38 @@ class Megatron(Format):
         return megatron_folder(directory) is not None
 
     def shows(self, facts: Facts, kind: Any) -> list[Shown]:
-        """One process: the reader gives every parameter's state whole, whatever grid saved it."""
-        return [Shown("source.world_size", 1, None)]
+        """Read for its own GPT, the grid its ``args`` say saved it (``source.kind=megatron``, TP, PP, virtual stages,
+        world) and the sharding type a converted save keeps unless told; for another model's names, one process: the
+        reader gives every parameter's state whole, whatever grid saved it."""
+        if facts.kind != MEGATRON_NAMES:
+            return [Shown("source.kind", "none", None), Shown("source.world_size", 1, None)]
+        from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, iteration_folder, optimizer_sharding, read_common
+
+        folder = iteration_folder(facts.path)
+        common = read_common(folder)
+        args, said = common["args"], f"{folder / 'common.pt'}'s args say"
+        grid = {"tp_size": int(args.get("tensor_model_parallel_size") or 1),
+                "pp_size": int(args.get("pipeline_model_parallel_size") or 1),
+                "vpp_size": gpt_layout.virtual_stages(args), "world_size": int(args.get("world_size") or 1)}
+        out = [Shown("source.kind", MEGATRON_NAMES, f"{folder} is a Megatron-LM save")]
+        out += [Shown(f"source.{k}", v, f"{said} {k.removesuffix('_size').upper()} {v}") for k, v in grid.items()]
+        sharding = optimizer_sharding(common, folder)
+        if sharding is not None:
+            out.append(Shown("output.megatron_optim_format", DEFAULT_OUTPUT[sharding], None))
+        return out
 
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
         """The optimizer (from its param groups and states), its parameters under the names of the model ``key`` says
         (:meth:`osdpipe.io.checkpoints.megatron.Megatron.optimizer_part`: the one the output's job builds)."""
+        if key == MEGATRON_NAMES:
+            files = MegatronFiles(str(path))
+            describe_meta(facts, as_torchs(SavedState(files).meta()))
+            facts.kind, facts.world_size = MEGATRON_NAMES, int(files.args.get("world_size") or 1)
+            facts.notes.append(
+                f"Megatron-LM save of iteration {files.iteration} (TP{files.tp} PP{files.pp} DP{files.dp}), read as "
+                f"its own GPT's state ({files.sharding or 'weights only'}): the fp32 master weights and the "
+                "optimizer's per sharded key")
+            return
         reader = MegatronReader(str(path), key if key in (HF_NAMES, TORCHTITAN) else HF_NAMES, tensors=False)
         describe_meta(facts, reader.meta())
         facts.world_size = 1
@@ -211,4 +268,3 @@ class Megatron(Format):
             f"{model}'s "
             f"state: the fp32 master weights and the optimizer's per parameter"
         )
-

@@ -55,7 +55,8 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
                     f"{hint}"
                 )
             dtype = getattr(torch, value.dtype, None)
-            if isinstance(dtype, torch.dtype) and dtype.is_floating_point and value.dtype != param.dtype:
+            if (isinstance(dtype, torch.dtype) and dtype.is_floating_point
+                    and value.dtype not in (param.dtype, meta.state_dtype)):
                 raise InputError(
                     f"{at}source state {fqn}.{name} is {value.dtype} but the parameter is {param.dtype}, "
                     f"and an optimizer keeps floating state in its parameter's dtype; {hint}"
@@ -85,4 +86,5 @@ def canonical_meta(meta: SourceMeta, tree: ModuleTree, where: str | None = None)
         buffers=meta.buffers,
         carried=meta.carried,
         notes=meta.notes,
+        state_dtype=meta.state_dtype,
     )

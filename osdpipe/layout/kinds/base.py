@@ -73,6 +73,11 @@ class LayoutKind:
         """The local tensors of rank ``rank``'s optimizer, in ``model.parameters()`` order of the wrapped model."""
         raise NotImplementedError
 
+    def left_out(self, tree: ModuleTree, spec: LayoutSpec) -> dict[str, tuple[int, int]]:
+        """The elements of each parameter (a flat range of it, by canonical FQN) the layout leaves out of the model on
+        purpose, which no rank holds: none by default (Megatron's vocabulary padded to fewer rows than the source's)."""
+        return {}
+
     def unmanaged(self, tree: ModuleTree, spec: LayoutSpec) -> list[str]:
         """Parameters the wrapping leaves to the user to keep in step across ranks (none by default)."""
         return []

@@ -46,10 +46,11 @@ class Megatron(LayoutKind):
             raise ValueError(f"the optimizer's sharding type {spec.state_sharding!r}: one of {', '.join(SHARDINGS)}")
 
     def settle(self, spec: LayoutSpec, factory: str, kwargs: dict[str, Any]) -> LayoutSpec:
-        """The grid (:func:`osdpipe.layout.megatron_grid.grid_of`) of the Megatron GPT ``model.kwargs`` describe."""
+        """The grid (:func:`osdpipe.layout.megatron_grid.grid_of`) of the Megatron GPT ``model.kwargs`` describe; none
+        for another model (a Megatron save read for a PyTorch job's: its reader needs no grid of its own), which
+        :meth:`check` refuses where the grid is laid out."""
         if factory != FACTORY or "args" not in kwargs:
-            raise ValueError(f"kind=megatron lays out a Megatron GPT as its save keys it: model.factory={FACTORY} "
-                             "(leave model.factory out where a Megatron save or a Hugging Face model names it)")
+            return spec
         dp = spec.world_size // (spec.tp_size * spec.pp_size)
         grid = grid_of(kwargs["args"], spec.tp_size, spec.pp_size, dp, spec.vpp_size, spec.state_sharding)
         return replace(spec, grid=grid)
@@ -57,6 +58,8 @@ class Megatron(LayoutKind):
     def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
         """A TP that splits the model's heads, key/value heads and FFN (megatron-core's rule), a PP (times the virtual
         stages) that splits its layers."""
+        if spec.grid is None:
+            return  # another model than Megatron's GPT: its rank layout is asked for nowhere (rank_layout says so)
         gpt = spec.grid.gpt
         if why := gpt_layout.tp_problem(gpt_layout.tp_sizes(gpt), spec.tp_size, replicated=True):
             raise ValueError(why)
@@ -65,7 +68,21 @@ class Megatron(LayoutKind):
 
     def rank_layout(self, tree: ModuleTree, spec: LayoutSpec, rank: int) -> tuple[LocalTensor, ...]:
         """Every local parameter of rank ``rank``'s model chunks, parameter-shaped (:func:`model_tensors`)."""
+        if spec.grid is None:
+            raise ValueError(f"kind=megatron lays out a Megatron GPT as its save keys it: model.factory={FACTORY} "
+                             "(leave model.factory out where a Megatron save names it)")
         return model_tensors(spec.grid, {p.fqn: p.shape for p in tree.params}, rank)
+
+    def left_out(self, tree: ModuleTree, spec: LayoutSpec) -> dict[str, tuple[int, int]]:
+        """The vocabulary's rows past the grid's padded vocabulary, where the model holds more (a save of a TP that
+        pads to more rows: only padding, which no token reads)."""
+        rows = spec.grid.gpt.padded_vocab_size
+        out = {}
+        for key in gpt_layout.VOCAB_KEYS:
+            if tree.has_param(key) and tree.param(key).shape[0] > rows:
+                param = tree.param(key)
+                out[key] = (rows * param.numel // param.shape[0], param.numel)
+        return out
 
     def wrap(self, model: nn.Module, spec: LayoutSpec) -> nn.Module:
         raise NotImplementedError("megatron-core builds and wraps its own model; osdpipe lays out its save")

@@ -121,7 +121,8 @@ def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
     source = keyed.source
     parts = rank_parts(keyed, ctx.plan.output_checkpoint)
     mine = ctx.plan.output_checkpoint.write(
-        parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept, fmt=ctx.output_format
+        parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept,
+        fmt=ctx.output_format, target=ctx.plan.target_spec,
     )
     if ctx.spec.output.model_format == "safetensors" and ctx.rank == source.first_reader:
         mine.files.update(
@@ -200,7 +201,8 @@ def commit(ctx: Context, per_rank: list[RankFiles], tally: Tally, carried: Whole
     files = {k: v for r in per_rank for k, v in r.files.items()}
     if carried is not None:
         writer = ctx.plan.output_checkpoint
-        finished = writer.finish(staging, ctx.world.kept, per_rank, ctx.output_format, writer.adopt(carried.carrying))
+        finished = writer.finish(staging, ctx.world.kept, per_rank, ctx.output_format, writer.adopt(carried.carrying),
+                                 target=ctx.plan.target_spec)
     else:
         finished = ctx.output_format.finish(staging, ctx.world.kept, per_rank)
     files.update(finished)

@@ -16,7 +16,7 @@ from osdpipe.core.sizes import show_size
 from osdpipe.io.loading import load_model_local
 from osdpipe.layout import kinds
 from osdpipe.layout.optim import resolve_optimizer
-from osdpipe.layout.ranges import LocalTensor
+from osdpipe.layout.ranges import WEIGHTS, LocalTensor
 from osdpipe.run.live_jobs import each_computed_twice, live_target
 from osdpipe.run.products import CheckResult
 from osdpipe.run.stages.rekey import param_ids
@@ -34,6 +34,7 @@ from osdpipe.verify.checks.common import (
 from osdpipe.verify.resume_training import (
     SHOWN,
     bare_steps,
+    by_group,
     compare_batch,
     in_batches,
     is_elementwise,
@@ -95,7 +96,8 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
         parts.append(f"steps not run: they {why_not}")
     else:
         assert ctx.meta is not None
-        reference = reference_for(ctx.spec, ctx.meta, ctx.reader, ctx.tree)
+        master = kinds.get(ctx.spec.target.kind).master_state
+        reference = reference_for(ctx.spec, ctx.meta, ctx.reader, ctx.tree, master)
         if load is not None:
             model, optim = live_target(ctx.spec, ctx.plan.target_spec, ctx.tree, ctx.rank)
             load(model, optim)
@@ -106,7 +108,8 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
         else:
             weights = ctx.keyed.weights if ctx.keyed is not None else None
             batches = bare_steps(
-                ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes, weights
+                ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes, weights,
+                master,
             )
             target = "bare optimizers over the output's tensors (no live target job: " + (
                 "runtime.mode=offline)"
@@ -170,25 +173,32 @@ def _resume_steps_skip(ctx: Subject) -> str | None:
 
 
 def _output_state_of(ctx: Subject) -> Any:
-    """For a bare target: each local tensor's state and param group as the output holds them
-    (``None``: its optimizer does not hold it)."""
+    """For a bare target: each local tensor's state as the output holds it, in the parts of it each param group holds
+    (:func:`osdpipe.verify.resume_training.by_group`), each with that group; none where its optimizer does not hold
+    it."""
     assert ctx.result is not None
     groups = ctx.result.get("param_groups") or []
+    state = ctx.result["state"]
     if ctx.id_keyed:
         ids = param_ids(ctx.ctx)
-        key_of = ids.get
-    else:
-        held = {f for g in groups for f in g["params"]} if groups else None
-        key_of = lambda key: key if held is None or key in held else None  # noqa: E731
-    group_of = {k: g for g in groups for k in g["params"]}
+        group_of_key = {k: g for g in groups for k in g["params"]}
 
-    def state_of(tensor: LocalTensor) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        key = key_of(tensor.key)
-        if key is None:
-            return None
-        return ctx.result["state"].get(key, {}), group_of.get(key, {})
+        def by_id(tensor: LocalTensor) -> list[tuple[LocalTensor, dict[str, Any], dict[str, Any]]]:
+            key = ids.get(tensor.key)
+            return [] if key is None else [(tensor, state.get(key, {}), group_of_key.get(key, {}))]
 
-    return state_of
+        return by_id
+    group_of_fqn = {f: g for g in groups for f in g["params"]}
+    held = set(group_of_fqn) if groups else None
+
+    def by_fqn(tensor: LocalTensor) -> list[tuple[LocalTensor, dict[str, Any], dict[str, Any]]]:
+        if held is not None and not any(f in held for f in tensor.fqns):
+            return []
+        if tensor.states is not None and set(tensor.states) <= {WEIGHTS} or tensor.key not in state:
+            return []  # the model's weights alone (Megatron's model boxes beside its optimizer's buckets), or no state
+        return by_group(tensor, state[tensor.key], lambda fqn: group_of_fqn.get(fqn, {}))
+
+    return by_fqn
 
 
 def skip_reason(ctx: Subject) -> str | None:

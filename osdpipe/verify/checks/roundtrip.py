@@ -19,6 +19,7 @@ import torch
 from osdpipe.core.compare import diff, differing_segments
 from osdpipe.io.formats import TensorRef
 from osdpipe.io.formats.base import WEIGHTS
+from osdpipe.layout import kinds
 from osdpipe.layout.ranges import LocalTensor, uncovered
 from osdpipe.run.collective import scatter_from
 from osdpipe.run.products import CheckResult
@@ -189,24 +190,30 @@ def _compare_digests(
 
 
 def _coverage_gaps(ctx: Subject) -> list[str]:
-    """Source tensor elements that no target rank holds (computed from all target layouts)."""
+    """Source tensor elements that no target rank holds (computed from all target layouts), state by state: a layout
+    that keeps a parameter's weights and its optimizer's state in tensors of their own (Megatron's model boxes and
+    buckets) must cover each."""
     assert ctx.meta is not None
-    held: dict[str, list[tuple[int, int]]] = {}
+    held: dict[tuple[str, str | None], list[tuple[int, int]]] = {}
     ranks = ctx.spec.target.world_size if ctx.id_keyed else ctx.world_size
     for r in range(ranks):
         for tensor in ctx.target_layout(r):
             if ctx.id_keyed and tensor.key not in ctx.held_keys(r):
                 continue
             for seg in tensor.segments:
-                held.setdefault(seg.fqn, []).append((seg.start, seg.start + seg.length))
+                for state in tensor.states or (None,):
+                    held.setdefault((seg.fqn, state), []).append((seg.start, seg.start + seg.length))
     gaps = []
+    left_out = kinds.get(ctx.spec.target.kind).left_out(ctx.tree, ctx.plan.target_spec)  # on purpose: padding
     for fqn, entries in ctx.meta.state.items():
-        if not any(isinstance(v, TensorRef) for v in entries.values()):
-            continue
         numel = ctx.tree.param(fqn).numel
-        missing = sum(hi - lo for lo, hi in uncovered(0, numel, held.get(fqn, [])))
-        if missing:
-            gaps.append(f"{fqn}: {missing} of {numel} elements are held by no target rank")
+        for name in (n for n, v in entries.items() if isinstance(v, TensorRef)):
+            ranges = [*held.get((fqn, None), []), *held.get((fqn, name), [])]
+            ranges += [left_out[fqn]] if fqn in left_out else []
+            missing = sum(hi - lo for lo, hi in uncovered(0, numel, ranges))
+            if missing:
+                gaps.append(f"{fqn}: {missing} of {numel} elements of {name} are held by no target rank")
+                break
     return gaps
 
 
