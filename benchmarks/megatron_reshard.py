@@ -1,132 +1,136 @@
-"""osdpipe.reshard_megatron against the limit: a 1.6 GB Megatron-LM save, TP2 PP2 DP1 -> TP1 PP1 DP4, offline.
+"""A save real megatron-core made, converted within a memory budget against the limit: TP2 DP1 -> TP1 DP2, offline.
 
-Run (from the repository root; about 10 GB of free disk):
+Run (from the repository root, with the ``frameworks`` extra; about 25 GB of free disk and 10 GB of memory for the
+save's one training step):
 
-    python benchmarks/megatron_reshard.py --repeats 3
+    python benchmarks/megatron_reshard.py --repeats 3 --workdir /tmp/megatron_bench
 
-The source is synthesised once: a GPT of Megatron-LM's shape (GQA, SwiGLU, untied, hidden 1024, 4 layers, vocabulary
-20000 padded) with random fp32 weights, masters and moments, written by osdpipe's own writer at TP2 PP2 DP1
-``dp_reshardable`` (the tests show megatron-core loads what that writer writes). Then, alternating in every repeat:
+The source is made once (kept in ``--workdir``): real megatron-core 0.16.1 trains the tests' GPT (GQA, SwiGLU, RoPE,
+RMSNorm, untied) at hidden 1024, 20 layers, vocabulary 32000, one step on 2 CPU ranks at TP2 DP1 with its
+DistributedOptimizer, and saves it as Megatron-LM's ``save_checkpoint`` does (``dp_reshardable``, fp32: 4.6 GB;
+tests/frameworks/mcore.py's harness). Then, alternating in every repeat:
 
-* ``osdpipe``: ``osdpipe.reshard_megatron(source, out, tp=1, pp=1, dp=4)`` in a fresh process: read whole,
-  written for the target, read back and compared bit for bit, committed (synced);
-* ``osdpipe 2 writers``: the same with ``workers=2`` (the command's ``runtime.workers=2``): two forked processes
-  write the output's files;
+* ``osdpipe``: ``osdpipe checkpoint=megatron ... target.tp_size=1 target.world_size=2 runtime.memory_budget=1GB
+  pipeline.checks=[roundtrip]``, a fresh process: read by ranges, each rank's output made as it is written and
+  compared with the source as it is, committed (synced);
 * ``limit``: every file of the source's folder copied by ``dd`` with ``conv=fdatasync`` (as osdpipe syncs what it
   commits): reading and writing the same bytes once.
 
-It prints one table: median seconds, the ratio to the limit, and each path's peak RSS.
+Then once each: ``runtime.workers=2`` (two processes, a target rank each: the same bytes, compared file by file),
+and the default checks (``roundtrip`` and ``resume``: a rank's output held for the steps). Each row gives the median
+seconds, the ratio to the limit and the peak RSS of the largest process (report.json's ``memory``).
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import filecmp
+import json
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-GPT = {
-    "num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 4096, "num_attention_heads": 16, "num_query_groups": 4,
-    "group_query_attention": True,
-    "kv_channels": 64, "vocab_size": 20000, "make_vocab_size_divisible_by": 128, "swiglu": True,
-    "untie_embeddings_and_output_weights": True, "transformer_impl": "local", "add_bias_linear": False,
-    "normalization": "RMSNorm", "position_embedding_type": "rope", "seq_length": 2048,
-}
+ROOT = Path(__file__).resolve().parent.parent
+#: The GPT the source is of, as the tests' megatron-core harness names its settings (tests/frameworks/mcore.py).
+DIMS = {"VOCAB": 32000, "HIDDEN": 1024, "FFN": 2816, "LAYERS": 20, "HEADS": 16, "GROUPS": 4}
+BUDGET = "1GB"
 
 
-def make_source(folder: Path) -> int:
-    """The synthetic source at TP2 PP2 DP1; its bytes on disk."""
-    import torch
+def make_source(work: Path) -> Path:
+    """The source: real megatron-core's save of the GPT of :data:`DIMS` after one step at TP2 DP1."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "support")]
+    from frameworks import mcore
 
-    from osdpipe.io.formats.megatron import MegatronSave
-    from osdpipe.io.formats.megatron_writer import Target, target_args, write_save
-    from osdpipe.layout import megatron as layout
-
-    args = target_args({**GPT, "iteration": 100}, Target(2, 2, 1, "dp_reshardable"))
-    gpt = layout.Gpt(
-        GPT["num_layers"], GPT["hidden_size"], GPT["ffn_hidden_size"], GPT["num_attention_heads"],
-        GPT["num_query_groups"], GPT["kv_channels"], args["padded_vocab_size"], True,
-    )
-    generator = torch.Generator().manual_seed(0)
-    shapes = layout.global_shapes(gpt)
-    model = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
-    optim = {
-        k: {"param": model[k].clone(), "exp_avg": torch.randn(s, generator=generator),
-            "exp_avg_sq": torch.rand(s, generator=generator)}
-        for k, s in shapes.items()
-    }
-    one_dim = sorted(k for k in shapes if layout.without_weight_decay(k, shapes[k]))
-    # torch.optim.AdamW's hyperparameters, as megatron-core's optimizer on CPU saves them (a framework's job reads them)
-    hyper = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
-             "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True, "step": 100.0}
-    groups = [
-        {**hyper, "wd_mult": 1.0, "weight_decay": 0.1, "params": sorted(set(shapes) - set(one_dim))},
-        {**hyper, "wd_mult": 0.0, "weight_decay": 0.0, "params": one_dim},
-    ]
-    save = MegatronSave(folder, 100, args, "dp_reshardable", model, optim, groups, {"num_steps": 100},
-                        common={"checkpoint_version": 3.0, "num_floating_point_operations_so_far": 0.0},
-                        gbuf_dtypes="torch.float32, torch.float32")
-    write_save(save, folder, Target(2, 2, 1, "dp_reshardable"))
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    out = work / "source"
+    argv = mcore.save_argv(out, tp=2, pp=1, sharding="dp_reshardable", steps=1)
+    argv += ["--dims", json.dumps(DIMS), "--no-truth"]
+    mcore.run_job(work, 2, argv, label="save-source", timeout=3600)
+    return out
 
 
-def timed(cmd: list[str]) -> tuple[float, float | None]:
-    """Seconds of ``cmd`` in a fresh process, and the peak RSS in GB it reports (``peak_rss_kb=`` on stdout)."""
+def osdpipe(source: Path, out: Path, *extra: str) -> tuple[float, float, dict]:
+    """Seconds of the command in a fresh process, the largest process's peak RSS in GB, and its report."""
+    cmd = [sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={source}", "target.tp_size=1",
+           "target.world_size=2", f"output.path={out}", "runtime.progress=false", *extra]
     start = time.perf_counter()
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    said = [line for line in done.stdout.splitlines() if line.startswith("peak_rss_kb=")]
-    return seconds, (int(said[-1].split("=")[1]) / 1e6 if said else None)
+    if done.returncode:
+        raise SystemExit(f"osdpipe failed: {done.stderr[-2000:]}")
+    report = json.loads((out / "report.json").read_text())
+    return seconds, max(m["peak_rss"] for m in report["memory"]) / 1e9, report
+
+
+def dd(source: Path, out: Path) -> float:
+    """Seconds of copying every file of ``source`` with ``dd conv=fdatasync``."""
+    copy = (f"cd '{source}' && find . -type d -exec mkdir -p '{out}/{{}}' ';' && find . -type f -exec "
+            f"dd if='{{}}' of='{out}/{{}}' bs=16M conv=fdatasync status=none ';'")
+    start = time.perf_counter()
+    subprocess.run(["bash", "-c", copy], check=True)
+    return time.perf_counter() - start
+
+
+def same_files(a: Path, b: Path) -> bool:
+    """Whether two outputs hold the same save, file by file (the run's record and manifest aside)."""
+    names = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file() and p.parent != a)
+    return names == sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file() and p.parent != b) and all(
+        filecmp.cmp(a / n, b / n, shallow=False) for n in names)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--convert", nargs=3, metavar=("SOURCE", "OUT", "WORKERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", required=True)
     opts = parser.parse_args()
-    if opts.convert:
-        import osdpipe
-
-        osdpipe.reshard_megatron(opts.convert[0], opts.convert[1], tp=1, pp=1, dp=4, workers=int(opts.convert[2]))
-        print(f"peak_rss_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
-        return 0
-    work = Path(opts.workdir or tempfile.mkdtemp(prefix="megatron_bench_"))
+    work = Path(opts.workdir)
+    work.mkdir(parents=True, exist_ok=True)
     source = work / "source"
     if not (source / "latest_checkpointed_iteration.txt").exists():
         shutil.rmtree(source, ignore_errors=True)
-        size = make_source(source)
-    else:
-        size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
-    print(f"source: {size / 1e9:.2f} GB at TP2 PP2 DP1 (dp_reshardable), {source}")
-    runs: dict[str, list[tuple[float, float]]] = {"osdpipe": [], "osdpipe 2 writers": [], "limit": []}
+        source = make_source(work)
+    size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
+    print(f"source: {size / 1e9:.2f} GB, real megatron-core at TP2 DP1 (dp_reshardable), {source}")
+    rows: dict[str, list[tuple[float, float | None]]] = {"osdpipe": [], "limit": []}
+    budget = ("runtime.memory_budget=" + BUDGET, "pipeline.checks=[roundtrip]")
     for _ in range(opts.repeats):
-        for path in runs:
-            out = work / f"out_{path.replace(' ', '_')}"
+        for path in rows:
+            out = work / f"out_{path}"
             shutil.rmtree(out, ignore_errors=True)
-            if path.startswith("osdpipe"):
-                workers = "2" if "writers" in path else "1"
-                runs[path].append(timed([sys.executable, __file__, "--convert", str(source), str(out), workers]))
+            if path == "osdpipe":
+                seconds, peak, _ = osdpipe(source, out, *budget)
+                rows[path].append((seconds, peak))
             else:
-                copy = (f"cd '{source}' && find . -type d -exec mkdir -p '{out}/{{}}' ';' && find . -type f -exec "
-                        f"dd if='{{}}' of='{out}/{{}}' bs=16M conv=fdatasync status=none ';'")
-                runs[path].append(timed(["bash", "-c", copy]))
-            shutil.rmtree(out, ignore_errors=True)
-    limit = statistics.median(s for s, _ in runs["limit"])
-    print(f"\nmedian of {opts.repeats}, alternating; TP2 PP2 DP1 -> TP1 PP1 DP4")
-    print("| path | median s | min s | max s | x limit | peak RSS GB |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for path, got in runs.items():
+                rows[path].append((dd(source, out), None))
+    kept = work / "out_osdpipe"
+    once = {"osdpipe runtime.workers=2": ("runtime.workers=2", *budget),
+            "osdpipe, default checks (roundtrip, resume)": ("runtime.memory_budget=" + BUDGET,)}
+    same = None
+    for name, extra in once.items():
+        out = work / f"out_{len(rows)}"
+        shutil.rmtree(out, ignore_errors=True)
+        seconds, peak, report = osdpipe(source, out, *extra)
+        rows[name] = [(seconds, peak)]
+        if "workers" in name:
+            same = same_files(kept, out)
+        else:
+            checks = {c["name"]: c["ok"] for c in report["checks"]}
+            print(f"default checks: {checks}, memory_budget recorded: {report['memory_budget']}")
+        shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(work / "out_limit", ignore_errors=True)
+    limit = statistics.median(s for s, _ in rows["limit"])
+    print(f"\nTP2 DP1 -> TP1 DP2, runtime.memory_budget={BUDGET}; median of {opts.repeats} (alternating) or one run")
+    print("| path | runs | median s | min s | max s | x limit | peak RSS GB (largest process) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for path, got in rows.items():
         seconds = [s for s, _ in got]
-        median = statistics.median(seconds)
         peaks = [r for _, r in got if r is not None]
         peak = f"{max(peaks):.2f}" if peaks else "-"
-        print(f"| {path} | {median:.1f} | {min(seconds):.1f} | {max(seconds):.1f} | {median / limit:.2f} | {peak} |")
+        print(f"| {path} | {len(got)} | {statistics.median(seconds):.1f} | {min(seconds):.1f} | {max(seconds):.1f} "
+              f"| {statistics.median(seconds) / limit:.2f} | {peak} |")
+    print(f"\nruntime.workers=2 wrote the same bytes as one worker: {same}")
     return 0
 
 

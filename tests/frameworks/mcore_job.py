@@ -4,7 +4,9 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
 
 * ``save --tp T --pp P [--vpp V] --steps 3 --sharding dp_reshardable|fully_reshardable|fully_sharded_model_space
   [--bf16] [--bias none|linear|qkv] [--model llama|gpt] --out SAVE_DIR [--also SHARDING SAVE_DIR2 OUT2.pt]...
-  [--resume-truth K --dump-after OUT2.pt]``: train ``steps`` steps (real forward/backward through
+  [--resume-truth K --dump-after OUT2.pt] [--dims JSON] [--no-truth]``: with ``--dims``, the GPT of those settings
+  (:func:`mcore.restore`'s names: a benchmark's larger one), and with ``--no-truth`` no gathered dump; train ``steps``
+  steps (real forward/backward through
   Megatron's pipeline schedule), write exactly what Megatron-LM's ``save_checkpoint`` writes for
   ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; each ``--also`` saves the
   same trained job again in another sharding type to ``SAVE_DIR2`` (its own truth dump beside it; ``OUT2.pt``: where
@@ -60,6 +62,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     save.add_argument("--also", nargs=3, action="append", default=[], metavar=("SHARDING", "SAVE_DIR", "DUMP_AFTER"))
     save.add_argument("--resume-truth", type=int, default=0)
     save.add_argument("--logits", type=Path, default=None)
+    # the GPT's dimensions as the harness's settings name them (a benchmark's larger GPT), and no gathered truth
+    save.add_argument("--dims", type=json.loads, default=None)
+    save.add_argument("--no-truth", action="store_true")
     load = sub.choices["load"]
     load.add_argument("--from", dest="src", type=Path, required=True)
     load.add_argument("--dump", type=Path, required=True)
@@ -104,6 +109,8 @@ def run(opts: argparse.Namespace):
                    "BUCKET_SIZE": opts.bucket_size, "QK_LAYERNORM": opts.qk_layernorm,
                    "NUM_BUCKETS": opts.num_buckets})
     mcore.use_model(opts.model)
+    if opts.cmd == "save" and opts.dims:
+        mcore.restore(opts.dims)
     with mcore.quiet_warnings():
         if opts.cmd == "load" and opts.dims_from_save:
             mcore.apply_cpu_patches()
@@ -121,7 +128,8 @@ def run(opts: argparse.Namespace):
             job.args.dist_ckpt_optim_fully_reshardable = kind == "fully_reshardable"
             mcore.save_checkpoint(job, out, opts.steps, kind)
             log(f"saved {out}")
-            mcore.write_dump(job, mcore.truth_path(out), {"sharding": kind, "losses": losses})
+            if not opts.no_truth:
+                mcore.write_dump(job, mcore.truth_path(out), {"sharding": kind, "losses": losses})
         if opts.logits:
             mcore.write_logits(job, opts.logits.resolve())
         if opts.resume_truth:

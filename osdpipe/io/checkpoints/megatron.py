@@ -95,6 +95,8 @@ class SavedWeights:
         return name if name in self.files.shapes else None
 
     def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
+        import torch  # reading a save: torch is loaded
+
         parts = self.files.checkpoint.read_parts(name, start, stop)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -296,8 +298,7 @@ class Megatron(CheckpointLayout):
         """The ``.metadata`` of the iteration folder, its ``common.pt`` for the target's grid
         (:func:`osdpipe.io.formats.megatron_items.target_common`: the source's, its ``args`` and optimizer part
         rewritten), ``metadata.json`` and the save folder's ``latest_checkpointed_iteration.txt``."""
-        import torch
-
+        from osdpipe.io import torchfile
         from osdpipe.io.checkpoints import output
         from osdpipe.io.digest import file_sha256
         from osdpipe.io.formats import megatron_items
@@ -308,13 +309,13 @@ class Megatron(CheckpointLayout):
         common = load_inert_bytes(shared[_SHARED_COMMON], files.DESCRIBED, what=files.WHAT)
         common["args"] = dict(common["args"].state) if hasattr(common["args"], "state") else vars(common["args"])
         made = megatron_items.target_common(common, target.grid, shared[_SHARED_GROUPS], int(carrying.step or 0))
-        torch.save(made, staging / folder / files.COMMON)
+        written, _ = torchfile.save(made, staging / folder / files.COMMON, sync=False)  # the same bytes every run
         (staging / folder / "metadata.json").write_text(json.dumps(
             {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
              "common_backend_version": 1}))
         (staging / files.LATEST).write_text(files.RELEASE if folder == files.RELEASE else str(carrying.step or 0))
-        small = [f"{folder}/{files.COMMON}", f"{folder}/metadata.json", files.LATEST]
-        return {**done, **{name: file_sha256(staging / name) for name in small}}
+        small = [f"{folder}/metadata.json", files.LATEST]
+        return {**done, f"{folder}/{files.COMMON}": written, **{name: file_sha256(staging / name) for name in small}}
 
     def differences(
         self,

@@ -51,6 +51,9 @@ class LayoutKind:
     #: ``FSDP.optim_state_dict``), which is empty before its first step: a ``dcp.load`` into a fresh optimizer then
     #: loads nothing, and a framework that loads so (accelerate's ``load_state``) says nothing.
     sharded_load_needs_a_stepped_optimizer: ClassVar[bool] = False
+    #: Why osdpipe builds no live job of this kind for the checks that load into one (``None``: it builds one with
+    #: :meth:`wrap`): a framework that builds its own model and optimizer (Megatron-Core).
+    no_live_job: ClassVar[str | None] = None
     #: The optimizer state that holds the parameter its optimizer steps, where that is a master copy of its own
     #: (Megatron's distributed optimizer keeps the fp32 master as ``param``); ``None``: the model's parameter.
     master_state: ClassVar[str | None] = None

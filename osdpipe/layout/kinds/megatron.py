@@ -32,6 +32,7 @@ class Megatron(LayoutKind):
     name = "megatron"
     tensor_parallel = True
     master_state = "param"
+    no_live_job = "megatron-core builds its own model and optimizer"
 
     def validate(self, spec: LayoutSpec) -> None:
         """The world is TP x PP x DP ranks; virtual stages interleave more than one pipeline stage; the optimizer

@@ -269,6 +269,8 @@ def with_groups(loadable: dict[str, Any], optim: Any) -> dict[str, Any]:
 def needs_target_world(ctx: Subject) -> str | None:
     """Why a check that loads into a live target job with the whole source
     (``reference``, ``load_step``) cannot run here, or ``None``."""
+    if (why := kinds.get(ctx.spec.target.kind).no_live_job) is not None:
+        return f"needs a live {ctx.spec.target.kind} job, which osdpipe does not build ({why})"
     if not ctx.world.builds_target:
         return "needs a live target world (runtime.mode=online)"
     if ctx.spec.runtime.transfer == "scatter":

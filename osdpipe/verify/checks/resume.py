@@ -49,7 +49,8 @@ def run(ctx: Subject) -> CheckResult:
     """The output resumes as the source would (:mod:`osdpipe.verify.resume_training`):
     loaded into a live target where one can be built, else into bare optimizers."""
     assert ctx.result is not None
-    live = ctx.world.builds_target and (ctx.id_keyed or within_full_state_limit(ctx))
+    live = ctx.world.builds_target and kinds.get(ctx.spec.target.kind).no_live_job is None and (
+        ctx.id_keyed or within_full_state_limit(ctx))
     return resume_result(
         ctx, ctx.result["state"], (lambda model, optim: _load_result(ctx, model, optim)) if live else None
     )
@@ -111,8 +112,11 @@ def resume_result(ctx: Subject, written: dict[Any, Any], load: Any) -> CheckResu
                 ctx.spec, ctx.target_layout(), _output_state_of(ctx), ctx.tree, ctx.spec.runtime.piece_bytes, weights,
                 master,
             )
+            no_job = kinds.get(ctx.spec.target.kind).no_live_job
             target = "bare optimizers over the output's tensors (no live target job: " + (
-                "runtime.mode=offline)"
+                f"{no_job})"
+                if no_job is not None
+                else "runtime.mode=offline)"
                 if not ctx.world.builds_target
                 else "loading an FQN-keyed output needs the whole state, over pipeline.full_state_checks_max)"
             )
