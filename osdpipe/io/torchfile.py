@@ -330,6 +330,12 @@ class Filler(Protocol):
         a window is written (and hashed) before the next is asked for."""
         ...
 
+    def part(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+        """Elements ``[start, stop)`` of ``flat`` (one of this filler's storages, whole) as a storage of its own that
+        this filler fills, written as a record of its own; ``flat`` itself is then never written. ``None``: ``flat``
+        is none of this filler's."""
+        ...
+
 
 def placeholder(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
     """A flat tensor in anonymous memory that is mapped but untouched (zeros, no pages held), and the mapping: a
@@ -362,6 +368,16 @@ def filled_as_written(filler: Filler) -> Iterator[None]:
         yield
     finally:
         _FILLER.reset(token)
+
+
+def part_of(flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flat tensor ``flat``, to be written as a record of its own (the rows of a
+    parameter a state-dict hook saves under another key: torchtitan's ``wqkv`` as ``wq``, ``wk``, ``wv``): where
+    ``flat`` is a storage of the filler in effect (:func:`filled_as_written`), a storage that filler fills as it is
+    written, so the parts of a parameter are made as they are written, as the parameter would be; else a copy."""
+    filler = _FILLER.get()
+    part = None if filler is None else filler.part(flat, start, stop)
+    return part if part is not None else flat[start:stop].clone()
 
 
 class Archive:

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from osdpipe.io.formats.base import WEIGHTS, InputError, SourceMeta, SourceReader, TensorRef, expect, read_parts
 from osdpipe.layout.model_keys import gather, key_ranges
 from osdpipe.layout.tree import ModuleTree, ParamInfo
+
+if TYPE_CHECKING:  # annotations only: the mapped reader imports this module's readers' base
+    from osdpipe.io.formats.mapped import MappedReader
 
 
 @dataclass
@@ -334,7 +337,7 @@ def model_state_dict(
 def open_whole(
     layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any, written_as: str | None = None,
     described: bool = False,
-) -> WholeReader:
+) -> WholeReader | MappedReader:
     """A reader of the whole checkpoint at ``path`` laid out as ``layout``
     (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says, for an output of layout ``written_as`` (its
     optimizer part is read for that layout's job: :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.optimizer_part`);
@@ -345,12 +348,27 @@ def open_whole(
     """
     from osdpipe.io.formats import open_source  # the formats package imports this module's base: imported where used
 
+    mapping = layout.model_map(path, written_as)
+    own = tree if mapping is None else _tree_of(*mapping.model)
     part = layout.optimizer_part(path, input_format, written_as)
     optimizer = (
         NoOptimizer()
         if part is None
-        else open_source(part.format, part.path, part.key, tree=tree, source=source, id_groups=None,
+        else open_source(part.format, part.path, part.key, tree=own, source=source, id_groups=None,
                          described=described)
     )
-    model = layout.open_model(path, input_format, tree, optimizer)
-    return WholeReader(optimizer, model, tree, path, layout, layout.carried(path, input_format, tree))
+    model = layout.open_model(path, input_format, own, optimizer)
+    whole = WholeReader(optimizer, model, own, path, layout, layout.carried(path, input_format, tree))
+    if mapping is None:
+        return whole
+    from osdpipe.io.formats.mapped import MappedReader
+
+    return MappedReader(whole, mapping, {p.fqn: p.shape for p in tree.params})
+
+
+def _tree_of(factory: str, kwargs: dict[str, Any]) -> ModuleTree:
+    """The parameters of the model ``factory`` builds of ``kwargs``, on the meta device."""
+    from osdpipe.layout.models import meta_model
+    from osdpipe.layout.tree import describe
+
+    return describe(meta_model(factory, kwargs))

@@ -31,10 +31,14 @@ Adam's moments (the optimizer is keyed by torchtitan's parameters: ``wqkv``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from osdpipe.layout.maps import Map, rows
+from osdpipe.layout.ranges import Segment
 
 #: HF name within ``model.layers.{i}.`` -> torchtitan's within ``layers.{i}.``, for the tensors taken whole.
 _PER_LAYER = {
@@ -167,6 +171,35 @@ def from_titan(heads: Heads, titan: dict[str, torch.Tensor]) -> dict[str, torch.
         out[f"{p}self_attn.k_proj.weight"] = heads.hf_rows(groups[:, n].reshape(g * d, cols), g).clone()
         out[f"{p}self_attn.v_proj.weight"] = groups[:, n + 1].reshape(g * d, cols).clone()
         out.update({p + name: titan[f"layers.{i}.{t}"].clone() for name, t in heads.family.per_layer().items()})
+    return out
+
+
+def titan_map(heads: Heads, hf_shapes: dict[str, tuple[int, ...]]) -> Map:
+    """:func:`to_titan` as data (:mod:`osdpipe.layout.maps`): each torchtitan parameter as the ranges of the Hugging
+    Face model's (of ``hf_shapes``) it is made of: ``wqkv`` per key/value group its query heads, key head and value
+    head, each query and key head's rows in torchtitan's RoPE order (:meth:`Heads.rope_rows`), runs of rows merged."""
+    out: Map = {titan: (Segment(name, 0, math.prod(hf_shapes[name]), 0),) for name, titan in heads.top().items()}
+    n, g, d = heads.heads // heads.kv_heads, heads.kv_heads, heads.head_dim
+
+    def head(name: str, first: int, at: int, cols: int, rope: bool) -> list[Segment]:
+        """Head rows ``[first, first + d)`` of ``name`` at row ``at``, in torchtitan's order where ``rope``."""
+        if not (rope and heads.family.complex_rope):
+            return [rows(name, first, d, cols, at)]
+        return [rows(name, first + (r % 2) * (d // 2) + r // 2, 1, cols, at + r) for r in range(d)]
+
+    for i in range(heads.layers):
+        p = f"model.layers.{i}."
+        cols = hf_shapes[f"{p}self_attn.q_proj.weight"][1]
+        fused: list[Segment] = []
+        for j in range(g):
+            at = j * (n + 2) * d
+            for k in range(n):
+                fused += head(f"{p}self_attn.q_proj.weight", (j * n + k) * d, at + k * d, cols, rope=True)
+            fused += head(f"{p}self_attn.k_proj.weight", j * d, at + n * d, cols, rope=True)
+            fused += head(f"{p}self_attn.v_proj.weight", j * d, at + (n + 1) * d, cols, rope=False)
+        out[f"layers.{i}.{WQKV}"] = tuple(fused)
+        out.update({f"layers.{i}.{titan}": (Segment(p + name, 0, math.prod(hf_shapes[p + name]), 0),)
+                    for name, titan in heads.family.per_layer().items()})
     return out
 
 

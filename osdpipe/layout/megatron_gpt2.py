@@ -54,10 +54,12 @@ Why each rule, in the sources installed here (megatron-core 0.16.1, transformers
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from osdpipe.layout.maps import Map, Transposed, rows
 from osdpipe.layout.megatron import (
     LAYERS,
     Gpt,
@@ -71,6 +73,7 @@ from osdpipe.layout.megatron import (
     tied_embeddings,
     tied_word_embeddings,
 )
+from osdpipe.layout.ranges import Segment
 
 GPT2 = "GPT2LMHeadModel"
 #: The ``model.factory`` of transformers' GPT-2 of a ``config.json``'s keys.
@@ -248,6 +251,32 @@ def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[s
         out[p + "attn.c_attn.bias"] = tensors[QKV + "bias"][i][order].clone()
         for key, (name, transposed) in _PER_LAYER.items():
             out[p + name] = tensors[key][i].t().contiguous() if transposed else tensors[key][i].clone()
+    return {name: out[name] for name in hf_shapes(gpt, vocab_size)}
+
+
+def hf_map(gpt: Gpt, vocab_size: int) -> Map:
+    """:func:`to_hf` as data (:mod:`osdpipe.layout.maps`): each ``GPT2LMHeadModel`` parameter as the pieces of
+    Megatron's GPT tensors (layers stacked) it is made of: a Conv1D's weight a layer's block of its linear, transposed
+    (``c_attn``'s rows first put in :func:`_qkv_order`), ``c_attn``'s bias a run per head of each of q, k and v, the
+    vocabulary's first ``vocab_size`` rows; :func:`osdpipe.layout.maps.invert` gives :func:`from_hf`'s."""
+    _check_gpt(gpt)
+    if not 0 < vocab_size <= gpt.padded_vocab_size:
+        raise ValueError(f"vocabulary {vocab_size} is not in (0, padded vocabulary {gpt.padded_vocab_size}]")
+    shapes, h = global_shapes(gpt), gpt.hidden_size
+    heads, d = gpt.num_attention_heads, gpt.kv_channels
+    out: Map = {name: (rows(key, 0, vocab_size, h, 0),) if key in _VOCAB_ROWS
+                else (Segment(key, 0, math.prod(shapes[key]), 0),) for key, name in _FIXED.items() if key in shapes}
+    qkv, order = 3 * heads * d, tuple(_qkv_order(gpt).tolist())
+    for i in range(gpt.num_layers):
+        p = f"transformer.h.{i}."
+        out[p + "attn.c_attn.weight"] = (Transposed(QKV + "weight", i * qkv * h, qkv, h, 0, before=order),)
+        out[p + "attn.c_attn.bias"] = tuple(Segment(QKV + "bias", i * qkv + (j * 3 + t) * d, d, (t * heads + j) * d)
+                                            for t in range(3) for j in range(heads))
+        for key, (name, transposed) in _PER_LAYER.items():
+            layer = shapes[key][1:]
+            at = i * math.prod(layer)
+            out[p + name] = ((Transposed(key, at, layer[0], layer[1], 0),) if transposed
+                             else (Segment(key, at, math.prod(layer), 0),))
     return {name: out[name] for name in hf_shapes(gpt, vocab_size)}
 
 

@@ -22,13 +22,15 @@ from typing import Any, Protocol
 
 import torch
 
-from osdpipe.layout import megatron_gpt2, megatron_llama
-from osdpipe.layout.megatron import Gpt
+from osdpipe.layout import llama_titan, megatron_gpt2, megatron_llama
+from osdpipe.layout.maps import Map, compose, invert
+from osdpipe.layout.megatron import Gpt, gpt_of
 from osdpipe.layout.megatron_llama import titan_args, titan_family, titan_refusals
 
 __all__ = [
-    "FAMILIES", "HfFamily", "architecture", "family_of_args", "family_of_config", "family_of_gpt", "from_hf",
-    "hf_config", "hf_factory", "hf_names_of", "hf_refusals", "hf_shapes", "megatron_args", "refusal", "refusals",
+    "FAMILIES", "HF_NAMES", "MEGATRON_NAMES", "NAMINGS", "TORCHTITAN", "HfFamily", "architecture", "family_of_args",
+    "family_of_config", "family_of_gpt", "from_hf", "hf_config", "hf_factory", "hf_map", "hf_names_of",
+    "hf_refusals", "hf_shapes", "megatron_args", "model_map", "refusal", "refusals",
     "titan_args", "titan_family", "titan_refusals", "tied_names", "to_hf", "true_vocab_size",
 ]  # fmt: skip
 
@@ -60,6 +62,8 @@ class HfFamily(Protocol):
 
     def hf_names_of(self, gpt: Gpt) -> dict[str, list[str]]: ...
 
+    def hf_map(self, gpt: Gpt, vocab_size: int) -> Map: ...
+
     def to_hf(self, gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]: ...
 
     def from_hf(
@@ -76,6 +80,13 @@ class HfFamily(Protocol):
 
 #: Every family, in the order they are asked whether they fit; the Llama's, which fits all, last.
 FAMILIES: tuple[HfFamily, ...] = (megatron_gpt2, megatron_llama)  # type: ignore[assignment]
+
+
+#: The models a Megatron GPT is read or written as, by what their parameters are named: Megatron's own GPT (its
+#: sharded keys, layers stacked: :func:`osdpipe.layout.models.megatron_gpt`), the transformers model of its family, or
+#: its torchtitan model (llama3 and qwen3 name their parameters alike).
+MEGATRON_NAMES, HF_NAMES, TORCHTITAN = "megatron", "hf", "torchtitan"
+NAMINGS = (MEGATRON_NAMES, HF_NAMES, TORCHTITAN)
 
 
 def family_of_args(args: dict[str, Any]) -> HfFamily:
@@ -174,6 +185,33 @@ def hf_names_of(gpt: Gpt) -> dict[str, list[str]]:
     under :func:`to_hf`, in the state dict's order: what puts a Megatron param group's keys into the Hugging Face
     names of the same group."""
     return family_of_gpt(gpt).hf_names_of(gpt)
+
+
+def hf_map(gpt: Gpt, vocab_size: int) -> Map:
+    """:func:`to_hf` as data: each Hugging Face parameter as the pieces of Megatron's tensors it is made of
+    (:mod:`osdpipe.layout.maps`)."""
+    return family_of_gpt(gpt).hf_map(gpt, vocab_size)
+
+
+def model_map(args: dict[str, Any], source: str, target: str) -> Map:
+    """Each parameter of the GPT Megatron-LM's ``args`` describe, named as ``target`` names it (one of
+    :data:`NAMINGS`), as the pieces of the same GPT named as ``source`` names it: Megatron's to its Hugging Face
+    model's (the vocabulary cut to the true one, :func:`true_vocab_size`), on to torchtitan's, and back (the padding
+    rows padding). The one map a conversion between them reads through (:mod:`osdpipe.io.formats.mapped`).
+
+    Raises:
+        ValueError: one line: a naming that is none of :data:`NAMINGS`, a pair that is the same, or a map between
+            a Hugging Face model and torchtitan's (each converts the other itself).
+    """
+    if source == target or not {source, target} <= set(NAMINGS) or MEGATRON_NAMES not in (source, target):
+        raise ValueError(f"no map from a GPT named as {source!r} to one named as {target!r}: osdpipe maps Megatron's "
+                         f"GPT to and from {HF_NAMES!r} and {TORCHTITAN!r}")
+    gpt, vocab = gpt_of(args), true_vocab_size(args)
+    forward = hf_map(gpt, vocab)
+    if TORCHTITAN in (source, target):
+        heads = llama_titan.heads_of(titan_args(args, vocab_size=vocab))
+        forward = compose(forward, llama_titan.titan_map(heads, hf_shapes(gpt, vocab)))
+    return forward if source == MEGATRON_NAMES else invert(forward)
 
 
 def tied_names(gpt: Gpt) -> tuple[str, str] | None:

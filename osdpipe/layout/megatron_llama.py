@@ -83,12 +83,14 @@ Why each rule, in the sources installed here (megatron-core 0.16.1, transformers
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from osdpipe.layout import llama_titan
 from osdpipe.layout.llama_titan import TitanFamily
+from osdpipe.layout.maps import Map, rows
 from osdpipe.layout.megatron import (
     GROUPS,
     LAYERS,
@@ -103,6 +105,7 @@ from osdpipe.layout.megatron import (
     tied_embeddings,
     tied_word_embeddings,
 )
+from osdpipe.layout.ranges import Segment
 
 EMBEDDING = "embedding.word_embeddings.weight"
 QKV = f"{LAYERS}self_attention.linear_qkv.weight"
@@ -437,6 +440,44 @@ def to_hf(gpt: Gpt, tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[s
     out["model.norm.weight"] = tensors[FINAL_NORM].clone()
     if not gpt.tied:
         out["lm_head.weight"] = tensors[OUTPUT][:vocab_size].clone()
+    return {key: out[key] for key in hf_shapes(gpt, vocab_size)}
+
+
+def hf_map(gpt: Gpt, vocab_size: int) -> Map:
+    """:func:`to_hf` as data (:mod:`osdpipe.layout.maps`): each ``LlamaForCausalLM`` (Qwen2, Qwen3) parameter as the
+    ranges of Megatron's GPT tensors (layers stacked) it is made of, the module docstring's table row by row; the
+    vocabulary's first ``vocab_size`` rows. :func:`osdpipe.layout.maps.invert` gives :func:`from_hf`'s, the padding
+    rows padding."""
+    _check_gpt(gpt)
+    if not 0 < vocab_size <= gpt.padded_vocab_size:
+        raise ValueError(f"vocabulary {vocab_size} is not in (0, padded vocabulary {gpt.padded_vocab_size}]")
+    shapes = global_shapes(gpt)
+    n, d, f, g = gpt.num_attention_heads // gpt.num_query_groups, gpt.kv_channels, gpt.ffn_hidden_size, \
+        gpt.num_query_groups
+    h = gpt.hidden_size
+    out: Map = {"model.embed_tokens.weight": (rows(EMBEDDING, 0, vocab_size, h, 0),)}
+    cuts, halves = _split_by_rows(gpt)
+    for i in range(gpt.num_layers):
+        p = f"model.layers.{i}."
+        for key, kind in cuts:  # per query group: its query heads, then a key and a value head
+            per, width = shapes[key][1], math.prod(shapes[key][2:])
+            at = i * per
+            out[f"{p}self_attn.q_proj.{kind}"] = tuple(rows(key, at + j * (n + 2) * d, n * d, width, j * n * d)
+                                                      for j in range(g))
+            out[f"{p}self_attn.k_proj.{kind}"] = tuple(rows(key, at + (j * (n + 2) + n) * d, d, width, j * d)
+                                                      for j in range(g))
+            out[f"{p}self_attn.v_proj.{kind}"] = tuple(rows(key, at + (j * (n + 2) + n + 1) * d, d, width, j * d)
+                                                      for j in range(g))
+        for key, kind in halves:  # [gate; up]
+            width = math.prod(shapes[key][2:])
+            out[f"{p}mlp.gate_proj.{kind}"] = (rows(key, i * 2 * f, f, width, 0),)
+            out[f"{p}mlp.up_proj.{kind}"] = (rows(key, i * 2 * f + f, f, width, 0),)
+        for key, name in _whole_per_layer(gpt).items():
+            layer = math.prod(shapes[key][1:])
+            out[p + name] = (Segment(key, i * layer, layer, 0),)
+    out["model.norm.weight"] = (Segment(FINAL_NORM, 0, h, 0),)
+    if not gpt.tied:
+        out["lm_head.weight"] = (rows(OUTPUT, 0, vocab_size, h, 0),)
     return {key: out[key] for key in hf_shapes(gpt, vocab_size)}
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +35,7 @@ from osdpipe.core.compare import differing_segments, nonfinite_segments
 from osdpipe.core.sizes import show_size
 from osdpipe.io.formats import SourceMeta, TensorRef, own_copy
 from osdpipe.io.torchfile import placeholder
-from osdpipe.layout.ranges import LocalTensor
+from osdpipe.layout.ranges import LocalTensor, Segment
 from osdpipe.run import progress
 from osdpipe.run.transfer import Batch, Source, place
 
@@ -114,6 +114,8 @@ class StreamedOutput:
     def __init__(self, source: Source, *, compare: bool) -> None:
         self.source, self.compare = source, compare
         self._pending: dict[int, _Placeholder] = {}
+        self._split: dict[int, _Placeholder] = {}  # placeholders written as their parts (:meth:`part`)
+        self._parts: dict[tuple[int, int, int], torch.Tensor] = {}
         self._written: progress.Counter | None = None  # placeholders written, on the progress line
         self._told = False  # whether the reader was told every batch the windows will read (_fetch_ahead)
         self.differences: list[str] = []
@@ -149,6 +151,24 @@ class StreamedOutput:
 
     def fills(self, storage: torch.UntypedStorage) -> bool:
         return storage._cdata in self._pending
+
+    def part(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+        """Elements ``[start, stop)`` of the placeholder ``flat`` as a placeholder of its own, filled by the batches of
+        ``flat``'s that go there (cut to the range); ``flat`` is then written as its parts alone, never whole. The same
+        range asked again is the same placeholder (a writer that looks at what it wrote, for its digests); ``None``:
+        ``flat`` is no placeholder of this output's."""
+        held = flat.untyped_storage()._cdata
+        if held not in self._pending and held not in self._split:
+            return None
+        if (held, start, stop) in self._parts:
+            return self._parts[(held, start, stop)]
+        whole = self._split[held] = self._pending.pop(held, None) or self._split[held]
+        work = [Batch(b.name, b.dtype, cut) for b in whole.work if (cut := _within(b.segments, start, stop))]
+        part, region = placeholder(stop - start, whole.flat.dtype)
+        self._pending[part.untyped_storage()._cdata] = _Placeholder(
+            replace(whole.tensor, key=f"{whole.tensor.key}[{start}:{stop}]"), whole.name, part, region, work)
+        self._parts[(held, start, stop)] = part
+        return part
 
     def windows(self, storage: torch.UntypedStorage) -> Iterator[memoryview]:
         """The placeholder's bytes, front to back:
@@ -210,6 +230,16 @@ class StreamedOutput:
         if self._told:
             self._told = False
             self.source.expect([])
+
+
+def _within(segments: tuple[Segment, ...], start: int, stop: int) -> tuple[Segment, ...]:
+    """The parts of ``segments`` (of a flat tensor) that fall in ``[start, stop)``, their ``dest`` from ``start``."""
+    out = []
+    for s in segments:
+        lo, hi = max(start, s.dest), min(stop, s.dest + s.length)
+        if lo < hi:
+            out.append(Segment(s.fqn, s.start + lo - s.dest, hi - lo, lo - start))
+    return tuple(out)
 
 
 def _let_go(region: mmap.mmap | None, start: int, end: int) -> None:

@@ -57,53 +57,20 @@ def test_the_saves_stored_bytes_are_what_reading_it_holds_and_its_padding(tmp_pa
     assert held <= stored_bytes(DcpCheckpoint(str(iteration_folder(source)), None)) <= held + padding
 
 
-def test_a_save_larger_than_the_memory_available_is_refused_in_one_line_before_anything_is_read(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """Into a PyTorch job's layout (the save read whole, mapped to its model's names) the reader holds the optimizer's
-    states (the fp32 masters stand in for the module's weights): refused one byte short of those, read with them."""
-    from osdpipe.io.formats.megatron_source import MegatronReader
-
-    source = synthetic_save(tmp_path, tp=2)
-    checkpoint = DcpCheckpoint(str(iteration_folder(source)), None)
-    need, optimizer = stored_bytes(checkpoint), stored_bytes(checkpoint, weights=False)
-    assert 0 < optimizer < need
-    monkeypatch.setattr(memory, "available_bytes", lambda: optimizer - 1)
-    with pytest.raises(InputError, match=r"reading this save's optimizer states \(param, exp_avg, exp_avg_sq\) takes"):
-        MegatronReader(str(source))
-    monkeypatch.setattr(memory, "available_bytes", lambda: optimizer)  # exactly enough for the reader
-    assert MegatronReader(str(source)).states
-
-
-def test_the_pytorch_jobs_reader_reads_and_holds_no_module_weights(tmp_path: Path) -> None:
-    """The reader of a Megatron save for a PyTorch job serves the fp32 masters as the weights, so the module's copy
-    (the training dtype's) is never read: it reads the optimizer's bytes alone."""
-    from osdpipe.io.formats.megatron_source import STATES, MegatronReader
-
-    source = synthetic_save(tmp_path, tp=2)
-    checkpoint = DcpCheckpoint(str(iteration_folder(source)), None)
-    told: list[tuple[int, int]] = []
-    save = read_save(source, weights=False, on_read=lambda done, total: told.append((done, total)))
-    assert save.model == {} and set(next(iter(save.optim.values()))) == set(STATES)
-    assert told[-1][1] == stored_bytes(checkpoint, weights=False)
-    assert told[-1][0] <= told[-1][1]  # a dp_reshardable bucket's padding is listed, not read
-    whole = read_save(source)
-    assert whole.model and all(k in whole.optim for k in save.optim)
-    reader = MegatronReader(str(source))
-    assert set(reader.states) == set(STATES) and reader.states["param"]
-
-
-def test_a_conversion_to_another_grid_holds_the_budget_not_the_save(tmp_path: Path) -> None:
+def test_a_conversion_holds_the_budget_not_the_save(tmp_path: Path) -> None:
     """Under ``runtime.memory_budget`` (and ``pipeline.checks=[roundtrip]``, which compares as the output is written),
     the command's own memory (its anonymous peak less what the process held once started, as report.json gives it)
     stays within the budget and a few MB of the process's own, whatever the save's size: into ``dp_reshardable``
-    buckets and into another TP's vocabulary padding alike, each rank's output made as it is written, read by ranges
-    of the save's memory-mapped chunks. Without a budget a rank holds its output (half the save, and all of it)."""
+    buckets, into another TP's vocabulary padding, and through the map into a PyTorch job's model and torchtitan's
+    alike, each rank's output made as it is written, read by ranges of the save's memory-mapped chunks. Without a
+    budget a rank holds its output (half the save, and all of it)."""
     source = synthetic_save(tmp_path, tp=2, layers=4, width=256, vocab=8000)  # 6.5M parameters: 104 MB of tensors
     budget = 8 << 20
     grids = {"buckets": ["target.tp_size=1", "target.pp_size=2", "target.world_size=2"],
              "vocabulary": ["target.tp_size=1", "target.world_size=1",  # TP1 pads the vocabulary to fewer rows
-                            "output.megatron_optim_format=fully_reshardable"]}
+                            "output.megatron_optim_format=fully_reshardable"],
+             "torchtitan": ["output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=1",
+                            "runtime.mode=offline"]}
     for name, args in grids.items():
         for limit in (budget, None):  # a process each: one that ran a conversion before keeps what it freed
             out = tmp_path / f"{name}-{limit}"
@@ -124,54 +91,58 @@ def test_a_conversion_to_another_grid_holds_the_budget_not_the_save(tmp_path: Pa
 
 
 @pytest.mark.parametrize("naming", ["hf", "torchtitan"])
-def test_the_configs_look_at_a_save_reads_no_tensor_and_describes_what_the_run_reads(
+def test_the_configs_look_at_a_save_reads_no_tensor_and_names_the_jobs_parameters(
     tmp_path: Path, monkeypatch, naming: str
 ) -> None:
-    """Working out the config describes a save for a PyTorch job (its parameters' names, shapes and dtypes, the param
-    groups) from common.pt, .metadata and the groups' small items: the same description as the save read whole, with
-    no tensor's bytes read (a read raises here), so the run reads the save once."""
-    from osdpipe.io.formats.megatron_source import MegatronReader
+    """Working out the config describes a save for a PyTorch job (its parameters by the job's model's names, the
+    param groups, the optimizer's states) from common.pt, .metadata and the groups' small items, no tensor's bytes read
+    (a read raises here): the run reads the save once."""
+    from osdpipe.io.checkpoints.megatron import Megatron
+    from osdpipe.io.file_facts import read_facts
+    from osdpipe.layout.models import meta_model
 
     source = synthetic_save(tmp_path, tp=2, pp=2, tied=naming == "torchtitan")
-    read = MegatronReader(str(source), naming).meta()
 
     def no_tensor(*_: object) -> None:
         raise AssertionError("a tensor was read")
 
     monkeypatch.setattr(DcpCheckpoint, "read_range", no_tensor)
     monkeypatch.setattr(DcpCheckpoint, "read_parts", no_tensor)
-    described = MegatronReader(str(source), naming, tensors=False).meta()
-    assert described.param_groups == read.param_groups and read.param_groups
-    assert described.state.keys() == read.state.keys()
-    for fqn, entry in read.state.items():
-        assert described.state[fqn] == entry, fqn  # TensorRefs: shape and dtype; the step's value
-    with pytest.raises(AssertionError, match="a tensor was read"):
-        MegatronReader(str(source), naming)
+    facts = read_facts(str(iteration_folder(source)), "megatron", naming)
+    model = meta_model(*Megatron().model_from_files(str(source), "torchtitan" if naming == "torchtitan" else "pytorch"))
+    assert sorted(facts.fqns) == sorted(name for name, _ in model.named_parameters())
+    assert facts.optimizer == "AdamW" and facts.steps and facts.kind != "megatron"
+    assert set(facts.state_names) == {"step", "exp_avg", "exp_avg_sq"}  # the masters are the weights
 
 
-def _stored_reads(tmp_path: Path, *args: str) -> list[str]:
-    """The stored tensors ``osdpipe *args`` reads, in order, one line each (the faults hook
-    ``OSDPIPE_TEST_RECORD_READS``), after checking it succeeded and that it read none twice."""
+def _stored_reads(tmp_path: Path, *args: str) -> dict[str, list[tuple[int, int]]]:
+    """The ranges of stored tensors ``osdpipe *args`` reads, by tensor (the faults hook ``OSDPIPE_TEST_RECORD_READS``),
+    after checking it succeeded."""
     reads = tmp_path / "reads.txt"
     reads.unlink(missing_ok=True)
     done = run_command([sys.executable, "-m", "osdpipe", *args], cwd=tmp_path, timeout=240,
                        env=user_env(OSDPIPE_TEST_RECORD_READS=str(reads)))
     assert done.returncode == 0, done.stderr[-2000:]
-    read = reads.read_text().splitlines()
-    twice = sorted({flat for flat in read if read.count(flat) > 1})
-    assert read and not twice, f"read more than once: {twice[:3]}"
-    return read
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for line in reads.read_text().splitlines():
+        flat, start, stop = line.rsplit(" ", 2)
+        ranges.setdefault(flat, []).append((int(start), int(stop)))
+    assert ranges
+    return ranges
 
 
-def test_a_conversion_into_a_pytorch_job_reads_each_tensor_of_the_save_once(tmp_path: Path) -> None:
-    """The command works out its config and checks the source with the save described, and the run reads it: every
-    stored tensor of the optimizer is read once, and no weight of the module (the masters stand in for them). Before,
-    the config's look, the source's check and the load stage each read the whole save."""
+def test_a_conversion_into_a_pytorch_job_reads_the_masters_for_the_modules_weights(tmp_path: Path) -> None:
+    """Read for a PyTorch job, the save's fp32 masters stand in for the module's weights: no weight of the module is
+    read, and every element of every optimizer state is (the map leaves none out but the vocabulary's padding)."""
     source = synthetic_save(tmp_path, tp=2, pp=2)
     read = _stored_reads(tmp_path, "checkpoint=megatron", f"input.path={source}", "output.checkpoint=accelerate",
                          "target.kind=fsdp2", "target.world_size=2", "runtime.mode=offline",
                          f"output.path={tmp_path / 'out'}")
-    assert all(flat.startswith("optimizer.") for flat in read)
+    assert all(flat.startswith("optimizer.") for flat in read), [f for f in read if not f.startswith("optimizer.")]
+    checkpoint = DcpCheckpoint(str(iteration_folder(source)), None)
+    states = {flat for flat in checkpoint.metadata.state_dict_metadata if flat.startswith("optimizer.distributed")
+              and flat.rsplit(".", 1)[-1] in ("param", "exp_avg", "exp_avg_sq")}
+    assert set(read) == states
 
 
 @pytest.mark.parametrize("grid", ["dp_reshardable", "fully_reshardable"])

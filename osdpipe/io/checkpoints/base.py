@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # annotations only: the layouts import torch where they read or write
     from osdpipe.io.formats.base import Format, RankFiles
+    from osdpipe.io.formats.mapped import ModelMap
     from osdpipe.layout.ranges import LayoutSpec
     from osdpipe.layout.tree import ModuleTree
 
@@ -326,6 +327,13 @@ class CheckpointLayout:
         checkpoint), for an output in the layout ``written_as`` (a save read for another framework's model: the
         reader's ``key`` names whose)."""
         raise NotImplementedError
+
+    def model_map(self, path: str, written_as: str | None = None) -> ModelMap | None:
+        """How the model of the checkpoint at ``path`` becomes the model an output in the layout ``written_as`` holds,
+        where that is another framework's model of the same network (a Megatron GPT as its Hugging Face model): the
+        map the source is read through (:mod:`osdpipe.io.formats.mapped`); ``None``: the same model, read by its own
+        names."""
+        return None
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         """A reader of the model's weights in the checkpoint at ``path`` (:class:`osdpipe.io.weights.WeightsReader`);

@@ -47,34 +47,9 @@ from osdpipe.layout.ranges import WEIGHTS
 if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
 
-    from osdpipe.io.formats.megatron_source import MegatronReader
-    from osdpipe.io.weights import ModelMeta
+    from osdpipe.io.formats.base import SourceReader
+    from osdpipe.io.formats.mapped import MappedReader, ModelMap
     from osdpipe.layout.tree import ModuleTree
-
-
-class MegatronWeights:
-    """The fp32 master weights of a :class:`MegatronReader`, as a whole checkpoint's model part
-    (:class:`~osdpipe.io.weights.WeightsReader`)."""
-
-    def __init__(self, reader: MegatronReader, tree: ModuleTree) -> None:
-        self.reader, self.tree = reader, tree
-
-    def model_meta(self) -> ModelMeta:
-        from osdpipe.io.formats.megatron_source import MASTER, described
-        from osdpipe.io.weights import model_meta_of
-
-        stored = {name: described(t) for name, t in self.reader.states[MASTER].items()}
-        return model_meta_of(stored, {}, self.tree, str(self.reader.folder))
-
-    def stored_name(self, name: str) -> str | None:
-        from osdpipe.io.formats.megatron_source import MASTER
-
-        return name if name in self.reader.states[MASTER] else None
-
-    def read_weights(self, name: str, start: int, stop: int) -> torch.Tensor:
-        from osdpipe.io.formats.megatron_source import MASTER
-
-        return self.reader.read_range(name, MASTER, start, stop)
 
 
 class SavedWeights:
@@ -185,30 +160,51 @@ class Megatron(CheckpointLayout):
             raise ModelRefused(f"{folder}: {exc}") from None
 
     def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
-        """The iteration folder, read for the model ``written_as``'s job builds: its ``key`` names that model's names
-        (the reader's facts name the param groups' parameters so); read for Megatron's own, ``None`` where the save
-        holds the weights alone (a model-only checkpoint, which converts to one)."""
-        from osdpipe.io.formats.megatron_source import HF_NAMES, MEGATRON_NAMES, TORCHTITAN
+        """The iteration folder; its ``key`` names the model an output in the layout ``written_as`` reads it as
+        (its facts name the param groups' parameters so: :meth:`model_map`); ``None`` where the save holds the
+        weights alone (a model-only checkpoint, which converts to one)."""
+        from osdpipe.layout.megatron_hf import MEGATRON_NAMES
 
         folder = files.iteration_folder(path)
+        if files.optimizer_sharding(files.read_common(folder), folder) is None:
+            return None
+        return Part(str(folder), "megatron", MEGATRON_NAMES if written_as in (None, self.name) else _naming(written_as))
+
+    def model_map(self, path: str, written_as: str | None = None) -> ModelMap | None:
+        """For a PyTorch job (``written_as`` pytorch, accelerate, hf: the Hugging Face model of the GPT's family;
+        torchtitan: its torchtitan model), the map of the save's GPT to that model
+        (:func:`osdpipe.layout.megatron_hf.model_map`), its weights being the fp32 masters (a save of the weights
+        alone: the weights), each param group's ``step`` each parameter's, Megatron's scheduler keys left out."""
         if written_as in (None, self.name):
-            if files.optimizer_sharding(files.read_common(folder), folder) is None:
-                return None
-            return Part(str(folder), "megatron", MEGATRON_NAMES)
-        naming = TORCHTITAN if written_as == "torchtitan" else HF_NAMES
-        return Part(str(folder), "megatron", naming)
+            return None
+        from osdpipe.io.formats.mapped import ModelMap
+        from osdpipe.io.formats.megatron_source import MOMENTS, SCHEDULERS_KEYS
+        from osdpipe.layout import megatron_hf
+        from osdpipe.layout.kinds.megatron import FACTORY
+        from osdpipe.layout.kinds.megatron import Megatron as Kind
+        from osdpipe.layout.megatron import layout_args
+
+        folder = files.iteration_folder(path)
+        common = files.read_common(folder)
+        args, naming = common["args"], _naming(written_as)
+        if why := megatron_hf.refusal(args, titan=naming == megatron_hf.TORCHTITAN):
+            raise InputError(f"{folder}: {why}")
+        if files.optimizer_sharding(common, folder) is None:
+            states = {WEIGHTS: WEIGHTS}
+        else:
+            states = {WEIGHTS: Kind.master_state, **{m: m for m in MOMENTS}, "step": "step"}
+        try:
+            pieces = megatron_hf.model_map(args, megatron_hf.MEGATRON_NAMES, naming)
+        except ValueError as exc:
+            raise InputError(f"{folder}: {exc}") from None
+        return ModelMap(pieces, states, (FACTORY, {"args": layout_args(args)}),
+                        group_keys=(*SCHEDULERS_KEYS, "step"))
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
-        """Read for Megatron's own GPT, its weights (the model's items, by ranges:
-        :class:`~osdpipe.io.formats.megatron_reader.SavedWeights`); for another model's names, the fp32 masters from
-        the optimizer part's own reader: the save is read, and mapped, once."""
+        """The model's items, by ranges (:class:`SavedWeights`)."""
         from osdpipe.io.formats.megatron_reader import MegatronFiles, SavedState
-        from osdpipe.io.formats.megatron_source import MEGATRON_NAMES, MegatronReader, naming_of
 
-        if naming_of(tree) == MEGATRON_NAMES:
-            return SavedWeights(optimizer.files if isinstance(optimizer, SavedState) else MegatronFiles(path), tree)
-        reader = optimizer if isinstance(optimizer, MegatronReader) else MegatronReader(path)
-        return MegatronWeights(reader, tree)
+        return SavedWeights(optimizer.files if isinstance(optimizer, SavedState) else MegatronFiles(path), tree)
 
     def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
         """common.pt's plain entries (the iteration, the scheduler's state, the FLOPs so far), each leaf under its own
@@ -218,7 +214,8 @@ class Megatron(CheckpointLayout):
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
 
-        from osdpipe.io.formats.megatron_source import MEGATRON_NAMES, TORCHTITAN, naming_of
+        from osdpipe.io.formats.megatron_source import naming_of
+        from osdpipe.layout.megatron_hf import MEGATRON_NAMES, TORCHTITAN
 
         folder = files.iteration_folder(path)
         if naming_of(tree) == MEGATRON_NAMES:
@@ -228,7 +225,7 @@ class Megatron(CheckpointLayout):
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items()
                    if torch.is_tensor(v)}
         titan = naming_of(tree) == TORCHTITAN
-        _, config = self.model_from_files(str(folder), "torchtitan" if titan else None)
+        _, config = self.model_from_files(str(folder), "torchtitan" if titan else "pytorch")
         entries = [
             e if e.part in ("model", "optimizer") else Entry(e.name, "framework", e.where, e.size, e.tensors)
             for e in self.read(folder).entries if not e.name.startswith(files.COMMON)
@@ -585,3 +582,30 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
     if (why := files.refused_model(args, folder)) is not None:
         notes.append(why)
     return notes
+
+
+def _naming(written_as: str) -> str:
+    """The names of the model an output in the layout ``written_as`` holds a GPT as: torchtitan's, else the Hugging
+    Face model of its family (:data:`osdpipe.layout.megatron_hf.NAMINGS`)."""
+    from osdpipe.layout.megatron_hf import HF_NAMES, TORCHTITAN
+
+    return TORCHTITAN if written_as == TORCHTITAN else HF_NAMES
+
+
+def read_as(path: str, naming: str, reader: SourceReader, *, optimizer_only: bool = False) -> MappedReader:
+    """``reader`` (the save at ``path`` by its sharded keys) read as the model ``naming`` names
+    (:meth:`Megatron.model_map`); ``optimizer_only``: its optimizer's states alone, as its facts describe it."""
+    from dataclasses import replace
+
+    from osdpipe.io.formats.mapped import MappedReader
+    from osdpipe.layout.models import meta_model
+    from osdpipe.layout.tree import describe
+
+    layout = Megatron()
+    written_as = naming if naming == "torchtitan" else "pytorch"
+    mapping = layout.model_map(path, written_as)
+    assert mapping is not None, "a save read as another model's"
+    if optimizer_only:
+        mapping = replace(mapping, states={t: s for t, s in mapping.states.items() if t != WEIGHTS})
+    tree = describe(meta_model(*layout.model_from_files(path, written_as)))
+    return MappedReader(reader, mapping, {p.fqn: p.shape for p in tree.params})

@@ -35,6 +35,7 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 
 from osdpipe.core.compare import diff
+from osdpipe.io import torchfile
 from osdpipe.io.checkpoints.base import CarriedData, Carrying
 from osdpipe.io.digest import tensor_digests, tensor_sha256
 from osdpipe.io.formats import dcp_writer
@@ -228,10 +229,18 @@ def _key_blocks(
     for fqn in dict.fromkeys(run.param for run in key.runs):
         first, last, _ = chunk_bounds(rows_of(tree.param(fqn).shape), world_size, rank)
         for key_row, rows, offset in key_rows_within(key, fqn, first, last):
-            blocks.append((key_row, rows, None if weights is None else weights[fqn][offset : offset + rows].clone()))
+            blocks.append((key_row, rows, None if weights is None else _rows(weights[fqn], offset, rows)))
     blocks.sort(key=lambda b: b[0])
     local = None if weights is None else tuple(b[2] for b in blocks)
     return dcp_writer.RowShard(key.shape, tuple((b[0], b[1]) for b in blocks), getattr(torch, key.dtype), local)
+
+
+def _rows(weights: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Rows ``[first, first + count)`` of a rank's weights, as a tensor of their own: made as it is written where the
+    weights are (:func:`osdpipe.io.torchfile.part_of`)."""
+    row = prod(weights.shape[1:])
+    flat = torchfile.part_of(weights.reshape(-1), first * row, (first + count) * row)
+    return flat.view(count, *weights.shape[1:])
 
 
 def flattened(optimizer: dict[str, Any]) -> dict[str, Any]:

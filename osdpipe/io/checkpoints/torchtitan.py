@@ -90,6 +90,7 @@ class Torchtitan(CheckpointLayout):
     )
     saves_step = True
     needs_step = True
+    made_as_written = True
 
     def recognizes(self, path: Path) -> bool:
         """A DCP directory with a flattened ``optimizer`` or one of torchtitan's own

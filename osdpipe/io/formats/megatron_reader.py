@@ -254,10 +254,12 @@ _COMPARED = 1 << 22
 class SavedState:
     """A Megatron-LM save's optimizer as a :class:`~osdpipe.io.formats.base.SourceReader` keyed by the sharded keys:
     per key its fp32 master (``param``), ``exp_avg`` and ``exp_avg_sq`` (fp32, global shape) and its group's
-    ``step``; the param groups as saved, each listing its keys."""
+    ``step``; the param groups as saved, each listing its keys. ``compared``: its metadata says where a tied
+    embedding's copy holds state unequal to the first stage's (:attr:`MegatronFiles.notes`, which reads both); else it
+    reads no tensor (a description of the save: the config's look at it)."""
 
-    def __init__(self, files: MegatronFiles) -> None:
-        self.files = files
+    def __init__(self, files: MegatronFiles, *, compared: bool = True) -> None:
+        self.files, self.compared = files, compared
 
     def meta(self) -> SourceMeta:
         files = self.files
@@ -270,7 +272,8 @@ class SavedState:
             for key in group["params"]:
                 state[key] = {"step": torch.tensor(float(group["step"]), dtype=torch.float32)}
                 state[key].update({s: TensorRef(files.shapes[key], "float32") for s in OPTIMIZER_STATES})
-        return SourceMeta(state=state, param_groups=groups, state_dtype="float32", notes=list(files.notes))
+        notes = list(files.notes) if self.compared else []
+        return SourceMeta(state=state, param_groups=groups, state_dtype="float32", notes=notes)
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         return {(key, name): self.read_range(key, name, 0, math.prod(self.files.shapes[key])).reshape(

@@ -29,8 +29,8 @@ arguments, its ``RANK`` (``null`` in the command's own process) and every
 ranged request it made (``tests/cloud/test_s3_input.py``); ``OSDPIPE_TEST_SMALL_READ=<bytes>``
 lowers what a snapshot keeps (``remote_input.SMALL_READ``), so that a small
 model's items count as a large model's do.
-``OSDPIPE_TEST_RECORD_READS=<file>`` appends the key of every stored tensor a
-DCP checkpoint reads (``DcpCheckpoint.read_range``: a Megatron save's too), a
+``OSDPIPE_TEST_RECORD_READS=<file>`` appends the key and range of every stored tensor a
+DCP checkpoint reads (``DcpCheckpoint.read_parts``: a Megatron save's too), a
 line each (``tests/io/test_megatron_memory.py``).
 Without any of these variables this module does nothing, not even import torch.
 """
@@ -242,14 +242,15 @@ if os.environ.get("OSDPIPE_TEST_SMALL_READ"):
 def _record_reads(log: str) -> None:
     from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 
-    real = DcpCheckpoint.read_range
+    def recorded(real):
+        def read(self, flat, start, stop):
+            with open(log, "a") as f:
+                f.write(f"{flat} {start} {stop}\n")
+            return real(self, flat, start, stop)
 
-    def read_range(self, flat, start, stop):
-        with open(log, "a") as f:
-            f.write(f"{flat}\n")
-        return real(self, flat, start, stop)
+        return read
 
-    DcpCheckpoint.read_range = read_range
+    DcpCheckpoint.read_parts = recorded(DcpCheckpoint.read_parts)  # read_range reads through it
 
 
 if os.environ.get("OSDPIPE_TEST_RECORD_READS"):
