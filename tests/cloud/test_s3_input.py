@@ -268,9 +268,10 @@ def test_an_element_converted_wrong_from_the_local_copy_is_named(converted, tmp_
     written."""
     _, root, _ = converted
     error = _misfilled(str(root / "src" / "dcp"), tmp_path)
-    # the first element of the batch holding it (wrong by one): where target rank 1's range of the parameter starts,
-    # its element 9 (6 x 6, two rows in each of source ranks 0 to 2: the range [9, 36) spans their three chunks)
-    assert "rank 1: _flat_param.exp_avg: differs from blocks.1.wq.weight[9] (flat)" in error, error
+    # the first element of the batch holding it (wrong by one): where target rank 1's rows of the parameter start (the
+    # target is the source's FSDP2: 6 x 6, rows 3 to 5 its; the source's ranks hold two rows each, so the range
+    # [18, 36) spans two of their chunks)
+    assert "rank 1: blocks.1.wq.weight.exp_avg: differs from blocks.1.wq.weight[18] (flat)" in error, error
 
 
 def test_a_command_reads_its_input_as_one_snapshot(converted) -> None:

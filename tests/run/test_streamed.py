@@ -140,7 +140,8 @@ def test_a_rank_made_as_it_is_written_holds_the_budget_not_its_output(wide_sourc
     written, far less."""
     budget = 4 << 20
     common = ["model.factory=usermodel:make", f"model.kwargs.dim={WIDE}", f"input.path={wide_source}",
-              "input.format=fsdp_full", "source.world_size=1", "target.world_size=2", "target.use_orig_params=true",
+              "input.format=fsdp_full", "source.world_size=1", "target.kind=fsdp1", "target.world_size=2",
+              "target.use_orig_params=true",
               "runtime.mode=offline", f"runtime.memory_budget={budget}"]  # fmt: skip
     cases = {
         "streamed": [*common, "pipeline.checks=[roundtrip]"],
@@ -254,7 +255,8 @@ def test_a_rank_that_must_hold_its_output_says_why_once(wide_source: Path, tmp_p
     and one warning names the checks and the way out."""
     out = tmp_path / "out"
     args = ["model.factory=usermodel:make", f"model.kwargs.dim={WIDE}", f"input.path={wide_source}",
-            "input.format=fsdp_full", "source.world_size=1", "target.world_size=2", "target.use_orig_params=true",
+            "input.format=fsdp_full", "source.world_size=1", "target.kind=fsdp1", "target.world_size=2",
+              "target.use_orig_params=true",
             "runtime.mode=offline", "runtime.memory_budget=4MB", f"output.path={out}"]  # fmt: skip
     (result,) = run_cli_cases([args], cwd=tmp_path, per_case_s=TIMEOUT_S, env=user_env())
     assert result["code"] == 0, result["stderr"]
