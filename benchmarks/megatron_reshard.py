@@ -17,8 +17,11 @@ tests/frameworks/mcore.py's harness). Then, alternating in every repeat:
   commits): reading and writing the same bytes once.
 
 Then once each: ``runtime.workers=2`` (two processes, a target rank each: the same bytes, compared file by file),
-and the default checks (``roundtrip`` and ``resume``: a rank's output held for the steps). Each row gives the median
-seconds, the ratio to the limit and the peak RSS of the largest process (report.json's ``memory``).
+the default checks (``roundtrip`` and ``resume``: a rank's output held for the steps), and through the model map, in
+the same budget: a Hugging Face folder (``output.checkpoint=hf``: the fp32 masters as ``LlamaForCausalLM``'s weights)
+and a torchtitan step folder for 2 FSDP2 ranks (``output.checkpoint=torchtitan``: llama3, optimizer included). Each
+row gives the median seconds, the ratio to the limit and the peak RSS of the largest process (report.json's
+``memory``).
 """
 
 from __future__ import annotations
@@ -51,10 +54,14 @@ def make_source(work: Path) -> Path:
     return out
 
 
+#: The target grid of the main rows: TP1 PP1 DP2.
+GRID = ("target.tp_size=1", "target.world_size=2")
+
+
 def osdpipe(source: Path, out: Path, *extra: str) -> tuple[float, float, dict]:
     """Seconds of the command in a fresh process, the largest process's peak RSS in GB, and its report."""
-    cmd = [sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={source}", "target.tp_size=1",
-           "target.world_size=2", f"output.path={out}", "runtime.progress=false", *extra]
+    cmd = [sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={source}", f"output.path={out}",
+           "runtime.progress=false", *extra]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -100,13 +107,16 @@ def main() -> int:
             out = work / f"out_{path}"
             shutil.rmtree(out, ignore_errors=True)
             if path == "osdpipe":
-                seconds, peak, _ = osdpipe(source, out, *budget)
+                seconds, peak, _ = osdpipe(source, out, *GRID, *budget)
                 rows[path].append((seconds, peak))
             else:
                 rows[path].append((dd(source, out), None))
     kept = work / "out_osdpipe"
-    once = {"osdpipe runtime.workers=2": ("runtime.workers=2", *budget),
-            "osdpipe, default checks (roundtrip, resume)": ("runtime.memory_budget=" + BUDGET,)}
+    once = {"osdpipe runtime.workers=2": (*GRID, "runtime.workers=2", *budget),
+            "osdpipe, default checks (roundtrip, resume)": (*GRID, "runtime.memory_budget=" + BUDGET),
+            "osdpipe -> Hugging Face folder (map)": ("output.checkpoint=hf", *budget),
+            "osdpipe -> torchtitan step folder, FSDP2 x2 (map)": (
+                "output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2", *budget)}
     same = None
     for name, extra in once.items():
         out = work / f"out_{len(rows)}"
@@ -115,13 +125,13 @@ def main() -> int:
         rows[name] = [(seconds, peak)]
         if "workers" in name:
             same = same_files(kept, out)
-        else:
-            checks = {c["name"]: c["ok"] for c in report["checks"]}
-            print(f"default checks: {checks}, memory_budget recorded: {report['memory_budget']}")
+        checks = {c["name"]: c["ok"] for c in report["checks"]}
+        print(f"{name}: checks {checks}, memory_budget recorded: {report['memory_budget']}")
         shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(work / "out_limit", ignore_errors=True)
     limit = statistics.median(s for s, _ in rows["limit"])
-    print(f"\nTP2 DP1 -> TP1 DP2, runtime.memory_budget={BUDGET}; median of {opts.repeats} (alternating) or one run")
+    print(f"\nTP2 DP1 -> TP1 DP2 (and through the map), runtime.memory_budget={BUDGET}; median of {opts.repeats} "
+          "(alternating) or one run")
     print("| path | runs | median s | min s | max s | x limit | peak RSS GB (largest process) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for path, got in rows.items():

@@ -43,7 +43,7 @@ from typing import Any
 
 # the stages' products (CheckResult: what verify's checks give); it imports no torch
 from osdpipe.run.products import CheckResult, Keyed, Tally
-from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages  # it imports nothing heavy
+from osdpipe.spec.megatron import HF, by_megatron_stages  # it imports nothing heavy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MEGATRON_NOT_LOADED = (
@@ -438,35 +438,20 @@ def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, An
 
 
 def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
-    """A conversion by Megatron's own stages (``raw``: its config), checked: its source read whole, the output read
-    back by the same reader a tensor at a time and held against it bit for bit
-    (:func:`osdpipe.verify.megatron.written_problems`)."""
-    # torch: not on check --help's path
-    from osdpipe.io.formats.megatron import MASTERS, read_save
-    from osdpipe.pipeline.megatron import hf_dtype, hf_folder_problems
-    from osdpipe.verify.megatron import written_problems
-
+    """A conversion of a Hugging Face model into a Megatron-LM save, by its own stages (``raw``: its config), checked:
+    its source read again and mapped, the save read back a tensor at a time and held against it bit for bit."""
     source = raw["input"]["path"]
     if (raw.get("checkpoint") or {}).get("layout") == HF:  # from a Hugging Face model folder: the weights alone
         from osdpipe.pipeline.hf_folder_to_megatron import check_problems as folder_problems
 
         problems = folder_problems(raw, directory)
         proved = "every weight equals the Hugging Face folder's, mapped to Megatron's GPT"
-    elif raw["output"].get("checkpoint") == MEGATRON:  # from a Hugging Face Llama's checkpoint
+    else:  # from a Hugging Face model's checkpoint
         from osdpipe.pipeline.hf_to_megatron import check_problems
 
         problems = check_problems(raw, directory)
         proved = ("every weight, fp32 master and moment, the step and the param groups equal the source's, "
                   "mapped to Megatron's GPT")
-    elif raw["output"].get("checkpoint") == HF:  # a Hugging Face folder of the fp32 masters
-        masters = read_save(source, weights=False, states=MASTERS)  # the folder holds them alone
-        problems = hf_folder_problems(masters, directory, raw["output"].get("dtype") or hf_dtype(masters))
-        proved = ("every fp32 master weight, mapped back from the Hugging Face model, equals the source's; "
-                  "config.json is the one the save makes")
-    else:
-        problems = written_problems(read_save(source), directory)
-        proved = ("every weight, fp32 master and moment, the param groups, step, iteration and scheduler equal the "
-                  "source's")
     detail = "; ".join(problems[:5]) or f"{proved}, bitwise ({source})"
     return CheckResult("roundtrip", not problems, detail)
 

@@ -116,8 +116,9 @@ def summarize(report: Report, output: str) -> str:
         ranks = f" ({per_rank} describe one rank of the world that saved it)" if per_rank else ""
         left = sum(1 for e in report.entries if e["part"] == "other" and e["fate"].startswith("left out"))
         carried = f"{counts['other'] - left} other(s) carried over unchanged" + (f", {left} left out" if left else "")
+        converted = Counter(e["part"] for e in report.entries if e["fate"].startswith("converted"))
         lines.append(
-            f"  entries    {counts['model']} of the model and {counts['optimizer']} of the optimizer converted, "
+            f"  entries    {converted['model']} of the model and {converted['optimizer']} of the optimizer converted, "
             f"{carried}{ranks}; report.json lists each"
         )
     if report.memory:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from osdpipe.io import torchfile
 from osdpipe.io.digest import HashingFile
 
 SINGLE_FILE = "model.safetensors"
@@ -319,6 +320,13 @@ def _write_tensor(out: HashingFile, spec: TensorSpec, file_name: str, value: Any
             f"tensor {spec.name!r} (file {file_name}): layout {value.layout} is not dense; "
             "safetensors stores dense tensors"
         )
+    windows = torchfile.windows_of(value)
+    if windows is not None:  # made as it is written (osdpipe.run.streamed_output): its bytes a window at a time
+        written = 0
+        for window in windows:
+            out.write(window)
+            written += len(window)
+        return written
     # contiguous() alone would keep a lazy conjugate or negative view's bit and
     # write the un-negated bytes; resolve them first (both are no-ops otherwise).
     value = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()

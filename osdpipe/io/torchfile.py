@@ -370,6 +370,20 @@ def filled_as_written(filler: Filler) -> Iterator[None]:
         _FILLER.reset(token)
 
 
+def windows_of(tensor: torch.Tensor) -> Iterator[memoryview] | None:
+    """The bytes of ``tensor``, a window at a time, where it is a whole storage of the filler in effect
+    (:func:`filled_as_written`): a writer of another format (safetensors) writes it as a ``torch.save`` record is
+    written; ``None``: it holds its bytes itself."""
+    filler = _FILLER.get()
+    storage = tensor.untyped_storage()
+    if filler is None or not filler.fills(storage):
+        return None
+    if tensor.storage_offset() != 0 or not tensor.is_contiguous() or tensor.nbytes != storage.nbytes():
+        raise ValueError(f"a part of a tensor made as it is written ({tuple(tensor.shape)}), written alone: write the "
+                         "whole tensor, or take the part with part_of")
+    return filler.windows(storage)
+
+
 def part_of(flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flat tensor ``flat``, to be written as a record of its own (the rows of a
     parameter a state-dict hook saves under another key: torchtitan's ``wqkv`` as ``wq``, ``wk``, ``wv``): where

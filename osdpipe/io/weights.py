@@ -336,19 +336,20 @@ def model_state_dict(
 
 def open_whole(
     layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any, written_as: str | None = None,
-    described: bool = False,
+    described: bool = False, dtype: str | None = None,
 ) -> WholeReader | MappedReader:
     """A reader of the whole checkpoint at ``path`` laid out as ``layout``
     (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says, for an output of layout ``written_as`` (its
     optimizer part is read for that layout's job: :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.optimizer_part`);
-    ``described``: for its metadata alone (:meth:`osdpipe.io.formats.base.Format.describe`).
+    ``described``: for its metadata alone (:meth:`osdpipe.io.formats.base.Format.describe`); ``dtype``: the weights'
+    in the output (``output.dtype``), where another framework's model is read through a map that casts them.
 
     Raises:
         InputError: naming the part of the checkpoint that is missing or damaged.
     """
     from osdpipe.io.formats import open_source  # the formats package imports this module's base: imported where used
 
-    mapping = layout.model_map(path, written_as)
+    mapping = layout.model_map(path, written_as, dtype)
     own = tree if mapping is None else _tree_of(*mapping.model)
     part = layout.optimizer_part(path, input_format, written_as)
     optimizer = (

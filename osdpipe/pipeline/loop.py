@@ -260,7 +260,8 @@ def _carried(played: Played) -> WholeSource | None:
 def _entries(played: Played) -> list[dict[str, Any]]:
     """A whole checkpoint's every entry and what became of it (none for an optimizer's alone)."""
     carried = _carried(played)
-    return [] if carried is None else fates(played.ctx.plan.output_checkpoint.adopt(carried.carrying))
+    written = played.ctx.plan.output_checkpoint
+    return [] if carried is None else fates(written.adopt(carried.carrying), written.weights_alone)
 
 
 def combine(per_rank: list[list[CheckResult]]) -> list[CheckResult]:

@@ -346,7 +346,7 @@ class InputConfig(_Frozen):
     """
 
     path: str | None = None
-    format: Literal["fsdp_full", "dcp", "plain", "rank_local", "deepspeed", "megatron"] = "fsdp_full"
+    format: Literal["fsdp_full", "dcp", "plain", "rank_local", "deepspeed", "megatron", "safetensors"] = "fsdp_full"
     key: str = "optim"
     param_groups: list[list[str]] | None = None
     allow_nonfinite: bool = False  # convert NaN/Inf in the source as they are (with a warning) instead of failing
@@ -388,7 +388,7 @@ class OutputConfig(_Frozen):
     """
 
     path: str
-    format: Literal["rank_local", "fsdp_full", "dcp", "plain", "megatron"] = "rank_local"
+    format: Literal["rank_local", "fsdp_full", "dcp", "plain", "megatron", "safetensors"] = "rank_local"
     checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf", "megatron"] | None = None
     key: str = "optim"
     overwrite: bool = False

@@ -36,7 +36,7 @@ def by_megatron_stages(layout: str, written_as: str | None) -> bool:
     stages (:mod:`osdpipe.pipeline.megatron`): a Megatron-LM save to a Hugging Face folder, and another framework's
     checkpoint or a Hugging Face folder to a Megatron-LM save. A Megatron save to another Megatron grid, or for a
     PyTorch job's layout, goes through the stage loop."""
-    return (layout == MEGATRON and written_as == HF) or (written_as == MEGATRON and layout != MEGATRON)
+    return written_as == MEGATRON and layout != MEGATRON
 
 
 def megatron_problem(spec: Any) -> str | None:
@@ -94,6 +94,11 @@ def megatron_problem(spec: Any) -> str | None:
                 "fsdp1, ddp or none) and target.world_size, the job that resumes it"
             )
         return None  # the range pipeline's rules apply (osdpipe.io.formats.megatron_source reads the save)
+    if output.checkpoint == HF:  # one process's model: the recipe's Megatron target becomes it (reconcile)
+        if target.kind not in (MEGATRON, "none", None) or (target.kind == "none" and target.world_size != 1):
+            return (f"output.checkpoint=hf writes one process's model: leave target.kind and target.world_size out "
+                    f"(not target.kind={target.kind} target.world_size={target.world_size})")
+        return None  # the range pipeline's rules apply, the weights read through the map
     if target.kind != MEGATRON:
         return (
             f"checkpoint=megatron with target.kind={target.kind}: a Megatron-LM save converts to another Megatron grid "

@@ -149,6 +149,10 @@ def _from_files(raw: dict[str, Any], given: Given, path: str) -> tuple[list[str]
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
         writer = checkpoints.written(layout.name, _get(raw, "output.checkpoint"))
+        if writer.weights_alone:  # a model folder is one process's model
+            for key, value in (("target.kind", "none"), ("target.world_size", 1)):
+                if key not in given:
+                    _set(raw, key, value)
         if "model.factory" not in given and (named := _model_from_files(layout, path, writer.name)) is not None:
             _set(raw, "model.factory", named[0])
             _set(raw, "model.kwargs", named[1])

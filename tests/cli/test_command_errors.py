@@ -336,7 +336,7 @@ def test_megatrons_one_process_stages_into_object_storage_under_torchrun_are_ref
     save.mkdir()
     run = tmp_path / "run"
     run.mkdir()
-    result = run_osdpipe("checkpoint=megatron", f"input.path={save}", "output.checkpoint=hf",
+    result = run_osdpipe("checkpoint=accelerate", f"input.path={save}", "output.checkpoint=megatron",
                          "runtime.launcher=torchrun", "output.path=s3://bucket/out", cwd=run, timeout=60)  # fmt: skip
     assert_one_line_error(
         result, 2, "output.path='s3://bucket/out': Megatron's stages convert in one process, not under torchrun"

@@ -475,7 +475,7 @@ def test_output_checkpoint_hf_writes_the_fp32_masters_as_a_hugging_face_folder_t
     assert not torch.equal(source.model["output_layer.weight"], source.optim["output_layer.weight"]["param"])
     report = json.loads((out / "report.json").read_text())
     detail = report["checks"][0]["detail"]
-    assert report["ok"] and "mapped to Hugging Face's LlamaForCausalLM and back, bitwise" in detail
+    assert report["ok"] and report["checks"][0]["name"] == "roundtrip" and "bitwise" in detail
     checked = run_osdpipe("check", str(out), cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 

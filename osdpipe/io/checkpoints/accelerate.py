@@ -275,6 +275,7 @@ class Accelerate(CheckpointLayout):
         shared: dict[str, Any],
         fmt: Format,
         target: LayoutSpec | None = None,
+        output_config: Any = None,
     ) -> RankFiles:
         """A rank file (``rank_local``); the two full files, on rank 0 (``fsdp_full``: FULL_STATE_DICT); or this rank's
         pieces of the folder's two DCP directories (``dcp``: SHARDED_STATE_DICT)."""

@@ -211,6 +211,12 @@ class CheckpointLayout:
     #: as it is written under ``runtime.memory_budget`` (:mod:`osdpipe.run.streamed_output`); else the whole
     #: checkpoint's model and optimizer are put together in memory first.
     made_as_written: ClassVar[bool] = False
+    #: The names a GPT's parameters have in this layout's job (one of :data:`osdpipe.layout.megatron_hf.NAMINGS`):
+    #: its Hugging Face model's (a PyTorch job's, accelerate's, a model folder's), torchtitan's, or Megatron's own. A
+    #: checkpoint converts to a layout of other names through a map (:meth:`model_map`).
+    gpt_names: ClassVar[str] = "hf"
+    #: Whether this layout holds a model's weights alone, never an optimizer (a Hugging Face model folder).
+    weights_alone: ClassVar[bool] = False
     #: What ``osdpipe inspect``'s printed command leaves to fill in besides the target's world and the output's place
     #: (Megatron's grid: ``target.tp_size=T``).
     target_placeholders: ClassVar[tuple[str, ...]] = ()
@@ -328,11 +334,11 @@ class CheckpointLayout:
         reader's ``key`` names whose)."""
         raise NotImplementedError
 
-    def model_map(self, path: str, written_as: str | None = None) -> ModelMap | None:
+    def model_map(self, path: str, written_as: str | None = None, dtype: str | None = None) -> ModelMap | None:
         """How the model of the checkpoint at ``path`` becomes the model an output in the layout ``written_as`` holds,
         where that is another framework's model of the same network (a Megatron GPT as its Hugging Face model): the
         map the source is read through (:mod:`osdpipe.io.formats.mapped`); ``None``: the same model, read by its own
-        names."""
+        names. ``dtype``: the weights' in the output, where the config says one (``output.dtype``)."""
         return None
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
@@ -362,9 +368,11 @@ class CheckpointLayout:
         shared: dict[str, Any],
         fmt: Format,
         target: LayoutSpec | None = None,
+        output_config: Any = None,
     ) -> RankFiles:
         """Write target rank ``rank``'s part of the output into ``staging``
-        (``parts``: :class:`osdpipe.io.checkpoints.output.RankParts`), for a target job laid out as ``target``."""
+        (``parts``: :class:`osdpipe.io.checkpoints.output.RankParts`), for a target job laid out as ``target``;
+        ``output_config``: the config's ``output`` section (how its files are cut: ``max_shard_size``)."""
         raise NotImplementedError
 
     def finish(
@@ -421,9 +429,10 @@ class CheckpointLayout:
         raise NotImplementedError
 
 
-def fates(carrying: Carrying) -> list[dict[str, Any]]:
+def fates(carrying: Carrying, weights_alone: bool = False) -> list[dict[str, Any]]:
     """What a conversion did with each entry of a whole checkpoint, as ``report.json`` lists them:
-    nothing in it goes unnamed (``carrying``: as the layout written adopted it).
+    nothing in it goes unnamed (``carrying``: as the layout written adopted it; ``weights_alone``: written as a model's
+    weights alone, the optimizer left out).
 
     Each is ``{"name", "part", "where", "size", "fate"}``; an entry that
     describes one rank of the world that saved it also has ``source_rank``.
@@ -435,6 +444,8 @@ def fates(carrying: Carrying) -> list[dict[str, Any]]:
             "left out: it describes how the saving framework laid out its own files, which the output does not have"
         ),
     }
+    if weights_alone:
+        said["optimizer"] = "left out: the output holds the model's weights alone"
     if carrying.under is not None:
         said["other"] = (
             f"carried over unchanged, under {carrying.under!r}: "

@@ -1,10 +1,14 @@
-"""A Hugging Face model folder, as ``osdpipe inspect`` names it and ``checkpoint=hf`` reads it.
+"""A Hugging Face model folder, as ``osdpipe inspect`` names it, ``checkpoint=hf`` reads it and ``output.checkpoint=hf``
+writes it.
 
 What ``save_pretrained`` writes (and the Hub serves): ``config.json`` and ``model.safetensors``, or the shards its
 ``model.safetensors.index.json`` names, beside a tokenizer's files and ``generation_config.json``. It holds the model
 alone. It converts by Megatron's own stages to a Megatron-LM ``release`` save of its weights
 (:mod:`osdpipe.pipeline.hf_folder_to_megatron`); this layout names its entries and the model its ``config.json``
-describes.
+describes. Written (a Megatron save's weights, read through the map to its Hugging Face model:
+:meth:`osdpipe.io.checkpoints.megatron.Megatron.model_map`), it is one process's model: the weights in the model's
+``named_parameters()`` order, each made as it is written, the ``config.json`` (and ``generation_config.json``) the
+source's layout made for it.
 
 It is recognized last, and only without a training run's files beside the weights: the HF Trainer's
 ``checkpoint-<N>`` holds the same ``config.json`` and safetensors with its optimizer, and is accelerate's layout.
@@ -12,14 +16,20 @@ It is recognized last, and only without a training run's files beside the weight
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from osdpipe.io import hf_folder
-from osdpipe.io.checkpoints.base import CheckpointLayout, Entry, ModelNaming, WholeCheckpoint, register
+from osdpipe.io.checkpoints.base import Carrying, CheckpointLayout, Entry, ModelNaming, WholeCheckpoint, register
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.hf_folder import CONFIG
 from osdpipe.io.safetensors_out import INDEX_FILE
+
+if TYPE_CHECKING:  # annotations only: writing imports torch
+    import torch
+
+    from osdpipe.layout.tree import ModuleTree
 
 #: Files of a training run beside a model's weights (the HF Trainer's, accelerate's): such a folder is no model folder.
 TRAINING_FILES = ("optimizer.pt", "optimizer.bin", "trainer_state.json", "scheduler.pt", "optimizer_0",
@@ -32,7 +42,9 @@ class HuggingFaceFolder(CheckpointLayout):
     looks_like = "a Hugging Face model folder (config.json and model.safetensors, or its shards and their index)"
     whole = True
     input_formats: ClassVar[tuple[str, ...]] = ()
-    output_formats: ClassVar[tuple[str, ...]] = ("dcp",)
+    output_formats: ClassVar[tuple[str, ...]] = ("safetensors",)
+    weights_alone = True
+    made_as_written = True
     target_placeholders: ClassVar[tuple[str, ...]] = ("target.tp_size=T", "target.pp_size=P")
 
     def recognizes(self, path: Path) -> bool:
@@ -66,6 +78,75 @@ class HuggingFaceFolder(CheckpointLayout):
             entries.append(Entry(file.name, "model" if file.name in (CONFIG, INDEX_FILE) else "other", file.name,
                                  file.stat().st_size))
         return WholeCheckpoint(self.name, str(path), tuple(entries), notes=tuple(_notes(config)))
+
+    def write(
+        self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any],
+        fmt: Any, target: Any = None, output_config: Any = None,
+    ) -> Any:
+        """The folder, on rank 0 (it is one process's model): every weight of :func:`weights_of`, in files of at most
+        ``output.max_shard_size`` bytes, and the files the source's layout made for it (:func:`made_files`)."""
+        from osdpipe.io.formats.base import RankFiles
+        from osdpipe.io.safetensors_out import TensorSpec, write_safetensors
+
+        if world_size != 1:
+            raise ValueError(f"a Hugging Face folder is one process's model: set target.world_size=1, not {world_size}")
+        weights = weights_of(parts.weights, tree)
+        specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in weights.items()]
+        shard = getattr(output_config, "max_shard_size", None)
+        digests = write_safetensors(staging, specs, lambda spec: weights[spec.name], max_shard_size=shard)
+        for name, data in made_files(parts.carrying, weights).items():
+            (staging / name).write_bytes(data)
+            digests[name] = _sha256(data)
+        return RankFiles(digests, {}, None)
+
+    def finish(
+        self, staging: Path, shared: dict[str, Any], per_rank: list[Any], fmt: Any, carrying: Carrying,
+        target: Any = None,
+    ) -> dict[str, str]:
+        """Nothing: rank 0 wrote the folder whole."""
+        return {}
+
+    def differences(
+        self, directory: Path, parts: Any, rank: int, *, world_size: int, tree: ModuleTree, fmt: Any,
+        opened: dict[str, Any], target: Any = None,
+    ) -> list[str]:
+        """Each weight of the folder read back that is not the one written, bitwise, and each file the source's layout
+        made that is not as made."""
+        from osdpipe.core.compare import bits_equal
+
+        weights = weights_of(parts.weights, tree)
+        back = hf_folder.read_weights(directory)
+        problems = [f"{directory}: {name} is not what was written (bitwise)" for name, want in weights.items()
+                    if name not in back or not bits_equal(back[name], want)]
+        for name, data in made_files(parts.carrying, weights).items():
+            if not (directory / name).is_file() or (directory / name).read_bytes() != data:
+                problems.append(f"{directory / name} is not what osdpipe made of {parts.carrying.source}")
+        return problems
+
+
+def weights_of(weights: dict[str, torch.Tensor], tree: ModuleTree) -> dict[str, torch.Tensor]:
+    """A rank's whole weights (by canonical name) as a folder holds them: each parameter under its first name, in the
+    model's ``state_dict()`` order; a tied weight's other names are left out, as ``save_pretrained`` leaves them."""
+    return {name: weights[name] for name in tree.state_names if (p := tree.resolve(name)) is not None
+            and p.fqn == name and name in weights}
+
+
+def made_files(carrying: Carrying, weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """The files the source's layout made for the folder (:attr:`~osdpipe.io.checkpoints.base.Carrying.made`),
+    ``config.json`` saying the dtype the weights are written in (transformers 5's ``dtype``, 4's ``torch_dtype``)."""
+    out = dict(carrying.made)
+    if CONFIG in out and weights:
+        config = json.loads(out[CONFIG])
+        dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+        config.update({k: dtype for k in ("dtype", "torch_dtype")})
+        out[CONFIG] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    return out
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
 
 
 def kind_of(entry: Entry) -> str:

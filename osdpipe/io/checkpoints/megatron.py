@@ -23,6 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from osdpipe.io import checkpoints, hf_folder
 from osdpipe.io.checkpoints.base import (
     DCP_DIR,
     CarriedData,
@@ -100,6 +101,7 @@ class Megatron(CheckpointLayout):
     input_formats: ClassVar[tuple[str, ...]] = ("megatron",)
     output_formats: ClassVar[tuple[str, ...]] = ("megatron",)
     made_as_written = True
+    gpt_names = "megatron"
     written_as = None
     saves_step = True
     needs_step = False
@@ -146,9 +148,10 @@ class Megatron(CheckpointLayout):
 
         folder = files.iteration_folder(path)
         args = files.read_common(folder)["args"]
-        if written_as in (None, self.name):
+        naming = _names_in(written_as)
+        if naming == megatron_hf.MEGATRON_NAMES:
             return FACTORY, {"args": layout_args(args)}
-        titan = written_as == "torchtitan"
+        titan = naming == megatron_hf.TORCHTITAN
         if why := megatron_hf.refusal(args, titan=titan):
             raise ModelRefused(f"{folder}: {why}")
         vocab = megatron_hf.true_vocab_size(args)
@@ -163,20 +166,29 @@ class Megatron(CheckpointLayout):
         """The iteration folder; its ``key`` names the model an output in the layout ``written_as`` reads it as
         (its facts name the param groups' parameters so: :meth:`model_map`); ``None`` where the save holds the
         weights alone (a model-only checkpoint, which converts to one)."""
-        from osdpipe.layout.megatron_hf import MEGATRON_NAMES
-
         folder = files.iteration_folder(path)
         if files.optimizer_sharding(files.read_common(folder), folder) is None:
             return None
-        return Part(str(folder), "megatron", MEGATRON_NAMES if written_as in (None, self.name) else _naming(written_as))
+        return Part(str(folder), "megatron", _names_in(written_as))
 
-    def model_map(self, path: str, written_as: str | None = None) -> ModelMap | None:
-        """For a PyTorch job (``written_as`` pytorch, accelerate, hf: the Hugging Face model of the GPT's family;
-        torchtitan: its torchtitan model), the map of the save's GPT to that model
-        (:func:`osdpipe.layout.megatron_hf.model_map`), its weights being the fp32 masters (a save of the weights
-        alone: the weights), each param group's ``step`` each parameter's, Megatron's scheduler keys left out."""
-        if written_as in (None, self.name):
+    def model_map(self, path: str, written_as: str | None = None, dtype: str | None = None) -> ModelMap | None:
+        """For a PyTorch job (an output whose layout names a GPT as its Hugging Face model, or as torchtitan's:
+        :attr:`~osdpipe.io.checkpoints.base.CheckpointLayout.gpt_names`), the map of the save's GPT to that model
+        (:meth:`map_to`)."""
+        names = _names_in(written_as)
+        if names == self.gpt_names:
             return None
+        return self.map_to(path, names, weights_alone=checkpoints.get(written_as).weights_alone, dtype=dtype)
+
+    def map_to(self, path: str, naming: str, *, weights_alone: bool = False, dtype: str | None = None) -> ModelMap:
+        """The map of the save's GPT to the model ``naming`` names (:func:`osdpipe.layout.megatron_hf.model_map`),
+        its weights being the fp32 masters (a save of the weights alone: the weights), each param group's ``step``
+        each parameter's, Megatron's scheduler keys left out; ``weights_alone`` (a Hugging Face folder): the same
+        weights alone, in ``dtype`` (default :func:`hf_dtype`).
+
+        Raises:
+            InputError: the GPT is one the model cannot express (its refusals), or its args are not Megatron-LM's.
+        """
         from osdpipe.io.formats.mapped import ModelMap
         from osdpipe.io.formats.megatron_source import MOMENTS, SCHEDULERS_KEYS
         from osdpipe.layout import megatron_hf
@@ -186,19 +198,20 @@ class Megatron(CheckpointLayout):
 
         folder = files.iteration_folder(path)
         common = files.read_common(folder)
-        args, naming = common["args"], _naming(written_as)
+        args = common["args"]
         if why := megatron_hf.refusal(args, titan=naming == megatron_hf.TORCHTITAN):
             raise InputError(f"{folder}: {why}")
-        if files.optimizer_sharding(common, folder) is None:
-            states = {WEIGHTS: WEIGHTS}
-        else:
-            states = {WEIGHTS: Kind.master_state, **{m: m for m in MOMENTS}, "step": "step"}
+        saved_alone = files.optimizer_sharding(common, folder) is None
+        weights = {WEIGHTS: WEIGHTS if saved_alone else Kind.master_state}
         try:
             pieces = megatron_hf.model_map(args, megatron_hf.MEGATRON_NAMES, naming)
         except ValueError as exc:
             raise InputError(f"{folder}: {exc}") from None
-        return ModelMap(pieces, states, (FACTORY, {"args": layout_args(args)}),
-                        group_keys=(*SCHEDULERS_KEYS, "step"))
+        model = (FACTORY, {"args": layout_args(args)})
+        if weights_alone:
+            return ModelMap(pieces, weights, model, dtypes={WEIGHTS: dtype or hf_dtype(common)}, optimizer=False)
+        states = weights if saved_alone else {**weights, **{m: m for m in MOMENTS}, "step": "step"}
+        return ModelMap(pieces, states, model, group_keys=(*SCHEDULERS_KEYS, "step"))
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         """The model's items, by ranges (:class:`SavedWeights`)."""
@@ -226,6 +239,10 @@ class Megatron(CheckpointLayout):
                    if torch.is_tensor(v)}
         titan = naming_of(tree) == TORCHTITAN
         _, config = self.model_from_files(str(folder), "torchtitan" if titan else "pytorch")
+        record = None if titan else common.get(RECORD)
+        made = {MODEL_ARGS if titan else HF_CONFIG: _json(hf_folder.config_back(record, config))}
+        if record and record.get("generation_config") is not None:
+            made[hf_folder.GENERATION_CONFIG] = record["generation_config"].encode()
         entries = [
             e if e.part in ("model", "optimizer") else Entry(e.name, "framework", e.where, e.size, e.tensors)
             for e in self.read(folder).entries if not e.name.startswith(files.COMMON)
@@ -235,7 +252,7 @@ class Megatron(CheckpointLayout):
         return Carrying(
             str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), tuple(entries),
             layout=self.name, step=int(common.get("iteration", 0)),
-            made={MODEL_ARGS if titan else HF_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()},
+            made=made,
         )
 
     def _carried_for_megatron(self, folder: Path) -> Carrying:
@@ -263,6 +280,7 @@ class Megatron(CheckpointLayout):
         shared: dict[str, Any],
         fmt: Any,
         target: Any = None,
+        output_config: Any = None,
     ) -> Any:
         """Target rank ``rank``'s items of the save (:func:`osdpipe.io.formats.megatron_items.rank_items`: its chunks
         of the model and the optimizer, its (PP, TP) rank's byte items) into a file of its own of the iteration
@@ -584,17 +602,30 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
     return notes
 
 
-def _naming(written_as: str) -> str:
-    """The names of the model an output in the layout ``written_as`` holds a GPT as: torchtitan's, else the Hugging
-    Face model of its family (:data:`osdpipe.layout.megatron_hf.NAMINGS`)."""
-    from osdpipe.layout.megatron_hf import HF_NAMES, TORCHTITAN
+def hf_dtype(common: dict[str, Any]) -> str:
+    """The dtype of a Hugging Face folder made of a save (its ``common.pt``) where ``output.dtype`` says none: the
+    source's own. That of the folder the save was made of, as it recorded it
+    (:func:`osdpipe.io.hf_folder.recorded_dtype`); else the job's ``params_dtype`` (``args.bf16``: bfloat16,
+    ``args.fp16``: float16, else float32), the dtype its model computes in and ``from_pretrained`` loads."""
+    from osdpipe.layout.megatron import params_dtype
 
-    return TORCHTITAN if written_as == TORCHTITAN else HF_NAMES
+    return hf_folder.recorded_dtype(common.get(RECORD)) or params_dtype(common["args"])
+
+
+def _json(config: dict[str, Any]) -> bytes:
+    """A ``config.json``'s bytes, as osdpipe writes every one (sorted keys, indent 2)."""
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _names_in(written_as: str | None) -> str:
+    """The names a GPT's parameters have in an output in the layout ``written_as`` (``None``: a Megatron save's):
+    :attr:`~osdpipe.io.checkpoints.base.CheckpointLayout.gpt_names`."""
+    return checkpoints.get(written_as or Megatron.name).gpt_names
 
 
 def read_as(path: str, naming: str, reader: SourceReader, *, optimizer_only: bool = False) -> MappedReader:
     """``reader`` (the save at ``path`` by its sharded keys) read as the model ``naming`` names
-    (:meth:`Megatron.model_map`); ``optimizer_only``: its optimizer's states alone, as its facts describe it."""
+    (:meth:`Megatron.map_to`); ``optimizer_only``: its optimizer's states alone, as its facts describe it."""
     from dataclasses import replace
 
     from osdpipe.io.formats.mapped import MappedReader
@@ -602,10 +633,9 @@ def read_as(path: str, naming: str, reader: SourceReader, *, optimizer_only: boo
     from osdpipe.layout.tree import describe
 
     layout = Megatron()
-    written_as = naming if naming == "torchtitan" else "pytorch"
-    mapping = layout.model_map(path, written_as)
-    assert mapping is not None, "a save read as another model's"
+    mapping = layout.map_to(path, naming)
     if optimizer_only:
         mapping = replace(mapping, states={t: s for t, s in mapping.states.items() if t != WEIGHTS})
+    written_as = next(name for name, held in checkpoints.LAYOUTS.items() if held.gpt_names == naming)
     tree = describe(meta_model(*layout.model_from_files(path, written_as)))
     return MappedReader(reader, mapping, {p.fqn: p.shape for p in tree.params})

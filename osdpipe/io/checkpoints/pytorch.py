@@ -167,6 +167,7 @@ class Pytorch(CheckpointLayout):
         shared: dict[str, Any],
         fmt: Format,
         target: LayoutSpec | None = None,
+        output_config: Any = None,
     ) -> RankFiles:
         # torch.distributed.checkpoint: only where a whole checkpoint is written
         from osdpipe.io.checkpoints import output

@@ -91,6 +91,7 @@ class Torchtitan(CheckpointLayout):
     saves_step = True
     needs_step = True
     made_as_written = True
+    gpt_names = "torchtitan"
 
     def recognizes(self, path: Path) -> bool:
         """A DCP directory with a flattened ``optimizer`` or one of torchtitan's own
@@ -375,6 +376,7 @@ class Torchtitan(CheckpointLayout):
         shared: dict[str, Any],
         fmt: Format,
         target: LayoutSpec | None = None,
+        output_config: Any = None,
     ) -> RankFiles:
         """A rank file (``rank_local``), or this rank's pieces of one
         DCP directory laid out as torchtitan saves it (``dcp``)."""

@@ -44,6 +44,7 @@ from osdpipe.io.formats.meta import canonical_meta
 from osdpipe.io.formats.plain import Plain
 from osdpipe.io.formats.rank_local import RankLocal
 from osdpipe.io.formats.safe_load import first_line
+from osdpipe.io.formats.safetensors import Safetensors
 from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.tree import ModuleTree
 
@@ -55,7 +56,9 @@ __all__ = [
 
 
 #: Every format, by name: the only place that lists them.
-FORMATS: dict[str, Format] = {f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal(), DeepSpeed(), Megatron())}
+FORMATS: dict[str, Format] = {
+    f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal(), DeepSpeed(), Megatron(), Safetensors())
+}
 
 
 def get(name: str) -> Format:

@@ -282,6 +282,9 @@ class Format:
     #: Its files are written through :mod:`osdpipe.io.torchfile`, storage by storage, so a rank's output can be made as
     #: it is written (:mod:`osdpipe.run.streamed_output`), under ``runtime.memory_budget``.
     made_as_written: ClassVar[bool] = False
+    #: Its files hold a model's weights alone, no optimizer (a Hugging Face folder's safetensors): one process's model,
+    #: whatever kind of job loads it.
+    weights_alone: ClassVar[bool] = False
 
     def refuses_source(self, kind: Any) -> str | None:
         """Why a checkpoint in this format cannot come from a job of layout ``kind`` (``None``: it can);

@@ -38,6 +38,9 @@ class ModelMap:
         group_keys: the source's param-group keys the target's optimizer does not take (a Megatron scheduler's).
         model: the ``model.factory`` and ``model.kwargs`` of the checkpoint's own model, whose names the source's
             reader answers to.
+        dtypes: a target state -> the dtype it is written in where that is not the source's: its elements cast as
+            torch casts (round to nearest even), a Hugging Face folder's weights in the job's dtype.
+        optimizer: whether the target holds an optimizer (its param groups); ``False``: its weights alone.
     """
 
     pieces: Map
@@ -45,6 +48,8 @@ class ModelMap:
     model: tuple[str, dict[str, Any]]
     hidden: tuple[str, ...] = ()
     group_keys: tuple[str, ...] = field(default=())
+    dtypes: Mapping[str, str] = field(default_factory=dict)
+    optimizer: bool = True
 
 
 class MappedReader:
@@ -71,24 +76,27 @@ class MappedReader:
             held = inner.state.get(self.mapping.pieces[target][0].fqn)
             if held is None:  # a parameter the optimizer never stepped: no state of its own, weights aside
                 continue
-            state[target] = {t: self._described(target, held[s]) for t, s in listed.items() if s in held}
+            state[target] = {t: self._described(target, t, held[s]) for t, s in listed.items() if s in held}
         groups = None
-        if inner.param_groups is not None:
+        if inner.param_groups is not None and self.mapping.optimizer:
             groups = []
             for group in inner.param_groups:
                 members = set(group["params"])
                 kept = {k: v for k, v in group.items() if k not in self.mapping.group_keys}
                 groups.append({**kept, "params": [t for t in self.shapes
                                                   if self.mapping.pieces[t][0].fqn in members]})
+        # a cast (a folder's weights in the job's dtype) keeps them in another dtype than the model's parameters
+        kept = next(iter(self.mapping.dtypes.values()), None) if self.mapping.dtypes else inner.state_dtype
         return SourceMeta(state=state, param_groups=groups, extra=inner.extra, buffers=inner.buffers,
-                          carried=inner.carried, notes=inner.notes, state_dtype=inner.state_dtype)
+                          carried=inner.carried, notes=inner.notes, state_dtype=kept)
 
-    def _described(self, target: str, value: Any) -> Any:
-        """A source state's description as the target parameter's: its shape, the source's dtype."""
-        if isinstance(value, TensorRef):
-            return TensorRef(self.shapes[target], value.dtype)
+    def _described(self, target: str, name: str, value: Any) -> Any:
+        """A source state's description as state ``name`` of the target parameter ``target``: its shape, the source's
+        dtype or the one it is cast to."""
         if torch.is_tensor(value) and value.dim() > 0:
-            return TensorRef(self.shapes[target], str(value.dtype).removeprefix("torch."))
+            value = TensorRef(tuple(value.shape), str(value.dtype).removeprefix("torch."))
+        if isinstance(value, TensorRef):
+            return TensorRef(self.shapes[target], self.mapping.dtypes.get(name, value.dtype))
         return value
 
     def read(self, items: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
@@ -122,6 +130,9 @@ class MappedReader:
                 at = piece.dest + piece.length
         if at < length:
             out.append(self._zeros(fqn, source, length - at))
+        if name in self.mapping.dtypes:
+            cast = getattr(torch, self.mapping.dtypes[name])
+            return [part.to(cast) for part in out]
         return out
 
     def _transposed(self, block: Transposed, source: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ class NoWrapper(LayoutKind):
         return "plain"
 
     def refuses_output(self, fmt: Any) -> str | None:
-        if fmt.name == self.saved_format("full"):
+        if fmt.name == self.saved_format("full") or fmt.weights_alone:
             return None
         return (
             "target.kind=none is an unwrapped model, whose optimizer loads one plain state dict: "

@@ -122,7 +122,7 @@ def _write_whole(ctx: Context, keyed: Keyed, staging: Path) -> RankFiles:
     parts = rank_parts(keyed, ctx.plan.output_checkpoint)
     mine = ctx.plan.output_checkpoint.write(
         parts, staging, ctx.rank, world_size=ctx.world_size, tree=ctx.tree, shared=ctx.world.kept,
-        fmt=ctx.output_format, target=ctx.plan.target_spec,
+        fmt=ctx.output_format, target=ctx.plan.target_spec, output_config=ctx.spec.output,
     )
     if ctx.spec.output.model_format == "safetensors" and ctx.rank == source.first_reader:
         mine.files.update(
