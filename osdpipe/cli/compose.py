@@ -50,7 +50,7 @@ from osdpipe.spec.config import (
     unknown_key,
     validate,
 )
-from osdpipe.spec.megatron import HF, MEGATRON, by_megatron_stages
+from osdpipe.spec.megatron import HF, by_megatron_stages
 
 if TYPE_CHECKING:
     from osdpipe.io import remote_output
@@ -354,20 +354,17 @@ def _destination(
 
 
 def _run_by_megatron_stages(raw: dict, spec: RunSpec, remote: str | None) -> int:
-    """A conversion by Megatron's own stages, said as every run is: a Megatron-LM save's
-    (:mod:`osdpipe.pipeline.megatron`), or a Hugging Face model's whole checkpoint to a Megatron-LM save
-    (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and planned), or
-    a Hugging Face model folder to one of its weights (:mod:`osdpipe.pipeline.hf_folder_to_megatron`);
+    """A conversion into a Megatron-LM save by its own stages, said as every run is: a Hugging Face model's whole
+    checkpoint (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and
+    planned), or a Hugging Face model folder to one of its weights (:mod:`osdpipe.pipeline.hf_folder_to_megatron`);
     into object storage as every conversion is (:func:`_made_and_published`)."""
     # torch: past the schema check
-    from osdpipe.pipeline import hf_folder_to_megatron, hf_to_megatron, megatron
+    from osdpipe.pipeline import hf_folder_to_megatron, hf_to_megatron
     from osdpipe.spec.plan import plan_run
     from osdpipe.spec.reconcile import Contradiction, Given, reconcile
 
     given = Given.from_overrides(HydraConfig.get().overrides.task)
     try:
-        if spec.checkpoint.layout == MEGATRON:
-            return _made_and_published(spec, remote, lambda said, _: megatron.run_command(spec, given, said))
         if spec.checkpoint.layout == HF:  # a Hugging Face model folder: its weights alone
             if (why := hf_folder_to_megatron.refusal(spec)) is not None:
                 raise ConfigError([why])

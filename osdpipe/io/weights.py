@@ -252,12 +252,21 @@ class WholeReader:
 
     def read_parts(self, fqn: str, name: str, start: int, stop: int) -> list[torch.Tensor]:
         if name == WEIGHTS:
+            own = self.model.stored_name(fqn)
+            if own is not None and hasattr(self.model, "read_parts"):  # as its files hold them: no join first
+                return self.model.read_parts(own, start, stop)
             return [self._weights(self.tree.resolve(fqn), start, stop)]
         return read_parts(self.optimizer, fqn, name, start, stop)
 
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        """Done with the range: the optimizer's reader lets its pages go; so does a model part that reads its own
+        name's weights by ranges of mapped files (a Megatron save's items), where it can."""
         if name != WEIGHTS:
             self.optimizer.release(fqn, name, start, stop)
+            return
+        own = self.model.stored_name(fqn)
+        if own is not None and hasattr(self.model, "release"):
+            self.model.release(own, start, stop)
 
     def expect(self, reads: Iterable[tuple[str, str, int, int]]) -> None:
         """The optimizer's ranges about to be read, told to its reader where it fetches ahead

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import product
+from itertools import accumulate, product
+from typing import Any
 
 #: One ``[start, stop)`` range per dimension of a tensor.
 Box = tuple[tuple[int, int], ...]
@@ -116,12 +118,113 @@ def flat_runs(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
 
 def flat_overlap(shape: Sequence[int], box: Box, start: int, stop: int) -> list[tuple[int, int]]:
     """The elements of ``box`` that the flat range ``[start, stop)`` of the tensor also holds,
-    as flat ranges (an FSDP1 segment against a box)."""
-    out = []
-    for run_start, run_stop in flat_runs(shape, box):
-        lo, hi = max(run_start, start), min(run_stop, stop)
-        if lo < hi:
-            out.append((lo, hi))
+    as flat ranges (an FSDP1 segment against a box): :func:`flat_runs` cut to the range.
+
+    Only the box's runs the range reaches are walked (a dimension's indices outside it are skipped by arithmetic): a
+    short range of a column block of a large weight costs its few rows, not the block's every row.
+    """
+    if not shape or volume(box) == 0 or start >= stop:
+        return [] if shape or start >= stop else [(0, 1)][: int(start <= 0 < stop)]
+    inner = len(shape)
+    while inner > 0 and box[inner - 1] == (0, shape[inner - 1]):
+        inner -= 1
+    if inner == 0:
+        lo, hi = max(0, start), min(math.prod(shape), stop)
+        return [(lo, hi)] if lo < hi else []
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    last = inner - 1
+    first, length = box[last][0] * strides[last], (box[last][1] - box[last][0]) * strides[last]
+    out: list[tuple[int, int]] = []
+
+    def walk(dim: int, offset: int) -> None:
+        if dim == last:
+            lo, hi = max(offset + first, start), min(offset + first + length, stop)
+            if lo < hi:
+                if out and out[-1][1] == lo:
+                    out[-1] = (out[-1][0], hi)
+                else:
+                    out.append((lo, hi))
+            return
+        step = strides[dim]
+        for i in range(max(box[dim][0], (start - offset) // step), min(box[dim][1], (stop - 1 - offset) // step + 1)):
+            walk(dim + 1, offset + i * step)
+
+    walk(0, 0)
+    return out
+
+
+class BoxSpans:
+    """Boxes of one tensor of ``shape`` (each with what it stands for), found by the flat ranges they reach: each box
+    spans its tensor's flattened view from its first element to its last, and the boxes are kept sorted by where
+    that span starts, so the ones a range reaches are found by bisection, not by looking at every box (a Megatron
+    bucket's chunks: a hundred and more; a column-split weight's blocks: one a layer and TP rank)."""
+
+    def __init__(self, shape: Sequence[int], boxes: Iterable[tuple[Box, Any]]) -> None:
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        spans = []
+        for box, held in boxes:
+            first = sum(lo * s for (lo, _), s in zip(box, strides))
+            last = sum((hi - 1) * s for (_, hi), s in zip(box, strides))
+            spans.append((first, last + 1, box, held))
+        spans.sort(key=lambda span: span[0])
+        self._starts = [span[0] for span in spans]
+        self._spans = spans
+        self._reach = list(accumulate((span[1] for span in spans), max))  # the furthest any span up to each reaches
+
+    def reaching(self, start: int, stop: int) -> list[tuple[Box, Any]]:
+        """``(box, what it stands for)`` of each box whose span meets ``[start, stop)``, by where it starts."""
+        out = []
+        i = bisect_left(self._starts, stop) - 1
+        while i >= 0 and self._reach[i] > start:
+            first, end, box, held = self._spans[i]
+            if end > start:
+                out.append((box, held))
+            i -= 1
+        out.reverse()
+        return out
+
+
+def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """The slices that take box ``inner`` out of a tensor holding box ``outer`` (``inner`` within it)."""
+    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(inner, outer, strict=True))
+
+
+def range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """The flat range ``[start, stop)`` of a tensor of ``shape`` as boxes, in order, each one contiguous run of the
+    flattened tensor: a partial row block at each end, whole ones between (at most two a dimension, and one).
+
+    So a range can be copied box by box with N-d slicing, however many rows of a column block it crosses.
+    """
+    if not shape:
+        return [()] if start <= 0 < stop else []
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    start, stop = max(0, start), min(stop, math.prod(shape))
+    out: list[Box] = []
+
+    def cut(dim: int, prefix: Box, lo: int, hi: int) -> None:
+        """Elements ``[lo, hi)`` of the sub-tensor ``prefix`` fixes (offsets within it)."""
+        if lo >= hi:
+            return
+        rest = tuple((0, n) for n in shape[dim + 1 :])
+        step = strides[dim]
+        if lo % step == 0 and hi % step == 0:
+            out.append((*prefix, (lo // step, hi // step), *rest))
+            return
+        first, last = lo // step, (hi - 1) // step
+        if first == last:
+            cut(dim + 1, (*prefix, (first, first + 1)), lo - first * step, hi - first * step)
+            return
+        whole_from = first
+        if lo % step:
+            cut(dim + 1, (*prefix, (first, first + 1)), lo - first * step, step)
+            whole_from = first + 1
+        whole_to = hi // step
+        if whole_from < whole_to:
+            out.append((*prefix, (whole_from, whole_to), *rest))
+        if hi % step:
+            cut(dim + 1, (*prefix, (whole_to, whole_to + 1)), 0, hi - whole_to * step)
+
+    cut(0, (), start, stop)
     return out
 
 

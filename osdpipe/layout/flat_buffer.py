@@ -17,6 +17,7 @@ containers that hold them: what a reader of such a save asks). Pure functions of
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -106,10 +107,12 @@ def held_by(containers: Iterable[tuple[Hashable, Iterable[Segment]]]) -> dict[st
 
 
 def held_in(pieces: Sequence[Held], start: int, stop: int) -> list[Held]:
-    """The parts of ``pieces`` (one entry's, :func:`held_by`) that hold elements ``[start, stop)``, cut to that
-    range."""
+    """The parts of ``pieces`` (one entry's, :func:`held_by`: in the order of its flattened view) that hold elements
+    ``[start, stop)``, cut to that range; the first found by bisection (an entry may lie in many buckets' pieces)."""
     out = []
-    for p in pieces:
+    for p in pieces[max(0, bisect_right(pieces, start, key=lambda held: held.start) - 1):]:
+        if p.start >= stop:
+            break
         low, high = max(start, p.start), min(stop, p.start + p.length)
         if high > low:
             out.append(Held(p.where, low, high - low, p.offset + low - p.start))

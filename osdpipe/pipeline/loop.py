@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from osdpipe.core import vector_math
-from osdpipe.core.memory import MemoryWatch
+from osdpipe.core.memory import MemoryWatch, give_back_large_allocations
 from osdpipe.io.checkpoints.base import fates
 from osdpipe.io.upload_queue import UploadQueue
 from osdpipe.io.weights import WholeSource
@@ -161,6 +161,7 @@ def _run_stages(
     timings = Timings()
     outcomes: list[RankOutcome] = []
     warnings: list[str] = []
+    give_back_large_allocations()  # a batch read as a copy is given back when freed, not kept by the allocator
     watch = MemoryWatch(world.label).start()
     last: Played | None = None
     # an output in object storage: the save stage sends each rank's files as soon as they are written

@@ -17,29 +17,23 @@ A failure in any stage leaves the output directory as it was, but for ``report.j
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from traceback import format_exc
 from typing import Any
 
-import torch
-
 from osdpipe.core.memory import MemoryWatch
 from osdpipe.io import output
-from osdpipe.io.checkpoints import get as get_layout
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MASTERS, MegatronSave, gpt_of, read_save
+from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, MegatronSave, read_save
 from osdpipe.io.formats.megatron_writer import Target, Written, write_save
-from osdpipe.layout.megatron import VOCAB_KEYS, tp_problem, tp_sizes, virtual_stages, virtual_stages_problem
 from osdpipe.run import progress
 from osdpipe.run.collective import one_line
 from osdpipe.run.products import CheckResult, SkippedCheck
 from osdpipe.run.report import Report, StageReport
 from osdpipe.run.stages.save import write_manifest
-from osdpipe.spec.config import RunSpec
-from osdpipe.spec.megatron import HF, MEGATRON, MEGATRON_CHECKS, MegatronJob
-from osdpipe.spec.reconcile import Contradiction, Given, another_layouts
+from osdpipe.spec.megatron import MEGATRON, MEGATRON_CHECKS, MegatronJob
 from osdpipe.verify.megatron import written_problems
 
 
@@ -113,18 +107,13 @@ def convert(
     stages: list[StageReport] = []
     staging = output.begin(directory, job.fsync)
     try:
-        # a Hugging Face folder holds the fp32 masters alone: the module's weights and the moments are not read
-        read = {"weights": False, "states": MASTERS} if job.hf else {}
-        source = source or Source(lambda: read_save(job.source, within_memory=True, on_read=_amount(display), **read))
+        source = source or Source(lambda: read_save(job.source, within_memory=True, on_read=_amount(display)))
         save = _stage(stages, "load", display, source.read, _tensor_bytes, unit="B")
-        if job.hf:
-            done = _as_hf(job, save, staging, stages, display)
-        else:
-            done = _as_megatron(job, save, staging, stages, display, source.problems)
+        done = _as_megatron(job, save, staging, stages, display, source.problems)
 
         def commit() -> dict[str, Any]:
             files = {**done.files, **_small_files(staging, done.files)}
-            write_manifest(staging, config, HF if job.hf else MEGATRON, files, {})
+            write_manifest(staging, config, MEGATRON, files, {})
             output.commit(directory, job.fsync)
             return files
 
@@ -166,221 +155,10 @@ def _as_megatron(
     return Converted(save, target, written, roundtrip=proved, files=dict(written.digests))
 
 
-def _as_hf(
-    job: MegatronJob, save: MegatronSave, staging: Path, stages: list[StageReport], display: progress.Display | None
-) -> Converted:
-    """The ``shard`` and ``verify`` stages of a Hugging Face folder (``output.checkpoint=hf``): the fp32 master weights
-    (a save of the weights alone: its weights) mapped to Llama's, Qwen2's, Qwen3's or GPT-2's names and layout
-    (:mod:`osdpipe.layout.megatron_hf`), written as ``save_pretrained`` writes them, read back and mapped again: every
-    element of every master, the vocabulary's padding rows left out.
-
-    In the source's dtype unless ``output.dtype`` says another (:func:`hf_dtype`). Where osdpipe made the save of a
-    Hugging Face folder, the folder's ``config.json`` fields and ``generation_config.json`` it kept
-    (:func:`osdpipe.io.hf_folder.record_of`) are the output's again; else the report names what the save could not
-    say (:func:`unknown_of_hf`)."""
-    from osdpipe.io import hf_folder
-    from osdpipe.io.formats.megatron import gpt_of
-    from osdpipe.layout import megatron_hf
-
-    gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
-    record = save.common.get(hf_folder.RECORD)
-    dtype = job.dtype or hf_dtype(save)
-    held = masters_of(save)
-    masters = {key: t.to(getattr(torch, dtype)) for key, t in held.items()}
-
-    try:
-        config = hf_config_of(save, dtype)
-    except ValueError as exc:  # what its Hugging Face family cannot express, or an arg it needs, named
-        raise InputError(f"{save.folder}: {exc}") from None
-
-    def write() -> dict[str, str]:
-        try:
-            state = megatron_hf.to_hf(gpt, masters, vocab)
-        except ValueError as exc:
-            raise InputError(f"{save.folder}: {exc}") from None
-        written = hf_folder.write_folder(staging, config, state, job.max_shard_size)
-        if record and record.get("generation_config") is not None:
-            (staging / hf_folder.GENERATION_CONFIG).write_text(record["generation_config"])
-        return written
-
-    files = _stage(stages, "shard", display, write, lambda _: _tree_bytes(staging))
-
-    problems = _stage(stages, "verify", display, lambda: hf_folder_problems(save, staging, dtype),
-                      lambda _: _tree_bytes(staging))
-    if problems:
-        raise ReadBackDiffers(f"{job.output}: the written folder read back differs: {'; '.join(problems[:3])}")
-    cast = "" if {str(t.dtype) for t in held.values()} == {f"torch.{dtype}"} else (
-        f", cast to {dtype} (round to nearest even, as torch casts)")
-    which = "weight" if save.weights_only else "fp32 master weight"
-    kept = (f"; config.json's fields and {'generation_config.json ' if record.get('generation_config') else ''}"
-            "as the Hugging Face folder the save was made of had them") if record else ""
-    proved = (f"every {which}{cast}, mapped to Hugging Face's {megatron_hf.architecture(save.args)} and "
-              f"back, bitwise (vocabulary {vocab} of {gpt.padded_vocab_size} padded rows){kept}")
-    return Converted(save, None, None, roundtrip=proved, files=files, notes=unknown_of_hf(save))
-
-
-def hf_config_of(save: MegatronSave, dtype: str) -> dict[str, Any]:
-    """The ``config.json`` of a Hugging Face folder made of ``save`` in ``dtype``: what its ``args`` give
-    (:func:`osdpipe.layout.megatron_hf.hf_config`) over the folder the save was made of, where osdpipe kept one
-    (:func:`osdpipe.io.hf_folder.config_back`).
-
-    Raises:
-        ValueError: one line: what its Hugging Face family cannot express, or an arg ``config.json`` needs.
-    """
-    from osdpipe.io import hf_folder
-    from osdpipe.layout import megatron_hf
-
-    made = megatron_hf.hf_config(save.args, vocab_size=megatron_hf.true_vocab_size(save.args), dtype=dtype)
-    return hf_folder.config_back(save.common.get(hf_folder.RECORD), made)
-
-
-def hf_folder_problems(save: MegatronSave, folder: Path, dtype: str) -> list[str]:
-    """What the Hugging Face folder ``folder`` made of ``save`` in ``dtype`` does not hold: every master, cast, bitwise
-    (:func:`hf_problems`), ``config.json`` as :func:`hf_config_of` makes it, and the ``generation_config.json`` of
-    the folder the save was made of (:func:`osdpipe.io.hf_folder.record_problems`). The verify stage's and
-    ``osdpipe check``'s."""
-    from osdpipe.io import hf_folder
-
-    record = save.common.get(hf_folder.RECORD)
-    return [*hf_problems(save, folder, dtype), *hf_folder.record_problems(record, hf_config_of(save, dtype), folder)]
-
-
-def hf_dtype(save: MegatronSave) -> str:
-    """The dtype of a Hugging Face folder made of ``save`` where ``output.dtype`` says none: the source's own. That of
-    the folder the save was made of, as it recorded it (:func:`osdpipe.io.hf_folder.recorded_dtype`); else the job's
-    ``params_dtype`` (``args.bf16``: bfloat16, ``args.fp16``: float16, else float32), the dtype its model computes
-    in and ``from_pretrained`` loads, where fp32 masters made a bf16 folder an fp32 one."""
-    from osdpipe.io import hf_folder
-    from osdpipe.layout import megatron_hf
-
-    return hf_folder.recorded_dtype(save.common.get(hf_folder.RECORD)) or megatron_hf.params_dtype(save.args)
-
-
-def unknown_of_hf(save: MegatronSave) -> list[str]:
-    """What a Hugging Face folder made of ``save`` cannot hold as its model had it, in a warning (none where osdpipe
-    made the save of a Hugging Face folder and kept it: :func:`osdpipe.io.hf_folder.record_of`): Megatron's ``args``
-    hold no token ids, and a Megatron save no ``generation_config.json``."""
-    from osdpipe.io import hf_folder
-
-    if hf_folder.RECORD in save.common:
-        return []
-    return [
-        f"{save.folder}: the save holds no Hugging Face folder's config.json (osdpipe keeps one in common.pt's "
-        f"{hf_folder.RECORD!r} only where it made the save of a folder): config.json's bos_token_id and eos_token_id "
-        "are null and no generation_config.json is written; set the token ids from the model's tokenizer, and copy "
-        "its generation_config.json beside the weights"
-    ]
-
-
-def masters_of(save: MegatronSave) -> dict[str, torch.Tensor]:
-    """The weights a Hugging Face folder of ``save`` holds, by sharded key: its fp32 masters, or where it holds the
-    weights alone (:attr:`MegatronSave.weights_only`), the model's weights."""
-    if save.weights_only:
-        return save.model
-    return {key: states["param"] for key, states in save.optim.items()}
-
-
-def hf_problems(save: MegatronSave, folder: Path, dtype: str = "float32") -> list[str]:
-    """Every fp32 master of ``save`` (cast to ``dtype``, the folder's) that the Hugging Face folder ``folder``, read
-    back and mapped to Megatron's layout again, does not hold bitwise (the vocabulary's padding rows, which the folder
-    leaves out, aside)."""
-    from osdpipe.core.compare import bits_equal
-    from osdpipe.io import hf_folder
-    from osdpipe.io.formats.megatron import gpt_of
-    from osdpipe.layout import megatron_hf
-
-    gpt, vocab = gpt_of(save.args), megatron_hf.true_vocab_size(save.args)
-    back = megatron_hf.from_hf(gpt, hf_folder.read_weights(folder), gpt.padded_vocab_size)
-    masters = masters_of(save)
-    rows = {key: vocab if key in VOCAB_KEYS else None for key in masters}
-    cast = getattr(torch, dtype)
-    return [f"{key}: differs from the source's fp32 master" + (f" cast to {dtype}" if dtype != "float32" else "")
-            for key, master in masters.items()
-            if not bits_equal(back[key][: rows[key]], master[: rows[key]].to(cast))]
-
-
-def run_command(spec: RunSpec, given: Given, warnings: Sequence[str] = ()) -> Report:
-    """The ``osdpipe`` command's Megatron conversion of ``spec`` (checked by the schema and
-    :func:`osdpipe.spec.megatron.megatron_problem`); ``given``: the keys the user set; ``warnings``: what the run says
-    besides (an object-storage destination's). Writes ``report.json`` and ``osdpipe.log`` into ``output.path``, whatever
-    happens.
-
-    Raises:
-        Contradiction: a ``source.*`` key the user gave is not what the save's ``args`` say, or ``output.path``
-            holds a conversion and ``output.overwrite`` is false (exit 2, nothing written).
-        OutputError: ``output.path`` cannot be written.
-    """
-    from osdpipe.pipeline.execute import record  # the report and log of every run, written the same way
-
-    spec, notes = _settled(spec, given)
-    notes = [*notes, *warnings]
-    out = Path(spec.output.path)
-    if not spec.output.overwrite and (why := _held(out)) is not None:
-        raise Contradiction(why)
-    output.check_writable(out)
-    record(out, Report.unfinished(), spec)
-    job = MegatronJob.of(spec)
-    display = progress.Display(progress.wanted(spec.runtime.progress))
-    try:
-        report = execute(job, spec.model_dump(mode="json"), notes, display)
-    finally:
-        display.close()
-    record(out, report, spec)
-    return report
-
-
 def _held(directory: Path) -> str | None:
     """Why ``directory`` cannot take a conversion without ``output.overwrite`` (``None``: it can)."""
     held = [p.name for p in output.conversion_entries(directory)]
     return output.already_holds(str(directory), held) if held else None
-
-
-def _settled(spec: RunSpec, given: Given) -> tuple[RunSpec, list[str]]:
-    """``spec`` with its ``source.*`` as the save's ``args`` say (the report and the log name them), refusing a key the
-    user gave that says otherwise, a target grid whose pipeline stages cannot split the save's layers or whose TP
-    cannot split its heads or FFN, and another framework's checkpoint (before anything is written); and what settling
-    found to say."""
-    from osdpipe.io.formats.base import InputError
-    from osdpipe.io.formats.megatron import iteration_folder, read_common
-
-    try:
-        folder = iteration_folder(spec.input.path)
-        args = read_common(folder)["args"]
-    except InputError:
-        if (why := another_layouts(get_layout(MEGATRON), spec.input.path)) is not None:
-            raise Contradiction(why) from None  # another framework's checkpoint: a config that names the wrong one
-        return spec, []  # the load stage says what is wrong with it
-    said = {
-        "tp_size": int(args.get("tensor_model_parallel_size") or 1),
-        "pp_size": int(args.get("pipeline_model_parallel_size") or 1),
-        "vpp_size": virtual_stages(args),
-        "world_size": int(args.get("world_size") or 1),
-    }
-    for key, value in said.items():
-        if f"source.{key}" in given and getattr(spec.source, key) != value:
-            raise Contradiction(
-                f"source.{key}={getattr(spec.source, key)}, but {folder / 'common.pt'}'s args say {value}; "
-                f"leave source.{key} out: the save's own args say how it was saved"
-            )
-    layers, target = args.get("num_layers"), spec.target
-    if spec.output.checkpoint != HF and isinstance(layers, int) and \
-            (why := virtual_stages_problem(layers, target.pp_size, target.vpp_size)) is not None:
-        raise Contradiction(f"{why} ({folder / 'common.pt'}'s args)")
-    sizes = _tp_sizes(args) if spec.output.checkpoint != HF else None
-    if sizes and (why := tp_problem(sizes, target.tp_size, replicated=True)) is not None:
-        raise Contradiction(f"{why} ({folder / 'common.pt'}'s args)")
-    settled = spec.model_copy(update={"source": spec.source.model_copy(update={"kind": MEGATRON, **said})})
-    notes = [] if str(folder) == spec.input.path else [f"input.path={spec.input.path}: converting {folder}"]
-    return settled, notes
-
-
-def _tp_sizes(args: dict[str, Any]) -> tuple[tuple[int, str], ...] | None:
-    """What a target's TP must divide of the GPT a save's ``args`` describe (:func:`tp_sizes`); ``None`` where the
-    args lack a dimension (the load stage says what is wrong with them)."""
-    try:
-        return tp_sizes(gpt_of(args))
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def execute(
@@ -419,28 +197,11 @@ _FATES = {
 }
 
 
-#: What a Hugging Face folder does with each part: it holds the model alone.
-_HF_FATES = {
-    "model": "left out: the fp32 master weights are the folder's weights (output.checkpoint=hf)",
-    "optimizer": "converted: the fp32 master weights, mapped to the Hugging Face model; the moments and steps are left "
-                 "out (a Hugging Face folder holds the model alone)",
-    "other": "left out: a Hugging Face folder holds the model alone (config.json from args)",
-}
-
-
-#: What a Hugging Face folder does with the one of a save made of a folder (:data:`RECORDED`).
-_HF_RECORDED = ("converted: config.json's fields the args do not hold (token ids, dtype, the rest) and "
-                "generation_config.json, as the Hugging Face folder the save was made of had them")
-
-
 def _fates(done: Converted) -> list[dict[str, Any]]:
     """Every entry of the source save and what became of it, as ``report.json`` lists a whole checkpoint's."""
     from osdpipe.io.checkpoints import get
-    from osdpipe.io.checkpoints.megatron import RECORDED
 
-    fates = _FATES if done.target is not None else {**_HF_FATES, RECORDED: _HF_RECORDED}
-    if done.target is None and done.source.weights_only:  # no masters: the weights are the folder's
-        fates["model"] = "converted: the weights (the save holds no optimizer), mapped to the Hugging Face model"
+    fates = _FATES
     read = get(MEGATRON).read(done.source.folder)
     return [{"name": e.name, "part": e.part, "where": e.where, "size": e.size, "fate": fates.get(e.name, fates[e.part])}
             for e in read.entries]

@@ -196,6 +196,7 @@ class StreamedOutput:
             if self.compare:
                 self.differences += differing_segments(label, p.flat, stored.segments, pieces)
             self.source.done(batch)
+            del stored, pieces  # a piece read as a copy of its own (a column block's rows) goes before the next read
             self.filled += batch.numel * batch.dtype.itemsize
             self.nonfinite += nonfinite_segments(p.name, p.flat, batch.segments)
             end = last.dest + last.length

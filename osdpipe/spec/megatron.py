@@ -158,12 +158,6 @@ class MegatronJob:
     overwrite: bool = False
     fsync: bool = True
     workers: int = 1
-    #: Write a Hugging Face folder of the fp32 master weights instead (``output.checkpoint=hf``): no target grid.
-    hf: bool = False
-    #: A Hugging Face folder's largest safetensors file (``output.max_shard_size``); ``None``: one file.
-    max_shard_size: int | None = None
-    #: The dtype a Hugging Face folder's weights are cast to (``output.dtype``); ``None``: the fp32 masters.
-    dtype: str | None = None
     #: Model chunks per pipeline stage of the target (``target.vpp_size``: virtual pipeline stages); 1: none.
     vpp: int = 1
 
@@ -181,9 +175,6 @@ class MegatronJob:
             overwrite=spec.output.overwrite,
             fsync=spec.output.fsync,
             workers=spec.runtime.workers,
-            hf=spec.output.checkpoint == HF,
-            max_shard_size=spec.output.max_shard_size,
-            dtype=spec.output.dtype,
             vpp=target.vpp_size,
         )
 
@@ -198,8 +189,7 @@ class MegatronJob:
             },
             "output": {
                 "path": self.output, "megatron_optim_format": self.optim_format, "overwrite": self.overwrite,
-                "fsync": self.fsync, "checkpoint": HF if self.hf else None, "max_shard_size": self.max_shard_size,
-                "dtype": self.dtype,
+                "fsync": self.fsync,
             },
             "runtime": {"mode": "offline", "workers": self.workers},
         }

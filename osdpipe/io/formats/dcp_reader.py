@@ -65,7 +65,7 @@ from osdpipe.io.formats.safe_load import (
     torch_load_error,
 )
 from osdpipe.io.remote_input import Prefetch, RemotePath, as_path
-from osdpipe.layout.boxes import flat_overlap
+from osdpipe.layout.boxes import BoxSpans, flat_overlap, intersect, range_boxes, relative, volume
 
 #: What to do about a damaged DCP directory.
 RECOPY_DIR = "re-copy the checkpoint directory or point input.path at the directory dcp.save wrote"
@@ -409,6 +409,8 @@ class DcpCheckpoint:
         self._prefetch: Prefetch | None = None  # read_range in object storage: the items expect() planned
         self._maps: dict[str, mmap.mmap] = {}  # a local checkpoint's files, mapped once each
         self._views: dict[MetadataIndex, torch.Tensor] = {}  # each chunk read, as a flat view of its mapped file
+        self._mapped_items: dict[str, bool] = {}  # each item: whether its chunks are read as mapped views
+        self._chunk_spans: dict[str, BoxSpans] = {}  # each item's chunks by where they lie in its flattened view
         #: Told the bytes of each stored tensor :meth:`read_range` reads (a chunk, or a tensor read whole), as it
         #: reads them: a long read's progress (``None``: nobody asks).
         self.on_read: Callable[[int], None] | None = None
@@ -471,7 +473,12 @@ class DcpCheckpoint:
         chunk does not span whole rows, the whole tensor is read once and kept until another is asked for.
         """
         if self._maps_chunks(flat):
-            return [part for _, part in self._mapped_parts(flat, start, stop)]
+            shares = self._mapped_parts(flat, start, stop, counted=False)
+            if shares is None or len(shares) > _MOST_VIEWS:
+                return [self._assembled(flat, start, stop)]
+            if self.on_read is not None:
+                self.on_read(sum(part.nbytes for _, part in shares))
+            return [part for _, part in shares]
         chunks = self._row_chunks(flat)
         if chunks is None:
             return [self._whole(flat).view(-1)[start:stop]]
@@ -488,9 +495,50 @@ class DcpCheckpoint:
     def release(self, flat: str, start: int, stop: int) -> None:
         """Done with elements ``[start, stop)`` of ``flat``: the pages of a memory-mapped chunk under them let go
         (:func:`~osdpipe.core.memory.drop_mapped_pages`); a chunk read whole is dropped when the next is read."""
-        if self._maps_chunks(flat):
-            for _, part in self._mapped_parts(flat, start, stop, counted=False):
-                drop_mapped_pages(part)
+        if not self._maps_chunks(flat):
+            return
+        size = tuple(self.metadata.state_dict_metadata[flat].size)
+        for box, chunk in self._spans(flat).reaching(start, stop):
+            runs = flat_overlap(size, box, start, stop)
+            if runs:  # the chunk's elements from the first of the range to its last: one stretch of its file
+                first, last = _local_index(size, box, runs[0][0]), _local_index(size, box, runs[-1][1] - 1)
+                drop_mapped_pages(_stretch(self._mapped(flat, chunk), first, last))
+
+    def _assembled(self, flat: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of a memory-mapped item as one tensor of their own, copied a box at a time
+        (:func:`~osdpipe.layout.boxes.range_boxes` against each chunk's box): what a range that crosses many rows of
+        column blocks (a TP-split weight's) is read as, rather than a view per row.
+
+        Raises:
+            InputError: the chunks do not hold every element of the range.
+        """
+        md = self.metadata.state_dict_metadata[flat]
+        size = tuple(md.size)
+        out = torch.empty(stop - start, dtype=md.properties.dtype)
+        at = covered = 0
+        for box in range_boxes(size, start, stop):
+            count = volume(box)
+            held = out[at : at + count].view(tuple(hi - lo for lo, hi in box))
+            for chunk_box, chunk in self._spans(flat).reaching(start + at, start + at + count):
+                both = intersect(box, chunk_box)
+                if both is not None:
+                    held[relative(both, box)] = self._mapped(flat, chunk)[relative(both, chunk_box)]
+                    covered += volume(both)
+            at += count
+        if self.on_read is not None:
+            self.on_read(out.nbytes)
+        if covered != stop - start:
+            raise InputError(f"{self.path}: the chunks of {flat} hold {covered} of elements [{start}, {stop}); "
+                             f"{RECOPY_DIR}")
+        return out
+
+    def _spans(self, flat: str) -> BoxSpans:
+        """``flat``'s chunks by the flat ranges their boxes reach (each chunk stands for itself)."""
+        if flat not in self._chunk_spans:
+            md = self.metadata.state_dict_metadata[flat]
+            self._chunk_spans[flat] = BoxSpans(tuple(md.size), (
+                (tuple((o, o + n) for o, n in zip(c.offsets, c.sizes)), c) for c in md.chunks))
+        return self._chunk_spans[flat]
 
     def read_chunk(self, flat: str, offsets: tuple[int, ...]) -> torch.Tensor:
         """The stored chunk of ``flat`` whose box starts at ``offsets``, shaped as stored, not to be written to (what
@@ -504,31 +552,33 @@ class DcpCheckpoint:
         if chunk is None:
             raise InputError(f"{self.path} holds no chunk of {flat} at {tuple(offsets)}; {RECOPY_DIR}")
         if self._maps_chunks(flat):
-            return self._mapped(flat, chunk).view(tuple(chunk.sizes))
+            return self._mapped(flat, chunk)
         return self._chunk(flat, chunk)
 
     def _maps_chunks(self, flat: str) -> bool:
         """Whether ``flat``'s chunks are read as memory-mapped views: a local checkpoint's, stored as they are."""
-        if isinstance(self.directory, RemotePath):
-            return False
-        md = self.metadata.state_dict_metadata[flat]
-        return not any(self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors
-                       for c in md.chunks)
+        if flat not in self._mapped_items:
+            md = self.metadata.state_dict_metadata[flat]
+            self._mapped_items[flat] = not isinstance(self.directory, RemotePath) and not any(
+                self.metadata.storage_data[MetadataIndex(flat, c.offsets)].transform_descriptors for c in md.chunks)
+        return self._mapped_items[flat]
 
     def _mapped_parts(
         self, flat: str, start: int, stop: int, counted: bool = True
-    ) -> list[tuple[int, torch.Tensor]]:
+    ) -> list[tuple[int, torch.Tensor]] | None:
         """Each chunk's share of elements ``[start, stop)`` of ``flat``, as ``(where it starts in the flattened
-        tensor, view)``, in order: a chunk of a box that cuts a later dimension gives one share per row it holds."""
-        md = self.metadata.state_dict_metadata[flat]
-        size = tuple(md.size)
+        tensor, view)``, in order: a chunk of a box that cuts a later dimension gives one share per row it holds;
+        ``None`` where a chunk it reaches is stored strided (no run of it is a view: :meth:`_assembled` copies)."""
+        size = tuple(self.metadata.state_dict_metadata[flat].size)
         out = []
-        for chunk in md.chunks:
-            box = tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+        for box, chunk in self._spans(flat).reaching(start, stop):
             runs = flat_overlap(size, box, start, stop)
             if not runs:
                 continue
             local = self._mapped(flat, chunk)
+            if not local.is_contiguous():
+                return None
+            local = local.view(-1)
             for lo, hi in runs:
                 at = _local_index(size, box, lo)
                 out.append((lo, local[at : at + hi - lo]))
@@ -538,9 +588,9 @@ class DcpCheckpoint:
         return out
 
     def _mapped(self, flat: str, chunk: Any) -> torch.Tensor:
-        """One stored chunk of ``flat`` as a flat view of its file mapped into memory (not to be written to), its
-        archive checked once (:func:`~osdpipe.io.formats.safe_load.check_torch_zip`) and its tensor described by
-        torch's own loader without its bytes (``torch.serialization.skip_data``)."""
+        """One stored chunk of ``flat`` as a view of its file mapped into memory (not to be written to), shaped and
+        strided as it was saved, its archive checked once (:func:`~osdpipe.io.formats.safe_load.check_torch_zip`) and
+        its tensor described by torch's own loader without its bytes (``torch.serialization.skip_data``)."""
         index = MetadataIndex(flat, torch.Size(chunk.offsets))
         if index in self._views:
             return self._views[index]
@@ -574,8 +624,9 @@ class DcpCheckpoint:
             warnings.simplefilter("ignore")  # a read-only map: nothing writes through the view
             storage = torch.frombuffer(mapped, dtype=dtype, count=(data[0][1] - data[0][0]) // dtype.itemsize,
                                        offset=info.offset + data[0][0])
-        view = storage.as_strided(skeleton.shape, skeleton.stride(), skeleton.storage_offset())
-        self._views[index] = view = view.reshape(-1) if view.is_contiguous() else view.contiguous().view(-1)
+        # as stored: a chunk saved as a strided view of a larger tensor stays one (a flat copy of it would be held for
+        # the rest of the run); its ranges are copied out of it box by box (:meth:`_assembled`)
+        self._views[index] = view = storage.as_strided(skeleton.shape, skeleton.stride(), skeleton.storage_offset())
         return view
 
     def _row_chunks(self, flat: str) -> list[Any] | None:
@@ -712,6 +763,26 @@ class _MappedFile:
         data = self.read(len(view))
         view[: len(data)] = data
         return len(data)
+
+
+#: The most views of its chunks a range of a memory-mapped item is read as; a range that would take more (the rows of
+#: a column block) is copied into one tensor instead (:meth:`DcpCheckpoint._assembled`).
+_MOST_VIEWS = 8
+
+
+def _stretch(view: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """The stored bytes of ``view`` (a chunk as saved, maybe strided) from its element ``first`` to ``last`` (in its
+    row-major order), as one flat view of its storage: what a range of it read lies in."""
+    def at(index: int) -> int:
+        offset = view.storage_offset()
+        for n, stride in zip(reversed(view.shape), reversed(view.stride())):
+            index, i = divmod(index, n)
+            offset += i * stride
+        return offset
+
+    lo, hi = at(first), at(last)
+    storage = torch.empty(0, dtype=view.dtype).set_(view.untyped_storage())
+    return storage[min(lo, hi) : max(lo, hi) + 1]
 
 
 def _local_index(size: tuple[int, ...], box: tuple[tuple[int, int], ...], flat: int) -> int:

@@ -49,7 +49,7 @@ from osdpipe.io.formats.megatron import (
     refused_model,
 )
 from osdpipe.layout import megatron as gpt_layout
-from osdpipe.layout.boxes import flat_overlap
+from osdpipe.layout.boxes import BoxSpans, flat_overlap, intersect, range_boxes, relative
 from osdpipe.layout.flat_buffer import Held, held_by, held_in, segments
 from osdpipe.layout.megatron_grid import OPTIMIZER_STATES, Grid, param_segments
 from osdpipe.layout.ranges import WEIGHTS, Segment
@@ -141,6 +141,7 @@ class MegatronFiles:
             raise InputError(f"{self.folder}: the optimizer has several gradient buffers per model chunk: "
                              "not supported yet")
         containers, tied_copies = [], []
+        boxes: dict[str, list[tuple[str, int, tuple[tuple[int, int], ...]]]] = {}
         for pp_rank, tp_rank, chunk in product(range(self.pp), range(self.tp), range(self.vpp)):
             index = gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
             where = f"model-parallel domain {index}" + (f", model chunk {chunk}" if self.vpp > 1 else "")
@@ -169,6 +170,15 @@ class MegatronFiles:
                     if (held_numel := math.prod(self.checkpoint.ref(flat).shape)) != bucket.data_end:
                         raise InputError(f"{self.folder}: {flat} holds {held_numel} elements, the bucket of its "
                                          f"parameters {bucket.data_end}; it is not the GPT its args describe")
+                for part in segments(bucket, 0, bucket.data_end):
+                    param = params[part.fqn]
+                    if part.fqn in replica or part.start or part.length != param.numel:
+                        continue  # a part of a parameter is read by its runs (no bucket cuts one in megatron-core)
+                    row = math.prod(param.shape[1:])
+                    for piece in param.pieces:
+                        box = tuple(_clipped_rows(piece.box, self.shapes[piece.key]))
+                        if all(lo < hi for lo, hi in box):
+                            boxes.setdefault(piece.key, []).append((base, part.dest + piece.local_start * row, box))
                 containers.append((base, [
                     Segment(s.fqn, s.start, s.length, s.dest + part.dest)
                     for part in segments(bucket, 0, bucket.data_end) if part.fqn not in replica
@@ -178,12 +188,30 @@ class MegatronFiles:
                     for part in segments(bucket, 0, bucket.data_end) if part.fqn in copies
                     for s in param_segments(params[part.fqn], self.shapes, part.start, part.start + part.length)]))
         self._tied_copies = held_by(tied_copies)
+        self._stored_boxes = boxes
         where_is = held_by(containers)
         for key, shape in self.shapes.items():
             covered = sum(p.length for p in where_is.get(key, ()))
             if covered != math.prod(shape):
                 raise InputError(f"{self.folder}: no optimizer state for parts of {key}; re-copy the save folder")
         return where_is
+
+    @cached_property
+    def column_blocks(self) -> dict[str, BoxSpans]:
+        """Each key a ``dp_reshardable`` save's buckets store as column blocks (a weight split over TP along its last
+        axis), whole, every element of it: its blocks by the flat ranges they reach, each standing for ``(bucket item,
+        offset in it)``. A range of such a key is copied block by block (:meth:`SavedState._assembled`): read as
+        runs, it is a run per row. None for another sharding (its items are the keys' own)."""
+        if self.sharding != "dp_reshardable":
+            return {}
+        self._buckets  # noqa: B018 - lays out the buckets, and the blocks beside them
+        out = {}
+        for key, blocks in self._stored_boxes.items():
+            shape = self.shapes[key]
+            whole = sum(math.prod(hi - lo for lo, hi in box) for _, _, box in blocks) == math.prod(shape)
+            if whole and any(box[-1] != (0, shape[-1]) for _, _, box in blocks):
+                out[key] = BoxSpans(shape, ((box, (base, offset)) for base, offset, box in blocks))
+        return out
 
     @cached_property
     def notes(self) -> tuple[str, ...]:
@@ -284,16 +312,58 @@ class SavedState:
         return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0)
 
     def read_parts(self, fqn: str, name: str, start: int, stop: int) -> list[torch.Tensor]:
+        if self._across_rows(fqn, start, stop):
+            return [self._assembled(fqn, name, start, stop)]
         return read_pieces(self.files, fqn, name, start, stop)
 
+    def _across_rows(self, key: str, start: int, stop: int) -> bool:
+        """Whether the range crosses rows of a key stored as column blocks (:attr:`MegatronFiles.column_blocks`)."""
+        return key in self.files.column_blocks and stop - start > self.files.shapes[key][-1]
+
+    def _assembled(self, key: str, state: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of ``state`` of ``key`` as one tensor, copied block by block from the buckets
+        (against :func:`~osdpipe.layout.boxes.range_boxes`): a range of a column-split weight crosses each TP rank's
+        block once a row, which read as runs is a view per row."""
+        shape, blocks = self.files.shapes[key], self.files.column_blocks[key]
+        out = torch.empty(stop - start, dtype=torch.float32)
+        at = 0
+        for box in range_boxes(shape, start, stop):
+            count = math.prod(hi - lo for lo, hi in box)
+            held = out[at : at + count].view(tuple(hi - lo for lo, hi in box))
+            for stored, (base, offset) in blocks.reaching(start + at, start + at + count):
+                both = intersect(box, stored)
+                if both is not None:
+                    size = tuple(hi - lo for lo, hi in stored)
+                    block = self.files.checkpoint.read_range(f"{base}.{state}", offset, offset + math.prod(size))
+                    held[relative(both, box)] = block.view(size)[relative(both, stored)]
+            at += count
+        return out
+
     def release(self, fqn: str, name: str, start: int, stop: int) -> None:
+        """The pages under the range let go: each item's from the first element read to the last, at once (a column
+        block's whole, where the range crosses its rows)."""
+        if self._across_rows(fqn, start, stop):
+            for stored, (base, offset) in self.files.column_blocks[fqn].reaching(start, stop):
+                numel = math.prod(hi - lo for lo, hi in stored)
+                self.files.checkpoint.release(f"{base}.{name}", offset, offset + numel)
+            return
+        reach: dict[str, tuple[int, int]] = {}
         for item, at, length in self.files.pieces(fqn, name, start, stop):
-            self.files.checkpoint.release(item, at, at + length)
+            first, last = reach.get(item, (at, at + length))
+            reach[item] = (min(first, at), max(last, at + length))
+        for item, (first, last) in reach.items():
+            self.files.checkpoint.release(item, first, last)
 
     def expect(self, reads: Iterable[tuple[str, str, int, int]]) -> None:
         self.files.checkpoint.expect(
             (item, at, at + length) for fqn, name, start, stop in reads
             for item, at, length in self.files.pieces(fqn, name, start, stop))
+
+
+def _clipped_rows(box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """``box`` with its rows cut to the tensor's (a vocabulary padded further than the model's)."""
+    (a, b), rest = box[0], box[1:]
+    return ((min(a, shape[0]), min(b, shape[0])), *rest)
 
 
 def read_pieces(files: MegatronFiles, key: str, state: str, start: int, stop: int) -> list[torch.Tensor]:
