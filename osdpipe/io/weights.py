@@ -344,11 +344,11 @@ def model_state_dict(
 
 
 def open_whole(
-    layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any, written_as: str | None = None,
+    layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any, written_in: Any = None,
     described: bool = False, dtype: str | None = None,
 ) -> WholeReader | MappedReader:
     """A reader of the whole checkpoint at ``path`` laid out as ``layout``
-    (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says, for an output of layout ``written_as`` (its
+    (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says, for an output in the layout ``written_in`` (its
     optimizer part is read for that layout's job: :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.optimizer_part`);
     ``described``: for its metadata alone (:meth:`osdpipe.io.formats.base.Format.describe`); ``dtype``: the weights'
     in the output (``output.dtype``), where another framework's model is read through a map that casts them.
@@ -358,9 +358,9 @@ def open_whole(
     """
     from osdpipe.io.formats import open_source  # the formats package imports this module's base: imported where used
 
-    mapping = layout.model_map(path, written_as, dtype)
+    mapping = layout.model_map(path, written_in, dtype)
     own = tree if mapping is None else _tree_of(*mapping.model)
-    part = layout.optimizer_part(path, input_format, written_as)
+    part = layout.optimizer_part(path, input_format, written_in)
     optimizer = (
         NoOptimizer()
         if part is None

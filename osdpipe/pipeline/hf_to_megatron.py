@@ -86,7 +86,7 @@ def source_model(raw: dict[str, Any], given: Any) -> dict[str, Any]:
     from osdpipe.io import checkpoints
 
     path = raw["input"]["path"]
-    named = checkpoints.get(raw["checkpoint"]["layout"]).model_from_files(path, MEGATRON)
+    named = checkpoints.get(raw["checkpoint"]["layout"]).model_from_files(path, checkpoints.get(MEGATRON))
     factory, kwargs = named if named is not None else (FROM_CONFIG, {"path": path})
     return {**model, "factory": factory, "kwargs": kwargs, "units": None}
 

@@ -153,7 +153,7 @@ def _from_files(raw: dict[str, Any], given: Given, path: str) -> tuple[list[str]
             for key, value in (("target.kind", "none"), ("target.world_size", 1)):
                 if key not in given:
                     _set(raw, key, value)
-        if "model.factory" not in given and (named := _model_from_files(layout, path, writer.name)) is not None:
+        if "model.factory" not in given and (named := _model_from_files(layout, path, writer)) is not None:
             _set(raw, "model.factory", named[0])
             _set(raw, "model.kwargs", named[1])
             notes.append(
@@ -169,7 +169,7 @@ def _from_files(raw: dict[str, Any], given: Given, path: str) -> tuple[list[str]
         if "output.format" not in given and keep is not None:
             _set(raw, "output.format", keep)  # the source's state-dict type, which the job that resumes is set to
         try:
-            part = layout.optimizer_part(path, fmt, writer.name)
+            part = layout.optimizer_part(path, fmt, writer)
             why = layout.refuses_keys(path, given, raw)
         except InputError:
             return notes, None  # the pre-flight check says what is wrong with it
@@ -245,9 +245,9 @@ def another_layouts(layout: Any, path: str) -> str | None:
             f"({layout.looks_like}); set checkpoint={other.name}")
 
 
-def _model_from_files(layout: Any, path: str, written_as: str) -> tuple[str, dict[str, Any]] | None:
+def _model_from_files(layout: Any, path: str, written_in: Any) -> tuple[str, dict[str, Any]] | None:
     try:
-        return layout.model_from_files(path, written_as)
+        return layout.model_from_files(path, written_in)
     except ModelRefused as exc:  # read, and no model it could build: said now, or the run builds another
         raise ConfigError([str(exc)]) from None
     except (InputError, OSError):

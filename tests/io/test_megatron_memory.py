@@ -17,6 +17,7 @@ from helpers import run_command, user_env
 from synthetic_megatron import synthetic_save
 
 from osdpipe.core import memory
+from osdpipe.io import checkpoints
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
 from osdpipe.io.formats.megatron import iteration_folder, read_save, stored_bytes
@@ -109,7 +110,8 @@ def test_the_configs_look_at_a_save_reads_no_tensor_and_names_the_jobs_parameter
     monkeypatch.setattr(DcpCheckpoint, "read_range", no_tensor)
     monkeypatch.setattr(DcpCheckpoint, "read_parts", no_tensor)
     facts = read_facts(str(iteration_folder(source)), "megatron", naming)
-    model = meta_model(*Megatron().model_from_files(str(source), "torchtitan" if naming == "torchtitan" else "pytorch"))
+    written_in = checkpoints.get("torchtitan" if naming == "torchtitan" else "pytorch")
+    model = meta_model(*Megatron().model_from_files(str(source), written_in))
     assert sorted(facts.fqns) == sorted(name for name, _ in model.named_parameters())
     assert facts.optimizer == "AdamW" and facts.steps and facts.kind != "megatron"
     assert set(facts.state_names) == {"step", "exp_avg", "exp_avg_sq"}  # the masters are the weights

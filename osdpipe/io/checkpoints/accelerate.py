@@ -222,7 +222,9 @@ class Accelerate(CheckpointLayout):
     def input_format_of(self, path: str) -> str:
         return "fsdp_full" if _full(path) else "dcp"
 
-    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    def model_from_files(
+        self, path: str, written_in: CheckpointLayout | None = None,
+    ) -> tuple[str, dict[str, Any]] | None:
         """transformers' model of the folder's ``config.json``, which the HF Trainer saves in every ``checkpoint-<N>``:
         a Llama, Qwen2, Qwen3 or GPT-2 is built from it, its parameters named and shaped as transformers names them
         (:func:`osdpipe.io.hf_folder.model_from_config`, without transformers); ``None`` for a folder without one
@@ -235,7 +237,7 @@ class Accelerate(CheckpointLayout):
         """None where the folder's ``config.json`` builds the model (:meth:`model_from_files`), else the user's own."""
         return ModelNaming(()) if self.model_from_files(str(path)) is not None else ModelNaming.users_own()
 
-    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
+    def optimizer_part(self, path: str, input_format: str, written_in: CheckpointLayout | None = None) -> Part:
         if _full(path):  # FULL_STATE_DICT: FSDP.optim_state_dict's full state in one file
             return Part(str(as_path(path) / FULL_OPTIMIZER), "fsdp_full", "optim")
         return Part(str(as_path(path) / OPTIMIZER_DIR), "dcp", "optimizer")

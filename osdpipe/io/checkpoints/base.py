@@ -142,6 +142,8 @@ class Carrying:
             the output framework's own, kept where the source had them): torchtitan's layout nests them under it, where
             their own names (``lr_scheduler``) would be taken for torchtitan's and loaded into its job; accelerate's,
             which has no place for entries, keeps them in the file ``<under>.pt``.
+        warnings: what the output cannot hold as the source's job had it, for the report (a Megatron save's folder
+            has no token ids: Megatron's ``args`` do not hold them).
     """
 
     source: str
@@ -159,6 +161,7 @@ class Carrying:
     step: int | None = None
     under: str | None = None
     made: dict[str, bytes] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
 
     def written_path(self, path: tuple[Any, ...]) -> tuple[Any, ...]:
         """Where a carried item saved at ``path`` in the source goes in the output's state dict."""
@@ -311,10 +314,12 @@ class CheckpointLayout:
         """
         return ModelNaming.users_own()
 
-    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    def model_from_files(
+        self, path: str, written_in: CheckpointLayout | None = None,
+    ) -> tuple[str, dict[str, Any]] | None:
         """A ``model.factory`` and its ``model.kwargs`` that build the model the checkpoint at ``path`` names, where its
         files name every parameter and shape (``None``: they do not; the user's factory is needed), for an output in
-        the layout ``written_as`` (the model the job that resumes it builds). What a conversion uses when the user
+        the layout ``written_in`` (the model the job that resumes it builds). What a conversion uses when the user
         names no model."""
         return None
 
@@ -328,14 +333,16 @@ class CheckpointLayout:
         as its folder shows it (by default the layout's first)."""
         return self.input_formats[0]
 
-    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
+    def optimizer_part(self, path: str, input_format: str, written_in: CheckpointLayout | None = None) -> Part | None:
         """Where the optimizer is in the checkpoint at ``path``, as today's readers take it (``None``: a model-only
-        checkpoint), for an output in the layout ``written_as`` (a save read for another framework's model: the
+        checkpoint), for an output in the layout ``written_in`` (a save read for another framework's model: the
         reader's ``key`` names whose)."""
         raise NotImplementedError
 
-    def model_map(self, path: str, written_as: str | None = None, dtype: str | None = None) -> ModelMap | None:
-        """How the model of the checkpoint at ``path`` becomes the model an output in the layout ``written_as`` holds,
+    def model_map(
+        self, path: str, written_in: CheckpointLayout | None = None, dtype: str | None = None,
+    ) -> ModelMap | None:
+        """How the model of the checkpoint at ``path`` becomes the model an output in the layout ``written_in`` holds,
         where that is another framework's model of the same network (a Megatron GPT as its Hugging Face model): the
         map the source is read through (:mod:`osdpipe.io.formats.mapped`); ``None``: the same model, read by its own
         names. ``dtype``: the weights' in the output, where the config says one (``output.dtype``)."""

@@ -200,7 +200,7 @@ class DeepSpeedZero(CheckpointLayout):
             "give input.path=<the save folder>"
         )
 
-    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]]:
+    def model_from_files(self, path: str, written_in: CheckpointLayout | None = None) -> tuple[str, dict[str, Any]]:
         """:func:`saved_model`: the files name every parameter, its shape and every buffer."""
         from osdpipe.io.formats.deepspeed import tag_folder
 
@@ -272,7 +272,7 @@ class DeepSpeedZero(CheckpointLayout):
             self.name, str(save.folder), tuple(entries), str(save.folder), "optim", "nested", tuple(notes)
         )
 
-    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
+    def optimizer_part(self, path: str, input_format: str, written_in: CheckpointLayout | None = None) -> Part:
         from osdpipe.io.formats.deepspeed import tag_folder
 
         return Part(str(tag_folder(path)), "deepspeed", "optim")

@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from osdpipe.io import checkpoints, hf_folder
+from osdpipe.io import hf_folder
 from osdpipe.io.checkpoints.base import (
     DCP_DIR,
     CarriedData,
@@ -37,9 +37,9 @@ from osdpipe.io.checkpoints.base import (
 )
 from osdpipe.io.checkpoints.dcp_entries import dcp_items
 from osdpipe.io.checkpoints.torchtitan import MODEL_ARGS
-from osdpipe.io.errors import ModelRefused
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
+from osdpipe.io.formats.megatron_maps import gpt_map, model_named
 from osdpipe.io.hf_folder import RECORD
 from osdpipe.io.remote_input import as_path
 from osdpipe.layout.megatron import position_embedding_type, query_groups
@@ -48,8 +48,7 @@ from osdpipe.layout.ranges import WEIGHTS
 if TYPE_CHECKING:  # annotations only: reading imports torch
     import torch
 
-    from osdpipe.io.formats.base import SourceReader
-    from osdpipe.io.formats.mapped import MappedReader, ModelMap
+    from osdpipe.io.formats.mapped import ModelMap
     from osdpipe.layout.tree import ModuleTree
 
 
@@ -135,83 +134,39 @@ class Megatron(CheckpointLayout):
                     "state; leave output.megatron_optim_format out")
         return None
 
-    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]]:
+    def model_from_files(self, path: str, written_in: CheckpointLayout | None = None) -> tuple[str, dict[str, Any]]:
         """The model of the GPT ``args`` describe, as the job that resumes the output builds it: Megatron's own GPT, its
-        sharded keys (:func:`osdpipe.layout.models.megatron_gpt`), for a Megatron save (``written_as`` this layout);
-        torchtitan's llama3 or qwen3 (:func:`~osdpipe.layout.megatron_hf.titan_family`) for a torchtitan step folder;
-        else the transformers model of its family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
-        ``GPT2LMHeadModel``: :func:`~osdpipe.layout.megatron_hf.hf_config`).
-        """
-        from osdpipe.layout import megatron_hf
-        from osdpipe.layout.kinds.megatron import FACTORY
-        from osdpipe.layout.megatron import layout_args
+        sharded keys, for a Megatron save (``written_in`` this layout); else the model whose names the layout
+        ``written_in`` gives it (:func:`osdpipe.io.formats.megatron_maps.model_named`)."""
+        return model_named(path, _names_in(written_in))
 
-        folder = files.iteration_folder(path)
-        args = files.read_common(folder)["args"]
-        naming = _names_in(written_as)
-        if naming == megatron_hf.MEGATRON_NAMES:
-            return FACTORY, {"args": layout_args(args)}
-        titan = naming == megatron_hf.TORCHTITAN
-        if why := megatron_hf.refusal(args, titan=titan):
-            raise ModelRefused(f"{folder}: {why}")
-        vocab = megatron_hf.true_vocab_size(args)
-        if titan:
-            return megatron_hf.titan_family(args).factory, megatron_hf.titan_args(args, vocab_size=vocab)
-        try:
-            return megatron_hf.hf_factory(args), megatron_hf.hf_config(args, vocab_size=vocab, dtype="float32")
-        except ValueError as exc:  # an arg config.json needs, missing
-            raise ModelRefused(f"{folder}: {exc}") from None
-
-    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
-        """The iteration folder; its ``key`` names the model an output in the layout ``written_as`` reads it as
+    def optimizer_part(self, path: str, input_format: str, written_in: CheckpointLayout | None = None) -> Part | None:
+        """The iteration folder; its ``key`` names the model an output in the layout ``written_in`` reads it as
         (its facts name the param groups' parameters so: :meth:`model_map`); ``None`` where the save holds the
         weights alone (a model-only checkpoint, which converts to one)."""
         folder = files.iteration_folder(path)
         if files.optimizer_sharding(files.read_common(folder), folder) is None:
             return None
-        return Part(str(folder), "megatron", _names_in(written_as))
+        return Part(str(folder), "megatron", _names_in(written_in))
 
-    def model_map(self, path: str, written_as: str | None = None, dtype: str | None = None) -> ModelMap | None:
+    def model_map(
+        self, path: str, written_in: CheckpointLayout | None = None, dtype: str | None = None,
+    ) -> ModelMap | None:
         """For a PyTorch job (an output whose layout names a GPT as its Hugging Face model, or as torchtitan's:
         :attr:`~osdpipe.io.checkpoints.base.CheckpointLayout.gpt_names`), the map of the save's GPT to that model
         (:meth:`map_to`)."""
-        names = _names_in(written_as)
+        names = _names_in(written_in)
         if names == self.gpt_names:
             return None
-        return self.map_to(path, names, weights_alone=checkpoints.get(written_as).weights_alone, dtype=dtype)
+        return self.map_to(path, names, weights_alone=written_in is not None and written_in.weights_alone, dtype=dtype)
 
     def map_to(self, path: str, naming: str, *, weights_alone: bool = False, dtype: str | None = None) -> ModelMap:
-        """The map of the save's GPT to the model ``naming`` names (:func:`osdpipe.layout.megatron_hf.model_map`),
-        its weights being the fp32 masters (a save of the weights alone: the weights), each param group's ``step``
-        each parameter's, Megatron's scheduler keys left out; ``weights_alone`` (a Hugging Face folder): the same
-        weights alone, in ``dtype`` (default :func:`hf_dtype`).
+        """The map of the save's GPT to the model ``naming`` names (:func:`osdpipe.io.formats.megatron_maps.gpt_map`).
 
         Raises:
             InputError: the GPT is one the model cannot express (its refusals), or its args are not Megatron-LM's.
         """
-        from osdpipe.io.formats.mapped import ModelMap
-        from osdpipe.io.formats.megatron_source import MOMENTS, SCHEDULERS_KEYS
-        from osdpipe.layout import megatron_hf
-        from osdpipe.layout.kinds.megatron import FACTORY
-        from osdpipe.layout.kinds.megatron import Megatron as Kind
-        from osdpipe.layout.megatron import layout_args
-
-        folder = files.iteration_folder(path)
-        common = files.read_common(folder)
-        args = common["args"]
-        if why := megatron_hf.refusal(args, titan=naming == megatron_hf.TORCHTITAN):
-            raise InputError(f"{folder}: {why}")
-        saved_alone = files.optimizer_sharding(common, folder) is None
-        weights = {WEIGHTS: WEIGHTS if saved_alone else Kind.master_state}
-        try:
-            pieces = megatron_hf.model_map(args, megatron_hf.MEGATRON_NAMES, naming)
-        except ValueError as exc:
-            raise InputError(f"{folder}: {exc}") from None
-        model = (FACTORY, {"args": layout_args(args)})
-        if weights_alone:
-            return ModelMap(pieces, weights, model, dtypes={WEIGHTS: dtype or hf_dtype(common)}, optimizer=False)
-        states = weights if saved_alone else {**weights, **{m: m for m in MOMENTS}, "step": "step"}
-        return ModelMap(pieces, states, model, group_keys=(*SCHEDULERS_KEYS, "step"))
+        return gpt_map(path, naming, weights_alone=weights_alone, dtype=dtype)
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         """The model's items, by ranges (:class:`SavedWeights`)."""
@@ -228,7 +183,7 @@ class Megatron(CheckpointLayout):
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
 
         from osdpipe.io.formats.megatron_source import naming_of
-        from osdpipe.layout.megatron_hf import MEGATRON_NAMES, TORCHTITAN
+        from osdpipe.layout.megatron_hf import HF_NAMES, MEGATRON_NAMES, TORCHTITAN
 
         folder = files.iteration_folder(path)
         if naming_of(tree) == MEGATRON_NAMES:
@@ -238,7 +193,7 @@ class Megatron(CheckpointLayout):
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items()
                    if torch.is_tensor(v)}
         titan = naming_of(tree) == TORCHTITAN
-        _, config = self.model_from_files(str(folder), "torchtitan" if titan else "pytorch")
+        _, config = model_named(str(folder), TORCHTITAN if titan else HF_NAMES)
         record = None if titan else common.get(RECORD)
         made = {MODEL_ARGS if titan else HF_CONFIG: _json(hf_folder.config_back(record, config))}
         if record and record.get("generation_config") is not None:
@@ -252,7 +207,7 @@ class Megatron(CheckpointLayout):
         return Carrying(
             str(folder), tuple(flat), tuple(paths[k] for k in flat), tensors, (), tuple(entries),
             layout=self.name, step=int(common.get("iteration", 0)),
-            made=made,
+            made=made, warnings=() if titan or record else (_no_token_ids(folder),),
         )
 
     def _carried_for_megatron(self, folder: Path) -> Carrying:
@@ -602,14 +557,14 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
     return notes
 
 
-def hf_dtype(common: dict[str, Any]) -> str:
-    """The dtype of a Hugging Face folder made of a save (its ``common.pt``) where ``output.dtype`` says none: the
-    source's own. That of the folder the save was made of, as it recorded it
-    (:func:`osdpipe.io.hf_folder.recorded_dtype`); else the job's ``params_dtype`` (``args.bf16``: bfloat16,
-    ``args.fp16``: float16, else float32), the dtype its model computes in and ``from_pretrained`` loads."""
-    from osdpipe.layout.megatron import params_dtype
-
-    return hf_folder.recorded_dtype(common.get(RECORD)) or params_dtype(common["args"])
+def _no_token_ids(folder: Path) -> str:
+    """The warning for a Hugging Face model's ``config.json`` made of a save that keeps no folder's (osdpipe keeps one
+    in ``common.pt`` only where it made the save of a folder): Megatron's ``args`` hold no token ids, and a Megatron
+    save no ``generation_config.json``."""
+    return (f"{folder}: the save holds no Hugging Face folder's config.json (osdpipe keeps one in common.pt's "
+            f"{RECORD!r} only where it made the save of a folder): config.json's bos_token_id and eos_token_id are "
+            "null and no generation_config.json is written; set the token ids from the model's tokenizer, and copy "
+            "its generation_config.json beside the weights")
 
 
 def _json(config: dict[str, Any]) -> bytes:
@@ -617,25 +572,7 @@ def _json(config: dict[str, Any]) -> bytes:
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _names_in(written_as: str | None) -> str:
-    """The names a GPT's parameters have in an output in the layout ``written_as`` (``None``: a Megatron save's):
+def _names_in(written_in: CheckpointLayout | None) -> str:
+    """The names a GPT's parameters have in an output in the layout ``written_in`` (``None``: a Megatron save's):
     :attr:`~osdpipe.io.checkpoints.base.CheckpointLayout.gpt_names`."""
-    return checkpoints.get(written_as or Megatron.name).gpt_names
-
-
-def read_as(path: str, naming: str, reader: SourceReader, *, optimizer_only: bool = False) -> MappedReader:
-    """``reader`` (the save at ``path`` by its sharded keys) read as the model ``naming`` names
-    (:meth:`Megatron.map_to`); ``optimizer_only``: its optimizer's states alone, as its facts describe it."""
-    from dataclasses import replace
-
-    from osdpipe.io.formats.mapped import MappedReader
-    from osdpipe.layout.models import meta_model
-    from osdpipe.layout.tree import describe
-
-    layout = Megatron()
-    mapping = layout.map_to(path, naming)
-    if optimizer_only:
-        mapping = replace(mapping, states={t: s for t, s in mapping.states.items() if t != WEIGHTS})
-    written_as = next(name for name, held in checkpoints.LAYOUTS.items() if held.gpt_names == naming)
-    tree = describe(meta_model(*layout.model_from_files(path, written_as)))
-    return MappedReader(reader, mapping, {p.fqn: p.shape for p in tree.params})
+    return (written_in or Megatron).gpt_names

@@ -26,5 +26,5 @@ class OptimizerOnly(CheckpointLayout):
     def read(self, path: Path) -> WholeCheckpoint:
         return WholeCheckpoint(self.name, str(path), ())
 
-    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part:
+    def optimizer_part(self, path: str, input_format: str, written_in: CheckpointLayout | None = None) -> Part:
         raise NotImplementedError("the optimizer layout's input is input.path itself")

@@ -107,7 +107,7 @@ class Pytorch(CheckpointLayout):
             {MODEL: get_model_state_dict(model), OPTIM: get_optimizer_state_dict(model, optim)}, checkpoint_id=str(path)
         )
 
-    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
+    def optimizer_part(self, path: str, input_format: str, written_in: CheckpointLayout | None = None) -> Part | None:
         return Part(path, "dcp", OPTIM) if any(i.path[0] == OPTIM for i in dcp_items(as_path(path))) else None
 
     def _model(self, path: str, tree: ModuleTree) -> Any:

@@ -250,7 +250,9 @@ class Torchtitan(CheckpointLayout):
         state["train_state"] = {"step": steps, "ntokens_seen": steps * 4096}
         dcp.save(state, checkpoint_id=str(path))
 
-    def model_from_files(self, path: str, written_as: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    def model_from_files(
+        self, path: str, written_in: CheckpointLayout | None = None,
+    ) -> tuple[str, dict[str, Any]] | None:
         """torchtitan's llama3 or qwen3 of the ``model_args.json`` beside the checkpoint folder (or in it), which
         osdpipe writes with a Megatron GPT converted for torchtitan (the keywords of ``osdpipe.layout.models``'
         ``torchtitan_llama3`` or ``torchtitan_qwen3``: :func:`osdpipe.layout.llama_titan.family_of` says which);
@@ -281,7 +283,7 @@ class Torchtitan(CheckpointLayout):
         ]
         return str(max(steps)[1]) if steps else None
 
-    def optimizer_part(self, path: str, input_format: str, written_as: str | None = None) -> Part | None:
+    def optimizer_part(self, path: str, input_format: str, written_in: CheckpointLayout | None = None) -> Part | None:
         """The flattened ``optimizer`` entry;
         none in a model-only save (``--checkpoint.last-save-model-only``, the seed checkpoint)."""
         return Part(path, "dcp", OPTIMIZER) if any(i.path[0] == OPTIMIZER for i in dcp_items(as_path(path))) else None

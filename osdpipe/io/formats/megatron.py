@@ -94,6 +94,12 @@ _STATE_NAMED = {**{s: s for s in STATES}, **{stored: s for s, stored in FS_STATE
 _ITERATION = re.compile(r"iter_(\d{7})")
 RNG = re.compile(r"rng_state/shard_(\d+)\.(\d+)_\d+\.\d+")
 
+#: The states a PyTorch Adam keeps per parameter, in the order its ``state_dict()`` lists them.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+#: What megatron-core adds to each param group for its ``OptimizerParamScheduler`` (megatron-core 0.16.1
+#: ``optimizer/__init__.py`` ``_get_param_groups``, l. 208-225), which no torch optimizer reads.
+SCHEDULERS_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
+
 
 @dataclass
 class MegatronSave:

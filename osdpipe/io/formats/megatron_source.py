@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from osdpipe.io.formats.base import Format, IdGroups, InputError, Shown, SourceMeta, SourceReader
+from osdpipe.io.formats.megatron import SCHEDULERS_KEYS
 from osdpipe.io.formats.megatron_reader import MegatronFiles, SavedState
 from osdpipe.io.formats.state_facts import describe_meta
 from osdpipe.layout import llama_titan, megatron_hf
@@ -40,11 +41,6 @@ if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
 
 #: Megatron's name of the fp32 master weight among its optimizer's states.
 MASTER = "param"
-#: The states a PyTorch Adam keeps per parameter, in the order its ``state_dict()`` lists them.
-MOMENTS = ("exp_avg", "exp_avg_sq")
-#: What megatron-core adds to each param group for its ``OptimizerParamScheduler`` (megatron-core 0.16.1
-#: ``optimizer/__init__.py`` ``_get_param_groups``, l. 208-225), which no torch optimizer reads.
-SCHEDULERS_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
 #: The word embedding's sharded key: a model of Megatron's own names has it.
 _MEGATRON_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -147,7 +143,7 @@ class Megatron(Format):
                 f"Megatron-LM save of iteration {files.iteration} ({grid}), read as its own GPT's state "
                 f"({files.sharding or 'weights only'}): the fp32 master weights and the optimizer's per sharded key")
             return
-        from osdpipe.io.checkpoints.megatron import read_as
+        from osdpipe.io.formats.megatron_maps import read_as
 
         describe_meta(facts, read_as(str(path), key, SavedState(files, compared=False), optimizer_only=True).meta())
         facts.world_size = 1

@@ -36,7 +36,7 @@ def open_input(plan: Plan, described: bool = False) -> SourceReader:
     remote_input.configure(plan.spec.runtime.storage_options, plan.spec.runtime.memory_budget)
     if plan.checkpoint.whole:
         return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec,
-                          written_as=plan.output_checkpoint.name, described=described, dtype=plan.spec.output.dtype)
+                          written_in=plan.output_checkpoint, described=described, dtype=plan.spec.output.dtype)
     groups = source_id_groups(plan.spec, plan.input_format)
     return open_source(
         plan.input_format,
