@@ -14,8 +14,8 @@ converted by this checkout into the Hugging Face Llama's accelerate ``save_state
 ``PYTHONPATH`` in a fresh process:
 
 * ``convert``: ``osdpipe checkpoint=accelerate input.path=SOURCE output.checkpoint=megatron target.tp_size=2
-  target.pp_size=2 target.world_size=4 output.path=OUT`` (read, mapped to Megatron's GPT, written, read back and
-  held against the source bit for bit, both ways, committed);
+  target.pp_size=2 target.world_size=4 output.path=OUT`` and ``--overrides`` (read through the map into Megatron's
+  GPT, written, checked, committed);
 * ``check``: ``osdpipe check OUT`` (every file against the manifest; the source read and mapped again and held
   against the output read back).
 
@@ -83,6 +83,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/into_megatron", help="keeps the source between invocations")
     parser.add_argument("--checkouts", nargs="+", default=[str(HERE)], help="osdpipe checkouts (git worktrees)")
+    parser.add_argument("--overrides", nargs="*", default=[], help="keys of the conversion")
     parser.add_argument("--peak", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.peak:
@@ -100,12 +101,13 @@ def main() -> int:
             shutil.rmtree(out, ignore_errors=True)
             convert = [sys.executable, "-m", "osdpipe", "checkpoint=accelerate", f"input.path={source}",
                        "output.checkpoint=megatron", "target.tp_size=2", "target.pp_size=2", "target.world_size=4",
-                       f"output.path={out}"]  # fmt: skip
+                       f"output.path={out}", *opts.overrides]  # fmt: skip
             for path, cmd in (("convert", convert), ("check", [sys.executable, "-m", "osdpipe", "check", str(out)])):
                 seconds, peak = timed(cmd, checkout, work)
                 runs.setdefault((checkout, path), []).append((seconds, peak))
                 print(f"  repeat {repeat + 1}: {checkout} {path}: {seconds:.1f} s, peak RSS {peak:.2f} GB", flush=True)
-    print(f"\nmedian of {opts.repeats}, alternating; accelerate FSDP2 2 ranks -> Megatron TP2 PP2 DP1")
+    print(f"\nmedian of {opts.repeats}, alternating; accelerate FSDP2 2 ranks -> Megatron TP2 PP2 DP1 "
+          f"{' '.join(opts.overrides)}")
     print("| checkout | path | median s | min s | max s | peak RSS GB | x source |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for (checkout, path), got in runs.items():

@@ -43,13 +43,8 @@ from typing import Any
 
 # the stages' products (CheckResult: what verify's checks give); it imports no torch
 from osdpipe.run.products import CheckResult, Keyed, Tally
-from osdpipe.spec.megatron import HF, by_megatron_stages  # it imports nothing heavy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-MEGATRON_NOT_LOADED = (
-    "--load: a Megatron-LM output loads in megatron-core's own job, which osdpipe does not start "
-    "(tests/frameworks/test_megatron.py loads every conversion so); check it without --load"
-)
 #: The conversion's stages the ``roundtrip`` check plays again: those that derive a rank's state from the source.
 DERIVING_STAGES = ("load", "broadcast", "flatten", "shard", "rekey")
 USAGE = (
@@ -401,8 +396,8 @@ def _run_check(args: list[str]) -> int:
     try:
         manifest = read_manifest(directory)
         raw = conversion_config(directory, manifest, overrides)
-        if by_megatron_stages((raw.get("checkpoint") or {}).get("layout"), raw["output"].get("checkpoint")):
-            return _check_megatron(directory, manifest, raw, load)
+        if load:
+            _loadable(raw)
         plan = conversion_plan(raw)
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
@@ -426,34 +421,19 @@ def _run_check(args: list[str]) -> int:
     return _said(findings, directory)
 
 
-def _check_megatron(directory: Path, manifest: dict[str, Any], raw: dict[str, Any], load: bool) -> int:
-    """A Megatron-LM output's checks: ``files``, and ``roundtrip`` (:func:`megatron_roundtrip`)."""
-    if load:
-        raise CheckUsageError(MEGATRON_NOT_LOADED)
-    findings = [
-        _run_one("files", lambda: check_files(directory, manifest)),
-        _run_one("roundtrip", lambda: megatron_roundtrip(directory, raw)),
-    ]
-    return _said(findings, directory)
+def _loadable(raw: dict[str, Any]) -> None:
+    """Refuse ``--load`` of an output whose target job osdpipe does not build (a Megatron-LM save's: megatron-core's
+    own), in one line.
 
+    Raises:
+        CheckUsageError: naming why.
+    """
+    from osdpipe.layout import kinds
 
-def megatron_roundtrip(directory: Any, raw: dict[str, Any]) -> CheckResult:
-    """A conversion of a Hugging Face model into a Megatron-LM save, by its own stages (``raw``: its config), checked:
-    its source read again and mapped, the save read back a tensor at a time and held against it bit for bit."""
-    source = raw["input"]["path"]
-    if (raw.get("checkpoint") or {}).get("layout") == HF:  # from a Hugging Face model folder: the weights alone
-        from osdpipe.pipeline.hf_folder_to_megatron import check_problems as folder_problems
-
-        problems = folder_problems(raw, directory)
-        proved = "every weight equals the Hugging Face folder's, mapped to Megatron's GPT"
-    else:  # from a Hugging Face model's checkpoint
-        from osdpipe.pipeline.hf_to_megatron import check_problems
-
-        problems = check_problems(raw, directory)
-        proved = ("every weight, fp32 master and moment, the step and the param groups equal the source's, "
-                  "mapped to Megatron's GPT")
-    detail = "; ".join(problems[:5]) or f"{proved}, bitwise ({source})"
-    return CheckResult("roundtrip", not problems, detail)
+    kind = kinds.find((raw.get("target") or {}).get("kind"))
+    if kind is not None and kind.no_live_job is not None:
+        raise CheckUsageError(f"--load: {kind.no_live_job}, which osdpipe does not start (tests/frameworks/"
+                              "test_megatron.py loads every conversion so); check it without --load")
 
 
 def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
@@ -474,10 +454,9 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
             return _check_cut_write(url, directory, incoming)
         manifest = read_manifest(directory)  # a RemotePath answers as a Path does here
         raw = conversion_config(directory, manifest, overrides)
-        megatron = by_megatron_stages((raw.get("checkpoint") or {}).get("layout"), raw["output"].get("checkpoint"))
-        if megatron and load:
-            raise CheckUsageError(MEGATRON_NOT_LOADED)
-        plan = None if megatron else conversion_plan(raw)
+        if load:
+            _loadable(raw)
+        plan = conversion_plan(raw)
     except CheckUsageError as exc:
         print(f"osdpipe check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -487,12 +466,9 @@ def _check_remote(url: str, load: bool, overrides: list[str]) -> int:
     findings = [
         _run_one("files", lambda: check_files(directory, manifest)),
         _run_one("strays", lambda: check_strays(directory)),
-        _run_one(
-            "roundtrip",
-            lambda: megatron_roundtrip(directory, raw) if plan is None else check_roundtrip(directory, plan),
-        ),
+        _run_one("roundtrip", lambda: check_roundtrip(directory, plan)),
     ]
-    if load and plan is not None:
+    if load:
         findings += _run_many("load", lambda: _load_a_copy(directory, manifest, plan))
     return _said(findings, directory)
 

@@ -50,7 +50,6 @@ from osdpipe.spec.config import (
     unknown_key,
     validate,
 )
-from osdpipe.spec.megatron import HF, by_megatron_stages
 
 if TYPE_CHECKING:
     from osdpipe.io import remote_output
@@ -232,19 +231,9 @@ def _run_job(cfg: DictConfig) -> int:
         return _config_error(ConfigError([why]))
     remote = raw["output"]["path"] if store.is_remote(raw["output"]["path"]) else None
     if remote is not None:  # made in local directories, then uploaded (osdpipe.io.remote_output)
-        one_process = by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint)
-        if one_process and rankserver.joins_torchrun(checked.runtime.launcher):
-            return _config_error(ConfigError([
-                f"output.path={remote!r}: Megatron's stages convert in one process, not under torchrun; "
-                "run the same command without torchrun"
-            ]))
         raw["output"]["path"] = made_in(HydraConfig.get().runtime.output_dir)
         local = checked.output.model_copy(update={"path": raw["output"]["path"]})
         checked = checked.model_copy(update={"output": local})
-    # converted by Megatron's own stages, offline: no world (a Hugging Face model's source read as the range pipeline
-    # reads it)
-    if by_megatron_stages(checked.checkpoint.layout, checked.output.checkpoint):
-        return _run_by_megatron_stages(raw, checked, remote)
     runtime = checked.runtime
     if rankserver.starts_ranks(runtime.mode, runtime.workers, checked.input.path is not None, runtime.launcher):
         rankserver.start()  # where the command line did not say (a recipe's runtime.mode, say); started once
@@ -351,33 +340,6 @@ def _destination(
             raise
         return None, remote_output.Upload.from_rank0(remote, options, budget, refused=str(exc))
     return destination, destination.upload
-
-
-def _run_by_megatron_stages(raw: dict, spec: RunSpec, remote: str | None) -> int:
-    """A conversion into a Megatron-LM save by its own stages, said as every run is: a Hugging Face model's whole
-    checkpoint (:mod:`osdpipe.pipeline.hf_to_megatron`: the source read as every whole checkpoint is, reconciled and
-    planned), or a Hugging Face model folder to one of its weights (:mod:`osdpipe.pipeline.hf_folder_to_megatron`);
-    into object storage as every conversion is (:func:`_made_and_published`)."""
-    # torch: past the schema check
-    from osdpipe.pipeline import hf_folder_to_megatron, hf_to_megatron
-    from osdpipe.spec.plan import plan_run
-    from osdpipe.spec.reconcile import Contradiction, Given, reconcile
-
-    given = Given.from_overrides(HydraConfig.get().overrides.task)
-    try:
-        if spec.checkpoint.layout == HF:  # a Hugging Face model folder: its weights alone
-            if (why := hf_folder_to_megatron.refusal(spec)) is not None:
-                raise ConfigError([why])
-            return _made_and_published(spec, remote, lambda said, _: hf_folder_to_megatron.run_command(spec, said))
-        if (why := hf_to_megatron.refusal(raw, given)) is not None:
-            raise ConfigError([why])
-        source, notes = reconcile(hf_to_megatron.source_config(raw, given), given)
-        plan = plan_run(validate(source))
-        return _made_and_published(
-            spec, remote, lambda said, _: hf_to_megatron.run_command(spec, plan, [*hf_to_megatron.without_advice(
-                notes, source), *said]))
-    except (ConfigError, Contradiction) as exc:
-        return _config_error(exc)
 
 
 def _said(report: Report, spec: RunSpec, where: str) -> int:

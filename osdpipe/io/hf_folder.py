@@ -56,29 +56,97 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def mapped_weights(directory: Path | RemotePath) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory``, each a view of its file mapped into memory (private:
+    nothing is written back), so that reading a range of one brings only its pages in; a file in object storage,
+    memory its readers fetch the ranges of as they read (:mod:`osdpipe.io.fetched_memory`).
+
+    Raises:
+        InputError: a file is missing, or its header or length is not the format's.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name in weight_files(directory):
+        path = directory / name
+        if not path.is_file():
+            raise InputError(f"{path} is missing; the folder's safetensors files are incomplete")
+        size = path.stat().st_size
+        length, header = _sized_header_of(path)
+        storage = _mapped(path, size)
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = (8 + length + o for o in entry["data_offsets"])
+            if end > size:
+                raise InputError(f"{path}: {key} runs past the end of the file (truncated)")
+            dtype = _DTYPES[entry["dtype"]]
+            flat = torch.empty(0, dtype=dtype)
+            if end > begin:
+                flat = torch.tensor([], dtype=torch.uint8).set_(storage, begin, (end - begin,)).view(dtype)
+            out[key] = flat.reshape(entry["shape"])
+    return out
+
+
+def _mapped(path: Path | RemotePath, size: int) -> torch.UntypedStorage | None:
+    """The file's bytes as a storage: mapped privately from a local disk, reserved for a file in object storage."""
+    if not size:
+        return None
+    if isinstance(path, RemotePath):
+        from osdpipe.io import fetched_memory
+        from osdpipe.io.remote_torchfile import ObjectFetcher
+
+        return fetched_memory.reserve(size, 0, ObjectFetcher(path))
+    return torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+
+
+def weights_dtypes(directory: Path) -> set[str]:
+    """The dtypes of the tensors in the folder's safetensors files (as torch names them), from their headers alone."""
+    return {
+        str(_DTYPES[entry["dtype"]]).removeprefix("torch.")
+        for name in weight_files(directory)
+        for key, entry in header_of(directory / name).items()
+        if key != "__metadata__"
+    }
+
+
 def has_weights(directory: Path) -> bool:
     """Whether ``directory`` holds safetensors weights as ``save_pretrained`` writes them: one file, or an index."""
     return (directory / SINGLE_FILE).is_file() or (directory / INDEX_FILE).is_file()
 
 
 def weight_files(directory: Path) -> list[str]:
-    """The names of the folder's safetensors files: the one file, or the shards its index names."""
+    """The names of the folder's safetensors files: the one file, or the shards its index names.
+
+    Raises:
+        InputError: a damaged index, or neither (a ``pytorch_model.bin`` folder), naming what the folder holds.
+    """
     index = directory / INDEX_FILE
     if index.is_file():
         try:
             return sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, AttributeError):
             raise InputError(f"{index} is damaged (no weight_map); copy the model's files again") from None
+    if not (directory / SINGLE_FILE).is_file():
+        held = sorted(p.name for p in directory.iterdir() if p.is_file()) if directory.is_dir() else []
+        raise InputError(f"{directory} holds no {SINGLE_FILE} or {INDEX_FILE} (it holds "
+                         f"{', '.join(held[:5]) or 'no file'}); save the model with "
+                         "save_pretrained(safe_serialization=True)")
     return [SINGLE_FILE]
 
 
 def header_of(path: Path | RemotePath) -> dict:
     """The JSON header of the safetensors file ``path`` (each tensor's dtype, shape and byte range), read alone (in
     object storage: its first bytes, by range)."""
+    return _sized_header_of(path)[1]
+
+
+def _sized_header_of(path: Path | RemotePath) -> tuple[int, dict]:
+    """The length of the safetensors file's header and the header (:func:`header_of`): its data begins after."""
     if isinstance(path, RemotePath):
-        return _parsed_header(path, path.read_range(8, _header_length(path, path.read_range(0, 8))))
+        length = _header_length(path, path.read_range(0, 8))
+        return length, _parsed_header(path, path.read_range(8, length))
     with open(path, "rb") as f:
-        return _parsed_header(path, f.read(_header_length(path, f.read(8))))
+        length = _header_length(path, f.read(8))
+        return length, _parsed_header(path, f.read(length))
 
 
 def _header_length(path: Path, first: bytes) -> int:
@@ -150,15 +218,16 @@ def config_builds_a_model(directory: str | Path) -> bool:
     return True
 
 
-def model_from_config(path: str) -> torch.nn.Module:
+def model_from_config(path: str, dtype: str = "float32") -> torch.nn.Module:
     """A module with the parameters of the Hugging Face model whose ``config.json`` is in ``path`` (a
     ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or ``GPT2LMHeadModel``: the family of
-    :mod:`osdpipe.layout.megatron_hf` it is): each under its Hugging Face name and shape, fp32 (the masters), in
+    :mod:`osdpipe.layout.megatron_hf` it is): each under its Hugging Face name and shape, in ``dtype`` (by default
+    fp32: a training checkpoint's masters; a model folder's: its weights' own), in
     transformers' ``named_parameters()`` order (:func:`osdpipe.layout.megatron_hf.hf_shapes` of the GPT the config
     is: the order a PyTorch optimizer's state follows); no ``forward``, and no transformers needed. Where the config
     ties the output layer to the word embedding, ``lm_head.weight`` is the embedding's parameter, as transformers ties
     them (``named_parameters()`` yields it once). What ``model.factory`` is where a Hugging Face checkpoint converts to
-    Megatron and the user names no model (:mod:`osdpipe.pipeline.hf_to_megatron`).
+    Megatron and the user names no model.
 
     Raises:
         ValueError: a config a Megatron GPT cannot express, in one line.
@@ -173,7 +242,7 @@ def model_from_config(path: str) -> torch.nn.Module:
         raise ValueError(f"{path}: {exc}") from None
     root = torch.nn.Module()
     for name, shape in megatron_hf.hf_shapes(gpt, int(config["vocab_size"])).items():
-        _place(root, name, torch.nn.Parameter(torch.empty(shape, dtype=torch.float32)))
+        _place(root, name, torch.nn.Parameter(torch.empty(shape, dtype=getattr(torch, dtype))))
     if (tied := megatron_hf.tied_names(gpt)) is not None:  # one parameter under both names, as transformers ties them
         embedding, output = tied
         _place(root, output, root.get_parameter(embedding))

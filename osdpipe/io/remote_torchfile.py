@@ -30,7 +30,7 @@ EAGER_BYTES = 16
 STRUCTURE_BLOCK = 64 << 10
 
 
-class _ObjectFetcher:
+class ObjectFetcher:
     """A remote object's byte ranges, for the storages reserved for its records: the spans of a plan fetched ahead
     (neighbours joined, several in flight, within the in-flight bound), the others as they are asked for."""
 
@@ -74,7 +74,7 @@ def load(path: RemotePath, check: Any, unpickler: Any = None) -> Any:
             byteorder = archive.read(order).decode() if order in archive.namelist() else "little"
     if byteorder != "little":
         raise ValueError(f"{path} was saved on a big-endian machine; load and re-save it there")
-    fetcher = _ObjectFetcher(path)
+    fetcher = ObjectFetcher(path)
     storages: dict[str, torch.storage.TypedStorage] = {}
 
     def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:

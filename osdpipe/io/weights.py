@@ -345,20 +345,22 @@ def model_state_dict(
 
 def open_whole(
     layout: Any, path: str, input_format: str, *, tree: ModuleTree, source: Any, written_in: Any = None,
-    described: bool = False, dtype: str | None = None,
+    described: bool = False, dtype: str | None = None, named: Any = None,
 ) -> WholeReader | MappedReader:
     """A reader of the whole checkpoint at ``path`` laid out as ``layout``
     (:class:`osdpipe.io.checkpoints.base.CheckpointLayout`) says, for an output in the layout ``written_in`` (its
     optimizer part is read for that layout's job: :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.optimizer_part`);
     ``described``: for its metadata alone (:meth:`osdpipe.io.formats.base.Format.describe`); ``dtype``: the weights'
-    in the output (``output.dtype``), where another framework's model is read through a map that casts them.
+    in the output (``output.dtype``), where another framework's model is read through a map that casts them;
+    ``named``: the checkpoint's model as the command names it
+    (:meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.named_by`).
 
     Raises:
         InputError: naming the part of the checkpoint that is missing or damaged.
     """
     from osdpipe.io.formats import open_source  # the formats package imports this module's base: imported where used
 
-    mapping = layout.model_map(path, written_in, dtype)
+    mapping = layout.model_map(path, written_in, dtype, named)
     own = tree if mapping is None else _tree_of(*mapping.model)
     part = layout.optimizer_part(path, input_format, written_in)
     optimizer = (
@@ -368,11 +370,15 @@ def open_whole(
                          described=described)
     )
     model = layout.open_model(path, input_format, own, optimizer)
-    whole = WholeReader(optimizer, model, own, path, layout, layout.carried(path, input_format, tree))
+    carrying = layout.carried(path, input_format, own, written_in)
     if mapping is None:
-        return whole
+        return WholeReader(optimizer, model, own, path, layout, carrying)
+    from dataclasses import replace
+
     from osdpipe.io.formats.mapped import MappedReader
 
+    carrying = replace(carrying, gpt_config=layout.gpt_config(path, named))
+    whole = WholeReader(optimizer, model, own, path, layout, carrying)
     return MappedReader(whole, mapping, {p.fqn: p.shape for p in tree.params})
 
 

@@ -210,7 +210,8 @@ def _run_stages(
         timings.add("save", time.perf_counter() - start, tally.moved, 0)
     carried = _carried(last)
     if carried is not None:  # what the output cannot hold as the source's job had it
-        warnings += [w for w in carried.carrying.warnings if w not in warnings]
+        adopted = last.ctx.plan.output_checkpoint.adopt(carried.carrying)
+        warnings += [w for w in adopted.warnings if w not in warnings]
     per_process = world.gather_processes((timings, peak, warnings))
     warnings = [w for _, _, said in per_process for w in said]
     # each once, in the order the processes said them

@@ -40,7 +40,7 @@ from osdpipe.core.sizes import parse_size, show_size
 from osdpipe.io.output import already_holds, conversion_entries
 from osdpipe.io.store import is_remote, is_url, parse, redact, slash_short
 from osdpipe.spec import checks as check_registry  # the checks' names and order; it imports no torch
-from osdpipe.spec.megatron import MEGATRON, by_megatron_stages, megatron_problem
+from osdpipe.spec.megatron import MEGATRON, megatron_problem
 
 if TYPE_CHECKING:
     from osdpipe.layout.ranges import LayoutSpec
@@ -382,9 +382,9 @@ class OutputConfig(_Frozen):
     ``accelerate`` are written from a checkpoint of any layout; ``torchtitan`` from one whose files say
     the step it was saved at (a DeepSpeed save's ``global_steps``), which
     names its ``step-<N>`` folder; ``hf`` from a Megatron-LM save: a Hugging Face
-    model folder of its fp32 master weights (:mod:`osdpipe.pipeline.megatron`); ``megatron`` from a Hugging Face
-    Llama's ``accelerate`` or ``pytorch`` checkpoint: a Megatron-LM save for ``target.tp_size`` x ``target.pp_size``
-    x DP, optimizer included (:mod:`osdpipe.pipeline.hf_to_megatron`).
+    model folder of its fp32 master weights; ``megatron`` from a Hugging Face model's ``accelerate``, ``pytorch`` or
+    ``torchtitan`` checkpoint, or its model folder: a Megatron-LM save for ``target.tp_size`` x ``target.pp_size``
+    x DP, optimizer included (:meth:`osdpipe.io.checkpoints.megatron.Megatron.map_into`).
     """
 
     path: str
@@ -438,8 +438,7 @@ class CheckpointConfig(_Frozen):
     ``megatron``: a Megatron-LM ``torch_dist`` save folder, written again as one
     for ``target.tp_size`` x ``target.pp_size`` x DP (:mod:`osdpipe.spec.megatron`).
     ``hf``: a Hugging Face model folder (``config.json`` and safetensors), its
-    weights alone, written as a Megatron-LM ``release`` save with ``output.checkpoint=megatron``
-    (:mod:`osdpipe.pipeline.hf_folder_to_megatron`).
+    weights alone, written as a Megatron-LM ``release`` save with ``output.checkpoint=megatron``.
 
     ``model`` and ``flavor`` name a torchtitan checkpoint's model as
     torchtitan does (``--module llama3``, flavor ``8B``): torchtitan's own
@@ -659,15 +658,14 @@ class RunSpec(_Frozen):
         why = megatron_problem(self)
         if why is not None:
             raise ValueError(why)
-        # a Megatron save's source side is what its files say (osdpipe.pipeline.megatron and reconcile settle it)
+        # a Megatron save's source side is what its files say (reconcile settles it)
         for side in ("target",) if self.checkpoint.layout == MEGATRON else ("source", "target"):
             why = getattr(self, side).mesh_problem()
             if why is not None:
                 raise ValueError(f"{side}.{why}")
-        if by_megatron_stages(self.checkpoint.layout, self.output.checkpoint):
-            return self  # converted by Megatron's own stages (osdpipe.pipeline.megatron): nothing below applies
         named = self.checkpoint.model
-        if named is not None and (
+        # a Megatron output's model is Megatron's GPT of the checkpoint: checkpoint.model names the source's alone
+        if named is not None and self.output.checkpoint != MEGATRON and (
             (self.model.factory, self.model.kwargs.get("name"), self.model.kwargs.get("flavor"))
             != ("torchtitan", named, self.checkpoint.flavor)
         ):

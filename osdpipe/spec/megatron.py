@@ -1,8 +1,8 @@
 """What the command takes for a Megatron-LM save (``checkpoint=megatron``), and the rules a config for one follows.
 
-A Megatron-LM save converts by stages of its own (:mod:`osdpipe.pipeline.megatron`): its model and its distributed
-optimizer are laid out by :mod:`osdpipe.layout.megatron`, not by the layout kinds of the range pipeline, and its
-source side is read whole from its files (``common.pt``'s ``args``). So a config for one says only the target's grid
+A Megatron-LM save converts through the stage loop as every checkpoint does: its grid is a layout kind
+(:mod:`osdpipe.layout.kinds.megatron`), its files a format and a checkpoint layout, and its source side is what its
+files say (``common.pt``'s ``args``, settled by reconcile). So a config for one says only the target's grid
 (``target.tp_size`` x ``target.pp_size`` x DP = ``target.world_size``, ``target.vpp_size`` model chunks per
 pipeline stage), how the optimizer is saved
 (``output.megatron_optim_format``), the paths, and how it runs (``runtime.workers``). :func:`megatron_problem` says,
@@ -12,7 +12,6 @@ in one line naming the key, what in a config does not fit that; it imports nothi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from osdpipe.layout.megatron import interleaving_problem  # pure: no torch
@@ -26,17 +25,6 @@ PYTORCH_NATIVE = ("pytorch", "accelerate", "torchtitan")
 #: The layouts of a whole checkpoint that ``output.checkpoint=megatron`` converts (a Hugging Face Llama, Qwen2, Qwen3
 #: or GPT-2, or torchtitan's llama3 of a ``model_args.json``).
 FROM_HF = ("accelerate", "pytorch", "torchtitan")
-#: The checks a Megatron conversion runs itself; the others of ``pipeline.checks`` need the target's own job, which
-#: only megatron-core builds (the tests run it: tests/frameworks/test_megatron.py).
-MEGATRON_CHECKS = ("roundtrip",)
-
-
-def by_megatron_stages(layout: str, written_as: str | None) -> bool:
-    """Whether a conversion of ``checkpoint.layout=layout`` with ``output.checkpoint=written_as`` runs by Megatron's own
-    stages (:mod:`osdpipe.pipeline.megatron`): a Megatron-LM save to a Hugging Face folder, and another framework's
-    checkpoint or a Hugging Face folder to a Megatron-LM save. A Megatron save to another Megatron grid, or for a
-    PyTorch job's layout, goes through the stage loop."""
-    return written_as == MEGATRON and layout != MEGATRON
 
 
 def megatron_problem(spec: Any) -> str | None:
@@ -142,54 +130,3 @@ def to_megatron_problem(spec: Any) -> str | None:
     if output.model_format is not None:
         return "output.model_format: a Megatron-LM save is written as Megatron's own; drop it"
     return None
-
-
-@dataclass(frozen=True)
-class MegatronJob:
-    """One Megatron conversion: the save to read, the grid and optimizer format to write, where, and how."""
-
-    source: str
-    output: str
-    tp: int
-    pp: int
-    dp: int
-    #: ``dp_reshardable`` or ``fully_reshardable``; ``None``: the source's.
-    optim_format: str | None = None
-    overwrite: bool = False
-    fsync: bool = True
-    workers: int = 1
-    #: Model chunks per pipeline stage of the target (``target.vpp_size``: virtual pipeline stages); 1: none.
-    vpp: int = 1
-
-    @classmethod
-    def of(cls, spec: Any) -> MegatronJob:
-        """The job a validated :class:`~osdpipe.spec.config.RunSpec` with ``checkpoint=megatron`` says."""
-        target = spec.target
-        return cls(
-            source=spec.input.path,
-            output=spec.output.path,
-            tp=target.tp_size,
-            pp=target.pp_size,
-            dp=target.world_size // (target.tp_size * target.pp_size),
-            optim_format=spec.output.megatron_optim_format,
-            overwrite=spec.output.overwrite,
-            fsync=spec.output.fsync,
-            workers=spec.runtime.workers,
-            vpp=target.vpp_size,
-        )
-
-    def config(self) -> dict[str, Any]:
-        """The job as the command's config names it: what a manifest records, and what ``osdpipe check`` re-reads."""
-        return {
-            "checkpoint": {"layout": MEGATRON},
-            "input": {"path": self.source},
-            "target": {
-                "kind": MEGATRON, "tp_size": self.tp, "pp_size": self.pp, "world_size": self.tp * self.pp * self.dp,
-                "vpp_size": self.vpp,
-            },
-            "output": {
-                "path": self.output, "megatron_optim_format": self.optim_format, "overwrite": self.overwrite,
-                "fsync": self.fsync,
-            },
-            "runtime": {"mode": "offline", "workers": self.workers},
-        }

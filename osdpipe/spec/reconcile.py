@@ -149,11 +149,14 @@ def _from_files(raw: dict[str, Any], given: Given, path: str) -> tuple[list[str]
     if layout.whole:  # the optimizer part shows what the job was; the folder itself is the layout's
         fmt = _get(raw, "input.format") if "input.format" in given else layout.input_format_of(path)
         writer = checkpoints.written(layout.name, _get(raw, "output.checkpoint"))
-        if writer.weights_alone:  # a model folder is one process's model
-            for key, value in (("target.kind", "none"), ("target.world_size", 1)):
-                if key not in given:
-                    _set(raw, key, value)
-        if "model.factory" not in given and (named := _model_from_files(layout, path, writer)) is not None:
+        for key, value in writer.settles(layout, path).items():  # what the output's own layout says of its job
+            if key not in given:
+                _set(raw, key, value)
+        model_given = "model.factory" in given
+        if model_given and writer is not layout and writer.builds_own_model:
+            _name_the_sources_model(raw, given, layout, writer)  # the run's model is the output job's own
+            model_given = False
+        if not model_given and (named := _model_from_files(layout, path, writer, raw)) is not None:
             _set(raw, "model.factory", named[0])
             _set(raw, "model.kwargs", named[1])
             notes.append(
@@ -188,6 +191,11 @@ def _from_files(raw: dict[str, Any], given: Given, path: str) -> tuple[list[str]
         except InputError:
             return notes, None  # the pre-flight check says what is wrong with it
         _settle_layout(raw, given, facts)
+        # read through a map into the output job's own model (a Hugging Face model's into Megatron's GPT): its groups
+        # hold the target model's parameters the source's are read into
+        mapping = None if writer is layout else _map_into(writer, layout, path, raw)
+        if mapping is not None and facts.group_fqns:
+            facts.group_fqns = [mapping.members(group, mapping.pieces) for group in facts.group_fqns]
         return notes + _settle_optimizer(raw, given, facts), facts
     try:
         fmt = detect_format(path)
@@ -245,9 +253,42 @@ def another_layouts(layout: Any, path: str) -> str | None:
             f"({layout.looks_like}); set checkpoint={other.name}")
 
 
-def _model_from_files(layout: Any, path: str, written_in: Any) -> tuple[str, dict[str, Any]] | None:
+def _map_into(writer: Any, layout: Any, path: str, raw: dict[str, Any]) -> Any:
+    """The map the output's layout ``writer`` reads the checkpoint at ``path`` (``layout``'s, its model as ``raw``'s
+    ``checkpoint`` section names it, if it does) through into its own model, if any (``None`` also where the files
+    cannot say: the pre-flight check says what is wrong with them)."""
     try:
-        return layout.model_from_files(path, written_in)
+        return writer.map_into(layout, path, named=layout.named_by(raw.get("checkpoint") or {}))
+    except (InputError, OSError, ValueError):
+        return None
+
+
+def _name_the_sources_model(raw: dict[str, Any], given: Given, layout: Any, writer: Any) -> None:
+    """Where the output's job builds a model of its own of the checkpoint (``writer``'s: Megatron's GPT), the
+    ``model`` section the user gave names the source's (``model=torchtitan``): set (in ``raw``) as the
+    ``checkpoint`` keys that name it (:meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.naming_of`).
+
+    Raises:
+        Contradiction: a model the source's layout is not named by, or ``checkpoint`` keys given that name another.
+    """
+    model = raw.get("model") or {}
+    naming = layout.naming_of(model)
+    if naming is None:
+        raise Contradiction(
+            f"model.factory={model.get('factory')}: a {writer.name} output holds {writer.name}'s own model of the "
+            f"checkpoint, made of its files; drop model.* (the {layout.name} checkpoint's model is read from them)"
+        )
+    for key, value in naming.items():
+        if key in given and _get(raw, key) not in (None, value):
+            raise Contradiction(f"{key}={_get(raw, key)} names another model than model.*; give one of them")
+        _set(raw, key, value)
+
+
+def _model_from_files(
+    layout: Any, path: str, writer: Any, raw: dict[str, Any],
+) -> tuple[str, dict[str, Any]] | None:
+    try:
+        return layout.model_for(writer, path, raw)
     except ModelRefused as exc:  # read, and no model it could build: said now, or the run builds another
         raise ConfigError([str(exc)]) from None
     except (InputError, OSError):

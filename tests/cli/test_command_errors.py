@@ -328,17 +328,3 @@ def test_the_live_line_shows_in_a_multiplexers_terminal_whatever_size_it_reports
     assert drawn, f"no live line: {shown!r}"
     width = (size[1] or 80) - 1
     assert all(len(line.rstrip("\n")) <= width for line in drawn), drawn
-
-
-def test_megatrons_one_process_stages_into_object_storage_under_torchrun_are_refused(tmp_path: Path) -> None:
-    """Megatron's own stages convert in one process: under torchrun every rank would convert and publish alone."""
-    save = tmp_path / "save"
-    save.mkdir()
-    run = tmp_path / "run"
-    run.mkdir()
-    result = run_osdpipe("checkpoint=accelerate", f"input.path={save}", "output.checkpoint=megatron",
-                         "runtime.launcher=torchrun", "output.path=s3://bucket/out", cwd=run, timeout=60)  # fmt: skip
-    assert_one_line_error(
-        result, 2, "output.path='s3://bucket/out': Megatron's stages convert in one process, not under torchrun"
-    )
-    assert list(run.iterdir()) == [], "a refused run wrote something"

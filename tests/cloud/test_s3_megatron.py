@@ -116,7 +116,8 @@ def test_a_torchtitan_step_in_the_bucket_converts_to_megatron_as_its_local_copy(
     results = run_cli_cases(cases, cwd=tmp_path, per_case_s=240, env=user_env())
     assert [r["code"] for r in results] == [0, 0], _failed(cases, results)
     manifest = _same_conversion(tmp_path / "local", tmp_path / "s3")
-    assert manifest["input_path_absolute"] == s3.url("titan")  # as given: the local one records its folder too
+    # the step the output folder holds (the save's iteration 7), as the local conversion records its own
+    assert manifest["input_path_absolute"] == s3.url("titan/step-7")
 
 
 def _failed(cases: list[list[str]], results: list[dict]) -> str:

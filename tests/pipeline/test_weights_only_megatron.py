@@ -81,7 +81,8 @@ def test_a_weights_only_save_converts_to_another_grid_and_to_a_hugging_face_fold
     assert refused.returncode == 2 and "no optimizer state" in refused.stderr and not (tmp_path / "optim").exists()
 
 
-@pytest.mark.parametrize("case", ["no_config", "bin_only", "mistral", "tp3", "optim_format", "pytorch_out"])
+@pytest.mark.parametrize("case", ["no_config", "bin_only", "mistral", "tp3", "optim_format", "pytorch_out",
+                                  "own_model"])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, case: str) -> None:
     source = tmp_path / "hf"
     write_llama(source)
@@ -95,12 +96,14 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, case: str)
         (source / "pytorch_model.bin").write_bytes(b"")
     extra = {"tp3": ["target.tp_size=3", "target.world_size=3"],
              "optim_format": ["output.megatron_optim_format=dp_reshardable"],
-             "pytorch_out": ["output.checkpoint=pytorch"]}.get(case, [])
+             "pytorch_out": ["output.checkpoint=pytorch"],
+             "own_model": ["model.factory=hf_llama"]}.get(case, [])
     done = osdpipe(tmp_path, "checkpoint=hf", "input.path=hf", "target.tp_size=2", "target.world_size=2", *extra,
                    "output.path=out")
     said = {"no_config": "config.json", "bin_only": "save_pretrained(safe_serialization=True)",
             "mistral": "not a LlamaForCausalLM", "tp3": "does not divide the model's 4 attention heads",
-            "optim_format": "holds no optimizer state", "pytorch_out": "set output.checkpoint=megatron"}
+            "optim_format": "holds no optimizer state", "pytorch_out": "set output.checkpoint=megatron",
+            "own_model": "model.factory=hf_llama: a megatron output holds megatron's own model"}
     assert done.returncode == 2 and said[case] in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()

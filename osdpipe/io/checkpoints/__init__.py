@@ -1,7 +1,6 @@
 """The registry of checkpoint layouts (:mod:`osdpipe.io.checkpoints.base`): the optimizer alone (the default),
-torchtitan's, accelerate's, PyTorch's own, DeepSpeed's (read, written as PyTorch's), Megatron-LM's (converted
-by its own stages: :mod:`osdpipe.pipeline.megatron`), and a Hugging Face model folder's (its weights alone, to a
-Megatron-LM save: :mod:`osdpipe.pipeline.hf_folder_to_megatron`)."""
+torchtitan's, accelerate's, PyTorch's own, DeepSpeed's (read, written as PyTorch's), Megatron-LM's, and a Hugging
+Face model folder's (its weights alone). Every conversion between them runs through the one stage loop."""
 
 from __future__ import annotations
 

@@ -253,7 +253,9 @@ class Accelerate(CheckpointLayout):
 
         return DcpWeights(DcpCheckpoint(as_path(path) / MODEL_DIR, None), "model", tree)
 
-    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+    def carried(
+        self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
+    ) -> Carrying:
         """Every file of the folder but the model's and the optimizer's parts, copied as it is."""
         root = as_path(path)
         parts = (FULL_MODEL, FULL_OPTIMIZER) if _full(path) else (MODEL_DIR, OPTIMIZER_DIR)

@@ -22,6 +22,7 @@ state alone, converted as it always was.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -40,6 +41,9 @@ DCP_DIR = "dcp"
 #: framework laid out its own files (DeepSpeed's ``param_shapes``) is left out, as the output has another layout;
 #: anything else is carried over.
 PARTS = ("model", "optimizer", "framework", "other")
+
+#: A model as a config names it: its ``model.factory`` and ``model.kwargs``.
+NamedModel = tuple[str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,15 @@ class Carrying:
     under: str | None = None
     made: dict[str, bytes] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    #: Why the output leaves out the entries that are neither the model nor the optimizer, where it does (another
+    #: framework's, which a Megatron save has no place for); ``None``: they are carried.
+    left_out: str | None = None
+    #: What the output's layout says became of an entry, by its name, where it is not what its part says (a Hugging
+    #: Face folder's ``config.json`` kept in a Megatron save's ``common.pt``).
+    said: dict[str, str] = field(default_factory=dict)
+    #: The Hugging Face ``config.json`` of the model the checkpoint holds, where the output's job builds another
+    #: framework's model of it (:meth:`CheckpointLayout.gpt_config`): what a Megatron save's ``args`` are made of.
+    gpt_config: dict[str, Any] | None = None
 
     def written_path(self, path: tuple[Any, ...]) -> tuple[Any, ...]:
         """Where a carried item saved at ``path`` in the source goes in the output's state dict."""
@@ -220,6 +233,10 @@ class CheckpointLayout:
     gpt_names: ClassVar[str] = "hf"
     #: Whether this layout holds a model's weights alone, never an optimizer (a Hugging Face model folder).
     weights_alone: ClassVar[bool] = False
+    #: Whether this layout's job builds a model of its own of another framework's checkpoint (Megatron's GPT of a
+    #: Hugging Face Llama): the run's ``model`` is then that one, and a model the command names is the source's
+    #: (:meth:`naming_of`).
+    builds_own_model: ClassVar[bool] = False
     #: What ``osdpipe inspect``'s printed command leaves to fill in besides the target's world and the output's place
     #: (Megatron's grid: ``target.tp_size=T``).
     target_placeholders: ClassVar[tuple[str, ...]] = ()
@@ -341,12 +358,84 @@ class CheckpointLayout:
 
     def model_map(
         self, path: str, written_in: CheckpointLayout | None = None, dtype: str | None = None,
+        named: NamedModel | None = None,
     ) -> ModelMap | None:
         """How the model of the checkpoint at ``path`` becomes the model an output in the layout ``written_in`` holds,
-        where that is another framework's model of the same network (a Megatron GPT as its Hugging Face model): the
-        map the source is read through (:mod:`osdpipe.io.formats.mapped`); ``None``: the same model, read by its own
-        names. ``dtype``: the weights' in the output, where the config says one (``output.dtype``)."""
+        where that is another framework's model of the same network (a Hugging Face Llama as a Megatron GPT): the map
+        the source is read through (:mod:`osdpipe.io.formats.mapped`); ``None``: the same model, read by its own
+        names. ``dtype``: the weights' in the output, where the config says one (``output.dtype``); ``named``: the
+        checkpoint's model as the command names it (:meth:`named_by`). By default the output's layout says
+        (:meth:`map_into`)."""
+        if written_in is None or written_in is self:
+            return None
+        return written_in.map_into(self, path, dtype, named)
+
+    def map_into(
+        self, source: CheckpointLayout, path: str, dtype: str | None = None, named: NamedModel | None = None,
+    ) -> ModelMap | None:
+        """The map a checkpoint of layout ``source`` at ``path`` is read into this layout's model through, where this
+        layout's job builds another model of it (:meth:`model_map`); ``None`` (the default): the same model."""
         return None
+
+    def named_by(self, checkpoint: Mapping[str, Any]) -> NamedModel | None:
+        """The checkpoint's own model as the command's ``checkpoint`` section names it, where the files need not
+        (torchtitan's ``checkpoint.model`` and ``checkpoint.flavor``); ``None`` (the default): its files say."""
+        return None
+
+    def naming_of(self, model: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The ``checkpoint`` keys that name the checkpoint's own model as the command's ``model`` section does,
+        where the output's job builds a model of its own of it (:attr:`builds_own_model`) and the section names the
+        source's; ``None`` (the default): this layout's model is not named so."""
+        return None
+
+    def model_for(
+        self, written: CheckpointLayout, path: str, config: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]] | None:
+        """The ``model.factory`` and ``model.kwargs`` of the job that resumes the checkpoint at ``path`` written in the
+        layout ``written``, for the target ``config`` (the command's config, a plain dict) says: the model that
+        layout's job builds of it (:meth:`model_into`), else the one this layout's files name
+        (:meth:`model_from_files`); ``None``: the user's own is needed.
+
+        Raises:
+            ModelRefused: the files name a model that job cannot hold (one line).
+        """
+        return written.model_into(self, path, config) or self.model_from_files(path, written)
+
+    def settles(self, source: CheckpointLayout, path: str) -> dict[str, Any]:
+        """The config keys this layout's job settles where it writes a checkpoint of layout ``source`` at ``path``
+        and the user gave none of them (a model folder is one process's model: ``target.kind=none``); none by
+        default."""
+        return {}
+
+    def model_into(
+        self, source: CheckpointLayout, path: str, config: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]] | None:
+        """The model this layout's job builds of a checkpoint of layout ``source`` at ``path``, where it is another
+        framework's model of it (:meth:`model_for`); ``None`` (the default): the checkpoint's own."""
+        return None
+
+    def gpt_config(self, path: str, named: NamedModel | None = None) -> dict[str, Any] | None:
+        """The Hugging Face ``config.json`` of the GPT the checkpoint at ``path`` holds (``None``: its files do not
+        say, nor ``named``, the model the command names for it: :meth:`named_by`): what another framework's model of
+        it is made of. By default the folder's own ``config.json``.
+
+        Raises:
+            InputError: a ``config.json`` that is not JSON.
+        """
+        from osdpipe.io import hf_folder
+        from osdpipe.io.remote_input import as_path
+
+        return hf_folder.read_config(path) if (as_path(path) / hf_folder.CONFIG).is_file() else None
+
+    def weights_dtype(self, path: str) -> str:
+        """The dtype the job that saved the checkpoint at ``path`` computes in, where another framework's job is made
+        of it: that of its weights where it holds them alone (a Hugging Face folder's), else float32 (its weights
+        are the fp32 masters).
+
+        Raises:
+            InputError: weights of more than one dtype.
+        """
+        return "float32"
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         """A reader of the model's weights in the checkpoint at ``path`` (:class:`osdpipe.io.weights.WeightsReader`);
@@ -354,9 +443,11 @@ class CheckpointLayout:
         files (DeepSpeed's masters)."""
         raise NotImplementedError
 
-    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
-        """What is neither the model nor the optimizer in the checkpoint at ``path``:
-        what the conversion carries over."""
+    def carried(
+        self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
+    ) -> Carrying:
+        """What is neither the model nor the optimizer in the checkpoint at ``path`` (``tree``: its own model), for an
+        output in the layout ``written_in``: what the conversion carries over."""
         raise NotImplementedError
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
@@ -453,6 +544,8 @@ def fates(carrying: Carrying, weights_alone: bool = False) -> list[dict[str, Any
     }
     if weights_alone:
         said["optimizer"] = "left out: the output holds the model's weights alone"
+    if carrying.left_out is not None:
+        said["other"] = carrying.left_out
     if carrying.under is not None:
         said["other"] = (
             f"carried over unchanged, under {carrying.under!r}: "
@@ -460,7 +553,7 @@ def fates(carrying: Carrying, weights_alone: bool = False) -> list[dict[str, Any
         )
     out = []
     for entry in carrying.entries:
-        fate = said.get(entry.part, "carried over unchanged")
+        fate = carrying.said.get(entry.name) or said.get(entry.part, "carried over unchanged")
         row: dict[str, Any] = {
             "name": entry.name, "part": entry.part, "where": entry.where, "size": entry.size, "fate": fate
         }

@@ -284,7 +284,9 @@ class DeepSpeedZero(CheckpointLayout):
         reader = optimizer if isinstance(optimizer, ZeroReader) else ZeroReader(path)
         return ZeroWeights(reader, dict(model_states(reader.save.folder).get("module") or {}), tree)
 
-    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+    def carried(
+        self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
+    ) -> Carrying:
         """DeepSpeed's entries a PyTorch job has no place for,
         each leaf under its own name (as ``dcp.save`` flattens them)."""
         import torch

@@ -32,6 +32,17 @@ class FileWeights:
         self.state: dict[str, torch.Tensor] = state
         self._names: dict[str, str] | None = None
 
+    @classmethod
+    def of_folder(cls, directory: Path, tree: ModuleTree) -> FileWeights:
+        """A Hugging Face model folder's weights: its safetensors files, memory-mapped
+        (:func:`osdpipe.io.hf_folder.mapped_weights`)."""
+        from osdpipe.io import hf_folder
+
+        weights = cls.__new__(cls)
+        weights.path, weights.tree, weights._names = directory, tree, None
+        weights.state = hf_folder.mapped_weights(directory)
+        return weights
+
     def model_meta(self) -> ModelMeta:
         stored = {name: describe_value(value) for name, value in self.state.items() if self.tree.holds_weights(name)}
         buffers = {

@@ -3,12 +3,12 @@ writes it.
 
 What ``save_pretrained`` writes (and the Hub serves): ``config.json`` and ``model.safetensors``, or the shards its
 ``model.safetensors.index.json`` names, beside a tokenizer's files and ``generation_config.json``. It holds the model
-alone. It converts by Megatron's own stages to a Megatron-LM ``release`` save of its weights
-(:mod:`osdpipe.pipeline.hf_folder_to_megatron`); this layout names its entries and the model its ``config.json``
-describes. Written (a Megatron save's weights, read through the map to its Hugging Face model:
-:meth:`osdpipe.io.checkpoints.megatron.Megatron.model_map`), it is one process's model: the weights in the model's
-``named_parameters()`` order, each made as it is written, the ``config.json`` (and ``generation_config.json``) the
-source's layout made for it.
+alone. Read (its safetensors memory-mapped, the model its ``config.json`` describes), it converts to a Megatron-LM
+``release`` save of its weights through the map into Megatron's GPT
+(:meth:`osdpipe.io.checkpoints.megatron.Megatron.map_into`). Written (a Megatron save's weights, read through the map
+to its Hugging Face model: :meth:`osdpipe.io.checkpoints.megatron.Megatron.model_map`), it is one process's model:
+the weights in the model's ``named_parameters()`` order, each made as it is written, the ``config.json`` (and
+``generation_config.json``) the source's layout made for it.
 
 It is recognized last, and only without a training run's files beside the weights: the HF Trainer's
 ``checkpoint-<N>`` holds the same ``config.json`` and safetensors with its optimizer, and is accelerate's layout.
@@ -24,6 +24,7 @@ from osdpipe.io import hf_folder
 from osdpipe.io.checkpoints.base import Carrying, CheckpointLayout, Entry, ModelNaming, WholeCheckpoint, register
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.hf_folder import CONFIG
+from osdpipe.io.remote_input import as_path
 from osdpipe.io.safetensors_out import INDEX_FILE
 
 if TYPE_CHECKING:  # annotations only: writing imports torch
@@ -41,7 +42,7 @@ class HuggingFaceFolder(CheckpointLayout):
     name = "hf"
     looks_like = "a Hugging Face model folder (config.json and model.safetensors, or its shards and their index)"
     whole = True
-    input_formats: ClassVar[tuple[str, ...]] = ()
+    input_formats: ClassVar[tuple[str, ...]] = ("safetensors",)
     output_formats: ClassVar[tuple[str, ...]] = ("safetensors",)
     weights_alone = True
     made_as_written = True
@@ -78,6 +79,48 @@ class HuggingFaceFolder(CheckpointLayout):
             entries.append(Entry(file.name, "model" if file.name in (CONFIG, INDEX_FILE) else "other", file.name,
                                  file.stat().st_size))
         return WholeCheckpoint(self.name, str(path), tuple(entries), notes=tuple(_notes(config)))
+
+    def model_from_files(
+        self, path: str, written_in: CheckpointLayout | None = None,
+    ) -> tuple[str, dict[str, Any]] | None:
+        """transformers' model of the folder's ``config.json`` (a Llama, Qwen2, Qwen3 or GPT-2:
+        :func:`osdpipe.io.hf_folder.model_from_config`) in its weights' dtype; ``None`` for another model's folder."""
+        if not hf_folder.config_builds_a_model(path):
+            return None
+        return hf_folder.MODEL_FROM_CONFIG, {"path": str(path), "dtype": self.weights_dtype(path)}
+
+    def optimizer_part(self, path: str, input_format: str, written_in: CheckpointLayout | None = None) -> None:
+        """None: a model folder holds the weights alone."""
+        return None
+
+    def weights_dtype(self, path: str) -> str:
+        """The one dtype of the folder's weights: a bf16 folder is a bf16 job's weights.
+
+        Raises:
+            InputError: weights of more than one dtype, or of one a GPT's weights are not.
+        """
+        dtypes = sorted(hf_folder.weights_dtypes(as_path(path)))
+        if len(dtypes) != 1 or dtypes[0] not in ("float32", "bfloat16", "float16"):
+            raise InputError(f"{path}: weights of dtype {', '.join(dtypes) or 'none'}; a GPT's are one of float32, "
+                             "bfloat16 or float16: not supported yet")
+        return dtypes[0]
+
+    def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
+        """The folder's safetensors files, memory-mapped, by the names of the model its ``config.json`` builds."""
+        from osdpipe.io.checkpoints.file_weights import FileWeights  # torch: only where a checkpoint is read
+
+        return FileWeights.of_folder(as_path(path), tree)
+
+    def carried(
+        self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
+    ) -> Carrying:
+        """Nothing to carry: the folder is the model (its weights and ``config.json``); its other files are named in
+        the report (a tokenizer's, ``generation_config.json``), and the output's layout says what becomes of them."""
+        return Carrying(str(path), entries=self.read(as_path(path)).entries, optimizer=False, layout=self.name)
+
+    def settles(self, source: CheckpointLayout, path: str) -> dict[str, Any]:
+        """A model folder is one process's model."""
+        return {"target.kind": "none", "target.world_size": 1}
 
     def write(
         self, parts: Any, staging: Path, rank: int, *, world_size: int, tree: ModuleTree, shared: dict[str, Any],

@@ -5,14 +5,18 @@ beside ``common.pt`` and ``metadata.json`` (:mod:`osdpipe.io.formats.megatron` r
 with its size, the parallelism and sharding type that saved it, the model's dimensions from ``args``, and what osdpipe
 cannot lay out yet.
 
-Two conversions read it:
+Every conversion of or into one runs through the stage loop, which asks this layout what it asks every framework's
+(:meth:`optimizer_part`, :meth:`open_model`, :meth:`carried`, :meth:`write`):
 
-* to another Megatron grid or a Hugging Face folder: Megatron's own stages (:mod:`osdpipe.pipeline.megatron`);
-* to a PyTorch-native framework's layout (``output.checkpoint=pytorch|accelerate|torchtitan``): the range pipeline,
-  which asks this layout what every framework's answers (:meth:`optimizer_part`, :meth:`open_model`, :meth:`carried`):
-  the save read as its Hugging Face model's (``LlamaForCausalLM``, ``GPT2LMHeadModel``...) or torchtitan model's state
-  (:mod:`osdpipe.io.formats.megatron_source`), the model built from ``args`` (:meth:`model_from_files`),
-  ``config.json`` (or torchtitan's ``model_args.json``) written beside, and common.pt's plain entries carried.
+* to another Megatron grid: the save read by ranges by its sharded keys, each target rank's items written;
+* to a Hugging Face folder or a PyTorch-native framework's layout (``output.checkpoint=hf|pytorch|accelerate|
+  torchtitan``): the save read through the map to its Hugging Face model's (``LlamaForCausalLM``,
+  ``GPT2LMHeadModel``...) or torchtitan model's names (:meth:`model_map`), the model built from ``args``
+  (:meth:`model_from_files`), ``config.json`` (or torchtitan's ``model_args.json``) written beside, and common.pt's
+  plain entries carried;
+* from another framework's checkpoint of a GPT (a Hugging Face model's, torchtitan's, a Hugging Face folder): read
+  through the inverse map (:meth:`map_into`), Megatron's GPT built of its ``config.json`` for the target's grid
+  (:meth:`model_into`), what only a Megatron save holds made (:mod:`osdpipe.io.checkpoints.megatron_foreign`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -31,12 +36,14 @@ from osdpipe.io.checkpoints.base import (
     CheckpointLayout,
     Entry,
     ModelNaming,
+    NamedModel,
     Part,
     WholeCheckpoint,
     register,
 )
 from osdpipe.io.checkpoints.dcp_entries import dcp_items
 from osdpipe.io.checkpoints.torchtitan import MODEL_ARGS
+from osdpipe.io.errors import ModelRefused
 from osdpipe.io.formats import megatron as files
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron_maps import gpt_map, model_named
@@ -101,6 +108,7 @@ class Megatron(CheckpointLayout):
     output_formats: ClassVar[tuple[str, ...]] = ("megatron",)
     made_as_written = True
     gpt_names = "megatron"
+    builds_own_model = True
     written_as = None
     saves_step = True
     needs_step = False
@@ -151,6 +159,7 @@ class Megatron(CheckpointLayout):
 
     def model_map(
         self, path: str, written_in: CheckpointLayout | None = None, dtype: str | None = None,
+        named: NamedModel | None = None,
     ) -> ModelMap | None:
         """For a PyTorch job (an output whose layout names a GPT as its Hugging Face model, or as torchtitan's:
         :attr:`~osdpipe.io.checkpoints.base.CheckpointLayout.gpt_names`), the map of the save's GPT to that model
@@ -168,13 +177,103 @@ class Megatron(CheckpointLayout):
         """
         return gpt_map(path, naming, weights_alone=weights_alone, dtype=dtype)
 
+    def map_into(
+        self, source: CheckpointLayout, path: str, dtype: str | None = None, named: NamedModel | None = None,
+    ) -> ModelMap:
+        """The map of another framework's checkpoint of a GPT (a Hugging Face model's, torchtitan's: ``source``'s, at
+        ``path``) into Megatron's GPT (:func:`osdpipe.layout.megatron_hf.model_map`, the vocabulary's padding rows
+        zeros): its weights are the model's (in the job's ``params_dtype``: that of the checkpoint's weights,
+        :meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.weights_dtype`) and the fp32 masters both, Adam's
+        moments and ``step`` as they are (each group's ``step`` written by
+        :mod:`osdpipe.io.checkpoints.megatron_foreign`); a folder of weights alone, its weights. A source of one param
+        group for all is warned of (:data:`~osdpipe.io.checkpoints.megatron_foreign.ONE_GROUP`).
+
+        Raises:
+            InputError: the checkpoint's files say no model (no ``config.json``), or one Megatron cannot express.
+        """
+        from osdpipe.io.checkpoints.megatron_foreign import ONE_GROUP
+        from osdpipe.io.formats.mapped import ModelMap
+        from osdpipe.io.formats.megatron import MOMENTS
+        from osdpipe.layout import megatron_hf
+        from osdpipe.layout.kinds.megatron import Megatron as Kind
+        from osdpipe.layout.megatron import params_dtype
+
+        config = source.gpt_config(path, named)
+        own = named or source.model_from_files(path, source)
+        if config is None or own is None:
+            raise InputError(f"{path}: its files name no model (no config.json, no model_args.json), which a Megatron "
+                             "GPT is made of; convert a checkpoint saved with its model's config")
+        try:
+            args = _job_args(source, path, config, {})  # the dimensions: every grid maps alike
+            pieces = megatron_hf.model_map(args, source.gpt_names, megatron_hf.MEGATRON_NAMES)
+        except ValueError as exc:
+            raise InputError(f"{path}: {exc}") from None
+        weights = {WEIGHTS: WEIGHTS}
+        alone = source.weights_alone or source.optimizer_part(path, source.input_format_of(path), self) is None
+        states = weights if alone else {**weights, Kind.master_state: WEIGHTS, **{m: m for m in MOMENTS},
+                                        "step": "step"}
+        cast = params_dtype(args)
+        return ModelMap(pieces, states, own, dtypes={WEIGHTS: cast}, state_dtype=None if alone else "float32",
+                        one_group=ONE_GROUP)
+
+    def model_for(self, written: CheckpointLayout, path: str, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The model of the save's ``args`` as ``written``'s job builds it (:meth:`model_from_files`)."""
+        return self.model_from_files(path, written)
+
+    def model_into(self, source: CheckpointLayout, path: str, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Megatron's GPT of another framework's checkpoint's ``config.json``
+        (:func:`osdpipe.layout.megatron_hf.megatron_args`) for the target's grid (``target.tp_size`` x
+        ``target.pp_size`` on ``target.world_size`` ranks, ``vpp_size`` model chunks a stage), its vocabulary padded
+        for the target's TP.
+
+        Raises:
+            ModelRefused: no ``config.json``, a model Megatron cannot express, or a grid that does not split it.
+        """
+        from osdpipe.layout.kinds.megatron import FACTORY
+        from osdpipe.layout.megatron import layout_args
+
+        hf = source.gpt_config(path, source.named_by(config.get("checkpoint") or {}))
+        if hf is None:
+            raise ModelRefused(f"{path}: its files name no model (no config.json, no model_args.json), which a "
+                               "Megatron GPT is made of; convert a checkpoint saved with its model's config")
+        try:
+            args = _job_args(source, path, hf, config.get("target") or {})
+        except ValueError as exc:
+            raise ModelRefused(f"{path}: {exc}") from None
+        return FACTORY, {"args": layout_args(args)}
+
+    def settles(self, source: CheckpointLayout, path: str) -> dict[str, Any]:
+        """Another framework's checkpoint is written for a Megatron job (``target.kind=megatron``), with its optimizer
+        ``fully_reshardable`` (each state global per key) unless ``output.megatron_optim_format`` says."""
+        if source is self:
+            return {}
+        if source.weights_alone or source.optimizer_part(path, source.input_format_of(path), self) is None:
+            return {"target.kind": self.name}
+        return {"target.kind": self.name, "output.megatron_optim_format": "fully_reshardable"}
+
+    def adopt(self, carrying: Carrying) -> Carrying:
+        """A Megatron save's carrying as it is; another framework's (:mod:`osdpipe.io.checkpoints.megatron_foreign`)
+        without its items and files, which a Megatron save has no place for (the report says so of each), its
+        iteration folder named once the step is known (:meth:`write`)."""
+        from osdpipe.io.checkpoints import megatron_foreign
+
+        if carrying.layout == self.name:
+            return carrying
+        kept = (as_path(carrying.source) / hf_folder.CONFIG).is_file()  # kept for the way back (_made_common)
+        return replace(carrying, items=(), item_paths=(), item_tensors={}, files=(), made={}, under=None, folder="",
+                       left_out=megatron_foreign.LEFT_OUT if carrying.optimizer else megatron_foreign.NO_PLACE,
+                       said=megatron_foreign.KEPT if kept else {},
+                       warnings=(*carrying.warnings, *(() if carrying.optimizer else (megatron_foreign.FRESH,))))
+
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         """The model's items, by ranges (:class:`SavedWeights`)."""
         from osdpipe.io.formats.megatron_reader import MegatronFiles, SavedState
 
         return SavedWeights(optimizer.files if isinstance(optimizer, SavedState) else MegatronFiles(path), tree)
 
-    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+    def carried(
+        self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
+    ) -> Carrying:
         """common.pt's plain entries (the iteration, the scheduler's state, the FLOPs so far), each leaf under its own
         name, and ``config.json`` made for Hugging Face (``model_args.json`` for a torchtitan model); the rest
         describes Megatron's own job (``args``, the RNG states of its (PP, TP) ranks, the linears' ``_extra_state``) and
@@ -182,17 +281,16 @@ class Megatron(CheckpointLayout):
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
 
-        from osdpipe.io.formats.megatron_source import naming_of
         from osdpipe.layout.megatron_hf import HF_NAMES, MEGATRON_NAMES, TORCHTITAN
 
         folder = files.iteration_folder(path)
-        if naming_of(tree) == MEGATRON_NAMES:
+        if _names_in(written_in) == MEGATRON_NAMES:
             return self._carried_for_megatron(folder)
         common = files.read_common(folder)
         flat, paths = flatten_state_dict(_carried_values(common))
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items()
                    if torch.is_tensor(v)}
-        titan = naming_of(tree) == TORCHTITAN
+        titan = _names_in(written_in) == TORCHTITAN
         _, config = model_named(str(folder), TORCHTITAN if titan else HF_NAMES)
         record = None if titan else common.get(RECORD)
         made = {MODEL_ARGS if titan else HF_CONFIG: _json(hf_folder.config_back(record, config))}
@@ -244,18 +342,19 @@ class Megatron(CheckpointLayout):
         from osdpipe.io.digest import tensor_sha256
         from osdpipe.io.formats.base import RankFiles
 
-        grid, carrying = target.grid, parts.carrying
-        written = _written(parts, tree)
-        groups = _groups_of(parts.optimizer) if carrying.optimizer else None
+        grid, save = target.grid, _save_of(parts, tree, target.grid)
+        folder = save.carrying.folder
         # what finish writes common.pt of, kept in the process that commits
-        shared[_SHARED_GROUPS], shared[_SHARED_COMMON] = groups, parts.carried.raw[COMMON_BYTES]
+        shared[_SHARED_COMMON], shared[_SHARED_GROUPS] = save.common, save.groups
+        shared[_SHARED_FOLDER] = (folder, save.carrying.step)
+        written = _written(save.carrying, tree)
 
         def items_of(r: int, local: bool) -> dict[str, Any]:
-            return written.items(grid, r, parts.carried.raw if local else None, groups,
+            return written.items(grid, r, save.raw if local else None, save.groups,
                                  _state(parts) if local and r == rank else None)
 
-        results, digests, storages = output.write_dcp(staging, carrying.folder, items_of, rank, world_size, shared)
-        where = next(iter(digests), carrying.folder)
+        results, digests, storages = output.write_dcp(staging, folder, items_of, rank, world_size, shared)
+        where = next(iter(digests), folder)
         tensors = {f"{where}:{key}@{','.join(str(a) for a, _ in box)}": tensor_sha256(local, storages)
                    for key, value in items_of(rank, True).items() if getattr(value, "boxes", None)
                    for box, local in zip(value.boxes, value.local or ())}
@@ -272,18 +371,16 @@ class Megatron(CheckpointLayout):
         from osdpipe.io.checkpoints import output
         from osdpipe.io.digest import file_sha256
         from osdpipe.io.formats import megatron_items
-        from osdpipe.io.formats.inert_load import load_inert_bytes
 
-        folder = carrying.folder
+        folder, step = shared[_SHARED_FOLDER]
         done = output.finish_dcp(staging, folder, shared, [r.results for r in per_rank])
-        common = load_inert_bytes(shared[_SHARED_COMMON], files.DESCRIBED, what=files.WHAT)
-        common["args"] = dict(common["args"].state) if hasattr(common["args"], "state") else vars(common["args"])
-        made = megatron_items.target_common(common, target.grid, shared[_SHARED_GROUPS], int(carrying.step or 0))
+        common = _Save(carrying, {}, None, shared[_SHARED_COMMON]).common_of()
+        made = megatron_items.target_common(common, target.grid, shared[_SHARED_GROUPS], int(step or 0))
         written, _ = torchfile.save(made, staging / folder / files.COMMON, sync=False)  # the same bytes every run
         (staging / folder / "metadata.json").write_text(json.dumps(
             {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
              "common_backend_version": 1}))
-        (staging / files.LATEST).write_text(files.RELEASE if folder == files.RELEASE else str(carrying.step or 0))
+        (staging / files.LATEST).write_text(files.RELEASE if folder == files.RELEASE else str(step or 0))
         small = [f"{folder}/metadata.json", files.LATEST]
         return {**done, f"{folder}/{files.COMMON}": written, **{name: file_sha256(staging / name) for name in small}}
 
@@ -309,13 +406,13 @@ class Megatron(CheckpointLayout):
         from osdpipe.io.formats.dcp_reader import DcpCheckpoint
         from osdpipe.io.formats.dcp_writer import BoxShard
 
-        folder = directory / parts.carrying.folder
+        save = _save_of(parts, tree, target.grid)
+        folder, groups = directory / save.carrying.folder, save.groups
         if "save" not in opened:
             opened["save"] = DcpCheckpoint(str(folder), None)
         saved: DcpCheckpoint = opened["save"]
-        groups = _groups_of(parts.optimizer) if parts.carrying.optimizer else None
         problems: list[str] = []
-        items = _written(parts, tree).items(target.grid, rank, parts.carried.raw, groups, _state(parts))
+        items = _written(save.carrying, tree).items(target.grid, rank, save.raw, groups, _state(parts))
         for item, value in items.items():
             try:
                 if isinstance(value, BoxShard):
@@ -329,8 +426,7 @@ class Megatron(CheckpointLayout):
                 problems.append(str(exc))
         if rank == 0:
             common = files.read_common(folder)
-            made = megatron_items.target_common(
-                files.read_common(as_path(parts.carrying.source)), target.grid, groups, int(parts.carrying.step or 0))
+            made = megatron_items.target_common(save.common_of(), target.grid, groups, int(save.carrying.step or 0))
             made["args"] = vars(made["args"])
             for key in ("args", "iteration", "optimizer", "content_metadata"):  # plain data: equal as written out
                 if repr(common.get(key)) != repr(made.get(key)):
@@ -402,6 +498,8 @@ _PARTS = ("model", "optimizer", "other")
 #: keeps of the conversion for :meth:`Megatron.finish` (in the world's shared dict).
 COMMON_BYTES = "common.pt"
 _SHARED_COMMON, _SHARED_GROUPS = "megatron common.pt", "megatron param groups"
+#: The iteration folder and step every rank writes into, kept for the commit (another framework's: named by its step).
+_SHARED_FOLDER = "megatron iteration folder"
 
 
 def _into_megatron(carrying: Carrying) -> bool:
@@ -442,10 +540,108 @@ class _Written:
             extra={f: held.get(f, b"") for f in self.extra_items})
 
 
-def _written(parts: Any, tree: ModuleTree) -> _Written:
+def _written(carrying: Carrying, tree: ModuleTree) -> _Written:
     import torch
 
-    return _Written(getattr(torch, tree.params[0].dtype), parts.carrying.items)
+    return _Written(getattr(torch, tree.params[0].dtype), carrying.items)
+
+
+def _job_args(source: CheckpointLayout, path: str, config: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-LM's ``args`` of the job that resumes another framework's checkpoint (``source``'s, at ``path``,
+    of the model ``config`` describes) on the grid ``target`` says (``tp_size``, ``pp_size``, ``world_size``,
+    ``vpp_size``; one rank where unsaid): ``bf16``/``fp16`` as the checkpoint's weights are
+    (:meth:`~osdpipe.io.checkpoints.base.CheckpointLayout.weights_dtype`).
+
+    Raises:
+        ValueError: what Megatron cannot express, or a grid that does not split the model (one line).
+    """
+    from osdpipe.layout import megatron_hf
+
+    def size(key: str) -> int:
+        return int(target.get(key) or 1)
+
+    args = megatron_hf.megatron_args(config, size("tp_size"), size("pp_size"), size("world_size"),
+                                     vpp=size("vpp_size"))
+    dtype = source.weights_dtype(path)
+    return {**args, "bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
+
+
+@dataclass(frozen=True)
+class _Save:
+    """What every target rank's part of a save is made of: the carrying (its iteration folder and step), the byte
+    items each (PP, TP) rank writes, the param groups (``None``: the weights alone) and ``common.pt``'s source (the
+    Megatron source's bytes, or what is made of another framework's checkpoint)."""
+
+    carrying: Carrying
+    raw: dict[str, bytes]
+    groups: list[dict[str, Any]] | None
+    common: bytes | dict[str, Any]
+
+    def common_of(self) -> dict[str, Any]:
+        """``common.pt`` before the target's grid is set in it, its ``args`` a plain dict."""
+        from osdpipe.io.formats.inert_load import load_inert_bytes
+
+        if not isinstance(self.common, bytes):
+            return dict(self.common)
+        common = load_inert_bytes(self.common, files.DESCRIBED, what=files.WHAT)
+        common["args"] = dict(common["args"].state) if hasattr(common["args"], "state") else vars(common["args"])
+        return common
+
+
+def _save_of(parts: Any, tree: ModuleTree, grid: Any) -> _Save:
+    """What a rank's part of the save for ``grid`` is made of (:class:`_Save`): a Megatron source's own items, groups
+    and ``common.pt``; for another framework's checkpoint, what only a Megatron save holds, made
+    (:mod:`osdpipe.io.checkpoints.megatron_foreign`): Megatron's param groups, the linears' ``_extra_state``, an
+    ``iter_<step>`` folder (a folder of weights alone: ``release``) and ``common.pt``."""
+    from osdpipe.io.checkpoints import megatron_foreign
+
+    carrying = parts.carrying
+    if carrying.layout == Megatron.name:
+        groups = _groups_of(parts.optimizer) if carrying.optimizer else None
+        return _Save(carrying, parts.carried.raw, groups, parts.carried.raw[COMMON_BYTES])
+    step = _step_of(parts.optimizer, carrying.source) if carrying.optimizer else 0
+    groups = None
+    if carrying.optimizer:
+        groups = megatron_foreign.megatron_groups(parts.optimizer.get("param_groups") or [], float(step),
+                                                  carrying.source)
+    raw = megatron_foreign.extra_state(grid.gpt.num_layers)
+    folder = f"iter_{step:07d}" if carrying.optimizer else files.RELEASE
+    carrying = replace(carrying, items=tuple(raw), folder=folder, step=step)
+    return _Save(carrying, raw, groups, _made_common(carrying, grid, groups, step, tree.params[0].dtype))
+
+
+def _step_of(optimizer: dict[str, Any], where: str) -> int:
+    """The step every parameter of a rank's converted optimizer was taken to (the iteration of a Megatron save).
+
+    Raises:
+        InputError: parameters stepped unequally, or a step that is no whole number.
+    """
+    steps = {float(held["step"]) for held in optimizer.get("state", {}).values()
+             if isinstance(held, dict) and "step" in held}
+    if len(steps) > 1:
+        raise InputError(f"{where}: the parameters were stepped {sorted(steps)} times; a Megatron save holds one step "
+                         "for all of them")
+    step = steps.pop() if steps else 0.0
+    if not step.is_integer():
+        raise InputError(f"{where}: step {step} is no whole number of steps")
+    return int(step)
+
+
+def _made_common(carrying: Carrying, grid: Any, groups: Any, step: int, dtype: str) -> dict[str, Any]:
+    """``common.pt`` of another framework's checkpoint (:func:`osdpipe.io.checkpoints.megatron_foreign.made_common`):
+    Megatron-LM's ``args`` of its model's ``config.json`` for ``grid`` and a job whose weights are ``dtype``, and the
+    folder it was made of, where it has one, kept for the way back."""
+    from osdpipe.io.checkpoints import megatron_foreign
+    from osdpipe.layout import megatron_hf
+
+    config = carrying.gpt_config
+    assert config is not None, "the map read the same config (osdpipe.io.weights.open_whole)"
+    args = megatron_hf.megatron_args(config, grid.tp, grid.pp, grid.world_size, iteration=step,
+                                     sharding=grid.sharding or "fully_reshardable", vpp=grid.vpp)
+    args.update(bf16=dtype == "bfloat16", fp16=dtype == "float16")
+    kept = (as_path(carrying.source) / hf_folder.CONFIG).is_file()  # a folder's own, not one made of torchtitan's
+    record = hf_folder.record_of(carrying.source, config) if kept else None
+    return megatron_foreign.made_common(args, groups, step, record)
 
 
 def _source_grid(rng_items: list[str]) -> tuple[int, int]:

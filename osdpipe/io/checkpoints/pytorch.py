@@ -120,7 +120,9 @@ class Pytorch(CheckpointLayout):
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         return self._model(path, tree)
 
-    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+    def carried(
+        self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
+    ) -> Carrying:
         """Every top-level entry besides ``model`` and ``optim``: the user's own, carried over as stored."""
         model = self._model(path, tree)
         items, planned, tensors = carried_items(model.checkpoint, set(model.items.values()), (OPTIM,))

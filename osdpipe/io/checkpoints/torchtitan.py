@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,7 @@ from osdpipe.io.checkpoints.base import (
     CheckpointLayout,
     Entry,
     ModelNaming,
+    NamedModel,
     Part,
     WholeCheckpoint,
     register,
@@ -44,6 +45,9 @@ if TYPE_CHECKING:  # annotations only: reading and writing import torch
 
 #: The top-level keys torchtitan itself saves besides the model.
 OPTIMIZER, OWN = "optimizer", ("lr_scheduler", "dataloader", "train_state")
+#: ``model.factory`` of torchtitan's own models, of its registry (:func:`osdpipe.layout.models.torchtitan_model`).
+TORCHTITAN_FACTORY = "torchtitan"
+
 _DP_RANK = re.compile(r"dp_rank_(\d+)")
 _ORDER = {"model": 0, "optimizer": 1, "other": 2}
 
@@ -271,6 +275,44 @@ class Torchtitan(CheckpointLayout):
                 return family_of(args).factory, args
         return None
 
+    def gpt_config(self, path: str, named: NamedModel | None = None) -> dict[str, Any] | None:
+        """The Hugging Face ``config.json`` of the llama3 or qwen3 the command names (``named``: torchtitan's own of
+        its registry, :meth:`named_by`), else of the ``model_args.json`` beside the checkpoint
+        (:func:`osdpipe.layout.llama_titan.hf_config`: the transformers model it computes the function of); ``None``
+        without either.
+
+        Raises:
+            InputError: a model of torchtitan's registry that osdpipe does not map to a Hugging Face one.
+        """
+        from osdpipe.io.formats.base import InputError  # torch: only where a checkpoint is read
+        from osdpipe.layout import llama_titan
+        from osdpipe.layout.models import torchtitan_flavor_args
+
+        if named is not None:
+            try:
+                return llama_titan.hf_config(torchtitan_flavor_args(**named[1]))
+            except ValueError as exc:
+                raise InputError(f"{path}: torchtitan's {named[1]}: {exc}") from None
+        files = self.model_from_files(path)
+        return None if files is None else llama_titan.hf_config(files[1])
+
+    def named_by(self, checkpoint: Mapping[str, Any]) -> NamedModel | None:
+        """torchtitan's own model of its registry that ``checkpoint.model`` and ``checkpoint.flavor`` name."""
+        if checkpoint.get("model") is None or checkpoint.get("flavor") is None:
+            return None
+        return TORCHTITAN_FACTORY, {"name": checkpoint["model"], "flavor": checkpoint["flavor"]}
+
+    def naming_of(self, model: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``checkpoint.model`` and ``checkpoint.flavor`` of a ``model=torchtitan`` section (its ``name`` and
+        ``flavor``)."""
+        if model.get("factory") != TORCHTITAN_FACTORY:
+            return None
+        kwargs = model.get("kwargs") or {}
+        return {
+            "checkpoint.model": kwargs.get("name", "llama3"),
+            "checkpoint.flavor": kwargs.get("flavor", "debugmodel"),
+        }
+
     def newest_in(self, path: str) -> str | None:
         """torchtitan's ``--checkpoint.folder``:
         the ``step-<N>`` folder with the highest N that holds a ``.metadata``, as torchtitan resumes."""
@@ -299,7 +341,9 @@ class Torchtitan(CheckpointLayout):
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         return self._model(path, tree)
 
-    def carried(self, path: str, input_format: str, tree: ModuleTree) -> Carrying:
+    def carried(
+        self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
+    ) -> Carrying:
         """Every item that is neither the model's nor the optimizer's: torchtitan's own entries and the user's."""
         model = self._model(path, tree)
         checkpoint = model.checkpoint

@@ -41,6 +41,9 @@ class ModelMap:
         dtypes: a target state -> the dtype it is written in where that is not the source's: its elements cast as
             torch casts (round to nearest even), a Hugging Face folder's weights in the job's dtype.
         optimizer: whether the target holds an optimizer (its param groups); ``False``: its weights alone.
+        state_dtype: the dtype the target keeps its floating state in where that is not its parameters' (fp32
+            masters and moments beside a bf16 Megatron job's weights; a folder's weights cast): ``None``, the
+            source's (:attr:`~osdpipe.io.formats.base.SourceMeta.state_dtype`).
     """
 
     pieces: Map
@@ -50,6 +53,16 @@ class ModelMap:
     group_keys: tuple[str, ...] = field(default=())
     dtypes: Mapping[str, str] = field(default_factory=dict)
     optimizer: bool = True
+    state_dtype: str | None = None
+    #: What the run warns where the source holds one param group for every parameter and the target's job groups them
+    #: otherwise (Megatron's two groups: no weight decay for the 1-D norms); ``None``: nothing to say.
+    one_group: str | None = None
+
+    def members(self, group: Iterable[str], targets: Iterable[str]) -> list[str]:
+        """The parameters of ``targets`` (in their order) a param group of the source's (its parameters' names) holds
+        in the target: each where its first piece is read from (a fused parameter's parts are in one group)."""
+        held = set(group)
+        return [t for t in targets if self.pieces[t][0].fqn in held]
 
 
 class MappedReader:
@@ -83,12 +96,13 @@ class MappedReader:
             for group in inner.param_groups:
                 members = set(group["params"])
                 kept = {k: v for k, v in group.items() if k not in self.mapping.group_keys}
-                groups.append({**kept, "params": [t for t in self.shapes
-                                                  if self.mapping.pieces[t][0].fqn in members]})
-        # a cast (a folder's weights in the job's dtype) keeps them in another dtype than the model's parameters
-        kept = next(iter(self.mapping.dtypes.values()), None) if self.mapping.dtypes else inner.state_dtype
+                groups.append({**kept, "params": self.mapping.members(members, self.shapes)})
+        notes = list(inner.notes)
+        if self.mapping.one_group is not None and groups is not None and len(groups) == 1:
+            notes.append(self.mapping.one_group)
         return SourceMeta(state=state, param_groups=groups, extra=inner.extra, buffers=inner.buffers,
-                          carried=inner.carried, notes=inner.notes, state_dtype=kept)
+                          carried=inner.carried, notes=notes,
+                          state_dtype=self.mapping.state_dtype or inner.state_dtype)
 
     def _described(self, target: str, name: str, value: Any) -> Any:
         """A source state's description as state ``name`` of the target parameter ``target``: its shape, the source's

@@ -46,7 +46,8 @@ def gpt_map(path: str, naming: str, *, weights_alone: bool = False, dtype: str |
         raise InputError(f"{folder}: {exc}") from None
     model = (FACTORY, {"args": layout_args(args)})
     if weights_alone:
-        return ModelMap(pieces, weights, model, dtypes={WEIGHTS: dtype or hf_dtype(common)}, optimizer=False)
+        written = dtype or hf_dtype(common)  # kept in that dtype beside the model's fp32 parameters
+        return ModelMap(pieces, weights, model, dtypes={WEIGHTS: written}, optimizer=False, state_dtype=written)
     states = weights if saved_alone else {**weights, **{m: m for m in MOMENTS}, "step": "step"}
     return ModelMap(pieces, states, model, group_keys=(*SCHEDULERS_KEYS, "step"))
 

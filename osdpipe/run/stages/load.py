@@ -36,7 +36,8 @@ def open_input(plan: Plan, described: bool = False) -> SourceReader:
     remote_input.configure(plan.spec.runtime.storage_options, plan.spec.runtime.memory_budget)
     if plan.checkpoint.whole:
         return open_whole(plan.checkpoint, plan.input_path, plan.input_format, tree=plan.tree, source=plan.source_spec,
-                          written_in=plan.output_checkpoint, described=described, dtype=plan.spec.output.dtype)
+                          written_in=plan.output_checkpoint, described=described, dtype=plan.spec.output.dtype,
+                          named=plan.checkpoint.named_by(plan.spec.checkpoint.model_dump()))
     groups = source_id_groups(plan.spec, plan.input_format)
     return open_source(
         plan.input_format,
