@@ -1,5 +1,4 @@
-"""How much memory a process held at its peak: resident (RSS) and anonymous (not backed by a file); and how much
-the machine has left to give it (:func:`available_bytes`), which a conversion that holds its source whole asks first.
+"""How much memory a process held at its peak: resident (RSS) and anonymous (not backed by a file).
 
 Memory-mapped input counts in RSS, but the kernel can drop those pages at any
 time; anonymous memory (tensors osdpipe made, buffers) is what a conversion
@@ -80,32 +79,6 @@ def _peak_rss() -> int:
         return hwm
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024
-
-
-_MEMINFO = Path("/proc/meminfo")
-#: Each cgroup version's limit on this process's group and what the group holds now (a container's or a scheduler
-#: job's own limit, which ``/proc/meminfo`` does not see): v2's, then v1's (whose "no limit" is a huge number).
-_CGROUPS = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
-            (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
-
-
-def available_bytes() -> int | None:
-    """What this machine can still give this process, in bytes: the kernel's ``MemAvailable`` (memory it can hand
-    out without swapping) and ``SwapFree``, less where a cgroup's limit (a container's, a scheduler job's) leaves
-    less; ``None`` where ``/proc/meminfo`` cannot be read: nothing is known, so nothing is refused on it."""
-    try:
-        fields = dict(line.split(":", 1) for line in _MEMINFO.read_text().splitlines() if ":" in line)
-        free = (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-    for limit_file, usage_file in _CGROUPS:
-        try:
-            limit = limit_file.read_text().strip()
-            if limit != "max":
-                free = min(free, max(0, int(limit) - int(usage_file.read_text().strip())))
-        except (OSError, ValueError):
-            continue
-    return free
 
 
 class MemoryWatch:

@@ -10,11 +10,11 @@ from pathlib import Path
 from cloudenv import S3
 from helpers import run_cli_cases, run_osdpipe, user_env
 from hf_llama_folder import write_llama
+from megatron_oracle import read_save
+from megatron_oracle_check import roundtrip_problems
 from synthetic_megatron import synthetic_save
 
 from osdpipe.io import remote_output
-from osdpipe.io.formats.megatron import read_save
-from osdpipe.verify.megatron import roundtrip_problems
 
 RECORDS = ("manifest.json", "report.json", "osdpipe.log")
 

@@ -35,9 +35,10 @@ import pytest
 import torch
 from frameworks import mcore
 from helpers import run_cli_cases, run_command, user_env
+from megatron_oracle import read_save
 
 from osdpipe.io.checkpoints.megatron_foreign import FRESH as FRESH_OPTIMIZER
-from osdpipe.io.formats.megatron import gpt_of, read_save
+from osdpipe.io.formats.megatron import gpt_of
 from osdpipe.io.hf_folder import read_weights
 from osdpipe.layout.megatron import Gpt
 from osdpipe.layout.megatron_hf import from_hf

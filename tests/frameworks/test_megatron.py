@@ -2,11 +2,12 @@
 
 Real megatron-core 0.16.1 trains the test's own GPT (GQA, SwiGLU, RoPE, RMSNorm, untied, vocabulary 1000 padded to
 1024 x TP) 3 steps on 4 CPU ranks with its DistributedOptimizer and saves the folder Megatron-LM writes
-(:mod:`frameworks.mcore`), beside the state gathered from the live job (the truth). osdpipe's reader
-(:func:`osdpipe.io.formats.megatron.read_save`) must give back every weight, fp32 master and moment, the step and the
-param groups, for both sharding types Megatron-LM writes (``dp_reshardable``, its default, whose buckets are laid
-out by :mod:`osdpipe.layout.megatron`, and ``fully_reshardable``), at TP, PP, DP and in bf16; and each bucket's
-layout must be the one megatron-core built (the truth carries it, measured from the live buffers), with Megatron-LM's
+(:mod:`frameworks.mcore`), beside the state gathered from the live job (the truth). osdpipe's range reader
+(:mod:`osdpipe.io.formats.megatron_reader`) and the test oracle the other tests read saves with
+(:func:`megatron_oracle.read_save`) must give back every weight, fp32 master and moment, the step and the param
+groups, for both sharding types Megatron-LM writes (``dp_reshardable``, its default, whose buckets are laid out by
+:mod:`osdpipe.layout.megatron`, and ``fully_reshardable``), at TP, PP, DP and in bf16; and each bucket's layout must
+be the one megatron-core built (the truth carries it, measured from the live buffers), with Megatron-LM's
 linear biases (``--add-bias-linear``, its default) and with ``linear_qkv``'s alone (``--add-qkv-bias``), and for
 Megatron-LM's default GPT (LayerNorm, a learned position table, GeLU, the output layer tied to the word embedding: over
 PP the last stage's copy of it, a bucket of its own on either stage). Bad inputs are refused in one line. The sharding
@@ -36,13 +37,14 @@ import torch
 from frameworks import mcore
 from frameworks.mcore_saves import CONVERTED, SAVES, resumed_path, saved
 from helpers import run_cli_cases
+from megatron_oracle import read_save
+from megatron_oracle_writer import Target, write_save
 from synthetic_megatron import write_with_the_tied_copy_changed
 
 import osdpipe
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, gpt_of, read_save
+from osdpipe.io.formats.megatron import DEFAULT_OUTPUT, gpt_of
 from osdpipe.io.formats.megatron_reader import MegatronFiles, read_pieces
-from osdpipe.io.formats.megatron_writer import Target, write_save
 from osdpipe.layout import megatron as layout
 from osdpipe.layout.megatron_grid import OPTIMIZER_STATES
 from osdpipe.layout.ranges import WEIGHTS

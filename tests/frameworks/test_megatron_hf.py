@@ -2,8 +2,8 @@
 
 Real megatron-core 0.16.1 trains the harness's GPT (GQA 4 heads / 2 groups, SwiGLU, RoPE, RMSNorm, untied, vocabulary
 1000 padded to 1024) 3 steps on 1 CPU rank, saves it as Megatron-LM saves (:mod:`frameworks.mcore`), and computes its
-own logits on fixed tokens (``--logits``: the eval forward of the trained GPTModel). osdpipe reads the save
-(:func:`osdpipe.io.formats.megatron.read_save`), maps the fp32 masters and the model weights with :func:`to_hf`, and
+own logits on fixed tokens (``--logits``: the eval forward of the trained GPTModel). The test oracle reads the save
+(:func:`megatron_oracle.read_save`), maps the fp32 masters and the model weights with :func:`to_hf`, and
 transformers' ``LlamaForCausalLM(LlamaConfig(**hf_config(args)))`` loads them (``strict``) and computes the logits on
 the same tokens.
 
@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 from frameworks import mcore
+from megatron_oracle import read_save
 
-from osdpipe.io.formats.megatron import gpt_of, read_save
+from osdpipe.io.formats.megatron import gpt_of
 from osdpipe.layout.megatron_hf import from_hf, hf_config, to_hf, true_vocab_size
 
 pytestmark = [

@@ -26,8 +26,9 @@ import torch
 from frameworks import mcore
 from frameworks.mcore_saves import SAVES
 from helpers import run_osdpipe
+from megatron_oracle import read_save
 
-from osdpipe.io.formats.megatron import gpt_of, read_save
+from osdpipe.io.formats.megatron import gpt_of
 from osdpipe.io.hf_folder import read_weights
 from osdpipe.layout.megatron_hf import from_hf
 

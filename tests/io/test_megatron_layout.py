@@ -1,4 +1,7 @@
-"""Megatron's layout rules and osdpipe's writer, without Megatron: padding, buckets, a vocabulary that changes size.
+"""Megatron's layout rules, without Megatron: padding, buckets, a vocabulary that changes size.
+
+The command's conversions are held against the test oracle (tests/support/megatron_oracle*.py: a save read and
+written whole in memory), and the oracle's writer against the layout rules.
 
 Real megatron-core saves and loads are in tests/frameworks/test_megatron.py; these are the cases its test model never
 meets: a parameter whose size is not a multiple of 64 (a gap before the next one), and a target TP whose padded
@@ -14,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_cli_cases, user_env
+from megatron_oracle import read_save
+from megatron_oracle_check import read_back_problems, roundtrip_problems
+from megatron_oracle_writer import Target, write_save
 from synthetic_megatron import synthetic_save, write_with_the_tied_copy_changed
 
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.megatron import read_save
-from osdpipe.io.formats.megatron_writer import Target, write_save
 from osdpipe.layout import megatron as layout
-from osdpipe.verify.megatron import read_back_problems, roundtrip_problems
 
 
 def test_megatron_pads_the_vocabulary_to_a_multiple_of_its_divisor_times_tp() -> None:
@@ -248,17 +251,22 @@ def test_a_weight_the_layout_has_no_place_for_is_named_not_dropped(tmp_path: Pat
         _refuse_unknown_tensors(checkpoint, shapes)
 
 
-def test_damaged_and_missing_files_are_named_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader", ["product", "oracle"])
+def test_damaged_and_missing_files_are_named_in_one_line(tmp_path: Path, reader: str) -> None:
+    """By the product's reader (:class:`~osdpipe.io.formats.megatron_reader.MegatronFiles`) and the test oracle's."""
+    from osdpipe.io.formats.megatron_reader import MegatronFiles
+
+    read = MegatronFiles if reader == "product" else read_save
     folder = synthetic_save(tmp_path, tp=1) / "iter_0000007"
     (folder / ".metadata").write_bytes(b"not a pickle")
     with pytest.raises(InputError, match=r"\.metadata"):
-        read_save(folder)
+        read(folder)
     (folder / "common.pt").unlink()
     with pytest.raises(InputError, match="holds no common.pt"):
-        read_save(folder)
+        read(folder)
     (folder / "metadata.json").write_text('{"sharded_backend": "zarr"}')
     with pytest.raises(InputError, match="sharded_backend 'zarr'"):
-        read_save(folder)
+        read(folder)
 
 
 def test_a_missing_data_file_fails_the_command_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
@@ -499,7 +507,7 @@ class _FlattenedItem:
 def test_a_fully_sharded_model_space_item_is_put_back_from_its_flattened_chunks() -> None:
     """A stacked weight (2 layers of 6 x 4, TP2 over rows, stored (2, 2, 1, 12)), one chunk cut between two DP ranks:
     every element lands where the global tensor has it; an item of another shape or with a missing part is refused."""
-    from osdpipe.io.formats.megatron import _unflattened
+    from megatron_oracle import _unflattened
 
     key, full = "optimizer.state.exp_avg.w", torch.arange(48, dtype=torch.float32).reshape(2, 6, 4)
     stored = torch.stack([torch.stack([full[layer, 3 * t : 3 * (t + 1)].reshape(1, 12) for t in range(2)])
@@ -578,7 +586,10 @@ def test_only_the_first_stages_first_chunk_is_bucketed_and_only_with_overlap_gra
 
 def test_a_save_in_other_buckets_than_its_args_lay_out_is_refused_in_one_line(tmp_path: Path, monkeypatch) -> None:
     """A save whose buckets its args do not describe (a bucket size they do not name) is refused rather than
-    misread; one whose domain lacks a bucket its layout has is damaged: named, to re-copy."""
+    misread; one whose domain lacks a bucket its layout has is damaged: named, to re-copy. By the test oracle's reader
+    and the product's."""
+    from osdpipe.io.formats.megatron_reader import MegatronFiles
+
     folder = synthetic_save(tmp_path, tp=1, ddp=BUCKETED)
     common = folder / "iter_0000007" / "common.pt"
     held = torch.load(common, weights_only=False)
@@ -587,11 +598,16 @@ def test_a_save_in_other_buckets_than_its_args_lay_out_is_refused_in_one_line(tm
     with pytest.raises(InputError, match=r"cut into \d+ buckets where its args lay out 1 \(one bucket: overlap_grad_"
                                          r"reduce, ddp_bucket_size, ddp_num_buckets\); it is not the job its args"):
         read_save(folder)
+    with pytest.raises(InputError, match=r"cut into \d+ buckets where its args lay out 1 \(overlap_grad_reduce, "
+                                         r"ddp_bucket_size, ddp_num_buckets\); it is not the job its args"):
+        MegatronFiles(folder).pieces("output_layer.weight", "exp_avg", 0, 1)  # the product's reader
     one = synthetic_save(tmp_path / "one", tp=1)
     real = layout.buckets
     monkeypatch.setattr(layout, "buckets", lambda params, dp, how: [*real(params, dp, how), *real(params, dp, how)])
     with pytest.raises(InputError, match=r"domain 0 is missing buckets \(it holds \[0\] of 2\); re-copy"):
         read_save(one)
+    with pytest.raises(InputError, match=r"domain 0 is missing buckets \(it holds \[0\] of 2\); re-copy"):
+        MegatronFiles(one).pieces("output_layer.weight", "exp_avg", 0, 1)
 
 
 @pytest.mark.parametrize(("change", "said"), [

@@ -1,9 +1,6 @@
-"""A Megatron conversion into another Megatron grid reads its source by ranges, through the stages every conversion
-runs: under ``runtime.memory_budget`` a rank holds the budget, not the save. A conversion by Megatron's own stages
-(a Hugging Face folder of the save; a PyTorch job's layout) still holds the save's tensors it reads: a save that needs
-more memory than the machine has available is refused in one line before anything is read or written, rather than
-killed for memory hours into the read; what the machine has available is the kernel's own figure, or a cgroup's limit
-where that is lower."""
+"""A Megatron conversion reads its source by ranges, through the stages every conversion runs: under
+``runtime.memory_budget`` a rank holds the budget, not the save; the config's look at a save reads no tensor; and a
+conversion reads only the stored tensors its output needs, each once."""
 
 from __future__ import annotations
 
@@ -16,46 +13,9 @@ import pytest
 from helpers import run_command, user_env
 from synthetic_megatron import synthetic_save
 
-from osdpipe.core import memory
 from osdpipe.io import checkpoints
-from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.dcp_reader import DcpCheckpoint
-from osdpipe.io.formats.megatron import iteration_folder, read_save, stored_bytes
-
-
-def _meminfo(path: Path, available_kb: int, swap_kb: int) -> Path:
-    path.write_text(f"MemTotal:       99999999 kB\nMemFree:          1 kB\nMemAvailable:   {available_kb} kB\n"
-                    f"SwapTotal:      {swap_kb} kB\nSwapFree:       {swap_kb} kB\n")
-    return path
-
-
-@pytest.mark.parametrize("version", ["v2", "v1"])
-def test_available_memory_is_memavailable_and_swapfree_or_a_lower_cgroup_limit(tmp_path: Path, monkeypatch,
-                                                                               version: str) -> None:
-    monkeypatch.setattr(memory, "_MEMINFO", _meminfo(tmp_path / "meminfo", 1000, 24))
-    limit, usage = tmp_path / "limit", tmp_path / "usage"
-    monkeypatch.setattr(memory, "_CGROUPS", ((limit, usage),))
-    assert memory.available_bytes() == 1024 * 1024  # no cgroup files: the kernel's figure
-    limit.write_text("max\n" if version == "v2" else f"{2**63 - 4096}\n")
-    usage.write_text("5\n")
-    assert memory.available_bytes() == 1024 * 1024  # no limit
-    limit.write_text("400005\n")
-    assert memory.available_bytes() == 400000  # the group's limit, less what it holds, is lower
-    limit.write_text(str(10**12))
-    assert memory.available_bytes() == 1024 * 1024  # a limit above what the machine has: the machine's
-    monkeypatch.setattr(memory, "_MEMINFO", tmp_path / "absent")
-    assert memory.available_bytes() is None  # nothing known: nothing is refused on it
-
-
-def test_the_saves_stored_bytes_are_what_reading_it_holds_and_its_padding(tmp_path: Path) -> None:
-    """What the refusal stands on: the tensors the save's metadata lists are, in bytes, what the read holds, and the
-    padding a dp_reshardable bucket puts between its parameters (at most 63 elements each: 0.4 % of this tiny model,
-    nothing of a real one), which every conversion's output, held beside, outweighs."""
-    source = synthetic_save(tmp_path, tp=2)
-    save = read_save(source)
-    held = sum(t.nbytes for t in save.model.values()) + sum(t.nbytes for s in save.optim.values() for t in s.values())
-    padding = 63 * 4 * len(save.optim) * len(next(iter(save.optim.values()))) * 2  # per state, parameter and TP rank
-    assert held <= stored_bytes(DcpCheckpoint(str(iteration_folder(source)), None)) <= held + padding
+from osdpipe.io.formats.megatron import iteration_folder
 
 
 def test_a_conversion_holds_the_budget_not_the_save(tmp_path: Path) -> None:
@@ -148,28 +108,18 @@ def test_a_conversion_into_a_pytorch_job_reads_the_masters_for_the_modules_weigh
 
 
 @pytest.mark.parametrize("grid", ["dp_reshardable", "fully_reshardable"])
-def test_a_hugging_face_folder_reads_the_fp32_masters_alone(tmp_path: Path, monkeypatch, grid: str) -> None:
+def test_a_hugging_face_folder_reads_the_fp32_masters_alone(tmp_path: Path, grid: str) -> None:
     """``output.checkpoint=hf`` writes the fp32 masters: the command and ``osdpipe check`` read those alone, each
     once, never the module's weights or the moments (a dp_reshardable save's ``param`` buckets, a model-space save's
-    ``optimizer.state.param`` items), and the memory refusal counts them alone."""
+    ``optimizer.state.param`` items)."""
     import osdpipe
-    from osdpipe.io.formats.megatron import MASTERS
 
     source = synthetic_save(tmp_path, tp=2)
     if grid == "fully_reshardable":
         osdpipe.reshard_megatron(source, tmp_path / "model_space", tp=2, dp=1, optim_format=grid)
         source = tmp_path / "model_space"
-    checkpoint = DcpCheckpoint(str(iteration_folder(source)), None)
-    masters = stored_bytes(checkpoint, weights=False, states=MASTERS)
-    assert 0 < masters < stored_bytes(checkpoint, weights=False)
     out = tmp_path / "hf"
     for args in (["checkpoint=megatron", f"input.path={source}", "output.checkpoint=hf", f"output.path={out}"],
                  ["check", str(out)]):
         read = _stored_reads(tmp_path, *args)
         assert all(flat.endswith(".param") or flat.startswith("optimizer.state.param.") for flat in read), read[:3]
-    monkeypatch.setattr(memory, "available_bytes", lambda: masters - 1)
-    with pytest.raises(InputError, match=r"reading this save's optimizer states \(param\) takes"):
-        read_save(source, within_memory=True, weights=False, states=MASTERS)
-    monkeypatch.setattr(memory, "available_bytes", lambda: masters)
-    assert set(next(iter(read_save(source, within_memory=True, weights=False, states=MASTERS).optim.values()))) == {
-        "param"}

@@ -14,11 +14,12 @@ import pytest
 import torch
 from helpers import run_command, user_env
 from hf_llama_folder import CONFIG, write_llama
+from megatron_oracle import read_save
+from megatron_oracle_check import hf_source_problems
 
 from osdpipe.io import hf_folder
-from osdpipe.io.formats.megatron import gpt_of, read_save
+from osdpipe.io.formats.megatron import gpt_of
 from osdpipe.layout import megatron_hf
-from osdpipe.verify.megatron import hf_source_problems
 
 
 def osdpipe(cwd: Path, *args: str):
@@ -118,56 +119,6 @@ def test_inspect_names_the_folder_and_the_command(tmp_path: Path) -> None:
     # a training run's folder with the same files (the HF Trainer's checkpoint-<N>) is not read as a model folder
     (tmp_path / "hf" / "trainer_state.json").write_text("{}")
     assert "layout       hf" not in osdpipe(tmp_path, "inspect", "hf").stdout
-
-
-
-
-class _State(dict):
-    """A source state's tensors, as a reader returns them: a dict that can be watched for being let go."""
-
-
-def test_the_source_is_asked_one_state_at_a_time_and_each_let_go_before_the_next(tmp_path: Path) -> None:
-    """hf_source_problems holds a Megatron save with Adam's state against the Hugging Face source's, one state at a
-    time: the source's tensors of a state are let go before the next state's are asked for (what keeps the verify
-    stage of HF -> Megatron from holding a second copy of the source), and one wrong element of a moment is named."""
-    import dataclasses
-    import gc
-    import weakref
-
-    state = write_llama(tmp_path / "hf")
-    assert osdpipe(tmp_path, "checkpoint=hf", "input.path=hf", "target.tp_size=2", "target.world_size=2",
-                   "output.path=out").returncode == 0
-    weights_only = read_save(tmp_path / "out")
-    gpt = gpt_of(weights_only.args)
-    torch.manual_seed(0)
-    moments = {m: {k: torch.randn_like(t) for k, t in state.items()} for m in ("exp_avg", "exp_avg_sq")}
-    hf = {"weights": state, **moments}
-    padded = int(weights_only.args["padded_vocab_size"])
-    mapped = {s: megatron_hf.from_hf(gpt, tensors, padded) for s, tensors in hf.items()}
-    save = dataclasses.replace(weights_only, sharding="fully_reshardable", optim={
-        k: {"param": mapped["weights"][k], "exp_avg": mapped["exp_avg"][k], "exp_avg_sq": mapped["exp_avg_sq"][k]}
-        for k in mapped["weights"]})
-    asked: list[str] = []
-    last: list[weakref.ref] = []
-    off: list[tuple[str, str, int]] = []  # (state, name, index): an element the source holds one higher
-
-    def source(name: str) -> _State:
-        gc.collect()
-        assert not last or last[-1]() is None, f"{asked[-1]}'s tensors were still held when {name}'s were asked for"
-        asked.append(name)
-        got = _State({k: t.clone() for k, t in hf[name].items()})
-        for state_name, key, index in off:
-            if state_name == name:
-                got[key].view(-1)[index] += 1.0
-        last.append(weakref.ref(got))
-        return got
-
-    assert hf_source_problems(gpt, 50, source, 0.0, [], save) == []
-    assert asked == ["weights", "exp_avg", "exp_avg_sq"]
-    off.append(("exp_avg_sq", "model.norm.weight", 7))
-    last.clear()
-    assert hf_source_problems(gpt, 50, source, 0.0, [], save) == [
-        "exp_avg_sq model.norm.weight: differs from the Hugging Face source's"]
 
 
 def test_inspect_says_a_release_save_is_weights_only_and_how_to_convert_it(tmp_path: Path) -> None:

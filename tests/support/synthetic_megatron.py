@@ -1,6 +1,6 @@
-"""A Megatron-LM save of random state, written by osdpipe's own writer: the tests that need a Megatron save but not
-megatron-core's training (layout rules, the command's errors, object storage). Real megatron-core saves are
-tests/frameworks/mcore_saves.py's."""
+"""A Megatron-LM save of random state, written by the test oracle's writer (:mod:`megatron_oracle_writer`): the tests
+that need a Megatron save but not megatron-core's training (layout rules, the command's errors, object storage). Real
+megatron-core saves are tests/frameworks/mcore_saves.py's."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import megatron_oracle_writer
 import torch
+from megatron_oracle import MegatronSave
+from megatron_oracle_writer import Target, target_args, write_save
 
-from osdpipe.io.formats.megatron import MegatronSave
-from osdpipe.io.formats.megatron_writer import Target, target_args, write_save
 from osdpipe.layout import megatron as layout
 
 #: A small GPT's Megatron-LM args (the divisor 96 makes the padded vocabulary change with TP).
@@ -26,11 +27,11 @@ ARGS = {
 def synthetic_save(tmp_path: Path, tp: int, seed: int = 0, *, pp: int = 1, tied: bool = False,
                    layers: int = 2, width: int = 32, vocab: int = 1000, ddp: dict | None = None,
                    bf16: bool = False) -> Path:
-    """A Megatron-LM save of random state at TP ``tp`` and PP ``pp``, written by osdpipe's writer (as the benchmark
-    makes its own) into ``tmp_path / f"tp{tp}"``; ``tied``: the word embedding tied to the output layer (over PP the
-    last stage holds a copy); ``layers``, ``width`` (the hidden size; the FFN's is twice it) and ``vocab``: the
-    GPT's; ``ddp``: Megatron-LM's DDP args of the job (``overlap_grad_reduce``, ``ddp_bucket_size``: its buckets);
-    ``bf16``: a bf16 job's (``args.bf16``, the model's weights its masters rounded to bf16)."""
+    """A Megatron-LM save of random state at TP ``tp`` and PP ``pp``, written by the oracle's writer into
+    ``tmp_path / f"tp{tp}"``; ``tied``: the word embedding tied to the output layer (over PP the last stage holds a
+    copy); ``layers``, ``width`` (the hidden size; the FFN's is twice it) and ``vocab``: the GPT's; ``ddp``:
+    Megatron-LM's DDP args of the job (``overlap_grad_reduce``, ``ddp_bucket_size``: its buckets); ``bf16``: a bf16
+    job's (``args.bf16``, the model's weights its masters rounded to bf16)."""
     grid = Target(tp, pp, 1, "dp_reshardable")
     dims = {"hidden_size": width, "ffn_hidden_size": 2 * width, "kv_channels": width // 4, "vocab_size": vocab}
     args = target_args({**ARGS, **dims, "iteration": 7, "untie_embeddings_and_output_weights": not tied,
@@ -56,13 +57,12 @@ def synthetic_save(tmp_path: Path, tp: int, seed: int = 0, *, pp: int = 1, tied:
 
 @contextmanager
 def one_element_changed(chosen: Callable[[str], bool], index: int) -> Iterator[list[str]]:
-    """Inside, osdpipe's Megatron writer writes element ``index`` of the first item it makes as it writes (a bucket, a
-    padded vocabulary tensor) whose key ``chosen`` picks one more than it should be; the list given names the item."""
-    from osdpipe.io.formats import megatron_writer
+    """Inside, the oracle's Megatron writer writes element ``index`` of the first item it makes as it writes (a
+    bucket, a padded vocabulary tensor) whose key ``chosen`` picks one more than it should be; the list given names
+    the item."""
+    real, picked = megatron_oracle_writer._dcp_save, []
 
-    real, picked = megatron_writer._dcp_save, []
-
-    def dcp_save(items, folder, workers, made):
+    def dcp_save(items, folder, made):
         key = next(k for k, v in items.items() if chosen(k) and isinstance(v, torch.Tensor)
                    and made.fills(v.untyped_storage()))
         wrong, dtype, real_windows = items[key].untyped_storage()._cdata, items[key].dtype, made.windows
@@ -76,19 +76,19 @@ def one_element_changed(chosen: Callable[[str], bool], index: int) -> Iterator[l
 
         made.windows = windows
         picked.append(key)
-        return real(items, folder, workers, made)
+        return real(items, folder, made)
 
-    megatron_writer._dcp_save = dcp_save
+    megatron_oracle_writer._dcp_save = dcp_save
     try:
         yield picked
     finally:
-        megatron_writer._dcp_save = real
+        megatron_oracle_writer._dcp_save = real
 
 
 def write_with_the_tied_copy_changed(save: MegatronSave, folder: Path) -> None:
-    """``save`` written by osdpipe's writer at TP1 PP2 ``dp_reshardable``, but one element of the last stage's copy of
-    the tied embedding (domain 1, bucket 0: the copy alone) wrong in its ``exp_avg``: a save whose two copies of the
-    tied embedding differ, which Megatron never writes."""
+    """``save`` written by the oracle's writer at TP1 PP2 ``dp_reshardable``, but one element of the last stage's copy
+    of the tied embedding (domain 1, bucket 0: the copy alone) wrong in its ``exp_avg``: a save whose two copies of
+    the tied embedding differ, which Megatron never writes."""
     with one_element_changed(lambda key: key.startswith("optimizer.distributed.dp_group_idx_1.")
                              and key.endswith("bucket_idx_0.exp_avg"), 3):
         write_save(save, folder, Target(1, 2, 1, "dp_reshardable"))

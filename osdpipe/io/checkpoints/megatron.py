@@ -1,7 +1,7 @@
 """Megatron-LM's layout of a whole checkpoint, as ``osdpipe inspect`` names it and ``checkpoint=megatron`` reads it.
 
 A save folder (``latest_checkpointed_iteration.txt``, ``iter_<7 digits>/``), its iteration folder one DCP checkpoint
-beside ``common.pt`` and ``metadata.json`` (:mod:`osdpipe.io.formats.megatron` reads it whole). It says every entry
+beside ``common.pt`` and ``metadata.json`` (:mod:`osdpipe.io.formats.megatron` names its files). It says every entry
 with its size, the parallelism and sharding type that saved it, the model's dimensions from ``args``, and what osdpipe
 cannot lay out yet.
 

@@ -1,6 +1,10 @@
-"""Write a Megatron-LM ``torch_dist`` save for any TP x PP x DP, from a save read whole, without Megatron.
+"""A test oracle: a Megatron-LM ``torch_dist`` save written whole from memory for any TP x PP x DP, without Megatron.
 
-What the target's Megatron loads depends on the parallelism only where Megatron-LM decides from it:
+The product writes a save rank by rank through the stage loop (:mod:`osdpipe.io.checkpoints.megatron`); this writer is
+an independent one, kept for the tests and benchmarks: it makes the small sources they convert
+(:mod:`synthetic_megatron`) and writes a save read whole (:mod:`megatron_oracle`) for another grid, for the tests to
+hold the product's layout against. It holds the save in memory and writes its DCP files in one process: for small saves
+only. What it decides from the target's parallelism, as Megatron-LM does:
 
 * ``common.pt``'s ``args`` are rewritten for the target (``tensor_model_parallel_size``,
   ``pipeline_model_parallel_size``, ``data_parallel_size``, ``world_size``, ``padded_vocab_size``,
@@ -8,21 +12,15 @@ What the target's Megatron loads depends on the parallelism only where Megatron-
   load the RNG states and a ``dp_reshardable`` optimizer, and refuses a mismatch;
 * the vocabulary is padded as Megatron-LM pads it for the target's TP
   (:func:`osdpipe.layout.megatron.padded_vocab_size`): the source's rows are kept up to the target's padded size,
-  and rows the target adds are zero, weights, masters and moments alike (no token reaches them; zero moments are
-  what a fresh optimizer holds);
+  and rows the target adds are zero, weights, masters and moments alike;
 * a ``dp_reshardable`` optimizer is laid out in the target's buckets (:func:`osdpipe.layout.megatron.buckets`),
-  the padding between and after parameters zero;
+  the padding between and after parameters zero, each bucket made as it is written (:mod:`megatron_oracle_deferred`);
 * the RNG states are one per target (PP, TP) rank: the source's where the grid is the same, otherwise those of source
-  rank (PP mod the source's PP, TP mod the source's TP), so every tensor-parallel rank keeps a distinct
-  model-parallel stream; the caller reports which.
+  rank (PP mod the source's PP, TP mod the source's TP).
 
-The model's and a ``fully_reshardable`` optimizer's tensors are global, as Megatron keys them, and Megatron's load reads
-each rank's piece of them: the DCP files are written by one process, and any target parallelism loads them.
-
-A save of the weights alone (:attr:`MegatronSave.weights_only`, ``Target.sharding`` ``None``) is written without
-optimizer items, param groups or scheduler, ``args.no_save_optim`` and ``args.no_save_rng`` set as Megatron-LM's
-``--no-save-optim --no-save-rng`` set them; a ``release`` source (a converted model's) into ``release/``, which
-Megatron-LM's ``load_checkpoint`` loads at iteration 0 with a fresh optimizer, scheduler and RNG, with no flags.
+A save of the weights alone (:attr:`megatron_oracle.MegatronSave.weights_only`, ``Target.sharding`` ``None``) is
+written without optimizer items, param groups or scheduler, ``args.no_save_optim`` and ``args.no_save_rng`` set as
+Megatron-LM's ``--no-save-optim --no-save-rng`` set them; a ``release`` source into ``release/``.
 """
 
 from __future__ import annotations
@@ -35,14 +33,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import megatron_oracle_deferred as deferred
 import torch
+from megatron_oracle import MegatronSave
 
-from osdpipe.io.formats import megatron_deferred as deferred
 from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.inert_load import Record
-from osdpipe.io.formats.megatron import COMMON, LATEST, RELEASE, STATES, WRITTEN_TYPES, MegatronSave, gpt_of
+from osdpipe.io.formats.megatron import COMMON, LATEST, RELEASE, STATES, gpt_of
 from osdpipe.layout import megatron as layout
 from osdpipe.layout.megatron import VOCAB_KEYS
+
+#: The optimizer's sharding types written (megatron-core 0.14 and later no longer save nor load
+#: ``fully_sharded_model_space``).
+WRITTEN_TYPES = ("dp_reshardable", "fully_reshardable")
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,11 @@ def target_args(args: dict[str, Any], target: Target) -> dict[str, Any]:
     return out
 
 
-def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1) -> Written:
+def write_save(save: MegatronSave, into: Path, target: Target) -> Written:
     """Write ``save`` for ``target`` into ``into`` as a Megatron-LM save folder (``latest_checkpointed_iteration.txt``
-    and ``iter_<N>/``); ``into`` is made, and must hold no save yet. The caller commits it (osdpipe's API stages it
-    and renames it into place whole: :func:`osdpipe.api.reshard_megatron`).
+    and ``iter_<N>/``); ``into`` is made, and must hold no save yet.
 
-    The linears' ``_extra_state`` items are carried as they are (they are keyed by global layer). ``workers``
-    processes write the DCP files, a share of the items each (:func:`_dcp_save`).
+    The linears' ``_extra_state`` items are carried as they are (they are keyed by global layer).
 
     Raises:
         InputError: the source's ``args`` hold an object of Megatron's own, which cannot be written without it; or
@@ -142,7 +143,7 @@ def write_save(save: MegatronSave, into: Path, target: Target, workers: int = 1)
         raise InputError(f"{into} holds a Megatron save already; write into an empty directory")
     folder = into / iteration
     folder.mkdir(parents=True)
-    digests = _dcp_save(items, folder, workers, made)
+    digests = _dcp_save(items, folder, made)
     torch.save(_common(save, args, target, optimizer_common), folder / COMMON)
     (folder / "metadata.json").write_text(json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -255,16 +256,11 @@ def _pickled(value: Any) -> bytes:
     return data.getvalue()
 
 
-def _dcp_save(items: dict[str, Any], folder: Path, workers: int, made: deferred.MadeAsWritten) -> dict[str, str]:
-    """The items as a DCP checkpoint of ``workers`` writers, written by osdpipe's DCP writer
-    (:mod:`osdpipe.io.formats.dcp_writer`: at the disk's speed, hashed as written): tensors whole (``made``'s
-    placeholders filled as they are written), every other item a byte item of its own, stored as given (``bytes``: the
-    carried items' stored bytes) or as ``torch.save`` of it.
-
-    Each writer is a forked process that writes its share of the items (:func:`shares`) into a file of its own, as a
-    rank of ``dcp.save`` does; DCP's loaders read any number of files. Returns each file's digest, by name.
-    """
-    from osdpipe.core.forked import each_forked
+def _dcp_save(items: dict[str, Any], folder: Path, made: deferred.MadeAsWritten) -> dict[str, str]:
+    """The items as a DCP checkpoint of one file, written by osdpipe's DCP writer (:mod:`osdpipe.io.formats.dcp_writer`:
+    hashed as written): tensors whole (``made``'s placeholders filled as they are written), every other item a byte
+    item of its own, stored as given (``bytes``: the carried items' stored bytes) or as ``torch.save`` of it. DCP's
+    loaders read any number of files. Returns each file's digest, by name."""
     from osdpipe.io.formats import dcp_writer
     from osdpipe.io.torchfile import filled_as_written
 
@@ -274,27 +270,7 @@ def _dcp_save(items: dict[str, Any], folder: Path, workers: int, made: deferred.
         )
         for key, value in items.items()
     }
-    parts = shares(state, workers)
-    global_plan = dcp_writer.plan(lambda rank: parts[rank], len(parts))
-
-    def write(rank: int) -> tuple[list[Any], dict[str, str]]:
-        with filled_as_written(made):
-            results, files, _ = dcp_writer.write_rank(folder, parts[rank], rank, global_plan)
-        return results, files
-
-    written = each_forked(len(parts), write)
-    digests = {name: digest for _, files in written for name, digest in files.items()}
-    return {**digests, ".metadata": dcp_writer.finish(folder, global_plan, [results for results, _ in written])}
-
-
-def shares(state: dict[str, Any], workers: int) -> list[dict[str, Any]]:
-    """``state``'s items dealt to at most ``workers`` writers, each the next largest to the least loaded (the bytes of
-    each share within one item of each other's); no writer is left without an item."""
-    sizes = {key: v.nbytes if isinstance(v, torch.Tensor) else len(v.raw or b"") for key, v in state.items()}
-    count = max(1, min(workers, len(state)))
-    loads, parts = [0] * count, [dict() for _ in range(count)]
-    for key in sorted(state, key=lambda k: (-sizes[k], k)):
-        least = loads.index(min(loads))
-        parts[least][key] = state[key]
-        loads[least] += sizes[key]
-    return parts
+    global_plan = dcp_writer.plan(lambda rank: state, 1)
+    with filled_as_written(made):
+        results, files, _ = dcp_writer.write_rank(folder, state, 0, global_plan)
+    return {**files, ".metadata": dcp_writer.finish(folder, global_plan, [results])}

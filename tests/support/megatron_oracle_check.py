@@ -1,12 +1,12 @@
-"""Proof of a Megatron-LM save osdpipe wrote: read back, it holds the source's state, bit for bit.
+"""A test oracle's proof of a Megatron-LM save: read back whole (:mod:`megatron_oracle`), it holds a source bit for bit.
 
-The output is read by the same reader as the source (:func:`osdpipe.io.formats.megatron.read_save`), which places
-every bucket and tensor back by the target's layout, so a wrong bucket offset, a piece on the wrong TP rank, a lost
-step or a changed hyperparameter shows as a difference. :func:`read_back_problems` holds each tensor against the
-source's as it is read (:class:`Compared`) and keeps none: the verify stage holds the source and one tensor of the
-output, not a second copy of the state (:func:`written_problems`, which also asks a Hugging Face source's own question
-of the source's save). The vocabulary's rows compare up to the shorter of the two paddings; rows the target adds must
-be zero.
+The tests hold the product's Megatron output (written rank by rank through the stage loop) against its source with
+this check, independent of the product's own ``roundtrip`` check: a save read back by :func:`megatron_oracle.read_save`,
+which places every bucket and tensor back by the target's layout, so a wrong bucket offset, a piece on the wrong TP
+rank, a lost step or a changed hyperparameter shows as a difference. :func:`read_back_problems` holds each tensor
+against the source's as it is read (:class:`Compared`); :func:`roundtrip_problems` two saves read whole;
+:func:`hf_source_problems` a save against the Hugging Face source it was made of. The vocabulary's rows compare up to
+the shorter of the two paddings; rows the target adds must be zero.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron_oracle import Box, MegatronSave, read_save
+from megatron_oracle_deferred import box_of
 
 from osdpipe.core.compare import bits_equal, differing_bits
-from osdpipe.io.formats.megatron import Box, MegatronSave, read_save
-from osdpipe.io.formats.megatron_deferred import box_of
 from osdpipe.layout.megatron import VOCAB_KEYS
 
 #: Param-group entries that are not hyperparameters the output must keep: the members, which the groups do not list.
@@ -46,7 +46,7 @@ def tensor_problem(name: str, source: torch.Tensor, written: torch.Tensor, vocab
 
 
 class Compared:
-    """A :class:`osdpipe.io.formats.megatron.Placement` that holds each tensor of a written save, as it is read back,
+    """A :class:`megatron_oracle.Placement` that holds each tensor of a written save, as it is read back,
     against the source's, and keeps only what differs (:attr:`problems`, then :meth:`missing`)."""
 
     def __init__(self, source: MegatronSave) -> None:
@@ -103,30 +103,12 @@ def _shown(box: Box) -> str:
     return "[" + ", ".join(f"{s.start}:{s.stop}" for s in box) + "]"
 
 
-def read_back_problems(
-    source: MegatronSave, folder: Path, on_read: Callable[[int, int], None] | None = None
-) -> list[str]:
-    """Every way the save osdpipe wrote into ``folder`` does not hold ``source``'s state (:func:`roundtrip_problems`'
-    list), found as it is read: each tensor held against the source's and let go (``on_read``: the reader's
-    progress)."""
+def read_back_problems(source: MegatronSave, folder: Path) -> list[str]:
+    """Every way the save written into ``folder`` does not hold ``source``'s state (:func:`roundtrip_problems`' list),
+    found as it is read: each tensor held against the source's and let go."""
     compared = Compared(source)
-    back = read_save(folder, on_read=on_read, placed=compared)
+    back = read_save(folder, placed=compared)
     return _kind_problem(source, back) or [*compared.problems, *compared.missing(), *_fact_problems(source, back)]
-
-
-def written_problems(
-    source: MegatronSave, folder: Path, also: Callable[[MegatronSave], list[str]] | None = None,
-    on_read: Callable[[int, int], None] | None = None,
-) -> list[str]:
-    """Every way the save written into ``folder`` fails to hold ``source`` (:func:`read_back_problems`: each tensor
-    read back, held against the source's and let go), then what ``also`` finds of ``source`` (a Hugging Face
-    checkpoint's own tensors, mapped back: :attr:`osdpipe.pipeline.megatron.Source.problems`).
-
-    ``also`` is asked of ``source``, not of the save read back: the read-back is proven to hold ``source`` bit for bit
-    (every tensor, param group, step, iteration and scheduler ``also`` could look at), so both answer the same, and
-    asking it of ``source`` spares a second whole copy of the state in memory."""
-    problems = read_back_problems(source, folder, on_read)
-    return problems + (also(source) if also is not None else [])
 
 
 def roundtrip_problems(source: MegatronSave, written: MegatronSave) -> list[str]:

@@ -1,13 +1,14 @@
-"""The tensors of a Megatron output that are not the source's own, made as the writer writes them.
+"""The tensors the test oracle's writer (:mod:`megatron_oracle_writer`) makes from the source's, made as written.
 
 A Megatron-LM save written for another grid holds the source's global tensors as they are, and tensors made from
 them: every ``dp_reshardable`` bucket (each parameter's piece of a state, in the target's bucket order, zeros between
 parameters) and every vocabulary tensor padded for the target's TP (:func:`osdpipe.layout.megatron.padded_vocab_size`).
-Made before the writing, they would be a second copy of the optimizer's state beside the source (all of it, for a
-``dp_reshardable`` target). Here each is a placeholder (:func:`osdpipe.io.torchfile.placeholder`: its size, no memory
-held), and :class:`MadeAsWritten`, a :class:`osdpipe.io.torchfile.Filler`, hands the file its bytes as the writer
-reaches its record, a parameter at a time: the shard stage holds the source and one parameter's piece beside it. The
-bytes are those of the tensor made whole (tests/io/test_megatron_deferred.py compares them).
+Each is a placeholder (:func:`osdpipe.io.torchfile.placeholder`: its size, no memory held), and
+:class:`MadeAsWritten`, a :class:`osdpipe.io.torchfile.Filler`, hands the file its bytes as the writer reaches its
+record, a parameter at a time; a test changes one element of them as they are written
+(:func:`synthetic_megatron.one_element_changed`). The bytes are those of the tensor made whole
+(tests/io/test_megatron_oracle.py compares them). Not the product's path: the product writes a save rank by rank
+through the stage loop.
 """
 
 from __future__ import annotations

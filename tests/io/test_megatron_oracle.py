@@ -1,21 +1,24 @@
-"""A Megatron output's buckets and padded vocabulary are made as they are written, and its read-back is held against
-the source as it is read: the bytes are those of the tensors made whole, and one wrong element anywhere in the output
-fails the comparison."""
+"""The test oracle (tests/support/megatron_oracle*.py) the Megatron tests hold the product's output against is right.
+
+Its writer makes the buckets and padded vocabulary of the small saves the tests convert as it writes them: the bytes
+are those of the tensors made whole. Its read-back check, held against a source as it is read, fails on one wrong
+element anywhere in a save: a check that passes says something of the product's output.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import megatron_oracle_deferred as deferred
 import pytest
 import torch
+from megatron_oracle import read_save
+from megatron_oracle_check import read_back_problems
+from megatron_oracle_deferred import MadeAsWritten
+from megatron_oracle_writer import Target, write_save
 from synthetic_megatron import one_element_changed, synthetic_save
 
-from osdpipe.io.formats import megatron_deferred as deferred
-from osdpipe.io.formats.megatron import read_save
-from osdpipe.io.formats.megatron_deferred import MadeAsWritten
-from osdpipe.io.formats.megatron_writer import Target, write_save
 from osdpipe.layout import megatron as layout
-from osdpipe.verify.megatron import read_back_problems
 
 
 def _joined(windows) -> bytes:
