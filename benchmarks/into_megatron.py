@@ -7,10 +7,10 @@ Run (from the repository root; about 8 GB of free disk):
     git worktree add /tmp/wt_before <commit>
     python benchmarks/into_megatron.py --repeats 3 --checkouts /tmp/wt_before .   # before and after, alternating
 
-The source is made once: the synthetic Megatron-LM save of ``benchmarks/megatron_reshard.py`` (a GPT of Megatron's
-shape, hidden 1024, 4 layers, vocabulary 20000, random fp32 weights, masters and moments: 1.6 GB at TP2 PP2 DP1),
-converted by this checkout into the Hugging Face Llama's accelerate ``save_state`` folder of an FSDP2 job on 2 ranks
-(the fp32 masters as the weights, Adam's moments, the step). Then, alternating in every repeat, each checkout on
+The source is made once: the Megatron-LM save real megatron-core makes in ``benchmarks/megatron_reshard.py`` (hidden
+1024, 20 layers, vocabulary 32000, fp32 weights, masters and moments after one step: 4.4 GB at TP2 DP1), converted
+by this checkout into the Hugging Face Llama's accelerate ``save_state`` folder of an FSDP2 job on 2 ranks (the fp32
+masters as the weights, Adam's moments, the step). Then, alternating in every repeat, each checkout on
 ``PYTHONPATH`` in a fresh process:
 
 * ``convert``: ``osdpipe checkpoint=accelerate input.path=SOURCE output.checkpoint=megatron target.tp_size=2
@@ -66,10 +66,10 @@ def make_source(work: Path) -> Path:
     source = work / "accelerate"
     if (source / "manifest.json").exists():
         return source / "dcp"
-    megatron = work / "megatron"
+    megatron = work / "megatron" / "source"  # where megatron_reshard.make_source saves
     if not (megatron / "latest_checkpointed_iteration.txt").exists():
-        shutil.rmtree(megatron, ignore_errors=True)
-        megatron_reshard.make_source(megatron)
+        shutil.rmtree(megatron.parent, ignore_errors=True)
+        megatron = megatron_reshard.make_source(megatron.parent)
     shutil.rmtree(source, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "osdpipe", "checkpoint=megatron", f"input.path={megatron}",
                     "output.checkpoint=accelerate", "target.kind=fsdp2", "target.world_size=2",
