@@ -259,6 +259,11 @@ def params_dtype(args: dict[str, Any]) -> str:
     return "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
 
 
+def dtype_args(dtype: str) -> dict[str, bool]:
+    """The ``args`` flags of a job whose weights are ``dtype`` (:func:`params_dtype`'s inverse)."""
+    return {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
+
+
 def gbuf_dtypes(args: dict[str, Any]) -> str:
     """A gradient buffer's ``(param dtype, grad dtype)`` as a ``dp_reshardable`` save's keys spell it: the weights'
     dtype, and fp32 gradients unless a 16-bit job reduces them in its own dtype (Megatron-LM sets

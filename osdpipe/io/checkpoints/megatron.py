@@ -49,7 +49,7 @@ from osdpipe.io.formats.base import InputError
 from osdpipe.io.formats.megatron_maps import gpt_map, model_named
 from osdpipe.io.hf_folder import RECORD
 from osdpipe.io.remote_input import as_path
-from osdpipe.layout.megatron import position_embedding_type, query_groups
+from osdpipe.layout.megatron import dtype_args, position_embedding_type, query_groups
 from osdpipe.layout.ranges import WEIGHTS
 
 if TYPE_CHECKING:  # annotations only: reading imports torch
@@ -562,8 +562,7 @@ def _job_args(source: CheckpointLayout, path: str, config: dict[str, Any], targe
 
     args = megatron_hf.megatron_args(config, size("tp_size"), size("pp_size"), size("world_size"),
                                      vpp=size("vpp_size"))
-    dtype = source.weights_dtype(path)
-    return {**args, "bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
+    return {**args, **dtype_args(source.weights_dtype(path))}
 
 
 @dataclass(frozen=True)
@@ -638,7 +637,7 @@ def _made_common(carrying: Carrying, grid: Any, groups: Any, step: int, dtype: s
     assert config is not None, "the map read the same config (osdpipe.io.weights.open_whole)"
     args = megatron_hf.megatron_args(config, grid.tp, grid.pp, grid.world_size, iteration=step,
                                      sharding=grid.sharding or "fully_reshardable", vpp=grid.vpp)
-    args.update(bf16=dtype == "bfloat16", fp16=dtype == "float16")
+    args.update(dtype_args(dtype))
     kept = (as_path(carrying.source) / hf_folder.CONFIG).is_file()  # a folder's own, not one made of torchtitan's
     record = hf_folder.record_of(carrying.source, config) if kept else None
     return megatron_foreign.made_common(args, groups, step, record)
