@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,10 +93,7 @@ def s3_bucket(monkeypatch: pytest.MonkeyPatch, home: Path) -> Iterator[S3]:
     session has no server."""
     import uuid
 
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = moto_server()
     try:
         host, port = server.get_host_and_port()
         aws_environment(monkeypatch, f"http://{host}:{port}", home)
@@ -104,3 +102,28 @@ def s3_bucket(monkeypatch: pytest.MonkeyPatch, home: Path) -> Iterator[S3]:
         yield bucket
     finally:
         server.stop()
+
+
+def moto_server() -> Any:
+    """moto's S3 server, started in a thread of this process on a free port of 127.0.0.1, its ETags made safe to
+    compute from two requests at once.
+
+    moto computes a part's ETag on first asking, reading the part's buffer by seek and read without its lock: an
+    ``upload_part`` answering while a ``list_parts`` of the same upload (a test watching parts go up) reads the new
+    part interleave their reads, and the ETag cached is of bytes in the wrong order. The completion then fails with
+    "One or more of the specified parts could not be found" (once in a CI run). A real store has no such race, so
+    the server computes it from the value moto reads under its lock."""
+    import hashlib
+
+    from moto.s3.models import FakeKey
+    from moto.server import ThreadedMotoServer
+
+    def etag(key: FakeKey) -> str:
+        if key._etag is None:
+            key._etag = hashlib.md5(key.value).hexdigest()  # ``value``: a copy read under the key's lock
+        return f'"{key._etag}"'
+
+    FakeKey.etag = property(etag)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    return server

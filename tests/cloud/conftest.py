@@ -22,17 +22,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cloudenv import S3, aws_environment
+from cloudenv import S3, aws_environment, moto_server
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """The server's URL, ``http://127.0.0.1:<port>``; started on a port the kernel picked, stopped after the session."""
-    from moto.server import ThreadedMotoServer
-
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not one line per request on the tests' stderr
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = moto_server()
     host, port = server.get_host_and_port()
     try:
         yield f"http://{host}:{port}"
