@@ -82,7 +82,7 @@ def load(path: RemotePath, check: Any, unpickler: Any = None) -> Any:
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         if key not in storages:
             start, end = spans[f"{prefix}/data/{key}"]
-            nbytes = numel * torch._utils._element_size(dtype)
+            nbytes = numel * dtype.itemsize
             if end - start < nbytes:
                 raise ValueError(f"{path}: record data/{key} holds {end - start} bytes, its tensor {nbytes}")
             untyped = fetched_memory.reserve(nbytes, start, fetcher)

@@ -290,13 +290,13 @@ class DeepSpeedZero(CheckpointLayout):
         """DeepSpeed's entries a PyTorch job has no place for,
         each leaf under its own name (as ``dcp.save`` flattens them)."""
         import torch
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
 
+        from osdpipe.core.state_paths import leaf_paths  # each leaf named as dcp.save names it
         from osdpipe.io.formats.deepspeed import model_states, tag_folder
 
         folder = tag_folder(path)
         states = model_states(folder)
-        flat, paths = flatten_state_dict(_carried_values(states))
+        flat, paths = leaf_paths(_carried_values(states))
         tensors = {
             k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items() if torch.is_tensor(v)
         }
@@ -314,13 +314,12 @@ class DeepSpeedZero(CheckpointLayout):
 
     def read_carried(self, carrying: Carrying) -> CarriedData:
         """The carried leaves' values (the model-states file loads with ``weights_only=True``: plain data)."""
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
+        from osdpipe.core.state_paths import leaf_paths
         from osdpipe.io import fetched_memory
         from osdpipe.io.formats.deepspeed import model_states
 
         # a save in object storage: the carried tensors' bytes fetched
-        flat, _ = flatten_state_dict(fetched_memory.fetch_all(_carried_values(model_states(as_path(carrying.source)))))
+        flat, _ = leaf_paths(fetched_memory.fetch_all(_carried_values(model_states(as_path(carrying.source)))))
         return CarriedData(
             tensors={k: flat[k] for k in carrying.item_tensors},
             values={k: flat[k] for k in carrying.items if k not in carrying.item_tensors},

@@ -279,15 +279,15 @@ class Megatron(CheckpointLayout):
         describes Megatron's own job (``args``, the RNG states of its (PP, TP) ranks, the linears' ``_extra_state``) and
         is left out, the report says so."""
         import torch
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # how dcp.save names each leaf
 
+        from osdpipe.core.state_paths import leaf_paths  # each leaf named as dcp.save names it
         from osdpipe.layout.megatron_hf import HF_NAMES, MEGATRON_NAMES, TORCHTITAN
 
         folder = files.iteration_folder(path)
         if _names_in(written_in) == MEGATRON_NAMES:
             return self._carried_for_megatron(folder)
         common = files.read_common(folder)
-        flat, paths = flatten_state_dict(_carried_values(common))
+        flat, paths = leaf_paths(_carried_values(common))
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in flat.items()
                    if torch.is_tensor(v)}
         titan = _names_in(written_in) == TORCHTITAN
@@ -452,7 +452,7 @@ class Megatron(CheckpointLayout):
     def read_carried(self, carrying: Carrying) -> CarriedData:
         """The carried leaves' values (common.pt read inertly: plain data); into another Megatron grid, the RNG states'
         and ``_extra_state``'s stored bytes and ``common.pt``'s own (:data:`COMMON_BYTES`)."""
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from osdpipe.core.state_paths import leaf_paths
 
         if _into_megatron(carrying):
             from osdpipe.io.formats.dcp_reader import DcpCheckpoint
@@ -465,7 +465,7 @@ class Megatron(CheckpointLayout):
             raw[COMMON_BYTES] = (as_path(carrying.source) / files.COMMON).read_bytes()
             return CarriedData(raw=raw)
 
-        flat, _ = flatten_state_dict(_carried_values(files.read_common(as_path(carrying.source))))
+        flat, _ = leaf_paths(_carried_values(files.read_common(as_path(carrying.source))))
         return CarriedData(tensors={k: flat[k] for k in carrying.item_tensors},
                            values={k: flat[k] for k in carrying.items if k not in carrying.item_tensors})
 

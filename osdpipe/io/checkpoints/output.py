@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
 
 from osdpipe.core.compare import diff
+from osdpipe.core.state_paths import put_at
 from osdpipe.io import torchfile
 from osdpipe.io.checkpoints.base import CarriedData, Carrying
 from osdpipe.io.digest import tensor_digests, tensor_sha256
@@ -109,7 +109,7 @@ def carried_values(carrying: Carrying, data: CarriedData) -> dict[str, Any]:
                     f"({str(exc).strip().splitlines()[0][:120]}); "
                     "a rank file must load so: set output.format=dcp, which carries it as stored"
                 ) from None
-        set_element(out, carrying.written_path(path), value)
+        put_at(out, carrying.written_path(path), value)
     return out
 
 
@@ -278,7 +278,7 @@ def carried_state(carrying: Carrying, data: CarriedData | None) -> dict[str, Any
             value = data.values[flat]
         else:
             value = dcp_writer.Stored(None if data is None else data.raw[flat])
-        set_element(out, carrying.written_path(path), value)
+        put_at(out, carrying.written_path(path), value)
     return out
 
 

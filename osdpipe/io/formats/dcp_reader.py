@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -55,6 +54,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from osdpipe.core.memory import drop_mapped_pages
 from osdpipe.core.seekable import ViewFile
+from osdpipe.core.state_paths import put_at
 from osdpipe.io.formats.base import InputError, SourceMeta, TensorRef
 from osdpipe.io.formats.safe_load import (
     Window,
@@ -192,7 +192,7 @@ class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
         loaded = torch.load(value, map_location="cpu", weights_only=True)
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:  # the planner keeps the nested dict the caller gets and each flat key's path in it
-            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            put_at(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 
