@@ -275,6 +275,11 @@ class Format:
     #: (see :meth:`osdpipe.layout.kinds.base.LayoutKind.dcp_load_problem`).
     loaded_by_dcp: ClassVar[bool] = False
 
+    def replica_mismatches(self, path: str, source: Any, ranks: list[int]) -> list[str]:
+        """Where each of ``ranks``' files at ``path`` differs from the first replica group's copy of its shard, for a
+        format that :attr:`holds_replicas` (``source``: the layout that saved them)."""
+        raise NotImplementedError(f"input.format={self.name} holds no replicas")
+
     #: The saving framework's own converter of this format to a universal checkpoint, as ``python -m`` runs it: the
     #: ``universal`` check holds what osdpipe read against it (``None``: there is none).
     universal_converter: ClassVar[str | None] = None

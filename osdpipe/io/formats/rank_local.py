@@ -29,7 +29,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -61,7 +61,32 @@ from osdpipe.layout.tree import ModuleTree
 if TYPE_CHECKING:  # annotations only: osdpipe.io.file_facts imports the formats
     from osdpipe.io.file_facts import Facts
 
-_RANK_FILE = re.compile(r"rank_(0|[1-9]\d*)\.pt")
+@dataclass(frozen=True)
+class RankFileNaming:
+    """How a job names each rank's file of its optimizer's state: ``rank_<r>.pt`` (osdpipe's, ``load_rank_local``'s),
+    ``optim_world_size_<W>_rank_<r>.pt`` (veRL's). ``template`` holds ``{rank}``, and ``{world_size}`` where the
+    name says the world that saved it (a file of another world is then no file of this one)."""
+
+    template: str
+
+    def name(self, rank: int, world_size: int | None = None) -> str:
+        return self.template.format(rank=rank, world_size="<W>" if world_size is None else world_size)
+
+    def rank_of(self, name: str, world_size: int | None = None) -> int | None:
+        """The rank whose file ``name`` is (``None``: not one of these files, or of another world size)."""
+        world = r"[1-9]\d*" if world_size is None else str(world_size)
+        pattern = re.escape(self.template).replace(r"\{rank\}", r"(?P<rank>0|[1-9]\d*)")
+        found = re.fullmatch(pattern.replace(r"\{world_size\}", world), name)
+        return None if found is None else int(found.group("rank"))
+
+    def present(self, directory: Path, world_size: int | None = None) -> dict[int, Path]:
+        """The files of ``directory`` named so, by rank."""
+        return {r: p for p in directory.iterdir() if (r := self.rank_of(p.name, world_size)) is not None}
+
+
+#: osdpipe's rank files, and those of a job that ``torch.save``s its optimizer's state per rank.
+RANK_LOCAL = RankFileNaming("rank_{rank}.pt")
+
 _GROUPS_KEY = "input.param_groups (or optim.param_groups)"
 _HINT = (
     "are source.kind, source.wrap, source.world_size, source.sharding_strategy, source.shard_group_size, "
@@ -69,8 +94,8 @@ _HINT = (
 )
 
 
-def rank_files(path: str | Path, world_size: int) -> list[Path]:
-    """The files ``rank_0.pt`` .. ``rank_<world_size-1>.pt`` of directory ``path``.
+def rank_files(path: str | Path, world_size: int, naming: RankFileNaming = RANK_LOCAL) -> list[Path]:
+    """The files ``rank_0.pt`` .. ``rank_<world_size-1>.pt`` of directory ``path`` (as ``naming`` names them).
 
     Raises:
         InputError: when one is missing, or the directory holds rank files
@@ -83,21 +108,27 @@ def rank_files(path: str | Path, world_size: int) -> list[Path]:
         raise InputError(
             f"{directory} is not a directory; a rank_local input is the directory of rank_0.pt .. rank_<N-1>.pt"
         )
-    present = {int(m.group(1)): p for p in directory.iterdir() if (m := _RANK_FILE.fullmatch(p.name))}
+    present = naming.present(directory, world_size if "{world_size}" in naming.template else None)
     missing = [r for r in range(world_size) if r not in present]
     extra = [r for r in sorted(present) if r >= world_size]
     if not missing and not extra:
         return [present[r] for r in range(world_size)]
-    expected = f"rank_0.pt .. {rank_file_name(world_size - 1)}" if world_size > 1 else "rank_0.pt"
+    expected = naming.name(0, world_size)
+    if world_size > 1:
+        expected += f" .. {naming.name(world_size - 1, world_size)}"
     if not present:
         raise InputError(
-            f"{directory} holds no rank_<r>.pt files (expected {expected} for source.world_size={world_size}); "
+            f"{directory} holds no {naming.template.format(rank='<r>', world_size=world_size)} files "
+            f"(expected {expected} for source.world_size={world_size}); "
             "point input.path at the directory of each rank's torch.save(optim.state_dict())"
         )
-    found = _ranks(sorted(present))
+    found = _ranks(sorted(present), naming, world_size)
     contiguous = sorted(present) == list(range(len(present)))
     if extra:
-        what = "; ".join([f"missing {_ranks(missing)}"] * bool(missing) + [f"unexpected {_ranks(extra)}"])
+        what = "; ".join(
+            [f"missing {_ranks(missing, naming, world_size)}"] * bool(missing)
+            + [f"unexpected {_ranks(extra, naming, world_size)}"]
+        )
         fix = _world_size_fix(len(present)) if contiguous else (
             "set source.world_size to the number of ranks that saved it, and copy every rank's file"
         )
@@ -106,13 +137,13 @@ def rank_files(path: str | Path, world_size: int) -> list[Path]:
         )
     if contiguous:  # rank_0.pt .. rank_<K-1>.pt, K < N: most likely a world size of K
         raise InputError(
-            f"{directory / rank_file_name(missing[0])} is missing: "
+            f"{directory / naming.name(missing[0], world_size)} is missing: "
             f"source.world_size={world_size} needs {expected} but the directory holds {found} "
-            f"(missing {_ranks(missing)}); {_world_size_fix(len(present))}"
+            f"(missing {_ranks(missing, naming, world_size)}); {_world_size_fix(len(present))}"
         )
-    also = f"; also missing {_ranks(missing[1:])}" if len(missing) > 1 else ""
+    also = f"; also missing {_ranks(missing[1:], naming, world_size)}" if len(missing) > 1 else ""
     raise InputError(
-        f"{directory / rank_file_name(missing[0])} is missing "
+        f"{directory / naming.name(missing[0], world_size)} is missing "
         f"(found {found} for source.world_size={world_size}{also}); "
         "copy every rank's file from the job that saved it"
     )
@@ -124,11 +155,12 @@ def _world_size_fix(count: int) -> str:
 
 def rank_file_name(rank: int) -> str:
     """Rank ``rank``'s file of a ``rank_local`` checkpoint."""
-    return f"rank_{rank}.pt"
+    return RANK_LOCAL.name(rank)
 
 
-def _ranks(ranks: Any) -> str:
+def _ranks(ranks: Any, naming: RankFileNaming = RANK_LOCAL, world_size: int | None = None) -> str:
     """Rank files, short: runs of three or more as ``rank_0.pt .. rank_5.pt``."""
+    name = lambda r: naming.name(r, world_size)  # noqa: E731
     ranks = list(ranks)
     parts, i = [], 0
     while i < len(ranks):
@@ -136,9 +168,9 @@ def _ranks(ranks: Any) -> str:
         while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
             j += 1
         if j - i >= 2:
-            parts.append(f"{rank_file_name(ranks[i])} .. {rank_file_name(ranks[j])}")
+            parts.append(f"{name(ranks[i])} .. {name(ranks[j])}")
         else:
-            parts.extend(rank_file_name(r) for r in ranks[i : j + 1])
+            parts.extend(name(r) for r in ranks[i : j + 1])
         i = j + 1
     return ", ".join(parts)
 
@@ -163,11 +195,14 @@ class RankLocalReader:
         source: the layout the files were saved under (its world size is the number of files).
         id_groups: the FQN patterns of each param group of the optimizer that
             saved them; ``None``: one group over all of ``model.parameters()``.
+        naming: how the files are named.
     """
 
-    def __init__(self, path: str, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> None:
+    def __init__(
+        self, path: str, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups, naming: RankFileNaming = RANK_LOCAL,
+    ) -> None:
         self.path, self.tree, self.source = path, tree, source
-        self.files = rank_files(path, source.world_size)
+        self.files = rank_files(path, source.world_size, naming)
         self.layouts = [rank_layout(tree, source, r) for r in range(source.world_size)]
         members = pattern_members(id_groups, self.layouts[0], where=_GROUPS_KEY)
         self.group_ids: list[list[int]] = []
@@ -431,14 +466,16 @@ def local_tensors(osd: dict[str, Any]) -> dict[str, Any]:
     return osd
 
 
-def replica_mismatches(path: str | Path, source: LayoutSpec, ranks: list[int]) -> list[str]:
+def replica_mismatches(
+    path: str | Path, source: LayoutSpec, ranks: list[int], naming: RankFileNaming = RANK_LOCAL,
+) -> list[str]:
     """Where each of ``ranks``' files differs from the file of the same shard in the first replica group.
 
     A hybrid-sharded job (HYBRID_SHARD, HSDP) holds every shard once per
     replica group and the conversion reads the first group's; the others must
     hold the same bytes, else the checkpoint is not one state.
     """
-    files = rank_files(path, source.world_size)
+    files = rank_files(path, source.world_size, naming)
     problems = []
     for r in ranks:
         first = source.first_replica(r)
@@ -478,6 +515,8 @@ class RankLocal(Format):
     looks_like = "a directory of rank_<r>.pt"
     made_as_written = True
     found_by = "rank_<r>.pt files"
+    #: How the files of each rank are named.
+    naming: ClassVar[RankFileNaming] = RANK_LOCAL
 
     def output_path(self, directory: Path, rank: int) -> Path:
         return directory / rank_file_name(rank)
@@ -491,10 +530,10 @@ class RankLocal(Format):
         )
 
     def open(self, path: str, key: str, *, tree: ModuleTree, source: LayoutSpec, id_groups: IdGroups) -> SourceReader:
-        return RankLocalReader(path, tree, source, id_groups)
+        return RankLocalReader(path, tree, source, id_groups, self.naming)
 
     def found_in(self, directory: Path) -> bool:
-        return any(_RANK_FILE.fullmatch(f.name) for f in directory.iterdir())
+        return bool(self.naming.present(directory))
 
     def read_facts(self, facts: Facts, path: Path, key: str | None) -> None:
         """Every rank's file, loaded memory-mapped;
@@ -502,8 +541,9 @@ class RankLocal(Format):
         # imported here: it imports osdpipe.io.loading, which imports the formats package, which imports this module
         from osdpipe.io.formats.rank_local_facts import describe_ranks
 
-        count = sum(1 for p in path.iterdir() if _RANK_FILE.fullmatch(p.name)) if path.is_dir() else 0
-        files = rank_files(path, max(count, 1))  # refuses gaps and an empty directory, naming the missing file
+        count = len(self.naming.present(path)) if path.is_dir() else 0
+        # refuses gaps and an empty directory, naming the missing file
+        files = rank_files(path, max(count, 1), self.naming)
         osds = []
         for f in files:
             osd = load_torch_file(f)
@@ -512,7 +552,10 @@ class RankLocal(Format):
         describe_ranks(facts, path, osds, [local_tensors(o).get(DTENSOR_TABLE) for o in osds])
 
     def files_per_rank(self, world_size: int) -> str | None:
-        return f"{rank_file_name(0)} .. {rank_file_name(world_size - 1)}"
+        return f"{self.naming.name(0, world_size)} .. {self.naming.name(world_size - 1, world_size)}"
+
+    def replica_mismatches(self, path: str, source: Any, ranks: list[int]) -> list[str]:
+        return replica_mismatches(path, source, ranks, self.naming)
 
     def shows(self, facts: Facts, kind: Any) -> list[Shown]:
         """The world size, and for DTensor state the kind that keeps it and its mesh."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from osdpipe.io import formats
 from osdpipe.io.digest import tensor_digests
-from osdpipe.io.formats.rank_local import replica_mismatches
 from osdpipe.run.collective import one_line
 from osdpipe.run.products import CheckResult
 from osdpipe.verify.checks.common import Subject
@@ -52,7 +51,9 @@ def run(ctx: Subject) -> CheckResult:
         share = readers.index(ctx.rank) if ctx.rank in readers else None
         mine = [r for r in range(ctx.spec.source.world_size) if share is not None and r % len(readers) == share]
         try:  # not raised: every rank must reach the gather below
-            problems += [f"source {p}" for p in replica_mismatches(ctx.input_path, ctx.plan.source_spec, mine)]
+            problems += [f"source {p}" for p in formats.get(ctx.input_format).replica_mismatches(
+                ctx.input_path, ctx.plan.source_spec, mine
+            )]
         except Exception as exc:  # noqa: BLE001
             problems.append(f"source replicas unreadable: {one_line(exc)}")
     if target:
