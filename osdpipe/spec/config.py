@@ -346,7 +346,9 @@ class InputConfig(_Frozen):
     """
 
     path: str | None = None
-    format: Literal["fsdp_full", "dcp", "plain", "rank_local", "deepspeed", "megatron", "safetensors"] = "fsdp_full"
+    format: Literal[
+        "fsdp_full", "dcp", "plain", "rank_local", "verl", "deepspeed", "megatron", "safetensors"
+    ] = "fsdp_full"
     key: str = "optim"
     param_groups: list[list[str]] | None = None
     allow_nonfinite: bool = False  # convert NaN/Inf in the source as they are (with a warning) instead of failing
@@ -435,6 +437,8 @@ class CheckpointConfig(_Frozen):
     unchanged, and the output is laid out as the framework lays it out.
     ``deepspeed``: a ZeRO save folder, whose fp32 master weights are the
     model's; it is written in PyTorch's layout (osdpipe does not write DeepSpeed's).
+    ``verl``: a veRL FSDP checkpoint folder (``actor/`` of ``global_step_<N>``, or the run's folder), each rank's
+    model, optimizer and extra state; written in PyTorch's layout (osdpipe does not write veRL's yet).
     ``megatron``: a Megatron-LM ``torch_dist`` save folder, written again as one
     for ``target.tp_size`` x ``target.pp_size`` x DP (:mod:`osdpipe.spec.megatron`).
     ``hf``: a Hugging Face model folder (``config.json`` and safetensors), its
@@ -447,7 +451,9 @@ class CheckpointConfig(_Frozen):
     (:func:`name_torchtitans_model` sets those as the config is composed).
     """
 
-    layout: Literal["optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed", "megatron", "hf"] = "optimizer"
+    layout: Literal[
+        "optimizer", "torchtitan", "accelerate", "pytorch", "deepspeed", "megatron", "hf", "verl"
+    ] = "optimizer"
     model: str | None = None
     flavor: str | None = None
 

@@ -1,6 +1,6 @@
 """The registry of checkpoint layouts (:mod:`osdpipe.io.checkpoints.base`): the optimizer alone (the default),
-torchtitan's, accelerate's, PyTorch's own, DeepSpeed's (read, written as PyTorch's), Megatron-LM's, and a Hugging
-Face model folder's (its weights alone). Every conversion between them runs through the one stage loop."""
+torchtitan's, accelerate's, PyTorch's own, DeepSpeed's and veRL's (read, written as PyTorch's), Megatron-LM's, and a
+Hugging Face model folder's (its weights alone). Every conversion between them runs through the one stage loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from osdpipe.core.registry import member
 
 # each registers its layout, in the order recognize() asks them
-from osdpipe.io.checkpoints import accelerate, deepspeed, megatron, optimizer, pytorch, torchtitan  # noqa: F401
+from osdpipe.io.checkpoints import accelerate, deepspeed, megatron, optimizer, pytorch, torchtitan, verl  # noqa: F401
 
 # isort: split
 from osdpipe.io.checkpoints import hf  # noqa: F401  (last: a Trainer's checkpoint-<N> holds a model folder too)

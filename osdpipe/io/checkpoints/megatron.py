@@ -121,7 +121,7 @@ class Megatron(CheckpointLayout):
         """A save folder is read at the iteration its ``latest_checkpointed_iteration.txt`` names, as Megatron-LM
         resumes."""
         where = as_path(path)
-        return str(files.iteration_folder(where)) if (where / files.LATEST).is_file() else None
+        return str(files.iteration_folder(where)) if files.megatron_folder(where) == where else None
 
     def model_naming(self, path: Path) -> ModelNaming:
         """No model to name: Megatron's ``args`` give every dimension."""

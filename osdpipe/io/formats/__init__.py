@@ -45,6 +45,7 @@ from osdpipe.io.formats.plain import Plain
 from osdpipe.io.formats.rank_local import RankLocal
 from osdpipe.io.formats.safe_load import first_line
 from osdpipe.io.formats.safetensors import Safetensors
+from osdpipe.io.formats.verl import Verl
 from osdpipe.layout.ranges import LayoutSpec
 from osdpipe.layout.tree import ModuleTree
 
@@ -57,7 +58,7 @@ __all__ = [
 
 #: Every format, by name: the only place that lists them.
 FORMATS: dict[str, Format] = {
-    f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal(), DeepSpeed(), Megatron(), Safetensors())
+    f.name: f for f in (FsdpFull(), Dcp(), Plain(), RankLocal(), Verl(), DeepSpeed(), Megatron(), Safetensors())
 }
 
 

@@ -120,8 +120,9 @@ def iteration_folder(path: str | Path | RemotePath) -> Path | RemotePath:
 
 def megatron_folder(path: Path) -> Path | None:
     """The iteration folder of the Megatron-LM save at ``path`` (a save folder or an ``iter_`` folder of a torch_dist
-    save); ``None`` where ``path`` is none."""
-    if (path / LATEST).is_file():
+    save); ``None`` where ``path`` is none. veRL's run folder holds a file of the same name, naming its
+    ``global_step_<N>`` folders: a folder of those is veRL's."""
+    if (path / LATEST).is_file() and not any(path.glob("global_step_*")):
         return path
     if (path / COMMON).is_file() and (path / "metadata.json").is_file() and (path / ".metadata").is_file():
         return path

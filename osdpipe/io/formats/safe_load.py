@@ -20,8 +20,10 @@ traceback or, worse, in code running:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
+import logging
 import pickle
 import re
 import struct
@@ -336,19 +338,33 @@ def load_torch_file(path: Any) -> Any:
 def _with_dtensors(load: Any, where: str) -> Any:
     """``load()``, once more with DTensors readable where the file holds them; torch's failures in one line."""
     try:
-        try:
-            return load()
-        except pickle.UnpicklingError as exc:
-            if "torch.distributed.tensor" not in str(exc):
-                raise
-            # An FSDP2 rank's state holds DTensors, which weights_only reads once their module is imported (as PyTorch
-            # allows); imported only then, as it costs most of a second that other files do not need.
-            importlib.import_module("torch.distributed.tensor")
-            return load()
+        with _meshes_quiet():
+            try:
+                return load()
+            except pickle.UnpicklingError as exc:
+                if "torch.distributed.tensor" not in str(exc):
+                    raise
+                # An FSDP2 rank's state holds DTensors, which weights_only reads once their module is imported (as
+                # PyTorch allows); imported only then, as it costs most of a second that other files do not need.
+                importlib.import_module("torch.distributed.tensor")
+                return load()
     except InputError:
         raise
     except Exception as exc:  # torch raises several types for a bad file
         raise torch_load_error(where, exc) from exc
+
+
+@contextlib.contextmanager
+def _meshes_quiet() -> Any:
+    """Without the warning torch logs for each DeviceMesh unpickled before its process groups exist (a saved
+    DTensor's mesh, read here as data: no process group of it is ever made)."""
+    logger = logging.getLogger("torch.distributed.device_mesh")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def load_remote(url: str, unpickler: Any = None) -> Any:
