@@ -122,7 +122,7 @@ def megatron_folder(path: Path) -> Path | None:
     """The iteration folder of the Megatron-LM save at ``path`` (a save folder or an ``iter_`` folder of a torch_dist
     save); ``None`` where ``path`` is none. veRL's run folder holds a file of the same name, naming its
     ``global_step_<N>`` folders: a folder of those is veRL's."""
-    if (path / LATEST).is_file() and not any(path.glob("global_step_*")):
+    if (path / LATEST).is_file() and not any(p.name.startswith("global_step_") for p in path.iterdir()):
         return path
     if (path / COMMON).is_file() and (path / "metadata.json").is_file() and (path / ".metadata").is_file():
         return path
