@@ -14,13 +14,12 @@ import random
 
 import pytest
 import torch
+from megatron_args import GPT2_ARGS, LLAMA_ARGS
 
 from osdpipe.io.formats.base import InputError, SourceMeta, TensorRef
 from osdpipe.io.formats.mapped import MappedReader, ModelMap
 from osdpipe.layout import llama_titan, megatron_hf
 from osdpipe.layout.megatron import global_shapes, gpt_of
-from tests.layout.test_megatron_gpt2_map import ARGS as GPT2_ARGS
-from tests.layout.test_megatron_hf_map import ARGS as LLAMA_ARGS
 
 #: A Llama (GQA, untied), a tied Llama with biases (a Llama of attention_bias), a Qwen3 (head norms), and GPT-2.
 CASES = {

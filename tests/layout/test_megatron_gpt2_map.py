@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron_args import GPT2_ARGS, GPT2_VOCAB
 
 from osdpipe.layout import megatron_gpt2, megatron_hf, megatron_llama
 from osdpipe.layout.megatron import Gpt, global_shapes
@@ -16,11 +17,9 @@ from osdpipe.layout.megatron import Gpt, global_shapes
 #: Megatron-LM's default GPT, small: MHA (3 heads of 4), LayerNorm, a learned position table, biases, tied.
 GPT = Gpt(num_layers=2, hidden_size=12, ffn_hidden_size=20, num_attention_heads=3, num_query_groups=3, kv_channels=4,
           padded_vocab_size=32, swiglu=False, linear_bias=True, norm_bias=True, position_table=8, tied=True)
-VOCAB = 29
+VOCAB = GPT2_VOCAB
 #: Its args, as Megatron-LM records them where the defaults hold.
-ARGS = {"num_layers": 2, "hidden_size": 12, "ffn_hidden_size": 20, "num_attention_heads": 3,
-        "max_position_embeddings": 8, "padded_vocab_size": 32, "vocab_size": VOCAB, "norm_epsilon": 1e-5,
-        "hidden_dropout": 0.0, "attention_dropout": 0.0}
+ARGS = GPT2_ARGS
 
 
 def _indexed(gpt: Gpt) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from megatron_args import LLAMA_ARGS
 
 from osdpipe.layout import megatron_llama
 from osdpipe.layout.megatron import Gpt, global_shapes, query_groups
@@ -54,14 +55,7 @@ VOCAB = {"gqa": 37, "mha": 16, "mqa": 20, "wide_heads": 9, "gqa_biased": 37, "gq
          "gqa_qk": 37}
 
 #: Megatron-LM's args of the harness's GPT (tests/frameworks/mcore.py ``make_args``), the fields the map reads.
-ARGS = dict(
-    num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-    group_query_attention=True, kv_channels=16, seq_length=16, max_position_embeddings=16, normalization="RMSNorm",
-    norm_epsilon=1e-5, swiglu=True, squared_relu=False, position_embedding_type="rope",
-    use_rotary_position_embeddings=True, rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
-    untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False,
-    num_experts=None, vocab_size=1000, padded_vocab_size=1024, bf16=False, fp16=False,
-)
+ARGS = LLAMA_ARGS
 
 
 def _indexed(gpt: Gpt, dtype=torch.float64) -> dict[str, torch.Tensor]:
