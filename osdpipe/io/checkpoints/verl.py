@@ -106,10 +106,11 @@ def saved_world(folder: Path) -> tuple[int, int]:
             f"{config_path}: FSDP_version={version}: a veRL FSDP1 checkpoint (ShardedTensor state) is not supported "
             "yet; FSDP2 (actor.strategy=fsdp2) is"
         )
-    for kind in ("model", "optim"):
+    # the optimizer's files may be absent altogether (checkpoint.save_contents without it): a model-only checkpoint
+    for kind, required in (("model", True), ("optim", False)):
         held = files.get(kind, {}).get(world, {})
-        if kind == "optim" and not held:
-            continue  # saved without the optimizer (checkpoint.save_contents without it): a model-only checkpoint
+        if not held and not required:
+            continue
         missing = [r for r in range(world) if r not in held]
         if missing:
             raise _error(
