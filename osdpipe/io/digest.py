@@ -63,8 +63,11 @@ def tensor_sha256(value: torch.Tensor, known: dict[int, str] | None = None) -> s
 
     ``known``: sha256 of whole storages, by ``UntypedStorage._cdata``, taken
     as they were written (:func:`osdpipe.io.torchfile.save`); a contiguous CPU
-    tensor that covers its storage exactly has its storage's digest.
+    tensor that covers its storage exactly has its storage's digest. A DTensor's
+    is its local tensor's: the bytes a rank's file holds of it.
     """
+    if (to_local := getattr(value, "to_local", None)) is not None:
+        value = to_local()
     if known and value.device.type == "cpu" and value.is_contiguous() and value.storage_offset() == 0:
         storage = value.untyped_storage()
         if storage.nbytes() == value.numel() * value.element_size() and storage._cdata in known:

@@ -166,11 +166,18 @@ def load_rank_local(optim: torch.optim.Optimizer, path: str | Path, model: nn.Mo
         LayoutMismatch: the file was converted for another layout (one line naming the param ID, both shapes or
             compositions).
     """
-    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    load_rank_state(optim, torch.load(path, map_location="cpu", weights_only=True), str(path), model)
+
+
+def load_rank_state(
+    optim: torch.optim.Optimizer, loaded: dict[str, Any], where: str, model: nn.Module | None = None
+) -> None:
+    """Load one rank's state as a ``rank_local`` file holds it (``loaded``, read from ``where``) into ``optim`` (and
+    ``model``), as :func:`load_rank_local` does: for a framework's own files put in that form (veRL's)."""
     osd, pieces = (loaded[OPTIMIZER_PART], loaded[MODEL_PART]) if is_whole(loaded) else (loaded, None)
-    check_fits(optim, osd, model=model, where=str(path))
+    check_fits(optim, osd, model=model, where=where)
     # both parts checked before either loads
-    targets = fitting_model(model, pieces, str(path)) if pieces is not None and model is not None else None
+    targets = fitting_model(model, pieces, where) if pieces is not None and model is not None else None
     optim.load_state_dict(from_rank_local(optim, {k: v for k, v in osd.items() if k != PARAM_LAYOUT}))
     if targets is not None:
         _copy_into(targets, pieces)

@@ -386,12 +386,13 @@ class OutputConfig(_Frozen):
     names its ``step-<N>`` folder; ``hf`` from a Megatron-LM save: a Hugging Face
     model folder of its fp32 master weights; ``megatron`` from a Hugging Face model's ``accelerate``, ``pytorch`` or
     ``torchtitan`` checkpoint, or its model folder: a Megatron-LM save for ``target.tp_size`` x ``target.pp_size``
-    x DP, optimizer included (:meth:`osdpipe.io.checkpoints.megatron.Megatron.map_into`).
+    x DP, optimizer included (:meth:`osdpipe.io.checkpoints.megatron.Megatron.map_into`); ``verl`` from a veRL
+    checkpoint only.
     """
 
     path: str
-    format: Literal["rank_local", "fsdp_full", "dcp", "plain", "megatron", "safetensors"] = "rank_local"
-    checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf", "megatron"] | None = None
+    format: Literal["rank_local", "fsdp_full", "dcp", "plain", "megatron", "safetensors", "verl"] = "rank_local"
+    checkpoint: Literal["torchtitan", "accelerate", "pytorch", "hf", "megatron", "verl"] | None = None
     key: str = "optim"
     overwrite: bool = False
     #: Sync every file and directory of a committed conversion to disk (see :mod:`osdpipe.io.output`); ``false``: for
@@ -438,7 +439,8 @@ class CheckpointConfig(_Frozen):
     ``deepspeed``: a ZeRO save folder, whose fp32 master weights are the
     model's; it is written in PyTorch's layout (osdpipe does not write DeepSpeed's).
     ``verl``: a veRL FSDP checkpoint folder (``actor/`` of ``global_step_<N>``, or the run's folder), each rank's
-    model, optimizer and extra state; written in PyTorch's layout (osdpipe does not write veRL's yet).
+    model, optimizer and extra state; written again as one for ``target.world_size`` ranks (a job on CPU meshes so
+    far), or in another layout with ``output.checkpoint``.
     ``megatron``: a Megatron-LM ``torch_dist`` save folder, written again as one
     for ``target.tp_size`` x ``target.pp_size`` x DP (:mod:`osdpipe.spec.megatron`).
     ``hf``: a Hugging Face model folder (``config.json`` and safetensors), its

@@ -1,11 +1,13 @@
-"""Real veRL saves, the ``osdpipe`` command converts, a PyTorch FSDP2 job of another world size resumes (issue 86).
+"""Real veRL saves, the ``osdpipe`` command converts, veRL itself resumes on another number of ranks (issue 86).
 
 veRL 0.9.1's own ``FSDPCheckpointManager`` saves an FSDP2 actor of the test's own Llama on 2 CPU ranks
-(:mod:`frameworks.verl_job`), as ``global_step_<N>/actor/`` of a run folder. veRL itself loads it only on 2 ranks
-(it opens ``..._world_size_2_...``). osdpipe converts the run folder, without veRL's code, to PyTorch's layout for 3
-ranks (uneven shards) and, offline in a memory budget, for 4; a fresh FSDP2 job of that size loads it as a PyTorch
-job does and holds, gathered whole, the saving job's weights, moments, steps and param groups bit for bit, and takes
-one more step. Each bad folder is refused in one line that names the file, before anything is written.
+(:mod:`frameworks.verl_job`), as ``global_step_<N>/actor/`` of a run folder, and takes two more steps. veRL itself
+loads it only on 2 ranks (it opens ``..._world_size_2_...``). osdpipe converts the run folder, without veRL's code,
+into veRL's own folder for 4, 1 and 3 ranks (offline in a memory budget for 4) and for 2; veRL's own
+``load_checkpoint`` in a job of that many ranks holds, gathered whole, the saving job's weights, moments, steps and
+param groups bit for bit, and its two more steps match the saving job's (bitwise at 2 ranks; within a tolerance for
+another reduction order elsewhere). Into PyTorch's layout, a PyTorch FSDP2 job loads it the same way. Each bad folder
+is refused in one line that names the file, before anything is written.
 """
 
 from __future__ import annotations
@@ -70,15 +72,94 @@ def _convert(run: Path, out: Path, world: int, *overrides: str) -> str:
     return done.stdout + done.stderr
 
 
+def _after_matches(expected: Any, got: Any, bitwise: bool) -> list[str]:
+    """Where the two more steps' states differ: bitwise, or within float32's error for another reduction order."""
+    if bitwise:
+        return _differences(expected, got, "after")
+    flat_e, flat_g = _leaves(expected), _leaves(got)
+    if flat_e.keys() != flat_g.keys():
+        return [f"after: keys {sorted(flat_e)} vs {sorted(flat_g)}"]
+    out = []
+    for key, e in flat_e.items():
+        g = flat_g[key]
+        close = (torch.is_tensor(e) and torch.is_tensor(g) and e.dtype == g.dtype
+                 and torch.allclose(e.double(), g.double(), rtol=1e-4, atol=1e-6)) if torch.is_tensor(e) else (
+                 math.isclose(e, g, rel_tol=1e-5) if isinstance(e, float) else e == g)  # fmt: skip
+        if not close:
+            out.append(f"after{key}: {e!r} vs {g!r}"[:300])
+    return out
+
+
+def _leaves(state: Any, where: str = "") -> dict[str, Any]:
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() for k, v in _leaves(value, f"{where}.{key}").items()}
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, value in enumerate(state) for k, v in _leaves(value, f"{where}[{i}]").items()}
+    return {where: state}
+
+
+def _loaded_as_saved(run_folder: Path, tmp_path: Path, out: Path, world: int, mode: str) -> None:
+    """A job of ``world`` ranks loads ``out`` (``mode``: veRL's manager, or as PyTorch's layout) and holds the saving
+    job's state bitwise; veRL's own resumes the scheduler too, so its two more steps match the saving job's (PyTorch's
+    layout has no place for it: that job's scheduler starts afresh, and it only trains on)."""
+    _job(tmp_path, mode, world, mode=mode, path=str(out), steps=STEPS, dump=str(tmp_path / "loaded.pt"))
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    expected = torch.load(run_folder.parent / "expected.pt", weights_only=False)
+    assert _differences(expected["model"], loaded["model"], "model") == []
+    assert _differences(expected["optim"], loaded["optim"], "optim") == []
+    if mode == "load":
+        assert _after_matches(expected["after"], loaded["after"], bitwise=world == 2) == []
+    else:
+        assert all(math.isfinite(loss) for loss in loaded["after"]["losses"])
+
+
 @pytest.mark.parametrize(
     ("world", "overrides"),
-    [(3, ()), (4, ("runtime.mode=offline", "runtime.memory_budget=64KB"))],
-    ids=["3 ranks", "4 ranks offline in a budget"],
+    [(4, ("runtime.mode=offline", "runtime.memory_budget=64KB")), (1, ()), (3, ()), (2, ())],
+    ids=["4 ranks offline in a budget", "1 rank", "3 ranks", "2 ranks (bitwise after two steps)"],
 )
-def test_a_verl_save_resumes_bitwise_on_another_number_of_ranks(
+def test_verl_resumes_its_own_save_on_another_number_of_ranks(
     run_folder: Path, tmp_path: Path, world: int, overrides: tuple[str, ...]
 ) -> None:
     said = _convert(run_folder, tmp_path / "out", world, *overrides)
+    for check in ("roundtrip", "resume"):
+        assert f"check {check}" in said and f"check {check}     fail" not in said, said
+    out = tmp_path / "out"
+    actor = run_folder / f"global_step_{STEPS}" / "actor"
+    assert sorted(p.name for p in out.glob("*_world_size_*")) == sorted(
+        f"{kind}_world_size_{world}_rank_{r}.pt" for kind in ("model", "optim", "extra_state") for r in range(world)
+    )
+    assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": world}
+    assert (out / "huggingface" / "config.json").read_bytes() == (actor / "huggingface" / "config.json").read_bytes()
+    for r in range(world):  # each rank's extra state: its own saving rank's, or rank r mod 2's beyond the two
+        assert (out / f"extra_state_world_size_{world}_rank_{r}.pt").read_bytes() == (
+            actor / f"extra_state_world_size_2_rank_{r % 2}.pt").read_bytes()  # fmt: skip
+    fates = {e["name"]: e["fate"] for e in json.loads((out / "report.json").read_text())["entries"]}
+    assert fates["extra_state.rank_1"].startswith("copied: target rank r takes the extra state")
+    assert fates["fsdp_config.json"].startswith("written anew")
+    _loaded_as_saved(run_folder, tmp_path, out, world, "load")
+
+
+def test_veRLs_folder_written_by_osdpipe_converts_back_to_the_saving_worlds_files(
+    run_folder: Path, tmp_path: Path
+) -> None:
+    """2 -> 3 -> 2 ranks gives back every rank file of the save: each local tensor bitwise, each DTensor's shape,
+    placements and mesh (device type, ranks, dimension names), each param group; the extra state byte for byte."""
+    from osdpipe.io.checkpoints.verl_files import local_view
+
+    _convert(run_folder, tmp_path / "three", 3)
+    _convert(tmp_path / "three", tmp_path / "back", 2)
+    actor, back = run_folder / f"global_step_{STEPS}" / "actor", tmp_path / "back"
+    for name in (f"{kind}_world_size_2_rank_{r}.pt" for kind in ("model", "optim") for r in range(2)):
+        saved, got = (local_view(torch.load(d / name, weights_only=False)) for d in (actor, back))
+        assert _differences(saved, got, name) == []
+    for r in range(2):
+        name = f"extra_state_world_size_2_rank_{r}.pt"
+        assert (back / name).read_bytes() == (actor / name).read_bytes()
+
+
+def test_a_verl_save_resumes_bitwise_as_pytorchs_layout(run_folder: Path, tmp_path: Path) -> None:
+    said = _convert(run_folder, tmp_path / "out", 3, "output.checkpoint=pytorch")
     for check in ("roundtrip", "resume"):
         assert f"check {check}" in said and f"check {check}     fail" not in said, said
     assert f"converting the newest, {run_folder / f'global_step_{STEPS}' / 'actor'}" in said
@@ -89,13 +170,7 @@ def test_a_verl_save_resumes_bitwise_on_another_number_of_ranks(
     fates = {e["name"]: e["fate"] for e in report["entries"]}
     assert fates["extra_state.rank_1"].startswith("left out: veRL's learning-rate scheduler state and RNG states")
     assert fates["fsdp_config.json"].startswith("left out")
-
-    _job(tmp_path, "load", world, mode="load", path=str(out), dump=str(tmp_path / "loaded.pt"))
-    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
-    expected = torch.load(run_folder.parent / "expected.pt", weights_only=False)
-    assert _differences(expected["model"], loaded["model"], "model") == []
-    assert _differences(expected["optim"], loaded["optim"], "optim") == []
-    assert math.isfinite(loaded["loss_after"])
+    _loaded_as_saved(run_folder, tmp_path, out, 3, "load_pytorch")
 
 
 def _copy(run_folder: Path, tmp_path: Path) -> Path:
@@ -129,9 +204,32 @@ def _break_megatron(actor: Path) -> str:
     return "a veRL Megatron backend's checkpoint: not supported yet"
 
 
-@pytest.mark.parametrize("broken", [_break_missing, _break_mixed, _break_config, _break_fsdp1, _break_megatron],
+def _break_cuda(actor: Path) -> str:
+    """Rank 0's DTensors as a GPU job's: their mesh's device type ``cuda`` (set on the unpickled mesh: this machine
+    has no CUDA to make one on)."""
+    path = actor / "model_world_size_2_rank_0.pt"
+    state = torch.load(path, weights_only=False)
+    next(iter(state.values())).device_mesh._device_type = "cuda"  # every DTensor of the file shares the one mesh
+    torch.save(state, path)
+    return "osdpipe writes veRL's own files for a job on CPU meshes only so far"
+
+
+def _break_hsdp(actor: Path) -> str:
+    """Rank 0's first DTensor on a two-dimensional (HSDP) mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = DeviceMesh("cpu", torch.arange(2).view(1, 2), mesh_dim_names=("ddp", "fsdp"), _init_backend=False, _rank=0)
+    value = DTensor.from_local(torch.zeros(4, 3), mesh, [Replicate(), Shard(0)], run_check=False, shape=(8, 3),
+                               stride=(3, 1))  # fmt: skip
+    torch.save({"model.embed_tokens.weight": value}, actor / "model_world_size_2_rank_0.pt")
+    return "its DTensors lie on a 2-dimensional mesh (1, 2) (HSDP"
+
+
+@pytest.mark.parametrize("broken", [_break_missing, _break_mixed, _break_config, _break_fsdp1, _break_megatron,
+                                    _break_cuda, _break_hsdp],
                          ids=["a missing rank file", "two world sizes", "a contradicting fsdp_config.json",
-                              "FSDP1", "the Megatron backend"])  # fmt: skip
+                              "FSDP1", "the Megatron backend", "a GPU job's meshes", "HSDP"])  # fmt: skip
 def test_a_bad_verl_folder_is_refused_in_one_line_before_anything_is_written(
     run_folder: Path, tmp_path: Path, broken: Any
 ) -> None:

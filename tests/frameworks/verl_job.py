@@ -1,14 +1,16 @@
-"""One rank of a veRL FSDP2 actor on CPU/gloo (launched by :mod:`frameworks.verl`): ``save`` or ``load``.
+"""One rank of a veRL FSDP2 actor on CPU/gloo (launched by :mod:`frameworks.launch`): ``save``, ``load`` or
+``load_pytorch``.
 
 ``save``: a tiny Llama of the test's own (transformers' ``LlamaForCausalLM``), ``fully_shard`` on each decoder layer
-and the root over a ``cpu`` mesh, as veRL's FSDP2 strategy wraps it, AdamW with a scheduler, ``steps`` steps on
-batches of its own, then veRL's own ``FSDPCheckpointManager.save_checkpoint``: the folder veRL writes. Rank 0 dumps
-the state the job held, gathered whole (PyTorch's ``get_model_state_dict``/``get_optimizer_state_dict`` with
-``full_state_dict``), beside it.
+and the root over a ``cpu`` mesh named as veRL names it (``create_device_mesh``: ``mesh_dim_names=["fsdp"]``), AdamW
+with a scheduler, ``steps`` steps on batches of its own, then veRL's own ``FSDPCheckpointManager.save_checkpoint``: the
+folder veRL writes. Rank 0 dumps the state the job held, gathered whole (PyTorch's ``get_model_state_dict``/
+``get_optimizer_state_dict`` with ``full_state_dict``), beside it, and the state after two more steps.
 
 ``load``: a fresh job of another world size builds the model from the output's ``huggingface/config.json``, wraps it
-the same way, loads the output as a PyTorch job loads PyTorch's layout (``dcp.load`` of ``{"model", "optim"}``, then
-``set_model_state_dict``/``set_optimizer_state_dict``), dumps the state it holds the same way, and takes one step.
+the same way, and loads the output with veRL's own manager (``load_checkpoint``), as veRL resumes; it dumps the state
+it holds and the state after the same two steps. ``load_pytorch`` loads the output as a PyTorch job loads PyTorch's
+layout (``dcp.load`` of ``{"model", "optim"}``, then ``set_model_state_dict``/``set_optimizer_state_dict``) instead.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def wrapped(config: Any) -> torch.nn.Module:
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -68,6 +70,27 @@ def gathered(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
                           "optim": get_optimizer_state_dict(model, optimizer, options=options)})  # fmt: skip
 
 
+def _manager(model: torch.nn.Module, optimizer: Any, scheduler: Any) -> Any:
+    from omegaconf import OmegaConf
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    contents = ["model", "optimizer", "extra"]
+    return FSDPCheckpointManager(model, optimizer, scheduler, checkpoint_config=OmegaConf.create(
+        {"save_contents": contents, "load_contents": contents}))  # fmt: skip
+
+
+def _job(config: Any) -> tuple[torch.nn.Module, Any, Any]:
+    model = wrapped(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    return model, optimizer, scheduler
+
+
+def _two_more_steps(model: torch.nn.Module, optimizer: Any, scheduler: Any, first: int) -> dict[str, Any]:
+    losses = [step(model, optimizer, scheduler, first + i) for i in range(2)]
+    return {**gathered(model, optimizer), "losses": losses, "lr": scheduler.get_last_lr()}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
@@ -75,36 +98,28 @@ def main() -> None:
     from transformers import LlamaConfig
 
     if spec["mode"] == "save":
-        from omegaconf import OmegaConf
-        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
-
-        model = wrapped(LlamaConfig(**CONFIG))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        model, optimizer, scheduler = _job(LlamaConfig(**CONFIG))
         for index in range(spec["steps"]):
             step(model, optimizer, scheduler, index)
-        contents = ["model", "optimizer", "extra"]
-        manager = FSDPCheckpointManager(model, optimizer, scheduler, checkpoint_config=OmegaConf.create(
-            {"save_contents": contents, "load_contents": contents}))  # fmt: skip
-        manager.save_checkpoint(spec["path"], global_step=spec["steps"])
+        _manager(model, optimizer, scheduler).save_checkpoint(spec["path"], global_step=spec["steps"])
         state = gathered(model, optimizer)
-        if rank == 0:
-            torch.save(state, spec["dump"])
+        state["after"] = _two_more_steps(model, optimizer, scheduler, spec["steps"])
     else:
         out = Path(spec["path"])
-        model = wrapped(LlamaConfig.from_pretrained(out / "huggingface"))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # made before loading, as a job does
-        import torch.distributed.checkpoint as dcp
+        model, optimizer, scheduler = _job(LlamaConfig.from_pretrained(out / "huggingface"))
+        if spec["mode"] == "load":
+            _manager(model, optimizer, scheduler).load_checkpoint(str(out))
+        else:
+            import torch.distributed.checkpoint as dcp
 
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=str(out / "dcp"))
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer, state["optim"])
-        loaded = gathered(model, optimizer)
-        loss = step(model, optimizer, scheduler, 99)
-        if rank == 0:
-            torch.save({**loaded, "loss_after": loss}, spec["dump"])
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, checkpoint_id=str(out / "dcp"))
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, state["optim"])
+        state = gathered(model, optimizer)
+        state["after"] = _two_more_steps(model, optimizer, scheduler, spec["steps"])
+    if rank == 0:
+        torch.save(state, spec["dump"])
     dist.barrier()
     dist.destroy_process_group()
 

@@ -436,15 +436,20 @@ def copy_files(carrying: Carrying, staging: Path, under: str = "") -> dict[str, 
             dst.write(data)
         out[str(Path(under) / rel) if under else rel] = hashlib.sha256(data).hexdigest()
     for rel in carrying.files:
-        target = staging / under / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256()
-        with (as_path(carrying.source) / rel).open("rb") as src, open(target, "xb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-        out[str(Path(under) / rel) if under else rel] = digest.hexdigest()
+        out[str(Path(under) / rel) if under else rel] = copy_file(as_path(carrying.source) / rel, staging / under / rel)
     return out
+
+
+def copy_file(source: Any, target: Path) -> str:
+    """Copy ``source`` (a local or :class:`~osdpipe.io.remote_input.RemotePath`) to the new file ``target`` byte for
+    byte; its sha256, taken as it is written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with source.open("rb") as src, open(target, "xb") as dst:
+        while chunk := src.read(1 << 20):
+            digest.update(chunk)
+            dst.write(chunk)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- safetensors

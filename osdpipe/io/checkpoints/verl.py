@@ -1,5 +1,4 @@
-"""verl: a veRL FSDP checkpoint as a whole training checkpoint, read only: written in PyTorch's layout
-(:mod:`osdpipe.io.checkpoints.pytorch`) or another framework's (``output.checkpoint=accelerate``, ...).
+"""verl: a veRL FSDP checkpoint as a whole training checkpoint, read and written for a job of another world size.
 
 veRL's ``FSDPCheckpointManager`` saves an actor (or critic) as one folder, every rank's files in it:
 
@@ -11,10 +10,12 @@ veRL's ``FSDPCheckpointManager`` saves an actor (or critic) as one folder, every
 
 The run keeps ``global_step_<N>/actor/`` per save and names the newest in ``latest_checkpointed_iteration.txt``.
 veRL loads only the world size it saved at (it opens ``..._world_size_<its own W>_...``), so a job moved to another
-number of GPUs cannot resume; osdpipe reads the folder at any world size, without veRL's code, and writes what a
-PyTorch job of any world size loads. What each part becomes: the model's weights and the optimizer's state convert;
-``huggingface/`` is copied beside the output; ``fsdp_config.json`` describes veRL's own files and is left out; each
-rank's extra state (its scheduler's and RNG states) is left out, and the report says so.
+number of GPUs cannot resume. osdpipe reads the folder at any world size, without veRL's code, and writes it again for
+M ranks (:mod:`osdpipe.io.checkpoints.verl_files`: each rank's DTensors on the M-rank job's mesh), what veRL's own
+manager loads in that job; or in PyTorch's layout or another framework's (``output.checkpoint=...``). What each part
+becomes: the model's weights and the optimizer's state convert; ``huggingface/`` is copied; written as veRL's, each
+target rank takes the extra state of its own rank of the saving world, or of ``rank mod W`` beyond it, and
+``fsdp_config.json`` names the new world size; written as another layout, both are left out, and the report says so.
 """
 
 from __future__ import annotations
@@ -140,12 +141,51 @@ class Verl(CheckpointLayout):
     name = "verl"
     looks_like = (
         "a veRL FSDP checkpoint folder (fsdp_config.json, model_/optim_/extra_state_world_size_<W>_rank_<r>.pt, "
-        "huggingface/), written in PyTorch's layout"
+        "huggingface/)"
     )
     input_formats = ("verl",)
-    output_formats = ()
-    written_as = "pytorch"
+    output_formats = ("verl",)
     saves_step = True  # the global_step_<N> folder its role's folder is in (a folder elsewhere says none)
+    made_as_written = True  # each rank's tensors one record each, DTensors around the local tensors written
+
+    def output_format_of(self, input_format: str) -> str | None:
+        """veRL's folder is written as veRL's rank files."""
+        return "verl"
+
+    def refuses_keys(self, path: str, given: Any, raw: dict[str, Any]) -> str | None:
+        """Written as veRL's own (``output.checkpoint`` unset or ``verl``): a source job whose meshes osdpipe cannot
+        make DTensors on here, or of more than one dimension (:mod:`osdpipe.io.checkpoints.verl_files`)."""
+        from osdpipe.io.checkpoints import verl_files
+        from osdpipe.io.formats.base import InputError
+        from osdpipe.io.formats.verl import MODEL_NAMING
+
+        if (raw.get("output") or {}).get("checkpoint") not in (None, self.name):  # unset: its own (written_as)
+            return None
+        folder = as_path(path)
+        world, _ = saved_world(folder)
+        try:
+            spec = verl_files.source_mesh(folder / MODEL_NAMING.name(0, world))
+        except InputError as exc:
+            return str(exc)
+        why = verl_files.refuses_device(spec)
+        return None if why is None else f"{folder}: {why}"
+
+    def refuses_output(self, source: CheckpointLayout, written: Any, target_kind: Any) -> str | None:
+        """Written from a veRL checkpoint only, for an FSDP2 job: its files' DTensors lie on the source job's kind of
+        mesh (:func:`~osdpipe.io.checkpoints.verl_files.source_mesh`), which another layout's files do not say."""
+        if (why := super().refuses_output(source, written, target_kind)) is not None:
+            return why
+        if source is not self:
+            return (
+                f"output.checkpoint=verl is written from a veRL checkpoint (checkpoint=verl) only so far, not from "
+                f"checkpoint={source.name}; write output.checkpoint=pytorch"
+            )
+        if not target_kind.dtensor_state:
+            return (
+                f"output.checkpoint=verl with target.kind={target_kind.name}: veRL's FSDP2 files hold DTensors; "
+                "set target.kind=fsdp2"
+            )
+        return None
 
     def recognizes(self, path: Path) -> bool:
         return path.is_dir() and (path / FSDP_CONFIG).is_file() and bool(_rank_files(path))
@@ -228,15 +268,178 @@ class Verl(CheckpointLayout):
     def carried(
         self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
     ) -> Carrying:
-        """``huggingface/``'s files, copied; each rank's extra state is left out (the report says why)."""
+        """``huggingface/``'s files, copied; each rank's extra state goes to the target ranks it becomes in veRL's own
+        layout (:meth:`finish`), and is left out of another (the report says which)."""
         folder = as_path(path)
         read = self.read(folder)
-        left_out = (
-            "left out: veRL's learning-rate scheduler state and RNG states of one rank of the saving world; the "
-            "output's job starts its scheduler and RNG afresh (set its scheduler's step from the step you resume at)"
-        )
-        said = {e.name: left_out for e in read.entries if e.name.startswith("extra_state.")}
+        world, _ = saved_world(folder)
+        if written_in is None or written_in is self:
+            said = {
+                e.name: (
+                    f"copied: target rank r takes the extra state (scheduler, RNG states) of saving rank r, or of "
+                    f"rank r mod {world} beyond the {world} that saved it (whose RNG streams it then repeats)"
+                )
+                for e in read.entries if e.name.startswith("extra_state.")
+            }
+            said[FSDP_CONFIG] = "written anew: the target's world size, the source's FSDP_version"
+        else:
+            left_out = (
+                "left out: veRL's learning-rate scheduler state and RNG states of one rank of the saving world; the "
+                "output's job starts its scheduler and RNG afresh (set its scheduler's step from the step you resume "
+                "at)"
+            )
+            said = {e.name: left_out for e in read.entries if e.name.startswith("extra_state.")}
         return Carrying(
             str(folder), files=tuple(self._carried_files(folder)), entries=read.entries, layout=self.name,
             optimizer=read.optimizer_path is not None, step=_step_of(folder), said=said,
         )
+
+    # ------------------------------------------------------------------ writing
+
+    def _mesh(self, carrying: Carrying, shared: dict[str, Any]) -> Any:
+        """The kind of mesh the source job's DTensors lie on, read once per process from its rank 0's model file."""
+        from osdpipe.io.checkpoints import verl_files
+        from osdpipe.io.formats.verl import MODEL_NAMING
+
+        if _SHARED_MESH not in shared:
+            folder = as_path(carrying.source)
+            world, _ = saved_world(folder)
+            spec = verl_files.source_mesh(folder / MODEL_NAMING.name(0, world))
+            if (why := verl_files.refuses_device(spec)) is not None:
+                raise _error(f"{folder}: {why}")
+            shared[_SHARED_MESH] = spec
+        return shared[_SHARED_MESH]
+
+    def _files(self, parts: Any, rank: int, world_size: int, tree: ModuleTree, spec: Any) -> dict[str, Any]:
+        """Target rank ``rank``'s model and optimizer files, by name, as veRL's manager saves them."""
+        from osdpipe.io.checkpoints import verl_files
+        from osdpipe.io.formats.verl import MODEL_NAMING, NAMING
+        from osdpipe.io.weights import model_state_dict
+
+        mesh = verl_files.job_mesh(spec, world_size, rank)
+        model = model_state_dict(parts.weights, parts.buffers, tree)
+        shapes = {name: param.shape for name in model if (param := tree.resolve(name)) is not None}
+        files = {MODEL_NAMING.name(rank, world_size): verl_files.model_file(model, shapes, mesh)}
+        if parts.carrying.optimizer:  # a model-only checkpoint stays one
+            files[NAMING.name(rank, world_size)] = verl_files.optim_file(parts.optimizer, mesh)
+        return files
+
+    def write(
+        self,
+        parts: Any,
+        staging: Path,
+        rank: int,
+        *,
+        world_size: int,
+        tree: ModuleTree,
+        shared: dict[str, Any],
+        fmt: Any,
+        target: Any = None,
+        output_config: Any = None,
+    ) -> Any:
+        """Target rank ``rank``'s ``model_...`` and ``optim_world_size_<M>_rank_<r>.pt``: DTensors on the M-rank job's
+        mesh around the local tensors, each written as one record (the rank's output made as it is written)."""
+        from osdpipe.io.formats.base import RankFiles, write_torch_file
+
+        written = RankFiles()
+        for name, content in self._files(parts, rank, world_size, tree, self._mesh(parts.carrying, shared)).items():
+            done = write_torch_file(content, staging / name)
+            written.files.update(done.files)
+            written.tensors.update(done.tensors)
+        return written
+
+    def finish(
+        self, staging: Path, shared: dict[str, Any], per_rank: list[Any], fmt: Any, carrying: Carrying,
+        target: Any = None,
+    ) -> dict[str, str]:
+        """``huggingface/`` copied, each target rank's extra state (:func:`~osdpipe.io.checkpoints.verl_files.
+        extra_state_source`'s rank's file, byte for byte) and ``fsdp_config.json`` with the target's world size."""
+        import hashlib
+
+        from osdpipe.io.checkpoints import output, verl_files
+        from osdpipe.io.formats.verl import EXTRA_NAMING
+
+        folder, world = as_path(carrying.source), len(per_rank)
+        saved, _ = saved_world(folder)
+        done = output.copy_files(carrying, staging)
+        extra = _rank_files(folder).get("extra_state", {}).get(saved, {})
+        for rank in range(world) if extra else ():
+            name = EXTRA_NAMING.name(rank, world)
+            done[name] = output.copy_file(extra[verl_files.extra_state_source(rank, saved)], staging / name)
+        config = json.loads((folder / FSDP_CONFIG).read_text()) | {"world_size": world}
+        data = json.dumps(config).encode()
+        (staging / FSDP_CONFIG).write_bytes(data)
+        done[FSDP_CONFIG] = hashlib.sha256(data).hexdigest()
+        return done
+
+    def load_output(self, model: Any, optim: Any, directory: Path, rank: int, fmt: Any) -> None:
+        """Each of the rank's files read as veRL's manager reads them (``torch.load``), its DTensors taken apart and
+        laid on the live job's own parameters (:func:`osdpipe.io.loading.load_rank_state`): what ``osdpipe check
+        --load`` does, in a world whose meshes are osdpipe's, not the job's."""
+        import torch
+
+        from osdpipe.io.formats.safe_load import meshes_quiet
+        from osdpipe.io.formats.verl import MODEL_NAMING, NAMING
+        from osdpipe.io.loading import load_rank_state
+        from osdpipe.io.whole_rank_file import MODEL_PART, OPTIMIZER_PART
+        from osdpipe.layout.kinds.fsdp2 import to_rank_local
+
+        world = _written_world(directory)
+        optim_path = directory / NAMING.name(rank, world)
+        with meshes_quiet():  # the meshes are read as data: the live job's own are the ones it loads onto
+            weights = torch.load(directory / MODEL_NAMING.name(rank, world), map_location="cpu", weights_only=True)
+            optimizer = torch.load(optim_path, map_location="cpu", weights_only=True)
+        loaded = {MODEL_PART: {k: getattr(v, "to_local", lambda v=v: v)() for k, v in weights.items()}}
+        loaded[OPTIMIZER_PART] = to_rank_local(optimizer)
+        load_rank_state(optim, loaded, str(optim_path), model)
+
+    def differences(
+        self,
+        directory: Path,
+        parts: Any,
+        rank: int,
+        *,
+        world_size: int,
+        tree: ModuleTree,
+        fmt: Any,
+        opened: dict[str, Any],
+        target: Any = None,
+    ) -> list[str]:
+        """Where rank ``rank``'s files differ from what they should hold: every local tensor bitwise, every DTensor's
+        shape, placements and mesh; its extra state byte for byte; on rank 0, ``huggingface/``'s files."""
+        import torch
+
+        from osdpipe.core.compare import diff
+        from osdpipe.io.checkpoints import output, verl_files
+        from osdpipe.io.formats.safe_load import meshes_quiet
+        from osdpipe.io.formats.verl import EXTRA_NAMING
+
+        problems = output.file_differences(directory, parts.carrying) if rank == 0 else []
+        files = self._files(parts, rank, world_size, tree, self._mesh(parts.carrying, opened))
+        for name, content in files.items():
+            if not (directory / name).is_file():
+                problems.append(f"{directory / name} is missing")
+                continue
+            with meshes_quiet():
+                got = torch.load(directory / name, map_location="cpu", weights_only=True)
+            problems += [f"{directory / name}: {p}" for p in
+                         diff(verl_files.local_view(got), verl_files.local_view(content), limit=3)]  # fmt: skip
+        folder = as_path(parts.carrying.source)
+        saved, _ = saved_world(folder)
+        extra = _rank_files(folder).get("extra_state", {}).get(saved, {})
+        name = EXTRA_NAMING.name(rank, world_size)
+        if extra and (
+            not (directory / name).is_file()
+            or (directory / name).read_bytes() != extra[verl_files.extra_state_source(rank, saved)].read_bytes()
+        ):
+            problems.append(f"{directory / name} is not the saving job's rank {rank % saved}'s extra state")
+        return problems
+
+
+#: Where the kind of mesh of the source job is kept in a process's ``shared`` dict (:meth:`Verl._mesh`).
+_SHARED_MESH = "verl.mesh"
+
+
+def _written_world(folder: Path) -> int:
+    """The world size a veRL folder's ``fsdp_config.json`` names."""
+    return int(json.loads((folder / FSDP_CONFIG).read_text())["world_size"])

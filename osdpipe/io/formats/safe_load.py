@@ -338,7 +338,7 @@ def load_torch_file(path: Any) -> Any:
 def _with_dtensors(load: Any, where: str) -> Any:
     """``load()``, once more with DTensors readable where the file holds them; torch's failures in one line."""
     try:
-        with _meshes_quiet():
+        with meshes_quiet():
             try:
                 return load()
             except pickle.UnpicklingError as exc:
@@ -355,7 +355,7 @@ def _with_dtensors(load: Any, where: str) -> Any:
 
 
 @contextlib.contextmanager
-def _meshes_quiet() -> Any:
+def meshes_quiet() -> Any:
     """Without the warning torch logs for each DeviceMesh unpickled before its process groups exist (a saved
     DTensor's mesh, read here as data: no process group of it is ever made)."""
     logger = logging.getLogger("torch.distributed.device_mesh")

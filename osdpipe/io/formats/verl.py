@@ -5,7 +5,8 @@ veRL's ``FSDPCheckpointManager`` saves, on every rank of an FSDP2 job, ``torch.s
 shards of dim 0, as a ``rank_local`` directory holds them under other names. So it is read as one: the same reader
 (:class:`~osdpipe.io.formats.rank_local.RankLocalReader`), the same facts (FSDP2 and its mesh from the DTensors), the
 names its own (:data:`NAMING`). The whole folder, the model's files beside it, is the ``verl`` checkpoint layout's
-(:mod:`osdpipe.io.checkpoints.verl`); osdpipe reads it and does not write it.
+(:mod:`osdpipe.io.checkpoints.verl`), which writes veRL's files too (as DTensors, which a ``rank_local`` file does not
+hold).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ class Verl(RankLocal):
 
     name = "verl"
     naming = NAMING
-    written = False
     generated_name = "verl"
     looks_like = "a veRL FSDP checkpoint's optimizer files (optim_world_size_<W>_rank_<r>.pt)"
     found_by = "optim_world_size_<W>_rank_<r>.pt files"
