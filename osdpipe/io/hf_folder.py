@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -246,7 +247,21 @@ def model_from_config(path: str, dtype: str = "float32") -> torch.nn.Module:
     if (tied := megatron_hf.tied_names(gpt)) is not None:  # one parameter under both names, as transformers ties them
         embedding, output = tied
         _place(root, output, root.get_parameter(embedding))
+    root.fsdp_units = _decoder_layers(name for name, _ in root.named_parameters())
     return root
+
+
+def _decoder_layers(names: Iterable[str]) -> tuple[str, ...]:
+    """The decoder layers' module names (``model.layers.<i>``, GPT-2's ``transformer.h.<i>``), in order: the modules
+    transformers' ``_no_split_modules`` names for these families, which FSDP1 jobs wrap as units (accelerate's, veRL's,
+    the HF Trainer's transformer-based auto wrap). The one numbered module on each parameter's path."""
+    layers: dict[str, None] = {}
+    for name in names:
+        parts = name.split(".")
+        at = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+        if at is not None:
+            layers[".".join(parts[: at + 1])] = None
+    return tuple(layers)
 
 
 def _place(root: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:

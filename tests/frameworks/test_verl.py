@@ -46,6 +46,16 @@ def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def fsdp1_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An actor folder veRL's manager saved from an FSDP1 job (veRL's default ``actor.strategy=fsdp``: its own wrap
+    policy, flat parameters, ShardedTensor model files) on 2 ranks; the job's state, gathered whole, beside it."""
+    root = tmp_path_factory.mktemp("verl_fsdp1")
+    _job(root, "save", 2, mode="save", fsdp=1, steps=STEPS, path=str(root / "actor"),
+         dump=str(root / "expected.pt"))  # fmt: skip
+    return root / "actor"
+
+
 def _differences(expected: Any, got: Any, where: str = "") -> list[str]:
     """Where two gathered states differ: tensors bitwise (dtype too), everything else by ``==``."""
     if isinstance(expected, dict):
@@ -98,17 +108,23 @@ def _leaves(state: Any, where: str = "") -> dict[str, Any]:
     return {where: state}
 
 
-def _loaded_as_saved(run_folder: Path, tmp_path: Path, out: Path, world: int, mode: str) -> None:
+def _loaded_as_saved(run_folder: Path, tmp_path: Path, out: Path, world: int, mode: str, *,
+                     bitwise_after: bool | None = None) -> None:
     """A job of ``world`` ranks loads ``out`` (``mode``: veRL's manager, or as PyTorch's layout) and holds the saving
     job's state bitwise; veRL's own resumes the scheduler too, so its two more steps match the saving job's (PyTorch's
     layout has no place for it: that job's scheduler starts afresh, and it only trains on)."""
     _job(tmp_path, mode, world, mode=mode, path=str(out), steps=STEPS, dump=str(tmp_path / "loaded.pt"))
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
     expected = torch.load(run_folder.parent / "expected.pt", weights_only=False)
+    if bitwise_after is False:  # another kind of job (FSDP1): its param groups list the parameters in its own order
+        for state in (expected, loaded, expected["after"], loaded["after"]):
+            for group in state["optim"]["param_groups"]:
+                group["params"] = sorted(group["params"])
     assert _differences(expected["model"], loaded["model"], "model") == []
     assert _differences(expected["optim"], loaded["optim"], "optim") == []
     if mode == "load":
-        assert _after_matches(expected["after"], loaded["after"], bitwise=world == 2) == []
+        bitwise = world == 2 if bitwise_after is None else bitwise_after
+        assert _after_matches(expected["after"], loaded["after"], bitwise=bitwise) == []
     else:
         assert all(math.isfinite(loss) for loss in loaded["after"]["losses"])
 
@@ -158,6 +174,20 @@ def test_veRLs_folder_written_by_osdpipe_converts_back_to_the_saving_worlds_file
         assert (back / name).read_bytes() == (actor / name).read_bytes()
 
 
+def test_an_fsdp1_actor_resumes_as_veRLs_fsdp2_on_another_number_of_ranks(fsdp1_folder: Path, tmp_path: Path) -> None:
+    """veRL's default FSDP1 actor (flat parameters, ShardedTensor model files) at 2 ranks becomes veRL's FSDP2 folder
+    for 3: veRL's own manager loads it in an FSDP2 job (actor.strategy=fsdp2) holding the FSDP1 job's weights and Adam
+    state bitwise, and two more steps match the FSDP1 job's within float32's error."""
+    said = _convert(fsdp1_folder, tmp_path / "out", 3)
+    for check in ("roundtrip", "resume"):
+        assert f"check {check}" in said and f"check {check}     fail" not in said, said
+    assert "the output is veRL's FSDP2 folder (osdpipe writes no ShardedTensor files): resume it with " \
+           "actor.strategy=fsdp2" in said
+    out = tmp_path / "out"
+    assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 3}
+    _loaded_as_saved(fsdp1_folder, tmp_path, out, 3, "load", bitwise_after=False)
+
+
 def test_a_verl_save_resumes_bitwise_as_pytorchs_layout(run_folder: Path, tmp_path: Path) -> None:
     said = _convert(run_folder, tmp_path / "out", 3, "output.checkpoint=pytorch")
     for check in ("roundtrip", "resume"):
@@ -194,9 +224,9 @@ def _break_config(actor: Path) -> str:
     return "fsdp_config.json says world_size=4, but the rank files are of world size 2"
 
 
-def _break_fsdp1(actor: Path) -> str:
-    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": 2}))
-    return "FSDP_version=1: a veRL FSDP1 checkpoint (ShardedTensor state) is not supported yet"
+def _break_version(actor: Path) -> str:
+    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 3, "world_size": 2}))
+    return "FSDP_version=3: veRL saves FSDP_version 1 (actor.strategy=fsdp) or 2 (fsdp2)"
 
 
 def _break_megatron(actor: Path) -> str:
@@ -226,10 +256,11 @@ def _break_hsdp(actor: Path) -> str:
     return "its DTensors lie on a 2-dimensional mesh (1, 2) (HSDP"
 
 
-@pytest.mark.parametrize("broken", [_break_missing, _break_mixed, _break_config, _break_fsdp1, _break_megatron,
+@pytest.mark.parametrize("broken", [_break_missing, _break_mixed, _break_config, _break_version, _break_megatron,
                                     _break_cuda, _break_hsdp],
                          ids=["a missing rank file", "two world sizes", "a contradicting fsdp_config.json",
-                              "FSDP1", "the Megatron backend", "a GPU job's meshes", "HSDP"])  # fmt: skip
+                              "an FSDP version veRL has not", "the Megatron backend", "a GPU job's meshes",
+                              "HSDP"])  # fmt: skip
 def test_a_bad_verl_folder_is_refused_in_one_line_before_anything_is_written(
     run_folder: Path, tmp_path: Path, broken: Any
 ) -> None:

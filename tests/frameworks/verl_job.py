@@ -1,11 +1,13 @@
 """One rank of a veRL FSDP2 actor on CPU/gloo (launched by :mod:`frameworks.launch`): ``save``, ``load`` or
 ``load_pytorch``.
 
-``save``: a tiny Llama of the test's own (transformers' ``LlamaForCausalLM``), ``fully_shard`` on each decoder layer
-and the root over a ``cpu`` mesh named as veRL names it (``create_device_mesh``: ``mesh_dim_names=["fsdp"]``), AdamW
-with a scheduler, ``steps`` steps on batches of its own, then veRL's own ``FSDPCheckpointManager.save_checkpoint``: the
-folder veRL writes. Rank 0 dumps the state the job held, gathered whole (PyTorch's ``get_model_state_dict``/
-``get_optimizer_state_dict`` with ``full_state_dict``), beside it, and the state after two more steps.
+``save``: a tiny Llama of the test's own (transformers' ``LlamaForCausalLM``), ``fully_shard`` on each decoder layer and
+the root over a ``cpu`` mesh named as veRL names it (``create_device_mesh``: ``mesh_dim_names=["fsdp"]``), or with
+``"fsdp": 1`` FSDP1 wrapped by veRL's own policy (``get_fsdp_wrap_policy``: the decoder layers, flat parameters, veRL's
+``actor.strategy=fsdp``), AdamW with a scheduler, ``steps`` steps on batches of its own, then veRL's own
+``FSDPCheckpointManager.save_checkpoint``: the folder veRL writes. Rank 0 dumps the state the job held, gathered whole
+(PyTorch's ``get_model_state_dict``/``get_optimizer_state_dict`` with ``full_state_dict``), beside it, and the state
+after two more steps.
 
 ``load``: a fresh job of another world size builds the model from the output's ``huggingface/config.json``, wraps it
 the same way, and loads the output with veRL's own manager (``load_checkpoint``), as veRL resumes; it dumps the state
@@ -38,11 +40,17 @@ CONFIG = dict(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_la
               num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
 
 
-def wrapped(config: Any) -> torch.nn.Module:
+def wrapped(config: Any, fsdp: int = 2) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    if fsdp == 1:  # veRL's actor.strategy=fsdp: its own wrap policy (the decoder layers), flat parameters
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from verl.utils.fsdp_utils import get_fsdp_wrap_policy
+
+        return FullyShardedDataParallel(model, auto_wrap_policy=get_fsdp_wrap_policy(model), use_orig_params=False,
+                                        device_id=torch.device("cpu"))  # fmt: skip
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -65,7 +73,8 @@ def gathered(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     optimizer's own, which the next step would advance."""
     import copy
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+    # on CPU: nothing to offload (and FSDP1 fails to gather a flat parameter so in torch 2.13)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     return copy.deepcopy({"model": get_model_state_dict(model, options=options),
                           "optim": get_optimizer_state_dict(model, optimizer, options=options)})  # fmt: skip
 
@@ -79,8 +88,8 @@ def _manager(model: torch.nn.Module, optimizer: Any, scheduler: Any) -> Any:
         {"save_contents": contents, "load_contents": contents}))  # fmt: skip
 
 
-def _job(config: Any) -> tuple[torch.nn.Module, Any, Any]:
-    model = wrapped(config)
+def _job(config: Any, fsdp: int = 2) -> tuple[torch.nn.Module, Any, Any]:
+    model = wrapped(config, fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     return model, optimizer, scheduler
@@ -98,7 +107,7 @@ def main() -> None:
     from transformers import LlamaConfig
 
     if spec["mode"] == "save":
-        model, optimizer, scheduler = _job(LlamaConfig(**CONFIG))
+        model, optimizer, scheduler = _job(LlamaConfig(**CONFIG), spec.get("fsdp", 2))
         for index in range(spec["steps"]):
             step(model, optimizer, scheduler, index)
         _manager(model, optimizer, scheduler).save_checkpoint(spec["path"], global_step=spec["steps"])

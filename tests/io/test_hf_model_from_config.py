@@ -48,6 +48,9 @@ def test_the_tree_read_from_a_config_is_transformers_model(name: str, tmp_path) 
     assert (ours.get_parameter("lm_head.weight") is ours.get_parameter(theirs[0][0])) == tied
     built = factory(**config.to_dict())
     assert type(built).__name__ == model_class and _parameters(built) == theirs
+    # its FSDP units are the modules of the classes transformers' _no_split_modules names (what FSDP1 jobs wrap)
+    layers = tuple(n for n, m in model.named_modules() if type(m).__name__ in model._no_split_modules)
+    assert len(layers) == 2 and ours.fsdp_units == layers
 
 
 def test_a_llama_biased_on_attention_alone_is_refused_in_one_line(tmp_path) -> None:

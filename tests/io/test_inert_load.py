@@ -123,3 +123,47 @@ def test_a_damaged_file_is_named_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(InputError) as refused:
         load_inert(path, ("deepspeed",), what="a DeepSpeed optimizer file")
     assert str(path) in str(refused.value) and "damaged" in str(refused.value)
+
+
+class _Getattr:
+    """A pickle that asks ``getattr`` of something other than a described class (how a hostile file reaches a
+    function through an allowed name)."""
+
+    def __reduce__(self):
+        return (getattr, (torch.Size, "__init__"))
+
+
+def test_getattr_of_anything_but_a_described_class_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "f.pt"
+    torch.save({"x": _Getattr()}, path)
+    with pytest.raises(InputError, match="builtins.getattr, which an FSDP1 model file never holds"):
+        load_inert(path, ("torch.distributed._shard",), what="an FSDP1 model file")
+
+
+_SAVE_SHARDED = """
+import sys, torch, torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+local = torch.arange(12, dtype=torch.float32).view(3, 4)
+shard = Shard(local, ShardMetadata(shard_offsets=[0, 0], shard_sizes=[3, 4], placement="rank:0/cpu"))
+torch.save({"w": init_from_local_shards([shard], 3, 4), "b": torch.ones(2)}, sys.argv[1])
+dist.destroy_process_group()
+"""
+
+
+def test_a_sharded_tensor_is_read_as_its_local_shard_without_a_process_group(tmp_path: Path) -> None:
+    """FSDP1's SHARDED_STATE_DICT values: torch.load refuses them outside a process group; osdpipe reads each one's
+    local shard, its offset and the whole's shape, and runs nothing of the pickle."""
+    import subprocess
+
+    from osdpipe.io.formats.sharded_tensor import LocalShard, load_sharded_state
+
+    path = tmp_path / "model_world_size_1_rank_0.pt"
+    subprocess.run([sys.executable, "-c", _SAVE_SHARDED, str(path), str(tmp_path / "store")], check=True, timeout=120)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        torch.load(path, weights_only=False)
+    got = load_sharded_state(path, "an FSDP1 model file")
+    assert isinstance(got["w"], LocalShard) and torch.equal(got["w"].tensor, torch.arange(12.0).view(3, 4))
+    assert (got["w"].offsets, got["w"].size, got["w"].device_type) == ((0, 0), (3, 4), "cpu")
+    assert got["w"].whole.shape == (3, 4) and got["w"].whole.device.type == "meta"
+    assert torch.equal(got["b"], torch.ones(2))

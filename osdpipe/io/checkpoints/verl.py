@@ -2,20 +2,23 @@
 
 veRL's ``FSDPCheckpointManager`` saves an actor (or critic) as one folder, every rank's files in it:
 
-* ``model_world_size_<W>_rank_<r>.pt``: the rank's ``model.state_dict()``, each parameter a DTensor shard of dim 0;
-* ``optim_world_size_<W>_rank_<r>.pt``: its ``optimizer.state_dict()`` (:mod:`osdpipe.io.formats.verl`);
+* ``model_world_size_<W>_rank_<r>.pt``: the rank's ``model.state_dict()``, each parameter a DTensor shard of dim 0
+  (FSDP1's, veRL's default ``actor.strategy=fsdp``: a ``ShardedTensor`` of the same chunk);
+* ``optim_world_size_<W>_rank_<r>.pt``: its ``optimizer.state_dict()`` (:mod:`osdpipe.io.formats.verl`; FSDP1's: of
+  its flat parameters);
 * ``extra_state_world_size_<W>_rank_<r>.pt``: its learning-rate scheduler's state and its RNG states;
 * ``fsdp_config.json``: ``{"FSDP_version", "world_size"}``;
 * ``huggingface/``: the model's ``config.json`` (and its tokenizer), which the model is built from.
 
-The run keeps ``global_step_<N>/actor/`` per save and names the newest in ``latest_checkpointed_iteration.txt``.
-veRL loads only the world size it saved at (it opens ``..._world_size_<its own W>_...``), so a job moved to another
-number of GPUs cannot resume. osdpipe reads the folder at any world size, without veRL's code, and writes it again for
-M ranks (:mod:`osdpipe.io.checkpoints.verl_files`: each rank's DTensors on the M-rank job's mesh), what veRL's own
-manager loads in that job; or in PyTorch's layout or another framework's (``output.checkpoint=...``). What each part
-becomes: the model's weights and the optimizer's state convert; ``huggingface/`` is copied; written as veRL's, each
-target rank takes the extra state of its own rank of the saving world, or of ``rank mod W`` beyond it, and
-``fsdp_config.json`` names the new world size; written as another layout, both are left out, and the report says so.
+The run keeps ``global_step_<N>/actor/`` per save and names the newest in ``latest_checkpointed_iteration.txt``. veRL
+loads only the world size it saved at (it opens ``..._world_size_<its own W>_...``), so a job moved to another number of
+GPUs cannot resume. osdpipe reads the folder at any world size, without veRL's code, and writes it again for M ranks
+(:mod:`osdpipe.io.checkpoints.verl_files`: each rank's DTensors on the M-rank job's mesh; an FSDP1 actor's as an FSDP2
+one's), what veRL's own manager loads in that job; or in PyTorch's layout or another framework's
+(``output.checkpoint=...``). What each part becomes: the model's weights and the optimizer's state convert;
+``huggingface/`` is copied; written as veRL's, each target rank takes the extra state of its own rank of the saving
+world, or of ``rank mod W`` beyond it, and ``fsdp_config.json`` names the new world size; written as another layout,
+both are left out, and the report says so.
 """
 
 from __future__ import annotations
@@ -102,10 +105,10 @@ def saved_world(folder: Path) -> tuple[int, int]:
             f"{config_path} says world_size={world}, but the rank files are of world size {worlds[0]} "
             f"(model_world_size_{worlds[0]}_rank_0.pt ...): the folder is not one save; put back its own {FSDP_CONFIG}"
         )
-    if version != 2:
+    if version not in (1, 2):
         raise _error(
-            f"{config_path}: FSDP_version={version}: a veRL FSDP1 checkpoint (ShardedTensor state) is not supported "
-            "yet; FSDP2 (actor.strategy=fsdp2) is"
+            f"{config_path}: FSDP_version={version}: veRL saves FSDP_version 1 (actor.strategy=fsdp) or 2 (fsdp2); "
+            "is it veRL's?"
         )
     # the optimizer's files may be absent altogether (checkpoint.save_contents without it): a model-only checkpoint
     for kind, required in (("model", True), ("optim", False)):
@@ -121,11 +124,17 @@ def saved_world(folder: Path) -> tuple[int, int]:
     return world, version
 
 
-def _tensors(path: Path) -> int:
-    """How many tensors one rank's file holds (loaded memory-mapped: its metadata alone is read)."""
-    from osdpipe.io.formats.safe_load import load_torch_file  # torch: only where a checkpoint is read
+def _tensors(path: Path, fsdp_version: int) -> int:
+    """How many tensors one rank's file holds (loaded memory-mapped: its metadata alone is read); an FSDP1 model
+    file's ``ShardedTensor`` counted as one each."""
+    # torch: only where a checkpoint is read
+    from osdpipe.io.checkpoints.rank_weights import load_fsdp1_model_file
+    from osdpipe.io.formats.safe_load import load_torch_file
 
-    state = load_torch_file(path)
+    fsdp1_model = fsdp_version == 1 and path.name.startswith("model_")
+    state = load_fsdp1_model_file(path) if fsdp1_model else load_torch_file(path)
+    if fsdp1_model:
+        return len(state)
     values = state.get("state", {}).values() if isinstance(state.get("state"), dict) else [state]
     return sum(1 for v in values if isinstance(v, dict) for t in v.values() if hasattr(t, "shape") and t.dim() > 0)
 
@@ -162,13 +171,28 @@ class Verl(CheckpointLayout):
         if (raw.get("output") or {}).get("checkpoint") not in (None, self.name):  # unset: its own (written_as)
             return None
         folder = as_path(path)
-        world, _ = saved_world(folder)
+        world, version = saved_world(folder)
         try:
-            spec = verl_files.source_mesh(folder / MODEL_NAMING.name(0, world))
+            spec = verl_files.source_mesh(folder / MODEL_NAMING.name(0, world), version)
         except InputError as exc:
             return str(exc)
         why = verl_files.refuses_device(spec)
         return None if why is None else f"{folder}: {why}"
+
+    def advice(self, path: str, target: dict[str, Any], output_format: str) -> list[str]:
+        """Into veRL's own folder: an FSDP1 actor's becomes an FSDP2 job's (the resuming job sets
+        ``actor.strategy=fsdp2``); a world larger than the saving one repeats RNG streams."""
+        folder = as_path(path)
+        world, version = saved_world(folder)
+        out = []
+        if version == 1:
+            out.append(f"{folder} is an FSDP1 actor's (actor.strategy=fsdp); the output is veRL's FSDP2 folder "
+                       "(osdpipe writes no ShardedTensor files): resume it with actor.strategy=fsdp2 (and "
+                       "critic.strategy=fsdp2 for a critic)")
+        if int(target.get("world_size") or 0) > world:
+            out.append(f"RNG states: target rank r takes saving rank r mod {world}'s, so the ranks beyond the {world} "
+                       "that saved it draw the same random numbers as the rank they repeat")
+        return out
 
     def refuses_output(self, source: CheckpointLayout, written: Any, target_kind: Any) -> str | None:
         """Written from a veRL checkpoint only, for an FSDP2 job: its files' DTensors lie on the source job's kind of
@@ -230,7 +254,7 @@ class Verl(CheckpointLayout):
             held = files.get(kind, {}).get(world, {})
             if held:
                 entries.append(Entry(name, part, f"{kind}_world_size_{world}_rank_<r>.pt x {world}",
-                                     sum(p.stat().st_size for p in held.values()), _tensors(held[0])))
+                                     sum(p.stat().st_size for p in held.values()), _tensors(held[0], version)))
         for rank, p in sorted(files.get("extra_state", {}).get(world, {}).items()):
             entries.append(Entry(f"extra_state.rank_{rank}", "other", p.name, p.stat().st_size, source_rank=rank))
         entries.append(Entry(FSDP_CONFIG, "framework", FSDP_CONFIG, (path / FSDP_CONFIG).stat().st_size))
@@ -256,14 +280,22 @@ class Verl(CheckpointLayout):
 
     def open_model(self, path: str, input_format: str, tree: ModuleTree, optimizer: Any) -> Any:
         """Each rank's ``model.state_dict()`` file, laid out as the FSDP2 job of the world the folder says
-        (:class:`~osdpipe.io.checkpoints.rank_weights.RankFileWeights`)."""
-        from osdpipe.io.checkpoints.rank_weights import RankFileWeights  # torch: only where a checkpoint is read
+        (:class:`~osdpipe.io.checkpoints.rank_weights.RankFileWeights`): an FSDP1 job's ``SHARDED_STATE_DICT`` holds
+        the same dim-0 chunks, as ``ShardedTensor``."""
+        from osdpipe.io.checkpoints.rank_weights import (
+            RankFileWeights,  # torch: only where a checkpoint is read
+            load_fsdp1_model_file,
+            load_model_file,
+        )
         from osdpipe.io.formats.verl import MODEL_NAMING
         from osdpipe.layout.ranges import LayoutSpec
 
-        world, _ = saved_world(as_path(path))
+        world, version = saved_world(as_path(path))
+        if version == 1:  # FSDP1's SHARDED_STATE_DICT: ShardedTensors of dim-0 chunks, FSDP2's placement
+            return RankFileWeights(path, tree, LayoutSpec(kind="fsdp2", world_size=world), MODEL_NAMING,
+                                   load_fsdp1_model_file)  # fmt: skip
         source = getattr(optimizer, "source", None) or LayoutSpec(kind="fsdp2", world_size=world)
-        return RankFileWeights(path, tree, source, MODEL_NAMING)
+        return RankFileWeights(path, tree, source, MODEL_NAMING, load_model_file)
 
     def carried(
         self, path: str, input_format: str, tree: ModuleTree, written_in: CheckpointLayout | None = None,
@@ -281,7 +313,7 @@ class Verl(CheckpointLayout):
                 )
                 for e in read.entries if e.name.startswith("extra_state.")
             }
-            said[FSDP_CONFIG] = "written anew: the target's world size, the source's FSDP_version"
+            said[FSDP_CONFIG] = "written anew: the target's world size, FSDP_version 2 (the files written are FSDP2's)"
         else:
             left_out = (
                 "left out: veRL's learning-rate scheduler state and RNG states of one rank of the saving world; the "
@@ -303,8 +335,8 @@ class Verl(CheckpointLayout):
 
         if _SHARED_MESH not in shared:
             folder = as_path(carrying.source)
-            world, _ = saved_world(folder)
-            spec = verl_files.source_mesh(folder / MODEL_NAMING.name(0, world))
+            world, version = saved_world(folder)
+            spec = verl_files.source_mesh(folder / MODEL_NAMING.name(0, world), version)
             if (why := verl_files.refuses_device(spec)) is not None:
                 raise _error(f"{folder}: {why}")
             shared[_SHARED_MESH] = spec
@@ -366,7 +398,7 @@ class Verl(CheckpointLayout):
         for rank in range(world) if extra else ():
             name = EXTRA_NAMING.name(rank, world)
             done[name] = output.copy_file(extra[verl_files.extra_state_source(rank, saved)], staging / name)
-        config = json.loads((folder / FSDP_CONFIG).read_text()) | {"world_size": world}
+        config = json.loads((folder / FSDP_CONFIG).read_text()) | {"FSDP_version": 2, "world_size": world}
         data = json.dumps(config).encode()
         (staging / FSDP_CONFIG).write_bytes(data)
         done[FSDP_CONFIG] = hashlib.sha256(data).hexdigest()

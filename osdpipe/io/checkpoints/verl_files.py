@@ -24,6 +24,10 @@ import torch
 from osdpipe.io.formats.base import InputError
 from osdpipe.layout.ranges import DTENSOR_TABLE
 
+#: The dimension names of the mesh veRL's FSDP2 job makes (``create_device_mesh`` where ``fsdp_size`` is the world).
+VERL_MESH_NAMES = ("fsdp",)
+#: The name of a job's default process group, which a mesh over the whole world uses (torch's first group).
+DEFAULT_GROUP = ("0",)
 #: What a ``rank_local`` optimizer state holds besides PyTorch's own ``state`` and ``param_groups`` (osdpipe's record of
 #: each parameter's layout), which veRL's files do not.
 _OSDPIPE_ONLY = (DTENSOR_TABLE, "param_layout")
@@ -43,14 +47,26 @@ class MeshSpec:
         return f"a {self.device_type} mesh{names}"
 
 
-def source_mesh(model_file: Any) -> MeshSpec:
-    """The mesh the first DTensor of a veRL rank's model file lies on (every parameter of an FSDP2 job shares it).
+def source_mesh(model_file: Any, fsdp_version: int = 2) -> MeshSpec:
+    """The mesh the FSDP2 job that resumes a veRL save lays its DTensors on, but for its size: an FSDP2 save's own
+    (the first DTensor of a rank's model file: every parameter shares it); for an FSDP1 save, veRL's FSDP2 mesh
+    (``create_device_mesh``: one dimension, ``fsdp``, the default process group's) on the device type the save's
+    ``ShardedTensor`` placements name.
 
     Raises:
-        InputError: the file holds no DTensor, or one on a mesh of more than one dimension (HSDP), naming the file.
+        InputError: the file holds no DTensor (no ShardedTensor, for FSDP1), or one on a mesh of more than one
+            dimension (HSDP), naming the file.
     """
     from osdpipe.io.formats.safe_load import load_torch_file  # memory-mapped: only the file's metadata is read
 
+    if fsdp_version == 1:
+        from osdpipe.io.checkpoints.rank_weights import load_fsdp1_model_file
+        from osdpipe.io.formats.sharded_tensor import LocalShard
+
+        shard = next((v for v in load_fsdp1_model_file(model_file).values() if isinstance(v, LocalShard)), None)
+        if shard is None:
+            raise InputError(f"{model_file} holds no ShardedTensor: not an FSDP1 rank's SHARDED_STATE_DICT")
+        return MeshSpec(shard.device_type, VERL_MESH_NAMES, DEFAULT_GROUP)
     found = next((v for v in load_torch_file(model_file).values() if hasattr(v, "device_mesh")), None)
     if found is None:
         raise InputError(f"{model_file} holds no DTensor: not an FSDP2 rank's model.state_dict(); is it veRL's?")

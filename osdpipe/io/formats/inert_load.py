@@ -16,7 +16,9 @@ three kinds of names and refuses every other one:
 * any name under one of the packages the caller trusts to *describe* (for
   DeepSpeed, ``deepspeed``): it comes out as a :class:`Record`, an inert
   object that keeps the class's name, the arguments it was built with and
-  its state, and never imports the module;
+  its state, and never imports the module; so does a tensor subclass of
+  such a package that wraps others (FSDP1's ``ShardedTensor``, which a plain
+  ``torch.load`` refuses outside a process group), its shards in its state;
 * nothing else: a pickle that names ``os.system``, ``builtins.eval`` or a
   module of no known framework is refused in one line, and nothing of it runs.
 """
@@ -89,9 +91,36 @@ def _reconstruct(cls: Any, base: Any, state: Any) -> Any:
     return cls.__new__(cls)
 
 
+def _wrapper_subclass(*args: Any) -> Any:
+    """``torch._utils._rebuild_wrapper_subclass`` (a tensor subclass that wraps others: ``ShardedTensor``), never run:
+    :func:`_from_type` makes a record of the subclass instead, if its package is described."""
+    raise RefusedGlobal("torch._utils", "_rebuild_wrapper_subclass")
+
+
+def _layout(name: str) -> torch.layout:
+    """``torch.serialization._get_layout``: a tensor layout by its name (``torch.strided``), a torch layout alone."""
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.layout):
+        raise RefusedGlobal("torch.serialization", "_get_layout")
+    return value
+
+
+def _nested(owner: Any, name: str) -> Any:
+    """``getattr`` of a described class, as pickle names a nested class (``ShardedTensor.ProcessGroupState``): the
+    record class of that name; of anything else, refused."""
+    if not (isinstance(owner, type) and issubclass(owner, Record)) or not name.isidentifier():
+        raise RefusedGlobal("builtins", "getattr")
+    return record_class(owner.module, f"{owner.name}.{name}")
+
+
 def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     """``torch._tensor._rebuild_from_type_v2`` for plain tensors and parameters: a tensor pickled with attributes of its
-    own (DeepSpeed's ``ds_id`` on a ZeRO-3 partition) comes back with them as plain values."""
+    own (DeepSpeed's ``ds_id`` on a ZeRO-3 partition) comes back with them as plain values. A wrapper subclass of a
+    described package (``ShardedTensor``) comes back as its record, its pickled state kept (its local shards)."""
+    if func is _wrapper_subclass and isinstance(new_type, type) and issubclass(new_type, Record):
+        record = new_type.__new__(new_type, *args[1:])
+        record.state = state
+        return record
     if func not in _TENSOR_BUILDERS or new_type not in (torch.Tensor, torch.nn.Parameter):
         raise RefusedGlobal("torch._tensor", "_rebuild_from_type_v2")
     tensor = func(*args)
@@ -110,6 +139,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     # a parameter with attributes of its own: they are set from its pickled state, which this unpickler built
     ("torch._utils", "_rebuild_parameter_with_state"): torch._utils._rebuild_parameter_with_state,
     ("torch._tensor", "_rebuild_from_type_v2"): _from_type,
+    ("torch._utils", "_rebuild_wrapper_subclass"): _wrapper_subclass,
+    ("torch.serialization", "_get_layout"): _layout,
+    ("builtins", "getattr"): _nested,
+    ("__builtin__", "getattr"): _nested,  # protocol 2's name of it
     ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "Size"): torch.Size,
