@@ -214,6 +214,11 @@ def _break_missing(actor: Path) -> str:
     return "optim_world_size_2_rank_1.pt is missing"
 
 
+def _break_extra(actor: Path) -> str:
+    (actor / "extra_state_world_size_2_rank_1.pt").unlink()
+    return "extra_state_world_size_2_rank_1.pt is missing (1 of the 2 ranks' extra_state files are there)"
+
+
 def _break_mixed(actor: Path) -> str:
     shutil.copy(actor / "model_world_size_2_rank_0.pt", actor / "model_world_size_4_rank_0.pt")
     return "holds the files of world sizes 2, 4 together"
@@ -256,11 +261,11 @@ def _break_hsdp(actor: Path) -> str:
     return "its DTensors lie on a 2-dimensional mesh (1, 2) (HSDP"
 
 
-@pytest.mark.parametrize("broken", [_break_missing, _break_mixed, _break_config, _break_version, _break_megatron,
-                                    _break_cuda, _break_hsdp],
-                         ids=["a missing rank file", "two world sizes", "a contradicting fsdp_config.json",
-                              "an FSDP version veRL has not", "the Megatron backend", "a GPU job's meshes",
-                              "HSDP"])  # fmt: skip
+@pytest.mark.parametrize("broken", [_break_missing, _break_extra, _break_mixed, _break_config, _break_version,
+                                    _break_megatron, _break_cuda, _break_hsdp],
+                         ids=["a missing rank file", "a missing extra state file", "two world sizes",
+                              "a contradicting fsdp_config.json", "an FSDP version veRL has not",
+                              "the Megatron backend", "a GPU job's meshes", "HSDP"])  # fmt: skip
 def test_a_bad_verl_folder_is_refused_in_one_line_before_anything_is_written(
     run_folder: Path, tmp_path: Path, broken: Any
 ) -> None:

@@ -110,8 +110,8 @@ def saved_world(folder: Path) -> tuple[int, int]:
             f"{config_path}: FSDP_version={version}: veRL saves FSDP_version 1 (actor.strategy=fsdp) or 2 (fsdp2); "
             "is it veRL's?"
         )
-    # the optimizer's files may be absent altogether (checkpoint.save_contents without it): a model-only checkpoint
-    for kind, required in (("model", True), ("optim", False)):
+    # the optimizer's (and the extra state's) files may be absent altogether (checkpoint.save_contents without them)
+    for kind, required in (("model", True), ("optim", False), ("extra_state", False)):
         held = files.get(kind, {}).get(world, {})
         if not held and not required:
             continue
@@ -282,11 +282,8 @@ class Verl(CheckpointLayout):
         """Each rank's ``model.state_dict()`` file, laid out as the FSDP2 job of the world the folder says
         (:class:`~osdpipe.io.checkpoints.rank_weights.RankFileWeights`): an FSDP1 job's ``SHARDED_STATE_DICT`` holds
         the same dim-0 chunks, as ``ShardedTensor``."""
-        from osdpipe.io.checkpoints.rank_weights import (
-            RankFileWeights,  # torch: only where a checkpoint is read
-            load_fsdp1_model_file,
-            load_model_file,
-        )
+        # torch: only where a checkpoint is read
+        from osdpipe.io.checkpoints.rank_weights import RankFileWeights, load_fsdp1_model_file, load_model_file
         from osdpipe.io.formats.verl import MODEL_NAMING
         from osdpipe.layout.ranges import LayoutSpec
 
@@ -464,7 +461,8 @@ class Verl(CheckpointLayout):
             not (directory / name).is_file()
             or (directory / name).read_bytes() != extra[verl_files.extra_state_source(rank, saved)].read_bytes()
         ):
-            problems.append(f"{directory / name} is not the saving job's rank {rank % saved}'s extra state")
+            which = verl_files.extra_state_source(rank, saved)
+            problems.append(f"{directory / name} is not the saving job's rank {which}'s extra state")
         return problems
 
 

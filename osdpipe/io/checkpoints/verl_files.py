@@ -10,8 +10,8 @@ osdpipe is not a rank of that job, and torch has no public way to make the mesh 
 makes meshes without process groups with) and gives it the names of the process groups the job's mesh resolves at
 load (``_dim_group_names``: a mesh of the whole world uses the default group), here alone: the tests load what it
 makes with veRL's own manager and gather it over the job's groups, so a torch that changes them fails there. The
-device type, dimension names and group names are the source job's (:func:`source_mesh`): veRL resumes the same job
-on another number of GPUs.
+device type, dimension names and group names are the source job's (:func:`source_mesh`; an FSDP1 job's: veRL's FSDP2
+mesh): veRL resumes the same job on another number of GPUs.
 """
 
 from __future__ import annotations
