@@ -23,8 +23,8 @@ HF = "hf"
 #: The layouts a Megatron-LM save is written in for a PyTorch job (a Hugging Face model's or torchtitan llama3's).
 PYTORCH_NATIVE = ("pytorch", "accelerate", "torchtitan")
 #: The layouts of a whole checkpoint that ``output.checkpoint=megatron`` converts (a Hugging Face Llama, Qwen2, Qwen3
-#: or GPT-2, or torchtitan's llama3 of a ``model_args.json``).
-FROM_HF = ("accelerate", "pytorch", "torchtitan")
+#: or GPT-2: accelerate's, PyTorch's, veRL's; or torchtitan's llama3 of a ``model_args.json``).
+FROM_HF = ("accelerate", "pytorch", "verl", "torchtitan")
 
 
 def megatron_problem(spec: Any) -> str | None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -423,18 +425,23 @@ def test_check_load_loads_a_conversion_in_s3_on_its_target_world(
     target world and stepped as a local conversion's are, the copy removed after; each format."""
     bucket, root, _ = converted
     aws_environment(monkeypatch, bucket.endpoint, tmp_path)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # short: the target world's processes put their sockets under TMPDIR, and an AF_UNIX path holds 107 bytes at most
+    # (pytest's own tmp_path under xdist, pytest-<N>/popen-gw<i>/<test name>, comes within a few bytes of it)
+    scratch = Path(tempfile.mkdtemp(prefix="ck-"))
     worlds = {"rank_local": "3 fsdp1", "fsdp_full": "2 fsdp1", "dcp": "3 fsdp2"}
-    results = run_cli_cases([["check", bucket.url(fmt), "--load"] for fmt in sorted(FORMATS)], cwd=root,
-                            per_case_s=TIMEOUT_S, env=user_env(TMPDIR=str(scratch)))  # fmt: skip
+    try:
+        results = run_cli_cases([["check", bucket.url(fmt), "--load"] for fmt in sorted(FORMATS)], cwd=root,
+                                per_case_s=TIMEOUT_S, env=user_env(TMPDIR=str(scratch)))  # fmt: skip
+        left = [p for p in scratch.iterdir() if p.name.startswith("osdpipe-check-load-")]
+    finally:
+        shutil.rmtree(scratch)
     for fmt, result in zip(sorted(FORMATS), results, strict=True):
         assert result["code"] == 0, (fmt, result["stdout"] + result["stderr"])
         said = result["stdout"]
         assert f"check load       pass  on {worlds[fmt]} rank(s): loaded; one step left all state finite" in said, said
         assert f"check resume     pass  on {worlds[fmt]} rank(s)" in said, said
         assert said.splitlines()[-1] == f"osdpipe check: OK  {bucket.url(fmt)}"
-    assert not [p for p in scratch.iterdir() if p.name.startswith("osdpipe-check-load-")]
+    assert not left
 
 
 def test_check_load_of_s3_loads_what_the_bucket_holds(converted, s3: S3, tmp_path: Path) -> None:

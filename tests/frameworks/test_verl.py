@@ -12,6 +12,7 @@ is refused in one line that names the file, before anything is written.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -186,6 +187,40 @@ def test_an_fsdp1_actor_resumes_as_veRLs_fsdp2_on_another_number_of_ranks(fsdp1_
     out = tmp_path / "out"
     assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 3}
     _loaded_as_saved(fsdp1_folder, tmp_path, out, 3, "load", bitwise_after=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_a_verl_save_becomes_a_megatron_save_that_megatron_core_loads_bitwise_and_trains_on(
+    run_folder: Path, tmp_path: Path
+) -> None:
+    """veRL -> Megatron-Core (the model's dimensions from huggingface/config.json): the real megatron-core job loads it
+    at TP1 PP1 DP2 and holds the veRL job's fp32 weights as its masters, and its moments and step, mapped by
+    ``from_hf``, bitwise; and takes a step on."""
+    from frameworks import mcore
+
+    from osdpipe.layout.megatron import Gpt
+    from osdpipe.layout.megatron_hf import from_hf
+
+    out = tmp_path / "megatron"
+    said = _convert(run_folder, out, 2, "output.checkpoint=megatron")
+    assert "check roundtrip  pass" in said and "check resume     pass" in said, said
+    mcore.each(tmp_path, 2, [mcore.load_argv(out, tmp_path / "loaded.pt", tp=1, pp=1, dims_from_save=True,
+                                             no_load_rng=True, resume=1, dump_after=tmp_path / "after.pt")],
+               label="load")  # fmt: skip
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    expected = torch.load(run_folder.parent / "expected.pt", weights_only=False)
+    gpt = Gpt(num_layers=2, hidden_size=24, ffn_hidden_size=40, num_attention_heads=4, num_query_groups=2,
+              kv_channels=6, padded_vocab_size=128, swiglu=True)  # the test's Llama, its vocabulary padded for TP1
+    states = expected["optim"]["state"]
+    want = {"param": from_hf(gpt, expected["model"]),
+            **{s: from_hf(gpt, {k: v[s] for k, v in states.items()}) for s in ("exp_avg", "exp_avg_sq")}}
+    assert [f"{s} {k}" for s, tensors in want.items() for k, t in tensors.items()
+            if not torch.equal(t, loaded["optim"][k][s])] == []  # fmt: skip
+    assert [k for k, t in want["param"].items() if not torch.equal(t, loaded["model"][k])] == []
+    assert {float(state["step"]) for state in loaded["optim"].values()} == {float(STEPS)}
+    after = torch.load(tmp_path / "after.pt", weights_only=False)
+    assert {float(state["step"]) for state in after["optim"].values()} == {STEPS + 1.0}
+    assert all(torch.isfinite(t).all() for t in after["model"].values() if torch.is_tensor(t))
 
 
 def test_a_verl_save_resumes_bitwise_as_pytorchs_layout(run_folder: Path, tmp_path: Path) -> None:

@@ -242,6 +242,13 @@ class Verl(CheckpointLayout):
         config = as_path(path) / HF_DIR
         return (hf_folder.MODEL_FROM_CONFIG, {"path": str(config)}) if hf_folder.config_builds_a_model(config) else None
 
+    def gpt_config(self, path: str, named: Any = None) -> dict[str, Any] | None:
+        """``huggingface/config.json``: the GPT another framework's model of the checkpoint (Megatron's) is made of."""
+        from osdpipe.io import hf_folder  # torch: only where a checkpoint is read
+
+        config = as_path(path) / HF_DIR
+        return hf_folder.read_config(str(config)) if (config / hf_folder.CONFIG).is_file() else None
+
     def model_naming(self, path: Path) -> ModelNaming:
         """None where ``huggingface/config.json`` builds the model (:meth:`model_from_files`), else the user's own."""
         return ModelNaming(()) if self.model_from_files(str(path)) is not None else ModelNaming.users_own()
