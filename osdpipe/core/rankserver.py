@@ -10,7 +10,8 @@ The command starts the server first thing (:func:`start_early`, before it
 imports torch itself), so the server's imports run alongside the launcher's
 own; it is stopped when the command exits, used or not. This module imports
 nothing heavy for that reason. Where the platform has no fork server, ranks
-are spawned.
+are spawned; so they are where the server's socket would not fit under the
+temporary folder (``TMPDIR``): an ``AF_UNIX`` path holds 107 bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 from collections.abc import Callable
 from multiprocessing import forkserver
 from typing import Any
@@ -50,9 +52,22 @@ def joins_torchrun(launcher: str) -> bool:
     return launcher == "torchrun" or (launcher == "auto" and in_torchrun())
 
 
+#: The longest path of an ``AF_UNIX`` socket (``sun_path``: 108 bytes with its terminating NUL).
+SOCKET_PATH_MAX = 107
+#: What multiprocessing puts under the temporary folder for the fork server's socket:
+#: ``/pymp-<8 characters>/listener-<8 characters>``.
+SOCKET_SUFFIX = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
+def socket_fits(folder: str) -> bool:
+    """Whether the fork server's socket fits under ``folder`` (the temporary folder: ``TMPDIR``)."""
+    return len(os.fsencode(folder)) + SOCKET_SUFFIX <= SOCKET_PATH_MAX
+
+
 def context() -> Any:
-    """The multiprocessing context ranks start from: the fork server where the platform has one, else spawn."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """The multiprocessing context ranks start from: the fork server where the platform has one and its socket fits
+    under the temporary folder (a long ``TMPDIR`` made the command fail with "AF_UNIX path too long"), else spawn."""
+    if "forkserver" not in mp.get_all_start_methods() or not socket_fits(tempfile.gettempdir()):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

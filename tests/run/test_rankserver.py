@@ -139,3 +139,19 @@ def test_a_users_omp_num_threads_is_left_to_rule(tmp_path: Path) -> None:
         env={k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"},
     )
     assert result.returncode == 0 and result.stdout.strip() == "1", result  # 8 ranks on this machine: one thread each
+
+
+def test_a_temporary_folder_too_long_for_the_servers_socket_spawns_the_ranks(tmp_path: Path) -> None:
+    """A ``TMPDIR`` under which the fork server's ``AF_UNIX`` socket would not fit (107 bytes): the command ran its
+    ranks from spawned processes instead, and converts; before, it failed with a traceback ("AF_UNIX path too long")."""
+    from osdpipe.core import rankserver
+
+    long = tmp_path / ("d" * max(1, rankserver.SOCKET_PATH_MAX - len(os.fsencode(str(tmp_path)))))
+    long.mkdir()
+    assert not rankserver.socket_fits(str(long)) and rankserver.socket_fits("/tmp")
+    mark = uuid.uuid4().hex
+    env = {**clean_env(), "OSDPIPE_TEST_MARK": mark, "TMPDIR": str(long)}
+    done = run_command([sys.executable, "-m", "osdpipe", f"output.path={tmp_path / 'out'}"], cwd=tmp_path,
+                       timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "check resume     pass" in done.stdout + done.stderr
