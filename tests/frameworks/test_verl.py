@@ -165,6 +165,11 @@ def test_veRLs_folder_written_by_osdpipe_converts_back_to_the_saving_worlds_file
     from osdpipe.io.checkpoints.verl_files import local_view
 
     _convert(run_folder, tmp_path / "three", 3)
+    # osdpipe's own load of the written files (check --load: a world of 3 ranks, each rank's files as veRL reads them)
+    done = run_command([sys.executable, "-m", "osdpipe", "check", str(tmp_path / "three"), "--load"],
+                       cwd=tmp_path, timeout=300, env=user_env())  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0 and "check load       pass  on 3 fsdp2 rank(s)" in done.stdout, said
     _convert(tmp_path / "three", tmp_path / "back", 2)
     actor, back = run_folder / f"global_step_{STEPS}" / "actor", tmp_path / "back"
     for name in (f"{kind}_world_size_2_rank_{r}.pt" for kind in ("model", "optim") for r in range(2)):

@@ -420,7 +420,7 @@ class Verl(CheckpointLayout):
         from osdpipe.io.whole_rank_file import MODEL_PART, OPTIMIZER_PART
         from osdpipe.layout.kinds.fsdp2 import to_rank_local
 
-        world = _written_world(directory)
+        world, _ = saved_world(directory)
         optim_path = directory / NAMING.name(rank, world)
         with meshes_quiet():  # the meshes are read as data: the live job's own are the ones it loads onto
             weights = torch.load(directory / MODEL_NAMING.name(rank, world), map_location="cpu", weights_only=True)
@@ -475,8 +475,3 @@ class Verl(CheckpointLayout):
 
 #: Where the kind of mesh of the source job is kept in a process's ``shared`` dict (:meth:`Verl._mesh`).
 _SHARED_MESH = "verl.mesh"
-
-
-def _written_world(folder: Path) -> int:
-    """The world size a veRL folder's ``fsdp_config.json`` names."""
-    return int(json.loads((folder / FSDP_CONFIG).read_text())["world_size"])

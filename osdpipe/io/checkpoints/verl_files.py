@@ -97,7 +97,7 @@ def job_mesh(spec: MeshSpec, world_size: int, rank: int) -> Any:
 def refuses_device(spec: MeshSpec) -> str | None:
     """Why this process cannot make DTensors on ``spec``'s device type (``None``: it can). ``DTensor.from_local``
     moves each local tensor onto its mesh's device type."""
-    if spec.device_type == "cpu" or torch.device(spec.device_type).type == "cpu":
+    if torch.device(spec.device_type).type == "cpu":
         return None
     return (
         f"the source job's DTensors lie on {spec.said()}; osdpipe writes veRL's own files for a job on CPU meshes only "

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from osdpipe.io.formats.base import InputError
-from osdpipe.io.formats.inert_load import Record, load_inert
+from osdpipe.io.formats.inert_load import Record, load_inert, record_class
 
 #: The packages a ``ShardedTensor``'s pickle names: its classes, its metadata's and its shards' placements.
 DESCRIBED = ("torch.distributed._shard", "torch.distributed.remote_device")
@@ -48,8 +48,12 @@ def _state(record: Record, where: str) -> dict[str, Any]:
     return state
 
 
+#: The record class a pickled ``ShardedTensor`` comes out as (one per pickled name: :func:`record_class`).
+SHARDED_TENSOR = record_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+
+
 def is_sharded_tensor(value: Any) -> bool:
-    return isinstance(value, Record) and value.name == "ShardedTensor"
+    return isinstance(value, SHARDED_TENSOR)
 
 
 def local_shard(value: Record, where: str) -> LocalShard:
