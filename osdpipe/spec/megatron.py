@@ -62,7 +62,9 @@ def megatron_problem(spec: Any) -> str | None:
     if output.checkpoint == HF and layout != MEGATRON:
         return (
             f"output.checkpoint=hf writes a Megatron-LM save (checkpoint=megatron) as a Hugging Face folder; from "
-            f"checkpoint={layout}: set output.model_format=safetensors output.model_keys=hf"
+            f"checkpoint={layout}: set output.model_format=safetensors, which writes model.safetensors beside the "
+            "output under the model's own names (a Hugging Face model's are its Hub names; a torchtitan model's need "
+            "output.model_keys=hf too)"
         )
     if target.kind == MEGATRON and layout != MEGATRON:
         return (

@@ -229,7 +229,11 @@ def test_a_verl_save_becomes_a_megatron_save_that_megatron_core_loads_bitwise_an
 
 
 def test_a_verl_save_resumes_bitwise_as_pytorchs_layout(run_folder: Path, tmp_path: Path) -> None:
-    said = _convert(run_folder, tmp_path / "out", 3, "output.checkpoint=pytorch")
+    """Into PyTorch's layout for 3 ranks, with the weights as ``model.safetensors`` too, which transformers loads
+    (``from_pretrained`` of the folder, with the copied ``huggingface/`` config) holding the saving job's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    said = _convert(run_folder, tmp_path / "out", 3, "output.checkpoint=pytorch", "output.model_format=safetensors")
     for check in ("roundtrip", "resume"):
         assert f"check {check}" in said and f"check {check}     fail" not in said, said
     assert f"converting the newest, {run_folder / f'global_step_{STEPS}' / 'actor'}" in said
@@ -240,6 +244,15 @@ def test_a_verl_save_resumes_bitwise_as_pytorchs_layout(run_folder: Path, tmp_pa
     fates = {e["name"]: e["fate"] for e in report["entries"]}
     assert fates["extra_state.rank_1"].startswith("left out: veRL's learning-rate scheduler state and RNG states")
     assert fates["fsdp_config.json"].startswith("left out")
+    refused = run_command([sys.executable, "-m", "osdpipe", "checkpoint=verl", f"input.path={run_folder}",
+                           "output.checkpoint=hf", f"output.path={tmp_path / 'hf'}"], cwd=tmp_path, timeout=200,
+                          env=user_env())  # fmt: skip
+    assert refused.returncode == 2 and "set output.model_format=safetensors" in refused.stderr, refused.stderr
+    model = AutoModelForCausalLM.from_pretrained(  # no generation_config.json: transformers 5.23 fails to say so
+        out, config=AutoConfig.from_pretrained(out / "huggingface"), generation_config=GenerationConfig()
+    )
+    expected = torch.load(run_folder.parent / "expected.pt", weights_only=False)["model"]
+    assert _differences(expected, dict(model.state_dict()), "model.safetensors") == []
     _loaded_as_saved(run_folder, tmp_path, out, 3, "load_pytorch")
 
 
