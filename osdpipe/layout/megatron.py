@@ -59,6 +59,11 @@ BUCKET_ALIGNMENT = 128
 LAYERS = "decoder.layers."
 #: The model keys whose first axis is the padded vocabulary.
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+#: A mixture of experts' sharded keys: the router (``[layers, experts, hidden]``) and the experts' two linear layers,
+#: each with a global expert axis after the layer axis (SequentialMLP's ``experts.experts.``).
+ROUTER = f"{LAYERS}mlp.router.weight"
+EXPERT_FC1 = f"{LAYERS}mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2 = f"{LAYERS}mlp.experts.experts.linear_fc2.weight"
 #: What the key/value heads are called in :func:`tp_problem`'s line.
 GROUPS = "key/value heads (query groups)"
 
@@ -89,6 +94,10 @@ class Gpt:
     #: ``qk_layernorm`` (Qwen3's, OLMo2's attention): a norm of ``kv_channels`` on each head's query and key, after
     #: ``linear_qkv`` (``self_attention.q_layernorm`` and ``k_layernorm``; a bias beside each with LayerNorm).
     qk_layernorm: bool = False
+    #: ``num_experts``: every layer's MLP a mixture of this many experts (0: dense), routed by ``mlp.router``.
+    num_experts: int = 0
+    #: ``moe_ffn_hidden_size``: each expert's FFN (SwiGLU's ``linear_fc1`` twice its rows, as a dense layer's).
+    moe_ffn_hidden_size: int = 0
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -102,6 +111,10 @@ class Gpt:
     @property
     def fc1_rows(self) -> int:
         return self.ffn_hidden_size * (2 if self.swiglu else 1)
+
+    @property
+    def expert_fc1_rows(self) -> int:
+        return self.moe_ffn_hidden_size * (2 if self.swiglu else 1)
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,9 @@ class LocalParameter:
     #: A tied embedding's parameter over PP (the word embedding on the first stage, its copy on the last): with the
     #: distributed optimizer, a bucket of its own.
     own_bucket: bool = False
+    #: One expert's weight (a mixture of experts): held by the ranks of its expert-parallel rank, its gradients in the
+    #: expert gradient buffer, cut over the expert data-parallel ranks.
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -232,6 +248,9 @@ def gpt_of(args: dict[str, Any]) -> Gpt:
         if position_embedding_type(args) == "learned_absolute" else 0,
         tied=tied_embeddings(args),
         qk_layernorm=bool(args.get("qk_layernorm")),
+        num_experts=int(args.get("num_experts") or 0),
+        moe_ffn_hidden_size=int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"])
+        if args.get("num_experts") else 0,
     )
 
 
@@ -239,13 +258,15 @@ def gpt_of(args: dict[str, Any]) -> Gpt:
 #: move elements of a ``dp_reshardable`` save, and which a converted save keeps.
 DDP_ARGS = ("overlap_grad_reduce", "ddp_bucket_size", "ddp_num_buckets", "ddp_pad_buckets_for_high_nccl_busbw",
             "overlap_param_gather_with_optimizer_step")
+#: Megatron-LM's ``args`` of a mixture of experts that place its elements (the expert parallelism is the grid's).
+MOE_ARGS = ("num_experts", "moe_ffn_hidden_size")
 #: Megatron-LM's ``args`` that say where every element of a GPT and of its distributed optimizer lies: the model's
 #: dimensions (:func:`gpt_of`), its vocabulary before padding, its precision and its buckets.
 LAYOUT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
                "num_query_groups", "kv_channels", "padded_vocab_size", "vocab_size", "make_vocab_size_divisible_by",
                "swiglu", "add_bias_linear", "add_qkv_bias", "normalization", "position_embedding_type",
                "use_rotary_position_embeddings", "max_position_embeddings", "untie_embeddings_and_output_weights",
-               "qk_layernorm", "bf16", "fp16", "accumulate_allreduce_grads_in_fp32", *DDP_ARGS)
+               "qk_layernorm", "bf16", "fp16", "accumulate_allreduce_grads_in_fp32", *DDP_ARGS, *MOE_ARGS)
 
 
 def layout_args(args: dict[str, Any]) -> dict[str, Any]:
@@ -287,8 +308,8 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
     biases = {
         f"{LAYERS}self_attention.linear_proj.bias": ((layers, h), gpt.linear_bias),
         f"{LAYERS}self_attention.linear_qkv.bias": ((layers, gpt.qkv_rows), gpt.has_qkv_bias),
-        f"{LAYERS}mlp.linear_fc1.bias": ((layers, gpt.fc1_rows), gpt.linear_bias),
-        f"{LAYERS}mlp.linear_fc2.bias": ((layers, h), gpt.linear_bias),
+        f"{LAYERS}mlp.linear_fc1.bias": ((layers, gpt.fc1_rows), gpt.linear_bias and not gpt.num_experts),
+        f"{LAYERS}mlp.linear_fc2.bias": ((layers, h), gpt.linear_bias and not gpt.num_experts),
     }
     norm_biases = {
         f"{LAYERS}self_attention.linear_qkv.layer_norm_bias": (layers, h),
@@ -297,6 +318,11 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
     }
     head_norms = [f"{LAYERS}self_attention.{which}_layernorm.{part}" for which in ("q", "k")
                   for part in ("weight", "bias") if part == "weight" or gpt.norm_bias] if gpt.qk_layernorm else []
+    mlp = ({f"{LAYERS}mlp.linear_fc1.weight": (layers, gpt.fc1_rows, h),
+            f"{LAYERS}mlp.linear_fc2.weight": (layers, h, gpt.ffn_hidden_size)} if not gpt.num_experts else
+           {ROUTER: (layers, gpt.num_experts, h),
+            EXPERT_FC1: (layers, gpt.num_experts, gpt.expert_fc1_rows, h),
+            EXPERT_FC2: (layers, gpt.num_experts, h, gpt.moe_ffn_hidden_size)})
     return {
         "embedding.word_embeddings.weight": (gpt.padded_vocab_size, h),
         **({"embedding.position_embeddings.weight": (gpt.position_table, h)} if gpt.position_table else {}),
@@ -304,8 +330,7 @@ def global_shapes(gpt: Gpt) -> dict[str, tuple[int, ...]]:
         f"{LAYERS}self_attention.linear_proj.weight": (layers, h, gpt.num_attention_heads * gpt.kv_channels),
         f"{LAYERS}self_attention.linear_qkv.weight": (layers, gpt.qkv_rows, h),
         f"{LAYERS}mlp.linear_fc1.layer_norm_weight": (layers, h),
-        f"{LAYERS}mlp.linear_fc1.weight": (layers, gpt.fc1_rows, h),
-        f"{LAYERS}mlp.linear_fc2.weight": (layers, h, gpt.ffn_hidden_size),
+        **mlp,
         "decoder.final_layernorm.weight": (h,),
         **({} if gpt.tied else {"output_layer.weight": (gpt.padded_vocab_size, h)}),
         **{key: shape for key, (shape, held) in biases.items() if held},
@@ -442,13 +467,16 @@ def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
 
 
 def local_parameters(
-    gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int, vpp: int = 1, chunk: int = 0
+    gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int, vpp: int = 1, chunk: int = 0, ep: int = 1,
+    ep_rank: int = 0,
 ) -> list[LocalParameter]:
     """The parameters of model chunk ``chunk`` (of ``vpp`` per pipeline rank; 1: the rank's one model) of rank
-    (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order of Megatron's GPT with the local layer spec (the word
-    embedding, the position table; per layer the input norm, ``linear_proj``, ``linear_qkv``, with
-    ``qk_layernorm`` the query's and the key's norm, the pre-MLP norm, ``linear_fc1``, ``linear_fc2``, each norm's
-    and linear layer's weight then its bias where it has one; the final norm; the output layer, or over PP the tied
+    (``pp_rank``, ``tp_rank``, expert-parallel rank ``ep_rank`` of ``ep``), in ``named_parameters()`` order of
+    Megatron's GPT with the local layer spec (the word embedding, the position table; per layer the input norm,
+    ``linear_proj``, ``linear_qkv``, with ``qk_layernorm`` the query's and the key's norm, the pre-MLP norm,
+    ``linear_fc1``, ``linear_fc2`` (a mixture of experts: the router, whole on every rank, then each local expert's
+    ``linear_fc1`` and ``linear_fc2``, split over TP as a dense layer's: :func:`expert_parameters`), each norm's and
+    linear layer's weight then its bias where it has one; the final norm; the output layer, or over PP the tied
     embedding's copy), each with the global boxes it holds."""
     h, shapes = gpt.hidden_size, global_shapes(gpt)
     out: list[LocalParameter] = []
@@ -502,6 +530,9 @@ def local_parameters(
                 key = f"{which}_layernorm."
                 out += norm(f"{attn}{key}", f"{LAYERS}self_attention.{key}", at, gpt.kv_channels)
         out += norm(f"{prefix}pre_mlp_layernorm.", f"{LAYERS}mlp.linear_fc1.layer_norm_", at)
+        if gpt.num_experts:
+            out += expert_parameters(gpt, mlp, layer, tp, tp_rank, ep, ep_rank)
+            continue
         out.append(column_parallel(f"{mlp}linear_fc1.weight", f"{LAYERS}mlp.linear_fc1.weight", at, fc1_blocks, h))
         if gpt.linear_bias:
             out.append(column_parallel(f"{mlp}linear_fc1.bias", f"{LAYERS}mlp.linear_fc1.bias", at, fc1_blocks, None))
@@ -518,6 +549,55 @@ def local_parameters(
             out.append(replace(column_parallel("output_layer.weight", embedding, (), [vocab], h), tied_copy=True,
                                own_bucket=True))
     assert all(p.key in shapes for lp in out for p in lp.pieces)
+    return out
+
+
+def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The global indices of the experts expert-parallel rank ``ep_rank`` of ``ep`` holds: the ``ep_rank``-th of
+    ``ep`` equal runs (megatron-core's ``local_expert_indices``)."""
+    if num_experts % ep:
+        raise ValueError(f"{num_experts} experts do not split over {ep} expert-parallel ranks")
+    per = num_experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def ep_problem(num_experts: int, ep: int, dp: int) -> str | None:
+    """Why EP ``ep`` cannot split a model of ``num_experts`` experts (0: dense) on DP ``dp`` ranks of each
+    (PP, TP) rank (``None``: it can), in one line naming ``target.ep_size``: megatron-core's rules (the experts split
+    evenly; the expert-parallel ranks are DP ranks)."""
+    if ep == 1:
+        return None
+    if not num_experts:
+        return f"target.ep_size={ep}: the model has no experts (num_experts); leave target.ep_size out"
+    if num_experts % ep:
+        fits = ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0 and dp % d == 0)
+        return f"target.ep_size={ep} does not divide the model's {num_experts} experts; choose one that does: {fits}"
+    if dp % ep:
+        return (f"target.ep_size={ep} does not divide DP {dp} (target.world_size / (TP x PP)): the expert-parallel "
+                "ranks are data-parallel ranks; choose an EP that divides DP")
+    return None
+
+
+def expert_parameters(
+    gpt: Gpt, mlp: str, layer: int, tp: int, tp_rank: int, ep: int, ep_rank: int
+) -> list[LocalParameter]:
+    """The mixture of experts of global layer ``layer`` on one rank (``mlp``: its local name's prefix): the router
+    (``[experts, hidden]``, whole on every rank, a dense parameter), then each local expert (SequentialMLP's
+    ``experts.local_experts.<i>``) ``linear_fc1`` (column-parallel: SwiGLU's gate and up blocks of rows) and
+    ``linear_fc2`` (row-parallel), their boxes in the sharded keys' global expert axis; expert tensor parallelism is
+    the TP (megatron-core's default)."""
+    h, at = gpt.hidden_size, (layer, layer + 1)
+    e, ffn = gpt.num_experts, gpt.moe_ffn_hidden_size
+    out = [LocalParameter(f"{mlp}router.weight", (e, h), (Piece(ROUTER, (at, (0, e), (0, h)), 0, e),))]
+    rows = _split(ffn, tp, tp_rank, "an expert's linear_fc2 columns")
+    blocks = [rows] + ([(ffn + rows[0], ffn + rows[1])] if gpt.swiglu else [])
+    n = rows[1] - rows[0]
+    for local, g in enumerate(local_experts(e, ep, ep_rank)):
+        name, expert = f"{mlp}experts.local_experts.{local}.", (g, g + 1)
+        fc1 = tuple(Piece(EXPERT_FC1, (at, expert, block, (0, h)), i * n, (i + 1) * n) for i, block in enumerate(blocks))
+        out.append(LocalParameter(f"{name}linear_fc1.weight", (n * len(blocks), h), fc1, expert=True))
+        out.append(LocalParameter(f"{name}linear_fc2.weight", (h, n),
+                                  (Piece(EXPERT_FC2, (at, expert, (0, h), rows), 0, h),), expert=True))
     return out
 
 

@@ -43,12 +43,19 @@ SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
 @dataclass(frozen=True)
 class Grid:
-    """A Megatron GPT laid out on TP x PP x DP ranks, ``vpp`` model chunks per pipeline rank.
+    """A Megatron GPT laid out on TP x PP x DP ranks, ``vpp`` model chunks per pipeline rank, its experts (a mixture
+    of experts) over ``ep`` expert-parallel ranks.
 
     ``gpt``'s vocabulary is the one this grid's TP pads to. ``ddp`` holds Megatron-LM's ``args`` that cut a gradient
     buffer into buckets (:func:`osdpipe.layout.megatron.bucketing` reads them), ``sharding`` how the distributed
     optimizer saves its state (``None``: a save of the weights alone) and ``dtypes`` the gradient buffers'
-    ``(param dtype, grad dtype)`` as a ``dp_reshardable`` save's keys spell it."""
+    ``(param dtype, grad dtype)`` as a ``dp_reshardable`` save's keys spell it.
+
+    Expert parallelism splits the DP ranks of each (PP, TP) rank (megatron-core's expert rank order, ``tp-ep-dp-pp``,
+    with expert TP the TP): DP rank ``d`` holds the experts of expert-parallel rank ``d mod ep``, and is expert
+    data-parallel rank ``d // ep`` of ``dp / ep``. With ``ep`` > 1 the experts are a second optimizer's (a
+    ``ChainedOptimizer`` of the dense one and the experts'), their gradient buffer cut over the expert DP ranks; at
+    ``ep`` 1 they are dense parameters like any other."""
 
     gpt: Gpt
     tp: int
@@ -58,10 +65,24 @@ class Grid:
     sharding: str | None = "dp_reshardable"
     ddp: tuple[tuple[str, Any], ...] = ()
     dtypes: str = "torch.float32, torch.float32"
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the experts are a second optimizer's, over the expert DP ranks (megatron-core: EP > 1)."""
+        return self.ep > 1
+
+    def ep_rank(self, dp_rank: int) -> int:
+        """The expert-parallel rank of DP rank ``dp_rank``: whose experts it holds."""
+        return dp_rank % self.ep
+
+    def expert_dp(self) -> int:
+        """The expert data-parallel ranks of each (PP, TP, EP) rank: what an expert buffer is cut over."""
+        return self.dp // self.ep
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -74,31 +95,60 @@ class Grid:
         pp_rank, dp_rank = divmod(rest, self.dp)
         return pp_rank, dp_rank, tp_rank
 
-    def params(self, pp_rank: int, tp_rank: int, chunk: int) -> list[LocalParameter]:
-        """Model chunk ``chunk``'s local parameters on (``pp_rank``, ``tp_rank``), in ``named_parameters()`` order."""
-        return gpt_layout.local_parameters(self.gpt, self.tp, self.pp, tp_rank, pp_rank, self.vpp, chunk)
+    def params(self, pp_rank: int, tp_rank: int, chunk: int, ep_rank: int = 0) -> list[LocalParameter]:
+        """Model chunk ``chunk``'s local parameters on (``pp_rank``, ``tp_rank``, ``ep_rank``), in
+        ``named_parameters()`` order."""
+        return gpt_layout.local_parameters(self.gpt, self.tp, self.pp, tp_rank, pp_rank, self.vpp, chunk, self.ep,
+                                           ep_rank)  # fmt: skip
 
-    def buckets(self, pp_rank: int, tp_rank: int, chunk: int) -> list[Any]:
-        """Model chunk ``chunk``'s gradient buckets on (``pp_rank``, ``tp_rank``), as its job's DDP makes them."""
-        held = gpt_layout.rank_numel(self.gpt, self.tp, self.pp, tp_rank, pp_rank, self.vpp)
+    def buffers(self) -> tuple[bool, ...]:
+        """The gradient buffers of each model chunk, as whether each is the experts': the dense one, and with
+        expert parallelism the experts' (megatron-core's ``expert_parallel_buffers``)."""
+        return (False, True) if self.expert_parallel else (False,)
+
+    def buckets(self, pp_rank: int, tp_rank: int, chunk: int, ep_rank: int = 0, expert: bool = False) -> list[Any]:
+        """Model chunk ``chunk``'s gradient buckets on (``pp_rank``, ``tp_rank``, ``ep_rank``), as its job's DDP makes
+        them: of its dense parameters over DP, or (``expert``) of its experts over the expert DP ranks."""
+        held = sum(p.numel for c in range(self.vpp) for p in self.params(pp_rank, tp_rank, c, ep_rank))
         how = gpt_layout.bucketing(dict(self.ddp), self.dp, pp_rank, chunk, held)
-        return gpt_layout.buckets(self.params(pp_rank, tp_rank, chunk), self.dp, how)
+        mine = [p for p in self.params(pp_rank, tp_rank, chunk, ep_rank)
+                if (p.expert and self.expert_parallel) == expert]  # fmt: skip
+        return gpt_layout.buckets(mine, self.expert_dp() if expert else self.dp, how)
 
-    def bucket_item(self, pp_rank: int, tp_rank: int, chunk: int, bucket: int) -> str:
-        """A ``dp_reshardable`` bucket's item, as the save keys it (each state's item is this, a dot and the state)."""
-        index = gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
-        return (f"optimizer.distributed.dp_group_idx_{index}.gbuf_idx_{chunk}.dtype_({self.dtypes})"
+    def bucket_item(self, pp_rank: int, tp_rank: int, chunk: int, bucket: int, ep_rank: int = 0,
+                    expert: bool = False) -> str:
+        """A ``dp_reshardable`` bucket's item, as the save keys it (each state's item is this, a dot and the state):
+        its optimizer's (with expert parallelism, ``chained_0.`` the dense one's, ``chained_1.`` the experts'), and
+        its model-parallel rank in that optimizer's group (the experts': of TP x EP x PP)."""
+        if expert:
+            index = gpt_layout.dp_group_index(self.tp * self.ep, ep_rank * self.tp + tp_rank, pp_rank)
+        else:
+            index = gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
+        chained = f"chained_{int(expert)}." if self.expert_parallel else ""
+        return (f"{chained}optimizer.distributed.dp_group_idx_{index}.gbuf_idx_{chunk}.dtype_({self.dtypes})"
                 f".bucket_idx_{bucket}")
 
+    def bucket_dp(self, dp_rank: int, expert: bool) -> tuple[int, int]:
+        """``(ranks, rank)`` a bucket of the dense or the experts' buffer is cut over, for DP rank ``dp_rank``."""
+        return (self.expert_dp(), dp_rank // self.ep) if expert else (self.dp, dp_rank)
 
-def grid_of(args: Mapping[str, Any], tp: int, pp: int, dp: int, vpp: int = 1, sharding: str | None = None) -> Grid:
+
+def grid_of(args: Mapping[str, Any], tp: int, pp: int, dp: int, vpp: int = 1, sharding: str | None = None,
+            ep: int = 1) -> Grid:
     """The grid a job of Megatron-LM's ``args`` (its GPT, vocabulary, precision and buckets:
     :func:`osdpipe.layout.megatron.layout_args`) has on TP ``tp`` x PP ``pp`` x DP ``dp``, ``vpp`` model chunks per
-    pipeline stage, its optimizer saved ``sharding`` (``None``: ``dp_reshardable``, Megatron-LM's default)."""
+    pipeline stage, EP ``ep``, its optimizer saved ``sharding`` (``None``: ``dp_reshardable``, Megatron-LM's
+    default).
+
+    Raises:
+        ValueError: an EP that does not divide DP or the experts, in one line naming ``target.ep_size``.
+    """
     args = dict(args)
     gpt = replace(gpt_layout.gpt_of(args), padded_vocab_size=gpt_layout.target_vocab(args, tp))
+    if why := gpt_layout.ep_problem(gpt.num_experts, ep, dp):
+        raise ValueError(why)
     ddp = tuple((k, args[k]) for k in gpt_layout.DDP_ARGS if k in args)
-    return Grid(gpt, tp, pp, dp, vpp, sharding or "dp_reshardable", ddp, gpt_layout.gbuf_dtypes(args))
+    return Grid(gpt, tp, pp, dp, vpp, sharding or "dp_reshardable", ddp, gpt_layout.gbuf_dtypes(args), ep)
 
 
 def model_key(chunk: int, param: LocalParameter) -> str:
@@ -136,10 +186,10 @@ def _clipped(box: Box, shape: tuple[int, ...], key: str) -> Box:
 
 def model_tensors(grid: Grid, shapes: Mapping[str, tuple[int, ...]], rank: int) -> tuple[LocalTensor, ...]:
     """Every local parameter of rank ``rank``'s model chunks, in order, parameter-shaped (``shapes``: the tree's)."""
-    pp_rank, _, tp_rank = grid.coordinates(rank)
+    pp_rank, dp_rank, tp_rank = grid.coordinates(rank)
     out = []
     for chunk in range(grid.vpp):
-        for param in grid.params(pp_rank, tp_rank, chunk):
+        for param in grid.params(pp_rank, tp_rank, chunk, grid.ep_rank(dp_rank)):
             out.append(_tensor(model_key(chunk, param), param, shapes, None))
     return tuple(out)
 
@@ -151,19 +201,24 @@ def _tensor(
     return LocalTensor(key, fqns, param.shape, tuple(param_segments(param, shapes)), flat=False, states=states)
 
 
-def writers(grid: Grid, pp_rank: int, tp_rank: int) -> dict[str, int]:
-    """Which DP rank of (``pp_rank``, ``tp_rank``) writes each of its model boxes (by layout key): the largest first,
-    each to the DP rank that writes least so far, so that the DP ranks write about as much. A save holds a box
-    once: what another TP rank holds too (a norm, a row-parallel layer's bias: whole on every TP rank) is TP rank 0's
-    to write, and the last stage's copy of a tied embedding is none's (the first stage's is kept)."""
-    first = {(c, p.name): p.pieces for c in range(grid.vpp) for p in grid.params(pp_rank, 0, c)}
-    held = [(model_key(c, p), p.numel) for c in range(grid.vpp) for p in grid.params(pp_rank, tp_rank, c)
-            if not p.tied_copy and (tp_rank == 0 or first.get((c, p.name)) != p.pieces)]
+def writers(grid: Grid, pp_rank: int, tp_rank: int, ep_rank: int = 0) -> dict[str, int]:
+    """Which DP rank of (``pp_rank``, ``tp_rank``) writes each model box of expert-parallel rank ``ep_rank`` (by
+    layout key): the largest first, each to the DP rank that writes least so far, so that the DP ranks write about as
+    much; the dense boxes first, over every DP rank (the same for every ``ep_rank``), then the experts', over the DP
+    ranks that hold them. A save holds a box once: what another TP rank holds too (a norm, a row-parallel layer's
+    bias, a router: whole on every TP rank) is TP rank 0's to write, and the last stage's copy of a tied embedding is
+    none's (the first stage's is kept)."""
+    first = {(c, p.name): p.pieces for c in range(grid.vpp) for p in grid.params(pp_rank, 0, c, ep_rank)}
+    held = [(model_key(c, p), p.numel, p.expert) for c in range(grid.vpp)
+            for p in grid.params(pp_rank, tp_rank, c, ep_rank)
+            if not p.tied_copy and (tp_rank == 0 or first.get((c, p.name)) != p.pieces)]  # fmt: skip
     loads, out = [0] * grid.dp, {}
-    for key, numel in sorted(held, key=lambda kv: -kv[1]):
-        least = loads.index(min(loads))
-        out[key] = least
-        loads[least] += numel
+    for expert in (False, True):
+        ranks = [d for d in range(grid.dp) if not expert or grid.ep_rank(d) == ep_rank]
+        for key, numel, _ in sorted((h for h in held if h[2] == expert), key=lambda h: -h[1]):
+            least = min(ranks, key=lambda d: loads[d])
+            out[key] = least
+            loads[least] += numel
     return out
 
 
@@ -174,12 +229,13 @@ def written_tensors(grid: Grid, shapes: Mapping[str, tuple[int, ...]], rank: int
     states; ``dp_reshardable``, its slice of each bucket, holding the optimizer's states. Each holds its group's
     ``step`` too, as every optimizer's tensor does; the save keeps it in the param groups."""
     pp_rank, dp_rank, tp_rank = grid.coordinates(rank)
-    mine = writers(grid, pp_rank, tp_rank)
+    ep_rank = grid.ep_rank(dp_rank)
+    mine = writers(grid, pp_rank, tp_rank, ep_rank)
     optimizer = (*OPTIMIZER_STATES, STEP)
     boxed = (WEIGHTS, *optimizer) if grid.sharding == "fully_reshardable" else (WEIGHTS,)
     out = []
     for chunk in range(grid.vpp):
-        params = grid.params(pp_rank, tp_rank, chunk)
+        params = grid.params(pp_rank, tp_rank, chunk, ep_rank)
         for param in params:
             if mine.get(model_key(chunk, param)) == dp_rank:
                 for key, piece in _boxes(chunk, param):
@@ -189,20 +245,32 @@ def written_tensors(grid: Grid, shapes: Mapping[str, tuple[int, ...]], rank: int
         if grid.sharding != "dp_reshardable":
             continue
         by_name = {p.name: p for p in params}
-        for b, bucket in enumerate(grid.buckets(pp_rank, tp_rank, chunk)):
-            lo, hi, _ = rank_slice(bucket, grid.dp, dp_rank)
-            hi = min(hi, bucket.data_end)  # the save holds the bucket cut at its data
-            if hi <= lo:
-                continue
+        for expert, b, bucket, lo, hi in _bucket_slices(grid, pp_rank, tp_rank, chunk, dp_rank):
             held = [Segment(s.fqn, s.start, s.length, s.dest + part.dest)
                     for part in segments(bucket, lo, hi)
                     for s in param_segments(by_name[part.fqn], shapes, part.start, part.start + part.length)]
             fqns = tuple(dict.fromkeys(s.fqn for s in held))
             if not fqns:  # a slice of padding alone still has its item's range: zeros (it holds no parameter)
                 fqns = tuple(dict.fromkeys(p.key for p in by_name[bucket.entries[0][0]].pieces))
-            out.append(LocalTensor(grid.bucket_item(pp_rank, tp_rank, chunk, b), fqns, (hi - lo,), tuple(held),
-                                   flat=True, states=optimizer))
+            item = grid.bucket_item(pp_rank, tp_rank, chunk, b, ep_rank, expert)
+            out.append(LocalTensor(item, fqns, (hi - lo,), tuple(held), flat=True, states=optimizer))
     return tuple(out)
+
+
+def _bucket_slices(grid: Grid, pp_rank: int, tp_rank: int, chunk: int, dp_rank: int) -> list[tuple]:
+    """DP rank ``dp_rank``'s slice of each gradient bucket of model chunk ``chunk`` that holds data, as
+    ``(expert, index, bucket, start, stop)``: of the dense buffer's buckets, then (expert parallelism) of the
+    experts', each cut over the ranks its buffer is (:meth:`Grid.bucket_dp`), at the bucket's data (the save holds
+    the bucket cut there)."""
+    out = []
+    for expert in grid.buffers():
+        ranks, rank = grid.bucket_dp(dp_rank, expert)
+        for b, bucket in enumerate(grid.buckets(pp_rank, tp_rank, chunk, grid.ep_rank(dp_rank), expert)):
+            lo, hi, _ = rank_slice(bucket, ranks, rank)
+            hi = min(hi, bucket.data_end)
+            if hi > lo:
+                out.append((expert, b, bucket, lo, hi))
+    return out
 
 
 def _boxes(chunk: int, param: LocalParameter) -> list[tuple[str, Piece]]:
@@ -238,26 +306,24 @@ def item_chunks(grid: Grid, rank: int) -> dict[str, Chunk]:
     sharded key (the weights' item; a model-space state's is ``optimizer.state.<state>.<key>``); a bucket's slice, its
     range of the bucket's item (each state's is ``<item>.<state>``)."""
     pp_rank, dp_rank, tp_rank = grid.coordinates(rank)
-    shapes, mine = grid.shapes, writers(grid, pp_rank, tp_rank)
+    ep_rank = grid.ep_rank(dp_rank)
+    shapes, mine = grid.shapes, writers(grid, pp_rank, tp_rank, ep_rank)
     out: dict[str, Chunk] = {}
     for chunk in range(grid.vpp):
-        for param in grid.params(pp_rank, tp_rank, chunk):
+        for param in grid.params(pp_rank, tp_rank, chunk, ep_rank):
             if mine.get(model_key(chunk, param)) == dp_rank:
                 out.update({key: Chunk(p.key, shapes[p.key], p.box) for key, p in _boxes(chunk, param)})
         if grid.sharding != "dp_reshardable":
             continue
-        for b, bucket in enumerate(grid.buckets(pp_rank, tp_rank, chunk)):
-            lo, hi, _ = rank_slice(bucket, grid.dp, dp_rank)
-            hi = min(hi, bucket.data_end)
-            if hi > lo:
-                item = grid.bucket_item(pp_rank, tp_rank, chunk, b)
-                out[item] = Chunk(item, (bucket.data_end,), ((lo, hi),))
+        for expert, b, bucket, lo, hi in _bucket_slices(grid, pp_rank, tp_rank, chunk, dp_rank):
+            item = grid.bucket_item(pp_rank, tp_rank, chunk, b, ep_rank, expert)
+            out[item] = Chunk(item, (bucket.data_end,), ((lo, hi),))
     return out
 
 
 def is_bucket(chunk: Chunk) -> bool:
     """Whether ``chunk`` is a ``dp_reshardable`` bucket's range (else a box of a sharded key)."""
-    return chunk.item.startswith("optimizer.distributed.")
+    return chunk.item.startswith(("optimizer.distributed.", "chained_"))
 
 
 def chunk_extents(chunk: Chunk) -> tuple[int, ...]:

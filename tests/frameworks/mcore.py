@@ -82,6 +82,15 @@ BUCKET_SIZE: int | None = None
 NUM_BUCKETS: int | None = None
 #: Megatron-LM's ``--qk-layernorm``: a norm on each head's query and key (Qwen3's, OLMo2's attention).
 QK_LAYERNORM = False
+#: A mixture of experts in every layer's MLP: Megatron-LM's ``--num-experts``, ``--moe-router-topk`` and
+#: ``--moe-ffn-hidden-size`` (``None``: ``ffn_hidden_size``, as Megatron-LM's ``validate_args``); ``None`` experts: the
+#: dense MLP. Set by a job's ``--moe`` (:data:`MOE_OPTIONS`), or a save's own (:func:`configure_from`). Why these
+#: alone: the experts are the local spec's SequentialMLP (no grouped GEMM, which needs Transformer Engine), routed
+#: with the ``allgather`` dispatcher and no auxiliary loss, what trains on CPU with gloo (frameworks-on-cpu.md).
+NUM_EXPERTS: int | None = None
+MOE_TOPK, MOE_FFN = 2, None
+#: The ``--moe`` JSON's names (``ep``: expert_model_parallel_size, a layout, not the GPT's) and the setting each sets.
+MOE_OPTIONS = {"num_experts": "NUM_EXPERTS", "moe_router_topk": "MOE_TOPK", "moe_ffn_hidden_size": "MOE_FFN"}
 #: ``llama_tied``: the harness's with its output layer tied to the word embedding (Llama 3.2's 1B and 3B).
 MODELS = {"llama": ("RMSNorm", "rope", True, False, True), "gpt": ("LayerNorm", "learned_absolute", False, True, False),
           "llama_tied": ("RMSNorm", "rope", True, True, True)}
@@ -125,12 +134,14 @@ def run_job(workdir: Path, nproc: int, argv: list[str], *, label: str, timeout: 
 def save_argv(out: Path, *, tp: int, pp: int, sharding: str, bf16: bool = False, steps: int = 3,
               resume_truth: int = 0, dump_after: Path | None = None, logits: Path | None = None, bias: str = "none",
               model: str = "llama", also: tuple[tuple[str, Path, Path], ...] = (), vpp: int = 1,
-              bucket: int | None = None, qk: bool = False, num_buckets: int | None = None) -> list[str]:
+              bucket: int | None = None, qk: bool = False, num_buckets: int | None = None,
+              moe: dict | None = None) -> list[str]:
     """``mcore_job.py``'s ``save`` sub-command for one job (:func:`save` says what each option does)."""
     argv = ["save", "--tp", str(tp), "--pp", str(pp), "--steps", str(steps), "--sharding", sharding, "--out", str(out),
             "--bias", bias, "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else []),
             *(["--bucket-size", str(bucket)] if bucket is not None else []), *(["--qk-layernorm"] if qk else []),
-            *(["--num-buckets", str(num_buckets)] if num_buckets is not None else [])]
+            *(["--num-buckets", str(num_buckets)] if num_buckets is not None else []),
+            *(["--moe", json.dumps(moe)] if moe else [])]
     if bf16:
         argv.append("--bf16")
     if logits is not None:
@@ -154,7 +165,9 @@ def save(workdir: Path, out: Path, *, tp: int, pp: int, dp: int, timeout: float 
     :data:`MODELS`; ``also``: ``(sharding, folder, dump_after)`` of each further save the same job makes of the same
     trained state, in another sharding type (one training for both); ``vpp``: model chunks per pipeline stage
     (virtual pipeline stages, the interleaved schedule); ``bucket``: :data:`BUCKET_SIZE`; ``qk``:
-    :data:`QK_LAYERNORM`; ``num_buckets``: :data:`NUM_BUCKETS`. ``megatron_from``: a
+    :data:`QK_LAYERNORM`; ``num_buckets``: :data:`NUM_BUCKETS`; ``moe``: a mixture of experts,
+    ``{"num_experts", "moe_router_topk", "moe_ffn_hidden_size", "ep"}`` (:data:`MOE_OPTIONS`; ``ep`` the expert
+    parallel size, which must divide DP). ``megatron_from``: a
     folder holding megatron-core 0.13, which the job imports instead (:func:`legacy_megatron`).
     """
     argv = save_argv(out, tp=tp, pp=pp, **options)
@@ -194,12 +207,13 @@ def load_argv(folder: Path, dump: Path, *, tp: int, pp: int, bf16: bool = False,
               resume: int = 0, dump_after: Path | None = None, dims_from_save: bool = False,
               no_load_rng: bool = False, logits: Path | None = None, bias: str = "none",
               model: str = "llama", vpp: int = 1, bucket: int | None = None, qk: bool = False,
-              num_buckets: int | None = None) -> list[str]:
+              num_buckets: int | None = None, moe: dict | None = None) -> list[str]:
     """``mcore_job.py``'s ``load`` sub-command for one load (:func:`load` says what each option does)."""
     argv = ["load", "--tp", str(tp), "--pp", str(pp), "--from", str(folder), "--dump", str(dump), "--bias", bias,
             "--model", model, *(["--vpp", str(vpp)] if vpp > 1 else []),
             *(["--bucket-size", str(bucket)] if bucket is not None else []), *(["--qk-layernorm"] if qk else []),
-            *(["--num-buckets", str(num_buckets)] if num_buckets is not None else [])]
+            *(["--num-buckets", str(num_buckets)] if num_buckets is not None else []),
+            *(["--moe", json.dumps(moe)] if moe else [])]
     if bf16:
         argv.append("--bf16")
     if dims_from_save:
@@ -223,7 +237,7 @@ def load(workdir: Path, folder: Path, dump: Path, *, tp: int, pp: int, dp: int, 
     ``dump_after``; ``dims_from_save``: the GPT is built with the dimensions of the save's own ``args``
     (:func:`configure_from`), not the harness's; ``no_load_rng``: as Megatron-LM's ``--no-load-rng`` (a save without
     RNG states); ``logits``: the loaded model's logits on :func:`probe_tokens` go there (any TP and PP:
-    :func:`write_logits`); ``bias`` and ``model``: as :func:`save`'s."""
+    :func:`write_logits`); ``bias``, ``model`` and ``moe``: as :func:`save`'s (``moe``'s ``ep``: the loading job's)."""
     run_job(workdir, tp * pp * dp, load_argv(folder, dump, tp=tp, pp=pp, **options),
             label=label or f"load-{Path(dump).stem}", timeout=timeout)
     return Path(dump)
@@ -370,6 +384,7 @@ def apply_cpu_patches() -> None:
     torch.Tensor.to = tensor_to
     _patch_cuda_rng()
     _patch_distrib_optimizer()
+    _patch_moe_router()
 
 
 class _FakeCudaRng:
@@ -428,6 +443,21 @@ def _patch_distrib_optimizer() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
+def _patch_moe_router() -> None:
+    """Let the MoE router's gating run without Transformer Engine: ``moe_utils.te_general_gemm = None``.
+
+    Why: megatron-core 0.16.1's router gating (``transformer/moe/moe_utils.py``) tests ``te_general_gemm is not None``
+    but defines the name only when Transformer Engine imports (NameError otherwise); with ``None`` it takes its torch
+    matmul. Where the module has the name already (TE installed, another megatron-core) it is left alone.
+    """
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # a megatron-core without MoE utilities: nothing to patch
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def hf_logits_gap(folder: Path, probe: dict) -> tuple[float, float]:
     """How far Megatron's logits (``probe``: :func:`write_logits`' tokens and logits) are from transformers' own
     forward of the Hugging Face folder ``folder`` (``from_pretrained``, eager attention) on the same tokens, over the
@@ -468,6 +498,9 @@ def configure_from(folder: Path) -> None:
         "OPENAI_GELU": bool(getattr(args, "openai_gelu", False)),
         "MAX_POSITIONS": int(args.max_position_embeddings),
         "QK_LAYERNORM": bool(getattr(args, "qk_layernorm", False)),
+        "NUM_EXPERTS": getattr(args, "num_experts", None) or None,
+        **({"MOE_TOPK": args.moe_router_topk, "MOE_FFN": args.moe_ffn_hidden_size}
+           if getattr(args, "num_experts", None) else {}),
     })  # fmt: skip
 
 
@@ -480,7 +513,8 @@ def use_model(name: str) -> None:
 #: through :func:`restore`: what :func:`settings` keeps and :func:`restore` puts back between the jobs of one launch.
 _SETTINGS = ("VOCAB", "HIDDEN", "FFN", "LAYERS", "HEADS", "KV_CHANNELS", "GROUPS", "NORM_EPS", "ROTARY_BASE",
              "DIVISIBLE_BY", "ROPE_SCALING", "BIAS_LINEAR", "BIAS_QKV", "NORM", "POSITIONS", "SWIGLU", "TIED", "GQA",
-             "OPENAI_GELU", "MAX_POSITIONS", "BUCKET_SIZE", "NUM_BUCKETS", "QK_LAYERNORM")
+             "OPENAI_GELU", "MAX_POSITIONS", "BUCKET_SIZE", "NUM_BUCKETS", "QK_LAYERNORM", "NUM_EXPERTS", "MOE_TOPK",
+             "MOE_FFN")
 
 
 def head_dim() -> int:
@@ -528,7 +562,7 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int | None = None) -> int:
 
 
 def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iteration: int = 0,
-              vpp: int = 1) -> argparse.Namespace:
+              vpp: int = 1, ep: int = 1) -> argparse.Namespace:
     """The ``args`` Megatron-LM keeps in ``common.pt``: its ``arguments.py`` names, this test model's values.
 
     Why a Namespace with these fields: Megatron-LM's ``load_checkpoint`` and
@@ -540,7 +574,7 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
     args = argparse.Namespace(
         # parallelism
         rank=0, world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        data_parallel_size=dp, context_parallel_size=1, expert_model_parallel_size=1,
+        data_parallel_size=dp, context_parallel_size=1, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=LAYERS // (pp * vpp) if vpp > 1 else None,
         num_virtual_stages_per_pipeline_rank=None, sequence_parallel=False, use_distributed_optimizer=True,
@@ -586,7 +620,25 @@ def make_args(*, tp: int, pp: int, world: int, bf16: bool, sharding: str, iterat
         async_save=False, no_save_optim=None, no_save_rng=None, no_load_optim=None, no_load_rng=None,
         finetune=False, save=None, load=None, save_interval=None, non_persistent_save_interval=None,
     )
+    if NUM_EXPERTS:
+        vars(args).update(moe_args())
     return args
+
+
+def moe_args() -> dict[str, Any]:
+    """The MoE fields of Megatron-LM's ``args`` (its ``--num-experts`` and TransformerConfig's ``moe_*`` names) for
+    the harness's experts (:data:`NUM_EXPERTS`); only a MoE job's ``args`` hold them (a dense one's: as before).
+
+    Why: a reader of the save (osdpipe, Megatron-LM's ``--use-checkpoint-args``) learns the experts' count, their
+    hidden size and the router from them, as from a Megatron-LM MoE run's; the router's and dispatcher's settings
+    are the ones the job trains with (:func:`setup`), each equal to TransformerConfig's default.
+    """
+    return {"num_experts": NUM_EXPERTS, "moe_router_topk": MOE_TOPK, "moe_ffn_hidden_size": MOE_FFN or FFN,
+            "moe_layer_freq": 1, "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather",
+            "moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "aux_loss", "moe_z_loss_coeff": None,
+            "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+            "moe_router_topk_scaling_factor": None, "moe_router_dtype": None, "moe_input_jitter_eps": None,
+            "moe_shared_expert_intermediate_size": None}
 
 
 @dataclass
@@ -605,12 +657,18 @@ class Job:
     pp: int
     dp: int
     vpp: int = 1
+    #: The expert parallel size (``expert_model_parallel_size``); its experts' data parallel size is DP / ep.
+    ep: int = 1
     extras: dict = field(default_factory=dict)
 
 
-def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
+def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1, ep: int = 1) -> Job:
     """Start gloo, Megatron's parallel state and the RNG, then build the GPT (``vpp`` chunks of it per stage: virtual
     pipeline stages), DDP, optimizer and scheduler.
+
+    With :data:`NUM_EXPERTS`, every layer's MLP is a mixture of experts split over ``ep`` ranks (expert tensor
+    parallel = TP, as Megatron-LM's default): the parallel state then has the expert groups, and the optimizer is a
+    ChainedOptimizer of two DistributedOptimizers where ``ep`` > 1 (dense over DP, experts over the expert DP).
 
     Follows Megatron-LM's ``initialize_megatron`` + ``setup_model_and_optimizer`` (``get_model``, ``Float16Module``
     for bf16, ``DistributedDataParallel`` with :data:`BUCKET_SIZE` and overlap_grad_reduce where it is set,
@@ -633,9 +691,15 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
     world = torch.distributed.get_world_size()
     if world % (tp * pp):
         raise SystemExit(f"world {world} is not a multiple of TP {tp} x PP {pp}")
+    if ep > 1 and not NUM_EXPERTS:
+        raise SystemExit(f"expert parallel size {ep} without experts")
+    if world % (tp * pp * ep):
+        raise SystemExit(f"world {world} is not a multiple of TP {tp} x PP {pp} x EP {ep}")
     virtual = {"virtual_pipeline_model_parallel_size": vpp} if vpp > 1 else {}  # megatron-core 0.13 jobs pass none
+    # only a MoE job names the expert groups: a dense one initialises as before
+    experts = {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp} if NUM_EXPERTS else {}
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             **virtual)
+                                             **virtual, **experts)
     # Megatron-LM's _set_random_seed: a seed per PP stage, then the model-parallel CUDA RNG tracker.
     seed = SEED + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
@@ -645,7 +709,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
     np.random.seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-    args = make_args(tp=tp, pp=pp, world=world, bf16=bf16, sharding=sharding, vpp=vpp)
+    args = make_args(tp=tp, pp=pp, world=world, bf16=bf16, sharding=sharding, vpp=vpp, ep=ep)
     args.rank = torch.distributed.get_rank()
     dtype = args.params_dtype
     config = TransformerConfig(
@@ -662,8 +726,13 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=QK_LAYERNORM,
         **virtual,
+        # the experts (moe_args says why these): SequentialMLP, the allgather dispatcher, no auxiliary loss
+        **({"num_moe_experts": NUM_EXPERTS, "moe_router_topk": MOE_TOPK, "moe_ffn_hidden_size": MOE_FFN or FFN,
+            "moe_token_dispatcher_type": "allgather", "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False,
+            **experts} if NUM_EXPERTS else {}),
     )
-    spec = get_gpt_layer_local_spec(normalization=NORM, qk_layernorm=QK_LAYERNORM)
+    spec = get_gpt_layer_local_spec(normalization=NORM, qk_layernorm=QK_LAYERNORM,
+                                    **({"num_experts": NUM_EXPERTS, "moe_grouped_gemm": False} if NUM_EXPERTS else {}))
     gpts, modules = [], []
     for chunk in range(vpp):  # Megatron-LM's get_model: a chunk per virtual stage, each its own DDP
         stage = {"ignore_virtual": False, "vp_stage": chunk} if vpp > 1 else {}
@@ -698,7 +767,7 @@ def setup(*, tp: int, pp: int, bf16: bool, sharding: str, vpp: int = 1) -> Job:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return Job(args=args, chunks=chunks, gpts=gpts, optimizer=optimizer, scheduler=scheduler, config=config,
-               tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp)
+               tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp, ep=ep)
 
 
 def _batch(iteration: int, microbatch: int, dp_rank: int) -> dict[str, torch.Tensor]:

@@ -60,9 +60,27 @@ BUCKETED = {**ARGS, "overlap_grad_reduce": True, "ddp_bucket_size": 700}
 @pytest.mark.parametrize("grid", [(1, 1, 2, 1), (2, 1, 2, 1), (2, 2, 1, 1), (1, 2, 2, 2), (4, 1, 1, 1), (1, 2, 3, 1)])
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
 def test_every_item_of_the_save_is_written_once_as_megatron_lays_it_out(args, grid, sharding) -> None:
-    tp, pp, dp, vpp = grid
+    _check_items(args, (*grid, 1), sharding)
+
+
+#: A mixture of experts in every layer: 4 experts, each of its own FFN size.
+MOE = {**ARGS, "num_experts": 4, "moe_ffn_hidden_size": 12}
+
+
+@pytest.mark.parametrize("grid", [(1, 1, 2, 1, 2), (1, 1, 4, 1, 2), (1, 1, 4, 1, 4), (2, 1, 2, 1, 2), (1, 2, 2, 2, 2),
+                                  (1, 1, 2, 1, 1), (2, 2, 4, 1, 4)])
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
+def test_a_mixture_of_experts_save_is_written_once_over_tp_pp_ep_dp(grid, sharding) -> None:
+    """Every item of an MoE save (the experts' keys with their global expert axis, the router, the dense and the
+    expert buffers) written exactly once, each holding what the layout puts there, at EP 1 (experts dense) and over
+    EP (the experts' own buffers cut over the expert DP ranks)."""
+    _check_items(MOE, grid, sharding)
+
+
+def _check_items(args: dict, grid: tuple[int, ...], sharding: str) -> None:
+    tp, pp, dp, vpp, ep = grid
     source_vocab = gpt_layout.padded_vocab_size(100, 128, 2)  # the tree is another TP's save: 256 rows
-    target = grid_of(args, tp, pp, dp, vpp, sharding)
+    target = grid_of(args, tp, pp, dp, vpp, sharding, ep)
     source = _globals(args, source_vocab)
     shapes = {key: states[WEIGHTS].shape for key, states in source.items()}
     items: dict[str, torch.Tensor] = {}
@@ -90,24 +108,28 @@ def test_every_item_of_the_save_is_written_once_as_megatron_lays_it_out(args, gr
         for state in states:
             item = key if state == WEIGHTS else f"optimizer.state.{state}.{key}"
             assert torch.equal(items[item], _box_of(source[key][state], tuple((0, n) for n in shape), source_vocab))
-    buckets = [i for i in items if i.startswith("optimizer.distributed.")]
+    buckets = [i for i in items if ".distributed." in i]
     assert bool(buckets) == (sharding == "dp_reshardable")
-    for pp_rank in range(pp) if sharding == "dp_reshardable" else ():
-        for tp_rank in range(tp):
-            for chunk in range(vpp):
-                params = {p.name: p for p in target.params(pp_rank, tp_rank, chunk)}
-                for b, bucket in enumerate(target.buckets(pp_rank, tp_rank, chunk)):
-                    for state in OPTIMIZER_STATES:
-                        want = torch.zeros(bucket.data_end)
-                        for name, start, stop in bucket.entries:
-                            local = torch.zeros(params[name].shape)
-                            for piece in params[name].pieces:
-                                rows = local[piece.local_start: piece.local_stop]
-                                rows.copy_(_box_of(source[piece.key][state], piece.box, source_vocab).reshape(
-                                    rows.shape))
-                            want[start:stop] = local.reshape(-1)
-                        item = f"{target.bucket_item(pp_rank, tp_rank, chunk, b)}.{state}"
-                        assert torch.equal(items[item], want), item
+    if ep > 1 and buckets:  # two optimizers: the dense one's items and the experts'
+        assert {i.split(".")[0] for i in buckets} == {"chained_0", "chained_1"}
+    expert_buffers = (False, True) if ep > 1 else (False,)
+    for pp_rank, tp_rank, ep_rank, expert in ((a, b, c, d) for a in range(pp) for b in range(tp) for c in range(ep)
+                                              for d in expert_buffers if sharding == "dp_reshardable"):
+        for chunk in range(vpp):
+            params = {p.name: p for p in target.params(pp_rank, tp_rank, chunk, ep_rank)}
+            for b, bucket in enumerate(target.buckets(pp_rank, tp_rank, chunk, ep_rank, expert)):
+                assert all(params[name].expert == expert for name, _, _ in bucket.entries) or ep == 1
+                for state in OPTIMIZER_STATES:
+                    want = torch.zeros(bucket.data_end)
+                    for name, start, stop in bucket.entries:
+                        local = torch.zeros(params[name].shape)
+                        for piece in params[name].pieces:
+                            rows = local[piece.local_start: piece.local_stop]
+                            rows.copy_(_box_of(source[piece.key][state], piece.box, source_vocab).reshape(
+                                rows.shape))
+                        want[start:stop] = local.reshape(-1)
+                    item = f"{target.bucket_item(pp_rank, tp_rank, chunk, b, ep_rank, expert)}.{state}"
+                    assert torch.equal(items[item], want), item
 
 
 def test_each_rank_holds_its_model_chunks_local_parameters_and_a_grid_is_ranked_tp_fastest() -> None:
