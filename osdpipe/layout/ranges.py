@@ -59,6 +59,9 @@ class LayoutSpec:
     #: ``pp_size`` x data-parallel ranks (Megatron-Core's grid).
     pp_size: int = 1
     vpp_size: int = 1
+    #: Expert-parallel ranks (a mixture of experts): each (PP, TP) rank's data-parallel ranks split into ``ep_size``
+    #: groups of experts (Megatron-Core's grid).
+    ep_size: int = 1
     #: How a distributed optimizer saves its state where the kind has more than one way (Megatron's
     #: ``dp_reshardable``, ``fully_reshardable``); ``None``: the kind's only way, or the source's.
     state_sharding: str | None = None

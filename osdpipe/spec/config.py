@@ -172,6 +172,8 @@ class LayoutConfig(_Frozen):
     pp_size: int = Field(default=1, ge=1)  # pipeline-parallel stages (megatron): world = tp_size x pp_size x DP
     # model chunks per pipeline stage (megatron's virtual pipeline stages, its interleaved schedule); 1: none
     vpp_size: int = Field(default=1, ge=1)
+    # expert-parallel ranks (megatron's mixture of experts): they split each (PP, TP) rank's data-parallel ranks
+    ep_size: int = Field(default=1, ge=1)
     # module FQN pattern -> colwise | rowwise | sequence | package.module:callable
     tp_plan: dict[str, str] = Field(default_factory=dict)
 
@@ -251,6 +253,7 @@ class LayoutConfig(_Frozen):
             tp_plan=tuple(self.tp_plan.items()),
             pp_size=self.pp_size,
             vpp_size=self.vpp_size,
+            ep_size=self.ep_size,
         )
 
 

@@ -41,10 +41,11 @@ def megatron_problem(spec: Any) -> str | None:
         return to_megatron_problem(spec)
     for side in ("source", "target"):
         held = getattr(spec, side)
-        for key in ("pp_size", "vpp_size"):
+        for key in ("pp_size", "vpp_size", "ep_size"):
             if getattr(held, key) > 1 and held.kind != MEGATRON:
+                what = "expert-parallel ranks are" if key == "ep_size" else "pipeline stages are"
                 return (
-                    f"{side}.{key}={getattr(held, key)}: pipeline stages are Megatron's (checkpoint=megatron "
+                    f"{side}.{key}={getattr(held, key)}: {what} Megatron's (checkpoint=megatron "
                     f"target.kind=megatron); set {side}.{key}=1 for kind={held.kind}"
                 )
     if why := interleaving_problem(target.pp_size, target.vpp_size):

@@ -43,6 +43,9 @@ class Megatron(LayoutKind):
                              f"world_size={spec.world_size}; the world is TP x PP x data-parallel ranks")
         if why := gpt_layout.interleaving_problem(spec.pp_size, spec.vpp_size):
             raise ValueError(why)
+        if (spec.world_size // (spec.tp_size * spec.pp_size)) % spec.ep_size:
+            raise ValueError(f"ep_size={spec.ep_size} does not divide the data-parallel ranks (world_size / (tp_size "
+                             "x pp_size)): the expert-parallel ranks are data-parallel ranks")
         if spec.state_sharding not in (None, *SHARDINGS):
             raise ValueError(f"the optimizer's sharding type {spec.state_sharding!r}: one of {', '.join(SHARDINGS)}")
 
@@ -53,7 +56,8 @@ class Megatron(LayoutKind):
         if factory != FACTORY or "args" not in kwargs:
             return spec
         dp = spec.world_size // (spec.tp_size * spec.pp_size)
-        grid = grid_of(kwargs["args"], spec.tp_size, spec.pp_size, dp, spec.vpp_size, spec.state_sharding)
+        grid = grid_of(kwargs["args"], spec.tp_size, spec.pp_size, dp, spec.vpp_size, spec.state_sharding,
+                       spec.ep_size)
         return replace(spec, grid=grid)
 
     def check(self, tree: ModuleTree, spec: LayoutSpec) -> None:
