@@ -138,6 +138,13 @@ class Plan:
         return self._kept[key]
 
 
+def _keyed(exc: ValueError, side: str, key: str, value: object) -> str:
+    """A layout's refusal as the line that names its key: its own words where they begin with the key they are about
+    (``target.tp_size=3 does not divide ...``), else prefixed with ``<side>.<key>=<value>``."""
+    said = str(exc)
+    return said if said.startswith(f"{side}.") else f"{side}.{key}={value}: {said}"
+
+
 def plan_run(spec: RunSpec, tree: ModuleTree | None = None) -> Plan:
     """The plan of ``spec``: its model's tree built on ``meta`` (unless given),
     both wrappings settled and checked against it.
@@ -160,11 +167,11 @@ def plan_run(spec: RunSpec, tree: ModuleTree | None = None) -> Plan:
         try:
             settled[side] = kind.settle(wrapped, spec.model.factory, spec.model.kwargs)
         except ValueError as exc:
-            raise ConfigError([f"{side}.tp_plan={layout.tp_plan}: {exc}"]) from None
+            raise ConfigError([_keyed(exc, side, "tp_plan", layout.tp_plan)]) from None
         try:
             kind.check(tree, settled[side])
         except ValueError as exc:
-            raise ConfigError([f"{side}.wrap={layout.wrap}: {exc}"]) from None
+            raise ConfigError([_keyed(exc, side, "wrap", layout.wrap)]) from None
     if tree.key_maps and checkpoints.get(spec.checkpoint.layout).whole and formats.get(spec.output.format).keyed_by_id:
         raise ConfigError([
             f"output.format={spec.output.format}: the model's state dict holds keys its hooks make of parameters' rows "
