@@ -64,6 +64,8 @@ VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 ROUTER = f"{LAYERS}mlp.router.weight"
 EXPERT_FC1 = f"{LAYERS}mlp.experts.experts.linear_fc1.weight"
 EXPERT_FC2 = f"{LAYERS}mlp.experts.experts.linear_fc2.weight"
+#: The experts' sharded keys: with expert parallelism, the experts' optimizer's parameters.
+EXPERT_KEYS = (EXPERT_FC1, EXPERT_FC2)
 #: What the key/value heads are called in :func:`tp_problem`'s line.
 GROUPS = "key/value heads (query groups)"
 
@@ -594,7 +596,8 @@ def expert_parameters(
     n = rows[1] - rows[0]
     for local, g in enumerate(local_experts(e, ep, ep_rank)):
         name, expert = f"{mlp}experts.local_experts.{local}.", (g, g + 1)
-        fc1 = tuple(Piece(EXPERT_FC1, (at, expert, block, (0, h)), i * n, (i + 1) * n) for i, block in enumerate(blocks))
+        fc1 = tuple(Piece(EXPERT_FC1, (at, expert, block, (0, h)), i * n, (i + 1) * n)
+                    for i, block in enumerate(blocks))
         out.append(LocalParameter(f"{name}linear_fc1.weight", (n * len(blocks), h), fc1, expert=True))
         out.append(LocalParameter(f"{name}linear_fc2.weight", (h, n),
                                   (Piece(EXPERT_FC2, (at, expert, (0, h), rows), 0, h),), expert=True))

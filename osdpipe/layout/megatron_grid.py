@@ -115,17 +115,22 @@ class Grid:
                 if (p.expert and self.expert_parallel) == expert]  # fmt: skip
         return gpt_layout.buckets(mine, self.expert_dp() if expert else self.dp, how)
 
-    def bucket_item(self, pp_rank: int, tp_rank: int, chunk: int, bucket: int, ep_rank: int = 0,
-                    expert: bool = False) -> str:
-        """A ``dp_reshardable`` bucket's item, as the save keys it (each state's item is this, a dot and the state):
-        its optimizer's (with expert parallelism, ``chained_0.`` the dense one's, ``chained_1.`` the experts'), and
-        its model-parallel rank in that optimizer's group (the experts': of TP x EP x PP)."""
+    def optimizer_prefix(self, pp_rank: int, tp_rank: int, ep_rank: int = 0, expert: bool = False) -> str:
+        """What a ``dp_reshardable`` save's items of one distributed optimizer of one model-parallel rank begin with:
+        the optimizer's place in the chain (with expert parallelism, ``chained_0.`` the dense one, ``chained_1.`` the
+        experts') and the rank's index in that optimizer's model-parallel group (the experts': of TP x EP x PP;
+        megatron-core ``optimizer/__init__.py``)."""
         if expert:
             index = gpt_layout.dp_group_index(self.tp * self.ep, ep_rank * self.tp + tp_rank, pp_rank)
         else:
             index = gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
         chained = f"chained_{int(expert)}." if self.expert_parallel else ""
-        return (f"{chained}optimizer.distributed.dp_group_idx_{index}.gbuf_idx_{chunk}.dtype_({self.dtypes})"
+        return f"{chained}optimizer.distributed.dp_group_idx_{index}"
+
+    def bucket_item(self, pp_rank: int, tp_rank: int, chunk: int, bucket: int, ep_rank: int = 0,
+                    expert: bool = False) -> str:
+        """A ``dp_reshardable`` bucket's item, as the save keys it (each state's item is this, a dot and the state)."""
+        return (f"{self.optimizer_prefix(pp_rank, tp_rank, ep_rank, expert)}.gbuf_idx_{chunk}.dtype_({self.dtypes})"
                 f".bucket_idx_{bucket}")
 
     def bucket_dp(self, dp_rank: int, expert: bool) -> tuple[int, int]:

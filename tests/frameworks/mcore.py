@@ -25,6 +25,10 @@ copy on the last stage) hold anything else (:func:`dump_differences` reports it)
 Every local piece is put in place by its ShardedTensor's own metadata
 (``global_shape``/``global_offset``; factories such as SwiGLU's ``linear_fc1``
 are built with the tensor in question), never by a hand-written TP rule.
+A mixture of experts (a job's ``--moe``) is no exception: an expert's weights and states are keyed
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[layers, experts, ...]``, placed at their layer and
+global expert (``ep_rank * local experts + local index``) by the same metadata, from whichever of the
+ChainedOptimizer's DistributedOptimizers holds them (the experts' own at EP > 1).
 """
 
 from __future__ import annotations
@@ -857,9 +861,11 @@ def rng_state() -> Any:
 
 
 def flops_so_far(iteration: int) -> float:
-    """A floating-point-operation count for ``num_floating_point_operations_so_far`` (6 x params x tokens)."""
+    """A floating-point-operation count for ``num_floating_point_operations_so_far`` (6 x params x tokens; with
+    experts, the params a token passes through: ``topk`` experts' MLPs)."""
+    mlp = MOE_TOPK * 3 * HIDDEN * (MOE_FFN or FFN) if NUM_EXPERTS else 3 * HIDDEN * FFN
     params = (2 * padded_vocab(VOCAB, 1) * HIDDEN + LAYERS * (HIDDEN * (HEADS + 2 * GROUPS) * head_dim()
-              + HIDDEN * HEADS * head_dim() + 3 * HIDDEN * FFN))
+              + HIDDEN * HEADS * head_dim() + mlp))
     return float(6 * params * iteration * GLOBAL_BATCH * SEQ)
 
 
@@ -1000,7 +1006,8 @@ def _load_weights_only(job: Job, ckpt_dir: Path, md: dict, release: bool, ckpt_t
 
 
 def dist_optimizers(job: Job) -> list[Any]:
-    """The DistributedOptimizers inside ``get_megatron_optimizer``'s ChainedOptimizer (one here: no experts)."""
+    """The DistributedOptimizers inside ``get_megatron_optimizer``'s ChainedOptimizer: one, or with experts at EP > 1
+    two (the dense parameters', then the experts')."""
     return list(getattr(job.optimizer, "chained_optimizers", [job.optimizer]))
 
 
@@ -1009,20 +1016,22 @@ def restore_steps(job: Job, optimizer_sd: dict) -> None:
 
     Why: megatron-core 0.16.1 without TE/Apex gives all parameters ONE shared ``step`` tensor on load (torch
     AdamW's in-place ``step += 1`` then advances it once per parameter), and a ``dp_reshardable`` load then
-    copies back the pre-load local ``step`` (the dummy step's 1) from its LocalNonpersistentObject.
+    copies back the pre-load local ``step`` (the dummy step's 1) from its LocalNonpersistentObject. Each
+    DistributedOptimizer from its own state (a ChainedOptimizer of several loads ``{index: state}``).
     """
-    if len(dist_optimizers(job)) != 1:
-        raise NotImplementedError("one DistributedOptimizer expected (no experts)")
-    groups = optimizer_sd["optimizer"]["param_groups"]
-    steps = {g["step"] for g in groups if "step" in g}
-    if len(steps) != 1:
-        raise RuntimeError(f"checkpoint param groups hold steps {steps}")
-    step = float(steps.pop())
-    inner = dist_optimizers(job)[0].optimizer
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if p in inner.state:
-                inner.state[p]["step"] = torch.tensor(step, dtype=torch.float32)
+    opts = dist_optimizers(job)
+    for opt, state in zip(opts, [optimizer_sd] if len(opts) == 1 else [optimizer_sd[i] for i in range(len(opts))],
+                          strict=True):
+        groups = state["optimizer"]["param_groups"]
+        steps = {g["step"] for g in groups if "step" in g}
+        if len(steps) != 1:
+            raise RuntimeError(f"checkpoint param groups hold steps {steps}")
+        step = float(steps.pop())
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p in inner.state:
+                    inner.state[p]["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1076,51 +1085,57 @@ def _is_main(replica_id: Any) -> bool:
 
 
 def _local_records(job: Job) -> dict:
-    """This rank's main-replica pieces of weights and optimizer states, and per-key steps and groups (to gather)."""
-    (opt,) = dist_optimizers(job)
+    """This rank's main-replica pieces of weights and optimizer states, and per-key steps and groups (to gather).
+
+    Every DistributedOptimizer of the job's (with experts at EP > 1 a second one, for the experts over their expert
+    DP group) gives the pieces of its own parameters: an expert's are put in place by its ShardedTensor as any
+    other's (the layer axis, then the global expert ``ep_rank * local experts + local index``)."""
     metas = param_metadata(job)
-    # fp32 masters and moments per model parameter, whole over DP (the optimizer's own DP gather); none where the
-    # optimizer has not stepped yet (a fresh one, after loading a save of the weights alone): torch's Adam makes its
-    # state on the first step, and the gather asks for it
-    fresh = not opt.optimizer.state
-    world = None
-    try:
-        world = None if fresh else opt.get_parameter_state_dp_zero(use_gloo_comm=True, empty_data=False,
-                                                                    return_on_all_ranks=True)
-    except TypeError:  # megatron-core 0.13 (the legacy job): gathered on DP rank 0 only
-        held = [opt.get_parameter_state_dp_zero()]
-        torch.distributed.broadcast_object_list(held, group=opt.data_parallel_group_gloo, group_src=0)
-        world = held[0]
-    model_pieces, optim_pieces, replicas, steps, groups = [], [], [], {}, {}
-    for gbuf_idx, buffer in enumerate(opt.buffers):
-        (dtype, tensors), = world[gbuf_idx].items() if world is not None else [(None, None)]
-        # the gathered state is the buffer's buckets cut at their unpadded sizes, one after the other
-        before = [sum(b.numel_unpadded for b in buffer.buckets[:i]) - bucket.offset
-                  for i, bucket in enumerate(buffer.buckets)]
-        for param, (start, end, bucket_id) in buffer.param_index_map.items():
-            meta = metas[id(param)]
-            key = meta.key
-            for st in pieces(meta, param.detach().clone()):
-                record = (st.key, tuple(st.global_shape), st.global_slice(), st.data.clone())
-                if _is_main(st.replica_id):
-                    model_pieces.append(record)
-                else:
-                    replicas.append(("model", *record))
-            for state in ("param", "exp_avg", "exp_avg_sq") if tensors is not None else ():
-                at = before[bucket_id]
-                local = tensors[state][start + at:end + at].reshape(param.shape).clone()
-                for st in pieces(meta, local):
-                    record = (state, st.key, tuple(st.global_shape), st.global_slice(), st.data.clone())
-                    (optim_pieces if _is_main(st.replica_id) else replicas).append(record)
-            if param in opt.model_param_group_index_map:
-                g, order = opt.model_param_group_index_map[param]
-                main = opt.optimizer.param_groups[g]["params"][order]
-                st_state = opt.optimizer.state.get(main, {})
-                if "step" in st_state:
-                    steps.setdefault(key, set()).add(float(st_state["step"]))
-                groups.setdefault(_group_id(opt.optimizer.param_groups[g]), set()).add(key)
+    model_pieces, optim_pieces, replicas, steps, groups, buckets = [], [], [], {}, {}, []
+    for opt_idx, opt in enumerate(dist_optimizers(job)):
+        # fp32 masters and moments per model parameter, whole over the optimizer's DP group (its own gather); none
+        # where the optimizer has not stepped yet (a fresh one, after loading a save of the weights alone): torch's
+        # Adam makes its state on the first step, and the gather asks for it
+        fresh = not opt.optimizer.state
+        world = None
+        try:
+            world = None if fresh else opt.get_parameter_state_dp_zero(use_gloo_comm=True, empty_data=False,
+                                                                        return_on_all_ranks=True)
+        except TypeError:  # megatron-core 0.13 (the legacy job): gathered on DP rank 0 only
+            held = [opt.get_parameter_state_dp_zero()]
+            torch.distributed.broadcast_object_list(held, group=opt.data_parallel_group_gloo, group_src=0)
+            world = held[0]
+        for gbuf_idx, buffer in enumerate(opt.buffers):
+            (dtype, tensors), = world[gbuf_idx].items() if world is not None else [(None, None)]
+            # the gathered state is the buffer's buckets cut at their unpadded sizes, one after the other
+            before = [sum(b.numel_unpadded for b in buffer.buckets[:i]) - bucket.offset
+                      for i, bucket in enumerate(buffer.buckets)]
+            for param, (start, end, bucket_id) in buffer.param_index_map.items():
+                meta = metas[id(param)]
+                key = meta.key
+                for st in pieces(meta, param.detach().clone()):
+                    record = (st.key, tuple(st.global_shape), st.global_slice(), st.data.clone())
+                    if _is_main(st.replica_id):
+                        model_pieces.append(record)
+                    else:
+                        replicas.append(("model", *record))
+                for state in ("param", "exp_avg", "exp_avg_sq") if tensors is not None else ():
+                    at = before[bucket_id]
+                    local = tensors[state][start + at:end + at].reshape(param.shape).clone()
+                    for st in pieces(meta, local):
+                        record = (state, st.key, tuple(st.global_shape), st.global_slice(), st.data.clone())
+                        (optim_pieces if _is_main(st.replica_id) else replicas).append(record)
+                if param in opt.model_param_group_index_map:
+                    g, order = opt.model_param_group_index_map[param]
+                    main = opt.optimizer.param_groups[g]["params"][order]
+                    st_state = opt.optimizer.state.get(main, {})
+                    if "step" in st_state:
+                        steps.setdefault(key, set()).add(float(st_state["step"]))
+                    groups.setdefault(_group_id(opt.optimizer.param_groups[g]), set()).add(key)
+        if opt.data_parallel_group.rank() == 0:
+            buckets.append(_bucket_layout(job, opt, opt_idx))
     return {"model": model_pieces, "optim": optim_pieces, "replicas": replicas, "steps": steps, "groups": groups,
-            "buckets": _bucket_layout(job, opt) if opt.data_parallel_group.rank() == 0 else None}
+            "buckets": buckets}
 
 
 def _group_id(group: dict) -> tuple:
@@ -1129,12 +1144,15 @@ def _group_id(group: dict) -> tuple:
     return tuple(float(group.get(k, 1.0)) for k in ("wd_mult", "lr_mult"))
 
 
-def _bucket_layout(job: Job, opt: Any) -> dict:
+def _bucket_layout(job: Job, opt: Any, opt_idx: int = 0) -> dict:
     """How this (PP, TP) rank's DistributedOptimizer lays its parameters out in the grad buffers' buckets.
 
     Why: a ``dp_reshardable`` checkpoint holds the optimizer state as these buckets, one flat tensor per
     ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_<dtypes>.bucket_idx_<b>.<state>``; a reader needs
     the map from bucket ranges to model keys, which this records from the live objects (for the dumps and NOTES).
+    ``optimizer_idx``: the optimizer's place in the ChainedOptimizer (1: the experts' at EP > 1, whose ``dp_size``
+    is the expert DP's and whose ``dp_group_idx`` its rank in the expert TP x EP x PP group); ``ep_rank``: this
+    rank's expert parallel rank.
     """
     from megatron.core import parallel_state
 
@@ -1142,7 +1160,7 @@ def _bucket_layout(job: Job, opt: Any) -> dict:
     metas = param_metadata(job)
     out = {"dp_group_idx": opt.data_parallel_group_idx, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "dp_size": opt.data_parallel_group.size(),
-           "gbufs": []}
+           "optimizer_idx": opt_idx, "ep_rank": parallel_state.get_expert_model_parallel_rank(), "gbufs": []}
     for gbuf_idx, buffer in enumerate(opt.buffers):
         dtypes = (buffer.param_dtype, buffer.grad_dtype)
         buckets = []
@@ -1216,18 +1234,29 @@ def gather(job: Job) -> dict | None:
         # One value if the ranks agree (as they must); all of them otherwise, so that a comparison shows it.
         optim[key]["step"] = torch.tensor(vals.pop()) if len(vals) == 1 else sorted(vals)
     param_groups = []
-    for group in dist_optimizers(job)[0].optimizer.param_groups:
-        # "step": a load leaves the checkpoint's group step in torch's param groups, unused and stale (AdamW
-        # counts per parameter, in "optim"), so it is left out for the dumps of a save and a load to compare.
-        hyper = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in group.items()
-                 if k not in ("params", "step")}
-        hyper["params"] = sorted(group_keys.get(_group_id(group), ()))
-        param_groups.append(hyper)
-    buckets = sorted((r["buckets"] for r in everything if r["buckets"] is not None), key=lambda b: b["dp_group_idx"])
+    for opt in dist_optimizers(job):
+        experts = {g for p, (g, _) in opt.model_param_group_index_map.items() if not getattr(p, "allreduce", True)}
+        for g, group in enumerate(opt.optimizer.param_groups):
+            # "step": a load leaves the checkpoint's group step in torch's param groups, unused and stale (AdamW
+            # counts per parameter, in "optim"), so it is left out for the dumps of a save and a load to compare.
+            hyper = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in group.items()
+                     if k not in ("params", "step")}
+            hyper["params"] = sorted(group_keys.get(_group_id(group), ()))
+            # the experts' group at EP > 1 (their own optimizer's, flagged is_expert_parallel) is one entry with the
+            # dense group of the same hyperparameters, whose keys it shares (_group_id): at EP 1 the experts are in
+            # that dense group, and the dumps of the two layouts compare; any other difference stays an entry
+            if g in experts and hyper.get("is_expert_parallel") is True and \
+                    {**hyper, "is_expert_parallel": False} in param_groups:
+                continue
+            param_groups.append(hyper)
+    buckets = sorted((b for r in everything for b in r["buckets"]),
+                     key=lambda b: (b["optimizer_idx"], b["dp_group_idx"]))
     return {"model": model, "optim": optim, "param_groups": param_groups, "iteration": job.args.iteration,
             "buckets": buckets, "replicas_unequal": unequal,
             "scheduler": job.scheduler.state_dict(), "args": dict(vars(job.args)),
-            "layout": {"tp": job.tp, "pp": job.pp, "dp": job.dp, "vpp": job.vpp}}
+            # a MoE job's also names its expert parallel size (a dense one's as before: tests compare it whole)
+            "layout": {"tp": job.tp, "pp": job.pp, "dp": job.dp, "vpp": job.vpp,
+                       **({"ep": job.ep} if NUM_EXPERTS else {})}}
 
 
 def write_dump(job: Job, path: Path, extra: dict | None = None) -> None:

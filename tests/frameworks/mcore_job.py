@@ -4,8 +4,11 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
 
 * ``save --tp T --pp P [--vpp V] --steps 3 --sharding dp_reshardable|fully_reshardable|fully_sharded_model_space
   [--bf16] [--bias none|linear|qkv] [--model llama|gpt] --out SAVE_DIR [--also SHARDING SAVE_DIR2 OUT2.pt]...
-  [--resume-truth K --dump-after OUT2.pt] [--dims JSON] [--no-truth]``: with ``--dims``, the GPT of those settings
-  (:func:`mcore.restore`'s names: a benchmark's larger one), and with ``--no-truth`` no gathered dump; train ``steps``
+  [--resume-truth K --dump-after OUT2.pt] [--dims JSON] [--no-truth] [--moe JSON]``: with ``--dims``, the GPT of
+  those settings (:func:`mcore.restore`'s names: a benchmark's larger one), and with ``--no-truth`` no gathered
+  dump; with ``--moe`` (save and load), every layer's MLP a mixture of experts, ``{"num_experts": E,
+  "moe_router_topk": K, "moe_ffn_hidden_size": F, "ep": EP}`` (:data:`mcore.MOE_OPTIONS`; ``ep``, the expert
+  parallel size, divides DP, and is the job's own: a load names its own); train ``steps``
   steps (real forward/backward through
   Megatron's pipeline schedule), write exactly what Megatron-LM's ``save_checkpoint`` writes for
   ``--ckpt-format torch_dist``, and dump the gathered state to ``SAVE_DIR.truth.pt``; each ``--also`` saves the
@@ -14,11 +17,10 @@ Sub-commands (world N = TP x PP x DP, DP = N / (TP x PP)):
   with ``--logits OUT.pt`` (TP1 PP1) the trained model's logits on :func:`mcore.probe_tokens`, after the save, go to
   ``OUT.pt``.
 * ``load --tp T --pp P [--vpp V] --from SAVE_DIR [--bf16] [--bias B] [--model M] [--sharding S] --dump OUT.pt
-  [--resume K --dump-after OUT2.pt] [--dims-from-save] [--no-load-rng] [--logits OUT3.pt]``: build the job at that
-  layout (with the
-  save's own GPT dimensions: ``--dims-from-save``), load as Megatron-LM's ``load_checkpoint`` does (without its RNG
-  states: ``--no-load-rng``), dump, optionally the loaded model's logits; optionally K synthetic steps and a second
-  dump.
+  [--resume K --dump-after OUT2.pt] [--dims-from-save] [--no-load-rng] [--logits OUT3.pt] [--moe JSON]``: build the
+  job at that layout (with the save's own GPT dimensions, experts included: ``--dims-from-save``), load as
+  Megatron-LM's ``load_checkpoint`` does (without its RNG states: ``--no-load-rng``), dump, optionally the loaded
+  model's logits; optionally K synthetic steps and a second dump.
 * ``each --plan PLAN.json``: each job of the plan (a JSON list of ``save`` or ``load`` argument lists), in turn, each
   built afresh at its own TP and PP on the same ranks (:func:`mcore.teardown` between): one launch for many.
 
@@ -56,6 +58,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         s.add_argument("--bucket-size", type=int, default=None)
         s.add_argument("--qk-layernorm", action="store_true")
         s.add_argument("--num-buckets", type=int, default=None)
+        # a mixture of experts: {"num_experts", "moe_router_topk", "moe_ffn_hidden_size", "ep"} (mcore.MOE_OPTIONS)
+        s.add_argument("--moe", type=json.loads, default=None)
     save = sub.choices["save"]
     save.add_argument("--steps", type=int, default=3)
     save.add_argument("--out", type=Path, required=True)
@@ -109,6 +113,11 @@ def run(opts: argparse.Namespace):
                    "BUCKET_SIZE": opts.bucket_size, "QK_LAYERNORM": opts.qk_layernorm,
                    "NUM_BUCKETS": opts.num_buckets})
     mcore.use_model(opts.model)
+    moe = dict(opts.moe or {})
+    ep = int(moe.pop("ep", 1))
+    if unknown := set(moe) - set(mcore.MOE_OPTIONS):
+        raise SystemExit(f"--moe: unknown {sorted(unknown)} (known: {sorted(mcore.MOE_OPTIONS)} and ep)")
+    mcore.restore({mcore.MOE_OPTIONS[name]: value for name, value in moe.items()})
     if opts.cmd == "save" and opts.dims:
         mcore.restore(opts.dims)
     with mcore.quiet_warnings():
@@ -116,8 +125,10 @@ def run(opts: argparse.Namespace):
             mcore.apply_cpu_patches()
             mcore.configure_from(opts.src.resolve())
         job = mcore.setup(tp=opts.tp, pp=opts.pp, bf16=opts.bf16, sharding=opts.sharding or "dp_reshardable",
-                          vpp=opts.vpp)
-    log(f"built TP{job.tp} PP{job.pp} VPP{job.vpp} DP{job.dp} bf16={opts.bf16} in {time.monotonic() - start:.1f}s")
+                          vpp=opts.vpp, ep=ep)
+    experts = f" EP{job.ep} experts={mcore.NUM_EXPERTS}" if mcore.NUM_EXPERTS else ""
+    log(f"built TP{job.tp} PP{job.pp} VPP{job.vpp} DP{job.dp}{experts} bf16={opts.bf16} in "
+        f"{time.monotonic() - start:.1f}s")
     if opts.cmd == "save":
         sharding = opts.sharding or "dp_reshardable"
         losses = mcore.train(job, opts.steps)

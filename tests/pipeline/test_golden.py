@@ -36,7 +36,8 @@ issue 39, every manifest's config gained ``source.pp_size``, ``target.pp_size``
 and ``output.megatron_optim_format`` (each ``content_sha256``; no data file changed); for issue 40, every
 manifest's config gained ``output.dtype`` (each ``content_sha256``; no data file changed); for Megatron's virtual
 pipeline stages, every manifest's config gained ``source.vpp_size`` and ``target.vpp_size`` (each
-``content_sha256``; no data file changed).
+``content_sha256``; no data file changed); for a mixture of experts (issue 85), every manifest's config gained
+``source.ep_size`` and ``target.ep_size`` (each ``content_sha256``; no data file changed).
 """
 
 from __future__ import annotations

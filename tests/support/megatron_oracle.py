@@ -229,7 +229,7 @@ def _assembled(
 
 def _gbuf_dtypes(checkpoint: DcpCheckpoint) -> str | None:
     """A ``dp_reshardable`` save's gradient buffer's dtypes as its bucket keys spell them; ``None``: it has none."""
-    return next((m[3] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f))), None)
+    return next((m[4] for f in checkpoint.metadata.state_dict_metadata if (m := _BUCKET.fullmatch(f))), None)
 
 
 def _expect(checkpoint: DcpCheckpoint, keys: list[str]) -> None:
@@ -297,7 +297,9 @@ def _from_buckets(
     buckets: dict[tuple[int, int, int], dict[str, str]] = {}
     for flat in checkpoint.metadata.state_dict_metadata:
         if (m := _BUCKET.fullmatch(flat)) is not None:
-            buckets.setdefault((int(m[1]), int(m[2]), int(m[4])), {})[m[5]] = flat
+            if m[1] is not None:
+                raise InputError(f"{folder}: an expert-parallel job's two optimizers: the oracle reads one")
+            buckets.setdefault((int(m[2]), int(m[3]), int(m[5])), {})[m[6]] = flat
     if any(gbuf >= vpp for _, gbuf, _ in buckets):  # one gradient buffer per model chunk
         raise InputError(f"{folder}: the optimizer has several gradient buffers per model chunk: not supported yet")
     unequal: dict[str, int] = {}  # state -> elements of the tied copy that differ from the first stage's

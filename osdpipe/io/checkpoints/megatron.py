@@ -90,11 +90,15 @@ class SavedWeights:
 
 
 #: Entries by what their flat keys start with, and the part of a conversion each is.
+#: (An expert-parallel job's two optimizers prefix their ``dp_reshardable`` items with ``chained_<i>.``.)
 _OPTIMIZER = re.compile(
-    r"optimizer\.(state\.(\w+)\..+|distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_\(.+\)\.bucket_idx_\d+\.(\w+))"
+    r"(?:chained_\d+\.)?optimizer\.(state\.(\w+)\..+|distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_\(.+\)"
+    r"\.bucket_idx_\d+\.(\w+))"
 )
-_BUCKET_SIZES = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.per_bucket_numel(_unpadded)?/.*")
-_GROUPS = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/.*")
+_BUCKET_SIZES = re.compile(
+    r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.per_bucket_numel(_unpadded)?/.*"
+)
+_GROUPS = re.compile(r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.optimizer/.*")
 
 
 @register
@@ -738,6 +742,13 @@ def _notes(common: dict, args: dict, folder: Path) -> list[str]:
         + (", qk_layernorm" if args.get("qk_layernorm") else ""),
         elsewhere(args, weights_only=sharding is None),
     ]
+    if experts := args.get("num_experts"):
+        etp = args.get("expert_tensor_parallel_size") or tp
+        notes.append(f"mixture of experts: {experts} experts in every layer (moe_layer_freq "
+                     f"{args.get('moe_layer_freq', 1)}), top-{args.get('moe_router_topk')}, each of ffn "
+                     f"{args.get('moe_ffn_hidden_size') or args.get('ffn_hidden_size')}; EP{ep}, expert TP{etp}; "
+                     f"to keep EP{ep}, add target.ep_size={ep} to the command below (without it, EP1: the experts "
+                     "dense on every DP rank)")
     if vpp and int(vpp) > 1:  # the command's target leaves target.vpp_size at 1: no virtual stages
         notes.append(f"to keep {vpp} virtual pipeline stages per pipeline stage, add target.vpp_size={vpp} to the "
                      "command below (without it, the output has none)")

@@ -76,7 +76,8 @@ DEFAULT_OUTPUT = {"dp_reshardable": "dp_reshardable", "fully_reshardable": "full
 #: How a ``fully_sharded_model_space`` save names each of :data:`STATES` in its keys.
 FS_STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 _BUCKET = re.compile(
-    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)\.bucket_idx_(\d+)\.(\w+)"
+    r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.+)\)"
+    r"\.bucket_idx_(\d+)\.(\w+)"
 )
 #: A model-space optimizer state's key (``fully_reshardable``, ``fully_sharded_model_space``): the state's name as
 #: stored, then the weight's key.
@@ -163,8 +164,7 @@ def refused_model(args: dict[str, Any], where: Path) -> str | None:
     checks = [
         (norm not in ("RMSNorm", "LayerNorm"), f"{norm} normalization"),
         (positions not in ("rope", "learned_absolute"), f"{positions} position embeddings"),
-        ((args.get("num_experts") or 0) > 0, "a mixture of experts (num_experts)"),
-        ((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism (expert_model_parallel_size)"),
+        *moe_refusals(args),
         ((args.get("context_parallel_size") or 1) > 1, "context parallelism"),
         ((args.get("num_distributed_optimizer_instances") or 1) > 1,
          "several distributed optimizer instances (num_distributed_optimizer_instances)"),
@@ -177,19 +177,57 @@ def refused_model(args: dict[str, Any], where: Path) -> str | None:
     return None
 
 
+def moe_refusals(args: dict[str, Any]) -> list[tuple[bool, str]]:
+    """What of a mixture of experts osdpipe does not lay out yet, as :func:`refused_model`'s checks: it lays out
+    SequentialMLP experts (the local spec) in every layer, their tensor parallelism the TP's."""
+    if not (args.get("num_experts") or 0):
+        return [((args.get("expert_model_parallel_size") or 1) > 1, "expert parallelism without experts")]
+    freq = args.get("moe_layer_freq", 1)
+    etp = args.get("expert_tensor_parallel_size")
+    return [
+        (freq not in (1, None) and not (isinstance(freq, list) and all(freq)),
+         f"dense layers among the MoE layers (moe_layer_freq={freq})"),
+        (bool(args.get("moe_shared_expert_intermediate_size")), "shared experts (moe_shared_expert_intermediate_size)"),
+        (bool(args.get("moe_grouped_gemm")), "grouped-GEMM experts (moe_grouped_gemm)"),
+        (bool(args.get("moe_router_enable_expert_bias")), "a router expert bias (moe_router_enable_expert_bias)"),
+        (bool(args.get("add_bias_linear")), "linear biases in the experts (add_bias_linear)"),
+        (etp is not None and int(etp) != int(args.get("tensor_model_parallel_size") or 1),
+         f"an expert tensor parallelism other than the TP (expert_tensor_parallel_size={etp})"),
+    ]
+
+
+def chained_parts(optimizer: Any) -> list[dict[str, Any]]:
+    """The parts of common.pt's optimizer entry, one per optimizer of the chain: megatron-core's ``ChainedOptimizer``
+    of two (the dense one and, with expert parallelism, the experts') keys each by its index; one optimizer is the
+    entry itself."""
+    if isinstance(optimizer, dict) and optimizer and all(isinstance(k, int) for k in optimizer):
+        return [optimizer[k] or {} for k in sorted(optimizer)]
+    return [optimizer or {}]
+
+
 def _saved_groups(checkpoint: DcpCheckpoint, common: dict[str, Any], sharding: str | None) -> list[dict] | None:
-    """The optimizer's param groups as saved (their hyperparameters and ``step``; no parameters listed): in common.pt
-    for a model-space save, else in the first model-parallel domain's optimizer item that holds them."""
+    """The optimizer's param groups as saved (their hyperparameters and ``step``; no parameters listed), the dense
+    optimizer's then the experts' (expert parallelism): in common.pt for a model-space save, else in the first
+    model-parallel domain's optimizer item that holds them, for each optimizer of the chain."""
+    parts = chained_parts(common.get("optimizer"))
     if sharding != "dp_reshardable":
-        return (common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
+        found = [part.get("optimizer", {}).get("param_groups") for part in parts]
+        return None if any(g is None for g in found) else [g for groups in found for g in groups]
     args = common["args"]
     tp, pp = int(args["tensor_model_parallel_size"]), int(args["pipeline_model_parallel_size"])
-    for pp_rank, tp_rank in ((p, t) for p in range(pp) for t in range(tp)):
-        index = layout.dp_group_index(tp, tp_rank, pp_rank)
-        groups = (_byte_item(checkpoint, f"optimizer.distributed.dp_group_idx_{index}.optimizer") or {})
-        if groups.get("param_groups") is not None:
-            return groups["param_groups"]
-    return None
+    ep = int(args.get("expert_model_parallel_size") or 1)
+    out = []
+    for chained in range(len(parts)):
+        prefix = f"chained_{chained}." if len(parts) > 1 else ""
+        width = tp * ep if chained else tp  # the experts' model-parallel group: TP x EP x PP
+        for index in range(width * pp):
+            groups = (_byte_item(checkpoint, f"{prefix}optimizer.distributed.dp_group_idx_{index}.optimizer") or {})
+            if groups.get("param_groups") is not None:
+                out += groups["param_groups"]
+                break
+        else:
+            return None
+    return out
 
 
 def _refuse_unknown_tensors(checkpoint: DcpCheckpoint, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -272,15 +310,20 @@ def _groups_with_keys(
     their parameters."""
     if not groups:
         raise InputError(f"{folder}: the optimizer's param groups are missing; re-copy the save folder")
-    decays = [g for g in groups if float(g.get("wd_mult", 1.0)) != 0.0]
-    no_decay = [g for g in groups if float(g.get("wd_mult", 1.0)) == 0.0]
-    if len(decays) != 1 or len(no_decay) > 1:
-        raise InputError(f"{folder}: {len(groups)} param groups beyond Megatron's default two (weight decay and "
-                         "none): not supported yet")
+    dense = [g for g in groups if not g.get("is_expert_parallel")]
+    decays = [g for g in dense if float(g.get("wd_mult", 1.0)) != 0.0]
+    no_decay = [g for g in dense if float(g.get("wd_mult", 1.0)) == 0.0]
+    experts = [g for g in groups if g.get("is_expert_parallel")]
+    if len(decays) != 1 or len(no_decay) > 1 or len(experts) > 1 or any(
+            float(g.get("wd_mult", 1.0)) == 0.0 for g in experts):
+        raise InputError(f"{folder}: {len(groups)} param groups beyond Megatron's default (weight decay and none, "
+                         "and with expert parallelism the experts'): not supported yet")
     out = []
     for group in groups:
         one_dim = float(group.get("wd_mult", 1.0)) == 0.0
-        keys = sorted(k for k, shape in shapes.items() if layout.without_weight_decay(k, tuple(shape)) == one_dim)
+        expert = bool(group.get("is_expert_parallel"))
+        keys = sorted(k for k, shape in shapes.items() if layout.without_weight_decay(k, tuple(shape)) == one_dim
+                      and (k in layout.EXPERT_KEYS and bool(experts)) == expert)  # fmt: skip
         out.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
     return out
 

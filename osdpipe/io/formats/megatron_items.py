@@ -81,20 +81,57 @@ def rank_items(
         if source in rng:
             items[f"rng_state/shard_{pp_rank}.{tp_rank}_{grid.pp}.{grid.tp}"] = Stored(
                 None if state is None else rng[source])
-        if groups is not None and grid.sharding == "dp_reshardable":
-            items.update(_bucket_items(grid, pp_rank, tp_rank, groups, planned=state is None))
+    if groups is not None and grid.sharding == "dp_reshardable":
+        dense, experts = optimizer_groups(grid, groups)
+        if dp_rank == 0:
+            items.update(_bucket_items(grid, pp_rank, tp_rank, 0, False, dense, planned=state is None))
+        if grid.expert_parallel and grid.bucket_dp(dp_rank, True)[1] == 0:  # the first of its expert DP ranks
+            items.update(_bucket_items(grid, pp_rank, tp_rank, grid.ep_rank(dp_rank), True, experts,
+                                       planned=state is None))
     if rank == 0:
         items.update({flat: Stored(None if state is None else raw) for flat, raw in extra.items()})
     return items
 
 
-def _bucket_items(grid: Grid, pp_rank: int, tp_rank: int, groups: list[dict[str, Any]], planned: bool) -> dict:
-    """A ``dp_reshardable`` (PP, TP) rank's byte items: the param groups (with ``step``), and each gradient buffer's
+def optimizer_groups(grid: Grid, groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The param groups of the target's dense optimizer and (expert parallelism) of its experts' optimizer, from the
+    converted groups (``is_expert_parallel``: megatron-core's mark of the experts' group): at EP 1 the experts are
+    dense parameters, so an experts' group is left out, its parameters in the dense group with weight decay
+    (megatron-core makes one group of both there); over EP the experts' group is the source's, or, where the source
+    had none (EP 1), the dense group with weight decay marked as the experts', as megatron-core makes it.
+
+    Raises:
+        InputError: an experts' group whose hyperparameters differ from the dense group they would join at EP 1
+            (one line: the learning rate or weight decay a target of one group cannot keep).
+    """
+    dense = [g for g in groups if not g.get("is_expert_parallel")]
+    experts = [g for g in groups if g.get("is_expert_parallel")]
+    decayed = next((g for g in dense if float(g.get("wd_mult", 1.0)) != 0.0), None)
+    if not grid.expert_parallel:
+        for group in experts:
+            if decayed is not None and _hyper(group) != _hyper(decayed):
+                raise InputError(
+                    f"the experts' param group ({_hyper(group)}) differs from the dense one ({_hyper(decayed)}), "
+                    "which target.ep_size=1 makes them one group with: keep target.ep_size above 1")
+        return dense, []
+    if not experts and decayed is not None:
+        experts = [{**decayed, "is_expert_parallel": True}]
+    return dense, experts
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters and step: all but megatron-core's mark of the experts' group."""
+    return {k: v for k, v in group.items() if k not in ("is_expert_parallel", "params")}
+
+
+def _bucket_items(grid: Grid, pp_rank: int, tp_rank: int, ep_rank: int, expert: bool, groups: list[dict[str, Any]],
+                  planned: bool) -> dict:
+    """A ``dp_reshardable`` model-parallel rank's byte items of its dense optimizer (or, ``expert``, of the experts'
+    optimizer of expert-parallel rank ``ep_rank``): the param groups (with ``step``), and each gradient buffer's
     bucket sizes, padded and unpadded, by its ``(param dtype, grad dtype)``, as megatron-core's load reads them."""
-    index = gpt_layout.dp_group_index(grid.tp, tp_rank, pp_rank)
-    prefix = f"optimizer.distributed.dp_group_idx_{index}"
+    prefix = grid.optimizer_prefix(pp_rank, tp_rank, ep_rank, expert)
     pair = tuple(getattr(torch, d.strip().removeprefix("torch.")) for d in grid.dtypes.split(","))
-    laid = [grid.buckets(pp_rank, tp_rank, chunk) for chunk in range(grid.vpp)]
+    laid = [grid.buckets(pp_rank, tp_rank, chunk, ep_rank, expert) for chunk in range(grid.vpp)]
     values = {
         f"{prefix}.optimizer/shard_0_1": [{"param_groups": groups}],
         f"{prefix}.per_bucket_numel/shard_0_1": [[{pair: [b.numel for b in buckets]} for buckets in laid]],
@@ -135,6 +172,8 @@ def target_args(args: Mapping[str, Any], grid: Grid, weights_only: bool) -> dict
         out.update(no_save_optim=True, no_save_rng=True)
     if "expert_tensor_parallel_size" in out:
         out["expert_tensor_parallel_size"] = grid.tp
+    if grid.gpt.num_experts or "expert_model_parallel_size" in out:
+        out["expert_model_parallel_size"] = grid.ep
     return out
 
 
@@ -149,14 +188,17 @@ def target_common(
     content = {**(common.get("content_metadata") or {})}
     if weights_only:
         content = {k: v for k, v in content.items() if not k.startswith("distrib_optim")}
-    elif grid.sharding == "fully_reshardable":
-        out["optimizer"] = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": grid.sharding}
-        content["distrib_optim_sharding_type"] = grid.sharding
-        content.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
     else:
-        out["optimizer"] = {"param_state_sharding_type": grid.sharding}
+        chained = optimizer_groups(grid, groups)
+        parts = [{"optimizer": {"param_groups": g}} if grid.sharding == "fully_reshardable" else {} for g in chained]
+        parts = [{**part, "param_state_sharding_type": grid.sharding} for part in parts]
+        # a ChainedOptimizer of two (expert parallelism) saves each optimizer's part by its index
+        out["optimizer"] = dict(enumerate(parts)) if grid.expert_parallel else parts[0]
         content["distrib_optim_sharding_type"] = grid.sharding
-        content.pop("distrib_optim_fully_reshardable_mem_efficient", None)
+        if grid.sharding == "fully_reshardable":
+            content.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
+        else:
+            content.pop("distrib_optim_fully_reshardable_mem_efficient", None)
     args = target_args(common["args"], grid, weights_only)
     out.update(args=argparse.Namespace(**args), iteration=iteration, content_metadata=content)
     return out

@@ -99,6 +99,10 @@ class MegatronFiles:
         return int(self.args["data_parallel_size"])
 
     @property
+    def ep(self) -> int:
+        return int(self.args.get("expert_model_parallel_size") or 1)
+
+    @property
     def vpp(self) -> int:
         return gpt_layout.virtual_stages(self.args)
 
@@ -130,23 +134,29 @@ class MegatronFiles:
         """Where every element of every sharded key is in a ``dp_reshardable`` save's buckets (by bucket item); each
         bucket checked against the layout its args give (:mod:`osdpipe.layout.megatron_grid`)."""
         grid = Grid(self.gpt, self.tp, self.pp, self.dp, self.vpp, "dp_reshardable",
-                    tuple((k, self.args[k]) for k in gpt_layout.DDP_ARGS if k in self.args))
-        stored: dict[tuple[int, int], set[int]] = {}
-        items: dict[tuple[int, int, int], str] = {}
+                    tuple((k, self.args[k]) for k in gpt_layout.DDP_ARGS if k in self.args), ep=self.ep)
+        stored: dict[tuple[int, int, int], set[int]] = {}  # (chained optimizer, dp_group_idx, gbuf) -> buckets
+        items: dict[tuple[int, int, int, int], str] = {}
         for flat in self.checkpoint.metadata.state_dict_metadata:
             if (m := _BUCKET.fullmatch(flat)) is not None:
-                stored.setdefault((int(m[1]), int(m[2])), set()).add(int(m[4]))
-                items[(int(m[1]), int(m[2]), int(m[4]))] = flat.rsplit(".", 1)[0]
-        if any(gbuf >= self.vpp for _, gbuf in stored):  # one gradient buffer per model chunk
+                where = (int(m[1] or 0), int(m[2]), int(m[3]))
+                stored.setdefault(where, set()).add(int(m[5]))
+                items[(*where, int(m[5]))] = flat.rsplit(".", 1)[0]
+        if any(gbuf >= self.vpp for _, _, gbuf in stored):  # one gradient buffer per model chunk
             raise InputError(f"{self.folder}: the optimizer has several gradient buffers per model chunk: "
                              "not supported yet")
         containers, tied_copies = [], []
         boxes: dict[str, list[tuple[str, int, tuple[tuple[int, int], ...]]]] = {}
-        for pp_rank, tp_rank, chunk in product(range(self.pp), range(self.tp), range(self.vpp)):
-            index = gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
-            where = f"model-parallel domain {index}" + (f", model chunk {chunk}" if self.vpp > 1 else "")
-            laid = grid.buckets(pp_rank, tp_rank, chunk)
-            held = sorted(stored.get((index, chunk), ()))
+        for pp_rank, tp_rank, ep_rank, expert, chunk in product(
+                range(self.pp), range(self.tp), range(self.ep), grid.buffers(), range(self.vpp)):
+            if ep_rank and not expert:
+                continue  # the dense buffers are every expert-parallel rank's alike
+            prefix = grid.optimizer_prefix(pp_rank, tp_rank, ep_rank, expert)
+            index = int(prefix.rsplit("_", 1)[1])
+            where = (f"model-parallel domain {index}" + (" of the experts' optimizer" if expert else "")
+                     + (f", model chunk {chunk}" if self.vpp > 1 else ""))
+            laid = grid.buckets(pp_rank, tp_rank, chunk, ep_rank, expert)
+            held = sorted(stored.get((int(expert and grid.expert_parallel), index, chunk), ()))
             if len(held) > len(laid):
                 raise InputError(f"{self.folder}: the optimizer's gradient buffer of {where} is cut into {len(held)} "
                                  f"buckets where its args lay out {len(laid)} (overlap_grad_reduce, ddp_bucket_size, "
@@ -154,14 +164,14 @@ class MegatronFiles:
             if held != list(range(len(laid))):
                 raise InputError(f"{self.folder}: the optimizer state of {where} is missing buckets (it holds "
                                  f"{held} of {len(laid)}); re-copy the save folder")
-            params = {p.name: p for p in grid.params(pp_rank, tp_rank, chunk)}
-            first = {p.name: p.pieces for p in grid.params(pp_rank, 0, chunk)}
+            params = {p.name: p for p in grid.params(pp_rank, tp_rank, chunk, ep_rank)}
+            first = {p.name: p.pieces for p in grid.params(pp_rank, 0, chunk, ep_rank)}
             # a replica is read from one place: TP rank 0's copy of what every TP rank holds whole (a norm), the
             # first stage's of a tied embedding
             replica = {name for name, p in params.items() if p.tied_copy or (tp_rank and first.get(name) == p.pieces)}
             copies = {name for name, p in params.items() if p.tied_copy}
             for b, bucket in enumerate(laid):
-                base = items[(index, chunk, b)]
+                base = items[(int(expert and grid.expert_parallel), index, chunk, b)]
                 for state in OPTIMIZER_STATES:
                     flat = f"{base}.{state}"
                     if flat not in self.checkpoint.metadata.state_dict_metadata:

@@ -123,7 +123,8 @@ class Megatron(Format):
         args, said = common["args"], f"{folder / 'common.pt'}'s args say"
         grid = {"tp_size": int(args.get("tensor_model_parallel_size") or 1),
                 "pp_size": int(args.get("pipeline_model_parallel_size") or 1),
-                "vpp_size": gpt_layout.virtual_stages(args), "ep_size": int(args.get("expert_model_parallel_size") or 1),
+                "vpp_size": gpt_layout.virtual_stages(args),
+                "ep_size": int(args.get("expert_model_parallel_size") or 1),
                 "world_size": int(args.get("world_size") or 1)}
         out = [Shown("source.kind", MEGATRON_NAMES, f"{folder} is a Megatron-LM save")]
         out += [Shown(f"source.{k}", v, f"{said} {k.removesuffix('_size').upper()} {v}") for k, v in grid.items()]

@@ -43,9 +43,9 @@ class Megatron(LayoutKind):
                              f"world_size={spec.world_size}; the world is TP x PP x data-parallel ranks")
         if why := gpt_layout.interleaving_problem(spec.pp_size, spec.vpp_size):
             raise ValueError(why)
-        if (spec.world_size // (spec.tp_size * spec.pp_size)) % spec.ep_size:
-            raise ValueError(f"ep_size={spec.ep_size} does not divide the data-parallel ranks (world_size / (tp_size "
-                             "x pp_size)): the expert-parallel ranks are data-parallel ranks")
+        if (dp := spec.world_size // (spec.tp_size * spec.pp_size)) % spec.ep_size:
+            raise ValueError(f"ep_size={spec.ep_size} does not divide the {dp} data-parallel ranks (world_size / "
+                             "(tp_size x pp_size)): the expert-parallel ranks are data-parallel ranks")
         if spec.state_sharding not in (None, *SHARDINGS):
             raise ValueError(f"the optimizer's sharding type {spec.state_sharding!r}: one of {', '.join(SHARDINGS)}")
 
