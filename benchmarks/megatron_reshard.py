@@ -132,6 +132,14 @@ def main() -> int:
     limit = statistics.median(s for s, _ in rows["limit"])
     print(f"\nTP2 DP1 -> TP1 DP2 (and through the map), runtime.memory_budget={BUDGET}; median of {opts.repeats} "
           "(alternating) or one run")
+    print_table(rows, limit)
+    print(f"\nruntime.workers=2 wrote the same bytes as one worker: {same}")
+    return 0
+
+
+def print_table(rows: dict[str, list[tuple[float, float | None]]], limit: float) -> None:
+    """The side-by-side table: per path its runs' median, min and max seconds, the median's ratio to ``limit`` and
+    the largest peak RSS."""
     print("| path | runs | median s | min s | max s | x limit | peak RSS GB (largest process) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for path, got in rows.items():
@@ -140,8 +148,6 @@ def main() -> int:
         peak = f"{max(peaks):.2f}" if peaks else "-"
         print(f"| {path} | {len(got)} | {statistics.median(seconds):.1f} | {min(seconds):.1f} | {max(seconds):.1f} "
               f"| {statistics.median(seconds) / limit:.2f} | {peak} |")
-    print(f"\nruntime.workers=2 wrote the same bytes as one worker: {same}")
-    return 0
 
 
 if __name__ == "__main__":
