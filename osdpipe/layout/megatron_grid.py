@@ -115,17 +115,26 @@ class Grid:
                 if (p.expert and self.expert_parallel) == expert]  # fmt: skip
         return gpt_layout.buckets(mine, self.expert_dp() if expert else self.dp, how)
 
+    def optimizer_index(self, pp_rank: int, tp_rank: int, ep_rank: int = 0, expert: bool = False) -> int:
+        """The index of a model-parallel rank in the model-parallel group of its dense optimizer, or (``expert``) of
+        its experts' optimizer, whose group is TP x EP x PP (megatron-core ``optimizer/__init__.py``): what a
+        ``dp_reshardable`` save's ``dp_group_idx_<i>`` says."""
+        if expert:
+            return gpt_layout.dp_group_index(self.tp * self.ep, ep_rank * self.tp + tp_rank, pp_rank)
+        return gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
+
+    def chain_index(self, expert: bool) -> int | None:
+        """The place of the dense optimizer (or the experts') in the job's ``ChainedOptimizer``, which prefixes its
+        ``dp_reshardable`` items (``chained_<i>.``); ``None``: one optimizer, no prefix (no expert parallelism)."""
+        return int(expert) if self.expert_parallel else None
+
     def optimizer_prefix(self, pp_rank: int, tp_rank: int, ep_rank: int = 0, expert: bool = False) -> str:
         """What a ``dp_reshardable`` save's items of one distributed optimizer of one model-parallel rank begin with:
-        the optimizer's place in the chain (with expert parallelism, ``chained_0.`` the dense one, ``chained_1.`` the
-        experts') and the rank's index in that optimizer's model-parallel group (the experts': of TP x EP x PP;
-        megatron-core ``optimizer/__init__.py``)."""
-        if expert:
-            index = gpt_layout.dp_group_index(self.tp * self.ep, ep_rank * self.tp + tp_rank, pp_rank)
-        else:
-            index = gpt_layout.dp_group_index(self.tp, tp_rank, pp_rank)
-        chained = f"chained_{int(expert)}." if self.expert_parallel else ""
-        return f"{chained}optimizer.distributed.dp_group_idx_{index}"
+        the optimizer's place in the chain (:meth:`chain_index`) and the rank's index in its group
+        (:meth:`optimizer_index`)."""
+        chain = self.chain_index(expert)
+        chained = "" if chain is None else f"chained_{chain}."
+        return f"{chained}optimizer.distributed.dp_group_idx_{self.optimizer_index(pp_rank, tp_rank, ep_rank, expert)}"
 
     def bucket_item(self, pp_rank: int, tp_rank: int, chunk: int, bucket: int, ep_rank: int = 0,
                     expert: bool = False) -> str:

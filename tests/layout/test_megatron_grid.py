@@ -145,3 +145,21 @@ def test_each_rank_holds_its_model_chunks_local_parameters_and_a_grid_is_ranked_
     # every element of every key once per DP replica (2), the vocabulary's 256 rows whole at TP2; a norm is whole on
     # each TP rank too
     assert seen == {key: (4 if "norm" in key else 2) * math.prod(shape) for key, shape in shapes.items()}
+
+
+def test_the_experts_param_group_joins_the_dense_one_at_ep_1_and_is_made_of_it_over_ep() -> None:
+    """What megatron-core builds: at EP 1 one optimizer, the experts in the dense group with weight decay; over EP a
+    second optimizer whose one group is the experts' (``is_expert_parallel``). A save's experts' group whose
+    hyperparameters differ from the dense one cannot become it: one line naming target.ep_size."""
+    from osdpipe.io.formats.base import InputError
+    from osdpipe.io.formats.megatron_items import optimizer_groups
+
+    decay = {"lr": 1e-3, "wd_mult": 1.0, "is_expert_parallel": False, "step": 3.0}
+    no_decay = {**decay, "wd_mult": 0.0}
+    experts = {**decay, "is_expert_parallel": True}
+    at_ep1, at_ep2 = grid_of(MOE, 1, 1, 2), grid_of(MOE, 1, 1, 2, ep=2)
+    assert optimizer_groups(at_ep1, [decay, no_decay, experts]) == ([decay, no_decay], [])
+    assert optimizer_groups(at_ep2, [decay, no_decay, experts]) == ([decay, no_decay], [experts])
+    assert optimizer_groups(at_ep2, [decay, no_decay]) == ([decay, no_decay], [experts])  # from an EP 1 save
+    with pytest.raises(InputError, match=r"^target\.ep_size=1 makes the experts dense .* keep target\.ep_size above 1"):
+        optimizer_groups(at_ep1, [decay, no_decay, {**experts, "lr": 2e-3}])

@@ -111,8 +111,9 @@ def optimizer_groups(grid: Grid, groups: list[dict[str, Any]]) -> tuple[list[dic
         for group in experts:
             if decayed is not None and _hyper(group) != _hyper(decayed):
                 raise InputError(
-                    f"the experts' param group ({_hyper(group)}) differs from the dense one ({_hyper(decayed)}), "
-                    "which target.ep_size=1 makes them one group with: keep target.ep_size above 1")
+                    f"target.ep_size=1 makes the experts dense parameters of the dense param group, but the save's "
+                    f"experts' group ({_hyper(group)}) differs from it ({_hyper(decayed)}); "
+                    "keep target.ep_size above 1")
         return dense, []
     if not experts and decayed is not None:
         experts = [{**decayed, "is_expert_parallel": True}]

@@ -151,12 +151,11 @@ class MegatronFiles:
                 range(self.pp), range(self.tp), range(self.ep), grid.buffers(), range(self.vpp)):
             if ep_rank and not expert:
                 continue  # the dense buffers are every expert-parallel rank's alike
-            prefix = grid.optimizer_prefix(pp_rank, tp_rank, ep_rank, expert)
-            index = int(prefix.rsplit("_", 1)[1])
+            index, chain = grid.optimizer_index(pp_rank, tp_rank, ep_rank, expert), grid.chain_index(expert) or 0
             where = (f"model-parallel domain {index}" + (" of the experts' optimizer" if expert else "")
                      + (f", model chunk {chunk}" if self.vpp > 1 else ""))
             laid = grid.buckets(pp_rank, tp_rank, chunk, ep_rank, expert)
-            held = sorted(stored.get((int(expert and grid.expert_parallel), index, chunk), ()))
+            held = sorted(stored.get((chain, index, chunk), ()))
             if len(held) > len(laid):
                 raise InputError(f"{self.folder}: the optimizer's gradient buffer of {where} is cut into {len(held)} "
                                  f"buckets where its args lay out {len(laid)} (overlap_grad_reduce, ddp_bucket_size, "
@@ -171,7 +170,7 @@ class MegatronFiles:
             replica = {name for name, p in params.items() if p.tied_copy or (tp_rank and first.get(name) == p.pieces)}
             copies = {name for name, p in params.items() if p.tied_copy}
             for b, bucket in enumerate(laid):
-                base = items[(int(expert and grid.expert_parallel), index, chunk, b)]
+                base = items[(chain, index, chunk, b)]
                 for state in OPTIMIZER_STATES:
                     flat = f"{base}.{state}"
                     if flat not in self.checkpoint.metadata.state_dict_metadata:
