@@ -139,7 +139,7 @@ def refusal(args: dict[str, Any], *, titan: bool = False) -> str | None:
     reader when it opens the save, alike."""
     if why := refusals(args):
         return (f"a Megatron GPT with {', '.join(why)}: not supported yet as a {architecture(args)} "
-                "(output.checkpoint=pytorch|accelerate|torchtitan); convert it within Megatron instead")
+                "(output.checkpoint=hf|pytorch|accelerate|torchtitan); convert it within Megatron instead")
     if titan and (why := titan_refusals(args)):
         return (f"a Megatron GPT with {', '.join(why)}: not supported yet as torchtitan's {titan_family(args).name}; "
                 "convert it for a Hugging Face model's job (output.checkpoint=accelerate|pytorch) or within Megatron "

@@ -127,7 +127,7 @@ def test_a_changed_expert_fails_the_load_comparison(moe_saves: dict[str, Path]) 
     assert mcore.dump_differences(truth, changed) != []
 
 
-def test_bad_expert_parallelism_is_refused_in_one_line_and_writes_nothing(
+def test_bad_expert_parallelism_and_moe_outside_megatron_are_refused_in_one_line_and_write_nothing(
     moe_saves: dict[str, Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
@@ -139,6 +139,8 @@ def test_bad_expert_parallelism_is_refused_in_one_line_and_writes_nothing(
         "target.ep_size=2: expert-parallel ranks are Megatron's": [
             "checkpoint=megatron", f"input.path={moe_saves['ep2_dp']}", "output.checkpoint=pytorch",
             "target.kind=fsdp2", "target.ep_size=2", f"output.path={out}"],
+        "a mixture of experts (num_experts): not supported yet as a LlamaForCausalLM (output.checkpoint=hf|": [
+            "checkpoint=megatron", f"input.path={moe_saves['ep2_dp']}", "output.checkpoint=hf", f"output.path={out}"],
     }  # fmt: skip
     for said, result in zip(cases, run_cli_cases(list(cases.values()), cwd=tmp_path), strict=True):
         assert result["code"] == 2, (said, result)
