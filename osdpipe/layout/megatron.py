@@ -644,10 +644,12 @@ def bucketing(args: dict[str, Any], dp: int, pp_rank: int, chunk: int, rank_nume
     return Bucketing(int(size) if size is not None else max(BUCKET_FLOOR, BUCKET_PER_DP * dp), high_busbw)
 
 
-def rank_numel(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int, vpp: int = 1) -> int:
-    """The elements of every parameter of rank (``pp_rank``, ``tp_rank``)'s model chunks: what Megatron-LM's
-    ``get_model`` counts (and prints) before it builds the DDP."""
-    return sum(p.numel for chunk in range(vpp) for p in local_parameters(gpt, tp, pp, tp_rank, pp_rank, vpp, chunk))
+def rank_numel(gpt: Gpt, tp: int, pp: int, tp_rank: int, pp_rank: int, vpp: int = 1, ep: int = 1,
+               ep_rank: int = 0) -> int:
+    """The elements of every parameter of rank (``pp_rank``, ``tp_rank``, ``ep_rank``)'s model chunks: what
+    Megatron-LM's ``get_model`` counts (and prints) before it builds the DDP."""
+    return sum(p.numel for chunk in range(vpp)
+               for p in local_parameters(gpt, tp, pp, tp_rank, pp_rank, vpp, chunk, ep, ep_rank))
 
 
 def bucket_multiple(dp: int, high_busbw: bool = False) -> int:

@@ -109,7 +109,7 @@ class Grid:
     def buckets(self, pp_rank: int, tp_rank: int, chunk: int, ep_rank: int = 0, expert: bool = False) -> list[Any]:
         """Model chunk ``chunk``'s gradient buckets on (``pp_rank``, ``tp_rank``, ``ep_rank``), as its job's DDP makes
         them: of its dense parameters over DP, or (``expert``) of its experts over the expert DP ranks."""
-        held = sum(p.numel for c in range(self.vpp) for p in self.params(pp_rank, tp_rank, c, ep_rank))
+        held = gpt_layout.rank_numel(self.gpt, self.tp, self.pp, tp_rank, pp_rank, self.vpp, self.ep, ep_rank)
         how = gpt_layout.bucketing(dict(self.ddp), self.dp, pp_rank, chunk, held)
         mine = [p for p in self.params(pp_rank, tp_rank, chunk, ep_rank)
                 if (p.expert and self.expert_parallel) == expert]  # fmt: skip
