@@ -193,7 +193,16 @@ def test_a_model_osdpipe_cannot_lay_out_yet_is_refused_naming_the_feature() -> N
     laid_out = {"untie_embeddings_and_output_weights": True, "normalization": "RMSNorm",
                 "position_embedding_type": "rope"}
     moe = {**laid_out, "num_experts": 8, "transformer_impl": "local"}
-    assert "a mixture of experts (num_experts): not supported yet" in refused_model(moe, Path("iter_0000003"))
+    assert refused_model(moe, Path("iter_0000003")) is None  # SequentialMLP experts in every layer: laid out
+    for change, feature in (({"moe_layer_freq": [1, 0]}, "dense layers among the MoE layers"),
+                            ({"moe_shared_expert_intermediate_size": 64}, "shared experts"),
+                            ({"moe_grouped_gemm": True}, "grouped-GEMM experts (moe_grouped_gemm)"),
+                            ({"moe_router_enable_expert_bias": True}, "a router expert bias"),
+                            ({"expert_tensor_parallel_size": 1, "tensor_model_parallel_size": 2},
+                             "an expert tensor parallelism other than the TP")):  # fmt: skip
+        assert f"{feature}" in refused_model({**moe, **change}, Path("x")), feature
+    assert "expert parallelism without experts" in refused_model({**laid_out, "expert_model_parallel_size": 2},
+                                                                 Path("x"))
     for biased in ({"add_bias_linear": True}, {"add_qkv_bias": True}):  # laid out (tp2_dp2_bias, tp2_pp2_qkv_bias)
         assert refused_model({**laid_out, **biased}, Path("x")) is None
     # Megatron-LM's defaults where the args are silent (LayerNorm, a learned position table, tied embeddings) are

@@ -141,6 +141,9 @@ def test_bad_expert_parallelism_and_moe_outside_megatron_are_refused_in_one_line
             "target.kind=fsdp2", "target.ep_size=2", f"output.path={out}"],
         "a mixture of experts (num_experts): not supported yet as a LlamaForCausalLM (output.checkpoint=hf|": [
             "checkpoint=megatron", f"input.path={moe_saves['ep2_dp']}", "output.checkpoint=hf", f"output.path={out}"],
+        "a mixture of experts (num_experts): not supported yet as a LlamaForCausalLM (": [
+            "checkpoint=megatron", f"input.path={moe_saves['ep2_dp']}", "output.checkpoint=pytorch",
+            "target.kind=fsdp2", "target.world_size=2", f"output.path={out}"],
     }  # fmt: skip
     for said, result in zip(cases, run_cli_cases(list(cases.values()), cwd=tmp_path), strict=True):
         assert result["code"] == 2, (said, result)

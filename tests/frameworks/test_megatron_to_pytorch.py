@@ -284,7 +284,7 @@ def test_what_torchtitan_cannot_hold_is_refused_in_one_line_naming_the_jobs_that
 
 
 @pytest.mark.parametrize("name, change, feature", [
-    ("tp2_dp2", {"num_experts": 4}, "a mixture of experts (num_experts)"),
+    ("tp2_dp2", {"squared_relu": True}, "squared ReLU"),
     ("tp2_pp2_qkv_bias", {"use_rope_scaling": True}, "RoPE scaling with linear_qkv's bias alone (a Qwen2)"),
 ])
 def test_what_llama_cannot_express_is_refused_in_one_line_and_nothing_is_written(
