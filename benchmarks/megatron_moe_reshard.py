@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_reshard import ROOT, dd, osdpipe, print_table, same_files  # noqa: E402
+from megatron_reshard import ROOT, dd, osdpipe, print_table, run_once  # noqa: E402
 
 #: The GPT the source is of, as the tests' megatron-core harness names its settings (tests/frameworks/mcore.py).
 DIMS = {"VOCAB": 32000, "HIDDEN": 1024, "FFN": 2816, "LAYERS": 6, "HEADS": 16, "GROUPS": 4}
@@ -82,17 +82,7 @@ def main() -> int:
     kept = work / "out_osdpipe"
     once = {"osdpipe EP2 -> EP4, runtime.workers=2": (*grid, "runtime.workers=2", *budget),
             "osdpipe EP2 -> EP1 (2 ranks: the experts dense)": ("target.ep_size=1", "target.world_size=2", *budget)}
-    same = None
-    for name, extra in once.items():
-        out = work / f"out_{len(rows)}"
-        shutil.rmtree(out, ignore_errors=True)
-        seconds, peak, report = osdpipe(source, out, *extra)
-        rows[name] = [(seconds, peak)]
-        if "workers" in name:
-            same = same_files(kept, out)
-        checks = {c["name"]: c["ok"] for c in report["checks"]}
-        print(f"{name}: checks {checks}, memory_budget recorded: {report['memory_budget']}")
-        shutil.rmtree(out, ignore_errors=True)
+    same = run_once(source, work, once, rows, kept)
     shutil.rmtree(work / "out_limit", ignore_errors=True)
     limit = statistics.median(s for s, _ in rows["limit"])
     print(f"\nMoE EP2 DP2 -> EP4 DP4 (offline), runtime.memory_budget={BUDGET}; median of {opts.repeats} "

@@ -117,6 +117,20 @@ def main() -> int:
             "osdpipe -> Hugging Face folder (map)": ("output.checkpoint=hf", *budget),
             "osdpipe -> torchtitan step folder, FSDP2 x2 (map)": (
                 "output.checkpoint=torchtitan", "target.kind=fsdp2", "target.world_size=2", *budget)}
+    same = run_once(source, work, once, rows, kept)
+    shutil.rmtree(work / "out_limit", ignore_errors=True)
+    limit = statistics.median(s for s, _ in rows["limit"])
+    print(f"\nTP2 DP1 -> TP1 DP2 (and through the map), runtime.memory_budget={BUDGET}; median of {opts.repeats} "
+          "(alternating) or one run")
+    print_table(rows, limit)
+    print(f"\nruntime.workers=2 wrote the same bytes as one worker: {same}")
+    return 0
+
+
+def run_once(source: Path, work: Path, once: dict[str, tuple[str, ...]],
+             rows: dict[str, list[tuple[float, float | None]]], kept: Path) -> bool | None:
+    """Each row of ``once`` run one time (its overrides), added to ``rows``, its checks and recorded budget printed;
+    whether the ``runtime.workers`` row wrote the same files as ``kept`` (``None``: no such row)."""
     same = None
     for name, extra in once.items():
         out = work / f"out_{len(rows)}"
@@ -128,13 +142,7 @@ def main() -> int:
         checks = {c["name"]: c["ok"] for c in report["checks"]}
         print(f"{name}: checks {checks}, memory_budget recorded: {report['memory_budget']}")
         shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(work / "out_limit", ignore_errors=True)
-    limit = statistics.median(s for s, _ in rows["limit"])
-    print(f"\nTP2 DP1 -> TP1 DP2 (and through the map), runtime.memory_budget={BUDGET}; median of {opts.repeats} "
-          "(alternating) or one run")
-    print_table(rows, limit)
-    print(f"\nruntime.workers=2 wrote the same bytes as one worker: {same}")
-    return 0
+    return same
 
 
 def print_table(rows: dict[str, list[tuple[float, float | None]]], limit: float) -> None:
